@@ -1,0 +1,281 @@
+// accounting/prv.cpp — PrvAccountant: the error budget (mesh, truncation, window, round-off) of the
+// PRV accountant and its epsilon(delta) / delta(epsilon) with lower and upper bounds.
+// The numerical pieces (PRV CDF, discretisation, Chernoff window, FFT) are in prv_numerics.*.
+//
+// Reference: [GLW21] Gopi, Lee, Wutschitz. "Numerical Composition of Differential Privacy",
+// NeurIPS 2021 (arXiv:2106.02848).
+//
+// Note [PRV error budget]
+// -----------------------
+// Let S = sum of the N = sum_i N_i per-step PRVs Y (phase i: N_i steps of PRV Y_i) and
+// delta_S(eps) = E[(1 - e^{eps - S})_+] the privacy curve of the composition [GLW21, Thm. 3.5,
+// Eq. (2)]. We compute a non-negative sequence p~ on a window of lattice points v_j and
+// delta~(eps) = sum_j p~_j (1 - e^{eps - v_j})_+, and guarantee, with eta = eps_error,
+//   delta~(eps + eta) (1 - R) - D  <=  delta_S(eps)  <=  delta~(eps - eta) (1 + R) + D,      (B)
+// with D = D_M + D_R: D_M <= delta_error is the error of the method (1)-(3), fixed by the
+// options; D_R and R (4) are the estimated round-off of double-precision arithmetic, ~1e-12 and
+// ~1e-10 for 10^4-10^5 steps, added on top because no choice of options removes them. (B) yields
+// the bounds returned by epsilon() and delta() (see there).
+//  (1) Truncation [GLW21, §5]: Y_i is kept on (lower_i, upper_i], where each tail has mass
+//      <= delta_error / (48 P N_i) (P = number of distinct phases); D_T = sum_i N_i P(Y_i outside)
+//      <= delta_error / 24 is the probability that some step falls outside. Outside, the
+//      discrete sum counts nothing (the sequence is defective), which the coupling below absorbs.
+//  (2) Discretisation [GLW21, §5, Thm. 5.5]: inside its range Y is coupled with the lattice
+//      point Y^ = c(Y) + shift_i (c = centre of Y's cell); e = Y - Y^ lies in an interval of
+//      length h and has mean 0 because shift_i equalises the means. Hoeffding's inequality gives
+//      P(|sum e| >= eta) <= 2 exp(-2 eta^2 / (N h^2)) =: D_H. We choose D_H = delta_error / 6:
+//          h = eta / sqrt(N/2 * log(12 / delta_error)).
+//      Off the events of (1) and (2), |S - S^| <= eta, and since x -> (1 - e^{eps - x})_+ is
+//      non-decreasing and bounded by 1, delta_S(eps) <= delta_S^(eps - eta) + D_T + D_H and
+//      delta_S(eps) >= delta_S^(eps + eta) - D_T - D_H.
+//  (3) Wrap-around [GLW21, §5]: the FFT computes the lattice index of S^ modulo the FFT size M.
+//      The window read back holds S^ except with probability D_W <= 2 * delta_error / 24: each
+//      end is placed by a Chernoff bound on the exact moment generating function of the discrete
+//      steps (prv_numerics.h, chernoff_window). Mass outside the window is either folded in or
+//      missing; either way delta changes by at most D_W (each term is weighted by <= 1).
+//  (4) Round-off of the double-precision FFT, estimated in compose() (Note [PRV round-off],
+//      prv_numerics.cpp) as |delta~ - delta_exact_discrete| <= D_R + R delta~, where D_R
+//      covers the incoherent noise and R ~ 4 eps sqrt(log2 M) N the coherent, relative part.
+// So D_M = D_T + D_H + D_W <= (1/6 + 1/24 + 1/12) delta_error. (1) and (3) take small shares
+// because they cost only logarithmically (a slightly wider support / window), while (2) fixes
+// the mesh; the mesh formula matches [GLW21] and Opacus, so the estimates agree with theirs.
+//
+// Failure modes (each a std::runtime_error naming the values and what to change, never a hang,
+// NaN or negative epsilon):
+//  - a single step's PRV or the composed PRV needs more than kMaxFftSize lattice points (very
+//    large epsilon such as sigma = 0.3, q = 1, 10^4 steps; very many steps; tiny eps_error) ->
+//    "increase eps_error or use the RDP accountant" (this also caps memory at ~0.25 GB);
+//  - discrete and continuous means differ by more than h/2 (precision loss; see discretise());
+//  - epsilon(delta): the round-off estimate D_R exceeds delta / 10 (tiny delta such as 1e-30)
+//    -> "delta is too small ... use the RDP accountant";
+//  - any non-finite intermediate result.
+// Overflow of exponentials cannot occur: CDFs use erfc and e^{-t} forms, moment generating
+// functions are evaluated relative to their largest term, and delta uses e^{eps - v} with
+// eps < v only.
+#include "accounting/prv.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "accounting/prv_numerics.h"
+
+namespace dpzero::accounting {
+namespace {
+
+using prv_detail::ComposedPrv;
+using prv_detail::Composition;
+using prv_detail::DiscretePrv;
+using prv_detail::SubsampledGaussianPrv;
+
+// Largest FFT size / lattice span (2^22 points: ~0.2 GB of buffers, well under a second).
+constexpr int64_t kMaxFftSize = int64_t{1} << 22;
+
+// Largest relative round-off accepted (Note [PRV error budget], (4)); 4 eps sqrt(log2 M) per
+// step reaches it only past ~10^11 steps, far beyond what the mesh allows anyway.
+constexpr double kMaxRelativeRoundoff = 1e-3;
+
+// epsilon(delta) refuses deltas whose round-off estimate D_R exceeds this share of delta: the
+// curve itself is then mostly round-off.
+constexpr double kMaxRoundoffShareOfDelta = 0.1;
+
+// Default delta_error of delta(): there is no delta to scale (prv.h).
+constexpr double kDefaultDeltaErrorForDelta = 1e-10;
+
+void validate_options(const PrvOptions& options) {
+  if (!(options.eps_error > 0.0 && std::isfinite(options.eps_error))) {
+    throw std::invalid_argument("PRV eps_error must be > 0 and finite, got " +
+                                format_double(options.eps_error));
+  }
+  if (!(options.delta_error >= 0.0 && options.delta_error < 1.0)) {
+    throw std::invalid_argument("PRV delta_error must be in [0, 1) (0 = default), got " +
+                                format_double(options.delta_error));
+  }
+}
+
+// The composed, discretised PRV of a run and its round-off estimate.
+struct Built {
+  bool trivial = true;   // no step can leak (no phase with q > 0 and steps > 0): S = 0
+  Composition composition;
+  double absolute = 0.0;  // D_R of Note [PRV error budget], (4)
+  double relative = 0.0;  // R of Note [PRV error budget], (4)
+};
+
+Built build(const std::vector<Phase>& phases, double eps_error, double delta_error) {
+  // Merge phases with the same (q, sigma): composition is commutative, so this only saves work.
+  // Phases with q = 0 or no steps have the PRV identically 0 and are dropped.
+  std::vector<Phase> merged;
+  for (const Phase& phase : phases) {
+    if (phase.q == 0.0 || phase.steps == 0) continue;
+    bool found = false;
+    for (Phase& m : merged) {
+      if (m.q == phase.q && m.sigma == phase.sigma) {
+        m.steps += phase.steps;
+        found = true;
+        break;
+      }
+    }
+    if (!found) merged.push_back(phase);
+  }
+  Built built;
+  if (merged.empty()) return built;
+  built.trivial = false;
+
+  double total_steps = 0.0;
+  for (const Phase& phase : merged) total_steps += static_cast<double>(phase.steps);
+  const double distinct = static_cast<double>(merged.size());
+
+  // (2) Mesh from Hoeffding with D_H = delta_error / 6 [GLW21, Thm. 5.5].
+  const double hoeffding = delta_error / 6.0;
+  const double mesh = eps_error / std::sqrt(total_steps * std::log(2.0 / hoeffding) / 2.0);
+  if (!(mesh > 0.0 && std::isfinite(mesh))) {
+    throw std::runtime_error("PRV mesh is not a positive finite number (" + format_double(mesh) +
+                             ") for eps_error = " + format_double(eps_error) +
+                             ", delta_error = " + format_double(delta_error) + ", " +
+                             format_double(total_steps) + " steps");
+  }
+
+  // (1) Truncation and discretisation of each phase: each tail of each step delta_error / (48 P n).
+  std::vector<DiscretePrv> discrete;
+  std::vector<int64_t> steps;
+  double truncation = 0.0;
+  for (const Phase& phase : merged) {
+    const SubsampledGaussianPrv prv(phase.q, phase.sigma);
+    const double n = static_cast<double>(phase.steps);
+    const double tail = delta_error / (48.0 * distinct * n);
+    const double lower = prv.lower_quantile(tail);
+    const double upper = prv.upper_quantile(tail);
+    discrete.push_back(prv_detail::discretise(prv, mesh, lower, upper, kMaxFftSize));
+    steps.push_back(phase.steps);
+    truncation += n * discrete.back().dropped;
+  }
+  // The quantiles hit their targets up to the round trip through (PRV-1) (~1e-4 relative in the
+  // far lower tail of q < 1); check that (1) really stays within its share.
+  if (!(truncation <= 1.01 * delta_error / 24.0)) {
+    throw std::runtime_error("PRV truncation dropped mass " + format_double(truncation) +
+                             ", more than its share delta_error / 24 = " +
+                             format_double(delta_error / 24.0));
+  }
+
+  // (3) Window of the composed lattice index from Chernoff bounds, each end delta_error / 24.
+  const double wrap_tail = delta_error / 24.0;
+  const auto [window_low, window_high] =
+      prv_detail::chernoff_window(discrete, steps, std::log(wrap_tail));
+  double offset = 0.0;
+  for (std::size_t p = 0; p < discrete.size(); ++p) {
+    offset += static_cast<double>(steps[p]) * discrete[p].shift;
+  }
+  const double first_real = std::floor((window_low - offset) / mesh);
+  const double last_real = std::ceil((window_high - offset) / mesh);
+  const double needed_real = last_real - first_real + 1.0;
+  if (!(needed_real <= static_cast<double>(kMaxFftSize))) {
+    throw std::runtime_error(
+        "PRV of the composition spans [" + format_double(window_low) + ", " +
+        format_double(window_high) + "], " + format_double(needed_real) +
+        " lattice points of mesh " + format_double(mesh) + " (limit " +
+        std::to_string(kMaxFftSize) + "; the privacy loss is too large or the mesh too fine): "
+        "increase eps_error (now " + format_double(eps_error) + ") or use the RDP accountant");
+  }
+  const int64_t needed = static_cast<int64_t>(needed_real);
+  const int64_t size = prv_detail::fast_fft_size(needed);
+  if (size > kMaxFftSize) {
+    throw std::runtime_error("PRV FFT size " + std::to_string(size) + " exceeds the limit " +
+                             std::to_string(kMaxFftSize) + ": increase eps_error (now " +
+                             format_double(eps_error) + ") or use the RDP accountant");
+  }
+  // Spread the extra points of the rounded-up size over both ends (more room, less folding).
+  const int64_t window_first = static_cast<int64_t>(first_real) - (size - needed) / 2;
+
+  // (4) Round-off, on top of delta_error.
+  built.composition = prv_detail::compose(discrete, steps, window_first, size);
+  built.absolute = built.composition.roundoff_absolute;
+  built.relative = built.composition.roundoff_relative;
+  if (!(built.relative <= kMaxRelativeRoundoff) || !std::isfinite(built.absolute)) {
+    throw std::runtime_error("PRV FFT round-off (relative " + format_double(built.relative) +
+                             ", absolute " + format_double(built.absolute) + ", " +
+                             format_double(total_steps) +
+                             " steps) is too large: use the RDP accountant");
+  }
+  return built;
+}
+
+double clamp_epsilon(double eps) {
+  if (std::isnan(eps)) throw std::runtime_error("PRV accountant produced a NaN epsilon");
+  return eps > 0.0 ? eps : 0.0;  // -inf (every eps >= 0 meets the target) -> 0
+}
+
+}  // namespace
+
+void PrvAccountant::add(const Phase& phase) {
+  validate_phase(phase);
+  phases_.push_back(phase);
+}
+
+PrvEpsilon PrvAccountant::epsilon(double delta, const PrvOptions& options) const {
+  validate_delta(delta);
+  validate_options(options);
+  const double delta_error = options.delta_error == 0.0 ? delta / 1000.0 : options.delta_error;
+  if (!(delta_error < delta)) {
+    throw std::invalid_argument("PRV delta_error (" + format_double(delta_error) +
+                                ") must be smaller than delta (" + format_double(delta) + ")");
+  }
+  const Built built = build(phases_, options.eps_error, delta_error);
+  PrvEpsilon result;
+  if (built.trivial) return result;  // S = 0: delta(eps) = 0 for every eps >= 0
+  const ComposedPrv& prv = built.composition.prv;
+  if (!(built.absolute <= kMaxRoundoffShareOfDelta * delta)) {
+    throw std::runtime_error(
+        "PRV FFT round-off (~" + format_double(built.absolute) + " on " +
+        std::to_string(prv.size()) + " points) is more than " +
+        format_double(kMaxRoundoffShareOfDelta) + " of delta = " + format_double(delta) +
+        ": delta is too small for a double-precision PRV accountant; use the RDP accountant");
+  }
+  if (!(delta - delta_error - built.absolute > 0.0)) {
+    throw std::runtime_error(
+        "PRV cannot certify an epsilon upper bound: delta_error (" + format_double(delta_error) +
+        ") plus round-off (~" + format_double(built.absolute) + ") is not below delta (" +
+        format_double(delta) + "); decrease delta_error");
+  }
+  // From (B): with e_u = eps~((delta - delta_error - D_R) / (1 + R)) + eta,
+  // delta_S(e_u) <= delta~(e_u - eta) (1 + R) + delta_error + D_R = delta, so e_u is an upper
+  // bound; symmetrically e_l = eps~((delta + delta_error + D_R) / (1 - R)) - eta has
+  // delta_S(e_l) >= delta, a lower bound. eps~ is the inverse of delta~.
+  const double r = built.relative;
+  const double slack = delta_error + built.absolute;
+  result.estimate = clamp_epsilon(prv.epsilon(delta));
+  result.upper = clamp_epsilon(prv.epsilon((delta - slack) / (1.0 + r)) + options.eps_error);
+  result.lower = clamp_epsilon(prv.epsilon((delta + slack) / (1.0 - r)) - options.eps_error);
+  if (!std::isfinite(result.upper)) {
+    throw std::runtime_error("PRV accountant produced a non-finite epsilon upper bound " +
+                             format_double(result.upper) + " for delta = " + format_double(delta));
+  }
+  return result;
+}
+
+PrvDelta PrvAccountant::delta(double epsilon, const PrvOptions& options) const {
+  validate_epsilon(epsilon);
+  validate_options(options);
+  const double delta_error =
+      options.delta_error == 0.0 ? kDefaultDeltaErrorForDelta : options.delta_error;
+  const Built built = build(phases_, options.eps_error, delta_error);
+  PrvDelta result;
+  if (built.trivial) return result;
+  const ComposedPrv& prv = built.composition.prv;
+  // Directly (B).
+  const double r = built.relative;
+  const double slack = delta_error + built.absolute;
+  result.estimate = prv.delta(epsilon);
+  result.upper = std::min(1.0, prv.delta(epsilon - options.eps_error) * (1.0 + r) + slack);
+  result.lower = std::max(0.0, prv.delta(epsilon + options.eps_error) * (1.0 - r) - slack);
+  if (!std::isfinite(result.estimate) || !std::isfinite(result.upper) ||
+      !std::isfinite(result.lower)) {
+    throw std::runtime_error("PRV accountant produced a non-finite delta for epsilon = " +
+                             format_double(epsilon));
+  }
+  return result;
+}
+
+}  // namespace dpzero::accounting

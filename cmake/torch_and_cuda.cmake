@@ -1,0 +1,76 @@
+# cmake/torch_and_cuda.cmake — finds LibTorch inside the project's Python torch wheel and decides
+# whether the CUDA kernels are built (DPZERO_CUDA = AUTO | ON | OFF).
+#
+# LibTorch is taken from the same `torch` wheel that Python imports, so the C++ library and the
+# Python module are one build (no ABI mismatch between `dpzero._C` and `torch`).
+# Sets: DPZERO_WITH_CUDA (BOOL), TORCH_* from TorchConfig, DPZERO_TORCH_PYTHON_LIBRARY.
+
+find_package(Python3 REQUIRED COMPONENTS Interpreter Development.Module)
+
+execute_process(
+  COMMAND "${Python3_EXECUTABLE}" -c
+          "import torch; print(torch.utils.cmake_prefix_path); print(torch.version.cuda or ''); print(torch.__version__)"
+  OUTPUT_VARIABLE _dpzero_torch_info
+  RESULT_VARIABLE _dpzero_torch_rc
+  OUTPUT_STRIP_TRAILING_WHITESPACE)
+if(NOT _dpzero_torch_rc EQUAL 0)
+  message(FATAL_ERROR "dpzero: `${Python3_EXECUTABLE} -c 'import torch'` failed; install the pinned "
+                      "torch into the project venv first (scripts/setup.sh).")
+endif()
+string(REPLACE "\n" ";" _dpzero_torch_info "${_dpzero_torch_info}")
+list(GET _dpzero_torch_info 0 DPZERO_TORCH_CMAKE_PREFIX)
+list(GET _dpzero_torch_info 1 DPZERO_TORCH_CUDA_VERSION)
+list(GET _dpzero_torch_info 2 DPZERO_TORCH_VERSION)
+message(STATUS "dpzero: torch ${DPZERO_TORCH_VERSION} (CUDA '${DPZERO_TORCH_CUDA_VERSION}') from ${DPZERO_TORCH_CMAKE_PREFIX}")
+
+# ---- CUDA decision ------------------------------------------------------------------------------
+set(DPZERO_WITH_CUDA OFF)
+if(NOT DPZERO_CUDA STREQUAL "OFF")
+  find_program(DPZERO_NVCC nvcc HINTS "$ENV{CUDA_HOME}/bin" /usr/local/cuda/bin)
+  set(_why "")
+  if(NOT DPZERO_NVCC)
+    set(_why "nvcc not found")
+  elseif(DPZERO_TORCH_CUDA_VERSION STREQUAL "")
+    set(_why "torch ${DPZERO_TORCH_VERSION} is a CPU-only build")
+  else()
+    execute_process(COMMAND "${DPZERO_NVCC}" --version OUTPUT_VARIABLE _nvcc_out)
+    string(REGEX MATCH "release ([0-9]+)\\.([0-9]+)" _m "${_nvcc_out}")
+    set(_nvcc_major "${CMAKE_MATCH_1}")
+    string(REGEX MATCH "^([0-9]+)" _m "${DPZERO_TORCH_CUDA_VERSION}")
+    if(NOT _nvcc_major STREQUAL CMAKE_MATCH_1)
+      set(_why "nvcc ${_nvcc_major}.x does not match torch's CUDA ${DPZERO_TORCH_CUDA_VERSION}")
+    endif()
+  endif()
+  if(_why STREQUAL "")
+    set(DPZERO_WITH_CUDA ON)
+  elseif(DPZERO_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "dpzero: DPZERO_CUDA=ON but ${_why}")
+  else()
+    message(STATUS "dpzero: CUDA kernels not built (${_why})")
+  endif()
+endif()
+
+if(DPZERO_WITH_CUDA)
+  # A100 = sm_80, H100/H200 = sm_90. Override with -DCMAKE_CUDA_ARCHITECTURES="80;90;100".
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES "80;90")
+  endif()
+  set(CMAKE_CUDA_COMPILER "${DPZERO_NVCC}")
+  enable_language(CUDA)
+  set(CMAKE_CUDA_STANDARD 17)
+  set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+  # Torch's own CUDA config would otherwise add gencode flags for every architecture it knows
+  # (it cannot detect a GPU here), multiplying compile time; hand it exactly our list.
+  set(_torch_arches "")
+  foreach(_a IN LISTS CMAKE_CUDA_ARCHITECTURES)
+    string(REGEX REPLACE "^([0-9]+)([0-9])(-real|-virtual)?$" "\\1.\\2" _a "${_a}")
+    list(APPEND _torch_arches "${_a}")
+  endforeach()
+  set(TORCH_CUDA_ARCH_LIST "${_torch_arches}" CACHE STRING "" FORCE)
+  message(STATUS "dpzero: CUDA kernels ON for architectures ${CMAKE_CUDA_ARCHITECTURES}")
+endif()
+
+list(APPEND CMAKE_PREFIX_PATH "${DPZERO_TORCH_CMAKE_PREFIX}")
+find_package(Torch REQUIRED)
+# libtorch_python: pybind11 casters for at::Tensor used by dpzero._C.
+find_library(DPZERO_TORCH_PYTHON_LIBRARY torch_python PATHS "${TORCH_INSTALL_PREFIX}/lib" REQUIRED NO_DEFAULT_PATH)

@@ -1,0 +1,32 @@
+// kernels/clip_checks.h — argument checks shared by the CPU and CUDA clip_factors implementations.
+#pragma once
+
+#include <cmath>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/string_view.h>
+
+#include "privacy/clipping.h"
+
+namespace dpzero::kernels {
+
+inline privacy::ClipMode check_clip_args(const at::Tensor& norms, double max_norm,
+                                         c10::string_view mode, double gamma) {
+  TORCH_CHECK(norms.dim() == 1, "dpzero::clip_factors: norms must be 1-D [B], got shape ",
+              norms.sizes());
+  TORCH_CHECK(norms.scalar_type() == at::kFloat,
+              "dpzero::clip_factors: norms must be float32 (fp32 accumulation), got ",
+              norms.scalar_type());
+  TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0.0,
+              "dpzero::clip_factors: max_norm must be finite and > 0, got ", max_norm);
+  TORCH_CHECK(std::isfinite(gamma) && gamma > 0.0,
+              "dpzero::clip_factors: gamma must be finite and > 0, got ", gamma);
+  const std::string name(mode.data(), mode.size());
+  TORCH_CHECK(name == "flat" || name == "automatic",
+              "dpzero::clip_factors: mode must be 'flat' or 'automatic', got '", name, "'");
+  return privacy::parse_clip_mode(name);
+}
+
+}  // namespace dpzero::kernels

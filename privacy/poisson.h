@@ -1,0 +1,55 @@
+// privacy/poisson.h — Poisson sampling as a pure function of (seed, step, example), and the
+// per-rank micro-batch schedule of a logical batch (DESIGN.md §2 step 1).
+//
+// Note [poisson schedule]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// Example k is in the logical batch of step t iff u(seed, t, k) < q, with u a 53-bit uniform in
+// [0, 1) from Philox4x32-10 on the sampler stream (counter (k/2 lo, k/2 hi, t, "samp"); even k use
+// words 0-1, odd k words 2-3). Inclusion is therefore independent across examples and steps — the
+// sampling the RDP/PRV analyses of the subsampled Gaussian assume — and any rank can evaluate any
+// example's inclusion. Rank r's partition is {k : k mod W = r}; it cuts its part of the batch, in
+// ascending k, into micro-batches of at most m. All ranks compute every rank's count locally and
+// agree on the micro-batch count max_r ceil(n_r / m) (at least 1, so an empty logical batch is
+// still one step: its noise is still added); a rank that runs short is given empty micro-batches.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "privacy/host_device.h"
+#include "privacy/noise.h"
+#include "privacy/philox.h"
+
+namespace dpzero::privacy {
+
+// u(seed, t, k) in [0, 1): 53 random bits times 2^-53.
+DPZERO_HOST_DEVICE double sampler_uniform(uint64_t seed, uint32_t step, uint64_t k) {
+  const Philox4x32Counter counter{{static_cast<uint32_t>(k / 2), static_cast<uint32_t>((k / 2) >> 32),
+                                   step, kSamplerStream}};
+  const Philox4x32Counter bits = philox4x32_10(counter, philox_key(seed));
+  const uint32_t hi = bits.v[(k % 2) * 2], lo = bits.v[(k % 2) * 2 + 1];
+  const uint64_t m = ((static_cast<uint64_t>(hi) << 32) | lo) >> 11;
+  return static_cast<double>(m) * 1.1102230246251565e-16;  // 2^-53
+}
+
+DPZERO_HOST_DEVICE bool poisson_included(uint64_t seed, uint32_t step, uint64_t k, double q) {
+  return sampler_uniform(seed, step, k) < q;
+}
+
+// The logical batch of step t over a dataset of n examples: included indices, ascending.
+// Throws std::invalid_argument naming the value for n < 0 or q outside [0, 1].
+std::vector<int64_t> poisson_logical_batch(uint64_t seed, uint32_t step, int64_t n, double q);
+
+struct MicroBatchSchedule {
+  int64_t logical_batch_size = 0;             // examples in the step over all ranks
+  std::vector<int64_t> rank_counts;           // examples per rank, size W
+  std::vector<std::vector<int64_t>> micro_batches;  // this rank's, each of size <= m; count agreed
+};
+
+// Rank `rank`'s micro-batches of step t (Note [poisson schedule]). Throws std::invalid_argument for
+// world_size < 1, rank outside [0, world_size), max_micro_batch < 1, or the cases above.
+MicroBatchSchedule poisson_micro_batches(uint64_t seed, uint32_t step, int64_t n, double q,
+                                         int64_t rank, int64_t world_size,
+                                         int64_t max_micro_batch);
+
+}  // namespace dpzero::privacy

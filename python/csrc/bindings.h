@@ -1,0 +1,12 @@
+// python/csrc/bindings.h — one bind_* function per layer, each in its own file.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace dpzero::python {
+
+void bind_accounting(pybind11::module_ m);  // accounting_bindings.cpp
+void bind_engine(pybind11::module_ m);      // engine_bindings.cpp
+void bind_privacy(pybind11::module_ m);     // privacy_bindings.cpp
+
+}  // namespace dpzero::python

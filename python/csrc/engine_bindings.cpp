@@ -1,0 +1,52 @@
+// python/csrc/engine_bindings.cpp — shard plans and sharded noise (src/zero/).
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include "python/csrc/bindings.h"
+#include "src/zero/shard_noise.h"
+#include "src/zero/shard_plan.h"
+
+namespace py = pybind11;
+
+namespace dpzero::python {
+
+void bind_engine(py::module_ m) {
+  using zero::CoordinateRun;
+  using zero::UnitLayout;
+  py::class_<CoordinateRun>(m, "CoordinateRun")
+      .def_readonly("local_offset", &CoordinateRun::local_offset)
+      .def_readonly("global_offset", &CoordinateRun::global_offset)
+      .def_readonly("length", &CoordinateRun::length)
+      .def("__repr__", [](const CoordinateRun& r) {
+        return "CoordinateRun(local_offset=" + std::to_string(r.local_offset) +
+               ", global_offset=" + std::to_string(r.global_offset) +
+               ", length=" + std::to_string(r.length) + ")";
+      });
+  py::class_<UnitLayout>(m, "UnitLayout",
+                         "Flat layout of one unit's parameters and the global coordinates each "
+                         "rank owns. params: list of (numel, global_offset).")
+      .def(py::init([](const std::vector<std::pair<int64_t, int64_t>>& params, int64_t world_size,
+                       int64_t alignment) {
+             std::vector<zero::ParamSpec> specs;
+             for (const auto& [numel, offset] : params) specs.push_back({numel, offset});
+             return UnitLayout(std::move(specs), world_size, alignment);
+           }),
+           py::arg("params"), py::arg("world_size"), py::arg("alignment") = 1)
+      .def_property_readonly("world_size", &UnitLayout::world_size)
+      .def_property_readonly("padded_numel", &UnitLayout::padded_numel)
+      .def_property_readonly("shard_numel", &UnitLayout::shard_numel)
+      .def_property_readonly("param_numel", &UnitLayout::param_numel)
+      .def_property_readonly("flat_offsets", &UnitLayout::flat_offsets)
+      .def("runs", &UnitLayout::runs)
+      .def("runs_for_rank", &UnitLayout::runs_for_rank, py::arg("rank"));
+  m.def(
+      "add_shard_noise_",
+      [](at::Tensor shard, const UnitLayout& layout, int64_t rank, double stddev, int64_t seed,
+         int64_t step) { return zero::add_shard_noise_(shard, layout, rank, stddev, seed, step); },
+      py::arg("shard"), py::arg("layout"), py::arg("rank"), py::arg("std"), py::arg("seed"),
+      py::arg("step"),
+      "Add std * z(seed, step, j) to every coordinate j that `rank` owns in `shard` "
+      "(Note [noise ownership]); returns how many coordinates were noised.");
+}
+
+}  // namespace dpzero::python

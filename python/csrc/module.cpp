@@ -1,0 +1,17 @@
+// python/csrc/module.cpp — PYBIND11_MODULE(dpzero._C): one entry that wires each layer's bindings.
+// The torch ops (torch.ops.dpzero.*) register themselves when this module is loaded.
+#include <torch/extension.h>
+
+#include "python/csrc/bindings.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "dpzero C++ core: accounting, privacy ops and the ZeRO engine";
+#ifdef DPZERO_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  dpzero::python::bind_accounting(m.def_submodule("accounting", "Privacy accountants and ledger"));
+  dpzero::python::bind_privacy(m.def_submodule("privacy", "Poisson sampling, clipping, entropy"));
+  dpzero::python::bind_engine(m.def_submodule("engine", "Shard plans and sharded noise"));
+}

@@ -1,0 +1,63 @@
+// python/csrc/privacy_bindings.cpp — Poisson sampling, clipping thresholds and OS-entropy keys
+// (privacy/). The noise and clip-factor ops are torch ops (torch.ops.dpzero.*), not bound here.
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include "privacy/clipping.h"
+#include "privacy/entropy.h"
+#include "privacy/poisson.h"
+#include "python/csrc/bindings.h"
+
+namespace py = pybind11;
+
+namespace dpzero::python {
+namespace {
+
+uint32_t checked_step(int64_t step) {
+  if (step < 0 || step > static_cast<int64_t>(UINT32_MAX)) {
+    throw std::invalid_argument("step must be in [0, 2^32), got " + std::to_string(step));
+  }
+  return static_cast<uint32_t>(step);
+}
+
+}  // namespace
+
+void bind_privacy(py::module_ m) {
+  using namespace dpzero::privacy;
+  m.def(
+      "sampler_uniform",
+      [](uint64_t seed, int64_t step, uint64_t k) { return sampler_uniform(seed, checked_step(step), k); },
+      py::arg("seed"), py::arg("step"), py::arg("k"),
+      "u(seed, step, k) in [0, 1): example k is in step's batch iff u < q (Note [poisson schedule]).");
+  m.def(
+      "poisson_logical_batch",
+      [](uint64_t seed, int64_t step, int64_t n, double q) {
+        return poisson_logical_batch(seed, checked_step(step), n, q);
+      },
+      py::arg("seed"), py::arg("step"), py::arg("n"), py::arg("q"));
+  py::class_<MicroBatchSchedule>(m, "MicroBatchSchedule")
+      .def_readonly("logical_batch_size", &MicroBatchSchedule::logical_batch_size)
+      .def_readonly("rank_counts", &MicroBatchSchedule::rank_counts)
+      .def_readonly("micro_batches", &MicroBatchSchedule::micro_batches);
+  m.def(
+      "poisson_micro_batches",
+      [](uint64_t seed, int64_t step, int64_t n, double q, int64_t rank, int64_t world_size,
+         int64_t max_micro_batch) {
+        return poisson_micro_batches(seed, checked_step(step), n, q, rank, world_size,
+                                     max_micro_batch);
+      },
+      py::arg("seed"), py::arg("step"), py::arg("n"), py::arg("q"), py::arg("rank"),
+      py::arg("world_size"), py::arg("max_micro_batch"));
+  m.def("group_thresholds", &group_thresholds, py::arg("max_norm"), py::arg("num_groups"),
+        py::arg("weights") = std::vector<double>{},
+        "Per-group thresholds C_l with sum C_l^2 = C^2 (equal split unless weights are given).");
+  m.def(
+      "entropy_key",
+      [] {
+        const ChaCha20Key key = entropy_key();
+        return std::vector<int64_t>(key.w, key.w + 8);
+      },
+      "256 bits of OS entropy as eight 32-bit words: the key of add_secure_noise_.");
+}
+
+}  // namespace dpzero::python

@@ -1,0 +1,29 @@
+"""dpzero: differentially private training with ZeRO sharding.
+
+``import dpzero`` loads the C++ core (``dpzero._C``), which also registers the torch ops under
+``torch.ops.dpzero``.
+"""
+
+import torch  # noqa: F401  (loads libtorch before our extension links against it)
+
+from . import _C
+from .accounting import (
+    Ledger,
+    LedgerError,
+    PRVAccountant,
+    RDPAccountant,
+    get_noise_multiplier,
+    get_steps,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Ledger",
+    "LedgerError",
+    "PRVAccountant",
+    "RDPAccountant",
+    "get_noise_multiplier",
+    "get_steps",
+    "__version__",
+]

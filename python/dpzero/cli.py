@@ -1,0 +1,151 @@
+"""The ``dpzero`` command line: ``dpzero budget`` and ``dpzero calibrate``.
+
+argparse (standard library) parses; the numbers come from the C++ accountants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import List, Optional, Sequence
+
+from . import _C
+from .accounting import ACCOUNTANTS, get_noise_multiplier, get_steps
+from .budget import epsilon_curve, evaluate, plot_epsilon_curve
+
+
+def _accountant_list(text: str) -> List[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in ACCOUNTANTS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"--accountant takes a comma-separated subset of {','.join(ACCOUNTANTS)}, got {text!r}")
+    return names
+
+
+def _steps_from(args: argparse.Namespace) -> int:
+    if (args.steps is None) == (args.epochs is None):
+        raise SystemExit("dpzero: give exactly one of --steps and --epochs")
+    if args.steps is not None:
+        return args.steps
+    if not 0 < args.sample_rate <= 1:
+        raise SystemExit(f"dpzero: --sample-rate must be in (0, 1] with --epochs, got {args.sample_rate}")
+    return int(args.epochs / args.sample_rate)
+
+
+def _fmt(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and math.isnan(x):
+        return "n/a"
+    return f"{x:.4f}" if isinstance(x, float) else str(x)
+
+
+def cmd_budget(args: argparse.Namespace) -> int:
+    steps = _steps_from(args)
+    phase = _C.accounting.Phase(args.sample_rate, args.noise_multiplier, steps)
+    report = evaluate([phase], args.delta, args.accountant, args.eps_error)
+    if args.plot:
+        curve = epsilon_curve(args.sample_rate, args.noise_multiplier, steps, args.delta,
+                              args.accountant, eps_error=args.eps_error)
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+        plot_epsilon_curve(
+            curve, f"q={args.sample_rate:g}, σ={args.noise_multiplier:g}, δ={args.delta:g}", args.plot)
+    if args.json:
+        out = report.to_dict()
+        if args.plot:
+            out["plot"] = args.plot
+        json.dump(out, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"q = {args.sample_rate:g}   σ = {args.noise_multiplier:g}   steps = {steps}   "
+          f"δ = {args.delta:g}")
+    header = f"{'accountant':<11}{'ε':>10}{'PRV lower':>12}{'PRV estimate':>14}{'best order':>12}"
+    print(header)
+    print("-" * len(header))
+    for r in report.results:
+        print(f"{r.accountant:<11}{_fmt(r.epsilon):>10}{_fmt(r.lower):>12}{_fmt(r.estimate):>14}"
+              f"{_fmt(r.best_order):>12}")
+        if r.error:
+            print(f"  ({r.accountant}: {r.error})")
+        if r.order_on_edge:
+            print("  warning: the best RDP order lies on the edge of the order grid; ε may be "
+                  "loose — widen the grid")
+    print("ε for PRV is the upper bound (eps_error = "
+          f"{args.eps_error:g}, delta_error = δ/1000).")
+    if args.plot:
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.noise_multiplier is not None:
+        steps = get_steps(target_epsilon=args.target_epsilon, target_delta=args.delta,
+                          sample_rate=args.sample_rate, noise_multiplier=args.noise_multiplier,
+                          accountant=args.accountant, eps_error=args.eps_error)
+        result = {"steps": steps}
+        text = f"steps = {steps}"
+    else:
+        sigma = get_noise_multiplier(
+            target_epsilon=args.target_epsilon, target_delta=args.delta,
+            sample_rate=args.sample_rate, steps=_steps_from(args), accountant=args.accountant,
+            epsilon_tolerance=args.epsilon_tolerance, eps_error=args.eps_error)
+        result = {"noise_multiplier": sigma}
+        text = f"σ = {sigma:.6g}"
+    if args.json:
+        json.dump({**result, "accountant": args.accountant, "target_epsilon": args.target_epsilon,
+                   "delta": args.delta, "sample_rate": args.sample_rate}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(f"{text}   (accountant {args.accountant}, target ε = {args.target_epsilon:g}, "
+              f"δ = {args.delta:g}, q = {args.sample_rate:g})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dpzero", description="dpzero: private training tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("budget", help="ε of a DP-SGD run under the RDP and PRV accountants")
+    b.add_argument("--sample-rate", "-q", type=float, required=True, help="Poisson sample rate q")
+    b.add_argument("--noise-multiplier", "-s", type=float, required=True, help="σ")
+    b.add_argument("--steps", type=int, help="number of steps")
+    b.add_argument("--epochs", type=float, help="epochs (steps = int(epochs / q))")
+    b.add_argument("--delta", type=float, required=True)
+    b.add_argument("--accountant", type=_accountant_list, default=list(ACCOUNTANTS),
+                   help="comma-separated: rdp,prv (default both)")
+    b.add_argument("--eps-error", type=float, default=0.01, help="PRV ε error (default 0.01)")
+    b.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    b.add_argument("--plot", metavar="PNG", help="write ε versus steps to this PNG")
+    b.set_defaults(func=cmd_budget)
+
+    c = sub.add_parser("calibrate", help="σ for a target ε (or steps, given --noise-multiplier)")
+    c.add_argument("--target-epsilon", type=float, required=True)
+    c.add_argument("--delta", type=float, required=True)
+    c.add_argument("--sample-rate", "-q", type=float, required=True)
+    c.add_argument("--steps", type=int)
+    c.add_argument("--epochs", type=float)
+    c.add_argument("--noise-multiplier", type=float,
+                   help="given σ, print the largest number of steps within the target instead")
+    c.add_argument("--accountant", choices=ACCOUNTANTS, default="prv")
+    c.add_argument("--epsilon-tolerance", type=float, default=0.01)
+    c.add_argument("--eps-error", type=float, default=0.01)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_calibrate)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad values are reported by the C++ layer with the value named
+        print(f"dpzero {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

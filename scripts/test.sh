@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# scripts/test.sh — install everything (scripts/setup.sh), then run all tests: GoogleTest through
+# ctest, then pytest. Exits non-zero if anything failed; the output ends with both summaries.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh || { echo "[test] setup failed"; exit 1; }
+
+jobs=${DPZERO_TEST_JOBS:-$(nproc)}
+echo "[test] ctest (GoogleTest)"
+ctest --test-dir build --output-on-failure -j "$jobs" 2>&1 | tee build/ctest.log
+ctest_rc=${PIPESTATUS[0]}
+
+echo "[test] pytest"
+.venv/bin/python -m pytest tests/python -q -ra 2>&1 | tee build/pytest.log
+pytest_rc=${PIPESTATUS[0]}
+
+echo
+echo "[test] summary"
+grep -E "tests passed|tests failed" build/ctest.log | tail -1
+tail -n 1 build/pytest.log
+if [ "$ctest_rc" -ne 0 ] || [ "$pytest_rc" -ne 0 ]; then
+  echo "[test] FAILED (ctest exit $ctest_rc, pytest exit $pytest_rc)"
+  exit 1
+fi

@@ -1,0 +1,54 @@
+// src/zero/shard_plan.h — flat layout of a unit's parameters and which global coordinates each rank
+// owns (DESIGN.md §2.5; Note [noise ownership] in privacy/noise.h).
+//
+// A unit's trainable parameters are laid out in one flat buffer in canonical order, each starting
+// at a multiple of `alignment` elements, and the buffer is padded at the end so it splits into
+// `world_size` equal shards. Rank r owns flat elements [r * shard_numel, (r + 1) * shard_numel).
+// Padding has no global coordinate: it gets no noise and is never read.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace dpzero::zero {
+
+// One parameter of a unit: its element count and the global coordinate index of its first
+// element (all trainable parameters of the model in named_parameters() order, tied ones once).
+struct ParamSpec {
+  int64_t numel = 0;
+  int64_t global_offset = 0;
+};
+
+// A run of consecutive elements that are consecutive global coordinates as well.
+struct CoordinateRun {
+  int64_t local_offset = 0;   // offset inside the rank's shard (or inside the full flat buffer)
+  int64_t global_offset = 0;  // global coordinate of the first element
+  int64_t length = 0;
+};
+
+class UnitLayout {
+ public:
+  // Throws std::invalid_argument naming the value for world_size < 1, alignment < 1, a negative
+  // numel or global offset, or parameters whose global ranges overlap.
+  UnitLayout(std::vector<ParamSpec> params, int64_t world_size, int64_t alignment = 1);
+
+  int64_t world_size() const { return world_size_; }
+  int64_t padded_numel() const { return padded_numel_; }  // multiple of world_size
+  int64_t shard_numel() const { return padded_numel_ / world_size_; }
+  int64_t param_numel() const;                              // sum of parameter numels
+  const std::vector<ParamSpec>& params() const { return params_; }
+  const std::vector<int64_t>& flat_offsets() const { return flat_offsets_; }  // one per parameter
+
+  // The global coordinates rank `rank` owns, as runs with offsets relative to its shard.
+  std::vector<CoordinateRun> runs_for_rank(int64_t rank) const;
+  // The runs of the full flat buffer (offsets relative to the buffer start).
+  std::vector<CoordinateRun> runs() const;
+
+ private:
+  std::vector<ParamSpec> params_;
+  std::vector<int64_t> flat_offsets_;
+  int64_t world_size_;
+  int64_t padded_numel_ = 0;
+};
+
+}  // namespace dpzero::zero

@@ -1,0 +1,76 @@
+// Poisson sampling (Note [poisson schedule]): inclusion is a pure function of (seed, t, k); the
+// per-rank schedules partition the logical batch and agree on the micro-batch count.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+#include <stdexcept>
+
+#include "privacy/poisson.h"
+
+namespace dpzero::privacy {
+namespace {
+
+TEST(Poisson, LogicalBatchIsThePureInclusionFunction) {
+  const auto batch = poisson_logical_batch(7, 3, 5000, 0.01);
+  std::set<int64_t> in(batch.begin(), batch.end());
+  for (int64_t k = 0; k < 5000; ++k) {
+    EXPECT_EQ(in.count(k) == 1, sampler_uniform(7, 3, static_cast<uint64_t>(k)) < 0.01) << k;
+  }
+  EXPECT_TRUE(std::is_sorted(batch.begin(), batch.end()));
+  EXPECT_EQ(poisson_logical_batch(7, 3, 5000, 0.0).size(), 0u);
+  EXPECT_EQ(poisson_logical_batch(7, 3, 5000, 1.0).size(), 5000u);
+  EXPECT_NE(poisson_logical_batch(7, 4, 5000, 0.01), batch);  // another step, another batch
+}
+
+TEST(Poisson, RanksPartitionTheBatchAndAgreeOnMicroBatchCount) {
+  for (int64_t world : {1, 2, 3, 4, 8}) {
+    for (int64_t m : {1, 3, 16}) {
+      const auto batch = poisson_logical_batch(99, 12, 997, 0.05);
+      std::vector<int64_t> union_of_ranks;
+      size_t agreed = 0;
+      for (int64_t r = 0; r < world; ++r) {
+        const auto s = poisson_micro_batches(99, 12, 997, 0.05, r, world, m);
+        if (r == 0) agreed = s.micro_batches.size();
+        EXPECT_EQ(s.micro_batches.size(), agreed) << "rank " << r;
+        EXPECT_EQ(s.logical_batch_size, static_cast<int64_t>(batch.size()));
+        for (const auto& mb : s.micro_batches) {
+          EXPECT_LE(static_cast<int64_t>(mb.size()), m);
+          for (int64_t k : mb) {
+            EXPECT_EQ(k % world, r);
+            union_of_ranks.push_back(k);
+          }
+        }
+      }
+      std::sort(union_of_ranks.begin(), union_of_ranks.end());
+      EXPECT_EQ(union_of_ranks, batch) << "world " << world << " m " << m;
+    }
+  }
+}
+
+TEST(Poisson, EmptyLogicalBatchIsOneEmptyMicroBatch) {
+  const auto s = poisson_micro_batches(1, 1, 100, 0.0, 0, 2, 8);
+  EXPECT_EQ(s.logical_batch_size, 0);
+  ASSERT_EQ(s.micro_batches.size(), 1u);
+  EXPECT_TRUE(s.micro_batches[0].empty());
+}
+
+TEST(Poisson, BadArgumentsNameTheValue) {
+  auto message = [](auto fn) {
+    try {
+      fn();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([] { poisson_logical_batch(1, 1, -5, 0.1); }).find("-5"), std::string::npos);
+  EXPECT_NE(message([] { poisson_logical_batch(1, 1, 5, 1.5); }).find("1.5"), std::string::npos);
+  EXPECT_NE(message([] { poisson_micro_batches(1, 1, 5, 0.1, 3, 2, 4); }).find("got 3"),
+            std::string::npos);
+  EXPECT_NE(message([] { poisson_micro_batches(1, 1, 5, 0.1, 0, 2, 0); }).find("got 0"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace dpzero::privacy

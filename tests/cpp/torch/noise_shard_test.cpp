@@ -1,0 +1,126 @@
+// The noise contract (DESIGN.md §3 "Noise"): over any shard plan and world size, the union of the
+// ranks' noised shards equals the single-tensor noise bit for bit, every global coordinate is drawn
+// exactly once and padding is never touched. Reference: dpzero::add_noise_ on one full tensor and
+// privacy::noise_draw evaluated coordinate by coordinate.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include "privacy/noise.h"
+#include "src/zero/shard_noise.h"
+#include "src/zero/shard_plan.h"
+
+namespace dpzero {
+namespace {
+
+at::Tensor& add_noise(at::Tensor& t, double stddev, int64_t seed, int64_t step, int64_t offset) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::add_noise_", "")
+                             .typed<at::Tensor&(at::Tensor&, double, int64_t, int64_t, int64_t)>();
+  return op.call(t, stddev, seed, step, offset);
+}
+
+TEST(AddNoiseOp, MatchesPerCoordinateDraw) {
+  const int64_t offset = 13, n = 1001, seed = 42, step = 7;
+  const double stddev = 2.5;
+  at::Tensor x = at::zeros({n}, at::kFloat);
+  add_noise(x, stddev, seed, step, offset);
+  const float* data = x.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const float expected = static_cast<float>(stddev) * privacy::noise_draw(seed, step, offset + i);
+    ASSERT_EQ(data[i], expected) << "i=" << i;  // 0 + s*z is exact
+  }
+}
+
+TEST(AddNoiseOp, RejectsBadArgumentsNamingThem) {
+  at::Tensor x = at::zeros({8}, at::kFloat);
+  EXPECT_THROW(
+      {
+        try {
+          add_noise(x, -1.0, 1, 0, 0);
+        } catch (const c10::Error& e) {
+          EXPECT_NE(std::string(e.what()).find("got -1"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      c10::Error);
+  EXPECT_THROW(add_noise(x, 1.0, 1, -3, 0), c10::Error);
+  EXPECT_THROW(add_noise(x, 1.0, 1, 0, -5), c10::Error);
+  at::Tensor d = at::zeros({8}, at::kDouble);
+  EXPECT_THROW(add_noise(d, 1.0, 1, 0, 0), c10::Error);
+  at::Tensor strided = at::zeros({8, 2}, at::kFloat).t();
+  EXPECT_THROW(add_noise(strided, 1.0, 1, 0, 0), c10::Error);
+}
+
+TEST(ShardNoise, UnionOfShardsEqualsSingleTensorForRandomPlans) {
+  std::mt19937_64 rng(1234);
+  for (int trial = 0; trial < 40; ++trial) {
+    // A unit of 1..6 parameters with random sizes and a random global start.
+    const int num_params = 1 + static_cast<int>(rng() % 6);
+    const int64_t global_start = static_cast<int64_t>(rng() % 50);
+    std::vector<zero::ParamSpec> params;
+    int64_t g = global_start;
+    for (int p = 0; p < num_params; ++p) {
+      const int64_t numel = static_cast<int64_t>(rng() % 300);
+      params.push_back({numel, g});
+      g += numel;
+    }
+    const int64_t total = g - global_start;
+    const int64_t seed = static_cast<int64_t>(rng()), step = static_cast<int64_t>(rng() % 1000);
+    at::Tensor reference = at::zeros({total}, at::kFloat);
+    add_noise(reference, 1.5, seed, step, global_start);
+
+    for (int64_t world : {1, 2, 3, 4, 8}) {
+      const int64_t alignment = 1 + static_cast<int64_t>(rng() % 8);
+      zero::UnitLayout layout(params, world, alignment);
+      ASSERT_EQ(layout.padded_numel() % world, 0);
+      // Each rank noises its own shard of a flat buffer; padding holds a sentinel that must stay.
+      at::Tensor flat = at::full({layout.padded_numel()}, 0.0f, at::kFloat);
+      std::vector<int> draws(static_cast<size_t>(total), 0);
+      int64_t noised = 0;
+      for (int64_t r = 0; r < world; ++r) {
+        at::Tensor shard = flat.narrow(0, r * layout.shard_numel(), layout.shard_numel());
+        noised += zero::add_shard_noise_(shard, layout, r, 1.5, seed, step);
+        for (const auto& run : layout.runs_for_rank(r)) {
+          for (int64_t k = 0; k < run.length; ++k) ++draws[run.global_offset + k - global_start];
+        }
+      }
+      EXPECT_EQ(noised, total) << "world " << world;
+      for (int64_t j = 0; j < total; ++j) ASSERT_EQ(draws[j], 1) << "coordinate " << j;
+      // Gather the flat buffer back to global order and compare bit for bit; padding untouched.
+      at::Tensor gathered = at::empty({total}, at::kFloat);
+      at::Tensor is_param = at::zeros({layout.padded_numel()}, at::kBool);
+      for (const auto& run : layout.runs()) {
+        gathered.narrow(0, run.global_offset - global_start, run.length)
+            .copy_(flat.narrow(0, run.local_offset, run.length));
+        is_param.narrow(0, run.local_offset, run.length).fill_(true);
+      }
+      EXPECT_TRUE(at::equal(gathered, reference)) << "world " << world << " trial " << trial;
+      EXPECT_TRUE(at::equal(flat.masked_select(is_param.logical_not()),
+                            at::zeros({layout.padded_numel() - total}, at::kFloat)));
+    }
+  }
+}
+
+TEST(ShardNoise, LowPrecisionShardsGetFp32MathRoundedOnce) {
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    at::Tensor x = at::full({257}, 1.0, dtype);
+    add_noise(x, 0.5, 9, 3, 100);
+    at::Tensor ref = at::ones({257}, at::kFloat);
+    add_noise(ref, 0.5, 9, 3, 100);
+    EXPECT_TRUE(at::equal(x, ref.to(dtype))) << dtype;
+  }
+}
+
+TEST(UnitLayoutTest, RejectsOverlapAndBadWorldSize) {
+  EXPECT_THROW(zero::UnitLayout({{10, 0}, {10, 5}}, 2), std::invalid_argument);
+  EXPECT_THROW(zero::UnitLayout({{10, 0}}, 0), std::invalid_argument);
+  EXPECT_THROW(zero::UnitLayout({{-1, 0}}, 1), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace dpzero

@@ -1,0 +1,63 @@
+"""`dpzero budget` / `dpzero calibrate` as a user runs them (a real subprocess), checked against
+the published reference values."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "dpzero", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_budget_json_matches_published_values(tmp_path, accounting_cases):
+    rdp_case = accounting_cases["rdp_epsilon"][0]  # q=0.04, σ=1.5, 2250 steps, Opacus grid
+    png = tmp_path / "eps.png"
+    res = run("budget", "-q", str(rdp_case["q"]), "-s", str(rdp_case["sigma"]), "--steps",
+              str(rdp_case["steps"]), "--delta", str(rdp_case["delta"]), "--json", "--plot", str(png))
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    by_name = {r["accountant"]: r for r in out["results"]}
+    assert by_name["rdp"]["epsilon"] == pytest.approx(rdp_case["epsilon"], abs=rdp_case["abs_tol"])
+    assert by_name["rdp"]["best_order"] == pytest.approx(rdp_case["best_order"])
+    prv = by_name["prv"]
+    assert prv["lower"] <= prv["estimate"] <= prv["epsilon"] <= by_name["rdp"]["epsilon"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_budget_table_and_epochs(accounting_cases):
+    case = accounting_cases["prv_epsilon_upper"][0]  # q=0.04, σ=1.5, 2249 steps
+    res = run("budget", "-q", "0.04", "-s", "1.5", "--steps", "2249", "--delta", "1e-5",
+              "--accountant", "prv")
+    assert res.returncode == 0, res.stderr
+    line = next(l for l in res.stdout.splitlines() if l.startswith("prv"))
+    assert float(line.split()[1]) == pytest.approx(case["epsilon"], abs=case["abs_tol"])
+
+
+def test_epochs_convert_like_opacus():
+    # Opacus's get_noise_multiplier uses steps = int(epochs / q): 90 / 0.04 -> 2250.
+    res = run("budget", "-q", "0.04", "-s", "1.5", "--epochs", "90", "--delta", "1e-5",
+              "--accountant", "rdp")
+    assert res.returncode == 0, res.stderr
+    assert "steps = 2250" in res.stdout
+
+
+def test_calibrate_prints_reference_sigma(accounting_cases):
+    case = accounting_cases["rdp_noise_multiplier"][1]  # steps = 2000
+    res = run("calibrate", "--target-epsilon", "8", "--delta", "1e-5", "-q", "0.04", "--steps",
+              "2000", "--accountant", "rdp", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["noise_multiplier"] == pytest.approx(case["sigma"],
+                                                                      abs=case["abs_tol"])
+
+
+def test_bad_values_exit_2_naming_the_value():
+    res = run("budget", "-q", "1.7", "-s", "1.0", "--steps", "10", "--delta", "1e-5")
+    assert res.returncode == 2
+    assert "1.7" in res.stderr
+    res = run("budget", "-q", "0.1", "-s", "1.0", "--steps", "10", "--delta", "1e-5",
+              "--accountant", "moments")
+    assert res.returncode == 2 and "moments" in res.stderr

@@ -1,0 +1,73 @@
+"""The privacy ledger from Python, on real files: durable round trip, ε recomputed from the ledger
+alone equals the accountants fed the same steps, torn tails detected, other runs refused."""
+
+import math
+
+import pytest
+
+import dpzero
+from dpzero.accounting import Ledger, LedgerError, PRVAccountant, RDPAccountant
+
+
+def _write_run(path):
+    led = Ledger.create(path, run_id="run-a", dataset_size=1000, settings={"delta": 1e-5})
+    led.append(first_step=0, last_step=99, q=0.01, sigma=1.1, max_grad_norm=1.0,
+               batch_sizes=[10] * 100)
+    led.append(first_step=100, last_step=149, q=0.02, sigma=0.9, max_grad_norm=1.0,
+               batch_sizes=[20] * 50, dropped_samples=3)
+    led.append(first_step=150, q=0.02, sigma=0.9, max_grad_norm=1.0, batch_sizes=[0])
+    return led
+
+
+def test_reload_recomputes_epsilon_exactly(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    _write_run(path).close()
+    led = Ledger.open_read_only(path, expected_run_id="run-a")
+    assert led.total_steps == 151 and led.settings == {"delta": 1e-5}
+    assert [(p.q, p.sigma, p.steps) for p in led.phases()] == [(0.01, 1.1, 100), (0.02, 0.9, 51)]
+    rdp, prv = RDPAccountant(), PRVAccountant()
+    for acc in (rdp, prv):
+        acc.step(noise_multiplier=1.1, sample_rate=0.01, num_steps=100)
+        acc.step(noise_multiplier=0.9, sample_rate=0.02, num_steps=51)
+    assert led.epsilon(1e-5, "rdp") == rdp.get_epsilon(1e-5)
+    assert led.epsilon(1e-5, "prv") == prv.get_epsilon(1e-5)
+    assert led.records[1].dropped_samples == 3
+
+
+def test_torn_tail_is_reported_never_dropped_silently(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    _write_run(path).close()
+    with open(path, "ab") as f:
+        f.write(b'{"kind":"steps","first_step":151,"last_st')  # crash mid-write
+    with pytest.raises(LedgerError, match="line 5"):
+        Ledger.open(path)
+    ro = Ledger.open_read_only(path)
+    assert ro.total_steps == 151 and ro.torn_tail.startswith(b'{"kind":"steps"')
+    ro.close()
+    led = Ledger.open(path, truncate_torn_tail=True)
+    assert led.torn_tail_line == 5 and led.total_steps == 151
+    led.append(first_step=151, q=0.02, sigma=0.9, max_grad_norm=1.0, batch_sizes=[21])
+    led.close()
+    assert Ledger.open_read_only(path).total_steps == 152
+
+
+def test_other_run_existing_file_and_unnoised_steps(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    _write_run(path).close()
+    with pytest.raises(LedgerError, match="run-b"):
+        Ledger.open(path, expected_run_id="run-b")
+    with pytest.raises(LedgerError, match="ledger.jsonl"):
+        Ledger.create(path, run_id="run-a", dataset_size=1000)
+    other = tmp_path / "nonoise.jsonl"
+    led = Ledger.create(other, run_id="x", dataset_size=10)
+    led.append(first_step=0, q=0.1, sigma=0.0, max_grad_norm=1.0, batch_sizes=[1], noise=False)
+    assert led.epsilon(1e-5) == math.inf
+
+
+def test_append_rejects_bad_values_naming_them(tmp_path):
+    led = Ledger.create(tmp_path / "l.jsonl", run_id="r", dataset_size=10)
+    with pytest.raises(ValueError, match="1.5"):
+        led.append(first_step=0, q=1.5, sigma=1.0, max_grad_norm=1.0, batch_sizes=[1])
+    with pytest.raises(ValueError):
+        led.append(first_step=0, last_step=2, q=0.1, sigma=1.0, max_grad_norm=1.0, batch_sizes=[1])
+    assert led.total_steps == 0

@@ -1,0 +1,160 @@
+"""The sharded-noise contract from Python (DESIGN.md §3 "Noise").
+
+References: an independent pure-Python Philox4x32-10 (philox_reference.py) for the op's values and
+a single-process full-tensor draw for the sharded union, including across real Gloo process groups.
+"""
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import dpzero
+from dpzero._C import engine
+
+from philox_reference import noise, philox4x32_10
+
+
+def test_reference_philox_matches_published_vector():
+    # Guards the reference itself (Random123 kat_vectors).
+    assert philox4x32_10(
+        [0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], [0xA4093822, 0x299F31D0]
+    ) == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+@pytest.mark.parametrize("offset,n", [(0, 9), (3, 17), (1 << 33, 6)])
+@pytest.mark.parametrize("seed", [0, 12345, -7])
+def test_add_noise_matches_independent_reference(offset, n, seed):
+    x = torch.zeros(n)
+    torch.ops.dpzero.add_noise_(x, 1.0, seed, 11, offset)
+    ref = noise(seed, 11, offset, n)
+    # float32 libm (logf/cosf) may differ from numpy's float32 routines in the last ulp.
+    np.testing.assert_allclose(x.numpy(), ref, rtol=2e-6, atol=2e-6)
+
+
+def test_add_noise_scales_and_adds_in_place():
+    x = torch.full((64,), 3.0)
+    y = x.clone()
+    out = torch.ops.dpzero.add_noise_(x, 0.0, 5, 1, 0)
+    assert out.data_ptr() == x.data_ptr() and torch.equal(x, y)  # std = 0 changes nothing
+    torch.ops.dpzero.add_noise_(x, 2.0, 5, 1, 0)
+    z = torch.zeros(64)
+    torch.ops.dpzero.add_noise_(z, 1.0, 5, 1, 0)
+    torch.testing.assert_close(x, y + 2.0 * z, rtol=0, atol=1e-6)
+
+
+def test_add_noise_rejects_bad_values_naming_them():
+    x = torch.zeros(4)
+    with pytest.raises(RuntimeError, match="got -0.5"):
+        torch.ops.dpzero.add_noise_(x, -0.5, 0, 0, 0)
+    with pytest.raises(RuntimeError, match="step must be in"):
+        torch.ops.dpzero.add_noise_(x, 1.0, 0, 2**32, 0)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        torch.ops.dpzero.add_noise_(torch.zeros(4, dtype=torch.float64), 1.0, 0, 0, 0)
+
+
+def _full_noise(layout_params, seed, step, std):
+    start = min(g for _, g in layout_params)
+    total = sum(n for n, _ in layout_params)
+    ref = torch.zeros(total)
+    torch.ops.dpzero.add_noise_(ref, std, seed, step, start)
+    return ref, start
+
+
+def _gather_global(flat, layout, start, total):
+    out = torch.empty(total)
+    for run in layout.runs():
+        out[run.global_offset - start : run.global_offset - start + run.length] = flat[
+            run.local_offset : run.local_offset + run.length
+        ]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_union_of_shards_equals_single_tensor(world_size):
+    params = [(37, 100), (0, 137), (5, 137), (250, 142)]
+    ref, start = _full_noise(params, seed=99, step=3, std=0.7)
+    layout = engine.UnitLayout(params, world_size, alignment=4)
+    flat = torch.zeros(layout.padded_numel)
+    for r in range(world_size):
+        shard = flat[r * layout.shard_numel : (r + 1) * layout.shard_numel]
+        engine.add_shard_noise_(shard, layout, r, 0.7, 99, 3)
+    assert torch.equal(_gather_global(flat, layout, start, ref.numel()), ref)
+    owned = sorted(
+        (run.global_offset, run.length) for r in range(world_size) for run in layout.runs_for_rank(r)
+    )
+    covered = [g + k for g, n in owned for k in range(n)]
+    assert covered == list(range(start, start + ref.numel()))  # each coordinate exactly once
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, params, seed, step, std, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        layout = engine.UnitLayout(params, world_size, alignment=2)
+        shard = torch.zeros(layout.shard_numel)
+        engine.add_shard_noise_(shard, layout, rank, std, seed, step)
+        flat = torch.empty(layout.padded_numel)
+        dist.all_gather_into_tensor(flat, shard)
+        if rank == 0:
+            torch.save(flat, os.path.join(out_dir, "flat.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gloo_ranks_reproduce_single_process_noise(tmp_path, world_size):
+    params = [(101, 0), (64, 101), (7, 165)]
+    mp.spawn(
+        _rank_main,
+        args=(world_size, _free_port(), params, 2024, 17, 1.3, str(tmp_path)),
+        nprocs=world_size,
+        join=True,
+    )
+    flat = torch.load(tmp_path / "flat.pt")
+    layout = engine.UnitLayout(params, world_size, alignment=2)
+    ref, start = _full_noise(params, seed=2024, step=17, std=1.3)
+    assert torch.equal(_gather_global(flat, layout, start, ref.numel()), ref)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and dpzero._C.with_cuda else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_union_of_shards_bitwise_on_each_device(device, dtype):
+    # Twin of the CPU test body for every device present: shards vs one full tensor, same device.
+    params = [(1000, 0), (333, 1000), (4097, 1333)]
+    total = sum(n for n, _ in params)
+    ref = torch.zeros(total, dtype=dtype, device=device)
+    torch.ops.dpzero.add_noise_(ref, 1.0, 77, 5, 0)
+    for world_size in (2, 3, 8):
+        layout = engine.UnitLayout(params, world_size, alignment=8)
+        flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        for r in range(world_size):
+            engine.add_shard_noise_(flat[r * layout.shard_numel:(r + 1) * layout.shard_numel],
+                                    layout, r, 1.0, 77, 5)
+        got = torch.empty_like(ref)
+        for run in layout.runs():
+            got[run.global_offset:run.global_offset + run.length] = flat[
+                run.local_offset:run.local_offset + run.length]
+        assert torch.equal(got, ref)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device or CUDA kernels not built")
+def test_cuda_noise_matches_cpu_to_float_ulps():
+    x_cpu = torch.zeros(1 << 16)
+    x_gpu = torch.zeros(1 << 16, device="cuda")
+    torch.ops.dpzero.add_noise_(x_cpu, 1.0, 3, 9, 123)
+    torch.ops.dpzero.add_noise_(x_gpu, 1.0, 3, 9, 123)
+    torch.testing.assert_close(x_gpu.cpu(), x_cpu, rtol=1e-5, atol=1e-5)
