@@ -51,12 +51,24 @@ void validate_options(const CalibrationOptions& options) {
 }
 
 // epsilon of one phase under the chosen accountant (PRV: the upper bound).
+//
+// The PRV method refuses (std::runtime_error) exactly where epsilon is huge or delta tiny (FFT size
+// cap, round-off floor; see prv.cpp). During a search such a probe counts as epsilon = +inf, i.e.
+// "above any target": the search then moves towards more noise (or fewer steps), never towards
+// less privacy. The refusal's text is kept in `failure` so an unreachable target can say why.
 double phase_epsilon(const Phase& phase, double delta, const CalibrationOptions& options,
-                     const std::vector<double>& orders) {
+                     const std::vector<double>& orders, std::string* failure = nullptr) {
   if (options.accountant == AccountantKind::kPrv) {
     PrvAccountant accountant;
     accountant.add(phase);
-    return accountant.epsilon(delta, options.prv).upper;
+    try {
+      return accountant.epsilon(delta, options.prv).upper;
+    } catch (const std::invalid_argument&) {
+      throw;
+    } catch (const std::runtime_error& e) {
+      if (failure != nullptr) *failure = e.what();
+      return std::numeric_limits<double>::infinity();
+    }
   }
   RdpAccountant accountant(orders);
   accountant.add(phase);
@@ -82,10 +94,12 @@ double noise_multiplier_for_epsilon(double target_epsilon, double delta, double 
   }
   const std::vector<double> orders =
       options.orders.empty() ? opacus_default_orders() : options.orders;
+  std::string prv_failure;  // the last PRV refusal, if any probe hit one
   const auto eps = [&](double sigma) {
-    return phase_epsilon(Phase{q, sigma, steps}, delta, options, orders);
+    return phase_epsilon(Phase{q, sigma, steps}, delta, options, orders, &prv_failure);
   };
   const std::string context = phase_text(q, delta, "steps = " + std::to_string(steps));
+  const auto why = [&] { return prv_failure.empty() ? "" : " (PRV: " + prv_failure + ")"; };
 
   // Bracket (lo, hi] with eps(hi) <= target; lo is either 0 (never evaluated: eps -> inf as
   // sigma -> 0) or an explicit sigma_min whose epsilon is above target.
@@ -104,7 +118,7 @@ double noise_multiplier_for_epsilon(double target_epsilon, double delta, double 
       throw std::invalid_argument(
           "target epsilon " + format_double(target_epsilon) + " cannot be reached with sigma in [" +
           format_double(options.sigma_min) + ", " + format_double(hi) + "]: epsilon at sigma_max " +
-          format_double(hi) + " is " + format_double(eps_hi) + " " + context);
+          format_double(hi) + " is " + format_double(eps_hi) + " " + context + why());
     }
   } else {
     hi = std::max(kAutoSigmaStart, 2.0 * lo);
@@ -119,7 +133,7 @@ double noise_multiplier_for_epsilon(double target_epsilon, double delta, double 
             "target epsilon " + format_double(target_epsilon) +
             " cannot be reached with sigma in [" + format_double(options.sigma_min) + ", " +
             format_double(kAutoSigmaLimit) + "]: epsilon at sigma " + format_double(lo) + " is " +
-            format_double(eps_lo) + " " + context);
+            format_double(eps_lo) + " " + context + why());
       }
     }
   }

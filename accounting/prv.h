@@ -5,6 +5,14 @@
 // discretised on a mesh chosen from the paper's error analysis (Thm. 5.5 / App. B), self-composed
 // `steps` times by FFT, and the phases are convolved. epsilon comes with a lower bound, an
 // estimate and an upper bound for the requested eps_error and delta_error.
+//
+// Two properties a caller should know:
+//  * the bounds also carry the measured round-off of the double-precision FFT (about 1e-12
+//    absolute in delta, added on top of delta_error rather than taken out of it), so a bound is
+//    at most that much wider than delta_error alone would make it;
+//  * like [GLW21] and Opacus, the PRV is that of the pair (mixture (1-q)N(0,s^2) + qN(1,s^2),
+//    N(0,s^2)), the direction that dominates for the subsampled Gaussian in practice; the RDP
+//    accountant's A_alpha is the same direction [MTZ19].
 #pragma once
 
 #include <cstdint>

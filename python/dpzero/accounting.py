@@ -12,6 +12,7 @@ adds Opacus-compatible front ends:
 from __future__ import annotations
 
 import math
+import warnings
 from typing import List, Optional, Sequence, Tuple
 
 from . import _C
@@ -66,12 +67,18 @@ class RDPAccountant(_History):
         self._record(noise_multiplier, sample_rate, num_steps)
 
     def get_privacy_spent(self, *, delta: float) -> Tuple[float, float]:
-        """(ε, best order)."""
-        result = self._impl.epsilon(delta)
+        """(ε, best order); warns when the best order lies on the edge of the order grid."""
+        result = self.epsilon_details(delta)
+        if result.order_on_edge and len(self) > 0:
+            warnings.warn(
+                f"the best RDP order {result.best_order:g} lies on the edge of the order grid "
+                f"[{min(self._impl.orders):g}, {max(self._impl.orders):g}]; ε = "
+                f"{result.epsilon:.4g} may be loose: widen the grid (orders=...)",
+                RuntimeWarning, stacklevel=2)
         return result.epsilon, result.best_order
 
     def get_epsilon(self, delta: float) -> float:
-        return self._impl.epsilon(delta).epsilon
+        return self.get_privacy_spent(delta=delta)[0]
 
     def epsilon_details(self, delta: float) -> RdpEpsilon:
         """ε, the best order and whether it sits on the edge of the order grid."""

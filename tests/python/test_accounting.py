@@ -165,3 +165,18 @@ def test_rdp_delta_epsilon_round_trip():
 def test_bad_input_names_the_value(call, needle):
     with pytest.raises(ValueError, match=needle):
         call()
+
+
+def test_warns_when_best_order_on_grid_edge():
+    # A tiny-ε run is best served by a large order: on the grid [2, 3] the best order is the edge.
+    r = acc.RDPAccountant(orders=[2.0, 3.0])
+    r.step(noise_multiplier=50.0, sample_rate=0.001, num_steps=10)
+    with pytest.warns(RuntimeWarning, match="edge of the order grid"):
+        r.get_epsilon(1e-5)
+    wide = acc.RDPAccountant()
+    wide.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=1000)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wide.get_epsilon(1e-5)  # best order inside Opacus's grid: no warning

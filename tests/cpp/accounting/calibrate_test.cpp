@@ -169,3 +169,23 @@ TEST(StepsForEpsilon, EdgeCases) {
 
 }  // namespace
 }  // namespace dpzero::accounting
+
+namespace dpzero::accounting {
+namespace {
+
+// A PRV search whose probes reach the PRV method's refusal region (tiny sigma: FFT size cap)
+// must treat those probes as "epsilon above target" and still return a sigma that meets it.
+TEST(CalibratePrv, ProbesInPrvRefusalRegionCountAsAboveTarget) {
+  CalibrationOptions options;
+  options.accountant = AccountantKind::kPrv;
+  options.sigma_min = 0.05;  // the first probe: PRV refuses here (grid far beyond its cap)
+  const double sigma = noise_multiplier_for_epsilon(40.0, 1e-5, 1.0, 2000, options);
+  PrvAccountant check;
+  check.add(Phase{1.0, sigma, 2000});
+  const double eps = check.epsilon(1e-5).upper;
+  EXPECT_LE(eps, 40.0);
+  EXPECT_GE(eps, 40.0 - 0.5);  // and not absurdly over-noised
+}
+
+}  // namespace
+}  // namespace dpzero::accounting
