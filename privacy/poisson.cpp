@@ -18,17 +18,19 @@ void check_sample(int64_t n, double q) {
 
 }  // namespace
 
-std::vector<int64_t> poisson_logical_batch(uint64_t seed, uint32_t step, int64_t n, double q) {
+std::vector<int64_t> poisson_logical_batch(const SamplerSource& source, uint32_t step, int64_t n,
+                                           double q) {
   check_sample(n, q);
   std::vector<int64_t> batch;
   batch.reserve(static_cast<size_t>(std::ceil(q * static_cast<double>(n) * 1.1)) + 16);
   for (int64_t k = 0; k < n; ++k) {
-    if (poisson_included(seed, step, static_cast<uint64_t>(k), q)) batch.push_back(k);
+    if (inclusion_uniform(source, step, static_cast<uint64_t>(k)) < q) batch.push_back(k);
   }
   return batch;
 }
 
-MicroBatchSchedule poisson_micro_batches(uint64_t seed, uint32_t step, int64_t n, double q,
+MicroBatchSchedule poisson_micro_batches(const SamplerSource& source, uint32_t step, int64_t n,
+                                         double q,
                                          int64_t rank, int64_t world_size,
                                          int64_t max_micro_batch) {
   if (world_size < 1) {
@@ -42,7 +44,7 @@ MicroBatchSchedule poisson_micro_batches(uint64_t seed, uint32_t step, int64_t n
     throw std::invalid_argument("max micro-batch size must be >= 1, got " +
                                 std::to_string(max_micro_batch));
   }
-  const std::vector<int64_t> batch = poisson_logical_batch(seed, step, n, q);
+  const std::vector<int64_t> batch = poisson_logical_batch(source, step, n, q);
   MicroBatchSchedule out;
   out.logical_batch_size = static_cast<int64_t>(batch.size());
   out.rank_counts.assign(static_cast<size_t>(world_size), 0);

@@ -11,11 +11,15 @@
 // ascending k, into micro-batches of at most m. All ranks compute every rank's count locally and
 // agree on the micro-batch count max_r ceil(n_r / m) (at least 1, so an empty logical batch is
 // still one step: its noise is still added); a rank that runs short is given empty micro-batches.
+// Secure mode draws u from ChaCha20 under the run's 256-bit entropy key instead (Note [secure
+// noise] in secure_noise.h): block k/8 (counter = low 32 bits, nonce = (high 32 bits, t, "samp")),
+// words 2(k%8) and 2(k%8)+1 — so the batches are as unpredictable as the noise.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "privacy/chacha20.h"
 #include "privacy/host_device.h"
 #include "privacy/noise.h"
 #include "privacy/philox.h"
@@ -32,13 +36,33 @@ DPZERO_HOST_DEVICE double sampler_uniform(uint64_t seed, uint32_t step, uint64_t
   return static_cast<double>(m) * 1.1102230246251565e-16;  // 2^-53
 }
 
-DPZERO_HOST_DEVICE bool poisson_included(uint64_t seed, uint32_t step, uint64_t k, double q) {
-  return sampler_uniform(seed, step, k) < q;
+// Secure mode's u(key, t, k) in [0, 1): 53 bits of ChaCha20 output times 2^-53.
+DPZERO_HOST_DEVICE double secure_sampler_uniform(const ChaCha20Key& key, uint32_t step, uint64_t k) {
+  const uint64_t block = k / 8;
+  const ChaCha20Block b = chacha20_block(key, static_cast<uint32_t>(block),
+                                         static_cast<uint32_t>(block >> 32), step, kSamplerStream);
+  const uint32_t hi = b.w[2 * (k % 8)], lo = b.w[2 * (k % 8) + 1];
+  const uint64_t m = ((static_cast<uint64_t>(hi) << 32) | lo) >> 11;
+  return static_cast<double>(m) * 1.1102230246251565e-16;  // 2^-53
+}
+
+// Where the sampler's randomness comes from: a Philox seed (default) or, in secure mode, a
+// ChaCha20 key from OS entropy shared by all ranks.
+struct SamplerSource {
+  uint64_t seed = 0;
+  bool secure = false;
+  ChaCha20Key key{};
+};
+
+DPZERO_HOST_DEVICE double inclusion_uniform(const SamplerSource& source, uint32_t step, uint64_t k) {
+  return source.secure ? secure_sampler_uniform(source.key, step, k)
+                       : sampler_uniform(source.seed, step, k);
 }
 
 // The logical batch of step t over a dataset of n examples: included indices, ascending.
 // Throws std::invalid_argument naming the value for n < 0 or q outside [0, 1].
-std::vector<int64_t> poisson_logical_batch(uint64_t seed, uint32_t step, int64_t n, double q);
+std::vector<int64_t> poisson_logical_batch(const SamplerSource& source, uint32_t step, int64_t n,
+                                           double q);
 
 struct MicroBatchSchedule {
   int64_t logical_batch_size = 0;             // examples in the step over all ranks
@@ -48,7 +72,7 @@ struct MicroBatchSchedule {
 
 // Rank `rank`'s micro-batches of step t (Note [poisson schedule]). Throws std::invalid_argument for
 // world_size < 1, rank outside [0, world_size), max_micro_batch < 1, or the cases above.
-MicroBatchSchedule poisson_micro_batches(uint64_t seed, uint32_t step, int64_t n, double q,
+MicroBatchSchedule poisson_micro_batches(const SamplerSource& source, uint32_t step, int64_t n, double q,
                                          int64_t rank, int64_t world_size,
                                          int64_t max_micro_batch);
 

@@ -14,7 +14,7 @@ log() { printf '[setup] %s\n' "$*"; }
 # ---- 1. Debian packages -------------------------------------------------------------------------
 # Why each is here: docs/architecture.md "Dependencies".
 apt_packages=(build-essential cmake ccache git pkg-config
-  libeigen3-dev libboost-random-dev nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev)
+  libeigen3-dev libboost-random-dev nlohmann-json3-dev libgtest-dev libgmock-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

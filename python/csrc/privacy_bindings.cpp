@@ -20,31 +20,60 @@ uint32_t checked_step(int64_t step) {
   return static_cast<uint32_t>(step);
 }
 
+// The sampler's source from Python: an int is a Philox seed; a list of eight 32-bit words is a
+// secure-mode ChaCha20 key (from entropy_key()).
+privacy::SamplerSource sampler_source(const py::object& seed_or_key) {
+  privacy::SamplerSource source;
+  if (py::isinstance<py::int_>(seed_or_key)) {
+    source.seed = seed_or_key.cast<uint64_t>();
+    return source;
+  }
+  const auto words = seed_or_key.cast<std::vector<int64_t>>();
+  if (words.size() != 8) {
+    throw std::invalid_argument("a secure sampler key must have 8 words, got " +
+                                std::to_string(words.size()));
+  }
+  source.secure = true;
+  for (size_t i = 0; i < 8; ++i) {
+    if (words[i] < 0 || words[i] > static_cast<int64_t>(UINT32_MAX)) {
+      throw std::invalid_argument("sampler key word " + std::to_string(i) +
+                                  " must be in [0, 2^32), got " + std::to_string(words[i]));
+    }
+    source.key.w[i] = static_cast<uint32_t>(words[i]);
+  }
+  return source;
+}
+
 }  // namespace
 
 void bind_privacy(py::module_ m) {
   using namespace dpzero::privacy;
   m.def(
       "sampler_uniform",
-      [](uint64_t seed, int64_t step, uint64_t k) { return sampler_uniform(seed, checked_step(step), k); },
+      [](const py::object& seed, int64_t step, uint64_t k) {
+        return inclusion_uniform(sampler_source(seed), checked_step(step), k);
+      },
       py::arg("seed"), py::arg("step"), py::arg("k"),
-      "u(seed, step, k) in [0, 1): example k is in step's batch iff u < q (Note [poisson schedule]).");
+      "u(seed, step, k) in [0, 1): example k is in step's batch iff u < q (Note [poisson "
+      "schedule]); seed is an int (Philox) or an 8-word key (secure mode).");
   m.def(
       "poisson_logical_batch",
-      [](uint64_t seed, int64_t step, int64_t n, double q) {
-        return poisson_logical_batch(seed, checked_step(step), n, q);
+      [](const py::object& seed, int64_t step, int64_t n, double q) {
+        return poisson_logical_batch(sampler_source(seed), checked_step(step), n, q);
       },
-      py::arg("seed"), py::arg("step"), py::arg("n"), py::arg("q"));
+      py::arg("seed"), py::arg("step"), py::arg("n"), py::arg("q"),
+      "Included example indices of step's logical batch; seed is an int (Philox) or an "
+      "8-word key (secure mode, ChaCha20).");
   py::class_<MicroBatchSchedule>(m, "MicroBatchSchedule")
       .def_readonly("logical_batch_size", &MicroBatchSchedule::logical_batch_size)
       .def_readonly("rank_counts", &MicroBatchSchedule::rank_counts)
       .def_readonly("micro_batches", &MicroBatchSchedule::micro_batches);
   m.def(
       "poisson_micro_batches",
-      [](uint64_t seed, int64_t step, int64_t n, double q, int64_t rank, int64_t world_size,
-         int64_t max_micro_batch) {
-        return poisson_micro_batches(seed, checked_step(step), n, q, rank, world_size,
-                                     max_micro_batch);
+      [](const py::object& seed, int64_t step, int64_t n, double q, int64_t rank,
+         int64_t world_size, int64_t max_micro_batch) {
+        return poisson_micro_batches(sampler_source(seed), checked_step(step), n, q, rank,
+                                     world_size, max_micro_batch);
       },
       py::arg("seed"), py::arg("step"), py::arg("n"), py::arg("q"), py::arg("rank"),
       py::arg("world_size"), py::arg("max_micro_batch"));

@@ -9,7 +9,7 @@ empty micro-batch into correctly shaped empty tensors.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence, Union
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -27,13 +27,15 @@ class PoissonBatchSampler(Sampler[List[int]]):
         num_samples: dataset size N.
         sample_rate: q in [0, 1].
         steps: number of logical steps to yield.
-        seed: sampler seed (a 64-bit integer); the same seed gives the same batches on every rank.
+        seed: sampler seed — a 64-bit integer (Philox), or in secure mode the run's 8-word key
+            (``NoiseSource.sampler_seed``); the same seed gives the same batches on every rank.
         rank, world_size: this rank and the number of ranks (partition k mod world_size).
         max_physical_batch_size: micro-batch cap m (default: no cap, one micro-batch per step).
         start_step: first step (for resuming a run).
     """
 
-    def __init__(self, num_samples: int, sample_rate: float, steps: int, seed: int, rank: int = 0,
+    def __init__(self, num_samples: int, sample_rate: float, steps: int,
+                 seed: Union[int, Sequence[int]], rank: int = 0,
                  world_size: int = 1, max_physical_batch_size: Optional[int] = None,
                  start_step: int = 0) -> None:
         if steps < 0:
@@ -46,7 +48,7 @@ class PoissonBatchSampler(Sampler[List[int]]):
         self.num_samples = int(num_samples)
         self.sample_rate = float(sample_rate)
         self.steps = int(steps)
-        self.seed = int(seed) & ((1 << 64) - 1)
+        self.seed = int(seed) & ((1 << 64) - 1) if isinstance(seed, int) else [int(w) for w in seed]
         self.rank, self.world_size = int(rank), int(world_size)
         self.max_physical_batch_size = max_physical_batch_size or max(1, self.num_samples)
         self.start_step = int(start_step)
@@ -97,7 +99,8 @@ def _map_tensors(obj, fn):
     return obj
 
 
-def dp_data_loader(dataset: Dataset, sample_rate: float, steps: int, seed: int, rank: int = 0,
+def dp_data_loader(dataset: Dataset, sample_rate: float, steps: int,
+                   seed: Union[int, Sequence[int]], rank: int = 0,
                    world_size: int = 1, max_physical_batch_size: Optional[int] = None,
                    start_step: int = 0, **loader_kwargs) -> DataLoader:
     """A DataLoader over Poisson-sampled micro-batches (``loader.batch_sampler`` is the sampler)."""

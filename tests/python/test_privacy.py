@@ -191,3 +191,62 @@ def test_group_thresholds():
     assert t[1] / t[0] == pytest.approx(math.sqrt(3.0))
     with pytest.raises(ValueError, match="-2"):
         privacy.group_thresholds(1.0, 2, [1.0, -2.0])
+
+
+# ---- secure mode end to end: NoiseSource and the sampler ---------------------------------------
+
+def _secure_rank(rank, world_size, port, out_dir):
+    import os
+
+    import torch.distributed as dist
+
+    from dpzero.noise import NoiseSource
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        src = NoiseSource(secure_mode=True)  # every rank draws entropy; rank 0's key wins
+        x = torch.zeros(10, dtype=torch.float64)
+        src.add_(x, 1.0, 0, 10 * rank)  # rank r owns coordinates [10r, 10r + 10)
+        parts = [torch.zeros(10, dtype=torch.float64) for _ in range(world_size)]
+        dist.all_gather(parts, x)
+        if rank == 0:
+            torch.save({"noise": torch.cat(parts), "key": src.sampler_seed},
+                       os.path.join(out_dir, "secure.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_secure_key_is_shared_by_all_ranks(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_secure_rank, args=(3, port, str(tmp_path)), nprocs=3, join=True)
+    saved = torch.load(tmp_path / "secure.pt")
+    ref = torch.zeros(30, dtype=torch.float64)
+    torch.ops.dpzero.add_secure_noise_(ref, 1.0, saved["key"], 0, 0)
+    assert torch.equal(saved["noise"], ref)  # one key, so the shards form one noise vector
+
+
+def test_secure_sampler_differs_from_philox_and_partitions():
+    from dpzero.noise import NoiseSource
+
+    src = NoiseSource(secure_mode=True)
+    key = src.sampler_seed
+    assert len(key) == 8 and src.seed is None
+    batch = privacy.poisson_logical_batch(key, 4, 2000, 0.05)
+    union = sorted(k for r in range(2) for mb in PoissonBatchSampler(
+        2000, 0.05, 1, seed=key, rank=r, world_size=2, start_step=4).schedule(4).micro_batches
+        for k in mb)
+    assert union == batch
+    assert privacy.sampler_uniform(key, 4, 7) != privacy.sampler_uniform(12345, 4, 7)
+    default = NoiseSource(seed=2**64 - 1)
+    x = torch.zeros(8)
+    default.add_(x, 1.0, 0, 0)
+    y = torch.zeros(8)
+    torch.ops.dpzero.add_noise_(y, 1.0, -1, 0, 0)  # the same 64 bits as int64
+    assert torch.equal(x, y)

@@ -12,25 +12,25 @@ namespace dpzero::privacy {
 namespace {
 
 TEST(Poisson, LogicalBatchIsThePureInclusionFunction) {
-  const auto batch = poisson_logical_batch(7, 3, 5000, 0.01);
+  const auto batch = poisson_logical_batch(SamplerSource{7}, 3, 5000, 0.01);
   std::set<int64_t> in(batch.begin(), batch.end());
   for (int64_t k = 0; k < 5000; ++k) {
     EXPECT_EQ(in.count(k) == 1, sampler_uniform(7, 3, static_cast<uint64_t>(k)) < 0.01) << k;
   }
   EXPECT_TRUE(std::is_sorted(batch.begin(), batch.end()));
-  EXPECT_EQ(poisson_logical_batch(7, 3, 5000, 0.0).size(), 0u);
-  EXPECT_EQ(poisson_logical_batch(7, 3, 5000, 1.0).size(), 5000u);
-  EXPECT_NE(poisson_logical_batch(7, 4, 5000, 0.01), batch);  // another step, another batch
+  EXPECT_EQ(poisson_logical_batch(SamplerSource{7}, 3, 5000, 0.0).size(), 0u);
+  EXPECT_EQ(poisson_logical_batch(SamplerSource{7}, 3, 5000, 1.0).size(), 5000u);
+  EXPECT_NE(poisson_logical_batch(SamplerSource{7}, 4, 5000, 0.01), batch);  // another step, another batch
 }
 
 TEST(Poisson, RanksPartitionTheBatchAndAgreeOnMicroBatchCount) {
   for (int64_t world : {1, 2, 3, 4, 8}) {
     for (int64_t m : {1, 3, 16}) {
-      const auto batch = poisson_logical_batch(99, 12, 997, 0.05);
+      const auto batch = poisson_logical_batch(SamplerSource{99}, 12, 997, 0.05);
       std::vector<int64_t> union_of_ranks;
       size_t agreed = 0;
       for (int64_t r = 0; r < world; ++r) {
-        const auto s = poisson_micro_batches(99, 12, 997, 0.05, r, world, m);
+        const auto s = poisson_micro_batches(SamplerSource{99}, 12, 997, 0.05, r, world, m);
         if (r == 0) agreed = s.micro_batches.size();
         EXPECT_EQ(s.micro_batches.size(), agreed) << "rank " << r;
         EXPECT_EQ(s.logical_batch_size, static_cast<int64_t>(batch.size()));
@@ -49,7 +49,7 @@ TEST(Poisson, RanksPartitionTheBatchAndAgreeOnMicroBatchCount) {
 }
 
 TEST(Poisson, EmptyLogicalBatchIsOneEmptyMicroBatch) {
-  const auto s = poisson_micro_batches(1, 1, 100, 0.0, 0, 2, 8);
+  const auto s = poisson_micro_batches(SamplerSource{1}, 1, 100, 0.0, 0, 2, 8);
   EXPECT_EQ(s.logical_batch_size, 0);
   ASSERT_EQ(s.micro_batches.size(), 1u);
   EXPECT_TRUE(s.micro_batches[0].empty());
@@ -64,12 +64,38 @@ TEST(Poisson, BadArgumentsNameTheValue) {
     }
     return std::string("no error");
   };
-  EXPECT_NE(message([] { poisson_logical_batch(1, 1, -5, 0.1); }).find("-5"), std::string::npos);
-  EXPECT_NE(message([] { poisson_logical_batch(1, 1, 5, 1.5); }).find("1.5"), std::string::npos);
-  EXPECT_NE(message([] { poisson_micro_batches(1, 1, 5, 0.1, 3, 2, 4); }).find("got 3"),
+  EXPECT_NE(message([] { poisson_logical_batch(SamplerSource{1}, 1, -5, 0.1); }).find("-5"), std::string::npos);
+  EXPECT_NE(message([] { poisson_logical_batch(SamplerSource{1}, 1, 5, 1.5); }).find("1.5"), std::string::npos);
+  EXPECT_NE(message([] { poisson_micro_batches(SamplerSource{1}, 1, 5, 0.1, 3, 2, 4); }).find("got 3"),
             std::string::npos);
-  EXPECT_NE(message([] { poisson_micro_batches(1, 1, 5, 0.1, 0, 2, 0); }).find("got 0"),
+  EXPECT_NE(message([] { poisson_micro_batches(SamplerSource{1}, 1, 5, 0.1, 0, 2, 0); }).find("got 0"),
             std::string::npos);
+}
+
+}  // namespace
+}  // namespace dpzero::privacy
+
+namespace dpzero::privacy {
+namespace {
+
+TEST(Poisson, SecureSourceUsesChaCha20AndPartitionsTheSame) {
+  SamplerSource secure;
+  secure.secure = true;
+  secure.key = ChaCha20Key{{9, 8, 7, 6, 5, 4, 3, 2}};
+  const auto batch = poisson_logical_batch(secure, 5, 3000, 0.02);
+  std::set<int64_t> in(batch.begin(), batch.end());
+  for (int64_t k = 0; k < 3000; ++k) {
+    EXPECT_EQ(in.count(k) == 1, secure_sampler_uniform(secure.key, 5, static_cast<uint64_t>(k)) < 0.02);
+  }
+  EXPECT_NE(batch, poisson_logical_batch(SamplerSource{0}, 5, 3000, 0.02));
+  std::vector<int64_t> union_of_ranks;
+  for (int64_t r = 0; r < 3; ++r) {
+    for (const auto& mb : poisson_micro_batches(secure, 5, 3000, 0.02, r, 3, 10).micro_batches) {
+      union_of_ranks.insert(union_of_ranks.end(), mb.begin(), mb.end());
+    }
+  }
+  std::sort(union_of_ranks.begin(), union_of_ranks.end());
+  EXPECT_EQ(union_of_ranks, batch);
 }
 
 }  // namespace

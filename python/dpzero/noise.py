@@ -1,0 +1,73 @@
+"""Where a run's randomness comes from: a seeded Philox source (reproducible) or secure mode.
+
+:class:`NoiseSource` owns the seed (default mode) or the 256-bit ChaCha20 key (secure mode, drawn
+from OS entropy and, in a multi-rank run, broadcast from rank 0 so that every rank draws the same
+z(key, t, j) — Note [noise ownership] in privacy/noise.h, Note [secure noise] in
+privacy/secure_noise.h). It adds the step's noise to the global coordinates a tensor holds and
+hands the Poisson sampler its seed.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+
+class NoiseSource:
+    """Noise and sampling randomness of one run.
+
+    Args:
+        seed: 64-bit seed for the default Philox generator (reproducible runs). Ignored in secure
+            mode. ``None`` draws one at random (still Philox: the run is then not reproducible
+            unless you record ``seed``).
+        secure_mode: use ChaCha20 keyed from OS entropy, fp64 noise and the sum-of-normals
+            mitigation; the key is never derived from anything the user chose.
+        group: process group to broadcast the secure key over (default: the default group if
+            torch.distributed is initialised).
+    """
+
+    def __init__(self, seed: Optional[int] = None, secure_mode: bool = False, group=None) -> None:
+        self.secure_mode = bool(secure_mode)
+        self.seed: Optional[int] = None
+        self._key: Optional[List[int]] = None
+        if self.secure_mode:
+            self._key = _broadcast_key(_C.privacy.entropy_key(), group)
+        else:
+            self.seed = int(seed) if seed is not None else secrets.randbits(63)
+
+    @property
+    def sampler_seed(self) -> Union[int, List[int]]:
+        """What :class:`dpzero.data.PoissonBatchSampler` takes as ``seed``."""
+        return list(self._key) if self.secure_mode else self.seed
+
+    def add_(self, tensor: torch.Tensor, std: float, step: int, offset: int) -> torch.Tensor:
+        """Add std · z(step, j) to ``tensor`` (contiguous) holding global coordinates
+        [offset, offset + numel); returns ``tensor``."""
+        if self.secure_mode:
+            return torch.ops.dpzero.add_secure_noise_(tensor, std, self._key, step, offset)
+        return torch.ops.dpzero.add_noise_(tensor, std, _as_int64(self.seed), step, offset)
+
+    def __repr__(self) -> str:
+        return ("NoiseSource(secure_mode=True)" if self.secure_mode
+                else f"NoiseSource(seed={self.seed})")
+
+
+def _as_int64(seed: int) -> int:
+    """The op takes int64; any 64-bit seed is passed through by its bits."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= (1 << 63) else seed
+
+
+def _broadcast_key(key: List[int], group) -> List[int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return key
+    words = torch.tensor(key, dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        words = words.cuda()
+    dist.broadcast(words, src=0, group=group)
+    return [int(w) for w in words.cpu().tolist()]
