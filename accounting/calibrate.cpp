@@ -164,6 +164,7 @@ int64_t steps_for_epsilon(double target_epsilon, double delta, double q, double 
   if (q == 0.0) return std::numeric_limits<int64_t>::max();  // eps is 0 for any number of steps
 
   std::function<double(int64_t)> eps;
+  std::string prv_failure;  // the PRV refusal at the latest probe, if any
   if (options.accountant == AccountantKind::kRdp) {
     // The per-step RDP curve is computed once; n steps cost n times it [Mironov 2017, Prop. 1].
     // RdpAccountant::add multiplies the same way, so the result is bit-identical to it.
@@ -177,12 +178,21 @@ int64_t steps_for_epsilon(double target_epsilon, double delta, double q, double 
       return rdp_to_epsilon(orders, rdp, delta).epsilon;
     };
   } else {
-    eps = [q, sigma, delta, &options](int64_t steps) {
-      return phase_epsilon(Phase{q, sigma, steps}, delta, options, {});
+    eps = [q, sigma, delta, &options, &prv_failure](int64_t steps) {
+      return phase_epsilon(Phase{q, sigma, steps}, delta, options, {}, &prv_failure);
     };
   }
 
-  if (eps(1) > target_epsilon) return 0;
+  if (eps(1) > target_epsilon) {
+    // A PRV refusal at one step is not "one step already exceeds the target": the method could
+    // not answer at all, so say so instead of returning 0.
+    if (!prv_failure.empty()) {
+      throw std::runtime_error("cannot count steps for target epsilon " +
+                               format_double(target_epsilon) + " with the PRV accountant: " +
+                               prv_failure);
+    }
+    return 0;
+  }
   // Exponential search: lo meets the target, hi exceeds it.
   int64_t lo = 1;
   int64_t hi = 2;

@@ -31,7 +31,9 @@ double noise_multiplier_for_epsilon(double target_epsilon, double delta, double 
 
 // Largest number of steps with sigma and q whose epsilon stays <= target (0 if even one step
 // exceeds it). Saturates at INT64_MAX when epsilon stays below target past 2^62 steps (and for
-// q = 0, where epsilon is always 0).
+// q = 0, where epsilon is always 0). With the PRV accountant, a probe the PRV method refuses
+// (calibrate.cpp) counts as exceeding the target; if it refuses even one step, this throws
+// std::runtime_error with the PRV's reason rather than answering 0.
 int64_t steps_for_epsilon(double target_epsilon, double delta, double q, double sigma,
                           const CalibrationOptions& options = {});
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cmath>
+#include <stdexcept>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -21,12 +22,15 @@ inline privacy::ClipMode check_clip_args(const at::Tensor& norms, double max_nor
               norms.scalar_type());
   TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0.0,
               "dpzero::clip_factors: max_norm must be finite and > 0, got ", max_norm);
-  TORCH_CHECK(std::isfinite(gamma) && gamma > 0.0,
-              "dpzero::clip_factors: gamma must be finite and > 0, got ", gamma);
-  const std::string name(mode.data(), mode.size());
-  TORCH_CHECK(name == "flat" || name == "automatic",
-              "dpzero::clip_factors: mode must be 'flat' or 'automatic', got '", name, "'");
-  return privacy::parse_clip_mode(name);
+  privacy::ClipMode clip_mode;
+  try {
+    clip_mode = privacy::parse_clip_mode(std::string(mode.data(), mode.size()));
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, "dpzero::clip_factors: ", e.what());
+  }
+  TORCH_CHECK(clip_mode != privacy::ClipMode::kAutomatic || (std::isfinite(gamma) && gamma > 0.0),
+              "dpzero::clip_factors: automatic clipping needs a finite gamma > 0, got ", gamma);
+  return clip_mode;
 }
 
 }  // namespace dpzero::kernels

@@ -6,7 +6,7 @@
 //                                                           eq. (4.1), normalisation)
 //  * per-layer / per-group: thresholds C_l with sum_l C_l^2 = C^2 (McMahan et al. 2018, §3), so
 //    the whole sample's clipped gradient still has norm <= C.
-// A NaN or infinite norm gives factor 0: the sample contributes nothing (and is counted).
+// A NaN, infinite or negative norm gives factor 0: the sample contributes nothing (and is counted).
 #pragma once
 
 #include <cmath>
@@ -23,20 +23,31 @@ constexpr double kDefaultAutomaticGamma = 0.01;
 
 enum class ClipMode { kFlat, kAutomatic };
 
-DPZERO_HOST_DEVICE bool finite_norm(float norm) {
+// A norm the clip can use: finite and >= 0 (a per-sample norm is a square root, so a negative one
+// is a caller bug; it must not turn into a factor that breaks the sensitivity bound).
+DPZERO_HOST_DEVICE bool valid_norm(float norm) {
 #if defined(__CUDA_ARCH__)
-  return isfinite(norm);
+  return isfinite(norm) && norm >= 0.0f;
 #else
-  return std::isfinite(norm);
+  return std::isfinite(norm) && norm >= 0.0f;
 #endif
 }
 
 // The factor of one sample with gradient norm `norm` (fp32, as the norms are accumulated).
+// Sensitivity (DESIGN.md §3): norm * factor <= max_norm holds EXACTLY, not only up to rounding —
+// the factor is computed in fp64, rounded to fp32, and stepped down one ulp while the exact
+// product (two fp32 values multiply exactly in fp64) still exceeds max_norm.
 DPZERO_HOST_DEVICE float clip_factor(float norm, float max_norm, ClipMode mode, float gamma) {
-  if (!finite_norm(norm)) return 0.0f;
-  if (mode == ClipMode::kAutomatic) return max_norm / (norm + gamma);
-  const float c = max_norm / (norm + static_cast<float>(kFlatClipEpsilon));
-  return c < 1.0f ? c : 1.0f;
+  if (!valid_norm(norm)) return 0.0f;
+  const double n = static_cast<double>(norm);
+  double c = mode == ClipMode::kAutomatic ? static_cast<double>(max_norm) / (n + gamma)
+                                          : static_cast<double>(max_norm) / (n + kFlatClipEpsilon);
+  if (mode == ClipMode::kFlat && c > 1.0) c = 1.0;
+  float f = static_cast<float>(c);
+  while (f > 0.0f && n * static_cast<double>(f) > static_cast<double>(max_norm)) {
+    f = nextafterf(f, 0.0f);
+  }
+  return f;
 }
 
 // "flat" / "automatic"; throws std::invalid_argument naming the string otherwise.

@@ -23,6 +23,7 @@
 #include "privacy/host_device.h"
 #include "privacy/noise.h"
 #include "privacy/philox.h"
+#include "privacy/streams.h"
 
 namespace dpzero::privacy {
 

@@ -28,8 +28,9 @@
 #include <cstdint>
 
 #include "privacy/chacha20.h"
+#include "privacy/gaussian.h"
 #include "privacy/host_device.h"
-#include "privacy/noise.h"
+#include "privacy/streams.h"
 
 namespace dpzero::privacy {
 
@@ -42,10 +43,10 @@ DPZERO_HOST_DEVICE double uniform_open01_f64(uint32_t hi, uint32_t lo) {
   return static_cast<double>((m << 1) | 1u) * 1.1102230246251565e-16;  // 2^-53
 }
 
-// Box–Muller in fp64 [Box & Muller 1958, eq. (1)].
-DPZERO_HOST_DEVICE void box_muller_f64(double u1, double u2, double& z0, double& z1) {
+// Box–Muller in fp64 [Box & Muller 1958, eq. (1)] with the radius from 64 bits (Note [gaussian
+// tail] in gaussian.h) and the angle from a 52-bit-grid uniform.
+DPZERO_HOST_DEVICE void box_muller_f64(double radius, double u2, double& z0, double& z1) {
   constexpr double kTwoPi = 6.283185307179586476925286766559;
-  const double radius = sqrt(-2.0 * log(u1));
   z0 = radius * cos(kTwoPi * u2);
   z1 = radius * sin(kTwoPi * u2);
 }
@@ -60,7 +61,7 @@ DPZERO_HOST_DEVICE void secure_normal2(const ChaCha20Key& key, uint32_t step, ui
     for (int p = 0; p < kSecureSummands / 2; ++p) {
       const uint32_t* w = &b.w[8 * c + 4 * p];
       double z0, z1;
-      box_muller_f64(uniform_open01_f64(w[0], w[1]), uniform_open01_f64(w[2], w[3]), z0, z1);
+      box_muller_f64(box_muller_radius64(w[0], w[1]), uniform_open01_f64(w[2], w[3]), z0, z1);
       sum += z0 + z1;
     }
     out[c] = sum * 0.5;  // divide by sqrt(k) = 2: the sum of 4 N(0,1) is N(0,4)

@@ -23,7 +23,7 @@ std::tuple<at::Tensor, at::Tensor> clip_factors_cpu(const at::Tensor& norms, dou
   for (int64_t i = 0; i < n.numel(); ++i) {
     out[i] = privacy::clip_factor(in[i], static_cast<float>(max_norm), clip_mode,
                                   static_cast<float>(gamma));
-    nonfinite += std::isfinite(in[i]) ? 0 : 1;
+    nonfinite += privacy::valid_norm(in[i]) ? 0 : 1;
   }
   return {factors, at::scalar_tensor(nonfinite, at::kLong)};
 }

@@ -12,7 +12,7 @@ namespace {
 
 at::Tensor& add_secure_noise_cpu_(at::Tensor& self, double stddev, c10::IntArrayRef key,
                                   int64_t step, int64_t offset) {
-  check_add_noise_args(self, stddev, step, offset, /*allow_double=*/true);
+  check_add_noise_args("dpzero::add_secure_noise_", self, stddev, step, offset, /*allow_double=*/true);
   const privacy::ChaCha20Key k = secure_key_from(key);
   const int64_t n = self.numel();
   if (n == 0) return self;

@@ -23,7 +23,7 @@ __global__ void clip_factors_kernel(const float* __restrict__ norms,  // [B]
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float n = norms[i];
     factors[i] = privacy::clip_factor(n, max_norm, mode, gamma);
-    if (!privacy::finite_norm(n)) atomicAdd(nonfinite, 1ull);
+    if (!privacy::valid_norm(n)) atomicAdd(nonfinite, 1ull);
   }
 }
 

@@ -13,7 +13,7 @@
 namespace dpzero::kernels {
 namespace {
 
-// One thread per Philox block of four global coordinates, grid-stride over blocks.
+// One thread per Philox block of kNoiseLanes global coordinates, grid-stride over blocks.
 template <typename scalar_t>
 __global__ void add_noise_kernel(scalar_t* __restrict__ data,  // [n]
                                  int64_t n, int64_t offset, int64_t first_block,
@@ -21,11 +21,11 @@ __global__ void add_noise_kernel(scalar_t* __restrict__ data,  // [n]
   for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b < num_blocks;
        b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t block = first_block + b;
-    float z[4];
-    privacy::normal4(seed, step, privacy::kNoiseStream, static_cast<uint64_t>(block), z);
+    float z[privacy::kNoiseLanes];
+    privacy::normal2(seed, step, privacy::kNoiseStream, static_cast<uint64_t>(block), z);
 #pragma unroll
-    for (int lane = 0; lane < 4; ++lane) {
-      const int64_t i = block * 4 + lane - offset;
+    for (int lane = 0; lane < privacy::kNoiseLanes; ++lane) {
+      const int64_t i = block * privacy::kNoiseLanes + lane - offset;
       if (i < 0 || i >= n) continue;
       data[i] = static_cast<scalar_t>(static_cast<float>(data[i]) + stddev * z[lane]);
     }
@@ -34,12 +34,12 @@ __global__ void add_noise_kernel(scalar_t* __restrict__ data,  // [n]
 
 at::Tensor& add_noise_cuda_(at::Tensor& self, double stddev, int64_t seed, int64_t step,
                             int64_t offset) {
-  check_add_noise_args(self, stddev, step, offset);
+  check_add_noise_args("dpzero::add_noise_", self, stddev, step, offset);
   const int64_t n = self.numel();
   if (n == 0) return self;
   const c10::cuda::CUDAGuard guard(self.device());
-  const int64_t first_block = offset / 4;
-  const int64_t num_blocks = (offset + n - 1) / 4 - first_block + 1;
+  const int64_t first_block = offset / privacy::kNoiseLanes;
+  const int64_t num_blocks = (offset + n - 1) / privacy::kNoiseLanes - first_block + 1;
   constexpr int kThreads = 256;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t wanted = (num_blocks + kThreads - 1) / kThreads;

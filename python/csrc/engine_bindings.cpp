@@ -39,14 +39,31 @@ void bind_engine(py::module_ m) {
       .def_property_readonly("flat_offsets", &UnitLayout::flat_offsets)
       .def("runs", &UnitLayout::runs)
       .def("runs_for_rank", &UnitLayout::runs_for_rank, py::arg("rank"));
+  py::class_<zero::ShardPlan>(m, "ShardPlan",
+                              "All units of a model, checked to cover [0, total) exactly once.")
+      .def(py::init<std::vector<UnitLayout>, int64_t>(), py::arg("units"),
+           py::arg("total_coordinates"))
+      .def_property_readonly("units", &zero::ShardPlan::units)
+      .def_property_readonly("world_size", &zero::ShardPlan::world_size)
+      .def_property_readonly("total_coordinates", &zero::ShardPlan::total_coordinates);
   m.def(
       "add_shard_noise_",
-      [](at::Tensor shard, const UnitLayout& layout, int64_t rank, double stddev, int64_t seed,
-         int64_t step) { return zero::add_shard_noise_(shard, layout, rank, stddev, seed, step); },
+      [](at::Tensor shard, const UnitLayout& layout, int64_t rank, double stddev,
+         const py::object& seed, int64_t step) {
+        zero::NoiseKey key;
+        if (py::isinstance<py::int_>(seed)) {
+          key.seed = seed.cast<int64_t>();
+        } else {
+          key.secure = true;
+          key.key = seed.cast<std::vector<int64_t>>();
+        }
+        return zero::add_shard_noise_(shard, layout, rank, stddev, key, step);
+      },
       py::arg("shard"), py::arg("layout"), py::arg("rank"), py::arg("std"), py::arg("seed"),
       py::arg("step"),
       "Add std * z(seed, step, j) to every coordinate j that `rank` owns in `shard` "
-      "(Note [noise ownership]); returns how many coordinates were noised.");
+      "(Note [noise ownership]); seed is an int64 Philox seed or secure mode's 8-word key. "
+      "Returns how many coordinates were noised.");
 }
 
 }  // namespace dpzero::python

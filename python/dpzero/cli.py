@@ -55,10 +55,10 @@ def cmd_budget(args: argparse.Namespace) -> int:
         plot_epsilon_curve(
             curve, f"q={args.sample_rate:g}, σ={args.noise_multiplier:g}, δ={args.delta:g}", args.plot)
     if args.json:
-        out = report.to_dict()
+        out = _json_safe(report.to_dict())
         if args.plot:
             out["plot"] = args.plot
-        json.dump(out, sys.stdout, indent=2)
+        json.dump(out, sys.stdout, indent=2, allow_nan=False)
         sys.stdout.write("\n")
         return 0
     print(f"q = {args.sample_rate:g}   σ = {args.noise_multiplier:g}   steps = {steps}   "
@@ -79,6 +79,17 @@ def cmd_budget(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"plot: {args.plot}")
     return 0
+
+
+def _json_safe(obj):
+    """NaN/inf (an accountant that could not answer) become null: JSON has no NaN."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -145,6 +156,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:  # bad values are reported by the C++ layer with the value named
         print(f"dpzero {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # an accountant that cannot certify the accuracy asked for
+        print(f"dpzero {args.command}: error: {exc}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ empty micro-batch into correctly shaped empty tensors.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Iterator, List, Optional, Sequence, Union
 
 import torch
@@ -48,7 +49,8 @@ class PoissonBatchSampler(Sampler[List[int]]):
         self.num_samples = int(num_samples)
         self.sample_rate = float(sample_rate)
         self.steps = int(steps)
-        self.seed = int(seed) & ((1 << 64) - 1) if isinstance(seed, int) else [int(w) for w in seed]
+        self.seed = _sampler_seed(seed)
+        self._counts: dict = {}  # step -> micro-batch count, filled as schedules are computed
         self.rank, self.world_size = int(rank), int(world_size)
         self.max_physical_batch_size = max_physical_batch_size or max(1, self.num_samples)
         self.start_step = int(start_step)
@@ -59,9 +61,11 @@ class PoissonBatchSampler(Sampler[List[int]]):
 
     def schedule(self, step: int) -> _privacy.MicroBatchSchedule:
         """This rank's micro-batches of ``step`` with the logical batch size and per-rank counts."""
-        return _privacy.poisson_micro_batches(self.seed, step, self.num_samples, self.sample_rate,
-                                              self.rank, self.world_size,
-                                              self.max_physical_batch_size)
+        sched = _privacy.poisson_micro_batches(self.seed, step, self.num_samples, self.sample_rate,
+                                               self.rank, self.world_size,
+                                               self.max_physical_batch_size)
+        self._counts[step] = len(sched.micro_batches)
+        return sched
 
     def logical_batches(self) -> Iterator[tuple]:
         """(step, schedule) for each step."""
@@ -73,8 +77,21 @@ class PoissonBatchSampler(Sampler[List[int]]):
             yield from sched.micro_batches
 
     def __len__(self) -> int:
-        # Exact, because the micro-batch count of a step is computed, not estimated.
-        return sum(len(s.micro_batches) for _, s in self.logical_batches())
+        # Exact, because the micro-batch count of a step is computed, not estimated; each step's
+        # schedule is computed at most once for this (iteration fills the same cache).
+        steps = range(self.start_step, self.start_step + self.steps)
+        return sum(self._counts[t] if t in self._counts else len(self.schedule(t).micro_batches)
+                   for t in steps)
+
+
+def _sampler_seed(seed):
+    """An integer seed (any integral type: Python, numpy) or secure mode's 8-word key."""
+    if isinstance(seed, numbers.Integral):
+        return int(seed) & ((1 << 64) - 1)
+    if isinstance(seed, (list, tuple)) and len(seed) == 8 and all(
+            isinstance(w, numbers.Integral) for w in seed):
+        return [int(w) for w in seed]
+    raise ValueError(f"seed must be an integer or a secure key of 8 integers, got {seed!r}")
 
 
 def empty_safe_collate(dataset: Dataset):

@@ -52,6 +52,12 @@ class NoiseSource:
             return torch.ops.dpzero.add_secure_noise_(tensor, std, self._key, step, offset)
         return torch.ops.dpzero.add_noise_(tensor, std, _as_int64(self.seed), step, offset)
 
+    def add_shard_(self, shard: torch.Tensor, layout, rank: int, std: float, step: int) -> int:
+        """Noise the coordinates ``rank`` owns in its ``shard`` of a unit (``layout``: a
+        ``dpzero._C.engine.UnitLayout``); returns how many coordinates were noised."""
+        seed = list(self._key) if self.secure_mode else _as_int64(self.seed)
+        return _C.engine.add_shard_noise_(shard, layout, rank, std, seed, step)
+
     def __repr__(self) -> str:
         return ("NoiseSource(secure_mode=True)" if self.secure_mode
                 else f"NoiseSource(seed={self.seed})")
@@ -69,5 +75,5 @@ def _broadcast_key(key: List[int], group) -> List[int]:
     words = torch.tensor(key, dtype=torch.int64)
     if dist.get_backend(group) == "nccl":
         words = words.cuda()
-    dist.broadcast(words, src=0, group=group)
+    dist.broadcast(words, group=group, group_src=0)  # rank 0 *of the group*
     return [int(w) for w in words.cpu().tolist()]

@@ -7,17 +7,26 @@
 namespace dpzero::zero {
 
 int64_t add_shard_noise_(at::Tensor& shard, const UnitLayout& layout, int64_t rank, double stddev,
-                         int64_t seed, int64_t step) {
+                         const NoiseKey& key, int64_t step) {
   TORCH_CHECK(shard.dim() == 1 && shard.numel() == layout.shard_numel(),
               "add_shard_noise_: shard must be 1-D with ", layout.shard_numel(),
               " elements (the layout's shard size), got shape ", shard.sizes());
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("dpzero::add_noise_", "")
-                             .typed<at::Tensor&(at::Tensor&, double, int64_t, int64_t, int64_t)>();
+  static const auto philox_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpzero::add_noise_", "")
+          .typed<at::Tensor&(at::Tensor&, double, int64_t, int64_t, int64_t)>();
+  static const auto secure_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpzero::add_secure_noise_", "")
+          .typed<at::Tensor&(at::Tensor&, double, c10::IntArrayRef, int64_t, int64_t)>();
   int64_t noised = 0;
   for (const CoordinateRun& run : layout.runs_for_rank(rank)) {
     at::Tensor piece = shard.narrow(0, run.local_offset, run.length);
-    op.call(piece, stddev, seed, step, run.global_offset);
+    if (key.secure) {
+      secure_op.call(piece, stddev, key.key, step, run.global_offset);
+    } else {
+      philox_op.call(piece, stddev, key.seed, step, run.global_offset);
+    }
     noised += run.length;
   }
   return noised;

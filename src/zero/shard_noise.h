@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -9,10 +10,19 @@
 
 namespace dpzero::zero {
 
+// Where the noise comes from: a Philox seed (default) or secure mode's 256-bit ChaCha20 key as
+// eight 32-bit words (Note [secure noise] in privacy/secure_noise.h).
+struct NoiseKey {
+  bool secure = false;
+  int64_t seed = 0;           // used when !secure (its 64 bits, as int64)
+  std::vector<int64_t> key;   // [8] used when secure
+};
+
 // shard: [layout.shard_numel()], contiguous, rank `rank`'s part of the unit's flat gradient.
-// Adds stddev * z(seed, step, j) to every element that holds a global coordinate j (Note [noise
-// ownership]); padding elements are left untouched. Returns the number of coordinates noised.
+// Adds stddev * z(key, step, j) to every element that holds a global coordinate j (Note [noise
+// ownership]); padding elements are left untouched. `step` is the charge index (Note [fresh
+// randomness on replay] in privacy/noise.h). Returns the number of coordinates noised.
 int64_t add_shard_noise_(at::Tensor& shard, const UnitLayout& layout, int64_t rank, double stddev,
-                         int64_t seed, int64_t step);
+                         const NoiseKey& key, int64_t step);
 
 }  // namespace dpzero::zero

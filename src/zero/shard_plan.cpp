@@ -2,6 +2,7 @@
 #include "src/zero/shard_plan.h"
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -35,20 +36,31 @@ UnitLayout::UnitLayout(std::vector<ParamSpec> params, int64_t world_size, int64_
     flat_offsets_.push_back(cursor);
     cursor += p.numel;
   }
-  // Overlapping global ranges would give one coordinate two owners (two noise draws).
-  std::vector<size_t> order(params_.size());
-  std::iota(order.begin(), order.end(), size_t{0});
+  // Overlapping global ranges would give one coordinate two owners (two equal noise draws).
+  // Zero-size parameters own nothing and are left out; each range is compared with the furthest
+  // end seen so far, so no ordering of the parameters can hide an overlap.
+  std::vector<size_t> order;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].numel > std::numeric_limits<int64_t>::max() - params_[i].global_offset) {
+      throw std::invalid_argument("parameter " + std::to_string(i) + ": global offset " +
+                                  std::to_string(params_[i].global_offset) + " + numel " +
+                                  std::to_string(params_[i].numel) + " overflows int64");
+    }
+    if (params_[i].numel > 0) order.push_back(i);
+  }
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     return params_[a].global_offset < params_[b].global_offset;
   });
-  for (size_t k = 1; k < order.size(); ++k) {
-    const ParamSpec& prev = params_[order[k - 1]];
-    const ParamSpec& next = params_[order[k]];
-    if (prev.global_offset + prev.numel > next.global_offset && next.numel > 0 && prev.numel > 0) {
+  int64_t furthest_end = std::numeric_limits<int64_t>::min();
+  size_t furthest = 0;
+  for (size_t i : order) {
+    if (params_[i].global_offset < furthest_end) {
       throw std::invalid_argument(
-          "parameters " + std::to_string(order[k - 1]) + " and " + std::to_string(order[k]) +
-          " overlap in global coordinates at " + std::to_string(next.global_offset));
+          "parameters " + std::to_string(furthest) + " and " + std::to_string(i) +
+          " overlap in global coordinates at " + std::to_string(params_[i].global_offset));
     }
+    furthest_end = params_[i].global_offset + params_[i].numel;
+    furthest = i;
   }
   padded_numel_ = round_up(std::max<int64_t>(cursor, 1), world_size_);
 }
@@ -83,6 +95,47 @@ std::vector<CoordinateRun> UnitLayout::runs_for_rank(int64_t rank) const {
     out.push_back(CoordinateRun{lo - begin, run.global_offset + (lo - run.local_offset), hi - lo});
   }
   return out;
+}
+
+
+ShardPlan::ShardPlan(std::vector<UnitLayout> units, int64_t total_coordinates)
+    : units_(std::move(units)), total_coordinates_(total_coordinates) {
+  if (units_.empty()) throw std::invalid_argument("a shard plan needs at least one unit, got 0");
+  if (total_coordinates < 0) {
+    throw std::invalid_argument("total coordinates must be >= 0, got " +
+                                std::to_string(total_coordinates));
+  }
+  // Every global coordinate in [0, D) must belong to exactly one parameter of one unit, or some
+  // coordinate would be noised twice (equal draws) or never (DESIGN.md §3 "Noise").
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // (begin, end) of every run of every unit
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (units_[u].world_size() != units_[0].world_size()) {
+      throw std::invalid_argument("unit " + std::to_string(u) + " has world size " +
+                                  std::to_string(units_[u].world_size()) + ", unit 0 has " +
+                                  std::to_string(units_[0].world_size()));
+    }
+    for (const CoordinateRun& run : units_[u].runs()) {
+      ranges.emplace_back(run.global_offset, run.global_offset + run.length);
+    }
+  }
+  std::sort(ranges.begin(), ranges.end());
+  int64_t next = 0;
+  for (const auto& [begin, end] : ranges) {
+    if (begin < next) {
+      throw std::invalid_argument("global coordinate " + std::to_string(begin) +
+                                  " is owned by two parameters of the plan");
+    }
+    if (begin > next) {
+      throw std::invalid_argument("global coordinates [" + std::to_string(next) + ", " +
+                                  std::to_string(begin) + ") belong to no unit of the plan");
+    }
+    next = end;
+  }
+  if (next != total_coordinates) {
+    throw std::invalid_argument("the plan's units cover [0, " + std::to_string(next) +
+                                ") but the model has " + std::to_string(total_coordinates) +
+                                " trainable coordinates");
+  }
 }
 
 }  // namespace dpzero::zero

@@ -51,4 +51,22 @@ class UnitLayout {
   int64_t padded_numel_ = 0;
 };
 
+// All units of a model: checked at construction to cover the global coordinates [0, D) exactly
+// once (no coordinate in two parameters, none in none), the precondition of Note [noise
+// ownership] across units.
+class ShardPlan {
+ public:
+  // Throws std::invalid_argument naming the first coordinate owned twice or by no one, a world
+  // size that differs between units, or a coverage that does not end at total_coordinates.
+  ShardPlan(std::vector<UnitLayout> units, int64_t total_coordinates);
+
+  const std::vector<UnitLayout>& units() const { return units_; }
+  int64_t world_size() const { return units_.front().world_size(); }
+  int64_t total_coordinates() const { return total_coordinates_; }
+
+ private:
+  std::vector<UnitLayout> units_;
+  int64_t total_coordinates_;
+};
+
 }  // namespace dpzero::zero

@@ -1,11 +1,15 @@
-"""An independent, pure-Python Philox4x32-10 and Gaussian draw, written from the published
-algorithm (Salmon et al., SC'11, §4) — the reference the C++ noise op is checked against.
+"""Independent pure-Python references, written from the published algorithms, that the C++ noise
+ops are checked against: Philox4x32-10 (Salmon et al., SC'11, §4), ChaCha20 (RFC 8439 §2.3), and the
+Gaussian transforms of Note [noise ownership] / Note [secure noise] / Note [gaussian tail].
 
-Deliberately plain Python integers (no numpy) so it shares no code or arithmetic shortcuts with
-the C++ header; float32 rounding is reproduced with numpy's float32 scalars only at the end.
+Plain Python integers for the block functions (no numpy), so they share no code or arithmetic
+shortcuts with the C++ headers; numpy float32 scalars reproduce the fp32 rounding of the default
+path, Python floats (fp64) the secure path.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -26,22 +30,44 @@ def philox4x32_10(counter, key):
     return c
 
 
-def uniform_open01(bits: int) -> np.float32:
+def _rotl(x, n):
+    return ((x << n) | (x >> (32 - n))) & MASK
+
+
+def chacha20_block(key, counter, nonce):
+    """RFC 8439 §2.3: 16 output words for 8 key words, a 32-bit counter and 3 nonce words."""
+    init = [0x61707865, 0x3320646E, 0x79622D32, 0x6B206574, *key, counter, *nonce]
+    s = list(init)
+
+    def qr(a, b, c, d):
+        s[a] = (s[a] + s[b]) & MASK; s[d] = _rotl(s[d] ^ s[a], 16)  # noqa: E702
+        s[c] = (s[c] + s[d]) & MASK; s[b] = _rotl(s[b] ^ s[c], 12)  # noqa: E702
+        s[a] = (s[a] + s[b]) & MASK; s[d] = _rotl(s[d] ^ s[a], 8)  # noqa: E702
+        s[c] = (s[c] + s[d]) & MASK; s[b] = _rotl(s[b] ^ s[c], 7)  # noqa: E702
+
+    for _ in range(10):
+        qr(0, 4, 8, 12); qr(1, 5, 9, 13); qr(2, 6, 10, 14); qr(3, 7, 11, 15)  # noqa: E702
+        qr(0, 5, 10, 15); qr(1, 6, 11, 12); qr(2, 7, 8, 13); qr(3, 4, 9, 14)  # noqa: E702
+    return [(a + b) & MASK for a, b in zip(s, init)]
+
+
+def radius64(hi: int, lo: int) -> float:
+    """sqrt(-2 ln u1) for u1 = (m + 1/2) 2^-64, m = hi 2^32 + lo (Note [gaussian tail])."""
+    m = (hi << 32) | lo
+    return math.sqrt(2.0 * max(0.0, 64 * math.log(2.0) - math.log(float(m) + 0.5)))
+
+
+def uniform_open01_f32(bits: int) -> np.float32:
     return np.float32(((bits >> 9) << 1) | 1) * np.float32(2.0**-24)
 
 
-def normal4(seed: int, step: int, block: int, stream: int = NOISE_STREAM):
+def normal2(seed: int, step: int, block: int, stream: int = NOISE_STREAM):
     seed &= (1 << 64) - 1
-    words = philox4x32_10(
-        [block & MASK, (block >> 32) & MASK, step & MASK, stream], [seed & MASK, seed >> 32]
-    )
-    out = []
-    for a, b in ((words[0], words[1]), (words[2], words[3])):
-        u1, u2 = uniform_open01(a), uniform_open01(b)
-        r = np.sqrt(np.float32(-2.0) * np.log(u1))
-        theta = np.float32(6.283185307179586) * u2
-        out += [r * np.cos(theta), r * np.sin(theta)]
-    return out
+    w = philox4x32_10([block & MASK, (block >> 32) & MASK, step & MASK, stream],
+                      [seed & MASK, seed >> 32])
+    r = np.float32(radius64(w[0], w[1]))
+    theta = np.float32(6.283185307179586) * uniform_open01_f32(w[2])
+    return [r * np.cos(theta), r * np.sin(theta)]
 
 
 def noise(seed: int, step: int, offset: int, n: int) -> np.ndarray:
@@ -49,5 +75,22 @@ def noise(seed: int, step: int, offset: int, n: int) -> np.ndarray:
     out = np.empty(n, dtype=np.float64)
     for i in range(n):
         j = offset + i
-        out[i] = float(normal4(seed, step, j // 4)[j % 4])
+        out[i] = float(normal2(seed, step, j // 2)[j % 2])
+    return out
+
+
+def secure_noise(key, step: int, offset: int, n: int) -> np.ndarray:
+    """Secure mode's z(key, t, j): ChaCha20 block j // 2, four fp64 normals summed and halved."""
+    out = np.empty(n, dtype=np.float64)
+    for i in range(n):
+        j = offset + i
+        pair = j // 2
+        w = chacha20_block(list(key), pair & MASK, [(pair >> 32) & MASK, step, NOISE_STREAM])
+        total = 0.0
+        for p in range(2):
+            a = w[8 * (j % 2) + 4 * p: 8 * (j % 2) + 4 * p + 4]
+            r = radius64(a[0], a[1])
+            u2 = (((((a[2] << 32) | a[3]) >> 12) << 1) | 1) * 2.0**-53
+            total += r * math.cos(2 * math.pi * u2) + r * math.sin(2 * math.pi * u2)
+        out[i] = total / 2
     return out

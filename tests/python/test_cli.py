@@ -28,7 +28,7 @@ def test_budget_json_matches_published_values(tmp_path, accounting_cases):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_budget_table_and_epochs(accounting_cases):
+def test_budget_table_prv_upper_bound(accounting_cases):
     case = accounting_cases["prv_epsilon_upper"][0]  # q=0.04, σ=1.5, 2249 steps
     res = run("budget", "-q", "0.04", "-s", "1.5", "--steps", "2249", "--delta", "1e-5",
               "--accountant", "prv")
@@ -46,9 +46,10 @@ def test_epochs_convert_like_opacus():
 
 
 def test_calibrate_prints_reference_sigma(accounting_cases):
-    case = accounting_cases["rdp_noise_multiplier"][1]  # steps = 2000
-    res = run("calibrate", "--target-epsilon", "8", "--delta", "1e-5", "-q", "0.04", "--steps",
-              "2000", "--accountant", "rdp", "--json")
+    case = accounting_cases["rdp_noise_multiplier"][1]  # the case given in steps
+    res = run("calibrate", "--target-epsilon", str(case["target_epsilon"]), "--delta",
+              str(case["delta"]), "-q", str(case["q"]), "--steps", str(case["steps"]),
+              "--accountant", "rdp", "--json")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["noise_multiplier"] == pytest.approx(case["sigma"],
                                                                       abs=case["abs_tol"])
@@ -61,3 +62,15 @@ def test_bad_values_exit_2_naming_the_value():
     res = run("budget", "-q", "0.1", "-s", "1.0", "--steps", "10", "--delta", "1e-5",
               "--accountant", "moments")
     assert res.returncode == 2 and "moments" in res.stderr
+
+
+def test_prv_refusal_is_null_in_json_and_exit_3_in_calibrate():
+    # δ = 1e-30 is below the PRV FFT's round-off floor: PRV refuses, RDP still answers.
+    res = run("budget", "-q", "0.01", "-s", "1.0", "--steps", "100", "--delta", "1e-30", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)  # strict JSON: no NaN
+    prv = next(r for r in out["results"] if r["accountant"] == "prv")
+    assert prv["epsilon"] is None and "delta" in prv["error"]
+    res = run("calibrate", "--target-epsilon", "20", "--delta", "1e-30", "-q", "0.01",
+              "--noise-multiplier", "1.0", "--accountant", "prv")
+    assert res.returncode == 3 and "PRV" in res.stderr

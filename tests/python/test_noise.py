@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import dpzero
 from dpzero._C import engine
 
-from philox_reference import noise, philox4x32_10
+from philox_reference import chacha20_block, noise, philox4x32_10, secure_noise
 
 
 def test_reference_philox_matches_published_vector():
@@ -24,6 +24,21 @@ def test_reference_philox_matches_published_vector():
     assert philox4x32_10(
         [0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], [0xA4093822, 0x299F31D0]
     ) == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+def test_reference_chacha20_matches_rfc8439():
+    key = [0x03020100, 0x07060504, 0x0B0A0908, 0x0F0E0D0C, 0x13121110, 0x17161514, 0x1B1A1918,
+           0x1F1E1D1C]
+    assert chacha20_block(key, 1, [0x09000000, 0x4A000000, 0])[:4] == [
+        0xE4E7F110, 0x15593BD1, 0x1FDD0F50, 0xC47120A3]
+
+
+@pytest.mark.parametrize("offset,n", [(0, 5), (3, 8), (1 << 33, 3)])
+def test_add_secure_noise_matches_independent_reference(offset, n):
+    key = [0xDEADBEEF, 1, 2, 3, 4, 5, 6, 0xFFFFFFFF]
+    x = torch.zeros(n, dtype=torch.float64)
+    torch.ops.dpzero.add_secure_noise_(x, 1.0, key, 42, offset)
+    np.testing.assert_allclose(x.numpy(), secure_noise(key, 42, offset, n), rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("offset,n", [(0, 9), (3, 17), (1 << 33, 6)])

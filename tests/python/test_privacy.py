@@ -167,17 +167,28 @@ def test_sampler_rejects_bad_values_naming_them():
 
 # ---- clipping policies --------------------------------------------------------------------------
 
-def test_clip_factors_op_matches_formulas_and_counts_nonfinite():
-    norms = torch.tensor([0.0, 0.5, 1.0, 3.0, float("nan"), float("inf"), 1e6])
+def test_clip_factors_op_matches_formulas_and_counts_invalid_norms():
+    norms = torch.tensor([0.0, 0.5, 1.0, 3.0, float("nan"), float("inf"), 1e6, -0.5])
     f, bad = torch.ops.dpzero.clip_factors(norms, 1.0, "flat")
-    expected = torch.clamp(1.0 / (norms + 1e-6), max=1.0).nan_to_num(0.0)
-    expected[5] = 0.0
-    torch.testing.assert_close(f, expected)
-    assert bad.item() == 2
+    n64 = norms.double()
+    expected = torch.clamp(1.0 / (n64 + 1e-6), max=1.0)
+    expected[4:6] = 0.0
+    expected[7] = 0.0
+    torch.testing.assert_close(f.double(), expected, rtol=2e-7, atol=0)
+    assert bad.item() == 3  # NaN, inf, negative
     f, _ = torch.ops.dpzero.clip_factors(norms, 2.0, "automatic", 0.01)
-    expected = (2.0 / (norms + 0.01)).nan_to_num(0.0)
-    expected[5] = 0.0
-    torch.testing.assert_close(f, expected)
+    expected = 2.0 / (n64 + 0.01)
+    expected[4:6] = 0.0
+    expected[7] = 0.0
+    torch.testing.assert_close(f.double(), expected, rtol=2e-7, atol=0)
+
+
+def test_clip_factors_bound_each_sample_by_C_exactly():
+    torch.manual_seed(0)
+    norms = torch.exp2(torch.empty(200_000, dtype=torch.float64).uniform_(-20, 40)).float()
+    for mode in ("flat", "automatic"):
+        f, _ = torch.ops.dpzero.clip_factors(norms, 1.5, mode)
+        assert (norms.double() * f.double() <= 1.5).all(), mode
     with pytest.raises(RuntimeError, match="'ghost'"):
         torch.ops.dpzero.clip_factors(norms, 1.0, "ghost")
     with pytest.raises(RuntimeError, match="got -1"):

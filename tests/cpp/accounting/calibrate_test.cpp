@@ -187,5 +187,19 @@ TEST(CalibratePrv, ProbesInPrvRefusalRegionCountAsAboveTarget) {
   EXPECT_GE(eps, 40.0 - 0.5);  // and not absurdly over-noised
 }
 
+TEST(CalibratePrv, StepsForEpsilonReportsPrvRefusalInsteadOfZero) {
+  CalibrationOptions options;
+  options.accountant = AccountantKind::kPrv;
+  // delta = 1e-30 lies below the PRV FFT's round-off floor: the method refuses every probe.
+  try {
+    steps_for_epsilon(20.0, 1e-30, 0.01, 1.0, options);
+    FAIL() << "expected a runtime_error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("PRV"), std::string::npos) << e.what();
+  }
+  // RDP answers the same question with a positive count.
+  EXPECT_GT(steps_for_epsilon(20.0, 1e-30, 0.01, 1.0), 0);
+}
+
 }  // namespace
 }  // namespace dpzero::accounting

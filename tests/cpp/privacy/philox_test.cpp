@@ -33,6 +33,15 @@ TEST(Philox4x32_10, PublishedKnownAnswers) {
   }
 }
 
+TEST(BoxMullerRadius, SixtyFourBitTailReachesBeyondNineSigma) {
+  // Note [gaussian tail]: the largest radius is sqrt(130 ln 2) ~ 9.49 (u1 = 2^-65), the smallest 0.
+  EXPECT_NEAR(box_muller_radius64(0u, 0u), std::sqrt(130.0 * std::log(2.0)), 1e-12);
+  EXPECT_GT(box_muller_radius64(0u, 0u), 9.4);
+  EXPECT_LT(box_muller_radius64(0xffffffffu, 0xffffffffu), 1e-6);
+  // u1 = 1/2 (m = 2^63): radius sqrt(2 ln 2).
+  EXPECT_NEAR(box_muller_radius64(0x80000000u, 0u), std::sqrt(2.0 * std::log(2.0)), 1e-12);
+}
+
 TEST(UniformOpen01, NeverZeroOrOne) {
   const float ulp = 5.9604644775390625e-08f;  // 2^-24
   EXPECT_EQ(uniform_open01(0u), ulp);                // smallest value, not 0
@@ -44,16 +53,16 @@ TEST(UniformOpen01, NeverZeroOrOne) {
 TEST(NoiseDraw, LaneOfItsBlockAndIndependentOfNeighbours) {
   const uint64_t seed = 0x0123456789abcdefull;
   for (uint64_t j : {0ull, 1ull, 2ull, 3ull, 4ull, 1000003ull, (1ull << 40) + 7}) {
-    float z[4];
-    normal4(seed, 17u, kNoiseStream, j / 4, z);
-    EXPECT_EQ(noise_draw(seed, 17u, j), z[j % 4]) << "j=" << j;
-    EXPECT_TRUE(std::isfinite(z[j % 4]));
+    float z[kNoiseLanes];
+    normal2(seed, 17u, kNoiseStream, j / kNoiseLanes, z);
+    EXPECT_EQ(noise_draw(seed, 17u, j), z[j % kNoiseLanes]) << "j=" << j;
+    EXPECT_TRUE(std::isfinite(z[j % kNoiseLanes]));
   }
   // Another step or another stream gives a different draw for the same coordinate.
   EXPECT_NE(noise_draw(seed, 17u, 5), noise_draw(seed, 18u, 5));
-  float a[4], b[4];
-  normal4(seed, 17u, kNoiseStream, 1, a);
-  normal4(seed, 17u, kSamplerStream, 1, b);
+  float a[kNoiseLanes], b[kNoiseLanes];
+  normal2(seed, 17u, kNoiseStream, 1, a);
+  normal2(seed, 17u, kSamplerStream, 1, b);
   EXPECT_NE(a[0], b[0]);
 }
 

@@ -4,6 +4,7 @@
 // privacy::noise_draw evaluated coordinate by coordinate.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -78,13 +79,13 @@ TEST(ShardNoise, UnionOfShardsEqualsSingleTensorForRandomPlans) {
       const int64_t alignment = 1 + static_cast<int64_t>(rng() % 8);
       zero::UnitLayout layout(params, world, alignment);
       ASSERT_EQ(layout.padded_numel() % world, 0);
-      // Each rank noises its own shard of a flat buffer; padding holds a sentinel that must stay.
+      // Each rank noises its own shard of a zeroed flat buffer; padding must stay exactly zero.
       at::Tensor flat = at::full({layout.padded_numel()}, 0.0f, at::kFloat);
       std::vector<int> draws(static_cast<size_t>(total), 0);
       int64_t noised = 0;
       for (int64_t r = 0; r < world; ++r) {
         at::Tensor shard = flat.narrow(0, r * layout.shard_numel(), layout.shard_numel());
-        noised += zero::add_shard_noise_(shard, layout, r, 1.5, seed, step);
+        noised += zero::add_shard_noise_(shard, layout, r, 1.5, zero::NoiseKey{false, seed, {}}, step);
         for (const auto& run : layout.runs_for_rank(r)) {
           for (int64_t k = 0; k < run.length; ++k) ++draws[run.global_offset + k - global_start];
         }
@@ -116,10 +117,54 @@ TEST(ShardNoise, LowPrecisionShardsGetFp32MathRoundedOnce) {
   }
 }
 
+TEST(ShardNoise, SecureKeyShardsUnionEqualsSingleTensor) {
+  const std::vector<int64_t> key = {11, 22, 33, 44, 55, 66, 77, 88};
+  zero::UnitLayout layout({{37, 0}, {50, 37}}, 3, 4);
+  at::Tensor reference = at::zeros({87}, at::kDouble);
+  static const auto secure_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpzero::add_secure_noise_", "")
+          .typed<at::Tensor&(at::Tensor&, double, c10::IntArrayRef, int64_t, int64_t)>();
+  secure_op.call(reference, 2.0, key, 5, 0);
+  at::Tensor flat = at::zeros({layout.padded_numel()}, at::kDouble);
+  for (int64_t r = 0; r < 3; ++r) {
+    at::Tensor shard = flat.narrow(0, r * layout.shard_numel(), layout.shard_numel());
+    zero::add_shard_noise_(shard, layout, r, 2.0, zero::NoiseKey{true, 0, key}, 5);
+  }
+  at::Tensor gathered = at::empty({87}, at::kDouble);
+  for (const auto& run : layout.runs()) {
+    gathered.narrow(0, run.global_offset, run.length).copy_(flat.narrow(0, run.local_offset, run.length));
+  }
+  EXPECT_TRUE(at::equal(gathered, reference));
+}
+
 TEST(UnitLayoutTest, RejectsOverlapAndBadWorldSize) {
   EXPECT_THROW(zero::UnitLayout({{10, 0}, {10, 5}}, 2), std::invalid_argument);
+  // A zero-size parameter between two overlapping ones must not hide the overlap.
+  EXPECT_THROW(zero::UnitLayout({{10, 0}, {0, 5}, {10, 8}}, 2), std::invalid_argument);
+  // An overlap with a parameter that is not the sorted neighbour: [0,100) contains [20,30).
+  EXPECT_THROW(zero::UnitLayout({{100, 0}, {5, 10}, {10, 20}}, 2), std::invalid_argument);
+  EXPECT_THROW(zero::UnitLayout({{10, std::numeric_limits<int64_t>::max() - 5}}, 1),
+               std::invalid_argument);
   EXPECT_THROW(zero::UnitLayout({{10, 0}}, 0), std::invalid_argument);
   EXPECT_THROW(zero::UnitLayout({{-1, 0}}, 1), std::invalid_argument);
+}
+
+TEST(ShardPlanTest, UnitsMustCoverEveryCoordinateExactlyOnce) {
+  using zero::ShardPlan;
+  using zero::UnitLayout;
+  // Root unit holding embeddings [0, 100) and final norm [300, 310); one block [100, 300).
+  EXPECT_NO_THROW(ShardPlan({UnitLayout({{100, 0}, {10, 300}}, 2), UnitLayout({{200, 100}}, 2)}, 310));
+  // Two units both claiming [100, 110): a coordinate noised twice.
+  EXPECT_THROW(ShardPlan({UnitLayout({{110, 0}}, 2), UnitLayout({{200, 100}}, 2)}, 300),
+               std::invalid_argument);
+  // A gap [100, 120): coordinates never noised.
+  EXPECT_THROW(ShardPlan({UnitLayout({{100, 0}}, 2), UnitLayout({{180, 120}}, 2)}, 300),
+               std::invalid_argument);
+  // Coverage short of the model's coordinate count, and mixed world sizes.
+  EXPECT_THROW(ShardPlan({UnitLayout({{100, 0}}, 2)}, 101), std::invalid_argument);
+  EXPECT_THROW(ShardPlan({UnitLayout({{100, 0}}, 2), UnitLayout({{1, 100}}, 4)}, 101),
+               std::invalid_argument);
 }
 
 }  // namespace
