@@ -1,13 +1,58 @@
 // accounting/prv.cpp — PrvAccountant: the error budget (mesh, truncation, window, round-off) of the
-// PRV accountant and its epsilon(delta) / delta(epsilon) with lower and upper bounds.
-// The numerical pieces (PRV CDF, discretisation, Chernoff window, FFT) are in prv_numerics.*.
+// PRV accountant, the two directions of the neighbouring relation, and epsilon(delta) /
+// delta(epsilon) with lower and upper bounds. The numerical pieces (PRV CDF, discretisation,
+// Chernoff window, FFT) are in prv_numerics.*.
 //
-// Reference: [GLW21] Gopi, Lee, Wutschitz. "Numerical Composition of Differential Privacy",
-// NeurIPS 2021 (arXiv:2106.02848).
+// References: [GLW21] Gopi, Lee, Wutschitz. "Numerical Composition of Differential Privacy",
+// NeurIPS 2021 (arXiv:2106.02848). [ZDW22] Zhu, Dong, Wang. "Optimal Accounting of Differential
+// Privacy via Characteristic Function", AISTATS 2022 (arXiv:2106.08567). [BBG18] Balle, Barthe,
+// Gaboardi. "Privacy Amplification by Subsampling: Tight Analyses via Couplings and
+// Divergences", NeurIPS 2018. [MTZ19] Mironov, Talwar, Zhang. "Renyi Differential Privacy of the
+// Sampled Gaussian Mechanism", arXiv:1908.10530.
+//
+// Note [PRV directions]
+// ---------------------
+// Under add/remove adjacency the neighbouring datasets D and D' = D + {x} must be protected in
+// both orders: (eps, delta)-DP asks H_{e^eps}(M(D') || M(D)) <= delta AND
+// H_{e^eps}(M(D) || M(D')) <= delta, H the hockey-stick divergence, so the privacy profile is
+// the larger of the two [BBG18, privacy profiles over a symmetric neighbouring relation; ZDW22,
+// dominating pairs, defined per ordered pair of neighbours]. For one step of the
+// Poisson-subsampled Gaussian (sensitivity 1), with M0 = N(0, s^2) and
+// M1 = (1-q) N(0, s^2) + q N(1, s^2), the order (D', D) is dominated by the pair (M1, M0)
+// ("remove", the pair of [GLW21, §6] and Opacus) and the order (D, D') by (M0, M1) ("add")
+// [ZDW22, dominating pairs of Poisson subsampling under the remove and the add relation]. A
+// composition on a fixed pair of datasets keeps its order in every step, so the order (D', D)
+// of the composition is dominated by the product of the remove pairs and (D, D') by the product
+// of the add pairs [ZDW22, composition of dominating pairs]. Hence
+//   delta(eps) = max(delta_remove(eps), delta_add(eps)),                                 (D1)
+//   eps(delta) = max(eps_remove(delta), eps_add(delta)),                                 (D2)
+// (D2) because each delta_d is non-increasing: max_d delta_d(eps) <= delta iff every
+// delta_d(eps) <= delta. dp_accounting's PLD accountant does the same under add/remove
+// adjacency (one PMF per direction, the larger delta). Each direction's PRV is its own
+// SubsampledGaussianPrv (prv_numerics.h, (PRV-3) and (PRV-4)), discretised, windowed and
+// composed on its own.
+// Neither order dominates the other for the hockey-stick divergence in general: [MTZ19] show
+// that the remove order dominates for the Renyi divergences of this mechanism (so the RDP
+// accountant needs one order), which does not carry over to delta(eps). For the Gaussian, every
+// case we evaluated (q in [0.01, 0.5], sigma in [0.5, 2], 1 to 1000 steps, eps in [0, 3]; at
+// eps = 0 both directions are the total variation distance and agree) had
+// delta_remove >= delta_add, but with no proof that this holds for every (q, sigma, steps, eps)
+// the accountant does not rely on it. For q = 1 the two pairs give the same Gaussian PLRV
+// (N(1/(2 s^2), 1/s^2) either way), so a run made only of q = 1 phases is computed once.
+// Error budget: the bounds (B) of Note [PRV error budget] hold for each direction
+// deterministically, not with some probability: (1)-(3) there are masses of events of a
+// coupling that enter (B) as additive terms. So with L_d <= delta_d <= U_d for each d,
+// max_d L_d <= max_d delta_d <= max_d U_d by monotonicity of max, and for epsilon
+// e_l,d <= eps_d(delta) <= e_u,d gives max_d e_l,d <= eps(delta) <= max_d e_u,d. Nothing is split
+// between the directions (no union bound is involved): each gets the full eps_error and
+// delta_error, and the combined bracket is no wider than the wider of the two. max_d L_d bounds
+// the max (D1) from below, not necessarily the smaller direction; the estimate is the max of the
+// estimates.
 //
 // Note [PRV error budget]
 // -----------------------
-// Let S = sum of the N = sum_i N_i per-step PRVs Y (phase i: N_i steps of PRV Y_i) and
+// Per direction (Note [PRV directions]):
+// let S = sum of the N = sum_i N_i per-step PRVs Y (phase i: N_i steps of PRV Y_i) and
 // delta_S(eps) = E[(1 - e^{eps - S})_+] the privacy curve of the composition [GLW21, Thm. 3.5,
 // Eq. (2)]. We compute a non-negative sequence p~ on a window of lattice points v_j and
 // delta~(eps) = sum_j p~_j (1 - e^{eps - v_j})_+, and guarantee, with eta = eps_error,
@@ -69,6 +114,7 @@ namespace {
 using prv_detail::ComposedPrv;
 using prv_detail::Composition;
 using prv_detail::DiscretePrv;
+using prv_detail::PrvDirection;
 using prv_detail::SubsampledGaussianPrv;
 
 // Largest FFT size / lattice span (2^24 points: ~0.8 GB of buffers, a few seconds): enough for
@@ -97,17 +143,28 @@ void validate_options(const PrvOptions& options) {
   }
 }
 
-// The composed, discretised PRV of a run and its round-off estimate.
-struct Built {
-  bool trivial = true;   // no step can leak (no phase with q > 0 and steps > 0): S = 0
-  Composition composition;
-  double absolute = 0.0;  // D_R of Note [PRV error budget], (4)
-  double relative = 0.0;  // R of Note [PRV error budget], (4)
-};
+// Validates epsilon()'s arguments and returns its delta_error (default delta / 1000).
+double epsilon_delta_error(double delta, const PrvOptions& options) {
+  validate_delta(delta);
+  validate_options(options);
+  const double delta_error = options.delta_error == 0.0 ? delta / 1000.0 : options.delta_error;
+  if (!(delta_error < delta)) {
+    throw std::invalid_argument("PRV delta_error (" + format_double(delta_error) +
+                                ") must be smaller than delta (" + format_double(delta) + ")");
+  }
+  return delta_error;
+}
 
-Built build(const std::vector<Phase>& phases, double eps_error, double delta_error) {
-  // Merge phases with the same (q, sigma): composition is commutative, so this only saves work.
-  // Phases with q = 0 or no steps have the PRV identically 0 and are dropped.
+// Validates delta()'s arguments and returns its delta_error (default kDefaultDeltaErrorForDelta).
+double delta_delta_error(double epsilon, const PrvOptions& options) {
+  validate_epsilon(epsilon);
+  validate_options(options);
+  return options.delta_error == 0.0 ? kDefaultDeltaErrorForDelta : options.delta_error;
+}
+
+// Merge phases with the same (q, sigma): composition is commutative, so this only saves work.
+// Phases with q = 0 or no steps have the PRV identically 0 (in both directions) and are dropped.
+std::vector<Phase> merge_phases(const std::vector<Phase>& phases) {
   std::vector<Phase> merged;
   for (const Phase& phase : phases) {
     if (phase.q == 0.0 || phase.steps == 0) continue;
@@ -121,9 +178,30 @@ Built build(const std::vector<Phase>& phases, double eps_error, double delta_err
     }
     if (!found) merged.push_back(phase);
   }
+  return merged;
+}
+
+// Whether the add direction can differ from the remove direction: some phase has q < 1
+// (Note [PRV directions]; for q = 1 both are the same Gaussian PLRV).
+bool has_subsampled_phase(const std::vector<Phase>& merged) {
+  return std::any_of(merged.begin(), merged.end(), [](const Phase& p) { return p.q < 1.0; });
+}
+
+// One direction's composed, discretised PRV of a run and its round-off estimate.
+struct Built {
+  bool trivial = true;   // no step can leak (no phase with q > 0 and steps > 0): S = 0
+  Composition composition;
+  double absolute = 0.0;  // D_R of Note [PRV error budget], (4)
+  double relative = 0.0;  // R of Note [PRV error budget], (4)
+};
+
+// Note [PRV error budget] for one direction, on phases already merged by merge_phases().
+Built build(const std::vector<Phase>& merged, PrvDirection direction, double eps_error,
+            double delta_error) {
   Built built;
   if (merged.empty()) return built;
   built.trivial = false;
+  const std::string which = std::string(prv_detail::direction_name(direction)) + " direction";
 
   double total_steps = 0.0;
   for (const Phase& phase : merged) total_steps += static_cast<double>(phase.steps);
@@ -144,7 +222,7 @@ Built build(const std::vector<Phase>& phases, double eps_error, double delta_err
   std::vector<int64_t> steps;
   double truncation = 0.0;
   for (const Phase& phase : merged) {
-    const SubsampledGaussianPrv prv(phase.q, phase.sigma);
+    const SubsampledGaussianPrv prv(phase.q, phase.sigma, direction);
     const double n = static_cast<double>(phase.steps);
     const double tail = delta_error / (48.0 * distinct * n);
     const double lower = prv.lower_quantile(tail);
@@ -154,9 +232,10 @@ Built build(const std::vector<Phase>& phases, double eps_error, double delta_err
     truncation += n * discrete.back().dropped;
   }
   // The quantiles hit their targets up to the round trip through (PRV-1) (~1e-4 relative in the
-  // far lower tail of q < 1); check that (1) really stays within its share.
+  // far tail next to log(1-q)); check that (1) really stays within its share.
   if (!(truncation <= 1.01 * delta_error / 24.0)) {
-    throw std::runtime_error("PRV truncation dropped mass " + format_double(truncation) +
+    throw std::runtime_error("PRV truncation (" + which + ") dropped mass " +
+                             format_double(truncation) +
                              ", more than its share delta_error / 24 = " +
                              format_double(delta_error / 24.0));
   }
@@ -174,7 +253,7 @@ Built build(const std::vector<Phase>& phases, double eps_error, double delta_err
   const double needed_real = last_real - first_real + 1.0;
   if (!(needed_real <= static_cast<double>(kMaxFftSize))) {
     throw std::runtime_error(
-        "PRV of the composition spans [" + format_double(window_low) + ", " +
+        "PRV of the composition (" + which + ") spans [" + format_double(window_low) + ", " +
         format_double(window_high) + "], " + format_double(needed_real) +
         " lattice points of mesh " + format_double(mesh) + " (limit " +
         std::to_string(kMaxFftSize) + "; the privacy loss is too large or the mesh too fine): "
@@ -183,9 +262,10 @@ Built build(const std::vector<Phase>& phases, double eps_error, double delta_err
   const int64_t needed = static_cast<int64_t>(needed_real);
   const int64_t size = prv_detail::fast_fft_size(needed);
   if (size > kMaxFftSize) {
-    throw std::runtime_error("PRV FFT size " + std::to_string(size) + " exceeds the limit " +
-                             std::to_string(kMaxFftSize) + ": increase eps_error (now " +
-                             format_double(eps_error) + ") or use the RDP accountant");
+    throw std::runtime_error("PRV FFT size " + std::to_string(size) + " (" + which +
+                             ") exceeds the limit " + std::to_string(kMaxFftSize) +
+                             ": increase eps_error (now " + format_double(eps_error) +
+                             ") or use the RDP accountant");
   }
   // Spread the extra points of the rounded-up size over both ends (more room, less folding).
   const int64_t window_first = static_cast<int64_t>(first_real) - (size - needed) / 2;
@@ -195,9 +275,9 @@ Built build(const std::vector<Phase>& phases, double eps_error, double delta_err
   built.absolute = built.composition.roundoff_absolute;
   built.relative = built.composition.roundoff_relative;
   if (!(built.relative <= kMaxRelativeRoundoff) || !std::isfinite(built.absolute)) {
-    throw std::runtime_error("PRV FFT round-off (relative " + format_double(built.relative) +
-                             ", absolute " + format_double(built.absolute) + ", " +
-                             format_double(total_steps) +
+    throw std::runtime_error("PRV FFT round-off (" + which + ", relative " +
+                             format_double(built.relative) + ", absolute " +
+                             format_double(built.absolute) + ", " + format_double(total_steps) +
                              " steps) is too large: use the RDP accountant");
   }
   return built;
@@ -208,22 +288,9 @@ double clamp_epsilon(double eps) {
   return eps > 0.0 ? eps : 0.0;  // -inf (every eps >= 0 meets the target) -> 0
 }
 
-}  // namespace
-
-void PrvAccountant::add(const Phase& phase) {
-  validate_phase(phase);
-  phases_.push_back(phase);
-}
-
-PrvEpsilon PrvAccountant::epsilon(double delta, const PrvOptions& options) const {
-  validate_delta(delta);
-  validate_options(options);
-  const double delta_error = options.delta_error == 0.0 ? delta / 1000.0 : options.delta_error;
-  if (!(delta_error < delta)) {
-    throw std::invalid_argument("PRV delta_error (" + format_double(delta_error) +
-                                ") must be smaller than delta (" + format_double(delta) + ")");
-  }
-  const Built built = build(phases_, options.eps_error, delta_error);
+// epsilon(delta) bounds of one direction from (B).
+PrvEpsilon epsilon_bounds(const Built& built, double delta, double delta_error,
+                          const PrvOptions& options) {
   PrvEpsilon result;
   if (built.trivial) return result;  // S = 0: delta(eps) = 0 for every eps >= 0
   const ComposedPrv& prv = built.composition.prv;
@@ -256,16 +323,12 @@ PrvEpsilon PrvAccountant::epsilon(double delta, const PrvOptions& options) const
   return result;
 }
 
-PrvDelta PrvAccountant::delta(double epsilon, const PrvOptions& options) const {
-  validate_epsilon(epsilon);
-  validate_options(options);
-  const double delta_error =
-      options.delta_error == 0.0 ? kDefaultDeltaErrorForDelta : options.delta_error;
-  const Built built = build(phases_, options.eps_error, delta_error);
+// delta(epsilon) bounds of one direction: directly (B).
+PrvDelta delta_bounds(const Built& built, double epsilon, double delta_error,
+                      const PrvOptions& options) {
   PrvDelta result;
   if (built.trivial) return result;
   const ComposedPrv& prv = built.composition.prv;
-  // Directly (B).
   const double r = built.relative;
   const double slack = delta_error + built.absolute;
   result.estimate = prv.delta(epsilon);
@@ -278,5 +341,72 @@ PrvDelta PrvAccountant::delta(double epsilon, const PrvOptions& options) const {
   }
   return result;
 }
+
+void validate_phases(const std::vector<Phase>& phases) {
+  for (const Phase& phase : phases) validate_phase(phase);
+}
+
+}  // namespace
+
+void PrvAccountant::add(const Phase& phase) {
+  validate_phase(phase);
+  phases_.push_back(phase);
+}
+
+PrvEpsilon PrvAccountant::epsilon(double delta, const PrvOptions& options) const {
+  const double delta_error = epsilon_delta_error(delta, options);
+  const std::vector<Phase> merged = merge_phases(phases_);
+  PrvEpsilon result = epsilon_bounds(
+      build(merged, PrvDirection::kRemove, options.eps_error, delta_error), delta, delta_error,
+      options);
+  if (has_subsampled_phase(merged)) {
+    // (D2) of Note [PRV directions], each of lower / estimate / upper.
+    const PrvEpsilon add = epsilon_bounds(
+        build(merged, PrvDirection::kAdd, options.eps_error, delta_error), delta, delta_error,
+        options);
+    result.lower = std::max(result.lower, add.lower);
+    result.estimate = std::max(result.estimate, add.estimate);
+    result.upper = std::max(result.upper, add.upper);
+  }
+  return result;
+}
+
+PrvDelta PrvAccountant::delta(double epsilon, const PrvOptions& options) const {
+  const double delta_error = delta_delta_error(epsilon, options);
+  const std::vector<Phase> merged = merge_phases(phases_);
+  PrvDelta result = delta_bounds(
+      build(merged, PrvDirection::kRemove, options.eps_error, delta_error), epsilon, delta_error,
+      options);
+  if (has_subsampled_phase(merged)) {
+    // (D1) of Note [PRV directions], elementwise.
+    const PrvDelta add = delta_bounds(
+        build(merged, PrvDirection::kAdd, options.eps_error, delta_error), epsilon, delta_error,
+        options);
+    result.lower = std::max(result.lower, add.lower);
+    result.estimate = std::max(result.estimate, add.estimate);
+    result.upper = std::max(result.upper, add.upper);
+  }
+  return result;
+}
+
+namespace prv_detail {
+
+PrvDelta directional_delta(const std::vector<Phase>& phases, PrvDirection direction,
+                           double epsilon, const PrvOptions& options) {
+  validate_phases(phases);
+  const double delta_error = delta_delta_error(epsilon, options);
+  return delta_bounds(build(merge_phases(phases), direction, options.eps_error, delta_error),
+                      epsilon, delta_error, options);
+}
+
+PrvEpsilon directional_epsilon(const std::vector<Phase>& phases, PrvDirection direction,
+                               double delta, const PrvOptions& options) {
+  validate_phases(phases);
+  const double delta_error = epsilon_delta_error(delta, options);
+  return epsilon_bounds(build(merge_phases(phases), direction, options.eps_error, delta_error),
+                        delta, delta_error, options);
+}
+
+}  // namespace prv_detail
 
 }  // namespace dpzero::accounting

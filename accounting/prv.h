@@ -10,9 +10,13 @@
 //  * the bounds also carry the measured round-off of the double-precision FFT (about 1e-12
 //    absolute in delta, added on top of delta_error rather than taken out of it), so a bound is
 //    at most that much wider than delta_error alone would make it;
-//  * like [GLW21] and Opacus, the PRV is that of the pair (mixture (1-q)N(0,s^2) + qN(1,s^2),
-//    N(0,s^2)), the direction that dominates for the subsampled Gaussian in practice; the RDP
-//    accountant's A_alpha is the same direction [MTZ19].
+//  * under add/remove adjacency both orders of a neighbouring pair count, so the accountant
+//    composes the PRV of each direction, remove (mixture (1-q)N(0,s^2) + qN(1,s^2) vs N(0,s^2),
+//    the pair of [GLW21] and Opacus) and add (the same pair swapped), and reports the worse:
+//    delta() the elementwise max of the two directions' bounds, epsilon() the max of each of
+//    lower / estimate / upper, each direction with the full eps_error and delta_error (Note [PRV
+//    directions] in prv.cpp; [ZDW22] Zhu, Dong, Wang, AISTATS 2022). This costs about twice one
+//    direction; runs made only of q = 1 phases (where the two coincide) are computed once.
 #pragma once
 
 #include <cstdint>

@@ -93,32 +93,37 @@ Cplx power(Cplx z, int64_t n) {
 
 // Eigen::FFT keeps the twiddle tables ("plans") of every size it has run; building them costs
 // O(n) sines and cosines, as much as a transform, and fresh buffers cost page faults of the same
-// order. Calibration calls the accountant many times with the same size, so each thread keeps one
-// FFT object and its buffers, rebuilt when the size changes (tables of one size only) and
-// released after sizes above kRetainedFftSize (so an occasional huge call does not pin ~100 MB
-// per thread).
+// order. Calibration calls the accountant many times with the same sizes, and each call composes
+// both directions (Note [PRV directions], prv.cpp), whose windows usually need different sizes.
+// So each thread keeps one FFT object holding the plans of at most kRetainedPlans sizes (rebuilt
+// when a further size comes) and buffers of the largest size seen, released after sizes above
+// kRetainedFftSize (so an occasional huge call does not pin ~100 MB per thread).
 constexpr int64_t kRetainedFftSize = int64_t{1} << 20;
+constexpr std::size_t kRetainedPlans = 2;
 
 struct FftWorkspace {
-  int64_t size = 0;
+  std::vector<int64_t> planned;  // sizes whose plans `fft` holds, at most kRetainedPlans
   std::unique_ptr<Eigen::FFT<double>> fft;
   std::vector<double> signal;                  // [size] time domain
   std::vector<std::complex<double>> spectrum;  // [size/2 + 1] one phase
   std::vector<std::complex<double>> product;   // [size/2 + 1] all phases, powered
 
   void prepare(int64_t n) {
-    if (!fft || size != n) {
+    const bool known = std::find(planned.begin(), planned.end(), n) != planned.end();
+    if (!fft || (!known && planned.size() >= kRetainedPlans)) {
       fft = std::make_unique<Eigen::FFT<double>>();
       fft->SetFlag(Eigen::FFT<double>::HalfSpectrum);
       fft->SetFlag(Eigen::FFT<double>::Unscaled);
-      size = n;
+      planned.clear();
     }
+    if (std::find(planned.begin(), planned.end(), n) == planned.end()) planned.push_back(n);
+    // resize() keeps the capacity, so alternating between two sizes allocates nothing.
     signal.resize(static_cast<std::size_t>(n));
     spectrum.resize(static_cast<std::size_t>(n / 2 + 1));
     product.resize(static_cast<std::size_t>(n / 2 + 1));
   }
   void release_if_large() {
-    if (size <= kRetainedFftSize) return;
+    if (signal.capacity() <= static_cast<std::size_t>(kRetainedFftSize)) return;
     *this = FftWorkspace();
   }
 };
@@ -139,15 +144,29 @@ int64_t positive_mod(int64_t a, int64_t m) {
 // SubsampledGaussianPrv
 // ---------------------------------------------------------------------------------------------
 
-SubsampledGaussianPrv::SubsampledGaussianPrv(double q, double sigma)
-    : q_(q), sigma_(sigma), log_q_(std::log(q)), support_lower_(std::log1p(-q)) {}
+const char* direction_name(PrvDirection direction) {
+  return direction == PrvDirection::kAdd ? "add" : "remove";
+}
+
+SubsampledGaussianPrv::SubsampledGaussianPrv(double q, double sigma, PrvDirection direction)
+    : q_(q),
+      sigma_(sigma),
+      // q = 1: both directions are the same Gaussian PLRV (prv_numerics.h); use one code path.
+      direction_(q == 1.0 ? PrvDirection::kRemove : direction),
+      log_q_(std::log(q)),
+      log_one_minus_q_(std::log1p(-q)),
+      support_lower_(direction_ == PrvDirection::kRemove ? log_one_minus_q_ : -kInf),
+      support_upper_(direction_ == PrvDirection::kRemove ? kInf : -log_one_minus_q_) {}
 
 double SubsampledGaussianPrv::z_of_loss(double t) const {
-  if (q_ == 1.0) return t;  // Y = z exactly (PRV-1)
-  if (!(t > support_lower_)) return -kInf;
+  if (q_ == 1.0) return t;  // g(x) = z exactly (PRV-1)
+  if (!(t > log_one_minus_q_)) return -kInf;
   // z = log((e^t - 1 + q) / q). For t > 1 factor out e^t: z = t - log q + log(1 - (1-q) e^-t),
   // which cannot overflow (and 1 - (1-q) e^-t >= 1 - 1/e has no cancellation); for t <= 1,
-  // expm1 keeps e^t - 1 accurate near t = 0, also when q is tiny.
+  // expm1 keeps e^t - 1 accurate near t = 0, also when q is tiny. Near t = log(1-q) (the remove
+  // direction's lower edge, the add direction's upper edge via t -> -t) e^t - 1 + q is a
+  // difference of nearly equal numbers whose absolute error ~ ulp(q) is that of t itself: no
+  // formula in t can do better.
   if (t > 1.0) return t - log_q_ + std::log1p(-(1.0 - q_) * std::exp(-t));
   const double u = std::expm1(t) + q_;
   if (!(u > 0.0)) return -kInf;
@@ -167,7 +186,7 @@ double SubsampledGaussianPrv::cdf_z(double z) const {
   if (z == kInf) return 1.0;
   const double a = sigma_ * z;
   const double b = 0.5 / sigma_;
-  // (PRV-2)
+  // (PRV-3)
   return (1.0 - q_) * normal_cdf(a + b) + q_ * normal_cdf(a - b);
 }
 
@@ -179,8 +198,21 @@ double SubsampledGaussianPrv::sf_z(double z) const {
   return (1.0 - q_) * normal_sf(a + b) + q_ * normal_sf(a - b);
 }
 
-double SubsampledGaussianPrv::cdf(double t) const { return cdf_z(z_of_loss(t)); }
-double SubsampledGaussianPrv::sf(double t) const { return sf_z(z_of_loss(t)); }
+double SubsampledGaussianPrv::cdf(double t) const {
+  if (direction_ == PrvDirection::kRemove) return cdf_z(z_of_loss(t));
+  // (PRV-4): Phi_c(s z(-t) + 1/(2s)); z(-t) = -inf (t at or above the supremum) gives 1.
+  const double z = z_of_loss(-t);
+  if (z == -kInf) return 1.0;
+  return normal_sf(sigma_ * z + 0.5 / sigma_);
+}
+
+double SubsampledGaussianPrv::sf(double t) const {
+  if (direction_ == PrvDirection::kRemove) return sf_z(z_of_loss(t));
+  // (PRV-4): Phi(s z(-t) + 1/(2s)).
+  const double z = z_of_loss(-t);
+  if (z == -kInf) return 0.0;
+  return normal_cdf(sigma_ * z + 0.5 / sigma_);
+}
 
 namespace {
 
@@ -205,37 +237,70 @@ std::pair<double, double> bisect_loss(double a, double b, Predicate below) {
 }  // namespace
 
 double SubsampledGaussianPrv::lower_quantile(double tail) const {
-  // Bracket: cdf_z(z) <= Phi(s z + 1/(2s)) (both Phi terms are at most that), so the CDF is 0 in
-  // double at z = -(40 + 1/(2s)) / s, and for q < 1 at the support's infimum log(1-q) itself;
-  // at z = 1/(2 s^2) the q-component alone is at its median and the CDF is >= 1/2 > tail.
+  const double s = sigma_;
+  double t_low;
+  double t_high;
+  if (direction_ == PrvDirection::kRemove) {
+    // Bracket: cdf_z(z) <= Phi(s z + 1/(2s)) (both Phi terms are at most that), so the CDF is 0
+    // in double at z = -(40 + 1/(2s)) / s, and for q < 1 at the support's infimum log(1-q)
+    // itself; at z = 1/(2 s^2) the q-component alone is at its median and the CDF is
+    // >= 1/2 > tail.
+    t_low = q_ < 1.0 ? support_lower_ : loss_of_z(-(kNormalSupport + 0.5 / s) / s);
+    t_high = loss_of_z(0.5 / (s * s));
+  } else {
+    // (PRV-4): the CDF Phi_c(s z(-t) + 1/(2s)) is 0 in double where s z(-t) + 1/(2s) = 40,
+    // i.e. t = -g at z = (40 - 1/(2s)) / s, and 1/2 at z = -1/(2 s^2).
+    t_low = -loss_of_z((kNormalSupport - 0.5 / s) / s);
+    t_high = -loss_of_z(-0.5 / (s * s));
+  }
   // The bisection runs on t (not z): near log(1-q) the map z -> t -> z loses digits, and the
   // truncated mass must be the CDF at the returned t.
-  const double t_low =
-      q_ < 1.0 ? support_lower_ : loss_of_z(-(kNormalSupport + 0.5 / sigma_) / sigma_);
-  const double t_high = loss_of_z(0.5 / (sigma_ * sigma_));
   return bisect_loss(t_low, t_high, [&](double t) { return cdf(t) <= tail; }).first;
 }
 
 double SubsampledGaussianPrv::upper_quantile(double tail) const {
-  // sf_z(z) <= Phi_c(s z - 1/(2s)) = 0 in double at z = (40 + 1/(2s)) / s; at z = -1/(2 s^2) the
-  // (1-q)-component is at its median (and the q-component above it), so sf >= 1/2 > tail.
-  const double t_low = loss_of_z(-0.5 / (sigma_ * sigma_));
-  const double t_high = loss_of_z((kNormalSupport + 0.5 / sigma_) / sigma_);
+  const double s = sigma_;
+  double t_low;
+  double t_high;
+  if (direction_ == PrvDirection::kRemove) {
+    // sf_z(z) <= Phi_c(s z - 1/(2s)) = 0 in double at z = (40 + 1/(2s)) / s; at z = -1/(2 s^2)
+    // the (1-q)-component is at its median (and the q-component above it), so sf >= 1/2 > tail.
+    t_low = loss_of_z(-0.5 / (s * s));
+    t_high = loss_of_z((kNormalSupport + 0.5 / s) / s);
+  } else {
+    // (PRV-4): sf = Phi(s z(-t) + 1/(2s)) is 1/2 at z = -1/(2 s^2) and 0 at the supremum
+    // -log(1-q) (z = -inf); q < 1 here (q = 1 runs as the remove direction).
+    t_low = -loss_of_z(-0.5 / (s * s));
+    t_high = support_upper_;
+  }
   // The first t with sf(t) <= tail: "sf(t) > tail" holds below it.
   return bisect_loss(t_low, t_high, [&](double t) { return sf(t) > tail; }).second;
 }
 
 double SubsampledGaussianPrv::truncated_mean(double lower, double upper) const {
-  // Y = g(X) with X ~ p_X = (1-q) N(0, s^2) + q N(1, s^2) and g increasing, so
-  //   E[Y | lower < Y <= upper] = int_{x(lower)}^{x(upper)} g p_X / int_{x(lower)}^{x(upper)} p_X,
-  // x(t) = s^2 z(t) + 1/2. Beyond 40 s from both component means p_X is 0 in double, which
-  // bounds the range. p_X varies on the scale s and g on the scale s^2 (z = (2x-1)/(2 s^2)), so
-  // panels of min(s, s^2)/2 make both smooth on each panel and 16-point Gauss-Legendre exact to
-  // rounding. The common factor 1/(s sqrt(2 pi)) of p_X cancels in the ratio.
+  // Y = +-g(X) with g increasing (PRV-1), so {lower < Y <= upper} is an interval of x, and
+  //   E[Y | lower < Y <= upper] = int_{x_low}^{x_high} +-g p_X / int_{x_low}^{x_high} p_X,
+  // x(t) = s^2 z(t) + 1/2 the inverse of g:
+  //   remove: X ~ (1-q) N(0, s^2) + q N(1, s^2), x from x(lower) to x(upper), sign +;
+  //   add:    X ~ N(0, s^2), x from x(-upper) to x(-lower) (g(X) in [-upper, -lower)), sign -.
+  // Beyond 40 s from every component mean p_X is 0 in double, which bounds the range. p_X varies
+  // on the scale s and g on the scale s^2 (z = (2x-1)/(2 s^2)), so panels of min(s, s^2)/2 make
+  // both smooth on each panel and 16-point Gauss-Legendre exact to rounding. The common factor
+  // 1/(s sqrt(2 pi)) of p_X cancels in the ratio.
   const double s = sigma_;
   const double s2 = s * s;
-  const double x_low = std::max(s2 * z_of_loss(lower) + 0.5, -kNormalSupport * s);
-  const double x_high = std::min(s2 * z_of_loss(upper) + 0.5, 1.0 + kNormalSupport * s);
+  const bool add = direction_ == PrvDirection::kAdd;
+  const double weight_one = add ? 0.0 : q_;  // weight of N(1, s^2) in p_X
+  const double sign = add ? -1.0 : 1.0;
+  double x_low;
+  double x_high;
+  if (add) {
+    x_low = std::max(s2 * z_of_loss(-upper) + 0.5, -kNormalSupport * s);
+    x_high = std::min(s2 * z_of_loss(-lower) + 0.5, kNormalSupport * s);
+  } else {
+    x_low = std::max(s2 * z_of_loss(lower) + 0.5, -kNormalSupport * s);
+    x_high = std::min(s2 * z_of_loss(upper) + 0.5, 1.0 + kNormalSupport * s);
+  }
   if (!(x_high > x_low)) return 0.5 * (lower + upper);
   const double panel_target = 0.5 * std::min(s, s2);
   const double panels_real = std::ceil((x_high - x_low) / panel_target);
@@ -243,8 +308,9 @@ double SubsampledGaussianPrv::truncated_mean(double lower, double upper) const {
   if (!(panels_real <= kMaxPanels)) {
     throw std::runtime_error(
         "PRV mean quadrature for q = " + format_double(q_) + ", sigma = " + format_double(s) +
-        " needs " + format_double(panels_real) + " panels (more than " +
-        format_double(kMaxPanels) + "): sigma is too small for the PRV accountant; use RDP");
+        " (" + direction_name(direction_) + " direction) needs " + format_double(panels_real) +
+        " panels (more than " + format_double(kMaxPanels) +
+        "): sigma is too small for the PRV accountant; use RDP");
   }
   const int64_t panels = std::max<int64_t>(1, static_cast<int64_t>(panels_real));
   const double width = (x_high - x_low) / static_cast<double>(panels);
@@ -256,15 +322,15 @@ double SubsampledGaussianPrv::truncated_mean(double lower, double upper) const {
     const double center = x_low + (static_cast<double>(panel) + 0.5) * width;
     for (int i = 0; i < 16; ++i) {
       const double x = center + 0.5 * width * rule.nodes[i];
-      const double density = (1.0 - q_) * std::exp(-x * x * inv_two_s2) +
-                             q_ * std::exp(-(x - 1.0) * (x - 1.0) * inv_two_s2);
+      double density = (1.0 - weight_one) * std::exp(-x * x * inv_two_s2);
+      if (weight_one > 0.0) density += weight_one * std::exp(-(x - 1.0) * (x - 1.0) * inv_two_s2);
       const double w = rule.weights[i] * density;
       numerator += static_cast<long double>(w * loss_of_z((2.0 * x - 1.0) * inv_two_s2));
       denominator += static_cast<long double>(w);
     }
   }
   if (!(denominator > 0.0L)) return 0.5 * (lower + upper);
-  return static_cast<double>(numerator / denominator);
+  return sign * static_cast<double>(numerator / denominator);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -279,7 +345,8 @@ DiscretePrv discretise(const SubsampledGaussianPrv& prv, double mesh, double low
   if (!(cells_real <= static_cast<double>(max_cells))) {
     throw std::runtime_error(
         "PRV of one step with q = " + format_double(prv.q()) + ", sigma = " +
-        format_double(prv.sigma()) + " spans [" + format_double(lower) + ", " +
+        format_double(prv.sigma()) + " (" + direction_name(prv.direction()) +
+        " direction) spans [" + format_double(lower) + ", " +
         format_double(upper) + "], " + format_double(cells_real) + " cells of mesh " +
         format_double(h) + " (limit " + std::to_string(max_cells) +
         "): increase eps_error (the mesh grows with it) or use the RDP accountant");
@@ -341,9 +408,9 @@ DiscretePrv discretise(const SubsampledGaussianPrv& prv, double mesh, double low
   while (last > first && mass[static_cast<std::size_t>(last)] == 0.0) --last;
   if (mass[static_cast<std::size_t>(first)] == 0.0) {
     throw std::runtime_error("PRV discretisation for q = " + format_double(prv.q()) +
-                             ", sigma = " + format_double(prv.sigma()) +
-                             " produced no mass on [" + format_double(lower) + ", " +
-                             format_double(upper) + "]");
+                             ", sigma = " + format_double(prv.sigma()) + " (" +
+                             direction_name(prv.direction()) + " direction) produced no mass on [" +
+                             format_double(lower) + ", " + format_double(upper) + "]");
   }
   out.first_index = k_low + first;
   out.mass.assign(mass.begin() + first, mass.begin() + last + 1);
@@ -365,7 +432,8 @@ DiscretePrv discretise(const SubsampledGaussianPrv& prv, double mesh, double low
   if (!(std::fabs(out.shift) <= 0.5 * h * (1.0 + 1e-6)) || !std::isfinite(out.continuous_mean)) {
     throw std::runtime_error(
         "PRV discretisation for q = " + format_double(prv.q()) + ", sigma = " +
-        format_double(prv.sigma()) + ": discrete mean " + format_double(discrete_mean) +
+        format_double(prv.sigma()) + " (" + direction_name(prv.direction()) +
+        " direction): discrete mean " + format_double(discrete_mean) +
         " is farther than half a mesh (" + format_double(0.5 * h) + ") from the continuous mean " +
         format_double(out.continuous_mean) + "; the PRV accountant cannot reach the requested "
         "accuracy for these parameters (use RDP)");

@@ -1,14 +1,19 @@
 // accounting/prv_numerics.h — numerical building blocks of the PRV accountant (private to
 // accounting/; the public interface is prv.h):
+//   * PrvDirection: which order of the neighbouring pair a PRV describes (remove or add);
 //   * SubsampledGaussianPrv: the privacy random variable (PRV) of one Poisson-subsampled Gaussian
-//     step, its CDF and survival function in closed form, tail quantiles and truncated mean;
+//     step in either direction, its CDF and survival function in closed form, tail quantiles and
+//     truncated mean;
 //   * DiscretePrv / discretise(): the truncated PRV on a lattice of mesh h with a mean correction;
 //   * chernoff_window(): where the composed discrete PRV lives (tails bounded by Chernoff);
-//   * ComposedPrv / compose(): the FFT composition of all phases and its delta(eps) / eps(delta).
+//   * ComposedPrv / compose(): the FFT composition of all phases and its delta(eps) / eps(delta);
+//   * directional_delta() / directional_epsilon(): one direction's bounds with the full error
+//     budget (implemented in prv.cpp; PrvAccountant reports the max over both directions).
 //
 // Reference: [GLW21] Gopi, Lee, Wutschitz. "Numerical Composition of Differential Privacy",
 // NeurIPS 2021 (arXiv:2106.02848). The error analysis that ties these pieces together (mesh,
-// truncation, wrap-around and round-off budgets) lives in prv.cpp, Note [PRV error budget].
+// truncation, wrap-around and round-off budgets) lives in prv.cpp, Note [PRV error budget]; why
+// both directions are needed, in Note [PRV directions] there.
 #pragma once
 
 #include <cstddef>
@@ -16,31 +21,55 @@
 #include <utility>
 #include <vector>
 
+#include "accounting/prv.h"
+#include "accounting/types.h"
+
 namespace dpzero::accounting::prv_detail {
 
-// Privacy random variable of one step of the Poisson-subsampled Gaussian mechanism with sample
-// rate q in (0, 1] and noise multiplier sigma > 0 (sensitivity 1) [GLW21, Def. 3.1 and §6].
-// With P = (1-q) N(0, s^2) + q N(1, s^2), Q = N(0, s^2) (s = sigma) and X ~ P,
-//   Y = log(P(X) / Q(X)) = log(1 - q + q e^z),   z = (2X - 1) / (2 s^2)            (PRV-1)
-// Y is increasing in X, supported on (log(1-q), inf), and
-//   P(Y <= t) = (1-q) Phi(s z(t) + 1/(2s)) + q Phi(s z(t) - 1/(2s)),                 (PRV-2)
-//   z(t)      = log((e^t - 1 + q) / q)     (the inverse of (PRV-1)),
-// since X <= s^2 z + 1/2 and X is N(0, s^2) or N(1, s^2) with weights 1-q, q. The survival
-// function is (PRV-2) with Phi replaced by Phi_c = 1 - Phi, evaluated through erfc so that both
-// tails keep full relative precision. For q = 1, Y ~ N(1/(2 s^2), 1/s^2) (the Gaussian PLRV).
+// The two orders of a neighbouring pair under add/remove adjacency (Note [PRV directions],
+// prv.cpp). With M0 = N(0, s^2) (the example absent) and M1 = (1-q) N(0, s^2) + q N(1, s^2)
+// (present, sampled with probability q):
+enum class PrvDirection {
+  kRemove,  // (P, Q) = (M1, M0): the neighbouring dataset lacks the example
+  kAdd,     // (P, Q) = (M0, M1): the neighbouring dataset has one more example
+};
+
+// "remove" / "add", for messages.
+const char* direction_name(PrvDirection direction);
+
+// Privacy random variable Y = log(P(X) / Q(X)), X ~ P, of one step of the Poisson-subsampled
+// Gaussian mechanism with sample rate q in (0, 1] and noise multiplier sigma > 0 (sensitivity 1)
+// [GLW21, Def. 3.1 and §6], in either direction. Both directions go through one map of x,
+//   g(x) = log(M1(x) / M0(x)) = log(1 - q + q e^z),   z = (2x - 1) / (2 s^2),          (PRV-1)
+// (s = sigma), increasing in x, with inverse in terms of z
+//   z(t) = log((e^t - 1 + q) / q)   for t > log(1 - q)   (-inf at or below).           (PRV-2)
+// Remove: Y = g(X), X ~ M1; Y is increasing in X, supported on (log(1-q), inf), and since
+// X <= s^2 z + 1/2 and X is N(0, s^2) or N(1, s^2) with weights 1-q, q,
+//   P(Y <= t) = (1-q) Phi(s z(t) + 1/(2s)) + q Phi(s z(t) - 1/(2s)).                   (PRV-3)
+// Add: Y = -g(X), X ~ M0 (log(M0/M1) = -g); Y is decreasing in X, supported on
+// (-inf, -log(1-q)), and Y <= t  <=>  g(X) >= -t  <=>  X >= s^2 z(-t) + 1/2, so
+//   P(Y <= t) = Phi_c(s z(-t) + 1/(2s)),   P(Y > t) = Phi(s z(-t) + 1/(2s)).           (PRV-4)
+// Survival functions are the formulas with Phi and Phi_c = 1 - Phi exchanged, evaluated through
+// erfc so that both tails keep full relative precision. For q = 1 both directions are
+// Y ~ N(1/(2 s^2), 1/s^2) (the Gaussian PLRV, symmetric in P and Q); the add direction is then
+// computed as the remove direction, so that the two give bit-identical results.
 class SubsampledGaussianPrv {
  public:
   // Requires 0 < q <= 1 and sigma > 0 finite (checked by the caller, prv.cpp).
-  SubsampledGaussianPrv(double q, double sigma);
+  SubsampledGaussianPrv(double q, double sigma, PrvDirection direction = PrvDirection::kRemove);
 
   double q() const { return q_; }
   double sigma() const { return sigma_; }
-  // log(1 - q): the infimum of the support (-inf for q = 1).
+  PrvDirection direction() const { return direction_; }
+  // Infimum of the support: log(1 - q) for remove (-inf for q = 1), -inf for add.
   double support_lower() const { return support_lower_; }
+  // Supremum of the support: +inf for remove, -log(1 - q) for add.
+  double support_upper() const { return support_upper_; }
 
-  // z(t) of (PRV-2); -inf at or below the support.
+  // z(t) of (PRV-2) (the remove direction's loss t to z, in both directions); -inf at or below
+  // log(1 - q).
   double z_of_loss(double t) const;
-  // Y as a function of z, (PRV-1), stable for |z| large.
+  // g as a function of z, (PRV-1), stable for |z| large (the remove direction's loss).
   double loss_of_z(double z) const;
 
   double cdf(double t) const;  // P(Y <= t)
@@ -49,21 +78,26 @@ class SubsampledGaussianPrv {
   // A loss t with P(Y <= t) <= tail (as large as bisection finds; support_lower() if the whole
   // lower tail already qualifies). 0 < tail < 1/2.
   double lower_quantile(double tail) const;
-  // A loss t with P(Y > t) <= tail (as small as bisection finds). 0 < tail < 1/2.
+  // A loss t with P(Y > t) <= tail (as small as bisection finds; support_upper() if the whole
+  // upper tail already qualifies). 0 < tail < 1/2.
   double upper_quantile(double tail) const;
 
   // E[Y | lower < Y <= upper], by composite Gauss-Legendre quadrature over X (where the integrand
-  // is smooth): E[Y 1{.}] = int g(x) p_X(x) dx with g from (PRV-1).
+  // is smooth): E[Y 1{.}] = int +-g(x) p_X(x) dx with g from (PRV-1).
   double truncated_mean(double lower, double upper) const;
 
  private:
+  // (PRV-3) and its survival function at z = z(t) (remove direction).
   double cdf_z(double z) const;
   double sf_z(double z) const;
 
   double q_;
   double sigma_;
+  PrvDirection direction_;
   double log_q_;
+  double log_one_minus_q_;  // log(1 - q), where z(t) of (PRV-2) becomes -inf
   double support_lower_;
+  double support_upper_;
 };
 
 // The truncated PRV of one step discretised on the lattice {k h} [GLW21, §5, Alg. 1]:
@@ -163,5 +197,14 @@ struct Composition {
 // multiple of 4 (fast_fft_size()).
 Composition compose(const std::vector<DiscretePrv>& phases, const std::vector<int64_t>& steps,
                     int64_t window_first, int64_t size);
+
+// One direction's privacy curve of the composition of `phases`, with the full error budget of
+// Note [PRV error budget] (prv.cpp): the same validation, defaults and failure modes as
+// PrvAccountant::delta / epsilon, which return the elementwise max of these over both directions
+// (Note [PRV directions]). Exposed so that tests can check each direction against its own oracle.
+PrvDelta directional_delta(const std::vector<Phase>& phases, PrvDirection direction,
+                           double epsilon, const PrvOptions& options = {});
+PrvEpsilon directional_epsilon(const std::vector<Phase>& phases, PrvDirection direction,
+                               double delta, const PrvOptions& options = {});
 
 }  // namespace dpzero::accounting::prv_detail

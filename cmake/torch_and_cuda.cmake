@@ -25,7 +25,12 @@ message(STATUS "dpzero: torch ${DPZERO_TORCH_VERSION} (CUDA '${DPZERO_TORCH_CUDA
 
 # ---- CUDA decision ------------------------------------------------------------------------------
 set(DPZERO_WITH_CUDA OFF)
-if(NOT DPZERO_CUDA STREQUAL "OFF")
+if(NOT DPZERO_CUDA MATCHES "^(AUTO|ON|OFF)$")
+  message(FATAL_ERROR "dpzero: DPZERO_CUDA must be AUTO, ON or OFF, got '${DPZERO_CUDA}'")
+endif()
+if(DPZERO_CUDA STREQUAL "OFF")
+  message(STATUS "dpzero: CUDA kernels not built (DPZERO_CUDA=OFF)")
+else()
   find_program(DPZERO_NVCC nvcc HINTS "$ENV{CUDA_HOME}/bin" /usr/local/cuda/bin)
   set(_why "")
   if(NOT DPZERO_NVCC)

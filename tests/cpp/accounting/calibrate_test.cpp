@@ -4,6 +4,10 @@
 // reference_cases_test.cpp.
 #include <gtest/gtest.h>
 
+#include <utility>
+
+#include "tests/cpp/common/error_message.h"
+
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
@@ -17,12 +21,7 @@ namespace {
 
 template <typename F>
 std::string invalid_argument_message(F&& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "<no std::invalid_argument>";
+  return testing::error_message<std::invalid_argument>(std::forward<F>(f));
 }
 
 double rdp_epsilon(double q, double sigma, int64_t steps, double delta,
@@ -166,12 +165,6 @@ TEST(StepsForEpsilon, EdgeCases) {
                 .find("delta"),
             std::string::npos);
 }
-
-}  // namespace
-}  // namespace dpzero::accounting
-
-namespace dpzero::accounting {
-namespace {
 
 // A PRV search whose probes reach the PRV method's refusal region (tiny sigma: FFT size cap)
 // must treat those probes as "epsilon above target" and still return a sigma that meets it.

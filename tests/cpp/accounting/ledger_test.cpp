@@ -3,6 +3,10 @@
 // a partial line), corrupt lines, run ids, the writer lock and record validation.
 #include <gtest/gtest.h>
 
+#include <utility>
+
+#include "tests/cpp/common/error_message.h"
+
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -78,12 +82,7 @@ std::string ledger_error_message(F&& f) {
 
 template <typename F>
 std::string invalid_argument_message(F&& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "<no std::invalid_argument>";
+  return testing::error_message<std::invalid_argument>(std::forward<F>(f));
 }
 
 class LedgerTest : public ::testing::Test {

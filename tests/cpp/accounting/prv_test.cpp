@@ -2,7 +2,11 @@
 // pieces (accounting/prv_numerics.h), each checked against an independent reference:
 //  * published values (../shared/reference/accounting_cases.json): Opacus's PRV epsilon upper
 //    bounds and PRV noise calibration, and the exact mu-GDP curve of the q = 1 composition;
-//  * identities of privacy random variables (E[e^-Y] = 1, E[e^{(a-1)Y}] = A_a of [MTZ19]);
+//  * both directions of the neighbouring relation (remove and add, Note [PRV directions] in
+//    prv.cpp): one step against mpmath quadrature, 300 steps against a rigorously rounded
+//    numpy composition, and the reported bounds as the max over the two directions;
+//  * identities of privacy random variables (E[e^-Y] = 1, E[e^{(a-1)Y}] = A_a of [MTZ19], and
+//    the add direction's moments as the remove direction's reflected ones);
 //  * the RDP accountant (PRV upper bound <= RDP epsilon);
 //  * a pure-noise region of the FFT for the round-off estimate, an oversized window for the
 //    Chernoff wrap-around bound;
@@ -143,6 +147,110 @@ TEST(PrvReference, GaussianExactCompositionIsBracketed) {
   }
 }
 
+// Exact delta(eps) of each direction of one step. Computed for this test with mpmath 1.3.0
+// (mp.dps = 50) by quadrature over x of
+//   remove: int p(x) (1 - e^{eps - L(x)})_+ dx,   add: int q0(x) (1 - e^{eps + L(x)})_+ dx,
+// p = (1-q) npdf(x, 0, s) + q npdf(x, 1, s), q0 = npdf(x, 0, s), L = log(p / q0), i.e.
+// E_P[(1 - e^{eps - loss})_+] for P = p, loss = L (remove) and P = q0, loss = -L (add). The
+// kink x* (L(x*) = eps, resp. -eps) was found by 250 bisection steps on [-200, 200], and
+// mp.quad integrated over [x*, x* + s/2, x* + s, ..., x* + 32 s, inf] (remove), resp.
+// [-inf, x* - 32 s, ..., x* - s/2, x*] (add). Cross-check: the closed forms
+// P(L > eps) - e^eps Q(L > eps) through mp.ncdf agreed to >= 42 digits. The add direction is 0
+// exactly for eps >= -log(1 - q) (its loss never exceeds -log(1-q)); at eps = 0 both are the
+// total variation distance.
+struct SingleStepCase {
+  double q;
+  double sigma;
+  double eps;
+  double remove;
+  double add;
+};
+
+const std::vector<SingleStepCase>& single_step_cases() {
+  static const std::vector<SingleStepCase> cases = {
+      {0.01, 0.8, 0.05, 8.8311969351709169e-4, 0.0},
+      {0.01, 0.8, 0.005, 3.6111305612907242e-3, 1.4634090022407109e-3},
+      {0.01, 0.8, 0.0, 4.6802894190259892e-3, 4.6802894190259892e-3},
+      {0.3, 1.0, 0.05, 0.10047872446166875, 0.086911348067390232},
+      {0.5, 0.9, 0.1, 0.18340020952002300, 0.16155989788828706},
+      {0.1, 0.6, 0.05, 0.050939991343175000, 0.024525019782850650},
+      {0.01, 0.8, 2.0, 5.6081461454759810e-9, 0.0},  // large eps
+      {0.2, 0.5, 5.0, 8.8424261150562568e-4, 0.0},  // large eps
+  };
+  return cases;
+}
+
+TEST(PrvReference, SingleStepBothDirectionsMatchQuadrature) {
+  for (const SingleStepCase& c : single_step_cases()) {
+    const std::vector<Phase> phases = {Phase{c.q, c.sigma, 1}};
+    const PrvDelta remove =
+        prv_detail::directional_delta(phases, prv_detail::PrvDirection::kRemove, c.eps);
+    const PrvDelta add =
+        prv_detail::directional_delta(phases, prv_detail::PrvDirection::kAdd, c.eps);
+    // Each direction's bounds hold its own exact curve.
+    EXPECT_LE(remove.lower, c.remove) << c.q << " " << c.sigma << " " << c.eps;
+    EXPECT_GE(remove.upper, c.remove) << c.q << " " << c.sigma << " " << c.eps;
+    EXPECT_LE(add.lower, c.add) << c.q << " " << c.sigma << " " << c.eps;
+    EXPECT_GE(add.upper, c.add) << c.q << " " << c.sigma << " " << c.eps;
+    // The accountant's bounds hold the privacy profile, the max of the two.
+    const double worst = std::max(c.remove, c.add);
+    const PrvDelta d = single(c.q, c.sigma, 1).delta(c.eps);
+    EXPECT_LE(d.lower, worst) << c.q << " " << c.sigma << " " << c.eps;
+    EXPECT_GE(d.upper, worst) << c.q << " " << c.sigma << " " << c.eps;
+    EXPECT_LE(d.lower, d.estimate);
+    EXPECT_LE(d.estimate, d.upper);
+    // Not vacuous: a single step's curve shifted by eps_error = 0.01 either way.
+    EXPECT_LT(d.upper - d.lower, 0.01 + 0.5 * worst) << c.q << " " << c.sigma << " " << c.eps;
+  }
+}
+
+TEST(PrvReference, ComposedBothDirectionsMatchRoundedComposition) {
+  // q = 0.01, sigma = 0.8, 300 steps. Reference brackets computed for this test with numpy
+  // 2.4.6 / scipy 1.17.1: each step's loss (cell masses from the closed-form CDFs (PRV-3) and
+  // (PRV-4) through scipy.special.ndtr) rounded UP to the grid k h (pessimistic: the composed
+  // sum is >= the true one pointwise, so its delta is >= the true delta, as
+  // x -> (1 - e^{eps - x})_+ is non-decreasing) and rounded DOWN (optimistic, <=), h = 2e-6;
+  // 300-fold composition by numpy.fft.rfft / irfft (power 300 of the spectrum) on 2^23 points,
+  // window about [-3.2, 13.6] (remove) and [-13.6, 3.2] (add); 300 times the per-step tail beyond
+  // |loss| = 12 (< 1e-38 per step), the Chernoff bound of the composed mass outside the window
+  // (< 1e-26, from the discrete steps' moment generating function) and twice the FFT's negative
+  // mass (< 4e-14) added to the pessimistic and subtracted from the optimistic value; printed
+  // rounded outwards to 1e-11.
+  // So the exact delta of each direction lies in [down, up].
+  // The add direction is the SMALLER one here (at eps = 0 the two agree, both being the total
+  // variation distance); with the max over directions the accountant must still bracket both.
+  struct Case {
+    double eps;
+    double remove_down, remove_up;
+    double add_down, add_up;
+  };
+  const std::vector<Phase> phases = {Phase{0.01, 0.8, 300}};
+  const PrvAccountant accountant = single(0.01, 0.8, 300);
+  for (const Case& c : {Case{0.0, 0.12582993606, 0.12607335939, 0.12581114206, 0.12609214776},
+                        Case{0.05, 0.10661731455, 0.10683524020, 0.10342661586, 0.10368261116},
+                        Case{0.5, 0.01687473261, 0.01692192090, 0.00511763327, 0.00514844361},
+                        Case{1.0, 0.00142770587, 0.00143205361, 0.00000150656, 0.00000152878}}) {
+    const PrvDelta remove =
+        prv_detail::directional_delta(phases, prv_detail::PrvDirection::kRemove, c.eps);
+    const PrvDelta add =
+        prv_detail::directional_delta(phases, prv_detail::PrvDirection::kAdd, c.eps);
+    EXPECT_LE(remove.lower, c.remove_down) << c.eps;
+    EXPECT_GE(remove.upper, c.remove_up) << c.eps;
+    EXPECT_LE(add.lower, c.add_down) << c.eps;
+    EXPECT_GE(add.upper, c.add_up) << c.eps;
+    // The estimates are much closer than eps_error makes the bounds (discretisation error is
+    // second order): within the reference bracket widened by 1e-5.
+    EXPECT_NEAR(remove.estimate, 0.5 * (c.remove_down + c.remove_up),
+                0.5 * (c.remove_up - c.remove_down) + 1e-5)
+        << c.eps;
+    EXPECT_NEAR(add.estimate, 0.5 * (c.add_down + c.add_up), 0.5 * (c.add_up - c.add_down) + 1e-5)
+        << c.eps;
+    const PrvDelta d = accountant.delta(c.eps);
+    EXPECT_LE(d.lower, std::max(c.remove_down, c.add_down)) << c.eps;
+    EXPECT_GE(d.upper, std::max(c.remove_up, c.add_up)) << c.eps;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Properties
 // ---------------------------------------------------------------------------------------------
@@ -226,9 +334,16 @@ TEST(PrvProperties, EpsilonIsMonotone) {
 }
 
 TEST(PrvProperties, DeltaAndEpsilonRoundTrip) {
-  for (const PrvRun& r : property_runs()) {
+  // Each bound is a max over the two directions (Note [PRV directions]); the round trip holds
+  // for the max because it holds for the direction attaining it and the other one stays below.
+  std::vector<PrvRun> runs = property_runs();
+  runs.push_back({0.01, 0.8, 300});  // large delta, where both directions are close
+  for (const PrvRun& r : runs) {
     const PrvAccountant accountant = single(r.q, r.sigma, r.steps);
-    for (const double delta : {1e-4, 1e-6}) {
+    const std::vector<double> deltas =
+        r.steps == 300 && r.q == 0.01 ? std::vector<double>{0.1, 0.01, 1e-5}
+                                      : std::vector<double>{1e-4, 1e-6};
+    for (const double delta : deltas) {
       PrvOptions options;
       options.delta_error = delta / 1000.0;  // the same budget in both directions
       const PrvEpsilon e = accountant.epsilon(delta, options);
@@ -241,6 +356,55 @@ TEST(PrvProperties, DeltaAndEpsilonRoundTrip) {
       EXPECT_NEAR(accountant.delta(e.lower, options).lower, delta, 1e-6 * delta);
     }
   }
+}
+
+TEST(PrvProperties, ReportsTheWorseOfBothDirections) {
+  // (D1) and (D2) of Note [PRV directions]: the accountant's bounds are the elementwise max of
+  // the two directions' bounds, each computed with the full error budget.
+  namespace pd = prv_detail;
+  std::vector<PrvRun> runs = property_runs();
+  runs.push_back({0.01, 0.8, 300});
+  runs.push_back({0.01, 0.8, 1});
+  for (const PrvRun& r : runs) {
+    const PrvAccountant accountant = single(r.q, r.sigma, r.steps);
+    for (const double eps : {0.0, 0.005, 0.05, 0.5, 2.0}) {
+      const PrvDelta d = accountant.delta(eps);
+      const PrvDelta remove =
+          pd::directional_delta(accountant.phases(), pd::PrvDirection::kRemove, eps);
+      const PrvDelta add =
+          pd::directional_delta(accountant.phases(), pd::PrvDirection::kAdd, eps);
+      EXPECT_EQ(d.lower, std::max(remove.lower, add.lower))
+          << r.q << " " << r.steps << " " << eps;
+      EXPECT_EQ(d.estimate, std::max(remove.estimate, add.estimate));
+      EXPECT_EQ(d.upper, std::max(remove.upper, add.upper));
+    }
+    for (const double delta : {1e-3, 1e-5}) {
+      const PrvEpsilon e = accountant.epsilon(delta);
+      const PrvEpsilon remove =
+          pd::directional_epsilon(accountant.phases(), pd::PrvDirection::kRemove, delta);
+      const PrvEpsilon add =
+          pd::directional_epsilon(accountant.phases(), pd::PrvDirection::kAdd, delta);
+      EXPECT_EQ(e.lower, std::max(remove.lower, add.lower))
+          << r.q << " " << r.steps << " " << delta;
+      EXPECT_EQ(e.estimate, std::max(remove.estimate, add.estimate));
+      EXPECT_EQ(e.upper, std::max(remove.upper, add.upper));
+    }
+  }
+  // q = 1: the two directions are the same Gaussian PLRV and give identical results.
+  const std::vector<Phase> gaussian = {Phase{1.0, 2.0, 50}};
+  const PrvDelta remove = pd::directional_delta(gaussian, pd::PrvDirection::kRemove, 1.0);
+  const PrvDelta add = pd::directional_delta(gaussian, pd::PrvDirection::kAdd, 1.0);
+  EXPECT_EQ(remove.lower, add.lower);
+  EXPECT_EQ(remove.estimate, add.estimate);
+  EXPECT_EQ(remove.upper, add.upper);
+  // A run mixing q = 1 and q < 1 phases has two different directions and still works.
+  PrvAccountant mixed;
+  mixed.step(1.0, 5.0, 10);
+  mixed.step(0.02, 1.0, 200);
+  const PrvEpsilon e = mixed.epsilon(1e-5);
+  EXPECT_LE(e.lower, e.estimate);
+  EXPECT_LE(e.estimate, e.upper);
+  EXPECT_GT(e.estimate, single(0.02, 1.0, 200).epsilon(1e-5).estimate);
 }
 
 TEST(PrvProperties, PhasesComposeInAnyOrderAndSplitAnywhere) {
@@ -435,6 +599,74 @@ TEST(PrvNumerics, DiscretePrvHasPrivacyLossIdentities) {
       for (const double alpha : {2.0, 3.0}) {
         const double log_a = compute_log_a(q, sigma, alpha);
         EXPECT_NEAR(d.log_mgf(alpha - 1.0), log_a, 1e-8 * std::max(1.0, log_a))
+            << q << " " << sigma << " " << alpha;
+      }
+    }
+  }
+}
+
+TEST(PrvNumerics, AddDirectionCdfAndSurvivalAreComplementaryAndMonotone) {
+  // (PRV-4): the add direction lives on (-inf, -log(1-q)); walk down from the supremum.
+  for (const double q : {1e-4, 0.01, 0.3, 0.999}) {
+    for (const double sigma : {0.6, 1.5, 10.0}) {
+      const pd::SubsampledGaussianPrv prv(q, sigma, pd::PrvDirection::kAdd);
+      EXPECT_EQ(prv.direction(), pd::PrvDirection::kAdd);
+      EXPECT_EQ(prv.support_lower(), -std::numeric_limits<double>::infinity());
+      EXPECT_EQ(prv.support_upper(), -std::log1p(-q));
+      EXPECT_EQ(prv.cdf(prv.support_upper()), 1.0);
+      EXPECT_EQ(prv.sf(prv.support_upper()), 0.0);
+      double previous = 1.0;
+      for (int i = 1; i <= 400; ++i) {
+        const double t = prv.support_upper() - 1e-6 * std::pow(1.06, i);
+        const double c = prv.cdf(t);
+        EXPECT_LE(c, previous) << q << " " << sigma << " " << t;
+        EXPECT_NEAR(c + prv.sf(t), 1.0, 4e-16) << q << " " << sigma << " " << t;
+        previous = c;
+      }
+      // The quantiles bracket the bulk from the correct sides.
+      EXPECT_LE(prv.cdf(prv.lower_quantile(1e-12)), 1e-12);
+      EXPECT_LE(prv.sf(prv.upper_quantile(1e-12)), 1e-12);
+      EXPECT_LT(prv.lower_quantile(1e-12), prv.upper_quantile(1e-12));
+    }
+  }
+  // q = 1: the add direction is the remove direction (the symmetric Gaussian PLRV).
+  const pd::SubsampledGaussianPrv gaussian(1.0, 2.0, pd::PrvDirection::kAdd);
+  EXPECT_EQ(gaussian.direction(), pd::PrvDirection::kRemove);
+}
+
+TEST(PrvNumerics, AddDirectionMomentsAreTheReflectedRemoveMoments) {
+  // With M0 = N(0, s^2), M1 the mixture: the add PRV Y' = log(M0/M1) under M0 and the remove
+  // PRV Y = log(M1/M0) under M1 have E[e^{l Y'}] = int M0^{1+l} M1^{-l} = E[e^{(-1-l) Y}].
+  // In particular E[e^{-a Y'}] = E_{M0}[(M1/M0)^a] = A_a, computed independently by rdp.h
+  // [MTZ19], E[e^{-Y'}] = 1, and E[e^{(a-1) Y'}] = E_{M1}[(M0/M1)^a] = B_a <= A_a [MTZ19].
+  // The two discretisations are independent (different supports, cells and mean shifts).
+  for (const double q : {0.003, 0.05, 0.5}) {
+    for (const double sigma : {0.8, 2.0}) {
+      const double tail = 1e-40;
+      const double h = 1e-4;
+      const pd::SubsampledGaussianPrv remove_prv(q, sigma, pd::PrvDirection::kRemove);
+      const pd::SubsampledGaussianPrv add_prv(q, sigma, pd::PrvDirection::kAdd);
+      const pd::DiscretePrv remove =
+          pd::discretise(remove_prv, h, remove_prv.lower_quantile(tail),
+                         remove_prv.upper_quantile(tail), 1 << 22);
+      const pd::DiscretePrv add = pd::discretise(add_prv, h, add_prv.lower_quantile(tail),
+                                                 add_prv.upper_quantile(tail), 1 << 22);
+      EXPECT_LE(add.dropped, 2.0 * tail * (1.0 + 1e-3)) << q << " " << sigma;
+      EXPECT_LE(std::fabs(add.shift), 0.5 * h);
+      // Means of PRVs are KL divergences: E[Y'] = KL(M0 || M1) > 0, E[Y] = KL(M1 || M0) > 0.
+      EXPECT_GT(add.continuous_mean, 0.0);
+      EXPECT_GT(remove.continuous_mean, 0.0);
+      EXPECT_NEAR(add.log_mgf(-1.0), 0.0, 1e-8) << q << " " << sigma;
+      for (const double lambda : {-3.0, -0.5, 0.5, 1.0, 2.0}) {
+        const double expected = remove.log_mgf(-1.0 - lambda);
+        EXPECT_NEAR(add.log_mgf(lambda), expected, 1e-8 * std::max(1.0, std::fabs(expected)))
+            << q << " " << sigma << " " << lambda;
+      }
+      for (const double alpha : {2.0, 3.0}) {
+        const double log_a = compute_log_a(q, sigma, alpha);
+        EXPECT_NEAR(add.log_mgf(-alpha), log_a, 1e-8 * std::max(1.0, log_a))
+            << q << " " << sigma << " " << alpha;
+        EXPECT_LE(add.log_mgf(alpha - 1.0), log_a + 1e-8 * std::max(1.0, log_a))
             << q << " " << sigma << " " << alpha;
       }
     }

@@ -4,6 +4,10 @@
 // reference_cases_test.cpp.
 #include <gtest/gtest.h>
 
+#include <utility>
+
+#include "tests/cpp/common/error_message.h"
+
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -19,12 +23,7 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 template <typename F>
 std::string invalid_argument_message(F&& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "";
+  return testing::error_message<std::invalid_argument>(std::forward<F>(f));
 }
 
 double rdp_epsilon(double q, double sigma, int64_t steps, double delta,

@@ -2,6 +2,10 @@
 // field and value; AccountantKind parsing; exact double formatting.
 #include <gtest/gtest.h>
 
+#include <utility>
+
+#include "tests/cpp/common/error_message.h"
+
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -15,15 +19,9 @@ namespace {
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// The message of the std::invalid_argument thrown by f, or "" if none was thrown.
 template <typename F>
 std::string invalid_argument_message(F&& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "";
+  return testing::error_message<std::invalid_argument>(std::forward<F>(f));
 }
 
 TEST(FormatDouble, ShortestRoundTripText) {

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "privacy/poisson.h"
+#include "tests/cpp/common/error_message.h"
 
 namespace dpzero::privacy {
 namespace {
@@ -56,14 +57,7 @@ TEST(Poisson, EmptyLogicalBatchIsOneEmptyMicroBatch) {
 }
 
 TEST(Poisson, BadArgumentsNameTheValue) {
-  auto message = [](auto fn) {
-    try {
-      fn();
-    } catch (const std::invalid_argument& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
+  auto message = [](auto fn) { return testing::error_message<std::invalid_argument>(fn); };
   EXPECT_NE(message([] { poisson_logical_batch(SamplerSource{1}, 1, -5, 0.1); }).find("-5"), std::string::npos);
   EXPECT_NE(message([] { poisson_logical_batch(SamplerSource{1}, 1, 5, 1.5); }).find("1.5"), std::string::npos);
   EXPECT_NE(message([] { poisson_micro_batches(SamplerSource{1}, 1, 5, 0.1, 3, 2, 4); }).find("got 3"),
@@ -71,12 +65,6 @@ TEST(Poisson, BadArgumentsNameTheValue) {
   EXPECT_NE(message([] { poisson_micro_batches(SamplerSource{1}, 1, 5, 0.1, 0, 2, 0); }).find("got 0"),
             std::string::npos);
 }
-
-}  // namespace
-}  // namespace dpzero::privacy
-
-namespace dpzero::privacy {
-namespace {
 
 TEST(Poisson, SecureSourceUsesChaCha20AndPartitionsTheSame) {
   SamplerSource secure;

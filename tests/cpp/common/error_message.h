@@ -1,0 +1,21 @@
+// tests/cpp/common/error_message.h — the message of the exception a call throws, for tests that
+// check an error names the bad value.
+#pragma once
+
+#include <string>
+
+namespace dpzero::testing {
+
+// The what() of the E thrown by f(), or "<no E>" if f() returned normally (other exception types
+// propagate and fail the test).
+template <typename E, typename F>
+std::string error_message(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "<no exception of the expected type>";
+}
+
+}  // namespace dpzero::testing
