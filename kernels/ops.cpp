@@ -1,5 +1,9 @@
 // kernels/ops.cpp — the one schema of dpzero's torch ops (TORCH_LIBRARY(dpzero, ...)).
-// Each op has one implementation file per backend: kernels/cpu/<op>.cpp and kernels/cuda/<op>.cu.
+// Each op (or op family) has one implementation file per backend, side by side: kernels/cpu/<x>.cpp
+// and kernels/cuda/<x>.cu. The per-sample layer ops are one family (per_sample.cpp on each
+// backend, written once in ATen in per_sample_ops.h); their only backend-specific kernel is the
+// ghost-norm Gram reduction (ghost_norm.cpp / ghost_norm.cu). One .cu per op would multiply the
+// CUDA compile time for no separation that the family does not already give.
 #include <torch/library.h>
 
 TORCH_LIBRARY(dpzero, m) {
@@ -14,6 +18,62 @@ TORCH_LIBRARY(dpzero, m) {
   m.def("add_secure_noise_(Tensor(a!) self, float std, int[] key, int step, int offset) -> Tensor(a!)");
   // Per-sample clip factors from per-sample norms (privacy/clipping.h): norms [B] float32;
   // mode "flat" (min(1, C/(n+1e-6))) or "automatic" (C/(n+gamma)). Returns factors [B] float32
-  // (0 for NaN/Inf norms) and the count of such non-finite norms as a 0-dim int64 tensor.
+  // (0 for NaN/Inf/negative norms) and the count of such invalid norms as a 0-dim int64 tensor;
+  // norm * factor <= max_norm holds exactly (privacy/clipping.h).
   m.def("clip_factors(Tensor norms, float max_norm, str mode, float gamma=0.01) -> (Tensor, Tensor)");
+
+  // ---- Per-sample gradient norms, clipped sums and fused clipping (issue #4) -------------------
+  // Note [per-sample ops] in kernels/per_sample_ops.h. Shapes: A [B, ..., d_in] / G [B, ..., d_out]
+  // with the leading dims after B flattened into T; inputs float32 / bfloat16 / float16; every
+  // output float32. sq_norms are per-sample SQUARED gradient norms [B] (they add across layers);
+  // scale is [B] float32 (a sample with scale 0 or non-finite contributes nothing). method:
+  // 0 = auto (ghost iff ghost_is_cheaper), 1 = ghost norm, 2 = direct. The *_clip ops return
+  // factors [B] from dpzero::clip_factors (flat / automatic, gamma) and the non-finite count.
+  // True iff the ghost norm is the cheaper path: 2 T^2 <= d_in d_out (Note [ghost or direct]).
+  m.def("ghost_is_cheaper(int T, int d_in, int d_out) -> bool");
+  // Linear weight ([d_out, d_in]) and HF Conv1D weight ([d_in, d_out], transposed=True): A is the
+  // layer input, G the output gradient. bias=True adds the bias's share (||sum_t G_i||^2).
+  m.def("linear_sq_norms(Tensor A, Tensor G, bool bias=False, int method=0) -> Tensor");
+  m.def("linear_clipped_sum(Tensor A, Tensor G, Tensor scale, bool transposed=False) -> Tensor");
+  // -> (grad_weight, grad_bias [d_out] or [0] without bias, sq_norms, factors, nonfinite)
+  m.def("linear_clip(Tensor A, Tensor G, float max_norm, str mode, float gamma=0.01, "
+        "bool bias=False, bool transposed=False, int method=0) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Any bias: G [B, ..., d] with the bias dim last -> [B] / [d].
+  m.def("bias_sq_norms(Tensor G) -> Tensor");
+  m.def("bias_clipped_sum(Tensor G, Tensor scale) -> Tensor");
+  // Embedding [V, d]: ids [B, ...] int64/int32, G ids.shape + [d]; padding_idx as in nn.Embedding
+  // (padding tokens get no gradient). clipped sum -> [V, d].
+  m.def("embedding_sq_norms(Tensor ids, Tensor G, int num_embeddings, int? padding_idx=None, "
+        "int method=0) -> Tensor");
+  m.def("embedding_clipped_sum(Tensor ids, Tensor G, Tensor scale, int num_embeddings, "
+        "int? padding_idx=None) -> Tensor");
+  // -> (grad_weight [V, d], sq_norms, factors, nonfinite)
+  m.def("embedding_clip(Tensor ids, Tensor G, int num_embeddings, float max_norm, str mode, "
+        "float gamma=0.01, int? padding_idx=None, int method=0) -> (Tensor, Tensor, Tensor, Tensor)");
+  // LayerNorm (rms=False) / RMSNorm (rms=True) over the last dim: input is the RAW layer input
+  // [B, ..., d]; the op computes x̂ from it and eps in float32. Weight grad sum_t G ⊙ x̂ -> [d].
+  m.def("layer_norm_sq_norms(Tensor input, Tensor G, float eps, bool rms=False, bool bias=False) "
+        "-> Tensor");
+  m.def("layer_norm_clipped_sum(Tensor input, Tensor G, Tensor scale, float eps, bool rms=False) "
+        "-> Tensor");
+  // -> (grad_weight [d], grad_bias [d] or [0], sq_norms, factors, nonfinite)
+  m.def("layer_norm_clip(Tensor input, Tensor G, float eps, float max_norm, str mode, "
+        "float gamma=0.01, bool rms=False, bool bias=False) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Conv1d (kernel_size [k]) / Conv2d ([kh, kw]): input [B, C_in, *spatial], G [B, C_out,
+  // *out_spatial]; zero padding given as ints. clipped sum -> [C_out, C_in/groups, *kernel_size].
+  m.def("conv_sq_norms(Tensor input, Tensor G, int[] kernel_size, int[] stride, int[] padding, "
+        "int[] dilation, int groups=1, bool bias=False, int method=0) -> Tensor");
+  m.def("conv_clipped_sum(Tensor input, Tensor G, Tensor scale, int[] kernel_size, int[] stride, "
+        "int[] padding, int[] dilation, int groups=1) -> Tensor");
+  // -> (grad_weight, grad_bias [C_out] or [0], sq_norms, factors, nonfinite)
+  m.def("conv_clip(Tensor input, Tensor G, int[] kernel_size, int[] stride, int[] padding, "
+        "int[] dilation, int groups, float max_norm, str mode, float gamma=0.01, bool bias=False, "
+        "int method=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Backend kernels of the ghost paths (kernels/cpu/ghost_norm.cpp, kernels/cuda/ghost_norm.cu);
+  // call the layer ops instead. A [B, T, d_in], G [B, T, d_out] -> <A_i A_i^T, G_i G_i^T> [B];
+  // ids [B, T] int64, padding_idx >= 0 or -1 (none) -> sum_{s,t} [id_s = id_t != pad] g_s . g_t.
+  m.def("_ghost_sq_norms(Tensor A, Tensor G) -> Tensor");
+  m.def("_token_ghost_sq_norms(Tensor ids, Tensor G, int padding_idx) -> Tensor");
 }

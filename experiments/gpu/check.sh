@@ -18,4 +18,5 @@ $py -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -20 | tee "$o
 $py -c "import dpzero; assert dpzero._C.with_cuda, 'CUDA kernels not built'" || exit 1
 ctest --test-dir build --output-on-failure 2>&1 | tee "$out/ctest.log" | tail -5
 $py -m pytest tests/python -q -ra 2>&1 | tee "$out/pytest.log" | tail -5
-$py experiments/noise_bench.py --sizes 1e6,1e7,1e8 2>&1 | tee "$out/noise_bench.md"
+$py experiments/noise_bench.py --sizes 1e6,1e7,1e8 --out "$out/noise.md" 2>&1 | tail -8
+$py experiments/kernel_bench.py --device cuda --full --out "$out/kernels.md" 2>&1 | tail -20

@@ -1,0 +1,44 @@
+// kernels/cpu/per_sample.cpp — registers the per-sample gradient ops of every layer kind
+// (kernels/per_sample_ops.h; schemas in kernels/ops.cpp) for CPU tensors, and the
+// tensor-free dpzero::ghost_is_cheaper for every backend. Their ghost paths reach the CPU Gram
+// kernels of kernels/cpu/ghost_norm.cpp through the dispatcher.
+#include <cstdint>
+
+#include <torch/library.h>
+
+#include "kernels/per_sample_checks.h"
+#include "kernels/per_sample_ops.h"
+
+namespace dpzero::kernels {
+namespace {
+
+// Note [ghost or direct] in kernels/per_sample_checks.h.
+bool ghost_is_cheaper_op(int64_t T, int64_t d_in, int64_t d_out) {
+  return ghost_is_cheaper(T, d_in, d_out);
+}
+
+}  // namespace
+
+// No tensor arguments, so no backend key: CompositeImplicitAutograd serves every call.
+TORCH_LIBRARY_IMPL(dpzero, CompositeImplicitAutograd, m) {
+  m.impl("ghost_is_cheaper", &ghost_is_cheaper_op);
+}
+
+TORCH_LIBRARY_IMPL(dpzero, CPU, m) {
+  m.impl("linear_sq_norms", &per_sample::linear_sq_norms);
+  m.impl("linear_clipped_sum", &per_sample::linear_clipped_sum);
+  m.impl("linear_clip", &per_sample::linear_clip);
+  m.impl("bias_sq_norms", &per_sample::bias_sq_norms);
+  m.impl("bias_clipped_sum", &per_sample::bias_clipped_sum);
+  m.impl("embedding_sq_norms", &per_sample::embedding_sq_norms);
+  m.impl("embedding_clipped_sum", &per_sample::embedding_clipped_sum);
+  m.impl("embedding_clip", &per_sample::embedding_clip);
+  m.impl("layer_norm_sq_norms", &per_sample::layer_norm_sq_norms);
+  m.impl("layer_norm_clipped_sum", &per_sample::layer_norm_clipped_sum);
+  m.impl("layer_norm_clip", &per_sample::layer_norm_clip);
+  m.impl("conv_sq_norms", &per_sample::conv_sq_norms);
+  m.impl("conv_clipped_sum", &per_sample::conv_clipped_sum);
+  m.impl("conv_clip", &per_sample::conv_clip);
+}
+
+}  // namespace dpzero::kernels

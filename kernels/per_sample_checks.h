@@ -1,0 +1,155 @@
+// kernels/per_sample_checks.h — what the CPU and CUDA per-sample gradient ops share besides their
+// math: argument checks (both backends reject the same inputs with the same messages), the
+// ghost-vs-direct cost rule (Note [ghost or direct]), the `method` argument, the [B, *, d] ->
+// [B, T, d] flattening and the sample-chunk size that bounds temporary memory.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/Exception.h>
+
+namespace dpzero::kernels {
+
+// Note [ghost or direct]
+// A layer's per-sample squared gradient norm ||G_i^T A_i||_F^2 (A_i: [T, d_in], G_i: [T, d_out])
+// can be computed two ways:
+//  * ghost norm: <A_i A_i^T, G_i G_i^T> (Goodfellow 2015, "Efficient per-example gradient
+//    computations"; Li et al. 2022, "Large language models can be strong differentially private
+//    learners", "ghost clipping"), holding two T x T Grams per sample;
+//  * direct: instantiate G_i^T A_i ([d_out, d_in]) and take its squared Frobenius norm.
+// Per sample the ghost path needs 2 T^2 numbers and the direct path d_in d_out, so we take the
+// ghost path iff 2 T^2 <= d_in d_out (the layer-wise choice of "mixed ghost clipping", Bu et al.
+// 2022, "Scalable and efficient training of large convolutional neural networks with differential
+// privacy"; DESIGN.md §2 step 3). Both give the same value up to fp32 rounding.
+// Layer kinds map onto (T, d_in, d_out) as follows: Linear / HF Conv1D (T, d_in, d_out);
+// Conv1d/2d per group (output positions, C_in/groups * kernel numel, C_out/groups); Embedding
+// (T, min(T, V), d): a sample touches at most min(T, V) rows of the [V, d] table, and those rows
+// are all the direct path instantiates.
+inline bool ghost_is_cheaper(int64_t T, int64_t d_in, int64_t d_out) {
+  TORCH_CHECK(T >= 0 && d_in >= 0 && d_out >= 0,
+              "dpzero::ghost_is_cheaper: T, d_in and d_out must be >= 0, got T=", T,
+              ", d_in=", d_in, ", d_out=", d_out);
+  // 128-bit products: 2 T^2 and d_in d_out overflow int64 for T, d >= 2^31.
+  const unsigned __int128 ghost = 2 * static_cast<unsigned __int128>(T) * static_cast<uint64_t>(T);
+  const unsigned __int128 direct =
+      static_cast<unsigned __int128>(d_in) * static_cast<uint64_t>(d_out);
+  return ghost <= direct;
+}
+
+// The `method` argument of the *_sq_norms ops: 0 = auto (Note [ghost or direct]), 1 = ghost,
+// 2 = direct.
+enum class NormMethod : int64_t { kAuto = 0, kGhost = 1, kDirect = 2 };
+
+inline NormMethod check_method(const char* op, int64_t method) {
+  TORCH_CHECK(method >= 0 && method <= 2, "dpzero::", op,
+              ": method must be 0 (auto), 1 (ghost) or 2 (direct), got ", method);
+  return static_cast<NormMethod>(method);
+}
+
+inline bool use_ghost(NormMethod method, int64_t T, int64_t d_in, int64_t d_out) {
+  if (method == NormMethod::kAuto) return ghost_is_cheaper(T, d_in, d_out);
+  return method == NormMethod::kGhost;
+}
+
+// Temporaries of the chunked loops (Grams, per-sample gradients, fp32 copies) stay under this many
+// bytes per chunk unless a single sample needs more.
+constexpr int64_t kChunkBytes = int64_t{64} << 20;
+
+// How many samples one chunk holds when each needs `bytes_per_sample` bytes of temporaries.
+inline int64_t samples_per_chunk(int64_t num_samples, int64_t bytes_per_sample) {
+  const int64_t per = std::max<int64_t>(1, bytes_per_sample);
+  return std::max<int64_t>(1, std::min<int64_t>(num_samples, kChunkBytes / per));
+}
+
+inline void check_floating(const char* op, const char* name, const at::Tensor& x) {
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, "dpzero::", op, ": ", name,
+              " must be float32, bfloat16 or float16, got ", t);
+}
+
+inline void check_same_device(const char* op, const char* name, const at::Tensor& x,
+                              const at::Tensor& ref, const char* ref_name) {
+  TORCH_CHECK(x.device() == ref.device(), "dpzero::", op, ": ", name, " is on ", x.device(),
+              " but ", ref_name, " is on ", ref.device());
+}
+
+// [B, d] or [B, ..., d] viewed as [B, T, d] with T the product of the middle dims (1 for [B, d]).
+inline at::Tensor as_btd(const char* op, const char* name, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 2, "dpzero::", op, ": ", name,
+              " must be [B, d] or [B, ..., d], got shape ", x.sizes());
+  int64_t t = 1;
+  for (int64_t k = 1; k + 1 < x.dim(); ++k) t *= x.size(k);
+  return x.reshape({x.size(0), t, x.size(-1)});
+}
+
+// A layer input and output gradient that share their leading dims: A [B, ..., d_in], G [B, ...,
+// d_out].
+inline void check_layer_pair(const char* op, const at::Tensor& a, const char* a_name,
+                             const at::Tensor& g) {
+  check_floating(op, a_name, a);
+  check_floating(op, "G", g);
+  check_same_device(op, "G", g, a, a_name);
+  TORCH_CHECK(a.dim() >= 2 && a.dim() == g.dim() &&
+                  a.sizes().slice(0, a.dim() - 1) == g.sizes().slice(0, g.dim() - 1),
+              "dpzero::", op, ": ", a_name,
+              " [B, ..., d_in] and G [B, ..., d_out] must share all but "
+              "their last dim, got ",
+              a_name, " ", a.sizes(), " and G ", g.sizes());
+}
+
+// Per-sample scale factors c: [B] float32 on the data's device.
+inline void check_scale(const char* op, const at::Tensor& scale, int64_t num_samples,
+                        const at::Tensor& data) {
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == num_samples, "dpzero::", op,
+              ": scale must be [B] = [", num_samples, "], got shape ", scale.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat, "dpzero::", op, ": scale must be float32, got ",
+              scale.scalar_type());
+  check_same_device(op, "scale", scale, data, "G");
+}
+
+// Embedding token ids [B, ...] (int32 / int64) and output gradient [B, ..., d].
+inline void check_embedding_args(const char* op, const at::Tensor& ids, const at::Tensor& g,
+                                 int64_t num_embeddings) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, "dpzero::", op,
+              ": ids must be int64 or int32, got ", ids.scalar_type());
+  check_floating(op, "G", g);
+  check_same_device(op, "G", g, ids, "ids");
+  TORCH_CHECK(
+      ids.dim() >= 1 && g.dim() == ids.dim() + 1 && g.sizes().slice(0, ids.dim()) == ids.sizes(),
+      "dpzero::", op, ": G must be ids.shape + [d], got ids ", ids.sizes(), " and G ", g.sizes());
+  TORCH_CHECK(num_embeddings >= 1, "dpzero::", op, ": num_embeddings must be >= 1, got ",
+              num_embeddings);
+}
+
+// torch.nn.Embedding's convention: padding_idx in [-V, V), negative counts from the end; None
+// means no padding. Returns the id in [0, V), or -1 for none.
+inline int64_t normalize_padding_idx(const char* op, std::optional<int64_t> padding_idx,
+                                     int64_t num_embeddings) {
+  if (!padding_idx.has_value()) return -1;
+  const int64_t p = *padding_idx;
+  TORCH_CHECK(p >= -num_embeddings && p < num_embeddings, "dpzero::", op,
+              ": padding_idx must be in [-num_embeddings, num_embeddings) = [", -num_embeddings,
+              ", ", num_embeddings, "), got ", p);
+  return p < 0 ? p + num_embeddings : p;
+}
+
+// The internal ghost kernels' inputs, already flattened by the layer ops: A [B, T, d_in] (or the
+// token ids [B, T]) and G [B, T, d_out].
+inline void check_ghost_args(const char* op, const at::Tensor& a, const char* a_name,
+                             const at::Tensor& g) {
+  check_floating(op, "G", g);
+  check_same_device(op, a_name, a, g, "G");
+  TORCH_CHECK(g.dim() == 3, "dpzero::", op, ": G must be [B, T, d_out], got shape ", g.sizes());
+  const int64_t want_dim = a.is_floating_point() ? 3 : 2;
+  TORCH_CHECK(a.dim() == want_dim && a.size(0) == g.size(0) && a.size(1) == g.size(1),
+              "dpzero::", op, ": ", a_name, " must be [B, T", want_dim == 3 ? ", d_in]" : "]",
+              " with B, T of G ", g.sizes(), ", got shape ", a.sizes());
+  if (want_dim == 3) check_floating(op, a_name, a);
+}
+
+}  // namespace dpzero::kernels

@@ -1,0 +1,171 @@
+// Per-sample gradient ops from C++ (kernels/per_sample_ops.h; the full torch.func comparison lives
+// in tests/python/test_kernels.py): for Linear layers the ghost norm and the direct path agree with
+// each other and with explicitly instantiated per-sample gradients (float64), the automatic choice
+// follows the cost rule, and the clipped sum equals the sum of scaled per-sample gradients.
+// Runs on CPU, and on CUDA too when a GPU and the CUDA kernels are present.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include "kernels/per_sample_checks.h"
+
+namespace dpzero {
+namespace {
+
+at::Tensor linear_sq_norms(const at::Tensor& a, const at::Tensor& g, bool bias, int64_t method) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpzero::linear_sq_norms", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, bool, int64_t)>();
+  return op.call(a, g, bias, method);
+}
+
+at::Tensor linear_clipped_sum(const at::Tensor& a, const at::Tensor& g, const at::Tensor& scale,
+                              bool transposed) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpzero::linear_clipped_sum", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>();
+  return op.call(a, g, scale, transposed);
+}
+
+bool ghost_is_cheaper_op(int64_t t, int64_t d_in, int64_t d_out) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::ghost_is_cheaper", "")
+                             .typed<bool(int64_t, int64_t, int64_t)>();
+  return op.call(t, d_in, d_out);
+}
+
+std::vector<at::Device> devices() {
+  std::vector<at::Device> out{at::kCPU};
+#ifdef DPZERO_WITH_CUDA
+  if (at::hasCUDA()) out.emplace_back(at::kCUDA);
+#endif
+  return out;
+}
+
+// Per-sample weight gradients G_i^T A_i in float64: [B, d_out, d_in].
+at::Tensor per_sample_grads(const at::Tensor& a, const at::Tensor& g) {
+  const at::Tensor a3 = a.to(at::kCPU, at::kDouble).reshape({a.size(0), -1, a.size(-1)});
+  const at::Tensor g3 = g.to(at::kCPU, at::kDouble).reshape({g.size(0), -1, g.size(-1)});
+  return at::bmm(g3.transpose(1, 2), a3);
+}
+
+void expect_close(const at::Tensor& got, const at::Tensor& want, double rtol,
+                  const std::string& what) {
+  ASSERT_EQ(got.scalar_type(), at::kFloat) << what;
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  const at::Tensor g = got.to(at::kCPU, at::kDouble);
+  const double scale = want.abs().max().item<double>();
+  const double err = (g - want).abs().max().item<double>();
+  EXPECT_LE(err, rtol * scale) << what << ": max error " << err << " of " << scale;
+}
+
+struct Shape {
+  std::vector<int64_t> lead;  // [B] or [B, T] or [B, T1, T2]
+  int64_t d_in, d_out;
+};
+
+const std::vector<Shape> kShapes = {
+    {{4, 6}, 5, 7},    {{1, 9}, 8, 3},    {{5}, 6, 4},     {{3, 1}, 7, 5},
+    {{2, 3, 4}, 5, 6}, {{3, 70}, 45, 37}, {{2, 40}, 3, 2}, {{2, 33}, 64, 40},
+};
+
+std::vector<int64_t> with_last(std::vector<int64_t> lead, int64_t d) {
+  lead.push_back(d);
+  return lead;
+}
+
+TEST(PerSampleLinear, GhostEqualsDirectEqualsInstantiatedGradients) {
+  at::manual_seed(7);
+  for (const at::Device device : devices()) {
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      for (const Shape& s : kShapes) {
+        const auto opts = at::TensorOptions().device(device).dtype(dtype);
+        const at::Tensor a = at::randn(with_last(s.lead, s.d_in), opts);
+        const at::Tensor g = at::randn(with_last(s.lead, s.d_out), opts);
+        const at::Tensor want = per_sample_grads(a, g).square().sum({1, 2});
+        const std::string what = std::string(device.str()) + " " + c10::toString(dtype) + " " +
+                                 c10::str(a.sizes()) + " x " + c10::str(g.sizes());
+        const at::Tensor ghost = linear_sq_norms(a, g, false, 1);
+        const at::Tensor direct = linear_sq_norms(a, g, false, 2);
+        expect_close(ghost, want, 2e-5, "ghost " + what);
+        expect_close(direct, want, 2e-5, "direct " + what);
+        expect_close(ghost, direct.to(at::kDouble).cpu(), 2e-5, "ghost vs direct " + what);
+      }
+    }
+  }
+}
+
+TEST(PerSampleLinear, AutoFollowsTheCostRule) {
+  EXPECT_TRUE(kernels::ghost_is_cheaper(24, 32, 36));  // 2 * 576 = 1152 <= 1152
+  EXPECT_FALSE(kernels::ghost_is_cheaper(25, 32, 36));
+  EXPECT_TRUE(ghost_is_cheaper_op(512, 768, 3072));
+  EXPECT_FALSE(ghost_is_cheaper_op(2048, 768, 3072));
+  EXPECT_FALSE(ghost_is_cheaper_op(int64_t{1} << 40, int64_t{1} << 40, int64_t{1} << 40));
+  EXPECT_THROW(ghost_is_cheaper_op(-1, 2, 2), c10::Error);
+  at::manual_seed(8);
+  for (const at::Device device : devices()) {
+    for (const Shape& s : kShapes) {
+      const auto opts = at::TensorOptions().device(device);
+      const at::Tensor a = at::randn(with_last(s.lead, s.d_in), opts);
+      const at::Tensor g = at::randn(with_last(s.lead, s.d_out), opts);
+      int64_t t = 1;
+      for (size_t k = 1; k < s.lead.size(); ++k) t *= s.lead[k];
+      const int64_t expected = kernels::ghost_is_cheaper(t, s.d_in, s.d_out) ? 1 : 2;
+      // The paths sum in different orders; auto is bit-identical to the one the rule names.
+      EXPECT_TRUE(
+          at::equal(linear_sq_norms(a, g, false, 0), linear_sq_norms(a, g, false, expected)))
+          << device << " T=" << t << " d_in=" << s.d_in << " d_out=" << s.d_out;
+    }
+  }
+}
+
+TEST(PerSampleLinear, ClippedSumIsTheScaledSumOfPerSampleGradients) {
+  at::manual_seed(9);
+  for (const at::Device device : devices()) {
+    for (const Shape& s : kShapes) {
+      const auto opts = at::TensorOptions().device(device);
+      const at::Tensor a = at::randn(with_last(s.lead, s.d_in), opts);
+      const at::Tensor g = at::randn(with_last(s.lead, s.d_out), opts);
+      at::Tensor scale = at::rand({s.lead[0]}, opts);
+      if (s.lead[0] > 1) scale[0] = 0.0;
+      const at::Tensor want =
+          (per_sample_grads(a, g) * scale.to(at::kCPU, at::kDouble).view({-1, 1, 1})).sum(0);
+      expect_close(linear_clipped_sum(a, g, scale, false), want, 2e-5, "linear");
+      expect_close(linear_clipped_sum(a, g, scale, true), want.t().contiguous(), 2e-5, "conv1d");
+    }
+  }
+}
+
+TEST(PerSampleLinear, EmptyMicroBatch) {
+  for (const at::Device device : devices()) {
+    const auto opts = at::TensorOptions().device(device);
+    for (int64_t method : {0, 1, 2}) {
+      const at::Tensor sq =
+          linear_sq_norms(at::zeros({0, 4, 3}, opts), at::zeros({0, 4, 5}, opts), true, method);
+      EXPECT_EQ(sq.numel(), 0);
+      EXPECT_EQ(sq.scalar_type(), at::kFloat);
+    }
+    const at::Tensor sum = linear_clipped_sum(
+        at::zeros({0, 4, 3}, opts), at::zeros({0, 4, 5}, opts), at::zeros({0}, opts), false);
+    EXPECT_TRUE(at::equal(sum, at::zeros({5, 3}, opts)));
+  }
+}
+
+TEST(PerSampleLinear, RejectsBadMethodNamingIt) {
+  try {
+    linear_sq_norms(at::zeros({2, 3}), at::zeros({2, 4}), false, 7);
+    FAIL() << "method 7 accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("got 7"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace dpzero
