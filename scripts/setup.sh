@@ -15,6 +15,9 @@ log() { printf '[setup] %s\n' "$*"; }
 # Why each is here: docs/architecture.md "Dependencies".
 apt_packages=(build-essential cmake ccache git pkg-config
   libeigen3-dev libboost-random-dev nlohmann-json3-dev libgtest-dev libgmock-dev)
+python=${PYTHON:-python3}
+# Debian's own python3 needs python3-venv for `python3 -m venv`; other Pythons ship ensurepip.
+"$python" -c "import venv, ensurepip" 2>/dev/null || apt_packages+=(python3-venv)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -30,7 +33,6 @@ else
 fi
 
 # ---- 2. Python venv with pinned dependencies ------------------------------------------------------
-python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   log "creating .venv with $($python --version)"
   "$python" -m venv .venv
