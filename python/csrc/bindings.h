@@ -8,5 +8,6 @@ namespace dpzero::python {
 void bind_accounting(pybind11::module_ m);  // accounting_bindings.cpp
 void bind_engine(pybind11::module_ m);      // engine_bindings.cpp
 void bind_privacy(pybind11::module_ m);     // privacy_bindings.cpp
+void bind_zero(pybind11::module_ m);        // zero_bindings.cpp
 
 }  // namespace dpzero::python

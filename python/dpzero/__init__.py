@@ -15,6 +15,7 @@ from .accounting import (
     get_noise_multiplier,
     get_steps,
 )
+from .zero import ShardedModule, shard
 
 __version__ = "0.1.0"
 
@@ -23,7 +24,9 @@ __all__ = [
     "LedgerError",
     "PRVAccountant",
     "RDPAccountant",
+    "ShardedModule",
     "get_noise_multiplier",
     "get_steps",
+    "shard",
     "__version__",
 ]

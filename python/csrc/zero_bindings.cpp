@@ -1,0 +1,168 @@
+// python/csrc/zero_bindings.cpp — the ZeRO engine (src/zero/state.h) and the shard optimizers
+// for python/dpzero/zero.py. The process group arrives as torch's own Python ProcessGroup object
+// and is converted by torch's pybind11 caster for c10::intrusive_ptr<c10d::ProcessGroup>.
+#include <pybind11/stl.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/extension.h>
+
+#include "python/csrc/bindings.h"
+#include "src/zero/optim.h"
+#include "src/zero/state.h"
+
+namespace py = pybind11;
+
+namespace dpzero::python {
+namespace {
+
+zero::OptimizerOptions optimizer_options(const std::string& kind, double lr, double weight_decay,
+                                         bool maximize, double momentum, double dampening,
+                                         bool nesterov, double beta1, double beta2, double eps,
+                                         bool amsgrad) {
+  zero::OptimizerOptions o;
+  o.kind = zero::parse_optimizer_kind(kind);
+  o.lr = lr;
+  o.weight_decay = weight_decay;
+  o.maximize = maximize;
+  o.momentum = momentum;
+  o.dampening = dampening;
+  o.nesterov = nesterov;
+  o.beta1 = beta1;
+  o.beta2 = beta2;
+  o.eps = eps;
+  o.amsgrad = amsgrad;
+  return o;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> process_group_or_null(const py::object& pg) {
+  if (pg.is_none()) return {};
+  return pg.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+}
+
+}  // namespace
+
+void bind_zero(py::module_ m) {
+  using zero::ZeroState;
+
+  py::class_<zero::ShardOptimizer>(
+      m, "ShardOptimizer",
+      "An optimizer over one flat fp32 shard, op for op torch.optim's single-tensor path.")
+      .def(py::init([](const std::string& kind, double lr, double weight_decay, bool maximize,
+                       double momentum, double dampening, bool nesterov,
+                       std::pair<double, double> betas, double eps, bool amsgrad) {
+             return zero::make_shard_optimizer(optimizer_options(kind, lr, weight_decay, maximize,
+                                                                 momentum, dampening, nesterov,
+                                                                 betas.first, betas.second, eps,
+                                                                 amsgrad));
+           }),
+           py::arg("kind"), py::arg("lr"), py::arg("weight_decay") = 0.0,
+           py::arg("maximize") = false, py::arg("momentum") = 0.0, py::arg("dampening") = 0.0,
+           py::arg("nesterov") = false, py::arg("betas") = std::make_pair(0.9, 0.999),
+           py::arg("eps") = 1e-8, py::arg("amsgrad") = false)
+      .def(
+          "step",
+          [](zero::ShardOptimizer& self, at::Tensor param, const at::Tensor& grad) {
+            at::NoGradGuard no_grad;
+            self.step(param, grad);
+          },
+          py::arg("param"), py::arg("grad"),
+          "Update `param` ([n] fp32) in place from `grad` ([n] fp32).")
+      .def_property_readonly("steps", &zero::ShardOptimizer::steps)
+      .def_property_readonly("state_bytes", &zero::ShardOptimizer::state_bytes)
+      .def("state", [](const zero::ShardOptimizer& self) {
+        py::dict out;
+        for (const auto& [name, tensor] : self.state()) out[py::str(name)] = tensor;
+        return out;
+      });
+
+  py::class_<ZeroState>(m, "ZeroState",
+                        "The ZeRO engine of one model (src/zero/state.h). Built by "
+                        "dpzero.shard(); every hook body is one call into it.")
+      .def(py::init([](const std::vector<std::tuple<std::string, std::vector<at::Tensor>,
+                                                    std::vector<std::string>,
+                                                    std::vector<int64_t>>>& units,
+                       int64_t total_coordinates, int64_t stage, const std::string& optimizer,
+                       double lr, double weight_decay, bool maximize, double momentum,
+                       double dampening, bool nesterov, std::pair<double, double> betas,
+                       double eps, bool amsgrad, const py::object& process_group,
+                       int64_t alignment, double grad_scale, bool sync_module_states) {
+             std::vector<zero::UnitSpec> specs;
+             for (const auto& [name, params, names, offsets] : units) {
+               specs.push_back({name, params, names, offsets});
+             }
+             zero::ZeroConfig config;
+             config.stage = zero::parse_stage(stage);
+             config.optimizer =
+                 optimizer_options(optimizer, lr, weight_decay, maximize, momentum, dampening,
+                                   nesterov, betas.first, betas.second, eps, amsgrad);
+             config.alignment = alignment;
+             config.grad_scale = grad_scale;
+             config.sync_module_states = sync_module_states;
+             auto pg = process_group_or_null(process_group);
+             py::gil_scoped_release no_gil;  // construction broadcasts
+             return std::make_unique<ZeroState>(std::move(specs), total_coordinates, config,
+                                                std::move(pg));
+           }),
+           py::arg("units"), py::arg("total_coordinates"), py::arg("stage"),
+           py::arg("optimizer"), py::arg("lr"), py::arg("weight_decay"), py::arg("maximize"),
+           py::arg("momentum"), py::arg("dampening"), py::arg("nesterov"), py::arg("betas"),
+           py::arg("eps"), py::arg("amsgrad"), py::arg("process_group"), py::arg("alignment"),
+           py::arg("grad_scale"), py::arg("sync_module_states"),
+           "units: list of (name, params, param_names, global_offsets) in plan order.")
+      .def("pre_forward", &ZeroState::pre_forward, py::arg("unit"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("post_forward", &ZeroState::post_forward, py::arg("unit"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("pre_backward", &ZeroState::pre_backward, py::arg("unit"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("grad_ready", &ZeroState::grad_ready, py::arg("unit"), py::arg("param_index"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("step", &ZeroState::step, py::call_guard<py::gil_scoped_release>())
+      .def("zero_grad", &ZeroState::zero_grad, py::call_guard<py::gil_scoped_release>())
+      .def("full_parameters", &ZeroState::full_parameters, py::arg("unit"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Unit `unit`'s flat parameters [padded_numel], a copy (all-gathers in stage 3: call "
+           "on every rank).")
+      .def("set_lr", &ZeroState::set_lr, py::arg("lr"))
+      .def_property_readonly("lr", [](const ZeroState& s) { return s.config().optimizer.lr; })
+      .def_property_readonly("steps", &ZeroState::steps)
+      .def_property_readonly(
+          "stage", [](const ZeroState& s) { return static_cast<int64_t>(s.config().stage); })
+      .def_property_readonly("rank", [](const ZeroState& s) { return s.comm().rank(); })
+      .def_property_readonly("world_size", [](const ZeroState& s) { return s.comm().world_size(); })
+      .def_property_readonly("grad_scale", [](const ZeroState& s) { return s.config().grad_scale; })
+      .def_property_readonly("num_units", &ZeroState::num_units)
+      .def_property_readonly("plan", &ZeroState::plan, py::return_value_policy::copy)
+      .def(
+          "unit_name", [](ZeroState& s, int64_t u) { return s.group(u).name(); }, py::arg("unit"))
+      .def(
+          "shard", [](ZeroState& s, int64_t u) { return s.group(u).flat().shard(); },
+          py::arg("unit"), "Unit `unit`'s owned shard of parameters [shard_numel] (not a copy).")
+      .def(
+          "grad_shard", [](ZeroState& s, int64_t u) { return s.group(u).grad_shard(); },
+          py::arg("unit"),
+          "Stages 2-3: unit `unit`'s reduced gradient of the owned shard so far [shard_numel].")
+      .def(
+          "unsharded", [](ZeroState& s, int64_t u) { return s.group(u).flat().unsharded(); },
+          py::arg("unit"))
+      .def(
+          "optimizer_state",
+          [](ZeroState& s, int64_t u) {
+            py::dict out;
+            for (const auto& [name, tensor] : s.group(u).optimizer().state()) {
+              out[py::str(name)] = tensor;
+            }
+            return out;
+          },
+          py::arg("unit"))
+      .def("memory", [](const ZeroState& s) {
+        const zero::MemoryStats m = s.memory();
+        py::dict out;
+        out["params"] = m.param_bytes;
+        out["grads"] = m.grad_bytes;
+        out["optimizer_state"] = m.optimizer_bytes;
+        out["peak_params"] = m.peak_param_bytes;
+        return out;
+      }, "Bytes this rank holds now: params, grads, optimizer_state; and peak_params.");
+}
+
+}  // namespace dpzero::python

@@ -1,0 +1,356 @@
+"""``dpzero.shard``: ZeRO stages 0-3 for any ``torch.nn.Module`` (the non-private path).
+
+The engine is C++ (``src/zero/``, ``src/comm/``); this module only walks the model, decides the
+units, registers the hooks and forwards each hook to one call into ``dpzero._C.zero.ZeroState``
+(DESIGN.md §1: model traversal and hook registration live in Python, hook bodies in C++).
+
+Units. By default every direct child of the model that holds trainable parameters is a unit;
+``nn.ModuleList`` and ``nn.ModuleDict`` children are looked through, so a transformer's blocks
+(``model.blocks = nn.ModuleList([...])``) become one unit each. Parameters not inside any unit
+(held by the model itself, or by children that are not units) form the root unit. ``units=[names]``
+overrides the choice; a parameter belongs to the innermost listed module that contains it.
+
+Coordinates. The model's trainable parameters in ``named_parameters()`` order (tied ones once)
+are numbered 0..D-1 (DESIGN.md §2.5); a unit's parameters keep that order inside its flat
+buffer and keep their global coordinates, whatever unit they land in, and the C++ ShardPlan
+checks that the units cover [0, D) exactly once.
+
+Scaling. Gradients are reduced as sums (Note [sum collectives] in src/comm/collectives.h) and
+multiplied by ``grad_scale`` before the optimizer. Its default 1/W gives DDP's average over ranks
+when each rank's loss is a mean over its own part of the batch; pass 1.0 when the loss is
+already normalised globally. Micro-batch gradients accumulate (sum) until ``step()``, which
+applies them and zeroes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ._C import zero as _zero
+
+__all__ = ["ShardedModule", "default_units", "shard"]
+
+# Containers without a forward of their own: their children are units, not they.
+_LOOK_THROUGH = (nn.ModuleList, nn.ModuleDict)
+
+_DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 1e-2}  # torch.optim's defaults
+
+ROOT_UNIT = "<root>"
+
+
+def default_units(model: nn.Module) -> list[str]:
+    """The module names that ``shard`` makes units by default (see the module docstring)."""
+    names: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            qualified = prefix + name
+            if not any(p.requires_grad for p in child.parameters()):
+                continue
+            if isinstance(child, _LOOK_THROUGH):
+                visit(qualified + ".", child)
+            else:
+                names.append(qualified)
+
+    visit("", model)
+    return names
+
+
+def _owner(param_name: str, unit_names: list[str]) -> str:
+    """The innermost unit containing parameter ``param_name``, or the root unit."""
+    best = ROOT_UNIT
+    for unit in unit_names:
+        if param_name.startswith(unit + ".") and (best == ROOT_UNIT or len(unit) > len(best)):
+            best = unit
+    return best
+
+
+def _plan_units(model: nn.Module, unit_names: list[str], explicit: bool):
+    """[(unit name, [(param name, param, global offset)])] in plan order, and the total count."""
+    for name in unit_names:
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"units: the model has no module named {name!r}") from None
+    members: dict[str, list] = {}
+    offset = 0
+    for name, param in model.named_parameters():  # canonical order, tied parameters once
+        if not param.requires_grad:
+            continue
+        members.setdefault(_owner(name, unit_names), []).append((name, param, offset))
+        offset += param.numel()
+    if explicit:
+        for name in unit_names:
+            if name not in members:
+                raise ValueError(
+                    f"units: module {name!r} holds no trainable parameters of its own (a tied "
+                    "parameter belongs to the unit of its first occurrence in named_parameters())"
+                )
+    order = sorted(members, key=lambda unit: members[unit][0][2])  # by first global coordinate
+    return [(unit, members[unit]) for unit in order], offset
+
+
+class ShardedModule:
+    """A model trained under a ZeRO stage. Built by :func:`shard`.
+
+    ``wrapper(*args)`` / ``wrapper.forward(*args)`` run the model (the hooks do the gathering and
+    reducing); ``step()`` reduces what is left, scales, updates the owned shard, re-gathers
+    parameters (stages 1-2) and zeroes the gradients; ``zero_grad()`` drops accumulated gradients.
+    In stage 3 the parameters are only materialised while their unit runs; read them with
+    ``full_parameters()`` (a collective: call it on every rank), not ``module.state_dict()``.
+    """
+
+    def __init__(self, module: nn.Module, state, units, hook_handles):
+        self.module = module
+        self._state = state
+        self._units = units
+        self._handles = hook_handles
+
+    def __del__(self):
+        # The hooks reach the engine through weak references (see _hooks_ref); without the
+        # wrapper they have nothing to call, so they go with it.
+        for handle in getattr(self, "_handles", ()):
+            handle.remove()
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def step(self) -> None:
+        self._state.step()
+
+    def zero_grad(self) -> None:
+        self._state.zero_grad()
+
+    @property
+    def stage(self) -> int:
+        return self._state.stage
+
+    @property
+    def rank(self) -> int:
+        return self._state.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._state.world_size
+
+    @property
+    def grad_scale(self) -> float:
+        return self._state.grad_scale
+
+    @property
+    def units(self) -> list[str]:
+        """Unit names in plan order (``"<root>"`` for the root unit)."""
+        return [name for name, _ in self._units]
+
+    @property
+    def plan(self):
+        """The ``dpzero._C.engine.ShardPlan`` (units' layouts and global coordinates)."""
+        return self._state.plan
+
+    @property
+    def lr(self) -> float:
+        return self._state.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._state.set_lr(float(value))
+
+    @property
+    def steps(self) -> int:
+        return self._state.steps
+
+    def memory(self) -> dict:
+        """Bytes this rank holds now: ``params`` (flat parameter buffers, plus the master shards
+        in stage 3), ``grads`` (persistent gradient buffers), ``optimizer_state``, and
+        ``peak_params`` (most parameter bytes held at once). Autograd's short-lived per-parameter
+        gradients in stages 2-3 and communication buffers are not counted."""
+        return self._state.memory()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter by canonical name, as a copy (all-gathers in stage 3)."""
+        out = {}
+        for u, (_, members) in enumerate(self._units):
+            flat = self._state.full_parameters(u)
+            layout = self._state.plan.units[u]
+            for (name, param, _), start in zip(members, layout.flat_offsets):
+                out[name] = flat[start:start + param.numel()].view(param.shape).clone()
+        return out
+
+
+def _sync_other_state(module: nn.Module, process_group) -> None:
+    """Broadcast rank 0's buffers and frozen parameters (the engine syncs the trainable ones)."""
+    for tensor in list(module.buffers()) + [p for p in module.parameters() if not p.requires_grad]:
+        with torch.no_grad():
+            dist.broadcast(tensor.data, src=dist.get_global_rank(process_group, 0),
+                           group=process_group)
+
+
+def shard(
+    model: nn.Module,
+    *,
+    stage: int,
+    optimizer: str = "adamw",
+    lr: float = 1e-3,
+    weight_decay: float | None = None,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    process_group=None,
+    units: list[str] | None = None,
+    alignment: int = 4,
+    grad_scale: float | None = None,
+    sync_module_states: bool = True,
+) -> ShardedModule:
+    """Shard ``model`` under ZeRO ``stage`` 0-3 with an optimizer that runs on the owned shard.
+
+    optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"``, with torch.optim's hyperparameters and
+        defaults (``weight_decay=None`` means torch's default: 0 for SGD and Adam, 0.01 for AdamW).
+    process_group: a ``torch.distributed`` process group; ``None`` takes the default group when
+        torch.distributed is initialised, else runs as a single rank.
+    units: module names to make units (see the module docstring); ``None`` for the default.
+    alignment: each parameter's flat offset is a multiple of this many elements.
+    grad_scale: factor applied to the summed gradient before the optimizer; ``None`` means 1/W.
+    sync_module_states: start every rank from rank 0's parameters and buffers.
+
+    Trainable parameters must be float32 and on one device per unit. Parameters that get no
+    gradient in a backward count as zero gradient (torch.optim would skip them).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard: model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer not in _DEFAULT_WEIGHT_DECAY:
+        raise ValueError(f"optimizer must be 'sgd', 'adam' or 'adamw', got {optimizer!r}")
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        process_group = dist.distributed_c10d._get_default_group()
+    world_size = 1 if process_group is None else process_group.size()
+    if grad_scale is None:
+        grad_scale = 1.0 / world_size
+    if weight_decay is None:
+        weight_decay = _DEFAULT_WEIGHT_DECAY[optimizer]
+
+    explicit = units is not None
+    unit_names = list(units) if explicit else default_units(model)
+    planned, total = _plan_units(model, unit_names, explicit)
+    if process_group is not None and sync_module_states:
+        _sync_other_state(model, process_group)
+    state = _zero.ZeroState(
+        [
+            (unit, [p for _, p, _ in members], [n for n, _, _ in members],
+             [g for _, _, g in members])
+            for unit, members in planned
+        ],
+        total,
+        stage,
+        optimizer,
+        lr,
+        weight_decay,
+        maximize,
+        momentum,
+        dampening,
+        nesterov,
+        tuple(betas),
+        eps,
+        amsgrad,
+        process_group,
+        alignment,
+        grad_scale,
+        sync_module_states,
+    )
+    handles = []
+    if stage in (2, 3):
+        handles += _register_grad_hooks(_hooks_ref(state), planned)
+    if stage == 3:
+        handles += _register_gather_hooks(model, _hooks_ref(state), planned)
+    return ShardedModule(model, state, planned, handles)
+
+
+def _hooks_ref(state):
+    """What the hooks hold: a weak reference to the engine. The engine holds the parameters (in
+    C++, which keeps their Python objects alive) and the parameters hold the hooks, so a strong
+    reference would make a cycle the garbage collector cannot see through: the engine, its
+    buffers, optimizer state and process group would outlive the wrapper forever."""
+    return weakref.ref(state)
+
+
+def _grad_ready(state_ref, unit: int, index: int, _param) -> None:
+    state = state_ref()
+    if state is not None:
+        state.grad_ready(unit, index)
+
+
+def _register_grad_hooks(state_ref, planned):
+    """Stages 2-3: each parameter's post-accumulate-grad hook tells the engine its gradient of this
+    backward is final (Note [gradient buffers] in src/zero/param_group.h)."""
+    handles = []
+    for u, (_, members) in enumerate(planned):
+        for i, (_, param, _) in enumerate(members):
+            handles.append(
+                param.register_post_accumulate_grad_hook(
+                    functools.partial(_grad_ready, state_ref, u, i))
+            )
+    return handles
+
+
+def _pre_forward(state_ref, unit: int, _module, _args) -> None:
+    state = state_ref()
+    if state is not None:
+        state.pre_forward(unit)
+
+
+def _pre_backward(state_ref, unit: int, _grad) -> None:
+    state = state_ref()
+    if state is not None:
+        state.pre_backward(unit)
+
+
+def _post_forward(state_ref, unit: int, _module, _args, output) -> None:
+    state = state_ref()
+    if state is None:
+        return
+    state.post_forward(unit)
+    hook = functools.partial(_pre_backward, state_ref, unit)
+    for leaf in pytree.tree_leaves(output):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            leaf.register_hook(hook)
+
+
+def _register_gather_hooks(model: nn.Module, state_ref, planned):
+    """Stage 3 (Note [stage-3 gathers] in src/zero/param_group.h): gather a unit before the forward
+    of every module that uses its parameters and before that module's backward; free it after
+    the forward. A unit's own module covers everything inside it; a module outside it that holds
+    one of its parameters (a tied output head) is hooked for that unit too."""
+    unit_of = {}
+    for u, (_, members) in enumerate(planned):
+        for _, param, _ in members:
+            unit_of[id(param)] = u
+    hooked: list[tuple[nn.Module, int]] = []
+    inside: list[set[int]] = []
+    for unit, _ in planned:
+        module = model if unit == ROOT_UNIT else model.get_submodule(unit)
+        hooked.append((module, len(inside)))
+        inside.append({id(m) for m in module.modules()})
+    for module in model.modules():
+        users = {unit_of[id(p)] for p in module._parameters.values()
+                 if p is not None and id(p) in unit_of}
+        for u in sorted(users):
+            if id(module) not in inside[u]:
+                hooked.append((module, u))
+    handles = []
+    for module, u in hooked:
+        handles.append(
+            module.register_forward_pre_hook(functools.partial(_pre_forward, state_ref, u)))
+        handles.append(
+            module.register_forward_hook(functools.partial(_post_forward, state_ref, u)))
+    return handles

@@ -1,0 +1,79 @@
+// src/comm/collectives.cpp — blocking sum collectives through c10d::ProcessGroup (Note [sum
+// collectives] in collectives.h).
+#include "src/comm/collectives.h"
+
+#include <vector>
+
+#include <ATen/MemoryOverlap.h>
+#include <c10/util/Exception.h>
+
+namespace dpzero::comm {
+namespace {
+
+void check_pair(const char* op, const at::Tensor& shard, const at::Tensor& full,
+                int64_t world_size) {
+  TORCH_CHECK(shard.dim() == 1 && full.dim() == 1, op, ": shard and full must be 1-D, got shapes ",
+              shard.sizes(), " and ", full.sizes());
+  TORCH_CHECK(shard.is_contiguous() && full.is_contiguous(), op,
+              ": shard and full must be contiguous");
+  TORCH_CHECK(full.numel() == shard.numel() * world_size, op, ": full has ", full.numel(),
+              " elements, expected world size ", world_size, " x shard size ", shard.numel());
+  TORCH_CHECK(shard.scalar_type() == full.scalar_type() && shard.device() == full.device(), op,
+              ": shard (", shard.scalar_type(), ", ", shard.device(), ") and full (",
+              full.scalar_type(), ", ", full.device(), ") must share dtype and device");
+  TORCH_CHECK(at::get_overlap_status(shard, full) == at::MemOverlapStatus::No, op,
+              ": shard and full overlap in memory; copy the shard out first");
+}
+
+}  // namespace
+
+Collectives::Collectives(c10::intrusive_ptr<c10d::ProcessGroup> process_group)
+    : pg_(std::move(process_group)) {
+  if (pg_) {
+    rank_ = pg_->getRank();
+    world_size_ = pg_->getSize();
+  }
+}
+
+void Collectives::all_reduce_sum_(at::Tensor& tensor) const {
+  TORCH_CHECK(tensor.is_contiguous(), "all_reduce_sum_: tensor must be contiguous, got strides ",
+              tensor.strides());
+  if (world_size_ == 1) return;
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  pg_->allreduce(tensors, opts)->wait();
+}
+
+void Collectives::reduce_scatter_sum(at::Tensor& shard, at::Tensor& full) const {
+  check_pair("reduce_scatter_sum", shard, full, world_size_);
+  if (world_size_ == 1) {
+    shard.copy_(full);
+    return;
+  }
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  pg_->_reduce_scatter_base(shard, full, opts)->wait();
+}
+
+void Collectives::all_gather(at::Tensor& full, at::Tensor& shard) const {
+  check_pair("all_gather", shard, full, world_size_);
+  if (world_size_ == 1) {
+    full.copy_(shard);
+    return;
+  }
+  pg_->_allgather_base(full, shard)->wait();
+}
+
+void Collectives::broadcast_(at::Tensor& tensor, int64_t root) const {
+  TORCH_CHECK(root >= 0 && root < world_size_, "broadcast_: root must be in [0, ", world_size_,
+              "), got ", root);
+  TORCH_CHECK(tensor.is_contiguous(), "broadcast_: tensor must be contiguous");
+  if (world_size_ == 1) return;
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  pg_->broadcast(tensors, opts)->wait();
+}
+
+}  // namespace dpzero::comm

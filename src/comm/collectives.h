@@ -1,0 +1,53 @@
+// src/comm/collectives.h — the engine's collectives over one c10d process group (DESIGN.md §1,
+// `comm/`): sum reductions, gathers and a broadcast, each blocking until done.
+//
+// Note [sum collectives]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Every reduction the engine issues is a SUM, never an average: the private step reduces sums of
+// clipped per-example gradients and divides by the expected batch size q·N once, after the noise
+// (DESIGN.md §2 steps 4–6), and a mean inside the collective would divide by W as well. Whatever
+// scaling a caller wants is applied explicitly to the reduced shard (ZeroState's grad_scale), so
+// the factor is visible at one place and never hidden in the communication.
+//
+// The process group comes from Python (torch.distributed's default group, passed through torch's
+// own pybind11 caster for c10::intrusive_ptr<c10d::ProcessGroup>) or from a C++ caller. A null
+// group means one process without torch.distributed: world size 1, every collective a copy.
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+namespace dpzero::comm {
+
+class Collectives {
+ public:
+  explicit Collectives(c10::intrusive_ptr<c10d::ProcessGroup> process_group);
+
+  int64_t rank() const { return rank_; }
+  int64_t world_size() const { return world_size_; }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
+
+  // tensor: [n], contiguous. Every rank ends with the elementwise sum over ranks.
+  void all_reduce_sum_(at::Tensor& tensor) const;
+
+  // full: [W * m], contiguous; shard: [m], contiguous, same dtype and device, not overlapping full.
+  // Rank r ends with shard = Σ_ranks full[r·m, (r+1)·m).
+  void reduce_scatter_sum(at::Tensor& shard, at::Tensor& full) const;
+
+  // shard: [m], contiguous; full: [W * m], contiguous, same dtype and device, not overlapping
+  // shard (callers gathering in place copy their shard out first). full[r·m, (r+1)·m) = rank r's
+  // shard.
+  void all_gather(at::Tensor& full, at::Tensor& shard) const;
+
+  // tensor: any contiguous tensor; every rank ends with rank `root`'s values.
+  void broadcast_(at::Tensor& tensor, int64_t root) const;
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  int64_t rank_ = 0;
+  int64_t world_size_ = 1;
+};
+
+}  // namespace dpzero::comm

@@ -1,0 +1,159 @@
+// src/zero/flat_param.cpp — building the flat buffer, the parameter views, and freeing /
+// re-allocating the buffer's storage (Note [flat views]).
+#include "src/zero/flat_param.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
+
+namespace dpzero::zero {
+namespace {
+
+// Frees the memory under `tensor`'s storage and every view of it; their sizes are unchanged.
+void free_storage(const at::Tensor& tensor) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() == 0) return;
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
+  storage->set_nbytes(0);
+}
+
+// Gives `tensor`'s storage `nbytes` fresh bytes (contents undefined) from its own allocator.
+void allocate_storage(const at::Tensor& tensor, size_t nbytes) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() == nbytes) return;
+  TORCH_CHECK(storage->allocator() != nullptr,
+              "flat parameter storage has no allocator to re-allocate ", nbytes, " bytes from");
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+}
+
+}  // namespace
+
+FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names,
+                     UnitLayout layout, const comm::Collectives& comm, bool sync,
+                     bool shard_params)
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      layout_(std::move(layout)),
+      rank_(comm.rank()),
+      shard_params_(shard_params) {
+  TORCH_CHECK(!params_.empty(), "a flat parameter needs at least one parameter, got 0");
+  TORCH_CHECK(layout_.params().size() == params_.size(), "the layout has ",
+              layout_.params().size(), " parameters, got ", params_.size());
+  TORCH_CHECK(layout_.world_size() == comm.world_size(), "the layout is for world size ",
+              layout_.world_size(), " but the process group has ", comm.world_size(), " ranks");
+  check_params(params_, names_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    TORCH_CHECK(params_[i].numel() == layout_.params()[i].numel, "parameter '", names_[i],
+                "' has ", params_[i].numel(), " elements, the layout says ",
+                layout_.params()[i].numel);
+  }
+  full_ = at::zeros({layout_.padded_numel()}, params_[0].options().requires_grad(false));
+  {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      param_view(full_, i).copy_(params_[i].detach());
+    }
+  }
+  if (sync) comm.broadcast_(full_, 0);
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(param_view(full_, i));
+  at::Tensor owned = full_.narrow(0, rank_ * layout_.shard_numel(), layout_.shard_numel());
+  if (shard_params_) {
+    shard_ = owned.clone();
+    free_storage(full_);
+  } else {
+    shard_ = owned;
+  }
+}
+
+void FlatParam::check_params(const std::vector<at::Tensor>& params,
+                             const std::vector<std::string>& names) {
+  TORCH_CHECK(names.size() == params.size(), "got ", params.size(), " parameters but ",
+              names.size(), " names");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    TORCH_CHECK(p.defined(), "parameter '", names[i], "' is undefined");
+    TORCH_CHECK(p.scalar_type() == at::kFloat, "parameter '", names[i],
+                "' must be float32 (fp32 master weights), got ", p.scalar_type());
+    TORCH_CHECK(p.device() == params[0].device(), "parameter '", names[i], "' is on ",
+                p.device(), " but '", names[0], "' of the same unit is on ", params[0].device());
+    TORCH_CHECK(p.requires_grad(), "parameter '", names[i],
+                "' does not require grad; only trainable parameters are flattened");
+  }
+}
+
+bool FlatParam::unsharded() const {
+  return !shard_params_ || full_.storage().nbytes() == static_cast<size_t>(full_bytes());
+}
+
+int64_t FlatParam::full_bytes() const {
+  return layout_.padded_numel() * static_cast<int64_t>(full_.element_size());
+}
+
+at::Tensor FlatParam::param_view(const at::Tensor& flat, size_t i) const {
+  return flat.narrow(0, layout_.flat_offsets()[i], layout_.params()[i].numel)
+      .view(params_[i].sizes());
+}
+
+void FlatParam::unshard(const comm::Collectives& comm) {
+  if (unsharded()) return;
+  allocate_storage(full_, static_cast<size_t>(full_bytes()));
+  comm.all_gather(full_, shard_);
+}
+
+void FlatParam::reshard() {
+  if (shard_params_) free_storage(full_);
+}
+
+void FlatParam::all_gather_params(const comm::Collectives& comm) {
+  TORCH_CHECK(!shard_params_, "all_gather_params is for stages 1-2; stage 3 gathers on use");
+  if (comm.world_size() == 1) return;  // the shard is the whole buffer
+  at::Tensor mine = shard_.clone();     // all_gather's input may not overlap its output
+  comm.all_gather(full_, mine);
+}
+
+void FlatParam::attach_grad_views(at::Tensor& flat_grad, bool keep_values) {
+  TORCH_CHECK(flat_grad.dim() == 1 && flat_grad.numel() == layout_.padded_numel(),
+              "attach_grad_views: flat_grad must have shape [", layout_.padded_numel(), "], got ",
+              flat_grad.sizes());
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor view = param_view(flat_grad, i);
+    at::Tensor& grad = params_[i].mutable_grad();
+    const bool is_view = grad.defined() && grad.data_ptr() == view.data_ptr() &&
+                         grad.sizes() == view.sizes() && grad.strides() == view.strides();
+    if (is_view) continue;  // autograd accumulated into it in place
+    if (keep_values) {
+      if (grad.defined()) {
+        view.copy_(grad);
+      } else {
+        view.zero_();
+      }
+    }
+    grad = view;
+  }
+}
+
+at::Tensor FlatParam::take_grads() {
+  at::Tensor flat = at::zeros({layout_.padded_numel()}, shard_.options());
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (!grad.defined()) continue;
+    param_view(flat, i).copy_(grad);
+    grad.reset();
+  }
+  return flat;
+}
+
+void FlatParam::drop_grads() {
+  for (at::Tensor& p : params_) p.mutable_grad().reset();
+}
+
+int64_t FlatParam::param_bytes() const {
+  int64_t bytes = static_cast<int64_t>(full_.storage().nbytes());
+  if (shard_params_) bytes += shard_.numel() * static_cast<int64_t>(shard_.element_size());
+  return bytes;
+}
+
+}  // namespace dpzero::zero

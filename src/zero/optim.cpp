@@ -1,0 +1,51 @@
+// src/zero/optim.cpp — option checks, the factory and the shared part of ShardOptimizer.
+#include "src/zero/optim.h"
+
+#include <c10/util/Exception.h>
+
+namespace dpzero::zero {
+
+OptimizerKind parse_optimizer_kind(const std::string& name) {
+  if (name == "sgd") return OptimizerKind::kSgd;
+  if (name == "adam") return OptimizerKind::kAdam;
+  if (name == "adamw") return OptimizerKind::kAdamW;
+  TORCH_CHECK(false, "optimizer must be 'sgd', 'adam' or 'adamw', got '", name, "'");
+}
+
+void check_options(const OptimizerOptions& o) {
+  TORCH_CHECK(o.lr >= 0.0, "lr must be >= 0, got ", o.lr);
+  TORCH_CHECK(o.weight_decay >= 0.0, "weight_decay must be >= 0, got ", o.weight_decay);
+  if (o.kind == OptimizerKind::kSgd) {
+    TORCH_CHECK(o.momentum >= 0.0, "momentum must be >= 0, got ", o.momentum);
+    TORCH_CHECK(!o.nesterov || (o.momentum > 0.0 && o.dampening == 0.0),
+                "nesterov momentum needs momentum > 0 and dampening 0, got momentum ", o.momentum,
+                " and dampening ", o.dampening);
+  } else {
+    TORCH_CHECK(o.beta1 >= 0.0 && o.beta1 < 1.0, "beta1 must be in [0, 1), got ", o.beta1);
+    TORCH_CHECK(o.beta2 >= 0.0 && o.beta2 < 1.0, "beta2 must be in [0, 1), got ", o.beta2);
+    TORCH_CHECK(o.eps >= 0.0, "eps must be >= 0, got ", o.eps);
+  }
+}
+
+ShardOptimizer::ShardOptimizer(OptimizerOptions options) : options_(std::move(options)) {
+  check_options(options_);
+}
+
+int64_t ShardOptimizer::state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& [name, tensor] : state()) {
+    bytes += static_cast<int64_t>(tensor.numel()) * static_cast<int64_t>(tensor.element_size());
+  }
+  return bytes;
+}
+
+void ShardOptimizer::set_lr(double lr) {
+  TORCH_CHECK(lr >= 0.0, "lr must be >= 0, got ", lr);
+  options_.lr = lr;
+}
+
+std::unique_ptr<ShardOptimizer> make_shard_optimizer(const OptimizerOptions& options) {
+  return options.kind == OptimizerKind::kSgd ? make_sgd(options) : make_adam(options);
+}
+
+}  // namespace dpzero::zero

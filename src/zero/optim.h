@@ -1,0 +1,88 @@
+// src/zero/optim.h — optimizers that update one flat fp32 shard in place (DESIGN.md §2 step 7).
+//
+// Note [shard optimizers match torch.optim]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Each optimizer applies, elementwise, the same tensor operations in the same order with the same
+// scalars (computed in double, as Python computes them) as torch.optim's single-tensor path
+// (`_single_tensor_sgd`, `_single_tensor_adam` in torch 2.11), so a shard updated here equals the
+// same coordinates updated by torch.optim up to the gradient's own summation order. Elementwise
+// updates do not care where a shard starts or ends, which is what makes sharding them exact. The
+// shard is the fp32 master copy of the coordinates a rank owns; its state (momentum, first and
+// second moments) covers exactly those coordinates, padding included (padding has zero gradient
+// and zero value, so every update leaves it zero).
+//
+// Differences from torch.optim, by design: there are no parameter groups (one set of
+// hyperparameters for all coordinates), and a coordinate whose parameter got no gradient is
+// updated with a zero gradient (weight decay and momentum still act on it), where torch.optim
+// skips a parameter whose .grad is None.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace dpzero::zero {
+
+enum class OptimizerKind { kSgd, kAdam, kAdamW };
+
+// Parses "sgd", "adam" or "adamw"; TORCH_CHECK error naming any other value.
+OptimizerKind parse_optimizer_kind(const std::string& name);
+
+// torch.optim's hyperparameters; which ones apply depends on the kind.
+struct OptimizerOptions {
+  OptimizerKind kind = OptimizerKind::kSgd;
+  double lr = 1e-3;
+  double weight_decay = 0.0;  // SGD, Adam: added to the gradient; AdamW: decoupled (p *= 1 - lr·wd)
+  bool maximize = false;
+  // SGD
+  double momentum = 0.0;
+  double dampening = 0.0;
+  bool nesterov = false;
+  // Adam, AdamW
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  bool amsgrad = false;
+};
+
+// Checks the ranges torch.optim checks (lr >= 0, 0 <= beta < 1, eps >= 0, weight_decay >= 0,
+// momentum >= 0, nesterov needs momentum > 0 and dampening 0); errors name the bad value.
+void check_options(const OptimizerOptions& options);
+
+// The optimizer state of one flat shard. State tensors are created on the first step, as
+// torch.optim creates them (SGD's momentum buffer starts as a copy of the first gradient).
+class ShardOptimizer {
+ public:
+  virtual ~ShardOptimizer() = default;
+
+  // param: [n] fp32, the owned shard (master weights), updated in place.
+  // grad:  [n] fp32, the reduced and scaled gradient of the same coordinates (read only).
+  virtual void step(at::Tensor& param, const at::Tensor& grad) = 0;
+
+  // Named state tensors (each [n]) for checkpoints and tests; empty before the first step.
+  virtual std::vector<std::pair<std::string, at::Tensor>> state() const = 0;
+  // How many steps this shard has taken.
+  int64_t steps() const { return steps_; }
+  // Bytes of the state tensors held now.
+  int64_t state_bytes() const;
+
+  const OptimizerOptions& options() const { return options_; }
+  void set_lr(double lr);
+
+ protected:
+  explicit ShardOptimizer(OptimizerOptions options);
+  OptimizerOptions options_;
+  int64_t steps_ = 0;
+};
+
+std::unique_ptr<ShardOptimizer> make_shard_optimizer(const OptimizerOptions& options);
+
+// Implementations (sgd.cpp, adam.cpp).
+std::unique_ptr<ShardOptimizer> make_sgd(const OptimizerOptions& options);
+std::unique_ptr<ShardOptimizer> make_adam(const OptimizerOptions& options);
+
+}  // namespace dpzero::zero

@@ -1,0 +1,117 @@
+// src/zero/param_group.h — one unit under a ZeRO stage (stage.h): when its parameters are
+// gathered and freed, when and how its gradient is reduced, and its optimizer step on the owned
+// shard (DESIGN.md §2 steps 2, 4 and 7).
+//
+// Note [gradient buffers]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// Stages 0–1 keep one persistent full flat gradient per unit (flat_grad_, [padded_numel]) and make
+// every parameter's .grad a view of it (FlatParam::attach_grad_views), so autograd's
+// AccumulateGrad adds each backward's gradient into it in place and nothing is reduced until
+// step(). Stages 2–3 keep only the owned shard (grad_shard_, [shard_numel]). The per-parameter
+// .grad that autograd allocates lives until the unit's last parameter gradient of that backward
+// arrives (post-accumulate-grad hooks → grad_ready); then the unit's gradient is packed into one
+// flat buffer, reduce-scattered, added into grad_shard_, and every piece of the full unit gradient
+// is freed, so no more than one unit's full gradient is alive per unit whose backward is running.
+//
+// Note [gradient accumulation]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Gradients of micro-batches sum. Stages 0–1: AccumulateGrad sums in place, one reduction per
+// step. Stages 2–3: each backward reduce-scatters its own unit gradients and adds them into
+// grad_shard_; reduce-scatter is linear, so the sum of the reductions is the reduction of the sum
+// (up to fp32 summation order). A unit some of whose parameters got no gradient in a backward is
+// reduced at the end of that backward with zeros in their place (finish_backward); by linearity
+// a unit reduced in several parts (e.g. around a reentrant checkpoint's inner backward) still sums
+// to the right gradient. step() consumes the accumulated gradient: it scales the reduced shard by
+// grad_scale (Note [sum collectives]), runs the optimizer and zeroes every gradient buffer.
+//
+// Note [stage-3 gathers]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A stage-3 unit is gathered (FlatParam::unshard) by a forward pre-hook of its module, and freed
+// by the matching forward hook — unless that forward runs inside a backward pass, which is how
+// activation recompute runs (torch.utils.checkpoint, reentrant or not): recomputed forward nodes
+// and their saved tensors are consumed by the backward that is running, so the unit stays gathered
+// until its gradient is reduced. Before the unit's backward it is gathered again by a gradient
+// hook on each of its forward outputs that requires grad (the hook fires when the gradient w.r.t.
+// that output is complete, i.e. before any node of the unit's backward runs), and it is freed
+// right after its gradient has been reduced — by then every autograd node that uses its
+// parameters has run, since a parameter's AccumulateGrad waits for all of them. Units still
+// gathered at the end of a backward (no gradient reached them) are freed by finish_backward, and
+// all units are freed after step() (the owned shards changed, so any gathered copy is stale).
+// Forward-output gradient hooks were chosen over module full-backward-pre-hooks because they
+// need no wrapping of the module's outputs (in-place use of outputs keeps working) and apply to
+// any output structure.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "src/comm/collectives.h"
+#include "src/zero/flat_param.h"
+#include "src/zero/optim.h"
+#include "src/zero/stage.h"
+
+namespace dpzero::zero {
+
+class ParamGroup {
+ public:
+  ParamGroup(std::string name, FlatParam flat, Stage stage,
+             std::unique_ptr<ShardOptimizer> optimizer);
+
+  const std::string& name() const { return name_; }
+  FlatParam& flat() { return flat_; }
+  const FlatParam& flat() const { return flat_; }
+  const ShardOptimizer& optimizer() const { return *optimizer_; }
+  ShardOptimizer& optimizer() { return *optimizer_; }
+
+  // Note [stage-3 gathers]; no-ops below stage 3.
+  void pre_forward(const comm::Collectives& comm) { flat_.unshard(comm); }
+  void post_forward(bool in_backward);
+  void pre_backward(const comm::Collectives& comm) { flat_.unshard(comm); }
+
+  // Stages 2–3: parameter `index` has its final gradient of this backward (post-accumulate-grad
+  // hook). When every parameter of the unit has, reduces the unit's gradient (Note [gradient
+  // buffers]) and, in stage 3, frees the gathered parameters.
+  void grad_ready(int64_t index, const comm::Collectives& comm);
+  // Stages 2–3, end of a backward pass: reduces a unit that got some but not all gradients, then
+  // (stage 3) frees the gathered parameters.
+  void finish_backward(const comm::Collectives& comm);
+
+  // Reduces what is not reduced yet (stages 0–1), scales by grad_scale, updates the owned shard,
+  // all-gathers parameters (stages 1–2) or frees them (stage 3), zeroes the gradients.
+  void step(const comm::Collectives& comm, double grad_scale);
+  // Drops all accumulated gradient (Note [gradient accumulation]).
+  void zero_grad();
+
+  // The gradient of the owned coordinates reduced so far ([shard_numel]; stages 2–3 only).
+  const at::Tensor& grad_shard() const { return grad_shard_; }
+
+  // Bytes held now: parameter storage (FlatParam::param_bytes), persistent gradient buffers,
+  // optimizer state.
+  int64_t param_bytes() const { return flat_.param_bytes(); }
+  int64_t grad_bytes() const;
+  int64_t optimizer_bytes() const { return optimizer_->state_bytes(); }
+
+ private:
+  void reduce_grads(const comm::Collectives& comm);
+
+  std::string name_;
+  FlatParam flat_;
+  Stage stage_;
+  std::unique_ptr<ShardOptimizer> optimizer_;
+  // [padded_numel], stages 0–1: the parameters' .grad are views of it (Note [gradient buffers]).
+  at::Tensor flat_grad_;
+  // [shard_numel], stages 2–3: Σ of this step's reduce-scattered unit gradients.
+  at::Tensor grad_shard_;
+  // grad_shard_ holds a reduction since the last step or zero_grad: the first reduction is written
+  // straight into it, later ones are added.
+  bool grad_shard_written_ = false;
+  // Stages 2–3: which parameters have their gradient in the backward now running.
+  std::vector<char> ready_;
+  int64_t ready_count_ = 0;
+};
+
+}  // namespace dpzero::zero

@@ -1,0 +1,129 @@
+// src/zero/state.cpp — ZeroState: building the units and the plan, dispatching hook calls to
+// units, the backward's final callback and the step.
+#include "src/zero/state.h"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+namespace dpzero::zero {
+namespace {
+
+bool in_backward() { return torch::autograd::get_current_graph_task_id() != -1; }
+
+}  // namespace
+
+ZeroState::ZeroState(std::vector<UnitSpec> units, int64_t total_coordinates, ZeroConfig config,
+                     c10::intrusive_ptr<c10d::ProcessGroup> process_group)
+    : config_(std::move(config)), comm_(std::move(process_group)) {
+  check_options(config_.optimizer);
+  TORCH_CHECK(!units.empty(), "the model has no trainable parameters to shard");
+  TORCH_CHECK(config_.alignment >= 1, "alignment must be >= 1, got ", config_.alignment);
+  std::vector<UnitLayout> layouts;
+  for (const UnitSpec& unit : units) {
+    TORCH_CHECK(!unit.params.empty(), "unit '", unit.name, "' has no trainable parameters");
+    TORCH_CHECK(unit.params.size() == unit.global_offsets.size() &&
+                    unit.params.size() == unit.param_names.size(),
+                "unit '", unit.name, "': ", unit.params.size(), " parameters, ",
+                unit.param_names.size(), " names and ", unit.global_offsets.size(),
+                " global offsets");
+    FlatParam::check_params(unit.params, unit.param_names);
+    std::vector<ParamSpec> specs;
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      specs.push_back({unit.params[i].numel(), unit.global_offsets[i]});
+    }
+    layouts.emplace_back(std::move(specs), comm_.world_size(), config_.alignment);
+  }
+  // Every check above runs before any parameter is touched: a failed construction leaves the
+  // model as it was.
+  plan_ = std::make_unique<ShardPlan>(layouts, total_coordinates);
+  groups_.reserve(units.size());
+  for (size_t u = 0; u < units.size(); ++u) {
+    FlatParam flat(std::move(units[u].params), std::move(units[u].param_names), layouts[u], comm_,
+                   config_.sync_module_states, config_.stage == Stage::k3);
+    groups_.emplace_back(units[u].name, std::move(flat), config_.stage,
+                         make_shard_optimizer(config_.optimizer));
+  }
+  note_param_bytes();
+}
+
+ParamGroup& ZeroState::group(int64_t unit) {
+  TORCH_CHECK(unit >= 0 && unit < num_units(), "unit index must be in [0, ", num_units(),
+              "), got ", unit);
+  return groups_[unit];
+}
+
+void ZeroState::pre_forward(int64_t unit) {
+  group(unit).pre_forward(comm_);
+  note_param_bytes();
+}
+
+void ZeroState::post_forward(int64_t unit) { group(unit).post_forward(in_backward()); }
+
+void ZeroState::pre_backward(int64_t unit) {
+  queue_finish_backward();
+  group(unit).pre_backward(comm_);
+  note_param_bytes();
+}
+
+void ZeroState::grad_ready(int64_t unit, int64_t param_index) {
+  queue_finish_backward();
+  group(unit).grad_ready(param_index, comm_);
+}
+
+void ZeroState::queue_finish_backward() {
+  if (finish_queued_ || !in_backward()) return;
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+  finish_queued_ = true;
+}
+
+void ZeroState::finish_backward() {
+  finish_queued_ = false;
+  for (ParamGroup& g : groups_) g.finish_backward(comm_);
+}
+
+void ZeroState::step() {
+  finish_queued_ = false;  // no backward is running; a failed one may have left the flag set
+  for (ParamGroup& g : groups_) g.step(comm_, config_.grad_scale);
+  ++steps_;
+}
+
+void ZeroState::zero_grad() {
+  finish_queued_ = false;
+  for (ParamGroup& g : groups_) g.zero_grad();
+}
+
+at::Tensor ZeroState::full_parameters(int64_t unit) {
+  FlatParam& flat = group(unit).flat();
+  if (flat.unsharded()) return flat.full().detach().clone();
+  at::Tensor out = at::empty({flat.layout().padded_numel()}, flat.shard().options());
+  comm_.all_gather(out, flat.shard());
+  return out;
+}
+
+void ZeroState::set_lr(double lr) {
+  for (ParamGroup& g : groups_) g.optimizer().set_lr(lr);
+  config_.optimizer.lr = lr;
+}
+
+void ZeroState::note_param_bytes() {
+  int64_t held = 0;
+  for (const ParamGroup& g : groups_) held += g.param_bytes();
+  peak_param_bytes_ = std::max(peak_param_bytes_, held);
+}
+
+MemoryStats ZeroState::memory() const {
+  MemoryStats stats;
+  for (const ParamGroup& g : groups_) {
+    stats.param_bytes += g.param_bytes();
+    stats.grad_bytes += g.grad_bytes();
+    stats.optimizer_bytes += g.optimizer_bytes();
+  }
+  stats.peak_param_bytes = std::max(peak_param_bytes_, stats.param_bytes);
+  return stats;
+}
+
+}  // namespace dpzero::zero

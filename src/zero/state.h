@@ -1,0 +1,110 @@
+// src/zero/state.h — the ZeRO engine for one model: its units (ParamGroup), the shard plan that
+// checks they cover the model's global coordinates, the entry points of the module and gradient
+// hooks, and the step (DESIGN.md §2; stages in stage.h).
+//
+// One training step, top to bottom (non-private path):
+//   forward   — stage 3: pre_forward(u) gathers unit u, post_forward(u) frees it.
+//   backward  — stage 3: pre_backward(u) gathers u again; stages 2–3: grad_ready(u, i) for each
+//               parameter, and when u is complete its gradient is reduce-scattered (and, stage 3,
+//               u freed); finish_backward runs as the backward's final callback.
+//   step()    — every unit in plan order: reduce (stages 0–1), scale by grad_scale, optimizer on
+//               the owned shard, all-gather parameters (stages 1–2), zero gradients.
+//
+// Note [collective order]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// c10d matches collectives by the order each rank issues them, so every rank must issue the same
+// sequence. The engine issues them from: construction and step() (units in plan order), forward
+// hooks (module execution order), gradient hooks (autograd execution order) and finish_backward
+// (plan order). All ranks run the same model, so these orders agree as long as every rank runs
+// the same modules and uses the same parameters in each forward/backward — the same requirement
+// DistributedDataParallel has without find_unused_parameters. Data-dependent control flow that
+// skips a unit on some ranks only is not supported.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "src/comm/collectives.h"
+#include "src/zero/optim.h"
+#include "src/zero/param_group.h"
+#include "src/zero/shard_plan.h"
+#include "src/zero/stage.h"
+
+namespace dpzero::zero {
+
+// One unit as the caller (Python's model traversal) found it.
+struct UnitSpec {
+  std::string name;                     // module name ("" for the root unit)
+  std::vector<at::Tensor> params;       // trainable, canonical order, tied ones once
+  std::vector<std::string> param_names; // canonical names (named_parameters())
+  std::vector<int64_t> global_offsets;  // global coordinate of each parameter's first element
+};
+
+struct ZeroConfig {
+  Stage stage = Stage::k0;
+  OptimizerOptions optimizer;
+  int64_t alignment = 4;          // flat offset alignment, in elements (UnitLayout)
+  double grad_scale = 1.0;        // applied to the reduced gradient before the optimizer
+  bool sync_module_states = true; // broadcast rank 0's parameters at construction
+};
+
+// Bytes this rank holds now (storage actually allocated).
+struct MemoryStats {
+  int64_t param_bytes = 0;       // flat parameter buffers (+ master shards in stage 3)
+  int64_t grad_bytes = 0;        // persistent gradient buffers (full in 0–1, shard in 2–3)
+  int64_t optimizer_bytes = 0;   // optimizer state
+  int64_t peak_param_bytes = 0;  // most parameter bytes held at once since construction
+};
+
+class ZeroState {
+ public:
+  // Builds a UnitLayout per unit and a ShardPlan over all of them (which throws
+  // std::invalid_argument if the units do not cover [0, total_coordinates) exactly once), then
+  // flattens each unit (FlatParam), broadcasting rank 0's values with sync_module_states.
+  ZeroState(std::vector<UnitSpec> units, int64_t total_coordinates, ZeroConfig config,
+            c10::intrusive_ptr<c10d::ProcessGroup> process_group);
+
+  // Hook entry points; `unit` indexes units in plan order.
+  void pre_forward(int64_t unit);
+  void post_forward(int64_t unit);
+  void pre_backward(int64_t unit);
+  void grad_ready(int64_t unit, int64_t param_index);
+
+  void step();
+  void zero_grad();
+
+  // Unit `unit`'s full flat parameters ([padded_numel], a copy); all-gathers in stage 3, so in
+  // stage 3 every rank must call it (Note [collective order]).
+  at::Tensor full_parameters(int64_t unit);
+
+  const ShardPlan& plan() const { return *plan_; }
+  const comm::Collectives& comm() const { return comm_; }
+  const ZeroConfig& config() const { return config_; }
+  int64_t num_units() const { return static_cast<int64_t>(groups_.size()); }
+  ParamGroup& group(int64_t unit);
+  int64_t steps() const { return steps_; }
+  void set_lr(double lr);
+  MemoryStats memory() const;
+
+ private:
+  // Stages 2–3 (Note [gradient accumulation], [stage-3 gathers]): reduce incomplete units and
+  // free gathered ones at the end of a backward pass.
+  void finish_backward();
+  // Installs finish_backward as the final callback of the backward pass now running (once).
+  void queue_finish_backward();
+  void note_param_bytes();
+
+  ZeroConfig config_;
+  comm::Collectives comm_;
+  std::unique_ptr<ShardPlan> plan_;
+  std::vector<ParamGroup> groups_;
+  int64_t steps_ = 0;
+  bool finish_queued_ = false;  // finish_backward is installed for the backward now running
+  int64_t peak_param_bytes_ = 0;
+};
+
+}  // namespace dpzero::zero

@@ -1,0 +1,270 @@
+// tests/cpp/torch/zero_collectives_test.cpp — the engine's collectives and units with ranks as
+// threads over one c10d::HashStore (DESIGN.md §6 "Multi-rank").
+//
+// Why not c10d::ProcessGroupGloo: the torch 2.11 wheel ships ProcessGroupGloo.hpp but not the
+// gloo headers it includes (gloo/context.h, gloo/rendezvous/store.h, ...), so it cannot be
+// compiled against from the wheel's CMake config, and Debian's libgloo-dev (a 2022 snapshot) is
+// not the gloo torch was built with. Each thread here instead gets a real c10d::ProcessGroup whose
+// CPU backend (StoreBackend) moves bytes through the shared HashStore and sums in rank order. The
+// engine's path is the production one — comm::Collectives → c10d::ProcessGroup → the c10d
+// dispatcher ops → Backend — only the transport is the test's; tests/python/test_zero.py runs
+// the same engine over real Gloo process groups.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include "src/comm/collectives.h"
+#include "src/zero/flat_param.h"
+#include "src/zero/param_group.h"
+#include "src/zero/state.h"
+
+namespace dpzero::zero {
+namespace {
+
+class DoneWork : public c10d::Work {
+ public:
+  DoneWork() { finish(); }
+};
+
+// Collectives of float32 CPU tensors over a shared store: every rank publishes its input under
+// "<op index>/<rank>" and reads every rank's, in rank order. All ranks issue the same sequence of
+// collectives (Note [collective order]), so the op index names the same collective on each.
+class StoreBackend : public c10d::Backend {
+ public:
+  StoreBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size)
+      : Backend(rank, size), store_(std::move(store)) {}
+
+  const std::string getBackendName() const override { return "dpzero_test_store"; }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions&) override {
+    for (at::Tensor& t : tensors) {
+      std::vector<at::Tensor> all = exchange(t);
+      t.zero_();
+      for (const at::Tensor& x : all) t.add_(x);
+    }
+    return c10::make_intrusive<DoneWork>();
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                                                      const c10d::ReduceScatterOptions&) override {
+    std::vector<at::Tensor> all = exchange(in);
+    const int64_t m = out.numel();
+    out.zero_();
+    for (const at::Tensor& x : all) out.add_(x.narrow(0, getRank() * m, m));
+    return c10::make_intrusive<DoneWork>();
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                                 const c10d::AllgatherOptions&) override {
+    std::vector<at::Tensor> all = exchange(in);
+    for (int r = 0; r < getSize(); ++r) out.narrow(0, r * in.numel(), in.numel()).copy_(all[r]);
+    return c10::make_intrusive<DoneWork>();
+  }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    for (at::Tensor& t : tensors) t.copy_(exchange(t)[opts.rootRank]);
+    return c10::make_intrusive<DoneWork>();
+  }
+
+ private:
+  std::vector<at::Tensor> exchange(const at::Tensor& t) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "test backend: fp32 only");
+    const std::string op = std::to_string(next_op_++);
+    std::vector<uint8_t> bytes(t.numel() * sizeof(float));
+    std::memcpy(bytes.data(), t.data_ptr<float>(), bytes.size());
+    store_->set(op + "/" + std::to_string(getRank()), bytes);
+    std::vector<at::Tensor> out;
+    for (int r = 0; r < getSize(); ++r) {
+      std::vector<uint8_t> got = store_->get(op + "/" + std::to_string(r));
+      at::Tensor x = at::empty({t.numel()}, at::kFloat);
+      std::memcpy(x.data_ptr<float>(), got.data(), got.size());
+      out.push_back(x.view(t.sizes()));
+    }
+    return out;
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  int64_t next_op_ = 0;
+};
+
+// Runs body(rank, collectives) on `world_size` threads, each with its own process group.
+void run_ranks(int world_size, const std::function<void(int, const comm::Collectives&)>& body) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(world_size);
+  for (int rank = 0; rank < world_size; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, world_size);
+        pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM,
+                       c10::make_intrusive<StoreBackend>(store, rank, world_size));
+        comm::Collectives comm(pg);
+        body(rank, comm);
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int rank = 0; rank < world_size; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
+}
+
+// A unit of three parameters (5, 7 and 3 elements, global coordinates [0, 15)), aligned to 4.
+// Its own generator, not the global one: rank threads draw concurrently.
+std::vector<at::Tensor> unit_params(uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  std::vector<at::Tensor> out;
+  for (int64_t n : {5, 7, 3}) out.push_back(at::randn({n}, gen).requires_grad_());
+  return out;
+}
+UnitLayout unit_layout(int64_t world_size) {
+  return UnitLayout({{5, 0}, {7, 5}, {3, 12}}, world_size, /*alignment=*/4);
+}
+// Rank r's gradient of parameter i: small integers, so every sum below is exact in fp32.
+at::Tensor rank_grad(int rank, size_t i, int64_t numel) {
+  return torch::arange(numel, at::kFloat) * static_cast<double>(rank + 1) +
+         static_cast<double>(10 * i);
+}
+
+class ZeroCollectives : public ::testing::TestWithParam<int> {};
+
+TEST_P(ZeroCollectives, UnitGradientReduceScatterGivesEachRankItsShardSum) {
+  const int world = GetParam();
+  const UnitLayout layout = unit_layout(world);
+  std::vector<at::Tensor> shards(world);
+  run_ranks(world, [&](int rank, const comm::Collectives& comm) {
+    std::vector<at::Tensor> params = unit_params(0);
+    FlatParam flat(params, {"a", "b", "c"}, layout, comm, /*sync=*/true, /*shard_params=*/false);
+    ParamGroup group("unit", std::move(flat), Stage::k2, make_sgd({}));
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].mutable_grad() = rank_grad(rank, i, params[i].numel());
+    }
+    for (size_t i = 0; i < params.size(); ++i) group.grad_ready(static_cast<int64_t>(i), comm);
+    for (const at::Tensor& p : params) EXPECT_FALSE(p.grad().defined());  // full gradient freed
+    shards[rank] = group.grad_shard().clone();
+  });
+  // Expected: the unit's flat gradient summed over ranks, cut into W equal shards.
+  at::Tensor full = torch::zeros({layout.padded_numel()});
+  for (int r = 0; r < world; ++r) {
+    for (size_t i = 0; i < 3; ++i) {
+      full.narrow(0, layout.flat_offsets()[i], layout.params()[i].numel)
+          .add_(rank_grad(r, i, layout.params()[i].numel));
+    }
+  }
+  for (int r = 0; r < world; ++r) {
+    ASSERT_EQ(shards[r].numel(), layout.shard_numel());
+    EXPECT_TRUE(torch::equal(shards[r], full.narrow(0, r * layout.shard_numel(),
+                                                    layout.shard_numel())))
+        << "rank " << r;
+  }
+}
+
+TEST_P(ZeroCollectives, Stage3GathersBroadcastValuesAndFreesStorage) {
+  const int world = GetParam();
+  run_ranks(world, [&](int rank, const comm::Collectives& comm) {
+    std::vector<at::Tensor> params = unit_params(100 + rank);  // differ per rank before the sync
+    std::vector<at::Tensor> root = unit_params(100);
+    FlatParam flat(params, {"a", "b", "c"}, unit_layout(world), comm, /*sync=*/true,
+                   /*shard_params=*/true);
+    EXPECT_FALSE(flat.unsharded());
+    EXPECT_EQ(flat.full().storage().nbytes(), 0u);
+    EXPECT_EQ(params[1].storage().nbytes(), 0u);  // the views lost their memory with it
+    flat.unshard(comm);
+    ASSERT_TRUE(flat.unsharded());
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(torch::equal(params[i].detach(), root[i].detach())) << "param " << i;
+    }
+    flat.reshard();
+    EXPECT_EQ(flat.full().storage().nbytes(), 0u);
+  });
+}
+
+TEST_P(ZeroCollectives, EveryStageTakesTheSameSgdStep) {
+  const int world = GetParam();
+  // One SGD-momentum step (lr 0.5, weight decay 0.1) from rank-specific gradients, grad_scale
+  // 1/W: every stage must land on p - 0.5·(mean_r g_r + 0.1·p).
+  std::vector<std::vector<at::Tensor>> results(4);
+  for (int s = 0; s < 4; ++s) {
+    std::vector<at::Tensor> per_rank(world);
+    run_ranks(world, [&](int rank, const comm::Collectives& comm) {
+      std::vector<at::Tensor> params = unit_params(0);
+      ZeroConfig config;
+      config.stage = parse_stage(s);
+      config.optimizer.lr = 0.5;
+      config.optimizer.momentum = 0.9;
+      config.optimizer.weight_decay = 0.1;
+      config.grad_scale = 1.0 / world;
+      ZeroState state({{"unit", params, {"a", "b", "c"}, {0, 5, 12}}}, 15, config,
+                      comm.process_group());
+      EXPECT_EQ(state.plan().total_coordinates(), 15);
+      {
+        torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < params.size(); ++i) {
+          at::Tensor g = rank_grad(rank, i, params[i].numel());
+          if (s < 2) {
+            params[i].mutable_grad().add_(g);  // a view of the flat gradient, as autograd would
+          } else {
+            params[i].mutable_grad() = g;
+          }
+        }
+      }
+      if (s >= 2) {
+        for (int64_t i = 0; i < 3; ++i) state.grad_ready(0, i);
+      }
+      state.step();
+      per_rank[rank] = state.full_parameters(0);
+    });
+    results[s] = per_rank;
+  }
+  std::vector<at::Tensor> start = unit_params(0);
+  const UnitLayout layout = unit_layout(world);
+  for (size_t i = 0; i < 3; ++i) {
+    at::Tensor mean = torch::zeros({layout.params()[i].numel});
+    for (int r = 0; r < world; ++r) mean += rank_grad(r, i, mean.numel());
+    mean /= world;
+    at::Tensor expected = start[i].detach() - 0.5 * (mean + 0.1 * start[i].detach());
+    for (int s = 0; s < 4; ++s) {
+      for (int r = 0; r < world; ++r) {
+        at::Tensor got = results[s][r].narrow(0, layout.flat_offsets()[i], mean.numel());
+        EXPECT_TRUE(torch::allclose(got, expected, 1e-6, 1e-6))
+            << "stage " << s << " rank " << r << " param " << i;
+      }
+    }
+  }
+}
+
+TEST(ZeroCollectivesChecks, RejectsMismatchedShapesNamingThem) {
+  run_ranks(2, [&](int, const comm::Collectives& comm) {
+    at::Tensor full = torch::zeros({10});
+    at::Tensor shard = torch::zeros({4});
+    EXPECT_THROW(
+        {
+          try {
+            comm.reduce_scatter_sum(shard, full);
+          } catch (const c10::Error& e) {
+            EXPECT_NE(std::string(e.what()).find("full has 10 elements"), std::string::npos);
+            throw;
+          }
+        },
+        c10::Error);
+    at::Tensor inside = full.narrow(0, 0, 5);
+    EXPECT_THROW(comm.all_gather(full, inside), c10::Error);  // overlapping
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ZeroCollectives, ::testing::Values(1, 2, 3, 4));
+
+}  // namespace
+}  // namespace dpzero::zero

@@ -1,0 +1,459 @@
+"""The ZeRO engine against single-process PyTorch (DESIGN.md §3 "Sharding invariance").
+
+A small GPT-style transformer is trained for 20 steps by ``dpzero.shard`` under stages 0-3 on
+W ∈ {1, 2, 4} real Gloo ranks (torch.multiprocessing, loopback), each rank taking its slice of
+the same global batch in two micro-batches, and by plain PyTorch (torch.optim) on the whole
+batch in one process. Losses and final parameters must agree to fp32 summation-order tolerance:
+the gradients are the same sums taken in a different order (per rank, per micro-batch, then
+across ranks), and the optimizers are op-for-op torch.optim's (test_shard_optimizer_matches_...).
+
+Tolerance (LOSS_TOL, PARAM_TOL below): rtol 1e-4, atol 1e-5 on losses and parameters after 20
+steps. fp32 addition-order differences are ~1e-7 relative per gradient; over 20 steps of
+momentum/Adam they grow to at most a few 1e-6 absolute in the worst parameter (measured, all
+stages, tied and untied: SGD-momentum <= 3.3e-7, AdamW <= 2.3e-6 for W in {1, 2, 4}; the test
+prints its run's value), so the bound leaves about 4x room over the worst case while any real
+error (a missing scale, a lost micro-batch, a wrong shard) moves parameters by > 1e-3.
+"""
+
+import datetime
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import dpzero
+from dpzero._C import zero as czero
+
+VOCAB, DIM, HEADS, SEQ, LAYERS = 32, 16, 2, 8, 2
+GLOBAL_BATCH, MICRO_BATCHES, STEPS = 8, 2, 20
+LOSS_TOL = dict(rtol=1e-4, atol=1e-5)
+PARAM_TOL = dict(rtol=1e-4, atol=1e-5)
+OPTIMIZERS = {
+    "sgd": dict(lr=0.05, momentum=0.9, weight_decay=1e-2),
+    "adamw": dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1),
+}
+
+
+# ---- the model -------------------------------------------------------------------------------
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # No key bias: softmax ignores it (its exact gradient is 0), so its computed gradient is
+        # pure rounding noise, which Adam's normalisation would blow up to lr-sized steps that no
+        # two summation orders agree on.
+        self.q, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(3))
+        self.k = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):  # [B, T, D]
+        b, t, d = x.shape
+        split = lambda y: y.view(b, t, HEADS, d // HEADS).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // HEADS)
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        return self.o((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.proj = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(DIM), Attention()
+        self.ln2, self.mlp = nn.LayerNorm(DIM), MLP()
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Embedding, LAYERS blocks, final LayerNorm, tied or untied head, and one parameter held by
+    the model itself (so there is a root unit). ``recompute``: None, "reentrant" or
+    "non_reentrant" activation checkpointing of each block; ``unused``: add a Linear that forward
+    never calls."""
+
+    def __init__(self, tied=True, recompute=None, unused=False):
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.ones(()))
+        self.wte, self.wpe = nn.Embedding(VOCAB, DIM), nn.Embedding(SEQ, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.wte.weight
+        if unused:
+            self.unused = nn.Linear(DIM, DIM)
+        self.recompute = recompute
+
+    def forward(self, idx, targets):  # idx, targets: [B, T] int64
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            if self.recompute is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.recompute == "reentrant")
+        logits = self.head(self.ln_f(x)) * self.logit_scale
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def make_model(**kwargs):
+    torch.manual_seed(0)
+    return GPT(**kwargs)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    return idx, torch.randint(VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+
+
+def torch_optimizer(name, params):
+    kw = OPTIMIZERS[name]
+    if name == "sgd":
+        return torch.optim.SGD(params, **kw)
+    return torch.optim.AdamW(params, **kw)
+
+
+def reference_run(optimizer, model_kwargs):
+    """Single-process PyTorch on the whole global batch: losses and final parameters. A parameter
+    without a gradient gets a zero one (the engine's convention, Note [shard optimizers match
+    torch.optim])."""
+    model = make_model(**model_kwargs)
+    opt = torch_optimizer(optimizer, model.parameters())
+    losses = []
+    for step in range(STEPS):
+        loss = model(*batch(step))
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def sharded_run(stage, optimizer, model_kwargs, rank, world_size, units=None):
+    """This rank's part of the same training: rows [r·B/W, (r+1)·B/W) of each global batch, in
+    MICRO_BATCHES micro-batches whose mean losses are divided by MICRO_BATCHES; grad_scale 1/W
+    turns the rank sum into the global mean."""
+    model = make_model(**model_kwargs)
+    wrapped = dpzero.shard(model, stage=stage, optimizer=optimizer, units=units,
+                           **OPTIMIZERS[optimizer])
+    rows = GLOBAL_BATCH // world_size
+    micro = rows // MICRO_BATCHES
+    losses = []
+    for step in range(STEPS):
+        idx, targets = batch(step)
+        idx, targets = idx[rank * rows:(rank + 1) * rows], targets[rank * rows:(rank + 1) * rows]
+        total = 0.0
+        for m in range(MICRO_BATCHES):
+            part = slice(m * micro, (m + 1) * micro)
+            loss = wrapped(idx[part], targets[part]) / MICRO_BATCHES
+            loss.backward()
+            total += loss.item()
+        wrapped.step()
+        losses.append(total)
+    if world_size > 1:
+        summed = torch.tensor(losses, dtype=torch.float64)
+        dist.all_reduce(summed)
+        losses = (summed / world_size).tolist()
+    return dict(losses=losses, params=wrapped.full_parameters(), memory=wrapped.memory(),
+                layouts=[(u.padded_numel, u.shard_numel) for u in wrapped.plan.units],
+                units=wrapped.units)
+
+
+# ---- multi-rank plumbing ---------------------------------------------------------------------
+
+def _rank_main(rank, world_size, store_path, cases, out_path):
+    torch.set_num_threads(1)
+    # A file store rather than a TCP one: no port to pick that another process could take first
+    # (this machine runs other test suites at the same time).
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=300))
+    try:
+        results = {}
+        for key, (stage, optimizer, model_kwargs, units) in cases.items():
+            results[key] = sharded_run(stage, optimizer, model_kwargs, rank, world_size, units)
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world_size, cases, tmp_path):
+    out = tmp_path / f"results_w{world_size}.pt"
+    store = tmp_path / f"store_w{world_size}"
+    mp.spawn(_rank_main, args=(world_size, str(store), cases, str(out)), nprocs=world_size,
+             join=True)
+    return torch.load(out)
+
+
+_REFERENCES = {}
+
+
+def reference(optimizer, model_kwargs):
+    key = (optimizer, tuple(sorted(model_kwargs.items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_run(optimizer, model_kwargs)
+    return _REFERENCES[key]
+
+
+def assert_matches_reference(result, optimizer, model_kwargs):
+    ref_losses, ref_params = reference(optimizer, model_kwargs)
+    torch.testing.assert_close(torch.tensor(result["losses"], dtype=torch.float64),
+                               torch.tensor(ref_losses, dtype=torch.float64), **LOSS_TOL)
+    assert set(result["params"]) == set(ref_params)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(result["params"][name], value, **PARAM_TOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def max_param_error(result, optimizer, model_kwargs):
+    _, ref_params = reference(optimizer, model_kwargs)
+    return max((result["params"][n] - p).abs().max().item() for n, p in ref_params.items())
+
+
+# ---- parity: stages 0-3, W ∈ {1, 2, 4}, SGD-momentum and AdamW, tied and untied head ----------
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_stages_match_single_process_pytorch(tmp_path, world_size, optimizer):
+    cases = {(stage, tied): (stage, optimizer, dict(tied=tied), None)
+             for stage in range(4) for tied in (True, False)}
+    results = run_ranks(world_size, cases, tmp_path)
+    for (stage, tied), result in results.items():
+        assert_matches_reference(result, optimizer, dict(tied=tied))
+        check_memory(result, stage, optimizer, world_size)
+    # Not an assertion, a record: the worst parameter difference over all cases of this run.
+    worst = max(max_param_error(r, optimizer, dict(tied=t)) for (_, t), r in results.items())
+    print(f"W={world_size} {optimizer}: max |param - reference| = {worst:.3g}")
+
+
+def check_memory(result, stage, optimizer, world_size):
+    """Bytes held after the last step equal what the plan says each stage keeps."""
+    full = sum(padded for padded, _ in result["layouts"]) * 4
+    shard = sum(s for _, s in result["layouts"]) * 4
+    assert full == shard * world_size
+    k = 1 if optimizer == "sgd" else 2  # momentum buffer | exp_avg + exp_avg_sq
+    expected = {
+        0: dict(params=full, grads=full, optimizer_state=k * full),
+        1: dict(params=full, grads=full, optimizer_state=k * shard),
+        2: dict(params=full, grads=shard, optimizer_state=k * shard),
+        3: dict(params=shard, grads=shard, optimizer_state=k * shard),
+    }[stage]
+    got = {key: result["memory"][key] for key in expected}
+    assert got == expected, f"stage {stage}, W={world_size}: {got} != {expected}"
+    if stage == 3 and world_size == 4:
+        # Never more than a few units gathered at once (root + tied embedding + one block).
+        assert result["memory"]["peak_params"] < full
+    if stage < 3:
+        assert result["memory"]["peak_params"] == full
+
+
+# ---- recompute, custom units, unused parameters ----------------------------------------------
+
+def test_stage3_and_stage2_with_activation_recompute(tmp_path):
+    cases = {(stage, recompute): (stage, "sgd", dict(tied=True, recompute=recompute), None)
+             for stage in (2, 3) for recompute in ("non_reentrant", "reentrant")}
+    results = run_ranks(2, cases, tmp_path)
+    for (stage, recompute), result in results.items():
+        assert_matches_reference(result, "sgd", dict(tied=True, recompute=recompute))
+
+
+def test_custom_units_and_unused_parameter(tmp_path):
+    # blocks.1 is split: its attention is a unit, the rest joins the root unit together with wpe,
+    # ln_f, the head and logit_scale (a root unit made of several separate global ranges). The
+    # never-called Linear gets no gradient: the engine treats it as zero, so the reference gives it
+    # a zero .grad too (torch.optim would otherwise skip it).
+    units = ["wte", "blocks.0", "blocks.1.attn", "unused"]
+    kwargs = dict(tied=False, unused=True)
+    cases = {(stage, opt): (stage, opt, kwargs, units)
+             for stage, opt in ((0, "sgd"), (1, "adamw"), (2, "sgd"), (3, "adamw"), (3, "sgd"))}
+    results = run_ranks(2, cases, tmp_path)
+    for (stage, opt), result in results.items():
+        assert result["units"] == ["<root>", "wte", "blocks.0", "blocks.1.attn", "unused"]
+        assert_matches_reference(result, opt, kwargs)
+
+
+# ---- single process: no torch.distributed ------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_single_process_without_distributed_matches_pytorch(stage):
+    # process_group=None and torch.distributed not initialised: one rank, collectives are copies.
+    assert not dist.is_initialized()
+    result = sharded_run(stage, "adamw", dict(tied=True), rank=0, world_size=1)
+    assert_matches_reference(result, "adamw", dict(tied=True))
+
+
+OPTIMIZER_CASES = [
+    ("sgd", dict(lr=0.1)),
+    ("sgd", dict(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.05)),
+    ("sgd", dict(lr=0.1, momentum=0.8, nesterov=True, weight_decay=0.01)),
+    ("sgd", dict(lr=0.1, momentum=0.9, maximize=True)),
+    ("adam", dict(lr=1e-2)),
+    ("adam", dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, amsgrad=True)),
+    ("adamw", dict(lr=1e-2, weight_decay=0.1)),
+    ("adamw", dict(lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True)),
+]
+
+
+@pytest.mark.parametrize("kind,kwargs", OPTIMIZER_CASES)
+def test_shard_optimizer_matches_torch_optim_bitwise(kind, kwargs):
+    # Note [shard optimizers match torch.optim]: the same ops on the same values, so bit for bit.
+    torch.manual_seed(1)
+    start = torch.randn(257)
+    ours = start.clone()
+    param = nn.Parameter(start.clone())
+    reference_opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
+                     "adamw": torch.optim.AdamW}[kind]([param], **kwargs)
+    shard_opt = czero.ShardOptimizer(kind, **kwargs)
+    for _ in range(12):
+        grad = torch.randn(257)
+        param.grad = grad.clone()
+        reference_opt.step()
+        shard_opt.step(ours, grad)
+        assert torch.equal(ours, param.detach())
+    assert shard_opt.steps == 12
+    state = shard_opt.state()
+    for name, tensor in state.items():
+        assert torch.equal(tensor, reference_opt.state[param][name]), name
+
+
+def test_shard_optimizer_rejects_bad_values_naming_them():
+    with pytest.raises(RuntimeError, match="got 'lamb'"):
+        czero.ShardOptimizer("lamb", lr=0.1)
+    with pytest.raises(RuntimeError, match="lr must be >= 0, got -1"):
+        czero.ShardOptimizer("sgd", lr=-1.0)
+    with pytest.raises(RuntimeError, match="beta2 must be in \\[0, 1\\), got 1"):
+        czero.ShardOptimizer("adam", lr=0.1, betas=(0.9, 1.0))
+    with pytest.raises(RuntimeError, match="nesterov momentum needs momentum > 0"):
+        czero.ShardOptimizer("sgd", lr=0.1, nesterov=True)
+
+
+def test_default_units_follow_blocks_and_root():
+    assert dpzero.zero.default_units(make_model(tied=False)) == [
+        "wte", "wpe", "blocks.0", "blocks.1", "ln_f", "head"]
+    # The tied head holds no parameter of its own: its weight belongs to wte (first occurrence).
+    wrapped = dpzero.shard(make_model(tied=True), stage=2, optimizer="sgd")
+    assert wrapped.units == ["<root>", "wte", "wpe", "blocks.0", "blocks.1", "ln_f"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_parameters_are_views_of_flat_buffers_in_canonical_order(stage):
+    model = make_model(tied=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    wrapped = dpzero.shard(model, stage=stage, optimizer="sgd", alignment=8)
+    plan = wrapped.plan
+    assert plan.total_coordinates == sum(p.numel() for p in model.parameters())
+    # Global coordinates follow named_parameters() order across units.
+    offsets = {}
+    for unit, layout in zip(wrapped._units, plan.units):
+        for (name, param, offset), spec, flat_offset in zip(unit[1], layout.runs(),
+                                                             layout.flat_offsets):
+            offsets[name] = offset
+            assert flat_offset % 8 == 0
+            assert spec.global_offset == offset and spec.length == param.numel()
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(offsets, key=offsets.get) == names
+    # Values survive flattening (and, in stage 3, sharding).
+    full = wrapped.full_parameters()
+    for name, value in before.items():
+        assert torch.equal(full[name], value), name
+    if stage < 3:
+        # Each parameter's storage is its unit's flat buffer: parameters of a unit share storage.
+        for unit in wrapped._units:
+            ptrs = {p.untyped_storage().data_ptr() for _, p, _ in unit[1]}
+            assert len(ptrs) == 1, unit[0]
+    else:
+        assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+
+
+def test_gradient_accumulation_and_zero_grad():
+    # Two backward passes sum; zero_grad drops them; step() consumes them.
+    for stage in range(4):
+        model = make_model(tied=True)
+        wrapped = dpzero.shard(model, stage=stage, optimizer="sgd", lr=1.0)
+        idx, targets = batch(0)
+        wrapped(idx, targets).backward()
+        wrapped.zero_grad()
+        wrapped(idx, targets).backward()
+        wrapped(idx, targets).backward()
+        before = wrapped.full_parameters()
+        wrapped.step()
+        after = wrapped.full_parameters()
+
+        ref = make_model(tied=True)
+        (2 * ref(idx, targets)).backward()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(before[name] - after[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_shard_rejects_bad_arguments_naming_them():
+    with pytest.raises(RuntimeError, match="stage must be 0, 1, 2 or 3, got 5"):
+        dpzero.shard(make_model(), stage=5)
+    with pytest.raises(ValueError, match="got 'lamb'"):
+        dpzero.shard(make_model(), stage=1, optimizer="lamb")
+    with pytest.raises(ValueError, match="no module named 'blocks.7'"):
+        dpzero.shard(make_model(), stage=1, units=["blocks.7"])
+    with pytest.raises(ValueError, match="'head' holds no trainable parameters"):
+        dpzero.shard(make_model(tied=True), stage=1, units=["head"])
+    with pytest.raises(RuntimeError, match="'logit_scale' must be float32.*Double"):
+        dpzero.shard(make_model().double(), stage=2)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        dpzero.shard(lambda x: x, stage=0)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_full_gradients_and_gathered_units_are_freed(stage):
+    # Stages 2-3 keep no per-parameter gradient after backward (each unit's was reduce-scattered
+    # and dropped as soon as it was complete); stage 3 frees every unit after its forward and
+    # again after its backward, for training and for no-grad evaluation alike.
+    model = make_model(tied=True)
+    wrapped = dpzero.shard(model, stage=stage, optimizer="sgd")
+    state = wrapped._state
+    idx, targets = batch(0)
+    gathered = lambda: [state.unsharded(u) for u in range(state.num_units)]  # noqa: E731
+    with torch.no_grad():
+        wrapped(idx, targets)
+    assert gathered() == [stage < 3] * state.num_units
+    wrapped(idx, targets).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert gathered() == [stage < 3] * state.num_units
+    assert all(state.grad_shard(u).abs().sum() > 0 for u in range(state.num_units))
+    wrapped.step()
+    assert all(state.grad_shard(u).abs().sum() == 0 for u in range(state.num_units))
+    assert gathered() == [stage < 3] * state.num_units
+
+
+def test_engine_is_freed_with_the_wrapper():
+    # The hooks hold the engine weakly: dropping the wrapper frees the engine (its buffers,
+    # optimizer state and process group) and removes the hooks.
+    import gc
+    import weakref
+
+    model = make_model(tied=True)
+    wrapped = dpzero.shard(model, stage=2, optimizer="adamw")
+    wrapped(*batch(0)).backward()
+    wrapped.step()
+    engine = weakref.ref(wrapped._state)
+    del wrapped
+    gc.collect()
+    assert engine() is None
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters()
+               if getattr(p, "_post_accumulate_grad_hooks", None) is not None)
+    model(*batch(1)).backward()  # a plain model again
