@@ -1,4 +1,6 @@
-// kernels/clip_checks.h — argument checks shared by the CPU and CUDA clip_factors implementations.
+// kernels/clip_checks.h — argument checks shared by the CPU and CUDA clip_factors implementations
+// and the fused *_clip ops of kernels/per_sample_ops.h (each passes its own op name, so an error
+// names the op the caller called).
 #pragma once
 
 #include <cmath>
@@ -13,23 +15,23 @@
 
 namespace dpzero::kernels {
 
-inline privacy::ClipMode check_clip_args(const at::Tensor& norms, double max_norm,
+// `op`: the public op name without the "dpzero::" prefix ("clip_factors", "linear_clip", ...).
+inline privacy::ClipMode check_clip_args(const char* op, const at::Tensor& norms, double max_norm,
                                          c10::string_view mode, double gamma) {
-  TORCH_CHECK(norms.dim() == 1, "dpzero::clip_factors: norms must be 1-D [B], got shape ",
+  TORCH_CHECK(norms.dim() == 1, "dpzero::", op, ": norms must be 1-D [B], got shape ",
               norms.sizes());
-  TORCH_CHECK(norms.scalar_type() == at::kFloat,
-              "dpzero::clip_factors: norms must be float32 (fp32 accumulation), got ",
-              norms.scalar_type());
-  TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0.0,
-              "dpzero::clip_factors: max_norm must be finite and > 0, got ", max_norm);
+  TORCH_CHECK(norms.scalar_type() == at::kFloat, "dpzero::", op,
+              ": norms must be float32 (fp32 accumulation), got ", norms.scalar_type());
+  TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0.0, "dpzero::", op,
+              ": max_norm must be finite and > 0, got ", max_norm);
   privacy::ClipMode clip_mode;
   try {
     clip_mode = privacy::parse_clip_mode(std::string(mode.data(), mode.size()));
   } catch (const std::invalid_argument& e) {
-    TORCH_CHECK(false, "dpzero::clip_factors: ", e.what());
+    TORCH_CHECK(false, "dpzero::", op, ": ", e.what());
   }
   TORCH_CHECK(clip_mode != privacy::ClipMode::kAutomatic || (std::isfinite(gamma) && gamma > 0.0),
-              "dpzero::clip_factors: automatic clipping needs a finite gamma > 0, got ", gamma);
+              "dpzero::", op, ": automatic clipping needs a finite gamma > 0, got ", gamma);
   return clip_mode;
 }
 

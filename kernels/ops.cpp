@@ -25,8 +25,9 @@ TORCH_LIBRARY(dpzero, m) {
   // ---- Per-sample gradient norms, clipped sums and fused clipping (issue #4) -------------------
   // Note [per-sample ops] in kernels/per_sample_ops.h. Shapes: A [B, ..., d_in] / G [B, ..., d_out]
   // with the leading dims after B flattened into T; inputs float32 / bfloat16 / float16; every
-  // output float32. sq_norms are per-sample SQUARED gradient norms [B] (they add across layers);
-  // scale is [B] float32 (a sample with scale 0 or non-finite contributes nothing). method:
+  // output float32. sq_norms are per-sample SQUARED gradient norms [B] (they add across layers),
+  // certified upper bounds computed in float64 (Note [certified norms]: never below the exact
+  // value); scale is [B] float32 (a sample with scale 0 or non-finite contributes nothing). method:
   // 0 = auto (ghost iff ghost_is_cheaper), 1 = ghost norm, 2 = direct. The *_clip ops return
   // factors [B] from dpzero::clip_factors (flat / automatic, gamma) and the non-finite count.
   // True iff the ghost norm is the cheaper path: 2 T^2 <= d_in d_out (Note [ghost or direct]).
@@ -51,15 +52,17 @@ TORCH_LIBRARY(dpzero, m) {
   // -> (grad_weight [V, d], sq_norms, factors, nonfinite)
   m.def("embedding_clip(Tensor ids, Tensor G, int num_embeddings, float max_norm, str mode, "
         "float gamma=0.01, int? padding_idx=None, int method=0) -> (Tensor, Tensor, Tensor, Tensor)");
-  // LayerNorm (rms=False) / RMSNorm (rms=True) over the last dim: input is the RAW layer input
-  // [B, ..., d]; the op computes x̂ from it and eps in float32. Weight grad sum_t G ⊙ x̂ -> [d].
-  m.def("layer_norm_sq_norms(Tensor input, Tensor G, float eps, bool rms=False, bool bias=False) "
-        "-> Tensor");
-  m.def("layer_norm_clipped_sum(Tensor input, Tensor G, Tensor scale, float eps, bool rms=False) "
-        "-> Tensor");
-  // -> (grad_weight [d], grad_bias [d] or [0], sq_norms, factors, nonfinite)
+  // LayerNorm (rms=False) / RMSNorm (rms=True) over the last normalized_ndim dims (=
+  // len(normalized_shape)): input is the RAW layer input [B, ..., *normalized_shape]; the op
+  // computes x̂ from it and eps in float64 (RMSNorm's eps=None: pass torch.finfo(dtype).eps).
+  // Weight grad sum_t G ⊙ x̂ -> normalized_shape.
+  m.def("layer_norm_sq_norms(Tensor input, Tensor G, float eps, bool rms=False, bool bias=False, "
+        "int normalized_ndim=1) -> Tensor");
+  m.def("layer_norm_clipped_sum(Tensor input, Tensor G, Tensor scale, float eps, bool rms=False, "
+        "int normalized_ndim=1) -> Tensor");
+  // -> (grad_weight, grad_bias or [0], sq_norms, factors, nonfinite); grads of normalized_shape
   m.def("layer_norm_clip(Tensor input, Tensor G, float eps, float max_norm, str mode, "
-        "float gamma=0.01, bool rms=False, bool bias=False) "
+        "float gamma=0.01, bool rms=False, bool bias=False, int normalized_ndim=1) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Conv1d (kernel_size [k]) / Conv2d ([kh, kw]): input [B, C_in, *spatial], G [B, C_out,
   // *out_spatial]; zero padding given as ints. clipped sum -> [C_out, C_in/groups, *kernel_size].
@@ -74,6 +77,12 @@ TORCH_LIBRARY(dpzero, m) {
   // Backend kernels of the ghost paths (kernels/cpu/ghost_norm.cpp, kernels/cuda/ghost_norm.cu);
   // call the layer ops instead. A [B, T, d_in], G [B, T, d_out] -> <A_i A_i^T, G_i G_i^T> [B];
   // ids [B, T] int64, padding_idx >= 0 or -1 (none) -> sum_{s,t} [id_s = id_t != pad] g_s . g_t.
-  m.def("_ghost_sq_norms(Tensor A, Tensor G) -> Tensor");
-  m.def("_token_ghost_sq_norms(Tensor ids, Tensor G, int padding_idx) -> Tensor");
+  // Both return the RAW float64 value (not yet a certified bound: Note [certified norms]) and S
+  // [B] float64, sum_t ||a_t|| ||g_t|| (tokens: sum over non-padding t of ||g_t||).
+  m.def("_ghost_sq_norms(Tensor A, Tensor G) -> (Tensor, Tensor)");
+  m.def("_token_ghost_sq_norms(Tensor ids, Tensor G, int padding_idx) -> (Tensor, Tensor)");
+  // Tests only: sets the byte budget of every chunked per-sample loop (bytes >= 1; default 64 MiB,
+  // kernels/per_sample_checks.h) and returns the previous one. A tiny budget makes the loops run
+  // many chunks, the last one short.
+  m.def("_set_chunk_bytes(int bytes) -> int");
 }

@@ -1,10 +1,13 @@
 // kernels/per_sample_checks.h — what the CPU and CUDA per-sample gradient ops share besides their
 // math: argument checks (both backends reject the same inputs with the same messages), the
 // ghost-vs-direct cost rule (Note [ghost or direct]), the `method` argument, the [B, *, d] ->
-// [B, T, d] flattening and the sample-chunk size that bounds temporary memory.
+// [B, T, d] flattening, the sample-chunk size that bounds temporary memory, and the summation
+// depth of the ghost kernels that the certified norms rely on (Note [certified norms] in
+// kernels/per_sample_ops.h).
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -25,7 +28,11 @@ namespace dpzero::kernels {
 // Per sample the ghost path needs 2 T^2 numbers and the direct path d_in d_out, so we take the
 // ghost path iff 2 T^2 <= d_in d_out (the layer-wise choice of "mixed ghost clipping", Bu et al.
 // 2022, "Scalable and efficient training of large convolutional neural networks with differential
-// privacy"; DESIGN.md §2 step 3). Both give the same value up to fp32 rounding.
+// privacy"; DESIGN.md §2 step 3). Both are computed in float64 and returned as certified upper
+// bounds of the exact value (Note [certified norms] in kernels/per_sample_ops.h): each is at
+// least the exact squared norm and exceeds it by at most a margin of order (T + d_in + d_out) *
+// 2^-53 * S^2, S = sum_t ||a_t|| ||g_t||, so the two paths agree far below fp32 resolution except
+// in inputs that cancel so strongly that S^2 exceeds the squared norm ~10^5-fold or more.
 // Layer kinds map onto (T, d_in, d_out) as follows: Linear / HF Conv1D (T, d_in, d_out);
 // Conv1d/2d per group (output positions, C_in/groups * kernel numel, C_out/groups); Embedding
 // (T, min(T, V), d): a sample touches at most min(T, V) rows of the [V, d] table, and those rows
@@ -56,14 +63,45 @@ inline bool use_ghost(NormMethod method, int64_t T, int64_t d_in, int64_t d_out)
   return method == NormMethod::kGhost;
 }
 
-// Temporaries of the chunked loops (Grams, per-sample gradients, fp32 copies) stay under this many
-// bytes per chunk unless a single sample needs more.
+// Temporaries of the chunked loops (Grams, per-sample gradients, float64 copies) stay under this
+// many bytes per chunk unless a single sample needs more.
 constexpr int64_t kChunkBytes = int64_t{64} << 20;
+
+// The budget in force: kChunkBytes unless the internal op dpzero::_set_chunk_bytes (tests only:
+// a tiny budget makes every loop run several chunks with a remainder) has replaced it. One value
+// for the whole process, read by every chunked loop when it starts.
+inline std::atomic<int64_t>& chunk_bytes_budget() {
+  static std::atomic<int64_t> budget{kChunkBytes};
+  return budget;
+}
+
+// Sets the budget (bytes >= 1) and returns the previous one.
+inline int64_t set_chunk_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes >= 1, "dpzero::_set_chunk_bytes: bytes must be >= 1, got ", bytes);
+  return chunk_bytes_budget().exchange(bytes);
+}
 
 // How many samples one chunk holds when each needs `bytes_per_sample` bytes of temporaries.
 inline int64_t samples_per_chunk(int64_t num_samples, int64_t bytes_per_sample) {
   const int64_t per = std::max<int64_t>(1, bytes_per_sample);
-  return std::max<int64_t>(1, std::min<int64_t>(num_samples, kChunkBytes / per));
+  return std::max<int64_t>(1, std::min<int64_t>(num_samples, chunk_bytes_budget().load() / per));
+}
+
+// Note [ghost summation depth]
+// Both ghost kernels sum the T^2 products (a_s . a_t)(g_s . g_t) (or the token Gram's entries) in
+// float64 in a fixed tree, and Note [certified norms] needs a bound N on the number of roundings
+// any one product passes through on its way into the result (Higham 2002, "Accuracy and Stability
+// of Numerical Algorithms", §4.2: a sum of n terms in any order is off by at most gamma_{h} times
+// the sum of the terms' magnitudes, h the depth of the addition tree):
+//  * CPU (kernels/cpu/ghost_norm.cpp): each Gram row s is summed over t (<= T - 1 additions), then
+//    the row sums are added up (<= T - 1 more): depth <= 2T;
+//  * CUDA (kernels/cuda/ghost_norm.cu): a thread adds its 4 tile entries (4), a warp shuffle tree
+//    (5), a block tree over the warps' sums (5), then at::sum over the P = n(n+1)/2 tile partials
+//    of n = ceil(T/32) tile rows (depth <= P - 1 in whatever order ATen sums): depth <= 14 + P.
+// The bound below covers both backends.
+inline double ghost_summation_depth(int64_t T) {
+  const double tiles = static_cast<double>((T + 31) / 32);
+  return std::max(2.0 * static_cast<double>(T), 14.0 + tiles * (tiles + 1.0) / 2.0);
 }
 
 inline void check_floating(const char* op, const char* name, const at::Tensor& x) {

@@ -10,9 +10,11 @@
 // A DP layer sees its input A and output gradient G for a micro-batch of B samples; any leading
 // dims after the batch dim are flattened into a sequence length T, so A is [B, T, d_in] and G is
 // [B, T, d_out]. Sample i's weight gradient is G_i^T A_i ([d_out, d_in]).
-//  * *_sq_norms return ||g_i||^2 per sample ([B] float32): the ghost or direct path chosen by
-//    Note [ghost or direct] (kernels/per_sample_checks.h), the direct path chunked over samples
-//    so at most a chunk of per-sample gradients exists at a time, and none outlives the op.
+//  * *_sq_norms return ||g_i||^2 per sample ([B] float32) as a CERTIFIED UPPER BOUND: never below
+//    the exact squared norm of the exact per-sample gradient of the inputs as given, and above it
+//    only by a rounding margin (Note [certified norms]). The ghost or direct path is chosen by
+//    Note [ghost or direct] (kernels/per_sample_checks.h); loops run a chunk of samples at a time
+//    (at most a chunk of per-sample gradients or Grams exists at once, none outlives the op).
 //  * *_clipped_sum return sum_i c_i g_i (float32, the parameter's shape) for per-sample factors
 //    c [B] float32: for a Linear layer G^T diag(c) A, one GEMM over K = B*T that replaces
 //    autograd's weight-gradient GEMM (book-keeping, "BK", Bu et al. 2023, "Differentially private
@@ -22,19 +24,38 @@
 //  * *_clip (group / layer-wise clipping) compute the norms, the factors for threshold C
 //    (privacy::clip_factor through dpzero::clip_factors: flat min(1, C/(||g||+1e-6)) or automatic
 //    C/(||g||+gamma), factor 0 for a NaN/Inf norm, counted) and the clipped sum in one call.
-// Precision: inputs float32 / bfloat16 / float16; every product and sum is float32 (low-precision
-// inputs are upcast exactly, chunk by chunk), outputs are float32. We do not run the clipped-sum
-// GEMM on bf16/fp16 operands: that would round c_i * G_i to the input precision and could leave a
-// clipped contribution up to 2^-8 (bf16) above its threshold, breaking the sensitivity bound.
+// Precision: inputs float32 / bfloat16 / float16, outputs float32. Norms are computed in float64
+// from exact float64 copies of the inputs and rounded up (Note [certified norms]). Clipped sums
+// are full-IEEE float32 GEMMs and sums (never TF32 or oneDNN bf16: Note [fp32 matmul precision]),
+// on float32 operands: low-precision inputs are upcast exactly, chunk by chunk. We do not run the
+// clipped-sum GEMM on bf16/fp16 operands: that would round c_i * G_i to the input precision and
+// could leave a clipped contribution up to 2^-8 (bf16) above its threshold, breaking the
+// sensitivity bound. Bias clipped sums and the fused direct Linear path sum in float64.
 // B = 0 (an empty micro-batch) gives empty norms and a zero clipped sum.
+// Caller contracts (the ops cannot check them; the engine must):
+//  * Batch first: dim 0 of every input is the sample dim. A layer fed [T, B, d] (a
+//    batch_first=False attention or RNN input) must be transposed by the caller; otherwise the
+//    "samples" are time steps and the clipping protects nothing.
+//  * LayerNorm / RMSNorm normalise over the last `normalized_ndim` dims of the input
+//    (= len(normalized_shape) of the module; default 1) and use the eps the caller passes.
+//    torch.nn.RMSNorm(eps=None) means torch.finfo(input.dtype).eps: the caller passes that value.
+//  * Embedding: the ops compute the gradient of a plain lookup. nn.Embedding(scale_grad_by_freq=
+//    True) divides each row's gradient by the id's frequency in the whole micro-batch, so a
+//    sample's gradient depends on the other samples; the engine must reject such modules.
+//  * Conv: zero padding given as ints; other padding modes and 'same'/'valid' strings: pad the
+//    input first and pass 0.
 #pragma once
 
 #include <cstdint>
+#include <limits>
+#include <mutex>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/string_view.h>
 
@@ -46,6 +67,248 @@ namespace per_sample {
 
 using ClipResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
+// ---- full-precision float32 matmuls -------------------------------------------------------------
+
+// Note [fp32 matmul precision]
+// The float32 GEMMs of the clipped sums must run in IEEE float32. Under
+// torch.backends.cuda.matmul.allow_tf32 = True or set_float32_matmul_precision("high"/"medium"),
+// cuBLAS (and cuBLASLt) round both operands to TF32 (10 mantissa bits), so c_i G_i would carry a
+// relative error of ~2^-11 and a clipped contribution could exceed its threshold; "medium" also
+// lets oneDNN run CPU float32 matmuls in bf16 arithmetic. Every public op therefore holds an
+// Fp32MatmulGuard: on entry it switches the CUDA matmul precision from TF32 to IEEE and the
+// oneDNN (MKLDNN) one from TF32 / BF16 to IEEE (through at::Context's float32Precision API, and
+// the legacy float32MatmulPrecision kept consistent with it, which cuBLASLt checks), and on exit
+// it restores what it found; it also holds an at::NoTF32Guard (thread-local, read by the cuBLAS
+// handle). These settings are process-wide, so the guard is too: re-entrant and counted, the first
+// op to enter saves and switches, the last to leave restores. While an op runs, other threads'
+// float32 matmuls also run at full precision (slower, never less accurate), and a change another
+// thread makes to the setting meanwhile is overwritten when the last op leaves. A GEMM is set up
+// on the host when it is enqueued, so restoring before an asynchronous CUDA GEMM has run is safe.
+// Restoring writes back the effective (resolved) precision; a per-backend setting that was unset
+// and inherited its value stays unset whenever that gives the same effective value.
+class Fp32MatmulGuard {
+ public:
+  Fp32MatmulGuard() { enter(); }
+  ~Fp32MatmulGuard() { leave(); }
+  Fp32MatmulGuard(const Fp32MatmulGuard&) = delete;
+  Fp32MatmulGuard& operator=(const Fp32MatmulGuard&) = delete;
+
+ private:
+  using Backend = at::Float32Backend;
+  using Precision = at::Float32Precision;
+  using Legacy = at::Float32MatmulPrecision;
+
+  struct State {
+    std::mutex mutex;
+    int64_t depth = 0;       // ops inside a guard, all threads
+    bool changed = false;    // the outermost guard switched something
+    bool cuda_changed = false;
+    Precision cuda = Precision::NONE, mkldnn = Precision::NONE;  // as found (resolved)
+    Legacy legacy = Legacy::HIGHEST;                             // as found, when cuda_changed
+  };
+
+  static State& state() {
+    static State s;
+    return s;
+  }
+
+  static Precision matmul(Backend backend) {
+    return at::globalContext().float32Precision(backend, at::Float32Op::MATMUL);
+  }
+
+  // The legacy float32MatmulPrecision, read while the CUDA matmul precision is TF32. Torch refuses
+  // to report a legacy value that contradicts the per-backend settings (the two APIs mixed); the
+  // check that fails tells the value: with CUDA at TF32, allowTF32CuBLAS() fails iff the legacy
+  // value is "highest"; otherwise the MKLDNN check failed, which it does for BF16 unless the value
+  // is "medium" and for TF32 unless it is "high".
+  static Legacy read_legacy(Precision mkldnn) {
+    at::Context& ctx = at::globalContext();
+    try {
+      return ctx.float32MatmulPrecision();
+    } catch (const c10::Error&) {
+    }
+    try {
+      (void)ctx.allowTF32CuBLAS();
+    } catch (const c10::Error&) {
+      return Legacy::HIGHEST;
+    }
+    return mkldnn == Precision::BF16 ? Legacy::HIGH : Legacy::MEDIUM;
+  }
+
+  // Sets backend's matmul precision back to `found`: unset (inheriting) if that resolves to it.
+  static void restore(Backend backend, Precision found) {
+    at::Context& ctx = at::globalContext();
+    ctx.setFloat32Precision(backend, at::Float32Op::MATMUL, Precision::NONE);
+    if (matmul(backend) != found) ctx.setFloat32Precision(backend, at::Float32Op::MATMUL, found);
+  }
+
+  static void enter() {
+    State& st = state();
+    const std::lock_guard<std::mutex> lock(st.mutex);
+    if (st.depth > 0) {
+      ++st.depth;
+      return;
+    }
+    switch_to_ieee(st);
+    st.depth = 1;  // only once switched: if a setter threw, the next op starts over
+  }
+
+  static void switch_to_ieee(State& st) {
+    st.cuda = matmul(Backend::CUDA);
+    st.mkldnn = matmul(Backend::MKLDNN);
+    st.cuda_changed = st.cuda == Precision::TF32;
+    const bool mkldnn_changed = st.mkldnn == Precision::TF32 || st.mkldnn == Precision::BF16;
+    st.changed = st.cuda_changed || mkldnn_changed;
+    if (!st.changed) return;
+    at::Context& ctx = at::globalContext();
+    if (st.cuda_changed) {
+      st.legacy = read_legacy(st.mkldnn);
+      if (st.legacy == Legacy::HIGHEST) {  // a mixed setting: IEEE agrees with "highest" again
+        ctx.setFloat32Precision(Backend::CUDA, at::Float32Op::MATMUL, Precision::IEEE);
+      } else {
+        ctx.setFloat32MatmulPrecision("highest");  // legacy, CUDA and MKLDNN matmuls: IEEE
+      }
+    }
+    if (mkldnn_changed) {
+      ctx.setFloat32Precision(Backend::MKLDNN, at::Float32Op::MATMUL, Precision::IEEE);
+    }
+  }
+
+  static void leave() {
+    State& st = state();
+    const std::lock_guard<std::mutex> lock(st.mutex);
+    if (--st.depth > 0 || !st.changed) return;
+    if (st.cuda_changed && st.legacy != Legacy::HIGHEST) {
+      at::globalContext().setFloat32MatmulPrecision(st.legacy == Legacy::MEDIUM ? "medium"
+                                                                                 : "high");
+    }
+    if (st.cuda_changed) restore(Backend::CUDA, st.cuda);
+    restore(Backend::MKLDNN, st.mkldnn);
+    st.changed = false;
+  }
+
+  at::NoTF32Guard no_tf32_;
+};
+
+// ---- certified norms ----------------------------------------------------------------------------
+
+// Note [certified norms]
+// Privacy needs every reported ||g_i||^2 to be AT LEAST the exact value: the clip picks c_i with
+// c_i * ||g_i||_reported <= C, so an under-report lets sample i's contribution exceed C. The
+// reductions behind a norm sum signed terms, and their rounding error scales with the sum of the
+// terms' magnitudes, not with the result; in cancelling inputs (rows of one sample pointing the
+// same way with alternating signs, or one token repeated with cancelling gradients) the result is
+// tiny next to those magnitudes. In float32 the ghost norm came out anywhere from -13x to 18x the
+// exact value there, and an input ~1e-25 made a float32 Gram underflow to 0. So every path works
+// in float64 on exact float64 copies of the inputs (every float32 / bf16 / fp16 value is a float64
+// value; a product of two of them is exact in float64 and can neither under- nor overflow), and
+// reports its value plus a rigorous bound on its rounding error, rounded up.
+//
+// Model (Higham 2002, "Accuracy and Stability of Numerical Algorithms", §2.2, §3.1, §4.2): u =
+// 2^-53, gamma_n = n u / (1 - n u). A float64 sum whose addition tree has depth h (h <= n - 1 for
+// n terms in any order) is sum_j x_j (1 + theta_j), |theta_j| <= gamma_h; a length-n inner
+// product, in any order, with or without FMA, is off by at most gamma_n sum_j |x_j y_j|. We assume
+// the BLAS forms each GEMM entry as such an inner product (MKL, OpenBLAS and cuBLAS do; a
+// Strassen-like GEMM would not), and IEEE round-to-nearest +, *, sqrt in float64.
+//
+// S_i = sum_t ||a_t|| ||g_t|| (Linear; the rows of sample i) bounds the exact norm,
+// ||G_i^T A_i||_F <= sum_t ||g_t a_t^T||_F = S_i (triangle inequality), and S_i^2 bounds the sums
+// of magnitudes below, so a margin proportional to S_i^2 never exceeds S_i^2 times a tiny factor.
+//
+// Ghost path: the Grams come out as ĜA = A A^T + E_A, |E_A[s,t]| <= gamma_{d_in} ||a_s|| ||a_t||
+// (Cauchy-Schwarz on sum_k |a_sk a_tk|), likewise ĜG with gamma_{d_out}. Each product term
+// ĜA[s,t] ĜG[s,t] (one more rounding) is within ((1+u)(1+gamma_{d_in})(1+gamma_{d_out}) - 1)
+// m_st of the exact (a_s.a_t)(g_s.g_t) and at most (1+u)(1+gamma_{d_in})(1+gamma_{d_out}) m_st in
+// magnitude, m_st = ||a_s|| ||a_t|| ||g_s|| ||g_t||; their sum adds gamma_N of the magnitudes, N =
+// ghost_summation_depth(T) (Note [ghost summation depth], kernels/per_sample_checks.h). With
+// sum_{s,t} m_st = S^2:
+//   |ghost - exact| <= c S^2,   c = (1+gamma_N)(1+u)(1+gamma_{d_in})(1+gamma_{d_out}) - 1
+//                                 <= sigma (1 + sigma),  sigma = gamma_N + gamma_{d_in}
+//                                                               + gamma_{d_out} + u
+// (prod (1 + x_j) - 1 <= e^sigma - 1 <= sigma + sigma^2 for sigma <= 1), and we report
+//   up(max(ghost, 0) + 2 c S^2)        (the exact value is >= 0, so clamping only helps),
+// with S read off the computed Gram diagonals, ||a_t|| ||g_t|| = sqrt(ĜA[t,t] ĜG[t,t]).
+// Embedding: the A-Gram is an exact 0/1 indicator (d_in = 0), and the pairs it selects have
+// sum_{s,t: id_s = id_t != pad} ||g_s|| ||g_t|| <= (sum_{t: id_t != pad} ||g_t||)^2 = S^2.
+//
+// Direct paths (Linear per-sample gradients, bias sums, embedding rows, LayerNorm sums over T):
+// the gradient W = sum_t w_t is formed in float64 as Ŵ with ||Ŵ - W||_F <= e S, S = sum_t
+// ||w_t||_F (e = gamma_T: each entry is a length-T inner product or sum, and the entrywise
+// bounds sum_t |w_t| have norm <= S; LayerNorm also rounds the product G ⊙ x̂: gamma_{T+1}). The
+// squared norm q sums n - 1 squares, each rounded once, so q >= (1 - gamma_n) ||Ŵ||^2. Then (for
+// gamma_n <= 1/2, using ||Ŵ|| <= (1 + e) S)
+//   ||W|| <= ||Ŵ|| + e S <= (1 + gamma_n) sqrt(q) + e S <= sqrt(q) + (e + 2 gamma_n) S,
+// and we report up(z * z), z = up(up(sqrt(q)) + 2 (e + 2 gamma_n) S).
+//
+// Rounding of the bound itself: up() steps a positive float64 result one ulp toward +inf, which
+// makes it >= the exact result of the single round-to-nearest operation that produced it. The
+// factor 2 on each margin absorbs the downward rounding of S (a sum of non-negative terms, off by
+// a relative gamma_{d + T + 2} << 1/4) and of the margin's own products. A layer's float64 total
+// (weight plus bias, Conv groups) is added with up(), then converted to float32 rounding toward
+// +inf (to_f32_up); the fused ops hand clip_factors the norm to_f32_up(up(sqrt(total))). So the
+// float32 norm the clip sees is >= the exact one, and c_i * exact norm <= C holds exactly (the
+// clip's own guarantee, privacy/clipping.h). An all-zero gradient has S = 0 and stays exactly 0.
+//
+// Cost: for rows that do not cancel, ||g||^2 >= S^2 / T (Cauchy-Schwarz), so the ghost margin
+// inflates the norm by a relative ~2 (N + d_in + d_out) T u (~1e-9 at T = 512, d = 3072), the
+// direct one by less. Only inputs that cancel strongly (S^2 >> ||g||^2) see more, and there it
+// replaces a wrong norm with a safe one (within 1e-3 of the exact value in test_kernels.py's
+// construction with S^2 ~ 10^9 ||g||^2).
+// Not certified: the clipped sums are float32 (IEEE) GEMMs and sums; their rounding moves sample
+// i's contribution by at most ~gamma^{fp32}_{BT} c_i S_i, which in cancelling inputs can be a
+// visible fraction of c_i ||g_i|| (float64 GEMMs would remove it at 2x memory, and 2x time on
+// CPUs). LayerNorm's x̂ is computed in float64 and taken as given (its relative error is ~(d + 3) u
+// unless the variance is below ~2^-26 of the squared mean).
+
+constexpr double kUnitRoundoff = 1.0 / 9007199254740992.0;  // u = 2^-53
+
+// gamma_n = n u / (1 - n u) (Higham 2002, Lemma 3.1), for n u <= 1e-3.
+inline double rounding_gamma(double n) {
+  const double nu = n * kUnitRoundoff;
+  TORCH_CHECK(nu <= 1e-3, "dpzero: a reduction over ", n,
+              " terms is too long for the certified float64 error bound (Note [certified norms])");
+  return nu / (1.0 - nu);
+}
+
+// c of Note [certified norms] for the ghost path: sigma (1 + sigma).
+inline double ghost_error_coefficient(int64_t T, int64_t d_in, int64_t d_out) {
+  const double sigma = rounding_gamma(ghost_summation_depth(T)) +
+                       rounding_gamma(static_cast<double>(d_in)) +
+                       rounding_gamma(static_cast<double>(d_out)) + kUnitRoundoff;
+  return sigma * (1.0 + sigma);
+}
+
+// x (float64) with its positive entries stepped one ulp toward +inf; 0, negatives, NaN, +inf
+// unchanged.
+inline at::Tensor up(const at::Tensor& x) {
+  const at::Tensor inf = at::full({}, std::numeric_limits<double>::infinity(), x.options());
+  return at::where(x > 0, at::nextafter(x, inf), x);
+}
+
+// x + y (float64, >= 0) rounded up.
+inline at::Tensor add_up(const at::Tensor& x, const at::Tensor& y) { return up(x + y); }
+
+// float64 -> float32, rounded toward +inf (a value above float32's range becomes +inf, a
+// non-finite norm: the sample is dropped and counted).
+inline at::Tensor to_f32_up(const at::Tensor& x) {
+  const at::Tensor f = x.to(at::kFloat);
+  const at::Tensor inf = at::full({}, std::numeric_limits<float>::infinity(), f.options());
+  return at::where(f.to(at::kDouble) < x, at::nextafter(f, inf), f);
+}
+
+// Certified bound from a float64 ghost value and S (both [c] float64), c = the ghost coefficient.
+inline at::Tensor certify_ghost(const at::Tensor& ghost, const at::Tensor& s, double c) {
+  return up(at::clamp_min(ghost, 0) + s.square() * (2.0 * c));
+}
+
+// Certified bound from q = the computed sum of n - 1 squares of a float64 gradient within e * S of
+// the exact one (q, s: [c] float64).
+inline at::Tensor certify_direct(const at::Tensor& q, const at::Tensor& s, double e, int64_t n) {
+  const double k = 2.0 * (e + 2.0 * rounding_gamma(static_cast<double>(n)));
+  const at::Tensor z = up(up(at::sqrt(q)) + s * k);
+  return up(z * z);
+}
+
 // ---- backend kernels and clip factors, through the dispatcher -----------------------------------
 
 // Note [ghost norm]
@@ -53,38 +316,59 @@ using ClipResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at
 // Li et al. 2022, ghost clipping for sequences): two T x T Grams, no d_out x d_in gradient.
 // For an embedding the input rows are one-hot, so a_s . a_t = [id_s = id_t], and a padding token's
 // row gets no gradient, so its terms drop out: sum_{s,t} [id_s = id_t != padding_idx] g_s . g_t.
-// Backends: kernels/cpu/ghost_norm.cpp (batched GEMM Grams, a chunk of samples at a time) and
-// kernels/cuda/ghost_norm.cu (one fused kernel over Gram tiles in shared memory, no [B, T, T]).
+// Backends: kernels/cpu/ghost_norm.cpp (batched float64 GEMM Grams, a chunk of samples at a time)
+// and kernels/cuda/ghost_norm.cu (one fused kernel over Gram tiles in shared memory, float64
+// accumulation, no [B, T, T]). Both return the raw float64 value together with S of Note
+// [certified norms], read off the Gram diagonals (||a_t||^2 = (A A^T)[t, t]) at no extra pass
+// over A and G; the layer ops add the margin.
 
-// [B, T, d_in], [B, T, d_out] -> [B] float32: <A_i A_i^T, G_i G_i^T> (Note [ghost norm]).
-inline at::Tensor ghost_sq_norms(const at::Tensor& a, const at::Tensor& g) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("dpzero::_ghost_sq_norms", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+// [B, T, d_in], [B, T, d_out] -> ([B] <A_i A_i^T, G_i G_i^T>, [B] sum_t ||a_t|| ||g_t||), float64.
+inline std::tuple<at::Tensor, at::Tensor> ghost_sq_norms(const at::Tensor& a, const at::Tensor& g) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpzero::_ghost_sq_norms", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&)>();
   return op.call(a, g);
 }
 
-// ids [B, T] int64, G [B, T, d] -> [B] float32: sum_{s,t} [id_s = id_t != pad] g_s . g_t.
-inline at::Tensor token_ghost_sq_norms(const at::Tensor& ids, const at::Tensor& g, int64_t pad) {
+// ids [B, T] int64, G [B, T, d] -> ([B] sum_{s,t} [id_s = id_t != pad] g_s . g_t,
+// [B] sum_{t: id_t != pad} ||g_t||), float64.
+inline std::tuple<at::Tensor, at::Tensor> token_ghost_sq_norms(const at::Tensor& ids,
+                                                               const at::Tensor& g, int64_t pad) {
+  using Signature =
+      std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t);
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("dpzero::_token_ghost_sq_norms", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
+                             .typed<Signature>();
   return op.call(ids, g, pad);
 }
 
-// sq_norms [B] -> (factors [B], non-finite count) by privacy::clip_factor.
-inline std::tuple<at::Tensor, at::Tensor> clip_factors(const at::Tensor& sq_norms, double max_norm,
-                                                       c10::string_view mode, double gamma) {
+// Certified squared norms [B] float64 -> (factors [B] float32, non-finite count) by
+// privacy::clip_factor, on the float32 norms to_f32_up(up(sqrt(sq))) (Note [certified norms]).
+inline std::tuple<at::Tensor, at::Tensor> clip_from_sq_norms(const at::Tensor& sq, double max_norm,
+                                                             c10::string_view mode, double gamma) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("dpzero::clip_factors", "")
                              .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, double,
                                                                        c10::string_view, double)>();
-  return op.call(at::sqrt(sq_norms), max_norm, mode, gamma);
+  return op.call(to_f32_up(up(at::sqrt(sq))), max_norm, mode, gamma);
+}
+
+// The fused ops check the clip arguments first, naming themselves, even when B = 0.
+inline void check_clip_op_args(const char* op, double max_norm, c10::string_view mode,
+                               double gamma) {
+  check_clip_args(op, at::empty({0}, at::kFloat), max_norm, mode, gamma);
 }
 
 // ---- helpers ------------------------------------------------------------------------------------
 
 inline at::Tensor f32(const at::Tensor& x) { return x.to(at::kFloat); }
+inline at::Tensor f64(const at::Tensor& x) { return x.to(at::kDouble); }
+
+// Euclidean norms of the rows of x [c, T, d] float64: [c, T] float64 (one fused reduction).
+inline at::Tensor row_norms(const at::Tensor& x) {
+  return at::linalg_vector_norm(x, 2, at::IntArrayRef{-1});
+}
 
 // Samples that contribute to a clipped sum: finite, non-zero factor. [B] bool.
 inline at::Tensor kept(const at::Tensor& scale) {
@@ -100,12 +384,12 @@ inline std::vector<int64_t> sample_shape(const at::Tensor& x) {  // [c, 1, ..., 
 // Whether some sample is dropped, answered "maybe" on CUDA where asking would cost a device sync.
 inline bool may_drop(const at::Tensor& keep) { return !keep.is_cpu() || !keep.all().item<bool>(); }
 
-// x [c, ...] float32 scaled by c_i per sample, with the rows of dropped samples set to 0 (not
-// multiplied by 0, which would keep a NaN). Returns a new tensor.
+// x [c, ...] (float32 or float64) scaled by c_i per sample, with the rows of dropped samples set to
+// 0 (not multiplied by 0, which would keep a NaN). Returns a new tensor of x's dtype.
 inline at::Tensor scaled_rows(const at::Tensor& x, const at::Tensor& scale,
                               const at::Tensor& keep) {
   const auto shape = sample_shape(x);
-  at::Tensor out = x * scale.view(shape);
+  at::Tensor out = x * scale.to(x.scalar_type()).view(shape);
   if (may_drop(keep)) out.masked_fill_(at::logical_not(keep).view(shape), 0);
   return out;
 }
@@ -121,44 +405,57 @@ inline at::Tensor masked_rows(const at::Tensor& x, const at::Tensor& keep, bool 
 
 // ---- Linear (and HF Conv1D): A [B, T, d_in], G [B, T, d_out] ------------------------------------
 
-// Per-sample squared Frobenius norms of x [c, ...] float32: [c]. Squares in place when `owned`
-// (x is ours to overwrite), then ATen's cascade sum: over ~10^6 terms its relative error stays
-// near 1e-7, where a BLAS dot (bmm) or linalg_vector_norm reach 1e-3 / 1e-4.
-inline at::Tensor sq_frobenius(const at::Tensor& x, bool owned) {
-  const at::Tensor flat = x.reshape({x.size(0), -1});
-  return (owned ? at::Tensor(flat).square_() : flat.square()).sum(1);
+// Certified ||G_i^T A_i||_F^2 by the ghost kernel: [B] float64.
+inline at::Tensor ghost_linear_sq_norms(const at::Tensor& a, const at::Tensor& g) {
+  const auto [value, s] = ghost_sq_norms(a, g);
+  return certify_ghost(value, s, ghost_error_coefficient(a.size(1), a.size(2), g.size(2)));
 }
 
-// ||G_i^T A_i||_F^2 by instantiating G_i^T A_i for a chunk of samples at a time. [B] float32.
+// Certified ||G_i^T A_i||_F^2 by instantiating G_i^T A_i in float64 for a chunk of samples at a
+// time: [B] float64.
 inline at::Tensor direct_sq_norms(const at::Tensor& a, const at::Tensor& g) {
   const int64_t b = a.size(0), t = a.size(1), d_in = a.size(2), d_out = g.size(2);
-  at::Tensor out = at::zeros({b}, a.options().dtype(at::kFloat));
-  const int64_t chunk = samples_per_chunk(b, 4 * (d_in * d_out + t * (d_in + d_out)));
+  at::Tensor out = at::empty({b}, a.options().dtype(at::kDouble));
+  const double e = rounding_gamma(static_cast<double>(t));
+  // Per sample: its float64 gradient, float64 copies of its rows and their squares.
+  const int64_t chunk = samples_per_chunk(b, 8 * (d_in * d_out + 2 * t * (d_in + d_out + 1)));
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
-    const int64_t i1 = std::min(b, i0 + chunk);
-    at::Tensor per_sample = at::bmm(f32(g.slice(0, i0, i1)).transpose(1, 2),
-                                    f32(a.slice(0, i0, i1)));  // [c, d_out, d_in]
-    out.slice(0, i0, i1).copy_(sq_frobenius(per_sample, /*owned=*/true));
+    const int64_t i1 = std::min(b, i0 + chunk), c = i1 - i0;
+    const at::Tensor a64 = f64(a.slice(0, i0, i1)), g64 = f64(g.slice(0, i0, i1));
+    at::Tensor per_sample = at::bmm(g64.transpose(1, 2), a64);  // [c, d_out, d_in], ours
+    const at::Tensor q = per_sample.reshape({c, -1}).square_().sum(1);
+    const at::Tensor s = (row_norms(a64) * row_norms(g64)).sum(1);
+    out.slice(0, i0, i1).copy_(certify_direct(q, s, e, d_in * d_out + 1));
   }
   return out;
 }
 
-// ||sum_t G_{i,t}||^2: a sample's bias gradient is the sum of its output-gradient rows.
-// G [B, T, d].
+// Certified ||sum_t G_{i,t}||^2 (a sample's bias gradient is the sum of its output-gradient rows):
+// [B] float64. G [B, T, d].
 inline at::Tensor bias_sq_norms_btd(const at::Tensor& g) {
-  return at::sum(g, at::IntArrayRef{1}, /*keepdim=*/false, at::kFloat).square_().sum(1);
+  const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
+  at::Tensor out = at::empty({b}, g.options().dtype(at::kDouble));
+  const double e = rounding_gamma(static_cast<double>(t));
+  const int64_t chunk = samples_per_chunk(b, 8 * (2 * t * d + 2 * d + t));
+  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
+    const int64_t i1 = std::min(b, i0 + chunk);
+    const at::Tensor g64 = f64(g.slice(0, i0, i1));
+    const at::Tensor q = g64.sum(1).square_().sum(1);
+    out.slice(0, i0, i1).copy_(certify_direct(q, row_norms(g64).sum(1), e, d + 1));
+  }
+  return out;
 }
 
+// Certified [B] float64 (weight, plus bias when `bias`).
 inline at::Tensor linear_sq_norms_btd(const at::Tensor& a, const at::Tensor& g, NormMethod method,
                                       bool bias) {
-  at::Tensor sq = use_ghost(method, a.size(1), a.size(2), g.size(2)) ? ghost_sq_norms(a, g)
+  at::Tensor sq = use_ghost(method, a.size(1), a.size(2), g.size(2)) ? ghost_linear_sq_norms(a, g)
                                                                      : direct_sq_norms(a, g);
-  if (bias) sq.add_(bias_sq_norms_btd(g));
-  return sq;
+  return bias ? add_up(sq, bias_sq_norms_btd(g)) : sq;
 }
 
 // out += sum_i c_i G_i^T A_i ([d_out, d_in]) or its transpose ([d_in, d_out]) when `transposed`.
-// One GEMM per chunk over K = chunk * T; the narrower operand carries the factors.
+// One float32 GEMM per chunk over K = chunk * T; the narrower operand carries the factors.
 inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const at::Tensor& g,
                                    const at::Tensor& scale, const at::Tensor& keep,
                                    bool transposed) {
@@ -185,11 +482,18 @@ inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const a
   }
 }
 
-// sum_i c_i sum_t G_{i,t}: [d] float32. G [B, T, d].
+// sum_i c_i sum_t G_{i,t}: [d] float32, summed in float64. G [B, T, d].
 inline at::Tensor bias_clipped_sum_btd(const at::Tensor& g, const at::Tensor& scale) {
-  const at::Tensor per_sample =
-      at::sum(g, at::IntArrayRef{1}, /*keepdim=*/false, at::kFloat);  // [B, d]
-  return scaled_rows(per_sample, scale, kept(scale)).sum(0);
+  const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
+  at::Tensor out = at::zeros({d}, g.options().dtype(at::kDouble));
+  const at::Tensor keep = kept(scale);
+  const int64_t chunk = samples_per_chunk(b, 8 * (t * d + 2 * d));
+  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
+    const int64_t i1 = std::min(b, i0 + chunk);
+    const at::Tensor per_sample = f64(g.slice(0, i0, i1)).sum(1);  // [c, d]
+    out.add_(scaled_rows(per_sample, scale.slice(0, i0, i1), keep.slice(0, i0, i1)).sum(0));
+  }
+  return f32(out);
 }
 
 // Public: A [B, ..., d_in], G [B, ..., d_out] -> [B] float32.
@@ -198,7 +502,8 @@ inline at::Tensor linear_sq_norms(const at::Tensor& A, const at::Tensor& G, bool
   constexpr const char* op = "linear_sq_norms";
   const NormMethod m = check_method(op, method);
   check_layer_pair(op, A, "A", G);
-  return linear_sq_norms_btd(as_btd(op, "A", A), as_btd(op, "G", G), m, bias);
+  const Fp32MatmulGuard precision;
+  return to_f32_up(linear_sq_norms_btd(as_btd(op, "A", A), as_btd(op, "G", G), m, bias));
 }
 
 // Public: A [B, ..., d_in], G [B, ..., d_out], scale [B] -> [d_out, d_in] float32 (nn.Linear's
@@ -209,6 +514,7 @@ inline at::Tensor linear_clipped_sum(const at::Tensor& A, const at::Tensor& G,
   check_layer_pair(op, A, "A", G);
   const at::Tensor a = as_btd(op, "A", A), g = as_btd(op, "G", G);
   check_scale(op, scale, a.size(0), G);
+  const Fp32MatmulGuard precision;
   const int64_t d_in = a.size(2), d_out = g.size(2);
   at::Tensor out = transposed ? at::zeros({d_in, d_out}, a.options().dtype(at::kFloat))
                               : at::zeros({d_out, d_in}, a.options().dtype(at::kFloat));
@@ -220,7 +526,8 @@ inline at::Tensor linear_clipped_sum(const at::Tensor& A, const at::Tensor& G,
 inline at::Tensor bias_sq_norms(const at::Tensor& G) {
   constexpr const char* op = "bias_sq_norms";
   check_floating(op, "G", G);
-  return bias_sq_norms_btd(as_btd(op, "G", G));
+  const Fp32MatmulGuard precision;
+  return to_f32_up(bias_sq_norms_btd(as_btd(op, "G", G)));
 }
 
 // Public: G [B, ..., d], scale [B] -> [d] float32.
@@ -229,6 +536,7 @@ inline at::Tensor bias_clipped_sum(const at::Tensor& G, const at::Tensor& scale)
   check_floating(op, "G", G);
   const at::Tensor g = as_btd(op, "G", G);
   check_scale(op, scale, g.size(0), G);
+  const Fp32MatmulGuard precision;
   return bias_clipped_sum_btd(g, scale);
 }
 
@@ -236,41 +544,48 @@ inline at::Tensor no_bias_grad(const at::Tensor& like) {
   return at::zeros({0}, like.options().dtype(at::kFloat));
 }
 
-// The fused clip on the direct path: per chunk of samples, G_i^T A_i is instantiated once and
-// serves both the norm and the clipped sum (layer-wise clipping needs no other layer's norm), so
-// the chunk costs one batched GEMM plus one pass over its per-sample gradients instead of a second
-// GEMM; the per-sample gradients die with the chunk. a [B, T, d_in], g [B, T, d_out].
+// The fused clip on the direct path: per chunk of samples, G_i^T A_i is instantiated once in
+// float64 and serves both the certified norm and the clipped sum (layer-wise clipping needs no
+// other layer's norm), so the chunk costs one batched GEMM plus one pass over its per-sample
+// gradients instead of a second GEMM; the per-sample gradients die with the chunk. The clipped
+// sum adds c_i times the very gradient whose norm was certified, in float64.
+// a [B, T, d_in], g [B, T, d_out].
 inline ClipResult linear_clip_direct(const at::Tensor& a, const at::Tensor& g, double max_norm,
                                      c10::string_view mode, double gamma, bool bias,
                                      bool transposed) {
-  check_clip_args(at::empty({0}, at::kFloat), max_norm, mode, gamma);  // even when B = 0
   const int64_t b = a.size(0), t = a.size(1), d_in = a.size(2), d_out = g.size(2);
-  const auto f32_opts = a.options().dtype(at::kFloat);
-  at::Tensor grad_w = at::zeros({d_out, d_in}, f32_opts);
-  at::Tensor sq = at::zeros({b}, f32_opts), factors = at::zeros({b}, f32_opts);
+  const int64_t n = d_out * d_in;
+  const auto f64_opts = a.options().dtype(at::kDouble);
+  at::Tensor grad_w = at::zeros({1, n}, f64_opts);
+  at::Tensor sq = at::empty({b}, f64_opts);
+  at::Tensor factors = at::zeros({b}, a.options().dtype(at::kFloat));
   at::Tensor nonfinite = at::zeros({}, a.options().dtype(at::kLong));
-  // Per sample: its gradient, the squares for its norm, and its fp32 inputs.
-  const int64_t chunk = samples_per_chunk(b, 4 * (2 * d_in * d_out + t * (d_in + d_out)));
+  const double e = rounding_gamma(static_cast<double>(t));
+  // Per sample: its float64 gradient, float64 copies of its rows and their squares.
+  const int64_t chunk = samples_per_chunk(b, 8 * (n + 2 * t * (d_in + d_out + 1)));
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk), c = i1 - i0;
     const at::Tensor gc = g.slice(0, i0, i1);
-    at::Tensor per_sample = at::bmm(f32(gc).transpose(1, 2), f32(a.slice(0, i0, i1)))
-                                .reshape({c, d_out * d_in});  // [c, d_out * d_in]
-    at::Tensor sq_c = sq_frobenius(per_sample, /*owned=*/false);
-    if (bias) sq_c.add_(bias_sq_norms_btd(gc));
-    auto [f_c, n_c] = clip_factors(sq_c, max_norm, mode, gamma);
+    const at::Tensor a64 = f64(a.slice(0, i0, i1)), g64 = f64(gc);
+    at::Tensor per_sample = at::bmm(g64.transpose(1, 2), a64).reshape({c, n});  // [c, n]
+    // sum of squares as a batched dot: no temporary of the gradient's size.
+    const at::Tensor q = at::bmm(per_sample.unsqueeze(1), per_sample.unsqueeze(2)).reshape({c});
+    at::Tensor sq_c = certify_direct(q, (row_norms(a64) * row_norms(g64)).sum(1), e, n + 1);
+    if (bias) sq_c = add_up(sq_c, bias_sq_norms_btd(gc));
+    auto [f_c, n_c] = clip_from_sq_norms(sq_c, max_norm, mode, gamma);
     // Factor 0 comes only with a non-finite norm; zero those samples' rows (0 * NaN = NaN). On
     // CPU only when there is one (the count is at hand); on CUDA always (asking would sync).
     if (!per_sample.is_cpu() || n_c.item<int64_t>() > 0) {
       per_sample.masked_fill_(at::logical_not(kept(f_c)).unsqueeze(1), 0);
     }
-    grad_w.view({1, d_out * d_in}).addmm_(f_c.unsqueeze(0), per_sample);
+    grad_w.addmm_(f64(f_c).unsqueeze(0), per_sample);
     sq.slice(0, i0, i1).copy_(sq_c);
     factors.slice(0, i0, i1).copy_(f_c);
     nonfinite.add_(n_c);
   }
+  const at::Tensor w = f32(grad_w).view({d_out, d_in});
   at::Tensor grad_b = bias ? bias_clipped_sum_btd(g, factors) : no_bias_grad(g);
-  return {transposed ? grad_w.t().contiguous() : grad_w, grad_b, sq, factors, nonfinite};
+  return {transposed ? w.t().contiguous() : w, grad_b, to_f32_up(sq), factors, nonfinite};
 }
 
 // Public fused op: (grad_weight, grad_bias or [0], sq_norms [B], factors [B], non-finite count).
@@ -280,40 +595,47 @@ inline ClipResult linear_clip(const at::Tensor& A, const at::Tensor& G, double m
   constexpr const char* op = "linear_clip";
   const NormMethod m = check_method(op, method);
   check_layer_pair(op, A, "A", G);
+  check_clip_op_args(op, max_norm, mode, gamma);
+  const Fp32MatmulGuard precision;
   const at::Tensor a = as_btd(op, "A", A), g = as_btd(op, "G", G);
   if (!use_ghost(m, a.size(1), a.size(2), g.size(2))) {
     return linear_clip_direct(a, g, max_norm, mode, gamma, bias, transposed);
   }
-  at::Tensor sq = linear_sq_norms_btd(a, g, m, bias);
-  auto [factors, nonfinite] = clip_factors(sq, max_norm, mode, gamma);
+  const at::Tensor sq = linear_sq_norms_btd(a, g, m, bias);
+  auto [factors, nonfinite] = clip_from_sq_norms(sq, max_norm, mode, gamma);
   at::Tensor grad_w = linear_clipped_sum(A, G, factors, transposed);
   at::Tensor grad_b = bias ? bias_clipped_sum_btd(g, factors) : no_bias_grad(G);
-  return {grad_w, grad_b, sq, factors, nonfinite};
+  return {grad_w, grad_b, to_f32_up(sq), factors, nonfinite};
 }
 
 // ---- Embedding: ids [B, ...], G [B, ..., d], weight [V, d] --------------------------------------
 
-// Direct path: the rows sample i touches, sum_{t: id_t = v} G_{i,t} for each distinct v != pad,
-// built by one index_add over (sample, token) keys; ||g_i||^2 is the sum of their squared norms.
-// At most min(T, V) rows per sample, a chunk of samples at a time. ids [B, T] int64, G [B, T, d].
+// Certified direct path: the rows sample i touches, sum_{t: id_t = v} G_{i,t} for each distinct
+// v != pad, built in float64 by one index_add over (sample, token) keys; ||g_i||^2 is the sum of
+// their squared norms, S_i = sum_{t: id_t != pad} ||G_{i,t}||. At most min(T, V) rows per sample,
+// a chunk of samples at a time. ids [B, T] int64, G [B, T, d] -> [B] float64.
 inline at::Tensor embedding_direct_sq_norms(const at::Tensor& ids, const at::Tensor& g,
                                             int64_t num_embeddings, int64_t pad) {
   const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
-  at::Tensor out = at::zeros({b}, g.options().dtype(at::kFloat));
-  const int64_t chunk = samples_per_chunk(b, 8 * t * d + 32 * t);
+  at::Tensor out = at::empty({b}, g.options().dtype(at::kDouble));
+  const double e = rounding_gamma(static_cast<double>(t));
+  const int64_t chunk = samples_per_chunk(b, 8 * (4 * t * d + 2 * t) + 48 * t);
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk), c = i1 - i0;
     const at::Tensor id = ids.slice(0, i0, i1);                            // [c, T]
+    const at::Tensor real = id != pad;                                     // [c, T]
     const at::Tensor sample = at::arange(c, id.options()).unsqueeze(1);    // [c, 1]
     const at::Tensor keys = (sample * num_embeddings + id).reshape({-1});  // [c*T]
-    const at::Tensor rows_in =
-        at::where((id != pad).unsqueeze(-1), f32(g.slice(0, i0, i1)), 0).reshape({-1, d});
+    // A select, not a multiply: a padding token's G row may hold NaN.
+    const at::Tensor g64 = at::where(real.unsqueeze(-1), f64(g.slice(0, i0, i1)), 0);
     auto [unique_keys, inverse, counts] = at::_unique2(keys, /*sorted=*/true,
                                                        /*return_inverse=*/true);
-    at::Tensor rows = at::zeros({unique_keys.size(0), d}, rows_in.options());
-    rows.index_add_(0, inverse.reshape({-1}), rows_in);  // [U, d]
-    out.slice(0, i0, i1).index_add_(0, unique_keys.div(num_embeddings, "trunc"),
-                                    rows.square_().sum(1));
+    at::Tensor rows = at::zeros({unique_keys.size(0), d}, g64.options());
+    rows.index_add_(0, inverse.reshape({-1}), g64.reshape({-1, d}));  // [U, d]
+    const at::Tensor q = at::zeros({c}, g64.options())
+                             .index_add_(0, unique_keys.div(num_embeddings, "trunc"),
+                                         rows.square_().sum(1));
+    out.slice(0, i0, i1).copy_(certify_direct(q, row_norms(g64).sum(1), e, t * d + 1));
   }
   return out;
 }
@@ -337,6 +659,22 @@ inline at::Tensor embedding_grad_btd(const at::Tensor& G, const at::Tensor& ids_
   return G.reshape({ids_flat.size(0), ids_flat.size(1), G.size(-1)});
 }
 
+// Certified [B] float64 (the checks done).
+inline at::Tensor embedding_sq_norms_f64(const char* op, const at::Tensor& ids, const at::Tensor& G,
+                                         int64_t num_embeddings,
+                                         std::optional<int64_t> padding_idx, NormMethod method) {
+  check_embedding_args(op, ids, G, num_embeddings);
+  const int64_t pad = normalize_padding_idx(op, padding_idx, num_embeddings);
+  const at::Tensor id = flat_ids(op, ids, num_embeddings);
+  const at::Tensor g = embedding_grad_btd(G, id);
+  const int64_t t = g.size(1), d = g.size(2);
+  if (use_ghost(method, t, std::min(t, num_embeddings), d)) {
+    const auto [value, s] = token_ghost_sq_norms(id, g, pad);
+    return certify_ghost(value, s, ghost_error_coefficient(t, 0, d));
+  }
+  return embedding_direct_sq_norms(id, g, num_embeddings, pad);
+}
+
 // Public: ids [B, ...], G [B, ..., d] -> [B] float32. padding_idx as in torch.nn.Embedding:
 // padding tokens get no gradient.
 inline at::Tensor embedding_sq_norms(const at::Tensor& ids, const at::Tensor& G,
@@ -344,13 +682,8 @@ inline at::Tensor embedding_sq_norms(const at::Tensor& ids, const at::Tensor& G,
                                      int64_t method) {
   constexpr const char* op = "embedding_sq_norms";
   const NormMethod m = check_method(op, method);
-  check_embedding_args(op, ids, G, num_embeddings);
-  const int64_t pad = normalize_padding_idx(op, padding_idx, num_embeddings);
-  const at::Tensor id = flat_ids(op, ids, num_embeddings);
-  const at::Tensor g = embedding_grad_btd(G, id);
-  const int64_t t = g.size(1), d = g.size(2);
-  if (use_ghost(m, t, std::min(t, num_embeddings), d)) return token_ghost_sq_norms(id, g, pad);
-  return embedding_direct_sq_norms(id, g, num_embeddings, pad);
+  const Fp32MatmulGuard precision;
+  return to_f32_up(embedding_sq_norms_f64(op, ids, G, num_embeddings, padding_idx, m));
 }
 
 // Public: ids [B, ...], G [B, ..., d], scale [B] -> [V, d] float32 (the padding row stays 0).
@@ -364,6 +697,7 @@ inline at::Tensor embedding_clipped_sum(const at::Tensor& ids, const at::Tensor&
   const at::Tensor g = embedding_grad_btd(G, id);
   const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
   check_scale(op, scale, b, G);
+  const Fp32MatmulGuard precision;
   at::Tensor out = at::zeros({num_embeddings, d}, G.options().dtype(at::kFloat));
   const at::Tensor keep = kept(scale);
   const int64_t chunk = samples_per_chunk(b, 8 * t * d);
@@ -382,23 +716,27 @@ inline at::Tensor embedding_clipped_sum(const at::Tensor& ids, const at::Tensor&
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> embedding_clip(
     const at::Tensor& ids, const at::Tensor& G, int64_t num_embeddings, double max_norm,
     c10::string_view mode, double gamma, std::optional<int64_t> padding_idx, int64_t method) {
-  at::Tensor sq = embedding_sq_norms(ids, G, num_embeddings, padding_idx, method);
-  auto [factors, nonfinite] = clip_factors(sq, max_norm, mode, gamma);
+  constexpr const char* op = "embedding_clip";
+  const NormMethod m = check_method(op, method);
+  check_clip_op_args(op, max_norm, mode, gamma);
+  const Fp32MatmulGuard precision;
+  const at::Tensor sq = embedding_sq_norms_f64(op, ids, G, num_embeddings, padding_idx, m);
+  auto [factors, nonfinite] = clip_from_sq_norms(sq, max_norm, mode, gamma);
   at::Tensor grad_w = embedding_clipped_sum(ids, G, factors, num_embeddings, padding_idx);
-  return {grad_w, sq, factors, nonfinite};
+  return {grad_w, to_f32_up(sq), factors, nonfinite};
 }
 
-// ---- LayerNorm / RMSNorm: input x [B, ..., d] (raw, before normalisation), G like x -------------
-// The op computes x̂ itself from the raw input and eps, in float32, so a hook keeps only the layer
-// input it already has. Normalisation is over the last dim; a LayerNorm with a multi-dim
-// normalized_shape is the same computation on those dims flattened into d.
+// ---- LayerNorm / RMSNorm: input x [B, ..., normalized_shape] (raw, before normalisation), G like x
+// The op computes x̂ itself from the raw input and eps, in float64, so a hook keeps only the layer
+// input it already has. Normalisation is over the last `normalized_ndim` dims, flattened into d
+// (the dims between the batch dim and those are flattened into T).
 //   LayerNorm (Ba et al. 2016, "Layer normalization"): x̂ = (x - mean) / sqrt(var + eps), var
 //   biased, as torch.nn.LayerNorm;  RMSNorm (Zhang & Sennrich 2019, "Root mean square layer
 //   normalization"): x̂ = x / sqrt(mean(x^2) + eps), as torch.nn.RMSNorm.
-// Per-sample gradients: weight sum_t G_{i,t} ⊙ x̂_{i,t}, bias sum_t G_{i,t} (both [d]).
+// Per-sample gradients: weight sum_t G_{i,t} ⊙ x̂_{i,t}, bias sum_t G_{i,t} (both normalized_shape).
 
 inline void check_norm_layer_args(const char* op, const at::Tensor& x, const at::Tensor& g,
-                                  double eps) {
+                                  double eps, int64_t normalized_ndim) {
   check_floating(op, "input", x);
   check_floating(op, "G", g);
   check_same_device(op, "G", g, x, "input");
@@ -407,74 +745,110 @@ inline void check_norm_layer_args(const char* op, const at::Tensor& x, const at:
               " and G ", g.sizes());
   TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "dpzero::", op,
               ": eps must be finite and >= 0, got ", eps);
+  TORCH_CHECK(normalized_ndim >= 1 && normalized_ndim < x.dim(), "dpzero::", op,
+              ": normalized_ndim must be in [1, input.dim() - 1] = [1, ", x.dim() - 1, "], got ",
+              normalized_ndim);
 }
 
-inline at::Tensor normalized(const at::Tensor& x32, double eps, bool rms) {
-  if (rms) return x32 * at::rsqrt(x32.square().mean(at::IntArrayRef{-1}, /*keepdim=*/true) + eps);
-  auto [var, mean] = at::var_mean(x32, at::IntArrayRef{-1},
+// x [B, ..., normalized_shape] viewed as [B, T, d], d = the product of the normalized dims.
+inline at::Tensor as_norm_btd(const at::Tensor& x, int64_t normalized_ndim) {
+  const int64_t first = x.dim() - normalized_ndim;
+  int64_t t = 1, d = 1;
+  for (int64_t k = 1; k < first; ++k) t *= x.size(k);
+  for (int64_t k = first; k < x.dim(); ++k) d *= x.size(k);
+  return x.reshape({x.size(0), t, d});
+}
+
+inline std::vector<int64_t> normalized_shape(const at::Tensor& x, int64_t normalized_ndim) {
+  return x.sizes().slice(static_cast<size_t>(x.dim() - normalized_ndim)).vec();
+}
+
+inline at::Tensor normalized(const at::Tensor& x64, double eps, bool rms) {
+  if (rms) return x64 * at::rsqrt(x64.square().mean(at::IntArrayRef{-1}, /*keepdim=*/true) + eps);
+  auto [var, mean] = at::var_mean(x64, at::IntArrayRef{-1},
                                   /*correction=*/std::optional<at::Scalar>(0), /*keepdim=*/true);
-  return (x32 - mean) * at::rsqrt(var + eps);
+  return (x64 - mean) * at::rsqrt(var + eps);
 }
 
-// sum_t G ⊙ x̂ for samples [i0, i1): [c, d] float32.
-inline at::Tensor norm_weight_grads(const at::Tensor& x, const at::Tensor& g, int64_t i0,
+// G ⊙ x̂ for samples [i0, i1): [c, T, d] float64.
+inline at::Tensor norm_weight_terms(const at::Tensor& x, const at::Tensor& g, int64_t i0,
                                     int64_t i1, double eps, bool rms) {
-  return (f32(g.slice(0, i0, i1)) * normalized(f32(x.slice(0, i0, i1)), eps, rms)).sum(1);
+  return f64(g.slice(0, i0, i1)) * normalized(f64(x.slice(0, i0, i1)), eps, rms);
+}
+
+// Certified [B] float64 (weight, plus bias when `bias`). x, g [B, T, d].
+inline at::Tensor layer_norm_sq_norms_btd(const at::Tensor& x, const at::Tensor& g, double eps,
+                                          bool rms, bool bias) {
+  const int64_t b = x.size(0), t = x.size(1), d = x.size(2);
+  at::Tensor out = at::empty({b}, x.options().dtype(at::kDouble));
+  const double e = rounding_gamma(static_cast<double>(t + 1));
+  const int64_t chunk = samples_per_chunk(b, 48 * t * d + 16 * (t + d));
+  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
+    const int64_t i1 = std::min(b, i0 + chunk);
+    const at::Tensor terms = norm_weight_terms(x, g, i0, i1, eps, rms);
+    const at::Tensor q = terms.sum(1).square_().sum(1);
+    out.slice(0, i0, i1).copy_(certify_direct(q, row_norms(terms).sum(1), e, d + 1));
+  }
+  return bias ? add_up(out, bias_sq_norms_btd(g)) : out;
 }
 
 // Public: -> [B] float32 (weight, plus bias when `bias`).
 inline at::Tensor layer_norm_sq_norms(const at::Tensor& input, const at::Tensor& G, double eps,
-                                      bool rms, bool bias) {
+                                      bool rms, bool bias, int64_t normalized_ndim) {
   constexpr const char* op = "layer_norm_sq_norms";
-  check_norm_layer_args(op, input, G, eps);
-  const at::Tensor x = as_btd(op, "input", input), g = as_btd(op, "G", G);
-  const int64_t b = x.size(0), t = x.size(1), d = x.size(2);
-  at::Tensor out = at::zeros({b}, x.options().dtype(at::kFloat));
-  const int64_t chunk = samples_per_chunk(b, 12 * t * d);
-  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
-    const int64_t i1 = std::min(b, i0 + chunk);
-    out.slice(0, i0, i1).copy_(norm_weight_grads(x, g, i0, i1, eps, rms).square_().sum(1));
-  }
-  if (bias) out.add_(bias_sq_norms_btd(g));
-  return out;
+  check_norm_layer_args(op, input, G, eps, normalized_ndim);
+  const Fp32MatmulGuard precision;
+  return to_f32_up(layer_norm_sq_norms_btd(as_norm_btd(input, normalized_ndim),
+                                           as_norm_btd(G, normalized_ndim), eps, rms, bias));
 }
 
-// Public: scale [B] -> weight gradient [d] float32.
+// Public: scale [B] -> weight gradient [normalized_shape] float32 (summed in float64).
 inline at::Tensor layer_norm_clipped_sum(const at::Tensor& input, const at::Tensor& G,
-                                         const at::Tensor& scale, double eps, bool rms) {
+                                         const at::Tensor& scale, double eps, bool rms,
+                                         int64_t normalized_ndim) {
   constexpr const char* op = "layer_norm_clipped_sum";
-  check_norm_layer_args(op, input, G, eps);
-  const at::Tensor x = as_btd(op, "input", input), g = as_btd(op, "G", G);
+  check_norm_layer_args(op, input, G, eps, normalized_ndim);
+  const at::Tensor x = as_norm_btd(input, normalized_ndim), g = as_norm_btd(G, normalized_ndim);
   const int64_t b = x.size(0), t = x.size(1), d = x.size(2);
   check_scale(op, scale, b, G);
-  at::Tensor out = at::zeros({d}, x.options().dtype(at::kFloat));
+  const Fp32MatmulGuard precision;
+  at::Tensor out = at::zeros({d}, x.options().dtype(at::kDouble));
   const at::Tensor keep = kept(scale);
-  const int64_t chunk = samples_per_chunk(b, 12 * t * d);
+  const int64_t chunk = samples_per_chunk(b, 40 * t * d + 16 * (t + d));
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
-    out.add_(scaled_rows(norm_weight_grads(x, g, i0, i1, eps, rms), scale.slice(0, i0, i1),
-                         keep.slice(0, i0, i1))
-                 .sum(0));
+    const at::Tensor per_sample = norm_weight_terms(x, g, i0, i1, eps, rms).sum(1);  // [c, d]
+    out.add_(scaled_rows(per_sample, scale.slice(0, i0, i1), keep.slice(0, i0, i1)).sum(0));
   }
-  return out;
+  return f32(out).reshape(normalized_shape(input, normalized_ndim));
 }
 
-// Public fused op: (grad_weight [d], grad_bias [d] or [0], sq_norms, factors, non-finite count).
+// Public fused op: (grad_weight, grad_bias or [0], sq_norms, factors, non-finite count); the
+// gradients have the normalized shape.
 inline ClipResult layer_norm_clip(const at::Tensor& input, const at::Tensor& G, double eps,
                                   double max_norm, c10::string_view mode, double gamma, bool rms,
-                                  bool bias) {
-  at::Tensor sq = layer_norm_sq_norms(input, G, eps, rms, bias);
-  auto [factors, nonfinite] = clip_factors(sq, max_norm, mode, gamma);
-  at::Tensor grad_w = layer_norm_clipped_sum(input, G, factors, eps, rms);
-  at::Tensor grad_b = bias ? bias_clipped_sum(G, factors) : no_bias_grad(G);
-  return {grad_w, grad_b, sq, factors, nonfinite};
+                                  bool bias, int64_t normalized_ndim) {
+  constexpr const char* op = "layer_norm_clip";
+  check_norm_layer_args(op, input, G, eps, normalized_ndim);
+  check_clip_op_args(op, max_norm, mode, gamma);
+  const Fp32MatmulGuard precision;
+  const at::Tensor g = as_norm_btd(G, normalized_ndim);
+  const at::Tensor sq =
+      layer_norm_sq_norms_btd(as_norm_btd(input, normalized_ndim), g, eps, rms, bias);
+  auto [factors, nonfinite] = clip_from_sq_norms(sq, max_norm, mode, gamma);
+  at::Tensor grad_w = layer_norm_clipped_sum(input, G, factors, eps, rms, normalized_ndim);
+  at::Tensor grad_b = bias ? bias_clipped_sum_btd(g, factors).reshape(
+                                 normalized_shape(input, normalized_ndim))
+                           : no_bias_grad(G);
+  return {grad_w, grad_b, to_f32_up(sq), factors, nonfinite};
 }
 
 // ---- Conv1d / Conv2d: input [B, C_in, (H,) W], G [B, C_out, (H_out,) W_out] ---------------------
 // Through im2col: the unfolded input U_i [C_in*K, L] (K = kernel numel, L = output positions)
 // turns group j's convolution into a Linear layer with A = U_i[rows of group j]^T [L, C_in/g*K]
-// and G = G_i[channels of group j]^T [L, C_out/g] (Bu et al. 2022, ghost clipping of convolutions via unfold). Padding is
-// zeros ('same'/'valid' strings and other padding modes: pad the input first and pass 0).
+// and G = G_i[channels of group j]^T [L, C_out/g] (Bu et al. 2022, ghost clipping of convolutions
+// via unfold). Padding is zeros ('same'/'valid' strings and other padding modes: pad the input
+// first and pass 0).
 
 struct ConvGeometry {
   at::IntArrayRef kernel_size, stride, padding, dilation;  // as given (1 or 2 dims)
@@ -535,7 +909,7 @@ inline ConvGeometry check_conv_args(const char* op, const at::Tensor& input, con
   return geo;
 }
 
-// Samples [i0, i1) unfolded: [c, C_in*K, L] float32.
+// Samples [i0, i1) unfolded: [c, C_in*K, L] float32 (exact copies of the inputs, and zeros).
 inline at::Tensor unfold(const ConvGeometry& geo, const at::Tensor& input, int64_t i0, int64_t i1) {
   at::Tensor x = f32(input.slice(0, i0, i1));
   if (geo.kernel_size.size() == 1) x = x.unsqueeze(2);
@@ -554,6 +928,28 @@ inline int64_t conv_chunk(const ConvGeometry& geo, int64_t b) {
   return samples_per_chunk(b, 8 * geo.positions * (geo.c_in * geo.kernel_numel + geo.c_out));
 }
 
+// Certified [B] float64 (weight, plus bias when `bias`), the checks done.
+inline at::Tensor conv_sq_norms_f64(const ConvGeometry& geo, const at::Tensor& input,
+                                    const at::Tensor& G, NormMethod method, bool bias) {
+  const int64_t b = input.size(0);
+  const at::Tensor g3 = G.reshape({b, geo.c_out, geo.positions});  // [B, C_out, L]
+  at::Tensor out = at::empty({b}, input.options().dtype(at::kDouble));
+  const int64_t chunk = conv_chunk(geo, b);
+  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
+    const int64_t i1 = std::min(b, i0 + chunk);
+    const at::Tensor cols = unfold(geo, input, i0, i1);
+    const at::Tensor gc = g3.slice(0, i0, i1);
+    at::Tensor sq;
+    for (int64_t j = 0; j < geo.groups; ++j) {
+      auto [a_j, g_j] = conv_group(geo, cols, gc, j);
+      const at::Tensor part = linear_sq_norms_btd(a_j, g_j, method, /*bias=*/false);
+      sq = j == 0 ? part : add_up(sq, part);
+    }
+    out.slice(0, i0, i1).copy_(sq);
+  }
+  return bias ? add_up(out, bias_sq_norms_btd(g3.transpose(1, 2))) : out;
+}
+
 // Public: -> [B] float32 (weight, plus bias when `bias`).
 inline at::Tensor conv_sq_norms(const at::Tensor& input, const at::Tensor& G,
                                 at::IntArrayRef kernel_size, at::IntArrayRef stride,
@@ -563,22 +959,8 @@ inline at::Tensor conv_sq_norms(const at::Tensor& input, const at::Tensor& G,
   const NormMethod m = check_method(op, method);
   const ConvGeometry geo =
       check_conv_args(op, input, G, kernel_size, stride, padding, dilation, groups);
-  const int64_t b = input.size(0);
-  const at::Tensor g3 = G.reshape({b, geo.c_out, geo.positions});  // [B, C_out, L]
-  at::Tensor out = at::zeros({b}, input.options().dtype(at::kFloat));
-  const int64_t chunk = conv_chunk(geo, b);
-  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
-    const int64_t i1 = std::min(b, i0 + chunk);
-    const at::Tensor cols = unfold(geo, input, i0, i1);
-    const at::Tensor gc = g3.slice(0, i0, i1);
-    at::Tensor sq = out.slice(0, i0, i1);
-    for (int64_t j = 0; j < groups; ++j) {
-      auto [a_j, g_j] = conv_group(geo, cols, gc, j);
-      sq.add_(linear_sq_norms_btd(a_j, g_j, m, /*bias=*/false));
-    }
-  }
-  if (bias) out.add_(bias_sq_norms_btd(g3.transpose(1, 2)));
-  return out;
+  const Fp32MatmulGuard precision;
+  return to_f32_up(conv_sq_norms_f64(geo, input, G, m, bias));
 }
 
 // Public: scale [B] -> weight gradient [C_out, C_in/groups, *kernel_size] float32.
@@ -591,6 +973,7 @@ inline at::Tensor conv_clipped_sum(const at::Tensor& input, const at::Tensor& G,
       check_conv_args(op, input, G, kernel_size, stride, padding, dilation, groups);
   const int64_t b = input.size(0);
   check_scale(op, scale, b, G);
+  const Fp32MatmulGuard precision;
   const int64_t kin = geo.c_in / groups * geo.kernel_numel, kout = geo.c_out / groups;
   at::Tensor out = at::zeros({geo.c_out, kin}, input.options().dtype(at::kFloat));
   const at::Tensor g3 = G.reshape({b, geo.c_out, geo.positions});
@@ -618,14 +1001,19 @@ inline ClipResult conv_clip(const at::Tensor& input, const at::Tensor& G,
                             at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                             double max_norm, c10::string_view mode, double gamma, bool bias,
                             int64_t method) {
-  at::Tensor sq =
-      conv_sq_norms(input, G, kernel_size, stride, padding, dilation, groups, bias, method);
-  auto [factors, nonfinite] = clip_factors(sq, max_norm, mode, gamma);
+  constexpr const char* op = "conv_clip";
+  const NormMethod m = check_method(op, method);
+  const ConvGeometry geo =
+      check_conv_args(op, input, G, kernel_size, stride, padding, dilation, groups);
+  check_clip_op_args(op, max_norm, mode, gamma);
+  const Fp32MatmulGuard precision;
+  const at::Tensor sq = conv_sq_norms_f64(geo, input, G, m, bias);
+  auto [factors, nonfinite] = clip_from_sq_norms(sq, max_norm, mode, gamma);
   at::Tensor grad_w =
       conv_clipped_sum(input, G, factors, kernel_size, stride, padding, dilation, groups);
   at::Tensor grad_b =
       bias ? bias_clipped_sum_btd(G.flatten(2).transpose(1, 2), factors) : no_bias_grad(G);
-  return {grad_w, grad_b, sq, factors, nonfinite};
+  return {grad_w, grad_b, to_f32_up(sq), factors, nonfinite};
 }
 
 }  // namespace per_sample

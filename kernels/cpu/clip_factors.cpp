@@ -14,7 +14,8 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor> clip_factors_cpu(const at::Tensor& norms, double max_norm,
                                                     c10::string_view mode, double gamma) {
-  const privacy::ClipMode clip_mode = check_clip_args(norms, max_norm, mode, gamma);
+  const privacy::ClipMode clip_mode =
+      check_clip_args("clip_factors", norms, max_norm, mode, gamma);
   const at::Tensor n = norms.contiguous();
   at::Tensor factors = at::empty_like(n);
   const float* in = n.data_ptr<float>();

@@ -1,7 +1,7 @@
 // kernels/cpu/per_sample.cpp — registers the per-sample gradient ops of every layer kind
-// (kernels/per_sample_ops.h; schemas in kernels/ops.cpp) for CPU tensors, and the
-// tensor-free dpzero::ghost_is_cheaper for every backend. Their ghost paths reach the CPU Gram
-// kernels of kernels/cpu/ghost_norm.cpp through the dispatcher.
+// (kernels/per_sample_ops.h; schemas in kernels/ops.cpp) for CPU tensors, and the tensor-free
+// dpzero::ghost_is_cheaper and dpzero::_set_chunk_bytes for every backend. Their ghost paths reach
+// the CPU Gram kernels of kernels/cpu/ghost_norm.cpp through the dispatcher.
 #include <cstdint>
 
 #include <torch/library.h>
@@ -17,11 +17,15 @@ bool ghost_is_cheaper_op(int64_t T, int64_t d_in, int64_t d_out) {
   return ghost_is_cheaper(T, d_in, d_out);
 }
 
+// Tests only: the chunk byte budget (kernels/per_sample_checks.h); returns the previous one.
+int64_t set_chunk_bytes_op(int64_t bytes) { return set_chunk_bytes(bytes); }
+
 }  // namespace
 
 // No tensor arguments, so no backend key: CompositeImplicitAutograd serves every call.
 TORCH_LIBRARY_IMPL(dpzero, CompositeImplicitAutograd, m) {
   m.impl("ghost_is_cheaper", &ghost_is_cheaper_op);
+  m.impl("_set_chunk_bytes", &set_chunk_bytes_op);
 }
 
 TORCH_LIBRARY_IMPL(dpzero, CPU, m) {

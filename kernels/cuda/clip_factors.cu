@@ -29,7 +29,8 @@ __global__ void clip_factors_kernel(const float* __restrict__ norms,  // [B]
 
 std::tuple<at::Tensor, at::Tensor> clip_factors_cuda(const at::Tensor& norms, double max_norm,
                                                      c10::string_view mode, double gamma) {
-  const privacy::ClipMode clip_mode = check_clip_args(norms, max_norm, mode, gamma);
+  const privacy::ClipMode clip_mode =
+      check_clip_args("clip_factors", norms, max_norm, mode, gamma);
   const c10::cuda::CUDAGuard guard(norms.device());
   const at::Tensor n = norms.contiguous();
   at::Tensor factors = at::empty_like(n);

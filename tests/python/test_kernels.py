@@ -6,12 +6,19 @@ values the op sees (low-precision inputs rounded first). Norms, clipped sums and
 then formed from those gradients explicitly. Every test body runs on CPU and, when a GPU and the
 CUDA kernels are present, on CUDA (DESIGN.md §6 "Twins").
 
-Tolerances: the ops upcast bf16/fp16 inputs to float32 exactly and accumulate in float32, so the
-error against the float64 reference is float32 summation error for every input dtype; we keep
-one entry per dtype anyway, and they are tight enough (2e-5 of the largest value) that any
-accumulation in bf16 (error ~1e-2) or fp16 (~1e-3) would fail.
+Tolerances: the ops upcast bf16/fp16 inputs exactly (norms to float64, clipped sums to float32)
+and accumulate in float64 (norms) or float32 (clipped sums), so the error against the float64
+reference is at most float32 summation error for every input dtype; we keep one entry per dtype
+anyway, and they are tight enough (2e-5 of the largest value) that any accumulation in bf16
+(error ~1e-2), fp16 (~1e-3) or TF32 (~1e-3) would fail.
+
+Norms are certified upper bounds (Note [certified norms] in kernels/per_sample_ops.h): the
+"certified" tests build inputs whose per-sample sums cancel (or sit at the ends of float32's
+range) and check that the reported norm is never below the exact float64 one, so that
+factor * exact norm <= C.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -106,19 +113,19 @@ def per_sample_embedding(ids, G, num_embeddings, padding_idx):
     return vmap(grad(loss), in_dims=(None, 0, 0))(w, ids.cpu().long(), G)
 
 
-def per_sample_norm_layer(x, G, eps, rms):
+def per_sample_norm_layer(x, G, eps, rms, normalized_ndim=1):
     x, G = f64(x), f64(G)
-    d = x.shape[-1]
+    shape = tuple(x.shape[x.dim() - normalized_ndim :])
     params = {
-        "weight": torch.ones(d, dtype=torch.float64),
-        "bias": torch.zeros(d, dtype=torch.float64),
+        "weight": torch.ones(shape, dtype=torch.float64),
+        "bias": torch.zeros(shape, dtype=torch.float64),
     }
 
     def loss(p, xi, g):
         if rms:
-            y = F.rms_norm(xi, (d,), p["weight"], eps) + p["bias"]
+            y = F.rms_norm(xi, shape, p["weight"], eps) + p["bias"]
         else:
-            y = F.layer_norm(xi, (d,), p["weight"], p["bias"], eps)
+            y = F.layer_norm(xi, shape, p["weight"], p["bias"], eps)
         return (y * g).sum()
 
     out = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, G)
@@ -258,8 +265,8 @@ def test_mixed_input_dtypes(device):
 
 @device_param
 def test_direct_path_chunks_over_samples(device):
-    # 1024 x 1024 fp32 per-sample gradients are 4 MiB each: 20 samples need two chunks (norm op)
-    # or three (fused clip). Norms of 10^6 terms also pin the fp32 summation accuracy.
+    # 1024 x 1024 float64 per-sample gradients are 8 MiB each: 20 samples need three chunks of
+    # the 64 MiB budget (7 + 7 + 6). Norms of 10^6 terms also pin the summation accuracy.
     A = rand((20, 2, 1024), torch.float32, device, 15)
     G = rand((20, 2, 1024), torch.float32, device, 16)
     gw, _ = per_sample_linear(A, G)
@@ -639,3 +646,555 @@ def test_rejects_bad_arguments_naming_them():
     for method in (GHOST, DIRECT):  # checked before any work, even for an empty micro-batch
         with pytest.raises(RuntimeError, match=r"max_norm must be finite and > 0, got 0"):
             ops.linear_clip(A[:0], G[:0], 0.0, "flat", GAMMA, False, False, method)
+
+
+# ---- certified norms (Note [certified norms]) ----------------------------------------------------
+# Inputs whose per-sample sums cancel: every row a_t of a sample is one shared row, and
+# g_t = sign_t * (one shared row) + 5e-4 * noise with exactly as many +1 as -1 signs, so
+# sum_t g_t a_t^T is ~10^4 times smaller than sum_t ||g_t|| ||a_t||. In float32 the ghost norm of
+# such a sample came out anywhere between 0.05x and 3x the exact value (and the direct paths a few
+# 1e-5 low): a clipped contribution up to ~4 C. And inputs at the ends of float32's range (~1e-25
+# times ~1e17), where a float32 Gram of the tiny operand underflows to 0: norm 0, factor 1.
+
+
+def balanced_signs(b, t, gen):
+    """[b, t, 1] float64 of +-1, half of each per sample, shuffled: sum_t sign_t = 0 (t even)."""
+    signs = torch.ones(b, t, 1, dtype=torch.float64)
+    signs[:, t // 2 :] = -1
+    perm = torch.stack([torch.randperm(t, generator=gen) for _ in range(b)])
+    return torch.gather(signs, 1, perm.unsqueeze(-1))
+
+
+def cancelling_rows(b, t, d, gen, shared=None):
+    """[b, t, d] float64: sign_t * (a shared row per sample) + 5e-4 * noise."""
+    row = torch.randn(b, 1, d, generator=gen, dtype=torch.float64) if shared is None else shared
+    noise = torch.randn(b, t, d, generator=gen, dtype=torch.float64)
+    return balanced_signs(b, t, gen) * row + 5e-4 * noise
+
+
+def check_certified(sq, factors, true_sq, c, label=""):
+    """The reported sq norms bound the exact ones from above, and no clipped contribution exceeds
+    C: factor * exact norm <= C (1 + 1e-6)."""
+    sq, factors = f64(sq), f64(factors)
+    assert (sq >= true_sq).all(), (label, (sq / true_sq).tolist())
+    # And stays tight, where float32 can represent it (a norm^2 below float32's smallest normal
+    # comes back as a subnormal rounded up).
+    normal = true_sq > 1e3 * torch.finfo(torch.float32).tiny
+    assert (sq[normal] <= true_sq[normal] * 1.01).all(), (label, (sq / true_sq).tolist())
+    contribution = factors * true_sq.sqrt()
+    assert (contribution <= c * (1 + 1e-6)).all(), (label, (contribution / c).tolist())
+
+
+def clip_threshold(true_sq):
+    return 0.5 * true_sq.sqrt().min().item()  # every sample is clipped
+
+
+@device_param
+@method_param
+def test_certified_norms_linear_cancelling_rows(device, method):
+    # T = 128, d = 256: auto takes the ghost path (2 T^2 <= d_in d_out).
+    gen = torch.Generator().manual_seed(90)
+    b, t, d = 4, 128, 256
+    A = torch.randn(b, 1, d, generator=gen, dtype=torch.float64).expand(b, t, d)
+    G = cancelling_rows(b, t, d, gen)
+    A, G = A.float().to(device), G.float().to(device)
+    gw, gb = per_sample_linear(A, G)
+    true_sq = sq_norms_of(gw, gb)
+    c = clip_threshold(true_sq)
+    _, _, sq, factors, nonfinite = ops.linear_clip(A, G, c, "flat", GAMMA, True, False, method)
+    assert nonfinite.item() == 0
+    check_certified(sq, factors, true_sq, c, "linear_clip")
+    check_certified(ops.linear_sq_norms(A, G, True, method), factors, true_sq, c, "sq_norms")
+    _, gb_only = per_sample_linear(A, G)
+    assert (f64(ops.bias_sq_norms(G)) >= sq_norms_of(gb_only)).all()
+
+
+@device_param
+@method_param
+@pytest.mark.parametrize("tiny", ["A", "G"])
+def test_certified_norms_linear_tiny_and_huge_scales(device, method, tiny):
+    # A ~ 7e-25 and G ~ 5e17 (or the other way round): the tiny operand's float32 Gram entries
+    # (~5e-49) underflow to 0. T = 32, d = 64: auto takes the ghost path.
+    gen = torch.Generator().manual_seed(91)
+    small = 7e-25 * torch.randn(3, 32, 64, generator=gen, dtype=torch.float64)
+    large = 5e17 * torch.randn(3, 32, 64, generator=gen, dtype=torch.float64)
+    A, G = (small, large) if tiny == "A" else (large, small)
+    A, G = A.float().to(device), G.float().to(device)
+    gw, _ = per_sample_linear(A, G)
+    true_sq = sq_norms_of(gw)
+    c = clip_threshold(true_sq)
+    _, _, sq, factors, nonfinite = ops.linear_clip(A, G, c, "flat", GAMMA, False, False, method)
+    assert nonfinite.item() == 0
+    check_certified(sq, factors, true_sq, c)
+
+
+@device_param
+@method_param
+def test_certified_norms_embedding_repeated_token(device, method):
+    # One token repeated (plus padding tokens), G rows cancelling: the sample's single gradient row
+    # sum_t g_t is tiny next to sum_t ||g_t||. T = 64, V = 100, d = 256: auto takes the ghost path.
+    gen = torch.Generator().manual_seed(92)
+    b, t, d, v, pad = 4, 64, 256, 100, 0
+    ids = torch.full((b, t + 8), 7)
+    ids[:, t:] = pad  # padding tokens, whose G rows are large and must be ignored
+    padding_rows = 1e3 * torch.ones(b, 8, d, dtype=torch.float64)
+    G = torch.cat([cancelling_rows(b, t, d, gen), padding_rows], 1)
+    ids, G = ids.to(device), G.float().to(device)
+    true_sq = sq_norms_of(per_sample_embedding(ids, G, v, pad))
+    c = clip_threshold(true_sq)
+    _, sq, factors, nonfinite = ops.embedding_clip(ids, G, v, c, "flat", GAMMA, pad, method)
+    assert nonfinite.item() == 0
+    check_certified(sq, factors, true_sq, c)
+
+
+@device_param
+@method_param
+def test_certified_norms_embedding_tiny_scale(device, method):
+    gen = torch.Generator().manual_seed(93)
+    ids = torch.randint(0, 5, (3, 16), generator=gen).to(device)
+    G = (7e-25 * torch.randn(3, 16, 64, generator=gen, dtype=torch.float64)).float().to(device)
+    true_sq = sq_norms_of(per_sample_embedding(ids, G, 5, None))
+    c = clip_threshold(true_sq)
+    _, sq, factors, _ = ops.embedding_clip(ids, G, 5, c, "flat", GAMMA, None, method)
+    check_certified(sq, factors, true_sq, c)
+
+
+@device_param
+@method_param
+def test_certified_norms_conv_cancelling_positions(device, method):
+    # A spatially constant input makes every unfolded patch the same row; G alternates in sign
+    # over the 256 output positions. Auto takes the direct path here (2 L^2 > C_in K C_out).
+    gen = torch.Generator().manual_seed(94)
+    b, c_in, c_out, k, length = 4, 16, 64, 3, 258
+    x = torch.randn(b, c_in, 1, generator=gen, dtype=torch.float64).expand(b, c_in, length)
+    G = cancelling_rows(b, length - k + 1, c_out, gen).transpose(1, 2)
+    x, G = x.float().to(device), G.float().to(device)
+    gw, gb = per_sample_conv(x, G, (c_out, c_in, k), [1], [0], [1], 1)
+    true_sq = sq_norms_of(gw, gb)
+    c = clip_threshold(true_sq)
+    res = ops.conv_clip(x, G, [k], [1], [0], [1], 1, c, "flat", GAMMA, True, method)
+    assert res[-1].item() == 0
+    check_certified(res[2], res[3], true_sq, c)
+
+
+@device_param
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_certified_norms_layer_norm_cancelling_positions(device, rms):
+    gen = torch.Generator().manual_seed(95)
+    b, t, d = 3, 64, 32
+    x = torch.randn(b, 1, d, generator=gen, dtype=torch.float64).expand(b, t, d)
+    G = cancelling_rows(b, t, d, gen)
+    x, G = x.float().to(device), G.float().to(device)
+    gw, gb = per_sample_norm_layer(x, G, 1e-5, rms)
+    true_sq = sq_norms_of(gw, gb)
+    c = clip_threshold(true_sq)
+    res = ops.layer_norm_clip(x, G, 1e-5, c, "flat", GAMMA, rms, True)
+    check_certified(res[2], res[3], true_sq, c)
+
+
+@device_param
+def test_certified_norms_zero_gradient_stays_zero(device):
+    # The margin is proportional to sum_t ||a_t|| ||g_t||: an all-zero gradient reports exactly 0.
+    A = rand((2, 40, 6), torch.float32, device, 96)
+    G = torch.zeros(2, 40, 5, device=device)
+    for method in (GHOST, DIRECT):
+        assert torch.equal(ops.linear_sq_norms(A, G, True, method), torch.zeros(2, device=device))
+
+
+# ---- float32 matmul precision (Note [fp32 matmul precision]) -------------------------------------
+
+
+def precision_state():
+    """The matmul precision settings as Python reports them ('error' where torch refuses)."""
+
+    def get(f):
+        try:
+            return f()
+        except RuntimeError:
+            return "error"
+
+    return (
+        get(torch.get_float32_matmul_precision),
+        get(lambda: torch.backends.cuda.matmul.fp32_precision),
+        get(lambda: torch.backends.mkldnn.matmul.fp32_precision),
+        get(lambda: torch.backends.cuda.matmul.allow_tf32),
+    )
+
+
+def reset_precision():
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.fp32_precision = "none"
+    torch.backends.mkldnn.matmul.fp32_precision = "none"
+
+
+PRECISION_SETUPS = {
+    "high": lambda: torch.set_float32_matmul_precision("high"),
+    "medium": lambda: torch.set_float32_matmul_precision("medium"),
+    "allow_tf32": lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+    "cuda_tf32_new_api": lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),
+    "mkldnn_bf16_new_api": lambda: setattr(torch.backends.mkldnn.matmul, "fp32_precision", "bf16"),
+}
+
+
+@device_param
+@pytest.mark.parametrize("setup", list(PRECISION_SETUPS))
+def test_ops_run_ieee_fp32_matmuls_and_restore_the_setting(device, setup):
+    # With TF32 (CUDA) or bf16 (oneDNN, "medium") float32 matmuls, the clipped sums would be off
+    # by ~1e-3; the ops force IEEE float32 for their duration and leave the setting as found.
+    A = rand((8, 64, 96), torch.float32, device, 97)
+    G = rand((8, 64, 80), torch.float32, device, 98)
+    scale = random_scale(8, device, 99)
+    x, Gc, w_shape = conv_inputs(CONV_CASES[3], torch.float32, device, 100)
+    _, _, k, s, p, dil, groups = CONV_CASES[3]
+    conv_scale = random_scale(x.shape[0], device, 101)
+
+    def run():
+        return [
+            ops.linear_clipped_sum(A, G, scale),
+            ops.linear_clipped_sum(A, G, scale, True),
+            ops.linear_clip(A, G, C, "flat", GAMMA, True, False, DIRECT)[0],
+            ops.linear_clip(A, G, C, "flat", GAMMA, True, False, GHOST)[0],
+            ops.conv_clipped_sum(x, Gc, conv_scale, k, s, p, dil, groups),
+        ]
+
+    reset_precision()
+    want = run()
+    try:
+        PRECISION_SETUPS[setup]()
+        before = precision_state()
+        got = run()
+        assert precision_state() == before
+    finally:
+        reset_precision()
+    gw, _ = per_sample_linear(A, G)
+    assert_close(got[0], weighted_sum(gw, scale), torch.float32)
+    assert_close(got[1], weighted_sum(gw, scale).transpose(0, 1), torch.float32)
+    gcw, _ = per_sample_conv(x, Gc, w_shape, s, p, dil, groups)
+    assert_close(got[4], weighted_sum(gcw, conv_scale), torch.float32)
+    if device == "cpu":  # same BLAS calls as under "highest", bit for bit
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
+# ---- chunk boundaries ----------------------------------------------------------------------------
+# dpzero::_set_chunk_bytes replaces the 64 MiB chunk budget. B = 7 is prime, and doubling the budget
+# from 64 bytes to 64 MiB takes every loop's chunk size through 1 and then through 2 or 3 (when
+# budget / bytes_per_sample goes from [1, 2) to [2, 4)), so each loop runs with a short last chunk.
+
+CHUNK_BUDGETS = [2**k for k in range(6, 27)]
+
+
+@contextlib.contextmanager
+def chunk_budget(nbytes):
+    prev = ops._set_chunk_bytes(nbytes)
+    try:
+        yield
+    finally:
+        ops._set_chunk_bytes(prev)
+
+
+def test_set_chunk_bytes_returns_the_previous_budget():
+    prev = ops._set_chunk_bytes(1000)
+    try:
+        assert prev == 64 << 20
+        assert ops._set_chunk_bytes(2000) == 1000
+    finally:
+        ops._set_chunk_bytes(prev)
+    with pytest.raises(RuntimeError, match=r"bytes must be >= 1, got 0"):
+        ops._set_chunk_bytes(0)
+
+
+@device_param
+def test_chunk_boundaries_linear(device):
+    A = rand((7, 5, 6), torch.float32, device, 101)
+    G = rand((7, 5, 4), torch.float32, device, 102)
+    scale = random_scale(7, device, 103)
+    gw, gb = per_sample_linear(A, G)
+    sq = sq_norms_of(gw, gb)
+    for budget in CHUNK_BUDGETS:
+        with chunk_budget(budget):
+            for method in (GHOST, DIRECT):
+                assert_close(ops.linear_sq_norms(A, G, True, method), sq, torch.float32)
+                res = ops.linear_clip(A, G, C, "flat", GAMMA, True, False, method)
+                check_fused(res, (gw, gb), "flat", torch.float32, with_bias_grad=True)
+            assert_close(
+                ops.linear_clipped_sum(A, G, scale), weighted_sum(gw, scale), torch.float32
+            )
+            assert_close(ops.bias_clipped_sum(G, scale), weighted_sum(gb, scale), torch.float32)
+
+
+@device_param
+def test_chunk_boundaries_embedding(device):
+    ids, G = emb_inputs((7, 9), 6, 5, torch.float32, device, 104, 0)
+    scale = random_scale(7, device, 105)
+    per_sample = per_sample_embedding(ids, G, 6, 0)
+    for budget in CHUNK_BUDGETS:
+        with chunk_budget(budget):
+            for method in (GHOST, DIRECT):
+                assert_close(
+                    ops.embedding_sq_norms(ids, G, 6, 0, method),
+                    sq_norms_of(per_sample),
+                    torch.float32,
+                )
+            assert_close(
+                ops.embedding_clipped_sum(ids, G, scale, 6, 0),
+                weighted_sum(per_sample, scale),
+                torch.float32,
+            )
+
+
+@device_param
+def test_chunk_boundaries_layer_norm(device):
+    x = rand((7, 4, 6), torch.float32, device, 106, scale=2.0)
+    G = rand((7, 4, 6), torch.float32, device, 107)
+    scale = random_scale(7, device, 108)
+    for rms in (False, True):
+        gw, gb = per_sample_norm_layer(x, G, 1e-5, rms)
+        for budget in CHUNK_BUDGETS:
+            with chunk_budget(budget):
+                assert_close(
+                    ops.layer_norm_sq_norms(x, G, 1e-5, rms, True),
+                    sq_norms_of(gw, gb),
+                    torch.float32,
+                )
+                assert_close(
+                    ops.layer_norm_clipped_sum(x, G, scale, 1e-5, rms),
+                    weighted_sum(gw, scale),
+                    torch.float32,
+                )
+
+
+@device_param
+def test_chunk_boundaries_conv(device):
+    case = ((7, 4, 11), 6, [3], [2], [1], [1], 2)
+    _, _, k, s, p, dil, groups = case
+    x, G, w_shape = conv_inputs(case, torch.float32, device, 109)
+    scale = random_scale(7, device, 110)
+    gw, gb = per_sample_conv(x, G, w_shape, s, p, dil, groups)
+    for budget in CHUNK_BUDGETS:
+        with chunk_budget(budget):
+            for method in (GHOST, DIRECT):
+                assert_close(
+                    ops.conv_sq_norms(x, G, k, s, p, dil, groups, True, method),
+                    sq_norms_of(gw, gb),
+                    torch.float32,
+                )
+            assert_close(
+                ops.conv_clipped_sum(x, G, scale, k, s, p, dil, groups),
+                weighted_sum(gw, scale),
+                torch.float32,
+            )
+
+
+# ---- non-finite scales and inputs ----------------------------------------------------------------
+
+
+def non_finite_scale(b, device, seed):
+    s = random_scale(b, device, seed)
+    s[1], s[3] = float("nan"), float("inf")
+    return s
+
+
+def finite_part(scale):
+    """The scale with NaN/Inf (dropped samples) replaced by 0, for the float64 reference."""
+    return torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale))
+
+
+@device_param
+def test_non_finite_scale_drops_the_sample_in_every_clipped_sum(device):
+    b = 5
+    scale = non_finite_scale(b, device, 111)
+    ref_scale = finite_part(scale)
+    A = rand((b, 6, 7), torch.float32, device, 112)
+    G = rand((b, 6, 4), torch.float32, device, 113)
+    gw, gb = per_sample_linear(A, G)
+    assert_close(ops.linear_clipped_sum(A, G, scale), weighted_sum(gw, ref_scale), torch.float32)
+    assert_close(
+        ops.linear_clipped_sum(A, G, scale, True),
+        weighted_sum(gw, ref_scale).transpose(0, 1),
+        torch.float32,
+    )
+    assert_close(ops.bias_clipped_sum(G, scale), weighted_sum(gb, ref_scale), torch.float32)
+    ids, Ge = emb_inputs((b, 9), 7, 5, torch.float32, device, 114, 0)
+    assert_close(
+        ops.embedding_clipped_sum(ids, Ge, scale, 7, 0),
+        weighted_sum(per_sample_embedding(ids, Ge, 7, 0), ref_scale),
+        torch.float32,
+    )
+    x = rand((b, 4, 6), torch.float32, device, 115)
+    gl, _ = per_sample_norm_layer(x, G[..., :4].repeat(1, 1, 2)[:, :4, :6], 1e-5, False)
+    assert_close(
+        ops.layer_norm_clipped_sum(x, G[..., :4].repeat(1, 1, 2)[:, :4, :6], scale, 1e-5),
+        weighted_sum(gl, ref_scale),
+        torch.float32,
+    )
+    case = ((b, 4, 11), 6, [3], [2], [1], [1], 2)
+    _, _, k, s, p, dil, groups = case
+    xc, Gc, w_shape = conv_inputs(case, torch.float32, device, 116)
+    gcw, _ = per_sample_conv(xc, Gc, w_shape, s, p, dil, groups)
+    assert_close(
+        ops.conv_clipped_sum(xc, Gc, scale, k, s, p, dil, groups),
+        weighted_sum(gcw, ref_scale),
+        torch.float32,
+    )
+
+
+@device_param
+@method_param
+def test_fused_clip_drops_samples_with_nan_inputs(device, method):
+    # A NaN in sample 1's input (or G) drops sample 1 (factor 0, counted); the others are unchanged.
+    keep = [0, 2, 3]
+
+    def check(res, per_sample, bias_grads=None):
+        grad_w, sq, factors, nonfinite = res[0], res[-3], res[-2], res[-1]
+        assert nonfinite.item() == 1 and factors[1].item() == 0.0
+        assert torch.isfinite(grad_w).all()
+        want_sq = sq_norms_of(*[g[keep] for g in (per_sample, bias_grads) if g is not None])
+        f = ref_factors(want_sq, "flat")
+        assert_close(sq[keep], want_sq, torch.float32)
+        assert_close(grad_w, weighted_sum(per_sample[keep], f), torch.float32)
+        if bias_grads is not None:
+            assert_close(res[1], weighted_sum(bias_grads[keep], f), torch.float32)
+
+    ids, G = emb_inputs((4, 9), 7, 5, torch.float32, device, 117, 0)
+    G[1, 1] = float("nan")  # token 1 of sample 1 is not padding (every third token is)
+    G[2, 0] = float("nan")  # a padding token's row: ignored
+    check(
+        ops.embedding_clip(ids, G, 7, C, "flat", GAMMA, 0, method),
+        per_sample_embedding(ids, G, 7, 0),
+    )
+
+    x = rand((4, 5, 6), torch.float32, device, 118)
+    Gl = rand((4, 5, 6), torch.float32, device, 119)
+    x[1, 2, 3] = float("nan")
+    gw, gb = per_sample_norm_layer(x, Gl, 1e-5, False)
+    check(ops.layer_norm_clip(x, Gl, 1e-5, C, "flat", GAMMA, False, True), gw, gb)
+
+    case = ((4, 4, 11), 6, [3], [2], [1], [1], 2)
+    _, _, k, s, p, dil, groups = case
+    xc, Gc, w_shape = conv_inputs(case, torch.float32, device, 120)
+    xc[1, 0, 4] = float("inf")
+    gw, gb = per_sample_conv(xc, Gc, w_shape, s, p, dil, groups)
+    check(ops.conv_clip(xc, Gc, k, s, p, dil, groups, C, "flat", GAMMA, True, method), gw, gb)
+
+
+@device_param
+@method_param
+def test_embedding_ignores_nan_in_padding_rows(device, method):
+    # Padding tokens get no gradient, so whatever their G rows hold (here NaN) must not reach the
+    # norm; on CUDA the token Gram is applied by a select, not a multiply by the 0/1 indicator.
+    ids, G = emb_inputs((3, 40), 7, 5, torch.float32, device, 121, 2)
+    G[ids == 2] = float("nan")
+    want = sq_norms_of(per_sample_embedding(ids, G, 7, 2))
+    got = ops.embedding_sq_norms(ids, G, 7, 2, method)
+    assert torch.isfinite(got).all()
+    assert_close(got, want, torch.float32)
+
+
+# ---- LayerNorm eps and normalized_ndim -----------------------------------------------------------
+
+
+@device_param
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_layer_norm_eps_is_applied(device, rms):
+    # eps = 0.5 against a variance of ~0.25: dropping or misplacing eps changes the gradients by
+    # far more than the tolerance (checked against the reference without eps).
+    x = rand((4, 6, 8), torch.float32, device, 122, scale=0.5)
+    G = rand((4, 6, 8), torch.float32, device, 123)
+    eps = 0.5
+    gw, gb = per_sample_norm_layer(x, G, eps, rms)
+    gw0, _ = per_sample_norm_layer(x, G, 0.0, rms)
+    eps_effect = (sq_norms_of(gw) - sq_norms_of(gw0)).abs().max()
+    assert eps_effect > 100 * TOL[torch.float32] * sq_norms_of(gw).max()
+    assert_close(ops.layer_norm_sq_norms(x, G, eps, rms, True), sq_norms_of(gw, gb), torch.float32)
+    scale = random_scale(4, device, 124)
+    assert_close(
+        ops.layer_norm_clipped_sum(x, G, scale, eps, rms), weighted_sum(gw, scale), torch.float32
+    )
+    res = ops.layer_norm_clip(x, G, eps, C, "flat", GAMMA, rms, True)
+    check_fused(res, (gw, gb), "flat", torch.float32, with_bias_grad=True)
+
+
+@device_param
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_layer_norm_multi_dim_normalized_shape(device, rms):
+    # nn.LayerNorm((3, 4)) normalises over the last two dims: normalized_ndim=2.
+    x = rand((3, 5, 3, 4), torch.float32, device, 125, scale=2.0)
+    G = rand((3, 5, 3, 4), torch.float32, device, 126)
+    gw, gb = per_sample_norm_layer(x, G, 1e-5, rms, normalized_ndim=2)
+    assert_close(
+        ops.layer_norm_sq_norms(x, G, 1e-5, rms, True, 2), sq_norms_of(gw, gb), torch.float32
+    )
+    scale = random_scale(3, device, 127)
+    got = ops.layer_norm_clipped_sum(x, G, scale, 1e-5, rms, 2)
+    assert got.shape == (3, 4)
+    assert_close(got, weighted_sum(gw, scale), torch.float32)
+    res = ops.layer_norm_clip(x, G, 1e-5, C, "flat", GAMMA, rms, True, 2)
+    assert res[0].shape == res[1].shape == (3, 4)
+    check_fused(res, (gw, gb), "flat", torch.float32, with_bias_grad=True)
+    with pytest.raises(RuntimeError, match=r"normalized_ndim must be in \[1, input.dim\(\) - 1\]"):
+        ops.layer_norm_sq_norms(x, G, 1e-5, rms, False, 4)
+
+
+# ---- ghost kernel geometry: whole tiles, and more samples than one launch ------------------------
+
+
+@device_param
+@pytest.mark.parametrize("t", [32, 64])
+def test_ghost_norm_whole_tiles(device, t):
+    # T an exact multiple of the CUDA kernel's 32-row tile (no partial tile).
+    A = rand((3, t, 40), torch.float32, device, 128)
+    G = rand((3, t, 36), torch.float32, device, 129)
+    gw, _ = per_sample_linear(A, G)
+    assert_close(ops.linear_sq_norms(A, G, False, GHOST), sq_norms_of(gw), torch.float32)
+    ids, Ge = emb_inputs((3, t), 9, 6, torch.float32, device, 130, 1)
+    assert_close(
+        ops.embedding_sq_norms(ids, Ge, 9, 1, GHOST),
+        sq_norms_of(per_sample_embedding(ids, Ge, 9, 1)),
+        torch.float32,
+    )
+
+
+@device_param
+def test_ghost_norm_more_samples_than_one_grid(device):
+    # B = 70000 > 65535 (the CUDA grid's y limit): the kernel is launched in slices of samples.
+    b = 70000
+    A = rand((b, 1, 3), torch.float32, device, 131)
+    G = rand((b, 1, 2), torch.float32, device, 132)
+    want = f64(A).square().sum((1, 2)) * f64(G).square().sum((1, 2))  # T = 1: ||g||^2 ||a||^2
+    assert_close(ops.linear_sq_norms(A, G, False, GHOST), want, torch.float32)
+    ids = torch.randint(0, 4, (b, 1), generator=torch.Generator().manual_seed(133)).to(device)
+    assert_close(
+        ops.embedding_sq_norms(ids, G, 4, None, GHOST), f64(G).square().sum((1, 2)), torch.float32
+    )
+
+
+# ---- error messages name the op the caller called ------------------------------------------------
+
+
+def test_clip_argument_errors_name_the_called_op():
+    # The fused ops check the clip arguments themselves (before any work, even for an empty
+    # micro-batch), so the message names the op the caller called, not dpzero::clip_factors.
+    def calls(b):
+        A, G = torch.randn(b, 3, 4), torch.randn(b, 3, 5)
+        ids = torch.zeros(b, 3, dtype=torch.long)
+        conv_x, conv_g = torch.randn(b, 3, 8), torch.randn(b, 4, 6)
+        return {
+            "linear_clip": lambda c, m: ops.linear_clip(A, G, c, m),
+            "embedding_clip": lambda c, m: ops.embedding_clip(ids, G, 3, c, m),
+            "layer_norm_clip": lambda c, m: ops.layer_norm_clip(A, A, 1e-5, c, m),
+            "conv_clip": lambda c, m: ops.conv_clip(conv_x, conv_g, [3], [1], [0], [1], 1, c, m),
+            "clip_factors": lambda c, m: ops.clip_factors(torch.ones(b), c, m),
+        }
+
+    for b in (2, 0):
+        for name, call in calls(b).items():
+            with pytest.raises(
+                RuntimeError, match=rf"dpzero::{name}: max_norm must be finite and > 0, got -1"
+            ):
+                call(-1.0, "flat")
+            with pytest.raises(
+                RuntimeError,
+                match=rf"dpzero::{name}: clipping mode must be 'flat' or 'automatic', got 'x'",
+            ):
+                call(1.0, "x")

@@ -1,7 +1,9 @@
 // Per-sample gradient ops from C++ (kernels/per_sample_ops.h; the full torch.func comparison lives
 // in tests/python/test_kernels.py): for Linear layers the ghost norm and the direct path agree with
 // each other and with explicitly instantiated per-sample gradients (float64), the automatic choice
-// follows the cost rule, and the clipped sum equals the sum of scaled per-sample gradients.
+// follows the cost rule, the clipped sum equals the sum of scaled per-sample gradients, norms are
+// certified upper bounds even for cancelling inputs, the chunk budget can be overridden, and the
+// ops run IEEE float32 matmuls whatever the global matmul precision, which they leave as found.
 // Runs on CPU, and on CUDA too when a GPU and the CUDA kernels are present.
 #include <gtest/gtest.h>
 
@@ -10,6 +12,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "kernels/per_sample_checks.h"
@@ -32,6 +35,13 @@ at::Tensor linear_clipped_sum(const at::Tensor& a, const at::Tensor& g, const at
           .findSchemaOrThrow("dpzero::linear_clipped_sum", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>();
   return op.call(a, g, scale, transposed);
+}
+
+int64_t set_chunk_bytes_op(int64_t bytes) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_set_chunk_bytes", "")
+                             .typed<int64_t(int64_t)>();
+  return op.call(bytes);
 }
 
 bool ghost_is_cheaper_op(int64_t t, int64_t d_in, int64_t d_out) {
@@ -164,6 +174,88 @@ TEST(PerSampleLinear, RejectsBadMethodNamingIt) {
     FAIL() << "method 7 accepted";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("got 7"), std::string::npos) << e.what();
+  }
+}
+
+// Every row of a sample is one shared row a; g_t = sign_t * (a shared row) + 5e-4 noise with as
+// many +1 as -1 signs: the per-sample gradient is ~10^4 times smaller than sum_t ||a_t|| ||g_t||.
+// In float32 the ghost norm of such a sample was off by up to 3x in either direction.
+TEST(PerSampleLinear, NormsAreCertifiedUpperBoundsUnderCancellation) {
+  at::manual_seed(10);
+  const int64_t b = 4, t = 128, d = 256;
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor a64 = at::randn({b, 1, d}, f64).expand({b, t, d});
+  at::Tensor signs = at::ones({b, t, 1}, f64);
+  signs.slice(1, t / 2, t).fill_(-1.0);
+  signs = signs.index_select(1, at::randperm(t));
+  const at::Tensor g64 = signs * at::randn({b, 1, d}, f64) + 5e-4 * at::randn({b, t, d}, f64);
+  for (const at::Device device : devices()) {
+    const at::Tensor a = a64.to(device, at::kFloat), g = g64.to(device, at::kFloat);
+    const at::Tensor want = per_sample_grads(a, g).square().sum({1, 2});
+    for (int64_t method : {1, 2}) {
+      const at::Tensor got = linear_sq_norms(a, g, false, method).to(at::kCPU, at::kDouble);
+      EXPECT_TRUE(at::all(got >= want).item<bool>())
+          << device << " method " << method << ": " << (got / want);
+      EXPECT_TRUE(at::all(got <= want * 1.01).item<bool>())
+          << device << " method " << method << ": " << (got / want);
+    }
+  }
+}
+
+TEST(PerSampleChunks, BudgetOverrideSetsChunkSizes) {
+  const int64_t prev = set_chunk_bytes_op(100);
+  EXPECT_EQ(prev, kernels::kChunkBytes);
+  EXPECT_EQ(kernels::samples_per_chunk(7, 30), 3);  // 7 = 3 + 3 + 1
+  EXPECT_EQ(kernels::samples_per_chunk(7, 200), 1);
+  EXPECT_EQ(kernels::samples_per_chunk(2, 30), 2);
+  EXPECT_EQ(set_chunk_bytes_op(prev), 100);
+  EXPECT_EQ(kernels::samples_per_chunk(7, 30), 7);
+  EXPECT_THROW(set_chunk_bytes_op(0), c10::Error);
+}
+
+// The matmul precision settings as at::Context reports them.
+std::vector<int> matmul_precision_state() {
+  const at::Context& ctx = at::globalContext();
+  const auto matmul = [&](at::Float32Backend backend) {
+    return static_cast<int>(ctx.float32Precision(backend, at::Float32Op::MATMUL));
+  };
+  return {static_cast<int>(ctx.float32MatmulPrecision()), matmul(at::Float32Backend::CUDA),
+          matmul(at::Float32Backend::MKLDNN)};
+}
+
+void reset_matmul_precision() {
+  at::Context& ctx = at::globalContext();
+  ctx.setFloat32MatmulPrecision("highest");
+  ctx.setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL,
+                          at::Float32Precision::NONE);
+  ctx.setFloat32Precision(at::Float32Backend::MKLDNN, at::Float32Op::MATMUL,
+                          at::Float32Precision::NONE);
+}
+
+// "high" makes cuBLAS round float32 matmul operands to TF32, "medium" also lets oneDNN run CPU
+// float32 matmuls in bf16: either would move the clipped sum by ~1e-3. The ops switch to IEEE for
+// their duration and restore the setting.
+TEST(PerSampleLinear, ClippedSumRunsIeeeFp32AndRestoresThePrecisionSetting) {
+  at::manual_seed(11);
+  for (const at::Device device : devices()) {
+    const auto opts = at::TensorOptions().device(device);
+    const at::Tensor a = at::randn({8, 64, 96}, opts), g = at::randn({8, 64, 80}, opts);
+    const at::Tensor scale = at::rand({8}, opts);
+    const at::Tensor want =
+        (per_sample_grads(a, g) * scale.to(at::kCPU, at::kDouble).view({-1, 1, 1})).sum(0);
+    reset_matmul_precision();
+    const at::Tensor ieee = linear_clipped_sum(a, g, scale, false);
+    for (const char* precision : {"high", "medium"}) {
+      at::globalContext().setFloat32MatmulPrecision(precision);
+      const std::vector<int> before = matmul_precision_state();
+      const at::Tensor got = linear_clipped_sum(a, g, scale, false);
+      EXPECT_EQ(matmul_precision_state(), before) << device << " " << precision;
+      reset_matmul_precision();
+      expect_close(got, want, 2e-5, std::string(device.str()) + " " + precision);
+      if (device.is_cpu()) {
+        EXPECT_TRUE(at::equal(got, ieee)) << precision;
+      }
+    }
   }
 }
 
