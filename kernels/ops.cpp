@@ -1,9 +1,9 @@
 // kernels/ops.cpp — the one schema of dpzero's torch ops (TORCH_LIBRARY(dpzero, ...)).
 // Each op (or op family) has one implementation file per backend, side by side: kernels/cpu/<x>.cpp
-// and kernels/cuda/<x>.cu. The per-sample layer ops are one family (per_sample.cpp on each
-// backend, written once in ATen in per_sample_ops.h); their only backend-specific kernel is the
-// ghost-norm Gram reduction (ghost_norm.cpp / ghost_norm.cu). One .cu per op would multiply the
-// CUDA compile time for no separation that the family does not already give.
+// and kernels/cuda/<x>.cu. The per-sample layer ops are one family written once in ATen
+// (per_sample_ops.h) and registered once for every backend (per_sample.cpp); their only
+// backend-specific kernel is the ghost-norm Gram reduction (cpu/ghost_norm.cpp and
+// cuda/ghost_norm.cu).
 #include <torch/library.h>
 
 TORCH_LIBRARY(dpzero, m) {

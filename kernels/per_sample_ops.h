@@ -3,8 +3,7 @@
 // compositions that run on any device. The only backend-specific piece, the ghost-norm Gram
 // reduction, is reached through the dispatcher (dpzero::_ghost_sq_norms and
 // dpzero::_token_ghost_sq_norms: kernels/cpu/ghost_norm.cpp, kernels/cuda/ghost_norm.cu), so
-// kernels/cpu/per_sample.cpp and kernels/cuda/per_sample.cpp register these same functions for
-// their dispatch key.
+// kernels/per_sample.cpp registers these functions once, for every backend.
 //
 // Note [per-sample ops]
 // A DP layer sees its input A and output gradient G for a micro-batch of B samples; any leading

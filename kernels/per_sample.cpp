@@ -1,7 +1,9 @@
-// kernels/cpu/per_sample.cpp — registers the per-sample gradient ops of every layer kind
-// (kernels/per_sample_ops.h; schemas in kernels/ops.cpp) for CPU tensors, and the tensor-free
-// dpzero::ghost_is_cheaper and dpzero::_set_chunk_bytes for every backend. Their ghost paths reach
-// the CPU Gram kernels of kernels/cpu/ghost_norm.cpp through the dispatcher.
+// kernels/per_sample.cpp — registers the per-sample gradient ops of every layer kind
+// (kernels/per_sample_ops.h; schemas in kernels/ops.cpp) once for every backend. They are ATen
+// compositions (GEMMs through the backend's BLAS — cuBLAS on the current stream on CUDA), so one
+// CompositeExplicitAutograd registration serves CPU and CUDA alike; the only backend-specific part,
+// the ghost-norm Gram reduction, is its own op with one implementation per backend
+// (kernels/cpu/ghost_norm.cpp, kernels/cuda/ghost_norm.cu), reached through the dispatcher.
 #include <cstdint>
 
 #include <torch/library.h>
@@ -28,7 +30,9 @@ TORCH_LIBRARY_IMPL(dpzero, CompositeImplicitAutograd, m) {
   m.impl("_set_chunk_bytes", &set_chunk_bytes_op);
 }
 
-TORCH_LIBRARY_IMPL(dpzero, CPU, m) {
+// Backend-generic kernels without an autograd formula (they compute gradients; nothing
+// differentiates through them).
+TORCH_LIBRARY_IMPL(dpzero, CompositeExplicitAutograd, m) {
   m.impl("linear_sq_norms", &per_sample::linear_sq_norms);
   m.impl("linear_clipped_sum", &per_sample::linear_clipped_sum);
   m.impl("linear_clip", &per_sample::linear_clip);
