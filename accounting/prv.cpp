@@ -348,6 +348,15 @@ void validate_phases(const std::vector<Phase>& phases) {
 
 }  // namespace
 
+namespace {
+// The elementwise max of two directions' bounds (Note [PRV directions]): PrvEpsilon or PrvDelta.
+template <typename Bounds>
+Bounds worse_of(const Bounds& a, const Bounds& b) {
+  return Bounds{std::max(a.lower, b.lower), std::max(a.estimate, b.estimate),
+                std::max(a.upper, b.upper)};
+}
+}  // namespace
+
 void PrvAccountant::add(const Phase& phase) {
   validate_phase(phase);
   phases_.push_back(phase);
@@ -364,9 +373,7 @@ PrvEpsilon PrvAccountant::epsilon(double delta, const PrvOptions& options) const
     const PrvEpsilon add = epsilon_bounds(
         build(merged, PrvDirection::kAdd, options.eps_error, delta_error), delta, delta_error,
         options);
-    result.lower = std::max(result.lower, add.lower);
-    result.estimate = std::max(result.estimate, add.estimate);
-    result.upper = std::max(result.upper, add.upper);
+    result = worse_of(result, add);
   }
   return result;
 }
@@ -382,9 +389,7 @@ PrvDelta PrvAccountant::delta(double epsilon, const PrvOptions& options) const {
     const PrvDelta add = delta_bounds(
         build(merged, PrvDirection::kAdd, options.eps_error, delta_error), epsilon, delta_error,
         options);
-    result.lower = std::max(result.lower, add.lower);
-    result.estimate = std::max(result.estimate, add.estimate);
-    result.upper = std::max(result.upper, add.upper);
+    result = worse_of(result, add);
   }
   return result;
 }

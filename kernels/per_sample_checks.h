@@ -190,4 +190,15 @@ inline void check_ghost_args(const char* op, const at::Tensor& a, const char* a_
   if (want_dim == 3) check_floating(op, a_name, a);
 }
 
+// dpzero::_token_ghost_sq_norms's inputs on any backend: ids [B, T] int64, G [B, T, d], and a
+// padding index >= 0 or -1 for none.
+inline void check_token_ghost_args(const at::Tensor& ids, const at::Tensor& g, int64_t padding_idx) {
+  check_ghost_args("_token_ghost_sq_norms", ids, "ids", g);
+  TORCH_CHECK(ids.scalar_type() == at::kLong,
+              "dpzero::_token_ghost_sq_norms: ids must be int64, got ", ids.scalar_type());
+  TORCH_CHECK(padding_idx >= -1,
+              "dpzero::_token_ghost_sq_norms: padding_idx must be >= 0 or -1 (none), got ",
+              padding_idx);
+}
+
 }  // namespace dpzero::kernels

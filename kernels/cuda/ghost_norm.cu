@@ -249,13 +249,7 @@ std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_cuda(const at::Tensor& a, cons
 std::tuple<at::Tensor, at::Tensor> token_ghost_sq_norms_cuda(const at::Tensor& ids,
                                                              const at::Tensor& g,
                                                              int64_t padding_idx) {
-  check_ghost_args("_token_ghost_sq_norms", ids, "ids", g);
-  TORCH_CHECK(ids.scalar_type() == at::kLong,
-              "dpzero::_token_ghost_sq_norms: ids must be int64, got ", ids.scalar_type());
-  TORCH_CHECK(padding_idx >= -1,
-              "dpzero::_token_ghost_sq_norms: padding_idx must be >= 0 or -1 "
-              "(none), got ",
-              padding_idx);
+  check_token_ghost_args(ids, g, padding_idx);
   return launch_ghost(at::Tensor(), ids.contiguous(), g.contiguous(), padding_idx,
                       /*tokens=*/true);
 }
