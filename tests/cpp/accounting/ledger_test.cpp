@@ -71,16 +71,6 @@ void expect_same_record(const LedgerRecord& a, const LedgerRecord& b) {
 }
 
 template <typename F>
-std::string ledger_error_message(F&& f) {
-  try {
-    f();
-  } catch (const LedgerError& e) {
-    return e.what();
-  }
-  return "<no LedgerError>";
-}
-
-template <typename F>
 std::string invalid_argument_message(F&& f) {
   return testing::error_message<std::invalid_argument>(std::forward<F>(f));
 }
@@ -232,7 +222,7 @@ TEST_F(LedgerTest, AppendAfterReopenContinuesTheFile) {
 TEST_F(LedgerTest, CreateRefusesToOverwrite) {
   write_three_records();
   const std::string before = read_file(path_);
-  const std::string message = ledger_error_message([&] { Ledger::create(path_, header("other")); });
+  const std::string message = testing::error_message<LedgerError>([&] { Ledger::create(path_, header("other")); });
   EXPECT_NE(message.find(path_), std::string::npos) << message;
   EXPECT_NE(message.find("overwrite"), std::string::npos) << message;
   EXPECT_EQ(read_file(path_), before);
@@ -248,7 +238,7 @@ TEST_F(LedgerTest, TornTailWithoutNewlineIsAnErrorByDefault) {
   const std::string partial = R"({"kind":"steps","first_step":25,"last_step":29,"q":0.0)";
   append_raw(path_, partial);  // a crash in the middle of the fourth record's write
   const std::string before = read_file(path_);
-  const std::string message = ledger_error_message([&] { Ledger::open(path_); });
+  const std::string message = testing::error_message<LedgerError>([&] { Ledger::open(path_); });
   EXPECT_NE(message.find(path_), std::string::npos) << message;
   EXPECT_NE(message.find("line 5"), std::string::npos) << message;
   EXPECT_NE(message.find("torn"), std::string::npos) << message;
@@ -280,7 +270,7 @@ TEST_F(LedgerTest, UnparsableLastLineIsATornTail) {
   write_three_records();
   const std::string complete = read_file(path_);
   append_raw(path_, std::string("{\"kind\":\"st\0\0\0", 14) + "\n");
-  EXPECT_NE(ledger_error_message([&] { Ledger::open(path_); }).find("line 5"), std::string::npos);
+  EXPECT_NE(testing::error_message<LedgerError>([&] { Ledger::open(path_); }).find("line 5"), std::string::npos);
   const Ledger ledger = Ledger::open(path_, TornTailPolicy::kTruncate);
   EXPECT_EQ(ledger.torn_tail(), std::string("{\"kind\":\"st\0\0\0", 14));
   EXPECT_EQ(read_file(path_), complete);
@@ -295,7 +285,7 @@ TEST_F(LedgerTest, CorruptMiddleLineIsAlwaysAnError) {
   for (const std::string& line : lines) text += line + "\n";
   { std::ofstream(path_, std::ios::binary | std::ios::trunc) << text; }
   for (const TornTailPolicy policy : {TornTailPolicy::kError, TornTailPolicy::kTruncate}) {
-    const std::string message = ledger_error_message([&] { Ledger::open(path_, policy); });
+    const std::string message = testing::error_message<LedgerError>([&] { Ledger::open(path_, policy); });
     EXPECT_NE(message.find("line 3"), std::string::npos) << message;
     EXPECT_NE(message.find("corrupt"), std::string::npos) << message;
   }
@@ -306,7 +296,7 @@ TEST_F(LedgerTest, CorruptMiddleLineIsAlwaysAnError) {
 TEST_F(LedgerTest, OtherRunIdIsRejected) {
   write_three_records();
   const std::string message =
-      ledger_error_message([&] { Ledger::open(path_, TornTailPolicy::kError, "run-7"); });
+      testing::error_message<LedgerError>([&] { Ledger::open(path_, TornTailPolicy::kError, "run-7"); });
   EXPECT_NE(message.find("\"run-42\""), std::string::npos) << message;
   EXPECT_NE(message.find("\"run-7\""), std::string::npos) << message;
   EXPECT_THROW(Ledger::open_read_only(path_, "run-7"), LedgerError);
@@ -350,7 +340,7 @@ TEST_F(LedgerTest, InvalidRecordInTheFileNamesItsLine) {
              R"("max_grad_norm":1.0,"batch_sizes":[3],"noise":true})"
              "\n");
   for (const TornTailPolicy policy : {TornTailPolicy::kError, TornTailPolicy::kTruncate}) {
-    const std::string message = ledger_error_message([&] { Ledger::open(path_, policy); });
+    const std::string message = testing::error_message<LedgerError>([&] { Ledger::open(path_, policy); });
     EXPECT_NE(message.find("line 5"), std::string::npos) << message;
     EXPECT_NE(message.find("got 1.5"), std::string::npos) << message;
   }
@@ -361,14 +351,14 @@ TEST_F(LedgerTest, MissingFieldOrWrongKindNamesTheLine) {
   append_raw(path_, R"({"kind":"steps","first_step":0,"last_step":0,"q":0.1,"sigma":1.0,)"
                     R"("batch_sizes":[3],"noise":true})"
                     "\n");
-  std::string message = ledger_error_message([&] { Ledger::open(path_); });
+  std::string message = testing::error_message<LedgerError>([&] { Ledger::open(path_); });
   EXPECT_NE(message.find("line 2"), std::string::npos) << message;
   EXPECT_NE(message.find("max_grad_norm"), std::string::npos) << message;
 
   fs::remove(path_);
   { Ledger ledger = Ledger::create(path_, header()); }
   append_raw(path_, R"({"kind":"pause","steps":3})" "\n");
-  message = ledger_error_message([&] { Ledger::open(path_); });
+  message = testing::error_message<LedgerError>([&] { Ledger::open(path_); });
   EXPECT_NE(message.find("\"pause\""), std::string::npos) << message;
 }
 
@@ -385,10 +375,10 @@ TEST_F(LedgerTest, DroppedSamplesIsOptionalOnRead) {
 
 TEST_F(LedgerTest, EmptyFileTornHeaderAndUnknownFormatAreErrors) {
   append_raw(path_, "");
-  EXPECT_NE(ledger_error_message([&] { Ledger::open(path_); }).find("empty"), std::string::npos);
+  EXPECT_NE(testing::error_message<LedgerError>([&] { Ledger::open(path_); }).find("empty"), std::string::npos);
   append_raw(path_, R"({"kind":"header","format":1,"run)");
   for (const TornTailPolicy policy : {TornTailPolicy::kError, TornTailPolicy::kTruncate}) {
-    const std::string message = ledger_error_message([&] { Ledger::open(path_, policy); });
+    const std::string message = testing::error_message<LedgerError>([&] { Ledger::open(path_, policy); });
     EXPECT_NE(message.find("header"), std::string::npos) << message;
     EXPECT_NE(message.find("line 1"), std::string::npos) << message;
   }
@@ -396,9 +386,9 @@ TEST_F(LedgerTest, EmptyFileTornHeaderAndUnknownFormatAreErrors) {
   append_raw(path_, R"({"kind":"header","format":2,"run_id":"r","dataset_size":5,)"
                     R"("created":"2025-01-01T00:00:00Z","settings":{}})"
                     "\n");
-  EXPECT_NE(ledger_error_message([&] { Ledger::open(path_); }).find("format 2"),
+  EXPECT_NE(testing::error_message<LedgerError>([&] { Ledger::open(path_); }).find("format 2"),
             std::string::npos);
-  EXPECT_NE(ledger_error_message([&] { Ledger::open((fs::path(dir_) / "missing").string()); })
+  EXPECT_NE(testing::error_message<LedgerError>([&] { Ledger::open((fs::path(dir_) / "missing").string()); })
                 .find("missing"),
             std::string::npos);
 }
@@ -444,7 +434,7 @@ TEST_F(LedgerTest, UnnoisedStepsMakeEpsilonUnbounded) {
   EXPECT_TRUE(ledger.has_unnoised_steps());
   EXPECT_EQ(ledger.unnoised_steps(), 4);
   EXPECT_EQ(ledger.total_steps(), 14);
-  const std::string message = ledger_error_message([&] { ledger.phases(); });
+  const std::string message = testing::error_message<LedgerError>([&] { ledger.phases(); });
   EXPECT_NE(message.find("unbounded"), std::string::npos) << message;
   EXPECT_NE(message.find("line 3"), std::string::npos) << message;
 
@@ -458,7 +448,7 @@ TEST_F(LedgerTest, UnnoisedStepsMakeEpsilonUnbounded) {
 TEST_F(LedgerTest, OnlyOneWriterButReadersAreWelcome) {
   write_three_records();
   Ledger writer = Ledger::open(path_);
-  const std::string message = ledger_error_message([&] { Ledger::open(path_); });
+  const std::string message = testing::error_message<LedgerError>([&] { Ledger::open(path_); });
   EXPECT_NE(message.find("another writer"), std::string::npos) << message;
   const Ledger reader = Ledger::open_read_only(path_, "run-42");
   EXPECT_TRUE(reader.read_only());
@@ -476,7 +466,7 @@ TEST_F(LedgerTest, ReadOnlySnapshotReportsTornTailWithoutTouchingTheFile) {
   EXPECT_EQ(reader.torn_tail(), R"({"kind":"steps","first)");
   EXPECT_EQ(reader.torn_tail_line(), 5);
   EXPECT_EQ(read_file(path_), before);
-  EXPECT_NE(ledger_error_message([&] { reader.append(make_record(25, 25, 0.1, 1.0)); })
+  EXPECT_NE(testing::error_message<LedgerError>([&] { reader.append(make_record(25, 25, 0.1, 1.0)); })
                 .find("read-only"),
             std::string::npos);
 }

@@ -13,6 +13,8 @@
 // plus monotonicity, round trips and the documented failure modes.
 #include <gtest/gtest.h>
 
+#include "tests/cpp/common/error_message.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -61,17 +63,6 @@ double gdp_delta(double mu, double eps) {
   const double a = 0.5 * std::erfc((eps / mu - mu / 2.0) / std::sqrt(2.0));
   const double b = std::exp(eps + std::log(0.5 * std::erfc((eps / mu + mu / 2.0) / std::sqrt(2.0))));
   return a - b;
-}
-
-// The message of the exception of type E thrown by f, or "" if none was thrown.
-template <typename E, typename F>
-std::string message_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -462,7 +453,7 @@ TEST(PrvFailure, VeryLargeEpsilonAsksForLargerEpsError) {
   // sigma = 0.3, q = 1, 10^4 steps: eps ~ 10^4; the lattice would need ~10^8 points.
   const PrvAccountant accountant = single(1.0, 0.3, 10000);
   const std::string message =
-      message_of<std::runtime_error>([&] { accountant.epsilon(1e-5); });
+      testing::error_message<std::runtime_error>([&] { accountant.epsilon(1e-5); });
   EXPECT_NE(message.find("eps_error"), std::string::npos) << message;
   EXPECT_THROW(accountant.delta(1.0), std::runtime_error);
 }
@@ -476,14 +467,14 @@ TEST(PrvFailure, TinySigmaIsRefusedNotHung) {
 TEST(PrvFailure, TinyDeltaIsBelowRoundOff) {
   const PrvAccountant accountant = single(0.04, 1.5, 2249);
   const std::string message =
-      message_of<std::runtime_error>([&] { accountant.epsilon(1e-30); });
+      testing::error_message<std::runtime_error>([&] { accountant.epsilon(1e-30); });
   EXPECT_NE(message.find("delta"), std::string::npos) << message;
 }
 
 TEST(PrvFailure, DeltaErrorAlmostDeltaCannotCertify) {
   PrvOptions options;
   options.delta_error = 1e-5 * (1.0 - 1e-12);  // valid, but leaves no room for round-off
-  const std::string message = message_of<std::runtime_error>(
+  const std::string message = testing::error_message<std::runtime_error>(
       [&] { single(0.01, 1.0, 100).epsilon(1e-5, options); });
   EXPECT_NE(message.find("decrease delta_error"), std::string::npos) << message;
 }
@@ -491,7 +482,7 @@ TEST(PrvFailure, DeltaErrorAlmostDeltaCannotCertify) {
 TEST(PrvFailure, MeshTooFineForMemoryAsksForLargerEpsError) {
   PrvOptions options;
   options.eps_error = 1e-6;
-  const std::string message = message_of<std::runtime_error>(
+  const std::string message = testing::error_message<std::runtime_error>(
       [&] { single(0.04, 1.5, 2249).epsilon(1e-5, options); });
   EXPECT_NE(message.find("increase eps_error"), std::string::npos) << message;
 }
@@ -500,16 +491,16 @@ TEST(PrvFailure, BadInputsNameTheValue) {
   const PrvAccountant accountant = single(0.01, 1.0, 100);
   for (const double delta : {0.0, 1.0, -0.5, 1.5}) {
     const std::string message =
-        message_of<std::invalid_argument>([&] { accountant.epsilon(delta); });
+        testing::error_message<std::invalid_argument>([&] { accountant.epsilon(delta); });
     EXPECT_NE(message.find(format_double(delta)), std::string::npos) << message;
   }
-  EXPECT_NE(message_of<std::invalid_argument>([&] { accountant.epsilon(kNaN); }).find("nan"),
+  EXPECT_NE(testing::error_message<std::invalid_argument>([&] { accountant.epsilon(kNaN); }).find("nan"),
             std::string::npos);
   for (const double eps_error : {0.0, -0.01, kNaN}) {
     PrvOptions options;
     options.eps_error = eps_error;
     const std::string message =
-        message_of<std::invalid_argument>([&] { accountant.epsilon(1e-5, options); });
+        testing::error_message<std::invalid_argument>([&] { accountant.epsilon(1e-5, options); });
     EXPECT_NE(message.find("eps_error"), std::string::npos) << message;
     EXPECT_NE(message.find(format_double(eps_error)), std::string::npos) << message;
     EXPECT_THROW(accountant.delta(1.0, options), std::invalid_argument);
@@ -518,7 +509,7 @@ TEST(PrvFailure, BadInputsNameTheValue) {
     PrvOptions options;
     options.delta_error = -1e-9;
     const std::string message =
-        message_of<std::invalid_argument>([&] { accountant.epsilon(1e-5, options); });
+        testing::error_message<std::invalid_argument>([&] { accountant.epsilon(1e-5, options); });
     EXPECT_NE(message.find("delta_error"), std::string::npos) << message;
     EXPECT_NE(message.find("-1e-09"), std::string::npos) << message;
     EXPECT_THROW(accountant.delta(1.0, options), std::invalid_argument);
@@ -527,17 +518,17 @@ TEST(PrvFailure, BadInputsNameTheValue) {
     PrvOptions options;
     options.delta_error = 1e-5;  // not smaller than delta
     const std::string message =
-        message_of<std::invalid_argument>([&] { accountant.epsilon(1e-5, options); });
+        testing::error_message<std::invalid_argument>([&] { accountant.epsilon(1e-5, options); });
     EXPECT_NE(message.find("1e-05"), std::string::npos) << message;
   }
-  EXPECT_NE(message_of<std::invalid_argument>([&] { accountant.delta(-1.0); }).find("-1"),
+  EXPECT_NE(testing::error_message<std::invalid_argument>([&] { accountant.delta(-1.0); }).find("-1"),
             std::string::npos);
   PrvAccountant bad;
-  EXPECT_NE(message_of<std::invalid_argument>([&] { bad.step(1.5, 1.0, 1); }).find("1.5"),
+  EXPECT_NE(testing::error_message<std::invalid_argument>([&] { bad.step(1.5, 1.0, 1); }).find("1.5"),
             std::string::npos);
-  EXPECT_NE(message_of<std::invalid_argument>([&] { bad.step(0.1, -2.0, 1); }).find("-2"),
+  EXPECT_NE(testing::error_message<std::invalid_argument>([&] { bad.step(0.1, -2.0, 1); }).find("-2"),
             std::string::npos);
-  EXPECT_NE(message_of<std::invalid_argument>([&] { bad.step(0.1, 1.0, -3); }).find("-3"),
+  EXPECT_NE(testing::error_message<std::invalid_argument>([&] { bad.step(0.1, 1.0, -3); }).find("-3"),
             std::string::npos);
   EXPECT_TRUE(bad.phases().empty());
 }
