@@ -154,6 +154,34 @@ void bind_zero(py::module_ m) {
             return out;
           },
           py::arg("unit"))
+      .def(
+          "owned_state",
+          [](ZeroState& s, int64_t u) {
+            py::dict out;
+            for (const auto& [name, tensor] : s.group(u).owned_state()) out[py::str(name)] = tensor;
+            return out;
+          },
+          py::arg("unit"),
+          "Note [checkpoint slices]: the owned coordinates' 'param' and optimizer state, each "
+          "[shard_numel] (views).")
+      .def(
+          "kept_range", [](ZeroState& s, int64_t u) { return s.group(u).kept_range(); },
+          py::arg("unit"), "The flat coordinates [begin, end) this rank keeps state for.")
+      .def(
+          "optimizer_steps", [](ZeroState& s, int64_t u) { return s.group(u).optimizer().steps(); },
+          py::arg("unit"))
+      .def(
+          "load_state",
+          [](ZeroState& s, int64_t u, const std::map<std::string, at::Tensor>& values,
+             int64_t steps) {
+            std::vector<std::pair<std::string, at::Tensor>> entries(values.begin(), values.end());
+            py::gil_scoped_release no_gil;  // stages 1-2 all-gather
+            s.group(u).load_state(entries, steps, s.comm());
+          },
+          py::arg("unit"), py::arg("values"), py::arg("steps"),
+          "Note [checkpoint slices]: restore unit `unit` over kept_range(unit) (collective in "
+          "stages 1-2).")
+      .def("set_steps", &ZeroState::set_steps, py::arg("steps"))
       .def("memory", [](const ZeroState& s) {
         const zero::MemoryStats m = s.memory();
         py::dict out;

@@ -52,6 +52,21 @@ class ShardAdam final : public ShardOptimizer {
     param.addcdiv_(exp_avg_, denom, -step_size);
   }
 
+  void load_state(const std::vector<std::pair<std::string, at::Tensor>>& state, int64_t steps,
+                  int64_t n) override {
+    TORCH_CHECK(steps >= 0, "adam state: steps must be >= 0, got ", steps);
+    std::vector<std::string> expected;
+    if (steps > 0) {
+      expected = {"exp_avg", "exp_avg_sq"};
+      if (options_.amsgrad) expected.emplace_back("max_exp_avg_sq");
+    }
+    std::vector<at::Tensor> t = take_entries(state, expected, n, "adam");
+    exp_avg_ = steps > 0 ? t[0] : at::Tensor();
+    exp_avg_sq_ = steps > 0 ? t[1] : at::Tensor();
+    max_exp_avg_sq_ = steps > 0 && options_.amsgrad ? t[2] : at::Tensor();
+    steps_ = steps;
+  }
+
   std::vector<std::pair<std::string, at::Tensor>> state() const override {
     if (!exp_avg_.defined()) return {};
     std::vector<std::pair<std::string, at::Tensor>> out{{"exp_avg", exp_avg_},

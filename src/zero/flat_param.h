@@ -50,6 +50,7 @@ class FlatParam {
   const std::vector<at::Tensor>& params() const { return params_; }
   const std::vector<std::string>& names() const { return names_; }
   bool shards_params() const { return shard_params_; }
+  int64_t rank() const { return rank_; }
 
   // [padded_numel]; its storage has 0 bytes while the unit is resharded (stage 3).
   at::Tensor& full() { return full_; }

@@ -1,6 +1,9 @@
 // src/zero/optim.cpp — option checks, the factory and the shared part of ShardOptimizer.
 #include "src/zero/optim.h"
 
+#include <algorithm>
+
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 namespace dpzero::zero {
@@ -37,6 +40,27 @@ int64_t ShardOptimizer::state_bytes() const {
     bytes += static_cast<int64_t>(tensor.numel()) * static_cast<int64_t>(tensor.element_size());
   }
   return bytes;
+}
+
+std::vector<at::Tensor> ShardOptimizer::take_entries(
+    const std::vector<std::pair<std::string, at::Tensor>>& state,
+    const std::vector<std::string>& expected, int64_t n, const char* optimizer) {
+  std::vector<at::Tensor> out;
+  for (const std::string& name : expected) {
+    auto it = std::find_if(state.begin(), state.end(),
+                           [&](const auto& entry) { return entry.first == name; });
+    TORCH_CHECK(it != state.end(), optimizer, " state: the checkpoint has no '", name,
+                "' (the optimizer's settings differ from the run that wrote it?)");
+    const at::Tensor& t = it->second;
+    TORCH_CHECK(t.dim() == 1 && t.numel() == n, optimizer, " state '", name, "': expected [", n,
+                "], got ", t.sizes());
+    out.push_back(t.to(at::kFloat).contiguous().clone());
+  }
+  for (const auto& [name, tensor] : state) {
+    TORCH_CHECK(std::find(expected.begin(), expected.end(), name) != expected.end(), optimizer,
+                " state: unexpected entry '", name, "' in the checkpoint");
+  }
+  return out;
 }
 
 void ShardOptimizer::set_lr(double lr) {

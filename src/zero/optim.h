@@ -65,6 +65,11 @@ class ShardOptimizer {
 
   // Named state tensors (each [n]) for checkpoints and tests; empty before the first step.
   virtual std::vector<std::pair<std::string, at::Tensor>> state() const = 0;
+  // Replaces the state with `state` (entries named as state() names them, each [n] fp32 on the
+  // shard's device) and the step count, as a checkpoint restores it. Throws naming a missing,
+  // unexpected or mis-shaped entry: a resumed run must continue exactly, not from fresh moments.
+  virtual void load_state(const std::vector<std::pair<std::string, at::Tensor>>& state,
+                          int64_t steps, int64_t n) = 0;
   // How many steps this shard has taken.
   int64_t steps() const { return steps_; }
   // Bytes of the state tensors held now.
@@ -75,6 +80,11 @@ class ShardOptimizer {
 
  protected:
   explicit ShardOptimizer(OptimizerOptions options);
+  // For load_state: checks that `state` has exactly the entries `expected`, each [n], and
+  // returns them in that order (copies, contiguous, fp32).
+  static std::vector<at::Tensor> take_entries(
+      const std::vector<std::pair<std::string, at::Tensor>>& state,
+      const std::vector<std::string>& expected, int64_t n, const char* optimizer);
   OptimizerOptions options_;
   int64_t steps_ = 0;
 };

@@ -109,6 +109,51 @@ void ParamGroup::zero_grad() {
   }
 }
 
+std::pair<int64_t, int64_t> ParamGroup::kept_range() const {
+  const UnitLayout& layout = flat_.layout();
+  if (stage_ == Stage::k0) return {0, layout.padded_numel()};
+  const int64_t m = layout.shard_numel();
+  return {flat_.rank() * m, (flat_.rank() + 1) * m};
+}
+
+std::vector<std::pair<std::string, at::Tensor>> ParamGroup::owned_state() const {
+  const int64_t m = flat_.layout().shard_numel();
+  // Stage 0 keeps every coordinate: its slice of the full buffer and of the full state.
+  const int64_t begin = stage_ == Stage::k0 ? flat_.rank() * m : 0;
+  FlatParam& flat = const_cast<FlatParam&>(flat_);
+  const at::Tensor& master = stage_ == Stage::k0 ? flat.full() : flat.shard();
+  std::vector<std::pair<std::string, at::Tensor>> out{{"param", master.narrow(0, begin, m)}};
+  for (const auto& [name, tensor] : optimizer_->state()) {
+    out.emplace_back(name, tensor.narrow(0, begin, m));
+  }
+  return out;
+}
+
+void ParamGroup::load_state(const std::vector<std::pair<std::string, at::Tensor>>& values,
+                            int64_t steps, const comm::Collectives& comm) {
+  at::NoGradGuard no_grad;
+  const auto [begin, end] = kept_range();
+  const int64_t n = end - begin;
+  std::vector<std::pair<std::string, at::Tensor>> optimizer_state;
+  at::Tensor param;
+  for (const auto& [name, tensor] : values) {
+    if (name == "param") {
+      param = tensor;
+    } else {
+      optimizer_state.emplace_back(name, tensor.to(flat_.shard().device()));
+    }
+  }
+  TORCH_CHECK(param.defined(), "unit '", name_, "': the checkpoint has no parameter values");
+  TORCH_CHECK(param.dim() == 1 && param.numel() == n, "unit '", name_,
+              "': checkpoint parameter values must have shape [", n, "], got ", param.sizes());
+  optimizer_->load_state(optimizer_state, steps, n);  // checks everything before any write
+  at::Tensor& master = stage_ == Stage::k0 ? flat_.full() : flat_.shard();
+  master.copy_(param);
+  if (stage_ == Stage::k1 || stage_ == Stage::k2) flat_.all_gather_params(comm);
+  if (stage_ == Stage::k3) flat_.reshard();
+  zero_grad();
+}
+
 int64_t ParamGroup::grad_bytes() const {
   const at::Tensor& held = reduces_in_backward(stage_) ? grad_shard_ : flat_grad_;
   return held.numel() * static_cast<int64_t>(held.element_size());

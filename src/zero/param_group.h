@@ -37,6 +37,17 @@
 // parameters has run, since a parameter's AccumulateGrad waits for all of them. Units still
 // gathered at the end of a backward (no gradient reached them) are freed by finish_backward, and
 // all units are freed after step() (the owned shards changed, so any gathered copy is stale).
+// Note [checkpoint slices]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// What a rank writes to a checkpoint is the coordinates it owns, [rank·m, (rank+1)·m) of the
+// unit's flat layout (m = shard_numel), in every stage: stage-0 ranks hold every coordinate but
+// write only their slice, so the files of all ranks hold each coordinate exactly once. Entries
+// are "param" (the fp32 master values) and the optimizer's state entries, each [m] fp32, plus the
+// optimizer's step count. Loading is the reverse over the coordinates a rank keeps
+// (kept_range()): its owned shard in stages 1–3, the whole layout in stage 0; the caller gathers
+// them from the old files by parameter name, which is what lets a checkpoint written at one world
+// size and stage load at another (src/checkpoint/).
+//
 // Forward-output gradient hooks were chosen over module full-backward-pre-hooks because they
 // need no wrapping of the module's outputs (in-place use of outputs keeps working) and apply to
 // any output structure.
@@ -85,6 +96,17 @@ class ParamGroup {
   void step(const comm::Collectives& comm, double grad_scale);
   // Drops all accumulated gradient (Note [gradient accumulation]).
   void zero_grad();
+
+  // Note [checkpoint slices]: the owned coordinates' entries ("param" first), each [shard_numel]
+  // fp32 (views, not copies: write them before the next step).
+  std::vector<std::pair<std::string, at::Tensor>> owned_state() const;
+  // The flat coordinates [begin, end) this rank keeps master values and optimizer state for.
+  std::pair<int64_t, int64_t> kept_range() const;
+  // Note [checkpoint slices]: restores "param" and the optimizer state over kept_range() (each
+  // entry [end - begin]) and the optimizer's step count, then makes the parameters consistent
+  // (stages 1–2 all-gather: a collective; stage 3 leaves them freed) and drops all gradients.
+  void load_state(const std::vector<std::pair<std::string, at::Tensor>>& values, int64_t steps,
+                  const comm::Collectives& comm);
 
   // The gradient of the owned coordinates reduced so far ([shard_numel]; stages 2–3 only).
   const at::Tensor& grad_shard() const { return grad_shard_; }

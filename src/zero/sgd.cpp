@@ -29,6 +29,19 @@ class ShardSgd final : public ShardOptimizer {
     ++steps_;
   }
 
+  void load_state(const std::vector<std::pair<std::string, at::Tensor>>& state, int64_t steps,
+                  int64_t n) override {
+    TORCH_CHECK(steps >= 0, "sgd state: steps must be >= 0, got ", steps);
+    // torch.optim creates the momentum buffer on the first step, and only with momentum.
+    const bool has_buffer = options_.momentum != 0.0 && steps > 0;
+    std::vector<at::Tensor> t =
+        take_entries(state, has_buffer ? std::vector<std::string>{"momentum_buffer"}
+                                       : std::vector<std::string>{},
+                     n, "sgd");
+    momentum_buffer_ = has_buffer ? t[0] : at::Tensor();
+    steps_ = steps;
+  }
+
   std::vector<std::pair<std::string, at::Tensor>> state() const override {
     if (!momentum_buffer_.defined()) return {};
     return {{"momentum_buffer", momentum_buffer_}};

@@ -104,6 +104,11 @@ at::Tensor ZeroState::full_parameters(int64_t unit) {
   return out;
 }
 
+void ZeroState::set_steps(int64_t steps) {
+  TORCH_CHECK(steps >= 0, "steps must be >= 0, got ", steps);
+  steps_ = steps;
+}
+
 void ZeroState::set_lr(double lr) {
   for (ParamGroup& g : groups_) g.optimizer().set_lr(lr);
   config_.optimizer.lr = lr;

@@ -87,6 +87,9 @@ class ZeroState {
   int64_t num_units() const { return static_cast<int64_t>(groups_.size()); }
   ParamGroup& group(int64_t unit);
   int64_t steps() const { return steps_; }
+  // A checkpoint's step counter (src/checkpoint/); the units' own state is restored through
+  // group(u).load_state.
+  void set_steps(int64_t steps);
   void set_lr(double lr);
   MemoryStats memory() const;
 
