@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include "python/csrc/bindings.h"
+#include "src/zero/memory.h"
 #include "src/zero/optim.h"
 #include "src/zero/state.h"
 
@@ -74,6 +75,34 @@ void bind_zero(py::module_ m) {
         return out;
       });
 
+  m.def(
+      "predict_model_state_bytes",
+      [](int64_t stage, double psi, int64_t world_size, double param_bytes, double grad_bytes,
+         double optimizer_bytes) {
+        const zero::ModelStateBytes b = zero::predict_model_state_bytes(
+            zero::parse_stage(stage), psi, world_size, param_bytes, grad_bytes, optimizer_bytes);
+        py::dict out;
+        out["params"] = b.params;
+        out["grads"] = b.grads;
+        out["optimizer"] = b.optimizer;
+        out["total"] = b.total();
+        return out;
+      },
+      py::arg("stage"), py::arg("psi"), py::arg("world_size"), py::arg("param_bytes"),
+      py::arg("grad_bytes"), py::arg("optimizer_bytes"),
+      "ZeRO's per-rank model-state bytes (src/zero/memory.h): params, grads, optimizer, total.");
+  m.def(
+      "optimizer_bytes_per_param",
+      [](const std::string& kind, double momentum, bool amsgrad, bool mixed) {
+        zero::OptimizerOptions o;
+        o.kind = zero::parse_optimizer_kind(kind);
+        o.momentum = momentum;
+        o.amsgrad = amsgrad;
+        return zero::optimizer_bytes_per_param(o, mixed);
+      },
+      py::arg("kind"), py::arg("momentum") = 0.0, py::arg("amsgrad") = false,
+      py::arg("mixed") = false, "K: optimizer state bytes per parameter (fp32 master if mixed).");
+
   py::class_<ZeroState>(m, "ZeroState",
                         "The ZeRO engine of one model (src/zero/state.h). Built by "
                         "dpzero.shard(); every hook body is one call into it.")
@@ -84,7 +113,8 @@ void bind_zero(py::module_ m) {
                        double lr, double weight_decay, bool maximize, double momentum,
                        double dampening, bool nesterov, std::pair<double, double> betas,
                        double eps, bool amsgrad, const py::object& process_group,
-                       int64_t alignment, double grad_scale, bool sync_module_states) {
+                       int64_t alignment, double grad_scale, bool sync_module_states,
+                       at::ScalarType param_dtype, at::ScalarType reduce_dtype) {
              std::vector<zero::UnitSpec> specs;
              for (const auto& [name, params, names, offsets] : units) {
                specs.push_back({name, params, names, offsets});
@@ -97,6 +127,8 @@ void bind_zero(py::module_ m) {
              config.alignment = alignment;
              config.grad_scale = grad_scale;
              config.sync_module_states = sync_module_states;
+             config.param_dtype = param_dtype;
+             config.reduce_dtype = reduce_dtype;
              auto pg = process_group_or_null(process_group);
              py::gil_scoped_release no_gil;  // construction broadcasts
              return std::make_unique<ZeroState>(std::move(specs), total_coordinates, config,
@@ -107,6 +139,7 @@ void bind_zero(py::module_ m) {
            py::arg("momentum"), py::arg("dampening"), py::arg("nesterov"), py::arg("betas"),
            py::arg("eps"), py::arg("amsgrad"), py::arg("process_group"), py::arg("alignment"),
            py::arg("grad_scale"), py::arg("sync_module_states"),
+           py::arg("param_dtype") = at::kFloat, py::arg("reduce_dtype") = at::kFloat,
            "units: list of (name, params, param_names, global_offsets) in plan order.")
       .def("pre_forward", &ZeroState::pre_forward, py::arg("unit"),
            py::call_guard<py::gil_scoped_release>())
@@ -131,6 +164,13 @@ void bind_zero(py::module_ m) {
       .def_property_readonly("world_size", [](const ZeroState& s) { return s.comm().world_size(); })
       .def_property_readonly("grad_scale", [](const ZeroState& s) { return s.config().grad_scale; })
       .def_property_readonly("num_units", &ZeroState::num_units)
+      .def_property_readonly("needs_grad_hooks", &ZeroState::needs_grad_hooks,
+                             "Whether every parameter's post-accumulate-grad hook must call "
+                             "grad_ready (stages 2-3, or a reduce dtype unlike the parameters').")
+      .def_property_readonly("param_dtype",
+                             [](const ZeroState& s) { return s.config().param_dtype; })
+      .def_property_readonly("reduce_dtype",
+                             [](const ZeroState& s) { return s.config().reduce_dtype; })
       .def_property_readonly("plan", &ZeroState::plan, py::return_value_policy::copy)
       .def(
           "unit_name", [](ZeroState& s, int64_t u) { return s.group(u).name(); }, py::arg("unit"))
@@ -186,11 +226,14 @@ void bind_zero(py::module_ m) {
         const zero::MemoryStats m = s.memory();
         py::dict out;
         out["params"] = m.param_bytes;
+        out["master_params"] = m.master_bytes;
         out["grads"] = m.grad_bytes;
         out["optimizer_state"] = m.optimizer_bytes;
         out["peak_params"] = m.peak_param_bytes;
+        out["peak_comm_buffers"] = m.peak_comm_bytes;
         return out;
-      }, "Bytes this rank holds now: params, grads, optimizer_state; and peak_params.");
+      }, "Bytes this rank holds now: params, master_params, grads, optimizer_state; and the "
+         "peaks peak_params, peak_comm_buffers.");
 }
 
 }  // namespace dpzero::python

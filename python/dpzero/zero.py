@@ -15,6 +15,15 @@ are numbered 0..D-1 (DESIGN.md §2.5); a unit's parameters keep that order insid
 buffer and keep their global coordinates, whatever unit they land in, and the C++ ShardPlan
 checks that the units cover [0, D) exactly once.
 
+Mixed precision (``param_dtype=torch.bfloat16`` or ``torch.float16``), as FSDP2's
+``MixedPrecisionPolicy``: the module's parameters become views of a 16-bit buffer and forward and
+backward run in that dtype; floating-point inputs of the model and of every unit are cast to it;
+the optimizer updates fp32 master weights (Note [master weights] in src/zero/flat_param.h).
+Gradients are reduced and accumulated in ``reduce_dtype`` (fp32 by default; the param dtype
+halves gradient memory and traffic, ZeRO's 16-bit setting). fp16 has no dynamic loss scaling (a
+scaled-then-clipped gradient would change DP clipping, DESIGN.md §4): multiply the loss by a
+fixed scale and fold its inverse into ``grad_scale``.
+
 Scaling. Gradients are reduced as sums (Note [sum collectives] in src/comm/collectives.h) and
 multiplied by ``grad_scale`` before the optimizer. Its default 1/W gives DDP's average over ranks
 when each rank's loss is a mean over its own part of the batch; pass 1.0 when the loss is
@@ -168,15 +177,27 @@ class ShardedModule:
     def steps(self) -> int:
         return self._state.steps
 
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self._state.param_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self._state.reduce_dtype
+
     def memory(self) -> dict:
-        """Bytes this rank holds now: ``params`` (flat parameter buffers, plus the master shards
-        in stage 3), ``grads`` (persistent gradient buffers), ``optimizer_state``, and
-        ``peak_params`` (most parameter bytes held at once). Autograd's short-lived per-parameter
-        gradients in stages 2-3 and communication buffers are not counted."""
+        """Bytes this rank holds now: ``params`` (parameter buffers in the compute dtype, plus
+        the owned shards in stage 3), ``master_params`` (separate fp32 master weights under mixed
+        precision, else 0), ``grads`` (persistent gradient buffers), ``optimizer_state``; and two
+        peaks since construction: ``peak_params`` (parameter bytes held at once) and
+        ``peak_comm_buffers`` (the largest set of short-lived buffers one unit allocated for a
+        collective or a dtype change). Autograd's per-parameter gradients, which live until their
+        unit's backward completes, are not counted. Compare with :func:`predicted_memory`."""
         return self._state.memory()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every trainable parameter by canonical name, as a copy (all-gathers in stage 3)."""
+        """Every trainable parameter by canonical name: a fp32 copy of the master weights
+        (all-gathers where the master is sharded, stages 1-3: call it on every rank)."""
         out = {}
         for u, (_, members) in enumerate(self._units):
             flat = self._state.full_parameters(u)
@@ -213,6 +234,8 @@ def shard(
     alignment: int = 4,
     grad_scale: float | None = None,
     sync_module_states: bool = True,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> ShardedModule:
     """Shard ``model`` under ZeRO ``stage`` 0-3 with an optimizer that runs on the owned shard.
 
@@ -224,6 +247,9 @@ def shard(
     alignment: each parameter's flat offset is a multiple of this many elements.
     grad_scale: factor applied to the summed gradient before the optimizer; ``None`` means 1/W.
     sync_module_states: start every rank from rank 0's parameters and buffers.
+    param_dtype: compute dtype of the parameters (float32, bfloat16 or float16; see the module
+        docstring on mixed precision); the optimizer always updates fp32 master weights.
+    reduce_dtype: dtype gradients are reduced and accumulated in: float32 or ``param_dtype``.
 
     Trainable parameters must be float32 and on one device per unit. Parameters that get no
     gradient in a backward count as zero gradient (torch.optim would skip them).
@@ -267,13 +293,35 @@ def shard(
         alignment,
         grad_scale,
         sync_module_states,
+        param_dtype,
+        reduce_dtype,
     )
     handles = []
-    if stage in (2, 3):
+    if param_dtype != torch.float32:
+        handles += _register_input_casts(model, planned, param_dtype)
+    if state.needs_grad_hooks:
         handles += _register_grad_hooks(_hooks_ref(state), planned)
     if stage == 3:
         handles += _register_gather_hooks(model, _hooks_ref(state), planned)
     return ShardedModule(model, state, planned, handles)
+
+
+def _cast_inputs(dtype: torch.dtype, _module, args, kwargs):
+    def cast(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return pytree.tree_map(cast, args), pytree.tree_map(cast, kwargs)
+
+
+def _register_input_casts(model: nn.Module, planned, dtype: torch.dtype):
+    """Mixed precision: cast floating-point inputs of the model and of every unit's module to the
+    compute dtype (FSDP2's cast_forward_inputs), so fp32 activations or masks created between
+    units do not meet 16-bit weights."""
+    modules = [model] + [model.get_submodule(unit) for unit, _ in planned if unit != ROOT_UNIT]
+    cast = functools.partial(_cast_inputs, dtype)
+    return [m.register_forward_pre_hook(cast, with_kwargs=True) for m in modules]
 
 
 def _hooks_ref(state):
@@ -291,8 +339,9 @@ def _grad_ready(state_ref, unit: int, index: int, _param) -> None:
 
 
 def _register_grad_hooks(state_ref, planned):
-    """Stages 2-3: each parameter's post-accumulate-grad hook tells the engine its gradient of this
-    backward is final (Note [gradient buffers] in src/zero/param_group.h)."""
+    """Stages 2-3 (and 0-1 when gradients are reduced in another dtype than the parameters'):
+    each parameter's post-accumulate-grad hook tells the engine its gradient of this backward is
+    final (Note [gradient buffers] in src/zero/param_group.h)."""
     handles = []
     for u, (_, members) in enumerate(planned):
         for i, (_, param, _) in enumerate(members):

@@ -31,39 +31,51 @@ void allocate_storage(const at::Tensor& tensor, size_t nbytes) {
 
 FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names,
                      UnitLayout layout, const comm::Collectives& comm, bool sync,
-                     bool shard_params)
+                     FlatParamOptions options)
     : params_(std::move(params)),
       names_(std::move(names)),
       layout_(std::move(layout)),
       rank_(comm.rank()),
-      shard_params_(shard_params) {
+      options_(options) {
   TORCH_CHECK(!params_.empty(), "a flat parameter needs at least one parameter, got 0");
   TORCH_CHECK(layout_.params().size() == params_.size(), "the layout has ",
               layout_.params().size(), " parameters, got ", params_.size());
   TORCH_CHECK(layout_.world_size() == comm.world_size(), "the layout is for world size ",
               layout_.world_size(), " but the process group has ", comm.world_size(), " ranks");
+  check_param_dtype(options_.param_dtype);
+  TORCH_CHECK(!(options_.shard_params && options_.master_full),
+              "a flat parameter cannot be both sharded (stage 3) and fully owned (stage 0)");
   check_params(params_, names_);
   for (size_t i = 0; i < params_.size(); ++i) {
     TORCH_CHECK(params_[i].numel() == layout_.params()[i].numel, "parameter '", names_[i],
                 "' has ", params_[i].numel(), " elements, the layout says ",
                 layout_.params()[i].numel);
   }
-  full_ = at::zeros({layout_.padded_numel()}, params_[0].options().requires_grad(false));
+  const int64_t m = layout_.shard_numel();
+  // [padded_numel] fp32: the starting values, identical on every rank after the broadcast.
+  at::Tensor values = at::zeros({layout_.padded_numel()}, params_[0].options().requires_grad(false));
   {
     at::NoGradGuard no_grad;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      param_view(full_, i).copy_(params_[i].detach());
-    }
+    for (size_t i = 0; i < params_.size(); ++i) param_view(values, i).copy_(params_[i].detach());
   }
-  if (sync) comm.broadcast_(full_, 0);
-  for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(param_view(full_, i));
-  at::Tensor owned = full_.narrow(0, rank_ * layout_.shard_numel(), layout_.shard_numel());
-  if (shard_params_) {
-    shard_ = owned.clone();
-    free_storage(full_);
+  if (sync) comm.broadcast_(values, 0);
+  at::Tensor owned_values = values.narrow(0, rank_ * m, m);
+  if (mixed()) {
+    full_ = values.to(options_.param_dtype);
+    master_ = options_.master_full ? values : owned_values.clone();
   } else {
-    shard_ = owned;
+    full_ = values;
   }
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(param_view(full_, i));
+  at::Tensor owned = full_.narrow(0, rank_ * m, m);
+  shard_ = options_.shard_params ? owned.clone() : owned;
+  if (!mixed()) master_ = options_.master_full ? full_ : shard_;
+  if (options_.shard_params) free_storage(full_);
+}
+
+void FlatParam::check_param_dtype(at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "param_dtype must be float32, bfloat16 or float16, got ", dtype);
 }
 
 void FlatParam::check_params(const std::vector<at::Tensor>& params,
@@ -83,7 +95,7 @@ void FlatParam::check_params(const std::vector<at::Tensor>& params,
 }
 
 bool FlatParam::unsharded() const {
-  return !shard_params_ || full_.storage().nbytes() == static_cast<size_t>(full_bytes());
+  return !options_.shard_params || full_.storage().nbytes() == static_cast<size_t>(full_bytes());
 }
 
 int64_t FlatParam::full_bytes() const {
@@ -102,14 +114,18 @@ void FlatParam::unshard(const comm::Collectives& comm) {
 }
 
 void FlatParam::reshard() {
-  if (shard_params_) free_storage(full_);
+  if (options_.shard_params) free_storage(full_);
 }
 
-void FlatParam::all_gather_params(const comm::Collectives& comm) {
-  TORCH_CHECK(!shard_params_, "all_gather_params is for stages 1-2; stage 3 gathers on use");
-  if (comm.world_size() == 1) return;  // the shard is the whole buffer
-  at::Tensor mine = shard_.clone();     // all_gather's input may not overlap its output
-  comm.all_gather(full_, mine);
+void FlatParam::publish_master(const comm::Collectives& comm) {
+  at::NoGradGuard no_grad;
+  if (mixed()) (options_.master_full ? full_ : shard_).copy_(master_);
+  if (options_.shard_params) {
+    free_storage(full_);  // any gathered copy is stale now
+  } else if (!options_.master_full && comm.world_size() > 1) {
+    at::Tensor mine = shard_.clone();  // all_gather's input may not overlap its output
+    comm.all_gather(full_, mine);
+  }
 }
 
 void FlatParam::attach_grad_views(at::Tensor& flat_grad, bool keep_values) {
@@ -134,8 +150,8 @@ void FlatParam::attach_grad_views(at::Tensor& flat_grad, bool keep_values) {
   }
 }
 
-at::Tensor FlatParam::take_grads() {
-  at::Tensor flat = at::zeros({layout_.padded_numel()}, shard_.options());
+at::Tensor FlatParam::take_grads(at::ScalarType dtype) {
+  at::Tensor flat = at::zeros({layout_.padded_numel()}, shard_.options().dtype(dtype));
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor& grad = params_[i].mutable_grad();
@@ -152,8 +168,12 @@ void FlatParam::drop_grads() {
 
 int64_t FlatParam::param_bytes() const {
   int64_t bytes = static_cast<int64_t>(full_.storage().nbytes());
-  if (shard_params_) bytes += shard_.numel() * static_cast<int64_t>(shard_.element_size());
+  if (options_.shard_params) bytes += shard_.numel() * static_cast<int64_t>(shard_.element_size());
   return bytes;
+}
+
+int64_t FlatParam::master_bytes() const {
+  return mixed() ? master_.numel() * static_cast<int64_t>(master_.element_size()) : 0;
 }
 
 }  // namespace dpzero::zero

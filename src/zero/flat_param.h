@@ -17,6 +17,18 @@
 // be freed. While a unit is resharded its parameters keep their shapes but have no storage:
 // reading them (state_dict(), printing values) is an error; ZeroState::full_parameters() gathers
 // a copy.
+//
+// Note [master weights]
+// ~~~~~~~~~~~~~~~~~~~~~
+// The optimizer updates fp32 *master* values (ZeRO's "fp32 parameter copy"; Micikevicius et al.
+// 2018, §3.1): the whole unit in stage 0, the owned shard in stages 1–3. With fp32 compute the
+// master is the parameter storage itself (full() in stage 0, shard() otherwise) and nothing is
+// copied. With bf16/fp16 compute (param_dtype) the parameters are views of a param_dtype full()
+// buffer, and the master is its own fp32 tensor; after each update publish_master() rounds it
+// into the compute copy (shard(), which stages 0–2 view inside full() and stage 3 keeps as its own
+// param_dtype tensor so gathers move 16-bit values and memory matches ZeRO's 2Ψ/W parameter
+// term), and stages 1–2 all-gather it. Checkpoints and full_parameters() read the master, never
+// the rounded copy.
 #pragma once
 
 #include <cstdint>
@@ -30,32 +42,52 @@
 
 namespace dpzero::zero {
 
+// How a unit is held, by stage (stage.h) and precision.
+struct FlatParamOptions {
+  bool shard_params = false;            // stage 3: full() freed except around use
+  bool master_full = false;             // stage 0: the master covers every coordinate
+  at::ScalarType param_dtype = at::kFloat;  // compute dtype: kFloat, kBFloat16 or kHalf
+};
+
 class FlatParam {
  public:
   // params: the unit's trainable parameters in canonical order, fp32, one device, each
   //   params[i].numel() == layout.params()[i].numel; names: their canonical names (for errors).
-  // Copies their values into a new full buffer; with `sync`, broadcasts rank 0's buffer so every
-  // rank starts from the same values; sets each .data to its view. With `shard_params` (stage 3)
-  // the owned slice is copied into its own tensor (the fp32 master shard) and the full buffer's
-  // storage freed; otherwise the shard is a view of the full buffer.
+  // Copies their values into a new fp32 buffer; with `sync`, broadcasts rank 0's buffer so every
+  // rank starts from the same values; builds the master and the compute copies from it (Note
+  // [master weights]) and sets each parameter's .data to its view of full() — in param_dtype,
+  // so the parameters change dtype under mixed precision. With shard_params (stage 3) the owned
+  // slice gets its own tensor and full()'s storage is freed; otherwise shard() is a view of full().
   FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names, UnitLayout layout,
-            const comm::Collectives& comm, bool sync, bool shard_params);
+            const comm::Collectives& comm, bool sync, FlatParamOptions options);
 
   // The checks the constructor makes on `params` (fp32, one device, trainable), without touching
   // them: callers building several units check them all before flattening any.
   static void check_params(const std::vector<at::Tensor>& params,
                            const std::vector<std::string>& names);
+  // Throws naming `dtype` unless it is float32, bfloat16 or float16.
+  static void check_param_dtype(at::ScalarType dtype);
 
   const UnitLayout& layout() const { return layout_; }
   const std::vector<at::Tensor>& params() const { return params_; }
   const std::vector<std::string>& names() const { return names_; }
-  bool shards_params() const { return shard_params_; }
+  bool shards_params() const { return options_.shard_params; }
   int64_t rank() const { return rank_; }
+  at::ScalarType param_dtype() const { return options_.param_dtype; }
+  // Whether the master is a separate fp32 tensor (param_dtype is not fp32).
+  bool mixed() const { return options_.param_dtype != at::kFloat; }
 
-  // [padded_numel]; its storage has 0 bytes while the unit is resharded (stage 3).
+  // [padded_numel] param_dtype; its storage has 0 bytes while the unit is resharded (stage 3).
   at::Tensor& full() { return full_; }
-  // [shard_numel]: the coordinates this rank owns (the optimizer's master weights).
+  // [shard_numel] param_dtype: the owned coordinates' compute values, the all-gather source.
   at::Tensor& shard() { return shard_; }
+  // fp32 master values the optimizer updates (Note [master weights]): [padded_numel] with
+  // master_full (stage 0), else [shard_numel].
+  at::Tensor& master() { return master_; }
+  const at::Tensor& master() const { return master_; }
+  // After the optimizer updated master(): rounds it into the compute copy (mixed precision) and
+  // makes the parameters current — stages 1–2 all-gather (a collective), stage 3 frees full().
+  void publish_master(const comm::Collectives& comm);
   // Whether full() holds the current values of every coordinate.
   bool unsharded() const;
 
@@ -64,9 +96,6 @@ class FlatParam {
   void unshard(const comm::Collectives& comm);
   // Stage 3: frees full()'s storage; no-op when parameters are not sharded.
   void reshard();
-  // Stages 1–2: after the optimizer updated shard() (a view of full()), all-gathers every rank's
-  // updated shard into full().
-  void all_gather_params(const comm::Collectives& comm);
 
   // The slice of a flat tensor ([padded_numel]) that parameter i occupies, with its shape.
   at::Tensor param_view(const at::Tensor& flat, size_t i) const;
@@ -77,15 +106,17 @@ class FlatParam {
   // the slice, and an undefined one (module.zero_grad() sets None) zeroes the slice; without, the
   // views are attached and the slices left as they are.
   void attach_grad_views(at::Tensor& flat_grad, bool keep_values);
-  // Stages 2–3: a new [padded_numel] tensor with each parameter's .grad at its slice (zeros for
+  // A new [padded_numel] tensor of `dtype` with each parameter's .grad at its slice (zeros for
   // padding and for parameters without a gradient); resets every .grad to undefined.
-  at::Tensor take_grads();
+  at::Tensor take_grads(at::ScalarType dtype);
   // Resets every parameter's .grad to undefined.
   void drop_grads();
 
   // Bytes of parameter storage this unit holds now: the full buffer's storage plus, in stage 3,
-  // the master shard.
+  // the owned shard; the fp32 master only where it is the parameter storage itself.
   int64_t param_bytes() const;
+  // Bytes of a separate fp32 master (mixed precision), else 0.
+  int64_t master_bytes() const;
   // Bytes the full buffer occupies when allocated.
   int64_t full_bytes() const;
 
@@ -94,9 +125,10 @@ class FlatParam {
   std::vector<std::string> names_;
   UnitLayout layout_;
   int64_t rank_;
-  bool shard_params_;
-  at::Tensor full_;   // [padded_numel] every coordinate of the unit; parameters are views of it
-  at::Tensor shard_;  // [shard_numel] owned coordinates: view of full_ (stages 0–2) or own storage
+  FlatParamOptions options_;
+  at::Tensor full_;    // [padded_numel] param_dtype, every coordinate; parameters are views of it
+  at::Tensor shard_;   // [shard_numel] param_dtype, owned: view of full_ (stages 0–2) or own (3)
+  at::Tensor master_;  // fp32, Note [master weights]: aliases full_/shard_ unless mixed()
 };
 
 }  // namespace dpzero::zero

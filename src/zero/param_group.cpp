@@ -10,19 +10,26 @@
 namespace dpzero::zero {
 
 ParamGroup::ParamGroup(std::string name, FlatParam flat, Stage stage,
-                       std::unique_ptr<ShardOptimizer> optimizer)
+                       std::unique_ptr<ShardOptimizer> optimizer, at::ScalarType reduce_dtype)
     : name_(std::move(name)),
       flat_(std::move(flat)),
       stage_(stage),
       optimizer_(std::move(optimizer)),
+      reduce_dtype_(reduce_dtype),
+      packs_grads_(reduces_in_backward(stage) || reduce_dtype != flat_.param_dtype()),
       ready_(flat_.params().size(), 0) {
   TORCH_CHECK(flat_.shards_params() == (stage_ == Stage::k3), "unit '", name_,
               "': parameters must be sharded exactly in stage 3");
+  FlatParam::check_param_dtype(reduce_dtype);  // the same three dtypes are allowed
+  const at::TensorOptions options = flat_.shard().options().dtype(reduce_dtype_);
   if (reduces_in_backward(stage_)) {
-    grad_shard_ = at::zeros({flat_.layout().shard_numel()}, flat_.shard().options());
+    grad_shard_ = at::zeros({flat_.layout().shard_numel()}, options);
+  } else {
+    flat_grad_ = at::zeros({flat_.layout().padded_numel()}, options);
+  }
+  if (packs_grads_) {
     flat_.drop_grads();  // a gradient from before sharding would enter the first reduction
   } else {
-    flat_grad_ = at::zeros({flat_.layout().padded_numel()}, flat_.shard().options());
     flat_.attach_grad_views(flat_grad_, /*keep_values=*/false);
   }
 }
@@ -32,34 +39,42 @@ void ParamGroup::post_forward(bool in_backward) {
 }
 
 void ParamGroup::grad_ready(int64_t index, const comm::Collectives& comm) {
-  TORCH_CHECK(reduces_in_backward(stage_), "unit '", name_,
-              "': grad_ready is for stages 2-3, this unit is stage ", static_cast<int64_t>(stage_));
+  TORCH_CHECK(packs_grads_, "unit '", name_, "': grad_ready is for units whose gradients are "
+              "packed per backward (stages 2-3, or a reduce dtype other than the parameters'); "
+              "this unit is stage ", static_cast<int64_t>(stage_));
   TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(ready_.size()), "unit '", name_,
               "' has ", ready_.size(), " parameters, got parameter index ", index);
   if (ready_[index]) return;  // AccumulateGrad runs once per leaf and backward; tolerate repeats
   ready_[index] = 1;
   if (++ready_count_ == static_cast<int64_t>(ready_.size())) {
-    reduce_grads(comm);
+    take_grads(comm);
     flat_.reshard();
   }
 }
 
 void ParamGroup::finish_backward(const comm::Collectives& comm) {
-  if (!reduces_in_backward(stage_)) return;
-  if (ready_count_ > 0) reduce_grads(comm);
+  if (!packs_grads_) return;
+  if (ready_count_ > 0) take_grads(comm);
   flat_.reshard();
 }
 
-void ParamGroup::reduce_grads(const comm::Collectives& comm) {
+void ParamGroup::take_grads(const comm::Collectives& comm) {
   at::NoGradGuard no_grad;
-  at::Tensor full = flat_.take_grads();  // [padded_numel]; the per-parameter .grad are freed
-  if (grad_shard_written_) {
-    at::Tensor reduced = at::empty_like(grad_shard_);
+  // [padded_numel] reduce_dtype; the per-parameter .grad are freed
+  at::Tensor full = flat_.take_grads(reduce_dtype_);
+  const int64_t full_bytes = full.numel() * static_cast<int64_t>(full.element_size());
+  if (!reduces_in_backward(stage_)) {
+    flat_grad_.add_(full);
+    note_comm_bytes(full_bytes);
+  } else if (grad_shard_written_) {
+    at::Tensor reduced = at::empty_like(grad_shard_);  // [shard_numel]
     comm.reduce_scatter_sum(reduced, full);
     grad_shard_.add_(reduced);
+    note_comm_bytes(full_bytes + reduced.numel() * static_cast<int64_t>(reduced.element_size()));
   } else {
     comm.reduce_scatter_sum(grad_shard_, full);
     grad_shard_written_ = true;
+    note_comm_bytes(full_bytes);
   }
   std::fill(ready_.begin(), ready_.end(), 0);
   ready_count_ = 0;
@@ -67,31 +82,32 @@ void ParamGroup::reduce_grads(const comm::Collectives& comm) {
 
 void ParamGroup::step(const comm::Collectives& comm, double grad_scale) {
   at::NoGradGuard no_grad;
-  at::Tensor grad;  // [shard_numel] (stage 0: [padded_numel]) reduced gradient of the coordinates
-                    // this rank updates
+  at::Tensor grad;  // reduce_dtype, the reduced gradient of the coordinates master() holds:
+                    // [padded_numel] in stage 0, [shard_numel] otherwise
   switch (stage_) {
     case Stage::k0:
-      flat_.attach_grad_views(flat_grad_, /*keep_values=*/true);
+      if (!packs_grads_) flat_.attach_grad_views(flat_grad_, /*keep_values=*/true);
       comm.all_reduce_sum_(flat_grad_);
       grad = flat_grad_;
       break;
     case Stage::k1:
-      flat_.attach_grad_views(flat_grad_, /*keep_values=*/true);
+      if (!packs_grads_) flat_.attach_grad_views(flat_grad_, /*keep_values=*/true);
       grad = at::empty({flat_.layout().shard_numel()}, flat_grad_.options());
       comm.reduce_scatter_sum(grad, flat_grad_);
+      note_comm_bytes(grad.numel() * static_cast<int64_t>(grad.element_size()));
       break;
     case Stage::k2:
     case Stage::k3:
       grad = grad_shard_;
       break;
   }
+  if (grad.scalar_type() != at::kFloat) {
+    grad = grad.to(at::kFloat);  // the optimizer runs in fp32 on the master (Note [master weights])
+    note_comm_bytes(grad.numel() * static_cast<int64_t>(grad.element_size()));
+  }
   if (grad_scale != 1.0) grad.mul_(grad_scale);
-  // Stage 0 updates every coordinate on every rank (its optimizer state is full); the others
-  // update the owned shard only.
-  at::Tensor& param = stage_ == Stage::k0 ? flat_.full() : flat_.shard();
-  optimizer_->step(param, grad);
-  if (stage_ == Stage::k1 || stage_ == Stage::k2) flat_.all_gather_params(comm);
-  if (stage_ == Stage::k3) flat_.reshard();
+  optimizer_->step(flat_.master(), grad);
+  flat_.publish_master(comm);
   zero_grad();
 }
 
@@ -100,11 +116,14 @@ void ParamGroup::zero_grad() {
   if (reduces_in_backward(stage_)) {
     grad_shard_.zero_();
     grad_shard_written_ = false;
+  } else {
+    flat_grad_.zero_();
+  }
+  if (packs_grads_) {
     flat_.drop_grads();  // per-parameter gradients of a backward that was not finished
     std::fill(ready_.begin(), ready_.end(), 0);
     ready_count_ = 0;
   } else {
-    flat_grad_.zero_();
     flat_.attach_grad_views(flat_grad_, /*keep_values=*/false);
   }
 }
@@ -120,8 +139,7 @@ std::vector<std::pair<std::string, at::Tensor>> ParamGroup::owned_state() const 
   const int64_t m = flat_.layout().shard_numel();
   // Stage 0 keeps every coordinate: its slice of the full buffer and of the full state.
   const int64_t begin = stage_ == Stage::k0 ? flat_.rank() * m : 0;
-  FlatParam& flat = const_cast<FlatParam&>(flat_);
-  const at::Tensor& master = stage_ == Stage::k0 ? flat.full() : flat.shard();
+  const at::Tensor& master = flat_.master();
   std::vector<std::pair<std::string, at::Tensor>> out{{"param", master.narrow(0, begin, m)}};
   for (const auto& [name, tensor] : optimizer_->state()) {
     out.emplace_back(name, tensor.narrow(0, begin, m));
@@ -147,10 +165,8 @@ void ParamGroup::load_state(const std::vector<std::pair<std::string, at::Tensor>
   TORCH_CHECK(param.dim() == 1 && param.numel() == n, "unit '", name_,
               "': checkpoint parameter values must have shape [", n, "], got ", param.sizes());
   optimizer_->load_state(optimizer_state, steps, n);  // checks everything before any write
-  at::Tensor& master = stage_ == Stage::k0 ? flat_.full() : flat_.shard();
-  master.copy_(param);
-  if (stage_ == Stage::k1 || stage_ == Stage::k2) flat_.all_gather_params(comm);
-  if (stage_ == Stage::k3) flat_.reshard();
+  flat_.master().copy_(param);
+  flat_.publish_master(comm);
   zero_grad();
 }
 

@@ -13,6 +13,14 @@
 // flat buffer, reduce-scattered, added into grad_shard_, and every piece of the full unit gradient
 // is freed, so no more than one unit's full gradient is alive per unit whose backward is running.
 //
+// Under mixed precision (Note [master weights] in flat_param.h) autograd's .grad has the
+// parameters' 16-bit dtype, but gradients are reduced and accumulated in reduce_dtype (fp32 by
+// default, as FSDP2's MixedPrecisionPolicy and DeepSpeed do). Stages 0–1 then cannot use views
+// (a .grad must have its parameter's dtype): they take the stages 2–3 path without the
+// reduce-scatter — the unit's gradient is packed in reduce_dtype when its backward completes and
+// added into flat_grad_ (packs_grads()). With reduce_dtype equal to the parameters' dtype the
+// views path stays, and gradients accumulate in that dtype (ZeRO's 2Ψ gradient term).
+//
 // Note [gradient accumulation]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Gradients of micro-batches sum. Stages 0–1: AccumulateGrad sums in place, one reduction per
@@ -53,6 +61,7 @@
 // any output structure.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -69,8 +78,9 @@ namespace dpzero::zero {
 
 class ParamGroup {
  public:
+  // reduce_dtype: the dtype gradients are reduced and accumulated in (kFloat, kBFloat16, kHalf).
   ParamGroup(std::string name, FlatParam flat, Stage stage,
-             std::unique_ptr<ShardOptimizer> optimizer);
+             std::unique_ptr<ShardOptimizer> optimizer, at::ScalarType reduce_dtype);
 
   const std::string& name() const { return name_; }
   FlatParam& flat() { return flat_; }
@@ -83,11 +93,15 @@ class ParamGroup {
   void post_forward(bool in_backward);
   void pre_backward(const comm::Collectives& comm) { flat_.unshard(comm); }
 
-  // Stages 2–3: parameter `index` has its final gradient of this backward (post-accumulate-grad
-  // hook). When every parameter of the unit has, reduces the unit's gradient (Note [gradient
-  // buffers]) and, in stage 3, frees the gathered parameters.
+  // Whether gradients are taken per backward through grad_ready (stages 2–3, and stages 0–1
+  // when reduce_dtype differs from the parameters' dtype) rather than accumulated by autograd
+  // into views (Note [gradient buffers]).
+  bool packs_grads() const { return packs_grads_; }
+  // packs_grads(): parameter `index` has its final gradient of this backward (post-accumulate-grad
+  // hook). When every parameter of the unit has, reduces (stages 2–3) or accumulates (stages 0–1)
+  // the unit's gradient (Note [gradient buffers]) and, in stage 3, frees the gathered parameters.
   void grad_ready(int64_t index, const comm::Collectives& comm);
-  // Stages 2–3, end of a backward pass: reduces a unit that got some but not all gradients, then
+  // End of a backward pass: takes the gradient of a unit that got some but not all of it, then
   // (stage 3) frees the gathered parameters.
   void finish_backward(const comm::Collectives& comm);
 
@@ -114,24 +128,36 @@ class ParamGroup {
   // Bytes held now: parameter storage (FlatParam::param_bytes), persistent gradient buffers,
   // optimizer state.
   int64_t param_bytes() const { return flat_.param_bytes(); }
+  int64_t master_bytes() const { return flat_.master_bytes(); }
   int64_t grad_bytes() const;
   int64_t optimizer_bytes() const { return optimizer_->state_bytes(); }
+  // The most bytes of short-lived buffers this unit allocated at once for a collective or a dtype
+  // change (packed unit gradient, reduce-scatter output, all-gather input, fp32 gradient copy).
+  int64_t peak_comm_bytes() const { return peak_comm_bytes_; }
+  at::ScalarType reduce_dtype() const { return reduce_dtype_; }
 
  private:
-  void reduce_grads(const comm::Collectives& comm);
+  // Packs the unit's gradient of this backward and reduce-scatters (stages 2–3) or adds
+  // (stages 0–1) it into the persistent buffer.
+  void take_grads(const comm::Collectives& comm);
+  void note_comm_bytes(int64_t bytes) { peak_comm_bytes_ = std::max(peak_comm_bytes_, bytes); }
 
   std::string name_;
   FlatParam flat_;
   Stage stage_;
   std::unique_ptr<ShardOptimizer> optimizer_;
-  // [padded_numel], stages 0–1: the parameters' .grad are views of it (Note [gradient buffers]).
+  at::ScalarType reduce_dtype_;
+  bool packs_grads_;
+  int64_t peak_comm_bytes_ = 0;
+  // [padded_numel] reduce_dtype, stages 0–1: the parameters' .grad are views of it, or packed
+  // gradients are added into it (Note [gradient buffers]).
   at::Tensor flat_grad_;
-  // [shard_numel], stages 2–3: Σ of this step's reduce-scattered unit gradients.
+  // [shard_numel] reduce_dtype, stages 2–3: Σ of this step's reduce-scattered unit gradients.
   at::Tensor grad_shard_;
   // grad_shard_ holds a reduction since the last step or zero_grad: the first reduction is written
   // straight into it, later ones are added.
   bool grad_shard_written_ = false;
-  // Stages 2–3: which parameters have their gradient in the backward now running.
+  // packs_grads(): which parameters have their gradient in the backward now running.
   std::vector<char> ready_;
   int64_t ready_count_ = 0;
 };

@@ -22,6 +22,10 @@ ZeroState::ZeroState(std::vector<UnitSpec> units, int64_t total_coordinates, Zer
   check_options(config_.optimizer);
   TORCH_CHECK(!units.empty(), "the model has no trainable parameters to shard");
   TORCH_CHECK(config_.alignment >= 1, "alignment must be >= 1, got ", config_.alignment);
+  FlatParam::check_param_dtype(config_.param_dtype);
+  TORCH_CHECK(config_.reduce_dtype == at::kFloat || config_.reduce_dtype == config_.param_dtype,
+              "reduce_dtype must be float32 or the param_dtype (", config_.param_dtype, "), got ",
+              config_.reduce_dtype);
   std::vector<UnitLayout> layouts;
   for (const UnitSpec& unit : units) {
     TORCH_CHECK(!unit.params.empty(), "unit '", unit.name, "' has no trainable parameters");
@@ -41,11 +45,15 @@ ZeroState::ZeroState(std::vector<UnitSpec> units, int64_t total_coordinates, Zer
   // model as it was.
   plan_ = std::make_unique<ShardPlan>(layouts, total_coordinates);
   groups_.reserve(units.size());
+  FlatParamOptions flat_options;
+  flat_options.shard_params = config_.stage == Stage::k3;
+  flat_options.master_full = config_.stage == Stage::k0;
+  flat_options.param_dtype = config_.param_dtype;
   for (size_t u = 0; u < units.size(); ++u) {
     FlatParam flat(std::move(units[u].params), std::move(units[u].param_names), layouts[u], comm_,
-                   config_.sync_module_states, config_.stage == Stage::k3);
+                   config_.sync_module_states, flat_options);
     groups_.emplace_back(units[u].name, std::move(flat), config_.stage,
-                         make_shard_optimizer(config_.optimizer));
+                         make_shard_optimizer(config_.optimizer), config_.reduce_dtype);
   }
   note_param_bytes();
 }
@@ -98,10 +106,16 @@ void ZeroState::zero_grad() {
 
 at::Tensor ZeroState::full_parameters(int64_t unit) {
   FlatParam& flat = group(unit).flat();
-  if (flat.unsharded()) return flat.full().detach().clone();
-  at::Tensor out = at::empty({flat.layout().padded_numel()}, flat.shard().options());
-  comm_.all_gather(out, flat.shard());
+  at::Tensor master = flat.master();  // a handle: all_gather takes it by reference
+  if (master.numel() == flat.layout().padded_numel()) return master.detach().clone();
+  at::Tensor out = at::empty({flat.layout().padded_numel()}, master.options());
+  comm_.all_gather(out, master);
   return out;
+}
+
+bool ZeroState::needs_grad_hooks() const {
+  return std::any_of(groups_.begin(), groups_.end(),
+                     [](const ParamGroup& g) { return g.packs_grads(); });
 }
 
 void ZeroState::set_steps(int64_t steps) {
@@ -126,6 +140,8 @@ MemoryStats ZeroState::memory() const {
     stats.param_bytes += g.param_bytes();
     stats.grad_bytes += g.grad_bytes();
     stats.optimizer_bytes += g.optimizer_bytes();
+    stats.master_bytes += g.master_bytes();
+    stats.peak_comm_bytes = std::max(stats.peak_comm_bytes, g.peak_comm_bytes());
   }
   stats.peak_param_bytes = std::max(peak_param_bytes_, stats.param_bytes);
   return stats;

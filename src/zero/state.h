@@ -50,14 +50,21 @@ struct ZeroConfig {
   int64_t alignment = 4;          // flat offset alignment, in elements (UnitLayout)
   double grad_scale = 1.0;        // applied to the reduced gradient before the optimizer
   bool sync_module_states = true; // broadcast rank 0's parameters at construction
+  // Mixed precision (Note [master weights] in flat_param.h): the dtype parameters are computed
+  // in, and the dtype gradients are reduced and accumulated in. fp32 master weights always.
+  at::ScalarType param_dtype = at::kFloat;
+  at::ScalarType reduce_dtype = at::kFloat;
 };
 
-// Bytes this rank holds now (storage actually allocated).
+// Bytes this rank holds now (storage actually allocated), and two peaks.
 struct MemoryStats {
-  int64_t param_bytes = 0;       // flat parameter buffers (+ master shards in stage 3)
+  int64_t param_bytes = 0;       // parameter storage: full buffers held now, + owned shards in
+                                 // stage 3 (Note [master weights]: the master when it is fp32)
+  int64_t master_bytes = 0;      // separate fp32 master values under mixed precision, else 0
   int64_t grad_bytes = 0;        // persistent gradient buffers (full in 0–1, shard in 2–3)
   int64_t optimizer_bytes = 0;   // optimizer state
   int64_t peak_param_bytes = 0;  // most parameter bytes held at once since construction
+  int64_t peak_comm_bytes = 0;   // largest short-lived collective/cast buffer set of one unit
 };
 
 class ZeroState {
@@ -77,14 +84,16 @@ class ZeroState {
   void step();
   void zero_grad();
 
-  // Unit `unit`'s full flat parameters ([padded_numel], a copy); all-gathers in stage 3, so in
-  // stage 3 every rank must call it (Note [collective order]).
+  // Unit `unit`'s full flat fp32 master values ([padded_numel], a copy); all-gathers in stages
+  // 1–3 when the master is sharded, so every rank must call it (Note [collective order]).
   at::Tensor full_parameters(int64_t unit);
 
   const ShardPlan& plan() const { return *plan_; }
   const comm::Collectives& comm() const { return comm_; }
   const ZeroConfig& config() const { return config_; }
   int64_t num_units() const { return static_cast<int64_t>(groups_.size()); }
+  // Whether grad_ready must be called for every parameter (Note [gradient buffers]).
+  bool needs_grad_hooks() const;
   ParamGroup& group(int64_t unit);
   int64_t steps() const { return steps_; }
   // A checkpoint's step counter (src/checkpoint/); the units' own state is restored through

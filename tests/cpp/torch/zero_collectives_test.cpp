@@ -146,8 +146,8 @@ TEST_P(ZeroCollectives, UnitGradientReduceScatterGivesEachRankItsShardSum) {
   std::vector<at::Tensor> shards(world);
   run_ranks(world, [&](int rank, const comm::Collectives& comm) {
     std::vector<at::Tensor> params = unit_params(0);
-    FlatParam flat(params, {"a", "b", "c"}, layout, comm, /*sync=*/true, /*shard_params=*/false);
-    ParamGroup group("unit", std::move(flat), Stage::k2, make_sgd({}));
+    FlatParam flat(params, {"a", "b", "c"}, layout, comm, /*sync=*/true, FlatParamOptions{});
+    ParamGroup group("unit", std::move(flat), Stage::k2, make_sgd({}), at::kFloat);
     for (size_t i = 0; i < params.size(); ++i) {
       params[i].mutable_grad() = rank_grad(rank, i, params[i].numel());
     }
@@ -176,8 +176,9 @@ TEST_P(ZeroCollectives, Stage3GathersBroadcastValuesAndFreesStorage) {
   run_ranks(world, [&](int rank, const comm::Collectives& comm) {
     std::vector<at::Tensor> params = unit_params(100 + rank);  // differ per rank before the sync
     std::vector<at::Tensor> root = unit_params(100);
-    FlatParam flat(params, {"a", "b", "c"}, unit_layout(world), comm, /*sync=*/true,
-                   /*shard_params=*/true);
+    FlatParamOptions options;
+    options.shard_params = true;
+    FlatParam flat(params, {"a", "b", "c"}, unit_layout(world), comm, /*sync=*/true, options);
     EXPECT_FALSE(flat.unsharded());
     EXPECT_EQ(flat.full().storage().nbytes(), 0u);
     EXPECT_EQ(params[1].storage().nbytes(), 0u);  // the views lost their memory with it

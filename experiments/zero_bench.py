@@ -1,0 +1,465 @@
+"""ZeRO step time and memory: dpzero.shard stages 0-3 against PyTorch DDP and FSDP2, side by side.
+
+Systems. One GPT-2-style model (pre-LN blocks, causal scaled-dot-product attention, GELU MLP,
+learned positions, output head tied to the token embedding; sizes from the flags) is trained with
+AdamW (same hyperparameters everywhere, ADAMW below) on W CPU ranks over Gloo
+(torch.multiprocessing, a file store, loopback; torch.set_num_threads(--threads) per rank) by:
+  ddp     torch.nn.parallel.DistributedDataParallel (its defaults) + torch.optim.AdamW
+  fsdp2   torch.distributed.fsdp.fully_shard on every block, then on the root (its defaults)
+          + torch.optim.AdamW on the sharded DTensor parameters
+  zero0-3 dpzero.shard(model, stage=k, optimizer="adamw", units=["blocks.0", ...]): the same units
+          as FSDP2 (one per block; embeddings, final LayerNorm and head in the root unit)
+torch.optim.AdamW runs with its CPU default (the per-parameter for-loop, foreach=False); dpzero's
+optimizer runs on each unit's flat shard.
+
+Same start, same data. Every system is built after torch.manual_seed(0), so all start from the same
+weights; step s uses global batch s mod --batches (random tokens), of which rank r takes rows
+[r*b, (r+1)*b) with b = --micro-batch. Each rank's loss is the mean over its rows and gradients are
+averaged over ranks (DDP and FSDP2 by default, dpzero by its default grad_scale 1/W), so every system
+computes the same global-batch step. Checked before timing, not timed: the global losses (mean over
+ranks) of step 0 must agree across systems to STEP0_RTOL (same weights, same data), and those of
+step 1 to STEP1_RTOL (the same AdamW update, up to the order in which gradients are summed).
+
+Time. All six systems are built in the same rank processes and stepped interleaved, round by round,
+the order rotated every round, so that changes in machine load hit all of them alike. One step =
+zero_grad + forward + backward + optimizer step (dpzero: forward + backward + ShardedModule.step,
+which also zeroes). Every rank times each step from a barrier to its own end; a step's time is the
+max over ranks. After --warmup rounds (steps 0 and 1 of the check come before them), --repeats
+rounds are timed; the table gives each system's median and interquartile range.
+
+Memory, two measures per rank; the table gives the max over ranks. Each system runs alone in fresh
+rank processes with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_=131072), so that a freed
+large block leaves the resident set instead of staying in the heap:
+  state  model-state bytes held at the end of a step, before the next zero_grad: parameters +
+         gradients + optimizer state. dpzero: ShardedModule.memory() (params + grads +
+         optimizer_state, its persistent buffers; stage 3 holds the parameter shards only). torch:
+         the storages under the parameters, their .grad and every optimizer state tensor, each
+         storage once; for FSDP2 the local shards of the DTensors. Not counted: activations,
+         parameters gathered for a unit's forward/backward and full gradients before their
+         reduce-scatter (stage 3, FSDP2), communication buffers, and DDP's gradient buckets (by
+         default a second full copy of the gradients); the second measure sees all of them.
+  rss    peak resident set size over --memory-steps steady-state steps (VmHWM, reset through
+         /proc/self/clear_refs after two steps, when the optimizer state exists) minus the resident
+         size (VmRSS) just before the system was built. A plain, unsharded copy of the model runs
+         one forward and backward and is freed before that baseline, so one-off library and
+         allocator set-up is not charged to the system.
+
+Usage: .venv/bin/python experiments/zero_bench.py [--world-size 2] [--repeats 15] ...
+Writes experiments/results/zero.md (the section between its markers; notes outside them are kept)
+and experiments/results/zero.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS_MD = os.path.join(HERE, "results", "zero.md")
+SYSTEMS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3"]
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+STEP0_RTOL, STEP1_RTOL = 1e-6, 1e-4
+MIB = 2.0**20
+
+
+# ---- the model -----------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.ln2, self.fc, self.out = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):  # x: [B, T, D]
+        b, t, d = x.shape
+        qkv = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, H, T, D/H]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D/H]
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, seq: int, dim: int, heads: int, layers: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied, as in GPT-2
+
+    def forward(self, idx, targets):  # idx, targets: [B, T] int64 -> scalar mean loss
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))  # [B, T, V]
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def make_model(cfg: dict) -> GPT:
+    torch.manual_seed(0)
+    return GPT(cfg["vocab"], cfg["seq"], cfg["dim"], cfg["heads"], cfg["layers"])
+
+
+def make_batches(cfg: dict, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """cfg["batches"] global batches of world_size * micro_batch random-token rows ([B, T] each)."""
+    g = torch.Generator().manual_seed(1234)
+    shape = (world_size * cfg["micro_batch"], cfg["seq"])
+    return [(torch.randint(cfg["vocab"], shape, generator=g),
+             torch.randint(cfg["vocab"], shape, generator=g)) for _ in range(cfg["batches"])]
+
+
+def local_rows(batch, rank: int, micro: int):
+    return tuple(t[rank * micro:(rank + 1) * micro] for t in batch)
+
+
+# ---- the systems -----------------------------------------------------------------------------------
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under `tensors` (DTensors: their local shards)."""
+    from torch.distributed.tensor import DTensor
+
+    seen = {}
+    for t in tensors:
+        if t is None:
+            continue
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class TorchSystem:
+    """DDP or FSDP2: `runner` is the wrapped module, `model` the one whose parameters it trains."""
+
+    def __init__(self, runner: nn.Module, model: nn.Module):
+        self.runner, self.model = runner, model
+        self.opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+
+    def step(self, idx, targets) -> torch.Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.runner(idx, targets)
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+    def state_bytes(self) -> dict:
+        params = list(self.model.parameters())
+        opt_state = [v for s in self.opt.state.values() for v in s.values()
+                     if isinstance(v, torch.Tensor)]
+        return dict(params=storage_bytes(params), grads=storage_bytes(p.grad for p in params),
+                    optimizer=storage_bytes(opt_state))
+
+
+class DpzeroSystem:
+    def __init__(self, wrapped):
+        self.wrapped = wrapped
+
+    def step(self, idx, targets) -> torch.Tensor:
+        loss = self.wrapped(idx, targets)
+        loss.backward()
+        self.wrapped.step()
+        return loss.detach()
+
+    def state_bytes(self) -> dict:
+        m = self.wrapped.memory()
+        return dict(params=m["params"], grads=m["grads"], optimizer=m["optimizer_state"])
+
+
+def build(name: str, cfg: dict, world_size: int):
+    model = make_model(cfg)
+    if name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return TorchSystem(DistributedDataParallel(model), model)
+    if name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return TorchSystem(model, model)
+    import dpzero
+
+    units = [f"blocks.{i}" for i in range(len(model.blocks))]
+    return DpzeroSystem(dpzero.shard(model, stage=int(name[-1]), optimizer="adamw", units=units,
+                                     **ADAMW))
+
+
+# ---- rank processes ----------------------------------------------------------------------------------
+
+
+def init_rank(rank: int, world_size: int, store: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=600))
+
+
+def global_mean(value: torch.Tensor) -> float:
+    value = value.detach().to(torch.float64).clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+def check_same_losses(systems: dict, batches, rank: int, micro: int) -> dict:
+    """Steps 0 and 1 of every system on batches 0 and 1; returns {name: [loss0, loss1]} (global
+    means) after asserting they agree with DDP's."""
+    losses = {n: [global_mean(s.step(*local_rows(batches[i], rank, micro))) for i in (0, 1)]
+              for n, s in systems.items()}
+    ref = losses["ddp"] if "ddp" in losses else next(iter(losses.values()))
+    for name, (l0, l1) in losses.items():
+        assert abs(l0 - ref[0]) <= STEP0_RTOL * abs(ref[0]), f"{name} step-0 loss {l0} != {ref[0]}"
+        assert abs(l1 - ref[1]) <= STEP1_RTOL * abs(ref[1]), f"{name} step-1 loss {l1} != {ref[1]}"
+    return losses
+
+
+def time_interleaved(systems: dict, batches, rank: int, micro: int, warmup: int,
+                     repeats: int) -> dict:
+    """{name: [seconds per timed step]}, each step's time the max over ranks."""
+    names = list(systems)
+    times = {n: [] for n in names}
+    for r in range(warmup + repeats):
+        batch = local_rows(batches[(r + 2) % len(batches)], rank, micro)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            systems[name].step(*batch)
+            elapsed = time.perf_counter() - t0
+            if r >= warmup:
+                times[name].append(elapsed)
+    table = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    return {n: table[i].tolist() for i, n in enumerate(names)}
+
+
+def timing_rank(rank, world_size, store, cfg, names, out_path) -> None:
+    init_rank(rank, world_size, store, cfg["threads"])
+    try:
+        batches = make_batches(cfg, world_size)
+        systems = {n: build(n, cfg, world_size) for n in names}
+        losses = check_same_losses(systems, batches, rank, cfg["micro_batch"])
+        times = time_interleaved(systems, batches, rank, cfg["micro_batch"], cfg["warmup"],
+                                 cfg["repeats"])
+        if rank == 0:
+            torch.save(dict(losses=losses, times=times, threads=torch.get_num_threads()), out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> None:
+    """Resets VmHWM to the current VmRSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError as e:
+        raise SystemExit(f"zero_bench: cannot reset the peak RSS through /proc/self/clear_refs "
+                         f"({e}); the rss measure needs it") from None
+
+
+def memory_rank(rank, world_size, store, cfg, name, out_path) -> None:
+    init_rank(rank, world_size, store, cfg["threads"])
+    try:
+        micro = cfg["micro_batch"]
+        batches = make_batches(cfg, world_size)
+        warm = make_model(cfg)  # one-off library / allocator set-up, not charged to the system
+        warm(*local_rows(batches[0], rank, micro)).backward()
+        del warm
+        gc.collect()
+        base = proc_status_bytes("VmRSS")
+        system = build(name, cfg, world_size)
+        for s in range(2):
+            system.step(*local_rows(batches[s % len(batches)], rank, micro))
+        reset_peak_rss()
+        for s in range(2, 2 + cfg["memory_steps"]):
+            system.step(*local_rows(batches[s % len(batches)], rank, micro))
+        peak = proc_status_bytes("VmHWM") - base
+        row = dict(system.state_bytes(), rss=peak)
+        rows = [None] * world_size
+        dist.all_gather_object(rows, row)
+        if rank == 0:
+            torch.save(rows, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int, tmp: str, tag: str, *args):
+    store, out = os.path.join(tmp, f"store_{tag}"), os.path.join(tmp, f"out_{tag}.pt")
+    mp.spawn(fn, args=(world_size, store, *args, out), nprocs=world_size, join=True)
+    return torch.load(out)
+
+
+def measure_memory(cfg, names, world_size, tmp) -> dict:
+    """{name: {params, grads, optimizer, rss}}, each the max over ranks."""
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned ranks only
+    try:
+        out = {}
+        for name in names:
+            rows = spawn(memory_rank, world_size, tmp, f"mem_{name}", cfg, name)
+            out[name] = {k: max(r[k] for r in rows) for k in rows[0]}
+            out[name]["state"] = max(r["params"] + r["grads"] + r["optimizer"] for r in rows)
+            print(f"memory {name}: " + ", ".join(f"{k} {v / MIB:.1f} MiB"
+                                                  for k, v in out[name].items()), flush=True)
+        return out
+    finally:
+        if saved is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+
+
+# ---- report ----------------------------------------------------------------------------------------
+
+
+def summarize(names, timing, memory) -> list[dict]:
+    rows = []
+    for n in names:
+        t = sorted(timing["times"][n])
+        q = statistics.quantiles(t, n=4)
+        rows.append(dict(system=n, step_ms=1e3 * statistics.median(t), q1_ms=1e3 * q[0],
+                         q3_ms=1e3 * q[2], loss0=timing["losses"][n][0],
+                         loss1=timing["losses"][n][1], **memory[n]))
+    ref = {r["system"]: r for r in rows}
+    for r in rows:
+        for base in ("fsdp2", "ddp"):
+            if base in ref:
+                r[f"time_vs_{base}"] = r["step_ms"] / ref[base]["step_ms"]
+                r[f"state_vs_{base}"] = r["state"] / ref[base]["state"]
+                r[f"rss_vs_{base}"] = r["rss"] / ref[base]["rss"]
+    return rows
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def table(rows: list[dict]) -> list[str]:
+    bases = [b for b in ("fsdp2", "ddp") if f"time_vs_{b}" in rows[0]]
+    head = ["system", "step ms (median)", "IQR ms", "state MiB (params+grads+opt)",
+            "peak RSS Δ MiB"]
+    head += [f"{what} / {b.upper()}" for b in bases for what in ("time", "state", "RSS")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["system"], f"{r['step_ms']:.1f}", f"{r['q1_ms']:.1f}–{r['q3_ms']:.1f}",
+                 f"{r['state'] / MIB:.1f} ({r['params'] / MIB:.1f}+{r['grads'] / MIB:.1f}+"
+                 f"{r['optimizer'] / MIB:.1f})", f"{r['rss'] / MIB:.1f}"]
+        cells += [f"{r[f'{what}_vs_{b}']:.2f}" for b in bases for what in ("time", "state", "rss")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_markdown(path: str, args, cfg, rows, threads, n_params) -> None:
+    losses = ", ".join(f"{r['system']} {r['loss0']:.6f} / {r['loss1']:.6f}" for r in rows)
+    section = "\n".join([
+        "<!-- zero_bench:begin -->",
+        f"Run {datetime.date.today().isoformat()} on {platform.machine()}, {os.cpu_count()} cores, "
+        f"{threads} torch thread(s) per rank, W = {args.world_size} Gloo ranks; torch "
+        f"{torch.__version__}, Python {platform.python_version()}.",
+        "",
+        f"Command: `.venv/bin/python experiments/zero_bench.py {' '.join(sys.argv[1:])}`".rstrip()
+        + "",
+        "",
+        f"Model: GPT-2-style, {cfg['layers']} blocks, d = {cfg['dim']}, {cfg['heads']} heads, "
+        f"T = {cfg['seq']}, vocab {cfg['vocab']}, tied head; {n_params / 1e6:.2f} M parameters "
+        f"(fp32). Micro-batch {cfg['micro_batch']} sequences per rank, global batch "
+        f"{cfg['micro_batch'] * args.world_size}; AdamW lr {ADAMW['lr']}, betas {ADAMW['betas']}, "
+        f"weight decay {ADAMW['weight_decay']}.",
+        f"Time: median and IQR of {args.repeats} interleaved steps per system after "
+        f"{args.warmup} warm-up rounds (max over ranks). State and RSS: max over ranks, each "
+        f"system alone in fresh processes, RSS peak over {args.memory_steps} steady-state steps "
+        "(see the script's docstring).",
+        "",
+        *table(rows),
+        "",
+        f"Same-computation check (global loss, step 0 / step 1; step 0 must agree to "
+        f"{STEP0_RTOL:g} relative, step 1 to {STEP1_RTOL:g}): {losses}.",
+        "<!-- zero_bench:end -->",
+    ])
+    title = ("# ZeRO: dpzero.shard stages 0-3 against PyTorch DDP and FSDP2 (CPU, Gloo)\n\n"
+             "Written by `experiments/zero_bench.py`; its docstring says what each column "
+             "measures and how.\n")
+    text = open(path).read() if os.path.exists(path) else title
+    pattern = re.compile(r"<!-- zero_bench:begin -->.*?<!-- zero_bench:end -->", re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    with open(path, "w") as f:
+        f.write(text.rstrip("\n") + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--heads", type=int, default=6)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--batches", type=int, default=4, help="distinct global batches, cycled")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--memory-steps", type=int, default=3)
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="comma-separated subset of " + ",".join(SYSTEMS))
+    parser.add_argument("--out", default=RESULTS_MD)
+    args = parser.parse_args()
+
+    names = args.systems.split(",")
+    unknown = sorted(set(names) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
+    cfg = dict(vocab=args.vocab, seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers,
+               micro_batch=args.micro_batch, batches=max(args.batches, 2), threads=args.threads,
+               warmup=args.warmup, repeats=args.repeats, memory_steps=args.memory_steps)
+    n_params = sum(p.numel() for p in make_model(cfg).parameters())
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        timing = spawn(timing_rank, args.world_size, tmp, "time", cfg, names)
+        print(f"timing done in {time.perf_counter() - t0:.0f} s", flush=True)
+        memory = measure_memory(cfg, names, args.world_size, tmp)
+    rows = summarize(names, timing, memory)
+    print("\n".join(table(rows)))
+    csv_path = os.path.splitext(args.out)[0] + ".csv"
+    write_csv(csv_path, rows)
+    write_markdown(args.out, args, cfg, rows, timing["threads"], n_params)
+    print(f"wrote {args.out} and {csv_path}")
+
+
+if __name__ == "__main__":
+    main()
