@@ -40,9 +40,9 @@ large block leaves the resident set instead of staying in the heap:
          default a second full copy of the gradients); the second measure sees all of them.
   rss    peak resident set size over --memory-steps steady-state steps (VmHWM, reset through
          /proc/self/clear_refs after two steps, when the optimizer state exists) minus the resident
-         size (VmRSS) just before the system was built. A plain, unsharded copy of the model runs
-         one forward and backward and is freed before that baseline, so one-off library and
-         allocator set-up is not charged to the system.
+         size (VmRSS) just before the system was built. Before that baseline a plain copy of the
+         model takes one torch.optim.AdamW step and is freed, so one-off library set-up (the
+         first AdamW imports torch._dynamo, ~70 MiB) is not charged to any system.
 
 Usage: .venv/bin/python experiments/zero_bench.py [--world-size 2] [--repeats 15] ...
 Writes experiments/results/zero.md (the section between its markers; notes outside them are kept)
@@ -68,6 +68,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+import dpzero
+
+# Everything above is imported before any measurement: module code is not model memory.
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_MD = os.path.join(HERE, "results", "zero.md")
@@ -104,6 +112,11 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.wte.weight  # tied, as in GPT-2
+        for module in self.modules():  # GPT-2's initialisation
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets):  # idx, targets: [B, T] int64 -> scalar mean loss
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
@@ -135,8 +148,6 @@ def local_rows(batch, rank: int, micro: int):
 
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages under `tensors` (DTensors: their local shards)."""
-    from torch.distributed.tensor import DTensor
-
     seen = {}
     for t in tensors:
         if t is None:
@@ -188,20 +199,13 @@ class DpzeroSystem:
 def build(name: str, cfg: dict, world_size: int):
     model = make_model(cfg)
     if name == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
         return TorchSystem(DistributedDataParallel(model), model)
     if name == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
         mesh = init_device_mesh("cpu", (world_size,))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return TorchSystem(model, model)
-    import dpzero
-
     units = [f"blocks.{i}" for i in range(len(model.blocks))]
     return DpzeroSystem(dpzero.shard(model, stage=int(name[-1]), optimizer="adamw", units=units,
                                      **ADAMW))
@@ -285,15 +289,24 @@ def reset_peak_rss() -> None:
                          f"({e}); the rss measure needs it") from None
 
 
+def warm_up_libraries(cfg: dict, batch) -> None:
+    """One plain training step of a throwaway model, freed again: one-off set-up that is not the
+    system's memory (torch.optim's first construction alone imports torch._dynamo, ~70 MiB of
+    modules; kernels' first-call state) happens before the baseline."""
+    model = make_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    model(*batch).backward()
+    opt.step()
+    del model, opt
+    gc.collect()
+
+
 def memory_rank(rank, world_size, store, cfg, name, out_path) -> None:
     init_rank(rank, world_size, store, cfg["threads"])
     try:
         micro = cfg["micro_batch"]
         batches = make_batches(cfg, world_size)
-        warm = make_model(cfg)  # one-off library / allocator set-up, not charged to the system
-        warm(*local_rows(batches[0], rank, micro)).backward()
-        del warm
-        gc.collect()
+        warm_up_libraries(cfg, local_rows(batches[0], rank, micro))
         base = proc_status_bytes("VmRSS")
         system = build(name, cfg, world_size)
         for s in range(2):

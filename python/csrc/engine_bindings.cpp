@@ -26,12 +26,16 @@ void bind_engine(py::module_ m) {
                          "Flat layout of one unit's parameters and the global coordinates each "
                          "rank owns. params: list of (numel, global_offset).")
       .def(py::init([](const std::vector<std::pair<int64_t, int64_t>>& params, int64_t world_size,
-                       int64_t alignment) {
+                       int64_t alignment, const std::string& boundaries) {
              std::vector<zero::ParamSpec> specs;
              for (const auto& [numel, offset] : params) specs.push_back({numel, offset});
-             return UnitLayout(std::move(specs), world_size, alignment);
+             return UnitLayout(std::move(specs), world_size, alignment,
+                               zero::parse_shard_boundaries(boundaries));
            }),
-           py::arg("params"), py::arg("world_size"), py::arg("alignment") = 1)
+           py::arg("params"), py::arg("world_size"), py::arg("alignment") = 1,
+           py::arg("boundaries") = "even",
+           "boundaries: 'even' (equal shards, may cut a parameter) or 'parameters' (Note [ragged "
+           "plans]: shard boundaries fall between parameters).")
       .def_property_readonly("world_size", &UnitLayout::world_size)
       .def_property_readonly("padded_numel", &UnitLayout::padded_numel)
       .def_property_readonly("shard_numel", &UnitLayout::shard_numel)

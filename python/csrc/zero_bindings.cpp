@@ -114,7 +114,8 @@ void bind_zero(py::module_ m) {
                        double dampening, bool nesterov, std::pair<double, double> betas,
                        double eps, bool amsgrad, const py::object& process_group,
                        int64_t alignment, double grad_scale, bool sync_module_states,
-                       at::ScalarType param_dtype, at::ScalarType reduce_dtype) {
+                       at::ScalarType param_dtype, at::ScalarType reduce_dtype,
+                       const std::string& shard_boundaries) {
              std::vector<zero::UnitSpec> specs;
              for (const auto& [name, params, names, offsets] : units) {
                specs.push_back({name, params, names, offsets});
@@ -129,6 +130,7 @@ void bind_zero(py::module_ m) {
              config.sync_module_states = sync_module_states;
              config.param_dtype = param_dtype;
              config.reduce_dtype = reduce_dtype;
+             config.boundaries = zero::parse_shard_boundaries(shard_boundaries);
              auto pg = process_group_or_null(process_group);
              py::gil_scoped_release no_gil;  // construction broadcasts
              return std::make_unique<ZeroState>(std::move(specs), total_coordinates, config,
@@ -140,6 +142,7 @@ void bind_zero(py::module_ m) {
            py::arg("eps"), py::arg("amsgrad"), py::arg("process_group"), py::arg("alignment"),
            py::arg("grad_scale"), py::arg("sync_module_states"),
            py::arg("param_dtype") = at::kFloat, py::arg("reduce_dtype") = at::kFloat,
+           py::arg("shard_boundaries") = "even",
            "units: list of (name, params, param_names, global_offsets) in plan order.")
       .def("pre_forward", &ZeroState::pre_forward, py::arg("unit"),
            py::call_guard<py::gil_scoped_release>())

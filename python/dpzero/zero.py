@@ -115,11 +115,12 @@ class ShardedModule:
     ``full_parameters()`` (a collective: call it on every rank), not ``module.state_dict()``.
     """
 
-    def __init__(self, module: nn.Module, state, units, hook_handles):
+    def __init__(self, module: nn.Module, state, units, hook_handles, optimizer_bytes_per_param):
         self.module = module
         self._state = state
         self._units = units
         self._handles = hook_handles
+        self._optimizer_bytes = optimizer_bytes_per_param
 
     def __del__(self):
         # The hooks reach the engine through weak references (see _hooks_ref); without the
@@ -195,6 +196,15 @@ class ShardedModule:
         unit's backward completes, are not counted. Compare with :func:`predicted_memory`."""
         return self._state.memory()
 
+    def predicted_memory(self) -> dict:
+        """ZeRO's model-state bytes per rank for this model, stage, world size and precision
+        (src/zero/memory.h): ``params``, ``grads``, ``optimizer`` (fp32 master included), and
+        ``total``. ``memory()`` measures the same terms; they differ only by padding."""
+        elt = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
+        return _zero.predict_model_state_bytes(
+            self.stage, self.plan.total_coordinates, self.world_size, elt(self.param_dtype),
+            elt(self.reduce_dtype), self._optimizer_bytes)
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter by canonical name: a fp32 copy of the master weights
         (all-gathers where the master is sharded, stages 1-3: call it on every rank)."""
@@ -236,6 +246,7 @@ def shard(
     sync_module_states: bool = True,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
+    shard_boundaries: str = "even",
 ) -> ShardedModule:
     """Shard ``model`` under ZeRO ``stage`` 0-3 with an optimizer that runs on the owned shard.
 
@@ -250,6 +261,9 @@ def shard(
     param_dtype: compute dtype of the parameters (float32, bfloat16 or float16; see the module
         docstring on mixed precision); the optimizer always updates fp32 master weights.
     reduce_dtype: dtype gradients are reduced and accumulated in: float32 or ``param_dtype``.
+    shard_boundaries: ``"even"`` (equal shards that may cut a parameter) or ``"parameters"``
+        (the ragged plan: every parameter lies wholly in one rank's shard, for optimizers and
+        quantisers that work on whole tensors; Note [ragged plans] in src/zero/shard_plan.h).
 
     Trainable parameters must be float32 and on one device per unit. Parameters that get no
     gradient in a backward count as zero gradient (torch.optim would skip them).
@@ -295,6 +309,7 @@ def shard(
         sync_module_states,
         param_dtype,
         reduce_dtype,
+        shard_boundaries,
     )
     handles = []
     if param_dtype != torch.float32:
@@ -303,7 +318,9 @@ def shard(
         handles += _register_grad_hooks(_hooks_ref(state), planned)
     if stage == 3:
         handles += _register_gather_hooks(model, _hooks_ref(state), planned)
-    return ShardedModule(model, state, planned, handles)
+    k = _zero.optimizer_bytes_per_param(optimizer, momentum=momentum, amsgrad=amsgrad,
+                                        mixed=param_dtype != torch.float32)
+    return ShardedModule(model, state, planned, handles, k)
 
 
 def _cast_inputs(dtype: torch.dtype, _module, args, kwargs):

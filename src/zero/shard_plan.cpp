@@ -14,10 +14,33 @@ int64_t round_up(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
 }
 
+// Note [ragged plans]: whether `sizes`, in order, fit into `bins` contiguous groups of at most
+// `capacity` each (greedy packing; a group closes only when the next item does not fit).
+bool fits(const std::vector<int64_t>& sizes, int64_t bins, int64_t capacity) {
+  int64_t used = 0, groups = 1;
+  for (int64_t size : sizes) {
+    if (size > capacity) return false;
+    if (used + size > capacity) {
+      if (++groups > bins) return false;
+      used = 0;
+    }
+    used += size;
+  }
+  return true;
+}
+
 }  // namespace
 
-UnitLayout::UnitLayout(std::vector<ParamSpec> params, int64_t world_size, int64_t alignment)
-    : params_(std::move(params)), world_size_(world_size) {
+ShardBoundaries parse_shard_boundaries(const std::string& name) {
+  if (name == "even") return ShardBoundaries::kEven;
+  if (name == "parameters") return ShardBoundaries::kParameters;
+  throw std::invalid_argument("shard boundaries must be 'even' or 'parameters', got '" + name +
+                              "'");
+}
+
+UnitLayout::UnitLayout(std::vector<ParamSpec> params, int64_t world_size, int64_t alignment,
+                       ShardBoundaries boundaries)
+    : params_(std::move(params)), world_size_(world_size), boundaries_(boundaries) {
   if (world_size < 1) {
     throw std::invalid_argument("world_size must be >= 1, got " + std::to_string(world_size));
   }
@@ -63,6 +86,35 @@ UnitLayout::UnitLayout(std::vector<ParamSpec> params, int64_t world_size, int64_
     furthest = i;
   }
   padded_numel_ = round_up(std::max<int64_t>(cursor, 1), world_size_);
+  if (boundaries_ == ShardBoundaries::kParameters && world_size_ > 1) {
+    // Note [ragged plans]: each parameter's aligned footprint is an item; find the smallest
+    // capacity m (a multiple of `alignment`, so every group starts aligned) that packs them into
+    // W groups, then lay group r out from r·m.
+    std::vector<int64_t> sizes;
+    for (const ParamSpec& p : params_) sizes.push_back(round_up(p.numel, alignment));
+    int64_t lo = alignment;
+    int64_t hi = round_up(std::max<int64_t>(cursor, 1), alignment);
+    for (int64_t size : sizes) lo = std::max(lo, size);
+    while (lo < hi) {  // invariant: hi fits; no capacity below lo does; both multiples of alignment
+      const int64_t mid = lo + (hi - lo) / alignment / 2 * alignment;  // in [lo, hi)
+      if (fits(sizes, world_size_, mid)) {
+        hi = mid;
+      } else {
+        lo = mid + alignment;
+      }
+    }
+    const int64_t m = hi;
+    int64_t group = 0, used = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (used + sizes[i] > m) {
+        ++group;
+        used = 0;
+      }
+      flat_offsets_[i] = group * m + used;
+      used += sizes[i];
+    }
+    padded_numel_ = m * world_size_;
+  }
 }
 
 int64_t UnitLayout::param_numel() const {

@@ -5,9 +5,22 @@
 // at a multiple of `alignment` elements, and the buffer is padded at the end so it splits into
 // `world_size` equal shards. Rank r owns flat elements [r * shard_numel, (r + 1) * shard_numel).
 // Padding has no global coordinate: it gets no noise and is never read.
+//
+// Note [ragged plans]
+// ~~~~~~~~~~~~~~~~~~~
+// The even plan packs parameters back to back, so a shard boundary may cut a parameter. An
+// optimizer or quantiser that works on whole tensors (Shampoo, 8-bit block-wise Adam, LAMB's
+// per-tensor trust ratio) needs boundaries that follow parameters. The ragged plan
+// (ShardBoundaries::kParameters) partitions the unit's parameters, in canonical order, into W
+// contiguous groups with the smallest possible largest group (binary search on the capacity m,
+// each candidate checked by greedy packing, which is exact for contiguous partitions), places
+// group r at flat offset r·m and pads each group to m. Every rank still holds an m-element
+// shard, so the equal-size collectives, the optimizer and the noise runs are unchanged; the
+// price is padding wherever the groups are uneven (reported by padded_numel()).
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace dpzero::zero {
@@ -26,13 +39,21 @@ struct CoordinateRun {
   int64_t length = 0;
 };
 
+// Where shard boundaries may fall (Note [ragged plans]).
+enum class ShardBoundaries { kEven, kParameters };
+
+// Parses "even" or "parameters"; std::invalid_argument naming any other value.
+ShardBoundaries parse_shard_boundaries(const std::string& name);
+
 class UnitLayout {
  public:
   // Throws std::invalid_argument naming the value for world_size < 1, alignment < 1, a negative
   // numel or global offset, or parameters whose global ranges overlap.
-  UnitLayout(std::vector<ParamSpec> params, int64_t world_size, int64_t alignment = 1);
+  UnitLayout(std::vector<ParamSpec> params, int64_t world_size, int64_t alignment = 1,
+             ShardBoundaries boundaries = ShardBoundaries::kEven);
 
   int64_t world_size() const { return world_size_; }
+  ShardBoundaries boundaries() const { return boundaries_; }
   int64_t padded_numel() const { return padded_numel_; }  // multiple of world_size
   int64_t shard_numel() const { return padded_numel_ / world_size_; }
   int64_t param_numel() const;                              // sum of parameter numels
@@ -48,6 +69,7 @@ class UnitLayout {
   std::vector<ParamSpec> params_;
   std::vector<int64_t> flat_offsets_;
   int64_t world_size_;
+  ShardBoundaries boundaries_;
   int64_t padded_numel_ = 0;
 };
 

@@ -39,7 +39,8 @@ ZeroState::ZeroState(std::vector<UnitSpec> units, int64_t total_coordinates, Zer
     for (size_t i = 0; i < unit.params.size(); ++i) {
       specs.push_back({unit.params[i].numel(), unit.global_offsets[i]});
     }
-    layouts.emplace_back(std::move(specs), comm_.world_size(), config_.alignment);
+    layouts.emplace_back(std::move(specs), comm_.world_size(), config_.alignment,
+                         config_.boundaries);
   }
   // Every check above runs before any parameter is touched: a failed construction leaves the
   // model as it was.

@@ -48,6 +48,7 @@ struct ZeroConfig {
   Stage stage = Stage::k0;
   OptimizerOptions optimizer;
   int64_t alignment = 4;          // flat offset alignment, in elements (UnitLayout)
+  ShardBoundaries boundaries = ShardBoundaries::kEven;  // Note [ragged plans]
   double grad_scale = 1.0;        // applied to the reduced gradient before the optimizer
   bool sync_module_states = true; // broadcast rank 0's parameters at construction
   // Mixed precision (Note [master weights] in flat_param.h): the dtype parameters are computed

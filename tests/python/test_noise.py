@@ -4,7 +4,9 @@ References: an independent pure-Python Philox4x32-10 (philox_reference.py) for t
 a single-process full-tensor draw for the sharded union, including across real Gloo process groups.
 """
 
+import itertools
 import os
+import random
 import socket
 
 import numpy as np
@@ -89,11 +91,12 @@ def _gather_global(flat, layout, start, total):
     return out
 
 
+@pytest.mark.parametrize("boundaries", ["even", "parameters"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
-def test_union_of_shards_equals_single_tensor(world_size):
+def test_union_of_shards_equals_single_tensor(world_size, boundaries):
     params = [(37, 100), (0, 137), (5, 137), (250, 142)]
     ref, start = _full_noise(params, seed=99, step=3, std=0.7)
-    layout = engine.UnitLayout(params, world_size, alignment=4)
+    layout = engine.UnitLayout(params, world_size, alignment=4, boundaries=boundaries)
     flat = torch.zeros(layout.padded_numel)
     for r in range(world_size):
         shard = flat[r * layout.shard_numel : (r + 1) * layout.shard_numel]
@@ -140,6 +143,44 @@ def test_gloo_ranks_reproduce_single_process_noise(tmp_path, world_size):
     layout = engine.UnitLayout(params, world_size, alignment=2)
     ref, start = _full_noise(params, seed=2024, step=17, std=1.3)
     assert torch.equal(_gather_global(flat, layout, start, ref.numel()), ref)
+
+
+def _optimal_capacity(sizes, bins):
+    """Brute force: the smallest largest group over every split of `sizes` (in order) into at
+    most `bins` contiguous groups."""
+    best = sum(sizes)
+    n = len(sizes)
+    for cuts in itertools.combinations(range(1, n), min(bins - 1, n - 1)):
+        bounds = (0,) + cuts + (n,)
+        best = min(best, max(sum(sizes[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+@pytest.mark.parametrize("alignment", [1, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ragged_plan_keeps_parameters_whole_with_the_smallest_shards(world_size, alignment):
+    # Note [ragged plans]: every parameter inside one rank's shard, shards as small as any
+    # contiguous split allows (brute force over all splits), coverage checked by ShardPlan.
+    rng = random.Random(world_size * 10 + alignment)
+    for _ in range(30):
+        numels = [rng.choice([0, 1, 3, 8, 17, 64, 100]) for _ in range(rng.randint(1, 7))]
+        params, offset = [], 0
+        for n in numels:
+            params.append((n, offset))
+            offset += n
+        layout = engine.UnitLayout(params, world_size, alignment=alignment,
+                                   boundaries="parameters")
+        m = layout.shard_numel
+        assert layout.padded_numel == m * world_size
+        for (n, _), start in zip(params, layout.flat_offsets):
+            assert start % alignment == 0
+            assert start // m == (start + max(n, 1) - 1) // m, (params, layout.flat_offsets)
+        aligned = [(n + alignment - 1) // alignment * alignment for n in numels]
+        best = _optimal_capacity(aligned, world_size)
+        assert m == max(best, alignment), (numels, m, best)
+        engine.ShardPlan([layout], offset)  # covers [0, D) exactly once
+    with pytest.raises(ValueError, match="must be 'even' or 'parameters', got 'blocks'"):
+        engine.UnitLayout([(4, 0)], 2, boundaries="blocks")
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and dpzero._C.with_cuda else [])

@@ -174,6 +174,7 @@ def sharded_run(stage, optimizer, model_kwargs, units=None, shard_kwargs=None, *
         dist.all_reduce(summed)
         losses = (summed / world_size).tolist()
     return dict(losses=losses, params=wrapped.full_parameters(), memory=wrapped.memory(),
+                predicted=wrapped.predicted_memory(),
                 layouts=[(u.padded_numel, u.shard_numel) for u in wrapped.plan.units],
                 units=wrapped.units)
 
@@ -413,6 +414,7 @@ def test_model_state_bytes_match_zero_formulas(tmp_path, world_size):
         measured = m["params"] + m["master_params"] + m["grads"] + m["optimizer_state"]
         full = sum(padded for padded, _ in result["layouts"])
         predicted = czero.predict_model_state_bytes(stage, psi, world_size, 2, 2, k)["total"]
+        assert result["predicted"]["total"] == predicted
         padded = {0: 16 * full, 1: 4 * full + 12 * full / world_size,
                   2: 2 * full + 14 * full / world_size, 3: 16 * full / world_size}[stage]
         assert measured == padded, (stage, measured, padded)
@@ -453,6 +455,19 @@ def test_custom_units_and_unused_parameter(tmp_path):
     for (stage, opt), result in results.items():
         assert result["units"] == ["<root>", "wte", "blocks.0", "blocks.1.attn", "unused"]
         assert_matches_reference(result, opt, kwargs)
+
+
+def test_ragged_plan_trains_like_the_even_plan(tmp_path):
+    # Note [ragged plans]: shard boundaries between parameters change the layout, not the
+    # arithmetic: stages 1-3 at W = 4 still match single-process PyTorch.
+    cases = {(stage, opt): (stage, opt, dict(tied=True), None,
+                            dict(shard_boundaries="parameters"))
+             for stage, opt in ((1, "adamw"), (2, "sgd"), (3, "adamw"))}
+    results = run_ranks(4, cases, tmp_path)
+    for (stage, opt), result in results.items():
+        assert_matches_reference(result, opt, dict(tied=True))
+    with pytest.raises(ValueError, match="got 'blocks'"):
+        dpzero.shard(make_model(), stage=1, shard_boundaries="blocks")
 
 
 # ---- single process: no torch.distributed ------------------------------------------------------
