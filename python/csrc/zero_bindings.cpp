@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include "python/csrc/bindings.h"
+#include "src/comm/process_group.h"
 #include "src/zero/memory.h"
 #include "src/zero/optim.h"
 #include "src/zero/state.h"
@@ -75,6 +76,22 @@ void bind_zero(py::module_ m) {
         return out;
       });
 
+  m.def(
+      "new_process_group",
+      [](const std::string& backend, const std::string& init_method, int64_t rank,
+         int64_t world_size, double timeout_s) {
+        TORCH_CHECK(timeout_s > 0, "timeout_s must be > 0, got ", timeout_s);
+        comm::check_backend(backend);
+        const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+        py::gil_scoped_release no_gil;  // blocks until every rank joined
+        auto store = comm::make_store(init_method, rank, world_size, timeout);
+        return comm::make_process_group(backend, store, rank, world_size, timeout);
+      },
+      py::arg("backend"), py::arg("init_method"), py::arg("rank"), py::arg("world_size"),
+      py::arg("timeout_s") = 1800.0,
+      "A c10d ProcessGroup created in C++ (src/comm/process_group.h) without "
+      "torch.distributed.init_process_group: backend 'gloo' or 'nccl', init_method "
+      "'tcp://HOST:PORT' or 'file:///PATH'. Usable as dpzero.shard(process_group=...).");
   m.def(
       "predict_model_state_bytes",
       [](int64_t stage, double psi, int64_t world_size, double param_bytes, double grad_bytes,

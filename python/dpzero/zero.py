@@ -43,7 +43,7 @@ from torch.utils import _pytree as pytree
 
 from ._C import zero as _zero
 
-__all__ = ["ShardedModule", "default_units", "shard"]
+__all__ = ["ShardedModule", "default_units", "new_process_group", "shard"]
 
 # Containers without a forward of their own: their children are units, not they.
 _LOOK_THROUGH = (nn.ModuleList, nn.ModuleDict)
@@ -51,6 +51,15 @@ _LOOK_THROUGH = (nn.ModuleList, nn.ModuleDict)
 _DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 1e-2}  # torch.optim's defaults
 
 ROOT_UNIT = "<root>"
+
+
+def new_process_group(backend: str, init_method: str, rank: int, world_size: int,
+                      timeout_s: float = 1800.0):
+    """A c10d process group created by dpzero's C++ (src/comm/process_group.h), for programs that
+    do not call ``torch.distributed.init_process_group``: ``backend`` ``"gloo"`` or ``"nccl"``,
+    ``init_method`` ``"tcp://HOST:PORT"`` (rank 0 serves) or ``"file:///PATH"``. Pass it to
+    :func:`shard` as ``process_group``. Collectives slower than ``timeout_s`` fail."""
+    return _zero.new_process_group(backend, init_method, rank, world_size, timeout_s)
 
 
 def default_units(model: nn.Module) -> list[str]:

@@ -17,6 +17,7 @@ error (a missing scale, a lost micro-batch, a wrong shard) moves parameters by >
 
 import datetime
 import math
+import socket
 
 import pytest
 import torch
@@ -468,6 +469,56 @@ def test_ragged_plan_trains_like_the_even_plan(tmp_path):
         assert_matches_reference(result, opt, dict(tied=True))
     with pytest.raises(ValueError, match="got 'blocks'"):
         dpzero.shard(make_model(), stage=1, shard_boundaries="blocks")
+
+
+def _cpp_group_rank_main(rank, world_size, init_method, out_path):
+    torch.set_num_threads(1)
+    assert not dist.is_initialized()
+    group = dpzero.zero.new_process_group("gloo", init_method, rank, world_size, timeout_s=300)
+    model = make_model(tied=True)
+    wrapped = dpzero.shard(model, stage=3, optimizer="adamw", process_group=group,
+                           **OPTIMIZERS["adamw"])
+    rows = GLOBAL_BATCH // world_size
+    for step in range(STEPS):
+        idx, targets = batch(step)
+        wrapped(idx[rank * rows:(rank + 1) * rows], targets[rank * rows:(rank + 1) * rows]).backward()
+        wrapped.step()
+    params = wrapped.full_parameters()
+    if rank == 0:
+        torch.save(params, out_path)
+
+
+@pytest.mark.parametrize("scheme", ["file", "tcp"])
+def test_process_groups_created_in_cpp_train_like_torch_distributed(tmp_path, scheme):
+    # src/comm/process_group.h: a Gloo group made by dpzero's C++ from a file or TCP store,
+    # without torch.distributed.init_process_group, carries stage-3 training to the reference.
+    if scheme == "file":
+        init_method = f"file://{tmp_path / 'store'}"
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        init_method = f"tcp://127.0.0.1:{port}"
+    out = tmp_path / "params.pt"
+    mp.spawn(_cpp_group_rank_main, args=(2, init_method, str(out)), nprocs=2, join=True)
+    _, ref_params = reference("adamw", dict(tied=True))
+    params = torch.load(out)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, **PARAM_TOL)
+
+
+def test_cpp_process_group_rejects_bad_arguments_naming_them():
+    with pytest.raises(RuntimeError, match="backend must be 'gloo' or 'nccl', got 'mpi'"):
+        dpzero.zero.new_process_group("mpi", "file:///tmp/unused", 0, 1)
+    with pytest.raises(RuntimeError, match="must start with tcp:// or file://, got 'http://x'"):
+        dpzero.zero.new_process_group("gloo", "http://x", 0, 1)
+    with pytest.raises(RuntimeError, match="port must be an integer in \\[1, 65535\\], got '0'"):
+        dpzero.zero.new_process_group("gloo", "tcp://127.0.0.1:0", 0, 1)
+    with pytest.raises(RuntimeError, match="rank must be in \\[0, 2\\), got 2"):
+        dpzero.zero.new_process_group("gloo", "file:///tmp/unused", 2, 2)
+    if not dpzero._C.with_cuda:
+        with pytest.raises(RuntimeError, match="'nccl' needs a dpzero build with CUDA"):
+            dpzero.zero.new_process_group("nccl", "file:///tmp/unused", 0, 1)
 
 
 # ---- single process: no torch.distributed ------------------------------------------------------

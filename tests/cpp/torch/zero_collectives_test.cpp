@@ -1,14 +1,9 @@
 // tests/cpp/torch/zero_collectives_test.cpp — the engine's collectives and units with ranks as
 // threads over one c10d::HashStore (DESIGN.md §6 "Multi-rank").
 //
-// Why not c10d::ProcessGroupGloo: the torch 2.11 wheel ships ProcessGroupGloo.hpp but not the
-// gloo headers it includes (gloo/context.h, gloo/rendezvous/store.h, ...), so it cannot be
-// compiled against from the wheel's CMake config, and Debian's libgloo-dev (a 2022 snapshot) is
-// not the gloo torch was built with. Each thread here instead gets a real c10d::ProcessGroup whose
-// CPU backend (StoreBackend) moves bytes through the shared HashStore and sums in rank order. The
-// engine's path is the production one — comm::Collectives → c10d::ProcessGroup → the c10d
-// dispatcher ops → Backend — only the transport is the test's; tests/python/test_zero.py runs
-// the same engine over real Gloo process groups.
+// Each thread gets a real Gloo process group made by comm::make_process_group over one shared
+// HashStore (Note [gloo headers] in src/comm/process_group.h), the same groups C++ callers use.
+
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -24,80 +19,13 @@
 #include <torch/torch.h>
 
 #include "src/comm/collectives.h"
+#include "src/comm/process_group.h"
 #include "src/zero/flat_param.h"
 #include "src/zero/param_group.h"
 #include "src/zero/state.h"
 
 namespace dpzero::zero {
 namespace {
-
-class DoneWork : public c10d::Work {
- public:
-  DoneWork() { finish(); }
-};
-
-// Collectives of float32 CPU tensors over a shared store: every rank publishes its input under
-// "<op index>/<rank>" and reads every rank's, in rank order. All ranks issue the same sequence of
-// collectives (Note [collective order]), so the op index names the same collective on each.
-class StoreBackend : public c10d::Backend {
- public:
-  StoreBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size)
-      : Backend(rank, size), store_(std::move(store)) {}
-
-  const std::string getBackendName() const override { return "dpzero_test_store"; }
-
-  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
-                                           const c10d::AllreduceOptions&) override {
-    for (at::Tensor& t : tensors) {
-      std::vector<at::Tensor> all = exchange(t);
-      t.zero_();
-      for (const at::Tensor& x : all) t.add_(x);
-    }
-    return c10::make_intrusive<DoneWork>();
-  }
-
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
-                                                      const c10d::ReduceScatterOptions&) override {
-    std::vector<at::Tensor> all = exchange(in);
-    const int64_t m = out.numel();
-    out.zero_();
-    for (const at::Tensor& x : all) out.add_(x.narrow(0, getRank() * m, m));
-    return c10::make_intrusive<DoneWork>();
-  }
-
-  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
-                                                 const c10d::AllgatherOptions&) override {
-    std::vector<at::Tensor> all = exchange(in);
-    for (int r = 0; r < getSize(); ++r) out.narrow(0, r * in.numel(), in.numel()).copy_(all[r]);
-    return c10::make_intrusive<DoneWork>();
-  }
-
-  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
-                                           const c10d::BroadcastOptions& opts) override {
-    for (at::Tensor& t : tensors) t.copy_(exchange(t)[opts.rootRank]);
-    return c10::make_intrusive<DoneWork>();
-  }
-
- private:
-  std::vector<at::Tensor> exchange(const at::Tensor& t) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "test backend: fp32 only");
-    const std::string op = std::to_string(next_op_++);
-    std::vector<uint8_t> bytes(t.numel() * sizeof(float));
-    std::memcpy(bytes.data(), t.data_ptr<float>(), bytes.size());
-    store_->set(op + "/" + std::to_string(getRank()), bytes);
-    std::vector<at::Tensor> out;
-    for (int r = 0; r < getSize(); ++r) {
-      std::vector<uint8_t> got = store_->get(op + "/" + std::to_string(r));
-      at::Tensor x = at::empty({t.numel()}, at::kFloat);
-      std::memcpy(x.data_ptr<float>(), got.data(), got.size());
-      out.push_back(x.view(t.sizes()));
-    }
-    return out;
-  }
-
-  c10::intrusive_ptr<c10d::Store> store_;
-  int64_t next_op_ = 0;
-};
 
 // Runs body(rank, collectives) on `world_size` threads, each with its own process group.
 void run_ranks(int world_size, const std::function<void(int, const comm::Collectives&)>& body) {
@@ -107,9 +35,8 @@ void run_ranks(int world_size, const std::function<void(int, const comm::Collect
   for (int rank = 0; rank < world_size; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, world_size);
-        pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM,
-                       c10::make_intrusive<StoreBackend>(store, rank, world_size));
+        auto pg = comm::make_process_group("gloo", store, rank, world_size,
+                                           std::chrono::seconds(120));
         comm::Collectives comm(pg);
         body(rank, comm);
       } catch (const std::exception& e) {
