@@ -526,6 +526,7 @@ std::string save(zero::ZeroState& state, const std::string& root, const TensorLi
   });
 
   // 2. Rank 0 makes the temporary step directory; every rank learns its name.
+  const std::string temp_dir_name = ".step-" + std::to_string(step) + ".tmp-";  // + nonce
   std::string nonce;
   if (rank == 0 && error.empty()) {
     error = capture([&] {
@@ -534,12 +535,11 @@ std::string save(zero::ZeroState& state, const std::string& root, const TensorLi
                   " already exists; a committed checkpoint is never overwritten (save under "
                   "another step, or remove it)");
       nonce = make_nonce();
-      make_directory(join(root, ".step-" + std::to_string(step) + ".tmp-" + nonce));
+      make_directory(join(root, temp_dir_name + nonce));
       fsync_directory(root);
     });
   }
   const std::string created = nonce;  // rank 0: the directory it made, if any
-  const std::string temp_dir_name = ".step-" + std::to_string(step) + ".tmp-";
   // Rank 0 removes its temporary directory when a later phase fails on some rank (a crash leaves
   // it to the next successful save instead, Note [checkpoint commit]).
   const auto discard = [&] {
@@ -578,6 +578,7 @@ std::string save(zero::ZeroState& state, const std::string& root, const TensorLi
   // 4. Rank 0 commits: manifest, rename, latest, then keep_last and leftovers.
   error = "";
   if (rank == 0) {
+    bool renamed = false;
     error = capture([&] {
       for (std::size_t r = 0; r < files.size(); ++r) {
         const Json j = Json::parse(files[r].text);
@@ -592,11 +593,13 @@ std::string save(zero::ZeroState& state, const std::string& root, const TensorLi
       write_file_atomically(join(temp_dir, kManifestName), text.data(), text.size());
       fault_point("before_commit_rename", rank);
       rename_no_replace(temp_dir, step_dir);
+      renamed = true;
       fsync_directory(root);
       fault_point("before_latest", rank);
       const std::string latest = step_dir_name(step) + "\n";
       write_file_atomically(join(root, kLatestName), latest.data(), latest.size());
     });
+    if (!error.empty() && !renamed) discard();
     if (error.empty()) {
       const std::string cleanup =
           capture([&] { clean_up(root, step, options.keep_last, make_nonce()); });
