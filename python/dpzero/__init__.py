@@ -16,6 +16,7 @@ from .accounting import (
     get_steps,
 )
 from .zero import ShardedModule, shard
+from . import checkpoint  # noqa: E402  (dpzero.checkpoint.save / load)
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "PRVAccountant",
     "RDPAccountant",
     "ShardedModule",
+    "checkpoint",
     "get_noise_multiplier",
     "get_steps",
     "shard",
