@@ -74,7 +74,7 @@ def train(wrapped, rank, world_size, steps):
             part = slice(m * micro, (m + 1) * micro)
             loss = wrapped(idx[part], targets[part]) / MICRO_BATCHES
             loss.backward()
-            total += loss.item()
+            total += loss.float().item()
         wrapped.step()
         losses.append(total)
     if world_size > 1:
@@ -152,17 +152,17 @@ def task_load_and_train(rank, world_size, *, stage, optimizer, root):
                 cursor=info["extra"]["cursor"].item())
 
 
-def task_resume_bitwise(rank, world_size, *, stage, optimizer, root, steps=STEPS):
+def task_resume_bitwise(rank, world_size, *, stage, optimizer, root, steps=STEPS, **shard_kwargs):
     """The uninterrupted run, and steps // 2 steps + save + load into a fresh engine + the rest;
     also checks that load restored torch's RNG state."""
-    straight = shard(make_model(), stage, optimizer)
+    straight = shard(make_model(), stage, optimizer, **shard_kwargs)
     straight_losses = train(straight, rank, world_size, range(steps))
-    first = shard(make_model(), stage, optimizer)
+    first = shard(make_model(), stage, optimizer, **shard_kwargs)
     losses = train(first, rank, world_size, range(steps // 2))
     dpzero.checkpoint.save(first, root)
     after_save = torch.rand(4)
     del first
-    resumed = shard(fresh_model(), stage, optimizer)
+    resumed = shard(fresh_model(), stage, optimizer, **shard_kwargs)
     torch.rand(100)
     info = dpzero.checkpoint.load(resumed, root)
     assert torch.equal(torch.rand(4), after_save), "RNG state not restored"
@@ -345,6 +345,25 @@ def test_single_process_resume_is_bitwise(tmp_path):
     assert not dist.is_initialized()
     assert_bitwise(task_resume_bitwise(0, 1, stage=3, optimizer="adamw", root=str(tmp_path),
                                        steps=6))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_mixed_precision_resume_is_bitwise(tmp_path, stage):
+    # Checkpoints hold the fp32 master weights (Note [master weights]), not the 16-bit copies, so
+    # a bf16 run resumes exactly.
+    assert_bitwise(task_resume_bitwise(0, 1, stage=stage, optimizer="adamw", root=str(tmp_path),
+                                       steps=6, param_dtype=torch.bfloat16))
+
+
+def test_mixed_precision_checkpoint_loads_into_fp32(tmp_path):
+    wrapped = shard(make_model(), 2, "adamw", param_dtype=torch.bfloat16)
+    train(wrapped, 0, 1, range(3))
+    dpzero.checkpoint.save(wrapped, str(tmp_path))
+    fp32 = shard(fresh_model(), 1, "adamw")
+    dpzero.checkpoint.load(fp32, str(tmp_path))
+    masters = wrapped.full_parameters()
+    for name, value in fp32.full_parameters().items():
+        assert torch.equal(value, masters[name]), name
 
 
 def test_values_round_trip_between_every_stage_and_world_size(runs):
