@@ -132,7 +132,7 @@ void bind_zero(py::module_ m) {
                        double eps, bool amsgrad, const py::object& process_group,
                        int64_t alignment, double grad_scale, bool sync_module_states,
                        at::ScalarType param_dtype, at::ScalarType reduce_dtype,
-                       const std::string& shard_boundaries) {
+                       const std::string& shard_boundaries, bool offload_optimizer) {
              std::vector<zero::UnitSpec> specs;
              for (const auto& [name, params, names, offsets] : units) {
                specs.push_back({name, params, names, offsets});
@@ -148,6 +148,7 @@ void bind_zero(py::module_ m) {
              config.param_dtype = param_dtype;
              config.reduce_dtype = reduce_dtype;
              config.boundaries = zero::parse_shard_boundaries(shard_boundaries);
+             config.offload_optimizer = offload_optimizer;
              auto pg = process_group_or_null(process_group);
              py::gil_scoped_release no_gil;  // construction broadcasts
              return std::make_unique<ZeroState>(std::move(specs), total_coordinates, config,
@@ -159,7 +160,7 @@ void bind_zero(py::module_ m) {
            py::arg("eps"), py::arg("amsgrad"), py::arg("process_group"), py::arg("alignment"),
            py::arg("grad_scale"), py::arg("sync_module_states"),
            py::arg("param_dtype") = at::kFloat, py::arg("reduce_dtype") = at::kFloat,
-           py::arg("shard_boundaries") = "even",
+           py::arg("shard_boundaries") = "even", py::arg("offload_optimizer") = false,
            "units: list of (name, params, param_names, global_offsets) in plan order.")
       .def("pre_forward", &ZeroState::pre_forward, py::arg("unit"),
            py::call_guard<py::gil_scoped_release>())
@@ -189,6 +190,8 @@ void bind_zero(py::module_ m) {
                              "grad_ready (stages 2-3, or a reduce dtype unlike the parameters').")
       .def_property_readonly("param_dtype",
                              [](const ZeroState& s) { return s.config().param_dtype; })
+      .def_property_readonly("offload_optimizer",
+                             [](const ZeroState& s) { return s.config().offload_optimizer; })
       .def_property_readonly("reduce_dtype",
                              [](const ZeroState& s) { return s.config().reduce_dtype; })
       .def_property_readonly("plan", &ZeroState::plan, py::return_value_policy::copy)
@@ -251,9 +254,11 @@ void bind_zero(py::module_ m) {
         out["optimizer_state"] = m.optimizer_bytes;
         out["peak_params"] = m.peak_param_bytes;
         out["peak_comm_buffers"] = m.peak_comm_bytes;
+        out["host"] = m.host_bytes;
         return out;
       }, "Bytes this rank holds now: params, master_params, grads, optimizer_state; and the "
-         "peaks peak_params, peak_comm_buffers.");
+         "peaks peak_params, peak_comm_buffers; host: the part of master and optimizer state "
+         "offloaded to host memory.");
 }
 
 }  // namespace dpzero::python

@@ -201,7 +201,9 @@ class ShardedModule:
         precision, else 0), ``grads`` (persistent gradient buffers), ``optimizer_state``; and two
         peaks since construction: ``peak_params`` (parameter bytes held at once) and
         ``peak_comm_buffers`` (the largest set of short-lived buffers one unit allocated for a
-        collective or a dtype change). Autograd's per-parameter gradients, which live until their
+        collective or a dtype change), and ``host`` (the part of master and optimizer state in
+        host memory under ``offload_optimizer`` while parameters are on a GPU). Autograd's
+        per-parameter gradients, which live until their
         unit's backward completes, are not counted. Compare with :func:`predicted_memory`."""
         return self._state.memory()
 
@@ -256,6 +258,7 @@ def shard(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     shard_boundaries: str = "even",
+    offload_optimizer: bool = False,
 ) -> ShardedModule:
     """Shard ``model`` under ZeRO ``stage`` 0-3 with an optimizer that runs on the owned shard.
 
@@ -273,6 +276,8 @@ def shard(
     shard_boundaries: ``"even"`` (equal shards that may cut a parameter) or ``"parameters"``
         (the ragged plan: every parameter lies wholly in one rank's shard, for optimizers and
         quantisers that work on whole tensors; Note [ragged plans] in src/zero/shard_plan.h).
+    offload_optimizer: keep the fp32 master weights and the optimizer state in host memory and
+        run the optimizer there (ZeRO-Offload); results are identical to no offload.
 
     Trainable parameters must be float32 and on one device per unit. Parameters that get no
     gradient in a backward count as zero gradient (torch.optim would skip them).
@@ -319,6 +324,7 @@ def shard(
         param_dtype,
         reduce_dtype,
         shard_boundaries,
+        offload_optimizer,
     )
     handles = []
     if param_dtype != torch.float32:
@@ -327,8 +333,9 @@ def shard(
         handles += _register_grad_hooks(_hooks_ref(state), planned)
     if stage == 3:
         handles += _register_gather_hooks(model, _hooks_ref(state), planned)
-    k = _zero.optimizer_bytes_per_param(optimizer, momentum=momentum, amsgrad=amsgrad,
-                                        mixed=param_dtype != torch.float32)
+    k = _zero.optimizer_bytes_per_param(
+        optimizer, momentum=momentum, amsgrad=amsgrad,
+        mixed=param_dtype != torch.float32 or offload_optimizer)
     return ShardedModule(model, state, planned, handles, k)
 
 

@@ -60,16 +60,25 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
   }
   if (sync) comm.broadcast_(values, 0);
   at::Tensor owned_values = values.narrow(0, rank_ * m, m);
-  if (mixed()) {
-    full_ = values.to(options_.param_dtype);
-    master_ = options_.master_full ? values : owned_values.clone();
+  if (separate_master()) {
+    full_ = values.to(options_.param_dtype, /*non_blocking=*/false, /*copy=*/true);
+    at::Tensor master_values = options_.master_full ? values : owned_values;
+    if (options_.offload_master) {
+      // Pinned when the parameters live on a GPU, so host<->device copies can be asynchronous.
+      master_ = at::empty({master_values.numel()},
+                          master_values.options().device(at::kCPU).pinned_memory(
+                              master_values.is_cuda()));
+      master_.copy_(master_values);
+    } else {
+      master_ = options_.master_full ? values : owned_values.clone();
+    }
   } else {
     full_ = values;
   }
   for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(param_view(full_, i));
   at::Tensor owned = full_.narrow(0, rank_ * m, m);
   shard_ = options_.shard_params ? owned.clone() : owned;
-  if (!mixed()) master_ = options_.master_full ? full_ : shard_;
+  if (!separate_master()) master_ = options_.master_full ? full_ : shard_;
   if (options_.shard_params) free_storage(full_);
 }
 
@@ -119,7 +128,7 @@ void FlatParam::reshard() {
 
 void FlatParam::publish_master(const comm::Collectives& comm) {
   at::NoGradGuard no_grad;
-  if (mixed()) (options_.master_full ? full_ : shard_).copy_(master_);
+  if (separate_master()) (options_.master_full ? full_ : shard_).copy_(master_);
   if (options_.shard_params) {
     free_storage(full_);  // any gathered copy is stale now
   } else if (!options_.master_full && comm.world_size() > 1) {
@@ -173,7 +182,7 @@ int64_t FlatParam::param_bytes() const {
 }
 
 int64_t FlatParam::master_bytes() const {
-  return mixed() ? master_.numel() * static_cast<int64_t>(master_.element_size()) : 0;
+  return separate_master() ? master_.numel() * static_cast<int64_t>(master_.element_size()) : 0;
 }
 
 }  // namespace dpzero::zero

@@ -28,7 +28,10 @@
 // into the compute copy (shard(), which stages 0–2 view inside full() and stage 3 keeps as its own
 // param_dtype tensor so gathers move 16-bit values and memory matches ZeRO's 2Ψ/W parameter
 // term), and stages 1–2 all-gather it. Checkpoints and full_parameters() read the master, never
-// the rounded copy.
+// the rounded copy. Optimizer offload (ZeRO-Offload, Ren et al. 2021) is the same arrangement
+// with the separate master — and so the optimizer state the optimizer creates like it — on the
+// host: the reduced gradient shard goes to the host, the step runs there, and publish_master()
+// copies the result back (pinned host memory when the parameters are on a GPU).
 #pragma once
 
 #include <cstdint>
@@ -47,6 +50,7 @@ struct FlatParamOptions {
   bool shard_params = false;            // stage 3: full() freed except around use
   bool master_full = false;             // stage 0: the master covers every coordinate
   at::ScalarType param_dtype = at::kFloat;  // compute dtype: kFloat, kBFloat16 or kHalf
+  bool offload_master = false;          // keep the master (and optimizer state) on the CPU
 };
 
 class FlatParam {
@@ -74,13 +78,16 @@ class FlatParam {
   bool shards_params() const { return options_.shard_params; }
   int64_t rank() const { return rank_; }
   at::ScalarType param_dtype() const { return options_.param_dtype; }
-  // Whether the master is a separate fp32 tensor (param_dtype is not fp32).
-  bool mixed() const { return options_.param_dtype != at::kFloat; }
+  // Whether the master is a separate fp32 tensor (mixed precision or offload).
+  bool separate_master() const {
+    return options_.param_dtype != at::kFloat || options_.offload_master;
+  }
 
   // [padded_numel] param_dtype; its storage has 0 bytes while the unit is resharded (stage 3).
   at::Tensor& full() { return full_; }
   // [shard_numel] param_dtype: the owned coordinates' compute values, the all-gather source.
   at::Tensor& shard() { return shard_; }
+  const at::Tensor& shard() const { return shard_; }
   // fp32 master values the optimizer updates (Note [master weights]): [padded_numel] with
   // master_full (stage 0), else [shard_numel].
   at::Tensor& master() { return master_; }
@@ -115,7 +122,7 @@ class FlatParam {
   // Bytes of parameter storage this unit holds now: the full buffer's storage plus, in stage 3,
   // the owned shard; the fp32 master only where it is the parameter storage itself.
   int64_t param_bytes() const;
-  // Bytes of a separate fp32 master (mixed precision), else 0.
+  // Bytes of a separate fp32 master (mixed precision or offload), else 0.
   int64_t master_bytes() const;
   // Bytes the full buffer occupies when allocated.
   int64_t full_bytes() const;
@@ -128,7 +135,7 @@ class FlatParam {
   FlatParamOptions options_;
   at::Tensor full_;    // [padded_numel] param_dtype, every coordinate; parameters are views of it
   at::Tensor shard_;   // [shard_numel] param_dtype, owned: view of full_ (stages 0–2) or own (3)
-  at::Tensor master_;  // fp32, Note [master weights]: aliases full_/shard_ unless mixed()
+  at::Tensor master_;  // fp32, Note [master weights]: aliases full_/shard_ unless separate_master()
 };
 
 }  // namespace dpzero::zero

@@ -101,12 +101,14 @@ void ParamGroup::step(const comm::Collectives& comm, double grad_scale) {
       grad = grad_shard_;
       break;
   }
-  if (grad.scalar_type() != at::kFloat) {
-    grad = grad.to(at::kFloat);  // the optimizer runs in fp32 on the master (Note [master weights])
+  at::Tensor& master = flat_.master();
+  if (grad.scalar_type() != at::kFloat || grad.device() != master.device()) {
+    // The optimizer runs in fp32 where the master is (Note [master weights]).
+    grad = grad.to(master.device(), at::kFloat);
     note_comm_bytes(grad.numel() * static_cast<int64_t>(grad.element_size()));
   }
   if (grad_scale != 1.0) grad.mul_(grad_scale);
-  optimizer_->step(flat_.master(), grad);
+  optimizer_->step(master, grad);
   flat_.publish_master(comm);
   zero_grad();
 }
@@ -158,7 +160,7 @@ void ParamGroup::load_state(const std::vector<std::pair<std::string, at::Tensor>
     if (name == "param") {
       param = tensor;
     } else {
-      optimizer_state.emplace_back(name, tensor.to(flat_.shard().device()));
+      optimizer_state.emplace_back(name, tensor.to(flat_.master().device()));
     }
   }
   TORCH_CHECK(param.defined(), "unit '", name_, "': the checkpoint has no parameter values");

@@ -50,6 +50,7 @@ ZeroState::ZeroState(std::vector<UnitSpec> units, int64_t total_coordinates, Zer
   flat_options.shard_params = config_.stage == Stage::k3;
   flat_options.master_full = config_.stage == Stage::k0;
   flat_options.param_dtype = config_.param_dtype;
+  flat_options.offload_master = config_.offload_optimizer;
   for (size_t u = 0; u < units.size(); ++u) {
     FlatParam flat(std::move(units[u].params), std::move(units[u].param_names), layouts[u], comm_,
                    config_.sync_module_states, flat_options);
@@ -143,6 +144,9 @@ MemoryStats ZeroState::memory() const {
     stats.optimizer_bytes += g.optimizer_bytes();
     stats.master_bytes += g.master_bytes();
     stats.peak_comm_bytes = std::max(stats.peak_comm_bytes, g.peak_comm_bytes());
+    if (g.flat().master().is_cpu() && !g.flat().shard().is_cpu()) {
+      stats.host_bytes += g.master_bytes() + g.optimizer_bytes();
+    }
   }
   stats.peak_param_bytes = std::max(peak_param_bytes_, stats.param_bytes);
   return stats;

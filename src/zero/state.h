@@ -55,6 +55,8 @@ struct ZeroConfig {
   // in, and the dtype gradients are reduced and accumulated in. fp32 master weights always.
   at::ScalarType param_dtype = at::kFloat;
   at::ScalarType reduce_dtype = at::kFloat;
+  // Keep the fp32 master and the optimizer state on the host (Note [master weights]).
+  bool offload_optimizer = false;
 };
 
 // Bytes this rank holds now (storage actually allocated), and two peaks.
@@ -66,6 +68,8 @@ struct MemoryStats {
   int64_t optimizer_bytes = 0;   // optimizer state
   int64_t peak_param_bytes = 0;  // most parameter bytes held at once since construction
   int64_t peak_comm_bytes = 0;   // largest short-lived collective/cast buffer set of one unit
+  int64_t host_bytes = 0;        // of master and optimizer state, bytes in host memory while the
+                                 // parameters are on an accelerator (optimizer offload)
 };
 
 class ZeroState {
