@@ -8,24 +8,28 @@ AdamW (same hyperparameters everywhere, ADAMW below) on W CPU ranks over Gloo
   fsdp2   torch.distributed.fsdp.fully_shard on every block, then on the root (its defaults)
           + torch.optim.AdamW on the sharded DTensor parameters
   zero0-3 dpzero.shard(model, stage=k, optimizer="adamw", units=["blocks.0", ...]): the same units
-          as FSDP2 (one per block; embeddings, final LayerNorm and head in the root unit)
+          as FSDP2 (one per block; embeddings, final LayerNorm and head in the root unit), the
+          installed engine's other defaults (stage-3 prefetch on where it has the switch)
+  zero3-noprefetch  stage 3 with prefetch=False; listed only when the installed dpzero.shard has
+          that switch, to show what prefetching the next unit's gather buys
 torch.optim.AdamW runs with its CPU default (the per-parameter for-loop, foreach=False); dpzero's
 optimizer runs on each unit's flat shard.
 
 Same start, same data. Every system is built after torch.manual_seed(0), so all start from the same
 weights; step s uses global batch s mod --batches (random tokens), of which rank r takes rows
 [r*b, (r+1)*b) with b = --micro-batch. Each rank's loss is the mean over its rows and gradients are
-averaged over ranks (DDP and FSDP2 by default, dpzero by its default grad_scale 1/W), so every system
-computes the same global-batch step. Checked before timing, not timed: the global losses (mean over
-ranks) of step 0 must agree across systems to STEP0_RTOL (same weights, same data), and those of
-step 1 to STEP1_RTOL (the same AdamW update, up to the order in which gradients are summed).
+averaged over ranks (DDP and FSDP2 by default, dpzero by its default grad_scale 1/W), so every
+system computes the same global-batch step. Checked before timing, not timed: the global losses
+(mean over ranks) of step 0 must agree across systems to STEP0_RTOL (same weights, same data), and
+those of step 1 to STEP1_RTOL (the same AdamW update, up to the order gradients are summed in).
 
-Time. All six systems are built in the same rank processes and stepped interleaved, round by round,
+Time. All systems are built in the same rank processes and stepped interleaved, round by round,
 the order rotated every round, so that changes in machine load hit all of them alike. One step =
 zero_grad + forward + backward + optimizer step (dpzero: forward + backward + ShardedModule.step,
 which also zeroes). Every rank times each step from a barrier to its own end; a step's time is the
 max over ranks. After --warmup rounds (steps 0 and 1 of the check come before them), --repeats
-rounds are timed; the table gives each system's median and interquartile range.
+rounds are timed; the table gives each system's median and interquartile range. Ratios are
+against FSDP2 and DDP measured in the same run.
 
 Memory, two measures per rank; the table gives the max over ranks. Each system runs alone in fresh
 rank processes with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_=131072), so that a freed
@@ -40,11 +44,14 @@ large block leaves the resident set instead of staying in the heap:
          default a second full copy of the gradients); the second measure sees all of them.
   rss    peak resident set size over --memory-steps steady-state steps (VmHWM, reset through
          /proc/self/clear_refs after two steps, when the optimizer state exists) minus the resident
-         size (VmRSS) just before the system was built. Before that baseline a plain copy of the
-         model takes one torch.optim.AdamW step and is freed, so one-off library set-up (the
-         first AdamW imports torch._dynamo, ~70 MiB) is not charged to any system.
+         size (VmRSS) just before the system was built: model state + activations + gathered
+         parameters + gradients in flight + communication buffers + allocator overhead. Before that
+         baseline a plain copy of the model takes one torch.optim.AdamW step and is freed, so
+         one-off library set-up (the first AdamW imports torch._dynamo, ~70 MiB) is not charged
+         to any system.
 
-Usage: .venv/bin/python experiments/zero_bench.py [--world-size 2] [--repeats 15] ...
+Usage: .venv/bin/python experiments/zero_bench.py [--world-size 2] [--repeats 21] ...
+(defaults: 4 blocks, d = 384, T = 128, vocab 8192, 4 sequences per rank; about 5 minutes on 2 cores)
 Writes experiments/results/zero.md (the section between its markers; notes outside them are kept)
 and experiments/results/zero.csv.
 """
@@ -55,10 +62,12 @@ import argparse
 import csv
 import datetime
 import gc
+import inspect
 import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,6 +89,8 @@ import dpzero
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_MD = os.path.join(HERE, "results", "zero.md")
 SYSTEMS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3"]
+# Listed too when the installed dpzero.shard has a `prefetch` switch: what stage-3 prefetch buys.
+NO_PREFETCH = "zero3-noprefetch"
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 STEP0_RTOL, STEP1_RTOL = 1e-6, 1e-4
 MIB = 2.0**20
@@ -92,8 +103,10 @@ class Block(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.heads = heads
-        self.ln1, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.ln2, self.fc, self.out = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.ln1, self.qkv = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2, self.fc = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
 
     def forward(self, x):  # x: [B, T, D]
         b, t, d = x.shape
@@ -143,7 +156,7 @@ def local_rows(batch, rank: int, micro: int):
     return tuple(t[rank * micro:(rank + 1) * micro] for t in batch)
 
 
-# ---- the systems -----------------------------------------------------------------------------------
+# ---- the systems ---------------------------------------------------------------------------------
 
 
 def storage_bytes(tensors) -> int:
@@ -193,7 +206,8 @@ class DpzeroSystem:
 
     def state_bytes(self) -> dict:
         m = self.wrapped.memory()
-        return dict(params=m["params"], grads=m["grads"], optimizer=m["optimizer_state"])
+        return dict(params=m["params"] + m.get("master_params", 0), grads=m["grads"],
+                    optimizer=m["optimizer_state"], dpzero_peak_params=m["peak_params"])
 
 
 def build(name: str, cfg: dict, world_size: int):
@@ -207,11 +221,28 @@ def build(name: str, cfg: dict, world_size: int):
         fully_shard(model, mesh=mesh)
         return TorchSystem(model, model)
     units = [f"blocks.{i}" for i in range(len(model.blocks))]
-    return DpzeroSystem(dpzero.shard(model, stage=int(name[-1]), optimizer="adamw", units=units,
-                                     **ADAMW))
+    extra = dict(prefetch=False) if name == NO_PREFETCH else {}
+    return DpzeroSystem(dpzero.shard(model, stage=int(name[4]), optimizer="adamw", units=units,
+                                     **ADAMW, **extra))
 
 
-# ---- rank processes ----------------------------------------------------------------------------------
+def has_prefetch_switch() -> bool:
+    return "prefetch" in inspect.signature(dpzero.shard).parameters
+
+
+def dpzero_version() -> str:
+    """The git commit of this checkout (+ "-dirty") and when the installed extension was built:
+    the engine under test is the installed one, which may lag or lead the checkout."""
+    try:
+        commit = subprocess.run(["git", "-C", HERE, "describe", "--always", "--dirty"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown commit"
+    built = datetime.datetime.fromtimestamp(os.path.getmtime(dpzero._C.__file__))
+    return f"checkout {commit}, installed dpzero/_C built {built:%Y-%m-%d %H:%M}"
+
+
+# ---- rank processes ------------------------------------------------------------------------------
 
 
 def init_rank(rank: int, world_size: int, store: str, threads: int) -> None:
@@ -258,15 +289,30 @@ def time_interleaved(systems: dict, batches, rank: int, micro: int, warmup: int,
 
 
 def timing_rank(rank, world_size, store, cfg, names, out_path) -> None:
+    run_rank(rank, world_size, store, cfg, out_path,
+             lambda: measure_time(rank, world_size, cfg, names))
+
+
+def measure_time(rank, world_size, cfg, names) -> dict:
+    batches = make_batches(cfg, world_size)
+    systems = {n: build(n, cfg, world_size) for n in names}
+    losses = check_same_losses(systems, batches, rank, cfg["micro_batch"])
+    times = time_interleaved(systems, batches, rank, cfg["micro_batch"], cfg["warmup"],
+                             cfg["repeats"])
+    return dict(losses=losses, times=times, threads=torch.get_num_threads())
+
+
+def run_rank(rank, world_size, store, cfg, out_path, measure) -> None:
+    """Runs `measure` on this rank; rank 0 saves what it returns. Everything `measure` built is
+    freed before the process group is destroyed: a dpzero engine that outlives
+    destroy_process_group holds the last reference to the Gloo group, and freeing it then can
+    deadlock (see the notes in results/zero.md)."""
     init_rank(rank, world_size, store, cfg["threads"])
     try:
-        batches = make_batches(cfg, world_size)
-        systems = {n: build(n, cfg, world_size) for n in names}
-        losses = check_same_losses(systems, batches, rank, cfg["micro_batch"])
-        times = time_interleaved(systems, batches, rank, cfg["micro_batch"], cfg["warmup"],
-                                 cfg["repeats"])
+        result = measure()
+        gc.collect()
         if rank == 0:
-            torch.save(dict(losses=losses, times=times, threads=torch.get_num_threads()), out_path)
+            torch.save(result, out_path)
     finally:
         dist.destroy_process_group()
 
@@ -302,26 +348,26 @@ def warm_up_libraries(cfg: dict, batch) -> None:
 
 
 def memory_rank(rank, world_size, store, cfg, name, out_path) -> None:
-    init_rank(rank, world_size, store, cfg["threads"])
-    try:
-        micro = cfg["micro_batch"]
-        batches = make_batches(cfg, world_size)
-        warm_up_libraries(cfg, local_rows(batches[0], rank, micro))
-        base = proc_status_bytes("VmRSS")
-        system = build(name, cfg, world_size)
-        for s in range(2):
-            system.step(*local_rows(batches[s % len(batches)], rank, micro))
-        reset_peak_rss()
-        for s in range(2, 2 + cfg["memory_steps"]):
-            system.step(*local_rows(batches[s % len(batches)], rank, micro))
-        peak = proc_status_bytes("VmHWM") - base
-        row = dict(system.state_bytes(), rss=peak)
-        rows = [None] * world_size
-        dist.all_gather_object(rows, row)
-        if rank == 0:
-            torch.save(rows, out_path)
-    finally:
-        dist.destroy_process_group()
+    run_rank(rank, world_size, store, cfg, out_path,
+             lambda: measure_memory_rank(rank, world_size, cfg, name))
+
+
+def measure_memory_rank(rank, world_size, cfg, name) -> list[dict]:
+    """Every rank's {params, grads, optimizer, rss} bytes for system `name`."""
+    micro = cfg["micro_batch"]
+    batches = make_batches(cfg, world_size)
+    warm_up_libraries(cfg, local_rows(batches[0], rank, micro))
+    base = proc_status_bytes("VmRSS")
+    system = build(name, cfg, world_size)
+    for s in range(2):
+        system.step(*local_rows(batches[s % len(batches)], rank, micro))
+    reset_peak_rss()
+    for s in range(2, 2 + cfg["memory_steps"]):
+        system.step(*local_rows(batches[s % len(batches)], rank, micro))
+    peak = proc_status_bytes("VmHWM") - base
+    rows = [None] * world_size
+    dist.all_gather_object(rows, dict(system.state_bytes(), rss=peak))
+    return rows
 
 
 def spawn(fn, world_size: int, tmp: str, tag: str, *args):
@@ -350,16 +396,21 @@ def measure_memory(cfg, names, world_size, tmp) -> dict:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
 
 
-# ---- report ----------------------------------------------------------------------------------------
+# ---- report --------------------------------------------------------------------------------------
+
+CSV_FIELDS = ["system", "step_ms", "q1_ms", "q3_ms", "params", "grads", "optimizer", "state", "rss",
+              "time_vs_fsdp2", "state_vs_fsdp2", "rss_vs_fsdp2", "time_vs_ddp", "state_vs_ddp",
+              "rss_vs_ddp", "loss0", "loss1", "dpzero_peak_params"]
 
 
 def summarize(names, timing, memory) -> list[dict]:
+    """One row per system: times in ms, bytes, and ratios against FSDP2 and DDP when present."""
     rows = []
     for n in names:
-        t = sorted(timing["times"][n])
-        q = statistics.quantiles(t, n=4)
-        rows.append(dict(system=n, step_ms=1e3 * statistics.median(t), q1_ms=1e3 * q[0],
-                         q3_ms=1e3 * q[2], loss0=timing["losses"][n][0],
+        t = timing["times"][n]
+        q1, _, q3 = statistics.quantiles(t, n=4)
+        rows.append(dict(system=n, step_ms=1e3 * statistics.median(t), q1_ms=1e3 * q1,
+                         q3_ms=1e3 * q3, loss0=timing["losses"][n][0],
                          loss1=timing["losses"][n][1], **memory[n]))
     ref = {r["system"]: r for r in rows}
     for r in rows:
@@ -373,7 +424,7 @@ def summarize(names, timing, memory) -> list[dict]:
 
 def write_csv(path: str, rows: list[dict]) -> None:
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
 
@@ -393,31 +444,43 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def write_markdown(path: str, args, cfg, rows, threads, n_params) -> None:
-    losses = ", ".join(f"{r['system']} {r['loss0']:.6f} / {r['loss1']:.6f}" for r in rows)
+def write_markdown(path: str, args, cfg, rows, run: dict) -> None:
+    """Replaces the section between the zero_bench markers in `path` (notes outside are kept)."""
+    losses = "; ".join(f"{r['system']} {r['loss0']:.6f} / {r['loss1']:.6f}" for r in rows)
+    gathered = "; ".join(f"{r['system']} {r['dpzero_peak_params'] / MIB:.1f} MiB"
+                         for r in rows if r["system"].startswith("zero3"))
+    command = " ".join([".venv/bin/python experiments/zero_bench.py", *sys.argv[1:]])
     section = "\n".join([
         "<!-- zero_bench:begin -->",
         f"Run {datetime.date.today().isoformat()} on {platform.machine()}, {os.cpu_count()} cores, "
-        f"{threads} torch thread(s) per rank, W = {args.world_size} Gloo ranks; torch "
-        f"{torch.__version__}, Python {platform.python_version()}.",
+        f"{run['threads']} torch thread(s) per rank, W = {args.world_size} Gloo ranks (file store, "
+        f"loopback); torch {torch.__version__}, Python {platform.python_version()}; "
+        f"{run['version']}. Load average (1 min) {run['load'][0]:.2f} at the start, "
+        f"{run['load'][1]:.2f} at the end; {run['seconds']:.0f} s in all.",
         "",
-        f"Command: `.venv/bin/python experiments/zero_bench.py {' '.join(sys.argv[1:])}`".rstrip()
-        + "",
+        f"Command: `{command}`",
         "",
         f"Model: GPT-2-style, {cfg['layers']} blocks, d = {cfg['dim']}, {cfg['heads']} heads, "
-        f"T = {cfg['seq']}, vocab {cfg['vocab']}, tied head; {n_params / 1e6:.2f} M parameters "
-        f"(fp32). Micro-batch {cfg['micro_batch']} sequences per rank, global batch "
+        f"T = {cfg['seq']}, vocab {cfg['vocab']}, tied head; {run['n_params'] / 1e6:.2f} M "
+        f"parameters (fp32). Micro-batch {cfg['micro_batch']} sequences per rank, global batch "
         f"{cfg['micro_batch'] * args.world_size}; AdamW lr {ADAMW['lr']}, betas {ADAMW['betas']}, "
-        f"weight decay {ADAMW['weight_decay']}.",
-        f"Time: median and IQR of {args.repeats} interleaved steps per system after "
-        f"{args.warmup} warm-up rounds (max over ranks). State and RSS: max over ranks, each "
-        f"system alone in fresh processes, RSS peak over {args.memory_steps} steady-state steps "
-        "(see the script's docstring).",
+        f"eps {ADAMW['eps']}, weight decay {ADAMW['weight_decay']}. dpzero units = FSDP2's "
+        "(one per block + root).",
+        "",
+        f"Time: median and interquartile range of {args.repeats} steps per system, interleaved "
+        f"round by round after {args.warmup} warm-up rounds; a step's time is the max over ranks. "
+        "State = parameters + gradients + optimizer state held at the end of a step; peak RSS Δ = "
+        f"peak resident memory over {args.memory_steps} steady-state steps minus the resident "
+        "memory before the system was built; both the max over ranks, each system alone in fresh "
+        "processes (details in the script's docstring).",
         "",
         *table(rows),
         "",
-        f"Same-computation check (global loss, step 0 / step 1; step 0 must agree to "
-        f"{STEP0_RTOL:g} relative, step 1 to {STEP1_RTOL:g}): {losses}.",
+        f"Same computation (asserted before timing): global loss at step 0 / step 1 — {losses}. "
+        f"Step 0 must agree to {STEP0_RTOL:g} relative, step 1 to {STEP1_RTOL:g}.",
+        "",
+        f"dpzero stage 3, most parameter bytes gathered at once (ShardedModule.memory()"
+        f"['peak_params'], shards included): {gathered}.",
         "<!-- zero_bench:end -->",
     ])
     title = ("# ZeRO: dpzero.shard stages 0-3 against PyTorch DDP and FSDP2 (CPU, Gloo)\n\n"
@@ -429,6 +492,7 @@ def write_markdown(path: str, args, cfg, rows, threads, n_params) -> None:
         text = pattern.sub(lambda _: section, text)
     else:
         text = text.rstrip("\n") + "\n\n" + section
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(text.rstrip("\n") + "\n")
 
@@ -446,31 +510,37 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--batches", type=int, default=4, help="distinct global batches, cycled")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--memory-steps", type=int, default=3)
-    parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help="comma-separated subset of " + ",".join(SYSTEMS))
+    available = SYSTEMS + ([NO_PREFETCH] if has_prefetch_switch() else [])
+    parser.add_argument("--systems", default=",".join(available),
+                        help="comma-separated subset of " + ",".join(available))
     parser.add_argument("--out", default=RESULTS_MD)
     args = parser.parse_args()
 
     names = args.systems.split(",")
-    unknown = sorted(set(names) - set(SYSTEMS))
+    unknown = sorted(set(names) - set(available))
     if unknown:
-        parser.error(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
+        parser.error(f"--systems: unknown {unknown}; choose from {available}")
+    if args.dim % args.heads:
+        parser.error(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
     cfg = dict(vocab=args.vocab, seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers,
                micro_batch=args.micro_batch, batches=max(args.batches, 2), threads=args.threads,
                warmup=args.warmup, repeats=args.repeats, memory_steps=args.memory_steps)
-    n_params = sum(p.numel() for p in make_model(cfg).parameters())
+    run = dict(n_params=sum(p.numel() for p in make_model(cfg).parameters()),
+               version=dpzero_version(), load=[os.getloadavg()[0]])
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
         timing = spawn(timing_rank, args.world_size, tmp, "time", cfg, names)
         print(f"timing done in {time.perf_counter() - t0:.0f} s", flush=True)
         memory = measure_memory(cfg, names, args.world_size, tmp)
+    run.update(threads=timing["threads"], seconds=time.perf_counter() - t0)
+    run["load"].append(os.getloadavg()[0])
     rows = summarize(names, timing, memory)
     print("\n".join(table(rows)))
     csv_path = os.path.splitext(args.out)[0] + ".csv"
     write_csv(csv_path, rows)
-    write_markdown(args.out, args, cfg, rows, timing["threads"], n_params)
+    write_markdown(args.out, args, cfg, rows, run)
     print(f"wrote {args.out} and {csv_path}")
 
 

@@ -40,6 +40,16 @@ c10::intrusive_ptr<c10d::ProcessGroup> process_group_or_null(const py::object& p
   return pg.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
 }
 
+// Destroys the engine without the GIL. The engine may hold the last reference to a c10d process
+// group, whose destructor joins backend threads; a thread that needs the GIL to finish (Note
+// [work references]) would otherwise wait forever on the one joining it.
+struct DeleteWithoutGil {
+  void operator()(zero::ZeroState* state) const {
+    py::gil_scoped_release no_gil;
+    delete state;
+  }
+};
+
 }  // namespace
 
 void bind_zero(py::module_ m) {
@@ -120,7 +130,7 @@ void bind_zero(py::module_ m) {
       py::arg("kind"), py::arg("momentum") = 0.0, py::arg("amsgrad") = false,
       py::arg("mixed") = false, "K: optimizer state bytes per parameter (fp32 master if mixed).");
 
-  py::class_<ZeroState>(m, "ZeroState",
+  py::class_<ZeroState, std::unique_ptr<ZeroState, DeleteWithoutGil>>(m, "ZeroState",
                         "The ZeRO engine of one model (src/zero/state.h). Built by "
                         "dpzero.shard(); every hook body is one call into it.")
       .def(py::init([](const std::vector<std::tuple<std::string, std::vector<at::Tensor>,
@@ -132,7 +142,8 @@ void bind_zero(py::module_ m) {
                        double eps, bool amsgrad, const py::object& process_group,
                        int64_t alignment, double grad_scale, bool sync_module_states,
                        at::ScalarType param_dtype, at::ScalarType reduce_dtype,
-                       const std::string& shard_boundaries, bool offload_optimizer) {
+                       const std::string& shard_boundaries, bool offload_optimizer,
+                       bool prefetch) {
              std::vector<zero::UnitSpec> specs;
              for (const auto& [name, params, names, offsets] : units) {
                specs.push_back({name, params, names, offsets});
@@ -149,10 +160,11 @@ void bind_zero(py::module_ m) {
              config.reduce_dtype = reduce_dtype;
              config.boundaries = zero::parse_shard_boundaries(shard_boundaries);
              config.offload_optimizer = offload_optimizer;
+             config.prefetch = prefetch;
              auto pg = process_group_or_null(process_group);
              py::gil_scoped_release no_gil;  // construction broadcasts
-             return std::make_unique<ZeroState>(std::move(specs), total_coordinates, config,
-                                                std::move(pg));
+             return std::unique_ptr<ZeroState, DeleteWithoutGil>(new ZeroState(
+                 std::move(specs), total_coordinates, config, std::move(pg)));
            }),
            py::arg("units"), py::arg("total_coordinates"), py::arg("stage"),
            py::arg("optimizer"), py::arg("lr"), py::arg("weight_decay"), py::arg("maximize"),
@@ -161,6 +173,7 @@ void bind_zero(py::module_ m) {
            py::arg("grad_scale"), py::arg("sync_module_states"),
            py::arg("param_dtype") = at::kFloat, py::arg("reduce_dtype") = at::kFloat,
            py::arg("shard_boundaries") = "even", py::arg("offload_optimizer") = false,
+           py::arg("prefetch") = true,
            "units: list of (name, params, param_names, global_offsets) in plan order.")
       .def("pre_forward", &ZeroState::pre_forward, py::arg("unit"),
            py::call_guard<py::gil_scoped_release>())
@@ -177,6 +190,8 @@ void bind_zero(py::module_ m) {
            "Unit `unit`'s flat parameters [padded_numel], a copy (all-gathers in stage 3: call "
            "on every rank).")
       .def("set_lr", &ZeroState::set_lr, py::arg("lr"))
+      .def_property_readonly("forward_order", &ZeroState::forward_order,
+                             "Note [stage-3 prefetch]: units in the order their forwards start.")
       .def_property_readonly("lr", [](const ZeroState& s) { return s.config().optimizer.lr; })
       .def_property_readonly("steps", &ZeroState::steps)
       .def_property_readonly(

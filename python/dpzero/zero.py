@@ -259,6 +259,7 @@ def shard(
     reduce_dtype: torch.dtype = torch.float32,
     shard_boundaries: str = "even",
     offload_optimizer: bool = False,
+    prefetch: bool = True,
 ) -> ShardedModule:
     """Shard ``model`` under ZeRO ``stage`` 0-3 with an optimizer that runs on the owned shard.
 
@@ -278,6 +279,8 @@ def shard(
         quantisers that work on whole tensors; Note [ragged plans] in src/zero/shard_plan.h).
     offload_optimizer: keep the fp32 master weights and the optimizer state in host memory and
         run the optimizer there (ZeRO-Offload); results are identical to no offload.
+    prefetch: stage 3: gather the next unit while the current one computes, in forward and in
+        backward (Note [stage-3 prefetch] in src/zero/state.h).
 
     Trainable parameters must be float32 and on one device per unit. Parameters that get no
     gradient in a backward count as zero gradient (torch.optim would skip them).
@@ -325,6 +328,7 @@ def shard(
         reduce_dtype,
         shard_boundaries,
         offload_optimizer,
+        prefetch,
     )
     handles = []
     if param_dtype != torch.float32:

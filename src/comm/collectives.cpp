@@ -25,6 +25,12 @@ void check_pair(const char* op, const at::Tensor& shard, const at::Tensor& full,
               ": shard and full overlap in memory; copy the shard out first");
 }
 
+// Note [work references]: a new TensorImpl over `t`'s storage, never seen by Python.
+at::Tensor storage_alias(const at::Tensor& t) {
+  at::NoGradGuard no_grad;
+  return at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
+}
+
 }  // namespace
 
 Collectives::Collectives(c10::intrusive_ptr<c10d::ProcessGroup> process_group)
@@ -39,7 +45,7 @@ void Collectives::all_reduce_sum_(at::Tensor& tensor) const {
   TORCH_CHECK(tensor.is_contiguous(), "all_reduce_sum_: tensor must be contiguous, got strides ",
               tensor.strides());
   if (world_size_ == 1) return;
-  std::vector<at::Tensor> tensors{tensor};
+  std::vector<at::Tensor> tensors{storage_alias(tensor)};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   pg_->allreduce(tensors, opts)->wait();
@@ -53,7 +59,9 @@ void Collectives::reduce_scatter_sum(at::Tensor& shard, at::Tensor& full) const 
   }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  pg_->_reduce_scatter_base(shard, full, opts)->wait();
+  at::Tensor out = storage_alias(shard);
+  at::Tensor in = storage_alias(full);
+  pg_->_reduce_scatter_base(out, in, opts)->wait();
 }
 
 void Collectives::all_gather(at::Tensor& full, at::Tensor& shard) const {
@@ -62,7 +70,19 @@ void Collectives::all_gather(at::Tensor& full, at::Tensor& shard) const {
     full.copy_(shard);
     return;
   }
-  pg_->_allgather_base(full, shard)->wait();
+  all_gather_async(full, shard)->wait();
+}
+
+c10::intrusive_ptr<c10d::Work> Collectives::all_gather_async(at::Tensor& full,
+                                                             at::Tensor& shard) const {
+  check_pair("all_gather_async", shard, full, world_size_);
+  if (world_size_ == 1) {
+    full.copy_(shard);
+    return {};
+  }
+  at::Tensor out = storage_alias(full);
+  at::Tensor in = storage_alias(shard);
+  return pg_->_allgather_base(out, in);
 }
 
 void Collectives::broadcast_(at::Tensor& tensor, int64_t root) const {
@@ -70,7 +90,7 @@ void Collectives::broadcast_(at::Tensor& tensor, int64_t root) const {
               "), got ", root);
   TORCH_CHECK(tensor.is_contiguous(), "broadcast_: tensor must be contiguous");
   if (world_size_ == 1) return;
-  std::vector<at::Tensor> tensors{tensor};
+  std::vector<at::Tensor> tensors{storage_alias(tensor)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   pg_->broadcast(tensors, opts)->wait();

@@ -12,6 +12,17 @@
 // The process group comes from Python (torch.distributed's default group, passed through torch's
 // own pybind11 caster for c10::intrusive_ptr<c10d::ProcessGroup>) or from a C++ caller. A null
 // group means one process without torch.distributed: world size 1, every collective a copy.
+//
+// Note [work references]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A c10d Work keeps the tensors it was given, and with Gloo the worker thread that ran it may drop
+// the last reference to the Work after wait() has returned to us. If one of those TensorImpls
+// ever had a Python object (the engine returns gathered tensors to Python, and tests expose its
+// buffers), destroying it decrefs that object, which needs the GIL — from a Gloo thread, possibly
+// while the interpreter is finalizing, where taking the GIL ends the thread and std::terminate
+// aborts the process (seen as a rare SIGABRT at exit). So every tensor handed to c10d here is a
+// fresh TensorImpl on the same storage (storage_alias), which no Python object has ever wrapped:
+// the bytes are shared, the last reference a worker drops is C++-only.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +51,12 @@ class Collectives {
   // shard (callers gathering in place copy their shard out first). full[r·m, (r+1)·m) = rank r's
   // shard.
   void all_gather(at::Tensor& full, at::Tensor& shard) const;
+
+  // all_gather without waiting: returns the c10d work to wait() on before `full` is read (null
+  // when there is nothing to wait for, W = 1). Neither tensor may be written until then. With
+  // NCCL the gather runs on the backend's own stream, with Gloo on its worker threads, so it
+  // overlaps whatever the caller computes meanwhile (stage-3 prefetch).
+  c10::intrusive_ptr<c10d::Work> all_gather_async(at::Tensor& full, at::Tensor& shard) const;
 
   // tensor: any contiguous tensor; every rank ends with rank `root`'s values.
   void broadcast_(at::Tensor& tensor, int64_t root) const;

@@ -104,6 +104,7 @@ void FlatParam::check_params(const std::vector<at::Tensor>& params,
 }
 
 bool FlatParam::unsharded() const {
+  if (pending_) return false;
   return !options_.shard_params || full_.storage().nbytes() == static_cast<size_t>(full_bytes());
 }
 
@@ -117,17 +118,33 @@ at::Tensor FlatParam::param_view(const at::Tensor& flat, size_t i) const {
 }
 
 void FlatParam::unshard(const comm::Collectives& comm) {
+  if (pending_) {
+    pending_->wait();
+    pending_.reset();
+    return;
+  }
   if (unsharded()) return;
   allocate_storage(full_, static_cast<size_t>(full_bytes()));
   comm.all_gather(full_, shard_);
 }
 
+void FlatParam::unshard_async(const comm::Collectives& comm) {
+  if (pending_ || unsharded()) return;
+  allocate_storage(full_, static_cast<size_t>(full_bytes()));
+  pending_ = comm.all_gather_async(full_, shard_);
+}
+
 void FlatParam::reshard() {
+  if (pending_) {  // the gather writes into full_: let it finish before freeing the memory
+    pending_->wait();
+    pending_.reset();
+  }
   if (options_.shard_params) free_storage(full_);
 }
 
 void FlatParam::publish_master(const comm::Collectives& comm) {
   at::NoGradGuard no_grad;
+  reshard();  // stage 3: a pending prefetch still reads shard_, which is about to change
   if (separate_master()) (options_.master_full ? full_ : shard_).copy_(master_);
   if (options_.shard_params) {
     free_storage(full_);  // any gathered copy is stale now

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "src/comm/collectives.h"
 #include "src/zero/shard_plan.h"
@@ -98,10 +99,15 @@ class FlatParam {
   // Whether full() holds the current values of every coordinate.
   bool unsharded() const;
 
-  // Stage 3: re-allocates full()'s storage and all-gathers every rank's shard into it; no-op when
-  // already unsharded or when parameters are not sharded.
+  // Stage 3: re-allocates full()'s storage and all-gathers every rank's shard into it (or waits
+  // for the gather unshard_async started); no-op when already unsharded or when parameters are
+  // not sharded.
   void unshard(const comm::Collectives& comm);
-  // Stage 3: frees full()'s storage; no-op when parameters are not sharded.
+  // Stage 3 prefetch (Note [stage-3 prefetch] in state.h): starts the gather without waiting;
+  // unshard() or reshard() waits for it. No-op when unsharded, pending or not sharded.
+  void unshard_async(const comm::Collectives& comm);
+  // Stage 3: frees full()'s storage (after waiting for a pending gather); no-op when parameters
+  // are not sharded.
   void reshard();
 
   // The slice of a flat tensor ([padded_numel]) that parameter i occupies, with its shape.
@@ -136,6 +142,8 @@ class FlatParam {
   at::Tensor full_;    // [padded_numel] param_dtype, every coordinate; parameters are views of it
   at::Tensor shard_;   // [shard_numel] param_dtype, owned: view of full_ (stages 0–2) or own (3)
   at::Tensor master_;  // fp32, Note [master weights]: aliases full_/shard_ unless separate_master()
+  // A gather unshard_async started and nobody waited for yet; full_ is not readable until then.
+  c10::intrusive_ptr<c10d::Work> pending_;
 };
 
 }  // namespace dpzero::zero

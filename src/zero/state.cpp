@@ -68,7 +68,43 @@ ParamGroup& ZeroState::group(int64_t unit) {
 
 void ZeroState::pre_forward(int64_t unit) {
   group(unit).pre_forward(comm_);
+  if (!in_backward()) prefetch_after(unit, /*backward=*/false);  // not during recompute
   note_param_bytes();
+}
+
+void ZeroState::prefetch_after(int64_t unit, bool backward) {
+  if (config_.stage != Stage::k3 || !config_.prefetch) return;
+  if (!order_frozen_) {
+    if (!backward &&
+        std::find(forward_order_.begin(), forward_order_.end(), unit) == forward_order_.end()) {
+      forward_order_.push_back(unit);
+    }
+    return;
+  }
+  const auto n = static_cast<int64_t>(forward_order_.size());
+  if (n == 0) return;
+  int64_t next = -1;
+  if (!backward) {
+    if (unit == forward_order_.front()) {
+      forward_cursor_ = 0;
+    } else if (forward_cursor_ >= 0 && forward_cursor_ + 1 < n &&
+               forward_order_[forward_cursor_ + 1] == unit) {
+      ++forward_cursor_;
+    } else {
+      return;  // not at the expected position: no guess
+    }
+    if (forward_cursor_ + 1 < n) next = forward_order_[forward_cursor_ + 1];
+  } else {
+    if (unit == forward_order_.back()) {
+      backward_cursor_ = n - 1;
+    } else if (backward_cursor_ > 0 && forward_order_[backward_cursor_ - 1] == unit) {
+      --backward_cursor_;
+    } else {
+      return;
+    }
+    if (backward_cursor_ > 0) next = forward_order_[backward_cursor_ - 1];
+  }
+  if (next >= 0) groups_[next].flat().unshard_async(comm_);
 }
 
 void ZeroState::post_forward(int64_t unit) { group(unit).post_forward(in_backward()); }
@@ -76,6 +112,7 @@ void ZeroState::post_forward(int64_t unit) { group(unit).post_forward(in_backwar
 void ZeroState::pre_backward(int64_t unit) {
   queue_finish_backward();
   group(unit).pre_backward(comm_);
+  prefetch_after(unit, /*backward=*/true);
   note_param_bytes();
 }
 
@@ -97,6 +134,8 @@ void ZeroState::finish_backward() {
 
 void ZeroState::step() {
   finish_queued_ = false;  // no backward is running; a failed one may have left the flag set
+  order_frozen_ = true;    // Note [stage-3 prefetch]
+  forward_cursor_ = backward_cursor_ = -1;
   for (ParamGroup& g : groups_) g.step(comm_, config_.grad_scale);
   ++steps_;
 }

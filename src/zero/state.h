@@ -19,6 +19,21 @@
 // the same modules and uses the same parameters in each forward/backward — the same requirement
 // DistributedDataParallel has without find_unused_parameters. Data-dependent control flow that
 // skips a unit on some ranks only is not supported.
+//
+// Note [stage-3 prefetch]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// Stage 3 gathers a unit just before it runs; without prefetch the compute waits for every
+// gather. With `prefetch`, the forward records the order in which units start (first forward
+// after construction, frozen at the first step()), and from then on, when unit order[i] starts
+// its forward the gather of order[i+1] is started without waiting (FlatParam::unshard_async),
+// and when order[i] starts its backward the gather of order[i-1] is — backward visits units in
+// reverse. The collective runs on the backend's stream (NCCL) or threads (Gloo) while the
+// current unit computes; the next unit's own pre-hook waits for it. Only a unit that starts at
+// the expected position triggers a prefetch (a tied head re-entering the embedding's unit does
+// not), and a wrong guess is harmless: a prefetched unit that does not run is freed with the
+// others at the end of backward, or by step(). All ranks run the same hooks in the same order,
+// so they issue the same prefetches (Note [collective order]). Cost: one more unit gathered at a
+// time, as FSDP2's default prefetch of one.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +66,7 @@ struct ZeroConfig {
   ShardBoundaries boundaries = ShardBoundaries::kEven;  // Note [ragged plans]
   double grad_scale = 1.0;        // applied to the reduced gradient before the optimizer
   bool sync_module_states = true; // broadcast rank 0's parameters at construction
+  bool prefetch = true;           // stage 3: Note [stage-3 prefetch]
   // Mixed precision (Note [master weights] in flat_param.h): the dtype parameters are computed
   // in, and the dtype gradients are reduced and accumulated in. fp32 master weights always.
   at::ScalarType param_dtype = at::kFloat;
@@ -106,6 +122,7 @@ class ZeroState {
   void set_steps(int64_t steps);
   void set_lr(double lr);
   MemoryStats memory() const;
+  const std::vector<int64_t>& forward_order() const { return forward_order_; }
 
  private:
   // Stages 2–3 (Note [gradient accumulation], [stage-3 gathers]): reduce incomplete units and
@@ -114,6 +131,8 @@ class ZeroState {
   // Installs finish_backward as the final callback of the backward pass now running (once).
   void queue_finish_backward();
   void note_param_bytes();
+  // Note [stage-3 prefetch]: records the forward order, or starts the next unit's gather.
+  void prefetch_after(int64_t unit, bool backward);
 
   ZeroConfig config_;
   comm::Collectives comm_;
@@ -122,6 +141,11 @@ class ZeroState {
   int64_t steps_ = 0;
   bool finish_queued_ = false;  // finish_backward is installed for the backward now running
   int64_t peak_param_bytes_ = 0;
+  // Note [stage-3 prefetch]: units in the order their forwards started; frozen at the first step.
+  std::vector<int64_t> forward_order_;
+  bool order_frozen_ = false;
+  int64_t forward_cursor_ = -1;   // position in forward_order_ of the unit forward last started
+  int64_t backward_cursor_ = -1;  // position of the unit whose backward last started
 };
 
 }  // namespace dpzero::zero

@@ -261,9 +261,9 @@ def check_memory(result, stage, optimizer, world_size):
     }[stage]
     got = {key: result["memory"][key] for key in expected}
     assert got == expected, f"stage {stage}, W={world_size}: {got} != {expected}"
-    if stage == 3 and world_size == 4:
-        # Never more than a few units gathered at once (root + tied embedding + one block).
-        assert result["memory"]["peak_params"] < full
+    if stage == 3:
+        # Never a unit gathered twice; how few at once is test_stage3_prefetch_changes_...'s.
+        assert result["memory"]["peak_params"] <= full + shard
     if stage < 3:
         assert result["memory"]["peak_params"] == full
 
@@ -469,6 +469,32 @@ def test_ragged_plan_trains_like_the_even_plan(tmp_path):
         assert_matches_reference(result, opt, dict(tied=True))
     with pytest.raises(ValueError, match="got 'blocks'"):
         dpzero.shard(make_model(), stage=1, shard_boundaries="blocks")
+
+
+def test_stage3_prefetch_changes_timing_not_results(tmp_path):
+    # Note [stage-3 prefetch]: prefetched gathers are the same gathers issued earlier, so
+    # training is bit for bit the same with and without; that prefetch really happened shows in
+    # memory: one more unit is held at once. With activation recompute too (forwards inside
+    # backward must not prefetch).
+    cases = {(prefetch, recompute): (3, "adamw", dict(tied=True, recompute=recompute), None,
+                                     dict(prefetch=prefetch))
+             for prefetch in (False, True) for recompute in (None, "reentrant")}
+    results = run_ranks(2, cases, tmp_path)
+    for recompute in (None, "reentrant"):
+        on, off = results[(True, recompute)], results[(False, recompute)]
+        assert on["losses"] == off["losses"]
+        for name, value in off["params"].items():
+            assert torch.equal(on["params"][name], value), name
+        # Without prefetch: a few units at once (root, tied embedding, one block), not all;
+        # prefetch adds at most one unit's full buffer.
+        full = sum(p for p, _ in on["layouts"]) * 4
+        shards = sum(s for _, s in on["layouts"]) * 4  # held all the time
+        largest = max(p for p, _ in on["layouts"]) * 4
+        if recompute is None:  # recompute keeps units gathered through their backward
+            assert off["memory"]["peak_params"] - shards < full
+            assert off["memory"]["peak_params"] < on["memory"]["peak_params"]
+        assert on["memory"]["peak_params"] <= off["memory"]["peak_params"] + largest
+        assert_matches_reference(on, "adamw", dict(tied=True, recompute=recompute))
 
 
 def test_optimizer_offload_gives_the_same_training(tmp_path):
