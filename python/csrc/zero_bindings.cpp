@@ -266,6 +266,7 @@ void bind_zero(py::module_ m) {
         out["params"] = m.param_bytes;
         out["master_params"] = m.master_bytes;
         out["grads"] = m.grad_bytes;
+        out["peak_grads"] = m.peak_grad_bytes;
         out["optimizer_state"] = m.optimizer_bytes;
         out["peak_params"] = m.peak_param_bytes;
         out["peak_comm_buffers"] = m.peak_comm_bytes;

@@ -198,10 +198,12 @@ class ShardedModule:
     def memory(self) -> dict:
         """Bytes this rank holds now: ``params`` (parameter buffers in the compute dtype, plus
         the owned shards in stage 3), ``master_params`` (separate fp32 master weights under mixed
-        precision, else 0), ``grads`` (persistent gradient buffers), ``optimizer_state``; and two
-        peaks since construction: ``peak_params`` (parameter bytes held at once) and
+        precision, else 0), ``grads`` (gradient buffers: full in stages 0-1; in stages 2-3 the owned
+        shard, held only from a step's first reduction until the step), ``optimizer_state``; and
+        peaks since construction: ``peak_grads`` (gradient buffers held at once, the figure ZeRO's
+        formulas count), ``peak_params`` (parameter bytes held at once) and
         ``peak_comm_buffers`` (the largest set of short-lived buffers one unit allocated for a
-        collective or a dtype change), and ``host`` (the part of master and optimizer state in
+        collective or a dtype change); and ``host`` (the part of master and optimizer state in
         host memory under ``offload_optimizer`` while parameters are on a GPU). Autograd's
         per-parameter gradients, which live until their
         unit's backward completes, are not counted. Compare with :func:`predicted_memory`."""

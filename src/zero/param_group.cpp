@@ -21,11 +21,10 @@ ParamGroup::ParamGroup(std::string name, FlatParam flat, Stage stage,
   TORCH_CHECK(flat_.shards_params() == (stage_ == Stage::k3), "unit '", name_,
               "': parameters must be sharded exactly in stage 3");
   FlatParam::check_param_dtype(reduce_dtype);  // the same three dtypes are allowed
-  const at::TensorOptions options = flat_.shard().options().dtype(reduce_dtype_);
-  if (reduces_in_backward(stage_)) {
-    grad_shard_ = at::zeros({flat_.layout().shard_numel()}, options);
-  } else {
-    flat_grad_ = at::zeros({flat_.layout().padded_numel()}, options);
+  if (!reduces_in_backward(stage_)) {
+    flat_grad_ = at::zeros({flat_.layout().padded_numel()},
+                           flat_.shard().options().dtype(reduce_dtype_));
+    peak_grad_bytes_ = grad_bytes();
   }
   if (packs_grads_) {
     flat_.drop_grads();  // a gradient from before sharding would enter the first reduction
@@ -66,14 +65,15 @@ void ParamGroup::take_grads(const comm::Collectives& comm) {
   if (!reduces_in_backward(stage_)) {
     flat_grad_.add_(full);
     note_comm_bytes(full_bytes);
-  } else if (grad_shard_written_) {
+  } else if (grad_shard_.defined()) {
     at::Tensor reduced = at::empty_like(grad_shard_);  // [shard_numel]
     comm.reduce_scatter_sum(reduced, full);
     grad_shard_.add_(reduced);
     note_comm_bytes(full_bytes + reduced.numel() * static_cast<int64_t>(reduced.element_size()));
   } else {
+    grad_shard_ = at::empty({flat_.layout().shard_numel()}, full.options());
     comm.reduce_scatter_sum(grad_shard_, full);
-    grad_shard_written_ = true;
+    peak_grad_bytes_ = std::max(peak_grad_bytes_, grad_bytes());
     note_comm_bytes(full_bytes);
   }
   std::fill(ready_.begin(), ready_.end(), 0);
@@ -98,7 +98,12 @@ void ParamGroup::step(const comm::Collectives& comm, double grad_scale) {
       break;
     case Stage::k2:
     case Stage::k3:
-      grad = grad_shard_;
+      // No reduction since the last step (no backward ran): a zero gradient, which the optimizer
+      // still applies (weight decay, momentum), as for a parameter without a gradient.
+      grad = grad_shard_.defined()
+                 ? grad_shard_
+                 : at::zeros({flat_.layout().shard_numel()},
+                             flat_.shard().options().dtype(reduce_dtype_));
       break;
   }
   at::Tensor& master = flat_.master();
@@ -116,8 +121,7 @@ void ParamGroup::step(const comm::Collectives& comm, double grad_scale) {
 void ParamGroup::zero_grad() {
   at::NoGradGuard no_grad;
   if (reduces_in_backward(stage_)) {
-    grad_shard_.zero_();
-    grad_shard_written_ = false;
+    grad_shard_ = at::Tensor();  // Note [gradient buffers]: released between steps
   } else {
     flat_grad_.zero_();
   }
@@ -174,7 +178,7 @@ void ParamGroup::load_state(const std::vector<std::pair<std::string, at::Tensor>
 
 int64_t ParamGroup::grad_bytes() const {
   const at::Tensor& held = reduces_in_backward(stage_) ? grad_shard_ : flat_grad_;
-  return held.numel() * static_cast<int64_t>(held.element_size());
+  return held.defined() ? held.numel() * static_cast<int64_t>(held.element_size()) : 0;
 }
 
 }  // namespace dpzero::zero

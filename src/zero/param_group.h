@@ -7,7 +7,10 @@
 // Stages 0–1 keep one persistent full flat gradient per unit (flat_grad_, [padded_numel]) and make
 // every parameter's .grad a view of it (FlatParam::attach_grad_views), so autograd's
 // AccumulateGrad adds each backward's gradient into it in place and nothing is reduced until
-// step(). Stages 2–3 keep only the owned shard (grad_shard_, [shard_numel]). The per-parameter
+// step(). Stages 2–3 keep only the owned shard (grad_shard_, [shard_numel]), and only from the
+// first reduction of a step until the step consumes it: between steps no gradient memory is
+// held, so it does not add to the forward's activation peak (torch's zero_grad(set_to_none=True)
+// does the same for .grad). The per-parameter
 // .grad that autograd allocates lives until the unit's last parameter gradient of that backward
 // arrives (post-accumulate-grad hooks → grad_ready); then the unit's gradient is packed into one
 // flat buffer, reduce-scattered, added into grad_shard_, and every piece of the full unit gradient
@@ -122,7 +125,8 @@ class ParamGroup {
   void load_state(const std::vector<std::pair<std::string, at::Tensor>>& values, int64_t steps,
                   const comm::Collectives& comm);
 
-  // The gradient of the owned coordinates reduced so far ([shard_numel]; stages 2–3 only).
+  // The gradient of the owned coordinates reduced so far ([shard_numel]; stages 2–3 only;
+  // undefined before the first reduction of a step).
   const at::Tensor& grad_shard() const { return grad_shard_; }
 
   // Bytes held now: parameter storage (FlatParam::param_bytes), persistent gradient buffers,
@@ -130,6 +134,8 @@ class ParamGroup {
   int64_t param_bytes() const { return flat_.param_bytes(); }
   int64_t master_bytes() const { return flat_.master_bytes(); }
   int64_t grad_bytes() const;
+  // Most bytes of gradient buffers this unit held at once since construction.
+  int64_t peak_grad_bytes() const { return peak_grad_bytes_; }
   int64_t optimizer_bytes() const { return optimizer_->state_bytes(); }
   // The most bytes of short-lived buffers this unit allocated at once for a collective or a dtype
   // change (packed unit gradient, reduce-scatter output, all-gather input, fp32 gradient copy).
@@ -149,14 +155,13 @@ class ParamGroup {
   at::ScalarType reduce_dtype_;
   bool packs_grads_;
   int64_t peak_comm_bytes_ = 0;
+  int64_t peak_grad_bytes_ = 0;
   // [padded_numel] reduce_dtype, stages 0–1: the parameters' .grad are views of it, or packed
   // gradients are added into it (Note [gradient buffers]).
   at::Tensor flat_grad_;
-  // [shard_numel] reduce_dtype, stages 2–3: Σ of this step's reduce-scattered unit gradients.
+  // [shard_numel] reduce_dtype, stages 2–3: Σ of this step's reduce-scattered unit gradients;
+  // allocated by the first reduction of a step, released by step() and zero_grad().
   at::Tensor grad_shard_;
-  // grad_shard_ holds a reduction since the last step or zero_grad: the first reduction is written
-  // straight into it, later ones are added.
-  bool grad_shard_written_ = false;
   // packs_grads(): which parameters have their gradient in the backward now running.
   std::vector<char> ready_;
   int64_t ready_count_ = 0;

@@ -182,6 +182,7 @@ MemoryStats ZeroState::memory() const {
     stats.grad_bytes += g.grad_bytes();
     stats.optimizer_bytes += g.optimizer_bytes();
     stats.master_bytes += g.master_bytes();
+    stats.peak_grad_bytes += g.peak_grad_bytes();  // all units' buffers coexist before a step
     stats.peak_comm_bytes = std::max(stats.peak_comm_bytes, g.peak_comm_bytes());
     if (g.flat().master().is_cpu() && !g.flat().shard().is_cpu()) {
       stats.host_bytes += g.master_bytes() + g.optimizer_bytes();

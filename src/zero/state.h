@@ -80,7 +80,9 @@ struct MemoryStats {
   int64_t param_bytes = 0;       // parameter storage: full buffers held now, + owned shards in
                                  // stage 3 (Note [master weights]: the master when it is fp32)
   int64_t master_bytes = 0;      // separate fp32 master values under mixed precision, else 0
-  int64_t grad_bytes = 0;        // persistent gradient buffers (full in 0–1, shard in 2–3)
+  int64_t grad_bytes = 0;        // gradient buffers held now (full in 0–1; shard in 2–3, only
+                                 // between a step's first reduction and the step)
+  int64_t peak_grad_bytes = 0;   // most gradient-buffer bytes held at once since construction
   int64_t optimizer_bytes = 0;   // optimizer state
   int64_t peak_param_bytes = 0;  // most parameter bytes held at once since construction
   int64_t peak_comm_bytes = 0;   // largest short-lived collective/cast buffer set of one unit
