@@ -35,7 +35,7 @@ Memory, two measures per rank; the table gives the max over ranks. Each system r
 rank processes with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_=131072), so that a freed
 large block leaves the resident set instead of staying in the heap:
   state  model-state bytes held at the end of a step, before the next zero_grad: parameters +
-         gradients + optimizer state. dpzero: ShardedModule.memory() (params + grads +
+         gradients + optimizer state. dpzero: ShardedModule.memory() (params + peak_grads +
          optimizer_state, its persistent buffers; stage 3 holds the parameter shards only). torch:
          the storages under the parameters, their .grad and every optimizer state tensor, each
          storage once; for FSDP2 the local shards of the DTensors. Not counted: activations,
@@ -206,7 +206,10 @@ class DpzeroSystem:
 
     def state_bytes(self) -> dict:
         m = self.wrapped.memory()
-        return dict(params=m["params"] + m.get("master_params", 0), grads=m["grads"],
+        # peak_grads: stages 2-3 release their gradient shard at the step; what they held until
+        # then is what torch's .grad holds at the same point.
+        return dict(params=m["params"] + m.get("master_params", 0),
+                    grads=m.get("peak_grads", m["grads"]),
                     optimizer=m["optimizer_state"], dpzero_peak_params=m["peak_params"])
 
 
@@ -304,9 +307,8 @@ def measure_time(rank, world_size, cfg, names) -> dict:
 
 def run_rank(rank, world_size, store, cfg, out_path, measure) -> None:
     """Runs `measure` on this rank; rank 0 saves what it returns. Everything `measure` built is
-    freed before the process group is destroyed: a dpzero engine that outlives
-    destroy_process_group holds the last reference to the Gloo group, and freeing it then can
-    deadlock (see the notes in results/zero.md)."""
+    freed before the process group is destroyed, the order torch.distributed expects (see the
+    notes in results/zero.md on the teardown hang this once hit)."""
     init_rank(rank, world_size, store, cfg["threads"])
     try:
         result = measure()
