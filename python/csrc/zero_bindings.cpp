@@ -184,6 +184,28 @@ void bind_zero(py::module_ m) {
       .def("grad_ready", &ZeroState::grad_ready, py::arg("unit"), py::arg("param_index"),
            py::call_guard<py::gil_scoped_release>())
       .def("step", &ZeroState::step, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "noisy_step",
+          [](ZeroState& s, double stddev, int64_t step, double grad_scale, py::object seed,
+             py::object key) {
+            zero::StepNoise noise;
+            noise.stddev = stddev;
+            noise.step = step;
+            TORCH_CHECK(seed.is_none() != key.is_none(),
+                        "noisy_step: give exactly one of seed (Philox) and key (secure mode)");
+            if (!seed.is_none()) {
+              noise.key.seed = seed.cast<int64_t>();
+            } else {
+              noise.key.secure = true;
+              noise.key.key = key.cast<std::vector<int64_t>>();
+            }
+            py::gil_scoped_release no_gil;
+            s.noisy_step(noise, grad_scale);
+          },
+          py::arg("stddev"), py::arg("step"), py::arg("grad_scale"), py::arg("seed") = py::none(),
+          py::arg("key") = py::none(),
+          "DESIGN.md §2 steps 5-7 on the engine: noise N(0, stddev^2) from (seed or key, step) "
+          "on exactly the global coordinates this rank updates, scale by grad_scale, update.")
       .def("zero_grad", &ZeroState::zero_grad, py::call_guard<py::gil_scoped_release>())
       .def("full_parameters", &ZeroState::full_parameters, py::arg("unit"),
            py::call_guard<py::gil_scoped_release>(),

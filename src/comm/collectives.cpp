@@ -52,16 +52,22 @@ void Collectives::all_reduce_sum_(at::Tensor& tensor) const {
 }
 
 void Collectives::reduce_scatter_sum(at::Tensor& shard, at::Tensor& full) const {
+  c10::intrusive_ptr<c10d::Work> work = reduce_scatter_sum_async(shard, full);
+  if (work) work->wait();
+}
+
+c10::intrusive_ptr<c10d::Work> Collectives::reduce_scatter_sum_async(at::Tensor& shard,
+                                                                     at::Tensor& full) const {
   check_pair("reduce_scatter_sum", shard, full, world_size_);
   if (world_size_ == 1) {
     shard.copy_(full);
-    return;
+    return {};
   }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   at::Tensor out = storage_alias(shard);
   at::Tensor in = storage_alias(full);
-  pg_->_reduce_scatter_base(out, in, opts)->wait();
+  return pg_->_reduce_scatter_base(out, in, opts);
 }
 
 void Collectives::all_gather(at::Tensor& full, at::Tensor& shard) const {

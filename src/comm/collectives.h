@@ -47,6 +47,11 @@ class Collectives {
   // Rank r ends with shard = Σ_ranks full[r·m, (r+1)·m).
   void reduce_scatter_sum(at::Tensor& shard, at::Tensor& full) const;
 
+  // reduce_scatter_sum without waiting: the c10d work to wait() on before `shard` is read (null
+  // when W = 1, done at once). Neither tensor may be touched until then.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_sum_async(at::Tensor& shard,
+                                                          at::Tensor& full) const;
+
   // shard: [m], contiguous; full: [W * m], contiguous, same dtype and device, not overlapping
   // shard (callers gathering in place copy their shard out first). full[r·m, (r+1)·m) = rank r's
   // shard.

@@ -55,6 +55,14 @@ void ParamGroup::finish_backward(const comm::Collectives& comm) {
   if (!packs_grads_) return;
   if (ready_count_ > 0) take_grads(comm);
   flat_.reshard();
+  wait_reduce();  // the backward's gradient is complete when the backward returns
+}
+
+void ParamGroup::wait_reduce() {
+  if (!pending_) return;
+  if (pending_->work) pending_->work->wait();
+  if (pending_->reduced.defined()) grad_shard_.add_(pending_->reduced);
+  pending_.reset();
 }
 
 void ParamGroup::take_grads(const comm::Collectives& comm) {
@@ -65,23 +73,30 @@ void ParamGroup::take_grads(const comm::Collectives& comm) {
   if (!reduces_in_backward(stage_)) {
     flat_grad_.add_(full);
     note_comm_bytes(full_bytes);
-  } else if (grad_shard_.defined()) {
-    at::Tensor reduced = at::empty_like(grad_shard_);  // [shard_numel]
-    comm.reduce_scatter_sum(reduced, full);
-    grad_shard_.add_(reduced);
-    note_comm_bytes(full_bytes + reduced.numel() * static_cast<int64_t>(reduced.element_size()));
   } else {
-    grad_shard_ = at::empty({flat_.layout().shard_numel()}, full.options());
-    comm.reduce_scatter_sum(grad_shard_, full);
-    peak_grad_bytes_ = std::max(peak_grad_bytes_, grad_bytes());
-    note_comm_bytes(full_bytes);
+    wait_reduce();  // one reduction in flight per unit, folded in order
+    PendingReduce pending;
+    pending.full = full;
+    if (grad_shard_.defined()) {
+      pending.reduced = at::empty_like(grad_shard_);  // [shard_numel]
+      pending.work = comm.reduce_scatter_sum_async(pending.reduced, full);
+      note_comm_bytes(full_bytes +
+                      pending.reduced.numel() * static_cast<int64_t>(pending.reduced.element_size()));
+    } else {
+      grad_shard_ = at::empty({flat_.layout().shard_numel()}, full.options());
+      pending.work = comm.reduce_scatter_sum_async(grad_shard_, full);
+      peak_grad_bytes_ = std::max(peak_grad_bytes_, grad_bytes());
+      note_comm_bytes(full_bytes);
+    }
+    pending_ = std::move(pending);
   }
   std::fill(ready_.begin(), ready_.end(), 0);
   ready_count_ = 0;
 }
 
-void ParamGroup::step(const comm::Collectives& comm, double grad_scale) {
+void ParamGroup::step(const comm::Collectives& comm, double grad_scale, const StepNoise* noise) {
   at::NoGradGuard no_grad;
+  wait_reduce();
   at::Tensor grad;  // reduce_dtype, the reduced gradient of the coordinates master() holds:
                     // [padded_numel] in stage 0, [shard_numel] otherwise
   switch (stage_) {
@@ -112,7 +127,18 @@ void ParamGroup::step(const comm::Collectives& comm, double grad_scale) {
     grad = grad.to(master.device(), at::kFloat);
     note_comm_bytes(grad.numel() * static_cast<int64_t>(grad.element_size()));
   }
-  if (grad_scale != 1.0) grad.mul_(grad_scale);
+  if (noise != nullptr) {
+    // DESIGN.md §2 step 5, on the fp32 reduced gradient (§4): stage 0 holds the whole unit on
+    // every rank and every rank adds the same draws; otherwise the owned shard gets exactly the
+    // draws of the global coordinates it holds and nothing else.
+    if (stage_ == Stage::k0) {
+      add_unit_noise_(grad, flat_.layout(), noise->stddev, noise->key, noise->step);
+    } else {
+      add_shard_noise_(grad, flat_.layout(), flat_.rank(), noise->stddev, noise->key,
+                       noise->step);
+    }
+  }
+  if (grad_scale != 1.0) grad.mul_(grad_scale);  // §2 step 6: after the noise
   optimizer_->step(master, grad);
   flat_.publish_master(comm);
   zero_grad();
@@ -120,6 +146,7 @@ void ParamGroup::step(const comm::Collectives& comm, double grad_scale) {
 
 void ParamGroup::zero_grad() {
   at::NoGradGuard no_grad;
+  wait_reduce();  // a collective in flight still writes into the buffers about to be dropped
   if (reduces_in_backward(stage_)) {
     grad_shard_ = at::Tensor();  // Note [gradient buffers]: released between steps
   } else {

@@ -24,6 +24,16 @@
 // added into flat_grad_ (packs_grads()). With reduce_dtype equal to the parameters' dtype the
 // views path stays, and gradients accumulate in that dtype (ZeRO's 2Ψ gradient term).
 //
+// Note [reduce-scatter overlap]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Stages 2–3 start a unit's reduce-scatter when its gradient is complete and do not wait for it:
+// the backward of the next unit runs while the collective is in flight (on Gloo's threads or
+// NCCL's stream). At most one reduction per unit is in flight; it is folded into grad_shard_
+// (written directly for the step's first reduction, added for later ones) before the unit's next
+// reduction, at the end of the backward (finish_backward), and before step() or zero_grad() use or
+// drop the shard — so gradients are summed in the same order as with blocking collectives and
+// results are bit-identical. The packed gradient stays alive until the collective is done.
+//
 // Note [gradient accumulation]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Gradients of micro-batches sum. Stages 0–1: AccumulateGrad sums in place, one reduction per
@@ -67,6 +77,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -75,6 +86,7 @@
 #include "src/comm/collectives.h"
 #include "src/zero/flat_param.h"
 #include "src/zero/optim.h"
+#include "src/zero/shard_noise.h"
 #include "src/zero/stage.h"
 
 namespace dpzero::zero {
@@ -108,9 +120,10 @@ class ParamGroup {
   // (stage 3) frees the gathered parameters.
   void finish_backward(const comm::Collectives& comm);
 
-  // Reduces what is not reduced yet (stages 0–1), scales by grad_scale, updates the owned shard,
+  // Reduces what is not reduced yet (stages 0–1), adds `noise` (when given) to the coordinates
+  // this rank updates (Note [noise ownership]), scales by grad_scale, updates the owned shard,
   // all-gathers parameters (stages 1–2) or frees them (stage 3), zeroes the gradients.
-  void step(const comm::Collectives& comm, double grad_scale);
+  void step(const comm::Collectives& comm, double grad_scale, const StepNoise* noise = nullptr);
   // Drops all accumulated gradient (Note [gradient accumulation]).
   void zero_grad();
 
@@ -127,7 +140,11 @@ class ParamGroup {
 
   // The gradient of the owned coordinates reduced so far ([shard_numel]; stages 2–3 only;
   // undefined before the first reduction of a step).
-  const at::Tensor& grad_shard() const { return grad_shard_; }
+  // Waits for a reduction in flight first (Note [reduce-scatter overlap]).
+  const at::Tensor& grad_shard() {
+    wait_reduce();
+    return grad_shard_;
+  }
 
   // Bytes held now: parameter storage (FlatParam::param_bytes), persistent gradient buffers,
   // optimizer state.
@@ -147,6 +164,18 @@ class ParamGroup {
   // (stages 0–1) it into the persistent buffer.
   void take_grads(const comm::Collectives& comm);
   void note_comm_bytes(int64_t bytes) { peak_comm_bytes_ = std::max(peak_comm_bytes_, bytes); }
+  // Note [reduce-scatter overlap]: waits for the reduction in flight and folds it into
+  // grad_shard_; no-op when none is.
+  void wait_reduce();
+
+  // Stages 2–3: the reduce-scatter in flight (Note [reduce-scatter overlap]).
+  struct PendingReduce {
+    c10::intrusive_ptr<c10d::Work> work;  // null when it completed at once (W = 1)
+    at::Tensor full;                      // [padded_numel] the packed gradient, kept alive
+    at::Tensor reduced;  // [shard_numel] its result when grad_shard_ already held a reduction
+                         // (added on completion); undefined when written into grad_shard_
+  };
+  std::optional<PendingReduce> pending_;
 
   std::string name_;
   FlatParam flat_;

@@ -1,16 +1,18 @@
 // src/zero/shard_noise.cpp — noise on a rank's shard through the dpzero::add_noise_ op.
 #include "src/zero/shard_noise.h"
 
+#include <cmath>
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
 namespace dpzero::zero {
 
-int64_t add_shard_noise_(at::Tensor& shard, const UnitLayout& layout, int64_t rank, double stddev,
-                         const NoiseKey& key, int64_t step) {
-  TORCH_CHECK(shard.dim() == 1 && shard.numel() == layout.shard_numel(),
-              "add_shard_noise_: shard must be 1-D with ", layout.shard_numel(),
-              " elements (the layout's shard size), got shape ", shard.sizes());
+namespace {
+
+// Adds the noise of `runs` (offsets into `flat`) to `flat`.
+int64_t add_runs_noise_(at::Tensor& flat, const std::vector<CoordinateRun>& runs, double stddev,
+                        const NoiseKey& key, int64_t step) {
   static const auto philox_op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("dpzero::add_noise_", "")
@@ -20,8 +22,8 @@ int64_t add_shard_noise_(at::Tensor& shard, const UnitLayout& layout, int64_t ra
           .findSchemaOrThrow("dpzero::add_secure_noise_", "")
           .typed<at::Tensor&(at::Tensor&, double, c10::IntArrayRef, int64_t, int64_t)>();
   int64_t noised = 0;
-  for (const CoordinateRun& run : layout.runs_for_rank(rank)) {
-    at::Tensor piece = shard.narrow(0, run.local_offset, run.length);
+  for (const CoordinateRun& run : runs) {
+    at::Tensor piece = flat.narrow(0, run.local_offset, run.length);
     if (key.secure) {
       secure_op.call(piece, stddev, key.key, step, run.global_offset);
     } else {
@@ -30,6 +32,33 @@ int64_t add_shard_noise_(at::Tensor& shard, const UnitLayout& layout, int64_t ra
     noised += run.length;
   }
   return noised;
+}
+
+}  // namespace
+
+int64_t add_shard_noise_(at::Tensor& shard, const UnitLayout& layout, int64_t rank, double stddev,
+                         const NoiseKey& key, int64_t step) {
+  TORCH_CHECK(shard.dim() == 1 && shard.numel() == layout.shard_numel(),
+              "add_shard_noise_: shard must be 1-D with ", layout.shard_numel(),
+              " elements (the layout's shard size), got shape ", shard.sizes());
+  return add_runs_noise_(shard, layout.runs_for_rank(rank), stddev, key, step);
+}
+
+int64_t add_unit_noise_(at::Tensor& full, const UnitLayout& layout, double stddev,
+                        const NoiseKey& key, int64_t step) {
+  TORCH_CHECK(full.dim() == 1 && full.numel() == layout.padded_numel(),
+              "add_unit_noise_: the unit's flat tensor must be 1-D with ", layout.padded_numel(),
+              " elements, got shape ", full.sizes());
+  return add_runs_noise_(full, layout.runs(), stddev, key, step);
+}
+
+void check_step_noise(const StepNoise& noise) {
+  TORCH_CHECK(std::isfinite(noise.stddev) && noise.stddev >= 0.0,
+              "noise stddev (sigma * C) must be finite and >= 0, got ", noise.stddev);
+  TORCH_CHECK(noise.step >= 0, "noise step (the ledger charge index) must be >= 0, got ",
+              noise.step);
+  TORCH_CHECK(!noise.key.secure || noise.key.key.size() == 8,
+              "a secure noise key has 8 32-bit words, got ", noise.key.key.size());
 }
 
 }  // namespace dpzero::zero

@@ -25,4 +25,21 @@ struct NoiseKey {
 int64_t add_shard_noise_(at::Tensor& shard, const UnitLayout& layout, int64_t rank, double stddev,
                          const NoiseKey& key, int64_t step);
 
+// full: [layout.padded_numel()], contiguous, the whole unit (stage 0, where every rank holds every
+// coordinate and adds the same draws, so the replicas stay equal). Same contract otherwise.
+int64_t add_unit_noise_(at::Tensor& full, const UnitLayout& layout, double stddev,
+                        const NoiseKey& key, int64_t step);
+
+// The noise of one private step (DESIGN.md §2 step 5): stddev = σ·C, drawn from `key` at counter
+// `step` (the ledger charge index).
+struct StepNoise {
+  double stddev = 0.0;
+  NoiseKey key;
+  int64_t step = 0;
+};
+
+// Throws naming the value unless stddev is finite and >= 0 and step >= 0 (and a secure key has
+// 8 words).
+void check_step_noise(const StepNoise& noise);
+
 }  // namespace dpzero::zero

@@ -3,6 +3,7 @@
 #include "src/zero/state.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -137,6 +138,17 @@ void ZeroState::step() {
   order_frozen_ = true;    // Note [stage-3 prefetch]
   forward_cursor_ = backward_cursor_ = -1;
   for (ParamGroup& g : groups_) g.step(comm_, config_.grad_scale);
+  ++steps_;
+}
+
+void ZeroState::noisy_step(const StepNoise& noise, double grad_scale) {
+  check_step_noise(noise);
+  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0.0,
+              "grad_scale must be finite and > 0, got ", grad_scale);
+  finish_queued_ = false;
+  order_frozen_ = true;
+  forward_cursor_ = backward_cursor_ = -1;
+  for (ParamGroup& g : groups_) g.step(comm_, grad_scale, &noise);
   ++steps_;
 }
 

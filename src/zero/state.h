@@ -46,6 +46,7 @@
 #include "src/comm/collectives.h"
 #include "src/zero/optim.h"
 #include "src/zero/param_group.h"
+#include "src/zero/shard_noise.h"
 #include "src/zero/shard_plan.h"
 #include "src/zero/stage.h"
 
@@ -105,6 +106,11 @@ class ZeroState {
   void grad_ready(int64_t unit, int64_t param_index);
 
   void step();
+  // The private step's engine part (DESIGN.md §2 steps 5–7 minus the ledger, which the caller
+  // writes before calling this): every unit's reduced gradient gets `noise` on exactly the global
+  // coordinates this rank updates, is scaled by `grad_scale` (1 / (q·N) for DP-SGD) instead of
+  // config().grad_scale, and the optimizer runs. Checks `noise` before touching any unit.
+  void noisy_step(const StepNoise& noise, double grad_scale);
   void zero_grad();
 
   // Unit `unit`'s full flat fp32 master values ([padded_numel], a copy); all-gathers in stages

@@ -596,6 +596,97 @@ def test_cpp_process_group_rejects_bad_arguments_naming_them():
             dpzero.zero.new_process_group("nccl", "file:///tmp/unused", 0, 1)
 
 
+# ---- the private step's engine part: noise on owned coordinates, then the scale ----------------
+#
+# DESIGN.md §3 "Noise": over all ranks every global coordinate gets exactly one draw per step, so
+# one noisy SGD step (lr 1, no momentum or decay) must move every parameter by
+# -scale·(Σ_ranks grad + σC·z[j]) where z is the single-process noise vector over the model's D
+# global coordinates (named_parameters() order, tied once). A coordinate noised twice or never
+# would be off by ~scale·σC ≈ 0.06, far outside the fp32 tolerance.
+NOISE_STD, NOISE_SEED, NOISE_STEP, NOISE_SCALE = 0.5, 1234, 7, 1 / GLOBAL_BATCH
+SECURE_KEY = [0x01234567, 0x89ABCDEF, 0x0F1E2D3C, 0x4B5A6978, 0x11111111, 0x22222222,
+              0x33333333, 0x44444444]
+
+
+def noisy_step_run(stage, secure, *, rank, world_size):
+    model = make_model(tied=True)
+    wrapped = dpzero.shard(model, stage=stage, optimizer="sgd", lr=1.0)
+    rows = GLOBAL_BATCH // world_size
+    idx, targets = batch(0)
+    wrapped(idx[rank * rows:(rank + 1) * rows], targets[rank * rows:(rank + 1) * rows]).backward()
+    key = dict(key=SECURE_KEY) if secure else dict(seed=NOISE_SEED)
+    wrapped._state.noisy_step(NOISE_STD, NOISE_STEP, NOISE_SCALE, **key)
+    return dict(params=wrapped.full_parameters())
+
+
+def noisy_step_reference(world_size, secure):
+    model = make_model(tied=True)
+    rows = GLOBAL_BATCH // world_size
+    idx, targets = batch(0)
+    for r in range(world_size):  # Σ over ranks of each rank's mean loss gradient
+        model(idx[r * rows:(r + 1) * rows], targets[r * rows:(r + 1) * rows]).backward()
+    total = sum(p.numel() for p in model.parameters())
+    z = torch.zeros(total)
+    if secure:
+        torch.ops.dpzero.add_secure_noise_(z, NOISE_STD, SECURE_KEY, NOISE_STEP, 0)
+    else:
+        torch.ops.dpzero.add_noise_(z, NOISE_STD, NOISE_SEED, NOISE_STEP, 0)
+    out, offset = {}, 0
+    for name, p in model.named_parameters():
+        noise = z[offset:offset + p.numel()].view(p.shape)
+        out[name] = p.detach() - NOISE_SCALE * (p.grad + noise)
+        offset += p.numel()
+    return out
+
+
+def _noisy_rank_main(rank, world_size, store_path, cases, out_path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=300))
+    try:
+        results = {key: noisy_step_run(*case, rank=rank, world_size=world_size)
+                   for key, case in cases.items()}
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_noisy_step_noises_every_coordinate_exactly_once(tmp_path, world_size):
+    cases = {(stage, secure): (stage, secure) for stage in range(4) for secure in (False, True)
+             if not secure or stage in (0, 3)}
+    out = tmp_path / "noisy.pt"
+    mp.spawn(_noisy_rank_main, args=(world_size, str(tmp_path / "store"), cases, str(out)),
+             nprocs=world_size, join=True)
+    results = torch.load(out)
+    for (stage, secure), result in results.items():
+        ref = noisy_step_reference(world_size, secure)
+        for name, value in ref.items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"stage {stage} {n}: {m}")
+
+
+def test_noisy_step_rejects_bad_noise_naming_it():
+    wrapped = dpzero.shard(make_model(), stage=2, optimizer="sgd", lr=1.0)
+    before = wrapped.full_parameters()
+    state = wrapped._state
+    with pytest.raises(RuntimeError, match="must be finite and >= 0, got -1"):
+        state.noisy_step(-1.0, 0, 0.1, seed=1)
+    with pytest.raises(RuntimeError, match="must be finite and >= 0, got nan"):
+        state.noisy_step(float("nan"), 0, 0.1, seed=1)
+    with pytest.raises(RuntimeError, match="charge index\\) must be >= 0, got -3"):
+        state.noisy_step(1.0, -3, 0.1, seed=1)
+    with pytest.raises(RuntimeError, match="grad_scale must be finite and > 0, got 0"):
+        state.noisy_step(1.0, 0, 0.0, seed=1)
+    with pytest.raises(RuntimeError, match="exactly one of seed"):
+        state.noisy_step(1.0, 0, 0.1, seed=1, key=SECURE_KEY)
+    with pytest.raises(RuntimeError, match="8 32-bit words, got 3"):
+        state.noisy_step(1.0, 0, 0.1, key=[1, 2, 3])
+    after = wrapped.full_parameters()
+    assert all(torch.equal(after[n], v) for n, v in before.items())  # nothing was touched
+
+
 # ---- single process: no torch.distributed ------------------------------------------------------
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -26,6 +27,16 @@
 
 namespace dpzero::zero {
 namespace {
+
+// c10d's flight recorder is one per process and its bookkeeping is not safe against several
+// process groups enqueueing at once, which is what ranks as threads do (a real run has one group
+// per process): a race in FlightRecorder::recordWithResetEnabled crashed this file now and then.
+// A buffer size of 0 turns the recorder off; it reads the variable once, when first used, so it
+// is set before main() runs.
+[[maybe_unused]] const bool kFlightRecorderOff = [] {
+  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
+  return true;
+}();
 
 // Runs body(rank, collectives) on `world_size` threads, each with its own process group.
 void run_ranks(int world_size, const std::function<void(int, const comm::Collectives&)>& body) {
