@@ -238,12 +238,23 @@ void bind_zero(py::module_ m) {
           "shard", [](ZeroState& s, int64_t u) { return s.group(u).flat().shard(); },
           py::arg("unit"), "Unit `unit`'s owned shard of parameters [shard_numel] (not a copy).")
       .def(
-          "grad_shard", [](ZeroState& s, int64_t u) { return s.group(u).grad_shard(); },
+          "grad_shard",
+          [](ZeroState& s, int64_t u) {
+            at::Tensor out;
+            {
+              py::gil_scoped_release no_gil;  // may wait for a reduction in flight
+              out = s.group(u).grad_shard();
+            }
+            return out;
+          },
           py::arg("unit"),
           "Stages 2-3: unit `unit`'s reduced gradient of the owned shard so far [shard_numel].")
       .def(
           "unsharded", [](ZeroState& s, int64_t u) { return s.group(u).flat().unsharded(); },
           py::arg("unit"))
+      .def(
+          "reducing", [](ZeroState& s, int64_t u) { return s.group(u).reducing(); },
+          py::arg("unit"), "Note [reduce-scatter overlap]: a reduction of the unit is in flight.")
       .def(
           "optimizer_state",
           [](ZeroState& s, int64_t u) {

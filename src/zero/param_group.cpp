@@ -89,6 +89,7 @@ void ParamGroup::take_grads(const comm::Collectives& comm) {
       note_comm_bytes(full_bytes);
     }
     pending_ = std::move(pending);
+    ++reductions_started_;
   }
   std::fill(ready_.begin(), ready_.end(), 0);
   ready_count_ = 0;

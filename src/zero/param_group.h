@@ -32,7 +32,11 @@
 // (written directly for the step's first reduction, added for later ones) before the unit's next
 // reduction, at the end of the backward (finish_backward), and before step() or zero_grad() use or
 // drop the shard — so gradients are summed in the same order as with blocking collectives and
-// results are bit-identical. The packed gradient stays alive until the collective is done.
+// results are bit-identical. The packed gradient stays alive until the collective is done, so
+// ZeroState lets at most two units have a reduction in flight: when a unit starts one, the unit
+// that started the previous one is folded first (ZeroState::grad_ready). Otherwise every unit's
+// packed full gradient would live until the end of backward — the whole model's gradient, which
+// stages 2–3 exist not to hold.
 //
 // Note [gradient accumulation]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -126,6 +130,13 @@ class ParamGroup {
   void step(const comm::Collectives& comm, double grad_scale, const StepNoise* noise = nullptr);
   // Drops all accumulated gradient (Note [gradient accumulation]).
   void zero_grad();
+  // Note [reduce-scatter overlap]: waits for this unit's reduction in flight and folds it into
+  // grad_shard_; no-op when none is.
+  void wait_reduce();
+  // Whether a reduction of this unit is in flight.
+  bool reducing() const { return pending_.has_value(); }
+  // How many reductions this unit has started since construction.
+  int64_t reductions_started() const { return reductions_started_; }
 
   // Note [checkpoint slices]: the owned coordinates' entries ("param" first), each [shard_numel]
   // fp32 (views, not copies: write them before the next step).
@@ -164,9 +175,6 @@ class ParamGroup {
   // (stages 0–1) it into the persistent buffer.
   void take_grads(const comm::Collectives& comm);
   void note_comm_bytes(int64_t bytes) { peak_comm_bytes_ = std::max(peak_comm_bytes_, bytes); }
-  // Note [reduce-scatter overlap]: waits for the reduction in flight and folds it into
-  // grad_shard_; no-op when none is.
-  void wait_reduce();
 
   // Stages 2–3: the reduce-scatter in flight (Note [reduce-scatter overlap]).
   struct PendingReduce {
@@ -176,6 +184,7 @@ class ParamGroup {
                          // (added on completion); undefined when written into grad_shard_
   };
   std::optional<PendingReduce> pending_;
+  int64_t reductions_started_ = 0;
 
   std::string name_;
   FlatParam flat_;

@@ -119,7 +119,15 @@ void ZeroState::pre_backward(int64_t unit) {
 
 void ZeroState::grad_ready(int64_t unit, int64_t param_index) {
   queue_finish_backward();
-  group(unit).grad_ready(param_index, comm_);
+  ParamGroup& g = group(unit);
+  const int64_t started = g.reductions_started();
+  g.grad_ready(param_index, comm_);
+  if (g.reductions_started() != started) {
+    // Note [reduce-scatter overlap]: this unit started a reduction; fold the previous one so at
+    // most two units' packed gradients are alive.
+    if (reducing_unit_ >= 0 && reducing_unit_ != unit) groups_[reducing_unit_].wait_reduce();
+    reducing_unit_ = unit;
+  }
 }
 
 void ZeroState::queue_finish_backward() {
@@ -130,11 +138,13 @@ void ZeroState::queue_finish_backward() {
 
 void ZeroState::finish_backward() {
   finish_queued_ = false;
-  for (ParamGroup& g : groups_) g.finish_backward(comm_);
+  for (ParamGroup& g : groups_) g.finish_backward(comm_);  // each folds its own reduction
+  reducing_unit_ = -1;
 }
 
 void ZeroState::step() {
   finish_queued_ = false;  // no backward is running; a failed one may have left the flag set
+  reducing_unit_ = -1;     // every unit folds its reduction in its step
   order_frozen_ = true;    // Note [stage-3 prefetch]
   forward_cursor_ = backward_cursor_ = -1;
   for (ParamGroup& g : groups_) g.step(comm_, config_.grad_scale);
@@ -146,6 +156,7 @@ void ZeroState::noisy_step(const StepNoise& noise, double grad_scale) {
   TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0.0,
               "grad_scale must be finite and > 0, got ", grad_scale);
   finish_queued_ = false;
+  reducing_unit_ = -1;
   order_frozen_ = true;
   forward_cursor_ = backward_cursor_ = -1;
   for (ParamGroup& g : groups_) g.step(comm_, grad_scale, &noise);
@@ -154,6 +165,7 @@ void ZeroState::noisy_step(const StepNoise& noise, double grad_scale) {
 
 void ZeroState::zero_grad() {
   finish_queued_ = false;
+  reducing_unit_ = -1;
   for (ParamGroup& g : groups_) g.zero_grad();
 }
 

@@ -153,6 +153,9 @@ class ZeroState {
   std::vector<int64_t> forward_order_;
   bool order_frozen_ = false;
   int64_t forward_cursor_ = -1;   // position in forward_order_ of the unit forward last started
+  // Note [reduce-scatter overlap]: the unit whose reduce-scatter started last and may be in
+  // flight (-1: none).
+  int64_t reducing_unit_ = -1;
   int64_t backward_cursor_ = -1;  // position of the unit whose backward last started
 };
 

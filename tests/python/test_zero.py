@@ -838,6 +838,31 @@ def test_full_gradients_and_gathered_units_are_freed(stage):
     assert gathered() == [stage < 3] * state.num_units
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_at_most_two_units_reduce_at_once(stage):
+    # Note [reduce-scatter overlap]: a unit's packed full gradient lives while its reduction is in
+    # flight, so the engine folds the previous unit's reduction when the next one starts —
+    # otherwise every unit's full gradient would be alive at the end of backward.
+    model = GPT(tied=False)
+    for _ in range(2):
+        model.blocks.append(Block())  # 4 blocks: more units than the cap
+    wrapped = dpzero.shard(model, stage=stage, optimizer="sgd")
+    state = wrapped._state
+    seen = []
+
+    def count(grad):
+        seen.append(sum(state.reducing(u) for u in range(state.num_units)))
+
+    def watch(_module, _inputs, out):
+        out.register_hook(count)  # fires when this block's backward starts
+
+    for block in model.blocks:
+        block.register_forward_hook(watch)
+    wrapped(*batch(0)).backward()
+    assert len(seen) == 4 and max(seen) <= 2, seen
+    assert sum(state.reducing(u) for u in range(state.num_units)) == 0  # all folded at the end
+
+
 def test_engine_is_freed_with_the_wrapper():
     # The hooks hold the engine weakly: dropping the wrapper frees the engine (its buffers,
     # optimizer state and process group) and removes the hooks.
