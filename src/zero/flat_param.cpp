@@ -117,12 +117,15 @@ at::Tensor FlatParam::param_view(const at::Tensor& flat, size_t i) const {
       .view(params_[i].sizes());
 }
 
+bool FlatParam::wait_gather() {
+  if (!pending_) return false;
+  pending_->wait();
+  pending_.reset();
+  return true;
+}
+
 void FlatParam::unshard(const comm::Collectives& comm) {
-  if (pending_) {
-    pending_->wait();
-    pending_.reset();
-    return;
-  }
+  if (wait_gather()) return;
   if (unsharded()) return;
   allocate_storage(full_, static_cast<size_t>(full_bytes()));
   comm.all_gather(full_, shard_);
@@ -135,10 +138,7 @@ void FlatParam::unshard_async(const comm::Collectives& comm) {
 }
 
 void FlatParam::reshard() {
-  if (pending_) {  // the gather writes into full_: let it finish before freeing the memory
-    pending_->wait();
-    pending_.reset();
-  }
+  wait_gather();  // the gather writes into full_: let it finish before freeing the memory
   if (options_.shard_params) free_storage(full_);
 }
 

@@ -134,6 +134,9 @@ class FlatParam {
   int64_t full_bytes() const;
 
  private:
+  // Waits for the gather unshard_async started, if any; returns whether there was one.
+  bool wait_gather();
+
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
   UnitLayout layout_;

@@ -142,24 +142,21 @@ void ZeroState::finish_backward() {
   reducing_unit_ = -1;
 }
 
-void ZeroState::step() {
-  finish_queued_ = false;  // no backward is running; a failed one may have left the flag set
-  reducing_unit_ = -1;     // every unit folds its reduction in its step
-  order_frozen_ = true;    // Note [stage-3 prefetch]
-  forward_cursor_ = backward_cursor_ = -1;
-  for (ParamGroup& g : groups_) g.step(comm_, config_.grad_scale);
-  ++steps_;
-}
+void ZeroState::step() { run_step(config_.grad_scale, nullptr); }
 
 void ZeroState::noisy_step(const StepNoise& noise, double grad_scale) {
   check_step_noise(noise);
   TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0.0,
               "grad_scale must be finite and > 0, got ", grad_scale);
-  finish_queued_ = false;
-  reducing_unit_ = -1;
-  order_frozen_ = true;
+  run_step(grad_scale, &noise);
+}
+
+void ZeroState::run_step(double grad_scale, const StepNoise* noise) {
+  finish_queued_ = false;  // no backward is running; a failed one may have left the flag set
+  reducing_unit_ = -1;     // every unit folds its reduction in its step
+  order_frozen_ = true;    // Note [stage-3 prefetch]
   forward_cursor_ = backward_cursor_ = -1;
-  for (ParamGroup& g : groups_) g.step(comm_, grad_scale, &noise);
+  for (ParamGroup& g : groups_) g.step(comm_, grad_scale, noise);
   ++steps_;
 }
 

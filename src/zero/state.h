@@ -139,6 +139,8 @@ class ZeroState {
   // Installs finish_backward as the final callback of the backward pass now running (once).
   void queue_finish_backward();
   void note_param_bytes();
+  // step() and noisy_step(): every unit's step with this scale and optional noise.
+  void run_step(double grad_scale, const StepNoise* noise);
   // Note [stage-3 prefetch]: records the forward order, or starts the next unit's gather.
   void prefetch_after(int64_t unit, bool backward);
 

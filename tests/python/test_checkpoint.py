@@ -30,8 +30,8 @@ from torch import nn
 
 import dpzero
 from dpzero._C import checkpoint as cckpt
-from test_zero import (GLOBAL_BATCH, LOSS_TOL, MICRO_BATCHES, OPTIMIZERS, PARAM_TOL, STEPS, GPT,
-                       batch, make_model, reference)
+from test_zero import GPT, LOSS_TOL, OPTIMIZERS, PARAM_TOL, STEPS, make_model, reference
+from test_zero import train_steps as train  # sharded_run's loop over given steps
 
 HALF = STEPS // 2  # the uninterrupted run is STEPS steps; the checkpoint is taken after HALF
 SOURCE_OPTIMIZER = {0: "sgd", 1: "adamw", 2: "sgd", 3: "adamw"}  # round-trip sources by stage
@@ -59,29 +59,6 @@ def fresh_model(seed=7, **kwargs):
 def shard(model, stage, optimizer, **kwargs):
     return dpzero.shard(model, stage=stage, optimizer=optimizer, **OPTIMIZERS[optimizer], **kwargs)
 
-
-def train(wrapped, rank, world_size, steps):
-    """test_zero.sharded_run's loop over the given global steps: rank r's rows of each batch in
-    MICRO_BATCHES micro-batches; returns the global mean losses."""
-    rows = GLOBAL_BATCH // world_size
-    micro = rows // MICRO_BATCHES
-    losses = []
-    for step in steps:
-        idx, targets = batch(step)
-        idx, targets = idx[rank * rows:(rank + 1) * rows], targets[rank * rows:(rank + 1) * rows]
-        total = 0.0
-        for m in range(MICRO_BATCHES):
-            part = slice(m * micro, (m + 1) * micro)
-            loss = wrapped(idx[part], targets[part]) / MICRO_BATCHES
-            loss.backward()
-            total += loss.float().item()
-        wrapped.step()
-        losses.append(total)
-    if world_size > 1:
-        summed = torch.tensor(losses, dtype=torch.float64)
-        dist.all_reduce(summed)
-        losses = (summed / world_size).tolist()
-    return losses
 
 
 def read_checkpoint(path):

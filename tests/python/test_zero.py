@@ -148,18 +148,14 @@ def reference_run(optimizer, model_kwargs):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def sharded_run(stage, optimizer, model_kwargs, units=None, shard_kwargs=None, *, rank,
-                world_size):
-    """This rank's part of the same training: rows [r·B/W, (r+1)·B/W) of each global batch, in
-    MICRO_BATCHES micro-batches whose mean losses are divided by MICRO_BATCHES; grad_scale 1/W
-    turns the rank sum into the global mean."""
-    model = make_model(**model_kwargs)
-    wrapped = dpzero.shard(model, stage=stage, optimizer=optimizer, units=units,
-                           **OPTIMIZERS[optimizer], **(shard_kwargs or {}))
+def train_steps(wrapped, rank, world_size, steps):
+    """Trains `wrapped` on the given global steps: rank r's rows [r·B/W, (r+1)·B/W) of each
+    batch in MICRO_BATCHES micro-batches whose mean losses are divided by MICRO_BATCHES; returns
+    the global mean losses (an all-reduce when W > 1)."""
     rows = GLOBAL_BATCH // world_size
     micro = rows // MICRO_BATCHES
     losses = []
-    for step in range(STEPS):
+    for step in steps:
         idx, targets = batch(step)
         idx, targets = idx[rank * rows:(rank + 1) * rows], targets[rank * rows:(rank + 1) * rows]
         total = 0.0
@@ -174,6 +170,18 @@ def sharded_run(stage, optimizer, model_kwargs, units=None, shard_kwargs=None, *
         summed = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(summed)
         losses = (summed / world_size).tolist()
+    return losses
+
+
+def sharded_run(stage, optimizer, model_kwargs, units=None, shard_kwargs=None, *, rank,
+                world_size):
+    """This rank's part of the same training: rows [r·B/W, (r+1)·B/W) of each global batch, in
+    MICRO_BATCHES micro-batches whose mean losses are divided by MICRO_BATCHES; grad_scale 1/W
+    turns the rank sum into the global mean."""
+    model = make_model(**model_kwargs)
+    wrapped = dpzero.shard(model, stage=stage, optimizer=optimizer, units=units,
+                           **OPTIMIZERS[optimizer], **(shard_kwargs or {}))
+    losses = train_steps(wrapped, rank, world_size, range(STEPS))
     return dict(losses=losses, params=wrapped.full_parameters(), memory=wrapped.memory(),
                 predicted=wrapped.predicted_memory(),
                 layouts=[(u.padded_numel, u.shard_numel) for u in wrapped.plan.units],
