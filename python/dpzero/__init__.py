@@ -16,6 +16,7 @@ from .accounting import (
     get_steps,
 )
 from .zero import ShardedModule, shard
+from .private import PrivacyEngine, PrivacyViolation, make_private
 from . import checkpoint  # noqa: E402  (dpzero.checkpoint.save / load)
 
 __version__ = "0.1.0"
@@ -24,11 +25,14 @@ __all__ = [
     "Ledger",
     "LedgerError",
     "PRVAccountant",
+    "PrivacyEngine",
+    "PrivacyViolation",
     "RDPAccountant",
     "ShardedModule",
     "checkpoint",
     "get_noise_multiplier",
     "get_steps",
+    "make_private",
     "shard",
     "__version__",
 ]

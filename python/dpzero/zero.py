@@ -262,6 +262,7 @@ def shard(
     shard_boundaries: str = "even",
     offload_optimizer: bool = False,
     prefetch: bool = True,
+    grad_hooks: bool = True,
 ) -> ShardedModule:
     """Shard ``model`` under ZeRO ``stage`` 0-3 with an optimizer that runs on the owned shard.
 
@@ -283,6 +284,9 @@ def shard(
         run the optimizer there (ZeRO-Offload); results are identical to no offload.
     prefetch: stage 3: gather the next unit while the current one computes, in forward and in
         backward (Note [stage-3 prefetch] in src/zero/state.h).
+    grad_hooks: take gradients from autograd (post-accumulate-grad hooks). The private path
+        (``dpzero.make_private``) passes False: it hands the engine clipped sums itself (Note
+        [private gradients] in src/zero/param_group.h).
 
     Trainable parameters must be float32 and on one device per unit. Parameters that get no
     gradient in a backward count as zero gradient (torch.optim would skip them).
@@ -335,7 +339,7 @@ def shard(
     handles = []
     if param_dtype != torch.float32:
         handles += _register_input_casts(model, planned, param_dtype)
-    if state.needs_grad_hooks:
+    if grad_hooks and state.needs_grad_hooks:
         handles += _register_grad_hooks(_hooks_ref(state), planned)
     if stage == 3:
         handles += _register_gather_hooks(model, _hooks_ref(state), planned)

@@ -66,9 +66,32 @@ void ParamGroup::wait_reduce() {
 }
 
 void ParamGroup::take_grads(const comm::Collectives& comm) {
-  at::NoGradGuard no_grad;
   // [padded_numel] reduce_dtype; the per-parameter .grad are freed
-  at::Tensor full = flat_.take_grads(reduce_dtype_);
+  reduce_packed(flat_.take_grads(reduce_dtype_), comm);
+  std::fill(ready_.begin(), ready_.end(), 0);
+  ready_count_ = 0;
+}
+
+void ParamGroup::add_grad(const at::Tensor& full, const comm::Collectives& comm) {
+  const int64_t n = flat_.layout().padded_numel();
+  TORCH_CHECK(full.dim() == 1 && full.numel() == n, "unit '", name_,
+              "': a private gradient must have shape [", n, "] (the padded flat layout), got ",
+              full.sizes());
+  TORCH_CHECK(full.is_floating_point(), "unit '", name_,
+              "': a private gradient must be floating point, got ", full.scalar_type());
+  TORCH_CHECK(full.device() == flat_.shard().device(), "unit '", name_,
+              "': a private gradient must be on ", flat_.shard().device(), ", got ",
+              full.device());
+  // A fresh tensor: the reduction may run asynchronously and keeps it alive; the caller may reuse
+  // its own buffer.
+  reduce_packed(full.to(reduce_dtype_, /*non_blocking=*/false, /*copy=*/true), comm);
+  // Stage 3: the caller hands a unit's gradient over only once every use of its parameters in
+  // this backward has run, so the gathered parameters can go (as after take_grads).
+  flat_.reshard();
+}
+
+void ParamGroup::reduce_packed(at::Tensor full, const comm::Collectives& comm) {
+  at::NoGradGuard no_grad;
   const int64_t full_bytes = full.numel() * static_cast<int64_t>(full.element_size());
   if (!reduces_in_backward(stage_)) {
     flat_grad_.add_(full);
@@ -91,8 +114,6 @@ void ParamGroup::take_grads(const comm::Collectives& comm) {
     pending_ = std::move(pending);
     ++reductions_started_;
   }
-  std::fill(ready_.begin(), ready_.end(), 0);
-  ready_count_ = 0;
 }
 
 void ParamGroup::step(const comm::Collectives& comm, double grad_scale, const StepNoise* noise) {

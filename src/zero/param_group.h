@@ -73,6 +73,15 @@
 // them from the old files by parameter name, which is what lets a checkpoint written at one world
 // size and stage load at another (src/checkpoint/).
 //
+// Note [private gradients]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Under DP (python/dpzero/private/) autograd computes no weight gradient of a DP layer: the layer's
+// backward hands its input and output gradient to the clipping code, which forms the clipped sum
+// sum_i c_i g_i per parameter (kernels/) and packs a unit's parameters into one fp32 flat tensor.
+// add_grad takes that tensor where take_grads would have packed autograd's .grad: the same
+// reduction, the same overlap cap, the same accumulation over micro-batches. Clipped sums stay in
+// fp32 up to the reduction (DESIGN.md §4); they are cast only if reduce_dtype is 16-bit.
+//
 // Forward-output gradient hooks were chosen over module full-backward-pre-hooks because they
 // need no wrapping of the module's outputs (in-place use of outputs keeps working) and apply to
 // any output structure.
@@ -120,6 +129,11 @@ class ParamGroup {
   // hook). When every parameter of the unit has, reduces (stages 2–3) or accumulates (stages 0–1)
   // the unit's gradient (Note [gradient buffers]) and, in stage 3, frees the gathered parameters.
   void grad_ready(int64_t index, const comm::Collectives& comm);
+  // The private path (Note [private gradients]): `full` ([padded_numel], any floating dtype, on
+  // the parameters' device, zeros in the padding) is this backward's whole gradient of the unit,
+  // computed outside autograd; it is reduced (stages 2–3) or accumulated (stages 0–1) exactly as a
+  // packed autograd gradient would be. Any stage, with or without packs_grads().
+  void add_grad(const at::Tensor& full, const comm::Collectives& comm);
   // End of a backward pass: takes the gradient of a unit that got some but not all of it, then
   // (stage 3) frees the gathered parameters.
   void finish_backward(const comm::Collectives& comm);
@@ -174,6 +188,9 @@ class ParamGroup {
   // Packs the unit's gradient of this backward and reduce-scatters (stages 2–3) or adds
   // (stages 0–1) it into the persistent buffer.
   void take_grads(const comm::Collectives& comm);
+  // take_grads and add_grad: reduce-scatter (stages 2–3) or add (stages 0–1) one packed
+  // [padded_numel] reduce_dtype gradient.
+  void reduce_packed(at::Tensor full, const comm::Collectives& comm);
   void note_comm_bytes(int64_t bytes) { peak_comm_bytes_ = std::max(peak_comm_bytes_, bytes); }
 
   // Stages 2–3: the reduce-scatter in flight (Note [reduce-scatter overlap]).

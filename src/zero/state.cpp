@@ -122,7 +122,19 @@ void ZeroState::grad_ready(int64_t unit, int64_t param_index) {
   ParamGroup& g = group(unit);
   const int64_t started = g.reductions_started();
   g.grad_ready(param_index, comm_);
-  if (g.reductions_started() != started) {
+  note_reduction(unit, started);
+}
+
+void ZeroState::add_unit_grad(int64_t unit, const at::Tensor& full) {
+  queue_finish_backward();
+  ParamGroup& g = group(unit);
+  const int64_t started = g.reductions_started();
+  g.add_grad(full, comm_);
+  note_reduction(unit, started);
+}
+
+void ZeroState::note_reduction(int64_t unit, int64_t started_before) {
+  if (groups_[unit].reductions_started() != started_before) {
     // Note [reduce-scatter overlap]: this unit started a reduction; fold the previous one so at
     // most two units' packed gradients are alive.
     if (reducing_unit_ >= 0 && reducing_unit_ != unit) groups_[reducing_unit_].wait_reduce();
@@ -148,7 +160,8 @@ void ZeroState::noisy_step(const StepNoise& noise, double grad_scale) {
   check_step_noise(noise);
   TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0.0,
               "grad_scale must be finite and > 0, got ", grad_scale);
-  run_step(grad_scale, &noise);
+  // sigma = 0 (noise explicitly disabled by the caller) draws nothing rather than adding 0 * z.
+  run_step(grad_scale, noise.stddev > 0.0 ? &noise : nullptr);
 }
 
 void ZeroState::run_step(double grad_scale, const StepNoise* noise) {

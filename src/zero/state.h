@@ -104,6 +104,10 @@ class ZeroState {
   void post_forward(int64_t unit);
   void pre_backward(int64_t unit);
   void grad_ready(int64_t unit, int64_t param_index);
+  // The private path (Note [private gradients] in param_group.h): unit `unit`'s whole gradient of
+  // this backward, [padded_numel], computed outside autograd. Reduced like grad_ready's packed
+  // gradient, under the same overlap cap (Note [reduce-scatter overlap]).
+  void add_unit_grad(int64_t unit, const at::Tensor& full);
 
   void step();
   // The private step's engine part (DESIGN.md §2 steps 5–7 minus the ledger, which the caller
@@ -139,6 +143,9 @@ class ZeroState {
   // Installs finish_backward as the final callback of the backward pass now running (once).
   void queue_finish_backward();
   void note_param_bytes();
+  // Note [reduce-scatter overlap]: after unit `unit` took a gradient, folds the previous unit's
+  // reduction if `unit` started a new one (its count was `started_before`).
+  void note_reduction(int64_t unit, int64_t started_before);
   // step() and noisy_step(): every unit's step with this scale and optional noise.
   void run_step(double grad_scale, const StepNoise* noise);
   // Note [stage-3 prefetch]: records the forward order, or starts the next unit's gather.

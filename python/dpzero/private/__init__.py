@@ -1,0 +1,13 @@
+"""Private training on the ZeRO engine: ``make_private`` and the Opacus-style ``PrivacyEngine``.
+
+Modules: ``layers`` (DP layer kinds over the kernels' ops), ``fallback`` (torch.func per-sample
+gradients for parameters used directly), ``attach`` (model walk, validation, patched forwards),
+``book`` (clipping groups, book-keeping, hand-over to the engine), ``engine`` (the step, the
+ledger, the accountant, data loader and optimizer).
+"""
+
+from .attach import PrivacyViolation
+from .engine import DPDataLoader, DPOptimizer, Private, PrivacyEngine, PrivateModule, make_private
+
+__all__ = ["DPDataLoader", "DPOptimizer", "Private", "PrivacyEngine", "PrivateModule",
+           "PrivacyViolation", "make_private"]

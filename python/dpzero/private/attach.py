@@ -1,0 +1,219 @@
+"""Walking a model: which modules become DP layers, validation, and the patched forwards.
+
+``attach(model, sharded, book_factory)`` finds every module with trainable parameters of its own,
+gives it a layer kind (``layers.py``) or the generic path (``fallback.py``), checks that nothing
+escapes clipping (DESIGN.md §3 "No silent non-privacy"), groups tied layers into components, and
+replaces each DP module's ``forward`` (an instance attribute, removed by ``detach``) by one that
+routes the call through the clipping book.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .book import Layer, Slot
+from .fallback import FuncKind, bypassing, tap
+from .layers import dp_apply, layer_kind
+
+# Module types that cannot run under DP, with the reason the error gives.
+_REJECTED = (
+    (nn.modules.batchnorm._BatchNorm,
+     "BatchNorm normalises each example with statistics of the whole batch, so one example's "
+     "gradient depends on the others and per-sample clipping bounds nothing; use GroupNorm, "
+     "LayerNorm or InstanceNorm without running stats"),
+    (nn.modules.instancenorm._InstanceNorm, None),  # only with running stats: checked below
+    (nn.MultiheadAttention,
+     "nn.MultiheadAttention uses its in_proj parameters directly and returns a tuple; build "
+     "attention from nn.Linear layers (as Hugging Face models do)"),
+    (nn.RNNBase,
+     "recurrent layers (RNN/LSTM/GRU) have no per-sample kernels in dpzero"),
+)
+
+
+class PrivacyViolation(RuntimeError):
+    """A gradient would escape clipping, or the model cannot be trained privately as built."""
+
+
+def _rejection(module: nn.Module) -> Optional[str]:
+    for cls, why in _REJECTED:
+        if isinstance(module, cls):
+            if cls is nn.modules.instancenorm._InstanceNorm:
+                if module.track_running_stats:
+                    return ("InstanceNorm with track_running_stats=True mixes examples through "
+                            "its running statistics")
+                continue
+            return why
+    return None
+
+
+def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
+    """Every module holding trainable parameters of its own, as a Layer. Raises
+    PrivacyViolation naming every module that cannot be covered."""
+    problems: List[str] = []
+    layers: List[Layer] = []
+    for name, module in model.named_modules():
+        why = _rejection(module)
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
+        trainable_own = [n for n, p in own if p.requires_grad]
+        if why is not None and (trainable_own or isinstance(module, nn.modules.batchnorm._BatchNorm)):
+            problems.append(f"{name or '<model>'} ({type(module).__name__}): {why}")
+            continue
+        if not trainable_own:
+            continue
+        kind = layer_kind(module)
+        if kind is None:
+            if module is model:
+                problems.append(
+                    f"<model> ({type(module).__name__}) holds trainable parameters "
+                    f"{trainable_own} itself; move them into a submodule")
+                continue
+            kind = FuncKind([n for n, _ in own])
+        extra = [n for n in trainable_own if n not in kind.params]
+        if extra:
+            problems.append(f"{name} ({type(module).__name__}): parameters {extra} are not "
+                            "covered by its per-sample ops")
+            continue
+        reason = kind.check(module)
+        if reason is not None:
+            problems.append(f"{name} ({type(module).__name__}): {reason}")
+            continue
+        train, slots = [], []
+        for pname in kind.params:
+            p = getattr(module, pname, None)
+            trainable = isinstance(p, torch.Tensor) and p.requires_grad
+            train.append(trainable)
+            slots.append(slot_of[id(p)] if trainable else None)
+        layers.append(Layer(len(layers), name, module, kind, tuple(train), slots))
+    if problems:
+        raise PrivacyViolation(
+            "these modules cannot be trained privately (every trainable parameter must be "
+            "covered by a DP layer; frozen parameters are fine):\n  " + "\n  ".join(problems))
+    return layers
+
+
+def assign_components(layers: List[Layer]) -> int:
+    """Layers sharing a parameter form one component (union-find over parameter identity);
+    returns the number of components."""
+    parent = list(range(len(layers)))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: Dict[int, int] = {}
+    for layer in layers:
+        for pname, t in zip(layer.kind.params, layer.train):
+            if not t:
+                continue
+            pid = id(getattr(layer.module, pname))
+            if pid in owner:
+                parent[find(layer.index)] = find(owner[pid])
+            else:
+                owner[pid] = layer.index
+    roots: Dict[int, int] = {}
+    for layer in layers:
+        layer.component = roots.setdefault(find(layer.index), len(roots))
+    return len(roots)
+
+
+def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
+    book = book_ref()
+    if book is None or bypassing() or not torch.is_grad_enabled():
+        return original(*args, **kwargs)
+    if torch._C._current_graph_task_id() != -1:
+        raise NotImplementedError(
+            f"module {layer.name!r} ran its forward inside a backward pass (activation "
+            "recompute); activation checkpointing under DP is not supported yet")
+    kind = layer.kind
+    params = [getattr(layer.module, n) for n, t in zip(kind.params, layer.train) if t]
+    if isinstance(kind, FuncKind):
+        out = _fallback_forward(book, layer, original, params, args, kwargs)
+        return out
+    if len(args) != 1 or kwargs:
+        raise PrivacyViolation(
+            f"DP layer {layer.name!r} ({type(layer.module).__name__}) was called with "
+            f"{len(args)} positional and {sorted(kwargs)} keyword arguments; DP layers take one "
+            "input")
+    pid = book.on_forward(layer)
+    return dp_apply(kind, layer.module, functools.partial(book.on_backward, pid), args[0], params)
+
+
+def _fallback_forward(book, layer, original, params, args, kwargs):
+    module = layer.module
+    detached = {n: module._parameters[n].detach() for n, t in zip(layer.kind.params, layer.train)
+                if t}
+    from .fallback import swapped
+
+    with swapped(module, detached):
+        out = original(*args, **kwargs)
+    if not isinstance(out, torch.Tensor):
+        raise PrivacyViolation(
+            f"module {layer.name!r} ({type(module).__name__}) uses its parameters directly and "
+            f"returned {type(out).__name__}; the generic per-sample path needs one tensor output")
+    pid = book.on_forward(layer)
+    saved = (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs))
+
+    def on_backward(g, pid=pid, saved=saved):
+        book.on_backward(pid, saved, g)
+
+    return tap(on_backward, out, params)
+
+
+def patch(layers: List[Layer], book_ref) -> None:
+    for layer in layers:
+        module = layer.module
+        original = module.forward
+        module._dp_original_forward = original
+        module.forward = functools.partial(_patched_forward, book_ref, layer, original)
+
+
+def unpatch(layers: List[Layer]) -> None:
+    for layer in layers:
+        module = layer.module
+        if "forward" in module.__dict__:
+            del module.forward
+        module.__dict__.pop("_dp_original_forward", None)
+
+
+def guard_hooks(model: nn.Module, book_ref) -> List:
+    """A trainable parameter that autograd gives a gradient escaped its DP layer (used outside
+    it, e.g. ``F.linear(h, self.wte.weight)``): that gradient is unclipped. A gradient hook on the
+    parameter sees it before AccumulateGrad adds it anywhere, records the violation (the optimizer
+    step then refuses until zero_grad) and raises, which stops the backward. DP layers give their
+    parameters no autograd gradient, so the hook sees None for them."""
+    handles = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+
+        def hook(grad, name=name):
+            if grad is None:
+                return None
+            msg = (f"parameter {name!r} received a gradient from autograd: it is used outside "
+                   "its DP layer, so that gradient would escape clipping")
+            book = book_ref()
+            if book is not None:
+                book.error = msg
+            raise PrivacyViolation(msg)
+
+        handles.append(p.register_hook(hook))
+    return handles
+
+
+def param_slots(sharded) -> Tuple[Dict[int, Slot], List[int], List[torch.device]]:
+    """id(param) -> Slot, each unit's padded numel and device, from the engine's plan."""
+    slot_of: Dict[int, Slot] = {}
+    numel, devices = [], []
+    for u, (_, members) in enumerate(sharded._units):
+        layout = sharded.plan.units[u]
+        numel.append(layout.padded_numel)
+        devices.append(members[0][1].device)
+        for (_, param, _), offset in zip(members, layout.flat_offsets):
+            slot_of[id(param)] = Slot(u, offset, param.numel(), param.shape)
+    return slot_of, numel, devices

@@ -1,0 +1,293 @@
+"""The clipping book: per micro-batch, from each DP layer's (A, G) to clipped sums in the engine.
+
+Terms. A *part* is one forward call of a DP layer in the current micro-batch. A *component* is a
+set of layers that share a parameter (a tied embedding and output head) — its per-sample norm is
+bounded by the triangle inequality, the sum of its parts' norms (DESIGN.md §2 step 3), which can
+only over-estimate; a layer called twice is a component of two parts likewise. A *clipping group*
+is a set of components clipped together with threshold C_g, the thresholds satisfying
+sum_g C_g^2 = C^2 (privacy/clipping.h):
+
+* flat / automatic: one group, C_g = C;
+* layer: one group per component, equal weights;
+* group: the groups the caller names (e.g. one per transformer block).
+
+Within a group, the per-sample norm is sqrt(sum over components of n_c^2), the components being
+disjoint parameter sets. A sample's whole clipped gradient then has norm <= sqrt(sum_g C_g^2) = C:
+the sensitivity contract (DESIGN.md §3).
+
+Flow. The patched forward of a layer registers a part (``on_forward``), which also counts, per
+group and per unit, the contributions the backward will bring. In backward each part reports its
+input and output gradient (``on_backward``): its per-sample squared norms are computed at once.
+When a group has all its parts it is *complete*: factors c_i from its norms (clip_factors), then
+each part's clipped sum sum_i c_i g_i goes into its unit's flat fp32 buffer. A singleton group
+(layer clipping, untied layer) does all of that in one fused op inside the layer's backward.
+When a unit has every contribution of the micro-batch it is handed to the engine
+(``ZeroState.add_unit_grad``) — its reduce-scatter starts while the backward goes on (layer and
+group clipping) or at the end of the backward (flat: book-keeping, Bu et al. 2023). A final
+autograd callback completes what the backward did not reach (a layer whose output did not
+influence the loss contributes nothing) and closes the micro-batch.
+
+Note [one sample per row]: every part of a micro-batch must have the same batch size B on dim 0
+(checked). Sample i of every layer is the same example, which is what makes the per-sample norm
+the norm of one example's gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .layers import LayerKind, round_down_f32, round_up_f32
+
+_ops = torch.ops.dpzero
+
+
+@dataclass
+class Slot:
+    """Where one trainable parameter's gradient goes: unit u, flat offset, numel, shape."""
+    unit: int
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass
+class Layer:
+    index: int
+    name: str
+    module: nn.Module
+    kind: LayerKind
+    train: Tuple[bool, ...]          # per kind.params: trainable
+    slots: List[Optional[Slot]]      # per kind.params
+    component: int = -1
+    group: int = -1
+
+
+@dataclass
+class Part:
+    layer: Layer
+    a: object = None      # A (or the fallback's per-sample gradients) once the backward ran
+    g: object = None
+    sq: Optional[torch.Tensor] = None  # [B] float32 certified squared norms
+    done: bool = False
+
+
+@dataclass
+class GroupState:
+    parts: List[int] = field(default_factory=list)
+    received: int = 0
+    complete: bool = False
+
+
+class StepStats:
+    """What one logical step's micro-batches produced on this rank."""
+
+    def __init__(self) -> None:
+        self.samples = 0      # rows seen by the DP layers (this rank)
+        self.dropped = 0      # samples with a NaN/Inf norm (factor 0), this rank
+        self.clipped = 0      # samples whose factor was < 1 in some group (flat/layer/group)
+        self.micro_batches = 0
+
+
+class Book:
+    def __init__(self, layers: List[Layer], groups: List[List[int]], thresholds: List[float],
+                 mode: str, gamma: float, loss_reduction: str, state, unit_numel: List[int],
+                 device_of_unit: List[torch.device]) -> None:
+        self.layers = layers
+        self.groups = groups              # group -> component ids
+        self.thresholds = thresholds      # C_g (inf: no clipping)
+        self.mode = mode                  # "flat" | "automatic" for clip_factors
+        self.gamma = gamma
+        self.loss_reduction = loss_reduction
+        self.state = state
+        self.unit_numel = unit_numel
+        self.unit_device = device_of_unit
+        self.components: Dict[int, List[Layer]] = {}
+        for layer in layers:
+            self.components.setdefault(layer.component, []).append(layer)
+        self.stats = StepStats()
+        self.error: Optional[str] = None  # a privacy violation seen; step() refuses until cleared
+        self._reset_micro_batch()
+
+    # ---- micro-batch state -------------------------------------------------------------------
+
+    def _reset_micro_batch(self) -> None:
+        self.parts: List[Part] = []
+        self.group_state: Dict[int, GroupState] = {}
+        self.unit_expected: Dict[int, int] = {}
+        self.unit_buf: Dict[int, torch.Tensor] = {}
+        self.batch: Optional[int] = None
+        self.dropped_mask: Optional[torch.Tensor] = None
+        self.clipped_mask: Optional[torch.Tensor] = None
+        self.callback_queued = False
+
+    @property
+    def open(self) -> bool:
+        """A forward registered parts whose backward has not finished."""
+        return bool(self.parts)
+
+    def on_forward(self, layer: Layer) -> int:
+        """Registers one call of ``layer``; returns the part id its backward reports under."""
+        pid = len(self.parts)
+        self.parts.append(Part(layer))
+        self.group_state.setdefault(layer.group, GroupState()).parts.append(pid)
+        for slot in layer.slots:
+            if slot is not None:
+                self.unit_expected[slot.unit] = self.unit_expected.get(slot.unit, 0) + 1
+        return pid
+
+    def on_backward(self, pid: int, a, g: torch.Tensor) -> None:
+        part = self.parts[pid]
+        layer = part.layer
+        self._queue_finish()
+        b = g.shape[0]
+        if self.batch is None:
+            self.batch = b
+            self.dropped_mask = torch.zeros(b, dtype=torch.bool, device=g.device)
+            self.clipped_mask = torch.zeros(b, dtype=torch.bool, device=g.device)
+        elif b != self.batch:
+            self.error = (f"layer {layer.name!r} saw a batch of {b} rows where other layers of the "
+                          f"same micro-batch saw {self.batch}: DP layers need the batch on dim 0 "
+                          "(Note [one sample per row]); transpose batch_first=False inputs")
+            raise RuntimeError(self.error)
+        if self.loss_reduction == "mean" and b > 0:
+            g = g * b  # per-sample gradients of a mean loss, as Opacus's loss_reduction="mean"
+        kind = layer.kind
+        if hasattr(kind, "per_sample_grads"):
+            a = kind.per_sample_grads(layer.module, a, g, layer.train)
+            g = None
+        else:
+            a = kind.batch_input(layer.module, a)
+        gs = self.group_state[layer.group]
+        gs.received += 1
+        threshold = self.thresholds[layer.group]
+        if len(gs.parts) == 1 and len(self.groups[layer.group]) == 1 and math.isfinite(threshold):
+            # A singleton group: norm, factors and clipped sum in one fused op, in this backward.
+            grads, sq, factors = kind.clip(layer.module, a, g, threshold, self.mode, self.gamma,
+                                           layer.train)
+            self._note_factors(factors)
+            part.done = True
+            gs.complete = True
+            self._deliver(layer, grads)
+            return
+        part.a, part.g = a, g
+        if math.isfinite(threshold):
+            part.sq = kind.sq_norms(layer.module, a, g, layer.train)
+        if gs.received == len(gs.parts):
+            self._complete(layer.group)
+
+    # ---- completion --------------------------------------------------------------------------
+
+    def _group_norms(self, group: int, pids: List[int]) -> torch.Tensor:
+        """[B] float32 certified per-sample norm over the group (triangle bound for components
+        of several parts)."""
+        by_component: Dict[int, List[Part]] = {}
+        for pid in pids:
+            part = self.parts[pid]
+            if part.sq is not None:
+                by_component.setdefault(part.layer.component, []).append(part)
+        total = None
+        for parts in by_component.values():
+            if len(parts) == 1:
+                sq = parts[0].sq.double()
+            else:
+                n = sum(torch.sqrt(p.sq.double()) for p in parts) * (1.0 + 1e-12)
+                sq = n * n
+            total = sq if total is None else total + sq
+        if total is None:
+            return torch.zeros(0)
+        return round_up_f32(torch.sqrt(total) * (1.0 + 1e-12))
+
+    def _complete(self, group: int) -> None:
+        gs = self.group_state[group]
+        if gs.complete:
+            return
+        gs.complete = True
+        pids = [pid for pid in gs.parts if self.parts[pid].a is not None]
+        if not pids:
+            return
+        threshold = self.thresholds[group]
+        if math.isfinite(threshold):
+            norms = self._group_norms(group, pids)
+            factors, _ = _ops.clip_factors(norms, threshold, self.mode, self.gamma)
+            self._note_factors(factors)
+        else:  # C = inf: no clipping (non-private training through the same path)
+            factors = torch.ones(self.batch or 0, dtype=torch.float32,
+                                 device=self.parts[pids[0]].g.device if self.parts[pids[0]].g
+                                 is not None else None)
+        for pid in pids:
+            part = self.parts[pid]
+            layer = part.layer
+            grads = layer.kind.clipped_sums(layer.module, part.a, part.g, factors, layer.train)
+            part.a = part.g = None  # book-keeping ends here for this part
+            part.done = True
+            self._deliver(layer, grads)
+
+    def _note_factors(self, factors: torch.Tensor) -> None:
+        if factors.numel() == 0:
+            return
+        self.dropped_mask |= factors == 0
+        self.clipped_mask |= factors < 1
+
+    def _deliver(self, layer: Layer, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        for slot, grad in zip(layer.slots, grads):
+            if slot is None:
+                continue
+            buf = self.unit_buf.get(slot.unit)
+            if buf is None:
+                buf = torch.zeros(self.unit_numel[slot.unit], dtype=torch.float32,
+                                  device=self.unit_device[slot.unit])
+                self.unit_buf[slot.unit] = buf
+            if grad is not None:
+                buf[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1).to(buf.device))
+            self.unit_expected[slot.unit] -= 1
+            if self.unit_expected[slot.unit] == 0:
+                self._hand_over(slot.unit)
+
+    def _hand_over(self, unit: int) -> None:
+        buf = self.unit_buf.pop(unit)
+        self.unit_expected.pop(unit, None)
+        self.state.add_unit_grad(unit, buf)
+
+    # ---- end of backward ---------------------------------------------------------------------
+
+    def _queue_finish(self) -> None:
+        if self.callback_queued:
+            return
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+        self.callback_queued = True
+
+    def finish_backward(self) -> None:
+        """Final callback of a backward: completes the groups the backward did not finish, hands
+        every remaining unit over, and closes the micro-batch."""
+        try:
+            for group in sorted(self.group_state):
+                self._complete(group)
+            for unit in sorted(self.unit_buf):
+                self._hand_over(unit)
+            # Units that expected contributions but received nothing (no part of theirs ran in
+            # this backward) contribute zero: nothing to reduce.
+            if self.batch is not None:
+                self.stats.samples += self.batch
+                self.stats.dropped += int(self.dropped_mask.sum())
+                self.stats.clipped += int(self.clipped_mask.sum())
+            self.stats.micro_batches += 1
+        finally:
+            self._reset_micro_batch()
+
+    def discard(self) -> None:
+        """Drops a micro-batch whose backward never ran (zero_grad between forward and backward)."""
+        self._reset_micro_batch()
+
+    def take_stats(self) -> StepStats:
+        stats, self.stats = self.stats, StepStats()
+        return stats
+
+
+def round_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per-sample scales are rounded toward 0 so a scaled contribution never grows."""
+    return round_down_f32(x)

@@ -1,0 +1,568 @@
+"""``make_private`` and ``PrivacyEngine``: DP-SGD on the ZeRO engine (DESIGN.md §2, one step).
+
+One logical step t, top to bottom:
+
+1. ``DPDataLoader`` yields this rank's micro-batches of the Poisson batch of step t (``data.py``;
+   every rank yields as many, short ranks empty ones).
+2. forward / ``loss.backward()`` per micro-batch: DP layers hand (A, G) to the clipping book
+   (``book.py``), which puts clipped sums into the engine's gradient buffers, unit by unit.
+3. ``optimizer.step()`` after the last micro-batch of t (earlier calls only accumulate, as
+   Opacus's BatchMemoryManager): ledger record (rank 0, durable; all ranks wait for it), accountant
+   charge with the sigma and q used, then ``ZeroState.noisy_step``: noise sigma*C*z(seed, k, j) on
+   exactly the owned coordinates, k = the charge index (Note [noise index]), scale 1/(q*N), update.
+
+Note [noise index]
+~~~~~~~~~~~~~~~~~~
+The noise of a step is z(seed, k, j) with k the index of the step's ledger charge (the number of
+steps charged before it), not the sampler's step t. A step that is charged but never applied (a
+failure after the ledger write) or replayed after a crash is charged again with a new k, so no
+draw is ever applied twice; k is the same on every rank and for every W, stage and plan.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import weakref
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from .. import _C
+from ..accounting import Ledger, create_accountant, get_noise_multiplier
+from ..data import PoissonBatchSampler, empty_safe_collate
+from ..noise import NoiseSource, _as_int64
+from ..zero import shard
+from .attach import (PrivacyViolation, assign_components, find_layers, guard_hooks, param_slots,
+                     patch, unpatch)
+from .book import Book
+
+CLIPPING = ("flat", "layer", "group", "automatic")
+
+
+class PrivateModule(nn.Module):
+    """The model under DP: calls go to the wrapped module (whose DP layers are patched);
+    attributes not found here are looked up on it, as Opacus's GradSampleModule does."""
+
+    def __init__(self, module: nn.Module, engine: "PrivacyEngine") -> None:
+        super().__init__()
+        self._module = module
+        self.__dict__["_engine_ref"] = weakref.ref(engine)
+
+    def forward(self, *args, **kwargs):
+        return self._module(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["_module"], name)
+
+
+class DPOptimizer:
+    """The optimizer of a private model: the engine's sharded optimizer behind torch's interface.
+
+    ``step()`` takes a private step after the last micro-batch of a logical batch and only
+    accumulates before it; ``zero_grad()`` keeps what the current logical batch accumulated
+    (Opacus's semantics with BatchMemoryManager). ``param_groups[0]["lr"]`` may be changed (LR
+    schedulers work); it takes effect at the next step.
+    """
+
+    def __init__(self, engine: "PrivacyEngine", lr: float, defaults: Dict[str, Any]) -> None:
+        self._engine = engine
+        self.defaults = dict(defaults, lr=lr)
+        self.param_groups = [dict(self.defaults, params=list(engine._trainable))]
+        self.state: Dict = {}
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("DPOptimizer.step takes no closure (a private step runs once)")
+        return self._engine._optimizer_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine._zero_grad()
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._engine.noise_multiplier
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self._engine.max_grad_norm
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self._engine.sample_rate * self._engine.dataset_size
+
+    def state_dict(self) -> dict:
+        return {"param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                 for g in self.param_groups]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.param_groups[0].update(state["param_groups"][0])
+
+
+class DPDataLoader:
+    """Micro-batches of Poisson-sampled logical batches (``data.PoissonBatchSampler``). One pass
+    (``for batch in loader``) is one epoch: ``steps_per_epoch`` logical steps, continuing from
+    the last step taken. ``len(loader)`` is the number of micro-batches of the next epoch."""
+
+    def __init__(self, engine: "PrivacyEngine", dataset: Dataset, steps_per_epoch: int,
+                 max_physical_batch_size: Optional[int], collate_fn=None, num_workers: int = 0,
+                 pin_memory: bool = False) -> None:
+        self._engine = engine
+        self.dataset = dataset
+        self.steps_per_epoch = int(steps_per_epoch)
+        self.max_physical_batch_size = max_physical_batch_size
+        self.collate_fn = collate_fn or empty_safe_collate(dataset)
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.sample_rate = engine.sample_rate
+
+    def _sampler(self, start: int) -> PoissonBatchSampler:
+        e = self._engine
+        return PoissonBatchSampler(e.dataset_size, e.sample_rate, self.steps_per_epoch,
+                                   e.noise_source.sampler_seed, e.rank, e.world_size,
+                                   self.max_physical_batch_size, start_step=start)
+
+    def __len__(self) -> int:
+        return len(self._sampler(self._engine.next_step))
+
+    def __iter__(self):
+        start = self._engine.next_step
+        sampler = self._sampler(start)
+        loader = DataLoader(self.dataset, batch_sampler=sampler, collate_fn=self.collate_fn,
+                            num_workers=self.num_workers, pin_memory=self.pin_memory)
+        meta = ((t, i, len(s.micro_batches), s.logical_batch_size)
+                for t, s in self._sampler(start).logical_batches()
+                for i in range(len(s.micro_batches)))
+        for batch, (t, i, n, size) in zip(loader, meta):
+            self._engine._begin_micro_batch(t, i, n, size)
+            yield batch
+
+
+class Private(NamedTuple):
+    """What ``make_private`` returns."""
+    model: PrivateModule
+    optimizer: DPOptimizer
+    data_loader: DPDataLoader
+    privacy_engine: "PrivacyEngine"
+
+
+_OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
+
+
+def _optimizer_settings(optimizer) -> tuple:
+    """(engine name, kwargs for dpzero.shard) from a name or a torch optimizer."""
+    if isinstance(optimizer, str):
+        if optimizer not in ("sgd", "adam", "adamw"):
+            raise ValueError(f"optimizer must be 'sgd', 'adam', 'adamw' or a torch.optim "
+                             f"SGD/Adam/AdamW, got {optimizer!r}")
+        return optimizer, {}
+    name = _OPTIMIZERS.get(type(optimizer))
+    if name is None:
+        raise ValueError(f"optimizer {type(optimizer).__name__} is not supported under DP; use "
+                         "torch.optim.SGD, Adam or AdamW (or their names)")
+    if len(optimizer.param_groups) != 1:
+        raise ValueError(f"the optimizer has {len(optimizer.param_groups)} parameter groups; "
+                         "dpzero's sharded optimizer takes one")
+    g = optimizer.param_groups[0]
+    if name == "sgd":
+        kw = dict(lr=g["lr"], momentum=g["momentum"], dampening=g["dampening"],
+                  nesterov=g["nesterov"], weight_decay=g["weight_decay"], maximize=g["maximize"])
+    else:
+        kw = dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
+                  weight_decay=g["weight_decay"], amsgrad=g["amsgrad"], maximize=g["maximize"])
+    return name, kw
+
+
+class PrivacyEngine:
+    """The privacy side of a private run: accountant, ledger, noise source, clipping book.
+
+    ``PrivacyEngine().make_private(module=, optimizer=, data_loader=, noise_multiplier=,
+    max_grad_norm=)`` is the Opacus entry point (so an Opacus script switches by changing the
+    import); :func:`make_private` is dpzero's own with every option.
+    """
+
+    def __init__(self, accountant: str = "prv", secure_mode: bool = False) -> None:
+        self.accountant_name = accountant
+        self.accountant = create_accountant(accountant)
+        self.secure_mode = bool(secure_mode)
+        self._attached = False
+
+    # ---- Opacus-compatible entry points -------------------------------------------------------
+
+    def make_private(self, *, module: nn.Module, optimizer, data_loader: DataLoader,
+                     noise_multiplier: float, max_grad_norm: float, poisson_sampling: bool = True,
+                     clipping: str = "flat", **kwargs):
+        """Opacus's signature; returns (module, optimizer, data_loader)."""
+        if not poisson_sampling:
+            raise ValueError("poisson_sampling=False: dpzero's accounting assumes Poisson "
+                             "sampling, the only sampling it implements")
+        out = self._attach(model=module, optimizer=optimizer, data_loader=data_loader,
+                           noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                           clipping=clipping, **kwargs)
+        return out.model, out.optimizer, out.data_loader
+
+    def make_private_with_epsilon(self, *, module: nn.Module, optimizer, data_loader: DataLoader,
+                                  target_epsilon: float, target_delta: float, epochs: float,
+                                  max_grad_norm: float, **kwargs):
+        out = self._attach(model=module, optimizer=optimizer, data_loader=data_loader,
+                           target_epsilon=target_epsilon, target_delta=target_delta,
+                           epochs=epochs, max_grad_norm=max_grad_norm, **kwargs)
+        return out.model, out.optimizer, out.data_loader
+
+    def get_epsilon(self, delta: float) -> float:
+        return self.epsilon(delta)
+
+    # ---- queries -----------------------------------------------------------------------------
+
+    def epsilon(self, delta: float) -> float:
+        """ε spent so far at ``delta`` (PRV: its upper bound); inf if noise was disabled."""
+        if self._attached and self.noise_multiplier == 0.0 and self.steps_taken > 0:
+            return math.inf
+        if len(self.accountant) == 0:
+            return 0.0
+        return float(self.accountant.get_epsilon(delta))
+
+    @property
+    def ledger(self) -> Optional[Ledger]:
+        return self._ledger
+
+    def state_dict(self) -> dict:
+        return {
+            "next_step": self.next_step, "charges": self.charges,
+            "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
+            "max_grad_norm": self.max_grad_norm, "dataset_size": self.dataset_size,
+            "accountant": self.accountant_name,
+            "history": [tuple(h) for h in self.accountant.history],
+            "seed": None if self.secure_mode else self.noise_source.seed,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("sample_rate", "noise_multiplier", "max_grad_norm", "dataset_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"state_dict: {key} is {state[key]}, this engine has "
+                                 f"{getattr(self, key)}")
+        self.next_step, self.charges = int(state["next_step"]), int(state["charges"])
+        self.accountant = create_accountant(state["accountant"])
+        for sigma, q, n in state["history"]:
+            self.accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=n)
+
+    # ---- construction ------------------------------------------------------------------------
+
+    def _attach(self, *, model: nn.Module, optimizer="sgd", dataset: Optional[Dataset] = None,
+                data_loader: Optional[DataLoader] = None, batch_size: Optional[int] = None,
+                sample_rate: Optional[float] = None, noise_multiplier: Optional[float] = None,
+                target_epsilon: Optional[float] = None, target_delta: Optional[float] = None,
+                epochs: Optional[float] = None, max_grad_norm: float, clipping: str = "flat",
+                clipping_groups: Optional[Sequence[Sequence[str]]] = None,
+                group_weights: Optional[Sequence[float]] = None, automatic_gamma: float = 0.01,
+                zero_stage: int = 0, max_physical_batch_size: Optional[int] = None,
+                mixed_precision: Union[None, str, torch.dtype] = None, seed: Optional[int] = None,
+                ledger_path: Optional[str] = None, run_id: Optional[str] = None,
+                loss_reduction: str = "mean", process_group=None, units=None,
+                allow_no_noise: bool = False, lr: Optional[float] = None,
+                num_workers: int = 0, **optimizer_kwargs) -> Private:
+        if self._attached:
+            raise RuntimeError("this PrivacyEngine is already attached to a model")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if clipping not in CLIPPING:
+            raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        max_grad_norm = float(max_grad_norm)
+        if math.isnan(max_grad_norm) or max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+        if clipping == "automatic" and not math.isfinite(max_grad_norm):
+            raise ValueError("automatic clipping needs a finite max_grad_norm, got inf")
+        if not (automatic_gamma > 0 and math.isfinite(automatic_gamma)):
+            raise ValueError(f"automatic_gamma must be finite and > 0, got {automatic_gamma}")
+        if (dataset is None) == (data_loader is None):
+            raise ValueError("give exactly one of dataset and data_loader")
+        collate_fn = None
+        if data_loader is not None:
+            dataset = data_loader.dataset
+            collate_fn = data_loader.collate_fn
+            if batch_size is None and sample_rate is None:
+                if data_loader.batch_size is None:
+                    raise ValueError("data_loader has no batch_size; pass batch_size or "
+                                     "sample_rate")
+                batch_size = data_loader.batch_size
+            num_workers = num_workers or data_loader.num_workers
+        n = len(dataset)
+        if n <= 0:
+            raise ValueError(f"the dataset is empty ({n} examples)")
+        if (batch_size is None) == (sample_rate is None):
+            raise ValueError(f"give exactly one of batch_size and sample_rate, got "
+                             f"batch_size={batch_size}, sample_rate={sample_rate}")
+        q = float(sample_rate) if sample_rate is not None else float(batch_size) / n
+        if not (0.0 < q <= 1.0):
+            raise ValueError(f"sample rate must be in (0, 1], got {q} (batch_size={batch_size}, "
+                             f"dataset size {n})")
+        if (noise_multiplier is None) == (target_epsilon is None):
+            raise ValueError("give exactly one of noise_multiplier and target_epsilon")
+        if target_epsilon is not None:
+            if target_delta is None or epochs is None:
+                raise ValueError("target_epsilon needs target_delta and epochs")
+            noise_multiplier = get_noise_multiplier(
+                target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=q,
+                epochs=epochs, accountant=self.accountant_name)
+        sigma = float(noise_multiplier)
+        if math.isnan(sigma) or sigma < 0 or math.isinf(sigma):
+            raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier}")
+        if sigma == 0.0 and not allow_no_noise:
+            raise ValueError("noise_multiplier=0 trains WITHOUT privacy; pass "
+                             "allow_no_noise=True to do that on purpose (ε is then reported as "
+                             "inf)")
+        if sigma > 0 and not math.isfinite(max_grad_norm):
+            raise ValueError("noise needs a finite max_grad_norm (the noise is sigma * C), "
+                             f"got {max_grad_norm}")
+        if isinstance(mixed_precision, str):
+            table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+            if mixed_precision not in table:
+                raise ValueError(f"mixed_precision must be 'bf16', 'fp16', 'fp32' or a dtype, "
+                                 f"got {mixed_precision!r}")
+            mixed_precision = table[mixed_precision]
+        param_dtype = mixed_precision or torch.float32
+
+        name, opt_kwargs = _optimizer_settings(optimizer)
+        opt_kwargs.update(optimizer_kwargs)
+        if lr is not None:
+            opt_kwargs["lr"] = lr
+        opt_kwargs.setdefault("lr", 1e-3)
+
+        # Validation before anything is touched (a rejected model stays as it was).
+        trainable = {id(p): p for p in model.parameters() if p.requires_grad}
+        if not trainable:
+            raise ValueError("the model has no trainable parameters")
+        probe_slots = {pid: None for pid in trainable}
+        find_layers(model, probe_slots)  # raises PrivacyViolation naming bad modules
+
+        sharded = shard(model, stage=zero_stage, optimizer=name, process_group=process_group,
+                        grad_scale=1.0, param_dtype=param_dtype, units=units, grad_hooks=False,
+                        **opt_kwargs)
+        slot_of, unit_numel, unit_device = param_slots(sharded)
+        layers = find_layers(model, slot_of)
+        n_components = assign_components(layers)
+        groups, thresholds = self._clip_groups(layers, n_components, clipping, clipping_groups,
+                                               group_weights, max_grad_norm)
+        self.sharded = sharded
+        self.module = model
+        self.layers = layers
+        self.book = Book(layers, groups, thresholds,
+                         "automatic" if clipping == "automatic" else "flat", automatic_gamma,
+                         loss_reduction, sharded._state, unit_numel, unit_device)
+        book_ref = weakref.ref(self.book)
+        patch(layers, book_ref)
+        self._guards = guard_hooks(model, book_ref)
+
+        self.rank, self.world_size = sharded.rank, sharded.world_size
+        self._group = process_group if process_group is not None else (
+            dist.distributed_c10d._get_default_group()
+            if dist.is_available() and dist.is_initialized() else None)
+        self.noise_source = NoiseSource(seed=seed, secure_mode=self.secure_mode, group=self._group)
+        if not self.secure_mode and self._group is not None and seed is None:
+            self.noise_source.seed = self._broadcast_int(self.noise_source.seed)
+        self.noise_multiplier, self.max_grad_norm = sigma, max_grad_norm
+        self.sample_rate, self.dataset_size = q, n
+        self.clipping = clipping
+        self.loss_reduction = loss_reduction
+        self.next_step, self.charges, self.steps_taken = 0, 0, 0
+        self._micro: Optional[tuple] = None  # (t, index, count, logical size) from the loader
+        self._trainable = list(trainable.values())
+        self._ledger = None
+        if ledger_path is not None:
+            self._open_ledger(ledger_path, run_id, clipping)
+        self.charges = self._broadcast_int(self.charges)
+        steps_per_epoch = max(1, round(1.0 / q))
+        self.model = PrivateModule(model, self)
+        self.optimizer = DPOptimizer(self, opt_kwargs["lr"], opt_kwargs)
+        self.data_loader = DPDataLoader(self, dataset, steps_per_epoch, max_physical_batch_size,
+                                        collate_fn, num_workers)
+        self._attached = True
+        return Private(self.model, self.optimizer, self.data_loader, self)
+
+    def _clip_groups(self, layers, n_components, clipping, clipping_groups, group_weights, c):
+        if clipping in ("flat", "automatic"):
+            if clipping_groups is not None:
+                raise ValueError(f"clipping_groups is for clipping='group', not {clipping!r}")
+            for layer in layers:
+                layer.group = 0
+            return [list(range(n_components))], [c]
+        if clipping == "layer":
+            for layer in layers:
+                layer.group = layer.component
+            k = n_components
+        else:
+            if not clipping_groups:
+                raise ValueError("clipping='group' needs clipping_groups: a list of lists of "
+                                 "module names (prefixes)")
+            k = len(clipping_groups)
+            for layer in layers:
+                matches = [g for g, prefixes in enumerate(clipping_groups)
+                           if any(layer.name == p or layer.name.startswith(p + ".")
+                                  for p in prefixes)]
+                if not matches:
+                    raise ValueError(f"DP layer {layer.name!r} is in no clipping group")
+                layer.group = matches[0]
+            for comp in range(n_components):
+                members = {l.group for l in layers if l.component == comp}
+                if len(members) > 1:
+                    names = [l.name for l in layers if l.component == comp]
+                    raise ValueError(f"layers {names} share a parameter but are in different "
+                                     f"clipping groups {sorted(members)}; put them in one")
+        if group_weights is not None and len(group_weights) != k:
+            raise ValueError(f"group_weights has {len(group_weights)} entries for {k} groups")
+        if math.isfinite(c):
+            thresholds = list(_C.privacy.group_thresholds(c, k, list(group_weights or [])))
+        else:
+            thresholds = [math.inf] * k
+        groups = [sorted({l.component for l in layers if l.group == g}) for g in range(k)]
+        return groups, thresholds
+
+    def _open_ledger(self, path: str, run_id: Optional[str], clipping: str) -> None:
+        if self.rank != 0:
+            return
+        settings = {"accountant": self.accountant_name, "clipping": clipping,
+                    "secure_mode": self.secure_mode, "world_size": self.world_size}
+        if os.path.exists(path):
+            self._ledger = Ledger.open(path, expected_run_id=run_id or "")
+            if self._ledger.dataset_size != self.dataset_size:
+                raise ValueError(f"ledger {path} is for a dataset of {self._ledger.dataset_size} "
+                                 f"examples, this run has {self.dataset_size}")
+            self.charges = self._ledger.total_steps
+        else:
+            self._ledger = Ledger.create(path, run_id=run_id or os.path.basename(path),
+                                         dataset_size=self.dataset_size, settings=settings)
+
+    def _broadcast_int(self, value: int) -> int:
+        if self._group is None or self.world_size == 1:
+            return value
+        t = torch.tensor([_as_int64(value)], dtype=torch.int64)
+        if dist.get_backend(self._group) == "nccl":
+            t = t.cuda()
+        dist.broadcast(t, group=self._group, group_src=0)
+        return int(t.item()) & ((1 << 64) - 1)
+
+    def _all_reduce(self, values: List[int]) -> List[int]:
+        if self._group is None or self.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
+        if dist.get_backend(self._group) == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, group=self._group)
+        return [int(v) for v in t.cpu().tolist()]
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def _begin_micro_batch(self, t: int, i: int, n: int, size: int) -> None:
+        self._micro = (t, i, n, size)
+
+    def _zero_grad(self) -> None:
+        if self._micro is not None and self._micro[1] > 0:
+            return  # mid logical batch: keep the micro-batches accumulated so far
+        self.book.discard()
+        self.book.take_stats()
+        self.book.error = None
+        self.sharded.zero_grad()
+
+    def _optimizer_step(self) -> bool:
+        """Returns True if a private step was taken."""
+        micro = self._micro
+        if micro is not None and micro[1] + 1 < micro[2]:
+            return False  # not the last micro-batch of the logical batch: only accumulate
+        book = self.book
+        if book.error is not None:
+            raise PrivacyViolation(f"refusing the step: {book.error} (call zero_grad() to drop "
+                                   "this batch)")
+        if book.open:
+            raise RuntimeError("step() after a forward whose backward has not run; call "
+                               "loss.backward() first (or zero_grad() to drop it)")
+        stats = book.take_stats()
+        samples, dropped = self._all_reduce([stats.samples, stats.dropped])
+        if micro is not None:
+            t, size = micro[0], micro[3]
+        else:  # driven without our loader: the realised size is what the layers saw
+            t, size = self.next_step, samples
+        self._micro = None
+        sigma, c, q = self.noise_multiplier, self.max_grad_norm, self.sample_rate
+        k = self.charges
+        # Ledger before update (DESIGN.md §2 step 7): rank 0 writes durably; the others wait for
+        # its verdict so no rank updates with a step the ledger does not hold.
+        ok, err = 1, None
+        if self._ledger is not None:
+            try:
+                self._ledger.append(first_step=t, q=q, sigma=sigma,
+                                    # C = inf (no clipping, allowed only without noise) is recorded as 0: the
+                                    # record says noise=false, so epsilon is inf either way.
+                                    max_grad_norm=c if math.isfinite(c) else 0.0,
+                                    batch_sizes=[size], noise=sigma > 0, dropped_samples=dropped)
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                ok, err = 0, e
+        ok = self._broadcast_int(ok)
+        if not ok:
+            if err is not None:
+                raise err
+            raise RuntimeError("rank 0 could not write the privacy ledger; no update was made")
+        self.charges = k + 1
+        if sigma > 0:
+            self.accountant.step(noise_multiplier=sigma, sample_rate=q)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if lr != self.sharded.lr:
+            self.sharded.lr = lr
+        stddev = sigma * c if sigma > 0 else 0.0
+        if self.noise_source.secure_mode:
+            self.sharded._state.noisy_step(stddev, k, 1.0 / (q * self.dataset_size),
+                                           key=list(self.noise_source._key))
+        else:
+            self.sharded._state.noisy_step(stddev, k, 1.0 / (q * self.dataset_size),
+                                           seed=_as_int64(self.noise_source.seed))
+        self.next_step = t + 1
+        self.steps_taken += 1
+        self.last_step_stats = {"step": t, "batch_size": size, "samples_seen": samples,
+                                "dropped": dropped, "noise_index": k}
+        return True
+
+    # ---- teardown ----------------------------------------------------------------------------
+
+    def detach(self) -> nn.Module:
+        """Removes the DP forwards and guards; the model keeps its current (local) parameters."""
+        unpatch(self.layers)
+        for h in self._guards:
+            h.remove()
+        self._guards = []
+        return self.module
+
+    def parameters(self) -> Dict[str, torch.Tensor]:
+        """Every trainable parameter by name (fp32 master; a collective in stages 1-3)."""
+        return self.sharded.full_parameters()
+
+
+def make_private(model: nn.Module, *, optimizer="sgd", accountant: str = "prv",
+                 secure_mode: bool = False, **kwargs) -> Private:
+    """Make ``model`` train with DP-SGD on dpzero's ZeRO engine.
+
+    Returns ``Private(model, optimizer, data_loader, privacy_engine)``. Arguments:
+
+    dataset / data_loader: the data (a DataLoader gives its dataset, batch size and collate_fn).
+    batch_size or sample_rate: the expected logical batch size B (q = B / N) or q itself.
+    noise_multiplier, or target_epsilon + target_delta + epochs (σ calibrated by ``accountant``).
+    max_grad_norm: C. clipping: "flat" | "layer" | "group" (with clipping_groups, a list of lists
+        of module-name prefixes, and optional group_weights) | "automatic" (automatic_gamma).
+    zero_stage: 0-3; units, process_group as for :func:`dpzero.shard`.
+    max_physical_batch_size: micro-batch cap m (the loader splits logical batches).
+    mixed_precision: None, "bf16", "fp16" or a dtype (compute dtype; fp32 masters and clipping).
+    seed (reproducible Philox noise and sampling) or secure_mode=True (ChaCha20, OS entropy).
+    ledger_path (+ run_id): the privacy ledger (rank 0 writes it).
+    loss_reduction: "mean" (the loss averages over the micro-batch, Opacus's default) or "sum".
+    allow_no_noise: needed for noise_multiplier=0 (non-private training through the same path).
+    optimizer: "sgd" | "adam" | "adamw" or a torch.optim SGD/Adam/AdamW (its hyperparameters are
+        used); lr and further optimizer keywords (momentum, betas, weight_decay, ...) override.
+    """
+    engine = PrivacyEngine(accountant=accountant, secure_mode=secure_mode)
+    return engine._attach(model=model, optimizer=optimizer, **kwargs)

@@ -1,0 +1,144 @@
+"""A naive DP-SGD step, independent of dpzero's clipping code: per-sample gradients from
+``torch.func`` (vmap of grad over the UNPATCHED model), explicit clipping in float64, the noise
+vector drawn for all D coordinates in one call, and a plain SGD update.
+
+Clipping groups follow DESIGN.md §2 step 3: a "layer" is a module with trainable parameters of its
+own; tied layers (sharing a parameter) are evaluated on an untied copy so each use's per-sample
+gradient is known, and their norm is the sum of the parts' norms (triangle inequality).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+
+def per_sample_grads(model: nn.Module, loss_fn: Callable, inputs: torch.Tensor,
+                     targets: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """name -> [B, *shape] per-sample gradients of loss_fn(model(x_i), y_i) (one example each)."""
+    params = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)
+              if p.requires_grad}
+    buffers = {n: b.detach() for n, b in model.named_buffers()}
+
+    def one(p, x, y):
+        out = functional_call(model, (p, buffers), (x.unsqueeze(0),), tie_weights=False)
+        return loss_fn(out, y.unsqueeze(0))
+
+    return vmap(grad(one), in_dims=(None, 0, 0), randomness="same")(params, inputs, targets)
+
+
+def untie(model: nn.Module) -> nn.Module:
+    """A copy in which every use of a shared parameter has its own tensor (same values)."""
+    clone = copy.deepcopy(model)
+    seen = set()
+    for module in clone.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) in seen:
+                module._parameters[name] = nn.Parameter(p.detach().clone(),
+                                                        requires_grad=p.requires_grad)
+            seen.add(id(p))
+    return clone
+
+
+def naive_dp_sgd_step(model: nn.Module, loss_fn: Callable, inputs, targets, *, max_grad_norm,
+                      noise_multiplier: float, seed: int, noise_index: int, lr: float,
+                      expected_batch: float, clipping: str = "flat", gamma: float = 0.01,
+                      groups: Optional[Sequence[Sequence[str]]] = None) -> Dict[str, torch.Tensor]:
+    """The parameters (canonical names, tied once) after one DP-SGD step from ``model``."""
+    canonical = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    untied = untie(model)
+    # untied parameter name -> canonical name of the parameter it copies
+    tied_to = {}
+    orig = dict(model.named_parameters(remove_duplicate=False))
+    canon_of = {id(p): n for n, p in canonical}
+    for name, p in orig.items():
+        if p.requires_grad:
+            tied_to[name] = canon_of[id(p)]
+    ps = per_sample_grads(untied, loss_fn, inputs, targets)
+    ps = {n: g.double() for n, g in ps.items()}
+    b = inputs.shape[0]
+
+    def layer_of(name):
+        return name.rsplit(".", 1)[0] if "." in name else ""
+
+    # layer (module use) -> its per-sample squared norm
+    layer_sq: Dict[str, torch.Tensor] = {}
+    for name, g in ps.items():
+        layer_sq.setdefault(layer_of(name), torch.zeros(b, dtype=torch.float64))
+        layer_sq[layer_of(name)] += g.flatten(1).pow(2).sum(1)
+    # components: layers sharing a canonical parameter
+    comp_of: Dict[str, str] = {}
+    for name in ps:
+        canon = tied_to[name]
+        comp_of.setdefault(layer_of(name), canon)
+    # union layers whose parameters map to the same canonical parameter
+    parent = {l: l for l in layer_sq}
+
+    def find(x):
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    first_user: Dict[str, str] = {}
+    for name in ps:
+        canon, layer = tied_to[name], layer_of(name)
+        if canon in first_user:
+            parent[find(layer)] = find(first_user[canon])
+        else:
+            first_user[canon] = layer
+    components: Dict[str, List[str]] = {}
+    for layer in layer_sq:
+        components.setdefault(find(layer), []).append(layer)
+
+    def comp_sq(layers):
+        if len(layers) == 1:
+            return layer_sq[layers[0]]
+        n = sum(layer_sq[l].sqrt() for l in layers)
+        return n * n
+
+    # clipping groups -> list of component keys and thresholds
+    comps = list(components)
+    if clipping in ("flat", "automatic"):
+        group_list = [comps]
+    elif clipping == "layer":
+        group_list = [[c] for c in comps]
+    else:
+        group_list = []
+        for prefixes in groups:
+            group_list.append([c for c in comps if any(
+                l == p or l.startswith(p + ".") for l in components[c] for p in prefixes)])
+    k = len(group_list)
+    thresholds = [max_grad_norm / math.sqrt(k)] * k if clipping in ("layer", "group") \
+        else [max_grad_norm]
+    factor_of_layer: Dict[str, torch.Tensor] = {}
+    for comps_g, c in zip(group_list, thresholds):
+        norm = sum(comp_sq(components[cc]) for cc in comps_g).sqrt()
+        if clipping == "automatic":
+            f = c / (norm + gamma)
+        else:
+            f = torch.clamp(c / (norm + 1e-6), max=1.0)
+        f = torch.where(torch.isfinite(norm), f, torch.zeros_like(f))
+        for cc in comps_g:
+            for layer in components[cc]:
+                factor_of_layer[layer] = f
+    summed = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in canonical}
+    for name, g in ps.items():
+        f = factor_of_layer[layer_of(name)].view(-1, *([1] * (g.dim() - 1)))
+        summed[tied_to[name]] += (f * g).sum(0)
+    total = sum(p.numel() for _, p in canonical)
+    noise = torch.zeros(total, dtype=torch.float32)
+    if noise_multiplier > 0:
+        torch.ops.dpzero.add_noise_(noise, noise_multiplier * max_grad_norm, seed, noise_index, 0)
+    out, offset = {}, 0
+    for n, p in canonical:
+        z = noise[offset:offset + p.numel()].view(p.shape).double()
+        offset += p.numel()
+        out[n] = (p.detach().double() - lr * (summed[n] + z) / expected_batch).float()
+    return out

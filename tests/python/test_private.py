@@ -1,0 +1,338 @@
+"""make_private end to end on the engine: reference equality with a naive torch.func DP-SGD step,
+sensitivity, tied parameters, validation, sampling and accounting (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpzero
+from dpzero.private import PrivacyViolation
+from private_reference import naive_dp_sgd_step
+
+V, T, D, K = 23, 6, 8, 3  # vocabulary, sequence length, width, classes
+
+
+class PosEmbed(nn.Module):
+    """Parameters used directly in the forward (like ViT's position embeddings): the generic
+    torch.func path covers them."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(0.3 * torch.randn(1, T, D))
+        self.scale = nn.Parameter(1.0 + 0.1 * torch.randn(D))
+
+    def forward(self, h):
+        return h * self.scale + self.pos
+
+
+class SeqNet(nn.Module):
+    """One DP layer of every kind: Embedding, direct parameters, Conv1d, LayerNorm, HF Conv1D,
+    RMSNorm, Linear."""
+
+    def __init__(self, tied: bool = False):
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.emb = nn.Embedding(V, D, padding_idx=0)
+        self.pos = PosEmbed()
+        self.conv = nn.Conv1d(D, D, 3, padding=1)
+        self.ln = nn.LayerNorm(D)
+        self.proj = Conv1D(D, D)
+        nn.init.normal_(self.proj.weight, std=0.3)
+        self.rms = nn.RMSNorm(D)
+        self.head = nn.Linear(D, K)
+        self.tied = tied
+        if tied:
+            self.out = nn.Linear(D, V, bias=False)
+            self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.pos(self.emb(ids))
+        h = self.conv(h.transpose(1, 2)).transpose(1, 2)
+        h = self.proj(torch.tanh(self.ln(h)))
+        h = self.rms(h)
+        logits = self.head(h.mean(1))
+        if self.tied:
+            logits = logits + self.out(h).mean(1)[:, :K]
+        return logits
+
+
+def seq_data(n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (n, T), generator=g)
+    y = torch.randint(0, K, (n,), generator=g)
+    return torch.utils.data.TensorDataset(ids, y)
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out, y)
+
+
+def one_private_step(model, dataset, **kwargs):
+    """Runs step 0 through the loader; returns (engine, the logical batch, params after)."""
+    p = dpzero.make_private(model, dataset=dataset, optimizer="sgd", **kwargs)
+    xs, ys = [], []
+    for x, y in p.data_loader:
+        xs.append(x)
+        ys.append(y)
+        p.optimizer.zero_grad()
+        F.cross_entropy(p.model(x), y, reduction=kwargs.get("loss_reduction", "mean")).backward()
+        if p.optimizer.step() is not False and p.privacy_engine.steps_taken == 1:
+            break
+    return p, torch.cat(xs), torch.cat(ys), p.privacy_engine.parameters()
+
+
+def assert_close_params(got, want, atol=2e-5):
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("clipping", ["flat", "layer", "automatic", "group"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_one_step_equals_naive_dp_sgd(clipping, tied):
+    torch.manual_seed(1)
+    model = SeqNet(tied=tied)
+    ref_model = copy.deepcopy(model)
+    ds = seq_data()
+    c, sigma, lr, q = 0.5, 0.7, 0.2, 0.25
+    groups = [["emb", "pos", "out"], ["conv", "ln"], ["proj", "rms", "head"]]
+    extra = {"clipping_groups": groups} if clipping == "group" else {}
+    p, x, y, got = one_private_step(
+        model, ds, sample_rate=q, noise_multiplier=sigma, max_grad_norm=c, clipping=clipping,
+        seed=1234, lr=lr, max_physical_batch_size=4, **extra)
+    assert x.shape[0] > 4  # several micro-batches were accumulated
+    want = naive_dp_sgd_step(ref_model, loss_fn, x, y, max_grad_norm=c, noise_multiplier=sigma,
+                             seed=1234, noise_index=0, lr=lr, expected_batch=q * len(ds),
+                             clipping=clipping, groups=groups)
+    assert_close_params(got, want)
+
+
+def test_no_noise_and_no_clipping_reproduce_plain_sgd():
+    torch.manual_seed(2)
+    model = SeqNet()
+    ref = copy.deepcopy(model)
+    ds = seq_data()
+    q, lr = 0.25, 0.3
+    p, x, y, got = one_private_step(model, ds, sample_rate=q, noise_multiplier=0.0,
+                                    max_grad_norm=math.inf, allow_no_noise=True, seed=5, lr=lr,
+                                    loss_reduction="sum")
+    opt = torch.optim.SGD(ref.parameters(), lr=lr / (q * len(ds)))
+    F.cross_entropy(ref(x), y, reduction="sum").backward()
+    opt.step()
+    assert_close_params(got, {n: t.detach() for n, t in ref.named_parameters()})
+    assert p.privacy_engine.epsilon(1e-5) == math.inf
+
+
+@pytest.mark.parametrize("clipping", ["flat", "layer", "automatic", "group"])
+def test_sensitivity_one_outlier_moves_the_sum_by_at_most_c(clipping):
+    """DESIGN.md §3: an example whose gradient is 1e6 times the others' changes the pre-noise
+    sum by at most C. Pre-noise sums are read off an SGD step with lr = q N and no noise."""
+    c = 0.25
+    groups = [["emb", "pos"], ["conv", "ln", "proj"], ["rms", "head"]]
+
+    amplify = [False]
+
+    def pre_noise_sum(ids, y, outlier):
+        amplify[0] = outlier
+        torch.manual_seed(3)
+        model = SeqNet()
+        before = {n: t.detach().clone() for n, t in model.named_parameters()}
+        p = dpzero.make_private(model, dataset=seq_data(), sample_rate=0.5, optimizer="sgd",
+                                lr=0.5 * 40, noise_multiplier=0.0, allow_no_noise=True,
+                                max_grad_norm=c, clipping=clipping, loss_reduction="sum",
+                                clipping_groups=groups if clipping == "group" else None)
+        p.optimizer.zero_grad()
+        F.cross_entropy(p.model(ids), y, reduction="sum").backward()
+        p.optimizer.step()
+        after = p.privacy_engine.parameters()
+        return torch.cat([(before[n] - after[n]).flatten().double() for n in after])
+
+    ds = seq_data()
+    ids, y = ds.tensors[0][:8].clone(), ds.tensors[1][:8].clone()
+
+    class Outlier(torch.autograd.Function):  # multiplies example 0's gradient by 1e6
+        @staticmethod
+        def forward(ctx, h):
+            return h.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            g = g.clone()
+            if amplify[0]:
+                g[0] *= 1e6
+            return g
+
+    orig_forward = SeqNet.forward
+
+    def outlier_forward(self, ids):
+        logits = orig_forward(self, ids)
+        return Outlier.apply(logits)
+
+    SeqNet.forward = outlier_forward
+    try:
+        with_outlier = pre_noise_sum(ids, y, True)
+        without = pre_noise_sum(ids[1:], y[1:], False)
+    finally:
+        SeqNet.forward = orig_forward
+    moved = (with_outlier - without).norm().item()
+    assert moved <= c * (1 + 1e-5), moved
+    assert moved > 0.5 * c  # the outlier is clipped to (about) C, not dropped
+
+
+def test_every_trainable_parameter_must_be_covered():
+    class WithMHA(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
+            self.head = nn.Linear(D, K)
+
+        def forward(self, x):
+            return self.head(self.attn(x, x, x)[0].mean(1))
+
+    model = WithMHA()
+    with pytest.raises(PrivacyViolation, match=r"attn \(MultiheadAttention\)"):
+        dpzero.make_private(model, dataset=seq_data(), batch_size=4, noise_multiplier=1.0,
+                            max_grad_norm=1.0)
+    assert "forward" not in model.head.__dict__  # a rejected model is left as it was
+    # Frozen: fine.
+    for p in model.attn.parameters():
+        p.requires_grad_(False)
+    dpzero.make_private(model, dataset=seq_data(), batch_size=4, noise_multiplier=1.0,
+                        max_grad_norm=1.0)
+
+
+def test_batchnorm_is_rejected_with_the_reason():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
+                          nn.Linear(4 * 36, 2))
+    with pytest.raises(PrivacyViolation, match=r"1 \(BatchNorm2d\): BatchNorm normalises"):
+        dpzero.make_private(model, dataset=seq_data(), batch_size=4, noise_multiplier=1.0,
+                            max_grad_norm=1.0)
+
+
+def test_a_parameter_used_outside_its_layer_stops_the_step():
+    class Leaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, D)
+            self.head = nn.Linear(D, K)
+
+        def forward(self, ids):
+            h = self.emb(ids).mean(1)
+            return self.head(h) + F.linear(h, self.head.weight)  # escapes the DP layer
+
+    p = dpzero.make_private(Leaky(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=1.0)
+    ids, y = seq_data().tensors
+    with pytest.raises(PrivacyViolation, match="'head.weight' received a gradient"):
+        F.cross_entropy(p.model(ids[:8]), y[:8]).backward()
+    with pytest.raises(PrivacyViolation, match="refusing the step"):
+        p.optimizer.step()
+
+
+def test_arguments_are_checked_and_named():
+    def mk(**kw):
+        base = dict(dataset=seq_data(), batch_size=4, noise_multiplier=1.0, max_grad_norm=1.0)
+        base.update(kw)
+        return dpzero.make_private(SeqNet(), **base)
+
+    with pytest.raises(ValueError, match="allow_no_noise"):
+        mk(noise_multiplier=0.0)
+    with pytest.raises(ValueError, match="max_grad_norm must be > 0, got -1.0"):
+        mk(max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match="clipping must be one of .* got 'perlayer'"):
+        mk(clipping="perlayer")
+    with pytest.raises(ValueError, match=r"sample rate must be in \(0, 1\], got 2.5"):
+        mk(batch_size=100)
+    with pytest.raises(ValueError, match="noise needs a finite max_grad_norm"):
+        mk(max_grad_norm=math.inf)
+    with pytest.raises(ValueError, match="DP layer 'head' is in no clipping group"):
+        mk(clipping="group", clipping_groups=[["emb", "pos", "conv", "ln", "proj", "rms"]])
+    with pytest.raises(ValueError, match="optimizer RMSprop is not supported"):
+        m = SeqNet()
+        dpzero.make_private(m, optimizer=torch.optim.RMSprop(m.parameters()), dataset=seq_data(),
+                            batch_size=4, noise_multiplier=1.0, max_grad_norm=1.0)
+
+
+def test_batch_sizes_are_binomial_and_the_accountant_gets_the_samplers_q(tmp_path):
+    n, q, steps = 400, 0.05, 120
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 3), torch.randint(0, 2, (n,)))
+    model = nn.Sequential(nn.Linear(3, 2))
+    p = dpzero.make_private(model, dataset=ds, sample_rate=q, noise_multiplier=1.1,
+                            max_grad_norm=1.0, seed=9, ledger_path=str(tmp_path / "ledger.jsonl"),
+                            accountant="rdp")
+    sizes = []
+    for _ in range(math.ceil(steps / len(p.data_loader)) + 1):
+        for x, y in p.data_loader:
+            sizes.append(x.shape[0])
+            p.optimizer.zero_grad()
+            F.cross_entropy(p.model(x), y).backward()
+            p.optimizer.step()
+            if len(sizes) == steps:
+                break
+        if len(sizes) == steps:
+            break
+    sizes_t = torch.tensor(sizes, dtype=torch.float64)
+    mean, var = n * q, n * q * (1 - q)
+    assert abs(sizes_t.mean().item() - mean) < 4 * math.sqrt(var / steps)
+    assert 0.6 * var < sizes_t.var().item() < 1.5 * var
+    assert p.data_loader.sample_rate == q
+    assert p.privacy_engine.accountant.history == [(1.1, q, steps)]
+    ledger = dpzero.Ledger.open_read_only(str(tmp_path / "ledger.jsonl"))
+    assert [b for r in ledger.records for b in r.batch_sizes] == sizes
+    assert all(r.q == q and r.sigma == 1.1 for r in ledger.records)
+    want = dpzero.RDPAccountant()
+    want.step(noise_multiplier=1.1, sample_rate=q, num_steps=steps)
+    assert p.privacy_engine.epsilon(1e-5) == pytest.approx(want.get_epsilon(1e-5), rel=1e-12)
+    assert ledger.epsilon(1e-5, "rdp") == pytest.approx(want.get_epsilon(1e-5), rel=1e-12)
+
+
+def test_noise_index_is_the_ledger_charge_count(tmp_path):
+    """Note [noise index]: a run resumed on the same ledger never reuses a draw."""
+    path = str(tmp_path / "ledger.jsonl")
+    ds = seq_data()
+
+    def run(steps):
+        torch.manual_seed(4)
+        p = dpzero.make_private(SeqNet(), dataset=ds, batch_size=8, noise_multiplier=1.0,
+                                max_grad_norm=1.0, seed=3, ledger_path=path, run_id="r")
+        indices = []
+        for x, y in p.data_loader:
+            p.optimizer.zero_grad()
+            F.cross_entropy(p.model(x), y).backward()
+            p.optimizer.step()
+            indices.append(p.privacy_engine.last_step_stats["noise_index"])
+            if len(indices) == steps:
+                break
+        p.privacy_engine._ledger.close()
+        return indices
+
+    assert run(3) == [0, 1, 2]
+    assert run(2) == [3, 4]
+
+
+def test_opacus_style_entry_point():
+    torch.manual_seed(5)
+    model = SeqNet()
+    ds = seq_data()
+    loader = torch.utils.data.DataLoader(ds, batch_size=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = dpzero.PrivacyEngine(accountant="rdp")
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
+                                             noise_multiplier=1.0, max_grad_norm=1.0)
+    assert loader.sample_rate == 8 / 40
+    for x, y in loader:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert engine.steps_taken == 5  # one epoch = 1/q steps
+    assert engine.sharded._state.lr == 0.1
+    eps = engine.get_epsilon(1e-5)
+    assert 0 < eps < math.inf
