@@ -72,7 +72,7 @@ void ParamGroup::take_grads(const comm::Collectives& comm) {
   ready_count_ = 0;
 }
 
-void ParamGroup::add_grad(const at::Tensor& full, const comm::Collectives& comm) {
+void ParamGroup::add_grad(const at::Tensor& full, const comm::Collectives& comm, bool release) {
   const int64_t n = flat_.layout().padded_numel();
   TORCH_CHECK(full.dim() == 1 && full.numel() == n, "unit '", name_,
               "': a private gradient must have shape [", n, "] (the padded flat layout), got ",
@@ -85,9 +85,9 @@ void ParamGroup::add_grad(const at::Tensor& full, const comm::Collectives& comm)
   // A fresh tensor: the reduction may run asynchronously and keeps it alive; the caller may reuse
   // its own buffer.
   reduce_packed(full.to(reduce_dtype_, /*non_blocking=*/false, /*copy=*/true), comm);
-  // Stage 3: the caller hands a unit's gradient over only once every use of its parameters in
-  // this backward has run, so the gathered parameters can go (as after take_grads).
-  flat_.reshard();
+  // Stage 3: with `release` the caller has handed the unit's gradient over after every use of its
+  // parameters in this backward ran, so the gathered parameters can go (as after take_grads).
+  if (release) flat_.reshard();
 }
 
 void ParamGroup::reduce_packed(at::Tensor full, const comm::Collectives& comm) {

@@ -132,8 +132,10 @@ class ParamGroup {
   // The private path (Note [private gradients]): `full` ([padded_numel], any floating dtype, on
   // the parameters' device, zeros in the padding) is this backward's whole gradient of the unit,
   // computed outside autograd; it is reduced (stages 2–3) or accumulated (stages 0–1) exactly as a
-  // packed autograd gradient would be. Any stage, with or without packs_grads().
-  void add_grad(const at::Tensor& full, const comm::Collectives& comm);
+  // packed autograd gradient would be. Any stage, with or without packs_grads(). `release`:
+  // stage 3 frees the gathered parameters now (the caller knows no backward node still reads
+  // them); otherwise the end of the backward does (finish_backward).
+  void add_grad(const at::Tensor& full, const comm::Collectives& comm, bool release);
   // End of a backward pass: takes the gradient of a unit that got some but not all of it, then
   // (stage 3) frees the gathered parameters.
   void finish_backward(const comm::Collectives& comm);

@@ -125,11 +125,11 @@ void ZeroState::grad_ready(int64_t unit, int64_t param_index) {
   note_reduction(unit, started);
 }
 
-void ZeroState::add_unit_grad(int64_t unit, const at::Tensor& full) {
+void ZeroState::add_unit_grad(int64_t unit, const at::Tensor& full, bool release_params) {
   queue_finish_backward();
   ParamGroup& g = group(unit);
   const int64_t started = g.reductions_started();
-  g.add_grad(full, comm_);
+  g.add_grad(full, comm_, release_params);
   note_reduction(unit, started);
 }
 

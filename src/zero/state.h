@@ -107,7 +107,9 @@ class ZeroState {
   // The private path (Note [private gradients] in param_group.h): unit `unit`'s whole gradient of
   // this backward, [padded_numel], computed outside autograd. Reduced like grad_ready's packed
   // gradient, under the same overlap cap (Note [reduce-scatter overlap]).
-  void add_unit_grad(int64_t unit, const at::Tensor& full);
+  // `release_params`: stage 3 may free the unit's gathered parameters now (else at the end of the
+  // backward).
+  void add_unit_grad(int64_t unit, const at::Tensor& full, bool release_params = true);
 
   void step();
   // The private step's engine part (DESIGN.md §2 steps 5–7 minus the ledger, which the caller

@@ -16,6 +16,7 @@ from dpzero.private import PrivacyViolation
 from private_reference import naive_dp_sgd_step
 
 V, T, D, K = 23, 6, 8, 3  # vocabulary, sequence length, width, classes
+EXTRA = {}
 
 
 class PosEmbed(nn.Module):
@@ -336,3 +337,72 @@ def test_opacus_style_entry_point():
     assert engine.sharded._state.lr == 0.1
     eps = engine.get_epsilon(1e-5)
     assert 0 < eps < math.inf
+
+
+# ---- sharding invariance (DESIGN.md §3): same seeds => same parameters for any W and stage -----
+
+def private_run(stage, clipping, tied, *, steps=10, rank=0, world_size=1):
+    torch.manual_seed(6)
+    model = SeqNet(tied=tied)
+    p = dpzero.make_private(model, dataset=seq_data(48), sample_rate=0.2, noise_multiplier=0.8,
+                            max_grad_norm=0.5, clipping=clipping, zero_stage=stage, seed=77,
+                            optimizer="adam", lr=0.01, max_physical_batch_size=3, **EXTRA)
+    taken = 0
+    while taken < steps:
+        for x, y in p.data_loader:
+            p.optimizer.zero_grad()
+            F.cross_entropy(p.model(x), y).backward()
+            if p.optimizer.step():
+                taken += 1
+                if taken == steps:
+                    break
+    return {"params": p.privacy_engine.parameters(),
+            "sizes": [r for r in p.privacy_engine.accountant.history]}
+
+
+_SINGLE: dict = {}
+
+
+def _single_rank(clipping, tied):
+    if (clipping, tied) not in _SINGLE:
+        _SINGLE[(clipping, tied)] = private_run(0, clipping, tied)
+    return _SINGLE[(clipping, tied)]
+
+
+def _private_rank_main(rank, world_size, store_path, cases, out_path):
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=300))
+    try:
+        results = {key: private_run(*case, rank=rank, world_size=world_size)
+                   for key, case in cases.items()}
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sharding_invariance_across_world_sizes_and_stages(tmp_path, world_size):
+    import torch.multiprocessing as mp
+
+    # W = 4 runs four ranks on two cores (slow collectives): stages 1-3 flat, stage 3 layer.
+    combos = [(s, c, t) for s in (0, 1, 2, 3) for c, t in (("flat", True), ("layer", False))]
+    if world_size == 4:
+        combos = [(1, "flat", True), (2, "flat", True), (3, "flat", True), (3, "layer", False)]
+    cases = {combo: combo for combo in combos}
+    out = tmp_path / "results.pt"
+    mp.spawn(_private_rank_main, args=(world_size, str(tmp_path / "store"), cases, str(out)),
+             nprocs=world_size, join=True)
+    results = torch.load(out)
+    for (stage, clipping, tied), got in results.items():
+        want = _single_rank(clipping, tied)
+        assert got["sizes"] == want["sizes"]
+        for name, value in want["params"].items():
+            torch.testing.assert_close(got["params"][name], value, atol=1e-5, rtol=1e-4,
+                                       msg=lambda m, name=name: f"stage {stage} {clipping} "
+                                       f"W={world_size} {name}: {m}")

@@ -17,7 +17,7 @@ from torch import nn
 
 from .book import Layer, Slot
 from .fallback import FuncKind, bypassing, tap
-from .layers import dp_apply, layer_kind
+from .layers import EmbeddingKind, dp_apply, layer_kind
 
 # Module types that cannot run under DP, with the reason the error gives.
 _REJECTED = (
@@ -140,8 +140,16 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
             f"DP layer {layer.name!r} ({type(layer.module).__name__}) was called with "
             f"{len(args)} positional and {sorted(kwargs)} keyword arguments; DP layers take one "
             "input")
-    pid = book.on_forward(layer)
-    return dp_apply(kind, layer.module, functools.partial(book.on_backward, pid), args[0], params)
+    x = args[0]
+    if isinstance(kind, EmbeddingKind) and x.dim() > 0 and x.shape[0] == 1 and \
+            (book.forward_batch or 1) > 1:
+        # Note [broadcast positions]: position ids are often one row [1, T] whose embedding is
+        # broadcast over the batch (GPT-2's and BERT's position_ids). Their gradient then sums
+        # every sample's; expanded to [B, T] the lookup gives the same values after the
+        # broadcast, and each row's gradient is that sample's own.
+        x = x.expand(book.forward_batch, *x.shape[1:])
+    pid = book.on_forward(layer, x.shape[0] if x.dim() > 0 else None)
+    return dp_apply(kind, layer.module, functools.partial(book.on_backward, pid), x, params)
 
 
 def _fallback_forward(book, layer, original, params, args, kwargs):
@@ -156,7 +164,8 @@ def _fallback_forward(book, layer, original, params, args, kwargs):
         raise PrivacyViolation(
             f"module {layer.name!r} ({type(module).__name__}) uses its parameters directly and "
             f"returned {type(out).__name__}; the generic per-sample path needs one tensor output")
-    pid = book.on_forward(layer)
+    first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+    pid = book.on_forward(layer, first.shape[0] if first is not None else None)
     saved = (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs))
 
     def on_backward(g, pid=pid, saved=saved):

@@ -109,6 +109,13 @@ class Book:
         self.components: Dict[int, List[Layer]] = {}
         for layer in layers:
             self.components.setdefault(layer.component, []).append(layer)
+        # Note [fallback units]: a generic-path module hands over its gradient from a tap on its
+        # OUTPUT, before its own backward nodes (which may read its parameters, e.g. the x in
+        # x * scale) have run; a stage-3 unit holding such parameters stays gathered until the
+        # end of the backward instead of being freed when its gradient is handed over.
+        self.keep_gathered = {slot.unit for layer in layers
+                              if hasattr(layer.kind, "per_sample_grads")
+                              for slot in layer.slots if slot is not None}
         self.stats = StepStats()
         self.error: Optional[str] = None  # a privacy violation seen; step() refuses until cleared
         self._reset_micro_batch()
@@ -121,6 +128,7 @@ class Book:
         self.unit_expected: Dict[int, int] = {}
         self.unit_buf: Dict[int, torch.Tensor] = {}
         self.batch: Optional[int] = None
+        self.forward_batch: Optional[int] = None  # dim 0 of the first DP layer input seen
         self.dropped_mask: Optional[torch.Tensor] = None
         self.clipped_mask: Optional[torch.Tensor] = None
         self.callback_queued = False
@@ -130,8 +138,11 @@ class Book:
         """A forward registered parts whose backward has not finished."""
         return bool(self.parts)
 
-    def on_forward(self, layer: Layer) -> int:
-        """Registers one call of ``layer``; returns the part id its backward reports under."""
+    def on_forward(self, layer: Layer, batch: Optional[int] = None) -> int:
+        """Registers one call of ``layer`` on an input of ``batch`` rows; returns the part id its
+        backward reports under."""
+        if self.forward_batch is None and batch is not None:
+            self.forward_batch = batch
         pid = len(self.parts)
         self.parts.append(Part(layer))
         self.group_state.setdefault(layer.group, GroupState()).parts.append(pid)
@@ -251,7 +262,7 @@ class Book:
     def _hand_over(self, unit: int) -> None:
         buf = self.unit_buf.pop(unit)
         self.unit_expected.pop(unit, None)
-        self.state.add_unit_grad(unit, buf)
+        self.state.add_unit_grad(unit, buf, release_params=unit not in self.keep_gathered)
 
     # ---- end of backward ---------------------------------------------------------------------
 
