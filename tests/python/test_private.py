@@ -406,3 +406,52 @@ def test_sharding_invariance_across_world_sizes_and_stages(tmp_path, world_size)
             torch.testing.assert_close(got["params"][name], value, atol=1e-5, rtol=1e-4,
                                        msg=lambda m, name=name: f"stage {stage} {clipping} "
                                        f"W={world_size} {name}: {m}")
+
+
+def test_a_second_backward_through_one_forward_is_refused():
+    p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=1.0, clipping="layer")
+    ids, y = seq_data().tensors
+    loss = F.cross_entropy(p.model(ids[:8]), y[:8])
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="already taken"):
+        loss.backward()
+    with pytest.raises(PrivacyViolation, match="refusing the step"):
+        p.optimizer.step()
+
+
+def test_secure_mode_draws_fresh_noise_every_run():
+    def run():
+        torch.manual_seed(8)
+        p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                                max_grad_norm=1.0, secure_mode=True, lr=0.1)
+        ids, y = seq_data().tensors
+        F.cross_entropy(p.model(ids[:8]), y[:8]).backward()
+        p.optimizer.step()
+        assert p.privacy_engine.state_dict()["seed"] is None  # nothing reproducible is kept
+        return p.privacy_engine.parameters()
+
+    a, b = run(), run()
+    assert not torch.equal(a["head.weight"], b["head.weight"])
+
+
+def test_bf16_compute_keeps_the_fp32_clipping_contract():
+    """DESIGN.md §4: under bf16 compute the clipped sum is still formed in fp32 and one example
+    still moves it by at most C; the step matches the fp32 naive reference to bf16 accuracy."""
+    torch.manual_seed(9)
+    model = SeqNet()
+    ref = copy.deepcopy(model)
+    ds = seq_data()
+    c, q, lr = 0.5, 0.25, 0.2
+    p, x, y, got = one_private_step(model, ds, sample_rate=q, noise_multiplier=0.0,
+                                    allow_no_noise=True, max_grad_norm=c, seed=1, lr=lr,
+                                    mixed_precision="bf16", zero_stage=2)
+    assert p.privacy_engine.sharded.param_dtype == torch.bfloat16
+    want = naive_dp_sgd_step(ref, loss_fn, x, y, max_grad_norm=c, noise_multiplier=0.0, seed=1,
+                             noise_index=0, lr=lr, expected_batch=q * len(ds))
+    before = dict(ref.named_parameters())
+    for name in want:
+        step_got = got[name] - before[name].detach()
+        step_want = want[name] - before[name].detach()
+        err = (step_got - step_want).norm() / step_want.norm().clamp_min(1e-12)
+        assert err < 0.05, (name, err.item())

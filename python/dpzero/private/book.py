@@ -123,12 +123,15 @@ class Book:
     # ---- micro-batch state -------------------------------------------------------------------
 
     def _reset_micro_batch(self) -> None:
+        # Part ids are (generation, index): a backward that reaches a part of an earlier
+        # micro-batch (a second backward through one graph) is recognised and refused.
+        self.generation = getattr(self, "generation", 0) + 1
         self.parts: List[Part] = []
         self.group_state: Dict[int, GroupState] = {}
         self.unit_expected: Dict[int, int] = {}
         self.unit_buf: Dict[int, torch.Tensor] = {}
         self.batch: Optional[int] = None
-        self.forward_batch: Optional[int] = None  # dim 0 of the first DP layer input seen
+        self.forward_batch: Optional[int] = None  # dim 0 (> 1) of the last DP layer input seen
         self.dropped_mask: Optional[torch.Tensor] = None
         self.clipped_mask: Optional[torch.Tensor] = None
         self.callback_queued = False
@@ -138,21 +141,28 @@ class Book:
         """A forward registered parts whose backward has not finished."""
         return bool(self.parts)
 
-    def on_forward(self, layer: Layer, batch: Optional[int] = None) -> int:
+    def on_forward(self, layer: Layer, batch: Optional[int] = None) -> Tuple[int, int]:
         """Registers one call of ``layer`` on an input of ``batch`` rows; returns the part id its
         backward reports under."""
-        if self.forward_batch is None and batch is not None:
+        if batch is not None and batch != 1:
             self.forward_batch = batch
-        pid = len(self.parts)
+        pid = (self.generation, len(self.parts))
         self.parts.append(Part(layer))
-        self.group_state.setdefault(layer.group, GroupState()).parts.append(pid)
+        self.group_state.setdefault(layer.group, GroupState()).parts.append(pid[1])
         for slot in layer.slots:
             if slot is not None:
                 self.unit_expected[slot.unit] = self.unit_expected.get(slot.unit, 0) + 1
         return pid
 
-    def on_backward(self, pid: int, a, g: torch.Tensor) -> None:
-        part = self.parts[pid]
+    def on_backward(self, pid: Tuple[int, int], a, g: torch.Tensor) -> None:
+        generation, index = pid
+        if generation != self.generation or self.parts[index].done or \
+                self.parts[index].a is not None:
+            self.error = ("a backward reached a DP layer call whose gradient was already taken "
+                          "(a second backward through the same forward, or a graph kept across "
+                          "zero_grad()); each forward may be back-propagated once")
+            raise RuntimeError(self.error)
+        part = self.parts[index]
         layer = part.layer
         self._queue_finish()
         b = g.shape[0]
@@ -228,8 +238,7 @@ class Book:
             self._note_factors(factors)
         else:  # C = inf: no clipping (non-private training through the same path)
             factors = torch.ones(self.batch or 0, dtype=torch.float32,
-                                 device=self.parts[pids[0]].g.device if self.parts[pids[0]].g
-                                 is not None else None)
+                                 device=self.dropped_mask.device)
         for pid in pids:
             part = self.parts[pid]
             layer = part.layer

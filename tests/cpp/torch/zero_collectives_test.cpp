@@ -184,6 +184,68 @@ TEST_P(ZeroCollectives, EveryStageTakesTheSameSgdStep) {
   }
 }
 
+// The private path (Note [private gradients]): a unit gradient handed over as one packed tensor,
+// in two micro-batches, is reduced and applied exactly like autograd's per-parameter gradients —
+// every stage lands on the same SGD step as the per-parameter path above.
+TEST_P(ZeroCollectives, PackedPrivateGradientsTakeTheSameStepInEveryStage) {
+  const int world = GetParam();
+  const UnitLayout layout = unit_layout(world);
+  std::vector<at::Tensor> start = unit_params(0);
+  for (int s = 0; s < 4; ++s) {
+    std::vector<at::Tensor> per_rank(world);
+    run_ranks(world, [&](int rank, const comm::Collectives& comm) {
+      std::vector<at::Tensor> params = unit_params(0);
+      ZeroConfig config;
+      config.stage = parse_stage(s);
+      config.optimizer.lr = 0.5;
+      ZeroState state({{"unit", params, {"a", "b", "c"}, {0, 5, 12}}}, 15, config,
+                      comm.process_group());
+      for (int micro = 0; micro < 2; ++micro) {  // two halves of each rank's gradient
+        at::Tensor packed = torch::zeros({layout.padded_numel()});
+        for (size_t i = 0; i < 3; ++i) {
+          packed.narrow(0, layout.flat_offsets()[i], layout.params()[i].numel)
+              .copy_(rank_grad(rank, i, layout.params()[i].numel) * 0.5);
+        }
+        state.add_unit_grad(0, packed, /*release_params=*/true);
+        packed.fill_(1e9);  // the engine took its own copy: reusing the buffer changes nothing
+      }
+      StepNoise no_noise;  // stddev 0: nothing drawn
+      no_noise.key.seed = 1;
+      state.noisy_step(no_noise, 1.0 / world);
+      per_rank[rank] = state.full_parameters(0);
+    });
+    for (size_t i = 0; i < 3; ++i) {
+      at::Tensor mean = torch::zeros({layout.params()[i].numel});
+      for (int r = 0; r < world; ++r) mean += rank_grad(r, i, mean.numel());
+      mean /= world;
+      at::Tensor expected = start[i].detach() - 0.5 * mean;
+      for (int r = 0; r < world; ++r) {
+        at::Tensor got = per_rank[r].narrow(0, layout.flat_offsets()[i], mean.numel());
+        EXPECT_TRUE(torch::allclose(got, expected, 1e-6, 1e-6))
+            << "stage " << s << " rank " << r << " param " << i;
+      }
+    }
+  }
+}
+
+TEST(ZeroCollectivesChecks, PrivateGradientOfTheWrongShapeIsRejectedNamingIt) {
+  run_ranks(1, [&](int, const comm::Collectives& comm) {
+    std::vector<at::Tensor> params = unit_params(0);
+    ZeroConfig config;
+    config.stage = Stage::k2;
+    ZeroState state({{"unit", params, {"a", "b", "c"}, {0, 5, 12}}}, 15, config,
+                    comm.process_group());
+    try {
+      state.add_unit_grad(0, torch::zeros({15}));  // the padded layout has 19 (alignment 4)
+      ADD_FAILURE() << "no error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("unit 'unit': a private gradient must have shape [19]"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
+
 TEST(ZeroCollectivesChecks, RejectsMismatchedShapesNamingThem) {
   run_ranks(2, [&](int, const comm::Collectives& comm) {
     at::Tensor full = torch::zeros({10});
