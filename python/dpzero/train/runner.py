@@ -1,0 +1,232 @@
+"""One rank of a training job: data, model, make_private, the loop, evaluation, the run directory.
+
+``run_job(cfg)`` runs on every rank (single process, or the ranks ``launch.py`` starts). It trains
+privately, then (``[training] baseline``) the same model and settings without privacy — σ = 0 and
+C = ∞ through the same engine path — and rank 0 writes the run directory:
+
+    config.json     the parsed config            ledger.jsonl   the privacy ledger (durable)
+    metrics.jsonl   one line per step / eval     result.json    accuracies, ε, σ, q, timings
+    model.pt        the trained model (private)  report.md, report.json, *.png  (report.py)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..private import BudgetExhausted, make_private
+from .config import RunConfig
+from .datasets import fashion_mnist, fortune_texts, split_texts, tokenize
+from .models import TanhCNN, load_minilm
+
+
+def _rank_world():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def build(cfg: RunConfig):
+    """(model, train set, test set, batch -> (inputs tuple, labels))."""
+    torch.manual_seed(cfg.training.seed)
+    if cfg.data.dataset == "fortunes":
+        items = fortune_texts(cfg.data.categories)
+        train_items, test_items = split_texts(items, cfg.data.test_fraction)
+        if cfg.data.limit:
+            train_items = train_items[: cfg.data.limit]
+        model, tokenizer = load_minilm(cfg.model.path, len(cfg.data.categories),
+                                       cfg.model.train_layers)
+        train = tokenize(train_items, tokenizer, cfg.data.max_length)
+        test = tokenize(test_items, tokenizer, cfg.data.max_length)
+        unpack = lambda b: ((b[0], b[1]), b[2])  # noqa: E731
+    else:
+        train, test = fashion_mnist(train=True), fashion_mnist(train=False)
+        if cfg.data.limit:
+            train = torch.utils.data.TensorDataset(*(t[: cfg.data.limit] for t in train.tensors))
+        model = TanhCNN(10)
+        unpack = lambda b: ((b[0],), b[1])  # noqa: E731
+    return model, train, test, unpack
+
+
+def evaluate(model, test, unpack, batch: int = 256) -> Dict[str, float]:
+    """Accuracy and mean loss over the test set. Each rank takes rows k mod W; all ranks run
+    the same number of forwards (stage 3 gathers in every forward), the last ones possibly
+    empty, and the counts are summed."""
+    rank, world = _rank_world()
+    n = len(test)
+    idx = torch.arange(rank, n, world)
+    rounds = math.ceil(math.ceil(n / world) / batch)
+    correct = torch.zeros(3, dtype=torch.float64)  # correct, loss sum, count
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for r in range(rounds):
+            rows = idx[r * batch:(r + 1) * batch]
+            inputs, y = unpack(test[rows])
+            logits = model(*inputs)
+            correct[0] += (logits.argmax(-1) == y).sum().item()
+            correct[1] += F.cross_entropy(logits, y, reduction="sum").item() if len(y) else 0.0
+            correct[2] += len(y)
+    model.train(was_training)
+    if world > 1:
+        dist.all_reduce(correct)
+    return {"accuracy": correct[0].item() / correct[2].item(),
+            "test_loss": correct[1].item() / correct[2].item()}
+
+
+class _Progress:
+    """Rank 0's progress line: step, loss, ε spent so far (tqdm when stderr is a terminal or
+    forced; plain lines otherwise so logs stay readable)."""
+
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        self.enabled, self.label = enabled, label
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=label, file=sys.stderr, dynamic_ncols=True,
+                            mininterval=0.5)
+
+    def update(self, loss: float, eps: Optional[float]) -> None:
+        if self.bar is not None:
+            post = {"loss": f"{loss:.3f}"}
+            if eps is not None:
+                post["eps"] = "inf" if math.isinf(eps) else f"{eps:.3f}"
+            self.bar.set_postfix(post)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics) -> Dict:
+    rank, world = _rank_world()
+    model, train, test, unpack = build(cfg)
+    n = len(train)
+    delta = cfg.delta_for(n)
+    p_cfg, t_cfg = cfg.privacy, cfg.training
+    common = dict(dataset=train, batch_size=min(t_cfg.batch_size, n), zero_stage=t_cfg.zero_stage,
+                  max_physical_batch_size=t_cfg.max_physical_batch_size,
+                  optimizer=t_cfg.optimizer, lr=t_cfg.lr, weight_decay=t_cfg.weight_decay,
+                  seed=t_cfg.seed, accountant=p_cfg.accountant)
+    if private:
+        kw = dict(max_grad_norm=p_cfg.max_grad_norm, clipping=p_cfg.clipping,
+                  secure_mode=p_cfg.secure_mode, ledger_path=os.path.join(run_dir, "ledger.jsonl"),
+                  run_id=os.path.basename(os.path.abspath(run_dir)))
+        if p_cfg.target_epsilon is not None:
+            kw.update(target_epsilon=p_cfg.target_epsilon, target_delta=delta,
+                      epochs=t_cfg.epochs)
+        else:
+            kw.update(noise_multiplier=p_cfg.noise_multiplier)
+    else:
+        kw = dict(noise_multiplier=0.0, max_grad_norm=math.inf, allow_no_noise=True)
+    p = make_private(model, **common, **kw)
+    engine = p.privacy_engine
+    label = "private" if private else "baseline"
+    total_steps = int(t_cfg.epochs / engine.sample_rate)
+    if engine.remaining_steps is not None:
+        if engine.remaining_steps == 0:
+            raise BudgetExhausted(f"the ε budget of the ledger in {run_dir} is already spent; "
+                                  "refusing to start")
+        total_steps = min(total_steps, engine.remaining_steps)
+    progress = _Progress(total_steps, label, enabled=rank == 0)
+    start = time.time()
+    step_loss, step_rows = 0.0, 0
+    taken, stopped = 0, None
+    epoch = 0
+    try:
+        while taken < total_steps:
+            for batch in p.data_loader:
+                inputs, y = unpack(batch)
+                p.optimizer.zero_grad()
+                out = p.model(*inputs)
+                loss = F.cross_entropy(out, y) if len(y) else out.sum() * 0.0
+                loss.backward()
+                step_loss += loss.item() * len(y)
+                step_rows += len(y)
+                if not p.optimizer.step():
+                    continue
+                taken += 1
+                # The loss shown is this rank's mean over its rows of the logical batch.
+                mean_loss = step_loss / max(step_rows, 1)
+                step_loss, step_rows = 0.0, 0
+                eps = engine.epsilon(delta) if private and (
+                    taken % 10 == 0 or taken == total_steps) else None
+                progress.update(mean_loss, eps)
+                if rank == 0:
+                    metrics.write(json.dumps({"run": label, "step": taken, "loss": mean_loss,
+                                              "epsilon": eps}) + "\n")
+                    metrics.flush()
+                if taken == total_steps:
+                    break
+            epoch += 1
+            ev = evaluate(p.model, test, unpack)
+            if rank == 0:
+                metrics.write(json.dumps({"run": label, "epoch": epoch, "step": taken, **ev})
+                              + "\n")
+                metrics.flush()
+    except BudgetExhausted as e:  # the engine's guard: stop cleanly, say why
+        stopped = str(e)
+    finally:
+        progress.close()
+    seconds = time.time() - start
+    final = evaluate(p.model, test, unpack)
+    params = engine.parameters()  # a collective in stages 1-3
+    result = {"run": label, "steps": taken, "seconds": seconds, "sample_rate": engine.sample_rate,
+              "noise_multiplier": engine.noise_multiplier, "max_grad_norm": engine.max_grad_norm,
+              "delta": delta, "train_examples": n, "test_examples": len(test),
+              "epsilon": engine.epsilon(delta) if private else math.inf, "stopped": stopped,
+              **final}
+    if rank == 0 and private:
+        torch.save(_final_state(model, params), os.path.join(run_dir, "model.pt"))
+    return result
+
+
+def _final_state(model, params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The model's state_dict with every trained parameter (also under a tied alias) taken from
+    the engine's fp32 master values: in stage 3 the module's own copies are freed shards."""
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    every = dict(model.named_parameters(remove_duplicate=False))
+    state = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        name = canonical.get(id(every[key])) if key in every else None
+        state[key] = params[name] if name in params else value.detach().clone()
+    return state
+
+
+def run_job(cfg: RunConfig) -> Dict:
+    """Every rank calls this; rank 0 returns the results (others an empty dict)."""
+    from .report import write_report
+
+    rank, _ = _rank_world()
+    run_dir = cfg.output.dir
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    results = {}
+    metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a") if rank == 0 else None
+    try:
+        results["private"] = train_once(cfg, True, run_dir, metrics)
+        if cfg.training.baseline:
+            results["baseline"] = train_once(cfg, False, run_dir, metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    if rank != 0:
+        return {}
+    with open(os.path.join(run_dir, "result.json"), "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    write_report(run_dir)
+    return results

@@ -1,0 +1,240 @@
+"""dpzero train / report: config errors, the real data loaders, the budget guard, the report, and
+small end-to-end jobs (one rank in process; two ranks through the torchrun-style launcher)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dpzero
+from dpzero.private import BudgetExhausted
+from dpzero.train import ConfigError, config, datasets
+from dpzero.train.report import write_report
+
+# ---- config ----------------------------------------------------------------------------------
+
+BASE = {"privacy": {"target_epsilon": 3.0}}
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"privacy": {}}, r"exactly one of target_epsilon and noise_multiplier"),
+    ({"privacy": {"target_epsilon": 3.0, "noise_multiplier": 1.0}}, r"exactly one"),
+    ({**BASE, "training": {"lr": "fast"}}, r"\[training\] lr must be a number, got 'fast'"),
+    ({**BASE, "training": {"zero_stage": 4}}, r"\[training\] zero_stage must be one of .* got 4"),
+    ({**BASE, "training": {"batch_size": 0}}, r"\[training\] batch_size must be >= 1, got 0"),
+    ({**BASE, "trainig": {}}, r"unknown section \[trainig\]"),
+    ({**BASE, "model": {"layers": 2}}, r"unknown key \[model\] layers"),
+    ({"privacy": {"target_epsilon": -1.0}}, r"target_epsilon must be finite and > 0, got -1.0"),
+    ({"privacy": {"target_epsilon": 3.0, "delta": 2.0}}, r"delta must be in \(0, 1\) or"),
+    ({"privacy": {"target_epsilon": 3.0, "max_grad_norm": 0}}, r"max_grad_norm must be finite"),
+    ({**BASE, "data": {"categories": ["computers"]}}, r"at least 2 classes"),
+    ({**BASE, "data": {"test_fraction": 1.5}}, r"test_fraction must be in \(0, 1\), got 1.5"),
+    ({**BASE, "model": {"kind": "cnn"}}, r"kind 'cnn' does not fit \[data\] dataset 'fortunes'"),
+    ({**BASE, "training": {"baseline": "yes"}}, r"baseline must be true or false, got 'yes'"),
+])
+def test_config_errors_name_the_key_and_value(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        config.from_dict(raw)
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(str(tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[privacy\ntarget_epsilon = 3")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        config.load(str(bad))
+    good = tmp_path / "job.toml"
+    good.write_text('[privacy]\nnoise_multiplier = 1.2\ndelta = 1e-5\n[training]\nepochs = 2\n')
+    cfg = config.load(str(good))
+    assert cfg.privacy.noise_multiplier == 1.2 and cfg.training.epochs == 2.0
+    assert cfg.output.dir == os.path.join("runs", "job")
+    assert cfg.delta_for(1000) == 1e-5
+    assert config.from_dict(BASE).delta_for(1000) == 1e-3  # "1/N"
+
+
+def test_shipped_configs_parse():
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+    names = sorted(f for f in os.listdir(root) if f.endswith(".toml"))
+    assert "minilm-fortunes.toml" in names
+    for name in names:
+        config.load(os.path.join(root, name))
+
+
+# ---- data --------------------------------------------------------------------------------------
+
+needs_fortunes = pytest.mark.skipif(not os.path.isdir(datasets.FORTUNES_DIR),
+                                    reason="Debian package fortunes not installed")
+needs_fashion = pytest.mark.skipif(not os.path.isdir(datasets.FASHION_DIR),
+                                   reason="Debian package dataset-fashion-mnist not installed")
+
+
+@needs_fortunes
+def test_fortunes_split_is_deterministic_and_never_leaks():
+    cats = ["computers", "science", "politics", "people"]
+    items = datasets.fortune_texts(cats)
+    assert len(items) > 3000
+    assert len({t for t, _ in items}) == len(items)  # duplicates dropped
+    assert {y for _, y in items} == {0, 1, 2, 3}
+    train, test = datasets.split_texts(items, 0.2)
+    assert not ({t for t, _ in train} & {t for t, _ in test})
+    assert len(train) + len(test) == len(items)
+    assert 0.15 < len(test) / len(items) < 0.25
+    train2, test2 = datasets.split_texts(list(reversed(items)), 0.2)
+    assert train2 == train and test2 == test  # by content, not by position
+    assert len({y for _, y in train[:100]}) == 4  # the fixed shuffle mixes the classes
+    with pytest.raises(datasets.DatasetMissing, match="category 'no-such' not found"):
+        datasets.fortune_texts(["computers", "no-such"])
+
+
+@needs_fashion
+def test_fashion_mnist_files():
+    train, test = datasets.fashion_mnist(True), datasets.fashion_mnist(False)
+    assert train.tensors[0].shape == (60000, 1, 28, 28)
+    assert test.tensors[0].shape == (10000, 1, 28, 28)
+    assert torch.bincount(train.tensors[1]).tolist() == [6000] * 10
+    assert abs(train.tensors[0].mean().item()) < 1e-3  # standardised with its own statistics
+
+
+def test_idx_reader_rejects_damaged_files(tmp_path):
+    bad = tmp_path / "x-idx1-ubyte.gz"
+    with gzip.open(bad, "wb") as f:
+        f.write(bytes([0, 0, 8, 1, 0, 0, 0, 5, 1, 2]))  # says 5 labels, holds 2
+    with pytest.raises(ValueError, match=r"header says \[5\] .* file has 2"):
+        datasets._read_idx(str(bad))
+    with gzip.open(bad, "wb") as f:
+        f.write(b"not an idx file")
+    with pytest.raises(ValueError, match="is not an IDX file"):
+        datasets._read_idx(str(bad))
+
+
+# ---- budget guard ------------------------------------------------------------------------------
+
+def test_budget_guard_stops_before_the_step_that_would_exceed_epsilon(tmp_path):
+    torch.manual_seed(0)
+    n = 200
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 4), torch.randint(0, 2, (n,)))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    path = str(tmp_path / "ledger.jsonl")
+    p = dpzero.make_private(model, dataset=ds, batch_size=50, target_epsilon=1.0,
+                            target_delta=1e-5, epochs=2, max_grad_norm=1.0, seed=0,
+                            accountant="rdp", ledger_path=path)
+    engine = p.privacy_engine
+    allowed = dpzero.get_steps(target_epsilon=1.0, target_delta=1e-5, sample_rate=0.25,
+                               noise_multiplier=engine.noise_multiplier, accountant="rdp")
+    assert engine.max_steps == allowed >= 8  # at least the 2 epochs it was calibrated for
+    taken = 0
+    with pytest.raises(BudgetExhausted, match=r"privacy budget is spent: .* epsilon=1.0"):
+        while True:
+            for x, y in p.data_loader:
+                p.optimizer.zero_grad()
+                F.cross_entropy(p.model(x), y).backward()
+                if p.optimizer.step():
+                    taken += 1
+    assert taken == allowed and engine.remaining_steps == 0
+    before = engine.parameters()
+    ledger = dpzero.Ledger.open_read_only(path)
+    assert ledger.total_steps == allowed  # the refused step was not charged
+    assert ledger.epsilon(1e-5, "rdp") <= 1.0
+    assert all(torch.equal(before[k], v) for k, v in engine.parameters().items())
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+def test_report_is_rebuilt_from_the_ledger_alone(tmp_path):
+    ledger = dpzero.Ledger.create(str(tmp_path / "ledger.jsonl"), run_id="r1", dataset_size=1000,
+                                  settings={"secure_mode": False})
+    for t in range(30):
+        ledger.append(first_step=t, q=0.05, sigma=1.1, max_grad_norm=1.0, batch_sizes=[50 + t % 3])
+    ledger.close()
+    data = write_report(str(tmp_path))
+    rdp = dpzero.RDPAccountant()
+    rdp.step(noise_multiplier=1.1, sample_rate=0.05, num_steps=30)
+    got = {r["accountant"]: r for r in data["epsilon"]["results"]}
+    assert got["rdp"]["epsilon"] == pytest.approx(rdp.get_epsilon(1e-3), rel=1e-12)
+    prv = dpzero.PRVAccountant()
+    prv.step(noise_multiplier=1.1, sample_rate=0.05, num_steps=30)
+    assert got["prv"]["epsilon"] == pytest.approx(prv.get_epsilon(1e-3), rel=1e-9)
+    assert data["curve"]["steps"][-1] == 30 and data["curve"]["rdp"][-1] == got["rdp"]["epsilon"]
+    assert all(a <= b for a, b in zip(data["curve"]["rdp"], data["curve"]["rdp"][1:]))
+    md = (tmp_path / "report.md").read_text()
+    assert "seeded (Philox" in md and "ε (RDP) =" in md and "epsilon.png" in md
+    assert (tmp_path / "epsilon.png").stat().st_size > 1000
+    out = subprocess.run([sys.executable, "-m", "dpzero", "report", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "30 steps" in out.stdout
+
+
+def test_report_says_when_noise_was_off(tmp_path):
+    ledger = dpzero.Ledger.create(str(tmp_path / "ledger.jsonl"), run_id="r2", dataset_size=100)
+    ledger.append(first_step=0, q=0.1, sigma=0.0, max_grad_norm=1.0, batch_sizes=[9], noise=False)
+    ledger.close()
+    data = write_report(str(tmp_path))
+    assert data["epsilon"] is None
+    assert "no privacy guarantee" in (tmp_path / "report.md").read_text()
+
+
+# ---- end to end --------------------------------------------------------------------------------
+
+def _write_config(path, **sections):
+    lines = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+@needs_fashion
+def test_cnn_job_on_fashion_mnist_two_ranks_through_the_launcher(tmp_path):
+    cfg = tmp_path / "cnn.toml"
+    _write_config(cfg, model={"kind": "cnn"}, data={"dataset": "fashion-mnist", "limit": 1024},
+                  privacy={"noise_multiplier": 1.0, "max_grad_norm": 1.0, "accountant": "rdp"},
+                  training={"epochs": 1, "batch_size": 128, "max_physical_batch_size": 64,
+                            "lr": 0.01, "world_size": 2, "zero_stage": 2, "baseline": False},
+                  output={"dir": str(tmp_path / "run")})
+    out = subprocess.run([sys.executable, "-m", "dpzero", "train", str(cfg)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "private : test accuracy" in out.stdout
+    run = tmp_path / "run"
+    result = json.loads((run / "result.json").read_text())["private"]
+    assert result["steps"] == 8 and result["test_examples"] == 10000
+    assert 0 < result["epsilon"] < math.inf
+    assert result["accuracy"] > 0.3  # 10 classes: well above chance after 8 private steps
+    for name in ("ledger.jsonl", "metrics.jsonl", "config.json", "model.pt", "report.md",
+                 "report.json", "epsilon.png", "loss.png", "accuracy.png"):
+        assert (run / name).exists(), name
+    ledger = dpzero.Ledger.open_read_only(str(run / "ledger.jsonl"))
+    assert ledger.total_steps == 8
+    assert ledger.epsilon(1.0 / 1024, "rdp") == pytest.approx(result["epsilon"], rel=1e-12)
+    state = torch.load(run / "model.pt")
+    assert set(state) == {"conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias",
+                          "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+
+
+@needs_fortunes
+def test_minilm_job_single_rank_with_baseline(tmp_path):
+    cfg = tmp_path / "small.toml"
+    _write_config(cfg, model={"train_layers": 1},
+                  data={"categories": ["computers", "politics"], "max_length": 24, "limit": 256},
+                  privacy={"target_epsilon": 8.0},
+                  training={"epochs": 1, "batch_size": 64, "max_physical_batch_size": 64,
+                            "world_size": 1, "zero_stage": 3},
+                  output={"dir": str(tmp_path / "run")})
+    from dpzero.train import launch
+
+    results = launch(str(cfg))
+    priv, base = results["private"], results["baseline"]
+    assert priv["epsilon"] <= 8.0 and base["epsilon"] == math.inf
+    assert priv["steps"] == base["steps"] == 4
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["results"]["private"]["accuracy"] == priv["accuracy"]
