@@ -117,6 +117,7 @@ class Book:
                               if hasattr(layer.kind, "per_sample_grads")
                               for slot in layer.slots if slot is not None}
         self.stats = StepStats()
+        self.padding = False  # Note [padding batches] in engine.py: gradients become zeros
         self.error: Optional[str] = None  # a privacy violation seen; step() refuses until cleared
         self._reset_micro_batch()
 
@@ -175,7 +176,9 @@ class Book:
                           f"same micro-batch saw {self.batch}: DP layers need the batch on dim 0 "
                           "(Note [one sample per row]); transpose batch_first=False inputs")
             raise RuntimeError(self.error)
-        if self.loss_reduction == "mean" and b > 0:
+        if self.padding:
+            g = torch.zeros_like(g)  # exact zeros: the padding row contributes nothing
+        elif self.loss_reduction == "mean" and b > 0:
             g = g * b  # per-sample gradients of a mean loss, as Opacus's loss_reduction="mean"
         kind = layer.kind
         if hasattr(kind, "per_sample_grads"):
@@ -291,7 +294,7 @@ class Book:
                 self._hand_over(unit)
             # Units that expected contributions but received nothing (no part of theirs ran in
             # this backward) contribute zero: nothing to reduce.
-            if self.batch is not None:
+            if self.batch is not None and not self.padding:  # padding rows count nowhere
                 self.stats.samples += self.batch
                 self.stats.dropped += int(self.dropped_mask.sum())
                 self.stats.clipped += int(self.clipped_mask.sum())

@@ -138,14 +138,33 @@ class DPDataLoader:
     def __iter__(self):
         start = self._engine.next_step
         sampler = self._sampler(start)
-        loader = DataLoader(self.dataset, batch_sampler=sampler, collate_fn=self.collate_fn,
+        padded = _PaddedBatches(sampler)
+        loader = DataLoader(self.dataset, batch_sampler=padded, collate_fn=self.collate_fn,
                             num_workers=self.num_workers, pin_memory=self.pin_memory)
-        meta = ((t, i, len(s.micro_batches), s.logical_batch_size)
+        meta = ((t, i, len(s.micro_batches), s.logical_batch_size, not mb)
                 for t, s in self._sampler(start).logical_batches()
-                for i in range(len(s.micro_batches)))
-        for batch, (t, i, n, size) in zip(loader, meta):
-            self._engine._begin_micro_batch(t, i, n, size)
+                for i, mb in enumerate(s.micro_batches))
+        for batch, (t, i, n, size, padding) in zip(loader, meta):
+            self._engine._begin_micro_batch(t, i, n, size, padding)
             yield batch
+
+
+class _PaddedBatches:
+    """Note [padding batches]: a rank whose share of a logical batch runs short still runs every
+    micro-batch (all ranks issue the same collectives), but many models cannot run on zero rows
+    (Hugging Face attention reshapes fail). Such a micro-batch is one real row (example 0) whose
+    gradient the clipping book replaces by exact zeros: it contributes nothing, is not counted in
+    any statistic, and the engine says so (``PrivacyEngine.is_padding_batch``)."""
+
+    def __init__(self, sampler: PoissonBatchSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self):
+        for mb in self.sampler:
+            yield mb if len(mb) else [0]
+
+    def __len__(self) -> int:
+        return len(self.sampler)
 
 
 class Private(NamedTuple):
@@ -487,8 +506,15 @@ class PrivacyEngine:
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def _begin_micro_batch(self, t: int, i: int, n: int, size: int) -> None:
+    def _begin_micro_batch(self, t: int, i: int, n: int, size: int, padding: bool = False) -> None:
         self._micro = (t, i, n, size)
+        self.book.padding = padding
+
+    @property
+    def is_padding_batch(self) -> bool:
+        """Whether the micro-batch the loader yielded last is a padding batch (Note [padding
+        batches]): its loss means nothing and its gradient is discarded."""
+        return bool(self._attached and self.book.padding)
 
     def _zero_grad(self) -> None:
         if self._micro is not None and self._micro[1] > 0:
@@ -517,6 +543,7 @@ class PrivacyEngine:
         else:  # driven without our loader: the realised size is what the layers saw
             t, size = self.next_step, samples
         self._micro = None
+        self.book.padding = False
         sigma, c, q = self.noise_multiplier, self.max_grad_norm, self.sample_rate
         k = self.charges
         if self.max_steps is not None and k + 1 > self.max_steps:

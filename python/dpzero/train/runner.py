@@ -148,11 +148,11 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics) -> Dict:
             for batch in p.data_loader:
                 inputs, y = unpack(batch)
                 p.optimizer.zero_grad()
-                out = p.model(*inputs)
-                loss = F.cross_entropy(out, y) if len(y) else out.sum() * 0.0
+                loss = F.cross_entropy(p.model(*inputs), y)
                 loss.backward()
-                step_loss += loss.item() * len(y)
-                step_rows += len(y)
+                if not engine.is_padding_batch:  # Note [padding batches]: not a real row
+                    step_loss += loss.item() * len(y)
+                    step_rows += len(y)
                 if not p.optimizer.step():
                     continue
                 taken += 1
