@@ -174,7 +174,8 @@ class Book:
         elif b != self.batch:
             self.error = (f"layer {layer.name!r} saw a batch of {b} rows where other layers of the "
                           f"same micro-batch saw {self.batch}: DP layers need the batch on dim 0 "
-                          "(Note [one sample per row]); transpose batch_first=False inputs")
+                          "(Note [one sample per row]): transpose batch_first=False inputs, and "
+                          "expand inputs shared by the batch ([1, ...] broadcast) to the batch")
             raise RuntimeError(self.error)
         if self.padding:
             g = torch.zeros_like(g)  # exact zeros: the padding row contributes nothing
