@@ -455,3 +455,145 @@ def test_bf16_compute_keeps_the_fp32_clipping_contract():
         step_want = want[name] - before[name].detach()
         err = (step_got - step_want).norm() / step_want.norm().clamp_min(1e-12)
         assert err < 0.05, (name, err.item())
+
+
+# ---- misuse that would break the accounting (found in review) --------------------------------
+
+def _tiny(n=4, **kw):
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 3), torch.randint(0, 2, (n,)))
+    model = nn.Sequential(nn.Linear(3, 2))
+    base = dict(dataset=ds, sample_rate=1.0, noise_multiplier=0.0, allow_no_noise=True,
+                max_grad_norm=math.inf, optimizer="sgd", lr=1.0, seed=0,
+                max_physical_batch_size=3, loss_reduction="sum")
+    base.update(kw)
+    return model, ds, dpzero.make_private(model, **base)
+
+
+def test_step_then_zero_grad_loop_keeps_the_logical_batch():
+    """Opacus's semantics: after a step() that only accumulated, zero_grad() keeps the
+    accumulation, whichever order the loop calls them in."""
+    results = []
+    for order in ("zero_grad_first", "step_first"):
+        torch.manual_seed(0)
+        model, ds, p = _tiny()
+        start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        for x, y in p.data_loader:
+            if order == "zero_grad_first":
+                p.optimizer.zero_grad()
+            F.cross_entropy(p.model(x), y, reduction="sum").backward()
+            taken = p.optimizer.step()
+            if order == "step_first":
+                p.optimizer.zero_grad()
+            if taken:
+                break
+        results.append(p.privacy_engine.parameters()["0.weight"])
+    ref = nn.Sequential(nn.Linear(3, 2))
+    ref.load_state_dict(start)
+    F.cross_entropy(ref(ds.tensors[0]), ds.tensors[1], reduction="sum").backward()
+    want = ref[0].weight.detach() - 1.0 * ref[0].weight.grad / 4
+    for got in results:
+        torch.testing.assert_close(got, want)
+
+
+def test_a_logical_batch_left_unstepped_is_not_mixed_into_the_next():
+    model, ds, p = _tiny(n=12, sample_rate=0.5)
+    batches = iter(p.data_loader)
+    x, y = next(batches)
+    while p.privacy_engine._micro[0] == 0:  # every micro-batch of step 0, never stepped
+        F.cross_entropy(p.model(x), y).backward()
+        x, y = next(batches)
+    with pytest.raises(RuntimeError, match="previous one's gradients were still accumulated"):
+        F.cross_entropy(p.model(x), y).backward()  # step 1's first micro-batch
+    with pytest.raises(PrivacyViolation, match="refusing the step"):
+        p.optimizer.step()
+
+
+def test_two_backward_passes_on_one_micro_batch_are_refused():
+    model, ds, p = _tiny()
+    x, y = next(iter(p.data_loader))
+    F.cross_entropy(p.model(x), y).backward()
+    with pytest.raises(PrivacyViolation, match="second backward pass"):
+        F.cross_entropy(p.model(x), y).backward()  # e.g. a second forward on the same batch
+
+
+def test_unbatched_position_ids_are_refused():
+    class NanoGPT(nn.Module):  # wpe(arange(T)): positions on dim 0 when B == T
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe, self.head = nn.Embedding(V, D), nn.Embedding(T, D), nn.Linear(D, K)
+
+        def forward(self, ids):
+            h = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+            return self.head(h.mean(1))
+
+    p = dpzero.make_private(NanoGPT(), dataset=seq_data(), batch_size=6, noise_multiplier=1.0,
+                            max_grad_norm=1.0, max_physical_batch_size=T)
+    ids, y = seq_data().tensors
+    with pytest.raises(PrivacyViolation, match=r"Embedding 'wpe' got 1-D ids of shape \[6\]"):
+        p.model(ids[:T])
+
+
+def test_a_resumed_ledger_is_charged_and_never_replayed(tmp_path):
+    path = str(tmp_path / "ledger.jsonl")
+    seen = []
+
+    def session(steps):
+        model, ds, p = _tiny(n=40, sample_rate=0.2, noise_multiplier=1.0, allow_no_noise=False,
+                             max_grad_norm=1.0, ledger_path=path, run_id="r", seed=5,
+                             max_physical_batch_size=None, accountant="rdp")
+        taken = 0
+        for x, y in p.data_loader:
+            seen.append(x.sum().item())
+            F.cross_entropy(p.model(x), y).backward()
+            taken += bool(p.optimizer.step())
+            p.optimizer.zero_grad()
+            if taken == steps:
+                break
+        p.privacy_engine._ledger.close()
+        return p.privacy_engine
+
+    session(2)
+    engine = session(2)
+    assert engine.charges == 4 and engine.last_step_stats["noise_index"] == 3
+    assert engine.last_step_stats["step"] == 3  # the sampler continued, not restarted
+    assert len(set(seen)) == 4  # four different batches, none replayed
+    want = dpzero.RDPAccountant()
+    want.step(noise_multiplier=1.0, sample_rate=0.2, num_steps=4)
+    assert engine.epsilon(1e-5) == pytest.approx(want.get_epsilon(1e-5), rel=1e-12)
+    with pytest.raises(ValueError, match="holds steps at sigma=1.0, q=0.2; this run uses "
+                                         "sigma=2.0"):
+        _tiny(n=40, sample_rate=0.2, noise_multiplier=2.0, max_grad_norm=1.0, ledger_path=path,
+              run_id="r")
+
+
+def test_settings_the_private_path_owns_are_refused():
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['reduce_dtype'\]"):
+        _tiny(mixed_precision="bf16", reduce_dtype=torch.bfloat16)
+    model, ds, p = _tiny()
+    with pytest.raises(AttributeError):
+        p.privacy_engine.max_grad_norm = 0.5  # read-only: thresholds were fixed from it
+
+
+def test_a_layer_subclass_with_its_own_forward_is_refused():
+    class ScaledEmbedding(nn.Embedding):  # like HF's BartScaledWordEmbedding
+        def forward(self, ids):
+            return super().forward(ids) * 8.0
+
+    model = nn.Sequential(ScaledEmbedding(V, D), nn.Flatten(), nn.Linear(T * D, K))
+    with pytest.raises(PrivacyViolation, match=r"subclasses Embedding but overrides its forward"):
+        dpzero.make_private(model, dataset=seq_data(), batch_size=4, noise_multiplier=1.0,
+                            max_grad_norm=1.0)
+
+
+def test_a_detached_engine_refuses_to_step_and_a_second_step_is_refused():
+    model, ds, p = _tiny()
+    for x, y in p.data_loader:
+        F.cross_entropy(p.model(x), y).backward()
+        if p.optimizer.step():
+            break
+    with pytest.raises(RuntimeError, match="called again after the last micro-batch"):
+        p.optimizer.step()
+    p.privacy_engine.detach()
+    F.cross_entropy(model(ds.tensors[0]), ds.tensors[1]).backward()  # plain autograd again
+    with pytest.raises(RuntimeError, match="was detached"):
+        p.optimizer.step()

@@ -15,9 +15,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .book import Layer, Slot
-from .fallback import FuncKind, bypassing, tap
-from .layers import EmbeddingKind, dp_apply, layer_kind
+from .book import Layer, PrivacyViolation, Slot
+from .fallback import FuncKind, bypassing, swapped, tap
+from .layers import EmbeddingKind, dp_apply, layer_kind, overridden_kind
 
 # Module types that cannot run under DP, with the reason the error gives.
 _REJECTED = (
@@ -32,10 +32,6 @@ _REJECTED = (
     (nn.RNNBase,
      "recurrent layers (RNN/LSTM/GRU) have no per-sample kernels in dpzero"),
 )
-
-
-class PrivacyViolation(RuntimeError):
-    """A gradient would escape clipping, or the model cannot be trained privately as built."""
 
 
 def _rejection(module: nn.Module) -> Optional[str]:
@@ -65,6 +61,12 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
         if not trainable_own:
             continue
         kind = layer_kind(module)
+        if kind is None and overridden_kind(module):
+            problems.append(
+                f"{name} ({type(module).__name__}): subclasses {overridden_kind(module)} but "
+                "overrides its forward, so dpzero's per-sample ops for that layer would compute "
+                "the gradient of a different function")
+            continue
         if kind is None:
             if module is model:
                 problems.append(
@@ -141,31 +143,45 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
             f"{len(args)} positional and {sorted(kwargs)} keyword arguments; DP layers take one "
             "input")
     x = args[0]
-    if isinstance(kind, EmbeddingKind) and x.dim() > 0 and x.shape[0] == 1 and \
-            (book.forward_batch or 1) > 1:
+    rows = book.expected_rows or book.forward_batch or 1
+    if isinstance(kind, EmbeddingKind) and x.dim() == 1 and book.forward_ndim >= 2:
+        # Note [one sample per row]: ids without a batch dim (nanoGPT's wpe(arange(T))) next to
+        # batched inputs: dim 0 would be positions, not examples, and clipping them would mix
+        # the examples' gradients.
+        raise PrivacyViolation(
+            f"Embedding {layer.name!r} got 1-D ids of shape {list(x.shape)} while other layers "
+            "of this forward got batched inputs: give it [1, T] ids (broadcast over the batch) "
+            "or [B, T] ids, never un-batched ones")
+    if isinstance(kind, EmbeddingKind) and x.dim() > 1 and x.shape[0] == 1 and rows > 1:
         # Note [broadcast positions]: position ids are often one row [1, T] whose embedding is
         # broadcast over the batch (GPT-2's and BERT's position_ids). Their gradient then sums
         # every sample's; expanded to [B, T] the lookup gives the same values after the
         # broadcast, and each row's gradient is that sample's own.
-        x = x.expand(book.forward_batch, *x.shape[1:])
-    pid = book.on_forward(layer, x.shape[0] if x.dim() > 0 else None)
+        x = x.expand(rows, *x.shape[1:])
+    pid = book.on_forward(layer, x.shape[0] if x.dim() > 0 else None, x.dim())
     return dp_apply(kind, layer.module, functools.partial(book.on_backward, pid), x, params)
 
 
 def _fallback_forward(book, layer, original, params, args, kwargs):
     module = layer.module
+    first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+    batched_kw = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+                  and first is not None and v.shape[0] == first.shape[0]]
+    if batched_kw:
+        raise PrivacyViolation(
+            f"module {layer.name!r} ({type(module).__name__}) uses its parameters directly and "
+            f"got batched keyword tensors {batched_kw}; the generic per-sample path takes "
+            "batched inputs as positional arguments only")
     detached = {n: module._parameters[n].detach() for n, t in zip(layer.kind.params, layer.train)
                 if t}
-    from .fallback import swapped
-
     with swapped(module, detached):
         out = original(*args, **kwargs)
     if not isinstance(out, torch.Tensor):
         raise PrivacyViolation(
             f"module {layer.name!r} ({type(module).__name__}) uses its parameters directly and "
             f"returned {type(out).__name__}; the generic per-sample path needs one tensor output")
-    first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
-    pid = book.on_forward(layer, first.shape[0] if first is not None else None)
+    pid = book.on_forward(layer, first.shape[0] if first is not None else None,
+                          first.dim() if first is not None else 0)
     saved = (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs))
 
     def on_backward(g, pid=pid, saved=saved):

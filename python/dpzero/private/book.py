@@ -41,9 +41,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .layers import LayerKind, round_down_f32, round_up_f32
+from .layers import LayerKind, round_up_f32
 
 _ops = torch.ops.dpzero
+
+
+class PrivacyViolation(RuntimeError):
+    """A gradient would escape clipping or be counted twice, or the model cannot be trained
+    privately as built."""
 
 
 @dataclass
@@ -87,10 +92,9 @@ class StepStats:
     """What one logical step's micro-batches produced on this rank."""
 
     def __init__(self) -> None:
-        self.samples = 0      # rows seen by the DP layers (this rank)
-        self.dropped = 0      # samples with a NaN/Inf norm (factor 0), this rank
-        self.clipped = 0      # samples whose factor was < 1 in some group (flat/layer/group)
-        self.micro_batches = 0
+        self.samples = 0        # rows seen by the DP layers (this rank; padding excluded)
+        self.dropped = 0        # samples with a NaN/Inf norm (factor 0), this rank
+        self.micro_batches = 0  # backward passes that reached the clipping
 
 
 class Book:
@@ -118,6 +122,12 @@ class Book:
                               for slot in layer.slots if slot is not None}
         self.stats = StepStats()
         self.padding = False  # Note [padding batches] in engine.py: gradients become zeros
+        # Set by the loader (engine._begin_micro_batch): the rows of the micro-batch it yielded
+        # (Note [one sample per row]) and how many backward passes reached the clipping since.
+        self.expected_rows: Optional[int] = None
+        self.micro_backwards = 0
+        # A logical batch accumulated but never stepped when the next one began (engine.py).
+        self.stale = False
         self.error: Optional[str] = None  # a privacy violation seen; step() refuses until cleared
         self._reset_micro_batch()
 
@@ -131,10 +141,11 @@ class Book:
         self.group_state: Dict[int, GroupState] = {}
         self.unit_expected: Dict[int, int] = {}
         self.unit_buf: Dict[int, torch.Tensor] = {}
+        self.handed: set = set()  # units handed to the engine in this micro-batch
         self.batch: Optional[int] = None
+        self.forward_ndim = 0  # the most dims of any DP layer input in this forward
         self.forward_batch: Optional[int] = None  # dim 0 (> 1) of the last DP layer input seen
         self.dropped_mask: Optional[torch.Tensor] = None
-        self.clipped_mask: Optional[torch.Tensor] = None
         self.callback_queued = False
 
     @property
@@ -142,11 +153,13 @@ class Book:
         """A forward registered parts whose backward has not finished."""
         return bool(self.parts)
 
-    def on_forward(self, layer: Layer, batch: Optional[int] = None) -> Tuple[int, int]:
-        """Registers one call of ``layer`` on an input of ``batch`` rows; returns the part id its
-        backward reports under."""
+    def on_forward(self, layer: Layer, batch: Optional[int] = None,
+                   ndim: int = 0) -> Tuple[int, int]:
+        """Registers one call of ``layer`` on an input of ``batch`` rows (``ndim`` dims);
+        returns the part id its backward reports under."""
         if batch is not None and batch != 1:
             self.forward_batch = batch
+        self.forward_ndim = max(self.forward_ndim, ndim)
         pid = (self.generation, len(self.parts))
         self.parts.append(Part(layer))
         self.group_state.setdefault(layer.group, GroupState()).parts.append(pid[1])
@@ -155,7 +168,26 @@ class Book:
                 self.unit_expected[slot.unit] = self.unit_expected.get(slot.unit, 0) + 1
         return pid
 
+    def stale_error(self) -> Optional[str]:
+        if self.stale:
+            return ("a new logical batch began while the previous one's gradients were still "
+                    "accumulated (step() was not called for it); they would be released together")
+        return None
+
     def on_backward(self, pid: Tuple[int, int], a, g: torch.Tensor) -> None:
+        try:
+            self._on_backward(pid, a, g)
+        except BaseException as e:
+            # Whatever failed, part of this micro-batch may already be in the engine: the step
+            # must not run on it (a retried micro-batch would count its examples twice).
+            if self.error is None:
+                self.error = f"the backward failed in the clipping ({type(e).__name__}: {e})"
+            raise
+
+    def _on_backward(self, pid: Tuple[int, int], a, g: torch.Tensor) -> None:
+        if self.stale:
+            self.error = self.stale_error()
+            raise RuntimeError(self.error + "; call zero_grad() first")
         generation, index = pid
         if generation != self.generation or self.parts[index].done or \
                 self.parts[index].a is not None:
@@ -167,10 +199,15 @@ class Book:
         layer = part.layer
         self._queue_finish()
         b = g.shape[0]
+        if self.expected_rows is not None and b != self.expected_rows:
+            self.error = (f"layer {layer.name!r} saw a batch of {b} rows in a micro-batch of "
+                          f"{self.expected_rows} examples: DP layers need the batch on dim 0 "
+                          "(Note [one sample per row]): transpose batch_first=False inputs, and "
+                          "expand inputs shared by the batch ([1, ...] broadcast) to the batch")
+            raise RuntimeError(self.error)
         if self.batch is None:
             self.batch = b
             self.dropped_mask = torch.zeros(b, dtype=torch.bool, device=g.device)
-            self.clipped_mask = torch.zeros(b, dtype=torch.bool, device=g.device)
         elif b != self.batch:
             self.error = (f"layer {layer.name!r} saw a batch of {b} rows where other layers of the "
                           f"same micro-batch saw {self.batch}: DP layers need the batch on dim 0 "
@@ -255,7 +292,6 @@ class Book:
         if factors.numel() == 0:
             return
         self.dropped_mask |= factors == 0
-        self.clipped_mask |= factors < 1
 
     def _deliver(self, layer: Layer, grads: Sequence[Optional[torch.Tensor]]) -> None:
         for slot, grad in zip(layer.slots, grads):
@@ -275,6 +311,7 @@ class Book:
     def _hand_over(self, unit: int) -> None:
         buf = self.unit_buf.pop(unit)
         self.unit_expected.pop(unit, None)
+        self.handed.add(unit)
         self.state.add_unit_grad(unit, buf, release_params=unit not in self.keep_gathered)
 
     # ---- end of backward ---------------------------------------------------------------------
@@ -287,19 +324,33 @@ class Book:
 
     def finish_backward(self) -> None:
         """Final callback of a backward: completes the groups the backward did not finish, hands
-        every remaining unit over, and closes the micro-batch."""
+        every unit over that the backward did not (zeros where no part of it ran: every rank
+        issues the same reductions whatever its data, Note [collective order]), and closes the
+        micro-batch."""
         try:
+            self.micro_backwards += 1
+            if self.expected_rows is not None and self.micro_backwards > 1:
+                self.error = ("a second backward pass reached the clipping within one "
+                              "micro-batch of the loader (two forwards on one batch, or an "
+                              "input-gradient pass): its examples would be counted twice")
+                raise PrivacyViolation(self.error)
             for group in sorted(self.group_state):
                 self._complete(group)
-            for unit in sorted(self.unit_buf):
-                self._hand_over(unit)
-            # Units that expected contributions but received nothing (no part of theirs ran in
-            # this backward) contribute zero: nothing to reduce.
+            for unit in range(len(self.unit_numel)):
+                if unit not in self.handed:
+                    if unit not in self.unit_buf:
+                        self.unit_buf[unit] = torch.zeros(self.unit_numel[unit],
+                                                          dtype=torch.float32,
+                                                          device=self.unit_device[unit])
+                    self._hand_over(unit)
             if self.batch is not None and not self.padding:  # padding rows count nowhere
                 self.stats.samples += self.batch
                 self.stats.dropped += int(self.dropped_mask.sum())
-                self.stats.clipped += int(self.clipped_mask.sum())
             self.stats.micro_batches += 1
+        except BaseException as e:
+            if self.error is None:
+                self.error = f"the end of the backward failed ({type(e).__name__}: {e})"
+            raise
         finally:
             self._reset_micro_batch()
 
@@ -311,7 +362,3 @@ class Book:
         stats, self.stats = self.stats, StepStats()
         return stats
 
-
-def round_scale(x: torch.Tensor) -> torch.Tensor:
-    """Per-sample scales are rounded toward 0 so a scaled contribution never grows."""
-    return round_down_f32(x)

@@ -43,6 +43,12 @@ from .book import Book
 
 CLIPPING = ("flat", "layer", "group", "automatic")
 
+# dpzero.shard keywords make_private passes through (optimizer hyperparameters and layout); the
+# others (reduce_dtype, grad_scale, param_dtype, grad_hooks) are fixed by the private path.
+_PASS_THROUGH = frozenset({"momentum", "dampening", "nesterov", "betas", "eps", "amsgrad",
+                           "maximize", "weight_decay", "alignment", "shard_boundaries",
+                           "offload_optimizer", "prefetch", "sync_module_states"})
+
 
 class BudgetExhausted(RuntimeError):
     """The next step would spend more than the run's ε budget; nothing was charged or applied."""
@@ -141,11 +147,11 @@ class DPDataLoader:
         padded = _PaddedBatches(sampler)
         loader = DataLoader(self.dataset, batch_sampler=padded, collate_fn=self.collate_fn,
                             num_workers=self.num_workers, pin_memory=self.pin_memory)
-        meta = ((t, i, len(s.micro_batches), s.logical_batch_size, not mb)
+        meta = ((t, i, len(s.micro_batches), s.logical_batch_size, len(mb))
                 for t, s in self._sampler(start).logical_batches()
                 for i, mb in enumerate(s.micro_batches))
-        for batch, (t, i, n, size, padding) in zip(loader, meta):
-            self._engine._begin_micro_batch(t, i, n, size, padding)
+        for batch, (t, i, n, size, rows) in zip(loader, meta):
+            self._engine._begin_micro_batch(t, i, n, size, max(rows, 1), padding=rows == 0)
             yield batch
 
 
@@ -277,10 +283,14 @@ class PrivacyEngine:
             if state[key] != getattr(self, key):
                 raise ValueError(f"state_dict: {key} is {state[key]}, this engine has "
                                  f"{getattr(self, key)}")
-        self.next_step, self.charges = int(state["next_step"]), int(state["charges"])
-        self.accountant = create_accountant(state["accountant"])
-        for sigma, q, n in state["history"]:
-            self.accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=n)
+        # Note [noise index]: never go back to a charge index (or sampler step) already used —
+        # a ledger reopened at attach may be ahead of the checkpoint.
+        if int(state["charges"]) >= self.charges:
+            self.charges = int(state["charges"])
+            self.accountant = create_accountant(state["accountant"])
+            for sigma, q, n in state["history"]:
+                self.accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=n)
+        self.next_step = max(int(state["next_step"]), self.charges)
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -362,21 +372,60 @@ class PrivacyEngine:
         param_dtype = mixed_precision or torch.float32
 
         name, opt_kwargs = _optimizer_settings(optimizer)
+        bad = sorted(set(optimizer_kwargs) - _PASS_THROUGH)
+        if bad:
+            # reduce_dtype, grad_scale, param_dtype, ... are the private path's to set: a 16-bit
+            # reduction would round clipped sums past their threshold (DESIGN.md §4).
+            raise TypeError(f"make_private got unexpected keyword arguments {bad}; allowed "
+                            f"besides its own: {sorted(_PASS_THROUGH)}")
         opt_kwargs.update(optimizer_kwargs)
         if lr is not None:
             opt_kwargs["lr"] = lr
         opt_kwargs.setdefault("lr", 1e-3)
+        if epsilon_budget is None and target_epsilon is not None:
+            epsilon_budget, budget_delta = target_epsilon, target_delta
+        if epsilon_budget is not None and budget_delta is None:
+            raise ValueError(f"epsilon_budget={epsilon_budget} needs budget_delta")
+        if epsilon_budget is not None and sigma == 0.0:
+            raise ValueError("an ε budget cannot be kept without noise (noise_multiplier=0)")
 
         # Validation before anything is touched (a rejected model stays as it was).
         trainable = {id(p): p for p in model.parameters() if p.requires_grad}
         if not trainable:
             raise ValueError("the model has no trainable parameters")
-        probe_slots = {pid: None for pid in trainable}
-        find_layers(model, probe_slots)  # raises PrivacyViolation naming bad modules
+        probe = find_layers(model, {pid: None for pid in trainable})  # names bad modules
+        self._clip_groups(probe, assign_components(probe), clipping, clipping_groups,
+                          group_weights, max_grad_norm)
+        self._group = process_group if process_group is not None else (
+            dist.distributed_c10d._get_default_group()
+            if dist.is_available() and dist.is_initialized() else None)
+        self.rank = self._group.rank() if self._group is not None else 0
+        self.world_size = self._group.size() if self._group is not None else 1
+        self.noise_multiplier_, self.max_grad_norm_ = sigma, max_grad_norm
+        self.sample_rate, self.dataset_size = q, n
+        self.noise_source = NoiseSource(seed=seed, secure_mode=self.secure_mode, group=self._group)
+        if not self.secure_mode and self._group is not None:
+            # Every rank must draw the same noise and batches: rank 0's seed, and a given seed
+            # must be the same everywhere (seed = base + rank would desynchronise the ranks).
+            agreed = self._broadcast_int(self.noise_source.seed)
+            if seed is not None and self._any_rank(agreed != (int(seed) & ((1 << 64) - 1))):
+                raise ValueError(f"seed must be the same on every rank; this rank has {seed}, "
+                                 f"rank 0 {agreed}")
+            self.noise_source.seed = agreed
+        self._ledger = None
+        self.charges = 0
+        if ledger_path is not None:
+            self._open_ledger(ledger_path, run_id, clipping)  # collective: all ranks agree
+        self.budget, self.max_steps = None, None
+        if epsilon_budget is not None:
+            self.budget = (float(epsilon_budget), float(budget_delta))
+            self.max_steps = get_steps(target_epsilon=epsilon_budget, target_delta=budget_delta,
+                                       sample_rate=q, noise_multiplier=sigma,
+                                       accountant=self.accountant_name)
 
         sharded = shard(model, stage=zero_stage, optimizer=name, process_group=process_group,
-                        grad_scale=1.0, param_dtype=param_dtype, units=units, grad_hooks=False,
-                        **opt_kwargs)
+                        grad_scale=1.0, param_dtype=param_dtype, reduce_dtype=torch.float32,
+                        units=units, grad_hooks=False, **opt_kwargs)
         slot_of, unit_numel, unit_device = param_slots(sharded)
         layers = find_layers(model, slot_of)
         n_components = assign_components(layers)
@@ -391,47 +440,33 @@ class PrivacyEngine:
         book_ref = weakref.ref(self.book)
         patch(layers, book_ref)
         self._guards = guard_hooks(model, book_ref)
-
-        self.rank, self.world_size = sharded.rank, sharded.world_size
-        self._group = process_group if process_group is not None else (
-            dist.distributed_c10d._get_default_group()
-            if dist.is_available() and dist.is_initialized() else None)
-        self.noise_source = NoiseSource(seed=seed, secure_mode=self.secure_mode, group=self._group)
-        if not self.secure_mode and self._group is not None and seed is None:
-            self.noise_source.seed = self._broadcast_int(self.noise_source.seed)
-        self.noise_multiplier, self.max_grad_norm = sigma, max_grad_norm
-        # The budget guard: a run calibrated for target_epsilon may not spend more (nor may one
-        # given epsilon_budget); the largest step count within it is fixed up front.
-        if epsilon_budget is None and target_epsilon is not None:
-            epsilon_budget, budget_delta = target_epsilon, target_delta
-        if epsilon_budget is not None:
-            if budget_delta is None:
-                raise ValueError("epsilon_budget needs budget_delta")
-            if sigma == 0.0:
-                raise ValueError("an ε budget cannot be kept without noise (noise_multiplier=0)")
-            self.budget = (float(epsilon_budget), float(budget_delta))
-            self.max_steps = get_steps(target_epsilon=epsilon_budget, target_delta=budget_delta,
-                                       sample_rate=q, noise_multiplier=sigma,
-                                       accountant=self.accountant_name)
-        else:
-            self.budget, self.max_steps = None, None
-        self.sample_rate, self.dataset_size = q, n
         self.clipping = clipping
         self.loss_reduction = loss_reduction
-        self.next_step, self.charges, self.steps_taken = 0, 0, 0
+        # Note [noise index]: the sampler's step and the noise index never repeat a charged one.
+        self.next_step, self.steps_taken = self.charges, 0
         self._micro: Optional[tuple] = None  # (t, index, count, logical size) from the loader
+        self._loader_driven = False
+        self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
+        self._detached = False
         self._trainable = list(trainable.values())
-        self._ledger = None
-        if ledger_path is not None:
-            self._open_ledger(ledger_path, run_id, clipping)
-        self.charges = self._broadcast_int(self.charges)
-        steps_per_epoch = max(1, round(1.0 / q))
+        # Whole epochs never exceed the steps σ was calibrated for (int(epochs / q), Opacus's).
+        steps_per_epoch = max(1, int(1.0 / q))
         self.model = PrivateModule(model, self)
         self.optimizer = DPOptimizer(self, opt_kwargs["lr"], opt_kwargs)
         self.data_loader = DPDataLoader(self, dataset, steps_per_epoch, max_physical_batch_size,
                                         collate_fn, num_workers)
         self._attached = True
         return Private(self.model, self.optimizer, self.data_loader, self)
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ (read-only: the accountant, the ledger and the noise all use this one value)."""
+        return self.noise_multiplier_
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C (read-only: the clipping thresholds were fixed from it at attach)."""
+        return self.max_grad_norm_
 
     def _clip_groups(self, layers, n_components, clipping, clipping_groups, group_weights, c):
         if clipping in ("flat", "automatic"):
@@ -472,19 +507,50 @@ class PrivacyEngine:
         return groups, thresholds
 
     def _open_ledger(self, path: str, run_id: Optional[str], clipping: str) -> None:
-        if self.rank != 0:
-            return
-        settings = {"accountant": self.accountant_name, "clipping": clipping,
-                    "secure_mode": self.secure_mode, "world_size": self.world_size}
-        if os.path.exists(path):
-            self._ledger = Ledger.open(path, expected_run_id=run_id or "")
-            if self._ledger.dataset_size != self.dataset_size:
-                raise ValueError(f"ledger {path} is for a dataset of {self._ledger.dataset_size} "
-                                 f"examples, this run has {self.dataset_size}")
-            self.charges = self._ledger.total_steps
-        else:
-            self._ledger = Ledger.create(path, run_id=run_id or os.path.basename(path),
-                                         dataset_size=self.dataset_size, settings=settings)
+        """Rank 0 creates or reopens the ledger; every rank learns the outcome (an error on
+        rank 0 is raised everywhere) and the charge count. A reopened ledger's steps are
+        charged to this run's accountant, so ε and the budget guard count them."""
+        charges, error = 0, None
+        if self.rank == 0:
+            try:
+                settings = {"accountant": self.accountant_name, "clipping": clipping,
+                            "secure_mode": self.secure_mode, "world_size": self.world_size}
+                if os.path.exists(path):
+                    ledger = Ledger.open(path, expected_run_id=run_id or "")
+                    if ledger.dataset_size != self.dataset_size:
+                        raise ValueError(f"ledger {path} is for a dataset of "
+                                         f"{ledger.dataset_size} examples, this run has "
+                                         f"{self.dataset_size}")
+                    if ledger.has_unnoised_steps:
+                        raise ValueError(f"ledger {path} records steps without noise; a private "
+                                         "run cannot continue it")
+                    for ph in ledger.phases():
+                        if ph.steps and (ph.sigma, ph.q) != (self.noise_multiplier,
+                                                             self.sample_rate):
+                            raise ValueError(
+                                f"ledger {path} holds steps at sigma={ph.sigma}, q={ph.q}; this "
+                                f"run uses sigma={self.noise_multiplier}, q={self.sample_rate}. "
+                                "Continuing a ledger with other settings is not supported")
+                    charges = ledger.total_steps
+                else:
+                    ledger = Ledger.create(path, run_id=run_id or os.path.basename(path),
+                                           dataset_size=self.dataset_size, settings=settings)
+                self._ledger = ledger
+            except Exception as e:  # noqa: BLE001 - every rank raises below
+                error = e
+        failed = self._any_rank(error is not None)
+        if failed:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"rank 0 could not open the privacy ledger {path}; see its error")
+        self.charges = self._broadcast_int(charges)
+        if self.charges > 0:  # every recorded phase has this run's sigma and q (checked above)
+            self.accountant.step(noise_multiplier=self.noise_multiplier,
+                                 sample_rate=self.sample_rate, num_steps=self.charges)
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any (a collective)."""
+        return bool(self._all_reduce([int(bool(flag))])[0])
 
     def _broadcast_int(self, value: int) -> int:
         if self._group is None or self.world_size == 1:
@@ -506,9 +572,22 @@ class PrivacyEngine:
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def _begin_micro_batch(self, t: int, i: int, n: int, size: int, padding: bool = False) -> None:
+    def _begin_micro_batch(self, t: int, i: int, n: int, size: int, rows: int,
+                           padding: bool = False) -> None:
+        """The loader is about to yield micro-batch i of n of logical step t (``size`` examples
+        over all ranks, ``rows`` here; a padding batch has one row)."""
+        self._check_attached()
+        book = self.book
+        if i == 0 and self._micro is not None and self._micro[0] != t and \
+                (book.stats.micro_batches or book.open):
+            # Logical batch t-1 accumulated but never stepped: zero_grad() must drop it before
+            # t's gradients arrive, or it would be released together with t's.
+            book.stale = True
         self._micro = (t, i, n, size)
-        self.book.padding = padding
+        self._loader_driven = True
+        book.padding = padding
+        book.expected_rows = rows
+        book.micro_backwards = 0
 
     @property
     def is_padding_batch(self) -> bool:
@@ -516,59 +595,82 @@ class PrivacyEngine:
         batches]): its loss means nothing and its gradient is discarded."""
         return bool(self._attached and self.book.padding)
 
+    def _check_attached(self) -> None:
+        if self._detached:
+            raise RuntimeError("this PrivacyEngine was detached from its model; its optimizer "
+                               "and data loader no longer work")
+
     def _zero_grad(self) -> None:
-        if self._micro is not None and self._micro[1] > 0:
-            return  # mid logical batch: keep the micro-batches accumulated so far
+        self._check_attached()
+        if self._skipped_step and self.book.error is None:
+            return  # mid logical batch (the last step() only accumulated): keep it
         self.book.discard()
         self.book.take_stats()
         self.book.error = None
+        self.book.stale = False
         self.sharded.zero_grad()
 
     def _optimizer_step(self) -> bool:
         """Returns True if a private step was taken."""
+        self._check_attached()
         micro = self._micro
-        if micro is not None and micro[1] + 1 < micro[2]:
-            return False  # not the last micro-batch of the logical batch: only accumulate
         book = self.book
-        if book.error is not None:
-            raise PrivacyViolation(f"refusing the step: {book.error} (call zero_grad() to drop "
-                                   "this batch)")
-        if book.open:
-            raise RuntimeError("step() after a forward whose backward has not run; call "
-                               "loss.backward() first (or zero_grad() to drop it)")
-        stats = book.take_stats()
-        samples, dropped = self._all_reduce([stats.samples, stats.dropped])
+        if micro is not None and micro[1] + 1 < micro[2] and book.error is None:
+            self._skipped_step = True
+            return False  # not the last micro-batch of the logical batch: only accumulate
+        if micro is None and self._loader_driven:
+            raise RuntimeError("step() was called again after the last micro-batch of logical "
+                               f"step {self.next_step - 1}; each logical batch is stepped once")
+        # Every rank checks, then all agree, so no rank waits in a collective another skipped.
+        local = book.error or book.stale_error() or (
+            "step() after a forward whose backward has not run; call loss.backward() first (or "
+            "zero_grad() to drop it)" if book.open else None)
+        stats = book.take_stats() if local is None else None
+        samples, dropped, failed = self._all_reduce(
+            [stats.samples if stats else 0, stats.dropped if stats else 0, int(local is not None)])
+        if failed:
+            raise PrivacyViolation(f"refusing the step: {local or 'another rank refused it'} "
+                                   "(call zero_grad() to drop this batch)")
         if micro is not None:
             t, size = micro[0], micro[3]
+            if samples > size:
+                # More rows reached the clipping than the logical batch has: some example was
+                # counted twice (a micro-batch back-propagated twice, or batches mixed).
+                book.error = (f"{samples} rows reached the clipping in logical step {t}, whose "
+                              f"batch has {size} examples")
+                raise PrivacyViolation(f"refusing the step: {book.error} (call zero_grad())")
         else:  # driven without our loader: the realised size is what the layers saw
             t, size = self.next_step, samples
         self._micro = None
-        self.book.padding = False
+        self._skipped_step = False
+        book.padding = False
+        book.expected_rows = None
         sigma, c, q = self.noise_multiplier, self.max_grad_norm, self.sample_rate
         k = self.charges
         if self.max_steps is not None and k + 1 > self.max_steps:
             eps, delta = self.budget
             raise BudgetExhausted(
-                f"the privacy budget is spent: {k} steps at sigma={sigma}, q={q:.6g} already "
-                f"cost up to epsilon={eps} at delta={delta:.3g} ({self.accountant_name}); step "
-                f"{k + 1} would exceed it, so it was not taken (nothing charged or applied)")
+                f"the privacy budget epsilon={eps} at delta={delta:.3g} "
+                f"({self.accountant_name}) allows {self.max_steps} steps at sigma={sigma}, "
+                f"q={q:.6g}; {k} are charged, so step {k + 1} was not taken (nothing charged or "
+                "applied)")
         # Ledger before update (DESIGN.md §2 step 7): rank 0 writes durably; the others wait for
         # its verdict so no rank updates with a step the ledger does not hold.
-        ok, err = 1, None
+        err = None
         if self._ledger is not None:
             try:
+                # C = inf (no clipping, allowed only without noise) is recorded as 0: the record
+                # says noise=false, so epsilon is inf either way.
                 self._ledger.append(first_step=t, q=q, sigma=sigma,
-                                    # C = inf (no clipping, allowed only without noise) is recorded as 0: the
-                                    # record says noise=false, so epsilon is inf either way.
                                     max_grad_norm=c if math.isfinite(c) else 0.0,
                                     batch_sizes=[size], noise=sigma > 0, dropped_samples=dropped)
             except Exception as e:  # noqa: BLE001 - reported to every rank below
-                ok, err = 0, e
-        ok = self._broadcast_int(ok)
-        if not ok:
+                err = e
+        if self._any_rank(err is not None):
             if err is not None:
                 raise err
-            raise RuntimeError("rank 0 could not write the privacy ledger; no update was made")
+            raise RuntimeError("rank 0 could not write the privacy ledger (its error is in its "
+                               "log); no update was made")
         self.charges = k + 1
         if sigma > 0:
             self.accountant.step(noise_multiplier=sigma, sample_rate=q)
@@ -582,7 +684,7 @@ class PrivacyEngine:
         else:
             self.sharded._state.noisy_step(stddev, k, 1.0 / (q * self.dataset_size),
                                            seed=_as_int64(self.noise_source.seed))
-        self.next_step = t + 1
+        self.next_step = max(t + 1, self.charges)
         self.steps_taken += 1
         self.last_step_stats = {"step": t, "batch_size": size, "samples_seen": samples,
                                 "dropped": dropped, "noise_index": k}
@@ -591,11 +693,16 @@ class PrivacyEngine:
     # ---- teardown ----------------------------------------------------------------------------
 
     def detach(self) -> nn.Module:
-        """Removes the DP forwards and guards; the model keeps its current (local) parameters."""
+        """Removes the DP forwards and guards and retires this engine: its optimizer and data
+        loader refuse to run afterwards (with the guards gone, autograd's unclipped gradients
+        would reach the engine's buffers). Gathers nothing: in stage 3 read the trained values
+        with ``parameters()`` first."""
         unpatch(self.layers)
         for h in self._guards:
             h.remove()
         self._guards = []
+        self.sharded.zero_grad()
+        self._detached = True
         return self.module
 
     def parameters(self) -> Dict[str, torch.Tensor]:

@@ -15,9 +15,9 @@ Per-sample gradients exist as [B, *P.shape] for a moment, so this is meant for s
 rounded up so a clip factor never lets a contribution exceed its threshold.
 
 Restrictions (checked, with the module named): M takes its batch on dim 0 of its tensor arguments
-and returns one tensor with the batch on dim 0; M must not contain active dropout (the recomputed
-forward would draw another mask than the real one, so the gradient clipped would not be the one
-applied).
+and returns one tensor with the batch on dim 0; M must not contain active dropout (the per-sample
+recompute would draw other masks than the forward did, so the clipped gradient would belong to
+another function than the one the loss was computed with; vmap also refuses random ops).
 """
 
 from __future__ import annotations

@@ -28,8 +28,9 @@ from torch import nn
 _ops = torch.ops.dpzero
 
 # Hugging Face RMSNorm classes whose forward is x / sqrt(mean(x^2) + eps) * weight (computed in
-# fp32, cast back). Gemma's RMSNorm multiplies by (1 + weight) and is deliberately absent: its
-# weight gradient is a different function, so it falls back to the generic path (fallback.py).
+# fp32, cast back), checked against their sources. Others (Gemma's (1 + weight) scaling, which
+# has the same weight gradient but an input gradient we have not verified) take the generic path
+# (fallback.py) until checked and added here.
 HF_RMS_NORMS = frozenset({
     "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm",
     "PhiRMSNorm", "Phi3RMSNorm", "OlmoRMSNorm", "T5LayerNorm", "MT5LayerNorm",
@@ -318,9 +319,24 @@ class ConvKind(LayerKind):
         return [gw, gb if b else None], sq, factors
 
 
+_BASES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm, nn.Conv1d, nn.Conv2d)
+
+
+def overridden_kind(module: nn.Module) -> Optional[str]:
+    """The torch layer class ``module`` subclasses while replacing its forward (e.g. Hugging
+    Face's scaled word embeddings, which multiply the lookup by a constant), or None."""
+    for base in _BASES:
+        if isinstance(module, base) and type(module).forward is not base.forward:
+            return base.__name__
+    return None
+
+
 def layer_kind(module: nn.Module) -> Optional[LayerKind]:
-    """The DP kind of ``module``, or None if dpzero has no per-sample ops for it."""
+    """The DP kind of ``module``, or None if dpzero has no per-sample ops for it: the torch
+    classes (and subclasses that keep their forward) and the named Hugging Face classes."""
     name = type(module).__name__
+    if overridden_kind(module):
+        return None
     if isinstance(module, nn.Linear):
         return LinearKind(transposed=False)
     if name == "Conv1D" and type(module).__module__.startswith("transformers"):

@@ -16,7 +16,9 @@ Every error names the key and the bad value. Sections and keys (defaults in brac
                 max_grad_norm = C  [1.0]
                 clipping = "flat" | "layer" | "automatic"  ["flat"]
                 accountant = "prv" | "rdp"  ["prv"]
-                secure_mode = ChaCha20 noise keyed from OS entropy  [false]
+                secure_mode = noise and sampling from ChaCha20 keyed by OS entropy, never
+                    stored; false = Philox from [training] seed, reproducible, and ε then
+                    assumes that seed stays secret  [true]
     [training]  epochs  [3]; batch_size = expected logical batch  [256]
                 max_physical_batch_size  [64]; lr  [1e-3]; optimizer = "adamw"|"adam"|"sgd"
                 ["adamw"]; weight_decay  [0.0]; zero_stage  [3]; world_size  [2]; seed  [0]
@@ -64,7 +66,7 @@ class PrivacyConfig:
     max_grad_norm: float = 1.0
     clipping: str = "flat"
     accountant: str = "prv"
-    secure_mode: bool = False
+    secure_mode: bool = True
 
 
 @dataclass

@@ -177,8 +177,9 @@ def _markdown(data: Dict, plots: List[str]) -> str:
     lines = [f"# Run report: {data['run_id']}", ""]
     lines.append("Privacy (recomputed from `ledger.jsonl`):")
     lines.append("")
-    mode = "secure (ChaCha20, OS-entropy key)" if data.get("secure_mode") else \
-        "seeded (Philox; reproducible)"
+    mode = "secure (ChaCha20, OS-entropy key, never stored)" if data.get("secure_mode") else \
+        ("seeded (Philox; reproducible). The guarantee below assumes the seed stays secret: "
+         "anyone who knows it can regenerate the noise")
     lines.append(f"- noise source: {mode}")
     lines.append(f"- dataset size N = {data['dataset_size']}, δ = {_fmt(data['delta'])}, "
                  f"steps charged = {data['steps']}")
