@@ -597,3 +597,24 @@ def test_a_detached_engine_refuses_to_step_and_a_second_step_is_refused():
     F.cross_entropy(model(ds.tensors[0]), ds.tensors[1]).backward()  # plain autograd again
     with pytest.raises(RuntimeError, match="was detached"):
         p.optimizer.step()
+
+
+def test_parameters_unfrozen_after_make_private_stop_the_step():
+    model, ds, p = _tiny()
+    model[0].bias.requires_grad_(False)
+    with pytest.raises(PrivacyViolation, match=r"trainable parameters changed .*'0.bias'"):
+        for x, y in p.data_loader:
+            F.cross_entropy(p.model(x), y).backward()
+            p.optimizer.step()
+
+
+def test_layer_thresholds_never_exceed_the_total():
+    torch.manual_seed(0)
+    model = SeqNet()
+    p = dpzero.make_private(model, dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=0.7, clipping="layer")
+    th = p.privacy_engine.book.thresholds
+    assert len(th) == 7
+    import fractions
+    total = sum(fractions.Fraction(t) ** 2 for t in th)
+    assert total <= fractions.Fraction(0.7) ** 2

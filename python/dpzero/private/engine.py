@@ -22,7 +22,6 @@ draw is ever applied twice; k is the same on every rank and for every W, stage a
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
@@ -501,6 +500,10 @@ class PrivacyEngine:
             raise ValueError(f"group_weights has {len(group_weights)} entries for {k} groups")
         if math.isfinite(c):
             thresholds = list(_C.privacy.group_thresholds(c, k, list(group_weights or [])))
+            if k > 1:
+                # C sqrt(w / sum w) is rounded (three float64 roundings, < 2 ulp); two steps down
+                # keep every C_g at or below its exact value, so sum C_g^2 <= C^2 holds exactly.
+                thresholds = [math.nextafter(math.nextafter(t, 0.0), 0.0) for t in thresholds]
         else:
             thresholds = [math.inf] * k
         groups = [sorted({l.component for l in layers if l.group == g}) for g in range(k)]
@@ -595,6 +598,17 @@ class PrivacyEngine:
         batches]): its loss means nothing and its gradient is discarded."""
         return bool(self._attached and self.book.padding)
 
+    def _trainable_changed(self) -> Optional[str]:
+        """The engine trains the parameters that were trainable at attach; one unfrozen since
+        would get no update (and no guard), one frozen since would still be updated."""
+        now = {id(p) for p in self.module.parameters() if p.requires_grad}
+        if now != {id(p) for p in self._trainable}:
+            names = [n for n, p in self.module.named_parameters()
+                     if p.requires_grad != any(p is q for q in self._trainable)]
+            return (f"the trainable parameters changed since make_private ({names[:5]}...); "
+                    "freeze or unfreeze before make_private")
+        return None
+
     def _check_attached(self) -> None:
         if self._detached:
             raise RuntimeError("this PrivacyEngine was detached from its model; its optimizer "
@@ -622,7 +636,7 @@ class PrivacyEngine:
             raise RuntimeError("step() was called again after the last micro-batch of logical "
                                f"step {self.next_step - 1}; each logical batch is stepped once")
         # Every rank checks, then all agree, so no rank waits in a collective another skipped.
-        local = book.error or book.stale_error() or (
+        local = book.error or book.stale_error() or self._trainable_changed() or (
             "step() after a forward whose backward has not run; call loss.backward() first (or "
             "zero_grad() to drop it)" if book.open else None)
         stats = book.take_stats() if local is None else None

@@ -190,8 +190,6 @@ class NormKind(LayerKind):
             w = getattr(module, "weight", None)
             if w is None or w.dim() != 1 or not hasattr(module, "variance_epsilon"):
                 return "a Hugging Face RMSNorm needs a 1-D weight and a variance_epsilon"
-        elif not module.elementwise_affine:
-            return None
         return None
 
     def normalized_ndim(self, module) -> int:
@@ -251,11 +249,6 @@ class NormKind(LayerKind):
 class ConvKind(LayerKind):
     """nn.Conv1d / nn.Conv2d. Non-zero padding modes and string paddings ('same') are applied to
     the input first (the ops then see padding 0)."""
-
-    def check(self, module):
-        if isinstance(module, nn.modules.conv._ConvTransposeNd):
-            return "transposed convolutions are not supported under DP"
-        return None
 
     def _prepadded(self, module) -> bool:
         return module.padding_mode != "zeros" or isinstance(module.padding, str)
