@@ -618,3 +618,50 @@ def test_layer_thresholds_never_exceed_the_total():
     import fractions
     total = sum(fractions.Fraction(t) ** 2 for t in th)
     assert total <= fractions.Fraction(0.7) ** 2
+
+
+def _agreement_rank_main(rank, world_size, store_path, out_path):
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    outcome = {}
+    try:
+        try:  # seed = base + rank: ranks would draw different batches and noise
+            dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                                max_grad_norm=1.0, seed=100 + rank)
+            outcome["seed"] = "accepted"
+        except ValueError as e:
+            outcome["seed"] = str(e)
+        p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                                max_grad_norm=1.0, seed=3, zero_stage=2)
+        for x, y in p.data_loader:
+            F.cross_entropy(p.model(x), y).backward()
+            if rank == 1:  # a refusal on one rank only (e.g. a parameter escaped its layer)
+                p.privacy_engine.book.error = "planted on rank 1"
+            try:
+                p.optimizer.step()
+                outcome["step"] = "taken"
+            except PrivacyViolation as e:
+                outcome["step"] = str(e)
+            break
+    finally:
+        torch.save(outcome, f"{out_path}.{rank}")
+        dist.destroy_process_group()
+
+
+def test_refusals_and_seed_mismatch_are_agreed_across_ranks(tmp_path):
+    """No rank may update (or wait forever in a collective) when another refuses."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "out")
+    mp.spawn(_agreement_rank_main, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        assert "seed must be the same on every rank" in got["seed"], got
+        assert got["step"].startswith("refusing the step"), got
+    assert "planted on rank 1" in torch.load(f"{out}.1")["step"]
+    assert "another rank refused it" in torch.load(f"{out}.0")["step"]
