@@ -648,6 +648,9 @@ def _agreement_rank_main(rank, world_size, store_path, out_path):
             except PrivacyViolation as e:
                 outcome["step"] = str(e)
             break
+        # Known issue (session note): after a refused step, an engine that outlives
+        # destroy_process_group can abort the process at exit; release it first.
+        del p
     finally:
         torch.save(outcome, f"{out_path}.{rank}")
         dist.destroy_process_group()

@@ -598,6 +598,19 @@ class PrivacyEngine:
         batches]): its loss means nothing and its gradient is discarded."""
         return bool(self._attached and self.book.padding)
 
+    def _drop_batch(self) -> None:
+        """A refused step's gradients are never released: drop them, after waiting for the
+        reductions in flight (every rank has the same ones, so this is collective-safe; a
+        reduction left in flight would also outlive its process group at exit). The error, if
+        any, stays until zero_grad()."""
+        self._micro = None
+        self._skipped_step = False
+        self.book.padding = False
+        self.book.expected_rows = None
+        self.book.discard()
+        self.book.take_stats()
+        self.sharded.zero_grad()
+
     def _trainable_changed(self) -> Optional[str]:
         """The engine trains the parameters that were trainable at attach; one unfrozen since
         would get no update (and no guard), one frozen since would still be updated."""
@@ -643,8 +656,9 @@ class PrivacyEngine:
         samples, dropped, failed = self._all_reduce(
             [stats.samples if stats else 0, stats.dropped if stats else 0, int(local is not None)])
         if failed:
+            self._drop_batch()
             raise PrivacyViolation(f"refusing the step: {local or 'another rank refused it'} "
-                                   "(call zero_grad() to drop this batch)")
+                                   "(the batch was dropped; call zero_grad() to go on)")
         if micro is not None:
             t, size = micro[0], micro[3]
             if samples > size:
@@ -652,7 +666,9 @@ class PrivacyEngine:
                 # counted twice (a micro-batch back-propagated twice, or batches mixed).
                 book.error = (f"{samples} rows reached the clipping in logical step {t}, whose "
                               f"batch has {size} examples")
-                raise PrivacyViolation(f"refusing the step: {book.error} (call zero_grad())")
+                self._drop_batch()
+                raise PrivacyViolation(f"refusing the step: {book.error} (the batch was "
+                                       "dropped; call zero_grad() to go on)")
         else:  # driven without our loader: the realised size is what the layers saw
             t, size = self.next_step, samples
         self._micro = None
@@ -663,6 +679,7 @@ class PrivacyEngine:
         k = self.charges
         if self.max_steps is not None and k + 1 > self.max_steps:
             eps, delta = self.budget
+            self._drop_batch()
             raise BudgetExhausted(
                 f"the privacy budget epsilon={eps} at delta={delta:.3g} "
                 f"({self.accountant_name}) allows {self.max_steps} steps at sigma={sigma}, "
