@@ -80,14 +80,12 @@ markers; notes outside them are kept) and experiments/results/private.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import gc
 import json
 import math
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -106,6 +104,8 @@ from opacus import PrivacyEngine as OpacusEngine
 from transformers import BertConfig, BertForSequenceClassification
 
 import dpzero
+from bench_common import (dpzero_version, proc_status_bytes, reset_peak_rss, write_csv,
+                          write_marked_section)
 
 # Everything above is imported before any measurement: module code is not model memory.
 
@@ -445,24 +445,6 @@ def time_interleaved(cfg: dict, data: Data, names, sigma: float, clip: float):
 # ---- memory --------------------------------------------------------------------------------------
 
 
-def proc_status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def reset_peak_rss() -> None:
-    """Resets VmHWM to the current VmRSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError as e:
-        raise SystemExit(f"private_bench: cannot reset the peak RSS through /proc/self/clear_refs "
-                         f"({e}); the rss measure needs it") from None
-
-
 def memory_child(cfg: dict, name: str, sigma: float, clip: float) -> dict:
     """Runs in a fresh process: {peak, held} bytes of system `name`."""
     torch.set_num_threads(cfg["threads"])
@@ -478,7 +460,7 @@ def memory_child(cfg: dict, name: str, sigma: float, clip: float) -> dict:
     system = System(name, cfg, data, sigma, clip)
     for s in range(2):
         system.step(*data.batch(s))
-    reset_peak_rss()
+    reset_peak_rss("private_bench")
     for s in range(2, 2 + cfg["memory_steps"]):
         system.step(*data.batch(s))
     peak = proc_status_bytes("VmHWM") - base
@@ -545,13 +527,6 @@ def summarize(names, times, time_errors, memory, checks) -> tuple[list[dict], st
     return rows, best
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def cell(r, key, fmt):
     v = r.get(key)
     return "—" if v is None else fmt.format(v)
@@ -593,7 +568,7 @@ def check_table(rows: list[dict], stats: dict, clip: float) -> list[str]:
 def verdicts(rows: list[dict], best: str | None) -> list[str]:
     by = {r["system"]: r for r in rows}
     out = []
-    dp, zero = by.get("dp-flat", {}), by.get("zero0", {})
+    dp = by.get("dp-flat", {})
     if "time_vs_zero0" in dp:
         ok = dp["time_vs_zero0"] <= 1.2
         out.append(f"- DP step ≤ 1.2× our non-private step: dp-flat / zero0 = "
@@ -631,18 +606,6 @@ def installed_stamp() -> dict:
                 path = os.path.join(d, f)
                 out[os.path.relpath(path, root)] = os.path.getmtime(path)
     return out
-
-
-def dpzero_version() -> str:
-    """The git commit of this checkout (+ "-dirty") and when the installed extension was built:
-    the engine under test is the installed one, which may lag or lead the checkout."""
-    try:
-        commit = subprocess.run(["git", "-C", HERE, "describe", "--always", "--dirty"],
-                                capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown commit"
-    built = datetime.datetime.fromtimestamp(os.path.getmtime(dpzero._C.__file__))
-    return f"checkout {commit}, installed dpzero/_C built {built:%Y-%m-%d %H:%M}"
 
 
 def write_markdown(path: str, args, cfg, rows, best, checks, run: dict) -> None:
@@ -719,15 +682,7 @@ def write_markdown(path: str, args, cfg, rows, best, checks, run: dict) -> None:
     title = ("# Private step: dpzero.make_private against non-private and Opacus (CPU)\n\n"
              "Written by `experiments/private_bench.py`; its docstring says what each column "
              "measures and how.\n")
-    text = open(path).read() if os.path.exists(path) else title
-    pattern = re.compile(r"<!-- private_bench:begin -->.*?<!-- private_bench:end -->", re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text.rstrip("\n") + "\n")
+    write_marked_section(path, "private_bench", title, section)
 
 
 def main() -> None:
@@ -805,7 +760,7 @@ def main() -> None:
     print("\n".join(table(rows, best)))
     print("\n".join(verdicts(rows, best)))
     csv_path = os.path.splitext(args.out)[0] + ".csv"
-    write_csv(csv_path, rows)
+    write_csv(csv_path, rows, CSV_FIELDS)
     write_markdown(args.out, args, cfg, rows, best, checks, run)
     print(f"wrote {args.out} and {csv_path}")
 

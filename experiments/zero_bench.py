@@ -59,15 +59,12 @@ and experiments/results/zero.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import gc
 import inspect
 import os
 import platform
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -83,6 +80,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import dpzero
+from bench_common import (dpzero_version, proc_status_bytes, reset_peak_rss, write_csv,
+                          write_marked_section)
 
 # Everything above is imported before any measurement: module code is not model memory.
 
@@ -233,18 +232,6 @@ def has_prefetch_switch() -> bool:
     return "prefetch" in inspect.signature(dpzero.shard).parameters
 
 
-def dpzero_version() -> str:
-    """The git commit of this checkout (+ "-dirty") and when the installed extension was built:
-    the engine under test is the installed one, which may lag or lead the checkout."""
-    try:
-        commit = subprocess.run(["git", "-C", HERE, "describe", "--always", "--dirty"],
-                                capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown commit"
-    built = datetime.datetime.fromtimestamp(os.path.getmtime(dpzero._C.__file__))
-    return f"checkout {commit}, installed dpzero/_C built {built:%Y-%m-%d %H:%M}"
-
-
 # ---- rank processes ------------------------------------------------------------------------------
 
 
@@ -319,24 +306,6 @@ def run_rank(rank, world_size, store, cfg, out_path, measure) -> None:
         dist.destroy_process_group()
 
 
-def proc_status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def reset_peak_rss() -> None:
-    """Resets VmHWM to the current VmRSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError as e:
-        raise SystemExit(f"zero_bench: cannot reset the peak RSS through /proc/self/clear_refs "
-                         f"({e}); the rss measure needs it") from None
-
-
 def warm_up_libraries(cfg: dict, batch) -> None:
     """One plain training step of a throwaway model, freed again: one-off set-up that is not the
     system's memory (torch.optim's first construction alone imports torch._dynamo, ~70 MiB of
@@ -363,7 +332,7 @@ def measure_memory_rank(rank, world_size, cfg, name) -> list[dict]:
     system = build(name, cfg, world_size)
     for s in range(2):
         system.step(*local_rows(batches[s % len(batches)], rank, micro))
-    reset_peak_rss()
+    reset_peak_rss("zero_bench")
     for s in range(2, 2 + cfg["memory_steps"]):
         system.step(*local_rows(batches[s % len(batches)], rank, micro))
     peak = proc_status_bytes("VmHWM") - base
@@ -424,13 +393,6 @@ def summarize(names, timing, memory) -> list[dict]:
     return rows
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def table(rows: list[dict]) -> list[str]:
     bases = [b for b in ("fsdp2", "ddp") if f"time_vs_{b}" in rows[0]]
     head = ["system", "step ms (median)", "IQR ms", "state MiB (params+grads+opt)",
@@ -488,15 +450,7 @@ def write_markdown(path: str, args, cfg, rows, run: dict) -> None:
     title = ("# ZeRO: dpzero.shard stages 0-3 against PyTorch DDP and FSDP2 (CPU, Gloo)\n\n"
              "Written by `experiments/zero_bench.py`; its docstring says what each column "
              "measures and how.\n")
-    text = open(path).read() if os.path.exists(path) else title
-    pattern = re.compile(r"<!-- zero_bench:begin -->.*?<!-- zero_bench:end -->", re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text.rstrip("\n") + "\n")
+    write_marked_section(path, "zero_bench", title, section)
 
 
 def main() -> None:
@@ -541,7 +495,7 @@ def main() -> None:
     rows = summarize(names, timing, memory)
     print("\n".join(table(rows)))
     csv_path = os.path.splitext(args.out)[0] + ".csv"
-    write_csv(csv_path, rows)
+    write_csv(csv_path, rows, CSV_FIELDS)
     write_markdown(args.out, args, cfg, rows, run)
     print(f"wrote {args.out} and {csv_path}")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from .. import _C
 from ..accounting import Ledger

@@ -1,0 +1,67 @@
+"""Pieces the benchmarks in experiments/ share: peak-RSS measurement through /proc, the CSV and
+the marked section of a results markdown file, and the version stamp of the engine under test."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import re
+import subprocess
+
+import dpzero
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def proc_status_bytes(field: str) -> int:
+    """A /proc/self/status memory field (VmRSS, VmHWM, ...) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss(tool: str) -> None:
+    """Resets VmHWM to the current VmRSS (Linux >= 4.0); ``tool`` names the caller in the error."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError as e:
+        raise SystemExit(f"{tool}: cannot reset the peak RSS through /proc/self/clear_refs "
+                         f"({e}); the rss measure needs it") from None
+
+
+def write_csv(path: str, rows: list[dict], fields: list[str]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def dpzero_version() -> str:
+    """The git commit of this checkout (+ "-dirty") and when the installed extension was built:
+    the engine under test is the installed one, which may lag or lead the checkout."""
+    try:
+        commit = subprocess.run(["git", "-C", HERE, "describe", "--always", "--dirty"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown commit"
+    built = datetime.datetime.fromtimestamp(os.path.getmtime(dpzero._C.__file__))
+    return f"checkout {commit}, installed dpzero/_C built {built:%Y-%m-%d %H:%M}"
+
+
+def write_marked_section(path: str, tag: str, title: str, section: str) -> None:
+    """Replaces the part of ``path`` between <!-- TAG:begin --> and <!-- TAG:end --> with
+    ``section`` (which carries the markers), keeping notes outside them; a new file starts with
+    ``title``."""
+    text = open(path).read() if os.path.exists(path) else title
+    pattern = re.compile(rf"<!-- {tag}:begin -->.*?<!-- {tag}:end -->", re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text.rstrip("\n") + "\n")
