@@ -88,9 +88,17 @@ def epsilon_curve(
 ) -> Dict[str, List[float]]:
     """ε after t steps for t on a geometric grid up to ``steps`` (RDP, PRV lower/estimate/upper)."""
     grid = sorted({max(1, round(steps ** (k / (points - 1)))) for k in range(points)} | {steps})
+    return curve_over(grid, lambda t: [_acc.Phase(q, sigma, t)], delta, accountants, eps_error)
+
+
+def curve_over(grid: Sequence[int], phases_at, delta: float,
+               accountants: Sequence[str] = ACCOUNTANTS,
+               eps_error: float = 0.01) -> Dict[str, List[float]]:
+    """ε of ``phases_at(t)`` (the phases of the first t steps) for each t in ``grid``: the curve
+    of a planned run (``epsilon_curve``) or of a recorded ledger (training reports)."""
     curve: Dict[str, List[float]] = {"steps": [float(t) for t in grid]}
     for t in grid:
-        rep = evaluate([_acc.Phase(q, sigma, t)], delta, accountants, eps_error)
+        rep = evaluate(phases_at(t), delta, accountants, eps_error)
         for r in rep.results:
             if r.accountant == "rdp":
                 curve.setdefault("rdp", []).append(r.epsilon)

@@ -142,3 +142,21 @@ def naive_dp_sgd_step(model: nn.Module, loss_fn: Callable, inputs, targets, *, m
         offset += p.numel()
         out[n] = (p.detach().double() - lr * (summed[n] + z) / expected_batch).float()
     return out
+
+
+def first_private_step(model: nn.Module, dataset, loss: Callable, **kwargs):
+    """The other side of the comparison: ``dpzero.make_private`` (SGD) trained through its loader
+    until its first private step; returns (PrivateTraining, the logical batch's inputs, targets),
+    the batch being every micro-batch of step 0 concatenated."""
+    import dpzero
+
+    p = dpzero.make_private(model, dataset=dataset, optimizer="sgd", **kwargs)
+    xs, ys = [], []
+    for x, y in p.data_loader:
+        xs.append(x)
+        ys.append(y)
+        p.optimizer.zero_grad()
+        loss(p.model(x), y).backward()
+        if p.optimizer.step():
+            break
+    return p, torch.cat(xs), torch.cat(ys)

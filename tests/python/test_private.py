@@ -13,7 +13,7 @@ from torch import nn
 
 import dpzero
 from dpzero.private import PrivacyViolation
-from private_reference import naive_dp_sgd_step
+from private_reference import first_private_step, naive_dp_sgd_step
 
 V, T, D, K = 23, 6, 8, 3  # vocabulary, sequence length, width, classes
 EXTRA = {}
@@ -77,16 +77,10 @@ def loss_fn(out, y):
 
 def one_private_step(model, dataset, **kwargs):
     """Runs step 0 through the loader; returns (engine, the logical batch, params after)."""
-    p = dpzero.make_private(model, dataset=dataset, optimizer="sgd", **kwargs)
-    xs, ys = [], []
-    for x, y in p.data_loader:
-        xs.append(x)
-        ys.append(y)
-        p.optimizer.zero_grad()
-        F.cross_entropy(p.model(x), y, reduction=kwargs.get("loss_reduction", "mean")).backward()
-        if p.optimizer.step() is not False and p.privacy_engine.steps_taken == 1:
-            break
-    return p, torch.cat(xs), torch.cat(ys), p.privacy_engine.parameters()
+    reduction = kwargs.get("loss_reduction", "mean")
+    p, x, y = first_private_step(
+        model, dataset, lambda out, t: F.cross_entropy(out, t, reduction=reduction), **kwargs)
+    return p, x, y, p.privacy_engine.parameters()
 
 
 def assert_close_params(got, want, atol=2e-5):

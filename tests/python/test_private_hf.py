@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpzero
-from private_reference import naive_dp_sgd_step
+from private_reference import first_private_step, naive_dp_sgd_step
 from text_data import byte_sequences
 
 transformers = pytest.importorskip("transformers")
@@ -76,19 +76,6 @@ def image_data(n=32):
                                           torch.randint(0, 3, (n,), generator=g))
 
 
-def first_step(model, ds, loss, **kwargs):
-    p = dpzero.make_private(model, dataset=ds, optimizer="sgd", **kwargs)
-    xs, ys = [], []
-    for x, y in p.data_loader:
-        xs.append(x)
-        ys.append(y)
-        p.optimizer.zero_grad()
-        loss(p.model(x), y).backward()
-        if p.optimizer.step():
-            break
-    return p, torch.cat(xs), torch.cat(ys)
-
-
 @pytest.mark.parametrize("family", ["gpt2", "bert", "llama", "vit"])
 @pytest.mark.parametrize("clipping", ["flat", "layer"])
 def test_hf_step_equals_naive_dp_sgd(family, clipping):
@@ -103,8 +90,9 @@ def test_hf_step_equals_naive_dp_sgd(family, clipping):
     ref = copy.deepcopy(model)
     ds = data()
     c, sigma, lr, q = 0.3, 0.6, 0.5, 0.25
-    p, x, y = first_step(model, ds, loss, sample_rate=q, noise_multiplier=sigma, max_grad_norm=c,
-                         clipping=clipping, seed=11, lr=lr, max_physical_batch_size=3)
+    p, x, y = first_private_step(model, ds, loss, sample_rate=q, noise_multiplier=sigma,
+                                 max_grad_norm=c, clipping=clipping, seed=11, lr=lr,
+                                 max_physical_batch_size=3)
     got = p.privacy_engine.parameters()
     want = naive_dp_sgd_step(ref, loss, x, y, max_grad_norm=c, noise_multiplier=sigma, seed=11,
                              noise_index=0, lr=lr, expected_batch=q * len(ds), clipping=clipping)
@@ -128,9 +116,9 @@ def test_lora_adapters_on_a_frozen_base():
     ref = copy.deepcopy(model)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     ds = token_data()
-    p, x, y = first_step(model, ds, lm_loss, sample_rate=0.25, noise_multiplier=0.5,
-                         max_grad_norm=0.2, seed=3, lr=0.5, max_physical_batch_size=4,
-                         zero_stage=2)
+    p, x, y = first_private_step(model, ds, lm_loss, sample_rate=0.25, noise_multiplier=0.5,
+                                 max_grad_norm=0.2, seed=3, lr=0.5, max_physical_batch_size=4,
+                                 zero_stage=2)
     got = p.privacy_engine.parameters()
     assert got and all("lora_" in n for n in got)  # only the adapters are trained
     want = naive_dp_sgd_step(ref, lm_loss, x, y, max_grad_norm=0.2, noise_multiplier=0.5, seed=3,

@@ -55,7 +55,8 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
         why = _rejection(module)
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
         trainable_own = [n for n, p in own if p.requires_grad]
-        if why is not None and (trainable_own or isinstance(module, nn.modules.batchnorm._BatchNorm)):
+        batch_norm = isinstance(module, nn.modules.batchnorm._BatchNorm)
+        if why is not None and (trainable_own or batch_norm):
             problems.append(f"{name or '<model>'} ({type(module).__name__}): {why}")
             continue
         if not trainable_own:

@@ -448,6 +448,7 @@ class PrivacyEngine:
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
         self._trainable = list(trainable.values())
+        self._trainable_ids = frozenset(trainable)  # checked at every step
         # Whole epochs never exceed the steps σ was calibrated for (int(epochs / q), Opacus's).
         steps_per_epoch = max(1, int(1.0 / q))
         self.model = PrivateModule(model, self)
@@ -615,7 +616,7 @@ class PrivacyEngine:
         """The engine trains the parameters that were trainable at attach; one unfrozen since
         would get no update (and no guard), one frozen since would still be updated."""
         now = {id(p) for p in self.module.parameters() if p.requires_grad}
-        if now != {id(p) for p in self._trainable}:
+        if now != self._trainable_ids:
             names = [n for n, p in self.module.named_parameters()
                      if p.requires_grad != any(p is q for q in self._trainable)]
             return (f"the trainable parameters changed since make_private ({names[:5]}...); "

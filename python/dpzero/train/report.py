@@ -16,7 +16,7 @@ from typing import Dict, List
 
 from .. import _C
 from ..accounting import Ledger
-from ..budget import evaluate
+from ..budget import curve_over, evaluate
 
 _acc = _C.accounting
 
@@ -39,19 +39,7 @@ def ledger_curve(phases, delta: float, points: int = 16) -> Dict[str, List[float
     if total == 0:
         return {"steps": []}
     grid = sorted({max(1, round(total * k / (points - 1))) for k in range(points)} | {total})
-    curve: Dict[str, List[float]] = {"steps": [float(t) for t in grid]}
-    for t in grid:
-        rep = evaluate(_prefix(phases, t), delta)
-        for r in rep.results:
-            if r.accountant == "rdp":
-                curve.setdefault("rdp", []).append(r.epsilon)
-            else:
-                curve.setdefault("prv_upper", []).append(r.epsilon)
-                curve.setdefault("prv_estimate", []).append(
-                    r.estimate if r.estimate is not None else math.nan)
-                curve.setdefault("prv_lower", []).append(
-                    r.lower if r.lower is not None else math.nan)
-    return curve
+    return curve_over(grid, lambda t: _prefix(phases, t), delta)
 
 
 def _read_jsonl(path: str) -> List[dict]:
