@@ -43,6 +43,10 @@ TORCH_LIBRARY(dpzero, m) {
   // Any bias: G [B, ..., d] with the bias dim last -> [B] / [d].
   m.def("bias_sq_norms(Tensor G) -> Tensor");
   m.def("bias_clipped_sum(Tensor G, Tensor scale) -> Tensor");
+  // Note [kept per-sample gradients]: -> (per-sample bias gradients [B, d] float64, sq_norms [B]).
+  m.def("bias_per_sample(Tensor G) -> (Tensor, Tensor)");
+  // Kept per-sample gradients grads [B, ...] (float64 / float32), scale [B] -> [...] float32.
+  m.def("per_sample_clipped_sum(Tensor grads, Tensor scale) -> Tensor");
   // Embedding [V, d]: ids [B, ...] int64/int32, G ids.shape + [d]; padding_idx as in nn.Embedding
   // (padding tokens get no gradient). clipped sum -> [V, d].
   m.def("embedding_sq_norms(Tensor ids, Tensor G, int num_embeddings, int? padding_idx=None, "
@@ -64,6 +68,10 @@ TORCH_LIBRARY(dpzero, m) {
   m.def("layer_norm_clip(Tensor input, Tensor G, float eps, float max_norm, str mode, "
         "float gamma=0.01, bool rms=False, bool bias=False, int normalized_ndim=1) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Note [kept per-sample gradients]: -> (per-sample weight gradients [B, *normalized_shape]
+  // float64, sq_norms [B]); the bias's: bias_per_sample.
+  m.def("layer_norm_per_sample(Tensor input, Tensor G, float eps, bool rms=False, "
+        "int normalized_ndim=1) -> (Tensor, Tensor)");
   // Conv1d (kernel_size [k]) / Conv2d ([kh, kw]): input [B, C_in, *spatial], G [B, C_out,
   // *out_spatial]; zero padding given as ints. clipped sum -> [C_out, C_in/groups, *kernel_size].
   m.def("conv_sq_norms(Tensor input, Tensor G, int[] kernel_size, int[] stride, int[] padding, "
@@ -85,4 +93,8 @@ TORCH_LIBRARY(dpzero, m) {
   // kernels/per_sample_checks.h) and returns the previous one. A tiny budget makes the loops run
   // many chunks, the last one short.
   m.def("_set_chunk_bytes(int bytes) -> int");
+  // Tests only: the CPU noise ops draw in AVX2 lanes (Note [cpu noise lanes] in
+  // kernels/cpu/noise_simd.h) when `enabled` and the CPU has them, with the scalar header draw
+  // otherwise; returns the previous setting.
+  m.def("_set_noise_lanes(bool enabled) -> bool");
 }

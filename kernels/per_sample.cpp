@@ -38,12 +38,15 @@ TORCH_LIBRARY_IMPL(dpzero, CompositeExplicitAutograd, m) {
   m.impl("linear_clip", &per_sample::linear_clip);
   m.impl("bias_sq_norms", &per_sample::bias_sq_norms);
   m.impl("bias_clipped_sum", &per_sample::bias_clipped_sum);
+  m.impl("bias_per_sample", &per_sample::bias_per_sample);
+  m.impl("per_sample_clipped_sum", &per_sample::per_sample_clipped_sum);
   m.impl("embedding_sq_norms", &per_sample::embedding_sq_norms);
   m.impl("embedding_clipped_sum", &per_sample::embedding_clipped_sum);
   m.impl("embedding_clip", &per_sample::embedding_clip);
   m.impl("layer_norm_sq_norms", &per_sample::layer_norm_sq_norms);
   m.impl("layer_norm_clipped_sum", &per_sample::layer_norm_clipped_sum);
   m.impl("layer_norm_clip", &per_sample::layer_norm_clip);
+  m.impl("layer_norm_per_sample", &per_sample::layer_norm_per_sample);
   m.impl("conv_sq_norms", &per_sample::conv_sq_norms);
   m.impl("conv_clipped_sum", &per_sample::conv_clipped_sum);
   m.impl("conv_clip", &per_sample::conv_clip);

@@ -2,16 +2,42 @@
 // dpzero::_token_ghost_sq_norms (schemas in kernels/ops.cpp), the backend kernels behind the
 // ghost path of the layer ops in kernels/per_sample_ops.h (Note [ghost norm] there).
 //
-// A chunk of samples at a time: the inputs are converted to float64 (exactly), batched float64
-// GEMMs build the [c, T, T] Grams, then at::parallel_for over the chunk's samples reduces each
-// sample's Grams to one float64 number, row by row (Note [ghost summation depth] in
+// A chunk of samples at a time: the inputs are copied to float64 (exactly) into a reused scratch
+// buffer (Note [cpu scratch]), batched float64 GEMMs build the lower block triangle of each
+// [c, T, T] Gram (Note [gram strips]), then at::parallel_for over the chunk's samples reduces
+// each sample's Grams to one float64 number, row by row (Note [ghost summation depth] in
 // kernels/per_sample_checks.h), and reads S = sum_t ||a_t|| ||g_t|| off the Gram diagonals. Both
 // are raw float64 values; the layer ops turn them into a certified upper bound (Note [certified
 // norms] in kernels/per_sample_ops.h).
+//
+// Note [gram strips]
+// ~~~~~~~~~~~~~~~~~~
+// A Gram X X^T is symmetric and the ghost value sum_{s,t} ĜA[s,t] ĜG[s,t] is a sum over a
+// symmetric pattern, so only the lower block triangle is formed: the rows are cut into nb blocks
+// [r0, r1), and block I's strip is X[r0:r1] X[0:r1]^T ([c, r1 - r0, r1]: the off-diagonal blocks
+// left of the diagonal and the whole diagonal block). Row s of a strip contributes
+//   2 * (sum_{u < r0} ĜA[s,u] ĜG[s,u]) + sum_{r0 <= u < r1} ĜA[s,u] ĜG[s,u],
+// the off-diagonal part standing for itself and its mirror image. Every entry is still the same
+// length-d inner product (Note [certified norms] is unchanged: the GEMM computes X[s] . X[u] the
+// same way whichever block it lands in, and the entries (s,u) and (u,s) of a full Gram are
+// equal), doubling is exact, and a row passes through at most max(r0, r1 - r0) + 1 <= T
+// additions before joining the running sum over rows (T - 1 more): depth <= 2T, as Note [ghost
+// summation depth] assumes. With nb = 4 blocks at T = 128 the GEMMs do 10/16 of the full Grams'
+// work (measured 1.78 -> 0.93 ms for one [16, 128, 256] float64 Gram on 2 cores).
+//
+// Note [cpu scratch]
+// ~~~~~~~~~~~~~~~~~~
+// A fresh multi-MiB CPU tensor is fresh pages, and faulting them in costs more than the copy that
+// fills them: a [16, 128, 1024] float32 -> float64 copy took 2.2 ms into a new tensor and 0.2 ms
+// into an existing one. The ghost kernels therefore carve their float64 copies and Gram strips out
+// of one buffer per thread, kept between calls and grown to the largest chunk seen; a chunk is at
+// most the per-sample-op chunk budget (64 MiB, kernels/per_sample_checks.h) unless a single sample
+// needs more, and a request above the budget gets a one-off tensor instead of growing the buffer.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,55 +48,86 @@
 namespace dpzero::kernels {
 namespace {
 
-// Per sample i of [c, T, T] Grams: value[i] = sum_s (sum_t ga[i,s,t] * gg[i,s,t]), and
-// norms[i] = sum_t sqrt(ga[i,t,t] * gg[i,t,t]) = sum_t ||a_t|| ||g_t|| from the Gram diagonals.
-void frobenius_dots(const at::Tensor& ga,  // [c, T, T] float64, contiguous
-                    const at::Tensor& gg,  // [c, T, T] float64, contiguous
-                    double* value,         // [c]
-                    double* norms) {       // [c]
-  const int64_t c = gg.size(0), t = gg.size(1);
-  const double* pa = ga.data_ptr<double>();
-  const double* pg = gg.data_ptr<double>();
-  at::parallel_for(0, c, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      double acc = 0.0, s_acc = 0.0;
-      for (int64_t s = 0; s < t; ++s) {
-        const double* a = pa + (i * t + s) * t;
-        const double* g = pg + (i * t + s) * t;
-        double row = 0.0;
-        for (int64_t u = 0; u < t; ++u) row += a[u] * g[u];
-        acc += row;
-        s_acc += std::sqrt(a[s] * g[s]);
-      }
-      value[i] = acc;
-      norms[i] = s_acc;
-    }
-  });
+// Note [cpu scratch]: `numel` float64 elements of this thread's reused buffer (contents
+// undefined), or a new tensor when that would take more than the chunk budget.
+at::Tensor scratch_f64(int64_t numel) {
+  thread_local at::Tensor buffer;
+  if (numel * 8 > chunk_bytes_budget().load() && numel * 8 > kChunkBytes) {
+    return at::empty({numel}, at::kDouble);
+  }
+  if (!buffer.defined() || buffer.numel() < numel) buffer = at::empty({numel}, at::kDouble);
+  return buffer.slice(0, 0, numel);
 }
 
-// Per sample i: value[i] = sum_{s: id_s != pad} (sum_{t: id_t = id_s} gg[i,s,t]) (the
-// token-equality Gram of an embedding's one-hot inputs, never formed), and norms[i] =
-// sum_{t: id_t != pad} sqrt(gg[i,t,t]) = sum_{t: id_t != pad} ||g_t||. Entries of a padding
-// token's row or column are never read, so a NaN in a padding token's G row does not reach them.
-void token_dots(const at::Tensor& ids,  // [c, T] int64, contiguous
-                const at::Tensor& gg,   // [c, T, T] float64, contiguous
-                int64_t pad, double* value, double* norms) {
-  const int64_t c = gg.size(0), t = gg.size(1);
-  const int64_t* pid = ids.data_ptr<int64_t>();
-  const double* pg = gg.data_ptr<double>();
+// Note [gram strips]: the row blocks [r0, r1) of a length-T sequence. Blocks of >= 32 rows, at
+// most 8 of them.
+std::vector<std::pair<int64_t, int64_t>> row_blocks(int64_t t) {
+  const int64_t nb = std::clamp<int64_t>(t / 32, 1, 8);
+  const int64_t rows = (t + nb - 1) / nb;
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  for (int64_t r0 = 0; r0 < t; r0 += rows) blocks.emplace_back(r0, std::min(t, r0 + rows));
+  return blocks;
+}
+
+// Elements of one sample's strips: sum over blocks of (r1 - r0) * r1.
+int64_t strip_numel(const std::vector<std::pair<int64_t, int64_t>>& blocks) {
+  int64_t n = 0;
+  for (const auto& [r0, r1] : blocks) n += (r1 - r0) * r1;
+  return n;
+}
+
+// The strips of x [c, T, d] float64 into `out` (c * strip_numel float64, laid out block after
+// block, each [c, r1 - r0, r1] contiguous): strip I = x[:, r0:r1] x[:, 0:r1]^T.
+void gram_strips(const at::Tensor& x, const std::vector<std::pair<int64_t, int64_t>>& blocks,
+                 const at::Tensor& out) {
+  const int64_t c = x.size(0);
+  int64_t at_elem = 0;
+  for (const auto& [r0, r1] : blocks) {
+    const int64_t n = c * (r1 - r0) * r1;
+    at::Tensor strip = out.slice(0, at_elem, at_elem + n).view({c, r1 - r0, r1});
+    at::bmm_out(strip, x.slice(1, r0, r1), x.slice(1, 0, r1).transpose(1, 2));
+    at_elem += n;
+  }
+}
+
+// Per sample i of a chunk of c samples, from the strips of its A and G Grams (Note [gram
+// strips]): value[i] = sum_{s,t} ga[s,t] gg[s,t], norms[i] = sum_t sqrt(ga[t,t] gg[t,t]) =
+// sum_t ||a_t|| ||g_t||. With ids (the token Gram of an embedding's one-hot inputs, never formed;
+// ga == nullptr): the product's A factor is [id_s == id_t], rows and columns of padding tokens
+// are skipped (so a NaN in a padding token's G row does not reach the result), and norms[i] =
+// sum_{t: id_t != pad} sqrt(gg[t,t]).
+void strip_dots(const double* ga, const double* gg, const int64_t* ids, int64_t pad, int64_t c,
+                const std::vector<std::pair<int64_t, int64_t>>& blocks, double* value,
+                double* norms) {
   at::parallel_for(0, c, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t* id = pid + i * t;
-      const double* g = pg + i * t * t;
+      const int64_t* id = ids == nullptr ? nullptr : ids + i * blocks.back().second;
       double acc = 0.0, s_acc = 0.0;
-      for (int64_t s = 0; s < t; ++s) {
-        if (id[s] == pad) continue;
-        double row = 0.0;
-        for (int64_t u = 0; u < t; ++u) {
-          if (id[u] == id[s]) row += g[s * t + u];
+      int64_t block_start = 0;  // element offset of this block's strips for sample 0
+      for (const auto& [r0, r1] : blocks) {
+        const int64_t rows = r1 - r0;
+        const int64_t base = block_start + i * rows * r1;
+        for (int64_t s = r0; s < r1; ++s) {
+          if (id != nullptr && id[s] == pad) continue;
+          const double* g_row = gg + base + (s - r0) * r1;
+          const double* a_row = ga == nullptr ? nullptr : ga + base + (s - r0) * r1;
+          double off = 0.0, diag = 0.0;
+          if (id == nullptr) {
+            for (int64_t u = 0; u < r0; ++u) off += a_row[u] * g_row[u];
+            for (int64_t u = r0; u < r1; ++u) diag += a_row[u] * g_row[u];
+            s_acc += std::sqrt(a_row[s] * g_row[s]);
+          } else {
+            for (int64_t u = 0; u < r0; ++u) {
+              if (id[u] == id[s]) off += g_row[u];
+            }
+            for (int64_t u = r0; u < r1; ++u) {
+              if (id[u] == id[s]) diag += g_row[u];
+            }
+            s_acc += std::sqrt(g_row[s]);
+          }
+          acc += 2.0 * off + diag;
         }
-        acc += row;
-        s_acc += std::sqrt(g[s * t + s]);
+        block_start += c * rows * r1;
       }
       value[i] = acc;
       norms[i] = s_acc;
@@ -82,18 +139,31 @@ void token_dots(const at::Tensor& ids,  // [c, T] int64, contiguous
 // float64.
 std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_cpu(const at::Tensor& a, const at::Tensor& g) {
   check_ghost_args("_ghost_sq_norms", a, "A", g);
-  const int64_t b = g.size(0), t = g.size(1);
+  const int64_t b = g.size(0), t = g.size(1), d_in = a.size(2), d_out = g.size(2);
   at::Tensor value = at::zeros({b}, g.options().dtype(at::kDouble));
   at::Tensor norms = at::zeros({b}, g.options().dtype(at::kDouble));
-  // Per sample: two float64 Grams and float64 copies of its rows.
-  const int64_t chunk = samples_per_chunk(b, 8 * (2 * t * t + t * (a.size(2) + g.size(2))));
+  if (b == 0 || t == 0) return {value, norms};
+  const auto blocks = row_blocks(t);
+  const int64_t strip = strip_numel(blocks);
+  // Per sample: float64 copies of its rows and the strips of its two Grams.
+  const int64_t per_sample = t * (d_in + d_out) + 2 * strip;
+  const int64_t chunk = samples_per_chunk(b, 8 * per_sample);
+  const at::Tensor ws = scratch_f64(chunk * per_sample);
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
-    const int64_t i1 = std::min(b, i0 + chunk);
-    const at::Tensor ac = a.slice(0, i0, i1).to(at::kDouble);
-    const at::Tensor gc = g.slice(0, i0, i1).to(at::kDouble);
-    const at::Tensor gram_a = at::bmm(ac, ac.transpose(1, 2)).contiguous();  // [c, T, T]
-    const at::Tensor gram_g = at::bmm(gc, gc.transpose(1, 2)).contiguous();  // [c, T, T]
-    frobenius_dots(gram_a, gram_g, value.data_ptr<double>() + i0, norms.data_ptr<double>() + i0);
+    const int64_t c = std::min(b, i0 + chunk) - i0;
+    int64_t at_elem = 0;
+    const auto take = [&](int64_t n) {
+      at::Tensor part = ws.slice(0, at_elem, at_elem + n);
+      at_elem += n;
+      return part;
+    };
+    const at::Tensor ac = take(c * t * d_in).view({c, t, d_in}).copy_(a.slice(0, i0, i0 + c));
+    const at::Tensor gc = take(c * t * d_out).view({c, t, d_out}).copy_(g.slice(0, i0, i0 + c));
+    const at::Tensor strips_a = take(c * strip), strips_g = take(c * strip);
+    gram_strips(ac, blocks, strips_a);
+    gram_strips(gc, blocks, strips_g);
+    strip_dots(strips_a.data_ptr<double>(), strips_g.data_ptr<double>(), nullptr, 0, c, blocks,
+               value.data_ptr<double>() + i0, norms.data_ptr<double>() + i0);
   }
   return {value, norms};
 }
@@ -104,16 +174,24 @@ std::tuple<at::Tensor, at::Tensor> token_ghost_sq_norms_cpu(const at::Tensor& id
                                                             const at::Tensor& g,
                                                             int64_t padding_idx) {
   check_token_ghost_args(ids, g, padding_idx);
-  const int64_t b = g.size(0), t = g.size(1);
+  const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
   at::Tensor value = at::zeros({b}, g.options().dtype(at::kDouble));
   at::Tensor norms = at::zeros({b}, g.options().dtype(at::kDouble));
-  const int64_t chunk = samples_per_chunk(b, 8 * (t * t + t * g.size(2)));
+  if (b == 0 || t == 0) return {value, norms};
+  const auto blocks = row_blocks(t);
+  const int64_t strip = strip_numel(blocks);
+  const int64_t per_sample = t * d + strip;
+  const int64_t chunk = samples_per_chunk(b, 8 * per_sample);
+  const at::Tensor ws = scratch_f64(chunk * per_sample);
+  const at::Tensor ids_c = ids.contiguous();
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
-    const int64_t i1 = std::min(b, i0 + chunk);
-    const at::Tensor gc = g.slice(0, i0, i1).to(at::kDouble);
-    const at::Tensor gram_g = at::bmm(gc, gc.transpose(1, 2)).contiguous();  // [c, T, T]
-    token_dots(ids.slice(0, i0, i1).contiguous(), gram_g, padding_idx,
-               value.data_ptr<double>() + i0, norms.data_ptr<double>() + i0);
+    const int64_t c = std::min(b, i0 + chunk) - i0;
+    const at::Tensor gc = ws.slice(0, 0, c * t * d).view({c, t, d}).copy_(g.slice(0, i0, i0 + c));
+    const at::Tensor strips_g = ws.slice(0, c * t * d, c * t * d + c * strip);
+    gram_strips(gc, blocks, strips_g);
+    strip_dots(nullptr, strips_g.data_ptr<double>(), ids_c.data_ptr<int64_t>() + i0 * t,
+               padding_idx, c, blocks, value.data_ptr<double>() + i0,
+               norms.data_ptr<double>() + i0);
   }
   return {value, norms};
 }

@@ -1,12 +1,36 @@
 // kernels/cpu/noise.cpp — CPU implementation of dpzero::add_noise_ (schema in kernels/ops.cpp).
+// The draws come eight blocks at a time from AVX2 lanes where the CPU has them (Note [cpu noise
+// lanes] in kernels/cpu/noise_simd.h), from the scalar privacy::normal2 otherwise.
+#include <algorithm>
+#include <atomic>
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels/cpu/noise_simd.h"
 #include "kernels/noise_checks.h"
 #include "privacy/noise.h"
 
 namespace dpzero::kernels {
+
+namespace noise_simd {
+namespace {
+std::atomic<bool>& enabled_flag() {
+  static std::atomic<bool> enabled{true};
+  return enabled;
+}
+}  // namespace
+
+bool available() {
+  static const bool cpu_has_lanes =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return cpu_has_lanes && enabled_flag().load();
+}
+
+bool set_enabled(bool enabled) { return enabled_flag().exchange(enabled); }
+}  // namespace noise_simd
+
 namespace {
 
 at::Tensor& add_noise_cpu_(at::Tensor& self, double stddev, int64_t seed, int64_t step,
@@ -22,16 +46,34 @@ at::Tensor& add_noise_cpu_(at::Tensor& self, double stddev, int64_t seed, int64_
   constexpr int64_t kLanes = privacy::kNoiseLanes;
   const int64_t first_block = offset / kLanes;
   const int64_t last_block = (offset + n - 1) / kLanes;
+  const bool lanes = noise_simd::available();
+  // Groups of noise_simd::kBlocks blocks from first_block; on the scalar path a group is drawn
+  // block by block. Blocks past last_block in the final group are drawn and not used.
+  constexpr int64_t kGroup = noise_simd::kBlocks;
+  const int64_t groups = (last_block - first_block) / kGroup + 1;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, self.scalar_type(), "add_noise_cpu_", [&] {
     scalar_t* data = self.data_ptr<scalar_t>();
-    at::parallel_for(first_block, last_block + 1, 2048, [&](int64_t begin, int64_t end) {
-      for (int64_t block = begin; block < end; ++block) {
-        float z[kLanes];
-        privacy::normal2(useed, ustep, privacy::kNoiseStream, static_cast<uint64_t>(block), z);
-        for (int64_t lane = 0; lane < kLanes; ++lane) {
-          const int64_t i = block * kLanes + lane - offset;  // local index
-          if (i < 0 || i >= n) continue;
-          data[i] = static_cast<scalar_t>(static_cast<float>(data[i]) + fstddev * z[lane]);
+    at::parallel_for(0, groups, 256, [&](int64_t begin, int64_t end) {
+      float z[kGroup * kLanes];
+      for (int64_t group = begin; group < end; ++group) {
+        const int64_t block0 = first_block + group * kGroup;
+        if (lanes) {
+          noise_simd::philox_normal_blocks(useed, ustep, privacy::kNoiseStream,
+                                           static_cast<uint64_t>(block0), z);
+        } else {
+          for (int64_t k = 0; k < kGroup; ++k) {
+            privacy::normal2(useed, ustep, privacy::kNoiseStream,
+                             static_cast<uint64_t>(block0 + k), z + k * kLanes);
+          }
+        }
+        // Local indices of the group's coordinates that this tensor holds.
+        // (start >= -1: offset may fall inside the first block.)
+        const int64_t start = block0 * kLanes - offset;
+        const int64_t lo = std::max<int64_t>(0, start);
+        const int64_t hi = std::min<int64_t>(n, start + kGroup * kLanes);
+        for (int64_t i = lo; i < hi; ++i) {
+          const float draw = z[i - start];
+          data[i] = static_cast<scalar_t>(static_cast<float>(data[i]) + fstddev * draw);
         }
       }
     });
@@ -39,8 +81,17 @@ at::Tensor& add_noise_cpu_(at::Tensor& self, double stddev, int64_t seed, int64_
   return self;
 }
 
+// Tests only: Note [cpu noise lanes] on (where the CPU has them) or off; returns the previous
+// setting.
+bool set_noise_lanes_op(bool enabled) { return noise_simd::set_enabled(enabled); }
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dpzero, CPU, m) { m.impl("add_noise_", &add_noise_cpu_); }
+
+// No tensor arguments, so no backend key: CompositeImplicitAutograd serves every call.
+TORCH_LIBRARY_IMPL(dpzero, CompositeImplicitAutograd, m) {
+  m.impl("_set_noise_lanes", &set_noise_lanes_op);
+}
 
 }  // namespace dpzero::kernels

@@ -1,9 +1,14 @@
 // kernels/cpu/secure_noise.cpp — CPU implementation of dpzero::add_secure_noise_ (schema in
 // kernels/ops.cpp; the draw is Note [secure noise] in privacy/secure_noise.h).
+// The draws come eight pairs at a time from AVX2 lanes where the CPU has them (Note [cpu noise
+// lanes] in kernels/cpu/noise_simd.h), from the scalar privacy::secure_normal2 otherwise.
+#include <algorithm>
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels/cpu/noise_simd.h"
 #include "kernels/noise_checks.h"
 #include "privacy/secure_noise.h"
 
@@ -20,16 +25,30 @@ at::Tensor& add_secure_noise_cpu_(at::Tensor& self, double stddev, c10::IntArray
   // One ChaCha20 block serves a pair of global coordinates (2p, 2p + 1).
   const int64_t first_pair = offset / 2;
   const int64_t last_pair = (offset + n - 1) / 2;
+  const bool lanes = noise_simd::available();
+  // Groups of noise_simd::kBlocks pairs from first_pair, as in add_noise_cpu_.
+  constexpr int64_t kGroup = noise_simd::kBlocks;
+  const int64_t groups = (last_pair - first_pair) / kGroup + 1;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, self.scalar_type(), "add_secure_noise_cpu_", [&] {
     scalar_t* data = self.data_ptr<scalar_t>();
-    at::parallel_for(first_pair, last_pair + 1, 1024, [&](int64_t begin, int64_t end) {
-      for (int64_t pair = begin; pair < end; ++pair) {
-        double z[2];
-        privacy::secure_normal2(k, ustep, static_cast<uint64_t>(pair), z);
-        for (int lane = 0; lane < 2; ++lane) {
-          const int64_t i = pair * 2 + lane - offset;
-          if (i < 0 || i >= n) continue;
-          data[i] = static_cast<scalar_t>(static_cast<double>(data[i]) + stddev * z[lane]);
+    at::parallel_for(0, groups, 64, [&](int64_t begin, int64_t end) {
+      double z[kGroup * 2];
+      for (int64_t group = begin; group < end; ++group) {
+        const int64_t pair0 = first_pair + group * kGroup;
+        if (lanes) {
+          noise_simd::secure_normal_pairs(k.w, ustep, privacy::kNoiseStream,
+                                          static_cast<uint64_t>(pair0), z);
+        } else {
+          for (int64_t p = 0; p < kGroup; ++p) {
+            privacy::secure_normal2(k, ustep, static_cast<uint64_t>(pair0 + p), z + 2 * p);
+          }
+        }
+        const int64_t start = pair0 * 2 - offset;  // >= -1
+        const int64_t lo = std::max<int64_t>(0, start);
+        const int64_t hi = std::min<int64_t>(n, start + kGroup * 2);
+        for (int64_t i = lo; i < hi; ++i) {
+          const double draw = z[i - start];
+          data[i] = static_cast<scalar_t>(static_cast<double>(data[i]) + stddev * draw);
         }
       }
     });

@@ -372,6 +372,49 @@ def test_layer_norm_ops_match_torch_func(device, dtype, rms, bias, shape):
     assert_close(ops.layer_norm_clipped_sum(x, G, scale, eps, rms), weighted_sum(gw, scale), dtype)
 
 
+# ---- kept per-sample gradients (Note [kept per-sample gradients]) ----------------------------------
+
+
+@device_param
+@dtype_param
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("shape", NORM_SHAPES, ids=str)
+def test_kept_per_sample_gradients_match_torch_func(device, dtype, rms, shape):
+    eps = 1e-5
+    x = rand(shape, dtype, device, 33, scale=3.0)
+    G = rand(shape, dtype, device, 34)
+    gw, gb = per_sample_norm_layer(x, G, eps, rms)
+    grads_w, sq_w = ops.layer_norm_per_sample(x, G, eps, rms)
+    grads_b, sq_b = ops.bias_per_sample(G)
+    assert grads_w.dtype == grads_b.dtype == torch.float64
+    torch.testing.assert_close(f64(grads_w), gw, rtol=1e-12, atol=1e-12 * gw.abs().max().item())
+    torch.testing.assert_close(f64(grads_b).view_as(gb), gb, rtol=1e-12,
+                               atol=1e-12 * gb.abs().max().item())
+    assert_close(sq_w, sq_norms_of(gw), dtype)
+    assert_close(sq_b, sq_norms_of(gb), dtype)
+    # The kept rows' certified norms are the norm ops' (same float64 pass, same bound).
+    assert torch.equal(sq_w, ops.layer_norm_sq_norms(x, G, eps, rms, False))
+    assert torch.equal(sq_b, ops.bias_sq_norms(G))
+    scale = random_scale(shape[0], device, 35)
+    assert_close(ops.per_sample_clipped_sum(grads_w, scale), weighted_sum(gw, scale), dtype)
+    assert_close(ops.per_sample_clipped_sum(grads_b, scale), weighted_sum(gb, scale).flatten(),
+                 dtype)
+
+
+@device_param
+def test_per_sample_clipped_sum_drops_nan_rows_and_checks_arguments(device):
+    grads = torch.tensor([[1.0, 2.0], [float("nan"), 5.0], [3.0, float("inf")]],
+                         dtype=torch.float64, device=device)
+    scale = torch.tensor([0.5, 0.0, float("nan")], device=device)
+    out = ops.per_sample_clipped_sum(grads, scale)
+    assert out.dtype == torch.float32
+    assert torch.equal(out.cpu(), torch.tensor([0.5, 1.0]))  # only sample 0 counts
+    with pytest.raises(RuntimeError, match=r"scale must be \[B\] = \[3\], got shape \[2\]"):
+        ops.per_sample_clipped_sum(grads, scale[:2])
+    with pytest.raises(RuntimeError, match="grads must be float64 or float32, got Half"):
+        ops.per_sample_clipped_sum(grads.half(), scale)
+
+
 # ---- Conv1d / Conv2d -----------------------------------------------------------------------------
 
 CONV_CASES = [  # (input shape, C_out, kernel_size, stride, padding, dilation, groups)

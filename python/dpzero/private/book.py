@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .layers import LayerKind, round_up_f32
+from .layers import Kept, LayerKind, kept_clipped_sums, round_up_f32
 
 _ops = torch.ops.dpzero
 
@@ -236,8 +236,10 @@ class Book:
             gs.complete = True
             self._deliver(layer, grads)
             return
-        part.a, part.g = a, g
-        if math.isfinite(threshold):
+        part.a, part.g = kind.keep(layer.module, a, g, layer.train, math.isfinite(threshold))
+        if isinstance(part.a, Kept):
+            part.sq = part.a.sq
+        elif math.isfinite(threshold):
             part.sq = kind.sq_norms(layer.module, a, g, layer.train)
         if gs.received == len(gs.parts):
             self._complete(layer.group)
@@ -283,7 +285,10 @@ class Book:
         for pid in pids:
             part = self.parts[pid]
             layer = part.layer
-            grads = layer.kind.clipped_sums(layer.module, part.a, part.g, factors, layer.train)
+            if isinstance(part.a, Kept):
+                grads = kept_clipped_sums(layer.kind, layer.module, part.a, factors, layer.train)
+            else:
+                grads = layer.kind.clipped_sums(layer.module, part.a, part.g, factors, layer.train)
             part.a = part.g = None  # book-keeping ends here for this part
             part.done = True
             self._deliver(layer, grads)

@@ -19,7 +19,7 @@ RMSNorm modules (``LlamaRMSNorm`` and relatives: a ``weight`` of shape [d] and a
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,45 @@ HF_RMS_NORMS = frozenset({
     "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm",
     "PhiRMSNorm", "Phi3RMSNorm", "OlmoRMSNorm", "T5LayerNorm", "MT5LayerNorm",
 })
+
+
+class Kept(NamedTuple):
+    """What the book keeps of a layer between its backward and the clip factors when the layer has
+    small per-sample gradients (Note [kept per-sample gradients] in kernels/per_sample_ops.h).
+
+    ``grads``: per parameter (the kind's ``params`` order), its per-sample gradients [B, *shape]
+    (float64), or None (not trainable, or summed from ``a`` and ``g`` by the kind's
+    ``clipped_sums``); ``sq``: the layer's certified squared norms [B] float32 (None when no clipping
+    needs them); ``a``, ``g``: the input and output gradient the remaining parameters need, or
+    None."""
+
+    grads: Sequence[Optional[torch.Tensor]]
+    sq: Optional[torch.Tensor]
+    a: Optional[torch.Tensor] = None
+    g: Optional[torch.Tensor] = None
+
+
+def certified_sum(sqs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[B] float32 never below the exact sum of certified squared norms ([B] float32 each, at most
+    8): the float64 sum of float32 values is off by at most 7 * 2^-53 relative, which the factor
+    covers, and the result is rounded up to float32."""
+    if len(sqs) == 1:
+        return sqs[0]
+    total = sqs[0].double()
+    for sq in sqs[1:]:
+        total = total + sq.double()
+    return round_up_f32(total * (1.0 + 1e-15))
+
+
+def kept_clipped_sums(kind: "LayerKind", module, kept: Kept, scale, train):
+    """The clipped sums of a layer kept as :class:`Kept`: sum_i scale_i g_i from the kept rows, and
+    the kind's own clipped sums for the parameters summed from ``a`` and ``g``."""
+    rest = tuple(t and grad is None for t, grad in zip(train, kept.grads))
+    out = kind.clipped_sums(module, kept.a, kept.g, scale, rest) if any(rest) else [None] * len(train)
+    for i, grad in enumerate(kept.grads):
+        if grad is not None:
+            out[i] = _ops.per_sample_clipped_sum(grad, scale)
+    return out
 
 
 class LayerKind:
@@ -57,6 +96,12 @@ class LayerKind:
     def batch_input(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """What the ops take as A (the input as the ops expect it; Conv pads here)."""
         return x
+
+    def keep(self, module, a, g, train, norms: bool):
+        """What the book keeps of this layer's backward until the clip factors are known: (a, g)
+        by default; a kind with small per-sample gradients returns (Kept(...), None) instead, with
+        the squared norms computed when ``norms``."""
+        return a, g
 
     def sq_norms(self, module, a, g, train) -> torch.Tensor:  # -> [B] float32
         raise NotImplementedError
@@ -116,6 +161,16 @@ class LinearKind(LayerKind):
     def input_grad(self, module, x, g):
         w = module.weight
         return torch.matmul(g, w.t() if self.transposed else w)
+
+    def keep(self, module, a, g, train, norms):
+        w, b = train
+        if not b:
+            return a, g
+        gb, sq_b = _ops.bias_per_sample(g)
+        sq = None
+        if norms:
+            sq = certified_sum([_ops.linear_sq_norms(a, g, bias=False), sq_b]) if w else sq_b
+        return Kept([None, gb], sq, a if w else None, g if w else None), None
 
     def sq_norms(self, module, a, g, train):
         w, b = train
@@ -211,6 +266,20 @@ class NormKind(LayerKind):
             y = module._dp_original_forward(xr)
             (gx,) = torch.autograd.grad(y, xr, g)
         return gx
+
+    def keep(self, module, a, g, train, norms):
+        nd = self.normalized_ndim(module)
+        grads: List[Optional[torch.Tensor]] = [None] * len(train)
+        sqs = []
+        if train[0]:
+            grads[0], sq = _ops.layer_norm_per_sample(a, g, self.eps(module, a), rms=self.rms,
+                                                      normalized_ndim=nd)
+            sqs.append(sq)
+        if len(train) > 1 and train[1]:
+            gb, sq = _ops.bias_per_sample(g.flatten(-nd) if nd > 1 else g)
+            grads[1] = gb.view(gb.shape[0], *module.bias.shape)
+            sqs.append(sq)
+        return Kept(grads, certified_sum(sqs) if norms else None), None
 
     def sq_norms(self, module, a, g, train):
         nd = self.normalized_ndim(module)

@@ -4,6 +4,7 @@
 // privacy::noise_draw evaluated coordinate by coordinate.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <limits>
 #include <random>
 #include <vector>
@@ -11,7 +12,9 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "kernels/cpu/noise_simd.h"
 #include "privacy/noise.h"
+#include "privacy/secure_noise.h"
 #include "src/zero/shard_noise.h"
 #include "src/zero/shard_plan.h"
 
@@ -25,15 +28,87 @@ at::Tensor& add_noise(at::Tensor& t, double stddev, int64_t seed, int64_t step, 
   return op.call(t, stddev, seed, step, offset);
 }
 
+// The CPU draw of coordinate j computed on its own: block j / 2 in lane 0 of a lane group (Note
+// [cpu noise lanes]) where the CPU has the lanes, the scalar privacy::noise_draw otherwise.
+float cpu_draw(uint64_t seed, uint32_t step, uint64_t j) {
+  if (!kernels::noise_simd::available()) return privacy::noise_draw(seed, step, j);
+  float z[2 * kernels::noise_simd::kBlocks];
+  kernels::noise_simd::philox_normal_blocks(seed, step, privacy::kNoiseStream, j / 2, z);
+  return z[j % 2];
+}
+
+double cpu_secure_draw(const privacy::ChaCha20Key& key, uint32_t step, uint64_t j) {
+  if (!kernels::noise_simd::available()) return privacy::secure_noise_draw(key, step, j);
+  double z[2 * kernels::noise_simd::kBlocks];
+  kernels::noise_simd::secure_normal_pairs(key.w, step, privacy::kNoiseStream, j / 2, z);
+  return z[j % 2];
+}
+
+// The op draws coordinate j in whatever lane its group puts it; computed alone (in lane 0) it
+// must be the same bits, for offsets that put it in every lane. And the lane draw must be the
+// scalar header draw up to the rounding of the math library (SLEEF's log/sincos against libm's):
+// a few float ulps.
 TEST(AddNoiseOp, MatchesPerCoordinateDraw) {
-  const int64_t offset = 13, n = 1001, seed = 42, step = 7;
+  const int64_t n = 1001, seed = 42, step = 7;
   const double stddev = 2.5;
-  at::Tensor x = at::zeros({n}, at::kFloat);
-  add_noise(x, stddev, seed, step, offset);
-  const float* data = x.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    const float expected = static_cast<float>(stddev) * privacy::noise_draw(seed, step, offset + i);
-    ASSERT_EQ(data[i], expected) << "i=" << i;  // 0 + s*z is exact
+  for (const int64_t offset : {int64_t{0}, int64_t{13}, int64_t{6}, (int64_t{1} << 33) + 5}) {
+    at::Tensor x = at::zeros({n}, at::kFloat);
+    add_noise(x, stddev, seed, step, offset);
+    const float* data = x.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t j = static_cast<uint64_t>(offset + i);
+      const float expected = static_cast<float>(stddev) * cpu_draw(seed, step, j);
+      ASSERT_EQ(data[i], expected) << "offset=" << offset << " i=" << i;  // 0 + s*z is exact
+      const float scalar = privacy::noise_draw(seed, step, j);
+      ASSERT_NEAR(cpu_draw(seed, step, j), scalar, 4e-7 * (1.0 + std::abs(scalar)))
+          << "offset=" << offset << " i=" << i;
+    }
+  }
+}
+
+// With the lanes switched off (dpzero::_set_noise_lanes, as on a CPU without AVX2) the ops are
+// the scalar header draws exactly.
+TEST(AddNoiseOp, WithoutLanesIsTheScalarDraw) {
+  static const auto set_lanes = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("dpzero::_set_noise_lanes", "")
+                                    .typed<bool(bool)>();
+  const bool previous = set_lanes.call(false);
+  const privacy::ChaCha20Key key{{9u, 8u, 7u, 6u, 5u, 4u, 3u, 2u}};
+  at::Tensor x = at::zeros({301}, at::kFloat);
+  at::Tensor y = at::zeros({301}, at::kDouble);
+  add_noise(x, 1.0, 5, 2, 17);
+  static const auto secure =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpzero::add_secure_noise_", "")
+          .typed<at::Tensor&(at::Tensor&, double, c10::IntArrayRef, int64_t, int64_t)>();
+  secure.call(y, 1.0, std::vector<int64_t>(key.w, key.w + 8), 2, 17);
+  set_lanes.call(previous);
+  for (int64_t i = 0; i < 301; ++i) {
+    ASSERT_EQ(x.data_ptr<float>()[i], privacy::noise_draw(5, 2, 17 + i)) << "i=" << i;
+    ASSERT_EQ(y.data_ptr<double>()[i], privacy::secure_noise_draw(key, 2, 17 + i)) << "i=" << i;
+  }
+}
+
+TEST(AddSecureNoiseOp, MatchesPerCoordinateDraw) {
+  const privacy::ChaCha20Key key{{1u, 2u, 3u, 0xdeadbeefu, 5u, 6u, 7u, 0x80000000u}};
+  const std::vector<int64_t> key_words(key.w, key.w + 8);
+  const int64_t n = 515, step = 3;
+  const double stddev = 0.75;
+  for (const int64_t offset : {int64_t{0}, int64_t{9}, (int64_t{1} << 34) + 3}) {
+    at::Tensor x = at::zeros({n}, at::kDouble);
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("dpzero::add_secure_noise_", "")
+            .typed<at::Tensor&(at::Tensor&, double, c10::IntArrayRef, int64_t, int64_t)>();
+    op.call(x, stddev, key_words, step, offset);
+    const double* data = x.data_ptr<double>();
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t j = static_cast<uint64_t>(offset + i);
+      ASSERT_EQ(data[i], stddev * cpu_secure_draw(key, step, j)) << "offset=" << offset << " i=" << i;
+      const double scalar = privacy::secure_noise_draw(key, step, j);
+      ASSERT_NEAR(cpu_secure_draw(key, step, j), scalar, 1e-14 * (1.0 + std::abs(scalar)))
+          << "offset=" << offset << " i=" << i;
+    }
   }
 }
 

@@ -1,0 +1,55 @@
+// kernels/cpu/noise_simd.h — the CPU noise draws, eight Philox / ChaCha20 blocks at a time in AVX2
+// registers (kernels/cpu/noise_simd.cpp, the one translation unit built with -mavx2 -mfma).
+//
+// Note [cpu noise lanes]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// The scalar draw of privacy/noise.h costs ~27 ns per coordinate pair on one core, almost all of
+// it Philox rounds, one fp64 log and a float sine and cosine; at 5 M parameters that was 70 ms of
+// every private step, more than a quarter of the non-private step it is added to. Here the same
+// draw runs on eight blocks at once: the block function's integer rounds in 8 × 32-bit lanes
+// (_mm256_mul_epu32 for the multiply-hi/lo), the transforms through SLEEF's vector log and sincos
+// (the copy that libtorch links and exports, header <sleef.h> shipped with torch; its u10 functions
+// are within 1.0 ulp), and the integer-to-float steps exactly as the scalar code does them.
+// So on an AVX2 + FMA machine the CPU draw differs from privacy::normal2 /
+// privacy::secure_normal2 only where SLEEF's log / sin / cos round differently from the C
+// library's (a few float ulps at most; the tests bound it).
+//
+// What the engine relies on still holds (Note [noise ownership] in privacy/noise.h): every lane
+// function is elementwise, so the draw of block b is the same whichever lane and group it is
+// computed in — a shard starting at any offset gets bit for bit the single tensor's values. The
+// CPU draw is a pure function of (seed or key, step, j) on a given kind of CPU: AVX2 + FMA
+// machines (every x86 server of the last decade) use these lanes; any other CPU uses the scalar
+// header functions, whose bits can differ by those few ulps, so a run whose ranks mix the two
+// kinds would not be bitwise world-size invariant (it would still add each coordinate's noise
+// exactly once).
+//
+// This header and the .cpp include no ATen or privacy headers with inline functions: code they
+// would emit under -mavx2 could be picked by the linker for callers on machines without AVX2.
+#pragma once
+
+#include <cstdint>
+
+namespace dpzero::kernels::noise_simd {
+
+constexpr int kBlocks = 8;  // blocks per call
+
+// True iff this CPU runs AVX2 and FMA (so the functions below may be called) and the tests-only
+// op dpzero::_set_noise_lanes has not switched the lanes off. Defined in kernels/cpu/noise.cpp,
+// which is built for the baseline ISA: the check must not itself need AVX2.
+bool available();
+
+// Tests only: turn the lanes on (where the CPU has them) or off; returns the previous setting.
+bool set_enabled(bool enabled);
+
+// Philox path: for blocks b = first_block .. first_block + 7, the two N(0,1) draws of global
+// coordinates 2b (z[2k]) and 2b + 1 (z[2k + 1]), k = b - first_block. float z[16].
+void philox_normal_blocks(uint64_t seed, uint32_t step, uint32_t stream, uint64_t first_block,
+                          float* z);
+
+// Secure path: for pairs p = first_pair .. first_pair + 7, the two secure N(0,1) draws of
+// coordinates 2p (z[2k]) and 2p + 1 (z[2k + 1]) (Note [secure noise] in privacy/secure_noise.h).
+// key: the eight ChaCha20 key words. double z[16].
+void secure_normal_pairs(const uint32_t* key, uint32_t step, uint32_t stream, uint64_t first_pair,
+                         double* z);
+
+}  // namespace dpzero::kernels::noise_simd
