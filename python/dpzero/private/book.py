@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .layers import Kept, LayerKind, kept_clipped_sums, round_up_f32
+from .layers import Kept, LayerKind, kept_clipped_sums, round_down_f32, round_up_f32
 
 _ops = torch.ops.dpzero
 
@@ -216,18 +216,20 @@ class Book:
             raise RuntimeError(self.error)
         if self.padding:
             g = torch.zeros_like(g)  # exact zeros: the padding row contributes nothing
-        elif self.loss_reduction == "mean" and b > 0:
-            g = g * b  # per-sample gradients of a mean loss, as Opacus's loss_reduction="mean"
         kind = layer.kind
+        gs = self.group_state[layer.group]
+        threshold = self.thresholds[layer.group]
+        fused = (len(gs.parts) == 1 and len(self.groups[layer.group]) == 1
+                 and math.isfinite(threshold))
+        if fused and self.loss_reduction == "mean" and b > 0 and not self.padding:
+            g = g * b  # per-sample gradients of a mean loss (the book path: Note [mean loss])
         if hasattr(kind, "per_sample_grads"):
             a = kind.per_sample_grads(layer.module, a, g, layer.train)
             g = None
         else:
             a = kind.batch_input(layer.module, a)
-        gs = self.group_state[layer.group]
         gs.received += 1
-        threshold = self.thresholds[layer.group]
-        if len(gs.parts) == 1 and len(self.groups[layer.group]) == 1 and math.isfinite(threshold):
+        if fused:
             # A singleton group: norm, factors and clipped sum in one fused op, in this backward.
             grads, sq, factors = kind.clip(layer.module, a, g, threshold, self.mode, self.gamma,
                                            layer.train)
@@ -241,6 +243,8 @@ class Book:
             part.sq = part.a.sq
         elif math.isfinite(threshold):
             part.sq = kind.sq_norms(layer.module, a, g, layer.train)
+        if part.sq is not None and self._mean_scale() != 1:
+            part.sq = round_up_f32(part.sq.double() * float(b * b) * (1.0 + 1e-15))
         if gs.received == len(gs.parts):
             self._complete(layer.group)
 
@@ -282,6 +286,8 @@ class Book:
         else:  # C = inf: no clipping (non-private training through the same path)
             factors = torch.ones(self.batch or 0, dtype=torch.float32,
                                  device=self.dropped_mask.device)
+        if self._mean_scale() != 1:  # Note [mean loss]
+            factors = round_down_f32(factors.double() * float(self._mean_scale()))
         for pid in pids:
             part = self.parts[pid]
             layer = part.layer
@@ -292,6 +298,18 @@ class Book:
             part.a = part.g = None  # book-keeping ends here for this part
             part.done = True
             self._deliver(layer, grads)
+
+    def _mean_scale(self) -> int:
+        """Note [mean loss]: b for a micro-batch of b real rows under loss_reduction="mean", else 1.
+
+        Under a mean loss the per-sample gradients are b times the gradients autograd delivers.
+        The fused (singleton-group) path multiplies G by b; the book path does not copy G:
+        it scales the squared norms by b^2 (rounded up) and the factors by b (rounded down:
+        round_down_f32(c_i * b) * ||g_i|| <= c_i * ||b g_i|| <= C, c_i * b exact in float64),
+        which is the same clip of the same per-sample gradients."""
+        if self.loss_reduction == "mean" and not self.padding and self.batch:
+            return self.batch
+        return 1
 
     def _note_factors(self, factors: torch.Tensor) -> None:
         if factors.numel() == 0:
