@@ -184,12 +184,13 @@ void bind_zero(py::module_ m) {
       .def("grad_ready", &ZeroState::grad_ready, py::arg("unit"), py::arg("param_index"),
            py::call_guard<py::gil_scoped_release>())
       .def("add_unit_grad", &ZeroState::add_unit_grad, py::arg("unit"), py::arg("grad"),
-           py::arg("release_params") = true,
+           py::arg("release_params") = true, py::arg("donated") = false,
            py::call_guard<py::gil_scoped_release>(),
            "The private path (Note [private gradients]): unit `unit`'s gradient of this backward, "
            "[padded_numel], computed outside autograd (clipped sums); reduced like a packed "
            "autograd gradient. release_params=False keeps a stage-3 unit gathered until the end "
-           "of the backward (its parameters are still read by backward nodes).")
+           "of the backward (its parameters are still read by backward nodes). donated=True: the "
+           "caller never touches `grad` again, so an asynchronous reduction keeps it uncopied.")
       .def("step", &ZeroState::step, py::call_guard<py::gil_scoped_release>())
       .def(
           "noisy_step",

@@ -72,7 +72,8 @@ void ParamGroup::take_grads(const comm::Collectives& comm) {
   ready_count_ = 0;
 }
 
-void ParamGroup::add_grad(const at::Tensor& full, const comm::Collectives& comm, bool release) {
+void ParamGroup::add_grad(const at::Tensor& full, const comm::Collectives& comm, bool release,
+                          bool donated) {
   const int64_t n = flat_.layout().padded_numel();
   TORCH_CHECK(full.dim() == 1 && full.numel() == n, "unit '", name_,
               "': a private gradient must have shape [", n, "] (the padded flat layout), got ",
@@ -82,9 +83,12 @@ void ParamGroup::add_grad(const at::Tensor& full, const comm::Collectives& comm,
   TORCH_CHECK(full.device() == flat_.shard().device(), "unit '", name_,
               "': a private gradient must be on ", flat_.shard().device(), ", got ",
               full.device());
-  // A fresh tensor: the reduction may run asynchronously and keeps it alive; the caller may reuse
-  // its own buffer.
-  reduce_packed(full.to(reduce_dtype_, /*non_blocking=*/false, /*copy=*/true), comm);
+  // Stages 0-1 add it to the gradient buffer at once. Stages 2-3 reduce it asynchronously and keep
+  // it alive until then, so the caller's tensor is copied unless the caller has donated it (will
+  // neither read nor write it again) and it is already in the reduction dtype.
+  const bool copy = reduces_in_backward(stage_) &&
+                    !(donated && full.scalar_type() == reduce_dtype_ && full.is_contiguous());
+  reduce_packed(full.to(reduce_dtype_, /*non_blocking=*/false, copy), comm);
   // Stage 3: with `release` the caller has handed the unit's gradient over after every use of its
   // parameters in this backward ran, so the gathered parameters can go (as after take_grads).
   if (release) flat_.reshard();

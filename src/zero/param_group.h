@@ -135,7 +135,10 @@ class ParamGroup {
   // packed autograd gradient would be. Any stage, with or without packs_grads(). `release`:
   // stage 3 frees the gathered parameters now (the caller knows no backward node still reads
   // them); otherwise the end of the backward does (finish_backward).
-  void add_grad(const at::Tensor& full, const comm::Collectives& comm, bool release);
+  // `donated`: the caller will not touch `full` again, so the reduction may keep it instead of a
+  // copy.
+  void add_grad(const at::Tensor& full, const comm::Collectives& comm, bool release,
+                bool donated = false);
   // End of a backward pass: takes the gradient of a unit that got some but not all of it, then
   // (stage 3) frees the gathered parameters.
   void finish_backward(const comm::Collectives& comm);

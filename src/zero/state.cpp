@@ -125,11 +125,12 @@ void ZeroState::grad_ready(int64_t unit, int64_t param_index) {
   note_reduction(unit, started);
 }
 
-void ZeroState::add_unit_grad(int64_t unit, const at::Tensor& full, bool release_params) {
+void ZeroState::add_unit_grad(int64_t unit, const at::Tensor& full, bool release_params,
+                              bool donated) {
   queue_finish_backward();
   ParamGroup& g = group(unit);
   const int64_t started = g.reductions_started();
-  g.add_grad(full, comm_, release_params);
+  g.add_grad(full, comm_, release_params, donated);
   note_reduction(unit, started);
 }
 

@@ -108,8 +108,10 @@ class ZeroState {
   // this backward, [padded_numel], computed outside autograd. Reduced like grad_ready's packed
   // gradient, under the same overlap cap (Note [reduce-scatter overlap]).
   // `release_params`: stage 3 may free the unit's gathered parameters now (else at the end of the
-  // backward).
-  void add_unit_grad(int64_t unit, const at::Tensor& full, bool release_params = true);
+  // backward). `donated`: the caller will neither read nor write `full` again, so an
+  // asynchronous reduction may use it without a copy.
+  void add_unit_grad(int64_t unit, const at::Tensor& full, bool release_params = true,
+                     bool donated = false);
 
   void step();
   // The private step's engine part (DESIGN.md §2 steps 5–7 minus the ledger, which the caller

@@ -335,7 +335,8 @@ class Book:
         buf = self.unit_buf.pop(unit)
         self.unit_expected.pop(unit, None)
         self.handed.add(unit)
-        self.state.add_unit_grad(unit, buf, release_params=unit not in self.keep_gathered)
+        self.state.add_unit_grad(unit, buf, release_params=unit not in self.keep_gathered,
+                                 donated=True)  # popped above: nothing else holds buf
 
     # ---- end of backward ---------------------------------------------------------------------
 

@@ -185,8 +185,8 @@ TEST_P(ZeroCollectives, EveryStageTakesTheSameSgdStep) {
 }
 
 // The private path (Note [private gradients]): a unit gradient handed over as one packed tensor,
-// in two micro-batches, is reduced and applied exactly like autograd's per-parameter gradients —
-// every stage lands on the same SGD step as the per-parameter path above.
+// in two micro-batches (one lent, one donated), is reduced and applied exactly like autograd's
+// per-parameter gradients — every stage lands on the same SGD step as the per-parameter path above.
 TEST_P(ZeroCollectives, PackedPrivateGradientsTakeTheSameStepInEveryStage) {
   const int world = GetParam();
   const UnitLayout layout = unit_layout(world);
@@ -206,8 +206,11 @@ TEST_P(ZeroCollectives, PackedPrivateGradientsTakeTheSameStepInEveryStage) {
           packed.narrow(0, layout.flat_offsets()[i], layout.params()[i].numel)
               .copy_(rank_grad(rank, i, layout.params()[i].numel) * 0.5);
         }
-        state.add_unit_grad(0, packed, /*release_params=*/true);
-        packed.fill_(1e9);  // the engine took its own copy: reusing the buffer changes nothing
+        // The first half is lent (the engine copies it where it reduces asynchronously, so
+        // reusing the buffer changes nothing); the second is donated and never touched again.
+        const bool donated = micro == 1;
+        state.add_unit_grad(0, packed, /*release_params=*/true, donated);
+        if (!donated) packed.fill_(1e9);
       }
       StepNoise no_noise;  // stddev 0: nothing drawn
       no_noise.key.seed = 1;
