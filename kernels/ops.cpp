@@ -89,6 +89,11 @@ TORCH_LIBRARY(dpzero, m) {
   // [B] float64, sum_t ||a_t|| ||g_t|| (tokens: sum over non-padding t of ||g_t||).
   m.def("_ghost_sq_norms(Tensor A, Tensor G) -> (Tensor, Tensor)");
   m.def("_token_ghost_sq_norms(Tensor ids, Tensor G, int padding_idx) -> (Tensor, Tensor)");
+  // Note [row sums] in kernels/per_sample_ops.h: G [B, T, d] -> (sum_t G_t [B, d], sum_t ||G_t||
+  // [B]); x, G [B, T, d] -> (sum_t G_t ⊙ x̂_t [B, d], sum_t ||G_t ⊙ x̂_t|| [B]), x̂ the LayerNorm
+  // (rms=False) or RMSNorm (rms=True) normalisation of x over d with eps; all float64.
+  m.def("_row_sums(Tensor G) -> (Tensor, Tensor)");
+  m.def("_norm_row_sums(Tensor x, Tensor G, float eps, bool rms) -> (Tensor, Tensor)");
   // Tests only: sets the byte budget of every chunked per-sample loop (bytes >= 1; default 64 MiB,
   // kernels/per_sample_checks.h) and returns the previous one. A tiny budget makes the loops run
   // many chunks, the last one short.

@@ -50,6 +50,9 @@ TORCH_LIBRARY_IMPL(dpzero, CompositeExplicitAutograd, m) {
   m.impl("conv_sq_norms", &per_sample::conv_sq_norms);
   m.impl("conv_clipped_sum", &per_sample::conv_clipped_sum);
   m.impl("conv_clip", &per_sample::conv_clip);
+  // Note [row sums]: any device; kernels/cpu/row_sums.cpp overrides them on the CPU.
+  m.impl("_row_sums", &per_sample::row_sums_generic);
+  m.impl("_norm_row_sums", &per_sample::norm_row_sums_generic);
 }
 
 }  // namespace dpzero::kernels

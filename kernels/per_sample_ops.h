@@ -402,6 +402,88 @@ inline at::Tensor masked_rows(const at::Tensor& x, const at::Tensor& keep, bool 
   return owned ? at::Tensor(x).masked_fill_(drop, 0) : x.masked_fill(drop, 0);
 }
 
+// out (a slice of a result) = x summed over `dim`.
+inline void sum_into(at::Tensor out, const at::Tensor& x, int64_t dim) { at::sum_out(out, x, dim); }
+
+// ---- row sums (the direct path of biases and norm-layer weights) --------------------------------
+
+// Note [row sums]
+// The direct path of a bias and of a norm layer's weight sums T rows per sample in float64 and
+// needs S = sum_t ||row_t|| for Note [certified norms]: dpzero::_row_sums (rows G_t) and
+// dpzero::_norm_row_sums (rows G_t ⊙ x̂_t, x̂ formed in float64 from the raw input). Each is one
+// pass over [B, T, d]. The generic implementations below (ATen, any device; registered as
+// CompositeExplicitAutograd in per_sample.cpp) work chunk by chunk on float64 copies; the CPU
+// kernels (kernels/cpu/row_sums.cpp) read the inputs once, accumulating in float64 registers, with
+// no temporaries. Both add each row to its sample's sum in row order (depth T - 1 per entry, as
+// the e = gamma_T of Note [certified norms] assumes).
+
+// G [B, T, d] -> (sums [B, d] float64 = sum_t G_t, S [B] float64 = sum_t ||G_t||).
+inline std::tuple<at::Tensor, at::Tensor> row_sums_generic(const at::Tensor& g) {
+  check_floating("_row_sums", "G", g);
+  TORCH_CHECK(g.dim() == 3, "dpzero::_row_sums: G must be [B, T, d], got shape ", g.sizes());
+  const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
+  at::Tensor sums = at::empty({b, d}, g.options().dtype(at::kDouble));
+  at::Tensor s = at::empty({b}, g.options().dtype(at::kDouble));
+  const int64_t chunk = samples_per_pass_chunk(b, 8 * (2 * t * d + 2 * d + t));
+  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
+    const int64_t i1 = std::min(b, i0 + chunk);
+    const at::Tensor g64 = f64(g.slice(0, i0, i1));
+    sum_into(sums.slice(0, i0, i1), g64, 1);
+    sum_into(s.slice(0, i0, i1), row_norms(g64), 1);
+  }
+  return {sums, s};
+}
+
+// x̂ in float64. LayerNorm's variance is the two-pass one, mean((x - mean)^2): as accurate as
+// at::var_mean's Welford update and, on the CPU, ~5x faster (0.34 against 1.86 ms for [16, 128,
+// 256] float64 on 2 cores).
+inline at::Tensor normalized(const at::Tensor& x64, double eps, bool rms) {
+  if (rms) return x64 * at::rsqrt(x64.square().mean(at::IntArrayRef{-1}, /*keepdim=*/true) + eps);
+  const at::Tensor centered = x64 - x64.mean(at::IntArrayRef{-1}, /*keepdim=*/true);
+  const at::Tensor var = centered.square().mean(at::IntArrayRef{-1}, /*keepdim=*/true);
+  return centered * at::rsqrt(var + eps);
+}
+
+// x, G [B, T, d] -> (sums [B, d] float64 = sum_t G_t ⊙ x̂_t, S [B] float64 = sum_t ||G_t ⊙ x̂_t||).
+inline std::tuple<at::Tensor, at::Tensor> norm_row_sums_generic(const at::Tensor& x,
+                                                                const at::Tensor& g, double eps,
+                                                                bool rms) {
+  check_floating("_norm_row_sums", "x", x);
+  check_floating("_norm_row_sums", "G", g);
+  TORCH_CHECK(x.dim() == 3 && x.sizes() == g.sizes(),
+              "dpzero::_norm_row_sums: x and G must both be [B, T, d], got ", x.sizes(), " and ",
+              g.sizes());
+  const int64_t b = x.size(0), t = x.size(1), d = x.size(2);
+  at::Tensor sums = at::empty({b, d}, x.options().dtype(at::kDouble));
+  at::Tensor s = at::empty({b}, x.options().dtype(at::kDouble));
+  const int64_t chunk = samples_per_pass_chunk(b, 48 * t * d + 16 * (t + d));
+  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
+    const int64_t i1 = std::min(b, i0 + chunk);
+    const at::Tensor terms = f64(g.slice(0, i0, i1)) * normalized(f64(x.slice(0, i0, i1)), eps, rms);
+    sum_into(sums.slice(0, i0, i1), terms, 1);
+    sum_into(s.slice(0, i0, i1), row_norms(terms), 1);
+  }
+  return {sums, s};
+}
+
+inline std::tuple<at::Tensor, at::Tensor> row_sums(const at::Tensor& g) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpzero::_row_sums", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&)>();
+  return op.call(g);
+}
+
+inline std::tuple<at::Tensor, at::Tensor> norm_row_sums(const at::Tensor& x, const at::Tensor& g,
+                                                        double eps, bool rms) {
+  using Signature =
+      std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double, bool);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_norm_row_sums", "")
+                             .typed<Signature>();
+  return op.call(x, g, eps, rms);
+}
+
 // ---- Linear (and HF Conv1D): A [B, T, d_in], G [B, T, d_out] ------------------------------------
 
 // Certified ||G_i^T A_i||_F^2 by the ghost kernel: [B] float64.
@@ -438,24 +520,12 @@ inline at::Tensor direct_sq_norms(const at::Tensor& a, const at::Tensor& g) {
 // engine keeps these rows from the backward instead of the layer's input and output gradient:
 // one float64 pass over [B, T, d] instead of two (one for the norms, one for the clipped sum).
 
-// out (a slice of a result) = x summed over `dim`.
-inline void sum_into(at::Tensor out, const at::Tensor& x, int64_t dim) { at::sum_out(out, x, dim); }
-
 // Bias per-sample gradients sum_t G_{i,t} and their certified squared norms: ([B, d] float64,
 // [B] float64). G [B, T, d].
 inline std::tuple<at::Tensor, at::Tensor> bias_per_sample_btd(const at::Tensor& g) {
-  const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
-  at::Tensor grads = at::empty({b, d}, g.options().dtype(at::kDouble));
-  const double e = rounding_gamma(static_cast<double>(t));
-  const int64_t chunk = samples_per_pass_chunk(b, 8 * (2 * t * d + 2 * d + t));
-  at::Tensor s = at::empty({b}, g.options().dtype(at::kDouble));
-  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
-    const int64_t i1 = std::min(b, i0 + chunk);
-    const at::Tensor g64 = f64(g.slice(0, i0, i1));
-    sum_into(grads.slice(0, i0, i1), g64, 1);  // [c, d]
-    sum_into(s.slice(0, i0, i1), row_norms(g64), 1);
-  }
-  return {grads, certify_direct(grads.square().sum(1), s, e, d + 1)};
+  auto [grads, s] = row_sums(g);
+  const double e = rounding_gamma(static_cast<double>(g.size(1)));
+  return {grads, certify_direct(grads.square().sum(1), s, e, g.size(2) + 1)};
 }
 
 // Certified ||sum_t G_{i,t}||^2 (a sample's bias gradient is the sum of its output-gradient rows):
@@ -500,16 +570,8 @@ inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const a
 
 // sum_i c_i sum_t G_{i,t}: [d] float32, summed in float64. G [B, T, d].
 inline at::Tensor bias_clipped_sum_btd(const at::Tensor& g, const at::Tensor& scale) {
-  const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
-  at::Tensor out = at::zeros({d}, g.options().dtype(at::kDouble));
-  const at::Tensor keep = kept(scale);
-  const int64_t chunk = samples_per_pass_chunk(b, 8 * (t * d + 2 * d));
-  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
-    const int64_t i1 = std::min(b, i0 + chunk);
-    const at::Tensor per_sample = f64(g.slice(0, i0, i1)).sum(1);  // [c, d]
-    out.add_(scaled_rows(per_sample, scale.slice(0, i0, i1), keep.slice(0, i0, i1)).sum(0));
-  }
-  return f32(out);
+  const at::Tensor sums = std::get<0>(row_sums(g));  // [B, d] float64
+  return f32(scaled_rows(sums, scale, kept(scale)).sum(0));
 }
 
 // Public: A [B, ..., d_in], G [B, ..., d_out] -> [B] float32.
@@ -802,39 +864,14 @@ inline std::vector<int64_t> normalized_shape(const at::Tensor& x, int64_t normal
   return x.sizes().slice(static_cast<size_t>(x.dim() - normalized_ndim)).vec();
 }
 
-// x̂ in float64. LayerNorm's variance is the two-pass one, mean((x - mean)^2): as accurate as
-// at::var_mean's Welford update and, on the CPU, ~5x faster (0.34 against 1.86 ms for [16, 128,
-// 256] float64 on 2 cores).
-inline at::Tensor normalized(const at::Tensor& x64, double eps, bool rms) {
-  if (rms) return x64 * at::rsqrt(x64.square().mean(at::IntArrayRef{-1}, /*keepdim=*/true) + eps);
-  const at::Tensor centered = x64 - x64.mean(at::IntArrayRef{-1}, /*keepdim=*/true);
-  const at::Tensor var = centered.square().mean(at::IntArrayRef{-1}, /*keepdim=*/true);
-  return centered * at::rsqrt(var + eps);
-}
-
-// G ⊙ x̂ for samples [i0, i1): [c, T, d] float64.
-inline at::Tensor norm_weight_terms(const at::Tensor& x, const at::Tensor& g, int64_t i0,
-                                    int64_t i1, double eps, bool rms) {
-  return f64(g.slice(0, i0, i1)) * normalized(f64(x.slice(0, i0, i1)), eps, rms);
-}
-
 // Per-sample weight gradients sum_t G_{i,t} ⊙ x̂_{i,t} and their certified squared norms:
 // ([B, d] float64, [B] float64). x, g [B, T, d].
 inline std::tuple<at::Tensor, at::Tensor> layer_norm_per_sample_btd(const at::Tensor& x,
                                                                     const at::Tensor& g,
                                                                     double eps, bool rms) {
-  const int64_t b = x.size(0), t = x.size(1), d = x.size(2);
-  at::Tensor grads = at::empty({b, d}, x.options().dtype(at::kDouble));
-  at::Tensor s = at::empty({b}, x.options().dtype(at::kDouble));
-  const double e = rounding_gamma(static_cast<double>(t + 1));
-  const int64_t chunk = samples_per_pass_chunk(b, 48 * t * d + 16 * (t + d));
-  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
-    const int64_t i1 = std::min(b, i0 + chunk);
-    const at::Tensor terms = norm_weight_terms(x, g, i0, i1, eps, rms);
-    sum_into(grads.slice(0, i0, i1), terms, 1);  // [c, d]
-    sum_into(s.slice(0, i0, i1), row_norms(terms), 1);
-  }
-  return {grads, certify_direct(grads.square().sum(1), s, e, d + 1)};
+  auto [grads, s] = norm_row_sums(x, g, eps, rms);
+  const double e = rounding_gamma(static_cast<double>(x.size(1) + 1));
+  return {grads, certify_direct(grads.square().sum(1), s, e, x.size(2) + 1)};
 }
 
 // Certified [B] float64 (weight, plus bias when `bias`). x, g [B, T, d].
@@ -877,17 +914,10 @@ inline at::Tensor layer_norm_clipped_sum(const at::Tensor& input, const at::Tens
   constexpr const char* op = "layer_norm_clipped_sum";
   check_norm_layer_args(op, input, G, eps, normalized_ndim);
   const at::Tensor x = as_norm_btd(input, normalized_ndim), g = as_norm_btd(G, normalized_ndim);
-  const int64_t b = x.size(0), t = x.size(1), d = x.size(2);
-  check_scale(op, scale, b, G);
+  check_scale(op, scale, x.size(0), G);
   const Fp32MatmulGuard precision;
-  at::Tensor out = at::zeros({d}, x.options().dtype(at::kDouble));
-  const at::Tensor keep = kept(scale);
-  const int64_t chunk = samples_per_pass_chunk(b, 40 * t * d + 16 * (t + d));
-  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
-    const int64_t i1 = std::min(b, i0 + chunk);
-    const at::Tensor per_sample = norm_weight_terms(x, g, i0, i1, eps, rms).sum(1);  // [c, d]
-    out.add_(scaled_rows(per_sample, scale.slice(0, i0, i1), keep.slice(0, i0, i1)).sum(0));
-  }
+  const at::Tensor sums = std::get<0>(norm_row_sums(x, g, eps, rms));  // [B, d] float64
+  const at::Tensor out = scaled_rows(sums, scale, kept(scale)).sum(0);
   return f32(out).reshape(normalized_shape(input, normalized_ndim));
 }
 
