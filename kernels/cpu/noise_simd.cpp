@@ -36,22 +36,28 @@ inline void mulhilo8(__m256i a, uint32_t m, __m256i& hi, __m256i& lo) {
   hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
 }
 
-// Philox4x32-10 on eight counters at once (philox4x32_10 with the round of philox_detail::round).
-inline void philox8(__m256i c[4], uint32_t k0, uint32_t k1) {
+// Philox4x32-10 on kSets x 8 counters at once (philox4x32_10 with the round of
+// philox_detail::round). A round is a chain of dependent multiplies and shuffles, so one set of 8
+// lanes would wait on latency; kSets independent sets interleave.
+constexpr int kSets = kBlocks / 8;
+
+inline void philox8(__m256i c[kSets][4], uint32_t k0, uint32_t k1) {
   for (int r = 0; r < 10; ++r) {
     if (r > 0) {
       k0 += kW0;
       k1 += kW1;
     }
-    __m256i hi0, lo0, hi1, lo1;
-    mulhilo8(c[0], kM0, hi0, lo0);
-    mulhilo8(c[2], kM1, hi1, lo1);
-    const __m256i n0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c[1]), set1(k0));
-    const __m256i n2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c[3]), set1(k1));
-    c[0] = n0;
-    c[1] = lo1;
-    c[2] = n2;
-    c[3] = lo0;
+    for (int set = 0; set < kSets; ++set) {
+      __m256i hi0, lo0, hi1, lo1;
+      mulhilo8(c[set][0], kM0, hi0, lo0);
+      mulhilo8(c[set][2], kM1, hi1, lo1);
+      const __m256i n0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c[set][1]), set1(k0));
+      const __m256i n2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c[set][3]), set1(k1));
+      c[set][0] = n0;
+      c[set][1] = lo1;
+      c[set][2] = n2;
+      c[set][3] = lo0;
+    }
   }
 }
 
@@ -107,43 +113,55 @@ inline __m256d uniform4_f64(__m128i hi, __m128i lo) {
 
 void philox_normal_blocks(uint64_t seed, uint32_t step, uint32_t stream, uint64_t first_block,
                           float* z) {
-  // Counters (block lo, block hi, step, stream) of blocks first_block + 0..7 (privacy::normal2).
+  // Counters (block lo, block hi, step, stream) of blocks first_block + 0..kBlocks-1, eight per
+  // set (privacy::normal2).
   alignas(32) uint32_t lo[kBlocks], hi[kBlocks];
   for (int k = 0; k < kBlocks; ++k) {
     const uint64_t block = first_block + static_cast<uint64_t>(k);
     lo[k] = static_cast<uint32_t>(block);
     hi[k] = static_cast<uint32_t>(block >> 32);
   }
-  __m256i c[4] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(lo)),
-                  _mm256_load_si256(reinterpret_cast<const __m256i*>(hi)), set1(step),
-                  set1(stream)};
+  __m256i c[kSets][4];
+  for (int set = 0; set < kSets; ++set) {
+    c[set][0] = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo + 8 * set));
+    c[set][1] = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi + 8 * set));
+    c[set][2] = set1(step);
+    c[set][3] = set1(stream);
+  }
   philox8(c, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 
-  // Radius from words 0 (hi) and 1 (lo) in fp64, rounded to float (box_muller).
-  const __m256d r_low = radius4(low4(c[0]), low4(c[1]));
-  const __m256d r_high = radius4(high4(c[0]), high4(c[1]));
-  const __m256 r = _mm256_set_m128(_mm256_cvtpd_ps(r_high), _mm256_cvtpd_ps(r_low));
-  // Angle 2π u2, u2 = (2 (w2 >> 9) + 1) 2^-24 (uniform_open01), all in float.
   constexpr float kTwoPi = 6.283185307179586f;
   constexpr float kTwoPowMinus24 = 5.9604644775390625e-08f;
-  const __m256i k = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(c[2], 9), 1), set1(1u));
-  const __m256 u2 = _mm256_mul_ps(_mm256_cvtepi32_ps(k), _mm256_set1_ps(kTwoPowMinus24));
-  const Sleef___m256_2 sc = Sleef_sincosf8_u10avx2(_mm256_mul_ps(_mm256_set1_ps(kTwoPi), u2));
-  alignas(32) float z0[kBlocks], z1[kBlocks];
-  _mm256_store_ps(z0, _mm256_mul_ps(r, sc.y));  // r cos θ: coordinate 2b
-  _mm256_store_ps(z1, _mm256_mul_ps(r, sc.x));  // r sin θ: coordinate 2b + 1
-  for (int b = 0; b < kBlocks; ++b) {
-    z[2 * b] = z0[b];
-    z[2 * b + 1] = z1[b];
+  for (int set = 0; set < kSets; ++set) {
+    const __m256i* w = c[set];
+    // Radius from words 0 (hi) and 1 (lo) in fp64, rounded to float (box_muller).
+    const __m256d r_low = radius4(low4(w[0]), low4(w[1]));
+    const __m256d r_high = radius4(high4(w[0]), high4(w[1]));
+    const __m256 r = _mm256_set_m128(_mm256_cvtpd_ps(r_high), _mm256_cvtpd_ps(r_low));
+    // Angle 2π u2, u2 = (2 (w2 >> 9) + 1) 2^-24 (uniform_open01), all in float.
+    const __m256i k = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(w[2], 9), 1), set1(1u));
+    const __m256 u2 = _mm256_mul_ps(_mm256_cvtepi32_ps(k), _mm256_set1_ps(kTwoPowMinus24));
+    const Sleef___m256_2 sc = Sleef_sincosf8_u10avx2(_mm256_mul_ps(_mm256_set1_ps(kTwoPi), u2));
+    const __m256 z0 = _mm256_mul_ps(r, sc.y);  // r cos θ: coordinate 2b
+    const __m256 z1 = _mm256_mul_ps(r, sc.x);  // r sin θ: coordinate 2b + 1
+    // Interleave to coordinate order: (z0[0], z1[0], z0[1], z1[1], ...).
+    const __m256 even = _mm256_unpacklo_ps(z0, z1);  // blocks 0, 1 | 4, 5
+    const __m256 odd = _mm256_unpackhi_ps(z0, z1);   // blocks 2, 3 | 6, 7
+    _mm256_storeu_ps(z + 16 * set, _mm256_permute2f128_ps(even, odd, 0x20));
+    _mm256_storeu_ps(z + 16 * set + 8, _mm256_permute2f128_ps(even, odd, 0x31));
   }
 }
 
-void secure_normal_pairs(const uint32_t* key, uint32_t step, uint32_t stream, uint64_t first_pair,
-                         double* z) {
+namespace {
+
+// Eight pairs first_pair + 0..7 of secure_normal_pairs; double z[16].
+void secure_normal_pairs8(const uint32_t* key, uint32_t step, uint32_t stream, uint64_t first_pair,
+                          double* z) {
   // ChaCha20 states (RFC 8439 §2.3) of pairs first_pair + 0..7: counter = pair lo, nonce =
-  // (pair hi, step, stream) (privacy::secure_normal2).
-  alignas(32) uint32_t lo[kBlocks], hi[kBlocks];
-  for (int k = 0; k < kBlocks; ++k) {
+  // (pair hi, step, stream) (privacy::secure_normal2). ChaCha20's 16-word state gives plenty of
+  // independent work per round, so one set of 8 lanes at a time suffices.
+  alignas(32) uint32_t lo[8], hi[8];
+  for (int k = 0; k < 8; ++k) {
     const uint64_t pair = first_pair + static_cast<uint64_t>(k);
     lo[k] = static_cast<uint32_t>(pair);
     hi[k] = static_cast<uint32_t>(pair >> 32);
@@ -189,6 +207,16 @@ void secure_normal_pairs(const uint32_t* key, uint32_t step, uint32_t stream, ui
       _mm256_store_pd(out, _mm256_mul_pd(sum, _mm256_set1_pd(0.5)));
       for (int k = 0; k < 4; ++k) z[2 * (4 * half + k) + c] = out[k];
     }
+  }
+}
+
+}  // namespace
+
+void secure_normal_pairs(const uint32_t* key, uint32_t step, uint32_t stream, uint64_t first_pair,
+                         double* z) {
+  for (int set = 0; set < kSets; ++set) {
+    secure_normal_pairs8(key, step, stream, first_pair + 8 * static_cast<uint64_t>(set),
+                         z + 16 * set);
   }
 }
 

@@ -31,7 +31,7 @@
 
 namespace dpzero::kernels::noise_simd {
 
-constexpr int kBlocks = 8;  // blocks per call
+constexpr int kBlocks = 32;  // blocks (Philox) or pairs (ChaCha20) per call, a multiple of 8
 
 // True iff this CPU runs AVX2 and FMA (so the functions below may be called) and the tests-only
 // op dpzero::_set_noise_lanes has not switched the lanes off. Defined in kernels/cpu/noise.cpp,
@@ -41,14 +41,14 @@ bool available();
 // Tests only: turn the lanes on (where the CPU has them) or off; returns the previous setting.
 bool set_enabled(bool enabled);
 
-// Philox path: for blocks b = first_block .. first_block + 7, the two N(0,1) draws of global
-// coordinates 2b (z[2k]) and 2b + 1 (z[2k + 1]), k = b - first_block. float z[16].
+// Philox path: for blocks b = first_block .. first_block + kBlocks - 1, the two N(0,1) draws of
+// global coordinates 2b (z[2k]) and 2b + 1 (z[2k + 1]), k = b - first_block. float z[2 kBlocks].
 void philox_normal_blocks(uint64_t seed, uint32_t step, uint32_t stream, uint64_t first_block,
                           float* z);
 
-// Secure path: for pairs p = first_pair .. first_pair + 7, the two secure N(0,1) draws of
-// coordinates 2p (z[2k]) and 2p + 1 (z[2k + 1]) (Note [secure noise] in privacy/secure_noise.h).
-// key: the eight ChaCha20 key words. double z[16].
+// Secure path: for pairs p = first_pair .. first_pair + kBlocks - 1, the two secure N(0,1) draws
+// of coordinates 2p (z[2k]) and 2p + 1 (z[2k + 1]) (Note [secure noise] in
+// privacy/secure_noise.h). key: the eight ChaCha20 key words. double z[2 kBlocks].
 void secure_normal_pairs(const uint32_t* key, uint32_t step, uint32_t stream, uint64_t first_pair,
                          double* z);
 
