@@ -35,6 +35,10 @@ TORCH_LIBRARY(dpzero, m) {
   // Linear weight ([d_out, d_in]) and HF Conv1D weight ([d_in, d_out], transposed=True): A is the
   // layer input, G the output gradient. bias=True adds the bias's share (||sum_t G_i||^2).
   m.def("linear_sq_norms(Tensor A, Tensor G, bool bias=False, int method=0) -> Tensor");
+  // Note [shared inputs]: layers reading one input A (attention's query/key/value, a gated MLP's
+  // gate/up), each with its output gradient G[l] [B, ..., d_out_l] -> [L, B] float32, row l
+  // equal to linear_sq_norms(A, G[l], False, method).
+  m.def("linear_sq_norms_multi(Tensor A, Tensor[] G, int method=0) -> Tensor");
   m.def("linear_clipped_sum(Tensor A, Tensor G, Tensor scale, bool transposed=False) -> Tensor");
   // -> (grad_weight, grad_bias [d_out] or [0] without bias, sq_norms, factors, nonfinite)
   m.def("linear_clip(Tensor A, Tensor G, float max_norm, str mode, float gamma=0.01, "
@@ -89,6 +93,8 @@ TORCH_LIBRARY(dpzero, m) {
   // [B] float64, sum_t ||a_t|| ||g_t|| (tokens: sum over non-padding t of ||g_t||).
   m.def("_ghost_sq_norms(Tensor A, Tensor G) -> (Tensor, Tensor)");
   m.def("_token_ghost_sq_norms(Tensor ids, Tensor G, int padding_idx) -> (Tensor, Tensor)");
+  // _ghost_sq_norms of A against each G[l]: ([L, B] values, [L, B] S), float64.
+  m.def("_ghost_sq_norms_multi(Tensor A, Tensor[] G) -> (Tensor, Tensor)");
   // Note [row sums] in kernels/per_sample_ops.h: G [B, T, d] -> (sum_t G_t [B, d], sum_t ||G_t||
   // [B]); x, G [B, T, d] -> (sum_t G_t ⊙ x̂_t [B, d], sum_t ||G_t ⊙ x̂_t|| [B]), x̂ the LayerNorm
   // (rms=False) or RMSNorm (rms=True) normalisation of x over d with eps; all float64.

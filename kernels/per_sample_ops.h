@@ -584,6 +584,62 @@ inline at::Tensor linear_sq_norms(const at::Tensor& A, const at::Tensor& G, bool
   return to_f32_up(linear_sq_norms_btd(as_btd(op, "A", A), as_btd(op, "G", G), m, bias));
 }
 
+// Note [shared inputs]
+// Layers that read the same input tensor (a transformer's query, key and value projections; a
+// gated MLP's gate and up projections) share the A-side Gram of the ghost norm. linear_sq_norms_multi
+// takes A once and each layer's G and returns each layer's certified norm, equal to what
+// linear_sq_norms would return for that layer alone (same kernel arithmetic, same margin); on the
+// ghost path A's float64 copy and Gram strips are made once for all of them
+// (dpzero::_ghost_sq_norms_multi: kernels/cpu/ghost_norm.cpp, and a generic loop for the devices
+// whose kernel does not stage the A Gram).
+
+// _ghost_sq_norms of A against each G, one layer at a time (any device).
+inline std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_multi_generic(const at::Tensor& a,
+                                                                       at::TensorList gs) {
+  TORCH_CHECK(!gs.empty(), "dpzero::_ghost_sq_norms_multi: G must hold at least one tensor");
+  std::vector<at::Tensor> values, norms;
+  for (const at::Tensor& g : gs) {
+    auto [v, n] = ghost_sq_norms(a, g);
+    values.push_back(v);
+    norms.push_back(n);
+  }
+  return {at::stack(values), at::stack(norms)};
+}
+
+// Public: A [B, ..., d_in], G[l] [B, ..., d_out_l] -> [L, B] float32 certified squared norms.
+inline at::Tensor linear_sq_norms_multi(const at::Tensor& A, at::TensorList G, int64_t method) {
+  constexpr const char* op = "linear_sq_norms_multi";
+  const NormMethod m = check_method(op, method);
+  TORCH_CHECK(!G.empty(), "dpzero::", op, ": G must hold at least one tensor");
+  for (const at::Tensor& g : G) check_layer_pair(op, A, "A", g);
+  const Fp32MatmulGuard precision;
+  const at::Tensor a = as_btd(op, "A", A);
+  std::vector<at::Tensor> gs, out(G.size());
+  std::vector<size_t> ghost_rows;
+  for (size_t l = 0; l < G.size(); ++l) {
+    const at::Tensor g = as_btd(op, "G", G[l]);
+    if (use_ghost(m, a.size(1), a.size(2), g.size(2))) {
+      gs.push_back(g);
+      ghost_rows.push_back(l);
+    } else {
+      out[l] = to_f32_up(direct_sq_norms(a, g));
+    }
+  }
+  if (!gs.empty()) {
+    using Signature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::TensorList);
+    static const auto multi = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("dpzero::_ghost_sq_norms_multi", "")
+                                  .typed<Signature>();
+    const auto [values, s] = multi.call(a, gs);
+    for (size_t k = 0; k < gs.size(); ++k) {
+      const double c = ghost_error_coefficient(a.size(1), a.size(2), gs[k].size(2));
+      out[ghost_rows[k]] = to_f32_up(certify_ghost(values[static_cast<int64_t>(k)],
+                                                   s[static_cast<int64_t>(k)], c));
+    }
+  }
+  return at::stack(out);
+}
+
 // Public: A [B, ..., d_in], G [B, ..., d_out], scale [B] -> [d_out, d_in] float32 (nn.Linear's
 // weight layout) or [d_in, d_out] when `transposed` (HF Conv1D: y = x W + b, W [d_in, d_out]).
 inline at::Tensor linear_clipped_sum(const at::Tensor& A, const at::Tensor& G,

@@ -188,6 +188,50 @@ std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_cpu(const at::Tensor& a, const
   return {value, norms};
 }
 
+// Note [shared inputs]: A [B, T, d_in] and L output gradients G_l [B, T, d_out_l] of layers that
+// read the same input -> ([L, B] <A_i A_i^T, G_{l,i} G_{l,i}^T>, [L, B] sum_t ||a_t|| ||g_{l,t}||),
+// float64: each value is the one _ghost_sq_norms(A, G_l) gives, bit for bit (the same strips, the
+// same dots), with A's copy and strips made once per chunk instead of once per layer.
+std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_multi_cpu(const at::Tensor& a,
+                                                            at::TensorList gs) {
+  TORCH_CHECK(!gs.empty(), "dpzero::_ghost_sq_norms_multi: G must hold at least one tensor");
+  int64_t max_d_out = 0;
+  for (const at::Tensor& g : gs) {
+    check_ghost_args("_ghost_sq_norms_multi", a, "A", g);
+    max_d_out = std::max(max_d_out, g.size(2));
+  }
+  const int64_t n_layers = static_cast<int64_t>(gs.size());
+  const int64_t b = a.size(0), t = a.size(1), d_in = a.size(2);
+  at::Tensor value = at::zeros({n_layers, b}, a.options().dtype(at::kDouble));
+  at::Tensor norms = at::zeros({n_layers, b}, a.options().dtype(at::kDouble));
+  if (b == 0 || t == 0) return {value, norms};
+  const auto blocks = row_blocks(t);
+  const int64_t strip = strip_numel(blocks);
+  const int64_t per_sample = t * (d_in + max_d_out) + 2 * strip;
+  const int64_t chunk = samples_per_chunk(b, 8 * per_sample);
+  const at::Tensor ws = scratch_f64(chunk * per_sample);
+  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
+    const int64_t c = std::min(b, i0 + chunk) - i0;
+    const at::Tensor ac = ws.slice(0, 0, c * t * d_in).view({c, t, d_in}).copy_(a.slice(0, i0, i0 + c));
+    int64_t at_elem = c * t * d_in;
+    const at::Tensor strips_a = ws.slice(0, at_elem, at_elem + c * strip);
+    at_elem += c * strip;
+    const at::Tensor strips_g = ws.slice(0, at_elem, at_elem + c * strip);
+    at_elem += c * strip;
+    gram_strips(ac, blocks, strips_a);
+    for (int64_t l = 0; l < n_layers; ++l) {
+      const at::Tensor& g = gs[static_cast<size_t>(l)];
+      const int64_t d_out = g.size(2);
+      const at::Tensor gc =
+          ws.slice(0, at_elem, at_elem + c * t * d_out).view({c, t, d_out}).copy_(g.slice(0, i0, i0 + c));
+      gram_strips(gc, blocks, strips_g);
+      strip_dots(strips_a.data_ptr<double>(), strips_g.data_ptr<double>(), nullptr, 0, c, blocks,
+                 value.data_ptr<double>() + l * b + i0, norms.data_ptr<double>() + l * b + i0);
+    }
+  }
+  return {value, norms};
+}
+
 // ids [B, T] int64, G [B, T, d] -> ([B] value, [B] sum_{t: id_t != pad} ||g_t||), float64;
 // padding_idx >= 0, or -1 for none.
 std::tuple<at::Tensor, at::Tensor> token_ghost_sq_norms_cpu(const at::Tensor& ids,
@@ -220,6 +264,7 @@ std::tuple<at::Tensor, at::Tensor> token_ghost_sq_norms_cpu(const at::Tensor& id
 
 TORCH_LIBRARY_IMPL(dpzero, CPU, m) {
   m.impl("_ghost_sq_norms", &ghost_sq_norms_cpu);
+  m.impl("_ghost_sq_norms_multi", &ghost_sq_norms_multi_cpu);
   m.impl("_token_ghost_sq_norms", &token_ghost_sq_norms_cpu);
 }
 

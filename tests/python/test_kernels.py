@@ -372,6 +372,38 @@ def test_layer_norm_ops_match_torch_func(device, dtype, rms, bias, shape):
     assert_close(ops.layer_norm_clipped_sum(x, G, scale, eps, rms), weighted_sum(gw, scale), dtype)
 
 
+# ---- layers sharing one input (Note [shared inputs]) ----------------------------------------------
+
+
+@device_param
+@method_param
+def test_shared_input_norms_equal_each_layers_own(device, method):
+    # Query/key/value-like layers on one A, plus a wide one and a [B, d] one (T = 1).
+    A = rand((4, 70, 24), torch.float32, device, 40)
+    Gs = [rand((4, 70, d), torch.float32, device, 41 + d) for d in (24, 24, 96, 3)]
+    got = ops.linear_sq_norms_multi(A, Gs, method)
+    assert got.shape == (4, 4) and got.dtype == torch.float32
+    for l, G in enumerate(Gs):
+        assert torch.equal(got[l], ops.linear_sq_norms(A, G, False, method)), l
+        gw, _ = per_sample_linear(A, G)
+        assert_close(got[l], sq_norms_of(gw), torch.float32)
+    A1 = rand((5, 6), torch.float32, device, 50)
+    G1 = [rand((5, 4), torch.float32, device, 51), rand((5, 9), torch.float32, device, 52)]
+    got1 = ops.linear_sq_norms_multi(A1, G1, method)
+    for l, G in enumerate(G1):
+        assert torch.equal(got1[l], ops.linear_sq_norms(A1, G, False, method))
+
+
+@device_param
+def test_shared_input_norms_check_every_gradient(device):
+    A = rand((3, 5, 4), torch.float32, device, 60)
+    with pytest.raises(RuntimeError, match="G must hold at least one tensor"):
+        ops.linear_sq_norms_multi(A, [])
+    with pytest.raises(RuntimeError, match="linear_sq_norms_multi"):
+        ops.linear_sq_norms_multi(A, [rand((3, 5, 2), torch.float32, device, 61),
+                                      rand((3, 6, 2), torch.float32, device, 62)])
+
+
 # ---- kept per-sample gradients (Note [kept per-sample gradients]) ----------------------------------
 
 

@@ -41,7 +41,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .layers import Kept, LayerKind, kept_clipped_sums, round_down_f32, round_up_f32
+from .layers import (Kept, LayerKind, LinearKind, certified_sum, kept_clipped_sums,
+                     round_down_f32, round_up_f32)
 
 _ops = torch.ops.dpzero
 
@@ -79,6 +80,10 @@ class Part:
     g: object = None
     sq: Optional[torch.Tensor] = None  # [B] float32 certified squared norms
     done: bool = False
+    # Note [shared inputs]: a Linear weight's norm waits for the group's other layers on the same
+    # input; what the rest of the layer (its bias) contributed meanwhile.
+    pending: bool = False
+    other_sq: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -238,17 +243,51 @@ class Book:
             gs.complete = True
             self._deliver(layer, grads)
             return
-        part.a, part.g = kind.keep(layer.module, a, g, layer.train, math.isfinite(threshold))
-        if isinstance(part.a, Kept):
-            part.sq = part.a.sq
-        elif math.isfinite(threshold):
-            part.sq = kind.sq_norms(layer.module, a, g, layer.train)
-        if part.sq is not None and self._mean_scale() != 1:
-            part.sq = round_up_f32(part.sq.double() * float(b * b) * (1.0 + 1e-15))
+        if math.isfinite(threshold) and isinstance(kind, LinearKind) and layer.train[0]:
+            # Note [shared inputs]: the weight's norm is computed when the group completes,
+            # together with the other layers that read the same input.
+            part.a, part.g, part.other_sq = kind.keep_for_shared_norms(layer.module, a, g,
+                                                                       layer.train)
+            part.pending = True
+        else:
+            part.a, part.g = kind.keep(layer.module, a, g, layer.train,
+                                       math.isfinite(threshold))
+            if isinstance(part.a, Kept):
+                part.sq = part.a.sq
+            elif math.isfinite(threshold):
+                part.sq = kind.sq_norms(layer.module, a, g, layer.train)
+            part.sq = self._scaled_sq(part.sq)
         if gs.received == len(gs.parts):
             self._complete(layer.group)
 
     # ---- completion --------------------------------------------------------------------------
+
+    def _scaled_sq(self, sq: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Note [mean loss]: squared norms of G as delivered -> of the per-sample gradients."""
+        b = self._mean_scale()
+        if sq is None or b == 1:
+            return sq
+        return round_up_f32(sq.double() * float(b * b) * (1.0 + 1e-15))
+
+    def _shared_norms(self, pids: List[int]) -> None:
+        """Note [shared inputs] in kernels/per_sample_ops.h: the pending Linear weight norms of
+        these parts, one linear_sq_norms_multi call per distinct input tensor."""
+        by_input: Dict[tuple, List[Part]] = {}
+        for pid in pids:
+            part = self.parts[pid]
+            if not part.pending:
+                continue
+            a = part.a.a if isinstance(part.a, Kept) else part.a
+            key = (a.data_ptr(), tuple(a.shape), tuple(a.stride()), a.dtype, a.device,
+                   a._version)
+            by_input.setdefault(key, []).append(part)
+        for parts in by_input.values():
+            first = parts[0].a.a if isinstance(parts[0].a, Kept) else parts[0].a
+            gs = [p.a.g if isinstance(p.a, Kept) else p.g for p in parts]
+            weights = _ops.linear_sq_norms_multi(first, gs)  # [L, B] certified
+            for part, sq in zip(parts, weights):
+                total = sq if part.other_sq is None else certified_sum([sq, part.other_sq])
+                part.sq, part.other_sq, part.pending = self._scaled_sq(total), None, False
 
     def _group_norms(self, group: int, pids: List[int]) -> torch.Tensor:
         """[B] float32 certified per-sample norm over the group (triangle bound for components
@@ -280,6 +319,7 @@ class Book:
             return
         threshold = self.thresholds[group]
         if math.isfinite(threshold):
+            self._shared_norms(pids)
             norms = self._group_norms(group, pids)
             factors, _ = _ops.clip_factors(norms, threshold, self.mode, self.gamma)
             self._note_factors(factors)

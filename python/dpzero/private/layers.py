@@ -172,6 +172,15 @@ class LinearKind(LayerKind):
             sq = certified_sum([_ops.linear_sq_norms(a, g, bias=False), sq_b]) if w else sq_b
         return Kept([None, gb], sq, a if w else None, g if w else None), None
 
+    def keep_for_shared_norms(self, module, a, g, train):
+        """keep() when the book computes the weight's norm later, with the other layers that read
+        the same input (Note [shared inputs] in kernels/per_sample_ops.h): -> (a-state, g-state,
+        the bias's certified squared norms or None). The weight must be trainable."""
+        if not train[1]:
+            return a, g, None
+        gb, sq_b = _ops.bias_per_sample(g)
+        return Kept([None, gb], None, a, g), None, sq_b
+
     def sq_norms(self, module, a, g, train):
         w, b = train
         if w:
