@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import sys
 
 import torch
@@ -26,6 +27,8 @@ def main(argv) -> int:
     try:
         run_job(cfg)
     finally:
+        # Engines hold the group: free them first (docs/architecture.md, "Known limitations").
+        gc.collect()
         dist.destroy_process_group()
     return 0
 

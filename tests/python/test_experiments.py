@@ -1,0 +1,44 @@
+"""The experiments harness's written-down configurations (experiments/paper_configs.py) against
+independent references: parameter counts from the Hugging Face models built on the meta device,
+model-state predictions from ZeRO's formulas (Rajbhandari et al. 2020, §5.1) written out here."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "experiments"))
+import paper_configs  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("layers, width, heads", [(12, 768, 12), (24, 1024, 16), (48, 1600, 25)])
+def test_gpt2_parameter_counts_match_hugging_face(layers, width, heads):
+    config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    assert paper_configs.gpt2_params(layers, width) == model.num_parameters()
+
+
+def test_vit_gigantic_parameter_count_matches_hugging_face():
+    config = transformers.ViTConfig(hidden_size=1664, num_hidden_layers=48, num_attention_heads=16,
+                                    intermediate_size=8192, patch_size=14, image_size=224,
+                                    num_labels=100)
+    with torch.device("meta"):
+        model = transformers.ViTForImageClassification(config)
+    assert paper_configs.vit_params(48, 1664, 8192) == model.num_parameters()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_predictions_follow_zero_formulas(stage):
+    psi, w = 1.5e9, paper_configs.GPUS
+    # ZeRO §5.1 with p, g bytes per parameter / gradient and K of optimizer state
+    def formula(p, g, k):
+        return {1: (p + g) * psi + k * psi / w, 2: p * psi + (g + k) * psi / w,
+                3: (p + g + k) * psi / w}[stage]
+    assert paper_configs.predict(psi, stage, False, "mixed") == pytest.approx(formula(2, 2, 12))
+    assert paper_configs.predict(psi, stage, False, "fp32") == pytest.approx(formula(4, 4, 8))
+    # dpzero keeps DP gradients in fp32 up to the reduction (DESIGN.md §4)
+    assert paper_configs.predict(psi, stage, True, "mixed") == pytest.approx(formula(2, 4, 12))
