@@ -151,6 +151,7 @@ def write_paper_table(path: str) -> str:
         "", "### Published figures (as quoted in issue 9; not re-read from the paper here)", ""] + [
         f"- {p}" for p in PUBLISHED] + [
         "", reading()]
-    write_marked_section(path, "paper", "DP-ZeRO paper configurations: predicted model-state "
-                         "memory beside the published figures", "\n".join(lines))
+    write_marked_section(path, "paper", "# DP-ZeRO paper configurations: predicted model-state "
+                         "memory beside the published figures\n",
+                         "<!-- paper:begin -->\n" + "\n".join(lines) + "\n<!-- paper:end -->")
     return path

@@ -578,9 +578,12 @@ def write_results(rows, args, cfg, elapsed, out_dir) -> None:
                      + r.get("error", "").replace("|", "/") + " |")
     lines += ["", "Same computation:"] + check_losses(rows)
     lines += ["", "Plots: " + ", ".join(f"`{i}`" for i in images)]
-    write_marked_section(base + ".md", f"grid-{args.grid}",
-                         f"Experiments grid ({args.grid}): dpzero DP and non-DP against FSDP2 and "
-                         "Opacus", "\n".join(lines))
+    tag = f"grid-{args.grid}"
+    write_marked_section(base + ".md", tag,
+                         f"# Experiments grid ({args.grid}): dpzero DP and non-DP against FSDP2 "
+                         "and Opacus\n\nWritten by `experiments/run.py`; its docstring says what "
+                         "each column measures and how.\n",
+                         f"<!-- {tag}:begin -->\n" + "\n".join(lines) + f"\n<!-- {tag}:end -->")
 
 
 def main() -> None:
