@@ -39,6 +39,8 @@ BASE = {"privacy": {"target_epsilon": 3.0}}
     ({**BASE, "data": {"test_fraction": 1.5}}, r"test_fraction must be in \(0, 1\), got 1.5"),
     ({**BASE, "model": {"kind": "cnn"}}, r"kind 'cnn' does not fit \[data\] dataset 'fortunes'"),
     ({**BASE, "training": {"baseline": "yes"}}, r"baseline must be true or false, got 'yes'"),
+    ({**BASE, "training": {"timeout_s": 0}}, r"\[training\] timeout_s must be a number of "
+     r"seconds > 0, got 0"),
 ])
 def test_config_errors_name_the_key_and_value(raw, message):
     with pytest.raises(ConfigError, match=message):

@@ -53,6 +53,12 @@ class BudgetExhausted(RuntimeError):
     """The next step would spend more than the run's ε budget; nothing was charged or applied."""
 
 
+class CollectiveError(RuntimeError):
+    """A collective of the private step failed on this rank: a peer rank died, hung past the
+    process group's timeout (``torch.distributed.init_process_group(timeout=...)``), or lost its
+    connection. The message says whether the step had been charged to the ledger."""
+
+
 class PrivateModule(nn.Module):
     """The model under DP: calls go to the wrapped module (whose DP layers are patched);
     attributes not found here are looked up on it, as Opacus's GradSampleModule does."""
@@ -552,6 +558,24 @@ class PrivacyEngine:
             self.accountant.step(noise_multiplier=self.noise_multiplier,
                                  sample_rate=self.sample_rate, num_steps=self.charges)
 
+    def _collective(self, what: str, fn, *args, charged: bool = False, **kwargs):
+        """fn(*args), a collective of the step; a failure of the process group (c10d raises a
+        RuntimeError: timeout, closed connection) becomes a CollectiveError naming this rank, the
+        step, what was being agreed and whether the step was already charged."""
+        try:
+            return fn(*args, **kwargs)
+        except (PrivacyViolation, BudgetExhausted, CollectiveError):
+            raise
+        except RuntimeError as e:
+            rank = dist.get_rank(self._group) if self._group is not None else 0
+            state = ("the step was charged to the privacy ledger and was not applied on this "
+                     "rank" if charged else "nothing was charged or applied on this rank")
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise CollectiveError(
+                f"rank {rank} of {self.world_size}, step {self.next_step}: {what} failed: a peer "
+                f"rank died, hung past the process group's timeout, or lost its connection; "
+                f"{state} ({type(e).__name__}: {first})") from e
+
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any (a collective)."""
         return bool(self._all_reduce([int(bool(flag))])[0])
@@ -654,7 +678,8 @@ class PrivacyEngine:
             "step() after a forward whose backward has not run; call loss.backward() first (or "
             "zero_grad() to drop it)" if book.open else None)
         stats = book.take_stats() if local is None else None
-        samples, dropped, failed = self._all_reduce(
+        samples, dropped, failed = self._collective(
+            "agreeing on the step", self._all_reduce,
             [stats.samples if stats else 0, stats.dropped if stats else 0, int(local is not None)])
         if failed:
             self._drop_batch()
@@ -698,7 +723,8 @@ class PrivacyEngine:
                                     batch_sizes=[size], noise=sigma > 0, dropped_samples=dropped)
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 err = e
-        if self._any_rank(err is not None):
+        if self._collective("waiting for rank 0's ledger record", self._any_rank,
+                            err is not None):
             if err is not None:
                 raise err
             raise RuntimeError("rank 0 could not write the privacy ledger (its error is in its "
@@ -710,12 +736,10 @@ class PrivacyEngine:
         if lr != self.sharded.lr:
             self.sharded.lr = lr
         stddev = sigma * c if sigma > 0 else 0.0
-        if self.noise_source.secure_mode:
-            self.sharded._state.noisy_step(stddev, k, 1.0 / (q * self.dataset_size),
-                                           key=list(self.noise_source._key))
-        else:
-            self.sharded._state.noisy_step(stddev, k, 1.0 / (q * self.dataset_size),
-                                           seed=_as_int64(self.noise_source.seed))
+        noise = (dict(key=list(self.noise_source._key)) if self.noise_source.secure_mode
+                 else dict(seed=_as_int64(self.noise_source.seed)))
+        self._collective("the noisy update", self.sharded._state.noisy_step, stddev, k,
+                         1.0 / (q * self.dataset_size), charged=True, **noise)
         self.next_step = max(t + 1, self.charges)
         self.steps_taken += 1
         self.last_step_stats = {"step": t, "batch_size": size, "samples_seen": samples,

@@ -22,6 +22,8 @@ Every error names the key and the bad value. Sections and keys (defaults in brac
     [training]  epochs  [3]; batch_size = expected logical batch  [256]
                 max_physical_batch_size  [64]; lr  [1e-3]; optimizer = "adamw"|"adam"|"sgd"
                 ["adamw"]; weight_decay  [0.0]; zero_stage  [3]; world_size  [2]; seed  [0]
+                timeout_s = a collective waits this long for a dead or hung rank before the
+                    run fails with an error  [600]
                 baseline = also train without privacy, same settings  [true]
     [output]    dir = the run directory  ["runs/<config file stem>"]
 """
@@ -80,6 +82,7 @@ class TrainingConfig:
     zero_stage: int = 3
     world_size: int = 2
     seed: int = 0
+    timeout_s: float = 600.0
     baseline: bool = True
 
 
@@ -207,6 +210,10 @@ def validate(cfg: RunConfig) -> None:
     for key in ("batch_size", "max_physical_batch_size", "world_size"):
         if getattr(t, key) < 1:
             raise ConfigError(f"[training] {key} must be >= 1, got {getattr(t, key)}")
+    if isinstance(t.timeout_s, bool) or not isinstance(t.timeout_s, (int, float)) \
+            or not (0 < t.timeout_s < math.inf):
+        raise ConfigError(f"[training] timeout_s must be a number of seconds > 0, got "
+                          f"{t.timeout_s!r}")
     if not (t.lr > 0):
         raise ConfigError(f"[training] lr must be > 0, got {t.lr}")
     _choice("[training] optimizer", t.optimizer, ("adamw", "adam", "sgd"))

@@ -23,7 +23,9 @@ def main(argv) -> int:
         import os
 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    # A dead or hung rank fails the others' collectives after this long (not never).
+    dist.init_process_group(backend,
+                            timeout=datetime.timedelta(seconds=cfg.training.timeout_s))
     try:
         run_job(cfg)
     finally:

@@ -1,0 +1,81 @@
+"""Collective faults under the multi-rank private step (issue 10): a rank that dies or hangs makes
+the others fail with a clear error within the process group's timeout, never hang, and the error
+says whether the step was charged. Real Gloo groups over loopback, ranks in separate processes."""
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import dpzero
+from dpzero.private.engine import CollectiveError
+
+from test_private import SeqNet, seq_data
+
+TIMEOUT_S = 4
+
+
+def _rank_main(rank, world_size, store_path, out_path, fault, stage):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=1.0, seed=5, zero_stage=stage)
+    x, y = next(iter(p.data_loader))
+    if rank == 1:
+        if fault == "dies":
+            os._exit(3)  # as kill -9 would: no cleanup, sockets closed by the OS
+        time.sleep(120)  # hangs; the test kills it
+        os._exit(0)
+    outcome = {}
+    t0 = time.monotonic()
+    try:
+        F.cross_entropy(p.model(x), y).backward()
+        p.optimizer.step()
+        outcome["result"] = "step taken"
+    except CollectiveError as e:
+        outcome["result"], outcome["error"] = "CollectiveError", str(e)
+    except Exception as e:  # noqa: BLE001 - what the test reports
+        outcome["result"], outcome["error"] = type(e).__name__, str(e)
+    outcome["seconds"] = time.monotonic() - t0
+    outcome["charges"] = p.privacy_engine.charges
+    torch.save(outcome, out_path)
+    os._exit(0)  # the group is broken: leave without collective teardown
+
+
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_dead_or_hung_rank_fails_the_others_within_the_timeout(tmp_path, fault, stage):
+    out = str(tmp_path / "out.pt")
+    ctx = mp.start_processes(_rank_main, args=(2, str(tmp_path / "store"), out, fault, stage),
+                             nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    try:
+        while not os.path.exists(out) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+    assert os.path.exists(out), "rank 0 never finished: it hung"
+    got = torch.load(out)
+    if stage == 0:  # the first collective is the step's own agreement: our error
+        assert got["result"] == "CollectiveError", got
+    else:  # stage 3 all-gathers in the forward: c10d's error, which names the cause
+        error = got.get("error", "").lower()
+        assert got["result"] == "CollectiveError" or "timed out" in error \
+            or "connection" in error, got
+    # within the process group's timeout (plus start-up slack), not forever
+    assert got["seconds"] < TIMEOUT_S + 20, got
+    assert got["charges"] == 0, got  # nothing charged: the failure came before the ledger
+    if got["result"] == "CollectiveError":
+        assert "rank 0 of 2, step 0" in got["error"], got
+        assert "nothing was charged or applied" in got["error"], got
