@@ -49,3 +49,62 @@ def test_an_unreachable_target_epsilon_names_the_target_and_the_sigma_range():
                                          r"\[0, 1e\+06\]: epsilon at sigma \d+ is 0\.00"):
         dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, seed=1,
                             target_epsilon=1e-9, **TARGET)
+
+
+def test_parameters_unfrozen_or_added_after_make_private_stop_the_step():
+    for change in ("unfreeze", "add"):
+        model = SeqNet()
+        model.emb.weight.requires_grad_(False)  # frozen before make_private: fine
+        p = dpzero.make_private(model, dataset=seq_data(), batch_size=8, seed=1, **NOISE)
+        if change == "unfreeze":
+            model.emb.weight.requires_grad_(True)
+            name = "emb.weight"
+        else:
+            model.extra = torch.nn.Parameter(torch.zeros(3))
+            name = "extra"
+        x, y = next(iter(p.data_loader))
+        torch.nn.functional.cross_entropy(p.model(x), y).backward()
+        with pytest.raises(dpzero.PrivacyViolation,
+                           match=rf"trainable parameters changed .*'{name}'"):
+            p.optimizer.step()
+
+
+def test_a_nan_example_is_dropped_counted_and_the_step_goes_on():
+    """One example with NaN features: its clip factor is 0, it is counted, and the update is the
+    clipped sum of the others (reference: torch.func per-sample gradients, clipped by hand)."""
+    torch.manual_seed(0)
+    n, c, lr = 6, 0.5, 1.0
+    x = torch.randn(n, 4)
+    x[2, 1] = float("nan")
+    y = torch.randint(0, 2, (n,))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(x, y), sample_rate=1.0,
+                            noise_multiplier=0.0, allow_no_noise=True, max_grad_norm=c,
+                            optimizer="sgd", lr=lr, seed=0, loss_reduction="sum")
+    for xb, yb in p.data_loader:  # q = 1: one logical batch of every row
+        torch.nn.functional.cross_entropy(p.model(xb), yb, reduction="sum").backward()
+        p.optimizer.step()
+        break
+    stats = p.privacy_engine.last_step_stats
+    assert stats["dropped"] == 1 and stats["batch_size"] == n, stats
+    got = p.privacy_engine.parameters()
+    assert all(torch.isfinite(v).all() for v in got.values())
+
+    ref_model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref_model.load_state_dict({k: v for k, v in start.items()})
+    params = {k: v for k, v in ref_model.named_parameters()}
+
+    def loss(ps, xi, yi):
+        out = torch.func.functional_call(ref_model, ps, (xi.unsqueeze(0),))
+        return torch.nn.functional.cross_entropy(out, yi.unsqueeze(0), reduction="sum")
+
+    grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    norms = torch.sqrt(sum(g.flatten(1).double().pow(2).sum(1) for g in grads.values()))
+    factors = torch.clamp(c / (norms + 1e-6), max=1.0)
+    factors[2] = 0.0  # the NaN example contributes nothing
+    for k, g in grads.items():
+        g = torch.nan_to_num(g.double())  # only row 2 is NaN, and its factor is 0
+        clipped = (factors.view(-1, *[1] * (g.dim() - 1)) * g).sum(0)
+        want = start[k].double() - lr * clipped / n  # normalised by the expected batch q N
+        torch.testing.assert_close(got[k].double(), want, rtol=1e-5, atol=1e-6)

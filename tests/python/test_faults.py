@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import dpzero
-from dpzero.private.engine import CollectiveError
+from dpzero.private import CollectiveError
 
 from test_private import SeqNet, seq_data
 

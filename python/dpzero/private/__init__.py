@@ -7,8 +7,8 @@ ledger, the accountant, data loader and optimizer).
 """
 
 from .attach import PrivacyViolation
-from .engine import (BudgetExhausted, DPDataLoader, DPOptimizer, Private, PrivacyEngine,
-                     PrivateModule, make_private)
+from .engine import (BudgetExhausted, CollectiveError, DPDataLoader, DPOptimizer, Private,
+                     PrivacyEngine, PrivateModule, make_private)
 
-__all__ = ["BudgetExhausted", "DPDataLoader", "DPOptimizer", "Private", "PrivacyEngine",
-           "PrivacyViolation", "PrivateModule", "make_private"]
+__all__ = ["BudgetExhausted", "CollectiveError", "DPDataLoader", "DPOptimizer", "Private",
+           "PrivacyEngine", "PrivacyViolation", "PrivateModule", "make_private"]
