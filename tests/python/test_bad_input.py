@@ -108,3 +108,42 @@ def test_a_nan_example_is_dropped_counted_and_the_step_goes_on():
         clipped = (factors.view(-1, *[1] * (g.dim() - 1)) * g).sum(0)
         want = start[k].double() - lr * clipped / n  # normalised by the expected batch q N
         torch.testing.assert_close(got[k].double(), want, rtol=1e-5, atol=1e-6)
+
+
+def _ledger_session(path, n=40, q=0.2, sigma=1.0, run_id="r", steps=1, **kw):
+    """make_private on a fresh model with a ledger; takes ``steps`` steps; returns the engine."""
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 3), torch.randint(0, 2, (n,)))
+    p = dpzero.make_private(torch.nn.Sequential(torch.nn.Linear(3, 2)), dataset=ds,
+                            sample_rate=q, noise_multiplier=sigma, max_grad_norm=1.0, seed=5,
+                            optimizer="sgd", lr=0.1, ledger_path=path, run_id=run_id, **kw)
+    taken = 0
+    for x, y in p.data_loader:
+        if taken == steps:
+            break
+        torch.nn.functional.cross_entropy(p.model(x), y).backward()
+        taken += bool(p.optimizer.step())
+        p.optimizer.zero_grad()
+    p.privacy_engine._ledger.close()
+    return p.privacy_engine
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(q=0.1), r"holds steps at sigma=1.0, q=0.2; this run uses sigma=1.0, q=0.1"),
+    (dict(n=80), r"is for a dataset of 40 examples, this run has 80"),
+    (dict(run_id="zzz"), r'belongs to run "r", expected run "zzz"'),
+], ids=["other-q", "other-dataset", "other-run"])
+def test_a_ledger_of_other_settings_or_another_run_is_refused(tmp_path, change, message):
+    path = str(tmp_path / "ledger.jsonl")
+    _ledger_session(path)
+    before = open(path).read()
+    with pytest.raises(Exception, match=message):  # ValueError, or the ledger's LedgerError
+        _ledger_session(path, **change)
+    assert open(path).read() == before  # nothing appended by the refused run
+
+
+def test_a_ledger_with_unnoised_steps_is_not_continued_privately(tmp_path):
+    path = str(tmp_path / "ledger.jsonl")
+    _ledger_session(path, sigma=0.0, allow_no_noise=True)
+    with pytest.raises(ValueError, match="records steps without noise; a private run cannot "
+                                         "continue it"):
+        _ledger_session(path)
