@@ -221,6 +221,27 @@ def test_cnn_job_on_fashion_mnist_two_ranks_through_the_launcher(tmp_path):
     state = torch.load(run / "model.pt")
     assert set(state) == {"conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias",
                           "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    # Secure mode is the default, the report says so, and no run file carries a noise seed or
+    # key (the model file holds the parameters only, asserted above).
+    assert "secure (ChaCha20, OS-entropy key, never stored)" in (run / "report.md").read_text()
+    assert json.loads((run / "report.json").read_text())["secure_mode"] is True
+    for name in ("result.json", "report.json", "metrics.jsonl", "ledger.jsonl"):
+        text = (run / name).read_text()
+        assert '"key"' not in text and '"noise_seed"' not in text, name
+        for line in text.splitlines():
+            record = json.loads(line) if name.endswith("jsonl") else json.loads(text)
+            assert _no_seed(record), (name, record)
+            if not name.endswith("jsonl"):
+                break
+
+
+def _no_seed(record) -> bool:
+    """No "seed" entry with a value anywhere in a JSON record."""
+    if isinstance(record, dict):
+        return all((k != "seed" or v is None) and _no_seed(v) for k, v in record.items())
+    if isinstance(record, list):
+        return all(_no_seed(v) for v in record)
+    return True
 
 
 @needs_fortunes
