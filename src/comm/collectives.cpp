@@ -2,6 +2,7 @@
 // collectives] in collectives.h).
 #include "src/comm/collectives.h"
 
+#include <string>
 #include <vector>
 
 #include <ATen/MemoryOverlap.h>
@@ -31,7 +32,25 @@ at::Tensor storage_alias(const at::Tensor& t) {
   return at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
 }
 
+std::string on_rank(const char* op, int64_t rank, int64_t world_size) {
+  return std::string(op) + " on rank " + std::to_string(rank) + " of " + std::to_string(world_size);
+}
+
 }  // namespace
+
+void wait(c10d::Work& work, const std::string& what) {
+  try {
+    work.wait();
+  } catch (const std::exception& e) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    std::string cause = c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
+    const size_t newline = cause.find('\n');
+    if (newline != std::string::npos) cause.resize(newline);
+    C10_THROW_ERROR(DistBackendError,
+                    "dpzero: " + what + " failed: a peer rank died, hung past the process "
+                    "group's timeout, or lost its connection (" + cause + ")");
+  }
+}
 
 Collectives::Collectives(c10::intrusive_ptr<c10d::ProcessGroup> process_group)
     : pg_(std::move(process_group)) {
@@ -48,12 +67,12 @@ void Collectives::all_reduce_sum_(at::Tensor& tensor) const {
   std::vector<at::Tensor> tensors{storage_alias(tensor)};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  pg_->allreduce(tensors, opts)->wait();
+  wait(*pg_->allreduce(tensors, opts), on_rank("all-reduce", rank_, world_size_));
 }
 
 void Collectives::reduce_scatter_sum(at::Tensor& shard, at::Tensor& full) const {
   c10::intrusive_ptr<c10d::Work> work = reduce_scatter_sum_async(shard, full);
-  if (work) work->wait();
+  if (work) wait(*work, on_rank("reduce-scatter", rank_, world_size_));
 }
 
 c10::intrusive_ptr<c10d::Work> Collectives::reduce_scatter_sum_async(at::Tensor& shard,
@@ -76,7 +95,7 @@ void Collectives::all_gather(at::Tensor& full, at::Tensor& shard) const {
     full.copy_(shard);
     return;
   }
-  all_gather_async(full, shard)->wait();
+  wait(*all_gather_async(full, shard), on_rank("all-gather", rank_, world_size_));
 }
 
 c10::intrusive_ptr<c10d::Work> Collectives::all_gather_async(at::Tensor& full,
@@ -99,7 +118,7 @@ void Collectives::broadcast_(at::Tensor& tensor, int64_t root) const {
   std::vector<at::Tensor> tensors{storage_alias(tensor)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  pg_->broadcast(tensors, opts)->wait();
+  wait(*pg_->broadcast(tensors, opts), on_rank("broadcast", rank_, world_size_));
 }
 
 }  // namespace dpzero::comm

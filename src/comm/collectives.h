@@ -23,14 +23,29 @@
 // aborts the process (seen as a rare SIGABRT at exit). So every tensor handed to c10d here is a
 // fresh TensorImpl on the same storage (storage_alias), which no Python object has ever wrapped:
 // the bytes are shared, the last reference a worker drops is C++-only.
+//
+// Note [collective failures]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A peer rank that died (its sockets closed) or hangs past the process group's timeout shows up
+// as an exception from c10d's Work::wait(), worded by the transport ("Connection reset by peer",
+// "Timed out waiting 600000ms for recv operation") and silent on what dpzero was doing. Every wait
+// of the engine goes through comm::wait(), which rethrows it as a c10::DistBackendError saying
+// which collective failed on which rank and the likely cause, the transport's text kept. The
+// timeout is the group's: torch.distributed.init_process_group(timeout=...), or
+// dpzero.new_process_group(timeout_s=...).
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 namespace dpzero::comm {
+
+// work.wait(), with a failure rethrown as Note [collective failures] says; `what` names the
+// collective and the rank ("reduce-scatter of unit 'blocks.0' on rank 1 of 2").
+void wait(c10d::Work& work, const std::string& what);
 
 class Collectives {
  public:

@@ -119,7 +119,9 @@ at::Tensor FlatParam::param_view(const at::Tensor& flat, size_t i) const {
 
 bool FlatParam::wait_gather() {
   if (!pending_) return false;
-  pending_->wait();
+  comm::wait(*pending_, "all-gather of the unit of parameter '" +
+                            (names_.empty() ? std::string("?") : names_.front()) + "' on rank " +
+                            std::to_string(rank_));  // Note [collective failures]
   pending_.reset();
   return true;
 }

@@ -60,7 +60,10 @@ void ParamGroup::finish_backward(const comm::Collectives& comm) {
 
 void ParamGroup::wait_reduce() {
   if (!pending_) return;
-  if (pending_->work) pending_->work->wait();
+  if (pending_->work) {  // Note [collective failures]
+    comm::wait(*pending_->work,
+               "reduce-scatter of unit '" + name_ + "' on rank " + std::to_string(flat_.rank()));
+  }
   if (pending_->reduced.defined()) grad_shard_.add_(pending_->reduced);
   pending_.reset();
 }
