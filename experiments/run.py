@@ -47,6 +47,7 @@ Usage: .venv/bin/python experiments/run.py [--grid cpu|gpu] [--shapes NAME,...] 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import math
@@ -289,7 +290,6 @@ def setup(rank: int, world: int, store: str, device: str, threads: int) -> None:
 
 
 def dataset_for(shape: dict, world: int):
-    idx, _ = batches(shape, world, n=4)[0]
     rows = 64 * world * shape["micro_batch"]  # q = B / N = 1/64 for the accountant
     return TensorDataset(torch.zeros(rows, shape["seq"], dtype=torch.long))
 
@@ -316,8 +316,7 @@ def build_all(names, shape, world, device, rank):
 
 def timing_rank(rank, world, store, shape, names, cfg, out_path):
     device = cfg["device"]
-    setup(rank, world, store, device, cfg["threads"] if world == 1 else 1)
-    try:
+    with rank_session(rank, world, store, cfg):
         systems = build_all(names, shape, world, device, rank)
         data = batches(shape, world)
         micro = shape["micro_batch"]
@@ -359,16 +358,11 @@ def timing_rank(rank, world, store, shape, names, cfg, out_path):
         if rank == 0:
             torch.save(result, out_path)
         del systems
-        release()
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def memory_rank(rank, world, store, shape, name, cfg, out_path):
     device = cfg["device"]
-    setup(rank, world, store, device, cfg["threads"] if world == 1 else 1)
-    try:
+    with rank_session(rank, world, store, cfg):
         data = batches(shape, world)
         micro = shape["micro_batch"]
         zero_bench.warm_up_libraries(dict(vocab=shape["vocab"], seq=shape["seq"],
@@ -393,18 +387,22 @@ def memory_rank(rank, world, store, shape, name, cfg, out_path):
         if rank == 0:
             torch.save(rows, out_path)
         del system
-        release()
+
+
+@contextlib.contextmanager
+def rank_session(rank: int, world: int, store: str, cfg: dict):
+    """This rank's process group for one measurement. On leaving, what the body built (and
+    deleted) is collected first — the engines hold the group, hooks make reference cycles, and an
+    engine collected after destroy_process_group takes the group down at exit ("terminate called
+    without an active exception": docs/architecture.md, "Known limitations") — then every rank
+    tears the group down together."""
+    setup(rank, world, store, cfg["device"], cfg["threads"] if world == 1 else 1)
+    try:
+        yield
+        gc.collect()
     finally:
         dist.barrier()
         dist.destroy_process_group()
-
-
-def release() -> None:
-    """Frees the systems (their engines hold the process group) before the group is destroyed:
-    hooks make reference cycles, and an engine collected after destroy_process_group takes the
-    group down at exit ("terminate called without an active exception": docs/architecture.md,
-    "Known limitations")."""
-    gc.collect()
 
 
 def spawn(fn, world, tmp, tag, *args):

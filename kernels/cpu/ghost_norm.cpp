@@ -155,18 +155,27 @@ void strip_dots(const double* ga, const double* gg, const int64_t* ids, int64_t 
   });
 }
 
-// A [B, T, d_in], G [B, T, d_out] -> ([B] <A_i A_i^T, G_i G_i^T>, [B] sum_t ||a_t|| ||g_t||),
-// float64.
-std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_cpu(const at::Tensor& a, const at::Tensor& g) {
-  check_ghost_args("_ghost_sq_norms", a, "A", g);
-  const int64_t b = g.size(0), t = g.size(1), d_in = a.size(2), d_out = g.size(2);
-  at::Tensor value = at::zeros({b}, g.options().dtype(at::kDouble));
-  at::Tensor norms = at::zeros({b}, g.options().dtype(at::kDouble));
+// Note [shared inputs]: A [B, T, d_in] and L output gradients G_l [B, T, d_out_l] of layers that
+// read the same input -> ([L, B] <A_i A_i^T, G_{l,i} G_{l,i}^T>, [L, B] sum_t ||a_t|| ||g_{l,t}||),
+// float64. A's copy and strips are made once per chunk, then each G_l's in turn; L = 1 is
+// _ghost_sq_norms, so a layer's value is the same bits whether it is computed alone or with
+// others. `op` names the calling op in the argument checks.
+std::tuple<at::Tensor, at::Tensor> ghost_values(const char* op, const at::Tensor& a,
+                                                at::TensorList gs) {
+  int64_t max_d_out = 0;
+  for (const at::Tensor& g : gs) {
+    check_ghost_args(op, a, "A", g);
+    max_d_out = std::max(max_d_out, g.size(2));
+  }
+  const int64_t n_layers = static_cast<int64_t>(gs.size());
+  const int64_t b = a.size(0), t = a.size(1), d_in = a.size(2);
+  at::Tensor value = at::zeros({n_layers, b}, a.options().dtype(at::kDouble));
+  at::Tensor norms = at::zeros({n_layers, b}, a.options().dtype(at::kDouble));
   if (b == 0 || t == 0) return {value, norms};
   const auto blocks = row_blocks(t);
   const int64_t strip = strip_numel(blocks);
-  // Per sample: float64 copies of its rows and the strips of its two Grams.
-  const int64_t per_sample = t * (d_in + d_out) + 2 * strip;
+  // Per sample: float64 copies of its A rows and of one G's rows, and the strips of two Grams.
+  const int64_t per_sample = t * (d_in + max_d_out) + 2 * strip;
   const int64_t chunk = samples_per_chunk(b, 8 * per_sample);
   const at::Tensor ws = scratch_f64(chunk * per_sample);
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
@@ -178,58 +187,33 @@ std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_cpu(const at::Tensor& a, const
       return part;
     };
     const at::Tensor ac = take(c * t * d_in).view({c, t, d_in}).copy_(a.slice(0, i0, i0 + c));
-    const at::Tensor gc = take(c * t * d_out).view({c, t, d_out}).copy_(g.slice(0, i0, i0 + c));
     const at::Tensor strips_a = take(c * strip), strips_g = take(c * strip);
     gram_strips(ac, blocks, strips_a);
-    gram_strips(gc, blocks, strips_g);
-    strip_dots(strips_a.data_ptr<double>(), strips_g.data_ptr<double>(), nullptr, 0, c, blocks,
-               value.data_ptr<double>() + i0, norms.data_ptr<double>() + i0);
-  }
-  return {value, norms};
-}
-
-// Note [shared inputs]: A [B, T, d_in] and L output gradients G_l [B, T, d_out_l] of layers that
-// read the same input -> ([L, B] <A_i A_i^T, G_{l,i} G_{l,i}^T>, [L, B] sum_t ||a_t|| ||g_{l,t}||),
-// float64: each value is the one _ghost_sq_norms(A, G_l) gives, bit for bit (the same strips, the
-// same dots), with A's copy and strips made once per chunk instead of once per layer.
-std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_multi_cpu(const at::Tensor& a,
-                                                            at::TensorList gs) {
-  TORCH_CHECK(!gs.empty(), "dpzero::_ghost_sq_norms_multi: G must hold at least one tensor");
-  int64_t max_d_out = 0;
-  for (const at::Tensor& g : gs) {
-    check_ghost_args("_ghost_sq_norms_multi", a, "A", g);
-    max_d_out = std::max(max_d_out, g.size(2));
-  }
-  const int64_t n_layers = static_cast<int64_t>(gs.size());
-  const int64_t b = a.size(0), t = a.size(1), d_in = a.size(2);
-  at::Tensor value = at::zeros({n_layers, b}, a.options().dtype(at::kDouble));
-  at::Tensor norms = at::zeros({n_layers, b}, a.options().dtype(at::kDouble));
-  if (b == 0 || t == 0) return {value, norms};
-  const auto blocks = row_blocks(t);
-  const int64_t strip = strip_numel(blocks);
-  const int64_t per_sample = t * (d_in + max_d_out) + 2 * strip;
-  const int64_t chunk = samples_per_chunk(b, 8 * per_sample);
-  const at::Tensor ws = scratch_f64(chunk * per_sample);
-  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
-    const int64_t c = std::min(b, i0 + chunk) - i0;
-    const at::Tensor ac = ws.slice(0, 0, c * t * d_in).view({c, t, d_in}).copy_(a.slice(0, i0, i0 + c));
-    int64_t at_elem = c * t * d_in;
-    const at::Tensor strips_a = ws.slice(0, at_elem, at_elem + c * strip);
-    at_elem += c * strip;
-    const at::Tensor strips_g = ws.slice(0, at_elem, at_elem + c * strip);
-    at_elem += c * strip;
-    gram_strips(ac, blocks, strips_a);
+    const at::Tensor g_rows = take(c * t * max_d_out);  // reused by every layer
     for (int64_t l = 0; l < n_layers; ++l) {
       const at::Tensor& g = gs[static_cast<size_t>(l)];
       const int64_t d_out = g.size(2);
       const at::Tensor gc =
-          ws.slice(0, at_elem, at_elem + c * t * d_out).view({c, t, d_out}).copy_(g.slice(0, i0, i0 + c));
+          g_rows.slice(0, 0, c * t * d_out).view({c, t, d_out}).copy_(g.slice(0, i0, i0 + c));
       gram_strips(gc, blocks, strips_g);
       strip_dots(strips_a.data_ptr<double>(), strips_g.data_ptr<double>(), nullptr, 0, c, blocks,
                  value.data_ptr<double>() + l * b + i0, norms.data_ptr<double>() + l * b + i0);
     }
   }
   return {value, norms};
+}
+
+// A [B, T, d_in], G [B, T, d_out] -> ([B] <A_i A_i^T, G_i G_i^T>, [B] sum_t ||a_t|| ||g_t||),
+// float64.
+std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_cpu(const at::Tensor& a, const at::Tensor& g) {
+  auto [value, norms] = ghost_values("_ghost_sq_norms", a, {g});
+  return {value[0], norms[0]};
+}
+
+std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_multi_cpu(const at::Tensor& a,
+                                                            at::TensorList gs) {
+  TORCH_CHECK(!gs.empty(), "dpzero::_ghost_sq_norms_multi: G must hold at least one tensor");
+  return ghost_values("_ghost_sq_norms_multi", a, gs);
 }
 
 // ids [B, T] int64, G [B, T, d] -> ([B] value, [B] sum_{t: id_t != pad} ||g_t||), float64;

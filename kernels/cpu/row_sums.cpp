@@ -47,31 +47,40 @@ inline double add_row(double* out, const double* v, int64_t d) {
   return (q0 + q1) + (q2 + q3);
 }
 
-// G [B, T, d] -> (sums [B, d] float64 = sum_t G_t, S [B] float64 = sum_t ||G_t||).
-std::tuple<at::Tensor, at::Tensor> row_sums_cpu(const at::Tensor& g_in) {
-  check_floating("_row_sums", "G", g_in);
-  TORCH_CHECK(g_in.dim() == 3, "dpzero::_row_sums: G must be [B, T, d], got shape ", g_in.sizes());
-  const at::Tensor g = as_f32(g_in);
-  const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
-  at::Tensor sums = at::zeros({b, d}, g.options().dtype(at::kDouble));
-  at::Tensor s = at::zeros({b}, g.options().dtype(at::kDouble));
-  const float* pg = g.data_ptr<float>();
+// The pass both ops share, over B samples of T rows of d: make_row(i, r, v) writes row r of
+// sample i as float64 into v [d]; -> (sums [B, d] = sum_r v, S [B] = sum_r ||v||), float64.
+template <typename MakeRow>
+std::tuple<at::Tensor, at::Tensor> sum_rows(const at::TensorOptions& options, int64_t b, int64_t t,
+                                            int64_t d, const MakeRow& make_row) {
+  at::Tensor sums = at::zeros({b, d}, options.dtype(at::kDouble));
+  at::Tensor s = at::zeros({b}, options.dtype(at::kDouble));
   double* ps = sums.data_ptr<double>();
   double* pn = s.data_ptr<double>();
   at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> v(static_cast<size_t>(d));
     for (int64_t i = begin; i < end; ++i) {
-      double* out = ps + i * d;
       double norms = 0.0;
       for (int64_t r = 0; r < t; ++r) {
-        const float* row = pg + (i * t + r) * d;
-        for (int64_t k = 0; k < d; ++k) v[k] = row[k];
-        norms += std::sqrt(add_row(out, v.data(), d));
+        make_row(i, r, v.data());
+        norms += std::sqrt(add_row(ps + i * d, v.data(), d));
       }
       pn[i] = norms;
     }
   });
   return {sums, s};
+}
+
+// G [B, T, d] -> (sums [B, d] float64 = sum_t G_t, S [B] float64 = sum_t ||G_t||).
+std::tuple<at::Tensor, at::Tensor> row_sums_cpu(const at::Tensor& g_in) {
+  check_floating("_row_sums", "G", g_in);
+  TORCH_CHECK(g_in.dim() == 3, "dpzero::_row_sums: G must be [B, T, d], got shape ", g_in.sizes());
+  const at::Tensor g = as_f32(g_in);
+  const int64_t t = g.size(1), d = g.size(2);
+  const float* pg = g.data_ptr<float>();
+  return sum_rows(g.options(), g.size(0), t, d, [&](int64_t i, int64_t r, double* v) {
+    const float* row = pg + (i * t + r) * d;
+    for (int64_t k = 0; k < d; ++k) v[k] = row[k];
+  });
 }
 
 // x, G [B, T, d] -> (sums [B, d] float64 = sum_t G_t ⊙ x̂_t, S [B] float64 = sum_t ||G_t ⊙ x̂_t||).
@@ -83,42 +92,26 @@ std::tuple<at::Tensor, at::Tensor> norm_row_sums_cpu(const at::Tensor& x_in, con
               "dpzero::_norm_row_sums: x and G must both be [B, T, d], got ", x_in.sizes(),
               " and ", g_in.sizes());
   const at::Tensor x = as_f32(x_in), g = as_f32(g_in);
-  const int64_t b = x.size(0), t = x.size(1), d = x.size(2);
-  at::Tensor sums = at::zeros({b, d}, x.options().dtype(at::kDouble));
-  at::Tensor s = at::zeros({b}, x.options().dtype(at::kDouble));
+  const int64_t t = x.size(1), d = x.size(2);
   const float* px = x.data_ptr<float>();
   const float* pg = g.data_ptr<float>();
-  double* ps = sums.data_ptr<double>();
-  double* pn = s.data_ptr<double>();
   const double inv_d = d > 0 ? 1.0 / static_cast<double>(d) : 0.0;
-  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> v(static_cast<size_t>(d));
-    for (int64_t i = begin; i < end; ++i) {
-      double* out = ps + i * d;
-      double norms = 0.0;
-      for (int64_t r = 0; r < t; ++r) {
-        const float* xr = px + (i * t + r) * d;
-        const float* gr = pg + (i * t + r) * d;
-        double mean = 0.0;
-        if (!rms) {
-          for (int64_t k = 0; k < d; ++k) mean += xr[k];
-          mean *= inv_d;
-        }
-        double var = 0.0;
-        for (int64_t k = 0; k < d; ++k) {
-          const double c = xr[k] - mean;
-          var += c * c;
-        }
-        const double rstd = 1.0 / std::sqrt(var * inv_d + eps);
-        for (int64_t k = 0; k < d; ++k) {
-          v[k] = static_cast<double>(gr[k]) * ((xr[k] - mean) * rstd);
-        }
-        norms += std::sqrt(add_row(out, v.data(), d));
-      }
-      pn[i] = norms;
+  return sum_rows(x.options(), x.size(0), t, d, [&](int64_t i, int64_t r, double* v) {
+    const float* xr = px + (i * t + r) * d;
+    const float* gr = pg + (i * t + r) * d;
+    double mean = 0.0;
+    if (!rms) {
+      for (int64_t k = 0; k < d; ++k) mean += xr[k];
+      mean *= inv_d;
     }
+    double var = 0.0;
+    for (int64_t k = 0; k < d; ++k) {
+      const double c = xr[k] - mean;
+      var += c * c;
+    }
+    const double rstd = 1.0 / std::sqrt(var * inv_d + eps);
+    for (int64_t k = 0; k < d; ++k) v[k] = static_cast<double>(gr[k]) * ((xr[k] - mean) * rstd);
   });
-  return {sums, s};
 }
 
 }  // namespace

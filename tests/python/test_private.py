@@ -335,21 +335,26 @@ def test_opacus_style_entry_point():
 
 # ---- sharding invariance (DESIGN.md §3): same seeds => same parameters for any W and stage -----
 
+def take_steps(p, n):
+    """n private steps of ``p`` (a make_private result) through its data loader."""
+    taken = 0
+    while taken < n:
+        for x, y in p.data_loader:
+            p.optimizer.zero_grad()
+            F.cross_entropy(p.model(x), y).backward()
+            if p.optimizer.step():
+                taken += 1
+                if taken == n:
+                    return
+
+
 def private_run(stage, clipping, tied, *, steps=10, rank=0, world_size=1):
     torch.manual_seed(6)
     model = SeqNet(tied=tied)
     p = dpzero.make_private(model, dataset=seq_data(48), sample_rate=0.2, noise_multiplier=0.8,
                             max_grad_norm=0.5, clipping=clipping, zero_stage=stage, seed=77,
                             optimizer="adam", lr=0.01, max_physical_batch_size=3, **EXTRA)
-    taken = 0
-    while taken < steps:
-        for x, y in p.data_loader:
-            p.optimizer.zero_grad()
-            F.cross_entropy(p.model(x), y).backward()
-            if p.optimizer.step():
-                taken += 1
-                if taken == steps:
-                    break
+    take_steps(p, steps)
     return {"params": p.privacy_engine.parameters(),
             "sizes": [r for r in p.privacy_engine.accountant.history]}
 

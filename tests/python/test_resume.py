@@ -8,11 +8,10 @@ import json
 
 import torch
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 import dpzero
 
-from test_private import EXTRA, SeqNet, seq_data
+from test_private import EXTRA, SeqNet, seq_data, take_steps
 
 
 def _make(stage):
@@ -23,18 +22,6 @@ def _make(stage):
                                max_physical_batch_size=3, **EXTRA)
 
 
-def _steps(p, n):
-    taken = 0
-    while taken < n:
-        for x, y in p.data_loader:
-            p.optimizer.zero_grad()
-            F.cross_entropy(p.model(x), y).backward()
-            if p.optimizer.step():
-                taken += 1
-                if taken == n:
-                    return
-
-
 def _first_half(rank, world_size, store_path, ckpt, state_path):
     import torch.distributed as dist
 
@@ -43,7 +30,7 @@ def _first_half(rank, world_size, store_path, ckpt, state_path):
                             world_size=world_size, timeout=datetime.timedelta(seconds=300))
     try:
         p = _make(stage=2)
-        _steps(p, 2)
+        take_steps(p, 2)
         dpzero.checkpoint.save(p.privacy_engine.sharded, ckpt, step=2)
         if rank == 0:
             with open(state_path, "w") as f:
@@ -66,10 +53,10 @@ def test_a_private_run_resumed_at_another_world_size_matches_the_uninterrupted_r
     with open(state_path) as f:
         resumed.privacy_engine.load_state_dict(json.load(f))
     assert resumed.privacy_engine.charges == 2
-    _steps(resumed, 2)
+    take_steps(resumed, 2)
 
     reference = _make(stage=0)
-    _steps(reference, 4)
+    take_steps(reference, 4)
     engine = resumed.privacy_engine
     assert engine.charges == 4 and engine.last_step_stats["noise_index"] == 3
     assert engine.accountant.history == reference.privacy_engine.accountant.history
