@@ -125,23 +125,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg.training.world_size = args.world_size
     if args.output is not None:
         cfg.output.dir = args.output
-    results = launch(args.config, cfg) if args.world_size is None and args.output is None \
-        else _launch_overridden(args.config, cfg)
+    results = launch(args.config, cfg, args.resume) \
+        if args.world_size is None and args.output is None \
+        else _launch_overridden(args.config, cfg, args.resume)
     _print_results(cfg, results)
     return 0
 
 
-def _launch_overridden(config_path: str, cfg) -> dict:
+def _launch_overridden(config_path: str, cfg, resume: bool) -> dict:
     """Overrides from the command line reach the ranks through a copy of the config."""
     import tomllib  # noqa: F401  (the copy is JSON-equivalent TOML written below)
 
     from .train import launch
+    from .train.runner import check_run_dir
 
+    check_run_dir(cfg, resume)
     os.makedirs(cfg.output.dir, exist_ok=True)
     path = os.path.join(cfg.output.dir, "config.toml")
     with open(path, "w") as f:
         f.write(_to_toml(cfg.to_dict()))
-    return launch(path, cfg)
+    return launch(path, cfg, resume)
 
 
 def _to_toml(d: dict) -> str:
@@ -167,6 +170,10 @@ def _print_results(cfg, results: dict) -> None:
     if base:
         print(f"  baseline: test accuracy {base.get('accuracy', float('nan')):.4f}  (no privacy,"
               f" {base.get('steps')} steps, {base.get('seconds', float('nan')):.0f} s)")
+    if priv.get("charged_steps", 0) > priv.get("steps", 0):
+        print(f"  {priv['charged_steps']} steps charged to the ledger: "
+              f"{priv['charged_steps'] - priv['steps']} were trained again after a crash and "
+              "charged again (ε counts them all)")
     if priv.get("stopped"):
         print(f"  stopped by the budget guard: {priv['stopped']}")
     print(f"  report: {os.path.join(cfg.output.dir, 'report.md')}")
@@ -215,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="the config file (see configs/ and docs/user-guide.md)")
     t.add_argument("--world-size", type=int, help="override [training] world_size")
     t.add_argument("--output", help="override [output] dir")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the killed run in the run directory from its last checkpoint; "
+                        "every step in its ledger stays charged")
     t.set_defaults(func=cmd_train)
 
     r = sub.add_parser("report", help="regenerate a run's report from its ledger")

@@ -6,6 +6,7 @@ run, which the sharding-invariance tests tie to every world size and stage)."""
 import datetime
 import json
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -64,3 +65,57 @@ def test_a_private_run_resumed_at_another_world_size_matches_the_uninterrupted_r
     for name, value in engine.parameters().items():
         torch.testing.assert_close(value, want[name], atol=1e-5, rtol=1e-4,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _secure(stage=1):
+    torch.manual_seed(6)
+    return dpzero.make_private(SeqNet(), dataset=seq_data(48), sample_rate=0.2,
+                               noise_multiplier=0.8, max_grad_norm=0.5, zero_stage=stage,
+                               optimizer="adam", lr=0.01, secure_mode=True,
+                               max_physical_batch_size=3, **EXTRA)
+
+
+def _files_bytes(root):
+    return b"".join(p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file())
+
+
+def test_secure_mode_checkpoints_hold_no_key_unless_asked(tmp_path):
+    """Issue 10, security: a secure-mode checkpoint (engine state in its metadata) holds neither
+    seed nor key, in any encoding; with include_secrets=True it holds the key, and a run restored
+    from it continues with exactly the original's noise and sampling."""
+    import struct
+
+    p = _secure()
+    take_steps(p, 1)
+    engine = p.privacy_engine
+    key = list(engine.noise_source._key)
+    assert len(key) == 8 and len(set(key)) == 8  # 256 bits from the OS
+    needles = [struct.pack("<8I", *key), struct.pack("<8q", *key), struct.pack(">8I", *key)]
+    needles += [str(w).encode() for w in key if w >= 10**6]  # JSON / text
+    plain = tmp_path / "plain"
+    state = engine.state_dict()
+    assert state["seed"] is None and "key" not in state
+    dpzero.checkpoint.save(engine.sharded, plain, step=1, metadata={"privacy_engine": state})
+    blob = _files_bytes(plain)
+    assert len(blob) > 1000 and not [n for n in needles if n in blob]
+
+    asked = tmp_path / "asked"
+    dpzero.checkpoint.save(engine.sharded, asked, step=1,
+                           metadata={"privacy_engine": engine.state_dict(include_secrets=True)})
+    assert str(key[0]).encode() in _files_bytes(asked)  # the detector above can see a key
+
+    restored = _secure()
+    assert restored.privacy_engine.noise_source._key != key  # a fresh run has its own key
+    meta = dpzero.checkpoint.load(restored.privacy_engine.sharded, asked)["metadata"]
+    restored.privacy_engine.load_state_dict(meta["privacy_engine"])
+    take_steps(p, 2)
+    take_steps(restored, 2)
+    want = engine.parameters()
+    for name, value in restored.privacy_engine.parameters().items():
+        torch.testing.assert_close(value, want[name], atol=1e-6, rtol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+    seeded = _make(stage=1)
+    with pytest.raises(ValueError, match="holds a secure-mode key, this engine is seeded"):
+        seeded.privacy_engine.load_state_dict(engine.state_dict(include_secrets=True) | {
+            "sample_rate": seeded.privacy_engine.sample_rate})

@@ -41,6 +41,10 @@ BASE = {"privacy": {"target_epsilon": 3.0}}
     ({**BASE, "training": {"baseline": "yes"}}, r"baseline must be true or false, got 'yes'"),
     ({**BASE, "training": {"timeout_s": 0}}, r"\[training\] timeout_s must be a number of "
      r"seconds > 0, got 0"),
+    ({**BASE, "training": {"checkpoint_every": -1}}, r"\[training\] checkpoint_every must be "
+     r">= 0 \(0 = no checkpoints\), got -1"),
+    ({**BASE, "training": {"keep_checkpoints": 0}}, r"\[training\] keep_checkpoints must be "
+     r">= 1, got 0"),
 ])
 def test_config_errors_name_the_key_and_value(raw, message):
     with pytest.raises(ConfigError, match=message):

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .. import _C
+from .. import _C, _failpoints
 from ..accounting import Ledger, create_accountant, get_noise_multiplier, get_steps
 from ..data import PoissonBatchSampler, empty_safe_collate
 from ..noise import NoiseSource, _as_int64
@@ -273,8 +273,13 @@ class PrivacyEngine:
     def ledger(self) -> Optional[Ledger]:
         return self._ledger
 
-    def state_dict(self) -> dict:
-        return {
+    def state_dict(self, include_secrets: bool = False) -> dict:
+        """JSON-serialisable privacy state for a checkpoint: charges, sampler position,
+        accountant history, σ, q, C, N. The Philox seed is included (it is what makes a seeded
+        run reproducible). In secure mode nothing secret is: ``"seed"`` is None and the ChaCha20
+        key is left out unless ``include_secrets=True`` asks for it (under ``"key"``; whoever
+        reads it can regenerate the run's noise and sampling)."""
+        state = {
             "next_step": self.next_step, "charges": self.charges,
             "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
             "max_grad_norm": self.max_grad_norm, "dataset_size": self.dataset_size,
@@ -282,6 +287,9 @@ class PrivacyEngine:
             "history": [tuple(h) for h in self.accountant.history],
             "seed": None if self.secure_mode else self.noise_source.seed,
         }
+        if include_secrets and self.secure_mode:
+            state["key"] = list(self.noise_source._key)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("sample_rate", "noise_multiplier", "max_grad_norm", "dataset_size"):
@@ -296,6 +304,11 @@ class PrivacyEngine:
             for sigma, q, n in state["history"]:
                 self.accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=n)
         self.next_step = max(int(state["next_step"]), self.charges)
+        if state.get("key") is not None:
+            if not self.secure_mode:
+                raise ValueError("state_dict: holds a secure-mode key, this engine is seeded "
+                                 "(secure_mode=False)")
+            self.noise_source._key = [int(w) for w in state["key"]]
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -713,6 +726,7 @@ class PrivacyEngine:
                 "applied)")
         # Ledger before update (DESIGN.md §2 step 7): rank 0 writes durably; the others wait for
         # its verdict so no rank updates with a step the ledger does not hold.
+        _failpoints.hit("before_ledger", k, self.rank)
         err = None
         if self._ledger is not None:
             try:
@@ -729,6 +743,7 @@ class PrivacyEngine:
                 raise err
             raise RuntimeError("rank 0 could not write the privacy ledger (its error is in its "
                                "log); no update was made")
+        _failpoints.hit("after_ledger", k, self.rank)
         self.charges = k + 1
         if sigma > 0:
             self.accountant.step(noise_multiplier=sigma, sample_rate=q)
@@ -740,6 +755,7 @@ class PrivacyEngine:
                  else dict(seed=_as_int64(self.noise_source.seed)))
         self._collective("the noisy update", self.sharded._state.noisy_step, stddev, k,
                          1.0 / (q * self.dataset_size), charged=True, **noise)
+        _failpoints.hit("after_update", k, self.rank)
         self.next_step = max(t + 1, self.charges)
         self.steps_taken += 1
         self.last_step_stats = {"step": t, "batch_size": size, "samples_seen": samples,

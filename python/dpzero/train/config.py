@@ -24,6 +24,9 @@ Every error names the key and the bad value. Sections and keys (defaults in brac
                 ["adamw"]; weight_decay  [0.0]; zero_stage  [3]; world_size  [2]; seed  [0]
                 timeout_s = a collective waits this long for a dead or hung rank before the
                     run fails with an error  [600]
+                checkpoint_every = a sharded checkpoint of the private run every this many
+                    steps, for ``dpzero train --resume`` (0 = none)  [50]
+                keep_checkpoints = committed checkpoints kept  [2]
                 baseline = also train without privacy, same settings  [true]
     [output]    dir = the run directory  ["runs/<config file stem>"]
 """
@@ -83,6 +86,8 @@ class TrainingConfig:
     world_size: int = 2
     seed: int = 0
     timeout_s: float = 600.0
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
     baseline: bool = True
 
 
@@ -214,6 +219,11 @@ def validate(cfg: RunConfig) -> None:
             or not (0 < t.timeout_s < math.inf):
         raise ConfigError(f"[training] timeout_s must be a number of seconds > 0, got "
                           f"{t.timeout_s!r}")
+    if t.checkpoint_every < 0:
+        raise ConfigError(f"[training] checkpoint_every must be >= 0 (0 = no checkpoints), got "
+                          f"{t.checkpoint_every}")
+    if t.keep_checkpoints < 1:
+        raise ConfigError(f"[training] keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
     if not (t.lr > 0):
         raise ConfigError(f"[training] lr must be > 0, got {t.lr}")
     _choice("[training] optimizer", t.optimizer, ("adamw", "adam", "sgd"))

@@ -9,26 +9,60 @@ worker joins the default process group — Gloo on CPU, NCCL when CUDA is availa
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from typing import Dict
 
-from .config import RunConfig, load
-from .runner import run_job
+from .config import ConfigError, RunConfig, load
+from .orphans import die_with_parent
+from .runner import check_run_dir, run_job
 
 
-def launch(config_path: str, cfg: RunConfig = None) -> Dict:
+@contextmanager
+def _run_dir_lock(run_dir: str):
+    """Note [orphan ranks] (orphans.py): one job at a time per run directory. The lock is the
+    kernel's (flock), so it goes when its holder dies, kill -9 included."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise ConfigError(f"the run directory {run_dir!r} is in use by another dpzero train "
+                              f"job (pid {holder}); wait for it to end or stop it") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def launch(config_path: str, cfg: RunConfig = None, resume: bool = False) -> Dict:
+    """Run the job of ``config_path`` (``cfg``: its parsed form, possibly overridden);
+    ``resume`` continues a killed run in the same directory (Note [resuming a run])."""
     cfg = cfg or load(config_path)
+    with _run_dir_lock(cfg.output.dir):
+        check_run_dir(cfg, resume)  # before any rank starts: a clear error, not W failed ranks
+        return _launch(config_path, cfg, resume)
+
+
+def _launch(config_path: str, cfg: RunConfig, resume: bool) -> Dict:
     world = cfg.training.world_size
     if world == 1:
-        return run_job(cfg)
+        return run_job(cfg, resume)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={world}", "-m", "dpzero.train.worker", config_path]
-    proc = subprocess.run(cmd, env=env)
+    if resume:
+        cmd.append("--resume")
+    proc = subprocess.run(cmd, env=env, preexec_fn=die_with_parent)  # Note [orphan ranks]
     if proc.returncode != 0:
         raise RuntimeError(f"the {world} training ranks failed (exit status {proc.returncode}); "
                            "the ranks' errors are printed above")

@@ -88,7 +88,8 @@ def _plot_training(metrics: List[dict], path_loss: str, path_acc: str) -> None:
             ("accuracy", path_acc, "test accuracy", [m for m in metrics if "accuracy" in m])):
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
         for run, color in (("private", "tab:red"), ("baseline", "tab:green")):
-            pts = [(m["step"], m[key]) for m in rows if m.get("run") == run]
+            # A resumed run logs the steps after its checkpoint twice: the later line wins.
+            pts = sorted({m["step"]: m[key] for m in rows if m.get("run") == run}.items())
             if pts:
                 ax.plot(*zip(*pts), label=run, color=color, marker="o" if key == "accuracy"
                         else None)
@@ -199,7 +200,13 @@ def _markdown(data: Dict, plots: List[str]) -> str:
                 lines.append(f"| {name} | {_fmt(r.get('accuracy'))} | {_fmt(r.get('test_loss'))}"
                              f" | {_fmt(r.get('epsilon'))} | {r.get('steps')} | "
                              f"{_fmt(r.get('seconds'), 3)} |")
-        stopped = (res.get("private") or {}).get("stopped")
+        priv = res.get("private") or {}
+        if priv.get("charged_steps", 0) > (priv.get("steps") or 0):
+            lines += ["", f"The private run was resumed after a crash: its model went through "
+                          f"{priv['steps']} updates and {priv['charged_steps']} steps are "
+                          "charged (steps trained again after the last checkpoint are charged "
+                          "again; ε counts every charge)."]
+        stopped = priv.get("stopped")
         if stopped:
             lines += ["", f"The budget guard stopped the private run: {stopped}"]
         lines.append("")

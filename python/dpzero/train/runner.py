@@ -7,6 +7,22 @@ C = ∞ through the same engine path — and rank 0 writes the run directory:
     config.json     the parsed config            ledger.jsonl   the privacy ledger (durable)
     metrics.jsonl   one line per step / eval     result.json    accuracies, ε, σ, q, timings
     model.pt        the trained model (private)  report.md, report.json, *.png  (report.py)
+    checkpoints/    sharded checkpoints of the private run (``[training] checkpoint_every``)
+    private.json    the private run's result, once it has finished
+
+Note [resuming a run]
+~~~~~~~~~~~~~~~~~~~~~
+``dpzero train CONFIG --resume`` continues a run that was killed (any rank, or all of them, at
+any moment). The model, optimizer and RNG states come from the last committed checkpoint; the
+privacy state comes from the ledger, which is written before every update and may be ahead of
+the checkpoint. Every step the ledger holds stays charged: the steps between the checkpoint and
+the crash are trained again and charged again (``PrivacyEngine.load_state_dict`` keeps the
+ledger's higher charge count, so their noise indices and sampler steps are never reused), and
+the budget guard counts both. ``result.json`` gives ``steps`` (the updates the final model went
+through) and ``charged_steps`` (what ε is computed from). A finished private run
+(``private.json``) is not run again; the non-private baseline is not checkpointed and restarts.
+Without ``--resume`` a run directory that already holds a ledger is refused, so that a second
+run never silently continues (or appears to restart) the budget of the first.
 """
 
 from __future__ import annotations
@@ -22,8 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import checkpoint as ckpt
 from ..private import BudgetExhausted, make_private
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .datasets import fashion_mnist, fortune_texts, split_texts, tokenize
 from .models import TanhCNN, load_minilm
 
@@ -108,7 +125,8 @@ class _Progress:
             self.bar.close()
 
 
-def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics) -> Dict:
+def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics,
+               resume: bool = False) -> Dict:
     rank, world = _rank_world()
     model, train, test, unpack = build(cfg)
     n = len(train)
@@ -132,17 +150,18 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics) -> Dict:
     p = make_private(model, **common, **kw)
     engine = p.privacy_engine
     label = "private" if private else "baseline"
+    taken, epoch = _restore(p, run_dir, metrics) if private and resume else (0, 0)
     total_steps = int(t_cfg.epochs / engine.sample_rate)
     if engine.remaining_steps is not None:
         if engine.remaining_steps == 0:
-            raise BudgetExhausted(f"the ε budget of the ledger in {run_dir} is already spent; "
-                                  "refusing to start")
-        total_steps = min(total_steps, engine.remaining_steps)
-    progress = _Progress(total_steps, label, enabled=rank == 0)
+            raise BudgetExhausted(f"the ε budget of the ledger in {run_dir} is already spent "
+                                  f"({engine.charges} steps charged); refusing to start")
+        total_steps = min(total_steps, taken + engine.remaining_steps)
+    every = t_cfg.checkpoint_every if private else 0
+    progress = _Progress(total_steps - taken, label, enabled=rank == 0)
     start = time.time()
     step_loss, step_rows = 0.0, 0
-    taken, stopped = 0, None
-    epoch = 0
+    stopped = None
     try:
         while taken < total_steps:
             for batch in p.data_loader:
@@ -168,6 +187,8 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics) -> Dict:
                     metrics.flush()
                 if taken == total_steps:
                     break
+                if every and taken % every == 0:
+                    _save(p, run_dir, taken, epoch, t_cfg.keep_checkpoints)
             epoch += 1
             ev = evaluate(p.model, test, unpack)
             if rank == 0:
@@ -185,10 +206,58 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics) -> Dict:
               "noise_multiplier": engine.noise_multiplier, "max_grad_norm": engine.max_grad_norm,
               "delta": delta, "train_examples": n, "test_examples": len(test),
               "epsilon": engine.epsilon(delta) if private else math.inf, "stopped": stopped,
-              **final}
+              "charged_steps": engine.charges if private else 0, **final}
     if rank == 0 and private:
-        torch.save(_final_state(model, params), os.path.join(run_dir, "model.pt"))
+        _atomic_save(_final_state(model, params), os.path.join(run_dir, "model.pt"))
+        _atomic_json(result, os.path.join(run_dir, "private.json"))
     return result
+
+
+def _checkpoints(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def _save(p, run_dir: str, taken: int, epoch: int, keep: int) -> None:
+    """A sharded checkpoint after ``taken`` steps (a collective; atomic, see dpzero.checkpoint).
+    The privacy engine's state rides in the manifest: JSON, without seed or key in secure mode
+    (``PrivacyEngine.state_dict``)."""
+    ckpt.save(p.privacy_engine.sharded, _checkpoints(run_dir), step=taken, keep_last=keep,
+              metadata={"taken": taken, "epoch": epoch,
+                        "privacy_engine": p.privacy_engine.state_dict()})
+
+
+def _restore(p, run_dir: str, metrics) -> tuple:
+    """Note [resuming a run]: load the last committed checkpoint, if any, into the freshly built
+    private run (whose ledger, reopened by make_private, already counts every charged step).
+    Returns (steps taken, epochs finished) at the checkpoint."""
+    engine = p.privacy_engine
+    root = _checkpoints(run_dir)
+    taken, epoch = 0, 0
+    if os.path.exists(os.path.join(root, "latest")):
+        info = ckpt.load(engine.sharded, root)
+        meta = info["metadata"]
+        engine.load_state_dict(meta["privacy_engine"])
+        taken, epoch = int(meta["taken"]), int(meta["epoch"])
+    if metrics is not None:
+        metrics.write(json.dumps({"run": "private", "resumed_at_step": taken,
+                                  "charged_steps": engine.charges}) + "\n")
+        metrics.flush()
+    return taken, epoch
+
+
+def _atomic_save(obj, path: str) -> None:
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_json(obj, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _final_state(model, params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -203,22 +272,61 @@ def _final_state(model, params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tens
     return state
 
 
-def run_job(cfg: RunConfig) -> Dict:
+def check_run_dir(cfg: RunConfig, resume: bool) -> None:
+    """Note [resuming a run]: a run directory with a ledger is continued only on request."""
+    ledger = os.path.join(cfg.output.dir, "ledger.jsonl")
+    if not resume and os.path.exists(ledger):
+        raise ConfigError(f"the run directory {cfg.output.dir!r} already holds a privacy ledger "
+                          f"({ledger}); pass --resume to continue that run, or set [output] dir "
+                          "to a new directory")
+
+
+def _cut_torn_tail(path: str) -> Optional[Dict]:
+    """A kill -9 during a ledger append leaves a torn last line (Note [torn tail] in
+    accounting/ledger.h). Its step was never applied — every rank waits for the completed record
+    before updating — so resuming cuts it off, says so on stderr and logs it in metrics.jsonl.
+    Returns {"line", "bytes"} of what was cut, or None."""
+    if not os.path.exists(path):
+        return None
+    from ..accounting import Ledger
+
+    ledger = Ledger.open(path, truncate_torn_tail=True)
+    cut = {"line": ledger.torn_tail_line, "bytes": ledger.torn_tail.decode("utf-8", "replace")} \
+        if ledger.torn_tail_line else None
+    ledger.close()
+    if cut is not None:
+        print(f"[dpzero train] {path}: line {cut['line']} was torn by the crash (its step was "
+              f"never applied) and is cut off: {cut['bytes']!r}", file=sys.stderr)
+    return cut
+
+
+def run_job(cfg: RunConfig, resume: bool = False) -> Dict:
     """Every rank calls this; rank 0 returns the results (others an empty dict)."""
     from .report import write_report
 
+    check_run_dir(cfg, resume)
     rank, _ = _rank_world()
     run_dir = cfg.output.dir
+    torn = None
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
+        if resume:
+            torn = _cut_torn_tail(os.path.join(run_dir, "ledger.jsonl"))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     results = {}
+    done = os.path.join(run_dir, "private.json")
     metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a") if rank == 0 else None
+    if torn is not None:
+        metrics.write(json.dumps({"run": "private", "ledger_torn_tail_cut": torn}) + "\n")
     try:
-        results["private"] = train_once(cfg, True, run_dir, metrics)
+        if resume and os.path.exists(done):
+            with open(done) as f:
+                results["private"] = json.load(f)
+        else:
+            results["private"] = train_once(cfg, True, run_dir, metrics, resume=resume)
         if cfg.training.baseline:
             results["baseline"] = train_once(cfg, False, run_dir, metrics)
     finally:
@@ -226,7 +334,6 @@ def run_job(cfg: RunConfig) -> Dict:
             metrics.close()
     if rank != 0:
         return {}
-    with open(os.path.join(run_dir, "result.json"), "w") as f:
-        json.dump(results, f, indent=2, default=str)
+    _atomic_json(results, os.path.join(run_dir, "result.json"))
     write_report(run_dir)
     return results

@@ -1,4 +1,7 @@
-"""One rank started by ``launch.py`` (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+"""One rank started by ``launch.py`` (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+Each rank dies with its parent (Note [orphan ranks] in ``orphans.py``).
+"""
 
 from __future__ import annotations
 
@@ -10,14 +13,18 @@ import torch
 import torch.distributed as dist
 
 from .config import load
+from .orphans import die_with_parent
 from .runner import run_job
 
 
 def main(argv) -> int:
-    if len(argv) != 1:
-        print("usage: python -m dpzero.train.worker CONFIG", file=sys.stderr)
+    die_with_parent()
+    resume = "--resume" in argv
+    args = [a for a in argv if a != "--resume"]
+    if len(args) != 1:
+        print("usage: python -m dpzero.train.worker CONFIG [--resume]", file=sys.stderr)
         return 2
-    cfg = load(argv[0])
+    cfg = load(args[0])
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         import os
@@ -27,7 +34,7 @@ def main(argv) -> int:
     dist.init_process_group(backend,
                             timeout=datetime.timedelta(seconds=cfg.training.timeout_s))
     try:
-        run_job(cfg)
+        run_job(cfg, resume)
     finally:
         # Engines hold the group: free them first (docs/architecture.md, "Known limitations").
         gc.collect()
