@@ -15,7 +15,7 @@ log() { printf '[setup] %s\n' "$*"; }
 # Why each is here: docs/architecture.md "Dependencies".
 apt_packages=(build-essential cmake ccache git pkg-config
   libeigen3-dev libboost-random-dev nlohmann-json3-dev libgtest-dev libgmock-dev libgloo-dev
-  fortunes fortunes-min dataset-fashion-mnist)
+  fortunes fortunes-min dataset-fashion-mnist iproute2)
 python=${PYTHON:-python3}
 # Debian's own python3 needs python3-venv for `python3 -m venv`; other Pythons ship ensurepip.
 "$python" -c "import venv, ensurepip" 2>/dev/null || apt_packages+=(python3-venv)

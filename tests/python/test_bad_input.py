@@ -4,10 +4,12 @@ unreachable target epsilon names the target and the sigma range searched."""
 
 import pytest
 import torch
+from torch import nn
 
 import dpzero
+from dpzero.private import PrivacyViolation
 
-from test_private import SeqNet, seq_data
+from test_private import V, SeqNet, seq_data
 
 NAN, INF = float("nan"), float("inf")
 NOISE = dict(noise_multiplier=1.0, max_grad_norm=1.0)
@@ -147,3 +149,96 @@ def test_a_ledger_with_unnoised_steps_is_not_continued_privately(tmp_path):
     with pytest.raises(ValueError, match="records steps without noise; a private run cannot "
                                          "continue it"):
         _ledger_session(path)
+
+
+@pytest.mark.parametrize("layer, message", [
+    (lambda: nn.LSTM(4, 4, batch_first=True), r"lstm \(LSTM\): recurrent layers \(RNN/LSTM/GRU\) "
+                                               r"have no per-sample kernels"),
+    (lambda: nn.InstanceNorm1d(4, affine=True, track_running_stats=True),
+     r"norm \(InstanceNorm1d\): InstanceNorm with track_running_stats=True averages statistics"),
+    # Nothing to train, but its running statistics would still leak the training data.
+    (lambda: nn.InstanceNorm1d(4, affine=False, track_running_stats=True),
+     r"norm \(InstanceNorm1d\): InstanceNorm with track_running_stats=True"),
+])
+def test_recurrent_layers_and_instance_norm_with_running_stats_are_refused(layer, message):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, 4)
+            if "LSTM" in message:
+                self.lstm = layer()
+            else:
+                self.norm = layer()
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            if hasattr(self, "lstm"):
+                h = self.lstm(h)[0]
+            else:
+                h = self.norm(h.transpose(1, 2)).transpose(1, 2)
+            return self.head(h.mean(1))
+
+    model = Net()
+    with pytest.raises(PrivacyViolation, match=message):
+        dpzero.make_private(model, dataset=seq_data(), batch_size=4, noise_multiplier=1.0,
+                            max_grad_norm=1.0)
+    assert all("forward" not in vars(m) for m in model.modules())  # nothing was patched
+
+
+def test_a_step_whose_every_example_is_nan_is_reported_and_still_charged(tmp_path):
+    """An all-NaN logical batch: no row contributes, the update is exactly the step's noise
+    (reference: the noise op with the step's charge index, scaled as the engine documents), the
+    step is charged, a RuntimeWarning says so, and the run report shows it."""
+    from dpzero.train.report import write_report
+
+    torch.manual_seed(0)
+    n, c, sigma, lr = 6, 0.5, 1.3, 1.0
+    x = torch.full((n, 4), float("nan"))
+    y = torch.randint(0, 2, (n,))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    start = torch.cat([v.detach().flatten().clone() for v in model.parameters()])
+    ledger = str(tmp_path / "ledger.jsonl")
+    p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(x, y), sample_rate=1.0,
+                            noise_multiplier=sigma, max_grad_norm=c, optimizer="sgd", lr=lr,
+                            seed=4, ledger_path=ledger, run_id="nan")
+    with pytest.warns(RuntimeWarning, match=r"logical step 0: all 6 examples had a non-finite "
+                                            r"loss or gradient and were dropped"):
+        for xb, yb in p.data_loader:
+            torch.nn.functional.cross_entropy(p.model(xb), yb).backward()
+            p.optimizer.step()
+    engine = p.privacy_engine
+    assert engine.last_step_stats["all_dropped"] and engine.all_dropped_steps == 1
+    assert engine.charges == 1 and len(engine.accountant) == 1
+    noise = torch.zeros(start.numel())
+    torch.ops.dpzero.add_noise_(noise, sigma * c, 4, 0, 0)
+    got = torch.cat([v.flatten() for v in engine.parameters().values()])
+    torch.testing.assert_close(got, start - lr * noise / (1.0 * n), rtol=1e-6, atol=1e-7)
+    engine.ledger.close()
+    data = write_report(str(tmp_path))
+    assert data["all_dropped_steps"] == 1 and data["dropped_samples"] == n
+    assert "1 step(s) dropped every example" in (tmp_path / "report.md").read_text()
+
+
+def test_an_empty_logical_batch_is_a_charged_noise_only_step():
+    """Poisson sampling can draw no example at all: the step still happens (skipping it would
+    reveal that the batch was empty), is charged, and moves the model by exactly its noise."""
+    torch.manual_seed(0)
+    n, c, sigma, lr, q = 50, 0.5, 1.3, 1.0, 0.01
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 4), torch.randint(0, 2, (n,)))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    start = torch.cat([v.detach().flatten().clone() for v in model.parameters()])
+    p = dpzero.make_private(model, dataset=ds, sample_rate=q, noise_multiplier=sigma,
+                            max_grad_norm=c, optimizer="sgd", lr=lr, seed=11)
+    engine = p.privacy_engine
+    for xb, yb in p.data_loader:
+        p.optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(p.model(xb), yb).backward()
+        if p.optimizer.step():
+            break
+    assert engine.last_step_stats["batch_size"] == 0, "seed 11 must draw an empty first batch"
+    assert engine.charges == 1 and len(engine.accountant) == 1
+    noise = torch.zeros(start.numel())
+    torch.ops.dpzero.add_noise_(noise, sigma * c, 11, 0, 0)
+    got = torch.cat([v.flatten() for v in engine.parameters().values()])
+    torch.testing.assert_close(got, start - lr * noise / (q * n), rtol=1e-6, atol=1e-7)

@@ -5,7 +5,8 @@ A two-rank private CNN job (`dpzero train`, torchrun, Gloo, stage 2, a checkpoin
 is killed with SIGKILL, then continued with `dpzero train --resume`:
 
 * one rank killed right after the ledger record of a step and before its update (a failpoint:
-  the worst moment, hit exactly). The resumed run must end where an independent in-process
+  the worst moment, hit exactly), resumed in one process (`--world-size 1`, so the checkpoint is
+  resharded). The resumed run must end where an independent in-process
   reference ends: 8 steps from the same start, then the ledger's 10 charges taken as spent (noise
   indices and sampler steps 8 and 9 are never reused), then 8 more steps;
 * every process of the job killed at a moment the test does not choose (polling its metrics).
@@ -79,8 +80,8 @@ def _checkpoints_are_whole(run_dir):
     return int(json.loads((root / os.path.basename(latest) / "manifest.json").read_text())["step"])
 
 
-def _resume_and_check(config, run_dir, charged_before, checkpoint_step):
-    out = _train(config, "--resume")
+def _resume_and_check(config, run_dir, charged_before, checkpoint_step, *extra):
+    out = _train(config, "--resume", *extra)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads((run_dir / "result.json").read_text())["private"]
     replayed = charged_before - checkpoint_step
@@ -157,7 +158,8 @@ def test_a_rank_killed_after_the_ledger_record_resumes_from_the_checkpoint(tmp_p
     assert refused.returncode == 2 and "--resume" in refused.stderr
     assert len(_ledger_charges(run_dir)[0]) == crash_charge + 1
 
-    _resume_and_check(config, run_dir, charged_before=crash_charge + 1, checkpoint_step=8)
+    # Resumed in one process: the two ranks' checkpoint is resharded on load.
+    _resume_and_check(config, run_dir, crash_charge + 1, 8, "--world-size", "1")
     want = _reference_parameters(raw, crash_charge + 1, 8)
     got = torch.load(run_dir / "model.pt")
     for name, value in want.items():
@@ -230,3 +232,25 @@ def test_a_misspelt_failpoint_is_an_error_naming_it(monkeypatch, value, message)
     monkeypatch.setenv(_failpoints.ENV, value)
     with pytest.raises(ValueError, match=message):
         _failpoints.hit("after_ledger", 0, 0)
+
+
+def test_resuming_a_run_whose_budget_is_spent_is_refused_and_charges_nothing(tmp_path):
+    """The runner's own guard: a run killed after its last charged step (here: its result files
+    removed, as if killed during the final evaluation) cannot train on; --resume refuses naming
+    the spent budget, and the ledger is left as it was."""
+    run_dir = tmp_path / "run"
+    config, _ = _config(tmp_path, run_dir, world_size=1, epochs=0.5)
+    text = config.read_text().replace('noise_multiplier = 1.0', 'target_epsilon = 2.0')
+    config.write_text(text)
+    first = _train(config)
+    assert first.returncode == 0, first.stderr[-3000:]
+    charged = len(_ledger_charges(run_dir)[0])
+    result = json.loads((run_dir / "result.json").read_text())["private"]
+    assert result["steps"] == charged == 4 and result["epsilon"] <= 2.0
+    for name in ("private.json", "result.json", "model.pt"):
+        (run_dir / name).unlink()
+    again = _train(config, "--resume")
+    assert again.returncode == 3, again.stderr[-3000:]
+    assert f"the ε budget of the ledger in {run_dir} is already spent ({charged} steps " \
+           "charged); refusing to start" in again.stderr
+    assert len(_ledger_charges(run_dir)[0]) == charged

@@ -119,3 +119,27 @@ def test_secure_mode_checkpoints_hold_no_key_unless_asked(tmp_path):
     with pytest.raises(ValueError, match="holds a secure-mode key, this engine is seeded"):
         seeded.privacy_engine.load_state_dict(engine.state_dict(include_secrets=True) | {
             "sample_rate": seeded.privacy_engine.sample_rate})
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("sample_rate", 0.25, r"state_dict: sample_rate is 0.25, this engine has 0.2"),
+    ("noise_multiplier", 1.1, r"state_dict: noise_multiplier is 1.1, this engine has 0.8"),
+    ("max_grad_norm", 2.0, r"state_dict: max_grad_norm is 2.0, this engine has 0.5"),
+    ("dataset_size", 50, r"state_dict: dataset_size is 50, this engine has 48"),
+    ("history", None, r"state_dict: missing entries \['history'\]"),
+])
+def test_an_engine_state_of_other_settings_is_refused_and_changes_nothing(key, value, message):
+    source = _make(stage=0)
+    take_steps(source, 2)
+    state = source.privacy_engine.state_dict()
+    if value is None:
+        del state[key]
+    else:
+        state[key] = value
+    target = _make(stage=0)
+    before = (target.privacy_engine.charges, target.privacy_engine.next_step,
+              list(target.privacy_engine.accountant.history))
+    with pytest.raises(ValueError, match=message):
+        target.privacy_engine.load_state_dict(state)
+    engine = target.privacy_engine
+    assert (engine.charges, engine.next_step, list(engine.accountant.history)) == before

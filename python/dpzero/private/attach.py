@@ -39,8 +39,9 @@ def _rejection(module: nn.Module) -> Optional[str]:
         if isinstance(module, cls):
             if cls is nn.modules.instancenorm._InstanceNorm:
                 if module.track_running_stats:
-                    return ("InstanceNorm with track_running_stats=True mixes examples through "
-                            "its running statistics")
+                    return ("InstanceNorm with track_running_stats=True averages statistics "
+                            "of the training examples into buffers that are released with the "
+                            "model, without noise; use track_running_stats=False")
                 continue
             return why
     return None
@@ -55,8 +56,12 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
         why = _rejection(module)
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
         trainable_own = [n for n, p in own if p.requires_grad]
-        batch_norm = isinstance(module, nn.modules.batchnorm._BatchNorm)
-        if why is not None and (trainable_own or batch_norm):
+        # Running statistics are buffers computed from the training data without noise and
+        # released with the model: refused even when the module has nothing to train.
+        batch_stats = isinstance(module, nn.modules.batchnorm._BatchNorm) or (
+            isinstance(module, nn.modules.instancenorm._InstanceNorm)
+            and module.track_running_stats)
+        if why is not None and (trainable_own or batch_stats):
             problems.append(f"{name or '<model>'} ({type(module).__name__}): {why}")
             continue
         if not trainable_own:

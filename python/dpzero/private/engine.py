@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
 
@@ -292,6 +293,14 @@ class PrivacyEngine:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict()`` of a run with the same q, σ, C and N (checked, named;
+        nothing changes on a mismatch)."""
+        missing = [k for k in ("next_step", "charges", "noise_multiplier", "sample_rate",
+                               "max_grad_norm", "dataset_size", "accountant", "history")
+                   if k not in state]
+        if missing:
+            raise ValueError(f"state_dict: missing entries {missing}; is this a "
+                             "PrivacyEngine.state_dict()?")
         for key in ("sample_rate", "noise_multiplier", "max_grad_norm", "dataset_size"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"state_dict: {key} is {state[key]}, this engine has "
@@ -462,6 +471,7 @@ class PrivacyEngine:
         self.loss_reduction = loss_reduction
         # Note [noise index]: the sampler's step and the noise index never repeat a charged one.
         self.next_step, self.steps_taken = self.charges, 0
+        self.all_dropped_steps = 0  # steps whose every example was dropped (NaN/Inf)
         self._micro: Optional[tuple] = None  # (t, index, count, logical size) from the loader
         self._loader_driven = False
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
@@ -758,8 +768,17 @@ class PrivacyEngine:
         _failpoints.hit("after_update", k, self.rank)
         self.next_step = max(t + 1, self.charges)
         self.steps_taken += 1
+        all_dropped = samples > 0 and dropped == samples
         self.last_step_stats = {"step": t, "batch_size": size, "samples_seen": samples,
-                                "dropped": dropped, "noise_index": k}
+                                "dropped": dropped, "noise_index": k, "all_dropped": all_dropped}
+        if all_dropped:
+            # Still a private step (charged, noised: its batch was sampled), but the model moved
+            # by noise alone: almost always a diverged loss or bad data, so it is said loudly.
+            self.all_dropped_steps += 1
+            warnings.warn(f"logical step {t}: all {samples} examples had a non-finite loss or "
+                          "gradient and were dropped; the update was noise only (charged to the "
+                          f"ledger as usual). {self.all_dropped_steps} such step(s) so far",
+                          RuntimeWarning, stacklevel=3)
         return True
 
     # ---- teardown ----------------------------------------------------------------------------

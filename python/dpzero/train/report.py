@@ -134,6 +134,10 @@ def write_report(run_dir: str) -> Dict:
         "phases": [{"q": p.q, "sigma": p.sigma, "steps": p.steps} for p in phases],
         "batch_sizes": [b for r in records for b in r.batch_sizes],
         "dropped_samples": sum(r.dropped_samples for r in records),
+        # steps whose every example was dropped: the model moved by noise alone
+        "all_dropped_steps": sum(1 for r in records
+                                 if sum(r.batch_sizes) > 0 and
+                                 r.dropped_samples >= sum(r.batch_sizes)),
         "epsilon": final, "curve": curve, "results": results,
     }
     with open(os.path.join(run_dir, "report.json"), "w") as f:
@@ -180,6 +184,10 @@ def _markdown(data: Dict, plots: List[str]) -> str:
         lines.append(f"- realised batch sizes: min {min(sizes)}, mean "
                      f"{sum(sizes) / len(sizes):.1f}, max {max(sizes)}; dropped (NaN/Inf) "
                      f"samples: {data['dropped_samples']}")
+    if data.get("all_dropped_steps"):
+        lines.append(f"- **{data['all_dropped_steps']} step(s) dropped every example "
+                     "(non-finite loss or gradients): the model moved by noise alone; these "
+                     "steps are charged like the others**")
     if not data["noise"]:
         lines.append("- **noise was disabled for some steps: ε = ∞ (no privacy guarantee)**")
     elif data["epsilon"]:
