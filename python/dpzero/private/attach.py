@@ -134,14 +134,14 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
     book = book_ref()
     if book is None or bypassing() or not torch.is_grad_enabled():
         return original(*args, **kwargs)
-    if torch._C._current_graph_task_id() != -1:
-        raise NotImplementedError(
-            f"module {layer.name!r} ran its forward inside a backward pass (activation "
-            "recompute); activation checkpointing under DP is not supported yet")
+    # Note [recomputed forwards] in book.py: a forward inside a backward is a recompute.
+    recompute = torch._C._current_graph_task_id() != -1
+    if recompute:
+        book.on_recompute(layer)
     kind = layer.kind
     params = [getattr(layer.module, n) for n, t in zip(kind.params, layer.train) if t]
     if isinstance(kind, FuncKind):
-        out = _fallback_forward(book, layer, original, params, args, kwargs)
+        out = _fallback_forward(book, layer, original, params, args, kwargs, recompute)
         return out
     if len(args) != 1 or kwargs:
         raise PrivacyViolation(
@@ -164,11 +164,13 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
         # every sample's; expanded to [B, T] the lookup gives the same values after the
         # broadcast, and each row's gradient is that sample's own.
         x = x.expand(rows, *x.shape[1:])
+    if recompute:  # the same ops (the same saved tensors), registering nothing
+        return dp_apply(kind, layer.module, book.recomputed_backward(layer), x, params)
     pid = book.on_forward(layer, x.shape[0] if x.dim() > 0 else None, x.dim())
     return dp_apply(kind, layer.module, functools.partial(book.on_backward, pid), x, params)
 
 
-def _fallback_forward(book, layer, original, params, args, kwargs):
+def _fallback_forward(book, layer, original, params, args, kwargs, recompute=False):
     module = layer.module
     first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
     batched_kw = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() > 0
@@ -186,6 +188,8 @@ def _fallback_forward(book, layer, original, params, args, kwargs):
         raise PrivacyViolation(
             f"module {layer.name!r} ({type(module).__name__}) uses its parameters directly and "
             f"returned {type(out).__name__}; the generic per-sample path needs one tensor output")
+    if recompute:
+        return tap(book.recomputed_backward(layer), out, params)
     pid = book.on_forward(layer, first.shape[0] if first is not None else None,
                           first.dim() if first is not None else 0)
     saved = (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs))

@@ -27,6 +27,17 @@ group clipping) or at the end of the backward (flat: book-keeping, Bu et al. 202
 autograd callback completes what the backward did not reach (a layer whose output did not
 influence the loss contributes nothing) and closes the micro-batch.
 
+Note [recomputed forwards]: under activation checkpointing (torch.utils.checkpoint with
+use_reentrant=False, which Hugging Face's activation_checkpointing_enable and make_private's
+``activation_checkpointing`` use) a segment's forward runs twice: once in the forward pass, where
+its DP layer calls register their parts as usual and their autograd nodes are built, and again
+inside the backward, only to regenerate the tensors those nodes saved. The recomputed calls are
+recognised (a forward while a backward runs) and matched by count to registered calls of the same
+layer; they register nothing, so each layer counts exactly once per micro-batch, and the ORIGINAL
+nodes' backwards hand the book the recomputed input A with the true G. Reentrant checkpointing
+runs the first forward without autograd and back-propagates the recomputation instead; its
+recomputed calls match no registered call and the backward is refused, naming the remedy.
+
 Note [one sample per row]: every part of a micro-batch must have the same batch size B on dim 0
 (checked). Sample i of every layer is the same example, which is what makes the per-sample norm
 the norm of one example's gradient.
@@ -152,6 +163,10 @@ class Book:
         self.forward_batch: Optional[int] = None  # dim 0 (> 1) of the last DP layer input seen
         self.dropped_mask: Optional[torch.Tensor] = None
         self.callback_queued = False
+        # Note [recomputed forwards]: calls of each layer registered by this micro-batch's
+        # forward, and how many of them activation checkpointing has recomputed since.
+        self.calls: Dict[int, int] = {}
+        self.recomputed: Dict[int, int] = {}
 
     @property
     def open(self) -> bool:
@@ -166,12 +181,41 @@ class Book:
             self.forward_batch = batch
         self.forward_ndim = max(self.forward_ndim, ndim)
         pid = (self.generation, len(self.parts))
+        self.calls[layer.index] = self.calls.get(layer.index, 0) + 1
         self.parts.append(Part(layer))
         self.group_state.setdefault(layer.group, GroupState()).parts.append(pid[1])
         for slot in layer.slots:
             if slot is not None:
                 self.unit_expected[slot.unit] = self.unit_expected.get(slot.unit, 0) + 1
         return pid
+
+    def on_recompute(self, layer: Layer) -> None:
+        """Note [recomputed forwards]: a forward of ``layer`` inside a backward pass. It must be
+        activation checkpointing recomputing a call this micro-batch's forward registered (whose
+        own backward node reports, with the recomputed input); anything else is refused."""
+        done = self.recomputed.get(layer.index, 0)
+        if done >= self.calls.get(layer.index, 0):
+            self.error = (
+                f"DP layer {layer.name!r} ran a forward inside a backward pass that does not "
+                "recompute one of this micro-batch's forward calls: reentrant activation "
+                "checkpointing (use_reentrant=True) runs its forward without autograd and "
+                "back-propagates the recomputation, which the clipping cannot account for. Use "
+                "use_reentrant=False (torch.utils.checkpoint.checkpoint(..., "
+                "use_reentrant=False); Hugging Face: activation_checkpointing_enable() with its "
+                "default kwargs) or make_private(..., activation_checkpointing=...)")
+            raise PrivacyViolation(self.error)
+        self.recomputed[layer.index] = done + 1
+
+    def recomputed_backward(self, layer: Layer):
+        """The backward callback of a recomputed call: never reached under non-reentrant
+        checkpointing (the recomputed graph only supplies saved tensors); if a backward ever
+        reaches it, the gradient would be counted twice, so it is refused."""
+        def refuse(*_args):
+            self.error = (f"a backward reached the recomputed forward of DP layer "
+                          f"{layer.name!r} (a graph built during activation recompute was "
+                          "back-propagated); its gradient would be counted twice")
+            raise PrivacyViolation(self.error)
+        return refuse
 
     def stale_error(self) -> Optional[str]:
         if self.stale:

@@ -36,7 +36,8 @@ from .. import _C, _failpoints
 from ..accounting import Ledger, create_accountant, get_noise_multiplier, get_steps
 from ..data import PoissonBatchSampler, empty_safe_collate
 from ..noise import NoiseSource, _as_int64
-from ..zero import shard
+from ..zero import default_units, shard
+from . import checkpointing
 from .attach import (PrivacyViolation, assign_components, find_layers, guard_hooks, param_slots,
                      patch, unpatch)
 from .book import Book
@@ -333,6 +334,7 @@ class PrivacyEngine:
                 ledger_path: Optional[str] = None, run_id: Optional[str] = None,
                 loss_reduction: str = "mean", process_group=None, units=None,
                 allow_no_noise: bool = False, lr: Optional[float] = None,
+                activation_checkpointing: checkpointing.Spec = None,
                 epsilon_budget: Optional[float] = None, budget_delta: Optional[float] = None,
                 num_workers: int = 0, **optimizer_kwargs) -> Private:
         if self._attached:
@@ -421,6 +423,10 @@ class PrivacyEngine:
         if not trainable:
             raise ValueError("the model has no trainable parameters")
         probe = find_layers(model, {pid: None for pid in trainable})  # names bad modules
+        checkpointing.check_reentrant(model)
+        checkpointed = checkpointing.resolve(
+            model, activation_checkpointing,
+            units if units is not None else default_units(model))
         self._clip_groups(probe, assign_components(probe), clipping, clipping_groups,
                           group_weights, max_grad_norm)
         self._group = process_group if process_group is not None else (
@@ -466,6 +472,7 @@ class PrivacyEngine:
                          loss_reduction, sharded._state, unit_numel, unit_device)
         book_ref = weakref.ref(self.book)
         patch(layers, book_ref)
+        self._checkpointed = checkpointing.apply(model, checkpointed)
         self._guards = guard_hooks(model, book_ref)
         self.clipping = clipping
         self.loss_reduction = loss_reduction
@@ -788,6 +795,7 @@ class PrivacyEngine:
         loader refuse to run afterwards (with the guards gone, autograd's unclipped gradients
         would reach the engine's buffers). Gathers nothing: in stage 3 read the trained values
         with ``parameters()`` first."""
+        checkpointing.remove(self._checkpointed)
         unpatch(self.layers)
         for h in self._guards:
             h.remove()
@@ -814,6 +822,9 @@ def make_private(model: nn.Module, *, optimizer="sgd", accountant: str = "prv",
         of module-name prefixes, and optional group_weights) | "automatic" (automatic_gamma).
     zero_stage: 0-3; units, process_group as for :func:`dpzero.shard`.
     max_physical_batch_size: micro-batch cap m (the loader splits logical batches).
+    activation_checkpointing: recompute these modules' forwards in the backward instead of
+        keeping their activations: True (every ZeRO unit but the root), a list of module names,
+        or a module class (private/checkpointing.py). Hugging Face's own switch works too.
     mixed_precision: None, "bf16", "fp16" or a dtype (compute dtype; fp32 masters and clipping).
     seed (reproducible Philox noise and sampling) or secure_mode=True (ChaCha20, OS entropy).
     ledger_path (+ run_id): the privacy ledger (rank 0 writes it).

@@ -1,0 +1,256 @@
+"""Activation checkpointing under DP (issue 11; Note [recomputed forwards] in private/book.py,
+private/checkpointing.py).
+
+Reference: the same private run without checkpointing (same seeds, dropout active), which the
+other private tests tie to torch.func per-sample gradients and a naive DP-SGD loop. Checkpointing
+must change nothing of the step — every stage, flat and layer-wise clipping, one and two ranks,
+dpzero's switch and Hugging Face's — while really recomputing (each checkpointed layer runs its
+forward twice per micro-batch) and really saving memory (fewer tensors saved for backward).
+"""
+
+import datetime
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+import dpzero
+from dpzero.private import PrivacyViolation
+
+V, T, D, K = 23, 6, 8, 3
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(0.2)  # masks must be reproduced by the recompute
+
+    def forward(self, h):
+        return h + self.fc2(self.drop(torch.tanh(self.fc1(self.ln(h)))))
+
+
+class Net(nn.Module):
+    def __init__(self, blocks=2):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList([Block(D) for _ in range(blocks)])
+        self.head = nn.Linear(D, K)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.mean(1))
+
+
+def data(n=40):
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randint(0, V, (n, T), generator=g),
+                                          torch.randint(0, K, (n,), generator=g))
+
+
+def run(checkpointing, stage, clipping, steps=3, model=None, **kw):
+    torch.manual_seed(3)
+    p = dpzero.make_private(model or Net(), dataset=data(), sample_rate=0.3, noise_multiplier=0.7,
+                            max_grad_norm=0.5, clipping=clipping, zero_stage=stage, seed=5,
+                            optimizer="adam", lr=0.01, max_physical_batch_size=5,
+                            activation_checkpointing=checkpointing, **kw)
+    fc1 = p.model.blocks[0].fc1
+    forwards = []
+    fc1.register_forward_pre_hook(lambda *_: forwards.append(1))
+    taken, micro = 0, 0
+    while taken < steps:
+        for x, y in p.data_loader:
+            p.optimizer.zero_grad()
+            F.cross_entropy(p.model(x), y).backward()
+            micro += 1
+            if p.optimizer.step():
+                taken += 1
+                if taken == steps:
+                    break
+    return p, len(forwards) / micro
+
+
+def assert_same(a, b, atol=0.0):
+    for name, value in a.items():
+        torch.testing.assert_close(b[name], value, atol=atol, rtol=0,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("clipping", ["flat", "layer"])
+def test_checkpointing_changes_nothing_of_the_private_step(stage, clipping):
+    plain, once = run(None, stage, clipping)
+    every_unit, twice = run(True, stage, clipping)
+    assert once == 1 and twice == 2  # the blocks' layers really ran again in the backward
+    want = plain.privacy_engine.parameters()
+    assert_same(want, every_unit.privacy_engine.parameters())
+    assert every_unit.privacy_engine.charges == plain.privacy_engine.charges == 3
+    if stage == 3:  # checkpointing chosen by module class: the blocks only
+        by_class, twice = run(Block, stage, clipping)
+        assert twice == 2
+        assert_same(want, by_class.privacy_engine.parameters())
+
+
+def test_checkpointing_saves_activations():
+    """What autograd keeps for the backward, counted with saved-tensor hooks: a checkpointed block
+    keeps its input only, not the activations inside it (the book's own A and G are kept or not
+    by the clipping mode, as without checkpointing)."""
+    def saved_bytes(checkpointing):
+        p, _ = run(checkpointing, 0, "layer", steps=1)
+        x, _ = data()[:5]
+        total = []
+
+        def pack(t):
+            total.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = F.cross_entropy(p.model(x), torch.zeros(5, dtype=torch.long))
+        loss.backward()
+        p.optimizer.zero_grad()
+        return sum(total)
+
+    plain, checkpointed = saved_bytes(None), saved_bytes(Block)
+    assert checkpointed < 0.7 * plain, (checkpointed, plain)
+
+
+def test_reentrant_checkpointing_is_refused_and_the_step_with_it():
+    class Reentrant(Net):
+        def forward(self, ids):
+            h = self.emb(ids)
+            for block in self.blocks:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+            return self.head(h.mean(1))
+
+    torch.manual_seed(3)
+    p = dpzero.make_private(Reentrant(), dataset=data(), sample_rate=0.3, noise_multiplier=0.7,
+                            max_grad_norm=0.5, seed=5)
+    x, y = next(iter(p.data_loader))
+    with pytest.raises(PrivacyViolation, match=r"reentrant activation checkpointing "
+                                               r"\(use_reentrant=True\)"):
+        F.cross_entropy(p.model(x), y).backward()
+    with pytest.raises(PrivacyViolation, match="refusing the step"):
+        p.optimizer.step()
+    assert p.privacy_engine.charges == 0
+
+
+@pytest.mark.parametrize("spec, message", [
+    (["blocks.7"], r"the model has no submodule 'blocks.7'"),
+    (["blocks", "blocks.0"], r"\['blocks.0'\] lie inside other modules of the list"),
+    ("blocks.0", r"must be True, a list of module names or a module class, got 'blocks.0'"),
+    (nn.GRU, r"the model has no module of that class"),
+])
+def test_bad_checkpointing_choices_are_named_and_nothing_is_attached(spec, message):
+    model = Net()
+    with pytest.raises(ValueError, match=message):
+        dpzero.make_private(model, dataset=data(), sample_rate=0.3, noise_multiplier=0.7,
+                            max_grad_norm=0.5, activation_checkpointing=spec)
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_detach_removes_the_checkpoint_wrappers():
+    p, _ = run(Block, 0, "flat", steps=1)
+    model = p.privacy_engine.detach()
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+# ---- two ranks ---------------------------------------------------------------------------------
+
+def _two_ranks(rank, world, store, out):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        results = {}
+        for checkpointing in (None, True):
+            p, forwards = run(checkpointing, 3, "flat")
+            results[checkpointing] = (p.privacy_engine.parameters(), forwards)
+            del p
+        if rank == 0:
+            torch.save(results, out)
+        import gc
+
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_at_stage_3_checkpointing_changes_nothing(tmp_path):
+    """Each rank draws its own dropout masks, so the reference is the same two-rank run without
+    checkpointing."""
+    out = str(tmp_path / "out.pt")
+    mp.spawn(_two_ranks, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    got = torch.load(out)
+    (want, once), (params, twice) = got[None], got[True]
+    assert once == 1 and twice == 2
+    assert_same(want, params)
+
+
+# ---- Hugging Face ------------------------------------------------------------------------------
+
+def _gpt2(dropout=0.1):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    cfg = transformers.GPT2Config(vocab_size=50, n_positions=8, n_embd=16, n_layer=2, n_head=2,
+                                  resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                  attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _gpt2_run(model, **kw):
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 50, (24, 8), generator=g)
+    ds = torch.utils.data.TensorDataset(ids)
+    torch.manual_seed(4)
+    p = dpzero.make_private(model, dataset=ds, sample_rate=0.25, noise_multiplier=0.9,
+                            max_grad_norm=0.3, seed=9, optimizer="adamw", lr=1e-2, zero_stage=3,
+                            units=["transformer.wte", "transformer.wpe", "transformer.h.0",
+                                   "transformer.h.1", "transformer.ln_f"],
+                            max_physical_batch_size=4, **kw)
+    model.train()
+    taken = 0
+    while taken < 2:
+        for (x,) in p.data_loader:
+            p.optimizer.zero_grad()
+            logits = p.model(x).logits
+            F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten()).backward()
+            if p.optimizer.step():
+                taken += 1
+                if taken == 2:
+                    break
+    return p.privacy_engine.parameters()
+
+
+def test_hugging_face_gpt2_with_its_own_switch_and_with_ours():
+    want = _gpt2_run(_gpt2())
+    hf = _gpt2()
+    hf.activation_checkpointing_enable()  # Hugging Face's switch, non-reentrant by default
+    assert hf.transformer.gradient_checkpointing
+    # The tied embedding's two contributions (wte, lm_head) meet in another order when the
+    # blocks' backward is recomputed: the sums agree to float32 rounding.
+    assert_same(want, _gpt2_run(hf), atol=1e-7)
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    with pytest.warns(UserWarning, match=r"setting the model's config.use_cache = False"):
+        ours = _gpt2_run(_gpt2(), activation_checkpointing=GPT2Block)
+    assert_same(want, ours, atol=1e-7)
+
+
+def test_hugging_face_reentrant_checkpointing_is_refused_up_front():
+    model = _gpt2()
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match=r"module 'transformer' \(GPT2Model\) uses reentrant "
+                                         r"activation checkpointing"):
+        dpzero.make_private(model, dataset=data(), sample_rate=0.3, noise_multiplier=0.7,
+                            max_grad_norm=0.5)
+    assert all("forward" not in vars(m) for m in model.modules())
