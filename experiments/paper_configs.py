@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from dpzero import _C
 
 GIB = 2.0**30
@@ -114,6 +116,81 @@ def single_gpu_table() -> list[str]:
     return lines
 
 
+def _meta_gpt2(layers, width, heads):
+    import transformers
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=1024,
+                                  attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0)
+    with torch.device("meta"):
+        return transformers.GPT2LMHeadModel(cfg).to(torch.bfloat16)
+
+
+def _meta_vit():
+    import transformers
+    cfg = transformers.ViTConfig(hidden_size=1664, num_hidden_layers=48, num_attention_heads=16,
+                                 intermediate_size=8192, patch_size=14, image_size=224,
+                                 num_labels=100, attn_implementation="eager")
+    with torch.device("meta"):
+        return transformers.ViTForImageClassification(cfg).to(torch.bfloat16)
+
+
+SHAPES = {  # name -> (meta model builder, unit prefix, units, a micro-batch -> loss)
+    "GPT2-XL": (lambda: _meta_gpt2(48, 1600, 25), "transformer.h", 48, "text"),
+    "GPT2-large": (lambda: _meta_gpt2(36, 1280, 20), "transformer.h", 36, "text"),
+    "GPT2-medium": (lambda: _meta_gpt2(24, 1024, 16), "transformer.h", 24, "text"),
+    "GPT2-small": (lambda: _meta_gpt2(12, 768, 12), "transformer.h", 12, "text"),
+    "ViT-Gigantic": (_meta_vit, "vit.encoder.layer", 48, "image"),
+}
+E2E_TOKENS = 100
+
+
+def shape_profile_of(name: str, micro_batch: int, clipping: str = "flat"):
+    """dpzero.plan's shape profile (Note [shape profile]) of a paper model in bf16 with Adam and
+    fp32 masters (p = 2, K = 12), on E2E-length sequences (GPT-2) or 224 px images (ViT)."""
+    import torch.nn.functional as F
+    from dpzero.plan.shapes import shape_profile
+
+    build, prefix, n, kind = SHAPES[name]
+
+    def forward_loss(model):
+        if kind == "text":
+            ids = torch.zeros(micro_batch, E2E_TOKENS, dtype=torch.long, device="meta")
+            logits = model(ids).logits
+            return F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+        x = torch.zeros(micro_batch, 3, 224, 224, dtype=torch.bfloat16, device="meta")
+        y = torch.zeros(micro_batch, dtype=torch.long, device="meta")
+        return F.cross_entropy(model(x).logits.float(), y)
+
+    return shape_profile(build, forward_loss, micro_batch, units=[f"{prefix}.{i}" for i in range(n)],
+                         clipping=clipping, param_bytes=2, optimizer_bytes=12)
+
+
+def peak_table() -> list[str]:
+    """Predicted peak memory per GPU (model state + activations + the DP book-keeping terms) of
+    the private runs, bf16 with fp32 masters, flat clipping, under each memory policy."""
+    from dpzero.plan import Policy, predict
+
+    lines = ["| model | GPUs | micro-batch | stage | peak GiB, no checkpointing | fits | "
+             "peak GiB, every block checkpointed | fits | activations / book-keeping GiB "
+             "(no checkpointing) |", "|" + "---|" * 9]
+    rows = [("ViT-Gigantic", GPUS, MICRO_BATCH), ("GPT2-XL", GPUS, MICRO_BATCH),
+            ("GPT2-large", 1, 25), ("GPT2-medium", 1, 25), ("GPT2-small", 1, 25),
+            ("GPT2-small", 1, 100)]
+    for name, world, micro in rows:
+        prof = shape_profile_of(name, micro)
+        stages = (1, 2, 3) if world > 1 else (0,)
+        for stage in stages:
+            none = predict(prof, Policy(stage, 0), world)
+            every = predict(prof, Policy(stage, len(prof.units)), world)
+            lines.append(
+                f"| {name} | {world} | {micro} | {stage} | {none.peak_bytes / GIB:.1f} | "
+                f"{'yes' if none.peak_bytes < A100_BYTES else 'no'} | "
+                f"{every.peak_bytes / GIB:.1f} | "
+                f"{'yes' if every.peak_bytes < A100_BYTES else 'no'} | "
+                f"{prof.terms['activations'] / GIB:.1f} / {prof.terms['book'] / GIB:.1f} |")
+    return lines
+
+
 def reading() -> str:
     psi = 1e9  # the ratios do not depend on the size
     ours = [predict(psi, s, True, "mixed") / predict(psi, s, False, "fp32") for s in (1, 2, 3)]
@@ -148,6 +225,13 @@ def write_paper_table(path: str) -> str:
         "Models: " + "; ".join(f"{n} = {d} ({p / 1e9:.3f} B parameters)" for n, p, d in MODELS), "",
         "### Multi-GPU (ZeRO stages 1-3)", ""] + table() + [
         "", "### Single GPU (GPT-2 on E2E-length sequences, T = 100)", ""] + single_gpu_table() + [
+        "", "### Predicted peak memory per GPU of the private runs (A100-40GB)", "",
+        "bf16 compute with fp32 master weights, AdamW, flat clipping (book-keeping); GPT-2 on "
+        f"{E2E_TOKENS}-token sequences, ViT on 224 px images. Peak = model state (ZeRO's "
+        "formulas) + the step's transient from a shape profile on the meta device (Note [shape "
+        "profile] in python/dpzero/plan/shapes.py: saved activations, the logits' gradient, and "
+        "the clipping book's stored layer inputs and output gradients, which checkpointing does "
+        "not shrink). Predictions, not measurements: the GPU rows measure.", ""] + peak_table() + [
         "", "### Published figures (as quoted in issue 9; not re-read from the paper here)", ""] + [
         f"- {p}" for p in PUBLISHED] + [
         "", reading()]

@@ -1,5 +1,5 @@
-"""The ``dpzero`` command line: ``dpzero budget``, ``dpzero calibrate``, ``dpzero train`` and
-``dpzero report``.
+"""The ``dpzero`` command line: ``dpzero budget``, ``dpzero calibrate``, ``dpzero train``,
+``dpzero plan`` and ``dpzero report``.
 
 argparse (standard library) parses; the numbers come from the C++ accountants.
 """
@@ -179,6 +179,31 @@ def _print_results(cfg, results: dict) -> None:
     print(f"  report: {os.path.join(cfg.output.dir, 'report.md')}")
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .train import load
+    from .train.planning import format_plan, job_plan
+
+    cfg = load(args.config)
+    world = args.world_size if args.world_size is not None else cfg.training.world_size
+    if world < 1:
+        raise ValueError(f"--world-size must be >= 1, got {world}")
+    if args.memory_budget is not None and not args.memory_budget > 0:
+        raise ValueError(f"--memory-budget must be > 0 GiB, got {args.memory_budget}")
+    budget = None if args.memory_budget is None else args.memory_budget * 2.0**30
+    prof, ranked, budget = job_plan(cfg, world, budget)
+    if args.json:
+        json.dump({"profile": prof.to_dict(), "budget_bytes": budget, "policies": [
+            {"policy": r.policy.label(len(prof.units)), "stage": r.policy.stage,
+             "checkpointed_units": r.policy.checkpointed,
+             "offload_optimizer": r.policy.offload_optimizer, "peak_bytes": r.peak_bytes,
+             "fits": r.peak_bytes <= budget, "step_s": r.step_s, "memory": r.memory,
+             "time": r.time} for r in ranked]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_plan(prof, ranked, budget, world))
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from .train import write_report
 
@@ -226,6 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the killed run in the run directory from its last checkpoint; "
                         "every step in its ledger stays charged")
     t.set_defaults(func=cmd_train)
+
+    pl = sub.add_parser("plan", help="predict memory and step time of each memory policy "
+                                     "(ZeRO stage, checkpointing, offload) for a training job")
+    pl.add_argument("config", help="the dpzero train config")
+    pl.add_argument("--world-size", type=int, help="ranks (default: [training] world_size)")
+    pl.add_argument("--memory-budget", type=float, metavar="GIB",
+                    help="bytes per rank, in GiB (default: the GPU's memory, or the available "
+                         "RAM over the ranks)")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
 
     r = sub.add_parser("report", help="regenerate a run's report from its ledger")
     r.add_argument("run_dir")

@@ -45,6 +45,10 @@ BASE = {"privacy": {"target_epsilon": 3.0}}
      r">= 0 \(0 = no checkpoints\), got -1"),
     ({**BASE, "training": {"keep_checkpoints": 0}}, r"\[training\] keep_checkpoints must be "
      r">= 1, got 0"),
+    ({**BASE, "training": {"policy": "fast"}}, r"\[training\] policy must be one of "
+     r"\['fixed', 'auto'\], got 'fast'"),
+    ({**BASE, "training": {"memory_budget_gib": -1}}, r"\[training\] memory_budget_gib must be "
+     r">= 0"),
 ])
 def test_config_errors_name_the_key_and_value(raw, message):
     with pytest.raises(ConfigError, match=message):

@@ -335,6 +335,8 @@ class PrivacyEngine:
                 loss_reduction: str = "mean", process_group=None, units=None,
                 allow_no_noise: bool = False, lr: Optional[float] = None,
                 activation_checkpointing: checkpointing.Spec = None,
+                policy: Optional[str] = None, memory_budget: Optional[float] = None,
+                plan_step=None,
                 epsilon_budget: Optional[float] = None, budget_delta: Optional[float] = None,
                 num_workers: int = 0, **optimizer_kwargs) -> Private:
         if self._attached:
@@ -417,6 +419,35 @@ class PrivacyEngine:
             raise ValueError(f"epsilon_budget={epsilon_budget} needs budget_delta")
         if epsilon_budget is not None and sigma == 0.0:
             raise ValueError("an ε budget cannot be kept without noise (noise_multiplier=0)")
+
+        self.plan = None
+        if policy is not None:
+            if policy != "auto":
+                raise ValueError(f"policy must be None or 'auto', got {policy!r}")
+            if plan_step is None:
+                raise ValueError("policy='auto' profiles the model and needs plan_step: a "
+                                 "function (model, batch) -> loss for one micro-batch")
+            if activation_checkpointing is not None or "offload_optimizer" in optimizer_kwargs:
+                raise ValueError("policy='auto' chooses zero_stage, activation_checkpointing "
+                                 "and offload_optimizer itself; do not pass the last two")
+            from ..plan.auto import choose, first_batch
+
+            unit_names = list(units) if units is not None else default_units(model)
+            micro = int(max_physical_batch_size or max(1, round(q * n)))
+            group = process_group if process_group is not None else (
+                dist.distributed_c10d._get_default_group()
+                if dist.is_available() and dist.is_initialized() else None)
+            best, ranked = choose(
+                model, first_batch(dataset, micro, collate_fn), plan_step, micro,
+                unit_names=unit_names, clipping=clipping, mixed_precision=mixed_precision,
+                optimizer=name, optimizer_kwargs=opt_kwargs, group=group,
+                memory_budget=memory_budget)
+            chosen = best.policy.make_private_kwargs(unit_names)
+            zero_stage = chosen["zero_stage"]
+            activation_checkpointing = chosen.get("activation_checkpointing")
+            if chosen.get("offload_optimizer"):
+                opt_kwargs["offload_optimizer"] = True
+            self.plan = dict(chosen=best, ranked=ranked, units=unit_names)
 
         # Validation before anything is touched (a rejected model stays as it was).
         trainable = {id(p): p for p in model.parameters() if p.requires_grad}
@@ -822,6 +853,9 @@ def make_private(model: nn.Module, *, optimizer="sgd", accountant: str = "prv",
         of module-name prefixes, and optional group_weights) | "automatic" (automatic_gamma).
     zero_stage: 0-3; units, process_group as for :func:`dpzero.shard`.
     max_physical_batch_size: micro-batch cap m (the loader splits logical batches).
+    policy="auto" (+ plan_step=(model, batch) -> loss, memory_budget bytes per rank): profile
+        the model and take the fastest memory policy predicted to fit (dpzero.plan); the choice,
+        the ranking and the unit names are in ``privacy_engine.plan`` (a dict).
     activation_checkpointing: recompute these modules' forwards in the backward instead of
         keeping their activations: True (every ZeRO unit but the root), a list of module names,
         or a module class (private/checkpointing.py). Hugging Face's own switch works too.

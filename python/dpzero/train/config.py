@@ -24,6 +24,10 @@ Every error names the key and the bad value. Sections and keys (defaults in brac
                 ["adamw"]; weight_decay  [0.0]; zero_stage  [3]; world_size  [2]; seed  [0]
                 timeout_s = a collective waits this long for a dead or hung rank before the
                     run fails with an error  [600]
+                policy = "fixed" (zero_stage as given) | "auto" (the fastest memory policy
+                    predicted to fit: stage, activation checkpointing, offload; dpzero plan)
+                    ["fixed"]; memory_budget_gib = per rank for "auto" (0 = the GPU's memory,
+                    or the available RAM over the ranks)  [0]
                 checkpoint_every = a sharded checkpoint of the private run every this many
                     steps, for ``dpzero train --resume`` (0 = none)  [50]
                 keep_checkpoints = committed checkpoints kept  [2]
@@ -86,6 +90,8 @@ class TrainingConfig:
     world_size: int = 2
     seed: int = 0
     timeout_s: float = 600.0
+    policy: str = "fixed"
+    memory_budget_gib: float = 0.0
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     baseline: bool = True
@@ -219,6 +225,10 @@ def validate(cfg: RunConfig) -> None:
             or not (0 < t.timeout_s < math.inf):
         raise ConfigError(f"[training] timeout_s must be a number of seconds > 0, got "
                           f"{t.timeout_s!r}")
+    _choice("[training] policy", t.policy, ("fixed", "auto"))
+    if not (t.memory_budget_gib >= 0 and math.isfinite(t.memory_budget_gib)):
+        raise ConfigError(f"[training] memory_budget_gib must be >= 0 (0 = default), got "
+                          f"{t.memory_budget_gib}")
     if t.checkpoint_every < 0:
         raise ConfigError(f"[training] checkpoint_every must be >= 0 (0 = no checkpoints), got "
                           f"{t.checkpoint_every}")

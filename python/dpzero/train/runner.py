@@ -147,6 +147,11 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics,
             kw.update(noise_multiplier=p_cfg.noise_multiplier)
     else:
         kw = dict(noise_multiplier=0.0, max_grad_norm=math.inf, allow_no_noise=True)
+    if t_cfg.policy == "auto":
+        budget = t_cfg.memory_budget_gib * 2.0**30 if t_cfg.memory_budget_gib else None
+        kw.update(policy="auto", memory_budget=budget,
+                  plan_step=lambda m, batch: F.cross_entropy(m(*unpack(batch)[0]),
+                                                             unpack(batch)[1]))
     p = make_private(model, **common, **kw)
     engine = p.privacy_engine
     label = "private" if private else "baseline"
@@ -206,7 +211,10 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics,
               "noise_multiplier": engine.noise_multiplier, "max_grad_norm": engine.max_grad_norm,
               "delta": delta, "train_examples": n, "test_examples": len(test),
               "epsilon": engine.epsilon(delta) if private else math.inf, "stopped": stopped,
-              "charged_steps": engine.charges if private else 0, **final}
+              "charged_steps": engine.charges if private else 0,
+              "zero_stage": engine.sharded.stage,
+              "policy": (engine.plan["chosen"].policy.label(len(engine.plan["units"]))
+                         if engine.plan else "fixed"), **final}
     if rank == 0 and private:
         _atomic_save(_final_state(model, params), os.path.join(run_dir, "model.pt"))
         _atomic_json(result, os.path.join(run_dir, "private.json"))

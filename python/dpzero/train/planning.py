@@ -1,0 +1,95 @@
+"""``dpzero plan CONFIG``: the memory policies of a training job, predicted and ranked
+(dpzero.plan), from the same model, data and settings ``dpzero train`` would use.
+
+The profile runs on one micro-batch of the training set per rank with the per-rank share of the
+cores: in this process for one rank, else on W spawned Gloo (CPU) or NCCL (GPU) processes of
+this machine, which also measure the collectives' bandwidth.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..plan import Prediction, Profile, plan, profile
+from ..plan.auto import default_budget
+from .config import RunConfig
+
+
+def _profile_rank(rank, world, store, backend, cfg, out):
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        prof = _profile(cfg, world, rank, dist.group.WORLD)  # measures the bandwidth too
+        if rank == 0:
+            torch.save(prof.to_dict(), out)
+        import gc
+
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def _profile(cfg: RunConfig, world: int, rank: int, group) -> Profile:
+    from .runner import build
+
+    model, train, _, unpack = build(cfg)
+    m = min(cfg.training.max_physical_batch_size, len(train))
+    rows = torch.arange(rank * m, (rank + 1) * m) % len(train)
+    inputs, y = unpack(train[rows])
+    device = next(model.parameters()).device
+    threads = max(1, (os.cpu_count() or 1) // world) if device.type == "cpu" else None
+    t = cfg.training
+    return profile(lambda: copy.deepcopy(model), lambda mod: F.cross_entropy(mod(*inputs), y), m,
+                   clipping=cfg.privacy.clipping, optimizer=t.optimizer,
+                   optimizer_kwargs=dict(lr=t.lr, weight_decay=t.weight_decay),
+                   device=str(device), threads=threads, group=group)
+
+
+def job_plan(cfg: RunConfig, world: int, budget_bytes: Optional[float] = None
+             ) -> Tuple[Profile, List[Prediction], float]:
+    """(profile, ranked predictions, budget) for ``cfg``'s private run on ``world`` ranks: the
+    profile runs on ``world`` fresh processes of this machine (Gloo on CPU, NCCL on GPUs)."""
+    if world == 1:
+        prof = _profile(cfg, 1, 0, None)
+    else:
+        import torch.multiprocessing as mp
+
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world \
+            else "gloo"
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "profile.pt")
+            mp.spawn(_profile_rank, args=(world, os.path.join(tmp, "store"), backend, cfg, out),
+                     nprocs=world, join=True)
+            prof = Profile.from_dict(torch.load(out))
+    device = torch.device(prof.device)
+    budget = budget_bytes if budget_bytes is not None else default_budget(device, world)
+    ranked = plan(prof, world, budget, accelerator=device.type == "cuda")
+    return prof, ranked, budget
+
+
+def format_plan(prof: Profile, ranked: List[Prediction], budget: float, world: int) -> str:
+    mib = 2.0**20
+    units = len(prof.units)
+    lines = [f"memory policies for W = {world} rank(s), micro-batch {prof.micro_batch}, "
+             f"{prof.clipping} clipping, budget {budget / mib:,.0f} MiB per rank "
+             f"(profiled on {prof.device}, {prof.threads} thread(s)):", "",
+             f"{'policy':<22}{'peak MiB':>10}{'fits':>6}{'step ms':>10}{'samples/s':>11}   "
+             "peak = parameters + gradients + optimizer + workspace + transient (MiB)"]
+    for i, r in enumerate(ranked):
+        fits = r.peak_bytes <= budget
+        parts = " + ".join(f"{r.memory[k] / mib:.1f}" for k in
+                           ("parameters", "gradients", "optimizer", "workspace", "transient"))
+        mark = "  <- best" if i == 0 and fits else ""
+        lines.append(f"{r.policy.label(units):<22}{r.peak_bytes / mib:>10.1f}"
+                     f"{'yes' if fits else 'no':>6}{1e3 * r.step_s:>10.1f}"
+                     f"{prof.micro_batch / r.step_s:>11.1f}   {parts}{mark}")
+    return "\n".join(lines)
