@@ -139,7 +139,7 @@ SHAPES = {  # name -> (meta model builder, unit prefix, units, a micro-batch -> 
     "GPT2-large": (lambda: _meta_gpt2(36, 1280, 20), "transformer.h", 36, "text"),
     "GPT2-medium": (lambda: _meta_gpt2(24, 1024, 16), "transformer.h", 24, "text"),
     "GPT2-small": (lambda: _meta_gpt2(12, 768, 12), "transformer.h", 12, "text"),
-    "ViT-Gigantic": (_meta_vit, "vit.encoder.layer", 48, "image"),
+    "ViT-Gigantic": (_meta_vit, "vit.layers", 48, "image"),
 }
 E2E_TOKENS = 100
 

@@ -100,9 +100,8 @@ def _collectives(profile: Profile, stage: int, world: int, bandwidth) -> float:
     """Note [planner time model]: seconds of one step's collectives on ``world`` ranks."""
     if world == 1:
         return 0.0
-    if not bandwidth:
-        raise ValueError(f"predicting {world} ranks needs the collectives' bandwidth: measure it "
-                         "(measure_collectives) or pass bandwidth=(bytes/s, latency s)")
+    if not bandwidth:  # no measured bandwidth (a shape profile): the time is unknown
+        return math.nan
     bw, latency = bandwidth
     psi, p, frac = profile.params, profile.param_bytes, (world - 1) / world
     volume = {0: 2 * frac * 4 * psi, 1: frac * (4 + p) * psi, 2: frac * (4 + p) * psi,
