@@ -1,5 +1,5 @@
-"""Activation checkpointing under DP (issue 11; Note [recomputed forwards] in private/book.py,
-private/checkpointing.py).
+"""Activation checkpointing and optimizer offload under DP (issue 11; Note [recomputed forwards]
+in private/book.py, private/checkpointing.py; Note [master weights] in src/zero/flat_param.h).
 
 Reference: the same private run without checkpointing (same seeds, dropout active), which the
 other private tests tie to torch.func per-sample gradients and a naive DP-SGD loop. Checkpointing
@@ -254,3 +254,20 @@ def test_hugging_face_reentrant_checkpointing_is_refused_up_front():
         dpzero.make_private(model, dataset=data(), sample_rate=0.3, noise_multiplier=0.7,
                             max_grad_norm=0.5)
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+# ---- optimizer offload ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("clipping", ["flat", "layer"])
+def test_optimizer_offload_changes_nothing_of_the_private_step(stage, clipping):
+    """offload_optimizer keeps the fp32 master and Adam's state in host memory as a separate
+    tensor (on CPU parameters, the same memory kind: the arithmetic is the same ops on the same
+    values), with and without checkpointing."""
+    plain, _ = run(None, stage, clipping)
+    offloaded, _ = run(None, stage, clipping, offload_optimizer=True)
+    both, _ = run(True, stage, clipping, offload_optimizer=True)
+    assert offloaded.privacy_engine.sharded.memory()["master_params"] > 0  # the separate master
+    want = plain.privacy_engine.parameters()
+    assert_same(want, offloaded.privacy_engine.parameters())
+    assert_same(want, both.privacy_engine.parameters())
