@@ -15,6 +15,8 @@ PYBIND11_MODULE(_C, m) {
   dpzero::python::bind_privacy(m.def_submodule("privacy", "Poisson sampling, clipping, entropy"));
   dpzero::python::bind_engine(m.def_submodule("engine", "Shard plans and sharded noise"));
   dpzero::python::bind_zero(m.def_submodule("zero", "The ZeRO engine and shard optimizers"));
+  dpzero::python::bind_memory(
+      m.def_submodule("memory", "Live and peak CPU tensor bytes, counted in the allocator"));
   dpzero::python::bind_checkpoint(
       m.def_submodule("checkpoint", "Sharded checkpoints of the ZeRO engine"));
 }
