@@ -231,7 +231,7 @@ def write_paper_table(path: str) -> str:
         "formulas) + the step's transient from a shape profile on the meta device (Note [shape "
         "profile] in python/dpzero/plan/shapes.py: saved activations, the logits' gradient, and "
         "the clipping book's stored layer inputs and output gradients, which checkpointing does "
-        "not shrink). Predictions, not measurements: the GPU rows measure.", ""] + peak_table() + [
+        "not shrink; at stage 3 also the gathered units: the root unit and two blocks). Predictions, not measurements: the GPU rows measure.", ""] + peak_table() + [
         "", "### Published figures (as quoted in issue 9; not re-read from the paper here)", ""] + [
         f"- {p}" for p in PUBLISHED] + [
         "", reading()]

@@ -177,7 +177,8 @@ def write(rows, notes, args, elapsed):
     for shape, clipping, prof, bw in notes:
         lines.append(f"- {shape} {clipping}: between {prof.between['none'] / MIB:.1f}, "
                      f"workspace {prof.workspace / MIB:.1f}, transient none / all "
-                     f"{prof.transient['none'] / MIB:.1f} / {prof.transient['all'] / MIB:.1f}; "
+                     f"{prof.transient['none'] / MIB:.1f} / {prof.transient['all'] / MIB:.1f}, "
+                     f"stage-3 gathered {prof.gathered / MIB:.1f}; "
                      f"compute none / all {1e3 * prof.compute_s['none']:.0f} / "
                      f"{1e3 * prof.compute_s['all']:.0f}, optimizer "
                      f"{1e3 * prof.optimizer_s:.0f}; all-gather {bw[0] / 1e9:.2f} GB/s, "

@@ -143,7 +143,7 @@ void bind_zero(py::module_ m) {
                        int64_t alignment, double grad_scale, bool sync_module_states,
                        at::ScalarType param_dtype, at::ScalarType reduce_dtype,
                        const std::string& shard_boundaries, bool offload_optimizer,
-                       bool prefetch) {
+                       bool prefetch, bool offload_params) {
              std::vector<zero::UnitSpec> specs;
              for (const auto& [name, params, names, offsets] : units) {
                specs.push_back({name, params, names, offsets});
@@ -161,6 +161,7 @@ void bind_zero(py::module_ m) {
              config.boundaries = zero::parse_shard_boundaries(shard_boundaries);
              config.offload_optimizer = offload_optimizer;
              config.prefetch = prefetch;
+             config.offload_params = offload_params;
              auto pg = process_group_or_null(process_group);
              py::gil_scoped_release no_gil;  // construction broadcasts
              return std::unique_ptr<ZeroState, DeleteWithoutGil>(new ZeroState(
@@ -173,7 +174,7 @@ void bind_zero(py::module_ m) {
            py::arg("grad_scale"), py::arg("sync_module_states"),
            py::arg("param_dtype") = at::kFloat, py::arg("reduce_dtype") = at::kFloat,
            py::arg("shard_boundaries") = "even", py::arg("offload_optimizer") = false,
-           py::arg("prefetch") = true,
+           py::arg("prefetch") = true, py::arg("offload_params") = false,
            "units: list of (name, params, param_names, global_offsets) in plan order.")
       .def("pre_forward", &ZeroState::pre_forward, py::arg("unit"),
            py::call_guard<py::gil_scoped_release>())
@@ -191,6 +192,10 @@ void bind_zero(py::module_ m) {
            "autograd gradient. release_params=False keeps a stage-3 unit gathered until the end "
            "of the backward (its parameters are still read by backward nodes). donated=True: the "
            "caller never touches `grad` again, so an asynchronous reduction keeps it uncopied.")
+      .def("release_params", &ZeroState::release_params, py::arg("unit"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Stage 3: frees unit `unit`'s gathered parameters now (no backward node still reads "
+           "them); no-op in stages 0-2.")
       .def("step", &ZeroState::step, py::call_guard<py::gil_scoped_release>())
       .def(
           "noisy_step",
@@ -236,7 +241,11 @@ void bind_zero(py::module_ m) {
       .def_property_readonly("param_dtype",
                              [](const ZeroState& s) { return s.config().param_dtype; })
       .def_property_readonly("offload_optimizer",
-                             [](const ZeroState& s) { return s.config().offload_optimizer; })
+                             [](const ZeroState& s) {
+                               return s.config().offload_optimizer || s.config().offload_params;
+                             })
+      .def_property_readonly("offload_params",
+                             [](const ZeroState& s) { return s.config().offload_params; })
       .def_property_readonly("reduce_dtype",
                              [](const ZeroState& s) { return s.config().reduce_dtype; })
       .def_property_readonly("plan", &ZeroState::plan, py::return_value_policy::copy)

@@ -203,8 +203,9 @@ class ShardedModule:
         peaks since construction: ``peak_grads`` (gradient buffers held at once, the figure ZeRO's
         formulas count), ``peak_params`` (parameter bytes held at once) and
         ``peak_comm_buffers`` (the largest set of short-lived buffers one unit allocated for a
-        collective or a dtype change); and ``host`` (the part of master and optimizer state in
-        host memory under ``offload_optimizer`` while parameters are on a GPU). Autograd's
+        collective or a dtype change); and ``host`` (the master, optimizer state and, under
+        ``offload_params``, owned parameter shards in host memory while parameters are computed
+        on a GPU; on a CPU device ``params`` keeps counting the shards). Autograd's
         per-parameter gradients, which live until their
         unit's backward completes, are not counted. Compare with :func:`predicted_memory`."""
         return self._state.memory()
@@ -263,6 +264,7 @@ def shard(
     offload_optimizer: bool = False,
     prefetch: bool = True,
     grad_hooks: bool = True,
+    offload_params: bool = False,
 ) -> ShardedModule:
     """Shard ``model`` under ZeRO ``stage`` 0-3 with an optimizer that runs on the owned shard.
 
@@ -282,6 +284,10 @@ def shard(
         quantisers that work on whole tensors; Note [ragged plans] in src/zero/shard_plan.h).
     offload_optimizer: keep the fp32 master weights and the optimizer state in host memory and
         run the optimizer there (ZeRO-Offload); results are identical to no offload.
+    offload_params: stage 3 only: keep each rank's parameter shards in host memory too (pinned
+        on a GPU), copied to the device for each gather (ZeRO-Infinity's parameter tier, FSDP2's
+        CPUOffloadPolicy); implies ``offload_optimizer``; results are identical to no offload
+        (Note [parameter offload] in src/zero/flat_param.h).
     prefetch: stage 3: gather the next unit while the current one computes, in forward and in
         backward (Note [stage-3 prefetch] in src/zero/state.h).
     grad_hooks: take gradients from autograd (post-accumulate-grad hooks). The private path
@@ -335,6 +341,7 @@ def shard(
         shard_boundaries,
         offload_optimizer,
         prefetch,
+        offload_params,
     )
     handles = []
     if param_dtype != torch.float32:
@@ -345,7 +352,8 @@ def shard(
         handles += _register_gather_hooks(model, _hooks_ref(state), planned)
     k = _zero.optimizer_bytes_per_param(
         optimizer, momentum=momentum, amsgrad=amsgrad,
-        mixed=param_dtype != torch.float32 or offload_optimizer)
+        # a separate fp32 master, unless parameter offload makes the fp32 host shard the master
+        mixed=param_dtype != torch.float32 or (offload_optimizer and not offload_params))
     return ShardedModule(model, state, planned, handles, k)
 
 

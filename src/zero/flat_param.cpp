@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 namespace dpzero::zero {
@@ -45,6 +46,9 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
   check_param_dtype(options_.param_dtype);
   TORCH_CHECK(!(options_.shard_params && options_.master_full),
               "a flat parameter cannot be both sharded (stage 3) and fully owned (stage 0)");
+  TORCH_CHECK(!options_.offload_params || options_.shard_params,
+              "parameter offload needs sharded parameters (ZeRO stage 3)");
+  if (options_.offload_params) options_.offload_master = true;  // Note [parameter offload]
   check_params(params_, names_);
   for (size_t i = 0; i < params_.size(); ++i) {
     TORCH_CHECK(params_[i].numel() == layout_.params()[i].numel, "parameter '", names_[i],
@@ -77,8 +81,14 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
   }
   for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(param_view(full_, i));
   at::Tensor owned = full_.narrow(0, rank_ * m, m);
-  shard_ = options_.shard_params ? owned.clone() : owned;
-  if (!separate_master()) master_ = options_.master_full ? full_ : shard_;
+  if (options_.offload_params) {
+    // Note [parameter offload]: pinned when the parameters live on a GPU.
+    shard_ = at::empty({m}, owned.options().device(at::kCPU).pinned_memory(owned.is_cuda()));
+    shard_.copy_(owned);
+  } else {
+    shard_ = options_.shard_params ? owned.clone() : owned;
+  }
+  if (!separate_master() || master_is_shard()) master_ = options_.master_full ? full_ : shard_;
   if (options_.shard_params) free_storage(full_);
 }
 
@@ -123,20 +133,42 @@ bool FlatParam::wait_gather() {
                             (names_.empty() ? std::string("?") : names_.front()) + "' on rank " +
                             std::to_string(rank_));  // Note [collective failures]
   pending_.reset();
+  staged_ = at::Tensor();  // stream-ordered: a later kernel cannot reuse it before the gather
   return true;
+}
+
+at::Tensor& FlatParam::gather_source() {
+  if (shard_.device() == full_.device()) return shard_;
+  // Note [parameter offload]: host -> device, ordered before the gather on the current stream.
+  staged_ = shard_.to(full_.device(), /*non_blocking=*/true);
+  c10::impl::VirtualGuardImpl guard(full_.device().type());
+  if (!host_read_done_) host_read_done_.emplace(full_.device().type());
+  host_read_done_->record(guard.getStream(full_.device()));
+  return staged_;
+}
+
+void FlatParam::wait_host_reads() {
+  if (host_read_done_) host_read_done_->synchronize();
+}
+
+void FlatParam::prepare_master_write() {
+  if (!master_is_shard()) return;
+  reshard();
+  wait_host_reads();
 }
 
 void FlatParam::unshard(const comm::Collectives& comm) {
   if (wait_gather()) return;
   if (unsharded()) return;
   allocate_storage(full_, static_cast<size_t>(full_bytes()));
-  comm.all_gather(full_, shard_);
+  comm.all_gather(full_, gather_source());
+  staged_ = at::Tensor();
 }
 
 void FlatParam::unshard_async(const comm::Collectives& comm) {
   if (pending_ || unsharded()) return;
   allocate_storage(full_, static_cast<size_t>(full_bytes()));
-  pending_ = comm.all_gather_async(full_, shard_);
+  pending_ = comm.all_gather_async(full_, gather_source());
 }
 
 void FlatParam::reshard() {
@@ -147,7 +179,13 @@ void FlatParam::reshard() {
 void FlatParam::publish_master(const comm::Collectives& comm) {
   at::NoGradGuard no_grad;
   reshard();  // stage 3: a pending prefetch still reads shard_, which is about to change
-  if (separate_master()) (options_.master_full ? full_ : shard_).copy_(master_);
+  // Note [parameter offload]: no queued host-to-device copy may still read the host shard that
+  // is about to be written (with fp32 compute the optimizer wrote it already, after
+  // prepare_master_write()).
+  wait_host_reads();
+  if (separate_master() && !master_is_shard()) {
+    (options_.master_full ? full_ : shard_).copy_(master_);
+  }
   if (options_.shard_params) {
     free_storage(full_);  // any gathered copy is stale now
   } else if (!options_.master_full && comm.world_size() > 1) {
@@ -196,12 +234,20 @@ void FlatParam::drop_grads() {
 
 int64_t FlatParam::param_bytes() const {
   int64_t bytes = static_cast<int64_t>(full_.storage().nbytes());
-  if (options_.shard_params) bytes += shard_.numel() * static_cast<int64_t>(shard_.element_size());
+  if (options_.shard_params && shard_.device() == full_.device()) {
+    bytes += shard_.numel() * static_cast<int64_t>(shard_.element_size());
+  }
   return bytes;
 }
 
+int64_t FlatParam::host_param_bytes() const {
+  if (shard_.device() == full_.device()) return 0;
+  return shard_.numel() * static_cast<int64_t>(shard_.element_size());
+}
+
 int64_t FlatParam::master_bytes() const {
-  return separate_master() ? master_.numel() * static_cast<int64_t>(master_.element_size()) : 0;
+  if (!separate_master() || master_is_shard()) return 0;
+  return master_.numel() * static_cast<int64_t>(master_.element_size());
 }
 
 }  // namespace dpzero::zero

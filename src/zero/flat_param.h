@@ -32,13 +32,33 @@
 // with the separate master — and so the optimizer state the optimizer creates like it — on the
 // host: the reduced gradient shard goes to the host, the step runs there, and publish_master()
 // copies the result back (pinned host memory when the parameters are on a GPU).
+//
+// Note [parameter offload]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Stage 3 can keep the owned shard itself in host memory (ZeRO-Infinity's parameter tier, Rajbhandari
+// et al. 2021; FSDP2's CPUOffloadPolicy): between uses the device holds none of the unit. A
+// gather copies the shard to the device (non-blocking from pinned memory, on the current stream,
+// so the copy and the all-gather that reads it are ordered and a prefetch overlaps both with the
+// running unit's compute) and all-gathers from that copy; the copy lives until the gather is
+// waited for. The optimizer runs on the host (offload_master is implied): the update is written
+// into the host shard, so nothing goes back to the device after a step. With fp32 compute the
+// host shard is the master itself; with 16-bit compute publish_master() rounds the fp32 master
+// into it. Before the host shard is written, the last host-to-device copy that read it must be
+// done: a stream-ordered copy may still be queued when the host moves on, so it is fenced with an
+// event (host_read_done_). The values are those of the run without offload, bit for bit: the same
+// numbers are gathered, and the optimizer arithmetic is the same on either side (as for
+// optimizer offload). On a CPU device the host shard is the device shard and only the master
+// aliasing is new.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include <optional>
+
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "src/comm/collectives.h"
@@ -52,6 +72,9 @@ struct FlatParamOptions {
   bool master_full = false;             // stage 0: the master covers every coordinate
   at::ScalarType param_dtype = at::kFloat;  // compute dtype: kFloat, kBFloat16 or kHalf
   bool offload_master = false;          // keep the master (and optimizer state) on the CPU
+  // Stage 3 only (Note [parameter offload]): the owned shard lives in host memory and is copied
+  // to the device for each gather. Implies offload_master.
+  bool offload_params = false;
 };
 
 class FlatParam {
@@ -83,10 +106,15 @@ class FlatParam {
   bool separate_master() const {
     return options_.param_dtype != at::kFloat || options_.offload_master;
   }
+  // Note [parameter offload]: the owned shard is kept in host memory.
+  bool offloads_params() const { return options_.offload_params; }
+  // Whether master() is shard() itself (fp32 compute with parameter offload).
+  bool master_is_shard() const { return options_.offload_params && options_.param_dtype == at::kFloat; }
 
   // [padded_numel] param_dtype; its storage has 0 bytes while the unit is resharded (stage 3).
   at::Tensor& full() { return full_; }
-  // [shard_numel] param_dtype: the owned coordinates' compute values, the all-gather source.
+  // [shard_numel] param_dtype: the owned coordinates' compute values, the all-gather source
+  // (in host memory under parameter offload, then copied to full()'s device for each gather).
   at::Tensor& shard() { return shard_; }
   const at::Tensor& shard() const { return shard_; }
   // fp32 master values the optimizer updates (Note [master weights]): [padded_numel] with
@@ -98,6 +126,9 @@ class FlatParam {
   void publish_master(const comm::Collectives& comm);
   // Whether full() holds the current values of every coordinate.
   bool unsharded() const;
+  // Before master() is written: when it is the shard (Note [parameter offload]), frees the
+  // gathered copy (stale after the write) and waits for the host-to-device copies reading it.
+  void prepare_master_write();
 
   // Stage 3: re-allocates full()'s storage and all-gathers every rank's shard into it (or waits
   // for the gather unshard_async started); no-op when already unsharded or when parameters are
@@ -125,17 +156,25 @@ class FlatParam {
   // Resets every parameter's .grad to undefined.
   void drop_grads();
 
-  // Bytes of parameter storage this unit holds now: the full buffer's storage plus, in stage 3,
-  // the owned shard; the fp32 master only where it is the parameter storage itself.
+  // Bytes of parameter storage this unit holds now on the parameters' device: the full buffer's
+  // storage plus, in stage 3, the owned shard unless it is offloaded to the host; the fp32
+  // master only where it is the parameter storage itself.
   int64_t param_bytes() const;
-  // Bytes of a separate fp32 master (mixed precision or offload), else 0.
+  // Bytes of the owned shard in host memory under parameter offload (on an accelerator), else 0.
+  int64_t host_param_bytes() const;
+  // Bytes of a separate fp32 master (mixed precision or offload; not when it is the shard), else 0.
   int64_t master_bytes() const;
+  // The device the parameters are computed on (full()'s).
+  c10::Device device() const { return full_.device(); }
   // Bytes the full buffer occupies when allocated.
   int64_t full_bytes() const;
 
  private:
   // Waits for the gather unshard_async started, if any; returns whether there was one.
   bool wait_gather();
+  // The all-gather source on full()'s device: shard_ itself, or under parameter offload its copy
+  // (kept in staged_ until the gather is waited for; Note [parameter offload]).
+  at::Tensor& gather_source();
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
@@ -147,6 +186,12 @@ class FlatParam {
   at::Tensor master_;  // fp32, Note [master weights]: aliases full_/shard_ unless separate_master()
   // A gather unshard_async started and nobody waited for yet; full_ is not readable until then.
   c10::intrusive_ptr<c10d::Work> pending_;
+  // Note [parameter offload]: blocks until the last host-to-device copy of shard_ has run.
+  void wait_host_reads();
+  // Note [parameter offload]: the device copy of the host shard a gather reads, and the event
+  // after the last such copy (recorded on the device's current stream).
+  at::Tensor staged_;
+  std::optional<c10::Event> host_read_done_;
 };
 
 }  // namespace dpzero::zero

@@ -168,6 +168,7 @@ void ParamGroup::step(const comm::Collectives& comm, double grad_scale, const St
     }
   }
   if (grad_scale != 1.0) grad.mul_(grad_scale);  // §2 step 6: after the noise
+  flat_.prepare_master_write();  // Note [parameter offload]
   optimizer_->step(master, grad);
   flat_.publish_master(comm);
   zero_grad();
@@ -227,6 +228,7 @@ void ParamGroup::load_state(const std::vector<std::pair<std::string, at::Tensor>
   TORCH_CHECK(param.dim() == 1 && param.numel() == n, "unit '", name_,
               "': checkpoint parameter values must have shape [", n, "], got ", param.sizes());
   optimizer_->load_state(optimizer_state, steps, n);  // checks everything before any write
+  flat_.prepare_master_write();  // Note [parameter offload]
   flat_.master().copy_(param);
   flat_.publish_master(comm);
   zero_grad();

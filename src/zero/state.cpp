@@ -23,6 +23,9 @@ ZeroState::ZeroState(std::vector<UnitSpec> units, int64_t total_coordinates, Zer
   check_options(config_.optimizer);
   TORCH_CHECK(!units.empty(), "the model has no trainable parameters to shard");
   TORCH_CHECK(config_.alignment >= 1, "alignment must be >= 1, got ", config_.alignment);
+  TORCH_CHECK(!config_.offload_params || config_.stage == Stage::k3,
+              "offload_params keeps the owned parameter shards in host memory and needs ZeRO "
+              "stage 3 (sharded parameters), got stage ", static_cast<int64_t>(config_.stage));
   FlatParam::check_param_dtype(config_.param_dtype);
   TORCH_CHECK(config_.reduce_dtype == at::kFloat || config_.reduce_dtype == config_.param_dtype,
               "reduce_dtype must be float32 or the param_dtype (", config_.param_dtype, "), got ",
@@ -51,7 +54,8 @@ ZeroState::ZeroState(std::vector<UnitSpec> units, int64_t total_coordinates, Zer
   flat_options.shard_params = config_.stage == Stage::k3;
   flat_options.master_full = config_.stage == Stage::k0;
   flat_options.param_dtype = config_.param_dtype;
-  flat_options.offload_master = config_.offload_optimizer;
+  flat_options.offload_master = config_.offload_optimizer || config_.offload_params;
+  flat_options.offload_params = config_.offload_params;
   for (size_t u = 0; u < units.size(); ++u) {
     FlatParam flat(std::move(units[u].params), std::move(units[u].param_names), layouts[u], comm_,
                    config_.sync_module_states, flat_options);
@@ -132,6 +136,10 @@ void ZeroState::add_unit_grad(int64_t unit, const at::Tensor& full, bool release
   const int64_t started = g.reductions_started();
   g.add_grad(full, comm_, release_params, donated);
   note_reduction(unit, started);
+}
+
+void ZeroState::release_params(int64_t unit) {
+  group(unit).flat().reshard();  // no-op unless parameters are sharded (stage 3)
 }
 
 void ZeroState::note_reduction(int64_t unit, int64_t started_before) {
@@ -219,8 +227,8 @@ MemoryStats ZeroState::memory() const {
     stats.master_bytes += g.master_bytes();
     stats.peak_grad_bytes += g.peak_grad_bytes();  // all units' buffers coexist before a step
     stats.peak_comm_bytes = std::max(stats.peak_comm_bytes, g.peak_comm_bytes());
-    if (g.flat().master().is_cpu() && !g.flat().shard().is_cpu()) {
-      stats.host_bytes += g.master_bytes() + g.optimizer_bytes();
+    if (g.flat().master().is_cpu() && !g.flat().device().is_cpu()) {
+      stats.host_bytes += g.master_bytes() + g.optimizer_bytes() + g.flat().host_param_bytes();
     }
   }
   stats.peak_param_bytes = std::max(peak_param_bytes_, stats.param_bytes);

@@ -74,6 +74,9 @@ struct ZeroConfig {
   at::ScalarType reduce_dtype = at::kFloat;
   // Keep the fp32 master and the optimizer state on the host (Note [master weights]).
   bool offload_optimizer = false;
+  // Stage 3: keep the owned parameter shards on the host too (Note [parameter offload] in
+  // flat_param.h); implies offload_optimizer.
+  bool offload_params = false;
 };
 
 // Bytes this rank holds now (storage actually allocated), and two peaks.
@@ -87,8 +90,9 @@ struct MemoryStats {
   int64_t optimizer_bytes = 0;   // optimizer state
   int64_t peak_param_bytes = 0;  // most parameter bytes held at once since construction
   int64_t peak_comm_bytes = 0;   // largest short-lived collective/cast buffer set of one unit
-  int64_t host_bytes = 0;        // of master and optimizer state, bytes in host memory while the
-                                 // parameters are on an accelerator (optimizer offload)
+  int64_t host_bytes = 0;        // of master, optimizer state and (parameter offload) owned
+                                 // shards, bytes in host memory while the parameters are
+                                 // computed on an accelerator
 };
 
 class ZeroState {
@@ -112,6 +116,11 @@ class ZeroState {
   // asynchronous reduction may use it without a copy.
   void add_unit_grad(int64_t unit, const at::Tensor& full, bool release_params = true,
                      bool donated = false);
+  // Stage 3: frees unit `unit`'s gathered parameters now — the caller knows no autograd node of
+  // this backward still reads them (the private path: every DP layer call using them has run its
+  // backward, Note [early release] in python/dpzero/private/book.py). A later gather hook may
+  // gather it again. No-op in stages 0–2.
+  void release_params(int64_t unit);
 
   void step();
   // The private step's engine part (DESIGN.md §2 steps 5–7 minus the ledger, which the caller

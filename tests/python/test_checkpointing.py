@@ -271,3 +271,16 @@ def test_optimizer_offload_changes_nothing_of_the_private_step(stage, clipping):
     want = plain.privacy_engine.parameters()
     assert_same(want, offloaded.privacy_engine.parameters())
     assert_same(want, both.privacy_engine.parameters())
+
+
+@pytest.mark.parametrize("clipping", ["flat", "layer"])
+def test_parameter_offload_changes_nothing_of_the_private_step(clipping):
+    """Stage 3 with offload_params (Note [parameter offload]): the owned shards are the fp32
+    master in host memory; the private step is the same, with and without checkpointing."""
+    plain, _ = run(None, 3, clipping)
+    offloaded, _ = run(None, 3, clipping, offload_params=True)
+    both, _ = run(True, 3, clipping, offload_params=True)
+    assert offloaded.privacy_engine.sharded._state.offload_params
+    want = plain.privacy_engine.parameters()
+    assert_same(want, offloaded.privacy_engine.parameters())
+    assert_same(want, both.privacy_engine.parameters())

@@ -33,16 +33,17 @@ def synthetic(psi=1000, units=4):
                    between={"none": 0, "all": 0}, workspace=500,
                    transient={"none": 3000, "all": 1000}, backward_end={"none": 0, "all": 0},
                    compute_s={"none": 1.0, "all": 1.5},
-                   optimizer_s=0.2, bandwidth={2: (1e6, 1e-3)})
+                   optimizer_s=0.2, bandwidth={2: (1e6, 1e-3)}, gathered=700)
 
 
-@pytest.mark.parametrize("stage, params, grads, optimizer", [
-    (0, 4000, 4000, 8000), (1, 4000, 4000, 4000), (2, 4000, 0, 4000), (3, 2000, 0, 4000)])
-def test_model_state_terms_are_zeros_formulas(stage, params, grads, optimizer):
+@pytest.mark.parametrize("stage, params, grads, optimizer, gathered", [
+    (0, 4000, 4000, 8000, 0), (1, 4000, 4000, 4000, 0), (2, 4000, 0, 4000, 0),
+    (3, 2000, 0, 4000, 700)])
+def test_model_state_terms_are_zeros_formulas(stage, params, grads, optimizer, gathered):
     r = predict(synthetic(), Policy(stage), world=2)
     assert r.memory == dict(parameters=params, gradients=grads, optimizer=optimizer,
-                            workspace=500, transient=3000)
-    assert r.peak_bytes == params + grads + optimizer + 500 + 3000
+                            workspace=500, transient=3000, gathered=gathered)
+    assert r.peak_bytes == params + grads + optimizer + 500 + 3000 + gathered
 
 
 def test_checkpointing_interpolates_by_freed_activation_bytes():

@@ -407,6 +407,37 @@ def test_sharding_invariance_across_world_sizes_and_stages(tmp_path, world_size)
                                        f"W={world_size} {name}: {m}")
 
 
+@pytest.mark.parametrize("clipping", ["flat", "layer"])
+def test_stage3_frees_each_unit_after_its_layers_backward(clipping):
+    """Note [early release] in private/book.py: with flat clipping the clipped sums wait for the
+    end of the backward, but the gathered parameters must not — at most the root unit and two
+    blocks (the running one and the prefetched one) are gathered at once, as with layer-wise
+    clipping; before, every unit stayed gathered to the end (the whole model)."""
+    torch.manual_seed(0)
+    width, blocks = 48, 6
+    model = nn.Sequential(nn.Embedding(V, width),
+                          *[nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                            for _ in range(blocks)],
+                          nn.Linear(width, K))
+    units = [str(i) for i in range(1, blocks + 1)]
+    data = torch.utils.data.TensorDataset(torch.randint(0, V, (16, T)),
+                                          torch.randint(0, K, (16,)))
+    p = dpzero.make_private(model, dataset=data, sample_rate=0.5, noise_multiplier=1.0,
+                            max_grad_norm=1.0, clipping=clipping, zero_stage=3, units=units,
+                            seed=0)
+    for x, y in [data[:8], data[8:]]:
+        p.optimizer.zero_grad()
+        F.cross_entropy(p.model(x).mean(1), y).backward()
+        p.optimizer.step()
+    memory = p.privacy_engine.sharded.memory()
+    block_bytes = (width * width + width) * 4
+    root_bytes = (V * width + width * K + K) * 4
+    gathered = memory["peak_params"] - memory["params"]  # above the held shards
+    assert gathered >= root_bytes + block_bytes  # the measure sees gathers at all
+    assert gathered <= root_bytes + 2 * block_bytes + 64  # alignment padding
+    # the model's parameters all gathered at once would be root + 6 blocks
+
+
 def test_a_second_backward_through_one_forward_is_refused():
     p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
                             max_grad_norm=1.0, clipping="layer")

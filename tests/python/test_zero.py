@@ -534,6 +534,57 @@ def test_optimizer_offload_gives_the_same_training(tmp_path):
         assert_matches_reference(results[(stage, "fp32", True)], "adamw", dict(tied=True))
 
 
+def test_parameter_offload_gives_the_same_training(tmp_path):
+    # Note [parameter offload]: stage 3 keeps the owned shards in host memory and gathers from a
+    # device copy; on CPU parameters the copy is the shard itself, and what is new is the fp32
+    # master being the shard (fp32 compute) or rounded into it (bf16). Bit for bit either way.
+    cases = {}
+    for precision, extra in (("fp32", {}), ("bf16", dict(param_dtype=torch.bfloat16))):
+        cases[(precision, False)] = (3, "adamw", dict(tied=True), None, dict(extra))
+        cases[(precision, True)] = (3, "adamw", dict(tied=True), None,
+                                    dict(extra, offload_params=True))
+    results = run_ranks(2, cases, tmp_path)
+    for precision in ("fp32", "bf16"):
+        on, off = results[(precision, True)], results[(precision, False)]
+        assert on["losses"] == off["losses"]
+        for name, value in off["params"].items():
+            assert torch.equal(on["params"][name], value), (precision, name)
+        shard = sum(s for _, s in on["layouts"])
+        # fp32: the master is the shard (no second copy); bf16: a separate fp32 master
+        assert on["memory"]["master_params"] == (0 if precision == "fp32" else 4 * shard)
+    assert_matches_reference(results[("fp32", True)], "adamw", dict(tied=True))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_parameter_offload_needs_stage_3(stage):
+    with pytest.raises(RuntimeError, match=rf"offload_params .* needs ZeRO stage 3 \(sharded "
+                                           rf"parameters\), got stage {stage}"):
+        dpzero.shard(make_model(), stage=stage, optimizer="adamw", offload_params=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="parameter offload to the host needs a GPU")
+def test_parameter_offload_from_cuda_matches_on_device_training():
+    torch.manual_seed(0)
+    device_model = make_model(tied=True).cuda()
+    offload_model = make_model(tied=True).cuda()
+    on_device = dpzero.shard(device_model, stage=3, optimizer="adamw", **OPTIMIZERS["adamw"])
+    offloaded = dpzero.shard(offload_model, stage=3, optimizer="adamw", offload_params=True,
+                             **OPTIMIZERS["adamw"])
+    between = torch.cuda.memory_allocated()
+    for step in range(5):
+        idx, targets = (t.cuda() for t in batch(step))
+        for wrapped in (on_device, offloaded):
+            wrapped(idx, targets).backward()
+            wrapped.step()
+    memory = offloaded.memory()
+    assert memory["params"] == 0 and memory["host"] > 0  # no parameter bytes on the device
+    assert on_device.memory()["params"] > 0 and between > 0
+    ref = on_device.full_parameters()
+    for name, value in offloaded.full_parameters().items():
+        # CPU and CUDA round sqrt/division differently: float32 tolerance, not bits.
+        torch.testing.assert_close(value.cuda(), ref[name], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="optimizer offload to the host needs a GPU")
 def test_optimizer_offload_from_cuda_matches_on_device_training():
     torch.manual_seed(0)

@@ -14,15 +14,20 @@ Peak live bytes on one rank = between + workspace + transient, where
                            in the transient
                optimizer   K Ψ (stage 0), K Ψ / W (stages 1-3); 0 on the device under offload
   workspace  what else stays allocated between steps, as profiled (Note [planner profile]);
-  transient  the step's peak above that, as profiled with no / every unit checkpointed; for the
+  transient  the step's peak above that, as profiled at the policy's stage (stages 1-3 on the
+             planned ranks; stage 0 takes stage 1's) with no / every unit checkpointed; for the
              first k units checkpointed, interpolated by the activation bytes checkpointing
-             frees, sum_{u < k} (saved_u - input_u) over the same sum for all units.
+             frees, sum_{u < k} (saved_u - input_u) over the same sum for all units;
+  gathered   a shape profile's stage-3 estimate of the units gathered at the peak,
+             p (Ψ_root + 2 max_u Ψ_u) (a measured profile has them in stage 3's transient).
 
-The transient is measured at one stage (2 on the planned ranks, 0 on one rank) and used for
-every stage: the step's peak holds the activations, the loss's temporaries, the DP book's A and
-G and the buffers waiting for their reductions, which the stage does not change; what stage 3
-adds (a gathered unit) is small next to them. The CPU grid (experiments/plan_check.py) measures
-how far that holds.
+Why per stage: the peak holds the activations, the loss's temporaries and the DP book's A and G
+at every stage, but what else is live then differs — stage 2 holds the reduced gradient shards
+and the packed unit gradients in flight, stage 1 neither (its 4Ψ buffer is model state), stage 3
+the gathered units, which are not small: the root unit (embeddings and head, gathered through
+the whole forward) alone holds 18-40% of the CPU grid's GPT shapes. Carried over from the
+stage-2 profile, stage 3 was under-predicted by up to 19% and stage 1 with checkpointing
+over-predicted by 17% (experiments/results/plan-cpu.md, before per-stage probes).
 
 Note [planner time model]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -126,9 +131,14 @@ def predict(profile: Profile, policy: Policy, world: int,
     memory = state_between(psi, p, k_opt, s, w, policy.offload_optimizer)
     host = state_between(psi, p, k_opt, s, w)["optimizer"] if policy.offload_optimizer else 0
     share = _freed_share(profile, policy.checkpointed)
-    t0, t_all = profile.transient["none"], profile.transient["all"]
+    # the transient profiled at this stage (stage 0 on several ranks: stage 1's, which also
+    # reduces a persistent gradient buffer at the step), else at the probes' own stage
+    measured = profile.transient_at.get(1 if s == 0 else s) if s != profile.stage else None
+    t = measured or profile.transient
+    t0, t_all = t["none"], t["all"]
     memory.update(workspace=profile.workspace,
-                  transient=int(round(t0 - (t0 - t_all) * share)))
+                  transient=int(round(t0 - (t0 - t_all) * share)),
+                  gathered=profile.gathered if s == 3 and measured is None else 0)
     peak = sum(memory.values())
 
     # The probes' own step already holds their collectives and their optimizer share: take the

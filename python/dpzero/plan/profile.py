@@ -6,7 +6,12 @@ The profile runs the user's model on one micro-batch of the planned size, under 
 clipping mode, precision and optimizer — with no activation checkpointing and with every unit
 checkpointed — on the planned run's ranks at ZeRO stage 2 (on one rank: stage 0), so that what
 depends on the ranks (communication buffers, the gradient shard, the reductions' waiting
-buffers) is in what it measures (``measure.tracked``; the largest over the ranks):
+buffers) is in what it measures (``measure.tracked``; the largest over the ranks). On several
+ranks, probes at stages 1 and 3 (again with and without checkpointing) measure their transients
+too, for memory only: each stage's step peaks at its own moment with its own buffers (stage 1
+holds no gradient shards during the backward — its gradients are in the persistent buffer —
+stage 3 holds gathered units), and predicting one stage's transient from another's was off by up
+to 19% on the CPU grid:
 
   between    live tensor bytes between two steps (model state + what stays allocated);
   workspace  between minus the model state by ZeRO's formulas at the probes' stage: what stays
@@ -18,6 +23,9 @@ buffers) is in what it measures (``measure.tracked``; the largest over the ranks
              A and G, per-sample norms, the loss's temporaries, gathered parameters;
   backward_end  live bytes above ``between`` when the backward has returned (before the
              optimizer step): what is left of the step then;
+  transient_at  the same at stages 1 and 3; stage 3's includes the units gathered at the peak
+             (the root unit, which encloses the forward, the running unit and the prefetched
+             one; Note [early release] in private/book.py) and their gathers' buffers;
   times      forward + backward and optimizer step, median over a few steps.
 
 Per unit (a ZeRO unit, in forward order) it also counts the bytes autograd saves inside the unit
@@ -73,6 +81,9 @@ class Profile:
     terms: Dict[str, int] = field(default_factory=dict)  # a shape profile's estimate parts
     world: int = 1                 # ranks the probes ran on
     stage: int = 0                 # the probes' ZeRO stage (0 on one rank, 2 on several)
+    # stage -> "none" / "all": the transient profiled at other stages (on several ranks: 1 and 3)
+    transient_at: Dict[int, Dict[str, int]] = field(default_factory=dict)
+    gathered: int = 0              # a shape profile's stage-3 gathered units (Note [shape profile])
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,6 +93,7 @@ class Profile:
         d = dict(d)
         d["units"] = [UnitProfile(**u) for u in d["units"]]
         d["bandwidth"] = {int(k): tuple(v) for k, v in d.get("bandwidth", {}).items()}
+        d["transient_at"] = {int(k): dict(v) for k, v in d.get("transient_at", {}).items()}
         return cls(**d)
 
 
@@ -201,12 +213,19 @@ def profile(make_model: Callable[[], nn.Module], forward_loss: Callable[[nn.Modu
         dataset = torch.utils.data.TensorDataset(torch.zeros(b * world, 1))
         values = {}  # name -> float, reduced (max) over ranks at the end
         opt_times = []
-        for label, ckpt in (("none", None), ("all", [u for u in unit_names])):
+        # (label, checkpointed units, stage): the timed probes at the profile's stage first, then
+        # on several ranks the memory-only probes of stages 1 and 3
+        probes = [("none", None, stage), ("all", list(unit_names), stage)]
+        if world > 1:
+            probes += [(f"{c}@{s}", u, s) for s in (1, 3)
+                       for c, u in (("none", None), ("all", list(unit_names)))]
+        for label, ckpt, probe_stage in probes:
             with tracked(device) as t:
                 model = make_model()
                 p = dpzero.make_private(
                     model, dataset=dataset, sample_rate=1.0, noise_multiplier=1.0,
-                    max_grad_norm=1.0, clipping=clipping, zero_stage=stage, units=unit_names,
+                    max_grad_norm=1.0, clipping=clipping, zero_stage=probe_stage,
+                    units=unit_names,
                     mixed_precision=mixed_precision, optimizer=optimizer, seed=0,
                     activation_checkpointing=ckpt, process_group=group,
                     **(optimizer_kwargs or {}), **(private_kwargs or {}))
@@ -245,11 +264,12 @@ def profile(make_model: Callable[[], nn.Module], forward_loss: Callable[[nn.Modu
                 values[f"transient.{label}"] = peak
                 values[f"backward_end.{label}"] = ends[0] - start
             values[f"between.{label}"] = between
-            timings = [step() for _ in range(steps)]
-            values[f"compute.{label}"] = statistics.median(f for f, _ in timings)
-            opt_times += [o for _, o in timings]
-            elt = torch.empty((), dtype=sharded.param_dtype).element_size()
-            opt_bytes = sharded._optimizer_bytes
+            if probe_stage == stage:  # the stage-3 probe is for its memory only
+                timings = [step() for _ in range(steps)]
+                values[f"compute.{label}"] = statistics.median(f for f, _ in timings)
+                opt_times += [o for _, o in timings]
+                elt = torch.empty((), dtype=sharded.param_dtype).element_size()
+                opt_bytes = sharded._optimizer_bytes
             del p, model
         values["optimizer"] = statistics.median(opt_times)
         if world > 1:  # the slowest rank, the largest memory
@@ -275,7 +295,10 @@ def profile(make_model: Callable[[], nn.Module], forward_loss: Callable[[nn.Modu
                        transient={k: int(v) for k, v in pick("transient").items()},
                        backward_end={k: int(v) for k, v in pick("backward_end").items()},
                        compute_s=pick("compute"), optimizer_s=values["optimizer"],
-                       world=world, stage=stage, bandwidth=bandwidth)
+                       world=world, stage=stage, bandwidth=bandwidth,
+                       transient_at={s: {k: int(values[f"transient.{k}@{s}"])
+                                         for k in ("none", "all")}
+                                     for s in (1, 3) if f"transient.none@{s}" in values})
     finally:
         torch.set_num_threads(old_threads)
 

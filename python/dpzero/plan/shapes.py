@@ -15,6 +15,9 @@ terms from what the graph would hold:
                (float64, [B, numel]); layer clipping: one layer's A and G at a time;
   loss         the model output's gradient at the start of the backward (its size again).
 
+Stage 3's gathered units: p (Ψ_root + 2 max_u Ψ_u), the root unit (what no unit holds: it
+encloses the forward) and two units (the running one and the prefetched one).
+
 transient(none) = max(activations + loss, book) and transient(all units checkpointed) =
 max(inputs of the units + activations outside them + the largest unit's activations + loss,
 book): the book-keeping terms do not shrink with checkpointing. No workspace (the CUDA kernels'
@@ -88,6 +91,10 @@ def shape_profile(make_model: Callable[[], nn.Module], forward_loss: Callable[[n
                     + max((u.saved_bytes for u in per_unit), default=0) + loss_bytes)
     every = max(checkpointed, book_term)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # Stage 3 (Note [planner memory model]): the root unit, the running and the prefetched unit.
+    in_units = sum(u.params for u in per_unit)
+    gathered = param_bytes * (max(n_params - in_units, 0)
+                              + 2 * max((u.params for u in per_unit), default=0))
     return Profile(micro_batch=batch_size, device="meta", threads=0, clipping=clipping,
                    param_bytes=param_bytes, optimizer_bytes=optimizer_bytes, params=n_params,
                    units=per_unit, between={"none": 0, "all": 0}, workspace=0,
@@ -95,7 +102,9 @@ def shape_profile(make_model: Callable[[], nn.Module], forward_loss: Callable[[n
                    backward_end={"none": 0, "all": 0},
                    compute_s={"none": 0.0, "all": 0.0}, optimizer_s=0.0,
                    terms={"activations": saved[0], "book": book_term, "loss": loss_bytes,
-                          "checkpointed_activations": checkpointed - loss_bytes})
+                          "checkpointed_activations": checkpointed - loss_bytes,
+                          "gathered": gathered},
+                   gathered=gathered)
 
 
 def _output_bytes(model: nn.Module, forward_loss) -> int:

@@ -129,6 +129,20 @@ class Book:
         self.components: Dict[int, List[Layer]] = {}
         for layer in layers:
             self.components.setdefault(layer.component, []).append(layer)
+        # Note [early release]
+        # ~~~~~~~~~~~~~~~~~~~~
+        # At stage 3 a unit is gathered for its backward and must be freed once no autograd node
+        # still reads its parameters. The engine frees it when its gradient is handed over, but
+        # with flat (or group) clipping that is the end of the backward, when the clipping
+        # factors of the whole group are known: every unit would stay gathered through the
+        # backward, the whole model at once, which stage 3 exists to avoid (measured: gathered
+        # parameters peaked at 100% of the model's bytes, gpt-4x256 flat, two ranks). What the
+        # clipped sums need later is the stored A and G, never the parameters (their shapes stay
+        # readable on a freed unit, Note [flat views]). So the book counts, per unit, the DP
+        # layer calls of this micro-batch that use its parameters and have not run their backward;
+        # a call's backward has computed its input gradient when it reports (layers.py), and when
+        # the count reaches zero the unit is freed (ZeroState::release_params). Units of generic
+        # (fallback) modules, whose own backward nodes run after the report, are excluded below.
         # Note [fallback units]: a generic-path module hands over its gradient from a tap on its
         # OUTPUT, before its own backward nodes (which may read its parameters, e.g. the x in
         # x * scale) have run; a stage-3 unit holding such parameters stays gathered until the
@@ -156,6 +170,9 @@ class Book:
         self.parts: List[Part] = []
         self.group_state: Dict[int, GroupState] = {}
         self.unit_expected: Dict[int, int] = {}
+        # Note [early release]: per unit, DP layer calls (x their slots in the unit) of this
+        # micro-batch's forward whose backward has not run yet.
+        self.unit_uses: Dict[int, int] = {}
         self.unit_buf: Dict[int, torch.Tensor] = {}
         self.handed: set = set()  # units handed to the engine in this micro-batch
         self.batch: Optional[int] = None
@@ -187,7 +204,19 @@ class Book:
         for slot in layer.slots:
             if slot is not None:
                 self.unit_expected[slot.unit] = self.unit_expected.get(slot.unit, 0) + 1
+                self.unit_uses[slot.unit] = self.unit_uses.get(slot.unit, 0) + 1
         return pid
+
+    def _release_if_done(self, layer: Layer) -> None:
+        """Note [early release]: after one call of ``layer`` ran its backward, frees every
+        stage-3 unit none of whose parameters a DP layer call of this micro-batch still has to
+        back-propagate through."""
+        for slot in layer.slots:
+            if slot is None:
+                continue
+            left = self.unit_uses[slot.unit] = self.unit_uses[slot.unit] - 1
+            if left == 0 and slot.unit not in self.keep_gathered:
+                self.state.release_params(slot.unit)
 
     def on_recompute(self, layer: Layer) -> None:
         """Note [recomputed forwards]: a forward of ``layer`` inside a backward pass. It must be
@@ -226,6 +255,7 @@ class Book:
     def on_backward(self, pid: Tuple[int, int], a, g: torch.Tensor) -> None:
         try:
             self._on_backward(pid, a, g)
+            self._release_if_done(self.parts[pid[1]].layer)
         except BaseException as e:
             # Whatever failed, part of this micro-batch may already be in the engine: the step
             # must not run on it (a retried micro-batch would count its examples twice).

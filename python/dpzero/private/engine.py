@@ -48,7 +48,8 @@ CLIPPING = ("flat", "layer", "group", "automatic")
 # others (reduce_dtype, grad_scale, param_dtype, grad_hooks) are fixed by the private path.
 _PASS_THROUGH = frozenset({"momentum", "dampening", "nesterov", "betas", "eps", "amsgrad",
                            "maximize", "weight_decay", "alignment", "shard_boundaries",
-                           "offload_optimizer", "prefetch", "sync_module_states"})
+                           "offload_optimizer", "offload_params", "prefetch",
+                           "sync_module_states"})
 
 
 class BudgetExhausted(RuntimeError):
@@ -427,9 +428,11 @@ class PrivacyEngine:
             if plan_step is None:
                 raise ValueError("policy='auto' profiles the model and needs plan_step: a "
                                  "function (model, batch) -> loss for one micro-batch")
-            if activation_checkpointing is not None or "offload_optimizer" in optimizer_kwargs:
+            if activation_checkpointing is not None or "offload_optimizer" in optimizer_kwargs \
+                    or "offload_params" in optimizer_kwargs:
                 raise ValueError("policy='auto' chooses zero_stage, activation_checkpointing "
-                                 "and offload_optimizer itself; do not pass the last two")
+                                 "and offload_optimizer itself; do not pass those, nor "
+                                 "offload_params")
             from ..plan.auto import choose, first_batch
 
             unit_names = list(units) if units is not None else default_units(model)

@@ -83,11 +83,12 @@ def format_plan(prof: Profile, ranked: List[Prediction], budget: float, world: i
              f"{prof.clipping} clipping, budget {budget / mib:,.0f} MiB per rank "
              f"(profiled on {prof.device}, {prof.threads} thread(s)):", "",
              f"{'policy':<22}{'peak MiB':>10}{'fits':>6}{'step ms':>10}{'samples/s':>11}   "
-             "peak = parameters + gradients + optimizer + workspace + transient (MiB)"]
+             "peak = parameters + gradients + optimizer + workspace + transient + gathered (MiB)"]
     for i, r in enumerate(ranked):
         fits = r.peak_bytes <= budget
         parts = " + ".join(f"{r.memory[k] / mib:.1f}" for k in
-                           ("parameters", "gradients", "optimizer", "workspace", "transient"))
+                           ("parameters", "gradients", "optimizer", "workspace", "transient",
+                            "gathered"))
         mark = "  <- best" if i == 0 and fits else ""
         lines.append(f"{r.policy.label(units):<22}{r.peak_bytes / mib:>10.1f}"
                      f"{'yes' if fits else 'no':>6}{1e3 * r.step_s:>10.1f}"
