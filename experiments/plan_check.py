@@ -1,18 +1,19 @@
 """Does the planner's model (python/dpzero/plan/, Notes [planner profile], [planner memory
 model], [planner time model]) predict what the runs measure? The CPU grid's GPT-2-style shapes
 (experiments/run.py) on two Gloo ranks, private (σ 1, C 1, AdamW), in each memory policy the
-planner considers for them: ZeRO stages 1-3, no / every block checkpointed; flat and layer-wise
-clipping.
+planner considers for them: ZeRO stages 1-3, no / the first half / every block checkpointed;
+flat and layer-wise clipping.
 
 For each shape and clipping mode:
-  profile   ``dpzero.plan.profile`` on two fresh Gloo ranks of one thread each (the probes run
-            at stage 2, with and without checkpointing), and the all-gather bandwidth;
+  profile   ``dpzero.plan.profile`` on two fresh Gloo ranks of one thread each (timed probes at
+            stage 2, memory probes at stages 1 and 3, each with and without checkpointing), and
+            the all-gather bandwidth;
   predict   peak live bytes per rank and step time for every policy;
-  measure   each policy alone in fresh processes: peak live tensor bytes per rank, tracked through
-            torch's profiler from before the model is built (``dpzero.plan.measure.tracked``: a
-            tracked-allocation measure, not RSS; max over ranks, over two steps after two warm-up
-            steps), and step times interleaved round by round as in run.py (median and IQR of
-            the max over ranks).
+  measure   each policy alone in fresh processes: peak live tensor bytes per rank, counted by
+            dpzero's tracking CPU allocator from before the model is built
+            (``dpzero.plan.measure.tracked``: storage bytes on every thread, not RSS; max over
+            ranks, over two steps after two warm-up steps), and step times interleaved round by
+            round as in run.py (median and IQR of the max over ranks).
 Then: the error of each peak prediction, and whether the predicted order of the policies' step
 times agrees with the measured order for every pair whose measured IQRs do not overlap.
 
@@ -44,9 +45,11 @@ from bench_common import dpzero_version  # noqa: E402
 
 MIB = 2.0**20
 CFG = dict(device="cpu", threads=1, warmup=2, repeats=6)
-SYSTEMS = {  # harness name -> policy (every block checkpointed = all of the profile's units)
-    "dp1-{c}": (1, False), "dp2-{c}": (2, False), "dp3-{c}": (3, False),
-    "dp1-{c}-ckpt": (1, True), "dp2-{c}-ckpt": (2, True), "dp3-{c}-ckpt": (3, True),
+SYSTEMS = {  # harness name -> (stage, checkpointed blocks: 0, "half" or "all")
+    "dp1-{c}": (1, 0), "dp2-{c}": (2, 0), "dp3-{c}": (3, 0),
+    "dp1-{c}-ckpthalf": (1, "half"), "dp2-{c}-ckpthalf": (2, "half"),
+    "dp3-{c}-ckpthalf": (3, "half"),
+    "dp1-{c}-ckpt": (1, "all"), "dp2-{c}-ckpt": (2, "all"), "dp3-{c}-ckpt": (3, "all"),
 }
 
 
@@ -107,7 +110,8 @@ def check_shape(shape_name, tmp):
         timing = R.spawn(R.timing_rank, 2, tmp, f"t_{shape_name}_{clipping}",
                          R.SHAPES[shape_name], names, CFG)
         for name, (stage, ckpt) in zip(names, SYSTEMS.values()):
-            policy = Policy(stage, len(prof.units) if ckpt else 0)
+            n = len(prof.units)
+            policy = Policy(stage, {0: 0, "half": n // 2, "all": n}[ckpt])
             pred = predict(prof, policy, 2, bw)
             measured = R.spawn(memory_rank, 2, tmp, f"m_{shape_name}_{name}", shape_name, name)
             times = timing["times"].get(name)
@@ -155,11 +159,13 @@ def write(rows, notes, args, elapsed):
         f"{torch.__version__}; dpzero {dpzero_version()}; {elapsed:.0f} s. Written by "
         "`.venv/bin/python experiments/plan_check.py` (its docstring says how each figure is "
         "measured).", "",
-        "Peak: live tensor bytes per rank (tracked allocations, not RSS), predicted from a "
-        "two-rank stage-2 profile of the same model (Note [planner memory model] in "
-        "python/dpzero/plan/model.py); the stage-2 rows are therefore close to the profile by "
-        "construction, the stage-1 and stage-3 rows are predictions. Step: one micro-batch of "
-        "4 per rank; predicted by Note [planner time model].", "",
+        "Peak: live tensor bytes per rank (dpzero's tracking CPU allocator, not RSS), "
+        "predicted from a two-rank profile of the same model (Note [planner memory model] in "
+        "python/dpzero/plan/model.py). The profile probes each stage with no and with every "
+        "block checkpointed, so those rows compare a probe with a run of the same policy "
+        "(they test the probe and the model-state formulas); the -ckpthalf rows are "
+        "interpolated by the model. Step: one micro-batch of 4 per rank; predicted by Note "
+        "[planner time model] from the stage-2 probes' times.", "",
         "| shape | system | policy | predicted peak MiB | measured peak MiB | error | "
         "predicted step ms | measured step ms (IQR) |",
         "|---|---|---|---|---|---|---|---|"]
@@ -173,12 +179,13 @@ def write(rows, notes, args, elapsed):
               f"Ranking by step time: {agree} of {total} pairs whose measured IQRs do not "
               f"overlap are ordered as predicted" + (f"; wrong: {', '.join(wrong)}" if wrong
                                                      else "") + ".", "",
-              "Profiles (two ranks, stage 2, one thread each; MiB and ms):", ""]
+              "Profiles (two ranks, one thread each; MiB and ms):", ""]
     for shape, clipping, prof, bw in notes:
         lines.append(f"- {shape} {clipping}: between {prof.between['none'] / MIB:.1f}, "
-                     f"workspace {prof.workspace / MIB:.1f}, transient none / all "
-                     f"{prof.transient['none'] / MIB:.1f} / {prof.transient['all'] / MIB:.1f}, "
-                     f"stage-3 gathered {prof.gathered / MIB:.1f}; "
+                     f"workspace {prof.workspace / MIB:.1f}, transient none / all at stage "
+                     f"2 {prof.transient['none'] / MIB:.1f} / {prof.transient['all'] / MIB:.1f}"
+                     + "".join(f", {s} {t['none'] / MIB:.1f} / {t['all'] / MIB:.1f}"
+                               for s, t in sorted(prof.transient_at.items())) + "; "
                      f"compute none / all {1e3 * prof.compute_s['none']:.0f} / "
                      f"{1e3 * prof.compute_s['all']:.0f}, optimizer "
                      f"{1e3 * prof.optimizer_s:.0f}; all-gather {bw[0] / 1e9:.2f} GB/s, "

@@ -8,7 +8,8 @@ Rows. A row is one system on one model shape and world size:
   opacus-hooks / opacus-ghost   Opacus 1.6 DP-SGD on one process (W = 1)
   opacus-ghost_fsdp       Opacus 1.6 fast gradient clipping on FSDP2 (W = 2)
 "-bf16" rows compute in bfloat16 with fp32 master weights (dpzero's mixed_precision); "-ckpt"
-rows (DP only) checkpoint every block (make_private's activation_checkpointing).
+rows (DP only) checkpoint every block (make_private's activation_checkpointing), "-ckpthalf"
+rows the first half of them.
 
 Model. GPT-2-style decoder (experiments/zero_bench.py's blocks: pre-LayerNorm, fused qkv Linear,
 causal SDPA, GELU MLP 4d, tied LM head), with batched position ids so that every DP system sees
@@ -177,7 +178,9 @@ def local(batch, rank: int, micro: int, device: str):
 def parse(name: str) -> dict:
     """'dp3-flat-bf16' -> {impl: dpzero, dp: True, stage: 3, clipping: flat, bf16: True}."""
     parts = name.split("-")
-    spec = dict(name=name, bf16="bf16" in parts[1:], ckpt="ckpt" in parts[1:], stage=None,
+    # "ckpt": every block checkpointed; "ckpthalf": the first half of the blocks
+    ckpt = "half" if "ckpthalf" in parts[1:] else "ckpt" in parts[1:]
+    spec = dict(name=name, bf16="bf16" in parts[1:], ckpt=ckpt, stage=None,
                 clipping=None, mode=None)
     if parts[0].startswith("zero"):
         spec.update(impl="dpzero", dp=False, stage=int(parts[0][4:]))
@@ -214,7 +217,9 @@ class System:
                 model, dataset=dataset, batch_size=global_batch, noise_multiplier=SIGMA,
                 max_grad_norm=CLIP, clipping=spec["clipping"], zero_stage=spec["stage"],
                 units=units, mixed_precision=precision, optimizer="adamw", seed=0,
-                loss_reduction="mean", activation_checkpointing=units if spec["ckpt"] else None,
+                loss_reduction="mean",
+                activation_checkpointing=(units[:len(units) // 2] if spec["ckpt"] == "half"
+                                          else units if spec["ckpt"] else None),
                 **ADAMW)
             self.sharded = self.private.privacy_engine.sharded
         elif spec["impl"] == "fsdp2":

@@ -38,6 +38,7 @@ planned size; ``profile`` measures it on the ranks it runs on).
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -220,6 +221,10 @@ def profile(make_model: Callable[[], nn.Module], forward_loss: Callable[[nn.Modu
             probes += [(f"{c}@{s}", u, s) for s in (1, 3)
                        for c, u in (("none", None), ("all", list(unit_names)))]
         for label, ckpt, probe_stage in probes:
+            # The previous probe's engine sits in reference cycles (hooks): collected now, not
+            # at some moment inside this probe's measured step, where its frees would make the
+            # live bytes before the step (``between``) too high and the transient too low.
+            gc.collect()
             with tracked(device) as t:
                 model = make_model()
                 p = dpzero.make_private(
