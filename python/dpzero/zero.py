@@ -213,7 +213,9 @@ class ShardedModule:
     def predicted_memory(self) -> dict:
         """ZeRO's model-state bytes per rank for this model, stage, world size and precision
         (src/zero/memory.h): ``params``, ``grads``, ``optimizer`` (fp32 master included), and
-        ``total``. ``memory()`` measures the same terms; they differ only by padding."""
+        ``total``. ``memory()`` measures the same terms; they differ only by padding — without
+        offload: under ``offload_params`` / ``offload_optimizer`` on a GPU, ``memory()`` counts
+        the offloaded terms under ``host``, not on the device."""
         elt = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
         return _zero.predict_model_state_bytes(
             self.stage, self.plan.total_coordinates, self.world_size, elt(self.param_dtype),

@@ -191,7 +191,7 @@ std::vector<Record> agree(const comm::Collectives& comm, const at::Device& devic
 }
 
 at::Device engine_device(zero::ZeroState& state) {
-  return state.num_units() > 0 ? state.group(0).flat().shard().device() : at::Device(at::kCPU);
+  return state.num_units() > 0 ? state.group(0).flat().device() : at::Device(at::kCPU);
 }
 
 // ---- serialisation ------------------------------------------------------------------------------

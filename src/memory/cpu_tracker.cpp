@@ -82,7 +82,14 @@ class TrackingAllocator final : public c10::Allocator {
     dp.release_context();  // ownership passes to the entry below
     {
       std::lock_guard<std::mutex> lock(s.mutex);
-      s.entries[data] = Entry{nbytes, deleter};
+      auto [it, fresh] = s.entries.try_emplace(data, Entry{nbytes, deleter});
+      if (!fresh) {
+        // The wrapped allocator handed out this address again, so the storage recorded under it
+        // was freed without the tracker's deleter (a raw allocation freed through the wrapped
+        // allocator's raw_deleter() after an uninstall): stop counting it.
+        s.live -= static_cast<int64_t>(it->second.bytes);
+        it->second = Entry{nbytes, deleter};
+      }
       s.live += static_cast<int64_t>(nbytes);
       for (auto& [id, peak] : s.peaks) peak = std::max(peak, s.live);
     }
@@ -134,7 +141,8 @@ void unwatch_cpu(int64_t id) {
   std::lock_guard<std::mutex> lock(s.mutex);
   TORCH_CHECK(s.peaks.erase(id) == 1, "dpzero: no CPU memory watcher with id ", id);
   if (s.peaks.empty() && s.installed) {
-    c10::SetCPUAllocator(s.wrapped.load(), /*priority=*/0);
+    // Only if nobody registered another allocator over the tracker meanwhile.
+    if (c10::GetCPUAllocator() == &tracker()) c10::SetCPUAllocator(s.wrapped.load(), 0);
     s.installed = false;
   }
 }

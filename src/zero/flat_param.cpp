@@ -217,7 +217,8 @@ void FlatParam::attach_grad_views(at::Tensor& flat_grad, bool keep_values) {
 }
 
 at::Tensor FlatParam::take_grads(at::ScalarType dtype) {
-  at::Tensor flat = at::zeros({layout_.padded_numel()}, shard_.options().dtype(dtype));
+  // on the compute device (full_'s: under parameter offload shard_ is on the host)
+  at::Tensor flat = at::zeros({layout_.padded_numel()}, full_.options().dtype(dtype));
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor& grad = params_[i].mutable_grad();

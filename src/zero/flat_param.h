@@ -38,9 +38,11 @@
 // Stage 3 can keep the owned shard itself in host memory (ZeRO-Infinity's parameter tier, Rajbhandari
 // et al. 2021; FSDP2's CPUOffloadPolicy): between uses the device holds none of the unit. A
 // gather copies the shard to the device (non-blocking from pinned memory, on the current stream,
-// so the copy and the all-gather that reads it are ordered and a prefetch overlaps both with the
-// running unit's compute) and all-gathers from that copy; the copy lives until the gather is
-// waited for. The optimizer runs on the host (offload_master is implied): the update is written
+// so the copy and the all-gather that reads it are ordered) and all-gathers from that copy; the
+// copy lives until the gather is waited for. A prefetch is issued from the running unit's
+// pre-forward hook, before that unit's kernels are queued: its copy runs ahead of them on the
+// compute stream (pΨ_u/W bytes over the host link, not overlapped) and its all-gather overlaps
+// them on the communication stream. A side copy stream would overlap the copy too; not built. The optimizer runs on the host (offload_master is implied): the update is written
 // into the host shard, so nothing goes back to the device after a step. With fp32 compute the
 // host shard is the master itself; with 16-bit compute publish_master() rounds the fp32 master
 // into it. Before the host shard is written, the last host-to-device copy that read it must be

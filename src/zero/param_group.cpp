@@ -23,7 +23,7 @@ ParamGroup::ParamGroup(std::string name, FlatParam flat, Stage stage,
   FlatParam::check_param_dtype(reduce_dtype);  // the same three dtypes are allowed
   if (!reduces_in_backward(stage_)) {
     flat_grad_ = at::zeros({flat_.layout().padded_numel()},
-                           flat_.shard().options().dtype(reduce_dtype_));
+                           flat_.full().options().dtype(reduce_dtype_));
     peak_grad_bytes_ = grad_bytes();
   }
   if (packs_grads_) {
@@ -83,8 +83,8 @@ void ParamGroup::add_grad(const at::Tensor& full, const comm::Collectives& comm,
               full.sizes());
   TORCH_CHECK(full.is_floating_point(), "unit '", name_,
               "': a private gradient must be floating point, got ", full.scalar_type());
-  TORCH_CHECK(full.device() == flat_.shard().device(), "unit '", name_,
-              "': a private gradient must be on ", flat_.shard().device(), ", got ",
+  TORCH_CHECK(full.device() == flat_.device(), "unit '", name_,
+              "': a private gradient must be on ", flat_.device(), ", got ",
               full.device());
   // Stages 0-1 add it to the gradient buffer at once. Stages 2-3 reduce it asynchronously and keep
   // it alive until then, so the caller's tensor is copied unless the caller has donated it (will
@@ -147,7 +147,7 @@ void ParamGroup::step(const comm::Collectives& comm, double grad_scale, const St
       grad = grad_shard_.defined()
                  ? grad_shard_
                  : at::zeros({flat_.layout().shard_numel()},
-                             flat_.shard().options().dtype(reduce_dtype_));
+                             flat_.full().options().dtype(reduce_dtype_));
       break;
   }
   at::Tensor& master = flat_.master();

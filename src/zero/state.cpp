@@ -192,8 +192,10 @@ at::Tensor ZeroState::full_parameters(int64_t unit) {
   FlatParam& flat = group(unit).flat();
   at::Tensor master = flat.master();  // a handle: all_gather takes it by reference
   if (master.numel() == flat.layout().padded_numel()) return master.detach().clone();
-  at::Tensor out = at::empty({flat.layout().padded_numel()}, master.options());
-  comm_.all_gather(out, master);
+  // Gathered on the compute device: an offloaded master is on the host, which NCCL cannot use.
+  at::Tensor source = master.device() == flat.device() ? master : master.to(flat.device());
+  at::Tensor out = at::empty({flat.layout().padded_numel()}, source.options());
+  comm_.all_gather(out, source);
   return out;
 }
 

@@ -284,3 +284,34 @@ def test_parameter_offload_changes_nothing_of_the_private_step(clipping):
     want = plain.privacy_engine.parameters()
     assert_same(want, offloaded.privacy_engine.parameters())
     assert_same(want, both.privacy_engine.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="parameter offload to the host needs a GPU")
+@pytest.mark.parametrize("clipping", ["flat", "layer"])
+def test_parameter_offload_from_cuda_keeps_the_private_step(clipping):
+    """On a GPU the host shard is pinned CPU memory and every gather copies it to the device
+    (Note [parameter offload]); the clipped sums are formed on the device and handed to the
+    engine there. Same seeds: the same step as without offload, to float32 rounding (the
+    optimizer runs on the host)."""
+    def cuda_run(**kw):
+        torch.manual_seed(3)
+        data_ = data()
+        p = dpzero.make_private(Net().cuda(), dataset=data_, sample_rate=0.3,
+                                noise_multiplier=0.7, max_grad_norm=0.5, clipping=clipping,
+                                zero_stage=3, seed=5, optimizer="adam", lr=0.01,
+                                max_physical_batch_size=5, **kw)
+        for _ in range(2):
+            for x, y in p.data_loader:
+                p.optimizer.zero_grad()
+                F.cross_entropy(p.model(x.cuda()), y.cuda()).backward()
+                if p.optimizer.step():
+                    break
+        return p
+
+    plain, offloaded = cuda_run(), cuda_run(offload_params=True)
+    memory = offloaded.privacy_engine.sharded.memory()
+    assert memory["params"] == 0 and memory["host"] > 0
+    want = plain.privacy_engine.parameters()
+    got = offloaded.privacy_engine.parameters()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name].to(value.device), value, rtol=1e-5, atol=1e-6)
