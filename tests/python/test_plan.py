@@ -129,43 +129,14 @@ def test_tracked_allocations_see_frees_on_other_threads():
     del c
 
 
-def _drift_rank(rank, world, store, out):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        batch = data()[rank * 16:(rank + 1) * 16]
-        with tracked() as t:
-            p = dpzero.make_private(net(), dataset=data(), sample_rate=0.5, noise_multiplier=1.0,
-                                    max_grad_norm=1.0, zero_stage=1, units=UNITS,
-                                    optimizer="adamw", seed=0)
-            for k in range(8):
-                t.mark(f"step{k}")
-                p.optimizer.zero_grad()
-                step_loss(p.model, batch).backward()
-                p.optimizer.step()
-        starts = torch.tensor([t.live_at(f"step{k}") for k in range(2, 8)], dtype=torch.float64)
-        spread = (starts.max() - starts.min()).reshape(1)
-        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            torch.save(int(spread.item()), out)
-        del p
-        import gc
-
-        gc.collect()
-    finally:
-        dist.destroy_process_group()
-
-
 def test_tracked_live_bytes_do_not_drift_across_private_steps(tmp_path):
     """Between steps a stage-1 private run holds the same tensors every step: after two warm-up
     steps the live bytes at each step's start agree to within a few Gloo buffers (64 KiB each
     here, freed a little late now and then). Under torch's profiler the frees of the Gloo
     reduce-scatter's input copies on Gloo's threads went unseen and the live bytes grew by
     ~130 KiB a step (~0.6 MiB over these six)."""
-    mp.spawn(_drift_rank, args=(2, str(tmp_path / "store"), str(tmp_path / "o.pt")),
+    mp.spawn(_measure_rank, args=(2, str(tmp_path / "store"), 1, False, str(tmp_path / "o.pt"),
+                                  "drift"),
              nprocs=2, join=True)
     assert torch.load(tmp_path / "o.pt") <= 256 << 10
 
@@ -231,7 +202,10 @@ def step_loss(model, batch):
     return F.cross_entropy(model(x), y)
 
 
-def _measure_rank(rank, world, store, stage, ckpt, out):
+def _measure_rank(rank, world, store, stage, ckpt, out, what="peak"):
+    """A private run of ``net`` on two ranks under ``tracked()``, a mark before every step.
+    what="peak": the peak live bytes over steps 2-3 (after two warm-up steps); "drift": the
+    spread of the live bytes at the starts of steps 2-7. The largest over the ranks."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -239,21 +213,26 @@ def _measure_rank(rank, world, store, stage, ckpt, out):
                             timeout=datetime.timedelta(seconds=120))
     try:
         batch = data()[rank * 16:(rank + 1) * 16]
+        steps = 4 if what == "peak" else 8
         with tracked() as t:
             p = dpzero.make_private(net(), dataset=data(), sample_rate=0.5, noise_multiplier=1.0,
                                     max_grad_norm=1.0, zero_stage=stage, units=UNITS,
                                     optimizer="adamw", seed=0,
                                     activation_checkpointing=UNITS if ckpt else None)
-            for k in range(4):
-                if k == 2:
-                    t.mark("steps")
+            for k in range(steps):
+                t.mark(f"step{k}")
                 p.optimizer.zero_grad()
                 step_loss(p.model, batch).backward()
                 p.optimizer.step()
-        peak = torch.tensor([t.peak_since("steps")], dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if what == "peak":
+            value = float(t.peak_since("step2"))
+        else:
+            starts = [t.live_at(f"step{k}") for k in range(2, steps)]
+            value = float(max(starts) - min(starts))
+        value = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
         if rank == 0:
-            torch.save(int(peak.item()), out)
+            torch.save(int(value.item()), out)
         del p
         import gc
 

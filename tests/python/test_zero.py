@@ -562,47 +562,39 @@ def test_parameter_offload_needs_stage_3(stage):
         dpzero.shard(make_model(), stage=stage, optimizer="adamw", offload_params=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="parameter offload to the host needs a GPU")
-def test_parameter_offload_from_cuda_matches_on_device_training():
+def _cuda_offload_pair(**offload):
+    """Five stage-3 AdamW steps of the same model on the GPU, without and with ``offload``;
+    returns both ShardedModules after checking their parameters agree."""
     torch.manual_seed(0)
     device_model = make_model(tied=True).cuda()
     offload_model = make_model(tied=True).cuda()
     on_device = dpzero.shard(device_model, stage=3, optimizer="adamw", **OPTIMIZERS["adamw"])
-    offloaded = dpzero.shard(offload_model, stage=3, optimizer="adamw", offload_params=True,
+    offloaded = dpzero.shard(offload_model, stage=3, optimizer="adamw", **offload,
                              **OPTIMIZERS["adamw"])
-    between = torch.cuda.memory_allocated()
     for step in range(5):
         idx, targets = (t.cuda() for t in batch(step))
         for wrapped in (on_device, offloaded):
             wrapped(idx, targets).backward()
             wrapped.step()
-    memory = offloaded.memory()
-    assert memory["params"] == 0 and memory["host"] > 0  # no parameter bytes on the device
-    assert on_device.memory()["params"] > 0 and between > 0
     ref = on_device.full_parameters()
     for name, value in offloaded.full_parameters().items():
         # CPU and CUDA round sqrt/division differently: float32 tolerance, not bits.
         torch.testing.assert_close(value.cuda(), ref[name], rtol=1e-5, atol=1e-6)
+    return on_device, offloaded
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="parameter offload to the host needs a GPU")
+def test_parameter_offload_from_cuda_matches_on_device_training():
+    on_device, offloaded = _cuda_offload_pair(offload_params=True)
+    memory = offloaded.memory()
+    assert memory["params"] == 0 and memory["host"] > 0  # no parameter bytes on the device
+    assert on_device.memory()["params"] > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="optimizer offload to the host needs a GPU")
 def test_optimizer_offload_from_cuda_matches_on_device_training():
-    torch.manual_seed(0)
-    device_model = make_model(tied=True).cuda()
-    offload_model = make_model(tied=True).cuda()
-    on_device = dpzero.shard(device_model, stage=3, optimizer="adamw", **OPTIMIZERS["adamw"])
-    offloaded = dpzero.shard(offload_model, stage=3, optimizer="adamw", offload_optimizer=True,
-                             **OPTIMIZERS["adamw"])
-    for step in range(5):
-        idx, targets = (t.cuda() for t in batch(step))
-        for wrapped in (on_device, offloaded):
-            wrapped(idx, targets).backward()
-            wrapped.step()
+    on_device, offloaded = _cuda_offload_pair(offload_optimizer=True)
     assert offloaded.memory()["host"] > 0 and on_device.memory()["host"] == 0
-    ref = on_device.full_parameters()
-    for name, value in offloaded.full_parameters().items():
-        # CPU and CUDA round sqrt/division differently: float32 tolerance, not bits.
-        torch.testing.assert_close(value.cuda(), ref[name], rtol=1e-5, atol=1e-6)
 
 
 def _cpp_group_rank_main(rank, world_size, init_method, out_path):
