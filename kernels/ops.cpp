@@ -40,6 +40,10 @@ TORCH_LIBRARY(dpzero, m) {
   // equal to linear_sq_norms(A, G[l], False, method).
   m.def("linear_sq_norms_multi(Tensor A, Tensor[] G, int method=0) -> Tensor");
   m.def("linear_clipped_sum(Tensor A, Tensor G, Tensor scale, bool transposed=False) -> Tensor");
+  // Note [accumulating clipped sums]: the same sum added into self (float32, the weight's shape),
+  // e.g. the parameter's slot of the engine's flat gradient buffer.
+  m.def("add_linear_clipped_sum_(Tensor(a!) self, Tensor A, Tensor G, Tensor scale, "
+        "bool transposed=False) -> Tensor(a!)");
   // -> (grad_weight, grad_bias [d_out] or [0] without bias, sq_norms, factors, nonfinite)
   m.def("linear_clip(Tensor A, Tensor G, float max_norm, str mode, float gamma=0.01, "
         "bool bias=False, bool transposed=False, int method=0) "
@@ -57,6 +61,8 @@ TORCH_LIBRARY(dpzero, m) {
         "int method=0) -> Tensor");
   m.def("embedding_clipped_sum(Tensor ids, Tensor G, Tensor scale, int num_embeddings, "
         "int? padding_idx=None) -> Tensor");
+  m.def("add_embedding_clipped_sum_(Tensor(a!) self, Tensor ids, Tensor G, Tensor scale, "
+        "int num_embeddings, int? padding_idx=None) -> Tensor(a!)");
   // -> (grad_weight [V, d], sq_norms, factors, nonfinite)
   m.def("embedding_clip(Tensor ids, Tensor G, int num_embeddings, float max_norm, str mode, "
         "float gamma=0.01, int? padding_idx=None, int method=0) -> (Tensor, Tensor, Tensor, Tensor)");

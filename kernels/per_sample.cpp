@@ -39,6 +39,7 @@ TORCH_LIBRARY_IMPL(dpzero, CompositeExplicitAutograd, m) {
   // other devices run one _ghost_sq_norms per layer.
   m.impl("_ghost_sq_norms_multi", &per_sample::ghost_sq_norms_multi_generic);
   m.impl("linear_clipped_sum", &per_sample::linear_clipped_sum);
+  m.impl("add_linear_clipped_sum_", &per_sample::add_linear_clipped_sum_);
   m.impl("linear_clip", &per_sample::linear_clip);
   m.impl("bias_sq_norms", &per_sample::bias_sq_norms);
   m.impl("bias_clipped_sum", &per_sample::bias_clipped_sum);
@@ -46,6 +47,7 @@ TORCH_LIBRARY_IMPL(dpzero, CompositeExplicitAutograd, m) {
   m.impl("per_sample_clipped_sum", &per_sample::per_sample_clipped_sum);
   m.impl("embedding_sq_norms", &per_sample::embedding_sq_norms);
   m.impl("embedding_clipped_sum", &per_sample::embedding_clipped_sum);
+  m.impl("add_embedding_clipped_sum_", &per_sample::add_embedding_clipped_sum_);
   m.impl("embedding_clip", &per_sample::embedding_clip);
   m.impl("layer_norm_sq_norms", &per_sample::layer_norm_sq_norms);
   m.impl("layer_norm_clipped_sum", &per_sample::layer_norm_clipped_sum);

@@ -156,6 +156,17 @@ inline void check_layer_pair(const char* op, const at::Tensor& a, const char* a_
               a_name, " ", a.sizes(), " and G ", g.sizes());
 }
 
+// The accumulator of an in-place clipped-sum op (add_*_clipped_sum_): float32, the parameter's
+// shape, on the data's device. It may be a view (a parameter's slot in a flat gradient buffer).
+inline void check_accumulator(const char* op, const at::Tensor& self, at::IntArrayRef shape,
+                              const at::Tensor& data, const char* data_name) {
+  TORCH_CHECK(self.scalar_type() == at::kFloat, "dpzero::", op,
+              ": self (the accumulator) must be float32, got ", self.scalar_type());
+  TORCH_CHECK(self.sizes() == shape, "dpzero::", op, ": self (the accumulator) must have shape ",
+              shape, ", got ", self.sizes());
+  check_same_device(op, "self", self, data, data_name);
+}
+
 // Per-sample scale factors c: [B] float32 on the data's device.
 inline void check_scale(const char* op, const at::Tensor& scale, int64_t num_samples,
                         const at::Tensor& data) {

@@ -640,20 +640,53 @@ inline at::Tensor linear_sq_norms_multi(const at::Tensor& A, at::TensorList G, i
   return at::stack(out);
 }
 
+// Note [accumulating clipped sums]
+// Each *_clipped_sum op returns a new tensor; the in-place add_*_clipped_sum_ ops add the same sum
+// into `self` instead, typically the parameter's slot of the engine's flat gradient buffer (Note
+// [private accumulator] in src/zero/param_group.h). The arithmetic is the returned op's with self
+// in place of the zeros it starts from (the GEMMs run with beta = 1, index_add adds into self), so
+// the result equals self + (returned sum) up to float32 rounding order, never more: the same
+// clipped contributions, each added once. What it saves is a parameter-sized zero fill, the new
+// tensor and the pass that adds it into the buffer (measured: experiments/results/private.md).
+
+// sum_i scale_i G_i^T A_i added into *self, or into new zeros when self is null; returns the
+// accumulator. `op` names the public op in the argument checks.
+inline at::Tensor linear_clipped_sum_into(const char* op, at::Tensor* self, const at::Tensor& A,
+                                          const at::Tensor& G, const at::Tensor& scale,
+                                          bool transposed) {
+  check_layer_pair(op, A, "A", G);
+  const at::Tensor a = as_btd(op, "A", A), g = as_btd(op, "G", G);
+  check_scale(op, scale, a.size(0), G);
+  const int64_t d_in = a.size(2), d_out = g.size(2);
+  const std::vector<int64_t> shape =
+      transposed ? std::vector<int64_t>{d_in, d_out} : std::vector<int64_t>{d_out, d_in};
+  at::Tensor out;
+  if (self == nullptr) {
+    out = at::zeros(shape, a.options().dtype(at::kFloat));
+  } else {
+    check_accumulator(op, *self, shape, A, "A");
+    out = *self;
+  }
+  const Fp32MatmulGuard precision;
+  add_linear_clipped_sum(out, a, g, scale, kept(scale), transposed);
+  return out;
+}
+
+// Public in-place: self [d_out, d_in] float32 (nn.Linear's weight layout), or [d_in, d_out] when
+// `transposed` (HF Conv1D: y = x W + b, W [d_in, d_out]), += sum_i scale_i G_i^T A_i. A [B, ...,
+// d_in], G [B, ..., d_out], scale [B].
+inline at::Tensor& add_linear_clipped_sum_(at::Tensor& self, const at::Tensor& A,
+                                           const at::Tensor& G, const at::Tensor& scale,
+                                           bool transposed) {
+  linear_clipped_sum_into("add_linear_clipped_sum_", &self, A, G, scale, transposed);
+  return self;
+}
+
 // Public: A [B, ..., d_in], G [B, ..., d_out], scale [B] -> [d_out, d_in] float32 (nn.Linear's
 // weight layout) or [d_in, d_out] when `transposed` (HF Conv1D: y = x W + b, W [d_in, d_out]).
 inline at::Tensor linear_clipped_sum(const at::Tensor& A, const at::Tensor& G,
                                      const at::Tensor& scale, bool transposed) {
-  constexpr const char* op = "linear_clipped_sum";
-  check_layer_pair(op, A, "A", G);
-  const at::Tensor a = as_btd(op, "A", A), g = as_btd(op, "G", G);
-  check_scale(op, scale, a.size(0), G);
-  const Fp32MatmulGuard precision;
-  const int64_t d_in = a.size(2), d_out = g.size(2);
-  at::Tensor out = transposed ? at::zeros({d_in, d_out}, a.options().dtype(at::kFloat))
-                              : at::zeros({d_out, d_in}, a.options().dtype(at::kFloat));
-  add_linear_clipped_sum(out, a, g, scale, kept(scale), transposed);
-  return out;
+  return linear_clipped_sum_into("linear_clipped_sum", nullptr, A, G, scale, transposed);
 }
 
 // Public: G [B, d] or [B, ..., d] (the bias dim last) -> [B] float32.
@@ -843,19 +876,26 @@ inline at::Tensor embedding_sq_norms(const at::Tensor& ids, const at::Tensor& G,
   return to_f32_up(embedding_sq_norms_f64(op, ids, G, num_embeddings, padding_idx, m));
 }
 
-// Public: ids [B, ...], G [B, ..., d], scale [B] -> [V, d] float32 (the padding row stays 0).
-inline at::Tensor embedding_clipped_sum(const at::Tensor& ids, const at::Tensor& G,
-                                        const at::Tensor& scale, int64_t num_embeddings,
-                                        std::optional<int64_t> padding_idx) {
-  constexpr const char* op = "embedding_clipped_sum";
+// The embedding clipped sum added into *self, or into new zeros when self is null; returns the
+// accumulator. `op` names the public op in the argument checks. The padding row gets nothing.
+inline at::Tensor embedding_clipped_sum_into(const char* op, at::Tensor* self,
+                                             const at::Tensor& ids, const at::Tensor& G,
+                                             const at::Tensor& scale, int64_t num_embeddings,
+                                             std::optional<int64_t> padding_idx) {
   check_embedding_args(op, ids, G, num_embeddings);
   const int64_t pad = normalize_padding_idx(op, padding_idx, num_embeddings);
   const at::Tensor id = flat_ids(op, ids, num_embeddings);
   const at::Tensor g = embedding_grad_btd(G, id);
   const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
   check_scale(op, scale, b, G);
+  at::Tensor out;
+  if (self == nullptr) {
+    out = at::zeros({num_embeddings, d}, G.options().dtype(at::kFloat));
+  } else {
+    check_accumulator(op, *self, {num_embeddings, d}, G, "G");
+    out = *self;
+  }
   const Fp32MatmulGuard precision;
-  at::Tensor out = at::zeros({num_embeddings, d}, G.options().dtype(at::kFloat));
   const at::Tensor keep = kept(scale);
   const int64_t chunk = samples_per_chunk(b, 8 * t * d);
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
@@ -867,6 +907,25 @@ inline at::Tensor embedding_clipped_sum(const at::Tensor& ids, const at::Tensor&
     out.index_add_(0, idc.reshape({-1}), rows.reshape({-1, d}));
   }
   return out;
+}
+
+// Public in-place: self [V, d] float32 += sum_i scale_i (embedding gradient of sample i); ids
+// [B, ...], G [B, ..., d], scale [B].
+inline at::Tensor& add_embedding_clipped_sum_(at::Tensor& self, const at::Tensor& ids,
+                                              const at::Tensor& G, const at::Tensor& scale,
+                                              int64_t num_embeddings,
+                                              std::optional<int64_t> padding_idx) {
+  embedding_clipped_sum_into("add_embedding_clipped_sum_", &self, ids, G, scale, num_embeddings,
+                             padding_idx);
+  return self;
+}
+
+// Public: ids [B, ...], G [B, ..., d], scale [B] -> [V, d] float32 (the padding row stays 0).
+inline at::Tensor embedding_clipped_sum(const at::Tensor& ids, const at::Tensor& G,
+                                        const at::Tensor& scale, int64_t num_embeddings,
+                                        std::optional<int64_t> padding_idx) {
+  return embedding_clipped_sum_into("embedding_clipped_sum", nullptr, ids, G, scale,
+                                    num_embeddings, padding_idx);
 }
 
 // Public fused op: (grad_weight [V, d], sq_norms [B], factors [B], non-finite count).

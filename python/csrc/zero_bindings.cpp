@@ -1,6 +1,8 @@
 // python/csrc/zero_bindings.cpp — the ZeRO engine (src/zero/state.h) and the shard optimizers
 // for python/dpzero/zero.py. The process group arrives as torch's own Python ProcessGroup object
 // and is converted by torch's pybind11 caster for c10::intrusive_ptr<c10d::ProcessGroup>.
+#include <optional>
+
 #include <pybind11/stl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/extension.h>
@@ -192,6 +194,17 @@ void bind_zero(py::module_ m) {
            "autograd gradient. release_params=False keeps a stage-3 unit gathered until the end "
            "of the backward (its parameters are still read by backward nodes). donated=True: the "
            "caller never touches `grad` again, so an asynchronous reduction keeps it uncopied.")
+      .def(
+          "grad_accumulator",
+          [](ZeroState& self, int64_t unit) -> std::optional<at::Tensor> {
+            at::Tensor acc = self.grad_accumulator(unit);
+            if (!acc.defined()) return std::nullopt;
+            return acc;
+          },
+          py::arg("unit"),
+          "Note [private accumulator]: unit `unit`'s float32 gradient buffer [padded_numel] in "
+          "stages 0-1, into which the private path adds clipped sums in place (and then never "
+          "calls add_unit_grad for the unit); None where add_unit_grad must be used.")
       .def("release_params", &ZeroState::release_params, py::arg("unit"),
            py::call_guard<py::gil_scoped_release>(),
            "Stage 3: frees unit `unit`'s gathered parameters now (no backward node still reads "

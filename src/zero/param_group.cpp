@@ -97,6 +97,11 @@ void ParamGroup::add_grad(const at::Tensor& full, const comm::Collectives& comm,
   if (release) flat_.reshard();
 }
 
+at::Tensor ParamGroup::private_accumulator() const {
+  if (reduces_in_backward(stage_) || flat_grad_.scalar_type() != at::kFloat) return {};
+  return flat_grad_;
+}
+
 void ParamGroup::reduce_packed(at::Tensor full, const comm::Collectives& comm) {
   at::NoGradGuard no_grad;
   const int64_t full_bytes = full.numel() * static_cast<int64_t>(full.element_size());

@@ -82,6 +82,19 @@
 // reduction, the same overlap cap, the same accumulation over micro-batches. Clipped sums stay in
 // fp32 up to the reduction (DESIGN.md §4); they are cast only if reduce_dtype is 16-bit.
 //
+// Note [private accumulator]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// In stages 0–1 add_grad only adds `full` into flat_grad_, so packing a unit first costs a
+// unit-sized zero fill, the packed tensor and one more pass over it per micro-batch (with
+// the clipping ops' own output tensors, three passes over every trainable parameter: measured
+// in experiments/results/private.md). private_accumulator() hands the clipping code flat_grad_
+// itself instead, and the clipped sums are added straight into the parameters' slots (Note
+// [accumulating clipped sums] in kernels/per_sample_ops.h): the same additions into the same
+// buffer the step reduces. It is defined only where that holds — stages 0–1 with a float32
+// flat_grad_ (a 16-bit reduce_dtype would round each addition; add_grad casts the whole sum
+// once) — and the caller then never calls add_grad for the unit. The padding stays zero: the
+// caller writes parameter slots only.
+//
 // Forward-output gradient hooks were chosen over module full-backward-pre-hooks because they
 // need no wrapping of the module's outputs (in-place use of outputs keeps working) and apply to
 // any output structure.
@@ -139,6 +152,10 @@ class ParamGroup {
   // copy.
   void add_grad(const at::Tensor& full, const comm::Collectives& comm, bool release,
                 bool donated = false);
+  // Note [private accumulator]: flat_grad_ ([padded_numel] float32, the buffer step() reduces),
+  // into which the private path may add this unit's clipped sums directly instead of calling
+  // add_grad; undefined in stages 2–3 and when flat_grad_ is not float32.
+  at::Tensor private_accumulator() const;
   // End of a backward pass: takes the gradient of a unit that got some but not all of it, then
   // (stage 3) frees the gathered parameters.
   void finish_backward(const comm::Collectives& comm);

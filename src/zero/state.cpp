@@ -138,6 +138,8 @@ void ZeroState::add_unit_grad(int64_t unit, const at::Tensor& full, bool release
   note_reduction(unit, started);
 }
 
+at::Tensor ZeroState::grad_accumulator(int64_t unit) { return group(unit).private_accumulator(); }
+
 void ZeroState::release_params(int64_t unit) {
   group(unit).flat().reshard();  // no-op unless parameters are sharded (stage 3)
 }

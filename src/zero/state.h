@@ -116,6 +116,10 @@ class ZeroState {
   // asynchronous reduction may use it without a copy.
   void add_unit_grad(int64_t unit, const at::Tensor& full, bool release_params = true,
                      bool donated = false);
+  // Note [private accumulator] in param_group.h: unit `unit`'s float32 gradient buffer
+  // ([padded_numel]) in stages 0–1, into which the private path adds clipped sums directly (then
+  // never calling add_unit_grad for the unit); undefined where add_unit_grad must be used.
+  at::Tensor grad_accumulator(int64_t unit);
   // Stage 3: frees unit `unit`'s gathered parameters now — the caller knows no autograd node of
   // this backward still reads them (the private path: every DP layer call using them has run its
   // backward, Note [early release] in python/dpzero/private/book.py). A later gather hook may

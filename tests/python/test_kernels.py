@@ -447,6 +447,70 @@ def test_per_sample_clipped_sum_drops_nan_rows_and_checks_arguments(device):
         ops.per_sample_clipped_sum(grads.half(), scale)
 
 
+# ---- in-place clipped sums (Note [accumulating clipped sums]) ------------------------------------
+
+
+def slot_of(flat, offset, shape):
+    """A parameter's slot in a flat buffer, as the clipping book hands it to the in-place ops."""
+    n = math.prod(shape)
+    return flat[offset:offset + n].view(shape)
+
+
+@device_param
+@dtype_param
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
+def test_add_linear_clipped_sum_adds_into_a_buffer_slot(device, dtype, transposed):
+    # The accumulator is a slot in the middle of a flat buffer that already holds a gradient (a
+    # previous micro-batch's): the op adds the weighted per-sample sum there and touches nothing
+    # outside the slot. Reference: torch.func per-sample gradients, weighted in float64.
+    A = rand((4, 6, 5), dtype, device, 30)
+    G = rand((4, 6, 3), dtype, device, 31)
+    scale = random_scale(4, device, 32)  # sample 1 dropped
+    gw, _ = per_sample_linear(A, G, transposed=transposed)
+    flat = rand((40,), torch.float32, device, 33)
+    before = flat.clone()
+    shape = (5, 3) if transposed else (3, 5)
+    out = ops.add_linear_clipped_sum_(slot_of(flat, 7, shape), A, G, scale, transposed)
+    assert out.data_ptr() == flat[7:].data_ptr()  # the slot itself, returned
+    assert_close(slot_of(flat, 7, shape), f64(slot_of(before, 7, shape)) + weighted_sum(gw, scale),
+                 dtype)
+    assert torch.equal(flat[:7], before[:7]) and torch.equal(flat[22:], before[22:])
+
+
+@device_param
+def test_add_embedding_clipped_sum_adds_into_a_buffer_slot(device):
+    V, d, pad = 7, 4, 2
+    ids, G = emb_inputs((3, 5), V, d, torch.float32, device, 34, pad)
+    scale = random_scale(3, device, 35)
+    want = weighted_sum(per_sample_embedding(ids, G, V, pad), scale)
+    flat = rand((V * d + 3,), torch.float32, device, 36)
+    before = flat.clone()
+    ops.add_embedding_clipped_sum_(slot_of(flat, 3, (V, d)), ids, G, scale, V, pad)
+    got = slot_of(flat, 3, (V, d))
+    assert_close(got, f64(slot_of(before, 3, (V, d))) + want, torch.float32)
+    assert torch.equal(got[pad], slot_of(before, 3, (V, d))[pad])  # the padding row: nothing added
+    assert torch.equal(flat[:3], before[:3])
+
+
+@device_param
+def test_in_place_clipped_sums_check_the_accumulator(device):
+    A, G = rand((2, 3, 4), torch.float32, device, 37), rand((2, 3, 5), torch.float32, device, 38)
+    ids = torch.tensor([[0, 1, 2], [2, 2, 1]], device=device)
+    scale = torch.ones(2, device=device)
+    with pytest.raises(RuntimeError, match=r"add_linear_clipped_sum_: self \(the accumulator\) "
+                       r"must have shape \[5, 4\], got \[4, 5\]"):
+        ops.add_linear_clipped_sum_(torch.zeros(4, 5, device=device), A, G, scale)
+    with pytest.raises(RuntimeError, match=r"self \(the accumulator\) must be float32, got Double"):
+        ops.add_linear_clipped_sum_(torch.zeros(5, 4, dtype=torch.float64, device=device), A, G,
+                                    scale)
+    with pytest.raises(RuntimeError, match=r"add_embedding_clipped_sum_: self \(the accumulator\) "
+                       r"must have shape \[3, 5\], got \[3, 4\]"):
+        ops.add_embedding_clipped_sum_(torch.zeros(3, 4, device=device), ids, G, scale, 3)
+    if device != "cpu":
+        with pytest.raises(RuntimeError, match="self is on cpu but A is on"):
+            ops.add_linear_clipped_sum_(torch.zeros(5, 4), A, G, scale)
+
+
 # ---- Conv1d / Conv2d -----------------------------------------------------------------------------
 
 CONV_CASES = [  # (input shape, C_out, kernel_size, stride, padding, dilation, groups)

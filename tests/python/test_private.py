@@ -499,6 +499,34 @@ def _tiny(n=4, **kw):
     return model, ds, dpzero.make_private(model, **base)
 
 
+@pytest.mark.parametrize("clipping", ["flat", "layer"])
+def test_zero_grad_drops_a_backward_the_engine_buffer_already_holds(clipping):
+    """Note [private accumulator]: at stage 0 the clipped sums are added straight into the
+    engine's gradient buffer, and zero_grad() skips zeroing buffers nothing wrote to since they
+    were last zeroed. A backward that zero_grad() drops must still leave nothing behind: the step
+    after it equals the naive DP-SGD step of its own batch alone."""
+    torch.manual_seed(11)
+    model = SeqNet()
+    ref = copy.deepcopy(model)
+    ds = seq_data()
+    c, sigma, lr = 0.5, 0.7, 0.2
+    p = dpzero.make_private(model, dataset=ds, batch_size=8, noise_multiplier=sigma,
+                            max_grad_norm=c, clipping=clipping, seed=21, optimizer="sgd", lr=lr)
+    state = p.privacy_engine.sharded._state
+    assert all(state.grad_accumulator(u) is not None for u in range(state.num_units))
+    ids, y = ds.tensors
+    p.optimizer.zero_grad()  # nothing written yet
+    F.cross_entropy(p.model(ids[:8]), y[:8]).backward()  # lands in the engine's buffer ...
+    p.optimizer.zero_grad()  # ... and is dropped
+    p.optimizer.zero_grad()  # clean: nothing to zero
+    F.cross_entropy(p.model(ids[8:16]), y[8:16]).backward()
+    assert p.optimizer.step()
+    want = naive_dp_sgd_step(ref, loss_fn, ids[8:16], y[8:16], max_grad_norm=c,
+                             noise_multiplier=sigma, seed=21, noise_index=0, lr=lr,
+                             expected_batch=8, clipping=clipping)
+    assert_close_params(p.privacy_engine.parameters(), want)
+
+
 def test_step_then_zero_grad_loop_keeps_the_logical_batch():
     """Opacus's semantics: after a step() that only accumulated, zero_grad() keeps the
     accumulation, whichever order the loop calls them in."""

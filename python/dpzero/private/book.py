@@ -19,11 +19,13 @@ Flow. The patched forward of a layer registers a part (``on_forward``), which al
 group and per unit, the contributions the backward will bring. In backward each part reports its
 input and output gradient (``on_backward``): its per-sample squared norms are computed at once.
 When a group has all its parts it is *complete*: factors c_i from its norms (clip_factors), then
-each part's clipped sum sum_i c_i g_i goes into its unit's flat fp32 buffer. A singleton group
+each part's clipped sum sum_i c_i g_i is added into its unit's flat fp32 buffer. A singleton group
 (layer clipping, untied layer) does all of that in one fused op inside the layer's backward.
-When a unit has every contribution of the micro-batch it is handed to the engine
-(``ZeroState.add_unit_grad``) — its reduce-scatter starts while the backward goes on (layer and
-group clipping) or at the end of the backward (flat: book-keeping, Bu et al. 2023). A final
+In stages 0-1 that buffer is the engine's own gradient buffer (Note [private accumulator] in
+src/zero/param_group.h), which the step reduces: nothing is handed over. Otherwise, when a unit
+has every contribution of the micro-batch it is handed to the engine (``ZeroState.add_unit_grad``)
+— its reduce-scatter starts while the backward goes on (layer and group clipping) or at the end of
+the backward (flat: book-keeping, Bu et al. 2023). A final
 autograd callback completes what the backward did not reach (a layer whose output did not
 influence the loss contributes nothing) and closes the micro-batch.
 
@@ -52,7 +54,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .layers import (Kept, LayerKind, LinearKind, certified_sum, kept_clipped_sums,
+from .layers import (Kept, LayerKind, LinearKind, add_kept_clipped_sums, certified_sum,
                      round_down_f32, round_up_f32)
 
 _ops = torch.ops.dpzero
@@ -151,6 +153,9 @@ class Book:
                               if hasattr(layer.kind, "per_sample_grads")
                               for slot in layer.slots if slot is not None}
         self.stats = StepStats()
+        # Whether the engine's gradient buffers may hold anything since the engine last zeroed
+        # them (PrivacyEngine._zero_grad skips zeroing clean buffers; the engine's step zeroes).
+        self.wrote = True  # not known to be zero at attach
         self.padding = False  # Note [padding batches] in engine.py: gradients become zeros
         # Set by the loader (engine._begin_micro_batch): the rows of the micro-batch it yielded
         # (Note [one sample per row]) and how many backward passes reached the clipping since.
@@ -173,7 +178,12 @@ class Book:
         # Note [early release]: per unit, DP layer calls (x their slots in the unit) of this
         # micro-batch's forward whose backward has not run yet.
         self.unit_uses: Dict[int, int] = {}
+        # Per unit: the flat fp32 buffer its clipped sums are added into — the engine's own
+        # gradient buffer where it offers one (Note [private accumulator] in
+        # src/zero/param_group.h: stages 0-1; those units are in `direct`), else a zeroed buffer
+        # of this micro-batch that add_unit_grad takes over.
         self.unit_buf: Dict[int, torch.Tensor] = {}
+        self.direct: set = set()
         self.handed: set = set()  # units handed to the engine in this micro-batch
         self.batch: Optional[int] = None
         self.forward_ndim = 0  # the most dims of any DP layer input in this forward
@@ -315,7 +325,10 @@ class Book:
             self._note_factors(factors)
             part.done = True
             gs.complete = True
-            self._deliver(layer, grads)
+            for dest, grad in zip(self._dests(layer), grads):
+                if grad is not None:
+                    dest.add_(grad.view(dest.shape))
+            self._delivered(layer)
             return
         if math.isfinite(threshold) and isinstance(kind, LinearKind) and layer.train[0]:
             # Note [shared inputs]: the weight's norm is computed when the group completes,
@@ -405,13 +418,16 @@ class Book:
         for pid in pids:
             part = self.parts[pid]
             layer = part.layer
+            dests = self._dests(layer)
             if isinstance(part.a, Kept):
-                grads = kept_clipped_sums(layer.kind, layer.module, part.a, factors, layer.train)
+                add_kept_clipped_sums(layer.kind, layer.module, part.a, factors, layer.train,
+                                      dests)
             else:
-                grads = layer.kind.clipped_sums(layer.module, part.a, part.g, factors, layer.train)
+                layer.kind.add_clipped_sums(layer.module, part.a, part.g, factors, layer.train,
+                                            dests)
             part.a = part.g = None  # book-keeping ends here for this part
             part.done = True
-            self._deliver(layer, grads)
+            self._delivered(layer)
 
     def _mean_scale(self) -> int:
         """Note [mean loss]: b for a micro-batch of b real rows under loss_reduction="mean", else 1.
@@ -430,17 +446,38 @@ class Book:
             return
         self.dropped_mask |= factors == 0
 
-    def _deliver(self, layer: Layer, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        for slot, grad in zip(layer.slots, grads):
+    def _unit_buffer(self, unit: int) -> torch.Tensor:
+        """The flat fp32 buffer unit ``unit``'s clipped sums of this micro-batch are added into."""
+        buf = self.unit_buf.get(unit)
+        if buf is None:
+            self.wrote = True
+            buf = self.state.grad_accumulator(unit)  # Note [private accumulator]
+            if buf is None:
+                buf = torch.zeros(self.unit_numel[unit], dtype=torch.float32,
+                                  device=self.unit_device[unit])
+            else:
+                self.direct.add(unit)
+            self.unit_buf[unit] = buf
+        return buf
+
+    def _dests(self, layer: Layer) -> List[Optional[torch.Tensor]]:
+        """Per parameter of ``layer``: its slot in its unit's buffer (the parameter's shape), or
+        None where it is not trained."""
+        out: List[Optional[torch.Tensor]] = []
+        for slot in layer.slots:
+            if slot is None:
+                out.append(None)
+            else:
+                buf = self._unit_buffer(slot.unit)
+                out.append(buf[slot.offset:slot.offset + slot.numel].view(slot.shape))
+        return out
+
+    def _delivered(self, layer: Layer) -> None:
+        """One call of ``layer`` has added its clipped sums: hands over each unit that now has
+        every contribution of the micro-batch."""
+        for slot in layer.slots:
             if slot is None:
                 continue
-            buf = self.unit_buf.get(slot.unit)
-            if buf is None:
-                buf = torch.zeros(self.unit_numel[slot.unit], dtype=torch.float32,
-                                  device=self.unit_device[slot.unit])
-                self.unit_buf[slot.unit] = buf
-            if grad is not None:
-                buf[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1).to(buf.device))
             self.unit_expected[slot.unit] -= 1
             if self.unit_expected[slot.unit] == 0:
                 self._hand_over(slot.unit)
@@ -449,6 +486,8 @@ class Book:
         buf = self.unit_buf.pop(unit)
         self.unit_expected.pop(unit, None)
         self.handed.add(unit)
+        if unit in self.direct:
+            return  # already in the engine's buffer (Note [private accumulator])
         self.state.add_unit_grad(unit, buf, release_params=unit not in self.keep_gathered,
                                  donated=True)  # popped above: nothing else holds buf
 
@@ -476,10 +515,7 @@ class Book:
                 self._complete(group)
             for unit in range(len(self.unit_numel)):
                 if unit not in self.handed:
-                    if unit not in self.unit_buf:
-                        self.unit_buf[unit] = torch.zeros(self.unit_numel[unit],
-                                                          dtype=torch.float32,
-                                                          device=self.unit_device[unit])
+                    self._unit_buffer(unit)  # zeros where no part of it ran
                     self._hand_over(unit)
             if self.batch is not None and not self.padding:  # padding rows count nowhere
                 self.stats.samples += self.batch

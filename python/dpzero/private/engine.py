@@ -699,6 +699,7 @@ class PrivacyEngine:
         self.book.discard()
         self.book.take_stats()
         self.sharded.zero_grad()
+        self.book.wrote = False
 
     def _trainable_changed(self) -> Optional[str]:
         """The engine trains the parameters that were trainable at attach; one unfrozen since
@@ -720,11 +721,14 @@ class PrivacyEngine:
         self._check_attached()
         if self._skipped_step and self.book.error is None:
             return  # mid logical batch (the last step() only accumulated): keep it
+        dirty = self.book.wrote or self.book.error is not None
         self.book.discard()
         self.book.take_stats()
         self.book.error = None
         self.book.stale = False
-        self.sharded.zero_grad()
+        if dirty:  # zeroing clean buffers is a full pass over every gradient for nothing
+            self.sharded.zero_grad()
+            self.book.wrote = False
 
     def _optimizer_step(self) -> bool:
         """Returns True if a private step was taken."""
@@ -806,6 +810,7 @@ class PrivacyEngine:
                  else dict(seed=_as_int64(self.noise_source.seed)))
         self._collective("the noisy update", self.sharded._state.noisy_step, stddev, k,
                          1.0 / (q * self.dataset_size), charged=True, **noise)
+        self.book.wrote = False  # the engine's step zeroed every gradient buffer
         _failpoints.hit("after_update", k, self.rank)
         self.next_step = max(t + 1, self.charges)
         self.steps_taken += 1

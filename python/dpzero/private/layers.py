@@ -65,15 +65,16 @@ def certified_sum(sqs: Sequence[torch.Tensor]) -> torch.Tensor:
     return round_up_f32(total * (1.0 + 1e-15))
 
 
-def kept_clipped_sums(kind: "LayerKind", module, kept: Kept, scale, train):
-    """The clipped sums of a layer kept as :class:`Kept`: sum_i scale_i g_i from the kept rows, and
-    the kind's own clipped sums for the parameters summed from ``a`` and ``g``."""
+def add_kept_clipped_sums(kind: "LayerKind", module, kept: Kept, scale, train, dests) -> None:
+    """Adds the clipped sums of a layer kept as :class:`Kept` into ``dests`` (as
+    ``LayerKind.add_clipped_sums``): sum_i scale_i g_i from the kept rows, and the kind's own
+    clipped sums for the parameters summed from ``a`` and ``g``."""
     rest = tuple(t and grad is None for t, grad in zip(train, kept.grads))
-    out = kind.clipped_sums(module, kept.a, kept.g, scale, rest) if any(rest) else [None] * len(train)
-    for i, grad in enumerate(kept.grads):
+    if any(rest):
+        kind.add_clipped_sums(module, kept.a, kept.g, scale, rest, dests)
+    for dest, grad in zip(dests, kept.grads):
         if grad is not None:
-            out[i] = _ops.per_sample_clipped_sum(grad, scale)
-    return out
+            dest.add_(_ops.per_sample_clipped_sum(grad, scale).view(dest.shape))
 
 
 class LayerKind:
@@ -109,6 +110,15 @@ class LayerKind:
     def clipped_sums(self, module, a, g, scale, train) -> List[Optional[torch.Tensor]]:
         """sum_i scale_i g_i per parameter (None where not trainable)."""
         raise NotImplementedError
+
+    def add_clipped_sums(self, module, a, g, scale, train, dests) -> None:
+        """Adds sum_i scale_i g_i into ``dests`` (per parameter: a float32 tensor of its shape,
+        typically its slot in the engine's gradient buffer, or None where not trainable). Kinds
+        with an in-place op override this (Note [accumulating clipped sums] in
+        kernels/per_sample_ops.h); the rest add what ``clipped_sums`` returns."""
+        for dest, grad in zip(dests, self.clipped_sums(module, a, g, scale, train)):
+            if grad is not None:
+                dest.add_(grad.view(dest.shape))
 
     def clip(self, module, a, g, max_norm, mode, gamma, train):
         """Fused norms + factors + clipped sums for threshold ``max_norm``:
@@ -192,6 +202,13 @@ class LinearKind(LayerKind):
         return [_ops.linear_clipped_sum(a, g, scale, transposed=self.transposed) if w else None,
                 _ops.bias_clipped_sum(g, scale) if b else None]
 
+    def add_clipped_sums(self, module, a, g, scale, train, dests):
+        w, b = train
+        if w:
+            _ops.add_linear_clipped_sum_(dests[0], a, g, scale, transposed=self.transposed)
+        if b:
+            dests[1].add_(_ops.bias_clipped_sum(g, scale))
+
     def clip(self, module, a, g, max_norm, mode, gamma, train):
         w, b = train
         if not w:
@@ -228,6 +245,10 @@ class EmbeddingKind(LayerKind):
 
     def clipped_sums(self, module, a, g, scale, train):
         return [_ops.embedding_clipped_sum(a, g, scale, module.num_embeddings, module.padding_idx)]
+
+    def add_clipped_sums(self, module, a, g, scale, train, dests):
+        _ops.add_embedding_clipped_sum_(dests[0], a, g, scale, module.num_embeddings,
+                                        module.padding_idx)
 
     def clip(self, module, a, g, max_norm, mode, gamma, train):
         gw, sq, factors, _ = _ops.embedding_clip(a, g, module.num_embeddings, max_norm, mode,
