@@ -16,13 +16,26 @@ Systems. One BertForSequenceClassification built from a BertConfig (sizes from t
                  has them, two backward passes packed into the wrapped criterion's backward)
   opacus-ew      grad_sample_mode="ew": torch's ExpandedWeights per-sample gradients
   opacus-functorch  grad_sample_mode="functorch": torch.func vmap per-sample gradients
-Each private system gets the same sigma, C and expected batch size B (Opacus: a DataLoader of
-batch size B over a dataset of --batches * B rows; dpzero: batch_size=B over the same dataset),
-so both normalise the noisy sum by B. An Opacus mode that fails to build or step here is listed
-with its error and left out of the ratios; so is any other system that raises.
+Each private system gets the same sigma, C and expected batch size KB (Opacus: a DataLoader of
+batch size KB over a dataset of N = B K max(2, ceil(--batches / K)) rows, a whole number of
+logical batches, since Opacus takes N / len(loader) as the expected batch; dpzero: batch_size=KB
+over the same dataset), so both normalise the noisy sum by KB. An Opacus mode that fails to build or step here
+is listed with its error and left out of the ratios; so is any other system that raises.
 
-Same inputs everywhere. Batch k (k < --batches) is rows [kB, (k+1)B) of random token ids and
-random labels from a fixed generator (real text is not needed for timing). Every system is fed the
+Logical batches (--accumulate K, default 1). DP-SGD trains on large logical batches made of
+micro-batches that fit in memory; each system accumulates K micro-batches of B rows by its own
+mechanism and takes one optimizer step (one noise draw) per logical batch:
+  torch, zero0   backward of (mean loss / K) per micro-batch, one step;
+  dp-*           backward of each micro-batch's mean loss (the book recovers per-sample
+                 gradients, Note [mean loss]), one optimizer.step();
+  opacus-*       per micro-batch zero_grad, backward, and step(), with signal_skip_step before
+                 every step but the last (what Opacus's BatchMemoryManager does): clipped sums
+                 accumulate in summed_grad, the last step adds noise once and divides by KB.
+With K = 1 this is one plain step per batch.
+
+Same inputs everywhere. Micro-batch k is rows [kB, (k+1)B) (k cycled over the dataset's
+batches) of random token ids and random labels from a fixed generator; logical step s takes
+micro-batches sK, ..., sK + K - 1 (real text is not needed for timing). Every system is fed the
 same fixed batch directly (no Poisson loader: its batch sizes vary), with explicit, contiguous
 position_ids and token_type_ids of shape [B, T]. Hugging Face's defaults do not suit
 per-sample clipping: position_ids default to a [1, T] buffer slice (one row broadcast over the
@@ -31,22 +44,24 @@ positions]), and the default token_type_ids are an expand()ed view that Opacus's
 norm cannot .view(). Every model is built after torch.manual_seed(0), so all start from the same
 weights.
 
-Correctness, checked before timing, not timed. Each system takes one step from the initial
-weights on batch 0 (sigma = 0), and its update (parameters after minus before) is compared with a
-reference computed independently, example by example: B forward/backward passes of one example
-each through a plain copy of the model give the per-sample gradients g_i, and the reference update
-is -lr/B * sum_i c_i g_i. Two settings:
+Correctness, checked before timing, not timed. Each system takes one logical step from the
+initial weights on logical batch 0 (sigma = 0), and its update (parameters after minus before) is
+compared with a reference computed independently, example by example: KB forward/backward passes
+of one example each through a plain float64 copy of the model give the per-sample gradients g_i
+(in float32 the reference's own rounding reached 1e-4 of the clipped update at width 768), and the
+reference update is -lr/(KB) * sum_i c_i g_i. Two settings:
   no clip   C = inf for dpzero (allow_no_noise=True), C = 1e6 for Opacus (it needs a finite C),
             c_i = 1: every system, private or not, must give the plain mean-gradient SGD step;
   clip C    C = --clip; flat: c_i = min(1, C / (||g_i|| + 1e-6)); layer (dp-layer only): the
             same per layer with threshold C/sqrt(k). Private systems only.
-The error is ||update - reference|| / ||reference|| over all parameters; it must be at most
-CHECK_RTOL. A system that misses is reported as a MISMATCH in the results, not dropped, and the
+Both take SGD with lr = CHECK_LR (1e3, so that the update read off as float32 parameters after
+minus before is not quantised by the parameters' ulps). The error is ||update - reference|| /
+||reference|| over all parameters; it must be at most CHECK_RTOL. A system that misses is reported as a MISMATCH in the results, not dropped, and the
 benchmark goes on.
 
 Time. All systems that built are stepped interleaved, round by round, the order rotated every
-round, so that changes in machine load hit all of them alike. One step = zero_grad + forward +
-loss + backward + optimizer step (dpzero private: optimizer.zero_grad(); loss.backward();
+round, so that changes in machine load hit all of them alike. One step = one logical step as
+above: zero_grad + K (forward + loss + backward) + optimizer step (dpzero private: optimizer.zero_grad(); loss.backward();
 optimizer.step(), which takes a full private step on what was accumulated; Opacus ghost: the
 wrapped criterion's backward). After --warmup rounds, --repeats rounds are timed
 (time.perf_counter around the step); the table gives each system's median and interquartile
@@ -72,6 +87,7 @@ plain SGD step and is freed (one-off library set-up is not charged to any system
              steps.
 
 Usage: .venv/bin/python experiments/private_bench.py [--repeats 21] [--threads 2] ...
+[--accumulate K] [--tag NAME: a second configuration in its own section of the same file]
 (defaults: 4 layers, hidden 256, 4 heads, intermediate 1024, vocab 8192, T = 128, B = 16; about
 5 minutes on 2 idle cores). Writes experiments/results/private.md (the section between its
 markers; notes outside them are kept) and experiments/results/private.csv.
@@ -86,6 +102,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -123,6 +140,7 @@ OPACUS_MODES = {"opacus-hooks": "hooks", "opacus-ghost": "ghost", "opacus-ew": "
 PRIVATE = {"dp-flat", "dp-layer", *OPACUS_MODES}
 OPACUS_NO_CLIP = 1e6  # Opacus needs a finite C; no example's gradient norm comes near it
 CHECK_RTOL = 1e-4
+CHECK_LR = 1e3  # the correctness check's SGD lr (check(): the update must not drown in ulps)
 NOISY_OTHER_CPU = 0.10  # share of the machine's CPU used by other processes that marks a run noisy
 MIB = 2.0**20
 
@@ -150,13 +168,17 @@ class Data:
         self.ids = torch.randint(cfg["vocab"], (n, t), generator=g)
         self.labels = torch.randint(2, (n,), generator=g)
         self.dataset = TensorDataset(self.ids, self.labels)
-        self.b = b
+        self.b, self.k = b, cfg["accumulate"]
         self.position_ids = torch.arange(t).repeat(b, 1)  # contiguous [B, T]
         self.token_type_ids = torch.zeros(b, t, dtype=torch.long)
 
     def batch(self, k: int):
         rows = slice((k % len(self)) * self.b, (k % len(self) + 1) * self.b)
         return self.ids[rows], self.labels[rows]
+
+    def step_batches(self, k: int) -> list:
+        """The K micro-batches (ids, labels) of logical step k: batches kK, ..., kK + K - 1."""
+        return [self.batch(k * self.k + j) for j in range(self.k)]
 
     def __len__(self) -> int:
         return len(self.dataset) // self.b
@@ -187,7 +209,7 @@ class System:
             self._step = self._zero_step
         elif name in ("dp-flat", "dp-layer"):
             self.private = dpzero.make_private(
-                model, dataset=data.dataset, batch_size=data.b, noise_multiplier=sigma,
+                model, dataset=data.dataset, batch_size=data.b * data.k, noise_multiplier=sigma,
                 max_grad_norm=clip, clipping=name[3:], zero_stage=0, optimizer="sgd", lr=lr,
                 seed=0, max_physical_batch_size=None, loss_reduction="mean",
                 allow_no_noise=sigma == 0.0)
@@ -196,7 +218,8 @@ class System:
             mode = OPACUS_MODES[name]
             out = OpacusEngine().make_private(
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
-                data_loader=DataLoader(data.dataset, batch_size=data.b), noise_multiplier=sigma,
+                data_loader=DataLoader(data.dataset, batch_size=data.b * data.k),
+                noise_multiplier=sigma,
                 max_grad_norm=clip if math.isfinite(clip) else OPACUS_NO_CLIP,
                 grad_sample_mode=mode, criterion=nn.CrossEntropyLoss(), loss_reduction="mean")
             if mode == "ghost":
@@ -207,35 +230,52 @@ class System:
         else:
             raise ValueError(f"unknown system {name!r}")
 
-    def step(self, ids, labels) -> torch.Tensor:
-        return self._step(ids, labels)
+    def step(self, batches) -> torch.Tensor:
+        """One logical step over ``batches`` (K micro-batches (ids, labels)); the last loss."""
+        return self._step(batches)
 
-    def _torch_step(self, ids, labels):
+    # Non-private: each micro-batch's mean loss / K, so the gradient is the logical batch's mean.
+
+    def _torch_step(self, batches):
         self.opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.data.logits(self.model, ids), labels)
-        loss.backward()
+        for ids, labels in batches:
+            loss = F.cross_entropy(self.data.logits(self.model, ids), labels)
+            (loss / len(batches)).backward()
         self.opt.step()
         return loss.detach()
 
-    def _zero_step(self, ids, labels):
-        loss = F.cross_entropy(self.data.logits(self.sharded, ids), labels)
-        loss.backward()
+    def _zero_step(self, batches):
+        for ids, labels in batches:
+            loss = F.cross_entropy(self.data.logits(self.sharded, ids), labels)
+            (loss / len(batches)).backward()
         self.sharded.step()
         return loss.detach()
 
-    def _dp_step(self, ids, labels):
+    # dpzero private: each micro-batch's mean loss (per-sample gradients are recovered from it,
+    # Note [mean loss]); the clipped sums accumulate and the one step() noises and normalises by
+    # the expected logical batch K B.
+
+    def _dp_step(self, batches):
         p = self.private
         p.optimizer.zero_grad()
-        loss = F.cross_entropy(self.data.logits(p.model, ids), labels)
-        loss.backward()
+        for ids, labels in batches:
+            loss = F.cross_entropy(self.data.logits(p.model, ids), labels)
+            loss.backward()
         p.optimizer.step()
         return loss.detach()
 
-    def _opacus_step(self, ids, labels):
-        self.opt.zero_grad()
-        loss = self.criterion(self.data.logits(self.runner, ids), labels)
-        loss.backward()
-        self.opt.step()
+    # Opacus: its own accumulation (what BatchMemoryManager does): every micro-batch clips and
+    # adds into summed_grad, the steps before the last are signalled as skipped, and the last one
+    # adds the noise once and divides by expected_batch_size = K B (the data loader's batch).
+
+    def _opacus_step(self, batches):
+        for j, (ids, labels) in enumerate(batches):
+            self.opt.zero_grad()
+            loss = self.criterion(self.data.logits(self.runner, ids), labels)
+            loss.backward()
+            if j + 1 < len(batches):
+                self.opt.signal_skip_step(do_skip=True)
+            self.opt.step()
         return loss.detach()
 
     def params(self) -> dict:
@@ -265,7 +305,7 @@ def error_text(where: str, e: BaseException) -> str:
 def reference_updates(cfg: dict, data: Data, clip: float) -> dict:
     """Reference SGD updates on batch 0 from per-sample gradients (B passes of one example):
     {"none": ..., "flat": ..., "layer": ...} each {name: update}, plus stats."""
-    model = make_model(cfg)
+    model = make_model(cfg).double()  # float64: the reference's own rounding stays negligible
     names = [n for n, _ in model.named_parameters()]
     owner = {}  # parameter name -> module name (its layer: one clipping component in dpzero)
     for mname, module in model.named_modules():
@@ -273,7 +313,7 @@ def reference_updates(cfg: dict, data: Data, clip: float) -> dict:
             owner[f"{mname}.{pname}" if mname else pname] = mname
     layers = sorted(set(owner.values()))
     layer_c = clip / math.sqrt(len(layers))
-    ids, labels = data.batch(0)
+    ids, labels = (torch.cat(t) for t in zip(*data.step_batches(0)))
     sums = {k: {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
             for k in ("none", "flat", "layer")}
     norms, clipped_layers = [], 0
@@ -309,10 +349,13 @@ def relative_error(update: dict, ref: dict) -> float:
 
 
 def check(cfg: dict, data: Data, names, clip: float) -> dict:
-    """{name: {"none": rel err, "clip": rel err or None, "loss0": float, "error": str|None}}."""
+    """{name: {"none": rel err, "clip": rel err or None, "loss0": float, "error": str|None}}.
+    Every system and the reference use lr = CHECK_LR here: an update read off as (parameters
+    after - before) in float32 is quantised to the parameters' ulps, which at the timing lr came
+    to 1.2e-4 of a clipped update at width 768 for every system alike; SGD's lr only scales it."""
+    cfg = dict(cfg, lr=CHECK_LR)
     ref = reference_updates(cfg, data, clip)
     initial = {n: p.detach().clone() for n, p in make_model(cfg).named_parameters()}
-    ids, labels = data.batch(0)
     result = {"_stats": ref["stats"]}
     for name in names:
         row = dict(none=None, clip=None, loss0=None, error=None)
@@ -323,7 +366,7 @@ def check(cfg: dict, data: Data, names, clip: float) -> dict:
                 row["error"] = row["error"] or f"check ({key}) {err}"
                 continue
             try:
-                loss = system.step(ids, labels)
+                loss = system.step(data.step_batches(0))
                 after = system.params()
             except Exception as e:  # noqa: BLE001
                 row["error"] = row["error"] or error_text(f"check ({key}) step", e)
@@ -407,14 +450,14 @@ def time_interleaved(cfg: dict, data: Data, names, sigma: float, clip: float):
         budget = cfg["max_wait"] - info["waited"]
         if budget > 0:
             info["waited"] += wait_for_quiet(budget)
-        ids, labels = data.batch(r + 1)
+        batches = data.step_batches(r + 1)
         order = list(systems)
         load = OtherLoad()
         elapsed = {}
         for name in order[r % len(order):] + order[:r % len(order)]:
             t0 = time.perf_counter()
             try:
-                systems[name].step(ids, labels)
+                systems[name].step(batches)
             except Exception as e:  # noqa: BLE001 - the system drops out, reported
                 errors[name] = error_text(f"timing step (round {r})", e)
                 traceback.print_exc()
@@ -454,15 +497,15 @@ def memory_child(cfg: dict, name: str, sigma: float, clip: float) -> dict:
     ids, labels = data.batch(0)
     F.cross_entropy(data.logits(model, ids), labels).backward()
     opt.step()
-    del model, opt
+    del model, opt, ids, labels
     gc.collect()
     base = proc_status_bytes("VmRSS")
     system = System(name, cfg, data, sigma, clip)
     for s in range(2):
-        system.step(*data.batch(s))
+        system.step(data.step_batches(s))
     reset_peak_rss("private_bench")
     for s in range(2, 2 + cfg["memory_steps"]):
-        system.step(*data.batch(s))
+        system.step(data.step_batches(s))
     peak = proc_status_bytes("VmHWM") - base
     held = proc_status_bytes("VmRSS") - base
     return dict(peak=peak, held=held)
@@ -622,7 +665,7 @@ def write_markdown(path: str, args, cfg, rows, best, checks, run: dict) -> None:
     other = statistics.mean(timing["other"]) if timing["other"] else math.nan
     noisy = timing["contended_kept"] > 0 or other > NOISY_OTHER_CPU
     section = "\n".join([
-        "<!-- private_bench:begin -->",
+        f"<!-- {args.tag}:begin -->",
         f"Run {datetime.date.today().isoformat()} on {platform.machine()}, {os.cpu_count()} cores, "
         f"{cfg['threads']} torch thread(s); torch {torch.__version__}, transformers "
         f"{transformers.__version__}, opacus {opacus.__version__}, Python "
@@ -650,12 +693,18 @@ def write_markdown(path: str, args, cfg, rows, best, checks, run: dict) -> None:
         f"Model: BertForSequenceClassification from config, {cfg['layers']} layers, hidden "
         f"{cfg['hidden']}, {cfg['heads']} heads, intermediate {cfg['intermediate']}, vocab "
         f"{cfg['vocab']}, T = {cfg['seq']}, 2 labels, dropout 0, eager attention; "
-        f"{run['n_params'] / 1e6:.2f} M parameters (fp32). Batch B = {cfg['batch']} sequences "
-        f"(random ids and labels, the same batch fed to every system), mean cross-entropy, SGD "
-        f"lr {cfg['lr']}. Private systems: σ = {args.sigma}, C = {args.clip}, expected batch "
-        f"size {cfg['batch']}.",
+        f"{run['n_params'] / 1e6:.2f} M parameters (fp32). "
+        + (f"Batch B = {cfg['batch']} sequences" if cfg["accumulate"] == 1 else
+           f"Logical batch {cfg['accumulate']} × {cfg['batch']} = "
+           f"{cfg['accumulate'] * cfg['batch']} sequences: {cfg['accumulate']} micro-batches of "
+           f"B = {cfg['batch']}, gradients accumulated (each system by its own mechanism: "
+           "script docstring), one optimizer step and one noise draw per logical batch")
+        + "; random ids and labels, the same batches fed to every system; mean cross-entropy, "
+        f"SGD lr {cfg['lr']}. Private systems: σ = {args.sigma}, C = {args.clip}, expected "
+        f"batch size {cfg['accumulate'] * cfg['batch']}.",
         "",
-        f"Time: median and interquartile range of {cfg['repeats']} steps per system, interleaved "
+        f"Time: median and interquartile range of {cfg['repeats']} logical steps per system, "
+        "interleaved "
         f"round by round (order rotated) after {cfg['warmup']} warm-up rounds, all systems in one "
         "process. Peak RSS Δ = peak resident memory over "
         f"{cfg['memory_steps']} steady-state steps minus the resident memory before the system "
@@ -669,9 +718,12 @@ def write_markdown(path: str, args, cfg, rows, best, checks, run: dict) -> None:
         "Targets:",
         *verdicts(rows, best),
         "",
-        "Correctness (before timing, σ = 0): one step from the initial weights on the first batch, "
-        "update compared with an independent per-example reference (B single-example passes, "
-        "clipped and averaged by hand); error = ‖update − reference‖ / ‖reference‖, must be ≤ "
+        f"Correctness (before timing, σ = 0, SGD lr {CHECK_LR:g} so that float32 parameters "
+        "do not quantise the update): one logical step from the initial weights on the "
+        "first logical batch, "
+        "update compared with an independent per-example reference "
+        f"({cfg['accumulate'] * cfg['batch']} single-example passes through a float64 copy of "
+        "the model, clipped and averaged by hand); error = ‖update − reference‖ / ‖reference‖, must be ≤ "
         f"{CHECK_RTOL:g}. Per-example gradient norms at the start: min "
         f"{stats['norm_min']:.3g}, median {stats['norm_median']:.3g}, max {stats['norm_max']:.3g}; "
         f"{stats['clipped']} of {stats['samples']} examples exceed C = {args.clip:g} (flat); "
@@ -682,12 +734,12 @@ def write_markdown(path: str, args, cfg, rows, best, checks, run: dict) -> None:
         "",
         "Failures:" if failed else "Failures: none (every system built, stepped and was measured).",
         *failed,
-        "<!-- private_bench:end -->",
+        f"<!-- {args.tag}:end -->",
     ])
     title = ("# Private step: dpzero.make_private against non-private and Opacus (CPU)\n\n"
              "Written by `experiments/private_bench.py`; its docstring says what each column "
              "measures and how.\n")
-    write_marked_section(path, "private_bench", title, section)
+    write_marked_section(path, args.tag, title, section)
 
 
 def main() -> None:
@@ -700,7 +752,9 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=16, help="B, sequences per step")
+    parser.add_argument("--batch", type=int, default=16, help="B, sequences per micro-batch")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="K, micro-batches per logical step (gradient accumulation)")
     parser.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--sigma", type=float, default=1.0, help="noise multiplier (timing)")
@@ -716,6 +770,9 @@ def main() -> None:
     parser.add_argument("--skip-check", action="store_true", help="no correctness check")
     parser.add_argument("--skip-memory", action="store_true", help="no memory runs")
     parser.add_argument("--out", default=RESULTS_MD)
+    parser.add_argument("--tag", default="private_bench",
+                        help="marker name of this run's section in --out (several configurations "
+                             "share one file); the CSV is named after it")
     parser.add_argument("--_memory-child", dest="memory_child", help=argparse.SUPPRESS)
     parser.add_argument("--_cfg", dest="cfg_json", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -734,9 +791,16 @@ def main() -> None:
         parser.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if args.repeats < 2:
         parser.error("--repeats must be at least 2")
+    if args.accumulate < 1:
+        parser.error(f"--accumulate must be at least 1, got {args.accumulate}")
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", args.tag):
+        parser.error(f"--tag must be letters, digits, '_' or '-', got {args.tag!r}")
     cfg = dict(vocab=args.vocab, seq=args.seq, hidden=args.hidden, heads=args.heads,
                layers=args.layers, intermediate=args.intermediate, batch=args.batch,
-               batches=max(args.batches, 2), lr=args.lr, threads=args.threads,
+               accumulate=args.accumulate,
+               # a whole number of logical batches (Opacus's expected batch is N / len(loader))
+               batches=args.accumulate * max(2, math.ceil(args.batches / args.accumulate)),
+               lr=args.lr, threads=args.threads,
                warmup=args.warmup, repeats=args.repeats, memory_steps=args.memory_steps,
                max_wait=args.max_wait)
     torch.set_num_threads(args.threads)
@@ -764,7 +828,8 @@ def main() -> None:
     rows, best = summarize(names, times, time_errors, memory, checks)
     print("\n".join(table(rows, best)))
     print("\n".join(verdicts(rows, best)))
-    csv_path = os.path.splitext(args.out)[0] + ".csv"
+    csv_path = os.path.splitext(args.out)[0] + (
+        ".csv" if args.tag == "private_bench" else f"-{args.tag}.csv")
     write_csv(csv_path, rows, CSV_FIELDS)
     write_markdown(args.out, args, cfg, rows, best, checks, run)
     print(f"wrote {args.out} and {csv_path}")
