@@ -205,6 +205,11 @@ void bind_zero(py::module_ m) {
           "Note [private accumulator]: unit `unit`'s float32 gradient buffer [padded_numel] in "
           "stages 0-1, into which the private path adds clipped sums in place (and then never "
           "calls add_unit_grad for the unit); None where add_unit_grad must be used.")
+      .def("set_private", &ZeroState::set_private, py::arg("on"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Note [private gradients]: on, gradients reach the step only through add_unit_grad / "
+           "grad_accumulator and no parameter .grad views are attached (a .grad written by the "
+           "caller is ignored); off restores the views.")
       .def("release_params", &ZeroState::release_params, py::arg("unit"),
            py::call_guard<py::gil_scoped_release>(),
            "Stage 3: frees unit `unit`'s gathered parameters now (no backward node still reads "

@@ -97,9 +97,21 @@ void ParamGroup::add_grad(const at::Tensor& full, const comm::Collectives& comm,
   if (release) flat_.reshard();
 }
 
-at::Tensor ParamGroup::private_accumulator() const {
+at::Tensor ParamGroup::private_accumulator() {
   if (reduces_in_backward(stage_) || flat_grad_.scalar_type() != at::kFloat) return {};
+  grad_dirty_ = true;
   return flat_grad_;
+}
+
+void ParamGroup::set_private(bool on) {
+  at::NoGradGuard no_grad;
+  private_ = on;
+  if (packs_grads_) return;  // no views in this mode either way
+  if (on) {
+    flat_.drop_grads();
+  } else {
+    flat_.attach_grad_views(flat_grad_, /*keep_values=*/false);
+  }
 }
 
 void ParamGroup::reduce_packed(at::Tensor full, const comm::Collectives& comm) {
@@ -107,6 +119,7 @@ void ParamGroup::reduce_packed(at::Tensor full, const comm::Collectives& comm) {
   const int64_t full_bytes = full.numel() * static_cast<int64_t>(full.element_size());
   if (!reduces_in_backward(stage_)) {
     flat_grad_.add_(full);
+    grad_dirty_ = true;
     note_comm_bytes(full_bytes);
   } else {
     wait_reduce();  // one reduction in flight per unit, folded in order
@@ -135,12 +148,12 @@ void ParamGroup::step(const comm::Collectives& comm, double grad_scale, const St
                     // [padded_numel] in stage 0, [shard_numel] otherwise
   switch (stage_) {
     case Stage::k0:
-      if (!packs_grads_) flat_.attach_grad_views(flat_grad_, /*keep_values=*/true);
+      if (!packs_grads_ && !private_) flat_.attach_grad_views(flat_grad_, /*keep_values=*/true);
       comm.all_reduce_sum_(flat_grad_);
       grad = flat_grad_;
       break;
     case Stage::k1:
-      if (!packs_grads_) flat_.attach_grad_views(flat_grad_, /*keep_values=*/true);
+      if (!packs_grads_ && !private_) flat_.attach_grad_views(flat_grad_, /*keep_values=*/true);
       grad = at::empty({flat_.layout().shard_numel()}, flat_grad_.options());
       comm.reduce_scatter_sum(grad, flat_grad_);
       note_comm_bytes(grad.numel() * static_cast<int64_t>(grad.element_size()));
@@ -184,13 +197,16 @@ void ParamGroup::zero_grad() {
   wait_reduce();  // a collective in flight still writes into the buffers about to be dropped
   if (reduces_in_backward(stage_)) {
     grad_shard_ = at::Tensor();  // Note [gradient buffers]: released between steps
-  } else {
+  } else if (grad_dirty_ || !private_) {  // with views autograd may have written it any time
     flat_grad_.zero_();
   }
+  grad_dirty_ = false;
   if (packs_grads_) {
     flat_.drop_grads();  // per-parameter gradients of a backward that was not finished
     std::fill(ready_.begin(), ready_.end(), 0);
     ready_count_ = 0;
+  } else if (private_) {
+    flat_.drop_grads();  // Note [private gradients]: a .grad set by the caller is ignored
   } else {
     flat_.attach_grad_views(flat_grad_, /*keep_values=*/false);
   }

@@ -81,6 +81,10 @@
 // add_grad takes that tensor where take_grads would have packed autograd's .grad: the same
 // reduction, the same overlap cap, the same accumulation over micro-batches. Clipped sums stay in
 // fp32 up to the reduction (DESIGN.md §4); they are cast only if reduce_dtype is 16-bit.
+// Under DP the engine is switched to private mode (set_private): no .grad views in stages 0–1,
+// since step() would copy any .grad found there into the buffer (a .grad set by the caller
+// released unclipped; one set to None by model.zero_grad() zeroing the clipped sums), and the
+// stage 0–1 buffer is zeroed only when written since its last zeroing.
 //
 // Note [private accumulator]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -154,8 +158,16 @@ class ParamGroup {
                 bool donated = false);
   // Note [private accumulator]: flat_grad_ ([padded_numel] float32, the buffer step() reduces),
   // into which the private path may add this unit's clipped sums directly instead of calling
-  // add_grad; undefined in stages 2–3 and when flat_grad_ is not float32.
-  at::Tensor private_accumulator() const;
+  // add_grad; undefined in stages 2–3 and when flat_grad_ is not float32. Marks the buffer as
+  // written (zero_grad zeroes it).
+  at::Tensor private_accumulator();
+  // Note [private gradients]: under DP (on) the unit's gradient arrives only through add_grad or
+  // the private accumulator. No .grad views are attached (off again restores them), so nothing
+  // written to a parameter's .grad reaches the step, and setting it to None (model.zero_grad())
+  // cannot wipe the clipped sums: with views, step() copies each .grad into the buffer and zeroes
+  // the slots of those that are None. And zero_grad() zeroes the stage 0–1 buffer only if
+  // something wrote it since it was last zeroed (with views autograd may write at any time).
+  void set_private(bool on);
   // End of a backward pass: takes the gradient of a unit that got some but not all of it, then
   // (stage 3) frees the gathered parameters.
   void finish_backward(const comm::Collectives& comm);
@@ -236,6 +248,8 @@ class ParamGroup {
   // [padded_numel] reduce_dtype, stages 0–1: the parameters' .grad are views of it, or packed
   // gradients are added into it (Note [gradient buffers]).
   at::Tensor flat_grad_;
+  bool private_ = false;    // Note [private gradients]: no .grad views, gradients only by add_grad
+  bool grad_dirty_ = true;  // flat_grad_ may be nonzero (stages 0-1)
   // [shard_numel] reduce_dtype, stages 2–3: Σ of this step's reduce-scattered unit gradients;
   // allocated by the first reduction of a step, released by step() and zero_grad().
   at::Tensor grad_shard_;

@@ -140,6 +140,10 @@ void ZeroState::add_unit_grad(int64_t unit, const at::Tensor& full, bool release
 
 at::Tensor ZeroState::grad_accumulator(int64_t unit) { return group(unit).private_accumulator(); }
 
+void ZeroState::set_private(bool on) {
+  for (ParamGroup& g : groups_) g.set_private(on);
+}
+
 void ZeroState::release_params(int64_t unit) {
   group(unit).flat().reshard();  // no-op unless parameters are sharded (stage 3)
 }

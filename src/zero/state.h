@@ -120,6 +120,10 @@ class ZeroState {
   // ([padded_numel]) in stages 0–1, into which the private path adds clipped sums directly (then
   // never calling add_unit_grad for the unit); undefined where add_unit_grad must be used.
   at::Tensor grad_accumulator(int64_t unit);
+  // Note [private gradients] in param_group.h: on (the private path) every unit takes its
+  // gradient only from add_unit_grad / grad_accumulator and attaches no .grad views; off restores
+  // the views.
+  void set_private(bool on);
   // Stage 3: frees unit `unit`'s gathered parameters now — the caller knows no autograd node of
   // this backward still reads them (the private path: every DP layer call using them has run its
   // backward, Note [early release] in python/dpzero/private/book.py). A later gather hook may

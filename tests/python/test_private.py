@@ -502,9 +502,10 @@ def _tiny(n=4, **kw):
 @pytest.mark.parametrize("clipping", ["flat", "layer"])
 def test_zero_grad_drops_a_backward_the_engine_buffer_already_holds(clipping):
     """Note [private accumulator]: at stage 0 the clipped sums are added straight into the
-    engine's gradient buffer, and zero_grad() skips zeroing buffers nothing wrote to since they
-    were last zeroed. A backward that zero_grad() drops must still leave nothing behind: the step
-    after it equals the naive DP-SGD step of its own batch alone."""
+    engine's gradient buffer (checked: it holds them after the backward), and zero_grad() zeroes
+    that buffer only when something wrote it since the last zeroing (Note [private gradients]).
+    A backward that zero_grad() drops must still leave nothing behind: the step after it equals
+    the naive DP-SGD step of its own batch alone."""
     torch.manual_seed(11)
     model = SeqNet()
     ref = copy.deepcopy(model)
@@ -513,17 +514,88 @@ def test_zero_grad_drops_a_backward_the_engine_buffer_already_holds(clipping):
     p = dpzero.make_private(model, dataset=ds, batch_size=8, noise_multiplier=sigma,
                             max_grad_norm=c, clipping=clipping, seed=21, optimizer="sgd", lr=lr)
     state = p.privacy_engine.sharded._state
-    assert all(state.grad_accumulator(u) is not None for u in range(state.num_units))
+    accumulators = [state.grad_accumulator(u) for u in range(state.num_units)]
+    assert all(a is not None for a in accumulators)
     ids, y = ds.tensors
-    p.optimizer.zero_grad()  # nothing written yet
+    p.optimizer.zero_grad()
     F.cross_entropy(p.model(ids[:8]), y[:8]).backward()  # lands in the engine's buffer ...
+    assert any(a.abs().sum() > 0 for a in accumulators)
     p.optimizer.zero_grad()  # ... and is dropped
+    assert all(a.abs().sum() == 0 for a in accumulators)
     p.optimizer.zero_grad()  # clean: nothing to zero
     F.cross_entropy(p.model(ids[8:16]), y[8:16]).backward()
     assert p.optimizer.step()
     want = naive_dp_sgd_step(ref, loss_fn, ids[8:16], y[8:16], max_grad_norm=c,
                              noise_multiplier=sigma, seed=21, noise_index=0, lr=lr,
                              expected_batch=8, clipping=clipping)
+    assert_close_params(p.privacy_engine.parameters(), want)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_grad_written_by_the_caller_never_reaches_the_step(stage):
+    """Note [private gradients]: under DP the engine attaches no .grad views. With views, step()
+    copied each parameter's .grad into the gradient buffer: model.zero_grad() (.grad = None)
+    between backward and step wiped the clipped sums (a noise-only step, charged), and a .grad
+    set by hand was released unclipped. Both must leave the step equal to the naive one."""
+    torch.manual_seed(12)
+    model = SeqNet()
+    ref = copy.deepcopy(model)
+    ds = seq_data()
+    c, sigma, lr = 0.5, 0.7, 0.2
+    p = dpzero.make_private(model, dataset=ds, batch_size=8, noise_multiplier=sigma,
+                            max_grad_norm=c, seed=22, optimizer="sgd", lr=lr, zero_stage=stage)
+    ids, y = ds.tensors
+    p.optimizer.zero_grad()
+    F.cross_entropy(p.model(ids[:8]), y[:8]).backward()
+    model.zero_grad(set_to_none=True)
+    model.head.weight.grad = torch.full_like(model.head.weight, 1e6)
+    assert p.optimizer.step()
+    want = naive_dp_sgd_step(ref, loss_fn, ids[:8], y[:8], max_grad_norm=c,
+                             noise_multiplier=sigma, seed=22, noise_index=0, lr=lr,
+                             expected_batch=8)
+    assert_close_params(p.privacy_engine.parameters(), want)
+
+
+def test_a_backward_that_failed_partway_must_be_dropped_before_the_next_forward():
+    """A backward that raises in a node after some DP layers were clipped leaves their clipped
+    sums accumulated; a retried forward + backward would count those examples twice. The next
+    forward is refused until zero_grad(), and then the step is the naive one."""
+    torch.manual_seed(13)
+    model = SeqNet()
+    ref = copy.deepcopy(model)
+    ds = seq_data()
+    c, sigma, lr = 0.5, 0.7, 0.2
+    p = dpzero.make_private(model, dataset=ds, batch_size=8, noise_multiplier=sigma,
+                            max_grad_norm=c, clipping="layer", seed=23, optimizer="sgd", lr=lr)
+    ids, y = ds.tensors
+    fail = [True]
+
+    def fail_once(grad):
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("boom")
+        return grad
+
+    # conv's output gradient arrives after ln, proj, rms and head were clipped (layer clipping
+    # adds each at once).
+    def hook_output(module, inputs, out):
+        out.register_hook(fail_once)
+
+    handle = model.conv.register_forward_hook(hook_output)
+    p.optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match="boom"):
+        F.cross_entropy(p.model(ids[:8]), y[:8]).backward()
+    handle.remove()
+    with pytest.raises(PrivacyViolation, match="stopped partway"):
+        p.model(ids[:8])
+    with pytest.raises(PrivacyViolation, match="refusing the step"):
+        p.optimizer.step()
+    p.optimizer.zero_grad()
+    F.cross_entropy(p.model(ids[:8]), y[:8]).backward()
+    assert p.optimizer.step()
+    want = naive_dp_sgd_step(ref, loss_fn, ids[:8], y[:8], max_grad_norm=c,
+                             noise_multiplier=sigma, seed=23, noise_index=0, lr=lr,
+                             expected_batch=8, clipping="layer")
     assert_close_params(p.privacy_engine.parameters(), want)
 
 

@@ -153,9 +153,6 @@ class Book:
                               if hasattr(layer.kind, "per_sample_grads")
                               for slot in layer.slots if slot is not None}
         self.stats = StepStats()
-        # Whether the engine's gradient buffers may hold anything since the engine last zeroed
-        # them (PrivacyEngine._zero_grad skips zeroing clean buffers; the engine's step zeroes).
-        self.wrote = True  # not known to be zero at attach
         self.padding = False  # Note [padding batches] in engine.py: gradients become zeros
         # Set by the loader (engine._begin_micro_batch): the rows of the micro-batch it yielded
         # (Note [one sample per row]) and how many backward passes reached the clipping since.
@@ -204,6 +201,14 @@ class Book:
                    ndim: int = 0) -> Tuple[int, int]:
         """Registers one call of ``layer`` on an input of ``batch`` rows (``ndim`` dims);
         returns the part id its backward reports under."""
+        if self.callback_queued:
+            # A backward reached the clipping but never finished (an exception in some backward
+            # node, so its end-of-backward callback never ran): what it already clipped stays
+            # accumulated, and running the micro-batch again would count its examples twice.
+            self.error = ("a backward pass stopped partway after part of it was clipped; its "
+                          "clipped sums are still accumulated, so a new forward would count "
+                          "those examples twice: call zero_grad() to drop the micro-batch")
+            raise PrivacyViolation(self.error)
         if batch is not None and batch != 1:
             self.forward_batch = batch
         self.forward_ndim = max(self.forward_ndim, ndim)
@@ -450,7 +455,6 @@ class Book:
         """The flat fp32 buffer unit ``unit``'s clipped sums of this micro-batch are added into."""
         buf = self.unit_buf.get(unit)
         if buf is None:
-            self.wrote = True
             buf = self.state.grad_accumulator(unit)  # Note [private accumulator]
             if buf is None:
                 buf = torch.zeros(self.unit_numel[unit], dtype=torch.float32,

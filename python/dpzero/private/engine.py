@@ -493,6 +493,9 @@ class PrivacyEngine:
         sharded = shard(model, stage=zero_stage, optimizer=name, process_group=process_group,
                         grad_scale=1.0, param_dtype=param_dtype, reduce_dtype=torch.float32,
                         units=units, grad_hooks=False, **opt_kwargs)
+        # Note [private gradients] (src/zero/param_group.h): gradients reach the step only from the
+        # clipping; no .grad views, so nothing written to a parameter's .grad is released.
+        sharded._state.set_private(True)
         slot_of, unit_numel, unit_device = param_slots(sharded)
         layers = find_layers(model, slot_of)
         n_components = assign_components(layers)
@@ -699,7 +702,6 @@ class PrivacyEngine:
         self.book.discard()
         self.book.take_stats()
         self.sharded.zero_grad()
-        self.book.wrote = False
 
     def _trainable_changed(self) -> Optional[str]:
         """The engine trains the parameters that were trainable at attach; one unfrozen since
@@ -721,14 +723,11 @@ class PrivacyEngine:
         self._check_attached()
         if self._skipped_step and self.book.error is None:
             return  # mid logical batch (the last step() only accumulated): keep it
-        dirty = self.book.wrote or self.book.error is not None
         self.book.discard()
         self.book.take_stats()
         self.book.error = None
         self.book.stale = False
-        if dirty:  # zeroing clean buffers is a full pass over every gradient for nothing
-            self.sharded.zero_grad()
-            self.book.wrote = False
+        self.sharded.zero_grad()  # Note [private gradients]: skips buffers the step left zeroed
 
     def _optimizer_step(self) -> bool:
         """Returns True if a private step was taken."""
@@ -810,7 +809,6 @@ class PrivacyEngine:
                  else dict(seed=_as_int64(self.noise_source.seed)))
         self._collective("the noisy update", self.sharded._state.noisy_step, stddev, k,
                          1.0 / (q * self.dataset_size), charged=True, **noise)
-        self.book.wrote = False  # the engine's step zeroed every gradient buffer
         _failpoints.hit("after_update", k, self.rank)
         self.next_step = max(t + 1, self.charges)
         self.steps_taken += 1
@@ -839,6 +837,7 @@ class PrivacyEngine:
         for h in self._guards:
             h.remove()
         self._guards = []
+        self.sharded._state.set_private(False)
         self.sharded.zero_grad()
         self._detached = True
         return self.module
