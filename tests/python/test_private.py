@@ -499,6 +499,31 @@ def _tiny(n=4, **kw):
     return model, ds, dpzero.make_private(model, **base)
 
 
+C_TINY, SIGMA_TINY, LR_TINY = 0.5, 0.7, 0.2  # the private-buffer tests below
+
+
+def _private_seqnet(seed, noise_seed, **kw):
+    """(model, untouched copy, ids, targets, make_private result) for the private-buffer tests:
+    SeqNet, 8 rows per logical batch, driven without the loader."""
+    torch.manual_seed(seed)
+    model = SeqNet()
+    ref = copy.deepcopy(model)
+    ds = seq_data()
+    p = dpzero.make_private(model, dataset=ds, batch_size=8, noise_multiplier=SIGMA_TINY,
+                            max_grad_norm=C_TINY, seed=noise_seed, optimizer="sgd", lr=LR_TINY,
+                            **kw)
+    ids, y = ds.tensors
+    return model, ref, ids, y, p
+
+
+def _assert_naive_step(p, ref, ids, y, noise_seed, clipping="flat"):
+    """The engine took exactly one naive DP-SGD step on (ids, y) from ``ref``'s weights."""
+    want = naive_dp_sgd_step(ref, loss_fn, ids, y, max_grad_norm=C_TINY,
+                             noise_multiplier=SIGMA_TINY, seed=noise_seed, noise_index=0,
+                             lr=LR_TINY, expected_batch=8, clipping=clipping)
+    assert_close_params(p.privacy_engine.parameters(), want)
+
+
 @pytest.mark.parametrize("clipping", ["flat", "layer"])
 def test_zero_grad_drops_a_backward_the_engine_buffer_already_holds(clipping):
     """Note [private accumulator]: at stage 0 the clipped sums are added straight into the
@@ -506,17 +531,10 @@ def test_zero_grad_drops_a_backward_the_engine_buffer_already_holds(clipping):
     that buffer only when something wrote it since the last zeroing (Note [private gradients]).
     A backward that zero_grad() drops must still leave nothing behind: the step after it equals
     the naive DP-SGD step of its own batch alone."""
-    torch.manual_seed(11)
-    model = SeqNet()
-    ref = copy.deepcopy(model)
-    ds = seq_data()
-    c, sigma, lr = 0.5, 0.7, 0.2
-    p = dpzero.make_private(model, dataset=ds, batch_size=8, noise_multiplier=sigma,
-                            max_grad_norm=c, clipping=clipping, seed=21, optimizer="sgd", lr=lr)
+    model, ref, ids, y, p = _private_seqnet(11, 21, clipping=clipping)
     state = p.privacy_engine.sharded._state
     accumulators = [state.grad_accumulator(u) for u in range(state.num_units)]
     assert all(a is not None for a in accumulators)
-    ids, y = ds.tensors
     p.optimizer.zero_grad()
     F.cross_entropy(p.model(ids[:8]), y[:8]).backward()  # lands in the engine's buffer ...
     assert any(a.abs().sum() > 0 for a in accumulators)
@@ -525,10 +543,7 @@ def test_zero_grad_drops_a_backward_the_engine_buffer_already_holds(clipping):
     p.optimizer.zero_grad()  # clean: nothing to zero
     F.cross_entropy(p.model(ids[8:16]), y[8:16]).backward()
     assert p.optimizer.step()
-    want = naive_dp_sgd_step(ref, loss_fn, ids[8:16], y[8:16], max_grad_norm=c,
-                             noise_multiplier=sigma, seed=21, noise_index=0, lr=lr,
-                             expected_batch=8, clipping=clipping)
-    assert_close_params(p.privacy_engine.parameters(), want)
+    _assert_naive_step(p, ref, ids[8:16], y[8:16], 21, clipping)
 
 
 @pytest.mark.parametrize("stage", [0, 1])
@@ -537,37 +552,20 @@ def test_a_grad_written_by_the_caller_never_reaches_the_step(stage):
     copied each parameter's .grad into the gradient buffer: model.zero_grad() (.grad = None)
     between backward and step wiped the clipped sums (a noise-only step, charged), and a .grad
     set by hand was released unclipped. Both must leave the step equal to the naive one."""
-    torch.manual_seed(12)
-    model = SeqNet()
-    ref = copy.deepcopy(model)
-    ds = seq_data()
-    c, sigma, lr = 0.5, 0.7, 0.2
-    p = dpzero.make_private(model, dataset=ds, batch_size=8, noise_multiplier=sigma,
-                            max_grad_norm=c, seed=22, optimizer="sgd", lr=lr, zero_stage=stage)
-    ids, y = ds.tensors
+    model, ref, ids, y, p = _private_seqnet(12, 22, zero_stage=stage)
     p.optimizer.zero_grad()
     F.cross_entropy(p.model(ids[:8]), y[:8]).backward()
     model.zero_grad(set_to_none=True)
     model.head.weight.grad = torch.full_like(model.head.weight, 1e6)
     assert p.optimizer.step()
-    want = naive_dp_sgd_step(ref, loss_fn, ids[:8], y[:8], max_grad_norm=c,
-                             noise_multiplier=sigma, seed=22, noise_index=0, lr=lr,
-                             expected_batch=8)
-    assert_close_params(p.privacy_engine.parameters(), want)
+    _assert_naive_step(p, ref, ids[:8], y[:8], 22)
 
 
 def test_a_backward_that_failed_partway_must_be_dropped_before_the_next_forward():
     """A backward that raises in a node after some DP layers were clipped leaves their clipped
     sums accumulated; a retried forward + backward would count those examples twice. The next
     forward is refused until zero_grad(), and then the step is the naive one."""
-    torch.manual_seed(13)
-    model = SeqNet()
-    ref = copy.deepcopy(model)
-    ds = seq_data()
-    c, sigma, lr = 0.5, 0.7, 0.2
-    p = dpzero.make_private(model, dataset=ds, batch_size=8, noise_multiplier=sigma,
-                            max_grad_norm=c, clipping="layer", seed=23, optimizer="sgd", lr=lr)
-    ids, y = ds.tensors
+    model, ref, ids, y, p = _private_seqnet(13, 23, clipping="layer")
     fail = [True]
 
     def fail_once(grad):
@@ -593,10 +591,7 @@ def test_a_backward_that_failed_partway_must_be_dropped_before_the_next_forward(
     p.optimizer.zero_grad()
     F.cross_entropy(p.model(ids[:8]), y[:8]).backward()
     assert p.optimizer.step()
-    want = naive_dp_sgd_step(ref, loss_fn, ids[:8], y[:8], max_grad_norm=c,
-                             noise_multiplier=sigma, seed=23, noise_index=0, lr=lr,
-                             expected_batch=8, clipping="layer")
-    assert_close_params(p.privacy_engine.parameters(), want)
+    _assert_naive_step(p, ref, ids[:8], y[:8], 23, "layer")
 
 
 def test_step_then_zero_grad_loop_keeps_the_logical_batch():

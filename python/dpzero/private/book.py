@@ -49,13 +49,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .layers import (Kept, LayerKind, LinearKind, add_kept_clipped_sums, certified_sum,
-                     round_down_f32, round_up_f32)
+from .layers import (Kept, LayerKind, LinearKind, add_into, add_kept_clipped_sums,
+                     certified_sum, round_down_f32, round_up_f32)
 
 _ops = torch.ops.dpzero
 
@@ -330,9 +330,7 @@ class Book:
             self._note_factors(factors)
             part.done = True
             gs.complete = True
-            for dest, grad in zip(self._dests(layer), grads):
-                if grad is not None:
-                    dest.add_(grad.view(dest.shape))
+            add_into(self._dests(layer), grads)
             self._delivered(layer)
             return
         if math.isfinite(threshold) and isinstance(kind, LinearKind) and layer.train[0]:

@@ -65,6 +65,13 @@ def certified_sum(sqs: Sequence[torch.Tensor]) -> torch.Tensor:
     return round_up_f32(total * (1.0 + 1e-15))
 
 
+def add_into(dests, grads) -> None:
+    """Adds each parameter's clipped sum (or nothing, for None) into its destination slot."""
+    for dest, grad in zip(dests, grads):
+        if grad is not None:
+            dest.add_(grad.view(dest.shape))
+
+
 def add_kept_clipped_sums(kind: "LayerKind", module, kept: Kept, scale, train, dests) -> None:
     """Adds the clipped sums of a layer kept as :class:`Kept` into ``dests`` (as
     ``LayerKind.add_clipped_sums``): sum_i scale_i g_i from the kept rows, and the kind's own
@@ -116,9 +123,7 @@ class LayerKind:
         typically its slot in the engine's gradient buffer, or None where not trainable). Kinds
         with an in-place op override this (Note [accumulating clipped sums] in
         kernels/per_sample_ops.h); the rest add what ``clipped_sums`` returns."""
-        for dest, grad in zip(dests, self.clipped_sums(module, a, g, scale, train)):
-            if grad is not None:
-                dest.add_(grad.view(dest.shape))
+        add_into(dests, self.clipped_sums(module, a, g, scale, train))
 
     def clip(self, module, a, g, max_norm, mode, gamma, train):
         """Fused norms + factors + clipped sums for threshold ``max_norm``:
@@ -242,9 +247,6 @@ class EmbeddingKind(LayerKind):
 
     def sq_norms(self, module, a, g, train):
         return _ops.embedding_sq_norms(a, g, module.num_embeddings, module.padding_idx)
-
-    def clipped_sums(self, module, a, g, scale, train):
-        return [_ops.embedding_clipped_sum(a, g, scale, module.num_embeddings, module.padding_idx)]
 
     def add_clipped_sums(self, module, a, g, scale, train, dests):
         _ops.add_embedding_clipped_sum_(dests[0], a, g, scale, module.num_embeddings,
