@@ -1,6 +1,7 @@
 // kernels/cpu/noise.cpp — CPU implementation of dpzero::add_noise_ (schema in kernels/ops.cpp).
-// The draws come eight blocks at a time from AVX2 lanes where the CPU has them (Note [cpu noise
-// lanes] in kernels/cpu/noise_simd.h), from the scalar privacy::normal2 otherwise.
+// The draws come from AVX2 or AVX-512 lanes where the CPU has them (Note [cpu noise lanes] in
+// kernels/cpu/noise_simd.h; the dispatch between the two widths is here), from the scalar
+// privacy::normal2 otherwise.
 #include <algorithm>
 #include <atomic>
 
@@ -20,7 +21,15 @@ std::atomic<bool>& enabled_flag() {
   static std::atomic<bool> enabled{true};
   return enabled;
 }
+
+// AVX-512F and DQ (libgcc's check includes the OS's XSAVE support for their registers).
+bool cpu_has_wide_lanes() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  return has;
+}
 }  // namespace
+
+bool wide_available() { return cpu_has_wide_lanes() && available(); }
 
 bool available() {
   static const bool cpu_has_lanes =
@@ -29,6 +38,24 @@ bool available() {
 }
 
 bool set_enabled(bool enabled) { return enabled_flag().exchange(enabled); }
+
+void philox_normal_blocks(uint64_t seed, uint32_t step, uint32_t stream, uint64_t first_block,
+                          float* z) {
+  if (cpu_has_wide_lanes()) {
+    philox_normal_blocks_avx512(seed, step, stream, first_block, z);
+  } else {
+    philox_normal_blocks_avx2(seed, step, stream, first_block, z);
+  }
+}
+
+void secure_normal_pairs(const uint32_t* key, uint32_t step, uint32_t stream, uint64_t first_pair,
+                         double* z) {
+  if (cpu_has_wide_lanes()) {
+    secure_normal_pairs_avx512(key, step, stream, first_pair, z);
+  } else {
+    secure_normal_pairs_avx2(key, step, stream, first_pair, z);
+  }
+}
 }  // namespace noise_simd
 
 namespace {

@@ -111,8 +111,8 @@ inline __m256d uniform4_f64(__m128i hi, __m128i lo) {
 
 }  // namespace
 
-void philox_normal_blocks(uint64_t seed, uint32_t step, uint32_t stream, uint64_t first_block,
-                          float* z) {
+void philox_normal_blocks_avx2(uint64_t seed, uint32_t step, uint32_t stream,
+                               uint64_t first_block, float* z) {
   // Counters (block lo, block hi, step, stream) of blocks first_block + 0..kBlocks-1, eight per
   // set (privacy::normal2).
   alignas(32) uint32_t lo[kBlocks], hi[kBlocks];
@@ -212,8 +212,8 @@ void secure_normal_pairs8(const uint32_t* key, uint32_t step, uint32_t stream, u
 
 }  // namespace
 
-void secure_normal_pairs(const uint32_t* key, uint32_t step, uint32_t stream, uint64_t first_pair,
-                         double* z) {
+void secure_normal_pairs_avx2(const uint32_t* key, uint32_t step, uint32_t stream,
+                              uint64_t first_pair, double* z) {
   for (int set = 0; set < kSets; ++set) {
     secure_normal_pairs8(key, step, stream, first_pair + 8 * static_cast<uint64_t>(set),
                          z + 16 * set);

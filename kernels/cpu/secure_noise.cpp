@@ -1,7 +1,7 @@
 // kernels/cpu/secure_noise.cpp — CPU implementation of dpzero::add_secure_noise_ (schema in
 // kernels/ops.cpp; the draw is Note [secure noise] in privacy/secure_noise.h).
-// The draws come eight pairs at a time from AVX2 lanes where the CPU has them (Note [cpu noise
-// lanes] in kernels/cpu/noise_simd.h), from the scalar privacy::secure_normal2 otherwise.
+// The draws come from AVX2 or AVX-512 lanes where the CPU has them (Note [cpu noise lanes] in
+// kernels/cpu/noise_simd.h), from the scalar privacy::secure_normal2 otherwise.
 #include <algorithm>
 
 #include <ATen/Dispatch.h>

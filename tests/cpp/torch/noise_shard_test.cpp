@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -62,6 +63,52 @@ TEST(AddNoiseOp, MatchesPerCoordinateDraw) {
       const float scalar = privacy::noise_draw(seed, step, j);
       ASSERT_NEAR(cpu_draw(seed, step, j), scalar, 4e-7 * (1.0 + std::abs(scalar)))
           << "offset=" << offset << " i=" << i;
+    }
+  }
+}
+
+// Note [cpu noise lanes]: on an AVX-512 CPU the op draws in sixteen lanes, and those must be the
+// AVX2 lanes' bits exactly (else a run mixing the two kinds of CPU would not be world-size
+// invariant). Random (seed, step, first block) triples, block indices across the 2^32 boundary
+// of the counter's low word included; 2^21 coordinates.
+TEST(AddNoiseOp, SixteenLanesAreTheEightLanesBitForBit) {
+  if (!kernels::noise_simd::wide_available()) GTEST_SKIP() << "this CPU has no AVX-512F + DQ";
+  constexpr int kDraws = 2 * kernels::noise_simd::kBlocks;
+  std::mt19937_64 rng(20261201);
+  for (int call = 0; call < (1 << 21) / kDraws; ++call) {
+    const uint64_t seed = rng();
+    const auto step = static_cast<uint32_t>(rng());
+    uint64_t first = rng() >> (rng() % 64);
+    if (call % 8 == 0) first = (uint64_t{1} << 32) - 1 - rng() % kernels::noise_simd::kBlocks;
+    float narrow[kDraws], wide[kDraws];
+    kernels::noise_simd::philox_normal_blocks_avx2(seed, step, privacy::kNoiseStream, first, narrow);
+    kernels::noise_simd::philox_normal_blocks_avx512(seed, step, privacy::kNoiseStream, first, wide);
+    for (int k = 0; k < kDraws; ++k) {
+      ASSERT_EQ(std::memcmp(&narrow[k], &wide[k], sizeof(float)), 0)
+          << "seed=" << seed << " step=" << step << " block=" << first + k / 2 << " lane " << k % 2
+          << ": " << narrow[k] << " vs " << wide[k];
+    }
+  }
+}
+
+// The same for the secure draws (ChaCha20 and the fp64 Box–Muller sum): 2^20 coordinates.
+TEST(AddSecureNoiseOp, SixteenLanesAreTheEightLanesBitForBit) {
+  if (!kernels::noise_simd::wide_available()) GTEST_SKIP() << "this CPU has no AVX-512F + DQ";
+  constexpr int kDraws = 2 * kernels::noise_simd::kBlocks;
+  std::mt19937_64 rng(1201);
+  for (int call = 0; call < (1 << 20) / kDraws; ++call) {
+    uint32_t key[8];
+    for (uint32_t& word : key) word = static_cast<uint32_t>(rng());
+    const auto step = static_cast<uint32_t>(rng());
+    uint64_t first = rng() >> (rng() % 64);
+    if (call % 8 == 0) first = (uint64_t{1} << 32) - 1 - rng() % kernels::noise_simd::kBlocks;
+    double narrow[kDraws], wide[kDraws];
+    kernels::noise_simd::secure_normal_pairs_avx2(key, step, privacy::kNoiseStream, first, narrow);
+    kernels::noise_simd::secure_normal_pairs_avx512(key, step, privacy::kNoiseStream, first, wide);
+    for (int k = 0; k < kDraws; ++k) {
+      ASSERT_EQ(std::memcmp(&narrow[k], &wide[k], sizeof(double)), 0)
+          << "step=" << step << " pair=" << first + k / 2 << " lane " << k % 2 << ": " << narrow[k]
+          << " vs " << wide[k];
     }
   }
 }
