@@ -105,6 +105,11 @@ TORCH_LIBRARY(dpzero, m) {
   // [B]); x, G [B, T, d] -> (sum_t G_t ⊙ x̂_t [B, d], sum_t ||G_t ⊙ x̂_t|| [B]), x̂ the LayerNorm
   // (rms=False) or RMSNorm (rms=True) normalisation of x over d with eps; all float64.
   m.def("_row_sums(Tensor G) -> (Tensor, Tensor)");
+  // Note [embedding rows]: ids [B, T] int64, G [B, T, d], padding_idx >= 0 or -1 (none) ->
+  // (sum over distinct ids v != pad of ||sum_{t: id_t = v} G_t||^2 [B], sum_{t: id_t != pad}
+  // ||G_t|| [B]), float64 (raw: the layer ops certify them).
+  m.def("_embedding_rows(Tensor ids, Tensor G, int num_embeddings, int padding_idx) "
+        "-> (Tensor, Tensor)");
   m.def("_norm_row_sums(Tensor x, Tensor G, float eps, bool rms) -> (Tensor, Tensor)");
   // Tests only: sets the byte budget of every chunked per-sample loop (bytes >= 1; default 64 MiB,
   // kernels/per_sample_checks.h) and returns the previous one. A tiny budget makes the loops run

@@ -59,6 +59,7 @@ TORCH_LIBRARY_IMPL(dpzero, CompositeExplicitAutograd, m) {
   // Note [row sums]: any device; kernels/cpu/row_sums.cpp overrides them on the CPU.
   m.impl("_row_sums", &per_sample::row_sums_generic);
   m.impl("_norm_row_sums", &per_sample::norm_row_sums_generic);
+  m.impl("_embedding_rows", &per_sample::embedding_rows_generic);
 }
 
 }  // namespace dpzero::kernels

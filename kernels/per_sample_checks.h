@@ -36,7 +36,8 @@ namespace dpzero::kernels {
 // Layer kinds map onto (T, d_in, d_out) as follows: Linear / HF Conv1D (T, d_in, d_out);
 // Conv1d/2d per group (output positions, C_in/groups * kernel numel, C_out/groups); Embedding
 // (T, min(T, V), d): a sample touches at most min(T, V) rows of the [V, d] table, and those rows
-// are all the direct path instantiates.
+// are all the direct path instantiates (on the CPU, which streams them, the embedding's direct
+// path is always taken: embedding_uses_ghost below).
 inline bool ghost_is_cheaper(int64_t T, int64_t d_in, int64_t d_out) {
   TORCH_CHECK(T >= 0 && d_in >= 0 && d_out >= 0,
               "dpzero::ghost_is_cheaper: T, d_in and d_out must be >= 0, got T=", T,
@@ -61,6 +62,15 @@ inline NormMethod check_method(const char* op, int64_t method) {
 inline bool use_ghost(NormMethod method, int64_t T, int64_t d_in, int64_t d_out) {
   if (method == NormMethod::kAuto) return ghost_is_cheaper(T, d_in, d_out);
   return method == NormMethod::kGhost;
+}
+
+// An embedding's path: as use_ghost with (T, min(T, V), d), except that on the CPU `auto` is
+// always direct: the CPU kernel of Note [embedding rows] (kernels/per_sample_ops.h) holds one
+// [d] row per thread and does T d work per sample against the ghost path's 2 T^2 d.
+inline bool embedding_uses_ghost(NormMethod method, int64_t T, int64_t num_embeddings, int64_t d,
+                                 bool cpu) {
+  if (method == NormMethod::kAuto && cpu) return false;
+  return use_ghost(method, T, std::min(T, num_embeddings), d);
 }
 
 // Temporaries of the chunked loops (Grams, per-sample gradients, float64 copies) stay under this
@@ -217,15 +227,22 @@ inline void check_ghost_args(const char* op, const at::Tensor& a, const char* a_
   if (want_dim == 3) check_floating(op, a_name, a);
 }
 
-// dpzero::_token_ghost_sq_norms's inputs on any backend: ids [B, T] int64, G [B, T, d], and a
-// padding index >= 0 or -1 for none.
-inline void check_token_ghost_args(const at::Tensor& ids, const at::Tensor& g, int64_t padding_idx) {
-  check_ghost_args("_token_ghost_sq_norms", ids, "ids", g);
-  TORCH_CHECK(ids.scalar_type() == at::kLong,
-              "dpzero::_token_ghost_sq_norms: ids must be int64, got ", ids.scalar_type());
-  TORCH_CHECK(padding_idx >= -1,
-              "dpzero::_token_ghost_sq_norms: padding_idx must be >= 0 or -1 (none), got ",
-              padding_idx);
+// The inputs of dpzero::_token_ghost_sq_norms and dpzero::_embedding_rows (`op`) on any backend:
+// ids [B, T] int64, G [B, T, d], and a padding index >= 0 or -1 for none.
+inline void check_token_ghost_args(const at::Tensor& ids, const at::Tensor& g, int64_t padding_idx,
+                                   const char* op = "_token_ghost_sq_norms") {
+  check_ghost_args(op, ids, "ids", g);
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "dpzero::", op, ": ids must be int64, got ",
+              ids.scalar_type());
+  TORCH_CHECK(padding_idx >= -1, "dpzero::", op,
+              ": padding_idx must be >= 0 or -1 (none), got ", padding_idx);
+}
+
+inline void check_embedding_rows_args(const at::Tensor& ids, const at::Tensor& g,
+                                      int64_t num_embeddings, int64_t padding_idx) {
+  check_token_ghost_args(ids, g, padding_idx, "_embedding_rows");
+  TORCH_CHECK(num_embeddings >= 1, "dpzero::_embedding_rows: num_embeddings must be >= 1, got ",
+              num_embeddings);
 }
 
 }  // namespace dpzero::kernels

@@ -800,15 +800,29 @@ inline ClipResult linear_clip(const at::Tensor& A, const at::Tensor& G, double m
 
 // ---- Embedding: ids [B, ...], G [B, ..., d], weight [V, d] --------------------------------------
 
-// Certified direct path: the rows sample i touches, sum_{t: id_t = v} G_{i,t} for each distinct
-// v != pad, built in float64 by one index_add over (sample, token) keys; ||g_i||^2 is the sum of
-// their squared norms, S_i = sum_{t: id_t != pad} ||G_{i,t}||. At most min(T, V) rows per sample,
-// a chunk of samples at a time. ids [B, T] int64, G [B, T, d] -> [B] float64.
-inline at::Tensor embedding_direct_sq_norms(const at::Tensor& ids, const at::Tensor& g,
-                                            int64_t num_embeddings, int64_t pad) {
+// Note [embedding rows]
+// The direct path of an embedding: the rows sample i touches, r_v = sum_{t: id_t = v} G_{i,t} for
+// each distinct v != pad, summed in float64; ||g_i||^2 = sum_v ||r_v||^2 and S_i = sum_{t: id_t !=
+// pad} ||G_{i,t}|| (Note [certified norms]: each entry of r_v is a sum of at most T terms, e =
+// gamma_T, and q sums at most T d squares). dpzero::_embedding_rows returns (q, S), raw float64.
+// Its generic version (any device; registered in per_sample.cpp) builds the rows of a chunk of
+// samples by one index_add over (sample, token) keys; the CPU kernel (kernels/cpu/row_sums.cpp)
+// sorts each sample's tokens by id and streams each run of equal ids through one [d] float64
+// accumulator, so it holds no [c, U, d] rows and does T d work per sample: less than the ghost
+// path's 2 T^2 d in both time and memory, and the CPU takes this path whatever the shape (Note
+// [ghost or direct]: embedding_uses_ghost). A padding token's row is skipped, never read into a
+// sum, so a NaN there reaches nothing.
+
+// ids [B, T] int64, G [B, T, d] -> (q [B], S [B]) float64 (Note [embedding rows]); pad >= 0, or
+// -1 for none.
+inline std::tuple<at::Tensor, at::Tensor> embedding_rows_generic(const at::Tensor& ids,
+                                                                 const at::Tensor& g,
+                                                                 int64_t num_embeddings,
+                                                                 int64_t pad) {
+  check_embedding_rows_args(ids, g, num_embeddings, pad);
   const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
-  at::Tensor out = at::empty({b}, g.options().dtype(at::kDouble));
-  const double e = rounding_gamma(static_cast<double>(t));
+  at::Tensor q = at::empty({b}, g.options().dtype(at::kDouble));
+  at::Tensor s = at::empty({b}, g.options().dtype(at::kDouble));
   const int64_t chunk = samples_per_pass_chunk(b, 8 * (4 * t * d + 2 * t) + 48 * t);
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk), c = i1 - i0;
@@ -822,12 +836,31 @@ inline at::Tensor embedding_direct_sq_norms(const at::Tensor& ids, const at::Ten
                                                        /*return_inverse=*/true);
     at::Tensor rows = at::zeros({unique_keys.size(0), d}, g64.options());
     rows.index_add_(0, inverse.reshape({-1}), g64.reshape({-1, d}));  // [U, d]
-    const at::Tensor q = at::zeros({c}, g64.options())
-                             .index_add_(0, unique_keys.div(num_embeddings, "trunc"),
-                                         rows.square_().sum(1));
-    out.slice(0, i0, i1).copy_(certify_direct(q, row_norms(g64).sum(1), e, t * d + 1));
+    q.slice(0, i0, i1).copy_(at::zeros({c}, g64.options())
+                                 .index_add_(0, unique_keys.div(num_embeddings, "trunc"),
+                                             rows.square_().sum(1)));
+    s.slice(0, i0, i1).copy_(row_norms(g64).sum(1));
   }
-  return out;
+  return {q, s};
+}
+
+inline std::tuple<at::Tensor, at::Tensor> embedding_rows(const at::Tensor& ids,
+                                                         const at::Tensor& g,
+                                                         int64_t num_embeddings, int64_t pad) {
+  using Signature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                       int64_t, int64_t);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_embedding_rows", "")
+                             .typed<Signature>();
+  return op.call(ids, g, num_embeddings, pad);
+}
+
+// Certified direct path (Note [embedding rows]). ids [B, T] int64, G [B, T, d] -> [B] float64.
+inline at::Tensor embedding_direct_sq_norms(const at::Tensor& ids, const at::Tensor& g,
+                                            int64_t num_embeddings, int64_t pad) {
+  const auto [q, s] = embedding_rows(ids, g, num_embeddings, pad);
+  return certify_direct(q, s, rounding_gamma(static_cast<double>(g.size(1))),
+                        g.size(1) * g.size(2) + 1);
 }
 
 // ids [B, ...] -> [B, T] int64; checks the id range on CPU (on CUDA that would cost a device sync
@@ -858,7 +891,7 @@ inline at::Tensor embedding_sq_norms_f64(const char* op, const at::Tensor& ids, 
   const at::Tensor id = flat_ids(op, ids, num_embeddings);
   const at::Tensor g = embedding_grad_btd(G, id);
   const int64_t t = g.size(1), d = g.size(2);
-  if (use_ghost(method, t, std::min(t, num_embeddings), d)) {
+  if (embedding_uses_ghost(method, t, num_embeddings, d, g.is_cpu())) {
     const auto [value, s] = token_ghost_sq_norms(id, g, pad);
     return certify_ghost(value, s, ghost_error_coefficient(t, 0, d));
   }

@@ -1,6 +1,6 @@
-// kernels/cpu/row_sums.cpp — CPU implementations of dpzero::_row_sums and dpzero::_norm_row_sums
-// (schemas in kernels/ops.cpp; Note [row sums] in kernels/per_sample_ops.h, whose generic ATen
-// versions serve the other devices).
+// kernels/cpu/row_sums.cpp — CPU implementations of dpzero::_row_sums, dpzero::_norm_row_sums and
+// dpzero::_embedding_rows (schemas in kernels/ops.cpp; Note [row sums] and Note [embedding rows]
+// in kernels/per_sample_ops.h, whose generic ATen versions serve the other devices).
 //
 // One pass over the inputs, a sample per task: each row is read once as float32 (bfloat16 /
 // float16 inputs are widened to float32 first, exactly), its entries are added to the sample's
@@ -9,6 +9,7 @@
 // of squared deviations (RMSNorm: the mean of squares), x̂ = (x - mean) / sqrt(var + eps).
 // The generic versions take chunks of float64 copies and a dozen ATen passes; for a [16, 128, 1024]
 // bias these took 1.7 ms on 2 cores, this kernel a fraction of that (experiments/results/private.md).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -114,11 +115,61 @@ std::tuple<at::Tensor, at::Tensor> norm_row_sums_cpu(const at::Tensor& x_in, con
   });
 }
 
+// Note [embedding rows] (kernels/per_sample_ops.h): ids [B, T] int64, G [B, T, d] -> (q [B], S
+// [B]) float64. Per sample: the non-padding tokens sorted by (id, position), then each run of
+// equal ids summed row by row in position order into one [d] float64 accumulator, whose squared
+// norm joins q when the run ends. ids are only compared, never used as indices, so an id outside
+// [0, num_embeddings) cannot reach memory it should not (the layer ops check the range first).
+std::tuple<at::Tensor, at::Tensor> embedding_rows_cpu(const at::Tensor& ids_in,
+                                                      const at::Tensor& g_in,
+                                                      int64_t num_embeddings, int64_t pad) {
+  check_embedding_rows_args(ids_in, g_in, num_embeddings, pad);
+  const at::Tensor ids = ids_in.contiguous(), g = as_f32(g_in);
+  const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
+  at::Tensor q = at::zeros({b}, g.options().dtype(at::kDouble));
+  at::Tensor s = at::zeros({b}, g.options().dtype(at::kDouble));
+  const int64_t* pid = ids.data_ptr<int64_t>();
+  const float* pg = g.data_ptr<float>();
+  double* pq = q.data_ptr<double>();
+  double* ps = s.data_ptr<double>();
+  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> row(static_cast<size_t>(d)), v(static_cast<size_t>(d));
+    std::vector<int64_t> order;
+    order.reserve(static_cast<size_t>(t));
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t* id = pid + i * t;
+      order.clear();
+      for (int64_t r = 0; r < t; ++r) {
+        if (id[r] != pad) order.push_back(r);
+      }
+      std::sort(order.begin(), order.end(), [id](int64_t x, int64_t y) {
+        return id[x] != id[y] ? id[x] < id[y] : x < y;
+      });
+      double q_i = 0.0, s_i = 0.0;
+      for (size_t k = 0; k < order.size(); ++k) {
+        const float* gr = pg + (i * t + order[k]) * d;
+        for (int64_t c = 0; c < d; ++c) v[static_cast<size_t>(c)] = gr[c];
+        if (k == 0 || id[order[k]] != id[order[k - 1]]) std::fill(row.begin(), row.end(), 0.0);
+        s_i += std::sqrt(add_row(row.data(), v.data(), d));
+        if (k + 1 == order.size() || id[order[k + 1]] != id[order[k]]) {
+          double sq = 0.0;
+          for (int64_t c = 0; c < d; ++c) sq += row[static_cast<size_t>(c)] * row[static_cast<size_t>(c)];
+          q_i += sq;
+        }
+      }
+      pq[i] = q_i;
+      ps[i] = s_i;
+    }
+  });
+  return {q, s};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dpzero, CPU, m) {
   m.impl("_row_sums", &row_sums_cpu);
   m.impl("_norm_row_sums", &norm_row_sums_cpu);
+  m.impl("_embedding_rows", &embedding_rows_cpu);
 }
 
 }  // namespace dpzero::kernels

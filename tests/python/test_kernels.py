@@ -316,14 +316,36 @@ def test_embedding_sq_norms_match_torch_func(device, dtype, method, case):
 @device_param
 @pytest.mark.parametrize("case", EMB_CASES, ids=EMB_IDS)
 def test_embedding_auto_takes_the_path_the_cost_rule_names(device, case):
+    # Note [ghost or direct], except on the CPU, whose direct kernel is always the cheaper one
+    # (Note [embedding rows]).
     shape, V, d, pad = case
     ids, G = emb_inputs(shape, V, d, torch.float32, device, 21, pad)
     t = math.prod(shape[1:])
-    ghost_cheaper = ops.ghost_is_cheaper(t, min(t, V), d)
+    ghost = device != "cpu" and ops.ghost_is_cheaper(t, min(t, V), d)
     auto = ops.embedding_sq_norms(ids, G, V, pad, AUTO)
-    assert torch.equal(
-        auto, ops.embedding_sq_norms(ids, G, V, pad, GHOST if ghost_cheaper else DIRECT)
-    )
+    assert torch.equal(auto, ops.embedding_sq_norms(ids, G, V, pad, GHOST if ghost else DIRECT))
+
+
+@device_param
+@pytest.mark.parametrize("case", EMB_CASES, ids=EMB_IDS)
+def test_embedding_rows_are_the_float64_row_sums(device, case):
+    # The raw direct-path values (Note [embedding rows]) against float64 sums done here: q = sum
+    # over distinct non-padding ids of ||sum of their G rows||^2 and S = sum over non-padding
+    # tokens of ||G_t||, whose correctness the certified bound relies on.
+    shape, V, d, pad = case
+    ids, G = emb_inputs(shape, V, d, torch.float32, device, 25, pad)
+    b, t = shape[0], math.prod(shape[1:])
+    flat_ids, g64 = ids.reshape(b, t).cpu(), G.reshape(b, t, d).double().cpu()
+    p = -1 if pad is None else pad % V
+    q_want, s_want = torch.zeros(b, dtype=torch.float64), torch.zeros(b, dtype=torch.float64)
+    for i in range(b):
+        for v in set(flat_ids[i].tolist()) - {p}:
+            q_want[i] += g64[i][flat_ids[i] == v].sum(0).square().sum()
+        s_want[i] = g64[i][flat_ids[i] != p].norm(dim=1).sum()
+    q, s = torch.ops.dpzero._embedding_rows(flat_ids.to(device), G.reshape(b, t, d), V, p)
+    assert q.dtype == s.dtype == torch.float64
+    torch.testing.assert_close(q.cpu(), q_want, rtol=1e-13, atol=0)
+    torch.testing.assert_close(s.cpu(), s_want, rtol=1e-13, atol=0)
 
 
 @device_param
