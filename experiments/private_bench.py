@@ -82,6 +82,11 @@ seconds. Once the budget is spent, disturbed rounds are kept, counted and flagge
 The installed dpzero is stamped (file modification times) at the start and the end; if it was
 re-synced during the run the results say so.
 
+Device. --device cuda runs every system on the GPU (the float64 correctness reference stays on
+the CPU): each timed step ends with torch.cuda.synchronize(), and memory is the CUDA caching
+allocator's (below). The 1.2x target is a GPU target in the DP-ZeRO paper; experiments/gpu/check.sh
+runs this script there when a GPU is lent.
+
 Memory. Each system runs alone in a fresh process (same flags, same threads) with glibc's mmap
 threshold fixed (MALLOC_MMAP_THRESHOLD_=131072), so that a freed large block leaves the resident
 set instead of staying in the heap. Before the baseline a throwaway copy of the model takes one
@@ -92,6 +97,8 @@ plain SGD step and is freed (one-off library set-up is not charged to any system
              grad_sample, dpzero's clipping book) + activations + allocator overhead.
   held       VmRSS after the last step minus the same baseline: what the system keeps between
              steps.
+On CUDA the same two figures come from torch.cuda.max_memory_allocated (its peak reset after two
+steps) and torch.cuda.memory_allocated, against memory_allocated before the system was built.
 
 Usage: .venv/bin/python experiments/private_bench.py [--repeats 21] [--threads 2] ...
 [--accumulate K] [--tag NAME: a second configuration in its own section of the same file]
@@ -176,12 +183,16 @@ class Data:
         self.labels = torch.randint(2, (n,), generator=g)
         self.dataset = TensorDataset(self.ids, self.labels)
         self.b, self.k = b, cfg["accumulate"]
-        self.position_ids = torch.arange(t).repeat(b, 1)  # contiguous [B, T]
-        self.token_type_ids = torch.zeros(b, t, dtype=torch.long)
+        device = torch.device(cfg.get("device", "cpu"))
+        # The systems' copies, on their device (the dataset stays on the CPU: only its length is
+        # read, for the sampling rate).
+        self.ids_dev, self.labels_dev = self.ids.to(device), self.labels.to(device)
+        self.position_ids = torch.arange(t, device=device).repeat(b, 1)  # contiguous [B, T]
+        self.token_type_ids = torch.zeros(b, t, dtype=torch.long, device=device)
 
     def batch(self, k: int):
         rows = slice((k % len(self)) * self.b, (k % len(self) + 1) * self.b)
-        return self.ids[rows], self.labels[rows]
+        return self.ids_dev[rows], self.labels_dev[rows]
 
     def step_batches(self, k: int) -> list:
         """The K micro-batches (ids, labels) of logical step k: batches kK, ..., kK + K - 1."""
@@ -192,9 +203,10 @@ class Data:
 
     def logits(self, model, ids):
         n = ids.shape[0]
-        # input_ids positionally: Opacus's "ew" wrapper's forward takes its input as `x`
-        return model(ids, position_ids=self.position_ids[:n],
-                     token_type_ids=self.token_type_ids[:n]).logits
+        # input_ids positionally: Opacus's "ew" wrapper's forward takes its input as `x`; the
+        # float64 reference runs on the CPU whatever the systems' device
+        return model(ids, position_ids=self.position_ids[:n].to(ids.device),
+                     token_type_ids=self.token_type_ids[:n].to(ids.device)).logits
 
 
 # ---- the systems ---------------------------------------------------------------------------------
@@ -205,7 +217,7 @@ class System:
 
     def __init__(self, name: str, cfg: dict, data: Data, sigma: float, clip: float):
         self.name, self.data = name, data
-        model = make_model(cfg)
+        model = make_model(cfg).to(cfg.get("device", "cpu"))
         self.model = model  # the module whose parameters are trained (Opacus, torch)
         lr = cfg["lr"]
         if name == "torch":
@@ -320,7 +332,7 @@ def reference_updates(cfg: dict, data: Data, clip: float) -> dict:
             owner[f"{mname}.{pname}" if mname else pname] = mname
     layers = sorted(set(owner.values()))
     layer_c = clip / math.sqrt(len(layers))
-    ids, labels = (torch.cat(t) for t in zip(*data.step_batches(0)))
+    ids, labels = (torch.cat(t).cpu() for t in zip(*data.step_batches(0)))
     sums = {k: {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
             for k in ("none", "flat", "layer")}
     norms, clipped_layers = [], 0
@@ -379,7 +391,7 @@ def check(cfg: dict, data: Data, names, clip: float) -> dict:
                 row["error"] = row["error"] or error_text(f"check ({key}) step", e)
                 traceback.print_exc()
                 continue
-            update = {n: after[n] - initial[n] for n in initial}
+            update = {n: after[n].cpu() - initial[n] for n in initial}
             kind = "none" if key == "none" else ("layer" if name == "dp-layer" else "flat")
             row[key] = relative_error(update, ref[kind])
             row["loss0"] = float(loss)
@@ -434,6 +446,12 @@ def wait_for_quiet(budget: float) -> float:
     return waited
 
 
+def synchronize(cfg: dict) -> None:
+    """Waits for the GPU's queued work (--device cuda), so that a step's time is its own."""
+    if cfg.get("device", "cpu") == "cuda":
+        torch.cuda.synchronize()
+
+
 def time_interleaved(cfg: dict, data: Data, names, sigma: float, clip: float):
     """({name: [seconds per timed step]}, {name: error}, info) over systems that built and
     stepped. A timed round during which other processes used more than NOISY_OTHER_CPU of the
@@ -462,9 +480,11 @@ def time_interleaved(cfg: dict, data: Data, names, sigma: float, clip: float):
         load = OtherLoad()
         elapsed = {}
         for name in order[r % len(order):] + order[:r % len(order)]:
+            synchronize(cfg)
             t0 = time.perf_counter()
             try:
                 systems[name].step(batches)
+                synchronize(cfg)
             except Exception as e:  # noqa: BLE001 - the system drops out, reported
                 errors[name] = error_text(f"timing step (round {r})", e)
                 traceback.print_exc()
@@ -499,23 +519,30 @@ def memory_child(cfg: dict, name: str, sigma: float, clip: float) -> dict:
     """Runs in a fresh process: {peak, held} bytes of system `name`."""
     torch.set_num_threads(cfg["threads"])
     data = Data(cfg)
-    model = make_model(cfg)  # warm-up: one-off library set-up before the baseline
+    model = make_model(cfg).to(cfg.get("device", "cpu"))  # warm-up: one-off set-up, not charged
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
     ids, labels = data.batch(0)
     F.cross_entropy(data.logits(model, ids), labels).backward()
     opt.step()
     del model, opt, ids, labels
     gc.collect()
-    base = proc_status_bytes("VmRSS")
+    cuda = cfg.get("device", "cpu") == "cuda"
+    base = torch.cuda.memory_allocated() if cuda else proc_status_bytes("VmRSS")
     system = System(name, cfg, data, sigma, clip)
     for s in range(2):
         system.step(data.step_batches(s))
-    reset_peak_rss("private_bench")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        reset_peak_rss("private_bench")
     for s in range(2, 2 + cfg["memory_steps"]):
         system.step(data.step_batches(s))
-    peak = proc_status_bytes("VmHWM") - base
-    held = proc_status_bytes("VmRSS") - base
-    return dict(peak=peak, held=held)
+    if cuda:
+        torch.cuda.synchronize()
+        return dict(peak=torch.cuda.max_memory_allocated() - base,
+                    held=torch.cuda.memory_allocated() - base)
+    return dict(peak=proc_status_bytes("VmHWM") - base, held=proc_status_bytes("VmRSS") - base)
 
 
 def measure_memory(cfg: dict, names, sigma: float, clip: float) -> dict:
@@ -605,10 +632,11 @@ def cell(r, key, fmt):
     return "—" if v is None else fmt.format(v)
 
 
-def table(rows: list[dict], best: str | None) -> list[str]:
-    head = ["system", "private", "step ms (median)", "IQR ms", "peak RSS Δ MiB", "held RSS Δ MiB",
-            "time / zero0", "time / torch", f"time / {best or 'best Opacus'}",
-            f"peak RSS / {best or 'best Opacus'}"]
+def table(rows: list[dict], best: str | None, device: str = "cpu") -> list[str]:
+    mem = "RSS" if device == "cpu" else "CUDA alloc."
+    head = ["system", "private", "step ms (median)", "IQR ms", f"peak {mem} Δ MiB",
+            f"held {mem} Δ MiB", "time / zero0", "time / torch", f"time / {best or 'best Opacus'}",
+            f"peak {mem} / {best or 'best Opacus'}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         iqr = (f"{r['q1_ms']:.0f}–{r['q3_ms']:.0f}" if "q1_ms" in r else "—")
@@ -638,8 +666,9 @@ def check_table(rows: list[dict], stats: dict, clip: float) -> list[str]:
     return lines
 
 
-def verdicts(rows: list[dict], best: str | None) -> list[str]:
+def verdicts(rows: list[dict], best: str | None, device: str = "cpu") -> list[str]:
     by = {r["system"]: r for r in rows}
+    mem = "peak RSS" if device == "cpu" else "peak CUDA memory"
     out = []
     dp = by.get("dp-flat", {})
 
@@ -669,9 +698,9 @@ def verdicts(rows: list[dict], best: str | None) -> list[str]:
         out.append(f"- Faster than Opacus at equal or lower memory: dp-flat / {best} (fastest "
                    f"Opacus mode here) = {dp['time_vs_opacus_best']:.2f}× time (medians), "
                    f"{per_round(dp, 'paired_vs_opacus_best')}, "
-                   f"{dp['rss_vs_opacus_best']:.2f}× peak RSS — **{verdict}**.")
+                   f"{dp['rss_vs_opacus_best']:.2f}× {mem} — **{verdict}**.")
         others = [f"{r['system']} {dp['step_ms'] / r['step_ms']:.2f}× time"
-                  + (f", {dp['rss_peak'] / r['rss_peak']:.2f}× peak RSS"
+                  + (f", {dp['rss_peak'] / r['rss_peak']:.2f}× {mem}"
                      if r.get("rss_peak") and dp.get("rss_peak") else "")
                   for r in rows if r["system"] in OPACUS_MODES and "step_ms" in r]
         out.append("- dp-flat against every Opacus mode that ran: " + "; ".join(others) + ".")
@@ -705,7 +734,9 @@ def write_markdown(path: str, args, cfg, rows, best, checks, run: dict) -> None:
     section = "\n".join([
         f"<!-- {args.tag}:begin -->",
         f"Run {datetime.date.today().isoformat()} on {platform.machine()}, {os.cpu_count()} cores, "
-        f"{cfg['threads']} torch thread(s); torch {torch.__version__}, transformers "
+        + (f"GPU {torch.cuda.get_device_name()} (every system on it; memory columns: CUDA "
+           "allocator), " if cfg["device"] == "cuda" else "")
+        + f"{cfg['threads']} torch thread(s); torch {torch.__version__}, transformers "
         f"{transformers.__version__}, opacus {opacus.__version__}, Python "
         f"{platform.python_version()}; {run['version']}. Load average (1 min) {load[0]:.2f} at "
         f"the start, {load[1]:.2f} after timing, {load[2]:.2f} at the end; "
@@ -744,19 +775,24 @@ def write_markdown(path: str, args, cfg, rows, best, checks, run: dict) -> None:
         f"Time: median and interquartile range of {cfg['repeats']} logical steps per system, "
         "interleaved "
         f"round by round (order rotated) after {cfg['warmup']} warm-up rounds, all systems in one "
-        "process. Peak RSS Δ = peak resident memory over "
-        f"{cfg['memory_steps']} steady-state steps minus the resident memory before the system "
-        "was built; held RSS Δ = resident memory after the last step minus the same baseline; "
-        "each system alone in a fresh process (details in the script's docstring). "
+        "process. "
+        + (f"Peak CUDA alloc. Δ = the CUDA allocator's peak over {cfg['memory_steps']} "
+           "steady-state steps minus what it held before the system was built; held CUDA alloc. "
+           "Δ = what it holds after the last step minus the same baseline; "
+           if cfg["device"] == "cuda" else
+           f"Peak RSS Δ = peak resident memory over {cfg['memory_steps']} steady-state steps "
+           "minus the resident memory before the system was built; held RSS Δ = resident memory "
+           "after the last step minus the same baseline; ")
+        + "each system alone in a fresh process (details in the script's docstring). "
         f"Ratios are against zero0 (dpzero non-private), plain torch, and {best or '—'} (the "
         "fastest Opacus mode that ran): in the table, ratios of medians; under Targets also "
         "the per-round (paired) ratios, which cancel the machine's slower drifts (script "
         "docstring).",
         "",
-        *table(rows, best),
+        *table(rows, best, cfg["device"]),
         "",
         "Targets:",
-        *verdicts(rows, best),
+        *verdicts(rows, best, cfg["device"]),
         "",
         f"Correctness (before timing, σ = 0, SGD lr {CHECK_LR:g} so that float32 parameters "
         "do not quantise the update): one logical step from the initial weights on the "
@@ -776,7 +812,7 @@ def write_markdown(path: str, args, cfg, rows, best, checks, run: dict) -> None:
         *failed,
         f"<!-- {args.tag}:end -->",
     ])
-    title = ("# Private step: dpzero.make_private against non-private and Opacus (CPU)\n\n"
+    title = ("# Private step: dpzero.make_private against non-private and Opacus\n\n"
              "Written by `experiments/private_bench.py`; its docstring says what each column "
              "measures and how.\n")
     write_marked_section(path, args.tag, title, section)
@@ -786,6 +822,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where every system runs (the correctness reference: the CPU)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
@@ -833,6 +871,8 @@ def main() -> None:
         parser.error("--repeats must be at least 2")
     if args.accumulate < 1:
         parser.error(f"--accumulate must be at least 1, got {args.accumulate}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
     if not re.fullmatch(r"[A-Za-z0-9_-]+", args.tag):
         parser.error(f"--tag must be letters, digits, '_' or '-', got {args.tag!r}")
     cfg = dict(vocab=args.vocab, seq=args.seq, hidden=args.hidden, heads=args.heads,
@@ -840,7 +880,7 @@ def main() -> None:
                accumulate=args.accumulate,
                # a whole number of logical batches (Opacus's expected batch is N / len(loader))
                batches=args.accumulate * max(2, math.ceil(args.batches / args.accumulate)),
-               lr=args.lr, threads=args.threads,
+               lr=args.lr, threads=args.threads, device=args.device,
                warmup=args.warmup, repeats=args.repeats, memory_steps=args.memory_steps,
                max_wait=args.max_wait)
     torch.set_num_threads(args.threads)
@@ -866,8 +906,8 @@ def main() -> None:
         print(f"WARNING: the installed dpzero changed during the run: {run['resynced']}")
     run["load"].append(os.getloadavg()[0])
     rows, best = summarize(names, times, time_errors, memory, checks)
-    print("\n".join(table(rows, best)))
-    print("\n".join(verdicts(rows, best)))
+    print("\n".join(table(rows, best, cfg["device"])))
+    print("\n".join(verdicts(rows, best, cfg["device"])))
     csv_path = os.path.splitext(args.out)[0] + (
         ".csv" if args.tag == "private_bench" else f"-{args.tag}.csv")
     write_csv(csv_path, rows, CSV_FIELDS)
