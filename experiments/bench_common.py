@@ -1,5 +1,6 @@
-"""Pieces the benchmarks in experiments/ share: peak-RSS measurement through /proc, the CSV and
-the marked section of a results markdown file, and the version stamp of the engine under test."""
+"""Pieces the benchmarks in experiments/ share: peak-RSS measurement through /proc, paired
+per-round ratios of interleaved timings, the CSV and the marked section of a results markdown
+file, and the version stamp of the engine under test."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import csv
 import datetime
 import os
 import re
+import statistics
 import subprocess
 
 import dpzero
@@ -31,6 +33,25 @@ def reset_peak_rss(tool: str) -> None:
     except OSError as e:
         raise SystemExit(f"{tool}: cannot reset the peak RSS through /proc/self/clear_refs "
                          f"({e}); the rss measure needs it") from None
+
+
+def paired_ratios(times: dict, a: str, b: str) -> tuple[float, float, float] | None:
+    """(median, lower quartile, upper quartile) of times[a][k] / times[b][k] over the timed
+    rounds k, or None when either system was not timed. In an interleaved benchmark every timed
+    round appends one step of every system still in the run (a system that fails is dropped
+    whole), so the lists are aligned round by round, and a ratio compares two steps run seconds
+    apart: drifts of the machine's speed slower than a round cancel (experiments/private_bench.py's
+    docstring, "Paired ratios")."""
+    if a not in times or b not in times or not times[a]:
+        return None
+    if len(times[a]) != len(times[b]):
+        raise RuntimeError(f"paired ratios need aligned rounds: {a} has {len(times[a])} timed "
+                           f"steps, {b} {len(times[b])}")
+    ratios = [x / y for x, y in zip(times[a], times[b])]
+    if len(ratios) == 1:
+        return ratios[0], ratios[0], ratios[0]
+    q1, med, q3 = statistics.quantiles(ratios, n=4)
+    return med, q1, q3
 
 
 def write_csv(path: str, rows: list[dict], fields: list[str]) -> None:

@@ -84,8 +84,9 @@ re-synced during the run the results say so.
 
 Device. --device cuda runs every system on the GPU (the float64 correctness reference stays on
 the CPU): each timed step ends with torch.cuda.synchronize(), and memory is the CUDA caching
-allocator's (below). The 1.2x target is a GPU target in the DP-ZeRO paper; experiments/gpu/check.sh
-runs this script there when a GPU is lent.
+allocator's (below; the CSV's rss_* columns then hold its bytes, and its device column says so).
+The 1.2x target is a GPU target in the DP-ZeRO paper; experiments/gpu/private_rows.sh runs this
+script on a lent GPU.
 
 Memory. Each system runs alone in a fresh process (same flags, same threads) with glibc's mmap
 threshold fixed (MALLOC_MMAP_THRESHOLD_=131072), so that a freed large block leaves the resident
@@ -135,8 +136,8 @@ from opacus import PrivacyEngine as OpacusEngine
 from transformers import BertConfig, BertForSequenceClassification
 
 import dpzero
-from bench_common import (dpzero_version, proc_status_bytes, reset_peak_rss, write_csv,
-                          write_marked_section)
+from bench_common import (dpzero_version, paired_ratios, proc_status_bytes, reset_peak_rss,
+                          write_csv, write_marked_section)
 
 # Everything above is imported before any measurement: module code is not model memory.
 
@@ -567,34 +568,19 @@ def measure_memory(cfg: dict, names, sigma: float, clip: float) -> dict:
 
 # ---- report --------------------------------------------------------------------------------------
 
-CSV_FIELDS = ["system", "private", "step_ms", "q1_ms", "q3_ms", "rss_peak", "rss_held",
+CSV_FIELDS = ["system", "device", "private", "step_ms", "q1_ms", "q3_ms", "rss_peak", "rss_held",
               "time_vs_zero0", "time_vs_torch", "time_vs_opacus_best", "rss_vs_opacus_best",
               "paired_vs_zero0", "paired_vs_zero0_q1", "paired_vs_zero0_q3",
               "paired_vs_opacus_best", "paired_vs_opacus_best_q1", "paired_vs_opacus_best_q3",
               "check_noclip_rel", "check_clip_rel", "loss0", "error"]
 
 
-def paired_ratios(times: dict, a: str, b: str) -> tuple[float, float, float] | None:
-    """(median, lower quartile, upper quartile) of times[a][k] / times[b][k] over the timed
-    rounds k (module docstring: paired ratios), or None when either system was not timed. Every
-    timed round appends one step of every system still in the run, and a system that fails is
-    dropped whole, so the lists of the systems left are aligned round by round."""
-    if a not in times or b not in times or not times[a]:
-        return None
-    if len(times[a]) != len(times[b]):
-        raise RuntimeError(f"paired ratios need aligned rounds: {a} has {len(times[a])} timed "
-                           f"steps, {b} {len(times[b])}")
-    ratios = [x / y for x, y in zip(times[a], times[b])]
-    if len(ratios) == 1:
-        return ratios[0], ratios[0], ratios[0]
-    q1, med, q3 = statistics.quantiles(ratios, n=4)
-    return med, q1, q3
-
-
-def summarize(names, times, time_errors, memory, checks) -> tuple[list[dict], str | None]:
+def summarize(names, times, time_errors, memory, checks,
+              device: str = "cpu") -> tuple[list[dict], str | None]:
     rows = []
     for n in names:
-        row = dict(system=n, private=n in PRIVATE)
+        # device: where the system ran; on "cuda" the rss_* fields hold CUDA allocator bytes
+        row = dict(system=n, device=device, private=n in PRIVATE)
         if n in times:
             t = times[n]
             q1, _, q3 = statistics.quantiles(t, n=4) if len(t) > 1 else (t[0], t[0], t[0])
@@ -905,7 +891,7 @@ def main() -> None:
     if run["resynced"]:
         print(f"WARNING: the installed dpzero changed during the run: {run['resynced']}")
     run["load"].append(os.getloadavg()[0])
-    rows, best = summarize(names, times, time_errors, memory, checks)
+    rows, best = summarize(names, times, time_errors, memory, checks, cfg["device"])
     print("\n".join(table(rows, best, cfg["device"])))
     print("\n".join(verdicts(rows, best, cfg["device"])))
     csv_path = os.path.splitext(args.out)[0] + (

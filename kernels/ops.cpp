@@ -28,7 +28,8 @@ TORCH_LIBRARY(dpzero, m) {
   // output float32. sq_norms are per-sample SQUARED gradient norms [B] (they add across layers),
   // certified upper bounds computed in float64 (Note [certified norms]: never below the exact
   // value); scale is [B] float32 (a sample with scale 0 or non-finite contributes nothing). method:
-  // 0 = auto (ghost iff ghost_is_cheaper), 1 = ghost norm, 2 = direct. The *_clip ops return
+  // 0 = auto (ghost iff ghost_is_cheaper; embeddings on the CPU: always direct, Note [embedding
+  // rows]), 1 = ghost norm, 2 = direct. The *_clip ops return
   // factors [B] from dpzero::clip_factors (flat / automatic, gamma) and the non-finite count.
   // True iff the ghost norm is the cheaper path: 2 T^2 <= d_in d_out (Note [ghost or direct]).
   m.def("ghost_is_cheaper(int T, int d_in, int d_out) -> bool");

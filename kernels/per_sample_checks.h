@@ -36,8 +36,8 @@ namespace dpzero::kernels {
 // Layer kinds map onto (T, d_in, d_out) as follows: Linear / HF Conv1D (T, d_in, d_out);
 // Conv1d/2d per group (output positions, C_in/groups * kernel numel, C_out/groups); Embedding
 // (T, min(T, V), d): a sample touches at most min(T, V) rows of the [V, d] table, and those rows
-// are all the direct path instantiates (on the CPU, which streams them, the embedding's direct
-// path is always taken: embedding_uses_ghost below).
+// are all the direct path instantiates (on the CPU, which streams them, `auto` always takes the
+// embedding's direct path: embedding_uses_ghost below).
 inline bool ghost_is_cheaper(int64_t T, int64_t d_in, int64_t d_out) {
   TORCH_CHECK(T >= 0 && d_in >= 0 && d_out >= 0,
               "dpzero::ghost_is_cheaper: T, d_in and d_out must be >= 0, got T=", T,

@@ -23,7 +23,7 @@
 // checked, not proved: they agreed on all 2^23 float angles the Philox path can produce, and on
 // 5.4·10^8 random log and 2.7·10^8 random fp64 angle inputs (a one-off check against libtorch's
 // SLEEF, 2026-12-01); tests/cpp/torch/noise_shard_test.cpp compares the two paths on 2^21 Philox
-// and 2^20 secure coordinates at every build.
+// and 2^20 secure coordinates wherever the tests run on an AVX-512 machine (they skip elsewhere).
 //
 // What the engine relies on still holds (Note [noise ownership] in privacy/noise.h): every lane
 // function is elementwise, so the draw of block b is the same whichever lane and group it is
@@ -34,16 +34,16 @@
 // ulps, so a run whose ranks mix lanes and scalar would not be bitwise world-size invariant (it
 // would still add each coordinate's noise exactly once).
 //
-// These headers and .cpp files include no ATen or privacy headers with inline functions: code
-// they would emit under -mavx2 or -mavx512f could be picked by the linker for callers on machines
-// without those instructions.
+// These headers and .cpp files include no ATen headers, and of privacy/ only philox.h, for its
+// constants: an inline function they called would be emitted under -mavx2 or -mavx512f, and the
+// linker could pick that copy for callers on machines without those instructions. They call none.
 #pragma once
 
 #include <cstdint>
 
 namespace dpzero::kernels::noise_simd {
 
-constexpr int kBlocks = 32;  // blocks (Philox) or pairs (ChaCha20) per call, a multiple of 8
+constexpr int kBlocks = 32;  // blocks (Philox) or pairs (ChaCha20) per call, a multiple of 16
 
 // True iff this CPU runs AVX2 and FMA (so the functions below may be called) and the tests-only
 // op dpzero::_set_noise_lanes has not switched the lanes off. Defined in kernels/cpu/noise.cpp,

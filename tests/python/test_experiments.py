@@ -42,3 +42,31 @@ def test_predictions_follow_zero_formulas(stage):
     assert paper_configs.predict(psi, stage, False, "fp32") == pytest.approx(formula(4, 4, 8))
     # dpzero keeps DP gradients in fp32 up to the reduction (DESIGN.md §4)
     assert paper_configs.predict(psi, stage, True, "mixed") == pytest.approx(formula(2, 4, 12))
+
+
+# ---- paired per-round ratios (experiments/bench_common.py) ----------------------------------------
+
+
+def test_paired_ratios_are_the_quartiles_of_per_round_ratios():
+    import statistics
+
+    import bench_common
+
+    # System a is 10% slower than b in every round while the machine's speed drifts 3x over the
+    # run: the absolute times' interquartile ranges overlap (a tie by the old verdict), the paired
+    # ratios are 1.1 with no spread.
+    drift = [1.0, 1.5, 2.0, 2.5, 3.0, 1.2, 1.8]
+    a = [1.1 * x for x in drift]
+    qa, qb = statistics.quantiles(a, n=4), statistics.quantiles(drift, n=4)
+    assert qa[0] < qb[2]
+    assert bench_common.paired_ratios({"a": a, "b": drift}, "a", "b") == pytest.approx(
+        (1.1, 1.1, 1.1))
+    # Rounds in another order: the quartiles of the round-by-round ratios, nothing else.
+    b = drift[3:] + drift[:3]
+    want_q1, want_med, want_q3 = statistics.quantiles([x / y for x, y in zip(a, b)], n=4)
+    assert bench_common.paired_ratios({"a": a, "b": b}, "a", "b") == pytest.approx(
+        (want_med, want_q1, want_q3))
+    # Rounds that do not line up are a wiring error, not a ratio; a missing system gives none.
+    with pytest.raises(RuntimeError, match="aligned rounds"):
+        bench_common.paired_ratios({"a": [1.0, 2.0], "b": [1.0]}, "a", "b")
+    assert bench_common.paired_ratios({"a": [1.0]}, "a", "b") is None

@@ -893,7 +893,8 @@ def test_certified_norms_linear_tiny_and_huge_scales(device, method, tiny):
 @method_param
 def test_certified_norms_embedding_repeated_token(device, method):
     # One token repeated (plus padding tokens), G rows cancelling: the sample's single gradient row
-    # sum_t g_t is tiny next to sum_t ||g_t||. T = 64, V = 100, d = 256: auto takes the ghost path.
+    # sum_t g_t is tiny next to sum_t ||g_t||. T = 64, V = 100, d = 256: auto takes the ghost path
+    # on CUDA, the direct one on the CPU (Note [embedding rows]).
     gen = torch.Generator().manual_seed(92)
     b, t, d, v, pad = 4, 64, 256, 100, 0
     ids = torch.full((b, t + 8), 7)

@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <limits>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -16,6 +18,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "kernels/per_sample_checks.h"
+#include "kernels/per_sample_ops.h"
 
 namespace dpzero {
 namespace {
@@ -255,6 +258,50 @@ TEST(PerSampleLinear, ClippedSumRunsIeeeFp32AndRestoresThePrecisionSetting) {
       if (device.is_cpu()) {
         EXPECT_TRUE(at::equal(got, ieee)) << precision;
       }
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> embedding_rows_op(const at::Tensor& ids, const at::Tensor& g,
+                                                     int64_t num_embeddings, int64_t pad) {
+  using Signature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                       int64_t, int64_t);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_embedding_rows", "")
+                             .typed<Signature>();
+  return op.call(ids, g, num_embeddings, pad);
+}
+
+// The generic dpzero::_embedding_rows (the only version CUDA has) and the CPU kernel give the same
+// q and S to float64 rounding, whatever the chunking of the generic loop (down to one sample per
+// chunk), with repeated ids, samples of padding only, T = 1, and NaN in padding tokens' rows.
+TEST(PerSampleEmbedding, GenericRowsMatchTheCpuKernel) {
+  at::manual_seed(7);
+  struct Case {
+    int64_t b, t, v, d, pad;
+  };
+  for (const Case c : {Case{5, 9, 4, 6, 0}, Case{3, 1, 5, 3, -1}, Case{2, 40, 50, 7, 3},
+                       Case{6, 12, 3, 5, 2}}) {
+    at::Tensor ids = at::randint(c.v, {c.b, c.t}, at::kLong);
+    at::Tensor g = at::randn({c.b, c.t, c.d}, at::kFloat);
+    if (c.pad >= 0) {
+      ids[0].fill_(c.pad);  // a sample of padding only: q = S = 0
+      g.masked_fill_((ids == c.pad).unsqueeze(-1), std::numeric_limits<float>::quiet_NaN());
+    }
+    const auto [q_cpu, s_cpu] = embedding_rows_op(ids, g, c.v, c.pad);
+    ASSERT_TRUE(at::isfinite(q_cpu).all().item<bool>() && at::isfinite(s_cpu).all().item<bool>());
+    for (const int64_t budget : {int64_t{64} << 20, int64_t{1}}) {
+      const int64_t previous = set_chunk_bytes_op(budget);
+      const auto [q, s] = kernels::per_sample::embedding_rows_generic(ids, g, c.v, c.pad);
+      set_chunk_bytes_op(previous);
+      EXPECT_TRUE(at::allclose(q, q_cpu, 1e-13, 0.0)) << "b=" << c.b << " t=" << c.t << " budget="
+                                                     << budget << "\n" << q << q_cpu;
+      EXPECT_TRUE(at::allclose(s, s_cpu, 1e-13, 0.0)) << "b=" << c.b << " t=" << c.t << " budget="
+                                                     << budget << "\n" << s << s_cpu;
+    }
+    if (c.pad >= 0) {
+      EXPECT_EQ(q_cpu[0].item<double>(), 0.0);
+      EXPECT_EQ(s_cpu[0].item<double>(), 0.0);
     }
   }
 }
