@@ -48,6 +48,25 @@ inline double add_row(double* out, const double* v, int64_t d) {
   return (q0 + q1) + (q2 + q3);
 }
 
+// sum_k (x[k] - shift) (squared when `square`) over k < d in float64, in four interleaved partial
+// sums added pairwise at the end: a single chain of dependent adds made LayerNorm's mean and
+// variance passes latency-bound (layer_norm_per_sample on [16, 128, 256]: 0.84 -> 0.44 ms, 2 cores).
+inline double sum4(const float* x, int64_t d, double shift, bool square) {
+  double p[4] = {0.0, 0.0, 0.0, 0.0};
+  int64_t k = 0;
+  for (; k + 4 <= d; k += 4) {
+    for (int j = 0; j < 4; ++j) {
+      const double c = static_cast<double>(x[k + j]) - shift;
+      p[j] += square ? c * c : c;
+    }
+  }
+  for (; k < d; ++k) {
+    const double c = static_cast<double>(x[k]) - shift;
+    p[0] += square ? c * c : c;
+  }
+  return (p[0] + p[1]) + (p[2] + p[3]);
+}
+
 // The pass both ops share, over B samples of T rows of d: make_row(i, r, v) writes row r of
 // sample i as float64 into v [d]; -> (sums [B, d] = sum_r v, S [B] = sum_r ||v||), float64.
 template <typename MakeRow>
@@ -100,16 +119,8 @@ std::tuple<at::Tensor, at::Tensor> norm_row_sums_cpu(const at::Tensor& x_in, con
   return sum_rows(x.options(), x.size(0), t, d, [&](int64_t i, int64_t r, double* v) {
     const float* xr = px + (i * t + r) * d;
     const float* gr = pg + (i * t + r) * d;
-    double mean = 0.0;
-    if (!rms) {
-      for (int64_t k = 0; k < d; ++k) mean += xr[k];
-      mean *= inv_d;
-    }
-    double var = 0.0;
-    for (int64_t k = 0; k < d; ++k) {
-      const double c = xr[k] - mean;
-      var += c * c;
-    }
+    const double mean = rms ? 0.0 : sum4(xr, d, 0.0, false) * inv_d;
+    const double var = sum4(xr, d, mean, true);
     const double rstd = 1.0 / std::sqrt(var * inv_d + eps);
     for (int64_t k = 0; k < d; ++k) v[k] = static_cast<double>(gr[k]) * ((xr[k] - mean) * rstd);
   });
