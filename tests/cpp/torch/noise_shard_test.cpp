@@ -67,6 +67,13 @@ TEST(AddNoiseOp, MatchesPerCoordinateDraw) {
   }
 }
 
+// A first block (or pair) for the lane-equality tests below: any magnitude, and every eighth call
+// a group that crosses the 2^32 boundary of the counter's low word.
+uint64_t random_first_block(std::mt19937_64& rng, int call) {
+  if (call % 8 == 0) return (uint64_t{1} << 32) - 1 - rng() % kernels::noise_simd::kBlocks;
+  return rng() >> (rng() % 64);
+}
+
 // Note [cpu noise lanes]: on an AVX-512 CPU the op draws in sixteen lanes, and those must be the
 // AVX2 lanes' bits exactly (else a run mixing the two kinds of CPU would not be world-size
 // invariant). Random (seed, step, first block) triples, block indices across the 2^32 boundary
@@ -78,8 +85,7 @@ TEST(AddNoiseOp, SixteenLanesAreTheEightLanesBitForBit) {
   for (int call = 0; call < (1 << 21) / kDraws; ++call) {
     const uint64_t seed = rng();
     const auto step = static_cast<uint32_t>(rng());
-    uint64_t first = rng() >> (rng() % 64);
-    if (call % 8 == 0) first = (uint64_t{1} << 32) - 1 - rng() % kernels::noise_simd::kBlocks;
+    const uint64_t first = random_first_block(rng, call);
     float narrow[kDraws], wide[kDraws];
     kernels::noise_simd::philox_normal_blocks_avx2(seed, step, privacy::kNoiseStream, first, narrow);
     kernels::noise_simd::philox_normal_blocks_avx512(seed, step, privacy::kNoiseStream, first, wide);
@@ -100,8 +106,7 @@ TEST(AddSecureNoiseOp, SixteenLanesAreTheEightLanesBitForBit) {
     uint32_t key[8];
     for (uint32_t& word : key) word = static_cast<uint32_t>(rng());
     const auto step = static_cast<uint32_t>(rng());
-    uint64_t first = rng() >> (rng() % 64);
-    if (call % 8 == 0) first = (uint64_t{1} << 32) - 1 - rng() % kernels::noise_simd::kBlocks;
+    const uint64_t first = random_first_block(rng, call);
     double narrow[kDraws], wide[kDraws];
     kernels::noise_simd::secure_normal_pairs_avx2(key, step, privacy::kNoiseStream, first, narrow);
     kernels::noise_simd::secure_normal_pairs_avx512(key, step, privacy::kNoiseStream, first, wide);

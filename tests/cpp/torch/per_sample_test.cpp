@@ -262,16 +262,6 @@ TEST(PerSampleLinear, ClippedSumRunsIeeeFp32AndRestoresThePrecisionSetting) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> embedding_rows_op(const at::Tensor& ids, const at::Tensor& g,
-                                                     int64_t num_embeddings, int64_t pad) {
-  using Signature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                       int64_t, int64_t);
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("dpzero::_embedding_rows", "")
-                             .typed<Signature>();
-  return op.call(ids, g, num_embeddings, pad);
-}
-
 // The generic dpzero::_embedding_rows (the only version CUDA has) and the CPU kernel give the same
 // q and S to float64 rounding, whatever the chunking of the generic loop (down to one sample per
 // chunk), with repeated ids, samples of padding only, T = 1, and NaN in padding tokens' rows.
@@ -288,7 +278,7 @@ TEST(PerSampleEmbedding, GenericRowsMatchTheCpuKernel) {
       ids[0].fill_(c.pad);  // a sample of padding only: q = S = 0
       g.masked_fill_((ids == c.pad).unsqueeze(-1), std::numeric_limits<float>::quiet_NaN());
     }
-    const auto [q_cpu, s_cpu] = embedding_rows_op(ids, g, c.v, c.pad);
+    const auto [q_cpu, s_cpu] = kernels::per_sample::embedding_rows(ids, g, c.v, c.pad);
     ASSERT_TRUE(at::isfinite(q_cpu).all().item<bool>() && at::isfinite(s_cpu).all().item<bool>());
     for (const int64_t budget : {int64_t{64} << 20, int64_t{1}}) {
       const int64_t previous = set_chunk_bytes_op(budget);
