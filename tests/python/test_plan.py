@@ -57,6 +57,20 @@ def test_checkpointing_interpolates_by_freed_activation_bytes():
         assert r.time["recompute"] == pytest.approx(recompute)
 
 
+@pytest.mark.parametrize("all_s", [1.0, 0.98, 1.02])
+def test_recompute_is_never_below_the_checkpointed_units_forward(all_s):
+    """Timings that differ by less than their noise (checkpointed no slower, or slower by less
+    than the units' forward) still charge each checkpointed unit one more forward, so on a
+    roomy budget the planner does not take checkpointing."""
+    prof = synthetic()
+    prof.compute_s = {"none": 1.0, "all": all_s}
+    for k in range(5):
+        r = predict(prof, Policy(0, k), world=1)
+        assert r.time["recompute"] == pytest.approx(sum(0.01 * (i + 1) for i in range(k)))
+    ranked = plan(prof, world=1, budget_bytes=None)
+    assert ranked[0].policy == Policy(0, 0)
+
+
 def test_time_model_counts_the_collectives_of_each_stage():
     prof = synthetic()
     bw, lat = prof.bandwidth[2]

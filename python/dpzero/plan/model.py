@@ -35,7 +35,11 @@ Step time of one micro-batch = compute + recompute + optimizer + collectives:
   compute    forward + backward as profiled without checkpointing (per-rank share of the cores),
              less the profile's own collectives (below, at its stage and W);
   recompute  (profiled time with every unit checkpointed - without) x the checkpointed units'
-             share of the units' forward time;
+             share of the units' forward time; never less than the checkpointed units' own
+             profiled forward time, which checkpointing runs a second time. On a small model
+             the two compute timings differ by less than their noise, and a measured difference
+             of zero made checkpointing look free: the planner then took it on a roomy budget
+             (the tie goes to less memory), slower and for nothing;
   optimizer  the profiled step, rescaled from the probes' share of the parameters to the
              policy's (all of Ψ in stage 0, Ψ / W in stages 1-3);
   collectives  bytes each rank sends over the profiled all-gather bandwidth B, plus a latency
@@ -146,8 +150,10 @@ def predict(profile: Profile, policy: Policy, world: int,
     bw = bandwidth or profile.bandwidth.get(w) or profile.bandwidth.get(profile.world)
     probes_comm = _collectives(profile, profile.stage, profile.world, bw)
     compute = max(profile.compute_s["none"] - probes_comm, 0.0)
-    recompute = max(profile.compute_s["all"] - profile.compute_s["none"], 0.0) * \
-        _forward_share(profile, policy.checkpointed)
+    k = min(policy.checkpointed, len(profile.units))
+    recompute = max((profile.compute_s["all"] - profile.compute_s["none"]) *
+                    _forward_share(profile, k),
+                    sum(u.forward_s for u in profile.units[:k]))
     held = lambda stage, ranks: 1.0 if stage == 0 else 1.0 / ranks  # noqa: E731
     opt_time = profile.optimizer_s * held(s, w) / held(profile.stage, profile.world)
     timing = dict(compute=compute, recompute=recompute, optimizer=opt_time,
