@@ -58,17 +58,24 @@ def test_checkpointing_interpolates_by_freed_activation_bytes():
 
 
 @pytest.mark.parametrize("all_s", [1.0, 0.98, 1.02])
-def test_recompute_is_never_below_the_checkpointed_units_forward(all_s):
-    """Timings that differ by less than their noise (checkpointed no slower, or slower by less
-    than the units' forward) still charge each checkpointed unit one more forward, so on a
-    roomy budget the planner does not take checkpointing."""
+def test_checkpointing_never_wins_on_time_it_could_not_measure(all_s):
+    """Profiled compute times that differ by less than their noise (checkpointed no slower, or
+    slower by a hair) predict recompute max(difference, 0) x share; on a roomy budget the plan
+    still puts no checkpointing first, and where it does not fit, the least checkpointing that
+    does."""
     prof = synthetic()
     prof.compute_s = {"none": 1.0, "all": all_s}
+    fwd = [0.01 * (i + 1) for i in range(4)]
     for k in range(5):
         r = predict(prof, Policy(0, k), world=1)
-        assert r.time["recompute"] == pytest.approx(sum(0.01 * (i + 1) for i in range(k)))
-    ranked = plan(prof, world=1, budget_bytes=None)
-    assert ranked[0].policy == Policy(0, 0)
+        assert r.time["recompute"] == pytest.approx(max(all_s - 1.0, 0) * sum(fwd[:k]) / 0.1)
+    assert plan(prof, world=1, budget_bytes=None)[0].policy == Policy(0, 0)
+    peaks = {r.policy: r.peak_bytes for r in plan(prof, world=1, budget_bytes=None)}
+    tight = (peaks[Policy(0, 0)] + peaks[Policy(0, 2)]) / 2
+    assert peaks[Policy(0, 2)] > peaks[Policy(0, 4)]
+    assert plan(prof, world=1, budget_bytes=tight)[0].policy == Policy(0, 2)
+    # Offload's host transfers are not timed: on a roomy budget it does not win a tie either.
+    assert plan(prof, world=1, budget_bytes=None, accelerator=True)[0].policy == Policy(0, 0)
 
 
 def test_time_model_counts_the_collectives_of_each_stage():
@@ -96,8 +103,9 @@ def test_plan_ranks_fitting_policies_by_time_then_memory():
     assert {r.policy for r in ranked} == set(candidates(4, 2, accelerator=False))
     fitting = [r for r in ranked if r.peak_bytes <= 9000]
     assert fitting and ranked[:len(fitting)] == fitting
-    assert all((a.step_s, a.peak_bytes) <= (b.step_s, b.peak_bytes)
-               for a, b in zip(fitting, fitting[1:]))
+    key = lambda r: (r.step_s, r.policy.checkpointed, r.policy.offload_optimizer,  # noqa: E731
+                     r.peak_bytes)
+    assert all(key(a) <= key(b) for a, b in zip(fitting, fitting[1:]))
     assert candidates(4, 1, accelerator=True) == [Policy(0, c, o) for c in (0, 2, 4)
                                                   for o in (False, True)]
 
@@ -299,7 +307,9 @@ def test_policy_auto_takes_the_fastest_policy_that_fits_and_changes_no_result():
     ranked = probe.privacy_engine.plan["ranked"]
     no_ckpt = next(r for r in ranked if r.policy.checkpointed == 0)
     with_ckpt = next(r for r in ranked if r.policy.checkpointed == 4)
-    assert with_ckpt.peak_bytes < no_ckpt.peak_bytes and with_ckpt.step_s > no_ckpt.step_s
+    # (a checkpointed step is never predicted faster; on this small model the two profiled
+    # times may differ by less than their noise, and then they tie: Note [planner time model])
+    assert with_ckpt.peak_bytes < no_ckpt.peak_bytes and with_ckpt.step_s >= no_ckpt.step_s
     budgets["roomy"] = no_ckpt.peak_bytes * 1.5
     # A budget between the two: the faster policy does not fit, checkpointing does.
     budgets["tight"] = (no_ckpt.peak_bytes + with_ckpt.peak_bytes) / 2

@@ -35,11 +35,7 @@ Step time of one micro-batch = compute + recompute + optimizer + collectives:
   compute    forward + backward as profiled without checkpointing (per-rank share of the cores),
              less the profile's own collectives (below, at its stage and W);
   recompute  (profiled time with every unit checkpointed - without) x the checkpointed units'
-             share of the units' forward time; never less than the checkpointed units' own
-             profiled forward time, which checkpointing runs a second time. On a small model
-             the two compute timings differ by less than their noise, and a measured difference
-             of zero made checkpointing look free: the planner then took it on a roomy budget
-             (the tie goes to less memory), slower and for nothing;
+             share of the units' forward time;
   optimizer  the profiled step, rescaled from the probes' share of the parameters to the
              policy's (all of Ψ in stage 0, Ψ / W in stages 1-3);
   collectives  bytes each rank sends over the profiled all-gather bandwidth B, plus a latency
@@ -51,6 +47,19 @@ Step time of one micro-batch = compute + recompute + optimizer + collectives:
                          again before its backward: (W-1)/W (4Ψ + 2pΨ)
 Nothing overlaps in the model (the engine overlaps reductions with the backward on GPU), so on
 GPU it is an upper bound; the ranking is what the planner uses.
+
+Ranking: the policies that fit the budget first, fastest first; among equal times the one that
+checkpoints fewer units, then the one without optimizer offload (whose host transfers the model
+does not time), then the one with less memory: a cost the model cannot see is not taken for
+memory the budget does not need. Equal times between checkpointing and
+not arise when the two profiled compute times differ by less than their noise (a small model):
+the measured difference is then <= 0 and recompute is 0. Checkpointing still runs a unit's
+forward twice, only by less than could be measured, so it cannot be the faster choice; ranked by
+memory alone it won the tie, and policy='auto' checkpointed on a budget where nothing had to be.
+The plain forward of a unit is no floor for recompute: under DP the measured difference was below
+it (gpt-6x512 flat, one rank: 179 ms against 243 ms of plain unit forwards; non-reentrant
+checkpointing stops recomputing once the backward's saved tensors are back, and the DP layers'
+book holds their inputs).
 """
 
 from __future__ import annotations
@@ -150,10 +159,8 @@ def predict(profile: Profile, policy: Policy, world: int,
     bw = bandwidth or profile.bandwidth.get(w) or profile.bandwidth.get(profile.world)
     probes_comm = _collectives(profile, profile.stage, profile.world, bw)
     compute = max(profile.compute_s["none"] - probes_comm, 0.0)
-    k = min(policy.checkpointed, len(profile.units))
-    recompute = max((profile.compute_s["all"] - profile.compute_s["none"]) *
-                    _forward_share(profile, k),
-                    sum(u.forward_s for u in profile.units[:k]))
+    recompute = max(profile.compute_s["all"] - profile.compute_s["none"], 0.0) * \
+        _forward_share(profile, policy.checkpointed)
     held = lambda stage, ranks: 1.0 if stage == 0 else 1.0 / ranks  # noqa: E731
     opt_time = profile.optimizer_s * held(s, w) / held(profile.stage, profile.world)
     timing = dict(compute=compute, recompute=recompute, optimizer=opt_time,
@@ -164,10 +171,12 @@ def predict(profile: Profile, policy: Policy, world: int,
 def plan(profile: Profile, world: int, budget_bytes: Optional[float], accelerator: bool = False,
          bandwidth: Optional[tuple] = None) -> List[Prediction]:
     """Every candidate policy's prediction, those within ``budget_bytes`` (None: no limit)
-    first, fastest first; among equal times the one with less memory."""
+    first, fastest first; among equal times the one checkpointing fewer units, then the one
+    without offload, then the one with less memory (Note [planner time model])."""
     from .policy import candidates
 
     out = [predict(profile, pol, world, bandwidth)
            for pol in candidates(len(profile.units), world, accelerator)]
     fits = lambda r: budget_bytes is None or r.peak_bytes <= budget_bytes  # noqa: E731
-    return sorted(out, key=lambda r: (not fits(r), r.step_s, r.peak_bytes))
+    return sorted(out, key=lambda r: (not fits(r), r.step_s, r.policy.checkpointed,
+                                      r.policy.offload_optimizer, r.peak_bytes))
