@@ -464,6 +464,10 @@ class _DPLayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
+        # G arrives non-contiguous behind a permute (BERT's value projection, through the heads'
+        # transpose): made contiguous once here, not once in each of the input gradient's
+        # matmul, the norm kernels and the clipped sum (three copies of [B, T, d_out]).
+        g = g.contiguous()
         gx = None
         if ctx.needs_input_grad[3]:
             gx = ctx.kind.input_grad(ctx.module, x, g)
