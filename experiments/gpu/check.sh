@@ -4,12 +4,7 @@
 # the tests and the GPU benchmarks, and writes logs under $OUT (default /tmp/dpzero-gpu).
 # Needs a Python with the pinned torch importable (carry wheels as the device README describes).
 #   Usage there:  bash experiments/gpu/check.sh
-set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-out=${OUT:-/tmp/dpzero-gpu}
-mkdir -p "$out"
-py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"  # set -uo pipefail, cd, $out, $py
 $py -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name())" \
   | tee "$out/env.txt" || exit 1
 arch=$($py -c "import torch; p=torch.cuda.get_device_capability(); print(f'{p[0]}{p[1]}')")

@@ -6,12 +6,7 @@
 # Expects dpzero installed with its CUDA kernels (experiments/gpu/check.sh builds it) and writes
 # the tables under $OUT (default /tmp/dpzero-gpu).
 #   Usage there:  bash experiments/gpu/paper_rows.sh
-set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-out=${OUT:-/tmp/dpzero-gpu}
-mkdir -p "$out"
-py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"  # set -uo pipefail, cd, $out, $py
 cd experiments
 timeout 480 $py run.py --grid gpu --repeats 10 --out "$out" 2>&1 | tail -30 | tee "$out/paper_rows.log"
 $py run.py --paper --out "$out" | tee -a "$out/paper_rows.log"

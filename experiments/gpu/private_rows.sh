@@ -9,12 +9,7 @@
 # benchmark's requirements (requirements-bench.txt); writes private.md and its CSVs under $OUT
 # (default /tmp/dpzero-gpu).
 #   Usage there:  bash experiments/gpu/private_rows.sh
-set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-out=${OUT:-/tmp/dpzero-gpu}
-mkdir -p "$out"
-py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"  # set -uo pipefail, cd, $out, $py
 threads=$(nproc)  # the float64 reference of the correctness check runs on the CPU
 timeout 280 $py experiments/private_bench.py --device cuda --threads "$threads" --tag cuda-bert-base \
   --layers 12 --hidden 768 --heads 12 --intermediate 3072 --vocab 30522 --batch 32 --repeats 21 \
