@@ -53,8 +53,8 @@ std::string utc_now_iso8601() {
   return buffer;
 }
 
-// Throws std::invalid_argument naming the field and value; dataset_size bounds batch sizes.
-void validate_record(const LedgerRecord& r, int64_t dataset_size) {
+// Throws std::invalid_argument naming the field and value.
+void validate_record(const LedgerRecord& r) {
   if (r.first_step < 0) {
     throw std::invalid_argument("first_step must be >= 0, got " + std::to_string(r.first_step));
   }
@@ -74,25 +74,9 @@ void validate_record(const LedgerRecord& r, int64_t dataset_size) {
     throw std::invalid_argument("max_grad_norm must be >= 0 and finite, got " +
                                 format_double(r.max_grad_norm));
   }
-  // Compared unsigned: last - first + 1 cannot overflow there.
-  const uint64_t steps = static_cast<uint64_t>(r.last_step) - static_cast<uint64_t>(r.first_step) + 1;
-  if (r.batch_sizes.size() != steps) {
-    throw std::invalid_argument("batch_sizes has " + std::to_string(r.batch_sizes.size()) +
-                                " entries for " + std::to_string(steps) + " steps (" +
-                                std::to_string(r.first_step) + ".." +
-                                std::to_string(r.last_step) + ")");
-  }
-  for (std::size_t i = 0; i < r.batch_sizes.size(); ++i) {
-    const int64_t b = r.batch_sizes[i];
-    if (b < 0 || b > dataset_size) {
-      throw std::invalid_argument("batch size of step " + std::to_string(r.first_step + static_cast<int64_t>(i)) +
-                                  " must be in [0, dataset_size = " +
-                                  std::to_string(dataset_size) + "], got " + std::to_string(b));
-    }
-  }
-  if (r.dropped_samples < 0) {
-    throw std::invalid_argument("dropped_samples must be >= 0, got " +
-                                std::to_string(r.dropped_samples));
+  if (r.sampling != "poisson" && r.sampling != "caller") {
+    throw std::invalid_argument("sampling must be \"poisson\" or \"caller\", got \"" +
+                                r.sampling + "\"");
   }
 }
 
@@ -127,9 +111,8 @@ Json record_to_json(const LedgerRecord& r) {
   j["q"] = r.q;
   j["sigma"] = r.sigma;
   j["max_grad_norm"] = r.max_grad_norm;
-  j["batch_sizes"] = r.batch_sizes;
   j["noise"] = r.noise;
-  j["dropped_samples"] = r.dropped_samples;
+  j["sampling"] = r.sampling;
   return j;
 }
 
@@ -184,12 +167,13 @@ LedgerHeader header_from_json(const Json& j) {
                                 kind + "\"");
   }
   const int64_t format = int_field(field(j, "format"), "format");
-  if (format != Ledger::kFormat) {
+  if (format != 1 && format != Ledger::kFormat) {
     throw std::invalid_argument("unsupported ledger format " + std::to_string(format) +
-                                " (this build reads format " + std::to_string(Ledger::kFormat) +
-                                ")");
+                                " (this build reads formats 1 and " +
+                                std::to_string(Ledger::kFormat) + ")");
   }
   LedgerHeader h;
+  h.format = format;
   h.run_id = string_field(j, "run_id");
   h.dataset_size = int_field(field(j, "dataset_size"), "dataset_size");
   h.created = string_field(j, "created");
@@ -198,7 +182,39 @@ LedgerHeader header_from_json(const Json& j) {
   return h;
 }
 
-LedgerRecord record_from_json(const Json& j, int64_t dataset_size) {
+// Format 1 (Note [ledger format]) also held each step's realised batch size and the count of
+// dropped samples; they are still checked on read (a damaged old ledger stays an error), then
+// left out: nothing data-dependent is kept in, or released from, a ledger.
+void validate_format1_extras(const Json& j, const LedgerRecord& r, int64_t dataset_size) {
+  const Json& sizes = field(j, "batch_sizes");
+  if (!sizes.is_array()) {
+    throw std::invalid_argument("field \"batch_sizes\" must be an array, got " + sizes.dump());
+  }
+  // Compared unsigned: last - first + 1 cannot overflow there.
+  const uint64_t steps =
+      static_cast<uint64_t>(r.last_step) - static_cast<uint64_t>(r.first_step) + 1;
+  if (r.last_step >= r.first_step && sizes.size() != steps) {
+    throw std::invalid_argument("batch_sizes has " + std::to_string(sizes.size()) +
+                                " entries for " + std::to_string(steps) + " steps (" +
+                                std::to_string(r.first_step) + ".." +
+                                std::to_string(r.last_step) + ")");
+  }
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    const int64_t b = int_field(sizes[i], "batch_sizes");
+    if (b < 0 || b > dataset_size) {
+      throw std::invalid_argument(
+          "batch size of step " + std::to_string(r.first_step + static_cast<int64_t>(i)) +
+          " must be in [0, dataset_size = " + std::to_string(dataset_size) + "], got " +
+          std::to_string(b));
+    }
+  }
+  if (int_field(j, "dropped_samples", int64_t{0}) < 0) {
+    throw std::invalid_argument("dropped_samples must be >= 0, got " +
+                                j["dropped_samples"].dump());
+  }
+}
+
+LedgerRecord record_from_json(const Json& j, const LedgerHeader& header) {
   if (!j.is_object()) throw std::invalid_argument("record must be a JSON object, got " + j.dump());
   const std::string kind = string_field(j, "kind");
   if (kind != "steps") {
@@ -210,19 +226,24 @@ LedgerRecord record_from_json(const Json& j, int64_t dataset_size) {
   r.q = number_field(j, "q");
   r.sigma = number_field(j, "sigma");
   r.max_grad_norm = number_field(j, "max_grad_norm");
-  const Json& sizes = field(j, "batch_sizes");
-  if (!sizes.is_array()) {
-    throw std::invalid_argument("field \"batch_sizes\" must be an array, got " + sizes.dump());
-  }
-  r.batch_sizes.reserve(sizes.size());
-  for (const Json& b : sizes) r.batch_sizes.push_back(int_field(b, "batch_sizes"));
   const Json& noise = field(j, "noise");
   if (!noise.is_boolean()) {
     throw std::invalid_argument("field \"noise\" must be true or false, got " + noise.dump());
   }
   r.noise = noise.get<bool>();
-  r.dropped_samples = int_field(j, "dropped_samples", int64_t{0});
-  validate_record(r, dataset_size);
+  if (header.format == 1) {
+    validate_format1_extras(j, r, header.dataset_size);
+  } else {
+    for (const char* name : {"batch_sizes", "dropped_samples"}) {
+      if (j.find(name) != j.end()) {
+        throw std::invalid_argument(std::string("field \"") + name +
+                                    "\" does not belong in a format-2 ledger: it depends on the "
+                                    "training data and is not covered by epsilon");
+      }
+    }
+    r.sampling = string_field(j, "sampling");
+  }
+  validate_record(r);
   return r;
 }
 
@@ -282,7 +303,7 @@ ParsedLedger parse_ledger(const std::string& path, const std::string& content) {
       if (line_no == 1) {
         parsed.header = header_from_json(*json);
       } else {
-        parsed.records.push_back(record_from_json(*json, parsed.header.dataset_size));
+        parsed.records.push_back(record_from_json(*json, parsed.header));
       }
     } catch (const std::invalid_argument& e) {
       throw LedgerError(line_prefix(path, line_no) + e.what() + ": " + show_bytes(line));
@@ -379,6 +400,7 @@ Ledger Ledger::create(const std::string& path, const LedgerHeader& header) {
   ledger.path_ = path;
   ledger.fd_ = fd;
   ledger.header_ = h;
+  ledger.header_.format = kFormat;
   const std::string line = header_to_json(h).dump() + "\n";
   try {
     lock_or_throw(fd, path);
@@ -493,7 +515,13 @@ void Ledger::append(const LedgerRecord& record) {
   if (broken_ || fd_ < 0) {
     throw LedgerError("ledger " + path_ + " refuses appends after a failed write; reopen it");
   }
-  validate_record(record, header_.dataset_size);
+  validate_record(record);
+  if (header_.format != kFormat) {
+    throw LedgerError("ledger " + path_ + " is in format " + std::to_string(header_.format) +
+                      " (written by an older dpzero, with realised batch sizes); this build "
+                      "appends format " + std::to_string(kFormat) +
+                      " records only: start a new ledger for further steps");
+  }
   const std::string line = record_to_json(record).dump() + "\n";
   if (!write_line(fd_, line)) {
     const std::string why = errno ? errno_text(errno) : std::string("short write");

@@ -1,19 +1,24 @@
 // accounting/ledger.h — the privacy ledger: an append-only JSON-lines file holding every private
-// step's (q, sigma, C, realised batch sizes), made durable before the optimizer update
+// step's (q, sigma, C, noise, who sampled it), made durable before the optimizer update
 // (DESIGN.md §2 step 7), from which epsilon is recomputed exactly on reload.
 //
 // Note [ledger format]
 // Line 1 is the header, every further line one record of consecutive steps, each a JSON object
-// followed by '\n':
-//   {"kind":"header","format":1,"run_id":"...","dataset_size":N,"created":"2025-01-31T12:00:00Z",
+// followed by '\n' (format 2):
+//   {"kind":"header","format":2,"run_id":"...","dataset_size":N,"created":"2025-01-31T12:00:00Z",
 //    "settings":{...free JSON object: accountant, delta, ...}}
 //   {"kind":"steps","first_step":a,"last_step":b,"q":..,"sigma":..,"max_grad_norm":..,
-//    "batch_sizes":[realised logical batch size of steps a..b],"noise":true,"dropped_samples":k}
-// dropped_samples counts samples whose per-sample norm was NaN/Inf and so contributed nothing
-// (DESIGN.md §2 step 3); it is optional on read (default 0). Doubles are written in the shortest
-// form that reads back bit for bit, so a reloaded ledger reproduces epsilon exactly.
-// Step numbers may repeat: a step replayed after a crash is charged again, never forgotten, so
-// records are neither required to increase nor deduplicated.
+//    "noise":true,"sampling":"poisson"}
+// A ledger holds what epsilon is computed from and nothing that depends on the training data, so
+// it can be released with the model (DESIGN.md §3 "Released figures"): the realised batch sizes
+// and the counts of dropped (NaN/Inf) samples are private diagnostics, kept apart by the caller.
+// "sampling" says who drew the step's batch: "poisson", dpzero's sampler, or "caller", the
+// ledgered opt-out for callers who Poisson-sample at q themselves (PrivacyEngine.own_batch).
+// Format 1 records also held "batch_sizes" (one per step) and "dropped_samples"; they are read
+// (and checked) but not kept, and a format-1 ledger takes no further appends. Doubles are written
+// in the shortest form that reads back bit for bit, so a reloaded ledger reproduces epsilon
+// exactly. Step numbers may repeat: a step replayed after a crash is charged again, never
+// forgotten, so records are neither required to increase nor deduplicated.
 //
 // Note [torn tail]
 // append() writes a record with one write() on an O_APPEND descriptor and fsyncs before it
@@ -52,6 +57,7 @@ struct LedgerHeader {
   int64_t dataset_size = 0;  // N > 0; no realised batch can exceed it
   std::string created;       // ISO-8601 UTC ("2025-01-31T12:00:00Z"); create() fills it if empty
   nlohmann::ordered_json settings = nlohmann::ordered_json::object();  // free JSON object
+  int64_t format = 2;        // the file's format (Note [ledger format]); create() writes kFormat
 };
 
 // Steps first_step..last_step (inclusive), all with the same q, sigma and clip norm.
@@ -61,9 +67,8 @@ struct LedgerRecord {
   double q = 0.0;              // Poisson sample rate, in [0, 1]
   double sigma = 0.0;          // noise multiplier, >= 0 (0 = no noise: epsilon is unbounded)
   double max_grad_norm = 0.0;  // clip norm C, >= 0
-  std::vector<int64_t> batch_sizes;  // [steps()] realised logical batch size of each step
   bool noise = true;           // false: no noise was added (epsilon is unbounded)
-  int64_t dropped_samples = 0;  // samples with a NaN/Inf norm over these steps, >= 0
+  std::string sampling = "poisson";  // "poisson" (dpzero's sampler) or "caller" (own_batch)
 
   int64_t steps() const { return last_step - first_step + 1; }
 };
@@ -75,7 +80,7 @@ enum class TornTailPolicy {
 
 class Ledger {
  public:
-  static constexpr int kFormat = 1;
+  static constexpr int kFormat = 2;
 
   // Creates `path` (never overwrites: an existing file is a LedgerError naming the path), writes
   // the header, fsyncs the file and its directory. Throws std::invalid_argument for a bad header

@@ -278,8 +278,17 @@ class System:
     def _dp_step(self, batches):
         p = self.private
         p.optimizer.zero_grad()
+        size = sum(ids.shape[0] for ids, _ in batches)
         for ids, labels in batches:
-            loss = F.cross_entropy(self.data.logits(p.model, ids), labels)
+            # The benchmark's fixed batches come in through own_batch, the ledgered opt-out for
+            # batches a caller samples (Note [batch provenance]): every tensor of the batch with
+            # one row per example, the position and token type ids included.
+            n = ids.shape[0]
+            ids, labels, pos, types = p.privacy_engine.own_batch(
+                (ids, labels, self.data.position_ids[:n], self.data.token_type_ids[:n]),
+                logical_batch_size=size)
+            logits = p.model(ids, position_ids=pos, token_type_ids=types).logits
+            loss = F.cross_entropy(logits, labels)
             loss.backward()
         p.optimizer.step()
         return loss.detach()

@@ -204,7 +204,7 @@ class System:
         model = make_model(shape, device)
         units = [f"blocks.{i}" for i in range(shape["layers"])]
         precision = "bf16" if spec["bf16"] else None
-        global_batch = world * shape["micro_batch"]
+        global_batch = self.global_batch = world * shape["micro_batch"]
         self.model, self.sharded, self.private, self.opt = model, None, None, None
         if spec["impl"] == "dpzero" and not spec["dp"]:
             # bf16: compute and reduce in bf16 with fp32 masters (ZeRO's mixed precision).
@@ -249,6 +249,10 @@ class System:
     def step(self, idx, targets) -> torch.Tensor:
         if self.private is not None:
             self.private.optimizer.zero_grad()
+            # The grid's fixed batches come in through own_batch, the ledgered opt-out for
+            # batches a caller samples (Note [batch provenance]); idx is this rank's share.
+            idx, targets = self.private.privacy_engine.own_batch(
+                (idx, targets), logical_batch_size=self.global_batch)
             loss = self.loss_fn(self.private.model(idx), targets)
             loss.backward()
             self.private.optimizer.step()

@@ -1,6 +1,8 @@
 // privacy/clipping.cpp — parse_clip_mode and group_thresholds.
 #include "privacy/clipping.h"
 
+#include <algorithm>
+#include <cmath>
 #include <stdexcept>
 
 namespace dpzero::privacy {
@@ -37,7 +39,22 @@ std::vector<double> group_thresholds(double max_norm, int64_t num_groups,
   }
   std::vector<double> thresholds;
   thresholds.reserve(w.size());
-  for (double wi : w) thresholds.push_back(max_norm * std::sqrt(wi / total));
+  if (w.size() == 1) return {static_cast<double>(threshold_f32(max_norm))};  // <= C: done
+  for (double wi : w) thresholds.push_back(threshold_f32(max_norm * std::sqrt(wi / total)));
+  // Each t_g is a float32, so t_g^2 is exact in float64; the float64 sum S of k such squares is
+  // within (k - 1) 2^-53 S of the exact one, and C^2 rounds by at most 2^-53 C^2. With the margin
+  // below, S <= C^2 is then certain; the thresholds are C sqrt(w_g / sum w) rounded down to
+  // float32, so this steps one down only when the sum lands within the margin of C^2 (an exact
+  // split such as C = 2, k = 4), and then by one float32 ulp.
+  const double k = static_cast<double>(thresholds.size());
+  const double c_sq_bound = max_norm * max_norm * (1.0 - (k + 4.0) * std::ldexp(1.0, -52));
+  for (;;) {
+    double sum = 0.0;
+    for (double t : thresholds) sum += t * t;
+    if (sum <= c_sq_bound) break;
+    double& largest = *std::max_element(thresholds.begin(), thresholds.end());
+    largest = static_cast<double>(std::nextafterf(static_cast<float>(largest), 0.0f));
+  }
   return thresholds;
 }
 

@@ -33,7 +33,18 @@ DPZERO_HOST_DEVICE bool valid_norm(float norm) {
 #endif
 }
 
+// The float32 threshold of a float64 clip norm C: C rounded toward zero, so the threshold the
+// factors are computed against never exceeds C (C = 0.1 is 0.100000001490116... rounded to
+// nearest, above 0.1) and group thresholds keep sum_g C_g^2 <= C^2 after the conversion.
+// Non-finite or non-positive values are passed through (the callers check them).
+DPZERO_HOST_DEVICE float threshold_f32(double max_norm) {
+  float f = static_cast<float>(max_norm);
+  if (static_cast<double>(f) > max_norm) f = nextafterf(f, 0.0f);
+  return f;
+}
+
 // The factor of one sample with gradient norm `norm` (fp32, as the norms are accumulated).
+// `max_norm` is the threshold as threshold_f32 gives it.
 // Sensitivity (DESIGN.md §3): norm * factor <= max_norm holds EXACTLY, not only up to rounding —
 // the factor is computed in fp64, rounded to fp32, and stepped down one ulp while the exact
 // product (two fp32 values multiply exactly in fp64) still exceeds max_norm.
@@ -53,7 +64,9 @@ DPZERO_HOST_DEVICE float clip_factor(float norm, float max_norm, ClipMode mode, 
 // "flat" / "automatic"; throws std::invalid_argument naming the string otherwise.
 ClipMode parse_clip_mode(const std::string& name);
 
-// Per-group thresholds C_l = C * sqrt(w_l / sum w) so that sum C_l^2 = C^2. `weights` empty means
+// Per-group thresholds C_l = C * sqrt(w_l / sum w), each rounded toward zero to a float32 (the
+// precision clip_factor works in, threshold_f32), so that sum C_l^2 <= C^2 holds exactly for the
+// values the clipping uses (and equals C^2 up to float32 rounding). `weights` empty means
 // `num_groups` equal weights. Throws std::invalid_argument naming the value for C <= 0, a weight
 // <= 0 or non-finite, num_groups < 1, or weights.size() != num_groups.
 std::vector<double> group_thresholds(double max_norm, int64_t num_groups,

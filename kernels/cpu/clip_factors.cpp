@@ -21,9 +21,9 @@ std::tuple<at::Tensor, at::Tensor> clip_factors_cpu(const at::Tensor& norms, dou
   const float* in = n.data_ptr<float>();
   float* out = factors.data_ptr<float>();
   int64_t nonfinite = 0;
+  const float threshold = privacy::threshold_f32(max_norm);
   for (int64_t i = 0; i < n.numel(); ++i) {
-    out[i] = privacy::clip_factor(in[i], static_cast<float>(max_norm), clip_mode,
-                                  static_cast<float>(gamma));
+    out[i] = privacy::clip_factor(in[i], threshold, clip_mode, static_cast<float>(gamma));
     nonfinite += privacy::valid_norm(in[i]) ? 0 : 1;
   }
   return {factors, at::scalar_tensor(nonfinite, at::kLong)};

@@ -42,7 +42,7 @@ std::tuple<at::Tensor, at::Tensor> clip_factors_cuda(const at::Tensor& norms, do
     clip_factors_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         n.data_ptr<float>(), factors.data_ptr<float>(),
         reinterpret_cast<unsigned long long*>(count.data_ptr<int64_t>()), b,
-        static_cast<float>(max_norm), clip_mode, static_cast<float>(gamma));
+        privacy::threshold_f32(max_norm), clip_mode, static_cast<float>(gamma));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {factors, count};

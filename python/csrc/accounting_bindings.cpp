@@ -129,9 +129,8 @@ void bind_ledger(py::module_& m) {
       .def_readwrite("q", &LedgerRecord::q)
       .def_readwrite("sigma", &LedgerRecord::sigma)
       .def_readwrite("max_grad_norm", &LedgerRecord::max_grad_norm)
-      .def_readwrite("batch_sizes", &LedgerRecord::batch_sizes)
       .def_readwrite("noise", &LedgerRecord::noise)
-      .def_readwrite("dropped_samples", &LedgerRecord::dropped_samples)
+      .def_readwrite("sampling", &LedgerRecord::sampling)
       .def_property_readonly("steps", &LedgerRecord::steps);
 
   // Ledger is move-only: Python holds it through a unique_ptr.
@@ -172,6 +171,7 @@ void bind_ledger(py::module_& m) {
       .def_property_readonly("run_id", [](const Ledger& l) { return l.header().run_id; })
       .def_property_readonly("dataset_size", [](const Ledger& l) { return l.header().dataset_size; })
       .def_property_readonly("created", [](const Ledger& l) { return l.header().created; })
+      .def_property_readonly("format", [](const Ledger& l) { return l.header().format; })
       .def_property_readonly("settings_json", [](const Ledger& l) { return l.header().settings.dump(); })
       .def_property_readonly("records", &Ledger::records)
       .def_property_readonly("read_only", &Ledger::read_only)

@@ -79,7 +79,12 @@ void bind_privacy(py::module_ m) {
       py::arg("world_size"), py::arg("max_micro_batch"));
   m.def("group_thresholds", &group_thresholds, py::arg("max_norm"), py::arg("num_groups"),
         py::arg("weights") = std::vector<double>{},
-        "Per-group thresholds C_l with sum C_l^2 = C^2 (equal split unless weights are given).");
+        "Per-group thresholds C_l = C sqrt(w_l / sum w) rounded down to float32, with sum C_l^2 "
+        "<= C^2 exactly (equal split unless weights are given).");
+  m.def(
+      "threshold_f32", [](double c) { return static_cast<double>(threshold_f32(c)); },
+      py::arg("max_norm"),
+      "The float32 threshold the clip factors use for a clip norm C: C rounded toward zero.");
   m.def(
       "entropy_key",
       [] {

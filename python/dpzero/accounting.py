@@ -214,15 +214,16 @@ class Ledger:
         return cls(_acc.Ledger.open_read_only(str(path), expected_run_id))
 
     def append(self, *, first_step: int, q: float, sigma: float, max_grad_norm: float,
-               batch_sizes: Sequence[int], last_step: Optional[int] = None, noise: bool = True,
-               dropped_samples: int = 0) -> None:
-        """Record steps first_step..last_step (default: one step) durably before the update."""
+               last_step: Optional[int] = None, noise: bool = True,
+               sampling: str = "poisson") -> None:
+        """Record steps first_step..last_step (default: one step) durably before the update.
+        ``sampling``: "poisson" (dpzero's sampler) or "caller" (``PrivacyEngine.own_batch``).
+        Nothing that depends on the data goes in (Note [ledger format] in accounting/ledger.h)."""
         rec = _acc.LedgerRecord()
         rec.first_step = int(first_step)
         rec.last_step = int(first_step if last_step is None else last_step)
         rec.q, rec.sigma, rec.max_grad_norm = float(q), float(sigma), float(max_grad_norm)
-        rec.batch_sizes = [int(b) for b in batch_sizes]
-        rec.noise, rec.dropped_samples = bool(noise), int(dropped_samples)
+        rec.noise, rec.sampling = bool(noise), str(sampling)
         self._impl.append(rec)
 
     @property
@@ -236,6 +237,15 @@ class Ledger:
     @property
     def dataset_size(self) -> int:
         return self._impl.dataset_size
+
+    @property
+    def format(self) -> int:
+        return self._impl.format
+
+    @property
+    def caller_sampled_steps(self) -> int:
+        """Steps whose batches the caller sampled (``own_batch``), not dpzero's sampler."""
+        return sum(r.steps for r in self.records if r.sampling == "caller")
 
     @property
     def settings(self) -> dict:

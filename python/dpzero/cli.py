@@ -45,7 +45,20 @@ def _fmt(x: Optional[float]) -> str:
     return f"{x:.4f}" if isinstance(x, float) else str(x)
 
 
+def _warn_delta(args: argparse.Namespace) -> None:
+    """δ >= 1/N is no guarantee (private/engine.py delta_warning); said on stderr."""
+    if args.dataset_size is not None:
+        from .private.engine import delta_warning
+
+        if args.dataset_size < 1:
+            raise ValueError(f"--dataset-size must be >= 1, got {args.dataset_size}")
+        if args.delta >= 1.0 / args.dataset_size:
+            print(f"dpzero {args.command}: warning: "
+                  f"{delta_warning('--delta', args.delta, args.dataset_size)}", file=sys.stderr)
+
+
 def cmd_budget(args: argparse.Namespace) -> int:
+    _warn_delta(args)
     steps = _steps_from(args)
     phase = _C.accounting.Phase(args.sample_rate, args.noise_multiplier, steps)
     report = evaluate([phase], args.delta, args.accountant, args.eps_error)
@@ -94,6 +107,7 @@ def _json_safe(obj):
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    _warn_delta(args)
     if args.noise_multiplier is not None:
         steps = get_steps(target_epsilon=args.target_epsilon, target_delta=args.delta,
                           sample_rate=args.sample_rate, noise_multiplier=args.noise_multiplier,
@@ -168,8 +182,9 @@ def _print_results(cfg, results: dict) -> None:
           f"{priv.get('sample_rate', float('nan')):.4g}, {priv.get('steps')} steps, "
           f"{priv.get('seconds', float('nan')):.0f} s)")
     if base:
-        print(f"  baseline: test accuracy {base.get('accuracy', float('nan')):.4f}  (no privacy,"
-              f" {base.get('steps')} steps, {base.get('seconds', float('nan')):.0f} s)")
+        print(f"  baseline: trained without privacy; its results are in "
+              f"{os.path.join(cfg.output.dir, 'private', 'diagnostics.md')} (not covered by ε: "
+              "not to be shared)")
     if priv.get("charged_steps", 0) > priv.get("steps", 0):
         print(f"  {priv['charged_steps']} steps charged to the ledger: "
               f"{priv['charged_steps'] - priv['steps']} were trained again after a crash and "
@@ -222,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, help="number of steps")
     b.add_argument("--epochs", type=float, help="epochs (steps = int(epochs / q))")
     b.add_argument("--delta", type=float, required=True)
+    b.add_argument("--dataset-size", "-n", type=int,
+                   help="N: warns when δ >= 1/N (no meaningful guarantee)")
     b.add_argument("--accountant", type=_accountant_list, default=list(ACCOUNTANTS),
                    help="comma-separated: rdp,prv (default both)")
     b.add_argument("--eps-error", type=float, default=0.01, help="PRV ε error (default 0.01)")
@@ -232,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="σ for a target ε (or steps, given --noise-multiplier)")
     c.add_argument("--target-epsilon", type=float, required=True)
     c.add_argument("--delta", type=float, required=True)
+    c.add_argument("--dataset-size", "-n", type=int,
+                   help="N: warns when δ >= 1/N (no meaningful guarantee)")
     c.add_argument("--sample-rate", "-q", type=float, required=True)
     c.add_argument("--steps", type=int)
     c.add_argument("--epochs", type=float)

@@ -2,6 +2,8 @@
 parameter is refused before anything is attached, with a ValueError naming the bad value, and an
 unreachable target epsilon names the target and the sigma range searched."""
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -84,12 +86,16 @@ def test_a_nan_example_is_dropped_counted_and_the_step_goes_on():
     p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(x, y), sample_rate=1.0,
                             noise_multiplier=0.0, allow_no_noise=True, max_grad_norm=c,
                             optimizer="sgd", lr=lr, seed=0, loss_reduction="sum")
-    for xb, yb in p.data_loader:  # q = 1: one logical batch of every row
-        torch.nn.functional.cross_entropy(p.model(xb), yb, reduction="sum").backward()
-        p.optimizer.step()
-        break
-    stats = p.privacy_engine.last_step_stats
-    assert stats["dropped"] == 1 and stats["batch_size"] == n, stats
+    with pytest.warns(RuntimeWarning, match=r"^some examples had a non-finite loss or gradient "
+                                            r"and were dropped \(they contribute nothing"):
+        for xb, yb in p.data_loader:  # q = 1: one logical batch of every row
+            torch.nn.functional.cross_entropy(p.model(xb), yb, reduction="sum").backward()
+            p.optimizer.step()
+            break
+    # Note [released figures]: counted, as a private diagnostic only.
+    stats = p.privacy_engine.last_step_diagnostics
+    assert stats["dropped"] == 1 and stats["logical_batch_size"] == n, stats
+    assert p.privacy_engine.last_step == {"step": 0, "noise_index": 0}
     got = p.privacy_engine.parameters()
     assert all(torch.isfinite(v).all() for v in got.values())
 
@@ -189,7 +195,8 @@ def test_recurrent_layers_and_instance_norm_with_running_stats_are_refused(layer
 def test_a_step_whose_every_example_is_nan_is_reported_and_still_charged(tmp_path):
     """An all-NaN logical batch: no row contributes, the update is exactly the step's noise
     (reference: the noise op with the step's charge index, scaled as the engine documents), the
-    step is charged, a RuntimeWarning says so, and the run report shows it."""
+    step is charged, a RuntimeWarning says so (without a count), and the private diagnostics
+    show it; the released report does not (Note [released figures])."""
     from dpzero.train.report import write_report
 
     torch.manual_seed(0)
@@ -201,14 +208,16 @@ def test_a_step_whose_every_example_is_nan_is_reported_and_still_charged(tmp_pat
     ledger = str(tmp_path / "ledger.jsonl")
     p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(x, y), sample_rate=1.0,
                             noise_multiplier=sigma, max_grad_norm=c, optimizer="sgd", lr=lr,
-                            seed=4, ledger_path=ledger, run_id="nan")
-    with pytest.warns(RuntimeWarning, match=r"logical step 0: all 6 examples had a non-finite "
-                                            r"loss or gradient and were dropped"):
+                            seed=4, ledger_path=ledger, run_id="nan",
+                            diagnostics_path=str(tmp_path / "private" / "diagnostics.jsonl"))
+    with pytest.warns(RuntimeWarning, match=r"^logical step 0: every example had a non-finite "
+                                            r"loss or gradient and was dropped; the update was "
+                                            r"noise only \(charged"):
         for xb, yb in p.data_loader:
             torch.nn.functional.cross_entropy(p.model(xb), yb).backward()
             p.optimizer.step()
     engine = p.privacy_engine
-    assert engine.last_step_stats["all_dropped"] and engine.all_dropped_steps == 1
+    assert engine.last_step_diagnostics["all_dropped"]
     assert engine.charges == 1 and len(engine.accountant) == 1
     noise = torch.zeros(start.numel())
     torch.ops.dpzero.add_noise_(noise, sigma * c, 4, 0, 0)
@@ -216,8 +225,28 @@ def test_a_step_whose_every_example_is_nan_is_reported_and_still_charged(tmp_pat
     torch.testing.assert_close(got, start - lr * noise / (1.0 * n), rtol=1e-6, atol=1e-7)
     engine.ledger.close()
     data = write_report(str(tmp_path))
-    assert data["all_dropped_steps"] == 1 and data["dropped_samples"] == n
-    assert "1 step(s) dropped every example" in (tmp_path / "report.md").read_text()
+    assert "1 step(s) dropped every example" in \
+        (tmp_path / "private" / "diagnostics.md").read_text()
+    assert "samples dropped (NaN/Inf loss or gradient): 6" in \
+        (tmp_path / "private" / "diagnostics.md").read_text()
+    # Released: no such figure in the report (data, report.json, report.md) or the ledger.
+    released = json.loads((tmp_path / "report.json").read_text())
+    assert released == json.loads(json.dumps(data, default=str))
+    keys = _keys(released) | {k for line in (tmp_path / "ledger.jsonl").read_text().splitlines()
+                              for k in _keys(json.loads(line))}
+    assert not {k for k in keys if "dropped" in k or "batch_size" in k} - \
+        {"expected_batch_size"}, keys
+    md = (tmp_path / "report.md").read_text()
+    assert "dropped every example" not in md and "NaN/Inf loss or gradient)" not in md
+
+
+def _keys(record) -> set:
+    """Every key of a JSON record, at any depth."""
+    if isinstance(record, dict):
+        return set(record) | {k for v in record.values() for k in _keys(v)}
+    if isinstance(record, list):
+        return {k for v in record for k in _keys(v)}
+    return set()
 
 
 def test_an_empty_logical_batch_is_a_charged_noise_only_step():
@@ -236,7 +265,8 @@ def test_an_empty_logical_batch_is_a_charged_noise_only_step():
         torch.nn.functional.cross_entropy(p.model(xb), yb).backward()
         if p.optimizer.step():
             break
-    assert engine.last_step_stats["batch_size"] == 0, "seed 11 must draw an empty first batch"
+    assert engine.last_step_diagnostics["logical_batch_size"] == 0, \
+        "seed 11 must draw an empty first batch"
     assert engine.charges == 1 and len(engine.accountant) == 1
     noise = torch.zeros(start.numel())
     torch.ops.dpzero.add_noise_(noise, sigma * c, 11, 0, 0)

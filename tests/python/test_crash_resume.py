@@ -95,8 +95,10 @@ def _resume_and_check(config, run_dir, charged_before, checkpoint_step, *extra):
     # ε is computed from every charge (independent count: the ledger's own records).
     rdp = dpzero.RDPAccountant()
     rdp.step(noise_multiplier=1.0, sample_rate=BATCH / N, num_steps=STEPS + replayed)
-    assert result["epsilon"] == pytest.approx(rdp.get_epsilon(1.0 / N), rel=1e-12)
-    assert ledger.epsilon(1.0 / N, "rdp") == pytest.approx(result["epsilon"], rel=1e-12)
+    delta = min(1e-5, 1.0 / (10 * N))  # the default δ
+    assert result["delta"] == delta
+    assert result["epsilon"] == pytest.approx(rdp.get_epsilon(delta), rel=1e-12)
+    assert ledger.epsilon(delta, "rdp") == pytest.approx(result["epsilon"], rel=1e-12)
     if replayed:
         assert f"{STEPS + replayed} steps charged to the ledger" in out.stdout
         assert "resumed after a crash" in (run_dir / "report.md").read_text()

@@ -11,11 +11,10 @@ from dpzero.accounting import Ledger, LedgerError, PRVAccountant, RDPAccountant
 
 def _write_run(path):
     led = Ledger.create(path, run_id="run-a", dataset_size=1000, settings={"delta": 1e-5})
-    led.append(first_step=0, last_step=99, q=0.01, sigma=1.1, max_grad_norm=1.0,
-               batch_sizes=[10] * 100)
+    led.append(first_step=0, last_step=99, q=0.01, sigma=1.1, max_grad_norm=1.0)
     led.append(first_step=100, last_step=149, q=0.02, sigma=0.9, max_grad_norm=1.0,
-               batch_sizes=[20] * 50, dropped_samples=3)
-    led.append(first_step=150, q=0.02, sigma=0.9, max_grad_norm=1.0, batch_sizes=[0])
+               sampling="caller")
+    led.append(first_step=150, q=0.02, sigma=0.9, max_grad_norm=1.0)
     return led
 
 
@@ -31,7 +30,8 @@ def test_reload_recomputes_epsilon_exactly(tmp_path):
         acc.step(noise_multiplier=0.9, sample_rate=0.02, num_steps=51)
     assert led.epsilon(1e-5, "rdp") == rdp.get_epsilon(1e-5)
     assert led.epsilon(1e-5, "prv") == prv.get_epsilon(1e-5)
-    assert led.records[1].dropped_samples == 3
+    assert [r.sampling for r in led.records] == ["poisson", "caller", "poisson"]
+    assert led.caller_sampled_steps == 50 and led.format == 2
 
 
 def test_torn_tail_is_reported_never_dropped_silently(tmp_path):
@@ -46,7 +46,7 @@ def test_torn_tail_is_reported_never_dropped_silently(tmp_path):
     ro.close()
     led = Ledger.open(path, truncate_torn_tail=True)
     assert led.torn_tail_line == 5 and led.total_steps == 151
-    led.append(first_step=151, q=0.02, sigma=0.9, max_grad_norm=1.0, batch_sizes=[21])
+    led.append(first_step=151, q=0.02, sigma=0.9, max_grad_norm=1.0)
     led.close()
     assert Ledger.open_read_only(path).total_steps == 152
 
@@ -60,14 +60,16 @@ def test_other_run_existing_file_and_unnoised_steps(tmp_path):
         Ledger.create(path, run_id="run-a", dataset_size=1000)
     other = tmp_path / "nonoise.jsonl"
     led = Ledger.create(other, run_id="x", dataset_size=10)
-    led.append(first_step=0, q=0.1, sigma=0.0, max_grad_norm=1.0, batch_sizes=[1], noise=False)
+    led.append(first_step=0, q=0.1, sigma=0.0, max_grad_norm=1.0, noise=False)
     assert led.epsilon(1e-5) == math.inf
 
 
 def test_append_rejects_bad_values_naming_them(tmp_path):
     led = Ledger.create(tmp_path / "l.jsonl", run_id="r", dataset_size=10)
     with pytest.raises(ValueError, match="1.5"):
-        led.append(first_step=0, q=1.5, sigma=1.0, max_grad_norm=1.0, batch_sizes=[1])
-    with pytest.raises(ValueError):
-        led.append(first_step=0, last_step=2, q=0.1, sigma=1.0, max_grad_norm=1.0, batch_sizes=[1])
+        led.append(first_step=0, q=1.5, sigma=1.0, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="last_step"):
+        led.append(first_step=3, last_step=2, q=0.1, sigma=1.0, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match='"uniform"'):
+        led.append(first_step=0, q=0.1, sigma=1.0, max_grad_norm=1.0, sampling="uniform")
     assert led.total_steps == 0

@@ -115,8 +115,13 @@ def test_two_nodes_of_two_ranks_equal_one_node_of_four(tmp_path, two_hosts):
     assert got["epsilon"] == want["epsilon"] and got["accuracy"] == want["accuracy"]
     ledgers = [dpzero.Ledger.open_read_only(str(tmp_path / d / "ledger.jsonl"))
                for d in ("two-nodes", "one-node")]
-    assert [r.batch_sizes for r in ledgers[0].records] == \
-        [r.batch_sizes for r in ledgers[1].records]
+    assert [(r.first_step, r.q, r.sigma) for r in ledgers[0].records] == \
+        [(r.first_step, r.q, r.sigma) for r in ledgers[1].records]
+    sizes = [[json.loads(line).get("logical_batch_size")
+              for line in (tmp_path / d / "private" / "diagnostics.jsonl").read_text()
+              .splitlines()]
+             for d in ("two-nodes", "one-node")]
+    assert sizes[0] == sizes[1] and len(sizes[0]) == 5  # the header and 4 steps
     a, b = (torch.load(tmp_path / d / "model.pt") for d in ("two-nodes", "one-node"))
     assert a.keys() == b.keys()
     for name in a:

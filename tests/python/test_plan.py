@@ -244,7 +244,8 @@ def _measure_rank(rank, world, store, stage, ckpt, out, what="peak"):
             for k in range(steps):
                 t.mark(f"step{k}")
                 p.optimizer.zero_grad()
-                step_loss(p.model, batch).backward()
+                mine = p.privacy_engine.own_batch(batch, logical_batch_size=16 * world)
+                step_loss(p.model, mine).backward()
                 p.optimizer.step()
         if what == "peak":
             value = float(t.peak_since("step2"))

@@ -59,7 +59,7 @@ def test_a_private_run_resumed_at_another_world_size_matches_the_uninterrupted_r
     reference = _make(stage=0)
     take_steps(reference, 4)
     engine = resumed.privacy_engine
-    assert engine.charges == 4 and engine.last_step_stats["noise_index"] == 3
+    assert engine.charges == 4 and engine.last_step["noise_index"] == 3
     assert engine.accountant.history == reference.privacy_engine.accountant.history
     want = reference.privacy_engine.parameters()
     for name, value in engine.parameters().items():

@@ -33,7 +33,7 @@ BASE = {"privacy": {"target_epsilon": 3.0}}
     ({**BASE, "trainig": {}}, r"unknown section \[trainig\]"),
     ({**BASE, "model": {"layers": 2}}, r"unknown key \[model\] layers"),
     ({"privacy": {"target_epsilon": -1.0}}, r"target_epsilon must be finite and > 0, got -1.0"),
-    ({"privacy": {"target_epsilon": 3.0, "delta": 2.0}}, r"delta must be in \(0, 1\) or"),
+    ({"privacy": {"target_epsilon": 3.0, "delta": 2.0}}, r"delta must be in \(0, 1\), \"auto\""),
     ({"privacy": {"target_epsilon": 3.0, "max_grad_norm": 0}}, r"max_grad_norm must be finite"),
     ({**BASE, "data": {"categories": ["computers"]}}, r"at least 2 classes"),
     ({**BASE, "data": {"test_fraction": 1.5}}, r"test_fraction must be in \(0, 1\), got 1.5"),
@@ -68,7 +68,11 @@ def test_config_file_errors(tmp_path):
     assert cfg.privacy.noise_multiplier == 1.2 and cfg.training.epochs == 2.0
     assert cfg.output.dir == os.path.join("runs", "job")
     assert cfg.delta_for(1000) == 1e-5
-    assert config.from_dict(BASE).delta_for(1000) == 1e-3  # "1/N"
+    # The default: min(1e-5, 1/(10 N)), below 1/N (issue 21); "1/N" only when asked for.
+    assert config.from_dict(BASE).delta_for(1000) == 1e-5
+    assert config.from_dict(BASE).delta_for(10**6) == 1e-7
+    one_over_n = {**BASE, "privacy": {**BASE["privacy"], "delta": "1/N"}}
+    assert config.from_dict(one_over_n).delta_for(1000) == 1e-3
 
 
 def test_shipped_configs_parse():
@@ -163,16 +167,19 @@ def test_report_is_rebuilt_from_the_ledger_alone(tmp_path):
     ledger = dpzero.Ledger.create(str(tmp_path / "ledger.jsonl"), run_id="r1", dataset_size=1000,
                                   settings={"secure_mode": False})
     for t in range(30):
-        ledger.append(first_step=t, q=0.05, sigma=1.1, max_grad_norm=1.0, batch_sizes=[50 + t % 3])
+        ledger.append(first_step=t, q=0.05, sigma=1.1, max_grad_norm=1.0)
     ledger.close()
     data = write_report(str(tmp_path))
+    assert data["delta"] == 1e-5  # no config: the default min(1e-5, 1/(10 N))
     rdp = dpzero.RDPAccountant()
     rdp.step(noise_multiplier=1.1, sample_rate=0.05, num_steps=30)
     got = {r["accountant"]: r for r in data["epsilon"]["results"]}
-    assert got["rdp"]["epsilon"] == pytest.approx(rdp.get_epsilon(1e-3), rel=1e-12)
+    assert got["rdp"]["epsilon"] == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-12)
     prv = dpzero.PRVAccountant()
     prv.step(noise_multiplier=1.1, sample_rate=0.05, num_steps=30)
-    assert got["prv"]["epsilon"] == pytest.approx(prv.get_epsilon(1e-3), rel=1e-9)
+    assert got["prv"]["epsilon"] == pytest.approx(prv.get_epsilon(1e-5), rel=1e-9)
+    assert data["phases"] == [{"q": 0.05, "sigma": 1.1, "steps": 30,
+                               "expected_batch_size": 50.0}]
     assert data["curve"]["steps"][-1] == 30 and data["curve"]["rdp"][-1] == got["rdp"]["epsilon"]
     assert all(a <= b for a, b in zip(data["curve"]["rdp"], data["curve"]["rdp"][1:]))
     md = (tmp_path / "report.md").read_text()
@@ -186,7 +193,7 @@ def test_report_is_rebuilt_from_the_ledger_alone(tmp_path):
 
 def test_report_says_when_noise_was_off(tmp_path):
     ledger = dpzero.Ledger.create(str(tmp_path / "ledger.jsonl"), run_id="r2", dataset_size=100)
-    ledger.append(first_step=0, q=0.1, sigma=0.0, max_grad_norm=1.0, batch_sizes=[9], noise=False)
+    ledger.append(first_step=0, q=0.1, sigma=0.0, max_grad_norm=1.0, noise=False)
     ledger.close()
     data = write_report(str(tmp_path))
     assert data["epsilon"] is None
@@ -221,11 +228,13 @@ def test_cnn_job_on_fashion_mnist_two_ranks_through_the_launcher(tmp_path):
     assert 0 < result["epsilon"] < math.inf
     assert result["accuracy"] > 0.3  # 10 classes: well above chance after 8 private steps
     for name in ("ledger.jsonl", "metrics.jsonl", "config.json", "model.pt", "report.md",
-                 "report.json", "epsilon.png", "loss.png", "accuracy.png"):
+                 "report.json", "epsilon.png", "accuracy.png", "private/diagnostics.jsonl",
+                 "private/training.jsonl", "private/diagnostics.md", "private/loss.png"):
         assert (run / name).exists(), name
     ledger = dpzero.Ledger.open_read_only(str(run / "ledger.jsonl"))
     assert ledger.total_steps == 8
-    assert ledger.epsilon(1.0 / 1024, "rdp") == pytest.approx(result["epsilon"], rel=1e-12)
+    assert result["delta"] == 1e-5  # the default, min(1e-5, 1/(10 N))
+    assert ledger.epsilon(1e-5, "rdp") == pytest.approx(result["epsilon"], rel=1e-12)
     state = torch.load(run / "model.pt")
     assert set(state) == {"conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias",
                           "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
@@ -267,5 +276,14 @@ def test_minilm_job_single_rank_with_baseline(tmp_path):
     priv, base = results["private"], results["baseline"]
     assert priv["epsilon"] <= 8.0 and base["epsilon"] == math.inf
     assert priv["steps"] == base["steps"] == 4
-    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    run = tmp_path / "run"
+    report = json.loads((run / "report.json").read_text())
     assert report["results"]["private"]["accuracy"] == priv["accuracy"]
+    # The baseline was trained without privacy: nothing of it is released (issue 21).
+    assert "baseline" not in report["results"]
+    assert "baseline" not in json.loads((run / "result.json").read_text())
+    assert "baseline" not in (run / "metrics.jsonl").read_text()
+    assert "| baseline" not in (run / "report.md").read_text()
+    assert json.loads((run / "private" / "baseline.json").read_text())["accuracy"] == \
+        base["accuracy"]
+    assert "baseline (no privacy)" in (run / "private" / "diagnostics.md").read_text()

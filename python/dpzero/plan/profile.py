@@ -183,6 +183,25 @@ def _local_group():
     return new_process_group("gloo", f"file://{path}", 0, 1)
 
 
+class _OwnBatches(nn.Module):
+    """The private model as ``forward_loss`` sees it in a probe: each call's inputs are handed
+    in through ``own_batch`` (Note [batch provenance]; the probes' steps are the planner's own,
+    on a throwaway engine), ``logical`` examples per step over all ranks. Attributes not found
+    here are the model's."""
+
+    def __init__(self, private, logical: int) -> None:
+        super().__init__()
+        self.__dict__["_private"], self.__dict__["_logical"] = private, logical
+
+    def forward(self, *args, **kwargs):
+        args, kwargs = self._private.privacy_engine.own_batch(
+            (args, kwargs), logical_batch_size=self._logical)
+        return self._private.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_private"].model, name)
+
+
 def profile(make_model: Callable[[], nn.Module], forward_loss: Callable[[nn.Module], torch.Tensor],
             batch_size: int, *, units: Optional[Sequence[str]] = None, clipping: str = "flat",
             mixed_precision=None, optimizer: str = "adamw", optimizer_kwargs: Optional[dict] = None,
@@ -235,11 +254,13 @@ def profile(make_model: Callable[[], nn.Module], forward_loss: Callable[[nn.Modu
                     activation_checkpointing=ckpt, process_group=group,
                     **(optimizer_kwargs or {}), **(private_kwargs or {}))
 
+                own = _OwnBatches(p, b * world)
+
                 def step(mark=None):
                     p.optimizer.zero_grad()
                     _sync(dev)
                     t0 = time.perf_counter()
-                    forward_loss(p.model).backward()
+                    forward_loss(own).backward()
                     _sync(dev)
                     t1 = time.perf_counter()
                     if mark is not None:

@@ -4,7 +4,8 @@
 gives it a layer kind (``layers.py``) or the generic path (``fallback.py``), checks that nothing
 escapes clipping (DESIGN.md §3 "No silent non-privacy"), groups tied layers into components, and
 replaces each DP module's ``forward`` (an instance attribute, removed by ``detach``) by one that
-routes the call through the clipping book.
+routes the call through the clipping book, and the model's own forward by the root forward that
+decides which layer inputs hold the examples (provenance.py, Note [batch provenance]).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from .book import Layer, PrivacyViolation, Slot
 from .fallback import FuncKind, bypassing, swapped, tap
 from .layers import EmbeddingKind, dp_apply, layer_kind, overridden_kind
+from .provenance import record, root_forward
 
 # Module types that cannot run under DP, with the reason the error gives.
 _REJECTED = (
@@ -132,16 +134,24 @@ def assign_components(layers: List[Layer]) -> int:
 
 def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
     book = book_ref()
-    if book is None or bypassing() or not torch.is_grad_enabled():
+    if book is None or bypassing():
         return original(*args, **kwargs)
+    if not torch.is_grad_enabled():
+        return original(*args, **kwargs)
+    if book.probe is not None:  # Note [batch provenance]: record the call's shapes only
+        out = original(*args, **kwargs)
+        generic = isinstance(layer.kind, FuncKind)
+        book.probe.append(record(layer.index, args, kwargs, out if generic else None))
+        return out
     # Note [recomputed forwards] in book.py: a forward inside a backward is a recompute.
     recompute = torch._C._current_graph_task_id() != -1
     if recompute:
         book.on_recompute(layer)
     kind = layer.kind
     params = [getattr(layer.module, n) for n, t in zip(kind.params, layer.train) if t]
+    refused = not recompute and book.root is None  # Note [batch provenance]
     if isinstance(kind, FuncKind):
-        out = _fallback_forward(book, layer, original, params, args, kwargs, recompute)
+        out = _fallback_forward(book, layer, original, params, args, kwargs, recompute, refused)
         return out
     if len(args) != 1 or kwargs:
         raise PrivacyViolation(
@@ -149,37 +159,26 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
             f"{len(args)} positional and {sorted(kwargs)} keyword arguments; DP layers take one "
             "input")
     x = args[0]
-    rows = book.expected_rows or book.forward_batch or 1
-    if isinstance(kind, EmbeddingKind) and x.dim() == 1 and book.forward_ndim >= 2:
-        # Note [one sample per row]: ids without a batch dim (nanoGPT's wpe(arange(T))) next to
-        # batched inputs: dim 0 would be positions, not examples, and clipping them would mix
-        # the examples' gradients.
-        raise PrivacyViolation(
-            f"Embedding {layer.name!r} got 1-D ids of shape {list(x.shape)} while other layers "
-            "of this forward got batched inputs: give it [1, T] ids (broadcast over the batch) "
-            "or [B, T] ids, never un-batched ones")
+    rec = record(layer.index, (x,), {})
+    rows = book.expected_rows or 1
     if isinstance(kind, EmbeddingKind) and x.dim() > 1 and x.shape[0] == 1 and rows > 1:
         # Note [broadcast positions]: position ids are often one row [1, T] whose embedding is
         # broadcast over the batch (GPT-2's and BERT's position_ids). Their gradient then sums
         # every sample's; expanded to [B, T] the lookup gives the same values after the
-        # broadcast, and each row's gradient is that sample's own.
+        # broadcast, and each row's gradient is that sample's own. The root forward's verdict
+        # confirms the ids are shared by the batch (Note [batch provenance]).
         x = x.expand(rows, *x.shape[1:])
     if recompute:  # the same ops (the same saved tensors), registering nothing
         return dp_apply(kind, layer.module, book.recomputed_backward(layer), x, params)
-    pid = book.on_forward(layer, x.shape[0] if x.dim() > 0 else None, x.dim())
+    if refused:
+        return dp_apply(kind, layer.module, book.refused_backward(layer), x, params)
+    pid = book.on_forward(layer, rec)
     return dp_apply(kind, layer.module, functools.partial(book.on_backward, pid), x, params)
 
 
-def _fallback_forward(book, layer, original, params, args, kwargs, recompute=False):
+def _fallback_forward(book, layer, original, params, args, kwargs, recompute=False,
+                      refused=False):
     module = layer.module
-    first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
-    batched_kw = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() > 0
-                  and first is not None and v.shape[0] == first.shape[0]]
-    if batched_kw:
-        raise PrivacyViolation(
-            f"module {layer.name!r} ({type(module).__name__}) uses its parameters directly and "
-            f"got batched keyword tensors {batched_kw}; the generic per-sample path takes "
-            "batched inputs as positional arguments only")
     detached = {n: module._parameters[n].detach() for n, t in zip(layer.kind.params, layer.train)
                 if t}
     with swapped(module, detached):
@@ -190,8 +189,9 @@ def _fallback_forward(book, layer, original, params, args, kwargs, recompute=Fal
             f"returned {type(out).__name__}; the generic per-sample path needs one tensor output")
     if recompute:
         return tap(book.recomputed_backward(layer), out, params)
-    pid = book.on_forward(layer, first.shape[0] if first is not None else None,
-                          first.dim() if first is not None else 0)
+    if refused:
+        return tap(book.refused_backward(layer), out, params)
+    pid = book.on_forward(layer, record(layer.index, args, kwargs, out))
     saved = (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs))
 
     def on_backward(g, pid=pid, saved=saved):
@@ -200,15 +200,26 @@ def _fallback_forward(book, layer, original, params, args, kwargs, recompute=Fal
     return tap(on_backward, out, params)
 
 
-def patch(layers: List[Layer], book_ref) -> None:
+def patch(model: nn.Module, layers: List[Layer], book_ref, agree, devices) -> None:
+    """Routes every DP layer's forward through the book, then the model's own forward through
+    the root forward (Note [batch provenance]); ``agree`` and ``devices`` are the probe's (see
+    provenance.root_forward)."""
     for layer in layers:
         module = layer.module
         original = module.forward
         module._dp_original_forward = original
         module.forward = functools.partial(_patched_forward, book_ref, layer, original)
+    original = model.forward
+    model._dp_root_previous = model.__dict__.get("forward")
+    model.forward = functools.partial(root_forward, book_ref, agree, devices, model, original)
 
 
-def unpatch(layers: List[Layer]) -> None:
+def unpatch(model: nn.Module, layers: List[Layer]) -> None:
+    previous = model.__dict__.pop("_dp_root_previous", None)
+    if previous is not None:
+        model.forward = previous
+    else:
+        model.__dict__.pop("forward", None)
     for layer in layers:
         module = layer.module
         if "forward" in module.__dict__:

@@ -40,16 +40,19 @@ nodes' backwards hand the book the recomputed input A with the true G. Reentrant
 runs the first forward without autograd and back-propagates the recomputation instead; its
 recomputed calls match no registered call and the backward is refused, naming the remedy.
 
-Note [one sample per row]: every part of a micro-batch must have the same batch size B on dim 0
-(checked). Sample i of every layer is the same example, which is what makes the per-sample norm
-the norm of one example's gradient.
+Note [one sample per row]: row i of every part of a micro-batch is example i, which is what makes
+the per-sample norm the norm of one example's gradient. That dim 0 holds the examples is decided
+from where each input came from (Note [batch provenance] in examples.py): the model's root
+forward hands every part its verdict (``set_verdicts``) before any gradient exists, and a part
+without one is never clipped. Its row count must also be the micro-batch's (checked).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+import contextlib
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -97,6 +100,9 @@ class Part:
     # input; what the rest of the layer (its bias) contributed meanwhile.
     pending: bool = False
     other_sq: Optional[torch.Tensor] = None
+    # Note [batch provenance]: per positional tensor input, 0 if its dim 0 holds the examples,
+    # None if it is shared by all of them; None until the root forward's verdict.
+    in_dims: Optional[Tuple[Optional[int], ...]] = None
 
 
 @dataclass
@@ -154,10 +160,21 @@ class Book:
                               for slot in layer.slots if slot is not None}
         self.stats = StepStats()
         self.padding = False  # Note [padding batches] in engine.py: gradients become zeros
-        # Set by the loader (engine._begin_micro_batch): the rows of the micro-batch it yielded
-        # (Note [one sample per row]) and how many backward passes reached the clipping since.
+        # Set by the engine when the loader (or own_batch) hands out a micro-batch: its token,
+        # which the model's inputs must carry (Note [batch provenance]), its rows (Note [one
+        # sample per row]) and how many backward passes reached the clipping since.
+        self.token = None
         self.expected_rows: Optional[int] = None
         self.micro_backwards = 0
+        # Note [batch provenance] (provenance.py): the DP layer calls of the root forward running
+        # now (None outside one), of the probe running now (None outside it), and the verdicts
+        # of every call pattern seen so far (kept for the whole run).
+        self.root: Optional[list] = None
+        self.probe: Optional[list] = None
+        # Why the root forward running now was refused (its DP layers register nothing and
+        # their backward raises this), or None.
+        self.refusal: Optional[str] = None
+        self.verdicts: Dict[tuple, list] = {}
         # A logical batch accumulated but never stepped when the next one began (engine.py).
         self.stale = False
         self.error: Optional[str] = None  # a privacy violation seen; step() refuses until cleared
@@ -183,8 +200,6 @@ class Book:
         self.direct: set = set()
         self.handed: set = set()  # units handed to the engine in this micro-batch
         self.batch: Optional[int] = None
-        self.forward_ndim = 0  # the most dims of any DP layer input in this forward
-        self.forward_batch: Optional[int] = None  # dim 0 (> 1) of the last DP layer input seen
         self.dropped_mask: Optional[torch.Tensor] = None
         self.callback_queued = False
         # Note [recomputed forwards]: calls of each layer registered by this micro-batch's
@@ -197,10 +212,35 @@ class Book:
         """A forward registered parts whose backward has not finished."""
         return bool(self.parts)
 
-    def on_forward(self, layer: Layer, batch: Optional[int] = None,
-                   ndim: int = 0) -> Tuple[int, int]:
-        """Registers one call of ``layer`` on an input of ``batch`` rows (``ndim`` dims);
-        returns the part id its backward reports under."""
+    @contextlib.contextmanager
+    def probing(self):
+        """Note [batch provenance]: while the probe runs, DP layer calls only record their
+        shapes into the list this yields."""
+        self.probe = []
+        try:
+            yield self.probe
+        finally:
+            self.probe = None
+
+    def refused_backward(self, layer: Layer):
+        """Note [batch provenance]: the backward callback of a DP layer call that may not be
+        clipped — its root forward was refused (``refusal``), or it ran outside any call of the
+        model. The forward was harmless; a backward through it is refused."""
+        why = self.refusal or (
+            f"DP layer {layer.name!r} ({type(layer.module).__name__}) ran with gradients "
+            "outside a call of the model given to make_private (a submodule called directly, or "
+            "gradients enabled inside a no_grad call of the model): nothing says which of its "
+            "input's rows are examples (Note [batch provenance]); call the whole model")
+
+        def refuse(*_args):
+            self.error = why
+            raise PrivacyViolation(why)
+        return refuse
+
+    def on_forward(self, layer: Layer, record) -> Tuple[int, int]:
+        """Registers one call of ``layer`` inside the root forward (``record``: its inputs'
+        shapes, provenance.CallRecord); returns the part id its backward reports under."""
+        assert self.root is not None, "a DP layer call outside the root forward registered"
         if self.callback_queued:
             # A backward reached the clipping but never finished (an exception in some backward
             # node, so its end-of-backward callback never ran): what it already clipped stays
@@ -209,9 +249,7 @@ class Book:
                           "clipped sums are still accumulated, so a new forward would count "
                           "those examples twice: call zero_grad() to drop the micro-batch")
             raise PrivacyViolation(self.error)
-        if batch is not None and batch != 1:
-            self.forward_batch = batch
-        self.forward_ndim = max(self.forward_ndim, ndim)
+        self.root.append(record)
         pid = (self.generation, len(self.parts))
         self.calls[layer.index] = self.calls.get(layer.index, 0) + 1
         self.parts.append(Part(layer))
@@ -221,6 +259,21 @@ class Book:
                 self.unit_expected[slot.unit] = self.unit_expected.get(slot.unit, 0) + 1
                 self.unit_uses[slot.unit] = self.unit_uses.get(slot.unit, 0) + 1
         return pid
+
+    def set_verdicts(self, start: int, verdicts: Sequence) -> None:
+        """Note [batch provenance]: the verdicts of the parts registered from ``start`` on by one
+        root forward, in call order; the first refusal is raised (and kept: the step refuses
+        until zero_grad())."""
+        parts = self.parts[start:]
+        if len(parts) != len(verdicts):
+            self.error = (f"the root forward registered {len(parts)} DP layer calls but its "
+                          f"call pattern has {len(verdicts)}")
+            raise PrivacyViolation(self.error)
+        for part, verdict in zip(parts, verdicts):
+            if verdict.error is not None:
+                self.error = verdict.error
+                raise PrivacyViolation(verdict.error)
+            part.in_dims = verdict.in_dims
 
     def _release_if_done(self, layer: Layer) -> None:
         """Note [early release]: after one call of ``layer`` ran its backward, frees every
@@ -292,6 +345,11 @@ class Book:
         part = self.parts[index]
         layer = part.layer
         self._queue_finish()
+        if part.in_dims is None or part.in_dims[:1] != (0,) and \
+                not hasattr(layer.kind, "per_sample_grads"):
+            self.error = (f"layer {layer.name!r} has no verdict on which of its rows are examples "
+                          "(Note [batch provenance]); it is not clipped")
+            raise RuntimeError(self.error)
         b = g.shape[0]
         if self.expected_rows is not None and b != self.expected_rows:
             self.error = (f"layer {layer.name!r} saw a batch of {b} rows in a micro-batch of "
@@ -318,7 +376,7 @@ class Book:
         if fused and self.loss_reduction == "mean" and b > 0 and not self.padding:
             g = g * b  # per-sample gradients of a mean loss (the book path: Note [mean loss])
         if hasattr(kind, "per_sample_grads"):
-            a = kind.per_sample_grads(layer.module, a, g, layer.train)
+            a = kind.per_sample_grads(layer.module, a, g, layer.train, part.in_dims)
             g = None
         else:
             a = kind.batch_input(layer.module, a)

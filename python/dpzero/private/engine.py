@@ -11,6 +11,19 @@ One logical step t, top to bottom:
    charge with the sigma and q used, then ``ZeroState.noisy_step``: noise sigma*C*z(seed, k, j) on
    exactly the owned coordinates, k = the charge index (Note [noise index]), scale 1/(q*N), update.
 
+Note [released figures]
+~~~~~~~~~~~~~~~~~~~~~~~
+ε covers what the mechanism releases: the noisy updates, and so the model and anything computed
+from it alone. A run's other outputs must carry only figures that do not depend on the training
+data, or that the mechanism protects (DESIGN.md §3): ε, δ, σ, q, C, the number of steps, the
+expected batch size q·N, who sampled the batches. The ledger, the report, the progress bar, logs,
+``last_step`` and warnings are held to that. What a step realised — the logical batch's size, the
+rows the layers saw, how many samples were dropped for a NaN/Inf loss or gradient — and the
+training loss depend on the data without noise: they are private diagnostics
+(``last_step_diagnostics``, the ``diagnostics_path`` file), whose first line says so. Realised
+batch sizes leak membership under add/remove neighbours; a dropped count says whether a
+NaN-producing record was sampled. The warnings say that samples were dropped, never how many.
+
 Note [noise index]
 ~~~~~~~~~~~~~~~~~~
 The noise of a step is z(seed, k, j) with k the index of the step's ledger charge (the number of
@@ -21,10 +34,12 @@ draw is ever applied twice; k is the same on every rank and for every W, stage a
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -41,6 +56,7 @@ from . import checkpointing
 from .attach import (PrivacyViolation, assign_components, find_layers, guard_hooks, param_slots,
                      patch, unpatch)
 from .book import Book
+from .examples import MicroBatchToken, tag
 
 CLIPPING = ("flat", "layer", "group", "automatic")
 
@@ -159,8 +175,9 @@ class DPDataLoader:
                 for t, s in self._sampler(start).logical_batches()
                 for i, mb in enumerate(s.micro_batches))
         for batch, (t, i, n, size, rows) in zip(loader, meta):
-            self._engine._begin_micro_batch(t, i, n, size, max(rows, 1), padding=rows == 0)
-            yield batch
+            token = self._engine._begin_micro_batch(t, i, n, size, max(rows, 1),
+                                                    padding=rows == 0)
+            yield tag(batch, token)  # Note [batch provenance]
 
 
 class _PaddedBatches:
@@ -179,6 +196,47 @@ class _PaddedBatches:
 
     def __len__(self) -> int:
         return len(self.sampler)
+
+
+def delta_warning(name: str, delta: float, n: int) -> str:
+    """Why δ >= 1/N is no guarantee: a mechanism that publishes one random record of N in full
+    is (0, 1/N)-DP. Practice, and the published results dpzero compares with, take δ well below
+    1/N (1e-5, 1/N^1.1)."""
+    return (f"{name}={delta:.3g} is >= 1/N = {1.0 / n:.3g} (N = {n}): at such a δ even releasing "
+            "one random example in full is 'differentially private'. Use δ well below 1/N, "
+            f"e.g. min(1e-5, 1/(10 N)) = {min(1e-5, 0.1 / n):.3g}")
+
+
+@dataclass
+class _MicroBatch:
+    """The micro-batch handed out last (by the loader or ``own_batch``)."""
+    token: MicroBatchToken      # what its tensors carry (Note [batch provenance])
+    count: Optional[int]        # micro-batches of its logical batch; None: the caller's step()
+    logical_size: int           # the logical batch's realised size over all ranks (private)
+
+
+class _Diagnostics:
+    """Note [released figures]: the private diagnostics file, one JSON line per step (rank 0;
+    nothing is written without a path). Its first line says what it is: figures that depend on
+    the training data, not covered by epsilon, not to be shared."""
+
+    HEADER = {"kind": "header", "private": True,
+              "warning": "PRIVATE: these figures depend on the training data and are NOT covered "
+                         "by the run's epsilon (realised batch sizes, samples dropped for a "
+                         "non-finite loss or gradient, training losses); do not share this file"}
+
+    def __init__(self, path: Optional[str]) -> None:
+        self.path = path
+        if path is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            if not os.path.exists(path) or os.path.getsize(path) == 0:
+                with open(path, "a") as f:
+                    f.write(json.dumps(self.HEADER) + "\n")
+
+    def write(self, row: Dict[str, Any]) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(dict(row, kind="step")) + "\n")
 
 
 class Private(NamedTuple):
@@ -339,7 +397,8 @@ class PrivacyEngine:
                 policy: Optional[str] = None, memory_budget: Optional[float] = None,
                 plan_step=None,
                 epsilon_budget: Optional[float] = None, budget_delta: Optional[float] = None,
-                num_workers: int = 0, **optimizer_kwargs) -> Private:
+                num_workers: int = 0, diagnostics_path: Optional[str] = None,
+                **optimizer_kwargs) -> Private:
         if self._attached:
             raise RuntimeError("this PrivacyEngine is already attached to a model")
         if not isinstance(model, nn.Module):
@@ -414,6 +473,9 @@ class PrivacyEngine:
         if lr is not None:
             opt_kwargs["lr"] = lr
         opt_kwargs.setdefault("lr", 1e-3)
+        for which, d in (("target_delta", target_delta), ("budget_delta", budget_delta)):
+            if d is not None and d >= 1.0 / n:
+                warnings.warn(delta_warning(which, d, n), UserWarning, stacklevel=3)
         if epsilon_budget is None and target_epsilon is not None:
             epsilon_budget, budget_delta = target_epsilon, target_delta
         if epsilon_budget is not None and budget_delta is None:
@@ -508,16 +570,25 @@ class PrivacyEngine:
                          "automatic" if clipping == "automatic" else "flat", automatic_gamma,
                          loss_reduction, sharded._state, unit_numel, unit_device)
         book_ref = weakref.ref(self.book)
-        patch(layers, book_ref)
+        # Note [batch provenance]: at stage 3 the probe's forward gathers units, so all ranks
+        # probe when one must; at stages 0-2 a forward has no collectives.
+        agree = ((lambda need: self._collective("agreeing on a probe", self._any_rank, need))
+                 if sharded.stage == 3 and self.world_size > 1 else (lambda need: need))
+        devices = sorted({d.index or 0 for d in unit_device if d.type == "cuda"})
+        patch(model, layers, book_ref, agree, devices)
         self._checkpointed = checkpointing.apply(model, checkpointed)
         self._guards = guard_hooks(model, book_ref)
         self.clipping = clipping
         self.loss_reduction = loss_reduction
         # Note [noise index]: the sampler's step and the noise index never repeat a charged one.
         self.next_step, self.steps_taken = self.charges, 0
-        self.all_dropped_steps = 0  # steps whose every example was dropped (NaN/Inf)
-        self._micro: Optional[tuple] = None  # (t, index, count, logical size) from the loader
-        self._loader_driven = False
+        # What a step released (data-independent) and its private diagnostics (Note [released
+        # figures]).
+        self.last_step: Optional[Dict[str, int]] = None
+        self.last_step_diagnostics: Optional[Dict[str, Any]] = None
+        self._diagnostics = _Diagnostics(diagnostics_path if self.rank == 0 else None)
+        self._warned_dropped = False
+        self._micro: Optional[_MicroBatch] = None  # the micro-batch handed out last
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
         self._trainable = list(trainable.values())
@@ -547,7 +618,8 @@ class PrivacyEngine:
                 raise ValueError(f"clipping_groups is for clipping='group', not {clipping!r}")
             for layer in layers:
                 layer.group = 0
-            return [list(range(n_components))], [c]
+            return [list(range(n_components))], \
+                [_C.privacy.threshold_f32(c) if math.isfinite(c) else c]
         if clipping == "layer":
             for layer in layers:
                 layer.group = layer.component
@@ -573,11 +645,9 @@ class PrivacyEngine:
         if group_weights is not None and len(group_weights) != k:
             raise ValueError(f"group_weights has {len(group_weights)} entries for {k} groups")
         if math.isfinite(c):
+            # Rounded down to float32, squares summing to at most C^2 exactly (issue 21: the
+            # clip factors compare against float32 thresholds, which must never exceed C_g).
             thresholds = list(_C.privacy.group_thresholds(c, k, list(group_weights or [])))
-            if k > 1:
-                # C sqrt(w / sum w) is rounded (three float64 roundings, < 2 ulp); two steps down
-                # keep every C_g at or below its exact value, so sum C_g^2 <= C^2 holds exactly.
-                thresholds = [math.nextafter(math.nextafter(t, 0.0), 0.0) for t in thresholds]
         else:
             thresholds = [math.inf] * k
         groups = [sorted({l.component for l in layers if l.group == g}) for g in range(k)]
@@ -667,22 +737,68 @@ class PrivacyEngine:
 
     # ---- the step ----------------------------------------------------------------------------
 
+    def _hand_out(self, micro: "_MicroBatch", padding: bool) -> MicroBatchToken:
+        """Makes ``micro`` the current micro-batch: the model's inputs must carry its token (Note
+        [batch provenance]), its rows are what every DP layer must see."""
+        book = self.book
+        self._micro = micro
+        book.token = micro.token
+        book.padding = padding
+        book.expected_rows = micro.token.rows
+        book.micro_backwards = 0
+        return micro.token
+
     def _begin_micro_batch(self, t: int, i: int, n: int, size: int, rows: int,
-                           padding: bool = False) -> None:
+                           padding: bool = False) -> MicroBatchToken:
         """The loader is about to yield micro-batch i of n of logical step t (``size`` examples
-        over all ranks, ``rows`` here; a padding batch has one row)."""
+        over all ranks, ``rows`` here; a padding batch has one row); returns its token."""
         self._check_attached()
         book = self.book
-        if i == 0 and self._micro is not None and self._micro[0] != t and \
+        if i == 0 and self._micro is not None and self._micro.token.step != t and \
                 (book.stats.micro_batches or book.open):
             # Logical batch t-1 accumulated but never stepped: zero_grad() must drop it before
             # t's gradients arrive, or it would be released together with t's.
             book.stale = True
-        self._micro = (t, i, n, size)
-        self._loader_driven = True
-        book.padding = padding
-        book.expected_rows = rows
-        book.micro_backwards = 0
+        return self._hand_out(_MicroBatch(MicroBatchToken(t, i, rows, "poisson"), n, size),
+                              padding)
+
+    def own_batch(self, batch, *, logical_batch_size: int):
+        """The opt-out for callers who Poisson-sample their batches themselves (Note [batch
+        provenance]): returns ``batch`` (a tensor or a nested tuple / list / dict of tensors, one
+        row per example on dim 0) tagged as one micro-batch of the next logical step, which the
+        model then accepts in place of the private loader's.
+
+        ``logical_batch_size``: the realised size of the logical batch this micro-batch belongs
+        to, over all ranks (every micro-batch of a logical batch gives the same value; a step
+        refuses more rows than that). ``optimizer.step()`` closes the logical batch. The privacy
+        guarantee then rests on the caller's sampling: each example in the logical batch
+        independently with probability q = ``sample_rate``; every step taken this way is
+        recorded as ``sampling: "caller"`` in the ledger and the report."""
+        self._check_attached()
+        size = int(logical_batch_size)
+        if isinstance(logical_batch_size, bool) or size != logical_batch_size or \
+                not 0 <= size <= self.dataset_size:
+            raise ValueError(f"own_batch: logical_batch_size must be an integer in [0, "
+                             f"{self.dataset_size}] (the dataset size), got "
+                             f"{logical_batch_size!r}")
+        rows = {leaf.shape[0] for leaf in torch.utils._pytree.tree_leaves(batch)
+                if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+        if len(rows) != 1:
+            raise ValueError("own_batch: the batch must hold tensors with one row per example "
+                             f"on dim 0, all with the same row count; got row counts "
+                             f"{sorted(rows)}")
+        (rows,) = rows
+        micro = self._micro
+        if micro is not None and micro.token.sampling == "poisson":
+            raise RuntimeError("own_batch() while a logical batch of the private loader is open "
+                               f"({micro.token!r}); step() it (or zero_grad()) first")
+        if micro is not None and micro.logical_size != size:
+            raise ValueError(f"own_batch: logical_batch_size={size}, but this logical batch's "
+                             f"earlier micro-batches gave {micro.logical_size}")
+        index = micro.token.index + 1 if micro is not None else 0
+        token = MicroBatchToken(self.next_step, index, rows, "caller")
+        self._hand_out(_MicroBatch(token, None, size), padding=False)
+        return tag(batch, token)
 
     @property
     def is_padding_batch(self) -> bool:
@@ -690,15 +806,20 @@ class PrivacyEngine:
         batches]): its loss means nothing and its gradient is discarded."""
         return bool(self._attached and self.book.padding)
 
+    def _close_logical_batch(self) -> None:
+        """No micro-batch is current any more: inputs of the last one are refused from now on."""
+        self._micro = None
+        self._skipped_step = False
+        self.book.token = None
+        self.book.padding = False
+        self.book.expected_rows = None
+
     def _drop_batch(self) -> None:
         """A refused step's gradients are never released: drop them, after waiting for the
         reductions in flight (every rank has the same ones, so this is collective-safe; a
         reduction left in flight would also outlive its process group at exit). The error, if
         any, stays until zero_grad()."""
-        self._micro = None
-        self._skipped_step = False
-        self.book.padding = False
-        self.book.expected_rows = None
+        self._close_logical_batch()
         self.book.discard()
         self.book.take_stats()
         self.sharded.zero_grad()
@@ -723,6 +844,8 @@ class PrivacyEngine:
         self._check_attached()
         if self._skipped_step and self.book.error is None:
             return  # mid logical batch (the last step() only accumulated): keep it
+        if self._micro is not None and self._micro.token.sampling == "caller":
+            self._close_logical_batch()  # own_batch: zero_grad() drops the logical batch
         self.book.discard()
         self.book.take_stats()
         self.book.error = None
@@ -734,40 +857,40 @@ class PrivacyEngine:
         self._check_attached()
         micro = self._micro
         book = self.book
-        if micro is not None and micro[1] + 1 < micro[2] and book.error is None:
+        if micro is None:
+            raise RuntimeError(
+                "step() without a micro-batch since the last step: iterate the data_loader that "
+                "make_private returned (each logical batch is stepped once, after its last "
+                "micro-batch), or hand in batches you sampled yourself through "
+                "privacy_engine.own_batch(...)")
+        if micro.count is not None and micro.token.index + 1 < micro.count and book.error is None:
             self._skipped_step = True
             return False  # not the last micro-batch of the logical batch: only accumulate
-        if micro is None and self._loader_driven:
-            raise RuntimeError("step() was called again after the last micro-batch of logical "
-                               f"step {self.next_step - 1}; each logical batch is stepped once")
         # Every rank checks, then all agree, so no rank waits in a collective another skipped.
         local = book.error or book.stale_error() or self._trainable_changed() or (
             "step() after a forward whose backward has not run; call loss.backward() first (or "
             "zero_grad() to drop it)" if book.open else None)
         stats = book.take_stats() if local is None else None
-        samples, dropped, failed = self._collective(
+        caller = micro.token.sampling == "caller"
+        samples, dropped, failed, any_caller = self._collective(
             "agreeing on the step", self._all_reduce,
-            [stats.samples if stats else 0, stats.dropped if stats else 0, int(local is not None)])
+            [stats.samples if stats else 0, stats.dropped if stats else 0, int(local is not None),
+             int(caller)])
         if failed:
             self._drop_batch()
             raise PrivacyViolation(f"refusing the step: {local or 'another rank refused it'} "
                                    "(the batch was dropped; call zero_grad() to go on)")
-        if micro is not None:
-            t, size = micro[0], micro[3]
-            if samples > size:
-                # More rows reached the clipping than the logical batch has: some example was
-                # counted twice (a micro-batch back-propagated twice, or batches mixed).
-                book.error = (f"{samples} rows reached the clipping in logical step {t}, whose "
-                              f"batch has {size} examples")
-                self._drop_batch()
-                raise PrivacyViolation(f"refusing the step: {book.error} (the batch was "
-                                       "dropped; call zero_grad() to go on)")
-        else:  # driven without our loader: the realised size is what the layers saw
-            t, size = self.next_step, samples
-        self._micro = None
-        self._skipped_step = False
-        book.padding = False
-        book.expected_rows = None
+        t, size = micro.token.step, micro.logical_size
+        if samples > size:
+            # More rows reached the clipping than the logical batch has: some example was counted
+            # twice (a micro-batch back-propagated twice, or batches mixed).
+            book.error = (f"{samples} rows reached the clipping in logical step {t}, whose batch "
+                          f"has {size} examples")
+            self._drop_batch()
+            raise PrivacyViolation(f"refusing the step: {book.error} (the batch was dropped; "
+                                   "call zero_grad() to go on)")
+        self._close_logical_batch()
+        sampling = "caller" if any_caller else "poisson"
         sigma, c, q = self.noise_multiplier, self.max_grad_norm, self.sample_rate
         k = self.charges
         if self.max_steps is not None and k + 1 > self.max_steps:
@@ -779,7 +902,8 @@ class PrivacyEngine:
                 f"q={q:.6g}; {k} are charged, so step {k + 1} was not taken (nothing charged or "
                 "applied)")
         # Ledger before update (DESIGN.md §2 step 7): rank 0 writes durably; the others wait for
-        # its verdict so no rank updates with a step the ledger does not hold.
+        # its verdict so no rank updates with a step the ledger does not hold. Nothing that
+        # depends on the data goes in (Note [released figures]).
         _failpoints.hit("before_ledger", k, self.rank)
         err = None
         if self._ledger is not None:
@@ -788,7 +912,7 @@ class PrivacyEngine:
                 # says noise=false, so epsilon is inf either way.
                 self._ledger.append(first_step=t, q=q, sigma=sigma,
                                     max_grad_norm=c if math.isfinite(c) else 0.0,
-                                    batch_sizes=[size], noise=sigma > 0, dropped_samples=dropped)
+                                    noise=sigma > 0, sampling=sampling)
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 err = e
         if self._collective("waiting for rank 0's ledger record", self._any_rank,
@@ -812,18 +936,33 @@ class PrivacyEngine:
         _failpoints.hit("after_update", k, self.rank)
         self.next_step = max(t + 1, self.charges)
         self.steps_taken += 1
+        self.last_step = {"step": t, "noise_index": k}
+        self._diagnose(t, k, sampling, size, samples, dropped)
+        return True
+
+    def _diagnose(self, t: int, k: int, sampling: str, size: int, samples: int,
+                  dropped: int) -> None:
+        """Note [released figures]: what a step realised (batch size, rows seen, samples dropped
+        for a NaN/Inf norm) depends on the data and is not covered by epsilon. It goes to
+        ``last_step_diagnostics`` and the private diagnostics file only; the warning that
+        samples were dropped gives no count."""
         all_dropped = samples > 0 and dropped == samples
-        self.last_step_stats = {"step": t, "batch_size": size, "samples_seen": samples,
-                                "dropped": dropped, "noise_index": k, "all_dropped": all_dropped}
+        self.last_step_diagnostics = {"step": t, "noise_index": k, "sampling": sampling,
+                                      "logical_batch_size": size, "samples_seen": samples,
+                                      "dropped": dropped, "all_dropped": all_dropped}
+        self._diagnostics.write(self.last_step_diagnostics)
         if all_dropped:
             # Still a private step (charged, noised: its batch was sampled), but the model moved
             # by noise alone: almost always a diverged loss or bad data, so it is said loudly.
-            self.all_dropped_steps += 1
-            warnings.warn(f"logical step {t}: all {samples} examples had a non-finite loss or "
-                          "gradient and were dropped; the update was noise only (charged to the "
-                          f"ledger as usual). {self.all_dropped_steps} such step(s) so far",
-                          RuntimeWarning, stacklevel=3)
-        return True
+            warnings.warn(f"logical step {t}: every example had a non-finite loss or gradient "
+                          "and was dropped; the update was noise only (charged to the ledger as "
+                          "usual)", RuntimeWarning, stacklevel=4)
+        elif dropped and not self._warned_dropped:
+            self._warned_dropped = True
+            warnings.warn("some examples had a non-finite loss or gradient and were dropped "
+                          "(they contribute nothing; the step is charged as usual). How many is "
+                          "a private diagnostic (PrivacyEngine.last_step_diagnostics), not "
+                          "covered by epsilon", RuntimeWarning, stacklevel=4)
 
     # ---- teardown ----------------------------------------------------------------------------
 
@@ -833,7 +972,7 @@ class PrivacyEngine:
         would reach the engine's buffers). Gathers nothing: in stage 3 read the trained values
         with ``parameters()`` first."""
         checkpointing.remove(self._checkpointed)
-        unpatch(self.layers)
+        unpatch(self.module, self.layers)
         for h in self._guards:
             h.remove()
         self._guards = []
@@ -868,7 +1007,9 @@ def make_private(model: nn.Module, *, optimizer="sgd", accountant: str = "prv",
         or a module class (private/checkpointing.py). Hugging Face's own switch works too.
     mixed_precision: None, "bf16", "fp16" or a dtype (compute dtype; fp32 masters and clipping).
     seed (reproducible Philox noise and sampling) or secure_mode=True (ChaCha20, OS entropy).
-    ledger_path (+ run_id): the privacy ledger (rank 0 writes it).
+    ledger_path (+ run_id): the privacy ledger (rank 0 writes it; only data-independent figures).
+    diagnostics_path: a file for each step's private diagnostics (realised batch size, samples
+        seen and dropped: not covered by ε, Note [released figures]); rank 0 writes it.
     loss_reduction: "mean" (the loss averages over the micro-batch, Opacus's default) or "sum".
     allow_no_noise: needed for noise_multiplier=0 (non-private training through the same path).
     optimizer: "sgd" | "adam" | "adamw" or a torch.optim SGD/Adam/AdamW (its hyperparameters are

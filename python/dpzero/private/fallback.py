@@ -14,17 +14,19 @@ Per-sample gradients exist as [B, *P.shape] for a moment, so this is meant for s
 (the big layers have kernels). Norms and clipped sums are computed in float64 from them; the norm is
 rounded up so a clip factor never lets a contribution exceed its threshold.
 
-Restrictions (checked, with the module named): M takes its batch on dim 0 of its tensor arguments
-and returns one tensor with the batch on dim 0; M must not contain active dropout (the per-sample
-recompute would draw other masks than the forward did, so the clipped gradient would belong to
-another function than the one the loss was computed with; vmap also refuses random ops).
+Restrictions (checked, with the module named): M takes the examples on dim 0 of some of its
+positional tensor arguments (which ones is decided by provenance, Note [batch provenance]; the
+others are shared by all samples) and returns one tensor with the examples on dim 0; M must not
+contain active dropout (the per-sample recompute would draw other masks than the forward did, so
+the clipped gradient would belong to another function than the one the loss was computed with;
+vmap also refuses random ops).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -79,14 +81,14 @@ class FuncKind(LayerKind):
                         "per-sample gradients are recomputed; set its p to 0")
         return None
 
-    def per_sample_grads(self, module: nn.Module, inputs, g: torch.Tensor, train):
-        """{name: [B, *shape] float32} for the trainable own parameters."""
+    def per_sample_grads(self, module: nn.Module, inputs, g: torch.Tensor, train,
+                         in_dims: Tuple[Optional[int], ...]):
+        """{name: [B, *shape] float32} for the trainable own parameters. ``in_dims``: per
+        positional argument, 0 where its dim 0 holds the examples, None where it is shared by
+        all of them (the root forward's verdict, Note [batch provenance])."""
         args, kwargs = inputs
         names = [n for n, t in zip(self.names, train) if t]
         values = {n: module._parameters[n].detach() for n in names}
-        batch = g.shape[0]
-        in_dims = tuple(0 if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch
-                        else None for a in args)
 
         def sample_out(p, *xs):
             xs = tuple(x.unsqueeze(0) if d == 0 else x for x, d in zip(xs, in_dims))

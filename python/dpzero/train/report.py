@@ -3,8 +3,14 @@
 The privacy part is recomputed from ``ledger.jsonl`` alone (the ledger is the record of what was
 spent; ``dpzero report RUN_DIR`` can regenerate it for any run, even one whose other files are
 gone): ε versus steps under RDP and PRV (estimate with its [lower, upper] band) and the final ε.
-Loss and accuracy curves come from ``metrics.jsonl`` and the summary from ``result.json`` when
-they exist. δ is the one the run used (``config.json``), else 1/N from the ledger header.
+The private model's test metrics come from ``metrics.jsonl`` and ``result.json``. δ is the one
+the run used (``config.json``), else the default min(1e-5, 1/(10 N)) from the ledger header.
+
+The report carries only released figures (Note [released figures] in private/engine.py): ε, δ,
+σ, q, C, steps, the expected batch size, who sampled the batches, and the private model evaluated
+on held-out data. What depends on the training data without noise — realised batch sizes,
+dropped samples, training losses, and everything about the non-private baseline — goes to
+``private/diagnostics.md`` (with ``private/loss.png``), headed as not covered by ε.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from ..accounting import Ledger
 from ..budget import curve_over, evaluate
 
 _acc = _C.accounting
+
+# The run directory's folder for what is NOT covered by ε (Note [released figures]).
+PRIVATE_DIR = "private"
 
 
 def _prefix(phases, steps: int):
@@ -76,34 +85,11 @@ def _plot_epsilon(curve, path: str, title: str) -> None:
     plt.close(fig)
 
 
-def _plot_training(metrics: List[dict], path_loss: str, path_acc: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    for key, path, ylabel, rows in (
-            ("loss", path_loss, "training loss (rank 0's rows)",
-             [m for m in metrics if "loss" in m]),
-            ("accuracy", path_acc, "test accuracy", [m for m in metrics if "accuracy" in m])):
-        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
-        for run, color in (("private", "tab:red"), ("baseline", "tab:green")):
-            # A resumed run logs the steps after its checkpoint twice: the later line wins.
-            pts = sorted({m["step"]: m[key] for m in rows if m.get("run") == run}.items())
-            if pts:
-                ax.plot(*zip(*pts), label=run, color=color, marker="o" if key == "accuracy"
-                        else None)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
-
-
 def write_report(run_dir: str) -> Dict:
-    """Writes report.md, report.json and the plots into ``run_dir``; returns the report data."""
+    """Writes report.md, report.json and the plots into ``run_dir``, and the private diagnostics
+    into ``run_dir/private`` when the run has any; returns the report data."""
+    from .config import default_delta
+
     ledger_path = os.path.join(run_dir, "ledger.jsonl")
     if not os.path.exists(ledger_path):
         raise FileNotFoundError(f"{ledger_path} does not exist: a report needs the run's ledger")
@@ -113,9 +99,9 @@ def write_report(run_dir: str) -> Dict:
         with open(os.path.join(run_dir, "config.json")) as f:
             config = json.load(f)
     n = ledger.dataset_size
-    d = config.get("privacy", {}).get("delta", "1/N")
-    delta = 1.0 / n if d in ("1/N", None) else float(d)
-    records = ledger.records
+    d = config.get("privacy", {}).get("delta", "auto")
+    delta = {"1/N": 1.0 / n, "auto": default_delta(n), None: default_delta(n)}.get(d) \
+        if not isinstance(d, (int, float)) else float(d)
     noised = not ledger.has_unnoised_steps
     # A ledger with unnoised steps has no finite ε and no phases to compose; the report says so.
     phases = [p for p in ledger.phases() if p.steps > 0] if noised else []
@@ -124,20 +110,16 @@ def write_report(run_dir: str) -> Dict:
     results = {}
     if os.path.exists(os.path.join(run_dir, "result.json")):
         with open(os.path.join(run_dir, "result.json")) as f:
-            results = json.load(f)
+            results = {"private": json.load(f).get("private")}
     metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     settings = ledger.settings
     data = {
         "run_id": ledger.run_id, "dataset_size": n, "delta": delta,
         "steps": ledger.total_steps, "noise": noised,
         "secure_mode": settings.get("secure_mode"), "settings": settings,
-        "phases": [{"q": p.q, "sigma": p.sigma, "steps": p.steps} for p in phases],
-        "batch_sizes": [b for r in records for b in r.batch_sizes],
-        "dropped_samples": sum(r.dropped_samples for r in records),
-        # steps whose every example was dropped: the model moved by noise alone
-        "all_dropped_steps": sum(1 for r in records
-                                 if sum(r.batch_sizes) > 0 and
-                                 r.dropped_samples >= sum(r.batch_sizes)),
+        "phases": [{"q": p.q, "sigma": p.sigma, "steps": p.steps,
+                    "expected_batch_size": p.q * n} for p in phases],
+        "caller_sampled_steps": ledger.caller_sampled_steps,
         "epsilon": final, "curve": curve, "results": results,
     }
     with open(os.path.join(run_dir, "report.json"), "w") as f:
@@ -147,13 +129,87 @@ def write_report(run_dir: str) -> Dict:
         _plot_epsilon(curve, os.path.join(run_dir, "epsilon.png"),
                       f"ε spent (δ = {delta:.3g}, N = {n})")
         plots.append("epsilon.png")
-    if metrics:
-        _plot_training(metrics, os.path.join(run_dir, "loss.png"),
-                       os.path.join(run_dir, "accuracy.png"))
-        plots += ["loss.png", "accuracy.png"]
+    evals = [m for m in metrics if m.get("run") == "private" and "accuracy" in m]
+    if evals:
+        _plot_curves({"private": evals}, "accuracy", "test accuracy (private model)",
+                     os.path.join(run_dir, "accuracy.png"))
+        plots.append("accuracy.png")
     with open(os.path.join(run_dir, "report.md"), "w") as f:
         f.write(_markdown(data, plots))
+    private_dir = os.path.join(run_dir, PRIVATE_DIR)
+    if os.path.isdir(private_dir):
+        _write_diagnostics(private_dir, results.get("private") or {})
     return data
+
+
+def _plot_curves(runs: Dict[str, List[dict]], key: str, ylabel: str, path: str) -> None:
+    """``key`` against step for each run (a resumed run logs some steps twice: the last wins)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"private": "tab:red", "baseline": "tab:green"}
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    for run, rows in runs.items():
+        pts = sorted({m["step"]: m[key] for m in rows if key in m}.items())
+        if pts:
+            ax.plot(*zip(*pts), label=run, color=colors.get(run),
+                    marker="o" if key == "accuracy" else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+DIAGNOSTICS_WARNING = (
+    "**PRIVATE: not covered by the run's ε.** Everything below depends on the training data "
+    "without the mechanism's noise (each step's realised batch size, samples dropped for a "
+    "non-finite loss or gradient, training losses) or comes from a model trained without "
+    "privacy (the baseline). Keep this folder with the training data; do not share it.")
+
+
+def _write_diagnostics(private_dir: str, private_result: dict) -> None:
+    """private/diagnostics.md (and loss.png) from the private folder's files."""
+    steps = [r for r in _read_jsonl(os.path.join(private_dir, "diagnostics.jsonl"))
+             if r.get("kind") == "step"]
+    training = _read_jsonl(os.path.join(private_dir, "training.jsonl"))
+    baseline = None
+    if os.path.exists(os.path.join(private_dir, "baseline.json")):
+        with open(os.path.join(private_dir, "baseline.json")) as f:
+            baseline = json.load(f)
+    lines = ["# Private diagnostics", "", DIAGNOSTICS_WARNING, ""]
+    if steps:
+        sizes = [r["logical_batch_size"] for r in steps]
+        dropped = sum(r["dropped"] for r in steps)
+        lines.append(f"- realised logical batch sizes over {len(sizes)} steps: min {min(sizes)}, "
+                     f"mean {sum(sizes) / len(sizes):.1f}, max {max(sizes)}")
+        lines.append(f"- samples dropped (NaN/Inf loss or gradient): {dropped}")
+        all_dropped = sum(1 for r in steps if r.get("all_dropped"))
+        if all_dropped:
+            lines.append(f"- **{all_dropped} step(s) dropped every example: the model moved by "
+                         "noise alone** (charged like the others)")
+    if baseline:
+        lines += ["", "| run | test accuracy | test loss | steps | seconds |",
+                  "|---|---|---|---|---|"]
+        for name, r in (("private", private_result), ("baseline (no privacy)", baseline)):
+            if r:
+                lines.append(f"| {name} | {_fmt(r.get('accuracy'))} | "
+                             f"{_fmt(r.get('test_loss'))} | {r.get('steps')} | "
+                             f"{_fmt(r.get('seconds'), 3)} |")
+    runs = {run: [m for m in training if m.get("run") == run and "loss" in m]
+            for run in ("private", "baseline")}
+    runs = {k: v for k, v in runs.items() if v}
+    if runs:
+        _plot_curves(runs, "loss", "training loss (rank 0's rows)",
+                     os.path.join(private_dir, "loss.png"))
+        lines += ["", "![loss.png](loss.png)"]
+    lines.append("")
+    with open(os.path.join(private_dir, "diagnostics.md"), "w") as f:
+        f.write("\n".join(lines))
 
 
 def _fmt(x, digits=4) -> str:
@@ -177,17 +233,13 @@ def _markdown(data: Dict, plots: List[str]) -> str:
     lines.append(f"- dataset size N = {data['dataset_size']}, δ = {_fmt(data['delta'])}, "
                  f"steps charged = {data['steps']}")
     for ph in data["phases"]:
-        lines.append(f"- phase: q = {_fmt(ph['q'])}, σ = {_fmt(ph['sigma'])}, "
+        lines.append(f"- phase: q = {_fmt(ph['q'])} (expected batch size "
+                     f"{_fmt(ph['expected_batch_size'])}), σ = {_fmt(ph['sigma'])}, "
                      f"steps = {ph['steps']}")
-    sizes = data["batch_sizes"]
-    if sizes:
-        lines.append(f"- realised batch sizes: min {min(sizes)}, mean "
-                     f"{sum(sizes) / len(sizes):.1f}, max {max(sizes)}; dropped (NaN/Inf) "
-                     f"samples: {data['dropped_samples']}")
-    if data.get("all_dropped_steps"):
-        lines.append(f"- **{data['all_dropped_steps']} step(s) dropped every example "
-                     "(non-finite loss or gradients): the model moved by noise alone; these "
-                     "steps are charged like the others**")
+    if data.get("caller_sampled_steps"):
+        lines.append(f"- **{data['caller_sampled_steps']} step(s) took batches the caller "
+                     "sampled itself (own_batch), not dpzero's Poisson sampler: ε assumes they "
+                     "were Poisson-sampled at q**")
     if not data["noise"]:
         lines.append("- **noise was disabled for some steps: ε = ∞ (no privacy guarantee)**")
     elif data["epsilon"]:
@@ -197,18 +249,18 @@ def _markdown(data: Dict, plots: List[str]) -> str:
             else:
                 lines.append(f"- ε (PRV) = {_fmt(r['epsilon'])} (upper bound; estimate "
                              f"{_fmt(r['estimate'])}, lower {_fmt(r['lower'])})")
-    lines.append("")
-    res = data.get("results") or {}
-    if res:
+    lines += ["", "ε covers the model and anything computed from it alone (such as the test "
+                  "metrics below, on held-out data). This report holds nothing else that "
+                  "depends on the training data; the run's private diagnostics (realised batch "
+                  "sizes, dropped samples, training losses, the non-private baseline) are in "
+                  "`private/`, which is not covered by ε and is not to be shared.", ""]
+    priv = (data.get("results") or {}).get("private") or {}
+    if priv:
         lines += ["Results:", "", "| run | test accuracy | test loss | ε | steps | seconds |",
-                  "|---|---|---|---|---|---|"]
-        for name in ("private", "baseline"):
-            r = res.get(name)
-            if r:
-                lines.append(f"| {name} | {_fmt(r.get('accuracy'))} | {_fmt(r.get('test_loss'))}"
-                             f" | {_fmt(r.get('epsilon'))} | {r.get('steps')} | "
-                             f"{_fmt(r.get('seconds'), 3)} |")
-        priv = res.get("private") or {}
+                  "|---|---|---|---|---|---|",
+                  f"| private | {_fmt(priv.get('accuracy'))} | {_fmt(priv.get('test_loss'))}"
+                  f" | {_fmt(priv.get('epsilon'))} | {priv.get('steps')} | "
+                  f"{_fmt(priv.get('seconds'), 3)} |"]
         if priv.get("charged_steps", 0) > (priv.get("steps") or 0):
             lines += ["", f"The private run was resumed after a crash: its model went through "
                           f"{priv['steps']} updates and {priv['charged_steps']} steps are "

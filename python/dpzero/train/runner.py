@@ -2,13 +2,21 @@
 
 ``run_job(cfg)`` runs on every rank (single process, or the ranks ``launch.py`` starts). It trains
 privately, then (``[training] baseline``) the same model and settings without privacy — σ = 0 and
-C = ∞ through the same engine path — and rank 0 writes the run directory:
+C = ∞ through the same engine path — and rank 0 writes the run directory. What is released (Note
+[released figures] in private/engine.py: data-independent, or computed from the private model
+alone) is kept apart from what is not:
 
     config.json     the parsed config            ledger.jsonl   the privacy ledger (durable)
-    metrics.jsonl   one line per step / eval     result.json    accuracies, ε, σ, q, timings
+    metrics.jsonl   ε per step, test metrics     result.json    the private run: test accuracy,
+                    of the private model per                    ε, δ, σ, q, C, steps, timings
+                    epoch
     model.pt        the trained model (private)  report.md, report.json, *.png  (report.py)
     checkpoints/    sharded checkpoints of the private run (``[training] checkpoint_every``)
     private.json    the private run's result, once it has finished
+    private/        NOT covered by ε, not to be shared: diagnostics.jsonl (each step's realised
+                    batch size and dropped samples, from the engine), training.jsonl (training
+                    losses; the baseline's evaluations), baseline.json (the non-private model's
+                    results), diagnostics.md and loss.png (report.py)
 
 Note [resuming a run]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -43,6 +51,7 @@ from ..private import BudgetExhausted, make_private
 from .config import ConfigError, RunConfig
 from .datasets import fashion_mnist, fortune_texts, split_texts, tokenize
 from .models import TanhCNN, load_minilm
+from .report import PRIVATE_DIR
 
 
 def _rank_world():
@@ -100,8 +109,8 @@ def evaluate(model, test, unpack, batch: int = 256) -> Dict[str, float]:
 
 
 class _Progress:
-    """Rank 0's progress line: step, loss, ε spent so far (tqdm when stderr is a terminal or
-    forced; plain lines otherwise so logs stay readable)."""
+    """Rank 0's progress line: steps and ε spent so far, and the private model's test accuracy
+    after each epoch — nothing computed from the training data (Note [released figures])."""
 
     def __init__(self, total: int, label: str, enabled: bool) -> None:
         self.enabled, self.label = enabled, label
@@ -112,12 +121,19 @@ class _Progress:
             self.bar = tqdm(total=total, desc=label, file=sys.stderr, dynamic_ncols=True,
                             mininterval=0.5)
 
-    def update(self, loss: float, eps: Optional[float]) -> None:
-        if self.bar is not None:
-            post = {"loss": f"{loss:.3f}"}
-            if eps is not None:
-                post["eps"] = "inf" if math.isinf(eps) else f"{eps:.3f}"
-            self.bar.set_postfix(post)
+        self.post: Dict[str, str] = {}
+
+    def update(self, eps: Optional[float] = None, accuracy: Optional[float] = None,
+               step: bool = True) -> None:
+        if self.bar is None:
+            return
+        if eps is not None:
+            self.post["eps"] = "inf" if math.isinf(eps) else f"{eps:.3f}"
+        if accuracy is not None:
+            self.post["test_acc"] = f"{accuracy:.3f}"
+        if self.post:
+            self.bar.set_postfix(self.post)
+        if step:
             self.bar.update(1)
 
     def close(self) -> None:
@@ -125,8 +141,10 @@ class _Progress:
             self.bar.close()
 
 
-def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics,
+def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics,
                resume: bool = False) -> Dict:
+    """One run (private or the baseline). ``metrics``: rank 0's released log (metrics.jsonl);
+    ``diagnostics``: rank 0's private one (private/training.jsonl); None on other ranks."""
     rank, world = _rank_world()
     model, train, test, unpack = build(cfg)
     n = len(train)
@@ -139,7 +157,8 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics,
     if private:
         kw = dict(max_grad_norm=p_cfg.max_grad_norm, clipping=p_cfg.clipping,
                   secure_mode=p_cfg.secure_mode, ledger_path=os.path.join(run_dir, "ledger.jsonl"),
-                  run_id=os.path.basename(os.path.abspath(run_dir)))
+                  run_id=os.path.basename(os.path.abspath(run_dir)),
+                  diagnostics_path=os.path.join(run_dir, PRIVATE_DIR, "diagnostics.jsonl"))
         if p_cfg.target_epsilon is not None:
             kw.update(target_epsilon=p_cfg.target_epsilon, target_delta=delta,
                       epochs=t_cfg.epochs)
@@ -180,26 +199,33 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics,
                 if not p.optimizer.step():
                     continue
                 taken += 1
-                # The loss shown is this rank's mean over its rows of the logical batch.
+                # This rank's mean loss over its rows of the logical batch: computed from the
+                # training data without noise, so a private diagnostic (Note [released figures]).
                 mean_loss = step_loss / max(step_rows, 1)
                 step_loss, step_rows = 0.0, 0
                 eps = engine.epsilon(delta) if private and (
                     taken % 10 == 0 or taken == total_steps) else None
-                progress.update(mean_loss, eps)
+                progress.update(eps)
                 if rank == 0:
-                    metrics.write(json.dumps({"run": label, "step": taken, "loss": mean_loss,
-                                              "epsilon": eps}) + "\n")
-                    metrics.flush()
+                    diagnostics.write(json.dumps({"run": label, "step": taken,
+                                                  "loss": mean_loss}) + "\n")
+                    diagnostics.flush()
+                    if private:
+                        metrics.write(json.dumps({"run": label, "step": taken,
+                                                  "epsilon": eps}) + "\n")
+                        metrics.flush()
                 if taken == total_steps:
                     break
                 if every and taken % every == 0:
                     _save(p, run_dir, taken, epoch, t_cfg.keep_checkpoints)
             epoch += 1
             ev = evaluate(p.model, test, unpack)
+            progress.update(accuracy=ev["accuracy"] if private else None, step=False)
             if rank == 0:
-                metrics.write(json.dumps({"run": label, "epoch": epoch, "step": taken, **ev})
-                              + "\n")
-                metrics.flush()
+                # The private model on held-out data: released. The baseline: not private.
+                log = metrics if private else diagnostics
+                log.write(json.dumps({"run": label, "epoch": epoch, "step": taken, **ev}) + "\n")
+                log.flush()
     except BudgetExhausted as e:  # the engine's guard: stop cleanly, say why
         stopped = str(e)
     finally:
@@ -326,7 +352,11 @@ def run_job(cfg: RunConfig, resume: bool = False) -> Dict:
         dist.barrier()
     results = {}
     done = os.path.join(run_dir, "private.json")
-    metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a") if rank == 0 else None
+    metrics = diagnostics = None
+    if rank == 0:
+        os.makedirs(os.path.join(run_dir, PRIVATE_DIR), exist_ok=True)
+        metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        diagnostics = open(os.path.join(run_dir, PRIVATE_DIR, "training.jsonl"), "a")
     if torn is not None:
         metrics.write(json.dumps({"run": "private", "ledger_torn_tail_cut": torn}) + "\n")
     try:
@@ -334,14 +364,18 @@ def run_job(cfg: RunConfig, resume: bool = False) -> Dict:
             with open(done) as f:
                 results["private"] = json.load(f)
         else:
-            results["private"] = train_once(cfg, True, run_dir, metrics, resume=resume)
+            results["private"] = train_once(cfg, True, run_dir, metrics, diagnostics,
+                                            resume=resume)
         if cfg.training.baseline:
-            results["baseline"] = train_once(cfg, False, run_dir, metrics)
+            results["baseline"] = train_once(cfg, False, run_dir, metrics, diagnostics)
     finally:
-        if metrics is not None:
-            metrics.close()
+        for f in (metrics, diagnostics):
+            if f is not None:
+                f.close()
     if rank != 0:
         return {}
-    _atomic_json(results, os.path.join(run_dir, "result.json"))
+    _atomic_json({"private": results["private"]}, os.path.join(run_dir, "result.json"))
+    if "baseline" in results:  # a model trained without privacy: none of it is released
+        _atomic_json(results["baseline"], os.path.join(run_dir, PRIVATE_DIR, "baseline.json"))
     write_report(run_dir)
     return results

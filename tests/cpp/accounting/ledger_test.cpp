@@ -46,15 +46,13 @@ std::vector<std::string> lines_of(const std::string& text) {
   return lines;
 }
 
-LedgerRecord make_record(int64_t first, int64_t last, double q, double sigma, int64_t batch = 40,
-                         bool noise = true) {
+LedgerRecord make_record(int64_t first, int64_t last, double q, double sigma, bool noise = true) {
   LedgerRecord r;
   r.first_step = first;
   r.last_step = last;
   r.q = q;
   r.sigma = sigma;
   r.max_grad_norm = 1.0;
-  r.batch_sizes.assign(static_cast<std::size_t>(last - first + 1), batch);
   r.noise = noise;
   return r;
 }
@@ -65,9 +63,8 @@ void expect_same_record(const LedgerRecord& a, const LedgerRecord& b) {
   EXPECT_EQ(a.q, b.q);  // bit for bit: doubles are written in round-trip form
   EXPECT_EQ(a.sigma, b.sigma);
   EXPECT_EQ(a.max_grad_norm, b.max_grad_norm);
-  EXPECT_EQ(a.batch_sizes, b.batch_sizes);
   EXPECT_EQ(a.noise, b.noise);
-  EXPECT_EQ(a.dropped_samples, b.dropped_samples);
+  EXPECT_EQ(a.sampling, b.sampling);
 }
 
 template <typename F>
@@ -111,7 +108,7 @@ TEST_F(LedgerTest, CreateWritesTheHeaderLine) {
   ASSERT_EQ(lines.size(), 1u);
   const nlohmann::json h = nlohmann::json::parse(lines[0]);
   EXPECT_EQ(h.at("kind"), "header");
-  EXPECT_EQ(h.at("format"), 1);
+  EXPECT_EQ(h.at("format"), 2);
   EXPECT_EQ(h.at("run_id"), "run-42");
   EXPECT_EQ(h.at("dataset_size"), 1000);
   EXPECT_TRUE(std::regex_match(h.at("created").get<std::string>(),
@@ -125,8 +122,7 @@ TEST_F(LedgerTest, CreateWritesTheHeaderLine) {
 TEST_F(LedgerTest, AppendWritesOneCompleteLinePerRecord) {
   Ledger ledger = Ledger::create(path_, header());
   LedgerRecord r = make_record(0, 2, 0.04, 1.1);
-  r.batch_sizes = {38, 41, 0};
-  r.dropped_samples = 2;
+  r.sampling = "caller";
   ledger.append(r);
   // Read back with an independent reader while the ledger is still open: append is durable.
   const std::string text = read_file(path_);
@@ -140,9 +136,10 @@ TEST_F(LedgerTest, AppendWritesOneCompleteLinePerRecord) {
   EXPECT_EQ(j.at("q"), 0.04);
   EXPECT_EQ(j.at("sigma"), 1.1);
   EXPECT_EQ(j.at("max_grad_norm"), 1.0);
-  EXPECT_EQ(j.at("batch_sizes"), nlohmann::json({38, 41, 0}));
   EXPECT_EQ(j.at("noise"), true);
-  EXPECT_EQ(j.at("dropped_samples"), 2);
+  EXPECT_EQ(j.at("sampling"), "caller");
+  // Nothing that depends on the training data (Note [ledger format]).
+  EXPECT_EQ(j.size(), 8u) << j.dump();
   EXPECT_EQ(ledger.records().size(), 1u);
   EXPECT_EQ(ledger.total_steps(), 3);
 }
@@ -152,8 +149,7 @@ TEST_F(LedgerTest, RoundTripKeepsEveryFieldBitForBit) {
                                        make_record(5, 5, 1e-7, 123.456789012345678),
                                        make_record(6, 8, 0.0, 2.0)};
   written[0].max_grad_norm = 0.7;
-  written[1].dropped_samples = 7;
-  written[2].batch_sizes = {0, 0, 0};
+  written[1].sampling = "caller";
   {
     Ledger ledger = Ledger::create(path_, header());
     for (const LedgerRecord& r : written) ledger.append(r);
@@ -320,13 +316,9 @@ TEST_F(LedgerTest, InvalidRecordIsRejectedOnAppendAndNothingIsWritten) {
   backwards.last_step = 3;
   EXPECT_NE(invalid_argument_message([&] { ledger.append(backwards); }).find("last_step"),
             std::string::npos);
-  LedgerRecord short_sizes = make_record(0, 3, 0.1, 1.0);
-  short_sizes.batch_sizes.pop_back();
-  EXPECT_NE(invalid_argument_message([&] { ledger.append(short_sizes); })
-                .find("3 entries for 4 steps"),
-            std::string::npos);
-  LedgerRecord too_big = make_record(0, 0, 0.1, 1.0, 1001);
-  EXPECT_NE(invalid_argument_message([&] { ledger.append(too_big); }).find("got 1001"),
+  LedgerRecord bad_sampling = make_record(0, 3, 0.1, 1.0);
+  bad_sampling.sampling = "uniform";
+  EXPECT_NE(invalid_argument_message([&] { ledger.append(bad_sampling); }).find("\"uniform\""),
             std::string::npos);
   EXPECT_EQ(read_file(path_), before);
   EXPECT_TRUE(ledger.records().empty());
@@ -337,7 +329,7 @@ TEST_F(LedgerTest, InvalidRecordInTheFileNamesItsLine) {
   // Valid JSON, invalid value, as the last line: a validation error, not a torn tail.
   append_raw(path_,
              R"({"kind":"steps","first_step":25,"last_step":25,"q":1.5,"sigma":1.0,)"
-             R"("max_grad_norm":1.0,"batch_sizes":[3],"noise":true})"
+             R"("max_grad_norm":1.0,"noise":true,"sampling":"poisson"})"
              "\n");
   for (const TornTailPolicy policy : {TornTailPolicy::kError, TornTailPolicy::kTruncate}) {
     const std::string message = testing::error_message<LedgerError>([&] { Ledger::open(path_, policy); });
@@ -349,7 +341,7 @@ TEST_F(LedgerTest, InvalidRecordInTheFileNamesItsLine) {
 TEST_F(LedgerTest, MissingFieldOrWrongKindNamesTheLine) {
   { Ledger ledger = Ledger::create(path_, header()); }
   append_raw(path_, R"({"kind":"steps","first_step":0,"last_step":0,"q":0.1,"sigma":1.0,)"
-                    R"("batch_sizes":[3],"noise":true})"
+                    R"("noise":true,"sampling":"poisson"})"
                     "\n");
   std::string message = testing::error_message<LedgerError>([&] { Ledger::open(path_); });
   EXPECT_NE(message.find("line 2"), std::string::npos) << message;
@@ -362,15 +354,63 @@ TEST_F(LedgerTest, MissingFieldOrWrongKindNamesTheLine) {
   EXPECT_NE(message.find("\"pause\""), std::string::npos) << message;
 }
 
-TEST_F(LedgerTest, DroppedSamplesIsOptionalOnRead) {
-  { Ledger ledger = Ledger::create(path_, header()); }
-  append_raw(path_, R"({"kind":"steps","first_step":0,"last_step":1,"q":0.1,"sigma":1.0,)"
-                    R"("max_grad_norm":2.0,"batch_sizes":[3,4],"noise":true})"
-                    "\n");
-  const Ledger ledger = Ledger::open(path_);
-  ASSERT_EQ(ledger.records().size(), 1u);
-  EXPECT_EQ(ledger.records()[0].dropped_samples, 0);
-  EXPECT_EQ(ledger.records()[0].batch_sizes, (std::vector<int64_t>{3, 4}));
+// A format-1 ledger (an older dpzero's, with realised batch sizes and dropped counts) is read and
+// checked, keeps none of those fields, and takes no further appends.
+TEST_F(LedgerTest, FormatOneLedgersAreReadWithoutTheirDataDependentFields) {
+  const std::string header1 = R"({"kind":"header","format":1,"run_id":"old","dataset_size":50,)"
+                              R"("created":"2025-01-01T00:00:00Z","settings":{}})"
+                              "\n";
+  append_raw(path_, header1 +
+                        R"({"kind":"steps","first_step":0,"last_step":1,"q":0.1,"sigma":1.0,)"
+                        R"("max_grad_norm":2.0,"batch_sizes":[3,4],"noise":true})"
+                        "\n"
+                        R"({"kind":"steps","first_step":2,"last_step":2,"q":0.1,"sigma":1.0,)"
+                        R"("max_grad_norm":2.0,"batch_sizes":[5],"noise":true,)"
+                        R"("dropped_samples":2})"
+                        "\n");
+  {
+    Ledger ledger = Ledger::open(path_);
+    EXPECT_EQ(ledger.header().format, 1);
+    ASSERT_EQ(ledger.records().size(), 2u);
+    EXPECT_EQ(ledger.records()[0].sampling, "poisson");
+    EXPECT_EQ(ledger.total_steps(), 3);
+    const std::string before = read_file(path_);
+    const std::string message =
+        testing::error_message<LedgerError>([&] { ledger.append(make_record(3, 3, 0.1, 1.0)); });
+    EXPECT_NE(message.find("format 1"), std::string::npos) << message;
+    EXPECT_EQ(read_file(path_), before);
+  }
+  // Their old checks still hold: one batch size per step, each in [0, N].
+  fs::remove(path_);
+  append_raw(path_, header1 +
+                        R"({"kind":"steps","first_step":0,"last_step":1,"q":0.1,"sigma":1.0,)"
+                        R"("max_grad_norm":2.0,"batch_sizes":[3],"noise":true})"
+                        "\n");
+  std::string message = testing::error_message<LedgerError>([&] { Ledger::open_read_only(path_); });
+  EXPECT_NE(message.find("1 entries for 2 steps"), std::string::npos) << message;
+  fs::remove(path_);
+  append_raw(path_, header1 +
+                        R"({"kind":"steps","first_step":0,"last_step":0,"q":0.1,"sigma":1.0,)"
+                        R"("max_grad_norm":2.0,"batch_sizes":[51],"noise":true})"
+                        "\n");
+  message = testing::error_message<LedgerError>([&] { Ledger::open_read_only(path_); });
+  EXPECT_NE(message.find("got 51"), std::string::npos) << message;
+}
+
+// Note [ledger format]: a format-2 record carrying realised batch sizes or dropped counts (data
+// the ledger must not release) is an error naming the field and the line.
+TEST_F(LedgerTest, FormatTwoRecordsRefuseDataDependentFields) {
+  for (const char* extra : {R"("batch_sizes":[3])", R"("dropped_samples":0)"}) {
+    fs::remove(path_);
+    { Ledger ledger = Ledger::create(path_, header()); }
+    append_raw(path_, std::string(R"({"kind":"steps","first_step":0,"last_step":0,"q":0.1,)") +
+                          R"("sigma":1.0,"max_grad_norm":2.0,"noise":true,"sampling":"poisson",)" +
+                          extra + "}\n");
+    const std::string message = testing::error_message<LedgerError>([&] { Ledger::open(path_); });
+    EXPECT_NE(message.find("line 2"), std::string::npos) << message;
+    EXPECT_NE(message.find(std::string(extra).substr(1, 11)), std::string::npos) << message;
+    EXPECT_NE(message.find("not covered by epsilon"), std::string::npos) << message;
+  }
 }
 
 TEST_F(LedgerTest, EmptyFileTornHeaderAndUnknownFormatAreErrors) {
@@ -383,10 +423,10 @@ TEST_F(LedgerTest, EmptyFileTornHeaderAndUnknownFormatAreErrors) {
     EXPECT_NE(message.find("line 1"), std::string::npos) << message;
   }
   fs::remove(path_);
-  append_raw(path_, R"({"kind":"header","format":2,"run_id":"r","dataset_size":5,)"
+  append_raw(path_, R"({"kind":"header","format":3,"run_id":"r","dataset_size":5,)"
                     R"("created":"2025-01-01T00:00:00Z","settings":{}})"
                     "\n");
-  EXPECT_NE(testing::error_message<LedgerError>([&] { Ledger::open(path_); }).find("format 2"),
+  EXPECT_NE(testing::error_message<LedgerError>([&] { Ledger::open(path_); }).find("format 3"),
             std::string::npos);
   EXPECT_NE(testing::error_message<LedgerError>([&] { Ledger::open((fs::path(dir_) / "missing").string()); })
                 .find("missing"),
@@ -427,8 +467,8 @@ TEST_F(LedgerTest, UnnoisedStepsMakeEpsilonUnbounded) {
   {
     Ledger ledger = Ledger::create(path_, header());
     ledger.append(make_record(0, 9, 0.04, 1.1));
-    ledger.append(make_record(10, 12, 0.04, 0.0, 40, /*noise=*/false));
-    ledger.append(make_record(13, 13, 0.04, 0.0, 40, /*noise=*/true));  // sigma 0: no noise either
+    ledger.append(make_record(10, 12, 0.04, 0.0, /*noise=*/false));
+    ledger.append(make_record(13, 13, 0.04, 0.0, /*noise=*/true));  // sigma 0: no noise either
   }
   const Ledger ledger = Ledger::open(path_);
   EXPECT_TRUE(ledger.has_unnoised_steps());

@@ -48,15 +48,47 @@ TEST(ClipFactor, SensitivityHoldsExactlyNotJustUpToRounding) {
   EXPECT_GT(overshoot_naive, 0);  // the property is not vacuous: plain fp32 division overshoots
 }
 
+// C rounded toward zero (issue 21: float32(0.1) rounded to nearest is above 0.1).
+TEST(Threshold, RoundsTowardZeroToFloat32) {
+  for (double c : {0.1, 0.3, 1.0 / 3.0, 1e-3, 1.0, 0.25, 7.0 / 3.0, 1e30}) {
+    const float t = threshold_f32(c);
+    EXPECT_LE(static_cast<double>(t), c) << c;
+    EXPECT_GT(static_cast<double>(std::nextafterf(t, INFINITY)), c) << c;  // the largest such
+  }
+  EXPECT_GT(static_cast<double>(static_cast<float>(0.1)), 0.1);  // what rounding to nearest did
+  EXPECT_EQ(threshold_f32(0.25), 0.25f);                          // exact values stay
+}
+
+// The float32 thresholds the clipping uses: each <= its float64 value C sqrt(1/k), and their
+// squares sum to at most C^2, exactly (long double holds the squares and their sum exactly here:
+// equal float32 values, 48-bit products, at most 11 of them).
+TEST(GroupThresholds, Float32ThresholdsNeverExceedTheBudget) {
+  for (double c : {0.1, 0.3, 1.0 / 3.0, 1e-3, 1.0}) {
+    for (int64_t k : {1, 3, 5, 7, 11}) {
+      const auto t = group_thresholds(c, k);
+      long double sum = 0;
+      for (double tg : t) {
+        ASSERT_EQ(static_cast<double>(static_cast<float>(tg)), tg) << "not a float32: " << tg;
+        ASSERT_LE(tg, c * std::sqrt(1.0 / static_cast<double>(k)) * (1 + 1e-15)) << c << " " << k;
+        sum += static_cast<long double>(tg) * tg;
+      }
+      EXPECT_LE(sum, static_cast<long double>(c) * c) << "C=" << c << " k=" << k;
+      EXPECT_GT(sum, static_cast<long double>(c) * c * (1 - 1e-6L)) << "C=" << c << " k=" << k;
+    }
+  }
+}
+
 TEST(GroupThresholds, SquaresSumToCSquared) {
   for (auto weights : {std::vector<double>{}, std::vector<double>{1, 2, 3, 4}}) {
     const auto t = group_thresholds(2.0, 4, weights);
     ASSERT_EQ(t.size(), 4u);
     double sq = 0;
     for (double c : t) sq += c * c;
-    EXPECT_NEAR(sq, 4.0, 1e-12);
-    if (weights.empty()) EXPECT_NEAR(t[0], 1.0, 1e-15);  // equal split: C / sqrt(4)
-    else EXPECT_NEAR(t[3] / t[0], 2.0, 1e-12);           // sqrt(4 / 1)
+    EXPECT_LE(sq, 4.0);
+    EXPECT_NEAR(sq, 4.0, 1e-6);
+    // Equal split: C / sqrt(4) = 1, stepped down one float32 ulp (the sum landed on C^2).
+    if (weights.empty()) EXPECT_EQ(t[0], static_cast<double>(std::nextafterf(1.0f, 0.0f)));
+    else EXPECT_NEAR(t[3] / t[0], 2.0, 1e-6);  // sqrt(4 / 1), up to float32 rounding
   }
   EXPECT_THROW(group_thresholds(0.0, 2), std::invalid_argument);
   EXPECT_THROW(group_thresholds(1.0, 0), std::invalid_argument);

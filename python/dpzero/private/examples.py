@@ -1,0 +1,508 @@
+"""Which tensors hold the examples: the tag the private loader puts on a micro-batch's tensors.
+
+Note [batch provenance]
+~~~~~~~~~~~~~~~~~~~~~~~
+Per-sample clipping is private only if every row it clips is one example. Which dimension of a
+DP layer's input is the batch is a fact about where the tensor came from, never about its size:
+with B = T, a position table's rows and the examples have the same count. dpzero establishes it
+in two places, neither of which looks at a size alone:
+
+1. At the model's boundary (this file). The private loader (and ``PrivacyEngine.own_batch``, the
+   ledgered opt-out for callers who sample themselves) hands out the micro-batch's tensors as
+   :class:`Examples`: a tensor subclass that knows its batch dimension and the micro-batch it
+   belongs to (a :class:`MicroBatchToken`). The tag follows the tensor through the few
+   operations a training loop applies before calling the model (``.to(device)``, dtype casts,
+   ``ids[:, :-1]``, ``x / 255``, ``unsqueeze``, ...) by rules that track the batch dimension
+   exactly, and is dropped by every operation it has no rule for, and by any operation that could
+   mix rows of different examples (an operand that varies along the batch dimension without being
+   the same micro-batch's examples, indexing that selects rows). So a model input is tagged only
+   if its batch dimension provably holds the micro-batch's examples, one per row, in order.
+
+2. Inside the model (``provenance.py``). The model's root forward unwraps the tagged inputs and,
+   for each new pattern of DP layer calls, runs the model once more on the same inputs with one
+   more example (row 0 repeated along each tagged input's batch dimension; autograd saves
+   nothing, the RNG and buffers are restored). A DP layer input whose dim 0 went from B to B + 1
+   while its other dimensions stayed holds the examples on dim 0; one whose shape did not change
+   is shared by the whole batch (a position table, relative-position buckets, prompt tokens);
+   anything else has the batch elsewhere. Sizes that coincide (B = T, B = heads, B = 1) cannot
+   fool this: a dimension that does not come from the examples does not grow with them.
+
+A call of the model whose inputs carry no tag of the current micro-batch is refused: its batch did
+not come from the private loader (or the opt-out), so nothing says it was Poisson-sampled at the
+q the accountant is charged with (DESIGN.md §2 step 1).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["Examples", "MicroBatchToken", "tag", "untagged", "lost_at"]
+
+
+class MicroBatchToken:
+    """One micro-batch handed out by the private loader or ``own_batch``: its tagged tensors name
+    it, and only the engine's current token is accepted by the model's forward.
+
+    ``step``: the logical step t; ``index``: the micro-batch's index in it; ``rows``: how many
+    examples it holds on this rank (a padding batch holds one, Note [padding batches]);
+    ``sampling``: "poisson" (dpzero's sampler) or "caller" (``own_batch``)."""
+
+    _serial = itertools.count()
+
+    def __init__(self, step: int, index: int, rows: int, sampling: str) -> None:
+        self.serial = next(self._serial)
+        self.step, self.index, self.rows, self.sampling = step, index, rows, sampling
+
+    def __repr__(self) -> str:
+        return (f"micro-batch {self.index} of step {self.step} ({self.rows} rows, "
+                f"{self.sampling} sampling)")
+
+
+_lost = threading.local()
+
+
+def lost_at(token: Optional[MicroBatchToken]) -> Optional[str]:
+    """The last operation that dropped the tag of ``token``'s tensors on this thread (for error
+    messages), or None."""
+    op, lost_token = getattr(_lost, "op", (None, None))
+    return op if token is not None and lost_token is token else None
+
+
+def _note_lost(func, args, kwargs) -> None:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    _lost.op = (name, _token_of(args, kwargs))
+
+
+class Examples(torch.Tensor):
+    """A tensor whose dimension ``_dp_bdim`` indexes the examples of micro-batch ``_dp_token``,
+    one per row, in the loader's order (Note [batch provenance]). Behaves as a plain tensor; the
+    model's forward receives plain tensors (the root unwraps them)."""
+
+    _dp_bdim: int
+    _dp_token: Optional[MicroBatchToken]
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
+        with torch._C.DisableTorchFunctionSubclass():
+            return "Examples(" + torch.Tensor.__repr__(self) + ")"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+            return _propagate(func, args, kwargs, out)
+
+
+def _propagate(func, args, kwargs, out):
+    """``out`` of ``func(*args, **kwargs)`` with the examples tag where a rule keeps it (run
+    with subclass dispatch off, so the rules' own tensor accesses are plain)."""
+    rule = _RULES.get(func)
+    if rule is None:
+        if _tensors_in(out):
+            _note_lost(func, args, kwargs)
+        # An operation without a rule that wrote into a tagged tensor (an in-place method, an
+        # out= argument: it returns that tensor) may have mixed its rows: withdrawn.
+        name = getattr(func, "__name__", "")
+        written = [x for x in pytree.tree_leaves(out) if isinstance(x, Examples)]
+        if name.endswith("_") and not name.endswith("__") and args and \
+                isinstance(args[0], Examples):
+            written.append(args[0])
+        for x in written:
+            x._dp_token = None
+        return out
+    if func in _INPLACE:  # modifies args[0] (returned, or None for __setitem__)
+        target = args[0]
+        if _is_tagged(target) and not rule(args, kwargs, target):
+            _note_lost(func, args, kwargs)
+            target._dp_token = None  # its rows may now mix examples: no longer trusted
+        return out
+    bdim = rule(args, kwargs, out)
+    if isinstance(out, (tuple, list)):
+        if bdim is None:
+            _note_lost(func, args, kwargs)
+            return out
+        return type(out)(_wrap(o, b, _token_of(args, kwargs)) if b is not None else o
+                         for o, b in zip(out, bdim))
+    if bdim is None or not isinstance(out, torch.Tensor):
+        if isinstance(out, torch.Tensor):
+            _note_lost(func, args, kwargs)
+        return out
+    return _wrap(out, bdim, _token_of(args, kwargs))
+
+
+def _wrap(t: torch.Tensor, bdim: int, token: Optional[MicroBatchToken]) -> torch.Tensor:
+    if token is None:
+        return t
+    e = t.as_subclass(Examples)
+    e._dp_bdim, e._dp_token = bdim, token
+    return e
+
+
+def _is_tagged(x) -> bool:
+    return isinstance(x, Examples) and getattr(x, "_dp_token", None) is not None
+
+
+def _tensors_in(obj) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(obj))
+
+
+def _flat(args, kwargs) -> List[Any]:
+    return pytree.tree_leaves((args, kwargs))
+
+
+def _token_of(args, kwargs) -> Optional[MicroBatchToken]:
+    tokens = {id(x._dp_token): x._dp_token for x in _flat(args, kwargs) if _is_tagged(x)}
+    return next(iter(tokens.values())) if len(tokens) == 1 else None
+
+
+def tag(batch, token: MicroBatchToken):
+    """``batch`` (a tensor or a nested tuple / list / dict of them) with every tensor of at least
+    one dimension tagged as the examples of ``token`` on dim 0 (0-dim tensors stay plain)."""
+    def one(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            if x.shape[0] != token.rows:
+                raise ValueError(f"a tensor of the micro-batch has {x.shape[0]} rows on dim 0, "
+                                 f"the micro-batch {token.rows} examples (shape "
+                                 f"{list(x.shape)}): every tensor of a batch holds one row per "
+                                 "example on dim 0")
+            return _wrap(x.as_subclass(torch.Tensor), 0, token)
+        return x
+    return pytree.tree_map(one, batch)
+
+
+def untagged(tree) -> Tuple[Any, List[Tuple[int, int, Optional[MicroBatchToken]]]]:
+    """(``tree`` with every Examples leaf replaced by the plain tensor it wraps, [(leaf index,
+    batch dim, token)] of the tagged leaves in ``pytree.tree_leaves`` order). An Examples leaf
+    whose tag was withdrawn (token None) is returned plain and not listed."""
+    leaves, spec = pytree.tree_flatten(tree)
+    found = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Examples):
+            if _is_tagged(leaf):
+                found.append((i, leaf._dp_bdim, leaf._dp_token))
+            leaves[i] = leaf.as_subclass(torch.Tensor)
+    return pytree.tree_unflatten(leaves, spec), found
+
+
+# ---- rules: the batch dim of an operation's output, or None (the tag is dropped) --------------
+
+Rule = Callable[[Sequence[Any], Dict[str, Any], Any], Any]
+_RULES: Dict[Any, Rule] = {}
+_INPLACE: set = set()
+
+
+def _rule(*funcs, inplace: bool = False):
+    def register(fn):
+        for f in funcs:
+            if f is None:
+                continue
+            _RULES[f] = fn
+            if inplace:
+                _INPLACE.add(f)
+        return fn
+    return register
+
+
+def _first_tagged(args, kwargs) -> Optional[Examples]:
+    return next((x for x in _flat(args, kwargs) if _is_tagged(x)), None)
+
+
+def _norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+@_rule(torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.type,
+       torch.Tensor.long, torch.Tensor.int, torch.Tensor.short, torch.Tensor.char,
+       torch.Tensor.byte, torch.Tensor.bool, torch.Tensor.float, torch.Tensor.double,
+       torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.contiguous, torch.Tensor.clone,
+       torch.clone, torch.Tensor.detach, torch.detach, torch.Tensor.pin_memory,
+       torch.Tensor.type_as, torch.randn_like, torch.rand_like, torch.zeros_like,
+       torch.ones_like, torch.full_like, torch.empty_like, torch.randint_like)
+def _same_layout(args, kwargs, out):
+    """Copies, casts, device moves and ``*_like`` factories: the same shape, row for row (a
+    ``*_like`` tensor's rows hold no other example's data)."""
+    x = args[0]
+    if not _is_tagged(x) or not isinstance(out, torch.Tensor) or out.shape != x.shape:
+        return None
+    return x._dp_bdim
+
+
+_ELEMENTWISE = [getattr(torch, n, None) for n in (
+    "add", "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "floor_divide",
+    "remainder", "fmod", "pow", "neg", "negative", "abs", "exp", "log", "log1p", "log2", "sqrt",
+    "rsqrt", "square", "reciprocal", "sigmoid", "tanh", "relu", "clamp", "clip", "clamp_min",
+    "clamp_max", "sign", "round", "floor", "ceil", "trunc", "eq", "ne", "lt", "le", "gt", "ge",
+    "logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and", "bitwise_or",
+    "bitwise_not", "bitwise_xor", "where", "masked_fill", "minimum", "maximum", "isnan",
+    "isfinite", "isinf", "nan_to_num", "lerp")]
+_ELEMENTWISE += [getattr(torch.Tensor, n, None) for n in (
+    "add", "sub", "mul", "div", "true_divide", "floor_divide", "remainder", "fmod", "pow", "neg",
+    "abs", "exp", "log", "log1p", "sqrt", "rsqrt", "square", "reciprocal", "sigmoid", "tanh",
+    "relu", "clamp", "clip", "clamp_min", "clamp_max", "sign", "round", "floor", "ceil", "trunc",
+    "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not",
+    "logical_xor", "bitwise_and", "bitwise_or", "bitwise_not", "bitwise_xor", "where",
+    "masked_fill", "minimum", "maximum", "isnan", "isfinite", "isinf", "nan_to_num", "lerp",
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+    "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__",
+    "__rpow__", "__neg__", "__abs__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__",
+    "__ge__", "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__invert__")]
+_ELEMENTWISE_INPLACE = [getattr(torch.Tensor, n, None) for n in (
+    "requires_grad_", "detach_", "share_memory_",
+    "add_", "sub_", "mul_", "div_", "clamp_", "clip_", "masked_fill_", "pow_", "neg_", "abs_",
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "fill_", "zero_", "nan_to_num_")]
+
+
+def _broadcast_bdim(args, kwargs, out) -> Optional[int]:
+    """The output's batch dim under broadcasting (operands right-aligned), if every tagged operand
+    is of one micro-batch and puts its batch dim at that same output position with its own size,
+    and every other tensor operand is constant along it (size 1, or a stride-0 expansion): an
+    operand that varies along the batch dim without being these examples could put another
+    example's data into a row (e.g. ``x[perm]``, as in mixup)."""
+    if not isinstance(out, torch.Tensor):
+        return None
+    leaves = [x for x in _flat(args, kwargs) if isinstance(x, torch.Tensor)]
+    tagged = [x for x in leaves if _is_tagged(x)]
+    if not tagged or len({id(x._dp_token) for x in tagged}) != 1:
+        return None
+    b = None
+    for x in tagged:
+        pos = x._dp_bdim + out.dim() - x.dim()
+        if b is not None and pos != b:
+            return None
+        if pos < 0 or out.shape[pos] != x.shape[x._dp_bdim]:
+            return None
+        b = pos
+    for u in leaves:
+        if _is_tagged(u) or u.dim() == 0:
+            continue
+        p = b - (out.dim() - u.dim())
+        if 0 <= p < u.dim() and u.shape[p] != 1 and u.stride(p) != 0:
+            return None
+    return b
+
+
+_rule(*_ELEMENTWISE)(_broadcast_bdim)
+
+
+@_rule(*_ELEMENTWISE_INPLACE, inplace=True)
+def _inplace_elementwise(args, kwargs, out) -> bool:
+    """In place on a tagged tensor: keeps the tag if the operands are as ``_broadcast_bdim``
+    allows (its shape cannot change)."""
+    return _broadcast_bdim(args, kwargs, out) == getattr(out, "_dp_bdim", None)
+
+
+def _index_bdim(x: torch.Tensor, index) -> Optional[int]:
+    """Batch dim of ``x[index]``: kept when the batch dim is indexed by a full slice (``:``) and
+    no advanced (tensor, list, bool) index is used; dropped otherwise (rows selected or mixed)."""
+    idx = index if isinstance(index, tuple) else (index,)
+    basic = all(i is None or i is Ellipsis or isinstance(i, (int, slice)) and
+                not isinstance(i, bool) for i in idx)
+    if not basic:
+        return None
+    consuming = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    if consuming > x.dim() or sum(1 for i in idx if i is Ellipsis) > 1:
+        return None
+    dim_in, dim_out = 0, 0
+    expanded: List[Any] = []
+    for i in idx:
+        if i is Ellipsis:
+            expanded += [slice(None)] * (x.dim() - consuming)
+        else:
+            expanded.append(i)
+    expanded += [slice(None)] * (x.dim() - sum(1 for i in expanded if i is not None))
+    for i in expanded:
+        if i is None:
+            dim_out += 1
+            continue
+        if dim_in == x._dp_bdim:
+            full = isinstance(i, slice) and i == slice(None)
+            return dim_out if full else None
+        dim_in += 1
+        dim_out += 0 if isinstance(i, int) else 1
+    return None
+
+
+@_rule(torch.Tensor.__getitem__)
+def _getitem(args, kwargs, out):
+    x, index = args[0], args[1]
+    if not _is_tagged(x):
+        return None
+    return _index_bdim(x, index)
+
+
+@_rule(torch.Tensor.__setitem__, inplace=True)
+def _setitem(args, kwargs, out) -> bool:
+    x, index, value = args[0], args[1], args[2]
+    if not _is_tagged(x) or _index_bdim(x, index) is None:
+        return False
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and not _is_tagged(value):
+        return False
+    return not _is_tagged(value) or value._dp_token is x._dp_token
+
+
+@_rule(torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.view_as,
+       torch.Tensor.reshape_as, torch.Tensor.flatten, torch.flatten, torch.Tensor.unflatten)
+def _reshaped(args, kwargs, out):
+    """A reshape keeps the logical (row-major) order of elements, so when dim 0 is the batch and
+    the output's dim 0 has the same size, output row i holds exactly input row i's elements."""
+    x = args[0]
+    if not _is_tagged(x) or not isinstance(out, torch.Tensor) or out.dim() == 0:
+        return None
+    if out.shape == x.shape:
+        return x._dp_bdim
+    if x._dp_bdim == 0 and out.shape[0] == x.shape[0]:
+        return 0
+    return None
+
+
+@_rule(torch.Tensor.unsqueeze, torch.unsqueeze)
+def _unsqueezed(args, kwargs, out):
+    x = args[0]
+    d = args[1] if len(args) > 1 else kwargs["dim"]
+    d = _norm_dim(d, out.dim())
+    return x._dp_bdim + (1 if d <= x._dp_bdim else 0) if _is_tagged(x) else None
+
+
+@_rule(torch.Tensor.squeeze, torch.squeeze)
+def _squeezed(args, kwargs, out):
+    x = args[0]
+    if not _is_tagged(x):
+        return None
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dims is None:
+        removed = [d for d in range(x.dim()) if x.shape[d] == 1]
+    else:
+        dims = dims if isinstance(dims, (tuple, list)) else (dims,)
+        removed = [_norm_dim(d, x.dim()) for d in dims if x.shape[_norm_dim(d, x.dim())] == 1]
+    if x._dp_bdim in removed:
+        return None
+    return x._dp_bdim - sum(1 for d in removed if d < x._dp_bdim)
+
+
+@_rule(torch.Tensor.permute, torch.permute)
+def _permuted(args, kwargs, out):
+    x = args[0]
+    if not _is_tagged(x):
+        return None
+    dims = args[1:] if len(args) > 1 else (kwargs["dims"],)
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list, torch.Size)):
+        dims = tuple(dims[0])
+    return [_norm_dim(d, x.dim()) for d in dims].index(x._dp_bdim)
+
+
+@_rule(torch.Tensor.transpose, torch.transpose, torch.Tensor.swapaxes, torch.swapaxes,
+       torch.Tensor.swapdims, torch.swapdims, torch.Tensor.t, torch.t)
+def _transposed(args, kwargs, out):
+    x = args[0]
+    if not _is_tagged(x):
+        return None
+    if x.dim() < 2:  # t() of a 1-D tensor is itself
+        return x._dp_bdim
+    if len(args) == 1 and not kwargs:  # t(): dims 0 and 1
+        args = (x, 0, 1)
+    a = _norm_dim(args[1] if len(args) > 1 else kwargs["dim0"], x.dim())
+    b = _norm_dim(args[2] if len(args) > 2 else kwargs["dim1"], x.dim())
+    return b if x._dp_bdim == a else a if x._dp_bdim == b else x._dp_bdim
+
+
+@_rule(torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to,
+       torch.Tensor.broadcast_to)
+def _expanded(args, kwargs, out):
+    x = args[0]
+    if not _is_tagged(x):
+        return None
+    b = x._dp_bdim + out.dim() - x.dim()
+    return b if out.shape[b] == x.shape[x._dp_bdim] else None
+
+
+@_rule(torch.cat, torch.concat, torch.concatenate)
+def _catted(args, kwargs, out):
+    """Concatenation along another dim than the batch's (prompt tokens before the inputs): the
+    other operands must be constant along the batch dim (an expanded shared tensor)."""
+    tensors = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
+    tagged = [t for t in tensors if _is_tagged(t)]
+    if not tagged or len({id(t._dp_token) for t in tagged}) != 1:
+        return None
+    b = tagged[0]._dp_bdim
+    if any(t._dp_bdim != b for t in tagged) or _norm_dim(dim, out.dim()) == b:
+        return None
+    for u in tensors:
+        if not _is_tagged(u) and u.dim() == out.dim() and u.shape[b] != 1 and u.stride(b) != 0:
+            return None
+    return b
+
+
+@_rule(torch.stack)
+def _stacked(args, kwargs, out):
+    tensors = args[0]
+    dim = _norm_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), out.dim())
+    if not tensors or not all(_is_tagged(t) for t in tensors):
+        return None
+    if len({id(t._dp_token) for t in tensors}) != 1 or len({t._dp_bdim for t in tensors}) != 1:
+        return None
+    b = tensors[0]._dp_bdim
+    return b + 1 if dim <= b else b
+
+
+@_rule(torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk,
+       torch.Tensor.tensor_split, torch.tensor_split, torch.Tensor.unbind, torch.unbind)
+def _pieces(args, kwargs, out):
+    """Pieces along a dim other than the batch's each keep it (unbind removes its dim)."""
+    x = args[0]
+    if not _is_tagged(x) or not isinstance(out, (tuple, list)) or not out:
+        return None
+    if out[0].dim() < x.dim():  # unbind(x, dim)
+        d = _norm_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), x.dim())
+        if d == x._dp_bdim:
+            return None
+        return [x._dp_bdim - (1 if d < x._dp_bdim else 0)] * len(out)
+    d = _norm_dim(args[2] if len(args) > 2 else kwargs.get("dim", 0), x.dim())
+    return None if d == x._dp_bdim else [x._dp_bdim] * len(out)
+
+
+def _reduced(args, kwargs, out):
+    """A reduction over dims other than the batch's (``mask.sum(-1)``, ``x.mean(dim=1)``): each
+    row of the output is a function of the same row of the input."""
+    x = args[0]
+    if not _is_tagged(x) or not isinstance(out, torch.Tensor):
+        return None
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dim is None:
+        return None
+    dims = sorted({_norm_dim(d, x.dim()) for d in (dim if isinstance(dim, (tuple, list))
+                                                   else (dim,))})
+    if x._dp_bdim in dims:
+        return None
+    keep = kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
+    if out.dim() == x.dim() or keep:  # cumulative or keepdim
+        return x._dp_bdim
+    return x._dp_bdim - sum(1 for d in dims if d < x._dp_bdim)
+
+
+_rule(*[f for n in ("sum", "mean", "amax", "amin", "any", "all", "cumsum", "cumprod",
+                    "softmax", "log_softmax", "argmax", "argmin", "count_nonzero", "logsumexp")
+        for f in (getattr(torch, n, None), getattr(torch.Tensor, n, None))])(_reduced)
+
+
+@_rule(torch.nn.functional.one_hot)
+def _one_hot(args, kwargs, out):
+    x = args[0]
+    return x._dp_bdim if _is_tagged(x) else None
+
+
+@_rule(torch.nn.functional.pad)
+def _padded(args, kwargs, out):
+    """F.pad pads the last len(pad) / 2 dims; the batch dim must not be one of them."""
+    x = args[0]
+    if not _is_tagged(x):
+        return None
+    pad = args[1] if len(args) > 1 else kwargs["pad"]
+    if x._dp_bdim >= x.dim() - len(pad) // 2:
+        return None
+    return x._dp_bdim

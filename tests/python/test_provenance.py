@@ -1,0 +1,417 @@
+"""Batch provenance (Note [batch provenance], DESIGN.md §3 "Batch provenance"): no tensor is
+clipped per row unless its rows are the examples, whatever the call order and whatever sizes
+coincide; batches that did not come from the private loader (or the ledgered own_batch opt-out)
+are refused.
+
+The models with shared inputs are the cases a review reproduced: with B = T, a position table
+called before the token embedding, and relative-position buckets [T, T], were clipped per row,
+and one example moved the pre-noise sum by 6.5 and 7.3 against the replace-one bound 2C = 2. Each
+case is measured with an outlier example (sensitivity.py): it must be refused, or hold 2C.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpzero
+from dpzero.private import PrivacyViolation
+from dpzero.private.examples import Examples, MicroBatchToken, tag
+from sensitivity import refused_or_bounded
+
+V, T, D, K = 19, 8, 12, 3  # vocabulary, sequence length (= the batch size B below), width, classes
+
+
+def ids_and_labels(n, seed=0, t=T):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (n, t), generator=g), torch.randint(0, K, (n,), generator=g)
+
+
+# ---- models whose DP layers get inputs shared by the batch ------------------------------------
+
+class PositionTable(nn.Module):
+    """nanoGPT: h = wte(ids) + wpe(positions), the position table called ``order`` = before,
+    between or after the batched layers; ``rows`` 1 gives wpe 1-D ids [T] (shared: refused),
+    2 gives [1, T] (shared, expanded to the batch: allowed)."""
+
+    def __init__(self, order="before", rank=1):
+        super().__init__()
+        self.order, self.rank = order, rank
+        self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(T, D)
+        self.mix, self.head = nn.Linear(D, D), nn.Linear(D, K)
+
+    def positions(self, t):
+        pos = torch.arange(t)
+        return self.wpe(pos if self.rank == 1 else pos.unsqueeze(0))
+
+    def forward(self, ids):
+        t = ids.shape[1]
+        if self.order == "before":
+            p = self.positions(t)
+            h = self.wte(ids) + p
+        elif self.order == "between":
+            h = self.wte(ids)
+            h = h + self.positions(t)
+        else:
+            h = self.wte(ids)
+        h = torch.tanh(self.mix(h))
+        if self.order == "after":
+            h = h + self.positions(t)
+        return self.head(h.mean(1))
+
+
+class RelativeBuckets(nn.Module):
+    """T5-style relative position bias: an Embedding on bucket ids [T, T] (shared by the batch),
+    added to attention scores [B, heads, T, T]."""
+
+    def __init__(self, heads=2, frozen=False):
+        super().__init__()
+        self.heads = heads
+        self.wte = nn.Embedding(V, D)
+        self.qk = nn.Linear(D, 2 * D)
+        self.bias = nn.Embedding(2 * T, heads)
+        self.bias.requires_grad_(not frozen)
+        self.head = nn.Linear(D, K)
+
+    def forward(self, ids):
+        b, t = ids.shape
+        h = self.wte(ids)
+        q, k = self.qk(h).view(b, t, 2, self.heads, D // self.heads).unbind(2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k)
+        rel = torch.arange(t)[None, :] - torch.arange(t)[:, None] + T  # [T, T] buckets
+        scores = scores + self.bias(rel).permute(2, 0, 1).unsqueeze(0)
+        att = scores.softmax(-1)
+        v = h.view(b, t, self.heads, D // self.heads)
+        out = torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, D)
+        return self.head(out.mean(1))
+
+
+class SharedLatents(nn.Module):
+    """Perceiver-style latents [n, D] projected by a Linear (shared by the batch), n = B."""
+
+    def __init__(self, n=T):
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(n, D), requires_grad=False)
+        self.wte, self.proj, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, K)
+
+    def forward(self, ids):
+        lat = self.proj(self.latents)                     # [n, D]: rows are latents
+        att = torch.einsum("btd,nd->btn", self.wte(ids), lat).softmax(-1)
+        return self.head((att @ lat).mean(1))
+
+
+class SequenceFirst(nn.Module):
+    """Layers run on [T, B, D] (seq-first, as nn.Transformer's default): dim 0 is positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.mix, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, K)
+
+    def forward(self, ids):
+        h = self.wte(ids).transpose(0, 1)                 # [T, B, D]
+        h = torch.tanh(self.mix(h))
+        return self.head(h.mean(0))
+
+
+@pytest.mark.parametrize("order", ["before", "between", "after"])
+def test_a_position_table_on_1d_ids_is_refused_whatever_the_call_order(order):
+    """B = T: wpe's [T] ids have as many rows as the batch. Refused (it was accepted when called
+    before the token embedding, and one example then moved the sum by 6.5 against 2C = 2)."""
+    ids, y = ids_and_labels(T)
+    assert refused_or_bounded(lambda: PositionTable(order, rank=1), [ids], y) == "refused"
+
+
+@pytest.mark.parametrize("order", ["before", "between", "after"])
+@pytest.mark.parametrize("batch", [1, 2, T, T + 1])
+def test_a_position_table_on_1_by_t_ids_is_expanded_and_holds_2c(order, batch):
+    ids, y = ids_and_labels(batch)
+    assert refused_or_bounded(lambda: PositionTable(order, rank=2), [ids], y) == "bounded"
+
+
+def test_relative_position_buckets_shared_by_the_batch_are_refused_or_frozen():
+    """B = T: the bias Embedding's [T, T] bucket ids (was accepted: 7.3 against 2C = 2)."""
+    ids, y = ids_and_labels(T)
+    assert refused_or_bounded(lambda: RelativeBuckets(), [ids], y) == "refused"
+    assert refused_or_bounded(lambda: RelativeBuckets(frozen=True), [ids], y) == "bounded"
+    assert refused_or_bounded(lambda: RelativeBuckets(), [ids[:2]], y[:2]) == "refused"  # any B
+    with pytest.raises(PrivacyViolation, match=r"Embedding 'bias': its input of shape \[8, 8\] "
+                                               r"does not come from the examples.*freeze"):
+        refused_or_bounded_raising(lambda: RelativeBuckets(), ids, y)
+
+
+def refused_or_bounded_raising(make_model, ids, y):
+    p = dpzero.make_private(make_model(), dataset=torch.utils.data.TensorDataset(ids, y),
+                            sample_rate=1.0, noise_multiplier=1.0, max_grad_norm=1.0)
+    for x, t in p.data_loader:
+        F.cross_entropy(p.model(x), t).backward()
+
+
+def test_a_linear_on_latents_shared_by_the_batch_is_refused():
+    ids, y = ids_and_labels(T)  # B = T = number of latents
+    assert refused_or_bounded(lambda: SharedLatents(), [ids], y) == "refused"
+    with pytest.raises(PrivacyViolation, match=r"Linear 'proj': its input of shape \[8, 12\] "
+                                               r"does not come from the examples.*expand"):
+        refused_or_bounded_raising(lambda: SharedLatents(), ids, y)
+
+
+def test_sequence_first_layers_are_refused_even_when_b_equals_t():
+    ids, y = ids_and_labels(T)
+    assert refused_or_bounded(SequenceFirst, [ids], y) == "refused"
+    with pytest.raises(PrivacyViolation, match=r"Linear 'mix': its input dims \[1\] of its shape "
+                                               r"\[8, 8, 12\] change with the number of examples"):
+        refused_or_bounded_raising(SequenceFirst, ids, y)
+
+
+# ---- Hugging Face models from tiny configs, at every coinciding batch size --------------------
+
+HEADS, HF_WIDTH = 4, 16  # head dim 4 (Llama's rotary embedding needs an even one)
+
+
+class Pooled(nn.Module):
+    """A Hugging Face base model + mean pooling + a linear head (the same for every family)."""
+
+    def __init__(self, backbone, width):
+        super().__init__()
+        self.backbone, self.head = backbone, nn.Linear(width, K)
+
+    def forward(self, ids):
+        return self.head(self.backbone(input_ids=ids).last_hidden_state.mean(1))
+
+
+def hf_model(family, frozen_bias=False):
+    import transformers as tf
+
+    w = HF_WIDTH
+    common = dict(vocab_size=V, num_attention_heads=HEADS)
+    if family == "gpt2":
+        cfg = tf.GPT2Config(n_embd=w, n_layer=2, n_head=HEADS, n_positions=2 * T, vocab_size=V,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return Pooled(tf.GPT2Model(cfg), w)
+    if family == "bert":
+        cfg = tf.BertConfig(hidden_size=w, num_hidden_layers=2, intermediate_size=2 * w,
+                            max_position_embeddings=2 * T, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0, **common)
+        return Pooled(tf.BertModel(cfg), w)
+    if family == "llama":
+        cfg = tf.LlamaConfig(hidden_size=w, num_hidden_layers=2, intermediate_size=2 * w,
+                             num_key_value_heads=HEADS, max_position_embeddings=2 * T, **common)
+        return Pooled(tf.LlamaModel(cfg), w)
+    if family == "t5":
+        cfg = tf.T5Config(d_model=w, d_kv=w // HEADS, d_ff=2 * w, num_layers=2, num_heads=HEADS,
+                          vocab_size=V, dropout_rate=0.0, relative_attention_num_buckets=8)
+        model = Pooled(tf.T5EncoderModel(cfg), w)
+        if frozen_bias:
+            for name, p in model.named_parameters():
+                if "relative_attention_bias" in name:
+                    p.requires_grad_(False)
+        return model
+    raise ValueError(family)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "llama", "t5-frozen-bias"])
+@pytest.mark.parametrize("batch", [1, 2, T, T + 1, HEADS])
+def test_hugging_face_models_hold_2c_at_every_coinciding_batch_size(family, batch):
+    """The sweep of issue 21: B in {1, 2, T, T + 1, heads} on GPT-2, BERT, Llama and T5 from tiny
+    configs; every step is accepted (their inputs are batched, their position ids [1, T]) and
+    holds the replace-one bound 2C with an outlier example."""
+    torch.manual_seed(0)
+    ids, y = ids_and_labels(batch, seed=batch)
+    name = family.split("-")[0]
+    make = lambda: hf_model(name, frozen_bias=family.endswith("frozen-bias"))  # noqa: E731
+    assert refused_or_bounded(make, [ids], y) == "bounded"
+
+
+@pytest.mark.parametrize("batch", [1, T])
+def test_t5s_trainable_relative_bias_is_refused_naming_it(batch):
+    """T5's relative_attention_bias reads bucket ids [T, T] shared by the batch: refused at any
+    batch size, with the module's name and the fix (freeze it)."""
+    ids, y = ids_and_labels(batch)
+    with pytest.raises(PrivacyViolation, match=r"relative_attention_bias'.*freeze"):
+        refused_or_bounded_raising(lambda: hf_model("t5"), ids, y)
+
+
+# ---- batches that did not come from the private loader -----------------------------------------
+
+def _linear_private(n=16, **kw):
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(n, 4), torch.randint(0, 2, (n,)))
+    model = nn.Sequential(nn.Linear(4, 2))
+    base = dict(dataset=data, batch_size=8, noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+    base.update(kw)
+    return model, data, dpzero.make_private(model, **base)
+
+
+def test_iterating_another_loader_is_refused():
+    """Two forward/backward passes over the same 8 examples from the user's own DataLoader were
+    taken as one step of 16 Poisson-sampled samples (each example carrying 2C)."""
+    model, data, p = _linear_private()
+    own_loader = torch.utils.data.DataLoader(data, batch_size=8)
+    x, y = next(iter(own_loader))
+    with pytest.raises(PrivacyViolation, match="do not come from the private data loader"):
+        for _ in range(2):
+            F.cross_entropy(p.model(x), y).backward()
+    with pytest.raises((PrivacyViolation, RuntimeError)):
+        p.optimizer.step()
+    assert p.privacy_engine.charges == 0
+
+
+def test_a_stale_micro_batch_is_refused():
+    model, data, p = _linear_private(sample_rate=1.0, batch_size=None, max_physical_batch_size=8)
+    batches = iter(p.data_loader)
+    x0, y0 = next(batches)
+    F.cross_entropy(p.model(x0), y0).backward()
+    p.optimizer.step()  # only accumulates: the logical batch has two micro-batches
+    x1, y1 = next(batches)
+    with pytest.raises(PrivacyViolation, match="not the current one"):
+        p.model(x0).sum().backward()  # the first micro-batch again: counted twice
+    with pytest.raises(PrivacyViolation, match="refusing the step.*not the current one"):
+        p.optimizer.step()
+    p.optimizer.zero_grad()
+
+
+def test_tensors_whose_rows_were_mixed_lose_the_tag_and_are_refused():
+    """mixup-style x + x[perm] (rows of other examples) or a row selection drops the tag; the
+    message names the operation."""
+    model, data, p = _linear_private(sample_rate=1.0, batch_size=None)
+    x, y = next(iter(p.data_loader))
+    with pytest.raises(PrivacyViolation, match="lost track of them at '.*add'"):
+        p.model(0.5 * x + 0.5 * x[torch.randperm(len(x))]).sum().backward()
+    p.optimizer.zero_grad()
+    x, y = next(iter(p.data_loader))
+    with pytest.raises(PrivacyViolation, match="lost track of them at '.*roll"):
+        p.model(torch.roll(x, 1, 0)).sum().backward()
+
+
+def test_a_training_loops_own_preprocessing_keeps_the_tag():
+    """What loops do before the model: device moves, casts, scaling, slicing off a column,
+    normalising with broadcast statistics, adding noise of the same shape."""
+    model, data, p = _linear_private(sample_rate=1.0, batch_size=None)
+    for x, y in p.data_loader:
+        x = x.to("cpu").float()
+        x = (x - x.new_zeros(4)) / torch.ones(1, 4) + 0.01 * torch.randn_like(x)
+        x = torch.cat([x[:, :3], torch.zeros(1, 1).expand(x.shape[0], 1)], dim=1)
+        F.cross_entropy(p.model(x.contiguous()), y.long()).backward()
+        assert p.optimizer.step()
+        break
+
+
+def test_own_batch_is_the_ledgered_opt_out(tmp_path):
+    """A caller who Poisson-samples itself hands batches in through own_batch with the realised
+    logical size; the ledger says so for every such step, and more rows than declared are
+    refused."""
+    path = str(tmp_path / "ledger.jsonl")
+    model, data, p = _linear_private(ledger_path=path, run_id="r")
+    engine = p.privacy_engine
+    x, y = data.tensors
+    bx, by = engine.own_batch((x[:5], y[:5]), logical_batch_size=5)
+    assert isinstance(bx, Examples)
+    F.cross_entropy(p.model(bx), by).backward()
+    assert p.optimizer.step()
+    for half in (slice(0, 3), slice(3, 6)):  # one logical batch of two micro-batches
+        bx, by = engine.own_batch((x[half], y[half]), logical_batch_size=6)
+        F.cross_entropy(p.model(bx), by).backward()
+    assert p.optimizer.step()
+    bx, by = engine.own_batch((x[:4], y[:4]), logical_batch_size=3)  # declares fewer
+    F.cross_entropy(p.model(bx), by).backward()
+    with pytest.raises(PrivacyViolation, match="4 rows reached the clipping .* has 3 examples"):
+        p.optimizer.step()
+    p.optimizer.zero_grad()
+    engine._ledger.close()
+    ledger = dpzero.Ledger.open_read_only(path)
+    assert [r.sampling for r in ledger.records] == ["caller", "caller"]
+    assert ledger.caller_sampled_steps == 2
+    with pytest.raises(ValueError, match="logical_batch_size must be an integer in \\[0, 16\\]"):
+        engine.own_batch((x[:2], y[:2]), logical_batch_size=17)
+    with pytest.raises(ValueError, match="row counts \\[2, 3\\]"):
+        engine.own_batch((x[:2], y[:3]), logical_batch_size=3)
+
+
+def test_a_submodule_called_directly_is_refused():
+    model, data, p = _linear_private(sample_rate=1.0, batch_size=None)
+    x, y = next(iter(p.data_loader))
+    with pytest.raises(PrivacyViolation, match="outside a call of the model"):
+        model[0](x).sum().backward()
+
+
+def test_evaluation_on_other_data_is_harmless_and_a_backward_through_it_is_refused():
+    """A forward on data from elsewhere — an evaluation, with or without torch.no_grad() —
+    runs and registers nothing; only a backward through it is refused, and then the step."""
+    model, data, p = _linear_private()
+    with torch.no_grad():
+        assert p.model(data.tensors[0]).shape == (16, 2)
+    out = p.model(data.tensors[0])  # gradients enabled, as in many evaluation loops
+    assert not p.privacy_engine.book.open
+    x, y = next(iter(p.data_loader))
+    F.cross_entropy(p.model(x), y).backward()  # the private loop goes on as if nothing happened
+    assert p.optimizer.step()
+    with pytest.raises(PrivacyViolation, match="do not come from the private data loader"):
+        out.sum().backward()
+    with pytest.raises((PrivacyViolation, RuntimeError)):
+        p.optimizer.step()
+
+
+# ---- the tag's rules, checked against where each row's data really went ----------------------
+
+MOVES = {  # op -> what it does to a [B, T, E] batch (B = T = 4: sizes coincide on purpose)
+    "to": lambda x: x.to(torch.float32),
+    "slice": lambda x: x[:, :-1],
+    "ellipsis": lambda x: x[..., 0],
+    "none": lambda x: x[None],
+    "transpose": lambda x: x.transpose(0, 1),
+    "permute": lambda x: x.permute(2, 0, 1),
+    "t_of_2d": lambda x: x[:, :, 0].t(),
+    "view": lambda x: x.view(4, 2, 2, 3),
+    "view_swap": lambda x: x.reshape(4, 12).view(4, 4, 3),
+    "view_merge": lambda x: x.reshape(16, 3),
+    "flatten": lambda x: x.flatten(1),
+    "unsqueeze": lambda x: x.unsqueeze(1),
+    "squeeze": lambda x: x[:, :1].squeeze(1),
+    "expand": lambda x: x.unsqueeze(1).expand(4, 2, 4, 3),
+    "cat_shared": lambda x: torch.cat([torch.zeros(1, 1, 3).expand(4, 1, 3), x], 1),
+    "cat_rows": lambda x: torch.cat([x, x], 0),
+    "stack": lambda x: torch.stack([x, x], 1),
+    "split": lambda x: x.split(2, dim=1)[1],
+    "unbind": lambda x: x.unbind(1)[2],
+    "sum": lambda x: x.sum(-1),
+    "sum_rows": lambda x: x.sum(0),
+    "cumsum": lambda x: x.cumsum(1),
+    "cumsum_rows": lambda x: x.cumsum(0),
+    "flip_rows": lambda x: x.flip(0),
+    "perm": lambda x: x[torch.tensor([1, 0, 3, 2])],
+    "row": lambda x: x[1:3],
+    "add_other_rows": lambda x: x + x.flip(0),
+    "add_shared": lambda x: x + torch.ones(4, 3),
+    "add_unrelated": lambda x: x + torch.zeros(4, 4, 3),
+    "where": lambda x: torch.where(x > 1, x, 0.0),
+    "pad": lambda x: F.pad(x, (1, 1)),
+    "pad_rows": lambda x: F.pad(x, (0, 0, 0, 0, 1, 0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOVES))
+def test_a_kept_tag_names_the_dim_that_holds_each_rows_data(name):
+    """For each operation: if the output keeps the tag on dim b, then slice j along b depends on
+    example j's data only (found by perturbing one example at a time and seeing which slices
+    change); the row-mixing and row-selecting operations must drop the tag."""
+    op = MOVES[name]
+    token = MicroBatchToken(0, 0, 4, "poisson")
+    data = torch.randn(4, 4, 3, dtype=torch.float64)
+    out = op(tag(data, token))
+    mixing = {"cat_rows", "sum_rows", "cumsum_rows", "flip_rows", "perm", "row",
+              "add_other_rows", "add_unrelated", "pad_rows", "view_merge"}
+    if name in mixing:
+        assert not (isinstance(out, Examples) and out._dp_token is token), name
+        return
+    assert isinstance(out, Examples) and out._dp_token is token, name
+    b = out._dp_bdim
+    assert out.shape[b] == 4
+    base = op(data)
+    for r in range(4):
+        moved = data.clone()
+        moved[r] += 1.0 + torch.rand(4, 3, dtype=torch.float64)
+        changed = (op(moved) != base).movedim(b, 0).reshape(4, -1).any(1)
+        assert changed.tolist() == [j == r for j in range(4)], (name, r, changed)
