@@ -179,8 +179,7 @@ def _print_results(cfg, results: dict) -> None:
     print(f"  private : test accuracy {priv.get('accuracy', float('nan')):.4f}  "
           f"ε = {priv.get('epsilon', float('nan')):.3f} at δ = {priv.get('delta', float('nan')):.3g}"
           f"  (σ = {priv.get('noise_multiplier', float('nan')):.4g}, q = "
-          f"{priv.get('sample_rate', float('nan')):.4g}, {priv.get('steps')} steps, "
-          f"{priv.get('seconds', float('nan')):.0f} s)")
+          f"{priv.get('sample_rate', float('nan')):.4g}, {priv.get('steps')} steps)")
     if base:
         print(f"  baseline: trained without privacy; its results are in "
               f"{os.path.join(cfg.output.dir, 'private', 'diagnostics.md')} (not covered by ε: "

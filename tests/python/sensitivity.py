@@ -5,8 +5,9 @@ outlier whose gradient is a million times the others', pointing the other way, s
 clipped contribution changes by between C and 2C whatever the example's own gradient was). One
 private step is taken on each through ``make_private``'s own loader with q = 1 (every example, in
 micro-batches of ``micro``), no noise, a summed loss and SGD with lr = q N, so that the parameters
-move by exactly the sum of the clipped per-example gradients. Replace-one DP-SGD with clip norm C needs the two sums to differ by at most
-2 C in L2: each example's clipped contribution has norm <= C. A layer that clips rows which are
+move by exactly the sum of the clipped per-example gradients. Replace-one DP-SGD with clip norm C
+needs the two sums to differ by at most 2 C in L2: each example's clipped contribution has norm
+<= C. A layer that clips rows which are
 not examples (a position table's rows when B = T) lets the outlier's gradient into every row, and
 the difference grows with the number of rows.
 """

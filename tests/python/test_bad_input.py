@@ -210,9 +210,9 @@ def test_a_step_whose_every_example_is_nan_is_reported_and_still_charged(tmp_pat
                             noise_multiplier=sigma, max_grad_norm=c, optimizer="sgd", lr=lr,
                             seed=4, ledger_path=ledger, run_id="nan",
                             diagnostics_path=str(tmp_path / "private" / "diagnostics.jsonl"))
-    with pytest.warns(RuntimeWarning, match=r"^logical step 0: every example had a non-finite "
-                                            r"loss or gradient and was dropped; the update was "
-                                            r"noise only \(charged"):
+    with pytest.warns(RuntimeWarning, match=r"^in a step every example had a non-finite loss "
+                                            r"or gradient and was dropped: its update was noise "
+                                            r"only \(charged as usual\)\. Which steps"):
         for xb, yb in p.data_loader:
             torch.nn.functional.cross_entropy(p.model(xb), yb).backward()
             p.optimizer.step()

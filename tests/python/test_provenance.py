@@ -132,6 +132,71 @@ def test_a_position_table_on_1_by_t_ids_is_expanded_and_holds_2c(order, batch):
     assert refused_or_bounded(lambda: PositionTable(order, rank=2), [ids], y) == "bounded"
 
 
+class PositionUse(nn.Module):
+    """wpe on [1, T] ids (expanded to the batch by dpzero), then used as ``use`` says before it
+    meets the token embeddings; or ids computed from the first example (``first_example``)."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.use = use
+        self.wte, self.wpe, self.head = nn.Embedding(V, D), nn.Embedding(V, D), nn.Linear(D, K)
+
+    def forward(self, ids, seq_first=False):
+        t = ids.shape[1]
+        pos = ids[:1] if self.use == "first_example" else torch.arange(t).unsqueeze(0)
+        p = self.wpe(pos)
+        p = {"mean0": lambda: p.mean(0), "row0": lambda: p[0],
+             "squeeze": lambda: p.squeeze(0)}.get(self.use, lambda: p)()
+        h = self.wte(ids) + p
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("use, verdict", [("add", "bounded"), ("squeeze", "bounded"),
+                                          ("mean0", "refused"), ("row0", "refused"),
+                                          ("first_example", "refused")])
+@pytest.mark.parametrize("batch", [2, T])
+def test_expanded_ids_must_meet_the_batch_row_by_row_and_not_come_from_an_example(use, verdict,
+                                                                                  batch):
+    """A review found: following the advice wpe(pos.unsqueeze(0)) and then taking .mean(0) or
+    [0] of the (expanded) lookup moved the sum by 15.7 and 2.004 against 2C = 2; ids computed from
+    example 0 (ids[:1]) were judged shared. The probe follows the expanded lookup to its first
+    use and checks the ids against rotated examples."""
+    ids, y = ids_and_labels(batch)
+    assert refused_or_bounded(lambda: PositionUse(use), [ids], y) == verdict
+
+
+class LayoutFlag(nn.Module):
+    """A kwarg switches the layers to seq-first ([T, B, D]): the same ranks, and with B = T the
+    same shapes, as batch-first."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.mix, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, K)
+
+    def forward(self, ids, seq_first=False):
+        h = self.wte(ids)
+        if seq_first:
+            return self.head(torch.tanh(self.mix(h.transpose(0, 1))).mean(0))
+        return self.head(torch.tanh(self.mix(h)).mean(1))
+
+
+def test_a_new_argument_value_or_a_coinciding_size_is_probed_again():
+    """A review found: the verdicts of a batch-first call were reused for a seq-first call of the
+    same pattern (B = T), moving the sum by 4.1 against 2. Non-tensor argument values are part of
+    the pattern, and a call with a non-batch dim equal to B is probed again."""
+    ids, y = ids_and_labels(2 * T)
+    p = dpzero.make_private(LayoutFlag(), dataset=torch.utils.data.TensorDataset(ids, y),
+                            sample_rate=1.0, noise_multiplier=1.0, max_grad_norm=1.0,
+                            max_physical_batch_size=T)
+    batches = iter(p.data_loader)
+    x, t = next(batches)
+    F.cross_entropy(p.model(x, seq_first=False), t).backward()
+    assert not p.optimizer.step()  # the first of two micro-batches: accumulated
+    x, t = next(batches)
+    with pytest.raises(PrivacyViolation, match=r"Linear 'mix': its input dims \[1\]"):
+        p.model(x, seq_first=True)
+
+
 def test_relative_position_buckets_shared_by_the_batch_are_refused_or_frozen():
     """B = T: the bias Embedding's [T, T] bucket ids (was accepted: 7.3 against 2C = 2)."""
     ids, y = ids_and_labels(T)
@@ -317,7 +382,8 @@ def test_own_batch_is_the_ledgered_opt_out(tmp_path):
     assert p.optimizer.step()
     bx, by = engine.own_batch((x[:4], y[:4]), logical_batch_size=3)  # declares fewer
     F.cross_entropy(p.model(bx), by).backward()
-    with pytest.raises(PrivacyViolation, match="4 rows reached the clipping .* has 3 examples"):
+    with pytest.raises(PrivacyViolation, match=r"more rows reached the clipping .* \(4 rows, "
+                                               r"logical_batch_size=3\)"):
         p.optimizer.step()
     p.optimizer.zero_grad()
     engine._ledger.close()
@@ -389,6 +455,12 @@ MOVES = {  # op -> what it does to a [B, T, E] batch (B = T = 4: sizes coincide 
     "where": lambda x: torch.where(x > 1, x, 0.0),
     "pad": lambda x: F.pad(x, (1, 1)),
     "pad_rows": lambda x: F.pad(x, (0, 0, 0, 0, 1, 0)),
+    # Combined with something computed from the batch: every row depends on every example.
+    "center": lambda x: x - x.mean(0, keepdim=True),
+    "scale_by_max": lambda x: x / x.abs().max(),
+    "standardise": lambda x: (x - x.mean(0)) / x.std(0),
+    "reduce_no_dims": lambda x: x.sum(dim=()),
+    "new_zeros": lambda x: x + x.new_zeros(3),  # a factory: nothing of x's data
 }
 
 
@@ -402,7 +474,8 @@ def test_a_kept_tag_names_the_dim_that_holds_each_rows_data(name):
     data = torch.randn(4, 4, 3, dtype=torch.float64)
     out = op(tag(data, token))
     mixing = {"cat_rows", "sum_rows", "cumsum_rows", "flip_rows", "perm", "row",
-              "add_other_rows", "add_unrelated", "pad_rows", "view_merge"}
+              "add_other_rows", "add_unrelated", "pad_rows", "view_merge", "center",
+              "scale_by_max", "standardise", "reduce_no_dims"}
     if name in mixing:
         assert not (isinstance(out, Examples) and out._dp_token is token), name
         return
@@ -415,3 +488,69 @@ def test_a_kept_tag_names_the_dim_that_holds_each_rows_data(name):
         moved[r] += 1.0 + torch.rand(4, 3, dtype=torch.float64)
         changed = (op(moved) != base).movedim(b, 0).reshape(4, -1).any(1)
         assert changed.tolist() == [j == r for j in range(4)], (name, r, changed)
+
+
+WRITES = {  # in-place writes that may mix rows: each must leave x no longer accepted as examples
+    "alias_copy": lambda x: x[:, 1:].copy_(x[torch.tensor([1, 0, 3, 2]), 1:]),  # CutMix
+    "view_setitem": lambda x: x[:, :].__setitem__(0, x[1].clone()),
+    "setitem_row": lambda x: x.__setitem__(0, x[1].clone()),
+    "setitem_transposed": lambda x: x.__setitem__(slice(None), x.transpose(0, 1).clone()),
+    "data": lambda x: x.data.__setitem__(0, x.data[1]),
+    "numpy": lambda x: x.numpy().__setitem__(0, x.numpy()[1]),
+    "out": lambda x: torch.mul(torch.ones(4, 4, 3, dtype=x.dtype), 1, out=x),
+    "unknown_inplace": lambda x: x.index_fill_(0, torch.tensor([0]), 1.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRITES))
+def test_writes_the_tag_cannot_vouch_for_withdraw_it(name):
+    """Writes through an alias, a view, .data, numpy or out= (found by a review: CutMix written as
+    x[:, a:].copy_(x[perm, a:]) kept x's tag), and row-selecting or misaligned __setitem__."""
+    from dpzero.private.examples import untagged
+
+    token = MicroBatchToken(0, 0, 4, "poisson")
+    x = tag(torch.randn(4, 4, 3), token)
+    WRITES[name](x)
+    _, found = untagged((x,))
+    assert found == [], name  # the model would refuse it
+    y = tag(torch.randn(4, 4, 3), token)
+    y.mul_(2.0)  # a write a rule vouches for: still the examples
+    y[:, 0] = 0.0
+    _, found = untagged((y,))
+    assert [(i, b) for i, b, _ in found] == [(0, 0)]
+
+
+def _own_batch_rank(rank, world, store, out):
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        model, data, p = _linear_private()
+        x, y = data.tensors
+        # The ranks disagree on the logical batch: 8 on rank 0, 9 on rank 1.
+        bx, by = p.privacy_engine.own_batch((x[:4], y[:4]), logical_batch_size=8 + rank)
+        F.cross_entropy(p.model(bx), by).backward()
+        try:
+            p.optimizer.step()
+            outcome = "stepped"
+        except PrivacyViolation as e:
+            outcome = str(e)
+        torch.save(outcome, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_disagree_on_an_own_batch_size_all_refuse(tmp_path):
+    """A review found: each rank checked rows against its own logical_batch_size, so ranks could
+    split on refusing the step and then run mismatched collectives."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "outcome")
+    mp.spawn(_own_batch_rank, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        assert "the ranks gave different logical batch sizes" in got, (rank, got)

@@ -66,8 +66,9 @@ def test_every_clipped_embedding_norm_and_conv_contribution_is_at_most_c(c):
 @pytest.mark.parametrize("c", CS)
 @pytest.mark.parametrize("k", [3, 5, 7, 11])
 def test_group_thresholds_never_exceed_the_budget_exactly(c, k):
-    """Σ C_g² ≤ C² in exact rationals, for the values the clipping really uses (float32), and each
-    C_g ≤ its float64 value C sqrt(1 / k) — at nearest rounding 11 groups overshot by 1.8e-8."""
+    """Σ C_g² ≤ C² in exact rationals, for the values the clipping really uses (float32), and
+    each C_g ≤ its float64 value C sqrt(1 / k) — at nearest rounding 11 groups overshot by
+    1.8e-8."""
     t = _C.privacy.group_thresholds(c, k)
     assert all(float(torch.tensor(x, dtype=torch.float32)) == x for x in t)  # float32 values
     assert sum(Fraction(x) ** 2 for x in t) <= Fraction(c) ** 2

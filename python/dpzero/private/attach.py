@@ -138,11 +138,8 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
         return original(*args, **kwargs)
     if not torch.is_grad_enabled():
         return original(*args, **kwargs)
-    if book.probe is not None:  # Note [batch provenance]: record the call's shapes only
-        out = original(*args, **kwargs)
-        generic = isinstance(layer.kind, FuncKind)
-        book.probe.append(record(layer.index, args, kwargs, out if generic else None))
-        return out
+    if book.probe is not None:  # Note [batch provenance]: run and record, register nothing
+        return book.probe.call(layer, original, args, kwargs)
     # Note [recomputed forwards] in book.py: a forward inside a backward is a recompute.
     recompute = torch._C._current_graph_task_id() != -1
     if recompute:

@@ -167,8 +167,8 @@ class Book:
         self.expected_rows: Optional[int] = None
         self.micro_backwards = 0
         # Note [batch provenance] (provenance.py): the DP layer calls of the root forward running
-        # now (None outside one), of the probe running now (None outside it), and the verdicts
-        # of every call pattern seen so far (kept for the whole run).
+        # now (None outside one), the probe running now (None outside it), and the verdicts of
+        # every call pattern seen so far (kept for the whole run).
         self.root: Optional[list] = None
         self.probe: Optional[list] = None
         # Why the root forward running now was refused (its DP layers register nothing and
@@ -213,12 +213,12 @@ class Book:
         return bool(self.parts)
 
     @contextlib.contextmanager
-    def probing(self):
-        """Note [batch provenance]: while the probe runs, DP layer calls only record their
-        shapes into the list this yields."""
-        self.probe = []
+    def probing(self, probe):
+        """Note [batch provenance]: while the probe runs, DP layer calls go to ``probe``
+        (provenance.Probe), which runs and records them; nothing is registered."""
+        self.probe = probe
         try:
-            yield self.probe
+            yield probe
         finally:
             self.probe = None
 

@@ -143,7 +143,9 @@ class DPOptimizer:
 class DPDataLoader:
     """Micro-batches of Poisson-sampled logical batches (``data.PoissonBatchSampler``). One pass
     (``for batch in loader``) is one epoch: ``steps_per_epoch`` logical steps, continuing from
-    the last step taken. ``len(loader)`` is the number of micro-batches of the next epoch."""
+    the last step taken. ``len(loader)`` is the number of micro-batches of the next epoch. The
+    tensors it yields carry the micro-batch's tag (Note [batch provenance]): the model accepts
+    them, and no others, for the step."""
 
     def __init__(self, engine: "PrivacyEngine", dataset: Dataset, steps_per_epoch: int,
                  max_physical_batch_size: Optional[int], collate_fn=None, num_workers: int = 0,
@@ -279,7 +281,9 @@ class PrivacyEngine:
 
     ``PrivacyEngine().make_private(module=, optimizer=, data_loader=, noise_multiplier=,
     max_grad_norm=)`` is the Opacus entry point (so an Opacus script switches by changing the
-    import); :func:`make_private` is dpzero's own with every option.
+    import); :func:`make_private` is dpzero's own with every option. The model takes its
+    batches from the returned data loader, or, for callers who sample themselves, through
+    :meth:`own_batch` (Note [batch provenance]).
     """
 
     def __init__(self, accountant: str = "prv", secure_mode: bool = False) -> None:
@@ -587,7 +591,7 @@ class PrivacyEngine:
         self.last_step: Optional[Dict[str, int]] = None
         self.last_step_diagnostics: Optional[Dict[str, Any]] = None
         self._diagnostics = _Diagnostics(diagnostics_path if self.rank == 0 else None)
-        self._warned_dropped = False
+        self._warned_dropped = self._warned_all_dropped = False
         self._micro: Optional[_MicroBatch] = None  # the micro-batch handed out last
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
@@ -872,20 +876,30 @@ class PrivacyEngine:
             "zero_grad() to drop it)" if book.open else None)
         stats = book.take_stats() if local is None else None
         caller = micro.token.sampling == "caller"
-        samples, dropped, failed, any_caller = self._collective(
+        t, size = micro.token.step, micro.logical_size
+        # The logical size each rank was given (own_batch: by its caller) must be one value:
+        # equal sums of s and s^2 over the ranks hold only if every s is the same.
+        samples, dropped, failed, any_caller, sizes, squares = self._collective(
             "agreeing on the step", self._all_reduce,
             [stats.samples if stats else 0, stats.dropped if stats else 0, int(local is not None),
-             int(caller)])
+             int(caller), size, size * size])
         if failed:
             self._drop_batch()
             raise PrivacyViolation(f"refusing the step: {local or 'another rank refused it'} "
                                    "(the batch was dropped; call zero_grad() to go on)")
-        t, size = micro.token.step, micro.logical_size
-        if samples > size:
+        w = self.world_size
+        if sizes != w * size or squares != w * size * size:
+            book.error = (f"the ranks gave different logical batch sizes (this rank "
+                          f"{size}) for logical step {t}: own_batch's logical_batch_size is the "
+                          "size over all ranks, the same on every rank")
+        elif samples > size:
             # More rows reached the clipping than the logical batch has: some example was counted
-            # twice (a micro-batch back-propagated twice, or batches mixed).
-            book.error = (f"{samples} rows reached the clipping in logical step {t}, whose batch "
-                          f"has {size} examples")
+            # twice (a micro-batch back-propagated twice, or batches mixed). The sizes are named
+            # only when the caller gave them: a Poisson batch's size is private.
+            book.error = ("more rows reached the clipping in logical step "
+                          f"{t} than its batch has examples"
+                          + (f" ({samples} rows, logical_batch_size={size})" if caller else ""))
+        if book.error is not None:
             self._drop_batch()
             raise PrivacyViolation(f"refusing the step: {book.error} (the batch was dropped; "
                                    "call zero_grad() to go on)")
@@ -944,25 +958,29 @@ class PrivacyEngine:
                   dropped: int) -> None:
         """Note [released figures]: what a step realised (batch size, rows seen, samples dropped
         for a NaN/Inf norm) depends on the data and is not covered by epsilon. It goes to
-        ``last_step_diagnostics`` and the private diagnostics file only; the warning that
-        samples were dropped gives no count."""
+        ``last_step_diagnostics`` and the private diagnostics file only; the warnings that
+        samples were dropped give no count and no step."""
         all_dropped = samples > 0 and dropped == samples
         self.last_step_diagnostics = {"step": t, "noise_index": k, "sampling": sampling,
                                       "logical_batch_size": size, "samples_seen": samples,
                                       "dropped": dropped, "all_dropped": all_dropped}
         self._diagnostics.write(self.last_step_diagnostics)
-        if all_dropped:
-            # Still a private step (charged, noised: its batch was sampled), but the model moved
-            # by noise alone: almost always a diverged loss or bad data, so it is said loudly.
-            warnings.warn(f"logical step {t}: every example had a non-finite loss or gradient "
-                          "and was dropped; the update was noise only (charged to the ledger as "
-                          "usual)", RuntimeWarning, stacklevel=4)
+        # Note [released figures]: each warning once per run, without a count or a step: that
+        # some sampled example had a non-finite loss or gradient, and that some step had only
+        # such examples, are the two bits a run shows.
+        if all_dropped and not self._warned_all_dropped:
+            self._warned_all_dropped = self._warned_dropped = True
+            warnings.warn("in a step every example had a non-finite loss or gradient and was "
+                          "dropped: its update was noise only (charged as usual). Which steps, "
+                          "and how many examples, are private diagnostics (PrivacyEngine."
+                          "last_step_diagnostics), not covered by epsilon; not repeated",
+                          RuntimeWarning, stacklevel=4)
         elif dropped and not self._warned_dropped:
             self._warned_dropped = True
             warnings.warn("some examples had a non-finite loss or gradient and were dropped "
                           "(they contribute nothing; the step is charged as usual). How many is "
                           "a private diagnostic (PrivacyEngine.last_step_diagnostics), not "
-                          "covered by epsilon", RuntimeWarning, stacklevel=4)
+                          "covered by epsilon; not repeated", RuntimeWarning, stacklevel=4)
 
     # ---- teardown ----------------------------------------------------------------------------
 

@@ -75,20 +75,26 @@ def lost_at(token: Optional[MicroBatchToken]) -> Optional[str]:
 
 def _note_lost(func, args, kwargs) -> None:
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
-    _lost.op = (name, _token_of(args, kwargs))
+    _lost.op = (name, _taint_of(args, kwargs))
 
 
 class Examples(torch.Tensor):
-    """A tensor whose dimension ``_dp_bdim`` indexes the examples of micro-batch ``_dp_token``,
-    one per row, in the loader's order (Note [batch provenance]). Behaves as a plain tensor; the
-    model's forward receives plain tensors (the root unwraps them)."""
+    """A tensor derived from micro-batch ``_dp_taint``'s examples. While it is *tagged*
+    (``_dp_token`` is that micro-batch, ``_dp_version`` its version when tagged), dimension
+    ``_dp_bdim`` indexes the examples, one per row, in the loader's order (Note [batch
+    provenance]); once an operation may have mixed its rows the tag is withdrawn (``_dp_token``
+    None) and it stays *tainted*: combined with tagged tensors it withdraws their tag too (the
+    batch's mean, a row of another example). Behaves as a plain tensor; the model's forward
+    receives plain tensors (the root unwraps them)."""
 
     _dp_bdim: int
     _dp_token: Optional[MicroBatchToken]
+    _dp_taint: Optional[MicroBatchToken]
+    _dp_version: int
 
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
         with torch._C.DisableTorchFunctionSubclass():
-            return "Examples(" + torch.Tensor.__repr__(self) + ")"
+            return torch.Tensor.__repr__(self)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -98,53 +104,106 @@ class Examples(torch.Tensor):
             return _propagate(func, args, kwargs, out)
 
 
+def _withdraw(x: "Examples") -> None:
+    """Its rows may no longer be the examples: the tag goes, the taint stays."""
+    x._dp_token = None
+
+
 def _propagate(func, args, kwargs, out):
-    """``out`` of ``func(*args, **kwargs)`` with the examples tag where a rule keeps it (run
-    with subclass dispatch off, so the rules' own tensor accesses are plain)."""
+    """``out`` of ``func(*args, **kwargs)`` with the examples tag where a rule keeps it, tainted
+    where the operation touched the examples but no rule vouches for its rows (run with subclass
+    dispatch off, so the rules' own tensor accesses are plain)."""
+    taint = _taint_of(args, kwargs)
+    if taint is None:
+        return out
+    if func in _ESCAPES:  # memory handed to code whose writes dpzero cannot see
+        for x in _flat(args, kwargs):
+            if isinstance(x, Examples):
+                _withdraw(x)
+    for x in pytree.tree_leaves(kwargs.get("out")):  # an out= target: whatever was written
+        if isinstance(x, Examples):
+            _withdraw(x)
+    if func in _FACTORIES:  # x.new_zeros(...): nothing of x but its dtype and device
+        return out
     rule = _RULES.get(func)
     if rule is None:
-        if _tensors_in(out):
-            _note_lost(func, args, kwargs)
-        # An operation without a rule that wrote into a tagged tensor (an in-place method, an
-        # out= argument: it returns that tensor) may have mixed its rows: withdrawn.
+        # An operation without a rule that wrote into a tagged tensor (an in-place method: it
+        # returns that tensor) may have mixed its rows: withdrawn.
         name = getattr(func, "__name__", "")
-        written = [x for x in pytree.tree_leaves(out) if isinstance(x, Examples)]
+        for x in pytree.tree_leaves(out):
+            if isinstance(x, Examples):
+                _withdraw(x)
         if name.endswith("_") and not name.endswith("__") and args and \
                 isinstance(args[0], Examples):
-            written.append(args[0])
-        for x in written:
-            x._dp_token = None
-        return out
+            _withdraw(args[0])
+        return _tainted(func, args, kwargs, out, taint)
     if func in _INPLACE:  # modifies args[0] (returned, or None for __setitem__)
         target = args[0]
-        if _is_tagged(target) and not rule(args, kwargs, target):
-            _note_lost(func, args, kwargs)
-            target._dp_token = None  # its rows may now mix examples: no longer trusted
+        if _is_tagged(target):
+            if rule(args, kwargs, target):
+                target._dp_version = target._version  # a write the rule vouches for
+            else:
+                _note_lost(func, args, kwargs)
+                _withdraw(target)
         return out
     bdim = rule(args, kwargs, out)
+    token = _token_of(args, kwargs)
     if isinstance(out, (tuple, list)):
         if bdim is None:
-            _note_lost(func, args, kwargs)
-            return out
-        return type(out)(_wrap(o, b, _token_of(args, kwargs)) if b is not None else o
-                         for o, b in zip(out, bdim))
-    if bdim is None or not isinstance(out, torch.Tensor):
-        if isinstance(out, torch.Tensor):
-            _note_lost(func, args, kwargs)
+            return _tainted(func, args, kwargs, out, taint)
+        return type(out)(_wrap(o, b, token) if b is not None and _fits(o, b, token)
+                         else _taint_only(o, taint) for o, b in zip(out, bdim))
+    if not isinstance(out, torch.Tensor):
         return out
-    return _wrap(out, bdim, _token_of(args, kwargs))
+    if bdim is None or not _fits(out, bdim, token):
+        return _tainted(func, args, kwargs, out, taint)
+    return _wrap(out, bdim, token)
+
+
+def _fits(t, bdim: int, token: Optional[MicroBatchToken]) -> bool:
+    """A rule's answer checked against the tensor: the batch dim exists and has the rows."""
+    return (token is not None and isinstance(t, torch.Tensor) and 0 <= bdim < t.dim()
+            and t.shape[bdim] == token.rows)
+
+
+def _tainted(func, args, kwargs, out, taint):
+    if _tensors_in(out):
+        _note_lost(func, args, kwargs)
+    return pytree.tree_map(lambda o: _taint_only(o, taint), out)
+
+
+def _taint_only(t, taint: MicroBatchToken):
+    """``t`` as a tainted Examples (derived from ``taint``'s examples, untagged)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if isinstance(t, Examples) and getattr(t, "_dp_taint", None) is not None:
+        return t  # an input handed back (an in-place op): already tagged or tainted
+    e = t.as_subclass(Examples)
+    e._dp_token, e._dp_bdim, e._dp_taint, e._dp_version = None, -1, taint, -1
+    return e
 
 
 def _wrap(t: torch.Tensor, bdim: int, token: Optional[MicroBatchToken]) -> torch.Tensor:
     if token is None:
         return t
     e = t.as_subclass(Examples)
-    e._dp_bdim, e._dp_token = bdim, token
+    e._dp_bdim, e._dp_token, e._dp_taint, e._dp_version = bdim, token, token, e._version
     return e
 
 
 def _is_tagged(x) -> bool:
     return isinstance(x, Examples) and getattr(x, "_dp_token", None) is not None
+
+
+def _is_tainted(x) -> bool:
+    """Derived from a micro-batch's examples but not (any more) one of its tagged tensors."""
+    return isinstance(x, Examples) and getattr(x, "_dp_taint", None) is not None \
+        and not _is_tagged(x)
+
+
+def _taint_of(args, kwargs) -> Optional[MicroBatchToken]:
+    return next((x._dp_taint for x in _flat(args, kwargs)
+                 if isinstance(x, Examples) and getattr(x, "_dp_taint", None) is not None), None)
 
 
 def _tensors_in(obj) -> bool:
@@ -172,7 +231,8 @@ def tag(batch, token: MicroBatchToken):
                                  "example on dim 0")
             return _wrap(x.as_subclass(torch.Tensor), 0, token)
         return x
-    return pytree.tree_map(one, batch)
+    with torch._C.DisableTorchFunctionSubclass():
+        return pytree.tree_map(one, batch)
 
 
 def untagged(tree) -> Tuple[Any, List[Tuple[int, int, Optional[MicroBatchToken]]]]:
@@ -183,9 +243,15 @@ def untagged(tree) -> Tuple[Any, List[Tuple[int, int, Optional[MicroBatchToken]]
     found = []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, Examples):
-            if _is_tagged(leaf):
-                found.append((i, leaf._dp_bdim, leaf._dp_token))
-            leaves[i] = leaf.as_subclass(torch.Tensor)
+            with torch._C.DisableTorchFunctionSubclass():
+                if _is_tagged(leaf) and leaf._version != leaf._dp_version:
+                    # Written since it was tagged without a rule seeing the write: through
+                    # another view of its memory (x[:, a:].copy_(x[perm, a:])), for instance.
+                    _lost.op = ("an in-place write through another view of it", leaf._dp_token)
+                    _withdraw(leaf)
+                if _is_tagged(leaf):
+                    found.append((i, leaf._dp_bdim, leaf._dp_token))
+                leaves[i] = leaf.as_subclass(torch.Tensor)
     return pytree.tree_unflatten(leaves, spec), found
 
 
@@ -194,6 +260,15 @@ def untagged(tree) -> Tuple[Any, List[Tuple[int, int, Optional[MicroBatchToken]]
 Rule = Callable[[Sequence[Any], Dict[str, Any], Any], Any]
 _RULES: Dict[Any, Rule] = {}
 _INPLACE: set = set()
+# Factories that read nothing of the tensor but its dtype and device: their results are plain.
+_FACTORIES = {getattr(torch.Tensor, n) for n in ("new_zeros", "new_ones", "new_full",
+                                                  "new_empty", "new_tensor")}
+# Operations that hand the tensor's memory to code whose writes bump no version counter dpzero
+# sees (``x.data[0] = x.data[1]``, numpy, DLPack): the tag is withdrawn.
+_ESCAPES = {f for f in (torch.Tensor.data.__get__, torch.Tensor.numpy, torch.Tensor.__array__,
+                        torch.Tensor.__dlpack__, torch.Tensor.untyped_storage,
+                        getattr(torch.Tensor, "_typed_storage", None), torch.Tensor.storage,
+                        torch.Tensor.set_) if f is not None}
 
 
 def _rule(*funcs, inplace: bool = False):
@@ -260,9 +335,12 @@ _ELEMENTWISE_INPLACE = [getattr(torch.Tensor, n, None) for n in (
 def _broadcast_bdim(args, kwargs, out) -> Optional[int]:
     """The output's batch dim under broadcasting (operands right-aligned), if every tagged operand
     is of one micro-batch and puts its batch dim at that same output position with its own size,
-    and every other tensor operand is constant along it (size 1, or a stride-0 expansion): an
-    operand that varies along the batch dim without being these examples could put another
-    example's data into a row (e.g. ``x[perm]``, as in mixup)."""
+    and every other tensor operand is constant along it (size 1, or a stride-0 expansion) and not
+    derived from the batch: an operand that varies along the batch dim without being these
+    examples could put another example's data into a row (``x[perm]``, as in mixup), and one
+    computed from the batch puts every example's data into every row (``x - x.mean(0)``).
+    Constants from elsewhere (normalisation statistics) are the caller's: if they were computed
+    from the private data, that is not covered by epsilon."""
     if not isinstance(out, torch.Tensor):
         return None
     leaves = [x for x in _flat(args, kwargs) if isinstance(x, torch.Tensor)]
@@ -278,8 +356,10 @@ def _broadcast_bdim(args, kwargs, out) -> Optional[int]:
             return None
         b = pos
     for u in leaves:
-        if _is_tagged(u) or u.dim() == 0:
+        if _is_tagged(u):
             continue
+        if _is_tainted(u):  # derived from the batch without being it: x - x.mean(0)
+            return None
         p = b - (out.dim() - u.dim())
         if 0 <= p < u.dim() and u.shape[p] != 1 and u.stride(p) != 0:
             return None
@@ -337,12 +417,23 @@ def _getitem(args, kwargs, out):
 
 @_rule(torch.Tensor.__setitem__, inplace=True)
 def _setitem(args, kwargs, out) -> bool:
+    """``x[index] = value`` keeps x's tag if the index takes every row (a full slice on the batch
+    dim) and the value is a scalar, a constant along the batch dim, or the same micro-batch's
+    examples with their batch dim landing on the region's (x[:] = x.t() with B = T does not)."""
     x, index, value = args[0], args[1], args[2]
-    if not _is_tagged(x) or _index_bdim(x, index) is None:
+    region_bdim = _index_bdim(x, index) if _is_tagged(x) else None
+    if region_bdim is None:
         return False
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and not _is_tagged(value):
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return not _is_tainted(value)
+    region_ndim = x[index].dim()
+    if _is_tagged(value):
+        return value._dp_token is x._dp_token and \
+            value._dp_bdim + region_ndim - value.dim() == region_bdim
+    if _is_tainted(value):
         return False
-    return not _is_tagged(value) or value._dp_token is x._dp_token
+    p = region_bdim - (region_ndim - value.dim())
+    return not (0 <= p < value.dim() and value.shape[p] != 1 and value.stride(p) != 0)
 
 
 @_rule(torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.view_as,
@@ -433,6 +524,8 @@ def _catted(args, kwargs, out):
     if any(t._dp_bdim != b for t in tagged) or _norm_dim(dim, out.dim()) == b:
         return None
     for u in tensors:
+        if _is_tainted(u):
+            return None
         if not _is_tagged(u) and u.dim() == out.dim() and u.shape[b] != 1 and u.stride(b) != 0:
             return None
     return b
@@ -473,7 +566,7 @@ def _reduced(args, kwargs, out):
     if not _is_tagged(x) or not isinstance(out, torch.Tensor):
         return None
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    if dim is None:
+    if dim is None or isinstance(dim, (tuple, list)) and not dim:  # dim=() reduces all dims
         return None
     dims = sorted({_norm_dim(d, x.dim()) for d in (dim if isinstance(dim, (tuple, list))
                                                    else (dim,))})

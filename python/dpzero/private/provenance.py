@@ -7,32 +7,57 @@ Note [batch provenance] (examples.py) says why; this file is its second half. Th
    come from the private loader or ``own_batch``): the forward runs, registering nothing, and a
    backward through it raises (so an evaluation on other data without ``torch.no_grad()`` is
    harmless);
-2. unwraps the tagged inputs and runs the model; every DP layer call records the shapes of its
-   inputs (:class:`CallRecord`) with the part it registers in the book;
-3. looks the call pattern up (:func:`pattern`: the tagged inputs' layout and the sequence of DP
-   layer calls with their inputs' ranks); for a new one, runs the probe (:func:`run_probe`: the
-   same forward on the same inputs plus one example, saving nothing for a backward, RNG and
-   buffers restored)
-   and classifies each input of each call (:func:`classify`);
+2. unwraps the tagged inputs and runs the model; every DP layer call records its inputs
+   (:class:`CallRecord`) with the part it registers in the book;
+3. looks the call pattern up (:func:`pattern`: the inputs' structure and non-tensor values, which
+   of them hold the examples, the sequence of DP layer calls with their inputs' ranks); for a new
+   one, or when a size of some layer input coincides with the batch size, runs the probe
+   (:func:`run_probe`) and classifies each input of each call (:func:`classify`);
 4. hands each part its verdict (``Part.in_dims``) or refuses the call with the module's name and
    the fix, before any of the micro-batch's gradients exists.
 
-A pattern's verdicts are reused for every later call with the same pattern, so the probe runs once
-per pattern (typically once per run; under activation checkpointing, recomputed calls take the
-verdict of the call they recompute). At stage 3 the probe's forward gathers units, so every rank
-probes when any rank must (``agree``, a collective; at stages 0-2 the forward has none).
+The probe is the same forward on the same inputs with example 0 repeated at the end of each
+tagged input's batch dim: B + 1 rows, the first B as in the real call (so branches on the
+examples' values go the same way), autograd saving nothing, RNG state and buffers restored
+(:class:`Probe` runs and records its calls). A layer input
+
+* whose dim 0 went from B to B + 1, other dims unchanged, holds the examples (BATCHED);
+* whose shape and values did not change is shared by the whole batch (SHARED): Embedding ids of
+  shape [1, ...] are expanded to the batch in both runs (Note [broadcast positions]), which is
+  sound only if the model combines the lookup with the batch row by row — the probe follows the
+  expanded lookup (:class:`_Lookup`) until an elementwise operation meets a batched tensor, and
+  anything else it is used in first (``.mean(0)``, ``[0]``) refuses the call — and only if the
+  ids are not computed from particular examples (``ids[:1]``): a second probe, with the examples
+  rotated (example 1 first), must see the same ids. Other shared inputs are refused with the fix
+  (give ids a batch dim of 1, expand, or freeze);
+* whose shape stayed but whose values changed is computed from the examples (a batch mean), and
+  any other change puts the batch elsewhere (seq-first [T, B, d], flattened [B T, d]): refused.
+
+A pattern's verdicts are reused for later calls with the same pattern (typically the probe runs
+once per run; under activation checkpointing, recomputed calls take the verdict of the call they
+recompute), except that a call where some layer input has a dimension other than dim 0 equal to
+the batch size is probed again: there a cached verdict could stand for another layout (B = T and
+a seq-first branch). Verdicts from one-example batches are not cached (rotating one example
+changes nothing). What the probe cannot see: a model whose branches on the data feed one layer
+call, at the same place in the same pattern, the examples on some steps and a shared tensor with
+as many rows as the batch on others, or whose branch on a batch aggregate (a sum over the
+examples) changes the layout when one example is added while a dimension equals the batch
+size; and a model that mixes examples across rows itself (batch statistics, in-batch negatives:
+BatchNorm is refused by type). At stage 3 the probe's forward gathers units, so
+every rank probes when any rank must (``agree``, a collective after every forward with gradients;
+at stages 0-2 the forward has none).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .examples import lost_at, untagged
+from .examples import _ELEMENTWISE, _ELEMENTWISE_INPLACE, lost_at, untagged
 
 Shape = Tuple[int, ...]
 
@@ -43,12 +68,19 @@ class CallRecord(NamedTuple):
     """One call of a DP layer as the probe compares it: ``layer`` (Layer.index); ``inputs``: the
     shapes of the call's tensor arguments, positional first (None for a non-tensor), then
     ``kw_inputs`` likewise for keyword arguments (sorted by name); ``output``: the output's shape
-    for generic (torch.func) modules, whose output rows the book clips, else None."""
+    for generic (torch.func) modules, whose output rows the book clips, else None. Not compared
+    by the pattern: ``tensors``, the real call's tensor arguments in that order (held until the
+    probe compared them); ``same``, per argument, whether the probe's equals the real one where
+    the shapes agree (None where they do not); ``lookup``, the probe's check of an expanded
+    [1, ...] Embedding lookup."""
 
     layer: int
     inputs: Tuple[Optional[Shape], ...]
     kw_inputs: Tuple[Tuple[str, Optional[Shape]], ...] = ()
     output: Optional[Shape] = None
+    tensors: Tuple[Any, ...] = ()
+    same: Tuple[Optional[bool], ...] = ()
+    lookup: Optional["LookupCheck"] = None
 
     def ranks(self) -> tuple:
         """The record without sizes: what the call pattern compares."""
@@ -56,28 +88,41 @@ class CallRecord(NamedTuple):
         return (self.layer, tuple(r(s) for s in self.inputs),
                 tuple((k, r(s)) for k, s in self.kw_inputs), r(self.output))
 
+    def shapes(self) -> List[Optional[Shape]]:
+        return list(self.inputs) + [s for _, s in self.kw_inputs]
+
+
+def _arguments(args: Sequence, kwargs: Dict) -> List[Any]:
+    return list(args) + [kwargs[k] for k in sorted(kwargs)]
+
 
 def record(layer: int, args: Sequence, kwargs: Dict, output=None) -> CallRecord:
+    """The real call's record (it keeps the call's tensor arguments for the probe)."""
     shape = lambda x: tuple(x.shape) if isinstance(x, torch.Tensor) else None  # noqa: E731
     return CallRecord(layer, tuple(shape(a) for a in args),
                       tuple((k, shape(kwargs[k])) for k in sorted(kwargs)),
-                      None if output is None else shape(output))
+                      None if output is None else shape(output),
+                      tensors=tuple(_arguments(args, kwargs)))
 
 
-def follows(real: Optional[Shape], probe: Optional[Shape], rows: int) -> str:
+def follows(real: Optional[Shape], probe: Optional[Shape], rows: int,
+            same: Optional[bool] = True) -> str:
     """How a tensor of shape ``real`` (micro-batch of ``rows`` examples) relates to the examples,
-    given its shape ``probe`` with one example more: BATCHED (dim 0 grew from rows to rows + 1,
-    nothing else changed), SHARED (unchanged: it does not come from the examples' count), or a
-    description of where the batch went instead."""
+    given its shape ``probe`` with the examples rotated and one more, and whether its values
+    stayed (``same``): BATCHED (dim 0 grew from rows to rows + 1, nothing else changed), SHARED
+    (shape and values unchanged), or a description of what it is instead."""
     if real is None or probe is None:
-        return SHARED if real == probe else "not a tensor in one of the two runs"
+        return SHARED if real == probe else "is a tensor in only one of the two runs"
     if real == probe:
-        return SHARED
+        return SHARED if same is not False else (
+            f"of shape {list(real)} keeps its shape with one more example but its values "
+            "change: it is computed from the examples (a batch statistic, ids[:1]), so every "
+            "row would carry several examples")
     if len(real) == len(probe) and real[0] == rows and probe[0] == rows + 1 \
             and real[1:] == probe[1:]:
         return BATCHED
     if len(real) != len(probe):
-        return f"its rank changed from {len(real)} to {len(probe)} with one more example"
+        return f"changed its rank from {len(real)} to {len(probe)} with one more example"
     grown = [d for d, (a, b) in enumerate(zip(real, probe)) if a != b]
     return (f"dims {grown} of its shape {list(real)} change with the number of examples (to "
             f"{list(probe)} with one more), so its dim 0 is not one row per example")
@@ -85,15 +130,19 @@ def follows(real: Optional[Shape], probe: Optional[Shape], rows: int) -> str:
 
 class Verdict(NamedTuple):
     """For one DP layer call: ``in_dims`` per positional tensor input (0: its dim 0 holds the
-    examples, None: shared by all of them), or ``error``, the refusal."""
+    examples, None: shared by all of them), or ``error``, the refusal; ``expanded``: shared
+    [1, ...] Embedding ids, expanded to the batch (their values must not depend on the
+    examples: checked by the rotated probe)."""
 
     in_dims: Tuple[Optional[int], ...] = ()
     error: Optional[str] = None
+    expanded: bool = False
 
 
-def classify(layers, real: Sequence[CallRecord], probe: Sequence[CallRecord],
-             rows: int) -> List[Verdict]:
-    """Verdicts for the calls of one root forward (``layers``: the book's Layer list)."""
+def classify(layers, real: Sequence[CallRecord], probe: Sequence[CallRecord], rows: int,
+             rotated: Optional[Sequence[CallRecord]] = None) -> List[Verdict]:
+    """Verdicts for the calls of one root forward (``layers``: the book's Layer list) from the
+    probe's records; ``rotated``: the rotated probe's, which expanded ids must pass too."""
     from .fallback import FuncKind
     from .layers import EmbeddingKind
 
@@ -113,23 +162,36 @@ def classify(layers, real: Sequence[CallRecord], probe: Sequence[CallRecord],
     for r, p in zip(real, probe):
         layer = layers[r.layer]
         name = f"{type(layer.module).__name__} {layer.name!r}"
-        verdicts = [follows(a, b, rows) for a, b in zip(r.inputs, p.inputs)]
+        same = p.same or (True,) * len(r.shapes())
+        verdicts = [follows(a, b, rows, s) for a, b, s in zip(r.inputs, p.inputs, same)]
         if isinstance(layer.kind, FuncKind):
-            out.append(_generic_verdict(name, r, p, verdicts, rows))
+            out.append(_generic_verdict(name, r, p, verdicts, same[len(r.inputs):], rows))
             continue
         v, shape = verdicts[0], list(r.inputs[0])
         if v == BATCHED:
             out.append(Verdict((0,)))
         elif v == SHARED and isinstance(layer.kind, EmbeddingKind) and len(shape) > 1 \
                 and shape[0] == 1:
-            out.append(Verdict((0,)))  # Note [broadcast positions]: expanded to the batch
+            problem = p.lookup.problem() if p.lookup is not None else None
+            if problem is None and rotated is not None:
+                q = rotated[len(out)] if len(rotated) == len(real) else None
+                if q is None or q.ranks() != r.ranks() or q.same[:1] != (True,):
+                    problem = ("its ids change when the examples are rotated: they are computed "
+                               "from particular examples")
+            out.append(Verdict((0,), expanded=True) if problem is None else Verdict(error=(
+                f"{name}: its ids of shape {shape} are shared by the batch, so dpzero expands "
+                "them to the batch (Note [broadcast positions]), which is sound only if the "
+                f"model adds the lookup to a batched tensor row by row; {problem}. Use the "
+                "lookup as it comes (h = tok_emb + wpe(pos.unsqueeze(0))) or freeze the "
+                "module (requires_grad_(False))")))
         elif v == SHARED:
             out.append(Verdict(error=_shared_error(name, layer, shape)))
         else:
             out.append(Verdict(error=(
-                f"{name}: its input {v}. DP layers need the examples on dim 0 ([B, ...]); "
-                "transpose batch-second (seq-first) inputs to batch-first, and keep examples "
-                "out of dim 0's other factors (no [B * T, d] flattening)")))
+                f"{name}: its input {v}. DP layers need the examples on dim 0 ([B, ...]), one "
+                "per row in the loader's order; transpose batch-second (seq-first) inputs to "
+                "batch-first, and keep examples out of dim 0's other factors (no [B * T, d] "
+                "flattening)")))
     return out
 
 
@@ -141,8 +203,8 @@ def _shared_error(name: str, layer, shape: List[int]) -> str:
             "so its gradient cannot be split by example. ")
     if isinstance(layer.kind, EmbeddingKind) and len(shape) == 1:
         return head + ("Give it ids with a batch dim of 1 (e.g. wpe(pos.unsqueeze(0)) for "
-                       "positions), which dpzero expands to the batch, or freeze it "
-                       "(requires_grad_(False))")
+                       "positions, added to the token embeddings as it comes), which dpzero "
+                       "expands to the batch, or freeze it (requires_grad_(False))")
     if isinstance(layer.kind, EmbeddingKind):
         return head + ("Ids shared by the batch beyond [1, ...] (e.g. relative-position buckets "
                        "[T, T]) cannot be expanded without changing the model's shapes: freeze "
@@ -152,14 +214,14 @@ def _shared_error(name: str, layer, shape: List[int]) -> str:
 
 
 def _generic_verdict(name, r: CallRecord, p: CallRecord, verdicts: List[str],
-                     rows: int) -> Verdict:
+                     kw_same: Sequence[Optional[bool]], rows: int) -> Verdict:
     bad = [(i, v) for i, v in enumerate(verdicts) if v not in (BATCHED, SHARED)]
     if bad:
         i, v = bad[0]
         return Verdict(error=f"{name}: its positional input {i} {v}; the generic per-sample "
                              "path needs the examples on dim 0 of its inputs")
-    for (k, a), (_, b) in zip(r.kw_inputs, p.kw_inputs):
-        v = follows(a, b, rows)
+    for ((k, a), (_, b)), s in zip(zip(r.kw_inputs, p.kw_inputs), kw_same):
+        v = follows(a, b, rows, s)
         if v != SHARED:
             return Verdict(error=(
                 f"{name} uses its parameters directly and got keyword argument {k!r} that "
@@ -180,12 +242,154 @@ def _generic_verdict(name, r: CallRecord, p: CallRecord, verdicts: List[str],
     return Verdict(tuple(0 if v == BATCHED else None for v in verdicts))
 
 
-def pattern(tagged: Sequence[Tuple[int, int, object]], spec, real: Sequence[CallRecord]) -> tuple:
-    """What a root call's verdicts depend on besides sizes: the inputs' structure, which of them
-    hold the examples on which dim, and the sequence of DP layer calls with their inputs'
-    ranks."""
-    return (str(spec), tuple((i, bdim) for i, bdim, _ in tagged),
+def _leaf_value(v) -> str:
+    """A non-tensor argument as the pattern sees it: small values by value (a flag that switches
+    the model's layout must start a new pattern), other objects by type."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return repr(v)
+    return type(v).__qualname__
+
+
+def pattern(tagged: Sequence[Tuple[int, int, object]], spec, leaves: Sequence,
+            real: Sequence[CallRecord]) -> tuple:
+    """What a root call's verdicts depend on besides sizes: the inputs' structure and non-tensor
+    values, which of them hold the examples on which dim, and the sequence of DP layer calls
+    with their inputs' ranks."""
+    values = tuple(_leaf_value(v) for v in leaves if not isinstance(v, torch.Tensor))
+    return (str(spec), values, tuple((i, bdim) for i, bdim, _ in tagged),
             tuple(r.ranks() for r in real))
+
+
+def ambiguous(real: Sequence[CallRecord], rows: int) -> bool:
+    """Whether some layer input has a dimension other than dim 0 of the batch's size: a cached
+    verdict could then stand for another layout of the same shapes (B = T, seq-first)."""
+    return rows > 1 and any(rows in s[1:] for r in real for s in r.shapes() + [r.output]
+                            if s is not None)
+
+
+# ---- the probe -------------------------------------------------------------------------------
+
+class LookupCheck:
+    """What the probe saw of one expanded [1, ...] Embedding lookup ([rows, ...]): whether an
+    elementwise operation met it with a batched tensor (``met``), and the first other operation it
+    was used in (``failure``)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows, self.met, self.failure = rows, False, None
+
+    def problem(self) -> Optional[str]:
+        if self.failure is not None:
+            return f"the model uses it in {self.failure} first"
+        if not self.met:
+            return "the model never adds it to a batched tensor"
+        return None
+
+
+# Operations that leave the lookup's layout as it is (checked: the same shape out as in).
+_LOOKUP_SAME = {torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.contiguous,
+                torch.Tensor.clone, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
+                torch.Tensor.double, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.squeeze,
+                torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.view_as,
+                torch.Tensor.reshape_as, torch.nn.functional.dropout, torch.dropout}
+_LOOKUP_ELEMENTWISE = set(f for f in _ELEMENTWISE + _ELEMENTWISE_INPLACE if f is not None)
+
+
+class _Lookup(torch.Tensor):
+    """In the probe: an expanded [1, ...] lookup ([rows, ...]), followed through copies, casts,
+    dropout and elementwise operations with constants until an elementwise operation meets a
+    tensor that varies along its rows (the batch: the check passes); any other use first fails
+    the check. (A tensor that varies along those rows without holding the examples would need
+    as many rows as the probe's batch and an elementwise operation with a position lookup.)"""
+
+    _dp_check: LookupCheck
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+            leaves = pytree.tree_leaves((args, kwargs))
+            marked = [a for a in leaves if isinstance(a, _Lookup)]
+            if not marked:
+                return out
+            check = marked[0]._dp_check
+            if not isinstance(out, torch.Tensor) and func not in _LOOKUP_ELEMENTWISE \
+                    and func is not torch.Tensor.__setitem__:
+                return out  # .shape, .dim(), ...: reads nothing row by row
+            if func in _LOOKUP_SAME and out.shape == args[0].shape:
+                return _Lookup.mark(out, check)
+            if func in _LOOKUP_ELEMENTWISE:
+                target = args[0] if func in _ELEMENTWISE_INPLACE else out
+                pos = {target.dim() - m.dim() for m in marked}
+                if len(pos) == 1 and target.shape[next(iter(pos))] == check.rows:
+                    (b,) = pos
+                    for u in leaves:
+                        if isinstance(u, torch.Tensor) and not isinstance(u, _Lookup):
+                            q = b - (target.dim() - u.dim())
+                            if 0 <= q < u.dim() and u.shape[q] == check.rows and \
+                                    u.stride(q) != 0:
+                                check.met = True  # combined with the batch row by row
+                                return out
+                    return out if func in _ELEMENTWISE_INPLACE else _Lookup.mark(out, check)
+            if check.failure is None and not check.met:
+                check.failure = getattr(func, "__qualname__", None) or repr(func)
+            return out
+
+    @staticmethod
+    def mark(t: torch.Tensor, check: LookupCheck) -> torch.Tensor:
+        m = t.as_subclass(_Lookup)
+        m._dp_check = check
+        return m
+
+
+class Probe:
+    """The DP layer calls of the probe's forward (``rows`` examples), each compared, argument by
+    argument, with the real forward's call at the same place (``real``)."""
+
+    def __init__(self, rows: int, real: Sequence[CallRecord]) -> None:
+        self.rows, self.real = rows, real
+        self.records: List[CallRecord] = []
+
+    def call(self, layer, original, args, kwargs):
+        """Runs one DP layer call of the probe (expanding [1, ...] Embedding ids as the real
+        forward does) and records it."""
+        from .fallback import FuncKind
+        from .layers import EmbeddingKind
+
+        generic = isinstance(layer.kind, FuncKind)
+        x = args[0] if args else None
+        check = None
+        if isinstance(layer.kind, EmbeddingKind) and isinstance(x, torch.Tensor) and \
+                x.dim() > 1 and x.shape[0] == 1 and self.rows > 1:
+            check = LookupCheck(self.rows)
+            out = _Lookup.mark(original(x.expand(self.rows, *x.shape[1:])), check)
+        else:
+            out = original(*args, **kwargs)
+        rec = record(layer.index, args, kwargs, out if generic else None)
+        j = len(self.records)
+        real = self.real[j] if j < len(self.real) and self.real[j].layer == layer.index else None
+        same = ()
+        if real is not None:
+            same = tuple(_equal(a, b) for a, b in zip(real.tensors, rec.tensors))
+        self.records.append(rec._replace(tensors=(), same=same, lookup=check))
+        return out
+
+
+def _equal(a, b) -> Optional[bool]:
+    """Whether two arguments hold the same values (None where their shapes differ)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else True
+    if a.shape != b.shape:
+        return None
+    return bool(torch.equal(a, b))
+
+
+def _saved_nothing(_tensor):
+    return None
+
+
+def _never_unpacked(_packed):
+    raise RuntimeError("the provenance probe's graph is never back-propagated")
 
 
 @contextlib.contextmanager
@@ -202,32 +406,33 @@ def _buffers_kept(module: nn.Module):
                     b.copy_(copy)
 
 
-def _saved_nothing(_tensor):
-    return None
-
-
-def _never_unpacked(_packed):
-    raise RuntimeError("the provenance probe's graph is never back-propagated")
+def _rows(x: torch.Tensor, bdim: int, rotated: bool) -> torch.Tensor:
+    """A probe's examples: 0, ..., B-1, 0 (extended), or 1, ..., B-1, 0, 1 (rotated)."""
+    b = x.shape[bdim]
+    order = list(range(b)) + [0] if not rotated else list(range(1, b)) + [0, 1 % b]
+    return x.index_select(bdim, torch.tensor(order, device=x.device))
 
 
 def run_probe(module: nn.Module, forward: Callable, args, kwargs,
-              tagged: Sequence[Tuple[int, int, object]], book, devices) -> List[CallRecord]:
-    """The DP layer calls of ``forward(*args, **kwargs)`` (plain inputs) with one more example:
-    row 0 repeated at the end of each tagged input's batch dim. Runs in the grad mode of the real
-    forward (so the calls the probe records are the ones that register parts there: a segment
-    the model runs without gradients, such as reentrant checkpointing's first pass, registers
-    none), with autograd saving no tensor (the probe's graph is dropped, never back-propagated),
-    and the RNG state and the module's buffers restored afterwards."""
+              tagged: Sequence[Tuple[int, int, object]], book, devices,
+              real: Sequence[CallRecord], rows: int, rotated: bool = False) -> List[CallRecord]:
+    """The DP layer calls of ``forward(*args, **kwargs)`` (plain inputs) with one more example
+    in each tagged input (:func:`_rows`). Runs in the grad mode of the real forward (so the
+    calls it records are the ones that register parts there: a segment the model runs without
+    gradients, such as reentrant checkpointing's first pass, registers none), with autograd
+    saving no tensor (the probe's graph is dropped, never back-propagated), and the RNG state
+    and the module's buffers restored afterwards. ``rows`` 0: the same inputs, only to issue the
+    same collectives as the ranks that probe."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    for i, bdim, _ in tagged:
-        x = leaves[i]
-        leaves[i] = torch.cat([x, x.narrow(bdim, 0, 1)], dim=bdim)
+    if rows > 0:
+        for i, bdim, _ in tagged:
+            leaves[i] = _rows(leaves[i], bdim, rotated)
     p_args, p_kwargs = pytree.tree_unflatten(leaves, spec)
     with torch.autograd.graph.saved_tensors_hooks(_saved_nothing, _never_unpacked), \
             torch.random.fork_rng(devices=devices), _buffers_kept(module), \
-            book.probing() as records:
+            book.probing(Probe(rows + 1 if rows > 0 else 0, real)) as probe:
         forward(*p_args, **p_kwargs)
-    return records
+    return probe.records
 
 
 def root_forward(book_ref, agree: Callable[[bool], bool], devices, module: nn.Module, original,
@@ -252,8 +457,9 @@ def root_forward(book_ref, agree: Callable[[bool], bool], devices, module: nn.Mo
                    "through privacy_engine.own_batch(batch, logical_batch_size=...), which is "
                    "recorded in the ledger)"
                    + (f". If its tensors did come from that loader, dpzero lost track of them at "
-                      f"{lost!r}, which it cannot follow (Note [batch provenance]); apply such "
-                      "operations in the dataset or collate_fn" if lost else ""))
+                      f"{lost!r}, which it cannot follow or which could mix examples (Note "
+                      "[batch provenance]); apply such operations in the dataset or collate_fn"
+                      if lost else ""))
     elif token is None or any(t is not token for _, _, t in tagged):
         problem = ("the model was called on tensors of a micro-batch that is not the current "
                    f"one ({next(t for _, _, t in tagged if t is not token)!r}; current: "
@@ -264,9 +470,13 @@ def root_forward(book_ref, agree: Callable[[bool], bool], devices, module: nn.Mo
         # raises with this message (book.refused_backward).
         book.refusal = problem
         try:
-            return original(*args, **kwargs)
+            out = original(*args, **kwargs)
         finally:
             book.refusal = None
+        for _ in range(2):  # every rank agrees twice per forward (the two probes below)
+            if agree(False):
+                _mirror(book, module, original, args, kwargs, devices)
+        return out
     leaves, spec = pytree.tree_flatten((args, kwargs))
     start = len(book.parts)
     book.root = []
@@ -274,19 +484,54 @@ def root_forward(book_ref, agree: Callable[[bool], bool], devices, module: nn.Mo
         out = original(*args, **kwargs)
     finally:
         real, book.root = book.root, None
-    key = pattern(tagged, spec, real)
+    rows = token.rows
+    key = pattern(tagged, spec, leaves, real)
     verdicts = book.verdicts.get(key)
-    if agree(verdicts is None):
-        try:
-            probe = run_probe(module, original, args, kwargs, tagged, book, devices)
-        except Exception as e:  # noqa: BLE001 - named, and chained
-            book.error = (
-                "dpzero could not run the model's forward once more on the same inputs with "
-                "one more example (the probe that finds which DP layer inputs "
-                f"hold the examples, Note [batch provenance]): {type(e).__name__}: {e}. A "
-                "forward must accept any batch size, and forward hooks run in the probe too")
-            raise PrivacyViolation(book.error) from e
-        fresh = classify(book.layers, real, probe, token.rows)
-        verdicts = book.verdicts.setdefault(key, fresh)
+    probe = None
+    if agree(verdicts is None or ambiguous(real, rows)):
+        if rows == 0:  # nothing to add an example to: mirror the others, keep what is known
+            _mirror(book, module, original, args, kwargs, devices)
+        else:
+            probe = _probed(book, module, original, args, kwargs, tagged, devices, real, rows)
+            verdicts = classify(book.layers, real, probe, rows)
+    expanded = probe is not None and rows > 1 and any(v.expanded for v in verdicts)
+    if agree(expanded):  # the rotated probe, for ids expanded to the batch
+        if expanded:
+            rotated = _probed(book, module, original, args, kwargs, tagged, devices, real, rows,
+                              rotated=True)
+            verdicts = classify(book.layers, real, probe, rows, rotated)
+        else:
+            _mirror(book, module, original, args, kwargs, devices)
+    if probe is not None and rows > 1:  # one example rotated is itself: not kept
+        book.verdicts[key] = verdicts
+    if verdicts is None:
+        verdicts = [Verdict(error=(
+            "an empty micro-batch called the model in a pattern of DP layer calls not seen "
+            "before, so nothing tells which layer inputs hold the examples (Note [batch "
+            "provenance]); skip the forward of an empty batch (step() alone takes its step)"))
+        ] * len(real)
     book.set_verdicts(start, verdicts)
     return out
+
+
+def _mirror(book, module, original, args, kwargs, devices) -> None:
+    """Stage 3: another rank probes, so this one runs the forward once more too (the same
+    inputs, nothing recorded), issuing the same gathers."""
+    run_probe(module, original, args, kwargs, (), book, devices, (), 0)
+
+
+def _probed(book, module, original, args, kwargs, tagged, devices, real, rows,
+            rotated: bool = False) -> List[CallRecord]:
+    """run_probe, its failure refused with the reason."""
+    from .book import PrivacyViolation
+
+    try:
+        return run_probe(module, original, args, kwargs, tagged, book, devices, real, rows,
+                         rotated)
+    except Exception as e:  # noqa: BLE001 - named, and chained
+        book.error = (
+            "dpzero could not run the model's forward once more on the same inputs with one "
+            "more example (the probe that finds which DP layer inputs hold the examples, Note "
+            f"[batch provenance]): {type(e).__name__}: {e}. A forward must accept any batch "
+            "size, and forward hooks run in the probe too")
+        raise PrivacyViolation(book.error) from e

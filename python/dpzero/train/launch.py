@@ -19,6 +19,7 @@ from typing import Dict
 
 from .config import ConfigError, RunConfig, load
 from .orphans import die_with_parent
+from .report import PRIVATE_DIR
 from .runner import check_run_dir, run_job
 
 
@@ -67,4 +68,9 @@ def _launch(config_path: str, cfg: RunConfig, resume: bool) -> Dict:
         raise RuntimeError(f"the {world} training ranks failed (exit status {proc.returncode}); "
                            "the ranks' errors are printed above")
     with open(os.path.join(cfg.output.dir, "result.json")) as f:
-        return json.load(f)
+        results = json.load(f)
+    baseline = os.path.join(cfg.output.dir, PRIVATE_DIR, "baseline.json")
+    if cfg.training.baseline and os.path.exists(baseline):  # as run_job returns it
+        with open(baseline) as f:
+            results["baseline"] = json.load(f)
+    return results

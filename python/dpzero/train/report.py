@@ -168,8 +168,8 @@ def _plot_curves(runs: Dict[str, List[dict]], key: str, ylabel: str, path: str) 
 DIAGNOSTICS_WARNING = (
     "**PRIVATE: not covered by the run's ε.** Everything below depends on the training data "
     "without the mechanism's noise (each step's realised batch size, samples dropped for a "
-    "non-finite loss or gradient, training losses) or comes from a model trained without "
-    "privacy (the baseline). Keep this folder with the training data; do not share it.")
+    "non-finite loss or gradient, training losses, wall times) or comes from a model trained "
+    "without privacy (the baseline). Keep this folder with the training data; do not share it.")
 
 
 def _write_diagnostics(private_dir: str, private_result: dict) -> None:
@@ -192,14 +192,16 @@ def _write_diagnostics(private_dir: str, private_result: dict) -> None:
         if all_dropped:
             lines.append(f"- **{all_dropped} step(s) dropped every example: the model moved by "
                          "noise alone** (charged like the others)")
-    if baseline:
+    seconds = {m["run"]: m["seconds"] for m in training if "seconds" in m}
+    if baseline or seconds:
         lines += ["", "| run | test accuracy | test loss | steps | seconds |",
                   "|---|---|---|---|---|"]
-        for name, r in (("private", private_result), ("baseline (no privacy)", baseline)):
+        for name, run, r in (("private", "private", private_result),
+                             ("baseline (no privacy)", "baseline", baseline)):
             if r:
                 lines.append(f"| {name} | {_fmt(r.get('accuracy'))} | "
                              f"{_fmt(r.get('test_loss'))} | {r.get('steps')} | "
-                             f"{_fmt(r.get('seconds'), 3)} |")
+                             f"{_fmt(seconds.get(run), 3)} |")
     runs = {run: [m for m in training if m.get("run") == run and "loss" in m]
             for run in ("private", "baseline")}
     runs = {k: v for k, v in runs.items() if v}
@@ -256,11 +258,10 @@ def _markdown(data: Dict, plots: List[str]) -> str:
                   "`private/`, which is not covered by ε and is not to be shared.", ""]
     priv = (data.get("results") or {}).get("private") or {}
     if priv:
-        lines += ["Results:", "", "| run | test accuracy | test loss | ε | steps | seconds |",
-                  "|---|---|---|---|---|---|",
+        lines += ["Results:", "", "| run | test accuracy | test loss | ε | steps |",
+                  "|---|---|---|---|---|",
                   f"| private | {_fmt(priv.get('accuracy'))} | {_fmt(priv.get('test_loss'))}"
-                  f" | {_fmt(priv.get('epsilon'))} | {priv.get('steps')} | "
-                  f"{_fmt(priv.get('seconds'), 3)} |"]
+                  f" | {_fmt(priv.get('epsilon'))} | {priv.get('steps')} |"]
         if priv.get("charged_steps", 0) > (priv.get("steps") or 0):
             lines += ["", f"The private run was resumed after a crash: its model went through "
                           f"{priv['steps']} updates and {priv['charged_steps']} steps are "

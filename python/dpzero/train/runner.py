@@ -8,15 +8,15 @@ alone) is kept apart from what is not:
 
     config.json     the parsed config            ledger.jsonl   the privacy ledger (durable)
     metrics.jsonl   ε per step, test metrics     result.json    the private run: test accuracy,
-                    of the private model per                    ε, δ, σ, q, C, steps, timings
+                    of the private model per                    ε, δ, σ, q, C, steps
                     epoch
     model.pt        the trained model (private)  report.md, report.json, *.png  (report.py)
     checkpoints/    sharded checkpoints of the private run (``[training] checkpoint_every``)
     private.json    the private run's result, once it has finished
     private/        NOT covered by ε, not to be shared: diagnostics.jsonl (each step's realised
                     batch size and dropped samples, from the engine), training.jsonl (training
-                    losses; the baseline's evaluations), baseline.json (the non-private model's
-                    results), diagnostics.md and loss.png (report.py)
+                    losses, wall times; the baseline's evaluations), baseline.json (the
+                    non-private model's results), diagnostics.md and loss.png (report.py)
 
 Note [resuming a run]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -118,8 +118,10 @@ class _Progress:
         if enabled:
             from tqdm import tqdm
 
+            # No elapsed time or rate: step times follow the realised batch sizes.
             self.bar = tqdm(total=total, desc=label, file=sys.stderr, dynamic_ncols=True,
-                            mininterval=0.5)
+                            mininterval=0.5,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}")
 
         self.post: Dict[str, str] = {}
 
@@ -233,7 +235,10 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
     seconds = time.time() - start
     final = evaluate(p.model, test, unpack)
     params = engine.parameters()  # a collective in stages 1-3
-    result = {"run": label, "steps": taken, "seconds": seconds, "sample_rate": engine.sample_rate,
+    if rank == 0:  # the wall time follows the realised batch sizes: a private diagnostic
+        diagnostics.write(json.dumps({"run": label, "seconds": seconds}) + "\n")
+        diagnostics.flush()
+    result = {"run": label, "steps": taken, "sample_rate": engine.sample_rate,
               "noise_multiplier": engine.noise_multiplier, "max_grad_norm": engine.max_grad_norm,
               "delta": delta, "train_examples": n, "test_examples": len(test),
               "epsilon": engine.epsilon(delta) if private else math.inf, "stopped": stopped,
