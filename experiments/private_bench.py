@@ -36,8 +36,9 @@ With K = 1 this is one plain step per batch.
 Same inputs everywhere. Micro-batch k is rows [kB, (k+1)B) (k cycled over the dataset's
 batches) of random token ids and random labels from a fixed generator; logical step s takes
 micro-batches sK, ..., sK + K - 1 (real text is not needed for timing). Every system is fed the
-same fixed batch directly (no Poisson loader: its batch sizes vary), with explicit, contiguous
-position_ids and token_type_ids of shape [B, T]. Hugging Face's defaults do not suit
+same fixed batch directly (no Poisson loader: its batch sizes vary; dpzero takes it through
+PrivacyEngine.own_batch, its ledgered opt-out for batches the caller samples), with explicit,
+contiguous position_ids and token_type_ids of shape [B, T]. Hugging Face's defaults do not suit
 per-sample clipping: position_ids default to a [1, T] buffer slice (one row broadcast over the
 batch, which Opacus hooks/functorch/ew fail on, and dpzero refused before its Note [broadcast
 positions]), and the default token_type_ids are an expand()ed view that Opacus's ghost embedding
