@@ -49,9 +49,9 @@ without one is never clipped. Its row count must also be the micro-batch's (chec
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-import contextlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch

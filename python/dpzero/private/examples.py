@@ -50,13 +50,20 @@ class MicroBatchToken:
 
     ``step``: the logical step t; ``index``: the micro-batch's index in it; ``rows``: how many
     examples it holds on this rank (a padding batch holds one, Note [padding batches]);
-    ``sampling``: "poisson" (dpzero's sampler) or "caller" (``own_batch``)."""
+    ``sampling``: "poisson" (dpzero's sampler) or "caller" (``own_batch``).
+
+    Two registries of storages (by data pointer), for writes no version counter shows: those of
+    its tensors handed to code that can write them unseen (``escaped``: ``.data``, numpy, DLPack),
+    and plain tensors something derived from its examples was written into (``tainted``:
+    ``z.copy_(x.mean(0))``). The model refuses inputs in either."""
 
     _serial = itertools.count()
 
     def __init__(self, step: int, index: int, rows: int, sampling: str) -> None:
         self.serial = next(self._serial)
         self.step, self.index, self.rows, self.sampling = step, index, rows, sampling
+        self.escaped: set = set()
+        self.tainted: set = set()
 
     def __repr__(self) -> str:
         return (f"micro-batch {self.index} of step {self.step} ({self.rows} rows, "
@@ -100,8 +107,10 @@ class Examples(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
+            # An in-place write a rule vouches for must not vouch for earlier unseen ones.
+            before = args[0]._version if func in _INPLACE and _is_tagged(args[0]) else None
             out = func(*args, **kwargs)
-            return _propagate(func, args, kwargs, out)
+            return _propagate(func, args, kwargs, out, before)
 
 
 def _withdraw(x: "Examples") -> None:
@@ -109,38 +118,48 @@ def _withdraw(x: "Examples") -> None:
     x._dp_token = None
 
 
-def _propagate(func, args, kwargs, out):
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _propagate(func, args, kwargs, out, before: Optional[int] = None):
     """``out`` of ``func(*args, **kwargs)`` with the examples tag where a rule keeps it, tainted
     where the operation touched the examples but no rule vouches for its rows (run with subclass
-    dispatch off, so the rules' own tensor accesses are plain)."""
+    dispatch off, so the rules' own tensor accesses are plain). ``before``: the version of a
+    tagged in-place target before the write."""
     taint = _taint_of(args, kwargs)
     if taint is None:
         return out
     if func in _ESCAPES:  # memory handed to code whose writes dpzero cannot see
         for x in _flat(args, kwargs):
             if isinstance(x, Examples):
+                taint.escaped.add(_storage(x))
                 _withdraw(x)
     for x in pytree.tree_leaves(kwargs.get("out")):  # an out= target: whatever was written
         if isinstance(x, Examples):
             _withdraw(x)
+        elif isinstance(x, torch.Tensor):
+            taint.tainted.add(_storage(x))
+    target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    name = getattr(func, "__name__", "")
+    inplace = func in _INPLACE or (name.endswith("_") and not name.endswith("__"))
+    if inplace and target is not None and not isinstance(target, Examples):
+        taint.tainted.add(_storage(target))  # a plain tensor now holds the examples' data
     if func in _FACTORIES:  # x.new_zeros(...): nothing of x but its dtype and device
         return out
     rule = _RULES.get(func)
     if rule is None:
         # An operation without a rule that wrote into a tagged tensor (an in-place method: it
         # returns that tensor) may have mixed its rows: withdrawn.
-        name = getattr(func, "__name__", "")
         for x in pytree.tree_leaves(out):
             if isinstance(x, Examples):
                 _withdraw(x)
-        if name.endswith("_") and not name.endswith("__") and args and \
-                isinstance(args[0], Examples):
-            _withdraw(args[0])
+        if inplace and isinstance(target, Examples):
+            _withdraw(target)
         return _tainted(func, args, kwargs, out, taint)
     if func in _INPLACE:  # modifies args[0] (returned, or None for __setitem__)
-        target = args[0]
         if _is_tagged(target):
-            if rule(args, kwargs, target):
+            if before == target._dp_version and rule(args, kwargs, target):
                 target._dp_version = target._version  # a write the rule vouches for
             else:
                 _note_lost(func, args, kwargs)
@@ -235,24 +254,44 @@ def tag(batch, token: MicroBatchToken):
         return pytree.tree_map(one, batch)
 
 
-def untagged(tree) -> Tuple[Any, List[Tuple[int, int, Optional[MicroBatchToken]]]]:
+def untagged(tree, token: Optional[MicroBatchToken] = None
+             ) -> Tuple[Any, List[Tuple[int, int, Optional[MicroBatchToken]]], Optional[str]]:
     """(``tree`` with every Examples leaf replaced by the plain tensor it wraps, [(leaf index,
-    batch dim, token)] of the tagged leaves in ``pytree.tree_leaves`` order). An Examples leaf
-    whose tag was withdrawn (token None) is returned plain and not listed."""
+    batch dim, token)] of its tagged leaves in ``pytree.tree_leaves`` order, and why a leaf may
+    not go into the model, or None). A leaf is refused if it is computed from ``token``'s
+    examples without being tagged (a batch statistic), or if its memory was handed to code that
+    writes unseen (``escaped``) or holds data written from the examples (``tainted``)."""
     leaves, spec = pytree.tree_flatten(tree)
-    found = []
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, Examples):
-            with torch._C.DisableTorchFunctionSubclass():
+    found, problem = [], None
+    with torch._C.DisableTorchFunctionSubclass():
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if isinstance(leaf, Examples):
+                why = None
                 if _is_tagged(leaf) and leaf._version != leaf._dp_version:
-                    # Written since it was tagged without a rule seeing the write: through
-                    # another view of its memory (x[:, a:].copy_(x[perm, a:])), for instance.
-                    _lost.op = ("an in-place write through another view of it", leaf._dp_token)
+                    why = (f"model input {i} was written in place since the loader handed it "
+                           "out, in a way no rule vouches for (through another view of its "
+                           "memory: x[:, a:].copy_(x[perm, a:]), for instance)")
+                elif _is_tagged(leaf) and _storage(leaf) in leaf._dp_token.escaped:
+                    why = (f"model input {i}'s memory was handed to .data, numpy or DLPack, "
+                           "whose writes dpzero cannot see")
+                if why is not None:
                     _withdraw(leaf)
-                if _is_tagged(leaf):
+                    problem = problem or why
+                elif _is_tagged(leaf):
                     found.append((i, leaf._dp_bdim, leaf._dp_token))
+                elif leaf._dp_taint is token and token is not None and problem is None:
+                    problem = (f"model input {i} is computed from the micro-batch's examples "
+                               "without being one row per example (a batch statistic, a "
+                               "selection or mixture of rows): every row it touches would "
+                               "carry several examples")
                 leaves[i] = leaf.as_subclass(torch.Tensor)
-    return pytree.tree_unflatten(leaves, spec), found
+            elif token is not None and _storage(leaf) in token.tainted and problem is None:
+                problem = (f"model input {i} holds data written from the micro-batch's "
+                           "examples (z.copy_(x.mean(0)), for instance): every row it touches "
+                           "would carry several examples")
+    return pytree.tree_unflatten(leaves, spec), found, problem
 
 
 # ---- rules: the batch dim of an operation's output, or None (the tag is dropped) --------------
@@ -261,8 +300,9 @@ Rule = Callable[[Sequence[Any], Dict[str, Any], Any], Any]
 _RULES: Dict[Any, Rule] = {}
 _INPLACE: set = set()
 # Factories that read nothing of the tensor but its dtype and device: their results are plain.
+# (Not new_tensor: it copies its data argument, which may be computed from the examples.)
 _FACTORIES = {getattr(torch.Tensor, n) for n in ("new_zeros", "new_ones", "new_full",
-                                                  "new_empty", "new_tensor")}
+                                                  "new_empty")}
 # Operations that hand the tensor's memory to code whose writes bump no version counter dpzero
 # sees (``x.data[0] = x.data[1]``, numpy, DLPack): the tag is withdrawn.
 _ESCAPES = {f for f in (torch.Tensor.data.__get__, torch.Tensor.numpy, torch.Tensor.__array__,
@@ -355,10 +395,11 @@ def _broadcast_bdim(args, kwargs, out) -> Optional[int]:
         if pos < 0 or out.shape[pos] != x.shape[x._dp_bdim]:
             return None
         b = pos
+    token = tagged[0]._dp_token
     for u in leaves:
         if _is_tagged(u):
             continue
-        if _is_tainted(u):  # derived from the batch without being it: x - x.mean(0)
+        if _is_tainted(u) or _storage(u) in token.tainted:  # from the batch: x - x.mean(0)
             return None
         p = b - (out.dim() - u.dim())
         if 0 <= p < u.dim() and u.shape[p] != 1 and u.stride(p) != 0:
@@ -430,7 +471,7 @@ def _setitem(args, kwargs, out) -> bool:
     if _is_tagged(value):
         return value._dp_token is x._dp_token and \
             value._dp_bdim + region_ndim - value.dim() == region_bdim
-    if _is_tainted(value):
+    if _is_tainted(value) or _storage(value) in x._dp_token.tainted:
         return False
     p = region_bdim - (region_ndim - value.dim())
     return not (0 <= p < value.dim() and value.shape[p] != 1 and value.stride(p) != 0)
@@ -524,7 +565,7 @@ def _catted(args, kwargs, out):
     if any(t._dp_bdim != b for t in tagged) or _norm_dim(dim, out.dim()) == b:
         return None
     for u in tensors:
-        if _is_tainted(u):
+        if _is_tainted(u) or not _is_tagged(u) and _storage(u) in tagged[0]._dp_token.tainted:
             return None
         if not _is_tagged(u) and u.dim() == out.dim() and u.shape[b] != 1 and u.stride(b) != 0:
             return None

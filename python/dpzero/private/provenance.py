@@ -42,22 +42,28 @@ changes nothing). What the probe cannot see: a model whose branches on the data 
 call, at the same place in the same pattern, the examples on some steps and a shared tensor with
 as many rows as the batch on others, or whose branch on a batch aggregate (a sum over the
 examples) changes the layout when one example is added while a dimension equals the batch
-size; and a model that mixes examples across rows itself (batch statistics, in-batch negatives:
-BatchNorm is refused by type). At stage 3 the probe's forward gathers units, so
-every rank probes when any rank must (``agree``, a collective after every forward with gradients;
-at stages 0-2 the forward has none).
+size; a model that mixes examples across rows itself (batch statistics, in-batch negatives:
+BatchNorm is refused by type); and one that permutes the examples between layers (sorting by
+length) — dim 0 still holds the examples, in another order, which flat clipping would pair
+wrongly across layers (clipping="layer" bounds each layer's rows on their own, so it stays
+within C). At stage 3 the probe's forward gathers units, so every rank probes when any rank
+must, and every rank refuses a forward when any rank does (``agree``, three collectives after
+every forward with gradients; at stages 0-2 the forward has none).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .examples import _ELEMENTWISE, _ELEMENTWISE_INPLACE, lost_at, untagged
+from .book import PrivacyViolation
+from .examples import (_ELEMENTWISE, _ELEMENTWISE_INPLACE, Examples, MicroBatchToken, _wrap,
+                       lost_at, untagged)
 
 Shape = Tuple[int, ...]
 
@@ -243,9 +249,10 @@ def _generic_verdict(name, r: CallRecord, p: CallRecord, verdicts: List[str],
 
 
 def _leaf_value(v) -> str:
-    """A non-tensor argument as the pattern sees it: small values by value (a flag that switches
-    the model's layout must start a new pattern), other objects by type."""
-    if v is None or isinstance(v, (bool, int, float, str)):
+    """A non-tensor argument as the pattern sees it: flags, integers, strings and enums by value
+    (a flag that switches the model's layout must start a new pattern), floats and other objects
+    by type (a float that changes every step must not make every call new)."""
+    if v is None or isinstance(v, (bool, int, str, enum.Enum)):
         return repr(v)
     return type(v).__qualname__
 
@@ -294,12 +301,15 @@ _LOOKUP_SAME = {torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.contiguous,
 _LOOKUP_ELEMENTWISE = set(f for f in _ELEMENTWISE + _ELEMENTWISE_INPLACE if f is not None)
 
 
-class _Lookup(torch.Tensor):
-    """In the probe: an expanded [1, ...] lookup ([rows, ...]), followed through copies, casts,
-    dropout and elementwise operations with constants until an elementwise operation meets a
-    tensor that varies along its rows (the batch: the check passes); any other use first fails
-    the check. (A tensor that varies along those rows without holding the examples would need
-    as many rows as the probe's batch and an elementwise operation with a position lookup.)"""
+class _Lookup(Examples):
+    """In the probe: an expanded [1, ...] lookup ([rows, ...]). Every use of it is checked: a
+    copy, cast, dropout or no-op reshape keeps it marked, an elementwise operation with constants
+    (scalars, size-1 or stride-0 operands) too, and an elementwise operation with a tensor the
+    probe tracks as the examples (the probe's inputs and the outputs of DP layers whose input
+    holds the examples, tagged as Examples and followed by the tag's rules) combines it with the
+    batch row by row: the check passes, and the result is that batch. Anything else, before or
+    after (``.mean(0)``, ``[0]``, an elementwise operation with a tensor of unknown rows), fails
+    the check. A subclass of Examples so that its checks run first when both meet."""
 
     _dp_check: LookupCheck
 
@@ -316,22 +326,19 @@ class _Lookup(torch.Tensor):
             if not isinstance(out, torch.Tensor) and func not in _LOOKUP_ELEMENTWISE \
                     and func is not torch.Tensor.__setitem__:
                 return out  # .shape, .dim(), ...: reads nothing row by row
-            if func in _LOOKUP_SAME and out.shape == args[0].shape:
+            if func in _LOOKUP_SAME and out.shape == args[0].shape and \
+                    isinstance(args[0], _Lookup):
                 return _Lookup.mark(out, check)
             if func in _LOOKUP_ELEMENTWISE:
                 target = args[0] if func in _ELEMENTWISE_INPLACE else out
-                pos = {target.dim() - m.dim() for m in marked}
-                if len(pos) == 1 and target.shape[next(iter(pos))] == check.rows:
-                    (b,) = pos
-                    for u in leaves:
-                        if isinstance(u, torch.Tensor) and not isinstance(u, _Lookup):
-                            q = b - (target.dim() - u.dim())
-                            if 0 <= q < u.dim() and u.shape[q] == check.rows and \
-                                    u.stride(q) != 0:
-                                check.met = True  # combined with the batch row by row
-                                return out
+                met = _meets_the_batch(target, leaves, marked, check.rows)
+                if met is not None:
+                    check.met = True
+                    return out if func in _ELEMENTWISE_INPLACE else \
+                        _wrap(out, met[0], met[1])
+                if _constants_only(target, leaves, marked):
                     return out if func in _ELEMENTWISE_INPLACE else _Lookup.mark(out, check)
-            if check.failure is None and not check.met:
+            if check.failure is None:
                 check.failure = getattr(func, "__qualname__", None) or repr(func)
             return out
 
@@ -339,15 +346,48 @@ class _Lookup(torch.Tensor):
     def mark(t: torch.Tensor, check: LookupCheck) -> torch.Tensor:
         m = t.as_subclass(_Lookup)
         m._dp_check = check
+        m._dp_token, m._dp_taint, m._dp_bdim, m._dp_version = None, None, -1, -1
         return m
+
+
+def _meets_the_batch(target, leaves, marked, rows):
+    """(bdim, token) of the result if a tagged operand (the examples, as the probe tracks them)
+    puts its batch dim where the marked lookups have their rows; else None."""
+    pos = {target.dim() - m.dim() for m in marked}
+    if len(pos) != 1 or target.shape[next(iter(pos))] != rows:
+        return None
+    (b,) = pos
+    for u in leaves:
+        if isinstance(u, Examples) and not isinstance(u, _Lookup) and \
+                getattr(u, "_dp_token", None) is not None and \
+                u._dp_bdim + target.dim() - u.dim() == b:
+            return b, u._dp_token
+    return None
+
+
+def _constants_only(target, leaves, marked) -> bool:
+    """Whether every operand besides the marked lookups is constant along the lookups' rows."""
+    b = target.dim() - marked[0].dim()
+    for u in leaves:
+        if not isinstance(u, torch.Tensor) or isinstance(u, _Lookup) or u.dim() == 0:
+            continue
+        if isinstance(u, Examples) and getattr(u, "_dp_taint", None) is not None:
+            return False
+        q = b - (target.dim() - u.dim())
+        if 0 <= q < u.dim() and u.shape[q] != 1 and u.stride(q) != 0:
+            return False
+    return True
 
 
 class Probe:
     """The DP layer calls of the probe's forward (``rows`` examples), each compared, argument by
-    argument, with the real forward's call at the same place (``real``)."""
+    argument, with the real forward's call at the same place (``real``). ``token``: the probe's
+    own micro-batch token: its inputs, and the outputs of DP layers whose input holds the
+    examples, are tagged with it, for the expanded lookups' checks."""
 
     def __init__(self, rows: int, real: Sequence[CallRecord]) -> None:
         self.rows, self.real = rows, real
+        self.token = MicroBatchToken(-1, -1, rows, "probe")
         self.records: List[CallRecord] = []
 
     def call(self, layer, original, args, kwargs):
@@ -371,6 +411,11 @@ class Probe:
         same = ()
         if real is not None:
             same = tuple(_equal(a, b) for a, b in zip(real.tensors, rec.tensors))
+            rows_in = rec.output if generic else (rec.inputs[0] if rec.inputs else None)
+            rows_real = real.output if generic else (real.inputs[0] if real.inputs else None)
+            if check is None and isinstance(out, torch.Tensor) and \
+                    follows(rows_real, rows_in, self.rows - 1) == BATCHED:
+                out = _wrap(out.as_subclass(torch.Tensor), 0, self.token)  # the examples
         self.records.append(rec._replace(tensors=(), same=same, lookup=check))
         return out
 
@@ -394,14 +439,17 @@ def _never_unpacked(_packed):
 
 @contextlib.contextmanager
 def _buffers_kept(module: nn.Module):
-    """Restores every buffer the probe's forward changed (a step counter, a cache): the probe
-    must leave no trace in the model."""
-    saved = [(b, b._version, b.detach().clone()) for b in module.buffers()]
+    """Restores every buffer the probe's forward changed, in place or by assigning another
+    tensor (a step counter, a cache): the probe must leave no trace in the model."""
+    saved = [(m, name, b, b._version, b.detach().clone())
+             for m in module.modules() for name, b in m._buffers.items() if b is not None]
     try:
         yield
     finally:
         with torch.no_grad():
-            for b, version, copy in saved:
+            for m, name, b, version, copy in saved:
+                if m._buffers.get(name) is not b:
+                    m._buffers[name] = b
                 if b._version != version:
                     b.copy_(copy)
 
@@ -423,33 +471,33 @@ def run_probe(module: nn.Module, forward: Callable, args, kwargs,
     saving no tensor (the probe's graph is dropped, never back-propagated), and the RNG state
     and the module's buffers restored afterwards. ``rows`` 0: the same inputs, only to issue the
     same collectives as the ranks that probe."""
+    probe = Probe(rows + 1 if rows > 0 else 0, real)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     if rows > 0:
         for i, bdim, _ in tagged:
-            leaves[i] = _rows(leaves[i], bdim, rotated)
+            leaves[i] = _wrap(_rows(leaves[i], bdim, rotated), bdim, probe.token)
     p_args, p_kwargs = pytree.tree_unflatten(leaves, spec)
     with torch.autograd.graph.saved_tensors_hooks(_saved_nothing, _never_unpacked), \
             torch.random.fork_rng(devices=devices), _buffers_kept(module), \
-            book.probing(Probe(rows + 1 if rows > 0 else 0, real)) as probe:
+            book.probing(probe):
         forward(*p_args, **p_kwargs)
     return probe.records
 
 
 def root_forward(book_ref, agree: Callable[[bool], bool], devices, module: nn.Module, original,
                  *args, **kwargs):
-    """The model's forward under DP (steps 1-4 of this file's docstring)."""
-    from .book import PrivacyViolation
-
+    """The model's forward under DP (steps 1-4 of this file's docstring). Every forward with
+    gradients on every rank calls ``agree`` three times, in the same order (stage 3: the probe,
+    the rotated probe, a refusal), whatever this rank's verdict."""
     book = book_ref()
     if book is None or book.probe is not None or book.root is not None \
             or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
         # No gradient (evaluation), the probe, a nested call or a recompute: nothing to clip.
-        (args, kwargs), _ = untagged((args, kwargs))
+        (args, kwargs), _, _ = untagged((args, kwargs))
         return original(*args, **kwargs)
-    (args, kwargs), tagged = untagged((args, kwargs))
     token = book.token
-    problem = None
-    if not tagged:
+    (args, kwargs), tagged, problem = untagged((args, kwargs), token)
+    if problem is None and not tagged:
         lost = lost_at(token)
         problem = ("the model was called on inputs that do not come from the private data "
                    "loader: iterate the data_loader that make_private returned (or, if you "
@@ -460,7 +508,7 @@ def root_forward(book_ref, agree: Callable[[bool], bool], devices, module: nn.Mo
                       f"{lost!r}, which it cannot follow or which could mix examples (Note "
                       "[batch provenance]); apply such operations in the dataset or collate_fn"
                       if lost else ""))
-    elif token is None or any(t is not token for _, _, t in tagged):
+    elif problem is None and (token is None or any(t is not token for _, _, t in tagged)):
         problem = ("the model was called on tensors of a micro-batch that is not the current "
                    f"one ({next(t for _, _, t in tagged if t is not token)!r}; current: "
                    f"{token!r}): each micro-batch the loader yields is used in its own turn")
@@ -473,9 +521,10 @@ def root_forward(book_ref, agree: Callable[[bool], bool], devices, module: nn.Mo
             out = original(*args, **kwargs)
         finally:
             book.refusal = None
-        for _ in range(2):  # every rank agrees twice per forward (the two probes below)
+        for _ in range(2):  # the others' probes
             if agree(False):
                 _mirror(book, module, original, args, kwargs, devices)
+        agree(False)  # the others' refusal (this call's own is lazy)
         return out
     leaves, spec = pytree.tree_flatten((args, kwargs))
     start = len(book.parts)
@@ -487,31 +536,46 @@ def root_forward(book_ref, agree: Callable[[bool], bool], devices, module: nn.Mo
     rows = token.rows
     key = pattern(tagged, spec, leaves, real)
     verdicts = book.verdicts.get(key)
-    probe = None
+    probe, error = None, None
     if agree(verdicts is None or ambiguous(real, rows)):
         if rows == 0:  # nothing to add an example to: mirror the others, keep what is known
             _mirror(book, module, original, args, kwargs, devices)
         else:
-            probe = _probed(book, module, original, args, kwargs, tagged, devices, real, rows)
-            verdicts = classify(book.layers, real, probe, rows)
+            probe, error = _probed(module, original, args, kwargs, tagged, book, devices, real,
+                                   rows)
+            if probe is not None:
+                verdicts = classify(book.layers, real, probe, rows)
     expanded = probe is not None and rows > 1 and any(v.expanded for v in verdicts)
     if agree(expanded):  # the rotated probe, for ids expanded to the batch
         if expanded:
-            rotated = _probed(book, module, original, args, kwargs, tagged, devices, real, rows,
-                              rotated=True)
-            verdicts = classify(book.layers, real, probe, rows, rotated)
+            rotated, error = _probed(module, original, args, kwargs, tagged, book, devices,
+                                     real, rows, rotated=True)
+            if rotated is not None:
+                verdicts = classify(book.layers, real, probe, rows, rotated)
         else:
             _mirror(book, module, original, args, kwargs, devices)
-    if probe is not None and rows > 1:  # one example rotated is itself: not kept
+    if probe is not None and rows > 1 and error is None:  # one example rotated is itself
+        if len(book.verdicts) >= _PATTERNS_KEPT:
+            book.verdicts.clear()
         book.verdicts[key] = verdicts
-    if verdicts is None:
-        verdicts = [Verdict(error=(
-            "an empty micro-batch called the model in a pattern of DP layer calls not seen "
-            "before, so nothing tells which layer inputs hold the examples (Note [batch "
-            "provenance]); skip the forward of an empty batch (step() alone takes its step)"))
-        ] * len(real)
+    if error is None and verdicts is None:
+        error = ("an empty micro-batch called the model in a pattern of DP layer calls not seen "
+                 "before, so nothing tells which layer inputs hold the examples (Note [batch "
+                 "provenance]); skip the forward of an empty batch (step() alone takes its "
+                 "step)")
+    if error is None:
+        error = next((v.error for v in verdicts if v.error is not None), None)
+    if agree(error is not None):  # every rank refuses, or none: no rank waits in a backward
+        book.error = error or ("another rank refused this forward (its error says why); no "
+                               "rank runs its backward")
+        raise PrivacyViolation(book.error)
     book.set_verdicts(start, verdicts)
     return out
+
+
+# Call patterns whose verdicts a book keeps (a run has a handful; a model called with a
+# different argument value every step would otherwise grow the table without bound).
+_PATTERNS_KEPT = 256
 
 
 def _mirror(book, module, original, args, kwargs, devices) -> None:
@@ -520,18 +584,18 @@ def _mirror(book, module, original, args, kwargs, devices) -> None:
     run_probe(module, original, args, kwargs, (), book, devices, (), 0)
 
 
-def _probed(book, module, original, args, kwargs, tagged, devices, real, rows,
-            rotated: bool = False) -> List[CallRecord]:
-    """run_probe, its failure refused with the reason."""
-    from .book import PrivacyViolation
-
+def _probed(module, original, args, kwargs, tagged, book, devices, real, rows,
+            rotated: bool = False) -> Tuple[Optional[List[CallRecord]], Optional[str]]:
+    """(run_probe's records, None), or (None, why it failed): a failure is refused like a
+    verdict, after every rank agreed."""
     try:
         return run_probe(module, original, args, kwargs, tagged, book, devices, real, rows,
-                         rotated)
-    except Exception as e:  # noqa: BLE001 - named, and chained
-        book.error = (
-            "dpzero could not run the model's forward once more on the same inputs with one "
-            "more example (the probe that finds which DP layer inputs hold the examples, Note "
-            f"[batch provenance]): {type(e).__name__}: {e}. A forward must accept any batch "
-            "size, and forward hooks run in the probe too")
-        raise PrivacyViolation(book.error) from e
+                         rotated), None
+    except Exception as e:  # noqa: BLE001 - named in the refusal
+        return None, (
+            "dpzero could not run the model's forward once more with one more example (the "
+            "probe that finds which DP layer inputs hold the examples, Note [batch "
+            f"provenance]): {type(e).__name__}: {e}. The forward must accept any batch size, "
+            "and every model input with one row per example must come from the loader's "
+            "batch (torch.ones_like(x), not torch.ones(x.shape)); forward hooks run in the "
+            "probe too")
