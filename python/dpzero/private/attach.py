@@ -197,10 +197,10 @@ def _fallback_forward(book, layer, original, params, args, kwargs, recompute=Fal
     return tap(on_backward, out, params)
 
 
-def patch(model: nn.Module, layers: List[Layer], book_ref, agree, devices) -> None:
+def patch(model: nn.Module, layers: List[Layer], book_ref, ranks, devices) -> None:
     """Routes every DP layer's forward through the book, then the model's own forward through
-    the root forward (Note [batch provenance]); ``agree`` and ``devices`` are the probe's (see
-    provenance.root_forward)."""
+    the root forward (Note [batch provenance]); ``ranks`` (provenance.Ranks) and ``devices``
+    are the probe's."""
     for layer in layers:
         module = layer.module
         original = module.forward
@@ -208,7 +208,7 @@ def patch(model: nn.Module, layers: List[Layer], book_ref, agree, devices) -> No
         module.forward = functools.partial(_patched_forward, book_ref, layer, original)
     original = model.forward
     model._dp_root_previous = model.__dict__.get("forward")
-    model.forward = functools.partial(root_forward, book_ref, agree, devices, model, original)
+    model.forward = functools.partial(root_forward, book_ref, ranks, devices, model, original)
 
 
 def unpatch(model: nn.Module, layers: List[Layer]) -> None:

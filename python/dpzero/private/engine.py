@@ -57,6 +57,7 @@ from .attach import (PrivacyViolation, assign_components, find_layers, guard_hoo
                      patch, unpatch)
 from .book import Book
 from .examples import MicroBatchToken, tag
+from .provenance import Ranks
 
 CLIPPING = ("flat", "layer", "group", "automatic")
 
@@ -575,11 +576,18 @@ class PrivacyEngine:
                          loss_reduction, sharded._state, unit_numel, unit_device)
         book_ref = weakref.ref(self.book)
         # Note [batch provenance]: at stage 3 the probe's forward gathers units, so all ranks
-        # probe when one must; at stages 0-2 a forward has no collectives.
-        agree = ((lambda need: self._collective("agreeing on a probe", self._any_rank, need))
-                 if sharded.stage == 3 and self.world_size > 1 else (lambda need: need))
+        # probe when one must (at stages 0-2 a forward has no collectives); with several ranks
+        # every rank refuses a forward when one does.
+        several = self.world_size > 1
+        ranks = Ranks(
+            probe=((lambda need: self._collective("agreeing on a probe", self._any_rank, need))
+                   if sharded.stage == 3 and several else (lambda need: need)),
+            refusals=((lambda refused: self._collective(
+                "agreeing on a refusal", self._all_reduce, [int(refused)])[0])
+                if several else (lambda refused: int(refused))),
+            world=self.world_size)
         devices = sorted({d.index or 0 for d in unit_device if d.type == "cuda"})
-        patch(model, layers, book_ref, agree, devices)
+        patch(model, layers, book_ref, ranks, devices)
         self._checkpointed = checkpointing.apply(model, checkpointed)
         self._guards = guard_hooks(model, book_ref)
         self.clipping = clipping

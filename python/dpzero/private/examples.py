@@ -15,17 +15,25 @@ in two places, neither of which looks at a size alone:
    ``ids[:, :-1]``, ``x / 255``, ``unsqueeze``, ...) by rules that track the batch dimension
    exactly, and is dropped by every operation it has no rule for, and by any operation that could
    mix rows of different examples (an operand that varies along the batch dimension without being
-   the same micro-batch's examples, indexing that selects rows). So a model input is tagged only
-   if its batch dimension provably holds the micro-batch's examples, one per row, in order.
+   the same micro-batch's examples, indexing that selects rows). Whatever is computed from the
+   examples without a rule vouching for its rows stays *tainted*: it withdraws the tag of what
+   it meets and is refused as a model input (``x - x.mean(0)``). Writes no rule vouches for
+   (through another view, ``.data``, numpy, DLPack) withdraw the tag too, checked against the
+   version counter before any rule reads a tagged operand and at the model's door. So a model
+   input is tagged only if its batch dimension holds the micro-batch's examples, one per row, in
+   order, as far as the operations applied to it show: statistics copied out of the batch's
+   tensors (``.item()``, ``torch.tensor(stat)``, a module attribute) are beyond this file's
+   reach, and are the caller's responsibility, as in every DP-SGD library.
 
 2. Inside the model (``provenance.py``). The model's root forward unwraps the tagged inputs and,
    for each new pattern of DP layer calls, runs the model once more on the same inputs with one
    more example (row 0 repeated along each tagged input's batch dimension; autograd saves
    nothing, the RNG and buffers are restored). A DP layer input whose dim 0 went from B to B + 1
-   while its other dimensions stayed holds the examples on dim 0; one whose shape did not change
-   is shared by the whole batch (a position table, relative-position buckets, prompt tokens);
-   anything else has the batch elsewhere. Sizes that coincide (B = T, B = heads, B = 1) cannot
-   fool this: a dimension that does not come from the examples does not grow with them.
+   while its other dimensions stayed holds the examples on dim 0; one whose shape and values did
+   not change is shared by the whole batch (a position table, relative-position buckets, prompt
+   tokens); anything else has the batch elsewhere. Sizes that coincide (B = T, B = heads,
+   B = 1) cannot fool this: a dimension that does not come from the examples does not grow with
+   them. What the probe cannot see is listed in provenance.py's docstring.
 
 A call of the model whose inputs carry no tag of the current micro-batch is refused: its batch did
 not come from the private loader (or the opt-out), so nothing says it was Poisson-sampled at the
@@ -52,10 +60,11 @@ class MicroBatchToken:
     examples it holds on this rank (a padding batch holds one, Note [padding batches]);
     ``sampling``: "poisson" (dpzero's sampler) or "caller" (``own_batch``).
 
-    Two registries of storages (by data pointer), for writes no version counter shows: those of
-    its tensors handed to code that can write them unseen (``escaped``: ``.data``, numpy, DLPack),
-    and plain tensors something derived from its examples was written into (``tainted``:
-    ``z.copy_(x.mean(0))``). The model refuses inputs in either."""
+    Two records by storage (data pointer): the storages of its tensors handed to code that can
+    write them without a version counter seeing it (``escaped``: ``.data``, numpy, DLPack), whose
+    contents it no longer vouches for, nor for tensors that share them; and, per storage, the
+    version after the last write a rule vouched for (``vouched``), so that a vouched write
+    through one view (``x[:, c].sub_(m)``) leaves the other views of that memory valid."""
 
     _serial = itertools.count()
 
@@ -63,7 +72,7 @@ class MicroBatchToken:
         self.serial = next(self._serial)
         self.step, self.index, self.rows, self.sampling = step, index, rows, sampling
         self.escaped: set = set()
-        self.tainted: set = set()
+        self.vouched: Dict[int, int] = {}
 
     def __repr__(self) -> str:
         return (f"micro-batch {self.index} of step {self.step} ({self.rows} rows, "
@@ -107,7 +116,9 @@ class Examples(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
-            # An in-place write a rule vouches for must not vouch for earlier unseen ones.
+            # Operands whose memory changed unseen lose their tag before anything reads them (an
+            # in-place write a rule vouches for then never vouches for an earlier unseen one).
+            _valid(args, kwargs)
             before = args[0]._version if func in _INPLACE and _is_tagged(args[0]) else None
             out = func(*args, **kwargs)
             return _propagate(func, args, kwargs, out, before)
@@ -138,13 +149,9 @@ def _propagate(func, args, kwargs, out, before: Optional[int] = None):
     for x in pytree.tree_leaves(kwargs.get("out")):  # an out= target: whatever was written
         if isinstance(x, Examples):
             _withdraw(x)
-        elif isinstance(x, torch.Tensor):
-            taint.tainted.add(_storage(x))
     target = args[0] if args and isinstance(args[0], torch.Tensor) else None
     name = getattr(func, "__name__", "")
     inplace = func in _INPLACE or (name.endswith("_") and not name.endswith("__"))
-    if inplace and target is not None and not isinstance(target, Examples):
-        taint.tainted.add(_storage(target))  # a plain tensor now holds the examples' data
     if func in _FACTORIES:  # x.new_zeros(...): nothing of x but its dtype and device
         return out
     rule = _RULES.get(func)
@@ -159,8 +166,8 @@ def _propagate(func, args, kwargs, out, before: Optional[int] = None):
         return _tainted(func, args, kwargs, out, taint)
     if func in _INPLACE:  # modifies args[0] (returned, or None for __setitem__)
         if _is_tagged(target):
-            if before == target._dp_version and rule(args, kwargs, target):
-                target._dp_version = target._version  # a write the rule vouches for
+            if before is not None and rule(args, kwargs, target):
+                _vouch(target)  # a write the rule vouches for
             else:
                 _note_lost(func, args, kwargs)
                 _withdraw(target)
@@ -214,6 +221,31 @@ def _is_tagged(x) -> bool:
     return isinstance(x, Examples) and getattr(x, "_dp_token", None) is not None
 
 
+def _intact(x: "Examples") -> bool:
+    """A tagged tensor whose memory holds what the tag vouches for: not written since it was
+    tagged, or last written by a write a rule vouched for (through any view of the memory), and
+    not handed to code that writes unseen."""
+    token, storage = x._dp_token, _storage(x)
+    if storage in token.escaped:
+        return False
+    return x._version == x._dp_version or x._version == token.vouched.get(storage)
+
+
+def _vouch(x: "Examples") -> None:
+    x._dp_version = x._version
+    x._dp_token.vouched[_storage(x)] = x._version
+
+
+def _valid(args, kwargs) -> None:
+    """Withdraws the tag of every operand that is no longer intact, before a rule reads it: a
+    copy must not inherit a tag its source lost (CutMix through a view, then x * 1.0)."""
+    for x in _flat(args, kwargs):
+        if _is_tagged(x) and not _intact(x):
+            _lost.op = ("an in-place write that no rule vouches for, or memory handed to "
+                        ".data, numpy or DLPack", x._dp_token)
+            _withdraw(x)
+
+
 def _is_tainted(x) -> bool:
     """Derived from a micro-batch's examples but not (any more) one of its tagged tensors."""
     return isinstance(x, Examples) and getattr(x, "_dp_taint", None) is not None \
@@ -258,39 +290,29 @@ def untagged(tree, token: Optional[MicroBatchToken] = None
              ) -> Tuple[Any, List[Tuple[int, int, Optional[MicroBatchToken]]], Optional[str]]:
     """(``tree`` with every Examples leaf replaced by the plain tensor it wraps, [(leaf index,
     batch dim, token)] of its tagged leaves in ``pytree.tree_leaves`` order, and why a leaf may
-    not go into the model, or None). A leaf is refused if it is computed from ``token``'s
-    examples without being tagged (a batch statistic), or if its memory was handed to code that
-    writes unseen (``escaped``) or holds data written from the examples (``tainted``)."""
+    not go into the model, or None). A leaf is refused if it is computed from a micro-batch's
+    examples without being tagged (a batch statistic, a mixture of rows), or if its memory was
+    written in a way no rule vouches for, or handed to code that writes unseen."""
     leaves, spec = pytree.tree_flatten(tree)
     found, problem = [], None
     with torch._C.DisableTorchFunctionSubclass():
         for i, leaf in enumerate(leaves):
-            if not isinstance(leaf, torch.Tensor):
+            if not isinstance(leaf, Examples):
                 continue
-            if isinstance(leaf, Examples):
-                why = None
-                if _is_tagged(leaf) and leaf._version != leaf._dp_version:
-                    why = (f"model input {i} was written in place since the loader handed it "
-                           "out, in a way no rule vouches for (through another view of its "
-                           "memory: x[:, a:].copy_(x[perm, a:]), for instance)")
-                elif _is_tagged(leaf) and _storage(leaf) in leaf._dp_token.escaped:
-                    why = (f"model input {i}'s memory was handed to .data, numpy or DLPack, "
-                           "whose writes dpzero cannot see")
-                if why is not None:
-                    _withdraw(leaf)
-                    problem = problem or why
-                elif _is_tagged(leaf):
-                    found.append((i, leaf._dp_bdim, leaf._dp_token))
-                elif leaf._dp_taint is token and token is not None and problem is None:
-                    problem = (f"model input {i} is computed from the micro-batch's examples "
-                               "without being one row per example (a batch statistic, a "
-                               "selection or mixture of rows): every row it touches would "
-                               "carry several examples")
-                leaves[i] = leaf.as_subclass(torch.Tensor)
-            elif token is not None and _storage(leaf) in token.tainted and problem is None:
-                problem = (f"model input {i} holds data written from the micro-batch's "
-                           "examples (z.copy_(x.mean(0)), for instance): every row it touches "
-                           "would carry several examples")
+            if _is_tagged(leaf) and not _intact(leaf):
+                problem = problem or (
+                    f"model input {i} was written since the loader handed it out in a way no "
+                    "rule vouches for (through another view of its memory, "
+                    "x[:, a:].copy_(x[perm, a:]), or through .data, numpy or DLPack)")
+                _withdraw(leaf)
+            elif _is_tagged(leaf):
+                found.append((i, leaf._dp_bdim, leaf._dp_token))
+            elif getattr(leaf, "_dp_taint", None) is not None and problem is None:
+                problem = (f"model input {i} is computed from the examples of "
+                           f"{leaf._dp_taint!r} without being one row per example of the "
+                           "current micro-batch (a batch statistic, a selection or mixture of "
+                           "rows): every row it touches would carry several examples")
+            leaves[i] = leaf.as_subclass(torch.Tensor)
     return pytree.tree_unflatten(leaves, spec), found, problem
 
 
@@ -399,7 +421,7 @@ def _broadcast_bdim(args, kwargs, out) -> Optional[int]:
     for u in leaves:
         if _is_tagged(u):
             continue
-        if _is_tainted(u) or _storage(u) in token.tainted:  # from the batch: x - x.mean(0)
+        if _is_tainted(u) or _storage(u) in token.escaped:  # from the batch: x - x.mean(0)
             return None
         p = b - (out.dim() - u.dim())
         if 0 <= p < u.dim() and u.shape[p] != 1 and u.stride(p) != 0:
@@ -458,20 +480,40 @@ def _getitem(args, kwargs, out):
 
 @_rule(torch.Tensor.__setitem__, inplace=True)
 def _setitem(args, kwargs, out) -> bool:
-    """``x[index] = value`` keeps x's tag if the index takes every row (a full slice on the batch
-    dim) and the value is a scalar, a constant along the batch dim, or the same micro-batch's
-    examples with their batch dim landing on the region's (x[:] = x.t() with B = T does not)."""
+    """``x[index] = value`` keeps x's tag when no row receives another example's data:
+
+    * a constant value (a number, a 0-dim tensor not computed from the examples) written at any
+      elements: each row keeps its own data elsewhere (``labels[labels == pad] = -100``,
+      ``labels[i, :n] = -100``), as long as no index was computed from the examples other than
+      as an elementwise mask of x's own rows;
+    * a tensor value, into every row (a full slice on the batch dim), that is a constant along
+      the batch dim or the same micro-batch's examples with their batch dim landing on the
+      region's (``x[:] = x.t()`` with B = T does not)."""
     x, index, value = args[0], args[1], args[2]
-    region_bdim = _index_bdim(x, index) if _is_tagged(x) else None
+    if not _is_tagged(x):
+        return False
+    idx = index if isinstance(index, tuple) else (index,)
+    constant = not isinstance(value, torch.Tensor) or (value.dim() == 0 and
+                                                       not _is_tainted(value))
+    if constant:
+        for i in idx:
+            if not isinstance(i, torch.Tensor):
+                continue
+            if _is_tainted(i):
+                return False
+            if _is_tagged(i) and not (len(idx) == 1 and i._dp_token is x._dp_token and
+                                      i.dtype == torch.bool and i.shape == x.shape and
+                                      i._dp_bdim == x._dp_bdim):
+                return False  # an index from the examples that is not x's own elementwise mask
+        return True
+    region_bdim = _index_bdim(x, index)
     if region_bdim is None:
         return False
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return not _is_tainted(value)
     region_ndim = x[index].dim()
     if _is_tagged(value):
         return value._dp_token is x._dp_token and \
             value._dp_bdim + region_ndim - value.dim() == region_bdim
-    if _is_tainted(value) or _storage(value) in x._dp_token.tainted:
+    if _is_tainted(value) or _storage(value) in x._dp_token.escaped:
         return False
     p = region_bdim - (region_ndim - value.dim())
     return not (0 <= p < value.dim() and value.shape[p] != 1 and value.stride(p) != 0)
@@ -565,7 +607,7 @@ def _catted(args, kwargs, out):
     if any(t._dp_bdim != b for t in tagged) or _norm_dim(dim, out.dim()) == b:
         return None
     for u in tensors:
-        if _is_tainted(u) or not _is_tagged(u) and _storage(u) in tagged[0]._dp_token.tainted:
+        if _is_tainted(u) or not _is_tagged(u) and _storage(u) in tagged[0]._dp_token.escaped:
             return None
         if not _is_tagged(u) and u.dim() == out.dim() and u.shape[b] != 1 and u.stride(b) != 0:
             return None

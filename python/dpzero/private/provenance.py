@@ -47,8 +47,8 @@ BatchNorm is refused by type); and one that permutes the examples between layers
 length) — dim 0 still holds the examples, in another order, which flat clipping would pair
 wrongly across layers (clipping="layer" bounds each layer's rows on their own, so it stays
 within C). At stage 3 the probe's forward gathers units, so every rank probes when any rank
-must, and every rank refuses a forward when any rank does (``agree``, three collectives after
-every forward with gradients; at stages 0-2 the forward has none).
+must (:class:`Ranks`: two collectives after every forward with gradients), and with several
+ranks, at any stage, every rank refuses a forward when any rank does (one more).
 """
 
 from __future__ import annotations
@@ -484,11 +484,22 @@ def run_probe(module: nn.Module, forward: Callable, args, kwargs,
     return probe.records
 
 
-def root_forward(book_ref, agree: Callable[[bool], bool], devices, module: nn.Module, original,
-                 *args, **kwargs):
+class Ranks(NamedTuple):
+    """How a root forward agrees with the other ranks. ``probe(flag)``: whether any rank must
+    probe (stage 3, where the probe's forward gathers units; else this rank's flag);
+    ``refusals(flag)``: how many ranks refuse this forward (a collective whenever there are
+    several ranks: a rank that refused alone would otherwise skip collectives the others run in
+    their backward); ``world``: the number of ranks."""
+
+    probe: Callable[[bool], bool]
+    refusals: Callable[[bool], int]
+    world: int
+
+
+def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *args, **kwargs):
     """The model's forward under DP (steps 1-4 of this file's docstring). Every forward with
-    gradients on every rank calls ``agree`` three times, in the same order (stage 3: the probe,
-    the rotated probe, a refusal), whatever this rank's verdict."""
+    gradients on every rank makes the same agreements in the same order (the probe, the rotated
+    probe, the refusals), whatever this rank's verdict."""
     book = book_ref()
     if book is None or book.probe is not None or book.root is not None \
             or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
@@ -515,16 +526,19 @@ def root_forward(book_ref, agree: Callable[[bool], bool], devices, module: nn.Mo
     if problem is not None:
         # Refused lazily: the forward runs (an evaluation without torch.no_grad() on other data
         # is harmless), but its DP layers register nothing and a backward through any of them
-        # raises with this message (book.refused_backward).
+        # raises with this message (book.refused_backward). Unless other ranks did not refuse
+        # it: then every rank raises now, before their backwards' collectives part ways.
         book.refusal = problem
         try:
             out = original(*args, **kwargs)
         finally:
             book.refusal = None
         for _ in range(2):  # the others' probes
-            if agree(False):
+            if ranks.probe(False):
                 _mirror(book, module, original, args, kwargs, devices)
-        agree(False)  # the others' refusal (this call's own is lazy)
+        if ranks.refusals(True) < ranks.world:
+            book.error = problem
+            raise PrivacyViolation(problem)
         return out
     leaves, spec = pytree.tree_flatten((args, kwargs))
     start = len(book.parts)
@@ -537,7 +551,7 @@ def root_forward(book_ref, agree: Callable[[bool], bool], devices, module: nn.Mo
     key = pattern(tagged, spec, leaves, real)
     verdicts = book.verdicts.get(key)
     probe, error = None, None
-    if agree(verdicts is None or ambiguous(real, rows)):
+    if ranks.probe(verdicts is None or ambiguous(real, rows)):
         if rows == 0:  # nothing to add an example to: mirror the others, keep what is known
             _mirror(book, module, original, args, kwargs, devices)
         else:
@@ -546,7 +560,7 @@ def root_forward(book_ref, agree: Callable[[bool], bool], devices, module: nn.Mo
             if probe is not None:
                 verdicts = classify(book.layers, real, probe, rows)
     expanded = probe is not None and rows > 1 and any(v.expanded for v in verdicts)
-    if agree(expanded):  # the rotated probe, for ids expanded to the batch
+    if ranks.probe(expanded):  # the rotated probe, for ids expanded to the batch
         if expanded:
             rotated, error = _probed(module, original, args, kwargs, tagged, book, devices,
                                      real, rows, rotated=True)
@@ -565,7 +579,7 @@ def root_forward(book_ref, agree: Callable[[bool], bool], devices, module: nn.Mo
                  "step)")
     if error is None:
         error = next((v.error for v in verdicts if v.error is not None), None)
-    if agree(error is not None):  # every rank refuses, or none: no rank waits in a backward
+    if ranks.refusals(error is not None):  # every rank refuses, or none
         book.error = error or ("another rank refused this forward (its error says why); no "
                                "rank runs its backward")
         raise PrivacyViolation(book.error)
