@@ -573,6 +573,14 @@ def test_ranks_that_disagree_on_an_own_batch_size_all_refuse(tmp_path):
 
 LAUNDERED = {  # batch statistics brought back as "constants": each input must be refused
     "new_tensor": lambda x: x - x.new_tensor(x.mean(0)),
+    "new_full": lambda x: x - x.new_full((1, 4, 3), x.mean()),
+    "full_like": lambda x: torch.cat([x, torch.full_like(x[:, :1], x[:, 0].mean())], 1),
+    "pad_value": lambda x: F.pad(x, (0, 1), value=x[:, 0].mean()),
+    "index_in_list": lambda x: (x.__setitem__((slice(None), [x.mean((0, 2)).argmax()]), 0.0),
+                                x)[1],
+    "numpy_value": lambda x: (x.__setitem__((slice(None), 0),
+                                            torch.from_numpy(x.mean().numpy())), x)[1],
+    "empty_like": lambda x: torch.empty_like(x),
     "dlpack": lambda x: x - torch.from_dlpack(x.mean(0, keepdim=True)),
     "numpy": lambda x: x - torch.from_numpy(x.mean(0, keepdim=True).numpy()),
     "stale_copy": lambda x: (x[:, 1:].copy_(x[torch.tensor([1, 0, 3, 2]), 1:]), x * 1.0)[1],
@@ -622,7 +630,11 @@ def test_a_model_that_permutes_its_examples_holds_2c_under_layer_clipping(batch)
     assert refused_or_bounded(Permuted, [ids], y, clipping="layer") == "bounded"
 
 
-HF_LABELS = {  # what training loops do to labels: each keeps the tag
+HF_LABELS = {  # what training loops do to labels and ids: each keeps the tag
+    "mlm_random_words": lambda ids: (lambda m: (ids.__setitem__(m, torch.randint(
+        5, ids.shape)[m]), ids)[1])(torch.rand(ids.shape) < 0.3),
+    "bos": lambda ids: (ids.__setitem__((slice(None), 0), torch.full((4,), 1)), ids)[1],
+    "repeat": lambda ids: ids.repeat(1, 2),
     "pad_to_ignore": lambda ids: (lambda l: (l.__setitem__(l == 0, -100), l)[1])(ids.clone()),
     "prompt_mask": lambda ids: (lambda l: (l.__setitem__((1, slice(None, 2)), -100), l)[1])(
         ids.clone()),
@@ -693,3 +705,28 @@ def test_a_forward_refused_on_one_rank_is_refused_on_every_rank(tmp_path, stage)
     assert got[0][0].startswith("model input 0 is computed from the examples"), got
     assert got[1][0].startswith("another rank refused this forward"), got
     assert got[0][1] == got[1][1] == 1, got  # one step, taken together
+
+
+def test_no_record_survives_a_freed_address():
+    """A fourth review found the records keyed by address: a vouched write on a freed tensor let
+    CutMix through a view on a new tensor at the same address pass, and an escaped storage
+    refused a later tensor that reused it. The records hold their storages alive."""
+    from dpzero.private.examples import untagged
+
+    token = MicroBatchToken(0, 0, 64, "poisson")
+    x = tag(torch.randn(64, 256), token)
+    for _ in range(20):
+        a = x.clone()
+        a[:, :3].sub_(0.5)  # vouched: recorded for a's storage
+        address = a.untyped_storage().data_ptr()
+        del a
+        b = x.clone()
+        reused = b.untyped_storage().data_ptr() == address
+        b[:, 128:].copy_(b[torch.randperm(64), 128:])  # through a view: no rule vouches
+        assert untagged((b,), token)[2] is not None
+        assert not reused  # the record keeps the old storage, and its address, taken
+        del b
+    img = x.clone()
+    _ = img[0].numpy().copy()  # escaped
+    del img
+    assert untagged((x.clone(),), token)[2] is None  # a new tensor is not refused for it

@@ -60,19 +60,21 @@ class MicroBatchToken:
     examples it holds on this rank (a padding batch holds one, Note [padding batches]);
     ``sampling``: "poisson" (dpzero's sampler) or "caller" (``own_batch``).
 
-    Two records by storage (data pointer): the storages of its tensors handed to code that can
-    write them without a version counter seeing it (``escaped``: ``.data``, numpy, DLPack), whose
-    contents it no longer vouches for, nor for tensors that share them; and, per storage, the
-    version after the last write a rule vouched for (``vouched``), so that a vouched write
-    through one view (``x[:, c].sub_(m)``) leaves the other views of that memory valid."""
+    Two records by storage (data pointer; each entry holds the storage, so that no other tensor
+    can reuse the address while the token lives): the storages of its tensors handed to code that
+    can write them without a version counter seeing it (``escaped``: ``.data``, numpy, DLPack,
+    ``data_ptr``), whose contents it no longer vouches for, nor for tensors that share them; and,
+    per storage, the version after the last write a rule vouched for (``vouched``), so that a
+    vouched write through one view (``x[:, c].sub_(m)``) leaves the other views of that memory
+    valid."""
 
     _serial = itertools.count()
 
     def __init__(self, step: int, index: int, rows: int, sampling: str) -> None:
         self.serial = next(self._serial)
         self.step, self.index, self.rows, self.sampling = step, index, rows, sampling
-        self.escaped: set = set()
-        self.vouched: Dict[int, int] = {}
+        self.escaped: Dict[int, Any] = {}
+        self.vouched: Dict[int, Tuple[int, Any]] = {}
 
     def __repr__(self) -> str:
         return (f"micro-batch {self.index} of step {self.step} ({self.rows} rows, "
@@ -144,7 +146,7 @@ def _propagate(func, args, kwargs, out, before: Optional[int] = None):
     if func in _ESCAPES:  # memory handed to code whose writes dpzero cannot see
         for x in _flat(args, kwargs):
             if isinstance(x, Examples):
-                taint.escaped.add(_storage(x))
+                taint.escaped[_storage(x)] = x.untyped_storage()
                 _withdraw(x)
     for x in pytree.tree_leaves(kwargs.get("out")):  # an out= target: whatever was written
         if isinstance(x, Examples):
@@ -152,9 +154,13 @@ def _propagate(func, args, kwargs, out, before: Optional[int] = None):
     target = args[0] if args and isinstance(args[0], torch.Tensor) else None
     name = getattr(func, "__name__", "")
     inplace = func in _INPLACE or (name.endswith("_") and not name.endswith("__"))
-    if func in _FACTORIES:  # x.new_zeros(...): nothing of x but its dtype and device
+    # An operand computed from the examples without being them (or aliasing memory handed out)
+    # makes the result so too, whatever the rule would say (full_like(x, x.mean()), F.pad(x, p,
+    # value=x.mean()), x.new_full(s, x.mean())).
+    suspect = any(_suspect(a, taint) for a in _flat(args, kwargs))
+    if func in _FACTORIES and not suspect:  # x.new_zeros(...): nothing of x but its dtype
         return out
-    rule = _RULES.get(func)
+    rule = _RULES.get(func) if not suspect else None
     if rule is None:
         # An operation without a rule that wrote into a tagged tensor (an in-place method: it
         # returns that tensor) may have mixed its rows: withdrawn.
@@ -228,12 +234,20 @@ def _intact(x: "Examples") -> bool:
     token, storage = x._dp_token, _storage(x)
     if storage in token.escaped:
         return False
-    return x._version == x._dp_version or x._version == token.vouched.get(storage)
+    return x._version == x._dp_version or x._version == token.vouched.get(storage, (None,))[0]
 
 
 def _vouch(x: "Examples") -> None:
     x._dp_version = x._version
-    x._dp_token.vouched[_storage(x)] = x._version
+    x._dp_token.vouched[_storage(x)] = (x._version, x.untyped_storage())
+
+
+def _suspect(a, token: MicroBatchToken) -> bool:
+    """An operand that carries the examples' data without being them: tainted, or a plain
+    tensor aliasing memory of theirs that was handed out (torch.from_numpy(stat.numpy()))."""
+    if isinstance(a, Examples):
+        return _is_tainted(a)
+    return isinstance(a, torch.Tensor) and bool(token.escaped) and _storage(a) in token.escaped
 
 
 def _valid(args, kwargs) -> None:
@@ -326,11 +340,15 @@ _INPLACE: set = set()
 _FACTORIES = {getattr(torch.Tensor, n) for n in ("new_zeros", "new_ones", "new_full",
                                                   "new_empty")}
 # Operations that hand the tensor's memory to code whose writes bump no version counter dpzero
-# sees (``x.data[0] = x.data[1]``, numpy, DLPack): the tag is withdrawn.
+# sees (``x.data[0] = x.data[1]``, numpy, DLPack, raw pointers): the tag is withdrawn.
+# (torch.utils.dlpack.to_dlpack is a C function that bypasses __torch_function__: beyond reach.)
 _ESCAPES = {f for f in (torch.Tensor.data.__get__, torch.Tensor.numpy, torch.Tensor.__array__,
                         torch.Tensor.__dlpack__, torch.Tensor.untyped_storage,
                         getattr(torch.Tensor, "_typed_storage", None), torch.Tensor.storage,
-                        torch.Tensor.set_) if f is not None}
+                        torch.Tensor.set_, torch.Tensor.data_ptr,
+                        getattr(torch.Tensor, "__cuda_array_interface__", None))
+            if f is not None}
+_ESCAPES = {f.__get__ if isinstance(f, property) else f for f in _ESCAPES}
 
 
 def _rule(*funcs, inplace: bool = False):
@@ -359,10 +377,11 @@ def _norm_dim(d: int, ndim: int) -> int:
        torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.contiguous, torch.Tensor.clone,
        torch.clone, torch.Tensor.detach, torch.detach, torch.Tensor.pin_memory,
        torch.Tensor.type_as, torch.randn_like, torch.rand_like, torch.zeros_like,
-       torch.ones_like, torch.full_like, torch.empty_like, torch.randint_like)
+       torch.ones_like, torch.full_like, torch.randint_like)
 def _same_layout(args, kwargs, out):
     """Copies, casts, device moves and ``*_like`` factories: the same shape, row for row (a
-    ``*_like`` tensor's rows hold no other example's data)."""
+    ``*_like`` tensor's rows hold no other example's data; their other arguments are checked
+    before any rule runs; not ``empty_like``, whose memory may hold anything freed)."""
     x = args[0]
     if not _is_tagged(x) or not isinstance(out, torch.Tensor) or out.shape != x.shape:
         return None
@@ -421,7 +440,7 @@ def _broadcast_bdim(args, kwargs, out) -> Optional[int]:
     for u in leaves:
         if _is_tagged(u):
             continue
-        if _is_tainted(u) or _storage(u) in token.escaped:  # from the batch: x - x.mean(0)
+        if _suspect(u, token):  # from the batch without being it: x - x.mean(0)
             return None
         p = b - (out.dim() - u.dim())
         if 0 <= p < u.dim() and u.shape[p] != 1 and u.stride(p) != 0:
@@ -482,41 +501,49 @@ def _getitem(args, kwargs, out):
 def _setitem(args, kwargs, out) -> bool:
     """``x[index] = value`` keeps x's tag when no row receives another example's data:
 
-    * a constant value (a number, a 0-dim tensor not computed from the examples) written at any
-      elements: each row keeps its own data elsewhere (``labels[labels == pad] = -100``,
-      ``labels[i, :n] = -100``), as long as no index was computed from the examples other than
-      as an elementwise mask of x's own rows;
-    * a tensor value, into every row (a full slice on the batch dim), that is a constant along
-      the batch dim or the same micro-batch's examples with their batch dim landing on the
+    * no part of the index is computed from the examples (tensors, list entries, slice bounds),
+      except x's own elementwise boolean mask as the whole index (``labels[labels == pad]``);
+    * the value carries no example's data (a number, a plain tensor: ``-100``, random tokens for
+      masked language modelling), at any elements; or it is the same micro-batch's examples,
+      written into every row (a full slice on the batch dim) with their batch dim landing on the
       region's (``x[:] = x.t()`` with B = T does not)."""
     x, index, value = args[0], args[1], args[2]
     if not _is_tagged(x):
         return False
+    token = x._dp_token
     idx = index if isinstance(index, tuple) else (index,)
-    constant = not isinstance(value, torch.Tensor) or (value.dim() == 0 and
-                                                       not _is_tainted(value))
-    if constant:
-        for i in idx:
-            if not isinstance(i, torch.Tensor):
-                continue
-            if _is_tainted(i):
-                return False
-            if _is_tagged(i) and not (len(idx) == 1 and i._dp_token is x._dp_token and
-                                      i.dtype == torch.bool and i.shape == x.shape and
-                                      i._dp_bdim == x._dp_bdim):
-                return False  # an index from the examples that is not x's own elementwise mask
+    for i in pytree.tree_leaves([[j.start, j.stop, j.step] if isinstance(j, slice) else j
+                                 for j in idx]):
+        if not isinstance(i, torch.Tensor):
+            continue
+        if _suspect(i, token):
+            return False
+        if _is_tagged(i) and not (len(idx) == 1 and i._dp_token is token and
+                                  i.dtype == torch.bool and i.shape == x.shape and
+                                  i._dp_bdim == x._dp_bdim):
+            return False  # an index from the examples that is not x's own elementwise mask
+    if not isinstance(value, torch.Tensor):
         return True
+    if _suspect(value, token):
+        return False
+    if not _is_tagged(value):
+        return True  # data-free values, at any elements
     region_bdim = _index_bdim(x, index)
-    if region_bdim is None:
-        return False
-    region_ndim = x[index].dim()
-    if _is_tagged(value):
-        return value._dp_token is x._dp_token and \
-            value._dp_bdim + region_ndim - value.dim() == region_bdim
-    if _is_tainted(value) or _storage(value) in x._dp_token.escaped:
-        return False
-    p = region_bdim - (region_ndim - value.dim())
-    return not (0 <= p < value.dim() and value.shape[p] != 1 and value.stride(p) != 0)
+    return region_bdim is not None and value._dp_token is token and \
+        value._dp_bdim + x[index].dim() - value.dim() == region_bdim
+
+
+@_rule(torch.Tensor.repeat)
+def _repeated(args, kwargs, out):
+    """``x.repeat(*sizes)`` with factor 1 at the batch dim: each row repeats its own data."""
+    x = args[0]
+    if not _is_tagged(x):
+        return None
+    sizes = args[1:] if len(args) > 1 else (kwargs["repeats"],)
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
+        sizes = tuple(sizes[0])
+    b = x._dp_bdim + len(sizes) - x.dim()
+    return b if sizes[b] == 1 else None
 
 
 @_rule(torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.view_as,
@@ -607,7 +634,7 @@ def _catted(args, kwargs, out):
     if any(t._dp_bdim != b for t in tagged) or _norm_dim(dim, out.dim()) == b:
         return None
     for u in tensors:
-        if _is_tainted(u) or not _is_tagged(u) and _storage(u) in tagged[0]._dp_token.escaped:
+        if not _is_tagged(u) and _suspect(u, tagged[0]._dp_token):
             return None
         if not _is_tagged(u) and u.dim() == out.dim() and u.shape[b] != 1 and u.stride(b) != 0:
             return None

@@ -502,8 +502,10 @@ def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *
     probe, the refusals), whatever this rank's verdict."""
     book = book_ref()
     if book is None or book.probe is not None or book.root is not None \
-            or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
-        # No gradient (evaluation), the probe, a nested call or a recompute: nothing to clip.
+            or book.refusal is not None or not torch.is_grad_enabled() \
+            or torch._C._current_graph_task_id() != -1:
+        # No gradient (evaluation), the probe, a call nested in a root forward (refused or not)
+        # or a recompute: nothing to clip or to agree on here.
         (args, kwargs), _, _ = untagged((args, kwargs))
         return original(*args, **kwargs)
     token = book.token
