@@ -371,6 +371,15 @@ def _norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
+def _variadic(args, kwargs, key: str) -> tuple:
+    """The sizes or dims of ``x.permute(0, 2, 1)``, ``x.permute((0, 2, 1))`` or
+    ``x.permute(dims=(0, 2, 1))``."""
+    values = args[1:] if len(args) > 1 else (kwargs[key],)
+    if len(values) == 1 and isinstance(values[0], (tuple, list, torch.Size)):
+        values = tuple(values[0])
+    return tuple(values)
+
+
 @_rule(torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.type,
        torch.Tensor.long, torch.Tensor.int, torch.Tensor.short, torch.Tensor.char,
        torch.Tensor.byte, torch.Tensor.bool, torch.Tensor.float, torch.Tensor.double,
@@ -539,9 +548,7 @@ def _repeated(args, kwargs, out):
     x = args[0]
     if not _is_tagged(x):
         return None
-    sizes = args[1:] if len(args) > 1 else (kwargs["repeats"],)
-    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
-        sizes = tuple(sizes[0])
+    sizes = _variadic(args, kwargs, "repeats")
     b = x._dp_bdim + len(sizes) - x.dim()
     return b if sizes[b] == 1 else None
 
@@ -590,9 +597,7 @@ def _permuted(args, kwargs, out):
     x = args[0]
     if not _is_tagged(x):
         return None
-    dims = args[1:] if len(args) > 1 else (kwargs["dims"],)
-    if len(dims) == 1 and isinstance(dims[0], (tuple, list, torch.Size)):
-        dims = tuple(dims[0])
+    dims = _variadic(args, kwargs, "dims")
     return [_norm_dim(d, x.dim()) for d in dims].index(x._dp_bdim)
 
 
