@@ -262,17 +262,11 @@ class Book:
 
     def set_verdicts(self, start: int, verdicts: Sequence) -> None:
         """Note [batch provenance]: the verdicts of the parts registered from ``start`` on by one
-        root forward, in call order; the first refusal is raised (and kept: the step refuses
-        until zero_grad())."""
+        root forward, in call order (refusals were raised by the root forward, on every rank)."""
         parts = self.parts[start:]
-        if len(parts) != len(verdicts):
-            self.error = (f"the root forward registered {len(parts)} DP layer calls but its "
-                          f"call pattern has {len(verdicts)}")
-            raise PrivacyViolation(self.error)
+        assert len(parts) == len(verdicts), "one verdict per DP layer call of the root forward"
         for part, verdict in zip(parts, verdicts):
-            if verdict.error is not None:
-                self.error = verdict.error
-                raise PrivacyViolation(verdict.error)
+            assert verdict.error is None
             part.in_dims = verdict.in_dims
 
     def _release_if_done(self, layer: Layer) -> None:

@@ -367,6 +367,14 @@ def _first_tagged(args, kwargs) -> Optional[Examples]:
     return next((x for x in _flat(args, kwargs) if _is_tagged(x)), None)
 
 
+def varies_along(u: torch.Tensor, dim: int, ndim: int) -> bool:
+    """Whether ``u``, broadcast (right-aligned) into a result of ``ndim`` dims, can hold different
+    values along the result's ``dim``: it has that dim, of size above 1, and not as a stride-0
+    expansion of one value."""
+    p = dim - (ndim - u.dim())
+    return 0 <= p < u.dim() and u.shape[p] != 1 and u.stride(p) != 0
+
+
 def _norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
@@ -451,8 +459,7 @@ def _broadcast_bdim(args, kwargs, out) -> Optional[int]:
             continue
         if _suspect(u, token):  # from the batch without being it: x - x.mean(0)
             return None
-        p = b - (out.dim() - u.dim())
-        if 0 <= p < u.dim() and u.shape[p] != 1 and u.stride(p) != 0:
+        if varies_along(u, b, out.dim()):
             return None
     return b
 
@@ -641,7 +648,7 @@ def _catted(args, kwargs, out):
     for u in tensors:
         if not _is_tagged(u) and _suspect(u, tagged[0]._dp_token):
             return None
-        if not _is_tagged(u) and u.dim() == out.dim() and u.shape[b] != 1 and u.stride(b) != 0:
+        if not _is_tagged(u) and varies_along(u, b, out.dim()):
             return None
     return b
 

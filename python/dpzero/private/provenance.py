@@ -63,7 +63,7 @@ from torch.utils import _pytree as pytree
 
 from .book import PrivacyViolation
 from .examples import (_ELEMENTWISE, _ELEMENTWISE_INPLACE, Examples, MicroBatchToken, _wrap,
-                       lost_at, untagged)
+                       lost_at, untagged, varies_along)
 
 Shape = Tuple[int, ...]
 
@@ -373,8 +373,7 @@ def _constants_only(target, leaves, marked) -> bool:
             continue
         if isinstance(u, Examples) and getattr(u, "_dp_taint", None) is not None:
             return False
-        q = b - (target.dim() - u.dim())
-        if 0 <= q < u.dim() and u.shape[q] != 1 and u.stride(q) != 0:
+        if varies_along(u, b, target.dim()):
             return False
     return True
 
