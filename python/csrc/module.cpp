@@ -19,4 +19,5 @@ PYBIND11_MODULE(_C, m) {
       m.def_submodule("memory", "Live and peak CPU tensor bytes, counted in the allocator"));
   dpzero::python::bind_checkpoint(
       m.def_submodule("checkpoint", "Sharded checkpoints of the ZeRO engine"));
+  dpzero::python::bind_comm(m.def_submodule("comm", "Agreements across ranks (int64 collectives)"));
 }

@@ -72,8 +72,5 @@ def _as_int64(seed: int) -> int:
 def _broadcast_key(key: List[int], group) -> List[int]:
     if not (dist.is_available() and dist.is_initialized()):
         return key
-    words = torch.tensor(key, dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        words = words.cuda()
-    dist.broadcast(words, group=group, group_src=0)  # rank 0 *of the group*
-    return [int(w) for w in words.cpu().tolist()]
+    # Rank 0 *of the group*; in C++, not torch.distributed: see python/csrc/comm_bindings.cpp.
+    return _C.comm.broadcast(group if group is not None else dist.group.WORLD, key, 0)

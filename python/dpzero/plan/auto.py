@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import _C
 from .model import Prediction, plan
 from .profile import profile
 
@@ -61,9 +62,8 @@ def choose(model: nn.Module, batch, plan_step: Callable, batch_size: int, *,
             f"({smallest.policy.label(len(prof.units))}). Use more ranks, a smaller "
             "max_physical_batch_size, or a larger budget")
     if world > 1:  # every rank takes rank 0's choice
-        index = torch.tensor([ranked.index(best)], dtype=torch.int64)
-        if dist.get_backend(group) == "nccl":
-            index = index.cuda()
-        dist.broadcast(index, group=group, group_src=0)
-        best = ranked[int(index.item())]
+        # In C++, not torch.distributed: see python/csrc/comm_bindings.cpp.
+        index = _C.comm.broadcast(group if group is not None else dist.group.WORLD,
+                                  [ranked.index(best)], 0)
+        best = ranked[index[0]]
     return best, ranked

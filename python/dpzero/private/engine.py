@@ -732,20 +732,13 @@ class PrivacyEngine:
     def _broadcast_int(self, value: int) -> int:
         if self._group is None or self.world_size == 1:
             return value
-        t = torch.tensor([_as_int64(value)], dtype=torch.int64)
-        if dist.get_backend(self._group) == "nccl":
-            t = t.cuda()
-        dist.broadcast(t, group=self._group, group_src=0)
-        return int(t.item()) & ((1 << 64) - 1)
+        # In C++, not torch.distributed: see python/csrc/comm_bindings.cpp.
+        return _C.comm.broadcast(self._group, [_as_int64(value)], 0)[0] & ((1 << 64) - 1)
 
     def _all_reduce(self, values: List[int]) -> List[int]:
         if self._group is None or self.world_size == 1:
             return values
-        t = torch.tensor(values, dtype=torch.int64)
-        if dist.get_backend(self._group) == "nccl":
-            t = t.cuda()
-        dist.all_reduce(t, group=self._group)
-        return [int(v) for v in t.cpu().tolist()]
+        return _C.comm.all_reduce_sum(self._group, values)
 
     # ---- the step ----------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import _C
 from .. import checkpoint as ckpt
 from ..private import BudgetExhausted, make_private
 from .config import ConfigError, RunConfig
@@ -90,7 +91,7 @@ def evaluate(model, test, unpack, batch: int = 256) -> Dict[str, float]:
     n = len(test)
     idx = torch.arange(rank, n, world)
     rounds = math.ceil(math.ceil(n / world) / batch)
-    correct = torch.zeros(3, dtype=torch.float64)  # correct, loss sum, count
+    correct = [0.0, 0.0, 0.0]  # correct, loss sum, count
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -102,10 +103,9 @@ def evaluate(model, test, unpack, batch: int = 256) -> Dict[str, float]:
             correct[1] += F.cross_entropy(logits, y, reduction="sum").item() if len(y) else 0.0
             correct[2] += len(y)
     model.train(was_training)
-    if world > 1:
-        dist.all_reduce(correct)
-    return {"accuracy": correct[0].item() / correct[2].item(),
-            "test_loss": correct[1].item() / correct[2].item()}
+    if world > 1:  # in C++, not torch.distributed: see python/csrc/comm_bindings.cpp
+        correct = _C.comm.all_reduce_sum_float64(dist.group.WORLD, correct)
+    return {"accuracy": correct[0] / correct[2], "test_loss": correct[1] / correct[2]}
 
 
 class _Progress:
