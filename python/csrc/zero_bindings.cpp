@@ -243,6 +243,52 @@ void bind_zero(py::module_ m) {
            "Unit `unit`'s flat parameters [padded_numel], a copy (all-gathers in stage 3: call "
            "on every rank).")
       .def("set_lr", &ZeroState::set_lr, py::arg("lr"))
+      .def(
+          "set_optimizer_options",
+          [](ZeroState& s, const std::string& kind, double lr, double weight_decay, bool maximize,
+             double momentum, double dampening, bool nesterov, std::pair<double, double> betas,
+             double eps, bool amsgrad) {
+            s.set_optimizer_options(optimizer_options(kind, lr, weight_decay, maximize, momentum,
+                                                      dampening, nesterov, betas.first,
+                                                      betas.second, eps, amsgrad));
+          },
+          py::arg("kind"), py::arg("lr"), py::arg("weight_decay"), py::arg("maximize"),
+          py::arg("momentum"), py::arg("dampening"), py::arg("nesterov"), py::arg("betas"),
+          py::arg("eps"), py::arg("amsgrad"),
+          "New hyperparameters for the next steps (src/zero/optim.h set_options); the kind and "
+          "amsgrad cannot change.")
+      .def(
+          "gathered_state",
+          [](ZeroState& s, int64_t u) {
+            std::vector<std::pair<std::string, at::Tensor>> entries;
+            {
+              py::gil_scoped_release no_gil;  // all-gathers when W > 1
+              entries = s.gathered_state(u);
+            }
+            py::dict out;
+            for (const auto& [name, tensor] : entries) out[py::str(name)] = tensor;
+            return out;
+          },
+          py::arg("unit"),
+          "Unit `unit`'s 'param' and optimizer state, each [padded_numel] over all ranks (a copy; "
+          "a collective when W > 1).")
+      .def_property_readonly(
+          "optimizer_options",
+          [](const ZeroState& s) {
+            const zero::OptimizerOptions& o = s.config().optimizer;
+            py::dict out;
+            out["lr"] = o.lr;
+            out["weight_decay"] = o.weight_decay;
+            out["maximize"] = o.maximize;
+            out["momentum"] = o.momentum;
+            out["dampening"] = o.dampening;
+            out["nesterov"] = o.nesterov;
+            out["betas"] = py::make_tuple(o.beta1, o.beta2);
+            out["eps"] = o.eps;
+            out["amsgrad"] = o.amsgrad;
+            return out;
+          },
+          "The hyperparameters the next step uses.")
       .def_property_readonly("forward_order", &ZeroState::forward_order,
                              "Note [stage-3 prefetch]: units in the order their forwards start.")
       .def_property_readonly("lr", [](const ZeroState& s) { return s.config().optimizer.lr; })

@@ -68,6 +68,18 @@ void ShardOptimizer::set_lr(double lr) {
   options_.lr = lr;
 }
 
+void check_options_change(const OptimizerOptions& current, const OptimizerOptions& next) {
+  TORCH_CHECK(next.kind == current.kind, "the optimizer kind cannot change during a run");
+  TORCH_CHECK(next.amsgrad == current.amsgrad, "amsgrad cannot change during a run (it is ",
+              current.amsgrad, ", got ", next.amsgrad, ")");
+  check_options(next);
+}
+
+void ShardOptimizer::set_options(const OptimizerOptions& options) {
+  check_options_change(options_, options);
+  options_ = options;
+}
+
 std::unique_ptr<ShardOptimizer> make_shard_optimizer(const OptimizerOptions& options) {
   return options.kind == OptimizerKind::kSgd ? make_sgd(options) : make_adam(options);
 }

@@ -52,6 +52,9 @@ struct OptimizerOptions {
 // Checks the ranges torch.optim checks (lr >= 0, 0 <= beta < 1, eps >= 0, weight_decay >= 0,
 // momentum >= 0, nesterov needs momentum > 0 and dampening 0); errors name the bad value.
 void check_options(const OptimizerOptions& options);
+// check_options(next), and that next keeps current's kind and amsgrad (fixed for an optimizer's
+// life: amsgrad keeps a state entry the others lack); errors name the changed value.
+void check_options_change(const OptimizerOptions& current, const OptimizerOptions& next);
 
 // The optimizer state of one flat shard. State tensors are created on the first step, as
 // torch.optim creates them (SGD's momentum buffer starts as a copy of the first gradient).
@@ -77,6 +80,9 @@ class ShardOptimizer {
 
   const OptimizerOptions& options() const { return options_; }
   void set_lr(double lr);
+  // New hyperparameters for the next steps (an LR scheduler cycling momentum or betas, a
+  // param_groups entry changed by hand), checked by check_options_change.
+  void set_options(const OptimizerOptions& options);
 
  protected:
   explicit ShardOptimizer(OptimizerOptions options);

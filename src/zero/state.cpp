@@ -220,6 +220,30 @@ void ZeroState::set_lr(double lr) {
   config_.optimizer.lr = lr;
 }
 
+void ZeroState::set_optimizer_options(const OptimizerOptions& options) {
+  check_options_change(config_.optimizer, options);  // before any unit changes
+  for (ParamGroup& g : groups_) g.optimizer().set_options(options);
+  config_.optimizer = options;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> ZeroState::gathered_state(int64_t unit) {
+  ParamGroup& g = group(unit);
+  const int64_t padded = g.flat().layout().padded_numel();
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& [name, slice] : g.owned_state()) {  // each [shard_numel], this rank's slice
+    // Gathered on the compute device: an offloaded shard is on the host, which NCCL cannot use.
+    at::Tensor source = slice.to(g.flat().device()).contiguous();
+    at::Tensor full = at::empty({padded}, source.options());
+    if (comm_.world_size() == 1) {
+      full.copy_(source);
+    } else {
+      comm_.all_gather(full, source);
+    }
+    out.emplace_back(name, full);
+  }
+  return out;
+}
+
 void ZeroState::note_param_bytes() {
   int64_t held = 0;
   for (const ParamGroup& g : groups_) held += g.param_bytes();

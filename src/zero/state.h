@@ -154,6 +154,12 @@ class ZeroState {
   // group(u).load_state.
   void set_steps(int64_t steps);
   void set_lr(double lr);
+  // ShardOptimizer::set_options on every unit (checked once, before any unit changes).
+  void set_optimizer_options(const OptimizerOptions& options);
+  // Unit `unit`'s owned_state() entries ("param" and the optimizer's state), each gathered over
+  // the ranks to the whole flat layout [padded_numel] (a copy; all-gathers when W > 1: call on
+  // every rank). The step count is group(unit).optimizer().steps().
+  std::vector<std::pair<std::string, at::Tensor>> gathered_state(int64_t unit);
   MemoryStats memory() const;
   const std::vector<int64_t>& forward_order() const { return forward_order_; }
 

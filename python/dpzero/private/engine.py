@@ -57,7 +57,9 @@ from .attach import (PrivacyViolation, assign_components, find_layers, guard_hoo
                      patch, unpatch)
 from .book import Book
 from .examples import MicroBatchToken, tag
+from .optimizer import DPOptimizer
 from .provenance import Ranks
+from . import state_dict
 
 CLIPPING = ("flat", "layer", "group", "automatic")
 
@@ -96,49 +98,6 @@ class PrivateModule(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["_module"], name)
-
-
-class DPOptimizer:
-    """The optimizer of a private model: the engine's sharded optimizer behind torch's interface.
-
-    ``step()`` takes a private step after the last micro-batch of a logical batch and only
-    accumulates before it; ``zero_grad()`` keeps what the current logical batch accumulated
-    (Opacus's semantics with BatchMemoryManager). ``param_groups[0]["lr"]`` may be changed (LR
-    schedulers work); it takes effect at the next step.
-    """
-
-    def __init__(self, engine: "PrivacyEngine", lr: float, defaults: Dict[str, Any]) -> None:
-        self._engine = engine
-        self.defaults = dict(defaults, lr=lr)
-        self.param_groups = [dict(self.defaults, params=list(engine._trainable))]
-        self.state: Dict = {}
-
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("DPOptimizer.step takes no closure (a private step runs once)")
-        return self._engine._optimizer_step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._engine._zero_grad()
-
-    @property
-    def noise_multiplier(self) -> float:
-        return self._engine.noise_multiplier
-
-    @property
-    def max_grad_norm(self) -> float:
-        return self._engine.max_grad_norm
-
-    @property
-    def expected_batch_size(self) -> float:
-        return self._engine.sample_rate * self._engine.dataset_size
-
-    def state_dict(self) -> dict:
-        return {"param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                 for g in self.param_groups]}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.param_groups[0].update(state["param_groups"][0])
 
 
 class DPDataLoader:
@@ -564,6 +523,7 @@ class PrivacyEngine:
         # clipping; no .grad views, so nothing written to a parameter's .grad is released.
         sharded._state.set_private(True)
         slot_of, unit_numel, unit_device = param_slots(sharded)
+        self._slot_of = slot_of
         layers = find_layers(model, slot_of)
         n_components = assign_components(layers)
         groups, thresholds = self._clip_groups(layers, n_components, clipping, clipping_groups,
@@ -590,6 +550,7 @@ class PrivacyEngine:
         patch(model, layers, book_ref, ranks, devices)
         self._checkpointed = checkpointing.apply(model, checkpointed)
         self._guards = guard_hooks(model, book_ref)
+        self._state_dict_hooks = state_dict.register(model, self)
         self.clipping = clipping
         self.loss_reduction = loss_reduction
         # Note [noise index]: the sampler's step and the noise index never repeat a charged one.
@@ -608,7 +569,9 @@ class PrivacyEngine:
         # Whole epochs never exceed the steps σ was calibrated for (int(epochs / q), Opacus's).
         steps_per_epoch = max(1, int(1.0 / q))
         self.model = PrivateModule(model, self)
-        self.optimizer = DPOptimizer(self, opt_kwargs["lr"], opt_kwargs)
+        self._optimizer_kind = name
+        self.optimizer = DPOptimizer(self, name, opt_kwargs,
+                                     None if isinstance(optimizer, str) else optimizer)
         self.data_loader = DPDataLoader(self, dataset, steps_per_epoch, max_physical_batch_size,
                                         collate_fn, num_workers)
         self._attached = True
@@ -840,6 +803,46 @@ class PrivacyEngine:
                     "freeze or unfreeze before make_private")
         return None
 
+    def _set_hyperparameters(self) -> None:
+        """param_groups[0]'s hyperparameters into the engine (Note [hyperparameters at the
+        step]); ValueError naming a bad one, the engine unchanged."""
+        options = self.optimizer.engine_options()
+        current = self.sharded._state.optimizer_options
+        if any(current[k] != v for k, v in options.items()):
+            merged = dict(current, **options)
+            try:
+                self.sharded._state.set_optimizer_options(kind=self._optimizer_kind, **merged)
+            except RuntimeError as e:
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise ValueError(f"optimizer.param_groups[0]: {first}") from None
+
+    def _load_parameters(self, values) -> None:
+        """Writes ``values`` ([(parameter, tensor of its shape)]) into the engine's master (Note
+        [module state dicts]); the optimizer state is kept. A collective with several ranks."""
+        self._check_between_steps("load_state_dict")
+        zero = self.sharded._state
+        by_unit: Dict[int, list] = {}
+        for p, v in values:
+            by_unit.setdefault(self._slot_of[id(p)].unit, []).append((p, v))
+        for u in sorted(by_unit):
+            current = zero.gathered_state(u)  # collective when W > 1
+            full = current["param"]
+            for p, v in by_unit[u]:
+                slot = self._slot_of[id(p)]
+                full[slot.offset:slot.offset + slot.numel] = v.reshape(-1).to(full)
+            begin, end = zero.kept_range(u)
+            zero.load_state(u, {name: t[begin:end] for name, t in current.items()},
+                            zero.optimizer_steps(u))  # collective in stages 1-2
+
+    def _check_between_steps(self, what: str) -> None:
+        """Raises on every rank if any rank has a logical batch accumulated or a backward
+        pending (a collective with several ranks)."""
+        book = self.book
+        busy = bool(book.stats.micro_batches or book.open or self._micro is not None)
+        if self._collective(f"agreeing on {what}", self._any_rank, busy):
+            raise RuntimeError(f"{what}: a logical batch is accumulated (on this rank: {busy}); "
+                               "call it between steps, after optimizer.step() or zero_grad()")
+
     def _check_attached(self) -> None:
         if self._detached:
             raise RuntimeError("this PrivacyEngine was detached from its model; its optimizer "
@@ -878,16 +881,27 @@ class PrivacyEngine:
         stats = book.take_stats() if local is None else None
         caller = micro.token.sampling == "caller"
         t, size = micro.token.step, micro.logical_size
+        try:  # Note [hyperparameters at the step] (optimizer.py)
+            self._set_hyperparameters()
+            bad_hyper = None
+        except ValueError as e:
+            bad_hyper = str(e)
         # The logical size each rank was given (own_batch: by its caller) must be one value:
         # equal sums of s and s^2 over the ranks hold only if every s is the same.
-        samples, dropped, failed, any_caller, sizes, squares = self._collective(
+        samples, dropped, failed, any_caller, sizes, squares, bad = self._collective(
             "agreeing on the step", self._all_reduce,
             [stats.samples if stats else 0, stats.dropped if stats else 0, int(local is not None),
-             int(caller), size, size * size])
+             int(caller), size, size * size, int(bad_hyper is not None)])
         if failed:
             self._drop_batch()
             raise PrivacyViolation(f"refusing the step: {local or 'another rank refused it'} "
                                    "(the batch was dropped; call zero_grad() to go on)")
+        if bad:
+            self._drop_batch()
+            raise ValueError(f"refusing the step: "
+                             f"{bad_hyper or 'another rank has invalid optimizer settings'} "
+                             "(nothing charged or applied; the batch was dropped, call "
+                             "zero_grad() to go on)")
         w = self.world_size
         if sizes != w * size or squares != w * size * size:
             book.error = (f"the ranks gave different logical batch sizes (this rank "
@@ -940,9 +954,6 @@ class PrivacyEngine:
         self.charges = k + 1
         if sigma > 0:
             self.accountant.step(noise_multiplier=sigma, sample_rate=q)
-        lr = self.optimizer.param_groups[0]["lr"]
-        if lr != self.sharded.lr:
-            self.sharded.lr = lr
         stddev = sigma * c if sigma > 0 else 0.0
         noise = (dict(key=list(self.noise_source._key)) if self.noise_source.secure_mode
                  else dict(seed=_as_int64(self.noise_source.seed)))
@@ -992,9 +1003,9 @@ class PrivacyEngine:
         with ``parameters()`` first."""
         checkpointing.remove(self._checkpointed)
         unpatch(self.module, self.layers)
-        for h in self._guards:
+        for h in self._guards + self._state_dict_hooks:
             h.remove()
-        self._guards = []
+        self._guards, self._state_dict_hooks = [], []
         self.sharded._state.set_private(False)
         self.sharded.zero_grad()
         self._detached = True

@@ -101,6 +101,11 @@ class LayerKind:
     def input_grad(self, module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def autocast_input(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The input the forward's weight-side op saw under autocast to ``dtype`` (Note
+        [autocast]): ``x`` itself unless the kind's op is on autocast's lower-precision list."""
+        return x
+
     def batch_input(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """What the ops take as A (the input as the ops expect it; Conv pads here)."""
         return x
@@ -174,8 +179,11 @@ class LinearKind(LayerKind):
         return F.linear(x, module.weight, module.bias)
 
     def input_grad(self, module, x, g):
-        w = module.weight
+        w = module.weight.to(g.dtype)  # autocast's cast, when the forward ran under it
         return torch.matmul(g, w.t() if self.transposed else w)
+
+    def autocast_input(self, x, dtype):
+        return x.to(dtype) if x.is_floating_point() else x
 
     def keep(self, module, a, g, train, norms):
         w, b = train
@@ -382,9 +390,12 @@ class ConvKind(LayerKind):
                 (gx,) = torch.autograd.grad(y, xr, g)
             return gx
         k, s, p, d, groups = self._geometry(module)
-        return torch.ops.aten.convolution_backward(
-            g, x, module.weight, None, s, p, d, False, [0] * len(k), groups,
-            [True, False, False])[0]
+        return torch.ops.aten.convolution_backward(  # autocast's casts, if the forward had them
+            g, x.to(g.dtype), module.weight.to(g.dtype), None, s, p, d, False, [0] * len(k),
+            groups, [True, False, False])[0]
+
+    def autocast_input(self, x, dtype):
+        return x.to(dtype) if x.is_floating_point() else x
 
     def batch_input(self, module, x):
         if self._prepadded(module):
@@ -448,16 +459,35 @@ def layer_kind(module: nn.Module) -> Optional[LayerKind]:
     return None
 
 
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype torch.autocast casts to on ``device_type`` now, or None when it is off."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 class _DPLayerFunction(torch.autograd.Function):
     """y = layer(x); backward returns dL/dx only and hands (A, G) to ``on_backward``.
 
     The layer's trainable parameters are inputs (so that y requires grad even when x does not,
     e.g. token ids, and the backward runs) but get no gradient from autograd: that is the point.
+
+    Note [autocast]
+    ~~~~~~~~~~~~~~~
+    Under ``torch.autocast`` the forward's ops cast as autocast decides (Linear and Conv compute
+    in the 16-bit dtype, LayerNorm in fp32) and G arrives in the output's dtype. Autograd runs a
+    backward without autocast, so the backward re-enters the forward's autocast state for the
+    input gradient (as torch.amp.custom_bwd does) and returns it in x's dtype, as autocast's cast
+    nodes would. A (the per-sample ops' input) is what the weight-side op saw: x cast to the
+    16-bit dtype for Linear and Conv (``LayerKind.autocast_input``). The per-sample ops read 16-bit
+    A and G and accumulate norms and clipped sums in fp32 (kernels/per_sample_ops.h); the clipped
+    sums, the noise and the update stay fp32 on the fp32 master shards (DESIGN.md §4).
     """
 
     @staticmethod
     def forward(ctx, kind: LayerKind, module: nn.Module, on_backward: Callable, x, *params):
         ctx.kind, ctx.module, ctx.on_backward = kind, module, on_backward
+        ctx.autocast = autocast_dtype(x.device.type)
         ctx.save_for_backward(x)
         return kind.forward(module, x)
 
@@ -468,10 +498,16 @@ class _DPLayerFunction(torch.autograd.Function):
         # transpose): made contiguous once here, not once in each of the input gradient's
         # matmul, the norm kernels and the clipped sum (three copies of [B, T, d_out]).
         g = g.contiguous()
+        dtype = ctx.autocast
         gx = None
         if ctx.needs_input_grad[3]:
-            gx = ctx.kind.input_grad(ctx.module, x, g)
-        ctx.on_backward(x, g)
+            if dtype is None:
+                gx = ctx.kind.input_grad(ctx.module, x, g)
+            else:  # Note [autocast]
+                with torch.autocast(x.device.type, dtype=dtype):
+                    gx = ctx.kind.input_grad(ctx.module, x, g)
+                gx = gx.to(x.dtype)
+        ctx.on_backward(x if dtype is None else ctx.kind.autocast_input(x, dtype), g)
         return (None, None, None, gx) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 

@@ -1,0 +1,241 @@
+"""``DPOptimizer``: the optimizer of a private model, a real ``torch.optim.Optimizer``.
+
+The update itself runs in the ZeRO engine (``src/zero/``: a sharded fp32 optimizer, op for op
+torch.optim's); this class is torch's interface to it, so that what an ordinary training script
+does with its optimizer works unchanged:
+
+* ``param_groups`` is one group holding torch's own keys for SGD, Adam or AdamW. When the caller
+  handed ``make_private`` a torch optimizer, it IS that optimizer's list (as Opacus's DPOptimizer
+  shares it), so an LR scheduler built on either drives the private step. Whatever a scheduler or
+  the caller writes there (``lr``, ``momentum``, ``betas``, ``weight_decay``, ...) is handed to the
+  engine at the next private step (Note [hyperparameters at the step]).
+* ``step()`` takes a private step after the last micro-batch of a logical batch and only
+  accumulates before it (Opacus's semantics with BatchMemoryManager); it returns whether a step
+  was taken, or the closure's loss when given one. torch's step hooks run around it.
+* ``zero_grad(set_to_none=...)`` drops the accumulated clipped sums of a finished step and keeps
+  what the current logical batch accumulated (private gradients are never in ``.grad``).
+* ``state_dict()`` / ``load_state_dict()`` are torch's format: per-parameter state by index
+  (``momentum_buffer``; ``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) and the group's
+  hyperparameters (a scheduler's ``initial_lr`` included). The state lives sharded in the engine;
+  both calls gather or scatter it, so with several ranks every rank calls them (as FSDP's full
+  optimizer state dict); ``dpzero.checkpoint`` saves shards without gathering.
+
+Note [hyperparameters at the step]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+torch.optim reads its hyperparameters from ``param_groups`` at every ``step()``; schedulers rely
+on it (OneCycleLR cycles ``momentum`` or ``betas`` along with ``lr``). The engine keeps its own
+copy (``ShardOptimizer::set_options``), refreshed from ``param_groups[0]`` in every private step
+before anything is charged: a bad value (a negative lr, amsgrad switched on mid-run) is refused
+with nothing charged or applied. Hyperparameters do not depend on the data, so they need no
+privacy reasoning; every rank must set the same ones (schedulers are deterministic).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+# torch's optimizer class and the hyperparameters the engine takes from its param group.
+_TORCH_CLASS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+_HYPER = {
+    "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
+    "adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"),
+    "adamw": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"),
+}
+
+
+def torch_defaults(kind: str, settings: Dict[str, Any]) -> Dict[str, Any]:
+    """torch's defaults dict for ``kind`` with ``settings`` (engine kwargs) applied, checked by
+    torch's own constructor."""
+    hyper = {k: v for k, v in settings.items() if k in _HYPER[kind]}
+    return dict(_TORCH_CLASS[kind]([torch.zeros(1, requires_grad=True)], **hyper).defaults)
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """The optimizer of a private model (module docstring): ``make_private`` builds it."""
+
+    # torch.amp.GradScaler.step then hands this optimizer the scale (as ``grad_scale``) instead
+    # of unscaling .grad (which private parameters do not have): step() refuses it, naming why.
+    _step_supports_amp_scaling = True
+
+    def __init__(self, engine, kind: str, settings: Dict[str, Any],
+                 original: Optional[torch.optim.Optimizer] = None) -> None:
+        self._engine = engine
+        self._kind = kind
+        self._building = True
+        defaults = dict(original.defaults) if original is not None else torch_defaults(
+            kind, settings)
+        super().__init__(list(engine._trainable), defaults)
+        self._building = False
+        if original is not None:
+            self.param_groups = original.param_groups  # shared (module docstring)
+        group = self.param_groups[0]
+        for key in _HYPER[kind]:
+            if key in settings:
+                group[key] = settings[key]
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if not self._building:
+            raise ValueError("DPOptimizer has one parameter group (the engine's sharded "
+                             "optimizer applies one set of hyperparameters); give make_private "
+                             "every parameter to train")
+        super().add_param_group(param_group)
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def step(self, closure=None):
+        """A private step after the logical batch's last micro-batch (else accumulate only).
+        Returns the closure's loss when given a closure (run once, with gradients enabled),
+        else whether a private step was taken."""
+        if getattr(self, "grad_scale", None) is not None:  # set by torch.amp.GradScaler.step
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            self._engine._drop_batch()
+            raise ValueError(
+                "torch.amp.GradScaler cannot drive a private step: the loss scale multiplies "
+                "every per-sample gradient before clipping, so examples would be clipped at "
+                "max_grad_norm / scale. Use bf16 autocast (no scaler needed), or fp16 autocast "
+                "without a GradScaler (per-sample norms and clipped sums are fp32). The batch "
+                "was dropped and nothing was charged; call zero_grad() to go on")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        taken = self._engine._optimizer_step()
+        return loss if closure is not None else taken
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops the clipped sums of the last step (both ways: private gradients are never in
+        ``.grad``, so there is nothing to set to None or to zero there)."""
+        self._engine._zero_grad()
+
+    def engine_options(self) -> Dict[str, Any]:
+        """The hyperparameters of ``param_groups[0]`` for ``ZeroState.set_optimizer_options``
+        (Note [hyperparameters at the step]); ValueError naming a bad entry."""
+        group = self.param_groups[0]
+        out: Dict[str, Any] = {}
+        for key in _HYPER[self._kind]:
+            value = group.get(key)
+            try:
+                if key == "betas":
+                    out[key] = (float(value[0]), float(value[1]))
+                elif key in ("nesterov", "amsgrad", "maximize"):
+                    out[key] = bool(value)
+                else:
+                    out[key] = float(value)
+            except (TypeError, ValueError, IndexError):
+                raise ValueError(f"optimizer.param_groups[0][{key!r}] = {value!r} is not a "
+                                 f"valid {self._kind} hyperparameter") from None
+        return out
+
+    # ---- state -------------------------------------------------------------------------------
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._engine.noise_multiplier
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self._engine.max_grad_norm
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self._engine.sample_rate * self._engine.dataset_size
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's optimizer state dict (module docstring); a collective with several ranks."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        engine = self._engine
+        params = engine._trainable
+        zero = engine.sharded._state
+        units = sorted({engine._slot_of[id(p)].unit for p in params})
+        gathered = {u: zero.gathered_state(u) for u in units}  # every rank, same order
+        state: Dict[int, Dict[str, torch.Tensor]] = {}
+        for i, p in enumerate(params):
+            slot = engine._slot_of[id(p)]
+            steps = zero.optimizer_steps(slot.unit)
+            entries = {name: flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                       .to(p.device).clone()
+                       for name, flat in gathered[slot.unit].items() if name != "param"}
+            if steps == 0 and not entries:
+                continue  # torch.optim creates state at the first step
+            if self._kind != "sgd":
+                entries["step"] = torch.tensor(float(steps))
+            state[i] = entries
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        group["params"] = list(range(len(params)))
+        out = {"state": state, "param_groups": [group]}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, out)
+            if result is not None:
+                out = result
+        return out
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restores ``state_dict()``'s hyperparameters and per-parameter state into the engine
+        (a collective with several ranks; call between steps: a logical batch accumulated so far
+        is dropped). Parameter values are the model's (load them with its state dict)."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        engine = self._engine
+        params = engine._trainable
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != 1:
+            raise ValueError("load_state_dict: expected one parameter group, got "
+                             f"{len(groups) if isinstance(groups, list) else groups!r}")
+        if len(groups[0].get("params", ())) != len(params):
+            raise ValueError(f"load_state_dict: the state dict has {len(groups[0]['params'])} "
+                             f"parameters, this optimizer {len(params)}")
+        saved = state_dict.get("state", {})
+        zero = engine.sharded._state
+        names = None
+        per_unit: Dict[int, list] = {}
+        for i, p in enumerate(params):
+            per_unit.setdefault(engine._slot_of[id(p)].unit, []).append(i)
+        engine._check_between_steps("load_state_dict")  # collective: every rank or none
+        loaded: Dict[int, tuple] = {}
+        for u in sorted(per_unit):
+            current = zero.gathered_state(u)  # collective; also the parameter values kept
+            flats: Dict[str, torch.Tensor] = {}
+            steps = None
+            for i in per_unit[u]:
+                p, slot = params[i], engine._slot_of[id(params[i])]
+                key = groups[0]["params"][i]  # the saved index (a str after a JSON round trip)
+                entry = saved.get(key, saved.get(str(key), {}))
+                entry = {k: v for k, v in entry.items() if v is not None}
+                here = sorted(k for k in entry if k != "step")
+                if names is None:
+                    names = here
+                if here != names:
+                    raise ValueError(f"load_state_dict: parameter {i} has state {here}, "
+                                     f"parameter 0 has {names}")
+                if "step" in entry:
+                    s = int(float(entry["step"]))
+                    if steps is not None and s != steps:
+                        raise ValueError(f"load_state_dict: parameter {i} is at step {s}, "
+                                         f"others at {steps}")
+                    steps = s
+                for name in here:
+                    t = entry[name]
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise ValueError(f"load_state_dict: state {name!r} of parameter {i} "
+                                         f"has shape {tuple(t.shape)}, the parameter "
+                                         f"{tuple(p.shape)}")
+                    flat = flats.setdefault(name, torch.zeros_like(current["param"]))
+                    flat[slot.offset:slot.offset + slot.numel] = t.reshape(-1).to(flat)
+            if steps is None:  # SGD keeps no step: a momentum buffer means it has stepped
+                steps = max(zero.optimizer_steps(u), 1) if flats else 0
+            begin, end = zero.kept_range(u)
+            values = {name: flat[begin:end] for name, flat in flats.items()}
+            values["param"] = current["param"][begin:end]
+            loaded[u] = (values, steps)
+        for u, (values, steps) in loaded.items():
+            zero.load_state(u, values, steps)  # collective in stages 1-2
+        group = {k: v for k, v in groups[0].items() if k != "params"}
+        self.param_groups[0].update(group)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)

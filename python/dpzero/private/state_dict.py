@@ -1,0 +1,86 @@
+"""``model.state_dict()`` and ``model.load_state_dict()`` of a private model, as torch's.
+
+Note [module state dicts]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+An ordinary script saves ``model.state_dict()`` and resumes with ``model.load_state_dict()``.
+Where the trainable parameters' storage is the engine's master (fp32 compute, stages 0–2, no
+offload: Note [master weights] in src/zero/flat_param.h) torch's own functions are right as they
+are: the module's parameters ARE the master, and each rank loading the same values writes its
+own shard. Elsewhere they are not:
+
+* stage 3 frees the parameters' storage outside the forward (torch would read or write freed
+  memory);
+* with 16-bit compute or offload, the master is a separate fp32 tensor (a loaded value would be
+  overwritten by the next step, from the old master).
+
+There, hooks on the model make the state dict hold the fp32 master values (gathered: a
+collective with several ranks, as FSDP's full state dict) and make loading write the master,
+from which the engine publishes the parameters. Only trainable parameters are the engine's;
+buffers and frozen parameters are torch's as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+
+
+def engine_holds_values(sharded) -> bool:
+    """Whether the trainable parameters' values live only in the engine (module docstring)."""
+    state = sharded._state
+    return (sharded.stage == 3 or state.param_dtype != torch.float32
+            or state.offload_optimizer or state.offload_params)
+
+
+def register(model: nn.Module, engine) -> List:
+    """The hooks of Note [module state dicts] on ``model``; returns their handles."""
+    if not engine_holds_values(engine.sharded):
+        return []
+    # Every name a trainable parameter has in the state dict (tied ones under each name).
+    names = {name: p for name, p in model.named_parameters(remove_duplicate=False)
+             if id(p) in engine._slot_of}
+    # Loaded values by state-dict key, from the pre-hook to the post-hook.
+    pending: Dict[str, Tuple[nn.Parameter, torch.Tensor]] = {}
+
+    def gathered() -> Dict[int, torch.Tensor]:
+        zero = engine.sharded._state
+        return {u: zero.full_parameters(u) for u in range(zero.num_units)}  # collective
+
+    def value(flats, p) -> torch.Tensor:
+        slot = engine._slot_of[id(p)]
+        return flats[slot.unit][slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+
+    def save_post(module, state_dict, prefix, local_metadata):
+        flats = gathered()
+        for name, p in names.items():
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = value(flats, p)
+
+    def load_pre(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
+                 errors):
+        # Taken out before torch copies them into the (freed or stale) parameters.
+        for name, p in names.items():
+            key = prefix + name
+            if key not in state_dict:
+                continue
+            v = state_dict.pop(key)
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(p.shape):
+                errors.append(f"size mismatch for {key}: copying a param with shape "
+                              f"{tuple(getattr(v, 'shape', ()))} from checkpoint, the shape in "
+                              f"current model is {tuple(p.shape)}.")
+                continue
+            pending[key] = (p, v.detach())
+
+    def load_post(module, incompatible):
+        taken = list(pending.values())
+        # The keys taken out above were loaded, not missing.
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys
+                                        if k not in pending]
+        pending.clear()
+        engine._load_parameters(taken)
+
+    return [model.register_state_dict_post_hook(save_post),
+            model.register_load_state_dict_pre_hook(load_pre),
+            model.register_load_state_dict_post_hook(load_post)]

@@ -1,0 +1,120 @@
+"""Mixed precision the PyTorch way (issue 22 item 3): torch.autocast around the forward of a
+private model, and torch.amp.GradScaler refused with its reason.
+
+Reference: the same model in fp32 under the same autocast, one example at a time through torch's
+own autograd (so its casts are autocast's), clipped in float64 and summed. The reference's weight
+gradients are themselves rounded to bf16 by autograd's bf16 matmuls (dpzero's per-sample ops
+accumulate in fp32), so the comparison allows 2e-2 relative: a dtype or scaling mistake is O(1).
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpzero
+
+C = 0.05
+
+
+class Mixed(nn.Module):
+    """One of every kernel layer kind: Embedding, Conv1d, LayerNorm, RMSNorm, Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(11, 8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.ln = nn.LayerNorm(8)
+        self.rms = nn.RMSNorm(8)
+        self.mlp = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids):
+        h = self.wte(ids)                                      # [B, T, 8]
+        h = h + self.conv(h.transpose(1, 2)).transpose(1, 2)
+        h = self.rms(self.ln(h))
+        return self.head(torch.tanh(self.mlp(h)).mean(1))      # [B, 3]
+
+
+def _data(n=24):
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randint(0, 11, (n, 6), generator=g),
+                                          torch.randint(0, 3, (n,), generator=g))
+
+
+def _reference_update(model, x, y, expected_batch, lr, dtype):
+    ref = copy.deepcopy(model)
+    total = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in ref.named_parameters()}
+    for i in range(len(x)):
+        ref.zero_grad()
+        with torch.autocast("cpu", dtype=dtype):
+            loss = F.cross_entropy(ref(x[i:i + 1]), y[i:i + 1])
+        loss.backward()
+        grads = {n: p.grad.double() for n, p in ref.named_parameters()}
+        norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+        factor = min(1.0, C / norm)
+        for n in total:
+            total[n] += factor * grads[n]
+    return {n: p.detach().double() - lr * total[n] / expected_batch
+            for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_bf16_autocast_forward_matches_per_example_autograd(stage):
+    torch.manual_seed(0)
+    model = Mixed()
+    start = copy.deepcopy(model)
+    data = _data()
+    p = dpzero.make_private(model, dataset=data, batch_size=8, noise_multiplier=0.0,
+                            max_grad_norm=C, allow_no_noise=True, lr=0.5, seed=4,
+                            zero_stage=stage)
+    x, y = next(iter(p.data_loader))
+    assert len(x) > 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = p.model(x)
+        assert logits.dtype == torch.bfloat16
+        loss = F.cross_entropy(logits, y)
+    loss.backward()
+    assert p.optimizer.step()
+    want = _reference_update(start, x, y, 8.0, 0.5, torch.bfloat16)
+    got = p.privacy_engine.parameters()  # fp32 masters (gathered at stage 3)
+    for n in want:
+        assert got[n].dtype == torch.float32
+        moved = (want[n] - start.get_parameter(n).detach().double()).norm()
+        err = float((got[n].double() - want[n]).norm() / moved)
+        assert err < 2e-2, (n, err)
+
+
+def test_grad_scaler_is_refused_naming_the_reason():
+    torch.manual_seed(0)
+    model = Mixed()
+    p = dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=C, seed=4)
+    scaler = torch.amp.GradScaler("cpu")
+    before = [t.detach().clone() for t in model.parameters()]
+    x, y = next(iter(p.data_loader))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(p.model(x), y)
+    scaler.scale(loss).backward()
+    with pytest.raises(ValueError, match="GradScaler.*before clipping"):
+        scaler.step(p.optimizer)
+    assert p.privacy_engine.charges == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_fp16_autocast_without_a_scaler_trains():
+    torch.manual_seed(0)
+    model = Mixed()
+    p = dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=C, seed=4)
+    for step, (x, y) in enumerate(p.data_loader):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(p.model(x), y)
+        loss.backward()
+        p.optimizer.step()
+        p.optimizer.zero_grad()
+    assert p.privacy_engine.charges == 3
+    assert all(torch.isfinite(t).all() for t in model.parameters())
