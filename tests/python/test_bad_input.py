@@ -158,15 +158,16 @@ def test_a_ledger_with_unnoised_steps_is_not_continued_privately(tmp_path):
 
 
 @pytest.mark.parametrize("layer, message", [
-    (lambda: nn.LSTM(4, 4, batch_first=True), r"lstm \(LSTM\): recurrent layers \(RNN/LSTM/GRU\) "
-                                               r"have no per-sample kernels"),
+    # Inter-layer dropout: the per-sample recompute would draw other masks (fallback.py).
+    (lambda: nn.LSTM(4, 4, num_layers=2, dropout=0.1, batch_first=True),
+     r"lstm \(LSTM\): LSTM has dropout=0.1, whose mask the per-sample recompute would draw"),
     (lambda: nn.InstanceNorm1d(4, affine=True, track_running_stats=True),
      r"norm \(InstanceNorm1d\): InstanceNorm with track_running_stats=True averages statistics"),
     # Nothing to train, but its running statistics would still leak the training data.
     (lambda: nn.InstanceNorm1d(4, affine=False, track_running_stats=True),
      r"norm \(InstanceNorm1d\): InstanceNorm with track_running_stats=True"),
 ])
-def test_recurrent_layers_and_instance_norm_with_running_stats_are_refused(layer, message):
+def test_recurrent_dropout_and_instance_norm_with_running_stats_are_refused(layer, message):
     class Net(nn.Module):
         def __init__(self):
             super().__init__()

@@ -201,7 +201,9 @@ def test_every_trainable_parameter_must_be_covered():
             return self.head(self.attn(x, x, x)[0].mean(1))
 
     model = WithMHA()
-    with pytest.raises(PrivacyViolation, match=r"attn \(MultiheadAttention\)"):
+    model.attn.dropout = 0.1  # attention dropout: the generic path cannot replay its mask
+    with pytest.raises(PrivacyViolation, match=r"attn \(MultiheadAttention\): "
+                                               r"MultiheadAttention has dropout=0.1"):
         dpzero.make_private(model, dataset=seq_data(), batch_size=4, noise_multiplier=1.0,
                             max_grad_norm=1.0)
     assert "forward" not in model.head.__dict__  # a rejected model is left as it was
@@ -721,17 +723,6 @@ def test_settings_the_private_path_owns_are_refused():
     model, ds, p = _tiny()
     with pytest.raises(AttributeError):
         p.privacy_engine.max_grad_norm = 0.5  # read-only: thresholds were fixed from it
-
-
-def test_a_layer_subclass_with_its_own_forward_is_refused():
-    class ScaledEmbedding(nn.Embedding):  # like HF's BartScaledWordEmbedding
-        def forward(self, ids):
-            return super().forward(ids) * 8.0
-
-    model = nn.Sequential(ScaledEmbedding(V, D), nn.Flatten(), nn.Linear(T * D, K))
-    with pytest.raises(PrivacyViolation, match=r"subclasses Embedding but overrides its forward"):
-        dpzero.make_private(model, dataset=seq_data(), batch_size=4, noise_multiplier=1.0,
-                            max_grad_norm=1.0)
 
 
 def test_a_detached_engine_refuses_to_step_and_a_second_step_is_refused():

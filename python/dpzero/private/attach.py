@@ -15,10 +15,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .book import Layer, PrivacyViolation, Slot
-from .fallback import FuncKind, bypassing, swapped, tap
-from .layers import EmbeddingKind, dp_apply, layer_kind, overridden_kind
+from .fallback import SUBTREE_TYPES, FuncKind, OutputLayout, bypassing, swapped, tap
+from .layers import EmbeddingKind, autocast_dtype, dp_apply, layer_kind
 from .provenance import record, root_forward
 
 # Module types that cannot run under DP, with the reason the error gives.
@@ -28,11 +29,6 @@ _REJECTED = (
      "gradient depends on the others and per-sample clipping bounds nothing; use GroupNorm, "
      "LayerNorm or InstanceNorm without running stats"),
     (nn.modules.instancenorm._InstanceNorm, None),  # only with running stats: checked below
-    (nn.MultiheadAttention,
-     "nn.MultiheadAttention uses its in_proj parameters directly and returns a tuple; build "
-     "attention from nn.Linear layers (as Hugging Face models do)"),
-    (nn.RNNBase,
-     "recurrent layers (RNN/LSTM/GRU) have no per-sample kernels in dpzero"),
 )
 
 
@@ -54,7 +50,10 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
     PrivacyViolation naming every module that cannot be covered."""
     problems: List[str] = []
     layers: List[Layer] = []
+    whole: List[str] = []  # modules the generic path takes with their children (SUBTREE_TYPES)
     for name, module in model.named_modules():
+        if any(name.startswith(w + ".") for w in whole):
+            continue
         why = _rejection(module)
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
         trainable_own = [n for n, p in own if p.requires_grad]
@@ -66,21 +65,16 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
         if why is not None and (trainable_own or batch_stats):
             problems.append(f"{name or '<model>'} ({type(module).__name__}): {why}")
             continue
+        if isinstance(module, SUBTREE_TYPES):
+            whole.append(name)
+            own = [(n, p) for n, p in module.named_parameters() if p is not None]
+            trainable_own = [n for n, p in own if p.requires_grad]
         if not trainable_own:
             continue
-        kind = layer_kind(module)
-        if kind is None and overridden_kind(module):
-            problems.append(
-                f"{name} ({type(module).__name__}): subclasses {overridden_kind(module)} but "
-                "overrides its forward, so dpzero's per-sample ops for that layer would compute "
-                "the gradient of a different function")
-            continue
+        # No kernel (a module using its parameters directly, the model's root, a subclass of a
+        # kernel layer overriding its forward, SUBTREE_TYPES): the generic path (fallback.py).
+        kind = None if isinstance(module, SUBTREE_TYPES) else layer_kind(module)
         if kind is None:
-            if module is model:
-                problems.append(
-                    f"<model> ({type(module).__name__}) holds trainable parameters "
-                    f"{trainable_own} itself; move them into a submodule")
-                continue
             kind = FuncKind([n for n, _ in own])
         extra = [n for n in trainable_own if n not in kind.params]
         if extra:
@@ -93,7 +87,8 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
             continue
         train, slots = [], []
         for pname in kind.params:
-            p = getattr(module, pname, None)
+            p = module.get_parameter(pname) if isinstance(kind, FuncKind) else \
+                getattr(module, pname, None)
             trainable = isinstance(p, torch.Tensor) and p.requires_grad
             train.append(trainable)
             slots.append(slot_of[id(p)] if trainable else None)
@@ -121,7 +116,7 @@ def assign_components(layers: List[Layer]) -> int:
         for pname, t in zip(layer.kind.params, layer.train):
             if not t:
                 continue
-            pid = id(getattr(layer.module, pname))
+            pid = id(layer.module.get_parameter(pname))
             if pid in owner:
                 parent[find(layer.index)] = find(owner[pid])
             else:
@@ -145,7 +140,7 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
     if recompute:
         book.on_recompute(layer)
     kind = layer.kind
-    params = [getattr(layer.module, n) for n, t in zip(kind.params, layer.train) if t]
+    params = [layer.module.get_parameter(n) for n, t in zip(kind.params, layer.train) if t]
     refused = not recompute and book.root is None  # Note [batch provenance]
     if isinstance(kind, FuncKind):
         out = _fallback_forward(book, layer, original, params, args, kwargs, recompute, refused)
@@ -175,26 +170,40 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
 
 def _fallback_forward(book, layer, original, params, args, kwargs, recompute=False,
                       refused=False):
+    """The generic path's forward (fallback.py): the module with its trainable parameters
+    detached, every floating tensor of its output tapped for the book."""
     module = layer.module
-    detached = {n: module._parameters[n].detach() for n, t in zip(layer.kind.params, layer.train)
-                if t}
+    detached = {n: p.detach() for n, p in zip(
+        [n for n, t in zip(layer.kind.params, layer.train) if t], params)}
     with swapped(module, detached):
         out = original(*args, **kwargs)
-    if not isinstance(out, torch.Tensor):
+    leaves, spec = pytree.tree_flatten(out)
+    tapped = tuple(i for i, t in enumerate(leaves)
+                   if isinstance(t, torch.Tensor) and t.is_floating_point())
+    if not tapped:
         raise PrivacyViolation(
             f"module {layer.name!r} ({type(module).__name__}) uses its parameters directly and "
-            f"returned {type(out).__name__}; the generic per-sample path needs one tensor output")
+            f"returned no floating tensor ({type(out).__name__}); nothing carries its gradient")
+    outputs = [leaves[i] for i in tapped]
     if recompute:
-        return tap(book.recomputed_backward(layer), out, params)
-    if refused:
-        return tap(book.refused_backward(layer), out, params)
-    pid = book.on_forward(layer, record(layer.index, args, kwargs, out))
-    saved = (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs))
+        new = tap(book.recomputed_backward(layer), outputs, params)
+    elif refused:
+        new = tap(book.refused_backward(layer), outputs, params)
+    else:
+        pid = book.on_forward(layer, record(layer.index, args, kwargs, outputs))
+        detach = lambda a: a.detach() if isinstance(a, torch.Tensor) else a  # noqa: E731
+        device = outputs[0].device.type
+        saved = (pytree.tree_map(detach, args), pytree.tree_map(detach, kwargs),
+                 OutputLayout(spec, tapped, tuple(tuple(t.shape) for t in outputs)),
+                 autocast_dtype(device))
 
-    def on_backward(g, pid=pid, saved=saved):
-        book.on_backward(pid, saved, g)
+        def on_backward(grads, pid=pid, saved=saved):
+            book.on_backward(pid, saved, list(grads))
 
-    return tap(on_backward, out, params)
+        new = tap(on_backward, outputs, params)
+    for i, t in zip(tapped, new):
+        leaves[i] = t
+    return pytree.tree_unflatten(leaves, spec)
 
 
 def patch(model: nn.Module, layers: List[Layer], book_ref, ranks, devices) -> None:

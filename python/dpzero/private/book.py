@@ -344,6 +344,8 @@ class Book:
             self.error = (f"layer {layer.name!r} has no verdict on which of its rows are examples "
                           "(Note [batch provenance]); it is not clipped")
             raise RuntimeError(self.error)
+        if hasattr(layer.kind, "batch_first"):  # the generic path's outputs, as [B, total]
+            g = layer.kind.batch_first(g, part.in_dims)
         b = g.shape[0]
         if self.expected_rows is not None and b != self.expected_rows:
             self.error = (f"layer {layer.name!r} saw a batch of {b} rows in a micro-batch of "
@@ -370,7 +372,8 @@ class Book:
         if fused and self.loss_reduction == "mean" and b > 0 and not self.padding:
             g = g * b  # per-sample gradients of a mean loss (the book path: Note [mean loss])
         if hasattr(kind, "per_sample_grads"):
-            a = kind.per_sample_grads(layer.module, a, g, layer.train, part.in_dims)
+            a = kind.per_sample_grads(layer.module, a, g, layer.train, part.in_dims,
+                                      f"{type(layer.module).__name__} {layer.name!r}")
             g = None
         else:
             a = kind.batch_input(layer.module, a)

@@ -1,35 +1,43 @@
-"""The generic path: per-sample gradients of a module's OWN parameters through ``torch.func``.
+"""The generic path: per-sample gradients of the parameters of any module through ``torch.func``.
 
-Some trainable parameters are not held by a layer kind of ``layers.py`` but used directly by a
-module's forward: ViT's ``cls_token`` and ``position_embeddings``, learned scales, prompt tokens.
-For such a module M, its own (non-recursive) trainable parameters P are clipped like any DP layer:
+A module with trainable parameters that no layer kind of ``layers.py`` covers takes this path:
+one that uses its own parameters directly (ViT's ``cls_token`` and ``position_embeddings``, a
+learned temperature on the model's root, GroupNorm, PReLU, LSTM/GRU/RNN weights), a subclass of a
+kernel layer that overrides its forward (OPT's learned positions, Gemma's scaled embedding), and
+``nn.MultiheadAttention``, which uses its ``out_proj`` child's parameters directly and so is taken
+whole (``subtree_modules``). For such a module M with trainable parameters P:
 
-* forward: M runs with P swapped for detached copies, so autograd computes no gradient for P; its
-  output y goes through :class:`_Tap`, whose backward passes dy through and hands it to the book.
-* backward: the per-sample gradients of P are ``vmap`` over samples of the VJP of M's forward at
-  sample i with respect to P, applied to dy_i (Opacus's functorch fallback does the same). Child
-  modules run their plain forward there (their own parameters are constants).
+* forward: M runs with P swapped for detached copies, so autograd computes no gradient for P;
+  every floating tensor of its output (a tensor, a tuple, a dict, a ``ModelOutput``) goes through
+  :class:`_Tap`, whose backward passes the output gradients through and hands them to the book.
+* backward: the per-sample gradients of P are ``vmap`` over samples of the VJP of M's forward on
+  sample i with respect to P, applied to that sample's output gradients (Opacus's functorch
+  fallback does the same); where ``vmap`` has no batching rule (GRU, RNN), a loop over samples.
+  Child modules run their plain forward there (their own parameters are constants).
 
-Per-sample gradients exist as [B, *P.shape] for a moment, so this is meant for small parameter sets
-(the big layers have kernels). Norms and clipped sums are computed in float64 from them; the norm is
-rounded up so a clip factor never lets a contribution exceed its threshold.
+Which dim of each input and output holds the examples is the root forward's verdict (Note [batch
+provenance]): any one dim per tensor (batch_first=False RNNs hold them on dim 1, an LSTM's h_n
+always), or none for tensors shared by the batch; positional and keyword arguments and nested
+tuples alike. Per-sample gradients exist as [B, *P.shape] for a moment, so this is meant for small
+parameter sets (the big layers have kernels). Norms and clipped sums are computed in float64 from
+them; the norm is rounded up so a clip factor never lets a contribution exceed its threshold.
 
-Restrictions (checked, with the module named): M takes the examples on dim 0 of some of its
-positional tensor arguments (which ones is decided by provenance, Note [batch provenance]; the
-others are shared by all samples) and returns one tensor with the examples on dim 0; M must not
-contain active dropout (the per-sample recompute would draw other masks than the forward did, so
-the clipped gradient would belong to another function than the one the loss was computed with;
-vmap also refuses random ops).
+Refused (with the module named): a random op inside M while training (dropout modules, MHA's or
+an RNN's ``dropout``, or any random draw the recompute meets): the per-sample recompute would draw
+other masks than the forward did, so the clipped gradient would belong to another function than
+the one the loss was computed with.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Dict, List, Optional, Tuple
+import warnings
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .layers import LayerKind, round_up_f32
 
@@ -50,21 +58,54 @@ def bypass():
         _bypass.depth -= 1
 
 
+# Modules whose forward uses their children's parameters directly: the generic path takes them
+# whole (their children are not DP layers of their own).
+SUBTREE_TYPES = (nn.MultiheadAttention,)
+
+
+def _owner(module: nn.Module, name: str) -> Tuple[nn.Module, str]:
+    """The module holding parameter ``name`` (dotted for a child's) and its local name."""
+    path, _, leaf = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), leaf
+
+
 @contextlib.contextmanager
 def swapped(module: nn.Module, values: Dict[str, torch.Tensor]):
-    """Temporarily replaces module's own parameters by ``values`` (tensors, not Parameters)."""
-    old = {name: module._parameters[name] for name in values}
+    """Temporarily replaces parameters of ``module`` (by name, dotted for a child's) by
+    ``values`` (tensors, not Parameters)."""
+    owners = {name: _owner(module, name) for name in values}
+    old = {name: m._parameters[leaf] for name, (m, leaf) in owners.items()}
     try:
         for name, value in values.items():
-            module._parameters[name] = value
+            m, leaf = owners[name]
+            m._parameters[leaf] = value
         yield
     finally:
         for name, value in old.items():
-            module._parameters[name] = value
+            m, leaf = owners[name]
+            m._parameters[leaf] = value
+
+
+def _random_op_error(module_name: str) -> str:
+    return (f"the per-sample recompute of {module_name} draws random numbers (dropout or "
+            "another random op in its forward): it would draw other masks than the forward did, "
+            "so the clipped gradient would belong to another function; set its dropout to 0 or "
+            "freeze its parameters")
+
+
+class OutputLayout(NamedTuple):
+    """A generic module call's output as the book sees it: ``spec``, the output's pytree spec;
+    ``tapped``: the leaf indices of its floating tensors (those the tap passes gradients
+    through), and their shapes."""
+
+    spec: object
+    tapped: Tuple[int, ...]
+    shapes: Tuple[Tuple[int, ...], ...]
 
 
 class FuncKind(LayerKind):
-    """A module whose own trainable parameters are used directly by its forward."""
+    """A module whose trainable parameters are used directly by its forward (module docstring);
+    ``names``: its trainable parameters, dotted for a child's."""
 
     def __init__(self, names: List[str]) -> None:
         self.names = list(names)
@@ -74,41 +115,100 @@ class FuncKind(LayerKind):
         return tuple(self.names)
 
     def check(self, module):
+        if not module.training:
+            return None
         for sub_name, sub in module.named_modules():
+            where = f"{sub_name!r} " if sub_name else ""
             if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
-                where = f"{sub_name!r} " if sub_name else ""
                 return (f"its dropout {where}(p={sub.p}) would draw a different mask when the "
                         "per-sample gradients are recomputed; set its p to 0")
+            p = getattr(sub, "dropout", 0.0)
+            if isinstance(sub, (nn.MultiheadAttention, nn.RNNBase)) and \
+                    isinstance(p, float) and p > 0 and \
+                    (not isinstance(sub, nn.RNNBase) or sub.num_layers > 1):
+                return (f"{type(sub).__name__} {where}has dropout={p}, whose mask the "
+                        "per-sample recompute would draw again differently; set dropout=0")
         return None
 
-    def per_sample_grads(self, module: nn.Module, inputs, g: torch.Tensor, train,
-                         in_dims: Tuple[Optional[int], ...]):
-        """{name: [B, *shape] float32} for the trainable own parameters. ``in_dims``: per
-        positional argument, 0 where its dim 0 holds the examples, None where it is shared by
-        all of them (the root forward's verdict, Note [batch provenance])."""
-        args, kwargs = inputs
+    # ---- the book's interface ----------------------------------------------------------------
+
+    def batch_first(self, grads: Sequence[torch.Tensor], dims) -> torch.Tensor:
+        """The output gradients (one per tapped output) as one [B, total] float32 tensor, each
+        moved to batch-first and flattened (the verdict ``dims`` = (input dims, output dims))."""
+        _, out_dims = dims
+        flat = [g.movedim(d, 0).reshape(g.shape[d], -1).float() for g, d in zip(grads, out_dims)]
+        return flat[0] if len(flat) == 1 else torch.cat(flat, 1)
+
+    def per_sample_grads(self, module: nn.Module, saved, g: torch.Tensor, train, dims,
+                         module_name: str = "the module"):
+        """{name: [B, *shape] float32} for the trainable parameters. ``saved``: (args, kwargs,
+        OutputLayout, autocast dtype or None) of the forward call; ``g``: :meth:`batch_first`'s [B, total]; ``dims``:
+        the verdict (per (args, kwargs) leaf and per tapped output, the dim holding the examples
+        or None)."""
+        args, kwargs, layout, amp = saved
+        in_dims, out_dims = dims
         names = [n for n, t in zip(self.names, train) if t]
-        values = {n: module._parameters[n].detach() for n in names}
+        values = {n: _owner(module, n)[0]._parameters[_owner(module, n)[1]].detach()
+                  for n in names}
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        # The gradient of each tapped output, [B, *per-sample shape] (its examples' dim removed).
+        sizes = [_numel(s) // s[d] for s, d in zip(layout.shapes, out_dims)]
+        per_out = [t.reshape(t.shape[0], *[n for k, n in enumerate(s) if k != d])
+                   for t, s, d in zip(torch.split(g, sizes, 1), layout.shapes, out_dims)]
+        batched = [i for i, d in enumerate(in_dims) if d is not None]
 
-        def sample_out(p, *xs):
-            xs = tuple(x.unsqueeze(0) if d == 0 else x for x, d in zip(xs, in_dims))
+        def sample_out(p, xs):
+            full = list(leaves)
+            for i, x in zip(batched, xs):
+                full[i] = x.unsqueeze(in_dims[i])
+            a, k = pytree.tree_unflatten(full, spec)
             with swapped(module, p), bypass():
-                y = module._dp_original_forward(*xs, **kwargs)
-            return y.squeeze(0)
+                y = module._dp_original_forward(*a, **k)
+            ys = pytree.tree_leaves(y)
+            return tuple(ys[j].squeeze(d) for j, d in zip(layout.tapped, out_dims))
 
-        def one(g_i, *xs):
-            _, vjp = torch.func.vjp(lambda p: sample_out(p, *xs), values)
-            return vjp(g_i)[0]
+        def one(gs, xs):
+            out, vjp = torch.func.vjp(lambda p: sample_out(p, xs), values)
+            return vjp(tuple(gi.to(o.dtype) for gi, o in zip(gs, out)))[0]
 
-        with torch.enable_grad():
-            grads = torch.func.vmap(one, in_dims=(0,) + in_dims)(g, *args)
+        xs = tuple(leaves[i] for i in batched)
+        # The forward's autocast state, re-entered for the recompute (Note [autocast]).
+        amp_ctx = torch.autocast(g.device.type, dtype=amp) if amp is not None else \
+            contextlib.nullcontext()
+        with torch.enable_grad(), amp_ctx, warnings.catch_warnings():
+            # functorch runs ops without a batching rule (SDPA on CPU, mkldnn RNN layers) one
+            # sample at a time and says so; the result is the same.
+            warnings.filterwarnings("ignore", message="There is a performance drop because")
+            try:
+                grads = torch.func.vmap(one, in_dims=(0, tuple(in_dims[i] for i in batched)))(
+                    tuple(per_out), xs)
+            except RuntimeError as e:
+                if "random" in str(e):
+                    raise RandomOpError(_random_op_error(module_name)) from None
+                grads = self._loop(one, per_out, xs, [in_dims[i] for i in batched],
+                                   module_name)
         return {n: grads[n].float() for n in names}
+
+    @staticmethod
+    def _loop(one, per_out, xs, dims, module_name):
+        """What vmap(one) computes, one sample at a time (modules without batching rules); a
+        random draw during it is refused (module docstring)."""
+        rows = per_out[0].shape[0]
+        state = torch.random.get_rng_state()
+        out: Dict[str, List[torch.Tensor]] = {}
+        for i in range(rows):
+            sample = tuple(x.select(d, i) for x, d in zip(xs, dims))
+            for name, t in one(tuple(g[i] for g in per_out), sample).items():
+                out.setdefault(name, []).append(t)
+        if not torch.equal(state, torch.random.get_rng_state()):
+            raise RandomOpError(_random_op_error(module_name))
+        return {name: torch.stack(ts) for name, ts in out.items()}
 
     def sq_norms(self, module, a, g, train):
         ps = a  # the per-sample gradients (Book passes them as A)
         total = None
         for t in ps.values():
-            flat = t.double().flatten(1)
+            flat = t.double().reshape(t.shape[0], -1)  # [B, numel] (a scalar parameter: [B, 1])
             s = (flat * flat).sum(1)
             # float64 sum of n non-negative terms: relative error <= (n - 1) 2^-53, covered here.
             s = s * (1.0 + flat.shape[1] * 2.3e-16)
@@ -130,21 +230,34 @@ class FuncKind(LayerKind):
         return out
 
 
+class RandomOpError(RuntimeError):
+    """A generic module's recompute met a random op (FuncKind docstring)."""
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
 class _Tap(torch.autograd.Function):
-    """y -> y; backward hands dy to ``on_backward`` and passes it through. The module's own
-    parameters are inputs so y requires grad even when no input does."""
+    """outputs -> outputs; backward hands their gradients to ``on_backward`` and passes them
+    through. The module's parameters are inputs so the outputs require grad even when no input
+    does."""
 
     @staticmethod
-    def forward(ctx, on_backward, y, *params):
+    def forward(ctx, on_backward, n, *tensors):
         ctx.on_backward = on_backward
-        ctx.n = len(params)
-        return y.clone()
+        ctx.n = n
+        ctx.rest = len(tensors) - n
+        return tuple(t.clone() for t in tensors[:n])
 
     @staticmethod
-    def backward(ctx, g):
-        ctx.on_backward(g)
-        return (None, g) + (None,) * ctx.n
+    def backward(ctx, *grads):
+        ctx.on_backward(grads)
+        return (None, None) + tuple(grads) + (None,) * ctx.rest
 
 
-def tap(on_backward, y: torch.Tensor, params) -> torch.Tensor:
-    return _Tap.apply(on_backward, y, *params)
+def tap(on_backward, outputs: Sequence[torch.Tensor], params) -> Tuple[torch.Tensor, ...]:
+    return _Tap.apply(on_backward, len(outputs), *outputs, *params)

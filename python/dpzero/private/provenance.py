@@ -73,17 +73,19 @@ BATCHED, SHARED = "batched", "shared"
 class CallRecord(NamedTuple):
     """One call of a DP layer as the probe compares it: ``layer`` (Layer.index); ``inputs``: the
     shapes of the call's tensor arguments, positional first (None for a non-tensor), then
-    ``kw_inputs`` likewise for keyword arguments (sorted by name); ``output``: the output's shape
-    for generic (torch.func) modules, whose output rows the book clips, else None. Not compared
+    ``kw_inputs`` likewise for keyword arguments (sorted by name); ``output``: None (a kernel
+    layer). Not compared
     by the pattern: ``tensors``, the real call's tensor arguments in that order (held until the
     probe compared them); ``same``, per argument, whether the probe's equals the real one where
     the shapes agree (None where they do not); ``lookup``, the probe's check of an expanded
-    [1, ...] Embedding lookup."""
+    [1, ...] Embedding lookup. For a generic module (fallback.py) ``inputs`` are the shapes of
+    the leaves of (args, kwargs) in pytree order and ``output`` those of its floating output
+    tensors."""
 
     layer: int
     inputs: Tuple[Optional[Shape], ...]
     kw_inputs: Tuple[Tuple[str, Optional[Shape]], ...] = ()
-    output: Optional[Shape] = None
+    output: Optional[Tuple[Shape, ...]] = None
     tensors: Tuple[Any, ...] = ()
     same: Tuple[Optional[bool], ...] = ()
     lookup: Optional["LookupCheck"] = None
@@ -92,7 +94,8 @@ class CallRecord(NamedTuple):
         """The record without sizes: what the call pattern compares."""
         r = lambda s: None if s is None else len(s)  # noqa: E731
         return (self.layer, tuple(r(s) for s in self.inputs),
-                tuple((k, r(s)) for k, s in self.kw_inputs), r(self.output))
+                tuple((k, r(s)) for k, s in self.kw_inputs),
+                None if self.output is None else tuple(r(s) for s in self.output))
 
     def shapes(self) -> List[Optional[Shape]]:
         return list(self.inputs) + [s for _, s in self.kw_inputs]
@@ -102,13 +105,29 @@ def _arguments(args: Sequence, kwargs: Dict) -> List[Any]:
     return list(args) + [kwargs[k] for k in sorted(kwargs)]
 
 
-def record(layer: int, args: Sequence, kwargs: Dict, output=None) -> CallRecord:
-    """The real call's record (it keeps the call's tensor arguments for the probe)."""
+def record(layer: int, args: Sequence, kwargs: Dict,
+           outputs: Optional[Sequence[torch.Tensor]] = None) -> CallRecord:
+    """The real call's record (it keeps the call's tensor arguments for the probe); ``outputs``:
+    a generic module's floating output tensors (its inputs are then recorded leaf by leaf)."""
     shape = lambda x: tuple(x.shape) if isinstance(x, torch.Tensor) else None  # noqa: E731
+    if outputs is not None:
+        leaves = pytree.tree_leaves((args, kwargs))
+        return CallRecord(layer, tuple(shape(a) for a in leaves), (),
+                          tuple(tuple(o.shape) for o in outputs), tensors=tuple(leaves))
     return CallRecord(layer, tuple(shape(a) for a in args),
                       tuple((k, shape(kwargs[k])) for k in sorted(kwargs)),
-                      None if output is None else shape(output),
                       tensors=tuple(_arguments(args, kwargs)))
+
+
+def follows_dim(real: Optional[Shape], probe: Optional[Shape], rows: int,
+                same: Optional[bool] = True) -> Tuple[str, Optional[int]]:
+    """(BATCHED, d) when exactly dim d grew from ``rows`` to ``rows + 1`` with one more example
+    and nothing else changed; else (:func:`follows`' verdict, None)."""
+    if real is not None and probe is not None and len(real) == len(probe):
+        grown = [d for d, (a, b) in enumerate(zip(real, probe)) if a != b]
+        if len(grown) == 1 and real[grown[0]] == rows and probe[grown[0]] == rows + 1:
+            return BATCHED, grown[0]
+    return follows(real, probe, rows, same), None
 
 
 def follows(real: Optional[Shape], probe: Optional[Shape], rows: int,
@@ -169,10 +188,10 @@ def classify(layers, real: Sequence[CallRecord], probe: Sequence[CallRecord], ro
         layer = layers[r.layer]
         name = f"{type(layer.module).__name__} {layer.name!r}"
         same = p.same or (True,) * len(r.shapes())
-        verdicts = [follows(a, b, rows, s) for a, b, s in zip(r.inputs, p.inputs, same)]
         if isinstance(layer.kind, FuncKind):
-            out.append(_generic_verdict(name, r, p, verdicts, same[len(r.inputs):], rows))
+            out.append(_generic_verdict(name, r, p, same, rows))
             continue
+        verdicts = [follows(a, b, rows, s) for a, b, s in zip(r.inputs, p.inputs, same)]
         v, shape = verdicts[0], list(r.inputs[0])
         if v == BATCHED:
             out.append(Verdict((0,)))
@@ -219,33 +238,33 @@ def _shared_error(name: str, layer, shape: List[int]) -> str:
                    "[1, ...] input) or freeze it (requires_grad_(False))")
 
 
-def _generic_verdict(name, r: CallRecord, p: CallRecord, verdicts: List[str],
-                     kw_same: Sequence[Optional[bool]], rows: int) -> Verdict:
-    bad = [(i, v) for i, v in enumerate(verdicts) if v not in (BATCHED, SHARED)]
-    if bad:
-        i, v = bad[0]
-        return Verdict(error=f"{name}: its positional input {i} {v}; the generic per-sample "
-                             "path needs the examples on dim 0 of its inputs")
-    for ((k, a), (_, b)), s in zip(zip(r.kw_inputs, p.kw_inputs), kw_same):
-        v = follows(a, b, rows, s)
-        if v != SHARED:
+def _generic_verdict(name, r: CallRecord, p: CallRecord, same: Sequence[Optional[bool]],
+                     rows: int) -> Verdict:
+    """A generic module call's verdict: in_dims = (per (args, kwargs) leaf, the dim holding the
+    examples or None for a leaf shared by the batch; per floating output, its examples' dim)."""
+    in_dims: List[Optional[int]] = []
+    for i, (a, b, s) in enumerate(zip(r.inputs, p.inputs, same)):
+        v, d = follows_dim(a, b, rows, s)
+        if v not in (BATCHED, SHARED):
+            return Verdict(error=f"{name}: its input {i} (in the order of its arguments) {v}; "
+                                 "the generic per-sample path needs each input either shared "
+                                 "by the batch or with the examples along one dim")
+        in_dims.append(d)
+    out_dims: List[int] = []
+    for j, (a, b) in enumerate(zip(r.output, p.output)):
+        v, d = follows_dim(a, b, rows)
+        if v != BATCHED:
+            why = "is shared by the whole batch" if v == SHARED else v
             return Verdict(error=(
-                f"{name} uses its parameters directly and got keyword argument {k!r} that "
-                f"{'holds the examples' if v == BATCHED else v}; the generic per-sample path "
-                "takes the examples as positional arguments only"))
-    out = follows(r.output, p.output, rows)
-    if out != BATCHED:
-        why = ("is shared by the whole batch" if out == SHARED else out)
+                f"{name}: its output tensor {j} {why}; the generic per-sample path needs "
+                "every floating output with the examples along one dim (a module that reduces "
+                "over the batch mixes examples: freeze its parameters)"))
+        out_dims.append(d)
+    if all(d is None for d in in_dims) and r.inputs:
         return Verdict(error=(
-            f"{name} uses its parameters directly and its output {why}; the generic "
-            "per-sample path needs an output with one row per example on dim 0 (expand shared "
-            "tensors to the batch inside the module, or freeze its parameters)"))
-    if BATCHED not in verdicts:
-        return Verdict(error=(
-            f"{name} uses its parameters directly and none of its positional inputs holds the "
-            "examples; the generic per-sample path recomputes the module per example from "
-            "them"))
-    return Verdict(tuple(0 if v == BATCHED else None for v in verdicts))
+            f"{name} uses its parameters directly and none of its inputs holds the examples; "
+            "the generic per-sample path recomputes the module per example from them"))
+    return Verdict((tuple(in_dims), tuple(out_dims)))
 
 
 def _leaf_value(v) -> str:
@@ -396,7 +415,7 @@ class Probe:
         from .layers import EmbeddingKind
 
         generic = isinstance(layer.kind, FuncKind)
-        x = args[0] if args else None
+        x = args[0] if args and not generic else None
         check = None
         if isinstance(layer.kind, EmbeddingKind) and isinstance(x, torch.Tensor) and \
                 x.dim() > 1 and x.shape[0] == 1 and self.rows > 1:
@@ -404,16 +423,24 @@ class Probe:
             out = _Lookup.mark(original(x.expand(self.rows, *x.shape[1:])), check)
         else:
             out = original(*args, **kwargs)
-        rec = record(layer.index, args, kwargs, out if generic else None)
+        leaves, spec = pytree.tree_flatten(out)
+        floating = [i for i, t in enumerate(leaves)
+                    if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        rec = record(layer.index, args, kwargs, [leaves[i] for i in floating] if generic else None)
         j = len(self.records)
         real = self.real[j] if j < len(self.real) and self.real[j].layer == layer.index else None
         same = ()
         if real is not None:
             same = tuple(_equal(a, b) for a, b in zip(real.tensors, rec.tensors))
-            rows_in = rec.output if generic else (rec.inputs[0] if rec.inputs else None)
-            rows_real = real.output if generic else (real.inputs[0] if real.inputs else None)
-            if check is None and isinstance(out, torch.Tensor) and \
-                    follows(rows_real, rows_in, self.rows - 1) == BATCHED:
+            if generic and real.output is not None and len(real.output) == len(floating):
+                for i, a, b in zip(floating, real.output, rec.output):
+                    v, d = follows_dim(a, b, self.rows - 1)
+                    if v == BATCHED:  # the examples, along dim d
+                        leaves[i] = _wrap(leaves[i].as_subclass(torch.Tensor), d, self.token)
+                out = pytree.tree_unflatten(leaves, spec)
+            elif not generic and check is None and isinstance(out, torch.Tensor) and \
+                    follows(real.inputs[0] if real.inputs else None,
+                            rec.inputs[0] if rec.inputs else None, self.rows - 1) == BATCHED:
                 out = _wrap(out.as_subclass(torch.Tensor), 0, self.token)  # the examples
         self.records.append(rec._replace(tensors=(), same=same, lookup=check))
         return out

@@ -1,0 +1,273 @@
+"""The generic per-sample path (fallback.py, issue 22 item 2): modules without kernels train
+privately unchanged — nn.MultiheadAttention, LSTM/GRU/RNN (batch first or not, multi-layer,
+bidirectional), parameters held by the model's root, kernel-layer subclasses with their own
+forward, batched keyword arguments, tuple and dict returns, GroupNorm, InstanceNorm, PReLU.
+
+Reference: a float64 copy of the unpatched model, one example at a time through torch's autograd
+(its own nn.LSTM, nn.MultiheadAttention, ...), each example's whole gradient clipped to C in
+float64, summed, divided by the expected batch size and applied as one SGD step. σ = 0, and C
+small enough that every example clips. Relative update error <= 1e-5.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpzero
+
+V, T, D, K, N = 13, 6, 8, 3, 32
+C, LR = 1e-3, 1000.0  # updates far above the fp32 rounding of the parameters
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, V, (N, T), generator=g)
+    ids[::3, -2:] = 0  # padding at the end of some sequences (a key padding mask)
+    return torch.utils.data.TensorDataset(ids, torch.randint(0, K, (N,), generator=g))
+
+
+class Attention(nn.Module):
+    def __init__(self, batch_first=True, masked=False):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.attn = nn.MultiheadAttention(D, 2, batch_first=batch_first)
+        self.head = nn.Linear(D, K)
+        self.batch_first, self.masked = batch_first, masked
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        mask = (ids == 0) if self.masked else None
+        if self.batch_first:
+            a, _ = self.attn(h, h, h, key_padding_mask=mask)
+        else:
+            s = h.transpose(0, 1)
+            a = self.attn(s, s, s, key_padding_mask=mask, need_weights=False)[0].transpose(0, 1)
+        return self.head(a.mean(1))
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell, batch_first=True, **kw):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.rnn = cell(D, D, batch_first=batch_first, **kw)
+        self.head = nn.Linear(D, K)
+        self.batch_first = batch_first
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        out, state = self.rnn(h if self.batch_first else h.transpose(0, 1))
+        h_n = state[0] if isinstance(state, tuple) else state  # [layers * dirs, B, D]
+        out = out if self.batch_first else out.transpose(0, 1)
+        return self.head(out[..., :D].mean(1) + h_n[-1])
+
+
+class Temperature(nn.Module):
+    """A learned temperature on the model's root (CLIP's logit scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.head = nn.Linear(D, K)
+        self.log_scale = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1)) * self.log_scale.exp()
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Gemma's and BART's scaled word embedding: a subclass overriding forward."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2.5
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = ScaledEmbedding(V, D)
+        self.head = nn.Linear(D, K)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+
+
+class Gate(nn.Module):
+    """Own parameters, a batched keyword argument and a dict return."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D) * 0.5)
+        self.b = nn.Parameter(torch.zeros(D))
+
+    def forward(self, h, *, scale):
+        return {"gated": h * torch.sigmoid(self.w) + self.b, "scale": scale * self.w.sum()}
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.gate = Gate()
+        self.head = nn.Linear(D, K)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        out = self.gate(h, scale=(ids > 6).float().unsqueeze(-1))  # [B, T, 1], per example
+        return self.head((out["gated"] * out["scale"]).mean(1))
+
+
+class Norms(nn.Module):
+    """GroupNorm, InstanceNorm (affine, no running stats) and PReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.gn = nn.GroupNorm(2, D)
+        self.inorm = nn.InstanceNorm1d(D, affine=True)
+        self.act = nn.PReLU(D)
+        self.head = nn.Linear(D, K)
+
+    def forward(self, ids):
+        h = self.emb(ids).transpose(1, 2)  # [B, D, T]
+        h = self.act(self.inorm(self.gn(h)))
+        return self.head(h.mean(2))
+
+
+MODELS = {
+    "mha": lambda: Attention(),
+    "mha-seq-first-masked": lambda: Attention(batch_first=False, masked=True),
+    "lstm-2-bidirectional": lambda: Recurrent(nn.LSTM, num_layers=2, bidirectional=True),
+    "gru-seq-first": lambda: Recurrent(nn.GRU, batch_first=False),
+    "rnn": lambda: Recurrent(nn.RNN, nonlinearity="relu"),
+    "root-temperature": Temperature,
+    "scaled-embedding": Scaled,
+    "kwargs-and-dict": Gated,
+    "group-instance-prelu": Norms,
+}
+
+
+def reference_step(model: nn.Module, ids, y, expected_batch: float):
+    """Parameters after one DP-SGD step (σ = 0) from per-example float64 backward passes."""
+    ref = copy.deepcopy(model).double()
+    params = dict(ref.named_parameters())
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    for i in range(len(ids)):
+        ref.zero_grad()
+        F.cross_entropy(ref(ids[i:i + 1]), y[i:i + 1]).backward()
+        grads = {n: p.grad for n, p in params.items()}
+        norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+        assert norm > C  # every example clips
+        for n, g in grads.items():
+            total[n] += (C / norm) * g
+    return {n: p.detach() - LR * total[n] / expected_batch for n, p in params.items()}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_generic_path_matches_per_example_autograd(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    start = copy.deepcopy(model)
+    p = dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=0.0,
+                            max_grad_norm=C, allow_no_noise=True, lr=LR, seed=1)
+    ids, y = next(iter(p.data_loader))
+    assert len(ids) > 1
+    F.cross_entropy(p.model(ids), y).backward()
+    assert p.optimizer.step()
+    want = reference_step(start, ids.as_subclass(torch.Tensor), y.as_subclass(torch.Tensor), 8.0)
+    got = p.privacy_engine.parameters()
+    assert sorted(got) == sorted(want)
+    num = sum(float((got[n].double() - want[n]).pow(2).sum()) for n in want)
+    den = sum(float((want[n] - start.get_parameter(n).detach().double()).pow(2).sum())
+              for n in want)
+    assert math.sqrt(num / den) <= 1e-5, math.sqrt(num / den)
+
+
+def test_a_random_op_inside_a_generic_module_is_refused():
+    """F.dropout called inside a module that uses its parameters directly: no module attribute
+    shows it, the recompute meets it (vmap's randomness check)."""
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(D))
+
+        def forward(self, h):
+            return F.dropout(h * self.w, 0.5, self.training)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.noisy, self.head = nn.Embedding(V, D), Noisy(), nn.Linear(D, K)
+
+        def forward(self, ids):
+            return self.head(self.noisy(self.emb(ids)).mean(1))
+
+    p = dpzero.make_private(Net(), dataset=_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=C, seed=1)
+    ids, y = next(iter(p.data_loader))
+    with pytest.raises(Exception, match=r"Noisy 'noisy' draws random numbers"):
+        F.cross_entropy(p.model(ids), y).backward()
+    with pytest.raises(dpzero.private.PrivacyViolation, match="refusing the step"):
+        p.optimizer.step()
+    assert p.privacy_engine.charges == 0
+
+
+class Both(nn.Module):
+    """An LSTM, then self-attention: two generic modules around kernel layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.lstm = nn.LSTM(D, D, batch_first=True)
+        self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
+        self.head = nn.Linear(D, K)
+
+    def forward(self, ids):
+        h = self.lstm(self.emb(ids))[0]
+        return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
+
+
+def _rank(rank, world, store, out):
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        torch.save(_train(stage=3), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(stage: int):
+    torch.manual_seed(0)
+    p = dpzero.make_private(Both(), dataset=_data(), batch_size=8, noise_multiplier=0.8,
+                            max_grad_norm=C, lr=LR, seed=2, zero_stage=stage,
+                            max_physical_batch_size=4)
+    steps = 0
+    for ids, y in p.data_loader:
+        F.cross_entropy(p.model(ids), y).backward()
+        if p.optimizer.step():
+            p.optimizer.zero_grad()
+            steps += 1
+            if steps == 2:
+                break
+    return p.privacy_engine.parameters()
+
+
+def test_two_zero3_ranks_match_one_rank_on_the_generic_path(tmp_path):
+    import torch.multiprocessing as mp
+
+    single = _train(stage=0)
+    out = str(tmp_path / "out")
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        for name, value in single.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
