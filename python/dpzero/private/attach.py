@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .book import Layer, PrivacyViolation, Slot
-from .fallback import SUBTREE_TYPES, FuncKind, OutputLayout, bypassing, swapped, tap
+from .fallback import FuncKind, OutputLayout, bypassing, swapped, taken_whole, tap
 from .layers import EmbeddingKind, autocast_dtype, dp_apply, layer_kind
 from .provenance import record, root_forward
 
@@ -50,9 +50,9 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
     PrivacyViolation naming every module that cannot be covered."""
     problems: List[str] = []
     layers: List[Layer] = []
-    whole: List[str] = []  # modules the generic path takes with their children (SUBTREE_TYPES)
+    whole: List[str] = []  # modules the generic path takes with their children (taken_whole)
     for name, module in model.named_modules():
-        if any(name.startswith(w + ".") for w in whole):
+        if any(w == "" or name.startswith(w + ".") for w in whole):  # "": the root, whole
             continue
         why = _rejection(module)
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
@@ -65,7 +65,7 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
         if why is not None and (trainable_own or batch_stats):
             problems.append(f"{name or '<model>'} ({type(module).__name__}): {why}")
             continue
-        if isinstance(module, SUBTREE_TYPES):
+        if taken_whole(module):
             whole.append(name)
             own = [(n, p) for n, p in module.named_parameters() if p is not None]
             trainable_own = [n for n, p in own if p.requires_grad]
@@ -73,7 +73,7 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
             continue
         # No kernel (a module using its parameters directly, the model's root, a subclass of a
         # kernel layer overriding its forward, SUBTREE_TYPES): the generic path (fallback.py).
-        kind = None if isinstance(module, SUBTREE_TYPES) else layer_kind(module)
+        kind = None if taken_whole(module) else layer_kind(module)
         if kind is None:
             kind = FuncKind([n for n, _ in own])
         extra = [n for n in trainable_own if n not in kind.params]
@@ -194,7 +194,8 @@ def _fallback_forward(book, layer, original, params, args, kwargs, recompute=Fal
         detach = lambda a: a.detach() if isinstance(a, torch.Tensor) else a  # noqa: E731
         device = outputs[0].device.type
         saved = (pytree.tree_map(detach, args), pytree.tree_map(detach, kwargs),
-                 OutputLayout(spec, tapped, tuple(tuple(t.shape) for t in outputs)),
+                 OutputLayout(spec, tapped, tuple(tuple(t.shape) for t in outputs),
+                              tuple(t.detach() for t in outputs)),
                  autocast_dtype(device))
 
         def on_backward(grads, pid=pid, saved=saved):

@@ -59,8 +59,14 @@ def bypass():
 
 
 # Modules whose forward uses their children's parameters directly: the generic path takes them
-# whole (their children are not DP layers of their own).
+# whole (their children are not DP layers of their own). Hugging Face's Mamba mixers read
+# dt_proj.bias and conv1d's weight inside their selective scan.
 SUBTREE_TYPES = (nn.MultiheadAttention,)
+SUBTREE_NAMES = frozenset({"MambaMixer", "Mamba2Mixer", "FalconMambaMixer"})
+
+
+def taken_whole(module: nn.Module) -> bool:
+    return isinstance(module, SUBTREE_TYPES) or type(module).__name__ in SUBTREE_NAMES
 
 
 def _owner(module: nn.Module, name: str) -> Tuple[nn.Module, str]:
@@ -101,6 +107,7 @@ class OutputLayout(NamedTuple):
     spec: object
     tapped: Tuple[int, ...]
     shapes: Tuple[Tuple[int, ...], ...]
+    values: Tuple[torch.Tensor, ...] = ()  # the forward's tapped outputs (detached)
 
 
 class FuncKind(LayerKind):
@@ -142,9 +149,10 @@ class FuncKind(LayerKind):
     def per_sample_grads(self, module: nn.Module, saved, g: torch.Tensor, train, dims,
                          module_name: str = "the module"):
         """{name: [B, *shape] float32} for the trainable parameters. ``saved``: (args, kwargs,
-        OutputLayout, autocast dtype or None) of the forward call; ``g``: :meth:`batch_first`'s [B, total]; ``dims``:
-        the verdict (per (args, kwargs) leaf and per tapped output, the dim holding the examples
-        or None)."""
+        OutputLayout, autocast dtype or None) of the forward call; ``g``: :meth:`batch_first`'s
+        [B, total]; ``dims``: the verdict (per (args, kwargs) leaf and per tapped output, the dim
+        holding the examples or None). Raises :class:`MixedExamplesError` unless each example's
+        recomputed output equals the forward's (Note [separable recompute])."""
         args, kwargs, layout, amp = saved
         in_dims, out_dims = dims
         names = [n for n, t in zip(self.names, train) if t]
@@ -169,7 +177,7 @@ class FuncKind(LayerKind):
 
         def one(gs, xs):
             out, vjp = torch.func.vjp(lambda p: sample_out(p, xs), values)
-            return vjp(tuple(gi.to(o.dtype) for gi, o in zip(gs, out)))[0]
+            return vjp(tuple(gi.to(o.dtype) for gi, o in zip(gs, out)))[0], out
 
         xs = tuple(leaves[i] for i in batched)
         # The forward's autocast state, re-entered for the recompute (Note [autocast]).
@@ -180,13 +188,14 @@ class FuncKind(LayerKind):
             # sample at a time and says so; the result is the same.
             warnings.filterwarnings("ignore", message="There is a performance drop because")
             try:
-                grads = torch.func.vmap(one, in_dims=(0, tuple(in_dims[i] for i in batched)))(
-                    tuple(per_out), xs)
+                grads, outs = torch.func.vmap(
+                    one, in_dims=(0, tuple(in_dims[i] for i in batched)))(tuple(per_out), xs)
             except RuntimeError as e:
                 if "random" in str(e):
                     raise RandomOpError(_random_op_error(module_name)) from None
-                grads = self._loop(one, per_out, xs, [in_dims[i] for i in batched],
-                                   module_name)
+                grads, outs = self._loop(one, per_out, xs, [in_dims[i] for i in batched],
+                                         module_name)
+        _check_separable(module_name, outs, layout.values, out_dims, amp is not None)
         return {n: grads[n].float() for n in names}
 
     @staticmethod
@@ -194,15 +203,22 @@ class FuncKind(LayerKind):
         """What vmap(one) computes, one sample at a time (modules without batching rules); a
         random draw during it is refused (module docstring)."""
         rows = per_out[0].shape[0]
-        state = torch.random.get_rng_state()
+        state = _rng_states()
         out: Dict[str, List[torch.Tensor]] = {}
-        for i in range(rows):
-            sample = tuple(x.select(d, i) for x, d in zip(xs, dims))
-            for name, t in one(tuple(g[i] for g in per_out), sample).items():
-                out.setdefault(name, []).append(t)
-        if not torch.equal(state, torch.random.get_rng_state()):
-            raise RandomOpError(_random_op_error(module_name))
-        return {name: torch.stack(ts) for name, ts in out.items()}
+        outs: List[List[torch.Tensor]] = []
+        try:
+            for i in range(rows):
+                sample = tuple(x.select(d, i) for x, d in zip(xs, dims))
+                grads, y = one(tuple(g[i] for g in per_out), sample)
+                for name, t in grads.items():
+                    out.setdefault(name, []).append(t)
+                outs.append(list(y))
+            if not all(torch.equal(a, b) for a, b in zip(state, _rng_states())):
+                raise RandomOpError(_random_op_error(module_name))
+        finally:
+            _set_rng_states(state)
+        stacked = tuple(torch.stack([o[j] for o in outs]) for j in range(len(per_out)))
+        return {name: torch.stack(ts) for name, ts in out.items()}, stacked
 
     def sq_norms(self, module, a, g, train):
         ps = a  # the per-sample gradients (Book passes them as A)
@@ -232,6 +248,52 @@ class FuncKind(LayerKind):
 
 class RandomOpError(RuntimeError):
     """A generic module's recompute met a random op (FuncKind docstring)."""
+
+
+class MixedExamplesError(RuntimeError):
+    """A generic module's output for one example depends on others (Note [separable
+    recompute])."""
+
+
+# Note [separable recompute]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The probe finds the dim of each input and output whose size follows the number of examples;
+# it cannot see whether the module mixes examples along that dim. A batch_first=False
+# TransformerEncoderLayer, LSTM or MultiheadAttention fed batch-first inputs attends or recurs
+# over the examples and still has "one more example" exactly where the probe looks; so does a
+# cumulative sum over dim 0. The per-sample recompute runs each example alone, so it computes
+# each example's output as if no other example were there: every backward compares that with the
+# forward's output row by row and refuses the step when they differ beyond rounding (a looser
+# tolerance under 16-bit autocast). A module whose rows each depend on their own example only
+# passes; one that mixes examples fails, and so does one that drew random numbers (its masks
+# differ). The outputs come for free from the VJP the gradients need.
+def _check_separable(module_name: str, recomputed, forward, out_dims, low_precision: bool):
+    rtol = 3e-2 if low_precision else 1e-3
+    for j, (r, f, d) in enumerate(zip(recomputed, forward, out_dims)):
+        f = f.movedim(d, 0).to(r.dtype)
+        scale = float(f.abs().max()) if f.numel() else 0.0
+        diff = (r - f).abs()
+        if diff.numel() and bool((diff > rtol * f.abs() + rtol * scale).any()):
+            raise MixedExamplesError(
+                f"{module_name}: each example's output recomputed alone differs from the "
+                f"forward's (output {j}, largest difference {float(diff.max()):.3g} at scale "
+                f"{scale:.3g}): the module mixes the examples along the dim that holds them (a "
+                "batch_first=False layer fed batch-first inputs attends or recurs over the "
+                "examples), or draws random numbers in its forward. Feed it the layout it "
+                "expects (batch_first=True, or transpose the input), or freeze its parameters")
+
+
+def _rng_states() -> List[torch.Tensor]:
+    states = [torch.random.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: List[torch.Tensor]) -> None:
+    torch.random.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state_all(states[1:])
 
 
 def _numel(shape) -> int:

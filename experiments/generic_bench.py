@@ -1,0 +1,247 @@
+"""The generic per-sample path against Opacus on modules without kernels (issue 22): an LSTM and a
+multi-head-attention classifier, one private step each, side by side in one process.
+
+Systems (each a full step: forward, backward with per-sample clipping, noise, update):
+  torch             non-private PyTorch (the floor)
+  dpzero            dpzero.make_private: LSTM / MHA through the generic path (fallback.py:
+                    torch.func on that module), Embedding and Linear through the kernels
+  opacus-functorch  Opacus 1.6, grad_sample_mode="functorch" (torch.func for every layer)
+  opacus-hooks      Opacus 1.6, grad_sample_mode="hooks" (its grad samplers; torch.func for
+                    modules it has none for, such as nn.LSTM and nn.MultiheadAttention)
+  opacus-dp-layers  Opacus 1.6 hooks with the model rewritten to Opacus's DPLSTM /
+                    DPMultiheadAttention (what Opacus asks its users to swap in)
+
+Timing: rounds interleave one step of every system; the table gives each system's median step
+time and its median paired ratio to dpzero (experiments/bench_common.py). Every system's first
+update is checked against a per-example float64 reference (σ = 0) before timing.
+
+    scripts/bench.sh experiments/generic_bench.py           # installs opacus, writes results
+    .venv/bin/python experiments/generic_bench.py --rounds 5 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dpzero  # noqa: E402
+from bench_common import dpzero_version, paired_ratios  # noqa: E402
+
+V, D, H, K = 1000, 64, 128, 4
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generic.md")
+
+
+class LSTMNet(nn.Module):
+    def __init__(self, lstm_cls=nn.LSTM):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.lstm = lstm_cls(D, H, batch_first=True)
+        self.head = nn.Linear(H, K)
+
+    def forward(self, ids):
+        out, _ = self.lstm(self.emb(ids))
+        return self.head(out[:, -1])
+
+
+class MHANet(nn.Module):
+    def __init__(self, mha_cls=nn.MultiheadAttention):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.attn = mha_cls(D, 4, batch_first=True) if mha_cls is nn.MultiheadAttention else \
+            mha_cls(D, 4)
+        self.batch_first = mha_cls is nn.MultiheadAttention
+        self.head = nn.Linear(D, K)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if self.batch_first:
+            a = self.attn(h, h, h, need_weights=False)[0]
+        else:  # Opacus's DPMultiheadAttention is sequence-first
+            s = h.transpose(0, 1)
+            a = self.attn(s, s, s, need_weights=False)[0].transpose(0, 1)
+        return self.head(a.mean(1))
+
+
+def build(model_name: str, swap: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    if model_name == "lstm":
+        if swap:
+            from opacus.layers import DPLSTM
+            return LSTMNet(DPLSTM)
+        return LSTMNet()
+    if swap:
+        from opacus.layers import DPMultiheadAttention
+        return MHANet(DPMultiheadAttention)
+    return MHANet()
+
+
+class System:
+    def __init__(self, name: str, model_name: str, batch: int, seq: int, sigma: float,
+                 clip: float, lr: float):
+        self.name = name
+        self.data = torch.utils.data.TensorDataset(
+            torch.randint(0, V, (4 * batch, seq), generator=torch.Generator().manual_seed(1)),
+            torch.randint(0, K, (4 * batch,), generator=torch.Generator().manual_seed(2)))
+        self.x, self.y = self.data.tensors[0][:batch], self.data.tensors[1][:batch]
+        model = build(model_name, swap=name == "opacus-dp-layers")
+        if name == "opacus-dp-layers":  # same initial values as the others
+            ref = build(model_name)
+            _copy_values(ref, model, model_name)
+        self.start = copy.deepcopy(model)
+        if name == "torch":
+            self.model = model
+            self.opt = torch.optim.SGD(model.parameters(), lr=lr)
+        elif name == "dpzero":
+            self.p = dpzero.make_private(model, dataset=self.data, batch_size=batch,
+                                         noise_multiplier=sigma, max_grad_norm=clip, lr=lr,
+                                         allow_no_noise=sigma == 0, seed=0)
+            self.model = model
+        else:
+            from opacus import PrivacyEngine
+
+            mode = "functorch" if name == "opacus-functorch" else "hooks"
+            opt = torch.optim.SGD(model.parameters(), lr=lr)
+            loader = torch.utils.data.DataLoader(self.data, batch_size=batch)
+            self.model, self.opt, _ = PrivacyEngine().make_private(
+                module=model, optimizer=opt, data_loader=loader, noise_multiplier=sigma,
+                max_grad_norm=clip, poisson_sampling=False, grad_sample_mode=mode)
+
+    def step(self) -> None:
+        if self.name == "dpzero":
+            x, y = self.p.privacy_engine.own_batch((self.x, self.y),
+                                                   logical_batch_size=len(self.x))
+            F.cross_entropy(self.p.model(x), y).backward()
+            self.p.optimizer.step()
+            self.p.optimizer.zero_grad()
+            return
+        self.opt.zero_grad()
+        F.cross_entropy(self.model(self.x), self.y).backward()
+        self.opt.step()
+
+    def params(self) -> dict:
+        if self.name == "dpzero":
+            return self.p.privacy_engine.parameters()
+        m = self.model._module if hasattr(self.model, "_module") else self.model
+        return {n: p.detach() for n, p in m.named_parameters()}
+
+
+def _copy_values(src: nn.Module, dst: nn.Module, model_name: str) -> None:
+    """Opacus's DP layers hold the same weights under other names (and DPLSTM splits no
+    biases differently): copy what maps one to one, by shape and order."""
+    s = [p for p in src.parameters()]
+    d = [p for p in dst.parameters()]
+    with torch.no_grad():
+        for a, b in zip(s, d):
+            if a.shape == b.shape:
+                b.copy_(a)
+
+
+def reference(system: System, clip: float, lr: float) -> dict:
+    ref = copy.deepcopy(system.start).double()
+    params = dict(ref.named_parameters())
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    for i in range(len(system.x)):
+        ref.zero_grad()
+        F.cross_entropy(ref(system.x[i:i + 1]), system.y[i:i + 1]).backward()
+        norm = math.sqrt(sum(float((p.grad ** 2).sum()) for p in params.values()))
+        for n, p in params.items():
+            total[n] += min(1.0, clip / norm) * p.grad
+    return {n: p.detach() - lr * total[n] / len(system.x) for n, p in params.items()}
+
+
+def check(model_name, batch, seq, clip, lr) -> dict:
+    """Relative update error of each system's first σ = 0 step against the reference."""
+    out = {}
+    for name in ("dpzero", "opacus-functorch", "opacus-hooks"):
+        try:
+            s = System(name, model_name, batch, seq, 0.0, clip, lr)
+            want = reference(s, clip, lr)
+            s.step()
+            got = s.params()
+            start = dict(s.start.named_parameters())
+            num = sum(float((got[n].double() - w).pow(2).sum()) for n, w in want.items())
+            den = sum(float((w - start[n].detach().double()).pow(2).sum())
+                      for n, w in want.items())
+            out[name] = math.sqrt(num / den)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            out[name] = f"{type(e).__name__}: {str(e)[:80]}"
+    return out
+
+
+def run(model_name, batch, seq, rounds, warmup, systems) -> dict:
+    built = {}
+    for name in systems:
+        try:
+            built[name] = System(name, model_name, batch, seq, 1.0, 1.0, 0.05)
+        except Exception as e:  # noqa: BLE001 - a system that cannot run is named
+            print(f"  {name}: cannot build ({type(e).__name__}: {e})", flush=True)
+    times = {n: [] for n in built}
+    for r in range(warmup + rounds):
+        for name, s in list(built.items()):
+            t0 = time.perf_counter()
+            try:
+                s.step()
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name}: step failed ({type(e).__name__}: {e})", flush=True)
+                del built[name], times[name]
+                continue
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--models", default="lstm,mha")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    systems = ["torch", "dpzero", "opacus-functorch", "opacus-hooks", "opacus-dp-layers"]
+    lines = []
+    for model_name in args.models.split(","):
+        errors = check(model_name, 8, 8, 1e-3, 100.0)
+        times = run(model_name, args.batch, args.seq, args.rounds, args.warmup, systems)
+        lines += [f"### {model_name.upper()} (batch {args.batch}, T = {args.seq})", "",
+                  "| system | median step (ms) | × dpzero (paired, IQR) | update error vs "
+                  "reference (σ = 0) |", "|---|---|---|---|"]
+        for name in systems:
+            if name not in times:
+                lines.append(f"| {name} | failed | | |")
+                continue
+            med = statistics.median(times[name]) * 1e3
+            ratio = paired_ratios(times, name, "dpzero")
+            rtxt = f"{ratio[0]:.2f} ({ratio[1]:.2f}–{ratio[2]:.2f})" if ratio else ""
+            err = errors.get(name, "")
+            etxt = f"{err:.1e}" if isinstance(err, float) else (err or "not checked")
+            lines.append(f"| {name} | {med:.1f} | {rtxt} | {etxt} |")
+        lines.append("")
+        print("\n".join(lines[-(len(systems) + 5):]), flush=True)
+    if not args.no_write:
+        header = ["# The generic per-sample path against Opacus", "",
+                  "Written by `experiments/generic_bench.py` "
+                  f"({args.rounds} interleaved rounds after {args.warmup} warm-up; "
+                  f"dpzero {dpzero_version()}; {os.cpu_count()} CPU cores, torch threads "
+                  f"{torch.get_num_threads()}). σ = 1, C = 1, SGD. A ratio above 1 is slower "
+                  "than dpzero.", ""]
+        with open(RESULTS, "w") as f:
+            f.write("\n".join(header + lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
