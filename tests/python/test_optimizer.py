@@ -329,6 +329,9 @@ def test_module_state_dict_reads_and_writes_the_master(stage, precision):
                             mixed_precision=precision, lr=20.0)  # updates well above fp32 rounding
     saved = p.model.state_dict()
     masters = p.privacy_engine.parameters()
+    # keep_vars=True asks for the Parameter objects: nothing gathered (rank 0 alone may ask).
+    assert all(isinstance(v, nn.Parameter) for k, v in p.model.state_dict(keep_vars=True).items()
+               if "_module." + k[len("_module."):] in saved and k[len("_module."):] in masters)
     assert sorted(saved) == sorted("_module." + n for n in masters)
     for name, value in masters.items():
         assert torch.equal(saved["_module." + name], value)

@@ -14,8 +14,9 @@ own shard. Elsewhere they are not:
   overwritten by the next step, from the old master).
 
 There, hooks on the model make the state dict hold the fp32 master values (gathered: a
-collective with several ranks, as FSDP's full state dict) and make loading write the master,
-from which the engine publishes the parameters. Only trainable parameters are the engine's;
+collective with several ranks, as FSDP's full state dict: every rank calls ``state_dict()``, not
+rank 0 alone) and make loading write the master, from which the engine publishes the parameters.
+``state_dict(keep_vars=True)`` asks for the Parameter objects themselves and gathers nothing. Only trainable parameters are the engine's;
 buffers and frozen parameters are torch's as usual.
 """
 
@@ -52,7 +53,14 @@ def register(model: nn.Module, engine) -> List:
         slot = engine._slot_of[id(p)]
         return flats[slot.unit][slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
 
+    keep_vars = []  # the state_dict() call's keep_vars, from the pre-hook to the post-hook
+
+    def save_pre(module, prefix, keep):
+        keep_vars.append(keep)
+
     def save_post(module, state_dict, prefix, local_metadata):
+        if keep_vars.pop() if keep_vars else False:
+            return  # the caller asked for the Parameter objects, not values: nothing gathered
         flats = gathered()
         for name, p in names.items():
             if prefix + name in state_dict:
@@ -81,6 +89,7 @@ def register(model: nn.Module, engine) -> List:
         pending.clear()
         engine._load_parameters(taken)
 
-    return [model.register_state_dict_post_hook(save_post),
+    return [model.register_state_dict_pre_hook(save_pre),
+            model.register_state_dict_post_hook(save_post),
             model.register_load_state_dict_pre_hook(load_pre),
             model.register_load_state_dict_post_hook(load_post)]
