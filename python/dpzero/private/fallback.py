@@ -37,6 +37,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
 
 from .layers import LayerKind, round_up_f32
@@ -183,9 +184,11 @@ class FuncKind(LayerKind):
         # The forward's autocast state, re-entered for the recompute (Note [autocast]).
         amp_ctx = torch.autocast(g.device.type, dtype=amp) if amp is not None else \
             contextlib.nullcontext()
-        with torch.enable_grad(), amp_ctx, warnings.catch_warnings():
-            # functorch runs ops without a batching rule (SDPA on CPU, mkldnn RNN layers) one
-            # sample at a time and says so; the result is the same.
+        # SDPA's math backend has batching rules (its fused kernels run one sample at a time
+        # under vmap); functorch runs other ops without a batching rule (mkldnn RNN layers) one
+        # sample at a time and says so; the results are the same.
+        with torch.enable_grad(), amp_ctx, warnings.catch_warnings(), \
+                sdpa_kernel([SDPBackend.MATH]):
             warnings.filterwarnings("ignore", message="There is a performance drop because")
             try:
                 grads, outs = torch.func.vmap(
