@@ -416,3 +416,77 @@ def test_a_root_taken_whole_registers_no_child_layers():
                             dataset=torch.utils.data.TensorDataset(torch.randn(N, T, D)),
                             batch_size=8, noise_multiplier=1.0, max_grad_norm=C, seed=1)
     assert [layer.name for layer in p.privacy_engine.layers] == [""]
+
+
+class _Positions(nn.Embedding):
+    """BART's learned positions: ids computed from the input's shape, offset, then the base
+    forward (super().forward), shared [1, T] ids the kernel expands to the batch."""
+
+    def forward(self, ids):
+        return super().forward(torch.arange(ids.shape[1]).unsqueeze(0) + 2)
+
+
+class _DirectLookup(nn.Embedding):
+    """Overrides forward without calling the base: the generic path."""
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight) * 0.5
+
+
+class _Leaky(nn.Embedding):
+    """Calls the base and also uses the weight directly: the guard must stop it."""
+
+    def forward(self, ids):
+        return super().forward(ids) + self.weight[:1]
+
+
+class _Subclassed(nn.Module):
+    def __init__(self, emb_cls, positions=False):
+        super().__init__()
+        self.emb = emb_cls(V, D)
+        self.pos = _Positions(T + 2, D) if positions else None
+        self.head = nn.Linear(D, K)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if self.pos is not None:
+            h = h + self.pos(ids)
+        return self.head(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("emb_cls, routed", [(ScaledEmbedding, True), (_DirectLookup, False)])
+def test_kernel_subclasses_keep_the_kernel_through_super(emb_cls, routed):
+    """Note [subclass forwards]: a subclass calling super().forward keeps the kernel (its own
+    forward runs as written around it); one that does not takes the generic path; both equal
+    the per-example reference, and detach() restores the class."""
+    torch.manual_seed(0)
+    model = _Subclassed(emb_cls, positions=True)
+    start = copy.deepcopy(model)
+    p = dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=0.0,
+                            max_grad_norm=C, allow_no_noise=True, lr=LR, seed=1)
+    kinds = {layer.name: (type(layer.kind).__name__, layer.routed)
+             for layer in p.privacy_engine.layers}
+    assert kinds["pos"] == ("EmbeddingKind", True)
+    assert kinds["emb"] == (("EmbeddingKind", True) if routed else ("FuncKind", False))
+    assert type(model.emb).__mro__[1] is emb_cls if routed else type(model.emb) is emb_cls
+    ids, y = next(iter(p.data_loader))
+    F.cross_entropy(p.model(ids), y).backward()
+    assert p.optimizer.step()
+    want = reference_step(start, ids.as_subclass(torch.Tensor), y.as_subclass(torch.Tensor), 8.0)
+    got = p.privacy_engine.parameters()
+    num = sum(float((got[n].double() - want[n]).pow(2).sum()) for n in want)
+    den = sum(float((want[n] - start.get_parameter(n).detach().double()).pow(2).sum())
+              for n in want)
+    assert math.sqrt(num / den) <= 1e-5, math.sqrt(num / den)
+    p.privacy_engine.detach()
+    assert type(model.emb) is emb_cls and type(model.pos) is _Positions
+
+
+def test_a_routed_subclass_using_its_weight_directly_is_stopped():
+    p = dpzero.make_private(_Subclassed(_Leaky), dataset=_data(), batch_size=8,
+                            noise_multiplier=1.0, max_grad_norm=C, seed=1)
+    ids, y = next(iter(p.data_loader))
+    with pytest.raises(dpzero.private.PrivacyViolation, match="'emb.weight' received a gradient"):
+        F.cross_entropy(p.model(ids), y).backward()
+    with pytest.raises(dpzero.private.PrivacyViolation, match="refusing the step"):
+        p.optimizer.step()

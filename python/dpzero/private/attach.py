@@ -11,6 +11,7 @@ decides which layer inputs hold the examples (provenance.py, Note [batch provena
 from __future__ import annotations
 
 import functools
+import types
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -19,7 +20,8 @@ from torch.utils import _pytree as pytree
 
 from .book import Layer, PrivacyViolation, Slot
 from .fallback import FuncKind, OutputLayout, bypassing, swapped, taken_whole, tap
-from .layers import EmbeddingKind, autocast_dtype, dp_apply, layer_kind
+from .layers import (EmbeddingKind, autocast_dtype, calls_base_forward, dp_apply, layer_kind,
+                     overridden_base)
 from .provenance import record, root_forward
 
 # Module types that cannot run under DP, with the reason the error gives.
@@ -72,8 +74,12 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
         if not trainable_own:
             continue
         # No kernel (a module using its parameters directly, the model's root, a subclass of a
-        # kernel layer overriding its forward, SUBTREE_TYPES): the generic path (fallback.py).
-        kind = None if taken_whole(module) else layer_kind(module)
+        # kernel layer overriding its forward without calling the base's, taken_whole): the
+        # generic path (fallback.py). Note [subclass forwards]: one that calls the base's
+        # forward keeps the kernel.
+        routed = overridden_base(module) is not None and calls_base_forward(module) \
+            and not taken_whole(module)
+        kind = None if taken_whole(module) else layer_kind(module, through_super=routed)
         if kind is None:
             kind = FuncKind([n for n, _ in own])
         extra = [n for n in trainable_own if n not in kind.params]
@@ -92,7 +98,8 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
             trainable = isinstance(p, torch.Tensor) and p.requires_grad
             train.append(trainable)
             slots.append(slot_of[id(p)] if trainable else None)
-        layers.append(Layer(len(layers), name, module, kind, tuple(train), slots))
+        layers.append(Layer(len(layers), name, module, kind, tuple(train), slots,
+                            routed=routed and not isinstance(kind, FuncKind)))
     if problems:
         raise PrivacyViolation(
             "these modules cannot be trained privately (every trainable parameter must be "
@@ -213,12 +220,46 @@ def patch(model: nn.Module, layers: List[Layer], book_ref, ranks, devices) -> No
     are the probe's."""
     for layer in layers:
         module = layer.module
+        if layer.routed:  # Note [subclass forwards]
+            base = overridden_base(module)
+            original = types.MethodType(base.forward, module)
+            module._dp_original_forward = original
+            module._dp_route = functools.partial(_patched_forward, book_ref, layer, original)
+            module.__class__ = _routed_class(type(module), base)
+            continue
         original = module.forward
         module._dp_original_forward = original
         module.forward = functools.partial(_patched_forward, book_ref, layer, original)
     original = model.forward
     model._dp_root_previous = model.__dict__.get("forward")
     model.forward = functools.partial(root_forward, book_ref, ranks, devices, model, original)
+
+
+# Note [subclass forwards]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A subclass of a kernel layer that overrides forward and calls super().forward (BART's and OPT's
+# learned positions compute their ids first, BART's and Gemma's scaled embeddings multiply the
+# lookup after) keeps the kernel: its own forward runs as written, and only the base class's
+# forward, which super() reaches, is routed through the DP layer. The instance's class becomes a
+# subclass of it whose MRO puts a routing class between it and the base (type(module).forward is
+# still the user's; super(UserClass, self).forward is the router's), restored by unpatch. What the
+# overriding forward does around the call is ordinary autograd: G includes a scale applied after,
+# and ids computed before (positions) are judged by the probe like any ids (Note [batch
+# provenance]). Should that forward also use the weight directly, autograd gives it a gradient
+# and the guard (guard_hooks) stops the backward. Subclasses that never call super().forward take
+# the generic path.
+_ROUTED: Dict[Tuple[type, type], type] = {}
+
+
+def _routed_class(cls: type, base: type) -> type:
+    key = (cls, base)
+    if key not in _ROUTED:
+        router = type(f"DP{base.__name__}", (base,), {
+            "forward": lambda self, *args, **kwargs: self.__dict__["_dp_route"](*args, **kwargs),
+            "__module__": __name__})
+        _ROUTED[key] = type(cls.__name__, (cls, router),
+                            {"__module__": cls.__module__, "_dp_unrouted": cls})
+    return _ROUTED[key]
 
 
 def unpatch(model: nn.Module, layers: List[Layer]) -> None:
@@ -232,6 +273,8 @@ def unpatch(model: nn.Module, layers: List[Layer]) -> None:
         if "forward" in module.__dict__:
             del module.forward
         module.__dict__.pop("_dp_original_forward", None)
+        if module.__dict__.pop("_dp_route", None) is not None:
+            module.__class__ = type(module)._dp_unrouted
 
 
 def guard_hooks(model: nn.Module, book_ref) -> List:

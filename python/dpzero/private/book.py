@@ -87,6 +87,7 @@ class Layer:
     slots: List[Optional[Slot]]      # per kind.params
     component: int = -1
     group: int = -1
+    routed: bool = False  # Note [subclass forwards] (attach.py): the kernel via super().forward
 
 
 @dataclass

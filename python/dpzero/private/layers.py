@@ -18,6 +18,7 @@ RMSNorm modules (``LlamaRMSNorm`` and relatives: a ``weight`` of shape [d] and a
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Callable, List, NamedTuple, Optional, Sequence
 
@@ -427,20 +428,32 @@ class ConvKind(LayerKind):
 _BASES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm, nn.Conv1d, nn.Conv2d)
 
 
-def overridden_kind(module: nn.Module) -> Optional[str]:
+def overridden_base(module: nn.Module) -> Optional[type]:
     """The torch layer class ``module`` subclasses while replacing its forward (e.g. Hugging
     Face's scaled word embeddings, which multiply the lookup by a constant), or None."""
     for base in _BASES:
         if isinstance(module, base) and type(module).forward is not base.forward:
-            return base.__name__
+            return base
     return None
 
 
-def layer_kind(module: nn.Module) -> Optional[LayerKind]:
+def calls_base_forward(module: nn.Module) -> bool:
+    """Whether the overriding forward of ``module``'s class calls ``super().forward`` (Note
+    [subclass forwards] in attach.py): read from its source; False when there is none."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return "super().forward(" in source
+
+
+def layer_kind(module: nn.Module, through_super: bool = False) -> Optional[LayerKind]:
     """The DP kind of ``module``, or None if dpzero has no per-sample ops for it: the torch
-    classes (and subclasses that keep their forward) and the named Hugging Face classes."""
+    classes (and subclasses that keep their forward) and the named Hugging Face classes;
+    ``through_super``: also a subclass overriding forward, by its base class's kind (Note
+    [subclass forwards])."""
     name = type(module).__name__
-    if overridden_kind(module):
+    if overridden_base(module) is not None and not through_super:
         return None
     if isinstance(module, nn.Linear):
         return LinearKind(transposed=False)
