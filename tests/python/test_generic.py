@@ -273,63 +273,6 @@ def test_two_zero3_ranks_match_one_rank_on_the_generic_path(tmp_path):
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
 
 
-class Folded(nn.Module):
-    """OPT's decoder MLP: LayerNorm and Linear layers on hidden_states.reshape(-1, d), the
-    examples folded into dim 0 with their positions (Note [folded examples]). ``cut`` shortens
-    the sequences without the call pattern seeing it (a cached verdict meets another T);
-    ``position_major`` folds [T * B, d] instead, which interleaves examples."""
-
-    def __init__(self, position_major=False):
-        super().__init__()
-        self.emb = nn.Embedding(V, D)
-        self.ln = nn.LayerNorm(D)
-        self.fc = nn.Linear(D, D)
-        self.head = nn.Linear(D, K)
-        self.cut, self.position_major = 0, position_major
-
-    def forward(self, ids):
-        h = self.emb(ids[:, :ids.shape[1] - self.cut])
-        shape = h.shape
-        flat = h.transpose(0, 1).reshape(-1, D) if self.position_major else h.reshape(-1, D)
-        flat = self.fc(torch.tanh(self.ln(flat)))
-        h = flat.view(shape[1], shape[0], D).transpose(0, 1) if self.position_major else \
-            flat.view(shape)
-        return self.head(h.mean(1))
-
-
-def test_examples_folded_into_dim_0_are_split_per_example():
-    torch.manual_seed(0)
-    model = Folded()
-    p = dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=0.0,
-                            max_grad_norm=C, allow_no_noise=True, lr=LR, seed=1)
-    for step, (ids, y) in enumerate(p.data_loader):
-        model.cut = 2 * step  # T = 6, then 4 under the verdict cached at T = 6
-        start = Folded()  # an unpatched twin at the current values
-        start.load_state_dict(p.privacy_engine.parameters())
-        start.cut = model.cut
-        F.cross_entropy(p.model(ids), y).backward()
-        assert p.optimizer.step()
-        p.optimizer.zero_grad()
-        want = reference_step(start, ids.as_subclass(torch.Tensor), y.as_subclass(torch.Tensor),
-                              8.0)
-        got = p.privacy_engine.parameters()
-        num = sum(float((got[n].double() - want[n]).pow(2).sum()) for n in want)
-        den = sum(float((want[n] - start.get_parameter(n).detach().double()).pow(2).sum())
-                  for n in want)
-        assert math.sqrt(num / den) <= 1e-5, (step, math.sqrt(num / den))
-        if step == 1:
-            break
-
-
-def test_examples_interleaved_in_dim_0_are_refused():
-    p = dpzero.make_private(Folded(position_major=True), dataset=_data(), batch_size=8,
-                            noise_multiplier=1.0, max_grad_norm=C, seed=1)
-    ids, y = next(iter(p.data_loader))
-    with pytest.raises(dpzero.private.PrivacyViolation,
-                       match=r"LayerNorm 'ln': its input dims \[0\] of its shape"):
-        p.model(ids)
-
-
 class _OnlySequence(nn.LSTM):
     def forward(self, x):
         return super().forward(x)[0]
@@ -418,14 +361,6 @@ def test_a_root_taken_whole_registers_no_child_layers():
     assert [layer.name for layer in p.privacy_engine.layers] == [""]
 
 
-class _Positions(nn.Embedding):
-    """BART's learned positions: ids computed from the input's shape, offset, then the base
-    forward (super().forward), shared [1, T] ids the kernel expands to the batch."""
-
-    def forward(self, ids):
-        return super().forward(torch.arange(ids.shape[1]).unsqueeze(0) + 2)
-
-
 class _DirectLookup(nn.Embedding):
     """Overrides forward without calling the base: the generic path."""
 
@@ -433,34 +368,46 @@ class _DirectLookup(nn.Embedding):
         return F.embedding(ids, self.weight) * 0.5
 
 
-class _Leaky(nn.Embedding):
-    """Calls the base and also uses the weight directly: the guard must stop it."""
+class _Centred(nn.Embedding):
+    """An unvetted override that mixes examples around super().forward (a review found it
+    accepted when every super()-calling subclass kept the kernel: 3.9 against 2C = 2)."""
 
     def forward(self, ids):
-        return super().forward(ids) + self.weight[:1]
+        e = super().forward(ids)
+        return e - e.mean(0, keepdim=True)
 
 
 class _Subclassed(nn.Module):
-    def __init__(self, emb_cls, positions=False):
+    def __init__(self, emb):
         super().__init__()
-        self.emb = emb_cls(V, D)
-        self.pos = _Positions(T + 2, D) if positions else None
+        from transformers.models.bart.modeling_bart import BartLearnedPositionalEmbedding
+
+        self.emb = emb
+        self.pos = BartLearnedPositionalEmbedding(T + 2, D)
         self.head = nn.Linear(D, K)
 
     def forward(self, ids):
-        h = self.emb(ids)
-        if self.pos is not None:
-            h = h + self.pos(ids)
-        return self.head(torch.tanh(h).mean(1))
+        return self.head(torch.tanh(self.emb(ids) + self.pos(ids)).mean(1))
 
 
-@pytest.mark.parametrize("emb_cls, routed", [(ScaledEmbedding, True), (_DirectLookup, False)])
-def test_kernel_subclasses_keep_the_kernel_through_super(emb_cls, routed):
-    """Note [subclass forwards]: a subclass calling super().forward keeps the kernel (its own
-    forward runs as written around it); one that does not takes the generic path; both equal
-    the per-example reference, and detach() restores the class."""
+def _bart_scaled():
+    from transformers.models.bart.modeling_bart import BartScaledWordEmbedding
+
+    return BartScaledWordEmbedding(V, D, padding_idx=0, embed_scale=2.5)
+
+
+@pytest.mark.parametrize("build, routed", [(_bart_scaled, True),
+                                           (lambda: ScaledEmbedding(V, D), False),
+                                           (lambda: _DirectLookup(V, D), False)])
+def test_vetted_subclasses_keep_the_kernel_through_super(build, routed):
+    """Note [subclass forwards]: Hugging Face's vetted subclasses (BART's scaled embedding and
+    learned positions here) keep the kernel, their own forward running as written around it;
+    any other overriding subclass takes the generic path. All equal the per-example reference,
+    and detach() restores the classes."""
     torch.manual_seed(0)
-    model = _Subclassed(emb_cls, positions=True)
+    emb = build()
+    emb_cls = type(emb)
+    model = _Subclassed(emb)
     start = copy.deepcopy(model)
     p = dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=0.0,
                             max_grad_norm=C, allow_no_noise=True, lr=LR, seed=1)
@@ -468,7 +415,6 @@ def test_kernel_subclasses_keep_the_kernel_through_super(emb_cls, routed):
              for layer in p.privacy_engine.layers}
     assert kinds["pos"] == ("EmbeddingKind", True)
     assert kinds["emb"] == (("EmbeddingKind", True) if routed else ("FuncKind", False))
-    assert type(model.emb).__mro__[1] is emb_cls if routed else type(model.emb) is emb_cls
     ids, y = next(iter(p.data_loader))
     F.cross_entropy(p.model(ids), y).backward()
     assert p.optimizer.step()
@@ -479,14 +425,16 @@ def test_kernel_subclasses_keep_the_kernel_through_super(emb_cls, routed):
               for n in want)
     assert math.sqrt(num / den) <= 1e-5, math.sqrt(num / den)
     p.privacy_engine.detach()
-    assert type(model.emb) is emb_cls and type(model.pos) is _Positions
+    assert type(model.emb) is emb_cls and type(model.pos).__name__ == \
+        "BartLearnedPositionalEmbedding" and "forward" not in vars(model.pos)
 
 
-def test_a_routed_subclass_using_its_weight_directly_is_stopped():
-    p = dpzero.make_private(_Subclassed(_Leaky), dataset=_data(), batch_size=8,
+def test_an_unvetted_subclass_mixing_examples_around_super_is_refused():
+    p = dpzero.make_private(_Subclassed(_Centred(V, D)), dataset=_data(), batch_size=8,
                             noise_multiplier=1.0, max_grad_norm=C, seed=1)
+    assert {l.name: type(l.kind).__name__ for l in p.privacy_engine.layers}["emb"] == "FuncKind"
     ids, y = next(iter(p.data_loader))
-    with pytest.raises(dpzero.private.PrivacyViolation, match="'emb.weight' received a gradient"):
+    with pytest.raises(Exception, match="each example's output recomputed alone differs"):
         F.cross_entropy(p.model(ids), y).backward()
     with pytest.raises(dpzero.private.PrivacyViolation, match="refusing the step"):
         p.optimizer.step()

@@ -237,10 +237,12 @@ def patch(model: nn.Module, layers: List[Layer], book_ref, ranks, devices) -> No
 
 # Note [subclass forwards]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# A subclass of a kernel layer that overrides forward and calls super().forward (BART's and OPT's
-# learned positions compute their ids first, BART's and Gemma's scaled embeddings multiply the
-# lookup after) keeps the kernel: its own forward runs as written, and only the base class's
-# forward, which super() reaches, is routed through the DP layer. The instance's class becomes a
+# A vetted subclass of a kernel layer that overrides forward and calls super().forward
+# (layers.ROUTED_SUBCLASSES: BART's and OPT's learned positions compute their ids first, BART's
+# and Gemma's scaled embeddings multiply the lookup after) keeps the kernel: its own forward runs
+# as written, and only the base class's forward, which super() reaches, is routed through the DP
+# layer. Any other overriding subclass takes the generic path: what an unvetted forward does
+# around super().forward could mix examples, which only the generic recompute checks. The instance's class becomes a
 # subclass of it whose MRO puts a routing class between it and the base (type(module).forward is
 # still the user's; super(UserClass, self).forward is the router's), restored by unpatch. What the
 # overriding forward does around the call is ordinary autograd: G includes a scale applied after,

@@ -104,7 +104,6 @@ class Part:
     # Note [batch provenance]: per positional tensor input, 0 if its dim 0 holds the examples,
     # None if it is shared by all of them; None until the root forward's verdict.
     in_dims: Optional[Tuple[Optional[int], ...]] = None
-    folded: bool = False  # Note [folded examples] (provenance.py): [B * k, ...] example-major
 
 
 @dataclass
@@ -270,7 +269,6 @@ class Book:
         for part, verdict in zip(parts, verdicts):
             assert verdict.error is None
             part.in_dims = verdict.in_dims
-            part.folded = verdict.folded
 
     def _release_if_done(self, layer: Layer) -> None:
         """Note [early release]: after one call of ``layer`` ran its backward, frees every
@@ -349,15 +347,6 @@ class Book:
             raise RuntimeError(self.error)
         if hasattr(layer.kind, "batch_first"):  # the generic path's outputs, as [B, total]
             g = layer.kind.batch_first(g, part.in_dims)
-        elif part.folded:  # Note [folded examples] (provenance.py): [B * k, ...] -> [B, k, ...]
-            rows = self.expected_rows
-            if not rows or g.shape[0] % rows or a.shape[0] != g.shape[0]:
-                self.error = (f"layer {layer.name!r} takes the examples folded into dim 0, but "
-                              f"its {g.shape[0]} rows are not a multiple of the micro-batch's "
-                              f"{rows} examples")
-                raise RuntimeError(self.error)
-            k = g.shape[0] // rows
-            a, g = a.reshape(rows, k, *a.shape[1:]), g.reshape(rows, k, *g.shape[1:])
         b = g.shape[0]
         if self.expected_rows is not None and b != self.expected_rows:
             self.error = (f"layer {layer.name!r} saw a batch of {b} rows in a micro-batch of "

@@ -437,11 +437,31 @@ def overridden_base(module: nn.Module) -> Optional[type]:
     return None
 
 
+# Note [subclass forwards] (attach.py): Hugging Face subclasses of kernel layers whose forward
+# was read and found to compute ids from the input's shape or an attention mask row by row and
+# then call super().forward, or to scale super().forward's output by a constant (transformers
+# 5.23). Only these keep the kernel; any other subclass overriding forward takes the generic
+# path, whose recompute checks that examples do not mix (a review found mixing in an unvetted
+# override accepted: 3.9 against the 2C = 2 bound).
+ROUTED_SUBCLASSES = frozenset({
+    "BartLearnedPositionalEmbedding", "BartScaledWordEmbedding",
+    "MBartLearnedPositionalEmbedding", "MBartScaledWordEmbedding",
+    "PLBartScaledWordEmbedding", "M2M100ScaledWordEmbedding", "NllbMoeScaledWordEmbedding",
+    "OPTLearnedPositionalEmbedding", "BioGptLearnedPositionalEmbedding",
+    "BioGptScaledWordEmbedding", "GemmaTextScaledWordEmbedding",
+    "Gemma3TextScaledWordEmbedding",
+})
+
+
 def calls_base_forward(module: nn.Module) -> bool:
-    """Whether the overriding forward of ``module``'s class calls ``super().forward`` (Note
-    [subclass forwards] in attach.py): read from its source; False when there is none."""
+    """Whether ``module``'s class is one of the vetted Hugging Face subclasses routed to their
+    base's kernel (ROUTED_SUBCLASSES), and its forward still calls ``super().forward``."""
+    cls = type(module)
+    if cls.__name__ not in ROUTED_SUBCLASSES or \
+            not cls.__module__.startswith("transformers."):
+        return False
     try:
-        source = inspect.getsource(type(module).forward)
+        source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
     return "super().forward(" in source

@@ -89,7 +89,6 @@ class CallRecord(NamedTuple):
     tensors: Tuple[Any, ...] = ()
     same: Tuple[Optional[bool], ...] = ()
     lookup: Optional["LookupCheck"] = None
-    folded: bool = False  # Note [folded examples]: the probe's input is the real one, example-major
 
     def ranks(self) -> tuple:
         """The record without sizes: what the call pattern compares."""
@@ -168,7 +167,6 @@ class Verdict(NamedTuple):
     in_dims: Tuple[Optional[int], ...] = ()
     error: Optional[str] = None
     expanded: bool = False
-    folded: bool = False  # Note [folded examples]: dim 0 holds the examples' rows, example-major
 
 
 def classify(layers, real: Sequence[CallRecord], probe: Sequence[CallRecord], rows: int,
@@ -202,8 +200,6 @@ def classify(layers, real: Sequence[CallRecord], probe: Sequence[CallRecord], ro
         v, shape = verdicts[0], list(r.inputs[0])
         if v == BATCHED:
             out.append(Verdict((0,)))
-        elif p.folded:
-            out.append(Verdict((0,), folded=True))
         elif v == SHARED and isinstance(layer.kind, EmbeddingKind) and len(shape) > 1 \
                 and shape[0] == 1:
             problem = p.lookup.problem() if p.lookup is not None else None
@@ -438,11 +434,9 @@ class Probe:
         rec = record(layer.index, args, kwargs, [leaves[i] for i in floating] if generic else None)
         j = len(self.records)
         real = self.real[j] if j < len(self.real) and self.real[j].layer == layer.index else None
-        same, folded = (), False
+        same = ()
         if real is not None:
             same = tuple(_equal(a, b) for a, b in zip(real.tensors, rec.tensors))
-            if not generic and real.tensors and rec.tensors:
-                folded = _folded(real.tensors[0], rec.tensors[0], self.rows - 1)
             if generic and real.output is not None and len(real.output) == len(floating):
                 for i, a, b in zip(floating, real.output, rec.output):
                     v, d = follows_dim(a, b, self.rows - 1)
@@ -453,35 +447,8 @@ class Probe:
                     follows(real.inputs[0] if real.inputs else None,
                             rec.inputs[0] if rec.inputs else None, self.rows - 1) == BATCHED:
                 out = _wrap(out.as_subclass(torch.Tensor), 0, self.token)  # the examples
-        self.records.append(rec._replace(tensors=(), same=same, lookup=check, folded=folded))
+        self.records.append(rec._replace(tensors=(), same=same, lookup=check))
         return out
-
-
-# Note [folded examples]
-# ~~~~~~~~~~~~~~~~~~~~~~
-# Some models fold the examples into dim 0 with their positions before a layer: OPT's decoder
-# layers run LayerNorm and the MLP on hidden_states.reshape(-1, d), [B * T, d]. The probe tells
-# such an input by its values, not its size: with one more example (a copy of example 0 appended)
-# the input must be the real one followed by the real one's first n / B rows, i.e. n / B rows per
-# example, example-major — equal up to the rounding a different batch size brings to the layers
-# before. A layout that interleaves examples (position-major [T * B, d]) or mixes them fails the
-# check and is refused as before. Its backward then views A and G as [B, n / B, ...] for the
-# per-sample ops (book.py), which is exactly the per-example split; n / B is taken at each
-# backward (a cached verdict serves micro-batches of other lengths T).
-def _folded(real, probe, rows: int) -> bool:
-    """Whether ``probe`` is ``real`` with one more example's rows appended (module comment)."""
-    if not (isinstance(real, torch.Tensor) and isinstance(probe, torch.Tensor)) or rows < 1 \
-            or real.dim() < 2 or real.shape[1:] != probe.shape[1:]:
-        return False
-    n = real.shape[0]
-    if n % rows or n == rows or probe.shape[0] != n + n // rows:
-        return False
-    if not real.is_floating_point():
-        return bool(torch.equal(probe[:n], real) and torch.equal(probe[n:], real[:n // rows]))
-    r, p = real.detach().double(), probe.detach().double()
-    scale = float(r.abs().max()) if r.numel() else 0.0
-    close = lambda a, b: bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5 * scale))  # noqa: E731
-    return close(p[:n], r) and close(p[n:], r[:n // rows])
 
 
 def _equal(a, b) -> Optional[bool]:
