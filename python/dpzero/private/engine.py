@@ -826,13 +826,27 @@ class PrivacyEngine:
             by_unit.setdefault(self._slot_of[id(p)].unit, []).append((p, v))
         for u in sorted(by_unit):
             current = zero.gathered_state(u)  # collective when W > 1
-            full = current["param"]
             for p, v in by_unit[u]:
-                slot = self._slot_of[id(p)]
-                full[slot.offset:slot.offset + slot.numel] = v.reshape(-1).to(full)
-            begin, end = zero.kept_range(u)
-            zero.load_state(u, {name: t[begin:end] for name, t in current.items()},
-                            zero.optimizer_steps(u))  # collective in stages 1-2
+                self._write_slot(current["param"], p, v)
+            self._load_unit(u, current, zero.optimizer_steps(u))
+
+    def _read_slot(self, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """p's slot of ``flat`` ([padded_numel] of its unit), as p's shape (a view)."""
+        slot = self._slot_of[id(p)]
+        return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def _write_slot(self, flat: torch.Tensor, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Writes ``value`` (p's shape) into p's slot of ``flat`` ([padded_numel] of its unit)."""
+        slot = self._slot_of[id(p)]
+        flat[slot.offset:slot.offset + slot.numel] = value.reshape(-1).to(flat)
+
+    def _load_unit(self, u: int, entries: Dict[str, torch.Tensor], steps: int) -> None:
+        """Loads unit u's 'param' and optimizer ``entries`` (each [padded_numel], the whole
+        layout) over this rank's kept range (Note [checkpoint slices]; collective in stages
+        1-2)."""
+        zero = self.sharded._state
+        begin, end = zero.kept_range(u)
+        zero.load_state(u, {name: t[begin:end] for name, t in entries.items()}, steps)
 
     def _check_between_steps(self, what: str) -> None:
         """Raises on every rank if any rank has a logical batch accumulated or a backward

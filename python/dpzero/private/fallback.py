@@ -31,6 +31,7 @@ the one the loss was computed with.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import warnings
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -160,11 +161,10 @@ class FuncKind(LayerKind):
         args, kwargs, layout, amp = saved
         in_dims, out_dims = dims
         names = [n for n, t in zip(self.names, train) if t]
-        values = {n: _owner(module, n)[0]._parameters[_owner(module, n)[1]].detach()
-                  for n in names}
+        values = {n: module.get_parameter(n).detach() for n in names}
         leaves, spec = pytree.tree_flatten((args, kwargs))
         # The gradient of each tapped output, [B, *per-sample shape] (its examples' dim removed).
-        sizes = [_numel(s) // s[d] for s, d in zip(layout.shapes, out_dims)]
+        sizes = [math.prod(s) // s[d] for s, d in zip(layout.shapes, out_dims)]
         per_out = [t.reshape(t.shape[0], *[n for k, n in enumerate(s) if k != d])
                    for t, s, d in zip(torch.split(g, sizes, 1), layout.shapes, out_dims)]
         batched = [i for i, d in enumerate(in_dims) if d is not None]
@@ -308,13 +308,6 @@ def _set_rng_states(states: List[torch.Tensor]) -> None:
     torch.random.set_rng_state(states[0])
     if len(states) > 1:
         torch.cuda.set_rng_state_all(states[1:])
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 class _Tap(torch.autograd.Function):

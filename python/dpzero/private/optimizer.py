@@ -154,11 +154,10 @@ class DPOptimizer(torch.optim.Optimizer):
         gathered = {u: zero.gathered_state(u) for u in units}  # every rank, same order
         state: Dict[int, Dict[str, torch.Tensor]] = {}
         for i, p in enumerate(params):
-            slot = engine._slot_of[id(p)]
-            steps = zero.optimizer_steps(slot.unit)
-            entries = {name: flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
-                       .to(p.device).clone()
-                       for name, flat in gathered[slot.unit].items() if name != "param"}
+            unit = engine._slot_of[id(p)].unit
+            steps = zero.optimizer_steps(unit)
+            entries = {name: engine._read_slot(flat, p).to(p.device).clone()
+                       for name, flat in gathered[unit].items() if name != "param"}
             if steps == 0 and not entries:
                 continue  # torch.optim creates state at the first step
             if self._kind != "sgd":
@@ -203,7 +202,7 @@ class DPOptimizer(torch.optim.Optimizer):
             flats: Dict[str, torch.Tensor] = {}
             steps = None
             for i in per_unit[u]:
-                p, slot = params[i], engine._slot_of[id(params[i])]
+                p = params[i]
                 key = groups[0]["params"][i]  # the saved index (a str after a JSON round trip)
                 entry = saved.get(key, saved.get(str(key), {}))
                 entry = {k: v for k, v in entry.items() if v is not None}
@@ -225,16 +224,13 @@ class DPOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"load_state_dict: state {name!r} of parameter {i} "
                                          f"has shape {tuple(t.shape)}, the parameter "
                                          f"{tuple(p.shape)}")
-                    flat = flats.setdefault(name, torch.zeros_like(current["param"]))
-                    flat[slot.offset:slot.offset + slot.numel] = t.reshape(-1).to(flat)
+                    engine._write_slot(
+                        flats.setdefault(name, torch.zeros_like(current["param"])), p, t)
             if steps is None:  # SGD keeps no step: a momentum buffer means it has stepped
                 steps = max(zero.optimizer_steps(u), 1) if flats else 0
-            begin, end = zero.kept_range(u)
-            values = {name: flat[begin:end] for name, flat in flats.items()}
-            values["param"] = current["param"][begin:end]
-            loaded[u] = (values, steps)
-        for u, (values, steps) in loaded.items():
-            zero.load_state(u, values, steps)  # collective in stages 1-2
+            loaded[u] = (dict(flats, param=current["param"]), steps)
+        for u, (entries, steps) in loaded.items():
+            engine._load_unit(u, entries, steps)
         group = {k: v for k, v in groups[0].items() if k != "params"}
         self.param_groups[0].update(group)
         for hook in self._optimizer_load_state_dict_post_hooks.values():

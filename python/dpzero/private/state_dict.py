@@ -49,10 +49,6 @@ def register(model: nn.Module, engine) -> List:
         zero = engine.sharded._state
         return {u: zero.full_parameters(u) for u in range(zero.num_units)}  # collective
 
-    def value(flats, p) -> torch.Tensor:
-        slot = engine._slot_of[id(p)]
-        return flats[slot.unit][slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
-
     keep_vars = []  # the state_dict() call's keep_vars, from the pre-hook to the post-hook
 
     def save_pre(module, prefix, keep):
@@ -64,7 +60,8 @@ def register(model: nn.Module, engine) -> List:
         flats = gathered()
         for name, p in names.items():
             if prefix + name in state_dict:
-                state_dict[prefix + name] = value(flats, p)
+                unit = engine._slot_of[id(p)].unit
+                state_dict[prefix + name] = engine._read_slot(flats[unit], p).clone()
 
     def load_pre(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
                  errors):
