@@ -206,8 +206,10 @@ def _hf_cases() -> List[Case]:
         ("Phi-3", "Phi3Config", dict(llama_like, pad_token_id=0), "decoder"),
         ("T5", "T5Config", dict(vocab_size=v, d_model=h, d_kv=8, d_ff=32, num_layers=2,
                                 num_heads=2), "seq2seq"),
-        ("T5 (relative bias frozen)", "T5Config", dict(vocab_size=v, d_model=h, d_kv=8, d_ff=32,
-                                                       num_layers=2, num_heads=2), "seq2seq"),
+        ("mT5", "MT5Config", dict(vocab_size=v, d_model=h, d_kv=8, d_ff=32, num_layers=2,
+                                  num_heads=2), "seq2seq"),
+        ("UMT5", "UMT5Config", dict(vocab_size=v, d_model=h, d_kv=8, d_ff=32, num_layers=2,
+                                    num_heads=2), "seq2seq"),
         ("BART", "BartConfig", dict(vocab_size=v, d_model=h, encoder_layers=1, decoder_layers=1,
                                     encoder_attention_heads=2, decoder_attention_heads=2,
                                     encoder_ffn_dim=32, decoder_ffn_dim=32,
@@ -235,10 +237,6 @@ def _hf_cases() -> List[Case]:
                 or getattr(config, "dim", None)
             if kind == "vision" and hasattr(config, "hidden_sizes"):
                 width = config.hidden_sizes[-1]
-            if name.endswith("(relative bias frozen)"):  # the user's fix the T5 row names
-                for m in model.modules():
-                    if getattr(m, "relative_attention_bias", None) is not None:
-                        m.relative_attention_bias.requires_grad_(False)
             return Pooled(model, width, kind)
 
         cases.append(Case(name, "Hugging Face", build,
@@ -268,8 +266,9 @@ def _reference(model: nn.Module, x, y) -> Dict[str, torch.Tensor]:
 
 def _tied_error(start: nn.Module, x, y, got) -> Optional[float]:
     """The relative update error against tests/python/private_reference.py's DP-SGD step, which
-    clips tied parameters as dpzero documents (DESIGN.md §2.3: an untied copy, the sum of the
-    uses' norms); None where it cannot run (a module called several times is not untied)."""
+    clips parameters used by several calls per example as dpzero documents (DESIGN.md §2.3: an
+    untied copy with one tensor per use, clipped on the sum of the uses' norms); None where it
+    cannot run (a module with children called several times cannot be unrolled)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "python"))
     from private_reference import naive_dp_sgd_step
 
@@ -360,9 +359,10 @@ def run_case(case: Case) -> Row:
     if err <= TOLERANCE:
         result = f"equal to the reference ({err:.1e})"
     elif tied_err is not None and tied_err <= TOLERANCE:
-        result = (f"equal to the tie-aware reference ({tied_err:.1e}): {len(repeated)} tied "
-                  f"parameters, e.g. {repeated[0]!r}, clipped on the sum of their uses' norms "
-                  "(DESIGN.md §2.3)")
+        result = (f"equal to the tie-aware reference ({tied_err:.1e}): {len(repeated)} "
+                  "parameters used by several calls per example (tied, or shared across depth), "
+                  f"e.g. {repeated[0]!r}, clipped on the sum of their uses' norms (DESIGN.md "
+                  "§2.3)")
     elif repeated:
         # DESIGN.md §2.3: a parameter used by several calls per example (tied, or a layer
         # shared across depth) is clipped on the sum of its uses' norms, an upper bound on the

@@ -3,15 +3,16 @@
 vector drawn for all D coordinates in one call, and a plain SGD update.
 
 Clipping groups follow DESIGN.md §2 step 3: a "layer" is a module with trainable parameters of its
-own; tied layers (sharing a parameter) are evaluated on an untied copy so each use's per-sample
-gradient is known, and their norm is the sum of the parts' norms (triangle inequality).
+own; tied layers (sharing a parameter) and layers called several times per example are evaluated
+on an untied copy (one tensor per use) so each use's per-sample gradient is known, and their norm
+is the sum of the uses' norms (triangle inequality).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -32,9 +33,17 @@ def per_sample_grads(model: nn.Module, loss_fn: Callable, inputs: torch.Tensor,
     return vmap(grad(one), in_dims=(None, 0, 0), randomness="same")(params, inputs, targets)
 
 
-def untie(model: nn.Module) -> nn.Module:
-    """A copy in which every use of a shared parameter has its own tensor (same values)."""
+def untie(model: nn.Module, example=None) -> Tuple[nn.Module, Dict[str, str]]:
+    """A copy in which every use of a shared parameter has its own tensor (same values), and the
+    name of the original parameter each of the copy's copies (its canonical name in ``model``).
+
+    A parameter held by several modules (tied) gets one tensor per module. A module called
+    several times per example (ALBERT's layers shared across depth), counted on ``example`` (one
+    example's inputs), gets one copy of its own parameters per call: call j of a forward runs
+    with copy j, a child module ``_use{j}`` of the module (j >= 1; the module's own parameters
+    for call 0). Only childless modules can be unrolled so; others raise."""
     clone = copy.deepcopy(model)
+    canon_clone = {id(p): n for n, p in clone.named_parameters() if p.requires_grad}
     seen = set()
     for module in clone.modules():
         for name, p in list(module._parameters.items()):
@@ -43,8 +52,60 @@ def untie(model: nn.Module) -> nn.Module:
             if id(p) in seen:
                 module._parameters[name] = nn.Parameter(p.detach().clone(),
                                                         requires_grad=p.requires_grad)
+                if p.requires_grad:
+                    canon_clone[id(module._parameters[name])] = canon_clone[id(p)]
             seen.add(id(p))
-    return clone
+    # canonical names of the clone's parameters are the model's (deepcopy keeps the names)
+    if example is not None:
+        _unroll_calls(clone, example, canon_clone)
+    tied_to = {n: canon_clone[id(p)] for n, p in
+               clone.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return clone, tied_to
+
+
+def _unroll_calls(clone: nn.Module, example, canon_clone: Dict[int, str]) -> None:
+    calls: Dict[int, int] = {}
+    owners = [m for m in clone.modules()
+              if any(p.requires_grad for p in m.parameters(recurse=False))]
+    handles = [m.register_forward_pre_hook(
+        lambda mod, args: calls.__setitem__(id(mod), calls.get(id(mod), 0) + 1)) for m in owners]
+    try:
+        with torch.no_grad():
+            clone(example)
+    finally:
+        for h in handles:
+            h.remove()
+    repeated = [m for m in owners if calls.get(id(m), 0) > 1]
+    for module in repeated:
+        if len(module._modules):
+            raise ValueError(f"{type(module).__name__} is called {calls[id(module)]} times per "
+                             "example and has children: the reference cannot unroll it")
+        uses = [module]
+        for j in range(1, calls[id(module)]):
+            use = copy.copy(module)
+            use.__dict__ = dict(module.__dict__)
+            use._modules = {}
+            use._parameters = {}
+            for name, p in module._parameters.items():
+                if p is None:
+                    use._parameters[name] = None
+                    continue
+                use._parameters[name] = nn.Parameter(p.detach().clone(),
+                                                     requires_grad=p.requires_grad)
+                if p.requires_grad:
+                    canon_clone[id(use._parameters[name])] = canon_clone[id(p)]
+            module._modules[f"_use{j}"] = use
+            uses.append(use)
+        forward = type(module).forward
+        count = [0]
+
+        def dispatch(*args, uses=uses, forward=forward, count=count, **kwargs):
+            target = uses[count[0] % len(uses)]
+            count[0] += 1
+            return forward(target, *args, **kwargs)
+
+        module.forward = dispatch
+        clone.register_forward_pre_hook(lambda mod, args, count=count: count.__setitem__(0, 0))
 
 
 def naive_dp_sgd_step(model: nn.Module, loss_fn: Callable, inputs, targets, *, max_grad_norm,
@@ -53,14 +114,8 @@ def naive_dp_sgd_step(model: nn.Module, loss_fn: Callable, inputs, targets, *, m
                       groups: Optional[Sequence[Sequence[str]]] = None) -> Dict[str, torch.Tensor]:
     """The parameters (canonical names, tied once) after one DP-SGD step from ``model``."""
     canonical = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    untied = untie(model)
     # untied parameter name -> canonical name of the parameter it copies
-    tied_to = {}
-    orig = dict(model.named_parameters(remove_duplicate=False))
-    canon_of = {id(p): n for n, p in canonical}
-    for name, p in orig.items():
-        if p.requires_grad:
-            tied_to[name] = canon_of[id(p)]
+    untied, tied_to = untie(model, inputs[:1])
     ps = per_sample_grads(untied, loss_fn, inputs, targets)
     ps = {n: g.double() for n, g in ps.items()}
     b = inputs.shape[0]

@@ -35,9 +35,10 @@ class PosEmbed(nn.Module):
 
 class SeqNet(nn.Module):
     """One DP layer of every kind: Embedding, direct parameters, Conv1d, LayerNorm, HF Conv1D,
-    RMSNorm, Linear."""
+    RMSNorm, Linear; ``tied``: an output layer sharing the Embedding's table; ``depth``: the
+    LayerNorm and the HF Conv1D called a second time (layers shared across depth, as ALBERT's)."""
 
-    def __init__(self, tied: bool = False):
+    def __init__(self, tied: bool = False, depth: bool = False):
         super().__init__()
         from transformers.pytorch_utils import Conv1D
 
@@ -49,7 +50,7 @@ class SeqNet(nn.Module):
         nn.init.normal_(self.proj.weight, std=0.3)
         self.rms = nn.RMSNorm(D)
         self.head = nn.Linear(D, K)
-        self.tied = tied
+        self.tied, self.depth = tied, depth
         if tied:
             self.out = nn.Linear(D, V, bias=False)
             self.out.weight = self.emb.weight
@@ -58,6 +59,8 @@ class SeqNet(nn.Module):
         h = self.pos(self.emb(ids))
         h = self.conv(h.transpose(1, 2)).transpose(1, 2)
         h = self.proj(torch.tanh(self.ln(h)))
+        if self.depth:
+            h = self.proj(torch.tanh(self.ln(h)))
         h = self.rms(h)
         logits = self.head(h.mean(1))
         if self.tied:
@@ -98,10 +101,13 @@ def assert_close_params(got, want, atol=2e-5):
 
 
 @pytest.mark.parametrize("clipping", ["flat", "layer", "automatic", "group"])
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied", [False, True, "depth"])
 def test_one_step_equals_naive_dp_sgd(clipping, tied):
+    """One step against the float64 torch.func step; tied weights and layers called twice per
+    example are clipped on the sum of their uses' norms (DESIGN.md §2.3), as the reference's
+    untied copy does."""
     torch.manual_seed(1)
-    model = SeqNet(tied=tied)
+    model = SeqNet(tied=tied is True, depth=tied == "depth")
     ref_model = copy.deepcopy(model)
     ds = seq_data()
     c, sigma, lr, q = 0.5, 0.7, 0.2, 0.25

@@ -1,6 +1,6 @@
-"""make_private on Hugging Face models built from small configs (GPT-2, BERT, Llama, ViT) and on
-PEFT LoRA adapters: one step equals the naive torch.func DP-SGD step; training on real text lowers
-the loss under DP; sigma = 0 and C = inf reproduce non-private training."""
+"""make_private on Hugging Face models built from small configs (GPT-2, BERT, Llama, ViT, T5)
+and on PEFT LoRA adapters: one step equals the naive torch.func DP-SGD step; training on real
+text lowers the loss under DP; sigma = 0 and C = inf reproduce non-private training."""
 
 from __future__ import annotations
 
@@ -64,6 +64,27 @@ def vit():
     return transformers.ViTForImageClassification(cfg)
 
 
+class Seq2SeqLogits(nn.Module):
+    """model(x, decoder_input_ids=x).logits: T5 with its relative position bias trainable in the
+    encoder's and the decoder's first layer (Note [relative position bias]); the shared token
+    table, which both stacks call, is frozen so the untied reference sees every use."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.m = model
+        self.m.shared.requires_grad_(False)
+
+    def forward(self, x):
+        return self.m(input_ids=x, decoder_input_ids=x).logits
+
+
+def t5():
+    cfg = transformers.T5Config(vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=2,
+                                num_heads=2, relative_attention_num_buckets=8, dropout_rate=0.0,
+                                tie_word_embeddings=False, attn_implementation="eager")
+    return Seq2SeqLogits(transformers.T5ForConditionalGeneration(cfg))
+
+
 def token_data(n=32, t=8, vocab=50):
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (n, t), generator=g)
@@ -76,7 +97,7 @@ def image_data(n=32):
                                           torch.randint(0, 3, (n,), generator=g))
 
 
-@pytest.mark.parametrize("family", ["gpt2", "bert", "llama", "vit"])
+@pytest.mark.parametrize("family", ["gpt2", "bert", "llama", "vit", "t5"])
 @pytest.mark.parametrize("clipping", ["flat", "layer"])
 def test_hf_step_equals_naive_dp_sgd(family, clipping):
     torch.manual_seed(0)
@@ -85,8 +106,9 @@ def test_hf_step_equals_naive_dp_sgd(family, clipping):
         "bert": (bert, token_data, lm_loss),
         "llama": (llama, token_data, lm_loss),
         "vit": (vit, image_data, lambda o, y: F.cross_entropy(o, y)),
+        "t5": (t5, token_data, lm_loss),
     }[family]
-    model = Logits(build())
+    model = build() if family == "t5" else Logits(build())
     ref = copy.deepcopy(model)
     ds = data()
     c, sigma, lr, q = 0.3, 0.6, 0.5, 0.25

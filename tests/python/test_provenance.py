@@ -285,7 +285,7 @@ def hf_model(family, frozen_bias=False):
     raise ValueError(family)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "bert", "llama", "t5-frozen-bias"])
+@pytest.mark.parametrize("family", ["gpt2", "bert", "llama", "t5", "t5-frozen-bias"])
 @pytest.mark.parametrize("batch", [1, 2, T, T + 1, HEADS])
 def test_hugging_face_models_hold_2c_at_every_coinciding_batch_size(family, batch):
     """The sweep of issue 21: B in {1, 2, T, T + 1, heads} on GPT-2, BERT, Llama and T5 from tiny
@@ -298,13 +298,28 @@ def test_hugging_face_models_hold_2c_at_every_coinciding_batch_size(family, batc
     assert refused_or_bounded(make, [ids], y) == "bounded"
 
 
-@pytest.mark.parametrize("batch", [1, T])
-def test_t5s_trainable_relative_bias_is_refused_naming_it(batch):
-    """T5's relative_attention_bias reads bucket ids [T, T] shared by the batch: refused at any
-    batch size, with the module's name and the fix (freeze it)."""
-    ids, y = ids_and_labels(batch)
-    with pytest.raises(PrivacyViolation, match=r"relative_attention_bias'.*freeze"):
-        refused_or_bounded_raising(lambda: hf_model("t5"), ids, y)
+@pytest.mark.parametrize("batch", [1, 2, T, HEADS])
+def test_t5s_trainable_relative_bias_is_looked_up_per_example(batch):
+    """T5's relative_attention_bias reads bucket ids [T, T] shared by the batch: dpzero looks them
+    up once per example (Note [relative position bias]), so the step is accepted and holds 2C;
+    frozen, the table keeps T5's own code. A custom model doing the same (RelativeBuckets) is
+    still refused: only the vetted T5 family is rewritten."""
+    ids, y = ids_and_labels(batch, seed=batch)
+    assert refused_or_bounded(lambda: hf_model("t5"), [ids], y) == "bounded"
+
+
+def test_a_changed_t5_compute_bias_stops_the_step():
+    """The rewrite checks example 0's bias against the class's own compute_bias on every call:
+    a compute_bias that no longer is one lookup permuted to [1, heads, q, k] (here: scaled)
+    stops the step with the class named instead of training another function."""
+    torch.manual_seed(0)
+    model = hf_model("t5")
+    attention = model.backbone.encoder.block[0].layer[0].SelfAttention
+    own = type(attention).compute_bias
+    attention.compute_bias = lambda *a, **k: 2 * own(attention, *a, **k)
+    ids, y = ids_and_labels(2)
+    with pytest.raises(RuntimeError, match=r"T5Attention.compute_bias no longer computes"):
+        refused_or_bounded_raising(lambda: model, ids, y)
 
 
 # ---- batches that did not come from the private loader -----------------------------------------

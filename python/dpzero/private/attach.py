@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from . import relative_bias
 from .book import Layer, PrivacyViolation, Slot
 from .fallback import FuncKind, OutputLayout, bypassing, swapped, taken_whole, tap
 from .layers import (EmbeddingKind, autocast_dtype, calls_base_forward, dp_apply, layer_kind,
@@ -230,6 +231,7 @@ def patch(model: nn.Module, layers: List[Layer], book_ref, ranks, devices) -> No
         original = module.forward
         module._dp_original_forward = original
         module.forward = functools.partial(_patched_forward, book_ref, layer, original)
+    relative_bias.install(model, book_ref)  # Note [relative position bias]
     original = model.forward
     model._dp_root_previous = model.__dict__.get("forward")
     model.forward = functools.partial(root_forward, book_ref, ranks, devices, model, original)
@@ -265,6 +267,7 @@ def _routed_class(cls: type, base: type) -> type:
 
 
 def unpatch(model: nn.Module, layers: List[Layer]) -> None:
+    relative_bias.remove(model)
     previous = model.__dict__.pop("_dp_root_previous", None)
     if previous is not None:
         model.forward = previous

@@ -237,8 +237,10 @@ def _shared_error(name: str, layer, shape: List[int]) -> str:
                        "expands to the batch, or freeze it (requires_grad_(False))")
     if isinstance(layer.kind, EmbeddingKind):
         return head + ("Ids shared by the batch beyond [1, ...] (e.g. relative-position buckets "
-                       "[T, T]) cannot be expanded without changing the model's shapes: freeze "
-                       "the module (requires_grad_(False)) or compute its ids per example")
+                       "[T, T]) cannot be expanded without changing the model's shapes (dpzero "
+                       "does it only for the Hugging Face T5 family's relative bias, Note "
+                       "[relative position bias]): freeze the module (requires_grad_(False)) or "
+                       "give it ids per example ([B, T, T], its output combined row by row)")
     return head + ("Expand its input to the batch first (x.expand(B, *x.shape[1:]) for a "
                    "[1, ...] input) or freeze it (requires_grad_(False))")
 
