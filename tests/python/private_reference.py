@@ -70,7 +70,7 @@ def _unroll_calls(clone: nn.Module, example, canon_clone: Dict[int, str]) -> Non
     handles = [m.register_forward_pre_hook(
         lambda mod, args: calls.__setitem__(id(mod), calls.get(id(mod), 0) + 1)) for m in owners]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng():
             clone(example)
     finally:
         for h in handles:
@@ -100,7 +100,10 @@ def _unroll_calls(clone: nn.Module, example, canon_clone: Dict[int, str]) -> Non
         count = [0]
 
         def dispatch(*args, uses=uses, forward=forward, count=count, **kwargs):
-            target = uses[count[0] % len(uses)]
+            if count[0] >= len(uses):  # more calls than counted: a copy would be reused
+                raise RuntimeError(f"{type(uses[0]).__name__} was called more than the "
+                                   f"{len(uses)} times counted per example")
+            target = uses[count[0]]
             count[0] += 1
             return forward(target, *args, **kwargs)
 

@@ -255,7 +255,7 @@ class Pooled(nn.Module):
         return self.head(self.backbone(input_ids=ids).last_hidden_state.mean(1))
 
 
-def hf_model(family, frozen_bias=False):
+def hf_model(family, frozen_bias=False, only_bias=False, attn=None):
     import transformers as tf
 
     w = HF_WIDTH
@@ -275,12 +275,12 @@ def hf_model(family, frozen_bias=False):
         return Pooled(tf.LlamaModel(cfg), w)
     if family == "t5":
         cfg = tf.T5Config(d_model=w, d_kv=w // HEADS, d_ff=2 * w, num_layers=2, num_heads=HEADS,
-                          vocab_size=V, dropout_rate=0.0, relative_attention_num_buckets=8)
+                          vocab_size=V, dropout_rate=0.0, relative_attention_num_buckets=8,
+                          **({"attn_implementation": attn} if attn else {}))
         model = Pooled(tf.T5EncoderModel(cfg), w)
-        if frozen_bias:
-            for name, p in model.named_parameters():
-                if "relative_attention_bias" in name:
-                    p.requires_grad_(False)
+        for name, p in model.backbone.named_parameters():
+            bias = "relative_attention_bias" in name
+            p.requires_grad_(not (bias and frozen_bias) and (bias or not only_bias))
         return model
     raise ValueError(family)
 
@@ -298,14 +298,62 @@ def test_hugging_face_models_hold_2c_at_every_coinciding_batch_size(family, batc
     assert refused_or_bounded(make, [ids], y) == "bounded"
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("only_bias", [False, True])
 @pytest.mark.parametrize("batch", [1, 2, T, HEADS])
-def test_t5s_trainable_relative_bias_is_looked_up_per_example(batch):
+def test_t5s_trainable_relative_bias_is_looked_up_per_example(batch, only_bias, attn):
     """T5's relative_attention_bias reads bucket ids [T, T] shared by the batch: dpzero looks them
-    up once per example (Note [relative position bias]), so the step is accepted and holds 2C;
-    frozen, the table keeps T5's own code. A custom model doing the same (RelativeBuckets) is
-    still refused: only the vetted T5 family is rewritten."""
+    up once per example (Note [relative position bias]), so the step is accepted and holds 2C,
+    with eager attention (the bias added to the scores) and SDPA (the bias as attn_mask), and
+    with the bias the only trainable parameter (the probe then follows the examples through the
+    frozen layers). A custom model doing the same (RelativeBuckets) is still refused."""
     ids, y = ids_and_labels(batch, seed=batch)
-    assert refused_or_bounded(lambda: hf_model("t5"), [ids], y) == "bounded"
+    make = lambda: hf_model("t5", only_bias=only_bias, attn=attn)  # noqa: E731
+    assert refused_or_bounded(make, [ids], y) == "bounded"
+
+
+@pytest.mark.parametrize("where", ["eager", "registered"])
+def test_t5_attention_that_treats_the_bias_as_shared_is_refused(where, monkeypatch):
+    """Found by a review: an attention function that reads only row 0 of the bias (the identity
+    for T5's own [1, heads, q, k] bias) mixed every example's bias gradient into example 0's
+    (2.85 against 2C = 2). The probe follows the expanded lookup into the attention function:
+    any use but a row-by-row sum with the scores refuses the step."""
+    import transformers.models.t5.modeling_t5 as t5
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    own = t5.eager_attention_forward if where == "eager" else sdpa_attention_forward
+
+    def first_row(module, q, k, v, mask, position_bias=None, **kw):
+        return own(module, q, k, v, mask, **kw,
+                   position_bias=None if position_bias is None else position_bias[:1])
+
+    if where == "eager":
+        monkeypatch.setattr(t5, "eager_attention_forward", first_row)
+    else:
+        AttentionInterface.register("dpzero_test_first_row", first_row)
+    ids, y = ids_and_labels(4, seed=4)
+    attn = "eager" if where == "eager" else "dpzero_test_first_row"
+    with pytest.raises(PrivacyViolation, match=r"relative_attention_bias'.*uses it in "
+                                               r"TensorBase.__getitem__ first"):
+        refused_or_bounded_raising(lambda: hf_model("t5", attn=attn), ids, y)
+
+
+@pytest.mark.parametrize("family", ["t5", "gpt2"])
+def test_an_evaluation_with_gradients_between_micro_batches_keeps_the_models_shapes(family):
+    """Found by a review: a forward on other data with gradients on, between a micro-batch's
+    backward and the step, expanded shared ids to the micro-batch's rows and crashed on the
+    shapes. Refused forwards now keep the model's own shapes (and register nothing)."""
+    ids, y = ids_and_labels(7, seed=1)
+    p = dpzero.make_private(hf_model(family), dataset=torch.utils.data.TensorDataset(ids, y),
+                            sample_rate=1.0, noise_multiplier=1.0, max_grad_norm=1.0,
+                            max_physical_batch_size=3)
+    for i, (x, t) in enumerate(p.data_loader):
+        F.cross_entropy(p.model(x), t).backward()
+        if i == 0:
+            assert p.model(ids_and_labels(2, seed=2)[0]).shape == (2, K)
+        if p.optimizer.step():
+            break
 
 
 def test_a_changed_t5_compute_bias_stops_the_step():
@@ -447,6 +495,9 @@ def test_evaluation_on_other_data_is_harmless_and_a_backward_through_it_is_refus
 
 # ---- the tag's rules, checked against where each row's data really went ----------------------
 
+_W = torch.linspace(-1, 1, 15, dtype=torch.float64).view(3, 5)
+_I = torch.eye(4, dtype=torch.float64)
+
 MOVES = {  # op -> what it does to a [B, T, E] batch (B = T = 4: sizes coincide on purpose)
     "to": lambda x: x.to(torch.float32),
     "slice": lambda x: x[:, :-1],
@@ -476,7 +527,7 @@ MOVES = {  # op -> what it does to a [B, T, E] batch (B = T = 4: sizes coincide 
     "row": lambda x: x[1:3],
     "add_other_rows": lambda x: x + x.flip(0),
     "add_shared": lambda x: x + torch.ones(4, 3),
-    "add_unrelated": lambda x: x + torch.zeros(4, 4, 3),
+    "add_unrelated": lambda x: x + torch.arange(4.0).view(4, 1, 1),
     "where": lambda x: torch.where(x > 1, x, 0.0),
     "pad": lambda x: F.pad(x, (1, 1)),
     "pad_rows": lambda x: F.pad(x, (0, 0, 0, 0, 1, 0)),
@@ -486,6 +537,22 @@ MOVES = {  # op -> what it does to a [B, T, E] batch (B = T = 4: sizes coincide 
     "standardise": lambda x: (x - x.mean(0)) / x.std(0),
     "reduce_no_dims": lambda x: x.sum(dim=()),
     "new_zeros": lambda x: x + x.new_zeros(3),  # a factory: nothing of x's data
+    "add_equal_rows": lambda x: x + torch.zeros(4, 4, 3, dtype=x.dtype),  # the same every row
+    # What a model's frozen layers do (the probe follows the examples through them).
+    "matmul_per_example": lambda x: torch.matmul(x, x.transpose(1, 2)),  # attention scores
+    "bmm": lambda x: torch.bmm(x, x.transpose(1, 2)),
+    "matmul_weight": lambda x: x @ _W,
+    "matmul_rows": lambda x: x[:, 0] @ _W,
+    "matmul_over_rows": lambda x: x.transpose(0, 2) @ x.transpose(0, 2).transpose(1, 2),
+    "gram_rows": lambda x: x[:, 0] @ x[:, 0].t(),
+    "matmul_other_rows": lambda x: x @ x.flip(0).transpose(1, 2),
+    "matmul_unrelated": lambda x: torch.arange(4.0, dtype=x.dtype).view(4, 1, 1) * _I @ x,
+    "linear": lambda x: F.linear(x, _W.t(), torch.ones(5, dtype=x.dtype)),
+    "linear_over_rows": lambda x: F.linear(x.transpose(0, 2), torch.ones(5, 4, dtype=x.dtype)),
+    "dropout": lambda x: (torch.manual_seed(0), F.dropout(x, 0.5, True))[1],
+    "softmax": lambda x: F.softmax(x, dim=-1),
+    "softmax_rows": lambda x: F.softmax(x, dim=0),
+    "gelu": lambda x: F.gelu(x),
 }
 
 
@@ -500,7 +567,8 @@ def test_a_kept_tag_names_the_dim_that_holds_each_rows_data(name):
     out = op(tag(data, token))
     mixing = {"cat_rows", "sum_rows", "cumsum_rows", "flip_rows", "perm", "row",
               "add_other_rows", "add_unrelated", "pad_rows", "view_merge", "center",
-              "scale_by_max", "standardise", "reduce_no_dims"}
+              "scale_by_max", "standardise", "reduce_no_dims", "matmul_over_rows", "gram_rows",
+              "matmul_other_rows", "matmul_unrelated", "linear_over_rows", "softmax_rows"}
     if name in mixing:
         assert not (isinstance(out, Examples) and out._dp_token is token), name
         return

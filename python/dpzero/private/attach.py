@@ -161,12 +161,14 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
     x = args[0]
     rec = record(layer.index, (x,), {})
     rows = book.expected_rows or 1
-    if isinstance(kind, EmbeddingKind) and x.dim() > 1 and x.shape[0] == 1 and rows > 1:
+    if isinstance(kind, EmbeddingKind) and x.dim() > 1 and x.shape[0] == 1 and rows > 1 and \
+            not refused:
         # Note [broadcast positions]: position ids are often one row [1, T] whose embedding is
         # broadcast over the batch (GPT-2's and BERT's position_ids). Their gradient then sums
         # every sample's; expanded to [B, T] the lookup gives the same values after the
         # broadcast, and each row's gradient is that sample's own. The root forward's verdict
-        # confirms the ids are shared by the batch (Note [batch provenance]).
+        # confirms the ids are shared by the batch (Note [batch provenance]). A refused forward
+        # (other data, evaluated with gradients on) keeps the model's own shapes.
         x = x.expand(rows, *x.shape[1:])
     if recompute:  # the same ops (the same saved tensors), registering nothing
         return dp_apply(kind, layer.module, book.recomputed_backward(layer), x, params)
@@ -231,7 +233,7 @@ def patch(model: nn.Module, layers: List[Layer], book_ref, ranks, devices) -> No
         original = module.forward
         module._dp_original_forward = original
         module.forward = functools.partial(_patched_forward, book_ref, layer, original)
-    relative_bias.install(model, book_ref)  # Note [relative position bias]
+    relative_bias.install(model)  # Note [relative position bias]
     original = model.forward
     model._dp_root_previous = model.__dict__.get("forward")
     model.forward = functools.partial(root_forward, book_ref, ranks, devices, model, original)

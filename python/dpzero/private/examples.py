@@ -14,8 +14,11 @@ in two places, neither of which looks at a size alone:
    operations a training loop applies before calling the model (``.to(device)``, dtype casts,
    ``ids[:, :-1]``, ``x / 255``, ``unsqueeze``, ...) by rules that track the batch dimension
    exactly, and is dropped by every operation it has no rule for, and by any operation that could
-   mix rows of different examples (an operand that varies along the batch dimension without being
-   the same micro-batch's examples, indexing that selects rows). Whatever is computed from the
+   mix rows of different examples (an operand whose slices along the batch dimension differ
+   without being the same micro-batch's examples, indexing that selects rows). The same rules
+   follow the examples through a model's frozen layers in the probe below (``F.linear``,
+   ``F.embedding``, per-example ``matmul``, softmax over other dims, dropout, activations), where
+   a shared lookup expanded to the batch must meet them row by row. Whatever is computed from the
    examples without a rule vouching for its rows stays *tainted*: it withdraws the tag of what
    it meets and is refused as a model input (``x - x.mean(0)``). Writes no rule vouches for
    (through another view, ``.data``, numpy, DLPack) withdraw the tag too, checked against the
@@ -368,11 +371,15 @@ def _first_tagged(args, kwargs) -> Optional[Examples]:
 
 
 def varies_along(u: torch.Tensor, dim: int, ndim: int) -> bool:
-    """Whether ``u``, broadcast (right-aligned) into a result of ``ndim`` dims, can hold different
-    values along the result's ``dim``: it has that dim, of size above 1, and not as a stride-0
-    expansion of one value."""
+    """Whether ``u``, broadcast (right-aligned) into a result of ``ndim`` dims, holds different
+    values along the result's ``dim``: it has that dim, of size above 1, not as a stride-0
+    expansion of one value, and its slices along it are not all equal (a causal mask built as
+    [B, 1, T, T] from shapes alone)."""
     p = dim - (ndim - u.dim())
-    return 0 <= p < u.dim() and u.shape[p] != 1 and u.stride(p) != 0
+    if not (0 <= p < u.dim() and u.shape[p] != 1 and u.stride(p) != 0):
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        return not torch.equal(u, u.narrow(p, 0, 1).expand_as(u))
 
 
 def _norm_dim(d: int, ndim: int) -> int:
@@ -424,6 +431,11 @@ _ELEMENTWISE += [getattr(torch.Tensor, n, None) for n in (
     "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__",
     "__rpow__", "__neg__", "__abs__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__",
     "__ge__", "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__invert__")]
+# torch.nn.functional's elementwise activations (their own torch functions, not torch's).
+_ELEMENTWISE += [getattr(torch.nn.functional, n, None) for n in (
+    "relu", "relu6", "gelu", "silu", "mish", "sigmoid", "tanh", "hardtanh", "hardsigmoid",
+    "hardswish", "leaky_relu", "elu", "selu", "celu", "softplus", "softsign", "logsigmoid",
+    "tanhshrink", "threshold")]
 _ELEMENTWISE_INPLACE = [getattr(torch.Tensor, n, None) for n in (
     "requires_grad_", "detach_", "share_memory_",
     "add_", "sub_", "mul_", "div_", "clamp_", "clip_", "masked_fill_", "pow_", "neg_", "abs_",
@@ -623,6 +635,66 @@ def _transposed(args, kwargs, out):
     return b if x._dp_bdim == a else a if x._dp_bdim == b else x._dp_bdim
 
 
+@_rule(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm)
+def _matmul(args, kwargs, out):
+    """``a @ b`` (both at least 2-D) with the examples on one of the leading dims matmul
+    broadcasts, at the same output position for every tagged operand, and an untagged operand
+    constant along it (attention's ``q @ k.transpose(-1, -2)`` per example); or on the rows of a
+    tagged ``a`` times an untagged matrix ``b`` ([B, d] @ W). Output row i is then example i's
+    product alone."""
+    a = args[0]
+    b = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
+    if not all(isinstance(x, torch.Tensor) and x.dim() >= 2 for x in (a, b, out)):
+        return None
+    tagged = [x for x in (a, b) if _is_tagged(x)]
+    if not tagged or len({id(x._dp_token) for x in tagged}) != 1:
+        return None
+    token = tagged[0]._dp_token
+    if len(tagged) == 1 and tagged[0] is a and a._dp_bdim == a.dim() - 2 and b.dim() == 2:
+        return None if _suspect(b, token) else out.dim() - 2  # rows of a times a matrix
+    pos = {x._dp_bdim + out.dim() - x.dim() for x in tagged if x._dp_bdim < x.dim() - 2}
+    if len(pos) != 1 or len(tagged) != sum(1 for x in tagged if x._dp_bdim < x.dim() - 2):
+        return None
+    (p,) = pos
+    if any(out.shape[p] != x.shape[x._dp_bdim] for x in tagged):
+        return None
+    for u in (a, b):
+        if not _is_tagged(u) and (_suspect(u, token) or varies_along(u, p, out.dim())):
+            return None
+    return p
+
+
+@_rule(torch.nn.functional.dropout, torch.dropout, torch.nn.functional.dropout1d,
+       torch.nn.functional.dropout2d, torch.nn.functional.dropout3d,
+       torch.nn.functional.alpha_dropout, torch.alpha_dropout,
+       torch.nn.functional.feature_alpha_dropout)
+def _dropped(args, kwargs, out):
+    """Dropout: each element (or channel) scaled by a mask drawn independently of the data, so
+    every output element is its own input element's, row for row."""
+    x = args[0]
+    if not _is_tagged(x) or not isinstance(out, torch.Tensor) or out.shape != x.shape:
+        return None
+    return x._dp_bdim
+
+
+@_rule(torch.nn.functional.linear, torch.nn.functional.embedding)
+def _per_row_layer(args, kwargs, out):
+    """A frozen layer applied to the examples (a plain ``nn.Linear`` or ``nn.Embedding`` whose
+    parameters dpzero does not train): ``linear`` over the last dim and ``embedding`` per id keep
+    every other dim row for row, when the weight and bias are not from the batch."""
+    x = args[0]
+    if not _is_tagged(x) or not isinstance(out, torch.Tensor):
+        return None
+    rest = list(args[1:3]) + [kwargs.get(k) for k in ("weight", "bias")]
+    if any(_is_tagged(u) or _suspect(u, x._dp_token) for u in rest
+           if isinstance(u, torch.Tensor)):
+        return None
+    linear = out.dim() == x.dim()
+    if linear and x._dp_bdim == x.dim() - 1:
+        return None  # the examples on the features: every output mixes them
+    return x._dp_bdim
+
+
 @_rule(torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to,
        torch.Tensor.broadcast_to)
 def _expanded(args, kwargs, out):
@@ -702,7 +774,8 @@ def _reduced(args, kwargs, out):
 
 _rule(*[f for n in ("sum", "mean", "amax", "amin", "any", "all", "cumsum", "cumprod",
                     "softmax", "log_softmax", "argmax", "argmin", "count_nonzero", "logsumexp")
-        for f in (getattr(torch, n, None), getattr(torch.Tensor, n, None))])(_reduced)
+        for f in (getattr(torch, n, None), getattr(torch.Tensor, n, None))],
+      torch.nn.functional.softmax, torch.nn.functional.log_softmax)(_reduced)
 
 
 @_rule(torch.nn.functional.one_hot)

@@ -325,6 +325,25 @@ _LOOKUP_SAME = {torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.contiguous,
                 torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.view_as,
                 torch.Tensor.reshape_as, torch.nn.functional.dropout, torch.dropout}
 _LOOKUP_ELEMENTWISE = set(f for f in _ELEMENTWISE + _ELEMENTWISE_INPLACE if f is not None)
+# Permutations that keep the rows on dim 0 (T5's relative bias: [rows, q, k, heads] to [rows,
+# heads, q, k], Note [relative position bias]); and scaled-dot-product attention with the lookup
+# as its additive attn_mask.
+_LOOKUP_PERMUTES = {torch.Tensor.permute, torch.permute}
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _permuted_dims(args, kwargs) -> Tuple[int, ...]:
+    dims = kwargs.get("dims", args[1:])
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = dims[0]
+    return tuple(int(d) % args[0].dim() for d in dims) or (0,)
+
+
+def _only_the_mask(args, kwargs, marked) -> bool:
+    """Whether the marked lookup is scaled_dot_product_attention's attn_mask and nothing else."""
+    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+    return len(marked) == 1 and mask is marked[0] and \
+        not any(isinstance(a, _Lookup) for a in args[:3])
 
 
 class _Lookup(Examples):
@@ -355,6 +374,16 @@ class _Lookup(Examples):
             if func in _LOOKUP_SAME and out.shape == args[0].shape and \
                     isinstance(args[0], _Lookup):
                 return _Lookup.mark(out, check)
+            if func in _LOOKUP_PERMUTES and isinstance(args[0], _Lookup) and \
+                    len(marked) == 1 and _permuted_dims(args, kwargs)[0] == 0:
+                return _Lookup.mark(out, check)  # the rows stay on dim 0
+            if func is _SDPA and _only_the_mask(args, kwargs, marked):
+                # softmax(q kᵀ scale + attn_mask) v: the mask is added to the scores elementwise
+                # (torch's documented semantics), so it meets the batch where the query holds it
+                met = _meets_the_batch(out, leaves, marked, check.rows)
+                if met is not None:
+                    check.met = True
+                    return _wrap(out, met[0], met[1])
             if func in _LOOKUP_ELEMENTWISE:
                 target = args[0] if func in _ELEMENTWISE_INPLACE else out
                 met = _meets_the_batch(target, leaves, marked, check.rows)

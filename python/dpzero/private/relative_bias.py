@@ -12,18 +12,24 @@ way [1, T] position ids are (Note [broadcast positions]) without changing the sh
 own code expects: the probe refuses such a lookup (Note [batch provenance]).
 
 For the Hugging Face classes in :data:`VETTED`, whose ``compute_bias`` was read (transformers
-5.23) and whose result is only ever added to scores that hold the examples on dim 0, dpzero
-computes the same bias per example. The class's own ``compute_bias`` runs without gradients; the
-bucket ids [q, k] of its one lookup are expanded to [B, q, k] (B: the examples of the current
-micro-batch as the engine counts them, or the probe's B + 1); the DP Embedding looks them up
-([B, q, k, heads]) and the result is [B, heads, q, k]. The sum with the scores is the same row by
-row, so the model computes the same function; the Embedding's input now holds the examples on dim
-0, which the probe confirms like any layer input, and each example's gradient of the bias table
-is its own. Every call checks that example 0's bias equals the class's own result exactly, so a
-transformers release that changes the computation stops the step instead of training another
-function.
+5.23), dpzero computes the same bias per example. The class's own ``compute_bias`` runs without
+gradients; the bucket ids [q, k] of its one lookup are given a batch dim of 1, [1, q, k], which
+the DP Embedding expands to the examples of a private forward as it does [1, T] position ids
+(Note [broadcast positions]): the lookup is [B, q, k, heads] and the result [B, heads, q, k]
+(outside a private forward, B = 1 and the result is the original's). The probe follows every
+use of the expanded lookup as it does for positions: the permutation keeping its rows on dim 0,
+then T5's attention, which must add it to scores that hold the examples on the same dim
+(eager attention's sum, or scaled-dot-product attention's additive ``attn_mask``); any other use
+first (``bias[:1]``, an attention function of unknown semantics) refuses the step, and a rotated
+probe checks the buckets do not depend on the examples. The sum with the scores is then the same
+row by row, so the model computes the same function, and each example's gradient of the bias
+table is its own. Every call checks that example 0's bias equals the class's own result exactly,
+so a transformers release that changes the computation stops the step instead of training
+another function.
 
-A frozen ``relative_attention_bias`` (no per-sample gradient needed) keeps the original code.
+The cost is memory: the bias is held as [B, heads, q, k], B times T5's own (UMT5 computes one
+per layer), the size of one layer's attention scores. A frozen ``relative_attention_bias`` (no
+per-sample gradient needed) keeps the original code.
 """
 
 from __future__ import annotations
@@ -59,34 +65,29 @@ def owners(model: nn.Module) -> List[nn.Module]:
     return out
 
 
-def install(model: nn.Module, book_ref) -> None:
+def install(model: nn.Module) -> None:
     for module in owners(model):
-        module.compute_bias = functools.partial(_compute_bias, book_ref, module,
-                                                module.compute_bias)
+        module._dp_compute_bias = module.__dict__.get("compute_bias")
+        module.compute_bias = functools.partial(_compute_bias, module, module.compute_bias)
 
 
 def remove(model: nn.Module) -> None:
     for module in model.modules():
-        if isinstance(module.__dict__.get("compute_bias"), functools.partial):
-            del module.compute_bias
+        if "_dp_compute_bias" in module.__dict__:
+            previous = module.__dict__.pop("_dp_compute_bias")
+            if previous is None:
+                del module.compute_bias
+            else:
+                module.compute_bias = previous
 
 
-def _rows(book) -> int:
-    """The examples the current forward holds: the probe's B + 1, else the micro-batch's B."""
-    if book.probe is not None:
-        return book.probe.rows
-    return book.expected_rows
-
-
-def _compute_bias(book_ref, module: nn.Module, original, query_length: int, key_length: int,
+def _compute_bias(module: nn.Module, original, query_length: int, key_length: int,
                   device=None, past_seen_tokens: int = 0) -> torch.Tensor:
     """[B, heads, q, k] where the original gives [1, heads, q, k] (Note [relative position
-    bias]); the original's result outside a private forward with gradients."""
-    book = book_ref()
-    if book is None or not torch.is_grad_enabled() or _rows(book) is None:
+    bias]); the original's result when no gradient is recorded."""
+    if not torch.is_grad_enabled():
         return original(query_length, key_length, device=device,
                         past_seen_tokens=past_seen_tokens)
-    rows = _rows(book)
     table = module.relative_attention_bias
     # The class's own computation, without gradients: its lookup's ids (the buckets) and result.
     ids: List[torch.Tensor] = []
@@ -99,10 +100,13 @@ def _compute_bias(book_ref, module: nn.Module, original, query_length: int, key_
         handle.remove()
     bias = None
     if len(ids) == 1 and ids[0].dim() == 2:
-        buckets = ids[0]  # [q, k]
-        values = table(buckets.expand(rows, *buckets.shape))  # [B, q, k, heads]
+        # [1, q, k] ids, expanded to the examples by the DP Embedding in a private forward and
+        # its probe (Note [broadcast positions]), which also follows every use of the lookup.
+        values = table(ids[0].unsqueeze(0))  # [B, q, k, heads] (B = 1 outside one)
         bias = values.permute(0, 3, 1, 2)  # [B, heads, q, k]
-    if bias is None or (rows and not torch.equal(bias[:1].detach(), expected)):
+    with torch._C.DisableTorchFunctionSubclass():  # the check is not a use of the lookup
+        same = bias is not None and torch.equal(bias[:1].detach(), expected)
+    if not same:
         raise RuntimeError(
             f"{type(module).__name__}.compute_bias no longer computes what dpzero's per-example "
             "relative position bias assumes (one lookup of [q, k] buckets, permuted to [1, "
