@@ -16,12 +16,15 @@ from .accounting import (
     get_steps,
 )
 from .zero import ShardedModule, shard
-from .private import PrivacyEngine, PrivacyViolation, make_private
+from .private import (BudgetExhausted, CollectiveError, PrivacyEngine, PrivacyViolation,
+                      make_private)
 from . import checkpoint  # noqa: E402  (dpzero.checkpoint.save / load)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BudgetExhausted",
+    "CollectiveError",
     "Ledger",
     "LedgerError",
     "PRVAccountant",

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import dpzero
-from dpzero.private import CollectiveError
+from dpzero import CollectiveError  # exported at the top level (issue 23)
 
 from test_private import SeqNet, seq_data
 

@@ -301,10 +301,14 @@ def test_policy_auto_takes_the_fastest_policy_that_fits_and_changes_no_result():
     """Layer-wise clipping keeps no A and G across layers, so checkpointing the blocks lowers the
     step's peak (with flat clipping the book's A and G can dominate it)."""
     budgets = {}
-    probe = dpzero.make_private(net(), dataset=data(), sample_rate=0.25, noise_multiplier=1.0,
-                                max_grad_norm=1.0, units=UNITS, optimizer="adamw", seed=3,
-                                clipping="layer", max_physical_batch_size=16, policy="auto",
-                                plan_step=step_loss)
+    # The first profile in a process also counts one-time allocations (1.6 MB of a 10 MB peak
+    # here, run alone; nothing when other tests ran first), so the budgets come from a second.
+    for _ in range(2):
+        probe = dpzero.make_private(net(), dataset=data(), sample_rate=0.25,
+                                    noise_multiplier=1.0, max_grad_norm=1.0, units=UNITS,
+                                    optimizer="adamw", seed=3, clipping="layer",
+                                    max_physical_batch_size=16, policy="auto",
+                                    plan_step=step_loss)
     ranked = probe.privacy_engine.plan["ranked"]
     no_ckpt = next(r for r in ranked if r.policy.checkpointed == 0)
     with_ckpt = next(r for r in ranked if r.policy.checkpointed == 4)

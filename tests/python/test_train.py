@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import dpzero
-from dpzero.private import BudgetExhausted
+from dpzero import BudgetExhausted  # exported at the top level (issue 23)
 from dpzero.train import ConfigError, config, datasets
 from dpzero.train.report import write_report
 

@@ -70,6 +70,7 @@ from typing import Dict, List, Optional
 
 from .policy import Policy
 from .profile import Profile
+from .state import state_between
 
 
 @dataclass
@@ -101,17 +102,6 @@ def _forward_share(profile: Profile, k: int) -> float:
     if total <= 0 or k == 0:
         return 0.0
     return sum(u.forward_s for u in units[:min(k, len(units))]) / total
-
-
-def state_between(psi: int, p: int, k_opt: int, stage: int, world: int,
-                  offload: bool = False) -> Dict[str, int]:
-    """Model-state bytes one rank holds between steps (Note [planner memory model])."""
-    params = psi * p if stage < 3 else math.ceil(psi / world) * p
-    grads = 4 * psi if stage <= 1 else 0
-    optimizer = k_opt * psi if stage == 0 else math.ceil(k_opt * psi / world)
-    if offload:
-        optimizer = 0
-    return dict(parameters=params, gradients=grads, optimizer=optimizer)
 
 
 def _collectives(profile: Profile, stage: int, world: int, bandwidth) -> float:

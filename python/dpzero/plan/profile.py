@@ -50,6 +50,7 @@ from torch import nn
 
 from ..zero import default_units
 from .measure import tracked
+from .state import state_between
 
 
 @dataclass
@@ -307,8 +308,6 @@ def profile(make_model: Callable[[], nn.Module], forward_loss: Callable[[nn.Modu
             values = dict(zip(keys, packed.cpu().tolist()))
         # The state the probes' engine held between steps, by the formulas (model.py), is what
         # the workspace is measured against.
-        from .model import state_between
-
         state = state_between(params, elt, opt_bytes, stage, world)
         workspace = max(0, int(values["between.none"]) - sum(state.values()))
         pick = lambda name: {k: values[f"{name}.{k}"] for k in ("none", "all")}  # noqa: E731
