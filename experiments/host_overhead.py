@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dpzero  # noqa: E402
-from bench_common import dpzero_version, paired_ratios  # noqa: E402
+from bench_common import dpzero_version, paired_ratios, write_marked_section  # noqa: E402
 
 LAYERS, WIDTH, HEADS, T, B, VOCAB = 12, 64, 4, 16, 4, 256
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "host.md")
@@ -187,13 +187,13 @@ def main(argv=None) -> int:
         lines.append(f"| `{fn}` | {calls:.0f} | {own:.2f} | {cum:.2f} |")
     print("\n".join(lines), flush=True)
     if not args.no_write:
-        header = ["# Host overhead of a private step", "",
-                  "Written by `experiments/host_overhead.py` "
-                  f"({args.rounds} interleaved rounds after {args.warmup} warm-up; "
-                  f"{dpzero_version()}; {os.cpu_count()} CPU cores). σ = 1, C = 1, SGD. Issue "
-                  "23's target: dpzero ≤ 1.3× torch.", ""]
-        with open(RESULTS, "w") as f:
-            f.write("\n".join(header + lines) + "\n")
+        section = ["<!-- host:begin -->",
+                   "Written by `experiments/host_overhead.py` "
+                   f"({args.rounds} interleaved rounds after {args.warmup} warm-up; "
+                   f"{dpzero_version()}; {os.cpu_count()} CPU cores). σ = 1, C = 1, SGD. Issue "
+                   "23's target: dpzero ≤ 1.3× torch.", ""] + lines + ["<!-- host:end -->"]
+        write_marked_section(RESULTS, "host", "# Host overhead of a private step\n",
+                             "\n".join(section))
     return 0
 
 
