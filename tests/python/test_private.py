@@ -228,6 +228,17 @@ def test_batchnorm_is_rejected_with_the_reason():
                             max_grad_norm=1.0)
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+def test_an_embedding_with_max_norm_is_rejected_trained_or_frozen(frozen):
+    """max_norm renormalises the looked-up rows of the table in place: the table then depends on
+    the examples' ids without noise (found by a review, for a frozen table in the probe)."""
+    model = nn.Sequential(nn.Embedding(V, D, max_norm=1.0), nn.Flatten(), nn.Linear(D * T, K))
+    model[0].requires_grad_(not frozen)
+    with pytest.raises(PrivacyViolation, match=r"0 \(Embedding\): max_norm=1.0 renormalises"):
+        dpzero.make_private(model, dataset=seq_data(), batch_size=4, noise_multiplier=1.0,
+                            max_grad_norm=1.0)
+
+
 def test_a_parameter_used_outside_its_layer_stops_the_step():
     class Leaky(nn.Module):
         def __init__(self):

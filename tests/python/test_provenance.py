@@ -90,6 +90,30 @@ class RelativeBuckets(nn.Module):
         return self.head(out.mean(1))
 
 
+class MaskBuckets(nn.Module):
+    """A relative bias looked up with ids [1, T, T] (expanded to the batch by dpzero, Note
+    [broadcast positions]) and used as scaled-dot-product attention's additive mask; ``mix``:
+    the keys come from other examples (their rows flipped)."""
+
+    def __init__(self, heads=2, mix=False):
+        super().__init__()
+        self.heads, self.mix = heads, mix
+        self.wte = nn.Embedding(V, D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.bias = nn.Embedding(2 * T, heads)
+        self.head = nn.Linear(D, K)
+
+    def forward(self, ids):
+        b, t = ids.shape
+        q, k, v = self.qkv(self.wte(ids)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if self.mix:
+            k = k.flip(0)
+        rel = torch.arange(t)[None, :] - torch.arange(t)[:, None] + T  # [T, T] buckets
+        mask = self.bias(rel.unsqueeze(0)).permute(0, 3, 1, 2)  # [B, heads, T, T]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(out.transpose(1, 2).reshape(b, t, D).mean(1))
+
+
 class SharedLatents(nn.Module):
     """Perceiver-style latents [n, D] projected by a Linear (shared by the batch), n = B."""
 
@@ -356,6 +380,18 @@ def test_an_evaluation_with_gradients_between_micro_batches_keeps_the_models_sha
             break
 
 
+def test_a_lookup_as_an_attention_mask_needs_queries_keys_and_values_of_the_same_rows():
+    """Scaled-dot-product attention adds its attn_mask to the scores row by row: a [1, ...]
+    lookup used as the mask is accepted when query, key and value are the examples at the same
+    dim; keys from other examples fail the check (a review: the mask's rows were taken to meet
+    the batch whatever the keys were)."""
+    ids, y = ids_and_labels(4, seed=4)
+    assert refused_or_bounded(lambda: MaskBuckets(), [ids], y) == "bounded"
+    with pytest.raises(PrivacyViolation, match=r"Embedding 'bias'.*uses it in "
+                                               r"scaled_dot_product_attention first"):
+        refused_or_bounded_raising(lambda: MaskBuckets(mix=True), ids, y)
+
+
 def test_a_changed_t5_compute_bias_stops_the_step():
     """The rewrite checks example 0's bias against the class's own compute_bias on every call:
     a compute_bias that no longer is one lookup permuted to [1, heads, q, k] (here: scaled)
@@ -553,7 +589,38 @@ MOVES = {  # op -> what it does to a [B, T, E] batch (B = T = 4: sizes coincide 
     "softmax": lambda x: F.softmax(x, dim=-1),
     "softmax_rows": lambda x: F.softmax(x, dim=0),
     "gelu": lambda x: F.gelu(x),
+    "matmul_keywords": lambda x: torch.matmul(input=x, other=x.transpose(1, 2)),
+    "linear_keywords": lambda x: F.linear(input=x, weight=_W.t()),
+    "embedding": lambda x: F.embedding(_ids_of(x), torch.arange(1.0, 13.0).view(4, 3)),
+    # Found by a review: example data written into a plain tensor (a preallocated buffer, a
+    # weight renormalised by max_norm) carried it past the rules untagged.
+    "copy_into_plain": lambda x: x + _into_plain(x, lambda u: u.copy_(x)).mean(0),
+    "add_into_plain": lambda x: x + _into_plain(x, lambda u: u.add_(x)).mean(0),
+    "out_into_plain": lambda x: x + _into_plain(x, lambda u: torch.add(x, 0, out=u)).mean(0),
+    "matmul_out": lambda x: x + _into_plain(
+        x[..., :1].expand(4, 4, 4), lambda u: torch.matmul(x, x.transpose(1, 2), out=u))[..., :3],
+    "embedding_max_norm": lambda x: _renormed_lookup(x),
 }
+
+
+def _ids_of(x: torch.Tensor) -> torch.Tensor:
+    """[4, 4] ids in 0..3 from a [4, 4, 3] batch, through tagged operations."""
+    return (x > 0).long().sum(-1)
+
+
+def _into_plain(like: torch.Tensor, write) -> torch.Tensor:
+    """A plain tensor of ``like``'s shape that ``write`` fills with example data."""
+    u = torch.zeros(tuple(like.shape), dtype=torch.float64)
+    write(u)
+    return u
+
+
+def _renormed_lookup(x: torch.Tensor) -> torch.Tensor:
+    """F.embedding with max_norm renormalises the looked-up rows of its weight in place: the
+    weight then depends on every example's ids, and adding it to the rows mixes them."""
+    weight = torch.arange(1.0, 13.0, dtype=torch.float64).view(4, 3)
+    rows = F.embedding(_ids_of(x), weight, max_norm=1.0)
+    return rows + weight.sum(0)
 
 
 @pytest.mark.parametrize("name", sorted(MOVES))
@@ -568,7 +635,9 @@ def test_a_kept_tag_names_the_dim_that_holds_each_rows_data(name):
     mixing = {"cat_rows", "sum_rows", "cumsum_rows", "flip_rows", "perm", "row",
               "add_other_rows", "add_unrelated", "pad_rows", "view_merge", "center",
               "scale_by_max", "standardise", "reduce_no_dims", "matmul_over_rows", "gram_rows",
-              "matmul_other_rows", "matmul_unrelated", "linear_over_rows", "softmax_rows"}
+              "matmul_other_rows", "matmul_unrelated", "linear_over_rows", "softmax_rows",
+              "copy_into_plain", "add_into_plain", "out_into_plain", "matmul_out",
+              "embedding_max_norm"}
     if name in mixing:
         assert not (isinstance(out, Examples) and out._dp_token is token), name
         return

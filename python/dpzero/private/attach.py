@@ -36,6 +36,12 @@ _REJECTED = (
 
 
 def _rejection(module: nn.Module) -> Optional[str]:
+    if isinstance(module, nn.Embedding) and module.max_norm is not None:
+        return (f"max_norm={module.max_norm} renormalises the looked-up rows of the weight in "
+                "place during the forward, so the table (trained or frozen) comes to depend on "
+                "which ids the training examples hold, without noise, and carries that into "
+                "later steps and the released model; set max_norm=None (renormalise the table "
+                "once before make_private if you need bounded rows)")
     for cls, why in _REJECTED:
         if isinstance(module, cls):
             if cls is nn.modules.instancenorm._InstanceNorm:
@@ -60,12 +66,14 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
         why = _rejection(module)
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
         trainable_own = [n for n, p in own if p.requires_grad]
-        # Running statistics are buffers computed from the training data without noise and
-        # released with the model: refused even when the module has nothing to train.
-        batch_stats = isinstance(module, nn.modules.batchnorm._BatchNorm) or (
+        # Running statistics, and an Embedding's rows renormalised by max_norm, are state
+        # written from the training data without noise and released with the model: refused
+        # even when the module has nothing to train.
+        written_from_data = isinstance(module, nn.modules.batchnorm._BatchNorm) or (
             isinstance(module, nn.modules.instancenorm._InstanceNorm)
-            and module.track_running_stats)
-        if why is not None and (trainable_own or batch_stats):
+            and module.track_running_stats) or (
+            isinstance(module, nn.Embedding) and module.max_norm is not None)
+        if why is not None and (trainable_own or written_from_data):
             problems.append(f"{name or '<model>'} ({type(module).__name__}): {why}")
             continue
         if taken_whole(module):

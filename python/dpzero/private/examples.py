@@ -154,9 +154,15 @@ def _propagate(func, args, kwargs, out, before: Optional[int] = None):
     for x in pytree.tree_leaves(kwargs.get("out")):  # an out= target: whatever was written
         if isinstance(x, Examples):
             _withdraw(x)
+        elif isinstance(x, torch.Tensor):
+            _holds_examples(x, taint)
     target = args[0] if args and isinstance(args[0], torch.Tensor) else None
     name = getattr(func, "__name__", "")
     inplace = func in _INPLACE or (name.endswith("_") and not name.endswith("__"))
+    if inplace and target is not None and not isinstance(target, Examples):
+        _holds_examples(target, taint)  # u.copy_(x), u.add_(x): u now holds example data
+    if func is torch.nn.functional.embedding and _embedding_renorms(args, kwargs):
+        _holds_examples(_argument(args, kwargs, 1, "weight"), taint)
     # An operand computed from the examples without being them (or aliasing memory handed out)
     # makes the result so too, whatever the rule would say (full_like(x, x.mean()), F.pad(x, p,
     # value=x.mean()), x.new_full(s, x.mean())).
@@ -175,13 +181,13 @@ def _propagate(func, args, kwargs, out, before: Optional[int] = None):
         return _tainted(func, args, kwargs, out, taint)
     if func in _INPLACE:  # modifies args[0] (returned, or None for __setitem__)
         if _is_tagged(target):
-            if before is not None and rule(args, kwargs, target):
+            if before is not None and _vouches(rule, args, kwargs, target):
                 _vouch(target)  # a write the rule vouches for
             else:
                 _note_lost(func, args, kwargs)
                 _withdraw(target)
         return out
-    bdim = rule(args, kwargs, out)
+    bdim = _vouches(rule, args, kwargs, out)
     token = _token_of(args, kwargs)
     if isinstance(out, (tuple, list)):
         if bdim is None:
@@ -193,6 +199,40 @@ def _propagate(func, args, kwargs, out, before: Optional[int] = None):
     if bdim is None or not _fits(out, bdim, token):
         return _tainted(func, args, kwargs, out, taint)
     return _wrap(out, bdim, token)
+
+
+def _vouches(rule, args, kwargs, out):
+    """The rule's answer, or None (no rule vouches) for a call form it does not read (keyword-only
+    arguments, an unusual signature)."""
+    try:
+        return rule(args, kwargs, out)
+    except (IndexError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _holds_examples(x: torch.Tensor, taint: MicroBatchToken) -> None:
+    """A tensor the examples' data was written into while it was no Examples (an ``out=``
+    target, ``u.copy_(x)``, a weight ``F.embedding(..., max_norm=)`` renormalised at the
+    looked-up rows) carries their data without a tag. A plain tensor becomes a tainted Examples
+    in place (its class changes), so whatever is computed from it is tainted too; a Parameter or
+    another subclass keeps its class and only its memory is marked like memory handed out, which
+    makes it suspect as an operand but not what plain code computes from it (the limit named in
+    Note [batch provenance])."""
+    if type(x) is torch.Tensor:
+        x.__class__ = Examples
+        x._dp_token, x._dp_bdim, x._dp_taint, x._dp_version = None, -1, taint, -1
+    else:
+        taint.escaped[_storage(x)] = x.untyped_storage()
+
+
+def _argument(args, kwargs, index: int, name: str):
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def _embedding_renorms(args, kwargs) -> bool:
+    """F.embedding(input, weight, padding_idx, max_norm, ...) with max_norm renormalises the
+    looked-up rows of its weight in place."""
+    return _argument(args, kwargs, 3, "max_norm") is not None
 
 
 def _fits(t, bdim: int, token: Optional[MicroBatchToken]) -> bool:
@@ -642,7 +682,7 @@ def _matmul(args, kwargs, out):
     constant along it (attention's ``q @ k.transpose(-1, -2)`` per example); or on the rows of a
     tagged ``a`` times an untagged matrix ``b`` ([B, d] @ W). Output row i is then example i's
     product alone."""
-    a = args[0]
+    a = _argument(args, kwargs, 0, "input")
     b = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
     if not all(isinstance(x, torch.Tensor) and x.dim() >= 2 for x in (a, b, out)):
         return None
@@ -682,9 +722,11 @@ def _per_row_layer(args, kwargs, out):
     """A frozen layer applied to the examples (a plain ``nn.Linear`` or ``nn.Embedding`` whose
     parameters dpzero does not train): ``linear`` over the last dim and ``embedding`` per id keep
     every other dim row for row, when the weight and bias are not from the batch."""
-    x = args[0]
+    x = _argument(args, kwargs, 0, "input")
     if not _is_tagged(x) or not isinstance(out, torch.Tensor):
         return None
+    if _embedding_renorms(args, kwargs):
+        return None  # the looked-up rows of the weight were rewritten from these ids
     rest = list(args[1:3]) + [kwargs.get(k) for k in ("weight", "bias")]
     if any(_is_tagged(u) or _suspect(u, x._dp_token) for u in rest
            if isinstance(u, torch.Tensor)):

@@ -62,8 +62,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .book import PrivacyViolation
-from .examples import (_ELEMENTWISE, _ELEMENTWISE_INPLACE, Examples, MicroBatchToken, _wrap,
-                       lost_at, untagged, varies_along)
+from .examples import (_ELEMENTWISE, _ELEMENTWISE_INPLACE, Examples, MicroBatchToken, _suspect,
+                       _wrap, lost_at, untagged, varies_along)
 
 Shape = Tuple[int, ...]
 
@@ -339,6 +339,22 @@ def _permuted_dims(args, kwargs) -> Tuple[int, ...]:
     return tuple(int(d) % args[0].dim() for d in dims) or (0,)
 
 
+def _attends_row_by_row(args, kwargs, out, b: int, token) -> bool:
+    """Whether query, key and value are each these examples with their batch dim at ``b`` of the
+    output, or constant along it (as ``_broadcast_bdim`` asks of an elementwise operation's
+    operands): then output row i attends only within example i."""
+    for i, name in enumerate(("query", "key", "value")):
+        u = args[i] if len(args) > i else kwargs.get(name)
+        if not isinstance(u, torch.Tensor):
+            return False
+        if isinstance(u, Examples) and getattr(u, "_dp_token", None) is not None:
+            if u._dp_token is not token or u._dp_bdim + out.dim() - u.dim() != b:
+                return False
+        elif _suspect(u, token) or varies_along(u, b, out.dim()):
+            return False
+    return True
+
+
 def _only_the_mask(args, kwargs, marked) -> bool:
     """Whether the marked lookup is scaled_dot_product_attention's attn_mask and nothing else."""
     mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
@@ -381,7 +397,7 @@ class _Lookup(Examples):
                 # softmax(q kᵀ scale + attn_mask) v: the mask is added to the scores elementwise
                 # (torch's documented semantics), so it meets the batch where the query holds it
                 met = _meets_the_batch(out, leaves, marked, check.rows)
-                if met is not None:
+                if met is not None and _attends_row_by_row(args, kwargs, out, *met):
                     check.met = True
                     return _wrap(out, met[0], met[1])
             if func in _LOOKUP_ELEMENTWISE:
