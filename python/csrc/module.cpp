@@ -20,4 +20,5 @@ PYBIND11_MODULE(_C, m) {
   dpzero::python::bind_checkpoint(
       m.def_submodule("checkpoint", "Sharded checkpoints of the ZeRO engine"));
   dpzero::python::bind_comm(m.def_submodule("comm", "Agreements across ranks (int64 collectives)"));
+  dpzero::python::bind_dp(m.def_submodule("dp", "The private step's C++ core (src/dp)"));
 }

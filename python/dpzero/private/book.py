@@ -57,10 +57,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .. import _C
 from .layers import (Kept, LayerKind, LinearKind, add_into, add_kept_clipped_sums,
-                     certified_sum, round_down_f32, round_up_f32)
+                     certified_sum)
 
 _ops = torch.ops.dpzero
+_dp = _C.dp  # the private step's C++ core (src/dp)
 
 
 class PrivacyViolation(RuntimeError):
@@ -160,7 +162,7 @@ class Book:
                               if hasattr(layer.kind, "per_sample_grads")
                               for slot in layer.slots if slot is not None}
         self.stats = StepStats()
-        self.padding = False  # Note [padding batches] in engine.py: gradients become zeros
+        self.padding = False  # Note [padding batches] in loader.py: gradients become zeros
         # Set by the engine when the loader (or own_batch) hands out a micro-batch: its token,
         # which the model's inputs must carry (Note [batch provenance]), its rows (Note [one
         # sample per row]) and how many backward passes reached the clipping since.
@@ -410,10 +412,7 @@ class Book:
 
     def _scaled_sq(self, sq: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Note [mean loss]: squared norms of G as delivered -> of the per-sample gradients."""
-        b = self._mean_scale()
-        if sq is None or b == 1:
-            return sq
-        return round_up_f32(sq.double() * float(b * b) * (1.0 + 1e-15))
+        return None if sq is None else _dp.mean_scaled_sq(sq, self._mean_scale())
 
     def _shared_norms(self, pids: List[int]) -> None:
         """Note [shared inputs] in kernels/per_sample_ops.h: the pending Linear weight norms of
@@ -438,22 +437,14 @@ class Book:
     def _group_norms(self, group: int, pids: List[int]) -> torch.Tensor:
         """[B] float32 certified per-sample norm over the group (triangle bound for components
         of several parts)."""
-        by_component: Dict[int, List[Part]] = {}
+        by_component: Dict[int, List[torch.Tensor]] = {}
         for pid in pids:
             part = self.parts[pid]
             if part.sq is not None:
-                by_component.setdefault(part.layer.component, []).append(part)
-        total = None
-        for parts in by_component.values():
-            if len(parts) == 1:
-                sq = parts[0].sq.double()
-            else:
-                n = sum(torch.sqrt(p.sq.double()) for p in parts) * (1.0 + 1e-12)
-                sq = n * n
-            total = sq if total is None else total + sq
-        if total is None:
+                by_component.setdefault(part.layer.component, []).append(part.sq)
+        if not by_component:
             return torch.zeros(0)
-        return round_up_f32(torch.sqrt(total) * (1.0 + 1e-12))
+        return _dp.group_norms(list(by_component.values()))  # Note [certified group norms]
 
     def _complete(self, group: int) -> None:
         gs = self.group_state[group]
@@ -472,8 +463,7 @@ class Book:
         else:  # C = inf: no clipping (non-private training through the same path)
             factors = torch.ones(self.batch or 0, dtype=torch.float32,
                                  device=self.dropped_mask.device)
-        if self._mean_scale() != 1:  # Note [mean loss]
-            factors = round_down_f32(factors.double() * float(self._mean_scale()))
+        factors = _dp.mean_scaled_factors(factors, self._mean_scale())  # Note [mean loss]
         for pid in pids:
             part = self.parts[pid]
             layer = part.layer

@@ -19,12 +19,13 @@ RMSNorm modules (``LlamaRMSNorm`` and relatives: a ``weight`` of shape [d] and a
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .. import _C
 
 _ops = torch.ops.dpzero
 
@@ -147,17 +148,13 @@ def _certified_sqrt(sq: torch.Tensor) -> torch.Tensor:
 
 
 def round_up_f32(x: torch.Tensor) -> torch.Tensor:
-    """float64 -> float32 rounded toward +inf (NaN/Inf unchanged)."""
-    y = x.float()
-    low = y.double() < x
-    return torch.where(low, torch.nextafter(y, torch.full_like(y, math.inf)), y)
+    """float64 -> float32 rounded toward +inf (NaN/Inf unchanged); src/dp/clip_group.h."""
+    return _C.dp.round_up_f32(x)
 
 
 def round_down_f32(x: torch.Tensor) -> torch.Tensor:
-    """float64 >= 0 -> float32 rounded toward 0."""
-    y = x.float()
-    high = y.double() > x
-    return torch.where(high, torch.nextafter(y, torch.zeros_like(y)), y)
+    """float64 >= 0 -> float32 rounded toward 0; src/dp/clip_group.h."""
+    return _C.dp.round_down_f32(x)
 
 
 def _bias_sq_norms(g: torch.Tensor, last_dims: int) -> torch.Tensor:
