@@ -39,8 +39,7 @@ import math
 import os
 import warnings
 import weakref
-from dataclasses import dataclass
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -49,14 +48,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from .. import _C, _failpoints
 from ..accounting import Ledger, create_accountant, get_noise_multiplier, get_steps
-from ..data import PoissonBatchSampler, empty_safe_collate
 from ..noise import NoiseSource, _as_int64
 from ..zero import default_units, shard
 from . import checkpointing
 from .attach import (PrivacyViolation, assign_components, find_layers, guard_hooks, param_slots,
                      patch, unpatch)
+from .agreements import BudgetExhausted, RankAgreements
 from .book import Book
 from .examples import MicroBatchToken, tag
+from .loader import DPDataLoader, MicroBatch
 from .optimizer import DPOptimizer
 from .provenance import Ranks
 from . import state_dict
@@ -69,16 +69,6 @@ _PASS_THROUGH = frozenset({"momentum", "dampening", "nesterov", "betas", "eps", 
                            "maximize", "weight_decay", "alignment", "shard_boundaries",
                            "offload_optimizer", "offload_params", "prefetch",
                            "sync_module_states"})
-
-
-class BudgetExhausted(RuntimeError):
-    """The next step would spend more than the run's ε budget; nothing was charged or applied."""
-
-
-class CollectiveError(RuntimeError):
-    """A collective of the private step failed on this rank: a peer rank died, hung past the
-    process group's timeout (``torch.distributed.init_process_group(timeout=...)``), or lost its
-    connection. The message says whether the step had been charged to the ledger."""
 
 
 class PrivateModule(nn.Module):
@@ -100,66 +90,6 @@ class PrivateModule(nn.Module):
             return getattr(self._modules["_module"], name)
 
 
-class DPDataLoader:
-    """Micro-batches of Poisson-sampled logical batches (``data.PoissonBatchSampler``). One pass
-    (``for batch in loader``) is one epoch: ``steps_per_epoch`` logical steps, continuing from
-    the last step taken. ``len(loader)`` is the number of micro-batches of the next epoch. The
-    tensors it yields carry the micro-batch's tag (Note [batch provenance]): the model accepts
-    them, and no others, for the step."""
-
-    def __init__(self, engine: "PrivacyEngine", dataset: Dataset, steps_per_epoch: int,
-                 max_physical_batch_size: Optional[int], collate_fn=None, num_workers: int = 0,
-                 pin_memory: bool = False) -> None:
-        self._engine = engine
-        self.dataset = dataset
-        self.steps_per_epoch = int(steps_per_epoch)
-        self.max_physical_batch_size = max_physical_batch_size
-        self.collate_fn = collate_fn or empty_safe_collate(dataset)
-        self.num_workers, self.pin_memory = num_workers, pin_memory
-        self.sample_rate = engine.sample_rate
-
-    def _sampler(self, start: int) -> PoissonBatchSampler:
-        e = self._engine
-        return PoissonBatchSampler(e.dataset_size, e.sample_rate, self.steps_per_epoch,
-                                   e.noise_source.sampler_seed, e.rank, e.world_size,
-                                   self.max_physical_batch_size, start_step=start)
-
-    def __len__(self) -> int:
-        return len(self._sampler(self._engine.next_step))
-
-    def __iter__(self):
-        start = self._engine.next_step
-        sampler = self._sampler(start)
-        padded = _PaddedBatches(sampler)
-        loader = DataLoader(self.dataset, batch_sampler=padded, collate_fn=self.collate_fn,
-                            num_workers=self.num_workers, pin_memory=self.pin_memory)
-        meta = ((t, i, len(s.micro_batches), s.logical_batch_size, len(mb))
-                for t, s in self._sampler(start).logical_batches()
-                for i, mb in enumerate(s.micro_batches))
-        for batch, (t, i, n, size, rows) in zip(loader, meta):
-            token = self._engine._begin_micro_batch(t, i, n, size, max(rows, 1),
-                                                    padding=rows == 0)
-            yield tag(batch, token)  # Note [batch provenance]
-
-
-class _PaddedBatches:
-    """Note [padding batches]: a rank whose share of a logical batch runs short still runs every
-    micro-batch (all ranks issue the same collectives), but many models cannot run on zero rows
-    (Hugging Face attention reshapes fail). Such a micro-batch is one real row (example 0) whose
-    gradient the clipping book replaces by exact zeros: it contributes nothing, is not counted in
-    any statistic, and the engine says so (``PrivacyEngine.is_padding_batch``)."""
-
-    def __init__(self, sampler: PoissonBatchSampler) -> None:
-        self.sampler = sampler
-
-    def __iter__(self):
-        for mb in self.sampler:
-            yield mb if len(mb) else [0]
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-
 def delta_warning(name: str, delta: float, n: int) -> str:
     """Why δ >= 1/N is no guarantee: a mechanism that publishes one random record of N in full
     is (0, 1/N)-DP. Practice, and the published results dpzero compares with, take δ well below
@@ -167,14 +97,6 @@ def delta_warning(name: str, delta: float, n: int) -> str:
     return (f"{name}={delta:.3g} is >= 1/N = {1.0 / n:.3g} (N = {n}): at such a δ even releasing "
             "one random example in full is 'differentially private'. Use δ well below 1/N, "
             f"e.g. min(1e-5, 1/(10 N)) = {min(1e-5, 0.1 / n):.3g}")
-
-
-@dataclass
-class _MicroBatch:
-    """The micro-batch handed out last (by the loader or ``own_batch``)."""
-    token: MicroBatchToken      # what its tensors carry (Note [batch provenance])
-    count: Optional[int]        # micro-batches of its logical batch; None: the caller's step()
-    logical_size: int           # the logical batch's realised size over all ranks (private)
 
 
 class _Diagnostics:
@@ -492,16 +414,16 @@ class PrivacyEngine:
         self._group = process_group if process_group is not None else (
             dist.distributed_c10d._get_default_group()
             if dist.is_available() and dist.is_initialized() else None)
-        self.rank = self._group.rank() if self._group is not None else 0
-        self.world_size = self._group.size() if self._group is not None else 1
+        self.agreements = agree = RankAgreements(self._group, lambda: self.next_step)
+        self.rank, self.world_size = agree.rank, agree.world_size
         self.noise_multiplier_, self.max_grad_norm_ = sigma, max_grad_norm
         self.sample_rate, self.dataset_size = q, n
         self.noise_source = NoiseSource(seed=seed, secure_mode=self.secure_mode, group=self._group)
         if not self.secure_mode and self._group is not None:
             # Every rank must draw the same noise and batches: rank 0's seed, and a given seed
             # must be the same everywhere (seed = base + rank would desynchronise the ranks).
-            agreed = self._broadcast_int(self.noise_source.seed)
-            if seed is not None and self._any_rank(agreed != (int(seed) & ((1 << 64) - 1))):
+            agreed = agree.broadcast_int(self.noise_source.seed)
+            if seed is not None and agree.any_rank(agreed != (int(seed) & ((1 << 64) - 1))):
                 raise ValueError(f"seed must be the same on every rank; this rank has {seed}, "
                                  f"rank 0 {agreed}")
             self.noise_source.seed = agreed
@@ -540,10 +462,10 @@ class PrivacyEngine:
         # every rank refuses a forward when one does.
         several = self.world_size > 1
         ranks = Ranks(
-            probe=((lambda need: self._collective("agreeing on a probe", self._any_rank, need))
+            probe=((lambda need: agree.collective("agreeing on a probe", agree.any_rank, need))
                    if sharded.stage == 3 and several else (lambda need: need)),
-            refusals=((lambda refused: self._collective(
-                "agreeing on a refusal", self._all_reduce, [int(refused)])[0])
+            refusals=((lambda refused: agree.collective(
+                "agreeing on a refusal", agree.all_reduce, [int(refused)])[0])
                 if several else (lambda refused: int(refused))),
             world=self.world_size)
         devices = sorted({d.index or 0 for d in unit_device if d.type == "cuda"})
@@ -561,7 +483,7 @@ class PrivacyEngine:
         self.last_step_diagnostics: Optional[Dict[str, Any]] = None
         self._diagnostics = _Diagnostics(diagnostics_path if self.rank == 0 else None)
         self._warned_dropped = self._warned_all_dropped = False
-        self._micro: Optional[_MicroBatch] = None  # the micro-batch handed out last
+        self._micro: Optional[MicroBatch] = None  # the micro-batch handed out last
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
         self._trainable = list(trainable.values())
@@ -660,52 +582,19 @@ class PrivacyEngine:
                 self._ledger = ledger
             except Exception as e:  # noqa: BLE001 - every rank raises below
                 error = e
-        failed = self._any_rank(error is not None)
+        failed = self.agreements.any_rank(error is not None)
         if failed:
             if error is not None:
                 raise error
             raise RuntimeError(f"rank 0 could not open the privacy ledger {path}; see its error")
-        self.charges = self._broadcast_int(charges)
+        self.charges = self.agreements.broadcast_int(charges)
         if self.charges > 0:  # every recorded phase has this run's sigma and q (checked above)
             self.accountant.step(noise_multiplier=self.noise_multiplier,
                                  sample_rate=self.sample_rate, num_steps=self.charges)
 
-    def _collective(self, what: str, fn, *args, charged: bool = False, **kwargs):
-        """fn(*args), a collective of the step; a failure of the process group (c10d raises a
-        RuntimeError: timeout, closed connection) becomes a CollectiveError naming this rank, the
-        step, what was being agreed and whether the step was already charged."""
-        try:
-            return fn(*args, **kwargs)
-        except (PrivacyViolation, BudgetExhausted, CollectiveError):
-            raise
-        except RuntimeError as e:
-            rank = dist.get_rank(self._group) if self._group is not None else 0
-            state = ("the step was charged to the privacy ledger and was not applied on this "
-                     "rank" if charged else "nothing was charged or applied on this rank")
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            raise CollectiveError(
-                f"rank {rank} of {self.world_size}, step {self.next_step}: {what} failed: a peer "
-                f"rank died, hung past the process group's timeout, or lost its connection; "
-                f"{state} ({type(e).__name__}: {first})") from e
-
-    def _any_rank(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is true on any (a collective)."""
-        return bool(self._all_reduce([int(bool(flag))])[0])
-
-    def _broadcast_int(self, value: int) -> int:
-        if self._group is None or self.world_size == 1:
-            return value
-        # In C++, not torch.distributed: see python/csrc/comm_bindings.cpp.
-        return _C.comm.broadcast(self._group, [_as_int64(value)], 0)[0] & ((1 << 64) - 1)
-
-    def _all_reduce(self, values: List[int]) -> List[int]:
-        if self._group is None or self.world_size == 1:
-            return values
-        return _C.comm.all_reduce_sum(self._group, values)
-
     # ---- the step ----------------------------------------------------------------------------
 
-    def _hand_out(self, micro: "_MicroBatch", padding: bool) -> MicroBatchToken:
+    def _hand_out(self, micro: "MicroBatch", padding: bool) -> MicroBatchToken:
         """Makes ``micro`` the current micro-batch: the model's inputs must carry its token (Note
         [batch provenance]), its rows are what every DP layer must see."""
         book = self.book
@@ -727,7 +616,7 @@ class PrivacyEngine:
             # Logical batch t-1 accumulated but never stepped: zero_grad() must drop it before
             # t's gradients arrive, or it would be released together with t's.
             book.stale = True
-        return self._hand_out(_MicroBatch(MicroBatchToken(t, i, rows, "poisson"), n, size),
+        return self._hand_out(MicroBatch(MicroBatchToken(t, i, rows, "poisson"), n, size),
                               padding)
 
     def own_batch(self, batch, *, logical_batch_size: int):
@@ -765,7 +654,7 @@ class PrivacyEngine:
                              f"earlier micro-batches gave {micro.logical_size}")
         index = micro.token.index + 1 if micro is not None else 0
         token = MicroBatchToken(self.next_step, index, rows, "caller")
-        self._hand_out(_MicroBatch(token, None, size), padding=False)
+        self._hand_out(MicroBatch(token, None, size), padding=False)
         return tag(batch, token)
 
     @property
@@ -853,7 +742,8 @@ class PrivacyEngine:
         pending (a collective with several ranks)."""
         book = self.book
         busy = bool(book.stats.micro_batches or book.open or self._micro is not None)
-        if self._collective(f"agreeing on {what}", self._any_rank, busy):
+        agree = self.agreements
+        if agree.collective(f"agreeing on {what}", agree.any_rank, busy):
             raise RuntimeError(f"{what}: a logical batch is accumulated (on this rank: {busy}); "
                                "call it between steps, after optimizer.step() or zero_grad()")
 
@@ -902,8 +792,9 @@ class PrivacyEngine:
             bad_hyper = str(e)
         # The logical size each rank was given (own_batch: by its caller) must be one value:
         # equal sums of s and s^2 over the ranks hold only if every s is the same.
-        samples, dropped, failed, any_caller, sizes, squares, bad = self._collective(
-            "agreeing on the step", self._all_reduce,
+        agree = self.agreements
+        samples, dropped, failed, any_caller, sizes, squares, bad = agree.collective(
+            "agreeing on the step", agree.all_reduce,
             [stats.samples if stats else 0, stats.dropped if stats else 0, int(local is not None),
              int(caller), size, size * size, int(bad_hyper is not None)])
         if failed:
@@ -958,7 +849,7 @@ class PrivacyEngine:
                                     noise=sigma > 0, sampling=sampling)
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 err = e
-        if self._collective("waiting for rank 0's ledger record", self._any_rank,
+        if agree.collective("waiting for rank 0's ledger record", agree.any_rank,
                             err is not None):
             if err is not None:
                 raise err
@@ -971,7 +862,7 @@ class PrivacyEngine:
         stddev = sigma * c if sigma > 0 else 0.0
         noise = (dict(key=list(self.noise_source._key)) if self.noise_source.secure_mode
                  else dict(seed=_as_int64(self.noise_source.seed)))
-        self._collective("the noisy update", self.sharded._state.noisy_step, stddev, k,
+        agree.collective("the noisy update", self.sharded._state.noisy_step, stddev, k,
                          1.0 / (q * self.dataset_size), charged=True, **noise)
         _failpoints.hit("after_update", k, self.rank)
         self.next_step = max(t + 1, self.charges)

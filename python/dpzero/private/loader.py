@@ -1,0 +1,85 @@
+"""The private data loader: this rank's micro-batches of each Poisson-sampled logical batch
+(DESIGN.md §2 step 1; ``data.PoissonBatchSampler``), tagged as the examples of their micro-batch
+(Note [batch provenance] in examples.py), with one-row padding batches where a rank's share runs
+short (Note [padding batches])."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from torch.utils.data import DataLoader, Dataset
+
+from ..data import PoissonBatchSampler, empty_safe_collate
+from .examples import MicroBatchToken, tag
+
+if TYPE_CHECKING:
+    from .engine import PrivacyEngine
+
+
+class DPDataLoader:
+    """Micro-batches of Poisson-sampled logical batches (``data.PoissonBatchSampler``). One pass
+    (``for batch in loader``) is one epoch: ``steps_per_epoch`` logical steps, continuing from
+    the last step taken. ``len(loader)`` is the number of micro-batches of the next epoch. The
+    tensors it yields carry the micro-batch's tag (Note [batch provenance]): the model accepts
+    them, and no others, for the step."""
+
+    def __init__(self, engine: "PrivacyEngine", dataset: Dataset, steps_per_epoch: int,
+                 max_physical_batch_size: Optional[int], collate_fn=None, num_workers: int = 0,
+                 pin_memory: bool = False) -> None:
+        self._engine = engine
+        self.dataset = dataset
+        self.steps_per_epoch = int(steps_per_epoch)
+        self.max_physical_batch_size = max_physical_batch_size
+        self.collate_fn = collate_fn or empty_safe_collate(dataset)
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.sample_rate = engine.sample_rate
+
+    def _sampler(self, start: int) -> PoissonBatchSampler:
+        e = self._engine
+        return PoissonBatchSampler(e.dataset_size, e.sample_rate, self.steps_per_epoch,
+                                   e.noise_source.sampler_seed, e.rank, e.world_size,
+                                   self.max_physical_batch_size, start_step=start)
+
+    def __len__(self) -> int:
+        return len(self._sampler(self._engine.next_step))
+
+    def __iter__(self):
+        start = self._engine.next_step
+        sampler = self._sampler(start)
+        padded = _PaddedBatches(sampler)
+        loader = DataLoader(self.dataset, batch_sampler=padded, collate_fn=self.collate_fn,
+                            num_workers=self.num_workers, pin_memory=self.pin_memory)
+        meta = ((t, i, len(s.micro_batches), s.logical_batch_size, len(mb))
+                for t, s in self._sampler(start).logical_batches()
+                for i, mb in enumerate(s.micro_batches))
+        for batch, (t, i, n, size, rows) in zip(loader, meta):
+            token = self._engine._begin_micro_batch(t, i, n, size, max(rows, 1),
+                                                    padding=rows == 0)
+            yield tag(batch, token)  # Note [batch provenance]
+
+
+class _PaddedBatches:
+    """Note [padding batches]: a rank whose share of a logical batch runs short still runs every
+    micro-batch (all ranks issue the same collectives), but many models cannot run on zero rows
+    (Hugging Face attention reshapes fail). Such a micro-batch is one real row (example 0) whose
+    gradient the clipping book replaces by exact zeros: it contributes nothing, is not counted in
+    any statistic, and the engine says so (``PrivacyEngine.is_padding_batch``)."""
+
+    def __init__(self, sampler: PoissonBatchSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self):
+        for mb in self.sampler:
+            yield mb if len(mb) else [0]
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+@dataclass
+class MicroBatch:
+    """The micro-batch handed out last (by the loader or ``own_batch``)."""
+    token: MicroBatchToken      # what its tensors carry (Note [batch provenance])
+    count: Optional[int]        # micro-batches of its logical batch; None: the caller's step()
+    logical_size: int           # the logical batch's realised size over all ranks (private)
