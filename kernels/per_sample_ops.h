@@ -45,6 +45,8 @@
 //    input first and pass 0.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <mutex>
@@ -277,6 +279,28 @@ inline double ghost_error_coefficient(int64_t T, int64_t d_in, int64_t d_out) {
   return sigma * (1.0 + sigma);
 }
 
+// Note [host certification]
+// The certification steps (up, to_f32_up, certify_ghost, certify_direct_rows) are a handful of
+// elementwise ATen ops each, run on [B] vectors. On the host, for the small layers where host
+// overhead is the step time (experiments/results/host.md: some 30 ATen calls, ~30 µs, per op
+// call), they run as one scalar loop instead: the same IEEE operations, rounded the same way, so
+// the same bound; only q's summation order differs, which the bound covers.
+inline bool is_host_f64(const at::Tensor& x) {
+  return x.is_cpu() && x.scalar_type() == at::kDouble;
+}
+
+// One float64 stepped one ulp toward +inf if positive (0, negatives, NaN, +inf unchanged).
+inline double up_one(double x) {
+  return x > 0 ? std::nextafter(x, std::numeric_limits<double>::infinity()) : x;
+}
+
+// One float64 -> float32 rounded toward +inf (NaN unchanged; above float32's range: +inf).
+inline float f32_up(double x) {
+  const float f = static_cast<float>(x);
+  return static_cast<double>(f) < x ? std::nextafter(f, std::numeric_limits<float>::infinity())
+                                    : f;
+}
+
 // x (float64) with its positive entries stepped one ulp toward +inf; 0, negatives, NaN, +inf
 // unchanged.
 inline at::Tensor up(const at::Tensor& x) {
@@ -290,6 +314,14 @@ inline at::Tensor add_up(const at::Tensor& x, const at::Tensor& y) { return up(x
 // float64 -> float32, rounded toward +inf (a value above float32's range becomes +inf, a
 // non-finite norm: the sample is dropped and counted).
 inline at::Tensor to_f32_up(const at::Tensor& x) {
+  if (is_host_f64(x)) {  // Note [host certification]
+    const at::Tensor xc = x.contiguous();
+    at::Tensor out = at::empty(xc.sizes(), xc.options().dtype(at::kFloat));
+    const double* px = xc.data_ptr<double>();
+    float* po = out.data_ptr<float>();
+    for (int64_t i = 0; i < xc.numel(); ++i) po[i] = f32_up(px[i]);
+    return out;
+  }
   const at::Tensor f = x.to(at::kFloat);
   const at::Tensor inf = at::full({}, std::numeric_limits<float>::infinity(), f.options());
   return at::where(f.to(at::kDouble) < x, at::nextafter(f, inf), f);
@@ -297,6 +329,17 @@ inline at::Tensor to_f32_up(const at::Tensor& x) {
 
 // Certified bound from a float64 ghost value and S (both [c] float64), c = the ghost coefficient.
 inline at::Tensor certify_ghost(const at::Tensor& ghost, const at::Tensor& s, double c) {
+  if (is_host_f64(ghost) && is_host_f64(s)) {  // Note [host certification]
+    const at::Tensor gh = ghost.contiguous(), sc = s.contiguous();
+    at::Tensor out = at::empty(gh.sizes(), gh.options());
+    const double* pg = gh.data_ptr<double>();
+    const double* ps = sc.data_ptr<double>();
+    double* po = out.data_ptr<double>();
+    for (int64_t i = 0; i < gh.numel(); ++i) {
+      po[i] = up_one(std::max(pg[i], 0.0) + ps[i] * ps[i] * (2.0 * c));  // NaN stays NaN
+    }
+    return out;
+  }
   return up(at::clamp_min(ghost, 0) + s.square() * (2.0 * c));
 }
 
@@ -306,6 +349,30 @@ inline at::Tensor certify_direct(const at::Tensor& q, const at::Tensor& s, doubl
   const double k = 2.0 * (e + 2.0 * rounding_gamma(static_cast<double>(n)));
   const at::Tensor z = up(up(at::sqrt(q)) + s * k);
   return up(z * z);
+}
+
+// certify_direct of q_i = sum_j grads_ij^2 for per-sample gradients kept whole (grads [B, n - 1]
+// float64, S [B] float64): [B] float64. On the host, q is summed in row order in the same scalar
+// pass (Note [host certification]); the rounding_gamma(n) term covers any order.
+inline at::Tensor certify_direct_rows(const at::Tensor& grads, const at::Tensor& s, double e,
+                                      int64_t n) {
+  if (!is_host_f64(grads) || !is_host_f64(s)) {
+    return certify_direct(grads.square().sum(1), s, e, n);
+  }
+  const at::Tensor g = grads.contiguous(), sc = s.contiguous();
+  const int64_t b = g.size(0), d = b > 0 ? g.numel() / b : 0;
+  at::Tensor out = at::empty({b}, g.options());
+  const double* pg = g.data_ptr<double>();
+  const double* ps = sc.data_ptr<double>();
+  double* po = out.data_ptr<double>();
+  const double k = 2.0 * (e + 2.0 * rounding_gamma(static_cast<double>(n)));
+  for (int64_t i = 0; i < b; ++i) {
+    double q = 0.0;
+    for (int64_t j = 0; j < d; ++j) q += pg[i * d + j] * pg[i * d + j];
+    const double z = up_one(up_one(std::sqrt(q)) + ps[i] * k);
+    po[i] = up_one(z * z);
+  }
+  return out;
 }
 
 // ---- backend kernels and clip factors, through the dispatcher -----------------------------------
@@ -525,7 +592,7 @@ inline at::Tensor direct_sq_norms(const at::Tensor& a, const at::Tensor& g) {
 inline std::tuple<at::Tensor, at::Tensor> bias_per_sample_btd(const at::Tensor& g) {
   auto [grads, s] = row_sums(g);
   const double e = rounding_gamma(static_cast<double>(g.size(1)));
-  return {grads, certify_direct(grads.square().sum(1), s, e, g.size(2) + 1)};
+  return {grads, certify_direct_rows(grads, s, e, g.size(2) + 1)};
 }
 
 // Certified ||sum_t G_{i,t}||^2 (a sample's bias gradient is the sum of its output-gradient rows):
@@ -726,6 +793,24 @@ inline at::Tensor per_sample_clipped_sum(const at::Tensor& grads, const at::Tens
   TORCH_CHECK(grads.scalar_type() == at::kDouble || grads.scalar_type() == at::kFloat, "dpzero::",
               op, ": grads must be float64 or float32, got ", grads.scalar_type());
   check_scale(op, scale, grads.size(0), grads);
+  if (grads.is_cpu() && grads.scalar_type() == at::kDouble && scale.scalar_type() == at::kFloat) {
+    // One scalar pass on the host: the rows of dropped samples are never read.
+    const at::Tensor g = grads.contiguous(), c = scale.contiguous();
+    const int64_t b = g.size(0), d = g.numel() / std::max<int64_t>(b, 1);
+    std::vector<double> acc(static_cast<size_t>(d), 0.0);
+    const double* pg = g.data_ptr<double>();
+    const float* pc = c.data_ptr<float>();
+    for (int64_t i = 0; i < b; ++i) {
+      if (!std::isfinite(pc[i]) || pc[i] == 0.0f) continue;
+      const double ci = pc[i];
+      for (int64_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] += ci * pg[i * d + j];
+    }
+    std::vector<int64_t> shape = grads.sizes().slice(1).vec();
+    at::Tensor out = at::empty(shape, grads.options().dtype(at::kFloat));
+    float* po = out.data_ptr<float>();
+    for (int64_t j = 0; j < d; ++j) po[j] = static_cast<float>(acc[static_cast<size_t>(j)]);
+    return out;
+  }
   const at::Tensor rows = scaled_rows(f64(grads), scale, kept(scale));
   return f32(rows.sum(0));
 }
@@ -1019,7 +1104,7 @@ inline std::tuple<at::Tensor, at::Tensor> layer_norm_per_sample_btd(const at::Te
                                                                     double eps, bool rms) {
   auto [grads, s] = norm_row_sums(x, g, eps, rms);
   const double e = rounding_gamma(static_cast<double>(x.size(1) + 1));
-  return {grads, certify_direct(grads.square().sum(1), s, e, x.size(2) + 1)};
+  return {grads, certify_direct_rows(grads, s, e, x.size(2) + 1)};
 }
 
 // Certified [B] float64 (weight, plus bias when `bias`). x, g [B, T, d].

@@ -22,6 +22,8 @@ void bind_dp(py::module_ m) {
   m.def("mean_scaled_factors", &dp::mean_scaled_factors, py::arg("factors"), py::arg("b"),
         "Clip factors of the per-sample gradients -> of G as delivered under a mean loss over b "
         "rows: c * b rounded toward zero (Note [mean loss])");
+  m.def("certified_sum", &dp::certified_sum, py::arg("sqs"),
+        "[B] float32 never below the exact sum of 1 to 8 [B] float32 certified squared norms");
   m.def("round_up_f32", &dp::round_up_f32, py::arg("x"),
         "float64 -> float32 rounded toward +inf (NaN and Inf unchanged)");
   m.def("round_down_f32", &dp::round_down_f32, py::arg("x"),

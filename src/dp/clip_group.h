@@ -46,6 +46,11 @@ at::Tensor group_norms(const std::vector<std::vector<at::Tensor>>& components);
 at::Tensor mean_scaled_sq(const at::Tensor& sq, int64_t b);       // [B] float32 -> [B] float32
 at::Tensor mean_scaled_factors(const at::Tensor& factors, int64_t b);  // [B] f32 -> [B] f32
 
+// [B] float32 never below the exact sum of 1 to 8 certified squared norms ([B] float32 each: the
+// parts of one layer call, a weight's and its bias's): summed in float64, whose relative error
+// (at most 7·2⁻⁵³) the factor 1 + 1e-15 covers, rounded up to float32.
+at::Tensor certified_sum(const std::vector<at::Tensor>& sqs);
+
 // float64 -> float32 rounded toward +inf; toward 0 (x >= 0). NaN and ±Inf unchanged.
 at::Tensor round_up_f32(const at::Tensor& x);
 at::Tensor round_down_f32(const at::Tensor& x);

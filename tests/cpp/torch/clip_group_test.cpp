@@ -115,6 +115,54 @@ TEST(ClipGroup, MeanScalingRoundsNormsUpAndFactorsTowardZero) {
   EXPECT_TRUE(mean_scaled_factors(one, 1).equal(one));
 }
 
+TEST(ClipGroup, CertifiedSumIsNeverBelowTheExactSum) {
+  std::mt19937_64 rng(13);
+  std::uniform_real_distribution<double> exponent(-40.0, 40.0);
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<at::Tensor> sqs(static_cast<size_t>(1 + trial % 8));
+    for (auto& sq : sqs) {
+      sq = at::empty({16}, at::kFloat);
+      for (int64_t i = 0; i < 16; ++i) sq[i] = static_cast<float>(std::exp2(exponent(rng)));
+    }
+    const at::Tensor got = certified_sum(sqs);
+    for (int64_t i = 0; i < 16; ++i) {
+      long double exact = 0.0L;
+      for (const auto& sq : sqs) exact += sq[i].item<float>();
+      EXPECT_GE(got[i].item<float>(), exact) << "trial " << trial << " row " << i;
+      EXPECT_LE(got[i].item<float>(), exact * (1 + 2 * std::numeric_limits<float>::epsilon()));
+    }
+  }
+}
+
+// Note [host certification]: contiguous CPU inputs take a scalar loop, others (CUDA, strided)
+// the ATen composition; both must give the same floats.
+TEST(ClipGroup, TheHostLoopAndTheAtenPathAgreeBitForBit) {
+  std::mt19937_64 rng(17);
+  std::uniform_real_distribution<double> exponent(-20.0, 20.0);
+  const auto pair = [&](int64_t n) {  // (contiguous, strided) with the same values
+    at::Tensor wide = at::empty({n, 2}, at::kFloat);
+    for (int64_t i = 0; i < n; ++i) wide[i][0] = static_cast<float>(std::exp2(exponent(rng)));
+    at::Tensor strided = wide.select(1, 0);
+    return std::make_pair(strided.contiguous(), strided);
+  };
+  for (int trial = 0; trial < 10; ++trial) {
+    auto [a, a_s] = pair(24);
+    auto [b, b_s] = pair(24);
+    auto [c, c_s] = pair(24);
+    ASSERT_FALSE(a_s.is_contiguous());
+    EXPECT_TRUE(group_norms({{a}, {b, c}}).equal(group_norms({{a_s}, {b_s, c_s}})));
+    EXPECT_TRUE(certified_sum({a, b, c}).equal(certified_sum({a_s, b_s, c_s})));
+    EXPECT_TRUE(mean_scaled_sq(a, 7).equal(mean_scaled_sq(a_s, 7)));
+    const at::Tensor f = at::rand({24}, at::kFloat);
+    const at::Tensor f_s = at::stack({f, f}, 1).select(1, 0);
+    EXPECT_TRUE(mean_scaled_factors(f, 13).equal(mean_scaled_factors(f_s, 13)));
+    const at::Tensor x = a.to(at::kDouble) * (1.0 + 1e-9);
+    const at::Tensor x_s = at::stack({x, x}, 1).select(1, 0);
+    EXPECT_TRUE(round_up_f32(x).equal(round_up_f32(x_s)));
+    EXPECT_TRUE(round_down_f32(x).equal(round_down_f32(x_s)));
+  }
+}
+
 TEST(ClipGroup, BadInputsNameThePart) {
   const at::Tensor ok = at::ones({4}, at::kFloat);
   try {

@@ -296,5 +296,42 @@ TEST(PerSampleEmbedding, GenericRowsMatchTheCpuKernel) {
   }
 }
 
+// Note [host certification]: on the host the certification steps run as scalar loops; they must
+// give what the ATen compositions (the only versions CUDA runs) give: the same floats for the
+// directed roundings and the ghost bound, and for the direct bound a value at least the exact one
+// and within a few ulps of the composition's (only q's summation order differs).
+TEST(PerSampleCertification, TheHostLoopsAgreeWithTheAtenCompositions) {
+  namespace ps = kernels::per_sample;
+  at::manual_seed(11);
+  const double inf = std::numeric_limits<double>::infinity();
+  at::Tensor x = at::randn({64}, at::kDouble) * 1e3;
+  x[0] = std::numeric_limits<double>::quiet_NaN();
+  x[1] = inf;
+  x[2] = 1e300;  // above float32's range: +inf
+  x[3] = 0.0;
+  x[4] = -2.5;
+  const at::Tensor f = x.to(at::kFloat);
+  const at::Tensor want = at::where(f.to(at::kDouble) < x,
+                                    at::nextafter(f, at::full({}, float(inf), f.options())), f);
+  EXPECT_TRUE(at::allclose(ps::to_f32_up(x), want, 0.0, 0.0, /*equal_nan=*/true))
+      << ps::to_f32_up(x) - want;
+  const at::Tensor ghost = at::randn({64}, at::kDouble), s = at::rand({64}, at::kDouble);
+  const double c = 3e-14;
+  const at::Tensor ghost_want = ps::up(at::clamp_min(ghost, 0) + s.square() * (2.0 * c));
+  EXPECT_TRUE(ps::certify_ghost(ghost, s, c).equal(ghost_want));
+  const at::Tensor grads = at::randn({16, 300}, at::kDouble), sums = at::rand({16}, at::kDouble);
+  const at::Tensor rows = ps::certify_direct_rows(grads, sums, 1e-15, 301);
+  const at::Tensor composed = ps::certify_direct(grads.square().sum(1), sums, 1e-15, 301);
+  EXPECT_TRUE(at::allclose(rows, composed, 1e-14, 0.0)) << rows - composed;
+  for (int64_t i = 0; i < 16; ++i) {
+    long double exact = 0.0L;
+    for (int64_t j = 0; j < 300; ++j) {
+      const long double v = grads[i][j].item<double>();
+      exact += v * v;
+    }
+    EXPECT_GE(static_cast<long double>(rows[i].item<double>()), exact) << "row " << i;
+  }
+}
+
 }  // namespace
 }  // namespace dpzero
