@@ -796,7 +796,10 @@ inline at::Tensor per_sample_clipped_sum(const at::Tensor& grads, const at::Tens
   if (grads.is_cpu() && grads.scalar_type() == at::kDouble && scale.scalar_type() == at::kFloat) {
     // One scalar pass on the host: the rows of dropped samples are never read.
     const at::Tensor g = grads.contiguous(), c = scale.contiguous();
-    const int64_t b = g.size(0), d = g.numel() / std::max<int64_t>(b, 1);
+    std::vector<int64_t> shape = grads.sizes().slice(1).vec();
+    const int64_t b = g.size(0);
+    int64_t d = 1;  // from the shape, not numel / B: B = 0 still sums to [d] zeros
+    for (const int64_t n : shape) d *= n;
     std::vector<double> acc(static_cast<size_t>(d), 0.0);
     const double* pg = g.data_ptr<double>();
     const float* pc = c.data_ptr<float>();
@@ -805,7 +808,6 @@ inline at::Tensor per_sample_clipped_sum(const at::Tensor& grads, const at::Tens
       const double ci = pc[i];
       for (int64_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] += ci * pg[i * d + j];
     }
-    std::vector<int64_t> shape = grads.sizes().slice(1).vec();
     at::Tensor out = at::empty(shape, grads.options().dtype(at::kFloat));
     float* po = out.data_ptr<float>();
     for (int64_t j = 0; j < d; ++j) po[j] = static_cast<float>(acc[static_cast<size_t>(j)]);

@@ -77,7 +77,14 @@ at::Tensor group_norms(const std::vector<std::vector<at::Tensor>>& components) {
   TORCH_CHECK(!components[0].empty(),
               "dpzero::dp::group_norms: component 0 has no parts");
   const at::Tensor& first = components[0][0];
+  // The padding kPad covers up to 4000 parts per component and 9000 components (Note
+  // [certified group norms]).
+  TORCH_CHECK(components.size() <= 9000, "dpzero::dp::group_norms: ", components.size(),
+              " components in one group: the certified bound covers at most 9000");
   for (size_t c = 0; c < components.size(); ++c) {
+    TORCH_CHECK(components[c].size() <= 4000, "dpzero::dp::group_norms: component ", c,
+                " has ", components[c].size(), " parts (layer calls sharing a parameter): the "
+                "certified bound covers at most 4000");
     TORCH_CHECK(!components[c].empty(), "dpzero::dp::group_norms: component ", c,
                 " has no parts");
     for (size_t p = 0; p < components[c].size(); ++p) {
@@ -133,7 +140,8 @@ at::Tensor group_norms(const std::vector<std::vector<at::Tensor>>& components) {
 }
 
 at::Tensor mean_scaled_sq(const at::Tensor& sq, int64_t b) {
-  TORCH_CHECK(b >= 1, "dpzero::dp::mean_scaled_sq: b must be >= 1 rows, got ", b);
+  TORCH_CHECK(b >= 1 && b < (int64_t{1} << 26),
+              "dpzero::dp::mean_scaled_sq: b must be in [1, 2^26) rows (b^2 exact), got ", b);
   if (b == 1) return sq;
   const double bb = static_cast<double>(b) * static_cast<double>(b);  // exact below 2^26 rows
   if (on_host(sq) && sq.scalar_type() == at::kFloat && sq.dim() == 1) {
@@ -146,7 +154,9 @@ at::Tensor mean_scaled_sq(const at::Tensor& sq, int64_t b) {
 }
 
 at::Tensor mean_scaled_factors(const at::Tensor& factors, int64_t b) {
-  TORCH_CHECK(b >= 1, "dpzero::dp::mean_scaled_factors: b must be >= 1 rows, got ", b);
+  TORCH_CHECK(b >= 1 && b < (int64_t{1} << 29),
+              "dpzero::dp::mean_scaled_factors: b must be in [1, 2^29) rows (c b exact), got ",
+              b);
   if (b == 1) return factors;
   // c_i · b is exact in float64 (a float32 times an integer below 2^29).
   if (on_host(factors) && factors.scalar_type() == at::kFloat && factors.dim() == 1) {

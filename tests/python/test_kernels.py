@@ -465,6 +465,11 @@ def test_per_sample_clipped_sum_drops_nan_rows_and_checks_arguments(device):
     assert torch.equal(out.cpu(), torch.tensor([0.5, 1.0]))  # only sample 0 counts
     with pytest.raises(RuntimeError, match=r"scale must be \[B\] = \[3\], got shape \[2\]"):
         ops.per_sample_clipped_sum(grads, scale[:2])
+    # B = 0 (found by a review: the host loop returned uninitialised memory): exact zeros.
+    for shape in [(0, 1000), (0, 4, 5)]:
+        empty = ops.per_sample_clipped_sum(torch.zeros(shape, dtype=torch.float64, device=device),
+                                           torch.zeros(0, device=device))
+        assert empty.shape == shape[1:] and torch.equal(empty.cpu(), torch.zeros(shape[1:]))
     with pytest.raises(RuntimeError, match="grads must be float64 or float32, got Half"):
         ops.per_sample_clipped_sum(grads.half(), scale)
 

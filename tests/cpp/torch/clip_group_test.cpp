@@ -180,6 +180,12 @@ TEST(ClipGroup, BadInputsNameThePart) {
   EXPECT_THROW(group_norms({}), c10::Error);
   EXPECT_THROW(group_norms({{ok}, {}}), c10::Error);
   EXPECT_THROW(mean_scaled_sq(ok, 0), c10::Error);
+  // Beyond what the bounds cover (found by a review: the limits were documented, not checked).
+  EXPECT_THROW(mean_scaled_sq(ok, int64_t{1} << 26), c10::Error);
+  EXPECT_THROW(mean_scaled_factors(ok, int64_t{1} << 29), c10::Error);
+  EXPECT_THROW(group_norms(Components(9001, {ok})), c10::Error);
+  EXPECT_THROW(group_norms({std::vector<at::Tensor>(4001, ok)}), c10::Error);
+  EXPECT_NO_THROW(group_norms({std::vector<at::Tensor>(4000, ok)}));
 }
 
 }  // namespace
