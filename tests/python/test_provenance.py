@@ -392,6 +392,40 @@ def test_a_lookup_as_an_attention_mask_needs_queries_keys_and_values_of_the_same
         refused_or_bounded_raising(lambda: MaskBuckets(mix=True), ids, y)
 
 
+class BufferWrites(nn.Module):
+    """A Linear with a buffer its forward updates: from the examples (an EMA of the batch mean,
+    as BatchNorm's running statistics) or from nothing of theirs (a step counter)."""
+
+    def __init__(self, from_examples: bool):
+        super().__init__()
+        self.from_examples = from_examples
+        self.wte, self.head = nn.Embedding(V, D), nn.Linear(D, K)
+        self.register_buffer("ema", torch.zeros(D))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, ids):
+        h = self.wte(ids).mean(1)
+        with torch.no_grad():
+            if self.from_examples:
+                self.ema.mul_(0.9).add_(0.1 * h.mean(0))
+            self.calls += 1
+        return self.head(h)
+
+
+def test_a_forward_that_writes_the_examples_into_a_buffer_is_refused():
+    """Data of the examples written into a buffer leaves the training without noise (BatchNorm's
+    running statistics are refused by type; this is any buffer): the probe sees the write (the
+    buffer turns into a tainted Examples) and refuses the step, naming the buffer; the buffer's
+    class is restored. A buffer written from nothing of the examples (a counter) is fine."""
+    ids, y = ids_and_labels(4, seed=4)
+    assert refused_or_bounded(lambda: BufferWrites(from_examples=False), [ids], y) == "bounded"
+    model = BufferWrites(from_examples=True)
+    with pytest.raises(PrivacyViolation, match=r"writes data computed from the examples into "
+                                               r"its buffers \['ema'\]"):
+        refused_or_bounded_raising(lambda: model, ids, y)
+    assert type(model.ema) is torch.Tensor
+
+
 def test_a_changed_t5_compute_bias_stops_the_step():
     """The rewrite checks example 0's bias against the class's own compute_bias on every call:
     a compute_bias that no longer is one lookup permuted to [1, heads, q, k] (here: scaled)

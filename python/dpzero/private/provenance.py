@@ -523,18 +523,33 @@ def _never_unpacked(_packed):
 @contextlib.contextmanager
 def _buffers_kept(module: nn.Module):
     """Restores every buffer the probe's forward changed, in place or by assigning another
-    tensor (a step counter, a cache): the probe must leave no trace in the model."""
-    saved = [(m, name, b, b._version, b.detach().clone())
-             for m in module.modules() for name, b in m._buffers.items() if b is not None]
+    tensor (a step counter, a cache): the probe must leave no trace in the model. Yields the
+    list it fills with the names of the buffers the forward wrote the examples' data into (the
+    tag's rules make such a tensor a tainted Examples, examples.py ``_holds_examples``), whose
+    class it restores too."""
+    saved = [(f"{mname}.{name}" if mname else name, m, name, b, type(b), b._version,
+              b.detach().clone())
+             for mname, m in module.named_modules() for name, b in m._buffers.items()
+             if b is not None]
+    written: List[str] = []
     try:
-        yield
+        yield written
     finally:
         with torch.no_grad():
-            for m, name, b, version, copy in saved:
+            for full, m, name, b, cls, version, copy in saved:
+                if type(b) is not cls:
+                    written.append(full)
+                    b.__class__ = cls
+                    for attr in ("_dp_token", "_dp_bdim", "_dp_taint", "_dp_version"):
+                        b.__dict__.pop(attr, None)
                 if m._buffers.get(name) is not b:
                     m._buffers[name] = b
                 if b._version != version:
                     b.copy_(copy)
+
+
+class BuffersFromExamples(RuntimeError):
+    """The model's forward writes data of the examples into its buffers (run_probe)."""
 
 
 def _rows(x: torch.Tensor, bdim: int, rotated: bool) -> torch.Tensor:
@@ -561,9 +576,15 @@ def run_probe(module: nn.Module, forward: Callable, args, kwargs,
             leaves[i] = _wrap(_rows(leaves[i], bdim, rotated), bdim, probe.token)
     p_args, p_kwargs = pytree.tree_unflatten(leaves, spec)
     with torch.autograd.graph.saved_tensors_hooks(_saved_nothing, _never_unpacked), \
-            torch.random.fork_rng(devices=devices), _buffers_kept(module), \
+            torch.random.fork_rng(devices=devices), _buffers_kept(module) as written, \
             book.probing(probe):
         forward(*p_args, **p_kwargs)
+    if written:
+        raise BuffersFromExamples(
+            f"the model's forward writes data computed from the examples into its buffers "
+            f"{sorted(written)} (as BatchNorm's running statistics do): their values would leave "
+            "the training without noise, outside ε. Compute them without the training batch, "
+            "or keep them out of the module's state (a local value in the forward)")
     return probe.records
 
 
@@ -690,6 +711,8 @@ def _probed(module, original, args, kwargs, tagged, book, devices, real, rows,
     try:
         return run_probe(module, original, args, kwargs, tagged, book, devices, real, rows,
                          rotated), None
+    except BuffersFromExamples as e:
+        return None, str(e)
     except Exception as e:  # noqa: BLE001 - named in the refusal
         return None, (
             "dpzero could not run the model's forward once more with one more example (the "
