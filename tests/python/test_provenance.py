@@ -393,10 +393,11 @@ def test_a_lookup_as_an_attention_mask_needs_queries_keys_and_values_of_the_same
 
 
 class BufferWrites(nn.Module):
-    """A Linear with a buffer its forward updates: from the examples (an EMA of the batch mean,
-    as BatchNorm's running statistics) or from nothing of theirs (a step counter)."""
+    """A Linear with buffers its forward updates: ``from_examples`` "in place" or "replaced", an
+    EMA of the batch mean (as BatchNorm's running statistics); always a step counter, which
+    holds nothing of the examples."""
 
-    def __init__(self, from_examples: bool):
+    def __init__(self, from_examples=None):
         super().__init__()
         self.from_examples = from_examples
         self.wte, self.head = nn.Embedding(V, D), nn.Linear(D, K)
@@ -406,8 +407,10 @@ class BufferWrites(nn.Module):
     def forward(self, ids):
         h = self.wte(ids).mean(1)
         with torch.no_grad():
-            if self.from_examples:
+            if self.from_examples == "in place":
                 self.ema.mul_(0.9).add_(0.1 * h.mean(0))
+            elif self.from_examples == "replaced":
+                self.ema = 0.9 * self.ema + 0.1 * h.mean(0)
             self.calls += 1
         return self.head(h)
 
@@ -418,12 +421,13 @@ def test_a_forward_that_writes_the_examples_into_a_buffer_is_refused():
     buffer turns into a tainted Examples) and refuses the step, naming the buffer; the buffer's
     class is restored. A buffer written from nothing of the examples (a counter) is fine."""
     ids, y = ids_and_labels(4, seed=4)
-    assert refused_or_bounded(lambda: BufferWrites(from_examples=False), [ids], y) == "bounded"
-    model = BufferWrites(from_examples=True)
-    with pytest.raises(PrivacyViolation, match=r"writes data computed from the examples into "
-                                               r"its buffers \['ema'\]"):
-        refused_or_bounded_raising(lambda: model, ids, y)
-    assert type(model.ema) is torch.Tensor
+    assert refused_or_bounded(lambda: BufferWrites(from_examples=None), [ids], y) == "bounded"
+    for how in ("in place", "replaced"):
+        model = BufferWrites(from_examples=how)
+        with pytest.raises(PrivacyViolation, match=r"writes data computed from the examples "
+                                                   r"into its buffers \['ema'\]"):
+            refused_or_bounded_raising(lambda: model, ids, y)
+        assert type(model.ema) is torch.Tensor, how
 
 
 def test_a_changed_t5_compute_bias_stops_the_step():

@@ -537,8 +537,9 @@ def _buffers_kept(module: nn.Module):
     finally:
         with torch.no_grad():
             for full, m, name, b, cls, version, copy in saved:
-                if type(b) is not cls:
-                    written.append(full)
+                current = m._buffers.get(name)
+                if type(b) is not cls or (current is not b and isinstance(current, Examples)):
+                    written.append(full)  # written in place, or replaced, with example data
                     b.__class__ = cls
                     for attr in ("_dp_token", "_dp_bdim", "_dp_taint", "_dp_version"):
                         b.__dict__.pop(attr, None)
