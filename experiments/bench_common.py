@@ -10,6 +10,7 @@ import os
 import re
 import statistics
 import subprocess
+import time
 
 import dpzero
 
@@ -52,6 +53,30 @@ def paired_ratios(times: dict, a: str, b: str) -> tuple[float, float, float] | N
         return ratios[0], ratios[0], ratios[0]
     q1, med, q3 = statistics.quantiles(ratios, n=4)
     return med, q1, q3
+
+
+def interleaved_steps(built: dict, rounds: int, warmup: int, failures: dict,
+                      verbose: bool = False) -> dict:
+    """Times ``s.step()`` of every system in ``built`` (name -> object with ``step()``), one step
+    of each per round, for ``warmup`` untimed and ``rounds`` timed rounds: name -> seconds per
+    timed round. A system whose step raises is dropped whole (so the lists stay aligned for
+    ``paired_ratios``) and its error goes to ``failures``."""
+    built = dict(built)
+    times = {n: [] for n in built}
+    for r in range(warmup + rounds):
+        for name, s in list(built.items()):
+            t0 = time.perf_counter()
+            try:
+                s.step()
+            except Exception as e:  # noqa: BLE001 - the table names the failure
+                failures[name] = f"step failed: {type(e).__name__}: {str(e)[:160]}"
+                if verbose:
+                    print(f"  {name}: {failures[name]}", flush=True)
+                del built[name], times[name]
+                continue
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def write_csv(path: str, rows: list[dict], fields: list[str]) -> None:

@@ -28,7 +28,6 @@ import math
 import os
 import statistics
 import sys
-import time
 import warnings
 
 import torch
@@ -37,7 +36,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dpzero  # noqa: E402
-from bench_common import dpzero_version, paired_ratios  # noqa: E402
+from bench_common import dpzero_version, interleaved_steps, paired_ratios  # noqa: E402
 
 V, D, H, K = 1000, 64, 128, 4
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generic.md")
@@ -188,20 +187,7 @@ def run(model_name, batch, seq, rounds, warmup, systems, failures: dict) -> dict
         except Exception as e:  # noqa: BLE001 - a system that cannot run is named
             failures[name] = f"{type(e).__name__}: {str(e)[:160]}"
             print(f"  {name}: cannot build ({failures[name]})", flush=True)
-    times = {n: [] for n in built}
-    for r in range(warmup + rounds):
-        for name, s in list(built.items()):
-            t0 = time.perf_counter()
-            try:
-                s.step()
-            except Exception as e:  # noqa: BLE001
-                failures[name] = f"step failed: {type(e).__name__}: {str(e)[:160]}"
-                print(f"  {name}: {failures[name]}", flush=True)
-                del built[name], times[name]
-                continue
-            if r >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    return times
+    return interleaved_steps(built, rounds, warmup, failures, verbose=True)
 
 
 def main(argv=None) -> int:

@@ -29,7 +29,6 @@ import os
 import pstats
 import statistics
 import sys
-import time
 import warnings
 
 import torch
@@ -37,7 +36,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dpzero  # noqa: E402
-from bench_common import dpzero_version, paired_ratios, write_marked_section  # noqa: E402
+from bench_common import (dpzero_version, interleaved_steps, paired_ratios,  # noqa: E402
+                          write_marked_section)
 
 LAYERS, WIDTH, HEADS, T, B, VOCAB = 12, 64, 4, 16, 4, 256
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "host.md")
@@ -117,19 +117,7 @@ def timed(rounds: int, warmup: int, failures: dict) -> dict:
             built[name] = System(name)
         except Exception as e:  # noqa: BLE001 - a system that cannot run is named
             failures[name] = f"{type(e).__name__}: {str(e)[:160]}"
-    times = {n: [] for n in built}
-    for r in range(warmup + rounds):
-        for name, s in list(built.items()):
-            t0 = time.perf_counter()
-            try:
-                s.step()
-            except Exception as e:  # noqa: BLE001
-                failures[name] = f"step failed: {type(e).__name__}: {str(e)[:160]}"
-                del built[name], times[name]
-                continue
-            if r >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    return times
+    return interleaved_steps(built, rounds, warmup, failures)
 
 
 def profile_dpzero(rounds: int, top: int) -> list:

@@ -7,8 +7,12 @@
 
 #include <c10/util/Exception.h>
 
+#include "kernels/per_sample_ops.h"  // f32_up, to_f32_up: the kernels' directed roundings
+
 namespace dpzero::dp {
 namespace {
+
+using kernels::per_sample::f32_up;
 
 // The relative padding of Note [certified group norms].
 constexpr double kPad = 1.0 + 1e-12;
@@ -17,12 +21,6 @@ constexpr double kPad = 1.0 + 1e-12;
 // as one scalar loop each instead of a handful of ATen calls; the same IEEE operations, rounded
 // the same way.
 bool on_host(const at::Tensor& x) { return x.is_cpu() && x.is_contiguous(); }
-
-float f32_up(double x) {
-  const float f = static_cast<float>(x);
-  return static_cast<double>(f) < x ? std::nextafter(f, std::numeric_limits<float>::infinity())
-                                    : f;
-}
 
 float f32_down(double x) {  // x >= 0
   const float f = static_cast<float>(x);
@@ -52,15 +50,7 @@ void check_sq(const char* op, const at::Tensor& sq, const at::Tensor& first, siz
 
 }  // namespace
 
-at::Tensor round_up_f32(const at::Tensor& x) {
-  if (on_host(x) && x.scalar_type() == at::kDouble && x.dim() == 1) {
-    const double* px = x.data_ptr<double>();
-    return host_f32(x, x.size(0), [&](int64_t i) { return f32_up(px[i]); });
-  }
-  const at::Tensor f = x.to(at::kFloat);
-  const at::Tensor inf = at::full({}, std::numeric_limits<float>::infinity(), f.options());
-  return at::where(f.to(at::kDouble) < x, at::nextafter(f, inf), f);
-}
+at::Tensor round_up_f32(const at::Tensor& x) { return kernels::per_sample::to_f32_up(x); }
 
 at::Tensor round_down_f32(const at::Tensor& x) {
   if (on_host(x) && x.scalar_type() == at::kDouble && x.dim() == 1) {
