@@ -1,12 +1,18 @@
 // python/csrc/dp_bindings.cpp — dpzero._C.dp: the private step's C++ core (src/dp), as the Python
 // book calls it. Issue 23 moves the book there piece by piece; each piece is bound here.
+#include <optional>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include "python/csrc/bindings.h"
+#include "src/dp/book.h"
 #include "src/dp/clip_group.h"
+#include "src/dp/layer_ops.h"
+#include "src/zero/state.h"
 
 namespace py = pybind11;
 
@@ -28,6 +34,86 @@ void bind_dp(py::module_ m) {
         "float64 -> float32 rounded toward +inf (NaN and Inf unchanged)");
   m.def("round_down_f32", &dp::round_down_f32, py::arg("x"),
         "float64 >= 0 -> float32 rounded toward 0");
+
+  // ---- the clipping book (src/dp/book.h) ---------------------------------------------------
+  py::register_exception<dp::PrivacyError>(m, "PrivacyError", PyExc_RuntimeError);
+  py::class_<dp::LayerOps, std::shared_ptr<dp::LayerOps>>(
+      m, "LayerOps", "What the book does with one DP layer call's A and G (src/dp/layer_ops.h)");
+  m.def("linear_ops", &dp::linear_ops, py::arg("train"), py::arg("transposed"),
+        "nn.Linear (transposed=False) or HF Conv1D; train: (weight, bias) trained");
+  m.def("embedding_ops", &dp::embedding_ops, py::arg("train"), py::arg("num_embeddings"),
+        py::arg("padding_idx"), "nn.Embedding; train: (weight,)");
+  m.def("norm_ops", &dp::norm_ops, py::arg("train"), py::arg("rms"), py::arg("eps"),
+        py::arg("normalized_ndim"),
+        "LayerNorm (rms=False; train: (weight, bias)) or RMSNorm (train: (weight,)); eps None: "
+        "the input dtype's machine epsilon");
+  m.def("conv_ops", &dp::conv_ops, py::arg("train"), py::arg("kernel_size"), py::arg("stride"),
+        py::arg("padding"), py::arg("dilation"), py::arg("groups"),
+        "nn.Conv1d / nn.Conv2d; train: (weight, bias)");
+
+  py::class_<dp::StepStats>(m, "StepStats", "What one logical step's micro-batches produced")
+      .def_readonly("samples", &dp::StepStats::samples)
+      .def_readonly("dropped", &dp::StepStats::dropped)
+      .def_readonly("micro_batches", &dp::StepStats::micro_batches);
+
+  using Slot = std::optional<std::tuple<int64_t, int64_t, int64_t, std::vector<int64_t>>>;
+  using Layer = std::tuple<std::string, std::shared_ptr<dp::LayerOps>, std::vector<Slot>,
+                           int64_t, int64_t>;
+  py::class_<dp::Book>(m, "Book", "The clipping book of one private model (src/dp/book.h)")
+      .def(py::init([](const std::vector<Layer>& layers, std::vector<double> thresholds,
+                       std::vector<int64_t> group_components, std::string mode, double gamma,
+                       bool mean_loss, std::vector<int64_t> unit_numel,
+                       std::vector<at::Device> unit_device, zero::ZeroState& engine) {
+             std::vector<dp::BookLayer> book_layers;
+             for (const auto& [name, ops, slots, component, group] : layers) {
+               dp::BookLayer layer{name, ops, {}, component, group};
+               for (const Slot& slot : slots) {
+                 if (!slot) {
+                   layer.slots.emplace_back();
+                   continue;
+                 }
+                 const auto& [unit, offset, numel, shape] = *slot;
+                 layer.slots.push_back(dp::Slot{unit, offset, numel, shape});
+               }
+               book_layers.push_back(std::move(layer));
+             }
+             dp::BookOptions options{std::move(thresholds), std::move(group_components),
+                                     std::move(mode), gamma, mean_loss, std::move(unit_numel),
+                                     std::move(unit_device)};
+             return std::make_unique<dp::Book>(std::move(book_layers), std::move(options),
+                                               engine);
+           }),
+           py::arg("layers"), py::arg("thresholds"), py::arg("group_components"),
+           py::arg("mode"), py::arg("gamma"), py::arg("mean_loss"), py::arg("unit_numel"),
+           py::arg("unit_device"), py::arg("engine"),
+           py::keep_alive<1, 10>(),  // the book hands units to the engine
+           "layers: per DP layer (name, LayerOps or None for the generic path, per parameter "
+           "(unit, offset, numel, shape) or None where frozen, component, group)")
+      .def("set_expected_rows", &dp::Book::set_expected_rows, py::arg("rows"))
+      .def("set_padding", &dp::Book::set_padding, py::arg("padding"))
+      .def_property_readonly("padding", &dp::Book::padding)
+      .def("on_forward", &dp::Book::on_forward, py::arg("layer"))
+      .def("set_verdict", &dp::Book::set_verdict, py::arg("part"))
+      .def_property_readonly("generation", &dp::Book::generation)
+      .def_property_readonly("num_parts", &dp::Book::num_parts)
+      .def_property_readonly("open", &dp::Book::open)
+      .def("on_backward", &dp::Book::on_backward, py::arg("generation"), py::arg("part"),
+           py::arg("a"), py::arg("g"), py::call_guard<py::gil_scoped_release>())
+      .def("begin_backward", &dp::Book::begin_backward, py::arg("generation"), py::arg("part"))
+      .def("take_rows", &dp::Book::take_rows, py::arg("part"), py::arg("rows"))
+      .def(
+          "report_per_sample",
+          [](dp::Book& book, int64_t part, const std::vector<std::optional<at::Tensor>>& grads) {
+            std::vector<at::Tensor> rows;  // None (a frozen parameter) -> undefined
+            for (const auto& t : grads) rows.push_back(t.value_or(at::Tensor()));
+            book.report_per_sample(part, std::move(rows));
+          },
+          py::arg("part"), py::arg("grads"), py::call_guard<py::gil_scoped_release>())
+      .def("finish_backward", &dp::Book::finish_backward,
+           py::call_guard<py::gil_scoped_release>())
+      .def("discard", &dp::Book::discard)
+      .def("take_stats", &dp::Book::take_stats)
+      .def_property_readonly("micro_batches", &dp::Book::micro_batches);
 }
 
 }  // namespace dpzero::python

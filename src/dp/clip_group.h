@@ -1,9 +1,8 @@
 // src/dp/clip_group.h — one clipping group's per-sample norms and clip factors: the book's
 // completion of a group (DESIGN.md §2 step 3), from the certified squared norms its parts
-// reported in the backward. The first piece of the private step in C++ (issue 23); the Python
-// book (python/dpzero/private/book.py) calls it through dpzero._C.dp.
+// reported in the backward; the book (book.h) calls it when a group completes.
 //
-// Terms (book.py's docstring): a *part* is one call of a DP layer in the micro-batch; a
+// Terms (book.h): a *part* is one call of a DP layer in the micro-batch; a
 // *component* is a set of parts that share a parameter (a tied embedding and output head, a
 // layer called twice); a *group* is a set of components clipped together with one threshold.
 //
@@ -37,7 +36,7 @@ namespace dpzero::dp {
 // device). Note [certified group norms].
 at::Tensor group_norms(const std::vector<std::vector<at::Tensor>>& components);
 
-// Note [mean loss] (book.py): under loss_reduction="mean" over a micro-batch of b rows, autograd
+// Note [mean loss] (book.h): under loss_reduction="mean" over a micro-batch of b rows, autograd
 // delivers G / b. The book clips the per-sample gradients b·g_i without copying G:
 //  * their squared norms are the delivered ones times b², rounded up to float32;
 //  * the factor applied to the delivered g_i is c_i·b rounded toward zero, so that

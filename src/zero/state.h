@@ -126,7 +126,7 @@ class ZeroState {
   void set_private(bool on);
   // Stage 3: frees unit `unit`'s gathered parameters now — the caller knows no autograd node of
   // this backward still reads them (the private path: every DP layer call using them has run its
-  // backward, Note [early release] in python/dpzero/private/book.py). A later gather hook may
+  // backward, Note [early release] in src/dp/book.h). A later gather hook may
   // gather it again. No-op in stages 0–2.
   void release_params(int64_t unit);
 

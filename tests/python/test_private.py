@@ -444,7 +444,7 @@ def test_sharding_invariance_across_world_sizes_and_stages(tmp_path, world_size)
 
 @pytest.mark.parametrize("clipping", ["flat", "layer"])
 def test_stage3_frees_each_unit_after_its_layers_backward(clipping):
-    """Note [early release] in private/book.py: with flat clipping the clipped sums wait for the
+    """Note [early release] in src/dp/book.h: with flat clipping the clipped sums wait for the
     end of the backward, but the gathered parameters must not — at most the root unit and two
     blocks (the running one and the prefetched one) are gathered at once, as with layer-wise
     clipping; before, every unit stayed gathered to the end (the whole model)."""

@@ -25,7 +25,7 @@ to 19% on the CPU grid:
              optimizer step): what is left of the step then;
   transient_at  the same at stages 1 and 3; stage 3's includes the units gathered at the peak
              (the root unit, which encloses the forward, the running unit and the prefetched
-             one; Note [early release] in private/book.py) and their gathers' buffers;
+             one; Note [early release] in src/dp/book.h) and their gathers' buffers;
   times      forward + backward and optimizer step, median over a few steps.
 
 Per unit (a ZeRO unit, in forward order) it also counts the bytes autograd saves inside the unit

@@ -612,7 +612,7 @@ class PrivacyEngine:
         self._check_attached()
         book = self.book
         if i == 0 and self._micro is not None and self._micro.token.step != t and \
-                (book.stats.micro_batches or book.open):
+                (book.micro_batches or book.open):
             # Logical batch t-1 accumulated but never stepped: zero_grad() must drop it before
             # t's gradients arrive, or it would be released together with t's.
             book.stale = True
@@ -741,7 +741,7 @@ class PrivacyEngine:
         """Raises on every rank if any rank has a logical batch accumulated or a backward
         pending (a collective with several ranks)."""
         book = self.book
-        busy = bool(book.stats.micro_batches or book.open or self._micro is not None)
+        busy = bool(book.micro_batches or book.open or self._micro is not None)
         agree = self.agreements
         if agree.collective(f"agreeing on {what}", agree.any_rank, busy):
             raise RuntimeError(f"{what}: a logical batch is accumulated (on this rank: {busy}); "

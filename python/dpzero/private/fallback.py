@@ -41,7 +41,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
 
-from .layers import LayerKind, round_up_f32
+from .layers import LayerKind
 
 _bypass = threading.local()
 
@@ -226,30 +226,8 @@ class FuncKind(LayerKind):
         stacked = tuple(torch.stack([o[j] for o in outs]) for j in range(len(per_out)))
         return {name: torch.stack(ts) for name, ts in out.items()}, stacked
 
-    def sq_norms(self, module, a, g, train):
-        ps = a  # the per-sample gradients (Book passes them as A)
-        total = None
-        for t in ps.values():
-            flat = t.double().reshape(t.shape[0], -1)  # [B, numel] (a scalar parameter: [B, 1])
-            s = (flat * flat).sum(1)
-            # float64 sum of n non-negative terms: relative error <= (n - 1) 2^-53, covered here.
-            s = s * (1.0 + flat.shape[1] * 2.3e-16)
-            total = s if total is None else total + s
-        return round_up_f32(total * (1.0 + 1e-15))
-
-    def clipped_sums(self, module, a, g, scale, train):
-        ps = a
-        out: List[Optional[torch.Tensor]] = []
-        for name, t in zip(self.names, train):
-            if not t:
-                out.append(None)
-                continue
-            grads = ps[name].double()
-            w = scale.double().view(-1, *([1] * (grads.dim() - 1)))
-            ok = (scale > 0) & torch.isfinite(scale)
-            contrib = torch.where(ok.view_as(w), grads * w, torch.zeros_like(grads))
-            out.append(contrib.sum(0).float())
-        return out
+    def book_ops(self, module, train):
+        return None  # the book takes this path's per-sample gradients (src/dp/book.h)
 
 
 class RandomOpError(RuntimeError):

@@ -3,13 +3,14 @@
 A DP layer's forward runs inside :class:`_DPLayerFunction`, whose backward returns the gradient
 with respect to the layer's INPUT only: autograd never forms the weight gradient of a DP layer
 (DESIGN.md §2 step 3). The backward hands the layer's input A and output gradient G to the
-clipping book (``book.py``), which turns them into per-sample norms and clipped sums through the
-C++ ops of ``kernels/`` (``torch.ops.dpzero.*``).
+clipping book (``book.py``, src/dp/book.h), which turns them into per-sample norms and clipped
+sums through the layer's C++ ops (src/dp/layer_ops.h, over the kernels of ``kernels/``).
 
 Each kind below says, for one module type: how to run the forward, how to get the input gradient
-from G, and which op computes the per-sample squared norms, the clipped sums and the fused clip of
-the module's trainable parameters. Shapes follow Note [per-sample ops] in kernels/per_sample_ops.h:
-A is [B, ..., d_in] (Conv: [B, C_in, *spatial]) and G [B, ..., d_out]; every op returns float32.
+from G, and which C++ ops (``book_ops``) compute the per-sample squared norms, the clipped sums
+and the fused clip of the module's trainable parameters. Shapes follow Note [per-sample ops] in
+kernels/per_sample_ops.h: A is [B, ..., d_in] (Conv: [B, C_in, *spatial]) and G [B, ..., d_out];
+every op returns float32.
 
 Supported: ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm`` and Hugging Face
 RMSNorm modules (``LlamaRMSNorm`` and relatives: a ``weight`` of shape [d] and a
@@ -19,7 +20,7 @@ RMSNorm modules (``LlamaRMSNorm`` and relatives: a ``weight`` of shape [d] and a
 from __future__ import annotations
 
 import inspect
-from typing import Callable, List, NamedTuple, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ from torch import nn
 
 from .. import _C
 
-_ops = torch.ops.dpzero
+_dp = _C.dp  # src/dp: the book's per-layer ops
 
 # Hugging Face RMSNorm classes whose forward is x / sqrt(mean(x^2) + eps) * weight (computed in
 # fp32, cast back), checked against their sources. Others (Gemma's (1 + weight) scaling, which
@@ -37,48 +38,6 @@ HF_RMS_NORMS = frozenset({
     "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm",
     "PhiRMSNorm", "Phi3RMSNorm", "OlmoRMSNorm", "T5LayerNorm", "MT5LayerNorm", "UMT5LayerNorm",
 })
-
-
-class Kept(NamedTuple):
-    """What the book keeps of a layer between its backward and the clip factors when the layer has
-    small per-sample gradients (Note [kept per-sample gradients] in kernels/per_sample_ops.h).
-
-    ``grads``: per parameter (the kind's ``params`` order), its per-sample gradients [B, *shape]
-    (float64), or None (not trainable, or summed from ``a`` and ``g`` by the kind's
-    ``clipped_sums``); ``sq``: the layer's certified squared norms [B] float32 (None when no clipping
-    needs them); ``a``, ``g``: the input and output gradient the remaining parameters need, or
-    None."""
-
-    grads: Sequence[Optional[torch.Tensor]]
-    sq: Optional[torch.Tensor]
-    a: Optional[torch.Tensor] = None
-    g: Optional[torch.Tensor] = None
-
-
-def certified_sum(sqs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """[B] float32 never below the exact sum of certified squared norms ([B] float32 each, at most
-    8): the float64 sum of float32 values is off by at most 7 * 2^-53 relative, which the factor
-    covers, and the result is rounded up to float32."""
-    return _C.dp.certified_sum(list(sqs))  # src/dp/clip_group.h
-
-
-def add_into(dests, grads) -> None:
-    """Adds each parameter's clipped sum (or nothing, for None) into its destination slot."""
-    for dest, grad in zip(dests, grads):
-        if grad is not None:
-            dest.add_(grad.view(dest.shape))
-
-
-def add_kept_clipped_sums(kind: "LayerKind", module, kept: Kept, scale, train, dests) -> None:
-    """Adds the clipped sums of a layer kept as :class:`Kept` into ``dests`` (as
-    ``LayerKind.add_clipped_sums``): sum_i scale_i g_i from the kept rows, and the kind's own
-    clipped sums for the parameters summed from ``a`` and ``g``."""
-    rest = tuple(t and grad is None for t, grad in zip(train, kept.grads))
-    if any(rest):
-        kind.add_clipped_sums(module, kept.a, kept.g, scale, rest, dests)
-    for dest, grad in zip(dests, kept.grads):
-        if grad is not None:
-            dest.add_(_ops.per_sample_clipped_sum(grad, scale).view(dest.shape))
 
 
 class LayerKind:
@@ -107,53 +66,12 @@ class LayerKind:
         """What the ops take as A (the input as the ops expect it; Conv pads here)."""
         return x
 
-    def keep(self, module, a, g, train, norms: bool):
-        """What the book keeps of this layer's backward until the clip factors are known: (a, g)
-        by default; a kind with small per-sample gradients returns (Kept(...), None) instead, with
-        the squared norms computed when ``norms``."""
-        return a, g
-
-    def sq_norms(self, module, a, g, train) -> torch.Tensor:  # -> [B] float32
+    def book_ops(self, module: nn.Module, train: Sequence[bool]):
+        """The C++ ops the book runs on this layer's A and G (src/dp/layer_ops.h), for the
+        trainable subset ``train``; None for the generic path (per-sample gradients). Built once,
+        when make_private attaches: the module's settings they read (padding_idx, eps, a conv's
+        geometry) are those of that moment, like its trainable set (which step() checks)."""
         raise NotImplementedError
-
-    def clipped_sums(self, module, a, g, scale, train) -> List[Optional[torch.Tensor]]:
-        """sum_i scale_i g_i per parameter (None where not trainable)."""
-        raise NotImplementedError
-
-    def add_clipped_sums(self, module, a, g, scale, train, dests) -> None:
-        """Adds sum_i scale_i g_i into ``dests`` (per parameter: a float32 tensor of its shape,
-        typically its slot in the engine's gradient buffer, or None where not trainable). Kinds
-        with an in-place op override this (Note [accumulating clipped sums] in
-        kernels/per_sample_ops.h); the rest add what ``clipped_sums`` returns."""
-        add_into(dests, self.clipped_sums(module, a, g, scale, train))
-
-    def clip(self, module, a, g, max_norm, mode, gamma, train):
-        """Fused norms + factors + clipped sums for threshold ``max_norm``:
-        -> (grads per parameter, sq_norms [B], factors [B])."""
-        sq = self.sq_norms(module, a, g, train)
-        norms = _certified_sqrt(sq.double())
-        factors, _ = _ops.clip_factors(norms, max_norm, mode, gamma)
-        return self.clipped_sums(module, a, g, factors, train), sq, factors
-
-
-def _certified_sqrt(sq: torch.Tensor) -> torch.Tensor:
-    """float32 norms never below sqrt(sq) (sq float64 >= 0, NaN/Inf kept): the clip must see a
-    norm at least the exact one (Note [certified norms] in kernels/per_sample_ops.h)."""
-    return round_up_f32(torch.sqrt(sq) * (1.0 + 1e-12))
-
-
-def round_up_f32(x: torch.Tensor) -> torch.Tensor:
-    """float64 -> float32 rounded toward +inf (NaN/Inf unchanged); src/dp/clip_group.h."""
-    return _C.dp.round_up_f32(x)
-
-
-def round_down_f32(x: torch.Tensor) -> torch.Tensor:
-    """float64 >= 0 -> float32 rounded toward 0; src/dp/clip_group.h."""
-    return _C.dp.round_down_f32(x)
-
-
-def _bias_sq_norms(g: torch.Tensor, last_dims: int) -> torch.Tensor:
-    return _ops.bias_sq_norms(g.flatten(-last_dims) if last_dims > 1 else g)
 
 
 # ---- Linear and HF Conv1D ------------------------------------------------------------------------
@@ -178,50 +96,8 @@ class LinearKind(LayerKind):
     def autocast_input(self, x, dtype):
         return x.to(dtype) if x.is_floating_point() else x
 
-    def keep(self, module, a, g, train, norms):
-        w, b = train
-        if not b:
-            return a, g
-        gb, sq_b = _ops.bias_per_sample(g)
-        sq = None
-        if norms:
-            sq = certified_sum([_ops.linear_sq_norms(a, g, bias=False), sq_b]) if w else sq_b
-        return Kept([None, gb], sq, a if w else None, g if w else None), None
-
-    def keep_for_shared_norms(self, module, a, g, train):
-        """keep() when the book computes the weight's norm later, with the other layers that read
-        the same input (Note [shared inputs] in kernels/per_sample_ops.h): -> (a-state, g-state,
-        the bias's certified squared norms or None). The weight must be trainable."""
-        if not train[1]:
-            return a, g, None
-        gb, sq_b = _ops.bias_per_sample(g)
-        return Kept([None, gb], None, a, g), None, sq_b
-
-    def sq_norms(self, module, a, g, train):
-        w, b = train
-        if w:
-            return _ops.linear_sq_norms(a, g, bias=b)
-        return _ops.bias_sq_norms(g)
-
-    def clipped_sums(self, module, a, g, scale, train):
-        w, b = train
-        return [_ops.linear_clipped_sum(a, g, scale, transposed=self.transposed) if w else None,
-                _ops.bias_clipped_sum(g, scale) if b else None]
-
-    def add_clipped_sums(self, module, a, g, scale, train, dests):
-        w, b = train
-        if w:
-            _ops.add_linear_clipped_sum_(dests[0], a, g, scale, transposed=self.transposed)
-        if b:
-            dests[1].add_(_ops.bias_clipped_sum(g, scale))
-
-    def clip(self, module, a, g, max_norm, mode, gamma, train):
-        w, b = train
-        if not w:
-            return super().clip(module, a, g, max_norm, mode, gamma, train)
-        gw, gb, sq, factors, _ = _ops.linear_clip(a, g, max_norm, mode, gamma, bias=b,
-                                                  transposed=self.transposed)
-        return [gw, gb if b else None], sq, factors
+    def book_ops(self, module, train):
+        return _dp.linear_ops(list(train), self.transposed)
 
 
 # ---- Embedding -----------------------------------------------------------------------------------
@@ -246,17 +122,8 @@ class EmbeddingKind(LayerKind):
     def input_grad(self, module, x, g):
         return None  # ids have no gradient
 
-    def sq_norms(self, module, a, g, train):
-        return _ops.embedding_sq_norms(a, g, module.num_embeddings, module.padding_idx)
-
-    def add_clipped_sums(self, module, a, g, scale, train, dests):
-        _ops.add_embedding_clipped_sum_(dests[0], a, g, scale, module.num_embeddings,
-                                        module.padding_idx)
-
-    def clip(self, module, a, g, max_norm, mode, gamma, train):
-        gw, sq, factors, _ = _ops.embedding_clip(a, g, module.num_embeddings, max_norm, mode,
-                                                 gamma, module.padding_idx)
-        return [gw], sq, factors
+    def book_ops(self, module, train):
+        return _dp.embedding_ops(list(train), module.num_embeddings, module.padding_idx)
 
 
 # ---- LayerNorm / RMSNorm -------------------------------------------------------------------------
@@ -283,13 +150,6 @@ class NormKind(LayerKind):
     def normalized_ndim(self, module) -> int:
         return 1 if self.hf else len(module.normalized_shape)
 
-    def eps(self, module, x) -> float:
-        if self.hf:
-            return float(module.variance_epsilon)
-        if module.eps is None:  # nn.RMSNorm(eps=None): torch.finfo(input dtype).eps
-            return float(torch.finfo(x.dtype).eps)
-        return float(module.eps)
-
     def forward(self, module, x):
         return module._dp_original_forward(x)
 
@@ -300,50 +160,11 @@ class NormKind(LayerKind):
             (gx,) = torch.autograd.grad(y, xr, g)
         return gx
 
-    def keep(self, module, a, g, train, norms):
-        nd = self.normalized_ndim(module)
-        grads: List[Optional[torch.Tensor]] = [None] * len(train)
-        sqs = []
-        if train[0]:
-            grads[0], sq = _ops.layer_norm_per_sample(a, g, self.eps(module, a), rms=self.rms,
-                                                      normalized_ndim=nd)
-            sqs.append(sq)
-        if len(train) > 1 and train[1]:
-            gb, sq = _ops.bias_per_sample(g.flatten(-nd) if nd > 1 else g)
-            grads[1] = gb.view(gb.shape[0], *module.bias.shape)
-            sqs.append(sq)
-        return Kept(grads, certified_sum(sqs) if norms else None), None
-
-    def sq_norms(self, module, a, g, train):
-        nd = self.normalized_ndim(module)
-        w = train[0]
-        b = len(train) > 1 and train[1]
-        if w:
-            return _ops.layer_norm_sq_norms(a, g, self.eps(module, a), rms=self.rms, bias=b,
-                                            normalized_ndim=nd)
-        return _bias_sq_norms(g, nd)
-
-    def clipped_sums(self, module, a, g, scale, train):
-        nd = self.normalized_ndim(module)
-        shape = module.weight.shape if module.weight is not None else module.bias.shape
-        out: List[Optional[torch.Tensor]] = [None] * len(train)
-        if train[0]:
-            out[0] = _ops.layer_norm_clipped_sum(a, g, scale, self.eps(module, a), rms=self.rms,
-                                                 normalized_ndim=nd)
-        if len(train) > 1 and train[1]:
-            gb = g.flatten(-nd) if nd > 1 else g
-            out[1] = _ops.bias_clipped_sum(gb, scale).view(shape)
-        return out
-
-    def clip(self, module, a, g, max_norm, mode, gamma, train):
-        if not train[0]:
-            return super().clip(module, a, g, max_norm, mode, gamma, train)
-        b = len(train) > 1 and train[1]
-        gw, gb, sq, factors, _ = _ops.layer_norm_clip(
-            a, g, self.eps(module, a), max_norm, mode, gamma, rms=self.rms, bias=b,
-            normalized_ndim=self.normalized_ndim(module))
-        out = [gw] + ([gb if b else None] if len(train) > 1 else [])
-        return out, sq, factors
+    def book_ops(self, module, train):
+        # nn.RMSNorm(eps=None) takes the input dtype's epsilon: None here, resolved by the op.
+        eps = module.variance_epsilon if self.hf else module.eps
+        return _dp.norm_ops(list(train), self.rms, None if eps is None else float(eps),
+                            self.normalized_ndim(module))
 
 
 # ---- Conv1d / Conv2d -----------------------------------------------------------------------------
@@ -396,25 +217,8 @@ class ConvKind(LayerKind):
             return F.pad(x, pads, mode=mode)
         return x
 
-    def sq_norms(self, module, a, g, train):
-        w, b = train
-        if w:
-            return _ops.conv_sq_norms(a, g, *self._geometry(module), bias=b)
-        return _ops.bias_sq_norms(g.movedim(1, -1))
-
-    def clipped_sums(self, module, a, g, scale, train):
-        w, b = train
-        return [_ops.conv_clipped_sum(a, g, scale, *self._geometry(module)) if w else None,
-                _ops.bias_clipped_sum(g.movedim(1, -1), scale) if b else None]
-
-    def clip(self, module, a, g, max_norm, mode, gamma, train):
-        w, b = train
-        if not w:
-            return super().clip(module, a, g, max_norm, mode, gamma, train)
-        k, s, p, d, groups = self._geometry(module)
-        gw, gb, sq, factors, _ = _ops.conv_clip(a, g, k, s, p, d, groups, max_norm, mode, gamma,
-                                                bias=b)
-        return [gw, gb if b else None], sq, factors
+    def book_ops(self, module, train):
+        return _dp.conv_ops(list(train), *self._geometry(module))
 
 
 _BASES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm, nn.Conv1d, nn.Conv2d)

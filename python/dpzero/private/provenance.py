@@ -648,7 +648,7 @@ def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *
             raise PrivacyViolation(problem)
         return out
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    start = len(book.parts)
+    start = book.num_parts
     book.root = []
     try:
         out = original(*args, **kwargs)

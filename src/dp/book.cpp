@@ -1,0 +1,483 @@
+// src/dp/book.cpp — see book.h.
+#include "src/dp/book.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <tuple>
+#include <utility>
+
+#include "kernels/per_sample_ops.h"
+#include "src/dp/clip_group.h"
+#include "src/zero/state.h"
+
+namespace dpzero::dp {
+namespace {
+
+namespace ps = kernels::per_sample;
+
+// Note [one sample per row]: the advice every row-count refusal ends with.
+constexpr const char* kBatchOnDim0 =
+    ": DP layers need the batch on dim 0 (Note [one sample per row]): transpose "
+    "batch_first=False inputs, and expand inputs shared by the batch ([1, ...] broadcast) to the "
+    "batch";
+
+void add_view(const at::Tensor& dest, const at::Tensor& sum) {
+  at::Tensor(dest).add_(sum.view(dest.sizes()));
+}
+
+// Note [shared inputs]: layers reading the very same input tensor, unchanged since.
+using InputKey = std::tuple<const void*, std::vector<int64_t>, std::vector<int64_t>, at::ScalarType,
+                            std::string, uint32_t>;
+
+InputKey input_key(const at::Tensor& a) {
+  return {a.data_ptr(), a.sizes().vec(), a.strides().vec(), a.scalar_type(), a.device().str(),
+          a._version()};
+}
+
+}  // namespace
+
+Book::Book(std::vector<BookLayer> layers, BookOptions options, zero::ZeroState& engine)
+    : layers_(std::move(layers)), options_(std::move(options)), engine_(engine) {
+  const size_t groups = options_.thresholds.size();
+  TORCH_CHECK(options_.group_components.size() == groups, "dpzero::dp::Book: ", groups,
+              " thresholds but ", options_.group_components.size(), " group sizes");
+  TORCH_CHECK(options_.unit_device.size() == options_.unit_numel.size(), "dpzero::dp::Book: ",
+              options_.unit_numel.size(), " unit sizes but ", options_.unit_device.size(),
+              " unit devices");
+  TORCH_CHECK(static_cast<int64_t>(options_.unit_numel.size()) == engine_.num_units(),
+              "dpzero::dp::Book: ", options_.unit_numel.size(), " units, the engine has ",
+              engine_.num_units());
+  for (const BookLayer& layer : layers_) {
+    TORCH_CHECK(layer.group >= 0 && static_cast<size_t>(layer.group) < groups,
+                "dpzero::dp::Book: layer '", layer.name, "' is in group ", layer.group, " of ",
+                groups);
+    if (layer.ops) {
+      TORCH_CHECK(static_cast<int64_t>(layer.slots.size()) == layer.ops->num_params(),
+                  "dpzero::dp::Book: layer '", layer.name, "' has ", layer.slots.size(),
+                  " slots for ", layer.ops->num_params(), " parameters");
+    }
+    for (const auto& slot : layer.slots) {
+      if (!slot) continue;
+      TORCH_CHECK(slot->unit >= 0 && slot->unit < engine_.num_units() && slot->offset >= 0 &&
+                      slot->offset + slot->numel <= options_.unit_numel[slot->unit],
+                  "dpzero::dp::Book: layer '", layer.name, "' has a slot [", slot->offset, ", ",
+                  slot->offset + slot->numel, ") outside unit ", slot->unit);
+      if (!layer.ops) keep_gathered_.insert(slot->unit);  // Note [early release]
+    }
+  }
+  reset_micro_batch();
+}
+
+void Book::refuse(const std::string& why) const { throw PrivacyError(why); }
+
+using Lock = std::lock_guard<std::recursive_mutex>;
+
+void Book::set_expected_rows(std::optional<int64_t> rows) {
+  Lock lock(mutex_);
+  expected_rows_ = rows;
+}
+void Book::set_padding(bool padding) {
+  Lock lock(mutex_);
+  padding_ = padding;
+}
+bool Book::padding() const {
+  Lock lock(mutex_);
+  return padding_;
+}
+int64_t Book::generation() const {
+  Lock lock(mutex_);
+  return generation_;
+}
+int64_t Book::num_parts() const {
+  Lock lock(mutex_);
+  return static_cast<int64_t>(parts_.size());
+}
+bool Book::open() const {
+  Lock lock(mutex_);
+  return !parts_.empty();
+}
+bool Book::started() const {
+  Lock lock(mutex_);
+  return started_;
+}
+int64_t Book::micro_batches() const {
+  Lock lock(mutex_);
+  return stats_.micro_batches;
+}
+void Book::discard() {
+  Lock lock(mutex_);
+  reset_micro_batch();
+}
+
+void Book::reset_micro_batch() {
+  // A backward that reaches a part of an earlier micro-batch (a second backward through one
+  // graph) carries an old generation and is refused.
+  ++generation_;
+  started_ = false;
+  parts_.clear();
+  group_state_.clear();
+  unit_expected_.clear();
+  unit_uses_.clear();
+  unit_buf_.clear();
+  direct_.clear();
+  handed_.clear();
+  batch_.reset();
+  dropped_mask_ = at::Tensor();
+}
+
+// ---- forward -------------------------------------------------------------------------------------
+
+int64_t Book::on_forward(int64_t layer) {
+  Lock lock(mutex_);
+  if (started_) {
+    refuse("a backward pass stopped partway after part of it was clipped; its clipped sums are "
+           "still accumulated, so a new forward would count those examples twice: call "
+           "zero_grad() to drop the micro-batch");
+  }
+  TORCH_CHECK(layer >= 0 && static_cast<size_t>(layer) < layers_.size(),
+              "dpzero::dp::Book::on_forward: no layer ", layer, " (", layers_.size(), " layers)");
+  const BookLayer& l = layers_[layer];
+  const int64_t index = num_parts();
+  parts_.push_back(Part{layer});
+  group_state_[l.group].parts.push_back(index);
+  for (const auto& slot : l.slots) {
+    if (!slot) continue;
+    ++unit_expected_[slot->unit];
+    ++unit_uses_[slot->unit];
+  }
+  return index;
+}
+
+void Book::set_verdict(int64_t part) {
+  Lock lock(mutex_);
+  TORCH_CHECK(part >= 0 && part < num_parts(), "dpzero::dp::Book::set_verdict: no part ", part,
+              " (", num_parts(), " parts)");
+  parts_[part].verdict = true;
+}
+
+// ---- backward ------------------------------------------------------------------------------------
+
+void Book::begin_backward(int64_t generation, int64_t index) {
+  Lock lock(mutex_);
+  if (generation != generation_ || index < 0 || index >= num_parts() || parts_[index].claimed) {
+    refuse("a backward reached a DP layer call whose gradient was already taken (a second "
+           "backward through the same forward, or a graph kept across zero_grad()); each forward "
+           "may be back-propagated once");
+  }
+  Part& part = parts_[index];
+  if (!part.verdict) {
+    refuse("layer '" + layers_[part.layer].name + "' has no verdict on which of its rows are "
+           "examples (Note [batch provenance]); it is not clipped");
+  }
+  part.claimed = true;
+  started_ = true;
+}
+
+int64_t Book::take_rows(int64_t index, int64_t b) {
+  Lock lock(mutex_);
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(parts_.size()) &&
+                  parts_[index].claimed && parts_[index].rows < 0,
+              "dpzero::dp::Book::take_rows: part ", index, " was not claimed by begin_backward");
+  Part& part = parts_[index];
+  const BookLayer& layer = layers_[part.layer];
+  if (expected_rows_ && b != *expected_rows_) {
+    refuse("layer '" + layer.name + "' saw a batch of " + std::to_string(b) +
+           " rows in a micro-batch of " + std::to_string(*expected_rows_) + " examples" +
+           kBatchOnDim0);
+  }
+  if (batch_ && b != *batch_) {
+    refuse("layer '" + layer.name + "' saw a batch of " + std::to_string(b) +
+           " rows where other layers of the same micro-batch saw " + std::to_string(*batch_) +
+           kBatchOnDim0);
+  }
+  part.rows = b;
+  if (padding_) return 0;  // exact zeros: the padding row contributes nothing
+  if (fused(part) && options_.mean_loss && b > 0) return b;  // Note [mean loss]
+  return 1;
+}
+
+bool Book::fused(const Part& part) const {
+  const BookLayer& layer = layers_[part.layer];
+  return group_state_.at(layer.group).parts.size() == 1 &&
+         options_.group_components[layer.group] == 1 &&
+         std::isfinite(options_.thresholds[layer.group]);
+}
+
+void Book::on_backward(int64_t generation, int64_t index, const at::Tensor& a, at::Tensor g) {
+  Lock lock(mutex_);
+  begin_backward(generation, index);
+  TORCH_CHECK(layers_[parts_[index].layer].ops, "dpzero::dp::Book::on_backward: layer '",
+              layers_[parts_[index].layer].name,
+              "' takes the generic path (report_per_sample)");
+  const int64_t multiplier = take_rows(index, g.dim() > 0 ? g.size(0) : 0);
+  if (multiplier == 0) {
+    g = at::zeros_like(g);
+  } else if (multiplier != 1) {
+    g = g * multiplier;
+  }
+  Kept inputs;
+  inputs.a = a;
+  inputs.g = g;
+  report(index, std::move(inputs), /*per_sample=*/false);
+}
+
+void Book::report_per_sample(int64_t index, std::vector<at::Tensor> grads) {
+  Lock lock(mutex_);
+  TORCH_CHECK(index >= 0 && index < num_parts() && parts_[index].rows >= 0 &&
+                  !parts_[index].kept && !parts_[index].done,
+              "dpzero::dp::Book::report_per_sample: part ", index,
+              " has not passed begin_backward and take_rows");
+  const BookLayer& layer = layers_[parts_[index].layer];
+  TORCH_CHECK(!layer.ops && grads.size() == layer.slots.size(),
+              "dpzero::dp::Book::report_per_sample: layer '", layer.name, "' takes ",
+              layer.ops ? "its kernel path (on_backward)" : std::to_string(layer.slots.size()) +
+              " per-sample gradients, got " + std::to_string(grads.size()));
+  Kept kept;
+  kept.grads = std::move(grads);
+  report(index, std::move(kept), /*per_sample=*/true);
+}
+
+// One part's backward, after the checks: `in` holds (a, g) for a kernel layer, the per-sample
+// gradients for the generic path.
+void Book::report(int64_t index, Kept in, bool per_sample) {
+  Part& part = parts_[index];
+  const BookLayer& layer = layers_[part.layer];
+  // Note [one sample per row]: every reported tensor has the rows take_rows checked.
+  bool any = false;
+  at::Tensor first;
+  for (const at::Tensor& t : per_sample ? in.grads : std::vector<at::Tensor>{in.g}) {
+    if (!t.defined()) continue;
+    if (t.dim() == 0 || t.size(0) != part.rows) {
+      refuse("layer '" + layer.name + "' reported a gradient of shape " +
+             c10::str(t.sizes()) + " for a part of " + std::to_string(part.rows) + " rows");
+    }
+    if (!any) first = t;
+    any = true;
+  }
+  TORCH_CHECK(any, "dpzero::dp::Book: layer '", layer.name, "' reported no gradient");
+  if (!batch_) {
+    batch_ = part.rows;
+    dropped_mask_ = at::zeros({*batch_}, first.options().dtype(at::kBool));
+  }
+  GroupState& gs = group_state_.at(layer.group);
+  const double threshold = options_.thresholds[layer.group];
+  const bool clip = std::isfinite(threshold);
+  ++gs.received;
+  if (fused(part)) {
+    // A singleton group: norm, factors and clipped sum in one fused op, in this backward.
+    at::Tensor factors;
+    if (per_sample) {
+      factors = std::get<0>(ps::clip_from_sq_norms(per_sample_sq_norms(in.grads).to(at::kDouble),
+                                                   threshold, options_.mode, options_.gamma));
+      const std::vector<at::Tensor> out = dests(layer);
+      for (size_t p = 0; p < in.grads.size(); ++p) {
+        if (in.grads[p].defined()) add_view(out[p], ps::per_sample_clipped_sum(in.grads[p], factors));
+      }
+    } else {
+      factors = layer.ops->clip_into(in.a, in.g, threshold, options_.mode, options_.gamma,
+                                     dests(layer));
+    }
+    note_factors(factors);
+    part.done = true;
+    gs.complete = true;
+    delivered(layer);
+  } else {
+    if (per_sample) {
+      if (clip) in.sq = mean_scaled_sq(per_sample_sq_norms(in.grads), mean_scale());
+      part.kept = std::move(in);
+    } else if (clip && layer.ops->shares_input()) {
+      part.kept = layer.ops->keep_pending(in.a, in.g);  // Note [shared inputs]
+    } else {
+      Kept kept = layer.ops->keep(in.a, in.g, clip);
+      if (clip) kept.sq = mean_scaled_sq(kept.sq, mean_scale());
+      part.kept = std::move(kept);
+    }
+    if (gs.received == static_cast<int64_t>(gs.parts.size())) complete(layer.group);
+  }
+  release_if_done(layer);
+}
+
+// ---- completion ----------------------------------------------------------------------------------
+
+void Book::shared_norms(const std::vector<int64_t>& parts) {
+  std::vector<std::pair<InputKey, std::vector<int64_t>>> by_input;
+  for (const int64_t index : parts) {
+    const Kept& kept = *parts_[index].kept;
+    if (!kept.pending) continue;
+    const InputKey key = input_key(kept.a);
+    auto it = std::find_if(by_input.begin(), by_input.end(),
+                           [&](const auto& entry) { return entry.first == key; });
+    if (it == by_input.end()) {
+      by_input.emplace_back(key, std::vector<int64_t>{index});
+    } else {
+      it->second.push_back(index);
+    }
+  }
+  for (const auto& [key, same] : by_input) {
+    std::vector<at::Tensor> gs;
+    for (const int64_t index : same) gs.push_back(parts_[index].kept->g);
+    const at::Tensor weights =
+        ps::linear_sq_norms_multi(parts_[same[0]].kept->a, gs, /*method=*/0);  // [L, B]
+    for (size_t l = 0; l < same.size(); ++l) {
+      Kept& kept = *parts_[same[l]].kept;
+      const at::Tensor total = kept.rest_sq.defined()
+                                   ? certified_sum({weights[static_cast<int64_t>(l)], kept.rest_sq})
+                                   : weights[static_cast<int64_t>(l)];
+      kept.sq = mean_scaled_sq(total, mean_scale());
+      kept.rest_sq = at::Tensor();
+      kept.pending = false;
+    }
+  }
+}
+
+void Book::complete(int64_t group) {
+  GroupState& gs = group_state_.at(group);
+  if (gs.complete) return;
+  gs.complete = true;
+  std::vector<int64_t> parts;
+  for (const int64_t index : gs.parts) {
+    if (parts_[index].kept) parts.push_back(index);
+  }
+  if (parts.empty()) return;
+  const double threshold = options_.thresholds[group];
+  at::Tensor factors;
+  if (std::isfinite(threshold)) {
+    shared_norms(parts);
+    // Per component, its parts' squared norms (Note [certified group norms]).
+    std::vector<int64_t> order;
+    std::map<int64_t, std::vector<at::Tensor>> by_component;
+    for (const int64_t index : parts) {
+      const int64_t c = layers_[parts_[index].layer].component;
+      if (!by_component.count(c)) order.push_back(c);
+      by_component[c].push_back(parts_[index].kept->sq);
+    }
+    std::vector<std::vector<at::Tensor>> components;
+    for (const int64_t c : order) components.push_back(std::move(by_component[c]));
+    factors = clip_factors(group_norms(components), threshold, options_.mode, options_.gamma);
+    note_factors(factors);
+  } else {  // C = inf: no clipping (non-private training through the same path)
+    factors = at::ones({*batch_}, dropped_mask_.options().dtype(at::kFloat));
+  }
+  factors = mean_scaled_factors(factors, mean_scale());  // Note [mean loss]
+  for (const int64_t index : parts) {
+    Part& part = parts_[index];
+    add_kept_clipped_sums(part, factors);
+    part.kept.reset();  // book-keeping ends here for this part
+    part.done = true;
+    delivered(layers_[part.layer]);
+  }
+}
+
+void Book::add_kept_clipped_sums(const Part& part, const at::Tensor& factors) {
+  const BookLayer& layer = layers_[part.layer];
+  const Kept& kept = *part.kept;
+  const std::vector<at::Tensor> out = dests(layer);
+  if (layer.ops) {
+    // The trained parameters without kept rows are summed from a and g.
+    Trainable rest(layer.ops->train().size(), false);
+    bool any = false;
+    for (size_t p = 0; p < rest.size(); ++p) {
+      rest[p] = layer.ops->train()[p] && !(p < kept.grads.size() && kept.grads[p].defined());
+      any = any || rest[p];
+    }
+    if (any) layer.ops->add_clipped_sums(kept.a, kept.g, factors, rest, out);
+  }
+  for (size_t p = 0; p < kept.grads.size(); ++p) {
+    if (kept.grads[p].defined()) add_view(out[p], ps::per_sample_clipped_sum(kept.grads[p], factors));
+  }
+}
+
+int64_t Book::mean_scale() const {
+  return options_.mean_loss && !padding_ && batch_ && *batch_ > 0 ? *batch_ : 1;
+}
+
+void Book::note_factors(const at::Tensor& factors) {
+  if (factors.numel() == 0) return;
+  dropped_mask_.logical_or_(factors == 0);
+}
+
+// ---- units ---------------------------------------------------------------------------------------
+
+at::Tensor& Book::unit_buffer(int64_t unit) {
+  auto it = unit_buf_.find(unit);
+  if (it != unit_buf_.end()) return it->second;
+  at::Tensor buf = engine_.grad_accumulator(unit);  // Note [private accumulator]
+  if (buf.defined()) {
+    direct_.insert(unit);
+  } else {
+    buf = at::zeros({options_.unit_numel[unit]},
+                    at::TensorOptions().dtype(at::kFloat).device(options_.unit_device[unit]));
+  }
+  return unit_buf_.emplace(unit, std::move(buf)).first->second;
+}
+
+std::vector<at::Tensor> Book::dests(const BookLayer& layer) {
+  std::vector<at::Tensor> out;
+  for (const auto& slot : layer.slots) {
+    if (!slot) {
+      out.emplace_back();
+      continue;
+    }
+    out.push_back(unit_buffer(slot->unit).narrow(0, slot->offset, slot->numel).view(slot->shape));
+  }
+  return out;
+}
+
+void Book::delivered(const BookLayer& layer) {
+  for (const auto& slot : layer.slots) {
+    if (slot && --unit_expected_[slot->unit] == 0) hand_over(slot->unit);
+  }
+}
+
+void Book::hand_over(int64_t unit) {
+  at::Tensor buf = std::move(unit_buffer(unit));
+  unit_buf_.erase(unit);
+  unit_expected_.erase(unit);
+  handed_.insert(unit);
+  if (direct_.count(unit)) return;  // already in the engine's buffer
+  engine_.add_unit_grad(unit, buf, /*release_params=*/!keep_gathered_.count(unit),
+                        /*donated=*/true);  // erased above: nothing else holds buf
+}
+
+void Book::release_if_done(const BookLayer& layer) {
+  for (const auto& slot : layer.slots) {
+    if (!slot) continue;
+    if (--unit_uses_[slot->unit] == 0 && !keep_gathered_.count(slot->unit)) {
+      engine_.release_params(slot->unit);
+    }
+  }
+}
+
+// ---- end of backward -----------------------------------------------------------------------------
+
+void Book::finish_backward() {
+  Lock lock(mutex_);
+  try {
+    for (auto& entry : group_state_) complete(entry.first);
+    for (int64_t unit = 0; unit < engine_.num_units(); ++unit) {
+      if (!handed_.count(unit)) hand_over(unit);  // zeros where no part of it ran
+    }
+    if (batch_ && !padding_) {  // padding rows count nowhere
+      stats_.samples += *batch_;
+      const at::Tensor dropped = dropped_mask_.sum();  // stays on the device until take_stats
+      dropped_ = dropped_.defined() ? dropped_ + dropped.to(dropped_.device()) : dropped;
+    }
+    ++stats_.micro_batches;
+  } catch (...) {
+    reset_micro_batch();
+    throw;
+  }
+  reset_micro_batch();
+}
+
+StepStats Book::take_stats() {
+  Lock lock(mutex_);
+  StepStats stats = stats_;
+  if (dropped_.defined()) stats.dropped = dropped_.item<int64_t>();
+  stats_ = StepStats();
+  dropped_ = at::Tensor();
+  return stats;
+}
+
+}  // namespace dpzero::dp

@@ -1,0 +1,214 @@
+// src/dp/book.h — the clipping book: per micro-batch, from each DP layer call's (A, G) to clipped
+// sums in the ZeRO engine's gradient buffers (DESIGN.md §2 step 3).
+//
+// Terms. A *part* is one forward call of a DP layer in the current micro-batch. A *component* is
+// a set of layers that share a parameter (a tied embedding and output head; a layer called twice
+// is a component of several parts): its per-sample norm is bounded by the sum of its parts' norms
+// (the triangle inequality, Note [certified group norms] in clip_group.h). A *clipping group* is a
+// set of components clipped together with threshold C_g, the thresholds satisfying
+// Σ_g C_g² = C² (privacy/clipping.h): flat and automatic clipping have one group, layer clipping
+// one per component, group clipping the caller's. A sample's whole clipped gradient then has norm
+// at most C: the sensitivity contract (DESIGN.md §3).
+//
+// One micro-batch, top to bottom:
+//   forward   on_forward(layer) registers a part and counts, per group and per unit, the
+//             contributions the backward will bring; set_verdict(part) records that dim 0 of the
+//             part's rows holds the examples (Note [one sample per row]).
+//   backward  each part reports (on_backward for a kernel layer; begin_backward, take_rows and
+//             report_per_sample for the generic path). A singleton group is clipped at once, in
+//             one fused op; otherwise the part's norms (or what they need) are kept until every
+//             part of its group has reported, when the group is *complete*: factors c_i from its
+//             norms, and each part's Σ_i c_i g_i added into its unit's flat float32 buffer. A
+//             unit with every contribution of the micro-batch is handed to the engine
+//             (ZeroState::add_unit_grad), whose reduce-scatter starts while the backward goes on.
+//   end       finish_backward() completes what the backward did not reach (a layer whose output
+//             did not influence the loss contributes zeros: every rank issues the same
+//             reductions, Note [collective order] in src/zero/state.h), counts the samples and
+//             the dropped ones, and closes the micro-batch.
+//
+// In stages 0–1 the unit's buffer is the engine's own gradient buffer (Note [private
+// accumulator] in src/zero/param_group.h): nothing is handed over.
+//
+// Note [padding batches] (python/dpzero/private/loader.py): a rank with no rows of its own runs a
+// padding micro-batch so that its collectives match the other ranks'; its output gradients are
+// replaced by exact zeros, it counts no samples and drops none.
+//
+// Note [mean loss]: under loss_reduction="mean" over a micro-batch of b rows, autograd delivers
+// G / b. A singleton group multiplies G by b before its fused clip; a larger group clips the
+// per-sample gradients b·g_i without copying G (mean_scaled_sq and mean_scaled_factors in
+// clip_group.h).
+//
+// Note [early release]
+// ~~~~~~~~~~~~~~~~~~~~
+// At stage 3 a unit is gathered for its backward and must be freed once no autograd node still
+// reads its parameters. The engine frees it when its gradient is handed over, but with flat (or
+// group) clipping that is the end of the backward, when the clipping factors of the whole group
+// are known: every unit would stay gathered through the backward, the whole model at once, which
+// stage 3 exists to avoid. What the clipped sums need later is the kept A and G, never the
+// parameters. So the book counts, per unit, the DP layer calls of this micro-batch that use its
+// parameters and have not run their backward; a call reports once its input gradient is
+// computed, and when the count reaches zero the unit is freed (ZeroState::release_params). A
+// generic-path layer hands over its gradient from a tap on its OUTPUT, before its own backward
+// nodes (which may read its parameters) have run: its units stay gathered until the end of the
+// backward.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "src/dp/layer_ops.h"
+
+namespace dpzero::zero {
+class ZeroState;
+}
+
+namespace dpzero::dp {
+
+// A gradient would escape clipping or be counted twice: the micro-batch must be dropped.
+class PrivacyError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Where one trained parameter's gradient goes: unit `unit`, at `offset` in its flat buffer.
+struct Slot {
+  int64_t unit = 0;
+  int64_t offset = 0;
+  int64_t numel = 0;
+  std::vector<int64_t> shape;
+};
+
+struct BookLayer {
+  std::string name;                        // the module's name, for errors
+  std::shared_ptr<const LayerOps> ops;     // null: the generic path reports per-sample gradients
+  std::vector<std::optional<Slot>> slots;  // per parameter (the kind's order); nullopt: frozen
+  int64_t component = 0;
+  int64_t group = 0;
+};
+
+struct BookOptions {
+  std::vector<double> thresholds;         // per group: C_g (inf: no clipping)
+  std::vector<int64_t> group_components;  // per group: how many components it holds
+  std::string mode = "flat";              // "flat" | "automatic" (privacy/clipping.h)
+  double gamma = 0.01;                    // automatic clipping's stabiliser
+  bool mean_loss = false;                 // Note [mean loss]
+  std::vector<int64_t> unit_numel;        // per unit: its flat buffer's length
+  std::vector<at::Device> unit_device;    // per unit: its buffer's device
+};
+
+// What the micro-batches of one logical step produced on this rank.
+struct StepStats {
+  int64_t samples = 0;        // rows seen by the DP layers (padding excluded)
+  int64_t dropped = 0;        // samples with a non-finite norm (factor 0)
+  int64_t micro_batches = 0;  // backward passes that reached the clipping
+};
+
+class Book {
+ public:
+  Book(std::vector<BookLayer> layers, BookOptions options, zero::ZeroState& engine);
+
+  // ---- the micro-batch the caller's loader handed out ---------------------------------------
+  // Its rows (nullopt: unknown, e.g. a batch not from the loader): every part must have as many.
+  void set_expected_rows(std::optional<int64_t> rows);
+  void set_padding(bool padding);  // Note [padding batches]
+  bool padding() const;
+
+  // ---- forward ------------------------------------------------------------------------------
+  // Registers one call of `layer`; returns its part index in this micro-batch. Refused once a
+  // backward of this micro-batch has begun (it stopped partway when a forward comes: what it
+  // clipped stays accumulated, and the examples would count twice) until discard().
+  int64_t on_forward(int64_t layer);
+  // Note [one sample per row]: dim 0 of part `part`'s rows holds the examples (decided from
+  // where its inputs came from). A part without a verdict is never clipped.
+  void set_verdict(int64_t part);
+  int64_t generation() const;  // changes with every micro-batch
+  int64_t num_parts() const;
+  bool open() const;     // parts registered, backward not finished
+  bool started() const;  // a backward of this micro-batch has begun
+
+  // ---- backward -----------------------------------------------------------------------------
+  // A kernel layer's call reports its input A and output gradient G ([B, ...]).
+  void on_backward(int64_t generation, int64_t part, const at::Tensor& a, at::Tensor g);
+  // The generic path in three steps: claim the part; check its rows and learn what G must be
+  // multiplied by before its per-sample gradients are computed (0: replaced by zeros, a padding
+  // batch; b: a singleton group under a mean loss; else 1); report them (per parameter
+  // [B, *shape], undefined where frozen).
+  void begin_backward(int64_t generation, int64_t part);
+  int64_t take_rows(int64_t part, int64_t rows);
+  void report_per_sample(int64_t part, std::vector<at::Tensor> grads);
+  // The backward's final callback: completes every group, hands every unit over, counts.
+  void finish_backward();
+  // Drops a micro-batch whose backward never ran.
+  void discard();
+  StepStats take_stats();
+  int64_t micro_batches() const;
+
+ private:
+  struct Part {
+    int64_t layer = 0;
+    bool verdict = false;  // Note [one sample per row]
+    bool claimed = false;  // its backward began
+    int64_t rows = -1;     // its rows, as take_rows checked them
+    bool done = false;     // its clipped sums are added
+    std::optional<Kept> kept;
+  };
+  struct GroupState {
+    std::vector<int64_t> parts;
+    int64_t received = 0;
+    bool complete = false;
+  };
+
+  void reset_micro_batch();
+  // Whether `part` is clipped alone, in one fused op, in its backward.
+  bool fused(const Part& part) const;
+  void report(int64_t part, Kept kept_or_inputs, bool per_sample);
+  void complete(int64_t group);
+  void shared_norms(const std::vector<int64_t>& parts);
+  void add_kept_clipped_sums(const Part& part, const at::Tensor& factors);
+  int64_t mean_scale() const;
+  void note_factors(const at::Tensor& factors);
+  at::Tensor& unit_buffer(int64_t unit);
+  std::vector<at::Tensor> dests(const BookLayer& layer);
+  void delivered(const BookLayer& layer);
+  void hand_over(int64_t unit);
+  void release_if_done(const BookLayer& layer);
+  [[noreturn]] void refuse(const std::string& why) const;
+
+  // The autograd engine may run backward nodes of different devices on different threads, and
+  // the bindings release the GIL: every public method holds this (recursive: on_backward calls
+  // begin_backward and take_rows).
+  mutable std::recursive_mutex mutex_;
+  const std::vector<BookLayer> layers_;
+  const BookOptions options_;
+  zero::ZeroState& engine_;
+  std::set<int64_t> keep_gathered_;  // Note [early release]: units of generic-path layers
+
+  std::optional<int64_t> expected_rows_;
+  bool padding_ = false;
+  StepStats stats_;
+  at::Tensor dropped_;  // 0-dim int64: this step's dropped samples, read at take_stats
+
+  // This micro-batch.
+  int64_t generation_ = 0;
+  bool started_ = false;  // a backward of this micro-batch has begun
+  std::vector<Part> parts_;
+  std::map<int64_t, GroupState> group_state_;
+  std::map<int64_t, int64_t> unit_expected_;  // contributions still to come, per unit
+  std::map<int64_t, int64_t> unit_uses_;      // Note [early release]
+  std::map<int64_t, at::Tensor> unit_buf_;
+  std::set<int64_t> direct_;  // units whose buffer is the engine's (Note [private accumulator])
+  std::set<int64_t> handed_;
+  std::optional<int64_t> batch_;
+  at::Tensor dropped_mask_;   // [B] bool
+};
+
+}  // namespace dpzero::dp

@@ -1,0 +1,314 @@
+// tests/cpp/torch/book_test.cpp — the clipping book's invariants (src/dp/book.h), on a real ZeRO
+// engine (one rank, a Gloo group over a HashStore), each against a per-example reference computed
+// with autograd in float64.
+//
+// The model: one unit holding W [3, 4] and V [2, 3] (Linear weights, no bias). W is called twice
+// per example (a component of two parts, like a tied embedding and head), V once; flat clipping
+// with C = 1 puts both in one group.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/torch.h>
+
+#include "src/comm/process_group.h"
+#include "src/dp/book.h"
+#include "src/dp/layer_ops.h"
+#include "src/zero/flat_param.h"
+#include "src/zero/state.h"
+
+namespace dpzero::dp {
+namespace {
+
+[[maybe_unused]] const bool kFlightRecorderOff = [] {
+  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);  // see zero_collectives_test.cpp
+  return true;
+}();
+
+constexpr int64_t kB = 5, kT = 3;
+constexpr double kC = 1.0;
+
+// One rank's engine over the two weights, stage 0, private: the book adds into its own buffer.
+struct Engine {
+  Engine() {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    auto pg = comm::make_process_group("gloo", store, 0, 1, std::chrono::seconds(60));
+    w = torch::randn({3, 4}).requires_grad_();
+    v = torch::randn({2, 3}).requires_grad_();
+    zero::ZeroConfig config;
+    state = std::make_unique<zero::ZeroState>(
+        std::vector<zero::UnitSpec>{{"unit", {w, v}, {"w", "v"}, {0, 12}}}, 18, config, pg);
+    state->set_private(true);
+  }
+  at::Tensor w, v;
+  zero::UnitLayout layout{{{12, 0}, {6, 12}}, 1, /*alignment=*/4};
+  std::unique_ptr<zero::ZeroState> state;
+
+  // The book over W (called twice: component 0) and V (component 1), one flat group; with
+  // `generic_v`, V takes the generic path (the caller reports its per-sample gradients).
+  Book book(bool mean_loss = false, bool generic_v = false) {
+    std::vector<BookLayer> layers;
+    layers.push_back({"w", linear_ops({true, false}, false),
+                      {Slot{0, layout.flat_offsets()[0], 12, {3, 4}}, std::nullopt}, 0, 0});
+    if (generic_v) {
+      layers.push_back({"v", nullptr, {Slot{0, layout.flat_offsets()[1], 6, {2, 3}}}, 1, 0});
+    } else {
+      layers.push_back({"v", linear_ops({true, false}, false),
+                        {Slot{0, layout.flat_offsets()[1], 6, {2, 3}}, std::nullopt}, 1, 0});
+    }
+    BookOptions options{{kC}, {2}, "flat", 0.01, mean_loss, {layout.padded_numel()},
+                        {at::Device(at::kCPU)}};
+    return Book(std::move(layers), std::move(options), *state);
+  }
+  // What the book added into the engine's gradient buffer (Note [private accumulator]).
+  at::Tensor grad_w() { return state->grad_accumulator(0).narrow(0, 0, 12).view({3, 4}); }
+  at::Tensor grad_v() {
+    return state->grad_accumulator(0).narrow(0, layout.flat_offsets()[1], 6).view({2, 3});
+  }
+};
+
+// One micro-batch's inputs and output gradients: W's two calls read x1, x2; V reads z.
+struct Batch {
+  at::Tensor x1 = torch::randn({kB, kT, 4}), x2 = torch::randn({kB, kT, 4}),
+             z = torch::randn({kB, kT, 3});
+  at::Tensor g1 = torch::randn({kB, kT, 3}) * 3, g2 = torch::randn({kB, kT, 3}) * 3,
+             g3 = torch::randn({kB, kT, 2}) * 3;
+};
+
+// Runs the micro-batch through the book: three forward calls, their backwards, the end.
+void run(Book& book, const Batch& x) {
+  const int64_t p0 = book.on_forward(0), p1 = book.on_forward(0), p2 = book.on_forward(1);
+  for (int64_t p : {p0, p1, p2}) book.set_verdict(p);
+  const int64_t gen = book.generation();
+  book.on_backward(gen, p2, x.z, x.g3);
+  book.on_backward(gen, p0, x.x1, x.g1);
+  book.on_backward(gen, p1, x.x2, x.g2);
+  book.finish_backward();
+}
+
+// Per example i, with autograd in float64: each part's gradient (W's two calls separately).
+struct Reference {
+  at::Tensor w, v;  // expected clipped sums
+  at::Tensor bound; // [B] the certified norm's exact value: sqrt((|g_w1| + |g_w2|)^2 + |g_v|^2)
+};
+
+Reference reference(const Engine& e, const Batch& x, const at::Tensor& keep) {
+  auto grad_of = [](const at::Tensor& param, const at::Tensor& in, const at::Tensor& g) {
+    at::Tensor p = param.detach().to(at::kDouble).requires_grad_();
+    at::Tensor loss = (at::matmul(in.to(at::kDouble), p.t()) * g.to(at::kDouble)).sum();
+    return torch::autograd::grad({loss}, {p})[0];
+  };
+  Reference ref{torch::zeros({3, 4}, at::kDouble), torch::zeros({2, 3}, at::kDouble),
+                torch::zeros({kB}, at::kDouble)};
+  for (int64_t i = 0; i < kB; ++i) {
+    const at::Tensor a = grad_of(e.w, x.x1[i], x.g1[i]), b = grad_of(e.w, x.x2[i], x.g2[i]),
+                     c = grad_of(e.v, x.z[i], x.g3[i]);
+    const double n = std::hypot(a.norm().item<double>() + b.norm().item<double>(),
+                                c.norm().item<double>());
+    ref.bound[i] = n;
+    if (!keep[i].item<bool>()) continue;
+    const double factor = std::min(1.0, kC / (n + 1e-6));  // privacy/clipping.h, flat
+    ref.w += factor * (a + b);
+    ref.v += factor * c;
+  }
+  return ref;
+}
+
+// Every trained parameter is clipped exactly once per sample, W shared by two calls included: the
+// sums equal the per-example reference whose factor bounds the sum of W's two parts' norms
+// (Note [certified group norms]). Mutations tried: W's parts as two components (sqrt of the sum of
+// squares, too small a bound) and a clipped sum added twice both fail here.
+TEST(Book, EveryParameterIsClippedOncePerSampleSharedOnesIncluded) {
+  torch::manual_seed(1);
+  Engine e;
+  Book book = e.book();
+  Batch x;
+  run(book, x);
+  const Reference ref = reference(e, x, torch::ones({kB}, at::kBool));
+  ASSERT_TRUE((ref.bound > kC * 1.5).all().item<bool>()) << "every sample must be clipped";
+  EXPECT_TRUE(torch::allclose(e.grad_w().to(at::kDouble), ref.w, 1e-5, 1e-6))
+      << e.grad_w() << ref.w;
+  EXPECT_TRUE(torch::allclose(e.grad_v().to(at::kDouble), ref.v, 1e-5, 1e-6));
+  const StepStats stats = book.take_stats();
+  EXPECT_EQ(stats.samples, kB);
+  EXPECT_EQ(stats.dropped, 0);
+  EXPECT_EQ(stats.micro_batches, 1);
+}
+
+// Note [shared inputs]: W's two calls reading the very same input tensor have their weight norms
+// computed together (one linear_sq_norms_multi); the sums are the reference's all the same.
+TEST(Book, CallsOnOneInputAreClippedLikeTheReference) {
+  torch::manual_seed(7);
+  Engine e;
+  Book book = e.book();
+  Batch x;
+  x.x2 = x.x1;
+  run(book, x);
+  const Reference ref = reference(e, x, torch::ones({kB}, at::kBool));
+  EXPECT_TRUE(torch::allclose(e.grad_w().to(at::kDouble), ref.w, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(e.grad_v().to(at::kDouble), ref.v, 1e-5, 1e-6));
+}
+
+// The generic path: V's per-sample gradients reported directly (begin_backward, take_rows,
+// report_per_sample) are clipped in the same group as W's kernel parts; a report whose rows are
+// not the part's is refused.
+TEST(Book, GenericPathPerSampleGradientsAreClippedInTheSameGroup) {
+  torch::manual_seed(8);
+  Engine e;
+  Book book = e.book(/*mean_loss=*/false, /*generic_v=*/true);
+  Batch x;
+  // V's per-sample gradients G3_i^T z_i: [B, 2, 3].
+  const at::Tensor per_sample = at::einsum("bto,bti->boi", {x.g3, x.z});
+  const int64_t p0 = book.on_forward(0), p1 = book.on_forward(0), p2 = book.on_forward(1);
+  for (int64_t p : {p0, p1, p2}) book.set_verdict(p);
+  const int64_t gen = book.generation();
+  book.begin_backward(gen, p2);
+  EXPECT_EQ(book.take_rows(p2, kB), 1);
+  EXPECT_THROW(book.report_per_sample(p2, {per_sample.narrow(0, 0, 1)}), PrivacyError);
+  book.discard();
+
+  const int64_t q0 = book.on_forward(0), q1 = book.on_forward(0), q2 = book.on_forward(1);
+  for (int64_t p : {q0, q1, q2}) book.set_verdict(p);
+  const int64_t now = book.generation();
+  book.begin_backward(now, q2);
+  EXPECT_EQ(book.take_rows(q2, kB), 1);
+  book.report_per_sample(q2, {per_sample});
+  book.on_backward(now, q0, x.x1, x.g1);
+  book.on_backward(now, q1, x.x2, x.g2);
+  book.finish_backward();
+  const Reference ref = reference(e, x, torch::ones({kB}, at::kBool));
+  EXPECT_TRUE(torch::allclose(e.grad_w().to(at::kDouble), ref.w, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(e.grad_v().to(at::kDouble), ref.v, 1e-5, 1e-6));
+}
+
+// A forward after a backward that began but never finished (an exception elsewhere in it) is
+// refused: the clipped sums it already added would be counted again.
+TEST(Book, ForwardAfterAStoppedBackwardIsRefused) {
+  torch::manual_seed(9);
+  Engine e;
+  Book book = e.book();
+  Batch x;
+  const int64_t p = book.on_forward(1);
+  book.on_forward(0);
+  book.set_verdict(p);
+  book.on_backward(book.generation(), p, x.z, x.g3);
+  EXPECT_THROW(book.on_forward(0), PrivacyError);
+  book.discard();
+  EXPECT_NO_THROW(book.on_forward(0));
+}
+
+// Under a mean loss autograd delivers G / B: the book clips the per-sample gradients B g_i
+// (Note [mean loss]), so the same sums come out as for the sum loss (the step divides by the
+// expected batch size later). Mutation tried: no scaling (the sums shrink by B).
+TEST(Book, MeanLossClipsThePerSampleGradientsOfTheSum) {
+  torch::manual_seed(2);
+  Engine e;
+  Book book = e.book(/*mean_loss=*/true);
+  Batch x;
+  for (at::Tensor* g : {&x.g1, &x.g2, &x.g3}) (*g)[0].mul_(0.02);  // sample 0 is not clipped
+  Batch scaled = x;
+  for (at::Tensor* g : {&scaled.g1, &scaled.g2, &scaled.g3}) *g = *g / kB;
+  run(book, scaled);
+  const Reference ref = reference(e, x, torch::ones({kB}, at::kBool));
+  ASSERT_LT(ref.bound[0].item<double>(), kC);
+  ASSERT_GT(ref.bound[1].item<double>(), kC);
+  EXPECT_TRUE(torch::allclose(e.grad_w().to(at::kDouble), ref.w, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(e.grad_v().to(at::kDouble), ref.v, 1e-5, 1e-6));
+}
+
+// A padding micro-batch (Note [padding batches]) contributes exact zeros, whatever its G holds,
+// and counts no samples. Mutation tried: not replacing G by zeros (the clipped G reaches the
+// buffer).
+TEST(Book, PaddingBatchContributesExactZeros) {
+  torch::manual_seed(3);
+  Engine e;
+  Book book = e.book();
+  book.set_padding(true);
+  Batch x;
+  x.g3[0].fill_(1e30);
+  run(book, x);
+  EXPECT_TRUE(torch::equal(e.grad_w(), torch::zeros({3, 4})));
+  EXPECT_TRUE(torch::equal(e.grad_v(), torch::zeros({2, 3})));
+  const StepStats stats = book.take_stats();
+  EXPECT_EQ(stats.samples, 0);
+  EXPECT_EQ(stats.dropped, 0);
+  EXPECT_EQ(stats.micro_batches, 1);
+}
+
+// A sample whose gradient holds a NaN is dropped (factor 0: none of its parameters gets anything
+// from it, in either layer) and counted; the other samples are clipped as usual. Mutation tried:
+// not counting the dropped mask (dropped = 0).
+TEST(Book, NanSampleIsDroppedAndCounted) {
+  torch::manual_seed(4);
+  Engine e;
+  Book book = e.book();
+  Batch x;
+  x.g2[2][1][0] = std::numeric_limits<float>::quiet_NaN();  // sample 2, W's second call
+  run(book, x);
+  at::Tensor keep = torch::ones({kB}, at::kBool);
+  keep[2] = false;
+  Batch clean = x;
+  clean.g2 = x.g2.clone();
+  clean.g2[2].zero_();  // the reference skips sample 2; its other rows are finite
+  const Reference ref = reference(e, clean, keep);
+  EXPECT_FALSE(torch::isnan(e.grad_w()).any().item<bool>());
+  EXPECT_TRUE(torch::allclose(e.grad_w().to(at::kDouble), ref.w, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(e.grad_v().to(at::kDouble), ref.v, 1e-5, 1e-6));
+  const StepStats stats = book.take_stats();
+  EXPECT_EQ(stats.samples, kB);
+  EXPECT_EQ(stats.dropped, 1);
+}
+
+// A second backward through the same forward, and a part without a verdict on which of its rows
+// are examples, are refused before anything is clipped.
+TEST(Book, RefusesASecondBackwardAndAPartWithoutAVerdict) {
+  torch::manual_seed(5);
+  Engine e;
+  Book book = e.book();
+  Batch x;
+  const int64_t p0 = book.on_forward(0);
+  const int64_t gen = book.generation();
+  try {
+    book.on_backward(gen, p0, x.x1, x.g1);
+    ADD_FAILURE() << "a part without a verdict was clipped";
+  } catch (const PrivacyError& err) {
+    EXPECT_NE(std::string(err.what()).find("layer 'w' has no verdict"), std::string::npos)
+        << err.what();
+  }
+  book.discard();
+  const int64_t p1 = book.on_forward(1);
+  book.set_verdict(p1);
+  book.on_backward(book.generation(), p1, x.z, x.g3);
+  EXPECT_THROW(book.on_backward(book.generation(), p1, x.z, x.g3), PrivacyError);
+  const int64_t old = book.generation();
+  book.finish_backward();
+  EXPECT_THROW(book.on_backward(old, p1, x.z, x.g3), PrivacyError);
+}
+
+// Rows that disagree with the micro-batch's are refused, naming the layer and both counts.
+TEST(Book, RefusesRowsThatAreNotTheMicroBatchs) {
+  torch::manual_seed(6);
+  Engine e;
+  Book book = e.book();
+  book.set_expected_rows(kB + 1);
+  Batch x;
+  const int64_t p = book.on_forward(1);
+  book.set_verdict(p);
+  try {
+    book.on_backward(book.generation(), p, x.z, x.g3);
+    ADD_FAILURE() << "no error";
+  } catch (const PrivacyError& err) {
+    EXPECT_NE(std::string(err.what()).find("layer 'v' saw a batch of 5 rows in a micro-batch of "
+                                           "6 examples"),
+              std::string::npos)
+        << err.what();
+  }
+}
+
+}  // namespace
+}  // namespace dpzero::dp
