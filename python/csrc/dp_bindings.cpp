@@ -6,17 +6,39 @@
 #include <vector>
 
 #include <pybind11/stl.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 
 #include "python/csrc/bindings.h"
 #include "src/dp/book.h"
 #include "src/dp/clip_group.h"
+#include "src/dp/dp_layers.h"
 #include "src/dp/layer_ops.h"
 #include "src/zero/state.h"
 
 namespace py = pybind11;
 
 namespace dpzero::python {
+namespace {
+
+PyObject* privacy_error_type = nullptr;  // dpzero._C.dp.PrivacyError (lives with the module)
+
+// Note [errors out of the autograd engine] in src/dp/book.h: raised as the Python exception, so
+// that it reaches the caller of backward() as dpzero.PrivacyViolation.
+[[noreturn]] void raise_privacy_error(const dp::PrivacyError& error) {
+  py::gil_scoped_acquire gil;
+  PyErr_SetString(privacy_error_type, error.what());
+  python_error raised;  // torch's (global namespace): the engine restores it in Python
+  raised.persist();
+  throw raised;
+}
+
+dp::Report report_of(const std::shared_ptr<dp::Book>& book, int64_t generation, int64_t part,
+                     std::optional<std::string> refusal) {
+  return dp::Report{book, generation, part, std::move(refusal)};
+}
+
+}  // namespace
 
 void bind_dp(py::module_ m) {
   m.def("group_norms", &dp::group_norms, py::arg("components"),
@@ -36,7 +58,9 @@ void bind_dp(py::module_ m) {
         "float64 >= 0 -> float32 rounded toward 0");
 
   // ---- the clipping book (src/dp/book.h) ---------------------------------------------------
-  py::register_exception<dp::PrivacyError>(m, "PrivacyError", PyExc_RuntimeError);
+  privacy_error_type =
+      py::register_exception<dp::PrivacyError>(m, "PrivacyError", PyExc_RuntimeError).ptr();
+  dp::set_privacy_error_hook(&raise_privacy_error);
   py::class_<dp::LayerOps, std::shared_ptr<dp::LayerOps>>(
       m, "LayerOps", "What the book does with one DP layer call's A and G (src/dp/layer_ops.h)");
   m.def("linear_ops", &dp::linear_ops, py::arg("train"), py::arg("transposed"),
@@ -59,7 +83,8 @@ void bind_dp(py::module_ m) {
   using Slot = std::optional<std::tuple<int64_t, int64_t, int64_t, std::vector<int64_t>>>;
   using Layer = std::tuple<std::string, std::shared_ptr<dp::LayerOps>, std::vector<Slot>,
                            int64_t, int64_t>;
-  py::class_<dp::Book>(m, "Book", "The clipping book of one private model (src/dp/book.h)")
+  py::class_<dp::Book, std::shared_ptr<dp::Book>>(
+      m, "Book", "The clipping book of one private model (src/dp/book.h)")
       .def(py::init([](const std::vector<Layer>& layers, std::vector<double> thresholds,
                        std::vector<int64_t> group_components, std::string mode, double gamma,
                        bool mean_loss, std::vector<int64_t> unit_numel,
@@ -80,7 +105,7 @@ void bind_dp(py::module_ m) {
              dp::BookOptions options{std::move(thresholds), std::move(group_components),
                                      std::move(mode), gamma, mean_loss, std::move(unit_numel),
                                      std::move(unit_device)};
-             return std::make_unique<dp::Book>(std::move(book_layers), std::move(options),
+             return std::make_shared<dp::Book>(std::move(book_layers), std::move(options),
                                                engine);
            }),
            py::arg("layers"), py::arg("thresholds"), py::arg("group_components"),
@@ -113,7 +138,39 @@ void bind_dp(py::module_ m) {
            py::call_guard<py::gil_scoped_release>())
       .def("discard", &dp::Book::discard)
       .def("take_stats", &dp::Book::take_stats)
-      .def_property_readonly("micro_batches", &dp::Book::micro_batches);
+      .def_property_readonly("micro_batches", &dp::Book::micro_batches)
+      .def_property("error", &dp::Book::error, &dp::Book::set_error,
+                    "the privacy violation that makes the step refuse, or None")
+      .def_property("stale", &dp::Book::stale, &dp::Book::set_stale,
+                    "a logical batch accumulated but never stepped when the next one began")
+      .def("set_queue_finish", &dp::Book::set_queue_finish, py::arg("on"))
+      .def("refuse_backward", &dp::Book::refuse_backward, py::arg("why"),
+           "Refuses a backward that may not be clipped, recording `why` as the error");
+
+  // ---- DP layers as autograd functions (src/dp/dp_layers.h) ---------------------------------
+  m.def(
+      "linear",
+      [](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+         bool transposed, const std::shared_ptr<dp::Book>& book, int64_t generation,
+         int64_t part, std::optional<std::string> refusal) {
+        return dp::dp_linear(x, weight, bias.value_or(at::Tensor()), transposed,
+                             report_of(book, generation, part, std::move(refusal)));
+      },
+      py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("transposed"), py::arg("book"),
+      py::arg("generation"), py::arg("part"), py::arg("refusal"),
+      "A Linear (HF Conv1D: transposed) call whose backward reports (A, G) to the book's part, "
+      "or refuses with `refusal`");
+  m.def(
+      "embedding",
+      [](const at::Tensor& ids, const at::Tensor& weight, std::optional<int64_t> padding_idx,
+         const std::shared_ptr<dp::Book>& book, int64_t generation, int64_t part,
+         std::optional<std::string> refusal) {
+        return dp::dp_embedding(ids, weight, padding_idx,
+                                report_of(book, generation, part, std::move(refusal)));
+      },
+      py::arg("ids"), py::arg("weight"), py::arg("padding_idx"), py::arg("book"),
+      py::arg("generation"), py::arg("part"), py::arg("refusal"),
+      "An Embedding call whose backward reports (ids, G) to the book's part, or refuses");
 }
 
 }  // namespace dpzero::python

@@ -7,6 +7,8 @@
 #include <tuple>
 #include <utility>
 
+#include <torch/csrc/autograd/engine.h>
+
 #include "kernels/per_sample_ops.h"
 #include "src/dp/clip_group.h"
 #include "src/zero/state.h"
@@ -35,7 +37,18 @@ InputKey input_key(const at::Tensor& a) {
           a._version()};
 }
 
+PrivacyErrorHook privacy_error_hook = nullptr;
+
+using Lock = std::lock_guard<std::recursive_mutex>;
+
 }  // namespace
+
+void set_privacy_error_hook(PrivacyErrorHook hook) { privacy_error_hook = hook; }
+
+void rethrow_from_engine(const PrivacyError& error) {
+  if (privacy_error_hook != nullptr) privacy_error_hook(error);  // throws
+  throw;
+}
 
 Book::Book(std::vector<BookLayer> layers, BookOptions options, zero::ZeroState& engine)
     : layers_(std::move(layers)), options_(std::move(options)), engine_(engine) {
@@ -69,13 +82,50 @@ Book::Book(std::vector<BookLayer> layers, BookOptions options, zero::ZeroState& 
   reset_micro_batch();
 }
 
-void Book::refuse(const std::string& why) const { throw PrivacyError(why); }
+void Book::refuse(const std::string& why) const {
+  error_ = why;
+  throw PrivacyError(why);
+}
 
-using Lock = std::lock_guard<std::recursive_mutex>;
+void Book::refuse_backward(const std::string& why) {
+  Lock lock(mutex_);
+  refuse(why);
+}
+
+void Book::note_failure(const std::exception& e, const char* where) {
+  if (dynamic_cast<const PrivacyError*>(&e) != nullptr) {
+    if (!error_) error_ = e.what();
+  } else if (!error_) {
+    error_ = std::string(where) + " failed (" + e.what() + ")";
+  }
+}
 
 void Book::set_expected_rows(std::optional<int64_t> rows) {
   Lock lock(mutex_);
   expected_rows_ = rows;
+  finished_ = 0;
+}
+std::optional<std::string> Book::error() const {
+  Lock lock(mutex_);
+  return error_;
+}
+void Book::set_error(std::optional<std::string> error) {
+  Lock lock(mutex_);
+  error_ = std::move(error);
+}
+bool Book::stale() const {
+  Lock lock(mutex_);
+  return stale_;
+}
+void Book::set_stale(bool stale) {
+  Lock lock(mutex_);
+  stale_ = stale;
+}
+void Book::set_queue_finish(bool on) {
+  Lock lock(mutex_);
+  TORCH_CHECK(!on || !weak_from_this().expired(), "dpzero::dp::Book::set_queue_finish: the "
+              "book must be owned by a std::shared_ptr to queue its own callback");
+  queue_finish_ = on;
 }
 void Book::set_padding(bool padding) {
   Lock lock(mutex_);
@@ -115,6 +165,7 @@ void Book::reset_micro_batch() {
   // graph) carries an old generation and is refused.
   ++generation_;
   started_ = false;
+  finish_queued_ = false;
   parts_.clear();
   group_state_.clear();
   unit_expected_.clear();
@@ -139,7 +190,9 @@ int64_t Book::on_forward(int64_t layer) {
               "dpzero::dp::Book::on_forward: no layer ", layer, " (", layers_.size(), " layers)");
   const BookLayer& l = layers_[layer];
   const int64_t index = num_parts();
-  parts_.push_back(Part{layer});
+  Part part;
+  part.layer = layer;
+  parts_.push_back(std::move(part));
   group_state_[l.group].parts.push_back(index);
   for (const auto& slot : l.slots) {
     if (!slot) continue;
@@ -160,6 +213,11 @@ void Book::set_verdict(int64_t part) {
 
 void Book::begin_backward(int64_t generation, int64_t index) {
   Lock lock(mutex_);
+  if (stale_) {
+    refuse("a new logical batch began while the previous one's gradients were still "
+           "accumulated (step() was not called for it); they would be released together; call "
+           "zero_grad() first");
+  }
   if (generation != generation_ || index < 0 || index >= num_parts() || parts_[index].claimed) {
     refuse("a backward reached a DP layer call whose gradient was already taken (a second "
            "backward through the same forward, or a graph kept across zero_grad()); each forward "
@@ -206,6 +264,18 @@ bool Book::fused(const Part& part) const {
 
 void Book::on_backward(int64_t generation, int64_t index, const at::Tensor& a, at::Tensor g) {
   Lock lock(mutex_);
+  try {
+    report_kernel(generation, index, a, std::move(g));
+    queue_finish();
+  } catch (const std::exception& e) {
+    // Whatever failed, part of this micro-batch may already be in the engine: the step must not
+    // run on it (a retried micro-batch would count its examples twice).
+    note_failure(e, "the backward in the clipping");
+    throw;
+  }
+}
+
+void Book::report_kernel(int64_t generation, int64_t index, const at::Tensor& a, at::Tensor g) {
   begin_backward(generation, index);
   TORCH_CHECK(layers_[parts_[index].layer].ops, "dpzero::dp::Book::on_backward: layer '",
               layers_[parts_[index].layer].name,
@@ -235,7 +305,28 @@ void Book::report_per_sample(int64_t index, std::vector<at::Tensor> grads) {
               " per-sample gradients, got " + std::to_string(grads.size()));
   Kept kept;
   kept.grads = std::move(grads);
-  report(index, std::move(kept), /*per_sample=*/true);
+  try {
+    report(index, std::move(kept), /*per_sample=*/true);
+    queue_finish();
+  } catch (const std::exception& e) {
+    note_failure(e, "the backward in the clipping");
+    throw;
+  }
+}
+
+void Book::queue_finish() {
+  if (!queue_finish_ || finish_queued_) return;
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [weak = weak_from_this()] {
+        const std::shared_ptr<Book> book = weak.lock();
+        if (!book) return;  // the book is gone, and with it what this backward clipped
+        try {
+          book->finish_backward();
+        } catch (const PrivacyError& e) {
+          rethrow_from_engine(e);  // Note [errors out of the autograd engine]
+        }
+      });
+  finish_queued_ = true;
 }
 
 // One part's backward, after the checks: `in` holds (a, g) for a kernel layer, the per-sample
@@ -454,6 +545,11 @@ void Book::release_if_done(const BookLayer& layer) {
 void Book::finish_backward() {
   Lock lock(mutex_);
   try {
+    if (expected_rows_ && ++finished_ > 1) {
+      refuse("a second backward pass reached the clipping within one micro-batch of the loader "
+             "(two forwards on one batch, or an input-gradient pass): its examples would be "
+             "counted twice");
+    }
     for (auto& entry : group_state_) complete(entry.first);
     for (int64_t unit = 0; unit < engine_.num_units(); ++unit) {
       if (!handed_.count(unit)) hand_over(unit);  // zeros where no part of it ran
@@ -464,7 +560,8 @@ void Book::finish_backward() {
       dropped_ = dropped_.defined() ? dropped_ + dropped.to(dropped_.device()) : dropped;
     }
     ++stats_.micro_batches;
-  } catch (...) {
+  } catch (const std::exception& e) {
+    note_failure(e, "the end of the backward");
     reset_micro_batch();
     throw;
   }

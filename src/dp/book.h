@@ -79,6 +79,18 @@ class PrivacyError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Note [errors out of the autograd engine]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A PrivacyError thrown where the autograd engine runs our code (a DP layer's backward node, the
+// book's end-of-backward callback) reaches the caller of backward() through the engine, which
+// turns any C++ exception but its own Python one into a plain RuntimeError. The Python bindings
+// install a hook that raises the error as dpzero.PrivacyViolation instead; without one (a C++
+// program) the PrivacyError is rethrown as is. `rethrow_from_engine` is called inside a catch
+// block.
+using PrivacyErrorHook = void (*)(const PrivacyError&);
+void set_privacy_error_hook(PrivacyErrorHook hook);
+[[noreturn]] void rethrow_from_engine(const PrivacyError& error);
+
 // Where one trained parameter's gradient goes: unit `unit`, at `offset` in its flat buffer.
 struct Slot {
   int64_t unit = 0;
@@ -112,12 +124,13 @@ struct StepStats {
   int64_t micro_batches = 0;  // backward passes that reached the clipping
 };
 
-class Book {
+class Book : public std::enable_shared_from_this<Book> {
  public:
   Book(std::vector<BookLayer> layers, BookOptions options, zero::ZeroState& engine);
 
   // ---- the micro-batch the caller's loader handed out ---------------------------------------
-  // Its rows (nullopt: unknown, e.g. a batch not from the loader): every part must have as many.
+  // A new micro-batch's rows (nullopt: unknown, e.g. a batch not from the loader): every part
+  // must have as many, and one backward pass may reach the clipping.
   void set_expected_rows(std::optional<int64_t> rows);
   void set_padding(bool padding);  // Note [padding batches]
   bool padding() const;
@@ -152,6 +165,21 @@ class Book {
   StepStats take_stats();
   int64_t micro_batches() const;
 
+  // ---- what makes the step refuse -------------------------------------------------------------
+  // The first privacy violation seen (a refusal here, or one the caller records); the step
+  // refuses until the caller clears it (zero_grad()).
+  std::optional<std::string> error() const;
+  void set_error(std::optional<std::string> error);
+  // A logical batch accumulated but never stepped when the next one began: every backward is
+  // refused until the caller drops it.
+  bool stale() const;
+  void set_stale(bool stale);
+  // Whether a backward queues finish_backward as the autograd engine's final callback (on: a
+  // model's backward; off: a caller that calls finish_backward itself, as the tests do).
+  void set_queue_finish(bool on);
+  // Refuses the backward of a DP layer call that may not be clipped (`why`), recording it.
+  [[noreturn]] void refuse_backward(const std::string& why);
+
  private:
   struct Part {
     int64_t layer = 0;
@@ -170,6 +198,7 @@ class Book {
   void reset_micro_batch();
   // Whether `part` is clipped alone, in one fused op, in its backward.
   bool fused(const Part& part) const;
+  void report_kernel(int64_t generation, int64_t part, const at::Tensor& a, at::Tensor g);
   void report(int64_t part, Kept kept_or_inputs, bool per_sample);
   void complete(int64_t group);
   void shared_norms(const std::vector<int64_t>& parts);
@@ -181,6 +210,9 @@ class Book {
   void delivered(const BookLayer& layer);
   void hand_over(int64_t unit);
   void release_if_done(const BookLayer& layer);
+  void queue_finish();
+  // Records `e` as the error unless one is recorded (a non-privacy failure: what failed where).
+  void note_failure(const std::exception& e, const char* where);
   [[noreturn]] void refuse(const std::string& why) const;
 
   // The autograd engine may run backward nodes of different devices on different threads, and
@@ -193,13 +225,18 @@ class Book {
   std::set<int64_t> keep_gathered_;  // Note [early release]: units of generic-path layers
 
   std::optional<int64_t> expected_rows_;
+  int64_t finished_ = 0;  // backward passes that reached the clipping since set_expected_rows
   bool padding_ = false;
+  mutable std::optional<std::string> error_;  // refuse() records, even from const checks
+  bool stale_ = false;
+  bool queue_finish_ = false;
   StepStats stats_;
   at::Tensor dropped_;  // 0-dim int64: this step's dropped samples, read at take_stats
 
   // This micro-batch.
   int64_t generation_ = 0;
-  bool started_ = false;  // a backward of this micro-batch has begun
+  bool started_ = false;         // a backward of this micro-batch has begun
+  bool finish_queued_ = false;   // finish_backward is the running backward's final callback
   std::vector<Part> parts_;
   std::map<int64_t, GroupState> group_state_;
   std::map<int64_t, int64_t> unit_expected_;  // contributions still to come, per unit

@@ -178,10 +178,15 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
         # confirms the ids are shared by the batch (Note [batch provenance]). A refused forward
         # (other data, evaluated with gradients on) keeps the model's own shapes.
         x = x.expand(rows, *x.shape[1:])
-    if recompute:  # the same ops (the same saved tensors), registering nothing
-        return dp_apply(kind, layer.module, book.recomputed_backward(layer), x, params)
-    if refused:
-        return dp_apply(kind, layer.module, book.refused_backward(layer), x, params)
+    # A recomputed call runs the same ops (the same saved tensors) and registers nothing; its
+    # backward, like a refused call's, must never run.
+    refusal = book.recompute_text(layer) if recompute else \
+        book.refusal_text(layer) if refused else None
+    if hasattr(kind, "dp_call"):  # the C++ autograd function (src/dp/dp_layers.h)
+        generation, part = (0, -1) if refusal else book.on_forward(layer, rec)[:2]
+        return kind.dp_call(layer.module, x, book._core, generation, part, refusal)
+    if refusal:
+        return dp_apply(kind, layer.module, book.refusing(refusal), x, params)
     pid = book.on_forward(layer, rec)
     return dp_apply(kind, layer.module, functools.partial(book.on_backward, pid), x, params)
 
@@ -204,9 +209,9 @@ def _fallback_forward(book, layer, original, params, args, kwargs, recompute=Fal
             f"returned no floating tensor ({type(out).__name__}); nothing carries its gradient")
     outputs = [leaves[i] for i in tapped]
     if recompute:
-        new = tap(book.recomputed_backward(layer), outputs, params)
+        new = tap(book.refusing(book.recompute_text(layer)), outputs, params)
     elif refused:
-        new = tap(book.refused_backward(layer), outputs, params)
+        new = tap(book.refusing(book.refusal_text(layer)), outputs, params)
     else:
         pid = book.on_forward(layer, record(layer.index, args, kwargs, outputs))
         detach = lambda a: a.detach() if isinstance(a, torch.Tensor) else a  # noqa: E731

@@ -84,12 +84,13 @@ class Book:
                for s in layer.slots], layer.component, layer.group) for layer in layers],
             [float(t) for t in thresholds], [len(g) for g in groups], mode, gamma,
             loss_reduction == "mean", list(unit_numel), list(device_of_unit), state)
+        # A backward queues the core's finish_backward as the autograd engine's final callback.
+        self._core.set_queue_finish(True)
         # Set by the engine when the loader (or own_batch) hands out a micro-batch: its token,
-        # which the model's inputs must carry (Note [batch provenance]), its rows (Note [one
-        # sample per row]) and how many backward passes reached the clipping since.
+        # which the model's inputs must carry (Note [batch provenance]), and its rows (Note [one
+        # sample per row]).
         self.token = None
         self._expected_rows: Optional[int] = None
-        self.micro_backwards = 0
         # Note [batch provenance] (provenance.py): the DP layer calls of the root forward running
         # now (None outside one), the probe running now (None outside it), and the verdicts of
         # every call pattern seen so far (kept for the whole run).
@@ -99,15 +100,18 @@ class Book:
         # their backward raises this), or None.
         self.refusal: Optional[str] = None
         self.verdicts: Dict[tuple, list] = {}
-        # A logical batch accumulated but never stepped when the next one began (engine.py).
-        self.stale = False
-        self.error: Optional[str] = None  # a privacy violation seen; step() refuses until cleared
-        self._reset_micro_batch()
+        self._generation = -1
+        self._micro_batch()
 
     # ---- micro-batch state -------------------------------------------------------------------
 
-    def _reset_micro_batch(self) -> None:
-        self.callback_queued = False  # finish_backward is queued on the running backward
+    def _micro_batch(self) -> None:
+        """Brings this side's state of the micro-batch to the core's: the core closes a
+        micro-batch in its end-of-backward callback (or discard), which starts a new generation."""
+        generation = self._core.generation
+        if generation == self._generation:
+            return
+        self._generation = generation
         # Note [recomputed forwards]: calls of each layer registered by this micro-batch's
         # forward, and how many of them activation checkpointing has recomputed since.
         self.calls: Dict[int, int] = {}
@@ -116,6 +120,26 @@ class Book:
         # needs them).
         self.part_layers: List[int] = []
         self.in_dims: List[Optional[tuple]] = []
+
+    @property
+    def error(self) -> Optional[str]:
+        """The privacy violation seen (by the core or here); step() refuses until it is
+        cleared."""
+        return self._core.error
+
+    @error.setter
+    def error(self, value: Optional[str]) -> None:
+        self._core.error = value
+
+    @property
+    def stale(self) -> bool:
+        """A logical batch accumulated but never stepped when the next one began (engine.py):
+        every backward is refused until zero_grad()."""
+        return self._core.stale
+
+    @stale.setter
+    def stale(self, value: bool) -> None:
+        self._core.stale = bool(value)
 
     @property
     def padding(self) -> bool:
@@ -132,6 +156,8 @@ class Book:
 
     @expected_rows.setter
     def expected_rows(self, rows: Optional[int]) -> None:
+        """A micro-batch handed out (its rows) or closed (None): one backward may reach the
+        clipping."""
         self._expected_rows = rows
         self._core.set_expected_rows(rows)
 
@@ -159,36 +185,44 @@ class Book:
         finally:
             self.probe = None
 
-    def refused_backward(self, layer: Layer):
-        """Note [batch provenance]: the backward callback of a DP layer call that may not be
-        clipped — its root forward was refused (``refusal``), or it ran outside any call of the
-        model. The forward was harmless; a backward through it is refused."""
-        why = self.refusal or (
+    # ---- forward -----------------------------------------------------------------------------
+
+    def refusal_text(self, layer: Layer) -> str:
+        """Note [batch provenance]: why the backward of a DP layer call that may not be clipped
+        is refused — its root forward was refused (``refusal``), or it ran outside any call of
+        the model. The forward was harmless."""
+        return self.refusal or (
             f"DP layer {layer.name!r} ({type(layer.module).__name__}) ran with gradients "
             "outside a call of the model given to make_private (a submodule called directly, or "
             "gradients enabled inside a no_grad call of the model): nothing says which of its "
             "input's rows are examples (Note [batch provenance]); call the whole model")
 
+    def recompute_text(self, layer: Layer) -> str:
+        """Note [recomputed forwards]: why a backward through a recomputed call is refused (never
+        reached under non-reentrant checkpointing, whose recomputed graph only supplies saved
+        tensors; the gradient would be counted twice)."""
+        return (f"a backward reached the recomputed forward of DP layer {layer.name!r} (a graph "
+                "built during activation recompute was back-propagated); its gradient would be "
+                "counted twice")
+
+    def refusing(self, why: str):
+        """A backward callback that refuses with ``why`` (recorded as the error)."""
         def refuse(*_args):
-            self.error = why
-            raise PrivacyViolation(why)
+            self._core.refuse_backward(why)
         return refuse
 
     def on_forward(self, layer: Layer, record) -> PartId:
         """Registers one call of ``layer`` inside the root forward (``record``: its inputs'
-        shapes, provenance.CallRecord); returns the part id its backward reports under."""
+        shapes, provenance.CallRecord); returns the part id its backward reports under. The core
+        refuses it after a backward that stopped partway."""
         assert self.root is not None, "a DP layer call outside the root forward registered"
-        try:
-            # Refused after a backward that stopped partway (src/dp/book.h).
-            index = self._core.on_forward(layer.index)
-        except PrivacyViolation as e:
-            self.error = str(e)
-            raise
+        self._micro_batch()
+        index = self._core.on_forward(layer.index)
         self.root.append(record)
         self.calls[layer.index] = self.calls.get(layer.index, 0) + 1
         self.part_layers.append(layer.index)
         self.in_dims.append(None)
-        return (self._core.generation, index, layer.index)
+        return (self._generation, index, layer.index)
 
     def set_verdicts(self, start: int, verdicts: Sequence) -> None:
         """Note [batch provenance]: the verdicts of the parts registered from ``start`` on by one
@@ -206,6 +240,7 @@ class Book:
         """Note [recomputed forwards]: a forward of ``layer`` inside a backward pass. It must be
         activation checkpointing recomputing a call this micro-batch's forward registered (whose
         own backward node reports, with the recomputed input); anything else is refused."""
+        self._micro_batch()
         done = self.recomputed.get(layer.index, 0)
         if done >= self.calls.get(layer.index, 0):
             self.error = (
@@ -219,17 +254,6 @@ class Book:
             raise PrivacyViolation(self.error)
         self.recomputed[layer.index] = done + 1
 
-    def recomputed_backward(self, layer: Layer):
-        """The backward callback of a recomputed call: never reached under non-reentrant
-        checkpointing (the recomputed graph only supplies saved tensors); if a backward ever
-        reaches it, the gradient would be counted twice, so it is refused."""
-        def refuse(*_args):
-            self.error = (f"a backward reached the recomputed forward of DP layer "
-                          f"{layer.name!r} (a graph built during activation recompute was "
-                          "back-propagated); its gradient would be counted twice")
-            raise PrivacyViolation(self.error)
-        return refuse
-
     def stale_error(self) -> Optional[str]:
         if self.stale:
             return ("a new logical batch began while the previous one's gradients were still "
@@ -239,70 +263,41 @@ class Book:
     # ---- backward ----------------------------------------------------------------------------
 
     def on_backward(self, pid: PartId, a, g) -> None:
-        """One DP layer call's backward: its input A (the generic path: what its forward saved)
-        and output gradient G (the generic path: one per tapped output)."""
+        """The backward of a DP layer call whose autograd function is Python's (layers.py's
+        LayerNorm/RMSNorm and Conv; the generic path, fallback.py): its input A (the generic
+        path: what its forward saved) and output gradient G (the generic path: one per tapped
+        output). Linear and Embedding calls report from their C++ nodes (src/dp/dp_layers.h)."""
         try:
-            if self.stale:
-                self.error = self.stale_error()
-                raise RuntimeError(self.error + "; call zero_grad() first")
             generation, index, layer_index = pid
             layer = self.layers[layer_index]
             kind = layer.kind
             if not hasattr(kind, "per_sample_grads"):
                 self._core.on_backward(generation, index, kind.batch_input(layer.module, a), g)
-            else:  # the generic path (fallback.py): its per-sample gradients, computed here
-                self._core.begin_backward(generation, index)
-                dims = self.in_dims[index]
-                g = kind.batch_first(g, dims)  # [B, total]
-                multiplier = self._core.take_rows(index, g.shape[0])
-                if multiplier == 0:
-                    g = torch.zeros_like(g)  # Note [padding batches]: exact zeros
-                elif multiplier != 1:
-                    g = g * multiplier  # Note [mean loss]
-                grads = kind.per_sample_grads(layer.module, a, g, layer.train, dims,
-                                              f"{type(layer.module).__name__} {layer.name!r}")
-                self._core.report_per_sample(index, [grads.get(n) for n in kind.params])
-            self._queue_finish()
+                return
+            # The generic path (fallback.py): its per-sample gradients, computed here.
+            self._core.begin_backward(generation, index)
+            dims = self.in_dims[index]
+            g = kind.batch_first(g, dims)  # [B, total]
+            multiplier = self._core.take_rows(index, g.shape[0])
+            if multiplier == 0:
+                g = torch.zeros_like(g)  # Note [padding batches]: exact zeros
+            elif multiplier != 1:
+                g = g * multiplier  # Note [mean loss]
+            grads = kind.per_sample_grads(layer.module, a, g, layer.train, dims,
+                                          f"{type(layer.module).__name__} {layer.name!r}")
+            self._core.report_per_sample(index, [grads.get(n) for n in kind.params])
         except BaseException as e:
             # Whatever failed, part of this micro-batch may already be in the engine: the step
-            # must not run on it (a retried micro-batch would count its examples twice).
+            # must not run on it (a retried micro-batch would count its examples twice). The
+            # core records its own refusals and failures; this records the rest.
             if self.error is None:
-                self.error = str(e) if isinstance(e, PrivacyViolation) else \
-                    f"the backward failed in the clipping ({type(e).__name__}: {e})"
+                self.error = f"the backward failed in the clipping ({type(e).__name__}: {e})"
             raise
-
-    def _queue_finish(self) -> None:
-        if self.callback_queued:
-            return
-        torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
-        self.callback_queued = True
-
-    def finish_backward(self) -> None:
-        """Final callback of a backward: the C++ book completes the groups the backward did not
-        finish, hands every unit over and closes the micro-batch."""
-        finished = False
-        try:
-            self.micro_backwards += 1
-            if self.expected_rows is not None and self.micro_backwards > 1:
-                self.error = ("a second backward pass reached the clipping within one "
-                              "micro-batch of the loader (two forwards on one batch, or an "
-                              "input-gradient pass): its examples would be counted twice")
-                raise PrivacyViolation(self.error)
-            finished = True  # the core closes the micro-batch, whatever happens
-            self._core.finish_backward()
-        except BaseException as e:
-            if self.error is None:
-                self.error = f"the end of the backward failed ({type(e).__name__}: {e})"
-            raise
-        finally:
-            if not finished:
-                self._core.discard()
-            self._reset_micro_batch()
 
     def discard(self) -> None:
         """Drops a micro-batch whose backward never ran (zero_grad between forward and backward)."""
         self._core.discard()
-        self._reset_micro_batch()
+        self._micro_batch()
 
     def take_stats(self):
         """This logical step's dpzero._C.dp.StepStats (samples, dropped, micro_batches), and

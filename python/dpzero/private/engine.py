@@ -601,8 +601,7 @@ class PrivacyEngine:
         self._micro = micro
         book.token = micro.token
         book.padding = padding
-        book.expected_rows = micro.token.rows
-        book.micro_backwards = 0
+        book.expected_rows = micro.token.rows  # and one backward may reach the clipping
         return micro.token
 
     def _begin_micro_batch(self, t: int, i: int, n: int, size: int, rows: int,

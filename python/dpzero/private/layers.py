@@ -99,6 +99,12 @@ class LinearKind(LayerKind):
     def book_ops(self, module, train):
         return _dp.linear_ops(list(train), self.transposed)
 
+    def dp_call(self, module, x, core, generation: int, part: int, refusal: Optional[str]):
+        """The call as a C++ autograd function (src/dp/dp_layers.h) reporting to the book's
+        ``core`` (or refusing with ``refusal``)."""
+        return _dp.linear(x, module.weight, module.bias, self.transposed, core, generation,
+                          part, refusal)
+
 
 # ---- Embedding -----------------------------------------------------------------------------------
 
@@ -124,6 +130,11 @@ class EmbeddingKind(LayerKind):
 
     def book_ops(self, module, train):
         return _dp.embedding_ops(list(train), module.num_embeddings, module.padding_idx)
+
+    def dp_call(self, module, x, core, generation: int, part: int, refusal: Optional[str]):
+        """As LinearKind.dp_call."""
+        return _dp.embedding(x, module.weight, module.padding_idx, core, generation, part,
+                             refusal)
 
 
 # ---- LayerNorm / RMSNorm -------------------------------------------------------------------------

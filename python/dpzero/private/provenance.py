@@ -633,7 +633,7 @@ def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *
     if problem is not None:
         # Refused lazily: the forward runs (an evaluation without torch.no_grad() on other data
         # is harmless), but its DP layers register nothing and a backward through any of them
-        # raises with this message (book.refused_backward). Unless other ranks did not refuse
+        # raises with this message (book.refusal_text). Unless other ranks did not refuse
         # it: then every rank raises now, before their backwards' collectives part ways.
         book.refusal = problem
         try:

@@ -18,6 +18,7 @@
 
 #include "src/comm/process_group.h"
 #include "src/dp/book.h"
+#include "src/dp/dp_layers.h"
 #include "src/dp/layer_ops.h"
 #include "src/zero/flat_param.h"
 #include "src/zero/state.h"
@@ -52,6 +53,15 @@ struct Engine {
   // The book over W (called twice: component 0) and V (component 1), one flat group; with
   // `generic_v`, V takes the generic path (the caller reports its per-sample gradients).
   Book book(bool mean_loss = false, bool generic_v = false) {
+    return Book(layers(generic_v), options(mean_loss), *state);
+  }
+  // The same, owned as a model's is (its backward queues finish_backward itself).
+  std::shared_ptr<Book> shared_book() {
+    auto book = std::make_shared<Book>(layers(false), options(false), *state);
+    book->set_queue_finish(true);
+    return book;
+  }
+  std::vector<BookLayer> layers(bool generic_v) {
     std::vector<BookLayer> layers;
     layers.push_back({"w", linear_ops({true, false}, false),
                       {Slot{0, layout.flat_offsets()[0], 12, {3, 4}}, std::nullopt}, 0, 0});
@@ -61,9 +71,11 @@ struct Engine {
       layers.push_back({"v", linear_ops({true, false}, false),
                         {Slot{0, layout.flat_offsets()[1], 6, {2, 3}}, std::nullopt}, 1, 0});
     }
-    BookOptions options{{kC}, {2}, "flat", 0.01, mean_loss, {layout.padded_numel()},
-                        {at::Device(at::kCPU)}};
-    return Book(std::move(layers), std::move(options), *state);
+    return layers;
+  }
+  BookOptions options(bool mean_loss) {
+    return BookOptions{{kC}, {2}, "flat", 0.01, mean_loss, {layout.padded_numel()},
+                       {at::Device(at::kCPU)}};
   }
   // What the book added into the engine's gradient buffer (Note [private accumulator]).
   at::Tensor grad_w() { return state->grad_accumulator(0).narrow(0, 0, 12).view({3, 4}); }
@@ -308,6 +320,54 @@ TEST(Book, RefusesRowsThatAreNotTheMicroBatchs) {
               std::string::npos)
         << err.what();
   }
+}
+
+// ---- DP layers as autograd functions (src/dp/dp_layers.h) ----------------------------------------
+
+// The model's calls through dp_linear: autograd's input gradients are the plain layers', the
+// weights get no .grad, and the book (finishing in the engine's final callback) holds the same
+// clipped sums as the reference. Mutation tried: the node reporting G / 2 fails (sample 0 is
+// not clipped, so the scale shows).
+TEST(DPLayers, LinearCallsGiveAutogradsInputGradientAndTheBookItsSums) {
+  torch::manual_seed(10);
+  Engine e;
+  std::shared_ptr<Book> book = e.shared_book();
+  Batch x;
+  for (at::Tensor* g : {&x.g1, &x.g2, &x.g3}) (*g)[0].mul_(0.02);  // sample 0 is not clipped
+  std::vector<at::Tensor> inputs = {x.x1.clone().requires_grad_(), x.x2.clone().requires_grad_(),
+                                    x.z.clone().requires_grad_()};
+  const int64_t p0 = book->on_forward(0), p1 = book->on_forward(0), p2 = book->on_forward(1);
+  for (int64_t p : {p0, p1, p2}) book->set_verdict(p);
+  const int64_t gen = book->generation();
+  const at::Tensor y1 = dp_linear(inputs[0], e.w, at::Tensor(), false, {book, gen, p0, {}});
+  const at::Tensor y2 = dp_linear(inputs[1], e.w, at::Tensor(), false, {book, gen, p1, {}});
+  const at::Tensor y3 = dp_linear(inputs[2], e.v, at::Tensor(), false, {book, gen, p2, {}});
+  const at::Tensor loss = (y1 * x.g1).sum() + (y2 * x.g2).sum() + (y3 * x.g3).sum();
+  loss.backward();
+  EXPECT_FALSE(e.w.grad().defined());
+  EXPECT_FALSE(e.v.grad().defined());
+  EXPECT_TRUE(torch::allclose(inputs[0].grad(), at::matmul(x.g1, e.w.detach()), 1e-6, 1e-6));
+  EXPECT_TRUE(torch::allclose(inputs[2].grad(), at::matmul(x.g3, e.v.detach()), 1e-6, 1e-6));
+  EXPECT_FALSE(book->open());  // the final callback closed the micro-batch
+  const Reference ref = reference(e, x, torch::ones({kB}, at::kBool));
+  ASSERT_LT(ref.bound[0].item<double>(), kC);
+  EXPECT_TRUE(torch::allclose(e.grad_w().to(at::kDouble), ref.w, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(e.grad_v().to(at::kDouble), ref.v, 1e-5, 1e-6));
+  EXPECT_EQ(book->take_stats().micro_batches, 1);
+}
+
+// A call that may not be clipped (a refusal) runs its forward, but its backward is refused and
+// the refusal recorded as the book's error.
+TEST(DPLayers, ARefusedCallsBackwardIsRefusedAndRecorded) {
+  torch::manual_seed(11);
+  Engine e;
+  std::shared_ptr<Book> book = e.shared_book();
+  Batch x;
+  const at::Tensor y = dp_linear(x.z, e.v, at::Tensor(), false,
+                                 {book, 0, -1, std::string("outside the model")});
+  EXPECT_THROW((y * x.g3).sum().backward(), std::exception);
+  ASSERT_TRUE(book->error().has_value());
+  EXPECT_EQ(*book->error(), "outside the model");
 }
 
 }  // namespace

@@ -1,0 +1,43 @@
+// src/dp/dp_layers.h — DP layers as C++ autograd functions: the forward of a Linear (or HF
+// Conv1D) or Embedding call, whose backward node returns the gradient with respect to the
+// layer's INPUT only and hands the layer's input A and output gradient G to the clipping book
+// (book.h). Autograd never forms the weight gradient of a DP layer (DESIGN.md §2 step 3); the
+// parameters are inputs of the node only so that the output requires grad when the input does
+// not (token ids).
+//
+// Note [autocast] (python/dpzero/private/layers.py): under torch.autocast the forward's ops cast
+// as autocast decides and G arrives in the output's dtype. Autograd runs a backward without
+// autocast, so the node computes the input gradient in G's dtype (what autocast's matmul would
+// do) and returns it in x's dtype; A is x cast to the dtype the forward's matmul saw.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <ATen/ATen.h>
+
+#include "src/dp/book.h"
+
+namespace dpzero::dp {
+
+// Who a DP layer call's backward reports to.
+struct Report {
+  std::weak_ptr<Book> book;
+  int64_t generation = 0;  // the book's micro-batch, when the call registered
+  int64_t part = -1;       // the call's part (Book::on_forward)
+  // Set: the call may not be clipped (a refused root forward, a call outside the model, a
+  // recomputed forward that a backward should never reach); the backward refuses with this text.
+  std::optional<std::string> refusal;
+};
+
+// x [B, ..., d_in] -> x Wᵀ + b (nn.Linear, weight [d_out, d_in]) or, `transposed`, x W + b (HF
+// Conv1D, weight [d_in, d_out]); `bias` [d_out] or undefined.
+at::Tensor dp_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                     bool transposed, Report report);
+// ids [B, ...] int -> weight[ids] (nn.Embedding [V, d]); padding_idx as nn.Embedding's.
+at::Tensor dp_embedding(const at::Tensor& ids, const at::Tensor& weight,
+                        std::optional<int64_t> padding_idx, Report report);
+
+}  // namespace dpzero::dp
