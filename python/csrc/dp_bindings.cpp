@@ -171,6 +171,19 @@ void bind_dp(py::module_ m) {
       py::arg("ids"), py::arg("weight"), py::arg("padding_idx"), py::arg("book"),
       py::arg("generation"), py::arg("part"), py::arg("refusal"),
       "An Embedding call whose backward reports (ids, G) to the book's part, or refuses");
+  m.def(
+      "layer_norm",
+      [](const at::Tensor& x, std::vector<int64_t> normalized_shape, const at::Tensor& weight,
+         const std::optional<at::Tensor>& bias, double eps, const std::shared_ptr<dp::Book>& book,
+         int64_t generation, int64_t part, std::optional<std::string> refusal) {
+        return dp::dp_layer_norm(x, std::move(normalized_shape), weight,
+                                 bias.value_or(at::Tensor()), eps,
+                                 report_of(book, generation, part, std::move(refusal)));
+      },
+      py::arg("x"), py::arg("normalized_shape"), py::arg("weight"), py::arg("bias"),
+      py::arg("eps"), py::arg("book"), py::arg("generation"), py::arg("part"),
+      py::arg("refusal"),
+      "An nn.LayerNorm call whose backward reports (x, G) to the book's part, or refuses");
 }
 
 }  // namespace dpzero::python

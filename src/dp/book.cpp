@@ -33,8 +33,8 @@ using InputKey = std::tuple<const void*, std::vector<int64_t>, std::vector<int64
                             std::string, uint32_t>;
 
 InputKey input_key(const at::Tensor& a) {
-  return {a.data_ptr(), a.sizes().vec(), a.strides().vec(), a.scalar_type(), a.device().str(),
-          a._version()};
+  return {a.data_ptr(),    a.sizes().vec(),  a.strides().vec(),
+          a.scalar_type(), a.device().str(), a._version()};
 }
 
 PrivacyErrorHook privacy_error_hook = nullptr;
@@ -55,9 +55,9 @@ Book::Book(std::vector<BookLayer> layers, BookOptions options, zero::ZeroState& 
   const size_t groups = options_.thresholds.size();
   TORCH_CHECK(options_.group_components.size() == groups, "dpzero::dp::Book: ", groups,
               " thresholds but ", options_.group_components.size(), " group sizes");
-  TORCH_CHECK(options_.unit_device.size() == options_.unit_numel.size(), "dpzero::dp::Book: ",
-              options_.unit_numel.size(), " unit sizes but ", options_.unit_device.size(),
-              " unit devices");
+  TORCH_CHECK(options_.unit_device.size() == options_.unit_numel.size(),
+              "dpzero::dp::Book: ", options_.unit_numel.size(), " unit sizes but ",
+              options_.unit_device.size(), " unit devices");
   TORCH_CHECK(static_cast<int64_t>(options_.unit_numel.size()) == engine_.num_units(),
               "dpzero::dp::Book: ", options_.unit_numel.size(), " units, the engine has ",
               engine_.num_units());
@@ -123,7 +123,8 @@ void Book::set_stale(bool stale) {
 }
 void Book::set_queue_finish(bool on) {
   Lock lock(mutex_);
-  TORCH_CHECK(!on || !weak_from_this().expired(), "dpzero::dp::Book::set_queue_finish: the "
+  TORCH_CHECK(!on || !weak_from_this().expired(),
+              "dpzero::dp::Book::set_queue_finish: the "
               "book must be owned by a std::shared_ptr to queue its own callback");
   queue_finish_ = on;
 }
@@ -177,14 +178,16 @@ void Book::reset_micro_batch() {
   dropped_mask_ = at::Tensor();
 }
 
-// ---- forward -------------------------------------------------------------------------------------
+// ---- forward
+// -------------------------------------------------------------------------------------
 
 int64_t Book::on_forward(int64_t layer) {
   Lock lock(mutex_);
   if (started_) {
-    refuse("a backward pass stopped partway after part of it was clipped; its clipped sums are "
-           "still accumulated, so a new forward would count those examples twice: call "
-           "zero_grad() to drop the micro-batch");
+    refuse(
+        "a backward pass stopped partway after part of it was clipped; its clipped sums are "
+        "still accumulated, so a new forward would count those examples twice: call "
+        "zero_grad() to drop the micro-batch");
   }
   TORCH_CHECK(layer >= 0 && static_cast<size_t>(layer) < layers_.size(),
               "dpzero::dp::Book::on_forward: no layer ", layer, " (", layers_.size(), " layers)");
@@ -209,23 +212,27 @@ void Book::set_verdict(int64_t part) {
   parts_[part].verdict = true;
 }
 
-// ---- backward ------------------------------------------------------------------------------------
+// ---- backward
+// ------------------------------------------------------------------------------------
 
 void Book::begin_backward(int64_t generation, int64_t index) {
   Lock lock(mutex_);
   if (stale_) {
-    refuse("a new logical batch began while the previous one's gradients were still "
-           "accumulated (step() was not called for it); they would be released together; call "
-           "zero_grad() first");
+    refuse(
+        "a new logical batch began while the previous one's gradients were still "
+        "accumulated (step() was not called for it); they would be released together; call "
+        "zero_grad() first");
   }
   if (generation != generation_ || index < 0 || index >= num_parts() || parts_[index].claimed) {
-    refuse("a backward reached a DP layer call whose gradient was already taken (a second "
-           "backward through the same forward, or a graph kept across zero_grad()); each forward "
-           "may be back-propagated once");
+    refuse(
+        "a backward reached a DP layer call whose gradient was already taken (a second "
+        "backward through the same forward, or a graph kept across zero_grad()); each forward "
+        "may be back-propagated once");
   }
   Part& part = parts_[index];
   if (!part.verdict) {
-    refuse("layer '" + layers_[part.layer].name + "' has no verdict on which of its rows are "
+    refuse("layer '" + layers_[part.layer].name +
+           "' has no verdict on which of its rows are "
            "examples (Note [batch provenance]); it is not clipped");
   }
   part.claimed = true;
@@ -234,8 +241,8 @@ void Book::begin_backward(int64_t generation, int64_t index) {
 
 int64_t Book::take_rows(int64_t index, int64_t b) {
   Lock lock(mutex_);
-  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(parts_.size()) &&
-                  parts_[index].claimed && parts_[index].rows < 0,
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(parts_.size()) && parts_[index].claimed &&
+                  parts_[index].rows < 0,
               "dpzero::dp::Book::take_rows: part ", index, " was not claimed by begin_backward");
   Part& part = parts_[index];
   const BookLayer& layer = layers_[part.layer];
@@ -278,8 +285,7 @@ void Book::on_backward(int64_t generation, int64_t index, const at::Tensor& a, a
 void Book::report_kernel(int64_t generation, int64_t index, const at::Tensor& a, at::Tensor g) {
   begin_backward(generation, index);
   TORCH_CHECK(layers_[parts_[index].layer].ops, "dpzero::dp::Book::on_backward: layer '",
-              layers_[parts_[index].layer].name,
-              "' takes the generic path (report_per_sample)");
+              layers_[parts_[index].layer].name, "' takes the generic path (report_per_sample)");
   const int64_t multiplier = take_rows(index, g.dim() > 0 ? g.size(0) : 0);
   if (multiplier == 0) {
     g = at::zeros_like(g);
@@ -294,15 +300,16 @@ void Book::report_kernel(int64_t generation, int64_t index, const at::Tensor& a,
 
 void Book::report_per_sample(int64_t index, std::vector<at::Tensor> grads) {
   Lock lock(mutex_);
-  TORCH_CHECK(index >= 0 && index < num_parts() && parts_[index].rows >= 0 &&
-                  !parts_[index].kept && !parts_[index].done,
+  TORCH_CHECK(index >= 0 && index < num_parts() && parts_[index].rows >= 0 && !parts_[index].kept &&
+                  !parts_[index].done,
               "dpzero::dp::Book::report_per_sample: part ", index,
               " has not passed begin_backward and take_rows");
   const BookLayer& layer = layers_[parts_[index].layer];
   TORCH_CHECK(!layer.ops && grads.size() == layer.slots.size(),
               "dpzero::dp::Book::report_per_sample: layer '", layer.name, "' takes ",
-              layer.ops ? "its kernel path (on_backward)" : std::to_string(layer.slots.size()) +
-              " per-sample gradients, got " + std::to_string(grads.size()));
+              layer.ops ? "its kernel path (on_backward)"
+                        : std::to_string(layer.slots.size()) + " per-sample gradients, got " +
+                              std::to_string(grads.size()));
   Kept kept;
   kept.grads = std::move(grads);
   try {
@@ -316,16 +323,15 @@ void Book::report_per_sample(int64_t index, std::vector<at::Tensor> grads) {
 
 void Book::queue_finish() {
   if (!queue_finish_ || finish_queued_) return;
-  torch::autograd::Engine::get_default_engine().queue_callback(
-      [weak = weak_from_this()] {
-        const std::shared_ptr<Book> book = weak.lock();
-        if (!book) return;  // the book is gone, and with it what this backward clipped
-        try {
-          book->finish_backward();
-        } catch (const PrivacyError& e) {
-          rethrow_from_engine(e);  // Note [errors out of the autograd engine]
-        }
-      });
+  torch::autograd::Engine::get_default_engine().queue_callback([weak = weak_from_this()] {
+    const std::shared_ptr<Book> book = weak.lock();
+    if (!book) return;  // the book is gone, and with it what this backward clipped
+    try {
+      book->finish_backward();
+    } catch (const PrivacyError& e) {
+      rethrow_from_engine(e);  // Note [errors out of the autograd engine]
+    }
+  });
   finish_queued_ = true;
 }
 
@@ -340,8 +346,8 @@ void Book::report(int64_t index, Kept in, bool per_sample) {
   for (const at::Tensor& t : per_sample ? in.grads : std::vector<at::Tensor>{in.g}) {
     if (!t.defined()) continue;
     if (t.dim() == 0 || t.size(0) != part.rows) {
-      refuse("layer '" + layer.name + "' reported a gradient of shape " +
-             c10::str(t.sizes()) + " for a part of " + std::to_string(part.rows) + " rows");
+      refuse("layer '" + layer.name + "' reported a gradient of shape " + c10::str(t.sizes()) +
+             " for a part of " + std::to_string(part.rows) + " rows");
     }
     if (!any) first = t;
     any = true;
@@ -363,11 +369,12 @@ void Book::report(int64_t index, Kept in, bool per_sample) {
                                                    threshold, options_.mode, options_.gamma));
       const std::vector<at::Tensor> out = dests(layer);
       for (size_t p = 0; p < in.grads.size(); ++p) {
-        if (in.grads[p].defined()) add_view(out[p], ps::per_sample_clipped_sum(in.grads[p], factors));
+        if (in.grads[p].defined())
+          add_view(out[p], ps::per_sample_clipped_sum(in.grads[p], factors));
       }
     } else {
-      factors = layer.ops->clip_into(in.a, in.g, threshold, options_.mode, options_.gamma,
-                                     dests(layer));
+      factors =
+          layer.ops->clip_into(in.a, in.g, threshold, options_.mode, options_.gamma, dests(layer));
     }
     note_factors(factors);
     part.done = true;
@@ -389,7 +396,8 @@ void Book::report(int64_t index, Kept in, bool per_sample) {
   release_if_done(layer);
 }
 
-// ---- completion ----------------------------------------------------------------------------------
+// ---- completion
+// ----------------------------------------------------------------------------------
 
 void Book::shared_norms(const std::vector<int64_t>& parts) {
   std::vector<std::pair<InputKey, std::vector<int64_t>>> by_input;
@@ -475,7 +483,8 @@ void Book::add_kept_clipped_sums(const Part& part, const at::Tensor& factors) {
     if (any) layer.ops->add_clipped_sums(kept.a, kept.g, factors, rest, out);
   }
   for (size_t p = 0; p < kept.grads.size(); ++p) {
-    if (kept.grads[p].defined()) add_view(out[p], ps::per_sample_clipped_sum(kept.grads[p], factors));
+    if (kept.grads[p].defined())
+      add_view(out[p], ps::per_sample_clipped_sum(kept.grads[p], factors));
   }
 }
 
@@ -488,7 +497,8 @@ void Book::note_factors(const at::Tensor& factors) {
   dropped_mask_.logical_or_(factors == 0);
 }
 
-// ---- units ---------------------------------------------------------------------------------------
+// ---- units
+// ---------------------------------------------------------------------------------------
 
 at::Tensor& Book::unit_buffer(int64_t unit) {
   auto it = unit_buf_.find(unit);
@@ -540,15 +550,17 @@ void Book::release_if_done(const BookLayer& layer) {
   }
 }
 
-// ---- end of backward -----------------------------------------------------------------------------
+// ---- end of backward
+// -----------------------------------------------------------------------------
 
 void Book::finish_backward() {
   Lock lock(mutex_);
   try {
     if (expected_rows_ && ++finished_ > 1) {
-      refuse("a second backward pass reached the clipping within one micro-batch of the loader "
-             "(two forwards on one batch, or an input-gradient pass): its examples would be "
-             "counted twice");
+      refuse(
+          "a second backward pass reached the clipping within one micro-batch of the loader "
+          "(two forwards on one batch, or an input-gradient pass): its examples would be "
+          "counted twice");
     }
     for (auto& entry : group_state_) complete(entry.first);
     for (int64_t unit = 0; unit < engine_.num_units(); ++unit) {

@@ -235,8 +235,8 @@ class Book : public std::enable_shared_from_this<Book> {
 
   // This micro-batch.
   int64_t generation_ = 0;
-  bool started_ = false;         // a backward of this micro-batch has begun
-  bool finish_queued_ = false;   // finish_backward is the running backward's final callback
+  bool started_ = false;        // a backward of this micro-batch has begun
+  bool finish_queued_ = false;  // finish_backward is the running backward's final callback
   std::vector<Part> parts_;
   std::map<int64_t, GroupState> group_state_;
   std::map<int64_t, int64_t> unit_expected_;  // contributions still to come, per unit
@@ -245,7 +245,7 @@ class Book : public std::enable_shared_from_this<Book> {
   std::set<int64_t> direct_;  // units whose buffer is the engine's (Note [private accumulator])
   std::set<int64_t> handed_;
   std::optional<int64_t> batch_;
-  at::Tensor dropped_mask_;   // [B] bool
+  at::Tensor dropped_mask_;  // [B] bool
 };
 
 }  // namespace dpzero::dp

@@ -2,6 +2,7 @@
 #include "src/dp/dp_layers.h"
 
 #include <utility>
+#include <vector>
 
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/function.h>
@@ -21,13 +22,12 @@ std::optional<at::ScalarType> autocast_dtype(const at::Tensor& x) {
   return at::autocast::get_autocast_dtype(device);
 }
 
-// The backward node of one DP layer call: dL/dx to autograd, (A, G) to the book.
+// The backward node of one DP layer call: dL/dx to autograd, (A, G) to the book. A kind says how
+// to get the input gradient and A.
 class DPLayerBackward : public Node {
  public:
-  DPLayerBackward(std::string name, Report report, at::Tensor weight, bool transposed,
-                  bool input_grad, std::optional<at::ScalarType> autocast)
-      : name_(std::move(name)), report_(std::move(report)), weight_(std::move(weight)),
-        transposed_(transposed), input_grad_(input_grad), autocast_(autocast) {}
+  DPLayerBackward(std::string name, Report report)
+      : name_(std::move(name)), report_(std::move(report)) {}
 
   variable_list apply(variable_list&& grads) override {
     TORCH_CHECK(grads.size() == 1 && grads[0].defined(), "dpzero: ", name_,
@@ -37,18 +37,12 @@ class DPLayerBackward : public Node {
     const at::Tensor g = grads[0].contiguous();
     const at::Tensor x = x_.unpack();
     variable_list out(num_outputs());
-    if (input_grad_ && should_compute_output(0)) {
-      // The parameter is read now, not saved: at stage 3 it is gathered again for the backward.
-      const at::Tensor w = weight_.to(g.scalar_type());
-      out[0] = at::matmul(g, transposed_ ? w.t() : w).to(x.scalar_type());  // Note [autocast]
-    }
-    const at::Tensor a =
-        autocast_ && x.is_floating_point() ? x.to(*autocast_) : x;  // what the matmul saw
+    if (should_compute_output(0)) out[0] = input_grad(x, g);
     const std::shared_ptr<Book> book = report_.book.lock();
     TORCH_CHECK(book, "dpzero: ", name_, ": the private engine of this forward is gone");
     try {
       if (report_.refusal) book->refuse_backward(*report_.refusal);
-      book->on_backward(report_.generation, report_.part, a, g);
+      book->on_backward(report_.generation, report_.part, batch_input(x), g);
     } catch (const PrivacyError& e) {
       rethrow_from_engine(e);  // Note [errors out of the autograd engine] in book.h
     }
@@ -60,19 +54,89 @@ class DPLayerBackward : public Node {
 
   SavedVariable x_;
 
+ protected:
+  // dL/dx from G, in x's dtype (an undefined tensor where x has no gradient).
+  virtual at::Tensor input_grad(const at::Tensor& x, const at::Tensor& g) = 0;
+  // A as the book's ops take it.
+  virtual at::Tensor batch_input(const at::Tensor& x) { return x; }
+
  private:
   std::string name_;
   Report report_;
+};
+
+class LinearBackward final : public DPLayerBackward {
+ public:
+  LinearBackward(Report report, at::Tensor weight, bool transposed,
+                 std::optional<at::ScalarType> autocast)
+      : DPLayerBackward(transposed ? "DPConv1DBackward" : "DPLinearBackward", std::move(report)),
+        weight_(std::move(weight)),
+        transposed_(transposed),
+        autocast_(autocast) {}
+
+ protected:
+  at::Tensor input_grad(const at::Tensor& x, const at::Tensor& g) override {
+    // The parameter is read now, not saved: at stage 3 it is gathered again for the backward.
+    const at::Tensor w = weight_.to(g.scalar_type());
+    return at::matmul(g, transposed_ ? w.t() : w).to(x.scalar_type());  // Note [autocast]
+  }
+  at::Tensor batch_input(const at::Tensor& x) override {  // what the forward's matmul saw
+    return autocast_ && x.is_floating_point() ? x.to(*autocast_) : x;
+  }
+
+ private:
   at::Tensor weight_;  // the parameter itself (its storage is what stage 3 gathers)
   bool transposed_;
-  bool input_grad_;    // the input is a float tensor (not ids)
   std::optional<at::ScalarType> autocast_;
 };
 
-// Builds the node over inputs (x, weight[, bias]) and attaches it to `out`.
-at::Tensor with_backward(at::Tensor out, std::shared_ptr<DPLayerBackward> node,
-                         const at::Tensor& x, const at::Tensor& weight,
-                         const at::Tensor& bias) {
+class EmbeddingBackward final : public DPLayerBackward {
+ public:
+  explicit EmbeddingBackward(Report report)
+      : DPLayerBackward("DPEmbeddingBackward", std::move(report)) {}
+
+ protected:
+  at::Tensor input_grad(const at::Tensor&, const at::Tensor&) override {
+    return at::Tensor();  // ids have no gradient
+  }
+};
+
+// nn.LayerNorm. Under autocast layer_norm runs in float32 (autocast's fp32 list): G arrives in the
+// output's dtype, and the input gradient is that of the forward in G's dtype, cast back to x's.
+// A is x itself (the per-sample ops read 16-bit inputs and compute in float64).
+class LayerNormBackward final : public DPLayerBackward {
+ public:
+  LayerNormBackward(Report report, std::vector<int64_t> normalized_shape, at::Tensor weight,
+                    at::Tensor bias, double eps)
+      : DPLayerBackward("DPLayerNormBackward", std::move(report)),
+        shape_(std::move(normalized_shape)),
+        weight_(std::move(weight)),
+        bias_(std::move(bias)),
+        eps_(eps) {}
+
+ protected:
+  at::Tensor input_grad(const at::Tensor& x, const at::Tensor& g) override {
+    const at::ScalarType dtype = g.scalar_type();
+    const at::Tensor xc = x.to(dtype);
+    const std::optional<at::Tensor> w =
+        weight_.defined() ? std::optional<at::Tensor>(weight_.to(dtype)) : std::nullopt;
+    const std::optional<at::Tensor> b =
+        bias_.defined() ? std::optional<at::Tensor>(bias_.to(dtype)) : std::nullopt;
+    const auto [y, mean, rstd] = at::native_layer_norm(xc, shape_, w, b, eps_);
+    const auto [gx, gw, gb] =
+        at::native_layer_norm_backward(g, xc, shape_, mean, rstd, w, b, {true, false, false});
+    return gx.to(x.scalar_type());
+  }
+
+ private:
+  std::vector<int64_t> shape_;
+  at::Tensor weight_, bias_;  // the parameters themselves (read in the backward, as Linear's)
+  double eps_;
+};
+
+// Attaches `node`, over inputs (x, weight[, bias]), to `out`.
+at::Tensor with_backward(at::Tensor out, std::shared_ptr<DPLayerBackward> node, const at::Tensor& x,
+                         const at::Tensor& weight, const at::Tensor& bias) {
   const bool needs = bias.defined() ? torch::autograd::compute_requires_grad(x, weight, bias)
                                     : torch::autograd::compute_requires_grad(x, weight);
   if (!needs) return out;
@@ -94,13 +158,11 @@ at::Tensor dp_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
       out = at::matmul(x, weight);
       if (bias.defined()) out = out + bias;
     } else {
-      out = at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias)
-                                                 : std::nullopt);
+      out = at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
     }
   }
   auto node = std::shared_ptr<DPLayerBackward>(
-      new DPLayerBackward(transposed ? "DPConv1DBackward" : "DPLinearBackward", std::move(report),
-                          weight, transposed, /*input_grad=*/true, autocast_dtype(x)),
+      new LinearBackward(std::move(report), weight, transposed, autocast_dtype(x)),
       torch::autograd::deleteNode);
   return with_backward(std::move(out), std::move(node), x, weight, bias);
 }
@@ -112,11 +174,25 @@ at::Tensor dp_embedding(const at::Tensor& ids, const at::Tensor& weight,
     const at::AutoGradMode no_grad(false);
     out = at::embedding(weight, ids, padding_idx.value_or(-1));
   }
-  auto node = std::shared_ptr<DPLayerBackward>(
-      new DPLayerBackward("DPEmbeddingBackward", std::move(report), weight, false,
-                          /*input_grad=*/false, std::nullopt),
-      torch::autograd::deleteNode);
+  auto node = std::shared_ptr<DPLayerBackward>(new EmbeddingBackward(std::move(report)),
+                                               torch::autograd::deleteNode);
   return with_backward(std::move(out), std::move(node), ids, weight, at::Tensor());
+}
+
+at::Tensor dp_layer_norm(const at::Tensor& x, std::vector<int64_t> normalized_shape,
+                         const at::Tensor& weight, const at::Tensor& bias, double eps,
+                         Report report) {
+  TORCH_CHECK(weight.defined(), "dpzero::dp::dp_layer_norm: a DP LayerNorm has a weight");
+  at::Tensor out;
+  {
+    const at::AutoGradMode no_grad(false);
+    out = at::layer_norm(x, normalized_shape, weight,
+                         bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, eps);
+  }
+  auto node = std::shared_ptr<DPLayerBackward>(
+      new LayerNormBackward(std::move(report), std::move(normalized_shape), weight, bias, eps),
+      torch::autograd::deleteNode);
+  return with_backward(std::move(out), std::move(node), x, weight, bias);
 }
 
 }  // namespace dpzero::dp

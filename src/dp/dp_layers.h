@@ -1,6 +1,6 @@
 // src/dp/dp_layers.h — DP layers as C++ autograd functions: the forward of a Linear (or HF
-// Conv1D) or Embedding call, whose backward node returns the gradient with respect to the
-// layer's INPUT only and hands the layer's input A and output gradient G to the clipping book
+// Conv1D), Embedding or LayerNorm call, whose backward node returns the gradient with respect to
+// the layer's INPUT only and hands the layer's input A and output gradient G to the clipping book
 // (book.h). Autograd never forms the weight gradient of a DP layer (DESIGN.md §2 step 3); the
 // parameters are inputs of the node only so that the output requires grad when the input does
 // not (token ids).
@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -39,5 +40,9 @@ at::Tensor dp_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
 // ids [B, ...] int -> weight[ids] (nn.Embedding [V, d]); padding_idx as nn.Embedding's.
 at::Tensor dp_embedding(const at::Tensor& ids, const at::Tensor& weight,
                         std::optional<int64_t> padding_idx, Report report);
+// x [B, ..., *normalized_shape] -> nn.LayerNorm's output (F.layer_norm); `bias` may be undefined.
+at::Tensor dp_layer_norm(const at::Tensor& x, std::vector<int64_t> normalized_shape,
+                         const at::Tensor& weight, const at::Tensor& bias, double eps,
+                         Report report);
 
 }  // namespace dpzero::dp

@@ -178,6 +178,19 @@ class NormKind(LayerKind):
                             self.normalized_ndim(module))
 
 
+class LayerNormKind(NormKind):
+    """nn.LayerNorm (and subclasses keeping its forward, F.layer_norm): as a C++ autograd
+    function (src/dp/dp_layers.h), its input gradient from ATen's layer-norm backward."""
+
+    def __init__(self) -> None:
+        super().__init__(rms=False)
+
+    def dp_call(self, module, x, core, generation: int, part: int, refusal: Optional[str]):
+        """As LinearKind.dp_call."""
+        return _dp.layer_norm(x, list(module.normalized_shape), module.weight, module.bias,
+                              float(module.eps), core, generation, part, refusal)
+
+
 # ---- Conv1d / Conv2d -----------------------------------------------------------------------------
 
 class ConvKind(LayerKind):
@@ -289,7 +302,7 @@ def layer_kind(module: nn.Module, through_super: bool = False) -> Optional[Layer
     if isinstance(module, nn.Embedding):
         return EmbeddingKind()
     if isinstance(module, nn.LayerNorm):
-        return NormKind(rms=False)
+        return LayerNormKind()
     if isinstance(module, nn.RMSNorm):
         return NormKind(rms=True)
     if name in HF_RMS_NORMS:

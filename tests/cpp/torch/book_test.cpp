@@ -63,19 +63,25 @@ struct Engine {
   }
   std::vector<BookLayer> layers(bool generic_v) {
     std::vector<BookLayer> layers;
-    layers.push_back({"w", linear_ops({true, false}, false),
-                      {Slot{0, layout.flat_offsets()[0], 12, {3, 4}}, std::nullopt}, 0, 0});
+    layers.push_back({"w",
+                      linear_ops({true, false}, false),
+                      {Slot{0, layout.flat_offsets()[0], 12, {3, 4}}, std::nullopt},
+                      0,
+                      0});
     if (generic_v) {
       layers.push_back({"v", nullptr, {Slot{0, layout.flat_offsets()[1], 6, {2, 3}}}, 1, 0});
     } else {
-      layers.push_back({"v", linear_ops({true, false}, false),
-                        {Slot{0, layout.flat_offsets()[1], 6, {2, 3}}, std::nullopt}, 1, 0});
+      layers.push_back({"v",
+                        linear_ops({true, false}, false),
+                        {Slot{0, layout.flat_offsets()[1], 6, {2, 3}}, std::nullopt},
+                        1,
+                        0});
     }
     return layers;
   }
   BookOptions options(bool mean_loss) {
-    return BookOptions{{kC}, {2}, "flat", 0.01, mean_loss, {layout.padded_numel()},
-                       {at::Device(at::kCPU)}};
+    return BookOptions{
+        {kC}, {2}, "flat", 0.01, mean_loss, {layout.padded_numel()}, {at::Device(at::kCPU)}};
   }
   // What the book added into the engine's gradient buffer (Note [private accumulator]).
   at::Tensor grad_w() { return state->grad_accumulator(0).narrow(0, 0, 12).view({3, 4}); }
@@ -105,8 +111,8 @@ void run(Book& book, const Batch& x) {
 
 // Per example i, with autograd in float64: each part's gradient (W's two calls separately).
 struct Reference {
-  at::Tensor w, v;  // expected clipped sums
-  at::Tensor bound; // [B] the certified norm's exact value: sqrt((|g_w1| + |g_w2|)^2 + |g_v|^2)
+  at::Tensor w, v;   // expected clipped sums
+  at::Tensor bound;  // [B] the certified norm's exact value: sqrt((|g_w1| + |g_w2|)^2 + |g_v|^2)
 };
 
 Reference reference(const Engine& e, const Batch& x, const at::Tensor& keep) {
@@ -120,8 +126,8 @@ Reference reference(const Engine& e, const Batch& x, const at::Tensor& keep) {
   for (int64_t i = 0; i < kB; ++i) {
     const at::Tensor a = grad_of(e.w, x.x1[i], x.g1[i]), b = grad_of(e.w, x.x2[i], x.g2[i]),
                      c = grad_of(e.v, x.z[i], x.g3[i]);
-    const double n = std::hypot(a.norm().item<double>() + b.norm().item<double>(),
-                                c.norm().item<double>());
+    const double n =
+        std::hypot(a.norm().item<double>() + b.norm().item<double>(), c.norm().item<double>());
     ref.bound[i] = n;
     if (!keep[i].item<bool>()) continue;
     const double factor = std::min(1.0, kC / (n + 1e-6));  // privacy/clipping.h, flat
@@ -315,14 +321,16 @@ TEST(Book, RefusesRowsThatAreNotTheMicroBatchs) {
     book.on_backward(book.generation(), p, x.z, x.g3);
     ADD_FAILURE() << "no error";
   } catch (const PrivacyError& err) {
-    EXPECT_NE(std::string(err.what()).find("layer 'v' saw a batch of 5 rows in a micro-batch of "
-                                           "6 examples"),
+    EXPECT_NE(std::string(err.what())
+                  .find("layer 'v' saw a batch of 5 rows in a micro-batch of "
+                        "6 examples"),
               std::string::npos)
         << err.what();
   }
 }
 
-// ---- DP layers as autograd functions (src/dp/dp_layers.h) ----------------------------------------
+// ---- DP layers as autograd functions (src/dp/dp_layers.h)
+// ----------------------------------------
 
 // The model's calls through dp_linear: autograd's input gradients are the plain layers', the
 // weights get no .grad, and the book (finishing in the engine's final callback) holds the same
@@ -356,6 +364,69 @@ TEST(DPLayers, LinearCallsGiveAutogradsInputGradientAndTheBookItsSums) {
   EXPECT_EQ(book->take_stats().micro_batches, 1);
 }
 
+// An nn.LayerNorm call through dp_layer_norm: autograd's input gradient is F.layer_norm's, and
+// the book's sums for its weight and bias are the per-example reference's (flat clipping, C = 1,
+// sample 0 unclipped). Mutation tried: the node computing the input gradient without the
+// weight (a wrong input gradient) fails.
+TEST(DPLayers, LayerNormCallGivesAutogradsInputGradientAndTheBookItsSums) {
+  torch::manual_seed(12);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto pg = comm::make_process_group("gloo", store, 0, 1, std::chrono::seconds(60));
+  at::Tensor gamma = (torch::randn({4}) + 1).requires_grad_(),
+             beta = torch::randn({4}).requires_grad_();
+  zero::ZeroState state({{"ln", {gamma, beta}, {"weight", "bias"}, {0, 4}}}, 8, zero::ZeroConfig{},
+                        pg);
+  state.set_private(true);
+  const zero::UnitLayout layout({{4, 0}, {4, 4}}, 1, 4);
+  std::vector<BookLayer> layers;
+  layers.push_back(
+      {"ln",
+       norm_ops({true, true}, false, 1e-5, 1),
+       {Slot{0, layout.flat_offsets()[0], 4, {4}}, Slot{0, layout.flat_offsets()[1], 4, {4}}},
+       0,
+       0});
+  auto book = std::make_shared<Book>(
+      std::move(layers),
+      BookOptions{{kC}, {1}, "flat", 0.01, false, {layout.padded_numel()}, {at::Device(at::kCPU)}},
+      state);
+  book->set_queue_finish(true);
+  const at::Tensor x = torch::randn({kB, kT, 4}).requires_grad_();
+  at::Tensor g = torch::randn({kB, kT, 4}) * 3;
+  g[0].mul_(0.01);
+  const int64_t p = book->on_forward(0);
+  book->set_verdict(p);
+  const at::Tensor y = dp_layer_norm(x, {4}, gamma, beta, 1e-5, {book, book->generation(), p, {}});
+  (y * g).sum().backward();
+  // Reference: autograd through at::layer_norm, per example, in float64.
+  const at::Tensor xr = x.detach().to(at::kDouble).requires_grad_();
+  at::layer_norm(xr, {4}, gamma.detach().to(at::kDouble), beta.detach().to(at::kDouble), 1e-5)
+      .mul(g.to(at::kDouble))
+      .sum()
+      .backward();
+  EXPECT_TRUE(torch::allclose(x.grad().to(at::kDouble), xr.grad(), 1e-5, 1e-6));
+  at::Tensor want_w = torch::zeros({4}, at::kDouble), want_b = torch::zeros({4}, at::kDouble);
+  for (int64_t i = 0; i < kB; ++i) {
+    const at::Tensor w = gamma.detach().to(at::kDouble).requires_grad_();
+    const at::Tensor b = beta.detach().to(at::kDouble).requires_grad_();
+    const at::Tensor loss = at::layer_norm(x[i].detach().to(at::kDouble), {4}, w, b, 1e-5)
+                                .mul(g[i].to(at::kDouble))
+                                .sum();
+    const auto grads = torch::autograd::grad({loss}, {w, b});
+    const double n =
+        std::sqrt(grads[0].square().sum().item<double>() + grads[1].square().sum().item<double>());
+    if (i == 0) ASSERT_LT(n, kC);
+    const double factor = std::min(1.0, kC / (n + 1e-6));
+    want_w += factor * grads[0];
+    want_b += factor * grads[1];
+  }
+  const at::Tensor buf = state.grad_accumulator(0);
+  EXPECT_TRUE(torch::allclose(buf.narrow(0, layout.flat_offsets()[0], 4).to(at::kDouble), want_w,
+                              1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(buf.narrow(0, layout.flat_offsets()[1], 4).to(at::kDouble), want_b,
+                              1e-5, 1e-6));
+  EXPECT_FALSE(gamma.grad().defined());
+}
+
 // A call that may not be clipped (a refusal) runs its forward, but its backward is refused and
 // the refusal recorded as the book's error.
 TEST(DPLayers, ARefusedCallsBackwardIsRefusedAndRecorded) {
@@ -363,8 +434,8 @@ TEST(DPLayers, ARefusedCallsBackwardIsRefusedAndRecorded) {
   Engine e;
   std::shared_ptr<Book> book = e.shared_book();
   Batch x;
-  const at::Tensor y = dp_linear(x.z, e.v, at::Tensor(), false,
-                                 {book, 0, -1, std::string("outside the model")});
+  const at::Tensor y =
+      dp_linear(x.z, e.v, at::Tensor(), false, {book, 0, -1, std::string("outside the model")});
   EXPECT_THROW((y * x.g3).sum().backward(), std::exception);
   ASSERT_TRUE(book->error().has_value());
   EXPECT_EQ(*book->error(), "outside the model");
