@@ -83,7 +83,7 @@ Book::Book(std::vector<BookLayer> layers, BookOptions options, zero::ZeroState& 
 }
 
 void Book::refuse(const std::string& why) const {
-  error_ = why;
+  if (!error_) error_ = why;  // the first violation is the one the step names
   throw PrivacyError(why);
 }
 
@@ -104,6 +104,7 @@ void Book::set_expected_rows(std::optional<int64_t> rows) {
   Lock lock(mutex_);
   expected_rows_ = rows;
   finished_ = 0;
+  if (rows) ++hand_out_;
 }
 std::optional<std::string> Book::error() const {
   Lock lock(mutex_);
@@ -195,6 +196,7 @@ int64_t Book::on_forward(int64_t layer) {
   const int64_t index = num_parts();
   Part part;
   part.layer = layer;
+  part.hand_out = hand_out_;
   parts_.push_back(std::move(part));
   group_state_[l.group].parts.push_back(index);
   for (const auto& slot : l.slots) {
@@ -230,6 +232,14 @@ void Book::begin_backward(int64_t generation, int64_t index) {
         "may be back-propagated once");
   }
   Part& part = parts_[index];
+  if (expected_rows_ && part.hand_out != hand_out_) {
+    // Its forward ran on an earlier micro-batch of the loader, still open when this one was
+    // handed out: row i of both would be clipped as one example.
+    refuse("a backward reached DP layer '" + layers_[part.layer].name +
+           "' of an earlier micro-batch of the loader (its forward ran before the current one "
+           "was handed out): examples of two micro-batches would be clipped as one; "
+           "back-propagate each micro-batch before taking the next");
+  }
   if (!part.verdict) {
     refuse("layer '" + layers_[part.layer].name +
            "' has no verdict on which of its rows are "

@@ -183,6 +183,7 @@ class Book : public std::enable_shared_from_this<Book> {
  private:
   struct Part {
     int64_t layer = 0;
+    int64_t hand_out = 0;  // the micro-batch handed out when it registered
     bool verdict = false;  // Note [one sample per row]
     bool claimed = false;  // its backward began
     int64_t rows = -1;     // its rows, as take_rows checked them
@@ -226,6 +227,7 @@ class Book : public std::enable_shared_from_this<Book> {
 
   std::optional<int64_t> expected_rows_;
   int64_t finished_ = 0;  // backward passes that reached the clipping since set_expected_rows
+  int64_t hand_out_ = 0;  // micro-batches handed out (set_expected_rows with rows)
   bool padding_ = false;
   mutable std::optional<std::string> error_;  // refuse() records, even from const checks
   bool stale_ = false;

@@ -30,11 +30,13 @@ class DPLayerBackward : public Node {
       : name_(std::move(name)), report_(std::move(report)) {}
 
   variable_list apply(variable_list&& grads) override {
-    TORCH_CHECK(grads.size() == 1 && grads[0].defined(), "dpzero: ", name_,
-                " got no output gradient");
+    TORCH_CHECK(grads.size() == 1, "dpzero: ", name_, " got ", grads.size(),
+                " output gradients");
     // G arrives non-contiguous behind a permute (BERT's value projection): made contiguous once
-    // here, not once in each of the input gradient's matmul, the norms and the clipped sum.
-    const at::Tensor g = grads[0].contiguous();
+    // here, not once in each of the input gradient's matmul, the norms and the clipped sum. An
+    // undefined G (the output did not reach the loss) is zeros, as for a Python Function.
+    const at::Tensor g =
+        grads[0].defined() ? grads[0].contiguous() : input_metadata(0).zeros_like();
     const at::Tensor x = x_.unpack();
     variable_list out(num_outputs());
     if (should_compute_output(0)) out[0] = input_grad(x, g);
@@ -77,8 +79,11 @@ class LinearBackward final : public DPLayerBackward {
  protected:
   at::Tensor input_grad(const at::Tensor& x, const at::Tensor& g) override {
     // The parameter is read now, not saved: at stage 3 it is gathered again for the backward.
-    const at::Tensor w = weight_.to(g.scalar_type());
-    return at::matmul(g, transposed_ ? w.t() : w).to(x.scalar_type());  // Note [autocast]
+    // Note [autocast]: in the dtype autocast's matmul would use (G may be float32: HF Conv1D's
+    // float32 bias promotes its output).
+    const at::Tensor gc = autocast_ ? g.to(*autocast_) : g;
+    const at::Tensor w = weight_.to(gc.scalar_type());
+    return at::matmul(gc, transposed_ ? w.t() : w).to(x.scalar_type());
   }
   at::Tensor batch_input(const at::Tensor& x) override {  // what the forward's matmul saw
     return autocast_ && x.is_floating_point() ? x.to(*autocast_) : x;

@@ -7,8 +7,9 @@
 //
 // Note [autocast] (python/dpzero/private/layers.py): under torch.autocast the forward's ops cast
 // as autocast decides and G arrives in the output's dtype. Autograd runs a backward without
-// autocast, so the node computes the input gradient in G's dtype (what autocast's matmul would
-// do) and returns it in x's dtype; A is x cast to the dtype the forward's matmul saw.
+// autocast, so the node computes a Linear's input gradient in autocast's dtype, as autocast's
+// matmul would (LayerNorm's in G's, autocast's float32), and returns it in x's dtype; A is x cast
+// to the dtype the forward's matmul saw.
 #pragma once
 
 #include <cstdint>

@@ -683,6 +683,22 @@ def test_two_backward_passes_on_one_micro_batch_are_refused():
         F.cross_entropy(p.model(x), y).backward()  # e.g. a second forward on the same batch
 
 
+def test_two_micro_batches_back_propagated_together_are_refused():
+    # Forward on micro-batch A, the loader hands out B, forward on B, one backward through both:
+    # row i of A and of B would be clipped as one example (found by a review of the C++ book).
+    model, ds, p = _tiny(n=6, max_physical_batch_size=3, max_grad_norm=1.0)
+    batches = iter(p.data_loader)
+    xa, ya = next(batches)
+    loss_a = F.cross_entropy(p.model(xa), ya, reduction="sum")
+    xb, yb = next(batches)
+    assert xa.shape[0] == xb.shape[0] == 3  # equal rows: a row count cannot tell them apart
+    loss_b = F.cross_entropy(p.model(xb), yb, reduction="sum")
+    with pytest.raises(PrivacyViolation, match="of an earlier micro-batch"):
+        (loss_a + loss_b).backward()
+    with pytest.raises(PrivacyViolation, match="refusing the step"):
+        p.optimizer.step()
+
+
 def test_unbatched_position_ids_are_refused():
     class NanoGPT(nn.Module):  # wpe(arange(T)): positions on dim 0 when B == T
         def __init__(self):

@@ -204,6 +204,32 @@ TEST(Book, GenericPathPerSampleGradientsAreClippedInTheSameGroup) {
   EXPECT_TRUE(torch::allclose(e.grad_v().to(at::kDouble), ref.v, 1e-5, 1e-6));
 }
 
+// Forwards on two micro-batches of the loader back-propagated together (forward A, the loader
+// hands out B, forward B, one backward) are refused: row i of both would be clipped as one
+// example. Mutation tried: no hand-out stamp (the backward is accepted).
+TEST(Book, PartsOfAnEarlierMicroBatchAreRefused) {
+  torch::manual_seed(13);
+  Engine e;
+  Book book = e.book();
+  Batch x;
+  book.set_expected_rows(kB);
+  const int64_t a = book.on_forward(1);
+  book.set_verdict(a);
+  book.set_expected_rows(kB);  // the loader hands out the next micro-batch
+  const int64_t b = book.on_forward(1);
+  book.set_verdict(b);
+  const int64_t gen = book.generation();
+  book.on_backward(gen, b, x.z, x.g3);
+  try {
+    book.on_backward(gen, a, x.z, x.g3);
+    ADD_FAILURE() << "parts of two micro-batches were clipped together";
+  } catch (const PrivacyError& err) {
+    EXPECT_NE(std::string(err.what()).find("of an earlier micro-batch"), std::string::npos)
+        << err.what();
+  }
+  EXPECT_TRUE(book.error().has_value());
+}
+
 // A forward after a backward that began but never finished (an exception elsewhere in it) is
 // refused: the clipped sums it already added would be counted again.
 TEST(Book, ForwardAfterAStoppedBackwardIsRefused) {
