@@ -13,7 +13,7 @@ PYBIND11_MODULE(_C, m) {
 #endif
   dpzero::python::bind_accounting(m.def_submodule("accounting", "Privacy accountants and ledger"));
   dpzero::python::bind_privacy(m.def_submodule("privacy", "Poisson sampling, clipping, entropy"));
-  dpzero::python::bind_engine(m.def_submodule("engine", "Shard plans and sharded noise"));
+  dpzero::python::bind_shard(m.def_submodule("shard", "Shard plans and sharded noise"));
   dpzero::python::bind_zero(m.def_submodule("zero", "The ZeRO engine and shard optimizers"));
   dpzero::python::bind_memory(
       m.def_submodule("memory", "Live and peak CPU tensor bytes, counted in the allocator"));

@@ -54,9 +54,9 @@ class NoiseSource:
 
     def add_shard_(self, shard: torch.Tensor, layout, rank: int, std: float, step: int) -> int:
         """Noise the coordinates ``rank`` owns in its ``shard`` of a unit (``layout``: a
-        ``dpzero._C.engine.UnitLayout``); returns how many coordinates were noised."""
+        ``dpzero._C.shard.UnitLayout``); returns how many coordinates were noised."""
         seed = list(self._key) if self.secure_mode else _as_int64(self.seed)
-        return _C.engine.add_shard_noise_(shard, layout, rank, std, seed, step)
+        return _C.shard.add_shard_noise_(shard, layout, rank, std, seed, step)
 
     def __repr__(self) -> str:
         return ("NoiseSource(secure_mode=True)" if self.secure_mode

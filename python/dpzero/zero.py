@@ -172,7 +172,7 @@ class ShardedModule:
 
     @property
     def plan(self):
-        """The ``dpzero._C.engine.ShardPlan`` (units' layouts and global coordinates)."""
+        """The ``dpzero._C.shard.ShardPlan`` (units' layouts and global coordinates)."""
         return self._state.plan
 
     @property

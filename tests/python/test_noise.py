@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dpzero
-from dpzero._C import engine
+from dpzero._C import shard as shard_ops  # shard plans and sharded noise
 
 from philox_reference import chacha20_block, noise, philox4x32_10, secure_noise
 
@@ -96,11 +96,11 @@ def _gather_global(flat, layout, start, total):
 def test_union_of_shards_equals_single_tensor(world_size, boundaries):
     params = [(37, 100), (0, 137), (5, 137), (250, 142)]
     ref, start = _full_noise(params, seed=99, step=3, std=0.7)
-    layout = engine.UnitLayout(params, world_size, alignment=4, boundaries=boundaries)
+    layout = shard_ops.UnitLayout(params, world_size, alignment=4, boundaries=boundaries)
     flat = torch.zeros(layout.padded_numel)
     for r in range(world_size):
         shard = flat[r * layout.shard_numel : (r + 1) * layout.shard_numel]
-        engine.add_shard_noise_(shard, layout, r, 0.7, 99, 3)
+        shard_ops.add_shard_noise_(shard, layout, r, 0.7, 99, 3)
     assert torch.equal(_gather_global(flat, layout, start, ref.numel()), ref)
     owned = sorted(
         (run.global_offset, run.length) for r in range(world_size) for run in layout.runs_for_rank(r)
@@ -119,9 +119,9 @@ def _rank_main(rank, world_size, port, params, seed, step, std, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        layout = engine.UnitLayout(params, world_size, alignment=2)
+        layout = shard_ops.UnitLayout(params, world_size, alignment=2)
         shard = torch.zeros(layout.shard_numel)
-        engine.add_shard_noise_(shard, layout, rank, std, seed, step)
+        shard_ops.add_shard_noise_(shard, layout, rank, std, seed, step)
         flat = torch.empty(layout.padded_numel)
         dist.all_gather_into_tensor(flat, shard)
         if rank == 0:
@@ -140,7 +140,7 @@ def test_gloo_ranks_reproduce_single_process_noise(tmp_path, world_size):
         join=True,
     )
     flat = torch.load(tmp_path / "flat.pt")
-    layout = engine.UnitLayout(params, world_size, alignment=2)
+    layout = shard_ops.UnitLayout(params, world_size, alignment=2)
     ref, start = _full_noise(params, seed=2024, step=17, std=1.3)
     assert torch.equal(_gather_global(flat, layout, start, ref.numel()), ref)
 
@@ -168,7 +168,7 @@ def test_ragged_plan_keeps_parameters_whole_with_the_smallest_shards(world_size,
         for n in numels:
             params.append((n, offset))
             offset += n
-        layout = engine.UnitLayout(params, world_size, alignment=alignment,
+        layout = shard_ops.UnitLayout(params, world_size, alignment=alignment,
                                    boundaries="parameters")
         m = layout.shard_numel
         assert layout.padded_numel == m * world_size
@@ -178,9 +178,9 @@ def test_ragged_plan_keeps_parameters_whole_with_the_smallest_shards(world_size,
         aligned = [(n + alignment - 1) // alignment * alignment for n in numels]
         best = _optimal_capacity(aligned, world_size)
         assert m == max(best, alignment), (numels, m, best)
-        engine.ShardPlan([layout], offset)  # covers [0, D) exactly once
+        shard_ops.ShardPlan([layout], offset)  # covers [0, D) exactly once
     with pytest.raises(ValueError, match="must be 'even' or 'parameters', got 'blocks'"):
-        engine.UnitLayout([(4, 0)], 2, boundaries="blocks")
+        shard_ops.UnitLayout([(4, 0)], 2, boundaries="blocks")
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and dpzero._C.with_cuda else [])
@@ -195,10 +195,10 @@ def test_union_of_shards_bitwise_on_each_device(device, dtype):
     ref = torch.zeros(total, dtype=dtype, device=device)
     torch.ops.dpzero.add_noise_(ref, 1.0, 77, 5, 0)
     for world_size in (2, 3, 8):
-        layout = engine.UnitLayout(params, world_size, alignment=8)
+        layout = shard_ops.UnitLayout(params, world_size, alignment=8)
         flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
         for r in range(world_size):
-            engine.add_shard_noise_(flat[r * layout.shard_numel:(r + 1) * layout.shard_numel],
+            shard_ops.add_shard_noise_(flat[r * layout.shard_numel:(r + 1) * layout.shard_numel],
                                     layout, r, 1.0, 77, 5)
         got = torch.empty_like(ref)
         for run in layout.runs():

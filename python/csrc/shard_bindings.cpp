@@ -1,4 +1,4 @@
-// python/csrc/engine_bindings.cpp — shard plans and sharded noise (src/zero/).
+// python/csrc/shard_bindings.cpp — dpzero._C.shard: shard plans and sharded noise (src/zero/).
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
@@ -10,7 +10,7 @@ namespace py = pybind11;
 
 namespace dpzero::python {
 
-void bind_engine(py::module_ m) {
+void bind_shard(py::module_ m) {
   using zero::CoordinateRun;
   using zero::UnitLayout;
   py::class_<CoordinateRun>(m, "CoordinateRun")
