@@ -268,6 +268,56 @@ TEST(ZeroCollectivesChecks, RejectsMismatchedShapesNamingThem) {
   });
 }
 
+// The private step adds noise exactly once to every global coordinate, whatever the world size
+// and stage (DESIGN.md §3 "Noise"): with a zero gradient, SGD's update is -lr · grad_scale · σ z_j
+// on every coordinate j, z_j the counter-based draw a single process makes for the whole model
+// ([0, 15) at offset 0), on every rank. Mutations tried in src/zero/shard_noise.cpp: each run's
+// noise added twice (2σ z), and a run's global offset shifted by one (another draw); both fail
+// here for every world size.
+TEST_P(ZeroCollectives, NoiseIsAddedOncePerCoordinateInEveryStage) {
+  const int world = GetParam();
+  const UnitLayout layout = unit_layout(world);
+  const std::vector<at::Tensor> start = unit_params(0);
+  constexpr double kStd = 0.75, kLr = 0.5, kScale = 0.25;
+  at::Tensor z = torch::zeros({15});
+  static const auto add_noise =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpzero::add_noise_", "")
+          .typed<at::Tensor&(at::Tensor&, double, int64_t, int64_t, int64_t)>();
+  add_noise.call(z, kStd, /*seed=*/7, /*step=*/3, /*offset=*/0);  // σ z over [0, 15)
+  for (int s = 0; s < 4; ++s) {
+    std::vector<at::Tensor> per_rank(world);
+    run_ranks(world, [&](int rank, const comm::Collectives& comm) {
+      std::vector<at::Tensor> params = unit_params(0);
+      ZeroConfig config;
+      config.stage = parse_stage(s);
+      config.optimizer.lr = kLr;
+      ZeroState state({{"unit", params, {"a", "b", "c"}, {0, 5, 12}}}, 15, config,
+                      comm.process_group());
+      state.add_unit_grad(0, torch::zeros({layout.padded_numel()}), /*release_params=*/true,
+                          /*donated=*/true);
+      StepNoise noise;
+      noise.stddev = kStd;
+      noise.key.seed = 7;
+      noise.step = 3;
+      state.noisy_step(noise, kScale);
+      per_rank[rank] = state.full_parameters(0);
+    });
+    int64_t global = 0;
+    for (size_t i = 0; i < 3; ++i) {
+      const int64_t n = layout.params()[i].numel;
+      const at::Tensor want =
+          start[i].detach() - kLr * kScale * z.narrow(0, global, n);  // once, on every j
+      for (int r = 0; r < world; ++r) {
+        const at::Tensor got = per_rank[r].narrow(0, layout.flat_offsets()[i], n);
+        EXPECT_TRUE(torch::allclose(got, want, 1e-6, 1e-7))
+            << "stage " << s << " rank " << r << " param " << i << ": " << got << " vs " << want;
+      }
+      global += n;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, ZeroCollectives, ::testing::Values(1, 2, 3, 4));
 
 }  // namespace
