@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <sstream>
 #include <tuple>
 #include <utility>
 
@@ -23,10 +22,6 @@ constexpr const char* kBatchOnDim0 =
     ": DP layers need the batch on dim 0 (Note [one sample per row]): transpose "
     "batch_first=False inputs, and expand inputs shared by the batch ([1, ...] broadcast) to the "
     "batch";
-
-void add_view(const at::Tensor& dest, const at::Tensor& sum) {
-  at::Tensor(dest).add_(sum.view(dest.sizes()));
-}
 
 // Note [shared inputs]: layers reading the very same input tensor, unchanged since.
 using InputKey = std::tuple<const void*, std::vector<int64_t>, std::vector<int64_t>, at::ScalarType,
@@ -377,11 +372,7 @@ void Book::report(int64_t index, Kept in, bool per_sample) {
     if (per_sample) {
       factors = std::get<0>(ps::clip_from_sq_norms(per_sample_sq_norms(in.grads).to(at::kDouble),
                                                    threshold, options_.mode, options_.gamma));
-      const std::vector<at::Tensor> out = dests(layer);
-      for (size_t p = 0; p < in.grads.size(); ++p) {
-        if (in.grads[p].defined())
-          add_view(out[p], ps::per_sample_clipped_sum(in.grads[p], factors));
-      }
+      add_per_sample_clipped_sums(in.grads, factors, dests(layer));
     } else {
       factors =
           layer.ops->clip_into(in.a, in.g, threshold, options_.mode, options_.gamma, dests(layer));
@@ -492,10 +483,7 @@ void Book::add_kept_clipped_sums(const Part& part, const at::Tensor& factors) {
     }
     if (any) layer.ops->add_clipped_sums(kept.a, kept.g, factors, rest, out);
   }
-  for (size_t p = 0; p < kept.grads.size(); ++p) {
-    if (kept.grads[p].defined())
-      add_view(out[p], ps::per_sample_clipped_sum(kept.grads[p], factors));
-  }
+  add_per_sample_clipped_sums(kept.grads, factors, out);
 }
 
 int64_t Book::mean_scale() const {

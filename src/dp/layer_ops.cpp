@@ -16,8 +16,12 @@ namespace ps = kernels::per_sample;
 
 constexpr int64_t kAuto = 0;  // the ops' `method`: ghost or direct, whichever is cheaper
 
-void add_view(const at::Tensor& dest, const at::Tensor& sum) {
-  at::Tensor(dest).add_(sum.view(dest.sizes()));
+// A fused *_clip op's result: its weight's and (`bias`) bias's sums added into dests; -> factors.
+at::Tensor added(const ps::ClipResult& result, bool bias, const std::vector<at::Tensor>& dests) {
+  const auto& [gw, gb, sq, factors, nonfinite] = result;
+  add_into(dests[0], gw);
+  if (bias) add_into(dests[1], gb);
+  return factors;
 }
 
 // Factors from certified squared norms (privacy/clipping.h through dpzero::clip_factors).
@@ -43,7 +47,7 @@ class LinearOps final : public LayerOps {
       at::Tensor dest = dests[0];
       ps::add_linear_clipped_sum_(dest, a, g, scale, transposed_);
     }
-    if (which.size() > 1 && which[1]) add_view(dests[1], ps::bias_clipped_sum(g, scale));
+    if (which.size() > 1 && which[1]) add_into(dests[1], ps::bias_clipped_sum(g, scale));
   }
 
   Kept keep(const at::Tensor& a, const at::Tensor& g, bool norms) const override {
@@ -77,11 +81,8 @@ class LinearOps final : public LayerOps {
                        const std::string& mode, double gamma,
                        const std::vector<at::Tensor>& dests) const override {
     if (!trains(0)) return LayerOps::clip_into(a, g, max_norm, mode, gamma, dests);
-    auto [gw, gb, sq, factors, nonfinite] =
-        ps::linear_clip(a, g, max_norm, mode, gamma, trains(1), transposed_, kAuto);
-    add_view(dests[0], gw);
-    if (trains(1)) add_view(dests[1], gb);
-    return factors;
+    return added(ps::linear_clip(a, g, max_norm, mode, gamma, trains(1), transposed_, kAuto),
+                 trains(1), dests);
   }
 
  private:
@@ -110,7 +111,7 @@ class EmbeddingOps final : public LayerOps {
                        const std::vector<at::Tensor>& dests) const override {
     auto [gw, sq, factors, nonfinite] = ps::embedding_clip(ids, g, num_embeddings_, max_norm,
                                                            mode, gamma, padding_idx_, kAuto);
-    add_view(dests[0], gw);
+    add_into(dests[0], gw);
     return factors;
   }
 
@@ -132,8 +133,8 @@ class NormOps final : public LayerOps {
   void add_clipped_sums(const at::Tensor& x, const at::Tensor& g, const at::Tensor& scale,
                         const Trainable& which,
                         const std::vector<at::Tensor>& dests) const override {
-    if (which[0]) add_view(dests[0], ps::layer_norm_clipped_sum(x, g, scale, eps(x), rms_, nd_));
-    if (which.size() > 1 && which[1]) add_view(dests[1], ps::bias_clipped_sum(flat(g), scale));
+    if (which[0]) add_into(dests[0], ps::layer_norm_clipped_sum(x, g, scale, eps(x), rms_, nd_));
+    if (which.size() > 1 && which[1]) add_into(dests[1], ps::bias_clipped_sum(flat(g), scale));
   }
 
   Kept keep(const at::Tensor& x, const at::Tensor& g, bool norms) const override {
@@ -158,11 +159,8 @@ class NormOps final : public LayerOps {
                        const std::string& mode, double gamma,
                        const std::vector<at::Tensor>& dests) const override {
     if (!trains(0)) return LayerOps::clip_into(x, g, max_norm, mode, gamma, dests);
-    auto [gw, gb, sq, factors, nonfinite] =
-        ps::layer_norm_clip(x, g, eps(x), max_norm, mode, gamma, rms_, trains(1), nd_);
-    add_view(dests[0], gw);
-    if (trains(1)) add_view(dests[1], gb);
-    return factors;
+    return added(ps::layer_norm_clip(x, g, eps(x), max_norm, mode, gamma, rms_, trains(1), nd_),
+                 trains(1), dests);
   }
 
  private:
@@ -203,11 +201,11 @@ class ConvOps final : public LayerOps {
                         const Trainable& which,
                         const std::vector<at::Tensor>& dests) const override {
     if (which[0]) {
-      add_view(dests[0], ps::conv_clipped_sum(x, g, scale, kernel_, stride_, padding_, dilation_,
+      add_into(dests[0], ps::conv_clipped_sum(x, g, scale, kernel_, stride_, padding_, dilation_,
                                               groups_));
     }
     if (which.size() > 1 && which[1]) {
-      add_view(dests[1], ps::bias_clipped_sum(g.movedim(1, -1), scale));
+      add_into(dests[1], ps::bias_clipped_sum(g.movedim(1, -1), scale));
     }
   }
 
@@ -215,12 +213,9 @@ class ConvOps final : public LayerOps {
                        const std::string& mode, double gamma,
                        const std::vector<at::Tensor>& dests) const override {
     if (!trains(0)) return LayerOps::clip_into(x, g, max_norm, mode, gamma, dests);
-    auto [gw, gb, sq, factors, nonfinite] =
-        ps::conv_clip(x, g, kernel_, stride_, padding_, dilation_, groups_, max_norm, mode, gamma,
-                      trains(1), kAuto);
-    add_view(dests[0], gw);
-    if (trains(1)) add_view(dests[1], gb);
-    return factors;
+    return added(ps::conv_clip(x, g, kernel_, stride_, padding_, dilation_, groups_, max_norm,
+                               mode, gamma, trains(1), kAuto),
+                 trains(1), dests);
   }
 
  private:
@@ -229,6 +224,17 @@ class ConvOps final : public LayerOps {
 };
 
 }  // namespace
+
+void add_into(const at::Tensor& dest, const at::Tensor& sum) {
+  at::Tensor(dest).add_(sum.view(dest.sizes()));
+}
+
+void add_per_sample_clipped_sums(const std::vector<at::Tensor>& grads, const at::Tensor& scale,
+                                 const std::vector<at::Tensor>& dests) {
+  for (size_t p = 0; p < grads.size(); ++p) {
+    if (grads[p].defined()) add_into(dests[p], ps::per_sample_clipped_sum(grads[p], scale));
+  }
+}
 
 at::Tensor clip_factors(const at::Tensor& norms, double max_norm, const std::string& mode,
                         double gamma) {

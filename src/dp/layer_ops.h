@@ -96,6 +96,14 @@ std::shared_ptr<LayerOps> conv_ops(Trainable train, std::vector<int64_t> kernel_
                                          std::vector<int64_t> padding,
                                          std::vector<int64_t> dilation, int64_t groups);
 
+// dest += sum, `sum` viewed in dest's shape (a parameter's slot in its unit's buffer).
+void add_into(const at::Tensor& dest, const at::Tensor& sum);
+
+// Kept per-sample gradients (Kept::grads): dests[p] += Σ_i scale_i grads[p]_i for every defined
+// grads[p] (kernels' per_sample_clipped_sum: a zero or non-finite scale adds nothing).
+void add_per_sample_clipped_sums(const std::vector<at::Tensor>& grads, const at::Tensor& scale,
+                                 const std::vector<at::Tensor>& dests);
+
 // [B] float32 clip factors from [B] float32 certified norms (privacy/clipping.h through the
 // dpzero::clip_factors op): 0 for a non-finite norm, norm * factor <= max_norm.
 at::Tensor clip_factors(const at::Tensor& norms, double max_norm, const std::string& mode,

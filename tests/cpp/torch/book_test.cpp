@@ -137,6 +137,14 @@ Reference reference(const Engine& e, const Batch& x, const at::Tensor& keep) {
   return ref;
 }
 
+// The engine's buffer holds the reference's clipped sums for W and V.
+void expect_reference_sums(Engine& e, const Reference& ref) {
+  EXPECT_TRUE(torch::allclose(e.grad_w().to(at::kDouble), ref.w, 1e-5, 1e-6))
+      << e.grad_w() << ref.w;
+  EXPECT_TRUE(torch::allclose(e.grad_v().to(at::kDouble), ref.v, 1e-5, 1e-6))
+      << e.grad_v() << ref.v;
+}
+
 // Every trained parameter is clipped exactly once per sample, W shared by two calls included: the
 // sums equal the per-example reference whose factor bounds the sum of W's two parts' norms
 // (Note [certified group norms]). Mutations tried: W's parts as two components (sqrt of the sum of
@@ -149,9 +157,7 @@ TEST(Book, EveryParameterIsClippedOncePerSampleSharedOnesIncluded) {
   run(book, x);
   const Reference ref = reference(e, x, torch::ones({kB}, at::kBool));
   ASSERT_TRUE((ref.bound > kC * 1.5).all().item<bool>()) << "every sample must be clipped";
-  EXPECT_TRUE(torch::allclose(e.grad_w().to(at::kDouble), ref.w, 1e-5, 1e-6))
-      << e.grad_w() << ref.w;
-  EXPECT_TRUE(torch::allclose(e.grad_v().to(at::kDouble), ref.v, 1e-5, 1e-6));
+  expect_reference_sums(e, ref);
   const StepStats stats = book.take_stats();
   EXPECT_EQ(stats.samples, kB);
   EXPECT_EQ(stats.dropped, 0);
@@ -168,8 +174,7 @@ TEST(Book, CallsOnOneInputAreClippedLikeTheReference) {
   x.x2 = x.x1;
   run(book, x);
   const Reference ref = reference(e, x, torch::ones({kB}, at::kBool));
-  EXPECT_TRUE(torch::allclose(e.grad_w().to(at::kDouble), ref.w, 1e-5, 1e-6));
-  EXPECT_TRUE(torch::allclose(e.grad_v().to(at::kDouble), ref.v, 1e-5, 1e-6));
+  expect_reference_sums(e, ref);
 }
 
 // The generic path: V's per-sample gradients reported directly (begin_backward, take_rows,
@@ -200,8 +205,7 @@ TEST(Book, GenericPathPerSampleGradientsAreClippedInTheSameGroup) {
   book.on_backward(now, q1, x.x2, x.g2);
   book.finish_backward();
   const Reference ref = reference(e, x, torch::ones({kB}, at::kBool));
-  EXPECT_TRUE(torch::allclose(e.grad_w().to(at::kDouble), ref.w, 1e-5, 1e-6));
-  EXPECT_TRUE(torch::allclose(e.grad_v().to(at::kDouble), ref.v, 1e-5, 1e-6));
+  expect_reference_sums(e, ref);
 }
 
 // Forwards on two micro-batches of the loader back-propagated together (forward A, the loader
@@ -261,8 +265,7 @@ TEST(Book, MeanLossClipsThePerSampleGradientsOfTheSum) {
   const Reference ref = reference(e, x, torch::ones({kB}, at::kBool));
   ASSERT_LT(ref.bound[0].item<double>(), kC);
   ASSERT_GT(ref.bound[1].item<double>(), kC);
-  EXPECT_TRUE(torch::allclose(e.grad_w().to(at::kDouble), ref.w, 1e-5, 1e-6));
-  EXPECT_TRUE(torch::allclose(e.grad_v().to(at::kDouble), ref.v, 1e-5, 1e-6));
+  expect_reference_sums(e, ref);
 }
 
 // A padding micro-batch (Note [padding batches]) contributes exact zeros, whatever its G holds,
@@ -301,8 +304,7 @@ TEST(Book, NanSampleIsDroppedAndCounted) {
   clean.g2[2].zero_();  // the reference skips sample 2; its other rows are finite
   const Reference ref = reference(e, clean, keep);
   EXPECT_FALSE(torch::isnan(e.grad_w()).any().item<bool>());
-  EXPECT_TRUE(torch::allclose(e.grad_w().to(at::kDouble), ref.w, 1e-5, 1e-6));
-  EXPECT_TRUE(torch::allclose(e.grad_v().to(at::kDouble), ref.v, 1e-5, 1e-6));
+  expect_reference_sums(e, ref);
   const StepStats stats = book.take_stats();
   EXPECT_EQ(stats.samples, kB);
   EXPECT_EQ(stats.dropped, 1);
@@ -385,8 +387,7 @@ TEST(DPLayers, LinearCallsGiveAutogradsInputGradientAndTheBookItsSums) {
   EXPECT_FALSE(book->open());  // the final callback closed the micro-batch
   const Reference ref = reference(e, x, torch::ones({kB}, at::kBool));
   ASSERT_LT(ref.bound[0].item<double>(), kC);
-  EXPECT_TRUE(torch::allclose(e.grad_w().to(at::kDouble), ref.w, 1e-5, 1e-6));
-  EXPECT_TRUE(torch::allclose(e.grad_v().to(at::kDouble), ref.v, 1e-5, 1e-6));
+  expect_reference_sums(e, ref);
   EXPECT_EQ(book->take_stats().micro_batches, 1);
 }
 
