@@ -510,8 +510,15 @@ void Ledger::close_fd() noexcept {
   }
 }
 
+void Ledger::close() noexcept {
+  std::lock_guard<std::mutex> lock(write_mutex_);
+  close_fd();
+}
+
 void Ledger::append(const LedgerRecord& record) {
+  std::lock_guard<std::mutex> lock(write_mutex_);
   if (read_only_) throw LedgerError("ledger " + path_ + " was opened read-only; cannot append");
+  if (!broken_ && fd_ < 0) throw LedgerError("ledger " + path_ + " is closed; reopen it");
   if (broken_ || fd_ < 0) {
     throw LedgerError("ledger " + path_ + " refuses appends after a failed write; reopen it");
   }

@@ -35,6 +35,7 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -111,6 +112,12 @@ class Ledger {
   // whether the record reached the disk is unknown, so the step must not be applied.
   void append(const LedgerRecord& record);
 
+  // Releases the file and the writer lock now (the destructor does too); append() then throws.
+  // Whoever shares this Ledger (a private step, src/dp/private_step.h) can no longer append:
+  // its steps are refused before their update.
+  void close() noexcept;
+  bool closed() const { return !read_only_ && fd_ < 0; }
+
   const std::string& path() const { return path_; }
   const LedgerHeader& header() const { return header_; }
   const std::vector<LedgerRecord>& records() const { return records_; }
@@ -147,6 +154,10 @@ class Ledger {
   std::vector<LedgerRecord> records_;
   std::string torn_tail_;
   int64_t torn_tail_line_ = 0;
+  // append() and close() may come from different threads (a private step appends with Python's
+  // GIL released): a close never interleaves with a write and its fsync. Each object has its own;
+  // a move does not carry it.
+  std::mutex write_mutex_;
 };
 
 }  // namespace dpzero::accounting

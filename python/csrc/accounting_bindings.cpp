@@ -133,8 +133,9 @@ void bind_ledger(py::module_& m) {
       .def_readwrite("sampling", &LedgerRecord::sampling)
       .def_property_readonly("steps", &LedgerRecord::steps);
 
-  // Ledger is move-only: Python holds it through a unique_ptr.
-  py::class_<Ledger, std::unique_ptr<Ledger>>(m, "Ledger")
+  // Ledger is move-only: Python holds it through a shared_ptr, which a private step
+  // (src/dp/private_step.h) shares.
+  py::class_<Ledger, std::shared_ptr<Ledger>>(m, "Ledger")
       .def_static(
           "create",
           [](const std::string& path, const std::string& run_id, int64_t dataset_size,
@@ -148,14 +149,14 @@ void bind_ledger(py::module_& m) {
               throw std::invalid_argument("ledger settings must be a JSON object, got '" +
                                           settings_json + "' (" + e.what() + ")");
             }
-            return std::make_unique<Ledger>(Ledger::create(path, header));
+            return std::make_shared<Ledger>(Ledger::create(path, header));
           },
           py::arg("path"), py::arg("run_id"), py::arg("dataset_size"),
           py::arg("settings_json") = "{}")
       .def_static(
           "open",
           [](const std::string& path, bool truncate_torn_tail, const std::string& expected_run_id) {
-            return std::make_unique<Ledger>(Ledger::open(
+            return std::make_shared<Ledger>(Ledger::open(
                 path, truncate_torn_tail ? TornTailPolicy::kTruncate : TornTailPolicy::kError,
                 expected_run_id));
           },
@@ -163,10 +164,11 @@ void bind_ledger(py::module_& m) {
       .def_static(
           "open_read_only",
           [](const std::string& path, const std::string& expected_run_id) {
-            return std::make_unique<Ledger>(Ledger::open_read_only(path, expected_run_id));
+            return std::make_shared<Ledger>(Ledger::open_read_only(path, expected_run_id));
           },
           py::arg("path"), py::arg("expected_run_id") = "")
       .def("append", &Ledger::append, py::arg("record"), py::call_guard<py::gil_scoped_release>())
+      .def("close", &Ledger::close, "Release the file and the writer lock; append() then raises")
       .def_property_readonly("path", &Ledger::path)
       .def_property_readonly("run_id", [](const Ledger& l) { return l.header().run_id; })
       .def_property_readonly("dataset_size", [](const Ledger& l) { return l.header().dataset_size; })

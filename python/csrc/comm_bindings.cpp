@@ -21,29 +21,12 @@ namespace py = pybind11;
 namespace dpzero::python {
 namespace {
 
-// values: [n] of T (int64 or float64), on the device the group's backend reduces on (CUDA for
-// NCCL).
-template <typename T>
-at::Tensor to_tensor(const c10d::ProcessGroup& pg, const std::vector<T>& values) {
-  at::Tensor t = at::tensor(values, at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
-  return pg.getBackendName() == "nccl" ? t.to(at::kCUDA) : t;
-}
-
-template <typename T>
-std::vector<T> to_vector(const at::Tensor& t) {
-  at::Tensor host = t.to(at::kCPU).contiguous();
-  const T* p = host.data_ptr<T>();
-  return std::vector<T>(p, p + host.numel());
-}
-
 template <typename T>
 std::vector<T> all_reduce_sum(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                               const std::vector<T>& values) {
   TORCH_CHECK(pg, "all_reduce_sum: process_group must not be None");
   py::gil_scoped_release no_gil;
-  at::Tensor t = to_tensor(*pg, values);
-  comm::Collectives(pg).all_reduce_sum_(t);
-  return to_vector<T>(t);
+  return comm::Collectives(pg).all_reduce_sum(values);
 }
 
 }  // namespace
@@ -60,9 +43,7 @@ void bind_comm(py::module_ m) {
          int64_t root) {
         TORCH_CHECK(pg, "broadcast: process_group must not be None");
         py::gil_scoped_release no_gil;
-        at::Tensor t = to_tensor(*pg, values);
-        comm::Collectives(pg).broadcast_(t, root);
-        return to_vector<int64_t>(t);
+        return comm::Collectives(pg).broadcast(values, root);
       },
       py::arg("process_group"), py::arg("values"), py::arg("root") = 0,
       "Group rank `root`'s int64 `values` on every rank (the same length on every rank).");

@@ -1,10 +1,11 @@
-// python/csrc/dp_bindings.cpp — dpzero._C.dp: the private step's C++ core (src/dp), as the Python
-// book calls it. Issue 23 moves the book there piece by piece; each piece is bound here.
+// python/csrc/dp_bindings.cpp — dpzero._C.dp: the private step's C++ core (src/dp): the clipping
+// book, the DP layers' autograd functions, the step transaction and their typed errors.
 #include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include <pybind11/functional.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
@@ -13,7 +14,10 @@
 #include "src/dp/book.h"
 #include "src/dp/clip_group.h"
 #include "src/dp/dp_layers.h"
+#include "src/dp/errors.h"
+#include "src/dp/failpoints.h"
 #include "src/dp/layer_ops.h"
+#include "src/dp/private_step.h"
 #include "src/zero/state.h"
 
 namespace py = pybind11;
@@ -21,7 +25,20 @@ namespace py = pybind11;
 namespace dpzero::python {
 namespace {
 
-PyObject* privacy_error_type = nullptr;  // dpzero._C.dp.PrivacyError (lives with the module)
+PyObject* privacy_error_type = nullptr;     // dpzero._C.dp.PrivacyError (lives with the module)
+PyObject* collective_error_type = nullptr;  // dpzero._C.dp.CollectiveError
+
+// A CollectiveError as the Python exception with its `charged` attribute: True, False, or None
+// (rank 0's ledger may hold the step).
+void raise_collective_error(const dp::CollectiveError& error) {
+  py::object charged = py::none();
+  if (error.charge_state() != dp::ChargeState::kUnknown) {
+    charged = py::bool_(error.charge_state() == dp::ChargeState::kCharged);
+  }
+  py::object instance = py::reinterpret_borrow<py::object>(collective_error_type)(error.what());
+  instance.attr("charged") = charged;
+  PyErr_SetObject(collective_error_type, instance.ptr());
+}
 
 // Note [errors out of the autograd engine] in src/dp/book.h: raised as the Python exception, so
 // that it reaches the caller of backward() as dpzero.PrivacyViolation.
@@ -31,6 +48,18 @@ PyObject* privacy_error_type = nullptr;  // dpzero._C.dp.PrivacyError (lives wit
   python_error raised;  // torch's (global namespace): the engine restores it in Python
   raised.persist();
   throw raised;
+}
+
+// An int64 Philox seed, or secure mode's 8-word ChaCha20 key.
+zero::NoiseKey noise_key(const py::object& seed_or_key) {
+  zero::NoiseKey key;
+  if (py::isinstance<py::int_>(seed_or_key)) {
+    key.seed = seed_or_key.cast<int64_t>();
+  } else {
+    key.secure = true;
+    key.key = seed_or_key.cast<std::vector<int64_t>>();
+  }
+  return key;
 }
 
 dp::Report report_of(const std::shared_ptr<dp::Book>& book, int64_t generation, int64_t part,
@@ -146,6 +175,84 @@ void bind_dp(py::module_ m) {
       .def("set_queue_finish", &dp::Book::set_queue_finish, py::arg("on"))
       .def("refuse_backward", &dp::Book::refuse_backward, py::arg("why"),
            "Refuses a backward that may not be clipped, recording `why` as the error");
+
+  // ---- the step transaction (src/dp/private_step.h) ------------------------------------------
+  py::register_exception<dp::BudgetExhausted>(m, "BudgetExhausted", PyExc_RuntimeError);
+  // CollectiveError carries its charge state: a translator of its own (registered later, so
+  // tried first) raises it with the `charged` attribute.
+  collective_error_type =
+      py::register_exception<dp::CollectiveError>(m, "CollectiveError", PyExc_RuntimeError).ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const dp::CollectiveError& e) {
+      raise_collective_error(e);
+    }
+  });
+  m.def(
+      "collective_error_text",
+      [](int64_t rank, int64_t world_size, int64_t step, const std::string& what, bool charged,
+         const std::string& cause) {
+        return dp::collective_error_text(
+            rank, world_size, step, what,
+            charged ? dp::ChargeState::kCharged : dp::ChargeState::kNotCharged, cause);
+      },
+      py::arg("rank"), py::arg("world_size"), py::arg("step"), py::arg("what"),
+      py::arg("charged"), py::arg("cause"), "The message of a CollectiveError (src/dp/errors.h)");
+  m.def(
+      "check_failpoints", [](const std::string& value) { dp::Failpoints::parse(value); },
+      py::arg("value"),
+      "Raises ValueError naming a DPZERO_FAILPOINT item that is not POINT@CHARGE[@RANK] (Note "
+      "[failpoints])");
+
+  py::class_<dp::StepOutcome>(m, "StepOutcome", "What a private step released, and its private "
+                                                "diagnostics (samples, dropped)")
+      .def_readonly("step", &dp::StepOutcome::step)
+      .def_readonly("noise_index", &dp::StepOutcome::noise_index)
+      .def_readonly("caller_sampled", &dp::StepOutcome::caller_sampled)
+      .def_readonly("samples", &dp::StepOutcome::samples)
+      .def_readonly("dropped", &dp::StepOutcome::dropped);
+  py::class_<dp::PrivateStep, std::shared_ptr<dp::PrivateStep>>(
+      m, "PrivateStep", "One private step's transaction on every rank (src/dp/private_step.h)")
+      .def(py::init([](std::shared_ptr<dp::Book> book, zero::ZeroState& engine,
+                       std::shared_ptr<accounting::Ledger> ledger, double noise_multiplier,
+                       double max_grad_norm, double sample_rate, int64_t dataset_size,
+                       std::optional<int64_t> max_steps, std::string budget,
+                       const py::object& noise_key_, dp::ChargeCallback on_charge,
+                       int64_t charges) {
+             dp::StepSettings settings{noise_multiplier, max_grad_norm, sample_rate,
+                                       dataset_size,     max_steps,     std::move(budget),
+                                       noise_key(noise_key_)};
+             return std::make_shared<dp::PrivateStep>(std::move(book), engine, std::move(ledger),
+                                                      std::move(settings), std::move(on_charge),
+                                                      charges);
+           }),
+           py::arg("book"), py::arg("engine"), py::arg("ledger"), py::arg("noise_multiplier"),
+           py::arg("max_grad_norm"), py::arg("sample_rate"), py::arg("dataset_size"),
+           py::arg("max_steps"), py::arg("budget"), py::arg("noise_key"), py::arg("on_charge"),
+           py::arg("charges"),
+           py::keep_alive<1, 3>(),  // the step updates the engine
+           "ledger: rank 0's dpzero._C.accounting.Ledger or None; noise_key: an int64 seed or an "
+           "8-word secure key; on_charge(sigma, q): charges the accountant")
+      .def(
+          "take",
+          [](dp::PrivateStep& step, int64_t t, int64_t logical_size, bool caller_sampled,
+             std::optional<std::string> refusal, std::optional<std::string> bad_settings) {
+            return step.take(dp::StepRequest{t, logical_size, caller_sampled, std::move(refusal),
+                                             std::move(bad_settings)});
+          },
+          py::arg("step"), py::arg("logical_size"), py::arg("caller_sampled"), py::arg("refusal"),
+          py::arg("bad_settings"), py::call_guard<py::gil_scoped_release>(),
+          "The step's transaction (a collective); raises PrivacyError, ValueError or "
+          "BudgetExhausted with the batch dropped and nothing charged, LedgerError, or "
+          "CollectiveError")
+      .def("drop_batch", &dp::PrivateStep::drop_batch, py::call_guard<py::gil_scoped_release>(),
+           "Drops the logical batch: the book's micro-batches and the engine's gradients")
+      .def_property("charges", &dp::PrivateStep::charges, &dp::PrivateStep::set_charges)
+      .def(
+          "set_noise_key",
+          [](dp::PrivateStep& step, const py::object& key) { step.set_noise_key(noise_key(key)); },
+          py::arg("noise_key"));
 
   // ---- DP layers as autograd functions (src/dp/dp_layers.h) ---------------------------------
   m.def(

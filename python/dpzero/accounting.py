@@ -296,7 +296,10 @@ class Ledger:
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
 
     def close(self) -> None:
-        """Release the file and its writer lock (also happens when the object is collected)."""
+        """Release the file and its writer lock (also happens when the object is collected). A
+        private step sharing this ledger refuses its steps from then on (nothing applied)."""
+        if self._impl is not None:
+            self._impl.close()
         self._impl = None
 
     def __enter__(self) -> "Ledger":

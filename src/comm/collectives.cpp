@@ -36,6 +36,28 @@ std::string on_rank(const char* op, int64_t rank, int64_t world_size) {
   return std::string(op) + " on rank " + std::to_string(rank) + " of " + std::to_string(world_size);
 }
 
+// values: [n] of T, on the device the group's backend reduces on (CUDA for NCCL).
+template <typename T>
+at::Tensor agreement_tensor(const c10d::ProcessGroup& pg, const std::vector<T>& values) {
+  at::Tensor t = at::tensor(values, at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
+  return pg.getBackendName() == "nccl" ? t.to(at::kCUDA) : t;
+}
+
+template <typename T>
+std::vector<T> to_vector(const at::Tensor& t) {
+  const at::Tensor host = t.to(at::kCPU).contiguous();
+  const T* p = host.data_ptr<T>();
+  return std::vector<T>(p, p + host.numel());
+}
+
+template <typename T>
+std::vector<T> all_reduce_values(const Collectives& comm, const std::vector<T>& values) {
+  if (comm.world_size() == 1) return values;
+  at::Tensor t = agreement_tensor(*comm.process_group(), values);
+  comm.all_reduce_sum_(t);
+  return to_vector<T>(t);
+}
+
 }  // namespace
 
 void wait(c10d::Work& work, const std::string& what) {
@@ -119,6 +141,22 @@ void Collectives::broadcast_(at::Tensor& tensor, int64_t root) const {
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   wait(*pg_->broadcast(tensors, opts), on_rank("broadcast", rank_, world_size_));
+}
+
+std::vector<int64_t> Collectives::all_reduce_sum(const std::vector<int64_t>& values) const {
+  return all_reduce_values(*this, values);
+}
+
+std::vector<double> Collectives::all_reduce_sum(const std::vector<double>& values) const {
+  return all_reduce_values(*this, values);
+}
+
+std::vector<int64_t> Collectives::broadcast(const std::vector<int64_t>& values,
+                                            int64_t root) const {
+  if (world_size_ == 1) return values;
+  at::Tensor t = agreement_tensor(*pg_, values);
+  broadcast_(t, root);
+  return to_vector<int64_t>(t);
 }
 
 }  // namespace dpzero::comm

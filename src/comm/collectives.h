@@ -37,6 +37,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -80,6 +81,14 @@ class Collectives {
 
   // tensor: any contiguous tensor; every rank ends with rank `root`'s values.
   void broadcast_(at::Tensor& tensor, int64_t root) const;
+
+  // Small agreements (a refusal on any rank, the logical batch's figures, rank 0's seed):
+  // `values` has the same length on every rank. The values travel in a tensor made here, on the
+  // device the backend reduces on (CUDA for NCCL), which no Python object ever wraps (Note [work
+  // references]).
+  std::vector<int64_t> all_reduce_sum(const std::vector<int64_t>& values) const;
+  std::vector<double> all_reduce_sum(const std::vector<double>& values) const;
+  std::vector<int64_t> broadcast(const std::vector<int64_t>& values, int64_t root) const;
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;

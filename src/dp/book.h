@@ -59,12 +59,12 @@
 #include <mutex>
 #include <optional>
 #include <set>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 
+#include "src/dp/errors.h"
 #include "src/dp/layer_ops.h"
 
 namespace dpzero::zero {
@@ -72,12 +72,6 @@ class ZeroState;
 }
 
 namespace dpzero::dp {
-
-// A gradient would escape clipping or be counted twice: the micro-batch must be dropped.
-class PrivacyError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 // Note [errors out of the autograd engine]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

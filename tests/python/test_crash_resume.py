@@ -1,5 +1,5 @@
 """kill -9 and resume under the multi-rank launcher (issue 10; Note [resuming a run] in
-dpzero/train/runner.py, Note [failpoints] in dpzero/_failpoints.py).
+dpzero/train/runner.py, Note [failpoints] in src/dp/failpoints.h).
 
 A two-rank private CNN job (`dpzero train`, torchrun, Gloo, stage 2, a checkpoint every 4 steps)
 is killed with SIGKILL, then continued with `dpzero train --resume`:
@@ -229,11 +229,13 @@ def test_a_second_job_in_a_running_jobs_directory_is_refused(tmp_path):
     ("after_ledger@x", r"'after_ledger@x': CHARGE and RANK must be integers"),
 ])
 def test_a_misspelt_failpoint_is_an_error_naming_it(monkeypatch, value, message):
-    from dpzero import _failpoints
-
-    monkeypatch.setenv(_failpoints.ENV, value)
+    """Read when the model is made private (Note [failpoints]): a misspelt value is an error
+    there, never a failpoint that silently does not fire."""
+    monkeypatch.setenv("DPZERO_FAILPOINT", value)
+    ds = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.randint(0, 2, (8,)))
     with pytest.raises(ValueError, match=message):
-        _failpoints.hit("after_ledger", 0, 0)
+        dpzero.make_private(torch.nn.Linear(3, 2), dataset=ds, batch_size=4,
+                            noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
 
 
 def test_resuming_a_run_whose_budget_is_spent_is_refused_and_charges_nothing(tmp_path):

@@ -42,6 +42,7 @@ def _rank_main(rank, world_size, store_path, out_path, fault, stage):
         outcome["result"] = "step taken"
     except CollectiveError as e:
         outcome["result"], outcome["error"] = "CollectiveError", str(e)
+        outcome["charged"] = getattr(e, "charged", "no attribute")
     except Exception as e:  # noqa: BLE001 - what the test reports
         outcome["result"], outcome["error"] = type(e).__name__, str(e)
     outcome["seconds"] = time.monotonic() - t0
@@ -83,3 +84,4 @@ def test_a_dead_or_hung_rank_fails_the_others_within_the_timeout(tmp_path, fault
     if got["result"] == "CollectiveError":
         assert "rank 0 of 2, step 0" in got["error"], got
         assert "nothing was charged or applied" in got["error"], got
+        assert got["charged"] is False, got  # the C++ charge state, as an attribute

@@ -1,32 +1,31 @@
-"""Every agreement the private step makes across ranks, in one place: a refusal on any rank, the
-logical batch's figures, rank 0's seed and ledger state, the noisy update's completion.
+"""The agreements Python makes across ranks: rank 0's seed and ledger state, a probe or refusal
+of the root forward, being between steps. The step's own agreement is in its transaction
+(src/dp/private_step.h, Note [one agreement per step]).
 
-The values cross ranks through the C++ collectives of ``python/csrc/comm_bindings.cpp`` (not
-``torch.distributed`` from Python: Note [work references] there). A failure of the process group
+The values cross ranks through the C++ collectives of ``python/csrc/comm_bindings.cpp``
+(not ``torch.distributed`` from Python: Note [work references] there). A failure of the process group
 (c10d raises a RuntimeError: a timeout, a closed connection) becomes a :class:`CollectiveError`
-that names this rank, the step, what was being agreed and whether the step was already charged
-to the ledger. With one rank (or no process group) nothing is sent.
+that names this rank, the step and what was being agreed. With one rank (or no process group) nothing is sent.
 """
 
 from __future__ import annotations
 
 from typing import Callable, List
 
-import torch.distributed as dist
-
 from .. import _C
 from ..noise import _as_int64
 from .book import PrivacyViolation
 
 
-class BudgetExhausted(RuntimeError):
-    """The next step would spend more than the run's ε budget; nothing was charged or applied."""
-
-
-class CollectiveError(RuntimeError):
-    """A collective of the private step failed on this rank: a peer rank died, hung past the
-    process group's timeout (``torch.distributed.init_process_group(timeout=...)``), or lost its
-    connection. The message says whether the step had been charged to the ledger."""
+# The step's typed errors are C++'s (src/dp/errors.h), raised by the step's transaction
+# (src/dp/private_step.h) and by the agreements here alike.
+# The next step would spend more than the run's ε budget; nothing was charged or applied.
+BudgetExhausted = _C.dp.BudgetExhausted
+# A collective of the private step failed on this rank: a peer rank died, hung past the process
+# group's timeout (torch.distributed.init_process_group(timeout=...)), or lost its connection.
+# Its message and its ``charged`` attribute say whether the step had been charged to the ledger
+# (True, False, or None: rank 0's ledger may hold it).
+CollectiveError = _C.dp.CollectiveError
 
 
 class RankAgreements:
@@ -39,21 +38,20 @@ class RankAgreements:
         self.world_size = group.size() if group is not None else 1
         self._step_of = step_of
 
-    def collective(self, what: str, fn, *args, charged: bool = False, **kwargs):
-        """fn(*args, **kwargs), a collective of the step, its failure a CollectiveError."""
+    def collective(self, what: str, fn, *args, **kwargs):
+        """fn(*args, **kwargs), a collective made before any step is charged (the step's own are
+        in its transaction), its failure a CollectiveError."""
         try:
             return fn(*args, **kwargs)
         except (PrivacyViolation, BudgetExhausted, CollectiveError):
             raise
         except RuntimeError as e:
-            rank = dist.get_rank(self.group) if self.group is not None else 0
-            state = ("the step was charged to the privacy ledger and was not applied on this "
-                     "rank" if charged else "nothing was charged or applied on this rank")
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            raise CollectiveError(
-                f"rank {rank} of {self.world_size}, step {self._step_of()}: {what} failed: a "
-                f"peer rank died, hung past the process group's timeout, or lost its "
-                f"connection; {state} ({type(e).__name__}: {first})") from e
+            first = (str(e).strip().splitlines() or [""])[0]
+            error = CollectiveError(_C.dp.collective_error_text(
+                self.rank, self.world_size, self._step_of(), what, False,
+                f"{type(e).__name__}: {first}"))
+            error.charged = False
+            raise error from e
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any."""

@@ -254,12 +254,6 @@ class Book:
             raise PrivacyViolation(self.error)
         self.recomputed[layer.index] = done + 1
 
-    def stale_error(self) -> Optional[str]:
-        if self.stale:
-            return ("a new logical batch began while the previous one's gradients were still "
-                    "accumulated (step() was not called for it); they would be released together")
-        return None
-
     # ---- backward ----------------------------------------------------------------------------
 
     def on_backward(self, pid: PartId, a, g) -> None:

@@ -7,9 +7,11 @@ One logical step t, top to bottom:
 2. forward / ``loss.backward()`` per micro-batch: DP layers hand (A, G) to the clipping book
    (``book.py``), which puts clipped sums into the engine's gradient buffers, unit by unit.
 3. ``optimizer.step()`` after the last micro-batch of t (earlier calls only accumulate, as
-   Opacus's BatchMemoryManager): ledger record (rank 0, durable; all ranks wait for it), accountant
-   charge with the sigma and q used, then ``ZeroState.noisy_step``: noise sigma*C*z(seed, k, j) on
-   exactly the owned coordinates, k = the charge index (Note [noise index]), scale 1/(q*N), update.
+   Opacus's BatchMemoryManager) runs the step's transaction in C++ (``src/dp/private_step.h``):
+   the ranks agree, the budget guard, the ledger record (rank 0, durable; all ranks wait for it),
+   the accountant charge with the sigma and q used, then ``ZeroState.noisy_step``: noise
+   sigma*C*z(seed, k, j) on exactly the owned coordinates, k = the charge index (Note [noise
+   index]), scale 1/(q*N), update.
 
 Note [released figures]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -46,15 +48,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .. import _C, _failpoints
+from .. import _C
 from ..accounting import Ledger, create_accountant, get_noise_multiplier, get_steps
 from ..noise import NoiseSource, _as_int64
 from ..zero import default_units, shard
 from . import checkpointing
 from .attach import (PrivacyViolation, assign_components, find_layers, guard_hooks, param_slots,
                      patch, unpatch)
-from .agreements import BudgetExhausted, RankAgreements
-from .book import Book
+from .agreements import RankAgreements
+from .book import Book, _dp
 from .examples import MicroBatchToken, tag
 from .loader import DPDataLoader, MicroBatch
 from .optimizer import DPOptimizer
@@ -173,6 +175,7 @@ class PrivacyEngine:
         self.accountant = create_accountant(accountant)
         self.secure_mode = bool(secure_mode)
         self._attached = False
+        self._step = None  # the step's transaction (src/dp/private_step.h), made at attach
 
     # ---- Opacus-compatible entry points -------------------------------------------------------
 
@@ -198,6 +201,12 @@ class PrivacyEngine:
 
     def get_epsilon(self, delta: float) -> float:
         return self.epsilon(delta)
+
+    @property
+    def charges(self) -> int:
+        """Steps charged to this run's ledger and accountant, a reopened ledger's included (the
+        next step's noise index, Note [noise index])."""
+        return self._step.charges if self._step is not None else 0
 
     @property
     def remaining_steps(self) -> Optional[float]:
@@ -251,19 +260,21 @@ class PrivacyEngine:
             if state[key] != getattr(self, key):
                 raise ValueError(f"state_dict: {key} is {state[key]}, this engine has "
                                  f"{getattr(self, key)}")
-        # Note [noise index]: never go back to a charge index (or sampler step) already used —
-        # a ledger reopened at attach may be ahead of the checkpoint.
-        if int(state["charges"]) >= self.charges:
-            self.charges = int(state["charges"])
-            self.accountant = create_accountant(state["accountant"])
-            for sigma, q, n in state["history"]:
-                self.accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=n)
-        self.next_step = max(int(state["next_step"]), self.charges)
         if state.get("key") is not None:
             if not self.secure_mode:
                 raise ValueError("state_dict: holds a secure-mode key, this engine is seeded "
                                  "(secure_mode=False)")
-            self.noise_source._key = [int(w) for w in state["key"]]
+            key = [int(w) for w in state["key"]]
+            self._step.set_noise_key(key)  # checks it first: sampling and noise use one key
+            self.noise_source._key = key
+        # Note [noise index]: never go back to a charge index (or sampler step) already used —
+        # a ledger reopened at attach may be ahead of the checkpoint.
+        if int(state["charges"]) >= self.charges:
+            self._step.charges = int(state["charges"])
+            self.accountant = create_accountant(state["accountant"])
+            for sigma, q, n in state["history"]:
+                self.accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=n)
+        self.next_step = max(int(state["next_step"]), self.charges)
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -428,9 +439,9 @@ class PrivacyEngine:
                                  f"rank 0 {agreed}")
             self.noise_source.seed = agreed
         self._ledger = None
-        self.charges = 0
+        charges = 0
         if ledger_path is not None:
-            self._open_ledger(ledger_path, run_id, clipping)  # collective: all ranks agree
+            charges = self._open_ledger(ledger_path, run_id, clipping)  # collective
         self.budget, self.max_steps = None, None
         if epsilon_budget is not None:
             self.budget = (float(epsilon_budget), float(budget_delta))
@@ -457,6 +468,22 @@ class PrivacyEngine:
                          "automatic" if clipping == "automatic" else "flat", automatic_gamma,
                          loss_reduction, sharded._state, unit_numel, unit_device)
         book_ref = weakref.ref(self.book)
+        engine_ref = weakref.ref(self)  # the step's callback must not keep the engine alive
+
+        def charge(sigma: float, q: float) -> None:
+            engine_ref().accountant.step(noise_multiplier=sigma, sample_rate=q)
+
+        eps, delta = self.budget if self.budget is not None else (None, None)
+        self._step = _dp.PrivateStep(
+            self.book._core, sharded._state,
+            self._ledger._impl if self._ledger is not None else None,
+            noise_multiplier=sigma, max_grad_norm=max_grad_norm, sample_rate=q, dataset_size=n,
+            max_steps=self.max_steps,
+            budget=(f"epsilon={eps} at delta={delta:.3g} ({self.accountant_name})"
+                    if self.budget is not None else ""),
+            noise_key=(list(self.noise_source._key) if self.secure_mode
+                       else _as_int64(self.noise_source.seed)),
+            on_charge=charge, charges=charges)
         # Note [batch provenance]: at stage 3 the probe's forward gathers units, so all ranks
         # probe when one must (at stages 0-2 a forward has no collectives); with several ranks
         # every rank refuses a forward when one does.
@@ -476,7 +503,7 @@ class PrivacyEngine:
         self.clipping = clipping
         self.loss_reduction = loss_reduction
         # Note [noise index]: the sampler's step and the noise index never repeat a charged one.
-        self.next_step, self.steps_taken = self.charges, 0
+        self.next_step, self.steps_taken = charges, 0
         # What a step released (data-independent) and its private diagnostics (Note [released
         # figures]).
         self.last_step: Optional[Dict[str, int]] = None
@@ -550,9 +577,9 @@ class PrivacyEngine:
         groups = [sorted({l.component for l in layers if l.group == g}) for g in range(k)]
         return groups, thresholds
 
-    def _open_ledger(self, path: str, run_id: Optional[str], clipping: str) -> None:
+    def _open_ledger(self, path: str, run_id: Optional[str], clipping: str) -> int:
         """Rank 0 creates or reopens the ledger; every rank learns the outcome (an error on
-        rank 0 is raised everywhere) and the charge count. A reopened ledger's steps are
+        rank 0 is raised everywhere) and returns the charge count. A reopened ledger's steps are
         charged to this run's accountant, so ε and the budget guard count them."""
         charges, error = 0, None
         if self.rank == 0:
@@ -587,10 +614,11 @@ class PrivacyEngine:
             if error is not None:
                 raise error
             raise RuntimeError(f"rank 0 could not open the privacy ledger {path}; see its error")
-        self.charges = self.agreements.broadcast_int(charges)
-        if self.charges > 0:  # every recorded phase has this run's sigma and q (checked above)
+        charges = self.agreements.broadcast_int(charges)
+        if charges > 0:  # every recorded phase has this run's sigma and q (checked above)
             self.accountant.step(noise_multiplier=self.noise_multiplier,
-                                 sample_rate=self.sample_rate, num_steps=self.charges)
+                                 sample_rate=self.sample_rate, num_steps=charges)
+        return charges
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -671,14 +699,10 @@ class PrivacyEngine:
         self.book.expected_rows = None
 
     def _drop_batch(self) -> None:
-        """A refused step's gradients are never released: drop them, after waiting for the
-        reductions in flight (every rank has the same ones, so this is collective-safe; a
-        reduction left in flight would also outlive its process group at exit). The error, if
-        any, stays until zero_grad()."""
+        """A step refused here (not by the transaction, which drops its own): the logical batch
+        is closed and its gradients are never released."""
         self._close_logical_batch()
-        self.book.discard()
-        self.book.take_stats()
-        self.sharded.zero_grad()
+        self._step.drop_batch()
 
     def _trainable_changed(self) -> Optional[str]:
         """The engine trains the parameters that were trainable at attach; one unfrozen since
@@ -777,97 +801,26 @@ class PrivacyEngine:
         if micro.count is not None and micro.token.index + 1 < micro.count and book.error is None:
             self._skipped_step = True
             return False  # not the last micro-batch of the logical batch: only accumulate
-        # Every rank checks, then all agree, so no rank waits in a collective another skipped.
-        local = book.error or book.stale_error() or self._trainable_changed() or (
-            "step() after a forward whose backward has not run; call loss.backward() first (or "
-            "zero_grad() to drop it)" if book.open else None)
-        stats = book.take_stats() if local is None else None
-        caller = micro.token.sampling == "caller"
-        t, size = micro.token.step, micro.logical_size
+        # Checks only Python can make; the book's own, the agreement, the budget, the ledger,
+        # the charge and the noisy update are the step's transaction (src/dp/private_step.h).
+        refusal = self._trainable_changed()
         try:  # Note [hyperparameters at the step] (optimizer.py)
             self._set_hyperparameters()
-            bad_hyper = None
+            bad_settings = None
         except ValueError as e:
-            bad_hyper = str(e)
-        # The logical size each rank was given (own_batch: by its caller) must be one value:
-        # equal sums of s and s^2 over the ranks hold only if every s is the same.
-        agree = self.agreements
-        samples, dropped, failed, any_caller, sizes, squares, bad = agree.collective(
-            "agreeing on the step", agree.all_reduce,
-            [stats.samples if stats else 0, stats.dropped if stats else 0, int(local is not None),
-             int(caller), size, size * size, int(bad_hyper is not None)])
-        if failed:
-            self._drop_batch()
-            raise PrivacyViolation(f"refusing the step: {local or 'another rank refused it'} "
-                                   "(the batch was dropped; call zero_grad() to go on)")
-        if bad:
-            self._drop_batch()
-            raise ValueError(f"refusing the step: "
-                             f"{bad_hyper or 'another rank has invalid optimizer settings'} "
-                             "(nothing charged or applied; the batch was dropped, call "
-                             "zero_grad() to go on)")
-        w = self.world_size
-        if sizes != w * size or squares != w * size * size:
-            book.error = (f"the ranks gave different logical batch sizes (this rank "
-                          f"{size}) for logical step {t}: own_batch's logical_batch_size is the "
-                          "size over all ranks, the same on every rank")
-        elif samples > size:
-            # More rows reached the clipping than the logical batch has: some example was counted
-            # twice (a micro-batch back-propagated twice, or batches mixed). The sizes are named
-            # only when the caller gave them: a Poisson batch's size is private.
-            book.error = ("more rows reached the clipping in logical step "
-                          f"{t} than its batch has examples"
-                          + (f" ({samples} rows, logical_batch_size={size})" if caller else ""))
-        if book.error is not None:
-            self._drop_batch()
-            raise PrivacyViolation(f"refusing the step: {book.error} (the batch was dropped; "
-                                   "call zero_grad() to go on)")
-        self._close_logical_batch()
-        sampling = "caller" if any_caller else "poisson"
-        sigma, c, q = self.noise_multiplier, self.max_grad_norm, self.sample_rate
-        k = self.charges
-        if self.max_steps is not None and k + 1 > self.max_steps:
-            eps, delta = self.budget
-            self._drop_batch()
-            raise BudgetExhausted(
-                f"the privacy budget epsilon={eps} at delta={delta:.3g} "
-                f"({self.accountant_name}) allows {self.max_steps} steps at sigma={sigma}, "
-                f"q={q:.6g}; {k} are charged, so step {k + 1} was not taken (nothing charged or "
-                "applied)")
-        # Ledger before update (DESIGN.md §2 step 7): rank 0 writes durably; the others wait for
-        # its verdict so no rank updates with a step the ledger does not hold. Nothing that
-        # depends on the data goes in (Note [released figures]).
-        _failpoints.hit("before_ledger", k, self.rank)
-        err = None
-        if self._ledger is not None:
-            try:
-                # C = inf (no clipping, allowed only without noise) is recorded as 0: the record
-                # says noise=false, so epsilon is inf either way.
-                self._ledger.append(first_step=t, q=q, sigma=sigma,
-                                    max_grad_norm=c if math.isfinite(c) else 0.0,
-                                    noise=sigma > 0, sampling=sampling)
-            except Exception as e:  # noqa: BLE001 - reported to every rank below
-                err = e
-        if agree.collective("waiting for rank 0's ledger record", agree.any_rank,
-                            err is not None):
-            if err is not None:
-                raise err
-            raise RuntimeError("rank 0 could not write the privacy ledger (its error is in its "
-                               "log); no update was made")
-        _failpoints.hit("after_ledger", k, self.rank)
-        self.charges = k + 1
-        if sigma > 0:
-            self.accountant.step(noise_multiplier=sigma, sample_rate=q)
-        stddev = sigma * c if sigma > 0 else 0.0
-        noise = (dict(key=list(self.noise_source._key)) if self.noise_source.secure_mode
-                 else dict(seed=_as_int64(self.noise_source.seed)))
-        agree.collective("the noisy update", self.sharded._state.noisy_step, stddev, k,
-                         1.0 / (q * self.dataset_size), charged=True, **noise)
-        _failpoints.hit("after_update", k, self.rank)
+            bad_settings = str(e)
+        t, size = micro.token.step, micro.logical_size
+        try:
+            out = self._step.take(step=t, logical_size=size,
+                                  caller_sampled=micro.token.sampling == "caller",
+                                  refusal=refusal, bad_settings=bad_settings)
+        finally:
+            self._close_logical_batch()
         self.next_step = max(t + 1, self.charges)
         self.steps_taken += 1
-        self.last_step = {"step": t, "noise_index": k}
-        self._diagnose(t, k, sampling, size, samples, dropped)
+        self.last_step = {"step": t, "noise_index": out.noise_index}
+        self._diagnose(t, out.noise_index, "caller" if out.caller_sampled else "poisson", size,
+                       out.samples, out.dropped)
         return True
 
     def _diagnose(self, t: int, k: int, sampling: str, size: int, samples: int,

@@ -497,6 +497,21 @@ TEST_F(LedgerTest, OnlyOneWriterButReadersAreWelcome) {
   EXPECT_NO_THROW(Ledger::open(path_));
 }
 
+// close() releases the lock at once (a private step sharing the ledger may outlive its owner's
+// handle), and a closed ledger refuses appends, leaving the file as it was.
+TEST_F(LedgerTest, ClosedLedgerReleasesTheLockAndRefusesAppends) {
+  write_three_records();
+  Ledger writer = Ledger::open(path_);
+  writer.close();
+  EXPECT_TRUE(writer.closed());
+  const std::string before = read_file(path_);
+  const std::string message =
+      testing::error_message<LedgerError>([&] { writer.append(make_record(25, 25, 0.1, 1.0)); });
+  EXPECT_NE(message.find("is closed"), std::string::npos) << message;
+  EXPECT_EQ(read_file(path_), before);
+  EXPECT_NO_THROW(Ledger::open(path_));
+}
+
 TEST_F(LedgerTest, ReadOnlySnapshotReportsTornTailWithoutTouchingTheFile) {
   write_three_records();
   append_raw(path_, R"({"kind":"steps","first)");

@@ -1,0 +1,279 @@
+// src/dp/private_step.cpp — see private_step.h.
+#include "src/dp/private_step.h"
+
+#include <cmath>
+#include <cstdio>
+#include <exception>
+#include <utility>
+#include <vector>
+
+#include <c10/util/Exception.h>
+
+#include "accounting/types.h"
+#include "src/dp/failpoints.h"
+#include "src/zero/state.h"
+
+namespace dpzero::dp {
+namespace {
+
+using accounting::format_double;
+
+constexpr const char* kStale =
+    "a new logical batch began while the previous one's gradients were still accumulated "
+    "(step() was not called for it); they would be released together";
+constexpr const char* kOpen =
+    "step() after a forward whose backward has not run; call loss.backward() first (or "
+    "zero_grad() to drop it)";
+constexpr const char* kDropped = " (the batch was dropped; call zero_grad() to go on)";
+
+std::string format_g(double value, int digits) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof buffer, "%.*g", digits, value);
+  return buffer;
+}
+
+// Positions in the step's agreement (Note [one agreement per step]).
+enum Agreed : size_t {
+  kSamples,
+  kDroppedRows,
+  kRefused,
+  kCaller,
+  kSizes,
+  kSizeSquares,
+  kCharges,
+  kChargeSquares,
+  kBad,
+  kCount
+};
+
+}  // namespace
+
+PrivateStep::PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& engine,
+                         std::shared_ptr<accounting::Ledger> ledger, StepSettings settings,
+                         ChargeCallback on_charge, int64_t charges)
+    : book_(std::move(book)),
+      engine_(engine),
+      ledger_(std::move(ledger)),
+      settings_(std::move(settings)),
+      on_charge_(std::move(on_charge)),
+      failpoints_(Failpoints::from_env()) {
+  const StepSettings& s = settings_;
+  if (!book_) throw std::invalid_argument("PrivateStep: book must not be null");
+  if (!(s.noise_multiplier >= 0.0) || !std::isfinite(s.noise_multiplier)) {
+    throw std::invalid_argument("PrivateStep: noise_multiplier must be finite and >= 0, got " +
+                                format_double(s.noise_multiplier));
+  }
+  if (!(s.max_grad_norm > 0.0) || (std::isinf(s.max_grad_norm) && s.noise_multiplier > 0.0)) {
+    throw std::invalid_argument(
+        "PrivateStep: max_grad_norm must be > 0 (inf only without noise), got " +
+        format_double(s.max_grad_norm) + " with noise_multiplier " +
+        format_double(s.noise_multiplier));
+  }
+  if (!(s.sample_rate > 0.0 && s.sample_rate <= 1.0)) {
+    throw std::invalid_argument("PrivateStep: sample_rate must be in (0, 1], got " +
+                                format_double(s.sample_rate));
+  }
+  if (s.dataset_size <= 0) {
+    throw std::invalid_argument("PrivateStep: dataset_size must be > 0, got " +
+                                std::to_string(s.dataset_size));
+  }
+  if (s.max_steps && *s.max_steps < 0) {
+    throw std::invalid_argument("PrivateStep: max_steps must be >= 0, got " +
+                                std::to_string(*s.max_steps));
+  }
+  set_noise_key(settings_.noise_key);
+  set_charges(charges);
+}
+
+void PrivateStep::set_charges(int64_t charges) {
+  if (charges < charges_) {
+    throw std::invalid_argument("PrivateStep: charges must not go below the " +
+                                std::to_string(charges_) +
+                                " already charged (Note [noise "
+                                "index]: a charge index is never reused), got " +
+                                std::to_string(charges));
+  }
+  charges_ = charges;
+}
+
+void PrivateStep::set_noise_key(zero::NoiseKey key) {
+  if (key.secure && key.key.size() != 8) {
+    throw std::invalid_argument("PrivateStep: a secure-mode noise key has 8 words, got " +
+                                std::to_string(key.key.size()));
+  }
+  settings_.noise_key = std::move(key);
+}
+
+void PrivateStep::charge(int64_t k) {
+  charges_ = k + 1;
+  const StepSettings& s = settings_;
+  if (s.noise_multiplier > 0.0 && on_charge_) on_charge_(s.noise_multiplier, s.sample_rate);
+}
+
+void PrivateStep::collective_failed(const char* what, int64_t step, ChargeState state,
+                                    const c10::DistBackendError& e) const {
+  const auto& comm = engine_.comm();
+  throw CollectiveError(
+      collective_error_text(comm.rank(), comm.world_size(), step, what, state,
+                            std::string("DistBackendError: ") + e.what_without_backtrace()),
+      state);
+}
+
+template <typename Fn>
+auto PrivateStep::collective(const char* what, int64_t step, ChargeState state, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const c10::DistBackendError& e) {
+    collective_failed(what, step, state, e);
+  }
+}
+
+void PrivateStep::drop_batch() {
+  book_->discard();
+  book_->take_stats();
+  engine_.zero_grad();
+}
+
+StepOutcome PrivateStep::take(const StepRequest& request) {
+  try {
+    return transact(request);
+  } catch (...) {
+    // The update did not complete: the batch is never released (a process group that failed
+    // may fail the drop's wait for reductions in flight too; the original error is the one).
+    try {
+      drop_batch();
+    } catch (...) {
+    }
+    throw;
+  }
+}
+
+StepOutcome PrivateStep::transact(const StepRequest& request) {
+  const StepSettings& s = settings_;
+  const comm::Collectives& comm = engine_.comm();
+  const int64_t t = request.step, size = request.logical_size, w = comm.world_size();
+
+  // 1. This rank's verdict.
+  std::optional<std::string> refusal = book_->error();
+  if (!refusal && book_->stale()) refusal = kStale;
+  if (!refusal) refusal = request.refusal;
+  if (!refusal && book_->open()) refusal = kOpen;
+  const bool size_ok = size >= 0 && size <= s.dataset_size;
+  if (!refusal && !size_ok) {
+    refusal = "the logical batch size must be in [0, " + std::to_string(s.dataset_size) +
+              "] (the dataset size), got " + std::to_string(size);
+  }
+  const StepStats stats = refusal ? StepStats{} : book_->take_stats();
+  const int64_t k = charges_;
+
+  // 2. Every rank's (Note [one agreement per step]).
+  std::vector<int64_t> mine(kCount, 0);
+  mine[kSamples] = stats.samples;
+  mine[kDroppedRows] = stats.dropped;
+  mine[kRefused] = refusal ? 1 : 0;
+  mine[kCaller] = request.caller_sampled ? 1 : 0;
+  mine[kSizes] = size_ok ? size : 0;
+  mine[kSizeSquares] = mine[kSizes] * mine[kSizes];
+  mine[kCharges] = k;
+  mine[kChargeSquares] = k * k;
+  mine[kBad] = request.bad_settings ? 1 : 0;
+  const std::vector<int64_t> all = collective("agreeing on the step", t, ChargeState::kNotCharged,
+                                              [&] { return comm.all_reduce_sum(mine); });
+  if (all[kRefused] != 0) {
+    throw PrivacyError("refusing the step: " + refusal.value_or("another rank refused it") +
+                       kDropped);
+  }
+  if (all[kBad] != 0) {
+    throw std::invalid_argument(
+        "refusing the step: " +
+        request.bad_settings.value_or("another rank has invalid optimizer settings") +
+        " (nothing charged or applied; the batch was dropped, call zero_grad() to go on)");
+  }
+  std::optional<std::string> disagreement;
+  if (all[kSizes] != w * size || all[kSizeSquares] != w * size * size) {
+    disagreement = "the ranks gave different logical batch sizes (this rank " +
+                   std::to_string(size) + ") for logical step " + std::to_string(t) +
+                   ": own_batch's logical_batch_size is the size over all ranks, the same on "
+                   "every rank";
+  } else if (all[kCharges] != w * k || all[kChargeSquares] != w * k * k) {
+    disagreement = "the ranks have charged different numbers of steps (this rank " +
+                   std::to_string(k) + "): every rank must load the same checkpoint";
+  } else if (all[kSamples] > size) {
+    disagreement =
+        "more rows reached the clipping in logical step " + std::to_string(t) +
+        " than its batch has examples" +
+        (request.caller_sampled ? " (" + std::to_string(all[kSamples]) +
+                                      " rows, logical_batch_size=" + std::to_string(size) + ")"
+                                : "");
+  }
+  if (disagreement) {
+    book_->set_error(disagreement);  // the step refuses until zero_grad()
+    throw PrivacyError("refusing the step: " + *disagreement + kDropped);
+  }
+
+  // 3. The budget.
+  const double sigma = s.noise_multiplier, c = s.max_grad_norm, q = s.sample_rate;
+  if (s.max_steps && k + 1 > *s.max_steps) {
+    throw BudgetExhausted("the privacy budget " + s.budget + " allows " +
+                          std::to_string(*s.max_steps) + " steps at sigma=" + format_double(sigma) +
+                          ", q=" + format_g(q, 6) + "; " + std::to_string(k) +
+                          " are charged, so step " + std::to_string(k + 1) +
+                          " was not taken (nothing charged or applied)");
+  }
+
+  // 4. The ledger, durable before the update; nothing that depends on the data goes in (Note
+  // [ledger format] in accounting/ledger.h).
+  const bool caller = all[kCaller] != 0;
+  failpoints_.hit("before_ledger", k, comm.rank());
+  std::exception_ptr ledger_error;
+  if (ledger_) {
+    accounting::LedgerRecord record;
+    record.first_step = record.last_step = t;
+    record.q = q;
+    record.sigma = sigma;
+    // C = inf (no clipping, only without noise) is recorded as 0: noise=false makes ε inf anyway.
+    record.max_grad_norm = std::isfinite(c) ? c : 0.0;
+    record.noise = sigma > 0.0;
+    record.sampling = caller ? "caller" : "poisson";
+    try {
+      ledger_->append(record);
+    } catch (...) {
+      ledger_error = std::current_exception();
+    }
+  }
+  bool ledger_failed = false;
+  try {
+    ledger_failed = comm.all_reduce_sum(std::vector<int64_t>{ledger_error ? 1 : 0})[0] != 0;
+  } catch (const c10::DistBackendError& e) {
+    // Rank 0's record is on disk: the step is charged there (Note [noise index]: its index is
+    // never reused); the others cannot know.
+    ChargeState state = ChargeState::kUnknown;
+    if (ledger_) state = ledger_error ? ChargeState::kNotCharged : ChargeState::kCharged;
+    if (!ledger_ && comm.rank() == 0) state = ChargeState::kNotCharged;
+    if (state == ChargeState::kCharged) charge(k);
+    collective_failed("waiting for rank 0's ledger record", t, state, e);
+  }
+  if (ledger_failed) {
+    if (ledger_error) std::rethrow_exception(ledger_error);
+    throw accounting::LedgerError(
+        "rank 0 could not write the privacy ledger (its error is in its log); no update was "
+        "made");
+  }
+  failpoints_.hit("after_ledger", k, comm.rank());
+
+  // 5. The charge.
+  charge(k);
+
+  // 6. The noisy update.
+  zero::StepNoise noise;
+  noise.stddev = sigma > 0.0 ? sigma * c : 0.0;
+  noise.key = s.noise_key;
+  noise.step = k;
+  const double grad_scale = 1.0 / (q * static_cast<double>(s.dataset_size));
+  collective("the noisy update", t, ChargeState::kCharged,
+             [&] { engine_.noisy_step(noise, grad_scale); });
+  failpoints_.hit("after_update", k, comm.rank());
+  return StepOutcome{t, k, caller, all[kSamples], all[kDroppedRows]};
+}
+
+}  // namespace dpzero::dp

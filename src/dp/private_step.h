@@ -1,0 +1,144 @@
+// src/dp/private_step.h — one private step's transaction, on every rank (DESIGN.md §2 steps 5–7):
+// after the last micro-batch of a logical batch has gone through the book (book.h), the ranks
+// agree that the step may be taken, the budget allows it, the ledger holds it durably and the
+// accountant is charged; only then is the noisy update applied.
+//
+// One step, top to bottom (PrivateStep::take):
+//   1. verdict    this rank's own refusal, if any: the book's error (a gradient that escaped
+//                 clipping or would count twice), a stale logical batch, a forward whose
+//                 backward has not run, or the caller's (StepRequest::refusal).
+//   2. agreement  one all-reduce of [samples, dropped, refused, caller-sampled, s, s², k, k²,
+//                 bad settings] (Note [one agreement per step]); any rank's refusal, unequal
+//                 logical batch sizes or charge counts, or more clipped rows than examples
+//                 refuses the step everywhere.
+//   3. budget     a charge past max_steps is refused (BudgetExhausted).
+//   4. ledger     rank 0 appends the step's record and fsyncs it (accounting/ledger.h); every
+//                 rank waits for its verdict, so no rank updates with a step the ledger lacks.
+//   5. charge     charges += 1 and the accountant's callback.
+//   6. update     ZeroState::noisy_step: noise N(0, (σC)²) drawn at the charge index (Note
+//                 [noise index] in python/dpzero/private/engine.py) on exactly the coordinates
+//                 this rank updates, the sum scaled by 1/(q·N), the optimizer.
+// A refusal in 1–4 charges nothing. Whatever stops a step before its update completes drops the
+// logical batch (the book's micro-batches, the engine's gradients), so no gradient of it can be
+// released later under another step's charge. Failpoints (Note [failpoints] in failpoints.h) sit
+// before 4, after 4 and after 6. A collective that fails is a CollectiveError saying whether the
+// step was already charged (errors.h).
+//
+// Note [one agreement per step]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every rank checks its own state, then all agree in a single all-reduce, so no rank waits in a
+// collective another rank skipped (Note [collective order] in src/zero/state.h), and every verdict
+// must come out the same on every rank from the agreed sums. The realised logical batch size s
+// (the sampler's, or own_batch's caller's) must be one value: rank r checks Σ s = W·s_r and
+// Σ s² = W·s_r², which hold together only if every s equals s_r (the variance Σ s²/W − (Σ s/W)²
+// is then 0), so either every rank passes or none does. The charge count k is checked the same
+// way: the budget guard and the noise index read it, and a rank with another k would stop alone
+// or draw other noise. The sums alone would not do: a rank whose
+// s is the mean of unequal sizes would pass while the others refuse, and wait alone in the ledger
+// agreement. Rows clipped beyond s mean some example reached the clipping twice (a micro-batch
+// back-propagated twice, or batches mixed); the sizes are named only when the caller gave them,
+// since a Poisson batch's size is private (Note [released figures] in
+// python/dpzero/private/engine.py).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <c10/util/Exception.h>
+
+#include "accounting/ledger.h"
+#include "src/dp/book.h"
+#include "src/dp/errors.h"
+#include "src/dp/failpoints.h"
+#include "src/zero/shard_noise.h"
+
+namespace dpzero::zero {
+class ZeroState;
+}
+
+namespace dpzero::dp {
+
+// The run's privacy settings, fixed when the model is made private.
+struct StepSettings {
+  double noise_multiplier = 0.0;     // σ >= 0 (0: no noise, a non-private run; ε is infinite)
+  double max_grad_norm = 1.0;        // C > 0 (inf: no clipping, allowed only when σ = 0)
+  double sample_rate = 0.0;          // q in (0, 1]
+  int64_t dataset_size = 0;          // N > 0
+  std::optional<int64_t> max_steps;  // the steps the ε budget allows at (q, σ); nullopt: no budget
+  std::string budget;                // the budget as BudgetExhausted names it
+                                     // ("epsilon=3.0 at delta=1e-05 (prv)")
+  zero::NoiseKey noise_key;          // the run's Philox seed or secure-mode key
+};
+
+// What this rank brings to the step.
+struct StepRequest {
+  int64_t step = 0;                         // the logical step t the batch was sampled for
+  int64_t logical_size = 0;                 // the realised logical batch size over all ranks
+  bool caller_sampled = false;              // own_batch: the caller Poisson-sampled it
+  std::optional<std::string> refusal;       // a refusal only the caller can see (PrivacyError)
+  std::optional<std::string> bad_settings;  // invalid optimizer settings (std::invalid_argument)
+};
+
+// What a step released and its private diagnostics (Note [released figures]: samples and dropped
+// depend on the data and are not covered by ε).
+struct StepOutcome {
+  int64_t step = 0;             // t
+  int64_t noise_index = 0;      // k: the step's charge index, which its noise was drawn at
+  bool caller_sampled = false;  // some rank's batch came from own_batch ("caller" in the ledger)
+  int64_t samples = 0;          // rows clipped over all ranks (padding excluded)
+  int64_t dropped = 0;          // of them, dropped for a non-finite norm
+};
+
+// Charges one step of the Poisson-subsampled Gaussian mechanism (σ, q) to the run's accountant.
+using ChargeCallback = std::function<void(double sigma, double q)>;
+
+class PrivateStep {
+ public:
+  // `ledger`: rank 0's, or null (other ranks; a run without one). `charges`: the steps charged
+  // before (a reopened ledger's). Throws std::invalid_argument naming a bad setting.
+  PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& engine,
+              std::shared_ptr<accounting::Ledger> ledger, StepSettings settings,
+              ChargeCallback on_charge, int64_t charges = 0);
+
+  // The transaction above, a collective: every rank calls it once per logical batch. Throws
+  // PrivacyError, std::invalid_argument (bad settings) or BudgetExhausted, nothing charged;
+  // accounting::LedgerError (nothing charged or applied); CollectiveError. The batch is dropped
+  // whenever the update did not complete.
+  StepOutcome take(const StepRequest& request);
+
+  // Drops the logical batch: the book's micro-batches and the engine's gradients (a refused
+  // step; the caller's own refusals, e.g. a GradScaler driving the step).
+  void drop_batch();
+
+  int64_t charges() const { return charges_; }
+  // A checkpoint's charge count. Note [noise index]: a charge index is never reused, so a count
+  // below the current one is a std::invalid_argument.
+  void set_charges(int64_t charges);
+  // The run's noise key (a checkpoint's secure-mode key); std::invalid_argument for a secure key
+  // without 8 words.
+  void set_noise_key(zero::NoiseKey key);
+  const StepSettings& settings() const { return settings_; }
+
+ private:
+  StepOutcome transact(const StepRequest& request);
+  // Counts step k as charged and tells the accountant.
+  void charge(int64_t k);
+  // fn(), a collective of step t; a failure of the process group becomes a CollectiveError.
+  [[noreturn]] void collective_failed(const char* what, int64_t step, ChargeState state,
+                                      const c10::DistBackendError& e) const;
+  template <typename Fn>
+  auto collective(const char* what, int64_t step, ChargeState state, Fn&& fn);
+
+  std::shared_ptr<Book> book_;
+  zero::ZeroState& engine_;
+  std::shared_ptr<accounting::Ledger> ledger_;
+  StepSettings settings_;
+  ChargeCallback on_charge_;
+  Failpoints failpoints_;  // Note [failpoints], read when the step is made
+  int64_t charges_ = 0;
+};
+
+}  // namespace dpzero::dp
