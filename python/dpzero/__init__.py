@@ -16,8 +16,8 @@ from .accounting import (
     get_steps,
 )
 from .zero import ShardedModule, shard
-from .private import (BudgetExhausted, CollectiveError, PrivacyEngine, PrivacyViolation,
-                      make_private)
+from .private import BudgetExhausted, CollectiveError, PrivacyEngine, PrivacyViolation
+from .front import make_private
 from . import checkpoint  # noqa: E402  (dpzero.checkpoint.save / load)
 
 __version__ = "0.1.0"

@@ -46,9 +46,9 @@ def _fmt(x: Optional[float]) -> str:
 
 
 def _warn_delta(args: argparse.Namespace) -> None:
-    """δ >= 1/N is no guarantee (private/engine.py delta_warning); said on stderr."""
+    """δ >= 1/N is no guarantee (private/config.py delta_warning); said on stderr."""
     if args.dataset_size is not None:
-        from .private.engine import delta_warning
+        from .private.config import delta_warning
 
         if args.dataset_size < 1:
             raise ValueError(f"--dataset-size must be >= 1, got {args.dataset_size}")

@@ -356,6 +356,18 @@ def test_policy_auto_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"no memory policy fits memory_budget=0.00 GiB per rank; "
                                          r"the smallest predicted peak is"):
         dpzero.make_private(net(), policy="auto", plan_step=step_loss, memory_budget=1000, **kw)
+    with pytest.raises(ValueError, match=r"policy='auto' chooses zero_stage, "
+                                         r"activation_checkpointing and offload_optimizer"):
+        dpzero.make_private(net(), policy="auto", plan_step=step_loss, offload_optimizer=True,
+                            **kw)
+    # The planner is the front door's (dpzero/front.py); the Opacus-style engine says so.
+    loader = torch.utils.data.DataLoader(data(), batch_size=16)
+    with pytest.raises(TypeError, match=r"\['plan_step', 'policy'\]: the memory planner "
+                                        r"\(policy='auto'\) is dpzero.make_private's"):
+        dpzero.PrivacyEngine().make_private(
+            module=net(), optimizer=torch.optim.SGD(net().parameters(), lr=0.1),
+            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, policy="auto",
+            plan_step=step_loss)
 
 
 def test_dpzero_plan_on_a_training_config(tmp_path):

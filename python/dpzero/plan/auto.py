@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .. import _C
+from ..private.config import PrivateConfig
+from ..zero import default_units
 from .model import Prediction, plan
 from .profile import profile
 
@@ -67,3 +69,29 @@ def choose(model: nn.Module, batch, plan_step: Callable, batch_size: int, *,
                                   [ranked.index(best)], 0)
         best = ranked[index[0]]
     return best, ranked
+
+
+def auto_policy(model: nn.Module, config: PrivateConfig, plan_step: Callable,
+                memory_budget: Optional[float]) -> Tuple[PrivateConfig, Dict[str, Any]]:
+    """policy='auto': ``config`` with the chosen zero_stage, activation_checkpointing and
+    offload_optimizer, and what ``PrivacyEngine.plan`` reports (the choice, the ranking, the
+    units)."""
+    c = config
+    unit_names = list(c.units) if c.units is not None else default_units(model)
+    micro = int(c.max_physical_batch_size or max(1, round(c.sample_rate * c.dataset_size)))
+    group = c.process_group if c.process_group is not None else (
+        dist.distributed_c10d._get_default_group()
+        if dist.is_available() and dist.is_initialized() else None)
+    best, ranked = choose(
+        model, first_batch(c.dataset, micro, c.collate_fn), plan_step, micro,
+        unit_names=unit_names, clipping=c.clipping, mixed_precision=c.mixed_precision,
+        optimizer=c.optimizer, optimizer_kwargs=c.optimizer_options, group=group,
+        memory_budget=memory_budget)
+    chosen = best.policy.make_private_kwargs(unit_names)
+    options = dict(c.optimizer_options)
+    if chosen.get("offload_optimizer"):
+        options["offload_optimizer"] = True
+    config = c.replace(zero_stage=chosen["zero_stage"],
+                       activation_checkpointing=chosen.get("activation_checkpointing"),
+                       optimizer_options=options)
+    return config, dict(chosen=best, ranked=ranked, units=unit_names)

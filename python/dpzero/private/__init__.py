@@ -1,16 +1,18 @@
-"""Private training on the ZeRO engine: ``make_private`` and the Opacus-style ``PrivacyEngine``.
+"""Private training on the ZeRO engine: the Opacus-style ``PrivacyEngine`` (``dpzero.make_private``,
+the front door, is in ``front.py``).
 
-Modules: ``layers`` (DP layer kinds over the kernels' ops), ``fallback`` (torch.func per-sample
-gradients for parameters used directly), ``attach`` (model walk, validation, patched forwards),
-``book`` (clipping groups, book-keeping, hand-over to the engine), ``agreements`` (every
-agreement across ranks), ``loader`` (the Poisson data loader), ``engine`` (the step, the ledger,
-the accountant).
+Modules: ``config`` (make_private's settings checked and resolved, σ calibrated), ``layers`` (DP
+layer kinds over the kernels' ops), ``fallback`` (torch.func per-sample gradients for parameters
+used directly), ``attach`` (model walk, validation, patched forwards), ``book`` (the Python side
+of the C++ clipping book), ``agreements`` (the agreements Python makes across ranks), ``loader``
+(the Poisson data loader), ``optimizer`` (the torch-facing optimizer), ``engine`` (attach, the
+ledger, the accountant, the call into the C++ step).
 """
 
 from .agreements import BudgetExhausted, CollectiveError
 from .attach import PrivacyViolation
-from .engine import (DPDataLoader, DPOptimizer, Private, PrivacyEngine, PrivateModule,
-                     make_private)
+from .config import PrivateConfig, resolve
+from .engine import DPDataLoader, DPOptimizer, Private, PrivacyEngine, PrivateModule
 
 __all__ = ["BudgetExhausted", "CollectiveError", "DPDataLoader", "DPOptimizer", "Private",
-           "PrivacyEngine", "PrivacyViolation", "PrivateModule", "make_private"]
+           "PrivacyEngine", "PrivacyViolation", "PrivateConfig", "PrivateModule", "resolve"]

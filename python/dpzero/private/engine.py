@@ -41,37 +41,27 @@ import math
 import os
 import warnings
 import weakref
-from typing import Any, Dict, NamedTuple, Optional, Sequence, Union
+from typing import Any, Dict, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from .. import _C
-from ..accounting import Ledger, create_accountant, get_noise_multiplier, get_steps
+from ..accounting import Ledger, create_accountant, get_steps
 from ..noise import NoiseSource, _as_int64
 from ..zero import default_units, shard
 from . import checkpointing
-from .attach import (PrivacyViolation, assign_components, find_layers, guard_hooks, param_slots,
-                     patch, unpatch)
+from .attach import assign_components, find_layers, guard_hooks, param_slots, patch, unpatch
 from .agreements import RankAgreements
 from .book import Book, _dp
+from .config import PrivateConfig, resolve
 from .examples import MicroBatchToken, tag
 from .loader import DPDataLoader, MicroBatch
 from .optimizer import DPOptimizer
 from .provenance import Ranks
 from . import state_dict
-
-CLIPPING = ("flat", "layer", "group", "automatic")
-
-# dpzero.shard keywords make_private passes through (optimizer hyperparameters and layout); the
-# others (reduce_dtype, grad_scale, param_dtype, grad_hooks) are fixed by the private path.
-_PASS_THROUGH = frozenset({"momentum", "dampening", "nesterov", "betas", "eps", "amsgrad",
-                           "maximize", "weight_decay", "alignment", "shard_boundaries",
-                           "offload_optimizer", "offload_params", "prefetch",
-                           "sync_module_states"})
-
 
 class PrivateModule(nn.Module):
     """The model under DP: calls go to the wrapped module (whose DP layers are patched);
@@ -90,15 +80,6 @@ class PrivateModule(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["_module"], name)
-
-
-def delta_warning(name: str, delta: float, n: int) -> str:
-    """Why δ >= 1/N is no guarantee: a mechanism that publishes one random record of N in full
-    is (0, 1/N)-DP. Practice, and the published results dpzero compares with, take δ well below
-    1/N (1e-5, 1/N^1.1)."""
-    return (f"{name}={delta:.3g} is >= 1/N = {1.0 / n:.3g} (N = {n}): at such a δ even releasing "
-            "one random example in full is 'differentially private'. Use δ well below 1/N, "
-            f"e.g. min(1e-5, 1/(10 N)) = {min(1e-5, 0.1 / n):.3g}")
 
 
 class _Diagnostics:
@@ -133,33 +114,6 @@ class Private(NamedTuple):
     privacy_engine: "PrivacyEngine"
 
 
-_OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
-
-
-def _optimizer_settings(optimizer) -> tuple:
-    """(engine name, kwargs for dpzero.shard) from a name or a torch optimizer."""
-    if isinstance(optimizer, str):
-        if optimizer not in ("sgd", "adam", "adamw"):
-            raise ValueError(f"optimizer must be 'sgd', 'adam', 'adamw' or a torch.optim "
-                             f"SGD/Adam/AdamW, got {optimizer!r}")
-        return optimizer, {}
-    name = _OPTIMIZERS.get(type(optimizer))
-    if name is None:
-        raise ValueError(f"optimizer {type(optimizer).__name__} is not supported under DP; use "
-                         "torch.optim.SGD, Adam or AdamW (or their names)")
-    if len(optimizer.param_groups) != 1:
-        raise ValueError(f"the optimizer has {len(optimizer.param_groups)} parameter groups; "
-                         "dpzero's sharded optimizer takes one")
-    g = optimizer.param_groups[0]
-    if name == "sgd":
-        kw = dict(lr=g["lr"], momentum=g["momentum"], dampening=g["dampening"],
-                  nesterov=g["nesterov"], weight_decay=g["weight_decay"], maximize=g["maximize"])
-    else:
-        kw = dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
-                  weight_decay=g["weight_decay"], amsgrad=g["amsgrad"], maximize=g["maximize"])
-    return name, kw
-
-
 class PrivacyEngine:
     """The privacy side of a private run: accountant, ledger, noise source, clipping book.
 
@@ -176,6 +130,8 @@ class PrivacyEngine:
         self.secure_mode = bool(secure_mode)
         self._attached = False
         self._step = None  # the step's transaction (src/dp/private_step.h), made at attach
+        # policy="auto" (dpzero.make_private, front.py): the choice, the ranking, the units.
+        self.plan: Optional[Dict[str, Any]] = None
 
     # ---- Opacus-compatible entry points -------------------------------------------------------
 
@@ -186,17 +142,19 @@ class PrivacyEngine:
         if not poisson_sampling:
             raise ValueError("poisson_sampling=False: dpzero's accounting assumes Poisson "
                              "sampling, the only sampling it implements")
-        out = self._attach(model=module, optimizer=optimizer, data_loader=data_loader,
-                           noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                           clipping=clipping, **kwargs)
+        out = self._attach(module, resolve(
+            accountant=self.accountant_name, optimizer=optimizer, data_loader=data_loader,
+            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=clipping,
+            **kwargs))
         return out.model, out.optimizer, out.data_loader
 
     def make_private_with_epsilon(self, *, module: nn.Module, optimizer, data_loader: DataLoader,
                                   target_epsilon: float, target_delta: float, epochs: float,
                                   max_grad_norm: float, **kwargs):
-        out = self._attach(model=module, optimizer=optimizer, data_loader=data_loader,
-                           target_epsilon=target_epsilon, target_delta=target_delta,
-                           epochs=epochs, max_grad_norm=max_grad_norm, **kwargs)
+        out = self._attach(module, resolve(
+            accountant=self.accountant_name, optimizer=optimizer, data_loader=data_loader,
+            target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs,
+            max_grad_norm=max_grad_norm, **kwargs))
         return out.model, out.optimizer, out.data_loader
 
     def get_epsilon(self, delta: float) -> float:
@@ -278,138 +236,16 @@ class PrivacyEngine:
 
     # ---- construction ------------------------------------------------------------------------
 
-    def _attach(self, *, model: nn.Module, optimizer="sgd", dataset: Optional[Dataset] = None,
-                data_loader: Optional[DataLoader] = None, batch_size: Optional[int] = None,
-                sample_rate: Optional[float] = None, noise_multiplier: Optional[float] = None,
-                target_epsilon: Optional[float] = None, target_delta: Optional[float] = None,
-                epochs: Optional[float] = None, max_grad_norm: float, clipping: str = "flat",
-                clipping_groups: Optional[Sequence[Sequence[str]]] = None,
-                group_weights: Optional[Sequence[float]] = None, automatic_gamma: float = 0.01,
-                zero_stage: int = 0, max_physical_batch_size: Optional[int] = None,
-                mixed_precision: Union[None, str, torch.dtype] = None, seed: Optional[int] = None,
-                ledger_path: Optional[str] = None, run_id: Optional[str] = None,
-                loss_reduction: str = "mean", process_group=None, units=None,
-                allow_no_noise: bool = False, lr: Optional[float] = None,
-                activation_checkpointing: checkpointing.Spec = None,
-                policy: Optional[str] = None, memory_budget: Optional[float] = None,
-                plan_step=None,
-                epsilon_budget: Optional[float] = None, budget_delta: Optional[float] = None,
-                num_workers: int = 0, diagnostics_path: Optional[str] = None,
-                **optimizer_kwargs) -> Private:
+    def _attach(self, model: nn.Module, config: PrivateConfig) -> Private:
+        """Makes ``model`` train privately as ``config`` (config.py) says."""
         if self._attached:
             raise RuntimeError("this PrivacyEngine is already attached to a model")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if clipping not in CLIPPING:
-            raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        max_grad_norm = float(max_grad_norm)
-        if math.isnan(max_grad_norm) or max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
-        if clipping == "automatic" and not math.isfinite(max_grad_norm):
-            raise ValueError("automatic clipping needs a finite max_grad_norm, got inf")
-        if not (automatic_gamma > 0 and math.isfinite(automatic_gamma)):
-            raise ValueError(f"automatic_gamma must be finite and > 0, got {automatic_gamma}")
-        if (dataset is None) == (data_loader is None):
-            raise ValueError("give exactly one of dataset and data_loader")
-        collate_fn = None
-        if data_loader is not None:
-            dataset = data_loader.dataset
-            collate_fn = data_loader.collate_fn
-            if batch_size is None and sample_rate is None:
-                if data_loader.batch_size is None:
-                    raise ValueError("data_loader has no batch_size; pass batch_size or "
-                                     "sample_rate")
-                batch_size = data_loader.batch_size
-            num_workers = num_workers or data_loader.num_workers
-        n = len(dataset)
-        if n <= 0:
-            raise ValueError(f"the dataset is empty ({n} examples)")
-        if (batch_size is None) == (sample_rate is None):
-            raise ValueError(f"give exactly one of batch_size and sample_rate, got "
-                             f"batch_size={batch_size}, sample_rate={sample_rate}")
-        q = float(sample_rate) if sample_rate is not None else float(batch_size) / n
-        if not (0.0 < q <= 1.0):
-            raise ValueError(f"sample rate must be in (0, 1], got {q} (batch_size={batch_size}, "
-                             f"dataset size {n})")
-        if (noise_multiplier is None) == (target_epsilon is None):
-            raise ValueError("give exactly one of noise_multiplier and target_epsilon")
-        if target_epsilon is not None:
-            if target_delta is None or epochs is None:
-                raise ValueError("target_epsilon needs target_delta and epochs")
-            noise_multiplier = get_noise_multiplier(
-                target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=q,
-                epochs=epochs, accountant=self.accountant_name)
-        sigma = float(noise_multiplier)
-        if math.isnan(sigma) or sigma < 0 or math.isinf(sigma):
-            raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier}")
-        if sigma == 0.0 and not allow_no_noise:
-            raise ValueError("noise_multiplier=0 trains WITHOUT privacy; pass "
-                             "allow_no_noise=True to do that on purpose (ε is then reported as "
-                             "inf)")
-        if sigma > 0 and not math.isfinite(max_grad_norm):
-            raise ValueError("noise needs a finite max_grad_norm (the noise is sigma * C), "
-                             f"got {max_grad_norm}")
-        if isinstance(mixed_precision, str):
-            table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-            if mixed_precision not in table:
-                raise ValueError(f"mixed_precision must be 'bf16', 'fp16', 'fp32' or a dtype, "
-                                 f"got {mixed_precision!r}")
-            mixed_precision = table[mixed_precision]
-        param_dtype = mixed_precision or torch.float32
-
-        name, opt_kwargs = _optimizer_settings(optimizer)
-        bad = sorted(set(optimizer_kwargs) - _PASS_THROUGH)
-        if bad:
-            # reduce_dtype, grad_scale, param_dtype, ... are the private path's to set: a 16-bit
-            # reduction would round clipped sums past their threshold (DESIGN.md §4).
-            raise TypeError(f"make_private got unexpected keyword arguments {bad}; allowed "
-                            f"besides its own: {sorted(_PASS_THROUGH)}")
-        opt_kwargs.update(optimizer_kwargs)
-        if lr is not None:
-            opt_kwargs["lr"] = lr
-        opt_kwargs.setdefault("lr", 1e-3)
-        for which, d in (("target_delta", target_delta), ("budget_delta", budget_delta)):
-            if d is not None and d >= 1.0 / n:
-                warnings.warn(delta_warning(which, d, n), UserWarning, stacklevel=3)
-        if epsilon_budget is None and target_epsilon is not None:
-            epsilon_budget, budget_delta = target_epsilon, target_delta
-        if epsilon_budget is not None and budget_delta is None:
-            raise ValueError(f"epsilon_budget={epsilon_budget} needs budget_delta")
-        if epsilon_budget is not None and sigma == 0.0:
-            raise ValueError("an ε budget cannot be kept without noise (noise_multiplier=0)")
-
-        self.plan = None
-        if policy is not None:
-            if policy != "auto":
-                raise ValueError(f"policy must be None or 'auto', got {policy!r}")
-            if plan_step is None:
-                raise ValueError("policy='auto' profiles the model and needs plan_step: a "
-                                 "function (model, batch) -> loss for one micro-batch")
-            if activation_checkpointing is not None or "offload_optimizer" in optimizer_kwargs \
-                    or "offload_params" in optimizer_kwargs:
-                raise ValueError("policy='auto' chooses zero_stage, activation_checkpointing "
-                                 "and offload_optimizer itself; do not pass those, nor "
-                                 "offload_params")
-            from ..plan.auto import choose, first_batch
-
-            unit_names = list(units) if units is not None else default_units(model)
-            micro = int(max_physical_batch_size or max(1, round(q * n)))
-            group = process_group if process_group is not None else (
-                dist.distributed_c10d._get_default_group()
-                if dist.is_available() and dist.is_initialized() else None)
-            best, ranked = choose(
-                model, first_batch(dataset, micro, collate_fn), plan_step, micro,
-                unit_names=unit_names, clipping=clipping, mixed_precision=mixed_precision,
-                optimizer=name, optimizer_kwargs=opt_kwargs, group=group,
-                memory_budget=memory_budget)
-            chosen = best.policy.make_private_kwargs(unit_names)
-            zero_stage = chosen["zero_stage"]
-            activation_checkpointing = chosen.get("activation_checkpointing")
-            if chosen.get("offload_optimizer"):
-                opt_kwargs["offload_optimizer"] = True
-            self.plan = dict(chosen=best, ranked=ranked, units=unit_names)
+        c = self.config = config
+        q, n, sigma, max_grad_norm = (c.sample_rate, c.dataset_size, c.noise_multiplier,
+                                      c.max_grad_norm)
+        units, process_group, clipping = c.units, c.process_group, c.clipping
 
         # Validation before anything is touched (a rejected model stays as it was).
         trainable = {id(p): p for p in model.parameters() if p.requires_grad}
@@ -418,10 +254,10 @@ class PrivacyEngine:
         probe = find_layers(model, {pid: None for pid in trainable})  # names bad modules
         checkpointing.check_reentrant(model)
         checkpointed = checkpointing.resolve(
-            model, activation_checkpointing,
+            model, c.activation_checkpointing,
             units if units is not None else default_units(model))
-        self._clip_groups(probe, assign_components(probe), clipping, clipping_groups,
-                          group_weights, max_grad_norm)
+        self._clip_groups(probe, assign_components(probe), clipping, c.clipping_groups,
+                          c.group_weights, max_grad_norm)
         self._group = process_group if process_group is not None else (
             dist.distributed_c10d._get_default_group()
             if dist.is_available() and dist.is_initialized() else None)
@@ -429,6 +265,7 @@ class PrivacyEngine:
         self.rank, self.world_size = agree.rank, agree.world_size
         self.noise_multiplier_, self.max_grad_norm_ = sigma, max_grad_norm
         self.sample_rate, self.dataset_size = q, n
+        seed = c.seed
         self.noise_source = NoiseSource(seed=seed, secure_mode=self.secure_mode, group=self._group)
         if not self.secure_mode and self._group is not None:
             # Every rank must draw the same noise and batches: rank 0's seed, and a given seed
@@ -440,18 +277,19 @@ class PrivacyEngine:
             self.noise_source.seed = agreed
         self._ledger = None
         charges = 0
-        if ledger_path is not None:
-            charges = self._open_ledger(ledger_path, run_id, clipping)  # collective
+        if c.ledger_path is not None:
+            charges = self._open_ledger(c.ledger_path, c.run_id, clipping)  # collective
         self.budget, self.max_steps = None, None
-        if epsilon_budget is not None:
-            self.budget = (float(epsilon_budget), float(budget_delta))
-            self.max_steps = get_steps(target_epsilon=epsilon_budget, target_delta=budget_delta,
-                                       sample_rate=q, noise_multiplier=sigma,
-                                       accountant=self.accountant_name)
+        if c.epsilon_budget is not None:
+            self.budget = (c.epsilon_budget, c.budget_delta)
+            self.max_steps = get_steps(target_epsilon=c.epsilon_budget,
+                                       target_delta=c.budget_delta, sample_rate=q,
+                                       noise_multiplier=sigma, accountant=self.accountant_name)
 
-        sharded = shard(model, stage=zero_stage, optimizer=name, process_group=process_group,
-                        grad_scale=1.0, param_dtype=param_dtype, reduce_dtype=torch.float32,
-                        units=units, grad_hooks=False, **opt_kwargs)
+        sharded = shard(model, stage=c.zero_stage, optimizer=c.optimizer,
+                        process_group=process_group, grad_scale=1.0, param_dtype=c.param_dtype,
+                        reduce_dtype=torch.float32, units=units, grad_hooks=False,
+                        **c.optimizer_options)
         # Note [private gradients] (src/zero/param_group.h): gradients reach the step only from the
         # clipping; no .grad views, so nothing written to a parameter's .grad is released.
         sharded._state.set_private(True)
@@ -459,14 +297,14 @@ class PrivacyEngine:
         self._slot_of = slot_of
         layers = find_layers(model, slot_of)
         n_components = assign_components(layers)
-        groups, thresholds = self._clip_groups(layers, n_components, clipping, clipping_groups,
-                                               group_weights, max_grad_norm)
+        groups, thresholds = self._clip_groups(layers, n_components, clipping,
+                                               c.clipping_groups, c.group_weights, max_grad_norm)
         self.sharded = sharded
         self.module = model
         self.layers = layers
         self.book = Book(layers, groups, thresholds,
-                         "automatic" if clipping == "automatic" else "flat", automatic_gamma,
-                         loss_reduction, sharded._state, unit_numel, unit_device)
+                         "automatic" if clipping == "automatic" else "flat", c.automatic_gamma,
+                         c.loss_reduction, sharded._state, unit_numel, unit_device)
         book_ref = weakref.ref(self.book)
         engine_ref = weakref.ref(self)  # the step's callback must not keep the engine alive
 
@@ -501,14 +339,14 @@ class PrivacyEngine:
         self._guards = guard_hooks(model, book_ref)
         self._state_dict_hooks = state_dict.register(model, self)
         self.clipping = clipping
-        self.loss_reduction = loss_reduction
+        self.loss_reduction = c.loss_reduction
         # Note [noise index]: the sampler's step and the noise index never repeat a charged one.
         self.next_step, self.steps_taken = charges, 0
         # What a step released (data-independent) and its private diagnostics (Note [released
         # figures]).
         self.last_step: Optional[Dict[str, int]] = None
         self.last_step_diagnostics: Optional[Dict[str, Any]] = None
-        self._diagnostics = _Diagnostics(diagnostics_path if self.rank == 0 else None)
+        self._diagnostics = _Diagnostics(c.diagnostics_path if self.rank == 0 else None)
         self._warned_dropped = self._warned_all_dropped = False
         self._micro: Optional[MicroBatch] = None  # the micro-batch handed out last
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
@@ -518,11 +356,10 @@ class PrivacyEngine:
         # Whole epochs never exceed the steps σ was calibrated for (int(epochs / q), Opacus's).
         steps_per_epoch = max(1, int(1.0 / q))
         self.model = PrivateModule(model, self)
-        self._optimizer_kind = name
-        self.optimizer = DPOptimizer(self, name, opt_kwargs,
-                                     None if isinstance(optimizer, str) else optimizer)
-        self.data_loader = DPDataLoader(self, dataset, steps_per_epoch, max_physical_batch_size,
-                                        collate_fn, num_workers)
+        self._optimizer_kind = c.optimizer
+        self.optimizer = DPOptimizer(self, c.optimizer, c.optimizer_options, c.torch_optimizer)
+        self.data_loader = DPDataLoader(self, c.dataset, steps_per_epoch,
+                                        c.max_physical_batch_size, c.collate_fn, c.num_workers)
         self._attached = True
         return Private(self.model, self.optimizer, self.data_loader, self)
 
@@ -871,36 +708,3 @@ class PrivacyEngine:
     def parameters(self) -> Dict[str, torch.Tensor]:
         """Every trainable parameter by name (fp32 master; a collective in stages 1-3)."""
         return self.sharded.full_parameters()
-
-
-def make_private(model: nn.Module, *, optimizer="sgd", accountant: str = "prv",
-                 secure_mode: bool = False, **kwargs) -> Private:
-    """Make ``model`` train with DP-SGD on dpzero's ZeRO engine.
-
-    Returns ``Private(model, optimizer, data_loader, privacy_engine)``. Arguments:
-
-    dataset / data_loader: the data (a DataLoader gives its dataset, batch size and collate_fn).
-    batch_size or sample_rate: the expected logical batch size B (q = B / N) or q itself.
-    noise_multiplier, or target_epsilon + target_delta + epochs (σ calibrated by ``accountant``).
-    max_grad_norm: C. clipping: "flat" | "layer" | "group" (with clipping_groups, a list of lists
-        of module-name prefixes, and optional group_weights) | "automatic" (automatic_gamma).
-    zero_stage: 0-3; units, process_group as for :func:`dpzero.shard`.
-    max_physical_batch_size: micro-batch cap m (the loader splits logical batches).
-    policy="auto" (+ plan_step=(model, batch) -> loss, memory_budget bytes per rank): profile
-        the model and take the fastest memory policy predicted to fit (dpzero.plan); the choice,
-        the ranking and the unit names are in ``privacy_engine.plan`` (a dict).
-    activation_checkpointing: recompute these modules' forwards in the backward instead of
-        keeping their activations: True (every ZeRO unit but the root), a list of module names,
-        or a module class (private/checkpointing.py). Hugging Face's own switch works too.
-    mixed_precision: None, "bf16", "fp16" or a dtype (compute dtype; fp32 masters and clipping).
-    seed (reproducible Philox noise and sampling) or secure_mode=True (ChaCha20, OS entropy).
-    ledger_path (+ run_id): the privacy ledger (rank 0 writes it; only data-independent figures).
-    diagnostics_path: a file for each step's private diagnostics (realised batch size, samples
-        seen and dropped: not covered by ε, Note [released figures]); rank 0 writes it.
-    loss_reduction: "mean" (the loss averages over the micro-batch, Opacus's default) or "sum".
-    allow_no_noise: needed for noise_multiplier=0 (non-private training through the same path).
-    optimizer: "sgd" | "adam" | "adamw" or a torch.optim SGD/Adam/AdamW (its hyperparameters are
-        used); lr and further optimizer keywords (momentum, betas, weight_decay, ...) override.
-    """
-    engine = PrivacyEngine(accountant=accountant, secure_mode=secure_mode)
-    return engine._attach(model=model, optimizer=optimizer, **kwargs)

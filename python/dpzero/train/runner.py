@@ -48,7 +48,8 @@ import torch.nn.functional as F
 
 from .. import _C
 from .. import checkpoint as ckpt
-from ..private import BudgetExhausted, make_private
+from ..front import make_private
+from ..private import BudgetExhausted
 from .config import ConfigError, RunConfig
 from .datasets import fashion_mnist, fortune_texts, split_texts, tokenize
 from .models import TanhCNN, load_minilm

@@ -1,0 +1,235 @@
+"""What a private run was asked for, checked and resolved before anything is attached.
+
+:func:`resolve` turns ``make_private``'s keywords into a :class:`PrivateConfig`: the data (a
+dataset or a DataLoader's), the sample rate q, σ (calibrated from a target ε when one is given),
+C, the clipping, the budget, the optimizer and the engine's layout. Every bad value is a
+``ValueError`` or ``TypeError`` naming it, raised before the model is touched. The model-dependent
+checks (its layers, tied parameters, clipping groups) come later, at attach (engine.py).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, Optional, Sequence, Union
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ..accounting import get_noise_multiplier
+from . import checkpointing
+
+CLIPPING = ("flat", "layer", "group", "automatic")
+
+# dpzero.shard keywords make_private passes through (optimizer hyperparameters and layout); the
+# others (reduce_dtype, grad_scale, param_dtype, grad_hooks) are fixed by the private path: a
+# 16-bit reduction would round clipped sums past their threshold (DESIGN.md §4).
+PASS_THROUGH = frozenset({"momentum", "dampening", "nesterov", "betas", "eps", "amsgrad",
+                          "maximize", "weight_decay", "alignment", "shard_boundaries",
+                          "offload_optimizer", "offload_params", "prefetch",
+                          "sync_module_states"})
+
+_OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class PrivateConfig:
+    """A private run's settings, checked and resolved (:func:`resolve`)."""
+
+    # The data: what the private loader (loader.py) samples from.
+    dataset: Dataset
+    collate_fn: Optional[Callable]
+    num_workers: int
+    max_physical_batch_size: Optional[int]  # the micro-batch cap m (None: the whole batch)
+    # Privacy.
+    sample_rate: float                      # q = B / N, in (0, 1]
+    noise_multiplier: float                 # σ >= 0 (0 only with allow_no_noise: ε = inf)
+    max_grad_norm: float                    # C > 0 (inf: no clipping, only without noise)
+    clipping: str                           # one of CLIPPING
+    clipping_groups: Optional[Sequence[Sequence[str]]]
+    group_weights: Optional[Sequence[float]]
+    automatic_gamma: float
+    loss_reduction: str                     # "mean" | "sum"
+    epsilon_budget: Optional[float]         # the budget guard's ε (None: no guard)
+    budget_delta: Optional[float]
+    seed: Optional[int]
+    ledger_path: Optional[str]
+    run_id: Optional[str]
+    diagnostics_path: Optional[str]
+    # The engine.
+    zero_stage: int
+    units: Optional[Sequence[str]]
+    process_group: Any
+    mixed_precision: Optional[torch.dtype]  # the compute dtype (None: float32)
+    activation_checkpointing: checkpointing.Spec
+    optimizer: str                          # "sgd" | "adam" | "adamw"
+    optimizer_options: Dict[str, Any] = field(default_factory=dict)  # dpzero.shard keywords
+    torch_optimizer: Optional[torch.optim.Optimizer] = None  # the caller's, if one was given
+
+    @property
+    def dataset_size(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.mixed_precision or torch.float32
+
+    def replace(self, **changes) -> "PrivateConfig":
+        return replace(self, **changes)
+
+
+def delta_warning(name: str, delta: float, n: int) -> str:
+    """Why δ >= 1/N is no guarantee: a mechanism that publishes one random record of N in full
+    is (0, 1/N)-DP. Practice, and the published results dpzero compares with, take δ well below
+    1/N (1e-5, 1/N^1.1)."""
+    return (f"{name}={delta:.3g} is >= 1/N = {1.0 / n:.3g} (N = {n}): at such a δ even releasing "
+            "one random example in full is 'differentially private'. Use δ well below 1/N, "
+            f"e.g. min(1e-5, 1/(10 N)) = {min(1e-5, 0.1 / n):.3g}")
+
+
+def optimizer_settings(optimizer) -> tuple:
+    """(engine name, kwargs for dpzero.shard) from a name or a torch optimizer."""
+    if isinstance(optimizer, str):
+        if optimizer not in ("sgd", "adam", "adamw"):
+            raise ValueError(f"optimizer must be 'sgd', 'adam', 'adamw' or a torch.optim "
+                             f"SGD/Adam/AdamW, got {optimizer!r}")
+        return optimizer, {}
+    name = _OPTIMIZERS.get(type(optimizer))
+    if name is None:
+        raise ValueError(f"optimizer {type(optimizer).__name__} is not supported under DP; use "
+                         "torch.optim.SGD, Adam or AdamW (or their names)")
+    if len(optimizer.param_groups) != 1:
+        raise ValueError(f"the optimizer has {len(optimizer.param_groups)} parameter groups; "
+                         "dpzero's sharded optimizer takes one")
+    g = optimizer.param_groups[0]
+    if name == "sgd":
+        kw = dict(lr=g["lr"], momentum=g["momentum"], dampening=g["dampening"],
+                  nesterov=g["nesterov"], weight_decay=g["weight_decay"], maximize=g["maximize"])
+    else:
+        kw = dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
+                  weight_decay=g["weight_decay"], amsgrad=g["amsgrad"], maximize=g["maximize"])
+    return name, kw
+
+
+def resolve(*, accountant: str, optimizer="sgd", dataset: Optional[Dataset] = None,
+            data_loader: Optional[DataLoader] = None, batch_size: Optional[int] = None,
+            sample_rate: Optional[float] = None, noise_multiplier: Optional[float] = None,
+            target_epsilon: Optional[float] = None, target_delta: Optional[float] = None,
+            epochs: Optional[float] = None, max_grad_norm: float, clipping: str = "flat",
+            clipping_groups: Optional[Sequence[Sequence[str]]] = None,
+            group_weights: Optional[Sequence[float]] = None, automatic_gamma: float = 0.01,
+            zero_stage: int = 0, max_physical_batch_size: Optional[int] = None,
+            mixed_precision: Union[None, str, torch.dtype] = None, seed: Optional[int] = None,
+            ledger_path: Optional[str] = None, run_id: Optional[str] = None,
+            loss_reduction: str = "mean", process_group=None, units=None,
+            allow_no_noise: bool = False, lr: Optional[float] = None,
+            activation_checkpointing: checkpointing.Spec = None,
+            epsilon_budget: Optional[float] = None, budget_delta: Optional[float] = None,
+            num_workers: int = 0, diagnostics_path: Optional[str] = None,
+            **optimizer_kwargs) -> PrivateConfig:
+    """make_private's keywords (its docstring, front.py) as a PrivateConfig; σ is calibrated
+    with ``accountant`` when ``target_epsilon`` is given."""
+    if clipping not in CLIPPING:
+        raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    max_grad_norm = float(max_grad_norm)
+    if math.isnan(max_grad_norm) or max_grad_norm <= 0:
+        raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+    if clipping == "automatic" and not math.isfinite(max_grad_norm):
+        raise ValueError("automatic clipping needs a finite max_grad_norm, got inf")
+    if not (automatic_gamma > 0 and math.isfinite(automatic_gamma)):
+        raise ValueError(f"automatic_gamma must be finite and > 0, got {automatic_gamma}")
+
+    # The data.
+    if (dataset is None) == (data_loader is None):
+        raise ValueError("give exactly one of dataset and data_loader")
+    collate_fn = None
+    if data_loader is not None:
+        dataset = data_loader.dataset
+        collate_fn = data_loader.collate_fn
+        if batch_size is None and sample_rate is None:
+            if data_loader.batch_size is None:
+                raise ValueError("data_loader has no batch_size; pass batch_size or "
+                                 "sample_rate")
+            batch_size = data_loader.batch_size
+        num_workers = num_workers or data_loader.num_workers
+    n = len(dataset)
+    if n <= 0:
+        raise ValueError(f"the dataset is empty ({n} examples)")
+    if (batch_size is None) == (sample_rate is None):
+        raise ValueError(f"give exactly one of batch_size and sample_rate, got "
+                         f"batch_size={batch_size}, sample_rate={sample_rate}")
+    q = float(sample_rate) if sample_rate is not None else float(batch_size) / n
+    if not (0.0 < q <= 1.0):
+        raise ValueError(f"sample rate must be in (0, 1], got {q} (batch_size={batch_size}, "
+                         f"dataset size {n})")
+
+    # σ, given or calibrated.
+    if (noise_multiplier is None) == (target_epsilon is None):
+        raise ValueError("give exactly one of noise_multiplier and target_epsilon")
+    if target_epsilon is not None:
+        if target_delta is None or epochs is None:
+            raise ValueError("target_epsilon needs target_delta and epochs")
+        noise_multiplier = get_noise_multiplier(
+            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=q,
+            epochs=epochs, accountant=accountant)
+    sigma = float(noise_multiplier)
+    if math.isnan(sigma) or sigma < 0 or math.isinf(sigma):
+        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier}")
+    if sigma == 0.0 and not allow_no_noise:
+        raise ValueError("noise_multiplier=0 trains WITHOUT privacy; pass "
+                         "allow_no_noise=True to do that on purpose (ε is then reported as "
+                         "inf)")
+    if sigma > 0 and not math.isfinite(max_grad_norm):
+        raise ValueError("noise needs a finite max_grad_norm (the noise is sigma * C), "
+                         f"got {max_grad_norm}")
+
+    # The compute dtype and the optimizer.
+    if isinstance(mixed_precision, str):
+        if mixed_precision not in _DTYPES:
+            raise ValueError(f"mixed_precision must be 'bf16', 'fp16', 'fp32' or a dtype, "
+                             f"got {mixed_precision!r}")
+        mixed_precision = _DTYPES[mixed_precision]
+    name, options = optimizer_settings(optimizer)
+    planner = sorted({"policy", "plan_step", "memory_budget"} & set(optimizer_kwargs))
+    if planner:
+        raise TypeError(f"{planner}: the memory planner (policy='auto') is dpzero.make_private's; "
+                        "PrivacyEngine.make_private takes zero_stage, activation_checkpointing "
+                        "and offload_optimizer as given")
+    bad = sorted(set(optimizer_kwargs) - PASS_THROUGH)
+    if bad:
+        raise TypeError(f"make_private got unexpected keyword arguments {bad}; allowed "
+                        f"besides its own: {sorted(PASS_THROUGH)}")
+    options.update(optimizer_kwargs)
+    if lr is not None:
+        options["lr"] = lr
+    options.setdefault("lr", 1e-3)
+
+    # The budget.
+    for which, d in (("target_delta", target_delta), ("budget_delta", budget_delta)):
+        if d is not None and d >= 1.0 / n:
+            warnings.warn(delta_warning(which, d, n), UserWarning, stacklevel=3)
+    if epsilon_budget is None and target_epsilon is not None:
+        epsilon_budget, budget_delta = target_epsilon, target_delta
+    if epsilon_budget is not None and budget_delta is None:
+        raise ValueError(f"epsilon_budget={epsilon_budget} needs budget_delta")
+    if epsilon_budget is not None and sigma == 0.0:
+        raise ValueError("an ε budget cannot be kept without noise (noise_multiplier=0)")
+
+    return PrivateConfig(
+        dataset=dataset, collate_fn=collate_fn, num_workers=num_workers,
+        max_physical_batch_size=max_physical_batch_size, sample_rate=q, noise_multiplier=sigma,
+        max_grad_norm=max_grad_norm, clipping=clipping, clipping_groups=clipping_groups,
+        group_weights=group_weights, automatic_gamma=automatic_gamma,
+        loss_reduction=loss_reduction,
+        epsilon_budget=None if epsilon_budget is None else float(epsilon_budget),
+        budget_delta=None if budget_delta is None else float(budget_delta), seed=seed,
+        ledger_path=ledger_path, run_id=run_id, diagnostics_path=diagnostics_path,
+        zero_stage=zero_stage, units=units, process_group=process_group,
+        mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
+        optimizer=name, optimizer_options=options,
+        torch_optimizer=None if isinstance(optimizer, str) else optimizer)
