@@ -3,6 +3,8 @@
 
 #include <pybind11/pybind11.h>
 
+#include "src/zero/shard_noise.h"
+
 namespace dpzero::python {
 
 void bind_accounting(pybind11::module_ m);  // accounting_bindings.cpp
@@ -13,5 +15,9 @@ void bind_shard(pybind11::module_ m);       // shard_bindings.cpp
 void bind_memory(pybind11::module_ m);      // memory_bindings.cpp
 void bind_privacy(pybind11::module_ m);     // privacy_bindings.cpp
 void bind_zero(pybind11::module_ m);        // zero_bindings.cpp
+
+// A noise key from Python: an int64 Philox seed, or secure mode's 8-word ChaCha20 key
+// (shard_bindings.cpp).
+zero::NoiseKey noise_key(const pybind11::object& seed_or_key);
 
 }  // namespace dpzero::python

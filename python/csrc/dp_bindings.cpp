@@ -50,18 +50,6 @@ void raise_collective_error(const dp::CollectiveError& error) {
   throw raised;
 }
 
-// An int64 Philox seed, or secure mode's 8-word ChaCha20 key.
-zero::NoiseKey noise_key(const py::object& seed_or_key) {
-  zero::NoiseKey key;
-  if (py::isinstance<py::int_>(seed_or_key)) {
-    key.seed = seed_or_key.cast<int64_t>();
-  } else {
-    key.secure = true;
-    key.key = seed_or_key.cast<std::vector<int64_t>>();
-  }
-  return key;
-}
-
 dp::Report report_of(const std::shared_ptr<dp::Book>& book, int64_t generation, int64_t part,
                      std::optional<std::string> refusal) {
   return dp::Report{book, generation, part, std::move(refusal)};

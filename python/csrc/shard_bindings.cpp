@@ -10,6 +10,17 @@ namespace py = pybind11;
 
 namespace dpzero::python {
 
+zero::NoiseKey noise_key(const py::object& seed_or_key) {
+  zero::NoiseKey key;
+  if (py::isinstance<py::int_>(seed_or_key)) {
+    key.seed = seed_or_key.cast<int64_t>();
+  } else {
+    key.secure = true;
+    key.key = seed_or_key.cast<std::vector<int64_t>>();
+  }
+  return key;
+}
+
 void bind_shard(py::module_ m) {
   using zero::CoordinateRun;
   using zero::UnitLayout;
@@ -54,14 +65,7 @@ void bind_shard(py::module_ m) {
       "add_shard_noise_",
       [](at::Tensor shard, const UnitLayout& layout, int64_t rank, double stddev,
          const py::object& seed, int64_t step) {
-        zero::NoiseKey key;
-        if (py::isinstance<py::int_>(seed)) {
-          key.seed = seed.cast<int64_t>();
-        } else {
-          key.secure = true;
-          key.key = seed.cast<std::vector<int64_t>>();
-        }
-        return zero::add_shard_noise_(shard, layout, rank, stddev, key, step);
+        return zero::add_shard_noise_(shard, layout, rank, stddev, noise_key(seed), step);
       },
       py::arg("shard"), py::arg("layout"), py::arg("rank"), py::arg("std"), py::arg("seed"),
       py::arg("step"),

@@ -22,14 +22,10 @@
 #include "src/dp/layer_ops.h"
 #include "src/zero/flat_param.h"
 #include "src/zero/state.h"
+#include "tests/cpp/torch/ranks.h"  // (turns c10d's flight recorder off)
 
 namespace dpzero::dp {
 namespace {
-
-[[maybe_unused]] const bool kFlightRecorderOff = [] {
-  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);  // see zero_collectives_test.cpp
-  return true;
-}();
 
 constexpr int64_t kB = 5, kT = 3;
 constexpr double kC = 1.0;

@@ -36,7 +36,6 @@
 #include <thread>
 #include <vector>
 
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
 
 #include "accounting/ledger.h"
@@ -47,14 +46,11 @@
 #include "src/dp/private_step.h"
 #include "src/zero/shard_noise.h"
 #include "src/zero/state.h"
+#include "tests/cpp/common/error_message.h"
+#include "tests/cpp/torch/ranks.h"
 
 namespace dpzero::dp {
 namespace {
-
-[[maybe_unused]] const bool kFlightRecorderOff = [] {
-  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);  // see zero_collectives_test.cpp
-  return true;
-}();
 
 constexpr int64_t kB = 3, kT = 2, kN = 100;
 constexpr double kC = 1.0, kQ = 0.04, kLr = 0.5;
@@ -73,24 +69,7 @@ std::string temp_dir() {
   return dir.string();
 }
 
-// Runs body(rank, process group) on `world_size` threads; every rank's exception is reported.
-void run_ranks(int world_size, std::chrono::milliseconds timeout,
-               const std::function<void(int, c10::intrusive_ptr<c10d::ProcessGroup>)>& body) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(world_size);
-  for (int rank = 0; rank < world_size; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        body(rank, comm::make_process_group("gloo", store, rank, world_size, timeout));
-      } catch (const std::exception& e) {
-        errors[rank] = e.what();
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  for (int rank = 0; rank < world_size; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
-}
+using testing::run_ranks;
 
 struct Options {
   double sigma = 0.0;
@@ -207,21 +186,6 @@ struct Rank {
   int charged = 0;
 };
 
-// fn() must throw E; returns its message.
-template <typename E, typename Fn>
-std::string message_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw another exception: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "threw nothing";
-  return "";
-}
-
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
@@ -287,12 +251,12 @@ TEST(PrivateStep, LedgerThatCannotBeWrittenStopsTheStepBeforeTheUpdate) {
       rlimit small{size, old.rlim_max};
       auto old_handler = signal(SIGXFSZ, SIG_IGN);  // EFBIG instead of the signal
       ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
-      why = message_of<accounting::LedgerError>([&] { rank.take(0, 2 * kB); });
+      why = testing::error_message<accounting::LedgerError>([&] { rank.take(0, 2 * kB); });
       setrlimit(RLIMIT_FSIZE, &old);
       signal(SIGXFSZ, old_handler);
       EXPECT_TRUE(contains(why, "cannot append to ledger " + path)) << why;
     } else {
-      why = message_of<accounting::LedgerError>([&] { rank.take(0, 2 * kB); });
+      why = testing::error_message<accounting::LedgerError>([&] { rank.take(0, 2 * kB); });
       EXPECT_TRUE(contains(why, "rank 0 could not write the privacy ledger")) << why;
     }
     EXPECT_EQ(rank.step->charges(), 0);
@@ -315,7 +279,8 @@ TEST(PrivateStep, ClosedLedgerStopsTheStepBeforeTheUpdate) {
     rank.micro_batch(0);
     accounting::Ledger::open_read_only(path);  // (readers never block)
     rank.ledger->close();
-    const std::string why = message_of<accounting::LedgerError>([&] { rank.take(0, kB); });
+    const std::string why =
+        testing::error_message<accounting::LedgerError>([&] { rank.take(0, kB); });
     EXPECT_TRUE(contains(why, "is closed")) << why;
     EXPECT_EQ(rank.step->charges(), 0);
     EXPECT_TRUE(torch::equal(rank.params(), before));
@@ -341,7 +306,7 @@ TEST(PrivateStep, BudgetGuardStopsAtTheTarget) {
     }
     const at::Tensor after_two = rank.params().clone();
     rank.micro_batch(2);
-    const std::string why = message_of<BudgetExhausted>([&] { rank.take(2, 2 * kB); });
+    const std::string why = testing::error_message<BudgetExhausted>([&] { rank.take(2, 2 * kB); });
     EXPECT_TRUE(contains(why, "budget epsilon=1 at delta=1e-05 (rdp) allows 2 steps")) << why;
     EXPECT_TRUE(contains(why, "2 are charged, so step 3 was not taken")) << why;
     EXPECT_EQ(rank.step->charges(), 2);
@@ -359,7 +324,7 @@ TEST(PrivateStep, BudgetGuardStopsAtTheTarget) {
     o.charges = 2;
     Rank rank(r, pg, o);
     rank.micro_batch(3);
-    const std::string why = message_of<BudgetExhausted>([&] { rank.take(3, 2 * kB); });
+    const std::string why = testing::error_message<BudgetExhausted>([&] { rank.take(3, 2 * kB); });
     EXPECT_TRUE(contains(why, "2 are charged, so step 3 was not taken")) << why;
     EXPECT_EQ(rank.charged, 0);
   });
@@ -413,7 +378,8 @@ TEST(PrivateStep, CollectiveFailureInTheUpdateSaysTheStepWasCharged) {
     rank.micro_batch(0);
     const at::Tensor before = rank.params().clone();
     if (r == 1) {
-      EXPECT_EQ(message_of<std::runtime_error>([&] { rank.take(0, 2 * kB); }), "rank 1 stops");
+      EXPECT_EQ(testing::error_message<std::runtime_error>([&] { rank.take(0, 2 * kB); }),
+                "rank 1 stops");
       while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(20));
       return;
     }
@@ -442,7 +408,8 @@ TEST(PrivateStep, OneRanksRefusalRefusesTheStepOnEveryRank) {
     rank.micro_batch(0);
     std::optional<std::string> refusal;
     if (r == 1) refusal = "the trainable parameters changed";
-    const std::string why = message_of<PrivacyError>([&] { rank.take(0, 2 * kB, refusal); });
+    const std::string why =
+        testing::error_message<PrivacyError>([&] { rank.take(0, 2 * kB, refusal); });
     EXPECT_TRUE(contains(why, r == 1 ? "the trainable parameters changed"
                                      : "another rank "
                                        "refused it"))
@@ -466,7 +433,7 @@ TEST(PrivateStep, UnequalLogicalBatchSizesAreRefusedOnEveryRank) {
     rank.micro_batch(0);
     const int64_t size = 20 * (r + 1);
     const std::string why =
-        message_of<PrivacyError>([&] { rank.take(0, size, std::nullopt, true); });
+        testing::error_message<PrivacyError>([&] { rank.take(0, size, std::nullopt, true); });
     EXPECT_TRUE(contains(why, "the ranks gave different logical batch sizes (this rank " +
                                   std::to_string(size) + ")"))
         << why;
@@ -483,7 +450,7 @@ TEST(PrivateStep, UnequalChargeCountsAreRefusedOnEveryRank) {
     o.charges = 2 * r;
     Rank rank(r, pg, o);
     rank.micro_batch(0);
-    const std::string why = message_of<PrivacyError>([&] { rank.take(0, 3 * kB); });
+    const std::string why = testing::error_message<PrivacyError>([&] { rank.take(0, 3 * kB); });
     EXPECT_TRUE(contains(why, "the ranks have charged different numbers of steps (this rank " +
                                   std::to_string(2 * r) + ")"))
         << why;
@@ -500,8 +467,8 @@ TEST(PrivateStep, EveryLocalRefusalIsTheStepsOnEveryRank) {
     rank.micro_batch(0);
     std::optional<std::string> bad;
     if (r == 0) bad = "lr must be >= 0, got -1";
-    const std::string why =
-        message_of<std::invalid_argument>([&] { rank.take(0, 2 * kB, std::nullopt, false, bad); });
+    const std::string why = testing::error_message<std::invalid_argument>(
+        [&] { rank.take(0, 2 * kB, std::nullopt, false, bad); });
     EXPECT_TRUE(contains(
         why, r == 0 ? "lr must be >= 0, got -1" : "another rank has invalid optimizer settings"))
         << why;
@@ -509,18 +476,19 @@ TEST(PrivateStep, EveryLocalRefusalIsTheStepsOnEveryRank) {
 
     rank.micro_batch(1);
     if (r == 1) rank.book->set_stale(true);
-    EXPECT_TRUE(contains(message_of<PrivacyError>([&] { rank.take(1, 2 * kB); }),
+    EXPECT_TRUE(contains(testing::error_message<PrivacyError>([&] { rank.take(1, 2 * kB); }),
                          r == 1 ? "a new logical batch began" : "another rank refused it"));
     rank.book->set_stale(false);
 
     rank.book->set_expected_rows(kB);
     rank.book->set_verdict(rank.book->on_forward(0));  // a forward, no backward
-    EXPECT_TRUE(contains(message_of<PrivacyError>([&] { rank.take(2, 2 * kB); }),
+    EXPECT_TRUE(contains(testing::error_message<PrivacyError>([&] { rank.take(2, 2 * kB); }),
                          "step() after a forward whose backward has not run"));
 
     rank.micro_batch(3);
-    EXPECT_TRUE(contains(message_of<PrivacyError>([&] { rank.take(3, r == 0 ? -1 : kN + 1); }),
-                         r == 0 ? "got -1" : "got 101"));
+    EXPECT_TRUE(
+        contains(testing::error_message<PrivacyError>([&] { rank.take(3, r == 0 ? -1 : kN + 1); }),
+                 r == 0 ? "got -1" : "got 101"));
     EXPECT_TRUE(rank.dropped());
     EXPECT_EQ(rank.step->charges(), 0);
   });
@@ -538,8 +506,9 @@ TEST(PrivateStep, ChargesNeverGoBackAndSecureKeysHaveEightWords) {
     zero::NoiseKey key;
     key.secure = true;
     key.key = {1, 2, 3};
-    EXPECT_TRUE(contains(message_of<std::invalid_argument>([&] { rank.step->set_noise_key(key); }),
-                         "got 3"));
+    EXPECT_TRUE(contains(
+        testing::error_message<std::invalid_argument>([&] { rank.step->set_noise_key(key); }),
+        "got 3"));
   });
 }
 
@@ -550,7 +519,8 @@ TEST(PrivateStep, MoreClippedRowsThanExamplesAreRefused) {
   run_ranks(2, std::chrono::seconds(60), [&](int r, auto pg) {
     Rank rank(r, pg, Options{});
     rank.micro_batch(0);
-    const std::string why = message_of<PrivacyError>([&] { rank.take(0, kB, std::nullopt, true); });
+    const std::string why =
+        testing::error_message<PrivacyError>([&] { rank.take(0, kB, std::nullopt, true); });
     EXPECT_TRUE(contains(why,
                          "more rows reached the clipping in logical step 0 than its batch "
                          "has examples (6 rows, logical_batch_size=3)"))

@@ -1,8 +1,7 @@
 // tests/cpp/torch/zero_collectives_test.cpp — the engine's collectives and units with ranks as
 // threads over one c10d::HashStore (DESIGN.md §6 "Multi-rank").
 //
-// Each thread gets a real Gloo process group made by comm::make_process_group over one shared
-// HashStore (Note [gloo headers] in src/comm/process_group.h), the same groups C++ callers use.
+// Each thread gets a real Gloo process group (tests/cpp/torch/ranks.h).
 
 #include <gtest/gtest.h>
 
@@ -10,11 +9,9 @@
 #include <cstring>
 #include <functional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
@@ -24,39 +21,17 @@
 #include "src/zero/flat_param.h"
 #include "src/zero/param_group.h"
 #include "src/zero/state.h"
+#include "tests/cpp/torch/ranks.h"
 
 namespace dpzero::zero {
 namespace {
 
-// c10d's flight recorder is one per process and its bookkeeping is not safe against several
-// process groups enqueueing at once, which is what ranks as threads do (a real run has one group
-// per process): a race in FlightRecorder::recordWithResetEnabled crashed this file now and then.
-// A buffer size of 0 turns the recorder off; it reads the variable once, when first used, so it
-// is set before main() runs.
-[[maybe_unused]] const bool kFlightRecorderOff = [] {
-  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
-  return true;
-}();
-
 // Runs body(rank, collectives) on `world_size` threads, each with its own process group.
 void run_ranks(int world_size, const std::function<void(int, const comm::Collectives&)>& body) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(world_size);
-  for (int rank = 0; rank < world_size; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        auto pg = comm::make_process_group("gloo", store, rank, world_size,
-                                           std::chrono::seconds(120));
-        comm::Collectives comm(pg);
-        body(rank, comm);
-      } catch (const std::exception& e) {
-        errors[rank] = e.what();
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  for (int rank = 0; rank < world_size; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
+  testing::run_ranks(world_size, std::chrono::seconds(120), [&](int rank, auto pg) {
+    comm::Collectives comm(pg);
+    body(rank, comm);
+  });
 }
 
 // A unit of three parameters (5, 7 and 3 elements, global coordinates [0, 15)), aligned to 4.
