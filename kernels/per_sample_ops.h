@@ -607,24 +607,78 @@ inline at::Tensor linear_sq_norms_btd(const at::Tensor& a, const at::Tensor& g, 
   return bias ? add_up(sq, bias_sq_norms_btd(g)) : sq;
 }
 
+// Note [host factors]
+// On the host the [c] float32 factors of a clipped sum are read once, as numbers: a sample is
+// kept iff its factor is finite and non-zero (kept()), the narrower operand's rows are multiplied
+// by the factor (zeros for a dropped sample) in one pass into a new float32 tensor, and
+// the other operand is copied with zeroed rows only when some sample is dropped. That is
+// scaled_rows and masked_rows, value for value (the same float32 products, the same zeros),
+// without their dozen ATen calls per layer, which at small sizes cost more than the GEMM
+// (experiments/results/host.md). On a device the tensor ops stay, and decide nothing on the host.
+
+// The [c] float32 factors (check_scale) as host values.
+inline std::vector<float> host_factors(const at::Tensor& scale) {
+  const at::Tensor s = scale.contiguous();
+  const float* p = s.data_ptr<float>();
+  return std::vector<float>(p, p + s.numel());
+}
+
+inline bool host_kept(float factor) { return std::isfinite(factor) && factor != 0.0f; }
+
+// x [c, ...] float32 on the host with row i multiplied by factors[i], or zeroed where factors[i]
+// is not kept (`scale`), or only zeroed there (!`scale`: x itself when every sample is kept,
+// changed in place when `owned`). Note [host factors].
+inline at::Tensor host_rows(const at::Tensor& x, const std::vector<float>& factors, bool scale,
+                            bool owned) {
+  const bool all_kept = std::all_of(factors.begin(), factors.end(), host_kept);
+  if (!scale && all_kept) return x;
+  const at::Tensor in = x.contiguous();
+  at::Tensor out = !scale && owned && in.is_same(x) ? in : at::empty_like(in);
+  const int64_t c = in.size(0), n = c > 0 ? in.numel() / c : 0;
+  const float* px = in.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  for (int64_t i = 0; i < c; ++i) {
+    const float f = factors[static_cast<size_t>(i)];
+    float* row = po + i * n;
+    if (!host_kept(f)) {
+      std::fill(row, row + n, 0.0f);
+    } else if (scale) {
+      for (int64_t j = 0; j < n; ++j) row[j] = px[i * n + j] * f;
+    } else if (row != px + i * n) {
+      std::copy(px + i * n, px + (i + 1) * n, row);
+    }
+  }
+  return out;
+}
+
 // out += sum_i c_i G_i^T A_i ([d_out, d_in]) or its transpose ([d_in, d_out]) when `transposed`.
 // One float32 GEMM per chunk over K = chunk * T; the narrower operand carries the factors.
+// `keep`: kept(scale), or undefined when scale, a and g are on the host (Note [host factors]).
 inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const at::Tensor& g,
                                    const at::Tensor& scale, const at::Tensor& keep,
                                    bool transposed) {
   const int64_t b = a.size(0), t = a.size(1), d_in = a.size(2), d_out = g.size(2);
   if (b == 0 || t == 0) return;
+  const bool host = !keep.defined();
   const int64_t chunk = samples_per_chunk(b, 8 * t * (d_in + d_out));
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
-    const at::Tensor c = scale.slice(0, i0, i1), k = keep.slice(0, i0, i1);
+    const at::Tensor c = scale.slice(0, i0, i1);
     at::Tensor ac = f32(a.slice(0, i0, i1)), gc = f32(g.slice(0, i0, i1));
-    if (d_out <= d_in) {
+    const bool a_owned = a.scalar_type() != at::kFloat, g_owned = g.scalar_type() != at::kFloat;
+    if (host) {
+      const std::vector<float> factors = host_factors(c);
+      const bool scale_g = d_out <= d_in;
+      gc = host_rows(gc, factors, /*scale=*/scale_g, g_owned);
+      ac = host_rows(ac, factors, /*scale=*/!scale_g, a_owned);
+    } else if (d_out <= d_in) {
+      const at::Tensor k = keep.slice(0, i0, i1);
       gc = scaled_rows(gc, c, k);
-      ac = masked_rows(ac, k, /*owned=*/a.scalar_type() != at::kFloat);
+      ac = masked_rows(ac, k, a_owned);
     } else {
+      const at::Tensor k = keep.slice(0, i0, i1);
       ac = scaled_rows(ac, c, k);
-      gc = masked_rows(gc, k, /*owned=*/g.scalar_type() != at::kFloat);
+      gc = masked_rows(gc, k, g_owned);
     }
     const at::Tensor a2 = ac.reshape({-1, d_in}), g2 = gc.reshape({-1, d_out});
     if (transposed) {
@@ -633,6 +687,12 @@ inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const a
       out.addmm_(g2.t(), a2);
     }
   }
+}
+
+// kept(scale) where the clipped sums need it: undefined when everything is on the host (Note
+// [host factors]).
+inline at::Tensor device_kept(const at::Tensor& scale, const at::Tensor& a, const at::Tensor& g) {
+  return scale.is_cpu() && a.is_cpu() && g.is_cpu() ? at::Tensor() : kept(scale);
 }
 
 // sum_i c_i sum_t G_{i,t}: [d] float32, summed in float64. G [B, T, d].
@@ -735,7 +795,7 @@ inline at::Tensor linear_clipped_sum_into(const char* op, at::Tensor* self, cons
     out = *self;
   }
   const Fp32MatmulGuard precision;
-  add_linear_clipped_sum(out, a, g, scale, kept(scale), transposed);
+  add_linear_clipped_sum(out, a, g, scale, device_kept(scale, a, g), transposed);
   return out;
 }
 
@@ -1016,13 +1076,15 @@ inline at::Tensor embedding_clipped_sum_into(const char* op, at::Tensor* self,
     out = *self;
   }
   const Fp32MatmulGuard precision;
-  const at::Tensor keep = kept(scale);
+  const at::Tensor keep = device_kept(scale, G, G);
   const int64_t chunk = samples_per_chunk(b, 8 * t * d);
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
     const at::Tensor idc = id.slice(0, i0, i1);
-    at::Tensor rows =
-        scaled_rows(f32(g.slice(0, i0, i1)), scale.slice(0, i0, i1), keep.slice(0, i0, i1));
+    const at::Tensor c = scale.slice(0, i0, i1), gc = f32(g.slice(0, i0, i1));
+    at::Tensor rows = keep.defined() ? scaled_rows(gc, c, keep.slice(0, i0, i1))
+                                     : host_rows(gc, host_factors(c), /*scale=*/true,
+                                                 /*owned=*/false);  // Note [host factors]
     rows.masked_fill_((idc == pad).unsqueeze(-1), 0);  // padding tokens get no gradient
     out.index_add_(0, idc.reshape({-1}), rows.reshape({-1, d}));
   }
@@ -1310,7 +1372,7 @@ inline at::Tensor conv_clipped_sum(const at::Tensor& input, const at::Tensor& G,
   const int64_t kin = geo.c_in / groups * geo.kernel_numel, kout = geo.c_out / groups;
   at::Tensor out = at::zeros({geo.c_out, kin}, input.options().dtype(at::kFloat));
   const at::Tensor g3 = G.reshape({b, geo.c_out, geo.positions});
-  const at::Tensor keep = kept(scale);
+  const at::Tensor keep = device_kept(scale, input, G);
   const int64_t chunk = conv_chunk(geo, b);
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
@@ -1319,7 +1381,8 @@ inline at::Tensor conv_clipped_sum(const at::Tensor& input, const at::Tensor& G,
     for (int64_t j = 0; j < groups; ++j) {
       auto [a_j, g_j] = conv_group(geo, cols, gc, j);
       at::Tensor out_j = out.narrow(0, j * kout, kout);
-      add_linear_clipped_sum(out_j, a_j, g_j, scale.slice(0, i0, i1), keep.slice(0, i0, i1),
+      add_linear_clipped_sum(out_j, a_j, g_j, scale.slice(0, i0, i1),
+                             keep.defined() ? keep.slice(0, i0, i1) : keep,
                              /*transposed=*/false);
     }
   }

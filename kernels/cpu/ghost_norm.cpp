@@ -43,9 +43,18 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels/cpu/gram_simd.h"
 #include "kernels/per_sample_checks.h"
 
 namespace dpzero::kernels {
+
+namespace gram_simd {
+bool available() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+}  // namespace gram_simd
+
 namespace {
 
 // Note [cpu scratch]: `numel` float64 elements of this thread's reused buffer (contents
@@ -155,6 +164,65 @@ void strip_dots(const double* ga, const double* gg, const int64_t* ids, int64_t 
   });
 }
 
+// Note [small ghost]
+// ~~~~~~~~~~~~~~~~~~
+// For a short sequence of float32 rows (T <= kSmallGhostRows, where Note [gram strips] has one
+// block: the whole T x T Gram) the batched float64 GEMMs and the float64 staging above cost more
+// than their arithmetic: at B = 4, T = 16, d = 64..256 (experiments/host_overhead.py) the two
+// bmm calls took 20-55 us for 65-200 k multiply-adds, and the copies, slices and views around
+// them as much again, once per DP layer per step. There, on CPUs with AVX2 + FMA, each sample's
+// Grams are formed straight from its float32 rows (gram_simd::gram_f32) into per-thread buffers,
+// and strip_dots reduces them over the one block exactly as it reduces the GEMM's strips. Every
+// Gram entry is still a length-d inner product of exact float64 products summed in float64
+// (within gamma_d, Note [certified norms] in kernels/per_sample_ops.h) and strip_dots is
+// unchanged, so the depth of Note [ghost summation depth] and the certified margin are the same;
+// only the order of the additions inside one entry differs from the GEMM's (which no BLAS
+// specifies). Other dtypes, non-contiguous inputs and longer sequences take the path above.
+constexpr int64_t kSmallGhostRows = 32;
+
+bool small_ghost_applies(int64_t t, const at::Tensor& g) {
+  return t <= kSmallGhostRows && g.scalar_type() == at::kFloat && g.is_contiguous() &&
+         gram_simd::available();
+}
+
+// This thread's float64 buffers for the small path: rows [t, d], and two [t, t] Grams.
+struct SmallGhostBuffers {
+  std::vector<double> rows, ga, gg;
+  void fit(int64_t t, int64_t d) {
+    rows.resize(static_cast<size_t>(t * d));
+    ga.resize(static_cast<size_t>(t * t));
+    gg.resize(static_cast<size_t>(t * t));
+  }
+};
+
+// Note [small ghost]: value / norms [L, b] float64 (row l at value + l * b) for A [b, t, d_in]
+// (or, with ids [b, t], the token Gram of an embedding, `a` then null) and each G_l [b, t,
+// d_out_l], all float32 contiguous.
+void small_ghost_values(const float* a, int64_t d_in, const int64_t* ids, int64_t pad,
+                        at::TensorList gs, int64_t b, int64_t t, double* value, double* norms) {
+  int64_t max_d = d_in;
+  for (const at::Tensor& g : gs) max_d = std::max(max_d, g.size(2));
+  const std::vector<std::pair<int64_t, int64_t>> one_block{{0, t}};
+  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+    thread_local SmallGhostBuffers buf;
+    buf.fit(t, max_d);
+    for (int64_t i = begin; i < end; ++i) {
+      if (a != nullptr) {
+        gram_simd::gram_f32(a + i * t * d_in, t, d_in, buf.rows.data(), buf.ga.data());
+      }
+      for (size_t l = 0; l < gs.size(); ++l) {
+        const int64_t d_out = gs[l].size(2);
+        gram_simd::gram_f32(gs[l].data_ptr<float>() + i * t * d_out, t, d_out, buf.rows.data(),
+                            buf.gg.data());
+        const int64_t at_out = static_cast<int64_t>(l) * b + i;
+        strip_dots(a != nullptr ? buf.ga.data() : nullptr, buf.gg.data(),
+                   ids != nullptr ? ids + i * t : nullptr, pad, 1, one_block, value + at_out,
+                   norms + at_out);
+      }
+    }
+  });
+}
+
 // Note [shared inputs]: A [B, T, d_in] and L output gradients G_l [B, T, d_out_l] of layers that
 // read the same input -> ([L, B] <A_i A_i^T, G_{l,i} G_{l,i}^T>, [L, B] sum_t ||a_t|| ||g_{l,t}||),
 // float64. A's copy and strips are made once per chunk, then each G_l's in turn; L = 1 is
@@ -172,6 +240,14 @@ std::tuple<at::Tensor, at::Tensor> ghost_values(const char* op, const at::Tensor
   at::Tensor value = at::zeros({n_layers, b}, a.options().dtype(at::kDouble));
   at::Tensor norms = at::zeros({n_layers, b}, a.options().dtype(at::kDouble));
   if (b == 0 || t == 0) return {value, norms};
+  const bool small = a.scalar_type() == at::kFloat && a.is_contiguous() &&
+                     std::all_of(gs.begin(), gs.end(),
+                                 [&](const at::Tensor& g) { return small_ghost_applies(t, g); });
+  if (small) {  // Note [small ghost]
+    small_ghost_values(a.data_ptr<float>(), d_in, nullptr, 0, gs, b, t, value.data_ptr<double>(),
+                       norms.data_ptr<double>());
+    return {value, norms};
+  }
   const auto blocks = row_blocks(t);
   const int64_t strip = strip_numel(blocks);
   // Per sample: float64 copies of its A rows and of one G's rows, and the strips of two Grams.
@@ -226,12 +302,17 @@ std::tuple<at::Tensor, at::Tensor> token_ghost_sq_norms_cpu(const at::Tensor& id
   at::Tensor value = at::zeros({b}, g.options().dtype(at::kDouble));
   at::Tensor norms = at::zeros({b}, g.options().dtype(at::kDouble));
   if (b == 0 || t == 0) return {value, norms};
+  const at::Tensor ids_c = ids.contiguous();
+  if (small_ghost_applies(t, g)) {  // Note [small ghost]
+    small_ghost_values(nullptr, 0, ids_c.data_ptr<int64_t>(), padding_idx, {g}, b, t,
+                       value.data_ptr<double>(), norms.data_ptr<double>());
+    return {value, norms};
+  }
   const auto blocks = row_blocks(t);
   const int64_t strip = strip_numel(blocks);
   const int64_t per_sample = t * d + strip;
   const int64_t chunk = samples_per_chunk(b, 8 * per_sample);
   const at::Tensor ws = scratch_f64(chunk * per_sample);
-  const at::Tensor ids_c = ids.contiguous();
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t c = std::min(b, i0 + chunk) - i0;
     const at::Tensor gc = ws.slice(0, 0, c * t * d).view({c, t, d}).copy_(g.slice(0, i0, i0 + c));

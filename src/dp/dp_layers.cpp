@@ -1,6 +1,7 @@
 // src/dp/dp_layers.cpp — see dp_layers.h.
 #include "src/dp/dp_layers.h"
 
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -107,17 +108,27 @@ class EmbeddingBackward final : public DPLayerBackward {
 };
 
 // nn.LayerNorm. Under autocast layer_norm runs in float32 (autocast's fp32 list): G arrives in the
-// output's dtype, and the input gradient is that of the forward in G's dtype, cast back to x's.
-// A is x itself (the per-sample ops read 16-bit inputs and compute in float64).
+// output's dtype, and the input gradient is that of the forward in G's dtype, cast back to x's;
+// the backward recomputes the statistics in that dtype. Without autocast the forward's own mean and
+// 1/std are kept for it (as ATen's layer-norm node keeps them). A is x itself (the per-sample ops
+// read 16-bit inputs and compute in float64).
 class LayerNormBackward final : public DPLayerBackward {
  public:
   LayerNormBackward(Report report, std::vector<int64_t> normalized_shape, at::Tensor weight,
-                    at::Tensor bias, double eps)
+                    at::Tensor bias, double eps, at::Tensor mean, at::Tensor rstd)
       : DPLayerBackward("DPLayerNormBackward", std::move(report)),
         shape_(std::move(normalized_shape)),
         weight_(std::move(weight)),
         bias_(std::move(bias)),
-        eps_(eps) {}
+        eps_(eps),
+        mean_(std::move(mean)),
+        rstd_(std::move(rstd)) {}
+
+  void release_variables() override {
+    DPLayerBackward::release_variables();
+    mean_.reset();
+    rstd_.reset();
+  }
 
  protected:
   at::Tensor input_grad(const at::Tensor& x, const at::Tensor& g) override {
@@ -127,7 +138,10 @@ class LayerNormBackward final : public DPLayerBackward {
         weight_.defined() ? std::optional<at::Tensor>(weight_.to(dtype)) : std::nullopt;
     const std::optional<at::Tensor> b =
         bias_.defined() ? std::optional<at::Tensor>(bias_.to(dtype)) : std::nullopt;
-    const auto [y, mean, rstd] = at::native_layer_norm(xc, shape_, w, b, eps_);
+    at::Tensor mean = mean_, rstd = rstd_;
+    if (!mean.defined() || xc.scalar_type() != x.scalar_type()) {
+      std::tie(std::ignore, mean, rstd) = at::native_layer_norm(xc, shape_, w, b, eps_);
+    }
     const auto [gx, gw, gb] =
         at::native_layer_norm_backward(g, xc, shape_, mean, rstd, w, b, {true, false, false});
     return gx.to(x.scalar_type());
@@ -137,6 +151,7 @@ class LayerNormBackward final : public DPLayerBackward {
   std::vector<int64_t> shape_;
   at::Tensor weight_, bias_;  // the parameters themselves (read in the backward, as Linear's)
   double eps_;
+  at::Tensor mean_, rstd_;  // the forward's statistics, without autocast (else undefined)
 };
 
 // Attaches `node`, over inputs (x, weight[, bias]), to `out`.
@@ -159,9 +174,12 @@ at::Tensor dp_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
   at::Tensor out;
   {
     const at::AutoGradMode no_grad(false);  // the node below is the only history
-    if (transposed) {
+    if (transposed && bias.defined()) {  // HF Conv1D's own forward: one addmm over the rows
+      std::vector<int64_t> shape = x.sizes().vec();
+      shape.back() = weight.size(1);
+      out = at::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(shape);
+    } else if (transposed) {
       out = at::matmul(x, weight);
-      if (bias.defined()) out = out + bias;
     } else {
       out = at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
     }
@@ -188,14 +206,20 @@ at::Tensor dp_layer_norm(const at::Tensor& x, std::vector<int64_t> normalized_sh
                          const at::Tensor& weight, const at::Tensor& bias, double eps,
                          Report report) {
   TORCH_CHECK(weight.defined(), "dpzero::dp::dp_layer_norm: a DP LayerNorm has a weight");
-  at::Tensor out;
+  at::Tensor out, mean, rstd;
   {
     const at::AutoGradMode no_grad(false);
-    out = at::layer_norm(x, normalized_shape, weight,
-                         bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, eps);
+    const std::optional<at::Tensor> b =
+        bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+    if (autocast_dtype(x)) {  // autocast's layer_norm entry casts to float32 (Note [autocast])
+      out = at::layer_norm(x, normalized_shape, weight, b, eps);
+    } else {  // what at::layer_norm computes, with the statistics the backward needs
+      std::tie(out, mean, rstd) = at::native_layer_norm(x, normalized_shape, weight, b, eps);
+    }
   }
   auto node = std::shared_ptr<DPLayerBackward>(
-      new LayerNormBackward(std::move(report), std::move(normalized_shape), weight, bias, eps),
+      new LayerNormBackward(std::move(report), std::move(normalized_shape), weight, bias, eps,
+                            std::move(mean), std::move(rstd)),
       torch::autograd::deleteNode);
   return with_backward(std::move(out), std::move(node), x, weight, bias);
 }

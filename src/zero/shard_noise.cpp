@@ -2,6 +2,7 @@
 #include "src/zero/shard_noise.h"
 
 #include <cmath>
+#include <vector>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
@@ -21,8 +22,24 @@ int64_t add_runs_noise_(at::Tensor& flat, const std::vector<CoordinateRun>& runs
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("dpzero::add_secure_noise_", "")
           .typed<at::Tensor&(at::Tensor&, double, c10::IntArrayRef, int64_t, int64_t)>();
-  int64_t noised = 0;
+  // Runs that continue each other both here and in the global numbering (parameters packed
+  // back to back) are drawn in one call: the draw of a coordinate depends on its global index only
+  // (Note [noise ownership] in privacy/noise.h), so the values are the same, with one op call per
+  // stretch instead of one per parameter.
+  std::vector<CoordinateRun> merged;
   for (const CoordinateRun& run : runs) {
+    if (!merged.empty()) {
+      CoordinateRun& last = merged.back();
+      if (last.local_offset + last.length == run.local_offset &&
+          last.global_offset + last.length == run.global_offset) {
+        last.length += run.length;
+        continue;
+      }
+    }
+    merged.push_back(run);
+  }
+  int64_t noised = 0;
+  for (const CoordinateRun& run : merged) {
     at::Tensor piece = flat.narrow(0, run.local_offset, run.length);
     if (key.secure) {
       secure_op.call(piece, stddev, key.key, step, run.global_offset);

@@ -56,17 +56,30 @@ def test_an_unreachable_target_epsilon_names_the_target_and_the_sigma_range():
 
 
 def test_parameters_unfrozen_or_added_after_make_private_stop_the_step():
-    for change in ("unfreeze", "add"):
+    # Each change comes after a first step, so the step's check has listed the modules already
+    # (private/trainable.py): a submodule registered since must be listed again.
+    for change in ("unfreeze", "add", "submodule", "replace"):
         model = SeqNet()
         model.emb.weight.requires_grad_(False)  # frozen before make_private: fine
         p = dpzero.make_private(model, dataset=seq_data(), batch_size=8, seed=1, **NOISE)
+        batches = iter(p.data_loader)
+        x, y = next(batches)
+        torch.nn.functional.cross_entropy(p.model(x), y).backward()
+        assert p.optimizer.step()
+        p.optimizer.zero_grad()
         if change == "unfreeze":
             model.emb.weight.requires_grad_(True)
             name = "emb.weight"
-        else:
+        elif change == "add":
             model.extra = torch.nn.Parameter(torch.zeros(3))
             name = "extra"
-        x, y = next(iter(p.data_loader))
+        elif change == "submodule":
+            model.head.side = torch.nn.Linear(2, 2)
+            name = "head.side.weight"
+        else:
+            model.head.bias = torch.nn.Parameter(model.head.bias.detach().clone())
+            name = "head.bias"
+        x, y = next(batches)
         torch.nn.functional.cross_entropy(p.model(x), y).backward()
         with pytest.raises(dpzero.PrivacyViolation,
                            match=rf"trainable parameters changed .*'{name}'"):

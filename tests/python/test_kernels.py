@@ -474,6 +474,32 @@ def test_per_sample_clipped_sum_drops_nan_rows_and_checks_arguments(device):
         ops.per_sample_clipped_sum(grads.half(), scale)
 
 
+@device_param
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d_in,d_out", [(3, 5), (5, 3)], ids=["scale-A", "scale-G"])
+def test_linear_clipped_sum_zeroes_dropped_rows(device, dtype, d_in, d_out):
+    # A dropped sample's rows are set to zero, never multiplied by its factor (a NaN or inf in its
+    # A or G would reach the sum); which operand carries the factors depends on the widths (Note
+    # [host factors] on the CPU). Reference: the kept samples' per-sample gradients.
+    A = rand((4, 2, d_in), dtype, device, 150)
+    G = rand((4, 2, d_out), dtype, device, 151)
+    A[1, 0, 0], G[2, 1, 1], A[3, 1, 2] = float("nan"), float("inf"), float("nan")
+    scale = torch.tensor([0.5, 0.0, float("nan"), float("inf")], device=device)
+    gw, _ = per_sample_linear(A[:1], G[:1])
+    want = 0.5 * gw[0]
+    for transposed in (False, True):
+        got = ops.linear_clipped_sum(A, G, scale, transposed)
+        assert_close(got, want.t() if transposed else want, dtype)
+        buf = torch.ones(d_in * d_out + 2, device=device)
+        ops.add_linear_clipped_sum_(slot_of(buf, 1, got.shape), A, G, scale, transposed)
+        assert_close(buf[1:-1].view(got.shape) - 1, want.t() if transposed else want, dtype)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0], [1, 1]], device=device)
+    got = ops.embedding_clipped_sum(ids, G, scale, 3)
+    want_e = torch.zeros(3, d_out, dtype=torch.float64, device=device)
+    want_e.index_add_(0, ids[0], 0.5 * f64(G[0]))
+    assert_close(got, want_e, dtype)
+
+
 # ---- in-place clipped sums (Note [accumulating clipped sums]) ------------------------------------
 
 
@@ -1334,6 +1360,43 @@ def test_ghost_norm_more_samples_than_one_grid(device):
     assert_close(
         ops.embedding_sq_norms(ids, G, 4, None, GHOST), f64(G).square().sum((1, 2)), torch.float32
     )
+
+
+def ghost_reference(A, G):
+    """<A_i A_i^T, G_i G_i^T> and sum_t ||a_t|| ||g_t|| per sample, in float64 by einsum."""
+    a, g = f64(A), f64(G)
+    ga, gg = torch.einsum("bsd,btd->bst", a, a), torch.einsum("bsd,btd->bst", g, g)
+    return (ga * gg).sum((1, 2)), (a.norm(dim=2) * g.norm(dim=2)).sum(1)
+
+
+@pytest.mark.parametrize("t", [1, 2, 7, 32, 33])
+@pytest.mark.parametrize("d_in,d_out", [(1, 3), (4, 5), (16, 17), (33, 64)])
+def test_ghost_raw_values_small_sequences(t, d_in, d_out):
+    # Note [small ghost] (kernels/cpu/ghost_norm.cpp): for T <= 32 float32 contiguous rows the CPU
+    # kernel forms the Grams itself (AVX2, every d % 16 and d % 4 tail); T = 33 and a
+    # non-contiguous G take the batched-GEMM path. All must give the float64 value and S.
+    A = rand((3, t, d_in), torch.float32, "cpu", 140)
+    G = rand((3, t, d_out), torch.float32, "cpu", 141)
+    want_v, want_s = ghost_reference(A, G)
+    strided = rand((3, t, 2 * d_out), torch.float32, "cpu", 141)[:, :, ::2]
+    for g in (G, strided):
+        v, s_ = torch.ops.dpzero._ghost_sq_norms(A, g)
+        rv, rs = ghost_reference(A, g)
+        torch.testing.assert_close(v, rv, rtol=1e-12, atol=0)
+        torch.testing.assert_close(s_, rs, rtol=1e-12, atol=0)
+    v, s_ = torch.ops.dpzero._ghost_sq_norms_multi(A, [G, G[:, :, :1].contiguous()])
+    torch.testing.assert_close(v[0], want_v, rtol=1e-12, atol=0)
+    torch.testing.assert_close(s_[0], want_s, rtol=1e-12, atol=0)
+    v1, s1 = ghost_reference(A, G[:, :, :1])
+    torch.testing.assert_close(v[1], v1, rtol=1e-12, atol=0)
+    torch.testing.assert_close(s_[1], s1, rtol=1e-12, atol=0)
+    # The token Gram (an embedding's one-hot rows), with padding tokens skipped.
+    ids = torch.randint(0, 4, (3, t), generator=torch.Generator().manual_seed(142))
+    v, s_ = torch.ops.dpzero._token_ghost_sq_norms(ids, G, 1)
+    onehot = F.one_hot(ids, 4).double() * (ids != 1).unsqueeze(-1)
+    rv, rs = ghost_reference(onehot, G * (ids != 1).unsqueeze(-1))
+    torch.testing.assert_close(v, rv, rtol=1e-12, atol=0)
+    torch.testing.assert_close(s_, rs, rtol=1e-12, atol=0)
 
 
 # ---- error messages name the op the caller called ------------------------------------------------

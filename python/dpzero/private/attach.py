@@ -156,10 +156,10 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
     if recompute:
         book.on_recompute(layer)
     kind = layer.kind
-    params = [layer.module.get_parameter(n) for n, t in zip(kind.params, layer.train) if t]
     refused = not recompute and book.root is None  # Note [batch provenance]
     if isinstance(kind, FuncKind):
-        out = _fallback_forward(book, layer, original, params, args, kwargs, recompute, refused)
+        out = _fallback_forward(book, layer, original, _trainable_params(layer), args, kwargs,
+                                recompute, refused)
         return out
     if len(args) != 1 or kwargs:
         raise PrivacyViolation(
@@ -185,10 +185,16 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
     if hasattr(kind, "dp_call"):  # the C++ autograd function (src/dp/dp_layers.h)
         generation, part = (0, -1) if refusal else book.on_forward(layer, rec)[:2]
         return kind.dp_call(layer.module, x, book._core, generation, part, refusal)
+    params = _trainable_params(layer)
     if refusal:
         return dp_apply(kind, layer.module, book.refusing(refusal), x, params)
     pid = book.on_forward(layer, rec)
     return dp_apply(kind, layer.module, functools.partial(book.on_backward, pid), x, params)
+
+
+def _trainable_params(layer: Layer) -> list:
+    """The layer's trainable parameters, read from its module at the call."""
+    return [layer.module.get_parameter(n) for n, t in zip(layer.kind.params, layer.train) if t]
 
 
 def _fallback_forward(book, layer, original, params, args, kwargs, recompute=False,

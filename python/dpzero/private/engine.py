@@ -61,6 +61,7 @@ from .examples import MicroBatchToken, tag
 from .loader import DPDataLoader, MicroBatch
 from .optimizer import DPOptimizer
 from .provenance import Ranks
+from .trainable import TrainableSet
 from . import state_dict
 
 class PrivateModule(nn.Module):
@@ -351,8 +352,8 @@ class PrivacyEngine:
         self._micro: Optional[MicroBatch] = None  # the micro-batch handed out last
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
-        self._trainable = list(trainable.values())
-        self._trainable_ids = frozenset(trainable)  # checked at every step
+        self._trainable_set = TrainableSet(model, list(trainable.values()))  # checked each step
+        self._trainable = self._trainable_set.params
         # Whole epochs never exceed the steps σ was calibrated for (int(epochs / q), Opacus's).
         steps_per_epoch = max(1, int(1.0 / q))
         self.model = PrivateModule(model, self)
@@ -541,17 +542,6 @@ class PrivacyEngine:
         self._close_logical_batch()
         self._step.drop_batch()
 
-    def _trainable_changed(self) -> Optional[str]:
-        """The engine trains the parameters that were trainable at attach; one unfrozen since
-        would get no update (and no guard), one frozen since would still be updated."""
-        now = {id(p) for p in self.module.parameters() if p.requires_grad}
-        if now != self._trainable_ids:
-            names = [n for n, p in self.module.named_parameters()
-                     if p.requires_grad != any(p is q for q in self._trainable)]
-            return (f"the trainable parameters changed since make_private ({names[:5]}...); "
-                    "freeze or unfreeze before make_private")
-        return None
-
     def _set_hyperparameters(self) -> None:
         """param_groups[0]'s hyperparameters into the engine (Note [hyperparameters at the
         step]); ValueError naming a bad one, the engine unchanged."""
@@ -640,7 +630,7 @@ class PrivacyEngine:
             return False  # not the last micro-batch of the logical batch: only accumulate
         # Checks only Python can make; the book's own, the agreement, the budget, the ledger,
         # the charge and the noisy update are the step's transaction (src/dp/private_step.h).
-        refusal = self._trainable_changed()
+        refusal = self._trainable_set.changed()
         try:  # Note [hyperparameters at the step] (optimizer.py)
             self._set_hyperparameters()
             bad_settings = None
