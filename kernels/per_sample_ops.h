@@ -609,11 +609,12 @@ inline at::Tensor linear_sq_norms_btd(const at::Tensor& a, const at::Tensor& g, 
 
 // Note [host factors]
 // On the host the [c] float32 factors of a clipped sum are read once, as numbers: a sample is
-// kept iff its factor is finite and non-zero (kept()), the narrower operand's rows are multiplied
-// by the factor (zeros for a dropped sample) in one pass into a new float32 tensor, and
-// the other operand is copied with zeroed rows only when some sample is dropped. That is
-// scaled_rows and masked_rows, value for value (the same float32 products, the same zeros),
-// without their dozen ATen calls per layer, which at small sizes cost more than the GEMM
+// kept iff its factor is finite and non-zero (kept()). The narrower operand is multiplied by the
+// factors in one ATen op, and only the rows of dropped samples, if any, are then zeroed; the
+// other operand is copied with zeroed rows only when some sample is dropped. That is scaled_rows
+// and masked_rows value for value (the same float32 products, the same zeros; a dropped row is
+// zeroed, never multiplied by 0, which would keep a NaN), without the mask tensors and their
+// dozen ATen calls per layer, which at small sizes cost more than the GEMM
 // (experiments/results/host.md). On a device the tensor ops stay, and decide nothing on the host.
 
 // The [c] float32 factors (check_scale) as host values.
@@ -625,28 +626,16 @@ inline std::vector<float> host_factors(const at::Tensor& scale) {
 
 inline bool host_kept(float factor) { return std::isfinite(factor) && factor != 0.0f; }
 
-// x [c, ...] float32 on the host with row i multiplied by factors[i], or zeroed where factors[i]
-// is not kept (`scale`), or only zeroed there (!`scale`: x itself when every sample is kept,
-// changed in place when `owned`). Note [host factors].
-inline at::Tensor host_rows(const at::Tensor& x, const std::vector<float>& factors, bool scale,
-                            bool owned) {
+// x [c, ...] float32 on the host with row i multiplied by scale[i] (`multiply`), and the rows of
+// samples whose factor is not kept set to zero; without `multiply`, x itself when every sample is
+// kept (changed in place when `owned`). Note [host factors].
+inline at::Tensor host_rows(const at::Tensor& x, const at::Tensor& scale,
+                            const std::vector<float>& factors, bool multiply, bool owned) {
   const bool all_kept = std::all_of(factors.begin(), factors.end(), host_kept);
-  if (!scale && all_kept) return x;
-  const at::Tensor in = x.contiguous();
-  at::Tensor out = !scale && owned && in.is_same(x) ? in : at::empty_like(in);
-  const int64_t c = in.size(0), n = c > 0 ? in.numel() / c : 0;
-  const float* px = in.data_ptr<float>();
-  float* po = out.data_ptr<float>();
-  for (int64_t i = 0; i < c; ++i) {
-    const float f = factors[static_cast<size_t>(i)];
-    float* row = po + i * n;
-    if (!host_kept(f)) {
-      std::fill(row, row + n, 0.0f);
-    } else if (scale) {
-      for (int64_t j = 0; j < n; ++j) row[j] = px[i * n + j] * f;
-    } else if (row != px + i * n) {
-      std::copy(px + i * n, px + (i + 1) * n, row);
-    }
+  if (!multiply && all_kept) return x;
+  at::Tensor out = multiply ? x * scale.view(sample_shape(x)) : owned ? x : x.clone();
+  for (size_t i = 0; i < factors.size(); ++i) {
+    if (!host_kept(factors[i])) out.select(0, static_cast<int64_t>(i)).zero_();
   }
   return out;
 }
@@ -669,8 +658,8 @@ inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const a
     if (host) {
       const std::vector<float> factors = host_factors(c);
       const bool scale_g = d_out <= d_in;
-      gc = host_rows(gc, factors, /*scale=*/scale_g, g_owned);
-      ac = host_rows(ac, factors, /*scale=*/!scale_g, a_owned);
+      gc = host_rows(gc, c, factors, /*multiply=*/scale_g, g_owned);
+      ac = host_rows(ac, c, factors, /*multiply=*/!scale_g, a_owned);
     } else if (d_out <= d_in) {
       const at::Tensor k = keep.slice(0, i0, i1);
       gc = scaled_rows(gc, c, k);
@@ -758,6 +747,24 @@ inline at::Tensor linear_sq_norms_multi(const at::Tensor& A, at::TensorList G, i
                                   .findSchemaOrThrow("dpzero::_ghost_sq_norms_multi", "")
                                   .typed<Signature>();
     const auto [values, s] = multi.call(a, gs);
+    if (gs.size() == G.size() && is_host_f64(values) && is_host_f64(s)) {
+      // Note [host certification]: certify_ghost and to_f32_up of every row in one loop, into
+      // the result itself (the same operations as theirs).
+      const int64_t b = values.size(1);
+      at::Tensor certified = at::empty({values.size(0), b}, values.options().dtype(at::kFloat));
+      const at::Tensor vc = values.contiguous(), sc = s.contiguous();
+      const double* pv = vc.data_ptr<double>();
+      const double* ps = sc.data_ptr<double>();
+      float* po = certified.data_ptr<float>();
+      for (size_t k = 0; k < gs.size(); ++k) {
+        const double c = 2.0 * ghost_error_coefficient(a.size(1), a.size(2), gs[k].size(2));
+        for (int64_t i = 0; i < b; ++i) {
+          const int64_t at_ki = static_cast<int64_t>(k) * b + i;
+          po[at_ki] = f32_up(up_one(std::max(pv[at_ki], 0.0) + ps[at_ki] * ps[at_ki] * c));
+        }
+      }
+      return certified;
+    }
     for (size_t k = 0; k < gs.size(); ++k) {
       const double c = ghost_error_coefficient(a.size(1), a.size(2), gs[k].size(2));
       out[ghost_rows[k]] = to_f32_up(certify_ghost(values[static_cast<int64_t>(k)],
@@ -1083,7 +1090,7 @@ inline at::Tensor embedding_clipped_sum_into(const char* op, at::Tensor* self,
     const at::Tensor idc = id.slice(0, i0, i1);
     const at::Tensor c = scale.slice(0, i0, i1), gc = f32(g.slice(0, i0, i1));
     at::Tensor rows = keep.defined() ? scaled_rows(gc, c, keep.slice(0, i0, i1))
-                                     : host_rows(gc, host_factors(c), /*scale=*/true,
+                                     : host_rows(gc, c, host_factors(c), /*multiply=*/true,
                                                  /*owned=*/false);  // Note [host factors]
     rows.masked_fill_((idc == pad).unsqueeze(-1), 0);  // padding tokens get no gradient
     out.index_add_(0, idc.reshape({-1}), rows.reshape({-1, d}));

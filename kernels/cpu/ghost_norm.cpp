@@ -226,8 +226,9 @@ void small_ghost_values(const float* a, int64_t d_in, const int64_t* ids, int64_
 // Note [shared inputs]: A [B, T, d_in] and L output gradients G_l [B, T, d_out_l] of layers that
 // read the same input -> ([L, B] <A_i A_i^T, G_{l,i} G_{l,i}^T>, [L, B] sum_t ||a_t|| ||g_{l,t}||),
 // float64. A's copy and strips are made once per chunk, then each G_l's in turn; L = 1 is
-// _ghost_sq_norms, so a layer's value is the same bits whether it is computed alone or with
-// others. `op` names the calling op in the argument checks.
+// _ghost_sq_norms, so a layer's value is the same bits whether it is computed alone or with others
+// on the same path (Note [small ghost] takes a group only when every G qualifies; either path's
+// value is certified the same way). `op` names the calling op in the argument checks.
 std::tuple<at::Tensor, at::Tensor> ghost_values(const char* op, const at::Tensor& a,
                                                 at::TensorList gs) {
   int64_t max_d_out = 0;

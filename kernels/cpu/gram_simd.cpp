@@ -10,7 +10,7 @@
 namespace dpzero::kernels::gram_simd {
 namespace {
 
-inline double lane_sum(__m256d v) {  // (v0 + v1) + (v2 + v3)
+inline double lane_sum(__m256d v) {  // (v0 + v2) + (v1 + v3)
   const __m128d lo = _mm256_castpd256_pd128(v), hi = _mm256_extractf128_pd(v, 1);
   const __m128d pair = _mm_add_pd(lo, hi);  // (v0 + v2, v1 + v3)
   return _mm_cvtsd_f64(_mm_add_sd(pair, _mm_unpackhi_pd(pair, pair)));
@@ -21,20 +21,60 @@ inline double lane_sum(__m256d v) {  // (v0 + v1) + (v2 + v3)
 // would: one rounding per addition, whatever the order (gamma_d bound, gram_simd.h).
 inline double dot(const double* x, const double* y, int64_t d) {
   __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
-  __m256d acc2 = _mm256_setzero_pd(), acc3 = _mm256_setzero_pd();
   int64_t k = 0;
-  for (; k + 16 <= d; k += 16) {
+  for (; k + 8 <= d; k += 8) {
     acc0 = _mm256_fmadd_pd(_mm256_loadu_pd(x + k), _mm256_loadu_pd(y + k), acc0);
     acc1 = _mm256_fmadd_pd(_mm256_loadu_pd(x + k + 4), _mm256_loadu_pd(y + k + 4), acc1);
-    acc2 = _mm256_fmadd_pd(_mm256_loadu_pd(x + k + 8), _mm256_loadu_pd(y + k + 8), acc2);
-    acc3 = _mm256_fmadd_pd(_mm256_loadu_pd(x + k + 12), _mm256_loadu_pd(y + k + 12), acc3);
   }
   for (; k + 4 <= d; k += 4) {
     acc0 = _mm256_fmadd_pd(_mm256_loadu_pd(x + k), _mm256_loadu_pd(y + k), acc0);
   }
-  double sum = lane_sum(_mm256_add_pd(_mm256_add_pd(acc0, acc1), _mm256_add_pd(acc2, acc3)));
+  double sum = lane_sum(_mm256_add_pd(acc0, acc1));
   for (; k < d; ++k) sum += x[k] * y[k];
   return sum;
+}
+
+// The four dots of rows x0, x1 with rows y0, y1 (out: x0.y0, x0.y1, x1.y0, x1.y1), each summed
+// as dot() sums it; one pass over the four rows, so each load feeds two multiply-adds.
+inline void dots2x2(const double* x0, const double* x1, const double* y0, const double* y1,
+                    int64_t d, double out[4]) {
+  __m256d a00 = _mm256_setzero_pd(), a01 = _mm256_setzero_pd();
+  __m256d a10 = _mm256_setzero_pd(), a11 = _mm256_setzero_pd();
+  __m256d b00 = _mm256_setzero_pd(), b01 = _mm256_setzero_pd();
+  __m256d b10 = _mm256_setzero_pd(), b11 = _mm256_setzero_pd();
+  int64_t k = 0;
+  for (; k + 8 <= d; k += 8) {
+    const __m256d p0 = _mm256_loadu_pd(x0 + k), p1 = _mm256_loadu_pd(x1 + k);
+    const __m256d q0 = _mm256_loadu_pd(y0 + k), q1 = _mm256_loadu_pd(y1 + k);
+    a00 = _mm256_fmadd_pd(p0, q0, a00);
+    a01 = _mm256_fmadd_pd(p0, q1, a01);
+    a10 = _mm256_fmadd_pd(p1, q0, a10);
+    a11 = _mm256_fmadd_pd(p1, q1, a11);
+    const __m256d r0 = _mm256_loadu_pd(x0 + k + 4), r1 = _mm256_loadu_pd(x1 + k + 4);
+    const __m256d s0 = _mm256_loadu_pd(y0 + k + 4), s1 = _mm256_loadu_pd(y1 + k + 4);
+    b00 = _mm256_fmadd_pd(r0, s0, b00);
+    b01 = _mm256_fmadd_pd(r0, s1, b01);
+    b10 = _mm256_fmadd_pd(r1, s0, b10);
+    b11 = _mm256_fmadd_pd(r1, s1, b11);
+  }
+  for (; k + 4 <= d; k += 4) {
+    const __m256d p0 = _mm256_loadu_pd(x0 + k), p1 = _mm256_loadu_pd(x1 + k);
+    const __m256d q0 = _mm256_loadu_pd(y0 + k), q1 = _mm256_loadu_pd(y1 + k);
+    a00 = _mm256_fmadd_pd(p0, q0, a00);
+    a01 = _mm256_fmadd_pd(p0, q1, a01);
+    a10 = _mm256_fmadd_pd(p1, q0, a10);
+    a11 = _mm256_fmadd_pd(p1, q1, a11);
+  }
+  out[0] = lane_sum(_mm256_add_pd(a00, b00));
+  out[1] = lane_sum(_mm256_add_pd(a01, b01));
+  out[2] = lane_sum(_mm256_add_pd(a10, b10));
+  out[3] = lane_sum(_mm256_add_pd(a11, b11));
+  for (; k < d; ++k) {
+    out[0] += x0[k] * y0[k];
+    out[1] += x0[k] * y1[k];
+    out[2] += x1[k] * y0[k];
+    out[3] += x1[k] * y1[k];
+  }
 }
 
 }  // namespace
@@ -44,12 +84,29 @@ void gram_f32(const float* x, int64_t t, int64_t d, double* rows, double* gram) 
   int64_t k = 0;
   for (; k + 4 <= n; k += 4) _mm256_storeu_pd(rows + k, _mm256_cvtps_pd(_mm_loadu_ps(x + k)));
   for (; k < n; ++k) rows[k] = static_cast<double>(x[k]);
-  for (int64_t s = 0; s < t; ++s) {
-    for (int64_t u = 0; u <= s; ++u) {
-      const double v = dot(rows + s * d, rows + u * d, d);
-      gram[s * t + u] = v;
-      gram[u * t + s] = v;
+  const auto set = [&](int64_t s, int64_t u, double v) {
+    gram[s * t + u] = v;
+    gram[u * t + s] = v;
+  };
+  int64_t s = 0;
+  for (; s + 2 <= t; s += 2) {  // rows s, s + 1 against every earlier pair, then each other
+    const double* x0 = rows + s * d;
+    const double* x1 = x0 + d;
+    double out[4];
+    for (int64_t u = 0; u < s; u += 2) {
+      dots2x2(x0, x1, rows + u * d, rows + (u + 1) * d, d, out);
+      set(s, u, out[0]);
+      set(s, u + 1, out[1]);
+      set(s + 1, u, out[2]);
+      set(s + 1, u + 1, out[3]);
     }
+    dots2x2(x0, x1, x0, x1, d, out);
+    set(s, s, out[0]);
+    set(s + 1, s, out[1]);  // x0.x1: the same products in the same order as x1.x0
+    set(s + 1, s + 1, out[3]);
+  }
+  for (; s < t; ++s) {  // an odd last row
+    for (int64_t u = 0; u <= s; ++u) set(s, u, dot(rows + s * d, rows + u * d, d));
   }
 }
 

@@ -80,8 +80,7 @@ class LinearBackward final : public DPLayerBackward {
  protected:
   at::Tensor input_grad(const at::Tensor& x, const at::Tensor& g) override {
     // The parameter is read now, not saved: at stage 3 it is gathered again for the backward.
-    // Note [autocast]: in the dtype autocast's matmul would use (G may be float32: HF Conv1D's
-    // float32 bias promotes its output).
+    // Note [autocast]: in the dtype autocast's matmul would use.
     const at::Tensor gc = autocast_ ? g.to(*autocast_) : g;
     const at::Tensor w = weight_.to(gc.scalar_type());
     return at::matmul(gc, transposed_ ? w.t() : w).to(x.scalar_type());
@@ -109,26 +108,28 @@ class EmbeddingBackward final : public DPLayerBackward {
 
 // nn.LayerNorm. Under autocast layer_norm runs in float32 (autocast's fp32 list): G arrives in the
 // output's dtype, and the input gradient is that of the forward in G's dtype, cast back to x's;
-// the backward recomputes the statistics in that dtype. Without autocast the forward's own mean and
-// 1/std are kept for it (as ATen's layer-norm node keeps them). A is x itself (the per-sample ops
-// read 16-bit inputs and compute in float64).
+// the backward recomputes the statistics in that dtype. Without autocast, when x, G and the
+// parameters share one dtype, the forward's own mean and 1/std are kept for it (as ATen's
+// layer-norm node keeps them; a mixed forward, 16-bit x with float32 parameters, has float32
+// statistics that the backward in G's dtype cannot read, so they are recomputed there too). A is
+// x itself (the per-sample ops read 16-bit inputs and compute in float64).
 class LayerNormBackward final : public DPLayerBackward {
  public:
   LayerNormBackward(Report report, std::vector<int64_t> normalized_shape, at::Tensor weight,
-                    at::Tensor bias, double eps, at::Tensor mean, at::Tensor rstd)
+                    at::Tensor bias, double eps)
       : DPLayerBackward("DPLayerNormBackward", std::move(report)),
         shape_(std::move(normalized_shape)),
         weight_(std::move(weight)),
         bias_(std::move(bias)),
-        eps_(eps),
-        mean_(std::move(mean)),
-        rstd_(std::move(rstd)) {}
+        eps_(eps) {}
 
   void release_variables() override {
     DPLayerBackward::release_variables();
-    mean_.reset();
-    rstd_.reset();
+    mean_.reset_data();
+    rstd_.reset_data();
   }
+
+  SavedVariable mean_, rstd_;  // the forward's statistics (undefined under autocast)
 
  protected:
   at::Tensor input_grad(const at::Tensor& x, const at::Tensor& g) override {
@@ -138,8 +139,11 @@ class LayerNormBackward final : public DPLayerBackward {
         weight_.defined() ? std::optional<at::Tensor>(weight_.to(dtype)) : std::nullopt;
     const std::optional<at::Tensor> b =
         bias_.defined() ? std::optional<at::Tensor>(bias_.to(dtype)) : std::nullopt;
-    at::Tensor mean = mean_, rstd = rstd_;
-    if (!mean.defined() || xc.scalar_type() != x.scalar_type()) {
+    at::Tensor mean = mean_.unpack(), rstd = rstd_.unpack();
+    const bool one_dtype = x.scalar_type() == dtype &&
+                           (!weight_.defined() || weight_.scalar_type() == dtype) &&
+                           (!bias_.defined() || bias_.scalar_type() == dtype);
+    if (!mean.defined() || !one_dtype) {
       std::tie(std::ignore, mean, rstd) = at::native_layer_norm(xc, shape_, w, b, eps_);
     }
     const auto [gx, gw, gb] =
@@ -151,7 +155,6 @@ class LayerNormBackward final : public DPLayerBackward {
   std::vector<int64_t> shape_;
   at::Tensor weight_, bias_;  // the parameters themselves (read in the backward, as Linear's)
   double eps_;
-  at::Tensor mean_, rstd_;  // the forward's statistics, without autocast (else undefined)
 };
 
 // Attaches `node`, over inputs (x, weight[, bias]), to `out`.
@@ -217,10 +220,13 @@ at::Tensor dp_layer_norm(const at::Tensor& x, std::vector<int64_t> normalized_sh
       std::tie(out, mean, rstd) = at::native_layer_norm(x, normalized_shape, weight, b, eps);
     }
   }
-  auto node = std::shared_ptr<DPLayerBackward>(
-      new LayerNormBackward(std::move(report), std::move(normalized_shape), weight, bias, eps,
-                            std::move(mean), std::move(rstd)),
+  auto node = std::shared_ptr<LayerNormBackward>(
+      new LayerNormBackward(std::move(report), std::move(normalized_shape), weight, bias, eps),
       torch::autograd::deleteNode);
+  if (mean.defined()) {
+    node->mean_ = SavedVariable(mean, /*is_output=*/false);
+    node->rstd_ = SavedVariable(rstd, /*is_output=*/false);
+  }
   return with_backward(std::move(out), std::move(node), x, weight, bias);
 }
 

@@ -45,12 +45,12 @@ def _data(n=24):
                                           torch.randint(0, 3, (n,), generator=g))
 
 
-def _reference_update(model, x, y, expected_batch, lr, dtype):
+def _reference_update(model, x, y, expected_batch, lr, dtype, autocast=True):
     ref = copy.deepcopy(model)
     total = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in ref.named_parameters()}
     for i in range(len(x)):
         ref.zero_grad()
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
             loss = F.cross_entropy(ref(x[i:i + 1]), y[i:i + 1])
         loss.backward()
         grads = {n: p.grad.double() for n, p in ref.named_parameters()}
@@ -83,6 +83,42 @@ def test_bf16_autocast_forward_matches_per_example_autograd(stage):
     got = p.privacy_engine.parameters()  # fp32 masters (gathered at stage 3)
     for n in want:
         assert got[n].dtype == torch.float32
+        moved = (want[n] - start.get_parameter(n).detach().double()).norm()
+        err = float((got[n].double() - want[n]).norm() / moved)
+        assert err < 2e-2, (n, err)
+
+
+class HalfInputNorm(nn.Module):
+    """A LayerNorm with float32 parameters fed a bfloat16 input, without autocast (ATen's mixed
+    layer norm: float32 statistics, a bfloat16 output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(11, 8)
+        self.ln = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        h = self.ln(self.wte(ids).to(torch.bfloat16))
+        assert h.dtype == torch.bfloat16
+        return self.head(h.float().mean(1))
+
+
+def test_a_layer_norm_on_a_16_bit_input_without_autocast_matches_per_example_autograd():
+    # The DP LayerNorm's input gradient in the output's dtype with float32 parameters (a review
+    # found the forward's float32 statistics handed to a bfloat16 backward: a crash).
+    torch.manual_seed(0)
+    model = HalfInputNorm()
+    start = copy.deepcopy(model)
+    p = dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=0.0,
+                            max_grad_norm=C, allow_no_noise=True, lr=0.5, seed=4)
+    x, y = next(iter(p.data_loader))
+    assert len(x) > 0
+    F.cross_entropy(p.model(x), y).backward()
+    assert p.optimizer.step()
+    want = _reference_update(start, x, y, 8.0, 0.5, torch.bfloat16, autocast=False)
+    got = p.privacy_engine.parameters()
+    for n in want:
         moved = (want[n] - start.get_parameter(n).detach().double()).norm()
         err = float((got[n].double() - want[n]).norm() / moved)
         assert err < 2e-2, (n, err)

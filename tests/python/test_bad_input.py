@@ -11,7 +11,7 @@ from torch import nn
 import dpzero
 from dpzero.private import PrivacyViolation
 
-from test_private import V, SeqNet, seq_data
+from test_private import D, K, V, SeqNet, seq_data
 
 NAN, INF = float("nan"), float("inf")
 NOISE = dict(noise_multiplier=1.0, max_grad_norm=1.0)
@@ -57,8 +57,8 @@ def test_an_unreachable_target_epsilon_names_the_target_and_the_sigma_range():
 
 def test_parameters_unfrozen_or_added_after_make_private_stop_the_step():
     # Each change comes after a first step, so the step's check has listed the modules already
-    # (private/trainable.py): a submodule registered since must be listed again.
-    for change in ("unfreeze", "add", "submodule", "replace"):
+    # (private/trainable.py): a submodule added, inserted or removed since must be seen.
+    for change in ("unfreeze", "add", "submodule", "replace", "insert", "remove"):
         model = SeqNet()
         model.emb.weight.requires_grad_(False)  # frozen before make_private: fine
         p = dpzero.make_private(model, dataset=seq_data(), batch_size=8, seed=1, **NOISE)
@@ -76,13 +76,21 @@ def test_parameters_unfrozen_or_added_after_make_private_stop_the_step():
         elif change == "submodule":
             model.head.side = torch.nn.Linear(2, 2)
             name = "head.side.weight"
-        else:
+        elif change == "replace":
             model.head.bias = torch.nn.Parameter(model.head.bias.detach().clone())
             name = "head.bias"
+        elif change == "insert":  # ModuleDict/ModuleList.insert write _modules directly
+            model.head._modules["side"] = torch.nn.Linear(2, 2)
+            name = "head.side.weight"
+        else:  # a trainable parameter removed with its module: no longer in the model
+            del model.head
+            model.head = torch.nn.Linear(D, K).requires_grad_(False)
+            name = None
         x, y = next(batches)
         torch.nn.functional.cross_entropy(p.model(x), y).backward()
+        want = rf"'{name}'" if name else r"\[\]\.\.\.\); 2 trained parameters are no longer"
         with pytest.raises(dpzero.PrivacyViolation,
-                           match=rf"trainable parameters changed .*'{name}'"):
+                           match=rf"trainable parameters changed .*{want}"):
             p.optimizer.step()
 
 

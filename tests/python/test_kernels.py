@@ -1370,10 +1370,10 @@ def ghost_reference(A, G):
 
 
 @pytest.mark.parametrize("t", [1, 2, 7, 32, 33])
-@pytest.mark.parametrize("d_in,d_out", [(1, 3), (4, 5), (16, 17), (33, 64)])
+@pytest.mark.parametrize("d_in,d_out", [(1, 3), (4, 5), (12, 13), (16, 17), (33, 64)])
 def test_ghost_raw_values_small_sequences(t, d_in, d_out):
     # Note [small ghost] (kernels/cpu/ghost_norm.cpp): for T <= 32 float32 contiguous rows the CPU
-    # kernel forms the Grams itself (AVX2, every d % 16 and d % 4 tail); T = 33 and a
+    # kernel forms the Grams itself (AVX2, every d % 8 and d % 4 tail, odd T); T = 33 and a
     # non-contiguous G take the batched-GEMM path. All must give the float64 value and S.
     A = rand((3, t, d_in), torch.float32, "cpu", 140)
     G = rand((3, t, d_out), torch.float32, "cpu", 141)

@@ -84,9 +84,11 @@ class LinearKind(LayerKind):
         self.transposed = transposed
 
     def forward(self, module, x):
+        if self.transposed and module.bias is not None:  # HF Conv1D's own forward
+            out = torch.addmm(module.bias, x.reshape(-1, x.shape[-1]), module.weight)
+            return out.view(*x.shape[:-1], module.weight.shape[1])
         if self.transposed:
-            return torch.matmul(x, module.weight) + module.bias if module.bias is not None \
-                else torch.matmul(x, module.weight)
+            return torch.matmul(x, module.weight)
         return F.linear(x, module.weight, module.bias)
 
     def input_grad(self, module, x, g):

@@ -3,29 +3,20 @@
 The engine trains the parameters that were trainable when it attached: one unfrozen since would
 get no update (and no guard), one frozen since would still be updated. The step therefore compares
 the model's trainable parameters now with that set. Walking the module tree for them
-(``model.parameters()``) costs about half a millisecond on a 150-module model, once per step; so
-the modules are listed once, and listed again only after some module in the process registered a
-submodule (torch's global module-registration hook counts those). Between registrations the set is
-read off that list's own parameter dicts: a parameter frozen, unfrozen, replaced, removed or added
-on a listed module is seen exactly as a walk would see it.
+(``model.parameters()``) costs about half a millisecond on a 150-module model, once per step. So
+the modules are listed once, together with each one's children; at a step, when every listed
+module still has the very same children (a submodule added, inserted, removed or replaced by any
+means changes its parent's), the trainable set is read off the listed modules' own parameter dicts,
+which sees a parameter frozen, unfrozen, replaced, removed or added exactly as a walk would;
+otherwise the tree is walked and listed again.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
-
-_registrations = 0  # submodules registered anywhere in the process since import
-
-
-def _count_registration(module, name, submodule) -> None:
-    global _registrations
-    _registrations += 1
-
-
-torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
 
 
 class TrainableSet:
@@ -36,22 +27,25 @@ class TrainableSet:
         self.model = model
         self.params = list(params)
         self.ids = frozenset(id(p) for p in self.params)
-        self._listed_at = -1
-        self._modules: List[nn.Module] = []
+        self._listed: List[Tuple[nn.Module, tuple]] = []  # (module, its children when listed)
 
-    def _trainable_ids_now(self) -> frozenset:
-        if self._listed_at != _registrations:
-            self._modules = list(self.model.modules())
-            self._listed_at = _registrations
-        return frozenset(id(p) for m in self._modules for p in m._parameters.values()
-                         if p is not None and p.requires_grad)
+    def _modules_now(self) -> List[nn.Module]:
+        if not self._listed or any(tuple(m._modules.values()) != children
+                                   for m, children in self._listed):
+            self._listed = [(m, tuple(m._modules.values())) for m in self.model.modules()]
+        return [m for m, _ in self._listed]
 
     def changed(self) -> Optional[str]:
         """Why the model's trainable parameters are no longer the set fixed at construction (an
         error text naming them), or None."""
-        if self._trainable_ids_now() == self.ids:
+        now = frozenset(id(p) for m in self._modules_now() for p in m._parameters.values()
+                        if p is not None and p.requires_grad)
+        if now == self.ids:
             return None
+        present = {id(p): n for n, p in self.model.named_parameters()}
         names = [n for n, p in self.model.named_parameters()
                  if p.requires_grad != (id(p) in self.ids)]
-        return (f"the trainable parameters changed since make_private ({names[:5]}...); "
-                "freeze or unfreeze before make_private")
+        gone = sum(1 for p in self.params if id(p) not in present)
+        return (f"the trainable parameters changed since make_private ({names[:5]}...)"
+                + (f"; {gone} trained parameters are no longer in the model" if gone else "")
+                + "; freeze or unfreeze before make_private")
