@@ -34,41 +34,31 @@ inline double dot(const double* x, const double* y, int64_t d) {
   return sum;
 }
 
+// Adds the products of four lanes at k of rows x0, x1 with rows y0, y1 into acc (x0.y0, x0.y1,
+// x1.y0, x1.y1).
+inline void fma2x2(const double* x0, const double* x1, const double* y0, const double* y1,
+                   int64_t k, __m256d acc[4]) {
+  const __m256d p0 = _mm256_loadu_pd(x0 + k), p1 = _mm256_loadu_pd(x1 + k);
+  const __m256d q0 = _mm256_loadu_pd(y0 + k), q1 = _mm256_loadu_pd(y1 + k);
+  acc[0] = _mm256_fmadd_pd(p0, q0, acc[0]);
+  acc[1] = _mm256_fmadd_pd(p0, q1, acc[1]);
+  acc[2] = _mm256_fmadd_pd(p1, q0, acc[2]);
+  acc[3] = _mm256_fmadd_pd(p1, q1, acc[3]);
+}
+
 // The four dots of rows x0, x1 with rows y0, y1 (out: x0.y0, x0.y1, x1.y0, x1.y1), each summed
 // as dot() sums it; one pass over the four rows, so each load feeds two multiply-adds.
 inline void dots2x2(const double* x0, const double* x1, const double* y0, const double* y1,
                     int64_t d, double out[4]) {
-  __m256d a00 = _mm256_setzero_pd(), a01 = _mm256_setzero_pd();
-  __m256d a10 = _mm256_setzero_pd(), a11 = _mm256_setzero_pd();
-  __m256d b00 = _mm256_setzero_pd(), b01 = _mm256_setzero_pd();
-  __m256d b10 = _mm256_setzero_pd(), b11 = _mm256_setzero_pd();
+  __m256d even[4], odd[4];  // the lanes at k and at k + 4 of each step of 8
+  for (int j = 0; j < 4; ++j) even[j] = odd[j] = _mm256_setzero_pd();
   int64_t k = 0;
   for (; k + 8 <= d; k += 8) {
-    const __m256d p0 = _mm256_loadu_pd(x0 + k), p1 = _mm256_loadu_pd(x1 + k);
-    const __m256d q0 = _mm256_loadu_pd(y0 + k), q1 = _mm256_loadu_pd(y1 + k);
-    a00 = _mm256_fmadd_pd(p0, q0, a00);
-    a01 = _mm256_fmadd_pd(p0, q1, a01);
-    a10 = _mm256_fmadd_pd(p1, q0, a10);
-    a11 = _mm256_fmadd_pd(p1, q1, a11);
-    const __m256d r0 = _mm256_loadu_pd(x0 + k + 4), r1 = _mm256_loadu_pd(x1 + k + 4);
-    const __m256d s0 = _mm256_loadu_pd(y0 + k + 4), s1 = _mm256_loadu_pd(y1 + k + 4);
-    b00 = _mm256_fmadd_pd(r0, s0, b00);
-    b01 = _mm256_fmadd_pd(r0, s1, b01);
-    b10 = _mm256_fmadd_pd(r1, s0, b10);
-    b11 = _mm256_fmadd_pd(r1, s1, b11);
+    fma2x2(x0, x1, y0, y1, k, even);
+    fma2x2(x0, x1, y0, y1, k + 4, odd);
   }
-  for (; k + 4 <= d; k += 4) {
-    const __m256d p0 = _mm256_loadu_pd(x0 + k), p1 = _mm256_loadu_pd(x1 + k);
-    const __m256d q0 = _mm256_loadu_pd(y0 + k), q1 = _mm256_loadu_pd(y1 + k);
-    a00 = _mm256_fmadd_pd(p0, q0, a00);
-    a01 = _mm256_fmadd_pd(p0, q1, a01);
-    a10 = _mm256_fmadd_pd(p1, q0, a10);
-    a11 = _mm256_fmadd_pd(p1, q1, a11);
-  }
-  out[0] = lane_sum(_mm256_add_pd(a00, b00));
-  out[1] = lane_sum(_mm256_add_pd(a01, b01));
-  out[2] = lane_sum(_mm256_add_pd(a10, b10));
-  out[3] = lane_sum(_mm256_add_pd(a11, b11));
+  for (; k + 4 <= d; k += 4) fma2x2(x0, x1, y0, y1, k, even);
+  for (int j = 0; j < 4; ++j) out[j] = lane_sum(_mm256_add_pd(even[j], odd[j]));
   for (; k < d; ++k) {
     out[0] += x0[k] * y0[k];
     out[1] += x0[k] * y1[k];
