@@ -106,13 +106,12 @@ class EmbeddingBackward final : public DPLayerBackward {
   }
 };
 
-// nn.LayerNorm. Under autocast layer_norm runs in float32 (autocast's fp32 list): G arrives in the
-// output's dtype, and the input gradient is that of the forward in G's dtype, cast back to x's;
-// the backward recomputes the statistics in that dtype. Without autocast, when x, G and the
-// parameters share one dtype, the forward's own mean and 1/std are kept for it (as ATen's
-// layer-norm node keeps them; a mixed forward, 16-bit x with float32 parameters, has float32
-// statistics that the backward in G's dtype cannot read, so they are recomputed there too). A is
-// x itself (the per-sample ops read 16-bit inputs and compute in float64).
+// nn.LayerNorm. Without autocast the input gradient is ATen's layer-norm backward on the forward's
+// own x, parameters, mean and 1/std, as ATen's layer-norm node computes it (a mixed forward, 16-bit
+// x with float32 parameters, included). Under autocast layer_norm runs in float32 (autocast's fp32
+// list): G arrives in the output's dtype, and the input gradient is that of the forward in G's
+// dtype, its statistics recomputed there, cast back to x's. A is x itself (the per-sample ops read
+// 16-bit inputs and compute in float64).
 class LayerNormBackward final : public DPLayerBackward {
  public:
   LayerNormBackward(Report report, std::vector<int64_t> normalized_shape, at::Tensor weight,
@@ -133,21 +132,22 @@ class LayerNormBackward final : public DPLayerBackward {
 
  protected:
   at::Tensor input_grad(const at::Tensor& x, const at::Tensor& g) override {
+    const auto optional = [](const at::Tensor& t) {
+      return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+    };
+    const at::Tensor mean = mean_.unpack();
+    if (mean.defined()) {  // no autocast: the forward's own statistics and parameters
+      return std::get<0>(at::native_layer_norm_backward(g, x, shape_, mean, rstd_.unpack(),
+                                                        optional(weight_), optional(bias_),
+                                                        {true, false, false}));
+    }
     const at::ScalarType dtype = g.scalar_type();
     const at::Tensor xc = x.to(dtype);
-    const std::optional<at::Tensor> w =
-        weight_.defined() ? std::optional<at::Tensor>(weight_.to(dtype)) : std::nullopt;
-    const std::optional<at::Tensor> b =
-        bias_.defined() ? std::optional<at::Tensor>(bias_.to(dtype)) : std::nullopt;
-    at::Tensor mean = mean_.unpack(), rstd = rstd_.unpack();
-    const bool one_dtype = x.scalar_type() == dtype &&
-                           (!weight_.defined() || weight_.scalar_type() == dtype) &&
-                           (!bias_.defined() || bias_.scalar_type() == dtype);
-    if (!mean.defined() || !one_dtype) {
-      std::tie(std::ignore, mean, rstd) = at::native_layer_norm(xc, shape_, w, b, eps_);
-    }
-    const auto [gx, gw, gb] =
-        at::native_layer_norm_backward(g, xc, shape_, mean, rstd, w, b, {true, false, false});
+    const auto w = optional(weight_.defined() ? weight_.to(dtype) : at::Tensor());
+    const auto b = optional(bias_.defined() ? bias_.to(dtype) : at::Tensor());
+    const auto [y, stat_mean, stat_rstd] = at::native_layer_norm(xc, shape_, w, b, eps_);
+    const auto [gx, gw, gb] = at::native_layer_norm_backward(g, xc, shape_, stat_mean, stat_rstd,
+                                                             w, b, {true, false, false});
     return gx.to(x.scalar_type());
   }
 

@@ -58,7 +58,7 @@ def test_an_unreachable_target_epsilon_names_the_target_and_the_sigma_range():
 def test_parameters_unfrozen_or_added_after_make_private_stop_the_step():
     # Each change comes after a first step, so the step's check has listed the modules already
     # (private/trainable.py): a submodule added, inserted or removed since must be seen.
-    for change in ("unfreeze", "add", "submodule", "replace", "insert", "remove"):
+    for change in ("unfreeze", "freeze", "add", "submodule", "replace", "insert", "remove"):
         model = SeqNet()
         model.emb.weight.requires_grad_(False)  # frozen before make_private: fine
         p = dpzero.make_private(model, dataset=seq_data(), batch_size=8, seed=1, **NOISE)
@@ -70,6 +70,9 @@ def test_parameters_unfrozen_or_added_after_make_private_stop_the_step():
         if change == "unfreeze":
             model.emb.weight.requires_grad_(True)
             name = "emb.weight"
+        elif change == "freeze":  # still in the model, no longer trainable: it would be updated
+            model.head.weight.requires_grad_(False)
+            name = "head.weight"
         elif change == "add":
             model.extra = torch.nn.Parameter(torch.zeros(3))
             name = "extra"
@@ -88,7 +91,7 @@ def test_parameters_unfrozen_or_added_after_make_private_stop_the_step():
             name = None
         x, y = next(batches)
         torch.nn.functional.cross_entropy(p.model(x), y).backward()
-        want = rf"'{name}'" if name else r"\[\]\.\.\.\); 2 trained parameters are no longer"
+        want = rf"'{name}'" if name else r"\(2 trained parameter\(s\) no longer in the model\)"
         with pytest.raises(dpzero.PrivacyViolation,
                            match=rf"trainable parameters changed .*{want}"):
             p.optimizer.step()

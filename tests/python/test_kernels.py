@@ -902,6 +902,31 @@ def test_certified_norms_linear_cancelling_rows(device, method):
 
 
 @device_param
+@pytest.mark.parametrize("t", [16, 128])
+def test_certified_norms_shared_input_where_the_margin_is_the_bound(device, t):
+    # Note [shared inputs] on rows that cancel to float32's rounding of them: each sample's exact
+    # norm is far below the float64 rounding of its Gram sum, so only the certified margin keeps
+    # each layer's value an upper bound. linear_sq_norms_multi (T = 16: Note [small ghost], its
+    # certification fused into one host loop; T = 128: the GEMM path) must bound every layer's
+    # exact norm, each with its own width's margin, bit-equal to the layer's own linear_sq_norms.
+    gen = torch.Generator().manual_seed(92)
+    b, d = 4, 48
+    A = torch.randn(b, 1, d, generator=gen, dtype=torch.float64).expand(b, t, d)
+    Gs = []
+    for d_out in (40, 96, 3):
+        row = torch.randn(b, 1, d_out, generator=gen, dtype=torch.float64)
+        noise = torch.randn(b, t, d_out, generator=gen, dtype=torch.float64)
+        Gs.append(balanced_signs(b, t, gen) * row + 1e-6 * noise)
+    A, Gs = A.float().to(device), [G.float().to(device) for G in Gs]
+    got = ops.linear_sq_norms_multi(A, Gs, GHOST)
+    for l, G in enumerate(Gs):
+        gw, _ = per_sample_linear(A, G)
+        true_sq = sq_norms_of(gw)
+        assert (f64(got[l]) >= true_sq).all(), (l, (f64(got[l]) / true_sq).tolist())
+        assert torch.equal(got[l], ops.linear_sq_norms(A, G, False, GHOST)), l
+
+
+@device_param
 @method_param
 @pytest.mark.parametrize("tiny", ["A", "G"])
 def test_certified_norms_linear_tiny_and_huge_scales(device, method, tiny):
@@ -1370,7 +1395,8 @@ def ghost_reference(A, G):
 
 
 @pytest.mark.parametrize("t", [1, 2, 7, 32, 33])
-@pytest.mark.parametrize("d_in,d_out", [(1, 3), (4, 5), (12, 13), (16, 17), (33, 64)])
+@pytest.mark.parametrize("d_in,d_out",
+                         [(1, 3), (2, 6), (4, 5), (7, 15), (12, 13), (16, 17), (33, 64)])
 def test_ghost_raw_values_small_sequences(t, d_in, d_out):
     # Note [small ghost] (kernels/cpu/ghost_norm.cpp): for T <= 32 float32 contiguous rows the CPU
     # kernel forms the Grams itself (AVX2, every d % 8 and d % 4 tail, odd T); T = 33 and a

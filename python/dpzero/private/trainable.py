@@ -19,6 +19,13 @@ import torch
 from torch import nn
 
 
+def _same_children(module: nn.Module, children: tuple) -> bool:
+    """Whether ``module`` still has exactly these children, by identity (a module's own __eq__
+    plays no part)."""
+    now = module._modules.values()
+    return len(now) == len(children) and all(a is b for a, b in zip(now, children))
+
+
 class TrainableSet:
     """The parameters ``model`` trains privately (``params``: those with requires_grad when
     make_private began, in ``model.parameters()`` order)."""
@@ -30,8 +37,8 @@ class TrainableSet:
         self._listed: List[Tuple[nn.Module, tuple]] = []  # (module, its children when listed)
 
     def _modules_now(self) -> List[nn.Module]:
-        if not self._listed or any(tuple(m._modules.values()) != children
-                                   for m, children in self._listed):
+        if not self._listed or not all(_same_children(m, children)
+                                       for m, children in self._listed):
             self._listed = [(m, tuple(m._modules.values())) for m in self.model.modules()]
         return [m for m, _ in self._listed]
 
@@ -42,10 +49,15 @@ class TrainableSet:
                         if p is not None and p.requires_grad)
         if now == self.ids:
             return None
-        present = {id(p): n for n, p in self.model.named_parameters()}
-        names = [n for n, p in self.model.named_parameters()
-                 if p.requires_grad != (id(p) in self.ids)]
+        named = list(self.model.named_parameters())
+        present = {id(p) for _, p in named}
+        names = [n for n, p in named if p.requires_grad != (id(p) in self.ids)]
         gone = sum(1 for p in self.params if id(p) not in present)
-        return (f"the trainable parameters changed since make_private ({names[:5]}...)"
-                + (f"; {gone} trained parameters are no longer in the model" if gone else "")
-                + "; freeze or unfreeze before make_private")
+        what = []
+        if names:
+            what.append(f"trainable or frozen since: {names[:5]}" + ("..." if len(names) > 5
+                                                                     else ""))
+        if gone:
+            what.append(f"{gone} trained parameter(s) no longer in the model")
+        return (f"the trainable parameters changed since make_private ({'; '.join(what)}); "
+                "freeze, unfreeze, add or remove parameters before make_private")
