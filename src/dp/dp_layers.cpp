@@ -17,6 +17,11 @@ using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
+// A possibly undefined tensor as ATen's optional argument.
+std::optional<at::Tensor> if_defined(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
 std::optional<at::ScalarType> autocast_dtype(const at::Tensor& x) {
   const at::DeviceType device = x.device().type();
   if (!at::autocast::is_autocast_enabled(device)) return std::nullopt;
@@ -132,19 +137,16 @@ class LayerNormBackward final : public DPLayerBackward {
 
  protected:
   at::Tensor input_grad(const at::Tensor& x, const at::Tensor& g) override {
-    const auto optional = [](const at::Tensor& t) {
-      return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-    };
     const at::Tensor mean = mean_.unpack();
     if (mean.defined()) {  // no autocast: the forward's own statistics and parameters
       return std::get<0>(at::native_layer_norm_backward(g, x, shape_, mean, rstd_.unpack(),
-                                                        optional(weight_), optional(bias_),
+                                                        if_defined(weight_), if_defined(bias_),
                                                         {true, false, false}));
     }
     const at::ScalarType dtype = g.scalar_type();
     const at::Tensor xc = x.to(dtype);
-    const auto w = optional(weight_.defined() ? weight_.to(dtype) : at::Tensor());
-    const auto b = optional(bias_.defined() ? bias_.to(dtype) : at::Tensor());
+    const auto w = if_defined(weight_.defined() ? weight_.to(dtype) : at::Tensor());
+    const auto b = if_defined(bias_.defined() ? bias_.to(dtype) : at::Tensor());
     const auto [y, stat_mean, stat_rstd] = at::native_layer_norm(xc, shape_, w, b, eps_);
     const auto [gx, gw, gb] = at::native_layer_norm_backward(g, xc, shape_, stat_mean, stat_rstd,
                                                              w, b, {true, false, false});
@@ -184,7 +186,7 @@ at::Tensor dp_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
     } else if (transposed) {
       out = at::matmul(x, weight);
     } else {
-      out = at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+      out = at::linear(x, weight, if_defined(bias));
     }
   }
   auto node = std::shared_ptr<DPLayerBackward>(
@@ -212,22 +214,23 @@ at::Tensor dp_layer_norm(const at::Tensor& x, std::vector<int64_t> normalized_sh
   at::Tensor out, mean, rstd;
   {
     const at::AutoGradMode no_grad(false);
-    const std::optional<at::Tensor> b =
-        bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
     if (autocast_dtype(x)) {  // autocast's layer_norm entry casts to float32 (Note [autocast])
-      out = at::layer_norm(x, normalized_shape, weight, b, eps);
+      out = at::layer_norm(x, normalized_shape, weight, if_defined(bias), eps);
     } else {  // what at::layer_norm computes, with the statistics the backward needs
-      std::tie(out, mean, rstd) = at::native_layer_norm(x, normalized_shape, weight, b, eps);
+      std::tie(out, mean, rstd) =
+          at::native_layer_norm(x, normalized_shape, weight, if_defined(bias), eps);
     }
   }
   auto node = std::shared_ptr<LayerNormBackward>(
       new LayerNormBackward(std::move(report), std::move(normalized_shape), weight, bias, eps),
       torch::autograd::deleteNode);
-  if (mean.defined()) {
-    node->mean_ = SavedVariable(mean, /*is_output=*/false);
-    node->rstd_ = SavedVariable(rstd, /*is_output=*/false);
+  LayerNormBackward* const attached = node.get();
+  out = with_backward(std::move(out), std::move(node), x, weight, bias);
+  if (mean.defined() && out.grad_fn().get() == attached) {  // saved only for a node in the graph
+    attached->mean_ = SavedVariable(mean, /*is_output=*/false);
+    attached->rstd_ = SavedVariable(rstd, /*is_output=*/false);
   }
-  return with_backward(std::move(out), std::move(node), x, weight, bias);
+  return out;
 }
 
 }  // namespace dpzero::dp
