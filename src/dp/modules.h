@@ -1,0 +1,102 @@
+// src/dp/modules.h — the DP layers as torch::nn modules, for LibTorch programs that train privately
+// with no Python (dp::PrivacyEngine, privacy_engine.h). Each is the torch::nn module of the same
+// name with the same parameters, initialisation and forward; once a PrivacyEngine has taken the
+// model, a call with gradients on goes through the C++ autograd function of dp_layers.h, whose
+// backward hands the call's input A and output gradient G to the clipping book (book.h) and gives
+// autograd no weight gradient.
+//
+// Note [C++ batch dimension]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The book clips row i of every part as example i (Note [one sample per row] in
+// python/dpzero/private/book.py). The Python front door decides that dim 0 holds the examples
+// from where each input came from (Note [batch provenance] in examples.py); a C++ program has no
+// such tracing. Here the layout is the module's contract, stated by its type and never guessed:
+// each DP module's input is batch-first, x [B, ...] with B the micro-batch's rows, as Opacus's
+// batch_first. The book refuses a call whose dim 0 is not the micro-batch's row count, and a call
+// made while no micro-batch is handed out (PrivacyEngine::hand_out) is refused in its backward. A
+// model that moves the examples off dim 0 before a DP layer (a sequence-first layout) breaks the
+// contract: write it batch-first.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "src/dp/dp_layers.h"
+#include "src/dp/layer_ops.h"
+
+namespace dpzero::dp {
+
+class PrivacyEngine;
+struct EngineSession;
+
+// What every DP module offers the PrivacyEngine that takes its model.
+class DPModule {
+ public:
+  virtual ~DPModule() = default;
+  // The parameters in the kind's order (weight first); an undefined tensor where absent.
+  virtual std::vector<at::Tensor> dp_parameters() const = 0;
+  // The book's ops for this layer, `train` per dp_parameters().
+  virtual std::shared_ptr<LayerOps> book_ops(const Trainable& train) const = 0;
+
+  // Set by PrivacyEngine: calls register as the book's layer `layer` of `session`.
+  void bind(std::weak_ptr<EngineSession> session, int64_t layer, std::string name);
+
+ protected:
+  // Whether this call goes through the book (an engine holds the model and gradients are on).
+  bool bound() const;
+  // Registers this call with the book: its part, or the refusal its backward raises.
+  Report report() const;
+
+ private:
+  std::weak_ptr<EngineSession> session_;
+  int64_t layer_ = -1;
+  std::string name_;
+};
+
+namespace nn {
+
+// torch::nn::Linear: x [B, ..., in] -> x Wᵀ + b, W [out, in], b [out].
+class LinearImpl : public torch::nn::Module, public DPModule {
+ public:
+  LinearImpl(int64_t in_features, int64_t out_features, bool bias = true);
+  at::Tensor forward(const at::Tensor& x);
+  std::vector<at::Tensor> dp_parameters() const override { return {weight, bias}; }
+  std::shared_ptr<LayerOps> book_ops(const Trainable& train) const override;
+
+  at::Tensor weight, bias;
+};
+TORCH_MODULE(Linear);
+
+// torch::nn::Embedding: ids [B, ...] int64 -> W[ids], W [num, dim] ~ N(0, 1).
+class EmbeddingImpl : public torch::nn::Module, public DPModule {
+ public:
+  EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim);
+  at::Tensor forward(const at::Tensor& ids);
+  std::vector<at::Tensor> dp_parameters() const override { return {weight}; }
+  std::shared_ptr<LayerOps> book_ops(const Trainable& train) const override;
+
+  at::Tensor weight;
+};
+TORCH_MODULE(Embedding);
+
+// torch::nn::LayerNorm over the last dim: x [B, ..., dim] -> normalised · w + b.
+class LayerNormImpl : public torch::nn::Module, public DPModule {
+ public:
+  explicit LayerNormImpl(int64_t dim, double eps = 1e-5);
+  at::Tensor forward(const at::Tensor& x);
+  std::vector<at::Tensor> dp_parameters() const override { return {weight, bias}; }
+  std::shared_ptr<LayerOps> book_ops(const Trainable& train) const override;
+
+  at::Tensor weight, bias;
+  double eps;
+};
+TORCH_MODULE(LayerNorm);
+
+}  // namespace nn
+}  // namespace dpzero::dp

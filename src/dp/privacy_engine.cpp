@@ -1,0 +1,472 @@
+// src/dp/privacy_engine.cpp — see privacy_engine.h.
+#include "src/dp/privacy_engine.h"
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <stdexcept>
+#include <utility>
+
+#include <torch/nn/modules/container/moduledict.h>
+#include <torch/nn/modules/container/modulelist.h>
+
+#include "accounting/calibrate.h"
+#include "privacy/clipping.h"
+#include "src/dp/modules.h"
+
+namespace dpzero::dp {
+namespace {
+
+const char* const kRootUnit = "<root>";
+
+std::string bad(const std::string& what) { return "dpzero::dp::PrivacyEngine: " + what; }
+
+void check_options(const PrivacyOptions& o) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument(bad(what)); };
+  if (!(o.noise_multiplier >= 0.0) || !std::isfinite(o.noise_multiplier))
+    fail("noise_multiplier must be finite and >= 0, got " + std::to_string(o.noise_multiplier));
+  if (o.noise_multiplier == 0.0 && !o.allow_no_noise)
+    fail(
+        "noise_multiplier is 0: the run would not be private (epsilon is infinite); set "
+        "allow_no_noise to train without noise");
+  if (!(o.max_grad_norm > 0.0) || !std::isfinite(o.max_grad_norm))
+    fail("max_grad_norm must be finite and > 0, got " + std::to_string(o.max_grad_norm));
+  if (!(o.sample_rate > 0.0 && o.sample_rate <= 1.0))
+    fail("sample_rate must be in (0, 1], got " + std::to_string(o.sample_rate));
+  if (o.dataset_size <= 0) fail("dataset_size must be > 0, got " + std::to_string(o.dataset_size));
+  if (o.max_physical_batch_size < 0)
+    fail("max_physical_batch_size must be >= 0 (0: no cap), got " +
+         std::to_string(o.max_physical_batch_size));
+  if (o.loss_reduction != "mean" && o.loss_reduction != "sum")
+    fail("loss_reduction must be \"mean\" or \"sum\", got \"" + o.loss_reduction + "\"");
+  if (o.stage == zero::Stage::k3)
+    fail(
+        "stage 3 gathers each unit in module hooks, which torch::nn modules in C++ lack; use "
+        "stages 0-2, or the Python front door (dpzero.make_private) for stage 3");
+  if (o.epsilon_budget && !(*o.epsilon_budget > 0.0))
+    fail("epsilon_budget must be > 0, got " + std::to_string(*o.epsilon_budget));
+  if (o.epsilon_budget && o.noise_multiplier == 0.0)
+    fail("epsilon_budget needs noise: noise_multiplier is 0, so epsilon is infinite");
+  if (!(o.delta > 0.0 && o.delta < 1.0))
+    fail("delta must be in (0, 1), got " + std::to_string(o.delta));
+}
+
+// python/dpzero/zero.py's default units: the direct children holding trainable parameters,
+// ModuleList / ModuleDict looked through.
+void default_units(const std::string& prefix, const torch::nn::Module& module,
+                   std::vector<std::string>& out) {
+  for (const auto& item : module.named_children()) {
+    const std::string name = prefix + item.key();
+    const torch::nn::Module& child = *item.value();
+    bool trains = false;
+    for (const at::Tensor& p : child.parameters()) trains = trains || p.requires_grad();
+    if (!trains) continue;
+    if (dynamic_cast<const torch::nn::ModuleListImpl*>(&child) ||
+        dynamic_cast<const torch::nn::ModuleDictImpl*>(&child)) {
+      default_units(name + ".", child, out);
+    } else {
+      out.push_back(name);
+    }
+  }
+}
+
+// The innermost unit holding parameter `name` (python/dpzero/zero.py's _owner).
+std::string owner(const std::string& name, const std::vector<std::string>& units) {
+  std::string best = kRootUnit;
+  for (const std::string& unit : units) {
+    if (name.rfind(unit + ".", 0) == 0 && (best == kRootUnit || unit.size() > best.size()))
+      best = unit;
+  }
+  return best;
+}
+
+}  // namespace
+
+at::Tensor MicroBatch::indices() const {
+  return at::tensor(rows, at::TensorOptions().dtype(at::kLong));
+}
+
+PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOptions options,
+                             c10::intrusive_ptr<c10d::ProcessGroup> process_group)
+    : model_(std::move(model)), options_(std::move(options)) {
+  TORCH_CHECK(model_, bad("model is null"));
+  check_options(options_);
+  if (process_group) {
+    rank_ = process_group->getRank();
+    world_size_ = process_group->getSize();
+  }
+
+  // The trained parameters in named_parameters() order, tied ones once: global coordinates.
+  std::map<const void*, size_t> index_of;  // TensorImpl -> params_ index
+  std::vector<std::string> units;
+  default_units("", *model_, units);
+  int64_t total = 0;
+  for (const auto& item : model_->named_parameters()) {
+    const at::Tensor& p = item.value();
+    if (!p.requires_grad() || index_of.count(p.unsafeGetTensorImpl())) continue;
+    if (p.scalar_type() != at::kFloat)
+      throw std::invalid_argument(bad("trainable parameter '" + item.key() + "' is " +
+                                      std::string(c10::toString(p.scalar_type())) +
+                                      "; trainable parameters must be float32"));
+    index_of[p.unsafeGetTensorImpl()] = params_.size();
+    params_.push_back(Param{item.key(), p, total});
+    total += p.numel();
+  }
+  if (params_.empty()) throw std::invalid_argument(bad("the model has no trainable parameters"));
+
+  // The DP modules, and every trainable parameter inside one of them.
+  struct Found {
+    std::string name;
+    DPModule* module;
+    Trainable train;
+  };
+  std::vector<Found> found;
+  std::set<const void*> covered;
+  for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
+    torch::nn::Module& module = *item.value();
+    const std::string name = item.key().empty() ? "<model>" : item.key();
+    auto* dp = dynamic_cast<DPModule*>(&module);
+    bool own_trainable = false;
+    for (const at::Tensor& p : module.parameters(/*recurse=*/false))
+      own_trainable = own_trainable || p.requires_grad();
+    if (!own_trainable) continue;
+    if (!dp)
+      throw std::invalid_argument(
+          bad("module '" + name + "' (" + module.name() +
+              ") holds trainable parameters but is not a DP module, so its gradient could not be "
+              "clipped; build it from dpzero::dp::nn (Linear, Embedding, LayerNorm) or freeze its "
+              "parameters (requires_grad_(false))"));
+    Trainable train;
+    for (const at::Tensor& p : dp->dp_parameters()) {
+      train.push_back(p.defined() && p.requires_grad());
+      if (train.back()) covered.insert(p.unsafeGetTensorImpl());
+    }
+    found.push_back(Found{name, dp, std::move(train)});
+  }
+  for (const Param& p : params_)
+    if (!covered.count(p.tensor.unsafeGetTensorImpl()))
+      throw std::invalid_argument(bad("trainable parameter '" + p.name +
+                                      "' is registered in a DP module but is not one of the "
+                                      "parameters it clips (dp_parameters()); freeze it or move "
+                                      "it into a DP module of its own"));
+
+  // The ZeRO engine: units in plan order (by first global coordinate), private gradients only.
+  std::map<std::string, std::vector<size_t>> members;
+  std::vector<std::string> order;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const std::string unit = owner(params_[i].name, units);
+    if (!members.count(unit)) order.push_back(unit);
+    members[unit].push_back(i);
+  }
+  std::vector<zero::UnitSpec> specs;
+  for (size_t u = 0; u < order.size(); ++u) {
+    zero::UnitSpec spec{order[u], {}, {}, {}};
+    for (size_t i : members[order[u]]) {
+      params_[i].unit = static_cast<int64_t>(u);
+      spec.params.push_back(params_[i].tensor);
+      spec.param_names.push_back(params_[i].name);
+      spec.global_offsets.push_back(params_[i].global);
+    }
+    specs.push_back(std::move(spec));
+  }
+  zero::ZeroConfig config;
+  config.stage = options_.stage;
+  config.optimizer = options_.optimizer;
+  config.grad_scale = 1.0;  // the step scales by 1 / (q·N)
+  zero_ = std::make_unique<zero::ZeroState>(std::move(specs), total, config, process_group);
+  zero_->set_private(true);  // Note [private gradients] in src/zero/param_group.h
+
+  // Where each parameter's gradient goes: its slot in its unit's flat buffer.
+  std::vector<int64_t> unit_numel;
+  std::vector<at::Device> unit_device;
+  for (int64_t u = 0; u < zero_->num_units(); ++u) {
+    const zero::UnitLayout& layout = zero_->group(u).flat().layout();
+    unit_numel.push_back(layout.padded_numel());
+    unit_device.push_back(params_[members[order[u]].front()].tensor.device());
+    const std::vector<size_t>& in_unit = members[order[u]];
+    for (size_t k = 0; k < in_unit.size(); ++k)
+      params_[in_unit[k]].offset = layout.flat_offsets()[k];
+  }
+  auto slot_of = [&](const at::Tensor& p) -> std::optional<Slot> {
+    if (!p.defined() || !p.requires_grad()) return std::nullopt;
+    const Param& q = params_[index_of.at(p.unsafeGetTensorImpl())];
+    return Slot{q.unit, q.offset, q.tensor.numel(), q.tensor.sizes().vec()};
+  };
+
+  // The book: flat clipping, one group; layers sharing a parameter form one component.
+  std::vector<BookLayer> layers;
+  std::map<const void*, int64_t> component_of;  // parameter -> component
+  int64_t components = 0;
+  for (const Found& f : found) {
+    BookLayer layer{f.name, f.module->book_ops(f.train), {}, -1, 0};
+    for (const at::Tensor& p : f.module->dp_parameters()) {
+      layer.slots.push_back(slot_of(p));
+      if (layer.slots.back() && component_of.count(p.unsafeGetTensorImpl()))
+        layer.component = component_of[p.unsafeGetTensorImpl()];
+    }
+    if (layer.component < 0) layer.component = components++;
+    for (const at::Tensor& p : f.module->dp_parameters()) {
+      if (!p.defined() || !p.requires_grad()) continue;
+      auto [it, fresh] = component_of.emplace(p.unsafeGetTensorImpl(), layer.component);
+      // Note: a layer whose parameters belong to two components already formed would need a
+      // union of them; the modules here hold one shared parameter at most (a tied weight).
+      TORCH_CHECK(fresh || it->second == layer.component,
+                  bad("DP module '" + f.name +
+                      "' shares parameters with two other modules that "
+                      "share none with each other; this is not supported"));
+    }
+    layers.push_back(std::move(layer));
+  }
+  BookOptions book_options;
+  book_options.thresholds = {privacy::threshold_f32(options_.max_grad_norm)};
+  book_options.group_components = {components};
+  book_options.mean_loss = options_.loss_reduction == "mean";
+  book_options.unit_numel = unit_numel;
+  book_options.unit_device = unit_device;
+  session_ = std::make_shared<EngineSession>();
+  session_->book = std::make_shared<Book>(std::move(layers), book_options, *zero_);
+  session_->book->set_queue_finish(true);
+  for (size_t l = 0; l < found.size(); ++l)
+    found[l].module->bind(session_, static_cast<int64_t>(l), found[l].name);
+
+  // A gradient autograd gives a trained parameter escaped its DP module (the parameter was used
+  // outside it): it would be unclipped. The hook records the violation and stops the backward.
+  for (const Param& p : params_) {
+    std::weak_ptr<EngineSession> weak = session_;
+    at::Tensor t = p.tensor;
+    const unsigned handle = t.register_hook([weak, name = p.name](const at::Tensor& grad) {
+      if (!grad.defined()) return grad;
+      const std::string why = "parameter '" + name +
+                              "' received a gradient from autograd: it is used outside its DP "
+                              "module, so that gradient would escape clipping";
+      if (auto session = weak.lock()) session->book->set_error(why);
+      try {
+        throw PrivacyError(why);
+      } catch (const PrivacyError& e) {
+        rethrow_from_engine(e);  // Note [errors out of the autograd engine] in book.h
+      }
+    });
+    hooks_.emplace_back(t, handle);
+  }
+
+  // The ledger (rank 0), the charges it already holds, and the budget.
+  const zero::NoiseKey key = [&] {
+    zero::NoiseKey k;
+    k.seed = static_cast<int64_t>(options_.seed);
+    return k;
+  }();
+  sampler_.seed = options_.seed;
+  int64_t charges = 0;
+  std::string failure;
+  if (rank_ == 0 && !options_.ledger_path.empty()) {
+    try {
+      const std::string& path = options_.ledger_path;
+      if (std::filesystem::exists(path)) {
+        ledger_ = std::make_shared<accounting::Ledger>(accounting::Ledger::open(path));
+        if (ledger_->header().dataset_size != options_.dataset_size)
+          throw std::invalid_argument(bad("ledger " + path + " is for a dataset of " +
+                                          std::to_string(ledger_->header().dataset_size) +
+                                          " examples, this run has " +
+                                          std::to_string(options_.dataset_size)));
+        for (const accounting::Phase& ph : ledger_->phases())
+          if (ph.q != options_.sample_rate || ph.sigma != options_.noise_multiplier)
+            throw std::invalid_argument(
+                bad("ledger " + path + " holds steps at other sigma or q than this run's"));
+        charges = ledger_->total_steps();
+      } else {
+        accounting::LedgerHeader header;
+        header.run_id = options_.run_id.empty() ? std::filesystem::path(path).filename().string()
+                                                : options_.run_id;
+        header.dataset_size = options_.dataset_size;
+        header.settings = {{"accountant", "rdp"},
+                           {"clipping", "flat"},
+                           {"secure_mode", false},
+                           {"world_size", world_size_},
+                           {"front_door", "c++"}};
+        ledger_ = std::make_shared<accounting::Ledger>(accounting::Ledger::create(path, header));
+      }
+    } catch (const std::exception& e) {
+      failure = e.what();
+      ledger_.reset();
+    }
+  }
+  const std::vector<int64_t> agreed =
+      zero_->comm().all_reduce_sum(std::vector<int64_t>{failure.empty() ? 0 : 1, charges});
+  if (agreed[0] != 0) {
+    if (!failure.empty()) throw accounting::LedgerError(failure);
+    throw accounting::LedgerError("rank 0 could not open the privacy ledger " +
+                                  options_.ledger_path + "; see its error");
+  }
+  charges = agreed[1];  // rank 0's
+  if (charges > 0) accountant_.step(options_.sample_rate, options_.noise_multiplier, charges);
+
+  StepSettings settings;
+  settings.noise_multiplier = options_.noise_multiplier;
+  settings.max_grad_norm = options_.max_grad_norm;
+  settings.sample_rate = options_.sample_rate;
+  settings.dataset_size = options_.dataset_size;
+  if (options_.epsilon_budget) {
+    settings.max_steps = accounting::steps_for_epsilon(
+        *options_.epsilon_budget, options_.delta, options_.sample_rate, options_.noise_multiplier);
+    settings.budget = "epsilon=" + std::to_string(*options_.epsilon_budget) +
+                      " at delta=" + std::to_string(options_.delta) + " (rdp)";
+  }
+  settings.noise_key = key;
+  step_ = std::make_unique<PrivateStep>(
+      session_->book, *zero_, ledger_, settings,
+      [this](double sigma, double q) { accountant_.step(q, sigma); }, charges);
+  next_step_ = charges;  // Note [noise index]: never a step already charged
+}
+
+PrivacyEngine::~PrivacyEngine() {
+  // The model trains as a plain one again: the DP modules' session expires with session_, and
+  // the parameters lose their escape hooks.
+  for (auto& [tensor, handle] : hooks_) tensor.remove_hook(handle);
+  session_.reset();
+}
+
+std::vector<MicroBatch> PrivacyEngine::sample() {
+  if (current_ || session_->book->micro_batches() > 0 || session_->book->open())
+    throw std::logic_error(
+        bad("sample(): the logical batch handed out last is accumulated but "
+            "not stepped; call step() (or zero_grad() to drop it) first"));
+  const int64_t t = next_step_;
+  const int64_t cap = options_.max_physical_batch_size > 0 ? options_.max_physical_batch_size
+                                                           : options_.dataset_size;
+  const privacy::MicroBatchSchedule schedule =
+      privacy::poisson_micro_batches(sampler_, static_cast<uint32_t>(t), options_.dataset_size,
+                                     options_.sample_rate, rank_, world_size_, cap);
+  std::vector<MicroBatch> out;
+  const int64_t count = static_cast<int64_t>(schedule.micro_batches.size());
+  for (int64_t i = 0; i < count; ++i) {
+    MicroBatch mb{t, i, count, schedule.logical_batch_size, schedule.micro_batches[i], false};
+    if (mb.rows.empty()) {  // Note [padding batches]: one real row whose gradient is zeroed
+      mb.rows = {0};
+      mb.padding = true;
+    }
+    out.push_back(std::move(mb));
+  }
+  return out;
+}
+
+void PrivacyEngine::hand_out(const MicroBatch& micro) {
+  const bool first = !current_;
+  if (!first && (micro.step != current_->step || micro.index != handed_))
+    throw std::logic_error(bad("hand_out: micro-batch " + std::to_string(micro.index) +
+                               " of step " + std::to_string(micro.step) +
+                               " is out of order; "
+                               "expected micro-batch " +
+                               std::to_string(handed_) + " of step " +
+                               std::to_string(current_->step)));
+  if (first && (micro.step != next_step_ || micro.index != 0))
+    throw std::logic_error(bad("hand_out: micro-batch " + std::to_string(micro.index) +
+                               " of step " + std::to_string(micro.step) +
+                               " is not the first of the next step " + std::to_string(next_step_) +
+                               "; hand out what sample() returned, in order"));
+  current_ = micro;
+  ++handed_;
+  caller_sampled_ = false;
+  Book& book = *session_->book;
+  book.set_padding(micro.padding);
+  book.set_expected_rows(static_cast<int64_t>(micro.rows.size()));
+  session_->handed_out = true;
+}
+
+void PrivacyEngine::own_batch(int64_t rows, int64_t logical_size) {
+  if (rows < 1 || logical_size < 0 || logical_size > options_.dataset_size)
+    throw std::invalid_argument(bad("own_batch: rows must be >= 1 and logical_size in [0, " +
+                                    std::to_string(options_.dataset_size) +
+                                    "], got rows=" + std::to_string(rows) +
+                                    ", logical_size=" + std::to_string(logical_size)));
+  if (current_ && !caller_sampled_)
+    throw std::logic_error(
+        bad("own_batch: a logical batch from sample() is accumulated; call "
+            "step() or zero_grad() first"));
+  if (current_ && current_->logical_size != logical_size)
+    throw std::invalid_argument(bad("own_batch: logical_size " + std::to_string(logical_size) +
+                                    " differs from this logical batch's " +
+                                    std::to_string(current_->logical_size)));
+  MicroBatch mb{next_step_, handed_, 0, logical_size, {}, false};
+  current_ = mb;
+  ++handed_;
+  caller_sampled_ = true;
+  session_->book->set_padding(false);
+  session_->book->set_expected_rows(rows);
+  session_->handed_out = true;
+}
+
+StepOutcome PrivacyEngine::step() {
+  if (!current_)
+    throw std::logic_error(
+        bad("step() without a micro-batch since the last step: hand out the "
+            "micro-batches of sample() (or own_batch) first"));
+  StepRequest request;
+  request.step = current_->step;
+  request.logical_size = current_->logical_size;
+  request.caller_sampled = caller_sampled_;
+  if (!caller_sampled_ && handed_ < current_->count)
+    request.refusal = "step(): " + std::to_string(handed_) + " of the " +
+                      std::to_string(current_->count) + " micro-batches of logical step " +
+                      std::to_string(current_->step) + " were handed out; a step takes them all";
+  if (session_->book->micro_batches() < handed_ && !request.refusal)
+    request.refusal = "step(): " + std::to_string(handed_) + " micro-batches were handed out but " +
+                      std::to_string(session_->book->micro_batches()) +
+                      " back-propagated; every micro-batch's backward must run before the step";
+  // The trained set may not change: a parameter made trainable since would never be clipped.
+  std::set<const void*> now;
+  for (const at::Tensor& p : model_->parameters())
+    if (p.requires_grad()) now.insert(p.unsafeGetTensorImpl());
+  std::set<const void*> then;
+  for (const Param& p : params_) then.insert(p.tensor.unsafeGetTensorImpl());
+  if (now != then && !request.refusal)
+    request.refusal =
+        "step(): the model's trainable parameters changed since the PrivacyEngine "
+        "took it; its clipping covers the parameters trainable then. Build a new "
+        "engine for the new set";
+  const int64_t t = current_->step;
+  StepOutcome out;
+  try {
+    out = step_->take(request);
+  } catch (...) {
+    close_logical_batch();
+    throw;
+  }
+  close_logical_batch();
+  next_step_ = std::max(t + 1, step_->charges());
+  return out;
+}
+
+void PrivacyEngine::zero_grad() {
+  close_logical_batch();
+  step_->drop_batch();
+  session_->book->set_error(std::nullopt);
+  session_->book->set_stale(false);
+}
+
+void PrivacyEngine::close_logical_batch() {
+  current_.reset();
+  handed_ = 0;
+  caller_sampled_ = false;
+  session_->handed_out = false;
+  session_->book->set_padding(false);
+  session_->book->set_expected_rows(std::nullopt);
+}
+
+double PrivacyEngine::epsilon(double delta) const {
+  if (charges() == 0) return 0.0;
+  if (options_.noise_multiplier == 0.0) return INFINITY;
+  return accountant_.epsilon(delta).epsilon;
+}
+
+at::Tensor PrivacyEngine::parameter(const std::string& name) {
+  for (const Param& p : params_) {
+    if (p.name != name) continue;
+    return zero_->full_parameters(p.unit)
+        .narrow(0, p.offset, p.tensor.numel())
+        .view(p.tensor.sizes());
+  }
+  throw std::invalid_argument(bad("parameter(): no trained parameter named '" + name + "'"));
+}
+
+}  // namespace dpzero::dp

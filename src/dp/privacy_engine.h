@@ -1,0 +1,159 @@
+// src/dp/privacy_engine.h — the C++ front door: a LibTorch program trains a torch::nn model
+// privately, with no Python, on one rank or several (a c10d process group, e.g. Gloo).
+//
+//   auto model = std::make_shared<MyModel>();        // DP layers from modules.h
+//   dp::PrivacyEngine engine(model, options, pg);    // ZeRO engine, book, step, ledger
+//   for (int64_t s = 0; s < steps; ++s) {
+//     for (const dp::MicroBatch& mb : engine.sample()) {   // Poisson-sampled, this rank's share
+//       engine.hand_out(mb);
+//       auto loss = loss_fn(model->forward(x.index_select(0, mb.indices())), ...);
+//       loss.backward();                                // clipped sums into the engine
+//     }
+//     engine.step();                                    // the private step's transaction
+//   }
+//   engine.epsilon(1e-5);
+//
+// What it does, as the Python PrivacyEngine does (python/dpzero/private/engine.py):
+//   - the model: every trainable parameter must sit in a DP module (modules.h), else the
+//     constructor refuses naming the module; parameters are numbered 0..D-1 in named_parameters()
+//     order (tied ones once), the global coordinates the noise is drawn at, so a Python model with
+//     the same parameters in the same order draws the same noise (DESIGN.md §2.5); units are
+//     python/dpzero/zero.py's default (every direct child with trainable parameters, ModuleList /
+//     ModuleDict looked through, the rest in the root unit);
+//   - sampling: Poisson with rate q from the run's seed (privacy/poisson.h), each logical batch
+//     split over the ranks and into micro-batches of at most max_physical_batch_size rows; a rank
+//     with no rows runs one padding row (Note [padding batches] in book.h);
+//   - clipping: flat, threshold C (privacy/clipping.h), one sample per row (Note [C++ batch
+//     dimension] in modules.h);
+//   - the step: PrivateStep::take (private_step.h): agreement, budget, ledger, charge, noisy
+//     update; the charge also goes to this engine's RDP accountant, which epsilon() reads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include "accounting/ledger.h"
+#include "accounting/rdp.h"
+#include "privacy/poisson.h"
+#include "src/dp/book.h"
+#include "src/dp/private_step.h"
+#include "src/zero/state.h"
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace dpzero::dp {
+
+struct PrivacyOptions {
+  double noise_multiplier = 1.0;  // σ >= 0
+  bool allow_no_noise = false;    // needed for σ = 0 (non-private training through this path)
+  double max_grad_norm = 1.0;     // C > 0
+  double sample_rate = 0.0;       // q in (0, 1]
+  int64_t dataset_size = 0;       // N > 0
+  // m: rows per micro-batch at most (0: the whole of this rank's share in one micro-batch).
+  int64_t max_physical_batch_size = 0;
+  // "mean": the loss is a mean over the micro-batch's rows (Note [mean loss] in book.h); "sum".
+  std::string loss_reduction = "mean";
+  zero::Stage stage = zero::Stage::k0;   // stages 0–2 (stage 3 gathers in module hooks, which
+                                         // torch::nn in C++ does not have)
+  zero::OptimizerOptions optimizer;      // SGD by default
+  uint64_t seed = 0;                     // the run's Philox seed: sampling and noise
+  std::string ledger_path;               // "": no ledger; else rank 0 creates or continues it
+  std::string run_id;                    // the ledger's run id ("": the file's name)
+  std::optional<double> epsilon_budget;  // refuse steps past ε at `delta` (BudgetExhausted)
+  double delta = 1e-5;
+};
+
+// One micro-batch of a logical step on this rank: which dataset rows to feed.
+struct MicroBatch {
+  int64_t step = 0;   // the logical step t it was sampled for
+  int64_t index = 0;  // its index among the step's micro-batches (all ranks run `count`)
+  int64_t count = 0;
+  int64_t logical_size = 0;    // the logical batch's realised size over all ranks (private)
+  std::vector<int64_t> rows;   // dataset indices; a padding batch holds example 0
+  bool padding = false;        // Note [padding batches]: its gradient is replaced by zeros
+  at::Tensor indices() const;  // rows as an int64 tensor, for index_select
+};
+
+// What the DP modules of a model share with the engine that took it (modules.h).
+struct EngineSession {
+  std::shared_ptr<Book> book;
+  bool handed_out = false;  // a micro-batch is handed out; DP layer calls may register
+};
+
+class PrivacyEngine {
+ public:
+  // Takes `model` (the DP modules are bound to this engine; parameters become views of the ZeRO
+  // engine's buffers, broadcast from rank 0). `process_group`: null for one rank. Throws
+  // std::invalid_argument naming a bad option or a module whose trainable parameters are not in
+  // a DP module; accounting::LedgerError for a ledger that cannot be opened (on every rank).
+  PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOptions options,
+                c10::intrusive_ptr<c10d::ProcessGroup> process_group = {});
+  ~PrivacyEngine();
+  PrivacyEngine(const PrivacyEngine&) = delete;
+  PrivacyEngine& operator=(const PrivacyEngine&) = delete;
+
+  // This rank's micro-batches of the next logical step (Poisson, every rank the same count).
+  // Throws std::logic_error while a logical batch is accumulated (step() or zero_grad() first).
+  std::vector<MicroBatch> sample();
+  // Makes `micro` the micro-batch whose forward comes next (its rows are what every DP layer
+  // call must see on dim 0).
+  void hand_out(const MicroBatch& micro);
+  // The opt-out for a caller who Poisson-samples itself: `rows` examples of one micro-batch of a
+  // logical batch of `logical_size` over all ranks; the step is recorded as "caller" sampling.
+  void own_batch(int64_t rows, int64_t logical_size);
+
+  // The private step (PrivateStep::take) for the logical batch handed out; throws as take does.
+  // Refused (PrivacyError, every rank) when a micro-batch of it was not handed out and
+  // back-propagated, or the trainable parameters changed since the engine took the model.
+  StepOutcome step();
+  // Drops the logical batch accumulated so far (its gradients are never released).
+  void zero_grad();
+
+  // ε at `delta` of the steps charged so far (RDP, Opacus's orders).
+  double epsilon(double delta) const;
+  int64_t charges() const { return step_->charges(); }
+  int64_t rank() const { return rank_; }
+  int64_t world_size() const { return world_size_; }
+  zero::ZeroState& zero() { return *zero_; }
+  // The trained parameter's current full value (a copy; all-gathers in stages 1–2: call on
+  // every rank), looked up by its named_parameters() name.
+  at::Tensor parameter(const std::string& name);
+
+ private:
+  struct Param {
+    std::string name;
+    at::Tensor tensor;
+    int64_t global = 0;  // its first global coordinate
+    int64_t unit = 0;    // its unit, and its offset in the unit's flat buffer
+    int64_t offset = 0;
+  };
+  void close_logical_batch();
+
+  std::shared_ptr<torch::nn::Module> model_;
+  PrivacyOptions options_;
+  int64_t rank_ = 0, world_size_ = 1;
+  std::vector<Param> params_;                           // trained, in global order
+  std::vector<std::pair<at::Tensor, unsigned>> hooks_;  // each parameter's escape hook
+  std::unique_ptr<zero::ZeroState> zero_;
+  std::shared_ptr<EngineSession> session_;
+  std::shared_ptr<accounting::Ledger> ledger_;  // rank 0's
+  std::unique_ptr<PrivateStep> step_;
+  accounting::RdpAccountant accountant_;
+  privacy::SamplerSource sampler_;
+  int64_t next_step_ = 0;  // the sampler's next logical step (never one already charged)
+  // The logical batch handed out: its step, size, micro-batch count and how many were handed out.
+  std::optional<MicroBatch> current_;
+  int64_t handed_ = 0;
+  bool caller_sampled_ = false;
+};
+
+}  // namespace dpzero::dp

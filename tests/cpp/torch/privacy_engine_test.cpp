@@ -1,0 +1,305 @@
+// tests/cpp/torch/privacy_engine_test.cpp — the C++ front door (src/dp/privacy_engine.h) with the
+// example's models (experiments/cpp_api/models.h), on 1 and 2 ranks (threads, real Gloo groups).
+// tests/python/test_cpp_api.py compares it with the Python front door; here it is held to an
+// independent per-example reference and to its refusals.
+//
+// The invariants, each with the mutation of privacy_engine.cpp that made its test fail:
+//   - a step is the DP-SGD step of a per-example autograd loop over the Poisson batch (flat
+//     clipping at C, σC·z(seed, 0, j) at global coordinate j, SGD with lr / (q·N)) on 1 and 2
+//     ranks (parameters numbered in reverse; the threshold 2C);
+//   - a module with trainable parameters outside the DP modules is refused, named (the check
+//     removed);
+//   - a forward while no micro-batch is handed out, a parameter used outside its DP module, a
+//     step missing a micro-batch or a changed trainable set are refused and charge nothing (each
+//     check removed);
+//   - the ledger holds every charged step, and the budget stops at the steps ε allows.
+
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "accounting/calibrate.h"
+#include "accounting/ledger.h"
+#include "experiments/cpp_api/models.h"
+#include "privacy/clipping.h"
+#include "privacy/noise.h"
+#include "privacy/poisson.h"
+#include "src/dp/errors.h"
+#include "src/dp/privacy_engine.h"
+#include "tests/cpp/common/error_message.h"
+#include "tests/cpp/torch/ranks.h"
+
+namespace dpzero::dp {
+namespace {
+
+using example::Mlp;
+using testing::run_ranks;
+
+constexpr int64_t kIn = 6, kHidden = 5, kClasses = 3, kN = 64;
+constexpr double kC = 0.5, kQ = 0.25, kSigma = 0.7, kLr = 0.4;
+constexpr uint64_t kSeed = 99;
+
+// The dataset: the same on every rank.
+std::pair<at::Tensor, at::Tensor> data() {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  return {at::randn({kN, kIn}, gen), at::randint(kClasses, {kN}, gen)};
+}
+
+Mlp model() {
+  torch::manual_seed(3);
+  return Mlp(kIn, kHidden, kClasses);
+}
+
+PrivacyOptions options() {
+  PrivacyOptions o;
+  o.noise_multiplier = kSigma;
+  o.max_grad_norm = kC;
+  o.sample_rate = kQ;
+  o.dataset_size = kN;
+  o.max_physical_batch_size = 4;
+  o.optimizer.lr = kLr;
+  o.seed = kSeed;
+  return o;
+}
+
+// One logical step through the engine: every micro-batch of sample() forward and backward.
+void train_step(PrivacyEngine& engine, Mlp& net) {
+  const auto [x, y] = data();
+  for (const MicroBatch& mb : engine.sample()) {
+    engine.hand_out(mb);
+    torch::cross_entropy_loss(net->forward(x.index_select(0, mb.indices())),
+                              y.index_select(0, mb.indices()))
+        .backward();
+  }
+  engine.step();
+}
+
+std::string temp_path(const std::string& leaf) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const auto dir =
+      std::filesystem::temp_directory_path() /
+      ("dpzero_privacy_engine_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return (dir / leaf).string();
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// The reference step, in float64: for every example i of step 0's Poisson batch its own gradient
+// g_i by autograd (an unbound model: plain torch::nn), c_i = min(1, C / (|g_i| + 1e-6)) over the
+// whole model (privacy/clipping.h, flat), S = Σ c_i g_i + σC·z(seed, 0, j) at global coordinate j
+// (named_parameters() order), and θ − lr · S / (q·N).
+std::vector<at::Tensor> reference_step() {
+  Mlp net = model();
+  const auto [x, y] = data();
+  privacy::SamplerSource source;
+  source.seed = kSeed;
+  const std::vector<int64_t> batch = privacy::poisson_logical_batch(source, 0, kN, kQ);
+  EXPECT_GT(batch.size(), 4u);  // several micro-batches
+  std::vector<at::Tensor> params = net->parameters();
+  std::vector<at::Tensor> sum;
+  for (const at::Tensor& p : params) sum.push_back(torch::zeros(p.sizes(), at::kDouble));
+  for (int64_t i : batch) {
+    for (at::Tensor& p : params) p.mutable_grad() = at::Tensor();
+    torch::cross_entropy_loss(net->forward(x.narrow(0, i, 1)), y.narrow(0, i, 1)).backward();
+    double sq = 0.0;
+    for (const at::Tensor& p : params) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+    const double c = std::min(1.0, privacy::threshold_f32(kC) / (std::sqrt(sq) + 1e-6));
+    for (size_t k = 0; k < params.size(); ++k) sum[k] += c * params[k].grad().to(at::kDouble);
+  }
+  std::vector<at::Tensor> out;
+  int64_t j = 0;
+  for (size_t k = 0; k < params.size(); ++k) {
+    at::Tensor z = torch::empty({params[k].numel()}, at::kDouble);
+    for (int64_t e = 0; e < z.numel(); ++e, ++j)
+      z[e] = static_cast<double>(privacy::noise_draw(kSeed, 0, static_cast<uint64_t>(j)));
+    out.push_back(params[k].detach().to(at::kDouble) -
+                  kLr * (sum[k] + kSigma * kC * z.view(params[k].sizes())) / (kQ * kN));
+  }
+  return out;
+}
+
+TEST(PrivacyEngine, StepIsThePerExampleReferenceOnOneAndTwoRanks) {
+  const std::vector<at::Tensor> want = reference_step();
+  for (int world : {1, 2}) {
+    run_ranks(world, std::chrono::seconds(60), [&](int, auto pg) {
+      Mlp net = model();
+      PrivacyEngine engine(net.ptr(), options(), world > 1 ? pg : nullptr);
+      train_step(engine, net);
+      EXPECT_EQ(engine.charges(), 1);
+      const auto named = net->named_parameters();
+      for (size_t k = 0; k < want.size(); ++k) {
+        const at::Tensor got = engine.parameter(named[k].key()).to(at::kDouble);
+        EXPECT_TRUE(torch::allclose(got, want[k], 1e-5, 1e-6))
+            << "W=" << world << " " << named[k].key() << "\n"
+            << got - want[k];
+        EXPECT_TRUE(torch::equal(named[k].value().detach(), engine.parameter(named[k].key())))
+            << "the module's parameter is not the engine's";
+      }
+    });
+  }
+}
+
+// A model whose Linear is torch::nn's: its gradient could not be clipped.
+struct Mixed : torch::nn::Module {
+  Mixed() {
+    dp = register_module("dp", nn::Linear(3, 3));
+    plain = register_module("plain", torch::nn::Linear(3, 2));
+  }
+  nn::Linear dp{nullptr};
+  torch::nn::Linear plain{nullptr};
+};
+
+TEST(PrivacyEngine, RefusesTrainableParametersOutsideDpModules) {
+  auto net = std::make_shared<Mixed>();
+  const std::string why =
+      testing::error_message<std::invalid_argument>([&] { PrivacyEngine engine(net, options()); });
+  EXPECT_TRUE(contains(why, "module 'plain'") && contains(why, "dpzero::dp::nn")) << why;
+  net->plain->weight.requires_grad_(false);  // frozen: nothing to clip there
+  net->plain->bias.requires_grad_(false);
+  PrivacyEngine engine(net, options());
+  EXPECT_EQ(engine.zero().plan().total_coordinates(), 12);
+}
+
+TEST(PrivacyEngine, RefusesBadOptionsNamingThem) {
+  Mlp net = model();
+  PrivacyOptions o = options();
+  o.noise_multiplier = 0.0;
+  EXPECT_TRUE(contains(
+      testing::error_message<std::invalid_argument>([&] { PrivacyEngine engine(net.ptr(), o); }),
+      "allow_no_noise"));
+  o = options();
+  o.sample_rate = 1.5;
+  EXPECT_TRUE(contains(
+      testing::error_message<std::invalid_argument>([&] { PrivacyEngine engine(net.ptr(), o); }),
+      "sample_rate must be in (0, 1], got 1.5"));
+  o = options();
+  o.stage = zero::Stage::k3;
+  EXPECT_TRUE(contains(
+      testing::error_message<std::invalid_argument>([&] { PrivacyEngine engine(net.ptr(), o); }),
+      "stage 3"));
+}
+
+TEST(PrivacyEngine, ForwardWithoutAHandedOutBatchIsRefused) {
+  Mlp net = model();
+  PrivacyEngine engine(net.ptr(), options());
+  const auto [x, y] = data();
+  const std::string why = testing::error_message<PrivacyError>([&] {
+    torch::cross_entropy_loss(net->forward(x.narrow(0, 0, 3)), y.narrow(0, 0, 3)).backward();
+  });
+  EXPECT_TRUE(contains(why, "DP layer 'fc2'") && contains(why, "no micro-batch was handed out"))
+      << why;
+  // The step refuses until zero_grad() drops the batch; then a handed-out batch trains.
+  EXPECT_THROW(train_step(engine, net), PrivacyError);
+  EXPECT_EQ(engine.charges(), 0);
+  engine.zero_grad();
+  train_step(engine, net);
+  EXPECT_EQ(engine.charges(), 1);
+}
+
+TEST(PrivacyEngine, ParameterUsedOutsideItsDpModuleIsRefused) {
+  Mlp net = model();
+  PrivacyEngine engine(net.ptr(), options());
+  const auto [x, y] = data();
+  const auto batches = engine.sample();
+  engine.hand_out(batches[0]);
+  const std::string why = testing::error_message<PrivacyError>([&] {
+    const at::Tensor idx = batches[0].indices();
+    (torch::cross_entropy_loss(net->forward(x.index_select(0, idx)), y.index_select(0, idx)) +
+     net->fc1->weight.sum())
+        .backward();
+  });
+  EXPECT_TRUE(contains(why, "parameter 'fc1.weight' received a gradient from autograd")) << why;
+  for (size_t i = 1; i < batches.size(); ++i) engine.hand_out(batches[i]);
+  EXPECT_THROW(engine.step(), PrivacyError);
+  EXPECT_EQ(engine.charges(), 0);
+}
+
+TEST(PrivacyEngine, StepMissingAMicroBatchIsRefusedOnEveryRank) {
+  run_ranks(2, std::chrono::seconds(60), [&](int rank, auto pg) {
+    Mlp net = model();
+    PrivacyEngine engine(net.ptr(), options(), pg);
+    const auto [x, y] = data();
+    const auto batches = engine.sample();
+    ASSERT_GT(batches.size(), 1u);
+    // Rank 0 leaves out its last micro-batch; rank 1 runs them all.
+    const size_t run = rank == 0 ? batches.size() - 1 : batches.size();
+    for (size_t i = 0; i < run; ++i) {
+      engine.hand_out(batches[i]);
+      const at::Tensor idx = batches[i].indices();
+      torch::cross_entropy_loss(net->forward(x.index_select(0, idx)), y.index_select(0, idx))
+          .backward();
+    }
+    const std::string why = testing::error_message<PrivacyError>([&] { engine.step(); });
+    if (rank == 0) EXPECT_TRUE(contains(why, "micro-batches of logical step 0")) << why;
+    EXPECT_EQ(engine.charges(), 0);
+    engine.zero_grad();
+    train_step(engine, net);  // the next step goes on
+    EXPECT_EQ(engine.charges(), 1);
+  });
+}
+
+TEST(PrivacyEngine, ChangedTrainableSetIsRefused) {
+  Mlp net = model();
+  PrivacyEngine engine(net.ptr(), options());
+  net->fc2->bias.requires_grad_(false);
+  EXPECT_TRUE(contains(testing::error_message<PrivacyError>([&] { train_step(engine, net); }),
+                       "trainable parameters changed"));
+  EXPECT_EQ(engine.charges(), 0);
+}
+
+// Once the engine is gone the model is a plain torch::nn model again: autograd gives its
+// parameters their gradients (no DP node, no escape hook), equal to a fresh copy's.
+TEST(PrivacyEngine, WithoutTheEngineTheModelIsPlainAgain) {
+  Mlp net = model();
+  { PrivacyEngine engine(net.ptr(), options()); }
+  Mlp fresh = model();
+  const auto [x, y] = data();
+  torch::cross_entropy_loss(net->forward(x), y).backward();
+  torch::cross_entropy_loss(fresh->forward(x), y).backward();
+  const auto got = net->parameters(), want = fresh->parameters();
+  for (size_t k = 0; k < want.size(); ++k)
+    EXPECT_TRUE(torch::allclose(got[k].grad(), want[k].grad())) << k;
+}
+
+TEST(PrivacyEngine, LedgerHoldsEveryStepAndTheBudgetStopsAtItsSteps) {
+  const std::string path = temp_path("ledger.jsonl");
+  PrivacyOptions o = options();
+  o.ledger_path = path;
+  o.epsilon_budget = 12.0;
+  const int64_t allowed = accounting::steps_for_epsilon(12.0, o.delta, kQ, kSigma);
+  ASSERT_GT(allowed, 0);
+  ASSERT_LT(allowed, 20);
+  {
+    Mlp net = model();
+    PrivacyEngine engine(net.ptr(), o);
+    for (int64_t s = 0; s < allowed; ++s) train_step(engine, net);
+    EXPECT_EQ(accounting::Ledger::open_read_only(path).total_steps(), allowed);
+    EXPECT_THROW(train_step(engine, net), BudgetExhausted);
+    EXPECT_EQ(engine.charges(), allowed);
+    accounting::RdpAccountant expected;
+    expected.step(kQ, kSigma, allowed);
+    EXPECT_DOUBLE_EQ(engine.epsilon(o.delta), expected.epsilon(o.delta).epsilon);
+    EXPECT_LE(engine.epsilon(o.delta), 12.0);
+  }
+  // A new engine continues the ledger: its charges count, and the budget still stops it.
+  Mlp net = model();
+  PrivacyEngine engine(net.ptr(), o);
+  EXPECT_EQ(engine.charges(), allowed);
+  EXPECT_THROW(train_step(engine, net), BudgetExhausted);
+  EXPECT_EQ(accounting::Ledger::open_read_only(path).total_steps(), allowed);
+}
+
+}  // namespace
+}  // namespace dpzero::dp

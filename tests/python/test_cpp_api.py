@@ -1,0 +1,236 @@
+"""The C++ front door (src/dp/privacy_engine.h, example experiments/cpp_api/private_train.cpp)
+against the Python one (dpzero.make_private) and against the float64 torch.func DP-SGD step
+(private_reference.naive_dp_sgd_step), on sklearn's digits: the same weights and batch take the
+same step, and the noise is bit for bit the same (same seed, same charge index, same global
+coordinates), on one rank and on two (Gloo, one process per rank)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+
+import pytest
+import torch
+import torch.jit._pickle
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch import nn
+
+import dpzero
+import dpzero.noise
+from private_reference import naive_dp_sgd_step
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+BINARY = os.path.join(ROOT, "build", "experiments", "cpp_api", "private_train")
+
+# The example's model sizes (experiments/cpp_api/private_train.cpp).
+FEATURES, HIDDEN, CLASSES = 64, 32, 10
+VOCAB, LEN, WIDTH, HEADS, TOKEN_CLASSES = 17, 16, 32, 2, 4
+
+
+class Mlp(nn.Module):
+    """experiments/cpp_api/models.h's MlpImpl: same parameters, same order, same forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(FEATURES, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Transformer(nn.Module):
+    """experiments/cpp_api/models.h's TransformerImpl."""
+
+    def __init__(self):
+        super().__init__()
+        d = WIDTH
+        self.tok = nn.Embedding(VOCAB, d)
+        self.pos = nn.Embedding(LEN, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.lnf = nn.LayerNorm(d)
+        self.head = nn.Linear(d, TOKEN_CLASSES)
+
+    def forward(self, ids):
+        b, t = ids.shape
+        h = self.tok(ids) + self.pos(torch.arange(t, device=ids.device)[None])
+        d, dh = WIDTH, WIDTH // HEADS
+        q, k, v = self.qkv(self.ln1(h)).view(b, t, 3, HEADS, dh).permute(2, 0, 3, 1, 4)
+        att = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(dh), -1)
+        h = h + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        h = h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+        return self.head(self.lnf(h).mean(1))
+
+
+def digits(kind: str):
+    """sklearn's digits (1797 examples): the MLP reads the 64 pixels (scaled to [0, 1]) and the
+    10 classes; the transformer reads 16 tokens (2x2-pooled pixels, 0..16) and the class mod 4."""
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.long)
+    if kind == "mlp":
+        return x / 16.0, y
+    pooled = F.avg_pool2d(x.view(-1, 1, 8, 8), 2).view(-1, LEN)
+    return pooled.round().long().clamp(0, VOCAB - 1), y % TOKEN_CLASSES
+
+
+def run_cpp(tmp_path, kind, model, x, y, *, world=1, rows=None, zero_loss=False, **flags):
+    """The example's exchange mode on `world` ranks; the parameters after its step."""
+    assert os.path.exists(BINARY), f"{BINARY} is not built (scripts/setup.sh builds it)"
+    inp, out = tmp_path / "in.pt", tmp_path / "out.pt"
+    state = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+             "x": x, "y": y}
+    if rows is not None:
+        state["rows"] = rows
+    torch.save(state, inp)
+    args = [BINARY, "--model", kind, "--exchange", str(inp), str(out), "--world", str(world)]
+    if world > 1:
+        args += ["--init", f"file://{tmp_path}/rendezvous"]
+    if zero_loss:
+        args.append("--zero-loss")
+    for name, value in flags.items():
+        args += ["--" + name.replace("_", "-"), str(value)]
+    procs = [subprocess.Popen(args + ["--rank", str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for r, (p, text) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}: {text}"
+    # torch::pickle_save tags a typed dict with its type (torch.jit._pickle.restore_type_tag).
+    with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
+        return torch.load(out)
+
+
+def run_python(kind, model, x, y, *, rows=None, zero_loss=False, sigma, clip, q, lr, seed,
+               max_physical_batch_size=None):
+    """dpzero.make_private's step 0 (its loader's Poisson batch, or own_batch of the first
+    sum(rows) examples); the parameters after it, and the batch."""
+    p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(x, y), optimizer="sgd",
+                            sample_rate=q, noise_multiplier=sigma, max_grad_norm=clip, lr=lr,
+                            seed=seed, allow_no_noise=sigma == 0.0,
+                            max_physical_batch_size=max_physical_batch_size)
+
+    def backward(xb, yb):
+        loss = F.cross_entropy(p.model(xb), yb)
+        (loss * 0.0 if zero_loss else loss).backward()
+
+    if rows is not None:
+        n = sum(rows)
+        xb, yb = p.privacy_engine.own_batch((x[:n], y[:n]), logical_batch_size=n)
+        backward(xb, yb)
+        assert p.optimizer.step()
+        return p.privacy_engine.parameters(), x[:n], y[:n]
+    xs, ys = [], []
+    for xb, yb in p.data_loader:
+        xs.append(xb)
+        ys.append(yb)
+        p.optimizer.zero_grad()
+        backward(xb, yb)
+        if p.optimizer.step():
+            break
+    return p.privacy_engine.parameters(), torch.cat(xs), torch.cat(ys)
+
+
+def close(got, want, atol=2e-5):
+    assert list(got) == list(want)
+    for name in want:
+        torch.testing.assert_close(got[name].double(), want[name].double(), atol=atol, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+SETTINGS = {"clip": 0.5, "q": 0.02, "lr": 0.3, "seed": 1234}
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+@pytest.mark.parametrize("sigma", [0.0, 0.8])
+def test_poisson_step_matches_python_and_reference(tmp_path, kind, sigma):
+    """Step 0 through the C++ sampler and the Python loader, one rank, micro-batches of 8: the
+    same Poisson batch, the same clipped sum and the same noise, within float32 rounding of the
+    float64 torch.func step."""
+    torch.manual_seed(3)
+    model = Mlp() if kind == "mlp" else Transformer()
+    reference = copy.deepcopy(model)
+    x, y = digits(kind)
+    got = run_cpp(tmp_path, kind, model, x, y, sigma=sigma, max_physical_batch_size=8,
+                  **SETTINGS)
+    py, xb, yb = run_python(kind, copy.deepcopy(model), x, y, sigma=sigma,
+                            max_physical_batch_size=8, **SETTINGS)
+    assert xb.shape[0] > 8  # several micro-batches
+    close(got, py)
+    want = naive_dp_sgd_step(reference, F.cross_entropy, xb, yb, max_grad_norm=SETTINGS["clip"],
+                             noise_multiplier=sigma, seed=SETTINGS["seed"], noise_index=0,
+                             lr=SETTINGS["lr"], expected_batch=SETTINGS["q"] * len(x))
+    close(got, want)
+    moved = max((got[n] - p.detach()).abs().max().item() for n, p in model.named_parameters())
+    assert moved > 1e-4  # the step changed the model
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+def test_two_ranks_match_python(tmp_path, kind):
+    """The C++ example on two ranks (Gloo, one process each), each handing in its share of one
+    logical batch: the step of the Python path on one rank with the whole batch."""
+    torch.manual_seed(4)
+    model = Mlp() if kind == "mlp" else Transformer()
+    x, y = digits(kind)
+    rows = [7, 5]
+    got = run_cpp(tmp_path, kind, model, x, y, world=2, rows=rows, sigma=0.8, **SETTINGS)
+    py, _, _ = run_python(kind, copy.deepcopy(model), x, y, rows=rows, sigma=0.8, **SETTINGS)
+    close(got, py)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_noise_is_bit_identical(tmp_path, world):
+    """With the loss multiplied by 0 every clipped sum is exactly 0 and the update is the noise
+    alone: the C++ front door on 1 or 2 ranks and the Python one draw it bit for bit the same, and
+    it is σC·z(seed, 0, j) at every global coordinate j (in named_parameters() order)."""
+    torch.manual_seed(5)
+    model = Transformer()
+    x, y = digits("transformer")
+    sigma = 1.3
+    got = run_cpp(tmp_path, "transformer", model, x, y, world=world, rows=[6] * world,
+                  zero_loss=True, sigma=sigma, **SETTINGS)
+    py, _, _ = run_python("transformer", copy.deepcopy(model), x, y, rows=[6] * world,
+                          zero_loss=True, sigma=sigma, **SETTINGS)
+    assert list(got) == list(py)
+    for name in py:
+        assert torch.equal(got[name], py[name]), name
+    source = dpzero.noise.NoiseSource(seed=SETTINGS["seed"])
+    offset = 0
+    scale = SETTINGS["lr"] / (SETTINGS["q"] * len(x))
+    for name, p in model.named_parameters():
+        z = source.add_(torch.zeros(p.numel()), sigma * SETTINGS["clip"], 0, offset)
+        offset += p.numel()
+        torch.testing.assert_close(got[name], p.detach() - scale * z.view(p.shape), rtol=0,
+                                   atol=1e-6)
+
+
+def test_example_trains_the_same_on_two_ranks(tmp_path):
+    """The example's training mode (Poisson sampling, 100 steps, a ledger): two ranks (Gloo, one
+    process each) end where one rank does, and the ledger holds every step."""
+    def train(world):
+        ledger = tmp_path / f"ledger{world}.jsonl"
+        args = [BINARY, "--model", "transformer", "--steps", "100", "--lr", "2", "--world",
+                str(world), "--ledger", str(ledger), "--max-physical-batch-size", "16"]
+        if world > 1:
+            args += ["--init", f"file://{tmp_path}/rendezvous{world}"]
+        procs = [subprocess.Popen(args + ["--rank", str(r)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for r in range(world)]
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+        for r, (p, text) in enumerate(zip(procs, outputs)):
+            assert p.returncode == 0, f"rank {r} exited {p.returncode}: {text}"
+        steps = sum(json.loads(line).get("kind") == "steps" for line in open(ledger))
+        return outputs[0].strip().splitlines()[-1], steps
+
+    one, steps_one = train(1)
+    two, steps_two = train(2)
+    assert steps_one == steps_two == 100
+    # "trained 60 steps on W rank(s): accuracy A, epsilon E at delta D"
+    assert one.replace("on 1 rank", "on 2 rank") == two, (one, two)
+    assert float(one.split("accuracy ")[1].split(",")[0]) > 0.9  # it learnt (chance: 0.25)
