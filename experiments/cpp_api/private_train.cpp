@@ -5,6 +5,10 @@
 //   private_train --model mlp --steps 50                       one rank, synthetic data
 //   private_train --world 2 --rank R --init tcp://127.0.0.1:29600 ...   one process per rank
 //
+// Flags: --model mlp|transformer, --steps, --dataset-size (N), --sigma, --clip (C), --q, --lr,
+// --delta, --seed, --stage 0|1|2, --max-physical-batch-size, --world, --rank, --init, --ledger
+// PATH, --exchange IN OUT, --zero-loss.
+//
 // Training mode: a synthetic task the model can learn (MLP: the class of a random linear teacher
 // on x ~ N(0, I); transformer: the class of the first token), N examples; each step samples a
 // Poisson logical batch with rate q, clips, noises and updates; rank 0 prints the step's loss on
