@@ -52,7 +52,7 @@ struct Args {
   int64_t steps = 50;
   int64_t dataset_size = 2048;
   double sigma = 1.0, clip = 1.0, q = 0.05, lr = 0.5, delta = 1e-5;
-  int64_t seed = 0;
+  std::optional<int64_t> seed;  // unset: the engine draws one
   int stage = 0;
   int64_t max_physical_batch_size = 0;
   int world = 1, rank = 0;
@@ -139,7 +139,7 @@ PrivacyOptions options_of(const Args& a, int64_t dataset_size) {
   o.max_physical_batch_size = a.max_physical_batch_size;
   o.stage = static_cast<dpzero::zero::Stage>(a.stage);
   o.optimizer.lr = a.lr;
-  o.seed = static_cast<uint64_t>(a.seed);
+  if (a.seed) o.seed = static_cast<uint64_t>(*a.seed);
   o.ledger_path = a.ledger;
   o.delta = a.delta;
   return o;
@@ -223,10 +223,11 @@ std::pair<at::Tensor, at::Tensor> synthetic(const std::string& kind, int64_t n) 
 }
 
 int train(const Args& a) {
-  torch::manual_seed(a.seed + 1);  // the model's initialisation; the engine broadcasts rank 0's
+  torch::manual_seed(1);  // the model's initialisation; the engine broadcasts rank 0's
   auto model = make_model(a.model);
   const auto [x, y] = synthetic(a.model, a.dataset_size);
   PrivacyEngine engine(model, options_of(a, a.dataset_size), process_group(a));
+  if (a.rank == 0) std::cout << "seed " << engine.seed() << std::endl;  // to rerun it exactly
   for (int64_t s = 0; s < a.steps; ++s) {
     double loss_sum = 0.0;
     int64_t seen = 0;
@@ -243,7 +244,7 @@ int train(const Args& a) {
     }
     const auto outcome = engine.step();
     if (a.rank == 0 && (s % 10 == 0 || s + 1 == a.steps))
-      std::cout << "step " << outcome.step << "  loss(rank 0 rows) "
+      std::cout << "step " << outcome.step << "  loss on rank 0's rows (private, not covered by ε) "
                 << (seen ? loss_sum / static_cast<double>(seen) : 0.0) << "  epsilon "
                 << engine.epsilon(a.delta) << std::endl;
   }

@@ -20,9 +20,12 @@ void DPModule::bind(std::weak_ptr<EngineSession> session, int64_t layer, std::st
 
 bool DPModule::bound() const { return torch::GradMode::is_enabled() && !session_.expired(); }
 
-Report DPModule::report() const {
+Report DPModule::report(const at::Tensor& x, int64_t min_dim) const {
   const std::shared_ptr<EngineSession> session = session_.lock();
   TORCH_CHECK(session, "dpzero: DP layer '", name_, "': its PrivacyEngine is gone");
+  TORCH_CHECK(x.dim() >= min_dim, "dpzero: DP layer '", name_, "' got an input of shape ",
+              x.sizes(), "; it needs the examples on dim 0 besides ", min_dim - 1,
+              " feature dim(s) (Note [C++ batch dimension] in src/dp/modules.h)");
   Report report;
   report.book = session->book;
   if (!session->handed_out) {
@@ -57,7 +60,7 @@ LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool with_bias
 
 at::Tensor LinearImpl::forward(const at::Tensor& x) {
   if (!bound()) return torch::nn::functional::linear(x, weight, bias);
-  return dp_linear(x, weight, bias, /*transposed=*/false, report());
+  return dp_linear(x, weight, bias, /*transposed=*/false, report(x, 2));
 }
 
 std::shared_ptr<LayerOps> LinearImpl::book_ops(const Trainable& train) const {
@@ -73,7 +76,7 @@ EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim) {
 
 at::Tensor EmbeddingImpl::forward(const at::Tensor& ids) {
   if (!bound()) return at::embedding(weight, ids);
-  return dp_embedding(ids, weight, std::nullopt, report());
+  return dp_embedding(ids, weight, std::nullopt, report(ids, 1));
 }
 
 std::shared_ptr<LayerOps> EmbeddingImpl::book_ops(const Trainable& train) const {
@@ -88,7 +91,7 @@ LayerNormImpl::LayerNormImpl(int64_t dim, double eps) : eps(eps) {
 
 at::Tensor LayerNormImpl::forward(const at::Tensor& x) {
   if (!bound()) return at::layer_norm(x, {weight.size(0)}, weight, bias, eps);
-  return dp_layer_norm(x, {weight.size(0)}, weight, bias, eps, report());
+  return dp_layer_norm(x, {weight.size(0)}, weight, bias, eps, report(x, 2));
 }
 
 std::shared_ptr<LayerOps> LayerNormImpl::book_ops(const Trainable& train) const {

@@ -12,10 +12,13 @@
 // from where each input came from (Note [batch provenance] in examples.py); a C++ program has no
 // such tracing. Here the layout is the module's contract, stated by its type and never guessed:
 // each DP module's input is batch-first, x [B, ...] with B the micro-batch's rows, as Opacus's
-// batch_first. The book refuses a call whose dim 0 is not the micro-batch's row count, and a call
-// made while no micro-batch is handed out (PrivacyEngine::hand_out) is refused in its backward. A
-// model that moves the examples off dim 0 before a DP layer (a sequence-first layout) breaks the
-// contract: write it batch-first.
+// batch_first. What is checked catches some layout errors, not all: a call made while no
+// micro-batch is handed out (PrivacyEngine::hand_out) is refused in its backward, the book refuses
+// a call whose dim 0 is not the micro-batch's row count, and a Linear or LayerNorm input needs a
+// batch dim besides its features. A model that moves the examples off dim 0 before a DP layer
+// (a sequence-first [T, B, d] layout when T equals the micro-batch's rows) or mixes rows along
+// dim 0 (x - x.mean(0)) passes these checks and is clipped per row, not per example: such a
+// model breaks the contract and must be written batch-first, without ops across examples.
 #pragma once
 
 #include <cstdint>
@@ -46,12 +49,15 @@ class DPModule {
 
   // Set by PrivacyEngine: calls register as the book's layer `layer` of `session`.
   void bind(std::weak_ptr<EngineSession> session, int64_t layer, std::string name);
+  // Whether a live PrivacyEngine holds this module.
+  bool taken() const { return !session_.expired(); }
 
  protected:
   // Whether this call goes through the book (an engine holds the model and gradients are on).
   bool bound() const;
-  // Registers this call with the book: its part, or the refusal its backward raises.
-  Report report() const;
+  // Registers this call with the book: its part, or the refusal its backward raises. `x`: the
+  // call's input, which needs at least `min_dim` dims (examples on dim 0).
+  Report report(const at::Tensor& x, int64_t min_dim) const;
 
  private:
   std::weak_ptr<EngineSession> session_;

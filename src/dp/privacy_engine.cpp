@@ -2,13 +2,18 @@
 #include "src/dp/privacy_engine.h"
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <map>
+#include <random>
 #include <set>
 #include <stdexcept>
 #include <utility>
 
 #include <torch/nn/modules/container/moduledict.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/instancenorm.h>
 #include <torch/nn/modules/container/modulelist.h>
 
 #include "accounting/calibrate.h"
@@ -81,6 +86,43 @@ std::string owner(const std::string& name, const std::vector<std::string>& units
   return best;
 }
 
+// Modules that mix the examples of a batch or write what they saw into the model, trainable or
+// not (python/dpzero/private/attach.py refuses the same).
+void refuse_batch_mixing(const std::string& name, const torch::nn::Module& module) {
+  const std::string type = module.name();
+  std::string why;
+  namespace tnn = torch::nn;
+  const bool batch_norm = dynamic_cast<const tnn::BatchNorm1dImpl*>(&module) ||
+                          dynamic_cast<const tnn::BatchNorm2dImpl*>(&module) ||
+                          dynamic_cast<const tnn::BatchNorm3dImpl*>(&module);
+  const bool instance_norm = dynamic_cast<const tnn::InstanceNorm1dImpl*>(&module) ||
+                             dynamic_cast<const tnn::InstanceNorm2dImpl*>(&module) ||
+                             dynamic_cast<const tnn::InstanceNorm3dImpl*>(&module);
+  if (batch_norm || (instance_norm && !module.buffers(false).empty()))
+    why =
+        "normalises with statistics of the whole batch, or keeps running statistics of the "
+        "data that would be released without noise; use LayerNorm (dpzero::dp::nn::LayerNorm)";
+  if (const auto* e = dynamic_cast<const torch::nn::EmbeddingImpl*>(&module);
+      e && e->options.max_norm())
+    why =
+        "has max_norm, so its forward renormalises the table in place from the data; drop "
+        "max_norm";
+  if (!why.empty()) throw std::invalid_argument(bad("module '" + name + "' (" + type + ") " + why));
+}
+
+// A 63-bit seed from the OS (python/dpzero/noise.py draws secrets.randbits(63)).
+uint64_t random_seed() {
+  std::random_device device;
+  const uint64_t hi = device(), lo = device();
+  return ((hi << 32) | lo) & ((uint64_t{1} << 63) - 1);
+}
+
+int64_t bits_of(double x) {
+  int64_t b = 0;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
 }  // namespace
 
 at::Tensor MicroBatch::indices() const {
@@ -127,6 +169,7 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
     torch::nn::Module& module = *item.value();
     const std::string name = item.key().empty() ? "<model>" : item.key();
     auto* dp = dynamic_cast<DPModule*>(&module);
+    refuse_batch_mixing(name, module);
     bool own_trainable = false;
     for (const at::Tensor& p : module.parameters(/*recurse=*/false))
       own_trainable = own_trainable || p.requires_grad();
@@ -137,6 +180,9 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
               ") holds trainable parameters but is not a DP module, so its gradient could not be "
               "clipped; build it from dpzero::dp::nn (Linear, Embedding, LayerNorm) or freeze its "
               "parameters (requires_grad_(false))"));
+    if (dp->taken())
+      throw std::invalid_argument(
+          bad("DP module '" + name + "' is held by another PrivacyEngine; one engine per model"));
     Trainable train;
     for (const at::Tensor& p : dp->dp_parameters()) {
       train.push_back(p.defined() && p.requires_grad());
@@ -211,10 +257,10 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
       auto [it, fresh] = component_of.emplace(p.unsafeGetTensorImpl(), layer.component);
       // Note: a layer whose parameters belong to two components already formed would need a
       // union of them; the modules here hold one shared parameter at most (a tied weight).
-      TORCH_CHECK(fresh || it->second == layer.component,
-                  bad("DP module '" + f.name +
-                      "' shares parameters with two other modules that "
-                      "share none with each other; this is not supported"));
+      if (!fresh && it->second != layer.component)
+        throw std::invalid_argument(bad("DP module '" + f.name +
+                                        "' shares parameters with two other modules that share "
+                                        "none with each other; this is not supported"));
     }
     layers.push_back(std::move(layer));
   }
@@ -227,36 +273,11 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
   session_ = std::make_shared<EngineSession>();
   session_->book = std::make_shared<Book>(std::move(layers), book_options, *zero_);
   session_->book->set_queue_finish(true);
-  for (size_t l = 0; l < found.size(); ++l)
-    found[l].module->bind(session_, static_cast<int64_t>(l), found[l].name);
-
-  // A gradient autograd gives a trained parameter escaped its DP module (the parameter was used
-  // outside it): it would be unclipped. The hook records the violation and stops the backward.
-  for (const Param& p : params_) {
-    std::weak_ptr<EngineSession> weak = session_;
-    at::Tensor t = p.tensor;
-    const unsigned handle = t.register_hook([weak, name = p.name](const at::Tensor& grad) {
-      if (!grad.defined()) return grad;
-      const std::string why = "parameter '" + name +
-                              "' received a gradient from autograd: it is used outside its DP "
-                              "module, so that gradient would escape clipping";
-      if (auto session = weak.lock()) session->book->set_error(why);
-      try {
-        throw PrivacyError(why);
-      } catch (const PrivacyError& e) {
-        rethrow_from_engine(e);  // Note [errors out of the autograd engine] in book.h
-      }
-    });
-    hooks_.emplace_back(t, handle);
-  }
-
   // The ledger (rank 0), the charges it already holds, and the budget.
-  const zero::NoiseKey key = [&] {
-    zero::NoiseKey k;
-    k.seed = static_cast<int64_t>(options_.seed);
-    return k;
-  }();
-  sampler_.seed = options_.seed;
+  agree_on_settings();
+  zero::NoiseKey key;
+  key.seed = static_cast<int64_t>(seed_);
+  sampler_.seed = seed_;
   int64_t charges = 0;
   std::string failure;
   if (rank_ == 0 && !options_.ledger_path.empty()) {
@@ -298,8 +319,9 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
     throw accounting::LedgerError("rank 0 could not open the privacy ledger " +
                                   options_.ledger_path + "; see its error");
   }
-  charges = agreed[1];  // rank 0's
-  if (charges > 0) accountant_.step(options_.sample_rate, options_.noise_multiplier, charges);
+  charges = agreed[1];                                 // rank 0's
+  if (charges > 0 && options_.noise_multiplier > 0.0)  // σ = 0: ε is infinite anyway
+    accountant_.step(options_.sample_rate, options_.noise_multiplier, charges);
 
   StepSettings settings;
   settings.noise_multiplier = options_.noise_multiplier;
@@ -317,6 +339,71 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
       session_->book, *zero_, ledger_, settings,
       [this](double sigma, double q) { accountant_.step(q, sigma); }, charges);
   next_step_ = charges;  // Note [noise index]: never a step already charged
+
+  // Last, once nothing can fail: the DP modules register with this engine's book, and every
+  // trained parameter gets its escape hook.
+  for (size_t l = 0; l < found.size(); ++l)
+    found[l].module->bind(session_, static_cast<int64_t>(l), found[l].name);
+
+  // A gradient autograd gives a trained parameter escaped its DP module (the parameter was used
+  // outside it): it would be unclipped. The hook records the violation and stops the backward.
+  for (const Param& p : params_) {
+    std::weak_ptr<EngineSession> weak = session_;
+    at::Tensor t = p.tensor;
+    const unsigned handle = t.register_hook([weak, name = p.name](const at::Tensor& grad) {
+      if (!grad.defined()) return grad;
+      const std::string why = "parameter '" + name +
+                              "' received a gradient from autograd: it is used outside its DP "
+                              "module, so that gradient would escape clipping";
+      if (auto session = weak.lock())
+        if (!session->book->error()) session->book->set_error(why);  // the first one stands
+      try {
+        throw PrivacyError(why);
+      } catch (const PrivacyError& e) {
+        rethrow_from_engine(e);  // Note [errors out of the autograd engine] in book.h
+      }
+    });
+    hooks_.emplace_back(t, handle);
+  }
+}
+
+// Every rank must draw the same noise and the same batches (rank 0's seed; a seed given on
+// several ranks must be one value, as in python/dpzero/private/engine.py), and clip, sample,
+// scale and budget alike: rank 0's settings are broadcast and any rank's difference refuses the
+// engine on every rank.
+void PrivacyEngine::agree_on_settings() {
+  const PrivacyOptions& o = options_;
+  const uint64_t seed = o.seed ? *o.seed : random_seed();
+  const std::vector<int64_t> mine{static_cast<int64_t>(seed),
+                                  bits_of(o.noise_multiplier),
+                                  bits_of(o.max_grad_norm),
+                                  bits_of(o.sample_rate),
+                                  o.dataset_size,
+                                  o.max_physical_batch_size,
+                                  o.loss_reduction == "mean",
+                                  static_cast<int64_t>(o.stage),
+                                  o.epsilon_budget.has_value(),
+                                  bits_of(o.epsilon_budget.value_or(0.0)),
+                                  bits_of(o.delta),
+                                  bits_of(o.optimizer.lr)};
+  const comm::Collectives& comm = zero_->comm();
+  const std::vector<int64_t> first = comm.broadcast(mine, 0);
+  std::string differs;
+  if (o.seed && first[0] != mine[0]) differs = "seed (this rank " + std::to_string(*o.seed) + ")";
+  static const char* const kNames[] = {
+      "seed",           "noise_multiplier",        "max_grad_norm",  "sample_rate",
+      "dataset_size",   "max_physical_batch_size", "loss_reduction", "stage",
+      "epsilon_budget", "epsilon_budget",          "delta",          "optimizer.lr"};
+  for (size_t i = 1; i < mine.size() && differs.empty(); ++i)
+    if (first[i] != mine[i]) differs = kNames[i];
+  if (comm.all_reduce_sum(std::vector<int64_t>{differs.empty() ? 0 : 1})[0] != 0)
+    throw std::invalid_argument(
+        bad(differs.empty() ? "another rank's options differ from rank 0's; every rank must pass "
+                              "the same PrivacyOptions"
+                            : "this rank's " + differs +
+                                  " differs from rank 0's; every rank must "
+                                  "pass the same PrivacyOptions"));
+  seed_ = static_cast<uint64_t>(first[0]);
 }
 
 PrivacyEngine::~PrivacyEngine() {
@@ -347,10 +434,15 @@ std::vector<MicroBatch> PrivacyEngine::sample() {
     }
     out.push_back(std::move(mb));
   }
+  schedule_ = out;
   return out;
 }
 
 void PrivacyEngine::hand_out(const MicroBatch& micro) {
+  if (current_ && caller_sampled_)
+    throw std::logic_error(
+        bad("hand_out: a logical batch from own_batch is accumulated; call "
+            "step() or zero_grad() first"));
   const bool first = !current_;
   if (!first && (micro.step != current_->step || micro.index != handed_))
     throw std::logic_error(bad("hand_out: micro-batch " + std::to_string(micro.index) +
@@ -364,6 +456,18 @@ void PrivacyEngine::hand_out(const MicroBatch& micro) {
                                " of step " + std::to_string(micro.step) +
                                " is not the first of the next step " + std::to_string(next_step_) +
                                "; hand out what sample() returned, in order"));
+  // What is handed out is what the sampler drew, field for field (a changed copy would release
+  // rows the step was not sampled with, or skip micro-batches).
+  const size_t i = static_cast<size_t>(micro.index);
+  const bool drawn = i < schedule_.size() && schedule_[i].step == micro.step &&
+                     schedule_[i].count == micro.count && schedule_[i].rows == micro.rows &&
+                     schedule_[i].padding == micro.padding &&
+                     schedule_[i].logical_size == micro.logical_size;
+  if (!drawn)
+    throw std::invalid_argument(bad("hand_out: micro-batch " + std::to_string(micro.index) +
+                                    " of step " + std::to_string(micro.step) +
+                                    " is not what sample() returned; hand out its micro-batches "
+                                    "unchanged"));
   current_ = micro;
   ++handed_;
   caller_sampled_ = false;
@@ -430,6 +534,7 @@ StepOutcome PrivacyEngine::step() {
     out = step_->take(request);
   } catch (...) {
     close_logical_batch();
+    next_step_ = std::max(next_step_, step_->charges());  // a charged step's draw is used
     throw;
   }
   close_logical_batch();

@@ -62,10 +62,12 @@ struct PrivacyOptions {
   int64_t max_physical_batch_size = 0;
   // "mean": the loss is a mean over the micro-batch's rows (Note [mean loss] in book.h); "sum".
   std::string loss_reduction = "mean";
-  zero::Stage stage = zero::Stage::k0;   // stages 0–2 (stage 3 gathers in module hooks, which
-                                         // torch::nn in C++ does not have)
-  zero::OptimizerOptions optimizer;      // SGD by default
-  uint64_t seed = 0;                     // the run's Philox seed: sampling and noise
+  zero::Stage stage = zero::Stage::k0;  // stages 0–2 (stage 3 gathers in module hooks, which
+                                        // torch::nn in C++ does not have)
+  zero::OptimizerOptions optimizer;     // SGD by default
+  // The run's Philox seed (sampling and noise): the same on every rank; unset: rank 0 draws one
+  // from the OS (PrivacyEngine::seed() tells it, to record for a reproducible rerun).
+  std::optional<uint64_t> seed;
   std::string ledger_path;               // "": no ledger; else rank 0 creates or continues it
   std::string run_id;                    // the ledger's run id ("": the file's name)
   std::optional<double> epsilon_budget;  // refuse steps past ε at `delta` (BudgetExhausted)
@@ -123,7 +125,9 @@ class PrivacyEngine {
   int64_t charges() const { return step_->charges(); }
   int64_t rank() const { return rank_; }
   int64_t world_size() const { return world_size_; }
-  zero::ZeroState& zero() { return *zero_; }
+  uint64_t seed() const { return seed_; }
+  // The ZeRO engine, to read (its step() would release gradients with no noise and no charge).
+  const zero::ZeroState& zero() const { return *zero_; }
   // The trained parameter's current full value (a copy; all-gathers in stages 1–2: call on
   // every rank), looked up by its named_parameters() name.
   at::Tensor parameter(const std::string& name);
@@ -137,6 +141,7 @@ class PrivacyEngine {
     int64_t offset = 0;
   };
   void close_logical_batch();
+  void agree_on_settings();
 
   std::shared_ptr<torch::nn::Module> model_;
   PrivacyOptions options_;
@@ -148,8 +153,10 @@ class PrivacyEngine {
   std::shared_ptr<accounting::Ledger> ledger_;  // rank 0's
   std::unique_ptr<PrivateStep> step_;
   accounting::RdpAccountant accountant_;
+  uint64_t seed_ = 0;
   privacy::SamplerSource sampler_;
-  int64_t next_step_ = 0;  // the sampler's next logical step (never one already charged)
+  std::vector<MicroBatch> schedule_;  // the last sample()'s micro-batches, as drawn
+  int64_t next_step_ = 0;             // the sampler's next logical step (never one already charged)
   // The logical batch handed out: its step, size, micro-batch count and how many were handed out.
   std::optional<MicroBatch> current_;
   int64_t handed_ = 0;

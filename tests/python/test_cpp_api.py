@@ -216,7 +216,7 @@ def test_example_trains_the_same_on_two_ranks(tmp_path):
     process each) end where one rank does, and the ledger holds every step."""
     def train(world):
         ledger = tmp_path / f"ledger{world}.jsonl"
-        args = [BINARY, "--model", "transformer", "--steps", "100", "--lr", "2", "--world",
+        args = [BINARY, "--model", "transformer", "--steps", "100", "--lr", "2", "--seed", "0", "--world",
                 str(world), "--ledger", str(ledger), "--max-physical-batch-size", "16"]
         if world > 1:
             args += ["--init", f"file://{tmp_path}/rendezvous{world}"]

@@ -12,7 +12,10 @@
 //   - a forward while no micro-batch is handed out, a parameter used outside its DP module, a
 //     step missing a micro-batch or a changed trainable set are refused and charge nothing (each
 //     check removed);
-//   - the ledger holds every charged step, and the budget stops at the steps ε allows.
+//   - the ledger holds every charged step, and the budget stops at the steps ε allows;
+//   - hand_out takes only sample()'s micro-batches, unchanged, never into an own_batch batch; a
+//     BatchNorm and a second engine on one model are refused; the ranks agree on the seed and
+//     the settings (each check removed).
 
 #include <gtest/gtest.h>
 
@@ -257,6 +260,78 @@ TEST(PrivacyEngine, ChangedTrainableSetIsRefused) {
   EXPECT_TRUE(contains(testing::error_message<PrivacyError>([&] { train_step(engine, net); }),
                        "trainable parameters changed"));
   EXPECT_EQ(engine.charges(), 0);
+}
+
+// hand_out takes only what sample() drew, unchanged, and never into an own_batch batch.
+TEST(PrivacyEngine, HandOutTakesOnlyWhatTheSamplerDrew) {
+  Mlp net = model();
+  PrivacyEngine engine(net.ptr(), options());
+  std::vector<MicroBatch> batches = engine.sample();
+  ASSERT_GT(batches.size(), 1u);
+  MicroBatch edited = batches[0];
+  edited.rows.push_back(edited.rows.back() + 1 < kN ? edited.rows.back() + 1 : 0);
+  EXPECT_TRUE(
+      contains(testing::error_message<std::invalid_argument>([&] { engine.hand_out(edited); }),
+               "is not what sample() returned"));
+  edited = batches[0];
+  edited.count = 1;  // would skip the other micro-batches
+  EXPECT_THROW(engine.hand_out(edited), std::invalid_argument);
+  EXPECT_THROW(engine.hand_out(batches[1]), std::logic_error);  // out of order
+  engine.zero_grad();
+  // After one own_batch micro-batch, sample()'s second one matches in step and position: only
+  // the check that a caller-sampled batch is open keeps it out of a "caller" step.
+  engine.own_batch(3, 3);
+  EXPECT_TRUE(
+      contains(testing::error_message<std::logic_error>([&] { engine.hand_out(batches[1]); }),
+               "own_batch is accumulated"));
+}
+
+// A BatchNorm mixes the examples and writes running statistics of the data: refused even frozen.
+struct WithBatchNorm : torch::nn::Module {
+  WithBatchNorm() {
+    fc = register_module("fc", nn::Linear(3, 3));
+    bn =
+        register_module("bn", torch::nn::BatchNorm1d(torch::nn::BatchNormOptions(3).affine(false)));
+  }
+  nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+
+TEST(PrivacyEngine, RefusesBatchNormAndASecondEngine) {
+  const std::string why = testing::error_message<std::invalid_argument>(
+      [&] { PrivacyEngine engine(std::make_shared<WithBatchNorm>(), options()); });
+  EXPECT_TRUE(contains(why, "module 'bn'") && contains(why, "LayerNorm")) << why;
+  Mlp net = model();
+  PrivacyEngine engine(net.ptr(), options());
+  EXPECT_TRUE(contains(testing::error_message<std::invalid_argument>(
+                           [&] { PrivacyEngine second(net.ptr(), options()); }),
+                       "held by another PrivacyEngine"));
+}
+
+// Every rank draws rank 0's seed when none is given, and refuses a seed (or any setting) that
+// differs from rank 0's, on every rank.
+TEST(PrivacyEngine, RanksAgreeOnTheSeedAndTheSettings) {
+  std::vector<uint64_t> seeds(2);
+  run_ranks(2, std::chrono::seconds(60), [&](int rank, auto pg) {
+    Mlp net = model();
+    PrivacyOptions o = options();
+    o.seed.reset();
+    PrivacyEngine engine(net.ptr(), o, pg);
+    seeds[rank] = engine.seed();
+  });
+  EXPECT_EQ(seeds[0], seeds[1]);
+  for (const char* what : {"seed", "max_grad_norm"}) {
+    run_ranks(2, std::chrono::seconds(60), [&](int rank, auto pg) {
+      Mlp net = model();
+      PrivacyOptions o = options();
+      if (rank == 1 && std::string(what) == "seed") o.seed = kSeed + 1;
+      if (rank == 1 && std::string(what) == "max_grad_norm") o.max_grad_norm = 2 * kC;
+      const std::string why = testing::error_message<std::invalid_argument>(
+          [&] { PrivacyEngine engine(net.ptr(), o, pg); });
+      EXPECT_TRUE(contains(why, "every rank must pass the same PrivacyOptions")) << why;
+      if (rank == 1) EXPECT_TRUE(contains(why, what)) << why;
+    });
+  }
 }
 
 // Once the engine is gone the model is a plain torch::nn model again: autograd gives its
