@@ -348,6 +348,37 @@ def test_noise_index_is_the_ledger_charge_count(tmp_path):
     assert run(2) == [3, 4]
 
 
+def test_a_step_charged_then_failed_never_redraws_its_batch():
+    """Note [noise index]: a step that fails after its charge (here the accountant raises) used
+    its Poisson batch; the sampler goes on from the charge count, never drawing step 0 again
+    (without the fix the next epoch starts at step 0: one draw for two charges)."""
+    torch.manual_seed(4)
+    p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=1.0, seed=3, accountant="rdp")
+    engine = p.privacy_engine
+    real_step = engine.accountant.step
+
+    def failing(**kwargs):
+        raise RuntimeError("accountant unavailable")
+
+    engine.accountant.step = failing
+    for x, y in p.data_loader:
+        p.optimizer.zero_grad()
+        F.cross_entropy(p.model(x), y).backward()
+        with pytest.raises(RuntimeError, match="accountant unavailable"):
+            p.optimizer.step()
+        break
+    assert engine.charges == 1
+    assert engine.next_step == 1
+    engine.accountant.step = real_step
+    p.optimizer.zero_grad()
+    for x, y in p.data_loader:
+        F.cross_entropy(p.model(x), y).backward()
+        assert p.optimizer.step()
+        break
+    assert engine.last_step == {"step": 1, "noise_index": 1}
+
+
 def test_opacus_style_entry_point():
     torch.manual_seed(5)
     model = SeqNet()

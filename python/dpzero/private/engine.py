@@ -643,6 +643,9 @@ class PrivacyEngine:
                                   refusal=refusal, bad_settings=bad_settings)
         finally:
             self._close_logical_batch()
+            # Note [noise index]: a step charged and then failed (its update, the accountant)
+            # used batch t; the sampler never draws a step below the charges again.
+            self.next_step = max(self.next_step, self.charges)
         self.next_step = max(t + 1, self.charges)
         self.steps_taken += 1
         self.last_step = {"step": t, "noise_index": out.noise_index}
