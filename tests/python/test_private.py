@@ -840,6 +840,12 @@ def _agreement_rank_main(rank, world_size, store_path, out_path):
             outcome["seed"] = "accepted"
         except ValueError as e:
             outcome["seed"] = str(e)
+        try:  # rank 1 would clip at 2C while rank 0's ledger records C
+            dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                                max_grad_norm=1.0 + rank, seed=3)
+            outcome["clip"] = "accepted"
+        except ValueError as e:
+            outcome["clip"] = str(e)
         p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
                                 max_grad_norm=1.0, seed=3, zero_stage=2)
         for x, y in p.data_loader:
@@ -858,7 +864,8 @@ def _agreement_rank_main(rank, world_size, store_path, out_path):
 
 
 def test_refusals_and_seed_mismatch_are_agreed_across_ranks(tmp_path):
-    """No rank may update (or wait forever in a collective) when another refuses."""
+    """No rank may update (or wait forever in a collective) when another refuses; a seed or a
+    privacy setting that differs from rank 0's is refused on every rank."""
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "out")
@@ -866,6 +873,8 @@ def test_refusals_and_seed_mismatch_are_agreed_across_ranks(tmp_path):
     for rank in range(2):
         got = torch.load(f"{out}.{rank}")
         assert "seed must be the same on every rank" in got["seed"], got
+        assert "with the same settings" in got["clip"], got
         assert got["step"].startswith("refusing the step"), got
     assert "planted on rank 1" in torch.load(f"{out}.1")["step"]
     assert "another rank refused it" in torch.load(f"{out}.0")["step"]
+    assert "max_grad_norm=2.0 on rank 1" in torch.load(f"{out}.1")["clip"]

@@ -1,4 +1,4 @@
-"""The agreements Python makes across ranks: rank 0's seed and ledger state, a probe or refusal
+"""The agreements Python makes across ranks: rank 0's seed, settings and ledger state, a probe or refusal
 of the root forward, being between steps. The step's own agreement is in its transaction
 (src/dp/private_step.h, Note [one agreement per step]).
 
@@ -10,7 +10,9 @@ that names this rank, the step and what was being agreed. With one rank (or no p
 
 from __future__ import annotations
 
-from typing import Callable, List
+import struct
+import zlib
+from typing import Any, Callable, Dict, List
 
 from .. import _C
 from ..noise import _as_int64
@@ -63,8 +65,37 @@ class RankAgreements:
             return value
         return _C.comm.broadcast(self.group, [_as_int64(value)], 0)[0] & ((1 << 64) - 1)
 
+    def same_everywhere(self, settings: Dict[str, Any]) -> None:
+        """Raises ValueError on every rank unless every rank has rank 0's ``settings`` (name ->
+        a number, a string, a bool or None), naming the first that differs on this rank."""
+        if self.group is None or self.world_size == 1:
+            return
+        mine = [_setting_bits(v) for v in settings.values()]
+        first = _C.comm.broadcast(self.group, mine, 0)
+        differs = [name for name, a, b in zip(settings, mine, first) if a != b]
+        if self.any_rank(bool(differs)):
+            if differs:
+                raise ValueError(f"{differs[0]}={settings[differs[0]]!r} on rank {self.rank} "
+                                 "differs from rank 0's; every rank must make the model private "
+                                 "with the same settings")
+            raise ValueError("another rank's privacy settings differ from rank 0's; every rank "
+                             "must make the model private with the same settings")
+
     def all_reduce(self, values: List[int]) -> List[int]:
         """The elementwise sum of ``values`` over the ranks."""
         if self.group is None or self.world_size == 1:
             return values
         return _C.comm.all_reduce_sum(self.group, values)
+
+
+def _setting_bits(value) -> int:
+    """A setting as 64 bits: a float's IEEE bits, an integer's value, a string's CRC-32."""
+    if value is None:
+        return -1
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return _as_int64(value)
+    if isinstance(value, float):
+        return struct.unpack("<q", struct.pack("<d", value))[0]
+    return zlib.crc32(str(value).encode())

@@ -276,6 +276,13 @@ class PrivacyEngine:
                 raise ValueError(f"seed must be the same on every rank; this rank has {seed}, "
                                  f"rank 0 {agreed}")
             self.noise_source.seed = agreed
+        # Every rank must clip, sample, scale and budget alike: rank 1 with a larger C would clip
+        # at its own C while rank 0's ledger records rank 0's.
+        agree.collective("agreeing on the privacy settings", agree.same_everywhere, {
+            "noise_multiplier": sigma, "max_grad_norm": max_grad_norm, "sample_rate": q,
+            "dataset_size": n, "clipping": clipping, "loss_reduction": c.loss_reduction,
+            "zero_stage": c.zero_stage, "epsilon_budget": c.epsilon_budget,
+            "budget_delta": c.budget_delta, "secure_mode": self.secure_mode})
         self._ledger = None
         charges = 0
         if c.ledger_path is not None:
