@@ -152,6 +152,16 @@ c10::intrusive_ptr<c10d::ProcessGroup> process_group(const Args& a) {
       "gloo", dpzero::comm::make_store(a.init, a.rank, a.world, timeout), a.rank, a.world, timeout);
 }
 
+// Note [C++ batch dimension]: the model keeps the examples on dim 0, one per row.
+void check_batch_first(PrivacyEngine& engine, const std::shared_ptr<torch::nn::Module>& model,
+                       const std::string& kind, const at::Tensor& x, const at::Tensor& y) {
+  engine.check_batch_first([&](const at::Tensor& rows) {
+    return torch::nn::functional::cross_entropy(
+        forward(model, kind, x.index_select(0, rows)), y.index_select(0, rows),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+  });
+}
+
 torch::IValue load(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("cannot read " + path);
@@ -174,6 +184,7 @@ int exchange(const Args& a) {
     }
   }
   PrivacyEngine engine(model, options_of(a, x.size(0)), process_group(a));
+  check_batch_first(engine, model, a.model, x, y);
   auto backward = [&](const at::Tensor& xs, const at::Tensor& ys) {
     at::Tensor loss = torch::cross_entropy_loss(forward(model, a.model, xs), ys);
     if (a.zero_loss) loss = loss * 0.0;
@@ -228,6 +239,7 @@ int train(const Args& a) {
   const auto [x, y] = synthetic(a.model, a.dataset_size);
   PrivacyEngine engine(model, options_of(a, a.dataset_size), process_group(a));
   if (a.rank == 0) std::cout << "seed " << engine.seed() << std::endl;  // to rerun it exactly
+  check_batch_first(engine, model, a.model, x, y);
   for (int64_t s = 0; s < a.steps; ++s) {
     double loss_sum = 0.0;
     int64_t seen = 0;

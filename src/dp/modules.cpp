@@ -20,6 +20,20 @@ void DPModule::bind(std::weak_ptr<EngineSession> session, int64_t layer, std::st
 
 bool DPModule::bound() const { return torch::GradMode::is_enabled() && !session_.expired(); }
 
+bool DPModule::probing() const {
+  const std::shared_ptr<EngineSession> session = session_.lock();
+  return session && session->probing;
+}
+
+at::Tensor DPModule::probe_leaf(const at::Tensor& p) {
+  return p.defined() ? p.detach().requires_grad_(true) : p;
+}
+
+at::Tensor DPModule::probed(const at::Tensor& input, at::Tensor out) const {
+  session_.lock()->probe_calls.push_back({name_, input.detach(), out});
+  return out;
+}
+
 Report DPModule::report(const at::Tensor& x, int64_t min_dim) const {
   const std::shared_ptr<EngineSession> session = session_.lock();
   TORCH_CHECK(session, "dpzero: DP layer '", name_, "': its PrivacyEngine is gone");
@@ -60,6 +74,8 @@ LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool with_bias
 
 at::Tensor LinearImpl::forward(const at::Tensor& x) {
   if (!bound()) return torch::nn::functional::linear(x, weight, bias);
+  if (probing())
+    return probed(x, torch::nn::functional::linear(x, probe_leaf(weight), probe_leaf(bias)));
   return dp_linear(x, weight, bias, /*transposed=*/false, report(x, 2));
 }
 
@@ -76,6 +92,7 @@ EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim) {
 
 at::Tensor EmbeddingImpl::forward(const at::Tensor& ids) {
   if (!bound()) return at::embedding(weight, ids);
+  if (probing()) return probed(ids, at::embedding(probe_leaf(weight), ids));
   return dp_embedding(ids, weight, std::nullopt, report(ids, 1));
 }
 
@@ -91,6 +108,9 @@ LayerNormImpl::LayerNormImpl(int64_t dim, double eps) : eps(eps) {
 
 at::Tensor LayerNormImpl::forward(const at::Tensor& x) {
   if (!bound()) return at::layer_norm(x, {weight.size(0)}, weight, bias, eps);
+  if (probing())
+    return probed(x,
+                  at::layer_norm(x, {weight.size(0)}, probe_leaf(weight), probe_leaf(bias), eps));
   return dp_layer_norm(x, {weight.size(0)}, weight, bias, eps, report(x, 2));
 }
 

@@ -12,7 +12,16 @@
 // from where each input came from (Note [batch provenance] in examples.py); a C++ program has no
 // such tracing. Here the layout is the module's contract, stated by its type and never guessed:
 // each DP module's input is batch-first, x [B, ...] with B the micro-batch's rows, as Opacus's
-// batch_first. What is checked catches some layout errors, not all: a call made while no
+// batch_first. PrivacyEngine::check_batch_first tests the contract once before training (the
+// steps are refused until it passed, unless PrivacyOptions::trust_batch_first). In a batch-first
+// model without ops across examples, row i of every DP layer's input A and output depends on
+// example i alone: so the check runs P examples through the model twice, the second time with
+// example 0 replaced, and every DP call's rows 1.. must come out bit for bit the same (an input
+// mixed across the batch, x - x.mean(0), changes them: the per-row gradient G_iᵀ A_i would carry
+// every example and its clip would bound nothing); and it back-propagates example 0's loss
+// alone, which must give every DP layer's output a gradient zero outside row 0 (a layer whose
+// dim 0 is not the examples, [T, B, d], fails this). What is checked on every call catches
+// some layout errors, not all: a call made while no
 // micro-batch is handed out (PrivacyEngine::hand_out) is refused in its backward, the book refuses
 // a call whose dim 0 is not the micro-batch's row count, and a Linear or LayerNorm input needs a
 // batch dim besides its features. A model that moves the examples off dim 0 before a DP layer
@@ -55,6 +64,11 @@ class DPModule {
  protected:
   // Whether this call goes through the book (an engine holds the model and gradients are on).
   bool bound() const;
+  // PrivacyEngine::check_batch_first runs: the call runs plain on probe_leaf(parameters) and
+  // hands its input and output to probed().
+  bool probing() const;
+  static at::Tensor probe_leaf(const at::Tensor& p);
+  at::Tensor probed(const at::Tensor& input, at::Tensor out) const;
   // Registers this call with the book: its part, or the refusal its backward raises. `x`: the
   // call's input, which needs at least `min_dim` dims (examples on dim 0).
   Report report(const at::Tensor& x, int64_t min_dim) const;

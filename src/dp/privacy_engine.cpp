@@ -14,6 +14,7 @@
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/instancenorm.h>
+#include <torch/autograd.h>
 #include <torch/nn/modules/container/modulelist.h>
 
 #include "accounting/calibrate.h"
@@ -413,6 +414,98 @@ PrivacyEngine::~PrivacyEngine() {
   session_.reset();
 }
 
+void PrivacyEngine::check_batch_first(
+    const std::function<at::Tensor(const at::Tensor& rows)>& loss_of) {
+  if (current_ || session_->book->open() || session_->book->micro_batches() > 0)
+    throw std::logic_error(
+        bad("check_batch_first: a logical batch is accumulated; call it "
+            "between steps"));
+  // P = 3 examples (fewer in a smaller dataset); rows 1.. are where a mix would show. The
+  // second run replaces example 0 by example P.
+  const int64_t p = std::min<int64_t>(3, options_.dataset_size);
+  const auto fail = [](const std::string& why) {
+    throw PrivacyError("check_batch_first: " + why +
+                       "; write the model batch-first, without ops across examples (Note [C++ "
+                       "batch dimension] in src/dp/modules.h)");
+  };
+  const auto run = [&](const at::Tensor& rows) {
+    session_->probing = true;
+    session_->probe_calls.clear();
+    at::Tensor losses;
+    try {
+      losses = loss_of(rows);
+    } catch (...) {
+      session_->probing = false;
+      session_->probe_calls.clear();
+      throw;
+    }
+    session_->probing = false;
+    std::vector<EngineSession::ProbeCall> calls = std::move(session_->probe_calls);
+    session_->probe_calls.clear();
+    if (!losses.defined() || losses.dim() != 1 || losses.size(0) != p)
+      throw std::invalid_argument(
+          bad("check_batch_first: loss_of(rows) must return one loss per example, [" +
+              std::to_string(p) + "] (reduction none), got " +
+              (losses.defined() ? c10::str(losses.sizes()) : std::string("an undefined tensor"))));
+    for (const auto& call : calls)
+      if (call.output.dim() == 0 || call.output.size(0) != p || call.input.dim() == 0 ||
+          call.input.size(0) != p)
+        fail("DP layer '" + call.layer + "' was called with an input of shape " +
+             c10::str(call.input.sizes()) + " for " + std::to_string(p) +
+             " examples: its dim 0 does not hold the examples");
+    return std::make_pair(losses, std::move(calls));
+  };
+  const at::Tensor rows = at::arange(p, at::TensorOptions().dtype(at::kLong));
+  auto [losses, calls] = run(rows);
+
+  // 1. Example 0 replaced: rows 1.. of every call's input and output are unchanged.
+  if (options_.dataset_size > p && p > 1) {
+    at::Tensor other = rows.clone();
+    other[0] = p;
+    const auto [unused, again] = run(other);
+    if (again.size() != calls.size())
+      fail("the model made " + std::to_string(calls.size()) + " and then " +
+           std::to_string(again.size()) + " DP layer calls for two batches of " +
+           std::to_string(p) + " examples");
+    for (size_t k = 0; k < calls.size(); ++k) {
+      const auto rest = [&](const at::Tensor& t) { return t.detach().narrow(0, 1, p - 1); };
+      if (!torch::equal(rest(calls[k].input), rest(again[k].input)) ||
+          !torch::equal(rest(calls[k].output), rest(again[k].output)))
+        fail("DP layer '" + calls[k].layer + "': changing example 0 changed rows other than " +
+             "row 0 of its input or output " + c10::str(calls[k].output.sizes()) +
+             ", so its rows mix examples and would be clipped instead of examples");
+    }
+  }
+
+  // 2. Example 0's loss alone reaches row 0 of every output, and nothing else.
+  std::vector<at::Tensor> outputs;
+  std::vector<std::string> names;
+  for (const auto& call : calls) {
+    if (!call.output.requires_grad()) continue;
+    outputs.push_back(call.output);
+    names.push_back(call.layer);
+  }
+  const std::vector<at::Tensor> grads =
+      torch::autograd::grad({losses[0]}, outputs, {}, /*retain_graph=*/false,
+                            /*create_graph=*/false, /*allow_unused=*/true);
+  bool reached = false;
+  for (size_t k = 0; k < grads.size(); ++k) {
+    const at::Tensor& g = grads[k];
+    if (!g.defined()) continue;
+    reached = reached || g[0].ne(0).any().item<bool>();
+    if (p > 1 && g.narrow(0, 1, p - 1).ne(0).any().item<bool>())
+      fail("the loss of example 0 reaches rows other than row 0 of DP layer '" + names[k] +
+           "''s output " + c10::str(g.sizes()) +
+           ": its dim 0 does not hold one example per row (a sequence-first layout, or an op "
+           "across the examples after it), so its rows would be clipped instead of examples");
+  }
+  if (!reached)
+    throw PrivacyError(
+        "check_batch_first: the loss of example 0 reached no DP layer's output; "
+        "loss_of(rows) must run the model held by this engine on those rows");
+  batch_first_checked_ = true;
+}
+
 std::vector<MicroBatch> PrivacyEngine::sample() {
   if (current_ || session_->book->micro_batches() > 0 || session_->book->open())
     throw std::logic_error(
@@ -517,6 +610,11 @@ StepOutcome PrivacyEngine::step() {
     request.refusal = "step(): " + std::to_string(handed_) + " micro-batches were handed out but " +
                       std::to_string(session_->book->micro_batches()) +
                       " back-propagated; every micro-batch's backward must run before the step";
+  if (!batch_first_checked_ && !options_.trust_batch_first && !request.refusal)
+    request.refusal =
+        "step(): the model's batch-first layout was not checked; call check_batch_first() once "
+        "before training (Note [C++ batch dimension] in src/dp/modules.h), or set "
+        "PrivacyOptions::trust_batch_first";
   // The trained set may not change: a parameter made trainable since would never be clipped.
   std::set<const void*> now;
   for (const at::Tensor& p : model_->parameters())

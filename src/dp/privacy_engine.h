@@ -30,6 +30,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -71,6 +72,9 @@ struct PrivacyOptions {
   std::string ledger_path;               // "": no ledger; else rank 0 creates or continues it
   std::string run_id;                    // the ledger's run id ("": the file's name)
   std::optional<double> epsilon_budget;  // refuse steps past ε at `delta` (BudgetExhausted)
+  // Take the model's batch-first layout on trust: step() then runs without check_batch_first
+  // (Note [C++ batch dimension]). Off: steps are refused until the check has passed.
+  bool trust_batch_first = false;
   double delta = 1e-5;
 };
 
@@ -89,6 +93,14 @@ struct MicroBatch {
 struct EngineSession {
   std::shared_ptr<Book> book;
   bool handed_out = false;  // a micro-batch is handed out; DP layer calls may register
+  // PrivacyEngine::check_batch_first runs: DP layer calls run plain, on detached copies of their
+  // parameters, and leave their input and output here.
+  struct ProbeCall {
+    std::string layer;
+    at::Tensor input, output;  // [B, ...]
+  };
+  bool probing = false;
+  std::vector<ProbeCall> probe_calls;
 };
 
 class PrivacyEngine {
@@ -102,6 +114,15 @@ class PrivacyEngine {
   ~PrivacyEngine();
   PrivacyEngine(const PrivacyEngine&) = delete;
   PrivacyEngine& operator=(const PrivacyEngine&) = delete;
+
+  // Note [C++ batch dimension]: checks that every DP layer call holds the examples on dim 0, one
+  // per row, with nothing across rows. `loss_of(rows)` runs the model on the dataset's examples
+  // `rows` ([P] int64) and returns their losses [P] (reduction none). Example 0 replaced by
+  // another must leave every DP layer's input and output rows 1.. unchanged, bit for bit, and
+  // example 0's loss alone must give every DP layer's output a gradient zero outside row 0.
+  // Throws PrivacyError naming the first layer that fails, std::invalid_argument for a loss of
+  // another shape. Needed once before the first step unless trust_batch_first.
+  void check_batch_first(const std::function<at::Tensor(const at::Tensor& rows)>& loss_of);
 
   // This rank's micro-batches of the next logical step (Poisson, every rank the same count).
   // Throws std::logic_error while a logical batch is accumulated (step() or zero_grad() first).
@@ -161,6 +182,7 @@ class PrivacyEngine {
   std::optional<MicroBatch> current_;
   int64_t handed_ = 0;
   bool caller_sampled_ = false;
+  bool batch_first_checked_ = false;
 };
 
 }  // namespace dpzero::dp

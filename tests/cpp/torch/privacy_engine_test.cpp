@@ -15,7 +15,10 @@
 //   - the ledger holds every charged step, and the budget stops at the steps ε allows;
 //   - hand_out takes only sample()'s micro-batches, unchanged, never into an own_batch batch; a
 //     BatchNorm and a second engine on one model are refused; the ranks agree on the seed and
-//     the settings (each check removed).
+//     the settings (each check removed);
+//   - check_batch_first refuses a DP layer whose input has the examples off dim 0 or mixed
+//     across rows (the forward comparison removed), a loss that mixes the rows after it (the
+//     gradient test removed), and steps wait for it (the step's check removed).
 
 #include <gtest/gtest.h>
 
@@ -70,11 +73,24 @@ PrivacyOptions options() {
   o.max_physical_batch_size = 4;
   o.optimizer.lr = kLr;
   o.seed = kSeed;
+  o.trust_batch_first = true;  // the Mlp is batch-first; BatchFirst* tests check the check
   return o;
 }
 
+// check_batch_first with the dataset's rows through `forward`.
+template <typename Net>
+void check_batch_first(PrivacyEngine& engine, Net& net) {
+  const auto [x, y] = data();
+  engine.check_batch_first([&](const at::Tensor& rows) {
+    return torch::nn::functional::cross_entropy(
+        net->forward(x.index_select(0, rows)), y.index_select(0, rows),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+  });
+}
+
 // One logical step through the engine: every micro-batch of sample() forward and backward.
-void train_step(PrivacyEngine& engine, Mlp& net) {
+template <typename Net>
+void train_step(PrivacyEngine& engine, Net& net) {
   const auto [x, y] = data();
   for (const MicroBatch& mb : engine.sample()) {
     engine.hand_out(mb);
@@ -138,7 +154,10 @@ TEST(PrivacyEngine, StepIsThePerExampleReferenceOnOneAndTwoRanks) {
   for (int world : {1, 2}) {
     run_ranks(world, std::chrono::seconds(60), [&](int, auto pg) {
       Mlp net = model();
-      PrivacyEngine engine(net.ptr(), options(), world > 1 ? pg : nullptr);
+      PrivacyOptions o = options();
+      o.trust_batch_first = false;
+      PrivacyEngine engine(net.ptr(), o, world > 1 ? pg : nullptr);
+      check_batch_first(engine, net);  // leaves no trace in the step
       train_step(engine, net);
       EXPECT_EQ(engine.charges(), 1);
       const auto named = net->named_parameters();
@@ -332,6 +351,79 @@ TEST(PrivacyEngine, RanksAgreeOnTheSeedAndTheSettings) {
       if (rank == 1) EXPECT_TRUE(contains(why, what)) << why;
     });
   }
+}
+
+// A model that is not batch-first where a DP layer reads its input: rows (the examples) and a
+// second dim swapped before fc2, which therefore sees [T, B, d]; with T = B its dim 0 passes the
+// row count check, and only check_batch_first tells.
+struct SwapsRows : torch::nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    // x [B, kIn] -> h [B, B, kHidden] (a "sequence" as long as the batch) -> swapped [B', B, d].
+    const at::Tensor h = fc1(x).unsqueeze(1).expand({x.size(0), x.size(0), kHidden});
+    return fc2(h.transpose(0, 1) * 1.0).mean(1);
+  }
+  nn::Linear fc1{register_module("fc1", nn::Linear(kIn, kHidden))};
+  nn::Linear fc2{register_module("fc2", nn::Linear(kHidden, kClasses))};
+};
+
+// A model that mixes the examples before a DP layer: x - mean over the batch.
+struct MixesRows : torch::nn::Module {
+  at::Tensor forward(const at::Tensor& x) { return fc(x - x.mean(0, /*keepdim=*/true)); }
+  nn::Linear fc{register_module("fc", nn::Linear(kIn, kClasses))};
+};
+
+// A model that mixes the examples after its DP layer: each logit minus the batch's mean, so
+// example i's loss reaches every row's output (and its gradient every row's G).
+struct MixesAfter : torch::nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    const at::Tensor out = fc(x);
+    return out - out.mean(0, /*keepdim=*/true);
+  }
+  nn::Linear fc{register_module("fc", nn::Linear(kIn, kClasses))};
+};
+
+TEST(PrivacyEngine, BatchFirstCheckRefusesSwappedOrMixedRowsAndStepsWaitForIt) {
+  {
+    torch::manual_seed(0);
+    auto net = std::make_shared<SwapsRows>();
+    PrivacyOptions o = options();
+    o.trust_batch_first = false;
+    PrivacyEngine engine(net, o);
+    const std::string why =
+        testing::error_message<PrivacyError>([&] { check_batch_first(engine, net); });
+    // fc2 reads [T, B, d]; fc1 is mixed too, seen through the swap: the first call is named.
+    EXPECT_TRUE(contains(why, "DP layer 'fc") && contains(why, "changing example 0")) << why;
+    EXPECT_TRUE(contains(testing::error_message<PrivacyError>([&] { train_step(engine, net); }),
+                         "batch-first layout was not checked"));
+    EXPECT_EQ(engine.charges(), 0);
+  }
+  {
+    auto net = std::make_shared<MixesRows>();
+    PrivacyEngine engine(net, options());
+    const std::string why =
+        testing::error_message<PrivacyError>([&] { check_batch_first(engine, net); });
+    EXPECT_TRUE(contains(why, "DP layer 'fc'") && contains(why, "rows mix examples")) << why;
+  }
+  {
+    auto net = std::make_shared<MixesAfter>();
+    PrivacyEngine engine(net, options());
+    const std::string why =
+        testing::error_message<PrivacyError>([&] { check_batch_first(engine, net); });
+    EXPECT_TRUE(contains(why,
+                         "the loss of example 0 reaches rows other than row 0 of DP layer "
+                         "'fc'"))
+        << why;
+  }
+  Mlp net = model();
+  PrivacyEngine engine(net.ptr(), options());
+  const std::string why = testing::error_message<std::invalid_argument>([&] {
+    engine.check_batch_first([&](const at::Tensor& rows) {
+      const auto [x, y] = data();
+      return torch::cross_entropy_loss(net->forward(x.index_select(0, rows)),
+                                       y.index_select(0, rows));  // a mean: one number
+    });
+  });
+  EXPECT_TRUE(contains(why, "one loss per example, [3]")) << why;
 }
 
 // Once the engine is gone the model is a plain torch::nn model again: autograd gives its
