@@ -70,7 +70,9 @@ def _as_int64(seed: int) -> int:
 
 
 def _broadcast_key(key: List[int], group) -> List[int]:
-    if not (dist.is_available() and dist.is_initialized()):
+    # A group given (torch's, or one dpzero.zero.new_process_group made without
+    # torch.distributed) is always used: every rank must hold rank 0's key.
+    if group is None and not (dist.is_available() and dist.is_initialized()):
         return key
     # Rank 0 *of the group*; in C++, not torch.distributed: see python/csrc/comm_bindings.cpp.
     return _C.comm.broadcast(group if group is not None else dist.group.WORLD, key, 0)

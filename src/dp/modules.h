@@ -15,19 +15,22 @@
 // batch_first. PrivacyEngine::check_batch_first tests the contract once before training (the
 // steps are refused until it passed, unless PrivacyOptions::trust_batch_first). In a batch-first
 // model without ops across examples, row i of every DP layer's input A and output depends on
-// example i alone: so the check runs P examples through the model twice, the second time with
-// example 0 replaced, and every DP call's rows 1.. must come out bit for bit the same (an input
+// example i alone, and example i's loss on those rows alone. So the check runs P = 3 examples,
+// then P more times with example j replaced by another (the random streams rewound, so dropout
+// draws alike): every DP call's rows other than j must come out bit for bit the same (an input
 // mixed across the batch, x - x.mean(0), changes them: the per-row gradient G_iᵀ A_i would carry
-// every example and its clip would bound nothing); and it back-propagates example 0's loss
-// alone, which must give every DP layer's output a gradient zero outside row 0 (a layer whose
-// dim 0 is not the examples, [T, B, d], fails this). What is checked on every call catches
-// some layout errors, not all: a call made while no
-// micro-batch is handed out (PrivacyEngine::hand_out) is refused in its backward, the book refuses
-// a call whose dim 0 is not the micro-batch's row count, and a Linear or LayerNorm input needs a
-// batch dim besides its features. A model that moves the examples off dim 0 before a DP layer
-// (a sequence-first [T, B, d] layout when T equals the micro-batch's rows) or mixes rows along
-// dim 0 (x - x.mean(0)) passes these checks and is clipped per row, not per example: such a
-// model breaks the contract and must be written batch-first, without ops across examples.
+// every example and its clip would bound nothing); and it back-propagates each example's loss
+// alone, which must give every DP layer's output a gradient zero outside its own row (a layer
+// whose dim 0 is not the examples, [T, B, d], or a loss across the batch fails this). What it
+// cannot see: behaviour that changes with the batch size (it tries 3 rows) or with the data
+// (branches), a model changed after the check, and a loss_of that is not the training forward. What
+// is checked on every call catches some layout errors, not all: a call made while no micro-batch is
+// handed out (PrivacyEngine::hand_out) is refused in its backward, the book refuses a call whose
+// dim 0 is not the micro-batch's row count, and a Linear or LayerNorm input needs a batch dim
+// besides its features. A model that moves the examples off dim 0 before a DP layer (a
+// sequence-first [T, B, d] layout when T equals the micro-batch's rows) or mixes rows along dim 0
+// (x - x.mean(0)) passes these checks and is clipped per row, not per example: such a model breaks
+// the contract and must be written batch-first, without ops across examples.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,7 @@
 // src/dp/privacy_engine.cpp — see privacy_engine.h.
 #include "src/dp/privacy_engine.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -386,15 +387,25 @@ void PrivacyEngine::agree_on_settings() {
                                   o.epsilon_budget.has_value(),
                                   bits_of(o.epsilon_budget.value_or(0.0)),
                                   bits_of(o.delta),
-                                  bits_of(o.optimizer.lr)};
+                                  bits_of(o.optimizer.lr),
+                                  o.trust_batch_first};
   const comm::Collectives& comm = zero_->comm();
   const std::vector<int64_t> first = comm.broadcast(mine, 0);
   std::string differs;
   if (o.seed && first[0] != mine[0]) differs = "seed (this rank " + std::to_string(*o.seed) + ")";
-  static const char* const kNames[] = {
-      "seed",           "noise_multiplier",        "max_grad_norm",  "sample_rate",
-      "dataset_size",   "max_physical_batch_size", "loss_reduction", "stage",
-      "epsilon_budget", "epsilon_budget",          "delta",          "optimizer.lr"};
+  static const char* const kNames[] = {"seed",
+                                       "noise_multiplier",
+                                       "max_grad_norm",
+                                       "sample_rate",
+                                       "dataset_size",
+                                       "max_physical_batch_size",
+                                       "loss_reduction",
+                                       "stage",
+                                       "epsilon_budget",
+                                       "epsilon_budget",
+                                       "delta",
+                                       "optimizer.lr",
+                                       "trust_batch_first"};
   for (size_t i = 1; i < mine.size() && differs.empty(); ++i)
     if (first[i] != mine[i]) differs = kNames[i];
   if (comm.all_reduce_sum(std::vector<int64_t>{differs.empty() ? 0 : 1})[0] != 0)
@@ -455,29 +466,75 @@ void PrivacyEngine::check_batch_first(
              " examples: its dim 0 does not hold the examples");
     return std::make_pair(losses, std::move(calls));
   };
+  // Both runs draw the same random numbers (dropout masks equal row for row), and training
+  // draws afterwards as if the check had not run: each device's generator is restored.
+  std::vector<std::pair<at::Generator, at::Tensor>> generators;
+  std::vector<at::Device> devices{at::Device(at::kCPU)};
+  for (const Param& q : params_)
+    if (std::find(devices.begin(), devices.end(), q.tensor.device()) == devices.end())
+      devices.push_back(q.tensor.device());
+  for (const at::Device& d : devices) {
+    at::Generator g = at::globalContext().defaultGenerator(d);
+    generators.emplace_back(g, g.get_state());
+  }
+  const auto rewind = [&] {
+    for (auto& [g, state] : generators) g.set_state(state);
+  };
   const at::Tensor rows = at::arange(p, at::TensorOptions().dtype(at::kLong));
   auto [losses, calls] = run(rows);
+  rewind();
 
-  // 1. Example 0 replaced: rows 1.. of every call's input and output are unchanged.
-  if (options_.dataset_size > p && p > 1) {
-    at::Tensor other = rows.clone();
-    other[0] = p;
-    const auto [unused, again] = run(other);
-    if (again.size() != calls.size())
-      fail("the model made " + std::to_string(calls.size()) + " and then " +
-           std::to_string(again.size()) + " DP layer calls for two batches of " +
-           std::to_string(p) + " examples");
-    for (size_t k = 0; k < calls.size(); ++k) {
-      const auto rest = [&](const at::Tensor& t) { return t.detach().narrow(0, 1, p - 1); };
-      if (!torch::equal(rest(calls[k].input), rest(again[k].input)) ||
-          !torch::equal(rest(calls[k].output), rest(again[k].output)))
-        fail("DP layer '" + calls[k].layer + "': changing example 0 changed rows other than " +
-             "row 0 of its input or output " + c10::str(calls[k].output.sizes()) +
-             ", so its rows mix examples and would be clipped instead of examples");
+  // Rows of t other than row j.
+  const auto others = [&](const at::Tensor& t, int64_t j) {
+    std::vector<int64_t> keep;
+    for (int64_t r = 0; r < p; ++r)
+      if (r != j) keep.push_back(r);
+    return t.detach().index_select(0, at::tensor(keep, at::TensorOptions().dtype(at::kLong)));
+  };
+  const auto row = [](const at::Tensor& t, int64_t j) { return t.detach().select(0, j); };
+
+  // 1. Each example j replaced in turn by another example k: every call's rows other than j
+  // are unchanged. A k equal to example j (duplicate data) changes nothing and tests nothing:
+  // the next k is tried.
+  const int64_t n = options_.dataset_size;
+  if (n <= p)
+    fail("the dataset has " + std::to_string(n) + " examples; the check needs at least " +
+         std::to_string(p + 1) + " (or set PrivacyOptions::trust_batch_first)");
+  for (int64_t j = 0; j < p; ++j) {
+    bool tested = false;
+    for (int64_t k = p; k < std::min<int64_t>(n, p + 8) && !tested; ++k) {
+      at::Tensor other = rows.clone();
+      other[j] = k;
+      const auto [unused, again] = run(other);
+      rewind();
+      if (again.size() != calls.size())
+        fail("the model made " + std::to_string(calls.size()) + " and then " +
+             std::to_string(again.size()) + " DP layer calls for two batches of " +
+             std::to_string(p) + " examples");
+      for (size_t c = 0; c < calls.size(); ++c)
+        if (again[c].layer != calls[c].layer || again[c].output.sizes() != calls[c].output.sizes())
+          fail("the model's DP layer calls differ between two batches of " + std::to_string(p) +
+               " examples (call " + std::to_string(c) + ": '" + calls[c].layer + "' " +
+               c10::str(calls[c].output.sizes()) + ", then '" + again[c].layer + "' " +
+               c10::str(again[c].output.sizes()) + ")");
+      for (size_t c = 0; c < calls.size() && !tested; ++c)
+        tested = !torch::equal(row(calls[c].input, j), row(again[c].input, j)) ||
+                 !torch::equal(row(calls[c].output, j), row(again[c].output, j));
+      if (!tested) continue;
+      for (size_t c = 0; c < calls.size(); ++c)
+        if (!torch::equal(others(calls[c].input, j), others(again[c].input, j)) ||
+            !torch::equal(others(calls[c].output, j), others(again[c].output, j)))
+          fail("DP layer '" + calls[c].layer + "': changing example " + std::to_string(j) +
+               " changed other rows of its input or output " + c10::str(calls[c].output.sizes()) +
+               ", so its rows mix examples and would be clipped instead of examples");
     }
+    if (!tested)
+      fail("could not test example " + std::to_string(j) + ": replacing it by each of examples " +
+           std::to_string(p) + ".." + std::to_string(std::min<int64_t>(n, p + 8) - 1) +
+           " changed no DP layer's row " + std::to_string(j));
   }
 
-  // 2. Example 0's loss alone reaches row 0 of every output, and nothing else.
+  // 2. Each example's loss alone reaches its own row of every DP output, and no other row.
   std::vector<at::Tensor> outputs;
   std::vector<std::string> names;
   for (const auto& call : calls) {
@@ -485,24 +542,30 @@ void PrivacyEngine::check_batch_first(
     outputs.push_back(call.output);
     names.push_back(call.layer);
   }
-  const std::vector<at::Tensor> grads =
-      torch::autograd::grad({losses[0]}, outputs, {}, /*retain_graph=*/false,
-                            /*create_graph=*/false, /*allow_unused=*/true);
+  if (outputs.empty() || !losses.requires_grad())
+    fail(
+        "no gradient reaches a DP layer: loss_of(rows) must run this engine's model with "
+        "gradients on");
   bool reached = false;
-  for (size_t k = 0; k < grads.size(); ++k) {
-    const at::Tensor& g = grads[k];
-    if (!g.defined()) continue;
-    reached = reached || g[0].ne(0).any().item<bool>();
-    if (p > 1 && g.narrow(0, 1, p - 1).ne(0).any().item<bool>())
-      fail("the loss of example 0 reaches rows other than row 0 of DP layer '" + names[k] +
-           "''s output " + c10::str(g.sizes()) +
-           ": its dim 0 does not hold one example per row (a sequence-first layout, or an op "
-           "across the examples after it), so its rows would be clipped instead of examples");
+  for (int64_t i = 0; i < p; ++i) {
+    const std::vector<at::Tensor> grads =
+        torch::autograd::grad({losses[i]}, outputs, {}, /*retain_graph=*/i + 1 < p,
+                              /*create_graph=*/false, /*allow_unused=*/true);
+    for (size_t k = 0; k < grads.size(); ++k) {
+      const at::Tensor& g = grads[k];
+      if (!g.defined()) continue;
+      reached = reached || row(g, i).ne(0).any().item<bool>();
+      if (others(g, i).ne(0).any().item<bool>())
+        fail("the loss of example " + std::to_string(i) + " reaches other rows of DP layer '" +
+             names[k] + "''s output " + c10::str(g.sizes()) +
+             ": its dim 0 does not hold one example per row (a sequence-first layout, or an op "
+             "across the examples after it), so its rows would be clipped instead of examples");
+    }
   }
   if (!reached)
-    throw PrivacyError(
-        "check_batch_first: the loss of example 0 reached no DP layer's output; "
-        "loss_of(rows) must run the model held by this engine on those rows");
+    fail(
+        "the examples' losses reached no DP layer's output; loss_of(rows) must run this "
+        "engine's model on those rows");
   batch_first_checked_ = true;
 }
 

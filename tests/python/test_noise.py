@@ -214,3 +214,21 @@ def test_cuda_noise_matches_cpu_to_float_ulps():
     torch.ops.dpzero.add_noise_(x_cpu, 1.0, 3, 9, 123)
     torch.ops.dpzero.add_noise_(x_gpu, 1.0, 3, 9, 123)
     torch.testing.assert_close(x_gpu.cpu(), x_cpu, rtol=1e-5, atol=1e-5)
+
+
+def _secure_key_rank(rank, world_size, store, out_dir):
+    import dpzero.zero
+    from dpzero.noise import NoiseSource
+
+    group = dpzero.zero.new_process_group("gloo", f"file://{store}", rank, world_size)
+    torch.save(NoiseSource(secure_mode=True, group=group)._key,
+               os.path.join(out_dir, f"key{rank}.pt"))
+
+
+def test_secure_key_is_rank_0s_over_a_group_made_without_torch_distributed(tmp_path):
+    """Secure mode over a process group from dpzero.zero.new_process_group (torch.distributed
+    not initialised): every rank holds rank 0's key, so every rank draws the same noise."""
+    mp.spawn(_secure_key_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+             join=True)
+    keys = [torch.load(tmp_path / f"key{r}.pt") for r in range(2)]
+    assert len(keys[0]) == 8 and keys[0] == keys[1]

@@ -377,6 +377,7 @@ def test_a_step_charged_then_failed_never_redraws_its_batch():
         assert p.optimizer.step()
         break
     assert engine.last_step == {"step": 1, "noise_index": 1}
+    assert len(engine.accountant) == engine.charges == 2  # the missed charge is counted
 
 
 def test_opacus_style_entry_point():

@@ -264,6 +264,17 @@ class PrivacyEngine:
             if dist.is_available() and dist.is_initialized() else None)
         self.agreements = agree = RankAgreements(self._group, lambda: self.next_step)
         self.rank, self.world_size = agree.rank, agree.world_size
+        # Every rank must clip, sample, scale, draw and budget alike (rank 1 with a larger C would
+        # clip at its own C while rank 0's ledger records rank 0's), and take the same collective
+        # path below (a seed given or not, secure mode): agreed first, before any other exchange.
+        agree.collective("agreeing on the privacy settings", agree.same_everywhere, {
+            "noise_multiplier": sigma, "max_grad_norm": max_grad_norm, "sample_rate": q,
+            "dataset_size": n, "clipping": clipping, "clipping_groups": c.clipping_groups,
+            "group_weights": c.group_weights, "automatic_gamma": c.automatic_gamma,
+            "loss_reduction": c.loss_reduction, "zero_stage": c.zero_stage,
+            "epsilon_budget": c.epsilon_budget, "budget_delta": c.budget_delta,
+            "accountant": self.accountant_name, "secure_mode": self.secure_mode,
+            "seed given": c.seed is not None})
         self.noise_multiplier_, self.max_grad_norm_ = sigma, max_grad_norm
         self.sample_rate, self.dataset_size = q, n
         seed = c.seed
@@ -276,13 +287,6 @@ class PrivacyEngine:
                 raise ValueError(f"seed must be the same on every rank; this rank has {seed}, "
                                  f"rank 0 {agreed}")
             self.noise_source.seed = agreed
-        # Every rank must clip, sample, scale and budget alike: rank 1 with a larger C would clip
-        # at its own C while rank 0's ledger records rank 0's.
-        agree.collective("agreeing on the privacy settings", agree.same_everywhere, {
-            "noise_multiplier": sigma, "max_grad_norm": max_grad_norm, "sample_rate": q,
-            "dataset_size": n, "clipping": clipping, "loss_reduction": c.loss_reduction,
-            "zero_stage": c.zero_stage, "epsilon_budget": c.epsilon_budget,
-            "budget_delta": c.budget_delta, "secure_mode": self.secure_mode})
         self._ledger = None
         charges = 0
         if c.ledger_path is not None:
@@ -651,14 +655,27 @@ class PrivacyEngine:
         finally:
             self._close_logical_batch()
             # Note [noise index]: a step charged and then failed (its update, the accountant)
-            # used batch t; the sampler never draws a step below the charges again.
+            # used batch t; the sampler never draws a step below the charges again, and the
+            # accountant counts every charge.
             self.next_step = max(self.next_step, self.charges)
+            self._catch_up_accountant()
         self.next_step = max(t + 1, self.charges)
         self.steps_taken += 1
         self.last_step = {"step": t, "noise_index": out.noise_index}
         self._diagnose(t, out.noise_index, "caller" if out.caller_sampled else "poisson", size,
                        out.samples, out.dropped)
         return True
+
+    def _catch_up_accountant(self) -> None:
+        """Charges the accountant with any step the ledger charged that its callback missed (it
+        raised), so that epsilon() never reports less than what was charged."""
+        missing = self.charges - len(self.accountant)
+        if missing > 0 and self.noise_multiplier > 0.0:
+            try:
+                self.accountant.step(noise_multiplier=self.noise_multiplier,
+                                     sample_rate=self.sample_rate, num_steps=missing)
+            except Exception:  # noqa: BLE001 - the step's own error is the one raised
+                pass
 
     def _diagnose(self, t: int, k: int, sampling: str, size: int, samples: int,
                   dropped: int) -> None:
