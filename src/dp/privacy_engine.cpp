@@ -158,6 +158,7 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
     total += p.numel();
   }
   if (params_.empty()) throw std::invalid_argument(bad("the model has no trainable parameters"));
+  for (const Param& p : params_) trained_.insert(p.tensor.unsafeGetTensorImpl());
 
   // The DP modules, and every trainable parameter inside one of them.
   struct Found {
@@ -679,12 +680,10 @@ StepOutcome PrivacyEngine::step() {
         "before training (Note [C++ batch dimension] in src/dp/modules.h), or set "
         "PrivacyOptions::trust_batch_first";
   // The trained set may not change: a parameter made trainable since would never be clipped.
-  std::set<const void*> now;
+  std::set<const void*> now;  // trained_ is the set when the engine took the model
   for (const at::Tensor& p : model_->parameters())
     if (p.requires_grad()) now.insert(p.unsafeGetTensorImpl());
-  std::set<const void*> then;
-  for (const Param& p : params_) then.insert(p.tensor.unsafeGetTensorImpl());
-  if (now != then && !request.refusal)
+  if (now != trained_ && !request.refusal)
     request.refusal =
         "step(): the model's trainable parameters changed since the PrivacyEngine "
         "took it; its clipping covers the parameters trainable then. Build a new "

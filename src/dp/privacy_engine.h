@@ -33,6 +33,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -167,7 +168,8 @@ class PrivacyEngine {
   std::shared_ptr<torch::nn::Module> model_;
   PrivacyOptions options_;
   int64_t rank_ = 0, world_size_ = 1;
-  std::vector<Param> params_;                           // trained, in global order
+  std::vector<Param> params_;      // trained, in global order
+  std::set<const void*> trained_;  // their TensorImpls, for step()'s trainable-set check
   std::vector<std::pair<at::Tensor, unsigned>> hooks_;  // each parameter's escape hook
   std::unique_ptr<zero::ZeroState> zero_;
   std::shared_ptr<EngineSession> session_;

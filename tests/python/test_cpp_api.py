@@ -82,27 +82,33 @@ def digits(kind: str):
     return pooled.round().long().clamp(0, VOCAB - 1), y % TOKEN_CLASSES
 
 
+def run_ranks(args, world):
+    """The example with `args` as one process per rank; each rank's output."""
+    assert os.path.exists(BINARY), f"{BINARY} is not built (scripts/setup.sh builds it)"
+    procs = [subprocess.Popen([BINARY] + args + ["--rank", str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for r, (p, text) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}: {text}"
+    return outputs
+
+
 def run_cpp(tmp_path, kind, model, x, y, *, world=1, rows=None, zero_loss=False, **flags):
     """The example's exchange mode on `world` ranks; the parameters after its step."""
-    assert os.path.exists(BINARY), f"{BINARY} is not built (scripts/setup.sh builds it)"
     inp, out = tmp_path / "in.pt", tmp_path / "out.pt"
     state = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
              "x": x, "y": y}
     if rows is not None:
         state["rows"] = rows
     torch.save(state, inp)
-    args = [BINARY, "--model", kind, "--exchange", str(inp), str(out), "--world", str(world)]
+    args = ["--model", kind, "--exchange", str(inp), str(out), "--world", str(world)]
     if world > 1:
         args += ["--init", f"file://{tmp_path}/rendezvous"]
     if zero_loss:
         args.append("--zero-loss")
     for name, value in flags.items():
         args += ["--" + name.replace("_", "-"), str(value)]
-    procs = [subprocess.Popen(args + ["--rank", str(r)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    for r, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}: {text}"
+    run_ranks(args, world)
     # torch::pickle_save tags a typed dict with its type (torch.jit._pickle.restore_type_tag).
     with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
         return torch.load(out)
@@ -216,15 +222,11 @@ def test_example_trains_the_same_on_two_ranks(tmp_path):
     process each) end where one rank does, and the ledger holds every step."""
     def train(world):
         ledger = tmp_path / f"ledger{world}.jsonl"
-        args = [BINARY, "--model", "transformer", "--steps", "100", "--lr", "2", "--seed", "0", "--world",
+        args = ["--model", "transformer", "--steps", "100", "--lr", "2", "--seed", "0", "--world",
                 str(world), "--ledger", str(ledger), "--max-physical-batch-size", "16"]
         if world > 1:
             args += ["--init", f"file://{tmp_path}/rendezvous{world}"]
-        procs = [subprocess.Popen(args + ["--rank", str(r)], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for r in range(world)]
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-        for r, (p, text) in enumerate(zip(procs, outputs)):
-            assert p.returncode == 0, f"rank {r} exited {p.returncode}: {text}"
+        outputs = run_ranks(args, world)
         steps = sum(json.loads(line).get("kind") == "steps" for line in open(ledger))
         return outputs[0].strip().splitlines()[-1], steps
 

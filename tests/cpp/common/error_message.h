@@ -1,5 +1,5 @@
 // tests/cpp/common/error_message.h — the message of the exception a call throws, for tests that
-// check an error names the bad value.
+// check an error names the bad value, and whether a message holds a part.
 #pragma once
 
 #include <string>
@@ -16,6 +16,10 @@ std::string error_message(F&& f) {
     return e.what();
   }
   return "<no exception of the expected type>";
+}
+
+inline bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
 }
 
 }  // namespace dpzero::testing

@@ -47,6 +47,7 @@ namespace dpzero::dp {
 namespace {
 
 using example::Mlp;
+using testing::contains;
 using testing::run_ranks;
 
 constexpr int64_t kIn = 6, kHidden = 5, kClasses = 3, kN = 64;
@@ -109,10 +110,6 @@ std::string temp_path(const std::string& leaf) {
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return (dir / leaf).string();
-}
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
 }
 
 // The reference step, in float64: for every example i of step 0's Poisson batch its own gradient
@@ -441,8 +438,7 @@ TEST(PrivacyEngine, BatchFirstCheckRefusesSwappedOrMixedRowsAndStepsWaitForIt) {
     PrivacyEngine engine(net, options());
     const std::string why =
         testing::error_message<PrivacyError>([&] { check_batch_first(engine, net); });
-    EXPECT_TRUE(contains(why, "the loss of example 0 reaches other rows of DP layer 'fc'"))
-        << why;
+    EXPECT_TRUE(contains(why, "the loss of example 0 reaches other rows of DP layer 'fc'")) << why;
   }
   for (bool after : {false, true}) {
     auto net = std::make_shared<MixesOneWay>(after);

@@ -69,6 +69,7 @@ std::string temp_dir() {
   return dir.string();
 }
 
+using testing::contains;
 using testing::run_ranks;
 
 struct Options {
@@ -185,10 +186,6 @@ struct Rank {
   std::unique_ptr<PrivateStep> step;
   int charged = 0;
 };
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
 
 int64_t ledger_steps(const std::string& path) {
   return accounting::Ledger::open_read_only(path).total_steps();
