@@ -1,0 +1,139 @@
+"""Issue 23, item 4: the private backward never waits on the GPU.
+
+A DP layer's backward node, the clipping book and the end-of-backward callback run while the GPU
+is still working on earlier kernels. A host read of a device value there (``.item()``, a
+``bool()`` of a comparison, ``nonzero``, a copy to the host) makes the host wait for the whole
+queue at every layer, which is what makes a private backward slow on a GPU. So every decision the
+clipping takes from data (dropped samples, non-finite norms, clip factors) must stay on the
+device until the optimizer step.
+
+``torch.cuda.set_sync_debug_mode("error")`` makes each synchronising CUDA call raise. The tests
+run a warm-up step (the batch-provenance probe of the first forward compares values on purpose,
+Note [batch provenance] in private/provenance.py), then the next micro-batch's backward in that
+mode, on every DP layer kind and the generic torch.func path, for flat, layer, group and
+automatic clipping, ZeRO stages 0 and 3, with and without bf16 autocast, and a tiny GPT-2.
+
+They need a GPU and are skipped without one; ``experiments/gpu/check.sh`` runs them on a lent
+machine. Without a GPU, :func:`test_host_reads_of_the_backward_are_cpu_only` audits the sources
+the backward runs: every host read of a tensor value there is behind ``is_cpu()`` (the host
+certification, Note [host certification] in kernels/per_sample_ops.h, and the id range check
+of ``flat_ids``), so the device branch of each makes none. It reads text, so it cannot see a
+read hidden in a helper; the GPU tests can.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dpzero
+from test_private import SeqNet, seq_data
+
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and dpzero._C.with_cuda),
+                               reason="needs a GPU and dpzero built with its CUDA kernels")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# What a private backward runs in C++: the DP layers' nodes, the book, the kernels' entry points.
+BACKWARD_SOURCES = ["src/dp/dp_layers.cpp", "src/dp/book.cpp", "src/dp/layer_ops.cpp",
+                    "src/dp/clip_group.cpp", "kernels/per_sample_ops.h",
+                    "kernels/per_sample_checks.h"]
+HOST_READ = re.compile(r"\.item\s*[<(]|\.cpu\(\)|\.tolist\(|\bnonzero\(|\.is_nonzero\(|"
+                       r"\.equal\(|\.to\(\s*(?:at::)?kCPU")
+# Reads the step may make (after the backward, before the update): the dropped-sample count.
+STEP_READS = {("src/dp/book.cpp", "stats.dropped = dropped_.item<int64_t>()")}
+
+
+@contextlib.contextmanager
+def sync_is_an_error():
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def run_backward_without_sync(model, loss_of, batch, **kwargs):
+    """make_private on CUDA; step 0 in full (the warm-up), then step 1's backward with every
+    synchronising CUDA call an error; then step 1's optimizer step (allowed to synchronise)."""
+    p = dpzero.make_private(model.cuda(), dataset=torch.utils.data.TensorDataset(*batch),
+                            batch_size=len(batch[0]), noise_multiplier=1.0, max_grad_norm=0.5,
+                            lr=0.1, seed=3, **kwargs)
+    engine = p.privacy_engine
+    for step in range(2):
+        x, y = engine.own_batch(tuple(t.cuda() for t in batch),
+                                logical_batch_size=len(batch[0]))
+        loss = loss_of(p.model(x), y)
+        with sync_is_an_error() if step == 1 else contextlib.nullcontext():
+            loss.backward()
+        p.optimizer.step()
+        p.optimizer.zero_grad()
+    torch.cuda.synchronize()
+    return p
+
+
+def test_host_reads_of_the_backward_are_cpu_only():
+    """Each host read in the backward's sources has ``is_cpu()`` in its statement (its line or
+    the two before), or is one of the step's reads."""
+    found, unguarded = 0, []
+    for rel in BACKWARD_SOURCES:
+        lines = (ROOT / rel).read_text().splitlines()
+        for n, line in enumerate(lines):
+            code = line.split("//")[0]
+            if not HOST_READ.search(code):
+                continue
+            found += 1
+            if any(r == rel and read in code for r, read in STEP_READS):
+                continue
+            if "is_cpu()" not in "".join(lines[max(0, n - 2):n + 1]):
+                unguarded.append(f"{rel}:{n + 1}: {line.strip()}")
+    assert found >= 4, f"the audit found only {found} host reads: has the code moved?"
+    assert not unguarded, "host reads in the private backward's device branch:\n" + \
+        "\n".join(unguarded)
+
+
+@needs_gpu
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("clipping", ["flat", "layer", "group", "automatic"])
+def test_every_layer_kind_backward_without_sync(clipping, stage):
+    torch.manual_seed(0)
+    ids, y = seq_data(n=8).tensors
+    groups = [["emb", "pos", "out"], ["conv", "ln"], ["proj", "rms", "head"]]
+    extra = {"clipping_groups": groups} if clipping == "group" else {}
+    run_backward_without_sync(SeqNet(tied=True, depth=True), F.cross_entropy, (ids, y),
+                              clipping=clipping, zero_stage=stage, **extra)
+
+
+@needs_gpu
+def test_autocast_backward_without_sync():
+    torch.manual_seed(0)
+    ids, y = seq_data(n=8).tensors
+    run_backward_without_sync(SeqNet(), F.cross_entropy, (ids, y), mixed_precision="bf16")
+
+
+@needs_gpu
+def test_gpt2_backward_without_sync():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = transformers.GPT2LMHeadModel(cfg)
+
+        def forward(self, x):
+            return self.m(x).logits
+
+    ids = torch.randint(0, 64, (4, 16))
+
+    def lm_loss(logits, targets):
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten())
+
+    run_backward_without_sync(Logits(), lm_loss, (ids, ids))
