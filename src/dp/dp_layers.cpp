@@ -159,14 +159,14 @@ class LayerNormBackward final : public DPLayerBackward {
   double eps_;
 };
 
-// Attaches `node`, over inputs (x, weight[, bias]), to `out`.
+// Attaches `node` to `out` when x or a parameter requires grad. Its one edge is x's: the
+// parameters get no edge (Note [no parameter edges] in dp_layers.h).
 at::Tensor with_backward(at::Tensor out, std::shared_ptr<DPLayerBackward> node, const at::Tensor& x,
                          const at::Tensor& weight, const at::Tensor& bias) {
   const bool needs = bias.defined() ? torch::autograd::compute_requires_grad(x, weight, bias)
                                     : torch::autograd::compute_requires_grad(x, weight);
   if (!needs) return out;
-  node->set_next_edges(bias.defined() ? torch::autograd::collect_next_edges(x, weight, bias)
-                                      : torch::autograd::collect_next_edges(x, weight));
+  node->set_next_edges(torch::autograd::collect_next_edges(x));
   torch::autograd::set_history(out, node);
   node->x_ = SavedVariable(x, /*is_output=*/false);
   return out;

@@ -1,9 +1,19 @@
 // src/dp/dp_layers.h — DP layers as C++ autograd functions: the forward of a Linear (or HF
 // Conv1D), Embedding or LayerNorm call, whose backward node returns the gradient with respect to
 // the layer's INPUT only and hands the layer's input A and output gradient G to the clipping book
-// (book.h). Autograd never forms the weight gradient of a DP layer (DESIGN.md §2 step 3); the
-// parameters are inputs of the node only so that the output requires grad when the input does
-// not (token ids).
+// (book.h). Autograd never forms the weight gradient of a DP layer (DESIGN.md §2 step 3).
+//
+// Note [no parameter edges]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// The node's only edge is to x. The output requires grad when x or a parameter does (token ids
+// with a trained table), but autograd has no path from a DP layer to its parameters: their
+// AccumulateGrad nodes run only for a use of the parameter outside a DP layer, which is what the
+// escape hooks (python/dpzero/private/attach.py guard_hooks, PrivacyEngine's in C++) catch.
+// With an edge per parameter, every backward ran each parameter's AccumulateGrad, and its hook,
+// with an undefined gradient (148 of each per step of a 12-layer GPT-2). A consequence:
+// torch.autograd.grad(loss, parameters) or backward(inputs=parameters) does not reach the DP
+// layers' nodes (autograd prunes them), so no clipping happens behind such a call; the
+// parameters' gradients come only from the optimizer's step.
 //
 // Note [autocast] (python/dpzero/private/layers.py): under torch.autocast the forward's ops cast
 // as autocast decides and G arrives in the output's dtype. Autograd runs a backward without

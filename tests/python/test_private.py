@@ -259,6 +259,25 @@ def test_a_parameter_used_outside_its_layer_stops_the_step():
     with pytest.raises(PrivacyViolation, match="refusing the step"):
         p.optimizer.step()
 
+def test_a_dp_layer_gives_autograd_no_path_to_its_parameters():
+    """Note [no parameter edges] (src/dp/dp_layers.h): a private backward never reaches the
+    parameters of a C++ DP layer (Linear, HF Conv1D, Embedding, LayerNorm) through autograd, so
+    their escape hooks run only for an escape. Counted by a second hook on each parameter."""
+    model = SeqNet()
+    p = dpzero.make_private(model, dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=1.0)
+    calls = []
+    for name, param in model.named_parameters():
+        param.register_hook(lambda g, name=name: calls.append(name))
+    ids, y = seq_data().tensors
+    x, t = own(p, ids[:8], y[:8])
+    F.cross_entropy(p.model(x), t).backward()
+    cpp_layers = ("emb.", "ln.", "proj.", "head.")
+    assert [n for n in calls if n.startswith(cpp_layers)] == []
+    # The Python autograd functions (Conv1d, RMSNorm) and the generic path (pos) keep theirs.
+    assert {"conv.weight", "rms.weight", "pos.pos"} <= set(calls)
+    p.optimizer.step()
+
 
 def test_arguments_are_checked_and_named():
     def mk(**kw):

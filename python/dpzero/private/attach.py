@@ -307,8 +307,10 @@ def guard_hooks(model: nn.Module, book_ref) -> List:
     """A trainable parameter that autograd gives a gradient escaped its DP layer (used outside
     it, e.g. ``F.linear(h, self.wte.weight)``): that gradient is unclipped. A gradient hook on the
     parameter sees it before AccumulateGrad adds it anywhere, records the violation (the optimizer
-    step then refuses until zero_grad) and raises, which stops the backward. DP layers give their
-    parameters no autograd gradient, so the hook sees None for them."""
+    step then refuses until zero_grad) and raises, which stops the backward. A C++ DP layer's node
+    has no edge to its parameters (Note [no parameter edges] in src/dp/dp_layers.h); the Python
+    autograd functions and the generic path's tap give theirs no gradient, so the hook sees
+    None."""
     handles = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
