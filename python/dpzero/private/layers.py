@@ -40,6 +40,15 @@ HF_RMS_NORMS = frozenset({
 })
 
 
+def _param(module: nn.Module, name: str):
+    """``getattr(module, name)`` for a parameter (or None), read from the module's parameter dict
+    first: nn.Module.__getattr__ costs about a microsecond, paid per DP layer call."""
+    params = module._parameters
+    if name in params:
+        return params[name]
+    return getattr(module, name)
+
+
 class LayerKind:
     """How one module type runs under DP. ``params`` are the names of its parameters in the order
     the ops return gradients; a subclass implements the ops for the trainable subset ``train``
@@ -104,8 +113,8 @@ class LinearKind(LayerKind):
     def dp_call(self, module, x, core, generation: int, part: int, refusal: Optional[str]):
         """The call as a C++ autograd function (src/dp/dp_layers.h) reporting to the book's
         ``core`` (or refusing with ``refusal``)."""
-        return _dp.linear(x, module.weight, module.bias, self.transposed, core, generation,
-                          part, refusal)
+        return _dp.linear(x, _param(module, "weight"), _param(module, "bias"), self.transposed,
+                          core, generation, part, refusal)
 
 
 # ---- Embedding -----------------------------------------------------------------------------------
@@ -135,8 +144,8 @@ class EmbeddingKind(LayerKind):
 
     def dp_call(self, module, x, core, generation: int, part: int, refusal: Optional[str]):
         """As LinearKind.dp_call."""
-        return _dp.embedding(x, module.weight, module.padding_idx, core, generation, part,
-                             refusal)
+        return _dp.embedding(x, _param(module, "weight"), module.padding_idx, core, generation,
+                             part, refusal)
 
 
 # ---- LayerNorm / RMSNorm -------------------------------------------------------------------------
@@ -189,8 +198,9 @@ class LayerNormKind(NormKind):
 
     def dp_call(self, module, x, core, generation: int, part: int, refusal: Optional[str]):
         """As LinearKind.dp_call."""
-        return _dp.layer_norm(x, list(module.normalized_shape), module.weight, module.bias,
-                              float(module.eps), core, generation, part, refusal)
+        return _dp.layer_norm(x, list(module.normalized_shape), _param(module, "weight"),
+                              _param(module, "bias"), float(module.eps), core, generation, part,
+                              refusal)
 
 
 # ---- Conv1d / Conv2d -----------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def record(layer: int, args: Sequence, kwargs: Dict,
     a generic module's floating output tensors (its inputs are then recorded leaf by leaf)."""
     shape = lambda x: tuple(x.shape) if isinstance(x, torch.Tensor) else None  # noqa: E731
     if outputs is None and not kwargs:  # a kernel layer's one input: the common case, kept short
-        return CallRecord(layer, tuple(shape(a) for a in args), tensors=tuple(args))
+        return CallRecord(layer, tuple(shape(a) for a in args), (), None, tuple(args))
     if outputs is not None:
         leaves = pytree.tree_leaves((args, kwargs))
         return CallRecord(layer, tuple(shape(a) for a in leaves), (),
