@@ -960,7 +960,8 @@ inline ClipResult linear_clip(const at::Tensor& A, const at::Tensor& G, double m
 // pad} ||G_{i,t}|| (Note [certified norms]: each entry of r_v is a sum of at most T terms, e =
 // gamma_T, and q sums at most T d squares). dpzero::_embedding_rows returns (q, S), raw float64.
 // Its generic version (any device; registered in per_sample.cpp) builds the rows of a chunk of
-// samples by one index_add over (sample, token) keys; the CPU kernel (kernels/cpu/row_sums.cpp)
+// samples by one index_add over the runs of sorted (sample, token) keys, with no host read (the
+// private backward never waits on the device: tests/python/test_sync_free.py); the CPU kernel (kernels/cpu/row_sums.cpp)
 // sorts each sample's tokens by id and streams each run of equal ids through one [d] float64
 // accumulator, so it holds no [c, U, d] rows and does T d work per sample: less than the ghost
 // path's 2 T^2 d in both time and memory, and the CPU takes this path whatever the shape (Note
@@ -986,13 +987,20 @@ inline std::tuple<at::Tensor, at::Tensor> embedding_rows_generic(const at::Tenso
     const at::Tensor keys = (sample * num_embeddings + id).reshape({-1});  // [c*T]
     // A select, not a multiply: a padding token's G row may hold NaN.
     const at::Tensor g64 = at::where(real.unsqueeze(-1), f64(g.slice(0, i0, i1)), 0);
-    auto [unique_keys, inverse, counts] = at::_unique2(keys, /*sorted=*/true,
-                                                       /*return_inverse=*/true);
-    at::Tensor rows = at::zeros({unique_keys.size(0), d}, g64.options());
-    rows.index_add_(0, inverse.reshape({-1}), g64.reshape({-1, d}));  // [U, d]
-    q.slice(0, i0, i1).copy_(at::zeros({c}, g64.options())
-                                 .index_add_(0, unique_keys.div(num_embeddings, "trunc"),
-                                             rows.square_().sum(1)));
+    // Runs of equal keys in sorted order are the rows r_v; their number is never asked for (a
+    // unique() would wait on the device for it): there are at most c*T, and the unused ones stay
+    // zero. The segment of each sorted token: the count of run starts up to it, minus one.
+    const auto [sorted, order] = keys.sort();
+    const at::Tensor starts = at::ones_like(sorted, sorted.options().dtype(at::kLong));
+    starts.slice(0, 1).copy_(sorted.slice(0, 1) != sorted.slice(0, 0, -1));
+    const at::Tensor segment = starts.cumsum(0) - 1;  // [c*T]
+    const at::Tensor rows = at::zeros({c * t, d}, g64.options())
+                                .index_add_(0, segment, g64.reshape({-1, d}).index_select(0, order));
+    // Every token of a run has the run's sample: its owner, written once per token.
+    const at::Tensor owner = at::zeros({c * t}, segment.options())
+                                 .scatter_(0, segment, sorted.div(num_embeddings, "trunc"));
+    q.slice(0, i0, i1).copy_(
+        at::zeros({c}, g64.options()).index_add_(0, owner, rows.square().sum(1)));
     s.slice(0, i0, i1).copy_(row_norms(g64).sum(1));
   }
   return {q, s};

@@ -166,6 +166,7 @@ void bind_dp(py::module_ m) {
 
   // ---- the step transaction (src/dp/private_step.h) ------------------------------------------
   py::register_exception<dp::BudgetExhausted>(m, "BudgetExhausted", PyExc_RuntimeError);
+  py::register_exception<dp::UpdateError>(m, "UpdateError", PyExc_RuntimeError);
   // CollectiveError carries its charge state: a translator of its own (registered later, so
   // tried first) raises it with the `charged` attribute.
   collective_error_type =

@@ -16,7 +16,7 @@ from .accounting import (
     get_steps,
 )
 from .zero import ShardedModule, shard
-from .private import BudgetExhausted, CollectiveError, PrivacyEngine, PrivacyViolation
+from .private import BudgetExhausted, CollectiveError, PrivacyEngine, PrivacyViolation, UpdateError
 from .front import make_private
 from . import checkpoint  # noqa: E402  (dpzero.checkpoint.save / load)
 
@@ -32,6 +32,7 @@ __all__ = [
     "PrivacyViolation",
     "RDPAccountant",
     "ShardedModule",
+    "UpdateError",
     "checkpoint",
     "get_noise_multiplier",
     "get_steps",

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include "kernels/per_sample_ops.h"
 #include "src/dp/clip_group.h"
@@ -225,6 +226,15 @@ void Book::begin_backward(int64_t generation, int64_t index) {
         "a backward reached a DP layer call whose gradient was already taken (a second "
         "backward through the same forward, or a graph kept across zero_grad()); each forward "
         "may be back-propagated once");
+  }
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info != nullptr && !exec_info->empty()) {
+    // Note [no parameter edges] in dp_layers.h: such a backward runs only the DP layers on a path
+    // to the given tensors, and the others' clipped gradients would be missing from the step.
+    refuse("a backward restricted to some tensors (torch.autograd.grad, or backward(inputs=...)) "
+           "reached DP layer '" + layers_[parts_[index].layer].name +
+           "': it skips the DP layers that do not lead to those tensors, so the step would miss "
+           "their clipped gradients; back-propagate the loss itself (loss.backward())");
   }
   Part& part = parts_[index];
   if (expected_rows_ && part.hand_out != hand_out_) {

@@ -11,9 +11,11 @@
 // escape hooks (python/dpzero/private/attach.py guard_hooks, PrivacyEngine's in C++) catch.
 // With an edge per parameter, every backward ran each parameter's AccumulateGrad, and its hook,
 // with an undefined gradient (148 of each per step of a 12-layer GPT-2). A consequence:
-// torch.autograd.grad(loss, parameters) or backward(inputs=parameters) does not reach the DP
-// layers' nodes (autograd prunes them), so no clipping happens behind such a call; the
-// parameters' gradients come only from the optimizer's step.
+// torch.autograd.grad(loss, tensors) or backward(inputs=tensors) runs only the DP layers on a
+// path to those tensors (autograd prunes the rest, and with parameters as the tensors every C++
+// DP layer whose input leads to none of them). Clipping some layers and not others would make a
+// step of part of the model, so the book refuses any DP layer's backward in such a pruned pass
+// (Book::begin_backward): the loss is back-propagated whole, or not at all.
 //
 // Note [autocast] (python/dpzero/private/layers.py): under torch.autocast the forward's ops cast
 // as autocast decides and G arrives in the output's dtype. Autograd runs a backward without

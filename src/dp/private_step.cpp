@@ -261,17 +261,24 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
   }
   failpoints_.hit("after_ledger", k, comm.rank());
 
-  // 5. The charge.
-  charge(k);
-
-  // 6. The noisy update.
-  zero::StepNoise noise;
-  noise.stddev = sigma > 0.0 ? sigma * c : 0.0;
-  noise.key = s.noise_key;
-  noise.step = k;
-  const double grad_scale = 1.0 / (q * static_cast<double>(s.dataset_size));
-  collective("the noisy update", t, ChargeState::kCharged,
-             [&] { engine_.noisy_step(noise, grad_scale); });
+  // 5. The charge, and 6. the noisy update. From the charge on the step's privacy cost counts
+  // whatever happens; a failure says so: a collective's is a CollectiveError (charged), any
+  // other an UpdateError with its cause nested.
+  try {
+    charge(k);
+    zero::StepNoise noise;
+    noise.stddev = sigma > 0.0 ? sigma * c : 0.0;
+    noise.key = s.noise_key;
+    noise.step = k;
+    const double grad_scale = 1.0 / (q * static_cast<double>(s.dataset_size));
+    collective("the noisy update", t, ChargeState::kCharged,
+               [&] { engine_.noisy_step(noise, grad_scale); });
+  } catch (const CollectiveError&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::throw_with_nested(
+        UpdateError(update_error_text(comm.rank(), comm.world_size(), t, k, e.what())));
+  }
   failpoints_.hit("after_update", k, comm.rank());
   return StepOutcome{t, k, caller, all[kSamples], all[kDroppedRows]};
 }

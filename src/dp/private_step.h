@@ -22,7 +22,8 @@
 // logical batch (the book's micro-batches, the engine's gradients), so no gradient of it can be
 // released later under another step's charge. Failpoints (Note [failpoints] in failpoints.h) sit
 // before 4, after 4 and after 6. A collective that fails is a CollectiveError saying whether the
-// step was already charged (errors.h).
+// step was already charged; any other failure after the charge (the accountant's callback, the
+// update) is an UpdateError, which says it was (errors.h).
 //
 // Note [one agreement per step]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

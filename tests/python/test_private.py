@@ -279,6 +279,26 @@ def test_a_dp_layer_gives_autograd_no_path_to_its_parameters():
     p.optimizer.step()
 
 
+@pytest.mark.parametrize("call", ["grad", "inputs"])
+def test_a_backward_restricted_to_some_tensors_is_refused(call):
+    """Note [no parameter edges]: torch.autograd.grad or backward(inputs=...) runs only the DP
+    layers on a path to the given tensors (here conv's weight: the head above it runs, the
+    embedding below does not); the book refuses it, and the step refuses until zero_grad()."""
+    model = SeqNet()
+    p = dpzero.make_private(model, dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=1.0)
+    ids, y = seq_data().tensors
+    x, t = own(p, ids[:8], y[:8])
+    loss = F.cross_entropy(p.model(x), t)
+    with pytest.raises(PrivacyViolation, match="a backward restricted to some tensors"):
+        if call == "grad":
+            torch.autograd.grad(loss, [model.conv.weight])
+        else:
+            loss.backward(inputs=[model.conv.weight])
+    with pytest.raises(PrivacyViolation, match="refusing the step"):
+        p.optimizer.step()
+
+
 def test_arguments_are_checked_and_named():
     def mk(**kw):
         base = dict(dataset=seq_data(), batch_size=4, noise_multiplier=1.0, max_grad_norm=1.0)
@@ -370,7 +390,8 @@ def test_noise_index_is_the_ledger_charge_count(tmp_path):
 def test_a_step_charged_then_failed_never_redraws_its_batch():
     """Note [noise index]: a step that fails after its charge (here the accountant raises) used
     its Poisson batch; the sampler goes on from the charge count, never drawing step 0 again
-    (without the fix the next epoch starts at step 0: one draw for two charges)."""
+    (without the fix the next epoch starts at step 0: one draw for two charges). The failure is
+    a dpzero.UpdateError that says the step was charged."""
     torch.manual_seed(4)
     p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
                             max_grad_norm=1.0, seed=3, accountant="rdp")
@@ -384,8 +405,10 @@ def test_a_step_charged_then_failed_never_redraws_its_batch():
     for x, y in p.data_loader:
         p.optimizer.zero_grad()
         F.cross_entropy(p.model(x), y).backward()
-        with pytest.raises(RuntimeError, match="accountant unavailable"):
+        with pytest.raises(dpzero.UpdateError, match=r"step 0 \(charge 0\): the step was "
+                           r"charged .*accountant unavailable") as raised:
             p.optimizer.step()
+        assert raised.value.charged is True
         break
     assert engine.charges == 1
     assert engine.next_step == 1

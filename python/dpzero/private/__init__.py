@@ -9,10 +9,11 @@ of the C++ clipping book), ``agreements`` (the agreements Python makes across ra
 ledger, the accountant, the call into the C++ step).
 """
 
-from .agreements import BudgetExhausted, CollectiveError
+from .agreements import BudgetExhausted, CollectiveError, UpdateError
 from .attach import PrivacyViolation
 from .config import PrivateConfig, resolve
 from .engine import DPDataLoader, DPOptimizer, Private, PrivacyEngine, PrivateModule
 
 __all__ = ["BudgetExhausted", "CollectiveError", "DPDataLoader", "DPOptimizer", "Private",
-           "PrivacyEngine", "PrivacyViolation", "PrivateConfig", "PrivateModule", "resolve"]
+           "PrivacyEngine", "PrivacyViolation", "PrivateConfig", "PrivateModule", "UpdateError",
+           "resolve"]

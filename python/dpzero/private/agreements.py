@@ -28,6 +28,11 @@ BudgetExhausted = _C.dp.BudgetExhausted
 # Its message and its ``charged`` attribute say whether the step had been charged to the ledger
 # (True, False, or None: rank 0's ledger may hold it).
 CollectiveError = _C.dp.CollectiveError
+# The step was charged to the ledger and then failed on this rank for another reason (the
+# accountant raised, the update ran out of memory): not applied here, its privacy cost counts. Its
+# message names the step, the charge and the cause; ``charged`` is always True.
+UpdateError = _C.dp.UpdateError
+UpdateError.charged = True
 
 
 class RankAgreements:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -91,6 +91,7 @@ class Book:
         # sample per row]).
         self.token = None
         self._expected_rows: Optional[int] = None
+        self.deferred: List[Tuple[torch.Tensor, Callable[[], str]]] = []  # Note [deferred checks]
         # Note [batch provenance] (provenance.py): the DP layer calls of the root forward running
         # now (None outside one), the probe running now (None outside it), and the verdicts of
         # every call pattern seen so far (kept for the whole run).
@@ -278,7 +279,8 @@ class Book:
             elif multiplier != 1:
                 g = g * multiplier  # Note [mean loss]
             grads = kind.per_sample_grads(layer.module, a, g, layer.train, dims,
-                                          f"{type(layer.module).__name__} {layer.name!r}")
+                                          f"{type(layer.module).__name__} {layer.name!r}",
+                                          defer=self.defer)
             self._core.report_per_sample(index, [grads.get(n) for n in kind.params])
         except BaseException as e:
             # Whatever failed, part of this micro-batch may already be in the engine: the step
@@ -287,6 +289,28 @@ class Book:
             if self.error is None:
                 self.error = f"the backward failed in the clipping ({type(e).__name__}: {e})"
             raise
+
+    # Note [deferred checks]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~
+    # A check the backward makes on values (the generic path's separable recompute) has its
+    # verdict on the tensors' device. Reading it there would make the host wait for the device at
+    # every such layer (issue 23: the private backward never waits on a GPU). So the verdict is
+    # kept unread, with the text that explains a failure, and the step reads them all before its
+    # transaction (PrivacyEngine._optimizer_step): any failure refuses the step on every rank
+    # (its refusal is the step's agreed verdict), so the logical batch is dropped and nothing is
+    # charged or released, as if the backward had raised. Until then its gradients only sit in
+    # the engine's buffers, like those of any backward that a later check refuses.
+
+    def defer(self, failed: torch.Tensor, text: Callable[[], str]) -> None:
+        """Keeps a check's unread verdict (a bool tensor: True when it failed) and the text of its
+        failure, for the step (Note [deferred checks])."""
+        self.deferred.append((failed, text))
+
+    def take_deferred(self) -> Optional[str]:
+        """Reads every kept verdict (the step may wait on the device) and forgets them: the text
+        of the first that failed, or None."""
+        deferred, self.deferred = self.deferred, []
+        return next((text() for failed, text in deferred if bool(failed)), None)
 
     def discard(self) -> None:
         """Drops a micro-batch whose backward never ran (zero_grad between forward and backward)."""

@@ -621,6 +621,7 @@ class PrivacyEngine:
             self._close_logical_batch()  # own_batch: zero_grad() drops the logical batch
         self.book.discard()
         self.book.take_stats()
+        self.book.deferred.clear()  # a dropped batch's checks go with it, unread
         self.book.error = None
         self.book.stale = False
         self.sharded.zero_grad()  # Note [private gradients]: skips buffers the step left zeroed
@@ -641,7 +642,7 @@ class PrivacyEngine:
             return False  # not the last micro-batch of the logical batch: only accumulate
         # Checks only Python can make; the book's own, the agreement, the budget, the ledger,
         # the charge and the noisy update are the step's transaction (src/dp/private_step.h).
-        refusal = self._trainable_set.changed()
+        refusal = self.book.take_deferred() or self._trainable_set.changed()
         try:  # Note [hyperparameters at the step] (optimizer.py)
             self._set_hyperparameters()
             bad_settings = None

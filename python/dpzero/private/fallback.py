@@ -152,12 +152,14 @@ class FuncKind(LayerKind):
         return flat[0] if len(flat) == 1 else torch.cat(flat, 1)
 
     def per_sample_grads(self, module: nn.Module, saved, g: torch.Tensor, train, dims,
-                         module_name: str = "the module"):
+                         module_name: str = "the module", defer=None):
         """{name: [B, *shape] float32} for the trainable parameters. ``saved``: (args, kwargs,
         OutputLayout, autocast dtype or None) of the forward call; ``g``: :meth:`batch_first`'s
         [B, total]; ``dims``: the verdict (per (args, kwargs) leaf and per tapped output, the dim
-        holding the examples or None). Raises :class:`MixedExamplesError` unless each example's
-        recomputed output equals the forward's (Note [separable recompute])."""
+        holding the examples or None). Each example's recomputed output must equal the forward's
+        (Note [separable recompute]): ``defer(failed, text)`` gets the check's verdict on the
+        device (the book's, read at the step: Note [deferred checks] in book.py); without it a
+        failure raises :class:`MixedExamplesError` here."""
         args, kwargs, layout, amp = saved
         in_dims, out_dims = dims
         names = [n for n, t in zip(self.names, train) if t]
@@ -201,7 +203,7 @@ class FuncKind(LayerKind):
                     raise RandomOpError(_random_op_error(module_name)) from None
                 grads, outs = self._loop(one, per_out, xs, [in_dims[i] for i in batched],
                                          module_name)
-        _check_separable(module_name, outs, layout.values, out_dims, amp is not None)
+        _check_separable(module_name, outs, layout.values, out_dims, amp is not None, defer)
         return {n: grads[n].float() for n in names}
 
     @staticmethod
@@ -254,7 +256,11 @@ class MixedExamplesError(RuntimeError):
 # layouts that mix examples by accident, not against a model written to mix them: a mixing term
 # below the tolerance, or a backward that mixes rows while the forward does not, passes (the
 # model mixing examples is outside what per-layer clipping bounds: DESIGN.md, "Limits").
-def _check_separable(module_name: str, recomputed, forward, out_dims, low_precision: bool):
+def _check_separable(module_name: str, recomputed, forward, out_dims, low_precision: bool,
+                     defer=None):
+    """Note [separable recompute]. The verdict is computed on the tensors' device; ``defer``
+    (the book's) takes it unread, so the backward never waits on a GPU (Note [deferred checks]
+    in book.py); without it a failure raises here."""
     # Rounding differs between a batch and one example (other kernels, other blockings): 1e-4 of
     # each example's own largest output in fp32, 3e-2 under 16-bit autocast.
     rtol = 3e-2 if low_precision else 1e-4
@@ -264,15 +270,21 @@ def _check_separable(module_name: str, recomputed, forward, out_dims, low_precis
             continue
         rows = f.abs().reshape(f.shape[0], -1).amax(1).view(-1, *([1] * (f.dim() - 1)))
         diff = (r - f).abs()
-        scale = float(rows.max())
-        if bool((diff > rtol * rows).any()):
-            raise MixedExamplesError(
-                f"{module_name}: each example's output recomputed alone differs from the "
-                f"forward's (output {j}, largest difference {float(diff.max()):.3g} at scale "
-                f"{scale:.3g}): the module mixes the examples along the dim that holds them (a "
-                "batch_first=False layer fed batch-first inputs attends or recurs over the "
-                "examples), or draws random numbers in its forward. Feed it the layout it "
-                "expects (batch_first=True, or transpose the input), or freeze its parameters")
+        failed, worst, scale = (diff > rtol * rows).any(), diff.max(), rows.max()
+
+        def text(j=j, worst=worst, scale=scale) -> str:
+            return (f"{module_name}: each example's output recomputed alone differs from the "
+                    f"forward's (output {j}, largest difference {float(worst):.3g} at scale "
+                    f"{float(scale):.3g}): the module mixes the examples along the dim that "
+                    "holds them (a batch_first=False layer fed batch-first inputs attends or "
+                    "recurs over the examples), or draws random numbers in its forward. Feed it "
+                    "the layout it expects (batch_first=True, or transpose the input), or "
+                    "freeze its parameters")
+
+        if defer is not None:
+            defer(failed, text)
+        elif bool(failed):
+            raise MixedExamplesError(text())
 
 
 def _rng_states() -> List[torch.Tensor]:

@@ -10,7 +10,8 @@
 //   - the budget guard stops at max_steps exactly, counting a reopened ledger's charges
 //     (k + 1 >= max_steps; k > max_steps);
 //   - a collective failure is reported with the step's charge state: before the ledger nothing
-//     charged, in the update charged (the update's failure reported as not charged);
+//     charged, in the update charged (the update's failure reported as not charged); any other
+//     failure after the charge is an UpdateError saying it was charged (the catch removed);
 //   - one rank's refusal, invalid settings, a stale batch, a forward without its backward or a
 //     logical batch size outside [0, N] refuse the step on every rank (each check removed);
 //     unequal logical batch sizes or charge counts are refused on every rank (the squares left
@@ -374,9 +375,10 @@ TEST(PrivateStep, CollectiveFailureInTheUpdateSaysTheStepWasCharged) {
     Rank rank(r, pg, o);
     rank.micro_batch(0);
     const at::Tensor before = rank.params().clone();
-    if (r == 1) {
-      EXPECT_EQ(testing::error_message<std::runtime_error>([&] { rank.take(0, 2 * kB); }),
-                "rank 1 stops");
+    if (r == 1) {  // its own failure after the charge: an UpdateError (the next test)
+      const std::string what =
+          testing::error_message<UpdateError>([&] { rank.take(0, 2 * kB); });
+      EXPECT_TRUE(contains(what, "rank 1 of 2, step 0 (charge 0): the step was charged")) << what;
       while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(20));
       return;
     }
@@ -394,6 +396,45 @@ TEST(PrivateStep, CollectiveFailureInTheUpdateSaysTheStepWasCharged) {
     EXPECT_TRUE(torch::equal(rank.params(), before));
   });
   EXPECT_EQ(ledger_steps(path), 1);
+}
+
+// A failure after the charge that is not a collective's (here the accountant's callback raises;
+// an allocation in the update would do the same) is an UpdateError saying the step was charged,
+// with the cause nested: the ledger holds the step, the count has it, the model is unchanged and
+// the batch is dropped; the next step draws the next charge index.
+TEST(PrivateStep, FailureAfterTheChargeSaysTheStepWasCharged) {
+  const std::string path = temp_dir() + "/ledger.jsonl";
+  run_ranks(1, std::chrono::seconds(60), [&](int r, auto pg) {
+    bool fail = true;
+    Options o;
+    o.ledger_path = path;
+    o.sigma = 1.0;
+    o.on_charge = [&](double, double) {
+      if (fail) throw std::runtime_error("accountant unavailable");
+    };
+    Rank rank(r, pg, o);
+    rank.micro_batch(0);
+    const at::Tensor before = rank.params().clone();
+    try {
+      rank.take(0, kB);
+      ADD_FAILURE() << "the step completed";
+    } catch (const UpdateError& e) {
+      EXPECT_TRUE(contains(e.what(), "rank 0 of 1, step 0 (charge 0): the step was charged to "
+                                     "the privacy ledger, then failed on this rank before its "
+                                     "update was applied"))
+          << e.what();
+      EXPECT_TRUE(contains(e.what(), "(accountant unavailable)")) << e.what();
+      EXPECT_EQ(testing::error_message<std::runtime_error>([&] { std::rethrow_if_nested(e); }),
+                "accountant unavailable");
+    }
+    EXPECT_EQ(rank.step->charges(), 1);
+    EXPECT_TRUE(torch::equal(rank.params(), before));
+    EXPECT_TRUE(rank.dropped());
+    fail = false;
+    rank.micro_batch(1);
+    EXPECT_EQ(rank.take(1, kB).noise_index, 1);
+  });
+  EXPECT_EQ(ledger_steps(path), 2);
 }
 
 // One rank's refusal refuses the step on every rank (the others name "another rank"), with every
