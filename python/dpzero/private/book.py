@@ -312,6 +312,10 @@ class Book:
         deferred, self.deferred = self.deferred, []
         return next((text() for failed, text in deferred if bool(failed)), None)
 
+    def drop_deferred(self) -> None:
+        """Forgets the kept verdicts unread: their logical batch was dropped."""
+        self.deferred = []
+
     def discard(self) -> None:
         """Drops a micro-batch whose backward never ran (zero_grad between forward and backward)."""
         self._core.discard()

@@ -621,7 +621,7 @@ class PrivacyEngine:
             self._close_logical_batch()  # own_batch: zero_grad() drops the logical batch
         self.book.discard()
         self.book.take_stats()
-        self.book.deferred.clear()  # a dropped batch's checks go with it, unread
+        self.book.drop_deferred()  # a dropped batch's checks go with it
         self.book.error = None
         self.book.stale = False
         self.sharded.zero_grad()  # Note [private gradients]: skips buffers the step left zeroed
