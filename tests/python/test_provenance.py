@@ -920,3 +920,21 @@ def test_no_record_survives_a_freed_address():
     _ = img[0].numpy().copy()  # escaped
     del img
     assert untagged((x.clone(),), token)[2] is None  # a new tensor is not refused for it
+
+
+def test_an_output_with_the_batch_size_past_dim_0_makes_the_shapes_ambiguous():
+    # A generic module's recorded outputs count as its inputs do: with B = 4 examples, an output
+    # [16, 4, 8] could be the batch in dim 1 or a coincidence of sizes, so a verdict cached for
+    # this call pattern must not be reused without a probe. (The check once compared the batch
+    # size against whole output shapes and never saw one.)
+    from dpzero.private.provenance import CallRecord, ambiguous
+
+    inputs = ((4, 16, 8),)
+    assert ambiguous([CallRecord(0, inputs, (), ((16, 4, 8),))], 4)
+    assert ambiguous([CallRecord(0, inputs, (), ((4, 16, 8), (2, 3, 4)))], 4)
+    assert not ambiguous([CallRecord(0, inputs, (), ((4, 16, 8),))], 4)
+    assert not ambiguous([CallRecord(0, inputs, (), ((16, 4, 8),))], 1)  # one row: nothing to mix
+    # Inputs, positional and keyword, as before.
+    assert ambiguous([CallRecord(0, ((16, 4),))], 4)
+    assert ambiguous([CallRecord(0, ((4, 8),), (("mask", (8, 4)),))], 4)
+    assert not ambiguous([CallRecord(0, ((4, 16), None))], 4)

@@ -20,10 +20,10 @@ from torch.utils import _pytree as pytree
 
 from . import relative_bias
 from .book import Layer, PrivacyViolation, Slot
-from .fallback import FuncKind, OutputLayout, bypassing, swapped, taken_whole, tap
+from .fallback import BYPASS, FuncKind, OutputLayout, swapped, taken_whole, tap
 from .layers import (EmbeddingKind, autocast_dtype, calls_base_forward, dp_apply, layer_kind,
                      overridden_base)
-from .provenance import record, root_forward
+from .provenance import CallRecord, record, root_forward
 
 # Module types that cannot run under DP, with the reason the error gives.
 _REJECTED = (
@@ -144,10 +144,10 @@ def assign_components(layers: List[Layer]) -> int:
 
 
 def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
+    # Runs at every call of every DP layer: the common case (a kernel layer inside the root
+    # forward) reads as few attributes and makes as few calls as it can.
     book = book_ref()
-    if book is None or bypassing():
-        return original(*args, **kwargs)
-    if not torch.is_grad_enabled():
+    if book is None or BYPASS.depth or not torch.is_grad_enabled():
         return original(*args, **kwargs)
     if book.probe is not None:  # Note [batch provenance]: run and record, register nothing
         return book.probe.call(layer, original, args, kwargs)
@@ -158,38 +158,40 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
     kind = layer.kind
     refused = not recompute and book.root is None  # Note [batch provenance]
     if isinstance(kind, FuncKind):
-        out = _fallback_forward(book, layer, original, _trainable_params(layer), args, kwargs,
-                                recompute, refused)
-        return out
+        return _fallback_forward(book, layer, original, _trainable_params(layer), args, kwargs,
+                                 recompute, refused)
     if len(args) != 1 or kwargs:
         raise PrivacyViolation(
             f"DP layer {layer.name!r} ({type(layer.module).__name__}) was called with "
             f"{len(args)} positional and {sorted(kwargs)} keyword arguments; DP layers take one "
             "input")
     x = args[0]
-    rec = record(layer.index, (x,), {})
-    rows = book.expected_rows or 1
-    if isinstance(kind, EmbeddingKind) and x.dim() > 1 and x.shape[0] == 1 and rows > 1 and \
-            not refused:
-        # Note [broadcast positions]: position ids are often one row [1, T] whose embedding is
-        # broadcast over the batch (GPT-2's and BERT's position_ids). Their gradient then sums
-        # every sample's; expanded to [B, T] the lookup gives the same values after the
-        # broadcast, and each row's gradient is that sample's own. The root forward's verdict
-        # confirms the ids are shared by the batch (Note [batch provenance]). A refused forward
-        # (other data, evaluated with gradients on) keeps the model's own shapes.
-        x = x.expand(rows, *x.shape[1:])
     # A recomputed call runs the same ops (the same saved tensors) and registers nothing; its
-    # backward, like a refused call's, must never run.
-    refusal = book.recompute_text(layer) if recompute else \
-        book.refusal_text(layer) if refused else None
+    # backward, like a refused call's, must never run. A refused forward (other data, evaluated
+    # with gradients on) keeps the model's own shapes.
+    if recompute or refused:
+        refusal = book.recompute_text(layer) if recompute else book.refusal_text(layer)
+        if hasattr(kind, "dp_call"):
+            return kind.dp_call(layer.module, x, book._core, 0, -1, refusal)
+        return dp_apply(kind, layer.module, book.refusing(refusal), x, _trainable_params(layer))
+    rec = CallRecord(layer.index, (tuple(x.shape) if isinstance(x, torch.Tensor) else None,),
+                     (), None, (x,))
+    if isinstance(kind, EmbeddingKind) and x.dim() > 1 and x.shape[0] == 1:
+        rows = book.expected_rows or 1
+        if rows > 1:
+            # Note [broadcast positions]: position ids are often one row [1, T] whose embedding
+            # is broadcast over the batch (GPT-2's and BERT's position_ids). Their gradient then
+            # sums every sample's; expanded to [B, T] the lookup gives the same values after the
+            # broadcast, and each row's gradient is that sample's own. The root forward's
+            # verdict confirms the ids are shared by the batch (Note [batch provenance]). The
+            # record keeps the call's own [1, T] (what the probe compares).
+            x = x.expand(rows, *x.shape[1:])
+    generation, part = book.on_forward(layer.index, rec)
     if hasattr(kind, "dp_call"):  # the C++ autograd function (src/dp/dp_layers.h)
-        generation, part = (0, -1) if refusal else book.on_forward(layer, rec)[:2]
-        return kind.dp_call(layer.module, x, book._core, generation, part, refusal)
-    params = _trainable_params(layer)
-    if refusal:
-        return dp_apply(kind, layer.module, book.refusing(refusal), x, params)
-    pid = book.on_forward(layer, rec)
-    return dp_apply(kind, layer.module, functools.partial(book.on_backward, pid), x, params)
+        return kind.dp_call(layer.module, x, book._core, generation, part, None)
+    pid = (generation, part, layer.index)
+    return dp_apply(kind, layer.module, functools.partial(book.on_backward, pid), x,
+                    _trainable_params(layer))
 
 
 def _trainable_params(layer: Layer) -> list:
@@ -219,7 +221,8 @@ def _fallback_forward(book, layer, original, params, args, kwargs, recompute=Fal
     elif refused:
         new = tap(book.refusing(book.refusal_text(layer)), outputs, params)
     else:
-        pid = book.on_forward(layer, record(layer.index, args, kwargs, outputs))
+        pid = (*book.on_forward(layer.index, record(layer.index, args, kwargs, outputs)),
+               layer.index)
         detach = lambda a: a.detach() if isinstance(a, torch.Tensor) else a  # noqa: E731
         device = outputs[0].device.type
         saved = (pytree.tree_map(detach, args), pytree.tree_map(detach, kwargs),

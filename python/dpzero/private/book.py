@@ -113,14 +113,13 @@ class Book:
         if generation == self._generation:
             return
         self._generation = generation
-        # Note [recomputed forwards]: calls of each layer registered by this micro-batch's
-        # forward, and how many of them activation checkpointing has recomputed since.
-        self.calls: Dict[int, int] = {}
+        # Note [recomputed forwards]: how many calls of each layer activation checkpointing has
+        # recomputed since this micro-batch's forward.
         self.recomputed: Dict[int, int] = {}
-        # Note [batch provenance]: per part, its layer and its verdict's dims (the generic path
-        # needs them).
+        # Note [batch provenance]: per part, its layer (Layer.index), and per part given a
+        # verdict, that verdict's dims (the generic path needs them).
         self.part_layers: List[int] = []
-        self.in_dims: List[Optional[tuple]] = []
+        self.in_dims: Dict[int, Optional[tuple]] = {}
 
     @property
     def error(self) -> Optional[str]:
@@ -212,27 +211,26 @@ class Book:
             self._core.refuse_backward(why)
         return refuse
 
-    def on_forward(self, layer: Layer, record) -> PartId:
-        """Registers one call of ``layer`` inside the root forward (``record``: its inputs'
-        shapes, provenance.CallRecord); returns the part id its backward reports under. The core
-        refuses it after a backward that stopped partway."""
+    def on_forward(self, layer_index: int, record) -> Tuple[int, int]:
+        """Registers one call of layer ``layer_index`` inside the root forward (``record``: its
+        inputs' shapes, provenance.CallRecord); returns (generation, part index), what its
+        backward reports under. The core refuses it after a backward that stopped partway. Run
+        once per DP layer call: kept to the bookkeeping the verdicts need."""
         assert self.root is not None, "a DP layer call outside the root forward registered"
         self._micro_batch()
-        index = self._core.on_forward(layer.index)
         self.root.append(record)
-        self.calls[layer.index] = self.calls.get(layer.index, 0) + 1
-        self.part_layers.append(layer.index)
-        self.in_dims.append(None)
-        return (self._generation, index, layer.index)
+        self.part_layers.append(layer_index)
+        return self._generation, self._core.on_forward(layer_index)
 
     def set_verdicts(self, start: int, verdicts: Sequence) -> None:
         """Note [batch provenance]: the verdicts of the parts registered from ``start`` on by one
         root forward, in call order (refusals were raised by the root forward, on every rank)."""
         assert self.num_parts - start == len(verdicts), \
             "one verdict per DP layer call of the root forward"
+        in_dims = self.in_dims
         for index, verdict in enumerate(verdicts, start):
             assert verdict.error is None
-            self.in_dims[index] = verdict.in_dims
+            in_dims[index] = verdict.in_dims
             generic = hasattr(self.layers[self.part_layers[index]].kind, "per_sample_grads")
             if verdict.in_dims is not None and (generic or verdict.in_dims[:1] == (0,)):
                 self._core.set_verdict(index)
@@ -243,7 +241,7 @@ class Book:
         own backward node reports, with the recomputed input); anything else is refused."""
         self._micro_batch()
         done = self.recomputed.get(layer.index, 0)
-        if done >= self.calls.get(layer.index, 0):
+        if done >= self.part_layers.count(layer.index):
             self.error = (
                 f"DP layer {layer.name!r} ran a forward inside a backward pass that does not "
                 "recompute one of this micro-batch's forward calls: reentrant activation "
@@ -271,7 +269,7 @@ class Book:
                 return
             # The generic path (fallback.py): its per-sample gradients, computed here.
             self._core.begin_backward(generation, index)
-            dims = self.in_dims[index]
+            dims = self.in_dims.get(index)
             g = kind.batch_first(g, dims)  # [B, total]
             multiplier = self._core.take_rows(index, g.shape[0])
             if multiplier == 0:

@@ -43,21 +43,24 @@ from torch.utils import _pytree as pytree
 
 from .layers import LayerKind
 
-_bypass = threading.local()
+class _Bypass(threading.local):
+    """Per thread, how many fallback recomputes of a forward are running (``depth``): while any
+    is, DP layers run their plain forward. Read at every DP layer call, so a plain attribute
+    (the class's 0 until a thread sets its own)."""
+
+    depth = 0
 
 
-def bypassing() -> bool:
-    """True while a fallback recomputes a forward: DP layers then run their plain forward."""
-    return getattr(_bypass, "depth", 0) > 0
+BYPASS = _Bypass()
 
 
 @contextlib.contextmanager
 def bypass():
-    _bypass.depth = getattr(_bypass, "depth", 0) + 1
+    BYPASS.depth += 1
     try:
         yield
     finally:
-        _bypass.depth -= 1
+        BYPASS.depth -= 1
 
 
 # Modules whose forward uses their children's parameters directly: the generic path takes them

@@ -92,6 +92,9 @@ class CallRecord(NamedTuple):
 
     def ranks(self) -> tuple:
         """The record without sizes: what the call pattern compares."""
+        if len(self.inputs) == 1 and self.output is None and not self.kw_inputs:
+            s = self.inputs[0]  # a kernel layer's one input (every step, every call: kept short)
+            return (self.layer, (None if s is None else len(s),), (), None)
         r = lambda s: None if s is None else len(s)  # noqa: E731
         return (self.layer, tuple(r(s) for s in self.inputs),
                 tuple((k, r(s)) for k, s in self.kw_inputs),
@@ -296,10 +299,22 @@ def pattern(tagged: Sequence[Tuple[int, int, object]], spec, leaves: Sequence,
 
 
 def ambiguous(real: Sequence[CallRecord], rows: int) -> bool:
-    """Whether some layer input has a dimension other than dim 0 of the batch's size: a cached
-    verdict could then stand for another layout of the same shapes (B = T, seq-first)."""
-    return rows > 1 and any(rows in s[1:] for r in real for s in r.shapes() + [r.output]
-                            if s is not None)
+    """Whether some layer input, or some output of a generic module, has a dimension other than
+    dim 0 of the batch's size: a cached verdict could then stand for another layout of the same
+    shapes (B = T, seq-first)."""
+    if rows <= 1:
+        return False
+    for r in real:
+        for s in r.inputs:
+            if s is not None and rows in s[1:]:
+                return True
+        for _, s in r.kw_inputs:
+            if s is not None and rows in s[1:]:
+                return True
+        for s in r.output or ():
+            if rows in s[1:]:
+                return True
+    return False
 
 
 # ---- the probe -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ otherwise the tree is walked and listed again.
 
 from __future__ import annotations
 
+import operator
 from typing import List, Optional, Tuple
 
 import torch
@@ -23,7 +24,7 @@ def _same_children(module: nn.Module, children: tuple) -> bool:
     """Whether ``module`` still has exactly these children, by identity (a module's own __eq__
     plays no part)."""
     now = module._modules.values()
-    return len(now) == len(children) and all(a is b for a, b in zip(now, children))
+    return len(now) == len(children) and all(map(operator.is_, now, children))
 
 
 class TrainableSet:
@@ -37,16 +38,16 @@ class TrainableSet:
         self._listed: List[Tuple[nn.Module, tuple]] = []  # (module, its children when listed)
 
     def _modules_now(self) -> List[nn.Module]:
-        if not self._listed or not all(_same_children(m, children)
-                                       for m, children in self._listed):
+        if not self._listed or not all([_same_children(m, children)
+                                        for m, children in self._listed]):
             self._listed = [(m, tuple(m._modules.values())) for m in self.model.modules()]
         return [m for m, _ in self._listed]
 
     def changed(self) -> Optional[str]:
         """Why the model's trainable parameters are no longer the set fixed at construction (an
         error text naming them), or None."""
-        now = frozenset(id(p) for m in self._modules_now() for p in m._parameters.values()
-                        if p is not None and p.requires_grad)
+        now = {id(p) for m in self._modules_now() for p in m._parameters.values()
+               if p is not None and p.requires_grad}
         if now == self.ids:
             return None
         named = list(self.model.named_parameters())
