@@ -6,6 +6,7 @@
 #include <tuple>
 #include <utility>
 
+#include <c10/util/strides.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 
@@ -528,7 +529,19 @@ std::vector<at::Tensor> Book::dests(const BookLayer& layer) {
       out.emplace_back();
       continue;
     }
-    out.push_back(unit_buffer(slot->unit).narrow(0, slot->offset, slot->numel).view(slot->shape));
+    // The unit's buffer is a flat [numel]: one as_strided per slot, where a narrow and a view
+    // were three dispatched ops, for every parameter of every DP layer call in every backward.
+    const at::Tensor& buf = unit_buffer(slot->unit);
+    TORCH_CHECK(slot->offset >= 0 && slot->offset + slot->numel <= buf.numel(), "dpzero: ",
+                layer.name, ": a parameter's slot [", slot->offset, ", ",
+                slot->offset + slot->numel, ") lies outside its unit's gradient buffer of ",
+                buf.numel(), " elements");
+    if (buf.dim() == 1 && buf.stride(0) == 1) {
+      out.push_back(buf.as_strided(slot->shape, c10::contiguous_strides(slot->shape),
+                                   buf.storage_offset() + slot->offset));
+    } else {
+      out.push_back(buf.narrow(0, slot->offset, slot->numel).view(slot->shape));
+    }
   }
   return out;
 }
