@@ -238,9 +238,11 @@ std::tuple<at::Tensor, at::Tensor> ghost_values(const char* op, const at::Tensor
   }
   const int64_t n_layers = static_cast<int64_t>(gs.size());
   const int64_t b = a.size(0), t = a.size(1), d_in = a.size(2);
-  at::Tensor value = at::zeros({n_layers, b}, a.options().dtype(at::kDouble));
-  at::Tensor norms = at::zeros({n_layers, b}, a.options().dtype(at::kDouble));
-  if (b == 0 || t == 0) return {value, norms};
+  const at::TensorOptions f64 = a.options().dtype(at::kDouble);
+  if (b == 0 || t == 0) return {at::zeros({n_layers, b}, f64), at::zeros({n_layers, b}, f64)};
+  // Every entry is written below (strip_dots stores each sample's value and norm).
+  at::Tensor value = at::empty({n_layers, b}, f64);
+  at::Tensor norms = at::empty({n_layers, b}, f64);
   const bool small = a.scalar_type() == at::kFloat && a.is_contiguous() &&
                      std::all_of(gs.begin(), gs.end(),
                                  [&](const at::Tensor& g) { return small_ghost_applies(t, g); });
@@ -300,9 +302,11 @@ std::tuple<at::Tensor, at::Tensor> token_ghost_sq_norms_cpu(const at::Tensor& id
                                                             int64_t padding_idx) {
   check_token_ghost_args(ids, g, padding_idx);
   const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
-  at::Tensor value = at::zeros({b}, g.options().dtype(at::kDouble));
-  at::Tensor norms = at::zeros({b}, g.options().dtype(at::kDouble));
-  if (b == 0 || t == 0) return {value, norms};
+  const at::TensorOptions f64 = g.options().dtype(at::kDouble);
+  if (b == 0 || t == 0) return {at::zeros({b}, f64), at::zeros({b}, f64)};
+  // Every entry is written below (strip_dots stores each sample's value and norm).
+  at::Tensor value = at::empty({b}, f64);
+  at::Tensor norms = at::empty({b}, f64);
   const at::Tensor ids_c = ids.contiguous();
   if (small_ghost_applies(t, g)) {  // Note [small ghost]
     small_ghost_values(nullptr, 0, ids_c.data_ptr<int64_t>(), padding_idx, {g}, b, t,

@@ -72,13 +72,16 @@ inline double sum4(const float* x, int64_t d, double shift, bool square) {
 template <typename MakeRow>
 std::tuple<at::Tensor, at::Tensor> sum_rows(const at::TensorOptions& options, int64_t b, int64_t t,
                                             int64_t d, const MakeRow& make_row) {
-  at::Tensor sums = at::zeros({b, d}, options.dtype(at::kDouble));
-  at::Tensor s = at::zeros({b}, options.dtype(at::kDouble));
+  // Each sample's row of sums is zeroed and its S written by the task that owns it (no separate
+  // fill of the whole output).
+  at::Tensor sums = at::empty({b, d}, options.dtype(at::kDouble));
+  at::Tensor s = at::empty({b}, options.dtype(at::kDouble));
   double* ps = sums.data_ptr<double>();
   double* pn = s.data_ptr<double>();
   at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> v(static_cast<size_t>(d));
     for (int64_t i = begin; i < end; ++i) {
+      std::fill(ps + i * d, ps + (i + 1) * d, 0.0);
       double norms = 0.0;
       for (int64_t r = 0; r < t; ++r) {
         make_row(i, r, v.data());
@@ -137,8 +140,8 @@ std::tuple<at::Tensor, at::Tensor> embedding_rows_cpu(const at::Tensor& ids_in,
   check_embedding_rows_args(ids_in, g_in, num_embeddings, pad);
   const at::Tensor ids = ids_in.contiguous(), g = as_f32(g_in);
   const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
-  at::Tensor q = at::zeros({b}, g.options().dtype(at::kDouble));
-  at::Tensor s = at::zeros({b}, g.options().dtype(at::kDouble));
+  at::Tensor q = at::empty({b}, g.options().dtype(at::kDouble));  // written per sample below
+  at::Tensor s = at::empty({b}, g.options().dtype(at::kDouble));
   const int64_t* pid = ids.data_ptr<int64_t>();
   const float* pg = g.data_ptr<float>();
   double* pq = q.data_ptr<double>();

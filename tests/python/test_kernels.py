@@ -1454,3 +1454,27 @@ def test_clip_argument_errors_name_the_called_op():
                 match=rf"dpzero::{name}: clipping mode must be 'flat' or 'automatic', got 'x'",
             ):
                 call(1.0, "x")
+
+
+def test_row_and_ghost_ops_give_exact_zeros_for_samples_without_rows():
+    # The CPU kernels write their outputs sample by sample into uninitialised memory; a sample
+    # with no rows (T = 0) must still come out as exact zeros, as the sums over an empty set
+    # (reference: the empty sum), whatever the allocator handed back. Fill the cache with
+    # non-zero garbage first so that a missing initialisation would show.
+    for _ in range(4):
+        torch.full((64, 64), 7.0, dtype=torch.float64).sum()
+    zeros = torch.zeros(3, dtype=torch.float64)
+    sums, s = torch.ops.dpzero._row_sums(torch.randn(3, 0, 5))
+    assert torch.equal(sums, torch.zeros(3, 5, dtype=torch.float64)) and torch.equal(s, zeros)
+    sums, s = torch.ops.dpzero._norm_row_sums(torch.randn(3, 0, 5), torch.randn(3, 0, 5), 1e-5,
+                                              False)
+    assert torch.equal(sums, torch.zeros(3, 5, dtype=torch.float64)) and torch.equal(s, zeros)
+    q, s = torch.ops.dpzero._embedding_rows(torch.zeros(3, 0, dtype=torch.long),
+                                            torch.randn(3, 0, 4), 10, -1)
+    assert torch.equal(q, zeros) and torch.equal(s, zeros)
+    value, norms = torch.ops.dpzero._ghost_sq_norms(torch.randn(3, 0, 8), torch.randn(3, 0, 4))
+    assert torch.equal(value, zeros) and torch.equal(norms, zeros)
+    # Every token a padding id: nothing of any sample is summed.
+    q, s = torch.ops.dpzero._embedding_rows(torch.full((3, 6), 2, dtype=torch.long),
+                                            torch.randn(3, 6, 4), 10, 2)
+    assert torch.equal(q, zeros) and torch.equal(s, zeros)
