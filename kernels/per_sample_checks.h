@@ -142,10 +142,19 @@ inline void check_same_device(const char* op, const char* name, const at::Tensor
               " but ", ref_name, " is on ", ref.device());
 }
 
-// [B, d] or [B, ..., d] viewed as [B, T, d] with T the product of the middle dims (1 for [B, d]).
+// x in dtype `type`: x itself when it has it. Tensor::to returns x then too, but only after a
+// trip through the dispatcher, and the private backward makes hundreds of such calls per step on
+// tensors already in the dtype wanted (experiments/results/host.md).
+inline at::Tensor as_dtype(const at::Tensor& x, at::ScalarType type) {
+  return x.scalar_type() == type ? x : x.to(type);
+}
+
+// [B, d] or [B, ..., d] viewed as [B, T, d] with T the product of the middle dims (1 for [B, d]);
+// a [B, T, d] is returned as it is.
 inline at::Tensor as_btd(const char* op, const char* name, const at::Tensor& x) {
   TORCH_CHECK(x.dim() >= 2, "dpzero::", op, ": ", name,
               " must be [B, d] or [B, ..., d], got shape ", x.sizes());
+  if (x.dim() == 3) return x;
   int64_t t = 1;
   for (int64_t k = 1; k + 1 < x.dim(); ++k) t *= x.size(k);
   return x.reshape({x.size(0), t, x.size(-1)});

@@ -428,8 +428,8 @@ inline void check_clip_op_args(const char* op, double max_norm, c10::string_view
 
 // ---- helpers ------------------------------------------------------------------------------------
 
-inline at::Tensor f32(const at::Tensor& x) { return x.to(at::kFloat); }
-inline at::Tensor f64(const at::Tensor& x) { return x.to(at::kDouble); }
+inline at::Tensor f32(const at::Tensor& x) { return as_dtype(x, at::kFloat); }
+inline at::Tensor f64(const at::Tensor& x) { return as_dtype(x, at::kDouble); }
 
 // Euclidean norms of the rows of x [c, T, d] float64: [c, T] float64 (one fused reduction).
 inline at::Tensor row_norms(const at::Tensor& x) {
@@ -455,7 +455,7 @@ inline bool may_drop(const at::Tensor& keep) { return !keep.is_cpu() || !keep.al
 inline at::Tensor scaled_rows(const at::Tensor& x, const at::Tensor& scale,
                               const at::Tensor& keep) {
   const auto shape = sample_shape(x);
-  at::Tensor out = x * scale.to(x.scalar_type()).view(shape);
+  at::Tensor out = x * as_dtype(scale, x.scalar_type()).view(shape);
   if (may_drop(keep)) out.masked_fill_(at::logical_not(keep).view(shape), 0);
   return out;
 }

@@ -24,7 +24,7 @@
 namespace dpzero::kernels {
 namespace {
 
-at::Tensor as_f32(const at::Tensor& x) { return x.to(at::kFloat).contiguous(); }
+at::Tensor as_f32(const at::Tensor& x) { return as_dtype(x, at::kFloat).contiguous(); }
 
 // out[k] += v[k] for k < d (float64), and returns ||v||^2 (float64, four partial sums: the loop is
 // then limited by loads, not by one chain of dependent adds).

@@ -114,11 +114,11 @@ at::Tensor group_norms(const std::vector<std::vector<at::Tensor>>& components) {
     const auto& parts = components[c];
     at::Tensor sq;
     if (parts.size() == 1) {
-      sq = parts[0].to(at::kDouble);
+      sq = kernels::as_dtype(parts[0], at::kDouble);
     } else {
       at::Tensor n;  // Σ_p √sq_p: the triangle bound on the component's norm
       for (size_t p = 0; p < parts.size(); ++p) {
-        const at::Tensor root = at::sqrt(parts[p].to(at::kDouble));
+        const at::Tensor root = at::sqrt(kernels::as_dtype(parts[p], at::kDouble));
         n = n.defined() ? n + root : root;
       }
       n = n * kPad;
@@ -140,7 +140,7 @@ at::Tensor mean_scaled_sq(const at::Tensor& sq, int64_t b) {
       return f32_up(double{ps[i]} * bb * (1.0 + 1e-15));
     });
   }
-  return round_up_f32(sq.to(at::kDouble) * bb * (1.0 + 1e-15));
+  return round_up_f32(kernels::as_dtype(sq, at::kDouble) * bb * (1.0 + 1e-15));
 }
 
 at::Tensor mean_scaled_factors(const at::Tensor& factors, int64_t b) {
@@ -155,7 +155,7 @@ at::Tensor mean_scaled_factors(const at::Tensor& factors, int64_t b) {
       return f32_down(double{pf[i]} * static_cast<double>(b));
     });
   }
-  return round_down_f32(factors.to(at::kDouble) * static_cast<double>(b));
+  return round_down_f32(kernels::as_dtype(factors, at::kDouble) * static_cast<double>(b));
 }
 
 at::Tensor certified_sum(const std::vector<at::Tensor>& sqs) {
@@ -174,8 +174,8 @@ at::Tensor certified_sum(const std::vector<at::Tensor>& sqs) {
       return f32_up(total * (1.0 + 1e-15));
     });
   }
-  at::Tensor total = sqs[0].to(at::kDouble);
-  for (size_t p = 1; p < sqs.size(); ++p) total = total + sqs[p].to(at::kDouble);
+  at::Tensor total = kernels::as_dtype(sqs[0], at::kDouble);
+  for (size_t p = 1; p < sqs.size(); ++p) total = total + kernels::as_dtype(sqs[p], at::kDouble);
   return round_up_f32(total * (1.0 + 1e-15));
 }
 

@@ -10,6 +10,8 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
+#include "kernels/per_sample_checks.h"  // as_dtype
+
 namespace dpzero::dp {
 namespace {
 
@@ -87,8 +89,8 @@ class LinearBackward final : public DPLayerBackward {
     // The parameter is read now, not saved: at stage 3 it is gathered again for the backward.
     // Note [autocast]: in the dtype autocast's matmul would use.
     const at::Tensor gc = autocast_ ? g.to(*autocast_) : g;
-    const at::Tensor w = weight_.to(gc.scalar_type());
-    return at::matmul(gc, transposed_ ? w.t() : w).to(x.scalar_type());
+    const at::Tensor w = kernels::as_dtype(weight_, gc.scalar_type());
+    return kernels::as_dtype(at::matmul(gc, transposed_ ? w.t() : w), x.scalar_type());
   }
   at::Tensor batch_input(const at::Tensor& x) override {  // what the forward's matmul saw
     return autocast_ && x.is_floating_point() ? x.to(*autocast_) : x;

@@ -27,7 +27,7 @@ at::Tensor added(const ps::ClipResult& result, bool bias, const std::vector<at::
 // Factors from certified squared norms (privacy/clipping.h through dpzero::clip_factors).
 at::Tensor factors_of(const at::Tensor& sq, double max_norm, const std::string& mode,
                       double gamma) {
-  return std::get<0>(ps::clip_from_sq_norms(sq.to(at::kDouble), max_norm, mode, gamma));
+  return std::get<0>(ps::clip_from_sq_norms(kernels::as_dtype(sq, at::kDouble), max_norm, mode, gamma));
 }
 
 class LinearOps final : public LayerOps {
