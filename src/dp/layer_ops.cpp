@@ -226,7 +226,7 @@ class ConvOps final : public LayerOps {
 }  // namespace
 
 void add_into(const at::Tensor& dest, const at::Tensor& sum) {
-  at::Tensor(dest).add_(sum.view(dest.sizes()));
+  at::Tensor(dest).add_(sum.sizes() == dest.sizes() ? sum : sum.view(dest.sizes()));
 }
 
 void add_per_sample_clipped_sums(const std::vector<at::Tensor>& grads, const at::Tensor& scale,
