@@ -6,6 +6,7 @@
 #include <tuple>
 #include <utility>
 
+#include <c10/util/accumulate.h>
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -73,6 +74,10 @@ Book::Book(std::vector<BookLayer> layers, BookOptions options, zero::ZeroState& 
                       slot->offset + slot->numel <= options_.unit_numel[slot->unit],
                   "dpzero::dp::Book: layer '", layer.name, "' has a slot [", slot->offset, ", ",
                   slot->offset + slot->numel, ") outside unit ", slot->unit);
+      // dests() views the slot as its shape: the shape must hold exactly its numel elements.
+      TORCH_CHECK(c10::multiply_integers(slot->shape) == slot->numel, "dpzero::dp::Book: layer '",
+                  layer.name, "' has a slot of ", slot->numel, " elements with shape ",
+                  c10::IntArrayRef(slot->shape));
       if (!layer.ops) keep_gathered_.insert(slot->unit);  // Note [early release]
     }
   }

@@ -317,3 +317,16 @@ def test_parameter_offload_from_cuda_keeps_the_private_step(clipping):
     got = offloaded.privacy_engine.parameters()
     for name, value in want.items():
         torch.testing.assert_close(got[name].to(value.device), value, rtol=1e-5, atol=1e-6)
+
+
+def test_hugging_face_gpt2_checkpointed_whole_with_its_broadcast_position_ids():
+    # Checkpointing the whole GPT2Model recomputes wpe's lookup of the [1, T] position ids, which
+    # the DP layer expands to the batch (Note [broadcast positions]): the recompute must expand
+    # them too, or it saves other tensors than the original call (torch's CheckpointError). The
+    # reference is the same run without checkpointing.
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Model
+
+    want = _gpt2_run(_gpt2())
+    with pytest.warns(UserWarning, match=r"setting the model's config.use_cache = False"):
+        ours = _gpt2_run(_gpt2(), activation_checkpointing=GPT2Model)
+    assert_same(want, ours, atol=1e-7)

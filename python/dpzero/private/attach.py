@@ -166,11 +166,10 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
             f"{len(args)} positional and {sorted(kwargs)} keyword arguments; DP layers take one "
             "input")
     x = args[0]
-    # A recomputed call runs the same ops (the same saved tensors) and registers nothing; its
-    # backward, like a refused call's, must never run. A refused forward (other data, evaluated
-    # with gradients on) keeps the model's own shapes.
-    if recompute or refused:
-        refusal = book.recompute_text(layer) if recompute else book.refusal_text(layer)
+    if refused:
+        # Note [batch provenance]: a refused forward (other data, evaluated with gradients on)
+        # keeps the model's own shapes, registers nothing, and its backward must never run.
+        refusal = book.refusal_text(layer)
         if hasattr(kind, "dp_call"):
             return kind.dp_call(layer.module, x, book._core, 0, -1, refusal)
         return dp_apply(kind, layer.module, book.refusing(refusal), x, _trainable_params(layer))
@@ -184,8 +183,17 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
             # sums every sample's; expanded to [B, T] the lookup gives the same values after the
             # broadcast, and each row's gradient is that sample's own. The root forward's
             # verdict confirms the ids are shared by the batch (Note [batch provenance]). The
-            # record keeps the call's own [1, T] (what the probe compares).
+            # record keeps the call's own [1, T] (what the probe compares). A recompute expands
+            # them too: it must save what the original call saved.
             x = x.expand(rows, *x.shape[1:])
+    if recompute:
+        # A recomputed call runs the same ops on the same (expanded) inputs, so that it saves
+        # the tensors the original call saved, and registers nothing; its backward must never
+        # run (Note [recomputed forwards] in book.py).
+        refusal = book.recompute_text(layer)
+        if hasattr(kind, "dp_call"):
+            return kind.dp_call(layer.module, x, book._core, 0, -1, refusal)
+        return dp_apply(kind, layer.module, book.refusing(refusal), x, _trainable_params(layer))
     generation, part = book.on_forward(layer.index, rec)
     if hasattr(kind, "dp_call"):  # the C++ autograd function (src/dp/dp_layers.h)
         return kind.dp_call(layer.module, x, book._core, generation, part, None)

@@ -218,9 +218,10 @@ class Book:
         once per DP layer call: kept to the bookkeeping the verdicts need."""
         assert self.root is not None, "a DP layer call outside the root forward registered"
         self._micro_batch()
+        index = self._core.on_forward(layer_index)  # first: it may refuse the call
         self.root.append(record)
         self.part_layers.append(layer_index)
-        return self._generation, self._core.on_forward(layer_index)
+        return self._generation, index
 
     def set_verdicts(self, start: int, verdicts: Sequence) -> None:
         """Note [batch provenance]: the verdicts of the parts registered from ``start`` on by one

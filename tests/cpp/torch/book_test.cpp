@@ -162,6 +162,24 @@ TEST(Book, EveryParameterIsClippedOncePerSampleSharedOnesIncluded) {
 
 // Note [shared inputs]: W's two calls reading the very same input tensor have their weight norms
 // computed together (one linear_sq_norms_multi); the sums are the reference's all the same.
+// dests() views each slot of the unit's flat buffer as its parameter's shape: a slot whose
+// shape does not hold exactly its elements would view a neighbour's gradient. Refused at
+// construction, naming the layer.
+TEST(Book, ASlotWhoseShapeDoesNotMatchItsSizeIsRefused) {
+  Engine e;
+  std::vector<BookLayer> layers = e.layers(false);
+  layers[1].slots[0]->shape = {3, 3};  // 9 elements for a slot of 6
+  try {
+    Book book(std::move(layers), e.options(false), *e.state);
+    FAIL() << "a slot of 6 elements with shape [3, 3] was accepted";
+  } catch (const c10::Error& err) {
+    EXPECT_NE(std::string(err.what()).find("layer 'v' has a slot of 6 elements with shape [3, 3]"),
+              std::string::npos)
+        << err.what();
+  }
+  Book fine(e.layers(false), e.options(false), *e.state);  // the true shapes are accepted
+}
+
 TEST(Book, CallsOnOneInputAreClippedLikeTheReference) {
   torch::manual_seed(7);
   Engine e;
