@@ -23,7 +23,7 @@ from .book import Layer, PrivacyViolation, Slot
 from .fallback import BYPASS, FuncKind, OutputLayout, swapped, taken_whole, tap
 from .layers import (EmbeddingKind, autocast_dtype, calls_base_forward, dp_apply, layer_kind,
                      overridden_base)
-from .provenance import CallRecord, record, root_forward
+from .provenance import input_record, record, root_forward
 
 # Module types that cannot run under DP, with the reason the error gives.
 _REJECTED = (
@@ -168,13 +168,8 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
     x = args[0]
     if refused:
         # Note [batch provenance]: a refused forward (other data, evaluated with gradients on)
-        # keeps the model's own shapes, registers nothing, and its backward must never run.
-        refusal = book.refusal_text(layer)
-        if hasattr(kind, "dp_call"):
-            return kind.dp_call(layer.module, x, book._core, 0, -1, refusal)
-        return dp_apply(kind, layer.module, book.refusing(refusal), x, _trainable_params(layer))
-    rec = CallRecord(layer.index, (tuple(x.shape) if isinstance(x, torch.Tensor) else None,),
-                     (), None, (x,))
+        # keeps the model's own shapes.
+        return _refused_call(book, layer, x, book.refusal_text(layer))
     if isinstance(kind, EmbeddingKind) and x.dim() > 1 and x.shape[0] == 1:
         rows = book.expected_rows or 1
         if rows > 1:
@@ -183,23 +178,28 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
             # sums every sample's; expanded to [B, T] the lookup gives the same values after the
             # broadcast, and each row's gradient is that sample's own. The root forward's
             # verdict confirms the ids are shared by the batch (Note [batch provenance]). The
-            # record keeps the call's own [1, T] (what the probe compares). A recompute expands
-            # them too: it must save what the original call saved.
+            # record keeps the call's own [1, T] (what the probe compares).
             x = x.expand(rows, *x.shape[1:])
     if recompute:
-        # A recomputed call runs the same ops on the same (expanded) inputs, so that it saves
-        # the tensors the original call saved, and registers nothing; its backward must never
-        # run (Note [recomputed forwards] in book.py).
-        refusal = book.recompute_text(layer)
-        if hasattr(kind, "dp_call"):
-            return kind.dp_call(layer.module, x, book._core, 0, -1, refusal)
-        return dp_apply(kind, layer.module, book.refusing(refusal), x, _trainable_params(layer))
-    generation, part = book.on_forward(layer.index, rec)
+        # A recomputed call runs the same ops on the same inputs (expanded as the original
+        # call's were), so that it saves the tensors the original call saved (Note [recomputed
+        # forwards] in book.py).
+        return _refused_call(book, layer, x, book.recompute_text(layer))
+    # The record is of the call as made (before any expansion): what the probe compares.
+    generation, part = book.on_forward(layer.index, input_record(layer.index, args[0]))
     if hasattr(kind, "dp_call"):  # the C++ autograd function (src/dp/dp_layers.h)
         return kind.dp_call(layer.module, x, book._core, generation, part, None)
     pid = (generation, part, layer.index)
     return dp_apply(kind, layer.module, functools.partial(book.on_backward, pid), x,
                     _trainable_params(layer))
+
+
+def _refused_call(book, layer: Layer, x, refusal: str):
+    """A kernel layer's call that registers nothing (refused, or a recompute): its backward, if
+    it ever runs, raises ``refusal``."""
+    if hasattr(layer.kind, "dp_call"):
+        return layer.kind.dp_call(layer.module, x, book._core, 0, -1, refusal)
+    return dp_apply(layer.kind, layer.module, book.refusing(refusal), x, _trainable_params(layer))
 
 
 def _trainable_params(layer: Layer) -> list:

@@ -228,10 +228,9 @@ class Book:
         root forward, in call order (refusals were raised by the root forward, on every rank)."""
         assert self.num_parts - start == len(verdicts), \
             "one verdict per DP layer call of the root forward"
-        in_dims = self.in_dims
         for index, verdict in enumerate(verdicts, start):
             assert verdict.error is None
-            in_dims[index] = verdict.in_dims
+            self.in_dims[index] = verdict.in_dims
             generic = hasattr(self.layers[self.part_layers[index]].kind, "per_sample_grads")
             if verdict.in_dims is not None and (generic or verdict.in_dims[:1] == (0,)):
                 self._core.set_verdict(index)

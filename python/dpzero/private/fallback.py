@@ -43,6 +43,7 @@ from torch.utils import _pytree as pytree
 
 from .layers import LayerKind
 
+
 class _Bypass(threading.local):
     """Per thread, how many fallback recomputes of a forward are running (``depth``): while any
     is, DP layers run their plain forward. Read at every DP layer call, so a plain attribute

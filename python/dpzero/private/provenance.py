@@ -108,13 +108,20 @@ def _arguments(args: Sequence, kwargs: Dict) -> List[Any]:
     return list(args) + [kwargs[k] for k in sorted(kwargs)]
 
 
+def input_record(layer: int, x) -> CallRecord:
+    """The record of a kernel layer's call on its one input ``x``: made at every DP layer call,
+    so kept to one construction."""
+    return CallRecord(layer, (tuple(x.shape) if isinstance(x, torch.Tensor) else None,), (), None,
+                      (x,))
+
+
 def record(layer: int, args: Sequence, kwargs: Dict,
            outputs: Optional[Sequence[torch.Tensor]] = None) -> CallRecord:
     """The real call's record (it keeps the call's tensor arguments for the probe); ``outputs``:
     a generic module's floating output tensors (its inputs are then recorded leaf by leaf)."""
+    if outputs is None and not kwargs and len(args) == 1:  # a kernel layer's call
+        return input_record(layer, args[0])
     shape = lambda x: tuple(x.shape) if isinstance(x, torch.Tensor) else None  # noqa: E731
-    if outputs is None and not kwargs:  # a kernel layer's one input: the common case, kept short
-        return CallRecord(layer, tuple(shape(a) for a in args), (), None, tuple(args))
     if outputs is not None:
         leaves = pytree.tree_leaves((args, kwargs))
         return CallRecord(layer, tuple(shape(a) for a in leaves), (),
