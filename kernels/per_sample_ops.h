@@ -633,11 +633,35 @@ inline at::Tensor host_rows(const at::Tensor& x, const at::Tensor& scale,
                             const std::vector<float>& factors, bool multiply, bool owned) {
   const bool all_kept = std::all_of(factors.begin(), factors.end(), host_kept);
   if (!multiply && all_kept) return x;
+  if (multiply && x.scalar_type() == at::kFloat && x.is_contiguous()) {
+    // One host pass writes every row (the same float32 products as the ATen multiply, a dropped
+    // row zeros), with no broadcast view and no TensorIterator around a few thousand products.
+    at::Tensor out = at::empty_like(x);
+    const int64_t n = factors.empty() ? 0 : x.numel() / static_cast<int64_t>(factors.size());
+    const float* px = x.data_ptr<float>();
+    float* po = out.data_ptr<float>();
+    for (size_t i = 0; i < factors.size(); ++i) {
+      const float f = factors[i];
+      const float* xi = px + static_cast<int64_t>(i) * n;
+      float* oi = po + static_cast<int64_t>(i) * n;
+      if (host_kept(f)) {
+        for (int64_t j = 0; j < n; ++j) oi[j] = xi[j] * f;
+      } else {
+        std::fill(oi, oi + n, 0.0f);
+      }
+    }
+    return out;
+  }
   at::Tensor out = multiply ? x * scale.view(sample_shape(x)) : owned ? x : x.clone();
   for (size_t i = 0; i < factors.size(); ++i) {
     if (!host_kept(factors[i])) out.select(0, static_cast<int64_t>(i)).zero_();
   }
   return out;
+}
+
+// Samples [i0, i1) of x (dim 0): x itself when that is all of it (no slice op).
+inline at::Tensor sample_range(const at::Tensor& x, int64_t i0, int64_t i1) {
+  return i0 == 0 && i1 == x.size(0) ? x : x.slice(0, i0, i1);
 }
 
 // out += sum_i c_i G_i^T A_i ([d_out, d_in]) or its transpose ([d_in, d_out]) when `transposed`.
@@ -652,8 +676,8 @@ inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const a
   const int64_t chunk = samples_per_chunk(b, 8 * t * (d_in + d_out));
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
-    const at::Tensor c = scale.slice(0, i0, i1);
-    at::Tensor ac = f32(a.slice(0, i0, i1)), gc = f32(g.slice(0, i0, i1));
+    const at::Tensor c = sample_range(scale, i0, i1);
+    at::Tensor ac = f32(sample_range(a, i0, i1)), gc = f32(sample_range(g, i0, i1));
     const bool a_owned = a.scalar_type() != at::kFloat, g_owned = g.scalar_type() != at::kFloat;
     if (host) {
       const std::vector<float> factors = host_factors(c);
@@ -854,27 +878,44 @@ inline std::tuple<at::Tensor, at::Tensor> bias_per_sample(const at::Tensor& G) {
 // Public: per-sample gradients [B, ...] (float64 or float32), scale [B] float32 -> sum_i c_i
 // grads_i ([...] float32, summed in float64). A sample whose factor is 0 or non-finite contributes
 // exactly nothing, even when its row holds NaN/Inf (Note [kept per-sample gradients]).
-inline at::Tensor per_sample_clipped_sum(const at::Tensor& grads, const at::Tensor& scale) {
-  constexpr const char* op = "per_sample_clipped_sum";
+// Whether per_sample_clipped_sum takes its host pass: float64 rows and float32 factors on the CPU.
+inline bool host_clipped_sum_applies(const at::Tensor& grads, const at::Tensor& scale) {
+  return grads.is_cpu() && grads.scalar_type() == at::kDouble && scale.scalar_type() == at::kFloat;
+}
+
+// The host pass: acc [d] = sum_i scale_i grads_i in float64, samples in order, the rows of
+// dropped samples never read. grads [B, ...] float64, scale [B] float32, d = prod(grads.shape[1:])
+// (from the shape, not numel / B: B = 0 still sums to [d] zeros).
+inline std::vector<double> host_clipped_sum(const at::Tensor& grads, const at::Tensor& scale,
+                                            int64_t d) {
+  const at::Tensor g = grads.contiguous(), c = scale.contiguous();
+  const int64_t b = g.size(0);
+  std::vector<double> acc(static_cast<size_t>(d), 0.0);
+  const double* pg = g.data_ptr<double>();
+  const float* pc = c.data_ptr<float>();
+  for (int64_t i = 0; i < b; ++i) {
+    if (!host_kept(pc[i])) continue;
+    const double ci = pc[i];
+    for (int64_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] += ci * pg[i * d + j];
+  }
+  return acc;
+}
+
+inline void check_per_sample_clipped_sum_args(const char* op, const at::Tensor& grads,
+                                              const at::Tensor& scale) {
   TORCH_CHECK(grads.dim() >= 1, "dpzero::", op, ": grads must be [B, ...], got a 0-d tensor");
   TORCH_CHECK(grads.scalar_type() == at::kDouble || grads.scalar_type() == at::kFloat, "dpzero::",
               op, ": grads must be float64 or float32, got ", grads.scalar_type());
   check_scale(op, scale, grads.size(0), grads);
-  if (grads.is_cpu() && grads.scalar_type() == at::kDouble && scale.scalar_type() == at::kFloat) {
-    // One scalar pass on the host: the rows of dropped samples are never read.
-    const at::Tensor g = grads.contiguous(), c = scale.contiguous();
-    std::vector<int64_t> shape = grads.sizes().slice(1).vec();
-    const int64_t b = g.size(0);
-    int64_t d = 1;  // from the shape, not numel / B: B = 0 still sums to [d] zeros
-    for (const int64_t n : shape) d *= n;
-    std::vector<double> acc(static_cast<size_t>(d), 0.0);
-    const double* pg = g.data_ptr<double>();
-    const float* pc = c.data_ptr<float>();
-    for (int64_t i = 0; i < b; ++i) {
-      if (!std::isfinite(pc[i]) || pc[i] == 0.0f) continue;
-      const double ci = pc[i];
-      for (int64_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] += ci * pg[i * d + j];
-    }
+}
+
+inline at::Tensor per_sample_clipped_sum(const at::Tensor& grads, const at::Tensor& scale) {
+  constexpr const char* op = "per_sample_clipped_sum";
+  check_per_sample_clipped_sum_args(op, grads, scale);
+  if (host_clipped_sum_applies(grads, scale)) {
+    const std::vector<int64_t> shape = grads.sizes().slice(1).vec();
+    const int64_t d = c10::multiply_integers(shape);
+    const std::vector<double> acc = host_clipped_sum(grads, scale, d);
     at::Tensor out = at::empty(shape, grads.options().dtype(at::kFloat));
     float* po = out.data_ptr<float>();
     for (int64_t j = 0; j < d; ++j) po[j] = static_cast<float>(acc[static_cast<size_t>(j)]);
@@ -882,6 +923,28 @@ inline at::Tensor per_sample_clipped_sum(const at::Tensor& grads, const at::Tens
   }
   const at::Tensor rows = scaled_rows(f64(grads), scale, kept(scale));
   return f32(rows.sum(0));
+}
+
+// dest += per_sample_clipped_sum(grads, scale), dest float32 holding prod(grads.shape[1:])
+// elements (a parameter's slot). On the host pass, a contiguous dest gets each float32 sum added
+// by the same float32 addition as ATen's add_, with no result tensor in between (Note
+// [accumulating clipped sums]).
+inline void add_per_sample_clipped_sum_(at::Tensor& dest, const at::Tensor& grads,
+                                        const at::Tensor& scale) {
+  constexpr const char* op = "add_per_sample_clipped_sum_";
+  check_per_sample_clipped_sum_args(op, grads, scale);
+  const int64_t d = c10::multiply_integers(grads.sizes().slice(1));
+  TORCH_CHECK(dest.scalar_type() == at::kFloat && dest.numel() == d, "dpzero::", op,
+              ": the destination must be float32 with ", d, " elements, got ", dest.scalar_type(),
+              " ", dest.sizes());
+  if (host_clipped_sum_applies(grads, scale) && dest.is_cpu() && dest.is_contiguous()) {
+    const std::vector<double> acc = host_clipped_sum(grads, scale, d);
+    float* pd = dest.data_ptr<float>();
+    for (int64_t j = 0; j < d; ++j) pd[j] = pd[j] + static_cast<float>(acc[static_cast<size_t>(j)]);
+    return;
+  }
+  const at::Tensor sum = per_sample_clipped_sum(grads, scale);
+  dest.add_(sum.sizes() == dest.sizes() ? sum : sum.view(dest.sizes()));
 }
 
 inline at::Tensor no_bias_grad(const at::Tensor& like) {

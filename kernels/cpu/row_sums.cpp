@@ -19,34 +19,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels/cpu/row_sums_simd.h"
 #include "kernels/per_sample_checks.h"
 
 namespace dpzero::kernels {
 namespace {
 
 at::Tensor as_f32(const at::Tensor& x) { return as_dtype(x, at::kFloat).contiguous(); }
-
-// out[k] += v[k] for k < d (float64), and returns ||v||^2 (float64, four partial sums: the loop is
-// then limited by loads, not by one chain of dependent adds).
-inline double add_row(double* out, const double* v, int64_t d) {
-  double q0 = 0.0, q1 = 0.0, q2 = 0.0, q3 = 0.0;
-  int64_t k = 0;
-  for (; k + 4 <= d; k += 4) {
-    out[k] += v[k];
-    out[k + 1] += v[k + 1];
-    out[k + 2] += v[k + 2];
-    out[k + 3] += v[k + 3];
-    q0 += v[k] * v[k];
-    q1 += v[k + 1] * v[k + 1];
-    q2 += v[k + 2] * v[k + 2];
-    q3 += v[k + 3] * v[k + 3];
-  }
-  for (; k < d; ++k) {
-    out[k] += v[k];
-    q0 += v[k] * v[k];
-  }
-  return (q0 + q1) + (q2 + q3);
-}
 
 // sum_k (x[k] - shift) (squared when `square`) over k < d in float64, in four interleaved partial
 // sums added pairwise at the end: a single chain of dependent adds made LayerNorm's mean and
@@ -67,11 +46,44 @@ inline double sum4(const float* x, int64_t d, double shift, bool square) {
   return (p[0] + p[1]) + (p[2] + p[3]);
 }
 
-// The pass both ops share, over B samples of T rows of d: make_row(i, r, v) writes row r of
-// sample i as float64 into v [d]; -> (sums [B, d] = sum_r v, S [B] = sum_r ||v||), float64.
-template <typename MakeRow>
-std::tuple<at::Tensor, at::Tensor> sum_rows(const at::TensorOptions& options, int64_t b, int64_t t,
-                                            int64_t d, const MakeRow& make_row) {
+// out[k] += v[k] for k < d (float64), and returns ||v||^2 (float64, four partial sums: the loop is
+// then limited by loads, not by one chain of dependent adds). v(k) gives entry k in float64.
+template <typename Entry>
+inline double add_entries(double* out, int64_t d, const Entry& v) {
+  double q[4] = {0.0, 0.0, 0.0, 0.0};
+  int64_t k = 0;
+  for (; k + 4 <= d; k += 4) {
+    for (int j = 0; j < 4; ++j) {
+      const double e = v(k + j);
+      out[k + j] += e;
+      q[j] += e * e;
+    }
+  }
+  for (; k < d; ++k) {
+    const double e = v(k);
+    out[k] += e;
+    q[0] += e * e;
+  }
+  return (q[0] + q[1]) + (q[2] + q[3]);
+}
+
+// Row adders (Note [row sums in lanes] in kernels/cpu/row_sums_simd.h): the AVX2 lanes where the
+// CPU has them, else the scalar reference, the same bits either way.
+bool lanes() {
+  static const bool has = row_sums_simd::available();
+  return has;
+}
+
+double add_row(double* sums, const float* x, int64_t d) {
+  return lanes() ? row_sums_simd::add_row(sums, x, d) : row_sums_scalar::add_row(sums, x, d);
+}
+
+// The pass both ops share, over B samples of T rows of d: add(i, sums_i) adds sample i's rows, in
+// float64 and in row order, into sums_i [d] and returns S_i = sum_r ||row_r||; -> (sums [B, d],
+// S [B]), float64.
+template <typename AddSample>
+std::tuple<at::Tensor, at::Tensor> sum_rows(const at::TensorOptions& options, int64_t b, int64_t d,
+                                            const AddSample& add) {
   // Each sample's row of sums is zeroed and its S written by the task that owns it (no separate
   // fill of the whole output).
   at::Tensor sums = at::empty({b, d}, options.dtype(at::kDouble));
@@ -79,15 +91,9 @@ std::tuple<at::Tensor, at::Tensor> sum_rows(const at::TensorOptions& options, in
   double* ps = sums.data_ptr<double>();
   double* pn = s.data_ptr<double>();
   at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> v(static_cast<size_t>(d));
     for (int64_t i = begin; i < end; ++i) {
       std::fill(ps + i * d, ps + (i + 1) * d, 0.0);
-      double norms = 0.0;
-      for (int64_t r = 0; r < t; ++r) {
-        make_row(i, r, v.data());
-        norms += std::sqrt(add_row(ps + i * d, v.data(), d));
-      }
-      pn[i] = norms;
+      pn[i] = add(i, ps + i * d);
     }
   });
   return {sums, s};
@@ -100,9 +106,11 @@ std::tuple<at::Tensor, at::Tensor> row_sums_cpu(const at::Tensor& g_in) {
   const at::Tensor g = as_f32(g_in);
   const int64_t t = g.size(1), d = g.size(2);
   const float* pg = g.data_ptr<float>();
-  return sum_rows(g.options(), g.size(0), t, d, [&](int64_t i, int64_t r, double* v) {
-    const float* row = pg + (i * t + r) * d;
-    for (int64_t k = 0; k < d; ++k) v[k] = row[k];
+  const bool simd = lanes();
+  return sum_rows(g.options(), g.size(0), d, [&](int64_t i, double* sums) {
+    const float* rows = pg + i * t * d;
+    return simd ? row_sums_simd::add_rows(sums, rows, t, d)
+                : row_sums_scalar::add_rows(sums, rows, t, d);
   });
 }
 
@@ -118,14 +126,11 @@ std::tuple<at::Tensor, at::Tensor> norm_row_sums_cpu(const at::Tensor& x_in, con
   const int64_t t = x.size(1), d = x.size(2);
   const float* px = x.data_ptr<float>();
   const float* pg = g.data_ptr<float>();
-  const double inv_d = d > 0 ? 1.0 / static_cast<double>(d) : 0.0;
-  return sum_rows(x.options(), x.size(0), t, d, [&](int64_t i, int64_t r, double* v) {
-    const float* xr = px + (i * t + r) * d;
-    const float* gr = pg + (i * t + r) * d;
-    const double mean = rms ? 0.0 : sum4(xr, d, 0.0, false) * inv_d;
-    const double var = sum4(xr, d, mean, true);
-    const double rstd = 1.0 / std::sqrt(var * inv_d + eps);
-    for (int64_t k = 0; k < d; ++k) v[k] = static_cast<double>(gr[k]) * ((xr[k] - mean) * rstd);
+  const bool simd = lanes();
+  return sum_rows(x.options(), x.size(0), d, [&](int64_t i, double* sums) {
+    const float *xs = px + i * t * d, *gs = pg + i * t * d;
+    return simd ? row_sums_simd::add_norm_rows(sums, xs, gs, t, d, eps, rms)
+                : row_sums_scalar::add_norm_rows(sums, xs, gs, t, d, eps, rms);
   });
 }
 
@@ -147,7 +152,7 @@ std::tuple<at::Tensor, at::Tensor> embedding_rows_cpu(const at::Tensor& ids_in,
   double* pq = q.data_ptr<double>();
   double* ps = s.data_ptr<double>();
   at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> row(static_cast<size_t>(d)), v(static_cast<size_t>(d));
+    std::vector<double> row(static_cast<size_t>(d));
     std::vector<int64_t> order;
     order.reserve(static_cast<size_t>(t));
     for (int64_t i = begin; i < end; ++i) {
@@ -162,9 +167,8 @@ std::tuple<at::Tensor, at::Tensor> embedding_rows_cpu(const at::Tensor& ids_in,
       double q_i = 0.0, s_i = 0.0;
       for (size_t k = 0; k < order.size(); ++k) {
         const float* gr = pg + (i * t + order[k]) * d;
-        for (int64_t c = 0; c < d; ++c) v[static_cast<size_t>(c)] = gr[c];
         if (k == 0 || id[order[k]] != id[order[k - 1]]) std::fill(row.begin(), row.end(), 0.0);
-        s_i += std::sqrt(add_row(row.data(), v.data(), d));
+        s_i += std::sqrt(add_row(row.data(), gr, d));
         if (k + 1 == order.size() || id[order[k + 1]] != id[order[k]]) {
           double sq = 0.0;
           for (int64_t c = 0; c < d; ++c) sq += row[static_cast<size_t>(c)] * row[static_cast<size_t>(c)];
@@ -179,6 +183,41 @@ std::tuple<at::Tensor, at::Tensor> embedding_rows_cpu(const at::Tensor& ids_in,
 }
 
 }  // namespace
+
+namespace row_sums_simd {
+bool available() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+}  // namespace row_sums_simd
+
+namespace row_sums_scalar {
+double add_row(double* sums, const float* x, int64_t d) {
+  return add_entries(sums, d, [x](int64_t k) { return static_cast<double>(x[k]); });
+}
+
+double add_rows(double* sums, const float* x, int64_t t, int64_t d) {
+  double s = 0.0;
+  for (int64_t r = 0; r < t; ++r) s += std::sqrt(add_row(sums, x + r * d, d));
+  return s;
+}
+
+double add_norm_rows(double* sums, const float* x, const float* g, int64_t t, int64_t d,
+                     double eps, bool rms) {
+  const double inv_d = d > 0 ? 1.0 / static_cast<double>(d) : 0.0;
+  double s = 0.0;
+  for (int64_t r = 0; r < t; ++r) {
+    const float *xr = x + r * d, *gr = g + r * d;
+    const double mean = rms ? 0.0 : sum4(xr, d, 0.0, false) * inv_d;
+    const double var = sum4(xr, d, mean, true);
+    const double rstd = 1.0 / std::sqrt(var * inv_d + eps);
+    s += std::sqrt(add_entries(sums, d, [&](int64_t k) {
+      return static_cast<double>(gr[k]) * ((xr[k] - mean) * rstd);
+    }));
+  }
+  return s;
+}
+}  // namespace row_sums_scalar
 
 TORCH_LIBRARY_IMPL(dpzero, CPU, m) {
   m.impl("_row_sums", &row_sums_cpu);

@@ -232,7 +232,9 @@ void add_into(const at::Tensor& dest, const at::Tensor& sum) {
 void add_per_sample_clipped_sums(const std::vector<at::Tensor>& grads, const at::Tensor& scale,
                                  const std::vector<at::Tensor>& dests) {
   for (size_t p = 0; p < grads.size(); ++p) {
-    if (grads[p].defined()) add_into(dests[p], ps::per_sample_clipped_sum(grads[p], scale));
+    if (!grads[p].defined()) continue;
+    at::Tensor dest = dests[p];
+    ps::add_per_sample_clipped_sum_(dest, grads[p], scale);
   }
 }
 
