@@ -333,5 +333,33 @@ TEST(PerSampleCertification, TheHostLoopsAgreeWithTheAtenCompositions) {
   }
 }
 
+
+// Note [accumulating clipped sums]: adding kept per-sample rows into a parameter's slot in place
+// gives the slot exactly what adding per_sample_clipped_sum's result would (the same float32
+// addition of the same float64-summed values), drops the samples whose factor is zero or
+// non-finite (their NaN rows are never read), and leaves the rest of the buffer alone.
+TEST(PerSampleClippedSum, InPlaceAddIntoASlotIsTheOutOfPlaceSumAdded) {
+  namespace ps = kernels::per_sample;
+  at::manual_seed(12);
+  const at::Tensor grads = at::randn({5, 3, 7}, at::kDouble);
+  grads[1][2][3] = std::numeric_limits<double>::quiet_NaN();
+  grads[3][0][0] = std::numeric_limits<double>::infinity();
+  const at::Tensor scale = at::tensor({0.5f, 0.0f, 0.25f, std::numeric_limits<float>::quiet_NaN(),
+                                       1.0f});
+  const at::Tensor buffer = at::randn({40}, at::kFloat);
+  const at::Tensor before = buffer.clone();
+  at::Tensor slot = buffer.as_strided({3, 7}, {7, 1}, 10);  // as the book views its slots
+  const at::Tensor want = buffer.clone();
+  want.narrow(0, 10, 21).add_(ps::per_sample_clipped_sum(grads, scale).view({21}));
+  ps::add_per_sample_clipped_sum_(slot, grads, scale);
+  EXPECT_TRUE(buffer.equal(want)) << buffer - want;
+  // From scratch: samples 0, 2 and 4 only, summed in float64.
+  const at::Tensor sum = grads[0] * 0.5 + grads[2] * 0.25 + grads[4];
+  const at::Tensor added = (buffer - before).narrow(0, 10, 21).view({3, 7}).to(at::kDouble);
+  EXPECT_TRUE(at::allclose(added, sum, 1e-5, 1e-5)) << added - sum;
+  EXPECT_TRUE(buffer.narrow(0, 0, 10).equal(before.narrow(0, 0, 10)));
+  EXPECT_TRUE(buffer.narrow(0, 31, 9).equal(before.narrow(0, 31, 9)));
+}
+
 }  // namespace
 }  // namespace dpzero
