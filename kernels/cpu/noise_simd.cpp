@@ -5,7 +5,7 @@
 // Each function mirrors a scalar one step for step; the comments name it:
 //   Philox4x32-10 rounds ........ privacy/philox.h   philox4x32_10
 //   ChaCha20 block .............. privacy/chacha20.h chacha20_block
-//   radius sqrt(-2 ln u1) ....... privacy/gaussian.h box_muller_radius64
+//   radius sqrt(-2 ln u1) ....... privacy/gaussian.h box_muller_radius64 (SLEEF's log)
 //   fp32 angle and Box–Muller ... privacy/gaussian.h uniform_open01, box_muller
 //   fp64 angle, secure sum ...... privacy/secure_noise.h uniform_open01_f64, secure_normal2
 #include "kernels/cpu/noise_simd.h"
@@ -70,12 +70,14 @@ inline __m256d u32_to_f64(__m128i x) {
 
 // box_muller_radius64 on four (hi, lo) word pairs: sqrt(2 max(64 ln 2 - ln(m + 1/2), 0)),
 // m = hi 2^32 + lo. double(hi) 2^32 is exact, so the sum is m rounded once to nearest, which is
-// static_cast<double>(m).
+// static_cast<double>(m). `Log` is SLEEF's fp64 log (Note [cpu noise lanes]: u35 for the Philox
+// path, whose radius is rounded to float32; u10 for the secure path, which stays in fp64).
+template <__m256d (*Log)(__m256d)>
 inline __m256d radius4(__m128i hi, __m128i lo) {
   constexpr double kLn2Times64 = 44.361419555836499802;  // 64 ln 2, as in gaussian.h
   const __m256d m =
       _mm256_add_pd(_mm256_mul_pd(u32_to_f64(hi), _mm256_set1_pd(4294967296.0)), u32_to_f64(lo));
-  const __m256d log_u = Sleef_logd4_u10avx2(_mm256_add_pd(m, _mm256_set1_pd(0.5)));
+  const __m256d log_u = Log(_mm256_add_pd(m, _mm256_set1_pd(0.5)));
   const __m256d minus_log_u1 = _mm256_sub_pd(_mm256_set1_pd(kLn2Times64), log_u);
   const __m256d clamped = _mm256_max_pd(minus_log_u1, _mm256_setzero_pd());
   return _mm256_sqrt_pd(_mm256_mul_pd(_mm256_set1_pd(2.0), clamped));
@@ -135,8 +137,8 @@ void philox_normal_blocks_avx2(uint64_t seed, uint32_t step, uint32_t stream,
   for (int set = 0; set < kSets; ++set) {
     const __m256i* w = c[set];
     // Radius from words 0 (hi) and 1 (lo) in fp64, rounded to float (box_muller).
-    const __m256d r_low = radius4(low4(w[0]), low4(w[1]));
-    const __m256d r_high = radius4(high4(w[0]), high4(w[1]));
+    const __m256d r_low = radius4<Sleef_logd4_u35avx2>(low4(w[0]), low4(w[1]));
+    const __m256d r_high = radius4<Sleef_logd4_u35avx2>(high4(w[0]), high4(w[1]));
     const __m256 r = _mm256_set_m128(_mm256_cvtpd_ps(r_high), _mm256_cvtpd_ps(r_low));
     // Angle 2π u2, u2 = (2 (w2 >> 9) + 1) 2^-24 (uniform_open01), all in float.
     const __m256i k = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(w[2], 9), 1), set1(1u));
@@ -195,7 +197,7 @@ void secure_normal_pairs8(const uint32_t* key, uint32_t step, uint32_t stream, u
       __m256d sum = _mm256_setzero_pd();
       for (int p = 0; p < 2; ++p) {
         const __m256i* w = &s[8 * c + 4 * p];
-        const __m256d radius = radius4(part(w[0]), part(w[1]));
+        const __m256d radius = radius4<Sleef_logd4_u10avx2>(part(w[0]), part(w[1]));
         const __m256d u2 = uniform4_f64(part(w[2]), part(w[3]));
         const Sleef___m256d_2 sc =
             Sleef_sincosd4_u10avx2(_mm256_mul_pd(_mm256_set1_pd(kTwoPi), u2));

@@ -9,9 +9,13 @@
 // every private step, more than a quarter of the non-private step it is added to. Here the same
 // draw runs on eight blocks at once: the block function's integer rounds in 8 × 32-bit lanes
 // (_mm256_mul_epu32 for the multiply-hi/lo), the transforms through SLEEF's vector log and sincos
-// (the copy that libtorch links and exports, header <sleef.h> shipped with torch; its u10 functions
-// are within 1.0 ulp), and the integer-to-float steps exactly as the scalar code does them.
-// So on an AVX2 + FMA machine the CPU draw differs from privacy::normal2 /
+// (the copy that libtorch links and exports, header <sleef.h> shipped with torch), and the
+// integer-to-float steps exactly as the scalar code does them. The sincos functions are SLEEF's
+// u10 (within 1.0 ulp). The fp64 log is u10 on the secure path, whose draw stays in fp64, and u35
+// (within 3.5 fp64 ulps, a third faster: 3.19 -> 2.84 ms for 0.6 M coordinates on one core) on the
+// Philox path, whose radius is rounded to float32 right after: a 3.5-ulp fp64 error moves the
+// float radius only when the exact value lies within ~2^-27 of a float rounding boundary, and
+// then by one float ulp. So on an AVX2 + FMA machine the CPU draw differs from privacy::normal2 /
 // privacy::secure_normal2 only where SLEEF's log / sin / cos round differently from the C
 // library's (a few float ulps at most; the tests bound it).
 //
@@ -22,7 +26,10 @@
 // 8-lane logd and sincosd evaluate the same operations as its 8- / 4-lane ones. That last part is
 // checked, not proved: they agreed on all 2^23 float angles the Philox path can produce, and on
 // 5.4·10^8 random log and 2.7·10^8 random fp64 angle inputs (a one-off check against libtorch's
-// SLEEF, 2026-12-01); tests/cpp/torch/noise_shard_test.cpp compares the two paths on 2^21 Philox
+// SLEEF, 2026-12-01, for the u10 log). The u35 log that the Philox path has used since 2026-12-03
+// was not in that check; at either width it splits d into an exact exponent and mantissa (AVX2:
+// ilogb and ldexp; AVX-512: getexp and getmant) and then runs the same FMA sequence, so it should
+// agree the same way. tests/cpp/torch/noise_shard_test.cpp compares the two paths on 2^21 Philox
 // and 2^20 secure coordinates wherever the tests run on an AVX-512 machine (they skip elsewhere).
 //
 // What the engine relies on still holds (Note [noise ownership] in privacy/noise.h): every lane

@@ -6,7 +6,7 @@
 // Every step is the AVX2 one on sixteen lanes instead of eight:
 //   Philox4x32-10 rounds ........ mulhilo by _mm512_mul_epu32 on the even and odd lanes
 //   ChaCha20 block .............. the same quarter rounds, rotations by _mm512_rol_epi32
-//   radius sqrt(-2 ln u1) ....... the exact 2^52 conversions, SLEEF's logd8 u10 (AVX2: logd4)
+//   radius sqrt(-2 ln u1) ....... the exact 2^52 conversions, SLEEF's logd8 u35 / u10 (AVX2: logd4)
 //   fp32 angle and Box–Muller ... SLEEF's sincosf16 u10 (AVX2: sincosf8)
 //   fp64 angle, secure sum ...... SLEEF's sincosd8 u10 (AVX2: sincosd4)
 // The integer steps, conversions, sqrt, sums and products are exact or correctly rounded, so the
@@ -76,12 +76,14 @@ inline __m512d u32_to_f64(__m256i x) {
   return _mm512_sub_pd(_mm512_castsi512_pd(bits), _mm512_set1_pd(4503599627370496.0));  // 2^52
 }
 
-// box_muller_radius64 on eight (hi, lo) word pairs (radius4 of noise_simd.cpp).
+// box_muller_radius64 on eight (hi, lo) word pairs (radius4 of noise_simd.cpp, with the same
+// choice of SLEEF log: u35 for the Philox path, u10 for the secure path).
+template <__m512d (*Log)(__m512d)>
 inline __m512d radius8(__m256i hi, __m256i lo) {
   constexpr double kLn2Times64 = 44.361419555836499802;  // 64 ln 2, as in gaussian.h
   const __m512d m =
       _mm512_add_pd(_mm512_mul_pd(u32_to_f64(hi), _mm512_set1_pd(4294967296.0)), u32_to_f64(lo));
-  const __m512d log_u = Sleef_logd8_u10avx512f(_mm512_add_pd(m, _mm512_set1_pd(0.5)));
+  const __m512d log_u = Log(_mm512_add_pd(m, _mm512_set1_pd(0.5)));
   const __m512d minus_log_u1 = _mm512_sub_pd(_mm512_set1_pd(kLn2Times64), log_u);
   const __m512d clamped = _mm512_max_pd(minus_log_u1, _mm512_setzero_pd());
   return _mm512_sqrt_pd(_mm512_mul_pd(_mm512_set1_pd(2.0), clamped));
@@ -148,7 +150,7 @@ void secure_normal_pairs16(const uint32_t* key, uint32_t step, uint32_t stream,
       __m512d sum = _mm512_setzero_pd();
       for (int p = 0; p < 2; ++p) {
         const __m512i* w = &s[8 * c + 4 * p];
-        const __m512d radius = radius8(part(w[0]), part(w[1]));
+        const __m512d radius = radius8<Sleef_logd8_u10avx512f>(part(w[0]), part(w[1]));
         const __m512d u2 = uniform8_f64(part(w[2]), part(w[3]));
         const Sleef___m512d_2 sc =
             Sleef_sincosd8_u10avx512f(_mm512_mul_pd(_mm512_set1_pd(kTwoPi), u2));
@@ -191,8 +193,8 @@ void philox_normal_blocks_avx512(uint64_t seed, uint32_t step, uint32_t stream,
       _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
   for (int set = 0; set < kSets; ++set) {
     const __m512i* w = c[set];
-    const __m256 r_low = _mm512_cvtpd_ps(radius8(low8(w[0]), low8(w[1])));
-    const __m256 r_high = _mm512_cvtpd_ps(radius8(high8(w[0]), high8(w[1])));
+    const __m256 r_low = _mm512_cvtpd_ps(radius8<Sleef_logd8_u35avx512f>(low8(w[0]), low8(w[1])));
+    const __m256 r_high = _mm512_cvtpd_ps(radius8<Sleef_logd8_u35avx512f>(high8(w[0]), high8(w[1])));
     const __m512 r = _mm512_insertf32x8(_mm512_castps256_ps512(r_low), r_high, 1);
     const __m512i k =
         _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(w[2], 9), 1), set1(1u));
