@@ -56,6 +56,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/string_view.h>
@@ -610,8 +611,9 @@ inline at::Tensor linear_sq_norms_btd(const at::Tensor& a, const at::Tensor& g, 
 // Note [host factors]
 // On the host the [c] float32 factors of a clipped sum are read once, as numbers: a sample is
 // kept iff its factor is finite and non-zero (kept()). The narrower operand is multiplied by the
-// factors in one ATen op, and only the rows of dropped samples, if any, are then zeroed; the
-// other operand is copied with zeroed rows only when some sample is dropped. That is scaled_rows
+// factors in one pass that writes a dropped sample's rows as zeros (a host loop over contiguous
+// float32 rows; one ATen multiply and a zeroing of the dropped rows otherwise); the other operand
+// is copied with zeroed rows only when some sample is dropped. That is scaled_rows
 // and masked_rows value for value (the same float32 products, the same zeros; a dropped row is
 // zeroed, never multiplied by 0, which would keep a NaN), without the mask tensors and their
 // dozen ATen calls per layer, which at small sizes cost more than the GEMM
@@ -635,21 +637,25 @@ inline at::Tensor host_rows(const at::Tensor& x, const at::Tensor& scale,
   if (!multiply && all_kept) return x;
   if (multiply && x.scalar_type() == at::kFloat && x.is_contiguous()) {
     // One host pass writes every row (the same float32 products as the ATen multiply, a dropped
-    // row zeros), with no broadcast view and no TensorIterator around a few thousand products.
+    // row zeros), with no broadcast view and no TensorIterator, samples split over the threads.
+    TORCH_CHECK(x.size(0) == static_cast<int64_t>(factors.size()), "dpzero: ",
+                factors.size(), " factors for ", x.size(0), " samples");
     at::Tensor out = at::empty_like(x);
-    const int64_t n = factors.empty() ? 0 : x.numel() / static_cast<int64_t>(factors.size());
+    const int64_t b = x.size(0), n = b == 0 ? 0 : x.numel() / b;
     const float* px = x.data_ptr<float>();
     float* po = out.data_ptr<float>();
-    for (size_t i = 0; i < factors.size(); ++i) {
-      const float f = factors[i];
-      const float* xi = px + static_cast<int64_t>(i) * n;
-      float* oi = po + static_cast<int64_t>(i) * n;
-      if (host_kept(f)) {
-        for (int64_t j = 0; j < n; ++j) oi[j] = xi[j] * f;
-      } else {
-        std::fill(oi, oi + n, 0.0f);
+    at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float f = factors[static_cast<size_t>(i)];
+        const float* xi = px + i * n;
+        float* oi = po + i * n;
+        if (host_kept(f)) {
+          for (int64_t j = 0; j < n; ++j) oi[j] = xi[j] * f;
+        } else {
+          std::fill(oi, oi + n, 0.0f);
+        }
       }
-    }
+    });
     return out;
   }
   at::Tensor out = multiply ? x * scale.view(sample_shape(x)) : owned ? x : x.clone();

@@ -13,11 +13,15 @@
 // integer-to-float steps exactly as the scalar code does them. The sincos functions are SLEEF's
 // u10 (within 1.0 ulp). The fp64 log is u10 on the secure path, whose draw stays in fp64, and u35
 // (within 3.5 fp64 ulps, a third faster: 3.19 -> 2.84 ms for 0.6 M coordinates on one core) on the
-// Philox path, whose radius is rounded to float32 right after: a 3.5-ulp fp64 error moves the
-// float radius only when the exact value lies within ~2^-27 of a float rounding boundary, and
-// then by one float ulp. So on an AVX2 + FMA machine the CPU draw differs from privacy::normal2 /
+// Philox path, whose radius is rounded to float32 right after. The log is about 44 there (of
+// m + 1/2 < 2^64), so its error is at most 3.5·2^-47 in absolute value, and r = sqrt(2(64 ln 2 -
+// log)) moves by at most ~2.5·10^-14 / r: less than one float ulp of r for r above ~5·10^-4, and
+// below 10^-7 in absolute value for r above ~2.5·10^-7 (u10's 1-ulp error does the same with a
+// 3.5 times smaller constant). Note [gaussian tail] is untouched: the tail is at large r, where
+// the error is ~10^-15. So on an AVX2 + FMA machine the CPU draw differs from privacy::normal2 /
 // privacy::secure_normal2 only where SLEEF's log / sin / cos round differently from the C
-// library's (a few float ulps at most; the tests bound it).
+// library's: by about a float ulp of z, or ~10^-7 absolutely for the smallest radii (the tests
+// bound it at 4·10^-7 (1 + |z|)).
 //
 // CPUs with AVX-512F and DQ run the same steps in sixteen lanes (noise_simd512.cpp), which halved
 // the draw's time here (Philox: 60 -> 29 ms for 21 M coordinates on 2 cores; secure: 347 ->

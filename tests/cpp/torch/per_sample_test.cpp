@@ -359,6 +359,20 @@ TEST(PerSampleClippedSum, InPlaceAddIntoASlotIsTheOutOfPlaceSumAdded) {
   EXPECT_TRUE(at::allclose(added, sum, 1e-5, 1e-5)) << added - sum;
   EXPECT_TRUE(buffer.narrow(0, 0, 10).equal(before.narrow(0, 0, 10)));
   EXPECT_TRUE(buffer.narrow(0, 31, 9).equal(before.narrow(0, 31, 9)));
+  // The other paths: a strided destination and float32 rows (ATen's sum and add_), an inf and a
+  // -0 factor; and a destination of the wrong size or dtype is refused, naming it.
+  const at::Tensor rows32 = grads.to(at::kFloat);
+  const at::Tensor scale2 = at::tensor({0.5f, -0.0f, 0.25f, std::numeric_limits<float>::infinity(),
+                                        1.0f});
+  at::Tensor wide = at::zeros({21, 2}, at::kFloat);
+  at::Tensor strided = wide.select(1, 0).view({3, 7});
+  ps::add_per_sample_clipped_sum_(strided, rows32, scale2);
+  const at::Tensor got = wide.select(1, 0).view({3, 7}).to(at::kDouble);
+  EXPECT_TRUE(at::allclose(got, sum, 1e-5, 1e-5)) << got - sum;
+  EXPECT_TRUE(wide.select(1, 1).eq(0).all().item<bool>());
+  at::Tensor small = at::zeros({20}, at::kFloat), doubles = at::zeros({21}, at::kDouble);
+  EXPECT_THROW(ps::add_per_sample_clipped_sum_(small, grads, scale), c10::Error);
+  EXPECT_THROW(ps::add_per_sample_clipped_sum_(doubles, grads, scale), c10::Error);
 }
 
 }  // namespace
