@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .. import _C
 from ..accounting import Ledger
@@ -85,9 +85,10 @@ def _plot_epsilon(curve, path: str, title: str) -> None:
     plt.close(fig)
 
 
-def write_report(run_dir: str) -> Dict:
+def write_report(run_dir: str, delta: Optional[float] = None) -> Dict:
     """Writes report.md, report.json and the plots into ``run_dir``, and the private diagnostics
-    into ``run_dir/private`` when the run has any; returns the report data."""
+    into ``run_dir/private`` when the run has any; returns the report data. ``delta``: the run's
+    δ when its ``config.json`` is not dpzero's (the Trainer's output_dir holds the model's)."""
     from .config import default_delta
 
     ledger_path = os.path.join(run_dir, "ledger.jsonl")
@@ -99,7 +100,7 @@ def write_report(run_dir: str) -> Dict:
         with open(os.path.join(run_dir, "config.json")) as f:
             config = json.load(f)
     n = ledger.dataset_size
-    d = config.get("privacy", {}).get("delta", "auto")
+    d = delta if delta is not None else config.get("privacy", {}).get("delta", "auto")
     delta = {"1/N": 1.0 / n, "auto": default_delta(n), None: default_delta(n)}.get(d) \
         if not isinstance(d, (int, float)) else float(d)
     noised = not ledger.has_unnoised_steps

@@ -1,0 +1,431 @@
+"""``PrivateTrainer``: ``transformers.Trainer`` with dpzero's private steps.
+
+What changes against the Trainer, and why:
+
+* **Batches.** The expected logical batch is ``per_device_train_batch_size x
+  gradient_accumulation_steps x world size`` examples, Poisson-sampled (q = that / N) by dpzero's
+  loader, which splits each logical batch into micro-batches of at most
+  ``per_device_train_batch_size`` rows. Under Poisson sampling the number of micro-batches varies
+  from step to step, so the Trainer's loop sees one item per optimizer step (a ``LogicalBatch``)
+  and ``training_step`` runs its micro-batches; the Trainer's own accumulation count is 1 inside
+  (``self.args``), the caller's value lives on in q.
+* **Steps and σ.** T = ``max_steps`` when given, else ceil(``num_train_epochs`` x int(1/q)), the
+  number of steps the Trainer will run; σ is ``noise_multiplier`` or calibrated so that T steps
+  spend ``target_epsilon`` at ``target_delta`` (default min(1e-5, 1/(10 N))). A target ε is also
+  the run's budget: training stops cleanly when it is spent.
+* **The loss.** Note [trainer loss] (losses.py): each example's own loss, summed.
+* **The optimizer.** ``optim`` sgd, adamw_torch or adamw_torch_fused runs as dpzero's sharded
+  SGD / AdamW (``learning_rate``, ``adam_beta1/2``, ``adam_epsilon``); the Trainer's scheduler
+  (``lr_scheduler_type``, warmup) drives its ``param_groups`` as it would torch's.
+* **Records.** ε and δ join every log (console, ``trainer_state.json``, TensorBoard) and the
+  progress bar; the ledger is ``output_dir/ledger.jsonl``; the report ``dpzero report`` makes is
+  written to ``output_dir`` when training ends. A checkpoint holds the privacy state
+  (``dpzero_privacy.json``: charges, sampler position, accountant history; never a secure-mode
+  key), and ``train(resume_from_checkpoint=...)`` continues from it.
+* **Refused** (ValueError naming the value): DDP / FSDP / DeepSpeed / DataParallel settings (dpzero
+  is its own data-parallel engine), several processes (not yet), ``weight_decay`` > 0 (the
+  engine's one parameter group cannot exempt biases and norm weights as the Trainer does), a
+  ``max_grad_norm`` in the TrainingArguments that contradicts the per-sample one, a dataset
+  without ``__len__``, a collator that changes the number of rows, and a budget that cannot be
+  met.
+
+The training loss the Trainer logs is computed from the data without noise: it is not covered by
+ε (Note [released figures] in private/engine.py). Evaluation and prediction run the model under
+``torch.no_grad()``, where its DP layers are plain layers: they cost no privacy.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torch.utils.data import DataLoader
+
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import has_length
+
+from ..accounting import get_noise_multiplier
+from ..front import make_private
+from .losses import PerSampleLoss, default_per_sample_loss
+
+PRIVACY_STATE = "dpzero_privacy.json"  # in each checkpoint folder
+LEDGER = "ledger.jsonl"  # in output_dir (dpzero report's name for it)
+
+# TrainingArguments.optim -> dpzero's optimizer.
+_OPTIMIZERS = {"sgd": "sgd", "adamw_torch": "adamw", "adamw_torch_fused": "adamw"}
+
+
+@dataclass
+class PrivacyArguments:
+    """The privacy settings of a ``PrivateTrainer`` run.
+
+    target_epsilon (with target_delta, default min(1e-5, 1/(10 N))), or noise_multiplier: σ given
+    or calibrated for the run's steps; with both, the run checks that σ keeps the target.
+    max_grad_norm: the per-sample clip norm C. clipping: "flat" | "layer" | "automatic".
+    accountant: "prv" | "rdp". zero_stage: 0-3. secure_mode: ChaCha20 noise and sampling keyed
+    from the OS (else seeded by ``seed``, default TrainingArguments.seed). allow_no_noise:
+    needed for noise_multiplier=0 (training without privacy, ε reported as inf).
+    """
+
+    target_epsilon: Optional[float] = None
+    target_delta: Optional[float] = None
+    noise_multiplier: Optional[float] = None
+    max_grad_norm: float = 1.0
+    clipping: str = "flat"
+    accountant: str = "prv"
+    zero_stage: int = 0
+    secure_mode: bool = False
+    seed: Optional[int] = None
+    allow_no_noise: bool = False
+
+
+class LogicalBatch:
+    """One optimizer step's micro-batches, drawn from the private loader as they are run (the
+    engine hands out one micro-batch at a time, Note [batch provenance]). ``count`` is known
+    once the first one is out."""
+
+    def __init__(self, micro_batches: Iterator, engine) -> None:
+        self._it = micro_batches
+        self._engine = engine
+
+    def __iter__(self):
+        first = next(self._it)
+        yield first
+        for _ in range(self._engine._micro.count - 1):
+            yield next(self._it)
+
+
+class _LogicalBatches:
+    """What the Trainer's loop iterates: one LogicalBatch per step, ``len`` the steps of an
+    epoch (int(1/q), as σ was calibrated)."""
+
+    def __init__(self, loader, engine) -> None:
+        self.loader = loader
+        self.dataset = loader.dataset
+        self._engine = engine
+
+    def __len__(self) -> int:
+        return self.loader.steps_per_epoch
+
+    def __iter__(self):
+        it = iter(self.loader)
+        for _ in range(self.loader.steps_per_epoch):
+            yield LogicalBatch(it, self._engine)
+
+
+def _rows(batch) -> Optional[int]:
+    """dim 0 of the first tensor of a collated batch."""
+    values = batch.values() if isinstance(batch, dict) else (
+        batch if isinstance(batch, (list, tuple)) else [batch])
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return v.shape[0]
+    return None
+
+
+class _CheckedCollator:
+    """The Trainer's collator, refusing a batch whose row count is not the examples' count: a
+    collator that drops or adds rows would break the sampled batch's accounting."""
+
+    def __init__(self, collate) -> None:
+        self.collate = collate
+
+    def __call__(self, examples: List[Any]):
+        batch = self.collate(examples)
+        rows = _rows(batch)
+        if rows is not None and rows != len(examples):
+            raise ValueError(
+                f"the data collator returned {rows} rows for {len(examples)} examples; under "
+                "DP each example must be one row of the batch (a collator that drops, packs or "
+                "duplicates examples changes who is in the sampled batch)")
+        return batch
+
+
+class _PrivacyCallback(TrainerCallback):
+    """ε in the progress bar, and a clean stop when the budget is spent."""
+
+    def __init__(self, trainer: "PrivateTrainer") -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        engine = t.privacy_engine
+        for cb in t.callback_handler.callbacks:
+            bar = getattr(cb, "training_bar", None)
+            if bar is not None:
+                bar.set_postfix(epsilon=f"{t.epsilon():.3g}", refresh=False)
+        left = engine.remaining_steps
+        if left is not None and left <= 0 and state.global_step < state.max_steps:
+            t.budget_stop = (f"the privacy budget ε = {engine.budget[0]} at δ = "
+                             f"{engine.budget[1]:.3g} is spent after {engine.charges} steps; "
+                             "training stops here")
+            print(f"[dpzero] {t.budget_stop}")
+            control.should_training_stop = True
+            control.should_save = True
+        return control
+
+
+class PrivateTrainer(Trainer):
+    """A ``transformers.Trainer`` that trains privately (module docstring). Takes the Trainer's
+    arguments plus ``privacy_args`` (PrivacyArguments) and, for heads without a built-in
+    per-sample loss, ``per_sample_loss(model, outputs, labels) -> [B]`` (Note [trainer loss])."""
+
+    def __init__(self, model=None, args=None, *, privacy_args: Optional[PrivacyArguments] = None,
+                 per_sample_loss: Optional[PerSampleLoss] = None, **kwargs) -> None:
+        if model is None:
+            raise ValueError("PrivateTrainer needs a model (model_init is not supported)")
+        if args is None:
+            from transformers import TrainingArguments
+            args = TrainingArguments(output_dir="trainer_output")
+        self.privacy_args = privacy_args if privacy_args is not None else PrivacyArguments()
+        _refuse_parallel(args)
+        if args.weight_decay:
+            raise ValueError(
+                f"weight_decay={args.weight_decay}: the Trainer exempts biases and norm weights "
+                "from weight decay, and dpzero's sharded optimizer has one parameter group, so it "
+                "would decay them too; use weight_decay=0 with PrivateTrainer")
+        c = self.privacy_args.max_grad_norm
+        if args.max_grad_norm not in (0.0, 1.0, c):
+            raise ValueError(
+                f"TrainingArguments.max_grad_norm={args.max_grad_norm} clips the summed gradient, "
+                f"which private training does not do; the per-sample clip norm is "
+                f"PrivacyArguments.max_grad_norm ({c}). Set one of them, not both")
+        optim = str(getattr(args.optim, "value", args.optim))
+        if optim not in _OPTIMIZERS:
+            raise ValueError(f"optim={optim!r} is not one dpzero's private optimizer runs; use "
+                             f"one of {sorted(_OPTIMIZERS)}")
+        self.accumulation_steps = int(args.gradient_accumulation_steps)
+        # The loop sees one LogicalBatch per step; data skipping on resume would hand out
+        # batches (the private loader continues from the sampler's own position instead).
+        inner = copy.copy(args)
+        inner.gradient_accumulation_steps = 1
+        inner.ignore_data_skip = True
+        inner.max_grad_norm = 0.0  # per-sample clipping replaces the Trainer's
+        super().__init__(model=model, args=inner, **kwargs)
+        self.user_args = args
+        self.per_sample_loss = per_sample_loss or default_per_sample_loss(self.model)
+        self.budget_stop: Optional[str] = None
+        self._step_flos = 0.0
+        self._attach_private()
+        self.add_callback(_PrivacyCallback(self))
+
+    # ---- attach ----------------------------------------------------------------------------
+
+    def _attach_private(self) -> None:
+        args, p = self.user_args, self.privacy_args
+        dataset = self.train_dataset
+        if dataset is None:
+            raise ValueError("PrivateTrainer needs a train_dataset")
+        if not has_length(dataset):
+            raise ValueError(
+                f"the train_dataset ({type(dataset).__name__}) has no __len__: Poisson sampling "
+                "needs the dataset size N (q = batch / N), and an iterable dataset cannot be "
+                "sampled that way")
+        n = len(dataset)
+        world = 1
+        expected = args.per_device_train_batch_size * self.accumulation_steps * world
+        if expected > n:
+            raise ValueError(f"the expected logical batch ({expected} = per_device_train_batch_"
+                             f"size x gradient_accumulation_steps) exceeds the dataset ({n})")
+        q = expected / n
+        steps_per_epoch = max(1, int(1.0 / q))
+        steps = args.max_steps if args.max_steps > 0 else math.ceil(
+            args.num_train_epochs * steps_per_epoch)
+        from ..train.config import default_delta
+        delta = p.target_delta if p.target_delta is not None else default_delta(n)
+        self.delta = delta
+        sigma = self._noise_multiplier(q, steps, delta, n)
+        optimizer = _OPTIMIZERS[str(getattr(args.optim, "value", args.optim))]
+        hyper: Dict[str, Any] = {"lr": args.learning_rate}
+        if optimizer == "adamw":
+            hyper.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                         weight_decay=0.0)
+        collate = _CheckedCollator(self._get_collator_with_removed_columns(
+            self.data_collator, description="training"))
+        data = self._remove_unused_columns(dataset, description="training") \
+            if _is_datasets_dataset(dataset) else dataset
+        loader = DataLoader(data, batch_size=expected, collate_fn=collate)
+        os.makedirs(args.output_dir, exist_ok=True)
+        budget = {}
+        if p.target_epsilon is not None and sigma > 0:
+            budget = {"epsilon_budget": p.target_epsilon, "budget_delta": delta}
+        self._private = make_private(
+            self.model, data_loader=loader, noise_multiplier=sigma, max_grad_norm=p.max_grad_norm,
+            clipping=p.clipping, accountant=p.accountant, secure_mode=p.secure_mode,
+            zero_stage=p.zero_stage, max_physical_batch_size=args.per_device_train_batch_size,
+            seed=None if p.secure_mode else (p.seed if p.seed is not None else args.seed),
+            ledger_path=os.path.join(args.output_dir, LEDGER), loss_reduction="sum",
+            allow_no_noise=p.allow_no_noise, optimizer=optimizer, **hyper, **budget)
+        self.privacy_engine = self._private.privacy_engine
+        self.optimizer = self._private.optimizer
+        self.planned_steps, self.sample_rate, self.noise_multiplier = steps, q, sigma
+
+    def _noise_multiplier(self, q: float, steps: int, delta: float, n: int) -> float:
+        p = self.privacy_args
+        if p.noise_multiplier is None and p.target_epsilon is None:
+            raise ValueError("PrivacyArguments needs target_epsilon (σ calibrated for the run) "
+                             "or noise_multiplier")
+        if p.noise_multiplier is not None:
+            sigma = float(p.noise_multiplier)
+            if p.target_epsilon is not None and sigma > 0:
+                from ..accounting import create_accountant
+                acc = create_accountant(p.accountant)
+                acc.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
+                eps = float(acc.get_epsilon(delta))
+                if eps > p.target_epsilon:
+                    raise ValueError(
+                        f"noise_multiplier={sigma} spends ε = {eps:.3g} > target_epsilon="
+                        f"{p.target_epsilon} over this run's {steps} steps at q = {q:.4g} "
+                        f"(gradient_accumulation_steps={self.accumulation_steps}, "
+                        f"per_device_train_batch_size={self.user_args.per_device_train_batch_size}"
+                        f", N = {n}); lower the steps or the batch, or raise σ")
+            return sigma
+        try:
+            return get_noise_multiplier(target_epsilon=p.target_epsilon, target_delta=delta,
+                                        sample_rate=q, steps=steps, accountant=p.accountant)
+        except ValueError as e:
+            raise ValueError(
+                f"target_epsilon={p.target_epsilon} at target_delta={delta:.3g} cannot be met "
+                f"by {steps} steps at q = {q:.4g}: {e}") from e
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def epsilon(self) -> float:
+        """ε spent so far at this run's δ."""
+        return self.privacy_engine.epsilon(self.delta)
+
+    # ---- the loop's hooks ------------------------------------------------------------------
+
+    def get_train_dataloader(self):
+        return _LogicalBatches(self._private.data_loader, self.privacy_engine)
+
+    def get_total_train_batch_size(self, args) -> int:
+        return self.user_args.per_device_train_batch_size * self.accumulation_steps
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        # The private model is its own data-parallel wrapper (no DDP / FSDP around it).
+        if training:
+            return self._private.model
+        return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        return batches, None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """One private step's forward and backward passes: every micro-batch of the logical
+        batch ``inputs`` (the optimizer's step then releases the noisy update). Returns the mean
+        per-example loss of the batch (not covered by ε)."""
+        if not isinstance(inputs, LogicalBatch):
+            raise TypeError("PrivateTrainer.training_step runs a LogicalBatch from its own train "
+                            f"dataloader, got {type(inputs).__name__}")
+        model.train()
+        total, rows, flos = torch.zeros((), device=self.args.device), 0, 0.0
+        for micro in inputs:
+            padding = self.privacy_engine.is_padding_batch
+            micro = self._prepare_inputs(micro)
+            if not padding:
+                flos += float(super().floating_point_ops(micro))
+                super()._track_num_input_tokens(micro)
+            labels = micro.pop("labels", None) if isinstance(micro, dict) else None
+            if labels is None:
+                raise ValueError("PrivateTrainer needs the batch's labels under 'labels' (the "
+                                 "collator's output) to compute each example's loss")
+            with self.compute_loss_context_manager():
+                outputs = model(**micro)
+                losses = self.per_sample_loss(model, outputs, labels)
+            losses.sum().backward()
+            if not padding:
+                total = total + losses.detach().sum()
+                rows += losses.shape[0]
+        self._step_flos = flos
+        return total / max(rows, 1)
+
+    def floating_point_ops(self, inputs) -> int:
+        if isinstance(inputs, LogicalBatch):
+            return int(self._step_flos)
+        return super().floating_point_ops(inputs)
+
+    def _track_num_input_tokens(self, inputs):
+        if isinstance(inputs, LogicalBatch):
+            return  # counted per micro-batch in training_step
+        super()._track_num_input_tokens(inputs)
+
+    def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
+        if "loss" in logs or "train_loss" in logs:  # training logs carry what was spent
+            # The Trainer's grad_norm reads .grad, which private parameters never have.
+            logs.pop("grad_norm", None)
+            logs["epsilon"] = self.epsilon()
+            logs["delta"] = self.delta
+        super().log(logs, start_time)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            state = self.privacy_engine.state_dict()  # no secure-mode key
+            tmp = os.path.join(output_dir, PRIVACY_STATE + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump({"privacy": state, "delta": self.delta,
+                           "privacy_args": asdict(self.privacy_args)}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(output_dir, PRIVACY_STATE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, PRIVACY_STATE)
+        if not os.path.exists(path):
+            raise ValueError(
+                f"{checkpoint} holds no {PRIVACY_STATE}: it is not a PrivateTrainer checkpoint "
+                "(resuming from it would lose the privacy state)")
+        super()._load_optimizer_and_scheduler(checkpoint)
+        with open(path) as f:
+            self.privacy_engine.load_state_dict(json.load(f)["privacy"])
+
+    # ---- the end ---------------------------------------------------------------------------
+
+    def train(self, *args, **kwargs):
+        output = super().train(*args, **kwargs)
+        if self.is_world_process_zero():
+            from ..train.report import write_report
+            write_report(self.user_args.output_dir, delta=self.delta)
+        return output
+
+
+def _is_datasets_dataset(dataset) -> bool:
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(dataset, datasets.Dataset)
+
+
+def _refuse_parallel(args) -> None:
+    """dpzero's engine is the data-parallel layer: refuse the Trainer's own, naming the
+    setting."""
+    if args.deepspeed:
+        raise ValueError(f"deepspeed={args.deepspeed!r}: PrivateTrainer runs dpzero's own ZeRO "
+                         "engine (PrivacyArguments.zero_stage); remove the DeepSpeed config")
+    if args.fsdp:
+        raise ValueError(f"fsdp={args.fsdp!r}: PrivateTrainer shards with dpzero's ZeRO engine "
+                         "(PrivacyArguments.zero_stage); remove the FSDP setting")
+    if args.n_gpu > 1:
+        raise ValueError(f"{args.n_gpu} GPUs in one process would use torch.nn.DataParallel; "
+                         "run one process per GPU (set CUDA_VISIBLE_DEVICES)")
+    if args.world_size > 1:
+        raise ValueError(f"world_size={args.world_size}: PrivateTrainer runs one process for "
+                         "now (several ranks through dpzero's engine are not wired into the "
+                         "Trainer yet); use dpzero.make_private under torchrun")

@@ -1,0 +1,241 @@
+"""dpzero.hf.PrivateTrainer (issue 24): a Trainer run takes make_private's steps on the same model,
+batches and optimizer (σ = 0); its ε is the accountant's for (q, σ, steps); evaluation costs no
+privacy; a checkpoint resumes with every released step counted once; bad settings are refused,
+naming the value. References: make_private driven by hand with an independent per-example loss
+(a loop over examples), and dpzero's accountant fed (q, σ, steps) directly."""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, IterableDataset
+
+import dpzero
+
+transformers = pytest.importorskip("transformers")
+from dpzero.hf import PrivacyArguments, PrivateTrainer  # noqa: E402
+
+N, T, VOCAB = 48, 8, 40
+
+
+def gpt2(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=16, n_layer=1,
+                                  n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def bert(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=32,
+                                  max_position_embeddings=T, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, num_labels=3)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def lm_data(n=N, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (T,), generator=g)
+        labels = ids.clone()
+        labels[int(torch.randint(2, T, (1,), generator=g)):] = -100  # ragged: per-example counts
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def cls_data(n=N, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, VOCAB, (T,), generator=g),
+             "labels": int(torch.randint(0, 3, (1,), generator=g))} for _ in range(n)]
+
+
+def example_loss(kind, model, batch):
+    """Reference per-example losses, example by example from the micro-batch's logits (Note
+    [trainer loss]): a causal LM's mean over the example's own labelled next tokens, a
+    classifier's cross-entropy."""
+    all_logits = model(input_ids=batch["input_ids"]).logits
+    out = []
+    for i in range(batch["input_ids"].shape[0]):
+        logits = all_logits[i]
+        y = batch["labels"][i]
+        if kind == "gpt2":
+            out.append(F.cross_entropy(logits[:-1], y[1:], ignore_index=-100, reduction="sum")
+                       / (y[1:] != -100).sum().clamp(min=1))
+        else:
+            out.append(F.cross_entropy(logits.view(1, -1), y.view(1)))
+    return torch.stack(out)
+
+
+def trainer_args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
+                gradient_accumulation_steps=2, learning_rate=0.05, optim="sgd",
+                lr_scheduler_type="constant", logging_steps=1, report_to=[],
+                save_strategy="no", use_cpu=True, seed=3, disable_tqdm=True)
+    base.update(kw)
+    return transformers.TrainingArguments(**base)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("c", [0.5, 1e4])
+def test_trainer_steps_equal_make_private(tmp_path, kind, c):
+    # σ = 0: the Trainer's run and make_private driven by hand (same seed, so the same Poisson
+    # batches and micro-batches) reach the same weights. C = 0.5 clips every example; C = 1e4
+    # clips none, so each example's gradient enters at its own scale (a loss normalised over the
+    # whole micro-batch would show here, Note [trainer loss]).
+    make, data = (gpt2, lm_data()) if kind == "gpt2" else (bert, cls_data())
+    steps = 3
+    trainer = PrivateTrainer(
+        model=make(), args=trainer_args(tmp_path, max_steps=steps), train_dataset=data,
+        privacy_args=PrivacyArguments(noise_multiplier=0.0, allow_no_noise=True,
+                                      max_grad_norm=c))
+    trainer.train()
+    got = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    model = make()
+    p = dpzero.make_private(
+        model, data_loader=DataLoader(data, batch_size=8,
+                                      collate_fn=transformers.default_data_collator),
+        noise_multiplier=0.0, allow_no_noise=True, max_grad_norm=c, max_physical_batch_size=4,
+        seed=3, loss_reduction="sum", optimizer="sgd", lr=0.05)
+    taken = 0
+    while taken < steps:
+        for batch in p.data_loader:
+            example_loss(kind, p.model, batch).sum().backward()
+            if p.optimizer.step():
+                taken += 1
+            p.optimizer.zero_grad()
+            if taken == steps:
+                break
+    want = {n: q.detach() for n, q in model.named_parameters()}
+    assert got.keys() == want.keys()
+    moved = 0.0
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+        moved = max(moved, float((want[n] - make().get_parameter(n).detach()).abs().max()))
+    assert moved > 1e-4  # the steps changed the weights (the comparison is not of two inits)
+
+
+def test_epsilon_is_the_accountants_and_evaluation_is_free(tmp_path):
+    data = lm_data()
+    trainer = PrivateTrainer(
+        model=gpt2(), args=trainer_args(tmp_path, num_train_epochs=1), train_dataset=data,
+        eval_dataset=data[:8], privacy_args=PrivacyArguments(target_epsilon=2.0))
+    q = 8 / N
+    steps = int(1 / q)  # one epoch
+    assert trainer.planned_steps == steps and trainer.sample_rate == pytest.approx(q)
+    trainer.train()
+    delta = min(1e-5, 1 / (10 * N))
+    acc = dpzero.PRVAccountant()
+    acc.step(noise_multiplier=trainer.noise_multiplier, sample_rate=q, num_steps=steps)
+    want = float(acc.get_epsilon(delta))
+    assert want <= 2.0 + 1e-9
+    logged = [h for h in trainer.state.log_history if "epsilon" in h]
+    assert logged[-1]["epsilon"] == pytest.approx(want, rel=1e-9)
+    assert logged[-1]["delta"] == delta
+    assert [h["epsilon"] for h in logged] == sorted(h["epsilon"] for h in logged)
+    # Evaluation: a loss, and nothing charged.
+    charges = trainer.privacy_engine.charges
+    metrics = trainer.evaluate()
+    assert math.isfinite(metrics["eval_loss"])
+    assert trainer.privacy_engine.charges == charges == steps
+    assert trainer.epsilon() == pytest.approx(want, rel=1e-9)
+    # The report dpzero report makes, from the ledger in output_dir.
+    with open(os.path.join(trainer.args.output_dir, "report.json")) as f:
+        report = json.load(f)
+    assert report["steps"] == steps and report["delta"] == delta
+
+
+def test_checkpoint_resume_counts_every_step_once(tmp_path):
+    data = lm_data()
+    args = trainer_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+    privacy = PrivacyArguments(noise_multiplier=1.0, max_grad_norm=1.0)
+    first = PrivateTrainer(model=gpt2(), args=args, train_dataset=data, privacy_args=privacy)
+    first.train()
+    ckpt = os.path.join(args.output_dir, "checkpoint-2")
+    with open(os.path.join(ckpt, "dpzero_privacy.json")) as f:
+        saved = json.load(f)
+    assert saved["privacy"]["charges"] == 2 and "key" not in saved["privacy"]
+    del first  # a resumed run is a new process: the ledger's writer lock goes with the engine
+    gc.collect()
+    # Resume from step 2 in the same output_dir: the ledger already holds 4 released steps, and
+    # the two steps run again are new releases: 6 in all.
+    again = PrivateTrainer(model=gpt2(), args=args, train_dataset=data, privacy_args=privacy)
+    assert again.privacy_engine.charges == 4
+    again.train(resume_from_checkpoint=ckpt)
+    assert again.state.global_step == 4
+    assert again.privacy_engine.charges == 6
+    acc = dpzero.PRVAccountant()
+    acc.step(noise_multiplier=1.0, sample_rate=8 / N, num_steps=6)
+    assert again.epsilon() == pytest.approx(float(acc.get_epsilon(again.delta)), rel=1e-9)
+    # A checkpoint without the privacy state is refused.
+    os.remove(os.path.join(ckpt, "dpzero_privacy.json"))
+    del again
+    gc.collect()
+    third = PrivateTrainer(model=gpt2(), args=args, train_dataset=data, privacy_args=privacy)
+    with pytest.raises(ValueError, match="dpzero_privacy.json"):
+        third.train(resume_from_checkpoint=ckpt)
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(lm_data())
+
+
+def _drop_last_row(rows):
+    batch = transformers.default_data_collator(rows)
+    return {k: v[:-1] for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("case, match", [
+    ("weight_decay", r"weight_decay=0.1"),
+    ("optim", r"optim='adafactor'"),
+    ("max_grad_norm", r"max_grad_norm=0.3"),
+    ("no_len", r"_Stream\) has no __len__"),
+    ("sigma_vs_accumulation", r"gradient_accumulation_steps=4"),
+    ("budget", r"target_epsilon=1e-06 .* cannot be met"),
+    ("no_privacy", r"needs target_epsilon .* or noise_multiplier"),
+])
+def test_bad_settings_are_refused_naming_the_value(tmp_path, case, match):
+    data, privacy, extra = lm_data(), PrivacyArguments(target_epsilon=2.0), {}
+    if case == "weight_decay":
+        extra["weight_decay"] = 0.1
+    elif case == "optim":
+        extra["optim"] = "adafactor"
+    elif case == "max_grad_norm":
+        extra["max_grad_norm"] = 0.3
+    elif case == "no_len":
+        data, extra["max_steps"] = _Stream(), 4
+    elif case == "sigma_vs_accumulation":
+        extra.update(gradient_accumulation_steps=4, num_train_epochs=3)
+        privacy = PrivacyArguments(noise_multiplier=0.6, target_epsilon=1.0)
+    elif case == "budget":
+        privacy = PrivacyArguments(target_epsilon=1e-6)
+    elif case == "no_privacy":
+        privacy = PrivacyArguments()
+    with pytest.raises(ValueError, match=match):
+        PrivateTrainer(model=gpt2(), args=trainer_args(tmp_path, **extra), train_dataset=data,
+                       privacy_args=privacy)
+
+
+def test_collator_that_drops_rows_is_refused(tmp_path):
+    trainer = PrivateTrainer(model=gpt2(), args=trainer_args(tmp_path, max_steps=2),
+                             train_dataset=lm_data(), data_collator=_drop_last_row,
+                             privacy_args=PrivacyArguments(noise_multiplier=1.0))
+    with pytest.raises(ValueError, match=r"collator returned \d+ rows for \d+ examples"):
+        trainer.train()
+    assert trainer.privacy_engine.charges == 0
+
+
+def test_trainer_parallel_wrappers_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"fsdp=.*dpzero's ZeRO engine"):
+        PrivateTrainer(model=gpt2(), args=trainer_args(tmp_path, fsdp="full_shard"),
+                       train_dataset=lm_data(), privacy_args=PrivacyArguments(target_epsilon=2.0))
