@@ -239,3 +239,33 @@ def test_trainer_parallel_wrappers_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"fsdp=.*dpzero's ZeRO engine"):
         PrivateTrainer(model=gpt2(), args=trainer_args(tmp_path, fsdp="full_shard"),
                        train_dataset=lm_data(), privacy_args=PrivacyArguments(target_epsilon=2.0))
+
+
+def test_budget_stops_training_cleanly(tmp_path, capsys):
+    # σ calibrated for 6 steps at ε = 2 is the budget. A first run takes 4 of them (checkpoint at
+    # 2); resumed from step 2 towards 6 in the same output_dir, the ledger's 4 charges leave 2:
+    # training stops at global step 4 with a message, and a run with nothing left trains nothing.
+    data = lm_data()
+    q, delta = 8 / N, min(1e-5, 1 / (10 * N))
+    sigma = dpzero.get_noise_multiplier(target_epsilon=2.0, target_delta=delta, sample_rate=q,
+                                        steps=6, accountant="prv")
+    privacy = PrivacyArguments(noise_multiplier=sigma, target_epsilon=2.0)
+    first = PrivateTrainer(model=gpt2(), train_dataset=data, privacy_args=privacy,
+                           args=trainer_args(tmp_path, max_steps=4, save_strategy="steps",
+                                             save_steps=2))
+    first.train()
+    del first
+    gc.collect()
+    args = trainer_args(tmp_path, max_steps=6, save_strategy="no")
+    again = PrivateTrainer(model=gpt2(), args=args, train_dataset=data, privacy_args=privacy)
+    assert again.privacy_engine.remaining_steps == 2
+    again.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
+    assert again.state.global_step == 4 and again.privacy_engine.charges == 6
+    assert "privacy budget ε = 2.0" in capsys.readouterr().out
+    assert again.epsilon() <= 2.0
+    del again
+    gc.collect()
+    spent = PrivateTrainer(model=gpt2(), args=args, train_dataset=data, privacy_args=privacy)
+    with pytest.raises(dpzero.BudgetExhausted, match="already spent: 6 steps"):
+        spent.train()
+    assert spent.privacy_engine.charges == 6

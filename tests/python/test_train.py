@@ -43,6 +43,8 @@ BASE = {"privacy": {"target_epsilon": 3.0}}
      r"seconds > 0, got 0"),
     ({**BASE, "training": {"checkpoint_every": -1}}, r"\[training\] checkpoint_every must be "
      r">= 0 \(0 = no checkpoints\), got -1"),
+    ({**BASE, "training": {"checkpoint_every": "often"}}, r"\[training\] checkpoint_every must "
+     r"be \"auto\" or an integer, got 'often'"),
     ({**BASE, "training": {"keep_checkpoints": 0}}, r"\[training\] keep_checkpoints must be "
      r">= 1, got 0"),
     ({**BASE, "training": {"policy": "fast"}}, r"\[training\] policy must be one of "
@@ -73,6 +75,18 @@ def test_config_file_errors(tmp_path):
     assert config.from_dict(BASE).delta_for(10**6) == 1e-7
     one_over_n = {**BASE, "privacy": {**BASE["privacy"], "delta": "1/N"}}
     assert config.from_dict(one_over_n).delta_for(1000) == 1e-3
+
+
+def test_default_checkpoint_cadence_bounds_the_work_a_crash_loses():
+    # "auto": every ceil(steps / 10) steps, so a crash loses at most a tenth of the run (the
+    # main job's 33 steps: every 4, where a fixed 50 checkpointed never).
+    t = config.from_dict(BASE).training
+    assert t.checkpoint_every == "auto"
+    assert [t.checkpoint_interval(n) for n in (1, 9, 10, 33, 1000)] == [1, 1, 1, 4, 100]
+    fixed = config.from_dict({**BASE, "training": {"checkpoint_every": 7}}).training
+    assert fixed.checkpoint_interval(33) == 7
+    assert config.from_dict({**BASE, "training": {"checkpoint_every": 0}}).training \
+        .checkpoint_interval(33) == 0
 
 
 def test_shipped_configs_parse():

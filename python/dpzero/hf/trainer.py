@@ -51,6 +51,7 @@ from transformers.trainer_utils import has_length
 
 from ..accounting import get_noise_multiplier
 from ..front import make_private
+from ..private import BudgetExhausted
 from .losses import PerSampleLoss, default_per_sample_loss
 
 PRIVACY_STATE = "dpzero_privacy.json"  # in each checkpoint folder
@@ -398,6 +399,12 @@ class PrivateTrainer(Trainer):
     # ---- the end ---------------------------------------------------------------------------
 
     def train(self, *args, **kwargs):
+        engine = self.privacy_engine
+        if engine.remaining_steps is not None and engine.remaining_steps <= 0:
+            raise BudgetExhausted(
+                f"the privacy budget ε = {engine.budget[0]} at δ = {engine.budget[1]:.3g} is "
+                f"already spent: {engine.charges} steps are charged in "
+                f"{os.path.join(self.user_args.output_dir, LEDGER)}; nothing was trained")
         output = super().train(*args, **kwargs)
         if self.is_world_process_zero():
             from ..train.report import write_report

@@ -31,7 +31,8 @@ Every error names the key and the bad value. Sections and keys (defaults in brac
                     ["fixed"]; memory_budget_gib = per rank for "auto" (0 = the GPU's memory,
                     or the available RAM over the ranks)  [0]
                 checkpoint_every = a sharded checkpoint of the private run every this many
-                    steps, for ``dpzero train --resume`` (0 = none)  [50]
+                    steps, for ``dpzero train --resume`` (0 = none; "auto" = every ceil(steps /
+                    10), so a crash loses at most a tenth of the run's steps)  ["auto"]
                 keep_checkpoints = committed checkpoints kept  [2]
                 baseline = also train without privacy, same settings  [true]
     [output]    dir = the run directory  ["runs/<config file stem>"]
@@ -101,9 +102,15 @@ class TrainingConfig:
     timeout_s: float = 600.0
     policy: str = "fixed"
     memory_budget_gib: float = 0.0
-    checkpoint_every: int = 50
+    checkpoint_every: Union[int, str] = "auto"
     keep_checkpoints: int = 2
     baseline: bool = True
+
+    def checkpoint_interval(self, total_steps: int) -> int:
+        """Steps between checkpoints of a run of ``total_steps`` (0: none)."""
+        if self.checkpoint_every == "auto":
+            return max(1, math.ceil(total_steps / 10))
+        return int(self.checkpoint_every)
 
 
 @dataclass
@@ -134,6 +141,10 @@ _SECTIONS = {"model": ModelConfig, "data": DataConfig, "privacy": PrivacyConfig,
 def _typed(section: str, key: str, value, default):
     """value converted to the default's type, or ConfigError naming it."""
     where = f"[{section}] {key}"
+    if key == "checkpoint_every":
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        raise ConfigError(f'{where} must be "auto" or an integer, got {value!r}')
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")
@@ -239,7 +250,7 @@ def validate(cfg: RunConfig) -> None:
     if not (t.memory_budget_gib >= 0 and math.isfinite(t.memory_budget_gib)):
         raise ConfigError(f"[training] memory_budget_gib must be >= 0 (0 = default), got "
                           f"{t.memory_budget_gib}")
-    if t.checkpoint_every < 0:
+    if t.checkpoint_every != "auto" and t.checkpoint_every < 0:
         raise ConfigError(f"[training] checkpoint_every must be >= 0 (0 = no checkpoints), got "
                           f"{t.checkpoint_every}")
     if t.keep_checkpoints < 1:

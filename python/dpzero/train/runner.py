@@ -184,7 +184,7 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
             raise BudgetExhausted(f"the ε budget of the ledger in {run_dir} is already spent "
                                   f"({engine.charges} steps charged); refusing to start")
         total_steps = min(total_steps, taken + engine.remaining_steps)
-    every = t_cfg.checkpoint_every if private else 0
+    every = t_cfg.checkpoint_interval(total_steps) if private else 0
     progress = _Progress(total_steps - taken, label, enabled=rank == 0)
     start = time.time()
     step_loss, step_rows = 0.0, 0
