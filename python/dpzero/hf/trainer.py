@@ -40,6 +40,7 @@ import copy
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -121,7 +122,7 @@ class _LogicalBatches:
 
 def _rows(batch) -> Optional[int]:
     """dim 0 of the first tensor of a collated batch."""
-    values = batch.values() if isinstance(batch, dict) else (
+    values = batch.values() if isinstance(batch, Mapping) else (
         batch if isinstance(batch, (list, tuple)) else [batch])
     for v in values:
         if isinstance(v, torch.Tensor) and v.dim() > 0:
@@ -138,6 +139,8 @@ class _CheckedCollator:
 
     def __call__(self, examples: List[Any]):
         batch = self.collate(examples)
+        if isinstance(batch, Mapping) and not isinstance(batch, dict):
+            batch = dict(batch)  # a BatchEncoding: the loader tags a dict's tensors
         rows = _rows(batch)
         if rows is not None and rows != len(examples):
             raise ValueError(
@@ -338,6 +341,7 @@ class PrivateTrainer(Trainer):
             if not padding:
                 flos += float(super().floating_point_ops(micro))
                 super()._track_num_input_tokens(micro)
+            micro = dict(micro) if isinstance(micro, Mapping) else micro
             labels = micro.pop("labels", None) if isinstance(micro, dict) else None
             if labels is None:
                 raise ValueError("PrivateTrainer needs the batch's labels under 'labels' (the "
