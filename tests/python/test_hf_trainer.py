@@ -41,6 +41,20 @@ def bert(seed=0):
     return transformers.BertForSequenceClassification(cfg)
 
 
+def gpt2_lora(seed=0):
+    """GPT-2 with LoRA adapters on its attention and MLP input projections (B non-zero, so A's
+    gradient is too): only the adapters train."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(gpt2(seed), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], lora_dropout=0.0,
+        fan_in_fan_out=True))
+    torch.manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
 def lm_data(n=N, seed=1):
     g = torch.Generator().manual_seed(seed)
     rows = []
@@ -67,7 +81,7 @@ def example_loss(kind, model, batch):
     for i in range(batch["input_ids"].shape[0]):
         logits = all_logits[i]
         y = batch["labels"][i]
-        if kind == "gpt2":
+        if kind.startswith("gpt2"):
             out.append(F.cross_entropy(logits[:-1], y[1:], ignore_index=-100, reduction="sum")
                        / (y[1:] != -100).sum().clamp(min=1))
         else:
@@ -84,14 +98,15 @@ def trainer_args(tmp_path, **kw):
     return transformers.TrainingArguments(**base)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "gpt2-lora"])
 @pytest.mark.parametrize("c", [0.5, 1e4])
 def test_trainer_steps_equal_make_private(tmp_path, kind, c):
     # σ = 0: the Trainer's run and make_private driven by hand (same seed, so the same Poisson
     # batches and micro-batches) reach the same weights. C = 0.5 clips every example; C = 1e4
     # clips none, so each example's gradient enters at its own scale (a loss normalised over the
     # whole micro-batch would show here, Note [trainer loss]).
-    make, data = (gpt2, lm_data()) if kind == "gpt2" else (bert, cls_data())
+    make, data = {"gpt2": (gpt2, lm_data()), "bert": (bert, cls_data()),
+                  "gpt2-lora": (gpt2_lora, lm_data())}[kind]
     steps = 3
     trainer = PrivateTrainer(
         model=make(), args=trainer_args(tmp_path, max_steps=steps), train_dataset=data,
@@ -117,11 +132,14 @@ def test_trainer_steps_equal_make_private(tmp_path, kind, c):
                 break
     want = {n: q.detach() for n, q in model.named_parameters()}
     assert got.keys() == want.keys()
-    moved = 0.0
+    init = make()
+    moved = {}
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
-        moved = max(moved, float((want[n] - make().get_parameter(n).detach()).abs().max()))
-    assert moved > 1e-4  # the steps changed the weights (the comparison is not of two inits)
+        moved[n] = float((want[n] - init.get_parameter(n).detach()).abs().max())
+    assert max(moved.values()) > 1e-4  # the steps changed the weights (not two inits compared)
+    if kind == "gpt2-lora":  # only the adapters moved
+        assert {n for n, v in moved.items() if v > 0} == {n for n in moved if "lora_" in n}
 
 
 def test_epsilon_is_the_accountants_and_evaluation_is_free(tmp_path):
