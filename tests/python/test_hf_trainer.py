@@ -111,7 +111,7 @@ def test_trainer_steps_equal_make_private(tmp_path, kind, c):
     trainer = PrivateTrainer(
         model=make(), args=trainer_args(tmp_path, max_steps=steps), train_dataset=data,
         privacy_args=PrivacyArguments(noise_multiplier=0.0, allow_no_noise=True,
-                                      max_grad_norm=c))
+                                      max_grad_norm=c, seed=3))
     trainer.train()
     got = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
@@ -203,6 +203,17 @@ def test_checkpoint_resume_counts_every_step_once(tmp_path):
         third.train(resume_from_checkpoint=ckpt)
 
 
+def _tokenizer(padding_side="right"):
+    """A word-level tokenizer over VOCAB words, built offline."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(VOCAB - 1)}
+    vocab["[PAD]"] = VOCAB - 1
+    raw = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="[PAD]",
+                                                padding_side=padding_side)
+
+
 class _Stream(IterableDataset):
     def __iter__(self):
         return iter(lm_data())
@@ -214,6 +225,14 @@ def _drop_last_row(rows):
 
 
 @pytest.mark.parametrize("case, match", [
+    ("neftune", r"neftune_noise_alpha=5"),
+    ("label_smoothing", r"label_smoothing_factor=0.1"),
+    ("compile", r"torch_compile=True"),
+    ("auto_batch", r"auto_find_batch_size=True"),
+    ("tokens_seen", r"include_num_input_tokens_seen='all'"),
+    ("loss_func", r"compute_loss_func: .* per_sample_loss"),
+    ("left_padding", r"pads on the left"),
+    ("seed_and_secure", r"seed=5 with secure_mode=True"),
     ("weight_decay", r"weight_decay=0.1"),
     ("optim", r"optim='adafactor'"),
     ("max_grad_norm", r"max_grad_norm=0.3"),
@@ -223,8 +242,24 @@ def _drop_last_row(rows):
     ("no_privacy", r"needs target_epsilon .* or noise_multiplier"),
 ])
 def test_bad_settings_are_refused_naming_the_value(tmp_path, case, match):
-    data, privacy, extra = lm_data(), PrivacyArguments(target_epsilon=2.0), {}
-    if case == "weight_decay":
+    data, privacy, extra, kw = lm_data(), PrivacyArguments(target_epsilon=2.0), {}, {}
+    if case == "neftune":
+        extra["neftune_noise_alpha"] = 5.0
+    elif case == "label_smoothing":
+        extra["label_smoothing_factor"] = 0.1
+    elif case == "compile":
+        extra["torch_compile"] = True
+    elif case == "auto_batch":
+        extra["auto_find_batch_size"] = True
+    elif case == "tokens_seen":
+        extra["include_num_input_tokens_seen"] = "all"
+    elif case == "loss_func":
+        kw["compute_loss_func"] = lambda outputs, labels, num_items_in_batch=None: 0.0
+    elif case == "left_padding":
+        kw["processing_class"] = _tokenizer(padding_side="left")
+    elif case == "seed_and_secure":
+        privacy = PrivacyArguments(target_epsilon=2.0, seed=5, secure_mode=True)
+    elif case == "weight_decay":
         extra["weight_decay"] = 0.1
     elif case == "optim":
         extra["optim"] = "adafactor"
@@ -241,7 +276,7 @@ def test_bad_settings_are_refused_naming_the_value(tmp_path, case, match):
         privacy = PrivacyArguments()
     with pytest.raises(ValueError, match=match):
         PrivateTrainer(model=gpt2(), args=trainer_args(tmp_path, **extra), train_dataset=data,
-                       privacy_args=privacy)
+                       privacy_args=privacy, **kw)
 
 
 def test_collator_that_drops_rows_is_refused(tmp_path):
@@ -307,3 +342,58 @@ def test_readme_trainer_example_runs(tmp_path, monkeypatch):
     assert trainer.state.global_step == 2 and trainer.privacy_engine.charges == 2
     assert 0 < trainer.epsilon() <= 3.0
     assert os.path.exists(tmp_path / "runs" / "trainer" / "report.md")
+
+
+def test_nothing_data_dependent_is_released_but_the_loss(tmp_path):
+    # Secure mode by default (TrainingArguments.seed is public); no realised batch size in the
+    # Trainer's state: total_flos is not counted, and the logs carry only the loss (admitted as
+    # not covered by ε), the schedule, ε and δ.
+    args = trainer_args(tmp_path, max_steps=3, save_strategy="steps", save_steps=3)
+    trainer = PrivateTrainer(model=gpt2(), args=args, train_dataset=lm_data(),
+                             privacy_args=PrivacyArguments(target_epsilon=2.0))
+    assert trainer.privacy_engine.secure_mode
+    trainer.train()
+    with open(os.path.join(args.output_dir, "checkpoint-3", "trainer_state.json")) as f:
+        state = json.load(f)
+    assert state["total_flos"] == 0
+    allowed = {"loss", "learning_rate", "epsilon", "delta", "epoch", "step", "train_runtime",
+               "train_samples_per_second", "train_steps_per_second", "train_loss", "total_flos"}
+    for entry in trainer.state.log_history:
+        assert set(entry) <= allowed, set(entry) - allowed
+    with open(os.path.join(args.output_dir, "checkpoint-3", "dpzero_privacy.json")) as f:
+        saved = json.load(f)["privacy"]
+    assert saved["seed"] is None and "key" not in saved
+
+
+def test_resuming_into_another_output_dir_is_refused(tmp_path):
+    args = trainer_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    privacy = PrivacyArguments(noise_multiplier=1.0)
+    first = PrivateTrainer(model=gpt2(), args=args, train_dataset=lm_data(), privacy_args=privacy)
+    first.train()
+    ckpt = os.path.join(args.output_dir, "checkpoint-2")
+    other = trainer_args(tmp_path, max_steps=4, output_dir=str(tmp_path / "elsewhere"))
+    again = PrivateTrainer(model=gpt2(), args=other, train_dataset=lm_data(),
+                           privacy_args=privacy)
+    with pytest.raises(ValueError, match=r"after 2 charged steps, but the ledger .*elsewhere"):
+        again.train(resume_from_checkpoint=ckpt)
+    assert again.privacy_engine.charges == 0
+
+
+def test_right_padding_keeps_each_example_s_loss_its_own():
+    # Note [trainer loss]: padded to the micro-batch's longest row (right padding, attention
+    # mask), each example's loss is the one it has alone, unpadded.
+    from dpzero.hf.losses import token_losses
+    tok = _tokenizer()
+    model = gpt2().eval()
+    texts = [" ".join(f"w{(3 * i + j) % (VOCAB - 1)}" for j in range(n))
+             for i, n in enumerate((3, 8, 5))]
+    rows = [dict(tok(t), labels=tok(t)["input_ids"]) for t in texts]
+    batch = transformers.DataCollatorForTokenClassification(tok)(rows)
+    with torch.no_grad():
+        together = token_losses(model(input_ids=batch["input_ids"],
+                                      attention_mask=batch["attention_mask"]).logits,
+                                batch["labels"], shift=True)
+        for i, r in enumerate(rows):
+            ids = torch.tensor([r["input_ids"]])
+            alone = F.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:])
+            torch.testing.assert_close(together[i], alone, rtol=1e-5, atol=1e-6)

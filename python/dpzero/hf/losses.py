@@ -36,6 +36,11 @@ IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
 
 PerSampleLoss = Callable[[nn.Module, object, torch.Tensor], torch.Tensor]
 
+# LM heads named otherwise than *ForCausalLM whose own loss shifts the labels by one (checked
+# against their sources; XLNet's and XLM's LMHeadModels do not shift, so a suffix rule would be
+# wrong for them).
+_SHIFTED_LM_HEADS = frozenset({"GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel"})
+
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
     """logits [B, T, V], labels [B, T] -> [B]: each example's mean cross-entropy over its own
@@ -85,7 +90,7 @@ def default_per_sample_loss(model: nn.Module) -> PerSampleLoss:
     """Note [trainer loss]: the per-sample loss for ``model``'s head; ValueError naming the class
     when dpzero has none."""
     name = head_name(model)
-    if name.endswith("ForCausalLM") or name.endswith("LMHeadModel"):
+    if name.endswith("ForCausalLM") or name in _SHIFTED_LM_HEADS:
         return lambda m, outputs, labels: token_losses(outputs.logits, labels, shift=True)
     if name.endswith("ForMaskedLM") or name.endswith("ForTokenClassification"):
         return lambda m, outputs, labels: token_losses(outputs.logits, labels, shift=False)

@@ -22,16 +22,24 @@ What changes against the Trainer, and why:
   written to ``output_dir`` when training ends. A checkpoint holds the privacy state
   (``dpzero_privacy.json``: charges, sampler position, accountant history; never a secure-mode
   key), and ``train(resume_from_checkpoint=...)`` continues from it.
+* **Randomness.** Without a ``PrivacyArguments.seed`` the noise and the sampling are secure mode's
+  (ChaCha20 keyed from the OS); ``TrainingArguments.seed`` is public (42 by default) and is never
+  the noise seed: whoever knows the seed can regenerate the noise.
 * **Refused** (ValueError naming the value): DDP / FSDP / DeepSpeed / DataParallel settings (dpzero
   is its own data-parallel engine), several processes (not yet), ``weight_decay`` > 0 (the
   engine's one parameter group cannot exempt biases and norm weights as the Trainer does), a
-  ``max_grad_norm`` in the TrainingArguments that contradicts the per-sample one, a dataset
-  without ``__len__``, a collator that changes the number of rows, and a budget that cannot be
-  met.
+  ``max_grad_norm`` in the TrainingArguments that contradicts the per-sample one, other
+  optimizers, a dataset without ``__len__``, a collator that changes the number of rows, a budget
+  that cannot be met; settings that would couple examples (NEFTune, a left-padding tokenizer) or
+  that the private step would ignore (``label_smoothing_factor``, ``torch_compile``,
+  ``auto_find_batch_size``, ``compute_loss_func``, an overridden ``compute_loss``); and
+  ``include_num_input_tokens_seen``, whose count would release the realised batch sizes.
 
-The training loss the Trainer logs is computed from the data without noise: it is not covered by
-ε (Note [released figures] in private/engine.py). Evaluation and prediction run the model under
-``torch.no_grad()``, where its DP layers are plain layers: they cost no privacy.
+Released: ε, δ, the learning rate and the step count. The Trainer's ``total_flos`` is not counted
+(from real rows it would release the realised batch sizes). The training loss the Trainer logs is
+computed from the data without noise: it is not covered by ε (Note [released figures] in
+private/engine.py). Evaluation and prediction run the model under ``torch.no_grad()``, where its
+DP layers are plain layers: they cost no privacy.
 """
 
 from __future__ import annotations
@@ -69,9 +77,12 @@ class PrivacyArguments:
     target_epsilon (with target_delta, default min(1e-5, 1/(10 N))), or noise_multiplier: σ given
     or calibrated for the run's steps; with both, the run checks that σ keeps the target.
     max_grad_norm: the per-sample clip norm C. clipping: "flat" | "layer" | "automatic".
-    accountant: "prv" | "rdp". zero_stage: 0-3. secure_mode: ChaCha20 noise and sampling keyed
-    from the OS (else seeded by ``seed``, default TrainingArguments.seed). allow_no_noise:
-    needed for noise_multiplier=0 (training without privacy, ε reported as inf).
+    accountant: "prv" | "rdp". zero_stage: 0-3. seed: a Philox seed for reproducible noise and
+    sampling; whoever knows it can regenerate the noise and subtract it from a released update,
+    so it is a secret, and never TrainingArguments.seed (public, 42 by default). secure_mode:
+    ChaCha20 noise and sampling keyed from the OS; the default (None) is secure mode unless a
+    seed is given. allow_no_noise: needed for noise_multiplier=0 (training without privacy, ε
+    reported as inf).
     """
 
     target_epsilon: Optional[float] = None
@@ -81,7 +92,7 @@ class PrivacyArguments:
     clipping: str = "flat"
     accountant: str = "prv"
     zero_stage: int = 0
-    secure_mode: bool = False
+    secure_mode: Optional[bool] = None
     seed: Optional[int] = None
     allow_no_noise: bool = False
 
@@ -151,18 +162,22 @@ class _CheckedCollator:
 
 
 class _PrivacyCallback(TrainerCallback):
-    """ε in the progress bar, and a clean stop when the budget is spent."""
+    """ε in the progress bar (at each logging step: the PRV accountant takes milliseconds, more
+    as the run grows), and a clean stop when the budget is spent."""
 
     def __init__(self, trainer: "PrivateTrainer") -> None:
         self.trainer = trainer
 
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "epsilon" in logs:
+            for cb in self.trainer.callback_handler.callbacks:
+                bar = getattr(cb, "training_bar", None)
+                if bar is not None:
+                    bar.set_postfix(epsilon=f"{logs['epsilon']:.3g}", refresh=False)
+
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
         engine = t.privacy_engine
-        for cb in t.callback_handler.callbacks:
-            bar = getattr(cb, "training_bar", None)
-            if bar is not None:
-                bar.set_postfix(epsilon=f"{t.epsilon():.3g}", refresh=False)
         left = engine.remaining_steps
         if left is not None and left <= 0 and state.global_step < state.max_steps:
             t.budget_stop = (f"the privacy budget ε = {engine.budget[0]} at δ = "
@@ -197,8 +212,10 @@ class PrivateTrainer(Trainer):
         if args.max_grad_norm not in (0.0, 1.0, c):
             raise ValueError(
                 f"TrainingArguments.max_grad_norm={args.max_grad_norm} clips the summed gradient, "
-                f"which private training does not do; the per-sample clip norm is "
-                f"PrivacyArguments.max_grad_norm ({c}). Set one of them, not both")
+                f"which private training does not do; the per-example clip norm is "
+                f"PrivacyArguments.max_grad_norm ({c}). Set that one, and leave "
+                "TrainingArguments.max_grad_norm at its default (1.0) or 0")
+        _refuse_ignored_or_coupling(args, kwargs, type(self))
         optim = str(getattr(args.optim, "value", args.optim))
         if optim not in _OPTIMIZERS:
             raise ValueError(f"optim={optim!r} is not one dpzero's private optimizer runs; use "
@@ -214,7 +231,6 @@ class PrivateTrainer(Trainer):
         self.user_args = args
         self.per_sample_loss = per_sample_loss or default_per_sample_loss(self.model)
         self.budget_stop: Optional[str] = None
-        self._step_flos = 0.0
         self._attach_private()
         self.add_callback(_PrivacyCallback(self))
 
@@ -255,14 +271,18 @@ class PrivateTrainer(Trainer):
             if _is_datasets_dataset(dataset) else dataset
         loader = DataLoader(data, batch_size=expected, collate_fn=collate)
         os.makedirs(args.output_dir, exist_ok=True)
+        secure = p.secure_mode if p.secure_mode is not None else p.seed is None
+        if secure and p.seed is not None:
+            raise ValueError(f"seed={p.seed} with secure_mode=True: secure mode draws its key "
+                             "from the OS; give one or the other")
         budget = {}
         if p.target_epsilon is not None and sigma > 0:
             budget = {"epsilon_budget": p.target_epsilon, "budget_delta": delta}
         self._private = make_private(
             self.model, data_loader=loader, noise_multiplier=sigma, max_grad_norm=p.max_grad_norm,
-            clipping=p.clipping, accountant=p.accountant, secure_mode=p.secure_mode,
+            clipping=p.clipping, accountant=p.accountant, secure_mode=secure,
             zero_stage=p.zero_stage, max_physical_batch_size=args.per_device_train_batch_size,
-            seed=None if p.secure_mode else (p.seed if p.seed is not None else args.seed),
+            seed=None if secure else p.seed,
             ledger_path=os.path.join(args.output_dir, LEDGER), loss_reduction="sum",
             allow_no_noise=p.allow_no_noise, optimizer=optimizer, **hyper, **budget)
         self.privacy_engine = self._private.privacy_engine
@@ -334,13 +354,10 @@ class PrivateTrainer(Trainer):
             raise TypeError("PrivateTrainer.training_step runs a LogicalBatch from its own train "
                             f"dataloader, got {type(inputs).__name__}")
         model.train()
-        total, rows, flos = torch.zeros((), device=self.args.device), 0, 0.0
+        total, rows = torch.zeros((), device=self.args.device), 0
         for micro in inputs:
             padding = self.privacy_engine.is_padding_batch
             micro = self._prepare_inputs(micro)
-            if not padding:
-                flos += float(super().floating_point_ops(micro))
-                super()._track_num_input_tokens(micro)
             micro = dict(micro) if isinstance(micro, Mapping) else micro
             labels = micro.pop("labels", None) if isinstance(micro, dict) else None
             if labels is None:
@@ -351,20 +368,18 @@ class PrivateTrainer(Trainer):
                 losses = self.per_sample_loss(model, outputs, labels)
             losses.sum().backward()
             if not padding:
-                total = total + losses.detach().sum()
-                rows += losses.shape[0]
-        self._step_flos = flos
+                with torch._C.DisableTorchFunctionSubclass():
+                    total = total + losses.detach().sum()
+                    rows += losses.shape[0]
         return total / max(rows, 1)
 
     def floating_point_ops(self, inputs) -> int:
+        # Counted from a step's real rows, the Trainer's total_flos (in every trainer_state.json)
+        # would release the realised batch sizes, which Poisson sampling keeps private (Note
+        # [released figures] in private/engine.py): not counted.
         if isinstance(inputs, LogicalBatch):
-            return int(self._step_flos)
+            return 0
         return super().floating_point_ops(inputs)
-
-    def _track_num_input_tokens(self, inputs):
-        if isinstance(inputs, LogicalBatch):
-            return  # counted per micro-batch in training_step
-        super()._track_num_input_tokens(inputs)
 
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
         if "loss" in logs or "train_loss" in logs:  # training logs carry what was spent
@@ -383,6 +398,8 @@ class PrivateTrainer(Trainer):
             tmp = os.path.join(output_dir, PRIVACY_STATE + ".tmp")
             with open(tmp, "w") as f:
                 json.dump({"privacy": state, "delta": self.delta,
+                           "ledger": os.path.abspath(os.path.join(self.user_args.output_dir,
+                                                                  LEDGER)),
                            "privacy_args": asdict(self.privacy_args)}, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
@@ -394,11 +411,21 @@ class PrivateTrainer(Trainer):
         path = os.path.join(checkpoint, PRIVACY_STATE)
         if not os.path.exists(path):
             raise ValueError(
-                f"{checkpoint} holds no {PRIVACY_STATE}: it is not a PrivateTrainer checkpoint "
-                "(resuming from it would lose the privacy state)")
-        super()._load_optimizer_and_scheduler(checkpoint)
+                f"{checkpoint} holds no {PRIVACY_STATE}: it is not a complete PrivateTrainer "
+                "checkpoint (a run stopped while saving it, or another trainer's); resume from an "
+                "earlier checkpoint, since resuming from this one would lose the privacy state")
         with open(path) as f:
-            self.privacy_engine.load_state_dict(json.load(f)["privacy"])
+            saved = json.load(f)
+        ledger = os.path.join(self.user_args.output_dir, LEDGER)
+        charged = int(saved["privacy"]["charges"])
+        if charged > self.privacy_engine.charges:
+            raise ValueError(
+                f"{checkpoint} was taken after {charged} charged steps, but the ledger {ledger} "
+                f"holds {self.privacy_engine.charges}: resume with the output_dir of the run "
+                f"that wrote the checkpoint ({saved.get('ledger', 'its ledger')}), so that its "
+                "ledger keeps counting every released step")
+        super()._load_optimizer_and_scheduler(checkpoint)
+        self.privacy_engine.load_state_dict(saved["privacy"])
 
     # ---- the end ---------------------------------------------------------------------------
 
@@ -422,6 +449,46 @@ def _is_datasets_dataset(dataset) -> bool:
     except ImportError:
         return False
     return isinstance(dataset, datasets.Dataset)
+
+
+def _refuse_ignored_or_coupling(args, kwargs: Dict[str, Any], cls) -> None:
+    """Trainer settings the private step would ignore, or that would make one example's gradient
+    depend on the others (Note [trainer loss]): refused, naming the setting."""
+    if getattr(args, "neftune_noise_alpha", None):
+        raise ValueError(
+            f"neftune_noise_alpha={args.neftune_noise_alpha}: NEFTune scales its embedding noise "
+            "by the micro-batch's padded length, so one example's gradient would depend on the "
+            "other examples' lengths; remove it")
+    if args.label_smoothing_factor:
+        raise ValueError(f"label_smoothing_factor={args.label_smoothing_factor}: the private "
+                         "Trainer's per-example losses do not smooth labels; set it to 0")
+    if args.torch_compile:
+        raise ValueError("torch_compile=True: the private model's DP layers run through "
+                         "dpzero's own autograd nodes, which torch.compile does not trace; "
+                         "remove it")
+    if args.auto_find_batch_size:
+        raise ValueError("auto_find_batch_size=True: the micro-batch bound is "
+                         "per_device_train_batch_size, and the logical batch (so q and σ) "
+                         "depends on it; set it yourself")
+    if args.include_num_input_tokens_seen not in ("no", False, None):
+        raise ValueError(
+            f"include_num_input_tokens_seen={args.include_num_input_tokens_seen!r}: the count "
+            "of tokens trained on releases the realised (Poisson) batch sizes, which are "
+            "private; remove it")
+    if kwargs.get("compute_loss_func") is not None:
+        raise ValueError("compute_loss_func: the private Trainer computes one loss per example "
+                         "(Note [trainer loss]); pass per_sample_loss=fn, fn(model, outputs, "
+                         "labels) -> [B], instead")
+    if cls.compute_loss is not Trainer.compute_loss:
+        raise ValueError(f"{cls.__name__} overrides compute_loss, which training does not call "
+                         "(Note [trainer loss]); pass per_sample_loss=fn instead")
+    for holder in (kwargs.get("processing_class"), kwargs.get("data_collator")):
+        tokenizer = getattr(holder, "tokenizer", holder)
+        if getattr(tokenizer, "padding_side", None) == "left":
+            raise ValueError(
+                "the tokenizer pads on the left: with position ids counted from the start of the "
+                "padded row, an example's positions would depend on the longest example of its "
+                "micro-batch; set tokenizer.padding_side = 'right'")
 
 
 def _refuse_parallel(args) -> None:
