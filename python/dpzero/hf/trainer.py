@@ -357,7 +357,8 @@ class PrivateTrainer(Trainer):
         total, rows = torch.zeros((), device=self.args.device), 0
         for micro in inputs:
             padding = self.privacy_engine.is_padding_batch
-            micro = self._prepare_inputs(micro)
+            if not _on_device(micro, self.args.device):
+                micro = self._prepare_inputs(micro)
             micro = dict(micro) if isinstance(micro, Mapping) else micro
             labels = micro.pop("labels", None) if isinstance(micro, dict) else None
             if labels is None:
@@ -441,6 +442,15 @@ class PrivateTrainer(Trainer):
             from ..train.report import write_report
             write_report(self.user_args.output_dir, delta=self.delta)
         return output
+
+
+def _on_device(batch, device) -> bool:
+    """Whether every tensor of a collated batch is already on ``device`` (the Trainer's
+    _prepare_inputs would then only add a .to() per tensor through the examples' tag)."""
+    values = batch.values() if isinstance(batch, Mapping) else [batch]
+    with torch._C.DisableTorchFunctionSubclass():
+        return all(v.device == torch.device(device) for v in values
+                   if isinstance(v, torch.Tensor))
 
 
 def _is_datasets_dataset(dataset) -> bool:
