@@ -397,3 +397,61 @@ def test_right_padding_keeps_each_example_s_loss_its_own():
             ids = torch.tensor([r["input_ids"]])
             alone = F.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:])
             torch.testing.assert_close(together[i], alone, rtol=1e-5, atol=1e-6)
+
+
+_JOB = """
+import os, signal, sys, torch, transformers
+sys.path.insert(0, {tests!r})
+from test_hf_trainer import gpt2, lm_data, trainer_args
+from dpzero.hf import PrivacyArguments, PrivateTrainer
+import pathlib
+
+class Kill(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == int(os.environ.get("KILL_AT", "0")):
+            os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no cleanup, no flush
+
+args = trainer_args(pathlib.Path({tmp!r}), max_steps=8, save_strategy="steps", save_steps=2)
+trainer = PrivateTrainer(model=gpt2(), args=args, train_dataset=lm_data(), callbacks=[Kill()],
+                         privacy_args=PrivacyArguments(noise_multiplier=1.0, seed=11))
+trainer.train(resume_from_checkpoint=bool(os.environ.get("RESUME")))
+"""
+
+
+def test_kill_9_then_resume_loses_nothing_and_counts_every_step_once(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    job = tmp_path / "job.py"
+    job.write_text(_JOB.format(tests=os.path.dirname(os.path.abspath(__file__)),
+                               tmp=str(tmp_path)))
+    env = dict(os.environ, KILL_AT="5")
+    killed = subprocess.run([sys.executable, str(job)], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    out = tmp_path / "out"
+    ledger = dpzero.Ledger.open_read_only(str(out / "ledger.jsonl"))
+    assert ledger.total_steps == 5  # every released step is on disk before its update
+    assert sorted(os.listdir(out))[:2] == ["checkpoint-2", "checkpoint-4"]
+    env = dict(os.environ, RESUME="1")
+    resumed = subprocess.run([sys.executable, str(job)], env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    # Steps 5..8 trained again from checkpoint-4: 4 more releases, 9 in the ledger; ε is the
+    # accountant's for 9 steps, and the report says so.
+    ledger = dpzero.Ledger.open_read_only(str(out / "ledger.jsonl"))
+    assert ledger.total_steps == 9
+    acc = dpzero.PRVAccountant()
+    acc.step(noise_multiplier=1.0, sample_rate=8 / N, num_steps=9)
+    delta = min(1e-5, 1 / (10 * N))
+    with open(out / "report.json") as f:
+        report = json.load(f)
+    assert report["steps"] == 9
+    prv = next(r for r in report["epsilon"]["results"] if r["accountant"] == "prv")
+    assert prv["epsilon"] == pytest.approx(float(acc.get_epsilon(delta)), rel=1e-6)
+    # The loss curve continues: steps 1..8 logged once each, finite.
+    with open(out / "checkpoint-8" / "trainer_state.json") as f:
+        history = [h for h in json.load(f)["log_history"] if "loss" in h]
+    assert [h["step"] for h in history] == list(range(1, 9))
+    assert all(math.isfinite(h["loss"]) for h in history)
+    assert [h["epsilon"] for h in history] == sorted(h["epsilon"] for h in history)
