@@ -455,3 +455,52 @@ def test_kill_9_then_resume_loses_nothing_and_counts_every_step_once(tmp_path):
     assert [h["step"] for h in history] == list(range(1, 9))
     assert all(math.isfinite(h["loss"]) for h in history)
     assert [h["epsilon"] for h in history] == sorted(h["epsilon"] for h in history)
+
+
+_RANKS_JOB = """
+import os, pathlib, sys, torch
+sys.path.insert(0, {tests!r})
+from test_hf_trainer import gpt2, lm_data, trainer_args
+from dpzero.hf import PrivacyArguments, PrivateTrainer
+
+out = pathlib.Path(sys.argv[1])
+args = trainer_args(out, max_steps=4, per_device_train_batch_size=int(sys.argv[2]),
+                    save_strategy="steps", save_steps=2)
+trainer = PrivateTrainer(model=gpt2(), args=args, train_dataset=lm_data(),
+                         privacy_args=PrivacyArguments(noise_multiplier=1.0, seed=11,
+                                                       zero_stage=int(sys.argv[3])))
+trainer.train()
+state = {{n: p.detach().clone() for n, p in trainer.model.state_dict().items()}}  # every rank
+if args.should_save:
+    torch.save({{"state": state, "charges": trainer.privacy_engine.charges,
+                "epsilon": trainer.epsilon(), "world": args.world_size}}, out / "final.pt")
+"""
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_two_ranks_under_torchrun_equal_one_rank(tmp_path, stage):
+    # The same expected logical batch (8: 4 x 2 accumulation on one rank, 2 x 2 on each of two)
+    # and seed give the same Poisson batches, split over the ranks, and the same noise: the
+    # weights after 4 steps agree to float rounding, and so do the charges and ε. Stage 3 also
+    # checkpoints sharded parameters and optimizer state through the Trainer's save.
+    import subprocess
+    import sys
+    job = tmp_path / "job.py"
+    job.write_text(_RANKS_JOB.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one = subprocess.run([sys.executable, str(job), str(tmp_path / "one"), "4", str(stage)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node=2", str(job), str(tmp_path / "two"), "2", str(stage)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = torch.load(tmp_path / "one" / "final.pt")
+    b = torch.load(tmp_path / "two" / "final.pt")
+    assert (a["world"], b["world"]) == (1, 2)
+    assert a["charges"] == b["charges"] == 4 and a["epsilon"] == pytest.approx(b["epsilon"])
+    init = gpt2().state_dict()
+    for name, value in a["state"].items():
+        torch.testing.assert_close(b["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert max(float((a["state"][n] - init[n]).abs().max()) for n in init) > 1e-3
+    assert os.path.exists(tmp_path / "two" / "out" / "checkpoint-2" / "dpzero_privacy.json")

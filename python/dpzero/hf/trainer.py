@@ -3,7 +3,8 @@
 What changes against the Trainer, and why:
 
 * **Batches.** The expected logical batch is ``per_device_train_batch_size x
-  gradient_accumulation_steps x world size`` examples, Poisson-sampled (q = that / N) by dpzero's
+  gradient_accumulation_steps x world size`` examples (``torchrun --nproc-per-node N``: each
+  process is one of dpzero's ranks, in the process group the Trainer's accelerate set up), Poisson-sampled (q = that / N) by dpzero's
   loader, which splits each logical batch into micro-batches of at most
   ``per_device_train_batch_size`` rows. Under Poisson sampling the number of micro-batches varies
   from step to step, so the Trainer's loop sees one item per optimizer step (a ``LogicalBatch``)
@@ -21,12 +22,14 @@ What changes against the Trainer, and why:
   progress bar; the ledger is ``output_dir/ledger.jsonl``; the report ``dpzero report`` makes is
   written to ``output_dir`` when training ends. A checkpoint holds the privacy state
   (``dpzero_privacy.json``: charges, sampler position, accountant history; never a secure-mode
-  key), and ``train(resume_from_checkpoint=...)`` continues from it.
+  key), and ``train(resume_from_checkpoint=...)`` continues from it. With several ranks every
+  rank reads the model's and the optimizer's state (a gather of the shards) and the main
+  process writes them.
 * **Randomness.** Without a ``PrivacyArguments.seed`` the noise and the sampling are secure mode's
   (ChaCha20 keyed from the OS); ``TrainingArguments.seed`` is public (42 by default) and is never
   the noise seed: whoever knows the seed can regenerate the noise.
 * **Refused** (ValueError naming the value): DDP / FSDP / DeepSpeed / DataParallel settings (dpzero
-  is its own data-parallel engine), several processes (not yet), ``weight_decay`` > 0 (the
+  is its own data-parallel engine), ``weight_decay`` > 0 (the
   engine's one parameter group cannot exempt biases and norm weights as the Trainer does), a
   ``max_grad_norm`` in the TrainingArguments that contradicts the per-sample one, other
   optimizers, a dataset without ``__len__``, a collator that changes the number of rows, a budget
@@ -56,6 +59,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_utils import has_length
 
 from ..accounting import get_noise_multiplier
@@ -247,11 +251,12 @@ class PrivateTrainer(Trainer):
                 "needs the dataset size N (q = batch / N), and an iterable dataset cannot be "
                 "sampled that way")
         n = len(dataset)
-        world = 1
+        world = args.world_size  # torchrun's processes: dpzero's ranks
         expected = args.per_device_train_batch_size * self.accumulation_steps * world
         if expected > n:
             raise ValueError(f"the expected logical batch ({expected} = per_device_train_batch_"
-                             f"size x gradient_accumulation_steps) exceeds the dataset ({n})")
+                             f"size x gradient_accumulation_steps x {world} processes) exceeds "
+                             f"the dataset ({n})")
         q = expected / n
         steps_per_epoch = max(1, int(1.0 / q))
         steps = args.max_steps if args.max_steps > 0 else math.ceil(
@@ -329,7 +334,8 @@ class PrivateTrainer(Trainer):
         return _LogicalBatches(self._private.data_loader, self.privacy_engine)
 
     def get_total_train_batch_size(self, args) -> int:
-        return self.user_args.per_device_train_batch_size * self.accumulation_steps
+        return (self.user_args.per_device_train_batch_size * self.accumulation_steps
+                * self.user_args.world_size)
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         # The private model is its own data-parallel wrapper (no DDP / FSDP around it).
@@ -392,9 +398,21 @@ class PrivateTrainer(Trainer):
 
     # ---- checkpoints -----------------------------------------------------------------------
 
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        # Every rank reads the state dict (with several ranks at stage 3 that is a gather of the
+        # sharded parameters, a collective); the main process writes it.
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        self._save(output_dir, state_dict=self.model.state_dict())
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)
+        # DPOptimizer.state_dict() gathers the engine's shards: every rank calls it (the Trainer
+        # calls it on the main process only), the main process writes it.
+        optimizer = self.optimizer.state_dict()
         if self.args.should_save:
+            torch.save(optimizer, os.path.join(output_dir, OPTIMIZER_NAME))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
             state = self.privacy_engine.state_dict()  # no secure-mode key
             tmp = os.path.join(output_dir, PRIVACY_STATE + ".tmp")
             with open(tmp, "w") as f:
@@ -513,7 +531,3 @@ def _refuse_parallel(args) -> None:
     if args.n_gpu > 1:
         raise ValueError(f"{args.n_gpu} GPUs in one process would use torch.nn.DataParallel; "
                          "run one process per GPU (set CUDA_VISIBLE_DEVICES)")
-    if args.world_size > 1:
-        raise ValueError(f"world_size={args.world_size}: PrivateTrainer runs one process for "
-                         "now (several ranks through dpzero's engine are not wired into the "
-                         "Trainer yet); use dpzero.make_private under torchrun")
