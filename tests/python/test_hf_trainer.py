@@ -233,6 +233,9 @@ def _drop_last_row(rows):
     ("loss_func", r"compute_loss_func: .* per_sample_loss"),
     ("left_padding", r"pads on the left"),
     ("seed_and_secure", r"seed=5 with secure_mode=True"),
+    ("bf16", r"fp16 / bf16 TrainingArguments"),
+    ("save_only_model", r"save_only_model=True"),
+    ("peft_stage_3", r"zero_stage=3 with a PEFT model"),
     ("weight_decay", r"weight_decay=0.1"),
     ("optim", r"optim='adafactor'"),
     ("max_grad_norm", r"max_grad_norm=0.3"),
@@ -259,6 +262,12 @@ def test_bad_settings_are_refused_naming_the_value(tmp_path, case, match):
         kw["processing_class"] = _tokenizer(padding_side="left")
     elif case == "seed_and_secure":
         privacy = PrivacyArguments(target_epsilon=2.0, seed=5, secure_mode=True)
+    elif case == "bf16":
+        extra["bf16"] = True
+    elif case == "save_only_model":
+        extra["save_only_model"] = True
+    elif case == "peft_stage_3":
+        privacy = PrivacyArguments(target_epsilon=2.0, zero_stage=3)
     elif case == "weight_decay":
         extra["weight_decay"] = 0.1
     elif case == "optim":
@@ -274,8 +283,9 @@ def test_bad_settings_are_refused_naming_the_value(tmp_path, case, match):
         privacy = PrivacyArguments(target_epsilon=1e-6)
     elif case == "no_privacy":
         privacy = PrivacyArguments()
+    model = gpt2_lora() if case == "peft_stage_3" else gpt2()
     with pytest.raises(ValueError, match=match):
-        PrivateTrainer(model=gpt2(), args=trainer_args(tmp_path, **extra), train_dataset=data,
+        PrivateTrainer(model=model, args=trainer_args(tmp_path, **extra), train_dataset=data,
                        privacy_args=privacy, **kw)
 
 
@@ -465,8 +475,9 @@ from dpzero.hf import PrivacyArguments, PrivateTrainer
 
 out = pathlib.Path(sys.argv[1])
 args = trainer_args(out, max_steps=4, per_device_train_batch_size=int(sys.argv[2]),
-                    save_strategy="steps", save_steps=2)
+                    save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2)
 trainer = PrivateTrainer(model=gpt2(), args=args, train_dataset=lm_data(),
+                         eval_dataset=lm_data(8, seed=9),
                          privacy_args=PrivacyArguments(noise_multiplier=1.0, seed=11,
                                                        zero_stage=int(sys.argv[3])))
 trainer.train()
@@ -482,7 +493,9 @@ def test_two_ranks_under_torchrun_equal_one_rank(tmp_path, stage):
     # The same expected logical batch (8: 4 x 2 accumulation on one rank, 2 x 2 on each of two)
     # and seed give the same Poisson batches, split over the ranks, and the same noise: the
     # weights after 4 steps agree to float rounding, and so do the charges and ε. Stage 3 also
-    # checkpoints sharded parameters and optimizer state through the Trainer's save.
+    # checkpoints sharded parameters and optimizer state through the Trainer's save. Both runs
+    # evaluate every 2 steps: evaluation must leave the private model's parameters the engine's
+    # (under torchrun the Trainer's accelerate preparation moved them to new storage once).
     import subprocess
     import sys
     job = tmp_path / "job.py"
@@ -504,3 +517,32 @@ def test_two_ranks_under_torchrun_equal_one_rank(tmp_path, stage):
         torch.testing.assert_close(b["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert max(float((a["state"][n] - init[n]).abs().max()) for n in init) > 1e-3
     assert os.path.exists(tmp_path / "two" / "out" / "checkpoint-2" / "dpzero_privacy.json")
+
+
+@pytest.mark.parametrize("head", ["BartForCausalLM", "GPT2LMHeadModel", "LlamaForCausalLM"])
+def test_per_example_loss_shifts_as_the_model_s_own_loss(head):
+    # Note [trainer loss]: a causal LM head's labels are shifted by one only where the model's
+    # own loss shifts them (GPT-2, Llama); the decoders of encoder-decoder families (Bart, ...)
+    # take labels already shifted. Reference: the model's own loss, one example at a time with
+    # every label valid (its mean is then the example's mean).
+    from dpzero.hf.losses import default_per_sample_loss
+    torch.manual_seed(0)
+    if head == "BartForCausalLM":
+        model = transformers.BartForCausalLM(transformers.BartConfig(
+            vocab_size=VOCAB, d_model=16, decoder_layers=1, decoder_attention_heads=2,
+            decoder_ffn_dim=32, max_position_embeddings=T, dropout=0.0))
+    elif head == "GPT2LMHeadModel":
+        model = gpt2()
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=T))
+    model.eval()
+    ids = torch.randint(0, VOCAB, (3, T), generator=torch.Generator().manual_seed(4))
+    labels = torch.randint(0, VOCAB, (3, T), generator=torch.Generator().manual_seed(5))
+    loss = default_per_sample_loss(model)
+    with torch.no_grad():
+        got = loss(model, model(input_ids=ids), labels)
+        want = torch.stack([model(input_ids=ids[i:i + 1], labels=labels[i:i + 1]).loss
+                            for i in range(3)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

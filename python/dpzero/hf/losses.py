@@ -12,8 +12,8 @@ L = (sum of token losses) / (tokens in the micro-batch), so example i's gradient
 
 The private Trainer therefore never back-propagates the model's own loss. It runs the model
 without labels and computes each example's loss from the logits here: a token-level head's loss
-of example i is the mean over example i's own labelled tokens (shifted by one for causal LMs, as
-the model's loss shifts them; labels -100 are ignored), a sequence-classification head's is
+of example i is the mean over example i's own labelled tokens (shifted by one for causal LMs whose
+own loss shifts them, not for the decoders that take shifted labels; labels -100 are ignored), a sequence-classification head's is
 example i's cross-entropy, squared error or multi-label BCE (the config's ``problem_type``, or the
 inference Hugging Face makes without one). The step back-propagates sum_i loss_i
 (``loss_reduction="sum"``): every example's gradient is its own loss's gradient, whatever the
@@ -40,6 +40,14 @@ PerSampleLoss = Callable[[nn.Module, object, torch.Tensor], torch.Tensor]
 # against their sources; XLNet's and XLM's LMHeadModels do not shift, so a suffix rule would be
 # wrong for them).
 _SHIFTED_LM_HEADS = frozenset({"GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel"})
+# *ForCausalLM heads whose own loss does NOT shift (their labels come shifted: the decoders of
+# encoder-decoder families; checked against transformers 5.23's sources, which compute
+# loss_fct(logits.view(-1, V), labels.view(-1))).
+_UNSHIFTED_CAUSAL_HEADS = frozenset({
+    "BartForCausalLM", "MBartForCausalLM", "MarianForCausalLM", "PegasusForCausalLM",
+    "BlenderbotForCausalLM", "BlenderbotSmallForCausalLM", "PLBartForCausalLM", "MvpForCausalLM",
+    "BigBirdPegasusForCausalLM", "TrOCRForCausalLM", "WhisperForCausalLM",
+})
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
@@ -90,6 +98,8 @@ def default_per_sample_loss(model: nn.Module) -> PerSampleLoss:
     """Note [trainer loss]: the per-sample loss for ``model``'s head; ValueError naming the class
     when dpzero has none."""
     name = head_name(model)
+    if name in _UNSHIFTED_CAUSAL_HEADS:
+        return lambda m, outputs, labels: token_losses(outputs.logits, labels, shift=False)
     if name.endswith("ForCausalLM") or name in _SHIFTED_LM_HEADS:
         return lambda m, outputs, labels: token_losses(outputs.logits, labels, shift=True)
     if name.endswith("ForMaskedLM") or name.endswith("ForTokenClassification"):

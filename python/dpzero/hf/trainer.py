@@ -35,8 +35,10 @@ What changes against the Trainer, and why:
   optimizers, a dataset without ``__len__``, a collator that changes the number of rows, a budget
   that cannot be met; settings that would couple examples (NEFTune, a left-padding tokenizer) or
   that the private step would ignore (``label_smoothing_factor``, ``torch_compile``,
-  ``auto_find_batch_size``, ``compute_loss_func``, an overridden ``compute_loss``); and
-  ``include_num_input_tokens_seen``, whose count would release the realised batch sizes.
+  ``auto_find_batch_size``, ``compute_loss_func``, an overridden ``compute_loss``);
+  ``include_num_input_tokens_seen``, whose count would release the realised batch sizes;
+  ``fp16`` / ``bf16`` (accelerate would cast or autocast outside the private step),
+  ``push_to_hub`` and ``save_only_model``; a PEFT model at ZeRO stage 3.
 
 Released: ε, δ, the learning rate and the step count. The Trainer's ``total_flos`` is not counted
 (from real rows it would release the realised batch sizes). The training loss the Trainer logs is
@@ -187,7 +189,8 @@ class _PrivacyCallback(TrainerCallback):
             t.budget_stop = (f"the privacy budget ε = {engine.budget[0]} at δ = "
                              f"{engine.budget[1]:.3g} is spent after {engine.charges} steps; "
                              "training stops here")
-            print(f"[dpzero] {t.budget_stop}")
+            if t.is_world_process_zero():
+                print(f"[dpzero] {t.budget_stop}")
             control.should_training_stop = True
             control.should_save = True
         return control
@@ -234,6 +237,10 @@ class PrivateTrainer(Trainer):
         super().__init__(model=model, args=inner, **kwargs)
         self.user_args = args
         self.per_sample_loss = per_sample_loss or default_per_sample_loss(self.model)
+        if hasattr(self.model, "get_base_model") and self.privacy_args.zero_stage == 3:
+            raise ValueError("zero_stage=3 with a PEFT model: the engine cannot yet shard a "
+                             "model whose frozen base holds most parameters (its first forward "
+                             "fails); use zero_stage 0-2 for adapters")
         self.budget_stop: Optional[str] = None
         self._attach_private()
         self.add_callback(_PrivacyCallback(self))
@@ -338,10 +345,11 @@ class PrivateTrainer(Trainer):
                 * self.user_args.world_size)
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
-        # The private model is its own data-parallel wrapper (no DDP / FSDP around it).
-        if training:
-            return self._private.model
-        return super()._wrap_model(model, training=training, dataloader=dataloader)
+        # The private model is its own data-parallel wrapper (no DDP / FSDP around it), in
+        # evaluation too: the Trainer prepares a bare self.model with accelerate there, whose
+        # .to() under torchrun would give the parameters new storage, cut off from the engine's
+        # (the weights would stop changing while every step is still charged).
+        return self._private.model
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches = []
@@ -498,6 +506,18 @@ def _refuse_ignored_or_coupling(args, kwargs: Dict[str, Any], cls) -> None:
         raise ValueError("auto_find_batch_size=True: the micro-batch bound is "
                          "per_device_train_batch_size, and the logical batch (so q and σ) "
                          "depends on it; set it yourself")
+    if args.fp16 or args.bf16 or args.fp16_full_eval or args.bf16_full_eval:
+        raise ValueError(
+            "fp16 / bf16 TrainingArguments: accelerate would cast or autocast the model outside "
+            "the private step (and casting its parameters cuts them off from the engine's "
+            "masters); not supported by PrivateTrainer yet, train in float32")
+    if args.push_to_hub:
+        raise ValueError("push_to_hub=True: the Trainer would upload checkpoints (their privacy "
+                         "state, and in seeded mode the noise seed) and a model card with the "
+                         "training loss, which ε does not cover; push the final model yourself")
+    if args.save_only_model:
+        raise ValueError("save_only_model=True: checkpoints would hold no optimizer or privacy "
+                         "state, so a resume could not continue the accounting; remove it")
     if args.include_num_input_tokens_seen not in ("no", False, None):
         raise ValueError(
             f"include_num_input_tokens_seen={args.include_num_input_tokens_seen!r}: the count "
