@@ -546,3 +546,26 @@ def test_per_example_loss_shifts_as_the_model_s_own_loss(head):
         want = torch.stack([model(input_ids=ids[i:i + 1], labels=labels[i:i + 1]).loss
                             for i in range(3)])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_resume_loads_the_checkpoint_s_weights(tmp_path):
+    # Resumed at its last step, a run trains nothing: the private model then holds exactly the
+    # checkpoint's weights (the Trainer's load reached the engine's parameters).
+    from safetensors.torch import load_file
+    args = trainer_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    privacy = PrivacyArguments(noise_multiplier=1.0)
+    first = PrivateTrainer(model=gpt2(), args=args, train_dataset=lm_data(), privacy_args=privacy)
+    first.train()
+    del first
+    gc.collect()
+    ckpt = os.path.join(args.output_dir, "checkpoint-2")
+    saved = load_file(os.path.join(ckpt, "model.safetensors"))
+    again = PrivateTrainer(model=gpt2(seed=5), args=args, train_dataset=lm_data(),
+                           privacy_args=privacy)
+    again.train(resume_from_checkpoint=ckpt)
+    state = again.model.state_dict()
+    assert again.privacy_engine.charges == 2  # nothing trained
+    for name, value in saved.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
+    assert any(not torch.equal(value, gpt2(seed=5).state_dict()[name])
+               for name, value in saved.items())

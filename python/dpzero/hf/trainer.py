@@ -121,19 +121,23 @@ class LogicalBatch:
 
 class _LogicalBatches:
     """What the Trainer's loop iterates: one LogicalBatch per step, ``len`` the steps of an
-    epoch (int(1/q), as σ was calibrated)."""
+    epoch (int(1/q), as σ was calibrated). An iteration yields no more than ``steps_left()``: a
+    resumed run does not skip data (the private loader continues from the sampler's position),
+    so the Trainer's loop would otherwise run one step past max_steps before its flow callback
+    stops it."""
 
-    def __init__(self, loader, engine) -> None:
+    def __init__(self, loader, engine, steps_left) -> None:
         self.loader = loader
         self.dataset = loader.dataset
         self._engine = engine
+        self._steps_left = steps_left
 
     def __len__(self) -> int:
         return self.loader.steps_per_epoch
 
     def __iter__(self):
         it = iter(self.loader)
-        for _ in range(self.loader.steps_per_epoch):
+        for _ in range(min(self.loader.steps_per_epoch, max(0, self._steps_left()))):
             yield LogicalBatch(it, self._engine)
 
 
@@ -338,7 +342,8 @@ class PrivateTrainer(Trainer):
     # ---- the loop's hooks ------------------------------------------------------------------
 
     def get_train_dataloader(self):
-        return _LogicalBatches(self._private.data_loader, self.privacy_engine)
+        return _LogicalBatches(self._private.data_loader, self.privacy_engine,
+                               lambda: self.state.max_steps - self.state.global_step)
 
     def get_total_train_batch_size(self, args) -> int:
         return (self.user_args.per_device_train_batch_size * self.accumulation_steps
