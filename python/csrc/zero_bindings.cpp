@@ -257,6 +257,9 @@ void bind_zero(py::module_ m) {
           py::arg("eps"), py::arg("amsgrad"),
           "New hyperparameters for the next steps (src/zero/optim.h set_options); the kind and "
           "amsgrad cannot change.")
+      .def("set_decay_exempt", &ZeroState::set_decay_exempt, py::arg("unit"), py::arg("exempt"),
+           "Note [weight decay runs] (src/zero/optim.h): unit `unit`'s parameter i gets no "
+           "weight decay when exempt[i].")
       .def(
           "gathered_state",
           [](ZeroState& s, int64_t u) {

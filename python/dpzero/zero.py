@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -233,6 +234,25 @@ class ShardedModule:
         return out
 
 
+def _decay_exempt(model: nn.Module, names: Iterable[str] | None) -> set[int]:
+    """ids of the trainable parameters named in ``names`` (aliases of tied parameters count);
+    ValueError naming one that is not a trainable parameter of ``model``."""
+    if names is None:
+        return set()
+    if isinstance(names, str):
+        raise TypeError(f"weight_decay_exempt must be a collection of parameter names, got the "
+                        f"string {names!r}")
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    out = set()
+    for name in names:
+        param = by_name.get(name)
+        if param is None or not param.requires_grad:
+            raise ValueError(f"weight_decay_exempt: {name!r} is not a trainable parameter of "
+                             f"the model ({'frozen' if param is not None else 'no such name'})")
+        out.add(id(param))
+    return out
+
+
 def _sync_other_state(module: nn.Module, process_group) -> None:
     """Broadcast rank 0's buffers and frozen parameters (the engine syncs the trainable ones)."""
     for tensor in list(module.buffers()) + [p for p in module.parameters() if not p.requires_grad]:
@@ -248,6 +268,7 @@ def shard(
     optimizer: str = "adamw",
     lr: float = 1e-3,
     weight_decay: float | None = None,
+    weight_decay_exempt: Iterable[str] | None = None,
     momentum: float = 0.0,
     dampening: float = 0.0,
     nesterov: bool = False,
@@ -272,6 +293,10 @@ def shard(
 
     optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"``, with torch.optim's hyperparameters and
         defaults (``weight_decay=None`` means torch's default: 0 for SGD and Adam, 0.01 for AdamW).
+    weight_decay_exempt: names (as ``model.named_parameters()`` gives them, or a tied alias) of
+        trainable parameters weight decay skips: torch.optim's usual second parameter group
+        with ``weight_decay=0`` for biases and norm weights (Note [weight decay runs] in
+        src/zero/optim.h).
     process_group: a ``torch.distributed`` process group; ``None`` takes the default group when
         torch.distributed is initialised, else runs as a single rank.
     units: module names to make units (see the module docstring); ``None`` for the default.
@@ -314,6 +339,7 @@ def shard(
     explicit = units is not None
     unit_names = list(units) if explicit else default_units(model)
     planned, total = _plan_units(model, unit_names, explicit)
+    exempt = _decay_exempt(model, weight_decay_exempt)
     if process_group is not None and sync_module_states:
         _sync_other_state(model, process_group)
     state = _zero.ZeroState(
@@ -345,6 +371,9 @@ def shard(
         prefetch,
         offload_params,
     )
+    if exempt:
+        for u, (_, members) in enumerate(planned):
+            state.set_decay_exempt(u, [id(p) in exempt for _, p, _ in members])
     handles = []
     if param_dtype != torch.float32:
         handles += _register_input_casts(model, planned, param_dtype)

@@ -27,12 +27,10 @@ class ShardAdam final : public ShardOptimizer {
     }
     ++steps_;
     at::Tensor grad = o.maximize ? grad_in.neg() : grad_in;
-    if (o.weight_decay != 0.0) {
-      if (o.kind == OptimizerKind::kAdamW) {
-        param.mul_(1.0 - o.lr * o.weight_decay);
-      } else {
-        grad = grad.add(param, o.weight_decay);
-      }
+    if (o.kind == OptimizerKind::kAdamW) {
+      decoupled_decay(param);
+    } else {
+      grad = coupled_decay(grad, param);
     }
     exp_avg_.lerp_(grad, 1.0 - o.beta1);
     exp_avg_sq_.mul_(o.beta2).addcmul_(grad, grad, 1.0 - o.beta2);

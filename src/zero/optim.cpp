@@ -68,6 +68,47 @@ void ShardOptimizer::set_lr(double lr) {
   options_.lr = lr;
 }
 
+void ShardOptimizer::set_decayed_runs(
+    std::optional<std::vector<std::pair<int64_t, int64_t>>> runs) {
+  decayed_runs_ = std::move(runs);
+}
+
+void ShardOptimizer::check_runs(int64_t n) const {
+  int64_t last = 0;
+  for (const auto& [begin, end] : *decayed_runs_) {
+    TORCH_CHECK(begin >= last && begin < end && end <= n, "weight decay run [", begin, ", ", end,
+                ") is empty, overlaps the one before it or leaves the shard [0, ", n, ")");
+    last = end;
+  }
+}
+
+at::Tensor ShardOptimizer::coupled_decay(const at::Tensor& grad, const at::Tensor& param) const {
+  const double wd = options_.weight_decay;
+  if (wd == 0.0) return grad;
+  if (!decayed_runs_) return grad.add(param, wd);
+  check_runs(param.numel());
+  if (decayed_runs_->empty()) return grad;
+  at::Tensor out = grad.clone();  // [n]
+  for (const auto& [begin, end] : *decayed_runs_) {
+    out.narrow(0, begin, end - begin).add_(param.narrow(0, begin, end - begin), wd);
+  }
+  return out;
+}
+
+void ShardOptimizer::decoupled_decay(at::Tensor& param) const {
+  const double wd = options_.weight_decay;
+  if (wd == 0.0) return;
+  const double factor = 1.0 - options_.lr * wd;
+  if (!decayed_runs_) {
+    param.mul_(factor);
+    return;
+  }
+  check_runs(param.numel());
+  for (const auto& [begin, end] : *decayed_runs_) {
+    param.narrow(0, begin, end - begin).mul_(factor);
+  }
+}
+
 void check_options_change(const OptimizerOptions& current, const OptimizerOptions& next) {
   TORCH_CHECK(next.kind == current.kind, "the optimizer kind cannot change during a run");
   TORCH_CHECK(next.amsgrad == current.amsgrad, "amsgrad cannot change during a run (it is ",

@@ -12,13 +12,27 @@
 // and zero value, so every update leaves it zero).
 //
 // Differences from torch.optim, by design: there are no parameter groups (one set of
-// hyperparameters for all coordinates), and a coordinate whose parameter got no gradient is
-// updated with a zero gradient (weight decay and momentum still act on it), where torch.optim
-// skips a parameter whose .grad is None.
+// hyperparameters for all coordinates, except that weight decay may exempt some: Note [weight
+// decay runs]), and a coordinate whose parameter got no gradient is updated with a zero gradient
+// (weight decay and momentum still act on it), where torch.optim skips a parameter whose .grad
+// is None.
+//
+// Note [weight decay runs]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// The usual fine-tuning recipe (transformers.Trainer, most Opacus and HF scripts) gives torch.optim
+// two parameter groups that differ only in weight_decay: biases and norm weights get none. A
+// shard holds coordinates of several parameters, so the exemption is a set of coordinate runs:
+// set_decayed_runs lists the [begin, end) ranges of the shard that weight decay acts on (each a
+// decayed parameter's coordinates, or the part of it the shard holds; adjacent ones merged), and
+// nothing else decays. On each run the optimizer applies torch's own decay op to a view of the
+// shard (grad.add(param, wd) for SGD and Adam, param.mul_(1 - lr·wd) for AdamW), so a decayed
+// coordinate is updated as torch.optim's decayed group updates it and an exempt one as its
+// weight_decay=0 group does. Without runs every coordinate decays (torch's single group).
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -80,6 +94,12 @@ class ShardOptimizer {
 
   const OptimizerOptions& options() const { return options_; }
   void set_lr(double lr);
+  // Note [weight decay runs]: weight decay acts only on these [begin, end) ranges of the shard
+  // (sorted, disjoint, within [0, n)); nullopt: on every coordinate. Checked at the next step.
+  void set_decayed_runs(std::optional<std::vector<std::pair<int64_t, int64_t>>> runs);
+  const std::optional<std::vector<std::pair<int64_t, int64_t>>>& decayed_runs() const {
+    return decayed_runs_;
+  }
   // New hyperparameters for the next steps (an LR scheduler cycling momentum or betas, a
   // param_groups entry changed by hand), checked by check_options_change.
   void set_options(const OptimizerOptions& options);
@@ -91,8 +111,19 @@ class ShardOptimizer {
   static std::vector<at::Tensor> take_entries(
       const std::vector<std::pair<std::string, at::Tensor>>& state,
       const std::vector<std::string>& expected, int64_t n, const char* optimizer);
+  // torch's coupled decay (SGD, Adam): grad + weight_decay·param on the decayed coordinates,
+  // grad elsewhere; a new tensor when anything decays, else `grad` itself. param, grad: [n].
+  at::Tensor coupled_decay(const at::Tensor& grad, const at::Tensor& param) const;
+  // AdamW's decoupled decay: param *= 1 - lr·weight_decay on the decayed coordinates. param: [n].
+  void decoupled_decay(at::Tensor& param) const;
+
   OptimizerOptions options_;
   int64_t steps_ = 0;
+
+ private:
+  // Checks that the runs lie sorted and disjoint within [0, n); errors name the bad run.
+  void check_runs(int64_t n) const;
+  std::optional<std::vector<std::pair<int64_t, int64_t>>> decayed_runs_;
 };
 
 std::unique_ptr<ShardOptimizer> make_shard_optimizer(const OptimizerOptions& options);

@@ -219,6 +219,37 @@ std::pair<int64_t, int64_t> ParamGroup::kept_range() const {
   return {flat_.rank() * m, (flat_.rank() + 1) * m};
 }
 
+void ParamGroup::set_decay_exempt(const std::vector<bool>& exempt) {
+  const UnitLayout& layout = flat_.layout();
+  const std::vector<ParamSpec>& params = layout.params();
+  TORCH_CHECK(exempt.size() == params.size(), "unit '", name_, "': ", exempt.size(),
+              " weight decay flags for ", params.size(), " parameters");
+  if (std::none_of(exempt.begin(), exempt.end(), [](bool e) { return e; })) {
+    optimizer_->set_decayed_runs(std::nullopt);  // every coordinate decays
+    return;
+  }
+  const auto [begin, end] = kept_range();
+  std::vector<std::pair<int64_t, int64_t>> runs;  // relative to begin
+  bool extend = false;  // parameter i - 1 decays and runs.back() ends with it
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t lo = std::max(layout.flat_offsets()[i], begin);
+    const int64_t hi = std::min(layout.flat_offsets()[i] + params[i].numel, end);
+    if (exempt[i] || lo >= hi) {
+      extend = false;
+      continue;
+    }
+    // Only alignment padding (zero values and gradients) lies between parameters adjacent in
+    // layout order, so two decayed neighbours share one run.
+    if (extend) {
+      runs.back().second = hi - begin;
+    } else {
+      runs.emplace_back(lo - begin, hi - begin);
+    }
+    extend = true;
+  }
+  optimizer_->set_decayed_runs(std::move(runs));
+}
+
 std::vector<std::pair<std::string, at::Tensor>> ParamGroup::owned_state() const {
   const int64_t m = flat_.layout().shard_numel();
   // Stage 0 keeps every coordinate: its slice of the full buffer and of the full state.

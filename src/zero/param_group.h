@@ -191,6 +191,10 @@ class ParamGroup {
   std::vector<std::pair<std::string, at::Tensor>> owned_state() const;
   // The flat coordinates [begin, end) this rank keeps master values and optimizer state for.
   std::pair<int64_t, int64_t> kept_range() const;
+  // Note [weight decay runs] in optim.h: parameter i (layout order) gets no weight decay when
+  // exempt[i]; sets the optimizer's decayed runs over kept_range(). exempt: one flag per
+  // parameter; TORCH_CHECK naming a count mismatch.
+  void set_decay_exempt(const std::vector<bool>& exempt);
   // Note [checkpoint slices]: restores "param" and the optimizer state over kept_range() (each
   // entry [end - begin]) and the optimizer's step count, then makes the parameters consistent
   // (stages 1–2 all-gather: a collective; stage 3 leaves them freed) and drops all gradients.

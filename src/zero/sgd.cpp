@@ -16,7 +16,7 @@ class ShardSgd final : public ShardOptimizer {
                 " and grad ", grad_in.sizes(), " differ in shape");
     const OptimizerOptions& o = options_;
     at::Tensor grad = o.maximize ? grad_in.neg() : grad_in;
-    if (o.weight_decay != 0.0) grad = grad.add(param, o.weight_decay);
+    grad = coupled_decay(grad, param);
     if (o.momentum != 0.0) {
       if (!momentum_buffer_.defined()) {
         momentum_buffer_ = grad.detach().clone();  // [n]

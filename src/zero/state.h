@@ -156,6 +156,11 @@ class ZeroState {
   void set_lr(double lr);
   // ShardOptimizer::set_options on every unit (checked once, before any unit changes).
   void set_optimizer_options(const OptimizerOptions& options);
+  // Note [weight decay runs] in optim.h: unit `unit`'s parameter i gets no weight decay when
+  // exempt[i] (one flag per parameter, in the unit's order).
+  void set_decay_exempt(int64_t unit, const std::vector<bool>& exempt) {
+    group(unit).set_decay_exempt(exempt);
+  }
   // Unit `unit`'s owned_state() entries ("param" and the optimizer's state), each gathered over
   // the ranks to the whole flat layout [padded_numel] (a copy; all-gathers when W > 1: call on
   // every rank). The step count is group(unit).optimizer().steps().

@@ -67,17 +67,19 @@ def _ledger_charges(run_dir):
 
 
 def _checkpoints_are_whole(run_dir):
-    """Every step directory the root holds is committed (has its manifest), and latest names
-    one of them. Returns the latest step (0 without a checkpoint)."""
+    """Every step directory the root holds is committed (has its manifest), and latest, when
+    there is one, names one of them. Returns the newest committed step, where a resume starts
+    (0 without a checkpoint): a crash right after a commit leaves latest one behind."""
     root = run_dir / "checkpoints"
-    if not (root / "latest").exists():
-        return 0
-    steps = sorted(p for p in root.iterdir() if p.name.startswith("step-"))
+    steps = sorted(p for p in root.iterdir() if p.name.startswith("step-")) \
+        if root.exists() else []
     for p in steps:
         assert (p / "manifest.json").exists(), f"{p} is a torn checkpoint"
-    latest = dpzero.checkpoint.resolve(str(root))
-    assert os.path.basename(latest) in {p.name for p in steps}
-    return int(json.loads((root / os.path.basename(latest) / "manifest.json").read_text())["step"])
+    if (root / "latest").exists():
+        latest = dpzero.checkpoint.resolve(str(root))
+        assert os.path.basename(latest) in {p.name for p in steps}
+    return max((int(json.loads((p / "manifest.json").read_text())["step"]) for p in steps),
+               default=0)
 
 
 def _resume_and_check(config, run_dir, charged_before, checkpoint_step, *extra):
@@ -205,6 +207,21 @@ def test_a_killed_launcher_takes_every_rank_with_it_and_no_charge_is_lost(tmp_pa
     result, _ = _resume_and_check(config, run_dir, charged_before=charged,
                                   checkpoint_step=checkpoint)
     assert math.isfinite(result["epsilon"]) and result["accuracy"] > 0.2
+
+
+def test_a_crash_between_a_commit_and_latest_resumes_from_the_committed_step(tmp_path):
+    # Note [checkpoint commit]: killed after step-4 is committed, before latest names it (the
+    # first save, so there is no latest at all). The resume starts from step 4; from the step
+    # before it, it would retrain to step 4 and refuse to overwrite the committed step-4.
+    run_dir = tmp_path / "run"
+    config, _ = _config(tmp_path, run_dir)
+    out = _train(config, env={"DPZERO_CHECKPOINT_FAULT": "before_latest:0"})
+    assert out.returncode != 0 and "before_latest" in out.stderr, out.stderr[-2000:]
+    assert not (run_dir / "checkpoints" / "latest").exists()
+    assert _checkpoints_are_whole(run_dir) == EVERY
+    charged = len(_ledger_charges(run_dir)[0])
+    assert charged >= EVERY
+    _resume_and_check(config, run_dir, charged_before=charged, checkpoint_step=EVERY)
 
 
 def test_a_second_job_in_a_running_jobs_directory_is_refused(tmp_path):

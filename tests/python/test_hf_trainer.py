@@ -142,6 +142,44 @@ def test_trainer_steps_equal_make_private(tmp_path, kind, c):
         assert {n for n, v in moved.items() if v > 0} == {n for n in moved if "lora_" in n}
 
 
+def test_weight_decay_exempts_what_the_trainer_exempts(tmp_path):
+    # AdamW with weight_decay: the Trainer's split (biases and LayerNorm weights undecayed) must
+    # reach the private step. Reference: make_private with torch's two groups, split by name.
+    steps = 3
+    trainer = PrivateTrainer(
+        model=gpt2(), args=trainer_args(tmp_path, max_steps=steps, optim="adamw_torch",
+                                        weight_decay=0.1, learning_rate=0.05),
+        train_dataset=lm_data(),
+        privacy_args=PrivacyArguments(noise_multiplier=0.0, allow_no_noise=True,
+                                      max_grad_norm=0.5, seed=3))
+    trainer.train()
+    got = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    model = gpt2()
+    named = list(model.named_parameters())
+    exempt = [q for n, q in named if n.endswith(".bias") or ".ln_" in n]
+    assert len(exempt) > 4
+    groups = [{"params": [q for n, q in named if not (n.endswith(".bias") or ".ln_" in n)],
+               "weight_decay": 0.1}, {"params": exempt, "weight_decay": 0.0}]
+    p = dpzero.make_private(
+        model, data_loader=DataLoader(lm_data(), batch_size=8,
+                                      collate_fn=transformers.default_data_collator),
+        noise_multiplier=0.0, allow_no_noise=True, max_grad_norm=0.5, max_physical_batch_size=4,
+        seed=3, loss_reduction="sum", optimizer=torch.optim.AdamW(groups, lr=0.05))
+    taken = 0
+    while taken < steps:
+        for batch in p.data_loader:
+            example_loss("gpt2", p.model, batch).sum().backward()
+            if p.optimizer.step():
+                taken += 1
+            p.optimizer.zero_grad()
+            if taken == steps:
+                break
+    for n, q in model.named_parameters():
+        torch.testing.assert_close(got[n], q.detach(), rtol=1e-5, atol=1e-6, msg=n)
+    assert trainer.optimizer.param_groups[0]["weight_decay"] == 0.1
+
+
 def test_epsilon_is_the_accountants_and_evaluation_is_free(tmp_path):
     data = lm_data()
     trainer = PrivateTrainer(
@@ -236,7 +274,6 @@ def _drop_last_row(rows):
     ("bf16", r"fp16 / bf16 TrainingArguments"),
     ("save_only_model", r"save_only_model=True"),
     ("peft_stage_3", r"zero_stage=3 with a PEFT model"),
-    ("weight_decay", r"weight_decay=0.1"),
     ("optim", r"optim='adafactor'"),
     ("max_grad_norm", r"max_grad_norm=0.3"),
     ("no_len", r"_Stream\) has no __len__"),
@@ -268,8 +305,6 @@ def test_bad_settings_are_refused_naming_the_value(tmp_path, case, match):
         extra["save_only_model"] = True
     elif case == "peft_stage_3":
         privacy = PrivacyArguments(target_epsilon=2.0, zero_stage=3)
-    elif case == "weight_decay":
-        extra["weight_decay"] = 0.1
     elif case == "optim":
         extra["optim"] = "adafactor"
     elif case == "max_grad_norm":
@@ -302,6 +337,13 @@ def test_trainer_parallel_wrappers_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"fsdp=.*dpzero's ZeRO engine"):
         PrivateTrainer(model=gpt2(), args=trainer_args(tmp_path, fsdp="full_shard"),
                        train_dataset=lm_data(), privacy_args=PrivacyArguments(target_epsilon=2.0))
+    # TrainingArguments itself refuses a DeepSpeed config unless deepspeed is installed (it is
+    # not here), so the setting is made after construction, as an installed one would leave it.
+    args = trainer_args(tmp_path)
+    args.deepspeed = {"zero_optimization": {"stage": 2}}
+    with pytest.raises(ValueError, match=r"deepspeed=\{'zero_optimization'.*own ZeRO engine"):
+        PrivateTrainer(model=gpt2(), args=args, train_dataset=lm_data(),
+                       privacy_args=PrivacyArguments(target_epsilon=2.0))
 
 
 def test_budget_stops_training_cleanly(tmp_path, capsys):
@@ -332,6 +374,24 @@ def test_budget_stops_training_cleanly(tmp_path, capsys):
     with pytest.raises(dpzero.BudgetExhausted, match="already spent: 6 steps"):
         spent.train()
     assert spent.privacy_engine.charges == 6
+
+
+def test_a_fresh_run_into_an_output_dir_with_a_ledger_is_refused(tmp_path):
+    # Without resume_from_checkpoint a new run would start from scratch while the reopened
+    # ledger counts the earlier run's steps: refused, and nothing is charged.
+    data, privacy = lm_data(), PrivacyArguments(noise_multiplier=1.0)
+    first = PrivateTrainer(model=gpt2(), args=trainer_args(tmp_path, max_steps=2),
+                           train_dataset=data, privacy_args=privacy)
+    first.train()
+    first.train()  # the same trainer again: its own steps, not an earlier run's
+    assert first.privacy_engine.charges == 4
+    del first
+    gc.collect()
+    again = PrivateTrainer(model=gpt2(), args=trainer_args(tmp_path, max_steps=2),
+                           train_dataset=data, privacy_args=privacy)
+    with pytest.raises(ValueError, match=r"already holds a privacy ledger with 4 charged steps"):
+        again.train()
+    assert again.privacy_engine.charges == 4
 
 
 def test_readme_trainer_example_runs(tmp_path, monkeypatch):

@@ -271,13 +271,127 @@ def test_load_state_dict_refuses_a_mismatch_and_mid_batch():
         optimizer.load_state_dict(bad)
     bad = copy.deepcopy(state["optimizer"])
     bad["param_groups"][0]["params"] = [0]
-    with pytest.raises(ValueError, match="the state dict has 1 parameters, this optimizer 4"):
+    with pytest.raises(ValueError,
+                       match="group 0 of the state dict has 1 parameters, this optimizer's 4"):
         optimizer.load_state_dict(bad)
     x, y = next(iter(loader))
     F.cross_entropy(model(x), y).backward()
     assert optimizer.step() is False  # seed 3: more than 4 rows, so mid logical batch
     with pytest.raises(RuntimeError, match="between steps"):
         optimizer.load_state_dict(state["optimizer"])
+
+
+def _decay_groups(kind, model, weight_decay=0.1):
+    """The usual fine-tuning split: matrices decay, biases do not."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    exempt = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": exempt, "weight_decay": 0.0}]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=0.2, momentum=0.9)
+    return (torch.optim.Adam if kind == "adam" else torch.optim.AdamW)(groups, lr=0.02)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+def test_weight_decay_groups_train_as_torch_optim(kind):
+    """Note [weight decay runs]: groups that differ in weight_decay alone train as torch.optim's
+    groups (with a warmup schedule driving both), and the state dict keeps torch's groups."""
+    import transformers
+
+    data, model = _data(), _model()
+    ref = copy.deepcopy(model).double()
+    ref_opt = _decay_groups(kind, ref)
+    ref_sched = transformers.get_linear_schedule_with_warmup(ref_opt, 2, STEPS)
+    uniform = copy.deepcopy(ref)  # the same run with every parameter decaying
+    uniform_opt = _decay_groups(kind, uniform)
+    uniform_opt.param_groups[1]["weight_decay"] = 0.1
+    uniform_sched = transformers.get_linear_schedule_with_warmup(uniform_opt, 2, STEPS)
+    engine = PrivacyEngine()
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=_decay_groups(kind, model),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=12), noise_multiplier=0.0,
+        max_grad_norm=C, allow_no_noise=True, seed=5)
+    sched = transformers.get_linear_schedule_with_warmup(optimizer, 2, STEPS)
+    for step, (x, y) in enumerate(loader):
+        if step == STEPS:
+            break
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        sched.step()
+        for r, (o, s) in ((ref, (ref_opt, ref_sched)), (uniform, (uniform_opt, uniform_sched))):
+            for p, g in zip(r.parameters(), _clipped_mean_grad(r, x, y, 12.0)):
+                p.grad = g
+            o.step()
+            s.step()
+    start = torch.cat([p.detach().double().flatten() for p in _model().parameters()])
+    got = torch.cat([p.detach().double().flatten() for p in model.parameters()])
+    for other, bound in ((ref, 1e-5), (uniform, None)):
+        want = torch.cat([p.detach().flatten() for p in other.parameters()])
+        rel = float((got - want).norm() / (want - start).norm())
+        if bound is not None:
+            assert rel <= bound, rel
+        else:  # the exemption is not a no-op: against uniform decay the run is far off
+            assert rel > 1e-3, rel
+    saved, want = optimizer.state_dict(), ref_opt.state_dict()
+    assert [g["params"] for g in saved["param_groups"]] == [[0, 1], [2, 3]] == [
+        g["params"] for g in want["param_groups"]]
+    assert [g["weight_decay"] for g in saved["param_groups"]] == [0.1, 0.0]
+    for i in want["state"]:
+        for name, value in want["state"][i].items():
+            torch.testing.assert_close(saved["state"][i][name].double(), value.double(),
+                                       rtol=1e-4, atol=1e-9)
+    # Torch's own optimizer takes the state dict, and so does a new private one.
+    _decay_groups(kind, _model()).load_state_dict(saved)
+    fresh = _model()
+    again = dpzero.make_private(fresh, dataset=data, batch_size=12, noise_multiplier=0.0,
+                                allow_no_noise=True, max_grad_norm=C,
+                                optimizer=_decay_groups(kind, fresh), seed=5)
+    again.optimizer.load_state_dict(saved)
+    assert again.optimizer.state_dict()["param_groups"] == saved["param_groups"]
+
+
+def test_weight_decay_groups_refuse_what_the_engine_cannot_apply():
+    data = _data()
+
+    def attach(optimizer, model):
+        return dpzero.make_private(model, dataset=data, batch_size=12, noise_multiplier=1.0,
+                                   max_grad_norm=C, optimizer=optimizer, seed=0)
+
+    model = _model()
+    groups = _decay_groups("adamw", model)
+    groups.param_groups[1]["lr"] = 0.5
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['lr'\] = 0.5 differs from "
+                                         r"param_groups\[0\]\['lr'\] = 0.02"):
+        attach(groups, model)
+    model = _model()
+    groups = _decay_groups("adamw", model)
+    groups.param_groups[1]["weight_decay"] = 0.2
+    with pytest.raises(ValueError, match=r"weight_decay values \[0.1, 0.2\]"):
+        attach(groups, model)
+    model = _model()
+    with pytest.raises(ValueError, match=r"does not hold 2 of the model's 4 trainable "
+                                         r"parameters \(first: '2.weight'\)"):
+        attach(torch.optim.SGD(model[0].parameters(), lr=0.1), model)
+    with pytest.raises(ValueError, match="holds 4 parameters that are not the model's"):
+        attach(torch.optim.SGD(list(_model().parameters()) + list(model.parameters()), lr=0.1),
+               model)
+    # At a step, with nothing charged: one lr for every group, and the exemption stays.
+    model = _model()
+    p = attach(_decay_groups("adamw", model), model)
+    for change, match in (({"lr": 0.3}, r"param_groups\[1\]\['lr'\] = 0.3 differs"),
+                          ({"weight_decay": 0.1}, r"exempt from weight decay were fixed at "
+                                                  r"make_private as \[1\]")):
+        group = p.optimizer.param_groups[1]
+        saved = {k: group[k] for k in change}
+        group.update(change)
+        x, y = next(iter(p.data_loader))
+        F.cross_entropy(p.model(x), y).backward()
+        with pytest.raises(ValueError, match=match):
+            p.optimizer.step()
+        assert p.privacy_engine.charges == 0
+        group.update(saved)
+        p.optimizer.zero_grad()
 
 
 def _sharded_rank(rank, world, store, out, resume):

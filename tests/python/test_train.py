@@ -51,6 +51,15 @@ BASE = {"privacy": {"target_epsilon": 3.0}}
      r"\['fixed', 'auto'\], got 'fast'"),
     ({**BASE, "training": {"memory_budget_gib": -1}}, r"\[training\] memory_budget_gib must be "
      r">= 0"),
+    ({**BASE, "training": {"loop": "keras"}}, r"\[training\] loop must be one of "
+     r"\['engine', 'trainer'\], got 'keras'"),
+    ({**BASE, "training": {"loop": "trainer", "policy": "auto"}}, r'policy = "auto" plans the '
+     r'engine loop'),
+    ({**BASE, "training": {"loop": "trainer", "batch_size": 100, "max_physical_batch_size": 32,
+                           "world_size": 2}}, r"batch_size = 100 with loop = \"trainer\" must be "
+     r"a multiple of max_physical_batch_size x world_size = 64"),
+    ({**BASE, "training": {"loop": "trainer", "optimizer": "adam", "weight_decay": 0.1}},
+     r'optimizer = "adam" with weight_decay = 0.1'),
 ])
 def test_config_errors_name_the_key_and_value(raw, message):
     with pytest.raises(ConfigError, match=message):

@@ -122,6 +122,11 @@ def batch(step):
     return idx, torch.randint(VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
 
 
+def decay_exempt_names(model):
+    """The Trainer's rule, near enough: biases, norm weights and the scalar get no decay."""
+    return [n for n, p in model.named_parameters() if p.dim() < 2]
+
+
 def torch_optimizer(name, params):
     kw = OPTIMIZERS[name]
     if name == "sgd":
@@ -129,12 +134,19 @@ def torch_optimizer(name, params):
     return torch.optim.AdamW(params, **kw)
 
 
-def reference_run(optimizer, model_kwargs):
+def reference_run(optimizer, model_kwargs, decay_exempt=False):
     """Single-process PyTorch on the whole global batch: losses and final parameters. A parameter
     without a gradient gets a zero one (the engine's convention, Note [shard optimizers match
-    torch.optim])."""
+    torch.optim]). ``decay_exempt``: torch.optim's second group, weight_decay 0, holds
+    decay_exempt_names."""
     model = make_model(**model_kwargs)
-    opt = torch_optimizer(optimizer, model.parameters())
+    params = model.parameters()
+    if decay_exempt:
+        exempt = set(decay_exempt_names(model))
+        named = list(model.named_parameters())
+        params = [{"params": [p for n, p in named if n not in exempt]},
+                  {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0}]
+    opt = torch_optimizer(optimizer, params)
     losses = []
     for step in range(STEPS):
         loss = model(*batch(step))
@@ -217,15 +229,15 @@ def run_ranks(world_size, cases, tmp_path):
 _REFERENCES = {}
 
 
-def reference(optimizer, model_kwargs):
-    key = (optimizer, tuple(sorted(model_kwargs.items())))
+def reference(optimizer, model_kwargs, decay_exempt=False):
+    key = (optimizer, tuple(sorted(model_kwargs.items())), decay_exempt)
     if key not in _REFERENCES:
-        _REFERENCES[key] = reference_run(optimizer, model_kwargs)
+        _REFERENCES[key] = reference_run(optimizer, model_kwargs, decay_exempt)
     return _REFERENCES[key]
 
 
-def assert_matches_reference(result, optimizer, model_kwargs):
-    ref_losses, ref_params = reference(optimizer, model_kwargs)
+def assert_matches_reference(result, optimizer, model_kwargs, decay_exempt=False):
+    ref_losses, ref_params = reference(optimizer, model_kwargs, decay_exempt)
     torch.testing.assert_close(torch.tensor(result["losses"], dtype=torch.float64),
                                torch.tensor(ref_losses, dtype=torch.float64), **LOSS_TOL)
     assert set(result["params"]) == set(ref_params)
@@ -253,6 +265,32 @@ def test_stages_match_single_process_pytorch(tmp_path, world_size, optimizer):
     # Not an assertion, a record: the worst parameter difference over all cases of this run.
     worst = max(max_param_error(r, optimizer, dict(tied=t)) for (_, t), r in results.items())
     print(f"W={world_size} {optimizer}: max |param - reference| = {worst:.3g}")
+
+
+def test_weight_decay_exemption_matches_torch_param_groups(tmp_path):
+    # Note [weight decay runs]: shard boundaries at W = 2 cut parameters, so some runs are parts
+    # of a parameter; stage 0 steps the whole layout. SGD covers the coupled decay, AdamW the
+    # decoupled one.
+    exempt = decay_exempt_names(make_model(tied=True))
+    cases = {(stage, opt): (stage, opt, dict(tied=True), None, dict(weight_decay_exempt=exempt))
+             for stage in range(4) for opt in ("sgd", "adamw")}
+    results = run_ranks(2, cases, tmp_path)
+    for (stage, opt), result in results.items():
+        assert_matches_reference(result, opt, dict(tied=True), decay_exempt=True)
+        # The exemption changed the result: every parameter decaying lies far outside tolerance.
+        _, uniform = reference(opt, dict(tied=True))
+        assert max((result["params"][n] - uniform[n]).abs().max().item()
+                   for n in exempt) > 1e-3, (stage, opt)
+
+
+def test_weight_decay_exempt_names_are_checked():
+    model = make_model(tied=True)
+    # A tied alias names the same parameter.
+    dpzero.shard(model, stage=0, optimizer="adamw", weight_decay_exempt=["head.weight"])
+    with pytest.raises(ValueError, match="'blocks.9.bias' is not a trainable parameter"):
+        dpzero.shard(make_model(), stage=0, weight_decay_exempt=["blocks.9.bias"])
+    with pytest.raises(TypeError, match="got the string 'ln_f.bias'"):
+        dpzero.shard(make_model(), stage=0, weight_decay_exempt="ln_f.bias")
 
 
 def check_memory(result, stage, optimizer, world_size):

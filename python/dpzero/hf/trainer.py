@@ -16,8 +16,10 @@ What changes against the Trainer, and why:
   the run's budget: training stops cleanly when it is spent.
 * **The loss.** Note [trainer loss] (losses.py): each example's own loss, summed.
 * **The optimizer.** ``optim`` sgd, adamw_torch or adamw_torch_fused runs as dpzero's sharded
-  SGD / AdamW (``learning_rate``, ``adam_beta1/2``, ``adam_epsilon``); the Trainer's scheduler
-  (``lr_scheduler_type``, warmup) drives its ``param_groups`` as it would torch's.
+  SGD / AdamW (``learning_rate``, ``adam_beta1/2``, ``adam_epsilon``, ``weight_decay``); the
+  parameters the Trainer exempts from weight decay (``get_decay_parameter_names``: biases and
+  norm weights) are exempt here too (Note [weight decay runs] in src/zero/optim.h); the Trainer's
+  scheduler (``lr_scheduler_type``, warmup) drives its ``param_groups`` as it would torch's.
 * **Records.** ε and δ join every log (console, ``trainer_state.json``, TensorBoard) and the
   progress bar; the ledger is ``output_dir/ledger.jsonl``; the report ``dpzero report`` makes is
   written to ``output_dir`` when training ends. A checkpoint holds the privacy state
@@ -29,9 +31,7 @@ What changes against the Trainer, and why:
   (ChaCha20 keyed from the OS); ``TrainingArguments.seed`` is public (42 by default) and is never
   the noise seed: whoever knows the seed can regenerate the noise.
 * **Refused** (ValueError naming the value): DDP / FSDP / DeepSpeed / DataParallel settings (dpzero
-  is its own data-parallel engine), ``weight_decay`` > 0 (the
-  engine's one parameter group cannot exempt biases and norm weights as the Trainer does), a
-  ``max_grad_norm`` in the TrainingArguments that contradicts the per-sample one, other
+  is its own data-parallel engine), a ``max_grad_norm`` in the TrainingArguments that contradicts the per-sample one, other
   optimizers, a dataset without ``__len__``, a collator that changes the number of rows, a budget
   that cannot be met; settings that would couple examples (NEFTune, a left-padding tokenizer) or
   that the private step would ignore (``label_smoothing_factor``, ``torch_compile``,
@@ -214,11 +214,6 @@ class PrivateTrainer(Trainer):
             args = TrainingArguments(output_dir="trainer_output")
         self.privacy_args = privacy_args if privacy_args is not None else PrivacyArguments()
         _refuse_parallel(args)
-        if args.weight_decay:
-            raise ValueError(
-                f"weight_decay={args.weight_decay}: the Trainer exempts biases and norm weights "
-                "from weight decay, and dpzero's sharded optimizer has one parameter group, so it "
-                "would decay them too; use weight_decay=0 with PrivateTrainer")
         c = self.privacy_args.max_grad_norm
         if args.max_grad_norm not in (0.0, 1.0, c):
             raise ValueError(
@@ -247,6 +242,9 @@ class PrivateTrainer(Trainer):
                              "fails); use zero_stage 0-2 for adapters")
         self.budget_stop: Optional[str] = None
         self._attach_private()
+        # Steps an earlier run charged to this output_dir's ledger (make_private reopened it).
+        self._earlier_charges = self.privacy_engine.charges
+        self._trained = False
         self.add_callback(_PrivacyCallback(self))
 
     # ---- attach ----------------------------------------------------------------------------
@@ -277,10 +275,14 @@ class PrivateTrainer(Trainer):
         self.delta = delta
         sigma = self._noise_multiplier(q, steps, delta, n)
         optimizer = _OPTIMIZERS[str(getattr(args.optim, "value", args.optim))]
-        hyper: Dict[str, Any] = {"lr": args.learning_rate}
+        hyper: Dict[str, Any] = {"lr": args.learning_rate, "weight_decay": args.weight_decay}
         if optimizer == "adamw":
-            hyper.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                         weight_decay=0.0)
+            hyper.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+        if args.weight_decay:
+            # The Trainer's own split (create_optimizer): what it would not decay, nor do we.
+            decayed = set(self.get_decay_parameter_names(self.model))
+            hyper["weight_decay_exempt"] = [n for n, q in self.model.named_parameters()
+                                            if q.requires_grad and n not in decayed]
         collate = _CheckedCollator(self._get_collator_with_removed_columns(
             self.data_collator, description="training"))
         data = self._remove_unused_columns(dataset, description="training") \
@@ -335,6 +337,11 @@ class PrivateTrainer(Trainer):
 
     # ---- queries ---------------------------------------------------------------------------
 
+    @property
+    def private_model(self):
+        """The model the private step trains (``make_private``'s): what evaluation runs."""
+        return self._private.model
+
     def epsilon(self) -> float:
         """ε spent so far at this run's δ."""
         return self.privacy_engine.epsilon(self.delta)
@@ -354,7 +361,7 @@ class PrivateTrainer(Trainer):
         # evaluation too: the Trainer prepares a bare self.model with accelerate there, whose
         # .to() under torchrun would give the parameters new storage, cut off from the engine's
         # (the weights would stop changing while every step is still charged).
-        return self._private.model
+        return self.private_model
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches = []
@@ -381,8 +388,11 @@ class PrivateTrainer(Trainer):
             micro = dict(micro) if isinstance(micro, Mapping) else micro
             labels = micro.pop("labels", None) if isinstance(micro, dict) else None
             if labels is None:
-                raise ValueError("PrivateTrainer needs the batch's labels under 'labels' (the "
-                                 "collator's output) to compute each example's loss")
+                raise ValueError(
+                    "PrivateTrainer needs the batch's labels under 'labels' (the collator's "
+                    f"output has {sorted(micro) if isinstance(micro, dict) else type(micro)}) to "
+                    "compute each example's loss; for a model whose forward takes no labels, "
+                    "set TrainingArguments(label_names=['labels']) so the Trainer keeps them")
             with self.compute_loss_context_manager():
                 outputs = model(**micro)
                 losses = self.per_sample_loss(model, outputs, labels)
@@ -468,6 +478,14 @@ class PrivateTrainer(Trainer):
                 f"the privacy budget ε = {engine.budget[0]} at δ = {engine.budget[1]:.3g} is "
                 f"already spent: {engine.charges} steps are charged in "
                 f"{os.path.join(self.user_args.output_dir, LEDGER)}; nothing was trained")
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if self._earlier_charges and not resume and not self._trained:
+            raise ValueError(
+                f"output_dir {self.user_args.output_dir!r} already holds a privacy ledger with "
+                f"{self._earlier_charges} charged steps of an earlier run: continue that run with "
+                "train(resume_from_checkpoint=...), or give this one a new output_dir (a fresh "
+                "start there would count the earlier run's steps against this one)")
+        self._trained = True
         output = super().train(*args, **kwargs)
         if self.is_world_process_zero():
             from ..train.report import write_report

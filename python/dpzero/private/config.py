@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -26,8 +26,8 @@ CLIPPING = ("flat", "layer", "group", "automatic")
 # others (reduce_dtype, grad_scale, param_dtype, grad_hooks) are fixed by the private path: a
 # 16-bit reduction would round clipped sums past their threshold (DESIGN.md §4).
 PASS_THROUGH = frozenset({"momentum", "dampening", "nesterov", "betas", "eps", "amsgrad",
-                          "maximize", "weight_decay", "alignment", "shard_boundaries",
-                          "offload_optimizer", "offload_params", "prefetch",
+                          "maximize", "weight_decay", "weight_decay_exempt", "alignment",
+                          "shard_boundaries", "offload_optimizer", "offload_params", "prefetch",
                           "sync_module_states"})
 
 _OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
@@ -67,6 +67,8 @@ class PrivateConfig:
     activation_checkpointing: checkpointing.Spec
     optimizer: str                          # "sgd" | "adam" | "adamw"
     optimizer_options: Dict[str, Any] = field(default_factory=dict)  # dpzero.shard keywords
+    # The torch optimizer's parameters weight decay skips (its weight_decay=0 groups).
+    decay_exempt: Tuple[torch.nn.Parameter, ...] = ()
     torch_optimizer: Optional[torch.optim.Optimizer] = None  # the caller's, if one was given
 
     @property
@@ -91,27 +93,52 @@ def delta_warning(name: str, delta: float, n: int) -> str:
 
 
 def optimizer_settings(optimizer) -> tuple:
-    """(engine name, kwargs for dpzero.shard) from a name or a torch optimizer."""
+    """(engine name, kwargs for dpzero.shard, the parameters exempt from weight decay) from a
+    name or a torch optimizer.
+
+    A torch optimizer may have several parameter groups when they differ only in weight_decay
+    and at most one nonzero value occurs (the usual decay / no-decay split of biases and norm
+    weights): the groups with weight_decay 0 are exempt (Note [weight decay runs] in
+    src/zero/optim.h). Anything else differing between groups is refused, naming it."""
     if isinstance(optimizer, str):
         if optimizer not in ("sgd", "adam", "adamw"):
             raise ValueError(f"optimizer must be 'sgd', 'adam', 'adamw' or a torch.optim "
                              f"SGD/Adam/AdamW, got {optimizer!r}")
-        return optimizer, {}
+        return optimizer, {}, ()
     name = _OPTIMIZERS.get(type(optimizer))
     if name is None:
         raise ValueError(f"optimizer {type(optimizer).__name__} is not supported under DP; use "
                          "torch.optim.SGD, Adam or AdamW (or their names)")
-    if len(optimizer.param_groups) != 1:
-        raise ValueError(f"the optimizer has {len(optimizer.param_groups)} parameter groups; "
-                         "dpzero's sharded optimizer takes one")
-    g = optimizer.param_groups[0]
-    if name == "sgd":
-        kw = dict(lr=g["lr"], momentum=g["momentum"], dampening=g["dampening"],
-                  nesterov=g["nesterov"], weight_decay=g["weight_decay"], maximize=g["maximize"])
-    else:
-        kw = dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
-                  weight_decay=g["weight_decay"], amsgrad=g["amsgrad"], maximize=g["maximize"])
-    return name, kw
+    groups = optimizer.param_groups
+    g = groups[0]
+    keys = (("lr", "momentum", "dampening", "nesterov", "maximize") if name == "sgd"
+            else ("lr", "betas", "eps", "amsgrad", "maximize"))
+    for i, other in enumerate(groups[1:], start=1):
+        for key in keys:
+            if other[key] != g[key]:
+                raise ValueError(
+                    f"optimizer.param_groups[{i}][{key!r}] = {other[key]!r} differs from "
+                    f"param_groups[0][{key!r}] = {g[key]!r}: dpzero's sharded optimizer applies "
+                    "one value of every hyperparameter but weight_decay; give the groups the "
+                    "same one")
+    exempt, decays = decay_groups(groups)
+    kw = {key: (tuple(g[key]) if key == "betas" else g[key]) for key in keys}
+    kw["weight_decay"] = decays
+    return name, kw, tuple(p for i in exempt for p in groups[i]["params"])
+
+
+def decay_groups(groups) -> tuple:
+    """(indices of the groups weight decay skips, the one weight_decay of the others) for
+    torch param_groups; ValueError naming two different nonzero values."""
+    values = [float(group["weight_decay"]) for group in groups]
+    nonzero = sorted({v for v in values if v != 0.0})
+    if len(nonzero) > 1:
+        raise ValueError(f"optimizer.param_groups have weight_decay values {nonzero}: dpzero's "
+                         "sharded optimizer decays with one value, exempting groups with "
+                         "weight_decay=0; give every decaying group the same one")
+    if not nonzero:
+        return (), 0.0
+    return tuple(i for i, v in enumerate(values) if v == 0.0), nonzero[0]
 
 
 def resolve(*, accountant: str, optimizer="sgd", dataset: Optional[Dataset] = None,
@@ -194,7 +221,7 @@ def resolve(*, accountant: str, optimizer="sgd", dataset: Optional[Dataset] = No
             raise ValueError(f"mixed_precision must be 'bf16', 'fp16', 'fp32' or a dtype, "
                              f"got {mixed_precision!r}")
         mixed_precision = _DTYPES[mixed_precision]
-    name, options = optimizer_settings(optimizer)
+    name, options, decay_exempt = optimizer_settings(optimizer)
     planner = sorted({"policy", "plan_step", "memory_budget"} & set(optimizer_kwargs))
     if planner:
         raise TypeError(f"{planner}: the memory planner (policy='auto') is dpzero.make_private's; "
@@ -231,5 +258,5 @@ def resolve(*, accountant: str, optimizer="sgd", dataset: Optional[Dataset] = No
         ledger_path=ledger_path, run_id=run_id, diagnostics_path=diagnostics_path,
         zero_stage=zero_stage, units=units, process_group=process_group,
         mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
-        optimizer=name, optimizer_options=options,
+        optimizer=name, optimizer_options=options, decay_exempt=decay_exempt,
         torch_optimizer=None if isinstance(optimizer, str) else optimizer)

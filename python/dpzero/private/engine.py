@@ -252,6 +252,7 @@ class PrivacyEngine:
         trainable = {id(p): p for p in model.parameters() if p.requires_grad}
         if not trainable:
             raise ValueError("the model has no trainable parameters")
+        _check_optimizer_params(model, trainable, c.torch_optimizer)
         probe = find_layers(model, {pid: None for pid in trainable})  # names bad modules
         checkpointing.check_reentrant(model)
         checkpointed = checkpointing.resolve(
@@ -301,7 +302,8 @@ class PrivacyEngine:
         sharded = shard(model, stage=c.zero_stage, optimizer=c.optimizer,
                         process_group=process_group, grad_scale=1.0, param_dtype=c.param_dtype,
                         reduce_dtype=torch.float32, units=units, grad_hooks=False,
-                        **c.optimizer_options)
+                        **dict(c.optimizer_options,
+                               weight_decay_exempt=_decay_exempt_names(model, c)))
         # Note [private gradients] (src/zero/param_group.h): gradients reach the step only from the
         # clipping; no .grad views, so nothing written to a parameter's .grad is released.
         sharded._state.set_private(True)
@@ -726,3 +728,39 @@ class PrivacyEngine:
     def parameters(self) -> Dict[str, torch.Tensor]:
         """Every trainable parameter by name (fp32 master; a collective in stages 1-3)."""
         return self.sharded.full_parameters()
+
+
+def _check_optimizer_params(model: nn.Module, trainable: Dict[int, torch.Tensor],
+                            optimizer: Optional[torch.optim.Optimizer]) -> None:
+    """A torch optimizer given to make_private must hold every trainable parameter of the model
+    and no parameter of another: the engine trains exactly the parameters with requires_grad
+    (the optimizer lends only its hyperparameters), so one built for a part of the model, or
+    for another copy of it, would silently train something else."""
+    if optimizer is None:
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    missing = [names[i] for i in trainable if i not in held]
+    if missing:
+        raise ValueError(
+            f"the optimizer does not hold {len(missing)} of the model's {len(trainable)} "
+            f"trainable parameters (first: {missing[0]!r}); dpzero trains every parameter with "
+            "requires_grad=True. Freeze those you do not train (requires_grad_(False)) or give "
+            "the optimizer all of them")
+    foreign = len(held - set(names))
+    if foreign:
+        raise ValueError(f"the optimizer holds {foreign} parameters that are not the model's "
+                         "(built for another copy of it?); build it on this model's parameters")
+
+
+def _decay_exempt_names(model: nn.Module, config: PrivateConfig) -> Optional[list]:
+    """dpzero.shard's weight_decay_exempt: the names passed through, and the parameters of the
+    torch optimizer's weight_decay=0 groups (config.optimizer_settings)."""
+    given = config.optimizer_options.get("weight_decay_exempt")
+    if given is None and not config.decay_exempt:
+        return None
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = list(given or ())
+    out += [names[id(p)] for p in config.decay_exempt if id(p) in names and p.requires_grad]
+    return out
+

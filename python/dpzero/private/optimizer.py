@@ -6,7 +6,9 @@ does with its optimizer works unchanged:
 
 * ``param_groups`` is one group holding torch's own keys for SGD, Adam or AdamW. When the caller
   handed ``make_private`` a torch optimizer, it IS that optimizer's list (as Opacus's DPOptimizer
-  shares it), so an LR scheduler built on either drives the private step. Whatever a scheduler or
+  shares it), so an LR scheduler built on either drives the private step. Its groups may differ
+  in weight_decay alone, and then those with weight_decay 0 are exempt from it (Note [weight
+  decay runs] in src/zero/optim.h). Whatever a scheduler or
   the caller writes there (``lr``, ``momentum``, ``betas``, ``weight_decay``, ...) is handed to the
   engine at the next private step (Note [hyperparameters at the step]).
 * ``step()`` takes a private step after the last micro-batch of a logical batch and only
@@ -35,6 +37,8 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 import torch
+
+from .config import decay_groups
 
 # torch's optimizer class and the hyperparameters the engine takes from its param group.
 _TORCH_CLASS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -70,10 +74,14 @@ class DPOptimizer(torch.optim.Optimizer):
         self._building = False
         if original is not None:
             self.param_groups = original.param_groups  # shared (module docstring)
-        group = self.param_groups[0]
-        for key in _HYPER[kind]:
-            if key in settings:
-                group[key] = settings[key]
+        # The groups whose parameters the engine exempts from weight decay (fixed at attach).
+        self._exempt_groups = decay_groups(self.param_groups)[0]
+        for group in self.param_groups:
+            for key in _HYPER[kind]:
+                if key in settings and key != "weight_decay":
+                    group[key] = settings[key]
+        if "weight_decay" in settings and len(self.param_groups) == 1:
+            self.param_groups[0]["weight_decay"] = settings["weight_decay"]
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if not self._building:
@@ -111,22 +119,56 @@ class DPOptimizer(torch.optim.Optimizer):
         self._engine._zero_grad()
 
     def engine_options(self) -> Dict[str, Any]:
-        """The hyperparameters of ``param_groups[0]`` for ``ZeroState.set_optimizer_options``
-        (Note [hyperparameters at the step]); ValueError naming a bad entry."""
-        group = self.param_groups[0]
+        """The hyperparameters of ``param_groups`` for ``ZeroState.set_optimizer_options`` (Note
+        [hyperparameters at the step]); ValueError naming a bad entry, a group that differs from
+        the first in anything but weight_decay, or a weight_decay that would move the exemption
+        fixed at attach."""
+        groups = self.param_groups
         out: Dict[str, Any] = {}
         for key in _HYPER[self._kind]:
-            value = group.get(key)
-            try:
-                if key == "betas":
-                    out[key] = (float(value[0]), float(value[1]))
-                elif key in ("nesterov", "amsgrad", "maximize"):
-                    out[key] = bool(value)
-                else:
-                    out[key] = float(value)
-            except (TypeError, ValueError, IndexError):
-                raise ValueError(f"optimizer.param_groups[0][{key!r}] = {value!r} is not a "
-                                 f"valid {self._kind} hyperparameter") from None
+            if key == "weight_decay":
+                continue
+            out[key] = self._parse(0, key)
+            for i in range(1, len(groups)):
+                if self._parse(i, key) != out[key]:
+                    raise ValueError(
+                        f"optimizer.param_groups[{i}][{key!r}] = {groups[i].get(key)!r} differs "
+                        f"from param_groups[0][{key!r}] = {groups[0].get(key)!r}: dpzero's "
+                        "sharded optimizer applies one value of every hyperparameter but "
+                        "weight_decay")
+        for i in range(len(groups)):
+            self._parse(i, "weight_decay")
+        exempt, decay = decay_groups(groups)
+        if decay != 0.0 and tuple(exempt) != tuple(self._exempt_groups):
+            raise ValueError(
+                f"optimizer.param_groups weight_decay = "
+                f"{[g['weight_decay'] for g in groups]}: the groups exempt from weight decay "
+                f"were fixed at make_private as {list(self._exempt_groups)} (those with "
+                "weight_decay 0 then); keep their weight_decay at 0 and the others' equal")
+        out["weight_decay"] = decay
+        return out
+
+    def _parse(self, i: int, key: str):
+        value = self.param_groups[i].get(key)
+        try:
+            if key == "betas":
+                return (float(value[0]), float(value[1]))
+            if key in ("nesterov", "amsgrad", "maximize"):
+                return bool(value)
+            return float(value)
+        except (TypeError, ValueError, IndexError):
+            raise ValueError(f"optimizer.param_groups[{i}][{key!r}] = {value!r} is not a "
+                             f"valid {self._kind} hyperparameter") from None
+
+    def _indexed(self):
+        """[(torch's state-dict index, parameter)] over ``param_groups`` in order, the
+        parameters the engine trains only (a frozen one has no state)."""
+        out, i = [], 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in self._engine._slot_of:
+                    out.append((i, p))
+                i += 1
         return out
 
     # ---- state -------------------------------------------------------------------------------
@@ -148,12 +190,12 @@ class DPOptimizer(torch.optim.Optimizer):
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         engine = self._engine
-        params = engine._trainable
+        indexed = self._indexed()
         zero = engine.sharded._state
-        units = sorted({engine._slot_of[id(p)].unit for p in params})
+        units = sorted({engine._slot_of[id(p)].unit for _, p in indexed})
         gathered = {u: zero.gathered_state(u) for u in units}  # every rank, same order
         state: Dict[int, Dict[str, torch.Tensor]] = {}
-        for i, p in enumerate(params):
+        for i, p in indexed:
             unit = engine._slot_of[id(p)].unit
             steps = zero.optimizer_steps(unit)
             entries = {name: engine._read_slot(flat, p).to(p.device).clone()
@@ -163,9 +205,13 @@ class DPOptimizer(torch.optim.Optimizer):
             if self._kind != "sgd":
                 entries["step"] = torch.tensor(float(steps))
             state[i] = entries
-        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        group["params"] = list(range(len(params)))
-        out = {"state": state, "param_groups": [group]}
+        groups, start = [], 0
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(saved)
+        out = {"state": state, "param_groups": groups}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, out)
             if result is not None:
@@ -181,29 +227,31 @@ class DPOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         engine = self._engine
-        params = engine._trainable
         groups = state_dict.get("param_groups")
-        if not isinstance(groups, list) or len(groups) != 1:
-            raise ValueError("load_state_dict: expected one parameter group, got "
-                             f"{len(groups) if isinstance(groups, list) else groups!r}")
-        if len(groups[0].get("params", ())) != len(params):
-            raise ValueError(f"load_state_dict: the state dict has {len(groups[0]['params'])} "
-                             f"parameters, this optimizer {len(params)}")
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise ValueError(f"load_state_dict: expected {len(self.param_groups)} parameter "
+                             f"groups, got {len(groups) if isinstance(groups, list) else groups!r}")
+        for g, (theirs, mine) in enumerate(zip(groups, self.param_groups)):
+            if len(theirs.get("params", ())) != len(mine["params"]):
+                raise ValueError(f"load_state_dict: group {g} of the state dict has "
+                                 f"{len(theirs.get('params', ()))} parameters, this optimizer's "
+                                 f"{len(mine['params'])}")
+        saved_keys = [key for group in groups for key in group["params"]]
+        indexed = self._indexed()
         saved = state_dict.get("state", {})
         zero = engine.sharded._state
         names = None
         per_unit: Dict[int, list] = {}
-        for i, p in enumerate(params):
-            per_unit.setdefault(engine._slot_of[id(p)].unit, []).append(i)
+        for i, p in indexed:
+            per_unit.setdefault(engine._slot_of[id(p)].unit, []).append((i, p))
         engine._check_between_steps("load_state_dict")  # collective: every rank or none
         loaded: Dict[int, tuple] = {}
         for u in sorted(per_unit):
             current = zero.gathered_state(u)  # collective; also the parameter values kept
             flats: Dict[str, torch.Tensor] = {}
             steps = None
-            for i in per_unit[u]:
-                p = params[i]
-                key = groups[0]["params"][i]  # the saved index (a str after a JSON round trip)
+            for i, p in per_unit[u]:
+                key = saved_keys[i]  # the saved index (a str after a JSON round trip)
                 entry = saved.get(key, saved.get(str(key), {}))
                 entry = {k: v for k, v in entry.items() if v is not None}
                 here = sorted(k for k in entry if k != "step")
@@ -231,7 +279,7 @@ class DPOptimizer(torch.optim.Optimizer):
             loaded[u] = (dict(flats, param=current["param"]), steps)
         for u, (entries, steps) in loaded.items():
             engine._load_unit(u, entries, steps)
-        group = {k: v for k, v in groups[0].items() if k != "params"}
-        self.param_groups[0].update(group)
+        for saved_group, group in zip(groups, self.param_groups):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

@@ -35,6 +35,11 @@ Every error names the key and the bad value. Sections and keys (defaults in brac
                     10), so a crash loses at most a tenth of the run's steps)  ["auto"]
                 keep_checkpoints = committed checkpoints kept  [2]
                 baseline = also train without privacy, same settings  [true]
+                loop = "engine" (dpzero's own loop over make_private) | "trainer" (the
+                    Hugging Face Trainer, dpzero.hf.PrivateTrainer: its checkpoints,
+                    schedule and logs; batch_size must be a multiple of
+                    max_physical_batch_size x world_size; weight decay spares biases and
+                    norm weights, as the Trainer's does)  ["engine"]
     [output]    dir = the run directory  ["runs/<config file stem>"]
 """
 
@@ -105,6 +110,7 @@ class TrainingConfig:
     checkpoint_every: Union[int, str] = "auto"
     keep_checkpoints: int = 2
     baseline: bool = True
+    loop: str = "engine"
 
     def checkpoint_interval(self, total_steps: int) -> int:
         """Steps between checkpoints of a run of ``total_steps`` (0: none)."""
@@ -259,3 +265,18 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"[training] lr must be > 0, got {t.lr}")
     _choice("[training] optimizer", t.optimizer, ("adamw", "adam", "sgd"))
     _choice("[training] zero_stage", t.zero_stage, (0, 1, 2, 3))
+    _choice("[training] loop", t.loop, ("engine", "trainer"))
+    if t.loop == "trainer":
+        if t.policy != "fixed":
+            raise ConfigError(f'[training] policy = "{t.policy}" plans the engine loop\'s memory; '
+                              'with loop = "trainer" give zero_stage and policy = "fixed"')
+        per_step = t.max_physical_batch_size * t.world_size
+        if t.batch_size % per_step:
+            raise ConfigError(
+                f'[training] batch_size = {t.batch_size} with loop = "trainer" must be a multiple '
+                f"of max_physical_batch_size x world_size = {per_step}: the Trainer's logical "
+                "batch is per_device_train_batch_size x gradient_accumulation_steps x world size")
+        if t.optimizer == "adam" and t.weight_decay:
+            raise ConfigError(f'[training] optimizer = "adam" with weight_decay = '
+                              f'{t.weight_decay} and loop = "trainer": the Trainer has no Adam '
+                              'with coupled decay; use optimizer = "adamw"')

@@ -84,6 +84,11 @@ def build(cfg: RunConfig):
     return model, train, test, unpack
 
 
+def input_names(cfg: RunConfig) -> tuple:
+    """The names of the model's forward arguments, in ``unpack``'s order (build)."""
+    return ("input_ids", "attention_mask") if cfg.data.dataset == "fortunes" else ("x",)
+
+
 def evaluate(model, test, unpack, batch: int = 256) -> Dict[str, float]:
     """Accuracy and mean loss over the test set. Each rank takes rows k mod W; all ranks run
     the same number of forwards (stage 3 gathers in every forward), the last ones possibly
@@ -273,8 +278,9 @@ def _restore(p, run_dir: str, metrics) -> tuple:
     engine = p.privacy_engine
     root = _checkpoints(run_dir)
     taken, epoch = 0, 0
-    if os.path.exists(os.path.join(root, "latest")):
-        info = ckpt.load(engine.sharded, root)
+    newest = _newest_committed(root)
+    if newest is not None:
+        info = ckpt.load(engine.sharded, newest)
         meta = info["metadata"]
         engine.load_state_dict(meta["privacy_engine"])
         taken, epoch = int(meta["taken"]), int(meta["epoch"])
@@ -283,6 +289,19 @@ def _restore(p, run_dir: str, metrics) -> tuple:
                                   "charged_steps": engine.charges}) + "\n")
         metrics.flush()
     return taken, epoch
+
+
+def _newest_committed(root: str) -> Optional[str]:
+    """The newest committed step directory under the checkpoint root (one with its manifest),
+    or None. Not ROOT/latest: a crash between a step directory's commit and the update of latest
+    leaves the newest complete checkpoint unnamed (Note [checkpoint commit] in
+    src/checkpoint/checkpoint.h), and resuming from the one before would retrain up to that step
+    and then refuse to overwrite it."""
+    if not os.path.isdir(root):
+        return None
+    steps = [name for name in os.listdir(root) if name.startswith("step-")
+             and name[5:].isdigit() and os.path.exists(os.path.join(root, name, "manifest.json"))]
+    return os.path.join(root, max(steps, key=lambda name: int(name[5:]))) if steps else None
 
 
 def _atomic_save(obj, path: str) -> None:
@@ -365,15 +384,17 @@ def run_job(cfg: RunConfig, resume: bool = False) -> Dict:
         diagnostics = open(os.path.join(run_dir, PRIVATE_DIR, "training.jsonl"), "a")
     if torn is not None:
         metrics.write(json.dumps({"run": "private", "ledger_torn_tail_cut": torn}) + "\n")
+    loop = train_once
+    if cfg.training.loop == "trainer":
+        from .trainer_loop import train_with_trainer as loop
     try:
         if resume and os.path.exists(done):
             with open(done) as f:
                 results["private"] = json.load(f)
         else:
-            results["private"] = train_once(cfg, True, run_dir, metrics, diagnostics,
-                                            resume=resume)
+            results["private"] = loop(cfg, True, run_dir, metrics, diagnostics, resume=resume)
         if cfg.training.baseline:
-            results["baseline"] = train_once(cfg, False, run_dir, metrics, diagnostics)
+            results["baseline"] = loop(cfg, False, run_dir, metrics, diagnostics)
     finally:
         for f in (metrics, diagnostics):
             if f is not None:

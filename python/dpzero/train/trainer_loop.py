@@ -1,0 +1,191 @@
+"""``[training] loop = "trainer"``: one run of a training job through the Hugging Face Trainer.
+
+``train_with_trainer`` is ``runner.train_once`` with ``dpzero.hf.PrivateTrainer`` in place of
+dpzero's own loop, and the same run directory (runner.py's module docstring): the ledger is
+``ledger.jsonl``, ε per step and the private model's test metrics per epoch go to
+``metrics.jsonl``, training losses to ``private/training.jsonl``, and the result dict is the
+engine loop's. What the Trainer brings is its own: the checkpoints (``checkpoint-<step>/`` in the
+run directory, ``[training] checkpoint_every`` and ``keep_checkpoints``), the constant-LR
+schedule and optimizer it builds from TrainingArguments (weight decay spares what the Trainer
+spares: biases and norm weights), ``trainer_state.json``, and its console log. The baseline runs
+the same Trainer with σ = 0 and C = ∞ into ``private/baseline/`` (its ledger, of unnoised steps,
+is not the run's).
+
+Where the two loops differ by construction: the Trainer's logical batch is
+``max_physical_batch_size × gradient_accumulation_steps × world_size`` (config.py requires
+batch_size to be such a multiple), and its step count is ceil(epochs · int(1/q)) against the
+engine loop's int(epochs / q). ``--resume`` continues from the newest ``checkpoint-<step>/``
+(Note [resuming a run] in runner.py holds: the reopened ledger keeps every charged step).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+import shutil
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+from transformers import TrainerCallback, TrainingArguments, default_data_collator
+from transformers.trainer import TRAINER_STATE_NAME
+
+from ..hf import PrivacyArguments, PrivateTrainer
+from ..hf.trainer import PRIVACY_STATE
+from .config import RunConfig
+from .report import PRIVATE_DIR
+from .runner import _atomic_json, _atomic_save, _final_state, _rank_world, build, evaluate, \
+    input_names
+
+# dpzero's optimizer names as the Trainer's `optim` (AdamW with weight_decay 0 is Adam).
+_OPTIM = {"adamw": "adamw_torch", "adam": "adamw_torch", "sgd": "sgd"}
+
+
+class _Rows(Dataset):
+    """A runner dataset's rows as the Trainer's dicts: the model's forward arguments by name
+    (``names``, in ``unpack``'s order) and ``labels``."""
+
+    def __init__(self, data: Dataset, unpack, names) -> None:
+        self.data, self.unpack, self.names = data, unpack, names
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        inputs, label = self.unpack(self.data[i])
+        return dict(zip(self.names, inputs), labels=label)
+
+
+def _per_example_cross_entropy(model, logits: torch.Tensor, labels: torch.Tensor):
+    """The jobs' models return logits [B, classes]; each example's own loss [B]."""
+    return F.cross_entropy(logits, labels, reduction="none")
+
+
+def latest_checkpoint(run_dir: str) -> Optional[str]:
+    """The newest complete ``checkpoint-<step>`` directory of the Trainer in ``run_dir``, or
+    None. The Trainer writes a checkpoint's files in place, trainer_state.json last (after
+    PrivateTrainer's dpzero_privacy.json), so a run killed while saving leaves a directory
+    without a readable one: it is passed over for the one before."""
+    found = []
+    for path in glob.glob(os.path.join(run_dir, "checkpoint-*")):
+        m = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(path))
+        if m is None or not os.path.exists(os.path.join(path, PRIVACY_STATE)):
+            continue
+        try:
+            with open(os.path.join(path, TRAINER_STATE_NAME)) as f:
+                json.load(f)
+        except (OSError, ValueError):
+            continue
+        found.append((int(m.group(1)), path))
+    return max(found)[1] if found else None
+
+
+def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics,
+                       resume: bool = False) -> Dict:
+    """One run (private or the baseline) through PrivateTrainer; ``metrics``/``diagnostics``
+    as in runner.train_once (rank 0's logs, None elsewhere)."""
+    rank, world = _rank_world()
+    model, train, test, unpack = build(cfg)
+    n = len(train)
+    delta = cfg.delta_for(n)
+    p_cfg, t_cfg = cfg.privacy, cfg.training
+    label = "private" if private else "baseline"
+    output_dir = run_dir if private else os.path.join(run_dir, PRIVATE_DIR, "baseline")
+    if not private:  # a baseline restarts from scratch, its ledger too
+        if rank == 0:
+            shutil.rmtree(output_dir, ignore_errors=True)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+    every = t_cfg.checkpoint_interval(_planned_steps(cfg, n, world)) if private else 0
+    args = TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=t_cfg.max_physical_batch_size,
+        gradient_accumulation_steps=t_cfg.batch_size // (t_cfg.max_physical_batch_size * world),
+        num_train_epochs=t_cfg.epochs, learning_rate=t_cfg.lr, optim=_OPTIM[t_cfg.optimizer],
+        weight_decay=t_cfg.weight_decay, lr_scheduler_type="constant", warmup_steps=0,
+        logging_steps=10, report_to=[], save_strategy="steps" if every else "no",
+        save_steps=max(every, 1), save_total_limit=t_cfg.keep_checkpoints,
+        use_cpu=not torch.cuda.is_available(), seed=t_cfg.seed, disable_tqdm=rank != 0,
+        dataloader_num_workers=0, label_names=["labels"])
+    if private:
+        privacy = PrivacyArguments(
+            target_epsilon=p_cfg.target_epsilon, target_delta=delta,
+            noise_multiplier=p_cfg.noise_multiplier, max_grad_norm=p_cfg.max_grad_norm,
+            clipping=p_cfg.clipping, accountant=p_cfg.accountant, zero_stage=t_cfg.zero_stage,
+            secure_mode=p_cfg.secure_mode, seed=None if p_cfg.secure_mode else t_cfg.seed)
+    else:
+        privacy = PrivacyArguments(noise_multiplier=0.0, allow_no_noise=True,
+                                   max_grad_norm=math.inf, zero_stage=t_cfg.zero_stage,
+                                   accountant=p_cfg.accountant, secure_mode=False,
+                                   seed=t_cfg.seed)
+    trainer = PrivateTrainer(model=model, args=args, train_dataset=_Rows(train, unpack,
+                                                                          input_names(cfg)),
+                             data_collator=default_data_collator, privacy_args=privacy,
+                             per_sample_loss=_per_example_cross_entropy)
+    engine = trainer.privacy_engine
+    trainer.add_callback(_RunLogs(trainer, label, private, test, unpack, metrics, diagnostics))
+    checkpoint = latest_checkpoint(run_dir) if private and resume else None
+    if private and resume and metrics is not None:
+        metrics.write(json.dumps({"run": label, "resumed_at_step": _step_of(checkpoint),
+                                  "charged_steps": engine.charges}) + "\n")
+        metrics.flush()
+    trainer.train(resume_from_checkpoint=checkpoint)
+    final = evaluate(trainer.private_model, test, unpack)
+    params = engine.parameters()  # a collective in stages 1-3
+    result = {"run": label, "steps": trainer.state.global_step, "sample_rate": engine.sample_rate,
+              "noise_multiplier": engine.noise_multiplier, "max_grad_norm": engine.max_grad_norm,
+              "delta": delta, "train_examples": n, "test_examples": len(test),
+              "epsilon": engine.epsilon(delta) if private else math.inf,
+              "stopped": trainer.budget_stop, "charged_steps": engine.charges if private else 0,
+              "zero_stage": engine.sharded.stage, "policy": "fixed", "loop": "trainer", **final}
+    if rank == 0 and private:
+        _atomic_save(_final_state(model, params), os.path.join(run_dir, "model.pt"))
+        _atomic_json(result, os.path.join(run_dir, "private.json"))
+    return result
+
+
+def _planned_steps(cfg: RunConfig, n: int, world: int) -> int:
+    """The Trainer's step count for the run (PrivateTrainer: ceil(epochs · int(1/q)))."""
+    q = min(cfg.training.batch_size, n) / n
+    return math.ceil(cfg.training.epochs * max(1, int(1.0 / q)))
+
+
+def _step_of(checkpoint: Optional[str]) -> int:
+    return int(os.path.basename(checkpoint).split("-")[1]) if checkpoint else 0
+
+
+class _RunLogs(TrainerCallback):
+    """The run directory's logs from the Trainer's events (every rank; rank 0 writes)."""
+
+    def __init__(self, trainer, label: str, private: bool, test, unpack, metrics,
+                 diagnostics) -> None:
+        self.trainer, self.label, self.private = trainer, label, private
+        self.test, self.unpack = test, unpack
+        self.metrics, self.diagnostics = metrics, diagnostics
+
+    def _write(self, log, record) -> None:
+        if log is not None:
+            log.write(json.dumps({"run": self.label, **record}) + "\n")
+            log.flush()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # ε every 10 steps and at the end, as the engine loop logs it (PRV's ε costs ms).
+        if self.private:
+            step = state.global_step
+            eps = self.trainer.epsilon() if step % 10 == 0 or step == state.max_steps else None
+            self._write(self.metrics, {"step": step, "epsilon": eps})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # The training loss: computed from the data without noise (not covered by ε).
+        if logs and "loss" in logs:
+            self._write(self.diagnostics, {"step": state.global_step, "loss": logs["loss"]})
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        ev = evaluate(self.trainer.private_model, self.test, self.unpack)  # a collective
+        # The private model on held-out data is released; the baseline's is not private.
+        self._write(self.metrics if self.private else self.diagnostics,
+                    {"epoch": round(state.epoch), "step": state.global_step, **ev})
