@@ -210,6 +210,46 @@ def test_epsilon_is_the_accountants_and_evaluation_is_free(tmp_path):
     assert report["steps"] == steps and report["delta"] == delta
 
 
+def _tensorboard_scalars(log_dir):
+    """{tag: [(step, value)]} from the TensorBoard event files under log_dir, read record by
+    record (TFRecord framing: length, its CRC, the Event proto, its CRC)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = {}
+    for root, _, files in os.walk(log_dir):
+        for name in files:
+            if not name.startswith("events.out.tfevents"):
+                continue
+            with open(os.path.join(root, name), "rb") as f:
+                data = f.read()
+            at = 0
+            while at < len(data):
+                (length,) = struct.unpack("<Q", data[at:at + 8])
+                event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+                at += 16 + length
+                for value in event.summary.value:
+                    out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
+def test_epsilon_reaches_tensorboard(tmp_path):
+    pytest.importorskip("tensorboardX")  # requirements.txt installs it
+    args = trainer_args(tmp_path, max_steps=4, logging_steps=2, report_to=["tensorboard"])
+    trainer = PrivateTrainer(model=gpt2(), train_dataset=lm_data(), args=args,
+                             privacy_args=PrivacyArguments(noise_multiplier=1.0))
+    trainer.train()
+    scalars = _tensorboard_scalars(args.output_dir)  # the Trainer's default: output_dir/runs/
+    # Every training log carries ε: steps 2 and 4, and the summary at the end.
+    logged = [(h["step"], h["epsilon"]) for h in trainer.state.log_history if "epsilon" in h]
+    assert [step for step, _ in logged] == [2, 4, 4]
+    assert [step for step, _ in scalars["train/epsilon"]] == [2, 4, 4]
+    for (_, got), (_, want) in zip(scalars["train/epsilon"], logged):
+        assert got == pytest.approx(want, rel=1e-6)  # TensorBoard keeps float32
+    assert scalars["train/delta"][0][1] == pytest.approx(trainer.delta, rel=1e-6)
+
+
 def test_checkpoint_resume_counts_every_step_once(tmp_path):
     data = lm_data()
     args = trainer_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
