@@ -6,7 +6,8 @@ units, registers the hooks and forwards each hook to one call into ``dpzero._C.z
 
 Units. By default every direct child of the model that holds trainable parameters is a unit;
 ``nn.ModuleList`` and ``nn.ModuleDict`` children are looked through, so a transformer's blocks
-(``model.blocks = nn.ModuleList([...])``) become one unit each. Parameters not inside any unit
+(``model.blocks = nn.ModuleList([...])``) become one unit each, and so are PEFT's tuner wrappers
+(their forward is bypassed by PeftModel's). Parameters not inside any unit
 (held by the model itself, or by children that are not units) form the root unit. ``units=[names]``
 overrides the choice; a parameter belongs to the innermost listed module that contains it.
 
@@ -49,6 +50,20 @@ __all__ = ["ShardedModule", "default_units", "new_process_group", "shard"]
 # Containers without a forward of their own: their children are units, not they.
 _LOOK_THROUGH = (nn.ModuleList, nn.ModuleDict)
 
+
+def _look_through(module: nn.Module) -> bool:
+    """Whether default_units makes ``module``'s children units instead of it: containers
+    without a forward, and PEFT's tuner wrappers (LoraModel, ...: a BaseTuner), whose forward
+    PeftModel bypasses (it calls ``base_model.model`` directly), so a stage-3 gather hook on the
+    tuner would never fire."""
+    if isinstance(module, _LOOK_THROUGH):
+        return True
+    try:
+        from peft.tuners.tuners_utils import BaseTuner
+    except ImportError:
+        return False
+    return isinstance(module, BaseTuner)
+
 _DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 1e-2}  # torch.optim's defaults
 
 ROOT_UNIT = "<root>"
@@ -72,7 +87,7 @@ def default_units(model: nn.Module) -> list[str]:
             qualified = prefix + name
             if not any(p.requires_grad for p in child.parameters()):
                 continue
-            if isinstance(child, _LOOK_THROUGH):
+            if _look_through(child):
                 visit(qualified + ".", child)
             else:
                 names.append(qualified)

@@ -38,7 +38,7 @@ What changes against the Trainer, and why:
   ``auto_find_batch_size``, ``compute_loss_func``, an overridden ``compute_loss``);
   ``include_num_input_tokens_seen``, whose count would release the realised batch sizes;
   ``fp16`` / ``bf16`` (accelerate would cast or autocast outside the private step),
-  ``push_to_hub`` and ``save_only_model``; a PEFT model at ZeRO stage 3.
+  ``push_to_hub`` and ``save_only_model``.
 
 Released: ε, δ, the learning rate and the step count. The Trainer's ``total_flos`` is not counted
 (from real rows it would release the realised batch sizes). The training loss the Trainer logs is
@@ -236,10 +236,6 @@ class PrivateTrainer(Trainer):
         super().__init__(model=model, args=inner, **kwargs)
         self.user_args = args
         self.per_sample_loss = per_sample_loss or default_per_sample_loss(self.model)
-        if hasattr(self.model, "get_base_model") and self.privacy_args.zero_stage == 3:
-            raise ValueError("zero_stage=3 with a PEFT model: the engine cannot yet shard a "
-                             "model whose frozen base holds most parameters (its first forward "
-                             "fails); use zero_stage 0-2 for adapters")
         self.budget_stop: Optional[str] = None
         self._attach_private()
         # Steps an earlier run charged to this output_dir's ledger (make_private reopened it).
