@@ -51,18 +51,23 @@ __all__ = ["ShardedModule", "default_units", "new_process_group", "shard"]
 _LOOK_THROUGH = (nn.ModuleList, nn.ModuleDict)
 
 
-def _look_through(module: nn.Module) -> bool:
-    """Whether default_units makes ``module``'s children units instead of it: containers
-    without a forward, and PEFT's tuner wrappers (LoraModel, ...: a BaseTuner), whose forward
-    PeftModel bypasses (it calls ``base_model.model`` directly), so a stage-3 gather hook on the
-    tuner would never fire."""
-    if isinstance(module, _LOOK_THROUGH):
-        return True
+
+
+@functools.cache
+def _peft_tuner() -> tuple:
+    """PEFT's tuner wrapper class (LoraModel, ... are BaseTuners), or () without peft."""
     try:
         from peft.tuners.tuners_utils import BaseTuner
     except ImportError:
-        return False
-    return isinstance(module, BaseTuner)
+        return ()
+    return (BaseTuner,)
+
+
+def _look_through(module: nn.Module) -> bool:
+    """Whether default_units makes ``module``'s children units instead of it: containers
+    without a forward, and PEFT's tuner wrappers, whose forward PeftModel bypasses (it calls
+    ``base_model.model`` directly), so a stage-3 gather hook on the tuner would never fire."""
+    return isinstance(module, _LOOK_THROUGH + _peft_tuner())
 
 _DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 1e-2}  # torch.optim's defaults
 

@@ -42,8 +42,9 @@
 // rename and two fsyncs) leaves step-N complete but not named by latest: loading ROOT resumes
 // from the previous checkpoint, and a later save of the same step refuses to overwrite step-N —
 // load it by its path, or remove it (`dpzero train --resume` loads the newest committed step
-// directory, not ROOT/latest: _newest_committed in python/dpzero/train/runner.py). Loading trusts nothing it has not checked: every file read
-// must have the size and CRC-32 the manifest records, or the error names the file.
+// directory, not ROOT/latest: _newest_committed in python/dpzero/train/runner.py). Loading trusts
+// nothing it has not checked: every file read must have the size and CRC-32 the manifest
+// records, or the error names the file.
 // One writer per ROOT at a time: concurrent saves into one ROOT are not supported.
 //
 // Note [checkpoint resharding]

@@ -50,7 +50,8 @@ OptimizerKind parse_optimizer_kind(const std::string& name);
 struct OptimizerOptions {
   OptimizerKind kind = OptimizerKind::kSgd;
   double lr = 1e-3;
-  double weight_decay = 0.0;  // SGD, Adam: added to the gradient; AdamW: decoupled (p *= 1 - lr·wd)
+  // SGD, Adam: added to the gradient; AdamW: decoupled (p *= 1 - lr·wd)
+  double weight_decay = 0.0;
   bool maximize = false;
   // SGD
   double momentum = 0.0;

@@ -238,8 +238,8 @@ void ParamGroup::set_decay_exempt(const std::vector<bool>& exempt) {
       extend = false;
       continue;
     }
-    // Only alignment padding (zero values and gradients) lies between parameters adjacent in
-    // layout order, so two decayed neighbours share one run.
+    // Only padding (alignment, or a ragged plan's shard tail: zero values and gradients) lies
+    // between parameters adjacent in layout order, so two decayed neighbours share one run.
     if (extend) {
       runs.back().second = hi - begin;
     } else {

@@ -108,7 +108,10 @@ def _resume_and_check(config, run_dir, charged_before, checkpoint_step, *extra):
     resumed = [m for m in metrics if "resumed_at_step" in m]
     assert resumed == [{"run": "private", "resumed_at_step": checkpoint_step,
                         "charged_steps": charged_before}], resumed
-    _checkpoints_are_whole(run_dir)
+    newest = _checkpoints_are_whole(run_dir)
+    # The resumed run's own saves leave latest naming the newest committed step again.
+    latest = dpzero.checkpoint.resolve(str(run_dir / "checkpoints"))
+    assert os.path.basename(latest) == f"step-{newest:08d}", (latest, newest)
     return result, out
 
 

@@ -179,7 +179,7 @@ def test_step_hooks_closure_and_single_group():
         handle.remove()
     assert isinstance(loss, torch.Tensor) and loss.dim() == 0
     assert calls == want and len(want) == 3 and p.privacy_engine.charges == 1
-    with pytest.raises(ValueError, match="one parameter group"):
+    with pytest.raises(ValueError, match="parameter groups are fixed when make_private attaches"):
         p.optimizer.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
 
 
@@ -369,6 +369,16 @@ def test_weight_decay_groups_refuse_what_the_engine_cannot_apply():
     groups.param_groups[1]["weight_decay"] = 0.2
     with pytest.raises(ValueError, match=r"weight_decay values \[0.1, 0.2\]"):
         attach(groups, model)
+    model = _model()
+    groups = _decay_groups("adamw", model)
+    groups.param_groups[1]["betas"] = list(groups.param_groups[0]["betas"])  # equal, as a list
+    attach(groups, model)
+    model = _model()
+    with pytest.raises(ValueError, match=r"weight_decay=0.3 with an optimizer of 2 parameter "
+                                         r"groups"):
+        dpzero.make_private(model, dataset=data, batch_size=12, noise_multiplier=1.0,
+                            max_grad_norm=C, optimizer=_decay_groups("adamw", model),
+                            weight_decay=0.3, seed=0)
     model = _model()
     with pytest.raises(ValueError, match=r"does not hold 2 of the model's 4 trainable "
                                          r"parameters \(first: '2.weight'\)"):

@@ -96,6 +96,17 @@ def test_trainer_loop_job_writes_the_run_directory(tmp_path):
         assert '"key"' not in text
     assert (run / "report.md").exists()
 
+    # What ε does not cover stays in private/: no training loss or wall time in any file outside
+    # it (the Trainer's trainer_state.json included) or on the console, and no step times.
+    assert "loss" in (run / "private" / "training.jsonl").read_text()
+    assert (run / "private" / "diagnostics.jsonl").exists()
+    for path in run.rglob("*"):
+        if path.suffix in (".json", ".jsonl", ".md") and "private" not in path.parts:
+            text = path.read_text()
+            assert '"loss"' not in text and "train_runtime" not in text, path
+    console = out.stdout + out.stderr
+    assert "'loss'" not in console and "train_runtime" not in console and "it/s" not in console
+
 
 def test_trainer_loop_resumes_a_killed_rank_counting_every_charge(tmp_path):
     # Rank 1 is killed right after the ledger record of the 10th step, before its update; the
@@ -121,3 +132,21 @@ def test_trainer_loop_resumes_a_killed_rank_counting_every_charge(tmp_path):
     resumed = [m for m in _metrics(run) if "resumed_at_step" in m]
     assert resumed == [{"run": "private", "resumed_at_step": 8, "charged_steps": 10}]
     assert math.isfinite(result["epsilon"]) and result["accuracy"] > 0.2
+
+
+def test_trainer_loop_resumes_a_run_killed_before_its_first_checkpoint(tmp_path):
+    # No checkpoint to resume from: the run starts over, and the ledger keeps the 2 steps it
+    # charged before the crash (they count, and their noise indices are not reused).
+    run = tmp_path / "run"
+    config = _config(tmp_path, run, privacy={"secure_mode": False}, zero_stage=0)
+    out = _train(config, env={"DPZERO_FAILPOINT": "after_ledger@1@1"})
+    assert out.returncode != 0 and "SIGKILL" in out.stderr, out.stderr[-2000:]
+    assert not list(run.glob("checkpoint-*"))
+    out = _train(config, "--resume")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((run / "result.json").read_text())["private"]
+    assert result["steps"] == STEPS and result["charged_steps"] == STEPS + 2
+    assert result["epsilon"] == pytest.approx(_rdp_epsilon(STEPS + 2), rel=1e-12)
+    resumed = [m for m in _metrics(run) if "resumed_at_step" in m]
+    assert resumed == [{"run": "private", "resumed_at_step": 0, "charged_steps": 2}]
+

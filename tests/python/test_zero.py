@@ -268,14 +268,17 @@ def test_stages_match_single_process_pytorch(tmp_path, world_size, optimizer):
 
 
 def test_weight_decay_exemption_matches_torch_param_groups(tmp_path):
-    # Note [weight decay runs]: shard boundaries at W = 2 cut parameters, so some runs are parts
-    # of a parameter; stage 0 steps the whole layout. SGD covers the coupled decay, AdamW the
+    # Note [weight decay runs]: even shard boundaries at W = 2 cut parameters, so some runs are
+    # parts of a parameter; ragged ones put padding between a rank's parameters; stage 0 steps
+    # the whole layout. SGD covers the coupled decay, AdamW the
     # decoupled one.
     exempt = decay_exempt_names(make_model(tied=True))
-    cases = {(stage, opt): (stage, opt, dict(tied=True), None, dict(weight_decay_exempt=exempt))
-             for stage in range(4) for opt in ("sgd", "adamw")}
+    cases = {(stage, opt, bounds): (stage, opt, dict(tied=True), None,
+                                    dict(weight_decay_exempt=exempt, shard_boundaries=bounds))
+             for stage in range(4) for opt in ("sgd", "adamw")
+             for bounds in (("even", "parameters") if stage in (1, 3) else ("even",))}
     results = run_ranks(2, cases, tmp_path)
-    for (stage, opt), result in results.items():
+    for (stage, opt, _), result in results.items():
         assert_matches_reference(result, opt, dict(tied=True), decay_exempt=True)
         # The exemption changed the result: every parameter decaying lies far outside tolerance.
         _, uniform = reference(opt, dict(tied=True))
@@ -284,9 +287,16 @@ def test_weight_decay_exemption_matches_torch_param_groups(tmp_path):
 
 
 def test_weight_decay_exempt_names_are_checked():
+    # A tied alias names the same parameter: with zero gradients one AdamW step only decays,
+    # so the exempt embedding stays as it was and a decayed weight shrinks by 1 - lr·wd.
     model = make_model(tied=True)
-    # A tied alias names the same parameter.
-    dpzero.shard(model, stage=0, optimizer="adamw", weight_decay_exempt=["head.weight"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    wrapped = dpzero.shard(model, stage=0, optimizer="adamw", lr=0.1, weight_decay=0.5,
+                           weight_decay_exempt=["head.weight"])
+    wrapped.step()
+    after = wrapped.full_parameters()
+    assert torch.equal(after["wte.weight"], before["wte.weight"])
+    torch.testing.assert_close(after["wpe.weight"], before["wpe.weight"] * (1 - 0.1 * 0.5))
     with pytest.raises(ValueError, match="'blocks.9.bias' is not a trainable parameter"):
         dpzero.shard(make_model(), stage=0, weight_decay_exempt=["blocks.9.bias"])
     with pytest.raises(TypeError, match="got the string 'ln_f.bias'"):

@@ -3,12 +3,12 @@
 What changes against the Trainer, and why:
 
 * **Batches.** The expected logical batch is ``per_device_train_batch_size x
-  gradient_accumulation_steps x world size`` examples (``torchrun --nproc-per-node N``: each
-  process is one of dpzero's ranks, in the process group the Trainer's accelerate set up), Poisson-sampled (q = that / N) by dpzero's
-  loader, which splits each logical batch into micro-batches of at most
+  gradient_accumulation_steps x world size`` examples (``torchrun --nproc-per-node N``: each process
+  is one of dpzero's ranks, in the process group the Trainer's accelerate set up), Poisson-sampled
+  (q = that / N) by dpzero's loader, which splits each logical batch into micro-batches of at most
   ``per_device_train_batch_size`` rows. Under Poisson sampling the number of micro-batches varies
-  from step to step, so the Trainer's loop sees one item per optimizer step (a ``LogicalBatch``)
-  and ``training_step`` runs its micro-batches; the Trainer's own accumulation count is 1 inside
+  from step to step, so the Trainer's loop sees one item per optimizer step (a ``LogicalBatch``) and
+  ``training_step`` runs its micro-batches; the Trainer's own accumulation count is 1 inside
   (``self.args``), the caller's value lives on in q.
 * **Steps and σ.** T = ``max_steps`` when given, else ceil(``num_train_epochs`` x int(1/q)), the
   number of steps the Trainer will run; σ is ``noise_multiplier`` or calibrated so that T steps
@@ -30,15 +30,15 @@ What changes against the Trainer, and why:
 * **Randomness.** Without a ``PrivacyArguments.seed`` the noise and the sampling are secure mode's
   (ChaCha20 keyed from the OS); ``TrainingArguments.seed`` is public (42 by default) and is never
   the noise seed: whoever knows the seed can regenerate the noise.
-* **Refused** (ValueError naming the value): DDP / FSDP / DeepSpeed / DataParallel settings (dpzero
-  is its own data-parallel engine), a ``max_grad_norm`` in the TrainingArguments that contradicts the per-sample one, other
-  optimizers, a dataset without ``__len__``, a collator that changes the number of rows, a budget
-  that cannot be met; settings that would couple examples (NEFTune, a left-padding tokenizer) or
-  that the private step would ignore (``label_smoothing_factor``, ``torch_compile``,
-  ``auto_find_batch_size``, ``compute_loss_func``, an overridden ``compute_loss``);
-  ``include_num_input_tokens_seen``, whose count would release the realised batch sizes;
-  ``fp16`` / ``bf16`` (accelerate would cast or autocast outside the private step),
-  ``push_to_hub`` and ``save_only_model``.
+* **Refused** (ValueError naming the value): DDP / FSDP / DeepSpeed / DataParallel settings
+  (dpzero is its own data-parallel engine), a ``max_grad_norm`` in the TrainingArguments that
+  contradicts the per-sample one, other optimizers, a dataset without ``__len__``, a collator that
+  changes the number of rows, a budget that cannot be met; settings that would couple examples
+  (NEFTune, a left-padding tokenizer) or that the private step would ignore
+  (``label_smoothing_factor``, ``torch_compile``, ``auto_find_batch_size``, ``compute_loss_func``,
+  an overridden ``compute_loss``); ``include_num_input_tokens_seen``, whose count would release the
+  realised batch sizes; ``fp16`` / ``bf16`` (accelerate would cast or autocast outside the private
+  step), ``push_to_hub`` and ``save_only_model``.
 
 Released: ε, δ, the learning rate and the step count. The Trainer's ``total_flos`` is not counted
 (from real rows it would release the realised batch sizes). The training loss the Trainer logs is
@@ -88,7 +88,9 @@ class PrivacyArguments:
     so it is a secret, and never TrainingArguments.seed (public, 42 by default). secure_mode:
     ChaCha20 noise and sampling keyed from the OS; the default (None) is secure mode unless a
     seed is given. allow_no_noise: needed for noise_multiplier=0 (training without privacy, ε
-    reported as inf).
+    reported as inf). diagnostics_path: a JSON-lines file for each step's realised batch size and
+    dropped samples (not covered by ε: keep it with the training loss, apart from what you
+    release).
     """
 
     target_epsilon: Optional[float] = None
@@ -101,6 +103,7 @@ class PrivacyArguments:
     secure_mode: Optional[bool] = None
     seed: Optional[int] = None
     allow_no_noise: bool = False
+    diagnostics_path: Optional[str] = None
 
 
 class LogicalBatch:
@@ -277,8 +280,8 @@ class PrivateTrainer(Trainer):
         if args.weight_decay:
             # The Trainer's own split (create_optimizer): what it would not decay, nor do we.
             decayed = set(self.get_decay_parameter_names(self.model))
-            hyper["weight_decay_exempt"] = [n for n, q in self.model.named_parameters()
-                                            if q.requires_grad and n not in decayed]
+            hyper["weight_decay_exempt"] = [name for name, param in self.model.named_parameters()
+                                            if param.requires_grad and name not in decayed]
         collate = _CheckedCollator(self._get_collator_with_removed_columns(
             self.data_collator, description="training"))
         data = self._remove_unused_columns(dataset, description="training") \
@@ -297,7 +300,9 @@ class PrivateTrainer(Trainer):
             clipping=p.clipping, accountant=p.accountant, secure_mode=secure,
             zero_stage=p.zero_stage, max_physical_batch_size=args.per_device_train_batch_size,
             seed=None if secure else p.seed,
-            ledger_path=os.path.join(args.output_dir, LEDGER), loss_reduction="sum",
+            ledger_path=os.path.join(args.output_dir, LEDGER),
+            run_id=os.path.basename(os.path.abspath(args.output_dir)),
+            diagnostics_path=p.diagnostics_path, loss_reduction="sum",
             allow_no_noise=p.allow_no_noise, optimizer=optimizer, **hyper, **budget)
         self.privacy_engine = self._private.privacy_engine
         self.optimizer = self._private.optimizer
@@ -467,7 +472,10 @@ class PrivateTrainer(Trainer):
 
     # ---- the end ---------------------------------------------------------------------------
 
-    def train(self, *args, **kwargs):
+    def train(self, *args, continue_ledger: bool = False, **kwargs):
+        """The Trainer's train(). ``continue_ledger``: start without a checkpoint while the
+        output_dir's ledger keeps counting an earlier run's steps (``dpzero train --resume``
+        after a crash before the first checkpoint); otherwise such a start is refused."""
         engine = self.privacy_engine
         if engine.remaining_steps is not None and engine.remaining_steps <= 0:
             raise BudgetExhausted(
@@ -475,7 +483,7 @@ class PrivateTrainer(Trainer):
                 f"already spent: {engine.charges} steps are charged in "
                 f"{os.path.join(self.user_args.output_dir, LEDGER)}; nothing was trained")
         resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-        if self._earlier_charges and not resume and not self._trained:
+        if self._earlier_charges and not resume and not continue_ledger and not self._trained:
             raise ValueError(
                 f"output_dir {self.user_args.output_dir!r} already holds a privacy ledger with "
                 f"{self._earlier_charges} charged steps of an earlier run: continue that run with "

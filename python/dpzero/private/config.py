@@ -115,7 +115,7 @@ def optimizer_settings(optimizer) -> tuple:
             else ("lr", "betas", "eps", "amsgrad", "maximize"))
     for i, other in enumerate(groups[1:], start=1):
         for key in keys:
-            if other[key] != g[key]:
+            if not _same_value(other[key], g[key]):
                 raise ValueError(
                     f"optimizer.param_groups[{i}][{key!r}] = {other[key]!r} differs from "
                     f"param_groups[0][{key!r}] = {g[key]!r}: dpzero's sharded optimizer applies "
@@ -125,6 +125,13 @@ def optimizer_settings(optimizer) -> tuple:
     kw = {key: (tuple(g[key]) if key == "betas" else g[key]) for key in keys}
     kw["weight_decay"] = decays
     return name, kw, tuple(p for i in exempt for p in groups[i]["params"])
+
+
+def _same_value(a, b) -> bool:
+    """Hyperparameter equality, a list of betas equal to the same tuple."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return tuple(a) == tuple(b)
+    return a == b
 
 
 def decay_groups(groups) -> tuple:
@@ -231,6 +238,11 @@ def resolve(*, accountant: str, optimizer="sgd", dataset: Optional[Dataset] = No
     if bad:
         raise TypeError(f"make_private got unexpected keyword arguments {bad}; allowed "
                         f"besides its own: {sorted(PASS_THROUGH)}")
+    groups = [] if isinstance(optimizer, str) else optimizer.param_groups
+    if len(groups) > 1 and "weight_decay" in optimizer_kwargs:
+        raise ValueError(f"weight_decay={optimizer_kwargs['weight_decay']} with an optimizer of "
+                         f"{len(groups)} parameter groups, whose own weight_decay values decide "
+                         "which parameters decay: set them in the optimizer's groups instead")
     options.update(optimizer_kwargs)
     if lr is not None:
         options["lr"] = lr

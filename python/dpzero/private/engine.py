@@ -556,7 +556,7 @@ class PrivacyEngine:
         self._step.drop_batch()
 
     def _set_hyperparameters(self) -> None:
-        """param_groups[0]'s hyperparameters into the engine (Note [hyperparameters at the
+        """param_groups' hyperparameters into the engine (Note [hyperparameters at the
         step]); ValueError naming a bad one, the engine unchanged."""
         options = self.optimizer.engine_options()
         current = self.sharded._state.optimizer_options
@@ -566,7 +566,7 @@ class PrivacyEngine:
                 self.sharded._state.set_optimizer_options(kind=self._optimizer_kind, **merged)
             except RuntimeError as e:
                 first = (str(e).strip().splitlines() or [""])[0]
-                raise ValueError(f"optimizer.param_groups[0]: {first}") from None
+                raise ValueError(f"optimizer.param_groups: {first}") from None
 
     def _load_parameters(self, values) -> None:
         """Writes ``values`` ([(parameter, tensor of its shape)]) into the engine's master (Note
@@ -738,7 +738,8 @@ def _check_optimizer_params(model: nn.Module, trainable: Dict[int, torch.Tensor]
     for another copy of it, would silently train something else."""
     if optimizer is None:
         return
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    held = {id(p): (g, k, tuple(p.shape)) for g, group in enumerate(optimizer.param_groups)
+            for k, p in enumerate(group["params"])}
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     missing = [names[i] for i in trainable if i not in held]
     if missing:
@@ -747,10 +748,12 @@ def _check_optimizer_params(model: nn.Module, trainable: Dict[int, torch.Tensor]
             f"trainable parameters (first: {missing[0]!r}); dpzero trains every parameter with "
             "requires_grad=True. Freeze those you do not train (requires_grad_(False)) or give "
             "the optimizer all of them")
-    foreign = len(held - set(names))
+    foreign = [where for i, where in held.items() if i not in names]
     if foreign:
-        raise ValueError(f"the optimizer holds {foreign} parameters that are not the model's "
-                         "(built for another copy of it?); build it on this model's parameters")
+        g, k, shape = foreign[0]
+        raise ValueError(f"the optimizer holds {len(foreign)} parameters that are not the "
+                         f"model's (first: param_groups[{g}]['params'][{k}], shape {shape}; "
+                         "built for another copy of it?); build it on this model's parameters")
 
 
 def _decay_exempt_names(model: nn.Module, config: PrivateConfig) -> Optional[list]:
@@ -763,4 +766,3 @@ def _decay_exempt_names(model: nn.Module, config: PrivateConfig) -> Optional[lis
     out = list(given or ())
     out += [names[id(p)] for p in config.decay_exempt if id(p) in names and p.requires_grad]
     return out
-

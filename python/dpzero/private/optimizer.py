@@ -4,7 +4,7 @@ The update itself runs in the ZeRO engine (``src/zero/``: a sharded fp32 optimiz
 torch.optim's); this class is torch's interface to it, so that what an ordinary training script
 does with its optimizer works unchanged:
 
-* ``param_groups`` is one group holding torch's own keys for SGD, Adam or AdamW. When the caller
+* ``param_groups`` holds torch's own keys for SGD, Adam or AdamW. When the caller
   handed ``make_private`` a torch optimizer, it IS that optimizer's list (as Opacus's DPOptimizer
   shares it), so an LR scheduler built on either drives the private step. Its groups may differ
   in weight_decay alone, and then those with weight_decay 0 are exempt from it (Note [weight
@@ -26,7 +26,7 @@ Note [hyperparameters at the step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 torch.optim reads its hyperparameters from ``param_groups`` at every ``step()``; schedulers rely
 on it (OneCycleLR cycles ``momentum`` or ``betas`` along with ``lr``). The engine keeps its own
-copy (``ShardOptimizer::set_options``), refreshed from ``param_groups[0]`` in every private step
+copy (``ShardOptimizer::set_options``), refreshed from ``param_groups`` in every private step
 before anything is charged: a bad value (a negative lr, amsgrad switched on mid-run) is refused
 with nothing charged or applied. Hyperparameters do not depend on the data, so they need no
 privacy reasoning; every rank must set the same ones (schedulers are deterministic).
@@ -85,9 +85,9 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if not self._building:
-            raise ValueError("DPOptimizer has one parameter group (the engine's sharded "
-                             "optimizer applies one set of hyperparameters); give make_private "
-                             "every parameter to train")
+            raise ValueError("DPOptimizer's parameter groups are fixed when make_private "
+                             "attaches (the engine shards the parameters it was given then); "
+                             "give make_private an optimizer holding every parameter to train")
         super().add_param_group(param_group)
 
     # ---- the step ----------------------------------------------------------------------------

@@ -11,7 +11,8 @@ alone) is kept apart from what is not:
                     of the private model per                    ε, δ, σ, q, C, steps
                     epoch
     model.pt        the trained model (private)  report.md, report.json, *.png  (report.py)
-    checkpoints/    sharded checkpoints of the private run (``[training] checkpoint_every``)
+    checkpoints/    sharded checkpoints of the private run (``[training] checkpoint_every``;
+                    with ``loop = "trainer"`` the Trainer's checkpoint-<step>/, trainer_loop.py)
     private.json    the private run's result, once it has finished
     private/        NOT covered by ε, not to be shared: diagnostics.jsonl (each step's realised
                     batch size and dropped samples, from the engine), training.jsonl (training

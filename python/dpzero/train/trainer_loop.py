@@ -3,19 +3,22 @@
 ``train_with_trainer`` is ``runner.train_once`` with ``dpzero.hf.PrivateTrainer`` in place of
 dpzero's own loop, and the same run directory (runner.py's module docstring): the ledger is
 ``ledger.jsonl``, ε per step and the private model's test metrics per epoch go to
-``metrics.jsonl``, training losses to ``private/training.jsonl``, and the result dict is the
-engine loop's. What the Trainer brings is its own: the checkpoints (``checkpoint-<step>/`` in the
-run directory, ``[training] checkpoint_every`` and ``keep_checkpoints``), the constant-LR
-schedule and optimizer it builds from TrainingArguments (weight decay spares what the Trainer
-spares: biases and norm weights), ``trainer_state.json``, and its console log. The baseline runs
-the same Trainer with σ = 0 and C = ∞ into ``private/baseline/`` (its ledger, of unnoised steps,
-is not the run's).
+``metrics.jsonl``; training losses and wall times to ``private/training.jsonl`` and realised
+batch sizes to ``private/diagnostics.jsonl``, never into the Trainer's logs (``_RunTrainer``), so
+neither into ``checkpoint-<step>/trainer_state.json`` nor onto the console; the progress bar is
+runner's (steps, ε, test accuracy); the result dict is the engine loop's. What the Trainer brings
+is its own: the checkpoints (``checkpoint-<step>/`` in the run directory, ``[training]
+checkpoint_every`` and ``keep_checkpoints``), the constant-LR schedule and optimizer it builds
+from TrainingArguments (weight decay spares what the Trainer spares: biases and norm weights),
+and its printed logs (ε, δ, learning rate, epoch). The baseline runs the same Trainer with σ = 0
+and C = ∞ into ``private/baseline/`` (its ledger, of unnoised steps, is not the run's).
 
 Where the two loops differ by construction: the Trainer's logical batch is
 ``max_physical_batch_size × gradient_accumulation_steps × world_size`` (config.py requires
 batch_size to be such a multiple), and its step count is ceil(epochs · int(1/q)) against the
-engine loop's int(epochs / q). ``--resume`` continues from the newest ``checkpoint-<step>/``
-(Note [resuming a run] in runner.py holds: the reopened ledger keeps every charged step).
+engine loop's int(epochs / q). ``--resume`` continues from the newest complete
+``checkpoint-<step>/``, or from the start when there is none (Note [resuming a run] in runner.py
+holds: the reopened ledger keeps every charged step).
 """
 
 from __future__ import annotations
@@ -39,11 +42,34 @@ from ..hf import PrivacyArguments, PrivateTrainer
 from ..hf.trainer import PRIVACY_STATE
 from .config import RunConfig
 from .report import PRIVATE_DIR
-from .runner import _atomic_json, _atomic_save, _final_state, _rank_world, build, evaluate, \
-    input_names
+from .runner import _atomic_json, _atomic_save, _final_state, _Progress, _rank_world, build, \
+    evaluate, input_names
+
+# What the Trainer logs that depends on the training data without noise (Note [released
+# figures] in private/engine.py): the loss, and wall times that follow the realised batch sizes.
+_UNRELEASED = ("loss", "train_loss", "train_runtime", "train_samples_per_second",
+               "train_steps_per_second")
 
 # dpzero's optimizer names as the Trainer's `optim` (AdamW with weight_decay 0 is Adam).
 _OPTIM = {"adamw": "adamw_torch", "adam": "adamw_torch", "sgd": "sgd"}
+
+
+class _RunTrainer(PrivateTrainer):
+    """PrivateTrainer whose logs keep the run directory's split: the figures ε does not cover
+    go to ``private/training.jsonl`` (rank 0's ``diagnostics``), never into the Trainer's
+    logs, hence neither into ``checkpoint-<step>/trainer_state.json`` nor onto the console."""
+
+    def __init__(self, *args, diagnostics=None, label: str = "private", **kwargs) -> None:
+        self._diagnostics, self._label = diagnostics, label
+        super().__init__(*args, **kwargs)
+
+    def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
+        unreleased = {k: logs.pop(k) for k in _UNRELEASED if k in logs}
+        if unreleased and self._diagnostics is not None:
+            record = {"run": self._label, "step": self.state.global_step, **unreleased}
+            self._diagnostics.write(json.dumps(record) + "\n")
+            self._diagnostics.flush()
+        super().log(logs, start_time)
 
 
 class _Rows(Dataset):
@@ -101,7 +127,7 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
             shutil.rmtree(output_dir, ignore_errors=True)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
-    every = t_cfg.checkpoint_interval(_planned_steps(cfg, n, world)) if private else 0
+    every = t_cfg.checkpoint_interval(_planned_steps(cfg, n)) if private else 0
     args = TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=t_cfg.max_physical_batch_size,
         gradient_accumulation_steps=t_cfg.batch_size // (t_cfg.max_physical_batch_size * world),
@@ -109,31 +135,42 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
         weight_decay=t_cfg.weight_decay, lr_scheduler_type="constant", warmup_steps=0,
         logging_steps=10, report_to=[], save_strategy="steps" if every else "no",
         save_steps=max(every, 1), save_total_limit=t_cfg.keep_checkpoints,
-        use_cpu=not torch.cuda.is_available(), seed=t_cfg.seed, disable_tqdm=rank != 0,
+        use_cpu=not torch.cuda.is_available(), seed=t_cfg.seed, disable_tqdm=True,
         dataloader_num_workers=0, label_names=["labels"])
     if private:
         privacy = PrivacyArguments(
             target_epsilon=p_cfg.target_epsilon, target_delta=delta,
             noise_multiplier=p_cfg.noise_multiplier, max_grad_norm=p_cfg.max_grad_norm,
             clipping=p_cfg.clipping, accountant=p_cfg.accountant, zero_stage=t_cfg.zero_stage,
-            secure_mode=p_cfg.secure_mode, seed=None if p_cfg.secure_mode else t_cfg.seed)
+            secure_mode=p_cfg.secure_mode, seed=None if p_cfg.secure_mode else t_cfg.seed,
+            diagnostics_path=os.path.join(run_dir, PRIVATE_DIR, "diagnostics.jsonl"))
     else:
         privacy = PrivacyArguments(noise_multiplier=0.0, allow_no_noise=True,
                                    max_grad_norm=math.inf, zero_stage=t_cfg.zero_stage,
                                    accountant=p_cfg.accountant, secure_mode=False,
                                    seed=t_cfg.seed)
-    trainer = PrivateTrainer(model=model, args=args, train_dataset=_Rows(train, unpack,
-                                                                          input_names(cfg)),
-                             data_collator=default_data_collator, privacy_args=privacy,
-                             per_sample_loss=_per_example_cross_entropy)
+    trainer = _RunTrainer(model=model, args=args, train_dataset=_Rows(train, unpack,
+                                                                       input_names(cfg)),
+                          data_collator=default_data_collator, privacy_args=privacy,
+                          per_sample_loss=_per_example_cross_entropy, diagnostics=diagnostics,
+                          label=label)
     engine = trainer.privacy_engine
-    trainer.add_callback(_RunLogs(trainer, label, private, test, unpack, metrics, diagnostics))
+    # The Trainer's printer shows each log (ε, δ, lr, epoch: the unreleased figures are gone);
+    # its progress bar would show step times, so runner's bar takes its place.
     checkpoint = latest_checkpoint(run_dir) if private and resume else None
+    progress = _Progress(trainer.planned_steps - _step_of(checkpoint), label, enabled=rank == 0)
+    trainer.add_callback(_RunLogs(trainer, label, private, test, unpack, metrics, diagnostics,
+                                  progress))
     if private and resume and metrics is not None:
         metrics.write(json.dumps({"run": label, "resumed_at_step": _step_of(checkpoint),
                                   "charged_steps": engine.charges}) + "\n")
         metrics.flush()
-    trainer.train(resume_from_checkpoint=checkpoint)
+    try:
+        # --resume without a complete checkpoint (a crash before the first) starts over while
+        # the ledger keeps every step it charged (Note [resuming a run] in runner.py).
+        trainer.train(resume_from_checkpoint=checkpoint, continue_ledger=private and resume)
+    finally:
+        progress.close()
     final = evaluate(trainer.private_model, test, unpack)
     params = engine.parameters()  # a collective in stages 1-3
     result = {"run": label, "steps": trainer.state.global_step, "sample_rate": engine.sample_rate,
@@ -148,7 +185,7 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
     return result
 
 
-def _planned_steps(cfg: RunConfig, n: int, world: int) -> int:
+def _planned_steps(cfg: RunConfig, n: int) -> int:
     """The Trainer's step count for the run (PrivateTrainer: ceil(epochs · int(1/q)))."""
     q = min(cfg.training.batch_size, n) / n
     return math.ceil(cfg.training.epochs * max(1, int(1.0 / q)))
@@ -162,10 +199,10 @@ class _RunLogs(TrainerCallback):
     """The run directory's logs from the Trainer's events (every rank; rank 0 writes)."""
 
     def __init__(self, trainer, label: str, private: bool, test, unpack, metrics,
-                 diagnostics) -> None:
+                 diagnostics, progress: _Progress) -> None:
         self.trainer, self.label, self.private = trainer, label, private
         self.test, self.unpack = test, unpack
-        self.metrics, self.diagnostics = metrics, diagnostics
+        self.metrics, self.diagnostics, self.progress = metrics, diagnostics, progress
 
     def _write(self, log, record) -> None:
         if log is not None:
@@ -173,19 +210,19 @@ class _RunLogs(TrainerCallback):
             log.flush()
 
     def on_step_end(self, args, state, control, **kwargs):
-        # ε every 10 steps and at the end, as the engine loop logs it (PRV's ε costs ms).
+        # ε every 10 steps and at the last one (PRV's ε costs ms), as the engine loop logs it;
+        # the last is also a step at which the budget stopped the run.
+        eps = None
         if self.private:
             step = state.global_step
-            eps = self.trainer.epsilon() if step % 10 == 0 or step == state.max_steps else None
+            last = step == state.max_steps or self.trainer.budget_stop is not None
+            eps = self.trainer.epsilon() if step % 10 == 0 or last else None
             self._write(self.metrics, {"step": step, "epsilon": eps})
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        # The training loss: computed from the data without noise (not covered by ε).
-        if logs and "loss" in logs:
-            self._write(self.diagnostics, {"step": state.global_step, "loss": logs["loss"]})
+        self.progress.update(eps)
 
     def on_epoch_end(self, args, state, control, **kwargs):
         ev = evaluate(self.trainer.private_model, self.test, self.unpack)  # a collective
         # The private model on held-out data is released; the baseline's is not private.
         self._write(self.metrics if self.private else self.diagnostics,
                     {"epoch": round(state.epoch), "step": state.global_step, **ev})
+        self.progress.update(accuracy=ev["accuracy"] if self.private else None, step=False)
