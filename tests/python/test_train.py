@@ -51,6 +51,12 @@ BASE = {"privacy": {"target_epsilon": 3.0}}
      r"\['fixed', 'auto'\], got 'fast'"),
     ({**BASE, "training": {"memory_budget_gib": -1}}, r"\[training\] memory_budget_gib must be "
      r">= 0"),
+    ({**BASE, "training": {"momentum": 1.0, "optimizer": "sgd"}}, r"\[training\] momentum "
+     r"must be in \[0, 1\), got 1.0"),
+    ({**BASE, "training": {"momentum": 0.9}}, r'momentum = 0.9 is SGD\'s; optimizer is "adamw"'),
+    ({**BASE, "data": {"scale": "minmax"}}, r"\[data\] scale must be one of "
+     r"\['standardize', 'unit'\], got 'minmax'"),
+    ({**BASE, "model": {"padding": -1}}, r"\[model\] padding must be >= 0, got -1"),
     ({**BASE, "training": {"loop": "keras"}}, r"\[training\] loop must be one of "
      r"\['engine', 'trainer'\], got 'keras'"),
     ({**BASE, "training": {"loop": "trainer", "policy": "auto"}}, r'policy = "auto" plans the '
@@ -139,6 +145,11 @@ def test_fashion_mnist_files():
     assert test.tensors[0].shape == (10000, 1, 28, 28)
     assert torch.bincount(train.tensors[1]).tolist() == [6000] * 10
     assert abs(train.tensors[0].mean().item()) < 1e-3  # standardised with its own statistics
+    unit = datasets.fashion_mnist(True, scale="unit").tensors[0]  # pixels / 255
+    assert unit.min().item() == 0.0 and unit.max().item() == 1.0
+    assert torch.allclose((unit - 0.2860) / 0.3530, train.tensors[0])
+    with pytest.raises(ValueError, match="got 'minmax'"):
+        datasets.fashion_mnist(True, scale="minmax")
 
 
 def test_idx_reader_rejects_damaged_files(tmp_path):
@@ -231,6 +242,38 @@ def _write_config(path, **sections):
         lines.append(f"[{section}]")
         lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
     path.write_text("\n".join(lines) + "\n")
+
+
+@needs_fashion
+def test_tramer_boneh_cnn_config_runs_on_a_subset(tmp_path):
+    # configs/cnn-fashion-mnist-tb.toml as shipped, on 1024 examples for 2 epochs: its settings
+    # reach the model (padding 2: 12x12 maps after the first pooling), the data ([0, 1] pixels)
+    # and the optimizer (SGD momentum), and ε is the accountant's for its (σ, q, steps).
+    from dpzero.train import runner
+
+    shipped = os.path.join(os.path.dirname(__file__), "..", "..", "configs",
+                           "cnn-fashion-mnist-tb.toml")
+    cfg = config.load(shipped)
+    assert (cfg.model.padding, cfg.data.scale, cfg.training.momentum) == (2, "unit", 0.9)
+    cfg.data.limit, cfg.training.epochs, cfg.training.batch_size = 1024, 2, 256
+    cfg.training.max_physical_batch_size, cfg.output.dir = 128, str(tmp_path / "run")
+    config.validate(cfg)
+    model, train, _, _ = runner.build(cfg)
+    assert model.conv1(train.tensors[0][:1]).shape == (1, 16, 13, 13)
+    assert train.tensors[0].min() == 0.0 and train.tensors[0].max() == 1.0
+    result = runner.run_job(cfg)["private"]
+    steps = 2 * int(1024 / 256)
+    assert result["steps"] == steps and result["noise_multiplier"] == 2.15
+    prv = dpzero.PRVAccountant()
+    prv.step(noise_multiplier=2.15, sample_rate=256 / 1024, num_steps=steps)
+    assert result["epsilon"] == pytest.approx(prv.get_epsilon(1e-5), rel=1e-9)
+    assert result["accuracy"] > 0.2  # 10 classes: well above chance after 8 private steps
+    # The engine ran SGD with momentum: the checkpoint manifest records its hyperparameters.
+    root = str(tmp_path / "run" / "checkpoints")
+    manifest = json.loads(open(os.path.join(dpzero.checkpoint.resolve(root),
+                                            "manifest.json")).read())
+    text = json.dumps(manifest)
+    assert '"momentum": 0.9' in text and '"lr": 4.0' in text, text[:2000]
 
 
 @needs_fashion

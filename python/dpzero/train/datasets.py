@@ -95,8 +95,13 @@ def _read_idx(path: str) -> np.ndarray:
     return body.reshape(dims)
 
 
-def fashion_mnist(train: bool, root: str = FASHION_DIR) -> TensorDataset:
-    """(images [n, 1, 28, 28] float32 standardised, labels [n] int64)."""
+def fashion_mnist(train: bool, root: str = FASHION_DIR,
+                  scale: str = "standardize") -> TensorDataset:
+    """(images [n, 1, 28, 28] float32, labels [n] int64). ``scale``: "standardize" (the training
+    set's mean and standard deviation) or "unit" (pixels / 255 in [0, 1], torchvision's ToTensor,
+    as Tramèr & Boneh 2021's code feeds the CNN)."""
+    if scale not in ("standardize", "unit"):
+        raise ValueError(f"scale must be 'standardize' or 'unit', got {scale!r}")
     if not os.path.isdir(root):
         raise DatasetMissing(f"{root} does not exist: install the Debian package "
                              "dataset-fashion-mnist (scripts/setup.sh does)")
@@ -106,5 +111,6 @@ def fashion_mnist(train: bool, root: str = FASHION_DIR) -> TensorDataset:
     if images.shape[0] != labels.shape[0]:
         raise ValueError(f"{root}: {images.shape[0]} images but {labels.shape[0]} labels")
     x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
-    x = (x - 0.2860) / 0.3530  # the training set's mean and standard deviation
+    if scale == "standardize":
+        x = (x - 0.2860) / 0.3530  # the training set's mean and standard deviation
     return TensorDataset(x, torch.from_numpy(labels.astype(np.int64)))

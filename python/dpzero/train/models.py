@@ -73,18 +73,21 @@ def load_minilm(path: Optional[str], num_classes: int, train_layers: int):
 class TanhCNN(nn.Module):
     """The CNN of Papernot et al. 2021 ("Tempered Sigmoid Activations for Deep Learning with
     Differential Privacy", Table 1, MNIST/Fashion-MNIST architecture) with tanh activations:
-    conv 16@8x8/2 -> maxpool 2/1 -> conv 32@4x4/2 -> maxpool 2/1 -> fc 32 -> fc 10."""
+    conv 16@8x8/2 -> maxpool 2/1 -> conv 32@4x4/2 -> maxpool 2/1 -> fc 32 -> fc 10.
+    ``padding``: the first convolution's zero padding (3 here by default; Tramèr & Boneh 2021's
+    implementation, which reproduces the published accuracy, uses 2: 13x13 maps, not 14x14; the
+    rest of the network gives 4x4 maps either way)."""
 
-    def __init__(self, num_classes: int = 10) -> None:
+    def __init__(self, num_classes: int = 10, padding: int = 3) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 8, stride=2, padding=3)
+        self.conv1 = nn.Conv2d(1, 16, 8, stride=2, padding=padding)
         self.conv2 = nn.Conv2d(16, 32, 4, stride=2)
         self.fc1 = nn.Linear(32 * 4 * 4, 32)
         self.fc2 = nn.Linear(32, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, 1, 28, 28] -> logits [B, 10]
-        x = torch.nn.functional.max_pool2d(torch.tanh(self.conv1(x)), 2, 1)  # [B, 16, 13, 13]
+        x = torch.nn.functional.max_pool2d(torch.tanh(self.conv1(x)), 2, 1)  # [B, 16, 13, 13] (12x12: padding 2)
         x = torch.nn.functional.max_pool2d(torch.tanh(self.conv2(x)), 2, 1)  # [B, 32, 4, 4]
         x = torch.tanh(self.fc1(x.flatten(1)))
         return self.fc2(x)

@@ -50,7 +50,9 @@ def _profile(cfg: RunConfig, world: int, rank: int, group) -> Profile:
     t = cfg.training
     return profile(lambda: copy.deepcopy(model), lambda mod: F.cross_entropy(mod(*inputs), y), m,
                    clipping=cfg.privacy.clipping, optimizer=t.optimizer,
-                   optimizer_kwargs=dict(lr=t.lr, weight_decay=t.weight_decay),
+                   optimizer_kwargs=dict(lr=t.lr, weight_decay=t.weight_decay,
+                                         **({"momentum": t.momentum} if t.optimizer == "sgd"
+                                            else {})),
                    device=str(device), threads=threads, group=group)
 
 

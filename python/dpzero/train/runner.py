@@ -77,10 +77,11 @@ def build(cfg: RunConfig):
         test = tokenize(test_items, tokenizer, cfg.data.max_length)
         unpack = lambda b: ((b[0], b[1]), b[2])  # noqa: E731
     else:
-        train, test = fashion_mnist(train=True), fashion_mnist(train=False)
+        train = fashion_mnist(train=True, scale=cfg.data.scale)
+        test = fashion_mnist(train=False, scale=cfg.data.scale)
         if cfg.data.limit:
             train = torch.utils.data.TensorDataset(*(t[: cfg.data.limit] for t in train.tensors))
-        model = TanhCNN(10)
+        model = TanhCNN(10, padding=cfg.model.padding)
         unpack = lambda b: ((b[0],), b[1])  # noqa: E731
     return model, train, test, unpack
 
@@ -162,7 +163,8 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
     common = dict(dataset=train, batch_size=min(t_cfg.batch_size, n), zero_stage=t_cfg.zero_stage,
                   max_physical_batch_size=t_cfg.max_physical_batch_size,
                   optimizer=t_cfg.optimizer, lr=t_cfg.lr, weight_decay=t_cfg.weight_decay,
-                  seed=t_cfg.seed, accountant=p_cfg.accountant)
+                  seed=t_cfg.seed, accountant=p_cfg.accountant,
+                  **({"momentum": t_cfg.momentum} if t_cfg.optimizer == "sgd" else {}))
     if private:
         kw = dict(max_grad_norm=p_cfg.max_grad_norm, clipping=p_cfg.clipping,
                   secure_mode=p_cfg.secure_mode, ledger_path=os.path.join(run_dir, "ledger.jsonl"),
