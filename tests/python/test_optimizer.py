@@ -134,17 +134,23 @@ def test_an_invalid_hyperparameter_is_refused_with_nothing_charged():
     for bad, match in (({"lr": -0.5}, "lr must be >= 0, got -0.5"),
                        ({"amsgrad": True}, "amsgrad cannot change"),
                        ({"betas": "fast"}, "'betas'.*'fast'")):
-        group = p.optimizer.param_groups[0]
-        saved = {k: group[k] for k in bad}
-        group.update(bad)
-        x, y = next(iter(p.data_loader))
-        F.cross_entropy(p.model(x), y).backward()
-        with pytest.raises(ValueError, match=match):
-            p.optimizer.step()
-        p.optimizer.zero_grad()
-        group.update(saved)
-        assert p.privacy_engine.charges == 0
+        _assert_refused_at_step(p, 0, bad, match)
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def _assert_refused_at_step(p, index, change, match):
+    """With ``change`` written into param_groups[index], a private step is refused with a
+    ValueError matching ``match`` and nothing charged; the group is restored after."""
+    group = p.optimizer.param_groups[index]
+    saved = {k: group[k] for k in change}
+    group.update(change)
+    x, y = next(iter(p.data_loader))
+    F.cross_entropy(p.model(x), y).backward()
+    with pytest.raises(ValueError, match=match):
+        p.optimizer.step()
+    p.optimizer.zero_grad()
+    group.update(saved)
+    assert p.privacy_engine.charges == 0
 
 
 def test_step_hooks_closure_and_single_group():
@@ -392,16 +398,7 @@ def test_weight_decay_groups_refuse_what_the_engine_cannot_apply():
     for change, match in (({"lr": 0.3}, r"param_groups\[1\]\['lr'\] = 0.3 differs"),
                           ({"weight_decay": 0.1}, r"exempt from weight decay were fixed at "
                                                   r"make_private as \[1\]")):
-        group = p.optimizer.param_groups[1]
-        saved = {k: group[k] for k in change}
-        group.update(change)
-        x, y = next(iter(p.data_loader))
-        F.cross_entropy(p.model(x), y).backward()
-        with pytest.raises(ValueError, match=match):
-            p.optimizer.step()
-        assert p.privacy_engine.charges == 0
-        group.update(saved)
-        p.optimizer.zero_grad()
+        _assert_refused_at_step(p, 1, change, match)
 
 
 def _sharded_rank(rank, world, store, out, resume):
