@@ -183,6 +183,30 @@ LedgerError = _acc.LedgerError
 LedgerRecord = _acc.LedgerRecord
 
 
+def composed_epsilon(ledgers: Sequence["Ledger"], delta: float, accountant: str = "rdp",
+                     eps_error: float = 0.01) -> float:
+    """ε at ``delta`` of releasing the results of every run in ``ledgers`` together: all their
+    recorded steps composed in one accountant (PRV: the upper bound); ``inf`` if any step had no
+    noise. For one ledger it is that run's ε. The runs may differ in σ and q; each run samples
+    independently, so their composition is the adaptive composition of all the steps."""
+    if any(ledger.has_unnoised_steps for ledger in ledgers):
+        return math.inf
+    phases = [p for ledger in ledgers for p in ledger.phases() if p.steps > 0]
+    if not phases:
+        return 0.0
+    if accountant == "rdp":
+        acc = _acc.RdpAccountant(None)
+        for p in phases:
+            acc.add(p)
+        return acc.epsilon(delta).epsilon
+    if accountant == "prv":
+        acc = _acc.PrvAccountant()
+        for p in phases:
+            acc.add(p)
+        return acc.epsilon(delta, eps_error, 0.0).upper
+    raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+
+
 class Ledger:
     """The privacy ledger: an append-only JSON-lines file, fsync'ed per append (accounting/ledger.h).
 
@@ -278,22 +302,7 @@ class Ledger:
 
     def epsilon(self, delta: float, accountant: str = "rdp", eps_error: float = 0.01) -> float:
         """ε of everything recorded (PRV: the upper bound); ``inf`` if any step had no noise."""
-        if self.has_unnoised_steps:
-            return math.inf
-        phases = [p for p in self.phases() if p.steps > 0]
-        if not phases:
-            return 0.0
-        if accountant == "rdp":
-            acc = _acc.RdpAccountant(None)
-            for p in phases:
-                acc.add(p)
-            return acc.epsilon(delta).epsilon
-        if accountant == "prv":
-            acc = _acc.PrvAccountant()
-            for p in phases:
-                acc.add(p)
-            return acc.epsilon(delta, eps_error, 0.0).upper
-        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+        return composed_epsilon([self], delta, accountant, eps_error)
 
     def close(self) -> None:
         """Release the file and its writer lock (also happens when the object is collected). A

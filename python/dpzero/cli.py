@@ -133,6 +133,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .train import launch, load
+    from .train.launch import launch_config
 
     cfg = load(args.config)
     if args.world_size is not None:
@@ -141,36 +142,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg.output.dir = args.output
     results = launch(args.config, cfg, args.resume) \
         if args.world_size is None and args.output is None \
-        else _launch_overridden(args.config, cfg, args.resume)
+        else launch_config(cfg, args.resume)
     _print_results(cfg, results)
     return 0
-
-
-def _launch_overridden(config_path: str, cfg, resume: bool) -> dict:
-    """Overrides from the command line reach the ranks through a copy of the config."""
-    import tomllib  # noqa: F401  (the copy is JSON-equivalent TOML written below)
-
-    from .train import launch
-    from .train.runner import check_run_dir
-
-    check_run_dir(cfg, resume)
-    os.makedirs(cfg.output.dir, exist_ok=True)
-    path = os.path.join(cfg.output.dir, "config.toml")
-    with open(path, "w") as f:
-        f.write(_to_toml(cfg.to_dict()))
-    return launch(path, cfg, resume)
-
-
-def _to_toml(d: dict) -> str:
-    lines = []
-    for section, values in d.items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if value is None:
-                continue
-            lines.append(f"{key} = {json.dumps(value)}")
-        lines.append("")
-    return "\n".join(lines)
 
 
 def _print_results(cfg, results: dict) -> None:
@@ -191,6 +165,21 @@ def _print_results(cfg, results: dict) -> None:
     if priv.get("stopped"):
         print(f"  stopped by the budget guard: {priv['stopped']}")
     print(f"  report: {os.path.join(cfg.output.dir, 'report.md')}")
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .train import load
+    from .train.sweep import format_markdown, parse_grid, price_of_tuning, run_sweep
+
+    cfg = load(args.config)
+    grid = parse_grid(args.grid, cfg)
+    out = args.output or os.path.join(
+        "runs", os.path.splitext(os.path.basename(args.config))[0] + "-sweep")
+    summary = run_sweep(cfg, grid, args.seeds, out)
+    print("\n" + format_markdown(summary))
+    print(f"[dpzero sweep] {out}: sweep.md, sweep.csv, sweep.png; one run directory per run")
+    print(f"[dpzero sweep] warning: {price_of_tuning(summary)}", file=sys.stderr)
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -269,6 +258,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the killed run in the run directory from its last checkpoint; "
                         "every step in its ledger stays charged")
     t.set_defaults(func=cmd_train)
+
+    sw = sub.add_parser("sweep", help="a grid of training runs at one ε: a table and a plot of "
+                                      "test accuracy against each knob")
+    sw.add_argument("config", help="the dpzero train config every run starts from")
+    sw.add_argument("--grid", action="append", default=[], metavar="SECTION.KEY=V1,V2,...",
+                    help="values of one config key (e.g. training.lr=2,4,8 or "
+                         "privacy.max_grad_norm=0.05,0.1); repeat for more knobs: every "
+                         "combination runs")
+    sw.add_argument("--seeds", type=int, default=1,
+                    help="runs per combination, seeds [training] seed, seed + 1, ... "
+                         "(mean and sd in the table)")
+    sw.add_argument("--output", help="the sweep's directory (default runs/<config stem>-sweep)")
+    sw.set_defaults(func=cmd_sweep)
 
     pl = sub.add_parser("plan", help="predict memory and step time of each memory policy "
                                      "(ZeRO stage, checkpointing, offload) for a training job")

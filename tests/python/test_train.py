@@ -57,6 +57,11 @@ BASE = {"privacy": {"target_epsilon": 3.0}}
     ({**BASE, "data": {"scale": "minmax"}}, r"\[data\] scale must be one of "
      r"\['standardize', 'unit'\], got 'minmax'"),
     ({**BASE, "model": {"padding": -1}}, r"\[model\] padding must be >= 0, got -1"),
+    ({**BASE, "model": {"kind": "scatternet-linear"}}, r"kind 'scatternet-linear' does not fit "
+     r"\[data\] dataset 'fortunes'"),
+    ({**BASE, "model": {"groups": 4}}, r"\[model\] groups must divide the 81 ScatterNet "
+     r"channels .* got 4"),
+    ({**BASE, "data": {"test_limit": -1}}, r"\[data\] test_limit must be >= 0, got -1"),
     ({**BASE, "training": {"loop": "keras"}}, r"\[training\] loop must be one of "
      r"\['engine', 'trainer'\], got 'keras'"),
     ({**BASE, "training": {"loop": "trainer", "policy": "auto"}}, r'policy = "auto" plans the '
@@ -274,6 +279,87 @@ def test_tramer_boneh_cnn_config_runs_on_a_subset(tmp_path):
                                             "manifest.json")).read())
     text = json.dumps(manifest)
     assert '"momentum": 0.9' in text and '"lr": 4.0' in text, text[:2000]
+
+
+# ---- ScatterNet features and heads (Tramèr & Boneh 2021) -----------------------------------------
+
+def test_scatter_features_of_an_image_depend_on_that_image_alone():
+    # Note [fixed features and privacy]: an example's features are a function of that example
+    # only, whatever else is in its chunk; and a constant image keeps its value in the low-pass
+    # channel (the Gaussian low-pass sums to 1; reflect padding keeps the image constant) with
+    # every wavelet channel 0 (Morlet wavelets have zero mean), which fixes the channel order.
+    from dpzero.train.features import scatter_features
+
+    torch.manual_seed(0)
+    images = torch.rand(5, 1, 28, 28)
+    alone = torch.cat([scatter_features(images[i:i + 1]) for i in range(5)])
+    chunked = scatter_features(images, chunk=2)
+    assert alone.shape == (5, 81, 7, 7)
+    torch.testing.assert_close(chunked, alone, rtol=1e-5, atol=1e-6)
+    other = images.clone()
+    other[1:] = torch.rand(4, 1, 28, 28)
+    torch.testing.assert_close(scatter_features(other)[0], alone[0], rtol=1e-5, atol=1e-6)
+    flat = scatter_features(torch.full((1, 1, 28, 28), 0.25))[0]
+    torch.testing.assert_close(flat[0], torch.full((7, 7), 0.25), rtol=0, atol=1e-5)
+    assert flat[1:].abs().max() < 1e-5
+    with pytest.raises(ValueError, match=r"\[n, 1, H, W\] images, got \[28, 28\]"):
+        scatter_features(torch.rand(28, 28))
+
+
+@pytest.mark.parametrize("head", ["scatternet-linear", "scatternet-cnn"])
+def test_scatternet_heads_one_private_step_equals_naive_dp_sgd(head):
+    # Both heads through make_private against the float64 torch.func step of
+    # tests/python/private_reference.py: GroupNorm without affine parameters normalises each
+    # example alone, so the per-sample gradients are the reference's.
+    from private_reference import first_private_step, naive_dp_sgd_step
+
+    from dpzero.train.models import ScatterNetCNN, ScatterNetLinear
+
+    torch.manual_seed(3)
+    model = (ScatterNetLinear if head == "scatternet-linear" else ScatterNetCNN)(10, groups=27)
+    ref = __import__("copy").deepcopy(model)
+    ds = torch.utils.data.TensorDataset(torch.randn(64, 81, 7, 7).abs(),
+                                        torch.randint(0, 10, (64,)))
+    loss = lambda out, t: F.cross_entropy(out, t)  # noqa: E731
+    c, sigma, lr, q = 0.1, 0.8, 2.0, 0.25
+    p, x, y = first_private_step(model, ds, loss, sample_rate=q, noise_multiplier=sigma,
+                                 max_grad_norm=c, seed=11, lr=lr, max_physical_batch_size=8)
+    want = naive_dp_sgd_step(ref, loss, x, y, max_grad_norm=c, noise_multiplier=sigma, seed=11,
+                             noise_index=0, lr=lr, expected_batch=q * len(ds))
+    got = p.privacy_engine.parameters()
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-4)
+
+
+@needs_fashion
+def test_scatternet_config_runs_on_a_subset(tmp_path):
+    # configs/scatternet-fashion-mnist.toml as shipped, on 1024 training and 1000 test examples:
+    # the model is the linear head on 81x7x7 ScatterNet features with GroupNorm(27), the data
+    # are the features of [0, 1] pixels, and ε is the accountant's for its (σ, q, steps).
+    from dpzero.train import runner
+    from dpzero.train.features import scatter_features
+
+    shipped = os.path.join(os.path.dirname(__file__), "..", "..", "configs",
+                           "scatternet-fashion-mnist.toml")
+    cfg = config.load(shipped)
+    assert (cfg.model.kind, cfg.model.groups, cfg.data.scale) == ("scatternet-linear", 27, "unit")
+    sigma = cfg.privacy.noise_multiplier
+    cfg.data.limit, cfg.data.test_limit, cfg.training.epochs = 1024, 1000, 2
+    cfg.training.batch_size, cfg.output.dir = 256, str(tmp_path / "run")
+    config.validate(cfg)
+    model, train, test, _ = runner.build(cfg)
+    assert isinstance(model.norm, torch.nn.GroupNorm) and model.norm.num_groups == 27
+    assert model.fc.in_features == 81 * 7 * 7 and len(test) == 1000
+    pixels = datasets.fashion_mnist(True, scale="unit").tensors[0][:3]
+    torch.testing.assert_close(train.tensors[0][:3], scatter_features(pixels))
+    result = runner.run_job(cfg)["private"]
+    steps = 2 * int(1024 / 256)
+    assert result["steps"] == steps and result["test_examples"] == 1000
+    prv = dpzero.PRVAccountant()
+    prv.step(noise_multiplier=sigma, sample_rate=256 / 1024, num_steps=steps)
+    assert result["epsilon"] == pytest.approx(prv.get_epsilon(1e-5), rel=1e-9)
+    assert result["accuracy"] > 0.5  # 10 classes; linear on ScatterNet features learns fast
 
 
 @needs_fashion

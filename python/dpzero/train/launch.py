@@ -53,6 +53,31 @@ def launch(config_path: str, cfg: RunConfig = None, resume: bool = False) -> Dic
         return _launch(config_path, cfg, resume)
 
 
+def launch_config(cfg: RunConfig, resume: bool = False) -> Dict:
+    """Run ``cfg`` (a config changed after loading: overrides from the command line, a sweep's
+    values). The ranks read it from a copy, ``config.toml`` in the run directory."""
+    check_run_dir(cfg, resume)
+    os.makedirs(cfg.output.dir, exist_ok=True)
+    path = os.path.join(cfg.output.dir, "config.toml")
+    with open(path + ".tmp", "w") as f:
+        f.write(to_toml(cfg.to_dict()))
+    os.replace(path + ".tmp", path)
+    return launch(path, cfg, resume)
+
+
+def to_toml(d: dict) -> str:
+    """A config's dict (RunConfig.to_dict) as TOML; JSON scalars and lists are valid TOML."""
+    lines = []
+    for section, values in d.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                continue
+            lines.append(f"{key} = {json.dumps(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def _launch(config_path: str, cfg: RunConfig, resume: bool) -> Dict:
     world = cfg.training.world_size
     if world == 1:

@@ -1,5 +1,6 @@
 """Models of the training jobs: a pretrained MiniLM-L6 sentence encoder with a classification head,
-and the small tanh CNN of the DP-SGD literature for Fashion-MNIST."""
+the small tanh CNN of the DP-SGD literature for Fashion-MNIST, and Tramèr & Boneh 2021's linear and
+CNN heads on fixed ScatterNet features (features.py)."""
 
 from __future__ import annotations
 
@@ -89,5 +90,43 @@ class TanhCNN(nn.Module):
         # x: [B, 1, 28, 28] -> logits [B, 10]
         x = torch.nn.functional.max_pool2d(torch.tanh(self.conv1(x)), 2, 1)  # [B, 16, 13, 13] (12x12: padding 2)
         x = torch.nn.functional.max_pool2d(torch.tanh(self.conv2(x)), 2, 1)  # [B, 32, 4, 4]
+        x = torch.tanh(self.fc1(x.flatten(1)))
+        return self.fc2(x)
+
+
+class ScatterNetLinear(nn.Module):
+    """Tramèr & Boneh 2021's ScatterNet + linear model (their ``ScatterLinear``): the fixed
+    scattering features (features.py) normalised per example by a GroupNorm without affine
+    parameters (``groups`` groups of the 81 channels; 0 = no normalisation), then one Linear
+    layer: 81·7·7 = 3969 inputs -> ``num_classes``."""
+
+    def __init__(self, num_classes: int = 10, groups: int = 27, channels: int = 81,
+                 side: int = 7) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(groups, channels, affine=False) if groups else nn.Identity()
+        self.fc = nn.Linear(channels * side * side, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, 81, 7, 7] scattering features -> logits [B, classes]
+        return self.fc(self.norm(x).flatten(1))
+
+
+class ScatterNetCNN(nn.Module):
+    """Tramèr & Boneh 2021's ScatterNet + CNN for 28x28 inputs (their ``MNIST_CNN`` on scattering
+    features): GroupNorm as in ScatterNetLinear, conv 16@3x3/2 pad 1 -> tanh -> conv 32@3x3/1
+    pad 1 -> tanh -> fc 32 -> tanh -> fc ``num_classes``."""
+
+    def __init__(self, num_classes: int = 10, groups: int = 27, channels: int = 81) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(groups, channels, affine=False) if groups else nn.Identity()
+        self.conv1 = nn.Conv2d(channels, 16, 3, stride=2, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, stride=1, padding=1)
+        self.fc1 = nn.Linear(32 * 4 * 4, 32)
+        self.fc2 = nn.Linear(32, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, 81, 7, 7] scattering features -> logits [B, classes]
+        x = torch.tanh(self.conv1(self.norm(x)))  # [B, 16, 4, 4]
+        x = torch.tanh(self.conv2(x))             # [B, 32, 4, 4]
         x = torch.tanh(self.fc1(x.flatten(1)))
         return self.fc2(x)

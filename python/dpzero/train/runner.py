@@ -53,7 +53,8 @@ from ..front import make_private
 from ..private import BudgetExhausted
 from .config import ConfigError, RunConfig
 from .datasets import fashion_mnist, fortune_texts, split_texts, tokenize
-from .models import TanhCNN, load_minilm
+from .features import scatter_features
+from .models import ScatterNetCNN, ScatterNetLinear, TanhCNN, load_minilm
 from .report import PRIVATE_DIR
 
 
@@ -71,6 +72,8 @@ def build(cfg: RunConfig):
         train_items, test_items = split_texts(items, cfg.data.test_fraction)
         if cfg.data.limit:
             train_items = train_items[: cfg.data.limit]
+        if cfg.data.test_limit:
+            test_items = test_items[: cfg.data.test_limit]
         model, tokenizer = load_minilm(cfg.model.path, len(cfg.data.categories),
                                        cfg.model.train_layers)
         train = tokenize(train_items, tokenizer, cfg.data.max_length)
@@ -81,7 +84,16 @@ def build(cfg: RunConfig):
         test = fashion_mnist(train=False, scale=cfg.data.scale)
         if cfg.data.limit:
             train = torch.utils.data.TensorDataset(*(t[: cfg.data.limit] for t in train.tensors))
-        model = TanhCNN(10, padding=cfg.model.padding)
+        if cfg.data.test_limit:
+            test = torch.utils.data.TensorDataset(*(t[: cfg.data.test_limit]
+                                                    for t in test.tensors))
+        if cfg.model.kind == "cnn":
+            model = TanhCNN(10, padding=cfg.model.padding)
+        else:  # Note [fixed features and privacy] (features.py): computed once, per example
+            train, test = (torch.utils.data.TensorDataset(scatter_features(d.tensors[0]),
+                                                          d.tensors[1]) for d in (train, test))
+            head = ScatterNetLinear if cfg.model.kind == "scatternet-linear" else ScatterNetCNN
+            model = head(10, groups=cfg.model.groups)
         unpack = lambda b: ((b[0],), b[1])  # noqa: E731
     return model, train, test, unpack
 

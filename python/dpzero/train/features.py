@@ -1,0 +1,43 @@
+"""Fixed (non-learned) features computed from each example alone, before training.
+
+The ScatterNet of Oyallon & Mallat 2015 as Tramèr & Boneh 2021 ("Differentially Private Learning
+Needs Better Features", ICLR) use it for private learning: a 2-D wavelet scattering transform with
+J = 2 scales and L = 8 orientations (kymatio's ``Scattering2D``). On a 28x28 image it gives
+1 + J L + L² J (J - 1) / 2 = 1 + 16 + 64 = 81 channels of 7x7 (the maps are subsampled by 2^J).
+
+Note [fixed features and privacy]: the transform has no parameters and reads one image at a time,
+so an example's features depend on that example only. Training on them changes nothing in the
+DP-SGD analysis: each example still contributes one clipped gradient, and ε is the accountant's
+for (σ, q, steps). What would couple examples (statistics over the training set, as the
+"BN" normalisation in Tramèr & Boneh's code computes with noise) is not done here; the models
+normalise per example (GroupNorm, see models.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCATTER_J = 2
+SCATTER_CHANNELS = 81  # 1 + J L + L² J (J - 1) / 2 for J = 2, L = 8
+
+
+def scatter_features(images: torch.Tensor, chunk: int = 2000) -> torch.Tensor:
+    """images [n, 1, 28, 28] float32 -> ScatterNet features [n, 81, 7, 7] float32, computed in
+    chunks of ``chunk`` images (kymatio's 2-D scattering, J = 2, L = 8)."""
+    if images.dim() != 4 or images.shape[1] != 1:
+        raise ValueError(f"scatter_features takes [n, 1, H, W] images, got {list(images.shape)}")
+    try:
+        from kymatio.torch import Scattering2D
+    except ImportError:
+        raise ImportError("the ScatterNet features need the PyPI package kymatio "
+                          "(requirements.txt; scripts/setup.sh installs it)") from None
+    h, w = images.shape[-2:]
+    scattering = Scattering2D(J=SCATTER_J, shape=(h, w))
+    out = []
+    with torch.no_grad():
+        for start in range(0, images.shape[0], chunk):
+            s = scattering(images[start:start + chunk])  # [c, 1, 81, h/4, w/4]
+            out.append(s.flatten(1, 2).float())
+    if not out:
+        return images.new_zeros((0, SCATTER_CHANNELS, h >> SCATTER_J, w >> SCATTER_J))
+    return torch.cat(out)

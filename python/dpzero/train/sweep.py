@@ -1,0 +1,240 @@
+"""``dpzero sweep CONFIG --grid training.lr=2,4,8 ...``: a small grid of training runs at one ε.
+
+Every combination of the grid's values (times ``--seeds`` seeds) is one ``dpzero train`` run of
+the config with those values set, in its own run directory under the sweep's directory. ε stays
+fixed across the grid: with ``[privacy] target_epsilon`` each run calibrates σ for its own
+(batch, epochs), so every run spends the same ε; with ``[privacy] noise_multiplier`` a grid over
+what changes q or the number of steps would change ε, and is refused. The sweep writes
+``sweep.csv`` (one row per run), ``sweep.md`` (mean ± sd over the seeds of each combination) and
+``sweep.png`` (test accuracy against each knob). Runs already finished are reused and a killed
+run is resumed, so a sweep started again finishes the grid without losing a charged step.
+
+Note [the price of tuning]: each run alone is (ε, δ)-DP, but choosing hyperparameters by their
+results on the private data is itself a computation on the private data. Papernot & Steinke 2022
+("Hyperparameter Tuning with Renyi Differential Privacy", ICLR) show that releasing the best of
+several runs can leak more than any one run's ε, and bound the cost when the number of runs is
+random. The sweep reports the bound that needs no assumption: releasing the results of all K
+runs is (ε_all, δ)-DP with ε_all from one accountant over every run's ledgered steps
+(``dpzero.accounting.composed_epsilon``). Publishing the chosen model with one run's ε
+understates its privacy cost; tune on public data, or report ε_all.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import itertools
+import json
+import math
+import os
+import statistics
+import tomllib
+from typing import Any, Dict, List, Sequence, Tuple
+
+from .config import ConfigError, RunConfig, _typed, validate
+
+# Keys that set ε itself (or where runs are written): a sweep at one ε cannot vary them.
+_FIXED = {("privacy", "target_epsilon"), ("privacy", "noise_multiplier"), ("privacy", "delta"),
+          ("privacy", "accountant"), ("output", "dir"), ("training", "seed")}
+# Keys that change q or the number of steps, hence ε when σ is given rather than calibrated.
+_CHANGE_EPSILON = {("training", "batch_size"), ("training", "epochs"), ("data", "limit"),
+                   ("data", "test_fraction"), ("data", "categories")}
+
+PRICE_OF_TUNING = (
+    "Choosing hyperparameters on the private data costs privacy (Papernot & Steinke 2022, "
+    "\"Hyperparameter Tuning with Renyi Differential Privacy\"): each run below is (ε, δ)-DP "
+    "alone, but the choice among them is not covered by that ε. Releasing the results of all "
+    "{k} runs is (ε = {eps_all:.3g}, δ = {delta:.3g})-DP by composition. Publishing the chosen model with "
+    "one run's ε understates its cost: tune on public data, or report the composed ε.")
+
+
+def parse_grid(items: Sequence[str], cfg: RunConfig) -> Dict[Tuple[str, str], List[Any]]:
+    """``["training.lr=2,4", ...]`` -> {("training", "lr"): [2.0, 4.0], ...}, each value checked
+    against the config's type for that key; errors name the item."""
+    grid: Dict[Tuple[str, str], List[Any]] = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        section, dot, key = name.strip().partition(".")
+        if not sep or not dot or not values.strip():
+            raise ConfigError(f"--grid {item!r}: write SECTION.KEY=V1,V2,... "
+                              "(e.g. training.lr=2,4,8)")
+        target = getattr(cfg, section, None)
+        if target is None or not hasattr(target, key):
+            raise ConfigError(f"--grid {item!r}: the config has no key [{section}] {key}")
+        if (section, key) in _FIXED:
+            raise ConfigError(f"--grid {item!r}: a sweep holds ε fixed and numbers its own runs "
+                              f"and seeds; [{section}] {key} cannot vary (use --seeds for seeds)")
+        if (section, key) in grid:
+            raise ConfigError(f"--grid {item!r}: [{section}] {key} is given twice")
+        parsed = []
+        for text in values.split(","):
+            text = text.strip()
+            try:
+                value = tomllib.loads(f"v = {text}")["v"]
+            except tomllib.TOMLDecodeError:
+                value = text  # a bare word: a string
+            parsed.append(_typed(section, key, value, getattr(target, key)))
+        grid[(section, key)] = parsed
+    if not grid:
+        raise ConfigError("dpzero sweep needs at least one --grid SECTION.KEY=V1,V2,...")
+    if cfg.privacy.noise_multiplier is not None:
+        moved = sorted(f"[{s}] {k}" for s, k in grid if (s, k) in _CHANGE_EPSILON)
+        if moved:
+            raise ConfigError(
+                f"the config fixes [privacy] noise_multiplier = {cfg.privacy.noise_multiplier}, "
+                f"so a grid over {', '.join(moved)} changes ε from run to run; give [privacy] "
+                "target_epsilon instead, and each run calibrates σ to spend that ε")
+    return grid
+
+
+def plan(cfg: RunConfig, grid: Dict[Tuple[str, str], List[Any]], seeds: int,
+         out_dir: str) -> List[Tuple[Dict[Tuple[str, str], Any], int, RunConfig]]:
+    """[(the combination's values, seed, its run config)], every config validated up front."""
+    if seeds < 1:
+        raise ConfigError(f"--seeds must be >= 1, got {seeds}")
+    runs = []
+    keys = list(grid)
+    for combo in itertools.product(*(grid[k] for k in keys)):
+        values = dict(zip(keys, combo))
+        for s in range(seeds):
+            run = copy.deepcopy(cfg)
+            for (section, key), value in values.items():
+                setattr(getattr(run, section), key, value)
+            run.training.seed = cfg.training.seed + s
+            run.training.baseline = False  # the sweep compares private runs
+            run.output.dir = os.path.join(out_dir, f"run-{len(runs):03d}")
+            try:
+                validate(run)
+            except ConfigError as e:
+                shown = ", ".join(f"{s_}.{k}={v}" for (s_, k), v in values.items())
+                raise ConfigError(f"sweep combination {shown}: {e}") from None
+            runs.append((values, run.training.seed, run))
+    return runs
+
+
+def _label(section_key: Tuple[str, str]) -> str:
+    return f"{section_key[0]}.{section_key[1]}"
+
+
+def run_sweep(cfg: RunConfig, grid: Dict[Tuple[str, str], List[Any]], seeds: int,
+              out_dir: str) -> Dict[str, Any]:
+    """Runs (or reuses) every run of the grid, then writes the tables and the plot."""
+    from ..accounting import Ledger, composed_epsilon
+    from .launch import launch_config
+
+    runs = plan(cfg, grid, seeds, out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    rows = []
+    for i, (values, seed, run) in enumerate(runs):
+        shown = ", ".join(f"{_label(k)}={v}" for k, v in values.items())
+        result_path = os.path.join(run.output.dir, "result.json")
+        if os.path.exists(result_path):
+            print(f"[dpzero sweep] run {i + 1}/{len(runs)} ({shown}, seed {seed}): done before")
+            with open(result_path) as f:
+                result = json.load(f)["private"]
+        else:
+            resume = os.path.exists(os.path.join(run.output.dir, "ledger.jsonl"))
+            print(f"[dpzero sweep] run {i + 1}/{len(runs)} ({shown}, seed {seed})"
+                  + (": resuming" if resume else ""))
+            result = launch_config(run, resume)["private"]
+        rows.append({**{_label(k): v for k, v in values.items()}, "seed": seed,
+                     "accuracy": result["accuracy"], "epsilon": result["epsilon"],
+                     "delta": result["delta"], "noise_multiplier": result["noise_multiplier"],
+                     "sample_rate": result["sample_rate"], "steps": result["steps"],
+                     "run_dir": run.output.dir})
+    delta = rows[0]["delta"]
+    ledgers = [Ledger.open_read_only(os.path.join(r["run_dir"], "ledger.jsonl")) for r in rows]
+    try:
+        eps_all = composed_epsilon(ledgers, delta, cfg.privacy.accountant)
+    finally:
+        for ledger in ledgers:
+            ledger.close()
+    summary = {"runs": rows, "knobs": [_label(k) for k in grid], "epsilon_all": eps_all,
+               "delta": delta, "accountant": cfg.privacy.accountant}
+    _write_csv(rows, os.path.join(out_dir, "sweep.csv"))
+    with open(os.path.join(out_dir, "sweep.md"), "w") as f:
+        f.write(format_markdown(summary))
+    _plot(summary, os.path.join(out_dir, "sweep.png"))
+    with open(os.path.join(out_dir, "sweep.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def price_of_tuning(summary: Dict[str, Any]) -> str:
+    return PRICE_OF_TUNING.format(k=len(summary["runs"]), eps_all=summary["epsilon_all"],
+                                  delta=summary["delta"])
+
+
+def combinations(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One entry per combination of the knobs: its values, the seeds' accuracies and ε."""
+    groups: Dict[tuple, List[Dict]] = {}
+    for row in summary["runs"]:
+        groups.setdefault(tuple(row[k] for k in summary["knobs"]), []).append(row)
+    out = []
+    for values, rows in groups.items():
+        acc = [r["accuracy"] for r in rows]
+        out.append({"values": dict(zip(summary["knobs"], values)), "accuracies": acc,
+                    "mean": statistics.fmean(acc),
+                    "sd": statistics.stdev(acc) if len(acc) > 1 else float("nan"),
+                    "epsilon": max(r["epsilon"] for r in rows),
+                    "noise_multiplier": rows[0]["noise_multiplier"], "steps": rows[0]["steps"]})
+    return out
+
+
+def format_markdown(summary: Dict[str, Any]) -> str:
+    knobs = summary["knobs"]
+    lines = ["# dpzero sweep", "", f"> {price_of_tuning(summary)}", "",
+             "| " + " | ".join(knobs) + " | test accuracy (mean ± sd) | seeds | ε (δ = "
+             f"{summary['delta']:.3g}, {summary['accountant']}) | σ | steps |",
+             "|" + "---|" * (len(knobs) + 5)]
+    for c in combinations(summary):
+        sd = "" if math.isnan(c["sd"]) else f" ± {100 * c['sd']:.2f}"
+        lines.append("| " + " | ".join(str(c["values"][k]) for k in knobs)
+                     + f" | {100 * c['mean']:.2f}%{sd} | {len(c['accuracies'])} | "
+                     f"{c['epsilon']:.3g} | {c['noise_multiplier']:.4g} | {c['steps']} |")
+    lines += ["", "Accuracy is on the test split. Choosing by it also fits the test split; a "
+              "held-out validation split of public data avoids both costs.", ""]
+    return "\n".join(lines)
+
+
+def _write_csv(rows: List[Dict[str, Any]], path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def _plot(summary: Dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    knobs = summary["knobs"]
+    fig, axes = plt.subplots(1, len(knobs), figsize=(4.2 * len(knobs), 3.4), squeeze=False)
+    for ax, knob in zip(axes[0], knobs):
+        xs = [r[knob] for r in summary["runs"]]
+        numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs)
+        order = sorted(set(xs), key=lambda v: (v if numeric else str(v)))
+        pos = {v: (v if numeric else i) for i, v in enumerate(order)}
+        ax.scatter([pos[x] for x in xs], [100 * r["accuracy"] for r in summary["runs"]],
+                   s=14, alpha=0.6, label="runs")
+        means = [100 * statistics.fmean(r["accuracy"] for r in summary["runs"] if r[knob] == v)
+                 for v in order]
+        ax.plot([pos[v] for v in order], means, "o-", label="mean over the other knobs")
+        if numeric and min(order) > 0 and max(order) / min(order) >= 8:
+            ax.set_xscale("log")
+        if not numeric:
+            ax.set_xticks(range(len(order)), [str(v) for v in order])
+        ax.set_xlabel(knob)
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"dpzero sweep at ε = {max(r['epsilon'] for r in summary['runs']):.3g} per run"
+                 f" (all {len(summary['runs'])} runs together: ε = {summary['epsilon_all']:.3g})",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
