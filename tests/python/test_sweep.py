@@ -23,6 +23,8 @@ BASE = {"privacy": {"target_epsilon": 3.0}}
     ("training.speed=1,2", r"the config has no key \[training\] speed"),
     ("privacy.target_epsilon=1,2", r"\[privacy\] target_epsilon cannot vary"),
     ("training.seed=1,2", r"use --seeds for seeds"),
+    ("privacy.secure_mode=true,false", r"\[privacy\] secure_mode cannot vary"),
+    ("training.baseline=true", r"\[training\] baseline cannot vary"),
     ("training.lr=fast", r"\[training\] lr must be a number, got 'fast'"),
     ("training.batch_size=64,0.5", r"\[training\] batch_size must be an integer, got 0.5"),
 ])
@@ -39,13 +41,16 @@ def test_grid_values_and_the_fixed_epsilon_rule():
                     ("training", "batch_size"): [64]}
     with pytest.raises(ConfigError, match="given twice"):
         parse_grid(["training.lr=1", "training.lr=2"], cfg)
-    with pytest.raises(ConfigError, match="at least one --grid"):
-        parse_grid([], cfg)
+    with pytest.raises(ConfigError, match=r"needs a --grid SECTION.KEY=V1,V2,... or --seeds > 1"):
+        plan(cfg, parse_grid([], cfg), 1, "unused")
+    assert [r.training.seed for _, _, r in plan(cfg, {}, 3, "out")] == [0, 1, 2]  # repeats
     # σ given, not calibrated: a grid over what moves q or the steps would move ε.
     fixed_sigma = config.from_dict({"privacy": {"noise_multiplier": 1.0}})
     with pytest.raises(ConfigError, match=r"noise_multiplier = 1.0, so a grid over "
                                           r"\[training\] batch_size changes ε"):
         parse_grid(["training.batch_size=64,128"], fixed_sigma)
+    with pytest.raises(ConfigError, match=r"\[training\] loop changes ε"):  # its step count
+        parse_grid(["training.loop=engine,trainer"], fixed_sigma)
     assert parse_grid(["privacy.max_grad_norm=0.1,1"], fixed_sigma)  # ε unchanged: allowed
     # Every combination's config is checked before anything runs, the error naming it.
     with pytest.raises(ConfigError, match=r"sweep combination training.momentum=0.9: "
@@ -68,13 +73,11 @@ def test_sweep_runs_the_grid_at_one_epsilon_and_composes_all_runs(tmp_path, caps
         "training": {"epochs": 1, "batch_size": 128, "max_physical_batch_size": 64,
                      "lr": 0.05, "optimizer": "sgd", "world_size": 1, "zero_stage": 0,
                      "checkpoint_every": 0}})
-    grid = parse_grid(["training.lr=0.02,0.2", "training.batch_size=64,128"], cfg)
+    grid = parse_grid(["training.lr=0.1", "training.batch_size=64,128"], cfg)
     out = str(tmp_path / "sweep")
     summary = run_sweep(cfg, grid, 1, out)
     rows = summary["runs"]
-    assert len(rows) == 4
-    assert {(r["training.lr"], r["training.batch_size"]) for r in rows} == \
-        {(0.02, 64), (0.02, 128), (0.2, 64), (0.2, 128)}
+    assert [(r["training.lr"], r["training.batch_size"]) for r in rows] == [(0.1, 64), (0.1, 128)]
     # One ε: each run calibrated σ for its own q and steps to spend the target.
     for r in rows:
         assert 3.9 < r["epsilon"] <= 4.0, r
@@ -91,9 +94,9 @@ def test_sweep_runs_the_grid_at_one_epsilon_and_composes_all_runs(tmp_path, caps
         < sum(r["epsilon"] for r in rows)
     md = open(os.path.join(out, "sweep.md")).read()
     assert "Papernot & Steinke 2022" in md and f"ε = {summary['epsilon_all']:.3g}" in md
-    assert md.count("| 0.02 |") == 2 and md.count("| 0.2 |") == 2
+    assert "| 0.1 | 64 |" in md and "| 0.1 | 128 |" in md
     with open(os.path.join(out, "sweep.csv")) as f:
-        assert len(list(csv.DictReader(f))) == 4
+        assert len(list(csv.DictReader(f))) == 2
     assert os.path.getsize(os.path.join(out, "sweep.png")) > 0
     # Started again: finished runs are reused (nothing charged twice); a run whose directory
     # has a ledger but no result is resumed, its charged steps kept.
@@ -103,11 +106,23 @@ def test_sweep_runs_the_grid_at_one_epsilon_and_composes_all_runs(tmp_path, caps
     capsys.readouterr()
     again = run_sweep(cfg, grid, 1, out)
     said = capsys.readouterr().out
-    assert said.count("done before") == 3 and "resuming" in said
+    assert said.count("done before") == 1 and "resuming" in said
     assert [r["accuracy"] for r in again["runs"]] == [r["accuracy"] for r in rows]
     assert [dpzero.Ledger.open_read_only(os.path.join(r["run_dir"], "ledger.jsonl"))
             .total_steps for r in rows] == steps_before
     assert again["epsilon_all"] == summary["epsilon_all"]
+    # The directory's runs are this sweep's or it is refused: another grid at the same place
+    # would show these results under values they never used, or leave runs out of ε_all.
+    with pytest.raises(ConfigError, match=r"run-000 ran with other settings than this sweep "
+                                          r"gives it \(\[training\] lr: 0.1 then, 0.2 now\)"):
+        run_sweep(cfg, parse_grid(["training.lr=0.2", "training.batch_size=64,128"], cfg), 1,
+                  out)
+    with pytest.raises(ConfigError, match=r"run-001 ran with other settings .*\[training\] "
+                                          r"batch_size: 128 then, 64 now; \[training\] seed: 0 "
+                                          r"then, 1 now"):
+        run_sweep(cfg, grid, 2, out)
+    with pytest.raises(ConfigError, match=r"run-001 is a run of another sweep \(1 runs planned"):
+        run_sweep(cfg, parse_grid(["training.lr=0.1", "training.batch_size=64"], cfg), 1, out)
 
 
 def test_sweep_command_refuses_a_bad_grid(tmp_path, capsys):

@@ -33,19 +33,23 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from .config import ConfigError, RunConfig, _typed, validate
 
-# Keys that set ε itself (or where runs are written): a sweep at one ε cannot vary them.
+# Keys that set ε or what it means (secure_mode = false: ε assumes the seed stays secret, and the
+# sweep publishes seeds), the task, or what the sweep sets itself: they cannot vary.
 _FIXED = {("privacy", "target_epsilon"), ("privacy", "noise_multiplier"), ("privacy", "delta"),
-          ("privacy", "accountant"), ("output", "dir"), ("training", "seed")}
-# Keys that change q or the number of steps, hence ε when σ is given rather than calibrated.
-_CHANGE_EPSILON = {("training", "batch_size"), ("training", "epochs"), ("data", "limit"),
-                   ("data", "test_fraction"), ("data", "categories")}
+          ("privacy", "accountant"), ("privacy", "secure_mode"), ("data", "dataset"),
+          ("output", "dir"), ("training", "seed"), ("training", "baseline")}
+# Keys that change q or the number of steps (the Trainer loop counts steps differently), hence ε
+# when σ is given rather than calibrated.
+_CHANGE_EPSILON = {("training", "batch_size"), ("training", "epochs"), ("training", "loop"),
+                   ("data", "limit"), ("data", "test_fraction"), ("data", "categories")}
 
 PRICE_OF_TUNING = (
     "Choosing hyperparameters on the private data costs privacy (Papernot & Steinke 2022, "
     "\"Hyperparameter Tuning with Renyi Differential Privacy\"): each run below is (ε, δ)-DP "
     "alone, but the choice among them is not covered by that ε. Releasing the results of all "
-    "{k} runs is (ε = {eps_all:.3g}, δ = {delta:.3g})-DP by composition. Publishing the chosen model with "
-    "one run's ε understates its cost: tune on public data, or report the composed ε.")
+    "{k} runs of this sweep is (ε = {eps_all:.3g}, δ = {delta:.3g})-DP by composition; earlier "
+    "sweeps and runs on the same data add to it. Publishing the chosen model with one run's ε "
+    "understates its cost: tune on public data, or report the composed ε.")
 
 
 def parse_grid(items: Sequence[str], cfg: RunConfig) -> Dict[Tuple[str, str], List[Any]]:
@@ -62,8 +66,9 @@ def parse_grid(items: Sequence[str], cfg: RunConfig) -> Dict[Tuple[str, str], Li
         if target is None or not hasattr(target, key):
             raise ConfigError(f"--grid {item!r}: the config has no key [{section}] {key}")
         if (section, key) in _FIXED:
-            raise ConfigError(f"--grid {item!r}: a sweep holds ε fixed and numbers its own runs "
-                              f"and seeds; [{section}] {key} cannot vary (use --seeds for seeds)")
+            raise ConfigError(f"--grid {item!r}: a sweep holds ε, the task and its meaning fixed "
+                              f"and sets seeds, baselines and run directories itself; [{section}] "
+                              f"{key} cannot vary (use --seeds for seeds)")
         if (section, key) in grid:
             raise ConfigError(f"--grid {item!r}: [{section}] {key} is given twice")
         parsed = []
@@ -75,8 +80,6 @@ def parse_grid(items: Sequence[str], cfg: RunConfig) -> Dict[Tuple[str, str], Li
                 value = text  # a bare word: a string
             parsed.append(_typed(section, key, value, getattr(target, key)))
         grid[(section, key)] = parsed
-    if not grid:
-        raise ConfigError("dpzero sweep needs at least one --grid SECTION.KEY=V1,V2,...")
     if cfg.privacy.noise_multiplier is not None:
         moved = sorted(f"[{s}] {k}" for s, k in grid if (s, k) in _CHANGE_EPSILON)
         if moved:
@@ -92,6 +95,8 @@ def plan(cfg: RunConfig, grid: Dict[Tuple[str, str], List[Any]], seeds: int,
     """[(the combination's values, seed, its run config)], every config validated up front."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {seeds}")
+    if not grid and seeds == 1:
+        raise ConfigError("dpzero sweep needs a --grid SECTION.KEY=V1,V2,... or --seeds > 1")
     runs = []
     keys = list(grid)
     for combo in itertools.product(*(grid[k] for k in keys)):
@@ -112,6 +117,37 @@ def plan(cfg: RunConfig, grid: Dict[Tuple[str, str], List[Any]], seeds: int,
     return runs
 
 
+def _check_directory(out_dir: str, runs) -> None:
+    """Note [the price of tuning]: ε_all composes the runs of this directory, so every run in it
+    must be one of this sweep's, with this sweep's settings. A run directory left by another grid,
+    other --seeds or another base config is refused, naming it and what differs: its results
+    would otherwise show under values it never used, or be left out of ε_all."""
+    if not os.path.isdir(out_dir):
+        return
+    planned = {os.path.basename(run.output.dir): run for _, _, run in runs}
+    for name in sorted(os.listdir(out_dir)):
+        path = os.path.join(out_dir, name)
+        if not (name.startswith("run-") and os.path.isdir(path)):
+            continue
+        if name not in planned:
+            raise ConfigError(f"{path} is a run of another sweep ({len(runs)} runs planned "
+                              "here); compose it with the runs it was chosen with, or use "
+                              "another --output")
+        saved = os.path.join(path, "config.json")
+        if not os.path.exists(saved):
+            continue  # created but never started: nothing ran, nothing charged
+        with open(saved) as f:
+            before = json.load(f)
+        now = planned[name].to_dict()
+        differs = [f"[{section}] {key}: {before.get(section, {}).get(key)!r} then, "
+                   f"{value!r} now" for section, values in now.items()
+                   for key, value in values.items()
+                   if before.get(section, {}).get(key) != value]
+        if differs:
+            raise ConfigError(f"{path} ran with other settings than this sweep gives it "
+                              f"({'; '.join(differs)}); use another --output")
+
+
 def _label(section_key: Tuple[str, str]) -> str:
     return f"{section_key[0]}.{section_key[1]}"
 
@@ -123,10 +159,11 @@ def run_sweep(cfg: RunConfig, grid: Dict[Tuple[str, str], List[Any]], seeds: int
     from .launch import launch_config
 
     runs = plan(cfg, grid, seeds, out_dir)
+    _check_directory(out_dir, runs)
     os.makedirs(out_dir, exist_ok=True)
     rows = []
     for i, (values, seed, run) in enumerate(runs):
-        shown = ", ".join(f"{_label(k)}={v}" for k, v in values.items())
+        shown = ", ".join(f"{_label(k)}={v}" for k, v in values.items()) or "repeat"
         result_path = os.path.join(run.output.dir, "result.json")
         if os.path.exists(result_path):
             print(f"[dpzero sweep] run {i + 1}/{len(runs)} ({shown}, seed {seed}): done before")
@@ -141,8 +178,10 @@ def run_sweep(cfg: RunConfig, grid: Dict[Tuple[str, str], List[Any]], seeds: int
                      "accuracy": result["accuracy"], "epsilon": result["epsilon"],
                      "delta": result["delta"], "noise_multiplier": result["noise_multiplier"],
                      "sample_rate": result["sample_rate"], "steps": result["steps"],
-                     "run_dir": run.output.dir})
-    delta = rows[0]["delta"]
+                     "charged_steps": result.get("charged_steps", result["steps"]),
+                     "stopped": bool(result.get("stopped")), "run_dir": run.output.dir})
+    # each run is (ε_run, δ_run)-DP; all of them are composed at the smallest δ
+    delta = min(r["delta"] for r in rows)
     ledgers = [Ledger.open_read_only(os.path.join(r["run_dir"], "ledger.jsonl")) for r in rows]
     try:
         eps_all = composed_epsilon(ledgers, delta, cfg.privacy.accountant)
@@ -177,21 +216,26 @@ def combinations(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
                     "mean": statistics.fmean(acc),
                     "sd": statistics.stdev(acc) if len(acc) > 1 else float("nan"),
                     "epsilon": max(r["epsilon"] for r in rows),
-                    "noise_multiplier": rows[0]["noise_multiplier"], "steps": rows[0]["steps"]})
+                    "delta": max(r["delta"] for r in rows),
+                    "noise_multiplier": rows[0]["noise_multiplier"],
+                    "steps": min(r["steps"] for r in rows),
+                    "stopped": any(r["stopped"] for r in rows)})
     return out
 
 
 def format_markdown(summary: Dict[str, Any]) -> str:
     knobs = summary["knobs"]
     lines = ["# dpzero sweep", "", f"> {price_of_tuning(summary)}", "",
-             "| " + " | ".join(knobs) + " | test accuracy (mean ± sd) | seeds | ε (δ = "
-             f"{summary['delta']:.3g}, {summary['accountant']}) | σ | steps |",
-             "|" + "---|" * (len(knobs) + 5)]
+             "| " + "".join(f"{k} | " for k in knobs) + "test accuracy (mean ± sd) | seeds | "
+             f"ε ({summary['accountant']}) | δ | σ | steps |",
+             "|" + "---|" * (len(knobs) + 6)]
     for c in combinations(summary):
         sd = "" if math.isnan(c["sd"]) else f" ± {100 * c['sd']:.2f}"
-        lines.append("| " + " | ".join(str(c["values"][k]) for k in knobs)
-                     + f" | {100 * c['mean']:.2f}%{sd} | {len(c['accuracies'])} | "
-                     f"{c['epsilon']:.3g} | {c['noise_multiplier']:.4g} | {c['steps']} |")
+        stopped = " (stopped by the budget guard)" if c["stopped"] else ""
+        lines.append("| " + "".join(f"{c['values'][k]} | " for k in knobs)
+                     + f"{100 * c['mean']:.2f}%{sd} | {len(c['accuracies'])} | "
+                     f"{c['epsilon']:.3g} | {c['delta']:.3g} | {c['noise_multiplier']:.4g} | "
+                     f"{c['steps']}{stopped} |")
     lines += ["", "Accuracy is on the test split. Choosing by it also fits the test split; a "
               "held-out validation split of public data avoids both costs.", ""]
     return "\n".join(lines)
@@ -212,7 +256,7 @@ def _plot(summary: Dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    knobs = summary["knobs"]
+    knobs = summary["knobs"] or ["seed"]  # a repeat-only sweep: accuracy per seed
     fig, axes = plt.subplots(1, len(knobs), figsize=(4.2 * len(knobs), 3.4), squeeze=False)
     for ax, knob in zip(axes[0], knobs):
         xs = [r[knob] for r in summary["runs"]]
