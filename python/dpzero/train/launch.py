@@ -24,9 +24,10 @@ from .runner import check_run_dir, run_job
 
 
 @contextmanager
-def _run_dir_lock(run_dir: str):
-    """Note [orphan ranks] (orphans.py): one job at a time per run directory. The lock is the
-    kernel's (flock), so it goes when its holder dies, kill -9 included."""
+def directory_lock(run_dir: str, job: str = "dpzero train job"):
+    """Note [orphan ranks] (orphans.py): one job at a time per run directory (``job`` names the
+    kind in the refusal). The lock is the kernel's (flock), so it goes when its holder dies,
+    kill -9 included."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, ".lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -35,8 +36,8 @@ def _run_dir_lock(run_dir: str):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            raise ConfigError(f"the run directory {run_dir!r} is in use by another dpzero train "
-                              f"job (pid {holder}); wait for it to end or stop it") from None
+            raise ConfigError(f"the directory {run_dir!r} is in use by another {job} (pid "
+                              f"{holder}); wait for it to end or stop it") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
@@ -48,7 +49,7 @@ def launch(config_path: str, cfg: RunConfig = None, resume: bool = False) -> Dic
     """Run the job of ``config_path`` (``cfg``: its parsed form, possibly overridden);
     ``resume`` continues a killed run in the same directory (Note [resuming a run])."""
     cfg = cfg or load(config_path)
-    with _run_dir_lock(cfg.output.dir):
+    with directory_lock(cfg.output.dir):
         check_run_dir(cfg, resume)  # before any rank starts: a clear error, not W failed ranks
         return _launch(config_path, cfg, resume)
 

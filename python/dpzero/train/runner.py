@@ -396,8 +396,7 @@ def run_job(cfg: RunConfig, resume: bool = False) -> Dict:
     torn = None
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
+        _atomic_json(cfg.to_dict(), os.path.join(run_dir, "config.json"))
         if resume:
             torn = _cut_torn_tail(os.path.join(run_dir, "ledger.jsonl"))
     if dist.is_available() and dist.is_initialized():

@@ -119,30 +119,39 @@ def plan(cfg: RunConfig, grid: Dict[Tuple[str, str], List[Any]], seeds: int,
 
 def _check_directory(out_dir: str, runs) -> None:
     """Note [the price of tuning]: ε_all composes the runs of this directory, so every run in it
-    must be one of this sweep's, with this sweep's settings. A run directory left by another grid,
-    other --seeds or another base config is refused, naming it and what differs: its results
-    would otherwise show under values it never used, or be left out of ε_all."""
+    must be one of this sweep's, with this sweep's settings. Refused, naming the run and what
+    differs: a ledger anywhere under the directory outside the planned runs (another grid or
+    --seeds; a dpzero train run put there), a planned run that ran with other settings, and one
+    that holds charges or results without a readable record of its settings. Such a run would
+    show under values it never used, or be left out of ε_all."""
     if not os.path.isdir(out_dir):
         return
-    planned = {os.path.basename(run.output.dir): run for _, _, run in runs}
-    for name in sorted(os.listdir(out_dir)):
-        path = os.path.join(out_dir, name)
-        if not (name.startswith("run-") and os.path.isdir(path)):
+    planned = {os.path.abspath(run.output.dir): run for _, _, run in runs}
+    for root, _, files in os.walk(out_dir):
+        if "ledger.jsonl" in files and os.path.abspath(root) not in planned:
+            raise ConfigError(f"{root} holds a ledger but is not one of this sweep's "
+                              f"{len(runs)} runs (a run of another grid or --seeds?); compose it "
+                              "with the runs it was chosen with, or use another --output")
+    for path, run in planned.items():
+        if not os.path.isdir(path):
             continue
-        if name not in planned:
-            raise ConfigError(f"{path} is a run of another sweep ({len(runs)} runs planned "
-                              "here); compose it with the runs it was chosen with, or use "
-                              "another --output")
         saved = os.path.join(path, "config.json")
-        if not os.path.exists(saved):
-            continue  # created but never started: nothing ran, nothing charged
-        with open(saved) as f:
-            before = json.load(f)
-        now = planned[name].to_dict()
+        ran = [f for f in ("ledger.jsonl", "result.json", "private.json")
+               if os.path.exists(os.path.join(path, f))]
+        try:
+            with open(saved) as f:
+                before = json.load(f)
+        except (OSError, ValueError):
+            if ran:
+                raise ConfigError(f"{path} holds {', '.join(ran)} but no readable config.json: "
+                                  "what it ran with is unknown; use another --output") from None
+            continue  # created, never started: nothing ran, nothing charged
+        now = run.to_dict()
         differs = [f"[{section}] {key}: {before.get(section, {}).get(key)!r} then, "
                    f"{value!r} now" for section, values in now.items()
                    for key, value in values.items()
-                   if before.get(section, {}).get(key) != value]
+                   if (section, key) != ("output", "dir")  # the run is known by its place
+                   and before.get(section, {}).get(key) != value]
         if differs:
             raise ConfigError(f"{path} ran with other settings than this sweep gives it "
                               f"({'; '.join(differs)}); use another --output")
@@ -155,12 +164,20 @@ def _label(section_key: Tuple[str, str]) -> str:
 def run_sweep(cfg: RunConfig, grid: Dict[Tuple[str, str], List[Any]], seeds: int,
               out_dir: str) -> Dict[str, Any]:
     """Runs (or reuses) every run of the grid, then writes the tables and the plot."""
+    from .launch import directory_lock
+
+    runs = plan(cfg, grid, seeds, out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    with directory_lock(out_dir, "dpzero sweep"):  # one sweep at a time in a directory
+        _check_directory(out_dir, runs)
+        return _run_all(cfg, grid, runs, out_dir)
+
+
+def _run_all(cfg: RunConfig, grid, runs, out_dir: str) -> Dict[str, Any]:
+    """Each planned run reused, resumed or run; then the composed ε, the tables and the plot."""
     from ..accounting import Ledger, composed_epsilon
     from .launch import launch_config
 
-    runs = plan(cfg, grid, seeds, out_dir)
-    _check_directory(out_dir, runs)
-    os.makedirs(out_dir, exist_ok=True)
     rows = []
     for i, (values, seed, run) in enumerate(runs):
         shown = ", ".join(f"{_label(k)}={v}" for k, v in values.items()) or "repeat"
@@ -219,6 +236,7 @@ def combinations(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
                     "delta": max(r["delta"] for r in rows),
                     "noise_multiplier": rows[0]["noise_multiplier"],
                     "steps": min(r["steps"] for r in rows),
+                    "charged_steps": max(r["charged_steps"] for r in rows),
                     "stopped": any(r["stopped"] for r in rows)})
     return out
 
@@ -232,6 +250,8 @@ def format_markdown(summary: Dict[str, Any]) -> str:
     for c in combinations(summary):
         sd = "" if math.isnan(c["sd"]) else f" ± {100 * c['sd']:.2f}"
         stopped = " (stopped by the budget guard)" if c["stopped"] else ""
+        if c["charged_steps"] > c["steps"]:  # steps trained again after a crash: charged twice
+            stopped += f" ({c['charged_steps']} charged)"
         lines.append("| " + "".join(f"{c['values'][k]} | " for k in knobs)
                      + f"{100 * c['mean']:.2f}%{sd} | {len(c['accuracies'])} | "
                      f"{c['epsilon']:.3g} | {c['delta']:.3g} | {c['noise_multiplier']:.4g} | "
