@@ -177,6 +177,7 @@ def _run_all(cfg: RunConfig, grid, runs, out_dir: str) -> Dict[str, Any]:
     """Each planned run reused, resumed or run; then the composed ε, the tables and the plot."""
     from ..accounting import Ledger, composed_epsilon
     from .launch import launch_config
+    from .runner import _atomic_json
 
     rows = []
     for i, (values, seed, run) in enumerate(runs):
@@ -208,11 +209,9 @@ def _run_all(cfg: RunConfig, grid, runs, out_dir: str) -> Dict[str, Any]:
     summary = {"runs": rows, "knobs": [_label(k) for k in grid], "epsilon_all": eps_all,
                "delta": delta, "accountant": cfg.privacy.accountant}
     _write_csv(rows, os.path.join(out_dir, "sweep.csv"))
-    with open(os.path.join(out_dir, "sweep.md"), "w") as f:
-        f.write(format_markdown(summary))
+    _write_text(format_markdown(summary), os.path.join(out_dir, "sweep.md"))
     _plot(summary, os.path.join(out_dir, "sweep.png"))
-    with open(os.path.join(out_dir, "sweep.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    _atomic_json(summary, os.path.join(out_dir, "sweep.json"))
     return summary
 
 
@@ -259,6 +258,13 @@ def format_markdown(summary: Dict[str, Any]) -> str:
     lines += ["", "Accuracy is on the test split. Choosing by it also fits the test split; a "
               "held-out validation split of public data avoids both costs.", ""]
     return "\n".join(lines)
+
+
+def _write_text(text: str, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def _write_csv(rows: List[Dict[str, Any]], path: str) -> None:
