@@ -33,6 +33,20 @@ def per_sample_grads(model: nn.Module, loss_fn: Callable, inputs: torch.Tensor,
     return vmap(grad(one), in_dims=(None, 0, 0), randomness="same")(params, inputs, targets)
 
 
+def per_sample_grads_loop(model: nn.Module, loss_fn: Callable, inputs: torch.Tensor,
+                          targets: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """per_sample_grads by one backward per example, for models whose forward vmap cannot trace
+    (Hugging Face's attention masks branch on their values)."""
+    named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+    rows = []
+    for i in range(inputs.shape[0]):
+        loss = loss_fn(model(inputs[i:i + 1]), targets[i:i + 1])
+        rows.append(torch.autograd.grad(loss, [p for _, p in named], allow_unused=True))
+    return {n: torch.stack([g if g is not None else torch.zeros_like(p) for g in
+                            (row[k] for row in rows)])
+            for k, (n, p) in enumerate(named)}
+
+
 def untie(model: nn.Module, example=None) -> Tuple[nn.Module, Dict[str, str]]:
     """A copy in which every use of a shared parameter has its own tensor (same values), and the
     name of the original parameter each of the copy's copies (its canonical name in ``model``).
@@ -114,12 +128,15 @@ def _unroll_calls(clone: nn.Module, example, canon_clone: Dict[int, str]) -> Non
 def naive_dp_sgd_step(model: nn.Module, loss_fn: Callable, inputs, targets, *, max_grad_norm,
                       noise_multiplier: float, seed: int, noise_index: int, lr: float,
                       expected_batch: float, clipping: str = "flat", gamma: float = 0.01,
-                      groups: Optional[Sequence[Sequence[str]]] = None) -> Dict[str, torch.Tensor]:
-    """The parameters (canonical names, tied once) after one DP-SGD step from ``model``."""
+                      groups: Optional[Sequence[Sequence[str]]] = None,
+                      vectorized: bool = True) -> Dict[str, torch.Tensor]:
+    """The parameters (canonical names, tied once) after one DP-SGD step from ``model``;
+    ``vectorized = False`` takes the per-sample gradients one example at a time."""
     canonical = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # untied parameter name -> canonical name of the parameter it copies
     untied, tied_to = untie(model, inputs[:1])
-    ps = per_sample_grads(untied, loss_fn, inputs, targets)
+    ps = (per_sample_grads if vectorized else per_sample_grads_loop)(untied, loss_fn, inputs,
+                                                                      targets)
     ps = {n: g.double() for n, g in ps.items()}
     b = inputs.shape[0]
 

@@ -62,6 +62,12 @@ BASE = {"privacy": {"target_epsilon": 3.0}}
     ({**BASE, "model": {"groups": 4}}, r"\[model\] groups must divide the 81 ScatterNet "
      r"channels .* got 4"),
     ({**BASE, "data": {"test_limit": -1}}, r"\[data\] test_limit must be >= 0, got -1"),
+    ({**BASE, "model": {"lora_rank": -2}}, r"\[model\] lora_rank must be >= 0 \(0 = no LoRA\), "
+     r"got -2"),
+    ({**BASE, "model": {"lora_alpha": 0}}, r"\[model\] lora_alpha must be > 0, got 0"),
+    ({"privacy": {"target_epsilon": 3.0}, "data": {"dataset": "fashion-mnist"},
+      "model": {"kind": "cnn", "lora_rank": 4}}, r"\[model\] lora_rank = 4 adapts the minilm "
+     r"encoder; kind 'cnn' has none"),
     ({**BASE, "training": {"loop": "keras"}}, r"\[training\] loop must be one of "
      r"\['engine', 'trainer'\], got 'keras'"),
     ({**BASE, "training": {"loop": "trainer", "policy": "auto"}}, r'policy = "auto" plans the '
@@ -414,6 +420,186 @@ def _no_seed(record) -> bool:
     if isinstance(record, list):
         return all(_no_seed(v) for v in record)
     return True
+
+
+class _Packed(torch.nn.Module):
+    """A SentenceClassifier called on one tensor, [B, 2, L] = (input_ids, attention_mask)
+    stacked, the one-input form tests/python/private_reference.py's loop takes."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, packed):
+        return self.inner(packed[:, 0], packed[:, 1])
+
+
+def test_minilm_lora_adapts_the_frozen_layers_only():
+    # lora_rank = 4 under train_layers = 2: adapters on the query and value of layers 0-3,
+    # layers 4-5 and the head trained in full, everything else frozen. The adapted projection
+    # is W0 x + (alpha / r) B A x (Hu et al. 2022, eq. 3), checked by hand, and at the start
+    # (B = 0) the model is the one without LoRA, same head.
+    from dpzero.train.models import load_minilm
+
+    torch.manual_seed(5)
+    plain, tokenizer = load_minilm(None, 4, train_layers=2)
+    torch.manual_seed(5)
+    lora, _ = load_minilm(None, 4, train_layers=2, lora_rank=4, lora_alpha=8.0)
+    trained = {n for n, p in lora.named_parameters() if p.requires_grad}
+    adapters = {f"encoder.encoder.layer.{i}.attention.self.{w}.lora_{ab}.default.weight"
+                for i in range(4) for w in ("query", "value") for ab in "AB"}
+    full = {n for n, _ in lora.named_parameters()
+            if n.startswith(("encoder.encoder.layer.4.", "encoder.encoder.layer.5."))}
+    assert trained == adapters | full | {"head.weight", "head.bias"}
+    batch = tokenizer(["a fortune", "another longer fortune for you"], padding=True,
+                      return_tensors="pt")
+    lora.eval(), plain.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(lora(batch["input_ids"], batch["attention_mask"]),
+                                   plain(batch["input_ids"], batch["attention_mask"]))
+        query = lora.encoder.encoder.layer[1].attention.self.query
+        torch.nn.init.normal_(query.lora_B["default"].weight)
+        x = torch.randn(3, 384)
+        a, b = query.lora_A["default"].weight, query.lora_B["default"].weight  # [4, 384], [384, 4]
+        want = F.linear(x, query.base_layer.weight, query.base_layer.bias) + (8.0 / 4) * x @ a.T @ b.T
+        torch.testing.assert_close(query(x), want)
+
+
+def test_sentence_features_of_a_text_depend_on_that_text_alone():
+    # kind "minilm-linear" trains on fixed embeddings (Note [fixed features and privacy]): a
+    # text's embedding, padded to 24 among others and in chunks of 2, equals the mean of the
+    # encoder's last hidden states over that text alone, unpadded, in eval mode (no dropout).
+    from dpzero.train.features import sentence_features
+    from dpzero.train.models import load_encoder
+
+    encoder, tokenizer = load_encoder(None)
+    texts = ["Computers are useless. They can only give you answers.", "ok",
+             "The politician said nothing, at length, twice."]
+    t = tokenizer(texts, padding="max_length", max_length=24, return_tensors="pt")
+    encoder.train()
+    got = sentence_features(encoder, t["input_ids"], t["attention_mask"], chunk=2)
+    assert got.shape == (3, 384) and encoder.training  # mode restored
+    encoder.eval()
+    with torch.no_grad():
+        for i, text in enumerate(texts):
+            alone = tokenizer([text], return_tensors="pt")
+            want = encoder(**alone).last_hidden_state[0].mean(0)
+            torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-5)
+    other = tokenizer(["something else entirely", texts[1]], padding="max_length",
+                      max_length=24, return_tensors="pt")
+    torch.testing.assert_close(sentence_features(encoder, other["input_ids"],
+                                                 other["attention_mask"])[1], got[1])
+    with pytest.raises(ValueError, match=r"one \[n, L\] shape, got \[3, 24\] and \[3, 23\]"):
+        sentence_features(encoder, t["input_ids"], t["attention_mask"][:, 1:])
+
+
+def _embed_rank(rank, world, store, out):
+    import datetime
+
+    import torch.distributed as dist
+
+    from dpzero.train import runner
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        train, test = runner._embedded(None, ("computers", "politics"), 0.2, 16, 25, 9, rank,
+                                       world)
+        torch.save([train.tensors, test.tensors], f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_fortunes
+def test_minilm_linear_features_are_split_over_the_ranks_and_gathered(tmp_path):
+    # Two Gloo ranks each embed every other text and gather: both hold the same tensors, and
+    # those are the embeddings of all texts computed here in one process, row for row, with
+    # their labels (25 training texts: an uneven split).
+    from dpzero.train import runner
+    from dpzero.train.features import sentence_features
+    from dpzero.train.models import load_encoder
+
+    out = str(tmp_path / "out")
+    torch.multiprocessing.spawn(_embed_rank, args=(2, str(tmp_path / "store"), out), nprocs=2,
+                                join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    encoder, tokenizer = load_encoder(None)
+    items = runner._fortunes(["computers", "politics"], 0.2, 25, 9)
+    for split, split_items in enumerate(items):
+        ids, mask, labels = datasets.tokenize(split_items, tokenizer, 16).tensors
+        want = sentence_features(encoder, ids, mask)
+        for got in ranks:
+            assert torch.equal(got[split][0], ranks[0][split][0])
+            assert torch.equal(got[split][1], labels)
+            torch.testing.assert_close(got[split][0], want, rtol=1e-4, atol=1e-5)
+    assert [len(ranks[0][s][1]) for s in (0, 1)] == [25, 9]
+
+
+@needs_fortunes
+def test_main_config_runs_on_a_subset(tmp_path):
+    # configs/minilm-fortunes.toml as shipped (the README's main job), one rank in process on
+    # 512 training and 200 test texts: a Linear head on 384-dimensional MiniLM embeddings,
+    # every sample clipped at C = 0.1, ε the PRV accountant's for its (σ, q, steps) and at most
+    # the target, and the baseline trained too.
+    from dpzero.train import runner
+
+    shipped = os.path.join(os.path.dirname(__file__), "..", "..", "configs",
+                           "minilm-fortunes.toml")
+    cfg = config.load(shipped)
+    assert (cfg.model.kind, cfg.privacy.max_grad_norm) == ("minilm-linear", 0.1)
+    assert cfg.privacy.target_epsilon == 3.0 and cfg.training.baseline
+    cfg.data.limit, cfg.data.test_limit, cfg.training.epochs = 512, 200, 2
+    cfg.data.max_length = 32  # the shipped 128 only costs embedding time here
+    cfg.training.batch_size, cfg.training.world_size = 128, 1
+    cfg.output.dir = str(tmp_path / "run")
+    config.validate(cfg)
+    results = runner.run_job(cfg)
+    priv = results["private"]
+    steps = 2 * int(512 / 128)
+    assert priv["steps"] == results["baseline"]["steps"] == steps
+    assert priv["test_examples"] == 200 and priv["delta"] == 1e-5
+    prv = dpzero.PRVAccountant()
+    prv.step(noise_multiplier=priv["noise_multiplier"], sample_rate=128 / 512, num_steps=steps)
+    assert priv["epsilon"] == pytest.approx(prv.get_epsilon(1e-5), rel=1e-9)
+    assert 2.9 < priv["epsilon"] <= 3.0
+    state = torch.load(tmp_path / "run" / "model.pt")
+    assert {k: tuple(v.shape) for k, v in state.items()} == {"fc.weight": (4, 384),
+                                                            "fc.bias": (4,)}
+    assert priv["accuracy"] > 0.4  # 4 classes; above chance after 8 private steps
+
+
+def test_minilm_lora_private_step_equals_naive_dp_sgd():
+    # The job's LoRA model (adapters on all six layers, train_layers = 0, B nonzero so that A's
+    # gradient is too) through make_private against the float64 torch.func step on real
+    # MiniLM inputs: padding masks differ per example (the reference loops over the examples:
+    # Hugging Face's mask code branches on the mask's values, which vmap cannot trace).
+    from private_reference import first_private_step, naive_dp_sgd_step
+
+    from dpzero.train.models import load_minilm
+
+    torch.manual_seed(2)
+    inner, tokenizer = load_minilm(None, 3, train_layers=0, lora_rank=2, lora_alpha=4.0)
+    for name, p in inner.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    model = _Packed(inner).eval()  # no dropout: the reference draws none
+    ref = __import__("copy").deepcopy(model)
+    texts = [" ".join(["word"] * (1 + i % 5)) + f" {i}" for i in range(12)]
+    t = tokenizer(texts, padding="max_length", max_length=8, truncation=True,
+                  return_tensors="pt")
+    ds = torch.utils.data.TensorDataset(torch.stack([t["input_ids"], t["attention_mask"]], 1),
+                                        torch.arange(12) % 3)
+    loss = lambda out, y: F.cross_entropy(out, y)  # noqa: E731
+    c, sigma, lr, q = 0.05, 0.7, 1.0, 0.5
+    p, x, y = first_private_step(model, ds, loss, sample_rate=q, noise_multiplier=sigma,
+                                 max_grad_norm=c, seed=7, lr=lr, max_physical_batch_size=4)
+    want = naive_dp_sgd_step(ref, loss, x, y, max_grad_norm=c, noise_multiplier=sigma, seed=7,
+                             noise_index=0, lr=lr, expected_batch=q * len(ds), vectorized=False)
+    got = p.privacy_engine.parameters()
+    assert set(got) == set(want) and any("lora_A" in n for n in got)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-4)
 
 
 @needs_fortunes

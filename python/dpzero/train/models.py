@@ -1,5 +1,5 @@
-"""Models of the training jobs: a pretrained MiniLM-L6 sentence encoder with a classification head,
-the small tanh CNN of the DP-SGD literature for Fashion-MNIST, and Tramèr & Boneh 2021's linear and
+"""Models of the training jobs: a pretrained MiniLM-L6 sentence encoder with a classification head
+(or that head alone on the encoder's fixed sentence embeddings, features.py), the small tanh CNN of the DP-SGD literature for Fashion-MNIST, and Tramèr & Boneh 2021's linear and
 CNN heads on fixed ScatterNet features (features.py)."""
 
 from __future__ import annotations
@@ -33,33 +33,66 @@ class SentenceClassifier(nn.Module):
     Only the top ``train_layers`` encoder layers and the head are trainable: the token embeddings
     (11.7M of MiniLM's 22.7M parameters) and the lower layers stay frozen, the usual choice for
     private fine-tuning of small data (fewer noised coordinates, and cheaper backward passes).
+    ``lora_rank`` > 0 adds LoRA adapters (Hu et al. 2022, "LoRA", eq. 3: h = W0 x + (alpha / r)
+    B A x, with B = 0 at the start) of that rank to the attention query and value projections of
+    the frozen layers below them, the placement Yu et al. 2022 ("Differentially Private
+    Fine-tuning of Language Models", Sec. 4) use under DP; only A and B are trained there.
     """
 
-    def __init__(self, encoder: nn.Module, num_classes: int, train_layers: int) -> None:
+    def __init__(self, encoder: nn.Module, num_classes: int, train_layers: int,
+                 lora_rank: int = 0, lora_alpha: float = 16.0) -> None:
         super().__init__()
-        self.encoder = encoder
-        hidden = encoder.config.hidden_size
-        self.head = nn.Linear(hidden, num_classes)
-        layers = encoder.encoder.layer
+        self.head = nn.Linear(encoder.config.hidden_size, num_classes)  # drawn first: the same
+        layers = encoder.encoder.layer                                  # head with or without LoRA
         if train_layers > len(layers):
             raise ValueError(f"[model] train_layers is {train_layers}, the encoder has "
                              f"{len(layers)} layers")
         for p in encoder.parameters():
             p.requires_grad_(False)
-        for layer in layers[len(layers) - train_layers:]:
+        frozen = len(layers) - train_layers
+        if lora_rank and frozen:
+            from peft import LoraConfig, inject_adapter_in_model
+
+            targets = [f"encoder.layer.{i}.attention.self.{name}"
+                       for i in range(frozen) for name in ("query", "value")]
+            encoder = inject_adapter_in_model(
+                LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0,
+                           target_modules=targets), encoder)
+        for layer in layers[frozen:]:
             for p in layer.parameters():
                 p.requires_grad_(True)
+        self.encoder = encoder
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         # input_ids, attention_mask: [B, L] -> logits [B, classes]
         h = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        m = attention_mask.unsqueeze(-1).to(h.dtype)
-        pooled = (h * m).sum(1) / m.sum(1).clamp_min(1.0)
-        return self.head(pooled)
+        return self.head(mean_pool(h, attention_mask))
 
 
-def load_minilm(path: Optional[str], num_classes: int, train_layers: int):
-    """(model, tokenizer) from the pretrained directory, no network (HF_HUB_OFFLINE)."""
+def mean_pool(h: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """h [B, L, H], attention_mask [B, L] -> [B, H]: the mean over each text's own tokens (as
+    sentence-transformers pools MiniLM)."""
+    m = attention_mask.unsqueeze(-1).to(h.dtype)
+    return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
+class SentenceLinear(nn.Module):
+    """kind "minilm-linear": one Linear layer, hidden -> ``num_classes``, on fixed MiniLM sentence
+    embeddings (features.sentence_features: the pretrained encoder, frozen and without dropout,
+    mean-pooled), the text counterpart of ScatterNetLinear."""
+
+    def __init__(self, num_classes: int, hidden: int = 384) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, hidden] sentence embeddings -> logits [B, classes]
+        return self.fc(x)
+
+
+def load_encoder(path: Optional[str]):
+    """(pretrained MiniLM encoder, its tokenizer) from the directory, no network
+    (HF_HUB_OFFLINE)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -67,8 +100,14 @@ def load_minilm(path: Optional[str], num_classes: int, train_layers: int):
     hf_logging.set_verbosity_error()
     directory = minilm_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    encoder = AutoModel.from_pretrained(directory, attn_implementation="eager")
-    return SentenceClassifier(encoder, num_classes, train_layers), tokenizer
+    return AutoModel.from_pretrained(directory, attn_implementation="eager"), tokenizer
+
+
+def load_minilm(path: Optional[str], num_classes: int, train_layers: int, lora_rank: int = 0,
+                lora_alpha: float = 16.0):
+    """(SentenceClassifier, tokenizer) on the pretrained encoder (load_encoder)."""
+    encoder, tokenizer = load_encoder(path)
+    return SentenceClassifier(encoder, num_classes, train_layers, lora_rank, lora_alpha), tokenizer
 
 
 class TanhCNN(nn.Module):

@@ -55,8 +55,9 @@ from ..front import make_private
 from ..private import BudgetExhausted
 from .config import ConfigError, RunConfig
 from .datasets import fashion_mnist, fortune_texts, split_texts, tokenize
-from .features import scatter_features
-from .models import ScatterNetCNN, ScatterNetLinear, TanhCNN, load_minilm
+from .features import scatter_features, sentence_features
+from .models import (ScatterNetCNN, ScatterNetLinear, SentenceLinear, TanhCNN, load_encoder,
+                     load_minilm)
 from .report import PRIVATE_DIR
 
 
@@ -69,20 +70,21 @@ def _rank_world():
 def build(cfg: RunConfig):
     """(model, train set, test set, batch -> (inputs tuple, labels))."""
     torch.manual_seed(cfg.training.seed)
-    if cfg.data.dataset == "fortunes":
-        items = fortune_texts(cfg.data.categories)
-        train_items, test_items = split_texts(items, cfg.data.test_fraction)
-        if cfg.data.limit:
-            train_items = train_items[: cfg.data.limit]
-        if cfg.data.test_limit:
-            test_items = test_items[: cfg.data.test_limit]
-        model, tokenizer = load_minilm(cfg.model.path, len(cfg.data.categories),
-                                       cfg.model.train_layers)
-        train = tokenize(train_items, tokenizer, cfg.data.max_length)
-        test = tokenize(test_items, tokenizer, cfg.data.max_length)
+    m, d = cfg.model, cfg.data
+    if m.kind == "minilm-linear":  # Note [fixed features and privacy] (features.py)
+        train, test = _embedded(m.path, tuple(d.categories), d.test_fraction, d.max_length,
+                                d.limit, d.test_limit, *_rank_world())
+        torch.manual_seed(cfg.training.seed)  # the head's draw, whether or not features were cached
+        model = SentenceLinear(len(d.categories), train.tensors[0].shape[1])
+        unpack = lambda b: ((b[0],), b[1])  # noqa: E731
+    elif m.kind == "minilm":
+        train_items, test_items = _fortunes(d.categories, d.test_fraction, d.limit, d.test_limit)
+        model, tokenizer = load_minilm(m.path, len(d.categories), m.train_layers, m.lora_rank,
+                                       m.lora_alpha)
+        train = tokenize(train_items, tokenizer, d.max_length)
+        test = tokenize(test_items, tokenizer, d.max_length)
         unpack = lambda b: ((b[0], b[1]), b[2])  # noqa: E731
     else:
-        d = cfg.data
         if cfg.model.kind == "cnn":
             train, test = _images(True, d.scale, d.limit), _images(False, d.scale, d.test_limit)
             model = TanhCNN(10, padding=cfg.model.padding)
@@ -93,6 +95,37 @@ def build(cfg: RunConfig):
             model = head(10, groups=cfg.model.groups)
         unpack = lambda b: ((b[0],), b[1])  # noqa: E731
     return model, train, test, unpack
+
+
+def _fortunes(categories, test_fraction: float, limit: int, test_limit: int):
+    """(train, test) [(text, label)] of the fortunes categories, each cut to its limit (0 = all)."""
+    train, test = split_texts(fortune_texts(categories), test_fraction)
+    return train[:limit] if limit else train, test[:test_limit] if test_limit else test
+
+
+@functools.lru_cache(maxsize=4)
+def _embedded(path, categories: tuple, test_fraction: float, max_length: int, limit: int,
+              test_limit: int, rank: int, world: int):
+    """(train, test) TensorDatasets of (MiniLM sentence embeddings [n, 384], labels [n]), for
+    kind "minilm-linear". Rank r embeds the texts r, r + W, ... and the ranks gather them, so
+    every rank holds the same tensors and each text is encoded once. Kept for the process, like
+    _scattered: about a minute here for the 3,630 texts, once for a one-rank sweep's runs."""
+    train_items, test_items = _fortunes(list(categories), test_fraction, limit, test_limit)
+    encoder, tokenizer = load_encoder(path)
+    out = []
+    for items in (train_items, test_items):
+        ids, mask, labels = tokenize(items, tokenizer, max_length).tensors
+        mine = sentence_features(encoder, ids[rank::world], mask[rank::world])
+        if world > 1:
+            parts = [None] * world
+            dist.all_gather_object(parts, mine)
+            features = torch.empty(len(items), mine.shape[1])
+            for r, part in enumerate(parts):
+                features[r::world] = part
+        else:
+            features = mine
+        out.append(TensorDataset(features, labels))
+    return tuple(out)
 
 
 def _images(train: bool, scale: str, limit: int) -> TensorDataset:
@@ -112,7 +145,7 @@ def _scattered(train: bool, scale: str, limit: int) -> TensorDataset:
 
 def input_names(cfg: RunConfig) -> tuple:
     """The names of the model's forward arguments, in ``unpack``'s order (build)."""
-    return ("input_ids", "attention_mask") if cfg.data.dataset == "fortunes" else ("x",)
+    return ("input_ids", "attention_mask") if cfg.model.kind == "minilm" else ("x",)
 
 
 def evaluate(model, test, unpack, batch: int = 256) -> Dict[str, float]:
