@@ -11,7 +11,7 @@ ctest --test-dir build --output-on-failure -j "$jobs" 2>&1 | tee build/ctest.log
 ctest_rc=${PIPESTATUS[0]}
 
 echo "[test] pytest"
-.venv/bin/python -m pytest tests/python -q -ra 2>&1 | tee build/pytest.log
+.venv/bin/python -m pytest tests/python -q -ra --durations=40 2>&1 | tee build/pytest.log
 pytest_rc=${PIPESTATUS[0]}
 
 echo

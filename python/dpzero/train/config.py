@@ -10,7 +10,8 @@ Every error names the key and the bad value. Sections and keys (defaults in brac
                     package]
                 train_layers = top encoder layers trained (minilm; the rest is frozen)  [2]
                 lora_rank = LoRA adapters of this rank on the attention query and value of
-                    the frozen encoder layers (minilm; 0 = none)  [0]
+                    the frozen encoder layers (minilm, with train_layers below the encoder's
+                    6; 0 = none)  [0]
                 lora_alpha = LoRA's scale alpha (the update is alpha / rank · B A)  [16]
                 padding = the first convolution's zero padding (cnn)  [3]
                 groups = GroupNorm groups over the 81 ScatterNet channels, per example
@@ -236,8 +237,9 @@ def validate(cfg: RunConfig) -> None:
     if m.lora_rank < 0:
         raise ConfigError(f"[model] lora_rank must be >= 0 (0 = no LoRA), got {m.lora_rank}")
     if m.lora_rank and m.kind != "minilm":
-        raise ConfigError(f"[model] lora_rank = {m.lora_rank} adapts the minilm encoder; kind "
-                          f"{m.kind!r} has none (set lora_rank = 0)")
+        raise ConfigError(f"[model] lora_rank = {m.lora_rank} needs kind = \"minilm\" (LoRA "
+                          f"adapts the encoder being trained), got kind {m.kind!r}; set "
+                          "lora_rank = 0")
     if not m.lora_alpha > 0:
         raise ConfigError(f"[model] lora_alpha must be > 0, got {m.lora_alpha}")
     _choice("[data] dataset", d.dataset, ("fortunes", "fashion-mnist"))

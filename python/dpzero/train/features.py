@@ -12,8 +12,10 @@ DP-SGD analysis: each example still contributes one clipped gradient, and ε is 
 for (σ, q, steps). What would couple examples (statistics over the training set, as the
 "BN" normalisation in Tramèr & Boneh's code computes with noise) is not done here; the models
 normalise per example (GroupNorm, see models.py). The same holds for ``sentence_features``: the
-encoder was pretrained on public data, stays frozen, runs without dropout, and attends within a
-text only (its padding mask is the text's own), so a text's embedding is a function of that text.
+encoder was pretrained on public data, stays frozen, runs without dropout, and encodes each text
+in a forward of its own, so a text's embedding is a function of that text, bit for bit: batching
+texts would let the others change it by rounding, and adding or removing one example would then
+move other rows of the training set.
 """
 
 from __future__ import annotations
@@ -49,28 +51,24 @@ def scatter_features(images: torch.Tensor, chunk: int = 2000) -> torch.Tensor:
 
 
 def sentence_features(encoder: torch.nn.Module, input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+                      attention_mask: torch.Tensor) -> torch.Tensor:
     """input_ids, attention_mask [n, L] int64 -> the encoder's mean-pooled last hidden states
-    [n, hidden] float32, in eval mode (no dropout), ``chunk`` texts at a time."""
+    [n, hidden] float32, in eval mode (no dropout), each text encoded alone: one forward of
+    shape [1, its own length] per text, so no other text can change its embedding even by
+    rounding (a batched forward's kernels block their sums by the batch's shape)."""
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(f"sentence_features takes input_ids and attention_mask of one [n, L] "
                          f"shape, got {list(input_ids.shape)} and {list(attention_mask.shape)}")
-    # Texts sorted by length and each chunk cut after its last real token: the embedding does
-    # not depend on how much padding follows a text (its mask excludes it), so this only saves
-    # the padded positions' compute.
-    order = attention_mask.sum(1).argsort()
     out = torch.zeros((input_ids.shape[0], encoder.config.hidden_size))
     was_training = encoder.training
     encoder.eval()
     try:
         with torch.no_grad():
-            for start in range(0, input_ids.shape[0], chunk):
-                rows = order[start:start + chunk]
-                mask = attention_mask[rows]
-                width = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1
-                ids, mask = input_ids[rows, :width], mask[:, :width]
-                h = encoder(input_ids=ids, attention_mask=mask).last_hidden_state  # [c, w, H]
-                out[rows] = mean_pool(h, mask).float()
+            for i in range(input_ids.shape[0]):
+                keep = attention_mask[i].bool()  # the text's own tokens, wherever padding sits
+                ids, mask = input_ids[i, keep][None], attention_mask[i, keep][None]
+                h = encoder(input_ids=ids, attention_mask=mask).last_hidden_state  # [1, len, H]
+                out[i] = mean_pool(h, mask)[0].float()
     finally:
         encoder.train(was_training)
     return out

@@ -42,11 +42,15 @@ class SentenceClassifier(nn.Module):
     def __init__(self, encoder: nn.Module, num_classes: int, train_layers: int,
                  lora_rank: int = 0, lora_alpha: float = 16.0) -> None:
         super().__init__()
-        self.head = nn.Linear(encoder.config.hidden_size, num_classes)  # drawn first: the same
-        layers = encoder.encoder.layer                                  # head with or without LoRA
+        head = nn.Linear(encoder.config.hidden_size, num_classes)  # drawn first: the same head
+        layers = encoder.encoder.layer                             # with or without LoRA
         if train_layers > len(layers):
             raise ValueError(f"[model] train_layers is {train_layers}, the encoder has "
                              f"{len(layers)} layers")
+        if lora_rank and train_layers == len(layers):
+            raise ValueError(f"[model] lora_rank = {lora_rank} adapts the frozen layers, and "
+                             f"train_layers = {train_layers} trains all {len(layers)}: lower "
+                             "train_layers or set lora_rank = 0")
         for p in encoder.parameters():
             p.requires_grad_(False)
         frozen = len(layers) - train_layers
@@ -61,7 +65,8 @@ class SentenceClassifier(nn.Module):
         for layer in layers[frozen:]:
             for p in layer.parameters():
                 p.requires_grad_(True)
-        self.encoder = encoder
+        self.encoder = encoder  # registered first: the parameter order (noise and shard layout)
+        self.head = head        # of the runs before LoRA existed
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         # input_ids, attention_mask: [B, L] -> logits [B, classes]

@@ -109,7 +109,7 @@ def _embedded(path, categories: tuple, test_fraction: float, max_length: int, li
     """(train, test) TensorDatasets of (MiniLM sentence embeddings [n, 384], labels [n]), for
     kind "minilm-linear". Rank r embeds the texts r, r + W, ... and the ranks gather them, so
     every rank holds the same tensors and each text is encoded once. Kept for the process, like
-    _scattered: about a minute here for the 3,630 texts, once for a one-rank sweep's runs."""
+    _scattered, so a one-rank sweep's runs embed the texts once."""
     train_items, test_items = _fortunes(list(categories), test_fraction, limit, test_limit)
     encoder, tokenizer = load_encoder(path)
     out = []
