@@ -149,8 +149,12 @@ std::vector<at::Tensor> reference_step() {
 TEST(PrivacyEngine, StepIsThePerExampleReferenceOnOneAndTwoRanks) {
   const std::vector<at::Tensor> want = reference_step();
   for (int world : {1, 2}) {
-    run_ranks(world, std::chrono::seconds(60), [&](int, auto pg) {
-      Mlp net = model();
+    // Built here, one thread: the global generator is one per process, and ranks as threads
+    // seeding and drawing from it at once got each other's draws (different weights per rank).
+    std::vector<Mlp> nets;
+    for (int r = 0; r < world; ++r) nets.push_back(model());
+    run_ranks(world, std::chrono::seconds(60), [&](int rank, auto pg) {
+      Mlp net = nets[rank];
       PrivacyOptions o = options();
       o.trust_batch_first = false;
       PrivacyEngine engine(net.ptr(), o, world > 1 ? pg : nullptr);

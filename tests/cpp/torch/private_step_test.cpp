@@ -123,8 +123,9 @@ at::Tensor noise_of(const zero::UnitLayout& layout, int64_t k, double sigma) {
 // One rank's private model: the engine over W, the book, the step.
 struct Rank {
   Rank(int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg, const Options& o) : rank(rank) {
-    torch::manual_seed(11);  // the same W on every rank
-    w = torch::randn({2, 3}).requires_grad_();
+    // The same W on every rank, from a generator of its own: ranks run as threads, and the
+    // process-wide one would interleave their draws.
+    w = at::randn({2, 3}, at::make_generator<at::CPUGeneratorImpl>(11)).requires_grad_();
     zero::ZeroConfig config;
     config.optimizer.lr = kLr;
     state = std::make_unique<zero::ZeroState>(
