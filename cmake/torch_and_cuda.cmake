@@ -56,26 +56,68 @@ else()
 endif()
 
 if(DPZERO_WITH_CUDA)
-  # A100 = sm_80, H100/H200 = sm_90. Override with -DCMAKE_CUDA_ARCHITECTURES="80;90;100".
+  # A100 = sm_80, H100/H200 = sm_90. Override with -DCMAKE_CUDA_ARCHITECTURES="80;90;100", and
+  # name arch-specific targets as nvcc does ("90a", "100a"; "120f" for a family).
   if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
     set(CMAKE_CUDA_ARCHITECTURES "80;90")
   endif()
+  # Torch's own CUDA config ignores CMAKE_CUDA_ARCHITECTURES and would otherwise add gencode flags
+  # for every architecture it knows (it cannot detect a GPU here), multiplying compile time; hand
+  # it exactly our list as TORCH_CUDA_ARCH_LIST ("90a" -> "9.0a", "100" -> "10.0").
+  # Note [cuda targets]: each listed architecture gets SASS (its machine code); the newest also
+  # gets PTX, so that a GPU newer than every listed one still runs the kernels (the driver
+  # JIT-compiles the PTX on first load) instead of failing with "no kernel image". That PTX is for
+  # the newest listed number without its a / f suffix: PTX of compute_90a uses sm_90a-only
+  # features and loads on sm_90 alone. CMake's suffixes: "-real" is SASS only (no PTX even when
+  # newest), "-virtual" PTX only.
+  set(_torch_arches "")
+  set(_dpzero_ptx "")
+  set(_newest -1)
+  set(_newest_real OFF)
+  foreach(_a IN LISTS CMAKE_CUDA_ARCHITECTURES)
+    if(NOT _a MATCHES "^([0-9]+)([0-9])([af]?)(-real|-virtual)?$")
+      message(FATAL_ERROR "dpzero: CMAKE_CUDA_ARCHITECTURES entry '${_a}' is not an architecture "
+                          "number such as 80, 90, 90a, 100a or 90-real")
+    endif()
+    set(_number "${CMAKE_MATCH_1}${CMAKE_MATCH_2}")
+    if(NOT CMAKE_MATCH_4 STREQUAL "-virtual")
+      list(APPEND _torch_arches "${CMAKE_MATCH_1}.${CMAKE_MATCH_2}${CMAKE_MATCH_3}")
+    else()
+      list(APPEND _dpzero_ptx "${_number}")
+    endif()
+    if(_number GREATER _newest)
+      set(_newest "${_number}")
+      set(_newest_real OFF)
+    endif()
+    if(_number EQUAL _newest AND CMAKE_MATCH_4 STREQUAL "-real")
+      set(_newest_real ON)
+    endif()
+  endforeach()
+  if(NOT _newest_real)
+    list(APPEND _dpzero_ptx "${_newest}")
+  endif()
+  list(REMOVE_DUPLICATES _dpzero_ptx)
+  if(_torch_arches STREQUAL "")
+    message(FATAL_ERROR "dpzero: CMAKE_CUDA_ARCHITECTURES '${CMAKE_CUDA_ARCHITECTURES}' names no "
+                        "architecture to build machine code for (only -virtual entries)")
+  endif()
+  set(TORCH_CUDA_ARCH_LIST "${_torch_arches}" CACHE STRING "" FORCE)
   set(CMAKE_CUDA_COMPILER "${DPZERO_NVCC}")
   enable_language(CUDA)
   set(CMAKE_CUDA_STANDARD 17)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
-  # Torch's own CUDA config would otherwise add gencode flags for every architecture it knows
-  # (it cannot detect a GPU here), multiplying compile time; hand it exactly our list.
-  set(_torch_arches "")
-  foreach(_a IN LISTS CMAKE_CUDA_ARCHITECTURES)
-    string(REGEX REPLACE "^([0-9]+)([0-9])(-real|-virtual)?$" "\\1.\\2" _a "${_a}")
-    list(APPEND _torch_arches "${_a}")
-  endforeach()
-  set(TORCH_CUDA_ARCH_LIST "${_torch_arches}" CACHE STRING "" FORCE)
-  message(STATUS "dpzero: CUDA kernels ON for architectures ${CMAKE_CUDA_ARCHITECTURES}")
+  message(STATUS "dpzero: CUDA kernels ON for architectures ${CMAKE_CUDA_ARCHITECTURES} "
+                 "(SASS: ${_torch_arches}; PTX of: ${_dpzero_ptx})")
 endif()
 
 list(APPEND CMAKE_PREFIX_PATH "${DPZERO_TORCH_CMAKE_PREFIX}")
 find_package(Torch REQUIRED)
+if(DPZERO_WITH_CUDA)
+  # Note [cuda targets]: torch's config has put the SASS gencode flags into CMAKE_CUDA_FLAGS; add
+  # the PTX ones after them.
+  foreach(_p IN LISTS _dpzero_ptx)
+    string(APPEND CMAKE_CUDA_FLAGS " -gencode arch=compute_${_p},code=compute_${_p}")
+  endforeach()
+endif()
 # libtorch_python: pybind11 casters for at::Tensor used by dpzero._C.
 find_library(DPZERO_TORCH_PYTHON_LIBRARY torch_python PATHS "${TORCH_INSTALL_PREFIX}/lib" REQUIRED NO_DEFAULT_PATH)

@@ -32,13 +32,39 @@ inline void check_add_noise_args(const char* op, const at::Tensor& self, double 
               ": offset + numel overflows int64 (offset ", offset, ", numel ", self.numel(), ")");
 }
 
+// The runs table of dpzero::add_noise_runs_ / add_secure_noise_runs_ (`op`): runs [3 R] int64,
+// triples (local, length, global). Checks that each run lies inside self's numel elements, that
+// the runs are disjoint and in ascending order of `local` (so no element of self is drawn twice),
+// and that global + length fits in int64; the message names the run and its values. Returns R.
+inline int64_t check_noise_runs(const char* op, const at::Tensor& self, c10::IntArrayRef runs) {
+  TORCH_CHECK(runs.size() % 3 == 0, op,
+              ": runs must hold (local, length, global) triples, got ", runs.size(), " values");
+  const int64_t n = self.numel();
+  int64_t end = 0;  // one past the last element of the previous non-empty run
+  for (size_t r = 0; r < runs.size() / 3; ++r) {
+    const int64_t local = runs[3 * r], length = runs[3 * r + 1], global = runs[3 * r + 2];
+    TORCH_CHECK(local >= 0 && length >= 0 && global >= 0 && length <= n - local, op, ": run ", r,
+                " (local ", local, ", length ", length, ", global ", global,
+                ") must have local, length, global >= 0 and lie inside self's ", n, " elements");
+    TORCH_CHECK(global <= std::numeric_limits<int64_t>::max() - length, op, ": run ", r,
+                " global + length overflows int64 (global ", global, ", length ", length, ")");
+    if (length == 0) continue;
+    TORCH_CHECK(local >= end, op, ": run ", r, " (local ", local, ", length ", length,
+                ") overlaps or precedes the previous run, which ends at ", end,
+                "; runs must be disjoint and ascending");
+    end = local + length;
+  }
+  return static_cast<int64_t>(runs.size() / 3);
+}
+
 // The 256-bit secure-mode key as eight 32-bit words; each must fit in uint32.
-inline privacy::ChaCha20Key secure_key_from(c10::IntArrayRef key) {
-  TORCH_CHECK(key.size() == 8, "dpzero::add_secure_noise_: key must have 8 words, got ", key.size());
+inline privacy::ChaCha20Key secure_key_from(c10::IntArrayRef key,
+                                            const char* op = "dpzero::add_secure_noise_") {
+  TORCH_CHECK(key.size() == 8, op, ": key must have 8 words, got ", key.size());
   privacy::ChaCha20Key out;
   for (size_t i = 0; i < 8; ++i) {
     TORCH_CHECK(key[i] >= 0 && key[i] <= static_cast<int64_t>(std::numeric_limits<uint32_t>::max()),
-                "dpzero::add_secure_noise_: key word ", i, " must be in [0, 2^32), got ", key[i]);
+                op, ": key word ", i, " must be in [0, 2^32), got ", key[i]);
     out.w[i] = static_cast<uint32_t>(key[i]);
   }
   return out;

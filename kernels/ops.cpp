@@ -16,6 +16,16 @@ TORCH_LIBRARY(dpzero, m) {
   // from ChaCha20 under a 256-bit key given as eight 32-bit words (0 <= w < 2^32), fp64 math and
   // the sum-of-normals mitigation. self: contiguous float32 / float64 / bfloat16 / float16.
   m.def("add_secure_noise_(Tensor(a!) self, float std, int[] key, int step, int offset) -> Tensor(a!)");
+  // Both draws over a table of coordinate runs (Note [noise launches] in
+  // kernels/cuda/noise_runs.cuh): runs is [3 R] int64, R triples (local, length, global); for each
+  // run, self[local + k] += std * z(.., step, global + k) for 0 <= k < length, exactly as
+  // add_noise_ / add_secure_noise_ on self[local : local + length] with offset = global. The runs
+  // must lie inside self and be disjoint in ascending order of `local`; elements outside them are
+  // untouched. One call (one CUDA launch per 128 runs) instead of one per run.
+  m.def("add_noise_runs_(Tensor(a!) self, float std, int seed, int step, int[] runs) "
+        "-> Tensor(a!)");
+  m.def("add_secure_noise_runs_(Tensor(a!) self, float std, int[] key, int step, int[] runs) "
+        "-> Tensor(a!)");
   // Per-sample clip factors from per-sample norms (privacy/clipping.h): norms [B] float32;
   // mode "flat" (min(1, C/(n+1e-6))) or "automatic" (C/(n+gamma)). Returns factors [B] float32
   // (0 for NaN/Inf/negative norms) and the count of such invalid norms as a 0-dim int64 tensor;

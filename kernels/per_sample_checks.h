@@ -64,6 +64,21 @@ inline bool use_ghost(NormMethod method, int64_t T, int64_t d_in, int64_t d_out)
   return method == NormMethod::kGhost;
 }
 
+// Note [rank-one ghost]
+// With T = 1 (a [B, d] input, or one position per sample) the per-sample gradient g a^T is rank
+// one and ||g a^T||_F^2 = ||a||^2 ||g||^2 exactly: the ghost value with 1 x 1 Grams. Both backends'
+// _ghost_sq_norms, _ghost_sq_norms_multi and _token_ghost_sq_norms take this path at T = 1
+// instead of their Gram machinery (on CUDA a whole 32 x 32 tile for one entry): per sample the two
+// squared row norms qa = sum_k a_k^2, qg = sum_k g_k^2 in float64 (each square exact, each sum
+// within gamma_d of the exact one, as a Gram diagonal is), value = qa * qg (one rounding) and
+// S = sqrt(value) = ||a|| ||g||, read the way the Gram paths read S off the diagonals. For an
+// embedding, value = qg and S = sqrt(qg) unless the token is padding (then 0 and 0, the G row
+// never read into them). So the values are what the Gram paths compute for T = 1, up to the order
+// of the d additions inside qa and qg, and Note [certified norms] certifies them unchanged (the
+// summation depth is 0 here). The cost rule needs no exception: at T = 1 the ghost path holds two
+// numbers per sample and reads the rows once, so "ghost iff 2 <= d_in d_out" picks it for every
+// layer but a 1 x 1 one, and on the CUDA embedding path likewise.
+
 // An embedding's path: as use_ghost with (T, min(T, V), d), except that on the CPU `auto` is
 // always direct: the CPU kernel of Note [embedding rows] (kernels/per_sample_ops.h) holds one
 // [d] row per thread and does T d work per sample against the ghost path's 2 T^2 d.
@@ -114,20 +129,25 @@ inline int64_t samples_per_pass_chunk(int64_t num_samples, int64_t bytes_per_sam
 }
 
 // Note [ghost summation depth]
-// Both ghost kernels sum the T^2 products (a_s . a_t)(g_s . g_t) (or the token Gram's entries) in
+// The ghost kernels sum the T^2 products (a_s . a_t)(g_s . g_t) (or the token Gram's entries) in
 // float64 in a fixed tree, and Note [certified norms] needs a bound N on the number of roundings
 // any one product passes through on its way into the result (Higham 2002, "Accuracy and Stability
 // of Numerical Algorithms", §4.2: a sum of n terms in any order is off by at most gamma_{h} times
 // the sum of the terms' magnitudes, h the depth of the addition tree):
 //  * CPU (kernels/cpu/ghost_norm.cpp): each Gram row s is summed over t (<= T - 1 additions), then
 //    the row sums are added up (<= T - 1 more): depth <= 2T;
-//  * CUDA (kernels/cuda/ghost_norm.cu): a thread adds its 4 tile entries (4), a warp shuffle tree
-//    (5), a block tree over the warps' sums (5), then at::sum over the P = n(n+1)/2 tile partials
-//    of n = ceil(T/32) tile rows (depth <= P - 1 in whatever order ATen sums): depth <= 14 + P.
-// The bound below covers both backends.
+//  * CUDA, fused tiles (kernels/cuda/ghost_norm.cu, T < kGemmMinRows there): a thread adds its
+//    R x R tile entries (R <= 4: 16), a warp shuffle tree (5), a block tree over the warps' sums
+//    (5), then at::sum over the P = n(n+1)/2 tile partials of n = ceil(T/(16R)) tile rows (depth
+//    <= P - 1 in whatever order ATen sums): depth <= 25 + P, largest at R = 4 (64-row tiles);
+//  * CUDA, GEMM strips (kernels/ghost_gemm.cpp, long sequences): each row's off-diagonal and
+//    diagonal parts are summed (<= max(r0, rows) - 1 <= T - 1), joined (1), and the T row values
+//    summed (<= T - 1): depth <= 2T;
+//  * the rank-one path (Note [rank-one ghost], T = 1): one product, no sum: depth 0.
+// The bound below covers every backend and path.
 inline double ghost_summation_depth(int64_t T) {
-  const double tiles = static_cast<double>((T + 31) / 32);
-  return std::max(2.0 * static_cast<double>(T), 14.0 + tiles * (tiles + 1.0) / 2.0);
+  const double tiles = static_cast<double>((T + 63) / 64);
+  return std::max(2.0 * static_cast<double>(T), 25.0 + tiles * (tiles + 1.0) / 2.0);
 }
 
 inline void check_floating(const char* op, const char* name, const at::Tensor& x) {

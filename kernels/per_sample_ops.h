@@ -385,7 +385,9 @@ inline at::Tensor certify_direct_rows(const at::Tensor& grads, const at::Tensor&
 // row gets no gradient, so its terms drop out: sum_{s,t} [id_s = id_t != padding_idx] g_s . g_t.
 // Backends: kernels/cpu/ghost_norm.cpp (batched float64 GEMM Grams, a chunk of samples at a time)
 // and kernels/cuda/ghost_norm.cu (one fused kernel over Gram tiles in shared memory, float64
-// accumulation, no [B, T, T]). Both return the raw float64 value together with S of Note
+// accumulation, no [B, T, T]; float64 GEMM strips for long sequences, Note [ghost roofline]
+// there); at T = 1 both take the rank-one path (Note [rank-one ghost] in
+// kernels/per_sample_checks.h). All return the raw float64 value together with S of Note
 // [certified norms], read off the Gram diagonals (||a_t||^2 = (A A^T)[t, t]) at no extra pass
 // over A and G; the layer ops add the margin.
 

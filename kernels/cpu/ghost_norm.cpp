@@ -1,6 +1,8 @@
 // kernels/cpu/ghost_norm.cpp — CPU implementations of dpzero::_ghost_sq_norms and
 // dpzero::_token_ghost_sq_norms (schemas in kernels/ops.cpp), the backend kernels behind the
-// ghost path of the layer ops in kernels/per_sample_ops.h (Note [ghost norm] there).
+// ghost path of the layer ops in kernels/per_sample_ops.h (Note [ghost norm] there). T = 1 takes
+// the rank-one path (kernels/cpu/rank_one.cpp, Note [rank-one ghost] in
+// kernels/per_sample_checks.h).
 //
 // A chunk of samples at a time: the inputs are copied to float64 (exactly) into a reused scratch
 // buffer (Note [cpu scratch]), batched float64 GEMMs build the lower block triangle of each
@@ -44,6 +46,7 @@
 #include <torch/library.h>
 
 #include "kernels/cpu/gram_simd.h"
+#include "kernels/cpu/rank_one.h"
 #include "kernels/per_sample_checks.h"
 
 namespace dpzero::kernels {
@@ -240,6 +243,7 @@ std::tuple<at::Tensor, at::Tensor> ghost_values(const char* op, const at::Tensor
   const int64_t b = a.size(0), t = a.size(1), d_in = a.size(2);
   const at::TensorOptions f64 = a.options().dtype(at::kDouble);
   if (b == 0 || t == 0) return {at::zeros({n_layers, b}, f64), at::zeros({n_layers, b}, f64)};
+  if (t == 1) return rank_one_values(a, at::Tensor(), -1, gs);  // Note [rank-one ghost]
   // Every entry is written below (strip_dots stores each sample's value and norm).
   at::Tensor value = at::empty({n_layers, b}, f64);
   at::Tensor norms = at::empty({n_layers, b}, f64);
@@ -308,6 +312,10 @@ std::tuple<at::Tensor, at::Tensor> token_ghost_sq_norms_cpu(const at::Tensor& id
   at::Tensor value = at::empty({b}, f64);
   at::Tensor norms = at::empty({b}, f64);
   const at::Tensor ids_c = ids.contiguous();
+  if (t == 1) {  // Note [rank-one ghost]
+    auto [v, s] = rank_one_values(at::Tensor(), ids_c, padding_idx, {g});
+    return {v[0], s[0]};
+  }
   if (small_ghost_applies(t, g)) {  // Note [small ghost]
     small_ghost_values(nullptr, 0, ids_c.data_ptr<int64_t>(), padding_idx, {g}, b, t,
                        value.data_ptr<double>(), norms.data_ptr<double>());

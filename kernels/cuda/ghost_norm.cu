@@ -1,24 +1,70 @@
 // kernels/cuda/ghost_norm.cu — CUDA implementations of dpzero::_ghost_sq_norms and
 // dpzero::_token_ghost_sq_norms (schemas in kernels/ops.cpp), the backend kernels behind the
-// ghost path of the layer ops in kernels/per_sample_ops.h (Note [ghost norm] there).
+// ghost path of the layer ops in kernels/per_sample_ops.h (Note [ghost norm] there). Three paths,
+// by sequence length T (Note [ghost roofline]):
+//  * T = 1: rank_one_kernel, ||a||^2 ||g||^2 per sample (Note [rank-one ghost] in
+//    kernels/per_sample_checks.h);
+//  * 2 <= T < kGemmMinRows: one fused kernel over Gram tiles, below;
+//  * T >= kGemmMinRows: float64 GEMM Gram strips on the tensor cores (kernels/ghost_gemm.cpp).
 //
-// One fused kernel computes, per sample i, sum_{s,t} (a_s . a_t)(g_s . g_t) without ever writing a
-// Gram to global memory: a block owns one 32 x 32 tile (s-block, t-block) of sample i's T x T
-// Grams, builds the tile of G G^T (and of A A^T) in registers from 32-feature slices of the rows
-// staged in shared memory, multiplies the two tiles entry by entry and reduces the tile to one
-// number. Both Grams are symmetric, so only tiles with s-block <= t-block are launched and the
-// off-diagonal ones count twice. Each block writes its tile's sum to partial[i, tile]; a
-// deterministic at::sum over the tiles gives the norm (no atomics, so runs repeat bit for bit).
-// For an embedding the A-Gram is the token-equality indicator [id_s = id_t != padding_idx],
-// evaluated from the ids, so no one-hot input exists either.
+// The fused kernel computes, per sample i, sum_{s,t} (a_s . a_t)(g_s . g_t) without writing a
+// Gram to global memory: a block owns one tile (s-block, t-block) of sample i's T x T Grams (16R
+// positions a side, R = 1, 2 or 4 by T), builds the tile of G G^T (and of A A^T) in registers
+// from slices of the rows staged in shared memory as float64, multiplies the two tiles entry by
+// entry and reduces the tile to one number. Both Grams are symmetric, so only tiles with s-block
+// <= t-block are launched and the off-diagonal ones count twice. Each block writes its tile's sum
+// to partial[i, tile]; a deterministic at::sum over the tiles gives the norm (no atomics, so runs
+// repeat bit for bit). For an embedding the A-Gram is the token-equality indicator [id_s = id_t
+// != padding_idx], evaluated from the ids, so no one-hot input exists either.
 //
-// Precision (Note [certified norms] in kernels/per_sample_ops.h): rows are staged as float (exact
-// for float32 / bfloat16 / float16 inputs), but every Gram entry, the entry-by-entry product and
-// every reduction are float64 (a product of two floats is exact in float64), and the partials are
-// float64. The summation tree is the one Note [ghost summation depth] (kernels/per_sample_checks.h)
-// counts. The diagonal tiles also read S = sum_t ||a_t|| ||g_t|| off the Gram diagonals (for an
-// embedding sum_{t: id_t != pad} ||g_t||), reduced the same way into a second partial. Both are
-// raw float64 values; the layer ops turn them into a certified upper bound.
+// Precision (Note [certified norms] in kernels/per_sample_ops.h): rows are staged as float64
+// (exact for float32 / bfloat16 / float16 inputs), every Gram entry, the entry-by-entry product
+// and every reduction are float64 (a product of two floats is exact in float64), and the partials
+// are float64. The summation tree is the one Note [ghost summation depth]
+// (kernels/per_sample_checks.h) counts. The diagonal tiles also read S = sum_t ||a_t|| ||g_t||
+// off the Gram diagonals (for an embedding sum_{t: id_t != pad} ||g_t||), reduced the same way
+// into a second partial. Both are raw float64 values; the layer ops turn them into a certified
+// upper bound.
+//
+// Note [ghost roofline]
+// ~~~~~~~~~~~~~~~~~~~~~
+// Per sample, with T rows and d = d_in + d_out features (an embedding: d = d_out), the two Grams
+// cost 2 T^2 d FLOPs in full and the inputs are 4 T d bytes (float32; 2 T d for bfloat16). H200
+// figures: FP64 ~34 TFLOP/s on the vector units (DFMA), ~67 TFLOP/s on the tensor cores (DMMA,
+// which cuBLAS DGEMM uses), HBM ~4.8 TB/s nominal and ~4.3 TB/s at copy rate. Ridge points:
+// 34 / 4.3 = 7.9 FLOP/byte (vector), 67 / 4.3 = 15.6 (tensor cores).
+//  * Fused tiles: of the n(n+1)/2 tile pairs (n = ceil(T / 64)) each costs 2 * 64^2 * d FLOPs
+//    and the inputs are read once per tile row: intensity ~T/4 FLOP/byte for many tiles, T/2 for
+//    one, so the kernel is compute-bound from T ~ 32 on and then bounded by the vector peak. The
+//    previous version staged floats and converted them to float64 in the inner loop: 4 conversions
+//    (F2F.F64.F32, 16 per clock per SM on sm_80 / sm_90) per 4 DFMAs (64 per clock per SM), a cap
+//    of 1/4 of that peak. Now each element is converted once, when it is staged, and shared
+//    memory holds float64; a thread owns R x R = 4 x 4 entries, so one feature costs 2R = 8
+//    shared loads for R^2 = 16 DFMAs. The loads are conflict-free and half of them are
+//    broadcasts, one 128-byte wavefront each: 8 wavefronts (8 clocks of the shared-memory pipe)
+//    against 16 warp DFMAs (8 clocks at 2 per clock): balanced, so we expect 50-70% of the
+//    vector peak, not the tensor cores'.
+//  * GEMM strips (kernels/ghost_gemm.cpp): float64 copies of the rows (read 4, write 8, the
+//    GEMM reads 8 bytes per element: 5x the fused path's traffic), DGEMMs over the strips of
+//    gemm_row_blocks ((nb + 1) / (2 nb) of the full Grams' FLOPs, nb = ceil(T / 128) <= 8) at up
+//    to the tensor-core peak, then the strips and their product written and read (~6 strip
+//    passes), and ~10 launches per row block.
+// Per sample at d_in = d_out = 4096 (d = 8192), float32, at peak rates (GEMM traffic: the
+// float64 copies and the strip passes):
+//    T      inputs           fused                      GEMM strips
+//    128    4.2 MB, 1.0 µs   0.20 GFLOP,  5.9 µs        0.27 GFLOP, 4.0 µs + 13 MB traffic, 3.1 µs
+//    256    8.4 MB, 2.0 µs   0.67 GFLOP, 20 µs          0.81 GFLOP, 12 µs + 28 MB, 6.4 µs
+//    512    17 MB,  3.9 µs   2.4 GFLOP,  71 µs          2.7 GFLOP,  40 µs + 58 MB, 13 µs
+//    2048   67 MB,  16 µs    35 GFLOP,   1.04 ms        39 GFLOP,   0.58 ms + 0.31 GB, 73 µs
+// At the expected fractions (fused 50-70% of the vector peak, cuBLAS 60-85% of the tensor
+// cores' on these skinny shapes) the two tie near T = 128 and the GEMM strips lead from T = 256
+// on (~1.4x there, ~2x at T = 2048). Hence kGemmMinRows = 256: the fused kernel below it (one
+// launch, no float64 workspace, and the only sensible choice where it is memory-bound), the
+// strips from there. A crossover to confirm with experiments' kernel benchmark on the first GPU
+// run. Both paths are the same float64 arithmetic up to the order of additions (Note [certified
+// norms] assumes every GEMM entry is an inner product in some order, which cuBLAS's DGEMM on
+// DMMA is; cuBLAS's opt-in emulated-FP64 math modes are outside that assumption). T = 1 has no
+// Gram to speak of: rank_one_kernel reads each row once (memory-bound, 4 d bytes for 2 d FLOPs).
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -30,50 +76,74 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "kernels/ghost_gemm.h"
 #include "kernels/per_sample_checks.h"
 
 namespace dpzero::kernels {
 namespace {
 
-constexpr int kTile = 32;     // positions per side of a Gram tile
-constexpr int kSlice = 32;    // features staged in shared memory per step
-constexpr int kThreads = 16;  // a block is kThreads x kThreads; a thread owns 2 x 2 tile entries
+constexpr int kThreads = 16;  // a block is kThreads x kThreads threads
 constexpr int kBlockSize = kThreads * kThreads;
 constexpr int kWarps = kBlockSize / 32;
+constexpr int kStageElems = 1024;     // elements of one operand staged per step
 constexpr int64_t kMaxGridY = 65535;  // samples per launch (gridDim.y limit)
+constexpr int64_t kGemmMinRows = 256;  // Note [ghost roofline]
 
-// acc[u][v] += sum_f x[s0 + ty + 16u, f] * x[t0 + tx + 16v, f] over all d features of one sample's
-// rows x [T, d], accumulated in float64 (each fma adds an exact float product with one rounding);
-// rows past T read as 0. The +1 column pad keeps the threads of a warp, which read 16 different
-// rows of rows_t at one feature, on 16 different banks.
-template <typename scalar_t>
+// The shared-memory staging of one tile of 16R x 16R Gram entries. A thread owns R x R of them:
+// rows ty + 16u and columns tx + 16v (u, v < R).
+template <int R>
+struct Tile {
+  static constexpr int kRows = kThreads * R;          // positions per side: 16, 32, 64
+  static constexpr int kSlice = kStageElems / kRows;  // features per staging step: 64, 32, 16
+  // Feature-major: at one feature k the 16 threads of a half-warp read 16 consecutive doubles
+  // (rows tx + 16v: one 128-byte wavefront) or one double (rows ty + 16u: a broadcast). The +1
+  // pad makes the row stride odd, so the staging writes (consecutive threads: consecutive k,
+  // one row) fall on distinct banks as well.
+  double s[kSlice][kRows + 1];  // rows s0 .. s0 + kRows - 1 of the features f0 .. f0 + kSlice - 1
+  double t[kSlice][kRows + 1];  // rows t0 .. (unused in a diagonal tile, whose t rows are s's)
+};
+
+// acc[u][v] += sum_f x[s0 + ty + 16u, f] * x[t0 + tx + 16v, f] over all d features of one
+// sample's rows x [T, d], in float64 (each fma adds an exact float product with one rounding);
+// rows past T and features past d read as 0. In a diagonal tile (s0 = t0) the rows are staged
+// once and serve both sides.
+template <int R, typename scalar_t>
 __device__ __forceinline__ void accumulate_gram_tile(const scalar_t* __restrict__ x,  // [T, d]
                                                      int64_t t_len, int64_t d, int64_t s0,
-                                                     int64_t t0,
-                                                     float (*rows_s)[kSlice + 1],  // [kTile][.]
-                                                     float (*rows_t)[kSlice + 1],  // [kTile][.]
-                                                     double acc[2][2]) {
+                                                     int64_t t0, bool diagonal, Tile<R>& tile,
+                                                     double (&acc)[R][R]) {
+  constexpr int kRows = Tile<R>::kRows, kSlice = Tile<R>::kSlice;
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kThreads + tx;
+  const double(*rows_t)[kRows + 1] = diagonal ? tile.s : tile.t;
   for (int64_t f0 = 0; f0 < d; f0 += kSlice) {
-    // Stage rows s0.. and t0.. at features f0..f0+31: consecutive threads read consecutive
-    // features of one row (coalesced).
-    for (int e = tid; e < kTile * kSlice; e += kBlockSize) {
+    // Stage rows s0.. and t0.. at features f0..f0+kSlice-1, converted to float64 once here:
+    // consecutive threads read consecutive features of one row (coalesced).
+#pragma unroll
+    for (int e = tid; e < kRows * kSlice; e += kBlockSize) {
       const int r = e / kSlice, k = e % kSlice;
       const int64_t f = f0 + k, s = s0 + r, t = t0 + r;
-      rows_s[r][k] = (s < t_len && f < d) ? static_cast<float>(x[s * d + f]) : 0.0f;
-      rows_t[r][k] = (t < t_len && f < d) ? static_cast<float>(x[t * d + f]) : 0.0f;
+      tile.s[k][r] =
+          (s < t_len && f < d) ? static_cast<double>(static_cast<float>(x[s * d + f])) : 0.0;
+      if (!diagonal) {
+        tile.t[k][r] =
+            (t < t_len && f < d) ? static_cast<double>(static_cast<float>(x[t * d + f])) : 0.0;
+      }
     }
     __syncthreads();
-#pragma unroll 8
+#pragma unroll
     for (int k = 0; k < kSlice; ++k) {
-      const double s_lo = rows_s[ty][k], s_hi = rows_s[ty + kThreads][k];
-      const double t_lo = rows_t[tx][k], t_hi = rows_t[tx + kThreads][k];
-      acc[0][0] = fma(s_lo, t_lo, acc[0][0]);
-      acc[0][1] = fma(s_lo, t_hi, acc[0][1]);
-      acc[1][0] = fma(s_hi, t_lo, acc[1][0]);
-      acc[1][1] = fma(s_hi, t_hi, acc[1][1]);
+      double row_s[R], row_t[R];
+#pragma unroll
+      for (int u = 0; u < R; ++u) row_s[u] = tile.s[k][ty + kThreads * u];
+#pragma unroll
+      for (int v = 0; v < R; ++v) row_t[v] = rows_t[k][tx + kThreads * v];
+#pragma unroll
+      for (int u = 0; u < R; ++u) {
+#pragma unroll
+        for (int v = 0; v < R; ++v) acc[u][v] = fma(row_s[u], row_t[v], acc[u][v]);
+      }
     }
-    __syncthreads();  // the next slice overwrites rows_s / rows_t
+    __syncthreads();  // the next slice overwrites the tile
   }
 }
 
@@ -83,9 +153,26 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
-// grid = (num_pairs, samples in this launch), block = (kThreads, kThreads).
+// The block's sums of v and w (a warp shuffle tree, then one over the warps' sums), valid in
+// thread 0. `warp_sums` is shared scratch; tid = the thread's index in the block.
+__device__ __forceinline__ void block_sum2(double& v, double& w, double (&warp_sums)[2][kWarps],
+                                           int tid) {
+  v = warp_sum(v);
+  w = warp_sum(w);
+  if ((tid & 31) == 0) {
+    warp_sums[0][tid >> 5] = v;
+    warp_sums[1][tid >> 5] = w;
+  }
+  __syncthreads();
+  if (tid < 32) {
+    v = warp_sum(tid < kWarps ? warp_sums[0][tid] : 0.0);
+    w = warp_sum(tid < kWarps ? warp_sums[1][tid] : 0.0);
+  }
+}
+
+// grid = (num_pairs, samples in this launch), block = (kThreads, kThreads); tiles of 16R rows.
 // kTokens: the A-Gram is [ids_s = ids_t != padding_idx] (embedding); otherwise a_s . a_t.
-template <typename scalar_t, bool kTokens>
+template <typename scalar_t, int R, bool kTokens>
 __global__ void __launch_bounds__(kBlockSize)
     ghost_norm_kernel(const scalar_t* __restrict__ a,   // [b, T, d_in] (unused when kTokens)
                       const int64_t* __restrict__ ids,  // [b, T] (kTokens only)
@@ -94,10 +181,10 @@ __global__ void __launch_bounds__(kBlockSize)
                       double* __restrict__ partial_s,   // [b, num_pairs]: tile diagonal norms
                       int64_t t_len, int64_t d_in, int64_t d_out, int64_t padding_idx,
                       int64_t num_tiles) {
-  __shared__ float rows_s[kTile][kSlice + 1];
-  __shared__ float rows_t[kTile][kSlice + 1];
-  __shared__ int64_t ids_s[kTile];
-  __shared__ int64_t ids_t[kTile];
+  constexpr int kRows = Tile<R>::kRows;
+  __shared__ Tile<R> tile;
+  __shared__ int64_t ids_s[kRows];
+  __shared__ int64_t ids_t[kRows];
   __shared__ double warp_sums[2][kWarps];
 
   const int64_t pair = blockIdx.x, num_pairs = gridDim.x, i = blockIdx.y;
@@ -108,29 +195,31 @@ __global__ void __launch_bounds__(kBlockSize)
     ++bs;
   }
   const int64_t bt = bs + rest;
-  const int64_t s0 = bs * kTile, t0 = bt * kTile;
+  const int64_t s0 = bs * kRows, t0 = bt * kRows;
+  const bool diagonal = bs == bt;
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kThreads + tx;
 
-  double gram_g[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
-  accumulate_gram_tile(g + i * t_len * d_out, t_len, d_out, s0, t0, rows_s, rows_t, gram_g);
+  double gram_g[R][R] = {};
+  accumulate_gram_tile<R>(g + i * t_len * d_out, t_len, d_out, s0, t0, diagonal, tile, gram_g);
 
-  // local: this thread's share of the tile's sum; local_s: of sum_t ||a_t|| ||g_t|| over the
-  // tile's diagonal entries (s = t, only in diagonal tiles, only threads with tx = ty, u = v).
+  // local: this thread's share of the tile's sum (its R x R entries in a chain: depth R^2);
+  // local_s: of sum_t ||a_t|| ||g_t|| over the tile's diagonal entries (s = t, only in diagonal
+  // tiles, only threads with tx = ty, u = v).
   double local = 0.0, local_s = 0.0;
-  const bool diagonal_thread = bs == bt && tx == ty;
+  const bool diagonal_thread = diagonal && tx == ty;
   if constexpr (kTokens) {
-    if (tid < kTile) {
+    if (tid < kRows) {
       ids_s[tid] = s0 + tid < t_len ? ids[i * t_len + s0 + tid] : padding_idx;
       ids_t[tid] = t0 + tid < t_len ? ids[i * t_len + t0 + tid] : padding_idx;
     }
     __syncthreads();
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < R; ++u) {
 #pragma unroll
-      for (int v = 0; v < 2; ++v) {
-        const int64_t id = ids_s[ty + u * kThreads];
-        const bool in_range = s0 + ty + u * kThreads < t_len && t0 + tx + v * kThreads < t_len;
-        const bool same = in_range && id != padding_idx && id == ids_t[tx + v * kThreads];
+      for (int v = 0; v < R; ++v) {
+        const int64_t id = ids_s[ty + kThreads * u];
+        const bool in_range = s0 + ty + kThreads * u < t_len && t0 + tx + kThreads * v < t_len;
+        const bool same = in_range && id != padding_idx && id == ids_t[tx + kThreads * v];
         // A select, not a multiply by the 0/1 indicator: 0 * NaN is NaN, and a padding token's
         // G row (which gets no gradient) may hold anything.
         local += same ? gram_g[u][v] : 0.0;
@@ -140,32 +229,65 @@ __global__ void __launch_bounds__(kBlockSize)
       }
     }
   } else {
-    double gram_a[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
-    accumulate_gram_tile(a + i * t_len * d_in, t_len, d_in, s0, t0, rows_s, rows_t, gram_a);
+    double gram_a[R][R] = {};
+    accumulate_gram_tile<R>(a + i * t_len * d_in, t_len, d_in, s0, t0, diagonal, tile, gram_a);
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < R; ++u) {
+      const bool row_in_range = s0 + ty + kThreads * u < t_len;
 #pragma unroll
-      for (int v = 0; v < 2; ++v) local = fma(gram_a[u][v], gram_g[u][v], local);
-      if (diagonal_thread && s0 + ty + u * kThreads < t_len) {
-        local_s += sqrt(gram_a[u][u] * gram_g[u][u]);
+      for (int v = 0; v < R; ++v) {
+        // Entries past T are 0 * 0 = 0 unless a real row holds an Inf; leave them out anyway.
+        if (row_in_range && t0 + tx + kThreads * v < t_len) {
+          local = fma(gram_a[u][v], gram_g[u][v], local);
+        }
       }
+      if (diagonal_thread && row_in_range) local_s += sqrt(gram_a[u][u] * gram_g[u][u]);
     }
   }
-  local = warp_sum(local);
-  local_s = warp_sum(local_s);
-  if ((tid & 31) == 0) {
-    warp_sums[0][tid >> 5] = local;
-    warp_sums[1][tid >> 5] = local_s;
+  block_sum2(local, local_s, warp_sums, tid);
+  if (tid == 0) {
+    partial[i * num_pairs + pair] = (diagonal ? 1.0 : 2.0) * local;
+    partial_s[i * num_pairs + pair] = local_s;
   }
-  __syncthreads();
-  if (tid < 32) {
-    double v = tid < kWarps ? warp_sums[0][tid] : 0.0;
-    double v_s = tid < kWarps ? warp_sums[1][tid] : 0.0;
-    v = warp_sum(v);
-    v_s = warp_sum(v_s);
-    if (tid == 0) {
-      partial[i * num_pairs + pair] = (bs == bt ? 1.0 : 2.0) * v;
-      partial_s[i * num_pairs + pair] = v_s;
+}
+
+// Note [rank-one ghost]: grid = (samples), block = kBlockSize threads. Block i writes value[i] =
+// ||a_i||^2 ||g_i||^2 and s[i] = sqrt(value[i]); with kTokens, ||g_i||^2 and ||g_i|| unless
+// token i is padding (then 0 and 0). Each thread sums the squares of its strided features in
+// float64 (exact squares), then block_sum2 adds the threads' sums.
+template <typename scalar_t, bool kTokens>
+__global__ void __launch_bounds__(kBlockSize)
+    rank_one_kernel(const scalar_t* __restrict__ a,   // [b, d_in] (unused when kTokens)
+                    const int64_t* __restrict__ ids,  // [b] (kTokens only)
+                    const scalar_t* __restrict__ g,   // [b, d_out]
+                    double* __restrict__ value,       // [b]
+                    double* __restrict__ s,           // [b]
+                    int64_t d_in, int64_t d_out, int64_t padding_idx) {
+  __shared__ double warp_sums[2][kWarps];
+  const int64_t i = blockIdx.x;
+  const int tid = threadIdx.x;
+  double qa = 0.0, qg = 0.0;
+  if constexpr (!kTokens) {
+    for (int64_t k = tid; k < d_in; k += kBlockSize) {
+      const double x = static_cast<double>(static_cast<float>(a[i * d_in + k]));
+      qa = fma(x, x, qa);
+    }
+  }
+  for (int64_t k = tid; k < d_out; k += kBlockSize) {
+    const double x = static_cast<double>(static_cast<float>(g[i * d_out + k]));
+    qg = fma(x, x, qg);
+  }
+  block_sum2(qa, qg, warp_sums, tid);
+  if (tid == 0) {
+    if constexpr (kTokens) {
+      // A select: a padding token's G row may hold anything, NaN included.
+      const bool kept = ids[i] != padding_idx;
+      value[i] = kept ? qg : 0.0;
+      s[i] = kept ? sqrt(qg) : 0.0;
+    } else {
+      const double v = qa * qg;
+      value[i] = v;
+      s[i] = sqrt(v);
     }
   }
 }
@@ -188,19 +310,15 @@ void with_scalar_type(at::ScalarType t, F&& f) {
   }
 }
 
-// a: [B, T, d_in] (undefined when tokens), ids: [B, T] int64 (tokens only), g: [B, T, d_out].
-// -> (value [B], S [B]) float64.
-std::tuple<at::Tensor, at::Tensor> launch_ghost(const at::Tensor& a, const at::Tensor& ids,
+// The fused tiles with 16R-row tiles: a [B, T, d_in] (undefined when tokens), ids [B, T] int64
+// (tokens only), g [B, T, d_out], all contiguous, B >= 1, T >= 1 -> (value [B], S [B]) float64.
+template <int R>
+std::tuple<at::Tensor, at::Tensor> launch_tiles(const at::Tensor& a, const at::Tensor& ids,
                                                 const at::Tensor& g, int64_t padding_idx,
                                                 bool tokens) {
-  const c10::cuda::CUDAGuard guard(g.device());
   const int64_t b = g.size(0), t_len = g.size(1), d_out = g.size(2);
   const int64_t d_in = tokens ? 0 : a.size(2);
-  if (b == 0 || t_len == 0) {
-    return {at::zeros({b}, g.options().dtype(at::kDouble)),
-            at::zeros({b}, g.options().dtype(at::kDouble))};
-  }
-  const int64_t num_tiles = (t_len + kTile - 1) / kTile;
+  const int64_t num_tiles = (t_len + Tile<R>::kRows - 1) / Tile<R>::kRows;
   const int64_t num_pairs = num_tiles * (num_tiles + 1) / 2;
   TORCH_CHECK(num_pairs <= std::numeric_limits<int32_t>::max(),
               "dpzero ghost norm: sequence length T = ", t_len, " needs too many Gram tiles");
@@ -219,11 +337,11 @@ std::tuple<at::Tensor, at::Tensor> launch_ghost(const at::Tensor& a, const at::T
       const int64_t nb = std::min(kMaxGridY, b - b0);
       const dim3 grid(static_cast<unsigned>(num_pairs), static_cast<unsigned>(nb));
       if (tokens) {
-        ghost_norm_kernel<scalar_t, true><<<grid, block, 0, stream>>>(
+        ghost_norm_kernel<scalar_t, R, true><<<grid, block, 0, stream>>>(
             nullptr, pid + b0 * t_len, pg + b0 * t_len * d_out, pp + b0 * num_pairs,
             ps + b0 * num_pairs, t_len, 0, d_out, padding_idx, num_tiles);
       } else {
-        ghost_norm_kernel<scalar_t, false><<<grid, block, 0, stream>>>(
+        ghost_norm_kernel<scalar_t, R, false><<<grid, block, 0, stream>>>(
             pa + b0 * t_len * d_in, nullptr, pg + b0 * t_len * d_out, pp + b0 * num_pairs,
             ps + b0 * num_pairs, t_len, d_in, d_out, padding_idx, num_tiles);
       }
@@ -231,6 +349,51 @@ std::tuple<at::Tensor, at::Tensor> launch_ghost(const at::Tensor& a, const at::T
     }
   });
   return {partial.sum(1), partial_s.sum(1)};
+}
+
+// Note [rank-one ghost]: the T = 1 inputs as in launch_tiles -> (value [B], S [B]) float64.
+std::tuple<at::Tensor, at::Tensor> launch_rank_one(const at::Tensor& a, const at::Tensor& ids,
+                                                   const at::Tensor& g, int64_t padding_idx,
+                                                   bool tokens) {
+  const int64_t b = g.size(0), d_out = g.size(2);
+  const int64_t d_in = tokens ? 0 : a.size(2);
+  at::Tensor value = at::empty({b}, g.options().dtype(at::kDouble));
+  at::Tensor s = at::empty({b}, g.options().dtype(at::kDouble));
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  with_scalar_type(g.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const dim3 grid(static_cast<unsigned>(b));
+    if (tokens) {
+      rank_one_kernel<scalar_t, true><<<grid, kBlockSize, 0, stream>>>(
+          nullptr, ids.data_ptr<int64_t>(), g.data_ptr<scalar_t>(), value.data_ptr<double>(),
+          s.data_ptr<double>(), 0, d_out, padding_idx);
+    } else {
+      rank_one_kernel<scalar_t, false><<<grid, kBlockSize, 0, stream>>>(
+          a.data_ptr<scalar_t>(), nullptr, g.data_ptr<scalar_t>(), value.data_ptr<double>(),
+          s.data_ptr<double>(), d_in, d_out, padding_idx);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {value, s};
+}
+
+// a: [B, T, d_in] (undefined when tokens), ids: [B, T] int64 (tokens only), g: [B, T, d_out],
+// contiguous, a and g of one dtype. -> (value [B], S [B]) float64, by the path Note [ghost
+// roofline] picks for T.
+std::tuple<at::Tensor, at::Tensor> launch_ghost(const at::Tensor& a, const at::Tensor& ids,
+                                                const at::Tensor& g, int64_t padding_idx,
+                                                bool tokens) {
+  const c10::cuda::CUDAGuard guard(g.device());
+  const int64_t b = g.size(0), t_len = g.size(1);
+  if (b == 0 || t_len == 0) {
+    return {at::zeros({b}, g.options().dtype(at::kDouble)),
+            at::zeros({b}, g.options().dtype(at::kDouble))};
+  }
+  if (t_len == 1) return launch_rank_one(a, ids, g, padding_idx, tokens);
+  if (t_len >= kGemmMinRows) return ghost_values_gemm(a, ids, g, padding_idx);
+  if (t_len <= Tile<1>::kRows) return launch_tiles<1>(a, ids, g, padding_idx, tokens);
+  if (t_len <= Tile<2>::kRows) return launch_tiles<2>(a, ids, g, padding_idx, tokens);
+  return launch_tiles<4>(a, ids, g, padding_idx, tokens);
 }
 
 // A [B, T, d_in], G [B, T, d_out] -> ([B] <A_i A_i^T, G_i G_i^T>, [B] sum_t ||a_t|| ||g_t||),

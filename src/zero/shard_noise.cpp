@@ -1,4 +1,5 @@
-// src/zero/shard_noise.cpp — noise on a rank's shard through the dpzero::add_noise_ op.
+// src/zero/shard_noise.cpp — noise on a rank's shard through the dpzero::add_noise_runs_ op (or
+// its secure twin), one call for all of the shard's coordinate runs.
 #include "src/zero/shard_noise.h"
 
 #include <cmath>
@@ -11,42 +12,38 @@ namespace dpzero::zero {
 
 namespace {
 
-// Adds the noise of `runs` (offsets into `flat`) to `flat`.
+// Adds the noise of `runs` (offsets into `flat`) to `flat` in one op call (Note [noise
+// launches] in kernels/cuda/noise_runs.cuh: one CUDA launch per 128 runs).
 int64_t add_runs_noise_(at::Tensor& flat, const std::vector<CoordinateRun>& runs, double stddev,
                         const NoiseKey& key, int64_t step) {
   static const auto philox_op =
       c10::Dispatcher::singleton()
-          .findSchemaOrThrow("dpzero::add_noise_", "")
-          .typed<at::Tensor&(at::Tensor&, double, int64_t, int64_t, int64_t)>();
+          .findSchemaOrThrow("dpzero::add_noise_runs_", "")
+          .typed<at::Tensor&(at::Tensor&, double, int64_t, int64_t, c10::IntArrayRef)>();
   static const auto secure_op =
       c10::Dispatcher::singleton()
-          .findSchemaOrThrow("dpzero::add_secure_noise_", "")
-          .typed<at::Tensor&(at::Tensor&, double, c10::IntArrayRef, int64_t, int64_t)>();
+          .findSchemaOrThrow("dpzero::add_secure_noise_runs_", "")
+          .typed<at::Tensor&(at::Tensor&, double, c10::IntArrayRef, int64_t, c10::IntArrayRef)>();
   // Runs that continue each other both here and in the global numbering (parameters packed
-  // back to back) are drawn in one call: the draw of a coordinate depends on its global index only
-  // (Note [noise ownership] in privacy/noise.h), so the values are the same, with one op call per
-  // stretch instead of one per parameter.
-  std::vector<CoordinateRun> merged;
-  for (const CoordinateRun& run : runs) {
-    if (!merged.empty()) {
-      CoordinateRun& last = merged.back();
-      if (last.local_offset + last.length == run.local_offset &&
-          last.global_offset + last.length == run.global_offset) {
-        last.length += run.length;
-        continue;
-      }
-    }
-    merged.push_back(run);
-  }
+  // back to back) become one run of the table: the draw of a coordinate depends on its global
+  // index only (Note [noise ownership] in privacy/noise.h), so the values are the same.
+  std::vector<int64_t> table;  // (local, length, global) triples
   int64_t noised = 0;
-  for (const CoordinateRun& run : merged) {
-    at::Tensor piece = flat.narrow(0, run.local_offset, run.length);
-    if (key.secure) {
-      secure_op.call(piece, stddev, key.key, step, run.global_offset);
-    } else {
-      philox_op.call(piece, stddev, key.seed, step, run.global_offset);
-    }
+  for (const CoordinateRun& run : runs) {
     noised += run.length;
+    const size_t n = table.size();
+    if (n > 0 && table[n - 3] + table[n - 2] == run.local_offset &&
+        table[n - 1] + table[n - 2] == run.global_offset) {
+      table[n - 2] += run.length;
+      continue;
+    }
+    table.insert(table.end(), {run.local_offset, run.length, run.global_offset});
+  }
+  if (table.empty()) return 0;
+  if (key.secure) {
+    secure_op.call(flat, stddev, key.key, step, table);
+  } else {
+    philox_op.call(flat, stddev, key.seed, step, table);
   }
   return noised;
 }

@@ -277,6 +277,62 @@ def test_direct_path_chunks_over_samples(device):
     assert_close(factors, ref_factors(want, "flat"), torch.float32)
 
 
+@device_param
+@dtype_param
+@pytest.mark.parametrize("shape", [((6,), 33, 17), ((5, 1), 1, 300), ((4,), 2, 1)],
+                         ids=["BxD", "T1", "d_in1"])
+def test_rank_one_ghost_is_the_torch_func_norm(device, dtype, shape):
+    # Note [rank-one ghost]: at T = 1 the ghost kernel's raw value is ||a||^2 ||g||^2, the squared
+    # norm of the per-sample gradient g a^T from torch.func (float64; a few ulps apart, the
+    # summation orders differ), and S = ||a|| ||g||; shared-input groups give each layer's value.
+    lead, d_in, d_out = shape
+    A = rand((*lead, d_in), dtype, device, 30)
+    G = rand((*lead, d_out), dtype, device, 31)
+    G2 = rand((*lead, 3), dtype, device, 32)
+    gw, _ = per_sample_linear(A, G)
+    want = sq_norms_of(gw)
+    A3, G3 = A.reshape(lead[0], 1, d_in), G.reshape(lead[0], 1, d_out)
+    value, s = ops._ghost_sq_norms(A3, G3)
+    torch.testing.assert_close(value.cpu(), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(s.cpu(), want.sqrt(), rtol=1e-12, atol=0)
+    values, norms = ops._ghost_sq_norms_multi(A3, [G3, G2.reshape(lead[0], 1, 3)])
+    assert torch.equal(values[0], value) and torch.equal(norms[0], s)
+    torch.testing.assert_close(values[1].cpu(), sq_norms_of(per_sample_linear(A, G2)[0]),
+                               rtol=1e-12, atol=0)
+
+
+@device_param
+@pytest.mark.parametrize("shape", [((6,), 33, 17), ((5, 1), 1, 300), ((4,), 2, 1), ((3,), 1, 1)],
+                         ids=["BxD", "T1", "d_in1", "1x1"])
+def test_t1_auto_takes_the_rank_one_path(device, shape):
+    # Note [ghost or direct] at T = 1: the ghost path (the rank-one kernel) unless the layer is
+    # 1 x 1 (d_in d_out < 2), where the direct path holds fewer numbers; auto equals, bit for
+    # bit, the path the rule names, and both match torch.func.
+    lead, d_in, d_out = shape
+    A = rand((*lead, d_in), torch.float32, device, 33)
+    G = rand((*lead, d_out), torch.float32, device, 34)
+    want_ghost = d_in * d_out >= 2
+    assert ops.ghost_is_cheaper(1, d_in, d_out) == want_ghost
+    auto = ops.linear_sq_norms(A, G, False, AUTO)
+    assert torch.equal(auto, ops.linear_sq_norms(A, G, False, GHOST if want_ghost else DIRECT))
+    assert_close(auto, sq_norms_of(per_sample_linear(A, G)[0]), torch.float32)
+
+
+@device_param
+def test_rank_one_token_ghost_skips_padding(device):
+    # T = 1 embedding, ghost path forced: ||g||^2 for a kept token, 0 for padding (whose G row is
+    # NaN and must never be read into the result); matches torch.func.
+    ids = torch.tensor([3, 0, 3, 1, 0], device=device)
+    G = rand((5, 8), torch.float32, device, 35)
+    G[ids == 0] = float("nan")
+    got = ops.embedding_sq_norms(ids, G, 5, 0, GHOST)
+    want = sq_norms_of(per_sample_embedding(ids, torch.nan_to_num(G), 5, 0))
+    assert_close(got, want, torch.float32)
+    value, s = ops._token_ghost_sq_norms(ids.view(5, 1), G.view(5, 1, 8), 0)
+    assert torch.isfinite(value).all() and torch.equal(value.cpu()[ids.cpu() == 0],
+                                                       torch.zeros(2, dtype=torch.float64))
+
+
 # ---- Embedding -----------------------------------------------------------------------------------
 
 EMB_CASES = [  # (ids shape, V, d, padding_idx)

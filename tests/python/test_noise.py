@@ -207,13 +207,82 @@ def test_union_of_shards_bitwise_on_each_device(device, dtype):
         assert torch.equal(got, ref)
 
 
+SECURE_KEY = [0xDEADBEEF, 1, 2, 3, 4, 5, 6, 0xFFFFFFFF]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_secure_union_of_shards_bitwise_on_each_device(device, dtype):
+    # The secure twin of test_union_of_shards_bitwise_on_each_device: shards vs one full tensor on
+    # the same device, every coordinate drawn once (a second draw would add z again), padding 0.
+    params = [(1000, 0), (333, 1000), (4097, 1333)]
+    total = sum(n for n, _ in params)
+    ref = torch.zeros(total, dtype=dtype, device=device)
+    torch.ops.dpzero.add_secure_noise_(ref, 1.0, SECURE_KEY, 5, 0)
+    for world_size in (2, 3, 8):
+        layout = shard_ops.UnitLayout(params, world_size, alignment=8)
+        flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        for r in range(world_size):
+            shard_ops.add_shard_noise_(flat[r * layout.shard_numel:(r + 1) * layout.shard_numel],
+                                       layout, r, 1.0, SECURE_KEY, 5)
+        got = torch.empty_like(ref)
+        is_param = torch.zeros(layout.padded_numel, dtype=torch.bool, device=device)
+        for run in layout.runs():
+            got[run.global_offset:run.global_offset + run.length] = flat[
+                run.local_offset:run.local_offset + run.length]
+            is_param[run.local_offset:run.local_offset + run.length] = True
+        assert torch.equal(got, ref)
+        assert torch.count_nonzero(flat[~is_param]) == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("secure", [False, True], ids=["philox", "secure"])
+def test_noise_runs_are_the_per_run_draws(device, secure):
+    # Note [noise launches]: one call over a table of runs (gaps, an empty run, global offsets out
+    # of order and past 2^32, more runs than one CUDA launch takes) is the per-run calls, bit for
+    # bit, and leaves the elements between runs alone.
+    rng = random.Random(5)
+    runs, local = [], 1
+    for r in range(300):
+        length = 0 if r == 7 else rng.randint(1, 30)
+        runs.append((local, length, rng.randrange(1 << 34)))
+        local += length + rng.randint(0, 3)
+    x = torch.randn(local + 2, dtype=torch.float32).to(device)
+    batched, per_run = x.clone(), x.clone()
+    flat = [v for run in runs for v in run]
+    if secure:
+        torch.ops.dpzero.add_secure_noise_runs_(batched, 0.5, SECURE_KEY, 4, flat)
+    else:
+        torch.ops.dpzero.add_noise_runs_(batched, 0.5, 8, 4, flat)
+    for loc, length, glob in runs:
+        piece = per_run[loc:loc + length]
+        if secure:
+            torch.ops.dpzero.add_secure_noise_(piece, 0.5, SECURE_KEY, 4, glob)
+        else:
+            torch.ops.dpzero.add_noise_(piece, 0.5, 8, 4, glob)
+    assert torch.equal(batched, per_run)
+    with pytest.raises(RuntimeError, match=r"run 1 \(local 2, length 3\) overlaps"):
+        torch.ops.dpzero.add_noise_runs_(x, 1.0, 0, 0, [0, 4, 0, 2, 3, 10])
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device or CUDA kernels not built")
 def test_cuda_noise_matches_cpu_to_float_ulps():
+    # Note [cuda noise draw] in kernels/cuda/noise.cu: within 1e-5 (1 + |z|).
     x_cpu = torch.zeros(1 << 16)
     x_gpu = torch.zeros(1 << 16, device="cuda")
     torch.ops.dpzero.add_noise_(x_cpu, 1.0, 3, 9, 123)
     torch.ops.dpzero.add_noise_(x_gpu, 1.0, 3, 9, 123)
     torch.testing.assert_close(x_gpu.cpu(), x_cpu, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device or CUDA kernels not built")
+def test_cuda_secure_noise_matches_cpu_to_double_ulps():
+    # kernels/cuda/secure_noise.cu: within 1e-9 (1 + |z|) (a few fp64 ulps but at tiny radii).
+    x_cpu = torch.zeros(1 << 16, dtype=torch.float64)
+    x_gpu = torch.zeros(1 << 16, dtype=torch.float64, device="cuda")
+    torch.ops.dpzero.add_secure_noise_(x_cpu, 1.0, SECURE_KEY, 9, 123)
+    torch.ops.dpzero.add_secure_noise_(x_gpu, 1.0, SECURE_KEY, 9, 123)
+    torch.testing.assert_close(x_gpu.cpu(), x_cpu, rtol=1e-9, atol=1e-9)
 
 
 def _secure_key_rank(rank, world_size, store, out_dir):

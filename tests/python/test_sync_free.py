@@ -47,8 +47,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 BACKWARD_SOURCES = ["src/dp/dp_layers.cpp", "src/dp/book.cpp", "src/dp/layer_ops.cpp",
                     "src/dp/layer_ops.h", "src/dp/clip_group.cpp", "src/dp/clip_group.h",
                     "kernels/per_sample_ops.h", "kernels/per_sample_checks.h",
-                    "kernels/cuda/ghost_norm.cu", "kernels/cuda/clip_factors.cu",
-                    "kernels/cuda/noise.cu", "kernels/cuda/secure_noise.cu",
+                    "kernels/cuda/ghost_norm.cu", "kernels/ghost_gemm.cpp",
+                    "kernels/cuda/clip_factors.cu", "kernels/cuda/noise.cu",
+                    "kernels/cuda/secure_noise.cu", "kernels/cuda/noise_runs.cuh",
                     "src/zero/state.cpp", "src/zero/param_group.cpp", "src/zero/shard_noise.cpp"]
 # A value read on the host, or an output whose size depends on values (the host must wait for
 # it): item, cpu, tolist, nonzero, unique, masked_select, equal, a copy to kCPU, a synchronize.

@@ -1,7 +1,10 @@
 // The noise contract (DESIGN.md §3 "Noise"): over any shard plan and world size, the union of the
 // ranks' noised shards equals the single-tensor noise bit for bit, every global coordinate is drawn
-// exactly once and padding is never touched. Reference: dpzero::add_noise_ on one full tensor and
-// privacy::noise_draw evaluated coordinate by coordinate.
+// exactly once and padding is never touched; a shard's runs drawn in one call (Note [noise
+// launches]) are the per-run draws. Reference: dpzero::add_noise_ on one full tensor and
+// privacy::noise_draw evaluated coordinate by coordinate. The Philox and secure tests run on CUDA
+// too (their CudaNoise twins) when a GPU and the CUDA kernels are present, and are skipped
+// otherwise.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -27,6 +30,42 @@ at::Tensor& add_noise(at::Tensor& t, double stddev, int64_t seed, int64_t step, 
                              .findSchemaOrThrow("dpzero::add_noise_", "")
                              .typed<at::Tensor&(at::Tensor&, double, int64_t, int64_t, int64_t)>();
   return op.call(t, stddev, seed, step, offset);
+}
+
+at::Tensor& add_secure_noise(at::Tensor& t, double stddev, c10::IntArrayRef key, int64_t step,
+                             int64_t offset) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpzero::add_secure_noise_", "")
+          .typed<at::Tensor&(at::Tensor&, double, c10::IntArrayRef, int64_t, int64_t)>();
+  return op.call(t, stddev, key, step, offset);
+}
+
+at::Tensor& add_noise_runs(at::Tensor& t, double stddev, int64_t seed, int64_t step,
+                           c10::IntArrayRef runs) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpzero::add_noise_runs_", "")
+          .typed<at::Tensor&(at::Tensor&, double, int64_t, int64_t, c10::IntArrayRef)>();
+  return op.call(t, stddev, seed, step, runs);
+}
+
+at::Tensor& add_secure_noise_runs(at::Tensor& t, double stddev, c10::IntArrayRef key,
+                                  int64_t step, c10::IntArrayRef runs) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpzero::add_secure_noise_runs_", "")
+          .typed<at::Tensor&(at::Tensor&, double, c10::IntArrayRef, int64_t, c10::IntArrayRef)>();
+  return op.call(t, stddev, key, step, runs);
+}
+
+// The CPU, and the GPU when there is one and dpzero was built with its CUDA kernels.
+std::vector<at::Device> noise_devices() {
+  std::vector<at::Device> out{at::kCPU};
+#ifdef DPZERO_WITH_CUDA
+  if (at::hasCUDA()) out.emplace_back(at::kCUDA);
+#endif
+  return out;
 }
 
 // The CPU draw of coordinate j computed on its own: block j / 2 in lane 0 of a lane group (Note
@@ -184,10 +223,34 @@ TEST(AddNoiseOp, RejectsBadArgumentsNamingThem) {
   EXPECT_THROW(add_noise(strided, 1.0, 1, 0, 0), c10::Error);
 }
 
-TEST(ShardNoise, UnionOfShardsEqualsSingleTensorForRandomPlans) {
+bool cuda_available() {
+#ifdef DPZERO_WITH_CUDA
+  return at::hasCUDA();
+#else
+  return false;
+#endif
+}
+
+// The single-tensor draw of `key` into t, which holds global coordinates [offset, offset + n).
+void add_whole(at::Tensor& t, double stddev, const zero::NoiseKey& key, int64_t step,
+               int64_t offset) {
+  if (key.secure) {
+    add_secure_noise(t, stddev, key.key, step, offset);
+  } else {
+    add_noise(t, stddev, key.seed, step, offset);
+  }
+}
+
+// DESIGN.md §3 "Noise" over random plans, on `device` in `dtype`: units of 1..6 parameters of
+// random sizes at a random global start, world sizes 1..8 with random alignment. Each rank noises
+// its own shard of a zeroed flat buffer; gathered back to global order the buffer is the
+// single-tensor draw bit for bit (so every coordinate was drawn exactly once: a second draw would
+// add z again, a missed one leave 0) and padding is still exactly 0.
+void expect_union_of_shards_is_the_whole_draw(at::Device device, at::ScalarType dtype,
+                                              bool secure) {
   std::mt19937_64 rng(1234);
+  const auto opts = at::TensorOptions().device(device).dtype(dtype);
   for (int trial = 0; trial < 40; ++trial) {
-    // A unit of 1..6 parameters with random sizes and a random global start.
     const int num_params = 1 + static_cast<int>(rng() % 6);
     const int64_t global_start = static_cast<int64_t>(rng() % 50);
     std::vector<zero::ParamSpec> params;
@@ -198,39 +261,193 @@ TEST(ShardNoise, UnionOfShardsEqualsSingleTensorForRandomPlans) {
       g += numel;
     }
     const int64_t total = g - global_start;
-    const int64_t seed = static_cast<int64_t>(rng()), step = static_cast<int64_t>(rng() % 1000);
-    at::Tensor reference = at::zeros({total}, at::kFloat);
-    add_noise(reference, 1.5, seed, step, global_start);
+    zero::NoiseKey key{secure, static_cast<int64_t>(rng()), {}};
+    if (secure) {
+      for (int w = 0; w < 8; ++w) key.key.push_back(static_cast<int64_t>(rng() >> 32));
+    }
+    const int64_t step = static_cast<int64_t>(rng() % 1000);
+    at::Tensor reference = at::zeros({total}, opts);
+    add_whole(reference, 1.5, key, step, global_start);
 
     for (int64_t world : {1, 2, 3, 4, 8}) {
       const int64_t alignment = 1 + static_cast<int64_t>(rng() % 8);
       zero::UnitLayout layout(params, world, alignment);
       ASSERT_EQ(layout.padded_numel() % world, 0);
-      // Each rank noises its own shard of a zeroed flat buffer; padding must stay exactly zero.
-      at::Tensor flat = at::full({layout.padded_numel()}, 0.0f, at::kFloat);
-      std::vector<int> draws(static_cast<size_t>(total), 0);
+      at::Tensor flat = at::zeros({layout.padded_numel()}, opts);
       int64_t noised = 0;
       for (int64_t r = 0; r < world; ++r) {
         at::Tensor shard = flat.narrow(0, r * layout.shard_numel(), layout.shard_numel());
-        noised += zero::add_shard_noise_(shard, layout, r, 1.5, zero::NoiseKey{false, seed, {}}, step);
-        for (const auto& run : layout.runs_for_rank(r)) {
-          for (int64_t k = 0; k < run.length; ++k) ++draws[run.global_offset + k - global_start];
-        }
+        noised += zero::add_shard_noise_(shard, layout, r, 1.5, key, step);
       }
       EXPECT_EQ(noised, total) << "world " << world;
-      for (int64_t j = 0; j < total; ++j) ASSERT_EQ(draws[j], 1) << "coordinate " << j;
-      // Gather the flat buffer back to global order and compare bit for bit; padding untouched.
-      at::Tensor gathered = at::empty({total}, at::kFloat);
-      at::Tensor is_param = at::zeros({layout.padded_numel()}, at::kBool);
+      at::Tensor gathered = at::empty({total}, opts);
+      at::Tensor is_param = at::zeros({layout.padded_numel()}, opts.dtype(at::kBool));
       for (const auto& run : layout.runs()) {
         gathered.narrow(0, run.global_offset - global_start, run.length)
             .copy_(flat.narrow(0, run.local_offset, run.length));
         is_param.narrow(0, run.local_offset, run.length).fill_(true);
       }
-      EXPECT_TRUE(at::equal(gathered, reference)) << "world " << world << " trial " << trial;
-      EXPECT_TRUE(at::equal(flat.masked_select(is_param.logical_not()),
-                            at::zeros({layout.padded_numel() - total}, at::kFloat)));
+      EXPECT_TRUE(at::equal(gathered.cpu(), reference.cpu()))
+          << device << " " << dtype << " secure=" << secure << " world " << world << " trial "
+          << trial;
+      EXPECT_EQ(flat.masked_select(is_param.logical_not()).abs().sum().item<double>(), 0.0)
+          << "padding touched: " << device << " world " << world << " trial " << trial;
     }
+  }
+}
+
+TEST(ShardNoise, UnionOfShardsEqualsSingleTensorForRandomPlans) {
+  expect_union_of_shards_is_the_whole_draw(at::kCPU, at::kFloat, /*secure=*/false);
+}
+
+TEST(ShardNoise, SecureUnionOfShardsEqualsSingleTensorForRandomPlans) {
+  expect_union_of_shards_is_the_whole_draw(at::kCPU, at::kDouble, /*secure=*/true);
+  expect_union_of_shards_is_the_whole_draw(at::kCPU, at::kFloat, /*secure=*/true);
+}
+
+// Note [noise launches]: dpzero::add_noise_runs_ / add_secure_noise_runs_ over a table of runs
+// (gaps, odd offsets in both numberings, empty runs, runs out of global order, more than one
+// CUDA launch's 128) equal the per-run single-offset calls bit for bit, and leave every element
+// outside the runs as it was. On every device present.
+TEST(NoiseRuns, BatchedDrawIsThePerRunDraw) {
+  std::mt19937_64 rng(77);
+  const std::vector<int64_t> key = {5, 6, 7, 8, 9, 10, 11, 0xffffffff};
+  for (const at::Device device : noise_devices()) {
+    for (const int num_runs : {1, 3, 40, 300}) {
+      std::vector<int64_t> table;
+      int64_t local = static_cast<int64_t>(rng() % 3);
+      for (int r = 0; r < num_runs; ++r) {
+        const int64_t length = r % 7 == 3 ? 0 : 1 + static_cast<int64_t>(rng() % 40);
+        const int64_t global =
+            static_cast<int64_t>(rng() % 100000) + (r % 5 == 0 ? (int64_t{1} << 33) : 0);
+        table.insert(table.end(), {local, length, global});
+        local += length + static_cast<int64_t>(rng() % 4);  // gaps of 0..3 elements
+      }
+      const int64_t n = local + 5;
+      for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble}) {
+        const auto opts = at::TensorOptions().device(device).dtype(dtype);
+        const at::Tensor start = at::randn({n}, opts.dtype(at::kFloat)).to(dtype);
+        for (const bool secure : {false, true}) {
+          if (dtype == at::kDouble && !secure) continue;  // the Philox op takes 32- and 16-bit
+          at::Tensor batched = start.clone(), per_run = start.clone();
+          if (secure) {
+            add_secure_noise_runs(batched, 0.7, key, 9, table);
+          } else {
+            add_noise_runs(batched, 0.7, 42, 9, table);
+          }
+          for (int r = 0; r < num_runs; ++r) {
+            const int64_t l = table[3 * r], len = table[3 * r + 1], gl = table[3 * r + 2];
+            at::Tensor piece = per_run.narrow(0, l, len);
+            if (secure) {
+              add_secure_noise(piece, 0.7, key, 9, gl);
+            } else {
+              add_noise(piece, 0.7, 42, 9, gl);
+            }
+          }
+          EXPECT_TRUE(at::equal(batched.cpu(), per_run.cpu()))
+              << device << " " << dtype << " secure=" << secure << " runs " << num_runs;
+          EXPECT_FALSE(at::equal(batched.cpu(), start.cpu())) << "nothing drawn";
+        }
+      }
+    }
+  }
+}
+
+// What a rank draws with add_shard_noise_ (one op call for the shard's runs) is, element by
+// element, what per-run single-offset calls on its runs give: its own coordinates' draws, and
+// nothing in any element outside its runs (a sentinel value there stays as it was).
+TEST(ShardNoise, EachRankDrawsExactlyItsRunsInOneCall) {
+  std::mt19937_64 rng(99);
+  for (const at::Device device : noise_devices()) {
+    for (int trial = 0; trial < 20; ++trial) {
+      std::vector<zero::ParamSpec> params;
+      int64_t g = static_cast<int64_t>(rng() % 9);
+      for (int p = 0; p < 1 + static_cast<int>(rng() % 8); ++p) {
+        const int64_t numel = static_cast<int64_t>(rng() % 100);
+        params.push_back({numel, g});
+        g += numel + (p % 2 == 0 ? 0 : 1000);  // some parameters continue each other, some not
+      }
+      const int64_t world = 1 + static_cast<int64_t>(rng() % 4);
+      zero::UnitLayout layout(params, world, 1 + static_cast<int64_t>(rng() % 4));
+      for (const bool secure : {false, true}) {
+        const zero::NoiseKey key{secure, 3, secure ? std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8}
+                                                   : std::vector<int64_t>{}};
+        const at::ScalarType dtype = secure ? at::kDouble : at::kFloat;
+        for (int64_t r = 0; r < world; ++r) {
+          const auto opts = at::TensorOptions().device(device).dtype(dtype);
+          at::Tensor shard = at::full({layout.shard_numel()}, 0.25, opts);
+          at::Tensor expected = shard.clone();
+          int64_t owned = 0;
+          for (const auto& run : layout.runs_for_rank(r)) {
+            at::Tensor piece = expected.narrow(0, run.local_offset, run.length);
+            add_whole(piece, 2.0, key, 4, run.global_offset);
+            owned += run.length;
+          }
+          EXPECT_EQ(zero::add_shard_noise_(shard, layout, r, 2.0, key, 4), owned);
+          EXPECT_TRUE(at::equal(shard.cpu(), expected.cpu()))
+              << device << " secure=" << secure << " rank " << r << " trial " << trial;
+        }
+      }
+    }
+  }
+}
+
+TEST(NoiseRuns, RejectsBadTablesNamingThem) {
+  at::Tensor x = at::zeros({10}, at::kFloat);
+  const auto expect_error = [&](const std::vector<int64_t>& runs, const std::string& needle) {
+    try {
+      add_noise_runs(x, 1.0, 1, 0, runs);
+      ADD_FAILURE() << "accepted " << c10::IntArrayRef(runs);
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error({0, 5}, "got 2 values");
+  expect_error({8, 3, 0}, "(local 8, length 3, global 0)");
+  expect_error({-1, 3, 0}, "(local -1, length 3, global 0)");
+  expect_error({0, 3, -4}, "global -4");
+  expect_error({0, 4, 0, 3, 2, 100}, "run 1 (local 3, length 2) overlaps");
+  expect_error({5, 2, 0, 0, 2, 9}, "run 1 (local 0, length 2) overlaps or precedes");
+  expect_error({0, 2, std::numeric_limits<int64_t>::max() - 1}, "overflows int64");
+  EXPECT_NO_THROW(add_noise_runs(x, 1.0, 1, 0, std::vector<int64_t>{0, 0, 0, 0, 10, 3}));
+  EXPECT_NO_THROW(add_noise_runs(x, 1.0, 1, 0, std::vector<int64_t>{}));
+}
+
+// CUDA twins of the CPU shard tests: the union of the ranks' shards is the single-tensor draw bit
+// for bit on the device (every coordinate once, padding untouched), for the Philox draw and the
+// secure one (the secure CUDA draw had no test before).
+TEST(CudaNoise, UnionOfShardsEqualsSingleTensorForRandomPlans) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device, or dpzero built without CUDA kernels";
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    expect_union_of_shards_is_the_whole_draw(at::kCUDA, dtype, /*secure=*/false);
+  }
+}
+
+TEST(CudaNoise, SecureUnionOfShardsEqualsSingleTensorForRandomPlans) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device, or dpzero built without CUDA kernels";
+  for (const at::ScalarType dtype : {at::kDouble, at::kFloat, at::kBFloat16}) {
+    expect_union_of_shards_is_the_whole_draw(at::kCUDA, dtype, /*secure=*/true);
+  }
+}
+
+// The devices' draws agree within what Note [cuda noise draw] (kernels/cuda/noise.cu) and
+// kernels/cuda/secure_noise.cu document: |cuda - cpu| <= tol (1 + |cpu|) with tol = 1e-5 for the
+// float Philox draw and 1e-9 for the fp64 secure draw, over 2^16 coordinates at an odd offset.
+TEST(CudaNoise, DrawsAgreeWithTheCpuWithinTheDocumentedTolerance) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device, or dpzero built without CUDA kernels";
+  const int64_t n = int64_t{1} << 16, offset = 123;
+  const std::vector<int64_t> key = {0xdeadbeef, 1, 2, 3, 4, 5, 6, 0xffffffff};
+  for (const bool secure : {false, true}) {
+    const at::ScalarType dtype = secure ? at::kDouble : at::kFloat;
+    at::Tensor cpu = at::zeros({n}, dtype);
+    at::Tensor gpu = at::zeros({n}, at::TensorOptions(at::kCUDA).dtype(dtype));
+    const zero::NoiseKey k{secure, 3, secure ? key : std::vector<int64_t>{}};
+    add_whole(cpu, 1.0, k, 9, offset);
+    add_whole(gpu, 1.0, k, 9, offset);
+    const double tol = secure ? 1e-9 : 1e-5;
+    const at::Tensor excess = (gpu.cpu() - cpu).abs() - tol * (1.0 + cpu.abs());
+    EXPECT_LE(excess.max().item<double>(), 0.0) << "secure=" << secure;
+    EXPECT_GT(cpu.abs().sum().item<double>(), 0.0);
   }
 }
 

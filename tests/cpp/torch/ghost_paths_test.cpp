@@ -1,0 +1,252 @@
+// The ghost kernels' paths by sequence length (Note [ghost roofline] in
+// kernels/cuda/ghost_norm.cu): the rank-one path at T = 1 (Note [rank-one ghost] in
+// kernels/per_sample_checks.h) against ||a||^2 ||g||^2 computed here, and the float64 GEMM-strip
+// path (kernels/ghost_gemm.cpp, the CUDA kernels' long-sequence path, written in ATen) run on the
+// CPU against the CPU kernel, which forms its Grams its own way. Both add the same float64 terms
+// in other orders, so they agree within the certified rounding margin of Note [certified norms]:
+// values whose terms cancel are compared against that margin, sums of positive terms relatively. With a GPU and the CUDA kernels, every CUDA
+// path (rank one, the three fused tile sizes, GEMM strips) is checked against the CPU kernel;
+// without one those tests are skipped.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include "kernels/ghost_gemm.h"
+#include "kernels/per_sample_checks.h"
+#include "kernels/per_sample_ops.h"
+
+namespace dpzero {
+namespace {
+
+using Pair = std::tuple<at::Tensor, at::Tensor>;
+
+Pair ghost_op(const at::Tensor& a, const at::Tensor& g) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_ghost_sq_norms", "")
+                             .typed<Pair(const at::Tensor&, const at::Tensor&)>();
+  return op.call(a, g);
+}
+
+Pair token_ghost_op(const at::Tensor& ids, const at::Tensor& g, int64_t pad) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_token_ghost_sq_norms", "")
+                             .typed<Pair(const at::Tensor&, const at::Tensor&, int64_t)>();
+  return op.call(ids, g, pad);
+}
+
+Pair ghost_multi_op(const at::Tensor& a, at::TensorList gs) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_ghost_sq_norms_multi", "")
+                             .typed<Pair(const at::Tensor&, at::TensorList)>();
+  return op.call(a, gs);
+}
+
+int64_t set_chunk_bytes_op(int64_t bytes) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_set_chunk_bytes", "")
+                             .typed<int64_t(int64_t)>();
+  return op.call(bytes);
+}
+
+bool cuda_available() {
+#ifdef DPZERO_WITH_CUDA
+  return at::hasCUDA();
+#else
+  return false;
+#endif
+}
+
+std::vector<at::Device> devices() {
+  std::vector<at::Device> out{at::kCPU};
+  if (cuda_available()) out.emplace_back(at::kCUDA);
+  return out;
+}
+
+// std::sqrt of each entry of a float64 tensor, on the host: IEEE's correctly rounded square root,
+// as the kernels take it (at::sqrt on the CPU may be a vectorised routine one ulp off).
+at::Tensor host_sqrt(const at::Tensor& x) {
+  at::Tensor out = x.to(at::kCPU).contiguous().clone();
+  double* p = out.data_ptr<double>();
+  for (int64_t i = 0; i < out.numel(); ++i) p[i] = std::sqrt(p[i]);
+  return out;
+}
+
+// Two ghost values of the same inputs ([B] float64, any device) agree within twice the certified
+// margin of Note [certified norms] (each is within c S^2 of the exact value), S [B] float64.
+void expect_within_margin(const at::Tensor& got, const at::Tensor& want, const at::Tensor& s,
+                          int64_t t, int64_t d_in, int64_t d_out, const std::string& what) {
+  const double c = kernels::per_sample::ghost_error_coefficient(t, d_in, d_out);
+  const at::Tensor g = got.to(at::kCPU), w = want.to(at::kCPU), s2 = s.to(at::kCPU).square();
+  ASSERT_EQ(g.scalar_type(), at::kDouble) << what;
+  ASSERT_EQ(g.sizes(), w.sizes()) << what;
+  const at::Tensor err = (g - w).abs() - 2.0 * c * s2;
+  EXPECT_LE(err.max().item<double>(), 0.0) << what << "\n got " << g << "\n want " << w;
+}
+
+// Relative agreement of two [B] float64 tensors (moved to the host), entry by entry.
+void expect_rel(const at::Tensor& got, const at::Tensor& want, double rtol,
+                const std::string& what) {
+  const at::Tensor g = got.to(at::kCPU), w = want.to(at::kCPU);
+  ASSERT_EQ(g.scalar_type(), at::kDouble) << what;
+  ASSERT_EQ(g.sizes(), w.sizes()) << what;
+  const at::Tensor err = (g - w).abs() - rtol * w.abs();
+  EXPECT_LE(err.max().item<double>(), 0.0) << what << "\n got " << g << "\n want " << w;
+}
+
+// Note [rank-one ghost]: at T = 1, value = ||a||^2 ||g||^2 and S = sqrt(value) = ||a|| ||g||, for
+// every input dtype, a strided A, a group of G's sharing A (_ghost_sq_norms_multi: each row the
+// single op's bits), on every device present. The per-sample gradient g a^T is formed here in
+// float64 and its squared norm taken entry by entry: the exact-arithmetic reference.
+TEST(GhostPaths, RankOneIsTheSquaredNormOfThePerSampleGradient) {
+  at::manual_seed(11);
+  for (const at::Device device : devices()) {
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      const auto opts = at::TensorOptions().device(device).dtype(dtype);
+      const at::Tensor a = at::randn({7, 1, 37}, opts);
+      const at::Tensor a_strided = at::randn({7, 1, 74}, opts).slice(2, 0, 74, 2);
+      const at::Tensor g = at::randn({7, 1, 300}, opts);
+      const at::Tensor g2 = at::randn({7, 1, 5}, opts);
+      for (const at::Tensor& x : {a, a_strided}) {
+        const std::string what = device.str() + " " + c10::toString(dtype);
+        const at::Tensor x64 = x.to(at::kCPU, at::kDouble), g64 = g.to(at::kCPU, at::kDouble);
+        const at::Tensor grads = at::bmm(g64.transpose(1, 2), x64);  // [B, d_out, d_in]
+        const at::Tensor want = grads.square().sum({1, 2});
+        const auto [value, s] = ghost_op(x, g);
+        expect_rel(value, want, 1e-12, "value " + what);
+        EXPECT_TRUE(at::equal(s.cpu(), host_sqrt(value))) << what;
+        const auto [values, norms] = ghost_multi_op(x, {g, g2});
+        EXPECT_TRUE(at::equal(values[0].cpu(), value.cpu())) << what;
+        EXPECT_TRUE(at::equal(norms[0].cpu(), s.cpu())) << what;
+        expect_rel(values[1],
+                   x64.square().sum({1, 2}) * g2.to(at::kCPU, at::kDouble).square().sum({1, 2}),
+                   1e-12, "multi row 1 " + what);
+      }
+    }
+  }
+}
+
+// The rank-one path of an embedding: ||g||^2 and ||g|| for a kept token, 0 and 0 for padding
+// (whose G row is NaN here and must not be read into the result), on every device present.
+TEST(GhostPaths, RankOneTokensSkipPadding) {
+  at::manual_seed(12);
+  for (const at::Device device : devices()) {
+    const at::Tensor ids = at::tensor({3, 0, 3, 1, 0}, at::kLong).view({5, 1}).to(device);
+    at::Tensor g = at::randn({5, 1, 9}, at::kFloat);
+    g.masked_fill_((ids.cpu() == 0).view({5, 1, 1}), std::numeric_limits<float>::quiet_NaN());
+    const auto [value, s] = token_ghost_op(ids, g.to(device), /*pad=*/0);
+    const at::Tensor q = g.to(at::kDouble).square().sum({1, 2});
+    const at::Tensor kept = (ids.cpu() != 0).view({5});
+    const at::Tensor want = at::where(kept, q, 0.0);
+    expect_rel(value, want, 1e-13, "value " + device.str());
+    expect_rel(s, at::where(kept, q.sqrt(), 0.0), 1e-13, "S " + device.str());
+    const at::Tensor g_finite = g.nan_to_num();
+    const auto [value_none, s_none] = token_ghost_op(ids, g_finite.to(device), /*pad=*/-1);
+    expect_rel(value_none, g_finite.to(at::kDouble).square().sum({1, 2}), 1e-13,
+               "no padding " + device.str());
+  }
+}
+
+// The strips cover [0, T) in at most 8 blocks of >= 128 rows (all of T when T < 256), in order.
+TEST(GhostPaths, GemmRowBlocksCoverTheSequence) {
+  for (const int64_t t : {1, 2, 127, 128, 129, 255, 256, 300, 1023, 1024, 1025, 5000}) {
+    const auto blocks = kernels::gemm_row_blocks(t);
+    ASSERT_FALSE(blocks.empty());
+    EXPECT_LE(blocks.size(), 8u) << "T=" << t;
+    int64_t next = 0;
+    for (const auto& [r0, r1] : blocks) {
+      EXPECT_EQ(r0, next) << "T=" << t;
+      EXPECT_GT(r1, r0) << "T=" << t;
+      if (blocks.size() > 1) EXPECT_GE(r1 - r0, 64) << "T=" << t;
+      next = r1;
+    }
+    EXPECT_EQ(next, t);
+  }
+}
+
+// kernels/ghost_gemm.cpp (what CUDA runs from T = 256 on), run on the CPU: the same value and S as
+// the CPU kernel to float64 rounding, with one and several row blocks, mixed input dtypes, chunks
+// down to one sample, and for tokens with padding whose G rows are NaN.
+TEST(GhostPaths, GemmStripsMatchTheCpuKernel) {
+  at::manual_seed(13);
+  struct Case {
+    int64_t b, t, d_in, d_out;
+  };
+  for (const Case c : {Case{3, 2, 5, 4}, Case{4, 70, 9, 6}, Case{2, 300, 7, 5},
+                       Case{2, 1030, 3, 4}}) {
+    const at::Tensor a = at::randn({c.b, c.t, c.d_in}, at::kFloat);
+    const at::Tensor g = at::randn({c.b, c.t, c.d_out}, at::kFloat);
+    const std::string what = "b=" + std::to_string(c.b) + " t=" + std::to_string(c.t);
+    const auto [value_cpu, s_cpu] = ghost_op(a, g);
+    for (const int64_t budget : {int64_t{64} << 20, int64_t{1}}) {
+      const int64_t previous = set_chunk_bytes_op(budget);
+      const auto [value, s] = kernels::ghost_values_gemm(a, at::Tensor(), g, -1);
+      set_chunk_bytes_op(previous);
+      expect_within_margin(value, value_cpu, s_cpu, c.t, c.d_in, c.d_out, "value " + what);
+      expect_rel(s, s_cpu, 1e-12, "S " + what);
+    }
+    const at::Tensor g_bf16 = g.to(at::kBFloat16);
+    const auto [value_mixed, s_mixed] = kernels::ghost_values_gemm(a, at::Tensor(), g_bf16, -1);
+    const auto [value_mixed_cpu, s_mixed_cpu] = ghost_op(a, g_bf16.to(at::kFloat));
+    expect_within_margin(value_mixed, value_mixed_cpu, s_mixed_cpu, c.t, c.d_in, c.d_out,
+                         "mixed dtypes " + what);
+
+    const int64_t pad = 2;
+    const at::Tensor ids = at::randint(5, {c.b, c.t}, at::kLong);
+    at::Tensor g_tok = g.clone();
+    g_tok.masked_fill_((ids == pad).unsqueeze(-1), std::numeric_limits<float>::quiet_NaN());
+    const auto [tv_cpu, ts_cpu] = token_ghost_op(ids, g_tok, pad);
+    const auto [tv, ts] = kernels::ghost_values_gemm(at::Tensor(), ids, g_tok, pad);
+    ASSERT_TRUE(at::isfinite(tv).all().item<bool>()) << what;
+    expect_within_margin(tv, tv_cpu, ts_cpu, c.t, 0, c.d_out, "token value " + what);
+    expect_rel(ts, ts_cpu, 1e-12, "token S " + what);
+  }
+}
+
+// Note [ghost summation depth]: the bound covers every path's tree (CPU rows: 2T; fused CUDA
+// tiles of 64 rows: 25 + P; GEMM strips: 2T; rank one: 0).
+TEST(GhostPaths, SummationDepthCoversEveryPath) {
+  for (int64_t t = 1; t <= 4096; t = t < 70 ? t + 1 : t * 2) {
+    const double tiles = static_cast<double>((t + 63) / 64);
+    EXPECT_GE(kernels::ghost_summation_depth(t), 2.0 * static_cast<double>(t)) << "T=" << t;
+    EXPECT_GE(kernels::ghost_summation_depth(t), 25.0 + tiles * (tiles + 1.0) / 2.0) << "T=" << t;
+  }
+}
+
+// CUDA twin: every CUDA path against the CPU kernel on the same inputs (float64 rounding apart):
+// T = 1 (rank one), 2..16 (16-row tiles), 17..32 (32-row tiles), 33..255 (64-row tiles, one to
+// four tile rows, remainders), 256+ (GEMM strips), for Linear inputs in every dtype and for tokens
+// with padding whose G rows are NaN.
+TEST(GhostPaths, CudaPathsMatchTheCpuKernel) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device, or dpzero built without CUDA kernels";
+  at::manual_seed(14);
+  for (const int64_t t : {1, 2, 5, 16, 17, 32, 33, 64, 65, 130, 255, 256, 300}) {
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      const at::Tensor a = at::randn({3, t, 40}, at::kFloat).to(dtype);
+      const at::Tensor g = at::randn({3, t, 24}, at::kFloat).to(dtype);
+      const std::string what = "T=" + std::to_string(t) + " " + c10::toString(dtype);
+      const auto [value_cpu, s_cpu] = ghost_op(a, g);
+      const auto [value, s] = ghost_op(a.cuda(), g.cuda());
+      expect_within_margin(value, value_cpu, s_cpu, t, 40, 24, "value " + what);
+      expect_rel(s, s_cpu, 1e-12, "S " + what);
+    }
+    const int64_t pad = 1;
+    const at::Tensor ids = at::randint(4, {3, t}, at::kLong);
+    at::Tensor g = at::randn({3, t, 24}, at::kFloat);
+    g.masked_fill_((ids == pad).unsqueeze(-1), std::numeric_limits<float>::quiet_NaN());
+    const auto [tv_cpu, ts_cpu] = token_ghost_op(ids, g, pad);
+    const auto [tv, ts] = token_ghost_op(ids.cuda(), g.cuda(), pad);
+    expect_within_margin(tv, tv_cpu, ts_cpu, t, 0, 24, "token value T=" + std::to_string(t));
+    expect_rel(ts, ts_cpu, 1e-12, "token S T=" + std::to_string(t));
+  }
+}
+
+}  // namespace
+}  // namespace dpzero
