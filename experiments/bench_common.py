@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import importlib.util
 import os
 import re
 import statistics
@@ -15,6 +16,14 @@ import time
 import dpzero
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def require_baseline(name: str, tool: str) -> None:
+    """Exits naming the one command that installs it unless the baseline ``name`` (a package of
+    requirements-bench.txt, such as opacus) is importable; ``tool`` names the benchmark."""
+    if importlib.util.find_spec(name) is None:
+        raise SystemExit(f"{tool}: the baseline {name!r} is not installed; `scripts/bench.sh` "
+                         f"installs every benchmark baseline (requirements-bench.txt) into .venv")
 
 
 def proc_status_bytes(field: str) -> int:

@@ -36,7 +36,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dpzero  # noqa: E402
-from bench_common import dpzero_version, interleaved_steps, paired_ratios  # noqa: E402
+from bench_common import (dpzero_version, interleaved_steps, paired_ratios,  # noqa: E402
+                          require_baseline)
 
 V, D, H, K = 1000, 64, 128, 4
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generic.md")
@@ -199,6 +200,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="lstm,mha")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
+    require_baseline("opacus", "generic_bench.py")
     warnings.filterwarnings("ignore")
     systems = ["torch", "dpzero", "opacus-functorch", "opacus-hooks", "opacus-dp-layers"]
     lines = []

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dpzero  # noqa: E402
 from bench_common import (dpzero_version, interleaved_steps, paired_ratios,  # noqa: E402
-                          write_marked_section)
+                          require_baseline, write_marked_section)
 
 LAYERS, WIDTH, HEADS, T, B, VOCAB = 12, 64, 4, 16, 4, 256
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "host.md")
@@ -149,6 +149,7 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-rounds", type=int, default=10)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
+    require_baseline("opacus", "host_overhead.py")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     failures: dict = {}

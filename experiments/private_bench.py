@@ -131,12 +131,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import opacus
-import transformers
-from opacus import PrivacyEngine as OpacusEngine
-from transformers import BertConfig, BertForSequenceClassification
+from bench_common import require_baseline
 
-import dpzero
+require_baseline("opacus", "private_bench.py")
+import opacus  # noqa: E402
+import transformers  # noqa: E402
+from opacus import PrivacyEngine as OpacusEngine  # noqa: E402
+from transformers import BertConfig, BertForSequenceClassification  # noqa: E402
+
+import dpzero  # noqa: E402
 from bench_common import (dpzero_version, paired_ratios, proc_status_bytes, reset_peak_rss,
                           write_csv, write_marked_section)
 

@@ -71,7 +71,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dpzero
 from dpzero import _C
-from bench_common import (dpzero_version, proc_status_bytes, reset_peak_rss, write_csv,
+from bench_common import (dpzero_version, require_baseline, proc_status_bytes, reset_peak_rss, write_csv,
                           write_marked_section)
 import zero_bench
 from paper_configs import write_paper_table
@@ -619,6 +619,8 @@ def main() -> None:
         grid["groups"] = {w: [n for n in names if n in keep]
                           for w, names in grid["groups"].items()}
         grid["groups"] = {w: names for w, names in grid["groups"].items() if names}
+    if any(n.startswith("opacus") for names in grid["groups"].values() for n in names):
+        require_baseline("opacus", "run.py")
     shapes = args.shapes.split(",") if args.shapes else grid["shapes"]
     cfg = dict(device=grid["device"], repeats=args.repeats, warmup=args.warmup,
                memory_steps=args.memory_steps, threads=args.threads)

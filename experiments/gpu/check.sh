@@ -1,17 +1,65 @@
 #!/usr/bin/env bash
-# experiments/gpu/check.sh — the one prepared script for a lent GPU machine (device tool's `run`).
-# Builds dpzero with the CUDA kernels for the machine's architecture only, runs the CUDA twins of
-# the tests and the GPU benchmarks, and writes logs under $OUT (default /tmp/dpzero-gpu).
-# Needs a Python with the pinned torch importable (carry wheels as the device README describes).
-#   Usage there:  bash experiments/gpu/check.sh
+# experiments/gpu/check.sh — the one prepared script for a lent GPU machine (the device tool's
+# `run`), inside 8 minutes on its 16 cores. That machine comes bare (KINDS.md): the kit that
+# experiments/gpu/pack.sh made here (.gpu-kit/) brings what it lacks. In order, each stage with
+# its own line in $OUT/status.txt (so a run cut off anywhere says how far it got):
+#   env      the machine: GPU, Python, torch, nvcc, CMake, cores
+#   unpack   the kit's Debian prefix and wheels
+#   build    CMake + ninja on every core, CUDA on, sm_90 only (DPZERO_CUDA_ARCHS to change it);
+#            the whole log in $OUT/build.log
+#   ctest    every GoogleTest
+#   pytest   the CUDA tests (the files that hold them, CUDA cases selected)
+#   noise    experiments/noise_bench.py, 1e6..1e8 coordinates
+#   private  one experiments/private_bench.py --device cuda configuration (dpzero and Opacus)
+#   kernels  experiments/kernel_bench.py --device cuda at B = 32 (GB/s against the copy rate)
+#   paper    one row set of experiments/run.py --grid gpu (non-DP, DP flat, Opacus ghost)
+# $OUT gets at most 8 files: status.txt, build.log, run.log (tests and benchmarks), noise.md,
+# private.md, kernels.md, paper.md and csv.tar.gz (every CSV the benchmarks wrote).
+#   Here:   bash experiments/gpu/pack.sh
+#   There:  run(command="bash experiments/gpu/check.sh", carry=[".gpu-kit"], timeout_s=540)
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"  # set -uo pipefail, cd, $out, $py
-$py -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name())" \
-  | tee "$out/env.txt" || exit 1
-arch=$($py -c "import torch; p=torch.cuda.get_device_capability(); print(f'{p[0]}{p[1]}')")
-export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) DPZERO_CUDA=ON CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=$arch"
-$py -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -20 | tee "$out/build.log"
-$py -c "import dpzero; assert dpzero._C.with_cuda, 'CUDA kernels not built'" || exit 1
-ctest --test-dir build --output-on-failure 2>&1 | tee "$out/ctest.log" | tail -5
-$py -m pytest tests/python -q -ra 2>&1 | tee "$out/pytest.log" | tail -5
-$py experiments/noise_bench.py --sizes 1e6,1e7,1e8 --out "$out/noise.md" 2>&1 | tail -8
-$py experiments/kernel_bench.py --device cuda --full --out "$out/kernels.md" 2>&1 | tail -20
+budget_s=${CHECK_BUDGET_S:-470}
+source "$(dirname "${BASH_SOURCE[0]}")/kit.sh"  # stage, unpack_kit, build_dpzero, $kit, $site
+: >"$status"
+log=$out/run.log
+results=$kitdir-results
+rm -rf "$results" && mkdir -p "$results"
+archs=${DPZERO_CUDA_ARCHS:-90}
+
+collect() {
+  for f in private paper; do [ -f "$results/$f.md" ] && cp "$results/$f.md" "$out/$f.md"; done
+  (cd "$results" && compgen -G "*.csv" >/dev/null && tar -czf "$out/csv.tar.gz" ./*.csv)
+  printf '%s  done       %ss in all\n' "$(date +%T)" $((SECONDS - t_start)) | tee -a "$status"
+}
+
+machine() {
+  nvidia-smi -L
+  $py -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__, "CUDA",
+torch.version.cuda, torch.cuda.get_device_name())'
+  nvcc --version | tail -1
+  cmake --version | head -1
+  echo "$(nproc) cores"
+}
+export -f machine
+stage env 30 machine >>"$status" 2>&1
+stage unpack 60 unpack_kit >>"$log" 2>&1 || { collect; exit 1; }
+stage build 330 build_dpzero build-gpu ON "$archs" 2>&1 | tee -a "$log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { collect; exit 1; }
+ensure_dpzero  # dpzero (just built) and the reference values on PYTHONPATH / in the environment
+
+stage ctest 60 ctest --test-dir build-gpu --output-on-failure -j "$(nproc)" >>"$log" 2>&1
+grep -E "tests passed|tests failed" "$log" | tail -1 | tee -a "$status"
+stage pytest 120 $py -m pytest -q -ra -p no:cacheprovider -k "cuda or gpu or offload or sync" \
+  tests/python/test_kernels.py tests/python/test_noise.py tests/python/test_sync_free.py \
+  tests/python/test_zero.py tests/python/test_checkpointing.py >>"$log" 2>&1
+tail -1 "$log" | tee -a "$status"
+
+stage noise 40 $py experiments/noise_bench.py --sizes 1e6,1e7,1e8 --out "$out/noise.md" >>"$log" 2>&1
+stage private 120 $py experiments/private_bench.py --device cuda --threads "$(nproc)" --tag cuda-w768 \
+  --layers 4 --hidden 768 --heads 12 --intermediate 3072 --vocab 30522 --batch 32 --repeats 11 \
+  --max-wait 0 --out "$results/private.md" >>"$log" 2>&1
+stage kernels 90 $py experiments/kernel_bench.py --device cuda --batches 32 --repeats 5 \
+  --out "$out/kernels.md" >>"$log" 2>&1
+stage paper 90 bash -c "cd experiments && $py run.py --grid gpu --systems zero0,dp0-flat,opacus-ghost \
+  --repeats 5 --out '$results' && mv '$results/grid-gpu.md' '$results/paper.md'" >>"$log" 2>&1
+collect

@@ -5,11 +5,13 @@
 # B = 16), T = 128:
 # dpzero non-private and private (flat, layer-wise) against torch and Opacus 1.6's four modes, with
 # the correctness check, paired per-round ratios and the CUDA allocator's peak memory.
-# Expects dpzero installed with its CUDA kernels (experiments/gpu/check.sh builds it) and the
-# benchmark's requirements (requirements-bench.txt); writes private.md and its CSVs under $OUT
+# Builds dpzero and installs Opacus from the kit (.gpu-kit/, carried; experiments/gpu/pack.sh)
+# unless check.sh already did on this machine; writes private.md and its CSVs under $OUT
 # (default /tmp/dpzero-gpu).
 #   Usage there:  bash experiments/gpu/private_rows.sh
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"  # set -uo pipefail, cd, $out, $py
+source "$(dirname "${BASH_SOURCE[0]}")/kit.sh"  # ensure_dpzero
+ensure_dpzero || exit 1
 threads=$(nproc)  # the float64 reference of the correctness check runs on the CPU
 timeout 280 $py experiments/private_bench.py --device cuda --threads "$threads" --tag cuda-bert-base \
   --layers 12 --hidden 768 --heads 12 --intermediate 3072 --vocab 30522 --batch 32 --repeats 21 \

@@ -70,3 +70,20 @@ def test_paired_ratios_are_the_quartiles_of_per_round_ratios():
     with pytest.raises(RuntimeError, match="aligned rounds"):
         bench_common.paired_ratios({"a": [1.0, 2.0], "b": [1.0]}, "a", "b")
     assert bench_common.paired_ratios({"a": [1.0]}, "a", "b") is None
+
+
+@pytest.mark.parametrize("script, args", [
+    ("private_bench.py", []), ("run.py", ["--grid", "cpu"]), ("generic_bench.py", ["--no-write"]),
+    ("host_overhead.py", ["--no-write"])])
+def test_a_benchmark_without_its_baseline_names_the_script_that_installs_it(script, args):
+    # Opacus made unimportable (a None entry in sys.modules hides an installed package from
+    # importlib), as on a fresh machine that ran scripts/setup.sh but not scripts/bench.sh.
+    import subprocess
+    here = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "experiments"))
+    code = ("import runpy, sys; sys.modules['opacus'] = None; "
+            f"sys.argv = [{script!r}] + {args!r}; sys.path.insert(0, {here!r}); "
+            f"runpy.run_path({os.path.join(here, script)!r}, run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "'opacus' is not installed" in done.stderr and "scripts/bench.sh" in done.stderr, \
+        done.stderr[-2000:]
