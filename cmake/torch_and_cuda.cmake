@@ -57,7 +57,7 @@ endif()
 
 if(DPZERO_WITH_CUDA)
   # A100 = sm_80, H100/H200 = sm_90. Override with -DCMAKE_CUDA_ARCHITECTURES="80;90;100", and
-  # name arch-specific targets as nvcc does ("90a", "100a"; "120f" for a family).
+  # name arch-specific targets as nvcc does ("90a", "100a").
   if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
     set(CMAKE_CUDA_ARCHITECTURES "80;90")
   endif()
@@ -67,19 +67,24 @@ if(DPZERO_WITH_CUDA)
   # Note [cuda targets]: each listed architecture gets SASS (its machine code); the newest also
   # gets PTX, so that a GPU newer than every listed one still runs the kernels (the driver
   # JIT-compiles the PTX on first load) instead of failing with "no kernel image". That PTX is for
-  # the newest listed number without its a / f suffix: PTX of compute_90a uses sm_90a-only
-  # features and loads on sm_90 alone. CMake's suffixes: "-real" is SASS only (no PTX even when
-  # newest), "-virtual" PTX only.
+  # the newest listed number without its "a" suffix: PTX of compute_90a uses sm_90a-only
+  # features and loads on sm_90 alone. CMake's suffixes: "-real" is SASS only (the newest number
+  # gets no PTX when every entry of it is "-real"), "-virtual" PTX only (refused with "a": that
+  # PTX would not run on a newer GPU either).
   set(_torch_arches "")
   set(_dpzero_ptx "")
   set(_newest -1)
-  set(_newest_real OFF)
+  set(_newest_wants_ptx OFF)
   foreach(_a IN LISTS CMAKE_CUDA_ARCHITECTURES)
-    if(NOT _a MATCHES "^([0-9]+)([0-9])([af]?)(-real|-virtual)?$")
+    if(NOT _a MATCHES "^([0-9]+)([0-9])(a?)(-real|-virtual)?$")
       message(FATAL_ERROR "dpzero: CMAKE_CUDA_ARCHITECTURES entry '${_a}' is not an architecture "
                           "number such as 80, 90, 90a, 100a or 90-real")
     endif()
     set(_number "${CMAKE_MATCH_1}${CMAKE_MATCH_2}")
+    if(CMAKE_MATCH_3 STREQUAL "a" AND CMAKE_MATCH_4 STREQUAL "-virtual")
+      message(FATAL_ERROR "dpzero: CMAKE_CUDA_ARCHITECTURES entry '${_a}': PTX of an "
+                          "arch-specific target loads on that GPU alone; write ${_number}-virtual")
+    endif()
     if(NOT CMAKE_MATCH_4 STREQUAL "-virtual")
       list(APPEND _torch_arches "${CMAKE_MATCH_1}.${CMAKE_MATCH_2}${CMAKE_MATCH_3}")
     else()
@@ -87,16 +92,17 @@ if(DPZERO_WITH_CUDA)
     endif()
     if(_number GREATER _newest)
       set(_newest "${_number}")
-      set(_newest_real OFF)
+      set(_newest_wants_ptx OFF)
     endif()
-    if(_number EQUAL _newest AND CMAKE_MATCH_4 STREQUAL "-real")
-      set(_newest_real ON)
+    if(_number EQUAL _newest AND NOT CMAKE_MATCH_4 STREQUAL "-real")
+      set(_newest_wants_ptx ON)
     endif()
   endforeach()
-  if(NOT _newest_real)
+  if(_newest_wants_ptx)
     list(APPEND _dpzero_ptx "${_newest}")
   endif()
   list(REMOVE_DUPLICATES _dpzero_ptx)
+  list(REMOVE_DUPLICATES _torch_arches)
   if(_torch_arches STREQUAL "")
     message(FATAL_ERROR "dpzero: CMAKE_CUDA_ARCHITECTURES '${CMAKE_CUDA_ARCHITECTURES}' names no "
                         "architecture to build machine code for (only -virtual entries)")

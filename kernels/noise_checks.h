@@ -2,9 +2,12 @@
 // so both backends reject the same inputs with the same messages.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -35,7 +38,9 @@ inline void check_add_noise_args(const char* op, const at::Tensor& self, double 
 // The runs table of dpzero::add_noise_runs_ / add_secure_noise_runs_ (`op`): runs [3 R] int64,
 // triples (local, length, global). Checks that each run lies inside self's numel elements, that
 // the runs are disjoint and in ascending order of `local` (so no element of self is drawn twice),
-// and that global + length fits in int64; the message names the run and its values. Returns R.
+// that global + length fits in int64, and that no two runs share a global coordinate (two
+// elements with one coordinate's draw would carry the same noise, which their difference
+// cancels); the message names the run and its values. Returns R.
 inline int64_t check_noise_runs(const char* op, const at::Tensor& self, c10::IntArrayRef runs) {
   TORCH_CHECK(runs.size() % 3 == 0, op,
               ": runs must hold (local, length, global) triples, got ", runs.size(), " values");
@@ -53,6 +58,18 @@ inline int64_t check_noise_runs(const char* op, const at::Tensor& self, c10::Int
                 ") overlaps or precedes the previous run, which ends at ", end,
                 "; runs must be disjoint and ascending");
     end = local + length;
+  }
+  std::vector<std::pair<int64_t, size_t>> by_global;  // (global, run) of the non-empty runs
+  for (size_t r = 0; r < runs.size() / 3; ++r) {
+    if (runs[3 * r + 1] > 0) by_global.emplace_back(runs[3 * r + 2], r);
+  }
+  std::sort(by_global.begin(), by_global.end());
+  for (size_t k = 1; k < by_global.size(); ++k) {
+    const size_t a = by_global[k - 1].second, b = by_global[k].second;
+    TORCH_CHECK(runs[3 * b + 2] >= runs[3 * a + 2] + runs[3 * a + 1], op, ": runs ", a, " (global ",
+                runs[3 * a + 2], ", length ", runs[3 * a + 1], ") and ", b, " (global ",
+                runs[3 * b + 2], ", length ", runs[3 * b + 1],
+                ") share global coordinates; each coordinate's draw may be added once");
   }
   return static_cast<int64_t>(runs.size() / 3);
 }

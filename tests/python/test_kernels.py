@@ -958,13 +958,14 @@ def test_certified_norms_linear_cancelling_rows(device, method):
 
 
 @device_param
-@pytest.mark.parametrize("t", [16, 128])
+@pytest.mark.parametrize("t", [16, 128, 300])
 def test_certified_norms_shared_input_where_the_margin_is_the_bound(device, t):
     # Note [shared inputs] on rows that cancel to float32's rounding of them: each sample's exact
     # norm is far below the float64 rounding of its Gram sum, so only the certified margin keeps
     # each layer's value an upper bound. linear_sq_norms_multi (T = 16: Note [small ghost], its
     # certification fused into one host loop; T = 128: the GEMM path) must bound every layer's
     # exact norm, each with its own width's margin, bit-equal to the layer's own linear_sq_norms.
+    # T = 300: CUDA's float64 GEMM Gram strips (Note [ghost roofline]).
     gen = torch.Generator().manual_seed(92)
     b, d = 4, 48
     A = torch.randn(b, 1, d, generator=gen, dtype=torch.float64).expand(b, t, d)

@@ -263,6 +263,11 @@ def test_noise_runs_are_the_per_run_draws(device, secure):
     assert torch.equal(batched, per_run)
     with pytest.raises(RuntimeError, match=r"run 1 \(local 2, length 3\) overlaps"):
         torch.ops.dpzero.add_noise_runs_(x, 1.0, 0, 0, [0, 4, 0, 2, 3, 10])
+    # Disjoint in x, one global coordinate twice: the same draw on two elements would cancel in
+    # their difference.
+    with pytest.raises(RuntimeError,
+                       match=r"runs 0 \(global 10, length 3\) and 1 \(global 12, length 2\) share"):
+        torch.ops.dpzero.add_noise_runs_(x, 1.0, 0, 0, [0, 3, 10, 5, 2, 12])
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device or CUDA kernels not built")

@@ -154,7 +154,7 @@ TEST(GhostPaths, RankOneTokensSkipPadding) {
   }
 }
 
-// The strips cover [0, T) in at most 8 blocks of >= 128 rows (all of T when T < 256), in order.
+// The strips cover [0, T) in at most 8 blocks of >= 64 rows (all of T when T < 256), in order.
 TEST(GhostPaths, GemmRowBlocksCoverTheSequence) {
   for (const int64_t t : {1, 2, 127, 128, 129, 255, 256, 300, 1023, 1024, 1025, 5000}) {
     const auto blocks = kernels::gemm_row_blocks(t);

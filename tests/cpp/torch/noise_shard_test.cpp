@@ -7,9 +7,11 @@
 // otherwise.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -316,10 +318,16 @@ TEST(NoiseRuns, BatchedDrawIsThePerRunDraw) {
     for (const int num_runs : {1, 3, 40, 300}) {
       std::vector<int64_t> table;
       int64_t local = static_cast<int64_t>(rng() % 3);
+      // Each run's global range lies in its own 64-coordinate slot, slots in shuffled order, so
+      // runs never share a coordinate (the op refuses that) yet come out of global order.
+      std::vector<int64_t> slots(static_cast<size_t>(num_runs));
+      std::iota(slots.begin(), slots.end(), int64_t{0});
+      std::shuffle(slots.begin(), slots.end(), rng);
       for (int r = 0; r < num_runs; ++r) {
         const int64_t length = r % 7 == 3 ? 0 : 1 + static_cast<int64_t>(rng() % 40);
-        const int64_t global =
-            static_cast<int64_t>(rng() % 100000) + (r % 5 == 0 ? (int64_t{1} << 33) : 0);
+        const int64_t global = slots[static_cast<size_t>(r)] * 64 +
+                               static_cast<int64_t>(rng() % 24) +
+                               (r % 5 == 0 ? (int64_t{1} << 33) : 0);
         table.insert(table.end(), {local, length, global});
         local += length + static_cast<int64_t>(rng() % 4);  // gaps of 0..3 elements
       }
@@ -409,6 +417,12 @@ TEST(NoiseRuns, RejectsBadTablesNamingThem) {
   expect_error({0, 4, 0, 3, 2, 100}, "run 1 (local 3, length 2) overlaps");
   expect_error({5, 2, 0, 0, 2, 9}, "run 1 (local 0, length 2) overlaps or precedes");
   expect_error({0, 2, std::numeric_limits<int64_t>::max() - 1}, "overflows int64");
+  // Disjoint in x but sharing global coordinates: neighbours, and a run inside one that is not
+  // its neighbour in x.
+  expect_error({0, 4, 100, 4, 2, 102},
+               "runs 0 (global 100, length 4) and 1 (global 102, length 2) share");
+  expect_error({0, 2, 50, 2, 2, 10, 4, 6, 45},
+               "runs 2 (global 45, length 6) and 0 (global 50, length 2) share");
   EXPECT_NO_THROW(add_noise_runs(x, 1.0, 1, 0, std::vector<int64_t>{0, 0, 0, 0, 10, 3}));
   EXPECT_NO_THROW(add_noise_runs(x, 1.0, 1, 0, std::vector<int64_t>{}));
 }
@@ -448,6 +462,43 @@ TEST(CudaNoise, DrawsAgreeWithTheCpuWithinTheDocumentedTolerance) {
     const at::Tensor excess = (gpu.cpu() - cpu).abs() - tol * (1.0 + cpu.abs());
     EXPECT_LE(excess.max().item<double>(), 0.0) << "secure=" << secure;
     EXPECT_GT(cpu.abs().sum().item<double>(), 0.0);
+  }
+}
+
+// One launch of 128 runs whose longest is far beyond what the launch's blocks cover in one pass
+// (grid.x is capped), at global offsets past 2^33: the grid-stride loop of every run must still
+// draw each element, as the CPU does (within the tolerance above; the CUDA per-run call shares the
+// kernel, so the CPU is the independent reference here).
+TEST(CudaNoise, LongRunsInOneLaunchAgreeWithTheCpu) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device, or dpzero built without CUDA kernels";
+  const std::vector<int64_t> key = {0xdeadbeef, 1, 2, 3, 4, 5, 6, 0xffffffff};
+  std::vector<int64_t> table;
+  int64_t local = 0;
+  for (int64_t r = 0; r < 128; ++r) {
+    const int64_t length = r == 5 ? (int64_t{1} << 20) + 3 : 1 + (r * 37) % 500;
+    table.insert(table.end(), {local, length, (int64_t{1} << 33) + (127 - r) * (int64_t{1} << 21)});
+    local += length + 1;
+  }
+  for (const bool secure : {false, true}) {
+    const at::ScalarType dtype = secure ? at::kDouble : at::kFloat;
+    at::Tensor cpu = at::zeros({local}, dtype);
+    at::Tensor gpu = at::zeros({local}, at::TensorOptions(at::kCUDA).dtype(dtype));
+    if (secure) {
+      add_secure_noise_runs(cpu, 1.0, key, 4, table);
+      add_secure_noise_runs(gpu, 1.0, key, 4, table);
+    } else {
+      add_noise_runs(cpu, 1.0, 8, 4, table);
+      add_noise_runs(gpu, 1.0, 8, 4, table);
+    }
+    const double tol = secure ? 1e-9 : 1e-5;
+    const at::Tensor excess = (gpu.cpu() - cpu).abs() - tol * (1.0 + cpu.abs());
+    EXPECT_LE(excess.max().item<double>(), 0.0) << "secure=" << secure;
+    // Every element inside a run was drawn (a zero draw has probability 0); the gaps were not.
+    at::Tensor inside = at::zeros({local}, at::kBool);
+    for (size_t r = 0; r < table.size() / 3; ++r) {
+      inside.narrow(0, table[3 * r], table[3 * r + 1]).fill_(true);
+    }
+    EXPECT_TRUE((gpu.cpu() != 0).eq(inside).all().item<bool>()) << "secure=" << secure;
   }
 }
 
