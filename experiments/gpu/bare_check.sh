@@ -46,7 +46,7 @@ unshare -m bash -c '
   : >"$status"
   stage unpack 60 unpack_kit || exit 1
   stage build 3000 build_dpzero build-bare OFF 90 || exit 1
-  export PYTHONPATH=$site DPZERO_REFERENCE_DIR=$kit/reference
+  ensure_dpzero  # PYTHONPATH, DPZERO_REFERENCE_DIR, DPZERO_BUILD_DIR
   stage ctest 900 ctest --test-dir build-bare --output-on-failure -j 2 >>"$out/run.log" 2>&1
   ctest_rc=$?
   grep -E "tests passed|tests failed" "$out/run.log" | tail -1 | tee -a "$status"

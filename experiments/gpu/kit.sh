@@ -66,6 +66,7 @@ build_dpzero() {
     >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; return 1; }
   rm -rf "$site/dpzero" && cp -r python/dpzero "$site/dpzero"
   cp "$bdir"/python/_C.*.so "$site/dpzero/"
+  echo "$PWD/$bdir" >"$site/build-dir"  # for DPZERO_BUILD_DIR (ensure_dpzero)
   PYTHONPATH=$site $py -c "import dpzero; print('dpzero', dpzero.__version__, 'CUDA kernels:', dpzero._C.with_cuda)"
 }
 
@@ -75,7 +76,8 @@ ensure_dpzero() {
   if ! compgen -G "$site/dpzero/_C.*.so" >/dev/null; then
     unpack_kit && build_dpzero build-gpu ON "${DPZERO_CUDA_ARCHS:-90}" || return 1
   fi
-  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} DPZERO_REFERENCE_DIR=$kit/reference
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} DPZERO_REFERENCE_DIR=$kit/reference \
+    DPZERO_BUILD_DIR=$(cat "$site/build-dir")
 }
 
 export -f unpack_kit configure_dpzero build_dpzero

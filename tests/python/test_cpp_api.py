@@ -24,7 +24,10 @@ import dpzero.noise
 from private_reference import naive_dp_sgd_step
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-BINARY = os.path.join(ROOT, "build", "experiments", "cpp_api", "private_train")
+# build/ unless DPZERO_BUILD_DIR names another build folder (experiments/gpu/kit.sh builds into
+# build-gpu/ or build-bare/ and says so there).
+BINARY = os.path.join(ROOT, os.environ.get("DPZERO_BUILD_DIR") or "build", "experiments", "cpp_api",
+                      "private_train")
 
 # The example's model sizes (experiments/cpp_api/private_train.cpp).
 FEATURES, HIDDEN, CLASSES = 64, 32, 10
