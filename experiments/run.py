@@ -362,7 +362,8 @@ def timing_rank(rank, world, store, shape, names, cfg, out_path):
                     torch.cuda.synchronize()
                 if r >= cfg["warmup"]:
                     times[name].append(time.perf_counter() - t0)
-        table = torch.tensor([times[n] for n in live], dtype=torch.float64)
+        # on the group's device: NCCL, the CUDA runs' backend, reduces no host tensor
+        table = torch.tensor([times[n] for n in live], dtype=torch.float64, device=device)
         if live:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
         result = dict(times={n: table[i].tolist() for i, n in enumerate(live)}, loss0=loss0,

@@ -8,13 +8,21 @@
 #   build    CMake + ninja on every core, CUDA on, sm_90 only (DPZERO_CUDA_ARCHS to change it);
 #            the whole log in $OUT/build.log
 #   ctest    every GoogleTest
-#   pytest   the CUDA tests (the files that hold them, CUDA cases selected)
+#   pytest   the CUDA tests (the files that hold them, CUDA cases selected), through
+#            pytest_isolated.py: a test that crashes its process is recorded, run again alone and
+#            under cuda-gdb for a backtrace, and the tests after it still run
 #   noise    experiments/noise_bench.py, 1e6..1e8 coordinates
-#   private  one experiments/private_bench.py --device cuda configuration (dpzero and Opacus)
-#   kernels  experiments/kernel_bench.py --device cuda at B = 32 (GB/s against the copy rate)
 #   paper    one row set of experiments/run.py --grid gpu (non-DP, DP flat, Opacus ghost)
+#   profile  profile_step.py: a step's wall time against the GPU's busy time, launches and host
+#            waits, the costliest operators (dpzero flat, Opacus ghost, plain torch)
+#   private  one experiments/private_bench.py --device cuda configuration (dpzero and Opacus);
+#            CHECK_PRIVATE_ARGS is appended to its flags (a rerun: "--skip-check --repeats 5")
+#   kernels  experiments/kernel_bench.py --device cuda at B = 32 (GB/s against the copy rate)
+# CHECK_STAGES names the stages after build to run (default: all of them), for a rerun that
+# skips what an earlier run already measured; env, unpack and build always run.
 # $OUT gets at most 8 files: status.txt, build.log, run.log (tests and benchmarks), noise.md,
-# private.md, kernels.md, paper.md and csv.tar.gz (every CSV the benchmarks wrote).
+# private.md, kernels.md, paper.md and results.tar.gz (profile.md and every CSV the benchmarks
+# wrote).
 #   Here:   bash experiments/gpu/pack.sh
 #   There:  run(command="bash experiments/gpu/check.sh", carry=[".gpu-kit"], timeout_s=540)
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"  # set -uo pipefail, cd, $out, $py
@@ -28,9 +36,13 @@ archs=${DPZERO_CUDA_ARCHS:-90}
 
 collect() {
   for f in private paper; do [ -f "$results/$f.md" ] && cp "$results/$f.md" "$out/$f.md"; done
-  (cd "$results" && compgen -G "*.csv" >/dev/null && tar -czf "$out/csv.tar.gz" ./*.csv)
+  local files
+  files=$(cd "$results" && ls -- *.csv profile.md 2>/dev/null)
+  [ -n "$files" ] && tar -C "$results" -czf "$out/results.tar.gz" $files
   printf '%s  done       %ss in all\n' "$(date +%T)" $((SECONDS - t_start)) | tee -a "$status"
 }
+stages=" ${CHECK_STAGES:-ctest pytest noise paper profile private kernels} "
+want() { [[ $stages == *" $1 "* ]]; }
 
 machine() {
   nvidia-smi -L
@@ -41,25 +53,30 @@ torch.version.cuda, torch.cuda.get_device_name())'
   echo "$(nproc) cores"
 }
 export -f machine
-stage env 30 machine >>"$status" 2>&1
+stage env 30 machine >>"$status"  # stage's own lines go to $status already, and to stderr
 stage unpack 60 unpack_kit >>"$log" 2>&1 || { collect; exit 1; }
 stage build 330 build_dpzero build-gpu ON "$archs" 2>&1 | tee -a "$log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { collect; exit 1; }
 ensure_dpzero  # dpzero (just built) and the reference values on PYTHONPATH / in the environment
 
-stage ctest 60 ctest --test-dir build-gpu --output-on-failure -j "$(nproc)" >>"$log" 2>&1
-grep -E "tests passed|tests failed" "$log" | tail -1 | tee -a "$status"
-stage pytest 120 $py -m pytest -q -ra -p no:cacheprovider -k "cuda or gpu or offload or sync" \
-  tests/python/test_kernels.py tests/python/test_noise.py tests/python/test_sync_free.py \
-  tests/python/test_zero.py tests/python/test_checkpointing.py >>"$log" 2>&1
-tail -1 "$log" | tee -a "$status"
-
-stage noise 40 $py experiments/noise_bench.py --sizes 1e6,1e7,1e8 --out "$out/noise.md" >>"$log" 2>&1
-stage private 120 $py experiments/private_bench.py --device cuda --threads "$(nproc)" --tag cuda-w768 \
-  --layers 4 --hidden 768 --heads 12 --intermediate 3072 --vocab 30522 --batch 32 --repeats 11 \
-  --max-wait 0 --out "$results/private.md" >>"$log" 2>&1
-stage kernels 90 $py experiments/kernel_bench.py --device cuda --batches 32 --repeats 5 \
-  --out "$out/kernels.md" >>"$log" 2>&1
-stage paper 90 bash -c "cd experiments && $py run.py --grid gpu --systems zero0,dp0-flat,opacus-ghost \
+if want ctest; then
+  stage ctest 60 ctest --test-dir build-gpu --output-on-failure -j "$(nproc)" >>"$log" 2>&1
+  grep -E "tests passed|tests failed" "$log" | tail -1 | tee -a "$status"
+fi
+if want pytest; then
+  stage pytest 150 $py experiments/gpu/pytest_isolated.py -k "cuda or gpu or offload or sync" \
+    tests/python/test_kernels.py tests/python/test_noise.py tests/python/test_sync_free.py \
+    tests/python/test_zero.py tests/python/test_checkpointing.py >>"$log" 2>&1
+  grep "^pytest_isolated: [0-9]* tests" "$log" | tail -1 | tee -a "$status"
+fi
+want noise && stage noise 40 $py experiments/noise_bench.py --sizes 1e6,1e7,1e8 --out "$out/noise.md" >>"$log" 2>&1
+want paper && stage paper 90 bash -c "cd experiments && $py run.py --grid gpu --systems zero0,dp0-flat,opacus-ghost \
   --repeats 5 --out '$results' && mv '$results/grid-gpu.md' '$results/paper.md'" >>"$log" 2>&1
+want profile && stage profile 60 $py experiments/gpu/profile_step.py --systems dp-flat,opacus-ghost,torch \
+  --out "$results/profile.md" >>"$log" 2>&1
+want private && stage private 180 $py experiments/private_bench.py --device cuda --threads "$(nproc)" \
+  --tag cuda-w768 --layers 4 --hidden 768 --heads 12 --intermediate 3072 --vocab 30522 --batch 32 \
+  --repeats 11 --max-wait 0 --out "$results/private.md" ${CHECK_PRIVATE_ARGS:-} >>"$log" 2>&1
+want kernels && stage kernels 90 $py experiments/kernel_bench.py --device cuda --batches 32 --repeats 5 \
+  --out "$out/kernels.md" >>"$log" 2>&1
 collect
