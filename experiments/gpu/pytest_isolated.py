@@ -104,6 +104,8 @@ def diagnose(test_id: str, timeout_s: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-k", dest="expr", help="pytest -k expression")
+    parser.add_argument("--diagnose", type=int, default=1,
+                        help="crashed tests run again alone (the first ones; they often share a cause)")
     parser.add_argument("--diagnose-s", type=float, default=60.0,
                         help="time for each crashed test's lone run (under cuda-gdb where there is one)")
     parser.add_argument("files", nargs="+")
@@ -122,7 +124,7 @@ def main() -> None:
         outcomes[running] = "crashed"
         crashed.append(running)
         todo = [i for i in todo if i not in outcomes]
-    for test_id in crashed:
+    for test_id in crashed[:args.diagnose]:
         print(f"\n---- {test_id} alone, in a fresh process:\n{diagnose(test_id, args.diagnose_s)}",
               flush=True)
     counts = {k: sum(v == k for v in outcomes.values())

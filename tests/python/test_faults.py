@@ -47,7 +47,10 @@ def _rank_main(rank, world_size, store_path, out_path, fault, stage):
         outcome["result"], outcome["error"] = type(e).__name__, str(e)
     outcome["seconds"] = time.monotonic() - t0
     outcome["charges"] = p.privacy_engine.charges
-    torch.save(outcome, out_path)
+    # Written whole, then renamed: the test polls for out_path and reads it as soon as it exists
+    # (a torch.save straight to out_path was once caught half-written: EOFError in CI).
+    torch.save(outcome, out_path + ".part")
+    os.replace(out_path + ".part", out_path)
     os._exit(0)  # the group is broken: leave without collective teardown
 
 

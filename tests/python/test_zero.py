@@ -56,7 +56,7 @@ class Attention(nn.Module):
         split = lambda y: y.view(b, t, HEADS, d // HEADS).transpose(1, 2)  # noqa: E731
         q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // HEADS)
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(-1)
         return self.o((att @ v).transpose(1, 2).reshape(b, t, d))
 
@@ -101,7 +101,7 @@ class GPT(nn.Module):
         self.recompute = recompute
 
     def forward(self, idx, targets):  # idx, targets: [B, T] int64
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             if self.recompute is None:
                 x = block(x)
