@@ -22,9 +22,14 @@
 #include "kernels/ghost_gemm.h"
 #include "kernels/per_sample_checks.h"
 #include "kernels/per_sample_ops.h"
+#include "tests/cpp/torch/devices.h"
 
 namespace dpzero {
 namespace {
+
+using testing::cuda_available;
+using testing::devices;
+using testing::kNoCuda;
 
 using Pair = std::tuple<at::Tensor, at::Tensor>;
 
@@ -54,20 +59,6 @@ int64_t set_chunk_bytes_op(int64_t bytes) {
                              .findSchemaOrThrow("dpzero::_set_chunk_bytes", "")
                              .typed<int64_t(int64_t)>();
   return op.call(bytes);
-}
-
-bool cuda_available() {
-#ifdef DPZERO_WITH_CUDA
-  return at::hasCUDA();
-#else
-  return false;
-#endif
-}
-
-std::vector<at::Device> devices() {
-  std::vector<at::Device> out{at::kCPU};
-  if (cuda_available()) out.emplace_back(at::kCUDA);
-  return out;
 }
 
 // std::sqrt of each entry of a float64 tensor, on the host: IEEE's correctly rounded square root,
@@ -225,7 +216,7 @@ TEST(GhostPaths, SummationDepthCoversEveryPath) {
 // four tile rows, remainders), 256+ (GEMM strips), for Linear inputs in every dtype and for tokens
 // with padding whose G rows are NaN.
 TEST(GhostPaths, CudaPathsMatchTheCpuKernel) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device, or dpzero built without CUDA kernels";
+  if (!cuda_available()) GTEST_SKIP() << kNoCuda;
   at::manual_seed(14);
   for (const int64_t t : {1, 2, 5, 16, 17, 32, 33, 64, 65, 130, 255, 256, 300}) {
     for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {

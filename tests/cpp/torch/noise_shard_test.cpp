@@ -23,9 +23,14 @@
 #include "privacy/secure_noise.h"
 #include "src/zero/shard_noise.h"
 #include "src/zero/shard_plan.h"
+#include "tests/cpp/torch/devices.h"
 
 namespace dpzero {
 namespace {
+
+using testing::cuda_available;
+using testing::devices;
+using testing::kNoCuda;
 
 at::Tensor& add_noise(at::Tensor& t, double stddev, int64_t seed, int64_t step, int64_t offset) {
   static const auto op = c10::Dispatcher::singleton()
@@ -59,15 +64,6 @@ at::Tensor& add_secure_noise_runs(at::Tensor& t, double stddev, c10::IntArrayRef
           .findSchemaOrThrow("dpzero::add_secure_noise_runs_", "")
           .typed<at::Tensor&(at::Tensor&, double, c10::IntArrayRef, int64_t, c10::IntArrayRef)>();
   return op.call(t, stddev, key, step, runs);
-}
-
-// The CPU, and the GPU when there is one and dpzero was built with its CUDA kernels.
-std::vector<at::Device> noise_devices() {
-  std::vector<at::Device> out{at::kCPU};
-#ifdef DPZERO_WITH_CUDA
-  if (at::hasCUDA()) out.emplace_back(at::kCUDA);
-#endif
-  return out;
 }
 
 // The CPU draw of coordinate j computed on its own: block j / 2 in lane 0 of a lane group (Note
@@ -225,14 +221,6 @@ TEST(AddNoiseOp, RejectsBadArgumentsNamingThem) {
   EXPECT_THROW(add_noise(strided, 1.0, 1, 0, 0), c10::Error);
 }
 
-bool cuda_available() {
-#ifdef DPZERO_WITH_CUDA
-  return at::hasCUDA();
-#else
-  return false;
-#endif
-}
-
 // The single-tensor draw of `key` into t, which holds global coordinates [offset, offset + n).
 void add_whole(at::Tensor& t, double stddev, const zero::NoiseKey& key, int64_t step,
                int64_t offset) {
@@ -314,7 +302,7 @@ TEST(ShardNoise, SecureUnionOfShardsEqualsSingleTensorForRandomPlans) {
 TEST(NoiseRuns, BatchedDrawIsThePerRunDraw) {
   std::mt19937_64 rng(77);
   const std::vector<int64_t> key = {5, 6, 7, 8, 9, 10, 11, 0xffffffff};
-  for (const at::Device device : noise_devices()) {
+  for (const at::Device device : devices()) {
     for (const int num_runs : {1, 3, 40, 300}) {
       std::vector<int64_t> table;
       int64_t local = static_cast<int64_t>(rng() % 3);
@@ -366,7 +354,7 @@ TEST(NoiseRuns, BatchedDrawIsThePerRunDraw) {
 // nothing in any element outside its runs (a sentinel value there stays as it was).
 TEST(ShardNoise, EachRankDrawsExactlyItsRunsInOneCall) {
   std::mt19937_64 rng(99);
-  for (const at::Device device : noise_devices()) {
+  for (const at::Device device : devices()) {
     for (int trial = 0; trial < 20; ++trial) {
       std::vector<zero::ParamSpec> params;
       int64_t g = static_cast<int64_t>(rng() % 9);
@@ -431,14 +419,14 @@ TEST(NoiseRuns, RejectsBadTablesNamingThem) {
 // for bit on the device (every coordinate once, padding untouched), for the Philox draw and the
 // secure one (the secure CUDA draw had no test before).
 TEST(CudaNoise, UnionOfShardsEqualsSingleTensorForRandomPlans) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device, or dpzero built without CUDA kernels";
+  if (!cuda_available()) GTEST_SKIP() << kNoCuda;
   for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     expect_union_of_shards_is_the_whole_draw(at::kCUDA, dtype, /*secure=*/false);
   }
 }
 
 TEST(CudaNoise, SecureUnionOfShardsEqualsSingleTensorForRandomPlans) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device, or dpzero built without CUDA kernels";
+  if (!cuda_available()) GTEST_SKIP() << kNoCuda;
   for (const at::ScalarType dtype : {at::kDouble, at::kFloat, at::kBFloat16}) {
     expect_union_of_shards_is_the_whole_draw(at::kCUDA, dtype, /*secure=*/true);
   }
@@ -448,7 +436,7 @@ TEST(CudaNoise, SecureUnionOfShardsEqualsSingleTensorForRandomPlans) {
 // kernels/cuda/secure_noise.cu document: |cuda - cpu| <= tol (1 + |cpu|) with tol = 1e-5 for the
 // float Philox draw and 1e-9 for the fp64 secure draw, over 2^16 coordinates at an odd offset.
 TEST(CudaNoise, DrawsAgreeWithTheCpuWithinTheDocumentedTolerance) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device, or dpzero built without CUDA kernels";
+  if (!cuda_available()) GTEST_SKIP() << kNoCuda;
   const int64_t n = int64_t{1} << 16, offset = 123;
   const std::vector<int64_t> key = {0xdeadbeef, 1, 2, 3, 4, 5, 6, 0xffffffff};
   for (const bool secure : {false, true}) {
@@ -470,7 +458,7 @@ TEST(CudaNoise, DrawsAgreeWithTheCpuWithinTheDocumentedTolerance) {
 // draw each element, as the CPU does (within the tolerance above; the CUDA per-run call shares the
 // kernel, so the CPU is the independent reference here).
 TEST(CudaNoise, LongRunsInOneLaunchAgreeWithTheCpu) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device, or dpzero built without CUDA kernels";
+  if (!cuda_available()) GTEST_SKIP() << kNoCuda;
   const std::vector<int64_t> key = {0xdeadbeef, 1, 2, 3, 4, 5, 6, 0xffffffff};
   std::vector<int64_t> table;
   int64_t local = 0;

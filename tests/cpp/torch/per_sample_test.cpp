@@ -19,9 +19,12 @@
 
 #include "kernels/per_sample_checks.h"
 #include "kernels/per_sample_ops.h"
+#include "tests/cpp/torch/devices.h"
 
 namespace dpzero {
 namespace {
+
+using testing::devices;
 
 at::Tensor linear_sq_norms(const at::Tensor& a, const at::Tensor& g, bool bias, int64_t method) {
   static const auto op =
@@ -52,14 +55,6 @@ bool ghost_is_cheaper_op(int64_t t, int64_t d_in, int64_t d_out) {
                              .findSchemaOrThrow("dpzero::ghost_is_cheaper", "")
                              .typed<bool(int64_t, int64_t, int64_t)>();
   return op.call(t, d_in, d_out);
-}
-
-std::vector<at::Device> devices() {
-  std::vector<at::Device> out{at::kCPU};
-#ifdef DPZERO_WITH_CUDA
-  if (at::hasCUDA()) out.emplace_back(at::kCUDA);
-#endif
-  return out;
 }
 
 // Per-sample weight gradients G_i^T A_i in float64: [B, d_out, d_in].
