@@ -52,6 +52,7 @@ machine() {
   $py -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__, "CUDA",
 torch.version.cuda, torch.cuda.get_device_name())'
   nvcc --version | tail -1
+  g++ --version | head -1  # nvcc's host compiler too
   cmake --version | head -1
   echo "$(nproc) cores"
 }
