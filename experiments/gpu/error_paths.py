@@ -5,7 +5,9 @@ On the lent H200 every CUDA test whose expected error message held a number died
 while errors without a number were raised and caught, and the same errors pass on the CPU build
 and in the CUDA build's GoogleTests. Each case below raises one of dpzero's argument errors in a
 fresh process, on the CPU and on the GPU, with and without a number in the message, so the
-outcome separates "CUDA tensors" from "this Python process" as the condition. It also prints which
+outcome separates "CUDA tensors" from "this Python process" as the condition; torch's own
+numbered error and dpzero's on CPU tensors after CUDA's initialisation separate "dpzero's code"
+from "the process's C++ locale or libstdc++". It also prints which
 libstdc++ the process maps and which compiler built dpzero._C (a libstdc++ older than the headers
 dpzero was compiled against is one way number formatting can fail inside a process and not in a
 native test binary).
@@ -25,7 +27,15 @@ CASES = {
     "sizes": "ops.linear_sq_norms_multi(t(3, 5, 4), [t(3, 5, 2), t(3, 6, 2)])",
     # with integers in it: "normalized_ndim must be in [1, input.dim() - 1] = [1, 2], got 4"
     "integers": "ops.layer_norm_sq_norms(t(2, 3, 4), t(2, 3, 4), 1e-5, False, False, 4)",
+    # torch's own error with numbers: "The size of tensor a (2) must match ... (3)"; if this one
+    # dies too, the process (its C++ locale, its libstdc++) is at fault, not dpzero
+    "torch's": "t(2) + t(3)",
 }
+# On the GPU also: dpzero's numbered error on CPU tensors once CUDA is initialised (a library
+# that CUDA loads could have replaced the global C++ locale).
+AFTER_CUDA_INIT = ("after CUDA init",
+                   "torch.zeros(1, device='cuda'); torch.cuda.synchronize(); "
+                   "ops.linear_sq_norms_multi(torch.randn(3, 5, 4), [torch.randn(3, 6, 2)])")
 PROLOGUE = """
 import torch, dpzero
 ops = torch.ops.dpzero
@@ -69,6 +79,9 @@ def main() -> None:
     for device in devices:
         for name, call in CASES.items():
             print(f"{device:4} {name:9} {run_case(device, call)}", flush=True)
+    if "cuda" in devices:
+        name, call = AFTER_CUDA_INIT
+        print(f"cpu  {name} {run_case('cpu', call)}", flush=True)
 
 
 if __name__ == "__main__":
