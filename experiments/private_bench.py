@@ -817,12 +817,8 @@ def write_markdown(path: str, args, cfg, rows, best, checks, run: dict) -> None:
     write_marked_section(path, args.tag, title, section)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="where every system runs (the correctness reference: the CPU)")
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The BERT shape and micro-batch flags (experiments/gpu/profile_step.py takes them too)."""
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
@@ -830,6 +826,15 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16, help="B, sequences per micro-batch")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where every system runs (the correctness reference: the CPU)")
+    add_model_arguments(parser)
     parser.add_argument("--accumulate", type=int, default=1,
                         help="K, micro-batches per logical step (gradient accumulation)")
     parser.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")

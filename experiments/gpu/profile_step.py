@@ -63,13 +63,9 @@ def profile_system(name: str, cfg: dict, data: pb.Data, steps: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default="dp-flat,opacus-ghost,torch")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--intermediate", type=int, default=3072)
-    parser.add_argument("--vocab", type=int, default=30522)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=32)
+    pb.add_model_arguments(parser)
+    # check.sh's private stage's shape (BERT-base width, 4 layers, B = 32)
+    parser.set_defaults(hidden=768, heads=12, intermediate=3072, vocab=30522, batch=32)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: the same tables without GPU rows (a check of this script)")

@@ -3,8 +3,8 @@
 A test that kills its process (a segfault in a CUDA path) ends a plain pytest run there, and the
 tests after it never run. This driver collects the test ids, runs them in one pytest process, and
 when that process dies by a signal, records the test that was running as crashed and starts a new
-process with the tests not yet run. Each crashed test is then run once more alone, in a fresh
-process (does it crash without the tests before it?), under cuda-gdb where it is on the PATH (the
+process with the tests not yet run. The first crashed test (--diagnose N: the first N) is then
+run once more alone, in a fresh process (does it crash without the tests before it?), under cuda-gdb where it is on the PATH (the
 lent GPU machines have it, and no gdb), for the native backtrace.
 
     python experiments/gpu/pytest_isolated.py [-k EXPR] FILE...      (the summary is the last line)
@@ -54,7 +54,8 @@ def collect(files: list[str], expr: str | None) -> list[str]:
     args = PYTEST + ["--collect-only", "-q"] + (["-k", expr] if expr else []) + files
     listing = subprocess.run(args, capture_output=True, text=True)
     ids = [line for line in listing.stdout.splitlines() if "::" in line]
-    if listing.returncode not in (0, 5) or not ids and listing.returncode != 5:
+    # 5: no test selected, a valid answer; 0 with no id listed means the listing was not read
+    if listing.returncode not in (0, 5) or (listing.returncode == 0 and not ids):
         sys.stdout.write(listing.stdout + listing.stderr)
         raise SystemExit(f"pytest_isolated: collection failed (rc={listing.returncode})")
     return ids
@@ -114,16 +115,16 @@ def main() -> None:
     outcomes: dict[str, str] = {}
     crashed: list[str] = []
     journal = os.path.join(tempfile.mkdtemp(prefix="pytest-isolated-"), "journal")
-    todo = ids
-    while todo:
-        rc, running = run_until_crash(todo, outcomes, journal)
+    remaining = ids
+    while remaining:
+        rc, running = run_until_crash(remaining, outcomes, journal)
         if running is None:
             break
         print(f"pytest_isolated: {running} CRASHED (rc={rc}); going on with the tests after it",
               flush=True)
         outcomes[running] = "crashed"
         crashed.append(running)
-        todo = [i for i in todo if i not in outcomes]
+        remaining = [i for i in remaining if i not in outcomes]
     for test_id in crashed[:args.diagnose]:
         print(f"\n---- {test_id} alone, in a fresh process:\n{diagnose(test_id, args.diagnose_s)}",
               flush=True)
