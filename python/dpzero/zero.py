@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Iterable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -151,6 +152,11 @@ class ShardedModule:
         self._units = units
         self._handles = hook_handles
         self._optimizer_bytes = optimizer_bytes_per_param
+        # Set by a private engine (Note [state written from data] in private/state_guard.py):
+        # release_check(what) raises before a checkpoint releases changed module state;
+        # state_loaded() takes what a checkpoint load wrote into the module as its state.
+        self.release_check: Optional[Callable[[str], None]] = None
+        self.state_loaded: Optional[Callable[[], None]] = None
 
     def __del__(self):
         # The hooks reach the engine through weak references (see _hooks_ref); without the

@@ -440,3 +440,90 @@ def test_an_unvetted_subclass_mixing_examples_around_super_is_refused():
                        match="refusing the step: .*each example's output recomputed alone "
                              "differs"):
         p.optimizer.step()
+
+
+class _MaskedCentred(nn.Module):
+    """A generic head (the root's own weight, used directly) that centres its logits on the
+    batch mean (mixing every example into every row) and masks class 0 with ``fill`` (-inf, as
+    masked_fill(..., -inf) is commonly used, or Hugging Face's finfo.min), optionally through a
+    frozen ``batch_first=False`` MultiheadAttention fed batch-first (it attends over the
+    examples)."""
+
+    def __init__(self, fill, centre=True, attention=False):
+        super().__init__()
+        self.fill, self.centre = fill, centre
+        self.emb = nn.Embedding(V, D)
+        self.w = nn.Parameter(torch.randn(D, K) * 0.3)
+        self.attention = nn.MultiheadAttention(D, 2).requires_grad_(False) if attention \
+            else None
+
+    def forward(self, ids):
+        h = self.emb(ids).mean(1)
+        if self.attention is not None:
+            h = self.attention(h[:, None], h[:, None], h[:, None], need_weights=False)[0][:, 0]
+        logits = h @ self.w
+        if self.centre:
+            logits = logits - logits.mean(0)
+        mask = torch.zeros(K, dtype=torch.bool)
+        mask[0] = True
+        return logits.masked_fill(mask, self.fill) if self.fill is not None else logits
+
+
+@pytest.mark.parametrize("fill", [-math.inf, torch.finfo(torch.float32).min, None])
+@pytest.mark.parametrize("attention", [False, True])
+def test_a_non_finite_mask_does_not_disable_the_separable_check(fill, attention):
+    """Non-finite entries carry no scale (Note [separable recompute]): a privacy review found
+    the check's tolerance, taken from each example's largest |output|, made infinite by a
+    masked -inf (3.4e34 by finfo.min), so batch centring moved the clipped sum by 3.51C (4.92C
+    with the attention over the examples). Now refused, with the mask as without it."""
+    from sensitivity import refused_or_bounded
+
+    g = torch.Generator().manual_seed(3)
+    ids, y = torch.randint(1, V, (8, T), generator=g), torch.randint(1, K, (8,), generator=g)
+    assert refused_or_bounded(lambda: _MaskedCentred(fill, attention=attention), [ids], y) \
+        == "refused"
+    # The same masked head without the mixing trains.
+    assert refused_or_bounded(lambda: _MaskedCentred(fill, centre=False), [ids], y) == "bounded"
+
+
+class _NaNColumn(nn.Module):
+    """A generic head whose output has a NaN in a column the loss never reads, for one
+    example."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.w = nn.Parameter(torch.randn(D, K + 1) * 0.3)
+
+    def forward(self, ids):
+        out = self.emb(ids).mean(1) @ self.w
+        return out.masked_fill((ids[:, :1] == 1) & (torch.arange(K + 1) == K), math.nan)
+
+
+def test_an_example_whose_output_is_nan_is_refused_with_its_reason():
+    torch.manual_seed(0)
+    ids = torch.randint(2, V, (8, T))
+    ids[3, 0] = 1
+    data = torch.utils.data.TensorDataset(ids, torch.randint(0, K, (8,)))
+    p = dpzero.make_private(_NaNColumn(), dataset=data, sample_rate=1.0, noise_multiplier=1.0,
+                            max_grad_norm=C, seed=1)
+    x, y = next(iter(p.data_loader))
+    F.cross_entropy(p.model(x)[:, :K], y).backward()
+    with pytest.raises(dpzero.private.PrivacyViolation, match=r"is NaN for example 3 "):
+        p.optimizer.step()
+    assert p.privacy_engine.charges == 0
+
+
+def test_a_root_parameter_trains_in_bf16_without_autocast():
+    """A privacy review found a model with a root parameter refused under
+    mixed_precision="bf16": the recompute differed by 1.8e-3 relative, against the fp32
+    tolerance, which applied unless autocast was on. 16-bit parameters get the 16-bit one."""
+    torch.manual_seed(0)
+    p = dpzero.make_private(Temperature(), dataset=_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=C, seed=1, mixed_precision="bf16")
+    for _ in range(3):
+        for ids, y in p.data_loader:
+            F.cross_entropy(p.model(ids).float(), y).backward()
+            if p.optimizer.step():
+                break
+    assert p.privacy_engine.charges == 3

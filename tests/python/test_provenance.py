@@ -394,8 +394,8 @@ def test_a_lookup_as_an_attention_mask_needs_queries_keys_and_values_of_the_same
 
 class BufferWrites(nn.Module):
     """A Linear with buffers its forward updates: ``from_examples`` "in place" or "replaced", an
-    EMA of the batch mean (as BatchNorm's running statistics); always a step counter, which
-    holds nothing of the examples."""
+    EMA of the batch mean (as BatchNorm's running statistics), or "counter", a count of forward
+    calls (it follows the realised Poisson batch sizes); None writes nothing."""
 
     def __init__(self, from_examples=None):
         super().__init__()
@@ -411,23 +411,24 @@ class BufferWrites(nn.Module):
                 self.ema.mul_(0.9).add_(0.1 * h.mean(0))
             elif self.from_examples == "replaced":
                 self.ema = 0.9 * self.ema + 0.1 * h.mean(0)
-            self.calls += 1
+            elif self.from_examples == "counter":
+                self.calls += 1
         return self.head(h)
 
 
-def test_a_forward_that_writes_the_examples_into_a_buffer_is_refused():
+def test_a_forward_that_writes_into_a_buffer_is_refused():
     """Data of the examples written into a buffer leaves the training without noise (BatchNorm's
-    running statistics are refused by type; this is any buffer): the probe sees the write (the
-    buffer turns into a tainted Examples) and refuses the step, naming the buffer; the buffer's
-    class is restored. A buffer written from nothing of the examples (a counter) is fine."""
+    running statistics are refused by type; this is any buffer), and so does a count of forward
+    calls: the probe sees the write and refuses the forward, naming the buffer; the buffer's
+    value and class are restored (Note [probe writes]; test_state.py has the rest)."""
     ids, y = ids_and_labels(4, seed=4)
     assert refused_or_bounded(lambda: BufferWrites(from_examples=None), [ids], y) == "bounded"
-    for how in ("in place", "replaced"):
+    for how, name in (("in place", "ema"), ("replaced", "ema"), ("counter", "calls")):
         model = BufferWrites(from_examples=how)
-        with pytest.raises(PrivacyViolation, match=r"writes data computed from the examples "
-                                                   r"into its buffers \['ema'\]"):
+        with pytest.raises(PrivacyViolation, match=rf"buffer '{name}' of module '<model>'"):
             refused_or_bounded_raising(lambda: model, ids, y)
         assert type(model.ema) is torch.Tensor, how
+        assert torch.equal(model.ema, torch.zeros(D)) and int(model.calls) == 0, how
 
 
 def test_a_changed_t5_compute_bias_stops_the_step():

@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from .. import _C
 from .layers import LayerKind
+
+if TYPE_CHECKING:
+    from .state_guard import ProbeWrites
 
 _dp = _C.dp  # the private step's C++ core (src/dp)
 
@@ -101,6 +104,11 @@ class Book:
         # their backward raises this), or None.
         self.refusal: Optional[str] = None
         self.verdicts: Dict[tuple, list] = {}
+        # Note [state written from data] (state_guard.py), set by the engine: watch_state() is
+        # the probe's copy-on-write of the model's state (Note [probe writes]), restore_state()
+        # puts its buffers back to the values fixed at make_private.
+        self.watch_state: Callable[[], "ProbeWrites"] = None  # type: ignore[assignment]
+        self.restore_state: Callable[[], None] = lambda: None
         self._generation = -1
         self._micro_batch()
 

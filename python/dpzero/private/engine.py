@@ -36,6 +36,7 @@ draw is ever applied twice; k is the same on every rank and for every W, stage a
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -55,12 +56,13 @@ from ..zero import default_units, shard
 from . import checkpointing
 from .attach import assign_components, find_layers, guard_hooks, param_slots, patch, unpatch
 from .agreements import RankAgreements
-from .book import Book, _dp
+from .book import Book, PrivacyViolation, _dp
 from .config import PrivateConfig, resolve
 from .examples import MicroBatchToken, tag
 from .loader import DPDataLoader, MicroBatch
 from .optimizer import DPOptimizer
 from .provenance import Ranks
+from .state_guard import ProbeWrites, StateGuard
 from .trainable import TrainableSet
 from . import state_dict
 
@@ -235,6 +237,35 @@ class PrivacyEngine:
                 self.accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=n)
         self.next_step = max(int(state["next_step"]), self.charges)
 
+    def accept_state_change(self, names=None) -> None:
+        """Note [state written from data]: takes the model's buffers and frozen parameters as they
+        are now (``names``: only these, dotted as in ``model.state_dict()``) as its state, which
+        every step and every release then verifies. Only for a write that holds nothing of the
+        training data, e.g. a value computed from the released model or from public data;
+        ``model.load_state_dict()`` and ``dpzero.checkpoint.load`` accept what they load by
+        themselves. Call it between steps, on every rank."""
+        self._check_attached()
+        self._state.accept(names)
+
+    def _verify_release(self, what: str, collective: bool = True) -> None:
+        """Note [state written from data]: raises PrivacyViolation before ``what`` releases the
+        model's state if a buffer or frozen parameter changed. ``collective``: the release is a
+        collective (a checkpoint, a gathering state_dict), so every rank refuses when one
+        does."""
+        error = None
+        try:
+            self._state.verify_release(what)
+        except PrivacyViolation as e:
+            error = e
+        if collective and self.world_size > 1:
+            agree = self.agreements
+            if agree.collective(f"agreeing on {what}", agree.any_rank, error is not None) \
+                    and error is None:
+                error = PrivacyViolation(f"{what} is refused: the model state of another rank "
+                                         "changed since make_private (its error names it)")
+        if error is not None:
+            raise error
+
     # ---- construction ------------------------------------------------------------------------
 
     def _attach(self, model: nn.Module, config: PrivateConfig) -> Private:
@@ -351,6 +382,15 @@ class PrivacyEngine:
         patch(model, layers, book_ref, ranks, devices)
         self._checkpointed = checkpointing.apply(model, checkpointed)
         self._guards = guard_hooks(model, book_ref)
+        self._trainable_set = TrainableSet(model, list(trainable.values()))  # checked each step
+        self._trainable = self._trainable_set.params
+        # Note [state written from data]: buffers and frozen parameters are fixed now, verified
+        # at every step and at every release (state_dict, checkpoints, detach).
+        self._state = StateGuard(model, self._trainable_set.ids, self._trainable_set.modules)
+        self.book.restore_state = self._state.restore_buffers
+        self.book.watch_state = functools.partial(ProbeWrites, model, self._trainable_set.ids)
+        sharded.release_check = self._verify_release
+        sharded.state_loaded = self._state.accept
         self._state_dict_hooks = state_dict.register(model, self)
         self.clipping = clipping
         self.loss_reduction = c.loss_reduction
@@ -365,8 +405,6 @@ class PrivacyEngine:
         self._micro: Optional[MicroBatch] = None  # the micro-batch handed out last
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
-        self._trainable_set = TrainableSet(model, list(trainable.values()))  # checked each step
-        self._trainable = self._trainable_set.params
         # Whole epochs never exceed the steps σ was calibrated for (int(epochs / q), Opacus's).
         steps_per_epoch = max(1, int(1.0 / q))
         self.model = PrivateModule(model, self)
@@ -644,7 +682,8 @@ class PrivacyEngine:
             return False  # not the last micro-batch of the logical batch: only accumulate
         # Checks only Python can make; the book's own, the agreement, the budget, the ledger,
         # the charge and the noisy update are the step's transaction (src/dp/private_step.h).
-        refusal = self.book.take_deferred() or self._trainable_set.changed()
+        state = self._state.verify_step()  # always: it also puts changed buffers back
+        refusal = self.book.take_deferred() or self._trainable_set.changed() or state
         try:  # Note [hyperparameters at the step] (optimizer.py)
             self._set_hyperparameters()
             bad_settings = None
@@ -715,6 +754,7 @@ class PrivacyEngine:
         loader refuse to run afterwards (with the guards gone, autograd's unclipped gradients
         would reach the engine's buffers). Gathers nothing: in stage 3 read the trained values
         with ``parameters()`` first."""
+        self._verify_release("detach()", collective=False)
         checkpointing.remove(self._checkpointed)
         unpatch(self.module, self.layers)
         for h in self._guards + self._state_dict_hooks:

@@ -225,6 +225,15 @@ def _holds_examples(x: torch.Tensor, taint: MicroBatchToken) -> None:
         taint.escaped[_storage(x)] = x.untyped_storage()
 
 
+def untag(x: torch.Tensor) -> None:
+    """Undoes :func:`_holds_examples` on a plain tensor turned into a tainted Examples in place
+    (module state the probe's forward wrote, restored after it)."""
+    if type(x) is Examples:
+        x.__class__ = torch.Tensor
+        for attr in ("_dp_token", "_dp_bdim", "_dp_taint", "_dp_version"):
+            x.__dict__.pop(attr, None)
+
+
 def _argument(args, kwargs, index: int, name: str):
     return args[index] if len(args) > index else kwargs.get(name)
 

@@ -207,7 +207,13 @@ class FuncKind(LayerKind):
                     raise RandomOpError(_random_op_error(module_name)) from None
                 grads, outs = self._loop(one, per_out, xs, [in_dims[i] for i in batched],
                                          module_name)
-        _check_separable(module_name, outs, layout.values, out_dims, amp is not None, defer)
+        # 16-bit arithmetic anywhere in the module (autocast, or 16-bit parameters, inputs or
+        # outputs without it) rounds differently between the batch and one example.
+        low = amp is not None or any(
+            t.dtype in (torch.float16, torch.bfloat16)
+            for t in list(values.values()) + list(leaves) + list(layout.values)
+            if isinstance(t, torch.Tensor))
+        _check_separable(module_name, outs, layout.values, out_dims, low, defer)
         return {n: grads[n].float() for n in names}
 
     @staticmethod
@@ -266,20 +272,43 @@ def _check_separable(module_name: str, recomputed, forward, out_dims, low_precis
     (the book's) takes it unread, so the backward never waits on a GPU (Note [deferred checks]
     in book.py); without it a failure raises here."""
     # Rounding differs between a batch and one example (other kernels, other blockings): 1e-4 of
-    # each example's own largest output in fp32, 3e-2 under 16-bit autocast.
+    # each example's own largest finite output in fp32, 3e-2 in 16-bit arithmetic. Non-finite
+    # entries carry no scale: an output holding -inf (a masked class) or finfo.min would make
+    # any tolerance taken from it infinite, so they must match exactly (same positions, same
+    # values), and a NaN anywhere fails (a NaN equals nothing, so nothing can be checked there).
     rtol = 3e-2 if low_precision else 1e-4
     for j, (r, f, d) in enumerate(zip(recomputed, forward, out_dims)):
         f = f.movedim(d, 0).to(r.dtype)
         if not f.numel():
             continue
-        rows = f.abs().reshape(f.shape[0], -1).amax(1).view(-1, *([1] * (f.dim() - 1)))
-        diff = (r - f).abs()
-        failed, worst, scale = (diff > rtol * rows).any(), diff.max(), rows.max()
+        finite = torch.isfinite(f) & torch.isfinite(r)
+        big = torch.finfo(f.dtype).max / 4 if f.is_floating_point() else None
+        if big is not None:  # finfo.min / max used as -inf / inf (Hugging Face's masks)
+            finite &= (f.abs() < big) & (r.abs() < big)
+        scale = torch.where(finite, f.abs(), 0).reshape(f.shape[0], -1).amax(1)
+        rows = scale.view(-1, *([1] * (f.dim() - 1)))
+        diff = torch.where(finite, (r - f).abs(), 0)
+        exact = finite | (r == f)  # the non-finite (or huge) entries: equal, bit for bit
+        nan = torch.isnan(f) | torch.isnan(r)
+        failed = (diff > rtol * rows).any() | ~exact.all() | nan.any()
 
-        def text(j=j, worst=worst, scale=scale) -> str:
+        def text(j=j, r=r, f=f, diff=diff, exact=exact, nan=nan, scale=scale) -> str:
+            if bool(nan.any()):
+                row = int(nan.reshape(nan.shape[0], -1).any(1).nonzero()[0, 0])
+                return (f"{module_name}: its output {j} is NaN for example {row} of the "
+                        "micro-batch, so dpzero cannot check that each example's output depends "
+                        "on that example alone (Note [separable recompute]); find where the NaN "
+                        "comes from (a division by zero, log of 0, an overflow) or freeze the "
+                        "module's parameters")
+            if not bool(exact.all()):
+                return (f"{module_name}: each example's output recomputed alone differs from the "
+                        f"forward's at a non-finite or extreme entry of output {j} (an -inf or "
+                        "finfo.min mask that is not the same when the example is alone): the "
+                        "module mixes the examples along the dim that holds them. Feed it the "
+                        "layout it expects, or freeze its parameters")
             return (f"{module_name}: each example's output recomputed alone differs from the "
-                    f"forward's (output {j}, largest difference {float(worst):.3g} at scale "
-                    f"{float(scale):.3g}): the module mixes the examples along the dim that "
+                    f"forward's (output {j}, largest difference {float(diff.max()):.3g} at scale "
+                    f"{float(scale.max()):.3g}): the module mixes the examples along the dim that "
                     "holds them (a batch_first=False layer fed batch-first inputs attends or "
                     "recurs over the examples), or draws random numbers in its forward. Feed it "
                     "the layout it expects (batch_first=True, or transpose the input), or "

@@ -62,6 +62,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .book import PrivacyViolation
+from .state_guard import refusal_text
 from .examples import (_ELEMENTWISE, _ELEMENTWISE_INPLACE, Examples, MicroBatchToken, _suspect,
                        _wrap, lost_at, untagged, varies_along)
 
@@ -544,37 +545,9 @@ def _never_unpacked(_packed):
     raise RuntimeError("the provenance probe's graph is never back-propagated")
 
 
-@contextlib.contextmanager
-def _buffers_kept(module: nn.Module):
-    """Restores every buffer the probe's forward changed, in place or by assigning another
-    tensor (a step counter, a cache): the probe must leave no trace in the model. Yields the
-    list it fills with the names of the buffers the forward wrote the examples' data into (the
-    tag's rules make such a tensor a tainted Examples, examples.py ``_holds_examples``), whose
-    class it restores too."""
-    saved = [(f"{mname}.{name}" if mname else name, m, name, b, type(b), b._version,
-              b.detach().clone())
-             for mname, m in module.named_modules() for name, b in m._buffers.items()
-             if b is not None]
-    written: List[str] = []
-    try:
-        yield written
-    finally:
-        with torch.no_grad():
-            for full, m, name, b, cls, version, copy in saved:
-                current = m._buffers.get(name)
-                if type(b) is not cls or (current is not b and isinstance(current, Examples)):
-                    written.append(full)  # written in place, or replaced, with example data
-                    b.__class__ = cls
-                    for attr in ("_dp_token", "_dp_bdim", "_dp_taint", "_dp_version"):
-                        b.__dict__.pop(attr, None)
-                if m._buffers.get(name) is not b:
-                    m._buffers[name] = b
-                if b._version != version:
-                    b.copy_(copy)
-
-
-class BuffersFromExamples(RuntimeError):
-    """The model's forward writes data of the examples into its buffers (run_probe)."""
+class StateWritten(RuntimeError):
+    """The model's forward writes into its buffers or frozen parameters (run_probe, Note [probe
+    writes] in state_guard.py)."""
 
 
 def _rows(x: torch.Tensor, bdim: int, rotated: bool) -> torch.Tensor:
@@ -592,7 +565,8 @@ def run_probe(module: nn.Module, forward: Callable, args, kwargs,
     calls it records are the ones that register parts there: a segment the model runs without
     gradients, such as reentrant checkpointing's first pass, registers none), with autograd
     saving no tensor (the probe's graph is dropped, never back-propagated), and the RNG state
-    and the module's buffers restored afterwards. ``rows`` 0: the same inputs, only to issue the
+    and the module's buffers and frozen parameters restored afterwards (Note [probe writes] in
+    state_guard.py). ``rows`` 0: the same inputs, only to issue the
     same collectives as the ranks that probe."""
     probe = Probe(rows + 1 if rows > 0 else 0, real)
     leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -601,15 +575,12 @@ def run_probe(module: nn.Module, forward: Callable, args, kwargs,
             leaves[i] = _wrap(_rows(leaves[i], bdim, rotated), bdim, probe.token)
     p_args, p_kwargs = pytree.tree_unflatten(leaves, spec)
     with torch.autograd.graph.saved_tensors_hooks(_saved_nothing, _never_unpacked), \
-            torch.random.fork_rng(devices=devices), _buffers_kept(module) as written, \
+            torch.random.fork_rng(devices=devices), book.watch_state() as state, \
             book.probing(probe):
         forward(*p_args, **p_kwargs)
-    if written:
-        raise BuffersFromExamples(
-            f"the model's forward writes data computed from the examples into its buffers "
-            f"{sorted(written)} (as BatchNorm's running statistics do): their values would leave "
-            "the training without noise, outside ε. Compute them without the training batch, "
-            "or keep them out of the module's state (a local value in the forward)")
+    if state.written:
+        raise StateWritten(refusal_text("the forward is refused (its probe saw it write into "
+                                        "the model's state)", state.described))
     return probe.records
 
 
@@ -736,7 +707,8 @@ def _probed(module, original, args, kwargs, tagged, book, devices, real, rows,
     try:
         return run_probe(module, original, args, kwargs, tagged, book, devices, real, rows,
                          rotated), None
-    except BuffersFromExamples as e:
+    except StateWritten as e:
+        book.restore_state()  # what the real forward wrote before the probe (Note [probe writes])
         return None, str(e)
     except Exception as e:  # noqa: BLE001 - named in the refusal
         return None, (

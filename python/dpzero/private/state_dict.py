@@ -18,6 +18,12 @@ collective with several ranks, as FSDP's full state dict: every rank calls ``sta
 rank 0 alone) and make loading write the master, from which the engine publishes the parameters.
 ``state_dict(keep_vars=True)`` asks for the Parameter objects themselves and gathers nothing. Only trainable parameters are the engine's;
 buffers and frozen parameters are torch's as usual.
+
+Every ``state_dict()`` is a release of the model's buffers and frozen parameters, so it first
+verifies them (Note [state written from data] in state_guard.py): every rank refuses when one
+does where the call is a collective anyway (the gathering hooks above), otherwise each rank
+checks its own. ``load_state_dict()`` makes the loaded buffers and frozen parameters the
+model's fixed state.
 """
 
 from __future__ import annotations
@@ -36,14 +42,15 @@ def engine_holds_values(sharded) -> bool:
 
 
 def register(model: nn.Module, engine) -> List:
-    """The hooks of Note [module state dicts] on ``model``; returns their handles."""
-    if not engine_holds_values(engine.sharded):
-        return []
+    """The hooks of this module's docstring on ``model``; returns their handles."""
+    gathers = engine_holds_values(engine.sharded)
     # Every name a trainable parameter has in the state dict (tied ones under each name).
     names = {name: p for name, p in model.named_parameters(remove_duplicate=False)
              if id(p) in engine._slot_of}
     # Loaded values by state-dict key, from the pre-hook to the post-hook.
     pending: Dict[str, Tuple[nn.Parameter, torch.Tensor]] = {}
+    # Buffers and frozen parameters loaded, by name, from the pre-hook to the post-hook.
+    loaded_state: List[str] = []
 
     def gathered() -> Dict[int, torch.Tensor]:
         zero = engine.sharded._state
@@ -55,8 +62,11 @@ def register(model: nn.Module, engine) -> List:
         keep_vars.append(keep)
 
     def save_post(module, state_dict, prefix, local_metadata):
-        if keep_vars.pop() if keep_vars else False:
-            return  # the caller asked for the Parameter objects, not values: nothing gathered
+        keep = keep_vars.pop() if keep_vars else False
+        # A collective where the call gathers (Note [module state dicts]); else this rank's own.
+        engine._verify_release("model.state_dict()", collective=gathers and not keep)
+        if keep or not gathers:
+            return  # the Parameter objects asked for, or the module's parameters are the master
         flats = gathered()
         for name, p in names.items():
             if prefix + name in state_dict:
@@ -65,6 +75,10 @@ def register(model: nn.Module, engine) -> List:
 
     def load_pre(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
                  errors):
+        loaded_state[:] = [key[len(prefix):] for key in state_dict
+                           if key.startswith(prefix) and key[len(prefix):] not in names]
+        if not gathers:
+            return
         # Taken out before torch copies them into the (freed or stale) parameters.
         for name, p in names.items():
             key = prefix + name
@@ -79,6 +93,14 @@ def register(model: nn.Module, engine) -> List:
             pending[key] = (p, v.detach())
 
     def load_post(module, incompatible):
+        state = engine._state
+        known = {e.name for e in state.entries}
+        accepted = [n for n in loaded_state if n in known]
+        loaded_state.clear()
+        if accepted:
+            state.accept(accepted)  # what the caller loaded is the model's state now
+        if not gathers:
+            return
         taken = list(pending.values())
         # The keys taken out above were loaded, not missing.
         incompatible.missing_keys[:] = [k for k in incompatible.missing_keys

@@ -37,7 +37,9 @@ class TrainableSet:
         self.ids = frozenset(id(p) for p in self.params)
         self._listed: List[Tuple[nn.Module, tuple]] = []  # (module, its children when listed)
 
-    def _modules_now(self) -> List[nn.Module]:
+    def modules(self) -> List[nn.Module]:
+        """The model's modules now (the listing is walked again only when some listed module's
+        children changed)."""
         if not self._listed or not all([_same_children(m, children)
                                         for m, children in self._listed]):
             self._listed = [(m, tuple(m._modules.values())) for m in self.model.modules()]
@@ -46,7 +48,7 @@ class TrainableSet:
     def changed(self) -> Optional[str]:
         """Why the model's trainable parameters are no longer the set fixed at construction (an
         error text naming them), or None."""
-        now = {id(p) for m in self._modules_now() for p in m._parameters.values()
+        now = {id(p) for m in self.modules() for p in m._parameters.values()
                if p is not None and p.requires_grad}
         if now == self.ids:
             return None

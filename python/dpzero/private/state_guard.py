@@ -1,0 +1,379 @@
+"""Module state the private optimizer does not write: buffers and frozen parameters, fingerprinted
+when the model is attached and verified at every step and at every release.
+
+Note [state written from data]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+ε covers the noisy updates of the trainable parameters. Every other tensor a module holds, its
+buffers and its frozen parameters, is released with the model too (``state_dict()``,
+checkpoints, a Trainer's saves, ``dpzero train``'s model) and is read by every later forward. A
+forward that writes something computed from the training batch into such a tensor (an EMA of the
+batch mean, VQ-VAE's codebook, BatchNorm's running statistics, a counter of forward calls, which
+follows the realised Poisson batch sizes) releases it without noise and lets one example reach
+every later step's gradients outside the clipping. Nothing legitimate under DP writes them, so
+dpzero holds them fixed:
+
+* when the model is attached, every buffer is copied (buffers are small) and every frozen
+  parameter's identity, version counter and digest (BLAKE2b of its bytes) are recorded;
+* at every private step (``optimizer.step()`` of a logical batch's last micro-batch, before
+  anything is charged) the buffers are compared with their copies bit for bit, and the frozen
+  parameters by identity and version counter (a version bump is confirmed against the digest).
+  A change refuses the step, names the module, the tensor and the fix, and the buffers are put
+  back to their copies, so nothing of the batch remains in them;
+* at every release (``state_dict()``, ``dpzero.checkpoint.save``, the Trainer's saves,
+  ``PrivacyEngine.detach()``) the buffers again, and every frozen parameter by its digest: a
+  write through ``.data``, numpy or DLPack bumps no version counter, and only the digest sees it.
+  A change refuses the release, naming the tensor.
+
+A buffer or frozen parameter added, removed or replaced by another tensor counts as a change. The
+caller's own writes between steps that hold nothing of the training data (a value computed from
+the released model, a load) are accepted by name with ``PrivacyEngine.accept_state_change``;
+``model.load_state_dict()`` and ``dpzero.checkpoint.load`` accept what they load. The provenance
+probe's forward (provenance.py) restores whatever state it writes, copy-on-write, so it leaves no
+trace (Note [probe writes]).
+
+What this does not see: Python attributes that are not buffers or parameters (``self.last = x``),
+globals and files; they are not in the model's state dict, and what a caller copies out of the
+batch is the caller's, as in every DP-SGD library (Note [batch provenance]). The trainable
+parameters are the engine's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .examples import untag
+
+# Bytes of a frozen tensor hashed per host copy (a CUDA tensor is copied in pieces this size).
+_DIGEST_CHUNK = 64 << 20
+
+
+def digest(t: torch.Tensor) -> bytes:
+    """BLAKE2b-128 of ``t``'s bytes in row-major order, with its dtype and shape."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    flat = _bytes(t)
+    for start in range(0, flat.numel(), _DIGEST_CHUNK):
+        piece = flat[start:start + _DIGEST_CHUNK]
+        h.update(piece.cpu().numpy().tobytes() if piece.device.type != "cpu"
+                 else memoryview(piece.numpy()))
+    return h.digest()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a flat uint8 tensor (a copy where ``t`` is not contiguous)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        flat = t.detach().contiguous().reshape(-1)
+        return flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+
+
+@dataclass
+class _Entry:
+    """One tensor of the model's state, as the guard fixed it."""
+
+    name: str              # dotted, as in the state dict ("encoder.ema")
+    owner: nn.Module
+    local: str             # its name in owner._buffers or owner._parameters
+    buffer: bool           # a buffer; else a frozen parameter
+    tensor: torch.Tensor   # the object fixed
+    version: int           # its version counter when fixed
+    copy: Optional[torch.Tensor] = None   # a buffer's bytes ([nbytes] uint8)
+    digest: Optional[bytes] = None        # a frozen parameter's digest
+
+    @property
+    def key(self) -> tuple:
+        return (id(self.owner), self.local, self.buffer)
+
+    @property
+    def kind(self) -> str:
+        return "buffer" if self.buffer else "frozen parameter"
+
+    def current(self) -> Optional[torch.Tensor]:
+        return (self.owner._buffers if self.buffer else self.owner._parameters).get(self.local)
+
+
+def _describe(kind: str, name: str, owner: nn.Module) -> str:
+    """"buffer 'enc.ema' of module 'enc' (Encoder)"."""
+    module_name = name.rpartition(".")[0]
+    return f"{kind} {name!r} of module {module_name or '<model>'!r} ({type(owner).__name__})"
+
+
+def refusal_text(what: str, items: Sequence[str]) -> str:
+    """Why ``what`` is refused: the state ``items`` (described) changed."""
+    more = f" (and {len(items) - 6} more)" if len(items) > 6 else ""
+    return (f"{what}: the model's state changed since make_private fixed it: "
+            f"{'; '.join(items[:6])}{more}. Buffers and frozen parameters are released with the "
+            "model (state_dict, checkpoints) without noise and are read by later steps, so "
+            "nothing computed from the training data, nor a count of forward calls (it follows "
+            "the realised batch sizes), may be written into them (Note [state written from "
+            "data]). Compute such a value without the training batch, or keep it out of the "
+            "module's state (a local value in the forward); a write that holds nothing of the "
+            "training data (computed from public data or the released model) is accepted by "
+            "name with privacy_engine.accept_state_change(names)")
+
+
+class StateGuard:
+    """Note [state written from data] for ``model``, whose trainable parameters (by id) are
+    ``trainable``. ``modules()`` lists the model's modules now (TrainableSet's cached walk)."""
+
+    def __init__(self, model: nn.Module, trainable: Iterable[int],
+                 modules: Callable[[], Sequence[nn.Module]]) -> None:
+        self.model = model
+        self.trainable = frozenset(trainable)
+        self._modules = modules
+        self.entries: List[_Entry] = []
+        self._fix(None)
+
+    # ---- fixing --------------------------------------------------------------------------
+
+    def _walk(self) -> Dict[tuple, _Entry]:
+        """Every buffer and frozen parameter of the model now, keyed by (owner id, local name,
+        kind), with the first dotted name each is reached by."""
+        out: Dict[tuple, _Entry] = {}
+        for mname, m in self.model.named_modules(remove_duplicate=False):
+            for local, b in m._buffers.items():
+                if b is not None:
+                    out.setdefault((id(m), local, True), _Entry(
+                        f"{mname}.{local}" if mname else local, m, local, True, b, b._version))
+            for local, p in m._parameters.items():
+                if p is not None and id(p) not in self.trainable:
+                    out.setdefault((id(m), local, False), _Entry(
+                        f"{mname}.{local}" if mname else local, m, local, False, p, p._version))
+        return out
+
+    def _fix(self, names: Optional[Sequence[str]]) -> None:
+        """Fixes the model's state as it is now: all of it (``names`` None), or the named
+        tensors (the others keep what was fixed before)."""
+        walked = self._walk()
+        old = {e.key: e for e in self.entries}
+        entries, copies, digests = [], {}, {}
+        for key, e in walked.items():
+            if names is not None and e.name not in names:
+                if key in old:
+                    entries.append(old[key])
+                continue
+            if e.buffer:
+                if id(e.tensor) not in copies:
+                    copies[id(e.tensor)] = _bytes(e.tensor).clone()
+                e.copy = copies[id(e.tensor)]
+            else:
+                if id(e.tensor) not in digests:
+                    digests[id(e.tensor)] = digest(e.tensor)
+                e.digest = digests[id(e.tensor)]
+            entries.append(e)
+        if names is not None:  # removed since, and not named: still a change
+            entries += [e for key, e in old.items() if key not in walked and e.name not in names]
+        self.entries = entries
+
+    def accept(self, names: Optional[Sequence[str]] = None) -> None:
+        """Takes the model's state now as its own (``names``: only these, dotted as in the state
+        dict): for writes that hold nothing of the training data."""
+        if names is not None:
+            names = [names] if isinstance(names, str) else list(names)
+            known = {e.name for e in self._walk().values()} | {e.name for e in self.entries}
+            unknown = [n for n in names if n not in known]
+            if unknown:
+                raise ValueError(f"accept_state_change: {unknown} name no buffer or frozen "
+                                 f"parameter of the model (it has {len(known)}, e.g. "
+                                 f"{sorted(known)[:3]})")
+        self._fix(names)
+
+    # ---- checking ------------------------------------------------------------------------
+
+    def _structure(self) -> List[str]:
+        """State added, removed or replaced since it was fixed (names)."""
+        problems = []
+        for e in self.entries:
+            now = e.current()
+            if now is None:
+                problems.append(f"{_describe(e.kind, e.name, e.owner)} was removed")
+            elif now is not e.tensor:
+                problems.append(f"{_describe(e.kind, e.name, e.owner)} was replaced by "
+                                "another tensor")
+        fixed = {e.key for e in self.entries}
+        for m in self._modules():
+            for local, b in m._buffers.items():
+                if b is not None and (id(m), local, True) not in fixed:
+                    problems.append(f"buffer {local!r} of a {type(m).__name__} was registered "
+                                    "after make_private")
+            for local, p in m._parameters.items():
+                if p is not None and id(p) not in self.trainable and \
+                        (id(m), local, False) not in fixed:
+                    problems.append(f"frozen parameter {local!r} of a {type(m).__name__} was "
+                                    "added after make_private")
+        return problems
+
+    def _changed_buffers(self) -> List[_Entry]:
+        """The buffers whose bytes differ from their copies (one read of a device flag when
+        nothing changed)."""
+        buffers = [e for e in self.entries if e.buffer and e.current() is e.tensor]
+        flags = []
+        for e in buffers:
+            now = _bytes(e.tensor)
+            flags.append(torch.ones((), dtype=torch.bool, device=now.device)
+                         if now.numel() != e.copy.numel() else (now != e.copy).any())
+        if not flags or (len({f.device for f in flags}) == 1 and
+                         not bool(torch.stack(flags).any())):
+            return []
+        return [e for e, f in zip(buffers, flags) if bool(f)]
+
+    def _changed_frozen(self, by_digest: bool) -> List[_Entry]:
+        out = []
+        for e in self.entries:
+            if e.buffer or e.current() is not e.tensor:
+                continue
+            if not by_digest and e.tensor._version == e.version:
+                continue
+            if digest(e.tensor) != e.digest:
+                out.append(e)
+            else:
+                e.version = e.tensor._version  # written with what it held
+        return out
+
+    def _text(self, what: str, problems: List[str], changed: List[_Entry]) -> str:
+        return refusal_text(what, problems + [_describe(e.kind, e.name, e.owner)
+                                              for e in changed])
+
+    def restore_buffers(self, entries: Optional[Sequence[_Entry]] = None) -> None:
+        """Puts the buffers (the given ones, or all) back to their copies, objects and values."""
+        for e in (self.entries if entries is None else entries):
+            if not e.buffer:
+                continue
+            if e.owner._buffers.get(e.local) is not e.tensor and e.local in e.owner._buffers:
+                e.owner._buffers[e.local] = e.tensor
+            untag(e.tensor)
+            with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+                e.tensor.copy_(e.copy.view(e.tensor.dtype).view(e.tensor.shape))
+            e.version = e.tensor._version
+
+    def verify_step(self) -> Optional[str]:
+        """At a private step (before anything is charged): why it is refused, or None. Changed
+        buffers are put back to their copies first."""
+        problems = self._structure()
+        changed = self._changed_buffers()
+        frozen = self._changed_frozen(by_digest=False)
+        if not (problems or changed or frozen):
+            return None
+        self.restore_buffers(changed + [e for e in self.entries if e.buffer and
+                                        e.current() is not e.tensor])
+        return self._text("the step is refused", problems, changed + frozen)
+
+    def verify_release(self, what: str) -> None:
+        """Before ``what`` releases the model's state: raises PrivacyViolation naming every
+        buffer or frozen parameter that changed (the buffers are left as they are)."""
+        from .book import PrivacyViolation
+
+        problems = self._structure()
+        changed = self._changed_buffers() + self._changed_frozen(by_digest=True)
+        if problems or changed:
+            raise PrivacyViolation(self._text(f"{what} is refused", problems, changed))
+
+
+# Note [probe writes]
+# ~~~~~~~~~~~~~~~~~~~
+# The provenance probe (provenance.py) runs the model's forward once more on the batch with one
+# example repeated. Whatever that forward writes into the model's state must be undone: the
+# probe's batch is not a training batch (example 0 counts twice in it), and nothing of it may
+# stay. A version counter does not see a write through ``.data``, so the probe runs under a
+# dispatch mode that sees every write by construction: each ATen call whose schema marks an
+# argument as written (in place, ``out=``, ``_foreach_*_``, ``copy_``), through any view or
+# alias, is checked against the storages of the model's buffers and frozen parameters, and the
+# state tensors on a written storage are copied before the first such write. Afterwards every
+# copied tensor whose bytes changed is put back, and so is a buffer or parameter replaced by
+# another object; the names of both are returned, and the root forward refuses the call (the
+# same forward wrote the same state in the real pass, which the step would refuse anyway: this
+# names it at the forward). The trainable parameters are the engine's (stage 3 gathers write
+# their storage), so they are not watched here.
+class _CopyOnWrite(TorchDispatchMode):
+    def __init__(self, watched: Dict[int, List[torch.Tensor]]) -> None:
+        super().__init__()
+        self.watched = watched                      # storage data_ptr -> state tensors on it
+        self.saved: Dict[int, torch.Tensor] = {}    # id(state tensor) -> its bytes before
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for arg, value in _arguments(func, args, kwargs):
+            info = arg.alias_info
+            if info is None or not info.is_write:
+                continue
+            for t in (value if isinstance(value, (list, tuple)) else (value,)):
+                if isinstance(t, torch.Tensor):
+                    self._save(t)
+        return func(*args, **kwargs)
+
+    def _save(self, t: torch.Tensor) -> None:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return
+        for state in self.watched.get(ptr, ()):
+            if id(state) not in self.saved:
+                self.saved[id(state)] = _bytes(state).clone()
+
+
+def _arguments(func, args, kwargs):
+    """(schema argument, value) of an ATen call."""
+    positional = [a for a in func._schema.arguments if not a.kwarg_only]
+    for a, v in zip(positional, args):
+        yield a, v
+    for a in func._schema.arguments:
+        if a.name in kwargs:
+            yield a, kwargs[a.name]
+
+
+class ProbeWrites:
+    """Note [probe writes] for ``model`` (trainable parameters by id: ``trainable``): a context
+    manager that restores every buffer and frozen parameter the forward inside it writes or
+    replaces; ``written`` then names them and ``described`` describes them."""
+
+    def __init__(self, model: nn.Module, trainable: Iterable[int]) -> None:
+        self.model, self.trainable = model, frozenset(trainable)
+        self.written: List[str] = []
+        self.described: List[str] = []
+
+    def __enter__(self) -> "ProbeWrites":
+        self.slots = []  # (name, owner, local, buffer?, object)
+        watched: Dict[int, List[torch.Tensor]] = {}
+        for mname, m in self.model.named_modules(remove_duplicate=False):
+            for buffer, table in ((True, m._buffers), (False, m._parameters)):
+                for local, t in table.items():
+                    if t is None or (not buffer and id(t) in self.trainable):
+                        continue
+                    self.slots.append((f"{mname}.{local}" if mname else local, m, local,
+                                       buffer, t))
+                    try:
+                        ptr = t.untyped_storage().data_ptr()
+                    except (RuntimeError, NotImplementedError):
+                        continue
+                    if ptr:
+                        watched.setdefault(ptr, [])
+                        if all(t is not s for s in watched[ptr]):
+                            watched[ptr].append(t)
+        self.mode = _CopyOnWrite(watched)
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
+        written = {}
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            for name, m, local, buffer, t in self.slots:
+                table = m._buffers if buffer else m._parameters
+                what = _describe("buffer" if buffer else "frozen parameter", name, m)
+                if table.get(local) is not t:
+                    written[name] = what + " (replaced by another tensor)"
+                    table[local] = t
+                tainted = type(t) is not torch.Tensor and not isinstance(t, nn.Parameter)
+                untag(t)
+                before = self.mode.saved.get(id(t))
+                if (before is not None and not torch.equal(_bytes(t), before)) or tainted:
+                    if before is not None:
+                        t.copy_(before.view(t.dtype).view(t.shape))
+                    written.setdefault(name, what)
+        self.written = sorted(written)
+        self.described = [written[n] for n in self.written]
