@@ -939,3 +939,48 @@ def test_an_output_with_the_batch_size_past_dim_0_makes_the_shapes_ambiguous():
     assert ambiguous([CallRecord(0, ((16, 4),))], 4)
     assert ambiguous([CallRecord(0, ((4, 8),), (("mask", (8, 4)),))], 4)
     assert not ambiguous([CallRecord(0, ((4, 16), None))], 4)
+
+
+class LateShared(nn.Module):
+    """Inputs the probe finds shared by the batch that come from the examples only from the
+    fourth forward call on (the probe and the rotated probe are calls 2 and 3): ``what`` "ids",
+    a position table's [1, T] ids taken from example 0; "value", a generic module's shared
+    tensor argument taken from the batch's mean."""
+
+    def __init__(self, what):
+        super().__init__()
+        self.what, self.calls = what, 0
+        self.wte, self.wpe, self.head = nn.Embedding(V, D), nn.Embedding(V, D), nn.Linear(D, K)
+        self.scale = _Scale()
+
+    def forward(self, ids):
+        self.calls += 1
+        late = self.calls > 3
+        h = self.wte(ids)
+        if self.what == "ids":
+            h = h + self.wpe(ids[:1] if late else torch.arange(ids.shape[1])[None])
+        else:
+            h = self.scale(h, h.detach().mean((0, 1)) if late else torch.ones(D))
+        return self.head(h.mean(1))
+
+
+class _Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(D))
+
+    def forward(self, h, s):
+        return h * self.w * s
+
+
+@pytest.mark.parametrize("what", ["ids", "value"])
+def test_a_shared_input_that_comes_from_the_examples_later_is_refused(what):
+    """Note [premises]: the probe's verdict that an input is shared by the batch is held to the
+    values it saw at every later call of the pattern, not only at the probe (a review: the
+    shared-value and rotated-ids checks were one-shot per call pattern)."""
+    from sensitivity import step_sum
+
+    ids, y = ids_and_labels(8, seed=5)
+    with pytest.raises(PrivacyViolation, match=r"found shared by the whole batch .* changed its "
+                                               r"values at the same shape"):
+        step_sum(lambda: LateShared(what), [ids], y, torch.ones(8), micro=2)

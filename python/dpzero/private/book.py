@@ -103,7 +103,7 @@ class Book:
         # Why the root forward running now was refused (its DP layers register nothing and
         # their backward raises this), or None.
         self.refusal: Optional[str] = None
-        self.verdicts: Dict[tuple, list] = {}
+        self.verdicts: Dict[tuple, tuple] = {}  # pattern -> (verdicts, Note [premises])
         # Note [state written from data] (state_guard.py), set by the engine: watch_state() is
         # the probe's copy-on-write of the model's state (Note [probe writes]), restore_state()
         # puts its buffers back to the values fixed at make_private.

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -348,6 +349,14 @@ def tag(batch, token: MicroBatchToken):
                                  "example on dim 0")
             return _wrap(x.as_subclass(torch.Tensor), 0, token)
         return x
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        # A Mapping pytree does not know (Hugging Face's BatchEncoding): its entries tagged, in
+        # its own class when that can be built from a dict.
+        tagged = tag(dict(batch), token)
+        try:
+            return type(batch)(tagged)
+        except Exception:  # noqa: BLE001 - a class without a dict constructor: the dict
+            return tagged
     with torch._C.DisableTorchFunctionSubclass():
         return pytree.tree_map(one, batch)
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Optional
 from torch.utils.data import DataLoader, Dataset
 
 from ..data import PoissonBatchSampler, empty_safe_collate
+from .collate import SeparableCollate
 from .examples import MicroBatchToken, tag
 
 if TYPE_CHECKING:
@@ -31,7 +32,9 @@ class DPDataLoader:
         self.dataset = dataset
         self.steps_per_epoch = int(steps_per_epoch)
         self.max_physical_batch_size = max_physical_batch_size
-        self.collate_fn = collate_fn or empty_safe_collate(dataset)
+        # Note [separable collate]: a caller's collate function is checked batch by batch.
+        self.collate_fn = SeparableCollate(collate_fn or empty_safe_collate(dataset),
+                                           vouched=collate_fn is None)
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.sample_rate = engine.sample_rate
 

@@ -619,7 +619,9 @@ def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *
                    "recorded in the ledger)"
                    + (f". If its tensors did come from that loader, dpzero lost track of them at "
                       f"{lost!r}, which it cannot follow or which could mix examples (Note "
-                      "[batch provenance]); apply such operations in the dataset or collate_fn"
+                      "[batch provenance]); apply such an operation to each example in the "
+                      "dataset (its __getitem__ or a per-example transform), where it cannot "
+                      "mix examples"
                       if lost else ""))
     elif problem is None and (token is None or any(t is not token for _, _, t in tagged)):
         problem = ("the model was called on tensors of a micro-batch that is not the current "
@@ -651,7 +653,10 @@ def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *
         real, book.root = book.root, None
     rows = token.rows
     key = pattern(tagged, spec, leaves, real)
-    verdicts = book.verdicts.get(key)
+    verdicts, premise = book.verdicts.get(key, (None, ()))
+    # Note [premises]: a cached verdict stands only while the values it found shared still are.
+    if verdicts is not None and not premise_holds(premise, real, book):
+        verdicts = None
     probe, error = None, None
     if ranks.probe(verdicts is None or ambiguous(real, rows)):
         if rows == 0:  # nothing to add an example to: mirror the others, keep what is known
@@ -673,7 +678,7 @@ def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *
     if probe is not None and rows > 1 and error is None:  # one example rotated is itself
         if len(book.verdicts) >= _PATTERNS_KEPT:
             book.verdicts.clear()
-        book.verdicts[key] = verdicts
+        book.verdicts[key] = (verdicts, premise_of(verdicts, real))
     if error is None and verdicts is None:
         error = ("an empty micro-batch called the model in a pattern of DP layer calls not seen "
                  "before, so nothing tells which layer inputs hold the examples (Note [batch "
@@ -687,6 +692,68 @@ def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *
         raise PrivacyViolation(book.error)
     book.set_verdicts(start, verdicts)
     return out
+
+
+# Note [premises]
+# ~~~~~~~~~~~~~~~
+# A pattern's verdicts are cached (the probe runs once per pattern), and some rest on values the
+# probe saw: an expanded [1, ...] Embedding lookup is sound only while its ids are not computed
+# from the examples (the rotated probe checked that once), and a generic module's input found
+# shared by the batch (the same values with one more example) must stay a value of the batch as
+# a whole. A model whose ids or shared inputs come from the examples only from some step on (a
+# branch on a counter, on the data) would keep a verdict whose premise no longer holds. So the
+# cache keeps, with the verdicts, those values as the probe saw them, and every later call of
+# the pattern is held to them: a shared input of another shape, type or non-tensor value is
+# probed again (the probe and the rotated probe then judge the new values); one of the same
+# shape is compared on its device and the verdict read at the step (Note [deferred checks] in
+# book.py): values that changed at the same shape refuse the step, naming the layer. Values of
+# the batch as a whole (positions arange(T), a causal mask, RoPE tables) are the same at every
+# call of a given shape.
+def premise_of(verdicts: Sequence[Verdict], real: Sequence[CallRecord]) -> tuple:
+    """(call index, argument index, its value then) for each input the verdicts found shared:
+    the ids of an expanded lookup, and a generic module's shared leaves (tensors cloned)."""
+    out = []
+    for i, (v, r) in enumerate(zip(verdicts, real)):
+        if v.expanded:
+            shared = [0]
+        elif v.in_dims and isinstance(v.in_dims[0], tuple):  # a generic module's verdict
+            shared = [j for j, d in enumerate(v.in_dims[0]) if d is None]
+        else:
+            continue
+        for j in shared:
+            x = r.tensors[j] if j < len(r.tensors) else None
+            out.append((i, j, x.detach().clone() if isinstance(x, torch.Tensor) else x))
+    return tuple(out)
+
+
+def premise_holds(premise: tuple, real: Sequence[CallRecord], book) -> bool:
+    """Whether the calls ``real`` still have the shapes and non-tensor values of ``premise``
+    (premise_of); their tensors' values are compared on the device and the verdicts deferred to
+    the step (Note [premises])."""
+    checks = []
+    for i, j, then in premise:
+        now = real[i].tensors[j] if i < len(real) and j < len(real[i].tensors) else None
+        if isinstance(then, torch.Tensor):
+            if not isinstance(now, torch.Tensor) or now.shape != then.shape or \
+                    now.dtype != then.dtype or now.device != then.device:
+                return False
+            checks.append((i, j, now, then))
+        elif isinstance(now, torch.Tensor) or _equal(now, then) is not True:
+            return False
+    for i, j, now, then in checks:
+        with torch._C.DisableTorchFunctionSubclass():
+            failed = (now.detach() != then).any()
+        layer = book.layers[real[i].layer]
+
+        def text(layer=layer, j=j) -> str:
+            return (f"{type(layer.module).__name__} {layer.name!r}: its input {j}, found shared "
+                    "by the whole batch when the model was first probed in this pattern of calls, "
+                    "changed its values at the same shape (Note [premises]): it may be computed "
+                    "from the examples (ids[:1], a batch statistic), which would put several "
+                    "examples into every row. Compute it from public values only (positions, "
+                    "masks from shapes)")
+        book.defer(failed, text)
+    return True
 
 
 # Call patterns whose verdicts a book keeps (a run has a handful; a model called with a
