@@ -137,7 +137,24 @@ class Norms(nn.Module):
         return self.head(h.mean(2))
 
 
+class Parametrized(nn.Module):
+    """torch.nn.utils.parametrizations: weight norm on the head, orthogonality on a square
+    layer (their weights are computed from parameters a child holds)."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.nn.utils.parametrizations import orthogonal, weight_norm
+
+        self.emb = nn.Embedding(V, D)
+        self.square = orthogonal(nn.Linear(D, D))
+        self.head = weight_norm(nn.Linear(D, K))
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.square(self.emb(ids).mean(1))))
+
+
 MODELS = {
+    "parametrizations": Parametrized,
     "mha": lambda: Attention(),
     "mha-seq-first-masked": lambda: Attention(batch_first=False, masked=True),
     "lstm-2-bidirectional": lambda: Recurrent(nn.LSTM, num_layers=2, bidirectional=True),
@@ -184,6 +201,18 @@ def test_generic_path_matches_per_example_autograd(name):
     den = sum(float((want[n] - start.get_parameter(n).detach().double()).pow(2).sum())
               for n in want)
     assert math.sqrt(num / den) <= 1e-5, math.sqrt(num / den)
+
+
+def test_the_deprecated_weight_norm_is_refused_by_name():
+    """torch.nn.utils.weight_norm computes the weight in a forward pre-hook, which per-sample
+    clipping cannot follow (a privacy review: make_private died of a KeyError)."""
+    model = nn.Sequential(nn.Embedding(V, D), nn.Flatten(),
+                          torch.nn.utils.weight_norm(nn.Linear(T * D, K)))
+    with pytest.raises(dpzero.private.PrivacyViolation,
+                       match=r"2 \(Linear\): its \['weight'\] are computed from other "
+                             r"parameters .*parametrizations.weight_norm"):
+        dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=C, seed=1)
 
 
 def test_a_random_op_inside_a_generic_module_is_refused():
@@ -527,3 +556,32 @@ def test_a_root_parameter_trains_in_bf16_without_autocast():
             if p.optimizer.step():
                 break
     assert p.privacy_engine.charges == 3
+
+
+class _BatchStatistics(nn.Module):
+    """F.batch_norm with batch statistics, in a module with parameters (the generic path) or
+    without (between DP layers)."""
+
+    def __init__(self, own):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, K)
+        self.w = nn.Parameter(torch.ones(D)) if own else None
+
+    def forward(self, ids):
+        h = F.batch_norm(self.emb(ids).mean(1), None, None, self.w, None, training=True)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_batch_norm_with_batch_statistics_is_refused_by_name_at_the_forward(own):
+    """A privacy review found F.batch_norm(training=True) ending in torch's own ValueError during
+    the backward (in a module with parameters) or trained without a word (without): now refused
+    at the forward, naming the module, before any gradient exists."""
+    p = dpzero.make_private(_BatchStatistics(own), dataset=_data(), batch_size=8,
+                            noise_multiplier=1.0, max_grad_norm=C, seed=1)
+    ids, y = next(iter(p.data_loader))
+    with pytest.raises(dpzero.private.PrivacyViolation,
+                       match=r"module '<model>' \(_BatchStatistics\) calls batch_norm with batch "
+                             r"statistics"):
+        p.model(ids)
+    assert p.privacy_engine.charges == 0

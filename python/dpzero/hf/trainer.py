@@ -40,11 +40,17 @@ What changes against the Trainer, and why:
   realised batch sizes; ``fp16`` / ``bf16`` (accelerate would cast or autocast outside the private
   step), ``push_to_hub`` and ``save_only_model``.
 
-Released: ε, δ, the learning rate and the step count. The Trainer's ``total_flos`` is not counted
-(from real rows it would release the realised batch sizes). The training loss the Trainer logs is
-computed from the data without noise: it is not covered by ε (Note [released figures] in
-private/engine.py). Evaluation and prediction run the model under ``torch.no_grad()``, where its
-DP layers are plain layers: they cost no privacy.
+Released: ε, δ, the learning rate, the epoch and the step count, in every log (console,
+``trainer_state.json``, TensorBoard) and in ``train()``'s result. What the Trainer would log that
+depends on the training data without noise (Note [released figures] in private/engine.py) goes to
+``output_dir/private/training.jsonl`` instead, headed as not covered by ε: the training loss,
+``train_runtime`` and the throughputs (wall times follow the realised Poisson batch sizes); the
+progress bar shows no times or rates for the same reason, and ``total_flos`` is not counted. The
+realised batch sizes and dropped samples go to ``output_dir/private/diagnostics.jsonl``, as
+``dpzero train`` keeps them. ``PrivacyArguments(release_training_loss=True)`` puts the loss into
+the logs anyway, under names that say it is not covered by ε (``loss_not_covered_by_epsilon``).
+Evaluation and prediction run the model under ``torch.no_grad()``, where its DP layers are plain
+layers: they cost no privacy, and their figures on held-out data are released as usual.
 """
 
 from __future__ import annotations
@@ -60,17 +66,27 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch.utils.data import DataLoader
 
-from transformers import Trainer, TrainerCallback
+from tqdm.auto import tqdm
+from transformers import ProgressCallback, Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
-from transformers.trainer_utils import has_length
+from transformers.trainer_utils import TrainOutput, has_length
 
 from ..accounting import get_noise_multiplier
 from ..front import make_private
 from ..private import BudgetExhausted
+from ..private.engine import PrivateLog
 from .losses import PerSampleLoss, default_per_sample_loss
 
 PRIVACY_STATE = "dpzero_privacy.json"  # in each checkpoint folder
 LEDGER = "ledger.jsonl"  # in output_dir (dpzero report's name for it)
+PRIVATE_DIR = "private"  # in output_dir: what ε does not cover (dpzero train's split)
+
+# What the Trainer logs that depends on the training data without noise (Note [released
+# figures] in private/engine.py): the loss, and wall times that follow the realised batch sizes.
+UNRELEASED = ("loss", "train_loss", "train_runtime", "train_samples_per_second",
+              "train_steps_per_second", "train_tokens_per_second")
+# The name a loss released on request carries everywhere it appears.
+RELEASED_LOSS_SUFFIX = "_not_covered_by_epsilon"
 
 # TrainingArguments.optim -> dpzero's optimizer.
 _OPTIMIZERS = {"sgd": "sgd", "adamw_torch": "adamw", "adamw_torch_fused": "adamw"}
@@ -89,8 +105,9 @@ class PrivacyArguments:
     ChaCha20 noise and sampling keyed from the OS; the default (None) is secure mode unless a
     seed is given. allow_no_noise: needed for noise_multiplier=0 (training without privacy, ε
     reported as inf). diagnostics_path: a JSON-lines file for each step's realised batch size and
-    dropped samples (not covered by ε: keep it with the training loss, apart from what you
-    release).
+    dropped samples (not covered by ε; default ``output_dir/private/diagnostics.jsonl``, beside
+    the training losses). release_training_loss: put the training loss into the Trainer's logs,
+    named ``loss_not_covered_by_epsilon`` (it is computed from the training data without noise).
     """
 
     target_epsilon: Optional[float] = None
@@ -104,6 +121,7 @@ class PrivacyArguments:
     seed: Optional[int] = None
     allow_no_noise: bool = False
     diagnostics_path: Optional[str] = None
+    release_training_loss: bool = False
 
 
 class LogicalBatch:
@@ -174,6 +192,17 @@ class _CheckedCollator:
         return batch
 
 
+class _ReleasedProgress(ProgressCallback):
+    """The Trainer's progress bar without times or rates (Note [released figures]: a step's
+    wall time follows its realised batch size): the steps, and ε (_PrivacyCallback)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.training_bar = tqdm(total=state.max_steps, dynamic_ncols=True,
+                                     bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}")
+        self.current_step = 0
+
+
 class _PrivacyCallback(TrainerCallback):
     """ε in the progress bar (at each logging step: the PRV accountant takes milliseconds, more
     as the run grows), and a clean stop when the budget is spent."""
@@ -240,11 +269,15 @@ class PrivateTrainer(Trainer):
         self.user_args = args
         self.per_sample_loss = per_sample_loss or default_per_sample_loss(self.model)
         self.budget_stop: Optional[str] = None
+        self._private_log: Optional[PrivateLog] = None
         self._attach_private()
         # Steps an earlier run charged to this output_dir's ledger (make_private reopened it).
         self._earlier_charges = self.privacy_engine.charges
         self._trained = False
         self.add_callback(_PrivacyCallback(self))
+        if any(isinstance(cb, ProgressCallback) for cb in self.callback_handler.callbacks):
+            self.remove_callback(ProgressCallback)
+            self.add_callback(_ReleasedProgress)
 
     # ---- attach ----------------------------------------------------------------------------
 
@@ -302,7 +335,9 @@ class PrivateTrainer(Trainer):
             seed=None if secure else p.seed,
             ledger_path=os.path.join(args.output_dir, LEDGER),
             run_id=os.path.basename(os.path.abspath(args.output_dir)),
-            diagnostics_path=p.diagnostics_path, loss_reduction="sum",
+            diagnostics_path=p.diagnostics_path or os.path.join(
+                args.output_dir, PRIVATE_DIR, "diagnostics.jsonl"),
+            loss_reduction="sum",
             allow_no_noise=p.allow_no_noise, optimizer=optimizer, **hyper, **budget)
         self.privacy_engine = self._private.privacy_engine
         self.optimizer = self._private.optimizer
@@ -418,7 +453,28 @@ class PrivateTrainer(Trainer):
             logs.pop("grad_norm", None)
             logs["epsilon"] = self.epsilon()
             logs["delta"] = self.delta
+        logs.update(self._unreleased(logs))
         super().log(logs, start_time)
+
+    def _unreleased(self, figures: Dict[str, Any]) -> Dict[str, Any]:
+        """Takes the figures ε does not cover (UNRELEASED) out of ``figures`` into the private
+        log; returns what may go back, renamed: the loss, if release_training_loss asks."""
+        taken = {k: figures.pop(k) for k in UNRELEASED if k in figures}
+        if not taken:
+            return {}
+        self._write_private({"run": "private", "step": self.state.global_step, **taken})
+        if not self.privacy_args.release_training_loss:
+            return {}
+        return {k + RELEASED_LOSS_SUFFIX: v for k, v in taken.items()
+                if k in ("loss", "train_loss")}
+
+    def _write_private(self, record: Dict[str, Any]) -> None:
+        """One record of ``output_dir/private/training.jsonl`` (the main process writes)."""
+        if self.is_world_process_zero():
+            if self._private_log is None:
+                self._private_log = PrivateLog(os.path.join(self.user_args.output_dir,
+                                                            PRIVATE_DIR, "training.jsonl"))
+            self._private_log.write(record)
 
     # ---- checkpoints -----------------------------------------------------------------------
 
@@ -494,7 +550,14 @@ class PrivateTrainer(Trainer):
         if self.is_world_process_zero():
             from ..train.report import write_report
             write_report(self.user_args.output_dir, delta=self.delta)
-        return output
+        # What train() returns is shown too (a notebook prints it): released figures only.
+        metrics = dict(output.metrics)
+        taken = {k: metrics.pop(k) for k in UNRELEASED if k in metrics}
+        release = self.privacy_args.release_training_loss
+        if release and "train_loss" in taken:
+            metrics["train_loss" + RELEASED_LOSS_SUFFIX] = taken["train_loss"]
+        return TrainOutput(output.global_step, output.training_loss if release else math.nan,
+                           metrics)
 
 
 def _on_device(batch, device) -> bool:

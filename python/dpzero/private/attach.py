@@ -91,6 +91,19 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
         kind = None if taken_whole(module) else layer_kind(module, through_super=routed)
         if kind is None:
             kind = FuncKind([n for n, _ in own])
+        computed = [n for n in kind.params if not isinstance(kind, FuncKind) and
+                    isinstance(getattr(module, n, None), torch.Tensor) and
+                    getattr(module, n).requires_grad and module._parameters.get(n) is None]
+        if computed:
+            # A tensor the kernel would read as a parameter, computed from parameters outside the
+            # forward (the deprecated torch.nn.utils.weight_norm's pre-hook): its gradient is not
+            # the one the kernel computes, and a per-example recompute would skip the hook.
+            problems.append(f"{name} ({type(module).__name__}): its {computed} are computed "
+                            "from other parameters before its forward (a forward pre-hook, "
+                            "e.g. the deprecated torch.nn.utils.weight_norm), which per-sample "
+                            "clipping cannot follow; use torch.nn.utils.parametrizations."
+                            "weight_norm (a parametrization), or freeze the module")
+            continue
         extra = [n for n in trainable_own if n not in kind.params]
         if extra:
             problems.append(f"{name} ({type(module).__name__}): parameters {extra} are not "

@@ -20,11 +20,12 @@ from it alone. A run's other outputs must carry only figures that do not depend 
 data, or that the mechanism protects (DESIGN.md §3): ε, δ, σ, q, C, the number of steps, the
 expected batch size q·N, who sampled the batches. The ledger, the report, the progress bar, logs,
 ``last_step`` and warnings are held to that. What a step realised — the logical batch's size, the
-rows the layers saw, how many samples were dropped for a NaN/Inf loss or gradient — and the
-training loss depend on the data without noise: they are private diagnostics
+rows the layers saw, whether and how many samples were dropped for a NaN/Inf loss or gradient —
+and the training loss depend on the data without noise: they are private diagnostics
 (``last_step_diagnostics``, the ``diagnostics_path`` file), whose first line says so. Realised
-batch sizes leak membership under add/remove neighbours; a dropped count says whether a
-NaN-producing record was sampled. The warnings say that samples were dropped, never how many.
+batch sizes leak membership under add/remove neighbours; even one bit of "some example was
+dropped", shown as a warning, says whether a NaN-producing record was sampled, so no warning or
+log line depends on it.
 
 Note [noise index]
 ~~~~~~~~~~~~~~~~~~
@@ -40,7 +41,6 @@ import functools
 import json
 import math
 import os
-import warnings
 import weakref
 from typing import Any, Dict, NamedTuple, Optional
 
@@ -85,8 +85,8 @@ class PrivateModule(nn.Module):
             return getattr(self._modules["_module"], name)
 
 
-class _Diagnostics:
-    """Note [released figures]: the private diagnostics file, one JSON line per step (rank 0;
+class PrivateLog:
+    """Note [released figures]: a private diagnostics file, one JSON line per record (rank 0;
     nothing is written without a path). Its first line says what it is: figures that depend on
     the training data, not covered by epsilon, not to be shared."""
 
@@ -400,8 +400,7 @@ class PrivacyEngine:
         # figures]).
         self.last_step: Optional[Dict[str, int]] = None
         self.last_step_diagnostics: Optional[Dict[str, Any]] = None
-        self._diagnostics = _Diagnostics(c.diagnostics_path if self.rank == 0 else None)
-        self._warned_dropped = self._warned_all_dropped = False
+        self._diagnostics = PrivateLog(c.diagnostics_path if self.rank == 0 else None)
         self._micro: Optional[MicroBatch] = None  # the micro-batch handed out last
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
@@ -723,29 +722,15 @@ class PrivacyEngine:
                   dropped: int) -> None:
         """Note [released figures]: what a step realised (batch size, rows seen, samples dropped
         for a NaN/Inf norm) depends on the data and is not covered by epsilon. It goes to
-        ``last_step_diagnostics`` and the private diagnostics file only; the warnings that
-        samples were dropped give no count and no step."""
+        ``last_step_diagnostics`` and the private diagnostics file only, never into a warning:
+        whether any example was dropped tells whether a record with a non-finite gradient was
+        sampled (a membership oracle). That the mechanism drops such examples is said once, in
+        the docs and the report, whatever the data."""
         all_dropped = samples > 0 and dropped == samples
         self.last_step_diagnostics = {"step": t, "noise_index": k, "sampling": sampling,
                                       "logical_batch_size": size, "samples_seen": samples,
                                       "dropped": dropped, "all_dropped": all_dropped}
         self._diagnostics.write(self.last_step_diagnostics)
-        # Note [released figures]: each warning once per run, without a count or a step: that
-        # some sampled example had a non-finite loss or gradient, and that some step had only
-        # such examples, are the two bits a run shows.
-        if all_dropped and not self._warned_all_dropped:
-            self._warned_all_dropped = self._warned_dropped = True
-            warnings.warn("in a step every example had a non-finite loss or gradient and was "
-                          "dropped: its update was noise only (charged as usual). Which steps, "
-                          "and how many examples, are private diagnostics (PrivacyEngine."
-                          "last_step_diagnostics), not covered by epsilon; not repeated",
-                          RuntimeWarning, stacklevel=4)
-        elif dropped and not self._warned_dropped:
-            self._warned_dropped = True
-            warnings.warn("some examples had a non-finite loss or gradient and were dropped "
-                          "(they contribute nothing; the step is charged as usual). How many is "
-                          "a private diagnostic (PrivacyEngine.last_step_diagnostics), not "
-                          "covered by epsilon; not repeated", RuntimeWarning, stacklevel=4)
 
     # ---- teardown ----------------------------------------------------------------------------
 

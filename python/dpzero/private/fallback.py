@@ -39,8 +39,10 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
 
+from .book import PrivacyViolation
 from .layers import LayerKind
 
 
@@ -75,7 +77,12 @@ SUBTREE_NAMES = frozenset({"MambaMixer", "Mamba2Mixer", "FalconMambaMixer", "OPT
 
 
 def taken_whole(module: nn.Module) -> bool:
-    return isinstance(module, SUBTREE_TYPES) or type(module).__name__ in SUBTREE_NAMES
+    """Whether the generic path takes ``module`` with its children: the types above, and a
+    module with a parametrization (``torch.nn.utils.parametrizations.weight_norm``, orthogonal,
+    spectral norm), whose ``weight`` is computed in its forward from parameters held by a child
+    (``parametrizations.weight.original0``)."""
+    return isinstance(module, SUBTREE_TYPES) or type(module).__name__ in SUBTREE_NAMES or \
+        parametrize.is_parametrized(module)
 
 
 def _owner(module: nn.Module, name: str) -> Tuple[nn.Module, str]:
@@ -205,8 +212,18 @@ class FuncKind(LayerKind):
             except RuntimeError as e:
                 if "random" in str(e):
                     raise RandomOpError(_random_op_error(module_name)) from None
-                grads, outs = self._loop(one, per_out, xs, [in_dims[i] for i in batched],
-                                         module_name)
+                try:
+                    grads, outs = self._loop(one, per_out, xs, [in_dims[i] for i in batched],
+                                             module_name)
+                except RandomOpError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - named, with the module
+                    raise PrivacyViolation(
+                        f"{module_name}: its forward failed when recomputed for one example "
+                        f"alone ({type(e).__name__}: {e}); the generic per-sample path runs the "
+                        "module on each example by itself, so its forward must accept a batch "
+                        "of one and compute each example's output from that example alone (no "
+                        "batch statistics)") from None
         # 16-bit arithmetic anywhere in the module (autocast, or 16-bit parameters, inputs or
         # outputs without it) rounds differently between the batch and one example.
         low = amp is not None or any(

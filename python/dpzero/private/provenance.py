@@ -546,8 +546,9 @@ def _never_unpacked(_packed):
 
 
 class StateWritten(RuntimeError):
-    """The model's forward writes into its buffers or frozen parameters (run_probe, Note [probe
-    writes] in state_guard.py)."""
+    """The probe's forward wrote into the model's buffers or frozen parameters (Note [probe
+    writes] in state_guard.py), or normalised with batch statistics (BatchStatistics): refused
+    with the model's state restored."""
 
 
 def _rows(x: torch.Tensor, bdim: int, rotated: bool) -> torch.Tensor:
@@ -576,12 +577,69 @@ def run_probe(module: nn.Module, forward: Callable, args, kwargs,
     p_args, p_kwargs = pytree.tree_unflatten(leaves, spec)
     with torch.autograd.graph.saved_tensors_hooks(_saved_nothing, _never_unpacked), \
             torch.random.fork_rng(devices=devices), book.watch_state() as state, \
-            book.probing(probe):
+            BatchStatistics(module) as statistics, book.probing(probe):
         forward(*p_args, **p_kwargs)
+    if statistics.found is not None:
+        raise StateWritten(statistics.found)
     if state.written:
         raise StateWritten(refusal_text("the forward is refused (its probe saw it write into "
                                         "the model's state)", state.described))
     return probe.records
+
+
+# Functions that normalise with statistics of the whole batch when training=True (their 6th
+# argument): nn.BatchNorm is refused by type (attach.py); these are the same inside any forward.
+_BATCH_NORMS = {f for f in (torch.nn.functional.batch_norm, torch.batch_norm,
+                            getattr(torch, "native_batch_norm", None)) if f is not None}
+
+
+class BatchStatistics(torch.overrides.TorchFunctionMode):
+    """In the probe: the first call of a batch norm with batch statistics (``training=True``),
+    by the innermost module running it (``found``: the refusal, or None). Every example's output
+    of such a call depends on the whole batch, so no clipping of one example's gradient bounds
+    anything. It runs with the probe, once per call pattern (Note [batch provenance]): a branch
+    on the data into such a call later in the same pattern is beyond it, as any mixing the model
+    does itself (strict isolation closes it)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.root, self.names = model, {id(m): n for n, m in model.named_modules()}
+        self.stack: List[nn.Module] = []
+        self.found: Optional[str] = None
+
+    def __enter__(self):
+        from torch.nn.modules import module as mod
+        def enter(m, args) -> None:
+            self.stack.append(m)
+
+        def leave(m, args, out) -> None:
+            if self.stack:
+                self.stack.pop()
+
+        self.handles = [mod.register_module_forward_pre_hook(enter),
+                        mod.register_module_forward_hook(leave, always_call=True)]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _BATCH_NORMS and self.found is None and \
+                bool(args[5] if len(args) > 5 else kwargs.get("training", False)):
+            # The probe calls the model's own forward (no hook for the root itself).
+            owner = next((m for m in reversed(self.stack) if id(m) in self.names), self.root)
+            where = f"module {self.names[id(owner)] or '<model>'!r} ({type(owner).__name__})"
+            self.found = (
+                f"{where} calls {getattr(func, '__name__', func)} with batch statistics "
+                "(training=True): it normalises every example with the mean and variance of the "
+                "whole batch, so each example's output, and so every gradient, depends on the "
+                "others, and per-sample clipping bounds nothing. Use GroupNorm, LayerNorm or "
+                "InstanceNorm, or fixed statistics (training=False with running_mean and "
+                "running_var computed without the training data)")
+        return func(*args, **kwargs)
 
 
 class Ranks(NamedTuple):

@@ -45,31 +45,23 @@ from .report import PRIVATE_DIR
 from .runner import _atomic_json, _atomic_save, _final_state, _Progress, _rank_world, build, \
     evaluate, input_names
 
-# What the Trainer logs that depends on the training data without noise (Note [released
-# figures] in private/engine.py): the loss, and wall times that follow the realised batch sizes.
-_UNRELEASED = ("loss", "train_loss", "train_runtime", "train_samples_per_second",
-               "train_steps_per_second")
-
 # dpzero's optimizer names as the Trainer's `optim` (AdamW with weight_decay 0 is Adam).
 _OPTIM = {"adamw": "adamw_torch", "adam": "adamw_torch", "sgd": "sgd"}
 
 
 class _RunTrainer(PrivateTrainer):
-    """PrivateTrainer whose logs keep the run directory's split: the figures ε does not cover
-    go to ``private/training.jsonl`` (rank 0's ``diagnostics``), never into the Trainer's
-    logs, hence neither into ``checkpoint-<step>/trainer_state.json`` nor onto the console."""
+    """PrivateTrainer whose private records (the figures ε does not cover, which PrivateTrainer
+    keeps out of its logs) go to the run directory's ``private/training.jsonl`` stream (rank 0's
+    ``diagnostics``), labelled with the run (the private one or the baseline)."""
 
     def __init__(self, *args, diagnostics=None, label: str = "private", **kwargs) -> None:
         self._diagnostics, self._label = diagnostics, label
         super().__init__(*args, **kwargs)
 
-    def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
-        unreleased = {k: logs.pop(k) for k in _UNRELEASED if k in logs}
-        if unreleased and self._diagnostics is not None:
-            record = {"run": self._label, "step": self.state.global_step, **unreleased}
-            self._diagnostics.write(json.dumps(record) + "\n")
+    def _write_private(self, record: Dict) -> None:
+        if self._diagnostics is not None:
+            self._diagnostics.write(json.dumps({**record, "run": self._label}) + "\n")
             self._diagnostics.flush()
-        super().log(logs, start_time)
 
 
 class _Rows(Dataset):
