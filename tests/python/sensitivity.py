@@ -26,8 +26,10 @@ from dpzero.private import PrivacyViolation
 
 def step_sum(make_model: Callable[[], nn.Module], inputs: Sequence[torch.Tensor],
              labels: torch.Tensor, weights: torch.Tensor, *, max_grad_norm: float = 1.0,
-             micro: int = None, clipping: str = "flat", seed: int = 0) -> torch.Tensor:
-    """The pre-noise sum of clipped per-example gradients of one step (flattened, float64)."""
+             micro: int = None, clipping: str = "flat", seed: int = 0,
+             call: Callable = None) -> torch.Tensor:
+    """The pre-noise sum of clipped per-example gradients of one step (flattened, float64).
+    ``call(model, *inputs)``: how the training loop calls the model (default: model(*inputs))."""
     torch.manual_seed(seed)
     model = make_model()
     before = {n: t.detach().clone() for n, t in model.named_parameters() if t.requires_grad}
@@ -38,7 +40,7 @@ def step_sum(make_model: Callable[[], nn.Module], inputs: Sequence[torch.Tensor]
                             lr=float(n), clipping=clipping, loss_reduction="sum", seed=seed,
                             max_physical_batch_size=micro or n)
     for *xs, y, w in p.data_loader:
-        out = p.model(*xs)
+        out = call(p.model, *xs) if call is not None else p.model(*xs)
         (w * F.cross_entropy(out, y, reduction="none")).sum().backward()
         if p.optimizer.step():
             break

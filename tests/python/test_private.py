@@ -921,3 +921,62 @@ def test_refusals_and_seed_mismatch_are_agreed_across_ranks(tmp_path):
     assert "planted on rank 1" in torch.load(f"{out}.1")["step"]
     assert "another rank refused it" in torch.load(f"{out}.0")["step"]
     assert "max_grad_norm=2.0 on rank 1" in torch.load(f"{out}.1")["clip"]
+
+
+def _steps(model_call, p, n=2):
+    taken = 0
+    while taken < n:
+        for ids, y in p.data_loader:
+            loss_fn(model_call(ids), y).backward()
+            if p.optimizer.step():
+                taken += 1
+                if taken == n:
+                    break
+    return p.privacy_engine.parameters()
+
+
+def test_torch_compile_of_the_private_model_gives_the_eager_update():
+    """Note [compiled private models]: torch.compile(private model) runs it eagerly with every
+    DP layer intact (a privacy review found a RecursionError); the same seeds give the same
+    parameters as without compilation, bit for bit."""
+    def run(compiled):
+        torch.manual_seed(0)
+        p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                                max_grad_norm=0.5, seed=3)
+        return _steps(torch.compile(p.model) if compiled else p.model, p)
+
+    eager, compiled = run(False), run(True)
+    for name in eager:
+        assert torch.equal(eager[name], compiled[name]), name
+
+
+def test_a_compiled_model_or_compiled_caller_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match=r"module '<model>' \(OptimizedModule\) is compiled"):
+        dpzero.make_private(torch.compile(SeqNet()), dataset=seq_data(), batch_size=8,
+                            noise_multiplier=1.0, max_grad_norm=0.5)
+    inner = SeqNet()
+    inner.head.compile()
+    with pytest.raises(ValueError, match=r"module 'head' \(Linear\) is compiled"):
+        dpzero.make_private(inner, dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=0.5)
+    p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=0.5)
+    step = torch.compile(lambda ids, y: loss_fn(p.model(ids), y))
+    ids, y = next(iter(p.data_loader))
+    with pytest.raises(Exception, match=r"a torch.compile'd function received the private "
+                                        r"loader's tensors"):
+        step(ids, y)
+
+
+def test_batches_and_losses_save_and_load_as_plain_tensors(tmp_path):
+    """A privacy review: torch.save(batch) or torch.save(loss) wrote the Examples subclass, which
+    torch.load(weights_only=True) refuses."""
+    p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=0.5)
+    ids, y = next(iter(p.data_loader))
+    loss = loss_fn(p.model(ids), y)
+    torch.save({"batch": (ids, y), "loss": loss.detach(), "rows": ids[:2] + 1}, tmp_path / "b.pt")
+    back = torch.load(tmp_path / "b.pt")  # weights_only=True, torch's default
+    assert type(back["batch"][0]) is torch.Tensor and type(back["loss"]) is torch.Tensor
+    assert torch.equal(back["batch"][0], ids.as_subclass(torch.Tensor))
+    assert torch.equal(back["rows"], ids.as_subclass(torch.Tensor)[:2] + 1)

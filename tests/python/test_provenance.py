@@ -984,3 +984,47 @@ def test_a_shared_input_that_comes_from_the_examples_later_is_refused(what):
     with pytest.raises(PrivacyViolation, match=r"found shared by the whole batch .* changed its "
                                                r"values at the same shape"):
         step_sum(lambda: LateShared(what), [ids], y, torch.ones(8), micro=2)
+
+
+class SpreadPositions(nn.Module):
+    """Position ids as Opacus users must write them, built in the training loop and passed
+    beside the batch: torch.arange(T).expand(B, -1) (one row spread over the batch, stride 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe, self.head = nn.Embedding(V, D), nn.Embedding(T, D), nn.Linear(D, K)
+
+    def forward(self, ids, pos):
+        return self.head(torch.tanh(self.wte(ids) + self.wpe(pos)).mean(1))
+
+
+def _with_positions(model, ids):
+    return model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1))
+
+
+@pytest.mark.parametrize("batch", [2, T, T + 1])
+def test_position_ids_spread_over_the_batch_train_and_hold_2c(batch):
+    """Note [spread inputs]: a privacy review found them refused by the probe ("could not run
+    the model's forward once more with one more example")."""
+    ids, y = ids_and_labels(batch, seed=6)
+    assert refused_or_bounded(SpreadPositions, [ids], y, call=_with_positions) == "bounded"
+
+
+class OtherFirstDim(nn.Module):
+    """A stride-0 input whose dim 0 is not the batch, with as many entries (B = T): a [T, T]
+    additive bias spread from one row. Spreading it over B + 1 rows breaks the probe, which then
+    runs with it as it came: trained as before."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.head = nn.Embedding(V, D), nn.Linear(D, K)
+
+    def forward(self, ids, bias):
+        scores = self.wte(ids) @ self.wte(ids).transpose(1, 2) + bias  # [B, T, T]
+        return self.head((scores.softmax(-1) @ self.wte(ids)).mean(1))
+
+
+def test_a_spread_input_whose_first_dim_is_not_the_batch_is_probed_as_it_came():
+    ids, y = ids_and_labels(T, seed=7)  # B = T
+    call = lambda m, x: m(x, torch.zeros(1, T).expand(T, T))  # noqa: E731
+    assert refused_or_bounded(OtherFirstDim, [ids], y, call=call) == "bounded"

@@ -277,6 +277,7 @@ def patch(model: nn.Module, layers: List[Layer], book_ref, ranks, devices) -> No
         module._dp_original_forward = original
         module.forward = functools.partial(_patched_forward, book_ref, layer, original)
     relative_bias.install(model)  # Note [relative position bias]
+    _cache_off(model)  # Note [no key/value cache]
     original = model.forward
     model._dp_root_previous = model.__dict__.get("forward")
     model.forward = functools.partial(root_forward, book_ref, ranks, devices, model, original)
@@ -311,7 +312,31 @@ def _routed_class(cls: type, base: type) -> type:
     return _ROUTED[key]
 
 
+# Note [no key/value cache]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# A Hugging Face decoder with use_cache=True (OPT's default) builds a key/value cache in every
+# forward, training too: one object, written by each layer with every example's keys and values
+# and handed to the next layers. It is state written from the examples that the layers read, and
+# the generic path's per-example recompute of a layer would read and extend it again. Training
+# never reads it back, and a model's outputs are the same without it (past_key_values is None),
+# so the private model runs with its config's use_cache off (restored by detach). A cache passed
+# explicitly (use_cache=True in the call) is refused where the probe sees its state grow with the
+# examples (provenance._equal).
+def _cache_off(model: nn.Module) -> None:
+    """Turns use_cache off in the config of every module that has one (a Hugging Face backbone
+    inside the model too), keeping the configs it changed for unpatch."""
+    changed = {}
+    for m in model.modules():
+        config = m.__dict__.get("config")
+        if getattr(config, "use_cache", None) is True and id(config) not in changed:
+            config.use_cache = False
+            changed[id(config)] = config
+    model.__dict__["_dp_use_cache"] = list(changed.values())
+
+
 def unpatch(model: nn.Module, layers: List[Layer]) -> None:
+    for config in model.__dict__.pop("_dp_use_cache", ()):
+        config.use_cache = True
     relative_bias.remove(model)
     previous = model.__dict__.pop("_dp_root_previous", None)
     if previous is not None:

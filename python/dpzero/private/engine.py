@@ -66,6 +66,19 @@ from .state_guard import ProbeWrites, StateGuard
 from .trainable import TrainableSet
 from . import state_dict
 
+# Note [compiled private models]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.compile traces Python into graphs guarded on the values it saw. The private model's
+# forward is nothing it may trace: the root forward's probe, the Examples tag's rules and the DP
+# layers' autograd nodes (C++ functions it cannot see into) are what make each step private, and
+# a graph captured from one call would replay the layers without the book's state of the next.
+# So the private model's forward and the root forward are excluded from compilation
+# (torch.compiler.disable): torch.compile(private_model), or a compiled function that calls it,
+# runs the model eagerly with every DP layer intact: the same update as without compilation
+# (tested), and no speedup inside the model. A model compiled before make_private is refused
+# (its compiled code would trace into the DP layers); before, dynamo recursed without end.
+
+
 class PrivateModule(nn.Module):
     """The model under DP: calls go to the wrapped module (whose DP layers are patched);
     attributes not found here are looked up on it, as Opacus's GradSampleModule does."""
@@ -74,6 +87,10 @@ class PrivateModule(nn.Module):
         super().__init__()
         self._module = module
         self.__dict__["_engine_ref"] = weakref.ref(engine)
+
+    # Note [compiled private models]: a compiled caller runs the whole call eagerly (hooks
+    # included); tracing would reach the Examples tag on the inputs first.
+    __call__ = torch.compiler.disable(nn.Module.__call__)
 
     def forward(self, *args, **kwargs):
         return self._module(*args, **kwargs)
@@ -283,6 +300,7 @@ class PrivacyEngine:
         trainable = {id(p): p for p in model.parameters() if p.requires_grad}
         if not trainable:
             raise ValueError("the model has no trainable parameters")
+        _refuse_compiled(model)
         _check_optimizer_params(model, trainable, c.torch_optimizer)
         probe = find_layers(model, {pid: None for pid in trainable})  # names bad modules
         checkpointing.check_reentrant(model)
@@ -753,6 +771,20 @@ class PrivacyEngine:
     def parameters(self) -> Dict[str, torch.Tensor]:
         """Every trainable parameter by name (fp32 master; a collective in stages 1-3)."""
         return self.sharded.full_parameters()
+
+
+def _refuse_compiled(model: nn.Module) -> None:
+    """Note [compiled private models]: a module compiled before make_private is refused."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    for name, m in model.named_modules():
+        if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None:
+            raise ValueError(
+                f"module {name or '<model>'!r} ({type(m).__name__}) is compiled (torch.compile "
+                "or .compile()): its compiled code would trace into dpzero's DP layers, which "
+                "compilation cannot follow (Note [compiled private models]). Pass the model "
+                "uncompiled; torch.compile of the private model make_private returns runs it "
+                "eagerly")
 
 
 def _check_optimizer_params(model: nn.Module, trainable: Dict[int, torch.Tensor],

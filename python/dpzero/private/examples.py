@@ -46,6 +46,7 @@ q the accountant is charged with (DESIGN.md §2 step 1).
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -118,6 +119,12 @@ class Examples(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return torch.Tensor.__repr__(self)
 
+    def __reduce_ex__(self, protocol):
+        # Saved (torch.save, pickle, deepcopy) as the plain tensor it is: the tag belongs to
+        # this run's micro-batch, and torch.load(weights_only=True) refuses unknown classes.
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -127,7 +134,22 @@ class Examples(torch.Tensor):
             _valid(args, kwargs)
             before = args[0]._version if func in _INPLACE and _is_tagged(args[0]) else None
             out = func(*args, **kwargs)
+            if func in _METADATA:
+                return out
             return _propagate(func, args, kwargs, out, before)
+
+
+def _in_dynamo(depth: int = 40) -> bool:
+    """Whether torch.compile's tracer is among this call's callers (it reads a graph input's
+    storage before tracing)."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if "/torch/_dynamo/" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _withdraw(x: "Examples") -> None:
@@ -148,6 +170,13 @@ def _propagate(func, args, kwargs, out, before: Optional[int] = None):
     if taint is None:
         return out
     if func in _ESCAPES:  # memory handed to code whose writes dpzero cannot see
+        if _in_dynamo():
+            raise RuntimeError(
+                "a torch.compile'd function received the private loader's tensors (Note "
+                "[compiled private models] in engine.py): compilation reads their memory in "
+                "ways the examples' tag cannot follow. Call the private model and the loss "
+                "outside the compiled function; torch.compile of the private model itself runs "
+                "it eagerly")
         for x in _flat(args, kwargs):
             if isinstance(x, Examples):
                 taint.escaped[_storage(x)] = x.untyped_storage()
@@ -400,6 +429,9 @@ _INPLACE: set = set()
 # (Not new_tensor: it copies its data argument, which may be computed from the examples.)
 _FACTORIES = {getattr(torch.Tensor, n) for n in ("new_zeros", "new_ones", "new_full",
                                                   "new_empty")}
+# Reads of what a tensor is a view of, handed back as they are (the base tensor object itself):
+# wrapping a view's base would make a new view whose base is again wrapped, without end.
+_METADATA = {torch.Tensor._base.__get__}
 # Operations that hand the tensor's memory to code whose writes bump no version counter dpzero
 # sees (``x.data[0] = x.data[1]``, numpy, DLPack, raw pointers): the tag is withdrawn.
 # (torch.utils.dlpack.to_dlpack is a C function that bypasses __torch_function__: beyond reach.)

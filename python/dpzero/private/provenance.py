@@ -265,6 +265,12 @@ def _generic_verdict(name, r: CallRecord, p: CallRecord, same: Sequence[Optional
     in_dims: List[Optional[int]] = []
     for i, (a, b, s) in enumerate(zip(r.inputs, p.inputs, same)):
         v, d = follows_dim(a, b, rows, s)
+        leaf = r.tensors[i] if i < len(r.tensors) else None
+        if v not in (BATCHED, SHARED) and a is None and b is None and \
+                not isinstance(leaf, (bool, int, float, complex, str, type(None))):
+            v = (f"is a {type(leaf).__name__} whose state changes with the examples (an object "
+                 "the forward writes them into, such as a key/value cache: call the model with "
+                 "use_cache=False)")
         if v not in (BATCHED, SHARED):
             return Verdict(error=f"{name}: its input {i} (in the order of its arguments) {v}; "
                                  "the generic per-sample path needs each input either shared "
@@ -304,6 +310,29 @@ def pattern(tagged: Sequence[Tuple[int, int, object]], spec, leaves: Sequence,
     values = tuple(_leaf_value(v) for v in leaves if not isinstance(v, torch.Tensor))
     return (str(spec), values, tuple((i, bdim) for i, bdim, _ in tagged),
             tuple(r.ranks() for r in real))
+
+
+# Note [spread inputs]
+# ~~~~~~~~~~~~~~~~~~~
+# Opacus asks for position ids with a batch dim, so its users write them as
+# torch.arange(T).expand(B, -1) in the training loop and pass them to the model beside the
+# batch. Such a tensor is no example's data and carries no tag, so the probe (B + 1 examples)
+# used to call the model with B rows of it and failed. A model input whose dim 0 has stride 0 is
+# one row spread over dim 0 by construction (every row is the same memory), so it is the same
+# tensor for any number of rows: the probe spreads it over B + 1 rows too. Its values come from
+# no example (a tensor computed from the batch is tainted and refused at the door, Note [batch
+# provenance]), and the DP layers reading it are judged like any other: an input that grows
+# with the examples holds them row by row. Only dim 0's size says that it goes with the batch,
+# so should the probe fail with it spread (dim 0 was something else that happened to have B
+# entries), it runs once more with the input as it came, which is how it was treated before.
+def spread_inputs(leaves: Sequence, tagged: Sequence[Tuple[int, int, object]],
+                  rows: int) -> Tuple[int, ...]:
+    """Leaf indices of the plain model inputs that are one row spread over ``rows`` rows."""
+    taken = {i for i, _, _ in tagged}
+    return tuple(i for i, x in enumerate(leaves)
+                 if i not in taken and rows > 1 and isinstance(x, torch.Tensor)
+                 and not isinstance(x, Examples) and x.dim() > 0 and x.shape[0] == rows
+                 and x.stride(0) == 0)
 
 
 def ambiguous(real: Sequence[CallRecord], rows: int) -> bool:
@@ -523,12 +552,29 @@ class Probe:
         return out
 
 
-def _equal(a, b) -> Optional[bool]:
-    """Whether two arguments hold the same values (None where their shapes differ)."""
+def _equal(a, b, depth: int = 4) -> Optional[bool]:
+    """Whether two arguments hold the same values (None where their shapes differ). Non-tensor
+    arguments by value (a float computed from the batch must not pass); an object whose class
+    has no value equality of its own (a cache, a config) by its state, the tensors it holds
+    compared like tensor arguments: two runs that each made a fresh, empty one pass, and one
+    holding the examples (its tensors grew with them) does not."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
             return None
-        try:  # non-tensor arguments by value: a float computed from the batch must not pass
+        if type(a) is type(b) and type(a).__eq__ is object.__eq__ and a is not b and \
+                hasattr(a, "__dict__") and depth > 0:
+            return _equal(vars(a), vars(b), depth - 1)
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and depth > 0:
+            if type(a) is not type(b) or len(a) != len(b):
+                return False
+            verdicts = [_equal(x, y, depth - 1) for x, y in zip(a, b)]
+            return None if None in verdicts else all(verdicts)
+        if isinstance(a, dict) and isinstance(b, dict) and depth > 0:
+            if a.keys() != b.keys():
+                return False
+            verdicts = [_equal(a[k], b[k], depth - 1) for k in a]
+            return None if None in verdicts else all(verdicts)
+        try:
             return bool(a == b)
         except Exception:  # noqa: BLE001 - objects without a usable ==
             return a is b
@@ -560,7 +606,8 @@ def _rows(x: torch.Tensor, bdim: int, rotated: bool) -> torch.Tensor:
 
 def run_probe(module: nn.Module, forward: Callable, args, kwargs,
               tagged: Sequence[Tuple[int, int, object]], book, devices,
-              real: Sequence[CallRecord], rows: int, rotated: bool = False) -> List[CallRecord]:
+              real: Sequence[CallRecord], rows: int, rotated: bool = False,
+              spread: Sequence[int] = ()) -> List[CallRecord]:
     """The DP layer calls of ``forward(*args, **kwargs)`` (plain inputs) with one more example
     in each tagged input (:func:`_rows`). Runs in the grad mode of the real forward (so the
     calls it records are the ones that register parts there: a segment the model runs without
@@ -574,6 +621,8 @@ def run_probe(module: nn.Module, forward: Callable, args, kwargs,
     if rows > 0:
         for i, bdim, _ in tagged:
             leaves[i] = _wrap(_rows(leaves[i], bdim, rotated), bdim, probe.token)
+        for i in spread:  # Note [spread inputs]: one row, spread over one more example
+            leaves[i] = leaves[i][:1].expand(rows + 1, *leaves[i].shape[1:])
     p_args, p_kwargs = pytree.tree_unflatten(leaves, spec)
     with torch.autograd.graph.saved_tensors_hooks(_saved_nothing, _never_unpacked), \
             torch.random.fork_rng(devices=devices), book.watch_state() as state, \
@@ -654,6 +703,7 @@ class Ranks(NamedTuple):
     world: int
 
 
+@torch.compiler.disable  # Note [compiled private models] in engine.py
 def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *args, **kwargs):
     """The model's forward under DP (steps 1-4 of this file's docstring). Every forward with
     gradients on every rank makes the same agreements in the same order (the probe, the rotated
@@ -710,7 +760,8 @@ def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *
     finally:
         real, book.root = book.root, None
     rows = token.rows
-    key = pattern(tagged, spec, leaves, real)
+    spread = spread_inputs(leaves, tagged, rows)
+    key = pattern(tagged, spec, leaves, real) + (spread,)
     verdicts, premise = book.verdicts.get(key, (None, ()))
     # Note [premises]: a cached verdict stands only while the values it found shared still are.
     if verdicts is not None and not premise_holds(premise, real, book):
@@ -721,14 +772,22 @@ def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *
             _mirror(book, module, original, args, kwargs, devices)
         else:
             probe, error = _probed(module, original, args, kwargs, tagged, book, devices, real,
-                                   rows)
-            if probe is not None:
-                verdicts = classify(book.layers, real, probe, rows)
+                                   rows, spread=spread)
+        # Note [spread inputs]: a probe that failed with them spread runs once more without.
+        if ranks.probe(probe is None and bool(spread)):
+            if probe is None and spread:
+                spread = ()
+                probe, error = _probed(module, original, args, kwargs, tagged, book, devices,
+                                       real, rows)
+            else:
+                _mirror(book, module, original, args, kwargs, devices)
+        if probe is not None:
+            verdicts = classify(book.layers, real, probe, rows)
     expanded = probe is not None and rows > 1 and any(v.expanded for v in verdicts)
     if ranks.probe(expanded):  # the rotated probe, for ids expanded to the batch
         if expanded:
             rotated, error = _probed(module, original, args, kwargs, tagged, book, devices,
-                                     real, rows, rotated=True)
+                                     real, rows, rotated=True, spread=spread)
             if rotated is not None:
                 verdicts = classify(book.layers, real, probe, rows, rotated)
         else:
@@ -826,12 +885,13 @@ def _mirror(book, module, original, args, kwargs, devices) -> None:
 
 
 def _probed(module, original, args, kwargs, tagged, book, devices, real, rows,
-            rotated: bool = False) -> Tuple[Optional[List[CallRecord]], Optional[str]]:
+            rotated: bool = False, spread: Sequence[int] = ()
+            ) -> Tuple[Optional[List[CallRecord]], Optional[str]]:
     """(run_probe's records, None), or (None, why it failed): a failure is refused like a
     verdict, after every rank agreed."""
     try:
         return run_probe(module, original, args, kwargs, tagged, book, devices, real, rows,
-                         rotated), None
+                         rotated, spread), None
     except StateWritten as e:
         book.restore_state()  # what the real forward wrote before the probe (Note [probe writes])
         return None, str(e)
