@@ -151,6 +151,16 @@ void bind_dp(py::module_ m) {
             book.report_per_sample(part, std::move(rows));
           },
           py::arg("part"), py::arg("grads"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "report_per_sample_rows",
+          [](dp::Book& book, int64_t part, int64_t begin,
+             const std::vector<std::optional<at::Tensor>>& grads) {
+            std::vector<at::Tensor> rows;  // None (a frozen parameter) -> undefined
+            for (const auto& t : grads) rows.push_back(t.value_or(at::Tensor()));
+            book.report_per_sample_rows(part, begin, std::move(rows));
+          },
+          py::arg("part"), py::arg("begin"), py::arg("grads"),
+          py::call_guard<py::gil_scoped_release>())
       .def("finish_backward", &dp::Book::finish_backward,
            py::call_guard<py::gil_scoped_release>())
       .def("discard", &dp::Book::discard)

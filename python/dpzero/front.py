@@ -40,6 +40,9 @@ def make_private(model: nn.Module, *, optimizer="sgd", accountant: str = "prv",
     diagnostics_path: a file for each step's private diagnostics (realised batch size, samples
         seen and dropped: not covered by ε, Note [released figures]); rank 0 writes it.
     loss_reduction: "mean" (the loss averages over the micro-batch, Opacus's default) or "sum".
+    isolation: "detect" (default: one batched forward, and what could mix examples is detected)
+        or "strict" (each example's forward and backward computed by itself, so no model code
+        can mix them; slower: Note [strict isolation] in private/strict.py, docs/user-guide.md).
     allow_no_noise: needed for noise_multiplier=0 (non-private training through the same path).
     optimizer: "sgd" | "adam" | "adamw" or a torch.optim SGD/Adam/AdamW (its hyperparameters are
         used); lr and further optimizer keywords (momentum, betas, weight_decay, ...) override.
@@ -52,6 +55,9 @@ def make_private(model: nn.Module, *, optimizer="sgd", accountant: str = "prv",
         if plan_step is None:
             raise ValueError("policy='auto' profiles the model and needs plan_step: a "
                              "function (model, batch) -> loss for one micro-batch")
+        if config.isolation == "strict":
+            raise ValueError("policy='auto' plans the default (isolation='detect') step; give "
+                             "zero_stage yourself with isolation='strict'")
         if kwargs.get("activation_checkpointing") is not None or \
                 "offload_optimizer" in kwargs or "offload_params" in kwargs:
             raise ValueError("policy='auto' chooses zero_stage, activation_checkpointing "

@@ -342,6 +342,71 @@ void Book::report_per_sample(int64_t index, std::vector<at::Tensor> grads) {
   }
 }
 
+void Book::report_per_sample_rows(int64_t index, int64_t begin, std::vector<at::Tensor> grads) {
+  Lock lock(mutex_);
+  TORCH_CHECK(index >= 0 && index < num_parts() && parts_[index].rows >= 0 && !parts_[index].kept &&
+                  !parts_[index].done,
+              "dpzero::dp::Book::report_per_sample_rows: part ", index,
+              " has not passed begin_backward and take_rows, or is done");
+  Part& part = parts_[index];
+  const BookLayer& layer = layers_[part.layer];
+  const GroupState& gs = group_state_.at(layer.group);
+  TORCH_CHECK(!layer.ops && grads.size() == layer.slots.size(),
+              "dpzero::dp::Book::report_per_sample_rows: layer '", layer.name, "' takes ",
+              layer.ops ? "its kernel path (on_backward)"
+                        : std::to_string(layer.slots.size()) + " per-sample gradients, got " +
+                              std::to_string(grads.size()));
+  TORCH_CHECK(gs.parts.size() == 1 && options_.group_components[layer.group] == 1,
+              "dpzero::dp::Book::report_per_sample_rows: layer '", layer.name,
+              "' shares its clipping group with other parts; report all rows at once");
+  TORCH_CHECK(begin == part.reported, "dpzero::dp::Book::report_per_sample_rows: rows of part ",
+              index, " must come in order: expected row ", part.reported, ", got ", begin);
+  try {
+    int64_t n = -1;
+    for (const at::Tensor& t : grads) {
+      if (!t.defined()) continue;
+      if (t.dim() == 0 || (n >= 0 && t.size(0) != n) || begin + t.size(0) > part.rows) {
+        refuse("layer '" + layer.name + "' reported rows " + std::to_string(begin) + "+" +
+               (t.dim() ? std::to_string(t.size(0)) : std::string("?")) + " for a part of " +
+               std::to_string(part.rows) + " rows");
+      }
+      n = t.size(0);
+    }
+    TORCH_CHECK(n > 0, "dpzero::dp::Book: layer '", layer.name, "' reported no gradient");
+    if (!batch_) {
+      batch_ = part.rows;
+      dropped_mask_ = at::zeros({*batch_}, grads[0].defined()
+                                               ? grads[0].options().dtype(at::kBool)
+                                               : at::TensorOptions().dtype(at::kBool));
+    }
+    const double threshold = options_.thresholds[layer.group];
+    at::Tensor factors;
+    if (std::isfinite(threshold)) {  // fused: G was scaled for a mean loss (take_rows)
+      factors = std::get<0>(ps::clip_from_sq_norms(per_sample_sq_norms(grads).to(at::kDouble),
+                                                   threshold, options_.mode, options_.gamma));
+      dropped_mask_.narrow(0, begin, n).logical_or_(factors == 0);
+    } else {  // C = inf: no clipping; the mean loss scales the factors (Note [mean loss])
+      const at::Tensor& first = *std::find_if(grads.begin(), grads.end(),
+                                              [](const at::Tensor& t) { return t.defined(); });
+      factors = mean_scaled_factors(at::ones({n}, first.options().dtype(at::kFloat)),
+                                    mean_scale());
+    }
+    add_per_sample_clipped_sums(grads, factors, dests(layer));
+    part.reported += n;
+    if (part.reported == part.rows) {
+      ++group_state_.at(layer.group).received;
+      group_state_.at(layer.group).complete = true;
+      part.done = true;
+      delivered(layer);
+      release_if_done(layer);
+    }
+    queue_finish();
+  } catch (const std::exception& e) {
+    note_failure(e, "the backward in the clipping");
+    throw;
+  }
+}
+
 void Book::queue_finish() {
   if (!queue_finish_ || finish_queued_) return;
   torch::autograd::Engine::get_default_engine().queue_callback([weak = weak_from_this()] {

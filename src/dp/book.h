@@ -152,6 +152,12 @@ class Book : public std::enable_shared_from_this<Book> {
   void begin_backward(int64_t generation, int64_t part);
   int64_t take_rows(int64_t part, int64_t rows);
   void report_per_sample(int64_t part, std::vector<at::Tensor> grads);
+  // The same in pieces of rows, for a part alone in its group (strict isolation, Note [strict
+  // isolation] in python/dpzero/private/strict.py, whose one part is the whole model): rows
+  // [begin, begin + n) of the part's per-sample gradients ([n, *shape] each), in order; each
+  // piece is clipped and summed at once, so only n examples' gradients exist at a time. The
+  // part is done with its last row.
+  void report_per_sample_rows(int64_t part, int64_t begin, std::vector<at::Tensor> grads);
   // The backward's final callback: completes every group, hands every unit over, counts.
   void finish_backward();
   // Drops a micro-batch whose backward never ran.
@@ -181,6 +187,7 @@ class Book : public std::enable_shared_from_this<Book> {
     bool verdict = false;  // Note [one sample per row]
     bool claimed = false;  // its backward began
     int64_t rows = -1;     // its rows, as take_rows checked them
+    int64_t reported = 0;  // rows reported so far by report_per_sample_rows
     bool done = false;     // its clipped sums are added
     std::optional<Kept> kept;
   };

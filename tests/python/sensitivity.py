@@ -27,7 +27,7 @@ from dpzero.private import PrivacyViolation
 def step_sum(make_model: Callable[[], nn.Module], inputs: Sequence[torch.Tensor],
              labels: torch.Tensor, weights: torch.Tensor, *, max_grad_norm: float = 1.0,
              micro: int = None, clipping: str = "flat", seed: int = 0,
-             call: Callable = None) -> torch.Tensor:
+             call: Callable = None, isolation: str = "detect") -> torch.Tensor:
     """The pre-noise sum of clipped per-example gradients of one step (flattened, float64).
     ``call(model, *inputs)``: how the training loop calls the model (default: model(*inputs))."""
     torch.manual_seed(seed)
@@ -38,7 +38,7 @@ def step_sum(make_model: Callable[[], nn.Module], inputs: Sequence[torch.Tensor]
     p = dpzero.make_private(model, dataset=data, sample_rate=1.0, noise_multiplier=0.0,
                             allow_no_noise=True, max_grad_norm=max_grad_norm, optimizer="sgd",
                             lr=float(n), clipping=clipping, loss_reduction="sum", seed=seed,
-                            max_physical_batch_size=micro or n)
+                            max_physical_batch_size=micro or n, isolation=isolation)
     for *xs, y, w in p.data_loader:
         out = call(p.model, *xs) if call is not None else p.model(*xs)
         (w * F.cross_entropy(out, y, reduction="none")).sum().backward()

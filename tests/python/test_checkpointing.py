@@ -242,8 +242,7 @@ def test_hugging_face_gpt2_with_its_own_switch_and_with_ours():
     assert_same(want, _gpt2_run(hf), atol=1e-7)
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    with pytest.warns(UserWarning, match=r"setting the model's config.use_cache = False"):
-        ours = _gpt2_run(_gpt2(), activation_checkpointing=GPT2Block)
+    ours = _gpt2_run(_gpt2(), activation_checkpointing=GPT2Block)  # no key/value cache
     assert_same(want, ours, atol=1e-7)
 
 
@@ -327,6 +326,5 @@ def test_hugging_face_gpt2_checkpointed_whole_with_its_broadcast_position_ids():
     from transformers.models.gpt2.modeling_gpt2 import GPT2Model
 
     want = _gpt2_run(_gpt2())
-    with pytest.warns(UserWarning, match=r"setting the model's config.use_cache = False"):
-        ours = _gpt2_run(_gpt2(), activation_checkpointing=GPT2Model)
+    ours = _gpt2_run(_gpt2(), activation_checkpointing=GPT2Model)  # no key/value cache
     assert_same(want, ours, atol=1e-7)

@@ -17,7 +17,6 @@ classes) checkpoints every module of that class (as ``torch.distributed``'s
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import List, Sequence, Union
 
 import torch
@@ -70,15 +69,9 @@ def resolve(model: nn.Module, spec: Spec, unit_names: Sequence[str]) -> List[str
 def apply(model: nn.Module, names: Sequence[str]) -> List[nn.Module]:
     """Wraps each named module's forward (after the DP layers are patched); returns the modules
     for :func:`remove`."""
+    # A Hugging Face key/value cache would grow again in the recompute; the private model runs
+    # without one (Note [no key/value cache] in attach.py, applied before this).
     modules = []
-    config = getattr(model, "config", None)
-    if names and getattr(config, "use_cache", False):
-        # A Hugging Face key/value cache grows in every forward, so the recompute would see the
-        # keys twice; Hugging Face's own switch turns the cache off likewise.
-        warnings.warn("activation checkpointing: setting the model's config.use_cache = False "
-                      "(the recomputed forward would append to the key/value cache again)",
-                      UserWarning, stacklevel=4)
-        config.use_cache = False
     for name in names:
         module = model.get_submodule(name)
         original = module.forward

@@ -32,6 +32,11 @@ PASS_THROUGH = frozenset({"momentum", "dampening", "nesterov", "betas", "eps", "
 
 _OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 
+# How the examples of a micro-batch are kept apart: "detect" (one batched forward; what could
+# mix them is detected, Note [batch provenance]) or "strict" (each example computed by itself,
+# Note [strict isolation] in strict.py).
+ISOLATION = ("detect", "strict")
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -53,6 +58,7 @@ class PrivateConfig:
     group_weights: Optional[Sequence[float]]
     automatic_gamma: float
     loss_reduction: str                     # "mean" | "sum"
+    isolation: str                          # "detect" | "strict" (Note [strict isolation])
     epsilon_budget: Optional[float]         # the budget guard's ε (None: no guard)
     budget_delta: Optional[float]
     seed: Optional[int]
@@ -163,7 +169,7 @@ def resolve(*, accountant: str, optimizer="sgd", dataset: Optional[Dataset] = No
             activation_checkpointing: checkpointing.Spec = None,
             epsilon_budget: Optional[float] = None, budget_delta: Optional[float] = None,
             num_workers: int = 0, diagnostics_path: Optional[str] = None,
-            **optimizer_kwargs) -> PrivateConfig:
+            isolation: str = "detect", **optimizer_kwargs) -> PrivateConfig:
     """make_private's keywords (its docstring, front.py) as a PrivateConfig; σ is calibrated
     with ``accountant`` when ``target_epsilon`` is given."""
     if clipping not in CLIPPING:
@@ -177,6 +183,21 @@ def resolve(*, accountant: str, optimizer="sgd", dataset: Optional[Dataset] = No
         raise ValueError("automatic clipping needs a finite max_grad_norm, got inf")
     if not (automatic_gamma > 0 and math.isfinite(automatic_gamma)):
         raise ValueError(f"automatic_gamma must be finite and > 0, got {automatic_gamma}")
+    if isolation not in ISOLATION:
+        raise ValueError(f"isolation must be one of {ISOLATION}, got {isolation!r}")
+    if isolation == "strict":  # Note [strict isolation] (strict.py) says why each
+        if clipping not in ("flat", "automatic"):
+            raise ValueError(f"clipping={clipping!r} with isolation='strict': strict isolation "
+                             "clips each example's whole gradient; use clipping='flat' or "
+                             "'automatic'")
+        if zero_stage == 3:
+            raise ValueError("zero_stage=3 with isolation='strict': stage 3 gathers the "
+                             "parameters in every forward, and a strict forward runs in as many "
+                             "pieces as each rank's examples need; use zero_stage 0-2")
+        if activation_checkpointing is not None:
+            raise ValueError("activation_checkpointing with isolation='strict': a strict "
+                             "backward recomputes each example's forward anyway (it keeps no "
+                             "activations from the forward); remove it")
 
     # The data.
     if (dataset is None) == (data_loader is None):
@@ -264,7 +285,7 @@ def resolve(*, accountant: str, optimizer="sgd", dataset: Optional[Dataset] = No
         max_physical_batch_size=max_physical_batch_size, sample_rate=q, noise_multiplier=sigma,
         max_grad_norm=max_grad_norm, clipping=clipping, clipping_groups=clipping_groups,
         group_weights=group_weights, automatic_gamma=automatic_gamma,
-        loss_reduction=loss_reduction,
+        loss_reduction=loss_reduction, isolation=isolation,
         epsilon_budget=None if epsilon_budget is None else float(epsilon_budget),
         budget_delta=None if budget_delta is None else float(budget_delta), seed=seed,
         ledger_path=ledger_path, run_id=run_id, diagnostics_path=diagnostics_path,

@@ -53,7 +53,7 @@ from .. import _C
 from ..accounting import Ledger, create_accountant, get_steps
 from ..noise import NoiseSource, _as_int64
 from ..zero import default_units, shard
-from . import checkpointing
+from . import checkpointing, strict
 from .attach import assign_components, find_layers, guard_hooks, param_slots, patch, unpatch
 from .agreements import RankAgreements
 from .book import Book, PrivacyViolation, _dp
@@ -302,7 +302,8 @@ class PrivacyEngine:
             raise ValueError("the model has no trainable parameters")
         _refuse_compiled(model)
         _check_optimizer_params(model, trainable, c.torch_optimizer)
-        probe = find_layers(model, {pid: None for pid in trainable})  # names bad modules
+        layers_of = strict.find_layer if c.isolation == "strict" else find_layers
+        probe = layers_of(model, {pid: None for pid in trainable})  # names bad modules
         checkpointing.check_reentrant(model)
         checkpointed = checkpointing.resolve(
             model, c.activation_checkpointing,
@@ -358,7 +359,7 @@ class PrivacyEngine:
         sharded._state.set_private(True)
         slot_of, unit_numel, unit_device = param_slots(sharded)
         self._slot_of = slot_of
-        layers = find_layers(model, slot_of)
+        layers = layers_of(model, slot_of)
         n_components = assign_components(layers)
         groups, thresholds = self._clip_groups(layers, n_components, clipping,
                                                c.clipping_groups, c.group_weights, max_grad_norm)
@@ -397,7 +398,12 @@ class PrivacyEngine:
                 if several else (lambda refused: int(refused))),
             world=self.world_size)
         devices = sorted({d.index or 0 for d in unit_device if d.type == "cuda"})
-        patch(model, layers, book_ref, ranks, devices)
+        self.isolation = c.isolation
+        if c.isolation == "strict":  # Note [strict isolation]
+            strict.patch(model, lambda original: strict.Strict(model, original, layers[0],
+                                                               devices), book_ref, ranks)
+        else:
+            patch(model, layers, book_ref, ranks, devices)
         self._checkpointed = checkpointing.apply(model, checkpointed)
         self._guards = guard_hooks(model, book_ref)
         self._trainable_set = TrainableSet(model, list(trainable.values()))  # checked each step
@@ -759,7 +765,10 @@ class PrivacyEngine:
         with ``parameters()`` first."""
         self._verify_release("detach()", collective=False)
         checkpointing.remove(self._checkpointed)
-        unpatch(self.module, self.layers)
+        if self.isolation == "strict":
+            strict.unpatch(self.module)
+        else:
+            unpatch(self.module, self.layers)
         for h in self._guards + self._state_dict_hooks:
             h.remove()
         self._guards, self._state_dict_hooks = [], []

@@ -703,19 +703,9 @@ class Ranks(NamedTuple):
     world: int
 
 
-@torch.compiler.disable  # Note [compiled private models] in engine.py
-def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *args, **kwargs):
-    """The model's forward under DP (steps 1-4 of this file's docstring). Every forward with
-    gradients on every rank makes the same agreements in the same order (the probe, the rotated
-    probe, the refusals), whatever this rank's verdict."""
-    book = book_ref()
-    if book is None or book.probe is not None or book.root is not None \
-            or book.refusal is not None or not torch.is_grad_enabled() \
-            or torch._C._current_graph_task_id() != -1:
-        # No gradient (evaluation), the probe, a call nested in a root forward (refused or not)
-        # or a recompute: nothing to clip or to agree on here.
-        (args, kwargs), _, _ = untagged((args, kwargs))
-        return original(*args, **kwargs)
+def admitted(book, args, kwargs):
+    """Step 1 of this file's docstring: (args, kwargs) unwrapped, their tagged leaves [(leaf
+    index, batch dim, token)], and why the call may not train (None: it may)."""
     token = book.token
     (args, kwargs), tagged, problem = untagged((args, kwargs), token)
     if problem is None and not tagged:
@@ -735,6 +725,23 @@ def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *
         problem = ("the model was called on tensors of a micro-batch that is not the current "
                    f"one ({next(t for _, _, t in tagged if t is not token)!r}; current: "
                    f"{token!r}): each micro-batch the loader yields is used in its own turn")
+    return args, kwargs, tagged, problem
+
+
+@torch.compiler.disable  # Note [compiled private models] in engine.py
+def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *args, **kwargs):
+    """The model's forward under DP (steps 1-4 of this file's docstring). Every forward with
+    gradients on every rank makes the same agreements in the same order (the probe, its retry
+    without spread inputs, the rotated probe, the refusals), whatever this rank's verdict."""
+    book = book_ref()
+    if book is None or book.probe is not None or book.root is not None \
+            or book.refusal is not None or not torch.is_grad_enabled() \
+            or torch._C._current_graph_task_id() != -1:
+        # No gradient (evaluation), the probe, a call nested in a root forward (refused or not)
+        # or a recompute: nothing to clip or to agree on here.
+        (args, kwargs), _, _ = untagged((args, kwargs))
+        return original(*args, **kwargs)
+    args, kwargs, tagged, problem = admitted(book, args, kwargs)
     if problem is not None:
         # Refused lazily: the forward runs (an evaluation without torch.no_grad() on other data
         # is harmless), but its DP layers register nothing and a backward through any of them
@@ -745,7 +752,7 @@ def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *
             out = original(*args, **kwargs)
         finally:
             book.refusal = None
-        for _ in range(2):  # the others' probes
+        for _ in range(3):  # the others' probe, its retry and the rotated probe
             if ranks.probe(False):
                 _mirror(book, module, original, args, kwargs, devices)
         if ranks.refusals(True) < ranks.world:
@@ -759,7 +766,7 @@ def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *
         out = original(*args, **kwargs)
     finally:
         real, book.root = book.root, None
-    rows = token.rows
+    rows = book.token.rows
     spread = spread_inputs(leaves, tagged, rows)
     key = pattern(tagged, spec, leaves, real) + (spread,)
     verdicts, premise = book.verdicts.get(key, (None, ()))
@@ -767,22 +774,25 @@ def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *
     if verdicts is not None and not premise_holds(premise, real, book):
         verdicts = None
     probe, error = None, None
-    if ranks.probe(verdicts is None or ambiguous(real, rows)):
+    first = ranks.probe(verdicts is None or ambiguous(real, rows))
+    if first:
         if rows == 0:  # nothing to add an example to: mirror the others, keep what is known
             _mirror(book, module, original, args, kwargs, devices)
         else:
             probe, error = _probed(module, original, args, kwargs, tagged, book, devices, real,
                                    rows, spread=spread)
-        # Note [spread inputs]: a probe that failed with them spread runs once more without.
-        if ranks.probe(probe is None and bool(spread)):
-            if probe is None and spread:
-                spread = ()
-                probe, error = _probed(module, original, args, kwargs, tagged, book, devices,
-                                       real, rows)
-            else:
-                _mirror(book, module, original, args, kwargs, devices)
-        if probe is not None:
-            verdicts = classify(book.layers, real, probe, rows)
+    # Note [spread inputs]: a probe that failed with them spread runs once more without (an
+    # agreement every forward makes, so that every rank makes the same ones).
+    retry = first and probe is None and bool(spread)
+    if ranks.probe(retry):
+        if retry:
+            spread = ()
+            probe, error = _probed(module, original, args, kwargs, tagged, book, devices, real,
+                                   rows)
+        else:
+            _mirror(book, module, original, args, kwargs, devices)
+    if probe is not None:
+        verdicts = classify(book.layers, real, probe, rows)
     expanded = probe is not None and rows > 1 and any(v.expanded for v in verdicts)
     if ranks.probe(expanded):  # the rotated probe, for ids expanded to the batch
         if expanded:

@@ -1,0 +1,428 @@
+"""Strict isolation: each example's forward and backward computed by itself.
+
+Note [strict isolation]
+~~~~~~~~~~~~~~~~~~~~~~~
+By default dpzero runs one batched forward and keeps examples apart by detection: the probe finds
+which rows of each DP layer's input are examples (Note [batch provenance]), the separable
+recompute checks generic modules (Note [separable recompute]), and what a model does between
+its layers is trusted. Detection has gaps a model can fall into without any error: a batch mean
+whose forward value cancels (``h + h.mean(0) - h.mean(0).detach()``) but whose gradient mixes
+rows, a custom autograd function whose backward alone mixes them, mixing below a tolerance, rows
+permuted between layers. ``isolation="strict"`` removes the class instead of detecting its
+members:
+
+* the whole model is one generic part (fallback.py) whose parameters are every trainable one;
+  no layer inside it is patched;
+* forward: the model runs once per example, on a batch of one (``torch.func.vmap`` over the
+  examples with the model's own forward as the function, or a loop over the examples where vmap
+  cannot run the model), with the parameters detached; the examples' outputs are stacked along
+  the dim that holds the examples (found by growing a batch of one to two, once per call
+  pattern, and held at every call), and a tap passes the loss's gradient back;
+* backward: each example's parameter gradient is the VJP of its own forward, recomputed by
+  itself, applied to its own rows of the output gradient; it is clipped (flat or automatic, in
+  float64, the book's certified norms) and summed into the engine's buffers a few examples at a
+  time (``Book.report_per_sample_rows``), so that at most ``_PER_SAMPLE_BYTES`` of per-example
+  gradients exist at once;
+* random ops (dropout) draw per example; the forward keeps the random state at the start of
+  each piece of examples and the backward's recompute restores it, so each example's gradient
+  belongs to the function its loss was computed with (checked: the recomputed outputs must equal
+  the forward's, Note [separable recompute]).
+
+So example i's output is a function of its own inputs and the parameters, and its gradient a
+function of its own inputs, the parameters and its own rows of the output gradient: whatever the
+model's code does (batch statistics, hooks, custom autograd functions, in-place writes,
+permutations), it runs on one example. What strict isolation cannot isolate is outside the
+model: the loss must be a sum or mean of per-example losses (as in every DP-SGD library: a loss
+that couples the outputs of different examples couples their output gradients), and module state
+and Python globals persist between calls (module state is held fixed by Note [state written from
+data]). A scalar output of the model (a loss it computes itself, ``outputs.loss``) is the mean
+of the examples' own values.
+
+Settings it does not take (config.py refuses them, naming them): layer and group clipping (one
+part, the whole model: flat or automatic), ZeRO stage 3 (it gathers parameters in every forward,
+and each rank's forward runs in as many pieces as its examples need), activation checkpointing
+(nothing of the forward is kept). It costs a second forward per example and per-example
+gradients of every parameter: docs/user-guide.md says when to use it, and
+experiments/results/private.md what it costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import warnings
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils import _pytree as pytree
+
+from .attach import _cache_off, _rejection
+from .book import Layer, PrivacyViolation
+from .fallback import FuncKind, _check_separable, swapped, tap
+from .provenance import CallRecord, Ranks, Verdict, admitted, spread_inputs
+
+# Per-example gradients held at once (float32): examples are clipped this many bytes at a time.
+_PER_SAMPLE_BYTES = 256 << 20
+
+
+def find_layer(model: nn.Module, slot_of: Dict[int, Any]) -> List[Layer]:
+    """The one part of a strict model: the model itself, with every trainable parameter. Raises
+    PrivacyViolation naming the modules that write their state from the data (BatchNorm's
+    running statistics and the like, attach.py's rejections)."""
+    problems = [f"{name or '<model>'} ({type(module).__name__}): {_rejection(module)}"
+                for name, module in model.named_modules() if _rejection(module) is not None]
+    if problems:
+        raise PrivacyViolation("these modules cannot be trained privately:\n  " +
+                               "\n  ".join(problems))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    kind = FuncKind(names)
+    slots = [slot_of[id(model.get_parameter(n))] for n in names]
+    return [Layer(0, "", model, kind, (True,) * len(names), slots)]
+
+
+class _Layout(NamedTuple):
+    """How a strict forward's outputs are assembled: per tensor output, the dim holding the
+    examples (None: one value per call, the mean of the examples'); the output's pytree spec and
+    its non-tensor leaves (None where a tensor goes)."""
+
+    dims: Tuple[Optional[int], ...]
+    spec: Any
+    constants: Tuple[Any, ...]
+
+
+class _Saved(NamedTuple):
+    """What a strict forward leaves its backward."""
+
+    leaves: List[Any]
+    spec: Any
+    batched: Tuple[int, ...]        # leaf indices of the example inputs
+    dims: Tuple[int, ...]           # their example dims
+    pieces: List[Tuple[int, int]]   # row ranges, in order
+    states: List[List[torch.Tensor]]  # the RNG states at each piece's start
+    outputs: List[Tuple[torch.Tensor, ...]]  # each piece's stacked outputs [n, *per example]
+    looped: bool                    # the loop ran instead of vmap
+
+
+class Strict:
+    """Note [strict isolation] for ``model`` (its own forward: ``original``; its one part:
+    ``layer``); ``devices``: the CUDA devices whose random state the recompute restores."""
+
+    def __init__(self, model: nn.Module, original, layer: Layer, devices) -> None:
+        self.model, self.original, self.layer, self.devices = model, original, layer, devices
+        self.names = list(layer.kind.params)
+        # Every name each trained parameter has (a tied table is reached as emb.weight and as
+        # head.weight): all are swapped for its value, so each use reaches its gradient.
+        canonical = {id(model.get_parameter(n)): n for n in self.names}
+        self.aliases = {alias: canonical[id(p)]
+                        for alias, p in model.named_parameters(remove_duplicate=False)
+                        if id(p) in canonical}
+        numel = sum(model.get_parameter(n).numel() for n in self.names)
+        self.piece = max(1, _PER_SAMPLE_BYTES // (4 * numel))
+        self.layouts: Dict[tuple, _Layout] = {}
+        self.vmap = True  # until vmap fails on this model: then the loop, for good
+
+    def values(self) -> Dict[str, torch.Tensor]:
+        return {n: self.model.get_parameter(n).detach() for n in self.names}
+
+    def every_name(self, values: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """``values`` (by canonical name) under every name of each parameter."""
+        return {alias: values[name] for alias, name in self.aliases.items()}
+
+    # ---- one example's forward ---------------------------------------------------------------
+
+    def _function(self, leaves, spec, batched, dims, captured: list, floating: bool = False):
+        """f(values, *xs) -> the tensor outputs (``floating``: the floating ones) of the model on
+        one example (xs: its slices of the example inputs, example dim removed; run as a batch
+        of one)."""
+        def f(values, *xs):
+            full = list(leaves)
+            for i, x, d in zip(batched, xs, dims):
+                full[i] = x.unsqueeze(d)
+            args, kwargs = pytree.tree_unflatten(full, spec)
+            with swapped(self.model, self.every_name(values)):
+                out = self.original(*args, **kwargs)
+            out_leaves, out_spec = pytree.tree_flatten(out)
+            captured[:] = [out_spec, tuple(None if isinstance(t, torch.Tensor) else t
+                                           for t in out_leaves)]
+            return tuple(t for t in out_leaves if isinstance(t, torch.Tensor) and
+                         (not floating or t.is_floating_point()))
+        return f
+
+    def _run(self, f, values, xs, dims, looped: bool) -> Tuple[torch.Tensor, ...]:
+        """f on each example of ``xs`` (pieces of the example inputs along ``dims``), stacked:
+        [n, *per example] per output."""
+        if not looped:
+            return torch.func.vmap(f, in_dims=(None, *dims), randomness="different")(values, *xs)
+        rows = xs[0].shape[dims[0]]
+        outs = [f(values, *(x.select(d, i) for x, d in zip(xs, dims))) for i in range(rows)]
+        return tuple(torch.stack([o[j] for o in outs]) for j in range(len(outs[0])))
+
+    def forward(self, book, ranks: Ranks, args, kwargs, tagged, rows: int):
+        """The strict forward of one micro-batch (``tagged``: its example inputs, admitted):
+        the outputs, tapped for the backward."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        spread = spread_inputs(leaves, tagged, rows)
+        batched = tuple(i for i, _, _ in tagged) + spread
+        dims = tuple(d for _, d, _ in tagged) + (0,) * len(spread)
+        if any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+            raise PrivacyViolation(
+                "a model input requires grad: under isolation='strict' the model's inputs are "
+                "data, and every trained parameter is the model's")
+        values = self.values()
+        captured: list = []
+        f = self._function(leaves, spec, batched, dims, captured)
+        pieces = [(b, min(rows, b + self.piece)) for b in range(0, rows, self.piece)]
+        states, outputs, looped = self._pieces(f, values, leaves, batched, dims, pieces)
+        out_spec, constants = captured
+        key = (str(spec), tuple(tuple(o.shape[1:]) for o in outputs[0]), str(out_spec))
+        layout = self.layouts.get(key)
+        if layout is None:
+            layout = self._layout(values, leaves, spec, batched, dims, outputs[0], out_spec,
+                                  constants)
+            self.layouts[key] = layout
+        stacked = [torch.cat([o[j] for o in outputs]) if len(outputs) > 1 else outputs[0][j]
+                   for j in range(len(outputs[0]))]
+        tensors = [_assemble(s, d) for s, d in zip(stacked, layout.dims)]
+        floating = [j for j, t in enumerate(tensors) if t.is_floating_point()]
+        saved = _Saved(leaves, spec, batched, dims, pieces, states, outputs, looped)
+        start = book.num_parts
+        book.root = []
+        try:
+            generation, index = book.on_forward(self.layer.index, CallRecord(self.layer.index, ()))
+        finally:
+            book.root = None
+        book.set_verdicts(start, [Verdict(in_dims=("strict",))])
+        params = [self.model.get_parameter(n) for n in self.names]
+        tapped = tap(functools.partial(self.backward, book, generation, index, saved, layout,
+                                       floating), [tensors[j] for j in floating], params)
+        for j, t in zip(floating, tapped):
+            tensors[j] = t
+        it = iter(tensors)
+        out_leaves = [next(it) if c is None else c for c in layout.constants]
+        return pytree.tree_unflatten(out_leaves, layout.spec)
+
+    def _pieces(self, f, values, leaves, batched, dims, pieces):
+        """(RNG state at each piece's start, each piece's stacked outputs, whether the loop ran):
+        vmap, or the loop where vmap cannot run the model (then for good, once the loop ran)."""
+        start = _rng_states(self.devices)
+        for looped in ((False, True) if self.vmap else (True,)):
+            _set_rng_states(start, self.devices)
+            states, outputs = [], []
+            try:
+                with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]), \
+                        warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="There is a performance drop")
+                    for b, e in pieces:
+                        xs = [leaves[i].narrow(d, b, e - b) for i, d in zip(batched, dims)]
+                        states.append(_rng_states(self.devices))
+                        outputs.append(self._run(f, values, xs, dims, looped))
+            except Exception:  # noqa: BLE001 - vmap cannot run this model; the loop says why
+                if looped:
+                    raise
+                continue
+            self.vmap = self.vmap and not looped
+            return states, outputs, looped
+        raise AssertionError("unreachable")
+
+    def _layout(self, values, leaves, spec, batched, dims, one, out_spec, constants) -> _Layout:
+        """Per output, the dim whose size follows the number of examples: the model on a batch
+        of two (example 0 twice) against its per-example shape (a batch of one). Runs without
+        gradients and leaves no trace in the model's state or random streams."""
+        full = list(leaves)
+        for i, d in zip(batched, dims):
+            first = leaves[i].narrow(d, 0, 1)
+            full[i] = torch.cat([first, first], d)
+        args, kwargs = pytree.tree_unflatten(full, spec)
+        from .state_guard import ProbeWrites
+
+        trained = {id(self.model.get_parameter(n)) for n in self.names}
+        with torch.no_grad(), torch.random.fork_rng(devices=self.devices), \
+                ProbeWrites(self.model, trained), swapped(self.model, self.every_name(values)):
+            two = [t for t in pytree.tree_leaves(self.original(*args, **kwargs))
+                   if isinstance(t, torch.Tensor)]
+        out_dims = []
+        for j, (a, b) in enumerate(zip(one, two)):
+            single, double = tuple(a.shape[1:]), tuple(b.shape)
+            grown = [k for k, (x, y) in enumerate(zip(single, double)) if x != y] \
+                if len(single) == len(double) else None
+            if grown == [] and a.is_floating_point():
+                out_dims.append(None)  # one value per call (a loss over the batch): the mean
+            elif grown is not None and len(grown) == 1 and single[grown[0]] == 1 and \
+                    double[grown[0]] == 2:
+                out_dims.append(grown[0])
+            else:
+                raise PrivacyViolation(
+                    f"the model's output {j} has shape {list(single)} for one example and "
+                    f"{list(double)} for two: isolation='strict' needs each output with one dim "
+                    "that follows the examples (or a floating value per call, such as a loss)")
+        return _Layout(tuple(out_dims), out_spec, constants)
+
+    # ---- the backward ------------------------------------------------------------------------
+
+    def backward(self, book, generation: int, index: int, saved: _Saved, layout: _Layout,
+                 floating: List[int], grads) -> None:
+        """The tap's callback: each example's clipped gradient, piece by piece, into the book."""
+        core = book._core
+        try:
+            core.begin_backward(generation, index)
+            rows = saved.pieces[-1][1]
+            multiplier = core.take_rows(index, rows)
+            # Only the floating outputs carry gradients (and are recomputed).
+            per_example = [_per_example(g, layout.dims[j], rows, saved.outputs[0][j])
+                           for j, g in zip(floating, grads)]
+            if multiplier == 0:  # Note [padding batches]: exact zeros
+                zeros = [torch.zeros(rows, *self.model.get_parameter(n).shape,
+                                     device=self.model.get_parameter(n).device)
+                         for n in self.names]
+                core.report_per_sample_rows(index, 0, zeros)
+                return
+            values = self.values()
+            captured: list = []
+            f = self._function(saved.leaves, saved.spec, saved.batched, saved.dims, captured,
+                               floating=True)
+            name = f"{type(self.model).__name__} (isolation='strict')"
+            for (b, e), state, piece_out in zip(saved.pieces, saved.states, saved.outputs):
+                forward = [piece_out[j] for j in floating]
+                xs = [saved.leaves[i].narrow(d, b, e - b)
+                      for i, d in zip(saved.batched, saved.dims)]
+                gs = [p[b:e] * multiplier if multiplier != 1 else p[b:e] for p in per_example]
+                with torch.random.fork_rng(devices=self.devices), torch.enable_grad(), \
+                        sdpa_kernel([SDPBackend.MATH]), warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="There is a performance drop")
+                    _set_rng_states(state, self.devices)
+                    piece, outs = self._vjp(f, values, xs, saved.dims, gs, saved.looped)
+                _check_separable(name, outs, forward, [0] * len(outs),
+                                 any(t.dtype in (torch.float16, torch.bfloat16)
+                                     for t in forward), book.defer)
+                core.report_per_sample_rows(index, b, [piece[n].float() for n in self.names])
+        except BaseException as e:
+            if book.error is None:
+                book.error = f"the backward failed in the clipping ({type(e).__name__}: {e})"
+            raise
+
+    def _vjp(self, f, values, xs, dims, gs, looped: bool):
+        """({name: [n, *shape]} per-example gradients, the recomputed outputs) of one piece."""
+        def one(g, *x):
+            out, vjp = torch.func.vjp(lambda p: f(p, *x), values)
+            return vjp(tuple(gi.to(o.dtype) for gi, o in zip(g, out)))[0], out
+
+        if not looped:
+            return torch.func.vmap(one, in_dims=(0, *dims), randomness="different")(
+                tuple(gs), *xs)
+        rows = gs[0].shape[0]
+        grads: Dict[str, List[torch.Tensor]] = {}
+        outs: List[Tuple[torch.Tensor, ...]] = []
+        for i in range(rows):
+            x = [t.select(d, i) for t, d in zip(xs, dims)]
+            g, out = _autograd_vjp(f, values, x, tuple(t[i] for t in gs))
+            for n, t in g.items():
+                grads.setdefault(n, []).append(t)
+            outs.append(out)
+        return ({n: torch.stack(ts) for n, ts in grads.items()},
+                tuple(torch.stack([o[j] for o in outs]) for j in range(len(outs[0]))))
+
+
+def _autograd_vjp(f, values, x, g):
+    """One example's VJP through plain autograd (the loop: hooks, custom autograd functions
+    and Python control flow that functorch cannot transform all run here)."""
+    leaves = {n: v.detach().requires_grad_(True) for n, v in values.items()}
+    out = f(leaves, *x)
+    pairs = [(o, gi.to(o.dtype)) for o, gi in zip(out, g) if o.requires_grad]
+    grads = torch.autograd.grad([o for o, _ in pairs], list(leaves.values()),
+                                [gi for _, gi in pairs], allow_unused=True) if pairs else \
+        [None] * len(leaves)
+    return ({n: torch.zeros_like(v) if t is None else t
+             for (n, v), t in zip(leaves.items(), grads)},
+            tuple(o.detach() for o in out))
+
+
+def _assemble(stacked: torch.Tensor, d: Optional[int]) -> torch.Tensor:
+    """[B, *per example] -> the batch's output: the examples along ``d`` (where the example has
+    its batch of one), or their mean (one value per call)."""
+    if d is None:
+        return stacked.mean(0)
+    return stacked.squeeze(d + 1).movedim(0, d)
+
+
+def _per_example(g: Optional[torch.Tensor], d: Optional[int], rows: int,
+                 like: torch.Tensor) -> torch.Tensor:
+    """The gradient of an assembled output as [B, *per example] (zeros where it has none)."""
+    shape = (rows, *like.shape[1:])
+    if g is None:
+        return torch.zeros(shape, dtype=like.dtype if like.is_floating_point() else
+                           torch.float32, device=like.device)
+    if d is None:  # the mean's backward
+        return (g / rows).expand(shape).contiguous()
+    return g.movedim(d, 0).unsqueeze(d + 1).contiguous()
+
+
+def _rng_states(devices) -> List[torch.Tensor]:
+    return [torch.random.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in devices]
+
+
+def _set_rng_states(states: List[torch.Tensor], devices) -> None:
+    torch.random.set_rng_state(states[0])
+    for d, s in zip(devices, states[1:]):
+        torch.cuda.set_rng_state(s, d)
+
+
+def strict_forward(book_ref, ranks: Ranks, strict: Strict, module: nn.Module, original, *args,
+                   **kwargs):
+    """The model's forward under isolation='strict' (Note [strict isolation])."""
+    book = book_ref()
+    if book is None or not torch.is_grad_enabled() or \
+            torch._C._current_graph_task_id() != -1:
+        from .examples import untagged
+        (args, kwargs), _, _ = untagged((args, kwargs))
+        return original(*args, **kwargs)  # evaluation: nothing to clip
+    args, kwargs, tagged, problem = admitted(book, args, kwargs)
+    if problem is not None:
+        # Refused lazily, as provenance.root_forward does: the forward runs with the parameters
+        # detached (an evaluation on other data without torch.no_grad() is harmless), and a
+        # backward through it raises; unless some rank did not refuse it: then all raise now.
+        with swapped(module, strict.every_name(strict.values())):
+            out = original(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten(out)
+        floating = [i for i, t in enumerate(leaves)
+                    if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        params = [module.get_parameter(n) for n in strict.names]
+        for i, t in zip(floating, tap(book.refusing(problem), [leaves[i] for i in floating],
+                                      params)):
+            leaves[i] = t
+        if ranks.refusals(True) < ranks.world:
+            book.error = problem
+            raise PrivacyViolation(problem)
+        return pytree.tree_unflatten(leaves, spec)
+    error, out = None, None
+    try:
+        out = strict.forward(book, ranks, args, kwargs, tagged, book.token.rows)
+    except PrivacyViolation as e:
+        error = str(e)
+    if ranks.refusals(error is not None):  # every rank refuses, or none
+        book.error = error or ("another rank refused this forward (its error says why); no "
+                               "rank runs its backward")
+        raise PrivacyViolation(book.error)
+    return out
+
+
+def patch(model: nn.Module, strict_of, book_ref, ranks: Ranks) -> Strict:
+    """Routes the model's forward through strict_forward; returns its Strict."""
+    _cache_off(model)  # Note [no key/value cache] in attach.py
+    original = model.forward
+    strict = strict_of(original)
+    model._dp_root_previous = model.__dict__.get("forward")
+    model.forward = functools.partial(strict_forward, book_ref, ranks, strict, model, original)
+    return strict
+
+
+def unpatch(model: nn.Module) -> None:
+    for config in model.__dict__.pop("_dp_use_cache", ()):
+        config.use_cache = True
+    previous = model.__dict__.pop("_dp_root_previous", None)
+    if previous is not None:
+        model.forward = previous
+    else:
+        model.__dict__.pop("forward", None)

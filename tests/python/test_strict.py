@@ -1,0 +1,217 @@
+"""Strict isolation (Note [strict isolation] in private/strict.py): each example's forward and
+backward computed by itself, so that no model code can move one example's contribution above C.
+
+The four models below mix examples in ways the default mode's detection does not see (found by
+privacy reviews, documented as its limits): a straight-through batch mean, a backward that alone
+mixes rows, mixing below the separable check's tolerance, and rows permuted between layers. With
+an outlier example (sensitivity.py) the default mode moves the pre-noise sum beyond the
+replace-one bound 2C; strict isolation holds it for each. The reference for the step itself is
+one example at a time through torch's autograd in float64, each example's whole gradient clipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpzero
+from dpzero.private import PrivacyViolation
+from sensitivity import refused_or_bounded, replace_one_movement
+
+V, T, D, K = 13, 6, 8, 3
+
+
+def _ids(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (n, T), generator=g), torch.randint(0, K, (n,), generator=g)
+
+
+class _BackwardMix(torch.autograd.Function):
+    """Identity forward; the backward adds every row's gradient to every row (an old-style
+    Function: no vmap rule, so strict isolation takes the loop)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + g.sum(0, keepdim=True)
+
+
+class Mixer(nn.Module):
+    """Embedding -> (mixing) -> Linear -> Linear: ``how`` mixes the examples between the first
+    two DP layers."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.emb, self.mid, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, K)
+
+    def forward(self, ids):
+        h = self.emb(ids).mean(1)  # [B, D]
+        if self.how == "straight-through-mean":
+            m = h.mean(0, keepdim=True)
+            h = h + (m - m.detach())  # the forward's values are h's, the gradient mixes rows
+        elif self.how == "backward-only":
+            h = _BackwardMix.apply(h)
+        elif self.how == "below-tolerance":
+            h = h + 1e-6 * h.sum(0, keepdim=True)
+        elif self.how == "permuted":
+            h = h.flip(0)  # rows paired with other examples' rows of the next layer
+        return self.head(torch.tanh(self.mid(h)))
+
+
+GAPS = ["straight-through-mean", "backward-only", "below-tolerance", "permuted"]
+
+
+@pytest.mark.parametrize("how", GAPS)
+def test_the_documented_gaps_of_detection_hold_2c_under_strict_isolation(how):
+    ids, y = _ids(8)
+    default = replace_one_movement(lambda: Mixer(how), [ids], y, outlier=2)
+    assert default > 2.0 * (1 + 1e-3), (how, default)  # the gap: detection lets it through
+    assert refused_or_bounded(lambda: Mixer(how), [ids], y, outlier=2,
+                              isolation="strict") == "bounded"
+
+
+class Tiny(nn.Module):
+    def __init__(self, dropout=0.0, tied=False):
+        super().__init__()
+        self.emb, self.mid = nn.Embedding(V, D), nn.Linear(D, D)
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V if tied else K)
+        if tied:
+            self.head.weight = self.emb.weight
+        self.drop = nn.Dropout(dropout)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, ids):
+        h = self.drop(torch.tanh(self.mid(self.emb(ids))))
+        return self.head(self.norm(h).mean(1) * self.scale)[:, :K]
+
+
+def reference(model: nn.Module, ids, y, c: float, lr: float, expected: float):
+    """Parameters after one DP-SGD step without noise: each example's float64 gradient through
+    torch's autograd, clipped whole to c, summed, divided by the expected batch size."""
+    ref = copy.deepcopy(model).double()
+    params = dict(ref.named_parameters())
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    for i in range(len(ids)):
+        ref.zero_grad()
+        F.cross_entropy(ref(ids[i:i + 1]), y[i:i + 1]).backward()
+        norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params.values()))
+        for n, p in params.items():
+            total[n] += min(1.0, c / (norm + 1e-6)) * p.grad
+    return {n: p.detach() - lr * total[n] / expected for n, p in params.items()}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("piece_bytes", [None, 1])
+def test_a_strict_step_equals_per_example_autograd(tied, piece_bytes, monkeypatch):
+    """Exact per-example gradients (a tied table's two uses summed, not bounded), clipped whole;
+    also when the examples are clipped one at a time (piece_bytes 1)."""
+    if piece_bytes is not None:
+        monkeypatch.setattr(dpzero.private.strict, "_PER_SAMPLE_BYTES", piece_bytes)
+    torch.manual_seed(0)
+    model = Tiny(tied=tied)
+    start = copy.deepcopy(model)
+    ids, y = _ids(12)
+    c, lr = 0.05, 2.0
+    p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(ids, y),
+                            sample_rate=1.0, noise_multiplier=0.0, allow_no_noise=True,
+                            max_grad_norm=c, optimizer="sgd", lr=lr, seed=0,
+                            max_physical_batch_size=5, isolation="strict")
+    for x, t in p.data_loader:
+        F.cross_entropy(p.model(x), t).backward()
+        if p.optimizer.step():
+            break
+    want = reference(start, ids, y, c, lr, 12.0)
+    got = p.privacy_engine.parameters()
+    assert sorted(got) == sorted(n for n, _ in start.named_parameters())
+    for n in got:
+        torch.testing.assert_close(got[n].double(), want[n], rtol=1e-5, atol=1e-7)
+
+
+def test_dropout_is_replayed_and_vmap_less_models_take_the_loop():
+    """Dropout draws per example; the backward's recompute replays the forward's draws (else
+    the recompute check refuses). A model vmap cannot run (an old-style autograd Function)
+    trains through the loop."""
+    torch.manual_seed(0)
+    ids, y = _ids(16)
+    for model in (Tiny(dropout=0.3), Mixer("backward-only")):
+        p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(ids, y),
+                                batch_size=8, noise_multiplier=1.0, max_grad_norm=1.0, seed=0,
+                                isolation="strict")
+        for _ in range(2):
+            for x, t in p.data_loader:
+                F.cross_entropy(p.model(x), t).backward()
+                if p.optimizer.step():
+                    break
+        assert p.privacy_engine.charges == 2
+
+
+def test_strict_isolation_refuses_what_it_cannot_do_naming_it():
+    data = torch.utils.data.TensorDataset(*_ids(8))
+    for kw, message in (({"clipping": "layer"}, r"clipping='layer' with isolation='strict'"),
+                        ({"zero_stage": 3}, r"zero_stage=3 with isolation='strict'"),
+                        ({"activation_checkpointing": True},
+                         r"activation_checkpointing with isolation='strict'"),
+                        ({"isolation": "lax"}, r"isolation must be one of")):
+        with pytest.raises(ValueError, match=message):
+            dpzero.make_private(Tiny(), dataset=data, batch_size=4, noise_multiplier=1.0,
+                                max_grad_norm=1.0, **{"isolation": "strict", **kw})
+
+
+def test_strict_isolation_keeps_the_state_guard_and_the_loader_contract():
+    class Writes(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, ids):
+            self.seen.data.add_(ids.float().mean())  # the examples, into a buffer
+            return super().forward(ids)
+
+    data = torch.utils.data.TensorDataset(*_ids(8))
+    p = dpzero.make_private(Writes(), dataset=data, batch_size=4, noise_multiplier=1.0,
+                            max_grad_norm=1.0, isolation="strict")
+    with pytest.raises(PrivacyViolation, match=r"buffer 'seen'"):
+        for x, t in p.data_loader:
+            F.cross_entropy(p.model(x), t).backward()
+            p.optimizer.step()
+    p = dpzero.make_private(Tiny(), dataset=data, batch_size=4, noise_multiplier=1.0,
+                            max_grad_norm=1.0, isolation="strict")
+    out = p.model(data.tensors[0][:4])  # not from the loader: refused at the backward
+    with pytest.raises(PrivacyViolation, match=r"do not come from the private data loader"):
+        F.cross_entropy(out, data.tensors[1][:4]).backward()
+
+
+def test_a_hugging_face_model_with_its_own_loss_trains_strictly():
+    """A Hugging Face model computing its loss (labels passed in): in strict isolation the loss,
+    one value per call, is the mean of each example's own loss."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=V, n_positions=T, n_embd=D, n_layer=1, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids, _ = _ids(8)
+    p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(ids), batch_size=4,
+                            noise_multiplier=0.0, allow_no_noise=True, max_grad_norm=1e9,
+                            optimizer="sgd", lr=0.0, seed=0, isolation="strict")
+    (x,) = next(iter(p.data_loader))
+    out = p.model(input_ids=x, labels=x)
+    plain = x.as_subclass(torch.Tensor)
+    with torch.no_grad():  # evaluation: the model's own forward
+        alone = torch.stack([p.model(input_ids=plain[i:i + 1], labels=plain[i:i + 1]).loss
+                             for i in range(len(plain))])
+        batched = p.model(input_ids=plain).logits
+    assert out.logits.shape == (len(plain), T, V)
+    torch.testing.assert_close(out.logits.detach(), batched, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.loss.detach(), alone.mean(), rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    assert p.optimizer.step()
