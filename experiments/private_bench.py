@@ -10,6 +10,8 @@ Systems. One BertForSequenceClassification built from a BertConfig (sizes from t
   dp-flat        dpzero.make_private(model, clipping="flat", zero_stage=0, optimizer="sgd"):
                  noise sigma = --sigma, clip norm C = --clip, loss_reduction="mean"
   dp-layer       the same with clipping="layer" (thresholds C/sqrt(k) for the model's k layers)
+  dp-strict      dp-flat with isolation="strict": each example's forward and backward computed
+                 by itself (Note [strict isolation] in python/dpzero/private/strict.py)
   opacus-hooks   opacus.PrivacyEngine().make_private(grad_sample_mode="hooks"): per-sample
                  gradients by module hooks, then DPOptimizer clips, sums and adds noise
   opacus-ghost   grad_sample_mode="ghost": Opacus's fast gradient clipping (ghost norms where it
@@ -152,11 +154,13 @@ transformers.logging.set_verbosity_error()
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_MD = os.path.join(HERE, "results", "private.md")
-SYSTEMS = ["torch", "zero0", "dp-flat", "dp-layer", "opacus-hooks", "opacus-ghost", "opacus-ew",
-           "opacus-functorch"]
+SYSTEMS = ["torch", "zero0", "dp-flat", "dp-layer", "dp-strict", "opacus-hooks", "opacus-ghost",
+           "opacus-ew", "opacus-functorch"]
+# dp-strict is run when asked for (--systems): several times the others' step at larger widths.
+DEFAULT_SYSTEMS = [s for s in SYSTEMS if s != "dp-strict"]
 OPACUS_MODES = {"opacus-hooks": "hooks", "opacus-ghost": "ghost", "opacus-ew": "ew",
                 "opacus-functorch": "functorch"}
-PRIVATE = {"dp-flat", "dp-layer", *OPACUS_MODES}
+PRIVATE = {"dp-flat", "dp-layer", "dp-strict", *OPACUS_MODES}
 OPACUS_NO_CLIP = 1e6  # Opacus needs a finite C; no example's gradient norm comes near it
 CHECK_RTOL = 1e-4
 CHECK_LR = 1e3  # the correctness check's SGD lr (check(): the update must not drown in ulps)
@@ -231,12 +235,13 @@ class System:
         elif name == "zero0":
             self.sharded = dpzero.shard(model, stage=0, optimizer="sgd", lr=lr, grad_scale=1.0)
             self._step = self._zero_step
-        elif name in ("dp-flat", "dp-layer"):
+        elif name in ("dp-flat", "dp-layer", "dp-strict"):
             self.private = dpzero.make_private(
                 model, dataset=data.dataset, batch_size=data.b * data.k, noise_multiplier=sigma,
-                max_grad_norm=clip, clipping=name[3:], zero_stage=0, optimizer="sgd", lr=lr,
-                seed=0, max_physical_batch_size=None, loss_reduction="mean",
-                allow_no_noise=sigma == 0.0)
+                max_grad_norm=clip, clipping="layer" if name == "dp-layer" else "flat",
+                zero_stage=0, optimizer="sgd", lr=lr, seed=0, max_physical_batch_size=None,
+                loss_reduction="mean", allow_no_noise=sigma == 0.0,
+                isolation="strict" if name == "dp-strict" else "detect")
             self._step = self._dp_step
         elif name in OPACUS_MODES:
             mode = OPACUS_MODES[name]
@@ -847,7 +852,7 @@ def main() -> None:
     parser.add_argument("--max-wait", type=float, default=180.0,
                         help="seconds the timing may spend waiting for / re-running rounds "
                              "disturbed by other processes")
-    parser.add_argument("--systems", default=",".join(SYSTEMS),
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                         help="comma-separated subset of " + ",".join(SYSTEMS))
     parser.add_argument("--skip-check", action="store_true", help="no correctness check")
     parser.add_argument("--skip-memory", action="store_true", help="no memory runs")

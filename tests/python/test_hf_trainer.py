@@ -728,3 +728,35 @@ def test_resume_loads_the_checkpoint_s_weights(tmp_path):
         torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
     assert any(not torch.equal(value, gpt2(seed=5).state_dict()[name])
                for name, value in saved.items())
+
+
+def test_strict_isolation_through_the_trainer_equals_make_private(tmp_path):
+    """PrivacyArguments(isolation="strict") is make_private's: the same two steps (σ = 0, the
+    same seed, so the same Poisson batches) from the Trainer and by hand."""
+    args = trainer_args(tmp_path, max_steps=2)
+    trainer = PrivateTrainer(model=gpt2(), args=args, train_dataset=lm_data(),
+                             privacy_args=PrivacyArguments(noise_multiplier=0.0,
+                                                           allow_no_noise=True,
+                                                           max_grad_norm=0.5, seed=7,
+                                                           isolation="strict"))
+    trainer.train()
+    got = {n: t.detach().clone() for n, t in trainer.privacy_engine.parameters().items()}
+    model = gpt2()
+    p = dpzero.make_private(
+        model, data_loader=DataLoader(lm_data(), batch_size=8,
+                                      collate_fn=transformers.default_data_collator),
+        noise_multiplier=0.0, allow_no_noise=True, max_grad_norm=0.5, seed=7,
+        max_physical_batch_size=4, loss_reduction="sum", optimizer="sgd", lr=0.05,
+        isolation="strict")
+    taken = 0
+    while taken < 2:
+        for batch in p.data_loader:
+            example_loss("gpt2", p.model, batch).sum().backward()
+            if p.optimizer.step():
+                taken += 1
+            p.optimizer.zero_grad()
+            if taken == 2:
+                break
+    want = p.privacy_engine.parameters()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)

@@ -458,11 +458,14 @@ def take_steps(p, n):
 
 
 def private_run(stage, clipping, tied, *, steps=10, rank=0, world_size=1):
+    """``clipping`` "strict": flat clipping under isolation="strict"."""
     torch.manual_seed(6)
     model = SeqNet(tied=tied)
+    how = dict(clipping="flat", isolation="strict") if clipping == "strict" else \
+        dict(clipping=clipping)
     p = dpzero.make_private(model, dataset=seq_data(48), sample_rate=0.2, noise_multiplier=0.8,
-                            max_grad_norm=0.5, clipping=clipping, zero_stage=stage, seed=77,
-                            optimizer="adam", lr=0.01, max_physical_batch_size=3, **EXTRA)
+                            max_grad_norm=0.5, zero_stage=stage, seed=77, optimizer="adam",
+                            lr=0.01, max_physical_batch_size=3, **how, **EXTRA)
     take_steps(p, steps)
     return {"params": p.privacy_engine.parameters(),
             "sizes": [r for r in p.privacy_engine.accountant.history]}
@@ -499,7 +502,9 @@ def test_sharding_invariance_across_world_sizes_and_stages(tmp_path, world_size)
     import torch.multiprocessing as mp
 
     # W = 4 runs four ranks on two cores (slow collectives): stages 1-3 flat, stage 3 layer.
+    # Strict isolation at stage 2 (padding batches on short ranks included).
     combos = [(s, c, t) for s in (0, 1, 2, 3) for c, t in (("flat", True), ("layer", False))]
+    combos.append((2, "strict", True))
     if world_size == 4:
         combos = [(1, "flat", True), (2, "flat", True), (3, "flat", True), (3, "layer", False)]
     cases = {combo: combo for combo in combos}

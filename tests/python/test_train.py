@@ -68,6 +68,8 @@ BASE = {"privacy": {"target_epsilon": 3.0}}
     ({"privacy": {"target_epsilon": 3.0}, "data": {"dataset": "fashion-mnist"},
       "model": {"kind": "cnn", "lora_rank": 4}}, r"\[model\] lora_rank = 4 needs kind = "
      r"\"minilm\" .* got kind 'cnn'; set lora_rank = 0"),
+    ({**BASE, "privacy": {"target_epsilon": 3.0, "isolation": "loose"}},
+     r"\[privacy\] isolation must be one of \['detect', 'strict'\], got 'loose'"),
     ({**BASE, "training": {"loop": "keras"}}, r"\[training\] loop must be one of "
      r"\['engine', 'trainer'\], got 'keras'"),
     ({**BASE, "training": {"loop": "trainer", "policy": "auto"}}, r'policy = "auto" plans the '

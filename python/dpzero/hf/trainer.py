@@ -99,6 +99,8 @@ class PrivacyArguments:
     target_epsilon (with target_delta, default min(1e-5, 1/(10 N))), or noise_multiplier: σ given
     or calibrated for the run's steps; with both, the run checks that σ keeps the target.
     max_grad_norm: the per-sample clip norm C. clipping: "flat" | "layer" | "automatic".
+    isolation: "detect" | "strict" (each example's forward and backward computed by itself;
+    make_private's).
     accountant: "prv" | "rdp". zero_stage: 0-3. seed: a Philox seed for reproducible noise and
     sampling; whoever knows it can regenerate the noise and subtract it from a released update,
     so it is a secret, and never TrainingArguments.seed (public, 42 by default). secure_mode:
@@ -115,6 +117,7 @@ class PrivacyArguments:
     noise_multiplier: Optional[float] = None
     max_grad_norm: float = 1.0
     clipping: str = "flat"
+    isolation: str = "detect"
     accountant: str = "prv"
     zero_stage: int = 0
     secure_mode: Optional[bool] = None
@@ -330,7 +333,8 @@ class PrivateTrainer(Trainer):
             budget = {"epsilon_budget": p.target_epsilon, "budget_delta": delta}
         self._private = make_private(
             self.model, data_loader=loader, noise_multiplier=sigma, max_grad_norm=p.max_grad_norm,
-            clipping=p.clipping, accountant=p.accountant, secure_mode=secure,
+            clipping=p.clipping, isolation=p.isolation, accountant=p.accountant,
+            secure_mode=secure,
             zero_stage=p.zero_stage, max_physical_batch_size=args.per_device_train_batch_size,
             seed=None if secure else p.seed,
             ledger_path=os.path.join(args.output_dir, LEDGER),

@@ -35,7 +35,7 @@ examples' values go the same way), autograd saving nothing, RNG state and buffer
 
 A pattern's verdicts are reused for later calls with the same pattern (typically the probe runs
 once per run; under activation checkpointing, recomputed calls take the verdict of the call they
-recompute), except that a call where some layer input has a dimension other than dim 0 equal to
+recompute), each call held to the shared values they rest on (Note [premises]), except that a call where some layer input has a dimension other than dim 0 equal to
 the batch size is probed again: there a cached verdict could stand for another layout (B = T and
 a seq-first branch). Verdicts from one-example batches are not cached (rotating one example
 changes nothing). What the probe cannot see: a model whose branches on the data feed one layer

@@ -31,6 +31,8 @@ Every error names the key and the bad value. Sections and keys (defaults in brac
                     δ = 1/N; make_private warns)  ["auto"]
                 max_grad_norm = C  [1.0]
                 clipping = "flat" | "layer" | "automatic"  ["flat"]
+                isolation = "detect" | "strict": each example's forward and backward computed
+                    by itself (flat or automatic clipping, zero_stage 0-2; slower)  ["detect"]
                 accountant = "prv" | "rdp"  ["prv"]
                 secure_mode = noise and sampling from ChaCha20 keyed by OS entropy, never
                     stored; false = Philox from [training] seed, reproducible, and ε then
@@ -111,6 +113,7 @@ class PrivacyConfig:
     delta: Union[float, str] = "auto"
     max_grad_norm: float = 1.0
     clipping: str = "flat"
+    isolation: str = "detect"
     accountant: str = "prv"
     secure_mode: bool = True
 
@@ -278,6 +281,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"[privacy] max_grad_norm must be finite and > 0, got "
                           f"{p.max_grad_norm}")
     _choice("[privacy] clipping", p.clipping, ("flat", "layer", "automatic"))
+    _choice("[privacy] isolation", p.isolation, ("detect", "strict"))
     _choice("[privacy] accountant", p.accountant, ("prv", "rdp"))
     if not (t.epochs > 0):
         raise ConfigError(f"[training] epochs must be > 0, got {t.epochs}")

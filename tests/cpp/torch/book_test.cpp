@@ -222,6 +222,53 @@ TEST(Book, GenericPathPerSampleGradientsAreClippedInTheSameGroup) {
   expect_reference_sums(e, ref);
 }
 
+// Strict isolation's one part (the whole model on the generic path, alone in its group) reports
+// its per-sample gradients in pieces of rows (report_per_sample_rows): each piece is clipped and
+// summed at once, and the sums equal the per-example reference, as one report of every row does.
+// Rows out of order, past the part's end, or a part that shares its group are refused.
+TEST(Book, PiecesOfAPartAloneInItsGroupAreClippedLikeTheWhole) {
+  torch::manual_seed(21);
+  Engine e;
+  const std::vector<BookLayer> whole{
+      {"model",
+       nullptr,
+       {Slot{0, e.layout.flat_offsets()[0], 12, {3, 4}},
+       Slot{0, e.layout.flat_offsets()[1], 6, {2, 3}}},
+       0,
+       0}};
+  const BookOptions options{
+      {kC}, {1}, "flat", 0.01, false, {e.layout.padded_numel()}, {at::Device(at::kCPU)}};
+  const at::Tensor gw = torch::randn({kB, 3, 4}) * 2, gv = torch::randn({kB, 2, 3}) * 2;
+  const at::Tensor norms = (gw.flatten(1).pow(2).sum(1) + gv.flatten(1).pow(2).sum(1)).sqrt();
+  const at::Tensor factors = (kC / (norms + 1e-6)).clamp_max(1.0);
+  const at::Tensor want_w = (gw * factors.view({-1, 1, 1})).sum(0);
+  const at::Tensor want_v = (gv * factors.view({-1, 1, 1})).sum(0);
+  ASSERT_TRUE((norms > kC).all().item<bool>()) << "every sample must be clipped";
+
+  Book book(whole, options, *e.state);
+  const int64_t p = book.on_forward(0);
+  book.set_verdict(p);
+  book.begin_backward(book.generation(), p);
+  EXPECT_EQ(book.take_rows(p, kB), 1);
+  EXPECT_THROW(book.report_per_sample_rows(p, 2, {gw.narrow(0, 2, 2), gv.narrow(0, 2, 2)}),
+               c10::Error);  // rows 0-1 first
+  for (const auto& [begin, n] : std::vector<std::pair<int64_t, int64_t>>{{0, 2}, {2, 2}, {4, 1}}) {
+    book.report_per_sample_rows(p, begin, {gw.narrow(0, begin, n), gv.narrow(0, begin, n)});
+  }
+  book.finish_backward();
+  EXPECT_TRUE(torch::allclose(e.grad_w(), want_w, 1e-5, 1e-6)) << e.grad_w() << want_w;
+  EXPECT_TRUE(torch::allclose(e.grad_v(), want_v, 1e-5, 1e-6)) << e.grad_v() << want_v;
+  EXPECT_EQ(book.take_stats().samples, kB);
+
+  // A generic part that shares its group with kernel parts reports all its rows at once.
+  Book shared = e.book(/*mean_loss=*/false, /*generic_v=*/true);
+  const int64_t q0 = shared.on_forward(0), q1 = shared.on_forward(0), q2 = shared.on_forward(1);
+  for (int64_t q : {q0, q1, q2}) shared.set_verdict(q);
+  shared.begin_backward(shared.generation(), q2);
+  shared.take_rows(q2, kB);
+  EXPECT_THROW(shared.report_per_sample_rows(q2, 0, {gv.narrow(0, 0, 2)}), c10::Error);
+}
+
 // Forwards on two micro-batches of the loader back-propagated together (forward A, the loader
 // hands out B, forward B, one backward) are refused: row i of both would be clipped as one
 // example. Mutation tried: no hand-out stamp (the backward is accepted).
