@@ -235,3 +235,25 @@ def first_private_step(model: nn.Module, dataset, loss: Callable, **kwargs):
         if p.optimizer.step():
             break
     return p, torch.cat(xs), torch.cat(ys)
+
+
+def clipped_step_by_example(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *,
+                            max_grad_norm: float, lr: float, expected_batch: float,
+                            must_clip: bool = False) -> Dict[str, torch.Tensor]:
+    """Parameters (canonical names) after one DP-SGD step without noise on a float64 copy of
+    ``model``: each example's whole gradient of its cross-entropy through torch's autograd (a tied
+    parameter's uses summed, hooks and custom autograd functions as they run), clipped flat,
+    ``min(1, C / (||g|| + 1e-6))`` (privacy/clipping.h), summed, divided by the expected batch.
+    ``must_clip``: assert that every example's norm exceeds C (so every example is clipped)."""
+    ref = copy.deepcopy(model).double()
+    params = dict(ref.named_parameters())
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    for i in range(len(inputs)):
+        ref.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ref(inputs[i:i + 1]), targets[i:i + 1])
+        loss.backward()
+        norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params.values()))
+        assert not must_clip or norm > max_grad_norm, (i, norm)
+        for n, p in params.items():
+            total[n] += min(1.0, max_grad_norm / (norm + 1e-6)) * p.grad
+    return {n: p.detach() - lr * total[n] / expected_batch for n, p in params.items()}

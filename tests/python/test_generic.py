@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpzero
+from private_reference import clipped_step_by_example
 
 V, T, D, K, N = 13, 6, 8, 3, 32
 C, LR = 1e-3, 1000.0  # updates far above the fp32 rounding of the parameters
@@ -167,22 +168,6 @@ MODELS = {
 }
 
 
-def reference_step(model: nn.Module, ids, y, expected_batch: float):
-    """Parameters after one DP-SGD step (σ = 0) from per-example float64 backward passes."""
-    ref = copy.deepcopy(model).double()
-    params = dict(ref.named_parameters())
-    total = {n: torch.zeros_like(p) for n, p in params.items()}
-    for i in range(len(ids)):
-        ref.zero_grad()
-        F.cross_entropy(ref(ids[i:i + 1]), y[i:i + 1]).backward()
-        grads = {n: p.grad for n, p in params.items()}
-        norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
-        assert norm > C  # every example clips
-        for n, g in grads.items():
-            total[n] += (C / norm) * g
-    return {n: p.detach() - LR * total[n] / expected_batch for n, p in params.items()}
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_generic_path_matches_per_example_autograd(name):
     torch.manual_seed(0)
@@ -194,7 +179,9 @@ def test_generic_path_matches_per_example_autograd(name):
     assert len(ids) > 1
     F.cross_entropy(p.model(ids), y).backward()
     assert p.optimizer.step()
-    want = reference_step(start, ids.as_subclass(torch.Tensor), y.as_subclass(torch.Tensor), 8.0)
+    want = clipped_step_by_example(start, ids.as_subclass(torch.Tensor),
+                                   y.as_subclass(torch.Tensor), max_grad_norm=C, lr=LR,
+                                   expected_batch=8.0, must_clip=True)
     got = p.privacy_engine.parameters()
     assert sorted(got) == sorted(want)
     num = sum(float((got[n].double() - want[n]).pow(2).sum()) for n in want)
@@ -448,7 +435,9 @@ def test_vetted_subclasses_keep_the_kernel_through_super(build, routed):
     ids, y = next(iter(p.data_loader))
     F.cross_entropy(p.model(ids), y).backward()
     assert p.optimizer.step()
-    want = reference_step(start, ids.as_subclass(torch.Tensor), y.as_subclass(torch.Tensor), 8.0)
+    want = clipped_step_by_example(start, ids.as_subclass(torch.Tensor),
+                                   y.as_subclass(torch.Tensor), max_grad_norm=C, lr=LR,
+                                   expected_batch=8.0, must_clip=True)
     got = p.privacy_engine.parameters()
     num = sum(float((got[n].double() - want[n]).pow(2).sum()) for n in want)
     den = sum(float((want[n] - start.get_parameter(n).detach().double()).pow(2).sum())

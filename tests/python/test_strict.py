@@ -6,13 +6,13 @@ privacy reviews, documented as its limits): a straight-through batch mean, a bac
 mixes rows, mixing below the separable check's tolerance, and rows permuted between layers. With
 an outlier example (sensitivity.py) the default mode moves the pre-noise sum beyond the
 replace-one bound 2C; strict isolation holds it for each. The reference for the step itself is
-one example at a time through torch's autograd in float64, each example's whole gradient clipped.
+one example at a time through torch's autograd in float64, each example's whole gradient clipped
+(private_reference.clipped_step_by_example).
 """
 
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 
 import dpzero
 from dpzero.private import PrivacyViolation
+from private_reference import clipped_step_by_example
 from sensitivity import refused_or_bounded, replace_one_movement
 
 V, T, D, K = 13, 6, 8, 3
@@ -95,21 +96,6 @@ class Tiny(nn.Module):
         return self.head(self.norm(h).mean(1) * self.scale)[:, :K]
 
 
-def reference(model: nn.Module, ids, y, c: float, lr: float, expected: float):
-    """Parameters after one DP-SGD step without noise: each example's float64 gradient through
-    torch's autograd, clipped whole to c, summed, divided by the expected batch size."""
-    ref = copy.deepcopy(model).double()
-    params = dict(ref.named_parameters())
-    total = {n: torch.zeros_like(p) for n, p in params.items()}
-    for i in range(len(ids)):
-        ref.zero_grad()
-        F.cross_entropy(ref(ids[i:i + 1]), y[i:i + 1]).backward()
-        norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params.values()))
-        for n, p in params.items():
-            total[n] += min(1.0, c / (norm + 1e-6)) * p.grad
-    return {n: p.detach() - lr * total[n] / expected for n, p in params.items()}
-
-
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("piece_bytes", [None, 1])
 def test_a_strict_step_equals_per_example_autograd(tied, piece_bytes, monkeypatch):
@@ -130,7 +116,7 @@ def test_a_strict_step_equals_per_example_autograd(tied, piece_bytes, monkeypatc
         F.cross_entropy(p.model(x), t).backward()
         if p.optimizer.step():
             break
-    want = reference(start, ids, y, c, lr, 12.0)
+    want = clipped_step_by_example(start, ids, y, max_grad_norm=c, lr=lr, expected_batch=12.0)
     got = p.privacy_engine.parameters()
     assert sorted(got) == sorted(n for n, _ in start.named_parameters())
     for n in got:

@@ -34,7 +34,7 @@ import contextlib
 import math
 import threading
 import warnings
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 from torch import nn

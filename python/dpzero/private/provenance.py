@@ -53,7 +53,6 @@ ranks, at any stage, every rank refuses a forward when any rank does (one more).
 
 from __future__ import annotations
 
-import contextlib
 import enum
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 

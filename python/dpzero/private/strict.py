@@ -48,11 +48,9 @@ experiments/results/private.md what it costs.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import math
 import warnings
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
