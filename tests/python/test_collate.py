@@ -168,3 +168,45 @@ def test_hugging_faces_padding_collator_is_accepted():
         if p.optimizer.step():
             break
     assert p.privacy_engine.charges == 1
+
+
+def _standardise_in_place(examples):
+    """Standardises with the batch's statistics, in place on the examples it is given (an
+    example alone has no spread, so it is left as it is)."""
+    if len(examples) > 1:
+        xs = torch.stack([e[0] for e in examples])
+        m, s = xs.mean(0), xs.std(0) + 1e-6
+        for e in examples:
+            e[0].sub_(m).div_(s)
+    return torch.stack([e[0] for e in examples]), torch.stack([e[1] for e in examples])
+
+
+class _FitOnFirst:
+    """Statistics fitted on the first batch of several examples, then applied to every call."""
+
+    def __init__(self):
+        self.m = self.s = None
+
+    def __call__(self, examples):
+        xs = torch.stack([e[0] for e in examples])
+        if self.m is None and len(examples) > 1:
+            self.m, self.s = xs.mean(0), xs.std(0) + 1e-6
+        if self.m is not None:
+            xs = (xs - self.m) / self.s
+        return xs, torch.stack([e[1] for e in examples])
+
+
+@pytest.mark.parametrize("collate,message", [
+    (_standardise_in_place, r"'_standardise_in_place' couples the examples .*row 0 of "
+                            r"batch\[0\] differs"),
+    (_FitOnFirst(), r"'_FitOnFirst' changed its own state while collating a batch"),
+])
+def test_a_collate_function_with_side_effects_is_refused(collate, message):
+    """A second review moved the sum 3.21C with each: the check collated each example alone
+    after the batch, on what the batch call had already changed (the examples, its fitted
+    statistics). Now each example is collated alone first, from a copy, and the function's state
+    must be unchanged by the batch."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, D, generator=g), torch.randint(0, K, (16,), generator=g))
+    with pytest.raises(PrivacyViolation, match=message):
+        _run(collate, model=nn.Linear(D, K), dataset=data)

@@ -33,9 +33,11 @@ def _data(outlier: bool = False):
 class Ema(nn.Module):
     """A Linear whose forward writes the batch's mean into module state, as ``how`` says:
     "data" (an EMA through ``.data``, VQ-VAE's codebook update), "frozen" (into a frozen
-    nn.Parameter in place), "foreach" (``torch._foreach_lerp_`` on a buffer list), "late" (the
-    EMA starts after ``start`` forward calls), "counter" (a count of forward calls, which
-    follows the realised Poisson batch sizes), or None (nothing)."""
+    nn.Parameter in place), "frozen-data" (the same through ``.data``), "frozen-data-odd"
+    (through ``.data`` on odd calls only, so not in the probe's), "foreach"
+    (``torch._foreach_lerp_`` on a buffer list), "late" (the EMA starts after ``start`` forward
+    calls), "counter" (a count of forward calls, which follows the realised Poisson batch
+    sizes), or None (nothing)."""
 
     def __init__(self, how=None, start=3):
         super().__init__()
@@ -56,6 +58,8 @@ class Ema(nn.Module):
                 self.frozen.mul_(0.9).add_(0.1 * m)
         elif self.how == "frozen-data":
             self.frozen.data.mul_(0.9).add_(0.1 * m)
+        elif self.how == "frozen-data-odd" and self.calls % 2 == 1:  # not the probe's call
+            self.frozen.data.copy_(m)
         elif self.how == "foreach":
             torch._foreach_lerp_([self.run, self.var], [m, x.detach().var(0)], 0.1)
         elif self.how == "late" and self.calls > self.start:
@@ -86,7 +90,7 @@ STATE = ["run", "var", "count", "frozen"]
 
 
 @pytest.mark.parametrize("how,steps", [("data", 1), ("foreach", 1), ("late", 5),
-                                       ("counter", 1), ("frozen", 1)])
+                                       ("counter", 1), ("frozen", 1), ("frozen-data-odd", 1)])
 def test_a_write_into_module_state_refuses_the_step_and_is_undone(how, steps):
     """Whatever the forward writes into a buffer or a frozen parameter, by whatever means and
     from whichever step on, its forward (the probe sees the first such write) or the step that
@@ -98,7 +102,7 @@ def test_a_write_into_module_state_refuses_the_step_and_is_undone(how, steps):
     model = Ema(how)
     before = {k: v.clone() for k, v in model.state_dict().items() if k in STATE}
     names = {"data": "run", "foreach": "var", "late": "run", "counter": "count",
-             "frozen": "frozen"}
+             "frozen": "frozen", "frozen-data-odd": "frozen"}
     with pytest.raises(PrivacyViolation, match=rf"'?{names[how]}'?.*Note \[state written from "
                                                r"data\]"):
         _train(model, steps)
@@ -172,3 +176,76 @@ def test_the_probe_leaves_no_trace_in_any_state():
     assert watch.written == ["frozen", "run", "var"]
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_the_fingerprint_sees_every_change_of_a_word():
+    """The step's check of frozen parameters (Note [state written from data]): the same bytes
+    give the same fingerprint; changing any one element, by any amount (a flipped bit, a sign,
+    NaN), or swapping two elements, changes it; dtypes of every width."""
+    from dpzero.private.state_guard import fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.uint8, torch.int64):
+        t = (torch.randn(37, 5, generator=g) * 50).to(dtype)
+        want = fingerprint(t, 12345)
+        assert torch.equal(fingerprint(t.clone(), 12345), want)
+        assert not torch.equal(fingerprint(t, 54321), want)
+        flat = t.reshape(-1)
+        for i in (0, 1, 93, flat.numel() - 1):
+            changed = flat.clone()
+            bits = changed.view(torch.uint8)
+            bits[i * t.element_size()] ^= 1  # the lowest bit of element i
+            assert not torch.equal(fingerprint(changed.view(t.shape), 12345), want), (dtype, i)
+        swapped = flat.clone()
+        swapped[[3, 4]] = flat[[4, 3]]
+        if not torch.equal(flat[3], flat[4]):
+            assert not torch.equal(fingerprint(swapped.view(t.shape), 12345), want), dtype
+
+
+def _rng_after_steps(n: int, steps: int = 3):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, D, generator=g)[:n], torch.randint(0, K, (16,), generator=g)[:n]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), nn.Dropout(0.1), nn.Linear(D, K))
+    p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(x, y),
+                            sample_rate=0.5, noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+    states, sizes = [], []
+    while len(states) < steps:
+        for xb, yb in p.data_loader:
+            sizes.append(len(yb))
+            F.cross_entropy(p.model(xb), yb).backward()
+            if p.optimizer.step():
+                states.append(torch.get_rng_state())
+                if len(states) == steps:
+                    break
+    return states, sizes
+
+
+def test_torchs_random_state_between_steps_does_not_follow_the_batch_sizes():
+    """Note [torch's random state between steps]: with dropout, the generators' state after a
+    step followed its realised Poisson batch size, and checkpoints save it (a second review,
+    under add/remove neighbours). Now the same state after every step, whatever the sizes."""
+    a, sizes_a = _rng_after_steps(16)
+    b, sizes_b = _rng_after_steps(15)  # one example removed
+    assert sizes_a != sizes_b  # the realised batches differ
+    for s, t in zip(a, b):
+        assert torch.equal(s, t)
+
+
+def test_a_copy_or_pickle_of_a_private_model_is_refused_naming_the_fix():
+    """torch.save(model) and copy.deepcopy(model) would release the buffers and frozen
+    parameters without the check every release makes (a second review read a frozen parameter
+    written by .data off a deepcopy); refused until detach(), which checks."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = Ema(None)
+    p = _train(model, 1)
+    for release in (lambda: torch.save(model, io.BytesIO()), lambda: copy.deepcopy(model),
+                    lambda: copy.deepcopy(p.model)):
+        with pytest.raises(PrivacyViolation, match=r"Save model.state_dict\(\) \(checked"):
+            release()
+    p.privacy_engine.detach()
+    copy.deepcopy(model)
+    torch.save(model, io.BytesIO())

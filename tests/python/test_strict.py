@@ -13,6 +13,7 @@ one example at a time through torch's autograd in float64, each example's whole 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -201,3 +202,173 @@ def test_a_hugging_face_model_with_its_own_loss_trains_strictly():
     torch.testing.assert_close(out.loss.detach(), alone.mean(), rtol=1e-5, atol=1e-6)
     out.loss.backward()
     assert p.optimizer.step()
+
+
+# ---- what a second privacy review tried against strict isolation ------------------------------
+
+N8 = 8
+
+
+def _features(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N8, D, generator=g), torch.randint(0, K, (N8,), generator=g)
+
+
+def _data_outlier_movement(make_model, call=None) -> float:
+    """|| sum(D) - sum(D') || for D' = D with example 2's features replaced by 1e3."""
+    from sensitivity import step_sum
+
+    x, y = _features()
+    x2 = x.clone()
+    x2[2] = 1e3
+    ones = torch.ones(N8)
+    a = step_sum(make_model, [x], y, ones, isolation="strict", call=call)
+    b = step_sum(make_model, [x2], y, ones, isolation="strict", call=call)
+    return (a - b).norm().item()
+
+
+class _OldStyle(torch.autograd.Function):  # no vmap rule: strict isolation takes the loop
+    @staticmethod
+    def forward(ctx, h):
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _CentringVmapRule(torch.autograd.Function):
+    """A Function whose own (wrong) vmap rule centres over every dim, the examples' too."""
+
+    @staticmethod
+    def forward(h):
+        return h - h.mean()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g - g.mean()
+
+    @staticmethod
+    def vmap(info, in_dims, h):
+        return h - h.mean(), in_dims[0]
+
+
+class Reaching(nn.Module):
+    """Model code that reaches past its own example: ``how`` "base" (the whole piece through a
+    view's _base, on the loop path), "vmap-rule" (a custom vmap rule), "in-place" (writes into
+    its input), "submodule-hook" (a forward hook on a submodule centring on the batch)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, K)
+        if how == "submodule-hook":
+            self.a.register_forward_hook(lambda m, i, o: o + (o.mean(0) - o.mean(0).detach()))
+
+    def forward(self, x):
+        if self.how == "base":
+            x = _OldStyle.apply(x)
+            full = x
+            while full._base is not None:
+                full = full._base
+            m = self.a(full.reshape(-1, D).mean(0, keepdim=True))
+            return self.b(torch.tanh(self.a(x) + (m - m.detach())))
+        if self.how == "in-place":
+            x.mul_(2.0)
+        h = self.a(x)
+        if self.how == "vmap-rule":
+            h = _CentringVmapRule.apply(h)
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.parametrize("how", ["base", "vmap-rule", "in-place", "submodule-hook"])
+def test_model_code_reaching_past_its_example_holds_2c(how):
+    """A second review moved the sum 4.52C through a view's base (the loop's examples were
+    views of the piece) and 5.00C through a custom vmap rule (it saw the whole piece): each
+    example now gets its own copy of its inputs, and a Function with its own vmap rule sends the
+    model to the loop, where no vmap rule runs. Submodule hooks run inside each example's
+    forward. Both kinds of outlier: a replaced example's features, its loss weighted -1e6."""
+    assert _data_outlier_movement(lambda: Reaching(how)) <= 2.0 * (1 + 1e-5)
+    x, y = _features()
+    assert refused_or_bounded(lambda: Reaching(how), [x], y, outlier=2,
+                              isolation="strict") == "bounded"
+
+
+def test_the_loaders_batch_is_not_written_by_a_model_writing_its_input():
+    torch.manual_seed(0)
+    x, y = _features()
+    p = dpzero.make_private(Reaching("in-place"), dataset=torch.utils.data.TensorDataset(x, y),
+                            sample_rate=1.0, noise_multiplier=1.0, max_grad_norm=1.0,
+                            isolation="strict")
+    xb, yb = next(iter(p.data_loader))
+    before = xb.as_subclass(torch.Tensor).clone()
+    F.cross_entropy(p.model(xb), yb).backward()
+    assert torch.equal(xb.as_subclass(torch.Tensor), before)
+    assert p.optimizer.step()
+
+
+class _Temperature(nn.Module):
+    """Logits and a learned temperature, one value per call (the logit-scale idiom)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, K), nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        return self.a(x), self.b.exp()
+
+
+class _Boxed:
+    def __init__(self, t):
+        self.t = t
+
+
+def test_what_would_carry_the_batch_past_isolation_is_refused_naming_it():
+    """A second review: a per-call output divided into the logits (8.94C), a forward hook on
+    the model itself (7.40C), the batch inside an object argument (4.52C). A second call of the
+    model in one micro-batch is refused too (one part per micro-batch)."""
+    x, y = _features()
+    data = torch.utils.data.TensorDataset(x, y)
+
+    def private(model):
+        torch.manual_seed(0)
+        return dpzero.make_private(model, dataset=data, sample_rate=1.0, noise_multiplier=1.0,
+                                   max_grad_norm=1.0, isolation="strict")
+
+    p = private(_Temperature())
+    xb, yb = next(iter(p.data_loader))
+    logits, t = p.model(xb)
+    with pytest.raises(PrivacyViolation, match=r"div on a per-call output .* may only be "
+                                               r"back-propagated, summed .* scaled by numbers"):
+        logits / t
+    (F.cross_entropy(logits, yb) + 0.5 * t * 2.0 - t / 4).backward()  # numbers: allowed
+    assert float(t.detach()) == 1.0 and math.isfinite(t.item())
+    assert p.optimizer.step()
+
+    model = Reaching("plain")
+    model.register_forward_hook(lambda m, i, o: o + (o.mean(0) - o.mean(0).detach()))
+    p = private(model)
+    xb, yb = next(iter(p.data_loader))
+    with pytest.raises(PrivacyViolation, match=r"hooks around the whole model \(_forward_hooks "
+                                               r"of Reaching\)"):
+        F.cross_entropy(p.model(xb), yb).backward()
+
+    class TakesBox(Reaching):
+        def forward(self, x, box):
+            return super().forward(x + 0 * box.t)
+
+    p = private(TakesBox("plain"))
+    xb, yb = next(iter(p.data_loader))
+    with pytest.raises(PrivacyViolation, match=r"model input 1 \(_Boxed\) holds tensors of the "
+                                               r"batch inside an object"):
+        p.model(xb, _Boxed(xb))
+    p.optimizer.zero_grad()
+    out = p.model(xb, _Boxed(torch.zeros(())))  # an object holding nothing of the batch
+    with pytest.raises(PrivacyViolation, match=r"the model was called a second time in one "
+                                               r"micro-batch"):
+        p.model(xb, _Boxed(torch.zeros(())))
+    del out

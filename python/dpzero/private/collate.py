@@ -18,6 +18,13 @@ batch that breaks any of this is refused before the loader hands it out, naming 
 function, the field and the row. torch's ``default_collate`` and dpzero's own stack the examples
 (one row each by construction) and are not checked.
 
+The check holds for a function of its arguments alone, so it makes the collate function one:
+each example is collated alone first, from a copy of it (a collate function that changes the
+examples it is given, say subtracting the batch's mean in place, changes the batch's rows and
+not the copies'), and the collate function's own state (its attributes, the cells and globals a
+function reads) must be the same after the batch as before it (one that fits statistics on a
+batch and applies them to the next carries one batch's examples into another's rows).
+
 What remains of dynamic padding: the padded length itself is the longest example's, so a model
 that reads the padding positions (pools over all positions without the mask, or gives positions
 a meaning relative to the padded end) lets one example's length reach the others' outputs. Use
@@ -26,6 +33,10 @@ the attention mask everywhere the model reduces over positions, or pad to a fixe
 
 from __future__ import annotations
 
+import copy
+import functools
+import hashlib
+import types
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Optional, Sequence
 
@@ -46,20 +57,28 @@ class SeparableCollate:
         self.pads: Dict[str, Any] = {}  # field path -> its padding value, the first one seen
 
     def __call__(self, examples: Sequence[Any]):
+        if self.vouched or len(examples) <= 1:
+            return self.collate(examples)
+        before = _state(self.collate)
+        alone = [self.collate([copy.deepcopy(e)]) for e in examples]
         batch = self.collate(examples)
-        if not self.vouched and len(examples) > 1:
-            for i, example in enumerate(examples):
-                problem = self._row(batch, self.collate([example]), i, len(examples), "batch")
-                if problem is not None:
-                    name = getattr(self.collate, "__qualname__", None) or \
-                        type(self.collate).__name__
-                    raise PrivacyViolation(
-                        f"the collate function {name!r} couples the examples of a batch: "
-                        f"{problem} (Note [separable collate]). Each example's row must be that "
-                        "example collated alone (padding after it excepted), or the examples' "
-                        "data reaches each other's rows before the model: make per-example "
-                        "transforms part of the dataset, and batch-wide ones (normalisation "
-                        "statistics) constants computed without the training data")
+        name = getattr(self.collate, "__qualname__", None) or type(self.collate).__name__
+        if _state(self.collate) != before:
+            raise PrivacyViolation(
+                f"the collate function {name!r} changed its own state while collating a batch "
+                "(Note [separable collate]): a collate function that learns from one batch "
+                "(normalisation statistics, a vocabulary) carries its examples into the rows of "
+                "the next. Fit such state before training, without the training data")
+        for i, one in enumerate(alone):
+            problem = self._row(batch, one, i, len(examples), "batch")
+            if problem is not None:
+                raise PrivacyViolation(
+                    f"the collate function {name!r} couples the examples of a batch: {problem} "
+                    "(Note [separable collate]). Each example's row must be that example "
+                    "collated alone (padding after it excepted), or the examples' data reaches "
+                    "each other's rows before the model: make per-example transforms part of "
+                    "the dataset, and batch-wide ones (normalisation statistics) constants "
+                    "computed without the training data")
         return batch
 
     def _row(self, batch, alone, i: int, rows: int, path: str) -> Optional[str]:
@@ -128,6 +147,49 @@ class SeparableCollate:
                 return (f"{path} is padded with {value!r} here and with {first!r} before; a "
                         "padding value that changes follows the data")
             return None
+
+
+def _state(obj, depth: int = 3):
+    """A comparable summary of the state ``obj`` carries from call to call: for a function, its
+    closure cells, defaults and the globals it reads; for a bound method, its object too; for an
+    object, its attributes; ``depth`` levels down (tensors and arrays by their bytes, objects
+    without attributes by identity)."""
+    if isinstance(obj, torch.Tensor):
+        with torch._C.DisableTorchFunctionSubclass():
+            return ("tensor", str(obj.dtype), tuple(obj.shape),
+                    hashlib.blake2b(obj.detach().cpu().contiguous().numpy().tobytes()
+                                    if obj.dtype != torch.bfloat16 else
+                                    obj.detach().cpu().float().numpy().tobytes(),
+                                    digest_size=16).hexdigest())
+    if isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
+        return obj
+    if hasattr(obj, "tobytes") and hasattr(obj, "dtype"):  # a numpy array or scalar
+        return ("array", str(obj.dtype), getattr(obj, "shape", ()),
+                hashlib.blake2b(obj.tobytes(), digest_size=16).hexdigest())
+    if depth == 0:
+        return (type(obj).__qualname__, id(obj))
+    if isinstance(obj, dict):
+        return tuple((repr(k), _state(v, depth - 1)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        items = sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else obj
+        return (type(obj).__name__, tuple(_state(v, depth - 1) for v in items))
+    if isinstance(obj, types.MethodType):
+        return (_state(obj.__func__, depth), _state(obj.__self__, depth - 1))
+    if isinstance(obj, types.FunctionType):
+        cells = tuple(_state(c.cell_contents, depth - 1) if c.cell_contents is not None else None
+                      for c in (obj.__closure__ or ()))
+        names = [n for n in obj.__code__.co_names if n in obj.__globals__ and
+                 not isinstance(obj.__globals__[n], (types.ModuleType, type,
+                                                     types.FunctionType))]
+        return ("function", obj.__qualname__, cells, _state(obj.__defaults__, depth - 1),
+                tuple((n, _state(obj.__globals__[n], depth - 1)) for n in names))
+    if isinstance(obj, functools.partial):
+        return ("partial", _state(obj.func, depth), _state(obj.args, depth - 1),
+                _state(obj.keywords, depth - 1))
+    state = getattr(obj, "__dict__", None)
+    if isinstance(state, dict):
+        return (type(obj).__qualname__, _state(state, depth - 1))
+    return (type(obj).__qualname__, id(obj))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -95,11 +95,26 @@ class PrivateModule(nn.Module):
     def forward(self, *args, **kwargs):
         return self._module(*args, **kwargs)
 
+    def __getstate__(self):
+        _refuse_copy(self)
+
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["_module"], name)
+
+
+def _refuse_copy(model: nn.Module, *_):
+    """Pickling (torch.save(model)) or copy.deepcopy of a model under make_private: refused by
+    name. The model carries the engine's patched forwards and hooks, and a copy would release
+    its buffers and frozen parameters without the check every release makes (Note [state
+    written from data])."""
+    raise PrivacyViolation(
+        f"torch.save, pickle or copy.deepcopy of a {type(model).__name__} under make_private: "
+        "it carries the private engine's forwards and hooks, and its state is released only "
+        "through checked paths. Save model.state_dict() (checked, Note [state written from "
+        "data]), copy the model before make_private, or call privacy_engine.detach() first")
 
 
 class PrivateLog:
@@ -400,8 +415,9 @@ class PrivacyEngine:
         devices = sorted({d.index or 0 for d in unit_device if d.type == "cuda"})
         self.isolation = c.isolation
         if c.isolation == "strict":  # Note [strict isolation]
-            strict.patch(model, lambda original: strict.Strict(model, original, layers[0],
-                                                               devices), book_ref, ranks)
+            self._strict = strict.patch(
+                model, lambda original: strict.Strict(model, original, layers[0], devices),
+                book_ref, ranks)
         else:
             patch(model, layers, book_ref, ranks, devices)
         self._checkpointed = checkpointing.apply(model, checkpointed)
@@ -416,6 +432,7 @@ class PrivacyEngine:
         sharded.release_check = self._verify_release
         sharded.state_loaded = self._state.accept
         self._state_dict_hooks = state_dict.register(model, self)
+        model.__dict__["__getstate__"] = functools.partial(_refuse_copy, model)
         self.clipping = clipping
         self.loss_reduction = c.loss_reduction
         # Note [noise index]: the sampler's step and the noise index never repeat a charged one.
@@ -426,11 +443,14 @@ class PrivacyEngine:
         self.last_step_diagnostics: Optional[Dict[str, Any]] = None
         self._diagnostics = PrivateLog(c.diagnostics_path if self.rank == 0 else None)
         self._micro: Optional[MicroBatch] = None  # the micro-batch handed out last
+        self._torch_seed = torch.initial_seed()  # Note [torch's random state between steps]
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
         # Whole epochs never exceed the steps σ was calibrated for (int(epochs / q), Opacus's).
         steps_per_epoch = max(1, int(1.0 / q))
         self.model = PrivateModule(model, self)
+        if self.isolation == "strict":
+            self._strict.outer = self.model
         self._optimizer_kind = c.optimizer
         self.optimizer = DPOptimizer(self, c.optimizer, c.optimizer_options, c.torch_optimizer)
         self.data_loader = DPDataLoader(self, c.dataset, steps_per_epoch,
@@ -724,12 +744,28 @@ class PrivacyEngine:
             # accountant counts every charge.
             self.next_step = max(self.next_step, self.charges)
             self._catch_up_accountant()
+            self._reseed_torch(t)
         self.next_step = max(t + 1, self.charges)
         self.steps_taken += 1
         self.last_step = {"step": t, "noise_index": out.noise_index}
         self._diagnose(t, out.noise_index, "caller" if out.caller_sampled else "poisson", size,
                        out.samples, out.dropped)
         return True
+
+    # Note [torch's random state between steps]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # torch's generators advance with every random draw, and a forward with dropout draws as many
+    # numbers as its batch has rows: after a step their state follows the step's realised Poisson
+    # batch size, and checkpoints save it (dpzero.checkpoint's extras, the Trainer's
+    # rng_state.pth). A review read the batch sizes off that state under add/remove neighbours.
+    # So when a logical batch closes (stepped or refused), the generators are reseeded from their
+    # seed at make_private and the step index, which depend on nothing of the data; runs with
+    # the same seed stay reproducible. (The noise and the sampling have generators of their own,
+    # Note [noise ownership]; this is dropout's and the like.)
+    def _reseed_torch(self, step: int) -> None:
+        mixed = (self._torch_seed + 0x9E3779B97F4A7C15 * (step + 1)) & ((1 << 64) - 1)
+        mixed ^= mixed >> 31
+        torch.manual_seed((mixed * 0xBF58476D1CE4E5B9 & ((1 << 64) - 1)) >> 1)
 
     def _catch_up_accountant(self) -> None:
         """Charges the accountant with any step the ledger charged that its callback missed (it
@@ -764,6 +800,7 @@ class PrivacyEngine:
         would reach the engine's buffers). Gathers nothing: in stage 3 read the trained values
         with ``parameters()`` first."""
         self._verify_release("detach()", collective=False)
+        self.module.__dict__.pop("__getstate__", None)
         checkpointing.remove(self._checkpointed)
         if self.isolation == "strict":
             strict.unpatch(self.module)

@@ -230,8 +230,8 @@ class FuncKind(LayerKind):
             t.dtype in (torch.float16, torch.bfloat16)
             for t in list(values.values()) + list(leaves) + list(layout.values)
             if isinstance(t, torch.Tensor))
-        _check_separable(module_name, outs, layout.values, out_dims, low, defer)
-        return {n: grads[n].float() for n in names}
+        dropped = _check_separable(module_name, outs, layout.values, out_dims, low, defer)
+        return drop_rows({n: grads[n].float() for n in names}, dropped)
 
     @staticmethod
     def _loop(one, per_out, xs, dims, module_name):
@@ -284,39 +284,41 @@ class MixedExamplesError(RuntimeError):
 # below the tolerance, or a backward that mixes rows while the forward does not, passes (the
 # model mixing examples is outside what per-layer clipping bounds: DESIGN.md, "Limits").
 def _check_separable(module_name: str, recomputed, forward, out_dims, low_precision: bool,
-                     defer=None):
-    """Note [separable recompute]. The verdict is computed on the tensors' device; ``defer``
-    (the book's) takes it unread, so the backward never waits on a GPU (Note [deferred checks]
-    in book.py); without it a failure raises here."""
+                     defer=None) -> torch.Tensor:
+    """Note [separable recompute]. Returns the examples to drop ([B] bool: a NaN in their output,
+    forward or recomputed); the verdict on the others is computed on the tensors' device, and
+    ``defer`` (the book's) takes it unread, so the backward never waits on a GPU (Note [deferred
+    checks] in book.py); without it a failure raises here."""
     # Rounding differs between a batch and one example (other kernels, other blockings): 1e-4 of
     # each example's own largest finite output in fp32, 3e-2 in 16-bit arithmetic. Non-finite
     # entries carry no scale: an output holding -inf (a masked class) or finfo.min would make
     # any tolerance taken from it infinite, so they must match exactly (same positions, same
-    # values), and a NaN anywhere fails (a NaN equals nothing, so nothing can be checked there).
+    # values). A NaN equals nothing, so nothing can be checked in an example whose output holds
+    # one: that example is dropped like one whose gradient is not finite (its clip factor 0,
+    # counted in the private diagnostics). Refusing the step instead would tell whether the
+    # record was sampled: a refusal is seen, a dropped example is not.
     rtol = 3e-2 if low_precision else 1e-4
+    dropped = None
+    for r, f, d in zip(recomputed, forward, out_dims):
+        f = f.movedim(d, 0).to(r.dtype)
+        nan = (torch.isnan(f) | torch.isnan(r)).reshape(f.shape[0], -1).any(1)
+        dropped = nan if dropped is None else dropped | nan
     for j, (r, f, d) in enumerate(zip(recomputed, forward, out_dims)):
         f = f.movedim(d, 0).to(r.dtype)
         if not f.numel():
             continue
+        keep = (~dropped).view(-1, *([1] * (f.dim() - 1)))
         finite = torch.isfinite(f) & torch.isfinite(r)
         big = torch.finfo(f.dtype).max / 4 if f.is_floating_point() else None
         if big is not None:  # finfo.min / max used as -inf / inf (Hugging Face's masks)
             finite &= (f.abs() < big) & (r.abs() < big)
         scale = torch.where(finite, f.abs(), 0).reshape(f.shape[0], -1).amax(1)
         rows = scale.view(-1, *([1] * (f.dim() - 1)))
-        diff = torch.where(finite, (r - f).abs(), 0)
-        exact = finite | (r == f)  # the non-finite (or huge) entries: equal, bit for bit
-        nan = torch.isnan(f) | torch.isnan(r)
-        failed = (diff > rtol * rows).any() | ~exact.all() | nan.any()
+        diff = torch.where(finite & keep, (r - f).abs(), 0)
+        exact = finite | (r == f) | ~keep  # the non-finite (or huge) entries: equal exactly
+        failed = (diff > rtol * rows).any() | ~exact.all()
 
-        def text(j=j, r=r, f=f, diff=diff, exact=exact, nan=nan, scale=scale) -> str:
-            if bool(nan.any()):
-                row = int(nan.reshape(nan.shape[0], -1).any(1).nonzero()[0, 0])
-                return (f"{module_name}: its output {j} is NaN for example {row} of the "
-                        "micro-batch, so dpzero cannot check that each example's output depends "
-                        "on that example alone (Note [separable recompute]); find where the NaN "
-                        "comes from (a division by zero, log of 0, an overflow) or freeze the "
-                        "module's parameters")
+        def text(j=j, diff=diff, exact=exact, scale=scale) -> str:
             if not bool(exact.all()):
                 return (f"{module_name}: each example's output recomputed alone differs from the "
                         f"forward's at a non-finite or extreme entry of output {j} (an -inf or "
@@ -335,6 +337,14 @@ def _check_separable(module_name: str, recomputed, forward, out_dims, low_precis
             defer(failed, text)
         elif bool(failed):
             raise MixedExamplesError(text())
+    return dropped
+
+
+def drop_rows(grads: Dict[str, torch.Tensor], dropped: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Per-sample gradients with the ``dropped`` examples' rows made NaN, which the book's clip
+    factors turn into 0 and count (privacy/clipping.h: a non-finite norm drops the example)."""
+    return {n: torch.where(dropped.view(-1, *([1] * (g.dim() - 1))), math.nan, g)
+            for n, g in grads.items()}
 
 
 def _rng_states() -> List[torch.Tensor]:

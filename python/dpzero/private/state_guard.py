@@ -12,17 +12,24 @@ follows the realised Poisson batch sizes) releases it without noise and lets one
 every later step's gradients outside the clipping. Nothing legitimate under DP writes them, so
 dpzero holds them fixed:
 
-* when the model is attached, every buffer is copied (buffers are small) and every frozen
-  parameter's identity, version counter and digest (BLAKE2b of its bytes) are recorded;
+* when the model is attached, every buffer is copied (buffers are small), and every frozen
+  parameter's identity, a fingerprint computed on its device (``fingerprint``) and a digest
+  (BLAKE2b of its bytes) are recorded;
 * at every private step (``optimizer.step()`` of a logical batch's last micro-batch, before
-  anything is charged) the buffers are compared with their copies bit for bit, and the frozen
-  parameters by identity and version counter (a version bump is confirmed against the digest).
-  A change refuses the step, names the module, the tensor and the fix, and the buffers are put
-  back to their copies, so nothing of the batch remains in them;
+  anything is charged) the buffers are compared with their copies bit for bit and the frozen
+  parameters' fingerprints recomputed: one read of a device flag for all of them. Values, not
+  version counters: a write through ``.data``, numpy or DLPack bumps no version counter (a review
+  moved one step's sum 3.27C through a frozen parameter written by ``.data`` in the forward of
+  the step's second micro-batch). A change (a fingerprint confirmed by the digest) refuses the
+  step, names the module, the tensor and the fix, and the buffers are put back to their copies,
+  so nothing of the batch remains in them (a frozen parameter cannot be: the step and every
+  release stay refused until it is reloaded or accepted);
 * at every release (``state_dict()``, ``dpzero.checkpoint.save``, the Trainer's saves,
-  ``PrivacyEngine.detach()``) the buffers again, and every frozen parameter by its digest: a
-  write through ``.data``, numpy or DLPack bumps no version counter, and only the digest sees it.
-  A change refuses the release, naming the tensor.
+  ``PrivacyEngine.detach()``) the buffers again, and every frozen parameter by its digest. A
+  change refuses the release, naming the tensor.
+
+The fingerprint reads each frozen byte once per step, on its device, without a copy: less than a
+forward, which reads every frozen weight at least once per micro-batch.
 
 A buffer or frozen parameter added, removed or replaced by another tensor counts as a change. The
 caller's own writes between steps that hold nothing of the training data (a value computed from
@@ -40,6 +47,7 @@ parameters are the engine's.
 from __future__ import annotations
 
 import hashlib
+import secrets
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
@@ -51,6 +59,29 @@ from .examples import untag
 
 # Bytes of a frozen tensor hashed per host copy (a CUDA tensor is copied in pieces this size).
 _DIGEST_CHUNK = 64 << 20
+# Words of a frozen tensor fingerprinted at a time (int64 temporaries of this many elements).
+_FINGERPRINT_CHUNK = 1 << 20
+# Odd 64-bit constants of the fingerprint's per-position multipliers (splitmix64's).
+_MIX1, _MIX2 = -7046029254386353131, -4658895280553007687
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(t: torch.Tensor, key: int) -> torch.Tensor:
+    """A 0-dim int64 on ``t``'s device: sum over its words w_j (its elements' bits as integers)
+    of w_j * m_j mod 2^64, with m_j odd multipliers mixed from the position j and ``key``. A word
+    changed by d != 0 changes it by d * m_j != 0 (m_j odd, |d| < 2^63); several changes cancel
+    only when their sum does modulo 2^64, which for a random key happens with probability about
+    2^-63 (not a cryptographic hash: the digest confirms)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        words = t.detach().contiguous().reshape(-1).view(_WORDS[t.element_size()])
+        total = torch.zeros((), dtype=torch.int64, device=t.device)
+        for start in range(0, words.numel(), _FINGERPRINT_CHUNK):
+            w = words[start:start + _FINGERPRINT_CHUNK].to(torch.int64)
+            m = torch.arange(start, start + w.numel(), dtype=torch.int64, device=t.device)
+            m = (m + key) * _MIX1
+            m = (m ^ (m >> 31)) * _MIX2
+            total += (w * (m | 1)).sum()
+        return total
 
 
 def digest(t: torch.Tensor) -> bytes:
@@ -81,9 +112,9 @@ class _Entry:
     local: str             # its name in owner._buffers or owner._parameters
     buffer: bool           # a buffer; else a frozen parameter
     tensor: torch.Tensor   # the object fixed
-    version: int           # its version counter when fixed
     copy: Optional[torch.Tensor] = None   # a buffer's bytes ([nbytes] uint8)
     digest: Optional[bytes] = None        # a frozen parameter's digest
+    fingerprint: Optional[torch.Tensor] = None  # a frozen parameter's, on its device
 
     @property
     def key(self) -> tuple:
@@ -126,6 +157,7 @@ class StateGuard:
         self.model = model
         self.trainable = frozenset(trainable)
         self._modules = modules
+        self.key = secrets.randbits(62)  # the fingerprints' (Note [state written from data])
         self.entries: List[_Entry] = []
         self._fix(None)
 
@@ -139,11 +171,11 @@ class StateGuard:
             for local, b in m._buffers.items():
                 if b is not None:
                     out.setdefault((id(m), local, True), _Entry(
-                        f"{mname}.{local}" if mname else local, m, local, True, b, b._version))
+                        f"{mname}.{local}" if mname else local, m, local, True, b))
             for local, p in m._parameters.items():
                 if p is not None and id(p) not in self.trainable:
                     out.setdefault((id(m), local, False), _Entry(
-                        f"{mname}.{local}" if mname else local, m, local, False, p, p._version))
+                        f"{mname}.{local}" if mname else local, m, local, False, p))
         return out
 
     def _fix(self, names: Optional[Sequence[str]]) -> None:
@@ -163,8 +195,8 @@ class StateGuard:
                 e.copy = copies[id(e.tensor)]
             else:
                 if id(e.tensor) not in digests:
-                    digests[id(e.tensor)] = digest(e.tensor)
-                e.digest = digests[id(e.tensor)]
+                    digests[id(e.tensor)] = (digest(e.tensor), fingerprint(e.tensor, self.key))
+                e.digest, e.fingerprint = digests[id(e.tensor)]
             entries.append(e)
         if names is not None:  # removed since, and not named: still a change
             entries += [e for key, e in old.items() if key not in walked and e.name not in names]
@@ -208,32 +240,29 @@ class StateGuard:
                                     "added after make_private")
         return problems
 
-    def _changed_buffers(self) -> List[_Entry]:
-        """The buffers whose bytes differ from their copies (one read of a device flag when
-        nothing changed)."""
-        buffers = [e for e in self.entries if e.buffer and e.current() is e.tensor]
+    def _changed(self) -> List[_Entry]:
+        """The buffers whose bytes differ from their copies and the frozen parameters whose
+        fingerprints changed (confirmed by their digests): one read of a device flag when nothing
+        changed."""
+        entries = [e for e in self.entries if e.current() is e.tensor]
         flags = []
-        for e in buffers:
-            now = _bytes(e.tensor)
-            flags.append(torch.ones((), dtype=torch.bool, device=now.device)
-                         if now.numel() != e.copy.numel() else (now != e.copy).any())
+        for e in entries:
+            if e.buffer:
+                now = _bytes(e.tensor)
+                flags.append(torch.ones((), dtype=torch.bool, device=now.device)
+                             if now.numel() != e.copy.numel() else (now != e.copy).any())
+            else:
+                flags.append(fingerprint(e.tensor, self.key) != e.fingerprint)
         if not flags or (len({f.device for f in flags}) == 1 and
                          not bool(torch.stack(flags).any())):
             return []
-        return [e for e, f in zip(buffers, flags) if bool(f)]
+        return [e for e, f in zip(entries, flags)
+                if bool(f) and (e.buffer or digest(e.tensor) != e.digest)]
 
-    def _changed_frozen(self, by_digest: bool) -> List[_Entry]:
-        out = []
-        for e in self.entries:
-            if e.buffer or e.current() is not e.tensor:
-                continue
-            if not by_digest and e.tensor._version == e.version:
-                continue
-            if digest(e.tensor) != e.digest:
-                out.append(e)
-            else:
-                e.version = e.tensor._version  # written with what it held
-        return out
+    def _changed_by_digest(self) -> List[_Entry]:
+        """The frozen parameters whose digests changed (a release's exact check)."""
+        return [e for e in self.entries if not e.buffer and e.current() is e.tensor
+                and digest(e.tensor) != e.digest]
 
     def _text(self, what: str, problems: List[str], changed: List[_Entry]) -> str:
         return refusal_text(what, problems + [_describe(e.kind, e.name, e.owner)
@@ -249,19 +278,17 @@ class StateGuard:
             untag(e.tensor)
             with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
                 e.tensor.copy_(e.copy.view(e.tensor.dtype).view(e.tensor.shape))
-            e.version = e.tensor._version
 
     def verify_step(self) -> Optional[str]:
         """At a private step (before anything is charged): why it is refused, or None. Changed
         buffers are put back to their copies first."""
         problems = self._structure()
-        changed = self._changed_buffers()
-        frozen = self._changed_frozen(by_digest=False)
-        if not (problems or changed or frozen):
+        changed = self._changed()
+        if not (problems or changed):
             return None
-        self.restore_buffers(changed + [e for e in self.entries if e.buffer and
-                                        e.current() is not e.tensor])
-        return self._text("the step is refused", problems, changed + frozen)
+        self.restore_buffers([e for e in changed if e.buffer] +
+                             [e for e in self.entries if e.buffer and e.current() is not e.tensor])
+        return self._text("the step is refused", problems, changed)
 
     def verify_release(self, what: str) -> None:
         """Before ``what`` releases the model's state: raises PrivacyViolation naming every
@@ -269,7 +296,7 @@ class StateGuard:
         from .book import PrivacyViolation
 
         problems = self._structure()
-        changed = self._changed_buffers() + self._changed_frozen(by_digest=True)
+        changed = [e for e in self._changed() if e.buffer] + self._changed_by_digest()
         if problems or changed:
             raise PrivacyViolation(self._text(f"{what} is refused", problems, changed))
 

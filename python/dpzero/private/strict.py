@@ -30,13 +30,33 @@ members:
 
 So example i's output is a function of its own inputs and the parameters, and its gradient a
 function of its own inputs, the parameters and its own rows of the output gradient: whatever the
-model's code does (batch statistics, hooks, custom autograd functions, in-place writes,
-permutations), it runs on one example. What strict isolation cannot isolate is outside the
-model: the loss must be a sum or mean of per-example losses (as in every DP-SGD library: a loss
-that couples the outputs of different examples couples their output gradients), and module state
-and Python globals persist between calls (module state is held fixed by Note [state written from
-data]). A scalar output of the model (a loss it computes itself, ``outputs.loss``) is the mean
-of the examples' own values.
+model's tensor code does (batch statistics, hooks on submodules, custom autograd functions,
+in-place writes, permutations), it runs on one example. What makes that hold, each found by a
+privacy review of the first version (2C broken by 4.5C to 8.9C without them):
+
+* each example gets its own copy of its inputs, and every call its own copy of the shared ones,
+  so nothing reaches another example through a view's base or an in-place write;
+* an autograd Function with its own ``vmap`` rule would see the whole piece under vmap: such a
+  Function sends the model to the loop, where no vmap rule runs (``_no_custom_vmap``);
+* hooks on the model itself (or on the PrivateModule, or global module hooks) run on the whole
+  micro-batch, outside the per-example function: refused at the forward (hooks on submodules
+  run per example);
+* a model input that is an object holding the batch's tensors would reach every example whole:
+  refused, naming it;
+* an output with one value per call (a loss the model computes itself, ``outputs.loss``) is the
+  mean of the examples' own values, and its gradient reaches every example alike; it is a
+  ``PerCall`` tensor, which may only be back-propagated, read, summed with others and scaled by
+  numbers, so that gradient is a number (a learned temperature returned beside the logits and
+  divided into them would otherwise pass the whole batch's loss into every example);
+* one call of the model per micro-batch (a second one is refused: two calls would be two parts).
+
+What strict isolation cannot isolate: the loss must be a sum or mean of per-example losses (as
+in every DP-SGD library: a loss that couples the outputs of different examples couples their
+output gradients); Python state persists between calls and, on the loop path, between the
+examples of one call (a module attribute written by one example's forward and read by the next
+is beyond any library, as globals and files are; buffers and parameters are held fixed by Note
+[state written from data]); and a model that unwraps functorch's batched tensors through
+torch's private ``_C._functorch`` API reaches the whole piece.
 
 Settings it does not take (config.py refuses them, naming them): layer and group clipping (one
 part, the whole model: flat or automatic), ZeRO stage 3 (it gathers parameters in every forward,
@@ -48,6 +68,7 @@ experiments/results/private.md what it costs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -59,7 +80,8 @@ from torch.utils import _pytree as pytree
 
 from .attach import _cache_off, _rejection
 from .book import Layer, PrivacyViolation
-from .fallback import FuncKind, _check_separable, swapped, tap
+from .examples import Examples
+from .fallback import FuncKind, _check_separable, drop_rows, swapped, tap
 from .provenance import CallRecord, Ranks, Verdict, admitted, spread_inputs
 
 # Per-example gradients held at once (float32): examples are clipped this many bytes at a time.
@@ -121,6 +143,7 @@ class Strict:
         self.piece = max(1, _PER_SAMPLE_BYTES // (4 * numel))
         self.layouts: Dict[tuple, _Layout] = {}
         self.vmap = True  # until vmap fails on this model: then the loop, for good
+        self.outer: Optional[nn.Module] = None  # the PrivateModule around the model (engine.py)
 
     def values(self) -> Dict[str, torch.Tensor]:
         return {n: self.model.get_parameter(n).detach() for n in self.names}
@@ -136,7 +159,9 @@ class Strict:
         one example (xs: its slices of the example inputs, example dim removed; run as a batch
         of one)."""
         def f(values, *xs):
-            full = list(leaves)
+            # Shared inputs copied for each call: a forward that writes into one must not pass
+            # it on to the next example.
+            full = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
             for i, x, d in zip(batched, xs, dims):
                 full[i] = x.unsqueeze(d)
             args, kwargs = pytree.tree_unflatten(full, spec)
@@ -155,7 +180,9 @@ class Strict:
         if not looped:
             return torch.func.vmap(f, in_dims=(None, *dims), randomness="different")(values, *xs)
         rows = xs[0].shape[dims[0]]
-        outs = [f(values, *(x.select(d, i) for x, d in zip(xs, dims))) for i in range(rows)]
+        # Each example's own copy: a view would reach the others through its base.
+        outs = [f(values, *(x.select(d, i).clone() for x, d in zip(xs, dims)))
+                for i in range(rows)]
         return tuple(torch.stack([o[j] for o in outs]) for j in range(len(outs[0])))
 
     def forward(self, book, ranks: Ranks, args, kwargs, tagged, rows: int):
@@ -169,6 +196,21 @@ class Strict:
             raise PrivacyViolation(
                 "a model input requires grad: under isolation='strict' the model's inputs are "
                 "data, and every trained parameter is the model's")
+        storages = {leaves[i].untyped_storage().data_ptr() for i in batched}
+        hidden = [i for i, x in enumerate(leaves)
+                  if not isinstance(x, torch.Tensor) and _holds_batch(x, storages)]
+        if hidden:
+            raise PrivacyViolation(
+                f"model input {hidden[0]} ({type(leaves[hidden[0]]).__name__}) holds tensors of "
+                "the batch inside an object, which would reach every example's forward whole: "
+                "pass the batch's tensors to the model as arguments (tuples, lists and dicts of "
+                "them are followed)")
+        if book.num_parts:
+            raise PrivacyViolation(
+                "the model was called a second time in one micro-batch: isolation='strict' "
+                "computes each example's gradient from one call of the model per micro-batch "
+                "(a loss over two passes of the same examples, such as R-Drop, needs "
+                "isolation='detect')")
         values = self.values()
         captured: list = []
         f = self._function(leaves, spec, batched, dims, captured)
@@ -197,7 +239,7 @@ class Strict:
         tapped = tap(functools.partial(self.backward, book, generation, index, saved, layout,
                                        floating), [tensors[j] for j in floating], params)
         for j, t in zip(floating, tapped):
-            tensors[j] = t
+            tensors[j] = t if layout.dims[j] is not None else t.as_subclass(PerCall)
         it = iter(tensors)
         out_leaves = [next(it) if c is None else c for c in layout.constants]
         return pytree.tree_unflatten(out_leaves, layout.spec)
@@ -214,12 +256,13 @@ class Strict:
                         warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="There is a performance drop")
                     for b, e in pieces:
-                        xs = [leaves[i].narrow(d, b, e - b) for i, d in zip(batched, dims)]
+                        xs = _piece(leaves, batched, dims, b, e)
                         states.append(_rng_states(self.devices))
-                        outputs.append(self._run(f, values, xs, dims, looped))
-            except Exception:  # noqa: BLE001 - vmap cannot run this model; the loop says why
+                        with _no_custom_vmap() if not looped else contextlib.nullcontext():
+                            outputs.append(self._run(f, values, xs, dims, looped))
+            except Exception as error:  # noqa: BLE001 - vmap cannot run this model: the loop
                 if looped:
-                    raise
+                    raise PrivacyViolation(_failed(error)) from error
                 continue
             self.vmap = self.vmap and not looped
             return states, outputs, looped
@@ -237,10 +280,14 @@ class Strict:
         from .state_guard import ProbeWrites
 
         trained = {id(self.model.get_parameter(n)) for n in self.names}
-        with torch.no_grad(), torch.random.fork_rng(devices=self.devices), \
-                ProbeWrites(self.model, trained), swapped(self.model, self.every_name(values)):
-            two = [t for t in pytree.tree_leaves(self.original(*args, **kwargs))
-                   if isinstance(t, torch.Tensor)]
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=self.devices), \
+                    ProbeWrites(self.model, trained), \
+                    swapped(self.model, self.every_name(values)):
+                two = [t for t in pytree.tree_leaves(self.original(*args, **kwargs))
+                       if isinstance(t, torch.Tensor)]
+        except Exception as error:  # noqa: BLE001 - named in the refusal
+            raise PrivacyViolation(_failed(error)) from error
         out_dims = []
         for j, (a, b) in enumerate(zip(one, two)):
             single, double = tuple(a.shape[1:]), tuple(b.shape)
@@ -284,18 +331,19 @@ class Strict:
             name = f"{type(self.model).__name__} (isolation='strict')"
             for (b, e), state, piece_out in zip(saved.pieces, saved.states, saved.outputs):
                 forward = [piece_out[j] for j in floating]
-                xs = [saved.leaves[i].narrow(d, b, e - b)
-                      for i, d in zip(saved.batched, saved.dims)]
+                xs = _piece(saved.leaves, saved.batched, saved.dims, b, e)
                 gs = [p[b:e] * multiplier if multiplier != 1 else p[b:e] for p in per_example]
                 with torch.random.fork_rng(devices=self.devices), torch.enable_grad(), \
                         sdpa_kernel([SDPBackend.MATH]), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="There is a performance drop")
                     _set_rng_states(state, self.devices)
-                    piece, outs = self._vjp(f, values, xs, saved.dims, gs, saved.looped)
-                _check_separable(name, outs, forward, [0] * len(outs),
-                                 any(t.dtype in (torch.float16, torch.bfloat16)
-                                     for t in forward), book.defer)
-                core.report_per_sample_rows(index, b, [piece[n].float() for n in self.names])
+                    with _no_custom_vmap() if not saved.looped else contextlib.nullcontext():
+                        piece, outs = self._vjp(f, values, xs, saved.dims, gs, saved.looped)
+                dropped = _check_separable(name, outs, forward, [0] * len(outs),
+                                           any(t.dtype in (torch.float16, torch.bfloat16)
+                                               for t in forward), book.defer)
+                piece = drop_rows({n: piece[n].float() for n in self.names}, dropped)
+                core.report_per_sample_rows(index, b, [piece[n] for n in self.names])
         except BaseException as e:
             if book.error is None:
                 book.error = f"the backward failed in the clipping ({type(e).__name__}: {e})"
@@ -304,7 +352,8 @@ class Strict:
     def _vjp(self, f, values, xs, dims, gs, looped: bool):
         """({name: [n, *shape]} per-example gradients, the recomputed outputs) of one piece."""
         def one(g, *x):
-            out, vjp = torch.func.vjp(lambda p: f(p, *x), values)
+            # Copied inside the transform: a forward that writes into its input writes its copy.
+            out, vjp = torch.func.vjp(lambda p: f(p, *(t.clone() for t in x)), values)
             return vjp(tuple(gi.to(o.dtype) for gi, o in zip(g, out)))[0], out
 
         if not looped:
@@ -314,13 +363,51 @@ class Strict:
         grads: Dict[str, List[torch.Tensor]] = {}
         outs: List[Tuple[torch.Tensor, ...]] = []
         for i in range(rows):
-            x = [t.select(d, i) for t, d in zip(xs, dims)]
+            x = [t.select(d, i).clone() for t, d in zip(xs, dims)]
             g, out = _autograd_vjp(f, values, x, tuple(t[i] for t in gs))
             for n, t in g.items():
                 grads.setdefault(n, []).append(t)
             outs.append(out)
         return ({n: torch.stack(ts) for n, ts in grads.items()},
                 tuple(torch.stack([o[j] for o in outs]) for j in range(len(outs[0]))))
+
+
+def _piece(leaves, batched, dims, b: int, e: int) -> List[torch.Tensor]:
+    """Rows [b, e) of each example input, copied: the model may write into its inputs, which
+    must not reach the loader's batch (nor the next piece)."""
+    return [leaves[i].narrow(d, b, e - b).clone() for i, d in zip(batched, dims)]
+
+
+def _failed(error: Exception) -> str:
+    return (f"the model failed on one example by itself ({type(error).__name__}: {error}): under "
+            "isolation='strict' the forward runs on each example alone, so it must accept a "
+            "batch of one, and every model input with one row per example must come from the "
+            "loader's batch (torch.ones_like(x), not torch.ones(x.shape))")
+
+
+class _CustomVmap(RuntimeError):
+    """A custom autograd Function with its own vmap rule ran under vmap."""
+
+
+@contextlib.contextmanager
+def _no_custom_vmap():
+    """Under vmap, an autograd Function's own ``vmap`` staticmethod sees the whole piece of
+    examples at once (physically batched), so its rule could mix them; such a Function stops
+    vmap here, and the model takes the loop, where no vmap rule runs. (A Function without one,
+    or with generate_vmap_rule, runs its forward per example under vmap's semantics.)"""
+    base = torch.autograd.Function
+    original = base.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if cls.vmap is not base.vmap:
+            raise _CustomVmap(f"{cls.__qualname__} has its own vmap rule")
+        return original.__func__(cls, *args, **kwargs)
+
+    base.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        base.apply = original
 
 
 def _autograd_vjp(f, values, x, g):
@@ -335,6 +422,71 @@ def _autograd_vjp(f, values, x, g):
     return ({n: torch.zeros_like(v) if t is None else t
              for (n, v), t in zip(leaves.items(), grads)},
             tuple(o.detach() for o in out))
+
+
+def _holds_batch(obj, storages, depth: int = 3) -> bool:
+    """Whether a non-pytree object holds a tensor of the batch (tagged, tainted, or on one of
+    ``storages``) among its attributes, items or elements, ``depth`` levels down."""
+    if isinstance(obj, torch.Tensor):
+        return isinstance(obj, Examples) or obj.untyped_storage().data_ptr() in storages
+    if depth == 0 or isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
+        return False
+    if isinstance(obj, dict):
+        return any(_holds_batch(v, storages, depth - 1) for v in obj.values())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return any(_holds_batch(v, storages, depth - 1) for v in obj)
+    state = getattr(obj, "__dict__", None)
+    return isinstance(state, dict) and any(_holds_batch(v, storages, depth - 1)
+                                           for v in state.values())
+
+
+# What may be done to a per-call output (PerCall): reads that carry no gradient, and operations
+# whose gradient is a number: sums of such outputs, one scaled by a number, casts.
+_SUMS = {torch.Tensor.__add__, torch.Tensor.__radd__, torch.add, torch.Tensor.add,
+         torch.Tensor.__sub__, torch.Tensor.__rsub__, torch.sub, torch.Tensor.sub,
+         torch.Tensor.__neg__, torch.neg, torch.Tensor.neg, torch.Tensor.sum, torch.sum,
+         torch.Tensor.mean, torch.mean, torch.Tensor.to, torch.Tensor.float,
+         torch.Tensor.double, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.clone,
+         torch.Tensor.contiguous}
+_SCALINGS = {torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.mul, torch.Tensor.mul,
+             torch.Tensor.__truediv__, torch.div, torch.Tensor.div, torch.true_divide}
+
+
+class PerCall(torch.Tensor):
+    """A strict model's output with one value per call (a loss the model computes itself): the
+    mean of the examples' own values, whose gradient reaches every example alike. So that
+    gradient must be a number, not a function of the batch (a learned temperature returned
+    beside the logits and divided into them would make it one): it may be back-propagated,
+    read (``.item()``, ``.detach()``, printed), summed with other per-call outputs and scaled by
+    numbers; anything else that would carry a gradient is refused."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if func is torch.Tensor.backward:
+            return out
+        leaves = pytree.tree_leaves((args, kwargs))
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        graded = any(isinstance(o, torch.Tensor) and o.requires_grad
+                     for o in pytree.tree_leaves(out))
+        if not graded:  # a read: plain values
+            return pytree.tree_map(
+                lambda o: o.as_subclass(torch.Tensor) if isinstance(o, torch.Tensor) else o, out)
+        divide = func in (torch.Tensor.__truediv__, torch.div, torch.Tensor.div, torch.true_divide)
+        sums = func in _SUMS and all(isinstance(t, PerCall) for t in tensors)
+        scaled = func in _SCALINGS and len(tensors) == 1 and (not divide or args[0] is tensors[0])
+        if sums or scaled:
+            return pytree.tree_map(
+                lambda o: o.as_subclass(PerCall) if isinstance(o, torch.Tensor) else o, out)
+        raise PrivacyViolation(
+            f"{getattr(func, '__name__', func)} on a per-call output of a model under "
+            "isolation='strict' (one value for the whole micro-batch, such as a loss the model "
+            "computes itself): its gradient would reach every example, so it may only be "
+            "back-propagated, summed with other such outputs or scaled by numbers. Return "
+            "per-example values instead (a loss per example, a parameter used inside the "
+            "model), and combine them with the examples' outputs there")
 
 
 def _assemble(stacked: torch.Tensor, d: Optional[int]) -> torch.Tensor:
@@ -377,6 +529,8 @@ def strict_forward(book_ref, ranks: Ranks, strict: Strict, module: nn.Module, or
         (args, kwargs), _, _ = untagged((args, kwargs))
         return original(*args, **kwargs)  # evaluation: nothing to clip
     args, kwargs, tagged, problem = admitted(book, args, kwargs)
+    if problem is None:
+        problem = _outer_hooks(module, strict.outer)
     if problem is not None:
         # Refused lazily, as provenance.root_forward does: the forward runs with the parameters
         # detached (an evaluation on other data without torch.no_grad() is harmless), and a
@@ -404,6 +558,28 @@ def strict_forward(book_ref, ranks: Ranks, strict: Strict, module: nn.Module, or
                                "rank runs its backward")
         raise PrivacyViolation(book.error)
     return out
+
+
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                 "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def _outer_hooks(model: nn.Module, outer: Optional[nn.Module]) -> Optional[str]:
+    """Why hooks around the model's whole call break strict isolation, or None: hooks on the
+    model itself (or the PrivateModule around it) and global module hooks run on the whole
+    micro-batch, outside the per-example forward, where they could mix examples' outputs or
+    gradients; hooks on submodules run inside it, per example."""
+    from torch.nn.modules import module as torch_module
+
+    found = [f"{name} of {type(m).__name__}" for m in (model, outer) if m is not None
+             for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
+                          "_backward_hooks") if getattr(m, name, None)]
+    found += [name for name in _GLOBAL_HOOKS if getattr(torch_module, name, None)]
+    if not found:
+        return None
+    return (f"hooks around the whole model ({', '.join(found)}) run on the whole micro-batch, "
+            "outside the per-example forward of isolation='strict', where they could mix the "
+            "examples: register them on a submodule instead (they then run per example)")
 
 
 def patch(model: nn.Module, strict_of, book_ref, ranks: Ranks) -> Strict:
