@@ -765,7 +765,10 @@ class PrivacyEngine:
     def _reseed_torch(self, step: int) -> None:
         mixed = (self._torch_seed + 0x9E3779B97F4A7C15 * (step + 1)) & ((1 << 64) - 1)
         mixed ^= mixed >> 31
-        torch.manual_seed((mixed * 0xBF58476D1CE4E5B9 & ((1 << 64) - 1)) >> 1)
+        seed = (mixed * 0xBF58476D1CE4E5B9 & ((1 << 64) - 1)) >> 1
+        torch.default_generator.manual_seed(seed)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.manual_seed_all(seed)  # (a device initialised later is seeded by torch)
 
     def _catch_up_accountant(self) -> None:
         """Charges the accountant with any step the ledger charged that its callback missed (it

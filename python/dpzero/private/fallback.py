@@ -277,12 +277,15 @@ class MixedExamplesError(RuntimeError):
 # cumulative sum over dim 0. The per-sample recompute runs each example alone, so it computes
 # each example's output as if no other example were there: every backward compares that with the
 # forward's output row by row and refuses the step when they differ beyond rounding (a looser
-# tolerance under 16-bit autocast). A module whose rows each depend on their own example only
-# passes; one that mixes examples fails, and so does one that drew random numbers (its masks
-# differ). The outputs come for free from the VJP the gradients need. It is a check against
-# layouts that mix examples by accident, not against a model written to mix them: a mixing term
-# below the tolerance, or a backward that mixes rows while the forward does not, passes (the
-# model mixing examples is outside what per-layer clipping bounds: DESIGN.md, "Limits").
+# tolerance in 16-bit arithmetic), the tolerance taken from finite entries only and non-finite
+# ones compared exactly (a privacy review disabled the check with a masked -inf); an example whose
+# output holds a NaN is dropped, as one with a NaN gradient is. A module whose rows each depend on
+# their own example only passes; one that mixes examples fails, and so does one that drew random
+# numbers (its masks differ). The outputs come for free from the VJP the gradients need. It is a
+# check against layouts that mix examples by accident, not against a model written to mix them:
+# a mixing term below the tolerance, or a backward that mixes rows while the forward does not,
+# passes (isolation="strict" closes that: Note [strict isolation] in strict.py; docs/
+# architecture.md, "Threat model").
 def _check_separable(module_name: str, recomputed, forward, out_dims, low_precision: bool,
                      defer=None) -> torch.Tensor:
     """Note [separable recompute]. Returns the examples to drop ([B] bool: a NaN in their output,

@@ -35,8 +35,9 @@ examples' values go the same way), autograd saving nothing, RNG state and buffer
 
 A pattern's verdicts are reused for later calls with the same pattern (typically the probe runs
 once per run; under activation checkpointing, recomputed calls take the verdict of the call they
-recompute), each call held to the shared values they rest on (Note [premises]), except that a call where some layer input has a dimension other than dim 0 equal to
-the batch size is probed again: there a cached verdict could stand for another layout (B = T and
+recompute), each call held to the shared values they rest on (Note [premises]), except that a
+call where some layer input has a dimension other than dim 0 equal to the batch size is probed
+again: there a cached verdict could stand for another layout (B = T and
 a seq-first branch). Verdicts from one-example batches are not cached (rotating one example
 changes nothing). What the probe cannot see: a model whose branches on the data feed one layer
 call, at the same place in the same pattern, the examples on some steps and a shared tensor with
@@ -61,9 +62,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .book import PrivacyViolation
-from .state_guard import refusal_text
 from .examples import (_ELEMENTWISE, _ELEMENTWISE_INPLACE, Examples, MicroBatchToken, _suspect,
                        _wrap, lost_at, untagged, varies_along)
+from .state_guard import refusal_text
 
 Shape = Tuple[int, ...]
 
@@ -590,10 +591,10 @@ def _never_unpacked(_packed):
     raise RuntimeError("the provenance probe's graph is never back-propagated")
 
 
-class StateWritten(RuntimeError):
-    """The probe's forward wrote into the model's buffers or frozen parameters (Note [probe
-    writes] in state_guard.py), or normalised with batch statistics (BatchStatistics): refused
-    with the model's state restored."""
+class ProbeRefused(RuntimeError):
+    """What the probe's forward did refuses the call: it wrote into the model's buffers or frozen
+    parameters (Note [probe writes] in state_guard.py; the state is restored), or normalised with
+    batch statistics (BatchStatistics)."""
 
 
 def _rows(x: torch.Tensor, bdim: int, rotated: bool) -> torch.Tensor:
@@ -628,9 +629,9 @@ def run_probe(module: nn.Module, forward: Callable, args, kwargs,
             BatchStatistics(module) as statistics, book.probing(probe):
         forward(*p_args, **p_kwargs)
     if statistics.found is not None:
-        raise StateWritten(statistics.found)
+        raise ProbeRefused(statistics.found)
     if state.written:
-        raise StateWritten(refusal_text("the forward is refused (its probe saw it write into "
+        raise ProbeRefused(refusal_text("the forward is refused (its probe saw it write into "
                                         "the model's state)", state.described))
     return probe.records
 
@@ -901,7 +902,7 @@ def _probed(module, original, args, kwargs, tagged, book, devices, real, rows,
     try:
         return run_probe(module, original, args, kwargs, tagged, book, devices, real, rows,
                          rotated, spread), None
-    except StateWritten as e:
+    except ProbeRefused as e:
         book.restore_state()  # what the real forward wrote before the probe (Note [probe writes])
         return None, str(e)
     except Exception as e:  # noqa: BLE001 - named in the refusal

@@ -16,8 +16,8 @@ own shard. Elsewhere they are not:
 There, hooks on the model make the state dict hold the fp32 master values (gathered: a
 collective with several ranks, as FSDP's full state dict: every rank calls ``state_dict()``, not
 rank 0 alone) and make loading write the master, from which the engine publishes the parameters.
-``state_dict(keep_vars=True)`` asks for the Parameter objects themselves and gathers nothing. Only trainable parameters are the engine's;
-buffers and frozen parameters are torch's as usual.
+``state_dict(keep_vars=True)`` asks for the Parameter objects themselves and gathers nothing.
+Only trainable parameters are the engine's; buffers and frozen parameters are torch's as usual.
 
 Every ``state_dict()`` is a release of the model's buffers and frozen parameters, so it first
 verifies them (Note [state written from data] in state_guard.py): every rank refuses when one

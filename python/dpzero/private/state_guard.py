@@ -69,11 +69,13 @@ _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def fingerprint(t: torch.Tensor, key: int) -> torch.Tensor:
     """A 0-dim int64 on ``t``'s device: sum over its words w_j (its elements' bits as integers)
     of w_j * m_j mod 2^64, with m_j odd multipliers mixed from the position j and ``key``. A word
-    changed by d != 0 changes it by d * m_j != 0 (m_j odd, |d| < 2^63); several changes cancel
-    only when their sum does modulo 2^64, which for a random key happens with probability about
-    2^-63 (not a cryptographic hash: the digest confirms)."""
+    changed by d (nonzero modulo 2^64) changes it by d * m_j, nonzero as m_j is odd; several
+    changes cancel only when their sum does modulo 2^64, which for a random key happens with
+    probability about 2^-63 (not a cryptographic hash: the digest confirms)."""
     with torch._C.DisableTorchFunctionSubclass():
-        words = t.detach().contiguous().reshape(-1).view(_WORDS[t.element_size()])
+        flat = t.detach().contiguous().reshape(-1)
+        words = flat.view(_WORDS[t.element_size()]) if t.element_size() in _WORDS else \
+            _bytes(t)  # complex128: its bytes
         total = torch.zeros((), dtype=torch.int64, device=t.device)
         for start in range(0, words.numel(), _FINGERPRINT_CHUNK):
             w = words[start:start + _FINGERPRINT_CHUNK].to(torch.int64)

@@ -336,9 +336,7 @@ class Strict:
                 with torch.random.fork_rng(devices=self.devices), torch.enable_grad(), \
                         sdpa_kernel([SDPBackend.MATH]), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="There is a performance drop")
-                    _set_rng_states(state, self.devices)
-                    with _no_custom_vmap() if not saved.looped else contextlib.nullcontext():
-                        piece, outs = self._vjp(f, values, xs, saved.dims, gs, saved.looped)
+                    piece, outs = self._recompute(f, values, xs, saved, gs, state)
                 dropped = _check_separable(name, outs, forward, [0] * len(outs),
                                            any(t.dtype in (torch.float16, torch.bfloat16)
                                                for t in forward), book.defer)
@@ -348,6 +346,23 @@ class Strict:
             if book.error is None:
                 book.error = f"the backward failed in the clipping ({type(e).__name__}: {e})"
             raise
+
+    def _recompute(self, f, values, xs, saved: _Saved, gs, state):
+        """One piece's per-example gradients and recomputed outputs, by the forward's way (vmap
+        or the loop) from its random state; should vmap fail here where the forward's ran (the
+        transform of a VJP takes less than a plain forward), by the loop, whose outputs the
+        recompute check then holds to the forward's (a random draw taken differently fails
+        it)."""
+        _set_rng_states(state, self.devices)
+        if saved.looped:
+            return self._vjp(f, values, xs, saved.dims, gs, True)
+        try:
+            with _no_custom_vmap():
+                return self._vjp(f, values, xs, saved.dims, gs, False)
+        except Exception:  # noqa: BLE001 - the loop runs what vmap's transforms cannot
+            self.vmap = False
+            _set_rng_states(state, self.devices)
+            return self._vjp(f, values, xs, saved.dims, gs, True)
 
     def _vjp(self, f, values, xs, dims, gs, looped: bool):
         """({name: [n, *shape]} per-example gradients, the recomputed outputs) of one piece."""

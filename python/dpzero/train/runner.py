@@ -224,7 +224,8 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
                   **({"momentum": t_cfg.momentum} if t_cfg.optimizer == "sgd" else {}))
     if private:
         kw = dict(max_grad_norm=p_cfg.max_grad_norm, clipping=p_cfg.clipping,
-                  isolation=p_cfg.isolation, secure_mode=p_cfg.secure_mode, ledger_path=os.path.join(run_dir, "ledger.jsonl"),
+                  isolation=p_cfg.isolation, secure_mode=p_cfg.secure_mode,
+                  ledger_path=os.path.join(run_dir, "ledger.jsonl"),
                   run_id=os.path.basename(os.path.abspath(run_dir)),
                   diagnostics_path=os.path.join(run_dir, PRIVATE_DIR, "diagnostics.jsonl"))
         if p_cfg.target_epsilon is not None:
