@@ -136,6 +136,20 @@ def test_padding_that_follows_the_other_examples_is_refused(how, message):
         _run(collate, steps=4)
 
 
+def _masked(examples):
+    """Masked language modelling's masking as Hugging Face's collator does it: one draw over the
+    padded batch, so an example's mask depends on the others' number and lengths."""
+    out = _pad(examples)
+    out["ids"] = torch.where(torch.rand(out["ids"].shape) < 0.3, 0, out["ids"])
+    return out
+
+
+def test_a_collate_function_that_draws_for_the_batch_is_refused_saying_to_draw_per_example():
+    with pytest.raises(PrivacyViolation, match=r"'_masked' couples the examples.*draws random "
+                                               r"numbers for the whole batch.*per example"):
+        _run(_masked)
+
+
 def test_hugging_faces_padding_collator_is_accepted():
     """DataCollatorWithPadding on a real tokenizer (MiniLM's, from its package): input ids padded
     with the pad id, the attention mask with 0, after each example."""
@@ -196,16 +210,50 @@ class _FitOnFirst:
         return xs, torch.stack([e[1] for e in examples])
 
 
+_RUNNING: dict = {}  # running statistics kept by a helper of _through_a_helper
+
+
+def _normalise(xs):
+    """Applies the statistics of earlier batches, then fits them on this one."""
+    out = xs if not _RUNNING else (xs - _RUNNING["m"]) / _RUNNING["s"]
+    if len(xs) > 1:
+        _RUNNING["m"], _RUNNING["s"] = xs.mean(0), xs.std(0) + 1e-6
+    return out
+
+
+def _through_a_helper(examples):
+    return _normalise(torch.stack([e[0] for e in examples])), torch.stack([e[1] for e in examples])
+
+
+class _InTheClass:
+    """Statistics of the previous batch kept in a class attribute."""
+    stats = None
+
+    def __call__(self, examples):
+        xs = torch.stack([e[0] for e in examples])
+        out = xs if _InTheClass.stats is None else (xs - _InTheClass.stats[0]) / \
+            _InTheClass.stats[1]
+        if len(examples) > 1:
+            _InTheClass.stats = (xs.mean(0), xs.std(0) + 1e-6)
+        return out, torch.stack([e[1] for e in examples])
+
+
 @pytest.mark.parametrize("collate,message", [
     (_standardise_in_place, r"'_standardise_in_place' couples the examples .*row 0 of "
                             r"batch\[0\] differs"),
     (_FitOnFirst(), r"'_FitOnFirst' changed its own state while collating a batch"),
+    (_through_a_helper, r"'_through_a_helper' changed its own state"),
+    (_InTheClass(), r"'_InTheClass' changed its own state"),
 ])
 def test_a_collate_function_with_side_effects_is_refused(collate, message):
-    """A second review moved the sum 3.21C with each: the check collated each example alone
-    after the batch, on what the batch call had already changed (the examples, its fitted
-    statistics). Now each example is collated alone first, from a copy, and the function's state
-    must be unchanged by the batch."""
+    """A second review moved the sum 3.21C with each of the first two: the check collated each
+    example alone after the batch, on what the batch call had already changed (the examples, its
+    fitted statistics). Now each example is collated alone first, from a copy, and the function's
+    state must be unchanged by the batch. A third moved step 2's sum 3.21C with statistics kept
+    where that state did not look: the globals of a helper function the collate calls, and a
+    class attribute; the caller's own helpers and classes are followed."""
+    _RUNNING.clear()
+    _InTheClass.stats = None
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(16, D, generator=g), torch.randint(0, K, (16,), generator=g))
     with pytest.raises(PrivacyViolation, match=message):

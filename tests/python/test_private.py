@@ -980,6 +980,7 @@ def test_batches_and_losses_save_and_load_as_plain_tensors(tmp_path):
                             max_grad_norm=0.5)
     ids, y = next(iter(p.data_loader))
     loss = loss_fn(p.model(ids), y)
+    assert f"{loss:.3f}" == f"{loss.item():.3f}"  # a review: formatting a loss raised TypeError
     torch.save({"batch": (ids, y), "loss": loss.detach(), "rows": ids[:2] + 1}, tmp_path / "b.pt")
     back = torch.load(tmp_path / "b.pt")  # weights_only=True, torch's default
     assert type(back["batch"][0]) is torch.Tensor and type(back["loss"]) is torch.Tensor

@@ -274,3 +274,25 @@ def test_a_key_value_cache_asked_for_is_refused_naming_it_and_use_cache_comes_ba
     p.optimizer.zero_grad()
     p.privacy_engine.detach()
     assert model.config.use_cache is True
+
+
+@pytest.mark.parametrize("rope", ["dynamic", "longrope"])
+def test_rotary_frequencies_recomputed_from_the_batch_are_refused_at_make_private(rope):
+    """A second review: with rope_type "dynamic" or "longrope" a Hugging Face rotary embedding
+    rewrites its inv_freq from the batch's longest position, so the state check refused the
+    step exactly when a long record was sampled (a membership oracle). Refused before any data,
+    naming the module; the default rope trains (test_hf_step_equals_naive_dp_sgd's Llama)."""
+    head = 4  # head dim 8: four frequencies
+    params = {"rope_type": rope, "rope_theta": 10000.0, "factor": 2.0}
+    if rope == "longrope":
+        params = {"rope_type": rope, "rope_theta": 10000.0, "long_factor": [2.0] * head,
+                  "short_factor": [1.0] * head, "original_max_position_embeddings": 4}
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, max_position_embeddings=8,
+                                   rope_parameters=params)
+    with pytest.raises(dpzero.private.PrivacyViolation,
+                       match=rf"rotary_emb \(LlamaRotaryEmbedding\): rope_type '{rope}' "
+                             r"recomputes the rotary frequencies"):
+        dpzero.make_private(Logits(transformers.LlamaForCausalLM(cfg)), dataset=token_data(),
+                            batch_size=8, noise_multiplier=1.0, max_grad_norm=1.0)

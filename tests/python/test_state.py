@@ -202,34 +202,58 @@ def test_the_fingerprint_sees_every_change_of_a_word():
             assert not torch.equal(fingerprint(swapped.view(t.shape), 12345), want), dtype
 
 
+class _Augmented(torch.utils.data.Dataset):
+    """Examples augmented with Python's random and numpy's generator, one draw each per fetch."""
+
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(16, D, generator=g)[:n], torch.randint(0, K, (16,),
+                                                                             generator=g)[:n]
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy
+
+        return self.x[i] * (1 + 0.01 * random.random() + 0.01 * numpy.random.rand()), self.y[i]
+
+
 def _rng_after_steps(n: int, steps: int = 3):
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(16, D, generator=g)[:n], torch.randint(0, K, (16,), generator=g)[:n]
+    import random
+
+    import numpy
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D, D), nn.Dropout(0.1), nn.Linear(D, K))
-    p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(x, y),
-                            sample_rate=0.5, noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+    p = dpzero.make_private(model, dataset=_Augmented(n), sample_rate=0.5, noise_multiplier=1.0,
+                            max_grad_norm=1.0, seed=0)
     states, sizes = [], []
     while len(states) < steps:
         for xb, yb in p.data_loader:
             sizes.append(len(yb))
             F.cross_entropy(p.model(xb), yb).backward()
             if p.optimizer.step():
-                states.append(torch.get_rng_state())
+                states.append((torch.get_rng_state(), random.getstate(),
+                               numpy.random.get_state()[1].copy()))
                 if len(states) == steps:
                     break
     return states, sizes
 
 
-def test_torchs_random_state_between_steps_does_not_follow_the_batch_sizes():
-    """Note [torch's random state between steps]: with dropout, the generators' state after a
-    step followed its realised Poisson batch size, and checkpoints save it (a second review,
-    under add/remove neighbours). Now the same state after every step, whatever the sizes."""
+def test_the_random_state_between_steps_does_not_follow_the_batch_sizes():
+    """Note [random state between steps]: with dropout in the model and augmentation in the
+    dataset, the generators' states after a step followed its realised Poisson batch size, and
+    checkpoints save them (two reviews, under add/remove neighbours: torch's, then Python's and
+    numpy's in the Trainer's rng_state.pth). Now the same states after every step, whatever the
+    sizes."""
     a, sizes_a = _rng_after_steps(16)
     b, sizes_b = _rng_after_steps(15)  # one example removed
     assert sizes_a != sizes_b  # the realised batches differ
-    for s, t in zip(a, b):
-        assert torch.equal(s, t)
+    for (t1, r1, n1), (t2, r2, n2) in zip(a, b):
+        assert torch.equal(t1, t2) and r1 == r2 and (n1 == n2).all()
 
 
 def test_a_copy_or_pickle_of_a_private_model_is_refused_naming_the_fix():
@@ -249,3 +273,81 @@ def test_a_copy_or_pickle_of_a_private_model_is_refused_naming_the_fix():
     p.privacy_engine.detach()
     copy.deepcopy(model)
     torch.save(model, io.BytesIO())
+
+
+class _Renormed(nn.Module):
+    """A trained table looked up with ``max_norm``: F.embedding renormalises the looked-up rows
+    in place, so the forward writes the batch's ids into a trainable parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(10, D) * 3)
+        self.head = nn.Linear(D, K)
+
+    def forward(self, ids):
+        return self.head(F.embedding(ids, self.w, max_norm=1.0).mean(1))
+
+
+@pytest.mark.parametrize("isolation,message", [
+    ("detect", r"step is refused: .*trainable parameter 'w' was written outside the private "
+               r"optimizer"),
+    ("strict", r"strict forward is refused .*parameter 'w'"),
+])
+def test_a_trained_parameter_written_by_the_forward_is_refused(isolation, message):
+    """Note [trained parameters written outside the step]: a second review read a rare token's
+    row off the released table (norm 1.78 in one neighbour, 1.00 in the other). The forward's
+    write refuses the step (strict isolation: the forward, and puts it back), and every release
+    until accepted."""
+    g = torch.Generator().manual_seed(0)
+    ids, y = torch.randint(0, 10, (N, 3), generator=g), torch.randint(0, K, (N,), generator=g)
+    torch.manual_seed(0)
+    model = _Renormed()
+    table = model.w.detach().clone()
+    other = _Renormed()
+    with torch.no_grad():
+        other(ids)  # the write happens: the rows looked up shrink to norm 1
+    assert other.w[ids.unique()].norm(dim=1).max() <= 1.0 + 1e-5 < table.norm(dim=1).max()
+    p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(ids, y),
+                            sample_rate=1.0, noise_multiplier=1.0, max_grad_norm=1.0, seed=0,
+                            isolation=isolation)
+    with pytest.raises(PrivacyViolation, match=message):
+        for x, t in p.data_loader:
+            F.cross_entropy(p.model(x), t).backward()
+            p.optimizer.step()
+    if isolation == "strict":
+        assert torch.equal(model.w.detach(), table)  # put back
+    else:
+        with pytest.raises(PrivacyViolation, match=r"state_dict\(\) is refused: .*trainable "
+                                                   r"parameter 'w'"):
+            p.model.state_dict()
+    assert p.privacy_engine.charges == 0
+
+
+class _Memory(nn.Module):
+    """Accumulates the batches it sees into a buffer, read by the next forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, K)
+        self.register_buffer("mem", torch.zeros(D))
+
+    def forward(self, x):
+        out = self.fc(x + self.mem)
+        with torch.no_grad():
+            self.mem.add_(x.mean(0))
+        return out
+
+
+def test_under_strict_isolation_a_write_into_state_is_refused_at_the_forward():
+    """One example's forward writing a buffer that the next example's forward reads would carry
+    it past isolation within the step: strict isolation refuses the forward that writes, and
+    puts the buffer back (a second review: a memory written per micro-batch and reset before the
+    step)."""
+    torch.manual_seed(0)
+    model = _Memory()
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=1.0, noise_multiplier=1.0,
+                            max_grad_norm=1.0, seed=0, isolation="strict")
+    x, y = next(iter(p.data_loader))
+    with pytest.raises(PrivacyViolation, match=r"strict forward is refused .*buffer 'mem'"):
+        p.model(x)
+    assert torch.equal(model.mem, torch.zeros(D))

@@ -327,6 +327,13 @@ class _Boxed:
         self.t = t
 
 
+class _Slotted:
+    __slots__ = ("t",)
+
+    def __init__(self, t):
+        self.t = t
+
+
 def test_what_would_carry_the_batch_past_isolation_is_refused_naming_it():
     """A second review: a per-call output divided into the logits (8.94C), a forward hook on
     the model itself (7.40C), the batch inside an object argument (4.52C). A second call of the
@@ -359,16 +366,121 @@ def test_what_would_carry_the_batch_past_isolation_is_refused_naming_it():
 
     class TakesBox(Reaching):
         def forward(self, x, box):
-            return super().forward(x + 0 * box.t)
+            return super().forward(x)
 
     p = private(TakesBox("plain"))
     xb, yb = next(iter(p.data_loader))
-    with pytest.raises(PrivacyViolation, match=r"model input 1 \(_Boxed\) holds tensors of the "
-                                               r"batch inside an object"):
-        p.model(xb, _Boxed(xb))
+    for box in (_Boxed(xb), _Boxed({"a": [{"b": xb}]}), _Slotted(xb)):  # deep, __slots__
+        with pytest.raises(PrivacyViolation, match=r"model input 1 \(_\w+\) holds tensors "
+                                                   r"inside an object"):
+            p.model(xb, box)
     p.optimizer.zero_grad()
-    out = p.model(xb, _Boxed(torch.zeros(())))  # an object holding nothing of the batch
+    out = p.model(xb, _Boxed(None))  # an object holding no tensor
     with pytest.raises(PrivacyViolation, match=r"the model was called a second time in one "
                                                r"micro-batch"):
-        p.model(xb, _Boxed(torch.zeros(())))
+        p.model(xb, _Boxed(None))
     del out
+
+
+# ---- per-call outputs (Note [per-call outputs]), after a third review -------------------------
+
+class _BatchScale(nn.Module):
+    """Logits and a per-call value computed from the examples (for one example alone, its own
+    mean |h|; the model's output is their mean over the call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, K)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.tanh(h)), h.abs().mean()
+
+
+class _Times(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, logits):
+        ctx.save_for_backward(t, logits)
+        return logits * t
+
+    @staticmethod
+    def backward(ctx, g):
+        t, logits = ctx.saved_tensors
+        return (g * logits).sum(), g * t
+
+
+def _checkpointed(logits, t):
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(lambda a, b: a * b, logits, t, use_reentrant=True)
+
+
+@pytest.mark.parametrize("how,when", [
+    ("examples-first", "op"),  # an Examples operand's rules ran first and passed t along
+    ("function", "step"), ("as-subclass", "step"), ("reentrant-checkpoint", "step"),
+])
+def test_a_per_call_output_used_past_its_rules_refuses(how, when):
+    """A third review moved the sum past 2C by combining a per-call output with the logits where
+    PerCall's rules did not run. Those that reach its rules are refused there; the others (an
+    autograd Function, as_subclass, reentrant checkpointing) change the gradient that reaches
+    the per-call output from the number its uses promised, and the step is refused."""
+    x, y = _features()
+    x[2] = 1e3
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(x, y, torch.ones(N8))
+    p = dpzero.make_private(_BatchScale(), dataset=data, sample_rate=1.0, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, isolation="strict")
+    combine = {"examples-first": lambda l, t, w: (l + 0 * w[:, None]) / t,
+               "function": lambda l, t, w: _Times.apply(t, l),
+               "as-subclass": lambda l, t, w: l * t.as_subclass(torch.Tensor),
+               "reentrant-checkpoint": lambda l, t, w: _checkpointed(l, t)}[how]
+    xb, yb, wb = next(iter(p.data_loader))
+    logits, t = p.model(xb)
+    if when == "op":
+        with pytest.raises(PrivacyViolation, match=r"div on a per-call output"):
+            combine(logits, t, wb)
+        return
+    F.cross_entropy(combine(logits, t, wb), yb).backward()
+    with pytest.raises(PrivacyViolation, match=r"per-call output .* is not the number its uses "
+                                               r"promised"):
+        p.optimizer.step()
+    assert p.privacy_engine.charges == 0
+
+
+def test_a_per_call_output_in_sums_and_scalings_trains_as_per_example_autograd():
+    """What PerCall accepts (in-place scaling, division by a number, a 0-dim constant, a term
+    added to the loss) is each example's own loss: the step equals per-example autograd on
+    s * (CE_i + 0.3 t), clipped and summed (s = 0.75)."""
+    x, y = _features()
+    torch.manual_seed(0)
+    model = _Temperature()
+    with torch.no_grad():
+        model.b.fill_(0.5)
+    start = copy.deepcopy(model).double()
+    c, lr, s = 1.9, 1.0, 0.5 / 2 * 3.0
+    p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(x, y),
+                            sample_rate=1.0, noise_multiplier=0.0, allow_no_noise=True,
+                            max_grad_norm=c, optimizer="sgd", lr=lr, seed=0, isolation="strict")
+    for xb, yb in p.data_loader:
+        logits, t = p.model(xb)
+        loss = F.cross_entropy(logits, yb) + 0.3 * t
+        loss *= 0.5
+        loss /= 2
+        (loss * torch.tensor(3.0)).backward()
+        assert p.optimizer.step()
+        break
+    params = dict(start.named_parameters())
+    want = {n: q.detach().clone() for n, q in params.items()}
+    clipped = 0
+    for i in range(N8):
+        logits, t = start(x[i:i + 1].double())
+        grads = torch.autograd.grad(s * (F.cross_entropy(logits, y[i:i + 1]) + 0.3 * t),
+                                    list(params.values()))
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+        clipped += norm > c
+        for (n, _), g in zip(params.items(), grads):
+            want[n] -= lr * min(1.0, c / (norm + 1e-6)) * g / N8
+    assert 0 < clipped < N8  # some examples clipped, some whole: s reaches the result
+    got = p.privacy_engine.parameters()
+    for n in got:
+        torch.testing.assert_close(got[n].double(), want[n], rtol=1e-5, atol=1e-7)

@@ -35,7 +35,21 @@ _REJECTED = (
 )
 
 
+def _dynamic_rope(module: nn.Module) -> bool:
+    """A Hugging Face rotary embedding that rewrites its inv_freq buffer from the batch's
+    longest position (rope_type "dynamic" or "longrope", transformers' dynamic_rope_update)."""
+    kinds = getattr(module, "rope_type", None)
+    kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
+    return "inv_freq" in module._buffers and any(
+        isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds)
+
+
 def _rejection(module: nn.Module) -> Optional[str]:
+    if _dynamic_rope(module):
+        return (f"rope_type {getattr(module, 'rope_type')!r} recomputes the rotary frequencies "
+                "(its inv_freq buffer) from the longest sequence of the batch, so the model's "
+                "state, and whether a step is refused for writing it, would follow the training "
+                "examples' lengths; use a fixed rope_type (default, linear, yarn, llama3)")
     if isinstance(module, nn.Embedding) and module.max_norm is not None:
         return (f"max_norm={module.max_norm} renormalises the looked-up rows of the weight in "
                 "place during the forward, so the table (trained or frozen) comes to depend on "
@@ -72,7 +86,8 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
         written_from_data = isinstance(module, nn.modules.batchnorm._BatchNorm) or (
             isinstance(module, nn.modules.instancenorm._InstanceNorm)
             and module.track_running_stats) or (
-            isinstance(module, nn.Embedding) and module.max_norm is not None)
+            isinstance(module, nn.Embedding) and module.max_norm is not None) or \
+            _dynamic_rope(module)
         if why is not None and (trainable_own or written_from_data):
             problems.append(f"{name or '<model>'} ({type(module).__name__}): {why}")
             continue
@@ -290,14 +305,14 @@ def patch(model: nn.Module, layers: List[Layer], book_ref, ranks, devices) -> No
 # and Gemma's scaled embeddings multiply the lookup after) keeps the kernel: its own forward runs
 # as written, and only the base class's forward, which super() reaches, is routed through the DP
 # layer. Any other overriding subclass takes the generic path: what an unvetted forward does
-# around super().forward could mix examples, which only the generic recompute checks. The instance's class becomes a
-# subclass of it whose MRO puts a routing class between it and the base (type(module).forward is
-# still the user's; super(UserClass, self).forward is the router's), restored by unpatch. What the
-# overriding forward does around the call is ordinary autograd: G includes a scale applied after,
-# and ids computed before (positions) are judged by the probe like any ids (Note [batch
-# provenance]). Should that forward also use the weight directly, autograd gives it a gradient
-# and the guard (guard_hooks) stops the backward. Subclasses that never call super().forward take
-# the generic path.
+# around super().forward could mix examples, which only the generic recompute checks. The
+# instance's class becomes a subclass of it whose MRO puts a routing class between it and the
+# base (type(module).forward is still the user's; super(UserClass, self).forward is the
+# router's), restored by unpatch. What the overriding forward does around the call is ordinary
+# autograd: G includes a scale applied after, and ids computed before (positions) are judged by
+# the probe like any ids (Note [batch provenance]). Should that forward also use the weight
+# directly, autograd gives it a gradient and the guard (guard_hooks) stops the backward.
+# Subclasses that never call super().forward take the generic path.
 _ROUTED: Dict[Tuple[type, type], type] = {}
 
 

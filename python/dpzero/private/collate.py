@@ -22,8 +22,12 @@ The check holds for a function of its arguments alone, so it makes the collate f
 each example is collated alone first, from a copy of it (a collate function that changes the
 examples it is given, say subtracting the batch's mean in place, changes the batch's rows and
 not the copies'), and the collate function's own state (its attributes, the cells and globals a
-function reads) must be the same after the batch as before it (one that fits statistics on a
-batch and applies them to the next carries one batch's examples into another's rows).
+function reads, and so on through the helper functions and classes of the caller's own code)
+must be the same after the batch as before it (one that fits statistics on a batch and applies
+them to the next carries one batch's examples into another's rows). A collate function that
+draws random numbers for the batch (masked language modelling's masks) gives each example draws
+that depend on the others' number and lengths; it fails the row check, and the refusal says to
+draw per example instead.
 
 What remains of dynamic padding: the padded length itself is the longest example's, so a model
 that reads the padding positions (pools over all positions without the mask, or gives positions
@@ -36,6 +40,10 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import os
+import random
+import sys
+import sysconfig
 import types
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Optional, Sequence
@@ -61,7 +69,10 @@ class SeparableCollate:
             return self.collate(examples)
         before = _state(self.collate)
         alone = [self.collate([copy.deepcopy(e)]) for e in examples]
+        drawn = torch.random.get_rng_state(), random.getstate()
         batch = self.collate(examples)
+        draws = not (torch.equal(drawn[0], torch.random.get_rng_state()) and
+                     drawn[1] == random.getstate())
         name = getattr(self.collate, "__qualname__", None) or type(self.collate).__name__
         if _state(self.collate) != before:
             raise PrivacyViolation(
@@ -78,7 +89,11 @@ class SeparableCollate:
                     "collated alone (padding after it excepted), or the examples' data reaches "
                     "each other's rows before the model: make per-example transforms part of "
                     "the dataset, and batch-wide ones (normalisation statistics) constants "
-                    "computed without the training data")
+                    "computed without the training data" + (
+                        ". It draws random numbers for the whole batch (masking, augmentation), "
+                        "so an example's draws depend on the others (their number and lengths): "
+                        "draw them per example, in the dataset's __getitem__ or in the training "
+                        "loop (torch.rand_like on the batch)" if draws else ""))
         return batch
 
     def _row(self, batch, alone, i: int, rows: int, path: str) -> Optional[str]:
@@ -178,18 +193,52 @@ def _state(obj, depth: int = 3):
     if isinstance(obj, types.FunctionType):
         cells = tuple(_state(c.cell_contents, depth - 1) if c.cell_contents is not None else None
                       for c in (obj.__closure__ or ()))
-        names = [n for n in obj.__code__.co_names if n in obj.__globals__ and
-                 not isinstance(obj.__globals__[n], (types.ModuleType, type,
-                                                     types.FunctionType))]
+        read = [(n, obj.__globals__[n]) for n in sorted(_names(obj.__code__))
+                if n in obj.__globals__]
+        read = [(n, v) for n, v in read if not isinstance(v, (types.ModuleType, type,
+                                                                types.FunctionType)) or
+                _users(v)]  # a helper or class of the caller's own code is followed
         return ("function", obj.__qualname__, cells, _state(obj.__defaults__, depth - 1),
-                tuple((n, _state(obj.__globals__[n], depth - 1)) for n in names))
+                tuple((n, _state(v, depth - 1)) for n, v in read))
     if isinstance(obj, functools.partial):
         return ("partial", _state(obj.func, depth), _state(obj.args, depth - 1),
                 _state(obj.keywords, depth - 1))
+    if isinstance(obj, type):  # a class of the caller's own code: its data attributes
+        return ("class", obj.__qualname__, tuple(
+            (k.__qualname__, n, _state(v, depth - 1)) for k in obj.__mro__ if _users(k)
+            for n, v in vars(k).items() if not n.startswith("__") and not callable(v) and
+            not isinstance(v, (property, staticmethod, classmethod))))
     state = getattr(obj, "__dict__", None)
     if isinstance(state, dict):
-        return (type(obj).__qualname__, _state(state, depth - 1))
+        return (type(obj).__qualname__, _state(state, depth - 1),
+                _state(type(obj), depth - 1) if _users(type(obj)) else None)
     return (type(obj).__qualname__, id(obj))
+
+
+def _names(code: types.CodeType) -> set:
+    """The global names ``code`` and the functions nested in it read."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _names(c)
+    return names
+
+
+_LIBRARIES = tuple(os.path.realpath(p) + os.sep for p in {
+    sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def _users(obj) -> bool:
+    """Whether the function or class ``obj`` is the caller's own code (not the standard library
+    or an installed package): its state is followed, a library's is not (it is the library's to
+    keep per call, and following torch's would cost more than the collate)."""
+    if not isinstance(obj, (type, types.FunctionType)):
+        return False
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    path = getattr(module, "__file__", None)
+    if module is None or path is None:
+        return module is not None and module.__name__ == "__main__"
+    return not os.path.realpath(path).startswith(_LIBRARIES)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -41,6 +41,8 @@ import functools
 import json
 import math
 import os
+import random
+import sys
 import weakref
 from typing import Any, Dict, NamedTuple, Optional
 
@@ -426,7 +428,8 @@ class PrivacyEngine:
         self._trainable = self._trainable_set.params
         # Note [state written from data]: buffers and frozen parameters are fixed now, verified
         # at every step and at every release (state_dict, checkpoints, detach).
-        self._state = StateGuard(model, self._trainable_set.ids, self._trainable_set.modules)
+        self._state = StateGuard(model, self._trainable_set.ids, self._trainable_set.modules,
+                                 watch_trained=sharded.stage < 3 and c.isolation != "strict")
         self.book.restore_state = self._state.restore_buffers
         self.book.watch_state = functools.partial(ProbeWrites, model, self._trainable_set.ids)
         sharded.release_check = self._verify_release
@@ -443,7 +446,7 @@ class PrivacyEngine:
         self.last_step_diagnostics: Optional[Dict[str, Any]] = None
         self._diagnostics = PrivateLog(c.diagnostics_path if self.rank == 0 else None)
         self._micro: Optional[MicroBatch] = None  # the micro-batch handed out last
-        self._torch_seed = torch.initial_seed()  # Note [torch's random state between steps]
+        self._torch_seed = torch.initial_seed()  # Note [random state between steps]
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
         # Whole epochs never exceed the steps σ was calibrated for (int(epochs / q), Opacus's).
@@ -680,6 +683,7 @@ class PrivacyEngine:
         zero = self.sharded._state
         begin, end = zero.kept_range(u)
         zero.load_state(u, {name: t[begin:end] for name, t in entries.items()}, steps)
+        self._state.record_trained()  # loaded, not written by the forward
 
     def _check_between_steps(self, what: str) -> None:
         """Raises on every rank if any rank has a logical batch accumulated or a backward
@@ -744,7 +748,8 @@ class PrivacyEngine:
             # accountant counts every charge.
             self.next_step = max(self.next_step, self.charges)
             self._catch_up_accountant()
-            self._reseed_torch(t)
+            self._reseed_generators(t)
+        self._state.record_trained()  # the update's own writes
         self.next_step = max(t + 1, self.charges)
         self.steps_taken += 1
         self.last_step = {"step": t, "noise_index": out.noise_index}
@@ -752,23 +757,29 @@ class PrivacyEngine:
                        out.samples, out.dropped)
         return True
 
-    # Note [torch's random state between steps]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # torch's generators advance with every random draw, and a forward with dropout draws as many
-    # numbers as its batch has rows: after a step their state follows the step's realised Poisson
-    # batch size, and checkpoints save it (dpzero.checkpoint's extras, the Trainer's
-    # rng_state.pth). A review read the batch sizes off that state under add/remove neighbours.
-    # So when a logical batch closes (stepped or refused), the generators are reseeded from their
-    # seed at make_private and the step index, which depend on nothing of the data; runs with
-    # the same seed stay reproducible. (The noise and the sampling have generators of their own,
-    # Note [noise ownership]; this is dropout's and the like.)
-    def _reseed_torch(self, step: int) -> None:
+    # Note [random state between steps]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Random generators advance with every draw, and a step draws as many numbers as its batch has
+    # rows (dropout in the forward; augmentation in a dataset's __getitem__, with torch, Python's
+    # random or numpy): after a step their state follows its realised Poisson batch size, and
+    # checkpoints save it (dpzero.checkpoint's extras, the Trainer's rng_state.pth). Two reviews
+    # read the batch sizes off that state under add/remove neighbours. So when a logical batch
+    # closes (stepped or refused), torch's generators (the CPU one, CUDA's once initialised),
+    # Python's random and numpy's global generator are reseeded from torch's seed at
+    # make_private and the step index, which depend on nothing of the data; runs with the same
+    # seed stay reproducible. (The noise and the sampling have generators of their own, Note
+    # [noise ownership].)
+    def _reseed_generators(self, step: int) -> None:
         mixed = (self._torch_seed + 0x9E3779B97F4A7C15 * (step + 1)) & ((1 << 64) - 1)
         mixed ^= mixed >> 31
         seed = (mixed * 0xBF58476D1CE4E5B9 & ((1 << 64) - 1)) >> 1
         torch.default_generator.manual_seed(seed)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.manual_seed_all(seed)  # (a device initialised later is seeded by torch)
+        random.seed(seed)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed(seed % (1 << 32))
 
     def _catch_up_accountant(self) -> None:
         """Charges the accountant with any step the ledger charged that its callback missed (it

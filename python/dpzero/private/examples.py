@@ -119,6 +119,10 @@ class Examples(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return torch.Tensor.__repr__(self)
 
+    def __format__(self, format_spec: str) -> str:  # f"{loss:.4f}": torch formats plain tensors
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor).__format__(format_spec)
+
     def __reduce_ex__(self, protocol):
         # Saved (torch.save, pickle, deepcopy) as the plain tensor it is: the tag belongs to
         # this run's micro-batch, and torch.load(weights_only=True) refuses unknown classes.

@@ -100,6 +100,7 @@ def register(model: nn.Module, engine) -> List:
         if accepted:
             state.accept(accepted)  # what the caller loaded is the model's state now
         if not gathers:
+            state.record_trained()  # torch copied the loaded values into the parameters
             return
         taken = list(pending.values())
         # The keys taken out above were loaded, not missing.

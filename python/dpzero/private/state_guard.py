@@ -155,13 +155,17 @@ class StateGuard:
     ``trainable``. ``modules()`` lists the model's modules now (TrainableSet's cached walk)."""
 
     def __init__(self, model: nn.Module, trainable: Iterable[int],
-                 modules: Callable[[], Sequence[nn.Module]]) -> None:
+                 modules: Callable[[], Sequence[nn.Module]], watch_trained: bool) -> None:
         self.model = model
         self.trainable = frozenset(trainable)
         self._modules = modules
         self.key = secrets.randbits(62)  # the fingerprints' (Note [state written from data])
         self.entries: List[_Entry] = []
+        # Note [trained parameters written outside the step]: (name, parameter, version).
+        self.watch_trained = watch_trained
+        self._trained: List[tuple] = []
         self._fix(None)
+        self.record_trained()
 
     # ---- fixing --------------------------------------------------------------------------
 
@@ -204,6 +208,31 @@ class StateGuard:
             entries += [e for key, e in old.items() if key not in walked and e.name not in names]
         self.entries = entries
 
+    # Note [trained parameters written outside the step]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # The trainable parameters are the private optimizer's, but a forward can write them too: a
+    # functional F.embedding(ids, weight, max_norm=...) renormalises the looked-up rows of a
+    # trained table in place, from the batch's ids (a second review read a rare token's row off
+    # the released model: norm 1.78 in one neighbour, 1.00 in the other). Whatever writes them
+    # between two steps bumps their version counter (a write through .data excepted, which is
+    # no accident), so each step compares the versions with those the last update left, at
+    # ZeRO stages 0-2 (stage 3 gathers the parameters into their storage at every forward, and
+    # strict isolation watches every write of its forward instead). A change refuses the step
+    # and every release until it is accepted, naming the parameter; a write of the caller's that
+    # holds nothing of the training data (a projection of the released parameters) is accepted
+    # with accept_state_change.
+    def record_trained(self) -> None:
+        """The trained parameters' versions now (after an update, a load, an acceptance)."""
+        if self.watch_trained:
+            self._trained = [(n, p, p._version) for n, p in self.model.named_parameters()
+                             if id(p) in self.trainable]
+
+    def _written_trained(self) -> List[str]:
+        return [f"trainable parameter {n!r} was written outside the private optimizer (an "
+                "in-place write in the forward, such as F.embedding(..., max_norm=...) "
+                "renormalising a trained table)" for n, p, v in self._trained
+                if p._version != v]
+
     def accept(self, names: Optional[Sequence[str]] = None) -> None:
         """Takes the model's state now as its own (``names``: only these, dotted as in the state
         dict): for writes that hold nothing of the training data."""
@@ -216,6 +245,7 @@ class StateGuard:
                                  f"parameter of the model (it has {len(known)}, e.g. "
                                  f"{sorted(known)[:3]})")
         self._fix(names)
+        self.record_trained()
 
     # ---- checking ------------------------------------------------------------------------
 
@@ -284,7 +314,7 @@ class StateGuard:
     def verify_step(self) -> Optional[str]:
         """At a private step (before anything is charged): why it is refused, or None. Changed
         buffers are put back to their copies first."""
-        problems = self._structure()
+        problems = self._structure() + self._written_trained()
         changed = self._changed()
         if not (problems or changed):
             return None
@@ -297,7 +327,7 @@ class StateGuard:
         buffer or frozen parameter that changed (the buffers are left as they are)."""
         from .book import PrivacyViolation
 
-        problems = self._structure()
+        problems = self._structure() + self._written_trained()
         changed = [e for e in self._changed() if e.buffer] + self._changed_by_digest()
         if problems or changed:
             raise PrivacyViolation(self._text(f"{what} is refused", problems, changed))
@@ -393,7 +423,8 @@ class ProbeWrites:
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             for name, m, local, buffer, t in self.slots:
                 table = m._buffers if buffer else m._parameters
-                what = _describe("buffer" if buffer else "frozen parameter", name, m)
+                what = _describe("buffer" if buffer else "parameter" if t.requires_grad
+                                 else "frozen parameter", name, m)
                 if table.get(local) is not t:
                     written[name] = what + " (replaced by another tensor)"
                     table[local] = t

@@ -41,22 +41,28 @@ privacy review of the first version (2C broken by 4.5C to 8.9C without them):
 * hooks on the model itself (or on the PrivateModule, or global module hooks) run on the whole
   micro-batch, outside the per-example function: refused at the forward (hooks on submodules
   run per example);
-* a model input that is an object holding the batch's tensors would reach every example whole:
-  refused, naming it;
+* a model input that is an object holding tensors (at any depth, in ``__slots__`` too) would
+  reach every example whole: refused, naming it;
+* a forward that writes into the model's parameters or buffers would hand one example's write to
+  the next one's forward: every piece of the forward and the backward's recompute runs under
+  ProbeWrites (state_guard.py), which sees every write, puts it back and refuses the forward;
 * an output with one value per call (a loss the model computes itself, ``outputs.loss``) is the
   mean of the examples' own values, and its gradient reaches every example alike; it is a
   ``PerCall`` tensor, which may only be back-propagated, read, summed with others and scaled by
   numbers, so that gradient is a number (a learned temperature returned beside the logits and
-  divided into them would otherwise pass the whole batch's loss into every example);
+  divided into them would otherwise pass the whole batch's loss into every example); what its
+  rules do not see (an autograd Function, ``as_subclass``) is caught by the gradient that
+  arrives, which must be the number its uses promised (Note [per-call outputs]);
 * one call of the model per micro-batch (a second one is refused: two calls would be two parts).
 
 What strict isolation cannot isolate: the loss must be a sum or mean of per-example losses (as
 in every DP-SGD library: a loss that couples the outputs of different examples couples their
 output gradients); Python state persists between calls and, on the loop path, between the
 examples of one call (a module attribute written by one example's forward and read by the next
-is beyond any library, as globals and files are; buffers and parameters are held fixed by Note
-[state written from data]); and a model that unwraps functorch's batched tensors through
-torch's private ``_C._functorch`` API reaches the whole piece.
+is beyond any library, as globals and files are; buffers and parameters are held fixed, above);
+a number read off the batch (``.item()``) and used as a weight of the loss reaches every
+example's gradient; and a model that unwraps functorch's batched tensors through torch's private
+``_C._functorch`` API reaches the whole piece.
 
 Settings it does not take (config.py refuses them, naming them): layer and group clipping (one
 part, the whole model: flat or automatic), ZeRO stage 3 (it gathers parameters in every forward,
@@ -70,6 +76,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
+import itertools
+import types
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
@@ -196,15 +205,14 @@ class Strict:
             raise PrivacyViolation(
                 "a model input requires grad: under isolation='strict' the model's inputs are "
                 "data, and every trained parameter is the model's")
-        storages = {leaves[i].untyped_storage().data_ptr() for i in batched}
         hidden = [i for i, x in enumerate(leaves)
-                  if not isinstance(x, torch.Tensor) and _holds_batch(x, storages)]
+                  if not isinstance(x, torch.Tensor) and _holds_tensor(x)]
         if hidden:
             raise PrivacyViolation(
-                f"model input {hidden[0]} ({type(leaves[hidden[0]]).__name__}) holds tensors of "
-                "the batch inside an object, which would reach every example's forward whole: "
-                "pass the batch's tensors to the model as arguments (tuples, lists and dicts of "
-                "them are followed)")
+                f"model input {hidden[0]} ({type(leaves[hidden[0]]).__name__}) holds tensors "
+                "inside an object, which would reach every example's forward whole (the batch's "
+                "or anything computed from it): pass tensors to the model as arguments (tuples, "
+                "lists and dicts of them are followed, one row per example or shared)")
         if book.num_parts:
             raise PrivacyViolation(
                 "the model was called a second time in one micro-batch: isolation='strict' "
@@ -236,10 +244,11 @@ class Strict:
             book.root = None
         book.set_verdicts(start, [Verdict(in_dims=("strict",))])
         params = [self.model.get_parameter(n) for n in self.names]
+        sources = {j: next(_SOURCES) for j in floating if layout.dims[j] is None}
         tapped = tap(functools.partial(self.backward, book, generation, index, saved, layout,
-                                       floating), [tensors[j] for j in floating], params)
+                                       floating, sources), [tensors[j] for j in floating], params)
         for j, t in zip(floating, tapped):
-            tensors[j] = t if layout.dims[j] is not None else t.as_subclass(PerCall)
+            tensors[j] = t if layout.dims[j] is not None else PerCall.mark(t, {sources[j]: 1.0})
         it = iter(tensors)
         out_leaves = [next(it) if c is None else c for c in layout.constants]
         return pytree.tree_unflatten(out_leaves, layout.spec)
@@ -253,13 +262,15 @@ class Strict:
             states, outputs = [], []
             try:
                 with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]), \
-                        warnings.catch_warnings():
+                        warnings.catch_warnings(), self._unwritten():
                     warnings.filterwarnings("ignore", message="There is a performance drop")
                     for b, e in pieces:
                         xs = _piece(leaves, batched, dims, b, e)
                         states.append(_rng_states(self.devices))
                         with _no_custom_vmap() if not looped else contextlib.nullcontext():
                             outputs.append(self._run(f, values, xs, dims, looped))
+            except PrivacyViolation:
+                raise
             except Exception as error:  # noqa: BLE001 - vmap cannot run this model: the loop
                 if looped:
                     raise PrivacyViolation(_failed(error)) from error
@@ -308,10 +319,15 @@ class Strict:
     # ---- the backward ------------------------------------------------------------------------
 
     def backward(self, book, generation: int, index: int, saved: _Saved, layout: _Layout,
-                 floating: List[int], grads) -> None:
-        """The tap's callback: each example's clipped gradient, piece by piece, into the book."""
+                 floating: List[int], sources: Dict[int, int], grads) -> None:
+        """The tap's callback: each example's clipped gradient, piece by piece, into the book;
+        the gradients of per-call outputs held to what backward() promised them (Note
+        [per-call outputs])."""
         core = book._core
         try:
+            for j, g in zip(floating, grads):
+                if j in sources:
+                    _hold_to_promise(book, g, _PROMISED.pop(sources[j], 0.0))
             core.begin_backward(generation, index)
             rows = saved.pieces[-1][1]
             multiplier = core.take_rows(index, rows)
@@ -354,15 +370,36 @@ class Strict:
         recompute check then holds to the forward's (a random draw taken differently fails
         it)."""
         _set_rng_states(state, self.devices)
-        if saved.looped:
-            return self._vjp(f, values, xs, saved.dims, gs, True)
-        try:
-            with _no_custom_vmap():
-                return self._vjp(f, values, xs, saved.dims, gs, False)
-        except Exception:  # noqa: BLE001 - the loop runs what vmap's transforms cannot
-            self.vmap = False
-            _set_rng_states(state, self.devices)
-            return self._vjp(f, values, xs, saved.dims, gs, True)
+        with self._unwritten():
+            if saved.looped:
+                return self._vjp(f, values, xs, saved.dims, gs, True)
+            try:
+                with _no_custom_vmap():
+                    return self._vjp(f, values, xs, saved.dims, gs, False)
+            except PrivacyViolation:
+                raise
+            except Exception:  # noqa: BLE001 - the loop runs what vmap's transforms cannot
+                self.vmap = False
+                _set_rng_states(state, self.devices)
+                return self._vjp(f, values, xs, saved.dims, gs, True)
+
+    @contextlib.contextmanager
+    def _unwritten(self):
+        """The model's parameters (trained and frozen) and buffers are not written by a strict
+        forward: one example's forward writing state that the next reads would carry it past
+        the isolation (a second review: a buffer accumulated example by example and reset before
+        the step moved the sum 4.96C; a trained table renormalised in place by F.embedding's
+        max_norm). Every write is seen by construction (Note [probe writes] in state_guard.py),
+        undone, and refuses the call, naming the tensors."""
+        from .state_guard import ProbeWrites, refusal_text
+
+        watch = ProbeWrites(self.model, ())
+        with watch:
+            yield
+        if watch.written:
+            raise PrivacyViolation(refusal_text(
+                "the strict forward is refused (it wrote into the model's parameters or "
+                "buffers, which another example's forward would read)", watch.described))
 
     def _vjp(self, f, values, xs, dims, gs, looped: bool):
         """({name: [n, *shape]} per-example gradients, the recomputed outputs) of one piece."""
@@ -439,69 +476,190 @@ def _autograd_vjp(f, values, x, g):
             tuple(o.detach() for o in out))
 
 
-def _holds_batch(obj, storages, depth: int = 3) -> bool:
-    """Whether a non-pytree object holds a tensor of the batch (tagged, tainted, or on one of
-    ``storages``) among its attributes, items or elements, ``depth`` levels down."""
-    if isinstance(obj, torch.Tensor):
-        return isinstance(obj, Examples) or obj.untyped_storage().data_ptr() in storages
-    if depth == 0 or isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
-        return False
-    if isinstance(obj, dict):
-        return any(_holds_batch(v, storages, depth - 1) for v in obj.values())
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return any(_holds_batch(v, storages, depth - 1) for v in obj)
-    state = getattr(obj, "__dict__", None)
-    return isinstance(state, dict) and any(_holds_batch(v, storages, depth - 1)
-                                           for v in state.values())
+def _holds_tensor(obj, limit: int = 100_000) -> bool:
+    """Whether a tensor is reachable from a non-pytree object (its attributes, slots, items,
+    elements, at any depth; types, modules and functions not followed): such an object would
+    reach every example's forward whole. More than ``limit`` objects to look through counts as
+    holding one (it cannot be checked)."""
+    seen, todo = set(), [obj]
+    while todo:
+        o = todo.pop()
+        if isinstance(o, torch.Tensor):
+            return True
+        if id(o) in seen or isinstance(o, (type, types.ModuleType, types.FunctionType,
+                                           types.BuiltinFunctionType, types.CodeType, str,
+                                           bytes, int, float, complex, bool, type(None))):
+            continue
+        seen.add(id(o))
+        if len(seen) > limit:
+            return True
+        todo.extend(gc.get_referents(o))
+    return False
 
 
-# What may be done to a per-call output (PerCall): reads that carry no gradient, and operations
-# whose gradient is a number: sums of such outputs, one scaled by a number, casts.
+# Note [per-call outputs]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# An output with one value per call (a loss the model computes itself, outputs.loss) is the mean
+# of the examples' own values, and the gradient that reaches it reaches every example alike. So
+# that gradient G must be a number, not a function of the batch: a learned temperature returned
+# beside the logits and divided into them makes G the whole batch's sum (a review: 8.94C). Such an
+# output is a PerCall tensor, which carries, per source (one per-call output of one forward), the
+# coefficient with which it enters what it has become: operations whose gradient is a number keep
+# it a PerCall with its coefficients (sums with anything, scaling by a number or a 0-dim
+# constant, casts, reads); any other operation with a gradient is refused. That is for clear
+# errors; the guarantee is the check: backward() on a PerCall registers, per source, the gradient
+# its coefficients promise (the root's gradient times the coefficient), and the tap's backward
+# holds the G that arrived to it. A use the rules never saw (an autograd Function's apply,
+# reentrant checkpointing, as_subclass, an Examples operand handled first) makes G differ from the
+# promise, or arrive with none registered (a backward rooted at a plain tensor), and the step is
+# refused.
+_SOURCES = itertools.count()
+_PROMISED: Dict[int, float] = {}  # source -> the gradient backward() promised it
+
 _SUMS = {torch.Tensor.__add__, torch.Tensor.__radd__, torch.add, torch.Tensor.add,
-         torch.Tensor.__sub__, torch.Tensor.__rsub__, torch.sub, torch.Tensor.sub,
-         torch.Tensor.__neg__, torch.neg, torch.Tensor.neg, torch.Tensor.sum, torch.sum,
-         torch.Tensor.mean, torch.mean, torch.Tensor.to, torch.Tensor.float,
-         torch.Tensor.double, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.clone,
-         torch.Tensor.contiguous}
+         torch.Tensor.__iadd__, torch.Tensor.add_, torch.Tensor.__sub__, torch.Tensor.__rsub__,
+         torch.sub, torch.Tensor.sub, torch.Tensor.__isub__, torch.Tensor.sub_}
+_SAME = {torch.Tensor.__neg__, torch.neg, torch.Tensor.neg, torch.Tensor.sum, torch.sum,
+         torch.Tensor.mean, torch.mean, torch.Tensor.to, torch.Tensor.float, torch.Tensor.double,
+         torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.clone, torch.Tensor.contiguous}
 _SCALINGS = {torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.mul, torch.Tensor.mul,
-             torch.Tensor.__truediv__, torch.div, torch.Tensor.div, torch.true_divide}
+             torch.Tensor.__imul__, torch.Tensor.mul_}
+_DIVISIONS = {torch.Tensor.__truediv__, torch.div, torch.Tensor.div, torch.true_divide,
+              torch.Tensor.__itruediv__, torch.Tensor.div_}
+_IN_PLACE = {torch.Tensor.__iadd__, torch.Tensor.add_, torch.Tensor.__isub__, torch.Tensor.sub_,
+             torch.Tensor.__imul__, torch.Tensor.mul_, torch.Tensor.__itruediv__,
+             torch.Tensor.div_}
 
 
-class PerCall(torch.Tensor):
-    """A strict model's output with one value per call (a loss the model computes itself): the
-    mean of the examples' own values, whose gradient reaches every example alike. So that
-    gradient must be a number, not a function of the batch (a learned temperature returned
-    beside the logits and divided into them would make it one): it may be back-propagated,
-    read (``.item()``, ``.detach()``, printed), summed with other per-call outputs and scaled by
-    numbers; anything else that would carry a gradient is refused."""
+def _coef(x) -> Dict[int, float]:
+    return dict(getattr(x, "_dp_coef", {})) if isinstance(x, PerCall) else {}
+
+
+def _number(x) -> Optional[float]:
+    """A Python number, or a 0-dim tensor that is neither computed from the batch nor carries a
+    gradient, as a float; else None."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.requires_grad and \
+            not isinstance(x, Examples):
+        return float(x)
+    return None
+
+
+def _linear(func, args, kwargs) -> Optional[Dict[int, float]]:
+    """The coefficients of ``func(*args, **kwargs)`` per source when it is linear in the
+    PerCall operands with numbers for weights (Note [per-call outputs]); else None."""
+    def plus(a, b, w=1.0):
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = out.get(k, 0.0) + w * v
+        return out
+
+    if func in _SUMS:
+        a, b = args[0], args[1] if len(args) > 1 else kwargs.get("other")
+        alpha = _number(kwargs.get("alpha", 1.0))
+        if alpha is None:
+            return None
+        if func is torch.Tensor.__rsub__:  # b - a
+            return plus(_coef(b), _coef(a), -1.0)
+        sign = -1.0 if func in (torch.Tensor.__sub__, torch.sub, torch.Tensor.sub,
+                                torch.Tensor.__isub__, torch.Tensor.sub_) else 1.0
+        return plus(_coef(a), _coef(b), sign * alpha)
+    if func in _SAME:
+        sign = -1.0 if func in (torch.Tensor.__neg__, torch.neg, torch.Tensor.neg) else 1.0
+        return {k: sign * v for k, v in _coef(args[0]).items()}
+    if func in _SCALINGS or func in _DIVISIONS:
+        a, b = args[0], args[1] if len(args) > 1 else kwargs.get("other")
+        if func in _DIVISIONS:
+            c = _number(b)
+            return None if c is None or not isinstance(a, PerCall) or \
+                kwargs.get("rounding_mode") else {k: v / c for k, v in _coef(a).items()}
+        per_call, other = (a, b) if isinstance(a, PerCall) else (b, a)
+        c = _number(other)
+        return None if c is None else {k: v * c for k, v in _coef(per_call).items()}
+    return None
+
+
+def _promise(args, kwargs) -> None:
+    """backward() on PerCall tensors: the gradient each source is promised (Note [per-call
+    outputs]). A root gradient that is not a number is refused."""
+    roots = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+    given = kwargs.get("gradient", kwargs.get("grad_tensors",
+                                               args[1] if len(args) > 1 else None))
+    given = given if isinstance(given, (list, tuple)) else [given] * len(roots)
+    for root, g in zip(roots, given):
+        if not isinstance(root, PerCall):
+            continue
+        weight = 1.0 if g is None else _number(g)
+        if weight is None:
+            raise PrivacyViolation(
+                "backward() of a per-call output of a model under isolation='strict' with a "
+                "gradient that is not a number (Note [per-call outputs] in strict.py)")
+        for k, v in root._dp_coef.items():
+            _PROMISED[k] = _PROMISED.get(k, 0.0) + weight * v
+
+
+class PerCall(Examples):
+    """Note [per-call outputs]: an output of a strict model with one value per call, and the
+    coefficients (``_dp_coef``: source -> float) with which the per-call outputs it came from
+    enter it. A subclass of Examples so that its rules run first when both meet."""
+
+    _dp_coef: Dict[int, float]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in (torch.Tensor.backward, torch.autograd.backward):
+            _promise(args, kwargs)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
-        if func is torch.Tensor.backward:
-            return out
-        leaves = pytree.tree_leaves((args, kwargs))
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        graded = any(isinstance(o, torch.Tensor) and o.requires_grad
-                     for o in pytree.tree_leaves(out))
-        if not graded:  # a read: plain values
+        if not any(isinstance(o, torch.Tensor) and o.requires_grad
+                   for o in pytree.tree_leaves(out)):  # a read: plain values
             return pytree.tree_map(
                 lambda o: o.as_subclass(torch.Tensor) if isinstance(o, torch.Tensor) else o, out)
-        divide = func in (torch.Tensor.__truediv__, torch.div, torch.Tensor.div, torch.true_divide)
-        sums = func in _SUMS and all(isinstance(t, PerCall) for t in tensors)
-        scaled = func in _SCALINGS and len(tensors) == 1 and (not divide or args[0] is tensors[0])
-        if sums or scaled:
-            return pytree.tree_map(
-                lambda o: o.as_subclass(PerCall) if isinstance(o, torch.Tensor) else o, out)
-        raise PrivacyViolation(
-            f"{getattr(func, '__name__', func)} on a per-call output of a model under "
-            "isolation='strict' (one value for the whole micro-batch, such as a loss the model "
-            "computes itself): its gradient would reach every example, so it may only be "
-            "back-propagated, summed with other such outputs or scaled by numbers. Return "
-            "per-example values instead (a loss per example, a parameter used inside the "
-            "model), and combine them with the examples' outputs there")
+        coef = _linear(func, args, kwargs)
+        if coef is None:
+            raise PrivacyViolation(
+                f"{getattr(func, '__name__', func)} on a per-call output of a model under "
+                "isolation='strict' (one value for the whole micro-batch, such as a loss the "
+                "model computes itself): its gradient would reach every example, so it may only "
+                "be back-propagated, summed with other values or scaled by numbers (Note "
+                "[per-call outputs]). Return per-example values instead (a loss per example, a "
+                "parameter used inside the model), and combine them with the examples' outputs "
+                "there")
+        if func in _IN_PLACE and isinstance(args[0], PerCall):
+            args[0]._dp_coef = coef
+            return args[0]
+        return PerCall.mark(out, coef)
+
+    @staticmethod
+    def mark(t: torch.Tensor, coef: Dict[int, float]) -> "PerCall":
+        p = t.as_subclass(PerCall)
+        p._dp_coef = coef
+        p._dp_token, p._dp_taint, p._dp_bdim, p._dp_version = None, None, -1, -1
+        return p
+
+
+def _hold_to_promise(book, g: Optional[torch.Tensor], promised: float) -> None:
+    """Defers the check that a per-call output's gradient is the number promised (Note
+    [per-call outputs]); read at the step, which it refuses."""
+    if g is None:
+        failed = torch.tensor(promised != 0.0)
+    else:
+        with torch._C.DisableTorchFunctionSubclass():
+            failed = ((g.double() - promised).abs() > 1e-6 * max(1.0, abs(promised))).any()
+
+    def text() -> str:
+        return ("the gradient that reached a per-call output of the model (isolation='strict': "
+                "a loss the model computes itself) is not the number its uses promised: it went "
+                "through an operation dpzero cannot follow (an autograd Function, reentrant "
+                "checkpointing, as_subclass, a weight computed from the batch), which would put "
+                "the whole batch into every example's gradient (Note [per-call outputs]). "
+                "Compute the loss from per-example outputs, or use the model's loss only "
+                "through backward(), sums and numbers")
+    book.defer(failed, text)
 
 
 def _assemble(stacked: torch.Tensor, d: Optional[int]) -> torch.Tensor:
