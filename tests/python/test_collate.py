@@ -136,6 +136,29 @@ def test_padding_that_follows_the_other_examples_is_refused(how, message):
         _run(collate, steps=4)
 
 
+def test_a_collate_function_learning_from_batches_of_one_is_refused():
+    """A batch of one example is its example collated alone, but the function's state must
+    still hold (a review: a running mean with max_physical_batch_size=1 moved the sum 5.83C)."""
+    seen = []
+
+    def running(examples):
+        xs = torch.stack([e[0] for e in examples])
+        out = xs - (torch.stack(seen).mean(0) if seen else 0)
+        seen.append(xs.mean(0))
+        return out, torch.stack([e[1] for e in examples])
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(8, D, generator=g), torch.randint(0, K, (8,), generator=g))
+    torch.manual_seed(0)
+    p = dpzero.make_private(nn.Linear(D, K), data_loader=DataLoader(data, collate_fn=running),
+                            sample_rate=1.0, noise_multiplier=1.0, max_grad_norm=1.0, seed=0,
+                            max_physical_batch_size=1)
+    with pytest.raises(PrivacyViolation, match=r"'.*running' changed its own state"):
+        for x, y in p.data_loader:
+            F.cross_entropy(p.model(x), y).backward()
+            p.optimizer.step()
+
+
 def _masked(examples):
     """Masked language modelling's masking as Hugging Face's collator does it: one draw over the
     padded batch, so an example's mask depends on the others' number and lengths."""
@@ -238,12 +261,48 @@ class _InTheClass:
         return out, torch.stack([e[1] for e in examples])
 
 
+class _Scaler:
+    def __init__(self):
+        self.stats = {"mean": {"x": None}}
+
+
+class _Nested:
+    """Statistics fitted on the first call, three objects down (a helper object's dict of
+    dicts), applied to every later batch."""
+
+    def __init__(self):
+        self.scaler = _Scaler()
+
+    def __call__(self, examples):
+        xs = torch.stack([e[0] for e in examples])
+        held = self.scaler.stats["mean"]
+        if held["x"] is None:
+            held["x"] = xs.mean(0)
+        return xs - held["x"], torch.stack([e[1] for e in examples])
+
+
+class _Slots:
+    """The same kept in a slot (no __dict__)."""
+    __slots__ = ("mean",)
+
+    def __init__(self):
+        self.mean = None
+
+    def __call__(self, examples):
+        xs = torch.stack([e[0] for e in examples])
+        if self.mean is None:
+            self.mean = xs.mean(0)
+        return xs - self.mean, torch.stack([e[1] for e in examples])
+
+
 @pytest.mark.parametrize("collate,message", [
     (_standardise_in_place, r"'_standardise_in_place' couples the examples .*row 0 of "
                             r"batch\[0\] differs"),
     (_FitOnFirst(), r"'_FitOnFirst' changed its own state while collating a batch"),
     (_through_a_helper, r"'_through_a_helper' changed its own state"),
     (_InTheClass(), r"'_InTheClass' changed its own state"),
+    (_Nested(), r"'_Nested' changed its own state"),
+    (_Slots(), r"'_Slots' changed its own state"),
 ])
 def test_a_collate_function_with_side_effects_is_refused(collate, message):
     """A second review moved the sum 3.21C with each of the first two: the check collated each
@@ -251,7 +310,9 @@ def test_a_collate_function_with_side_effects_is_refused(collate, message):
     fitted statistics). Now each example is collated alone first, from a copy, and the function's
     state must be unchanged by the batch. A third moved step 2's sum 3.21C with statistics kept
     where that state did not look: the globals of a helper function the collate calls, and a
-    class attribute; the caller's own helpers and classes are followed."""
+    class attribute; the caller's own helpers and classes are followed. A fourth (5.91C each):
+    statistics fitted on the first call and kept three objects down, or in a slot; objects are
+    followed eight levels down, slots too."""
     _RUNNING.clear()
     _InTheClass.stats = None
     g = torch.Generator().manual_seed(0)

@@ -350,7 +350,7 @@ def test_what_would_carry_the_batch_past_isolation_is_refused_naming_it():
     xb, yb = next(iter(p.data_loader))
     logits, t = p.model(xb)
     with pytest.raises(PrivacyViolation, match=r"div on a per-call output .* may only be "
-                                               r"back-propagated, summed .* scaled by numbers"):
+                                               r"back-propagated, added .* scaled by constants"):
         logits / t
     (F.cross_entropy(logits, yb) + 0.5 * t * 2.0 - t / 4).backward()  # numbers: allowed
     assert float(t.detach()) == 1.0 and math.isfinite(t.item())
@@ -441,32 +441,119 @@ def test_a_per_call_output_used_past_its_rules_refuses(how, when):
             combine(logits, t, wb)
         return
     F.cross_entropy(combine(logits, t, wb), yb).backward()
-    with pytest.raises(PrivacyViolation, match=r"per-call output .* is not the number its uses "
+    with pytest.raises(PrivacyViolation, match=r"per-call output .* is not what its uses "
                                                r"promised"):
         p.optimizer.step()
     assert p.privacy_engine.charges == 0
 
 
-def test_a_per_call_output_in_sums_and_scalings_trains_as_per_example_autograd():
-    """What PerCall accepts (in-place scaling, division by a number, a 0-dim constant, a term
-    added to the loss) is each example's own loss: the step equals per-example autograd on
-    s * (CE_i + 0.3 t), clipped and summed (s = 0.75)."""
+@pytest.mark.parametrize("how", ["own-detach", "own-centred", "logits-spread",
+                                 "backward-gradient", "batch-index"])
+def test_a_per_call_output_weighted_by_the_batch_is_refused(how):
+    """A third review: weights read off the batch passed for numbers (the model's outputs were
+    plain tensors, a read of a per-call output a plain tensor): aux / aux.detach() moved the sum
+    2.79C, aux * (aux.detach() - 3) 7.80C, a weight from logits.detach().std() 7.19C, a root
+    gradient from aux.detach() 7.80C. Reads of per-call outputs come back tainted and the
+    examples' outputs tagged, so none is a constant."""
+    x, y = _features()
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(x, y)
+    p = dpzero.make_private(_BatchScale(), dataset=data, sample_rate=1.0, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, isolation="strict")
+    xb, yb = next(iter(p.data_loader))
+    logits, aux = p.model(xb)
+    ce = F.cross_entropy(logits, yb)
+    with pytest.raises(PrivacyViolation, match=r"on a per-call output .* not by anything "
+                                               r"computed from the batch|backward\(\) of a "
+                                               r"per-call output .* computed from the batch"):
+        if how == "own-detach":
+            ce + 5 * aux / aux.detach()
+        elif how == "own-centred":
+            ce + 100 * aux * (aux.detach() - 3)
+        elif how == "logits-spread":
+            ce + aux * logits.detach().std()
+        elif how == "backward-gradient":
+            torch.autograd.backward([ce, aux], [torch.tensor(1.0), 100 * (aux.detach() - 3)])
+        else:  # a per-call vector indexed by the batch's labels
+            torch.stack([aux, 2 * aux])[yb.clamp(max=1)].sum()
+
+
+class _WithTable(nn.Module):
+    """Logits and a per-call output of 1600 elements (past what PerCall follows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.table = nn.Linear(D, K), nn.Parameter(torch.ones(40, 40))
+
+    def forward(self, x):
+        return self.a(x), self.table * 2.0
+
+
+def test_a_large_per_call_output_is_refused_past_a_plain_backward():
+    x, y = _features()
+    torch.manual_seed(0)
+    p = dpzero.make_private(_WithTable(), dataset=torch.utils.data.TensorDataset(x, y),
+                            sample_rate=1.0, noise_multiplier=0.0, allow_no_noise=True,
+                            max_grad_norm=1.0, isolation="strict")
+    xb, yb = next(iter(p.data_loader))
+    logits, table = p.model(xb)
+    with pytest.raises(PrivacyViolation, match=r"sum on a per-call output"):
+        table.sum()
+    assert float(table.detach()[0, 0]) == 2.0  # reads are allowed
+    (F.cross_entropy(logits, yb) * 1.0).backward()  # the table unused: no gradient reaches it
+    assert p.optimizer.step()
+
+
+def _scaled(logits, y, t):
+    loss = F.cross_entropy(logits, y) + 0.3 * t
+    loss *= 0.5
+    loss /= 2
+    return loss * torch.tensor(3.0)
+
+
+def _accumulated(logits, y, t):
+    total = torch.zeros(())
+    total += F.cross_entropy(logits, y)
+    total += 0.3 * t
+    return total
+
+
+# How a training loop may combine a per-call output t with the examples' losses, and the scale s
+# of each example's own loss s * (CE_i + 0.3 t) it makes (the mean over the examples).
+_LOSS_FORMS = {
+    "scaled": (_scaled, 0.5 / 2 * 3.0),  # in place, by numbers and a 0-dim constant
+    "stacked": (lambda l, y, t: torch.stack([F.cross_entropy(l, y), 0.3 * t]).sum(), 1.0),
+    "broadcast": (lambda l, y, t: (F.cross_entropy(l, y, reduction="none") +
+                                   0.3 * t.view(1).squeeze().unsqueeze(0)).mean(), 1.0),
+    "accumulated": (_accumulated, 1.0),
+    "gradient": (lambda l, y, t: (F.cross_entropy(l, y) + 0.3 * t).float(), 1.0),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_LOSS_FORMS))
+def test_a_per_call_output_in_sums_and_scalings_trains_as_per_example_autograd(form):
+    """What PerCall accepts (sums, scaling by constants, stacking, reshaping, a term added to
+    the examples' losses by broadcasting, in-place accumulation, a constant root gradient) is
+    each example's own loss: the step equals per-example autograd on s * (CE_i + 0.3 t),
+    clipped and summed."""
+    combine, s = _LOSS_FORMS[form]
     x, y = _features()
     torch.manual_seed(0)
     model = _Temperature()
     with torch.no_grad():
         model.b.fill_(0.5)
     start = copy.deepcopy(model).double()
-    c, lr, s = 1.9, 1.0, 0.5 / 2 * 3.0
+    c, lr = 1.9, 1.0
     p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(x, y),
                             sample_rate=1.0, noise_multiplier=0.0, allow_no_noise=True,
                             max_grad_norm=c, optimizer="sgd", lr=lr, seed=0, isolation="strict")
     for xb, yb in p.data_loader:
         logits, t = p.model(xb)
-        loss = F.cross_entropy(logits, yb) + 0.3 * t
-        loss *= 0.5
-        loss /= 2
-        (loss * torch.tensor(3.0)).backward()
+        loss = combine(logits, yb, t)
+        if form == "gradient":
+            torch.autograd.backward([loss], [torch.tensor(1.0)])
+        else:
+            loss.backward()
         assert p.optimizer.step()
         break
     params = dict(start.named_parameters())

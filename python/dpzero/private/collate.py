@@ -21,10 +21,12 @@ function, the field and the row. torch's ``default_collate`` and dpzero's own st
 The check holds for a function of its arguments alone, so it makes the collate function one:
 each example is collated alone first, from a copy of it (a collate function that changes the
 examples it is given, say subtracting the batch's mean in place, changes the batch's rows and
-not the copies'), and the collate function's own state (its attributes, the cells and globals a
-function reads, and so on through the helper functions and classes of the caller's own code)
-must be the same after the batch as before it (one that fits statistics on a batch and applies
-them to the next carries one batch's examples into another's rows). A collate function that
+not the copies'), and the collate function's own state (its attributes and slots, the cells and
+globals a function reads, and so on eight levels down, through the helper functions and classes
+of the caller's own code) must be the same after every batch, of one example too, as before it
+(one that fits statistics on a batch and applies them to the next carries one batch's examples
+into another's rows). Hugging Face tokenizers' record of the warnings they gave once is not
+state: it holds fixed names, whatever the data. A collate function that
 draws random numbers for the batch (masked language modelling's masks) gives each example draws
 that depend on the others' number and lengths; it fails the row check, and the refusal says to
 draw per example instead.
@@ -65,21 +67,22 @@ class SeparableCollate:
         self.pads: Dict[str, Any] = {}  # field path -> its padding value, the first one seen
 
     def __call__(self, examples: Sequence[Any]):
-        if self.vouched or len(examples) <= 1:
+        if self.vouched:
             return self.collate(examples)
         before = _state(self.collate)
+        if len(examples) <= 1:  # its row is the example collated alone; its state must hold
+            batch = self.collate(examples)
+            if _state(self.collate) != before:
+                raise PrivacyViolation(self._learned())
+            return batch
         alone = [self.collate([copy.deepcopy(e)]) for e in examples]
         drawn = torch.random.get_rng_state(), random.getstate()
         batch = self.collate(examples)
         draws = not (torch.equal(drawn[0], torch.random.get_rng_state()) and
                      drawn[1] == random.getstate())
-        name = getattr(self.collate, "__qualname__", None) or type(self.collate).__name__
+        name = self._name()
         if _state(self.collate) != before:
-            raise PrivacyViolation(
-                f"the collate function {name!r} changed its own state while collating a batch "
-                "(Note [separable collate]): a collate function that learns from one batch "
-                "(normalisation statistics, a vocabulary) carries its examples into the rows of "
-                "the next. Fit such state before training, without the training data")
+            raise PrivacyViolation(self._learned())
         for i, one in enumerate(alone):
             problem = self._row(batch, one, i, len(examples), "batch")
             if problem is not None:
@@ -95,6 +98,15 @@ class SeparableCollate:
                         "draw them per example, in the dataset's __getitem__ or in the training "
                         "loop (torch.rand_like on the batch)" if draws else ""))
         return batch
+
+    def _name(self) -> str:
+        return getattr(self.collate, "__qualname__", None) or type(self.collate).__name__
+
+    def _learned(self) -> str:
+        return (f"the collate function {self._name()!r} changed its own state while collating "
+                "a batch (Note [separable collate]): a collate function that learns from one "
+                "batch (normalisation statistics, a vocabulary) carries its examples into the "
+                "rows of the next. Fit such state before training, without the training data")
 
     def _row(self, batch, alone, i: int, rows: int, path: str) -> Optional[str]:
         """Why row ``i`` of ``batch`` is not ``alone`` (example i collated alone), or None."""
@@ -164,11 +176,13 @@ class SeparableCollate:
             return None
 
 
-def _state(obj, depth: int = 3):
+def _state(obj, depth: int = 8, memo: Optional[Dict[int, int]] = None):
     """A comparable summary of the state ``obj`` carries from call to call: for a function, its
-    closure cells, defaults and the globals it reads; for a bound method, its object too; for an
-    object, its attributes; ``depth`` levels down (tensors and arrays by their bytes, objects
-    without attributes by identity)."""
+    closure cells, defaults and the globals it reads (through the caller's own helper functions
+    and classes); for a bound method, its object too; for an object, its attributes and slots
+    (and its class's data attributes, for a class of the caller's own code); ``depth`` levels
+    down (tensors and arrays by their bytes, objects without attributes by identity). An object
+    met again (a cycle, a shared helper) is summarised by the order it was first met in."""
     if isinstance(obj, torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return ("tensor", str(obj.dtype), tuple(obj.shape),
@@ -183,36 +197,65 @@ def _state(obj, depth: int = 3):
                 hashlib.blake2b(obj.tobytes(), digest_size=16).hexdigest())
     if depth == 0:
         return (type(obj).__qualname__, id(obj))
+    memo = {} if memo is None else memo
+    if id(obj) in memo:
+        return ("met", memo[id(obj)])
+    memo[id(obj)] = len(memo)
+
+    def inner(x, down: int = 1):
+        return _state(x, depth - down, memo)
+
+    if isinstance(obj, (dict, list, tuple)) and len(obj) > 64:
+        kinds = set(map(type, obj)) | (set(map(type, obj.values())) if isinstance(obj, dict)
+                                       else set())
+        if kinds <= _PLAIN:  # a vocabulary: summarised at C speed
+            return (type(obj).__name__, len(obj),
+                    hash(tuple(obj.items()) if isinstance(obj, dict) else tuple(obj)))
     if isinstance(obj, dict):
-        return tuple((repr(k), _state(v, depth - 1)) for k, v in obj.items())
+        return tuple((repr(k), inner(v)) for k, v in obj.items())
     if isinstance(obj, (list, tuple, set, frozenset)):
         items = sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else obj
-        return (type(obj).__name__, tuple(_state(v, depth - 1) for v in items))
+        return (type(obj).__name__, tuple(inner(v) for v in items))
     if isinstance(obj, types.MethodType):
-        return (_state(obj.__func__, depth), _state(obj.__self__, depth - 1))
+        return (inner(obj.__func__, 0), inner(obj.__self__))
     if isinstance(obj, types.FunctionType):
-        cells = tuple(_state(c.cell_contents, depth - 1) if c.cell_contents is not None else None
+        cells = tuple(inner(c.cell_contents) if c.cell_contents is not None else None
                       for c in (obj.__closure__ or ()))
         read = [(n, obj.__globals__[n]) for n in sorted(_names(obj.__code__))
                 if n in obj.__globals__]
         read = [(n, v) for n, v in read if not isinstance(v, (types.ModuleType, type,
                                                                 types.FunctionType)) or
                 _users(v)]  # a helper or class of the caller's own code is followed
-        return ("function", obj.__qualname__, cells, _state(obj.__defaults__, depth - 1),
-                tuple((n, _state(v, depth - 1)) for n, v in read))
+        return ("function", obj.__qualname__, cells, inner(obj.__defaults__),
+                tuple((n, inner(v)) for n, v in read))
     if isinstance(obj, functools.partial):
-        return ("partial", _state(obj.func, depth), _state(obj.args, depth - 1),
-                _state(obj.keywords, depth - 1))
+        return ("partial", inner(obj.func, 0), inner(obj.args), inner(obj.keywords))
     if isinstance(obj, type):  # a class of the caller's own code: its data attributes
         return ("class", obj.__qualname__, tuple(
-            (k.__qualname__, n, _state(v, depth - 1)) for k in obj.__mro__ if _users(k)
+            (k.__qualname__, n, inner(v)) for k in obj.__mro__ if _users(k)
             for n, v in vars(k).items() if not n.startswith("__") and not callable(v) and
             not isinstance(v, (property, staticmethod, classmethod))))
     state = getattr(obj, "__dict__", None)
-    if isinstance(state, dict):
-        return (type(obj).__qualname__, _state(state, depth - 1),
-                _state(type(obj), depth - 1) if _users(type(obj)) else None)
-    return (type(obj).__qualname__, id(obj))
+    if isinstance(state, dict) and type(obj).__module__.startswith("transformers.") and \
+            "deprecation_warnings" in state:
+        # Hugging Face tokenizers record the warnings they gave once (fixed names in
+        # transformers' code, True once given): the first padding call adds one, whatever the data.
+        state = {k: v for k, v in state.items() if k != "deprecation_warnings"}
+    slots = [n for k in type(obj).__mro__ for n in _slots(k) if hasattr(obj, n)]
+    if not isinstance(state, dict) and not slots:
+        return (type(obj).__qualname__, id(obj))
+    return (type(obj).__qualname__, inner(state) if isinstance(state, dict) else None,
+            tuple((n, inner(getattr(obj, n))) for n in slots),
+            inner(type(obj)) if _users(type(obj)) else None)
+
+
+_PLAIN = {str, bytes, int, float, bool, type(None)}
+
+
+def _slots(cls: type) -> Sequence[str]:
+    names = cls.__dict__.get("__slots__", ())
+    names = (names,) if isinstance(names, str) else names
+    return [n for n in names if n not in ("__dict__", "__weakref__")]
 
 
 def _names(code: types.CodeType) -> set:
@@ -234,10 +277,15 @@ def _users(obj) -> bool:
     keep per call, and following torch's would cost more than the collate)."""
     if not isinstance(obj, (type, types.FunctionType)):
         return False
-    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    return _users_module(getattr(obj, "__module__", None) or "")
+
+
+@functools.lru_cache(maxsize=None)
+def _users_module(name: str) -> bool:
+    module = sys.modules.get(name)
     path = getattr(module, "__file__", None)
     if module is None or path is None:
-        return module is not None and module.__name__ == "__main__"
+        return name == "__main__"
     return not os.path.realpath(path).startswith(_LIBRARIES)
 
 

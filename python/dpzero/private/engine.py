@@ -429,7 +429,7 @@ class PrivacyEngine:
         # Note [state written from data]: buffers and frozen parameters are fixed now, verified
         # at every step and at every release (state_dict, checkpoints, detach).
         self._state = StateGuard(model, self._trainable_set.ids, self._trainable_set.modules,
-                                 watch_trained=sharded.stage < 3 and c.isolation != "strict")
+                                 watch_trained=sharded.stage < 3)
         self.book.restore_state = self._state.restore_buffers
         self.book.watch_state = functools.partial(ProbeWrites, model, self._trainable_set.ids)
         sharded.release_check = self._verify_release

@@ -213,11 +213,12 @@ class StateGuard:
     # The trainable parameters are the private optimizer's, but a forward can write them too: a
     # functional F.embedding(ids, weight, max_norm=...) renormalises the looked-up rows of a
     # trained table in place, from the batch's ids (a second review read a rare token's row off
-    # the released model: norm 1.78 in one neighbour, 1.00 in the other). Whatever writes them
-    # between two steps bumps their version counter (a write through .data excepted, which is
-    # no accident), so each step compares the versions with those the last update left, at
-    # ZeRO stages 0-2 (stage 3 gathers the parameters into their storage at every forward, and
-    # strict isolation watches every write of its forward instead). A change refuses the step
+    # the released model: norm 1.78 in one neighbour, 1.00 in the other), and so can the training
+    # loop around it. Whatever writes them between two steps bumps their version counter (except
+    # writes that bypass autograd: through .data, or numpy or DLPack views of the parameter,
+    # which are no accident), so each step compares the versions with those the last update
+    # left, at ZeRO stages 0-2 (stage 3 gathers the parameters into their storage at every
+    # forward; strict isolation also refuses a write at its forward). A change refuses the step
     # and every release until it is accepted, naming the parameter; a write of the caller's that
     # holds nothing of the training data (a projection of the released parameters) is accepted
     # with accept_state_change.

@@ -47,12 +47,12 @@ privacy review of the first version (2C broken by 4.5C to 8.9C without them):
   the next one's forward: every piece of the forward and the backward's recompute runs under
   ProbeWrites (state_guard.py), which sees every write, puts it back and refuses the forward;
 * an output with one value per call (a loss the model computes itself, ``outputs.loss``) is the
-  mean of the examples' own values, and its gradient reaches every example alike; it is a
-  ``PerCall`` tensor, which may only be back-propagated, read, summed with others and scaled by
-  numbers, so that gradient is a number (a learned temperature returned beside the logits and
-  divided into them would otherwise pass the whole batch's loss into every example); what its
-  rules do not see (an autograd Function, ``as_subclass``) is caught by the gradient that
-  arrives, which must be the number its uses promised (Note [per-call outputs]);
+  mean of the examples' own values, and its gradient reaches every example alike, so it must
+  be a constant: such an output is a ``PerCall`` tensor, whose uses are held to that (Note
+  [per-call outputs] in per_call.py: a learned temperature returned beside the logits and
+  divided into them would otherwise pass the whole batch's loss into every example); the
+  examples' own outputs come back tagged as the examples, so nothing computed from them counts
+  as a constant;
 * one call of the model per micro-batch (a second one is refused: two calls would be two parts).
 
 What strict isolation cannot isolate: the loss must be a sum or mean of per-example losses (as
@@ -77,7 +77,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import itertools
 import types
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -89,8 +88,9 @@ from torch.utils import _pytree as pytree
 
 from .attach import _cache_off, _rejection
 from .book import Layer, PrivacyViolation
-from .examples import Examples
+from .examples import _wrap
 from .fallback import FuncKind, _check_separable, drop_rows, swapped, tap
+from .per_call import _SOURCES, PerCall, hold_to_promise
 from .provenance import CallRecord, Ranks, Verdict, admitted, spread_inputs
 
 # Per-example gradients held at once (float32): examples are clipped this many bytes at a time.
@@ -248,7 +248,11 @@ class Strict:
         tapped = tap(functools.partial(self.backward, book, generation, index, saved, layout,
                                        floating, sources), [tensors[j] for j in floating], params)
         for j, t in zip(floating, tapped):
-            tensors[j] = t if layout.dims[j] is not None else PerCall.mark(t, {sources[j]: 1.0})
+            tensors[j] = t if j not in sources else PerCall.source(t, sources[j], book.token)
+        # The examples' outputs are the examples (Note [batch provenance]), so nothing computed
+        # from them counts as a constant (Note [per-call outputs]).
+        tensors = [t if d is None else _wrap(t, d, book.token)
+                   for t, d in zip(tensors, layout.dims)]
         it = iter(tensors)
         out_leaves = [next(it) if c is None else c for c in layout.constants]
         return pytree.tree_unflatten(out_leaves, layout.spec)
@@ -327,7 +331,7 @@ class Strict:
         try:
             for j, g in zip(floating, grads):
                 if j in sources:
-                    _hold_to_promise(book, g, _PROMISED.pop(sources[j], 0.0))
+                    hold_to_promise(book, sources[j], g, saved.outputs[0][j][0])
             core.begin_backward(generation, index)
             rows = saved.pieces[-1][1]
             multiplier = core.take_rows(index, rows)
@@ -495,171 +499,6 @@ def _holds_tensor(obj, limit: int = 100_000) -> bool:
             return True
         todo.extend(gc.get_referents(o))
     return False
-
-
-# Note [per-call outputs]
-# ~~~~~~~~~~~~~~~~~~~~~~~
-# An output with one value per call (a loss the model computes itself, outputs.loss) is the mean
-# of the examples' own values, and the gradient that reaches it reaches every example alike. So
-# that gradient G must be a number, not a function of the batch: a learned temperature returned
-# beside the logits and divided into them makes G the whole batch's sum (a review: 8.94C). Such an
-# output is a PerCall tensor, which carries, per source (one per-call output of one forward), the
-# coefficient with which it enters what it has become: operations whose gradient is a number keep
-# it a PerCall with its coefficients (sums with anything, scaling by a number or a 0-dim
-# constant, casts, reads); any other operation with a gradient is refused. That is for clear
-# errors; the guarantee is the check: backward() on a PerCall registers, per source, the gradient
-# its coefficients promise (the root's gradient times the coefficient), and the tap's backward
-# holds the G that arrived to it. A use the rules never saw (an autograd Function's apply,
-# reentrant checkpointing, as_subclass, an Examples operand handled first) makes G differ from the
-# promise, or arrive with none registered (a backward rooted at a plain tensor), and the step is
-# refused.
-_SOURCES = itertools.count()
-_PROMISED: Dict[int, float] = {}  # source -> the gradient backward() promised it
-
-_SUMS = {torch.Tensor.__add__, torch.Tensor.__radd__, torch.add, torch.Tensor.add,
-         torch.Tensor.__iadd__, torch.Tensor.add_, torch.Tensor.__sub__, torch.Tensor.__rsub__,
-         torch.sub, torch.Tensor.sub, torch.Tensor.__isub__, torch.Tensor.sub_}
-_SAME = {torch.Tensor.__neg__, torch.neg, torch.Tensor.neg, torch.Tensor.sum, torch.sum,
-         torch.Tensor.mean, torch.mean, torch.Tensor.to, torch.Tensor.float, torch.Tensor.double,
-         torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.clone, torch.Tensor.contiguous}
-_SCALINGS = {torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.mul, torch.Tensor.mul,
-             torch.Tensor.__imul__, torch.Tensor.mul_}
-_DIVISIONS = {torch.Tensor.__truediv__, torch.div, torch.Tensor.div, torch.true_divide,
-              torch.Tensor.__itruediv__, torch.Tensor.div_}
-_IN_PLACE = {torch.Tensor.__iadd__, torch.Tensor.add_, torch.Tensor.__isub__, torch.Tensor.sub_,
-             torch.Tensor.__imul__, torch.Tensor.mul_, torch.Tensor.__itruediv__,
-             torch.Tensor.div_}
-
-
-def _coef(x) -> Dict[int, float]:
-    return dict(getattr(x, "_dp_coef", {})) if isinstance(x, PerCall) else {}
-
-
-def _number(x) -> Optional[float]:
-    """A Python number, or a 0-dim tensor that is neither computed from the batch nor carries a
-    gradient, as a float; else None."""
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
-        return float(x)
-    if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.requires_grad and \
-            not isinstance(x, Examples):
-        return float(x)
-    return None
-
-
-def _linear(func, args, kwargs) -> Optional[Dict[int, float]]:
-    """The coefficients of ``func(*args, **kwargs)`` per source when it is linear in the
-    PerCall operands with numbers for weights (Note [per-call outputs]); else None."""
-    def plus(a, b, w=1.0):
-        out = dict(a)
-        for k, v in b.items():
-            out[k] = out.get(k, 0.0) + w * v
-        return out
-
-    if func in _SUMS:
-        a, b = args[0], args[1] if len(args) > 1 else kwargs.get("other")
-        alpha = _number(kwargs.get("alpha", 1.0))
-        if alpha is None:
-            return None
-        if func is torch.Tensor.__rsub__:  # b - a
-            return plus(_coef(b), _coef(a), -1.0)
-        sign = -1.0 if func in (torch.Tensor.__sub__, torch.sub, torch.Tensor.sub,
-                                torch.Tensor.__isub__, torch.Tensor.sub_) else 1.0
-        return plus(_coef(a), _coef(b), sign * alpha)
-    if func in _SAME:
-        sign = -1.0 if func in (torch.Tensor.__neg__, torch.neg, torch.Tensor.neg) else 1.0
-        return {k: sign * v for k, v in _coef(args[0]).items()}
-    if func in _SCALINGS or func in _DIVISIONS:
-        a, b = args[0], args[1] if len(args) > 1 else kwargs.get("other")
-        if func in _DIVISIONS:
-            c = _number(b)
-            return None if c is None or not isinstance(a, PerCall) or \
-                kwargs.get("rounding_mode") else {k: v / c for k, v in _coef(a).items()}
-        per_call, other = (a, b) if isinstance(a, PerCall) else (b, a)
-        c = _number(other)
-        return None if c is None else {k: v * c for k, v in _coef(per_call).items()}
-    return None
-
-
-def _promise(args, kwargs) -> None:
-    """backward() on PerCall tensors: the gradient each source is promised (Note [per-call
-    outputs]). A root gradient that is not a number is refused."""
-    roots = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-    given = kwargs.get("gradient", kwargs.get("grad_tensors",
-                                               args[1] if len(args) > 1 else None))
-    given = given if isinstance(given, (list, tuple)) else [given] * len(roots)
-    for root, g in zip(roots, given):
-        if not isinstance(root, PerCall):
-            continue
-        weight = 1.0 if g is None else _number(g)
-        if weight is None:
-            raise PrivacyViolation(
-                "backward() of a per-call output of a model under isolation='strict' with a "
-                "gradient that is not a number (Note [per-call outputs] in strict.py)")
-        for k, v in root._dp_coef.items():
-            _PROMISED[k] = _PROMISED.get(k, 0.0) + weight * v
-
-
-class PerCall(Examples):
-    """Note [per-call outputs]: an output of a strict model with one value per call, and the
-    coefficients (``_dp_coef``: source -> float) with which the per-call outputs it came from
-    enter it. A subclass of Examples so that its rules run first when both meet."""
-
-    _dp_coef: Dict[int, float]
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.Tensor.backward, torch.autograd.backward):
-            _promise(args, kwargs)
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        if not any(isinstance(o, torch.Tensor) and o.requires_grad
-                   for o in pytree.tree_leaves(out)):  # a read: plain values
-            return pytree.tree_map(
-                lambda o: o.as_subclass(torch.Tensor) if isinstance(o, torch.Tensor) else o, out)
-        coef = _linear(func, args, kwargs)
-        if coef is None:
-            raise PrivacyViolation(
-                f"{getattr(func, '__name__', func)} on a per-call output of a model under "
-                "isolation='strict' (one value for the whole micro-batch, such as a loss the "
-                "model computes itself): its gradient would reach every example, so it may only "
-                "be back-propagated, summed with other values or scaled by numbers (Note "
-                "[per-call outputs]). Return per-example values instead (a loss per example, a "
-                "parameter used inside the model), and combine them with the examples' outputs "
-                "there")
-        if func in _IN_PLACE and isinstance(args[0], PerCall):
-            args[0]._dp_coef = coef
-            return args[0]
-        return PerCall.mark(out, coef)
-
-    @staticmethod
-    def mark(t: torch.Tensor, coef: Dict[int, float]) -> "PerCall":
-        p = t.as_subclass(PerCall)
-        p._dp_coef = coef
-        p._dp_token, p._dp_taint, p._dp_bdim, p._dp_version = None, None, -1, -1
-        return p
-
-
-def _hold_to_promise(book, g: Optional[torch.Tensor], promised: float) -> None:
-    """Defers the check that a per-call output's gradient is the number promised (Note
-    [per-call outputs]); read at the step, which it refuses."""
-    if g is None:
-        failed = torch.tensor(promised != 0.0)
-    else:
-        with torch._C.DisableTorchFunctionSubclass():
-            failed = ((g.double() - promised).abs() > 1e-6 * max(1.0, abs(promised))).any()
-
-    def text() -> str:
-        return ("the gradient that reached a per-call output of the model (isolation='strict': "
-                "a loss the model computes itself) is not the number its uses promised: it went "
-                "through an operation dpzero cannot follow (an autograd Function, reentrant "
-                "checkpointing, as_subclass, a weight computed from the batch), which would put "
-                "the whole batch into every example's gradient (Note [per-call outputs]). "
-                "Compute the loss from per-example outputs, or use the model's loss only "
-                "through backward(), sums and numbers")
-    book.defer(failed, text)
 
 
 def _assemble(stacked: torch.Tensor, d: Optional[int]) -> torch.Tensor:
