@@ -7,6 +7,10 @@ pre-noise sum by 3.80C at N = 16 and 8.80C at N = 64 against the replace-one bou
 
 from __future__ import annotations
 
+import array
+import collections
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -295,7 +299,59 @@ class _Slots:
         return xs - self.mean, torch.stack([e[1] for e in examples])
 
 
+_BY_METHOD: dict = {}  # statistics read by a method of _ReadsAGlobal
+_LAST_MEANS: collections.deque = collections.deque(maxlen=4)
+_LAST_MEAN = array.array("d", [0.0] * D)
+
+
+class _ReadsAGlobal:
+    """Statistics of the previous batch kept in a module global that its __call__ reads."""
+
+    def __call__(self, examples):
+        xs = torch.stack([e[0] for e in examples])
+        out = xs if not _BY_METHOD else xs - _BY_METHOD["m"]
+        if len(examples) > 1:
+            _BY_METHOD["m"] = xs.mean(0)
+        return out, torch.stack([e[1] for e in examples])
+
+
+def _in_a_deque(examples):
+    xs = torch.stack([e[0] for e in examples])
+    out = xs - _LAST_MEANS[-1] if _LAST_MEANS else xs
+    if len(examples) > 1:
+        _LAST_MEANS.append(xs.mean(0))
+    return out, torch.stack([e[1] for e in examples])
+
+
+def _in_an_array(examples):
+    xs = torch.stack([e[0] for e in examples])
+    out = xs - torch.tensor(_LAST_MEAN.tolist(), dtype=xs.dtype)
+    if len(examples) > 1:
+        _LAST_MEAN[:] = array.array("d", xs.mean(0).tolist())
+    return out, torch.stack([e[1] for e in examples])
+
+
+class _Deep:
+    """Statistics of the previous batch kept five objects down (past eight levels)."""
+
+    def __init__(self):
+        self.a = types.SimpleNamespace(b=types.SimpleNamespace(c=types.SimpleNamespace(
+            d=types.SimpleNamespace(e={"m": None}))))
+
+    def __call__(self, examples):
+        xs = torch.stack([e[0] for e in examples])
+        held = self.a.b.c.d.e
+        out = xs if held["m"] is None else xs - held["m"]
+        if len(examples) > 1:
+            held["m"] = xs.mean(0)
+        return out, torch.stack([e[1] for e in examples])
+
+
 @pytest.mark.parametrize("collate,message", [
+    (_ReadsAGlobal(), r"'_ReadsAGlobal' changed its own state"),
+    (_in_a_deque, r"'_in_a_deque' changed its own state"),
+    (_in_an_array, r"'_in_an_array' changed its own state"),
+    (_Deep(), r"'_Deep' changed its own state"),
     (_standardise_in_place, r"'_standardise_in_place' couples the examples .*row 0 of "
                             r"batch\[0\] differs"),
     (_FitOnFirst(), r"'_FitOnFirst' changed its own state while collating a batch"),
@@ -312,9 +368,15 @@ def test_a_collate_function_with_side_effects_is_refused(collate, message):
     where that state did not look: the globals of a helper function the collate calls, and a
     class attribute; the caller's own helpers and classes are followed. A fourth (5.91C each):
     statistics fitted on the first call and kept three objects down, or in a slot; objects are
-    followed eight levels down, slots too."""
+    followed eight levels down, slots too. A fifth (2.71C to 3.21C): statistics in a global
+    read by a callable object's method, in a deque, in an array.array, five objects down; the
+    methods of the caller's classes are followed, containers by their contents, deeper state by
+    its pickled bytes."""
     _RUNNING.clear()
     _InTheClass.stats = None
+    _BY_METHOD.clear()
+    _LAST_MEANS.clear()
+    _LAST_MEAN[:] = array.array("d", [0.0] * D)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(16, D, generator=g), torch.randint(0, K, (16,), generator=g))
     with pytest.raises(PrivacyViolation, match=message):

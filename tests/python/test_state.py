@@ -374,3 +374,50 @@ def test_under_strict_isolation_a_write_into_state_is_refused_at_the_forward():
     with pytest.raises(PrivacyViolation, match=r"strict forward is refused .*buffer 'mem'"):
         p.model(x)
     assert torch.equal(model.mem, torch.zeros(D))
+
+
+class _Relay(nn.Module):
+    """Hands a micro-batch's mean to the next micro-batch's forward through a buffer, which that
+    forward clears, so the buffer is back at its value by the step. The relay starts after
+    ``start`` calls (past the probe's). ``seen``: the buffer each forward read."""
+
+    def __init__(self, start: int):
+        super().__init__()
+        self.fc = nn.Linear(D, K)
+        self.register_buffer("mem", torch.zeros(D))
+        self.start, self.calls, self.seen = start, 0, []
+
+    def forward(self, x):
+        self.calls += 1
+        self.seen.append(self.mem.clone())
+        out = self.fc(x + self.mem)
+        with torch.no_grad():
+            if self.calls > self.start and not bool(self.mem.any()):
+                self.mem.copy_(x.mean(0))
+            else:
+                self.mem.zero_()
+        return out
+
+
+def test_state_relayed_between_micro_batches_is_refused_and_never_read():
+    """A fifth review moved a step 3.16C with a buffer written by one micro-batch's forward and
+    cleared by the next one's before the step. The state is checked before each later
+    micro-batch is handed out too: the next forward reads the buffer as make_private fixed it,
+    and the logical batch's step is refused naming it."""
+    torch.manual_seed(0)
+    model = _Relay(start=2)
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=1.0, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, optimizer="sgd", lr=0.1,
+                            seed=0, max_physical_batch_size=4)
+    refused = None
+    for x, y in p.data_loader:  # 3 micro-batches of 4
+        F.cross_entropy(p.model(x), y).backward()
+        try:
+            p.optimizer.step()
+        except PrivacyViolation as e:
+            refused = str(e)
+            break
+    assert refused is not None and "buffer 'mem'" in refused, refused
+    relayed = [i for i, m in enumerate(model.seen) if bool(m.any())]
+    assert relayed == [], f"forwards {relayed} read a micro-batch's mean"
+    assert p.privacy_engine.charges == 0

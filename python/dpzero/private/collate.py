@@ -21,15 +21,18 @@ function, the field and the row. torch's ``default_collate`` and dpzero's own st
 The check holds for a function of its arguments alone, so it makes the collate function one:
 each example is collated alone first, from a copy of it (a collate function that changes the
 examples it is given, say subtracting the batch's mean in place, changes the batch's rows and
-not the copies'), and the collate function's own state (its attributes and slots, the cells and
-globals a function reads, and so on eight levels down, through the helper functions and classes
-of the caller's own code) must be the same after every batch, of one example too, as before it
-(one that fits statistics on a batch and applies them to the next carries one batch's examples
-into another's rows). Hugging Face tokenizers' record of the warnings they gave once is not
-state: it holds fixed names, whatever the data. A collate function that
-draws random numbers for the batch (masked language modelling's masks) gives each example draws
-that depend on the others' number and lengths; it fails the row check, and the refusal says to
-draw per example instead.
+not the copies'), and the collate function's own state must be the same after every batch, of
+one example too, as before it (one that fits statistics on a batch and applies them to the next
+carries one batch's examples into another's rows). Its state is what ``_state`` reaches: the
+function's attributes and slots, the cells and globals it reads, and so on down through the
+helper functions and classes of the caller's own code and the globals their methods read;
+containers, tensors and arrays by their contents; state more than eight levels down by its
+pickled bytes where it pickles. Objects of compiled libraries without Python attributes, and
+unpicklable state below eight levels, are the library's and summarised by identity. Hugging Face
+tokenizers' record of the warnings they gave once is not state: it holds fixed names, whatever
+the data. A collate function that draws random numbers for the batch (masked language
+modelling's masks) gives each example draws that depend on the others' number and lengths; it
+fails the row check, and the refusal says to draw per example instead.
 
 What remains of dynamic padding: the padded length itself is the longest example's, so a model
 that reads the padding positions (pools over all positions without the mask, or gives positions
@@ -39,10 +42,13 @@ the attention mask everywhere the model reduces over positions, or pad to a fixe
 
 from __future__ import annotations
 
+import array
+import collections
 import copy
 import functools
 import hashlib
 import os
+import pickle
 import random
 import sys
 import sysconfig
@@ -54,6 +60,9 @@ import torch
 from torch.utils.data._utils.collate import default_collate
 
 from .book import PrivacyViolation
+
+# Levels of the collate function's state ``_state`` walks; deeper state is pickled.
+_DEPTH = 8
 
 
 class SeparableCollate:
@@ -176,13 +185,15 @@ class SeparableCollate:
             return None
 
 
-def _state(obj, depth: int = 8, memo: Optional[Dict[int, int]] = None):
+def _state(obj, depth: int = _DEPTH, memo: Optional[Dict[int, int]] = None):
     """A comparable summary of the state ``obj`` carries from call to call: for a function, its
     closure cells, defaults and the globals it reads (through the caller's own helper functions
     and classes); for a bound method, its object too; for an object, its attributes and slots
-    (and its class's data attributes, for a class of the caller's own code); ``depth`` levels
-    down (tensors and arrays by their bytes, objects without attributes by identity). An object
-    met again (a cycle, a shared helper) is summarised by the order it was first met in."""
+    (and, for a class of the caller's own code, its class's data attributes and the globals its
+    methods read); tensors, arrays and ``array.array`` by their bytes, deques as sequences;
+    objects of compiled libraries without attributes by identity. An object met again (a cycle,
+    a shared helper) is summarised by the order it was first met in. State nested more than
+    ``depth`` levels down is summarised by its pickled bytes, or refused."""
     if isinstance(obj, torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return ("tensor", str(obj.dtype), tuple(obj.shape),
@@ -192,11 +203,12 @@ def _state(obj, depth: int = 8, memo: Optional[Dict[int, int]] = None):
                                     digest_size=16).hexdigest())
     if isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
         return obj
-    if hasattr(obj, "tobytes") and hasattr(obj, "dtype"):  # a numpy array or scalar
-        return ("array", str(obj.dtype), getattr(obj, "shape", ()),
-                hashlib.blake2b(obj.tobytes(), digest_size=16).hexdigest())
+    if hasattr(obj, "tobytes") and (hasattr(obj, "dtype") or isinstance(obj, array.array)):
+        return ("array", str(getattr(obj, "dtype", getattr(obj, "typecode", None))),
+                getattr(obj, "shape", ()), hashlib.blake2b(obj.tobytes(),
+                                                           digest_size=16).hexdigest())
     if depth == 0:
-        return (type(obj).__qualname__, id(obj))
+        return _pickled(obj)
     memo = {} if memo is None else memo
     if id(obj) in memo:
         return ("met", memo[id(obj)])
@@ -213,7 +225,7 @@ def _state(obj, depth: int = 8, memo: Optional[Dict[int, int]] = None):
                     hash(tuple(obj.items()) if isinstance(obj, dict) else tuple(obj)))
     if isinstance(obj, dict):
         return tuple((repr(k), inner(v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple, set, frozenset)):
+    if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
         items = sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else obj
         return (type(obj).__name__, tuple(inner(v) for v in items))
     if isinstance(obj, types.MethodType):
@@ -230,11 +242,14 @@ def _state(obj, depth: int = 8, memo: Optional[Dict[int, int]] = None):
                 tuple((n, inner(v)) for n, v in read))
     if isinstance(obj, functools.partial):
         return ("partial", inner(obj.func, 0), inner(obj.args), inner(obj.keywords))
-    if isinstance(obj, type):  # a class of the caller's own code: its data attributes
+    if isinstance(obj, type):  # a class of the caller's own code: data and methods' globals
+        own = [k for k in obj.__mro__ if _users(k)]
         return ("class", obj.__qualname__, tuple(
-            (k.__qualname__, n, inner(v)) for k in obj.__mro__ if _users(k)
+            (k.__qualname__, n, inner(v)) for k in own
             for n, v in vars(k).items() if not n.startswith("__") and not callable(v) and
-            not isinstance(v, (property, staticmethod, classmethod))))
+            not isinstance(v, (property, staticmethod, classmethod))), tuple(
+            (k.__qualname__, n, inner(f, 0)) for k in own
+            for n, v in vars(k).items() for f in _functions(v)))
     state = getattr(obj, "__dict__", None)
     if isinstance(state, dict) and type(obj).__module__.startswith("transformers.") and \
             "deprecation_warnings" in state:
@@ -250,6 +265,26 @@ def _state(obj, depth: int = 8, memo: Optional[Dict[int, int]] = None):
 
 
 _PLAIN = {str, bytes, int, float, bool, type(None)}
+
+
+def _functions(v) -> Sequence[types.FunctionType]:
+    """The functions a class attribute holds (a method, a static or class method, a property's
+    accessors)."""
+    if isinstance(v, (staticmethod, classmethod)):
+        v = v.__func__
+    if isinstance(v, property):
+        return [f for f in (v.fget, v.fset, v.fdel) if isinstance(f, types.FunctionType)]
+    return [v] if isinstance(v, types.FunctionType) else []
+
+
+def _pickled(obj):
+    """State nested deeper than ``_state`` walks: its pickled bytes, which hold all of it; by
+    identity if it cannot be pickled (a lock, a logger's handlers: library machinery)."""
+    try:
+        data = pickle.dumps(obj, protocol=4)
+    except Exception:  # noqa: BLE001 - whatever pickling an arbitrary object raises
+        return (type(obj).__qualname__, id(obj))
+    return ("pickled", type(obj).__qualname__, hashlib.blake2b(data, digest_size=16).hexdigest())
 
 
 def _slots(cls: type) -> Sequence[str]:
@@ -282,6 +317,8 @@ def _users(obj) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _users_module(name: str) -> bool:
+    if name == "dpzero" or name.startswith("dpzero."):
+        return False  # a library too, wherever it is installed from
     module = sys.modules.get(name)
     path = getattr(module, "__file__", None)
     if module is None or path is None:

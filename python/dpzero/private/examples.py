@@ -251,12 +251,14 @@ def _holds_examples(x: torch.Tensor, taint: MicroBatchToken) -> None:
     in place (its class changes), so whatever is computed from it is tainted too; a Parameter or
     another subclass keeps its class and only its memory is marked like memory handed out, which
     makes it suspect as an operand but not what plain code computes from it (the limit named in
-    Note [batch provenance])."""
-    if type(x) is torch.Tensor:
-        x.__class__ = Examples
-        x._dp_token, x._dp_bdim, x._dp_taint, x._dp_version = None, -1, taint, -1
-    else:
-        taint.escaped[_storage(x)] = x.untyped_storage()
+    Note [batch provenance]). The write may have gone through a view (``buf[0].copy_(x)``), so
+    the view's base changes class too (views taken from it later are tainted), and the memory is
+    marked (views taken from it earlier are suspect as operands)."""
+    taint.escaped[_storage(x)] = x.untyped_storage()
+    for t in (x, x._base):
+        if type(t) is torch.Tensor:
+            t.__class__ = Examples
+            t._dp_token, t._dp_bdim, t._dp_taint, t._dp_version = None, -1, taint, -1
 
 
 def untag(x: torch.Tensor) -> None:

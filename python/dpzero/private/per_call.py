@@ -28,8 +28,10 @@ arrived at the source to it, on the tensors' device, read at the step, which it 
 the rules never saw (an autograd Function's apply, reentrant checkpointing, ``as_subclass``, a
 hook on the tensor) makes G differ from the promise, or arrive with none registered (a backward
 rooted elsewhere), and the step is refused. What neither sees is a weight copied out of the
-batch as a Python number (``.item()``, ``.tolist()``): the limit Note [batch provenance] names
-for every copy of the batch's statistics.
+batch where the examples' tag cannot follow (``.item()``, ``.tolist()``, ``.numpy().copy()``, a
+pickle round trip, a copy into an ``nn.Parameter``): the limit Note [batch provenance] names for
+every copy of the batch's statistics. (A copy into a plain tensor, or a view of one, taints it
+and its base.)
 """
 
 from __future__ import annotations

@@ -16,8 +16,11 @@ dpzero holds them fixed:
   parameter's identity, a fingerprint computed on its device (``fingerprint``) and a digest
   (BLAKE2b of its bytes) are recorded;
 * at every private step (``optimizer.step()`` of a logical batch's last micro-batch, before
-  anything is charged) the buffers are compared with their copies bit for bit and the frozen
-  parameters' fingerprints recomputed: one read of a device flag for all of them. Values, not
+  anything is charged), and before each later micro-batch of a logical batch is handed out (a
+  forward that writes one micro-batch into state and a later forward that clears it before the
+  step carried data between micro-batches: a review moved a step 3.16C that way), the buffers
+  are compared with their copies bit for bit and the frozen parameters' fingerprints
+  recomputed: one read of a device flag for all of them. Values, not
   version counters: a write through ``.data``, numpy or DLPack bumps no version counter (a review
   moved one step's sum 3.27C through a frozen parameter written by ``.data`` in the forward of
   the step's second micro-batch). A change (a fingerprint confirmed by the digest) refuses the
@@ -28,8 +31,8 @@ dpzero holds them fixed:
   ``PrivacyEngine.detach()``) the buffers again, and every frozen parameter by its digest. A
   change refuses the release, naming the tensor.
 
-The fingerprint reads each frozen byte once per step, on its device, without a copy: less than a
-forward, which reads every frozen weight at least once per micro-batch.
+The fingerprint reads each frozen byte once per micro-batch, on its device, without a copy: less
+than a forward, which reads every frozen weight at least once per micro-batch.
 
 A buffer or frozen parameter added, removed or replaced by another tensor counts as a change. The
 caller's own writes between steps that hold nothing of the training data (a value computed from
