@@ -381,31 +381,35 @@ class _Relay(nn.Module):
     forward clears, so the buffer is back at its value by the step. The relay starts after
     ``start`` calls (past the probe's). ``seen``: the buffer each forward read."""
 
-    def __init__(self, start: int):
+    def __init__(self, start: int, frozen: bool = False):
         super().__init__()
         self.fc = nn.Linear(D, K)
-        self.register_buffer("mem", torch.zeros(D))
+        if frozen:  # the same through a frozen parameter's .data
+            self.mem = nn.Parameter(torch.zeros(D), requires_grad=False)
+        else:
+            self.register_buffer("mem", torch.zeros(D))
         self.start, self.calls, self.seen = start, 0, []
 
     def forward(self, x):
         self.calls += 1
-        self.seen.append(self.mem.clone())
+        self.seen.append(self.mem.detach().clone())
         out = self.fc(x + self.mem)
-        with torch.no_grad():
-            if self.calls > self.start and not bool(self.mem.any()):
-                self.mem.copy_(x.mean(0))
-            else:
-                self.mem.zero_()
+        if self.calls > self.start and not bool(self.mem.any()):
+            self.mem.data.copy_(x.detach().mean(0))
+        else:
+            self.mem.data.zero_()
         return out
 
 
-def test_state_relayed_between_micro_batches_is_refused_and_never_read():
+@pytest.mark.parametrize("frozen", [False, True], ids=["buffer", "frozen-parameter"])
+def test_state_relayed_between_micro_batches_is_refused(frozen):
     """A fifth review moved a step 3.16C with a buffer written by one micro-batch's forward and
     cleared by the next one's before the step. The state is checked before each later
-    micro-batch is handed out too: the next forward reads the buffer as make_private fixed it,
-    and the logical batch's step is refused naming it."""
+    micro-batch is handed out too (on the device, read at the step): the next forward reads a
+    buffer as make_private fixed it, and the logical batch's step is refused naming the tensor
+    (a frozen parameter cannot be put back, but its step is refused all the same)."""
     torch.manual_seed(0)
-    model = _Relay(start=2)
+    model = _Relay(start=2, frozen=frozen)
     p = dpzero.make_private(model, dataset=_data(), sample_rate=1.0, noise_multiplier=0.0,
                             allow_no_noise=True, max_grad_norm=1.0, optimizer="sgd", lr=0.1,
                             seed=0, max_physical_batch_size=4)
@@ -417,7 +421,41 @@ def test_state_relayed_between_micro_batches_is_refused_and_never_read():
         except PrivacyViolation as e:
             refused = str(e)
             break
-    assert refused is not None and "buffer 'mem'" in refused, refused
-    relayed = [i for i, m in enumerate(model.seen) if bool(m.any())]
-    assert relayed == [], f"forwards {relayed} read a micro-batch's mean"
+    kind = "frozen parameter" if frozen else "buffer"
+    assert refused is not None and f"{kind} 'mem'" in refused, refused
+    if not frozen:
+        relayed = [i for i, m in enumerate(model.seen) if bool(m.any())]
+        assert relayed == [], f"forwards {relayed} read a micro-batch's mean"
     assert p.privacy_engine.charges == 0
+
+
+def test_the_micro_batch_check_reads_nothing_on_the_host():
+    """check_micro_batch runs at every later micro-batch's hand-out: its comparisons stay on the
+    device (a host read there would make a GPU step wait once per micro-batch). Counted as
+    torch's scalar reads (.item(), bool() of a tensor) dispatched while it runs, on a model with
+    a buffer and a frozen parameter; then a write it flagged still refuses the step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reads = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default,
+                        torch.ops.aten.is_nonzero.default, torch.ops.aten.item.default):
+                self.reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = Ema(None)
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=1.0, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, seed=0,
+                            max_physical_batch_size=4)
+    guard = p.privacy_engine._state
+    with torch.no_grad():
+        model.frozen.data.add_(1.0)
+    with Reads() as mode:
+        guard.check_micro_batch()
+    assert mode.reads == [], mode.reads
+    assert "frozen parameter 'frozen'" in guard.verify_step()

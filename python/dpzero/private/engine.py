@@ -448,7 +448,6 @@ class PrivacyEngine:
         self._micro: Optional[MicroBatch] = None  # the micro-batch handed out last
         self._torch_seed = torch.initial_seed()  # Note [random state between steps]
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
-        self._state_refusal: Optional[str] = None  # state written during this logical batch
         self._detached = False
         # Whole epochs never exceed the steps σ was calibrated for (int(epochs / q), Opacus's).
         steps_per_epoch = max(1, int(1.0 / q))
@@ -562,11 +561,11 @@ class PrivacyEngine:
         """Makes ``micro`` the current micro-batch: the model's inputs must carry its token (Note
         [batch provenance]), its rows are what every DP layer must see."""
         book = self.book
-        if micro.token.index > 0 and self._state_refusal is None:
+        if micro.token.index > 0:
             # Note [state written from data]: state a micro-batch's forward wrote must not reach
             # the next one's (put back here, and the logical batch's step refused), even when a
             # later forward clears it before the step.
-            self._state_refusal = self._state.verify_step()
+            self._state.check_micro_batch()
         self._micro = micro
         book.token = micro.token
         book.padding = padding
@@ -635,7 +634,7 @@ class PrivacyEngine:
         """No micro-batch is current any more: inputs of the last one are refused from now on."""
         self._micro = None
         self._skipped_step = False
-        self._state_refusal = None
+        self._state.clear_pending()
         self.book.token = None
         self.book.padding = False
         self.book.expected_rows = None
@@ -736,7 +735,7 @@ class PrivacyEngine:
             return False  # not the last micro-batch of the logical batch: only accumulate
         # Checks only Python can make; the book's own, the agreement, the budget, the ledger,
         # the charge and the noisy update are the step's transaction (src/dp/private_step.h).
-        state = self._state.verify_step() or self._state_refusal  # always: it puts buffers back
+        state = self._state.verify_step()  # always: it also puts changed buffers back
         refusal = self.book.take_deferred() or self._trainable_set.changed() or state
         try:  # Note [hyperparameters at the step] (optimizer.py)
             self._set_hyperparameters()

@@ -16,11 +16,13 @@ dpzero holds them fixed:
   parameter's identity, a fingerprint computed on its device (``fingerprint``) and a digest
   (BLAKE2b of its bytes) are recorded;
 * at every private step (``optimizer.step()`` of a logical batch's last micro-batch, before
-  anything is charged), and before each later micro-batch of a logical batch is handed out (a
-  forward that writes one micro-batch into state and a later forward that clears it before the
-  step carried data between micro-batches: a review moved a step 3.16C that way), the buffers
-  are compared with their copies bit for bit and the frozen parameters' fingerprints
-  recomputed: one read of a device flag for all of them. Values, not
+  anything is charged) the buffers are compared with their copies bit for bit and the frozen
+  parameters' fingerprints recomputed: one read of a device flag for all of them. Before each
+  later micro-batch of a logical batch is handed out, the same comparisons are made on the
+  device, OR-ed into flags the step reads with its own (no host read there), and every buffer
+  is put back to its copy: a forward that writes one micro-batch into state and a later forward
+  that clears it before the step carried data between micro-batches (a review moved a step
+  3.16C that way); now the later forward reads the fixed value and the step is refused. Values, not
   version counters: a write through ``.data``, numpy or DLPack bumps no version counter (a review
   moved one step's sum 3.27C through a frozen parameter written by ``.data`` in the forward of
   the step's second micro-batch). A change (a fingerprint confirmed by the digest) refuses the
@@ -31,8 +33,11 @@ dpzero holds them fixed:
   ``PrivacyEngine.detach()``) the buffers again, and every frozen parameter by its digest. A
   change refuses the release, naming the tensor.
 
-The fingerprint reads each frozen byte once per micro-batch, on its device, without a copy: less
-than a forward, which reads every frozen weight at least once per micro-batch.
+The fingerprint reads each frozen word once per micro-batch, on its device, in about ten int64
+elementwise passes (chunks of _FINGERPRINT_CHUNK words, no copy of the whole tensor): memory-bound
+work of the order of a forward's reads of the same weights (on a GPU at device bandwidth, not
+yet measured). On a CPU with many frozen weights and small micro-batches (adapters on a frozen
+base) it can exceed a forward's matmuls through them (experiments/results/private.md).
 
 A buffer or frozen parameter added, removed or replaced by another tensor counts as a change. The
 caller's own writes between steps that hold nothing of the training data (a value computed from
@@ -167,6 +172,11 @@ class StateGuard:
         # Note [trained parameters written outside the step]: (name, parameter, version).
         self.watch_trained = watch_trained
         self._trained: List[tuple] = []
+        # What earlier micro-batches of the open logical batch changed (check_micro_batch): one
+        # device flag per entry, OR-ed, read with the step's own; and the changes seen without a
+        # read (structure, trained versions).
+        self._pending: Optional[torch.Tensor] = None
+        self._pending_problems: List[str] = []
         self._fix(None)
         self.record_trained()
 
@@ -189,7 +199,12 @@ class StateGuard:
 
     def _fix(self, names: Optional[Sequence[str]]) -> None:
         """Fixes the model's state as it is now: all of it (``names`` None), or the named
-        tensors (the others keep what was fixed before)."""
+        tensors (the others keep what was fixed before). Changes an earlier micro-batch of the
+        open logical batch made still refuse its step."""
+        if self._pending is not None and bool(self._pending.any()):
+            self._pending_problems.append("module state changed during an earlier micro-batch "
+                                          "of this logical batch")
+        self._pending = None
         walked = self._walk()
         old = {e.key: e for e in self.entries}
         entries, copies, digests = [], {}, {}
@@ -276,24 +291,62 @@ class StateGuard:
                                     "added after make_private")
         return problems
 
-    def _changed(self) -> List[_Entry]:
-        """The buffers whose bytes differ from their copies and the frozen parameters whose
-        fingerprints changed (confirmed by their digests): one read of a device flag when nothing
-        changed."""
-        entries = [e for e in self.entries if e.current() is e.tensor]
+    def _flags(self) -> List[torch.Tensor]:
+        """One device flag per entry (all of them, in order; a replaced or removed tensor's is
+        False here, _structure names it): its buffer's bytes differ from the copy, or its frozen
+        parameter's fingerprint changed. No host read."""
         flags = []
-        for e in entries:
-            if e.buffer:
+        for e in self.entries:
+            if e.current() is not e.tensor:
+                flags.append(torch.zeros((), dtype=torch.bool, device=e.tensor.device))
+            elif e.buffer:
                 now = _bytes(e.tensor)
                 flags.append(torch.ones((), dtype=torch.bool, device=now.device)
                              if now.numel() != e.copy.numel() else (now != e.copy).any())
             else:
                 flags.append(fingerprint(e.tensor, self.key) != e.fingerprint)
-        if not flags or (len({f.device for f in flags}) == 1 and
-                         not bool(torch.stack(flags).any())):
+        return flags
+
+    def _changed(self, pending=None) -> List[_Entry]:
+        """The buffers whose bytes differ from their copies and the frozen parameters whose
+        fingerprints changed (confirmed by their digests), now or, where ``pending`` (flags of
+        check_micro_batch) says so, at an earlier micro-batch: one read of a device flag when
+        nothing changed. (The fingerprint is integer arithmetic: equal bytes give equal
+        fingerprints, so a pending flag is a change that was.)"""
+        flags = self._flags()
+        if not flags:
             return []
-        return [e for e, f in zip(entries, flags)
-                if bool(f) and (e.buffer or digest(e.tensor) != e.digest)]
+        if len({f.device for f in flags}) == 1:
+            flags = torch.stack(flags)
+            if pending is not None:
+                flags = flags | pending.to(flags.device)
+            if not bool(flags.any()):
+                return []
+        elif pending is not None:
+            flags = [bool(f) or bool(p) for f, p in zip(flags, pending)]
+        return [e for e, f in zip(self.entries, flags)
+                if bool(f) and (e.buffer or pending is not None or e.current() is not e.tensor or
+                                digest(e.tensor) != e.digest)]
+
+    def check_micro_batch(self) -> None:
+        """Before a later micro-batch of a logical batch is handed out: what the earlier ones'
+        forwards changed is noted for the step (which then refuses), and every buffer is put
+        back to its copy, so that nothing of one micro-batch reaches the next one's forward even
+        when that forward would clear it before the step. No host read: the flags stay on the
+        device until the step reads them with its own."""
+        self._pending_problems += self._structure() + self._written_trained()
+        flags = self._flags()
+        if flags and len({f.device for f in flags}) == 1:
+            flags = torch.stack(flags)
+            self._pending = flags if self._pending is None else self._pending | flags
+        elif flags:  # state on several devices: one read per tensor, as the step does
+            flags = torch.tensor([bool(f) for f in flags])
+            self._pending = flags if self._pending is None else self._pending | flags
+        self.restore_buffers()
+
+    def clear_pending(self) -> None:
+        """The open logical batch was dropped (its buffers were put back at each hand-out)."""
+        self._pending, self._pending_problems = None, []
 
     def _changed_by_digest(self) -> List[_Entry]:
         """The frozen parameters whose digests changed (a release's exact check)."""
@@ -318,8 +371,10 @@ class StateGuard:
     def verify_step(self) -> Optional[str]:
         """At a private step (before anything is charged): why it is refused, or None. Changed
         buffers are put back to their copies first."""
-        problems = self._structure() + self._written_trained()
-        changed = self._changed()
+        problems = list(dict.fromkeys(self._pending_problems + self._structure() +
+                                      self._written_trained()))
+        pending, self._pending, self._pending_problems = self._pending, None, []
+        changed = self._changed(pending)
         if not (problems or changed):
             return None
         self.restore_buffers([e for e in changed if e.buffer] +
