@@ -56,7 +56,8 @@ TORCH_LIBRARY_IMPL(dpzero, CompositeExplicitAutograd, m) {
   m.impl("conv_sq_norms", &per_sample::conv_sq_norms);
   m.impl("conv_clipped_sum", &per_sample::conv_clipped_sum);
   m.impl("conv_clip", &per_sample::conv_clip);
-  // Note [row sums]: any device; kernels/cpu/row_sums.cpp overrides them on the CPU.
+  // Note [row sums]: any device; kernels/cpu/row_sums.cpp and kernels/cuda/row_sums.cu override
+  // them on the CPU and on CUDA.
   m.impl("_row_sums", &per_sample::row_sums_generic);
   m.impl("_norm_row_sums", &per_sample::norm_row_sums_generic);
   m.impl("_embedding_rows", &per_sample::embedding_rows_generic);

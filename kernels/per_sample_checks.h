@@ -120,10 +120,14 @@ inline int64_t samples_per_chunk(int64_t num_samples, int64_t bytes_per_sample) 
 // step, ~0.1 ms when the allocator can recycle the memory). So they take chunks of at most
 // kPassChunkBytes (or the chunk budget, when a test has made it smaller); GEMM-backed loops (Grams,
 // per-sample gradients, clipped-sum GEMMs) keep the full budget, where chunk size buys speed.
+// That is a CPU rule: on a GPU the allocator recycles device memory, and a chunk of one sample
+// means a dozen launches per sample, so other devices take the full budget (and the CUDA kernels
+// of kernels/cuda/row_sums.cu make these passes without chunks at all).
 constexpr int64_t kPassChunkBytes = int64_t{2} << 20;
 
-inline int64_t samples_per_pass_chunk(int64_t num_samples, int64_t bytes_per_sample) {
-  const int64_t budget = std::min(kPassChunkBytes, chunk_bytes_budget().load());
+inline int64_t samples_per_pass_chunk(int64_t num_samples, int64_t bytes_per_sample, bool cpu) {
+  const int64_t budget =
+      cpu ? std::min(kPassChunkBytes, chunk_bytes_budget().load()) : chunk_bytes_budget().load();
   const int64_t per = std::max<int64_t>(1, bytes_per_sample);
   return std::max<int64_t>(1, std::min<int64_t>(num_samples, budget / per));
 }

@@ -483,9 +483,10 @@ inline void sum_into(at::Tensor out, const at::Tensor& x, int64_t dim) { at::sum
 // dpzero::_norm_row_sums (rows G_t ⊙ x̂_t, x̂ formed in float64 from the raw input). Each is one
 // pass over [B, T, d]. The generic implementations below (ATen, any device; registered as
 // CompositeExplicitAutograd in per_sample.cpp) work chunk by chunk on float64 copies; the CPU
-// kernels (kernels/cpu/row_sums.cpp) read the inputs once, accumulating in float64 registers, with
-// no temporaries. Both add each row to its sample's sum in row order (depth T - 1 per entry, as
-// the e = gamma_T of Note [certified norms] assumes).
+// kernels (kernels/cpu/row_sums.cpp) and the CUDA kernels (kernels/cuda/row_sums.cu, all samples
+// in one launch) read the inputs once, accumulating in float64 registers, with no float64
+// copies. All add each row to its sample's sum in row order (depth T - 1 per entry, as the e =
+// gamma_T of Note [certified norms] assumes).
 
 // G [B, T, d] -> (sums [B, d] float64 = sum_t G_t, S [B] float64 = sum_t ||G_t||).
 inline std::tuple<at::Tensor, at::Tensor> row_sums_generic(const at::Tensor& g) {
@@ -494,7 +495,7 @@ inline std::tuple<at::Tensor, at::Tensor> row_sums_generic(const at::Tensor& g) 
   const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
   at::Tensor sums = at::empty({b, d}, g.options().dtype(at::kDouble));
   at::Tensor s = at::empty({b}, g.options().dtype(at::kDouble));
-  const int64_t chunk = samples_per_pass_chunk(b, 8 * (2 * t * d + 2 * d + t));
+  const int64_t chunk = samples_per_pass_chunk(b, 8 * (2 * t * d + 2 * d + t), g.is_cpu());
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
     const at::Tensor g64 = f64(g.slice(0, i0, i1));
@@ -526,7 +527,7 @@ inline std::tuple<at::Tensor, at::Tensor> norm_row_sums_generic(const at::Tensor
   const int64_t b = x.size(0), t = x.size(1), d = x.size(2);
   at::Tensor sums = at::empty({b, d}, x.options().dtype(at::kDouble));
   at::Tensor s = at::empty({b}, x.options().dtype(at::kDouble));
-  const int64_t chunk = samples_per_pass_chunk(b, 48 * t * d + 16 * (t + d));
+  const int64_t chunk = samples_per_pass_chunk(b, 48 * t * d + 16 * (t + d), x.is_cpu());
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
     const at::Tensor terms = f64(g.slice(0, i0, i1)) * normalized(f64(x.slice(0, i0, i1)), eps, rms);
@@ -1032,11 +1033,12 @@ inline ClipResult linear_clip(const at::Tensor& A, const at::Tensor& G, double m
 // gamma_T, and q sums at most T d squares). dpzero::_embedding_rows returns (q, S), raw float64.
 // Its generic version (any device; registered in per_sample.cpp) builds the rows of a chunk of
 // samples by one index_add over the runs of sorted (sample, token) keys, with no host read (the
-// private backward never waits on the device: tests/python/test_sync_free.py); the CPU kernel (kernels/cpu/row_sums.cpp)
-// sorts each sample's tokens by id and streams each run of equal ids through one [d] float64
-// accumulator, so it holds no [c, U, d] rows and does T d work per sample: less than the ghost
-// path's 2 T^2 d in both time and memory, and the CPU takes this path whatever the shape (Note
-// [ghost or direct]: embedding_uses_ghost). A padding token's row is skipped, never read into a
+// private backward never waits on the device: tests/python/test_sync_free.py); the CPU kernel
+// (kernels/cpu/row_sums.cpp), and on CUDA kernels/cuda/row_sums.cu for T <= 2048, sort each
+// sample's tokens by id and stream each run of equal ids through one [d] float64 accumulator
+// (per column, on CUDA), so they hold no [c, U, d] rows and do T d work per sample: less than the
+// ghost path's 2 T^2 d in both time and memory, and the CPU takes this path whatever the shape
+// (Note [ghost or direct]: embedding_uses_ghost). A padding token's row is skipped, never read into a
 // sum, so a NaN there reaches nothing.
 
 // ids [B, T] int64, G [B, T, d] -> (q [B], S [B]) float64 (Note [embedding rows]); pad >= 0, or
@@ -1049,7 +1051,7 @@ inline std::tuple<at::Tensor, at::Tensor> embedding_rows_generic(const at::Tenso
   const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
   at::Tensor q = at::empty({b}, g.options().dtype(at::kDouble));
   at::Tensor s = at::empty({b}, g.options().dtype(at::kDouble));
-  const int64_t chunk = samples_per_pass_chunk(b, 8 * (4 * t * d + 2 * t) + 48 * t);
+  const int64_t chunk = samples_per_pass_chunk(b, 8 * (4 * t * d + 2 * t) + 48 * t, g.is_cpu());
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk), c = i1 - i0;
     const at::Tensor id = ids.slice(0, i0, i1);                            // [c, T]

@@ -404,6 +404,52 @@ def test_embedding_rows_are_the_float64_row_sums(device, case):
     torch.testing.assert_close(s.cpu(), s_want, rtol=1e-13, atol=0)
 
 
+# [B, T, d]: one row, rows past one flush of the CUDA kernel's row squares (32), columns over one
+# tile (256) and not a multiple of it, a sample count past one warp.
+ROW_SHAPES = [(3, 1, 5), (2, 40, 300), (33, 7, 256), (4, 65, 513)]
+
+
+@device_param
+@dtype_param
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("norm", [None, "layer", "rms"])
+def test_row_sums_are_the_float64_row_sums(device, dtype, shape, norm):
+    # The raw direct-path values of Note [row sums] against float64 sums done here: sums = sum_t
+    # of each sample's rows and S = sum_t ||row_t||, the rows being G (biases) or G * x-hat with
+    # x-hat normalised in float64 (norm layers' weights): the values the certified bound relies on.
+    x, G = rand(shape, dtype, device, 31), rand(shape, dtype, device, 32)
+    g64 = f64(G)
+    if norm is None:
+        sums, s = ops._row_sums(G)
+        rows = g64
+    else:
+        eps, rms = 1e-5, norm == "rms"
+        sums, s = ops._norm_row_sums(x, G, eps, rms)
+        x64 = f64(x)
+        centred = x64 if rms else x64 - x64.mean(-1, keepdim=True)
+        rows = g64 * centred / (centred.square().mean(-1, keepdim=True) + eps).sqrt()
+    assert sums.dtype == s.dtype == torch.float64 and sums.device.type == device
+    torch.testing.assert_close(sums.cpu(), rows.sum(1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(s.cpu(), rows.norm(dim=2).sum(1), rtol=1e-12, atol=0)
+
+
+@device_param
+def test_embedding_rows_past_one_blocks_sort_are_the_float64_row_sums(device):
+    # CUDA sorts a sample's tokens in one block up to T = 2048 and takes the generic version past
+    # it; both against the float64 sums, with repeated ids and padding.
+    b, t, v, d, pad = 2, 2100, 37, 5, 4
+    g = torch.Generator().manual_seed(41)
+    ids = torch.randint(0, v, (b, t), generator=g)
+    G = torch.randn(b, t, d, generator=g)
+    q, s = ops._embedding_rows(ids.to(device), G.to(device), v, pad)
+    g64 = G.double()
+    for i in range(b):
+        want_q = sum(g64[i][ids[i] == u].sum(0).square().sum() for u in set(ids[i].tolist()) - {pad})
+        torch.testing.assert_close(q[i].cpu(), want_q, rtol=1e-12, atol=0)
+        torch.testing.assert_close(s[i].cpu(), g64[i][ids[i] != pad].norm(dim=1).sum(), rtol=1e-12,
+                                   atol=0)
+
+
 @device_param
 @dtype_param
 @pytest.mark.parametrize("case", EMB_CASES, ids=EMB_IDS)

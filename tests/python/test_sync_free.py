@@ -47,7 +47,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 BACKWARD_SOURCES = ["src/dp/dp_layers.cpp", "src/dp/book.cpp", "src/dp/layer_ops.cpp",
                     "src/dp/layer_ops.h", "src/dp/clip_group.cpp", "src/dp/clip_group.h",
                     "kernels/per_sample_ops.h", "kernels/per_sample_checks.h",
-                    "kernels/cuda/ghost_norm.cu", "kernels/ghost_gemm.cpp",
+                    "kernels/cuda/ghost_norm.cu", "kernels/cuda/row_sums.cu",
+                    "kernels/ghost_gemm.cpp",
                     "kernels/cuda/clip_factors.cu", "kernels/cuda/noise.cu",
                     "kernels/cuda/secure_noise.cu", "kernels/cuda/noise_runs.cuh",
                     "src/zero/state.cpp", "src/zero/param_group.cpp", "src/zero/shard_noise.cpp"]

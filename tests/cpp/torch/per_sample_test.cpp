@@ -24,7 +24,9 @@
 namespace dpzero {
 namespace {
 
+using testing::cuda_available;
 using testing::devices;
+using testing::kNoCuda;
 
 at::Tensor linear_sq_norms(const at::Tensor& a, const at::Tensor& g, bool bias, int64_t method) {
   static const auto op =
@@ -288,6 +290,65 @@ TEST(PerSampleEmbedding, GenericRowsMatchTheCpuKernel) {
       EXPECT_EQ(q_cpu[0].item<double>(), 0.0);
       EXPECT_EQ(s_cpu[0].item<double>(), 0.0);
     }
+  }
+}
+
+// The CUDA row kernels (kernels/cuda/row_sums.cu) against the CPU kernels, an independent
+// implementation: the same sums and S to float64 rounding (only the order of the row squares'
+// reduction differs), for biases, LayerNorm and RMSNorm rows and embedding rows; shapes past one
+// tile of columns, one flush of rows and one warp of samples; 16-bit inputs; padding-only samples
+// and NaN in padding rows (never read); T past one block's sort (the generic version). A second
+// run repeats the first bit for bit (no atomics).
+TEST(PerSampleRows, CudaKernelsMatchTheCpuKernels) {
+  if (!cuda_available()) GTEST_SKIP() << kNoCuda;
+  namespace ps = kernels::per_sample;
+  at::manual_seed(13);
+  auto close = [](const at::Tensor& cuda, const at::Tensor& cpu) {
+    return at::allclose(cuda.cpu(), cpu, 1e-12, 1e-300);
+  };
+  struct Shape {
+    int64_t b, t, d;
+  };
+  for (const Shape c : {Shape{3, 1, 5}, Shape{2, 40, 300}, Shape{33, 7, 256}, Shape{4, 65, 513}}) {
+    for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      const at::Tensor x = at::randn({c.b, c.t, c.d}).to(dtype);
+      const at::Tensor g = at::randn({c.b, c.t, c.d}).to(dtype);
+      const auto [sums, s] = ps::row_sums(g);
+      const auto [sums_c, s_c] = ps::row_sums(g.cuda());
+      EXPECT_TRUE(close(sums_c, sums) && close(s_c, s)) << "row sums " << c.b << "x" << c.t << "x"
+                                                        << c.d << " " << dtype;
+      const auto [again, s_again] = ps::row_sums(g.cuda());
+      EXPECT_TRUE(at::equal(again, sums_c) && at::equal(s_again, s_c));
+      for (const bool rms : {false, true}) {
+        const auto [nsums, ns] = ps::norm_row_sums(x, g, 1e-5, rms);
+        const auto [nsums_c, ns_c] = ps::norm_row_sums(x.cuda(), g.cuda(), 1e-5, rms);
+        EXPECT_TRUE(close(nsums_c, nsums) && close(ns_c, ns))
+            << "norm rows rms=" << rms << " " << c.b << "x" << c.t << "x" << c.d << " " << dtype;
+      }
+    }
+  }
+  // A float32 activation with a bfloat16 gradient: both read as float32.
+  const at::Tensor x = at::randn({2, 9, 17}), g = at::randn({2, 9, 17}).to(at::kBFloat16);
+  const auto [msums, ms] = ps::norm_row_sums(x, g, 1e-5, false);
+  const auto [msums_c, ms_c] = ps::norm_row_sums(x.cuda(), g.cuda(), 1e-5, false);
+  EXPECT_TRUE(close(msums_c, msums) && close(ms_c, ms));
+  struct Emb {
+    int64_t b, t, v, d, pad;
+  };
+  for (const Emb c : {Emb{5, 9, 4, 6, 0}, Emb{3, 1, 5, 3, -1}, Emb{2, 40, 50, 300, 3},
+                      Emb{40, 33, 3, 5, 2}, Emb{2, 2100, 37, 5, 4}}) {
+    at::Tensor ids = at::randint(c.v, {c.b, c.t}, at::kLong);
+    at::Tensor g = at::randn({c.b, c.t, c.d}, at::kFloat);
+    if (c.pad >= 0) {
+      ids[0].fill_(c.pad);  // a sample of padding only: q = S = 0
+      g.masked_fill_((ids == c.pad).unsqueeze(-1), std::numeric_limits<float>::quiet_NaN());
+    }
+    const auto [q, s] = ps::embedding_rows(ids, g, c.v, c.pad);
+    const auto [q_c, s_c] = ps::embedding_rows(ids.cuda(), g.cuda(), c.v, c.pad);
+    EXPECT_TRUE(close(q_c, q) && close(s_c, s)) << "embedding rows b=" << c.b << " t=" << c.t
+                                                << "\n" << q_c << q;
+    const auto [q_again, s_again] = ps::embedding_rows(ids.cuda(), g.cuda(), c.v, c.pad);
+    EXPECT_TRUE(at::equal(q_again, q_c) && at::equal(s_again, s_c));
   }
 }
 

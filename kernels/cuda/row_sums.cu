@@ -1,0 +1,426 @@
+// kernels/cuda/row_sums.cu — CUDA implementations of dpzero::_row_sums, dpzero::_norm_row_sums and
+// dpzero::_embedding_rows (schemas in kernels/ops.cpp; Note [row sums] and Note [embedding rows]
+// in kernels/per_sample_ops.h, whose generic ATen versions these replace on CUDA).
+//
+// One pass over the inputs for all B samples, with no float64 copies and no loop over samples:
+//  * norm rows only (_norm_row_sums): norm_stats_kernel, one warp per row, computes each row's
+//    mean and 1 / sqrt(var + eps) in float64 with the CPU kernel's two-pass variance (the mean,
+//    then the mean of squared deviations; RMSNorm: the mean of squares) -> stats [B, T, 2];
+//  * row_pass_kernel: block (tile, i) owns sample i's columns [kCols tile, kCols (tile + 1)), a
+//    thread one column. The thread adds its column's T entries into a float64 register in row
+//    order (each entry of the sums is a length-T sum of depth T - 1, the e = gamma_T of Note
+//    [certified norms]) and squares each entry; a row's squares are reduced over the block's
+//    columns (warp shuffles, then the warps' partials in a fixed order) into row_sq [B, tiles, T];
+//  * finish_kernel, one block per sample: S_i = sum_t sqrt(sum_tile row_sq[i, tile, t]), a sum of
+//    non-negative terms in a fixed tree.
+// Entries are read as float32 (bfloat16 / float16 widened exactly) and converted to float64
+// once; a norm row's entry is G * ((x - mean) * rstd), the CPU kernel's expression.
+//
+// Embedding rows, as the CPU kernel: sort_tokens_kernel, one block per sample, sorts the
+// sample's non-padding tokens by (id, position) in shared memory (bitonic, T <= kMaxSortRows; a
+// longer sample takes the generic version) -> order [B, T], ids [B, T], count [B]; then
+// embedding_pass_kernel walks the sorted tokens as the row pass walks rows, with one float64
+// accumulator per column and run of equal ids (added in position order: depth <= T - 1), adding
+// its square to the column's q when the run ends; finish_kernel sums the tiles' q and the real
+// tokens' row norms. Padding tokens are never read, so a NaN in their rows reaches nothing.
+//
+// No atomics: runs repeat bit for bit. Launches per call: 2 (_row_sums), 3 (_norm_row_sums and
+// _embedding_rows), whatever B.
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "kernels/per_sample_checks.h"
+#include "kernels/per_sample_ops.h"
+
+namespace dpzero::kernels {
+namespace {
+
+constexpr int kCols = 256;  // threads of a block: one column each (row pass), rows (finish)
+constexpr int kWarps = kCols / 32;
+constexpr int kRowsPerFlush = 32;      // rows whose squares a block gathers between two barriers
+constexpr int64_t kMaxGridY = 65535;   // samples per launch of the row pass (gridDim.y limit)
+constexpr int64_t kMaxSortRows = 2048;  // tokens a block sorts in shared memory (24 KiB)
+
+template <typename scalar_t>
+__device__ __forceinline__ double as_f64(const scalar_t* p) {
+  return static_cast<double>(static_cast<float>(*p));
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+  return v;  // lane 0 holds the warp's sum
+}
+
+// x [rows, d] -> stats [rows, 2] float64: (mean, 1 / sqrt(var + eps)) per row, mean 0 for RMSNorm
+// (var is then the mean of squares). One warp per row.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kCols)
+    norm_stats_kernel(const scalar_t* __restrict__ x, int64_t rows, int64_t d, double eps, bool rms,
+                      double* __restrict__ stats) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (row >= rows) return;  // a whole warp leaves together
+  const scalar_t* xr = x + row * d;
+  const double inv_d = d > 0 ? 1.0 / static_cast<double>(d) : 0.0;
+  double mean = 0.0;
+  if (!rms) {
+    double s = 0.0;
+    for (int64_t k = lane; k < d; k += 32) s += as_f64(xr + k);
+    mean = __shfl_sync(0xffffffffu, warp_sum(s), 0) * inv_d;
+  }
+  double v = 0.0;
+  for (int64_t k = lane; k < d; k += 32) {
+    const double c = as_f64(xr + k) - mean;
+    v += c * c;
+  }
+  v = warp_sum(v);
+  if (lane == 0) {
+    stats[2 * row] = mean;
+    stats[2 * row + 1] = 1.0 / sqrt(v * inv_d + eps);
+  }
+}
+
+// g, x [B, T, d] (x and stats only when kNorm), stats [B, T, 2] -> sums [B, d] float64 (sum_t of
+// the rows' entries) and row_sq [B, tiles, T] float64 (each row's squared norm over the tile's
+// columns). Grid (tiles, samples of this launch); the pointers start at the launch's first sample.
+template <typename scalar_t, bool kNorm>
+__global__ void __launch_bounds__(kCols)
+    row_pass_kernel(const scalar_t* __restrict__ g, const scalar_t* __restrict__ x,
+                    const double* __restrict__ stats, int64_t t_len, int64_t d, int64_t num_tiles,
+                    double* __restrict__ sums, double* __restrict__ row_sq) {
+  __shared__ double part[kWarps][kRowsPerFlush];
+  const int64_t i = blockIdx.y, tile = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t k = tile * kCols + threadIdx.x;
+  const bool active = k < d;
+  const scalar_t* gi = g + i * t_len * d;
+  const scalar_t* xi = kNorm ? x + i * t_len * d : nullptr;
+  const double* st = kNorm ? stats + i * t_len * 2 : nullptr;
+  double* sq = row_sq + (i * num_tiles + tile) * t_len;
+  double acc = 0.0;
+  for (int64_t r0 = 0; r0 < t_len; r0 += kRowsPerFlush) {
+    const int rows = static_cast<int>(t_len - r0 < kRowsPerFlush ? t_len - r0 : kRowsPerFlush);
+    for (int j = 0; j < rows; ++j) {
+      const int64_t r = r0 + j;
+      double e = 0.0;
+      if (active) {
+        e = as_f64(gi + r * d + k);
+        if (kNorm) e = e * ((as_f64(xi + r * d + k) - st[2 * r]) * st[2 * r + 1]);
+      }
+      acc += e;
+      const double q = warp_sum(e * e);
+      if (lane == 0) part[warp][j] = q;
+    }
+    __syncthreads();
+    if (threadIdx.x < rows) {
+      double q = 0.0;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) q += part[w][threadIdx.x];
+      sq[r0 + threadIdx.x] = q;
+    }
+    __syncthreads();  // part is rewritten by the next rows
+  }
+  if (active) sums[i * d + k] = acc;
+}
+
+// row_sq [B, tiles, T] -> s [B] float64: S_i = sum_{t < n_i} sqrt(sum_tile row_sq[i, tile, t]),
+// n_i = count[i] (T when count is null); and, when q_part [B, tiles] is given, q [B] = its sums
+// over the tiles. One block per sample.
+__global__ void __launch_bounds__(kCols)
+    finish_kernel(const double* __restrict__ row_sq, const int* __restrict__ count, int64_t t_len,
+                  int64_t num_tiles, double* __restrict__ s, const double* __restrict__ q_part,
+                  double* __restrict__ q) {
+  __shared__ double part[kWarps];
+  const int64_t i = blockIdx.x;
+  const int64_t n = count != nullptr ? count[i] : t_len;
+  const double* rq = row_sq + i * num_tiles * t_len;
+  double acc = 0.0;
+  for (int64_t r = threadIdx.x; r < n; r += kCols) {
+    double sq = 0.0;
+    for (int64_t tile = 0; tile < num_tiles; ++tile) sq += rq[tile * t_len + r];
+    acc += sqrt(sq);
+  }
+  acc = warp_sum(acc);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += part[w];
+    s[i] = total;
+    if (q_part != nullptr) {
+      double qi = 0.0;
+      for (int64_t tile = 0; tile < num_tiles; ++tile) qi += q_part[i * num_tiles + tile];
+      q[i] = qi;
+    }
+  }
+}
+
+// ids [B, T] int64 -> per sample, its non-padding tokens sorted by (id, position): order [B, T]
+// int32 (positions), sorted [B, T] int64 (their ids), count [B] int32 (how many); entries past
+// count are left unwritten. One block per sample; shared memory: P int64 ids and P int32
+// positions, P = the power of two >= T. A padding token, and the fill up to P, carry a position
+// >= T and sort after every real token.
+__global__ void __launch_bounds__(kCols)
+    sort_tokens_kernel(const int64_t* __restrict__ ids, int64_t t_len, int p, int64_t pad,
+                       int* __restrict__ order, int64_t* __restrict__ sorted,
+                       int* __restrict__ count) {
+  extern __shared__ unsigned char smem[];
+  int64_t* key = reinterpret_cast<int64_t*>(smem);
+  int* pos = reinterpret_cast<int*>(key + p);
+  __shared__ int real;
+  const int64_t i = blockIdx.x;
+  const int64_t* id = ids + i * t_len;
+  if (threadIdx.x == 0) real = 0;
+  __syncthreads();
+  int mine = 0;
+  for (int t = threadIdx.x; t < p; t += kCols) {
+    const bool is_real = t < t_len && id[t] != pad;
+    key[t] = t < t_len ? id[t] : 0;
+    pos[t] = is_real ? t : static_cast<int>(t_len) + t;
+    mine += is_real ? 1 : 0;
+  }
+  atomicAdd(&real, mine);  // an integer count: the same whatever the order
+  __syncthreads();
+  // (real first, id, position) ascending: a skipped entry's position is >= T.
+  auto before = [&](int a, int b) {
+    const bool ra = pos[a] < t_len, rb = pos[b] < t_len;
+    if (ra != rb) return ra;
+    if (ra && key[a] != key[b]) return key[a] < key[b];
+    return pos[a] < pos[b];
+  };
+  for (int k = 2; k <= p; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int t = threadIdx.x; t < p; t += kCols) {
+        const int u = t ^ j;
+        if (u > t) {
+          const bool ascending = (t & k) == 0;
+          if (ascending == before(u, t)) {
+            const int64_t kt = key[t];
+            key[t] = key[u];
+            key[u] = kt;
+            const int pt = pos[t];
+            pos[t] = pos[u];
+            pos[u] = pt;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  const int n = real;
+  for (int k = threadIdx.x; k < n; k += kCols) {
+    order[i * t_len + k] = pos[k];
+    sorted[i * t_len + k] = key[k];
+  }
+  if (threadIdx.x == 0) count[i] = n;
+}
+
+// g [B, T, d], the sort's order / sorted / count -> q_part [B, tiles] (the tile's columns' share of
+// sum_v ||r_v||^2) and row_sq [B, tiles, T] (entry k: the squared norm over the tile's columns of
+// the k-th sorted token's row). Grid (tiles, samples of this launch), pointers at its first sample.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kCols)
+    embedding_pass_kernel(const scalar_t* __restrict__ g, const int* __restrict__ order,
+                          const int64_t* __restrict__ sorted, const int* __restrict__ count,
+                          int64_t t_len, int64_t d, int64_t num_tiles, double* __restrict__ q_part,
+                          double* __restrict__ row_sq) {
+  __shared__ double part[kWarps][kRowsPerFlush];
+  const int64_t i = blockIdx.y, tile = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t k = tile * kCols + threadIdx.x;
+  const bool active = k < d;
+  const scalar_t* gi = g + i * t_len * d;
+  const int* ord = order + i * t_len;
+  const int64_t* sid = sorted + i * t_len;
+  const int64_t n = count[i];
+  double* sq = row_sq + (i * num_tiles + tile) * t_len;
+  double acc = 0.0, q = 0.0;
+  for (int64_t r0 = 0; r0 < n; r0 += kRowsPerFlush) {
+    const int rows = static_cast<int>(n - r0 < kRowsPerFlush ? n - r0 : kRowsPerFlush);
+    for (int j = 0; j < rows; ++j) {
+      const int64_t r = r0 + j;
+      const double e = active ? as_f64(gi + static_cast<int64_t>(ord[r]) * d + k) : 0.0;
+      acc += e;
+      const double rq = warp_sum(e * e);
+      if (lane == 0) part[warp][j] = rq;
+      if (r + 1 == n || sid[r + 1] != sid[r]) {  // the run of this id ends here
+        q += acc * acc;
+        acc = 0.0;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < rows) {
+      double v = 0.0;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) v += part[w][threadIdx.x];
+      sq[r0 + threadIdx.x] = v;
+    }
+    __syncthreads();
+  }
+  q = warp_sum(q);
+  if (lane == 0) part[warp][0] = q;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += part[w][0];
+    q_part[i * num_tiles + tile] = total;
+  }
+}
+
+template <typename F>
+void with_scalar_type(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kBFloat16:
+      f(at::BFloat16{});
+      break;
+    case at::kHalf:
+      f(at::Half{});
+      break;
+    default:
+      TORCH_CHECK(false, "dpzero row sums: unsupported dtype ", t);
+  }
+}
+
+// g [B, T, d] (and x, when norm, of g's dtype), contiguous -> (sums [B, d], S [B]) float64.
+std::tuple<at::Tensor, at::Tensor> launch_row_sums(const at::Tensor& g, const at::Tensor& x,
+                                                   double eps, bool rms, bool norm) {
+  const c10::cuda::CUDAGuard guard(g.device());
+  const int64_t b = g.size(0), t_len = g.size(1), d = g.size(2);
+  const auto f64 = g.options().dtype(at::kDouble);
+  if (b == 0 || t_len == 0 || d == 0) return {at::zeros({b, d}, f64), at::zeros({b}, f64)};
+  const int64_t num_tiles = (d + kCols - 1) / kCols;
+  at::Tensor sums = at::empty({b, d}, f64);
+  at::Tensor s = at::empty({b}, f64);
+  at::Tensor row_sq = at::empty({b, num_tiles, t_len}, f64);
+  at::Tensor stats = norm ? at::empty({b, t_len, 2}, f64) : at::Tensor();
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  with_scalar_type(g.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* pg = g.data_ptr<scalar_t>();
+    const scalar_t* px = norm ? x.data_ptr<scalar_t>() : nullptr;
+    double* pst = norm ? stats.data_ptr<double>() : nullptr;
+    if (norm) {
+      const int64_t rows = b * t_len;
+      norm_stats_kernel<scalar_t><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kCols,
+                                    0, stream>>>(px, rows, d, eps, rms, pst);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    for (int64_t b0 = 0; b0 < b; b0 += kMaxGridY) {
+      const int64_t nb = std::min(kMaxGridY, b - b0);
+      const dim3 grid(static_cast<unsigned>(num_tiles), static_cast<unsigned>(nb));
+      const int64_t off = b0 * t_len * d;
+      double* ps = sums.data_ptr<double>() + b0 * d;
+      double* pq = row_sq.data_ptr<double>() + b0 * num_tiles * t_len;
+      if (norm) {
+        row_pass_kernel<scalar_t, true><<<grid, kCols, 0, stream>>>(
+            pg + off, px + off, pst + b0 * t_len * 2, t_len, d, num_tiles, ps, pq);
+      } else {
+        row_pass_kernel<scalar_t, false><<<grid, kCols, 0, stream>>>(
+            pg + off, nullptr, nullptr, t_len, d, num_tiles, ps, pq);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  finish_kernel<<<static_cast<unsigned>(b), kCols, 0, stream>>>(
+      row_sq.data_ptr<double>(), nullptr, t_len, num_tiles, s.data_ptr<double>(), nullptr,
+      nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {sums, s};
+}
+
+// G [B, T, d] -> (sums [B, d] float64 = sum_t G_t, S [B] float64 = sum_t ||G_t||).
+std::tuple<at::Tensor, at::Tensor> row_sums_cuda(const at::Tensor& g) {
+  check_floating("_row_sums", "G", g);
+  TORCH_CHECK(g.dim() == 3, "dpzero::_row_sums: G must be [B, T, d], got shape ", g.sizes());
+  return launch_row_sums(g.contiguous(), at::Tensor(), 0.0, false, /*norm=*/false);
+}
+
+// x, G [B, T, d] -> (sums [B, d] float64 = sum_t G_t ⊙ x̂_t, S [B] float64 = sum_t ||G_t ⊙ x̂_t||).
+std::tuple<at::Tensor, at::Tensor> norm_row_sums_cuda(const at::Tensor& x, const at::Tensor& g,
+                                                      double eps, bool rms) {
+  check_floating("_norm_row_sums", "x", x);
+  check_floating("_norm_row_sums", "G", g);
+  TORCH_CHECK(x.dim() == 3 && x.sizes() == g.sizes(),
+              "dpzero::_norm_row_sums: x and G must both be [B, T, d], got ", x.sizes(), " and ",
+              g.sizes());
+  check_same_device("_norm_row_sums", "x", x, g, "G");
+  // One element type for both: mixed inputs (an fp32 activation under bf16 autocast) are both
+  // read as float32, which is exact for either.
+  const auto type = x.scalar_type() == g.scalar_type() ? g.scalar_type() : at::kFloat;
+  return launch_row_sums(g.to(type).contiguous(), x.to(type).contiguous(), eps, rms,
+                         /*norm=*/true);
+}
+
+// Note [embedding rows]: ids [B, T] int64, G [B, T, d] -> (q [B], S [B]) float64; pad >= 0, or -1
+// for none.
+std::tuple<at::Tensor, at::Tensor> embedding_rows_cuda(const at::Tensor& ids_in,
+                                                       const at::Tensor& g_in,
+                                                       int64_t num_embeddings, int64_t pad) {
+  check_embedding_rows_args(ids_in, g_in, num_embeddings, pad);
+  const int64_t b = g_in.size(0), t_len = g_in.size(1), d = g_in.size(2);
+  if (t_len > kMaxSortRows) {  // past what one block sorts: the generic version
+    return per_sample::embedding_rows_generic(ids_in, g_in, num_embeddings, pad);
+  }
+  const c10::cuda::CUDAGuard guard(g_in.device());
+  const auto f64 = g_in.options().dtype(at::kDouble);
+  if (b == 0 || t_len == 0 || d == 0) return {at::zeros({b}, f64), at::zeros({b}, f64)};
+  const at::Tensor ids = ids_in.contiguous(), g = g_in.contiguous();
+  const int64_t num_tiles = (d + kCols - 1) / kCols;
+  int p = 1;
+  while (p < t_len) p <<= 1;
+  const auto i32 = ids.options().dtype(at::kInt);
+  at::Tensor order = at::empty({b, t_len}, i32);
+  at::Tensor sorted = at::empty({b, t_len}, ids.options());
+  at::Tensor count = at::empty({b}, i32);
+  at::Tensor q_part = at::empty({b, num_tiles}, f64);
+  at::Tensor row_sq = at::empty({b, num_tiles, t_len}, f64);
+  at::Tensor q = at::empty({b}, f64);
+  at::Tensor s = at::empty({b}, f64);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const size_t smem = static_cast<size_t>(p) * (sizeof(int64_t) + sizeof(int));
+  sort_tokens_kernel<<<static_cast<unsigned>(b), kCols, smem, stream>>>(
+      ids.data_ptr<int64_t>(), t_len, p, pad, order.data_ptr<int>(), sorted.data_ptr<int64_t>(),
+      count.data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  with_scalar_type(g.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    for (int64_t b0 = 0; b0 < b; b0 += kMaxGridY) {
+      const int64_t nb = std::min(kMaxGridY, b - b0);
+      const dim3 grid(static_cast<unsigned>(num_tiles), static_cast<unsigned>(nb));
+      embedding_pass_kernel<scalar_t><<<grid, kCols, 0, stream>>>(
+          g.data_ptr<scalar_t>() + b0 * t_len * d, order.data_ptr<int>() + b0 * t_len,
+          sorted.data_ptr<int64_t>() + b0 * t_len, count.data_ptr<int>() + b0, t_len, d,
+          num_tiles, q_part.data_ptr<double>() + b0 * num_tiles,
+          row_sq.data_ptr<double>() + b0 * num_tiles * t_len);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  finish_kernel<<<static_cast<unsigned>(b), kCols, 0, stream>>>(
+      row_sq.data_ptr<double>(), count.data_ptr<int>(), t_len, num_tiles, s.data_ptr<double>(),
+      q_part.data_ptr<double>(), q.data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {q, s};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dpzero, CUDA, m) {
+  m.impl("_row_sums", &row_sums_cuda);
+  m.impl("_norm_row_sums", &norm_row_sums_cuda);
+  m.impl("_embedding_rows", &embedding_rows_cuda);
+}
+
+}  // namespace dpzero::kernels
