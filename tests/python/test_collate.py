@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import array
 import collections
+import io
+import sys
 import types
+import weakref
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -345,6 +349,120 @@ class _Deep:
         if len(examples) > 1:
             held["m"] = xs.mean(0)
         return out, torch.stack([e[1] for e in examples])
+
+
+def _kept_in(get, put):
+    """A collate applying the previous batch's mean (``get()``, None before any) and keeping this
+    one's (``put(mean)``)."""
+    def kept(examples):
+        xs = torch.stack([e[0] for e in examples])
+        held = get()
+        out = xs if held is None else xs - held
+        if len(examples) > 1:
+            put(xs.mean(0))
+        return out, torch.stack([e[1] for e in examples])
+    return kept
+
+
+_BYTES = bytearray(4 * D)
+_STREAM = io.BytesIO(bytes(4 * D))
+_TAGGED = torch.zeros(())
+_OBJECTS = np.empty(1, dtype=object)
+_OBJECTS[0] = []
+
+
+def _keeper():
+    held = None
+    while True:
+        new = yield held
+        held = held if new is None else new
+
+
+_GENERATOR = _keeper()
+next(_GENERATOR)
+
+
+def _from_bytes(data):
+    t = torch.frombuffer(bytearray(data), dtype=torch.float32).clone()
+    return t if t.any() else None
+
+
+def _into_stream(v):
+    _STREAM.seek(0)
+    _STREAM.write(v.numpy().tobytes())
+
+
+class _Hides:
+    """Hides its attributes from getattr."""
+
+    def __init__(self):
+        self.m = None
+
+    def __getattribute__(self, name):
+        if name == "__dict__":
+            raise AttributeError(name)
+        return object.__getattribute__(self, name)
+
+
+_HIDDEN = _Hides()
+class _Referent:
+    m = None
+
+
+_REFERENT = _Referent()
+_WEAK = weakref.WeakValueDictionary({"k": _REFERENT})
+_MORE_STATE = [
+    ("bytearray", _kept_in(lambda: _from_bytes(_BYTES),
+                           lambda v: _BYTES.__setitem__(slice(None), v.numpy().tobytes()))),
+    ("BytesIO", _kept_in(lambda: _from_bytes(_STREAM.getvalue()), _into_stream)),
+    ("tensor attribute", _kept_in(lambda: getattr(_TAGGED, "m", None),
+                                  lambda v: setattr(_TAGGED, "m", v))),
+    ("object array", _kept_in(lambda: _OBJECTS[0][-1] if _OBJECTS[0] else None,
+                              lambda v: _OBJECTS[0].append(v))),
+    ("generator", _kept_in(lambda: _GENERATOR.send(None), lambda v: _GENERATOR.send(v))),
+    ("hidden __dict__", _kept_in(lambda: _HIDDEN.m, lambda v: setattr(_HIDDEN, "m", v))),
+    ("weak reference", _kept_in(lambda: _WEAK["k"].m, lambda v: setattr(_WEAK["k"], "m", v))),
+]
+
+
+@pytest.mark.parametrize("name,collate", _MORE_STATE, ids=[n for n, _ in _MORE_STATE])
+def test_collate_state_in_any_python_container_is_refused(name, collate):
+    """A sixth review moved step 2's sum 2.71C with the previous batch's mean kept where the
+    state summary did not look: a bytearray, a BytesIO, an attribute set on a tensor, a list in
+    a numpy object array, a generator's frame, an object hiding its __dict__, a weak
+    reference's referent. Each is followed by its contents."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, D, generator=g), torch.randint(0, K, (16,), generator=g))
+    with pytest.raises(PrivacyViolation, match=r"changed its own state"):
+        _run(collate, model=nn.Linear(D, K), dataset=data)
+
+
+_MINE = None  # a module of the caller's own code (set by the test below)
+
+
+def _via_a_module(examples):
+    xs = torch.stack([e[0] for e in examples])
+    held = _MINE.HELD.get("m")
+    out = xs if held is None else xs - held
+    if len(examples) > 1:
+        _MINE.HELD["m"] = xs.mean(0)
+    return out, torch.stack([e[1] for e in examples])
+
+
+def test_collate_state_in_a_module_of_the_callers_code_is_refused(tmp_path, monkeypatch):
+    """The same kept in a global of the caller's own module (imported, not __main__), read
+    through the module: user modules are followed like user functions and classes (the sixth
+    review: 2.71C)."""
+    (tmp_path / "stats_of_mine.py").write_text("HELD = {}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import stats_of_mine
+
+    monkeypatch.setattr(sys.modules[__name__], "_MINE", stats_of_mine)
+    collate = _via_a_module
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, D, generator=g), torch.randint(0, K, (16,), generator=g))
+    with pytest.raises(PrivacyViolation, match=r"changed its own state"):
+        _run(collate, model=nn.Linear(D, K), dataset=data)
 
 
 @pytest.mark.parametrize("collate,message", [

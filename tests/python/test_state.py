@@ -459,3 +459,50 @@ def test_the_micro_batch_check_reads_nothing_on_the_host():
         guard.check_micro_batch()
     assert mode.reads == [], mode.reads
     assert "frozen parameter 'frozen'" in guard.verify_step()
+
+
+class _Hidden(nn.Module):
+    """A buffer that views the first half of a larger tensor; the forward keeps a micro-batch's
+    mean in the storage past the view (reached through the buffer's own storage) and reads it,
+    clearing it, at the next call. ``start``: calls before the relay begins."""
+
+    def __init__(self, start: int):
+        super().__init__()
+        self.fc = nn.Linear(D, K)
+        self.register_buffer("mem", torch.zeros(2 * D)[:D])
+        self.start, self.calls = start, 0
+
+    def forward(self, x):
+        self.calls += 1
+        hidden = torch.empty(0).set_(self.mem.untyped_storage(), D, (D,))
+        out = self.fc(x + hidden)
+        with torch.no_grad():
+            if self.calls > self.start and not bool(hidden.any()):
+                hidden.copy_(x.mean(0))
+            else:
+                hidden.zero_()
+        return out
+
+
+@pytest.mark.parametrize("isolation,message", [
+    ("detect", r"buffer 'mem'"),
+    ("strict", r"strict forward is refused .*buffer 'mem'")])
+def test_state_kept_past_a_buffers_view_is_refused(isolation, message):
+    """A sixth review moved a step 3.16C (2.14C under strict isolation) through the storage past
+    a buffer that views part of a larger tensor, which the checks compared only as far as the
+    view; torch.save of the state dict wrote that storage too. Buffers and frozen parameters
+    are checked over their whole storage, and strict isolation refuses any write in its forward,
+    also one a later example's forward undid."""
+    torch.manual_seed(0)
+    model = _Hidden(start=2)
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=1.0, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, optimizer="sgd", lr=0.1,
+                            seed=0, max_physical_batch_size=4, isolation=isolation)
+    with pytest.raises(PrivacyViolation, match=message):
+        for _ in range(3):
+            for x, y in p.data_loader:
+                F.cross_entropy(p.model(x), y).backward()
+                if p.optimizer.step():
+                    break
+    assert not bool(model.mem.untyped_storage().nbytes() and
+                    torch.empty(0).set_(model.mem.untyped_storage()).any())

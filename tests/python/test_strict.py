@@ -448,14 +448,16 @@ def test_a_per_call_output_used_past_its_rules_refuses(how, when):
 
 
 @pytest.mark.parametrize("how", ["own-detach", "own-centred", "logits-spread",
-                                 "backward-gradient", "batch-index", "copied-into-a-view"])
+                                 "backward-gradient", "batch-index", "copied-into-a-view",
+                                 "foreach-copy"])
 def test_a_per_call_output_weighted_by_the_batch_is_refused(how):
     """A third review: weights read off the batch passed for numbers (the model's outputs were
     plain tensors, a read of a per-call output a plain tensor): aux / aux.detach() moved the sum
     2.79C, aux * (aux.detach() - 3) 7.80C, a weight from logits.detach().std() 7.19C, a root
     gradient from aux.detach() 7.80C. Reads of per-call outputs come back tainted and the
     examples' outputs tagged, so none is a constant. A fifth: a weight copied into a view of a
-    plain tensor and read back through its base (4.20C); the base is tainted too."""
+    plain tensor and read back through its base (4.20C); the base is tainted too. A sixth: the
+    same copied by torch._foreach_copy_ into a list of plain tensors (4.20C)."""
     x, y = _features()
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(x, y)
@@ -477,10 +479,14 @@ def test_a_per_call_output_weighted_by_the_batch_is_refused(how):
             torch.autograd.backward([ce, aux], [torch.tensor(1.0), 100 * (aux.detach() - 3)])
         elif how == "batch-index":  # a per-call vector indexed by the batch's labels
             torch.stack([aux, 2 * aux])[yb.clamp(max=1)].sum()
-        else:
+        elif how == "copied-into-a-view":
             buf = torch.zeros(2)
             buf[0].copy_(10 * torch.tanh(aux.detach() - 50))
             ce + buf[0] * aux
+        else:
+            buf = torch.zeros(())
+            torch._foreach_copy_([buf], [10 * torch.tanh(aux.detach() - 50)])
+            ce + buf * aux
 
 
 class _WithTable(nn.Module):

@@ -25,10 +25,12 @@ not the copies'), and the collate function's own state must be the same after ev
 one example too, as before it (one that fits statistics on a batch and applies them to the next
 carries one batch's examples into another's rows). Its state is what ``_state`` reaches: the
 function's attributes and slots, the cells and globals it reads, and so on down through the
-helper functions and classes of the caller's own code and the globals their methods read;
-containers, tensors and arrays by their contents; state more than eight levels down by its
-pickled bytes where it pickles. Objects of compiled libraries without Python attributes, and
-unpicklable state below eight levels, are the library's and summarised by identity. Hugging Face
+helper functions, classes and modules of the caller's own code and the globals their methods
+read; containers, tensors (and attributes set on them), arrays, byte buffers, generators' frames
+and weak references' referents by their contents; state more than eight levels down by its
+pickled bytes where it pickles. Objects of compiled libraries without Python attributes,
+unpicklable state below eight levels and what Python cannot show (an lru_cache's entries) are
+the library's or out of reach, and summarised by identity. Hugging Face
 tokenizers' record of the warnings they gave once is not state: it holds fixed names, whatever
 the data. A collate function that draws random numbers for the batch (masked language
 modelling's masks) gives each example draws that depend on the others' number and lengths; it
@@ -47,12 +49,14 @@ import collections
 import copy
 import functools
 import hashlib
+import io
 import os
 import pickle
 import random
 import sys
 import sysconfig
 import types
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Optional, Sequence
 
@@ -196,13 +200,23 @@ def _state(obj, depth: int = _DEPTH, memo: Optional[Dict[int, int]] = None):
     ``depth`` levels down is summarised by its pickled bytes, or refused."""
     if isinstance(obj, torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
+            extra = getattr(obj, "__dict__", None)  # attributes set on the tensor
             return ("tensor", str(obj.dtype), tuple(obj.shape),
                     hashlib.blake2b(obj.detach().cpu().contiguous().numpy().tobytes()
                                     if obj.dtype != torch.bfloat16 else
                                     obj.detach().cpu().float().numpy().tobytes(),
-                                    digest_size=16).hexdigest())
+                                    digest_size=16).hexdigest(),
+                    _state(extra, depth - 1, memo) if extra and depth > 0 else None)
     if isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
         return obj
+    if isinstance(obj, (bytearray, memoryview)):
+        return (type(obj).__name__, hashlib.blake2b(bytes(obj), digest_size=16).hexdigest())
+    if isinstance(obj, io.BytesIO):
+        return ("BytesIO", hashlib.blake2b(obj.getvalue(), digest_size=16).hexdigest(),
+                obj.tell())
+    if getattr(obj, "dtype", None) is not None and getattr(obj.dtype, "hasobject", False):
+        return ("object array", getattr(obj, "shape", ()),  # tobytes would give pointers
+                _state(obj.tolist(), depth - 1, memo) if depth > 0 else _pickled(obj))
     if hasattr(obj, "tobytes") and (hasattr(obj, "dtype") or isinstance(obj, array.array)):
         return ("array", str(getattr(obj, "dtype", getattr(obj, "typecode", None))),
                 getattr(obj, "shape", ()), hashlib.blake2b(obj.tobytes(),
@@ -240,6 +254,17 @@ def _state(obj, depth: int = _DEPTH, memo: Optional[Dict[int, int]] = None):
                 _users(v)]  # a helper or class of the caller's own code is followed
         return ("function", obj.__qualname__, cells, inner(obj.__defaults__),
                 tuple((n, inner(v)) for n, v in read))
+    if isinstance(obj, types.ModuleType):  # a module of the caller's own code: its globals
+        if not _users(obj):
+            return ("module", obj.__name__)  # a library's: its own to keep
+        return ("module", obj.__name__, tuple(
+            (n, inner(v)) for n, v in sorted(vars(obj).items()) if not n.startswith("__") and
+            (not isinstance(v, (types.ModuleType, type, types.FunctionType)) or _users(v))))
+    if isinstance(obj, types.GeneratorType):  # its suspended frame's locals
+        frame = obj.gi_frame
+        return ("generator", obj.__qualname__, inner(dict(frame.f_locals)) if frame else None)
+    if isinstance(obj, weakref.ref):
+        return ("weakref", inner(obj()), inner(getattr(obj, "key", None)))
     if isinstance(obj, functools.partial):
         return ("partial", inner(obj.func, 0), inner(obj.args), inner(obj.keywords))
     if isinstance(obj, type):  # a class of the caller's own code: data and methods' globals
@@ -250,7 +275,10 @@ def _state(obj, depth: int = _DEPTH, memo: Optional[Dict[int, int]] = None):
             not isinstance(v, (property, staticmethod, classmethod))), tuple(
             (k.__qualname__, n, inner(f, 0)) for k in own
             for n, v in vars(k).items() for f in _functions(v)))
-    state = getattr(obj, "__dict__", None)
+    try:  # past a __getattribute__ that hides it
+        state = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        state = None
     if isinstance(state, dict) and type(obj).__module__.startswith("transformers.") and \
             "deprecation_warnings" in state:
         # Hugging Face tokenizers record the warnings they gave once (fixed names in
@@ -310,6 +338,8 @@ def _users(obj) -> bool:
     """Whether the function or class ``obj`` is the caller's own code (not the standard library
     or an installed package): its state is followed, a library's is not (it is the library's to
     keep per call, and following torch's would cost more than the collate)."""
+    if isinstance(obj, types.ModuleType):
+        return _users_module(obj.__name__)
     if not isinstance(obj, (type, types.FunctionType)):
         return False
     return _users_module(getattr(obj, "__module__", None) or "")

@@ -195,6 +195,10 @@ def _propagate(func, args, kwargs, out, before: Optional[int] = None):
     inplace = func in _INPLACE or (name.endswith("_") and not name.endswith("__"))
     if inplace and target is not None and not isinstance(target, Examples):
         _holds_examples(target, taint)  # u.copy_(x), u.add_(x): u now holds example data
+    if inplace and args and isinstance(args[0], (list, tuple)):  # _foreach_copy_([u], [x])
+        for u in args[0]:
+            if isinstance(u, torch.Tensor) and not isinstance(u, Examples):
+                _holds_examples(u, taint)
     if func is torch.nn.functional.embedding and _embedding_renorms(args, kwargs):
         _holds_examples(_argument(args, kwargs, 1, "weight"), taint)
     # An operand computed from the examples without being them (or aliasing memory handed out)

@@ -29,9 +29,10 @@ the rules never saw (an autograd Function's apply, reentrant checkpointing, ``as
 hook on the tensor) makes G differ from the promise, or arrive with none registered (a backward
 rooted elsewhere), and the step is refused. What neither sees is a weight copied out of the
 batch where the examples' tag cannot follow (``.item()``, ``.tolist()``, ``.numpy().copy()``, a
-pickle round trip, a copy into an ``nn.Parameter``): the limit Note [batch provenance] names for
-every copy of the batch's statistics. (A copy into a plain tensor, or a view of one, taints it
-and its base.)
+pickle round trip, a copy into an ``nn.Parameter``, ``torch.tensor(x)``, ``as_subclass``,
+assigning ``.data``, a gradient accumulated into a leaf, a copy of the storage, DLPack): the
+limit Note [batch provenance] names for every copy of the batch's statistics. (A copy into a
+plain tensor, a view of one or a list of them, ``_foreach_copy_``, taints it and its base.)
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ dpzero holds them fixed:
 
 * when the model is attached, every buffer is copied (buffers are small), and every frozen
   parameter's identity, a fingerprint computed on its device (``fingerprint``) and a digest
-  (BLAKE2b of its bytes) are recorded;
+  (BLAKE2b of its bytes) are recorded; of each, all of its storage (``_memory``), which torch.save
+  writes and a forward can reach past the view (a buffer that views part of a larger tensor),
+  unless a trained parameter shares that storage;
 * at every private step (``optimizer.step()`` of a logical batch's last micro-batch, before
   anything is charged) the buffers are compared with their copies bit for bit and the frozen
   parameters' fingerprints recomputed: one read of a device flag for all of them. Before each
@@ -106,6 +108,20 @@ def digest(t: torch.Tensor) -> bytes:
     return h.digest()
 
 
+def _memory(t: torch.Tensor) -> torch.Tensor:
+    """All of ``t``'s storage as a flat tensor of its dtype (of bytes where the storage is not a
+    whole number of its elements): what torch.save writes of it, and what a forward can reach
+    through it (``set_`` on its storage), beyond the elements ``t`` views. Itself when it has no
+    storage to view (a sparse or meta tensor)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return t
+        dtype = t.dtype if storage.nbytes() % t.element_size() == 0 else torch.uint8
+        return torch.empty(0, dtype=dtype, device=t.device).set_(storage)
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values as a flat uint8 tensor (a copy where ``t`` is not contiguous)."""
     with torch._C.DisableTorchFunctionSubclass():
@@ -177,6 +193,7 @@ class StateGuard:
         # read (structure, trained versions).
         self._pending: Optional[torch.Tensor] = None
         self._pending_problems: List[str] = []
+        self._trained_ptrs: Optional[set] = None  # the trained storages, during one check
         self._fix(None)
         self.record_trained()
 
@@ -201,6 +218,7 @@ class StateGuard:
         """Fixes the model's state as it is now: all of it (``names`` None), or the named
         tensors (the others keep what was fixed before). Changes an earlier micro-batch of the
         open logical batch made still refuse its step."""
+        self._trained_ptrs = None
         if self._pending is not None and bool(self._pending.any()):
             self._pending_problems.append("module state changed during an earlier micro-batch "
                                           "of this logical batch")
@@ -215,11 +233,12 @@ class StateGuard:
                 continue
             if e.buffer:
                 if id(e.tensor) not in copies:
-                    copies[id(e.tensor)] = _bytes(e.tensor).clone()
+                    copies[id(e.tensor)] = _bytes(self._memory(e.tensor)).clone()
                 e.copy = copies[id(e.tensor)]
             else:
                 if id(e.tensor) not in digests:
-                    digests[id(e.tensor)] = (digest(e.tensor), fingerprint(e.tensor, self.key))
+                    memory = self._memory(e.tensor)
+                    digests[id(e.tensor)] = (digest(memory), fingerprint(memory, self.key))
                 e.digest, e.fingerprint = digests[id(e.tensor)]
             entries.append(e)
         if names is not None:  # removed since, and not named: still a change
@@ -295,16 +314,17 @@ class StateGuard:
         """One device flag per entry (all of them, in order; a replaced or removed tensor's is
         False here, _structure names it): its buffer's bytes differ from the copy, or its frozen
         parameter's fingerprint changed. No host read."""
+        self._trained_ptrs = None
         flags = []
         for e in self.entries:
             if e.current() is not e.tensor:
                 flags.append(torch.zeros((), dtype=torch.bool, device=e.tensor.device))
             elif e.buffer:
-                now = _bytes(e.tensor)
+                now = _bytes(self._memory(e.tensor))
                 flags.append(torch.ones((), dtype=torch.bool, device=now.device)
                              if now.numel() != e.copy.numel() else (now != e.copy).any())
             else:
-                flags.append(fingerprint(e.tensor, self.key) != e.fingerprint)
+                flags.append(fingerprint(self._memory(e.tensor), self.key) != e.fingerprint)
         return flags
 
     def _changed(self, pending=None) -> List[_Entry]:
@@ -326,7 +346,7 @@ class StateGuard:
             flags = [bool(f) or bool(p) for f, p in zip(flags, pending)]
         return [e for e, f in zip(self.entries, flags)
                 if bool(f) and (e.buffer or pending is not None or e.current() is not e.tensor or
-                                digest(e.tensor) != e.digest)]
+                                digest(self._memory(e.tensor)) != e.digest)]
 
     def check_micro_batch(self) -> None:
         """Before a later micro-batch of a logical batch is handed out: what the earlier ones'
@@ -348,10 +368,24 @@ class StateGuard:
         """The open logical batch was dropped (its buffers were put back at each hand-out)."""
         self._pending, self._pending_problems = None, []
 
+    def _memory(self, t: torch.Tensor) -> torch.Tensor:
+        """What of ``t`` is checked: its whole storage (_memory), unless a trained parameter
+        shares that storage (its part beyond ``t`` is the optimizer's to write): then ``t``."""
+        with torch._C.DisableTorchFunctionSubclass():
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):
+                return t
+            if self._trained_ptrs is None:  # storages can move (ZeRO): one walk per check
+                self._trained_ptrs = {p.untyped_storage().data_ptr()
+                                      for p in self.model.parameters() if id(p) in self.trainable}
+            return t if ptr in self._trained_ptrs else _memory(t)
+
     def _changed_by_digest(self) -> List[_Entry]:
         """The frozen parameters whose digests changed (a release's exact check)."""
+        self._trained_ptrs = None
         return [e for e in self.entries if not e.buffer and e.current() is e.tensor
-                and digest(e.tensor) != e.digest]
+                and digest(self._memory(e.tensor)) != e.digest]
 
     def _text(self, what: str, problems: List[str], changed: List[_Entry]) -> str:
         return refusal_text(what, problems + [_describe(e.kind, e.name, e.owner)
@@ -359,6 +393,7 @@ class StateGuard:
 
     def restore_buffers(self, entries: Optional[Sequence[_Entry]] = None) -> None:
         """Puts the buffers (the given ones, or all) back to their copies, objects and values."""
+        self._trained_ptrs = None
         for e in (self.entries if entries is None else entries):
             if not e.buffer:
                 continue
@@ -366,7 +401,9 @@ class StateGuard:
                 e.owner._buffers[e.local] = e.tensor
             untag(e.tensor)
             with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-                e.tensor.copy_(e.copy.view(e.tensor.dtype).view(e.tensor.shape))
+                memory = _bytes(self._memory(e.tensor))
+                if memory.numel() == e.copy.numel():  # else resized: refused, cannot be put back
+                    memory.copy_(e.copy)
 
     def verify_step(self) -> Optional[str]:
         """At a private step (before anything is charged): why it is refused, or None. Changed
@@ -401,9 +438,10 @@ class StateGuard:
 # dispatch mode that sees every write by construction: each ATen call whose schema marks an
 # argument as written (in place, ``out=``, ``_foreach_*_``, ``copy_``), through any view or
 # alias, is checked against the storages of the model's buffers and frozen parameters, and the
-# state tensors on a written storage are copied before the first such write. Afterwards every
-# copied tensor whose bytes changed is put back, and so is a buffer or parameter replaced by
-# another object; the names of both are returned, and the root forward refuses the call (the
+# state tensors on a written storage are copied, all of their storage (a write may reach past a
+# view), before the first such write. Afterwards every copied tensor whose bytes changed is put
+# back (under strict isolation every written one counts, also one a later write undid), and so is
+# a buffer or parameter replaced by another object; the names of both are returned, and the root forward refuses the call (the
 # same forward wrote the same state in the real pass, which the step would refuse anyway: this
 # names it at the forward). The trainable parameters are the engine's (stage 3 gathers write
 # their storage), so they are not watched here.
@@ -430,8 +468,8 @@ class _CopyOnWrite(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):
             return
         for state in self.watched.get(ptr, ()):
-            if id(state) not in self.saved:
-                self.saved[id(state)] = _bytes(state).clone()
+            if id(state) not in self.saved:  # all of its storage: a write may go past the view
+                self.saved[id(state)] = _bytes(_memory(state)).clone()
 
 
 def _arguments(func, args, kwargs):
@@ -449,8 +487,12 @@ class ProbeWrites:
     manager that restores every buffer and frozen parameter the forward inside it writes or
     replaces; ``written`` then names them and ``described`` describes them."""
 
-    def __init__(self, model: nn.Module, trainable: Iterable[int]) -> None:
+    def __init__(self, model: nn.Module, trainable: Iterable[int],
+                 any_write: bool = False) -> None:
         self.model, self.trainable = model, frozenset(trainable)
+        # Every write counts, also one a later write undid (strict isolation: an example's
+        # forward that writes what the next one reads and clears); else a changed value.
+        self.any_write = any_write
         self.written: List[str] = []
         self.described: List[str] = []
 
@@ -490,9 +532,11 @@ class ProbeWrites:
                 tainted = type(t) is not torch.Tensor and not isinstance(t, nn.Parameter)
                 untag(t)
                 before = self.mode.saved.get(id(t))
-                if (before is not None and not torch.equal(_bytes(t), before)) or tainted:
-                    if before is not None:
-                        t.copy_(before.view(t.dtype).view(t.shape))
+                memory = _bytes(_memory(t))
+                if (before is not None and (self.any_write or not torch.equal(memory, before))) \
+                        or tainted:
+                    if before is not None and memory.numel() == before.numel():
+                        memory.copy_(before)
                     written.setdefault(name, what)
         self.written = sorted(written)
         self.described = [written[n] for n in self.written]

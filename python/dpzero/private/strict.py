@@ -397,7 +397,7 @@ class Strict:
         undone, and refuses the call, naming the tensors."""
         from .state_guard import ProbeWrites, refusal_text
 
-        watch = ProbeWrites(self.model, ())
+        watch = ProbeWrites(self.model, (), any_write=True)
         with watch:
             yield
         if watch.written:
