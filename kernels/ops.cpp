@@ -126,6 +126,10 @@ TORCH_LIBRARY(dpzero, m) {
   // kernels/per_sample_checks.h) and returns the previous one. A tiny budget makes the loops run
   // many chunks, the last one short.
   m.def("_set_chunk_bytes(int bytes) -> int");
+  // Tests only: CPU tensors take the branches a GPU takes where the per-sample ops choose by
+  // device for speed (Note [device path] in kernels/per_sample_checks.h); returns the previous
+  // setting.
+  m.def("_set_device_path(bool forced) -> bool");
   // Tests only: the CPU noise ops draw in AVX2 lanes (Note [cpu noise lanes] in
   // kernels/cpu/noise_simd.h) when `enabled` and the CPU has them, with the scalar header draw
   // otherwise; returns the previous setting.

@@ -18,6 +18,24 @@
 
 namespace dpzero::kernels {
 
+// Note [device path]
+// Where the per-sample ops choose by device for speed alone (certification as host loops, Note
+// [host certification]; clip factors and clipped sums on the host, Note [host factors]; asking
+// whether a sample was dropped; the embedding's ghost-or-direct rule; the size of pass chunks),
+// the CPU takes its branch through host_path(x) and every other device the device branch: the
+// same values by other operations. The internal op dpzero::_set_device_path (tests only) sends
+// CPU tensors down the device branches too, so that a test on a machine without a GPU can count
+// the operators and host reads of the path a GPU takes. One value for the whole process.
+inline std::atomic<bool>& device_path_forced() {
+  static std::atomic<bool> forced{false};
+  return forced;
+}
+
+// Whether `x` takes the host branch of a choice made for speed (Note [device path]).
+inline bool host_path(const at::Tensor& x) {
+  return x.is_cpu() && !device_path_forced().load(std::memory_order_relaxed);
+}
+
 // Note [ghost or direct]
 // A layer's per-sample squared gradient norm ||G_i^T A_i||_F^2 (A_i: [T, d_in], G_i: [T, d_out])
 // can be computed two ways:

@@ -287,7 +287,7 @@ inline double ghost_error_coefficient(int64_t T, int64_t d_in, int64_t d_out) {
 // call), they run as one scalar loop instead: the same IEEE operations, rounded the same way, so
 // the same bound; only q's summation order differs, which the bound covers.
 inline bool is_host_f64(const at::Tensor& x) {
-  return x.is_cpu() && x.scalar_type() == at::kDouble;
+  return host_path(x) && x.scalar_type() == at::kDouble;
 }
 
 // One float64 stepped one ulp toward +inf if positive (0, negatives, NaN, +inf unchanged).
@@ -451,7 +451,7 @@ inline std::vector<int64_t> sample_shape(const at::Tensor& x) {  // [c, 1, ..., 
 }
 
 // Whether some sample is dropped, answered "maybe" on CUDA where asking would cost a device sync.
-inline bool may_drop(const at::Tensor& keep) { return !keep.is_cpu() || !keep.all().item<bool>(); }
+inline bool may_drop(const at::Tensor& keep) { return !host_path(keep) || !keep.all().item<bool>(); }
 
 // x [c, ...] (float32 or float64) scaled by c_i per sample, with the rows of dropped samples set to
 // 0 (not multiplied by 0, which would keep a NaN). Returns a new tensor of x's dtype.
@@ -495,7 +495,7 @@ inline std::tuple<at::Tensor, at::Tensor> row_sums_generic(const at::Tensor& g) 
   const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
   at::Tensor sums = at::empty({b, d}, g.options().dtype(at::kDouble));
   at::Tensor s = at::empty({b}, g.options().dtype(at::kDouble));
-  const int64_t chunk = samples_per_pass_chunk(b, 8 * (2 * t * d + 2 * d + t), g.is_cpu());
+  const int64_t chunk = samples_per_pass_chunk(b, 8 * (2 * t * d + 2 * d + t), host_path(g));
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
     const at::Tensor g64 = f64(g.slice(0, i0, i1));
@@ -527,7 +527,7 @@ inline std::tuple<at::Tensor, at::Tensor> norm_row_sums_generic(const at::Tensor
   const int64_t b = x.size(0), t = x.size(1), d = x.size(2);
   at::Tensor sums = at::empty({b, d}, x.options().dtype(at::kDouble));
   at::Tensor s = at::empty({b}, x.options().dtype(at::kDouble));
-  const int64_t chunk = samples_per_pass_chunk(b, 48 * t * d + 16 * (t + d), x.is_cpu());
+  const int64_t chunk = samples_per_pass_chunk(b, 48 * t * d + 16 * (t + d), host_path(x));
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
     const at::Tensor terms = f64(g.slice(0, i0, i1)) * normalized(f64(x.slice(0, i0, i1)), eps, rms);
@@ -714,7 +714,7 @@ inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const a
 // kept(scale) where the clipped sums need it: undefined when everything is on the host (Note
 // [host factors]).
 inline at::Tensor device_kept(const at::Tensor& scale, const at::Tensor& a, const at::Tensor& g) {
-  return scale.is_cpu() && a.is_cpu() && g.is_cpu() ? at::Tensor() : kept(scale);
+  return host_path(scale) && host_path(a) && host_path(g) ? at::Tensor() : kept(scale);
 }
 
 // sum_i c_i sum_t G_{i,t}: [d] float32, summed in float64. G [B, T, d].
@@ -889,7 +889,8 @@ inline std::tuple<at::Tensor, at::Tensor> bias_per_sample(const at::Tensor& G) {
 // exactly nothing, even when its row holds NaN/Inf (Note [kept per-sample gradients]).
 // Whether per_sample_clipped_sum takes its host pass: float64 rows and float32 factors on the CPU.
 inline bool host_clipped_sum_applies(const at::Tensor& grads, const at::Tensor& scale) {
-  return grads.is_cpu() && grads.scalar_type() == at::kDouble && scale.scalar_type() == at::kFloat;
+  return host_path(grads) && grads.scalar_type() == at::kDouble &&
+         scale.scalar_type() == at::kFloat;
 }
 
 // The host pass: acc [d] = sum_i scale_i grads_i in float64, samples in order, the rows of
@@ -991,7 +992,7 @@ inline ClipResult linear_clip_direct(const at::Tensor& a, const at::Tensor& g, d
     auto [f_c, n_c] = clip_from_sq_norms(sq_c, max_norm, mode, gamma);
     // Factor 0 comes only with a non-finite norm; zero those samples' rows (0 * NaN = NaN). On
     // CPU only when there is one (the count is at hand); on CUDA always (asking would sync).
-    if (!per_sample.is_cpu() || n_c.item<int64_t>() > 0) {
+    if (!host_path(per_sample) || n_c.item<int64_t>() > 0) {
       per_sample.masked_fill_(at::logical_not(kept(f_c)).unsqueeze(1), 0);
     }
     grad_w.addmm_(f64(f_c).unsqueeze(0), per_sample);
@@ -1051,7 +1052,7 @@ inline std::tuple<at::Tensor, at::Tensor> embedding_rows_generic(const at::Tenso
   const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
   at::Tensor q = at::empty({b}, g.options().dtype(at::kDouble));
   at::Tensor s = at::empty({b}, g.options().dtype(at::kDouble));
-  const int64_t chunk = samples_per_pass_chunk(b, 8 * (4 * t * d + 2 * t) + 48 * t, g.is_cpu());
+  const int64_t chunk = samples_per_pass_chunk(b, 8 * (4 * t * d + 2 * t) + 48 * t, host_path(g));
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk), c = i1 - i0;
     const at::Tensor id = ids.slice(0, i0, i1);                            // [c, T]
@@ -1104,7 +1105,7 @@ inline at::Tensor flat_ids(const char* op, const at::Tensor& ids, int64_t num_em
   int64_t t = 1;
   for (int64_t k = 1; k < ids.dim(); ++k) t *= ids.size(k);
   at::Tensor flat = ids.reshape({ids.size(0), t}).to(at::kLong);
-  if (ids.is_cpu() && flat.numel() > 0) {
+  if (host_path(ids) && flat.numel() > 0) {
     const int64_t lo = flat.min().item<int64_t>(), hi = flat.max().item<int64_t>();
     TORCH_CHECK(lo >= 0 && hi < num_embeddings, "dpzero::", op,
                 ": ids must be in [0, num_embeddings) = [0, ", num_embeddings, "), got ",
@@ -1126,7 +1127,7 @@ inline at::Tensor embedding_sq_norms_f64(const char* op, const at::Tensor& ids, 
   const at::Tensor id = flat_ids(op, ids, num_embeddings);
   const at::Tensor g = embedding_grad_btd(G, id);
   const int64_t t = g.size(1), d = g.size(2);
-  if (embedding_uses_ghost(method, t, num_embeddings, d, g.is_cpu())) {
+  if (embedding_uses_ghost(method, t, num_embeddings, d, host_path(g))) {
     const auto [value, s] = token_ghost_sq_norms(id, g, pad);
     return certify_ghost(value, s, ghost_error_coefficient(t, 0, d));
   }

@@ -24,8 +24,11 @@
 // its square to the column's q when the run ends; finish_kernel sums the tiles' q and the real
 // tokens' row norms. Padding tokens are never read, so a NaN in their rows reaches nothing.
 //
-// No atomics: runs repeat bit for bit. Launches per call: 2 (_row_sums), 3 (_norm_row_sums and
-// _embedding_rows), whatever B.
+// No atomics: runs repeat bit for bit. nvcc fuses multiply-adds (an entry G x-hat added to its
+// sum, a square added to a row's): each product then goes unrounded into its sum, within the
+// bounds of Note [certified norms] (which assume an inner product with or without FMA), but not
+// bit for bit the CPU kernels' values. Launches per call: 2 (_row_sums), 3 (_norm_row_sums and
+// _embedding_rows), plus one row pass per further 65535 samples.
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
@@ -173,7 +176,7 @@ __global__ void __launch_bounds__(kCols)
     sort_tokens_kernel(const int64_t* __restrict__ ids, int64_t t_len, int p, int64_t pad,
                        int* __restrict__ order, int64_t* __restrict__ sorted,
                        int* __restrict__ count) {
-  extern __shared__ unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem[];
   int64_t* key = reinterpret_cast<int64_t*>(smem);
   int* pos = reinterpret_cast<int*>(key + p);
   __shared__ int real;

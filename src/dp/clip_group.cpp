@@ -20,7 +20,7 @@ constexpr double kPad = 1.0 + 1e-12;
 // Note [host certification] (kernels/per_sample_ops.h): on the host these [B] computations run
 // as one scalar loop each instead of a handful of ATen calls; the same IEEE operations, rounded
 // the same way.
-bool on_host(const at::Tensor& x) { return x.is_cpu() && x.is_contiguous(); }
+bool on_host(const at::Tensor& x) { return kernels::host_path(x) && x.is_contiguous(); }
 
 float f32_down(double x) {  // x >= 0
   const float f = static_cast<float>(x);

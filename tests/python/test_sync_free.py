@@ -57,8 +57,10 @@ BACKWARD_SOURCES = ["src/dp/dp_layers.cpp", "src/dp/book.cpp", "src/dp/layer_ops
 HOST_READ = re.compile(r"\.item\s*[<(]|\.cpu\(\)|\.tolist\(|\bnonzero\(|\.is_nonzero\(|"
                        r"\bequal\(|\b_?unique\w*\(|\bmasked_select\(|Synchronize\(|"
                        r"\.to\(\s*(?:at::|torch::)?kCPU")
-# The read happens only on the host: `x.is_cpu() && <read>`, or `!x.is_cpu() || <read>`.
-CPU_GUARD = re.compile(r"!\s*[\w.]+\.is_cpu\(\)\s*\|\||(?<![!\w.])[\w.]+\.is_cpu\(\)\s*&&")
+# The read happens only on the host: `x.is_cpu() && <read>`, or `!x.is_cpu() || <read>`, or the
+# same with host_path(x) (Note [device path] in kernels/per_sample_checks.h).
+CPU_GUARD = re.compile(r"!\s*(?:[\w.]+\.is_cpu\(\)|host_path\([\w.]+\))\s*\|\||"
+                       r"(?<![!\w.])(?:[\w.]+\.is_cpu\(\)|host_path\([\w.]+\))\s*&&")
 # Reads the step may make (after the backward, before the update): the dropped-sample count.
 STEP_READS = {("src/dp/book.cpp", "stats.dropped = dropped_.item<int64_t>()")}
 
