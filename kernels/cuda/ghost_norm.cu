@@ -76,6 +76,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "kernels/cuda/scalar_types.cuh"
 #include "kernels/ghost_gemm.h"
 #include "kernels/per_sample_checks.h"
 
@@ -292,24 +293,6 @@ __global__ void __launch_bounds__(kBlockSize)
   }
 }
 
-// Calls f with a value of the C++ type of `t` (float, at::BFloat16 or at::Half).
-template <typename F>
-void with_scalar_type(at::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat:
-      f(float{});
-      break;
-    case at::kBFloat16:
-      f(at::BFloat16{});
-      break;
-    case at::kHalf:
-      f(at::Half{});
-      break;
-    default:
-      TORCH_CHECK(false, "dpzero ghost norm: unsupported dtype ", t);
-  }
-}
-
 // The fused tiles with 16R-row tiles: a [B, T, d_in] (undefined when tokens), ids [B, T] int64
 // (tokens only), g [B, T, d_out], all contiguous, B >= 1, T >= 1 -> (value [B], S [B]) float64.
 template <int R>
@@ -326,7 +309,7 @@ std::tuple<at::Tensor, at::Tensor> launch_tiles(const at::Tensor& a, const at::T
   at::Tensor partial_s = at::empty({b, num_pairs}, g.options().dtype(at::kDouble));
   const auto stream = at::cuda::getCurrentCUDAStream();
   const dim3 block(kThreads, kThreads);
-  with_scalar_type(g.scalar_type(), [&](auto tag) {
+  with_scalar_type("ghost norm", g.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* pa = tokens ? nullptr : a.data_ptr<scalar_t>();
     const int64_t* pid = tokens ? ids.data_ptr<int64_t>() : nullptr;
@@ -360,7 +343,7 @@ std::tuple<at::Tensor, at::Tensor> launch_rank_one(const at::Tensor& a, const at
   at::Tensor value = at::empty({b}, g.options().dtype(at::kDouble));
   at::Tensor s = at::empty({b}, g.options().dtype(at::kDouble));
   const auto stream = at::cuda::getCurrentCUDAStream();
-  with_scalar_type(g.scalar_type(), [&](auto tag) {
+  with_scalar_type("ghost norm", g.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const dim3 grid(static_cast<unsigned>(b));
     if (tokens) {

@@ -39,6 +39,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "kernels/cuda/scalar_types.cuh"
 #include "kernels/per_sample_checks.h"
 #include "kernels/per_sample_ops.h"
 
@@ -60,6 +61,36 @@ __device__ __forceinline__ double warp_sum(double v) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
   return v;  // lane 0 holds the warp's sum
+}
+
+// Where a thread of the row and embedding passes stands: sample i of its launch (blockIdx.y), the
+// column tile (blockIdx.x), its column k (active while k < d), its lane and warp.
+struct ColumnThread {
+  int64_t i, tile, k;
+  int lane, warp;
+  bool active;
+  __device__ explicit ColumnThread(int64_t d)
+      : i(blockIdx.y),
+        tile(blockIdx.x),
+        k(static_cast<int64_t>(blockIdx.x) * kCols + threadIdx.x),
+        lane(static_cast<int>(threadIdx.x & 31)),
+        warp(static_cast<int>(threadIdx.x >> 5)),
+        active(k < d) {}
+};
+
+// Rows' squared norms, per warp in part[w][j] for the block's j < rows rows, added over the
+// warps in a fixed order into sq[j]. Every thread of the block calls it (two barriers; part is
+// free again afterwards).
+__device__ __forceinline__ void flush_row_squares(double (&part)[kWarps][kRowsPerFlush], int rows,
+                                                  double* __restrict__ sq) {
+  __syncthreads();
+  if (threadIdx.x < rows) {
+    double v = 0.0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += part[w][threadIdx.x];
+    sq[threadIdx.x] = v;
+  }
+  __syncthreads();
 }
 
 // x [rows, d] -> stats [rows, 2] float64: (mean, 1 / sqrt(var + eps)) per row, mean 0 for RMSNorm
@@ -100,38 +131,28 @@ __global__ void __launch_bounds__(kCols)
                     const double* __restrict__ stats, int64_t t_len, int64_t d, int64_t num_tiles,
                     double* __restrict__ sums, double* __restrict__ row_sq) {
   __shared__ double part[kWarps][kRowsPerFlush];
-  const int64_t i = blockIdx.y, tile = blockIdx.x;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t k = tile * kCols + threadIdx.x;
-  const bool active = k < d;
-  const scalar_t* gi = g + i * t_len * d;
-  const scalar_t* xi = kNorm ? x + i * t_len * d : nullptr;
-  const double* st = kNorm ? stats + i * t_len * 2 : nullptr;
-  double* sq = row_sq + (i * num_tiles + tile) * t_len;
+  const ColumnThread c(d);
+  const scalar_t* gi = g + c.i * t_len * d;
+  const scalar_t* xi = kNorm ? x + c.i * t_len * d : nullptr;
+  const double* st = kNorm ? stats + c.i * t_len * 2 : nullptr;
+  double* sq = row_sq + (c.i * num_tiles + c.tile) * t_len;
   double acc = 0.0;
   for (int64_t r0 = 0; r0 < t_len; r0 += kRowsPerFlush) {
     const int rows = static_cast<int>(t_len - r0 < kRowsPerFlush ? t_len - r0 : kRowsPerFlush);
     for (int j = 0; j < rows; ++j) {
       const int64_t r = r0 + j;
       double e = 0.0;
-      if (active) {
-        e = as_f64(gi + r * d + k);
-        if (kNorm) e = e * ((as_f64(xi + r * d + k) - st[2 * r]) * st[2 * r + 1]);
+      if (c.active) {
+        e = as_f64(gi + r * d + c.k);
+        if (kNorm) e = e * ((as_f64(xi + r * d + c.k) - st[2 * r]) * st[2 * r + 1]);
       }
       acc += e;
       const double q = warp_sum(e * e);
-      if (lane == 0) part[warp][j] = q;
+      if (c.lane == 0) part[c.warp][j] = q;
     }
-    __syncthreads();
-    if (threadIdx.x < rows) {
-      double q = 0.0;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) q += part[w][threadIdx.x];
-      sq[r0 + threadIdx.x] = q;
-    }
-    __syncthreads();  // part is rewritten by the next rows
+    flush_row_squares(part, rows, sq + r0);
   }
-  if (active) sums[i * d + k] = acc;
+  if (c.active) sums[c.i * d + c.k] = acc;
 }
 
 // row_sq [B, tiles, T] -> s [B] float64: S_i = sum_{t < n_i} sqrt(sum_tile row_sq[i, tile, t]),
@@ -237,63 +258,36 @@ __global__ void __launch_bounds__(kCols)
                           int64_t t_len, int64_t d, int64_t num_tiles, double* __restrict__ q_part,
                           double* __restrict__ row_sq) {
   __shared__ double part[kWarps][kRowsPerFlush];
-  const int64_t i = blockIdx.y, tile = blockIdx.x;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t k = tile * kCols + threadIdx.x;
-  const bool active = k < d;
-  const scalar_t* gi = g + i * t_len * d;
-  const int* ord = order + i * t_len;
-  const int64_t* sid = sorted + i * t_len;
-  const int64_t n = count[i];
-  double* sq = row_sq + (i * num_tiles + tile) * t_len;
+  const ColumnThread c(d);
+  const scalar_t* gi = g + c.i * t_len * d;
+  const int* ord = order + c.i * t_len;
+  const int64_t* sid = sorted + c.i * t_len;
+  const int64_t n = count[c.i];
+  double* sq = row_sq + (c.i * num_tiles + c.tile) * t_len;
   double acc = 0.0, q = 0.0;
   for (int64_t r0 = 0; r0 < n; r0 += kRowsPerFlush) {
     const int rows = static_cast<int>(n - r0 < kRowsPerFlush ? n - r0 : kRowsPerFlush);
     for (int j = 0; j < rows; ++j) {
       const int64_t r = r0 + j;
-      const double e = active ? as_f64(gi + static_cast<int64_t>(ord[r]) * d + k) : 0.0;
+      const double e = c.active ? as_f64(gi + static_cast<int64_t>(ord[r]) * d + c.k) : 0.0;
       acc += e;
       const double rq = warp_sum(e * e);
-      if (lane == 0) part[warp][j] = rq;
+      if (c.lane == 0) part[c.warp][j] = rq;
       if (r + 1 == n || sid[r + 1] != sid[r]) {  // the run of this id ends here
         q += acc * acc;
         acc = 0.0;
       }
     }
-    __syncthreads();
-    if (threadIdx.x < rows) {
-      double v = 0.0;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) v += part[w][threadIdx.x];
-      sq[r0 + threadIdx.x] = v;
-    }
-    __syncthreads();
+    flush_row_squares(part, rows, sq + r0);
   }
   q = warp_sum(q);
-  if (lane == 0) part[warp][0] = q;
+  if (c.lane == 0) part[c.warp][0] = q;
   __syncthreads();
   if (threadIdx.x == 0) {
     double total = 0.0;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) total += part[w][0];
-    q_part[i * num_tiles + tile] = total;
-  }
-}
-
-template <typename F>
-void with_scalar_type(at::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat:
-      f(float{});
-      break;
-    case at::kBFloat16:
-      f(at::BFloat16{});
-      break;
-    case at::kHalf:
-      f(at::Half{});
-      break;
-    default:
-      TORCH_CHECK(false, "dpzero row sums: unsupported dtype ", t);
+    q_part[c.i * num_tiles + c.tile] = total;
   }
 }
 
@@ -310,7 +304,7 @@ std::tuple<at::Tensor, at::Tensor> launch_row_sums(const at::Tensor& g, const at
   at::Tensor row_sq = at::empty({b, num_tiles, t_len}, f64);
   at::Tensor stats = norm ? at::empty({b, t_len, 2}, f64) : at::Tensor();
   const auto stream = at::cuda::getCurrentCUDAStream();
-  with_scalar_type(g.scalar_type(), [&](auto tag) {
+  with_scalar_type("row sums", g.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* pg = g.data_ptr<scalar_t>();
     const scalar_t* px = norm ? x.data_ptr<scalar_t>() : nullptr;
@@ -398,7 +392,7 @@ std::tuple<at::Tensor, at::Tensor> embedding_rows_cuda(const at::Tensor& ids_in,
       ids.data_ptr<int64_t>(), t_len, p, pad, order.data_ptr<int>(), sorted.data_ptr<int64_t>(),
       count.data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  with_scalar_type(g.scalar_type(), [&](auto tag) {
+  with_scalar_type("row sums", g.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     for (int64_t b0 = 0; b0 < b; b0 += kMaxGridY) {
       const int64_t nb = std::min(kMaxGridY, b - b0);
