@@ -59,7 +59,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -108,18 +108,29 @@ def digest(t: torch.Tensor) -> bytes:
     return h.digest()
 
 
-def _memory(t: torch.Tensor) -> torch.Tensor:
-    """All of ``t``'s storage as a flat tensor of its dtype (of bytes where the storage is not a
-    whole number of its elements): what torch.save writes of it, and what a forward can reach
-    through it (``set_`` on its storage), beyond the elements ``t`` views. Itself when it has no
-    storage to view (a sparse or meta tensor)."""
+def _memory(t: torch.Tensor, trained: Set[int] = frozenset()) -> torch.Tensor:
+    """What of state tensor ``t`` is checked: all of its storage, as a flat tensor of its dtype
+    (of bytes where the storage is not a whole number of its elements), which torch.save writes
+    and a forward can reach past the view (``set_`` on its storage); but ``t`` itself when a
+    trained parameter shares that storage (``trained``: their storages' data pointers; the part
+    beyond ``t`` is the optimizer's to write) or it has no storage to view (sparse, meta)."""
     with torch._C.DisableTorchFunctionSubclass():
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return t
+        if storage.data_ptr() in trained:
+            return t
         dtype = t.dtype if storage.nbytes() % t.element_size() == 0 else torch.uint8
         return torch.empty(0, dtype=dtype, device=t.device).set_(storage)
+
+
+def _trained_storages(model: nn.Module, trainable: FrozenSet[int]) -> Set[int]:
+    """The data pointers of the storages of ``model``'s trained parameters (ids ``trainable``),
+    now: storages can move (ZeRO), so each check takes them afresh."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return {p.untyped_storage().data_ptr() for p in model.parameters()
+                if id(p) in trainable}
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -193,7 +204,6 @@ class StateGuard:
         # read (structure, trained versions).
         self._pending: Optional[torch.Tensor] = None
         self._pending_problems: List[str] = []
-        self._trained_ptrs: Optional[set] = None  # the trained storages, during one check
         self._fix(None)
         self.record_trained()
 
@@ -218,7 +228,7 @@ class StateGuard:
         """Fixes the model's state as it is now: all of it (``names`` None), or the named
         tensors (the others keep what was fixed before). Changes an earlier micro-batch of the
         open logical batch made still refuse its step."""
-        self._trained_ptrs = None
+        trained = _trained_storages(self.model, self.trainable)
         if self._pending is not None and bool(self._pending.any()):
             self._pending_problems.append("module state changed during an earlier micro-batch "
                                           "of this logical batch")
@@ -233,11 +243,11 @@ class StateGuard:
                 continue
             if e.buffer:
                 if id(e.tensor) not in copies:
-                    copies[id(e.tensor)] = _bytes(self._memory(e.tensor)).clone()
+                    copies[id(e.tensor)] = _bytes(_memory(e.tensor, trained)).clone()
                 e.copy = copies[id(e.tensor)]
             else:
                 if id(e.tensor) not in digests:
-                    memory = self._memory(e.tensor)
+                    memory = _memory(e.tensor, trained)
                     digests[id(e.tensor)] = (digest(memory), fingerprint(memory, self.key))
                 e.digest, e.fingerprint = digests[id(e.tensor)]
             entries.append(e)
@@ -314,17 +324,17 @@ class StateGuard:
         """One device flag per entry (all of them, in order; a replaced or removed tensor's is
         False here, _structure names it): its buffer's bytes differ from the copy, or its frozen
         parameter's fingerprint changed. No host read."""
-        self._trained_ptrs = None
+        trained = _trained_storages(self.model, self.trainable)
         flags = []
         for e in self.entries:
             if e.current() is not e.tensor:
                 flags.append(torch.zeros((), dtype=torch.bool, device=e.tensor.device))
             elif e.buffer:
-                now = _bytes(self._memory(e.tensor))
+                now = _bytes(_memory(e.tensor, trained))
                 flags.append(torch.ones((), dtype=torch.bool, device=now.device)
                              if now.numel() != e.copy.numel() else (now != e.copy).any())
             else:
-                flags.append(fingerprint(self._memory(e.tensor), self.key) != e.fingerprint)
+                flags.append(fingerprint(_memory(e.tensor, trained), self.key) != e.fingerprint)
         return flags
 
     def _changed(self, pending=None) -> List[_Entry]:
@@ -344,9 +354,10 @@ class StateGuard:
                 return []
         elif pending is not None:
             flags = [bool(f) or bool(p) for f, p in zip(flags, pending)]
+        trained = _trained_storages(self.model, self.trainable)
         return [e for e, f in zip(self.entries, flags)
                 if bool(f) and (e.buffer or pending is not None or e.current() is not e.tensor or
-                                digest(self._memory(e.tensor)) != e.digest)]
+                                digest(_memory(e.tensor, trained)) != e.digest)]
 
     def check_micro_batch(self) -> None:
         """Before a later micro-batch of a logical batch is handed out: what the earlier ones'
@@ -368,24 +379,11 @@ class StateGuard:
         """The open logical batch was dropped (its buffers were put back at each hand-out)."""
         self._pending, self._pending_problems = None, []
 
-    def _memory(self, t: torch.Tensor) -> torch.Tensor:
-        """What of ``t`` is checked: its whole storage (_memory), unless a trained parameter
-        shares that storage (its part beyond ``t`` is the optimizer's to write): then ``t``."""
-        with torch._C.DisableTorchFunctionSubclass():
-            try:
-                ptr = t.untyped_storage().data_ptr()
-            except (RuntimeError, NotImplementedError):
-                return t
-            if self._trained_ptrs is None:  # storages can move (ZeRO): one walk per check
-                self._trained_ptrs = {p.untyped_storage().data_ptr()
-                                      for p in self.model.parameters() if id(p) in self.trainable}
-            return t if ptr in self._trained_ptrs else _memory(t)
-
     def _changed_by_digest(self) -> List[_Entry]:
         """The frozen parameters whose digests changed (a release's exact check)."""
-        self._trained_ptrs = None
+        trained = _trained_storages(self.model, self.trainable)
         return [e for e in self.entries if not e.buffer and e.current() is e.tensor
-                and digest(self._memory(e.tensor)) != e.digest]
+                and digest(_memory(e.tensor, trained)) != e.digest]
 
     def _text(self, what: str, problems: List[str], changed: List[_Entry]) -> str:
         return refusal_text(what, problems + [_describe(e.kind, e.name, e.owner)
@@ -393,7 +391,7 @@ class StateGuard:
 
     def restore_buffers(self, entries: Optional[Sequence[_Entry]] = None) -> None:
         """Puts the buffers (the given ones, or all) back to their copies, objects and values."""
-        self._trained_ptrs = None
+        trained = _trained_storages(self.model, self.trainable)
         for e in (self.entries if entries is None else entries):
             if not e.buffer:
                 continue
@@ -401,7 +399,7 @@ class StateGuard:
                 e.owner._buffers[e.local] = e.tensor
             untag(e.tensor)
             with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-                memory = _bytes(self._memory(e.tensor))
+                memory = _bytes(_memory(e.tensor, trained))
                 if memory.numel() == e.copy.numel():  # else resized: refused, cannot be put back
                     memory.copy_(e.copy)
 
@@ -446,9 +444,10 @@ class StateGuard:
 # names it at the forward). The trainable parameters are the engine's (stage 3 gathers write
 # their storage), so they are not watched here.
 class _CopyOnWrite(TorchDispatchMode):
-    def __init__(self, watched: Dict[int, List[torch.Tensor]]) -> None:
+    def __init__(self, watched: Dict[int, List[torch.Tensor]], trained: Set[int]) -> None:
         super().__init__()
         self.watched = watched                      # storage data_ptr -> state tensors on it
+        self.trained = trained                      # the trained parameters' storages
         self.saved: Dict[int, torch.Tensor] = {}    # id(state tensor) -> its bytes before
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -469,7 +468,7 @@ class _CopyOnWrite(TorchDispatchMode):
             return
         for state in self.watched.get(ptr, ()):
             if id(state) not in self.saved:  # all of its storage: a write may go past the view
-                self.saved[id(state)] = _bytes(_memory(state)).clone()
+                self.saved[id(state)] = _bytes(_memory(state, self.trained)).clone()
 
 
 def _arguments(func, args, kwargs):
@@ -514,7 +513,7 @@ class ProbeWrites:
                         watched.setdefault(ptr, [])
                         if all(t is not s for s in watched[ptr]):
                             watched[ptr].append(t)
-        self.mode = _CopyOnWrite(watched)
+        self.mode = _CopyOnWrite(watched, _trained_storages(self.model, self.trainable))
         self.mode.__enter__()
         return self
 
@@ -532,7 +531,7 @@ class ProbeWrites:
                 tainted = type(t) is not torch.Tensor and not isinstance(t, nn.Parameter)
                 untag(t)
                 before = self.mode.saved.get(id(t))
-                memory = _bytes(_memory(t))
+                memory = _bytes(_memory(t, self.mode.trained))
                 if (before is not None and (self.any_write or not torch.equal(memory, before))) \
                         or tainted:
                     if before is not None and memory.numel() == before.numel():
