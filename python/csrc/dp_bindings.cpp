@@ -164,6 +164,9 @@ void bind_dp(py::module_ m) {
       .def("finish_backward", &dp::Book::finish_backward,
            py::call_guard<py::gil_scoped_release>())
       .def("discard", &dp::Book::discard)
+      .def("read_checks", &dp::Book::read_checks, py::arg("checks"),
+           "Reads the flag tensors `checks` and the dropped count in one transfer per device: "
+           "per tensor, its flags as bools")
       .def("take_stats", &dp::Book::take_stats)
       .def_property_readonly("micro_batches", &dp::Book::micro_batches)
       .def_property("error", &dp::Book::error, &dp::Book::set_error,

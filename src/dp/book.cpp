@@ -671,10 +671,52 @@ void Book::finish_backward() {
   reset_micro_batch();
 }
 
+std::vector<std::vector<bool>> Book::read_checks(const std::vector<at::Tensor>& checks) {
+  Lock lock(mutex_);
+  // Per device, its tensors flattened into one int64 vector, copied to the host at once.
+  std::vector<at::Tensor> pieces;
+  for (const at::Tensor& c : checks) {
+    TORCH_CHECK(c.defined(), "dpzero::dp::Book::read_checks: check ", pieces.size(),
+                " is an undefined tensor");
+    pieces.push_back(c.reshape({-1}).to(at::kLong));
+  }
+  if (dropped_.defined()) pieces.push_back(dropped_.reshape({1}));
+  std::vector<std::vector<int64_t>> values(pieces.size());
+  std::vector<bool> read(pieces.size(), false);
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    if (read[i]) continue;
+    std::vector<size_t> same;
+    for (size_t j = i; j < pieces.size(); ++j) {
+      if (!read[j] && pieces[j].device() == pieces[i].device()) same.push_back(j);
+    }
+    std::vector<at::Tensor> parts;
+    for (const size_t j : same) parts.push_back(pieces[j]);
+    // The transfer, which waits for the device (a copy even on the CPU, so that a test that
+    // counts operators sees the read: tests/python/test_device_path.py).
+    const at::Tensor host = at::cat(parts).to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    const int64_t* p = host.data_ptr<int64_t>();
+    for (const size_t j : same) {
+      values[j].assign(p, p + pieces[j].numel());
+      p += pieces[j].numel();
+      read[j] = true;
+    }
+  }
+  if (dropped_.defined()) {
+    stats_.dropped += values.back()[0];
+    dropped_ = at::Tensor();
+  }
+  std::vector<std::vector<bool>> out;
+  for (size_t i = 0; i < checks.size(); ++i) {
+    out.emplace_back();
+    for (const int64_t v : values[i]) out.back().push_back(v != 0);
+  }
+  return out;
+}
+
 StepStats Book::take_stats() {
   Lock lock(mutex_);
   StepStats stats = stats_;
-  if (dropped_.defined()) stats.dropped = dropped_.item<int64_t>();
+  if (dropped_.defined()) stats.dropped += dropped_.item<int64_t>();
   stats_ = StepStats();
   dropped_ = at::Tensor();
   return stats;

@@ -162,6 +162,12 @@ class Book : public std::enable_shared_from_this<Book> {
   void finish_backward();
   // Drops a micro-batch whose backward never ran.
   void discard();
+  // The step's one device-to-host read (Note [host reads of a step] in private_step.h): reads
+  // `checks` (flag tensors of any shape, on any devices: nonzero where a check failed) together
+  // with the dropped-sample count, one transfer per device, and keeps the count for take_stats.
+  // Returns, per tensor of `checks`, its flags as host values, flattened.
+  std::vector<std::vector<bool>> read_checks(const std::vector<at::Tensor>& checks);
+  // This step's figures; reads the dropped count here unless read_checks already did.
   StepStats take_stats();
   int64_t micro_batches() const;
 
@@ -234,7 +240,7 @@ class Book : public std::enable_shared_from_this<Book> {
   bool stale_ = false;
   bool queue_finish_ = false;
   StepStats stats_;
-  at::Tensor dropped_;  // 0-dim int64: this step's dropped samples, read at take_stats
+  at::Tensor dropped_;  // 0-dim int64: this step's dropped samples, unread (read_checks, take_stats)
 
   // This micro-batch.
   int64_t generation_ = 0;

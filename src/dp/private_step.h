@@ -40,6 +40,30 @@
 // back-propagated twice, or batches mixed); the sizes are named only when the caller gave them,
 // since a Poisson batch's size is private (Note [released figures] in
 // python/dpzero/private/engine.py).
+//
+// Note [host reads of a step]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// On a GPU the host enqueues a step's kernels and runs ahead; every read of a device value makes
+// it wait until the device has caught up, and leaves the device idle while the host enqueues what
+// comes next. Forward and backward read nothing (the certification, the clip factors and the
+// dropped mask stay on the device; the checks on values are kept unread: Note [deferred checks]
+// in python/dpzero/private/book.py). A step waits on the device only here:
+//   1. the verdict read: Book::read_checks copies the step's check flags (the module-state
+//      flags, python/dpzero/private/state_guard.py; the kept verdicts) and the dropped count to
+//      the host in one transfer per device (one, unless the model spans devices). The
+//      agreement needs them as host values: whether this rank refuses, and how many rows it
+//      dropped. A front door without Python's checks (the C++ API) reads the count alone, in
+//      Book::take_stats.
+//   2. the agreement and the ledger's verdict (steps 2 and 4): one all-reduce each of a few
+//      integers, on the host with Gloo, through the device with NCCL (both wait for it). With
+//      one rank neither runs.
+//   3. with parameter offload only, before an update writes a host master shard: the device
+//      must have finished reading it (Note [parameter offload] in src/zero/flat_param.h).
+// Everything else a step computes on the device (the noise, drawn from a counter the host
+// passes; the update) is enqueued and not waited for. Outside a step: the first call's probe
+// (Note [batch provenance]) and every release (state_dict, checkpoints) read what they need; a
+// refused step reads what its message names. tests/python/test_device_path.py counts these reads
+// on the path a GPU takes.
 #pragma once
 
 #include <cstdint>

@@ -458,7 +458,8 @@ def test_the_micro_batch_check_reads_nothing_on_the_host():
     with Reads() as mode:
         guard.check_micro_batch()
     assert mode.reads == [], mode.reads
-    assert "frozen parameter 'frozen'" in guard.verify_step()
+    flags, _ = p.privacy_engine.book.read_step_checks(guard.step_flags())
+    assert "frozen parameter 'frozen'" in guard.verify_step(flags)
 
 
 class _Hidden(nn.Module):

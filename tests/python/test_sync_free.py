@@ -61,8 +61,10 @@ HOST_READ = re.compile(r"\.item\s*[<(]|\.cpu\(\)|\.tolist\(|\bnonzero\(|\.is_non
 # same with host_path(x) (Note [device path] in kernels/per_sample_checks.h).
 CPU_GUARD = re.compile(r"!\s*(?:[\w.]+\.is_cpu\(\)|host_path\([\w.]+\))\s*\|\||"
                        r"(?<![!\w.])(?:[\w.]+\.is_cpu\(\)|host_path\([\w.]+\))\s*&&")
-# Reads the step may make (after the backward, before the update): the dropped-sample count.
-STEP_READS = {("src/dp/book.cpp", "stats.dropped = dropped_.item<int64_t>()")}
+# Reads the step may make (after the backward, before the update; Note [host reads of a step] in
+# src/dp/private_step.h): the check flags with the dropped-sample count, or the count alone.
+STEP_READS = {("src/dp/book.cpp", "at::cat(parts).to(at::kCPU"),
+              ("src/dp/book.cpp", "stats.dropped += dropped_.item<int64_t>()")}
 
 
 @contextlib.contextmanager

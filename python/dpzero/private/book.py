@@ -300,9 +300,10 @@ class Book:
     # ~~~~~~~~~~~~~~~~~~~~~~~~
     # A check the backward makes on values (the generic path's separable recompute) has its
     # verdict on the tensors' device. Reading it there would make the host wait for the device at
-    # every such layer (issue 23: the private backward never waits on a GPU). So the verdict is
-    # kept unread, with the text that explains a failure, and the step reads them all before its
-    # transaction (PrivacyEngine._optimizer_step): any failure refuses the step on every rank
+    # every such layer (the private backward never waits on a GPU). So the verdict is kept
+    # unread, with the text that explains a failure, and the step reads them all, in its one read
+    # (Note [host reads of a step] in src/dp/private_step.h), before its transaction
+    # (PrivacyEngine._optimizer_step): any failure refuses the step on every rank
     # (its refusal is the step's agreed verdict), so the logical batch is dropped and nothing is
     # charged or released, as if the backward had raised. Until then its gradients only sit in
     # the engine's buffers, like those of any backward that a later check refuses.
@@ -312,11 +313,18 @@ class Book:
         failure, for the step (Note [deferred checks])."""
         self.deferred.append((failed, text))
 
-    def take_deferred(self) -> Optional[str]:
-        """Reads every kept verdict (the step may wait on the device) and forgets them: the text
-        of the first that failed, or None."""
+    def read_step_checks(self, state_flags: List[torch.Tensor]):
+        """The step's one read of the device (Note [host reads of a step] in
+        src/dp/private_step.h): ``state_flags`` (StateGuard.step_flags), every kept verdict and
+        the dropped count, in one transfer per device. Forgets the kept verdicts; returns the
+        state flags as bools (one per entry, flattened) and the text of the first kept verdict
+        that failed, or None."""
         deferred, self.deferred = self.deferred, []
-        return next((text() for failed, text in deferred if bool(failed)), None)
+        read = self._core.read_checks(list(state_flags) + [failed for failed, _ in deferred])
+        state = [v for flags in read[:len(state_flags)] for v in flags]
+        failed = next((text() for (_, text), flags in zip(deferred, read[len(state_flags):])
+                       if any(flags)), None)
+        return state, failed
 
     def drop_deferred(self) -> None:
         """Forgets the kept verdicts unread: their logical batch was dropped."""

@@ -504,8 +504,8 @@ class PrivacyEngine:
         if group_weights is not None and len(group_weights) != k:
             raise ValueError(f"group_weights has {len(group_weights)} entries for {k} groups")
         if math.isfinite(c):
-            # Rounded down to float32, squares summing to at most C^2 exactly (issue 21: the
-            # clip factors compare against float32 thresholds, which must never exceed C_g).
+            # Rounded down to float32, squares summing to at most C^2 exactly (the clip factors
+            # compare against float32 thresholds, which must never exceed C_g).
             thresholds = list(_C.privacy.group_thresholds(c, k, list(group_weights or [])))
         else:
             thresholds = [math.inf] * k
@@ -735,8 +735,9 @@ class PrivacyEngine:
             return False  # not the last micro-batch of the logical batch: only accumulate
         # Checks only Python can make; the book's own, the agreement, the budget, the ledger,
         # the charge and the noisy update are the step's transaction (src/dp/private_step.h).
-        state = self._state.verify_step()  # always: it also puts changed buffers back
-        refusal = self.book.take_deferred() or self._trainable_set.changed() or state
+        state_flags, deferred = self.book.read_step_checks(self._state.step_flags())
+        state = self._state.verify_step(state_flags)  # always: it also puts changed buffers back
+        refusal = deferred or self._trainable_set.changed() or state
         try:  # Note [hyperparameters at the step] (optimizer.py)
             self._set_hyperparameters()
             bad_settings = None

@@ -337,27 +337,38 @@ class StateGuard:
                 flags.append(fingerprint(_memory(e.tensor, trained), self.key) != e.fingerprint)
         return flags
 
-    def _changed(self, pending=None) -> List[_Entry]:
-        """The buffers whose bytes differ from their copies and the frozen parameters whose
-        fingerprints changed (confirmed by their digests), now or, where ``pending`` (flags of
-        check_micro_batch) says so, at an earlier micro-batch: one read of a device flag when
-        nothing changed. (The fingerprint is integer arithmetic: equal bytes give equal
-        fingerprints, so a pending flag is a change that was.)"""
+    def step_flags(self, pending: bool = True) -> List[torch.Tensor]:
+        """What changed, unread, for the step's one read (Book.read_checks): one flag per entry,
+        True where its buffer's bytes or its frozen parameter's fingerprint differ now or
+        differed at an earlier micro-batch of this logical batch (check_micro_batch). One [n]
+        bool tensor when the state is on one device, else one flag tensor per entry. (The
+        fingerprint is integer arithmetic: equal bytes give equal fingerprints, so a pending
+        flag is a change that was.) ``pending=False``: changes now only."""
         flags = self._flags()
+        pending = self._pending if pending else None
         if not flags:
             return []
         if len({f.device for f in flags}) == 1:
-            flags = torch.stack(flags)
-            if pending is not None:
-                flags = flags | pending.to(flags.device)
-            if not bool(flags.any()):
-                return []
-        elif pending is not None:
-            flags = [bool(f) or bool(p) for f, p in zip(flags, pending)]
+            stacked = torch.stack(flags)
+            return [stacked if pending is None else stacked | pending.to(stacked.device)]
+        if pending is not None:
+            flags = [f | p.to(f.device) for f, p in zip(flags, pending)]
+        return flags
+
+    def _changed(self, flags: Sequence[bool], pending: bool) -> List[_Entry]:
+        """The entries whose read ``flags`` (one per entry) say they changed: every buffer, and
+        the frozen parameters whose digests confirm the fingerprint's verdict (no confirmation
+        when the change may have been at an earlier micro-batch, ``pending``)."""
+        if not any(flags):
+            return []
         trained = _trained_storages(self.model, self.trainable)
         return [e for e, f in zip(self.entries, flags)
-                if bool(f) and (e.buffer or pending is not None or e.current() is not e.tensor or
-                                digest(_memory(e.tensor, trained)) != e.digest)]
+                if f and (e.buffer or pending or e.current() is not e.tensor or
+                          digest(_memory(e.tensor, trained)) != e.digest)]
+
+    def _read(self, flags: List[torch.Tensor]) -> List[bool]:
+        """``flags`` (step_flags's) read here, for checks outside a step (releases)."""
+        return [bool(v) for f in flags for v in f.reshape(-1).tolist()]
 
     def check_micro_batch(self) -> None:
         """Before a later micro-batch of a logical batch is handed out: what the earlier ones'
@@ -403,13 +414,13 @@ class StateGuard:
                 if memory.numel() == e.copy.numel():  # else resized: refused, cannot be put back
                     memory.copy_(e.copy)
 
-    def verify_step(self) -> Optional[str]:
-        """At a private step (before anything is charged): why it is refused, or None. Changed
-        buffers are put back to their copies first."""
+    def verify_step(self, flags: Sequence[bool]) -> Optional[str]:
+        """At a private step (before anything is charged), given step_flags as the step read
+        them: why it is refused, or None. Changed buffers are put back to their copies first."""
         problems = list(dict.fromkeys(self._pending_problems + self._structure() +
                                       self._written_trained()))
         pending, self._pending, self._pending_problems = self._pending, None, []
-        changed = self._changed(pending)
+        changed = self._changed(flags, pending is not None)
         if not (problems or changed):
             return None
         self.restore_buffers([e for e in changed if e.buffer] +
@@ -422,7 +433,8 @@ class StateGuard:
         from .book import PrivacyViolation
 
         problems = self._structure() + self._written_trained()
-        changed = [e for e in self._changed() if e.buffer] + self._changed_by_digest()
+        now = self._read(self.step_flags(pending=False))
+        changed = [e for e in self._changed(now, False) if e.buffer] + self._changed_by_digest()
         if problems or changed:
             raise PrivacyViolation(self._text(f"{what} is refused", problems, changed))
 

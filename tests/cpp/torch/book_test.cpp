@@ -371,6 +371,29 @@ TEST(Book, NanSampleIsDroppedAndCounted) {
   EXPECT_EQ(stats.dropped, 1);
 }
 
+// The step's one read (Note [host reads of a step]): read_checks returns each check's flags in
+// order and reads the dropped count with them, which take_stats then reports without a read of
+// its own, once. Mutations tried: flags of one check given to another; the count lost or counted
+// twice.
+TEST(Book, ReadChecksReadsTheFlagsAndTheDroppedCountTogether) {
+  torch::manual_seed(4);
+  Engine e;
+  Book book = e.book();
+  Batch x;
+  x.g2[1][0][0] = std::numeric_limits<float>::infinity();
+  run(book, x);
+  const auto read = book.read_checks(
+      {torch::tensor({false, true, false}), torch::zeros({}, at::kBool),
+       torch::tensor({0, 3}, at::kInt).view({1, 2})});
+  ASSERT_EQ(read.size(), 3u);
+  EXPECT_EQ(read[0], (std::vector<bool>{false, true, false}));
+  EXPECT_EQ(read[1], (std::vector<bool>{false}));
+  EXPECT_EQ(read[2], (std::vector<bool>{false, true}));
+  EXPECT_EQ(book.take_stats().dropped, 1);
+  EXPECT_EQ(book.take_stats().dropped, 0);  // a new step
+  EXPECT_TRUE(book.read_checks({}).empty());
+}
+
 // A second backward through the same forward, and a part without a verdict on which of its rows
 // are examples, are refused before anything is clipped.
 TEST(Book, RefusesASecondBackwardAndAPartWithoutAVerdict) {
