@@ -32,7 +32,7 @@ TORCH_LIBRARY(dpzero, m) {
   // norm * factor <= max_norm holds exactly (privacy/clipping.h).
   m.def("clip_factors(Tensor norms, float max_norm, str mode, float gamma=0.01) -> (Tensor, Tensor)");
 
-  // ---- Per-sample gradient norms, clipped sums and fused clipping (issue #4) -------------------
+  // ---- Per-sample gradient norms, clipped sums and fused clipping ------------------------------
   // Note [per-sample ops] in kernels/per_sample_ops.h. Shapes: A [B, ..., d_in] / G [B, ..., d_out]
   // with the leading dims after B flattened into T; inputs float32 / bfloat16 / float16; every
   // output float32. sq_norms are per-sample SQUARED gradient norms [B] (they add across layers),
@@ -122,6 +122,23 @@ TORCH_LIBRARY(dpzero, m) {
   m.def("_embedding_rows(Tensor ids, Tensor G, int num_embeddings, int padding_idx) "
         "-> (Tensor, Tensor)");
   m.def("_norm_row_sums(Tensor x, Tensor G, float eps, bool rms) -> (Tensor, Tensor)");
+  // The directed-rounding steps of certified norms on per-sample vectors, one pass (one launch):
+  // kernels/certify.h's Step table says what each step computes from value (float64 or float32;
+  // [B] for most steps, [B, n] for kRows, [P, B] for kSumUp), S (float64, value's shape or [B];
+  // the certifying steps only) and coef. Returns float64 where the step gives float64 and not
+  // f32, else float32 rounded up (down for the kRoundDown and kScaleDown steps).
+  m.def("_certify(Tensor value, Tensor? S, float coef, int step, bool f32=False) -> Tensor");
+  // One clipping group's factors in one pass (Note [certified group norms] in src/dp/clip_group.h,
+  // Note [mean loss] in src/dp/book.h): sq [P, B] float32, the parts' certified squared norms as
+  // delivered, grouped by component in order (sizes[c] parts each); mean >= 1 the mean-loss
+  // scale. -> (factors [B] float32 for the delivered gradients, certified group norms [B]
+  // float32 of the mean-scaled ones); a factor is 0 exactly where the norm is not finite.
+  m.def("_group_clip(Tensor sq, int[] sizes, int mean, float max_norm, str mode, "
+        "float gamma=0.01) -> (Tensor, Tensor)");
+  // x [B, ...] float32 / float64, scale [B] float32 -> x's shape and dtype: row i times scale[i]
+  // (multiply) or as it is, and zeros for a row whose factor is 0 or non-finite (a dropped
+  // sample: its NaN/Inf never reaches a sum). One pass over x.
+  m.def("_scale_rows(Tensor x, Tensor scale, bool multiply) -> Tensor");
   // Tests only: sets the byte budget of every chunked per-sample loop (bytes >= 1; default 64 MiB,
   // kernels/per_sample_checks.h) and returns the previous one. A tiny budget makes the loops run
   // many chunks, the last one short.

@@ -19,9 +19,9 @@
 namespace dpzero::kernels {
 
 // Note [device path]
-// Where the per-sample ops choose by device for speed alone (certification as host loops, Note
-// [host certification]; clip factors and clipped sums on the host, Note [host factors]; asking
-// whether a sample was dropped; the embedding's ghost-or-direct rule; the size of pass chunks),
+// Where the per-sample ops choose by device for speed alone (clip factors and clipped sums on the
+// host, Note [host factors]; asking whether a sample was dropped; the embedding's ghost-or-direct
+// rule; the size of pass chunks),
 // the CPU takes its branch through host_path(x) and every other device the device branch: the
 // same values by other operations. The internal op dpzero::_set_device_path (tests only) sends
 // CPU tensors down the device branches too, so that a test on a machine without a GPU can count

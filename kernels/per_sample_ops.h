@@ -61,6 +61,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/string_view.h>
 
+#include "kernels/certify.h"
 #include "kernels/clip_checks.h"
 #include "kernels/per_sample_checks.h"
 
@@ -280,100 +281,55 @@ inline double ghost_error_coefficient(int64_t T, int64_t d_in, int64_t d_out) {
   return sigma * (1.0 + sigma);
 }
 
-// Note [host certification]
-// The certification steps (up, to_f32_up, certify_ghost, certify_direct_rows) are a handful of
-// elementwise ATen ops each, run on [B] vectors. On the host, for the small layers where host
-// overhead is the step time (experiments/results/host.md: some 30 ATen calls, ~30 µs, per op
-// call), they run as one scalar loop instead: the same IEEE operations, rounded the same way, so
-// the same bound; only q's summation order differs, which the bound covers.
-inline bool is_host_f64(const at::Tensor& x) {
-  return host_path(x) && x.scalar_type() == at::kDouble;
-}
+// The certification steps (up, to_f32_up, the ghost and direct bounds) are dpzero::_certify: the
+// IEEE operations of kernels/certify.h, written once for the host and the device, one pass and
+// one launch per call on [B] vectors (kernels/cpu/certify.cpp, kernels/cuda/certify.cu).
+using certify::Step;
 
-// One float64 stepped one ulp toward +inf if positive (0, negatives, NaN, +inf unchanged).
-inline double up_one(double x) {
-  return x > 0 ? std::nextafter(x, std::numeric_limits<double>::infinity()) : x;
-}
-
-// One float64 -> float32 rounded toward +inf (NaN unchanged; above float32's range: +inf).
-inline float f32_up(double x) {
-  const float f = static_cast<float>(x);
-  return static_cast<double>(f) < x ? std::nextafter(f, std::numeric_limits<float>::infinity())
-                                    : f;
-}
-
-// x (float64) with its positive entries stepped one ulp toward +inf; 0, negatives, NaN, +inf
-// unchanged.
-inline at::Tensor up(const at::Tensor& x) {
-  const at::Tensor inf = at::full({}, std::numeric_limits<double>::infinity(), x.options());
-  return at::where(x > 0, at::nextafter(x, inf), x);
+inline at::Tensor certify_op(const at::Tensor& value, const c10::optional<at::Tensor>& s,
+                             double coef, Step step, bool f32 = false) {
+  using Signature = at::Tensor(const at::Tensor&, const c10::optional<at::Tensor>&, double,
+                               int64_t, bool);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_certify", "")
+                             .typed<Signature>();
+  return op.call(value, s, coef, static_cast<int64_t>(step), f32);
 }
 
 // x + y (float64, >= 0) rounded up.
-inline at::Tensor add_up(const at::Tensor& x, const at::Tensor& y) { return up(x + y); }
+inline at::Tensor add_up(const at::Tensor& x, const at::Tensor& y) {
+  return certify_op(x, y, 0.0, Step::kAdd);
+}
 
 // float64 -> float32, rounded toward +inf (a value above float32's range becomes +inf, a
 // non-finite norm: the sample is dropped and counted).
 inline at::Tensor to_f32_up(const at::Tensor& x) {
-  if (is_host_f64(x)) {  // Note [host certification]
-    const at::Tensor xc = x.contiguous();
-    at::Tensor out = at::empty(xc.sizes(), xc.options().dtype(at::kFloat));
-    const double* px = xc.data_ptr<double>();
-    float* po = out.data_ptr<float>();
-    for (int64_t i = 0; i < xc.numel(); ++i) po[i] = f32_up(px[i]);
-    return out;
-  }
-  const at::Tensor f = x.to(at::kFloat);
-  const at::Tensor inf = at::full({}, std::numeric_limits<float>::infinity(), f.options());
-  return at::where(f.to(at::kDouble) < x, at::nextafter(f, inf), f);
+  return certify_op(x, c10::nullopt, 0.0, Step::kRoundUp);
 }
 
-// Certified bound from a float64 ghost value and S (both [c] float64), c = the ghost coefficient.
-inline at::Tensor certify_ghost(const at::Tensor& ghost, const at::Tensor& s, double c) {
-  if (is_host_f64(ghost) && is_host_f64(s)) {  // Note [host certification]
-    const at::Tensor gh = ghost.contiguous(), sc = s.contiguous();
-    at::Tensor out = at::empty(gh.sizes(), gh.options());
-    const double* pg = gh.data_ptr<double>();
-    const double* ps = sc.data_ptr<double>();
-    double* po = out.data_ptr<double>();
-    for (int64_t i = 0; i < gh.numel(); ++i) {
-      po[i] = up_one(std::max(pg[i], 0.0) + ps[i] * ps[i] * (2.0 * c));  // NaN stays NaN
-    }
-    return out;
-  }
-  return up(at::clamp_min(ghost, 0) + s.square() * (2.0 * c));
+// Certified bound from a float64 ghost value and S (both [c] float64), c = the ghost coefficient;
+// `f32`: rounded up to float32.
+inline at::Tensor certify_ghost(const at::Tensor& ghost, const at::Tensor& s, double c,
+                                bool f32 = false) {
+  return certify_op(ghost, s, 2.0 * c, Step::kGhost, f32);
+}
+
+// The coefficient of S in the direct bound of Note [certified norms]: 2 (e + 2 gamma_n).
+inline double direct_coefficient(double e, int64_t n) {
+  return 2.0 * (e + 2.0 * rounding_gamma(static_cast<double>(n)));
 }
 
 // Certified bound from q = the computed sum of n - 1 squares of a float64 gradient within e * S of
 // the exact one (q, s: [c] float64).
 inline at::Tensor certify_direct(const at::Tensor& q, const at::Tensor& s, double e, int64_t n) {
-  const double k = 2.0 * (e + 2.0 * rounding_gamma(static_cast<double>(n)));
-  const at::Tensor z = up(up(at::sqrt(q)) + s * k);
-  return up(z * z);
+  return certify_op(q, s, direct_coefficient(e, n), Step::kDirect);
 }
 
 // certify_direct of q_i = sum_j grads_ij^2 for per-sample gradients kept whole (grads [B, n - 1]
-// float64, S [B] float64): [B] float64. On the host, q is summed in row order in the same scalar
-// pass (Note [host certification]); the rounding_gamma(n) term covers any order.
+// float64, S [B] float64): [B] float64, the squares summed in the same pass.
 inline at::Tensor certify_direct_rows(const at::Tensor& grads, const at::Tensor& s, double e,
                                       int64_t n) {
-  if (!is_host_f64(grads) || !is_host_f64(s)) {
-    return certify_direct(grads.square().sum(1), s, e, n);
-  }
-  const at::Tensor g = grads.contiguous(), sc = s.contiguous();
-  const int64_t b = g.size(0), d = b > 0 ? g.numel() / b : 0;
-  at::Tensor out = at::empty({b}, g.options());
-  const double* pg = g.data_ptr<double>();
-  const double* ps = sc.data_ptr<double>();
-  double* po = out.data_ptr<double>();
-  const double k = 2.0 * (e + 2.0 * rounding_gamma(static_cast<double>(n)));
-  for (int64_t i = 0; i < b; ++i) {
-    double q = 0.0;
-    for (int64_t j = 0; j < d; ++j) q += pg[i * d + j] * pg[i * d + j];
-    const double z = up_one(up_one(std::sqrt(q)) + ps[i] * k);
-    po[i] = up_one(z * z);
-  }
-  return out;
+  return certify_op(grads, s, direct_coefficient(e, n), Step::kRows);
 }
 
 // ---- backend kernels and clip factors, through the dispatcher -----------------------------------
@@ -420,7 +376,7 @@ inline std::tuple<at::Tensor, at::Tensor> clip_from_sq_norms(const at::Tensor& s
                              .findSchemaOrThrow("dpzero::clip_factors", "")
                              .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, double,
                                                                        c10::string_view, double)>();
-  return op.call(to_f32_up(up(at::sqrt(sq))), max_norm, mode, gamma);
+  return op.call(certify_op(sq, c10::nullopt, 0.0, Step::kNorm), max_norm, mode, gamma);
 }
 
 // The fused ops check the clip arguments first, naming themselves, even when B = 0.
@@ -439,37 +395,16 @@ inline at::Tensor row_norms(const at::Tensor& x) {
   return at::linalg_vector_norm(x, 2, at::IntArrayRef{-1});
 }
 
-// Samples that contribute to a clipped sum: finite, non-zero factor. [B] bool.
-inline at::Tensor kept(const at::Tensor& scale) {
-  return at::logical_and(at::isfinite(scale), scale != 0);
-}
-
-inline std::vector<int64_t> sample_shape(const at::Tensor& x) {  // [c, 1, ..., 1]
-  std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
-  shape[0] = x.size(0);
-  return shape;
-}
-
-// Whether some sample is dropped, answered "maybe" on CUDA where asking would cost a device sync.
-inline bool may_drop(const at::Tensor& keep) { return !host_path(keep) || !keep.all().item<bool>(); }
-
-// x [c, ...] (float32 or float64) scaled by c_i per sample, with the rows of dropped samples set to
-// 0 (not multiplied by 0, which would keep a NaN). Returns a new tensor of x's dtype.
-inline at::Tensor scaled_rows(const at::Tensor& x, const at::Tensor& scale,
-                              const at::Tensor& keep) {
-  const auto shape = sample_shape(x);
-  at::Tensor out = x * as_dtype(scale, x.scalar_type()).view(shape);
-  if (may_drop(keep)) out.masked_fill_(at::logical_not(keep).view(shape), 0);
-  return out;
-}
-
-// x [c, ...] float32 with the rows of dropped samples set to 0; in place when `owned` (x is our own
-// copy). On CPU a batch without dropped samples is returned as is (on CUDA that check would cost a
-// device sync, so the rows are always masked there).
-inline at::Tensor masked_rows(const at::Tensor& x, const at::Tensor& keep, bool owned) {
-  if (!may_drop(keep)) return x;
-  const at::Tensor drop = at::logical_not(keep).view(sample_shape(x));
-  return owned ? at::Tensor(x).masked_fill_(drop, 0) : x.masked_fill(drop, 0);
+// x [c, ...] (float32 or float64) times c_i per sample (`multiply`) or as it is, with the rows of
+// dropped samples (factor 0 or non-finite) set to 0, not multiplied by 0, which would keep a
+// NaN: a new tensor of x's dtype, in one pass (dpzero::_scale_rows: kernels/cpu/scale_rows.cpp,
+// kernels/cuda/scale_rows.cu). scale [c] float32.
+inline at::Tensor scale_rows(const at::Tensor& x, const at::Tensor& scale, bool multiply) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpzero::_scale_rows", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>();
+  return op.call(x, scale, multiply);
 }
 
 // out (a slice of a result) = x summed over `dim`.
@@ -557,10 +492,11 @@ inline std::tuple<at::Tensor, at::Tensor> norm_row_sums(const at::Tensor& x, con
 
 // ---- Linear (and HF Conv1D): A [B, T, d_in], G [B, T, d_out] ------------------------------------
 
-// Certified ||G_i^T A_i||_F^2 by the ghost kernel: [B] float64.
-inline at::Tensor ghost_linear_sq_norms(const at::Tensor& a, const at::Tensor& g) {
+// Certified ||G_i^T A_i||_F^2 by the ghost kernel: [B] float64 (float32, rounded up, when `f32`).
+inline at::Tensor ghost_linear_sq_norms(const at::Tensor& a, const at::Tensor& g,
+                                        bool f32 = false) {
   const auto [value, s] = ghost_sq_norms(a, g);
-  return certify_ghost(value, s, ghost_error_coefficient(a.size(1), a.size(2), g.size(2)));
+  return certify_ghost(value, s, ghost_error_coefficient(a.size(1), a.size(2), g.size(2)), f32);
 }
 
 // Certified ||G_i^T A_i||_F^2 by instantiating G_i^T A_i in float64 for a chunk of samples at a
@@ -592,35 +528,36 @@ inline at::Tensor direct_sq_norms(const at::Tensor& a, const at::Tensor& g) {
 // one float64 pass over [B, T, d] instead of two (one for the norms, one for the clipped sum).
 
 // Bias per-sample gradients sum_t G_{i,t} and their certified squared norms: ([B, d] float64,
-// [B] float64). G [B, T, d].
-inline std::tuple<at::Tensor, at::Tensor> bias_per_sample_btd(const at::Tensor& g) {
+// [B] float64, or float32 rounded up when `f32`). G [B, T, d].
+inline std::tuple<at::Tensor, at::Tensor> bias_per_sample_btd(const at::Tensor& g,
+                                                              bool f32 = false) {
   auto [grads, s] = row_sums(g);
   const double e = rounding_gamma(static_cast<double>(g.size(1)));
-  return {grads, certify_direct_rows(grads, s, e, g.size(2) + 1)};
+  return {grads, certify_op(grads, s, direct_coefficient(e, g.size(2) + 1), Step::kRows, f32)};
 }
 
 // Certified ||sum_t G_{i,t}||^2 (a sample's bias gradient is the sum of its output-gradient rows):
 // [B] float64. G [B, T, d].
 inline at::Tensor bias_sq_norms_btd(const at::Tensor& g) { return std::get<1>(bias_per_sample_btd(g)); }
 
-// Certified [B] float64 (weight, plus bias when `bias`).
+// Certified [B] float64 (weight, plus bias when `bias`; float32 rounded up when `f32`).
 inline at::Tensor linear_sq_norms_btd(const at::Tensor& a, const at::Tensor& g, NormMethod method,
-                                      bool bias) {
-  at::Tensor sq = use_ghost(method, a.size(1), a.size(2), g.size(2)) ? ghost_linear_sq_norms(a, g)
-                                                                     : direct_sq_norms(a, g);
-  return bias ? add_up(sq, bias_sq_norms_btd(g)) : sq;
+                                      bool bias, bool f32 = false) {
+  const bool ghost = use_ghost(method, a.size(1), a.size(2), g.size(2));
+  if (!bias && ghost) return ghost_linear_sq_norms(a, g, f32);
+  const at::Tensor sq = ghost ? ghost_linear_sq_norms(a, g) : direct_sq_norms(a, g);
+  if (!bias) return f32 ? to_f32_up(sq) : sq;
+  return certify_op(sq, bias_sq_norms_btd(g), 0.0, Step::kAdd, f32);
 }
 
 // Note [host factors]
 // On the host the [c] float32 factors of a clipped sum are read once, as numbers: a sample is
-// kept iff its factor is finite and non-zero (kept()). The narrower operand is multiplied by the
-// factors in one pass that writes a dropped sample's rows as zeros (a host loop over contiguous
-// float32 rows; one ATen multiply and a zeroing of the dropped rows otherwise); the other operand
-// is copied with zeroed rows only when some sample is dropped. That is scaled_rows
-// and masked_rows value for value (the same float32 products, the same zeros; a dropped row is
-// zeroed, never multiplied by 0, which would keep a NaN), without the mask tensors and their
-// dozen ATen calls per layer, which at small sizes cost more than the GEMM
-// (experiments/results/host.md). On a device the tensor ops stay, and decide nothing on the host.
+// kept iff its factor is finite and non-zero. The narrower operand is multiplied by the factors in
+// the one pass of dpzero::_scale_rows, which writes a dropped sample's rows as zeros (never
+// multiplied by 0, which would keep a NaN); the other operand is copied with zeroed rows only
+// when some sample is dropped, and used as it is otherwise. On a device the operands take
+// _scale_rows both (a masked copy of the wider one: whether any sample is dropped is not known on
+// the host without a wait), and nothing is decided on the host.
 
 // The [c] float32 factors (check_scale) as host values.
 inline std::vector<float> host_factors(const at::Tensor& scale) {
@@ -631,37 +568,15 @@ inline std::vector<float> host_factors(const at::Tensor& scale) {
 
 inline bool host_kept(float factor) { return std::isfinite(factor) && factor != 0.0f; }
 
-// x [c, ...] float32 on the host with row i multiplied by scale[i] (`multiply`), and the rows of
-// samples whose factor is not kept set to zero; without `multiply`, x itself when every sample is
-// kept (changed in place when `owned`). Note [host factors].
+// x [c, ...] on the host with row i multiplied by scale[i] (`multiply`), and the rows of samples
+// whose factor is not kept set to zero; without `multiply`, x itself when every sample is kept
+// (its dropped rows zeroed in place when `owned`). Note [host factors].
 inline at::Tensor host_rows(const at::Tensor& x, const at::Tensor& scale,
                             const std::vector<float>& factors, bool multiply, bool owned) {
-  const bool all_kept = std::all_of(factors.begin(), factors.end(), host_kept);
-  if (!multiply && all_kept) return x;
-  if (multiply && x.scalar_type() == at::kFloat && x.is_contiguous()) {
-    // One host pass writes every row (the same float32 products as the ATen multiply, a dropped
-    // row zeros), with no broadcast view and no TensorIterator, samples split over the threads.
-    TORCH_CHECK(x.size(0) == static_cast<int64_t>(factors.size()), "dpzero: ",
-                factors.size(), " factors for ", x.size(0), " samples");
-    at::Tensor out = at::empty_like(x);
-    const int64_t b = x.size(0), n = b == 0 ? 0 : x.numel() / b;
-    const float* px = x.data_ptr<float>();
-    float* po = out.data_ptr<float>();
-    at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const float f = factors[static_cast<size_t>(i)];
-        const float* xi = px + i * n;
-        float* oi = po + i * n;
-        if (host_kept(f)) {
-          for (int64_t j = 0; j < n; ++j) oi[j] = xi[j] * f;
-        } else {
-          std::fill(oi, oi + n, 0.0f);
-        }
-      }
-    });
-    return out;
-  }
-  at::Tensor out = multiply ? x * scale.view(sample_shape(x)) : owned ? x : x.clone();
+  if (multiply) return scale_rows(x, scale, /*multiply=*/true);
+  if (std::all_of(factors.begin(), factors.end(), host_kept)) return x;
+  if (!owned) return scale_rows(x, scale, /*multiply=*/false);
+  at::Tensor out = x;
   for (size_t i = 0; i < factors.size(); ++i) {
     if (!host_kept(factors[i])) out.select(0, static_cast<int64_t>(i)).zero_();
   }
@@ -675,13 +590,11 @@ inline at::Tensor sample_range(const at::Tensor& x, int64_t i0, int64_t i1) {
 
 // out += sum_i c_i G_i^T A_i ([d_out, d_in]) or its transpose ([d_in, d_out]) when `transposed`.
 // One float32 GEMM per chunk over K = chunk * T; the narrower operand carries the factors.
-// `keep`: kept(scale), or undefined when scale, a and g are on the host (Note [host factors]).
+// `host`: scale, a and g are on the host (Note [host factors]; host_factors_apply).
 inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const at::Tensor& g,
-                                   const at::Tensor& scale, const at::Tensor& keep,
-                                   bool transposed) {
+                                   const at::Tensor& scale, bool host, bool transposed) {
   const int64_t b = a.size(0), t = a.size(1), d_in = a.size(2), d_out = g.size(2);
   if (b == 0 || t == 0) return;
-  const bool host = !keep.defined();
   const int64_t chunk = samples_per_chunk(b, 8 * t * (d_in + d_out));
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
@@ -693,14 +606,10 @@ inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const a
       const bool scale_g = d_out <= d_in;
       gc = host_rows(gc, c, factors, /*multiply=*/scale_g, g_owned);
       ac = host_rows(ac, c, factors, /*multiply=*/!scale_g, a_owned);
-    } else if (d_out <= d_in) {
-      const at::Tensor k = keep.slice(0, i0, i1);
-      gc = scaled_rows(gc, c, k);
-      ac = masked_rows(ac, k, a_owned);
-    } else {
-      const at::Tensor k = keep.slice(0, i0, i1);
-      ac = scaled_rows(ac, c, k);
-      gc = masked_rows(gc, k, g_owned);
+    } else {  // one pass over each operand: the narrower scaled, the other masked
+      const bool scale_g = d_out <= d_in;
+      gc = scale_rows(gc, c, /*multiply=*/scale_g);
+      ac = scale_rows(ac, c, /*multiply=*/!scale_g);
     }
     const at::Tensor a2 = ac.reshape({-1, d_in}), g2 = gc.reshape({-1, d_out});
     if (transposed) {
@@ -711,16 +620,16 @@ inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const a
   }
 }
 
-// kept(scale) where the clipped sums need it: undefined when everything is on the host (Note
-// [host factors]).
-inline at::Tensor device_kept(const at::Tensor& scale, const at::Tensor& a, const at::Tensor& g) {
-  return host_path(scale) && host_path(a) && host_path(g) ? at::Tensor() : kept(scale);
+// Whether a clipped sum reads its factors on the host: scale, a and g all there (Note [host
+// factors]).
+inline bool host_factors_apply(const at::Tensor& scale, const at::Tensor& a, const at::Tensor& g) {
+  return host_path(scale) && host_path(a) && host_path(g);
 }
 
 // sum_i c_i sum_t G_{i,t}: [d] float32, summed in float64. G [B, T, d].
 inline at::Tensor bias_clipped_sum_btd(const at::Tensor& g, const at::Tensor& scale) {
   const at::Tensor sums = std::get<0>(row_sums(g));  // [B, d] float64
-  return f32(scaled_rows(sums, scale, kept(scale)).sum(0));
+  return f32(scale_rows(sums, scale, /*multiply=*/true).sum(0));
 }
 
 // Public: A [B, ..., d_in], G [B, ..., d_out] -> [B] float32.
@@ -730,7 +639,7 @@ inline at::Tensor linear_sq_norms(const at::Tensor& A, const at::Tensor& G, bool
   const NormMethod m = check_method(op, method);
   check_layer_pair(op, A, "A", G);
   const Fp32MatmulGuard precision;
-  return to_f32_up(linear_sq_norms_btd(as_btd(op, "A", A), as_btd(op, "G", G), m, bias));
+  return linear_sq_norms_btd(as_btd(op, "A", A), as_btd(op, "G", G), m, bias, /*f32=*/true);
 }
 
 // Note [shared inputs]
@@ -780,28 +689,10 @@ inline at::Tensor linear_sq_norms_multi(const at::Tensor& A, at::TensorList G, i
                                   .findSchemaOrThrow("dpzero::_ghost_sq_norms_multi", "")
                                   .typed<Signature>();
     const auto [values, s] = multi.call(a, gs);
-    if (gs.size() == G.size() && is_host_f64(values) && is_host_f64(s)) {
-      // Note [host certification]: certify_ghost and to_f32_up of every row in one loop, into
-      // the result itself (the same operations as theirs).
-      const int64_t b = values.size(1);
-      at::Tensor certified = at::empty({values.size(0), b}, values.options().dtype(at::kFloat));
-      const at::Tensor vc = values.contiguous(), sc = s.contiguous();
-      const double* pv = vc.data_ptr<double>();
-      const double* ps = sc.data_ptr<double>();
-      float* po = certified.data_ptr<float>();
-      for (size_t k = 0; k < gs.size(); ++k) {
-        const double c = 2.0 * ghost_error_coefficient(a.size(1), a.size(2), gs[k].size(2));
-        for (int64_t i = 0; i < b; ++i) {
-          const int64_t at_ki = static_cast<int64_t>(k) * b + i;
-          po[at_ki] = f32_up(up_one(std::max(pv[at_ki], 0.0) + ps[at_ki] * ps[at_ki] * c));
-        }
-      }
-      return certified;
-    }
     for (size_t k = 0; k < gs.size(); ++k) {
       const double c = ghost_error_coefficient(a.size(1), a.size(2), gs[k].size(2));
-      out[ghost_rows[k]] = to_f32_up(certify_ghost(values[static_cast<int64_t>(k)],
-                                                   s[static_cast<int64_t>(k)], c));
+      out[ghost_rows[k]] = certify_ghost(values[static_cast<int64_t>(k)],
+                                         s[static_cast<int64_t>(k)], c, /*f32=*/true);
     }
   }
   return at::stack(out);
@@ -835,7 +726,7 @@ inline at::Tensor linear_clipped_sum_into(const char* op, at::Tensor* self, cons
     out = *self;
   }
   const Fp32MatmulGuard precision;
-  add_linear_clipped_sum(out, a, g, scale, device_kept(scale, a, g), transposed);
+  add_linear_clipped_sum(out, a, g, scale, host_factors_apply(scale, a, g), transposed);
   return out;
 }
 
@@ -861,7 +752,7 @@ inline at::Tensor bias_sq_norms(const at::Tensor& G) {
   constexpr const char* op = "bias_sq_norms";
   check_floating(op, "G", G);
   const Fp32MatmulGuard precision;
-  return to_f32_up(bias_sq_norms_btd(as_btd(op, "G", G)));
+  return std::get<1>(bias_per_sample_btd(as_btd(op, "G", G), /*f32=*/true));
 }
 
 // Public: G [B, ..., d], scale [B] -> [d] float32.
@@ -880,8 +771,7 @@ inline std::tuple<at::Tensor, at::Tensor> bias_per_sample(const at::Tensor& G) {
   constexpr const char* op = "bias_per_sample";
   check_floating(op, "G", G);
   const Fp32MatmulGuard precision;
-  auto [grads, sq] = bias_per_sample_btd(as_btd(op, "G", G));
-  return {grads, to_f32_up(sq)};
+  return bias_per_sample_btd(as_btd(op, "G", G), /*f32=*/true);
 }
 
 // Public: per-sample gradients [B, ...] (float64 or float32), scale [B] float32 -> sum_i c_i
@@ -931,7 +821,7 @@ inline at::Tensor per_sample_clipped_sum(const at::Tensor& grads, const at::Tens
     for (int64_t j = 0; j < d; ++j) po[j] = static_cast<float>(acc[static_cast<size_t>(j)]);
     return out;
   }
-  const at::Tensor rows = scaled_rows(f64(grads), scale, kept(scale));
+  const at::Tensor rows = scale_rows(f64(grads), scale, /*multiply=*/true);
   return f32(rows.sum(0));
 }
 
@@ -993,7 +883,7 @@ inline ClipResult linear_clip_direct(const at::Tensor& a, const at::Tensor& g, d
     // Factor 0 comes only with a non-finite norm; zero those samples' rows (0 * NaN = NaN). On
     // CPU only when there is one (the count is at hand); on CUDA always (asking would sync).
     if (!host_path(per_sample) || n_c.item<int64_t>() > 0) {
-      per_sample.masked_fill_(at::logical_not(kept(f_c)).unsqueeze(1), 0);
+      per_sample = scale_rows(per_sample, f_c, /*multiply=*/false);
     }
     grad_w.addmm_(f64(f_c).unsqueeze(0), per_sample);
     sq.slice(0, i0, i1).copy_(sq_c);
@@ -1165,15 +1055,15 @@ inline at::Tensor embedding_clipped_sum_into(const char* op, at::Tensor* self,
     out = *self;
   }
   const Fp32MatmulGuard precision;
-  const at::Tensor keep = device_kept(scale, G, G);
+  const bool host = host_factors_apply(scale, G, G);
   const int64_t chunk = samples_per_chunk(b, 8 * t * d);
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
     const at::Tensor idc = id.slice(0, i0, i1);
     const at::Tensor c = scale.slice(0, i0, i1), gc = f32(g.slice(0, i0, i1));
-    at::Tensor rows = keep.defined() ? scaled_rows(gc, c, keep.slice(0, i0, i1))
-                                     : host_rows(gc, c, host_factors(c), /*multiply=*/true,
-                                                 /*owned=*/false);  // Note [host factors]
+    at::Tensor rows = host ? host_rows(gc, c, host_factors(c), /*multiply=*/true,
+                                       /*owned=*/false)  // Note [host factors]
+                           : scale_rows(gc, c, /*multiply=*/true);
     rows.masked_fill_((idc == pad).unsqueeze(-1), 0);  // padding tokens get no gradient
     out.index_add_(0, idc.reshape({-1}), rows.reshape({-1, d}));
   }
@@ -1251,13 +1141,14 @@ inline std::vector<int64_t> normalized_shape(const at::Tensor& x, int64_t normal
 }
 
 // Per-sample weight gradients sum_t G_{i,t} ⊙ x̂_{i,t} and their certified squared norms:
-// ([B, d] float64, [B] float64). x, g [B, T, d].
+// ([B, d] float64, [B] float64, or float32 rounded up when `f32`). x, g [B, T, d].
 inline std::tuple<at::Tensor, at::Tensor> layer_norm_per_sample_btd(const at::Tensor& x,
                                                                     const at::Tensor& g,
-                                                                    double eps, bool rms) {
+                                                                    double eps, bool rms,
+                                                                    bool f32 = false) {
   auto [grads, s] = norm_row_sums(x, g, eps, rms);
   const double e = rounding_gamma(static_cast<double>(x.size(1) + 1));
-  return {grads, certify_direct_rows(grads, s, e, x.size(2) + 1)};
+  return {grads, certify_op(grads, s, direct_coefficient(e, x.size(2) + 1), Step::kRows, f32)};
 }
 
 // Certified [B] float64 (weight, plus bias when `bias`). x, g [B, T, d].
@@ -1277,10 +1168,11 @@ inline std::tuple<at::Tensor, at::Tensor> layer_norm_per_sample(const at::Tensor
   check_norm_layer_args(op, input, G, eps, normalized_ndim);
   const Fp32MatmulGuard precision;
   auto [grads, sq] = layer_norm_per_sample_btd(as_norm_btd(input, normalized_ndim),
-                                               as_norm_btd(G, normalized_ndim), eps, rms);
+                                               as_norm_btd(G, normalized_ndim), eps, rms,
+                                               /*f32=*/true);
   std::vector<int64_t> shape = normalized_shape(input, normalized_ndim);
   shape.insert(shape.begin(), input.size(0));
-  return {grads.reshape(shape), to_f32_up(sq)};
+  return {grads.reshape(shape), sq};
 }
 
 // Public: -> [B] float32 (weight, plus bias when `bias`).
@@ -1303,7 +1195,7 @@ inline at::Tensor layer_norm_clipped_sum(const at::Tensor& input, const at::Tens
   check_scale(op, scale, x.size(0), G);
   const Fp32MatmulGuard precision;
   const at::Tensor sums = std::get<0>(norm_row_sums(x, g, eps, rms));  // [B, d] float64
-  const at::Tensor out = scaled_rows(sums, scale, kept(scale)).sum(0);
+  const at::Tensor out = scale_rows(sums, scale, /*multiply=*/true).sum(0);
   return f32(out).reshape(normalized_shape(input, normalized_ndim));
 }
 
@@ -1461,7 +1353,7 @@ inline at::Tensor conv_clipped_sum(const at::Tensor& input, const at::Tensor& G,
   const int64_t kin = geo.c_in / groups * geo.kernel_numel, kout = geo.c_out / groups;
   at::Tensor out = at::zeros({geo.c_out, kin}, input.options().dtype(at::kFloat));
   const at::Tensor g3 = G.reshape({b, geo.c_out, geo.positions});
-  const at::Tensor keep = device_kept(scale, input, G);
+  const bool host = host_factors_apply(scale, input, G);
   const int64_t chunk = conv_chunk(geo, b);
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
@@ -1471,8 +1363,7 @@ inline at::Tensor conv_clipped_sum(const at::Tensor& input, const at::Tensor& G,
       auto [a_j, g_j] = conv_group(geo, cols, gc, j);
       at::Tensor out_j = out.narrow(0, j * kout, kout);
       add_linear_clipped_sum(out_j, a_j, g_j, scale.slice(0, i0, i1),
-                             keep.defined() ? keep.slice(0, i0, i1) : keep,
-                             /*transposed=*/false);
+                             host, /*transposed=*/false);
     }
   }
   std::vector<int64_t> shape{geo.c_out, geo.c_in / groups};

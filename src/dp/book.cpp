@@ -464,14 +464,12 @@ void Book::report(int64_t index, Kept in, bool per_sample) {
     delivered(layer);
   } else {
     if (per_sample) {
-      if (clip) in.sq = mean_scaled_sq(per_sample_sq_norms(in.grads), mean_scale());
+      if (clip) in.sq = per_sample_sq_norms(in.grads);  // as delivered (Note [mean loss])
       part.kept = std::move(in);
     } else if (clip && layer.ops->shares_input()) {
       part.kept = layer.ops->keep_pending(in.a, in.g);  // Note [shared inputs]
     } else {
-      Kept kept = layer.ops->keep(in.a, in.g, clip);
-      if (clip) kept.sq = mean_scaled_sq(kept.sq, mean_scale());
-      part.kept = std::move(kept);
+      part.kept = layer.ops->keep(in.a, in.g, clip);
     }
     if (gs.received == static_cast<int64_t>(gs.parts.size())) complete(layer.group);
   }
@@ -505,7 +503,7 @@ void Book::shared_norms(const std::vector<int64_t>& parts) {
       const at::Tensor total = kept.rest_sq.defined()
                                    ? certified_sum({weights[static_cast<int64_t>(l)], kept.rest_sq})
                                    : weights[static_cast<int64_t>(l)];
-      kept.sq = mean_scaled_sq(total, mean_scale());
+      kept.sq = total;
       kept.rest_sq = at::Tensor();
       kept.pending = false;
     }
@@ -535,12 +533,14 @@ void Book::complete(int64_t group) {
     }
     std::vector<std::vector<at::Tensor>> components;
     for (const int64_t c : order) components.push_back(std::move(by_component[c]));
-    factors = clip_factors(group_norms(components), threshold, options_.mode, options_.gamma);
+    // Norms, factors and their mean-loss scaling in one pass (Note [mean loss]).
+    factors = std::get<0>(group_clip(components, mean_scale(), threshold, options_.mode,
+                                     options_.gamma));
     note_factors(factors);
   } else {  // C = inf: no clipping (non-private training through the same path)
-    factors = at::ones({*batch_}, dropped_mask_.options().dtype(at::kFloat));
+    factors = mean_scaled_factors(at::ones({*batch_}, dropped_mask_.options().dtype(at::kFloat)),
+                                  mean_scale());  // Note [mean loss]
   }
-  factors = mean_scaled_factors(factors, mean_scale());  // Note [mean loss]
   for (const int64_t index : parts) {
     Part& part = parts_[index];
     add_kept_clipped_sums(part, factors);

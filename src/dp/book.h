@@ -35,8 +35,8 @@
 //
 // Note [mean loss]: under loss_reduction="mean" over a micro-batch of b rows, autograd delivers
 // G / b. A singleton group multiplies G by b before its fused clip; a larger group clips the
-// per-sample gradients b·g_i without copying G (mean_scaled_sq and mean_scaled_factors in
-// clip_group.h).
+// per-sample gradients b·g_i without copying G: the parts' squared norms are kept as delivered,
+// and group_clip (clip_group.h) scales them and the factors when the group completes.
 //
 // Note [early release]
 // ~~~~~~~~~~~~~~~~~~~~

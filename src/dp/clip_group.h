@@ -25,15 +25,26 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
 
 namespace dpzero::dp {
 
-// Certified per-sample norms of one group: [B] float32. `components`: per component, the [B]
-// float32 certified squared norms of its parts (at least one part each, all of B rows, one
-// device). Note [certified group norms].
+// One group's clip factors, in one pass (dpzero::_group_clip): `components` holds, per
+// component, the [B] float32 certified squared norms of its parts as delivered (at least one part
+// each, all of B rows, one device); each is scaled by Note [mean loss]'s mean² (mean = 1: as
+// given), the group's certified norms formed (Note [certified group norms]), the factors taken
+// against max_norm (privacy/clipping.h) and scaled for the delivered gradients (Note [mean loss]).
+// -> (factors [B] float32, certified group norms [B] float32). A factor is 0 exactly where the
+// norm is not finite (the sample is dropped).
+std::tuple<at::Tensor, at::Tensor> group_clip(
+    const std::vector<std::vector<at::Tensor>>& components, int64_t mean, double max_norm,
+    const std::string& mode, double gamma);
+
+// Certified per-sample norms of one group, mean 1: group_clip's norms.
 at::Tensor group_norms(const std::vector<std::vector<at::Tensor>>& components);
 
 // Note [mean loss] (book.h): under loss_reduction="mean" over a micro-batch of b rows, autograd

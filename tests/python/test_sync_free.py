@@ -19,8 +19,8 @@ several micro-batches per step (a sum loss, padding on a short step), and a tiny
 
 They need a GPU and are skipped without one; ``experiments/gpu/check.sh`` runs them on a lent
 machine. Without a GPU, :func:`test_host_reads_of_the_backward_are_cpu_only` audits the sources
-the backward runs: every host read of a tensor value there is behind ``is_cpu()`` (the host
-certification, Note [host certification] in kernels/per_sample_ops.h, and the id range check
+the backward runs: every host read of a tensor value there is behind ``is_cpu()`` (the clip
+factors read on the host, Note [host factors] in kernels/per_sample_ops.h, and the id range check
 of ``flat_ids``), so the device branch of each makes none. It reads text, so it cannot see a
 read hidden in a helper; the GPU tests can.
 """

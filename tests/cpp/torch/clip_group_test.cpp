@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 
 #include "src/dp/clip_group.h"
+#include "tests/cpp/torch/devices.h"
 
 namespace dpzero::dp {
 namespace {
@@ -60,6 +61,35 @@ TEST(ClipGroup, GroupNormsAreNeverBelowTheExactNormAndWithinFewUlps) {
       EXPECT_GE(got, exact) << "trial " << trial << " row " << i;
       EXPECT_LE(got, exact * (1.0L + 4 * std::numeric_limits<float>::epsilon()))
           << "trial " << trial << " row " << i;
+    }
+  }
+}
+
+// group_clip in one pass: for the delivered gradients (squared norms `group`, the mean-loss scale
+// b), each contribution f_i ||g_i|| stays within C exactly (against the long double norm), and a
+// sample above the threshold is clipped to nearly C, not far below (the factor is not wasted).
+// Mutations tried: the parts not scaled by b^2 (contributions up to b C); the factors not scaled
+// by b (clipped to C / b).
+TEST(ClipGroup, GroupClipKeepsEveryDeliveredContributionWithinTheThreshold) {
+  std::mt19937_64 rng(23);
+  for (int trial = 0; trial < 30; ++trial) {
+    const Components group = random_group(rng, 16);
+    for (const int64_t b : {1, 3, 64}) {
+      for (const double c : {1e-3, 1.0, 1e6}) {
+        const auto [factors, norms] = group_clip(group, b, c, "flat", 0.01);
+        for (int64_t i = 0; i < 16; ++i) {
+          const long double delivered = exact_norm(group, i);
+          const long double f = factors[i].item<float>();
+          EXPECT_LE(f * delivered, static_cast<long double>(c))
+              << "trial " << trial << " b " << b << " C " << c << " row " << i;
+          EXPECT_GE(norms[i].item<float>(), delivered * b) << "trial " << trial << " row " << i;
+          const long double n = delivered * b;  // flat: C n / (n + 1e-6) less rounding
+          if (n > c * 1.01L) {
+            EXPECT_GE(f * delivered, c * n / (n + 1e-6L) * (1.0L - 1e-5L))
+                << "trial " << trial << " row " << i;
+          }
+        }
+      }
     }
   }
 }
@@ -134,9 +164,11 @@ TEST(ClipGroup, CertifiedSumIsNeverBelowTheExactSum) {
   }
 }
 
-// Note [host certification]: contiguous CPU inputs take a scalar loop, others (CUDA, strided)
-// the ATen composition; both must give the same floats.
-TEST(ClipGroup, TheHostLoopAndTheAtenPathAgreeBitForBit) {
+// Strided inputs give the contiguous inputs' floats (the kernels read them through a contiguous
+// copy); on a GPU the CUDA kernels (kernels/cuda/certify.cu) give the CPU's floats bit for bit,
+// since both run kernels/certify.h's operations, each rounded once. Mutations tried: -fmad
+// left on for cuda/certify.cu (the multi-part components' squares differ in the last bit).
+TEST(ClipGroup, StridedAndCudaInputsGiveTheCpuFloats) {
   std::mt19937_64 rng(17);
   std::uniform_real_distribution<double> exponent(-20.0, 20.0);
   const auto pair = [&](int64_t n) {  // (contiguous, strided) with the same values
@@ -160,6 +192,19 @@ TEST(ClipGroup, TheHostLoopAndTheAtenPathAgreeBitForBit) {
     const at::Tensor x_s = at::stack({x, x}, 1).select(1, 0);
     EXPECT_TRUE(round_up_f32(x).equal(round_up_f32(x_s)));
     EXPECT_TRUE(round_down_f32(x).equal(round_down_f32(x_s)));
+    if (!testing::cuda_available()) continue;
+    const auto cuda = [](const at::Tensor& t) { return t.cuda(); };
+    const auto [f_cpu, n_cpu] = group_clip({{a}, {b, c}}, 5, 0.7, "flat", 0.01);
+    const auto [f_gpu, n_gpu] = group_clip({{cuda(a)}, {cuda(b), cuda(c)}}, 5, 0.7, "flat", 0.01);
+    EXPECT_TRUE(f_gpu.cpu().equal(f_cpu) && n_gpu.cpu().equal(n_cpu)) << "trial " << trial;
+    const auto [fa_cpu, na_cpu] = group_clip({{a, b}}, 1, 2.0, "automatic", 0.05);
+    const auto [fa_gpu, na_gpu] = group_clip({{cuda(a), cuda(b)}}, 1, 2.0, "automatic", 0.05);
+    EXPECT_TRUE(fa_gpu.cpu().equal(fa_cpu) && na_gpu.cpu().equal(na_cpu)) << "trial " << trial;
+    EXPECT_TRUE(certified_sum({cuda(a), cuda(b), cuda(c)}).cpu().equal(certified_sum({a, b, c})));
+    EXPECT_TRUE(mean_scaled_sq(cuda(a_s), 7).cpu().equal(mean_scaled_sq(a, 7)));
+    EXPECT_TRUE(mean_scaled_factors(cuda(f), 13).cpu().equal(mean_scaled_factors(f, 13)));
+    EXPECT_TRUE(round_up_f32(cuda(x)).cpu().equal(round_up_f32(x)));
+    EXPECT_TRUE(round_down_f32(cuda(x_s)).cpu().equal(round_down_f32(x)));
   }
 }
 

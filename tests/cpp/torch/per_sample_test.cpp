@@ -7,6 +7,7 @@
 // Runs on CPU, and on CUDA too when a GPU and the CUDA kernels are present.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <tuple>
@@ -366,43 +367,117 @@ TEST(PerSampleRows, CudaKernelsMatchTheCpuKernels) {
   }
 }
 
-// Note [host certification]: on the host the certification steps run as scalar loops; they must
-// give what the ATen compositions (the only versions CUDA runs) give: the same floats for the
-// directed roundings and the ghost bound, and for the direct bound a value at least the exact one
-// and within a few ulps of the composition's (only q's summation order differs).
-TEST(PerSampleCertification, TheHostLoopsAgreeWithTheAtenCompositions) {
+// dpzero::_certify (kernels/certify.h) on every device against ATen compositions of the same
+// roundings written here (torch's nextafter and casts, an independent implementation): the same
+// floats for every step but kRows, and for kRows (the sums of squares reduced in another order) a
+// value at least the exact one (long double) and within a few ulps of the composition's. NaN, inf,
+// values past float32's range, 0 and negatives included. Mutations tried: up() without its ulp
+// step; f32_up rounding to nearest; the ghost margin without its factor 2.
+TEST(PerSampleCertification, EveryStepMatchesItsAtenComposition) {
   namespace ps = kernels::per_sample;
+  using Step = kernels::certify::Step;
   at::manual_seed(11);
   const double inf = std::numeric_limits<double>::infinity();
+  const auto up = [&](const at::Tensor& v) {  // one ulp toward +inf where positive
+    return at::where(v > 0, at::nextafter(v, at::full({}, inf, v.options())), v);
+  };
+  const auto f32_up = [&](const at::Tensor& v) {
+    const at::Tensor f = v.to(at::kFloat);
+    return at::where(f.to(at::kDouble) < v,
+                     at::nextafter(f, at::full({}, float(inf), f.options())), f);
+  };
+  const auto f32_down = [&](const at::Tensor& v) {
+    const at::Tensor f = v.to(at::kFloat);
+    return at::where(f.to(at::kDouble) > v, at::nextafter(f, at::zeros({}, f.options())), f);
+  };
+  // IEEE sqrt, correctly rounded, element by element: torch's vectorized float64 sqrt on the CPU
+  // can be an ulp off, which the bounds of Note [certified norms] do not allow.
+  const auto sqrt = [](const at::Tensor& v) {
+    at::Tensor out = v.contiguous().clone();
+    double* p = out.data_ptr<double>();
+    for (int64_t i = 0; i < out.numel(); ++i) p[i] = std::sqrt(p[i]);
+    return out;
+  };
+  const auto same = [](const at::Tensor& got, const at::Tensor& want) {
+    return at::allclose(got.cpu(), want, 0.0, 0.0, /*equal_nan=*/true);
+  };
   at::Tensor x = at::randn({64}, at::kDouble) * 1e3;
   x[0] = std::numeric_limits<double>::quiet_NaN();
   x[1] = inf;
   x[2] = 1e300;  // above float32's range: +inf
   x[3] = 0.0;
   x[4] = -2.5;
-  const at::Tensor f = x.to(at::kFloat);
-  const at::Tensor want = at::where(f.to(at::kDouble) < x,
-                                    at::nextafter(f, at::full({}, float(inf), f.options())), f);
-  EXPECT_TRUE(at::allclose(ps::to_f32_up(x), want, 0.0, 0.0, /*equal_nan=*/true))
-      << ps::to_f32_up(x) - want;
+  const at::Tensor pos = x.abs();
   const at::Tensor ghost = at::randn({64}, at::kDouble), s = at::rand({64}, at::kDouble);
-  const double c = 3e-14;
-  const at::Tensor ghost_want = ps::up(at::clamp_min(ghost, 0) + s.square() * (2.0 * c));
-  EXPECT_TRUE(ps::certify_ghost(ghost, s, c).equal(ghost_want));
-  const at::Tensor grads = at::randn({16, 300}, at::kDouble), sums = at::rand({16}, at::kDouble);
-  const at::Tensor rows = ps::certify_direct_rows(grads, sums, 1e-15, 301);
-  const at::Tensor composed = ps::certify_direct(grads.square().sum(1), sums, 1e-15, 301);
-  EXPECT_TRUE(at::allclose(rows, composed, 1e-14, 0.0)) << rows - composed;
-  for (int64_t i = 0; i < 16; ++i) {
-    long double exact = 0.0L;
-    for (int64_t j = 0; j < 300; ++j) {
-      const long double v = grads[i][j].item<double>();
-      exact += v * v;
+  const at::Tensor q = at::rand({64}, at::kDouble) * 1e4;
+  const at::Tensor f = at::rand({64}, at::kFloat);
+  const at::Tensor parts = at::rand({3, 64}, at::kFloat) * 1e5;
+  const double c = 3e-14, k = 7e-13;
+  for (const at::Device device : devices()) {
+    const auto on = [&](const at::Tensor& t) { return t.to(device); };
+    const auto run = [&](const at::Tensor& v, const c10::optional<at::Tensor>& sv, double coef,
+                         Step step, bool f32 = false) {
+      return ps::certify_op(on(v), sv ? c10::optional<at::Tensor>(on(*sv)) : c10::nullopt, coef,
+                            step, f32);
+    };
+    const std::string where = device.str();
+    EXPECT_TRUE(same(run(x, {}, 0, Step::kRoundUp), f32_up(x))) << where;
+    EXPECT_TRUE(same(run(pos, {}, 0, Step::kRoundDown), f32_down(pos))) << where;
+    EXPECT_TRUE(same(run(ghost, s, 2 * c, Step::kGhost), up(at::clamp_min(ghost, 0) + s * s * (2 * c))))
+        << where;
+    EXPECT_TRUE(same(run(ghost, s, 2 * c, Step::kGhost, true),
+                     f32_up(up(at::clamp_min(ghost, 0) + s * s * (2 * c))))) << where;
+    const at::Tensor z = up(up(sqrt(q)) + s * k);
+    EXPECT_TRUE(same(run(q, s, k, Step::kDirect), up(z * z))) << where;
+    EXPECT_TRUE(same(run(q, s, 0, Step::kAdd), up(q + s))) << where;
+    EXPECT_TRUE(same(run(pos, {}, 0, Step::kNorm), f32_up(up(sqrt(pos))))) << where;
+    EXPECT_TRUE(same(run(f, {}, 49.0, Step::kScaleUp),
+                     f32_up(f.to(at::kDouble) * 49.0 * (1.0 + 1e-15)))) << where;
+    EXPECT_TRUE(same(run(f, {}, 13.0, Step::kScaleDown), f32_down(f.to(at::kDouble) * 13.0)))
+        << where;
+    const at::Tensor p64 = parts.to(at::kDouble);
+    EXPECT_TRUE(same(run(parts, {}, 0, Step::kSumUp),
+                     f32_up((p64[0] + p64[1] + p64[2]) * (1.0 + 1e-15)))) << where;
+    const at::Tensor grads = at::randn({16, 300}, at::kDouble), sums = at::rand({16}, at::kDouble);
+    const at::Tensor rows = run(grads, sums, k, Step::kRows).cpu();
+    const at::Tensor zr = up(up(sqrt(grads.square().sum(1))) + sums * k);
+    EXPECT_TRUE(at::allclose(rows, up(zr * zr), 1e-14, 0.0)) << where << rows - up(zr * zr);
+    for (int64_t i = 0; i < 16; ++i) {
+      long double exact = 0.0L;
+      for (int64_t j = 0; j < 300; ++j) {
+        const long double v = grads[i][j].item<double>();
+        exact += v * v;
+      }
+      EXPECT_GE(static_cast<long double>(rows[i].item<double>()), exact) << where << " row " << i;
     }
-    EXPECT_GE(static_cast<long double>(rows[i].item<double>()), exact) << "row " << i;
   }
 }
 
+// dpzero::_scale_rows on every device: row i times its factor, or as it is, and zeros (not NaN)
+// for a factor of 0 or NaN/inf, float32 and float64, non-contiguous x. Reference: a loop over rows.
+TEST(PerSampleClippedSum, ScaleRowsScalesKeptRowsAndZerosDroppedOnes) {
+  namespace ps = kernels::per_sample;
+  at::manual_seed(14);
+  const at::Tensor scale = at::tensor({0.5f, 0.0f, 2.0f, std::numeric_limits<float>::quiet_NaN(),
+                                       std::numeric_limits<float>::infinity(), 1.0f});
+  for (const at::Device device : devices()) {
+    for (const auto dtype : {at::kFloat, at::kDouble}) {
+      at::Tensor x = at::randn({6, 5, 4}, dtype).transpose(1, 2);  // non-contiguous
+      x[1][0][0] = std::numeric_limits<double>::quiet_NaN();
+      x[3][2][1] = std::numeric_limits<double>::infinity();
+      for (const bool multiply : {true, false}) {
+        const at::Tensor got = ps::scale_rows(x.to(device), scale.to(device), multiply).cpu();
+        ASSERT_EQ(got.scalar_type(), dtype);
+        for (int64_t i = 0; i < 6; ++i) {
+          const float c = scale[i].item<float>();
+          const at::Tensor want = !std::isfinite(c) || c == 0.0f ? at::zeros_like(x[i])
+                                  : multiply ? x[i] * at::scalar_tensor(c, dtype) : x[i];
+          EXPECT_TRUE(got[i].equal(want)) << device << " " << dtype << " row " << i;
+        }
+      }
+    }
+  }
+}
 
 // Note [accumulating clipped sums]: adding kept per-sample rows into a parameter's slot in place
 // gives the slot exactly what adding per_sample_clipped_sum's result would (the same float32
