@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # experiments/gpu/check.sh — the one prepared script for a lent GPU machine (the device tool's
 # `run`), inside 8 minutes on its 16 cores. That machine comes bare (KINDS.md): the kit that
-# experiments/gpu/pack.sh made here (.gpu-kit/) brings what it lacks. In order, each stage with
-# its own line in $OUT/status.txt (so a run cut off anywhere says how far it got):
+# experiments/gpu/pack.sh made here (.gpu-kit/) brings what it lacks. The measurements come first
+# (where the step's time goes, then the rows the targets are stated in), the tests after them, as
+# far as the budget allows (a rerun names the rest: CHECK_STAGES="errors ctest pytest"). In order,
+# each stage with its own line in $OUT/status.txt (so a run cut off anywhere says how far it got):
 #   env      the machine: GPU, Python, torch, nvcc, CMake, cores
 #   unpack   the kit's Debian prefix and wheels
 #   build    CMake + ninja on every core, CUDA on, sm_90 only (DPZERO_CUDA_ARCHS to change it);
 #            the whole log in $OUT/build.log
+#   profile  profile_step.py: a step's wall time against the GPU's busy time, launches and host
+#            waits, the costliest operators (dpzero flat, Opacus ghost, plain torch)
+#   private  one experiments/private_bench.py --device cuda configuration (dpzero and Opacus);
+#            CHECK_PRIVATE_ARGS is appended to its flags (a rerun: "--skip-check --repeats 5")
+#   paper    one row set of experiments/run.py --grid gpu (non-DP, DP flat, Opacus hooks)
 #   errors   error_paths.py: one of our ops' argument errors raised on the CPU and on the GPU, with
 #            and without a number in the message, each in a fresh process (the first H200 run's
 #            crashes), and which libstdc++ the process maps
@@ -14,11 +21,6 @@
 #   pytest   the CUDA tests (the files that hold them, CUDA cases selected), through
 #            pytest_isolated.py: a test that crashes its process is recorded, run again alone and
 #            under cuda-gdb for a backtrace, and the tests after it still run
-#   profile  profile_step.py: a step's wall time against the GPU's busy time, launches and host
-#            waits, the costliest operators (dpzero flat, Opacus ghost, plain torch)
-#   private  one experiments/private_bench.py --device cuda configuration (dpzero and Opacus);
-#            CHECK_PRIVATE_ARGS is appended to its flags (a rerun: "--skip-check --repeats 5")
-#   paper    one row set of experiments/run.py --grid gpu (non-DP, DP flat, Opacus hooks)
 #   noise    experiments/noise_bench.py, 1e6..1e8 coordinates
 #   kernels  experiments/kernel_bench.py --device cuda at B = 32 (GB/s against the copy rate)
 # CHECK_STAGES names the stages after build to run (default: all of them), for a rerun that
@@ -44,7 +46,7 @@ collect() {
   [ -n "$files" ] && tar -C "$results" -czf "$out/results.tar.gz" $files
   printf '%s  done       %ss in all\n' "$(date +%T)" $((SECONDS - t_start)) | tee -a "$status"
 }
-stages=" ${CHECK_STAGES:-errors ctest pytest profile private paper noise kernels} "
+stages=" ${CHECK_STAGES:-profile private paper errors ctest pytest noise kernels} "
 want() { [[ $stages == *" $1 "* ]]; }
 
 machine() {
@@ -63,6 +65,14 @@ stage build 330 build_dpzero build-gpu ON "$archs" 2>&1 | tee -a "$log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { collect; exit 1; }
 ensure_dpzero  # dpzero (just built) and the reference values on PYTHONPATH / in the environment
 
+want profile && stage profile 90 $py experiments/gpu/profile_step.py --systems dp-flat,opacus-ghost,torch \
+  --out "$results/profile.md" >>"$log" 2>&1
+want private && stage private 150 $py experiments/private_bench.py --device cuda --threads "$(nproc)" \
+  --tag cuda-w768 --layers 4 --hidden 768 --heads 12 --intermediate 3072 --vocab 30522 --batch 32 \
+  --repeats 11 --max-wait 0 --out "$results/private.md" ${CHECK_PRIVATE_ARGS:-} >>"$log" 2>&1
+# Opacus hooks, not ghost: ghost clipping refuses GPT-2's tied embedding
+want paper && stage paper 90 bash -c "cd experiments && $py run.py --grid gpu --systems zero0,dp0-flat,opacus-hooks \
+  --repeats 5 --out '$results' && mv '$results/grid-gpu.md' '$results/paper.md'" >>"$log" 2>&1
 want errors && stage errors 60 $py experiments/gpu/error_paths.py >>"$status" 2>>"$log"
 if want ctest; then
   stage ctest 60 ctest --test-dir build-gpu --output-on-failure -j "$(nproc)" >>"$log" 2>&1
@@ -74,14 +84,6 @@ if want pytest; then
     tests/python/test_zero.py tests/python/test_checkpointing.py >>"$log" 2>&1
   grep "^pytest_isolated: [0-9]* tests" "$log" | tail -1 | tee -a "$status"
 fi
-want profile && stage profile 90 $py experiments/gpu/profile_step.py --systems dp-flat,opacus-ghost,torch \
-  --out "$results/profile.md" >>"$log" 2>&1
-want private && stage private 150 $py experiments/private_bench.py --device cuda --threads "$(nproc)" \
-  --tag cuda-w768 --layers 4 --hidden 768 --heads 12 --intermediate 3072 --vocab 30522 --batch 32 \
-  --repeats 11 --max-wait 0 --out "$results/private.md" ${CHECK_PRIVATE_ARGS:-} >>"$log" 2>&1
-# Opacus hooks, not ghost: ghost clipping refuses GPT-2's tied embedding
-want paper && stage paper 90 bash -c "cd experiments && $py run.py --grid gpu --systems zero0,dp0-flat,opacus-hooks \
-  --repeats 5 --out '$results' && mv '$results/grid-gpu.md' '$results/paper.md'" >>"$log" 2>&1
 want noise && stage noise 40 $py experiments/noise_bench.py --sizes 1e6,1e7,1e8 --out "$out/noise.md" >>"$log" 2>&1
 want kernels && stage kernels 90 $py experiments/kernel_bench.py --device cuda --batches 32 --repeats 5 \
   --out "$out/kernels.md" >>"$log" 2>&1
