@@ -64,6 +64,22 @@
 // (Note [batch provenance]) and every release (state_dict, checkpoints) read what they need; a
 // refused step reads what its message names. tests/python/test_device_path.py counts these reads
 // on the path a GPU takes.
+//
+// Note [CUDA graphs]
+// ~~~~~~~~~~~~~~~~~~
+// A CUDA graph replays recorded kernels with no host work between them. A whole private step
+// cannot be one: between the backward and the update the host must read the verdict, agree with
+// the other ranks and wait for the ledger's fsync (Note [host reads of a step]); an update that
+// ran without them could apply a step the ledger lacks. Nor can a micro-batch's forward and
+// backward be replayed as recorded today: the book decides on the host, per micro-batch, which
+// parts reported, when a group completes and when a unit is handed to the engine, and Python
+// checks every call (provenance, module state); a replay would skip all of it, and the noise
+// kernels take the charge index as a host argument, so a replayed update would draw the same
+// noise again. What capture would need: fixed micro-batch shapes (Poisson batches padded to a
+// fixed size), the book's decisions made once for a static layer structure, and the charge index
+// and the clip factors as device tensors the graph reads. The forward and backward no longer
+// read the device (Note [host reads of a step]), which capture needs first; whether the remaining
+// launch overhead justifies the rest is what the GPU kit's profile stage measures.
 #pragma once
 
 #include <cstdint>
