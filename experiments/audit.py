@@ -1,4 +1,4 @@
-"""Empirical privacy audit of dpzero's DP-SGD in one run (issue 10; Note [one-run audit] in
+"""Empirical privacy audit of dpzero's DP-SGD in one run (Note [one-run audit] in
 python/dpzero/audit.py).
 
 The model is a linear classifier on Fashion-MNIST (28x28 images average-pooled to 7x7 = 49

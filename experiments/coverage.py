@@ -1,4 +1,4 @@
-"""Which modules dpzero trains privately, and by which path: a coverage table (issue 22).
+"""Which modules dpzero trains privately, and by which path: a coverage table.
 
 For every torch.nn layer type that holds parameters, and for small Hugging Face models of many
 families built from configs (no download), one private step at σ = 0 is compared with an

@@ -1,4 +1,4 @@
-"""The generic per-sample path against Opacus on modules without kernels (issue 22): an LSTM and a
+"""The generic per-sample path against Opacus on modules without kernels: an LSTM and a
 multi-head-attention classifier, one private step each, side by side in one process.
 
 Systems (each a full step: forward, backward with per-sample clipping, noise, update):

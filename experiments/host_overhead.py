@@ -1,4 +1,4 @@
-"""Host overhead of a private step (issue 23): a model so small that arithmetic is negligible, so
+"""Host overhead of a private step: a model so small that arithmetic is negligible, so
 the step time is framework time, private against non-private, with Opacus alongside.
 
 The model is a GPT-2 of 12 layers, width 64, 4 heads (transformers' GPT2LMHeadModel from a

@@ -4,13 +4,13 @@ harness (experiments/run.py) can set our model-state predictions beside the publ
 a GPU machine can run the same rows.
 
 Sources, and how sure each value is:
-  * published figures: as quoted in issue 9 of this project (DP / non-DP throughput about 81-84% at
+  * published figures: as quoted in this project's brief (DP / non-DP throughput about 81-84% at
     ZeRO-1/2 and 94-95% at ZeRO-3 for ViT-Gigantic and GPT2-XL; mixed-precision DP using 46-74% of
     the full-precision non-DP model-state memory; one A100, GPT-2, batch 100: non-DP / book-keeping
     / ghost clipping / Opacus = 341 / 274 / 209 / out of memory examples/s). A research pass in
     this session could not reach the paper's tables (only its abstract is in the offline corpora),
     so these are not independently checked here;
-  * hardware: A100-40GB, micro-batch 4 per GPU (issue 9); 8 GPUs is the GPU count of the authors'
+  * hardware: A100-40GB, micro-batch 4 per GPU (the brief); 8 GPUs is the GPU count of the authors'
     released DP-ZeRO scripts (awslabs/fast-differential-privacy, run_ZERO1.sh / run_ZERO23.sh), not
     read from the paper;
   * model shapes: ViT-Gigantic = timm's vit_gigantic_patch14_224 (depth 48, width 1664, 16 heads,
@@ -27,7 +27,7 @@ fp32 master under mixed precision):
   clipped sums in fp32 up to the reduction (DESIGN.md §4), so its DP gradients cost 4 bytes where
   a 16-bit non-DP reduction costs 2.
 Activations, per-sample norms and the book-keeping (A, G) buffers are not model state and are not
-in these figures (issue 11 adds them).
+in these figures (the predicted peak-memory table adds them).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def single_gpu_table() -> list[str]:
     lines = ["| model | parameters | non-DP fp32 GiB (stage 0, W = 1) | DP mixed GiB | published "
              "examples/s (non-DP / BK / ghost / Opacus) | GPU measured |", "|" + "---|" * 6]
     for name, psi, _ in MODELS[2:]:
-        published = "341 / 274 / 209 / OOM (batch 100; issue 9 says 'GPT-2', size not stated)" \
+        published = "341 / 274 / 209 / OOM (batch 100; the brief says 'GPT-2', size not stated)" \
             if name == "GPT2-small" else ""
         lines.append(f"| {name} | {psi / 1e6:.0f} M | {predict(psi, 0, False, 'fp32', 1) / GIB:.2f}"
                      f" | {predict(psi, 0, True, 'mixed', 1) / GIB:.2f} | {published} | "
@@ -204,7 +204,7 @@ def reading() -> str:
         "with 16-bit gradients the same formulas give " + " / ".join(f"{r:.2f}" for r in half)
         + ". Inside the published 46-74%: " + where_inside(ours, "fp32 gradients") + "; "
         + where_inside(half, "16-bit gradients") + ". The published range is a measured one "
-        "(how it counts is not restated in issue 9); the GPU rows (`experiments/gpu/"
+        "(how it counts is not restated in the brief); the GPU rows (`experiments/gpu/"
         "paper_rows.sh`, when a GPU is lent; none was in this session) are where the two can be "
         "compared.")
 
@@ -232,7 +232,7 @@ def write_paper_table(path: str) -> str:
         "profile] in python/dpzero/plan/shapes.py: saved activations, the logits' gradient, and "
         "the clipping book's stored layer inputs and output gradients, which checkpointing does "
         "not shrink; at stage 3 also the gathered units: the root unit and two blocks). Predictions, not measurements: the GPU rows measure.", ""] + peak_table() + [
-        "", "### Published figures (as quoted in issue 9; not re-read from the paper here)", ""] + [
+        "", "### Published figures (as quoted in the project's brief; not re-read from the paper here)", ""] + [
         f"- {p}" for p in PUBLISHED] + [
         "", reading()]
     write_marked_section(path, "paper", "# DP-ZeRO paper configurations: predicted model-state "

@@ -1,4 +1,4 @@
-"""Per-step overhead of the private Trainer (issue 24): dpzero.hf.PrivateTrainer against
+"""Per-step overhead of the private Trainer: dpzero.hf.PrivateTrainer against
 dpzero.make_private driven by a plain loop, on the same model, batches and optimizer.
 
 Model: GPT-2 (transformers' GPT2LMHeadModel from a config) of 2 layers, width 64, 4 heads,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # experiments/gpu/bare_check.sh — run HERE, as root, after pack.sh: proves that the kit alone
-# builds dpzero, without a GPU (issue 26). It makes a /usr without the Debian packages the kit
+# builds dpzero, without a GPU. It makes a /usr without the Debian packages the kit
 # replaces (.gpu-kit/packages.txt): a hard-linked copy of /usr from which every file those
 # packages installed (dpkg -L) is removed. In a private mount namespace where that copy is /usr,
 # it builds dpzero from the kit exactly as check.sh does (kit.sh), CPU-only, into build-bare/,

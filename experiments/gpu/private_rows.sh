@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# experiments/gpu/private_rows.sh — issue 7's targets on a lent GPU, in one call of the device
+# experiments/gpu/private_rows.sh — the private-step targets on a lent GPU, in one call of the device
 # tool's `run` (under its 10-minute limit): experiments/private_bench.py --device cuda on BERT-base
 # (12 layers, width 768, vocabulary 30522, B = 32) and on two layers of GPT-2 large's width (1280,
 # B = 16), T = 128:

@@ -1,4 +1,4 @@
-"""Mixed precision the PyTorch way (issue 22 item 3): torch.autocast around the forward of a
+"""Mixed precision the PyTorch way: torch.autocast around the forward of a
 private model, and torch.amp.GradScaler refused with its reason.
 
 Reference: the same model in fp32 under the same autocast, one example at a time through torch's

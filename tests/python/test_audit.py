@@ -1,4 +1,4 @@
-"""The one-run privacy audit (issue 10; Note [one-run audit] in dpzero/audit.py).
+"""The one-run privacy audit (Note [one-run audit] in dpzero/audit.py).
 
 References: the worked examples of Steinke, Nasr and Jagielski (2023), Appendix D; the binomial
 tail and the theorem's δ term evaluated independently with mpmath; guess counts by hand. End to

@@ -1,4 +1,4 @@
-"""The bad-input matrix at make_private (issue 10, docs/reliability.md): every invalid privacy
+"""The bad-input matrix at make_private (docs/reliability.md): every invalid privacy
 parameter is refused before anything is attached, with a ValueError naming the bad value, and an
 unreachable target epsilon names the target and the sigma range searched."""
 

@@ -1,4 +1,4 @@
-"""Activation checkpointing and optimizer offload under DP (issue 11; Note [recomputed forwards]
+"""Activation checkpointing and optimizer offload under DP (Note [recomputed forwards]
 in private/book.py, private/checkpointing.py; Note [master weights] in src/zero/flat_param.h).
 
 Reference: the same private run without checkpointing (same seeds, dropout active), which the

@@ -1,4 +1,4 @@
-"""kill -9 and resume under the multi-rank launcher (issue 10; Note [resuming a run] in
+"""kill -9 and resume under the multi-rank launcher (Note [resuming a run] in
 dpzero/train/runner.py, Note [failpoints] in src/dp/failpoints.h).
 
 A two-rank private CNN job (`dpzero train`, torchrun, Gloo, stage 2, a checkpoint every 4 steps)

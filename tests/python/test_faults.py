@@ -1,4 +1,4 @@
-"""Collective faults under the multi-rank private step (issue 10): a rank that dies or hangs makes
+"""Collective faults under the multi-rank private step: a rank that dies or hangs makes
 the others fail with a clear error within the process group's timeout, never hang, and the error
 says whether the step was charged. Real Gloo groups over loopback, ranks in separate processes."""
 
@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import dpzero
-from dpzero import CollectiveError  # exported at the top level (issue 23)
+from dpzero import CollectiveError  # exported at the top level
 
 from test_private import SeqNet, seq_data
 

@@ -1,4 +1,4 @@
-"""The generic per-sample path (fallback.py, issue 22 item 2): modules without kernels train
+"""The generic per-sample path (fallback.py): modules without kernels train
 privately unchanged — nn.MultiheadAttention, LSTM/GRU/RNN (batch first or not, multi-layer,
 bidirectional), parameters held by the model's root, kernel-layer subclasses with their own
 forward, batched keyword arguments, tuple and dict returns, GroupNorm, InstanceNorm, PReLU.

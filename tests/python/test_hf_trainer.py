@@ -1,4 +1,4 @@
-"""dpzero.hf.PrivateTrainer (issue 24): a Trainer run takes make_private's steps on the same model,
+"""dpzero.hf.PrivateTrainer: a Trainer run takes make_private's steps on the same model,
 batches and optimizer (σ = 0); its ε is the accountant's for (q, σ, steps); evaluation costs no
 privacy; a checkpoint resumes with every released step counted once; bad settings are refused,
 naming the value. References: make_private driven by hand with an independent per-example loss

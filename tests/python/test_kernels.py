@@ -1,4 +1,4 @@
-"""Per-sample gradient ops (kernels/per_sample_ops.h, issue #4) against torch.func.
+"""Per-sample gradient ops (kernels/per_sample_ops.h) against torch.func.
 
 Reference: per-sample gradients from torch.func (vmap(grad(...)) of the layer's own functional
 form, with the loss sum(y * G) so that G is the output gradient), computed in float64 from the very

@@ -1,4 +1,4 @@
-"""Two machines (issue 10): two hosts made on this machine with network namespaces joined by a
+"""Two machines: two hosts made on this machine with network namespaces joined by a
 veth pair, each running `torchrun --nnodes 2 --nproc-per-node 2` with the c10d rendezvous on
 host A. The private job's 4 ranks talk across the veth (each namespace has only its loopback
 and its end of the pair); the result must equal the same job's single-node 4-rank run.

@@ -1,4 +1,4 @@
-"""DPOptimizer is a torch.optim.Optimizer (issue 22 item 1): torch's and transformers' LR
+"""DPOptimizer is a torch.optim.Optimizer: torch's and transformers' LR
 schedulers, hyperparameters changed between steps, hooks, closures and state_dict round trips.
 
 Reference: a float64 copy of the model trained by torch.optim itself, with the same scheduler, on

@@ -1,4 +1,4 @@
-"""The memory planner (issue 11; python/dpzero/plan/, Notes [planner profile], [planner memory
+"""The memory planner (python/dpzero/plan/, Notes [planner profile], [planner memory
 model], [planner time model]).
 
 References: ZeRO's model-state formulas (Rajbhandari et al. 2020, §5.1) written out here; saved

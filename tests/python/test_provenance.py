@@ -312,7 +312,7 @@ def hf_model(family, frozen_bias=False, only_bias=False, attn=None):
 @pytest.mark.parametrize("family", ["gpt2", "bert", "llama", "t5", "t5-frozen-bias"])
 @pytest.mark.parametrize("batch", [1, 2, T, T + 1, HEADS])
 def test_hugging_face_models_hold_2c_at_every_coinciding_batch_size(family, batch):
-    """The sweep of issue 21: B in {1, 2, T, T + 1, heads} on GPT-2, BERT, Llama and T5 from tiny
+    """The sweep of batch sizes: B in {1, 2, T, T + 1, heads} on GPT-2, BERT, Llama and T5 from tiny
     configs; every step is accepted (their inputs are batched, their position ids [1, T]) and
     holds the replace-one bound 2C with an outlier example."""
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Resuming a private run at another world size and ZeRO stage (issue 10): a run checkpointed
+"""Resuming a private run at another world size and ZeRO stage: a run checkpointed
 after 2 steps on two Gloo ranks at stage 2 and continued for 2 more in one process at stage 1
 ends where the same run without interruption ends (reference: the uninterrupted single-process
 run, which the sharding-invariance tests tie to every world size and stage)."""
@@ -80,7 +80,7 @@ def _files_bytes(root):
 
 
 def test_secure_mode_checkpoints_hold_no_key_unless_asked(tmp_path):
-    """Issue 10, security: a secure-mode checkpoint (engine state in its metadata) holds neither
+    """Security: a secure-mode checkpoint (engine state in its metadata) holds neither
     seed nor key, in any encoding; with include_secrets=True it holds the key, and a run restored
     from it continues with exactly the original's noise and sampling."""
     import struct

@@ -1,4 +1,4 @@
-"""Issue 23, item 4: the private backward never waits on the GPU.
+"""The private backward never waits on the GPU.
 
 A DP layer's backward node, the clipping book and the end-of-backward callback run while the GPU
 is still working on earlier kernels. A host read of a device value there (``.item()``, a

@@ -1,4 +1,4 @@
-"""Clip thresholds rounded toward zero (issue 21, Note in privacy/clipping.h): the clip factors are
+"""Clip thresholds rounded toward zero (privacy/clipping.h): the clip factors are
 computed against float32 thresholds, and float32(C) rounded to nearest is above C for most C
 (0.1 -> 0.100000001490116...). Every clipped contribution, recomputed in float64 from the op's
 factors and per-sample gradients formed here (not by the kernels), must be at most the float64

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import dpzero
-from dpzero import BudgetExhausted  # exported at the top level (issue 23)
+from dpzero import BudgetExhausted  # exported at the top level
 from dpzero.train import ConfigError, config, datasets
 from dpzero.train.report import write_report
 
@@ -98,7 +98,7 @@ def test_config_file_errors(tmp_path):
     assert cfg.privacy.noise_multiplier == 1.2 and cfg.training.epochs == 2.0
     assert cfg.output.dir == os.path.join("runs", "job")
     assert cfg.delta_for(1000) == 1e-5
-    # The default: min(1e-5, 1/(10 N)), below 1/N (issue 21); "1/N" only when asked for.
+    # The default: min(1e-5, 1/(10 N)), below 1/N; "1/N" only when asked for.
     assert config.from_dict(BASE).delta_for(1000) == 1e-5
     assert config.from_dict(BASE).delta_for(10**6) == 1e-7
     one_over_n = {**BASE, "privacy": {**BASE["privacy"], "delta": "1/N"}}
@@ -634,7 +634,7 @@ def test_minilm_job_single_rank_with_baseline(tmp_path):
     run = tmp_path / "run"
     report = json.loads((run / "report.json").read_text())
     assert report["results"]["private"]["accuracy"] == priv["accuracy"]
-    # The baseline was trained without privacy: nothing of it is released (issue 21).
+    # The baseline was trained without privacy: nothing of it is released.
     assert "baseline" not in report["results"]
     assert "baseline" not in json.loads((run / "result.json").read_text())
     assert "baseline" not in (run / "metrics.jsonl").read_text()

@@ -1,4 +1,4 @@
-"""`dpzero train` with ``[training] loop = "trainer"`` (issue 24): the job through
+"""`dpzero train` with ``[training] loop = "trainer"``: the job through
 dpzero.hf.PrivateTrainer, two real ranks under the launcher (torchrun, Gloo).
 
 References: ε from an RDP accountant fed (σ, q, steps) by the test, the ledger's own records,

@@ -48,7 +48,7 @@ TEST(ClipFactor, SensitivityHoldsExactlyNotJustUpToRounding) {
   EXPECT_GT(overshoot_naive, 0);  // the property is not vacuous: plain fp32 division overshoots
 }
 
-// C rounded toward zero (issue 21: float32(0.1) rounded to nearest is above 0.1).
+// C rounded toward zero (float32(0.1) rounded to nearest is above 0.1).
 TEST(Threshold, RoundsTowardZeroToFloat32) {
   for (double c : {0.1, 0.3, 1.0 / 3.0, 1e-3, 1.0, 0.25, 7.0 / 3.0, 1e30}) {
     const float t = threshold_f32(c);
