@@ -21,10 +21,13 @@
 namespace dpzero::kernels::certify {
 
 // What one _certify call computes from the per-sample value v (float64, or float32 widened
-// exactly), the per-sample S of Note [certified norms] (float64) and the call's coefficient.
+// exactly), the per-sample S of Note [certified norms] (float64), the call's coefficient and its
+// margin m (Note [clipped-sum rounding] in kernels/per_sample_ops.h: the certifying steps then
+// bound (||W|| + m S / 2)^2, not ||W||^2; m = 0: no margin).
 enum class Step : int64_t {
-  kGhost = 0,      // up(max(v, 0) + S² coef), coef = 2c (the ghost margin)          -> float64
-  kDirect = 1,     // z = up(up(√v) + S coef), up(z²); coef = 2 (e + 2 γ_n)          -> float64
+  kGhost = 0,      // b = up(max(v, 0) + S² coef), coef = 2c (the ghost margin);
+                   // with m > 0: kDirect of b with coef m                            -> float64
+  kDirect = 1,     // z = up(up(√v) + S (coef + m)), up(z²); coef = 2 (e + 2 γ_n)    -> float64
   kRows = 2,       // kDirect of q = Σ_j v[i, j]² (v [B, n], kept per-sample gradients) -> float64
   kAdd = 3,        // up(v + S): two certified bounds added (a weight's and its bias's) -> float64
   kNorm = 4,       // f32_up(up(√v)): the float32 norm a fused clip hands clip_factors -> float32
@@ -70,10 +73,13 @@ DPZERO_HOST_DEVICE double direct_bound(double q, double s, double coef) {
 }
 
 // The steps that take one value per sample (all but kRows and kSumUp, which reduce first).
-DPZERO_HOST_DEVICE double elementwise(Step step, double v, double s, double coef) {
+DPZERO_HOST_DEVICE double elementwise(Step step, double v, double s, double coef, double margin) {
   switch (step) {
-    case Step::kGhost: return ghost_bound(v, s, coef);
-    case Step::kDirect: return direct_bound(v, s, coef);
+    case Step::kGhost: {
+      const double b = ghost_bound(v, s, coef);
+      return margin > 0.0 ? direct_bound(b, s, margin) : b;
+    }
+    case Step::kDirect: return direct_bound(v, s, coef + margin);
     case Step::kAdd: return up_one(v + s);
     case Step::kNorm: return f32_up(up_one(sqrt(v)));
     case Step::kRoundUp: return f32_up(v);

@@ -3,6 +3,7 @@
 // kernels/ops.cpp), so both backends refuse the same calls with the same words.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -24,10 +25,15 @@ inline bool takes_s(Step step) {
 // Checks a _certify call; returns its step and the result (uninitialised, on value's device).
 inline std::pair<Step, at::Tensor> certify_result(const at::Tensor& value,
                                                   const c10::optional<at::Tensor>& s,
-                                                  int64_t step, bool f32) {
+                                                  int64_t step, bool f32, double margin) {
   TORCH_CHECK(step >= 0 && step < kSteps, "dpzero::_certify: step must be in [0, ", kSteps,
               "), got ", step);
   const Step st = static_cast<Step>(step);
+  TORCH_CHECK(std::isfinite(margin) && margin >= 0.0 &&
+                  (margin == 0.0 || st == Step::kGhost || st == Step::kDirect ||
+                   st == Step::kRows),
+              "dpzero::_certify: margin must be finite and >= 0, and 0 for step ", step, ", got ",
+              margin);
   TORCH_CHECK(value.scalar_type() == at::kDouble || value.scalar_type() == at::kFloat,
               "dpzero::_certify: value must be float64 or float32, got ", value.scalar_type());
   std::vector<int64_t> shape = value.sizes().vec();

@@ -125,9 +125,11 @@ TORCH_LIBRARY(dpzero, m) {
   // The directed-rounding steps of certified norms on per-sample vectors, one pass (one launch):
   // kernels/certify.h's Step table says what each step computes from value (float64 or float32;
   // [B] for most steps, [B, n] for kRows, [P, B] for kSumUp), S (float64, value's shape or [B];
-  // the certifying steps only) and coef. Returns float64 where the step gives float64 and not
+  // the certifying steps only), coef and, for the certifying steps, margin (Note [clipped-sum
+  // rounding] in kernels/per_sample_ops.h). Returns float64 where the step gives float64 and not
   // f32, else float32 rounded up (down for the kRoundDown and kScaleDown steps).
-  m.def("_certify(Tensor value, Tensor? S, float coef, int step, bool f32=False) -> Tensor");
+  m.def("_certify(Tensor value, Tensor? S, float coef, int step, bool f32=False, "
+        "float margin=0.0) -> Tensor");
   // One clipping group's factors in one pass (Note [certified group norms] in src/dp/clip_group.h,
   // Note [mean loss] in src/dp/book.h): sq [P, B] float32, the parts' certified squared norms as
   // delivered, grouped by component in order (sizes[c] parts each); mean >= 1 the mean-loss

@@ -10,15 +10,16 @@
 // dims after the batch dim are flattened into a sequence length T, so A is [B, T, d_in] and G is
 // [B, T, d_out]. Sample i's weight gradient is G_i^T A_i ([d_out, d_in]).
 //  * *_sq_norms return ||g_i||^2 per sample ([B] float32) as a CERTIFIED UPPER BOUND: never below
-//    the exact squared norm of the exact per-sample gradient of the inputs as given, and above it
-//    only by a rounding margin (Note [certified norms]). The ghost or direct path is chosen by
+//    the exact squared norm of the exact per-sample gradient of the inputs as given, nor below the
+//    squared norm of what the layer's clipped sum adds for the sample (per unit factor), and
+//    above them only by rounding margins (Note [certified norms], Note [clipped-sum rounding]). The ghost or direct path is chosen by
 //    Note [ghost or direct] (kernels/per_sample_checks.h); loops run a chunk of samples at a time
 //    (at most a chunk of per-sample gradients or Grams exists at once, none outlives the op).
 //  * *_clipped_sum return sum_i c_i g_i (float32, the parameter's shape) for per-sample factors
-//    c [B] float32: for a Linear layer G^T diag(c) A, one GEMM over K = B*T that replaces
-//    autograd's weight-gradient GEMM (book-keeping, "BK", Bu et al. 2023, "Differentially private
+//    c [B] float32: for a Linear layer G^T diag(c) A, the GEMMs that replace autograd's
+//    weight-gradient GEMM (book-keeping, "BK", Bu et al. 2023, "Differentially private
 //    optimization on large model at small cost": keep (A, G) from the one backward pass, then
-//    one weighted GEMM). A sample whose factor is 0 or non-finite contributes exactly
+//    weighted GEMMs; one per sample, batched, as Note [clipped-sum rounding] needs). A sample whose factor is 0 or non-finite contributes exactly
 //    nothing, even when its A or G holds NaN/Inf (its rows are zeroed, not multiplied by 0).
 //  * *_clip (group / layer-wise clipping) compute the norms, the factors for threshold C
 //    (privacy::clip_factor through dpzero::clip_factors: flat min(1, C/(||g||+1e-6)) or automatic
@@ -255,13 +256,12 @@ class Fp32MatmulGuard {
 // Cost: for rows that do not cancel, ||g||^2 >= S^2 / T (Cauchy-Schwarz), so the ghost margin
 // inflates the norm by a relative ~2 (N + d_in + d_out) T u (~1e-9 at T = 512, d = 3072), the
 // direct one by less. Only inputs that cancel strongly (S^2 >> ||g||^2) see more, and there it
-// replaces a wrong norm with a safe one (within 1e-3 of the exact value in test_kernels.py's
-// construction with S^2 ~ 10^9 ||g||^2).
-// Not certified: the clipped sums are float32 (IEEE) GEMMs and sums; their rounding moves sample
-// i's contribution by at most ~gamma^{fp32}_{BT} c_i S_i, which in cancelling inputs can be a
-// visible fraction of c_i ||g_i|| (float64 GEMMs would remove it at 2x memory, and 2x time on
-// CPUs). LayerNorm's x̂ is computed in float64 and taken as given (its relative error is ~(d + 3) u
-// unless the variance is below ~2^-26 of the squared mean).
+// replaces a wrong norm with a safe one.
+// The clipped sums are float32: the layers whose sum is formed from A and G add their rounding to
+// the norm (Note [clipped-sum rounding]), which costs more than these margins (a relative
+// ~T^1.5 2^-24 for rows that do not cancel), and form each sample's contribution alone. LayerNorm's
+// x̂ is computed in float64 and taken as given (its relative error is ~(d + 3) u unless the
+// variance is below ~2^-26 of the squared mean).
 
 constexpr double kUnitRoundoff = 1.0 / 9007199254740992.0;  // u = 2^-53
 
@@ -287,13 +287,56 @@ inline double ghost_error_coefficient(int64_t T, int64_t d_in, int64_t d_out) {
 using certify::Step;
 
 inline at::Tensor certify_op(const at::Tensor& value, const c10::optional<at::Tensor>& s,
-                             double coef, Step step, bool f32 = false) {
+                             double coef, Step step, bool f32 = false, double margin = 0.0) {
   using Signature = at::Tensor(const at::Tensor&, const c10::optional<at::Tensor>&, double,
-                               int64_t, bool);
+                               int64_t, bool, double);
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("dpzero::_certify", "")
                              .typed<Signature>();
-  return op.call(value, s, coef, static_cast<int64_t>(step), f32);
+  return op.call(value, s, coef, static_cast<int64_t>(step), f32, margin);
+}
+
+// Note [clipped-sum rounding]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A clip factor bounds sample i's contribution only if the contribution the clipped sum actually
+// adds is bounded, and the clipped sums are float32. Two kinds of rounding enter them:
+//  * inside a sample: its contribution c_i G_i^T A_i is a sum over its T rows; formed alone in
+//    float32 (c_i g_t rounded once, then a length-T inner product per entry), it is within
+//    ((1 + u)(1 + gamma_T) - 1) c_i S_i of the exact one, u = 2^-24, S_i = sum_t ||g_t|| ||a_t||
+//    (Higham 2002 §3.1 as in Note [certified norms]). S_i can dwarf ||G_i^T A_i|| (rows that
+//    cancel), so the norm the clip sees adds that rounding: the layers whose clipped sum is formed
+//    from A and G certify (||W_i|| + kappa_T S_i)^2 with kappa_T = that factor, through
+//    _certify's margin m = 2 kappa_T (clipped_sum_margin; the 2 absorbs the rounding of S and of
+//    the margin's own arithmetic, as the other margins do). Then ||computed contribution|| <= C.
+//    For rows that do not cancel (S_i <= sqrt(T) ||W_i||) the margin costs a relative
+//    ~T^1.5 2^-24 (1e-4 at T = 128).
+//  * across samples: the contributions must be added as whole, bounded terms. One GEMM over the
+//    K = B T rows of all samples would let one sample's rows, which may be huge and cancel only
+//    among themselves, absorb the partial sums of the samples before them (a privacy review
+//    measured a neighbouring dataset moving the sum by 14 C that way). So with T >= 2 each
+//    sample's contribution is formed alone (a batched GEMM, one product per sample) and the
+//    contributions are then summed; at T = 1 each row is a whole contribution and one GEMM is the
+//    same sum. The embedding sums each sample's rows per id first, for the same reason.
+// What remains is the rounding of the sum of bounded terms (at most gamma_B sum_i ||c_i g_i||,
+// each term <= C) and of the float32 accumulation across micro-batches and ranks: a relative
+// error of the aggregate, bounded by the clip norms, not by any sample's S.
+
+// Unit roundoff of float32 (round to nearest).
+constexpr double kF32UnitRoundoff = 1.0 / 16777216.0;  // 2^-24
+
+// The bytes of per-sample products a host clipped sum holds at once (Note [clipped-sum rounding]).
+constexpr int64_t kHostSlabBytes = int64_t{8} << 20;
+
+// m = 2 kappa_T of Note [clipped-sum rounding] for a float32 clipped sum whose samples have T
+// rows each.
+inline double clipped_sum_margin(int64_t t) {
+  const double n = static_cast<double>(std::max<int64_t>(t, 1));
+  const double nu = n * kF32UnitRoundoff;
+  TORCH_CHECK(nu <= 0.01, "dpzero: a float32 clipped sum over ", t,
+              " rows per sample is too long for its certified rounding bound (Note [clipped-sum "
+              "rounding])");
+  const double gamma = nu / (1.0 - nu);
+  return 2.0 * ((1.0 + kF32UnitRoundoff) * (1.0 + gamma) - 1.0);
 }
 
 // x + y (float64, >= 0) rounded up.
@@ -307,13 +350,6 @@ inline at::Tensor to_f32_up(const at::Tensor& x) {
   return certify_op(x, c10::nullopt, 0.0, Step::kRoundUp);
 }
 
-// Certified bound from a float64 ghost value and S (both [c] float64), c = the ghost coefficient;
-// `f32`: rounded up to float32.
-inline at::Tensor certify_ghost(const at::Tensor& ghost, const at::Tensor& s, double c,
-                                bool f32 = false) {
-  return certify_op(ghost, s, 2.0 * c, Step::kGhost, f32);
-}
-
 // The coefficient of S in the direct bound of Note [certified norms]: 2 (e + 2 gamma_n).
 inline double direct_coefficient(double e, int64_t n) {
   return 2.0 * (e + 2.0 * rounding_gamma(static_cast<double>(n)));
@@ -323,13 +359,6 @@ inline double direct_coefficient(double e, int64_t n) {
 // the exact one (q, s: [c] float64).
 inline at::Tensor certify_direct(const at::Tensor& q, const at::Tensor& s, double e, int64_t n) {
   return certify_op(q, s, direct_coefficient(e, n), Step::kDirect);
-}
-
-// certify_direct of q_i = sum_j grads_ij^2 for per-sample gradients kept whole (grads [B, n - 1]
-// float64, S [B] float64): [B] float64, the squares summed in the same pass.
-inline at::Tensor certify_direct_rows(const at::Tensor& grads, const at::Tensor& s, double e,
-                                      int64_t n) {
-  return certify_op(grads, s, direct_coefficient(e, n), Step::kRows);
 }
 
 // ---- backend kernels and clip factors, through the dispatcher -----------------------------------
@@ -496,7 +525,8 @@ inline std::tuple<at::Tensor, at::Tensor> norm_row_sums(const at::Tensor& x, con
 inline at::Tensor ghost_linear_sq_norms(const at::Tensor& a, const at::Tensor& g,
                                         bool f32 = false) {
   const auto [value, s] = ghost_sq_norms(a, g);
-  return certify_ghost(value, s, ghost_error_coefficient(a.size(1), a.size(2), g.size(2)), f32);
+  return certify_op(value, s, 2.0 * ghost_error_coefficient(a.size(1), a.size(2), g.size(2)),
+                    Step::kGhost, f32, clipped_sum_margin(a.size(1)));
 }
 
 // Certified ||G_i^T A_i||_F^2 by instantiating G_i^T A_i in float64 for a chunk of samples at a
@@ -513,7 +543,8 @@ inline at::Tensor direct_sq_norms(const at::Tensor& a, const at::Tensor& g) {
     at::Tensor per_sample = at::bmm(g64.transpose(1, 2), a64);  // [c, d_out, d_in], ours
     const at::Tensor q = per_sample.reshape({c, -1}).square_().sum(1);
     const at::Tensor s = (row_norms(a64) * row_norms(g64)).sum(1);
-    out.slice(0, i0, i1).copy_(certify_direct(q, s, e, d_in * d_out + 1));
+    out.slice(0, i0, i1).copy_(certify_op(q, s, direct_coefficient(e, d_in * d_out + 1),
+                                          Step::kDirect, /*f32=*/false, clipped_sum_margin(t)));
   }
   return out;
 }
@@ -595,7 +626,10 @@ inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const a
                                    const at::Tensor& scale, bool host, bool transposed) {
   const int64_t b = a.size(0), t = a.size(1), d_in = a.size(2), d_out = g.size(2);
   if (b == 0 || t == 0) return;
-  const int64_t chunk = samples_per_chunk(b, 8 * t * (d_in + d_out));
+  // Per sample: float32 copies of its rows and, with T >= 2 on a device, its own contribution
+  // (Note [clipped-sum rounding]; the host holds kHostSlabBytes of them for the whole chunk).
+  const int64_t chunk =
+      samples_per_chunk(b, 8 * t * (d_in + d_out) + (t >= 2 && !host ? 4 * d_in * d_out : 0));
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
     const at::Tensor c = sample_range(scale, i0, i1);
@@ -610,6 +644,24 @@ inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const a
       const bool scale_g = d_out <= d_in;
       gc = scale_rows(gc, c, /*multiply=*/scale_g);
       ac = scale_rows(ac, c, /*multiply=*/!scale_g);
+    }
+    if (t >= 2) {  // each sample's contribution alone, then their sum (Note [clipped-sum rounding])
+      const at::Tensor left = transposed ? ac : gc, right = transposed ? gc : ac;  // [c, T, .]
+      const int64_t rows = left.size(2), cols = right.size(2);
+      // On the host, in slabs of output rows whose per-sample products stay within
+      // kHostSlabBytes: a product of the whole weight per sample, written to memory and read back
+      // to be summed, cost twice the one GEMM's time on 768 x 3072 (experiments/results/
+      // private.md); on a device, one batched GEMM (one launch).
+      const int64_t slab =
+          host ? std::max<int64_t>(1, kHostSlabBytes / (4 * left.size(0) * std::max<int64_t>(cols, 1)))
+               : rows;
+      for (int64_t r0 = 0; r0 < rows; r0 += slab) {
+        const int64_t n = std::min(slab, rows - r0);
+        const at::Tensor l = n == rows ? left : left.narrow(2, r0, n);
+        at::Tensor dest = n == rows ? out : out.narrow(0, r0, n);
+        dest.add_(at::bmm(l.transpose(1, 2), right).sum(0));  // [c, n, cols] -> [n, cols]
+      }
+      continue;
     }
     const at::Tensor a2 = ac.reshape({-1, d_in}), g2 = gc.reshape({-1, d_out});
     if (transposed) {
@@ -691,8 +743,9 @@ inline at::Tensor linear_sq_norms_multi(const at::Tensor& A, at::TensorList G, i
     const auto [values, s] = multi.call(a, gs);
     for (size_t k = 0; k < gs.size(); ++k) {
       const double c = ghost_error_coefficient(a.size(1), a.size(2), gs[k].size(2));
-      out[ghost_rows[k]] = certify_ghost(values[static_cast<int64_t>(k)],
-                                         s[static_cast<int64_t>(k)], c, /*f32=*/true);
+      out[ghost_rows[k]] = certify_op(values[static_cast<int64_t>(k)], s[static_cast<int64_t>(k)],
+                                      2.0 * c, Step::kGhost, /*f32=*/true,
+                                      clipped_sum_margin(a.size(1)));
     }
   }
   return at::stack(out);
@@ -985,8 +1038,10 @@ inline std::tuple<at::Tensor, at::Tensor> embedding_rows(const at::Tensor& ids,
 inline at::Tensor embedding_direct_sq_norms(const at::Tensor& ids, const at::Tensor& g,
                                             int64_t num_embeddings, int64_t pad) {
   const auto [q, s] = embedding_rows(ids, g, num_embeddings, pad);
-  return certify_direct(q, s, rounding_gamma(static_cast<double>(g.size(1))),
-                        g.size(1) * g.size(2) + 1);
+  return certify_op(q, s,
+                    direct_coefficient(rounding_gamma(static_cast<double>(g.size(1))),
+                                       g.size(1) * g.size(2) + 1),
+                    Step::kDirect, /*f32=*/false, clipped_sum_margin(g.size(1)));
 }
 
 // ids [B, ...] -> [B, T] int64; checks the id range on CPU (on CUDA that would cost a device sync
@@ -1019,7 +1074,8 @@ inline at::Tensor embedding_sq_norms_f64(const char* op, const at::Tensor& ids, 
   const int64_t t = g.size(1), d = g.size(2);
   if (embedding_uses_ghost(method, t, num_embeddings, d, host_path(g))) {
     const auto [value, s] = token_ghost_sq_norms(id, g, pad);
-    return certify_ghost(value, s, ghost_error_coefficient(t, 0, d));
+    return certify_op(value, s, 2.0 * ghost_error_coefficient(t, 0, d), Step::kGhost,
+                      /*f32=*/false, clipped_sum_margin(t));
   }
   return embedding_direct_sq_norms(id, g, num_embeddings, pad);
 }
@@ -1056,7 +1112,8 @@ inline at::Tensor embedding_clipped_sum_into(const char* op, at::Tensor* self,
   }
   const Fp32MatmulGuard precision;
   const bool host = host_factors_apply(scale, G, G);
-  const int64_t chunk = samples_per_chunk(b, 8 * t * d);
+  // Per sample: float32 copies of its rows, and (T >= 2) its per-id sums.
+  const int64_t chunk = samples_per_chunk(b, 8 * t * d + (t >= 2 ? 4 * t * d + 32 * t : 0));
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
     const at::Tensor idc = id.slice(0, i0, i1);
@@ -1065,7 +1122,19 @@ inline at::Tensor embedding_clipped_sum_into(const char* op, at::Tensor* self,
                                        /*owned=*/false)  // Note [host factors]
                            : scale_rows(gc, c, /*multiply=*/true);
     rows.masked_fill_((idc == pad).unsqueeze(-1), 0);  // padding tokens get no gradient
-    out.index_add_(0, idc.reshape({-1}), rows.reshape({-1, d}));
+    if (t < 2) {
+      out.index_add_(0, idc.reshape({-1}), rows.reshape({-1, d}));
+      continue;
+    }
+    // Note [clipped-sum rounding]: each sample's rows summed per id alone (the key sample * V +
+    // id names one sample's id), then the per-sample sums added into the rows of their ids.
+    const at::Tensor sample = at::arange(i1 - i0, idc.options()).unsqueeze(1);
+    const at::Tensor keys = (sample * num_embeddings + idc).reshape({-1});
+    const auto [unique, inverse, counts] =
+        at::_unique2(keys, /*sorted=*/false, /*return_inverse=*/true, /*return_counts=*/false);
+    at::Tensor sums = at::zeros({unique.size(0), d}, rows.options());
+    sums.index_add_(0, inverse.reshape({-1}), rows.reshape({-1, d}));
+    out.index_add_(0, unique.remainder(num_embeddings), sums);
   }
   return out;
 }

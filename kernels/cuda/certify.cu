@@ -31,8 +31,8 @@ int blocks_for(int64_t n) {
 // Every step but kRows: thread i computes sample i (kSumUp: over the P parts of column i).
 template <typename in_t, typename out_t>
 __global__ void certify_kernel(Step step, const in_t* __restrict__ v, const double* __restrict__ s,
-                               double coef, bool f32, out_t* __restrict__ out, int64_t rows,
-                               int64_t parts) {
+                               double coef, double margin, bool f32, out_t* __restrict__ out,
+                               int64_t rows, int64_t parts) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     double r;
@@ -41,7 +41,7 @@ __global__ void certify_kernel(Step step, const in_t* __restrict__ v, const doub
       for (int64_t p = 0; p < parts; ++p) total += static_cast<double>(v[p * rows + i]);
       r = certify::f32_up(total * (1.0 + 1e-15));
     } else {
-      r = certify::elementwise(step, static_cast<double>(v[i]), s ? s[i] : 0.0, coef);
+      r = certify::elementwise(step, static_cast<double>(v[i]), s ? s[i] : 0.0, coef, margin);
     }
     out[i] = static_cast<out_t>(f32 && certify::gives_f64(step) ? certify::f32_up(r) : r);
   }
@@ -52,6 +52,7 @@ __global__ void certify_kernel(Step step, const in_t* __restrict__ v, const doub
 template <typename in_t, typename out_t>
 __global__ void certify_rows_kernel(const in_t* __restrict__ v, const double* __restrict__ s,
                                     double coef, bool f32, out_t* __restrict__ out, int64_t cols) {
+  // (coef includes the call's margin: kRows is kDirect of the row's q)
   __shared__ double partial[kThreads];
   const int64_t i = blockIdx.x;
   double q = 0.0;
@@ -72,8 +73,8 @@ __global__ void certify_rows_kernel(const in_t* __restrict__ v, const double* __
 }
 
 at::Tensor certify_cuda(const at::Tensor& value, const c10::optional<at::Tensor>& S, double coef,
-                        int64_t step, bool f32) {
-  auto [st, out] = certify::certify_result(value, S, step, f32);
+                        int64_t step, bool f32, double margin) {
+  auto [st, out] = certify::certify_result(value, S, step, f32, margin);
   const c10::cuda::CUDAGuard guard(value.device());
   const at::Tensor v = value.contiguous();
   const at::Tensor s = certify::takes_s(st) ? S->contiguous() : at::Tensor();
@@ -84,10 +85,10 @@ at::Tensor certify_cuda(const at::Tensor& value, const c10::optional<at::Tensor>
   const auto run = [&](auto* pv, auto* po) {
     if (st == Step::kRows) {
       certify_rows_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-          pv, ps, coef, f32, po, v.size(1));
+          pv, ps, coef + margin, f32, po, v.size(1));
     } else {
       certify_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(
-          st, pv, ps, coef, f32, po, rows, st == Step::kSumUp ? v.size(0) : 1);
+          st, pv, ps, coef, margin, f32, po, rows, st == Step::kSumUp ? v.size(0) : 1);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };

@@ -1,0 +1,118 @@
+"""The clipped sums' float32 rounding stays inside each example's clip (Note [clipped-sum rounding]
+in kernels/per_sample_ops.h).
+
+An example whose rows are huge and cancel among themselves (inputs M v times w_t at its four
+positions, weighted +1, -1, +1, -1 by the model, with w_1 - w_2 + w_3 - w_4 = 0 exactly) has an
+exact weight gradient of 0, so its clip lets it through whole. Two float32 roundings can then
+carry it past C: one float32 sum over the rows of many examples lets its terms absorb the other
+examples' partial sums (w = 1, 1, 1, 1: adding such an example to a dataset moved the clipped
+sum by 14 C), and its own products round by about 2^-24 M (w = 1, 1.5, 3, 2.5, all exact), which
+its norm, 0, does not cover. The
+reference is the definition of add-one sensitivity: with D' = D plus that example, no noise, a
+summed loss and SGD with lr = N, the two steps' parameter movements (the sums of clipped
+per-example gradients) differ by at most C, whatever the example. Checked for a Linear on the
+direct and the ghost norm path, an Embedding (the example's tokens all one id) and a Conv1d, with
+flat and automatic clipping, on the host path and on the path a GPU takes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpzero
+
+T, K, B = 4, 3, 32
+SIGN = torch.tensor([1.0, -1.0, 1.0, -1.0])
+SPREADS = {"equal": torch.tensor([1.0, 1.0, 1.0, 1.0]),   # the rows themselves cancel
+           "spread": torch.tensor([1.0, 1.5, 3.0, 2.5])}  # 1 - 1.5 + 3 - 2.5 = 0
+
+
+def _cancelled(h, sign, dim):
+    """sum over positions of sign * h in the backward, with h's own value taken out of the
+    forward (exactly 0 there), so that a huge example's logits stay finite and its loss keeps a
+    gradient; its layer sees the output gradient sign_t * (the head's)."""
+    return ((h - h.detach()) * sign).sum(dim)
+
+
+class _Linear(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin, self.head = nn.Linear(d, d), nn.Linear(d, K)
+
+    def forward(self, x):  # x [B, T, d]
+        return self.head(_cancelled(self.lin(x), SIGN[:, None], 1))
+
+
+class _Embedding(nn.Module):
+    def __init__(self, d, spread):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(50, d), nn.Linear(d, K)
+        self.register_buffer("spread", spread)
+
+    def forward(self, ids, w):  # ids [B, T], w [B]: the example's own weight of its tokens
+        weight = torch.where(w[:, None] == 1, SIGN, w[:, None] * SIGN * self.spread)
+        return self.head(_cancelled(self.emb(ids), weight[..., None], 1))
+
+
+class _Conv(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.conv, self.head = nn.Conv1d(d, d, kernel_size=1), nn.Linear(d, K)
+
+    def forward(self, x):  # x [B, d, T]
+        return self.head(_cancelled(self.conv(x), SIGN, 2))
+
+
+def _clipped_sum(make, inputs, y, clipping, device_path):
+    """One step's sum of clipped per-example gradients (no noise, sum loss, lr = N)."""
+    torch.manual_seed(0)
+    model = make()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    previous = torch.ops.dpzero._set_device_path(device_path)
+    try:
+        p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(*inputs, y),
+                                sample_rate=1.0, noise_multiplier=0.0, allow_no_noise=True,
+                                max_grad_norm=1.0, optimizer="sgd", lr=float(len(y)),
+                                loss_reduction="sum", clipping=clipping, seed=0)
+        *xs, yb = p.privacy_engine.own_batch((*inputs, y), logical_batch_size=len(y))
+        F.cross_entropy(p.model(*xs), yb, reduction="sum").backward()
+        assert p.optimizer.step()
+    finally:
+        torch.ops.dpzero._set_device_path(previous)
+    after = p.privacy_engine.parameters()
+    return torch.cat([(before[k] - after[k]).flatten().double() for k in sorted(after)])
+
+
+def _cases():
+    g = torch.Generator().manual_seed(1)
+    m = 2.0 ** 33
+    for name, spread in SPREADS.items():
+        # M v w_t exactly: v's entries are small integers, w_t has two significant bits
+        for d, path in ((4, "direct"), (16, "ghost")):  # ghost iff 2 T^2 <= d_in d_out
+            x = torch.randn(B, T, d, generator=g)
+            v = torch.randint(1, 8, (1, 1, d), generator=g).float()
+            yield f"linear-{path}-{name}", (lambda d=d: _Linear(d)), (x,), \
+                (m * v * spread[None, :, None],)
+        ids = torch.randint(0, 50, (B, T), generator=g)
+        yield f"embedding-{name}", (lambda spread=spread: _Embedding(8, spread)), \
+            (ids, torch.ones(B)), (torch.full((1, T), 7), torch.full((1,), m))
+        x = torch.randn(B, 16, T, generator=g)
+        v = torch.randint(1, 8, (1, 16, 1), generator=g).float()
+        yield f"conv1d-{name}", (lambda: _Conv(16)), (x,), (m * v * spread,)
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["host", "device-path"])
+@pytest.mark.parametrize("clipping", ["flat", "automatic"])
+@pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
+def test_one_example_of_cancelling_rows_moves_the_sum_by_at_most_c(case, clipping, device_path):
+    _, make, inputs, extra = case
+    y = torch.randint(0, K, (B,), generator=torch.Generator().manual_seed(3))
+    base = _clipped_sum(make, inputs, y, clipping, device_path)
+    added = _clipped_sum(make, tuple(torch.cat([a, b]) for a, b in zip(inputs, extra)),
+                         torch.cat([y, torch.tensor([0])]), clipping, device_path)
+    moved = (added - base).norm().item()
+    assert moved <= 1.0 * (1 + 1e-5), f"adding one example moved the clipped sum by {moved} C"
+    assert base.norm().item() > 1.0  # the others' contributions are there to be absorbed
