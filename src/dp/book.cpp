@@ -678,7 +678,9 @@ std::vector<std::vector<bool>> Book::read_checks(const std::vector<at::Tensor>& 
   for (const at::Tensor& c : checks) {
     TORCH_CHECK(c.defined(), "dpzero::dp::Book::read_checks: check ", pieces.size(),
                 " is an undefined tensor");
-    pieces.push_back(c.reshape({-1}).to(at::kLong));
+    // Nonzero (NaN included) is a failure, whatever the dtype: 0.5 must not read as 0.
+    const at::Tensor flat = c.reshape({-1});
+    pieces.push_back((flat.scalar_type() == at::kBool ? flat : flat.ne(0)).to(at::kLong));
   }
   if (dropped_.defined()) pieces.push_back(dropped_.reshape({1}));
   std::vector<std::vector<int64_t>> values(pieces.size());

@@ -373,8 +373,8 @@ TEST(Book, NanSampleIsDroppedAndCounted) {
 
 // The step's one read (Note [host reads of a step]): read_checks returns each check's flags in
 // order and reads the dropped count with them, which take_stats then reports without a read of
-// its own, once. Mutations tried: flags of one check given to another; the count lost or counted
-// twice.
+// its own, once; a float verdict fails when nonzero (0.5 and NaN too). Mutations tried: flags of
+// one check given to another; the count lost or counted twice; a float cast to an integer.
 TEST(Book, ReadChecksReadsTheFlagsAndTheDroppedCountTogether) {
   torch::manual_seed(4);
   Engine e;
@@ -384,11 +384,13 @@ TEST(Book, ReadChecksReadsTheFlagsAndTheDroppedCountTogether) {
   run(book, x);
   const auto read = book.read_checks(
       {torch::tensor({false, true, false}), torch::zeros({}, at::kBool),
-       torch::tensor({0, 3}, at::kInt).view({1, 2})});
-  ASSERT_EQ(read.size(), 3u);
+       torch::tensor({0, 3}, at::kInt).view({1, 2}),
+       torch::tensor({0.0, 0.5, std::numeric_limits<double>::quiet_NaN()})});
+  ASSERT_EQ(read.size(), 4u);
   EXPECT_EQ(read[0], (std::vector<bool>{false, true, false}));
   EXPECT_EQ(read[1], (std::vector<bool>{false}));
   EXPECT_EQ(read[2], (std::vector<bool>{false, true}));
+  EXPECT_EQ(read[3], (std::vector<bool>{false, true, true}));  // 0.5 and NaN failed
   EXPECT_EQ(book.take_stats().dropped, 1);
   EXPECT_EQ(book.take_stats().dropped, 0);  // a new step
   EXPECT_TRUE(book.read_checks({}).empty());
