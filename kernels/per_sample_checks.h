@@ -124,10 +124,19 @@ inline int64_t set_chunk_bytes(int64_t bytes) {
   return chunk_bytes_budget().exchange(bytes);
 }
 
-// How many samples one chunk holds when each needs `bytes_per_sample` bytes of temporaries.
-inline int64_t samples_per_chunk(int64_t num_samples, int64_t bytes_per_sample) {
+// A device's budget for loops whose temporaries are per-sample products (the clipped sums of Note
+// [clipped-sum rounding]): a GPU holds far more than the CPU's cache-sized budget wants, and each
+// further chunk is a few more launches (B = 32 at width 768 would take 8 chunks of 64 MiB).
+constexpr int64_t kDeviceChunkBytes = int64_t{1} << 30;
+
+// How many samples one chunk holds when each needs `bytes_per_sample` bytes of temporaries;
+// `device`: the device budget applies, unless a test has set the budget.
+inline int64_t samples_per_chunk(int64_t num_samples, int64_t bytes_per_sample,
+                                 bool device = false) {
+  const int64_t set = chunk_bytes_budget().load();
+  const int64_t budget = device && set == kChunkBytes ? kDeviceChunkBytes : set;
   const int64_t per = std::max<int64_t>(1, bytes_per_sample);
-  return std::max<int64_t>(1, std::min<int64_t>(num_samples, chunk_bytes_budget().load() / per));
+  return std::max<int64_t>(1, std::min<int64_t>(num_samples, budget / per));
 }
 
 // Note [pass chunks]

@@ -628,8 +628,8 @@ inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const a
   if (b == 0 || t == 0) return;
   // Per sample: float32 copies of its rows and, with T >= 2 on a device, its own contribution
   // (Note [clipped-sum rounding]; the host holds kHostSlabBytes of them for the whole chunk).
-  const int64_t chunk =
-      samples_per_chunk(b, 8 * t * (d_in + d_out) + (t >= 2 && !host ? 4 * d_in * d_out : 0));
+  const int64_t chunk = samples_per_chunk(
+      b, 8 * t * (d_in + d_out) + (t >= 2 && !host ? 4 * d_in * d_out : 0), /*device=*/!host);
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
     const at::Tensor c = sample_range(scale, i0, i1);
@@ -1093,6 +1093,39 @@ inline at::Tensor embedding_sq_norms(const at::Tensor& ids, const at::Tensor& G,
 
 // The embedding clipped sum added into *self, or into new zeros when self is null; returns the
 // accumulator. `op` names the public op in the argument checks. The padding row gets nothing.
+// out [V, d] float32 (contiguous) += each sample's rows [c, T, d] float32 summed per id, sample by
+// sample (Note [clipped-sum rounding]): on the host, one loop that sorts a sample's tokens by id
+// and adds each run of one id into a row of its own before out, with no ATen calls (the
+// per-sample sums of the device path cost a dozen of them, which at small sizes is most of the
+// layer's time). Padding tokens (id `pad`) are skipped.
+inline void add_embedding_rows_per_sample(at::Tensor& out, const at::Tensor& ids,
+                                          const at::Tensor& rows, int64_t pad) {
+  const at::Tensor r = rows.contiguous(), id = ids.contiguous();
+  const int64_t c = r.size(0), t = r.size(1), d = r.size(2);
+  const float* pr = r.data_ptr<float>();
+  const int64_t* pi = id.data_ptr<int64_t>();
+  float* po = out.data_ptr<float>();
+  std::vector<int64_t> order(static_cast<size_t>(t));
+  std::vector<float> acc(static_cast<size_t>(d));
+  for (int64_t i = 0; i < c; ++i) {
+    const int64_t* ids_i = pi + i * t;
+    for (int64_t k = 0; k < t; ++k) order[static_cast<size_t>(k)] = k;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t x, int64_t y) { return ids_i[x] < ids_i[y]; });
+    for (int64_t k = 0; k < t;) {
+      const int64_t v = ids_i[order[static_cast<size_t>(k)]];
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (; k < t && ids_i[order[static_cast<size_t>(k)]] == v; ++k) {
+        const float* row = pr + (i * t + order[static_cast<size_t>(k)]) * d;
+        for (int64_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] += row[j];
+      }
+      if (v == pad) continue;  // padding tokens get no gradient
+      float* dest = po + v * d;
+      for (int64_t j = 0; j < d; ++j) dest[j] += acc[static_cast<size_t>(j)];
+    }
+  }
+}
+
 inline at::Tensor embedding_clipped_sum_into(const char* op, at::Tensor* self,
                                              const at::Tensor& ids, const at::Tensor& G,
                                              const at::Tensor& scale, int64_t num_embeddings,
@@ -1121,6 +1154,10 @@ inline at::Tensor embedding_clipped_sum_into(const char* op, at::Tensor* self,
     at::Tensor rows = host ? host_rows(gc, c, host_factors(c), /*multiply=*/true,
                                        /*owned=*/false)  // Note [host factors]
                            : scale_rows(gc, c, /*multiply=*/true);
+    if (t >= 2 && host && out.is_contiguous()) {
+      add_embedding_rows_per_sample(out, idc, rows, pad);
+      continue;
+    }
     rows.masked_fill_((idc == pad).unsqueeze(-1), 0);  // padding tokens get no gradient
     if (t < 2) {
       out.index_add_(0, idc.reshape({-1}), rows.reshape({-1, d}));

@@ -125,12 +125,13 @@ def _memory(t: torch.Tensor, trained: Set[int] = frozenset()) -> torch.Tensor:
         return torch.empty(0, dtype=dtype, device=t.device).set_(storage)
 
 
-def _trained_storages(model: nn.Module, trainable: FrozenSet[int]) -> Set[int]:
-    """The data pointers of the storages of ``model``'s trained parameters (ids ``trainable``),
-    now: storages can move (ZeRO), so each check takes them afresh."""
+def _trained_storages(modules: Iterable[nn.Module], trainable: FrozenSet[int]) -> Set[int]:
+    """The data pointers of the storages of the trained parameters (ids ``trainable``) of
+    ``modules`` (a model's modules), now: storages can move (ZeRO), so each check takes them
+    afresh."""
     with torch._C.DisableTorchFunctionSubclass():
-        return {p.untyped_storage().data_ptr() for p in model.parameters()
-                if id(p) in trainable}
+        return {p.untyped_storage().data_ptr() for m in modules for p in m._parameters.values()
+                if p is not None and id(p) in trainable}
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -199,6 +200,7 @@ class StateGuard:
         # Note [trained parameters written outside the step]: (name, parameter, version).
         self.watch_trained = watch_trained
         self._trained: List[tuple] = []
+        self._trained_named: Optional[List[tuple]] = None  # (name, parameter), record_trained's
         # What earlier micro-batches of the open logical batch changed (check_micro_batch): one
         # device flag per entry, OR-ed, read with the step's own; and the changes seen without a
         # read (structure, trained versions).
@@ -228,7 +230,7 @@ class StateGuard:
         """Fixes the model's state as it is now: all of it (``names`` None), or the named
         tensors (the others keep what was fixed before). Changes an earlier micro-batch of the
         open logical batch made still refuse its step."""
-        trained = _trained_storages(self.model, self.trainable)
+        trained = _trained_storages(self._modules(), self.trainable)
         if self._pending is not None and bool(self._pending.any()):
             self._pending_problems.append("module state changed during an earlier micro-batch "
                                           "of this logical batch")
@@ -270,10 +272,15 @@ class StateGuard:
     # holds nothing of the training data (a projection of the released parameters) is accepted
     # with accept_state_change.
     def record_trained(self) -> None:
-        """The trained parameters' versions now (after an update, a load, an acceptance)."""
-        if self.watch_trained:
-            self._trained = [(n, p, p._version) for n, p in self.model.named_parameters()
-                             if id(p) in self.trainable]
+        """The trained parameters' versions now (after an update, a load, an acceptance). The
+        parameters are the ones found at make_private (or the last acceptance): one that is
+        replaced since is the trainable-set check's to refuse (trainable.py)."""
+        if not self.watch_trained:
+            return
+        if self._trained_named is None:
+            self._trained_named = [(n, p) for n, p in self.model.named_parameters()
+                                   if id(p) in self.trainable]
+        self._trained = [(n, p, p._version) for n, p in self._trained_named]
 
     def _written_trained(self) -> List[str]:
         return [f"trainable parameter {n!r} was written outside the private optimizer (an "
@@ -293,6 +300,7 @@ class StateGuard:
                                  f"parameter of the model (it has {len(known)}, e.g. "
                                  f"{sorted(known)[:3]})")
         self._fix(names)
+        self._trained_named = None  # taken afresh
         self.record_trained()
 
     # ---- checking ------------------------------------------------------------------------
@@ -324,7 +332,7 @@ class StateGuard:
         """One device flag per entry (all of them, in order; a replaced or removed tensor's is
         False here, _structure names it): its buffer's bytes differ from the copy, or its frozen
         parameter's fingerprint changed. No host read."""
-        trained = _trained_storages(self.model, self.trainable)
+        trained = _trained_storages(self._modules(), self.trainable)
         flags = []
         for e in self.entries:
             if e.current() is not e.tensor:
@@ -361,7 +369,7 @@ class StateGuard:
         when the change may have been at an earlier micro-batch, ``pending``)."""
         if not any(flags):
             return []
-        trained = _trained_storages(self.model, self.trainable)
+        trained = _trained_storages(self._modules(), self.trainable)
         return [e for e, f in zip(self.entries, flags)
                 if f and (e.buffer or pending or e.current() is not e.tensor or
                           digest(_memory(e.tensor, trained)) != e.digest)]
@@ -392,7 +400,7 @@ class StateGuard:
 
     def _changed_by_digest(self) -> List[_Entry]:
         """The frozen parameters whose digests changed (a release's exact check)."""
-        trained = _trained_storages(self.model, self.trainable)
+        trained = _trained_storages(self._modules(), self.trainable)
         return [e for e in self.entries if not e.buffer and e.current() is e.tensor
                 and digest(_memory(e.tensor, trained)) != e.digest]
 
@@ -402,7 +410,7 @@ class StateGuard:
 
     def restore_buffers(self, entries: Optional[Sequence[_Entry]] = None) -> None:
         """Puts the buffers (the given ones, or all) back to their copies, objects and values."""
-        trained = _trained_storages(self.model, self.trainable)
+        trained = _trained_storages(self._modules(), self.trainable)
         for e in (self.entries if entries is None else entries):
             if not e.buffer:
                 continue
@@ -525,7 +533,7 @@ class ProbeWrites:
                         watched.setdefault(ptr, [])
                         if all(t is not s for s in watched[ptr]):
                             watched[ptr].append(t)
-        self.mode = _CopyOnWrite(watched, _trained_storages(self.model, self.trainable))
+        self.mode = _CopyOnWrite(watched, _trained_storages(self.model.modules(), self.trainable))
         self.mode.__enter__()
         return self
 

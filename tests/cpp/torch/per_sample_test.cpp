@@ -225,8 +225,12 @@ TEST(PerSampleChunks, BudgetOverrideSetsChunkSizes) {
   EXPECT_EQ(kernels::samples_per_chunk(7, 30), 3);  // 7 = 3 + 3 + 1
   EXPECT_EQ(kernels::samples_per_chunk(7, 200), 1);
   EXPECT_EQ(kernels::samples_per_chunk(2, 30), 2);
+  EXPECT_EQ(kernels::samples_per_chunk(7, 30, /*device=*/true), 3);  // a test's budget holds
   EXPECT_EQ(set_chunk_bytes_op(prev), 100);
   EXPECT_EQ(kernels::samples_per_chunk(7, 30), 7);
+  // The default budget: 64 MiB on the host, 1 GiB for a device's per-sample products.
+  EXPECT_EQ(kernels::samples_per_chunk(100, int64_t{16} << 20), 4);
+  EXPECT_EQ(kernels::samples_per_chunk(100, int64_t{16} << 20, /*device=*/true), 64);
   EXPECT_THROW(set_chunk_bytes_op(0), c10::Error);
 }
 
