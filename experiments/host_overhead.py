@@ -179,8 +179,8 @@ def main(argv=None) -> int:
         section = ["<!-- host:begin -->",
                    "Written by `experiments/host_overhead.py` "
                    f"({args.rounds} interleaved rounds after {args.warmup} warm-up; "
-                   f"{dpzero_version()}; {os.cpu_count()} CPU cores). σ = 1, C = 1, SGD. Issue "
-                   "23's target: dpzero ≤ 1.3× torch.", ""] + lines + ["<!-- host:end -->"]
+                   f"{dpzero_version()}; {os.cpu_count()} CPU cores). σ = 1, C = 1, SGD. The "
+                   "target: dpzero ≤ 1.3× torch.", ""] + lines + ["<!-- host:end -->"]
         write_marked_section(RESULTS, "host", "# Host overhead of a private step\n",
                              "\n".join(section))
     return 0
