@@ -1165,13 +1165,20 @@ inline at::Tensor embedding_clipped_sum_into(const char* op, at::Tensor* self,
     }
     // Note [clipped-sum rounding]: each sample's rows summed per id alone (the key sample * V +
     // id names one sample's id), then the per-sample sums added into the rows of their ids.
+    // Without a host read (torch.unique would wait for the device to size its result): the keys
+    // sorted, each token numbered by its run of equal keys, the runs summed into n = c T rows (the
+    // rows past the last run stay zero, and adding them to row 0 changes nothing).
     const at::Tensor sample = at::arange(i1 - i0, idc.options()).unsqueeze(1);
-    const at::Tensor keys = (sample * num_embeddings + idc).reshape({-1});
-    const auto [unique, inverse, counts] =
-        at::_unique2(keys, /*sorted=*/false, /*return_inverse=*/true, /*return_counts=*/false);
-    at::Tensor sums = at::zeros({unique.size(0), d}, rows.options());
-    sums.index_add_(0, inverse.reshape({-1}), rows.reshape({-1, d}));
-    out.index_add_(0, unique.remainder(num_embeddings), sums);
+    const at::Tensor keys = (sample * num_embeddings + idc).reshape({-1});  // [n]
+    const auto [sorted, order] = at::sort(keys);
+    const at::Tensor starts = at::ones_like(sorted, sorted.options().dtype(at::kLong));
+    starts.slice(0, 1).copy_(sorted.slice(0, 1) != sorted.slice(0, 0, -1));
+    const at::Tensor run_sorted = starts.cumsum(0) - 1;  // [n]: the run of each sorted token
+    const at::Tensor run = at::empty_like(run_sorted).scatter_(0, order, run_sorted);
+    at::Tensor sums = at::zeros({keys.size(0), d}, rows.options());
+    sums.index_add_(0, run, rows.reshape({-1, d}));
+    const at::Tensor run_key = at::zeros_like(sorted).scatter_(0, run_sorted, sorted);
+    out.index_add_(0, run_key.remainder(num_embeddings), sums);
   }
   return out;
 }
