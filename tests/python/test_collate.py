@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import collections
 import io
+import logging
 import sys
 import types
 import weakref
@@ -122,6 +123,29 @@ def test_a_collate_function_that_stacks_is_accepted():
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(16, D, generator=g), torch.randint(0, K, (16,), generator=g))
     assert _run(_stack, model=nn.Linear(D, K), dataset=data).privacy_engine.charges == 2
+
+
+class _LoggingCollate:
+    """A collate function with a logger of its own, as the Trainer's RemoveColumnsCollator holds:
+    the logger's first level check fills its cache (whatever the data)."""
+
+    def __init__(self):
+        self.logger = logging.getLogger(f"dpzero-test-{id(self)}")
+
+    def __call__(self, examples):
+        if self.logger.isEnabledFor(logging.INFO):
+            self.logger.info("collating %d examples", len(examples))
+        return _stack(examples)
+
+
+def test_a_collate_function_holding_a_logger_is_accepted():
+    # A logger's cache of enabled levels changes at its first check: a standalone run of the
+    # README's Trainer block was refused for it (a run after other tests found the cache filled).
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, D, generator=g), torch.randint(0, K, (16,), generator=g))
+    collate = _LoggingCollate()
+    assert not collate.logger._cache  # a fresh logger: its first check fills the cache
+    assert _run(collate, model=nn.Linear(D, K), dataset=data).privacy_engine.charges == 2
 
 
 def test_dynamic_padding_after_each_example_is_accepted():

