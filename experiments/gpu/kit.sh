@@ -46,14 +46,12 @@ unpack_kit() {
   echo "unpacked $(du -sh "$kitdir" | cut -f1) into $kitdir"
 }
 
-# configure_dpzero BUILD_DIR CUDA(ON|OFF) ARCHS: CMake with ninja, the kit's prefix on
-# CMAKE_PREFIX_PATH and its copy of the reference values.
+# configure_dpzero BUILD_DIR CUDA(ON|OFF) ARCHS: CMake with ninja and the kit's prefix on
+# CMAKE_PREFIX_PATH (the reference values are the checkout's, tests/reference).
 configure_dpzero() {
-  local reference=$kit/reference
-  [ -d "$reference" ] || reference=$PWD/../shared/reference
   cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDPZERO_BUILD_TESTS=ON \
     -DDPZERO_CUDA="$2" -DCMAKE_CUDA_ARCHITECTURES="$3" \
-    -DCMAKE_PREFIX_PATH="$kitdir/usr" -DDPZERO_REFERENCE_DIR="$reference" \
+    -DCMAKE_PREFIX_PATH="$kitdir/usr" -DDPZERO_REFERENCE_DIR="$PWD/tests/reference" \
     -DPython3_EXECUTABLE="$(command -v "$py")"
 }
 
@@ -76,7 +74,7 @@ ensure_dpzero() {
   if ! compgen -G "$site/dpzero/_C.*.so" >/dev/null; then
     unpack_kit && build_dpzero build-gpu ON "${DPZERO_CUDA_ARCHS:-90}" || return 1
   fi
-  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} DPZERO_REFERENCE_DIR=$kit/reference \
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} DPZERO_REFERENCE_DIR=$PWD/tests/reference \
     DPZERO_BUILD_DIR=$(cat "$site/build-dir")
 }
 

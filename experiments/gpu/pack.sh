@@ -7,8 +7,7 @@
 #   - Eigen, nlohmann-json, Boost.Random (headers and libboost_random), GoogleTest and the gloo
 #     headers: Debian's .debs of this machine, unpacked to one prefix (prefix.tar.xz). Boost's
 #     headers are cut down to the closure of what dpzero includes (g++ -M), not all of Boost;
-#   - Opacus (a pure-Python wheel; its needs numpy, SciPy, torch and opt-einsum are there);
-#   - ../shared/reference (the published values some tests read).
+#   - Opacus (a pure-Python wheel; its needs numpy, SciPy, torch and opt-einsum are there).
 # The kit must stay <= 48 MiB (the device tool carries at most 64 MiB of ignored files).
 # CMake finds the prefix through CMAKE_PREFIX_PATH alone (experiments/gpu/kit_build.sh); the normal
 # build (scripts/setup.sh) is unchanged. Prints the kit's size.
@@ -72,9 +71,6 @@ tar -C "$stage" -cJf "$kit/prefix.tar.xz" usr
 opacus=$(grep -E '^opacus==' requirements-bench.txt)
 log "downloading $opacus"
 "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: -d "$kit/wheels" "$opacus"
-
-# ---- published reference values ------------------------------------------------------------------------
-cp -r "$root/../shared/reference" "$kit/reference"
 
 size_kib=$(du -sk "$kit" | cut -f1)
 log "kit: $kit, $((size_kib / 1024)).$(( (size_kib % 1024) * 10 / 1024 )) MiB"

@@ -9,17 +9,16 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-# The published values live in ../shared/reference beside the checkout; a machine without it (a lent
-# GPU, experiments/gpu/check.sh) names a copy through DPZERO_REFERENCE_DIR, as CMake's option does.
-REFERENCE_DIR = os.environ.get("DPZERO_REFERENCE_DIR") or os.path.join(
-    HERE, "..", "..", "..", "shared", "reference")
+# The published values live in tests/reference (its README names their sources);
+# DPZERO_REFERENCE_DIR names another copy, as CMake's option of that name does.
+REFERENCE_DIR = os.environ.get("DPZERO_REFERENCE_DIR") or os.path.join(HERE, "..", "reference")
 REFERENCE_CASES = os.path.abspath(os.path.join(REFERENCE_DIR, "accounting_cases.json"))
 
 
 @pytest.fixture(scope="session")
 def accounting_cases():
     if not os.path.exists(REFERENCE_CASES):
-        pytest.fail(f"reference file missing: {REFERENCE_CASES} (../shared beside the checkout, "
-                    "or a copy named by DPZERO_REFERENCE_DIR)")
+        pytest.fail(f"reference file missing: {REFERENCE_CASES} (tests/reference in the "
+                    "checkout, or a copy named by DPZERO_REFERENCE_DIR)")
     with open(REFERENCE_CASES) as f:
         return json.load(f)

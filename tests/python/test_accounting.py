@@ -1,5 +1,5 @@
 """Accountants from Python against independent references: mpmath quadrature for log A_α, the
-published values in ../shared/reference/accounting_cases.json through the Opacus-compatible API,
+published values in tests/reference/accounting_cases.json through the Opacus-compatible API,
 and the closed-form exact Gaussian (μ-GDP) for the PRV bounds."""
 
 import math

@@ -1,6 +1,6 @@
 // tests/cpp/accounting/prv_test.cpp — the PRV accountant (accounting/prv.h) and its numerical
 // pieces (accounting/prv_numerics.h), each checked against an independent reference:
-//  * published values (../shared/reference/accounting_cases.json): Opacus's PRV epsilon upper
+//  * published values (tests/reference/accounting_cases.json): Opacus's PRV epsilon upper
 //    bounds and PRV noise calibration, and the exact mu-GDP curve of the q = 1 composition;
 //  * both directions of the neighbouring relation (remove and add, Note [PRV directions] in
 //    prv.cpp): one step against mpmath quadrature, 300 steps against a rigorously rounded
