@@ -291,7 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe can still be caught
+        return code
+    except BrokenPipeError:  # the reader stopped early (`dpzero budget --json | head`): not an
+        # error of ours; stdout goes to devnull so that the interpreter's last flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, FileNotFoundError) as exc:  # bad values / files, named in the message
         print(f"dpzero {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -74,3 +74,15 @@ def test_prv_refusal_is_null_in_json_and_exit_3_in_calibrate():
     res = run("calibrate", "--target-epsilon", "20", "--delta", "1e-30", "-q", "0.01",
               "--noise-multiplier", "1.0", "--accountant", "prv")
     assert res.returncode == 3 and "PRV" in res.stderr
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    # `dpzero budget --json | head -1`: the pipe closes before the output is written; no
+    # BrokenPipeError traceback, exit 0.
+    proc = subprocess.Popen([sys.executable, "-m", "dpzero", "budget", "-q", "0.01", "-s", "1.0",
+                             "--steps", "1000", "--delta", "1e-5", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before a byte is read
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
