@@ -115,12 +115,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         result = {"steps": steps}
         text = f"steps = {steps}"
     else:
+        steps = _steps_from(args)
         sigma = get_noise_multiplier(
             target_epsilon=args.target_epsilon, target_delta=args.delta,
-            sample_rate=args.sample_rate, steps=_steps_from(args), accountant=args.accountant,
+            sample_rate=args.sample_rate, steps=steps, accountant=args.accountant,
             epsilon_tolerance=args.epsilon_tolerance, eps_error=args.eps_error)
-        result = {"noise_multiplier": sigma}
-        text = f"σ = {sigma:.6g}"
+        result = {"noise_multiplier": sigma, "steps": steps}  # the steps it was calibrated for
+        text = f"σ = {sigma:.6g} for {steps} steps"
     if args.json:
         json.dump({**result, "accountant": args.accountant, "target_epsilon": args.target_epsilon,
                    "delta": args.delta, "sample_rate": args.sample_rate}, sys.stdout, indent=2)

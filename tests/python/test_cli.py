@@ -51,8 +51,16 @@ def test_calibrate_prints_reference_sigma(accounting_cases):
               str(case["delta"]), "-q", str(case["q"]), "--steps", str(case["steps"]),
               "--accountant", "rdp", "--json")
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["noise_multiplier"] == pytest.approx(case["sigma"],
-                                                                      abs=case["abs_tol"])
+    out = json.loads(res.stdout)
+    assert out["noise_multiplier"] == pytest.approx(case["sigma"], abs=case["abs_tol"])
+    assert out["steps"] == case["steps"]  # it says what it calibrated for
+
+
+def test_calibrate_from_epochs_says_the_steps_it_used():
+    res = run("calibrate", "--target-epsilon", "3", "--delta", "1e-5", "-q", "0.004",
+              "--epochs", "30")
+    assert res.returncode == 0, res.stderr
+    assert "for 7500 steps" in res.stdout  # int(30 / 0.004), Opacus's convention
 
 
 def test_bad_values_exit_2_naming_the_value():
