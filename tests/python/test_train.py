@@ -231,6 +231,9 @@ def test_report_is_rebuilt_from_the_ledger_alone(tmp_path):
     assert all(a <= b for a, b in zip(data["curve"]["rdp"], data["curve"]["rdp"][1:]))
     md = (tmp_path / "report.md").read_text()
     assert "seeded (Philox" in md and "ε (RDP) =" in md and "epsilon.png" in md
+    # the privacy unit and the tuning caveat, in the report and its JSON
+    assert "privacy unit: one training example" in md and "adding or removing" in md
+    assert "not covered: settings" in md and data["not_covered"].startswith("settings")
     assert (tmp_path / "epsilon.png").stat().st_size > 1000
     out = subprocess.run([sys.executable, "-m", "dpzero", "report", str(tmp_path)],
                          capture_output=True, text=True)

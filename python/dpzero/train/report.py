@@ -121,6 +121,7 @@ def write_report(run_dir: str, delta: Optional[float] = None) -> Dict:
         "phases": [{"q": p.q, "sigma": p.sigma, "steps": p.steps,
                     "expected_batch_size": p.q * n} for p in phases],
         "caller_sampled_steps": ledger.caller_sampled_steps,
+        "privacy_unit": PRIVACY_UNIT, "not_covered": NOT_COVERED,
         "epsilon": final, "curve": curve, "results": results,
     }
     with open(os.path.join(run_dir, "report.json"), "w") as f:
@@ -225,6 +226,14 @@ def _fmt(x, digits=4) -> str:
     return str(x)
 
 
+# What ε is about, and what it leaves out, in every report.
+PRIVACY_UNIT = ("one training example: (ε, δ) bounds what the run reveals about adding or "
+                "removing any one example (replacing one: at most 2ε, with δ(1 + e^ε))")
+NOT_COVERED = ("settings (σ, C, batch size, learning rate, epochs) chosen by trying runs on the "
+               "same training data: each such trial costs privacy this ε does not include "
+               "(dpzero sweep reports the ε of all its runs composed)")
+
+
 def _markdown(data: Dict, plots: List[str]) -> str:
     lines = [f"# Run report: {data['run_id']}", ""]
     lines.append("Privacy (recomputed from `ledger.jsonl`):")
@@ -232,6 +241,8 @@ def _markdown(data: Dict, plots: List[str]) -> str:
     mode = "secure (ChaCha20, OS-entropy key, never stored)" if data.get("secure_mode") else \
         ("seeded (Philox; reproducible). The guarantee below assumes the seed stays secret: "
          "anyone who knows it can regenerate the noise")
+    lines.append(f"- privacy unit: {data['privacy_unit']}")
+    lines.append(f"- not covered: {data['not_covered']}")
     lines.append(f"- noise source: {mode}")
     lines.append(f"- dataset size N = {data['dataset_size']}, δ = {_fmt(data['delta'])}, "
                  f"steps charged = {data['steps']}")
