@@ -1,6 +1,6 @@
 // accounting/ledger.h — the privacy ledger: an append-only JSON-lines file holding every private
 // step's (q, sigma, C, noise, who sampled it), made durable before the optimizer update
-// (DESIGN.md §2 step 7), from which epsilon is recomputed exactly on reload.
+// (design.md §2 step 7), from which epsilon is recomputed exactly on reload.
 //
 // Note [ledger format]
 // Line 1 is the header, every further line one record of consecutive steps, each a JSON object
@@ -10,7 +10,7 @@
 //   {"kind":"steps","first_step":a,"last_step":b,"q":..,"sigma":..,"max_grad_norm":..,
 //    "noise":true,"sampling":"poisson"}
 // A ledger holds what epsilon is computed from and nothing that depends on the training data, so
-// it can be released with the model (DESIGN.md §3 "Released figures"): the realised batch sizes
+// it can be released with the model (design.md §3 "Released figures"): the realised batch sizes
 // and the counts of dropped (NaN/Inf) samples are private diagnostics, kept apart by the caller.
 // "sampling" says who drew the step's batch: "poisson", dpzero's sampler, or "caller", the
 // ledgered opt-out for callers who Poisson-sample at q themselves (PrivacyEngine.own_batch).
@@ -22,7 +22,7 @@
 //
 // Note [torn tail]
 // append() writes a record with one write() on an O_APPEND descriptor and fsyncs before it
-// returns; the optimizer update runs only after that (DESIGN.md §2 step 7). A crash can still
+// returns; the optimizer update runs only after that (design.md §2 step 7). A crash can still
 // leave a prefix of the last line on disk: a last line without its '\n', or one that is not
 // JSON, is a torn tail. Its step's noisy gradient was never applied to the model, so discarding
 // it loses no privacy cost; the step is replayed (and charged) on resume. open() therefore

@@ -1,7 +1,7 @@
 // accounting/types.h — value types shared by the accountants, calibration and the ledger.
 //
 // A run is a sequence of phases; within a phase every step uses the same Poisson sample rate q and
-// noise multiplier sigma (DESIGN.md §2). Heterogeneous runs are several phases.
+// noise multiplier sigma (design.md §2). Heterogeneous runs are several phases.
 #pragma once
 
 #include <cstdint>

@@ -266,7 +266,7 @@ def _reference(model: nn.Module, x, y) -> Dict[str, torch.Tensor]:
 
 def _tied_error(start: nn.Module, x, y, got) -> Optional[float]:
     """The relative update error against tests/python/private_reference.py's DP-SGD step, which
-    clips parameters used by several calls per example as dpzero documents (DESIGN.md §2.3: an
+    clips parameters used by several calls per example as dpzero documents (design.md §2.3: an
     untied copy with one tensor per use, clipped on the sum of the uses' norms); None where it
     cannot run (a module with children called several times cannot be unrolled)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "python"))
@@ -361,10 +361,10 @@ def run_case(case: Case) -> Row:
     elif tied_err is not None and tied_err <= TOLERANCE:
         result = (f"equal to the tie-aware reference ({tied_err:.1e}): {len(repeated)} "
                   "parameters used by several calls per example (tied, or shared across depth), "
-                  f"e.g. {repeated[0]!r}, clipped on the sum of their uses' norms (DESIGN.md "
+                  f"e.g. {repeated[0]!r}, clipped on the sum of their uses' norms (design.md "
                   "§2.3)")
     elif repeated:
-        # DESIGN.md §2.3: a parameter used by several calls per example (tied, or a layer
+        # design.md §2.3: a parameter used by several calls per example (tied, or a layer
         # shared across depth) is clipped on the sum of its uses' norms, an upper bound on the
         # norm of their sum: private, and clipped harder than the reference.
         result = (f"clipped on an upper bound of the norm ({err:.1e} from the reference): "

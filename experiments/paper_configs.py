@@ -24,7 +24,7 @@ per compute parameter, g per gradient element and K of optimizer state (Adam: 8,
 fp32 master under mixed precision):
   non-DP fp32 p = 4, g = 4, K = 8;   non-DP mixed p = 2, g = 2, K = 12;
   DP fp32     p = 4, g = 4, K = 8;   DP mixed (dpzero) p = 2, g = 4, K = 12 — dpzero keeps
-  clipped sums in fp32 up to the reduction (DESIGN.md §4), so its DP gradients cost 4 bytes where
+  clipped sums in fp32 up to the reduction (design.md §4), so its DP gradients cost 4 bytes where
   a 16-bit non-DP reduction costs 2.
 Activations, per-sample norms and the book-keeping (A, G) buffers are not model state and are not
 in these figures (the predicted peak-memory table adds them).
@@ -200,7 +200,7 @@ def reading() -> str:
         "Reading: under ZeRO's formulas DP mixed / non-DP fp32 model state is "
         + " / ".join(f"{r:.2f}" for r in ours) + f" at stages 1 / 2 / 3 (W = {GPUS}). dpzero "
         "reduces DP gradients in fp32 (a 16-bit reduction could round a clipped contribution "
-        "above C, DESIGN.md §4), 4 bytes per gradient element where a 16-bit reduction spends 2; "
+        "above C, design.md §4), 4 bytes per gradient element where a 16-bit reduction spends 2; "
         "with 16-bit gradients the same formulas give " + " / ".join(f"{r:.2f}" for r in half)
         + ". Inside the published 46-74%: " + where_inside(ours, "fp32 gradients") + "; "
         + where_inside(half, "16-bit gradients") + ". The published range is a measured one "

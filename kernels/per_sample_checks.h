@@ -46,7 +46,7 @@ inline bool host_path(const at::Tensor& x) {
 // Per sample the ghost path needs 2 T^2 numbers and the direct path d_in d_out, so we take the
 // ghost path iff 2 T^2 <= d_in d_out (the layer-wise choice of "mixed ghost clipping", Bu et al.
 // 2022, "Scalable and efficient training of large convolutional neural networks with differential
-// privacy"; DESIGN.md §2 step 3). Both are computed in float64 and returned as certified upper
+// privacy"; design.md §2 step 3). Both are computed in float64 and returned as certified upper
 // bounds of the exact value (Note [certified norms] in kernels/per_sample_ops.h): each is at
 // least the exact squared norm and exceeds it by at most a margin of order (T + d_in + d_out) *
 // 2^-53 * S^2, S = sum_t ||a_t|| ||g_t||, so the two paths agree far below fp32 resolution except

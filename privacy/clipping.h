@@ -1,5 +1,5 @@
 // privacy/clipping.h — clipping policies: per-sample clip factors and per-group thresholds
-// (DESIGN.md §2 step 3), host and device.
+// (design.md §2 step 3), host and device.
 //
 //  * flat:       c = min(1, C / (||g|| + 1e-6))            (Abadi et al. 2016, Alg. 1, "clip")
 //  * automatic:  c = C / (||g|| + gamma), gamma = 0.01     (Bu et al. 2023, "Automatic clipping",
@@ -45,7 +45,7 @@ DPZERO_HOST_DEVICE float threshold_f32(double max_norm) {
 
 // The factor of one sample with gradient norm `norm` (fp32, as the norms are accumulated).
 // `max_norm` is the threshold as threshold_f32 gives it.
-// Sensitivity (DESIGN.md §3): norm * factor <= max_norm holds EXACTLY, not only up to rounding —
+// Sensitivity (design.md §3): norm * factor <= max_norm holds EXACTLY, not only up to rounding —
 // the factor is computed in fp64, rounded to fp32, and stepped down one ulp while the exact
 // product (two fp32 values multiply exactly in fp64) still exceeds max_norm.
 DPZERO_HOST_DEVICE float clip_factor(float norm, float max_norm, ClipMode mode, float gamma) {

@@ -7,7 +7,7 @@
 // (block lo, block hi, t, stream) with block = j / 2; words 0-1 give the Box–Muller radius from
 // 64 bits (Note [gaussian tail] in gaussian.h), word 2 the angle; coordinate j takes the cosine
 // (j even) or sine (j odd) draw; word 3 is unused.
-// Consequences the engine relies on (DESIGN.md §2.5, §3 "Noise"):
+// Consequences the engine relies on (design.md §2.5, §3 "Noise"):
 //  * a rank that owns global coordinates [offset, offset + n) computes exactly their draws and no
 //    others, so over any shard plan every coordinate is drawn once per step;
 //  * the union of all ranks' shards equals the single-tensor noise bit for bit (same device type),

@@ -1,5 +1,5 @@
 // privacy/poisson.h — Poisson sampling as a pure function of (seed, step, example), and the
-// per-rank micro-batch schedule of a logical batch (DESIGN.md §2 step 1).
+// per-rank micro-batch schedule of a logical batch (design.md §2 step 1).
 //
 // Note [poisson schedule]
 // ~~~~~~~~~~~~~~~~~~~~~~~

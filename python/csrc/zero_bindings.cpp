@@ -235,7 +235,7 @@ void bind_zero(py::module_ m) {
           },
           py::arg("stddev"), py::arg("step"), py::arg("grad_scale"), py::arg("seed") = py::none(),
           py::arg("key") = py::none(),
-          "DESIGN.md §2 steps 5-7 on the engine: noise N(0, stddev^2) from (seed or key, step) "
+          "design.md §2 steps 5-7 on the engine: noise N(0, stddev^2) from (seed or key, step) "
           "on exactly the global coordinates this rank updates, scale by grad_scale, update.")
       .def("zero_grad", &ZeroState::zero_grad, py::call_guard<py::gil_scoped_release>())
       .def("full_parameters", &ZeroState::full_parameters, py::arg("unit"),

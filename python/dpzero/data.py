@@ -1,4 +1,4 @@
-"""Poisson-sampled data loading (DESIGN.md §2 step 1; Note [poisson schedule] in privacy/poisson.h).
+"""Poisson-sampled data loading (design.md §2 step 1; Note [poisson schedule] in privacy/poisson.h).
 
 :class:`PoissonBatchSampler` is a torch ``Sampler`` of micro-batches: for each step t it yields
 this rank's micro-batches of the logical batch {k : u(seed, t, k) < q}, at most

@@ -2,7 +2,7 @@
 
 The engine is C++ (``src/zero/``, ``src/comm/``); this module only walks the model, decides the
 units, registers the hooks and forwards each hook to one call into ``dpzero._C.zero.ZeroState``
-(DESIGN.md §1: model traversal and hook registration live in Python, hook bodies in C++).
+(design.md §1: model traversal and hook registration live in Python, hook bodies in C++).
 
 Units. By default every direct child of the model that holds trainable parameters is a unit;
 ``nn.ModuleList`` and ``nn.ModuleDict`` children are looked through, so a transformer's blocks
@@ -12,7 +12,7 @@ Units. By default every direct child of the model that holds trainable parameter
 overrides the choice; a parameter belongs to the innermost listed module that contains it.
 
 Coordinates. The model's trainable parameters in ``named_parameters()`` order (tied ones once)
-are numbered 0..D-1 (DESIGN.md §2.5); a unit's parameters keep that order inside its flat
+are numbered 0..D-1 (design.md §2.5); a unit's parameters keep that order inside its flat
 buffer and keep their global coordinates, whatever unit they land in, and the C++ ShardPlan
 checks that the units cover [0, D) exactly once.
 
@@ -22,7 +22,7 @@ backward run in that dtype; floating-point inputs of the model and of every unit
 the optimizer updates fp32 master weights (Note [master weights] in src/zero/flat_param.h).
 Gradients are reduced and accumulated in ``reduce_dtype`` (fp32 by default; the param dtype
 halves gradient memory and traffic, ZeRO's 16-bit setting). fp16 has no dynamic loss scaling (a
-scaled-then-clipped gradient would change DP clipping, DESIGN.md §4): multiply the loss by a
+scaled-then-clipped gradient would change DP clipping, design.md §4): multiply the loss by a
 fixed scale and fold its inverse into ``grad_scale``.
 
 Scaling. Gradients are reduced as sums (Note [sum collectives] in src/comm/collectives.h) and

@@ -1,6 +1,6 @@
 // src/checkpoint/checkpoint.h — sharded checkpoints of a ZeroState: every rank writes the
 // coordinates it owns, rank 0 commits them with a manifest, and a checkpoint loads into any world
-// size, stage, alignment or unit partition of the same model (DESIGN.md §1, `checkpoint/`).
+// size, stage, alignment or unit partition of the same model (design.md §1, `checkpoint/`).
 //
 // Note [checkpoint format]
 // ~~~~~~~~~~~~~~~~~~~~~~~~

@@ -1,11 +1,11 @@
-// src/comm/collectives.h — the engine's collectives over one c10d process group (DESIGN.md §1,
+// src/comm/collectives.h — the engine's collectives over one c10d process group (design.md §1,
 // `comm/`): sum reductions, gathers and a broadcast, each blocking until done.
 //
 // Note [sum collectives]
 // ~~~~~~~~~~~~~~~~~~~~~~
 // Every reduction the engine issues is a SUM, never an average: the private step reduces sums of
 // clipped per-example gradients and divides by the expected batch size q·N once, after the noise
-// (DESIGN.md §2 steps 4–6), and a mean inside the collective would divide by W as well. Whatever
+// (design.md §2 steps 4–6), and a mean inside the collective would divide by W as well. Whatever
 // scaling a caller wants is applied explicitly to the reduced shard (ZeroState's grad_scale), so
 // the factor is visible at one place and never hidden in the communication.
 //

@@ -1,4 +1,4 @@
-// src/comm/process_group.h — c10d process groups created from C++ (DESIGN.md §1 `comm/`), for
+// src/comm/process_group.h — c10d process groups created from C++ (design.md §1 `comm/`), for
 // callers that are not launched through Python's torch.distributed: a store from an init method
 // and a Gloo (CPU) or NCCL (GPU) group on it. From Python the engine normally takes
 // torch.distributed's default group instead (collectives.h).

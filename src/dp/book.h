@@ -1,5 +1,5 @@
 // src/dp/book.h — the clipping book: per micro-batch, from each DP layer call's (A, G) to clipped
-// sums in the ZeRO engine's gradient buffers (DESIGN.md §2 step 3).
+// sums in the ZeRO engine's gradient buffers (design.md §2 step 3).
 //
 // Terms. A *part* is one forward call of a DP layer in the current micro-batch. A *component* is
 // a set of layers that share a parameter (a tied embedding and output head; a layer called twice
@@ -8,7 +8,7 @@
 // set of components clipped together with threshold C_g, the thresholds satisfying
 // Σ_g C_g² = C² (privacy/clipping.h): flat and automatic clipping have one group, layer clipping
 // one per component, group clipping the caller's. A sample's whole clipped gradient then has norm
-// at most C: the sensitivity contract (DESIGN.md §3).
+// at most C: the sensitivity contract (design.md §3).
 //
 // One micro-batch, top to bottom:
 //   forward   on_forward(layer) registers a part and counts, per group and per unit, the

@@ -1,5 +1,5 @@
 // src/dp/clip_group.h — one clipping group's per-sample norms and clip factors: the book's
-// completion of a group (DESIGN.md §2 step 3), from the certified squared norms its parts
+// completion of a group (design.md §2 step 3), from the certified squared norms its parts
 // reported in the backward; the book (book.h) calls it when a group completes.
 //
 // Terms (book.h): a *part* is one call of a DP layer in the micro-batch; a

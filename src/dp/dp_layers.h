@@ -1,7 +1,7 @@
 // src/dp/dp_layers.h — DP layers as C++ autograd functions: the forward of a Linear (or HF
 // Conv1D), Embedding or LayerNorm call, whose backward node returns the gradient with respect to
 // the layer's INPUT only and hands the layer's input A and output gradient G to the clipping book
-// (book.h). Autograd never forms the weight gradient of a DP layer (DESIGN.md §2 step 3).
+// (book.h). Autograd never forms the weight gradient of a DP layer (design.md §2 step 3).
 //
 // Note [no parameter edges]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -17,7 +17,7 @@
 //   - the model: every trainable parameter must sit in a DP module (modules.h), else the
 //     constructor refuses naming the module; parameters are numbered 0..D-1 in named_parameters()
 //     order (tied ones once), the global coordinates the noise is drawn at, so a Python model with
-//     the same parameters in the same order draws the same noise (DESIGN.md §2.5); units are
+//     the same parameters in the same order draws the same noise (design.md §2.5); units are
 //     python/dpzero/zero.py's default (every direct child with trainable parameters, ModuleList /
 //     ModuleDict looked through, the rest in the root unit);
 //   - sampling: Poisson with rate q from the run's seed (privacy/poisson.h), each logical batch

@@ -1,4 +1,4 @@
-// src/dp/private_step.h — one private step's transaction, on every rank (DESIGN.md §2 steps 5–7):
+// src/dp/private_step.h — one private step's transaction, on every rank (design.md §2 steps 5–7):
 // after the last micro-batch of a logical batch has gone through the book (book.h), the ranks
 // agree that the step may be taken, the budget allows it, the ledger holds it durably and the
 // accountant is charged; only then is the noisy update applied.

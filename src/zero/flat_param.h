@@ -1,5 +1,5 @@
 // src/zero/flat_param.h — one unit's trainable parameters as one flat fp32 buffer that the
-// parameters' .data are views into (DESIGN.md §2 steps 2 and 7; layout from UnitLayout).
+// parameters' .data are views into (design.md §2 steps 2 and 7; layout from UnitLayout).
 //
 // Note [flat views]
 // ~~~~~~~~~~~~~~~~~

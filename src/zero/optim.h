@@ -1,4 +1,4 @@
-// src/zero/optim.h — optimizers that update one flat fp32 shard in place (DESIGN.md §2 step 7).
+// src/zero/optim.h — optimizers that update one flat fp32 shard in place (design.md §2 step 7).
 //
 // Note [shard optimizers match torch.optim]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -175,7 +175,7 @@ void ParamGroup::step(const comm::Collectives& comm, double grad_scale, const St
     note_comm_bytes(grad.numel() * static_cast<int64_t>(grad.element_size()));
   }
   if (noise != nullptr) {
-    // DESIGN.md §2 step 5, on the fp32 reduced gradient (§4): stage 0 holds the whole unit on
+    // design.md §2 step 5, on the fp32 reduced gradient (§4): stage 0 holds the whole unit on
     // every rank and every rank adds the same draws; otherwise the owned shard gets exactly the
     // draws of the global coordinates it holds and nothing else.
     if (stage_ == Stage::k0) {

@@ -1,6 +1,6 @@
 // src/zero/param_group.h — one unit under a ZeRO stage (stage.h): when its parameters are
 // gathered and freed, when and how its gradient is reduced, and its optimizer step on the owned
-// shard (DESIGN.md §2 steps 2, 4 and 7).
+// shard (design.md §2 steps 2, 4 and 7).
 //
 // Note [gradient buffers]
 // ~~~~~~~~~~~~~~~~~~~~~~~
@@ -80,7 +80,7 @@
 // sum_i c_i g_i per parameter (kernels/) and packs a unit's parameters into one fp32 flat tensor.
 // add_grad takes that tensor where take_grads would have packed autograd's .grad: the same
 // reduction, the same overlap cap, the same accumulation over micro-batches. Clipped sums stay in
-// fp32 up to the reduction (DESIGN.md §4); they are cast only if reduce_dtype is 16-bit.
+// fp32 up to the reduction (design.md §4); they are cast only if reduce_dtype is 16-bit.
 // Under DP the engine is switched to private mode (set_private): no .grad views in stages 0–1,
 // since step() would copy any .grad found there into the buffer (a .grad set by the caller
 // released unclipped; one set to None by model.zero_grad() zeroing the clipped sums), and the

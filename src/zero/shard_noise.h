@@ -1,4 +1,4 @@
-// src/zero/shard_noise.h — DESIGN.md §2 step 5: add the step's noise to the shard a rank owns.
+// src/zero/shard_noise.h — design.md §2 step 5: add the step's noise to the shard a rank owns.
 #pragma once
 
 #include <cstdint>
@@ -30,7 +30,7 @@ int64_t add_shard_noise_(at::Tensor& shard, const UnitLayout& layout, int64_t ra
 int64_t add_unit_noise_(at::Tensor& full, const UnitLayout& layout, double stddev,
                         const NoiseKey& key, int64_t step);
 
-// The noise of one private step (DESIGN.md §2 step 5): stddev = σ·C, drawn from `key` at counter
+// The noise of one private step (design.md §2 step 5): stddev = σ·C, drawn from `key` at counter
 // `step` (the ledger charge index).
 struct StepNoise {
   double stddev = 0.0;

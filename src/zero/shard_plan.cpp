@@ -158,7 +158,7 @@ ShardPlan::ShardPlan(std::vector<UnitLayout> units, int64_t total_coordinates)
                                 std::to_string(total_coordinates));
   }
   // Every global coordinate in [0, D) must belong to exactly one parameter of one unit, or some
-  // coordinate would be noised twice (equal draws) or never (DESIGN.md §3 "Noise").
+  // coordinate would be noised twice (equal draws) or never (design.md §3 "Noise").
   std::vector<std::pair<int64_t, int64_t>> ranges;  // (begin, end) of every run of every unit
   for (size_t u = 0; u < units_.size(); ++u) {
     if (units_[u].world_size() != units_[0].world_size()) {

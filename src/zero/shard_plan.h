@@ -1,5 +1,5 @@
 // src/zero/shard_plan.h — flat layout of a unit's parameters and which global coordinates each rank
-// owns (DESIGN.md §2.5; Note [noise ownership] in privacy/noise.h).
+// owns (design.md §2.5; Note [noise ownership] in privacy/noise.h).
 //
 // A unit's trainable parameters are laid out in one flat buffer in canonical order, each starting
 // at a multiple of `alignment` elements, and the buffer is padded at the end so it splits into

@@ -1,6 +1,6 @@
 // src/zero/state.h — the ZeRO engine for one model: its units (ParamGroup), the shard plan that
 // checks they cover the model's global coordinates, the entry points of the module and gradient
-// hooks, and the step (DESIGN.md §2; stages in stage.h).
+// hooks, and the step (design.md §2; stages in stage.h).
 //
 // One training step, top to bottom (non-private path):
 //   forward   — stage 3: pre_forward(u) gathers unit u, post_forward(u) frees it.
@@ -131,7 +131,7 @@ class ZeroState {
   void release_params(int64_t unit);
 
   void step();
-  // The private step's engine part (DESIGN.md §2 steps 5–7 minus the ledger, which the caller
+  // The private step's engine part (design.md §2 steps 5–7 minus the ledger, which the caller
   // writes before calling this): every unit's reduced gradient gets `noise` on exactly the global
   // coordinates this rank updates, is scaled by `grad_scale` (1 / (q·N) for DP-SGD) instead of
   // config().grad_scale, and the optimizer runs. Checks `noise` before touching any unit.

@@ -2,7 +2,7 @@
 ``torch.func`` (vmap of grad over the UNPATCHED model), explicit clipping in float64, the noise
 vector drawn for all D coordinates in one call, and a plain SGD update.
 
-Clipping groups follow DESIGN.md §2 step 3: a "layer" is a module with trainable parameters of its
+Clipping groups follow design.md §2 step 3: a "layer" is a module with trainable parameters of its
 own; tied layers (sharing a parameter) and layers called several times per example are evaluated
 on an untied copy (one tensor per use) so each use's per-sample gradient is known, and their norm
 is the sum of the uses' norms (triangle inequality).

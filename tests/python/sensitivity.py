@@ -1,4 +1,4 @@
-"""The replace-one sensitivity of one private step, measured (DESIGN.md §3 "Sensitivity").
+"""The replace-one sensitivity of one private step, measured (design.md §3 "Sensitivity").
 
 Two neighbouring datasets D and D' differ in one example: in D' its loss is weighted by -1e6 (an
 outlier whose gradient is a million times the others', pointing the other way, so that its

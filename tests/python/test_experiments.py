@@ -40,7 +40,7 @@ def test_predictions_follow_zero_formulas(stage):
                 3: (p + g + k) * psi / w}[stage]
     assert paper_configs.predict(psi, stage, False, "mixed") == pytest.approx(formula(2, 2, 12))
     assert paper_configs.predict(psi, stage, False, "fp32") == pytest.approx(formula(4, 4, 8))
-    # dpzero keeps DP gradients in fp32 up to the reduction (DESIGN.md §4)
+    # dpzero keeps DP gradients in fp32 up to the reduction (design.md §4)
     assert paper_configs.predict(psi, stage, True, "mixed") == pytest.approx(formula(2, 4, 12))
 
 

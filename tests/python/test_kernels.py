@@ -4,7 +4,7 @@ Reference: per-sample gradients from torch.func (vmap(grad(...)) of the layer's 
 form, with the loss sum(y * G) so that G is the output gradient), computed in float64 from the very
 values the op sees (low-precision inputs rounded first). Norms, clipped sums and fused clipping are
 then formed from those gradients explicitly. Every test body runs on CPU and, when a GPU and the
-CUDA kernels are present, on CUDA (DESIGN.md §6 "Twins").
+CUDA kernels are present, on CUDA (design.md §6 "Twins").
 
 Tolerances: the ops upcast bf16/fp16 inputs exactly (norms to float64, clipped sums to float32)
 and accumulate in float64 (norms) or float32 (clipped sums), so the error against the float64
@@ -844,7 +844,7 @@ def test_fused_clip_drops_and_counts_non_finite_samples(device, bad, method):
 @device_param
 @pytest.mark.parametrize("mode", ["flat", "automatic"])
 def test_each_clipped_contribution_is_bounded_by_the_threshold(device, mode):
-    # Sensitivity (DESIGN.md §3): any one sample's clipped weight + bias gradient has norm <= C
+    # Sensitivity (design.md §3): any one sample's clipped weight + bias gradient has norm <= C
     # (automatic clipping: C ||g|| / (||g|| + gamma) < C).
     for seed in range(5):
         A = rand((1, 8, 16), torch.bfloat16, device, 60 + seed, scale=10.0)

@@ -1,4 +1,4 @@
-"""The sharded-noise contract from Python (DESIGN.md §3 "Noise").
+"""The sharded-noise contract from Python (design.md §3 "Noise").
 
 References: an independent pure-Python Philox4x32-10 (philox_reference.py) for the op's values and
 a single-process full-tensor draw for the sharded union, including across real Gloo process groups.

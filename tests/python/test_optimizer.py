@@ -42,7 +42,7 @@ def _clipped_mean_grad(ref: nn.Module, x, y, expected_batch):
         F.cross_entropy(ref(x[i:i + 1].double()), y[i:i + 1]).backward()
         grads = [p.grad.detach().clone() for p in ref.parameters()]
         norm = math.sqrt(sum(float((g * g).sum()) for g in grads))
-        factor = min(1.0, C / norm) if norm > 0 else 1.0  # flat clipping (DESIGN.md §2 step 3)
+        factor = min(1.0, C / norm) if norm > 0 else 1.0  # flat clipping (design.md §2 step 3)
         for t, g in zip(total, grads):
             t += factor * g
     return [t / expected_batch for t in total]

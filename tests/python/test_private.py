@@ -1,5 +1,5 @@
 """make_private end to end on the engine: reference equality with a naive torch.func DP-SGD step,
-sensitivity, tied parameters, validation, sampling and accounting (DESIGN.md §3)."""
+sensitivity, tied parameters, validation, sampling and accounting (design.md §3)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def assert_close_params(got, want, atol=2e-5):
 @pytest.mark.parametrize("tied", [False, True, "depth"])
 def test_one_step_equals_naive_dp_sgd(clipping, tied):
     """One step against the float64 torch.func step; tied weights and layers called twice per
-    example are clipped on the sum of their uses' norms (DESIGN.md §2.3), as the reference's
+    example are clipped on the sum of their uses' norms (design.md §2.3), as the reference's
     untied copy does."""
     torch.manual_seed(1)
     model = SeqNet(tied=tied is True, depth=tied == "depth")
@@ -141,7 +141,7 @@ def test_no_noise_and_no_clipping_reproduce_plain_sgd():
 
 @pytest.mark.parametrize("clipping", ["flat", "layer", "automatic", "group"])
 def test_sensitivity_one_outlier_moves_the_sum_by_at_most_c(clipping):
-    """DESIGN.md §3: an example whose gradient is 1e6 times the others' changes the pre-noise
+    """design.md §3: an example whose gradient is 1e6 times the others' changes the pre-noise
     sum by at most C. Pre-noise sums are read off an SGD step with lr = q N and no noise."""
     c = 0.25
     groups = [["emb", "pos"], ["conv", "ln", "proj"], ["rms", "head"]]
@@ -442,7 +442,7 @@ def test_opacus_style_entry_point():
     assert 0 < eps < math.inf
 
 
-# ---- sharding invariance (DESIGN.md §3): same seeds => same parameters for any W and stage -----
+# ---- sharding invariance (design.md §3): same seeds => same parameters for any W and stage -----
 
 def take_steps(p, n):
     """n private steps of ``p`` (a make_private result) through its data loader."""
@@ -581,7 +581,7 @@ def test_secure_mode_draws_fresh_noise_every_run():
 
 
 def test_bf16_compute_keeps_the_fp32_clipping_contract():
-    """DESIGN.md §4: under bf16 compute the clipped sum is still formed in fp32 and one example
+    """design.md §4: under bf16 compute the clipped sum is still formed in fp32 and one example
     still moves it by at most C; the step matches the fp32 naive reference to bf16 accuracy."""
     torch.manual_seed(9)
     model = SeqNet()

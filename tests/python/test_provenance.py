@@ -1,4 +1,4 @@
-"""Batch provenance (Note [batch provenance], DESIGN.md §3 "Batch provenance"): no tensor is
+"""Batch provenance (Note [batch provenance], design.md §3 "Batch provenance"): no tensor is
 clipped per row unless its rows are the examples, whatever the call order and whatever sizes
 coincide; batches that did not come from the private loader (or the ledgered own_batch opt-out)
 are refused.

@@ -1,4 +1,4 @@
-"""The ZeRO engine against single-process PyTorch (DESIGN.md §3 "Sharding invariance").
+"""The ZeRO engine against single-process PyTorch (design.md §3 "Sharding invariance").
 
 A small GPT-style transformer is trained for 20 steps by ``dpzero.shard`` under stages 0-3 on
 W ∈ {1, 2, 4} real Gloo ranks (torch.multiprocessing, loopback), each rank taking its slice of
@@ -697,7 +697,7 @@ def test_cpp_process_group_rejects_bad_arguments_naming_them():
 
 # ---- the private step's engine part: noise on owned coordinates, then the scale ----------------
 #
-# DESIGN.md §3 "Noise": over all ranks every global coordinate gets exactly one draw per step, so
+# design.md §3 "Noise": over all ranks every global coordinate gets exactly one draw per step, so
 # one noisy SGD step (lr 1, no momentum or decay) must move every parameter by
 # -scale·(Σ_ranks grad + σC·z[j]) where z is the single-process noise vector over the model's D
 # global coordinates (named_parameters() order, tied once). A coordinate noised twice or never

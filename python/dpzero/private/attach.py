@@ -2,7 +2,7 @@
 
 ``attach(model, sharded, book_factory)`` finds every module with trainable parameters of its own,
 gives it a layer kind (``layers.py``) or the generic path (``fallback.py``), checks that nothing
-escapes clipping (DESIGN.md §3 "No silent non-privacy"), groups tied layers into components, and
+escapes clipping (design.md §3 "No silent non-privacy"), groups tied layers into components, and
 replaces each DP module's ``forward`` (an instance attribute, removed by ``detach``) by one that
 routes the call through the clipping book, and the model's own forward by the root forward that
 decides which layer inputs hold the examples (provenance.py, Note [batch provenance]).

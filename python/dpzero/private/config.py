@@ -24,7 +24,7 @@ CLIPPING = ("flat", "layer", "group", "automatic")
 
 # dpzero.shard keywords make_private passes through (optimizer hyperparameters and layout); the
 # others (reduce_dtype, grad_scale, param_dtype, grad_hooks) are fixed by the private path: a
-# 16-bit reduction would round clipped sums past their threshold (DESIGN.md §4).
+# 16-bit reduction would round clipped sums past their threshold (design.md §4).
 PASS_THROUGH = frozenset({"momentum", "dampening", "nesterov", "betas", "eps", "amsgrad",
                           "maximize", "weight_decay", "weight_decay_exempt", "alignment",
                           "shard_boundaries", "offload_optimizer", "offload_params", "prefetch",

@@ -1,4 +1,4 @@
-"""``make_private`` and ``PrivacyEngine``: DP-SGD on the ZeRO engine (DESIGN.md §2, one step).
+"""``make_private`` and ``PrivacyEngine``: DP-SGD on the ZeRO engine (design.md §2, one step).
 
 One logical step t, top to bottom:
 
@@ -17,7 +17,7 @@ Note [released figures]
 ~~~~~~~~~~~~~~~~~~~~~~~
 ε covers what the mechanism releases: the noisy updates, and so the model and anything computed
 from it alone. A run's other outputs must carry only figures that do not depend on the training
-data, or that the mechanism protects (DESIGN.md §3): ε, δ, σ, q, C, the number of steps, the
+data, or that the mechanism protects (design.md §3): ε, δ, σ, q, C, the number of steps, the
 expected batch size q·N, who sampled the batches. The ledger, the report, the progress bar, logs,
 ``last_step`` and warnings are held to that. What a step realised — the logical batch's size, the
 rows the layers saw, whether and how many samples were dropped for a NaN/Inf loss or gradient —

@@ -40,7 +40,7 @@ in two places, neither of which looks at a size alone:
 
 A call of the model whose inputs carry no tag of the current micro-batch is refused: its batch did
 not come from the private loader (or the opt-out), so nothing says it was Poisson-sampled at the
-q the accountant is charged with (DESIGN.md §2 step 1).
+q the accountant is charged with (design.md §2 step 1).
 """
 
 from __future__ import annotations

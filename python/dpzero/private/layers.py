@@ -2,7 +2,7 @@
 
 A DP layer's forward runs inside :class:`_DPLayerFunction`, whose backward returns the gradient
 with respect to the layer's INPUT only: autograd never forms the weight gradient of a DP layer
-(DESIGN.md §2 step 3). The backward hands the layer's input A and output gradient G to the
+(design.md §2 step 3). The backward hands the layer's input A and output gradient G to the
 clipping book (``book.py``, src/dp/book.h), which turns them into per-sample norms and clipped
 sums through the layer's C++ ops (src/dp/layer_ops.h, over the kernels of ``kernels/``).
 
@@ -346,7 +346,7 @@ class _DPLayerFunction(torch.autograd.Function):
     nodes would. A (the per-sample ops' input) is what the weight-side op saw: x cast to the
     16-bit dtype for Linear and Conv (``LayerKind.autocast_input``). The per-sample ops read 16-bit
     A and G and accumulate norms and clipped sums in fp32 (kernels/per_sample_ops.h); the clipped
-    sums, the noise and the update stay fp32 on the fp32 master shards (DESIGN.md §4).
+    sums, the noise and the update stay fp32 on the fp32 master shards (design.md §4).
     """
 
     @staticmethod

@@ -1,5 +1,5 @@
 """The private data loader: this rank's micro-batches of each Poisson-sampled logical batch
-(DESIGN.md §2 step 1; ``data.PoissonBatchSampler``), tagged as the examples of their micro-batch
+(design.md §2 step 1; ``data.PoissonBatchSampler``), tagged as the examples of their micro-batch
 (Note [batch provenance] in examples.py), with one-row padding batches where a rank's share runs
 short (Note [padding batches])."""
 

@@ -1,4 +1,4 @@
-// The noise contract (DESIGN.md §3 "Noise"): over any shard plan and world size, the union of the
+// The noise contract (design.md §3 "Noise"): over any shard plan and world size, the union of the
 // ranks' noised shards equals the single-tensor noise bit for bit, every global coordinate is drawn
 // exactly once and padding is never touched; a shard's runs drawn in one call (Note [noise
 // launches]) are the per-run draws. Reference: dpzero::add_noise_ on one full tensor and
@@ -231,7 +231,7 @@ void add_whole(at::Tensor& t, double stddev, const zero::NoiseKey& key, int64_t 
   }
 }
 
-// DESIGN.md §3 "Noise" over random plans, on `device` in `dtype`: units of 1..6 parameters of
+// design.md §3 "Noise" over random plans, on `device` in `dtype`: units of 1..6 parameters of
 // random sizes at a random global start, world sizes 1..8 with random alignment. Each rank noises
 // its own shard of a zeroed flat buffer; gathered back to global order the buffer is the
 // single-tensor draw bit for bit (so every coordinate was drawn exactly once: a second draw would

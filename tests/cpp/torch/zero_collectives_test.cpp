@@ -1,5 +1,5 @@
 // tests/cpp/torch/zero_collectives_test.cpp — the engine's collectives and units with ranks as
-// threads over one c10d::HashStore (DESIGN.md §6 "Multi-rank").
+// threads over one c10d::HashStore (design.md §6 "Multi-rank").
 //
 // Each thread gets a real Gloo process group (tests/cpp/torch/ranks.h).
 
@@ -244,7 +244,7 @@ TEST(ZeroCollectivesChecks, RejectsMismatchedShapesNamingThem) {
 }
 
 // The private step adds noise exactly once to every global coordinate, whatever the world size
-// and stage (DESIGN.md §3 "Noise"): with a zero gradient, SGD's update is -lr · grad_scale · σ z_j
+// and stage (design.md §3 "Noise"): with a zero gradient, SGD's update is -lr · grad_scale · σ z_j
 // on every coordinate j, z_j the counter-based draw a single process makes for the whole model
 // ([0, 15) at offset 0), on every rank. Mutations tried in src/zero/shard_noise.cpp: each run's
 // noise added twice (2σ z), and a run's global offset shifted by one (another draw); both fail
