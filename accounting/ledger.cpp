@@ -10,9 +10,11 @@
 #include <cmath>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <limits>
 #include <optional>
 #include <utility>
+#include <vector>
 
 namespace dpzero::accounting {
 namespace {
@@ -362,7 +364,8 @@ void lock_or_throw(int fd, const std::string& path) {
     const int error = errno;
     if (error == EWOULDBLOCK) {
       throw LedgerError("ledger " + path + " is held by another writer (flock); only one process "
-                        "may append to a ledger. Use Ledger::open_read_only to read it");
+                        "may append to a ledger. Read it with open_read_only, or give this run "
+                        "its own ledger path");
     }
     throw LedgerError("cannot lock ledger " + path + ": " + errno_text(error));
   }
@@ -387,12 +390,26 @@ Ledger Ledger::create(const std::string& path, const LedgerHeader& header) {
   if (h.created.empty()) h.created = utc_now_iso8601();
   validate_header(h);
 
+  // The ledger's folders are created as `mkdir -p` would (a run directory named by the user need
+  // not exist yet), and each new folder's entry is synced in its parent: a crash must not take a
+  // ledger whose steps were applied with the folder that held it.
+  std::vector<std::string> made;  // new folders, innermost first
+  for (std::filesystem::path dir = std::filesystem::path(path).parent_path();
+       !dir.empty() && !std::filesystem::exists(dir); dir = dir.parent_path()) {
+    made.push_back(dir.string());
+  }
+  if (!made.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(made.front(), ec);
+    if (ec) throw LedgerError("cannot create the folder of ledger " + path + ": " + ec.message());
+    for (auto it = made.rbegin(); it != made.rend(); ++it) fsync_parent_directory(*it);
+  }
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_CLOEXEC, 0644);
   if (fd < 0) {
     const int error = errno;
     if (error == EEXIST) {
       throw LedgerError("refusing to overwrite existing ledger " + path +
-                        " (use Ledger::open to continue it)");
+                        " (open it to continue its run, or choose another path)");
     }
     throw LedgerError("cannot create ledger " + path + ": " + errno_text(error));
   }
@@ -433,8 +450,9 @@ Ledger Ledger::open(const std::string& path, TornTailPolicy policy,
     if (policy == TornTailPolicy::kError) {
       throw LedgerError(line_prefix(path, parsed.torn_line) + "torn tail, " + parsed.torn_reason +
                         ", probably a crash during append: " + show_bytes(parsed.torn_tail) +
-                        ". Open with TornTailPolicy::kTruncate to cut it off (its step was never "
-                        "applied and is charged again when replayed)");
+                        ". Open it with the torn-tail truncation option (truncate_torn_tail in "
+                        "Python, TornTailPolicy::kTruncate in C++) to cut it off: its step was "
+                        "never applied and is charged again when replayed");
     }
     if (::ftruncate(fd, static_cast<off_t>(parsed.complete_size)) != 0) {
       throw LedgerError("cannot truncate the torn tail of ledger " + path + ": " +

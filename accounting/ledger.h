@@ -83,8 +83,8 @@ class Ledger {
  public:
   static constexpr int kFormat = 2;
 
-  // Creates `path` (never overwrites: an existing file is a LedgerError naming the path), writes
-  // the header, fsyncs the file and its directory. Throws std::invalid_argument for a bad header
+  // Creates `path` and any missing folders above it (never overwrites: an existing file is a
+  // LedgerError naming the path), writes the header, fsyncs the file and its directory. Throws std::invalid_argument for a bad header
   // (empty run_id, dataset_size <= 0, settings not a JSON object). Holds the writer lock.
   static Ledger create(const std::string& path, const LedgerHeader& header);
 

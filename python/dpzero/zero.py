@@ -35,6 +35,7 @@ applies them and zeroes them.
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from collections.abc import Iterable
 from typing import Callable, Optional
@@ -44,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from . import lifetime
 from ._C import zero as _zero
 
 __all__ = ["ShardedModule", "default_units", "new_process_group", "shard"]
@@ -82,6 +84,36 @@ def new_process_group(backend: str, init_method: str, rank: int, world_size: int
     ``init_method`` ``"tcp://HOST:PORT"`` (rank 0 serves) or ``"file:///PATH"``. Pass it to
     :func:`shard` as ``process_group``. Collectives slower than ``timeout_s`` fail."""
     return _zero.new_process_group(backend, init_method, rank, world_size, timeout_s)
+
+
+def default_process_group(caller: str):
+    """The process group a front door uses when none is given: torch.distributed's default group
+    if one is initialised, else None (one process).
+
+    Note [launched without a process group]: a launcher (torchrun, ``torch.distributed.run``,
+    SLURM scripts that export torch's variables) states the job's size in ``WORLD_SIZE``. With
+    WORLD_SIZE > 1 and no process group, every rank would train alone on its own data, draw its
+    own noise and (at rank 0 of each) write its own ledger: W one-rank runs, not one run. That is
+    refused, naming the fix, rather than guessed around; the launcher's own variable is the
+    statement of intent, not an inference from sizes."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.distributed_c10d._get_default_group()
+    world = os.environ.get("WORLD_SIZE", "")
+    if not world.strip():
+        return None
+    try:
+        launched = int(world) > 1
+    except ValueError:
+        raise ValueError(f"{caller}: the environment's WORLD_SIZE={world!r} is not an integer; "
+                         "unset it or set the job's number of ranks") from None
+    if launched:
+        raise RuntimeError(
+            f"{caller}: this process is rank {os.environ.get('RANK', '?')} of WORLD_SIZE={world} "
+            "(set by torchrun or another launcher), but torch.distributed has no process group, "
+            "so each rank would train alone. Call torch.distributed.init_process_group(backend="
+            "'gloo' on CPUs or 'nccl' on GPUs) before it, or pass process_group=; to run one "
+            "process, start it without the launcher")
+    return None
 
 
 def default_units(model: nn.Module) -> list[str]:
@@ -163,6 +195,14 @@ class ShardedModule:
         # wrapper they have nothing to call, so they go with it.
         for handle in getattr(self, "_handles", ()):
             handle.remove()
+
+    def _release_at_exit(self) -> None:
+        # Note [ending a script] (lifetime.py): the hooks reach the state through weak
+        # references, so without it they do nothing.
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._state = None
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -354,8 +394,8 @@ def shard(
         raise TypeError(f"shard: model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer not in _DEFAULT_WEIGHT_DECAY:
         raise ValueError(f"optimizer must be 'sgd', 'adam' or 'adamw', got {optimizer!r}")
-    if process_group is None and dist.is_available() and dist.is_initialized():
-        process_group = dist.distributed_c10d._get_default_group()
+    if process_group is None:
+        process_group = default_process_group("dpzero.shard")
     world_size = 1 if process_group is None else process_group.size()
     if grad_scale is None:
         grad_scale = 1.0 / world_size
@@ -411,7 +451,9 @@ def shard(
         optimizer, momentum=momentum, amsgrad=amsgrad,
         # a separate fp32 master, unless parameter offload makes the fp32 host shard the master
         mixed=param_dtype != torch.float32 or (offload_optimizer and not offload_params))
-    return ShardedModule(model, state, planned, handles, k)
+    sharded = ShardedModule(model, state, planned, handles, k)
+    lifetime.track(sharded)  # Note [ending a script]
+    return sharded
 
 
 def _cast_inputs(dtype: torch.dtype, _module, args, kwargs):

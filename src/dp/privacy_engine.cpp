@@ -292,11 +292,15 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
           throw std::invalid_argument(bad("ledger " + path + " is for a dataset of " +
                                           std::to_string(ledger_->header().dataset_size) +
                                           " examples, this run has " +
-                                          std::to_string(options_.dataset_size)));
+                                          std::to_string(options_.dataset_size) +
+                                          ": it holds another run's charges. Give this run its "
+                                          "own ledger path, or continue that run with its "
+                                          "dataset"));
         for (const accounting::Phase& ph : ledger_->phases())
           if (ph.q != options_.sample_rate || ph.sigma != options_.noise_multiplier)
             throw std::invalid_argument(
-                bad("ledger " + path + " holds steps at other sigma or q than this run's"));
+                bad("ledger " + path + " holds steps at other sigma or q than this run's; "
+                    "give this run its own ledger path"));
         charges = ledger_->total_steps();
       } else {
         accounting::LedgerHeader header;

@@ -168,6 +168,30 @@ def test_lora_at_zero_stage_3_steps_as_at_stage_0(tmp_path):
                for n in runs[0]) > 1e-4
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_tied_weight_is_saved_once_at_every_stage(tmp_path, stage):
+    # GPT-2 ties lm_head.weight to the token embedding. Reference: the plain model's own
+    # save_pretrained, which writes the tied tensor once; the private model's file must hold the
+    # same keys (at stage 3 the gathered state dict once held two copies) and the trained values.
+    from safetensors.torch import load_file
+
+    trainer = PrivateTrainer(
+        model=gpt2(), args=trainer_args(tmp_path, max_steps=2), train_dataset=lm_data(),
+        privacy_args=PrivacyArguments(noise_multiplier=0.0, allow_no_noise=True,
+                                      max_grad_norm=0.5, seed=3, zero_stage=stage))
+    trainer.train()
+    sd = trainer.model.state_dict()
+    # One storage under two names, as in the plain model's state dict.
+    assert sd["lm_head.weight"].data_ptr() == sd["transformer.wte.weight"].data_ptr()
+    trainer.save_model(str(tmp_path / "saved"))
+    got = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    gpt2().save_pretrained(str(tmp_path / "plain"))
+    want = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    assert got.keys() == want.keys() and "lm_head.weight" not in got
+    torch.testing.assert_close(got["transformer.wte.weight"], sd["transformer.wte.weight"])
+    assert not torch.equal(got["transformer.wte.weight"], want["transformer.wte.weight"])
+
+
 def test_weight_decay_exempts_what_the_trainer_exempts(tmp_path):
     # AdamW with weight_decay: the Trainer's split (biases and LayerNorm weights undecayed) must
     # reach the private step. Reference: make_private with torch's two groups, split by name.
@@ -600,7 +624,19 @@ def test_kill_9_then_resume_loses_nothing_and_counts_every_step_once(tmp_path):
 
 
 _RANKS_JOB = """
-import gc, os, pathlib, sys, torch
+import atexit, json, os, pathlib, sys, weakref, torch
+
+# Note [ending a script]: the script frees nothing. This handler is registered before dpzero's
+# (installed by its first engine), so it runs after it: by then the engine's C++ state and the
+# process group must be gone, while the interpreter is whole.
+held = {{}}
+def after_release():
+    alive = sorted(name for name, ref in held.items() if ref() is not None)
+    rank = os.environ.get("RANK", "0")
+    with open(os.path.join(sys.argv[1], f"exit.{{rank}}.json"), "w") as f:
+        json.dump({{"initialised": torch.distributed.is_initialized(), "alive": alive}}, f)
+atexit.register(after_release)
+
 sys.path.insert(0, {tests!r})
 from test_hf_trainer import gpt2, lm_data, trainer_args
 from dpzero.hf import PrivacyArguments, PrivateTrainer
@@ -617,13 +653,9 @@ state = {{n: p.detach().clone() for n, p in trainer.model.state_dict().items()}}
 if args.should_save:
     torch.save({{"state": state, "charges": trainer.privacy_engine.charges,
                 "epsilon": trainer.epsilon(), "world": args.world_size}}, out / "final.pt")
-# Free the engine, then the group, before the interpreter's exit (docs/architecture.md, "Known
-# limitations"): a group freed at exit may abort a rank ("terminate called without an active
-# exception"), as it once did in CI.
-del trainer
-gc.collect()
+held["zero"] = weakref.ref(trainer.privacy_engine.sharded._state)
 if torch.distributed.is_initialized():
-    torch.distributed.destroy_process_group()
+    held["group"] = weakref.ref(torch.distributed.group.WORLD)
 """
 
 
@@ -647,6 +679,12 @@ def test_two_ranks_under_torchrun_equal_one_rank(tmp_path, stage):
                           "--nproc-per-node=2", str(job), str(tmp_path / "two"), "2", str(stage)],
                          env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
+    assert "terminate called" not in one.stderr + two.stderr
+    # Each rank's atexit probe ran after dpzero's release: no group, no engine state left.
+    for run, ranks in (("one", 1), ("two", 2)):
+        for rank in range(ranks):
+            with open(tmp_path / run / f"exit.{rank}.json") as f:
+                assert json.load(f) == {"initialised": False, "alive": []}, (run, rank)
     a = torch.load(tmp_path / "one" / "final.pt")
     b = torch.load(tmp_path / "two" / "final.pt")
     assert (a["world"], b["world"]) == (1, 2)

@@ -56,12 +56,32 @@ def test_other_run_existing_file_and_unnoised_steps(tmp_path):
     _write_run(path).close()
     with pytest.raises(LedgerError, match="run-b"):
         Ledger.open(path, expected_run_id="run-b")
-    with pytest.raises(LedgerError, match="ledger.jsonl"):
+    with pytest.raises(LedgerError, match="ledger.jsonl .*open it to continue its run, or choose "
+                                          "another path"):
         Ledger.create(path, run_id="run-a", dataset_size=1000)
+    writer = Ledger.open(path)
+    with pytest.raises(LedgerError, match="held by another writer.*Read it with open_read_only"):
+        Ledger.open(path)
+    writer.close()
+
     other = tmp_path / "nonoise.jsonl"
     led = Ledger.create(other, run_id="x", dataset_size=10)
     led.append(first_step=0, q=0.1, sigma=0.0, max_grad_norm=1.0, noise=False)
     assert led.epsilon(1e-5) == math.inf
+
+
+def test_create_makes_the_missing_folders_and_the_ledger_survives_them(tmp_path):
+    # A run directory named by the user need not exist (the user guide's snippets write
+    # run/ledger.jsonl in a fresh folder). Reference: the file read back.
+    path = tmp_path / "runs" / "a" / "ledger.jsonl"
+    led = Ledger.create(path, run_id="a", dataset_size=10)
+    led.append(first_step=0, q=0.1, sigma=1.0, max_grad_norm=1.0)
+    led.close()
+    assert Ledger.open_read_only(path).total_steps == 1
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(LedgerError, match=f"cannot create the folder of ledger {blocker}/sub/x.jsonl"):
+        Ledger.create(blocker / "sub" / "x.jsonl", run_id="b", dataset_size=10)
 
 
 def test_append_rejects_bad_values_naming_them(tmp_path):

@@ -47,14 +47,13 @@ import weakref
 from typing import Any, Dict, NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import _C
+from .. import _C, lifetime
 from ..accounting import Ledger, create_accountant, get_steps
 from ..noise import NoiseSource, _as_int64
-from ..zero import default_units, shard
+from ..zero import default_process_group, default_units, shard
 from . import checkpointing, strict
 from .attach import assign_components, find_layers, guard_hooks, param_slots, patch, unpatch
 from .agreements import RankAgreements
@@ -327,9 +326,8 @@ class PrivacyEngine:
             units if units is not None else default_units(model))
         self._clip_groups(probe, assign_components(probe), clipping, c.clipping_groups,
                           c.group_weights, max_grad_norm)
-        self._group = process_group if process_group is not None else (
-            dist.distributed_c10d._get_default_group()
-            if dist.is_available() and dist.is_initialized() else None)
+        self._group = (process_group if process_group is not None
+                       else default_process_group("dpzero.make_private"))
         self.agreements = agree = RankAgreements(self._group, lambda: self.next_step)
         self.rank, self.world_size = agree.rank, agree.world_size
         # Every rank must clip, sample, scale, draw and budget alike (rank 1 with a larger C would
@@ -435,6 +433,7 @@ class PrivacyEngine:
         sharded.release_check = self._verify_release
         sharded.state_loaded = self._state.accept
         self._state_dict_hooks = state_dict.register(model, self)
+        lifetime.track(self)  # Note [ending a script]
         model.__dict__["__getstate__"] = functools.partial(_refuse_copy, model)
         self.clipping = clipping
         self.loss_reduction = c.loss_reduction
@@ -526,17 +525,21 @@ class PrivacyEngine:
                     if ledger.dataset_size != self.dataset_size:
                         raise ValueError(f"ledger {path} is for a dataset of "
                                          f"{ledger.dataset_size} examples, this run has "
-                                         f"{self.dataset_size}")
+                                         f"{self.dataset_size}: it holds another run's charges. "
+                                         "Give this run its own ledger path, or continue that "
+                                         "run with its dataset")
                     if ledger.has_unnoised_steps:
                         raise ValueError(f"ledger {path} records steps without noise; a private "
-                                         "run cannot continue it")
+                                         "run cannot continue it. Give this run its own ledger "
+                                         "path")
                     for ph in ledger.phases():
                         if ph.steps and (ph.sigma, ph.q) != (self.noise_multiplier,
                                                              self.sample_rate):
                             raise ValueError(
                                 f"ledger {path} holds steps at sigma={ph.sigma}, q={ph.q}; this "
                                 f"run uses sigma={self.noise_multiplier}, q={self.sample_rate}. "
-                                "Continuing a ledger with other settings is not supported")
+                                "Continuing a ledger with other settings is not supported: give this "
+                                "run its own ledger path")
                     charges = ledger.total_steps
                 else:
                     ledger = Ledger.create(path, run_id=run_id or os.path.basename(path),
@@ -834,6 +837,17 @@ class PrivacyEngine:
         self.sharded.zero_grad()
         self._detached = True
         return self.module
+
+    def _release_at_exit(self) -> None:
+        """Note [ending a script] (lifetime.py): retired as by detach(), without its checks (the
+        interpreter is ending; nothing is released), and every reference that reaches the C++
+        state or the process group dropped."""
+        self._detached = True
+        if getattr(self, "agreements", None) is not None:
+            self.agreements.group = None  # the model's patched forwards keep the agreements
+        for name in ("_step", "book", "sharded", "noise_source", "_group", "_ledger"):
+            if hasattr(self, name):
+                setattr(self, name, None)
 
     def parameters(self) -> Dict[str, torch.Tensor]:
         """Every trainable parameter by name (fp32 master; a collective in stages 1-3)."""

@@ -68,10 +68,16 @@ def register(model: nn.Module, engine) -> List:
         if keep or not gathers:
             return  # the Parameter objects asked for, or the module's parameters are the master
         flats = gathered()
+        # A tied parameter is one tensor under each of its names, as in torch's own state dict:
+        # savers that keep shared tensors once (torch.save, Hugging Face's safetensors writer)
+        # then write it once.
+        values: Dict[int, torch.Tensor] = {}
         for name, p in names.items():
             if prefix + name in state_dict:
-                unit = engine._slot_of[id(p)].unit
-                state_dict[prefix + name] = engine._read_slot(flats[unit], p).clone()
+                if id(p) not in values:
+                    unit = engine._slot_of[id(p)].unit
+                    values[id(p)] = engine._read_slot(flats[unit], p).clone()
+                state_dict[prefix + name] = values[id(p)]
 
     def load_pre(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
                  errors):

@@ -1,0 +1,68 @@
+"""How a script is launched and how it ends: a launcher's ranks without a process group are
+refused, naming the fix (Note [launched without a process group] in python/dpzero/zero.py),
+never W one-rank runs; and the same script with the group trains as one run. Reference: the
+launcher's own environment (torch.distributed.run sets WORLD_SIZE and RANK)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.multirank
+
+_SCRIPT = """
+import os, sys, torch
+import dpzero
+from torch.utils.data import DataLoader, TensorDataset
+
+if sys.argv[2] == "init":
+    torch.distributed.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+data = TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+if sys.argv[1] == "shard":
+    sharded = dpzero.shard(model, stage=1)
+    print("world", sharded.world_size)
+else:
+    private = dpzero.make_private(model, data_loader=DataLoader(data, batch_size=16),
+                                  noise_multiplier=1.0, max_grad_norm=1.0, seed=1,
+                                  ledger_path=os.path.join(sys.argv[3], "run", "ledger.jsonl"))
+    for x, y in private.data_loader:
+        torch.nn.functional.cross_entropy(private.model(x), y).backward()
+        private.optimizer.step()
+        private.optimizer.zero_grad()
+        break
+    print("world", private.privacy_engine.world_size)
+"""
+
+
+def _torchrun(tmp_path, entry, init):
+    script = tmp_path / "job.py"
+    script.write_text(_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", str(script), entry, init, str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("entry", ["make_private", "shard"])
+def test_ranks_launched_without_a_process_group_are_refused_naming_the_fix(tmp_path, entry):
+    out = _torchrun(tmp_path, entry, "no-init")
+    assert out.returncode != 0
+    caller = "dpzero.make_private" if entry == "make_private" else "dpzero.shard"
+    for rank in (0, 1):
+        assert (f"{caller}: this process is rank {rank} of WORLD_SIZE=2" in out.stderr), \
+            out.stderr[-3000:]
+    assert "init_process_group" in out.stderr
+    assert not (tmp_path / "run").exists()  # no rank trained or charged alone
+
+
+def test_the_same_script_with_a_process_group_is_one_run(tmp_path):
+    out = _torchrun(tmp_path, "make_private", "init")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("world 2") == 2
+    from dpzero import Ledger
+    assert Ledger.open_read_only(str(tmp_path / "run" / "ledger.jsonl")).total_steps == 1
