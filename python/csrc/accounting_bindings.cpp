@@ -15,6 +15,9 @@ namespace py = pybind11;
 namespace dpzero::python {
 namespace {
 
+// A double as Python's repr writes it (the shortest string that reads back the same value).
+std::string float_repr(double v) { return py::repr(py::float_(v)).cast<std::string>(); }
+
 using namespace dpzero::accounting;
 
 void bind_accountants(py::module_& m) {
@@ -39,7 +42,12 @@ void bind_accountants(py::module_& m) {
   py::class_<RdpEpsilon>(m, "RdpEpsilon")
       .def_readonly("epsilon", &RdpEpsilon::epsilon)
       .def_readonly("best_order", &RdpEpsilon::best_order)
-      .def_readonly("order_on_edge", &RdpEpsilon::order_on_edge);
+      .def_readonly("order_on_edge", &RdpEpsilon::order_on_edge)
+      .def("__repr__", [](const RdpEpsilon& e) {
+        return "RdpEpsilon(epsilon=" + float_repr(e.epsilon) + ", best_order=" +
+               float_repr(e.best_order) + ", order_on_edge=" +
+               std::string(e.order_on_edge ? "True" : "False") + ")";
+      });
   m.def("rdp_to_epsilon", &rdp_to_epsilon, py::arg("orders"), py::arg("rdp"), py::arg("delta"));
   m.def("rdp_to_delta", &rdp_to_delta, py::arg("orders"), py::arg("rdp"), py::arg("epsilon"));
 
@@ -59,11 +67,19 @@ void bind_accountants(py::module_& m) {
   py::class_<PrvEpsilon>(m, "PrvEpsilon")
       .def_readonly("lower", &PrvEpsilon::lower)
       .def_readonly("estimate", &PrvEpsilon::estimate)
-      .def_readonly("upper", &PrvEpsilon::upper);
+      .def_readonly("upper", &PrvEpsilon::upper)
+      .def("__repr__", [](const PrvEpsilon& b) {
+        return "PrvEpsilon(lower=" + float_repr(b.lower) + ", estimate=" + float_repr(b.estimate) +
+               ", upper=" + float_repr(b.upper) + ")";
+      });
   py::class_<PrvDelta>(m, "PrvDelta")
       .def_readonly("lower", &PrvDelta::lower)
       .def_readonly("estimate", &PrvDelta::estimate)
-      .def_readonly("upper", &PrvDelta::upper);
+      .def_readonly("upper", &PrvDelta::upper)
+      .def("__repr__", [](const PrvDelta& b) {
+        return "PrvDelta(lower=" + float_repr(b.lower) + ", estimate=" + float_repr(b.estimate) +
+               ", upper=" + float_repr(b.upper) + ")";
+      });
   py::class_<PrvAccountant>(m, "PrvAccountant")
       .def(py::init<>())
       .def("add", &PrvAccountant::add, py::arg("phase"))

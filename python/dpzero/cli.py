@@ -14,7 +14,7 @@ import sys
 from typing import List, Optional, Sequence
 
 from . import _C
-from .accounting import ACCOUNTANTS, get_noise_multiplier, get_steps
+from .accounting import ACCOUNTANTS, LedgerError, get_noise_multiplier, get_steps
 from .budget import epsilon_curve, evaluate, plot_epsilon_curve
 
 
@@ -29,11 +29,11 @@ def _accountant_list(text: str) -> List[str]:
 
 def _steps_from(args: argparse.Namespace) -> int:
     if (args.steps is None) == (args.epochs is None):
-        raise SystemExit("dpzero: give exactly one of --steps and --epochs")
+        raise ValueError("give exactly one of --steps and --epochs")
     if args.steps is not None:
         return args.steps
     if not 0 < args.sample_rate <= 1:
-        raise SystemExit(f"dpzero: --sample-rate must be in (0, 1] with --epochs, got {args.sample_rate}")
+        raise ValueError(f"--sample-rate must be in (0, 1] with --epochs, got {args.sample_rate}")
     return int(args.epochs / args.sample_rate)
 
 
@@ -217,7 +217,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dpzero", description="dpzero: private training tools")
+    parser = argparse.ArgumentParser(
+        prog="dpzero", description="dpzero: private training tools",
+        epilog="exit status: 0 done; 2 a bad value, option or file (the message names it); 3 an "
+               "accountant that cannot reach the accuracy asked for; 1 a training job that "
+               "failed (its error says why)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("budget", help="ε of a DP-SGD run under the RDP and PRV accountants")
@@ -299,7 +303,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # error of ours; stdout goes to devnull so that the interpreter's last flush is quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (ValueError, FileNotFoundError) as exc:  # bad values / files, named in the message
+    except (ValueError, FileNotFoundError, LedgerError) as exc:  # bad values / files, named
         print(f"dpzero {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:  # an accountant that cannot certify the accuracy asked for

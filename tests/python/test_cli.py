@@ -70,6 +70,28 @@ def test_bad_values_exit_2_naming_the_value():
     res = run("budget", "-q", "0.1", "-s", "1.0", "--steps", "10", "--delta", "1e-5",
               "--accountant", "moments")
     assert res.returncode == 2 and "moments" in res.stderr
+    res = run("calibrate", "--target-epsilon", "1", "--delta", "1e-5", "-q", "0.1")
+    assert res.returncode == 2 and "exactly one of --steps and --epochs" in res.stderr
+    res = run("budget", "-q", "0", "-s", "1.0", "--epochs", "2", "--delta", "1e-5")
+    assert res.returncode == 2 and "--sample-rate must be in (0, 1] with --epochs, got 0.0" \
+        in res.stderr
+
+
+def test_a_corrupt_ledger_is_a_bad_file_exit_2(tmp_path):
+    (tmp_path / "ledger.jsonl").write_text("garbage\n")
+    res = run("report", str(tmp_path))
+    assert res.returncode == 2 and "ledger.jsonl line 1" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_accounting_results_print_their_values():
+    import dpzero
+    acc = dpzero.PRVAccountant()
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=100)
+    b = acc.epsilon_bounds(1e-5)
+    assert repr(b) == (f"PrvEpsilon(lower={b.lower!r}, estimate={b.estimate!r}, "
+                       f"upper={b.upper!r})")
+    assert b.lower <= b.estimate <= b.upper
 
 
 def test_prv_refusal_is_null_in_json_and_exit_3_in_calibrate():
