@@ -52,6 +52,7 @@ fi
 # ---- 3. Build and install dpzero ------------------------------------------------------------------
 export PATH="$root/.venv/bin:$PATH"
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+export DPZERO_BUILD_TESTS=${DPZERO_BUILD_TESTS:-ON}  # the GoogleTest binaries ctest runs
 log "building dpzero (DPZERO_CUDA=${DPZERO_CUDA:-AUTO}, $CMAKE_BUILD_PARALLEL_LEVEL jobs)"
 start=$(date +%s)
 .venv/bin/python -m pip install -q --no-build-isolation --no-deps .

@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # scripts/test.sh — install everything (scripts/setup.sh), then run all tests: GoogleTest through
 # ctest, then pytest. Exits non-zero if anything failed; the output ends with both summaries.
+#   bash scripts/test.sh           every test (what CI runs)
+#   bash scripts/test.sh --quick   the unit tier: ctest, and pytest without the tests marked
+#                                  multirank, job or gpu (pyproject.toml lists the markers)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+select=()
+case "${1:-}" in
+  "") ;;
+  --quick) select=(-m "not multirank and not job and not gpu") ;;
+  *) echo "[test] unknown option '$1' (use --quick, or nothing for every test)"; exit 2 ;;
+esac
 bash scripts/setup.sh || { echo "[test] setup failed"; exit 1; }
 
 jobs=${DPZERO_TEST_JOBS:-$(nproc)}
@@ -11,7 +20,7 @@ ctest --test-dir build --output-on-failure -j "$jobs" 2>&1 | tee build/ctest.log
 ctest_rc=${PIPESTATUS[0]}
 
 echo "[test] pytest"
-.venv/bin/python -m pytest tests/python -q -ra --durations=40 2>&1 | tee build/pytest.log
+.venv/bin/python -m pytest tests/python -q -ra --durations=40 "${select[@]}" 2>&1 | tee build/pytest.log
 pytest_rc=${PIPESTATUS[0]}
 
 echo

@@ -4,9 +4,27 @@
 ``torch.ops.dpzero``.
 """
 
-import torch  # noqa: F401  (loads libtorch before our extension links against it)
+import torch  # loaded before our extension, which links against libtorch
 
-from . import _C
+
+def _check_torch() -> None:
+    """_C links against one torch's C++ library, whose ABI changes between minor versions."""
+    try:
+        from ._build_info import TORCH_VERSION
+    except ImportError:  # a source checkout on PYTHONPATH: _C is the build's own
+        return
+    built = TORCH_VERSION.split("+")[0].split(".")[:2]
+    found = torch.__version__.split("+")[0].split(".")[:2]
+    if built != found:
+        raise ImportError(
+            f"dpzero was built against torch {TORCH_VERSION}, but this environment has torch "
+            f"{torch.__version__}. Install torch {'.'.join(built)}.x, or rebuild dpzero against "
+            "this torch: pip install --no-build-isolation --no-deps --force-reinstall <dpzero checkout>")
+
+
+_check_torch()
+
+from . import _C  # noqa: E402
 from .accounting import (
     Ledger,
     LedgerError,

@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -22,3 +23,12 @@ def accounting_cases():
                     "checkout, or a copy named by DPZERO_REFERENCE_DIR)")
     with open(REFERENCE_CASES) as f:
         return json.load(f)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A twin's CUDA case (a test parametrized over devices, design.md §6) is in the gpu tier."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if any(v == "cuda" or (isinstance(v, torch.device) and v.type == "cuda")
+               for v in params.values() if isinstance(v, (str, torch.device))):
+            item.add_marker(pytest.mark.gpu)

@@ -288,6 +288,7 @@ def runs(tmp_path_factory):
 
 # ---- resume ------------------------------------------------------------------------------------
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_resume_at_another_world_size_and_stage_matches_uninterrupted(runs, optimizer):
     # W=4 stage 3 trained HALF steps and saved; W=2 stage 2 loaded it and trained the rest.
@@ -313,6 +314,7 @@ def assert_bitwise(result):
         assert torch.equal(result["resumed"][name], value), name
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_resume_at_the_same_world_size_and_stage_is_bitwise(runs, stage):
     assert_bitwise(runs["bitwise"][stage])  # W=2, SOURCE_OPTIMIZER[stage]
@@ -343,6 +345,7 @@ def test_mixed_precision_checkpoint_loads_into_fp32(tmp_path):
         assert torch.equal(value, masters[name]), name
 
 
+@pytest.mark.multirank
 def test_values_round_trip_between_every_stage_and_world_size(runs):
     # Every (W, stage) source loaded into every (W', stage') target, W, W' ∈ {1, 2, 4}, each
     # checked bitwise against the independent reader (check_engine_holds), as was each writer.
@@ -351,6 +354,7 @@ def test_values_round_trip_between_every_stage_and_world_size(runs):
     assert runs["round_trips"] == expected, sorted(expected ^ runs["round_trips"])
 
 
+@pytest.mark.multirank
 def test_a_load_error_on_one_rank_reaches_every_rank(runs):
     rank0, rank1 = runs["load_error"]
     assert "rank-00001.pt is corrupt" in rank1, rank1
@@ -373,6 +377,7 @@ def _crash_main(rank, world_size, store, root, fault):
     _rank_main(rank, world_size, store, [("task_crash", dict(root=root, fault=fault))], None)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("fault,crashing,committed", FAULTS, ids=[f[0] for f in FAULTS])
 def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, fault, crashing, committed):
     # Two ranks save step 1, then crash (std::_Exit) at `fault` while saving step 2. Forked, not

@@ -186,6 +186,7 @@ def _two_ranks(rank, world, store, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 def test_two_ranks_at_stage_3_checkpointing_changes_nothing(tmp_path):
     """Each rank draws its own dropout masks, so the reference is the same two-rank run without
     checkpointing."""
@@ -287,6 +288,7 @@ def test_parameter_offload_changes_nothing_of_the_private_step(clipping):
     assert_same(want, both.privacy_engine.parameters())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="parameter offload to the host needs a GPU")
 @pytest.mark.parametrize("clipping", ["flat", "layer"])
 def test_parameter_offload_from_cuda_keeps_the_private_step(clipping):

@@ -13,6 +13,7 @@ def run(*args):
                           timeout=300)
 
 
+@pytest.mark.job
 def test_budget_json_matches_published_values(tmp_path, accounting_cases):
     rdp_case = accounting_cases["rdp_epsilon"][0]  # q=0.04, σ=1.5, 2250 steps, Opacus grid
     png = tmp_path / "eps.png"
@@ -28,6 +29,7 @@ def test_budget_json_matches_published_values(tmp_path, accounting_cases):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.job
 def test_budget_table_prv_upper_bound(accounting_cases):
     case = accounting_cases["prv_epsilon_upper"][0]  # q=0.04, σ=1.5, 2249 steps
     res = run("budget", "-q", "0.04", "-s", "1.5", "--steps", "2249", "--delta", "1e-5",
@@ -37,6 +39,7 @@ def test_budget_table_prv_upper_bound(accounting_cases):
     assert float(line.split()[1]) == pytest.approx(case["epsilon"], abs=case["abs_tol"])
 
 
+@pytest.mark.job
 def test_epochs_convert_like_opacus():
     # Opacus's get_noise_multiplier uses steps = int(epochs / q): 90 / 0.04 -> 2250.
     res = run("budget", "-q", "0.04", "-s", "1.5", "--epochs", "90", "--delta", "1e-5",
@@ -45,6 +48,7 @@ def test_epochs_convert_like_opacus():
     assert "steps = 2250" in res.stdout
 
 
+@pytest.mark.job
 def test_calibrate_prints_reference_sigma(accounting_cases):
     case = accounting_cases["rdp_noise_multiplier"][1]  # the case given in steps
     res = run("calibrate", "--target-epsilon", str(case["target_epsilon"]), "--delta",
@@ -56,6 +60,7 @@ def test_calibrate_prints_reference_sigma(accounting_cases):
     assert out["steps"] == case["steps"]  # it says what it calibrated for
 
 
+@pytest.mark.job
 def test_calibrate_from_epochs_says_the_steps_it_used():
     res = run("calibrate", "--target-epsilon", "3", "--delta", "1e-5", "-q", "0.004",
               "--epochs", "30")
@@ -63,6 +68,7 @@ def test_calibrate_from_epochs_says_the_steps_it_used():
     assert "for 7500 steps" in res.stdout  # int(30 / 0.004), Opacus's convention
 
 
+@pytest.mark.job
 def test_bad_values_exit_2_naming_the_value():
     res = run("budget", "-q", "1.7", "-s", "1.0", "--steps", "10", "--delta", "1e-5")
     assert res.returncode == 2
@@ -77,6 +83,7 @@ def test_bad_values_exit_2_naming_the_value():
         in res.stderr
 
 
+@pytest.mark.job
 def test_a_corrupt_ledger_is_a_bad_file_exit_2(tmp_path):
     (tmp_path / "ledger.jsonl").write_text("garbage\n")
     res = run("report", str(tmp_path))
@@ -94,6 +101,7 @@ def test_accounting_results_print_their_values():
     assert b.lower <= b.estimate <= b.upper
 
 
+@pytest.mark.job
 def test_prv_refusal_is_null_in_json_and_exit_3_in_calibrate():
     # δ = 1e-30 is below the PRV FFT's round-off floor: PRV refuses, RDP still answers.
     res = run("budget", "-q", "0.01", "-s", "1.0", "--steps", "100", "--delta", "1e-30", "--json")
@@ -106,6 +114,7 @@ def test_prv_refusal_is_null_in_json_and_exit_3_in_calibrate():
     assert res.returncode == 3 and "PRV" in res.stderr
 
 
+@pytest.mark.job
 def test_a_reader_that_stops_early_ends_the_command_quietly():
     # `dpzero budget --json | head -1`: the pipe closes before the output is written; no
     # BrokenPipeError traceback, exit 0.

@@ -3,11 +3,14 @@ process groups. Reference: the sums and rank 0's values computed here from each 
 
 import datetime
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dpzero import _C
+
+pytestmark = pytest.mark.multirank
 
 
 def _values(rank):

@@ -23,6 +23,8 @@ import dpzero
 import dpzero.noise
 from private_reference import naive_dp_sgd_step
 
+pytestmark = pytest.mark.multirank
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # build/ unless DPZERO_BUILD_DIR names another build folder (experiments/gpu/kit.sh builds into
 # build-gpu/ or build-bare/ and says so there).

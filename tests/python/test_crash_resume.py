@@ -149,6 +149,7 @@ def _reference_parameters(raw, charges_at_crash, checkpoint_step):
     return engine.parameters()
 
 
+@pytest.mark.job
 def test_a_rank_killed_after_the_ledger_record_resumes_from_the_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     config, raw = _config(tmp_path, run_dir)
@@ -179,6 +180,7 @@ def test_a_rank_killed_after_the_ledger_record_resumes_from_the_checkpoint(tmp_p
     assert len(_ledger_charges(run_dir)[0]) == STEPS + 2
 
 
+@pytest.mark.job
 def test_a_killed_launcher_takes_every_rank_with_it_and_no_charge_is_lost(tmp_path):
     """kill -9 of `dpzero train` alone, at a moment the test does not choose: torchrun and both
     ranks must die with it (Note [orphan ranks]; torchrun puts ranks in sessions of their own,
@@ -212,6 +214,7 @@ def test_a_killed_launcher_takes_every_rank_with_it_and_no_charge_is_lost(tmp_pa
     assert math.isfinite(result["epsilon"]) and result["accuracy"] > 0.2
 
 
+@pytest.mark.job
 def test_a_crash_between_a_commit_and_latest_resumes_from_the_committed_step(tmp_path):
     # Note [checkpoint commit]: killed after step-4 is committed, before latest names it (the
     # first save, so there is no latest at all). The resume starts from step 4; from the step
@@ -227,18 +230,29 @@ def test_a_crash_between_a_commit_and_latest_resumes_from_the_committed_step(tmp
     _resume_and_check(config, run_dir, charged_before=charged, checkpoint_step=EVERY)
 
 
+@pytest.mark.job
 def test_a_second_job_in_a_running_jobs_directory_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     config, _ = _config(tmp_path, run_dir)
     job = subprocess.Popen([sys.executable, "-m", "dpzero", "train", str(config)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tree = []
     try:
         deadline = time.time() + 120
         while not (run_dir / "ledger.jsonl").exists() and time.time() < deadline:
             time.sleep(0.05)
+        # Paused, not finished, while the second job starts (a job this small can end first).
+        tree = [psutil.Process(job.pid)] + psutil.Process(job.pid).children(recursive=True)
+        for proc in tree:
+            proc.suspend()
         second = _train(config, "--resume")
         assert second.returncode == 2 and f"pid {job.pid}" in second.stderr, second.stderr
     finally:
+        for proc in tree:  # a stopped rank would outlive its killed launcher
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
         job.kill()
         job.wait()
 
@@ -258,6 +272,7 @@ def test_a_misspelt_failpoint_is_an_error_naming_it(monkeypatch, value, message)
                             noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
 
 
+@pytest.mark.job
 def test_resuming_a_run_whose_budget_is_spent_is_refused_and_charges_nothing(tmp_path):
     """The runner's own guard: a run killed after its last charged step (here: its result files
     removed, as if killed during the final evaluation) cannot train on; --resume refuses naming

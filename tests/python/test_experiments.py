@@ -72,6 +72,7 @@ def test_paired_ratios_are_the_quartiles_of_per_round_ratios():
     assert bench_common.paired_ratios({"a": [1.0]}, "a", "b") is None
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("script, args", [
     ("private_bench.py", []), ("run.py", ["--grid", "cpu"]), ("generic_bench.py", ["--no-write"]),
     ("host_overhead.py", ["--no-write"])])

@@ -16,6 +16,8 @@ from dpzero import CollectiveError  # exported at the top level
 
 from test_private import SeqNet, seq_data
 
+pytestmark = pytest.mark.multirank
+
 TIMEOUT_S = 4
 
 

@@ -277,6 +277,7 @@ def _train(stage: int):
     return p.privacy_engine.parameters()
 
 
+@pytest.mark.multirank
 def test_two_zero3_ranks_match_one_rank_on_the_generic_path(tmp_path):
     import torch.multiprocessing as mp
 

@@ -584,6 +584,7 @@ trainer.train(resume_from_checkpoint=bool(os.environ.get("RESUME")))
 """
 
 
+@pytest.mark.job
 def test_kill_9_then_resume_loses_nothing_and_counts_every_step_once(tmp_path):
     import signal
     import subprocess
@@ -659,6 +660,7 @@ if torch.distributed.is_initialized():
 """
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("stage", [0, 3])
 def test_two_ranks_under_torchrun_equal_one_rank(tmp_path, stage):
     # The same expected logical batch (8: 4 x 2 accumulation on one rank, 2 x 2 on each of two)

@@ -17,8 +17,9 @@ import torch
 import dpzero
 from dpzero.train import datasets
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(datasets.FASHION_DIR),
-                                reason="Debian package dataset-fashion-mnist not installed")
+pytestmark = [pytest.mark.multirank,
+              pytest.mark.skipif(not os.path.isdir(datasets.FASHION_DIR),
+                                 reason="Debian package dataset-fashion-mnist not installed")]
 
 PORT = 29531  # inside host A's fresh namespace: nothing else listens there
 

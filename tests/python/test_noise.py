@@ -130,6 +130,7 @@ def _rank_main(rank, world_size, port, params, seed, step, std, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gloo_ranks_reproduce_single_process_noise(tmp_path, world_size):
     params = [(101, 0), (64, 101), (7, 165)]
@@ -270,6 +271,7 @@ def test_noise_runs_are_the_per_run_draws(device, secure):
         torch.ops.dpzero.add_noise_runs_(x, 1.0, 0, 0, [0, 3, 10, 5, 2, 12])
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device or CUDA kernels not built")
 def test_cuda_noise_matches_cpu_to_float_ulps():
     # Note [cuda noise draw] in kernels/cuda/noise.cu: within 1e-5 (1 + |z|).
@@ -280,6 +282,7 @@ def test_cuda_noise_matches_cpu_to_float_ulps():
     torch.testing.assert_close(x_gpu.cpu(), x_cpu, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device or CUDA kernels not built")
 def test_cuda_secure_noise_matches_cpu_to_double_ulps():
     # kernels/cuda/secure_noise.cu: within 1e-9 (1 + |z|) (a few fp64 ulps but at tiny radii).
@@ -299,6 +302,7 @@ def _secure_key_rank(rank, world_size, store, out_dir):
                os.path.join(out_dir, f"key{rank}.pt"))
 
 
+@pytest.mark.multirank
 def test_secure_key_is_rank_0s_over_a_group_made_without_torch_distributed(tmp_path):
     """Secure mode over a process group from dpzero.zero.new_process_group (torch.distributed
     not initialised): every rank holds rank 0's key, so every rank draws the same noise."""

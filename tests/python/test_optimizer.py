@@ -417,6 +417,7 @@ def _sharded_rank(rank, world, store, out, resume):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 def test_state_dict_gathers_and_scatters_zero3_shards(tmp_path):
     """Two ZeRO-3 ranks give the one-rank stage-0 state dict, and resume from it to the same
     parameters as an uninterrupted one-rank run."""

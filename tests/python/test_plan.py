@@ -151,6 +151,7 @@ def test_tracked_allocations_see_frees_on_other_threads():
     del c
 
 
+@pytest.mark.multirank
 def test_tracked_live_bytes_do_not_drift_across_private_steps(tmp_path):
     """Between steps a stage-1 private run holds the same tensors every step: after two warm-up
     steps the live bytes at each step's start agree to within a few Gloo buffers (64 KiB each
@@ -283,6 +284,7 @@ def _profile_rank(rank, world, store, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("stage, ckpt", [(3, False), (3, True), (1, False)])
 def test_predicted_peak_is_within_10_percent_of_a_measured_two_rank_run(tmp_path, stage, ckpt):
     """The profile runs at stage 2 on two ranks; stages 3 and 1 are predictions from it."""
@@ -370,6 +372,7 @@ def test_policy_auto_errors_name_the_problem():
             plan_step=step_loss)
 
 
+@pytest.mark.job
 def test_dpzero_plan_on_a_training_config(tmp_path):
     from dpzero.train import datasets
 

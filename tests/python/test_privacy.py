@@ -228,6 +228,7 @@ def _secure_rank(rank, world_size, port, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 def test_secure_key_is_shared_by_all_ranks(tmp_path):
     import socket
 

@@ -497,6 +497,7 @@ def _private_rank_main(rank, world_size, store_path, cases, out_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sharding_invariance_across_world_sizes_and_stages(tmp_path, world_size):
     import torch.multiprocessing as mp
@@ -911,6 +912,7 @@ def _agreement_rank_main(rank, world_size, store_path, out_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 def test_refusals_and_seed_mismatch_are_agreed_across_ranks(tmp_path):
     """No rank may update (or wait forever in a collective) when another refuses; a seed or a
     privacy setting that differs from rank 0's is refused on every rank."""

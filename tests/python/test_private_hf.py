@@ -198,6 +198,7 @@ def eval_loss(model, ds, loss, n=256):
         return loss(model(x), y).item()
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
 def test_training_on_real_text_lowers_the_loss_under_dp(family):
     torch.manual_seed(0)

@@ -750,6 +750,7 @@ def _own_batch_rank(rank, world, store, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 def test_ranks_that_disagree_on_an_own_batch_size_all_refuse(tmp_path):
     """A review found: each rank checked rows against its own logical_batch_size, so ranks could
     split on refusing the step and then run mismatched collectives."""
@@ -883,6 +884,7 @@ def _refusing_rank(rank, world, store, out, stage):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_forward_refused_on_one_rank_is_refused_on_every_rank(tmp_path, stage):
     """A third review found a rank that refused alone (lazily, at its backward) left the others

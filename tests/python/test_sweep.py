@@ -65,6 +65,7 @@ def test_grid_values_and_the_fixed_epsilon_rule():
     assert len({r.output.dir for _, _, r in runs}) == len(runs)
 
 
+@pytest.mark.job
 @pytest.mark.skipif(not os.path.isdir(datasets.FASHION_DIR),
                     reason="Debian package dataset-fashion-mnist not installed")
 def test_sweep_runs_the_grid_at_one_epsilon_and_composes_all_runs(tmp_path, capsys):

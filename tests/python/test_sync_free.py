@@ -38,8 +38,11 @@ import torch.nn.functional as F
 import dpzero
 from test_private import SeqNet, seq_data
 
-needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and dpzero._C.with_cuda),
-                               reason="needs a GPU and dpzero built with its CUDA kernels")
+def needs_gpu(test):
+    """The gpu tier's mark, and a skip where there is no GPU or no CUDA build."""
+    skip = pytest.mark.skipif(not (torch.cuda.is_available() and dpzero._C.with_cuda),
+                              reason="needs a GPU and dpzero built with its CUDA kernels")
+    return pytest.mark.gpu(skip(test))
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # What a private backward runs in C++: the DP layers' nodes, the book, the layer ops, the kernels'

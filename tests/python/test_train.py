@@ -210,6 +210,7 @@ def test_budget_guard_stops_before_the_step_that_would_exceed_epsilon(tmp_path):
 
 # ---- report ------------------------------------------------------------------------------------
 
+@pytest.mark.job
 def test_report_is_rebuilt_from_the_ledger_alone(tmp_path):
     ledger = dpzero.Ledger.create(str(tmp_path / "ledger.jsonl"), run_id="r1", dataset_size=1000,
                                   settings={"secure_mode": False})
@@ -260,6 +261,7 @@ def _write_config(path, **sections):
     path.write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.job
 @needs_fashion
 def test_tramer_boneh_cnn_config_runs_on_a_subset(tmp_path):
     # configs/cnn-fashion-mnist-tb.toml as shipped, on 1024 examples for 2 epochs: its settings
@@ -343,6 +345,7 @@ def test_scatternet_heads_one_private_step_equals_naive_dp_sgd(head):
         torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.job
 @needs_fashion
 def test_scatternet_config_runs_on_a_subset(tmp_path):
     # configs/scatternet-fashion-mnist.toml as shipped, on 1024 training and 1000 test examples:
@@ -376,6 +379,7 @@ def test_scatternet_config_runs_on_a_subset(tmp_path):
     assert result["accuracy"] > 0.5  # 10 classes; linear on ScatterNet features learns fast
 
 
+@pytest.mark.job
 @needs_fashion
 def test_cnn_job_on_fashion_mnist_two_ranks_through_the_launcher(tmp_path):
     cfg = tmp_path / "cnn.toml"
@@ -522,6 +526,7 @@ def _embed_rank(rank, world, store, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 @needs_fortunes
 def test_minilm_linear_features_are_split_over_the_ranks_and_gathered(tmp_path):
     # Two Gloo ranks each embed every other text and gather: both hold the same tensors, and
@@ -552,6 +557,7 @@ def test_minilm_linear_features_are_split_over_the_ranks_and_gathered(tmp_path):
     assert [len(ranks[0][s][1]) for s in (0, 1)] == [25, 9]
 
 
+@pytest.mark.job
 @needs_fortunes
 def test_main_config_runs_on_a_subset(tmp_path):
     # configs/minilm-fortunes.toml as shipped (the README's main job), one rank in process on
@@ -619,6 +625,7 @@ def test_minilm_lora_private_step_equals_naive_dp_sgd():
         torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.job
 @needs_fortunes
 def test_minilm_job_single_rank_with_baseline(tmp_path):
     cfg = tmp_path / "small.toml"

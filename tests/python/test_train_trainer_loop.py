@@ -18,8 +18,9 @@ import dpzero
 from dpzero.train import datasets
 from dpzero.train.models import TanhCNN
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(datasets.FASHION_DIR),
-                                reason="Debian package dataset-fashion-mnist not installed")
+pytestmark = [pytest.mark.job,
+              pytest.mark.skipif(not os.path.isdir(datasets.FASHION_DIR),
+                                 reason="Debian package dataset-fashion-mnist not installed")]
 
 N, BATCH, EPOCHS, EVERY = 512, 64, 2, 4
 STEPS = EPOCHS * (N // BATCH)  # 16

@@ -253,6 +253,7 @@ def max_param_error(result, optimizer, model_kwargs):
 
 # ---- parity: stages 0-3, W ∈ {1, 2, 4}, SGD-momentum and AdamW, tied and untied head ----------
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_stages_match_single_process_pytorch(tmp_path, world_size, optimizer):
@@ -267,6 +268,7 @@ def test_stages_match_single_process_pytorch(tmp_path, world_size, optimizer):
     print(f"W={world_size} {optimizer}: max |param - reference| = {worst:.3g}")
 
 
+@pytest.mark.multirank
 def test_weight_decay_exemption_matches_torch_param_groups(tmp_path):
     # Note [weight decay runs]: even shard boundaries at W = 2 cut parameters, so some runs are
     # parts of a parameter; ragged ones put padding between a rank's parameters; stage 0 steps
@@ -403,6 +405,7 @@ def check_mixed_memory(result, stage, dtype, reduce_dtype):
     assert got == expected, f"stage {stage}: {got} != {expected}"
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_mixed_precision_matches_emulated_reference(tmp_path, world_size):
     cases = {(stage, dtype, reduce): (stage, "adamw", dict(tied=True), None,
@@ -455,6 +458,7 @@ def test_mixed_precision_parameters_are_16_bit_views_and_inputs_are_cast():
 
 # ---- memory: measured model states against ZeRO's formulas ------------------------------------
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_model_state_bytes_match_zero_formulas(tmp_path, world_size):
     # ZeRO §5.1 for 16-bit Adam (p = g = 2, K = 12): stage 1 4Ψ + 12Ψ/W, stage 2 2Ψ + 14Ψ/W,
@@ -494,6 +498,7 @@ def test_zero_formula_reproduces_the_paper_example():
 
 # ---- recompute, custom units, unused parameters ----------------------------------------------
 
+@pytest.mark.multirank
 def test_stage3_and_stage2_with_activation_recompute(tmp_path):
     cases = {(stage, recompute): (stage, "sgd", dict(tied=True, recompute=recompute), None)
              for stage in (2, 3) for recompute in ("non_reentrant", "reentrant")}
@@ -502,6 +507,7 @@ def test_stage3_and_stage2_with_activation_recompute(tmp_path):
         assert_matches_reference(result, "sgd", dict(tied=True, recompute=recompute))
 
 
+@pytest.mark.multirank
 def test_custom_units_and_unused_parameter(tmp_path):
     # blocks.1 is split: its attention is a unit, the rest joins the root unit together with wpe,
     # ln_f, the head and logit_scale (a root unit made of several separate global ranges). The
@@ -517,6 +523,7 @@ def test_custom_units_and_unused_parameter(tmp_path):
         assert_matches_reference(result, opt, kwargs)
 
 
+@pytest.mark.multirank
 def test_ragged_plan_trains_like_the_even_plan(tmp_path):
     # Note [ragged plans]: shard boundaries between parameters change the layout, not the
     # arithmetic: stages 1-3 at W = 4 still match single-process PyTorch.
@@ -530,6 +537,7 @@ def test_ragged_plan_trains_like_the_even_plan(tmp_path):
         dpzero.shard(make_model(), stage=1, shard_boundaries="blocks")
 
 
+@pytest.mark.multirank
 def test_stage3_prefetch_changes_timing_not_results(tmp_path):
     # Note [stage-3 prefetch]: prefetched gathers are the same gathers issued earlier, so
     # training is bit for bit the same with and without; that prefetch really happened shows in
@@ -556,6 +564,7 @@ def test_stage3_prefetch_changes_timing_not_results(tmp_path):
         assert_matches_reference(on, "adamw", dict(tied=True, recompute=recompute))
 
 
+@pytest.mark.multirank
 def test_optimizer_offload_gives_the_same_training(tmp_path):
     # Note [master weights]: offload moves the fp32 master and optimizer state to host memory and
     # changes nothing else; on CPU parameters the arithmetic is the same ops on the same values, so
@@ -582,6 +591,7 @@ def test_optimizer_offload_gives_the_same_training(tmp_path):
         assert_matches_reference(results[(stage, "fp32", True)], "adamw", dict(tied=True))
 
 
+@pytest.mark.multirank
 def test_parameter_offload_gives_the_same_training(tmp_path):
     # Note [parameter offload]: stage 3 keeps the owned shards in host memory and gathers from a
     # device copy; on CPU parameters the copy is the shard itself, and what is new is the fp32
@@ -631,6 +641,7 @@ def _cuda_offload_pair(**offload):
     return on_device, offloaded
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="parameter offload to the host needs a GPU")
 def test_parameter_offload_from_cuda_matches_on_device_training():
     on_device, offloaded = _cuda_offload_pair(offload_params=True)
@@ -639,6 +650,7 @@ def test_parameter_offload_from_cuda_matches_on_device_training():
     assert on_device.memory()["params"] > 0
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="optimizer offload to the host needs a GPU")
 def test_optimizer_offload_from_cuda_matches_on_device_training():
     on_device, offloaded = _cuda_offload_pair(offload_optimizer=True)
@@ -662,6 +674,7 @@ def _cpp_group_rank_main(rank, world_size, init_method, out_path):
         torch.save(params, out_path)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("scheme", ["file", "tcp"])
 def test_process_groups_created_in_cpp_train_like_torch_distributed(tmp_path, scheme):
     # src/comm/process_group.h: a Gloo group made by dpzero's C++ from a file or TCP store,
@@ -751,6 +764,7 @@ def _noisy_rank_main(rank, world_size, store_path, cases, out_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_noisy_step_noises_every_coordinate_exactly_once(tmp_path, world_size):
     cases = {(stage, secure): (stage, secure) for stage in range(4) for secure in (False, True)
