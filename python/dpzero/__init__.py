@@ -24,7 +24,7 @@ def _check_torch() -> None:
 
 _check_torch()
 
-from . import _C  # noqa: E402
+from . import _C  # noqa: E402,F401  (the C++ core; registers torch.ops.dpzero)
 from .accounting import (
     Ledger,
     LedgerError,

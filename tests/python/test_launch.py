@@ -5,11 +5,9 @@ launcher's own environment (torch.distributed.run sets WORLD_SIZE and RANK)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from ranks import torchrun
 
 pytestmark = pytest.mark.multirank
 
@@ -42,10 +40,7 @@ else:
 def _torchrun(tmp_path, entry, init):
     script = tmp_path / "job.py"
     script.write_text(_SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=2", str(script), entry, init, str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    return torchrun([script, entry, init, tmp_path], 2)
 
 
 @pytest.mark.parametrize("entry", ["make_private", "shard"])

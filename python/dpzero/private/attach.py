@@ -138,9 +138,11 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
         layers.append(Layer(len(layers), name, module, kind, tuple(train), slots,
                             routed=routed and not isinstance(kind, FuncKind)))
     if problems:
-        raise PrivacyViolation(
+        error = PrivacyViolation(
             "these modules cannot be trained privately (every trainable parameter must be "
             "covered by a DP layer; frozen parameters are fine):\n  " + "\n  ".join(problems))
+        error.problems = problems  # one "name (Type): reason and fix" each (validators.py)
+        raise error
     return layers
 
 

@@ -1,0 +1,1 @@
+"""Opacus's utilities under their Opacus paths, for scripts switched by their imports."""
