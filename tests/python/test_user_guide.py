@@ -1,0 +1,52 @@
+"""Every Python block of docs/user-guide.md is a whole program: each runs by itself in an empty
+folder, as a reader would run it after copying it into a file. A block headed ```python gpu runs
+where there is a GPU; ```python torchrun=N runs as N ranks under torch's launcher. Reference: the
+program's own exit status (each block prints or asserts what it shows)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ranks import torchrun
+
+pytestmark = pytest.mark.job
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+GUIDE = os.path.join(ROOT, "docs", "user-guide.md")
+
+
+def _blocks():
+    with open(GUIDE) as f:
+        text = f.read()
+    found = []
+    for m in re.finditer(r"^```python([^\n]*)\n(.*?)^```$", text, flags=re.M | re.S):
+        line = text.count("\n", 0, m.start()) + 1
+        found.append(pytest.param(m.group(1).strip(), m.group(2), id=f"line{line}"))
+    return found
+
+
+def test_the_guide_has_blocks_of_every_kind():
+    kinds = {b.values[0] for b in _blocks()}
+    assert {"", "gpu", "torchrun=2"} <= kinds, kinds
+
+
+@pytest.mark.parametrize("kind, code", _blocks())
+def test_a_guide_block_runs_by_itself(tmp_path, kind, code):
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    if kind == "gpu" and not torch.cuda.is_available():
+        pytest.skip("a GPU block")
+    if kind.startswith("torchrun="):
+        out = torchrun([script], int(kind.split("=")[1]), env=env, cwd=tmp_path)
+    else:
+        assert kind in ("", "gpu"), kind
+        out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
