@@ -523,3 +523,20 @@ def test_a_collate_function_with_side_effects_is_refused(collate, message):
     data = TensorDataset(torch.randn(16, D, generator=g), torch.randint(0, K, (16,), generator=g))
     with pytest.raises(PrivacyViolation, match=message):
         _run(collate, model=nn.Linear(D, K), dataset=data)
+
+
+def test_an_example_is_copied_by_its_own_elements_not_its_datasets():
+    # A TensorDataset's example is a view of the whole dataset's tensor: copy.deepcopy of it
+    # would copy the dataset (once per example and batch). Reference: the example's own bytes.
+    from dpzero.private.collate import _copy_example
+    data = TensorDataset(torch.randn(1000, D), torch.randint(0, K, (1000,)))
+    x, y = data[7]
+    assert x.untyped_storage().nbytes() == 1000 * D * 4  # the view's storage: the dataset
+    example = {"x": x, "y": y, "meta": ["text", 3], "again": x}
+    copied = _copy_example(example)
+    assert copied["x"].untyped_storage().nbytes() == D * 4
+    assert torch.equal(copied["x"], x) and torch.equal(copied["y"], y)
+    assert copied["again"] is copied["x"]  # shared within the example, as deepcopy keeps it
+    copied["x"].add_(1.0)
+    copied["meta"].append("changed")
+    assert torch.equal(x, data[7][0]) and example["meta"] == ["text", 3]  # the original stays

@@ -62,12 +62,25 @@ from collections.abc import Mapping
 from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils.data._utils.collate import default_collate
 
 from .book import PrivacyViolation
 
 # Levels of the collate function's state ``_state`` walks; deeper state is pickled.
 _DEPTH = 8
+
+
+def _copy_example(example: Any) -> Any:
+    """A deep copy of one example whose tensors are copied element by element. copy.deepcopy of
+    a tensor that views a larger one copies the whole storage: an example sliced from a dataset
+    held in one tensor (TensorDataset, an image array) would copy the dataset once per example
+    and batch."""
+    memo: Dict[int, Any] = {}
+    for leaf in pytree.tree_leaves(example):
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in memo:
+            memo[id(leaf)] = leaf.detach().clone().requires_grad_(leaf.requires_grad)
+    return copy.deepcopy(example, memo)
 
 
 class SeparableCollate:
@@ -89,7 +102,7 @@ class SeparableCollate:
             if _state(self.collate) != before:
                 raise PrivacyViolation(self._learned())
             return batch
-        alone = [self.collate([copy.deepcopy(e)]) for e in examples]
+        alone = [self.collate([_copy_example(e)]) for e in examples]
         drawn = torch.random.get_rng_state(), random.getstate()
         batch = self.collate(examples)
         draws = not (torch.equal(drawn[0], torch.random.get_rng_state()) and
