@@ -8,7 +8,6 @@ the predictions come to measured runs on the CPU grid is experiments/plan_check.
 (results/plan-cpu.md); here, one two-rank case is held to the same 10 %.
 """
 
-import datetime
 import json
 import os
 import subprocess
@@ -16,11 +15,11 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import dpzero
+import ranks
 from dpzero.plan import Policy, Profile, UnitProfile, candidates, plan, predict, tracked
 from dpzero.plan.profile import unit_profiles
 
@@ -158,10 +157,8 @@ def test_tracked_live_bytes_do_not_drift_across_private_steps(tmp_path):
     here, freed a little late now and then). Under torch's profiler the frees of the Gloo
     reduce-scatter's input copies on Gloo's threads went unseen and the live bytes grew by
     ~130 KiB a step (~0.6 MiB over these six)."""
-    mp.spawn(_measure_rank, args=(2, str(tmp_path / "store"), 1, False, str(tmp_path / "o.pt"),
-                                  "drift"),
-             nprocs=2, join=True)
-    assert torch.load(tmp_path / "o.pt") <= 256 << 10
+    drift = ranks.spawn(_measure_rank, 2, tmp_path, 1, False, "drift", timeout_s=120)[0]
+    assert drift <= 256 << 10
 
 
 class Block(nn.Module):
@@ -225,76 +222,59 @@ def step_loss(model, batch):
     return F.cross_entropy(model(x), y)
 
 
-def _measure_rank(rank, world, store, stage, ckpt, out, what="peak"):
+def _measure_rank(rank, world, stage, ckpt, what="peak"):
     """A private run of ``net`` on two ranks under ``tracked()``, a mark before every step.
     what="peak": the peak live bytes over steps 2-3 (after two warm-up steps); "drift": the
     spread of the live bytes at the starts of steps 2-7. The largest over the ranks."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        batch = data()[rank * 16:(rank + 1) * 16]
-        steps = 4 if what == "peak" else 8
-        with tracked() as t:
-            p = dpzero.make_private(net(), dataset=data(), sample_rate=0.5, noise_multiplier=1.0,
-                                    max_grad_norm=1.0, zero_stage=stage, units=UNITS,
-                                    optimizer="adamw", seed=0,
-                                    activation_checkpointing=UNITS if ckpt else None)
-            for k in range(steps):
-                t.mark(f"step{k}")
-                p.optimizer.zero_grad()
-                mine = p.privacy_engine.own_batch(batch, logical_batch_size=16 * world)
-                step_loss(p.model, mine).backward()
-                p.optimizer.step()
-        if what == "peak":
-            value = float(t.peak_since("step2"))
-        else:
-            starts = [t.live_at(f"step{k}") for k in range(2, steps)]
-            value = float(max(starts) - min(starts))
-        value = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            torch.save(int(value.item()), out)
-        del p
-        import gc
+    batch = data()[rank * 16:(rank + 1) * 16]
+    steps = 4 if what == "peak" else 8
+    with tracked() as t:
+        p = dpzero.make_private(net(), dataset=data(), sample_rate=0.5, noise_multiplier=1.0,
+                                max_grad_norm=1.0, zero_stage=stage, units=UNITS,
+                                optimizer="adamw", seed=0,
+                                activation_checkpointing=UNITS if ckpt else None)
+        for k in range(steps):
+            t.mark(f"step{k}")
+            p.optimizer.zero_grad()
+            mine = p.privacy_engine.own_batch(batch, logical_batch_size=16 * world)
+            step_loss(p.model, mine).backward()
+            p.optimizer.step()
+    if what == "peak":
+        value = float(t.peak_since("step2"))
+    else:
+        starts = [t.live_at(f"step{k}") for k in range(2, steps)]
+        value = float(max(starts) - min(starts))
+    value = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    del p
+    import gc
 
-        gc.collect()
-    finally:
-        dist.destroy_process_group()
+    gc.collect()
+    return int(value.item())
 
 
-def _profile_rank(rank, world, store, out):
+def _profile_rank(rank, world):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        batch = data()[rank * 16:(rank + 1) * 16]
-        prof = dpzero.plan.profile(net, lambda m: step_loss(m, batch), 16, units=UNITS,
-                                   optimizer="adamw", threads=1, group=dist.group.WORLD)
-        assert (prof.world, prof.stage) == (2, 2)
-        if rank == 0:
-            torch.save(prof.to_dict(), out)
-        import gc
+    batch = data()[rank * 16:(rank + 1) * 16]
+    prof = dpzero.plan.profile(net, lambda m: step_loss(m, batch), 16, units=UNITS,
+                               optimizer="adamw", threads=1, group=dist.group.WORLD)
+    assert (prof.world, prof.stage) == (2, 2)
+    result = prof.to_dict()
+    import gc
 
-        gc.collect()
-    finally:
-        dist.destroy_process_group()
+    gc.collect()
+    return result
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("stage, ckpt", [(3, False), (3, True), (1, False)])
 def test_predicted_peak_is_within_10_percent_of_a_measured_two_rank_run(tmp_path, stage, ckpt):
     """The profile runs at stage 2 on two ranks; stages 3 and 1 are predictions from it."""
-    mp.spawn(_profile_rank, args=(2, str(tmp_path / "pstore"), str(tmp_path / "prof.pt")),
-             nprocs=2, join=True)
-    prof = Profile.from_dict(torch.load(tmp_path / "prof.pt"))
-    out = str(tmp_path / "peak.pt")
-    mp.spawn(_measure_rank, args=(2, str(tmp_path / "store"), stage, ckpt, out), nprocs=2,
-             join=True)
-    measured = torch.load(out)
+    prof = Profile.from_dict(ranks.spawn(_profile_rank, 2, tmp_path, timeout_s=120)[0])
+    measured = ranks.spawn(_measure_rank, 2, tmp_path, stage, ckpt, timeout_s=120)[0]
     predicted = predict(prof, Policy(stage, 4 if ckpt else 0), world=2).peak_bytes
     assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
 
@@ -396,6 +376,21 @@ def test_dpzero_plan_on_a_training_config(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "dpzero", "plan", str(cfg), "--world-size", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--world-size must be >= 1, got 0" in bad.stderr
+
+    # The table marks the config's own policy (ZeRO-3 here) and says how it ranks; a model this
+    # small is shown in KiB, not as rows of 0.0 MiB.
+    cfg.write_text(cfg.read_text().replace("world_size = 1", "world_size = 2\nzero_stage = 3"))
+    text = subprocess.run([sys.executable, "-m", "dpzero", "plan", str(cfg), "--memory-budget",
+                           "8"], capture_output=True, text=True, timeout=300)
+    assert text.returncode == 0, text.stderr[-3000:]
+    rows = [line for line in text.stdout.splitlines() if line.startswith("zero")]
+    mine = [line for line in rows if line.endswith("<- the config's")]
+    assert len(mine) == 1 and mine[0].startswith("zero3 "), text.stdout
+    unit = "KiB" if "peak KiB" in text.stdout else "MiB"
+    assert all(float(line.split()[1]) > 0 for line in rows), text.stdout
+    if not rows[0].startswith("zero3 "):
+        assert "the config's policy (zero3) is ranked" in text.stdout, text.stdout
+    assert unit in text.stdout
 
 
 def test_dpzero_train_with_policy_auto_records_the_choice(tmp_path):

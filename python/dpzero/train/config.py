@@ -82,6 +82,9 @@ class ConfigError(ValueError):
 
 FORTUNE_DEFAULT = ["computers", "science", "politics", "people"]
 MODEL_KINDS = ("minilm", "minilm-linear", "cnn", "scatternet-linear", "scatternet-cnn")
+# Kinds that train a head on fixed features of each example (Note [fixed features and privacy]):
+# every input row has the same shape, whatever the example.
+FIXED_FEATURE_KINDS = ("minilm-linear", "scatternet-linear", "scatternet-cnn")
 
 
 @dataclass

@@ -9,6 +9,7 @@ this machine, which also measure the collectives' bandwidth.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import tempfile
 from typing import List, Optional, Tuple
@@ -16,9 +17,9 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..plan import Prediction, Profile, plan, profile
+from ..plan import Policy, Prediction, Profile, plan, profile
 from ..plan.auto import default_budget
-from .config import RunConfig
+from .config import FIXED_FEATURE_KINDS, RunConfig
 
 
 def _profile_rank(rank, world, store, backend, cfg, out):
@@ -41,8 +42,18 @@ def _profile_rank(rank, world, store, backend, cfg, out):
 def _profile(cfg: RunConfig, world: int, rank: int, group) -> Profile:
     from .runner import build
 
+    # One micro-batch per rank is all the profile reads, so the job is built on that many
+    # training examples and one test example. A head on fixed features sees rows of one shape
+    # whatever the example, so one example per rank, repeated to fill the micro-batch, costs the
+    # same memory and time as any other, and the features (a transformer's or ScatterNet's
+    # forward per example) are computed for those alone.
+    d, cap = cfg.data, cfg.training.max_physical_batch_size
+    fixed = cfg.model.kind in FIXED_FEATURE_KINDS
+    need = world * (1 if fixed else cap)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+        d, limit=min(d.limit, need) if d.limit else need, test_limit=1))
     model, train, _, unpack = build(cfg)
-    m = min(cfg.training.max_physical_batch_size, len(train))
+    m = min(cap, d.limit or cap) if fixed else min(cap, len(train))
     rows = torch.arange(rank * m, (rank + 1) * m) % len(train)
     inputs, y = unpack(train[rows])
     device = next(model.parameters()).device
@@ -78,21 +89,36 @@ def job_plan(cfg: RunConfig, world: int, budget_bytes: Optional[float] = None
     return prof, ranked, budget
 
 
-def format_plan(prof: Profile, ranked: List[Prediction], budget: float, world: int) -> str:
-    mib = 2.0**20
+def format_plan(prof: Profile, ranked: List[Prediction], budget: float, world: int,
+                configured: Optional[Policy] = None) -> str:
+    """The ranked table; ``configured``: the config's own policy, marked and compared."""
+    # MiB, or KiB for a model whose every policy peaks below one MiB (a linear head).
+    scale, unit = (2.0**20, "MiB") if max(r.peak_bytes for r in ranked) >= 2.0**20 \
+        else (2.0**10, "KiB")
     units = len(prof.units)
     lines = [f"memory policies for W = {world} rank(s), micro-batch {prof.micro_batch}, "
-             f"{prof.clipping} clipping, budget {budget / mib:,.0f} MiB per rank "
+             f"{prof.clipping} clipping, budget {budget / 2.0**20:,.0f} MiB per rank "
              f"(profiled on {prof.device}, {prof.threads} thread(s)):", "",
-             f"{'policy':<22}{'peak MiB':>10}{'fits':>6}{'step ms':>10}{'samples/s':>11}   "
-             "peak = parameters + gradients + optimizer + workspace + transient + gathered (MiB)"]
+             f"{'policy':<22}{'peak ' + unit:>10}{'fits':>6}{'step ms':>10}{'samples/s':>11}   "
+             f"peak = parameters + gradients + optimizer + workspace + transient + gathered "
+             f"({unit})"]
     for i, r in enumerate(ranked):
         fits = r.peak_bytes <= budget
-        parts = " + ".join(f"{r.memory[k] / mib:.1f}" for k in
+        parts = " + ".join(f"{r.memory[k] / scale:.1f}" for k in
                            ("parameters", "gradients", "optimizer", "workspace", "transient",
                             "gathered"))
         mark = "  <- best" if i == 0 and fits else ""
-        lines.append(f"{r.policy.label(units):<22}{r.peak_bytes / mib:>10.1f}"
+        if r.policy == configured:
+            mark += "  <- the config's"
+        lines.append(f"{r.policy.label(units):<22}{r.peak_bytes / scale:>10.1f}"
                      f"{'yes' if fits else 'no':>6}{1e3 * r.step_s:>10.1f}"
                      f"{prof.micro_batch / r.step_s:>11.1f}   {parts}{mark}")
+    mine = [i for i, r in enumerate(ranked) if r.policy == configured]
+    if mine and mine[0] > 0 and ranked[0].peak_bytes <= budget:
+        best, own = ranked[0], ranked[mine[0]]
+        lines += ["", f"the config's policy ({own.policy.label(units)}) is ranked {mine[0] + 1} "
+                  f"of {len(ranked)}: {best.policy.label(units)} is predicted to take "
+                  f"{1e3 * best.step_s:.1f} ms a step against {1e3 * own.step_s:.1f} ms, and "
+                  "fits the budget (set [training] zero_stage, or policy = \"auto\" to let "
+                  "dpzero train choose)"]
     return "\n".join(lines)
