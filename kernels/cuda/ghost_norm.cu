@@ -29,42 +29,34 @@
 // Note [ghost roofline]
 // ~~~~~~~~~~~~~~~~~~~~~
 // Per sample, with T rows and d = d_in + d_out features (an embedding: d = d_out), the two Grams
-// cost 2 T^2 d FLOPs in full and the inputs are 4 T d bytes (float32; 2 T d for bfloat16). H200
-// figures: FP64 ~34 TFLOP/s on the vector units (DFMA), ~67 TFLOP/s on the tensor cores (DMMA,
-// which cuBLAS DGEMM uses), HBM ~4.8 TB/s nominal and ~4.3 TB/s at copy rate. Ridge points:
-// 34 / 4.3 = 7.9 FLOP/byte (vector), 67 / 4.3 = 15.6 (tensor cores).
-//  * Fused tiles: of the n(n+1)/2 tile pairs (n = ceil(T / 64)) each costs 2 * 64^2 * d FLOPs
-//    and the inputs are read once per tile row: intensity ~T/4 FLOP/byte for many tiles, T/2 for
-//    one, so the kernel is compute-bound from T ~ 32 on and then bounded by the vector peak. The
-//    previous version staged floats and converted them to float64 in the inner loop: 4 conversions
-//    (F2F.F64.F32, 16 per clock per SM on sm_80 / sm_90) per 4 DFMAs (64 per clock per SM), a cap
-//    of 1/4 of that peak. Now each element is converted once, when it is staged, and shared
-//    memory holds float64; a thread owns R x R = 4 x 4 entries, so one feature costs 2R = 8
-//    shared loads for R^2 = 16 DFMAs. The loads are conflict-free and half of them are
-//    broadcasts, one 128-byte wavefront each: 8 wavefronts (8 clocks of the shared-memory pipe)
-//    against 16 warp DFMAs (8 clocks at 2 per clock): balanced, so we expect 50-70% of the
-//    vector peak, not the tensor cores'.
-//  * GEMM strips (kernels/ghost_gemm.cpp): float64 copies of the rows (read 4, write 8, the
-//    GEMM reads 8 bytes per element: 5x the fused path's traffic), DGEMMs over the strips of
+// cost 2 T^2 d FLOPs in full and the inputs are 4 T d bytes (float32; 2 T d for bfloat16). The
+// arithmetic is float64, so the ceilings are the device's FP64 rates: the vector units (DFMA)
+// and, for cuBLAS's DGEMM, the tensor cores (DMMA, about twice the vector rate on sm_80 and
+// sm_90); the ridge points are those rates over the memory bandwidth.
+//  * Fused tiles: of the n(n+1)/2 tile pairs (n = ceil(T / 64)) each costs 2 * 64^2 * d FLOPs and
+//    the inputs are read once per tile row: intensity ~T/4 FLOP/byte for many tiles, T/2 for
+//    one, so the kernel is compute-bound from T ~ 32 on and then bounded by the vector peak. Each
+//    element is converted to float64 once, when it is staged, and shared memory holds float64
+//    (a conversion in the inner loop runs at a quarter of the DFMA rate). A thread owns
+//    R x R = 4 x 4 entries, so one feature costs 2R = 8 shared loads for R^2 = 16 DFMAs; the
+//    loads are conflict-free and half of them broadcasts: the shared-memory pipe and the DFMAs
+//    are balanced, so the kernel can reach a good fraction of the vector peak but not the tensor
+//    cores'.
+//  * GEMM strips (kernels/ghost_gemm.cpp): float64 copies of the rows (read 4, write 8, the GEMM
+//    reads 8 bytes per element: 5x the fused path's traffic), DGEMMs over the strips of
 //    gemm_row_blocks ((nb + 1) / (2 nb) of the full Grams' FLOPs, nb = ceil(T / 128) <= 8) at up
-//    to the tensor-core peak, then the strips and their product written and read (~6 strip
+//    to the tensor-core rate, then the strips and their product written and read (~6 strip
 //    passes), and ~10 launches per row block.
-// Per sample at d_in = d_out = 4096 (d = 8192), float32, at peak rates (GEMM traffic: the
-// float64 copies and the strip passes):
-//    T      inputs           fused                      GEMM strips
-//    128    4.2 MB, 1.0 µs   0.20 GFLOP,  5.9 µs        0.27 GFLOP, 4.0 µs + 13 MB traffic, 3.1 µs
-//    256    8.4 MB, 2.0 µs   0.67 GFLOP, 20 µs          0.81 GFLOP, 12 µs + 28 MB, 6.4 µs
-//    512    17 MB,  3.9 µs   2.4 GFLOP,  71 µs          2.7 GFLOP,  40 µs + 58 MB, 13 µs
-//    2048   67 MB,  16 µs    35 GFLOP,   1.04 ms        39 GFLOP,   0.58 ms + 0.31 GB, 73 µs
-// At the expected fractions (fused 50-70% of the vector peak, cuBLAS 60-85% of the tensor
-// cores' on these skinny shapes) the two tie near T = 128 and the GEMM strips lead from T = 256
-// on (~1.4x there, ~2x at T = 2048). Hence kGemmMinRows = 256: the fused kernel below it (one
-// launch, no float64 workspace, and the only sensible choice where it is memory-bound), the
-// strips from there. A crossover to confirm with experiments' kernel benchmark on the first GPU
-// run. Both paths are the same float64 arithmetic up to the order of additions (Note [certified
-// norms] assumes every GEMM entry is an inner product in some order, which cuBLAS's DGEMM on
-// DMMA is; cuBLAS's opt-in emulated-FP64 math modes are outside that assumption). T = 1 has no
-// Gram to speak of: rank_one_kernel reads each row once (memory-bound, 4 d bytes for 2 d FLOPs).
+// The fused kernel's FLOPs grow as T^2 at the vector rate, the strips' at the tensor-core rate
+// plus traffic linear in T: the strips win once T is large enough for the rate to pay for the
+// traffic and launches. kGemmMinRows = 256 is where that estimate puts the crossover at
+// d_in = d_out = 4096 (the per-T figures, and the measured kernel times, are in
+// experiments/results/kernels.md); below it the fused kernel (one launch, no float64 workspace,
+// the only sensible choice where it is memory-bound). Both paths are the same float64 arithmetic
+// up to the order of additions (Note [certified norms] assumes every GEMM entry is an inner
+// product in some order, which cuBLAS's DGEMM on DMMA is; cuBLAS's opt-in emulated-FP64 math
+// modes are outside that assumption). T = 1 has no Gram to speak of: rank_one_kernel reads each
+// row once (memory-bound, 4 d bytes for 2 d FLOPs).
 #include <algorithm>
 #include <cstdint>
 #include <limits>
