@@ -23,17 +23,16 @@
 // library's: by about a float ulp of z, or ~10^-7 absolutely for the smallest radii (the tests
 // bound it at 4·10^-7 (1 + |z|)).
 //
-// CPUs with AVX-512F and DQ run the same steps in sixteen lanes (noise_simd512.cpp), which halved
-// the draw's time here (Philox: 60 -> 29 ms for 21 M coordinates on 2 cores; secure: 347 ->
-// 187 ms). Its bits are the eight lanes' bits: the integer rounds, the exact conversions, sqrt,
-// sums and products are the same IEEE operations at either width, and SLEEF's 16-lane sincosf /
-// 8-lane logd and sincosd evaluate the same operations as its 8- / 4-lane ones. That last part is
-// checked, not proved: they agreed on all 2^23 float angles the Philox path can produce, and on
-// 5.4·10^8 random log and 2.7·10^8 random fp64 angle inputs (a one-off check against libtorch's
-// SLEEF, 2026-12-01, for the u10 log). The u35 log that the Philox path has used since 2026-12-03
-// was not in that check; at either width it splits d into an exact exponent and mantissa (AVX2:
-// ilogb and ldexp; AVX-512: getexp and getmant) and then runs the same FMA sequence, so it should
-// agree the same way. tests/cpp/torch/noise_shard_test.cpp compares the two paths on 2^21 Philox
+// CPUs with AVX-512F and DQ run the same steps in sixteen lanes (noise_simd512.cpp; the speedup
+// is in experiments/results/noise.md). Its bits are the eight lanes' bits: the integer rounds,
+// the exact conversions, sqrt, sums and products are the same IEEE operations at either width,
+// and SLEEF's 16-lane sincosf / 8-lane logd and sincosd evaluate the same operations as its 8- /
+// 4-lane ones. That last part is checked, not proved: a one-off check against libtorch's SLEEF
+// compared all 2^23 float angles the Philox path can produce and random log and fp64 angle
+// inputs (experiments/results/noise.md says how many and when). The u35 log the Philox path uses
+// now was not in that check; at either width it splits d into an exact exponent and mantissa
+// (AVX2: ilogb and ldexp; AVX-512: getexp and getmant) and then runs the same FMA sequence, so it
+// should agree the same way. tests/cpp/torch/noise_shard_test.cpp compares the two paths on 2^21 Philox
 // and 2^20 secure coordinates wherever the tests run on an AVX-512 machine (they skip elsewhere).
 //
 // What the engine relies on still holds (Note [noise ownership] in privacy/noise.h): every lane
