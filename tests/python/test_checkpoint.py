@@ -16,7 +16,6 @@ What is checked against what:
 - corrupt, truncated and mismatching checkpoints give errors naming the file, parameter or value.
 """
 
-import datetime
 import json
 import os
 import time
@@ -29,6 +28,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import dpzero
+import ranks
 from dpzero._C import checkpoint as cckpt
 from test_zero import GPT, LOSS_TOL, OPTIMIZERS, PARAM_TOL, STEPS, make_model, reference
 from test_zero import train_steps as train  # sharded_run's loop over given steps
@@ -211,26 +211,13 @@ def task_crash(rank, world_size, *, root, fault):
 
 # ---- multi-rank plumbing -------------------------------------------------------------------------
 
-def _rank_main(rank, world_size, store, tasks, out):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
-    try:
-        results = [globals()[name](rank, world_size, **kwargs) for name, kwargs in tasks]
-        if out is not None:
-            torch.save(results, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+RANK_TIMEOUT_S = 120  # the ranks' process group timeout in this file
 
 
-def run_ranks(world_size, tasks, tmp_path):
-    """Runs `tasks` [(task name, kwargs)] in order on `world_size` Gloo ranks (spawned, as in
-    test_zero); returns results[rank][task]."""
-    out = tmp_path / f"results_w{world_size}_{len(list(tmp_path.glob('store_*')))}"
-    store = tmp_path / f"store_{len(list(tmp_path.glob('store_*')))}"
-    mp.spawn(_rank_main, args=(world_size, str(store), tasks, str(out)), nprocs=world_size,
-             join=True)
-    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world_size)]
+def run_tasks(rank, world_size, tasks):
+    """Runs `tasks` [(task name, kwargs)] in order on this rank; their results. ranks.spawn(
+    run_tasks, W, tmp_path, tasks, timeout_s=RANK_TIMEOUT_S) gives results[rank][task]."""
+    return [globals()[name](rank, world_size, **kwargs) for name, kwargs in tasks]
 
 
 def flip_byte(path, offset=None):
@@ -261,20 +248,26 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     try:
         task_write_sources(0, 1, root=root)
-        w2 = run_ranks(2, [("task_load_sources", dict(root=root, sources=sources(1))),
-                           ("task_write_sources", dict(root=root))], tmp)
-        w4 = run_ranks(4, [("task_load_sources", dict(root=root, sources=sources(1) + sources(2))),
-                           ("task_write_sources", dict(root=root)),
-                           ("task_load_sources", dict(root=root, sources=sources(4)))]
-                       + [("task_train_and_save", dict(stage=3, optimizer=opt, root=path))
-                          for opt, path in resume.items()], tmp)
-        again = run_ranks(
-            2, [("task_load_sources", dict(root=root, sources=sources(2) + sources(4)))]
+        w2 = ranks.spawn(run_tasks, 2, tmp,
+                         [("task_load_sources", dict(root=root, sources=sources(1))),
+                          ("task_write_sources", dict(root=root))],
+                         timeout_s=RANK_TIMEOUT_S)
+        w4 = ranks.spawn(run_tasks, 4, tmp,
+                         [("task_load_sources", dict(root=root, sources=sources(1) + sources(2))),
+                          ("task_write_sources", dict(root=root)),
+                          ("task_load_sources", dict(root=root, sources=sources(4)))]
+                         + [("task_train_and_save", dict(stage=3, optimizer=opt, root=path))
+                            for opt, path in resume.items()],
+                         timeout_s=RANK_TIMEOUT_S)
+        again = ranks.spawn(
+            run_tasks, 2, tmp,
+            [("task_load_sources", dict(root=root, sources=sources(2) + sources(4)))]
             + [("task_load_and_train", dict(stage=2, optimizer=opt, root=path))
                for opt, path in resume.items()]
             + [("task_resume_bitwise", dict(stage=s, optimizer=SOURCE_OPTIMIZER[s],
                                             root=str(tmp / f"bitwise_{s}"))) for s in range(4)]
-            + [("task_load_error_reaches_every_rank", dict(root=str(tmp / "corrupt")))], tmp)
+            + [("task_load_error_reaches_every_rank", dict(root=str(tmp / "corrupt")))],
+            timeout_s=RANK_TIMEOUT_S)
         w1 = task_load_sources(0, 1, root=root, sources=sources(1) + sources(2) + sources(4))
     finally:
         torch.set_num_threads(threads)
@@ -374,7 +367,8 @@ FAULTS = [
 
 
 def _crash_main(rank, world_size, store, root, fault):
-    _rank_main(rank, world_size, store, [("task_crash", dict(root=root, fault=fault))], None)
+    with ranks.gloo_group(rank, world_size, store, timeout_s=RANK_TIMEOUT_S):
+        task_crash(rank, world_size, root=root, fault=fault)
 
 
 @pytest.mark.multirank

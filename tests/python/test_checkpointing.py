@@ -8,16 +8,14 @@ dpzero's switch and Hugging Face's — while really recomputing (each checkpoint
 forward twice per micro-batch) and really saving memory (fewer tensors saved for backward).
 """
 
-import datetime
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
 import dpzero
+import ranks
 from dpzero.private import PrivacyViolation
 
 V, T, D, K = 23, 6, 8, 3
@@ -165,34 +163,23 @@ def test_detach_removes_the_checkpoint_wrappers():
 
 # ---- two ranks ---------------------------------------------------------------------------------
 
-def _two_ranks(rank, world, store, out):
-    import torch.distributed as dist
+def _two_ranks(rank, world):
+    results = {}
+    for checkpointing in (None, True):
+        p, forwards = run(checkpointing, 3, "flat")
+        results[checkpointing] = (p.privacy_engine.parameters(), forwards)
+        del p
+    import gc
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        results = {}
-        for checkpointing in (None, True):
-            p, forwards = run(checkpointing, 3, "flat")
-            results[checkpointing] = (p.privacy_engine.parameters(), forwards)
-            del p
-        if rank == 0:
-            torch.save(results, out)
-        import gc
-
-        gc.collect()
-    finally:
-        dist.destroy_process_group()
+    gc.collect()
+    return results
 
 
 @pytest.mark.multirank
 def test_two_ranks_at_stage_3_checkpointing_changes_nothing(tmp_path):
     """Each rank draws its own dropout masks, so the reference is the same two-rank run without
     checkpointing."""
-    out = str(tmp_path / "out.pt")
-    mp.spawn(_two_ranks, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
-    got = torch.load(out)
+    got = ranks.spawn(_two_ranks, 2, tmp_path, timeout_s=120)[0]
     (want, once), (params, twice) = got[None], got[True]
     assert once == 1 and twice == 2
     assert_same(want, params)

@@ -87,7 +87,7 @@ def digits(kind: str):
     return pooled.round().long().clamp(0, VOCAB - 1), y % TOKEN_CLASSES
 
 
-def run_ranks(args, world):
+def run_example_ranks(args, world):
     """The example with `args` as one process per rank; each rank's output."""
     assert os.path.exists(BINARY), f"{BINARY} is not built (scripts/setup.sh builds it)"
     procs = [subprocess.Popen([BINARY] + args + ["--rank", str(r)], stdout=subprocess.PIPE,
@@ -113,7 +113,7 @@ def run_cpp(tmp_path, kind, model, x, y, *, world=1, rows=None, zero_loss=False,
         args.append("--zero-loss")
     for name, value in flags.items():
         args += ["--" + name.replace("_", "-"), str(value)]
-    run_ranks(args, world)
+    run_example_ranks(args, world)
     # torch::pickle_save tags a typed dict with its type (torch.jit._pickle.restore_type_tag).
     with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
         return torch.load(out)
@@ -231,7 +231,7 @@ def test_example_trains_the_same_on_two_ranks(tmp_path):
                 str(world), "--ledger", str(ledger), "--max-physical-batch-size", "16"]
         if world > 1:
             args += ["--init", f"file://{tmp_path}/rendezvous{world}"]
-        outputs = run_ranks(args, world)
+        outputs = run_example_ranks(args, world)
         steps = sum(json.loads(line).get("kind") == "steps" for line in open(ledger))
         return outputs[0].strip().splitlines()[-1], steps
 

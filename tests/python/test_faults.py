@@ -2,7 +2,6 @@
 the others fail with a clear error within the process group's timeout, never hang, and the error
 says whether the step was charged. Real Gloo groups over loopback, ranks in separate processes."""
 
-import datetime
 import os
 import time
 
@@ -12,6 +11,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import dpzero
+import ranks
 from dpzero import CollectiveError  # exported at the top level
 
 from test_private import SeqNet, seq_data
@@ -22,38 +22,35 @@ TIMEOUT_S = 4
 
 
 def _rank_main(rank, world_size, store_path, out_path, fault, stage):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world_size,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
-                            max_grad_norm=1.0, seed=5, zero_stage=stage)
-    x, y = next(iter(p.data_loader))
-    if rank == 1:
-        if fault == "dies":
-            os._exit(3)  # as kill -9 would: no cleanup, sockets closed by the OS
-        time.sleep(120)  # hangs; the test kills it
-        os._exit(0)
-    outcome = {}
-    t0 = time.monotonic()
-    try:
-        F.cross_entropy(p.model(x), y).backward()
-        p.optimizer.step()
-        outcome["result"] = "step taken"
-    except CollectiveError as e:
-        outcome["result"], outcome["error"] = "CollectiveError", str(e)
-        outcome["charged"] = getattr(e, "charged", "no attribute")
-    except Exception as e:  # noqa: BLE001 - what the test reports
-        outcome["result"], outcome["error"] = type(e).__name__, str(e)
-    outcome["seconds"] = time.monotonic() - t0
-    outcome["charges"] = p.privacy_engine.charges
-    # Written whole, then renamed: the test polls for out_path and reads it as soon as it exists
-    # (a torch.save straight to out_path was once caught half-written: EOFError in CI).
-    torch.save(outcome, out_path + ".part")
-    os.replace(out_path + ".part", out_path)
-    os._exit(0)  # the group is broken: leave without collective teardown
+    # Never leaves the group's block normally: every way out is os._exit, as a dead rank or a
+    # broken group would (no collective teardown).
+    with ranks.gloo_group(rank, world_size, store_path, timeout_s=TIMEOUT_S):
+        p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                                max_grad_norm=1.0, seed=5, zero_stage=stage)
+        x, y = next(iter(p.data_loader))
+        if rank == 1:
+            if fault == "dies":
+                os._exit(3)  # as kill -9 would: no cleanup, sockets closed by the OS
+            time.sleep(120)  # hangs; the test kills it
+            os._exit(0)
+        outcome = {}
+        t0 = time.monotonic()
+        try:
+            F.cross_entropy(p.model(x), y).backward()
+            p.optimizer.step()
+            outcome["result"] = "step taken"
+        except CollectiveError as e:
+            outcome["result"], outcome["error"] = "CollectiveError", str(e)
+            outcome["charged"] = getattr(e, "charged", "no attribute")
+        except Exception as e:  # noqa: BLE001 - what the test reports
+            outcome["result"], outcome["error"] = type(e).__name__, str(e)
+        outcome["seconds"] = time.monotonic() - t0
+        outcome["charges"] = p.privacy_engine.charges
+        # Written whole, then renamed: the test polls for out_path and reads it as soon as it exists
+        # (a torch.save straight to out_path was once caught half-written: EOFError in CI).
+        torch.save(outcome, out_path + ".part")
+        os.replace(out_path + ".part", out_path)
+        os._exit(0)  # the group is broken: leave without collective teardown
 
 
 @pytest.mark.parametrize("fault", ["dies", "hangs"])

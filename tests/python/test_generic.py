@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpzero
+import ranks
 from private_reference import clipped_step_by_example
 
 V, T, D, K, N = 13, 6, 8, 3, 32
@@ -247,18 +248,8 @@ class Both(nn.Module):
         return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
 
 
-def _rank(rank, world, store, out):
-    import datetime
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        torch.save(_train(stage=3), f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _rank(rank, world):
+    return _train(stage=3)
 
 
 def _train(stage: int):
@@ -279,13 +270,10 @@ def _train(stage: int):
 
 @pytest.mark.multirank
 def test_two_zero3_ranks_match_one_rank_on_the_generic_path(tmp_path):
-    import torch.multiprocessing as mp
-
     single = _train(stage=0)
-    out = str(tmp_path / "out")
-    mp.spawn(_rank, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    results = ranks.spawn(_rank, 2, tmp_path, timeout_s=120)
     for rank in range(2):
-        got = torch.load(f"{out}.{rank}")
+        got = results[rank]
         for name, value in single.items():
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
 

@@ -7,7 +7,6 @@ a single-process full-tensor draw for the sharded union, including across real G
 import itertools
 import os
 import random
-import socket
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dpzero
+import ranks
 from dpzero._C import shard as shard_ops  # shard plans and sharded noise
 
 from philox_reference import chacha20_block, noise, philox4x32_10, secure_noise
@@ -109,38 +109,20 @@ def test_union_of_shards_equals_single_tensor(world_size, boundaries):
     assert covered == list(range(start, start + ref.numel()))  # each coordinate exactly once
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, world_size, port, params, seed, step, std, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        layout = shard_ops.UnitLayout(params, world_size, alignment=2)
-        shard = torch.zeros(layout.shard_numel)
-        shard_ops.add_shard_noise_(shard, layout, rank, std, seed, step)
-        flat = torch.empty(layout.padded_numel)
-        dist.all_gather_into_tensor(flat, shard)
-        if rank == 0:
-            torch.save(flat, os.path.join(out_dir, "flat.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank, world_size, params, seed, step, std):
+    layout = shard_ops.UnitLayout(params, world_size, alignment=2)
+    shard = torch.zeros(layout.shard_numel)
+    shard_ops.add_shard_noise_(shard, layout, rank, std, seed, step)
+    flat = torch.empty(layout.padded_numel)
+    dist.all_gather_into_tensor(flat, shard)
+    return flat
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gloo_ranks_reproduce_single_process_noise(tmp_path, world_size):
     params = [(101, 0), (64, 101), (7, 165)]
-    mp.spawn(
-        _rank_main,
-        args=(world_size, _free_port(), params, 2024, 17, 1.3, str(tmp_path)),
-        nprocs=world_size,
-        join=True,
-    )
-    flat = torch.load(tmp_path / "flat.pt")
+    flat = ranks.spawn(_rank_main, world_size, tmp_path, params, 2024, 17, 1.3)[0]
     layout = shard_ops.UnitLayout(params, world_size, alignment=2)
     ref, start = _full_noise(params, seed=2024, step=17, std=1.3)
     assert torch.equal(_gather_global(flat, layout, start, ref.numel()), ref)

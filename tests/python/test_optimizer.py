@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import dpzero
+import ranks
 from dpzero import PrivacyEngine
 
 N, D, K, C = 48, 5, 3, 0.05
@@ -401,36 +402,22 @@ def test_weight_decay_groups_refuse_what_the_engine_cannot_apply():
         _assert_refused_at_step(p, 1, change, match)
 
 
-def _sharded_rank(rank, world, store, out, resume):
-    import datetime
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        _, state = _run("adamw", 2, stage=3)
-        params, _ = _run("adamw", 3, stage=3, resume_from=torch.load(resume))
-        torch.save((state["optimizer"], params), f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _sharded_rank(rank, world, resume):
+    _, state = _run("adamw", 2, stage=3)
+    params, _ = _run("adamw", 3, stage=3, resume_from=torch.load(resume))
+    return state["optimizer"], params
 
 
 @pytest.mark.multirank
 def test_state_dict_gathers_and_scatters_zero3_shards(tmp_path):
     """Two ZeRO-3 ranks give the one-rank stage-0 state dict, and resume from it to the same
     parameters as an uninterrupted one-rank run."""
-    import torch.multiprocessing as mp
-
     _, single = _run("adamw", 2)
     straight, _ = _run("adamw", 5)
     torch.save(single, tmp_path / "single.pt")
-    out = str(tmp_path / "out")
-    mp.spawn(_sharded_rank, args=(2, str(tmp_path / "store"), out, str(tmp_path / "single.pt")),
-             nprocs=2, join=True)
+    results = ranks.spawn(_sharded_rank, 2, tmp_path, str(tmp_path / "single.pt"), timeout_s=120)
     for rank in range(2):
-        optimizer, params = torch.load(f"{out}.{rank}")
+        optimizer, params = results[rank]
         assert optimizer["param_groups"] == single["optimizer"]["param_groups"]
         for i, entries in single["optimizer"]["state"].items():
             for name, value in entries.items():
@@ -453,18 +440,22 @@ def test_module_state_dict_reads_and_writes_the_master(stage, precision):
     masters = p.privacy_engine.parameters()
     # keep_vars=True asks for the Parameter objects: nothing gathered (rank 0 alone may ask).
     assert all(isinstance(v, nn.Parameter) for k, v in p.model.state_dict(keep_vars=True).items()
-               if "_module." + k[len("_module."):] in saved and k[len("_module."):] in masters)
-    assert sorted(saved) == sorted("_module." + n for n in masters)
+               if k in saved and k in masters)
+    # The plain model's names: the state dict loads into the model without make_private.
+    assert sorted(saved) == sorted(masters) == sorted(_model().state_dict())
     for name, value in masters.items():
-        assert torch.equal(saved["_module." + name], value)
+        assert torch.equal(saved[name], value)
     target = {k: torch.randn_like(v) for k, v in saved.items()}
-    result = p.model.load_state_dict(target)
+    # Opacus's names (its GradSampleModule's "_module." prefix) load as well.
+    result = p.model.load_state_dict({"_module." + k: v for k, v in target.items()})
     assert result.missing_keys == [] and result.unexpected_keys == []
     for name, value in p.privacy_engine.parameters().items():
-        assert torch.equal(value, target["_module." + name]), name
+        assert torch.equal(value, target[name]), name
+    result = p.model.load_state_dict(target)
+    assert result.missing_keys == [] and result.unexpected_keys == []
     # One σ = 0 step from the loaded values equals the float64 reference from them.
     ref = _model()
-    ref.load_state_dict({k[len("_module."):]: v for k, v in target.items()})
+    ref.load_state_dict(target)
     ref = ref.double()
     x, y = next(iter(p.data_loader))
     if precision is None:
@@ -481,5 +472,5 @@ def test_module_state_dict_reads_and_writes_the_master(stage, precision):
         want = r.detach() - 20.0 * g
         moved = float((20.0 * g).norm())
         assert float((got[name].double() - want).norm()) <= tol * moved, name
-    with pytest.raises(RuntimeError, match=r"size mismatch for _module\.0\.weight"):
-        p.model.load_state_dict(dict(target, **{"_module.0.weight": torch.zeros(2, 2)}))
+    with pytest.raises(RuntimeError, match=r"size mismatch for 0\.weight"):
+        p.model.load_state_dict(dict(target, **{"0.weight": torch.zeros(2, 2)}))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dpzero
+import ranks
 from dpzero._C import privacy
 from dpzero.data import PoissonBatchSampler, dp_data_loader
 
@@ -206,39 +207,22 @@ def test_group_thresholds():
 
 # ---- secure mode end to end: NoiseSource and the sampler ---------------------------------------
 
-def _secure_rank(rank, world_size, port, out_dir):
-    import os
-
+def _secure_rank(rank, world_size):
     import torch.distributed as dist
 
     from dpzero.noise import NoiseSource
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        src = NoiseSource(secure_mode=True)  # every rank draws entropy; rank 0's key wins
-        x = torch.zeros(10, dtype=torch.float64)
-        src.add_(x, 1.0, 0, 10 * rank)  # rank r owns coordinates [10r, 10r + 10)
-        parts = [torch.zeros(10, dtype=torch.float64) for _ in range(world_size)]
-        dist.all_gather(parts, x)
-        if rank == 0:
-            torch.save({"noise": torch.cat(parts), "key": src.sampler_seed},
-                       os.path.join(out_dir, "secure.pt"))
-    finally:
-        dist.destroy_process_group()
+    src = NoiseSource(secure_mode=True)  # every rank draws entropy; rank 0's key wins
+    x = torch.zeros(10, dtype=torch.float64)
+    src.add_(x, 1.0, 0, 10 * rank)  # rank r owns coordinates [10r, 10r + 10)
+    parts = [torch.zeros(10, dtype=torch.float64) for _ in range(world_size)]
+    dist.all_gather(parts, x)
+    return {"noise": torch.cat(parts), "key": src.sampler_seed}
 
 
 @pytest.mark.multirank
 def test_secure_key_is_shared_by_all_ranks(tmp_path):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_secure_rank, args=(3, port, str(tmp_path)), nprocs=3, join=True)
-    saved = torch.load(tmp_path / "secure.pt")
+    saved = ranks.spawn(_secure_rank, 3, tmp_path)[0]
     ref = torch.zeros(30, dtype=torch.float64)
     torch.ops.dpzero.add_secure_noise_(ref, 1.0, saved["key"], 0, 0)
     assert torch.equal(saved["noise"], ref)  # one key, so the shards form one noise vector

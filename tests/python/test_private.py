@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpzero
+import ranks
 from dpzero.private import PrivacyViolation
 from private_reference import first_private_step, naive_dp_sgd_step
 
@@ -480,28 +481,14 @@ def _single_rank(clipping, tied):
     return _SINGLE[(clipping, tied)]
 
 
-def _private_rank_main(rank, world_size, store_path, cases, out_path):
-    import datetime
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=300))
-    try:
-        results = {key: private_run(*case, rank=rank, world_size=world_size)
-                   for key, case in cases.items()}
-        if rank == 0:
-            torch.save(results, out_path)
-    finally:
-        dist.destroy_process_group()
+def _private_rank_main(rank, world_size, cases):
+    return {key: private_run(*case, rank=rank, world_size=world_size)
+            for key, case in cases.items()}
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sharding_invariance_across_world_sizes_and_stages(tmp_path, world_size):
-    import torch.multiprocessing as mp
-
     # W = 4 runs four ranks on two cores (slow collectives): stages 1-3 flat, stage 3 layer.
     # Strict isolation at stage 2 (padding batches on short ranks included).
     combos = [(s, c, t) for s in (0, 1, 2, 3) for c, t in (("flat", True), ("layer", False))]
@@ -509,10 +496,7 @@ def test_sharding_invariance_across_world_sizes_and_stages(tmp_path, world_size)
     if world_size == 4:
         combos = [(1, "flat", True), (2, "flat", True), (3, "flat", True), (3, "layer", False)]
     cases = {combo: combo for combo in combos}
-    out = tmp_path / "results.pt"
-    mp.spawn(_private_rank_main, args=(world_size, str(tmp_path / "store"), cases, str(out)),
-             nprocs=world_size, join=True)
-    results = torch.load(out)
+    results = ranks.spawn(_private_rank_main, world_size, tmp_path, cases)[0]
     for (stage, clipping, tied), got in results.items():
         want = _single_rank(clipping, tied)
         assert got["sizes"] == want["sizes"]
@@ -873,61 +857,48 @@ def test_layer_thresholds_never_exceed_the_total():
     assert total <= fractions.Fraction(0.7) ** 2
 
 
-def _agreement_rank_main(rank, world_size, store_path, out_path):
-    import datetime
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+def _agreement_rank_main(rank, world_size):
     outcome = {}
-    try:
-        try:  # seed = base + rank: ranks would draw different batches and noise
-            dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
-                                max_grad_norm=1.0, seed=100 + rank)
-            outcome["seed"] = "accepted"
-        except ValueError as e:
-            outcome["seed"] = str(e)
-        try:  # rank 1 would clip at 2C while rank 0's ledger records C
-            dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
-                                max_grad_norm=1.0 + rank, seed=3)
-            outcome["clip"] = "accepted"
-        except ValueError as e:
-            outcome["clip"] = str(e)
-        p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
-                                max_grad_norm=1.0, seed=3, zero_stage=2)
-        for x, y in p.data_loader:
-            F.cross_entropy(p.model(x), y).backward()
-            if rank == 1:  # a refusal on one rank only (e.g. a parameter escaped its layer)
-                p.privacy_engine.book.error = "planted on rank 1"
-            try:
-                p.optimizer.step()
-                outcome["step"] = "taken"
-            except PrivacyViolation as e:
-                outcome["step"] = str(e)
-            break
-    finally:
-        torch.save(outcome, f"{out_path}.{rank}")
-        dist.destroy_process_group()
+    try:  # seed = base + rank: ranks would draw different batches and noise
+        dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=1.0, seed=100 + rank)
+        outcome["seed"] = "accepted"
+    except ValueError as e:
+        outcome["seed"] = str(e)
+    try:  # rank 1 would clip at 2C while rank 0's ledger records C
+        dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=1.0 + rank, seed=3)
+        outcome["clip"] = "accepted"
+    except ValueError as e:
+        outcome["clip"] = str(e)
+    p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=1.0, seed=3, zero_stage=2)
+    for x, y in p.data_loader:
+        F.cross_entropy(p.model(x), y).backward()
+        if rank == 1:  # a refusal on one rank only (e.g. a parameter escaped its layer)
+            p.privacy_engine.book.error = "planted on rank 1"
+        try:
+            p.optimizer.step()
+            outcome["step"] = "taken"
+        except PrivacyViolation as e:
+            outcome["step"] = str(e)
+        break
+    return outcome
 
 
 @pytest.mark.multirank
 def test_refusals_and_seed_mismatch_are_agreed_across_ranks(tmp_path):
     """No rank may update (or wait forever in a collective) when another refuses; a seed or a
     privacy setting that differs from rank 0's is refused on every rank."""
-    import torch.multiprocessing as mp
-
-    out = str(tmp_path / "out")
-    mp.spawn(_agreement_rank_main, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    outcomes = ranks.spawn(_agreement_rank_main, 2, tmp_path, timeout_s=60)
     for rank in range(2):
-        got = torch.load(f"{out}.{rank}")
+        got = outcomes[rank]
         assert "seed must be the same on every rank" in got["seed"], got
         assert "with the same settings" in got["clip"], got
         assert got["step"].startswith("refusing the step"), got
-    assert "planted on rank 1" in torch.load(f"{out}.1")["step"]
-    assert "another rank refused it" in torch.load(f"{out}.0")["step"]
-    assert "max_grad_norm=2.0 on rank 1" in torch.load(f"{out}.1")["clip"]
+    assert "planted on rank 1" in outcomes[1]["step"]
+    assert "another rank refused it" in outcomes[0]["step"]
+    assert "max_grad_norm=2.0 on rank 1" in outcomes[1]["clip"]
 
 
 def _steps(model_call, p, n=2):

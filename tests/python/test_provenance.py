@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpzero
+import ranks
 from dpzero.private import PrivacyViolation
 from dpzero.private.examples import Examples, MicroBatchToken, tag
 from sensitivity import refused_or_bounded
@@ -726,40 +727,27 @@ def test_writes_the_tag_cannot_vouch_for_withdraw_it(name):
     assert [(i, b) for i, b, _ in found] == [(0, 0)] and problem is None
 
 
-def _own_batch_rank(rank, world, store, out):
-    import datetime
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+def _own_batch_rank(rank, world):
+    model, data, p = _linear_private()
+    x, y = data.tensors
+    # The ranks disagree on the logical batch: 8 on rank 0, 9 on rank 1.
+    bx, by = p.privacy_engine.own_batch((x[:4], y[:4]), logical_batch_size=8 + rank)
+    F.cross_entropy(p.model(bx), by).backward()
     try:
-        model, data, p = _linear_private()
-        x, y = data.tensors
-        # The ranks disagree on the logical batch: 8 on rank 0, 9 on rank 1.
-        bx, by = p.privacy_engine.own_batch((x[:4], y[:4]), logical_batch_size=8 + rank)
-        F.cross_entropy(p.model(bx), by).backward()
-        try:
-            p.optimizer.step()
-            outcome = "stepped"
-        except PrivacyViolation as e:
-            outcome = str(e)
-        torch.save(outcome, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+        p.optimizer.step()
+        outcome = "stepped"
+    except PrivacyViolation as e:
+        outcome = str(e)
+    return outcome
 
 
 @pytest.mark.multirank
 def test_ranks_that_disagree_on_an_own_batch_size_all_refuse(tmp_path):
     """A review found: each rank checked rows against its own logical_batch_size, so ranks could
     split on refusing the step and then run mismatched collectives."""
-    import torch.multiprocessing as mp
-
-    out = str(tmp_path / "outcome")
-    mp.spawn(_own_batch_rank, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    outcomes = ranks.spawn(_own_batch_rank, 2, tmp_path, timeout_s=60)
     for rank in range(2):
-        got = torch.load(f"{out}.{rank}")
+        got = outcomes[rank]
         assert "the ranks gave different logical batch sizes" in got, (rank, got)
 
 
@@ -855,33 +843,23 @@ def test_label_masking_keeps_the_tag(name):
     assert untagged((y,), token)[2] is not None
 
 
-def _refusing_rank(rank, world, store, out, stage):
-    import datetime
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        model, data, p = _linear_private(n=32, sample_rate=1.0, batch_size=None, zero_stage=stage,
-                                         max_physical_batch_size=4)
-        batches = iter(p.data_loader)
-        x, y = next(batches)
-        try:  # rank 0 mixes its rows; rank 1 does nothing wrong
-            F.cross_entropy(p.model(x.flip(0) if rank == 0 else x), y).backward()
-            outcome = ["went on"]
-        except PrivacyViolation as e:
-            outcome = [str(e)[:60]]
-        p.optimizer.zero_grad()
-        for x, y in batches:  # then both go on together through the logical batch
-            F.cross_entropy(p.model(x), y).backward()
-            if p.optimizer.step():
-                break
-        outcome.append(p.privacy_engine.charges)
-        torch.save(outcome, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _refusing_rank(rank, world, stage):
+    model, data, p = _linear_private(n=32, sample_rate=1.0, batch_size=None, zero_stage=stage,
+                                     max_physical_batch_size=4)
+    batches = iter(p.data_loader)
+    x, y = next(batches)
+    try:  # rank 0 mixes its rows; rank 1 does nothing wrong
+        F.cross_entropy(p.model(x.flip(0) if rank == 0 else x), y).backward()
+        outcome = ["went on"]
+    except PrivacyViolation as e:
+        outcome = [str(e)[:60]]
+    p.optimizer.zero_grad()
+    for x, y in batches:  # then both go on together through the logical batch
+        F.cross_entropy(p.model(x), y).backward()
+        if p.optimizer.step():
+            break
+    outcome.append(p.privacy_engine.charges)
+    return outcome
 
 
 @pytest.mark.multirank
@@ -890,11 +868,7 @@ def test_a_forward_refused_on_one_rank_is_refused_on_every_rank(tmp_path, stage)
     """A third review found a rank that refused alone (lazily, at its backward) left the others
     in backward collectives it never ran: a hang at stage 3, mismatched micro-batches at stage
     2. Every rank now raises at that forward, and they go on together."""
-    import torch.multiprocessing as mp
-
-    out = str(tmp_path / "outcome")
-    mp.spawn(_refusing_rank, args=(2, str(tmp_path / "store"), out, stage), nprocs=2, join=True)
-    got = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    got = ranks.spawn(_refusing_rank, 2, tmp_path, stage, timeout_s=60)
     assert got[0][0].startswith("model input 0 is computed from the examples"), got
     assert got[1][0].startswith("another rank refused this forward"), got
     assert got[0][1] == got[1][1] == 1, got  # one step, taken together

@@ -3,14 +3,13 @@ after 2 steps on two Gloo ranks at stage 2 and continued for 2 more in one proce
 ends where the same run without interruption ends (reference: the uninterrupted single-process
 run, which the sharding-invariance tests tie to every world size and stage)."""
 
-import datetime
 import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import dpzero
+import ranks
 
 from test_private import EXTRA, SeqNet, seq_data, take_steps
 
@@ -23,37 +22,27 @@ def _make(stage):
                                max_physical_batch_size=3, **EXTRA)
 
 
-def _first_half(rank, world_size, store_path, ckpt, state_path):
-    import torch.distributed as dist
+def _first_half(rank, world_size, ckpt):
+    """Two steps at stage 2, a sharded checkpoint; rank 0's engine state as JSON text."""
+    p = _make(stage=2)
+    take_steps(p, 2)
+    dpzero.checkpoint.save(p.privacy_engine.sharded, ckpt, step=2)
+    state = json.dumps(p.privacy_engine.state_dict()) if rank == 0 else None
+    del p
+    import gc
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=300))
-    try:
-        p = _make(stage=2)
-        take_steps(p, 2)
-        dpzero.checkpoint.save(p.privacy_engine.sharded, ckpt, step=2)
-        if rank == 0:
-            with open(state_path, "w") as f:
-                json.dump(p.privacy_engine.state_dict(), f)
-        del p
-        import gc
-
-        gc.collect()
-    finally:
-        dist.destroy_process_group()
+    gc.collect()
+    return state
 
 
 @pytest.mark.multirank
 def test_a_private_run_resumed_at_another_world_size_matches_the_uninterrupted_run(tmp_path):
-    ckpt, state_path = str(tmp_path / "ckpt"), str(tmp_path / "engine.json")
-    mp.spawn(_first_half, args=(2, str(tmp_path / "store"), ckpt, state_path), nprocs=2,
-             join=True)
+    ckpt = str(tmp_path / "ckpt")
+    state = ranks.spawn(_first_half, 2, tmp_path, ckpt)[0]
 
     resumed = _make(stage=1)  # one process, another stage
     dpzero.checkpoint.load(resumed.privacy_engine.sharded, ckpt)
-    with open(state_path) as f:
-        resumed.privacy_engine.load_state_dict(json.load(f))
+    resumed.privacy_engine.load_state_dict(json.loads(state))
     assert resumed.privacy_engine.charges == 2
     take_steps(resumed, 2)
 

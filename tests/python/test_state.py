@@ -122,7 +122,7 @@ def test_a_model_that_writes_nothing_trains_and_releases():
     torch.manual_seed(0)
     p = _train(Ema(None), 3)
     state = p.model.state_dict()
-    assert torch.equal(state["_module.run"], torch.zeros(D))
+    assert torch.equal(state["run"], torch.zeros(D))
 
 
 def test_a_frozen_parameter_written_through_data_refuses_every_release(tmp_path):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import dpzero
+import ranks
 from dpzero import BudgetExhausted  # exported at the top level
 from dpzero.train import ConfigError, config, datasets
 from dpzero.train.report import write_report
@@ -508,22 +509,11 @@ def test_sentence_features_of_a_text_depend_on_that_text_alone():
         sentence_features(encoder, t["input_ids"], t["attention_mask"][:, 1:])
 
 
-def _embed_rank(rank, world, store, out):
-    import datetime
-
-    import torch.distributed as dist
-
+def _embed_rank(rank, world):
     from dpzero.train import runner
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        train, test = runner._embedded(None, ("computers", "politics"), 0.2, 16, 25, 9, rank,
-                                       world)
-        torch.save([train.tensors, test.tensors], f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+    train, test = runner._embedded(None, ("computers", "politics"), 0.2, 16, 25, 9, rank, world)
+    return [train.tensors, test.tensors]
 
 
 @pytest.mark.multirank
@@ -536,10 +526,7 @@ def test_minilm_linear_features_are_split_over_the_ranks_and_gathered(tmp_path):
     from dpzero.train.features import sentence_features
     from dpzero.train.models import load_encoder
 
-    out = str(tmp_path / "out")
-    torch.multiprocessing.spawn(_embed_rank, args=(2, str(tmp_path / "store"), out), nprocs=2,
-                                join=True)
-    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    per_rank = ranks.spawn(_embed_rank, 2, tmp_path, timeout_s=120)
     encoder, tokenizer = load_encoder(None)
     items = runner._fortunes(["computers", "politics"], 0.2, 25, 9)
     threads = torch.get_num_threads()
@@ -550,11 +537,11 @@ def test_minilm_linear_features_are_split_over_the_ranks_and_gathered(tmp_path):
             want = sentence_features(encoder, ids, mask)
         finally:
             torch.set_num_threads(threads)
-        for got in ranks:
-            assert torch.equal(got[split][0], ranks[0][split][0])
+        for got in per_rank:
+            assert torch.equal(got[split][0], per_rank[0][split][0])
             assert torch.equal(got[split][1], labels)
             assert torch.equal(got[split][0], want)  # each text encoded alone, on any rank
-    assert [len(ranks[0][s][1]) for s in (0, 1)] == [25, 9]
+    assert [len(per_rank[0][s][1]) for s in (0, 1)] == [25, 9]
 
 
 @pytest.mark.job

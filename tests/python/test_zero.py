@@ -15,7 +15,6 @@ prints its run's value), so the bound leaves about 4x room over the worst case w
 error (a missing scale, a lost micro-batch, a wrong shard) moves parameters by > 1e-3.
 """
 
-import datetime
 import math
 import socket
 
@@ -28,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import dpzero
+import ranks
 from dpzero._C import zero as czero
 
 VOCAB, DIM, HEADS, SEQ, LAYERS = 32, 16, 2, 8, 2
@@ -202,28 +202,11 @@ def sharded_run(stage, optimizer, model_kwargs, units=None, shard_kwargs=None, *
 
 # ---- multi-rank plumbing ---------------------------------------------------------------------
 
-def _rank_main(rank, world_size, store_path, cases, out_path):
-    torch.set_num_threads(1)
-    # A file store rather than a TCP one: no port to pick that another process could take first
-    # (this machine runs other test suites at the same time).
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=300))
-    try:
-        results = {}
-        for key, case in cases.items():
-            results[key] = sharded_run(*case, rank=rank, world_size=world_size)
-        if rank == 0:
-            torch.save(results, out_path)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(world_size, cases, tmp_path):
-    out = tmp_path / f"results_w{world_size}.pt"
-    store = tmp_path / f"store_w{world_size}"
-    mp.spawn(_rank_main, args=(world_size, str(store), cases, str(out)), nprocs=world_size,
-             join=True)
-    return torch.load(out)
+def sharded_cases(rank, world_size, cases):
+    """sharded_run on this rank for every case of `cases` {key: sharded_run's arguments}, in
+    order, in one rank set (ranks.spawn's process group)."""
+    return {key: sharded_run(*case, rank=rank, world_size=world_size)
+            for key, case in cases.items()}
 
 
 _REFERENCES = {}
@@ -259,7 +242,7 @@ def max_param_error(result, optimizer, model_kwargs):
 def test_stages_match_single_process_pytorch(tmp_path, world_size, optimizer):
     cases = {(stage, tied): (stage, optimizer, dict(tied=tied), None)
              for stage in range(4) for tied in (True, False)}
-    results = run_ranks(world_size, cases, tmp_path)
+    results = ranks.spawn(sharded_cases, world_size, tmp_path, cases)[0]
     for (stage, tied), result in results.items():
         assert_matches_reference(result, optimizer, dict(tied=tied))
         check_memory(result, stage, optimizer, world_size)
@@ -279,7 +262,7 @@ def test_weight_decay_exemption_matches_torch_param_groups(tmp_path):
                                     dict(weight_decay_exempt=exempt, shard_boundaries=bounds))
              for stage in range(4) for opt in ("sgd", "adamw")
              for bounds in (("even", "parameters") if stage in (1, 3) else ("even",))}
-    results = run_ranks(2, cases, tmp_path)
+    results = ranks.spawn(sharded_cases, 2, tmp_path, cases)[0]
     for (stage, opt, _), result in results.items():
         assert_matches_reference(result, opt, dict(tied=True), decay_exempt=True)
         # The exemption changed the result: every parameter decaying lies far outside tolerance.
@@ -415,7 +398,7 @@ def test_mixed_precision_matches_emulated_reference(tmp_path, world_size):
                                    (torch.bfloat16, torch.bfloat16),
                                    (torch.float16, torch.float32))
              if dtype == torch.bfloat16 or stage in (1, 3)}
-    results = run_ranks(world_size, cases, tmp_path)
+    results = ranks.spawn(sharded_cases, world_size, tmp_path, cases)[0]
     worst = {}
     for (stage, dtype, reduce), result in results.items():
         ref_losses, ref_params = reference_mixed_run("adamw", dict(tied=True), dtype, world_size)
@@ -469,7 +452,7 @@ def test_model_state_bytes_match_zero_formulas(tmp_path, world_size):
     cases = {stage: (stage, "adamw", dict(tied=True), None,
                      dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
              for stage in range(4)}
-    results = run_ranks(world_size, cases, tmp_path)
+    results = ranks.spawn(sharded_cases, world_size, tmp_path, cases)[0]
     psi = sum(p.numel() for p in make_model(tied=True).parameters())
     k = czero.optimizer_bytes_per_param("adamw", mixed=True)
     assert k == 12
@@ -502,7 +485,7 @@ def test_zero_formula_reproduces_the_paper_example():
 def test_stage3_and_stage2_with_activation_recompute(tmp_path):
     cases = {(stage, recompute): (stage, "sgd", dict(tied=True, recompute=recompute), None)
              for stage in (2, 3) for recompute in ("non_reentrant", "reentrant")}
-    results = run_ranks(2, cases, tmp_path)
+    results = ranks.spawn(sharded_cases, 2, tmp_path, cases)[0]
     for (stage, recompute), result in results.items():
         assert_matches_reference(result, "sgd", dict(tied=True, recompute=recompute))
 
@@ -517,7 +500,7 @@ def test_custom_units_and_unused_parameter(tmp_path):
     kwargs = dict(tied=False, unused=True)
     cases = {(stage, opt): (stage, opt, kwargs, units)
              for stage, opt in ((0, "sgd"), (1, "adamw"), (2, "sgd"), (3, "adamw"), (3, "sgd"))}
-    results = run_ranks(2, cases, tmp_path)
+    results = ranks.spawn(sharded_cases, 2, tmp_path, cases)[0]
     for (stage, opt), result in results.items():
         assert result["units"] == ["<root>", "wte", "blocks.0", "blocks.1.attn", "unused"]
         assert_matches_reference(result, opt, kwargs)
@@ -530,7 +513,7 @@ def test_ragged_plan_trains_like_the_even_plan(tmp_path):
     cases = {(stage, opt): (stage, opt, dict(tied=True), None,
                             dict(shard_boundaries="parameters"))
              for stage, opt in ((1, "adamw"), (2, "sgd"), (3, "adamw"))}
-    results = run_ranks(4, cases, tmp_path)
+    results = ranks.spawn(sharded_cases, 4, tmp_path, cases)[0]
     for (stage, opt), result in results.items():
         assert_matches_reference(result, opt, dict(tied=True))
     with pytest.raises(ValueError, match="got 'blocks'"):
@@ -546,7 +529,7 @@ def test_stage3_prefetch_changes_timing_not_results(tmp_path):
     cases = {(prefetch, recompute): (3, "adamw", dict(tied=True, recompute=recompute), None,
                                      dict(prefetch=prefetch))
              for prefetch in (False, True) for recompute in (None, "reentrant")}
-    results = run_ranks(2, cases, tmp_path)
+    results = ranks.spawn(sharded_cases, 2, tmp_path, cases)[0]
     for recompute in (None, "reentrant"):
         on, off = results[(True, recompute)], results[(False, recompute)]
         assert on["losses"] == off["losses"]
@@ -578,7 +561,7 @@ def test_optimizer_offload_gives_the_same_training(tmp_path):
                                         dict(offload_optimizer=True, param_dtype=torch.bfloat16))
         cases[(stage, "bf16", False)] = (stage, "adamw", dict(tied=True), None,
                                          dict(param_dtype=torch.bfloat16))
-    results = run_ranks(2, cases, tmp_path)
+    results = ranks.spawn(sharded_cases, 2, tmp_path, cases)[0]
     for stage in range(4):
         for precision in ("fp32", "bf16"):
             on, off = results[(stage, precision, True)], results[(stage, precision, False)]
@@ -601,7 +584,7 @@ def test_parameter_offload_gives_the_same_training(tmp_path):
         cases[(precision, False)] = (3, "adamw", dict(tied=True), None, dict(extra))
         cases[(precision, True)] = (3, "adamw", dict(tied=True), None,
                                     dict(extra, offload_params=True))
-    results = run_ranks(2, cases, tmp_path)
+    results = ranks.spawn(sharded_cases, 2, tmp_path, cases)[0]
     for precision in ("fp32", "bf16"):
         on, off = results[(precision, True)], results[(precision, False)]
         assert on["losses"] == off["losses"]
@@ -751,17 +734,9 @@ def noisy_step_reference(world_size, secure):
     return out
 
 
-def _noisy_rank_main(rank, world_size, store_path, cases, out_path):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=300))
-    try:
-        results = {key: noisy_step_run(*case, rank=rank, world_size=world_size)
-                   for key, case in cases.items()}
-        if rank == 0:
-            torch.save(results, out_path)
-    finally:
-        dist.destroy_process_group()
+def noisy_step_cases(rank, world_size, cases):
+    return {key: noisy_step_run(*case, rank=rank, world_size=world_size)
+            for key, case in cases.items()}
 
 
 @pytest.mark.multirank
@@ -769,10 +744,7 @@ def _noisy_rank_main(rank, world_size, store_path, cases, out_path):
 def test_noisy_step_noises_every_coordinate_exactly_once(tmp_path, world_size):
     cases = {(stage, secure): (stage, secure) for stage in range(4) for secure in (False, True)
              if not secure or stage in (0, 3)}
-    out = tmp_path / "noisy.pt"
-    mp.spawn(_noisy_rank_main, args=(world_size, str(tmp_path / "store"), cases, str(out)),
-             nprocs=world_size, join=True)
-    results = torch.load(out)
+    results = ranks.spawn(noisy_step_cases, world_size, tmp_path, cases)[0]
     for (stage, secure), result in results.items():
         ref = noisy_step_reference(world_size, secure)
         for name, value in ref.items():

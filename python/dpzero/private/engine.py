@@ -99,6 +99,18 @@ class PrivateModule(nn.Module):
     def __getstate__(self):
         _refuse_copy(self)
 
+    # Note [module state dicts] (state_dict.py): the wrapped module's state dict, under its own
+    # names, so that it loads into the plain model; Opacus's names (``_module.`` in front, as its
+    # GradSampleModule writes them) load too.
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        return self._module.state_dict(*args, destination=destination, prefix=prefix,
+                                       keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if state_dict and all(k.startswith("_module.") for k in state_dict):
+            state_dict = type(state_dict)((k[len("_module."):], v) for k, v in state_dict.items())
+        return self._module.load_state_dict(state_dict, strict=strict, assign=assign)
+
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
