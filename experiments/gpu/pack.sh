@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # experiments/gpu/pack.sh — run HERE (the development machine, Debian with apt and PyPI reachable).
 # Fills the git-ignored folder .gpu-kit/ with everything a lent GPU machine lacks for building and
-# benchmarking dpzero. That machine (the lent GPU machine) has Python 3.12 with
+# benchmarking dpzero. That machine has Python 3.12 with
 # torch 2.11 (cu130), nvcc 13.0, CMake, ninja, pybind11, numpy, SciPy, pytest and NCCL as the pip
 # package nvidia-nccl-cu13, and no network. It lacks:
 #   - Eigen, nlohmann-json, Boost.Random (headers and libboost_random), GoogleTest and the gloo
