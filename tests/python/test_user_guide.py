@@ -50,3 +50,34 @@ def test_a_guide_block_runs_by_itself(tmp_path, kind, code):
         out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                              capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def _shell_lines():
+    with open(GUIDE) as f:
+        text = f.read()
+    lines = []
+    for m in re.finditer(r"^```(?:bash|sh)\n(.*?)^```$", text, flags=re.M | re.S):
+        command = m.group(1).replace("\\\n", " ")
+        lines += [line.split("#")[0].strip() for line in command.splitlines()
+                  if line.strip() and not line.startswith("#")]
+    return lines
+
+
+@pytest.mark.parametrize("line", [l for l in _shell_lines()
+                                  if l.split()[0] == "dpzero" and l.split()[1] in
+                                  ("budget", "calibrate")])
+def test_a_guide_accounting_command_runs(tmp_path, line):
+    out = subprocess.run([sys.executable, "-m", "dpzero", *line.split()[1:]], cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python")),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_every_file_a_guide_command_names_is_in_the_repository():
+    # The jobs, sweeps and benchmarks the guide shows run elsewhere in the suite (test_train.py
+    # runs each config on a subset, test_install.py the install line); here their files exist.
+    named = {word for line in _shell_lines() for word in line.split()
+             if re.match(r"^(configs|experiments|scripts)/\S+\.(toml|py|sh)$", word)}
+    assert named, "the guide names no config, script or benchmark"
+    missing = sorted(w for w in named if not os.path.exists(os.path.join(ROOT, w)))
+    assert not missing, missing
