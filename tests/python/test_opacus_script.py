@@ -1,7 +1,7 @@
-"""The user guide's Opacus script ("An Opacus script, switched by its import"), run as written:
-its code block is read from docs/user-guide.md and executed on a small model and loader (a GRU,
-through the generic path), so the guide stays true. Resuming from such a checkpoint is checked
-against an uninterrupted run in test_optimizer.py."""
+"""The user guide's Opacus script ("Coming from Opacus"), run as written: its code block is read
+from docs/user-guide.md and executed as it stands, and its training part again on a GRU (through
+the generic path), so the guide stays true. Resuming from such a checkpoint is checked against an
+uninterrupted run in test_optimizer.py."""
 
 import os
 import re
@@ -14,7 +14,7 @@ GUIDE = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "user-guide.
 
 def _script() -> str:
     text = open(GUIDE).read()
-    section = text[text.index("## An Opacus script, switched by its import"):]
+    section = text[text.index("## Coming from Opacus"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -37,15 +37,30 @@ def _inputs():
     return Net(), torch.utils.data.DataLoader(data, batch_size=16)
 
 
-def test_the_user_guide_script_runs_unchanged(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    model, loader = _inputs()
-    scope = {"model": model, "train_loader": loader, "steps": 4}
-    exec(compile(_script(), GUIDE, "exec"), scope)
+def _check(scope, tmp_path, steps):
     engine = scope["engine"]
-    assert engine.charges == 4  # one epoch of the loader: 1 / q = 4 logical steps
+    assert engine.charges == steps  # one epoch of the loader: 1 / q logical steps
     assert 0 < engine.get_epsilon(1e-5) < float("inf")
     saved = torch.load(tmp_path / "ckpt.pt")
     assert set(saved) == {"model", "optimizer", "scheduler", "privacy"}
     assert set(saved["optimizer"]["state"][0]) == {"momentum_buffer"}
-    assert saved["scheduler"]["last_epoch"] == 4
+    assert saved["scheduler"]["last_epoch"] == steps
+
+
+def test_the_user_guide_script_runs_unchanged(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(compile(_script(), GUIDE, "exec"), scope)
+    _check(scope, tmp_path, len(scope["train_loader"]))
+
+
+def test_the_user_guide_script_trains_a_gru(tmp_path, monkeypatch):
+    # The script from its optimizer on, with the model and loader of _inputs.
+    monkeypatch.chdir(tmp_path)
+    script = _script()
+    imports = "\n".join(line for line in script.splitlines() if line.startswith(("from ", "import ")))
+    training = script[script.index("optimizer = torch.optim.SGD"):]
+    model, loader = _inputs()
+    scope = {"model": model, "train_loader": loader, "steps": 4}
+    exec(compile(imports + "\n" + training, GUIDE, "exec"), scope)
+    _check(scope, tmp_path, 4)
