@@ -540,3 +540,50 @@ def test_an_example_is_copied_by_its_own_elements_not_its_datasets():
     copied["x"].add_(1.0)
     copied["meta"].append("changed")
     assert torch.equal(x, data[7][0]) and example["meta"] == ["text", 3]  # the original stays
+
+
+class _Cumulative:
+    """Row i is example i plus the examples before it; the state that carries them is built by
+    the one-example calls and reset by the batch's (a review: 9.15C against the bound 2C)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, examples):
+        xs, ys = [e[0] for e in examples], torch.stack([e[1] for e in examples])
+        if len(examples) == 1:
+            out = xs[0] + sum(self.seen, torch.zeros_like(xs[0]))
+            self.seen.append(xs[0].clone())
+            return out[None], ys
+        rows, running = [], torch.zeros_like(xs[0])
+        for x in xs:
+            rows.append(x + running)
+            running = running + x
+        self.seen = []
+        return torch.stack(rows), ys
+
+
+def test_state_one_examples_call_leaves_for_the_next_is_refused():
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, D, generator=g), torch.randint(0, K, (16,), generator=g))
+    with pytest.raises(PrivacyViolation, match=r"'_Cumulative' changed its own state"):
+        _run(_Cumulative(), model=nn.Linear(D, K), dataset=data)
+
+
+def _stack_then_centre(examples):
+    """Stacks the examples, then writes the batch's mean into them (a review: the dataset's rows,
+    views of one tensor, then carried every sampled example into every later batch)."""
+    x, y = torch.stack([e[0] for e in examples]), torch.stack([e[1] for e in examples])
+    for e in examples:
+        e[0].sub_(x.mean(0))
+    return x, y
+
+
+def test_what_a_collate_function_writes_into_its_examples_never_reaches_the_dataset():
+    # Reference: the dataset's tensor as it was before training.
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, D, generator=g), torch.randint(0, K, (16,), generator=g))
+    before = data.tensors[0].clone()
+    assert _run(_stack_then_centre, model=nn.Linear(D, K), dataset=data,
+                steps=3).privacy_engine.charges == 3
+    assert torch.equal(data.tensors[0], before)

@@ -19,11 +19,13 @@ function, the field and the row. torch's ``default_collate`` and dpzero's own st
 (one row each by construction) and are not checked.
 
 The check holds for a function of its arguments alone, so it makes the collate function one:
-each example is collated alone first, from a copy of it (a collate function that changes the
-examples it is given, say subtracting the batch's mean in place, changes the batch's rows and
-not the copies'), and the collate function's own state must be the same after every batch, of
-one example too, as before it (one that fits statistics on a batch and applies them to the next
-carries one batch's examples into another's rows). Its state is what ``_state`` reaches: the
+every call gets copies of the examples (a collate function that changes the examples it is
+given, say subtracting the batch's mean in place after stacking, would otherwise change the
+dataset that later batches read), each example is collated alone first, and the collate
+function's own state must be the same after every call, each example's alone and the batch's, as
+before the batch (one that fits statistics on a batch and applies them to the next carries one
+batch's examples into another's rows; one whose state one example's call changes and the next
+one's reads couples the rows the batch then reproduces). Its state is what ``_state`` reaches: the
 function's attributes and slots, the cells and globals it reads, and so on down through the
 helper functions, classes and modules of the caller's own code and the globals their methods
 read; containers, tensors (and attributes set on them), arrays, byte buffers, generators' frames
@@ -97,14 +99,22 @@ class SeparableCollate:
         if self.vouched:
             return self.collate(examples)
         before = _state(self.collate)
+        # Every call, the batch's too, gets copies: what the function writes into its
+        # arguments stays in them, never in the dataset that later batches read.
         if len(examples) <= 1:  # its row is the example collated alone; its state must hold
-            batch = self.collate(examples)
+            batch = self.collate([_copy_example(e) for e in examples])
             if _state(self.collate) != before:
                 raise PrivacyViolation(self._learned())
             return batch
-        alone = [self.collate([_copy_example(e)]) for e in examples]
+        alone = []
+        for e in examples:
+            alone.append(self.collate([_copy_example(e)]))
+            # After each call, not only after the batch: state changed by one example's call
+            # and read by the next one's would couple the rows the batch then reproduces.
+            if _state(self.collate) != before:
+                raise PrivacyViolation(self._learned())
         drawn = torch.random.get_rng_state(), random.getstate()
-        batch = self.collate(examples)
+        batch = self.collate([_copy_example(e) for e in examples])
         draws = not (torch.equal(drawn[0], torch.random.get_rng_state()) and
                      drawn[1] == random.getstate())
         name = self._name()
