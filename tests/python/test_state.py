@@ -507,3 +507,38 @@ def test_state_kept_past_a_buffers_view_is_refused(isolation, message):
                     break
     assert not bool(model.mem.untyped_storage().nbytes() and
                     torch.empty(0).set_(model.mem.untyped_storage()).any())
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, K)
+        self.register_buffer("scale", torch.ones(D))
+
+    def forward(self, x):
+        return self.lin(x * self.scale)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_load_that_did_not_write_a_buffer_does_not_accept_its_value(stage):
+    # A review: data written into a buffer, then a load whose value for it has the wrong shape
+    # (torch raises after the hooks ran, and the buffer keeps the data) made the data the fixed
+    # state: the next step ran and state_dict() released the batch's mean. Only what a load
+    # really wrote is accepted. Reference: the batch's mean, which must not be released.
+    p = dpzero.make_private(_Scaled(), data_loader=torch.utils.data.DataLoader(_data(),
+                            batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0, seed=0,
+                            zero_stage=stage)
+    x, y = next(iter(p.data_loader))
+    mean = x.as_subclass(torch.Tensor).mean(0)
+    for x, y in p.data_loader:  # to the end of the step, where a load may run at every stage
+        F.cross_entropy(p.model(x), y).backward()
+        if p.optimizer.step():
+            break
+    p.model._module.scale.data.copy_(mean)
+    with pytest.raises(RuntimeError, match="size mismatch for scale"):
+        p.model.load_state_dict({"scale": torch.zeros(D + 1)}, strict=False)
+    with pytest.raises(PrivacyViolation, match="buffer 'scale'"):
+        p.model.state_dict()
+    # A load that writes the buffer is accepted, as before.
+    p.model.load_state_dict({"scale": torch.full((D,), 2.0)}, strict=False)
+    assert torch.equal(p.model.state_dict()["scale"], torch.full((D,), 2.0))

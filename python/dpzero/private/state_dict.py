@@ -49,8 +49,9 @@ def register(model: nn.Module, engine) -> List:
              if id(p) in engine._slot_of}
     # Loaded values by state-dict key, from the pre-hook to the post-hook.
     pending: Dict[str, Tuple[nn.Parameter, torch.Tensor]] = {}
-    # Buffers and frozen parameters loaded, by name, from the pre-hook to the post-hook.
-    loaded_state: List[str] = []
+    # Buffers and frozen parameters offered by the load, by name, with the values offered, from
+    # the pre-hook to the post-hook.
+    loaded_state: Dict[str, object] = {}
 
     def gathered() -> Dict[int, torch.Tensor]:
         zero = engine.sharded._state
@@ -81,8 +82,9 @@ def register(model: nn.Module, engine) -> List:
 
     def load_pre(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
                  errors):
-        loaded_state[:] = [key[len(prefix):] for key in state_dict
-                           if key.startswith(prefix) and key[len(prefix):] not in names]
+        loaded_state.clear()
+        loaded_state.update((key[len(prefix):], value) for key, value in state_dict.items()
+                            if key.startswith(prefix) and key[len(prefix):] not in names)
         if not gathers:
             return
         # Taken out before torch copies them into the (freed or stale) parameters.
@@ -101,7 +103,13 @@ def register(model: nn.Module, engine) -> List:
     def load_post(module, incompatible):
         state = engine._state
         known = {e.name for e in state.entries}
-        accepted = [n for n in loaded_state if n in known]
+        # Only what the load really wrote becomes the model's state: torch reports a tensor it
+        # could not copy (a shape mismatch) after this hook, and the tensor keeps its old value,
+        # which may have been written from the data.
+        tensors = dict(module.named_buffers())
+        tensors.update(module.named_parameters())
+        accepted = [n for n, v in loaded_state.items()
+                    if n in known and _holds(tensors.get(n), v)]
         loaded_state.clear()
         if accepted:
             state.accept(accepted)  # what the caller loaded is the model's state now
@@ -119,3 +127,17 @@ def register(model: nn.Module, engine) -> List:
             model.register_state_dict_post_hook(save_post),
             model.register_load_state_dict_pre_hook(load_pre),
             model.register_load_state_dict_post_hook(load_post)]
+
+
+def _holds(current, value) -> bool:
+    """Whether the module's tensor ``current`` now holds ``value`` exactly (NaN where the value
+    has NaN)."""
+    if not isinstance(value, torch.Tensor) or not isinstance(current, torch.Tensor) \
+            or current.shape != value.shape:
+        return False
+    current = current.detach()
+    value = value.detach().to(device=current.device, dtype=current.dtype)
+    same = current == value
+    if current.is_floating_point() or current.is_complex():
+        same = same | (current.isnan() & value.isnan())
+    return bool(same.all())
