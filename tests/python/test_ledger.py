@@ -93,3 +93,43 @@ def test_append_rejects_bad_values_naming_them(tmp_path):
     with pytest.raises(ValueError, match='"uniform"'):
         led.append(first_step=0, q=0.1, sigma=1.0, max_grad_norm=1.0, sampling="uniform")
     assert led.total_steps == 0
+
+
+def test_a_privacy_state_resumed_into_a_ledger_missing_its_steps_is_refused(tmp_path):
+    # A review: a checkpoint's privacy state loaded into an engine whose ledger path had a typo
+    # (a fresh ledger, now that folders are created) went on counting in memory while the
+    # durable ledger held 1 step of 4. Reference: the ledger read back.
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(16, 3), torch.randint(0, 2, (16,)))
+
+    def engine(path):
+        torch.manual_seed(0)
+        return dpzero.make_private(torch.nn.Linear(3, 2), data_loader=DataLoader(data, batch_size=4),
+                                   noise_multiplier=1.0, max_grad_norm=1.0, seed=0,
+                                   ledger_path=str(path))
+
+    def step(p):
+        for x, y in p.data_loader:
+            F.cross_entropy(p.model(x), y).backward()
+            if p.optimizer.step():
+                return
+
+    first = engine(tmp_path / "run" / "ledger.jsonl")
+    for _ in range(3):
+        step(first)
+    saved = first.privacy_engine.state_dict()
+    first.privacy_engine.detach()
+    with pytest.raises(ValueError, match=r"charged 3 steps, but this engine's ledger "
+                                         r".*rnu/ledger.jsonl holds 0; make private with the "
+                                         r"ledger_path of the run that wrote it"):
+        engine(tmp_path / "rnu" / "ledger.jsonl").privacy_engine.load_state_dict(saved)
+    del first
+    import gc
+    gc.collect()  # the first engine's writer lock goes with it
+    resumed = engine(tmp_path / "run" / "ledger.jsonl")
+    resumed.privacy_engine.load_state_dict(saved)
+    step(resumed)
+    assert Ledger.open_read_only(tmp_path / "run" / "ledger.jsonl").total_steps == 4

@@ -273,6 +273,16 @@ class PrivacyEngine:
             key = [int(w) for w in state["key"]]
             self._step.set_noise_key(key)  # checks it first: sampling and noise use one key
             self.noise_source._key = key
+        # With a ledger, every charge this engine counts is a record of it (the record is written
+        # before the charge), so a state that counts more charges than the ledger holds comes
+        # from another run's ledger: continuing would leave those steps out of the durable
+        # record ε is recomputed from.
+        if self.config.ledger_path is not None and int(state["charges"]) > self.charges:
+            raise ValueError(
+                f"state_dict: the run it comes from charged {int(state['charges'])} steps, but "
+                f"this engine's ledger {self.config.ledger_path} holds {self.charges}; make "
+                "private with the ledger_path of the run that wrote it, so that its ledger keeps "
+                "counting every step")
         # Note [noise index]: never go back to a charge index (or sampler step) already used —
         # a ledger reopened at attach may be ahead of the checkpoint.
         if int(state["charges"]) >= self.charges:
