@@ -871,8 +871,20 @@ def _agreement_rank_main(rank, world_size):
         outcome["clip"] = "accepted"
     except ValueError as e:
         outcome["clip"] = str(e)
+    try:  # each rank derives the others' micro-batch counts from its own cap
+        dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=1.0, seed=3, max_physical_batch_size=2 + rank)
+        outcome["cap"] = "accepted"
+    except ValueError as e:
+        outcome["cap"] = str(e)
     p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
                             max_grad_norm=1.0, seed=3, zero_stage=2)
+    from dpzero.utils.batch_memory_manager import BatchMemoryManager
+    try:
+        with BatchMemoryManager(data_loader=p.data_loader, max_physical_batch_size=2 + rank):
+            outcome["manager"] = "accepted"
+    except ValueError as e:
+        outcome["manager"] = str(e)
     for x, y in p.data_loader:
         F.cross_entropy(p.model(x), y).backward()
         if rank == 1:  # a refusal on one rank only (e.g. a parameter escaped its layer)
@@ -895,6 +907,8 @@ def test_refusals_and_seed_mismatch_are_agreed_across_ranks(tmp_path):
         got = outcomes[rank]
         assert "seed must be the same on every rank" in got["seed"], got
         assert "with the same settings" in got["clip"], got
+        assert "max_physical_batch_size" in got["cap"] or "settings differ" in got["cap"], got
+        assert "max_physical_batch_size" in got["manager"] or "differ" in got["manager"], got
         assert got["step"].startswith("refusing the step"), got
     assert "planted on rank 1" in outcomes[1]["step"]
     assert "another rank refused it" in outcomes[0]["step"]

@@ -362,7 +362,9 @@ class PrivacyEngine:
             "loss_reduction": c.loss_reduction, "zero_stage": c.zero_stage,
             "epsilon_budget": c.epsilon_budget, "budget_delta": c.budget_delta,
             "accountant": self.accountant_name, "secure_mode": self.secure_mode,
-            "seed given": c.seed is not None})
+            "seed given": c.seed is not None,
+            # Every rank derives every rank's micro-batch count from it (Note [poisson schedule]).
+            "max_physical_batch_size": c.max_physical_batch_size})
         self.noise_multiplier_, self.max_grad_norm_ = sigma, max_grad_norm
         self.sample_rate, self.dataset_size = q, n
         seed = c.seed
