@@ -50,8 +50,9 @@ class ModuleValidator:
         """A copy of ``module`` with BatchNorm replaced by GroupNorm and InstanceNorm's running
         statistics off (module docstring); ``module`` itself is unchanged."""
         fixed = copy.deepcopy(module)
-        if _replacement(fixed) is not None:
-            return _replacement(fixed)
+        whole = _replacement(fixed)  # the model itself a BatchNorm or InstanceNorm
+        if whole is not None:
+            return whole
         for parent in list(fixed.modules()):
             for name, child in list(parent.named_children()):
                 new = _replacement(child)

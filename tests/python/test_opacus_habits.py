@@ -96,12 +96,13 @@ def test_batch_memory_manager_caps_the_micro_batches_and_changes_nothing_else():
     for a, b in zip(params, ref_params):
         torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="max_physical_batch_size must be an integer >= 1, got 0"):
-        BatchMemoryManager(data_loader=_dummy_loader(), max_physical_batch_size=0)
+        BatchMemoryManager(data_loader=_private_loader(), max_physical_batch_size=0)
     with pytest.raises(TypeError, match="got DataLoader"):
         BatchMemoryManager(data_loader=DataLoader(_data()), max_physical_batch_size=8)
 
 
-def _dummy_loader():
+def _private_loader():
+    """A loader make_private returned, for the manager's argument checks."""
     model = nn.Linear(2, 2)
     data = TensorDataset(torch.randn(8, 2), torch.randint(0, 2, (8,)))
     return dpzero.make_private(model, dataset=data, batch_size=4, noise_multiplier=1.0,
