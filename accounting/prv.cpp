@@ -357,14 +357,9 @@ Bounds worse_of(const Bounds& a, const Bounds& b) {
 }
 }  // namespace
 
-void PrvAccountant::add(const Phase& phase) {
-  validate_phase(phase);
-  phases_.push_back(phase);
-}
-
 PrvEpsilon PrvAccountant::epsilon(double delta, const PrvOptions& options) const {
   const double delta_error = epsilon_delta_error(delta, options);
-  const std::vector<Phase> merged = merge_phases(phases_);
+  const std::vector<Phase> merged = merge_phases(phases());
   PrvEpsilon result = epsilon_bounds(
       build(merged, PrvDirection::kRemove, options.eps_error, delta_error), delta, delta_error,
       options);
@@ -380,7 +375,7 @@ PrvEpsilon PrvAccountant::epsilon(double delta, const PrvOptions& options) const
 
 PrvDelta PrvAccountant::delta(double epsilon, const PrvOptions& options) const {
   const double delta_error = delta_delta_error(epsilon, options);
-  const std::vector<Phase> merged = merge_phases(phases_);
+  const std::vector<Phase> merged = merge_phases(phases());
   PrvDelta result = delta_bounds(
       build(merged, PrvDirection::kRemove, options.eps_error, delta_error), epsilon, delta_error,
       options);

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "accounting/accountant.h"
 #include "accounting/types.h"
 
 namespace dpzero::accounting {
@@ -43,23 +44,20 @@ struct PrvOptions {
   double delta_error = 0.0;   // additive error allowed on delta; 0 means delta / 1000
 };
 
-class PrvAccountant {
+// Records its phases (accountant.h); epsilon() and delta() compose them.
+class PrvAccountant final : public Accountant {
  public:
   PrvAccountant() = default;
 
-  void add(const Phase& phase);  // validates, then records the phase
-  void step(double q, double sigma, int64_t steps = 1) { add(Phase{q, sigma, steps}); }
-
+  AccountantKind kind() const override { return AccountantKind::kPrv; }
   // Throws std::invalid_argument for bad delta/options, std::runtime_error with a clear message
   // when the numerical method cannot meet the requested accuracy (the caller may fall back to RDP).
   PrvEpsilon epsilon(double delta, const PrvOptions& options = {}) const;
   // delta_error here defaults to 1e-10 when options.delta_error == 0 (there is no delta to scale).
   PrvDelta delta(double epsilon, const PrvOptions& options = {}) const;
 
-  const std::vector<Phase>& phases() const { return phases_; }
-
  private:
-  std::vector<Phase> phases_;
+  void compose(const Phase&) override {}  // the record is the state
 };
 
 }  // namespace dpzero::accounting

@@ -509,10 +509,9 @@ RdpAccountant::RdpAccountant(std::vector<double> orders) : orders_(std::move(ord
   rdp_.assign(orders_.size(), 0.0);
 }
 
-void RdpAccountant::add(const Phase& phase) {
+void RdpAccountant::compose(const Phase& phase) {
   const std::vector<double> rdp = compute_rdp(phase.q, phase.sigma, phase.steps, orders_);
   for (std::size_t i = 0; i < rdp_.size(); ++i) rdp_[i] += rdp[i];
-  phases_.push_back(phase);
 }
 
 RdpEpsilon RdpAccountant::epsilon(double delta) const { return rdp_to_epsilon(orders_, rdp_, delta); }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "accounting/accountant.h"
 #include "accounting/types.h"
 
 namespace dpzero::accounting {
@@ -54,25 +55,23 @@ RdpEpsilon rdp_to_epsilon(const std::vector<double>& orders, const std::vector<d
 double rdp_to_delta(const std::vector<double>& orders, const std::vector<double>& rdp,
                     double epsilon);
 
-// Accumulates phases; cheap to copy.
-class RdpAccountant {
+// Accumulates the RDP curve of its phases (accountant.h); cheap to copy.
+class RdpAccountant final : public Accountant {
  public:
   explicit RdpAccountant(std::vector<double> orders = opacus_default_orders());
 
-  void add(const Phase& phase);                       // validates, then composes
-  void step(double q, double sigma, int64_t steps = 1) { add(Phase{q, sigma, steps}); }
-
+  AccountantKind kind() const override { return AccountantKind::kRdp; }
   RdpEpsilon epsilon(double delta) const;
   double delta(double epsilon) const;
 
   const std::vector<double>& orders() const { return orders_; }
   const std::vector<double>& rdp() const { return rdp_; }  // accumulated, one per order
-  const std::vector<Phase>& phases() const { return phases_; }
 
  private:
+  void compose(const Phase& phase) override;
+
   std::vector<double> orders_;
   std::vector<double> rdp_;
-  std::vector<Phase> phases_;
 };
 
 }  // namespace dpzero::accounting

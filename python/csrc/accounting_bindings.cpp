@@ -49,20 +49,27 @@ void bind_accountants(py::module_& m) {
                std::string(e.order_on_edge ? "True" : "False") + ")";
       });
   m.def("rdp_to_epsilon", &rdp_to_epsilon, py::arg("orders"), py::arg("rdp"), py::arg("delta"));
-  m.def("rdp_to_delta", &rdp_to_delta, py::arg("orders"), py::arg("rdp"), py::arg("epsilon"));
 
-  py::class_<RdpAccountant>(m, "RdpAccountant")
+  // Held by shared_ptr: a private step composes the charges into the very accountant Python
+  // reads (dpzero._C.dp.PrivateStep's accountant).
+  py::class_<Accountant, std::shared_ptr<Accountant>>(
+      m, "Accountant", "The phases of a run, merged, which an accountant composes")
+      .def("add", &Accountant::add, py::arg("phase"))
+      .def("step", &Accountant::step, py::arg("q"), py::arg("sigma"), py::arg("steps") = 1)
+      .def_property_readonly("kind",
+                             [](const Accountant& a) { return to_string(a.kind()); })
+      .def_property_readonly("phases", &Accountant::phases)
+      .def_property_readonly("steps", &Accountant::steps);
+
+  py::class_<RdpAccountant, Accountant, std::shared_ptr<RdpAccountant>>(m, "RdpAccountant")
       .def(py::init([](std::optional<std::vector<double>> orders) {
-             return orders ? RdpAccountant(*orders) : RdpAccountant();
+             return std::make_shared<RdpAccountant>(orders ? RdpAccountant(*orders)
+                                                           : RdpAccountant());
            }),
            py::arg("orders") = py::none())
-      .def("add", &RdpAccountant::add, py::arg("phase"))
-      .def("step", &RdpAccountant::step, py::arg("q"), py::arg("sigma"), py::arg("steps") = 1)
       .def("epsilon", &RdpAccountant::epsilon, py::arg("delta"))
       .def("delta", &RdpAccountant::delta, py::arg("epsilon"))
-      .def_property_readonly("orders", &RdpAccountant::orders)
-      .def_property_readonly("rdp", &RdpAccountant::rdp)
-      .def_property_readonly("phases", &RdpAccountant::phases);
+      .def_property_readonly("orders", &RdpAccountant::orders);
 
   py::class_<PrvEpsilon>(m, "PrvEpsilon")
       .def_readonly("lower", &PrvEpsilon::lower)
@@ -80,10 +87,8 @@ void bind_accountants(py::module_& m) {
         return "PrvDelta(lower=" + float_repr(b.lower) + ", estimate=" + float_repr(b.estimate) +
                ", upper=" + float_repr(b.upper) + ")";
       });
-  py::class_<PrvAccountant>(m, "PrvAccountant")
-      .def(py::init<>())
-      .def("add", &PrvAccountant::add, py::arg("phase"))
-      .def("step", &PrvAccountant::step, py::arg("q"), py::arg("sigma"), py::arg("steps") = 1)
+  py::class_<PrvAccountant, Accountant, std::shared_ptr<PrvAccountant>>(m, "PrvAccountant")
+      .def(py::init([] { return std::make_shared<PrvAccountant>(); }))
       .def(
           "epsilon",
           [](const PrvAccountant& a, double delta, double eps_error, double delta_error) {
@@ -97,8 +102,7 @@ void bind_accountants(py::module_& m) {
             return a.delta(epsilon, PrvOptions{eps_error, delta_error});
           },
           py::arg("epsilon"), py::arg("eps_error") = 0.01, py::arg("delta_error") = 0.0,
-          py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("phases", &PrvAccountant::phases);
+          py::call_guard<py::gil_scoped_release>());
 }
 
 CalibrationOptions calibration_options(const std::string& accountant, double epsilon_tolerance,
@@ -188,11 +192,9 @@ void bind_ledger(py::module_& m) {
       .def_property_readonly("path", &Ledger::path)
       .def_property_readonly("run_id", [](const Ledger& l) { return l.header().run_id; })
       .def_property_readonly("dataset_size", [](const Ledger& l) { return l.header().dataset_size; })
-      .def_property_readonly("created", [](const Ledger& l) { return l.header().created; })
       .def_property_readonly("format", [](const Ledger& l) { return l.header().format; })
       .def_property_readonly("settings_json", [](const Ledger& l) { return l.header().settings.dump(); })
       .def_property_readonly("records", &Ledger::records)
-      .def_property_readonly("read_only", &Ledger::read_only)
       .def_property_readonly("total_steps", &Ledger::total_steps)
       .def_property_readonly("unnoised_steps", &Ledger::unnoised_steps)
       .def("phases", &Ledger::phases)

@@ -58,21 +58,6 @@ dp::Report report_of(const std::shared_ptr<dp::Book>& book, int64_t generation, 
 }  // namespace
 
 void bind_dp(py::module_ m) {
-  m.def("group_norms", &dp::group_norms, py::arg("components"),
-        "Certified [B] float32 norms of one clipping group from its components' parts' [B] "
-        "float32 certified squared norms (Note [certified group norms] in src/dp/clip_group.h)");
-  m.def("mean_scaled_sq", &dp::mean_scaled_sq, py::arg("sq"), py::arg("b"),
-        "Squared norms of G as delivered -> of the per-sample gradients of a mean loss over b "
-        "rows: sq * b^2 rounded up to float32 (Note [mean loss])");
-  m.def("mean_scaled_factors", &dp::mean_scaled_factors, py::arg("factors"), py::arg("b"),
-        "Clip factors of the per-sample gradients -> of G as delivered under a mean loss over b "
-        "rows: c * b rounded toward zero (Note [mean loss])");
-  m.def("certified_sum", &dp::certified_sum, py::arg("sqs"),
-        "[B] float32 never below the exact sum of 1 to 8 [B] float32 certified squared norms");
-  m.def("round_up_f32", &dp::round_up_f32, py::arg("x"),
-        "float64 -> float32 rounded toward +inf (NaN and Inf unchanged)");
-  m.def("round_down_f32", &dp::round_down_f32, py::arg("x"),
-        "float64 >= 0 -> float32 rounded toward 0");
 
   // ---- the clipping book (src/dp/book.h) ---------------------------------------------------
   privacy_error_type =
@@ -161,8 +146,6 @@ void bind_dp(py::module_ m) {
           },
           py::arg("part"), py::arg("begin"), py::arg("grads"),
           py::call_guard<py::gil_scoped_release>())
-      .def("finish_backward", &dp::Book::finish_backward,
-           py::call_guard<py::gil_scoped_release>())
       .def("discard", &dp::Book::discard)
       .def("read_checks", &dp::Book::read_checks, py::arg("checks"),
            "Reads the flag tensors `checks` and the dropped count in one transfer per device: "
@@ -201,15 +184,9 @@ void bind_dp(py::module_ m) {
       },
       py::arg("rank"), py::arg("world_size"), py::arg("step"), py::arg("what"),
       py::arg("charged"), py::arg("cause"), "The message of a CollectiveError (src/dp/errors.h)");
-  m.def(
-      "check_failpoints", [](const std::string& value) { dp::Failpoints::parse(value); },
-      py::arg("value"),
-      "Raises ValueError naming a DPZERO_FAILPOINT item that is not POINT@CHARGE[@RANK] (Note "
-      "[failpoints])");
 
   py::class_<dp::StepOutcome>(m, "StepOutcome", "What a private step released, and its private "
                                                 "diagnostics (samples, dropped)")
-      .def_readonly("step", &dp::StepOutcome::step)
       .def_readonly("noise_index", &dp::StepOutcome::noise_index)
       .def_readonly("caller_sampled", &dp::StepOutcome::caller_sampled)
       .def_readonly("samples", &dp::StepOutcome::samples)
@@ -220,22 +197,23 @@ void bind_dp(py::module_ m) {
                        std::shared_ptr<accounting::Ledger> ledger, double noise_multiplier,
                        double max_grad_norm, double sample_rate, int64_t dataset_size,
                        std::optional<int64_t> max_steps, std::string budget,
-                       const py::object& noise_key_, dp::ChargeCallback on_charge,
-                       int64_t charges) {
+                       const py::object& noise_key_,
+                       std::shared_ptr<accounting::Accountant> accountant, int64_t charges) {
              dp::StepSettings settings{noise_multiplier, max_grad_norm, sample_rate,
                                        dataset_size,     max_steps,     std::move(budget),
                                        noise_key(noise_key_)};
              return std::make_shared<dp::PrivateStep>(std::move(book), engine, std::move(ledger),
-                                                      std::move(settings), std::move(on_charge),
+                                                      std::move(settings), std::move(accountant),
                                                       charges);
            }),
            py::arg("book"), py::arg("engine"), py::arg("ledger"), py::arg("noise_multiplier"),
            py::arg("max_grad_norm"), py::arg("sample_rate"), py::arg("dataset_size"),
-           py::arg("max_steps"), py::arg("budget"), py::arg("noise_key"), py::arg("on_charge"),
+           py::arg("max_steps"), py::arg("budget"), py::arg("noise_key"), py::arg("accountant"),
            py::arg("charges"),
            py::keep_alive<1, 3>(),  // the step updates the engine
            "ledger: rank 0's dpzero._C.accounting.Ledger or None; noise_key: an int64 seed or an "
-           "8-word secure key; on_charge(sigma, q): charges the accountant")
+           "8-word secure key; accountant: a dpzero._C.accounting accountant, which each charge "
+           "composes (in C++), or None")
       .def(
           "take",
           [](dp::PrivateStep& step, int64_t t, int64_t logical_size, bool caller_sampled,
@@ -250,7 +228,10 @@ void bind_dp(py::module_ m) {
           "CollectiveError")
       .def("drop_batch", &dp::PrivateStep::drop_batch, py::call_guard<py::gil_scoped_release>(),
            "Drops the logical batch: the book's micro-batches and the engine's gradients")
-      .def_property("charges", &dp::PrivateStep::charges, &dp::PrivateStep::set_charges)
+      .def_property_readonly("charges", &dp::PrivateStep::charges)
+      .def_property_readonly("accountant", &dp::PrivateStep::accountant)
+      .def("restore", &dp::PrivateStep::restore, py::arg("charges"), py::arg("accountant"),
+           "A checkpoint's charge count and the accountant that holds them")
       .def(
           "set_noise_key",
           [](dp::PrivateStep& step, const py::object& key) { step.set_noise_key(noise_key(key)); },

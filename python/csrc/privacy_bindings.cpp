@@ -66,7 +66,6 @@ void bind_privacy(py::module_ m) {
       "8-word key (secure mode, ChaCha20).");
   py::class_<MicroBatchSchedule>(m, "MicroBatchSchedule")
       .def_readonly("logical_batch_size", &MicroBatchSchedule::logical_batch_size)
-      .def_readonly("rank_counts", &MicroBatchSchedule::rank_counts)
       .def_readonly("micro_batches", &MicroBatchSchedule::micro_batches);
   m.def(
       "poisson_micro_batches",

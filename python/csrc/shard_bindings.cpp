@@ -47,10 +47,8 @@ void bind_shard(py::module_ m) {
            py::arg("boundaries") = "even",
            "boundaries: 'even' (equal shards, may cut a parameter) or 'parameters' (Note [ragged "
            "plans]: shard boundaries fall between parameters).")
-      .def_property_readonly("world_size", &UnitLayout::world_size)
       .def_property_readonly("padded_numel", &UnitLayout::padded_numel)
       .def_property_readonly("shard_numel", &UnitLayout::shard_numel)
-      .def_property_readonly("param_numel", &UnitLayout::param_numel)
       .def_property_readonly("flat_offsets", &UnitLayout::flat_offsets)
       .def("runs", &UnitLayout::runs)
       .def("runs_for_rank", &UnitLayout::runs_for_rank, py::arg("rank"));
@@ -59,7 +57,6 @@ void bind_shard(py::module_ m) {
       .def(py::init<std::vector<UnitLayout>, int64_t>(), py::arg("units"),
            py::arg("total_coordinates"))
       .def_property_readonly("units", &zero::ShardPlan::units)
-      .def_property_readonly("world_size", &zero::ShardPlan::world_size)
       .def_property_readonly("total_coordinates", &zero::ShardPlan::total_coordinates);
   m.def(
       "add_shard_noise_",

@@ -81,7 +81,6 @@ void bind_zero(py::module_ m) {
           py::arg("param"), py::arg("grad"),
           "Update `param` ([n] fp32) in place from `grad` ([n] fp32).")
       .def_property_readonly("steps", &zero::ShardOptimizer::steps)
-      .def_property_readonly("state_bytes", &zero::ShardOptimizer::state_bytes)
       .def("state", [](const zero::ShardOptimizer& self) {
         py::dict out;
         for (const auto& [name, tensor] : self.state()) out[py::str(name)] = tensor;
@@ -186,14 +185,6 @@ void bind_zero(py::module_ m) {
            py::call_guard<py::gil_scoped_release>())
       .def("grad_ready", &ZeroState::grad_ready, py::arg("unit"), py::arg("param_index"),
            py::call_guard<py::gil_scoped_release>())
-      .def("add_unit_grad", &ZeroState::add_unit_grad, py::arg("unit"), py::arg("grad"),
-           py::arg("release_params") = true, py::arg("donated") = false,
-           py::call_guard<py::gil_scoped_release>(),
-           "The private path (Note [private gradients]): unit `unit`'s gradient of this backward, "
-           "[padded_numel], computed outside autograd (clipped sums); reduced like a packed "
-           "autograd gradient. release_params=False keeps a stage-3 unit gathered until the end "
-           "of the backward (its parameters are still read by backward nodes). donated=True: the "
-           "caller never touches `grad` again, so an asynchronous reduction keeps it uncopied.")
       .def(
           "grad_accumulator",
           [](ZeroState& self, int64_t unit) -> std::optional<at::Tensor> {
@@ -210,10 +201,6 @@ void bind_zero(py::module_ m) {
            "Note [private gradients]: on, gradients reach the step only through add_unit_grad / "
            "grad_accumulator and no parameter .grad views are attached (a .grad written by the "
            "caller is ignored); off restores the views.")
-      .def("release_params", &ZeroState::release_params, py::arg("unit"),
-           py::call_guard<py::gil_scoped_release>(),
-           "Stage 3: frees unit `unit`'s gathered parameters now (no backward node still reads "
-           "them); no-op in stages 0-2.")
       .def("step", &ZeroState::step, py::call_guard<py::gil_scoped_release>())
       .def(
           "noisy_step",
@@ -292,8 +279,6 @@ void bind_zero(py::module_ m) {
             return out;
           },
           "The hyperparameters the next step uses.")
-      .def_property_readonly("forward_order", &ZeroState::forward_order,
-                             "Note [stage-3 prefetch]: units in the order their forwards start.")
       .def_property_readonly("lr", [](const ZeroState& s) { return s.config().optimizer.lr; })
       .def_property_readonly("steps", &ZeroState::steps)
       .def_property_readonly(
@@ -316,11 +301,6 @@ void bind_zero(py::module_ m) {
       .def_property_readonly("reduce_dtype",
                              [](const ZeroState& s) { return s.config().reduce_dtype; })
       .def_property_readonly("plan", &ZeroState::plan, py::return_value_policy::copy)
-      .def(
-          "unit_name", [](ZeroState& s, int64_t u) { return s.group(u).name(); }, py::arg("unit"))
-      .def(
-          "shard", [](ZeroState& s, int64_t u) { return s.group(u).flat().shard(); },
-          py::arg("unit"), "Unit `unit`'s owned shard of parameters [shard_numel] (not a copy).")
       .def(
           "grad_shard",
           [](ZeroState& s, int64_t u) {
@@ -350,16 +330,6 @@ void bind_zero(py::module_ m) {
           },
           py::arg("unit"))
       .def(
-          "owned_state",
-          [](ZeroState& s, int64_t u) {
-            py::dict out;
-            for (const auto& [name, tensor] : s.group(u).owned_state()) out[py::str(name)] = tensor;
-            return out;
-          },
-          py::arg("unit"),
-          "Note [checkpoint slices]: the owned coordinates' 'param' and optimizer state, each "
-          "[shard_numel] (views).")
-      .def(
           "kept_range", [](ZeroState& s, int64_t u) { return s.group(u).kept_range(); },
           py::arg("unit"), "The flat coordinates [begin, end) this rank keeps state for.")
       .def(
@@ -376,7 +346,6 @@ void bind_zero(py::module_ m) {
           py::arg("unit"), py::arg("values"), py::arg("steps"),
           "Note [checkpoint slices]: restore unit `unit` over kept_range(unit) (collective in "
           "stages 1-2).")
-      .def("set_steps", &ZeroState::set_steps, py::arg("steps"))
       .def("memory", [](const ZeroState& s) {
         const zero::MemoryStats m = s.memory();
         py::dict out;

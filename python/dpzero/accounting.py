@@ -31,40 +31,42 @@ tfp_default_orders = _acc.tfp_default_orders
 ACCOUNTANTS = ("rdp", "prv")
 
 
-class _History:
-    """Steps recorded as (noise_multiplier, sample_rate, num_steps), merged like Opacus does."""
+class _Accountant:
+    """What both accountants share: the run's phases, kept by the C++ accountant ``_impl``, which
+    a private step also charges directly (``dpzero._C.dp.PrivateStep``). ``history`` lists them as
+    (noise_multiplier, sample_rate, num_steps), consecutive equal settings merged, as Opacus
+    does."""
 
-    def __init__(self) -> None:
-        self.history: List[Tuple[float, float, int]] = []
+    _impl: "_acc.Accountant"
 
-    def _record(self, noise_multiplier: float, sample_rate: float, num_steps: int) -> None:
-        if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
-            sigma, q, n = self.history[-1]
-            self.history[-1] = (sigma, q, n + num_steps)
-        else:
-            self.history.append((noise_multiplier, sample_rate, num_steps))
+    def step(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
+        self._impl.step(sample_rate, noise_multiplier, num_steps)
+
+    @property
+    def history(self) -> List[Tuple[float, float, int]]:
+        return [(p.sigma, p.q, p.steps) for p in self._impl.phases]
 
     def __len__(self) -> int:
-        return sum(n for _, _, n in self.history)
+        return self._impl.steps
+
+    @property
+    def native(self) -> "_acc.Accountant":
+        """The C++ accountant this one wraps (what a private step charges)."""
+        return self._impl
 
 
-class RDPAccountant(_History):
+class RDPAccountant(_Accountant):
     """Rényi-DP accountant for the Poisson-subsampled Gaussian (Mironov et al. 2019).
 
     ``orders`` defaults to Opacus's grid; the (ε, δ) conversion is Balle et al. 2020, Thm. 21.
     """
 
     def __init__(self, orders: Optional[Sequence[float]] = None) -> None:
-        super().__init__()
         self._impl = _acc.RdpAccountant(list(orders) if orders is not None else None)
 
     @staticmethod
     def mechanism() -> str:
         return "rdp"
-
-    def step(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
-        self._impl.step(sample_rate, noise_multiplier, num_steps)
-        self._record(noise_multiplier, sample_rate, num_steps)
 
     def get_privacy_spent(self, *, delta: float) -> Tuple[float, float]:
         """(ε, best order); warns when the best order lies on the edge of the order grid."""
@@ -88,23 +90,18 @@ class RDPAccountant(_History):
         return self._impl.delta(epsilon)
 
 
-class PRVAccountant(_History):
+class PRVAccountant(_Accountant):
     """PRV accountant (Gopi, Lee, Wutschitz 2021): ε with lower bound, estimate and upper bound.
 
     ``get_epsilon`` returns the upper bound, as Opacus does; ``epsilon_bounds`` returns all three.
     """
 
     def __init__(self) -> None:
-        super().__init__()
         self._impl = _acc.PrvAccountant()
 
     @staticmethod
     def mechanism() -> str:
         return "prv"
-
-    def step(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
-        self._impl.step(sample_rate, noise_multiplier, num_steps)
-        self._record(noise_multiplier, sample_rate, num_steps)
 
     def epsilon_bounds(
         self, delta: float, *, eps_error: float = 0.01, delta_error: Optional[float] = None
@@ -219,6 +216,11 @@ class Ledger:
 
     def __init__(self, impl: "_acc.Ledger") -> None:
         self._impl = impl
+
+    @property
+    def native(self) -> "_acc.Ledger":
+        """The C++ ledger this one wraps (what a private step appends to)."""
+        return self._impl
 
     @classmethod
     def create(cls, path: str, *, run_id: str, dataset_size: int,

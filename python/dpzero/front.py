@@ -10,7 +10,7 @@ from torch import nn
 
 from .plan.auto import auto_policy
 from .private.config import resolve
-from .private.engine import Private, PrivacyEngine
+from .private.engine import Private, make_private_from_config
 
 
 def make_private(model: nn.Module, *, optimizer="sgd", accountant: str = "prv",
@@ -64,7 +64,7 @@ def make_private(model: nn.Module, *, optimizer="sgd", accountant: str = "prv",
                              "and offload_optimizer itself; do not pass those, nor "
                              "offload_params")
         config, plan = auto_policy(model, config, plan_step, memory_budget)
-    engine = PrivacyEngine(accountant=accountant, secure_mode=secure_mode)
-    private = engine._attach(model, config)
-    engine.plan = plan
+    private = make_private_from_config(model, config, accountant=accountant,
+                                       secure_mode=secure_mode)
+    private.privacy_engine.plan = plan
     return private

@@ -52,12 +52,6 @@ class NoiseSource:
             return torch.ops.dpzero.add_secure_noise_(tensor, std, self._key, step, offset)
         return torch.ops.dpzero.add_noise_(tensor, std, _as_int64(self.seed), step, offset)
 
-    def add_shard_(self, shard: torch.Tensor, layout, rank: int, std: float, step: int) -> int:
-        """Noise the coordinates ``rank`` owns in its ``shard`` of a unit (``layout``: a
-        ``dpzero._C.shard.UnitLayout``); returns how many coordinates were noised."""
-        seed = list(self._key) if self.secure_mode else _as_int64(self.seed)
-        return _C.shard.add_shard_noise_(shard, layout, rank, std, seed, step)
-
     def __repr__(self) -> str:
         return ("NoiseSource(secure_mode=True)" if self.secure_mode
                 else f"NoiseSource(seed={self.seed})")

@@ -24,7 +24,7 @@ from typing import List
 from torch import nn
 
 from .private.attach import find_layers
-from .private.book import PrivacyViolation
+from .private.errors import PrivacyViolation
 
 
 class ModuleValidator:

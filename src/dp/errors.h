@@ -50,8 +50,8 @@ std::string collective_error_text(int64_t rank, int64_t world_size, int64_t step
                                   const std::string& cause);
 
 // The step was charged (the ledger holds it, this rank counted it) and then failed on this rank
-// for another reason than a collective: the accountant's callback raised, or the noisy update did
-// (an allocation, a kernel). It was not applied on this rank; a resumed run reads the ledger,
+// for another reason than a collective: the accountant or the noisy update raised (an allocation,
+// a kernel). It was not applied on this rank; a resumed run reads the ledger,
 // where it counts. Thrown with std::throw_with_nested, so the cause is still there for
 // std::rethrow_if_nested.
 class UpdateError : public std::runtime_error {

@@ -13,8 +13,9 @@
 namespace dpzero::dp {
 namespace {
 
-constexpr std::array<std::string_view, 3> kPoints = {"before_ledger", "after_ledger",
-                                                     "after_update"};
+constexpr std::array<std::string_view, 4> kPoints = {"before_ledger", "after_ledger",
+                                                     "after_charge", "after_update"};
+constexpr std::string_view kRaise = ":raise";
 
 std::vector<std::string> split(const std::string& text, char sep) {
   std::vector<std::string> parts;
@@ -60,15 +61,24 @@ Failpoints Failpoints::parse(const std::string& value) {
   for (const std::string& part : split(value, ',')) {
     const std::string item = trim(part);
     if (item.empty()) continue;
-    const std::vector<std::string> fields = split(item, '@');
+    const bool raise = item.size() > kRaise.size() &&
+                       item.compare(item.size() - kRaise.size(), kRaise.size(), kRaise) == 0;
+    const std::vector<std::string> fields =
+        split(raise ? item.substr(0, item.size() - kRaise.size()) : item, '@');
     bool known = false;
     for (std::string_view p : kPoints) known = known || fields[0] == p;
     if ((fields.size() != 2 && fields.size() != 3) || !known) {
       throw std::invalid_argument(std::string(kFailpointEnv) + ": '" + item +
-                                  "' is not POINT@CHARGE[@RANK] with POINT one of "
-                                  "['before_ledger', 'after_ledger', 'after_update']");
+                                  "' is not POINT@CHARGE[@RANK][:raise] with POINT one of "
+                                  "['before_ledger', 'after_ledger', 'after_charge', "
+                                  "'after_update']");
     }
-    Point point{fields[0], parse_integer(trim(fields[1]), item), std::nullopt};
+    if (raise && fields[0] == "after_ledger") {
+      throw std::invalid_argument(std::string(kFailpointEnv) + ": '" + item +
+                                  "': after_ledger takes no :raise (the step is recorded but not "
+                                  "yet counted there); use after_charge");
+    }
+    Point point{fields[0], parse_integer(trim(fields[1]), item), std::nullopt, raise, item};
     if (fields.size() == 3) point.rank = parse_integer(trim(fields[2]), item);
     out.points_.push_back(point);
   }
@@ -78,6 +88,7 @@ Failpoints Failpoints::parse(const std::string& value) {
 void Failpoints::hit(const std::string& point, int64_t charge, int64_t rank) const {
   for (const Point& p : points_) {
     if (p.point == point && p.charge == charge && (!p.rank || *p.rank == rank)) {
+      if (p.raise) throw std::runtime_error(std::string(kFailpointEnv) + " " + p.item);
       kill(getpid(), SIGKILL);
     }
   }

@@ -1,4 +1,5 @@
-// src/dp/failpoints.h — named places in the private step where a test can kill this process.
+// src/dp/failpoints.h — named places in the private step where a test can kill this process, or
+// make the step fail.
 //
 // Note [failpoints]
 // ~~~~~~~~~~~~~~~~~
@@ -13,7 +14,13 @@
 //
 //   before_ledger   the step was agreed on; nothing is recorded or applied yet
 //   after_ledger    the ledger holds the step (durably) and every rank knows; no update yet
+//   after_charge    the step is charged (the count and the accountant); no update yet
 //   after_update    the noisy update is applied on this rank
+//
+// An item ending in ":raise" throws std::runtime_error there instead, naming the item: the
+// in-process way to fail a step at that moment (after_charge: an UpdateError that says the step
+// was charged). Not at after_ledger, where a step is recorded but not yet counted: only a kill
+// may stop it there, since the process's count then dies with it.
 //
 // The value is read and checked once, when a private step is made (PrivateStep's constructor):
 // a misspelt one is an error there, not a silent no-op. Unset (the normal case) a failpoint costs
@@ -36,7 +43,7 @@ class Failpoints {
   static Failpoints from_env();
   static Failpoints parse(const std::string& value);
 
-  // SIGKILLs this process if (point, charge) is named for `rank`.
+  // SIGKILLs this process, or throws, if (point, charge) is named for `rank`.
   void hit(const std::string& point, int64_t charge, int64_t rank) const;
 
  private:
@@ -44,6 +51,8 @@ class Failpoints {
     std::string point;
     int64_t charge = 0;
     std::optional<int64_t> rank;  // nullopt: any rank
+    bool raise = false;           // throw instead of SIGKILL
+    std::string item;             // as DPZERO_FAILPOINT names it
   };
   std::vector<Point> points_;
 };

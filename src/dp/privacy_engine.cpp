@@ -328,7 +328,7 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
   }
   charges = agreed[1];                                 // rank 0's
   if (charges > 0 && options_.noise_multiplier > 0.0)  // σ = 0: ε is infinite anyway
-    accountant_.step(options_.sample_rate, options_.noise_multiplier, charges);
+    accountant_->step(options_.sample_rate, options_.noise_multiplier, charges);
 
   StepSettings settings;
   settings.noise_multiplier = options_.noise_multiplier;
@@ -343,8 +343,7 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
   }
   settings.noise_key = key;
   step_ = std::make_unique<PrivateStep>(
-      session_->book, *zero_, ledger_, settings,
-      [this](double sigma, double q) { accountant_.step(q, sigma); }, charges);
+      session_->book, *zero_, ledger_, settings, accountant_, charges);
   next_step_ = charges;  // Note [noise index]: never a step already charged
 
   // Last, once nothing can fail: the DP modules register with this engine's book, and every
@@ -725,7 +724,7 @@ void PrivacyEngine::close_logical_batch() {
 double PrivacyEngine::epsilon(double delta) const {
   if (charges() == 0) return 0.0;
   if (options_.noise_multiplier == 0.0) return INFINITY;
-  return accountant_.epsilon(delta).epsilon;
+  return accountant_->epsilon(delta).epsilon;
 }
 
 at::Tensor PrivacyEngine::parameter(const std::string& name) {

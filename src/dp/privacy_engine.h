@@ -175,7 +175,9 @@ class PrivacyEngine {
   std::shared_ptr<EngineSession> session_;
   std::shared_ptr<accounting::Ledger> ledger_;  // rank 0's
   std::unique_ptr<PrivateStep> step_;
-  accounting::RdpAccountant accountant_;
+  // The step composes each charge into it (private_step.h); epsilon() reads it.
+  std::shared_ptr<accounting::RdpAccountant> accountant_ =
+      std::make_shared<accounting::RdpAccountant>();
   uint64_t seed_ = 0;
   privacy::SamplerSource sampler_;
   std::vector<MicroBatch> schedule_;  // the last sample()'s micro-batches, as drawn

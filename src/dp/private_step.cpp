@@ -50,12 +50,12 @@ enum Agreed : size_t {
 
 PrivateStep::PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& engine,
                          std::shared_ptr<accounting::Ledger> ledger, StepSettings settings,
-                         ChargeCallback on_charge, int64_t charges)
+                         std::shared_ptr<accounting::Accountant> accountant, int64_t charges)
     : book_(std::move(book)),
       engine_(engine),
       ledger_(std::move(ledger)),
       settings_(std::move(settings)),
-      on_charge_(std::move(on_charge)),
+      accountant_(std::move(accountant)),
       failpoints_(Failpoints::from_env()) {
   const StepSettings& s = settings_;
   if (!book_) throw std::invalid_argument("PrivateStep: book must not be null");
@@ -82,10 +82,10 @@ PrivateStep::PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& engine,
                                 std::to_string(*s.max_steps));
   }
   set_noise_key(settings_.noise_key);
-  set_charges(charges);
+  restore(charges, accountant_);
 }
 
-void PrivateStep::set_charges(int64_t charges) {
+void PrivateStep::restore(int64_t charges, std::shared_ptr<accounting::Accountant> accountant) {
   if (charges < charges_) {
     throw std::invalid_argument("PrivateStep: charges must not go below the " +
                                 std::to_string(charges_) +
@@ -93,7 +93,8 @@ void PrivateStep::set_charges(int64_t charges) {
                                 "index]: a charge index is never reused), got " +
                                 std::to_string(charges));
   }
-  charges_ = charges;
+  charges_ = accounted_ = charges;
+  accountant_ = std::move(accountant);
 }
 
 void PrivateStep::set_noise_key(zero::NoiseKey key) {
@@ -105,9 +106,12 @@ void PrivateStep::set_noise_key(zero::NoiseKey key) {
 }
 
 void PrivateStep::charge(int64_t k) {
-  charges_ = k + 1;
+  charges_ = k + 1;  // first: whatever fails next, charge k's noise index is never drawn again
   const StepSettings& s = settings_;
-  if (s.noise_multiplier > 0.0 && on_charge_) on_charge_(s.noise_multiplier, s.sample_rate);
+  if (s.noise_multiplier > 0.0 && accountant_ && accounted_ < charges_) {
+    accountant_->step(s.sample_rate, s.noise_multiplier, charges_ - accounted_);
+  }
+  accounted_ = charges_;
 }
 
 void PrivateStep::collective_failed(const char* what, int64_t step, ChargeState state,
@@ -266,6 +270,7 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
   // other an UpdateError with its cause nested.
   try {
     charge(k);
+    failpoints_.hit("after_charge", k, comm.rank());
     zero::StepNoise noise;
     noise.stddev = sigma > 0.0 ? sigma * c : 0.0;
     noise.key = s.noise_key;

@@ -14,16 +14,19 @@
 //   3. budget     a charge past max_steps is refused (BudgetExhausted).
 //   4. ledger     rank 0 appends the step's record and fsyncs it (accounting/ledger.h); every
 //                 rank waits for its verdict, so no rank updates with a step the ledger lacks.
-//   5. charge     charges += 1 and the accountant's callback.
+//   5. charge     charges += 1, and the run's accountant composes the step (C++ all the way:
+//                 the step calls nothing outside it, whichever front door made it).
 //   6. update     ZeroState::noisy_step: noise N(0, (σC)²) drawn at the charge index (Note
 //                 [noise index] in python/dpzero/private/engine.py) on exactly the coordinates
 //                 this rank updates, the sum scaled by 1/(q·N), the optimizer.
 // A refusal in 1–4 charges nothing. Whatever stops a step before its update completes drops the
 // logical batch (the book's micro-batches, the engine's gradients), so no gradient of it can be
 // released later under another step's charge. Failpoints (Note [failpoints] in failpoints.h) sit
-// before 4, after 4 and after 6. A collective that fails is a CollectiveError saying whether the
-// step was already charged; any other failure after the charge (the accountant's callback, the
-// update) is an UpdateError, which says it was (errors.h).
+// before 4, after 4, after 5 and after 6. A collective that fails is a CollectiveError saying
+// whether the step was already charged; any other failure after the charge (the accountant, the
+// update) is an UpdateError, which says it was (errors.h). An accountant that failed to compose
+// a charged step composes it with the next charge (charge()), so ε never counts fewer steps than
+// the ledger once a step completes.
 //
 // Note [one agreement per step]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -83,13 +86,13 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 
 #include <c10/util/Exception.h>
 
+#include "accounting/accountant.h"
 #include "accounting/ledger.h"
 #include "src/dp/book.h"
 #include "src/dp/errors.h"
@@ -133,16 +136,15 @@ struct StepOutcome {
   int64_t dropped = 0;          // of them, dropped for a non-finite norm
 };
 
-// Charges one step of the Poisson-subsampled Gaussian mechanism (σ, q) to the run's accountant.
-using ChargeCallback = std::function<void(double sigma, double q)>;
-
 class PrivateStep {
  public:
-  // `ledger`: rank 0's, or null (other ranks; a run without one). `charges`: the steps charged
-  // before (a reopened ledger's). Throws std::invalid_argument naming a bad setting.
+  // `ledger`: rank 0's, or null (other ranks; a run without one). `accountant`: the run's, which
+  // each charge with σ > 0 composes; null: none (ε is the caller's). `charges`: the steps charged
+  // before (a reopened ledger's), which the accountant already holds. Throws
+  // std::invalid_argument naming a bad setting.
   PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& engine,
               std::shared_ptr<accounting::Ledger> ledger, StepSettings settings,
-              ChargeCallback on_charge, int64_t charges = 0);
+              std::shared_ptr<accounting::Accountant> accountant, int64_t charges = 0);
 
   // The transaction above, a collective: every rank calls it once per logical batch. Throws
   // PrivacyError, std::invalid_argument (bad settings) or BudgetExhausted, nothing charged;
@@ -155,9 +157,11 @@ class PrivateStep {
   void drop_batch();
 
   int64_t charges() const { return charges_; }
-  // A checkpoint's charge count. Note [noise index]: a charge index is never reused, so a count
-  // below the current one is a std::invalid_argument.
-  void set_charges(int64_t charges);
+  // A checkpoint's charge count and accountant, which holds its charges. Note [noise index]: a
+  // charge index is never reused, so a count below the current one is a std::invalid_argument
+  // (and nothing changes).
+  void restore(int64_t charges, std::shared_ptr<accounting::Accountant> accountant);
+  const std::shared_ptr<accounting::Accountant>& accountant() const { return accountant_; }
   // The run's noise key (a checkpoint's secure-mode key); std::invalid_argument for a secure key
   // without 8 words.
   void set_noise_key(zero::NoiseKey key);
@@ -165,7 +169,7 @@ class PrivateStep {
 
  private:
   StepOutcome transact(const StepRequest& request);
-  // Counts step k as charged and tells the accountant.
+  // Counts step k as charged, and the accountant composes every charge it has not yet.
   void charge(int64_t k);
   // fn(), a collective of step t; a failure of the process group becomes a CollectiveError.
   [[noreturn]] void collective_failed(const char* what, int64_t step, ChargeState state,
@@ -177,9 +181,10 @@ class PrivateStep {
   zero::ZeroState& engine_;
   std::shared_ptr<accounting::Ledger> ledger_;
   StepSettings settings_;
-  ChargeCallback on_charge_;
+  std::shared_ptr<accounting::Accountant> accountant_;
   Failpoints failpoints_;  // Note [failpoints], read when the step is made
   int64_t charges_ = 0;
+  int64_t accounted_ = 0;  // the charges the accountant has composed
 };
 
 }  // namespace dpzero::dp

@@ -166,7 +166,6 @@ class ZeroState {
   // every rank). The step count is group(unit).optimizer().steps().
   std::vector<std::pair<std::string, at::Tensor>> gathered_state(int64_t unit);
   MemoryStats memory() const;
-  const std::vector<int64_t>& forward_order() const { return forward_order_; }
 
  private:
   // Stages 2–3 (Note [gradient accumulation], [stage-3 gathers]): reduce incomplete units and

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import dpzero
 from dpzero.train import datasets
 from dpzero.train.config import from_dict
-from dpzero.train.runner import build
+from dpzero.train.task import build
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(datasets.FASHION_DIR),
                                 reason="Debian package dataset-fashion-mnist not installed")
@@ -258,9 +258,12 @@ def test_a_second_job_in_a_running_jobs_directory_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("value, message", [
-    ("after_update", r"'after_update' is not POINT@CHARGE\[@RANK\]"),
-    ("during_lunch@3", r"'during_lunch@3' is not POINT@CHARGE\[@RANK\] with POINT one of"),
+    ("after_update", r"'after_update' is not POINT@CHARGE\[@RANK\]\[:raise\]"),
+    ("during_lunch@3", r"'during_lunch@3' is not POINT@CHARGE\[@RANK\]\[:raise\] with POINT one "
+                       r"of"),
     ("after_ledger@x", r"'after_ledger@x': CHARGE and RANK must be integers"),
+    ("after_ledger@0:raise", r"after_ledger takes no :raise \(the step is recorded but not yet "
+                             r"counted there\); use after_charge"),
 ])
 def test_a_misspelt_failpoint_is_an_error_naming_it(monkeypatch, value, message):
     """Read when the model is made private (Note [failpoints]): a misspelt value is an error

@@ -268,7 +268,7 @@ def test_tramer_boneh_cnn_config_runs_on_a_subset(tmp_path):
     # configs/cnn-fashion-mnist-tb.toml as shipped, on 1024 examples for 2 epochs: its settings
     # reach the model (padding 2: 12x12 maps after the first pooling), the data ([0, 1] pixels)
     # and the optimizer (SGD momentum), and ε is the accountant's for its (σ, q, steps).
-    from dpzero.train import runner
+    from dpzero.train import runner, task
 
     shipped = os.path.join(os.path.dirname(__file__), "..", "..", "configs",
                            "cnn-fashion-mnist-tb.toml")
@@ -277,7 +277,7 @@ def test_tramer_boneh_cnn_config_runs_on_a_subset(tmp_path):
     cfg.data.limit, cfg.training.epochs, cfg.training.batch_size = 1024, 2, 256
     cfg.training.max_physical_batch_size, cfg.output.dir = 128, str(tmp_path / "run")
     config.validate(cfg)
-    model, train, _, _ = runner.build(cfg)
+    model, train, _, _ = task.build(cfg)
     assert model.conv1(train.tensors[0][:1]).shape == (1, 16, 13, 13)
     assert train.tensors[0].min() == 0.0 and train.tensors[0].max() == 1.0
     result = runner.run_job(cfg)["private"]
@@ -353,7 +353,7 @@ def test_scatternet_config_runs_on_a_subset(tmp_path):
     # the model is the linear head on 81x7x7 ScatterNet features with GroupNorm(27), the data
     # are the features of [0, 1] pixels, and ε is the accountant's for its (σ, q, steps), at
     # most the target.
-    from dpzero.train import runner
+    from dpzero.train import runner, task
     from dpzero.train.features import scatter_features
 
     shipped = os.path.join(os.path.dirname(__file__), "..", "..", "configs",
@@ -364,7 +364,7 @@ def test_scatternet_config_runs_on_a_subset(tmp_path):
     cfg.data.limit, cfg.data.test_limit, cfg.training.epochs = 1024, 1000, 2
     cfg.training.batch_size, cfg.output.dir = 256, str(tmp_path / "run")
     config.validate(cfg)
-    model, train, test, _ = runner.build(cfg)
+    model, train, test, _ = task.build(cfg)
     assert isinstance(model.norm, torch.nn.GroupNorm) and model.norm.num_groups == 27
     assert model.fc.in_features == 81 * 7 * 7 and len(test) == 1000
     pixels = datasets.fashion_mnist(True, scale="unit").tensors[0][:3]
@@ -510,9 +510,9 @@ def test_sentence_features_of_a_text_depend_on_that_text_alone():
 
 
 def _embed_rank(rank, world):
-    from dpzero.train import runner
+    from dpzero.train import task
 
-    train, test = runner._embedded(None, ("computers", "politics"), 0.2, 16, 25, 9, rank, world)
+    train, test = task.embedded(None, ("computers", "politics"), 0.2, 16, 25, 9, rank, world)
     return [train.tensors, test.tensors]
 
 
@@ -522,13 +522,13 @@ def test_minilm_linear_features_are_split_over_the_ranks_and_gathered(tmp_path):
     # Two Gloo ranks each embed every other text and gather: both hold the same tensors, and
     # those are the embeddings of all texts computed here in one process, row for row and bit
     # for bit, with their labels (25 training texts: an uneven split).
-    from dpzero.train import runner
+    from dpzero.train import task
     from dpzero.train.features import sentence_features
     from dpzero.train.models import load_encoder
 
     per_rank = ranks.spawn(_embed_rank, 2, tmp_path, timeout_s=120)
     encoder, tokenizer = load_encoder(None)
-    items = runner._fortunes(["computers", "politics"], 0.2, 25, 9)
+    items = task.fortunes(["computers", "politics"], 0.2, 25, 9)
     threads = torch.get_num_threads()
     for split, split_items in enumerate(items):
         ids, mask, labels = datasets.tokenize(split_items, tokenizer, 16).tensors

@@ -82,10 +82,6 @@ class Prediction:
     memory: Dict[str, int] = field(default_factory=dict)
     time: Dict[str, float] = field(default_factory=dict)
 
-    @property
-    def samples_per_s(self) -> float:
-        return 0.0 if self.step_s <= 0 else 1.0 / self.step_s
-
 
 def _freed_share(profile: Profile, k: int) -> float:
     units = profile.units

@@ -48,6 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..private.config import resolve
+from ..private.engine import make_private_from_config
 from ..zero import default_units
 from .measure import tracked
 from .state import state_between
@@ -213,8 +215,6 @@ def profile(make_model: Callable[[], nn.Module], forward_loss: Callable[[nn.Modu
     returns the loss. ``threads``: torch threads during the probes (the per-rank share of the
     cores the planned run will have). ``group``: the planned run's process group (every rank
     calls ``profile``); the probes then run on it at stage 2, else on one rank at stage 0."""
-    import dpzero
-
     dev = torch.device(device)
     old_threads = torch.get_num_threads()
     if threads:
@@ -247,13 +247,14 @@ def profile(make_model: Callable[[], nn.Module], forward_loss: Callable[[nn.Modu
             gc.collect()
             with tracked(device) as t:
                 model = make_model()
-                p = dpzero.make_private(
-                    model, dataset=dataset, sample_rate=1.0, noise_multiplier=1.0,
+                config = resolve(
+                    accountant="prv", dataset=dataset, sample_rate=1.0, noise_multiplier=1.0,
                     max_grad_norm=1.0, clipping=clipping, zero_stage=probe_stage,
                     units=unit_names,
                     mixed_precision=mixed_precision, optimizer=optimizer, seed=0,
                     activation_checkpointing=ckpt, process_group=group,
                     **(optimizer_kwargs or {}), **(private_kwargs or {}))
+                p = make_private_from_config(model, config)
 
                 own = _OwnBatches(p, b * world)
 

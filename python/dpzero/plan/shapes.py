@@ -33,7 +33,7 @@ from torch import nn
 
 from ..private.layers import layer_kind
 from ..zero import default_units
-from .profile import Profile, UnitProfile, _storage_bytes, _storage_key, unit_profiles
+from .profile import Profile, _storage_bytes, _storage_key, unit_profiles
 
 
 def shape_profile(make_model: Callable[[], nn.Module], forward_loss: Callable[[nn.Module], torch.Tensor],

@@ -16,23 +16,8 @@ from typing import Any, Callable, Dict, List
 
 from .. import _C
 from ..noise import _as_int64
-from .book import PrivacyViolation
+from .errors import BudgetExhausted, CollectiveError, PrivacyViolation
 
-
-# The step's typed errors are C++'s (src/dp/errors.h), raised by the step's transaction
-# (src/dp/private_step.h) and by the agreements here alike.
-# The next step would spend more than the run's ε budget; nothing was charged or applied.
-BudgetExhausted = _C.dp.BudgetExhausted
-# A collective of the private step failed on this rank: a peer rank died, hung past the process
-# group's timeout (torch.distributed.init_process_group(timeout=...)), or lost its connection.
-# Its message and its ``charged`` attribute say whether the step had been charged to the ledger
-# (True, False, or None: rank 0's ledger may hold it).
-CollectiveError = _C.dp.CollectiveError
-# The step was charged to the ledger and then failed on this rank for another reason (the
-# accountant raised, the update ran out of memory): not applied here, its privacy cost counts. Its
-# message names the step, the charge and the cause; ``charged`` is always True.
-UpdateError = _C.dp.UpdateError
-UpdateError.charged = True
 
 
 class RankAgreements:

@@ -19,7 +19,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import relative_bias
-from .book import Layer, PrivacyViolation, Slot
+from .book import Layer, Slot
+from .errors import PrivacyViolation
 from .fallback import BYPASS, FuncKind, OutputLayout, swapped, taken_whole, tap
 from .layers import (EmbeddingKind, autocast_dtype, calls_base_forward, dp_apply, layer_kind,
                      overridden_base)

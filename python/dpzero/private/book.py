@@ -29,23 +29,17 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from .. import _C
+from .errors import PrivacyViolation
 from .layers import LayerKind
-
-if TYPE_CHECKING:
-    from .state_guard import ProbeWrites
 
 _dp = _C.dp  # the private step's C++ core (src/dp)
 
-
-# A gradient would escape clipping or be counted twice, or the model cannot be trained privately
-# as built. Raised by the C++ book (dp::PrivacyError) and by the Python side alike.
-PrivacyViolation = _dp.PrivacyError
 
 
 @dataclass
@@ -107,7 +101,7 @@ class Book:
         # Note [state written from data] (state_guard.py), set by the engine: watch_state() is
         # the probe's copy-on-write of the model's state (Note [probe writes]), restore_state()
         # puts its buffers back to the values fixed at make_private.
-        self.watch_state: Callable[[], "ProbeWrites"] = None  # type: ignore[assignment]
+        self.watch_state: Callable[[], Any] = None  # type: ignore[assignment]
         self.restore_state: Callable[[], None] = lambda: None
         self._generation = -1
         self._micro_batch()

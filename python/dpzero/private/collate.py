@@ -67,7 +67,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.data._utils.collate import default_collate
 
-from .book import PrivacyViolation
+from .errors import PrivacyViolation
 
 # Levels of the collate function's state ``_state`` walks; deeper state is pickled.
 _DEPTH = 8

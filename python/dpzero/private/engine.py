@@ -51,16 +51,18 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .. import _C, lifetime
+from ..data import PoissonBatchSampler
 from ..accounting import Ledger, create_accountant, get_steps
 from ..noise import NoiseSource, _as_int64
 from ..zero import default_process_group, default_units, shard
 from . import checkpointing, strict
 from .attach import assign_components, find_layers, guard_hooks, param_slots, patch, unpatch
 from .agreements import RankAgreements
-from .book import Book, PrivacyViolation, _dp
+from .book import Book, _dp
+from .errors import PrivacyViolation
 from .config import PrivateConfig, resolve
 from .examples import MicroBatchToken, tag
-from .loader import DPDataLoader, MicroBatch
+from .loader import DPDataLoader, MicroBatch, Schedule
 from .optimizer import DPOptimizer
 from .provenance import Ranks
 from .state_guard import ProbeWrites, StateGuard
@@ -286,10 +288,11 @@ class PrivacyEngine:
         # Note [noise index]: never go back to a charge index (or sampler step) already used —
         # a ledger reopened at attach may be ahead of the checkpoint.
         if int(state["charges"]) >= self.charges:
-            self._step.charges = int(state["charges"])
-            self.accountant = create_accountant(state["accountant"])
+            accountant = create_accountant(state["accountant"])
             for sigma, q, n in state["history"]:
-                self.accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=n)
+                accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=n)
+            self._step.restore(int(state["charges"]), accountant.native)
+            self.accountant = accountant
         self.next_step = max(int(state["next_step"]), self.charges)
 
     def accept_state_change(self, names=None) -> None:
@@ -409,22 +412,17 @@ class PrivacyEngine:
                          "automatic" if clipping == "automatic" else "flat", c.automatic_gamma,
                          c.loss_reduction, sharded._state, unit_numel, unit_device)
         book_ref = weakref.ref(self.book)
-        engine_ref = weakref.ref(self)  # the step's callback must not keep the engine alive
-
-        def charge(sigma: float, q: float) -> None:
-            engine_ref().accountant.step(noise_multiplier=sigma, sample_rate=q)
-
         eps, delta = self.budget if self.budget is not None else (None, None)
         self._step = _dp.PrivateStep(
             self.book._core, sharded._state,
-            self._ledger._impl if self._ledger is not None else None,
+            self._ledger.native if self._ledger is not None else None,
             noise_multiplier=sigma, max_grad_norm=max_grad_norm, sample_rate=q, dataset_size=n,
             max_steps=self.max_steps,
             budget=(f"epsilon={eps} at delta={delta:.3g} ({self.accountant_name})"
                     if self.budget is not None else ""),
             noise_key=(list(self.noise_source._key) if self.secure_mode
                        else _as_int64(self.noise_source.seed)),
-            on_charge=charge, charges=charges)
+            accountant=self.accountant.native, charges=charges)
         # Note [batch provenance]: at stage 3 the probe's forward gathers units, so all ranks
         # probe when one must (at stages 0-2 a forward has no collectives); with several ranks
         # every rank refuses a forward when one does.
@@ -479,7 +477,11 @@ class PrivacyEngine:
             self._strict.outer = self.model
         self._optimizer_kind = c.optimizer
         self.optimizer = DPOptimizer(self, c.optimizer, c.optimizer_options, c.torch_optimizer)
-        self.data_loader = DPDataLoader(self, c.dataset, steps_per_epoch,
+        schedule = Schedule(
+            sample_rate=q, sampler=self._sampler, next_step=lambda: self.next_step,
+            begin_micro_batch=self._begin_micro_batch,
+            agree=lambda what, values: agree.collective(what, agree.same_everywhere, values))
+        self.data_loader = DPDataLoader(schedule, c.dataset, steps_per_epoch,
                                         c.max_physical_batch_size, c.collate_fn, c.num_workers)
         self._attached = True
         return Private(self.model, self.optimizer, self.data_loader, self)
@@ -598,6 +600,13 @@ class PrivacyEngine:
         book.padding = padding
         book.expected_rows = micro.token.rows  # and one backward may reach the clipping
         return micro.token
+
+    def _sampler(self, steps_per_epoch: int, start: int,
+                 cap: Optional[int]) -> PoissonBatchSampler:
+        """This rank's Poisson batches from logical step ``start`` on (the loader's Schedule)."""
+        return PoissonBatchSampler(self.dataset_size, self.sample_rate, steps_per_epoch,
+                                   self.noise_source.sampler_seed, self.rank, self.world_size,
+                                   cap, start_step=start)
 
     def _begin_micro_batch(self, t: int, i: int, n: int, size: int, rows: int,
                            padding: bool = False) -> MicroBatchToken:
@@ -778,10 +787,8 @@ class PrivacyEngine:
         finally:
             self._close_logical_batch()
             # Note [noise index]: a step charged and then failed (its update, the accountant)
-            # used batch t; the sampler never draws a step below the charges again, and the
-            # accountant counts every charge.
+            # used batch t; the sampler never draws a step below the charges again.
             self.next_step = max(self.next_step, self.charges)
-            self._catch_up_accountant()
             self._reseed_generators(t)
         self._state.record_trained()  # the update's own writes
         self.next_step = max(t + 1, self.charges)
@@ -814,17 +821,6 @@ class PrivacyEngine:
         numpy = sys.modules.get("numpy")
         if numpy is not None:
             numpy.random.seed(seed % (1 << 32))
-
-    def _catch_up_accountant(self) -> None:
-        """Charges the accountant with any step the ledger charged that its callback missed (it
-        raised), so that epsilon() never reports less than what was charged."""
-        missing = self.charges - len(self.accountant)
-        if missing > 0 and self.noise_multiplier > 0.0:
-            try:
-                self.accountant.step(noise_multiplier=self.noise_multiplier,
-                                     sample_rate=self.sample_rate, num_steps=missing)
-            except Exception:  # noqa: BLE001 - the step's own error is the one raised
-                pass
 
     def _diagnose(self, t: int, k: int, sampling: str, size: int, samples: int,
                   dropped: int) -> None:
@@ -876,6 +872,15 @@ class PrivacyEngine:
     def parameters(self) -> Dict[str, torch.Tensor]:
         """Every trainable parameter by name (fp32 master; a collective in stages 1-3)."""
         return self.sharded.full_parameters()
+
+
+def make_private_from_config(model: nn.Module, config: PrivateConfig, *, accountant: str = "prv",
+                             secure_mode: bool = False) -> Private:
+    """A new PrivacyEngine attached to ``model`` with ``config`` (``resolve``'s): what
+    ``dpzero.make_private`` does once its policy is chosen, and what the memory planner's probes
+    run (below the front door, which depends on the planner)."""
+    engine = PrivacyEngine(accountant=accountant, secure_mode=secure_mode)
+    return engine._attach(model, config)
 
 
 def _refuse_compiled(model: nn.Module) -> None:

@@ -466,10 +466,6 @@ def _rule(*funcs, inplace: bool = False):
     return register
 
 
-def _first_tagged(args, kwargs) -> Optional[Examples]:
-    return next((x for x in _flat(args, kwargs) if _is_tagged(x)), None)
-
-
 def varies_along(u: torch.Tensor, dim: int, ndim: int) -> bool:
     """Whether ``u``, broadcast (right-aligned) into a result of ``ndim`` dims, holds different
     values along the result's ``dim``: it has that dim, of size above 1, not as a stride-0

@@ -42,7 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
 
-from .book import PrivacyViolation
+from .errors import PrivacyViolation
 from .layers import LayerKind
 
 

@@ -6,7 +6,7 @@ short (Note [padding batches])."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Optional
 
 from torch.utils.data import DataLoader, Dataset
 
@@ -14,8 +14,20 @@ from ..data import PoissonBatchSampler, empty_safe_collate
 from .collate import SeparableCollate
 from .examples import MicroBatchToken, tag
 
-if TYPE_CHECKING:
-    from .engine import PrivacyEngine
+
+@dataclass(frozen=True)
+class Schedule:
+    """What the private loader needs of its engine, handed to it explicitly. The engine owns the
+    step count and the sampling seed (a checkpoint's load may move both), so the loader asks for
+    them each epoch rather than keeping copies."""
+    sample_rate: float  # q
+    # (steps_per_epoch, start step, micro-batch cap) -> this rank's sampler from that step on
+    sampler: Callable[[int, int, Optional[int]], PoissonBatchSampler]
+    next_step: Callable[[], int]  # the first logical step not yet taken
+    # (t, i, n, size, rows, padding) -> the token of micro-batch i of n of logical step t
+    begin_micro_batch: Callable[..., MicroBatchToken]
+    # (what, {name: value}): every rank checks it holds the same values (a collective)
+    agree: Callable[[str, dict], None]
 
 
 class DPDataLoader:
@@ -25,10 +37,10 @@ class DPDataLoader:
     tensors it yields carry the micro-batch's tag (Note [batch provenance]): the model accepts
     them, and no others, for the step."""
 
-    def __init__(self, engine: "PrivacyEngine", dataset: Dataset, steps_per_epoch: int,
+    def __init__(self, schedule: Schedule, dataset: Dataset, steps_per_epoch: int,
                  max_physical_batch_size: Optional[int], collate_fn=None, num_workers: int = 0,
                  pin_memory: bool = False) -> None:
-        self._engine = engine
+        self._schedule = schedule
         self.dataset = dataset
         self.steps_per_epoch = int(steps_per_epoch)
         self.max_physical_batch_size = max_physical_batch_size
@@ -36,19 +48,27 @@ class DPDataLoader:
         self.collate_fn = SeparableCollate(collate_fn or empty_safe_collate(dataset),
                                            vouched=collate_fn is None)
         self.num_workers, self.pin_memory = num_workers, pin_memory
-        self.sample_rate = engine.sample_rate
+        self.sample_rate = schedule.sample_rate
 
     def _sampler(self, start: int) -> PoissonBatchSampler:
-        e = self._engine
-        return PoissonBatchSampler(e.dataset_size, e.sample_rate, self.steps_per_epoch,
-                                   e.noise_source.sampler_seed, e.rank, e.world_size,
-                                   self.max_physical_batch_size, start_step=start)
+        return self._schedule.sampler(self.steps_per_epoch, start, self.max_physical_batch_size)
+
+    def cap_physical_batch_size(self, cap: int) -> Optional[int]:
+        """Cuts micro-batches at no more than ``cap`` rows from now on (the smaller of it and
+        the cap in force), once every rank has agreed on ``cap`` (Note [poisson schedule]: every
+        rank derives every rank's micro-batch counts from it). Returns the cap that was in force,
+        for ``max_physical_batch_size`` to be set back to."""
+        self._schedule.agree("agreeing on the micro-batch cap",
+                             {"max_physical_batch_size": cap})
+        previous = self.max_physical_batch_size
+        self.max_physical_batch_size = cap if previous is None else min(previous, cap)
+        return previous
 
     def __len__(self) -> int:
-        return len(self._sampler(self._engine.next_step))
+        return len(self._sampler(self._schedule.next_step()))
 
     def __iter__(self):
-        start = self._engine.next_step
+        start = self._schedule.next_step()
         sampler = self._sampler(start)
         padded = _PaddedBatches(sampler)
         loader = DataLoader(self.dataset, batch_sampler=padded, collate_fn=self.collate_fn,
@@ -57,8 +77,8 @@ class DPDataLoader:
                 for t, s in self._sampler(start).logical_batches()
                 for i, mb in enumerate(s.micro_batches))
         for batch, (t, i, n, size, rows) in zip(loader, meta):
-            token = self._engine._begin_micro_batch(t, i, n, size, max(rows, 1),
-                                                    padding=rows == 0)
+            token = self._schedule.begin_micro_batch(t, i, n, size, max(rows, 1),
+                                                     padding=rows == 0)
             yield tag(batch, token)  # Note [batch provenance]
 
 

@@ -43,7 +43,7 @@ from typing import Callable, Dict, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from .book import PrivacyViolation
+from .errors import PrivacyViolation
 from .examples import Examples, MicroBatchToken, _holds_examples, _storage, _taint_only
 
 _SOURCES = itertools.count()

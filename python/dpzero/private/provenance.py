@@ -61,7 +61,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .book import PrivacyViolation
+from .errors import PrivacyViolation
 from .examples import (_ELEMENTWISE, _ELEMENTWISE_INPLACE, Examples, MicroBatchToken, _suspect,
                        _wrap, lost_at, untagged, varies_along)
 from .state_guard import refusal_text

@@ -65,6 +65,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .errors import PrivacyViolation
 from .examples import untag
 
 # Bytes of a frozen tensor hashed per host copy (a CUDA tensor is copied in pieces this size).
@@ -438,8 +439,6 @@ class StateGuard:
     def verify_release(self, what: str) -> None:
         """Before ``what`` releases the model's state: raises PrivacyViolation naming every
         buffer or frozen parameter that changed (the buffers are left as they are)."""
-        from .book import PrivacyViolation
-
         problems = self._structure() + self._written_trained()
         now = self._read(self.step_flags(pending=False))
         changed = [e for e in self._changed(now, False) if e.buffer] + self._changed_by_digest()

@@ -87,7 +87,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
 
 from .attach import _cache_off, _rejection
-from .book import Layer, PrivacyViolation
+from .book import Layer
+from .errors import PrivacyViolation
 from .examples import _wrap
 from .fallback import FuncKind, _check_separable, drop_rows, swapped, tap
 from .per_call import _SOURCES, PerCall, hold_to_promise

@@ -40,7 +40,7 @@ def _profile_rank(rank, world, store, backend, cfg, out):
 
 
 def _profile(cfg: RunConfig, world: int, rank: int, group) -> Profile:
-    from .runner import build
+    from .task import build
 
     # One micro-batch per rank is all the profile reads, so the job is built on that many
     # training examples and one test example. A head on fixed features sees rows of one shape

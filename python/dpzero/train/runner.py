@@ -36,7 +36,6 @@ run never silently continues (or appears to restart) the budget of the first.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -44,175 +43,23 @@ import sys
 import time
 from typing import Dict, Optional
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import TensorDataset
 
-from .. import _C
 from .. import checkpoint as ckpt
 from ..front import make_private
 from ..private import BudgetExhausted
 from .config import ConfigError, RunConfig
-from .datasets import fashion_mnist, fortune_texts, split_texts, tokenize
-from .features import scatter_features, sentence_features
-from .models import (ScatterNetCNN, ScatterNetLinear, SentenceLinear, TanhCNN, load_encoder,
-                     load_minilm)
+from .outputs import Progress, atomic_json, atomic_save, final_state
 from .report import PRIVATE_DIR
-
-
-def _rank_world():
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def build(cfg: RunConfig):
-    """(model, train set, test set, batch -> (inputs tuple, labels))."""
-    torch.manual_seed(cfg.training.seed)
-    m, d = cfg.model, cfg.data
-    if m.kind == "minilm-linear":  # Note [fixed features and privacy] (features.py)
-        train, test = _embedded(m.path, tuple(d.categories), d.test_fraction, d.max_length,
-                                d.limit, d.test_limit, *_rank_world())
-        torch.manual_seed(cfg.training.seed)  # the head's draw, whether or not features were cached
-        model = SentenceLinear(len(d.categories), train.tensors[0].shape[1])
-        unpack = lambda b: ((b[0],), b[1])  # noqa: E731
-    elif m.kind == "minilm":
-        train_items, test_items = _fortunes(d.categories, d.test_fraction, d.limit, d.test_limit)
-        model, tokenizer = load_minilm(m.path, len(d.categories), m.train_layers, m.lora_rank,
-                                       m.lora_alpha)
-        train = tokenize(train_items, tokenizer, d.max_length)
-        test = tokenize(test_items, tokenizer, d.max_length)
-        unpack = lambda b: ((b[0], b[1]), b[2])  # noqa: E731
-    else:
-        if cfg.model.kind == "cnn":
-            train, test = _images(True, d.scale, d.limit), _images(False, d.scale, d.test_limit)
-            model = TanhCNN(10, padding=cfg.model.padding)
-        else:  # Note [fixed features and privacy] (features.py)
-            train = _scattered(True, d.scale, d.limit)
-            test = _scattered(False, d.scale, d.test_limit)
-            head = ScatterNetLinear if cfg.model.kind == "scatternet-linear" else ScatterNetCNN
-            model = head(10, groups=cfg.model.groups)
-        unpack = lambda b: ((b[0],), b[1])  # noqa: E731
-    return model, train, test, unpack
-
-
-def _fortunes(categories, test_fraction: float, limit: int, test_limit: int):
-    """(train, test) [(text, label)] of the fortunes categories, each cut to its limit (0 = all)."""
-    train, test = split_texts(fortune_texts(categories), test_fraction)
-    return train[:limit] if limit else train, test[:test_limit] if test_limit else test
-
-
-@functools.lru_cache(maxsize=4)
-def _embedded(path, categories: tuple, test_fraction: float, max_length: int, limit: int,
-              test_limit: int, rank: int, world: int):
-    """(train, test) TensorDatasets of (MiniLM sentence embeddings [n, 384], labels [n]), for
-    kind "minilm-linear". Rank r embeds the texts r, r + W, ... and the ranks gather them, so
-    every rank holds the same tensors and each text is encoded once. Kept for the process, like
-    _scattered, so a one-rank sweep's runs embed the texts once."""
-    train_items, test_items = _fortunes(list(categories), test_fraction, limit, test_limit)
-    encoder, tokenizer = load_encoder(path)
-    out = []
-    for items in (train_items, test_items):
-        ids, mask, labels = tokenize(items, tokenizer, max_length).tensors
-        mine = sentence_features(encoder, ids[rank::world], mask[rank::world])
-        if world > 1:
-            parts = [None] * world
-            dist.all_gather_object(parts, mine)
-            features = torch.empty(len(items), mine.shape[1])
-            for r, part in enumerate(parts):
-                features[r::world] = part
-        else:
-            features = mine
-        out.append(TensorDataset(features, labels))
-    return tuple(out)
-
-
-def _images(train: bool, scale: str, limit: int) -> TensorDataset:
-    """Fashion-MNIST's training or test split, its first ``limit`` examples (0 = all)."""
-    data = fashion_mnist(train=train, scale=scale)
-    return TensorDataset(*(t[:limit] for t in data.tensors)) if limit else data
-
-
-@functools.lru_cache(maxsize=2)
-def _scattered(train: bool, scale: str, limit: int) -> TensorDataset:
-    """_images' ScatterNet features [n, 81, 7, 7] and labels. Kept for the process (the training
-    and the test split, 1.1 GB for all of Fashion-MNIST) so that the runs of a one-rank sweep, and
-    a run's baseline, compute them once: about 3 minutes here for the 70,000 images."""
-    images, labels = _images(train, scale, limit).tensors
-    return TensorDataset(scatter_features(images), labels)
-
-
-def input_names(cfg: RunConfig) -> tuple:
-    """The names of the model's forward arguments, in ``unpack``'s order (build)."""
-    return ("input_ids", "attention_mask") if cfg.model.kind == "minilm" else ("x",)
-
-
-def evaluate(model, test, unpack, batch: int = 256) -> Dict[str, float]:
-    """Accuracy and mean loss over the test set. Each rank takes rows k mod W; all ranks run
-    the same number of forwards (stage 3 gathers in every forward), the last ones possibly
-    empty, and the counts are summed."""
-    rank, world = _rank_world()
-    n = len(test)
-    idx = torch.arange(rank, n, world)
-    rounds = math.ceil(math.ceil(n / world) / batch)
-    correct = [0.0, 0.0, 0.0]  # correct, loss sum, count
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for r in range(rounds):
-            rows = idx[r * batch:(r + 1) * batch]
-            inputs, y = unpack(test[rows])
-            logits = model(*inputs)
-            correct[0] += (logits.argmax(-1) == y).sum().item()
-            correct[1] += F.cross_entropy(logits, y, reduction="sum").item() if len(y) else 0.0
-            correct[2] += len(y)
-    model.train(was_training)
-    if world > 1:  # in C++, not torch.distributed: see python/csrc/comm_bindings.cpp
-        correct = _C.comm.all_reduce_sum_float64(dist.group.WORLD, correct)
-    return {"accuracy": correct[0] / correct[2], "test_loss": correct[1] / correct[2]}
-
-
-class _Progress:
-    """Rank 0's progress line: steps and ε spent so far, and the private model's test accuracy
-    after each epoch — nothing computed from the training data (Note [released figures])."""
-
-    def __init__(self, total: int, label: str, enabled: bool) -> None:
-        self.enabled, self.label = enabled, label
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm
-
-            # No elapsed time or rate: step times follow the realised batch sizes.
-            self.bar = tqdm(total=total, desc=label, file=sys.stderr, dynamic_ncols=True,
-                            mininterval=0.5,
-                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}")
-
-        self.post: Dict[str, str] = {}
-
-    def update(self, eps: Optional[float] = None, accuracy: Optional[float] = None,
-               step: bool = True) -> None:
-        if self.bar is None:
-            return
-        if eps is not None:
-            self.post["eps"] = "inf" if math.isinf(eps) else f"{eps:.3f}"
-        if accuracy is not None:
-            self.post["test_acc"] = f"{accuracy:.3f}"
-        if self.post:
-            self.bar.set_postfix(self.post)
-        if step:
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+from .task import build, evaluate, rank_world
 
 
 def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics,
                resume: bool = False) -> Dict:
     """One run (private or the baseline). ``metrics``: rank 0's released log (metrics.jsonl);
     ``diagnostics``: rank 0's private one (private/training.jsonl); None on other ranks."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     model, train, test, unpack = build(cfg)
     n = len(train)
     delta = cfg.delta_for(n)
@@ -251,7 +98,7 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
                                   f"({engine.charges} steps charged); refusing to start")
         total_steps = min(total_steps, taken + engine.remaining_steps)
     every = t_cfg.checkpoint_interval(total_steps) if private else 0
-    progress = _Progress(total_steps - taken, label, enabled=rank == 0)
+    progress = Progress(total_steps - taken, label, enabled=rank == 0)
     start = time.time()
     step_loss, step_rows = 0.0, 0
     stopped = None
@@ -314,8 +161,8 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
               "policy": (engine.plan["chosen"].policy.label(len(engine.plan["units"]))
                          if engine.plan else "fixed"), **final}
     if rank == 0 and private:
-        _atomic_save(_final_state(model, params), os.path.join(run_dir, "model.pt"))
-        _atomic_json(result, os.path.join(run_dir, "private.json"))
+        atomic_save(final_state(model, params), os.path.join(run_dir, "model.pt"))
+        atomic_json(result, os.path.join(run_dir, "private.json"))
     return result
 
 
@@ -365,33 +212,6 @@ def _newest_committed(root: str) -> Optional[str]:
     return os.path.join(root, max(steps, key=lambda name: int(name[5:]))) if steps else None
 
 
-def _atomic_save(obj, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _atomic_json(obj, path: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _final_state(model, params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The model's state_dict with every trained parameter (also under a tied alias) taken from
-    the engine's fp32 master values: in stage 3 the module's own copies are freed shards."""
-    canonical = {id(p): n for n, p in model.named_parameters()}
-    every = dict(model.named_parameters(remove_duplicate=False))
-    state = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        name = canonical.get(id(every[key])) if key in every else None
-        state[key] = params[name] if name in params else value.detach().clone()
-    return state
-
-
 def check_run_dir(cfg: RunConfig, resume: bool) -> None:
     """Note [resuming a run]: a run directory with a ledger is continued only on request."""
     ledger = os.path.join(cfg.output.dir, "ledger.jsonl")
@@ -425,12 +245,12 @@ def run_job(cfg: RunConfig, resume: bool = False) -> Dict:
     from .report import write_report
 
     check_run_dir(cfg, resume)
-    rank, _ = _rank_world()
+    rank, _ = rank_world()
     run_dir = cfg.output.dir
     torn = None
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
-        _atomic_json(cfg.to_dict(), os.path.join(run_dir, "config.json"))
+        atomic_json(cfg.to_dict(), os.path.join(run_dir, "config.json"))
         if resume:
             torn = _cut_torn_tail(os.path.join(run_dir, "ledger.jsonl"))
     if dist.is_available() and dist.is_initialized():
@@ -461,8 +281,8 @@ def run_job(cfg: RunConfig, resume: bool = False) -> Dict:
                 f.close()
     if rank != 0:
         return {}
-    _atomic_json({"private": results["private"]}, os.path.join(run_dir, "result.json"))
+    atomic_json({"private": results["private"]}, os.path.join(run_dir, "result.json"))
     if "baseline" in results:  # a model trained without privacy: none of it is released
-        _atomic_json(results["baseline"], os.path.join(run_dir, PRIVATE_DIR, "baseline.json"))
+        atomic_json(results["baseline"], os.path.join(run_dir, PRIVATE_DIR, "baseline.json"))
     write_report(run_dir)
     return results

@@ -177,7 +177,7 @@ def _run_all(cfg: RunConfig, grid, runs, out_dir: str) -> Dict[str, Any]:
     """Each planned run reused, resumed or run; then the composed ε, the tables and the plot."""
     from ..accounting import Ledger, composed_epsilon
     from .launch import launch_config
-    from .runner import _atomic_json
+    from .outputs import atomic_json
 
     rows = []
     for i, (values, seed, run) in enumerate(runs):
@@ -211,7 +211,7 @@ def _run_all(cfg: RunConfig, grid, runs, out_dir: str) -> Dict[str, Any]:
     _write_csv(rows, os.path.join(out_dir, "sweep.csv"))
     _write_text(format_markdown(summary), os.path.join(out_dir, "sweep.md"))
     _plot(summary, os.path.join(out_dir, "sweep.png"))
-    _atomic_json(summary, os.path.join(out_dir, "sweep.json"))
+    atomic_json(summary, os.path.join(out_dir, "sweep.json"))
     return summary
 
 

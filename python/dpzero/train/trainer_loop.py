@@ -42,8 +42,8 @@ from ..hf import PrivacyArguments, PrivateTrainer
 from ..hf.trainer import PRIVACY_STATE
 from .config import RunConfig
 from .report import PRIVATE_DIR
-from .runner import _atomic_json, _atomic_save, _final_state, _Progress, _rank_world, build, \
-    evaluate, input_names
+from .outputs import Progress, atomic_json, atomic_save, final_state
+from .task import build, evaluate, input_names, rank_world
 
 # dpzero's optimizer names as the Trainer's `optim` (AdamW with weight_decay 0 is Adam).
 _OPTIM = {"adamw": "adamw_torch", "adam": "adamw_torch", "sgd": "sgd"}
@@ -107,7 +107,7 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
                        resume: bool = False) -> Dict:
     """One run (private or the baseline) through PrivateTrainer; ``metrics``/``diagnostics``
     as in runner.train_once (rank 0's logs, None elsewhere)."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     model, train, test, unpack = build(cfg)
     n = len(train)
     delta = cfg.delta_for(n)
@@ -151,7 +151,7 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
     # The Trainer's printer shows each log (ε, δ, lr, epoch: the unreleased figures are gone);
     # its progress bar would show step times, so runner's bar takes its place.
     checkpoint = latest_checkpoint(run_dir) if private and resume else None
-    progress = _Progress(trainer.planned_steps - _step_of(checkpoint), label, enabled=rank == 0)
+    progress = Progress(trainer.planned_steps - _step_of(checkpoint), label, enabled=rank == 0)
     trainer.add_callback(_RunLogs(trainer, label, private, test, unpack, metrics, diagnostics,
                                   progress))
     if private and resume and metrics is not None:
@@ -173,8 +173,8 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
               "stopped": trainer.budget_stop, "charged_steps": engine.charges if private else 0,
               "zero_stage": engine.sharded.stage, "policy": "fixed", "loop": "trainer", **final}
     if rank == 0 and private:
-        _atomic_save(_final_state(model, params), os.path.join(run_dir, "model.pt"))
-        _atomic_json(result, os.path.join(run_dir, "private.json"))
+        atomic_save(final_state(model, params), os.path.join(run_dir, "model.pt"))
+        atomic_json(result, os.path.join(run_dir, "private.json"))
     return result
 
 
@@ -192,7 +192,7 @@ class _RunLogs(TrainerCallback):
     """The run directory's logs from the Trainer's events (every rank; rank 0 writes)."""
 
     def __init__(self, trainer, label: str, private: bool, test, unpack, metrics,
-                 diagnostics, progress: _Progress) -> None:
+                 diagnostics, progress: Progress) -> None:
         self.trainer, self.label, self.private = trainer, label, private
         self.test, self.unpack = test, unpack
         self.metrics, self.diagnostics, self.progress = metrics, diagnostics, progress

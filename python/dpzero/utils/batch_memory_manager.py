@@ -9,7 +9,6 @@ cutting, never which examples are sampled or what is charged: ε is the same.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from ..private.loader import DPDataLoader
@@ -34,14 +33,7 @@ class BatchMemoryManager:
         self._saved: Optional[int] = None
 
     def __enter__(self) -> DPDataLoader:
-        # Every rank derives every rank's micro-batch count from the cap (Note [poisson
-        # schedule]): agreed first, as make_private agrees on its own.
-        agree = self.data_loader._engine.agreements
-        agree.collective("agreeing on BatchMemoryManager's cap", agree.same_everywhere,
-                         {"max_physical_batch_size": self.max_physical_batch_size})
-        self._saved = self.data_loader.max_physical_batch_size
-        current = math.inf if self._saved is None else self._saved
-        self.data_loader.max_physical_batch_size = min(current, self.max_physical_batch_size)
+        self._saved = self.data_loader.cap_physical_batch_size(self.max_physical_batch_size)
         return self.data_loader
 
     def __exit__(self, *exc) -> None:

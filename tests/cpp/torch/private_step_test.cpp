@@ -78,7 +78,22 @@ struct Options {
   std::optional<int64_t> max_steps;
   std::string ledger_path;  // "" : no ledger
   int64_t charges = 0;
-  std::function<void(double, double)> on_charge;  // besides counting
+  std::function<void(double, double)> on_charge;  // run by the accountant as it composes a step
+};
+
+// The run's accountant as the step sees it (accounting/accountant.h): it runs the test's probe of
+// the moment of the charge (or its failure) as it composes a step; its steps() count the steps
+// composed.
+class ProbeAccountant final : public accounting::Accountant {
+ public:
+  explicit ProbeAccountant(std::function<void(double, double)> probe) : probe_(std::move(probe)) {}
+  accounting::AccountantKind kind() const override { return accounting::AccountantKind::kRdp; }
+
+ private:
+  void compose(const accounting::Phase& phase) override {
+    if (probe_) probe_(phase.sigma, phase.q);
+  }
+  std::function<void(double, double)> probe_;
 };
 
 // One micro-batch of kB rows: the Linear call's input A [B, T, 3] and output gradient G [B, T, 2],
@@ -151,14 +166,9 @@ struct Rank {
     settings.max_steps = o.max_steps;
     settings.budget = "epsilon=1 at delta=1e-05 (rdp)";
     settings.noise_key.seed = kSeed;
-    auto extra = o.on_charge;
-    step = std::make_unique<PrivateStep>(
-        book, *state, ledger, settings,
-        [this, extra](double sigma, double q) {
-          ++charged;
-          if (extra) extra(sigma, q);
-        },
-        o.charges);
+    accountant = std::make_shared<ProbeAccountant>(o.on_charge);
+    if (o.charges > 0 && o.sigma > 0.0) accountant->step(kQ, o.sigma, o.charges);
+    step = std::make_unique<PrivateStep>(book, *state, ledger, settings, accountant, o.charges);
   }
 
   // Micro-batch batch_of(seed, rank) through the book, as a DP Linear's backward reports it.
@@ -186,7 +196,8 @@ struct Rank {
   std::shared_ptr<Book> book;
   std::shared_ptr<accounting::Ledger> ledger;  // rank 0's
   std::unique_ptr<PrivateStep> step;
-  int charged = 0;
+  std::shared_ptr<ProbeAccountant> accountant;
+  int64_t charged() const { return accountant->steps(); }  // the steps ε counts
 };
 
 int64_t ledger_steps(const std::string& path) {
@@ -259,7 +270,7 @@ TEST(PrivateStep, LedgerThatCannotBeWrittenStopsTheStepBeforeTheUpdate) {
       EXPECT_TRUE(contains(why, "rank 0 could not write the privacy ledger")) << why;
     }
     EXPECT_EQ(rank.step->charges(), 0);
-    EXPECT_EQ(rank.charged, 0);
+    EXPECT_EQ(rank.charged(), 0);
     EXPECT_TRUE(torch::equal(rank.params(), before));
     EXPECT_TRUE(rank.dropped());
   });
@@ -309,7 +320,7 @@ TEST(PrivateStep, BudgetGuardStopsAtTheTarget) {
     EXPECT_TRUE(contains(why, "budget epsilon=1 at delta=1e-05 (rdp) allows 2 steps")) << why;
     EXPECT_TRUE(contains(why, "2 are charged, so step 3 was not taken")) << why;
     EXPECT_EQ(rank.step->charges(), 2);
-    EXPECT_EQ(rank.charged, 2);
+    EXPECT_EQ(rank.charged(), 2);
     EXPECT_TRUE(torch::equal(rank.params(), after_two));
     EXPECT_TRUE(rank.dropped());
   });
@@ -325,7 +336,7 @@ TEST(PrivateStep, BudgetGuardStopsAtTheTarget) {
     rank.micro_batch(3);
     const std::string why = testing::error_message<BudgetExhausted>([&] { rank.take(3, 2 * kB); });
     EXPECT_TRUE(contains(why, "2 are charged, so step 3 was not taken")) << why;
-    EXPECT_EQ(rank.charged, 0);
+    EXPECT_EQ(rank.charged(), 2);  // the reopened ledger's, nothing more
   });
   EXPECT_EQ(ledger_steps(path), 2);
 }
@@ -393,16 +404,17 @@ TEST(PrivateStep, CollectiveFailureInTheUpdateSaysTheStepWasCharged) {
     }
     done = true;
     EXPECT_EQ(rank.step->charges(), 1);
-    EXPECT_EQ(rank.charged, 1);
+    EXPECT_EQ(rank.charged(), 1);
     EXPECT_TRUE(torch::equal(rank.params(), before));
   });
   EXPECT_EQ(ledger_steps(path), 1);
 }
 
-// A failure after the charge that is not a collective's (here the accountant's callback raises;
+// A failure after the charge that is not a collective's (here the accountant's composition raises;
 // an allocation in the update would do the same) is an UpdateError saying the step was charged,
 // with the cause nested: the ledger holds the step, the count has it, the model is unchanged and
-// the batch is dropped; the next step draws the next charge index.
+// the batch is dropped; the next step draws the next charge index, and the accountant composes
+// the step it missed with it.
 TEST(PrivateStep, FailureAfterTheChargeSaysTheStepWasCharged) {
   const std::string path = temp_dir() + "/ledger.jsonl";
   run_ranks(1, std::chrono::seconds(60), [&](int r, auto pg) {
@@ -431,9 +443,13 @@ TEST(PrivateStep, FailureAfterTheChargeSaysTheStepWasCharged) {
     EXPECT_EQ(rank.step->charges(), 1);
     EXPECT_TRUE(torch::equal(rank.params(), before));
     EXPECT_TRUE(rank.dropped());
+    EXPECT_EQ(rank.charged(), 0);  // the accountant failed on charge 0
     fail = false;
     rank.micro_batch(1);
     EXPECT_EQ(rank.take(1, kB).noise_index, 1);
+    EXPECT_EQ(rank.charged(), 2);  // the next charge composes the one it missed
+    ASSERT_EQ(rank.accountant->phases().size(), 1u);
+    EXPECT_EQ(rank.accountant->phases()[0].steps, 2);
   });
   EXPECT_EQ(ledger_steps(path), 2);
 }
@@ -539,8 +555,9 @@ TEST(PrivateStep, ChargesNeverGoBackAndSecureKeysHaveEightWords) {
     Options o;
     o.charges = 4;
     Rank rank(r, pg, o);
-    EXPECT_THROW(rank.step->set_charges(3), std::invalid_argument);
-    rank.step->set_charges(6);
+    EXPECT_THROW(rank.step->restore(3, rank.accountant), std::invalid_argument);
+    EXPECT_EQ(rank.step->charges(), 4);
+    rank.step->restore(6, rank.accountant);
     EXPECT_EQ(rank.step->charges(), 6);
     zero::NoiseKey key;
     key.secure = true;

@@ -1,0 +1,17 @@
+// accounting/accountant.cpp — see accountant.h.
+#include "accounting/accountant.h"
+
+namespace dpzero::accounting {
+
+void Accountant::add(const Phase& phase) {
+  validate_phase(phase);
+  compose(phase);
+  if (!phases_.empty() && phases_.back().q == phase.q && phases_.back().sigma == phase.sigma) {
+    phases_.back().steps += phase.steps;
+  } else {
+    phases_.push_back(phase);
+  }
+  steps_ += phase.steps;
+}
+
+}  // namespace dpzero::accounting
