@@ -2,7 +2,7 @@
 // host and the device: what dpzero::_certify and dpzero::_group_clip compute per sample
 // (schemas in kernels/ops.cpp; kernels/cpu/certify.cpp and kernels/cuda/certify.cu run these
 // same functions over a [B] vector, one pass, one launch). The bounds are Note [certified norms]
-// (kernels/per_sample_ops.h) and Note [certified group norms] (src/dp/clip_group.h); the clip
+// (kernels/per_sample/common.h) and Note [certified group norms] (src/dp/clip_group.h); the clip
 // factor is privacy/clipping.h's.
 //
 // Every step is a sequence of IEEE float64 operations each rounded to nearest once: both
@@ -22,7 +22,7 @@ namespace dpzero::kernels::certify {
 
 // What one _certify call computes from the per-sample value v (float64, or float32 widened
 // exactly), the per-sample S of Note [certified norms] (float64), the call's coefficient and its
-// margin m (Note [clipped-sum rounding] in kernels/per_sample_ops.h: the certifying steps then
+// margin m (Note [clipped-sum rounding] in kernels/per_sample/common.h: the certifying steps then
 // bound (||W|| + m S / 2)^2, not ||W||^2; m = 0: no margin).
 enum class Step : int64_t {
   kGhost = 0,      // b = up(max(v, 0) + S² coef), coef = 2c (the ghost margin);

@@ -112,7 +112,7 @@ TORCH_LIBRARY(dpzero, m) {
   m.def("_token_ghost_sq_norms(Tensor ids, Tensor G, int padding_idx) -> (Tensor, Tensor)");
   // _ghost_sq_norms of A against each G[l]: ([L, B] values, [L, B] S), float64.
   m.def("_ghost_sq_norms_multi(Tensor A, Tensor[] G) -> (Tensor, Tensor)");
-  // Note [row sums] in kernels/per_sample_ops.h: G [B, T, d] -> (sum_t G_t [B, d], sum_t ||G_t||
+  // Note [row sums] in kernels/per_sample/common.h: G [B, T, d] -> (sum_t G_t [B, d], sum_t ||G_t||
   // [B]); x, G [B, T, d] -> (sum_t G_t ⊙ x̂_t [B, d], sum_t ||G_t ⊙ x̂_t|| [B]), x̂ the LayerNorm
   // (rms=False) or RMSNorm (rms=True) normalisation of x over d with eps; all float64.
   m.def("_row_sums(Tensor G) -> (Tensor, Tensor)");
@@ -126,7 +126,7 @@ TORCH_LIBRARY(dpzero, m) {
   // kernels/certify.h's Step table says what each step computes from value (float64 or float32;
   // [B] for most steps, [B, n] for kRows, [P, B] for kSumUp), S (float64, value's shape or [B];
   // the certifying steps only), coef and, for the certifying steps, margin (Note [clipped-sum
-  // rounding] in kernels/per_sample_ops.h). Returns float64 where the step gives float64 and not
+  // rounding] in kernels/per_sample/common.h). Returns float64 where the step gives float64 and not
   // f32, else float32 rounded up (down for the kRoundDown and kScaleDown steps).
   m.def("_certify(Tensor value, Tensor? S, float coef, int step, bool f32=False, "
         "float margin=0.0) -> Tensor");

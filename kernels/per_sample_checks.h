@@ -3,7 +3,7 @@
 // ghost-vs-direct cost rule (Note [ghost or direct]), the `method` argument, the [B, *, d] ->
 // [B, T, d] flattening, the sample-chunk size that bounds temporary memory, and the summation
 // depth of the ghost kernels that the certified norms rely on (Note [certified norms] in
-// kernels/per_sample_ops.h).
+// kernels/per_sample/common.h).
 #pragma once
 
 #include <algorithm>
@@ -47,7 +47,7 @@ inline bool host_path(const at::Tensor& x) {
 // ghost path iff 2 T^2 <= d_in d_out (the layer-wise choice of "mixed ghost clipping", Bu et al.
 // 2022, "Scalable and efficient training of large convolutional neural networks with differential
 // privacy"; design.md §2 step 3). Both are computed in float64 and returned as certified upper
-// bounds of the exact value (Note [certified norms] in kernels/per_sample_ops.h): each is at
+// bounds of the exact value (Note [certified norms] in kernels/per_sample/common.h): each is at
 // least the exact squared norm and exceeds it by at most a margin of order (T + d_in + d_out) *
 // 2^-53 * S^2, S = sum_t ||a_t|| ||g_t||, so the two paths agree far below fp32 resolution except
 // in inputs that cancel so strongly that S^2 exceeds the squared norm ~10^5-fold or more.
@@ -98,7 +98,7 @@ inline bool use_ghost(NormMethod method, int64_t T, int64_t d_in, int64_t d_out)
 // layer but a 1 x 1 one, and on the CUDA embedding path likewise.
 
 // An embedding's path: as use_ghost with (T, min(T, V), d), except that on the CPU `auto` is
-// always direct: the CPU kernel of Note [embedding rows] (kernels/per_sample_ops.h) holds one
+// always direct: the CPU kernel of Note [embedding rows] (kernels/per_sample/embedding.h) holds one
 // [d] row per thread and does T d work per sample against the ghost path's 2 T^2 d.
 inline bool embedding_uses_ghost(NormMethod method, int64_t T, int64_t num_embeddings, int64_t d,
                                  bool cpu) {

@@ -9,6 +9,16 @@
 
 namespace dpzero::privacy {
 
+bool secure_noise(std::optional<bool> secure_mode, const std::optional<std::string>& seed) {
+  if (secure_mode.value_or(false) && seed) {
+    throw std::invalid_argument(
+        "seed=" + *seed +
+        " with secure_mode=True: secure mode draws its key from the OS and has no seed; give "
+        "the seed (a reproducible run) or secure_mode=True, not both");
+  }
+  return secure_mode.value_or(!seed);
+}
+
 ChaCha20Key entropy_key() {
   try {
     boost::random::random_device device;

@@ -238,7 +238,9 @@ int train(const Args& a) {
   auto model = make_model(a.model);
   const auto [x, y] = synthetic(a.model, a.dataset_size);
   PrivacyEngine engine(model, options_of(a, a.dataset_size), process_group(a));
-  if (a.rank == 0) std::cout << "seed " << engine.seed() << std::endl;  // to rerun it exactly
+  if (a.rank == 0 && engine.seed()) {
+    std::cout << "seed " << *engine.seed() << std::endl;  // to rerun it exactly
+  }
   check_batch_first(engine, model, a.model, x, y);
   for (int64_t s = 0; s < a.steps; ++s) {
     double loss_sum = 0.0;

@@ -1,6 +1,6 @@
 // kernels/cpu/ghost_norm.cpp — CPU implementations of dpzero::_ghost_sq_norms and
 // dpzero::_token_ghost_sq_norms (schemas in kernels/ops.cpp), the backend kernels behind the
-// ghost path of the layer ops in kernels/per_sample_ops.h (Note [ghost norm] there). T = 1 takes
+// ghost path of the layer ops (Note [ghost norm] in kernels/per_sample/common.h). T = 1 takes
 // the rank-one path (kernels/cpu/rank_one.cpp, Note [rank-one ghost] in
 // kernels/per_sample_checks.h).
 //
@@ -10,7 +10,7 @@
 // each sample's Grams to one float64 number, row by row (Note [ghost summation depth] in
 // kernels/per_sample_checks.h), and reads S = sum_t ||a_t|| ||g_t|| off the Gram diagonals. Both
 // are raw float64 values; the layer ops turn them into a certified upper bound (Note [certified
-// norms] in kernels/per_sample_ops.h).
+// norms] in kernels/per_sample/common.h).
 //
 // Note [gram strips]
 // ~~~~~~~~~~~~~~~~~~
@@ -177,7 +177,7 @@ void strip_dots(const double* ga, const double* gg, const int64_t* ids, int64_t 
 // Grams are formed straight from its float32 rows (gram_simd::gram_f32) into per-thread buffers,
 // and strip_dots reduces them over the one block exactly as it reduces the GEMM's strips. Every
 // Gram entry is still a length-d inner product of exact float64 products summed in float64
-// (within gamma_d, Note [certified norms] in kernels/per_sample_ops.h) and strip_dots is
+// (within gamma_d, Note [certified norms] in kernels/per_sample/common.h) and strip_dots is
 // unchanged, so the depth of Note [ghost summation depth] and the certified margin are the same;
 // only the order of the additions inside one entry differs from the GEMM's (which no BLAS
 // specifies). Other dtypes, non-contiguous inputs and longer sequences take the path above.

@@ -19,7 +19,7 @@ bool available();
 // gram[s * t + u] = sum_k double(x[s, k]) * double(x[u, k]). `rows` is scratch for t * d
 // float64 values. Every product is exact in float64 (24 + 24 significand bits), and each entry is
 // summed in some order of its d products: within gamma_d of the exact inner product (Note
-// [certified norms] in kernels/per_sample_ops.h). gram[s, u] and gram[u, s] are the same value.
+// [certified norms] in kernels/per_sample/common.h). gram[s, u] and gram[u, s] are the same value.
 void gram_f32(const float* x, int64_t t, int64_t d, double* rows, double* gram);
 
 }  // namespace dpzero::kernels::gram_simd

@@ -1,6 +1,6 @@
 // kernels/cpu/row_sums.cpp — CPU implementations of dpzero::_row_sums, dpzero::_norm_row_sums and
 // dpzero::_embedding_rows (schemas in kernels/ops.cpp; Note [row sums] and Note [embedding rows]
-// in kernels/per_sample_ops.h, whose generic ATen versions serve the other devices).
+// in kernels/per_sample/embedding.h, whose generic ATen versions serve the other devices).
 //
 // One pass over the inputs, a sample per task: each row is read once as float32 (bfloat16 /
 // float16 inputs are widened to float32 first, exactly), its entries are added to the sample's
@@ -134,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor> norm_row_sums_cpu(const at::Tensor& x_in, con
   });
 }
 
-// Note [embedding rows] (kernels/per_sample_ops.h): ids [B, T] int64, G [B, T, d] -> (q [B], S
+// Note [embedding rows] (kernels/per_sample/embedding.h): ids [B, T] int64, G [B, T, d] -> (q [B], S
 // [B]) float64. Per sample: the non-padding tokens sorted by (id, position), then each run of
 // equal ids summed row by row in position order into one [d] float64 accumulator, whose squared
 // norm joins q when the run ends. ids are only compared, never used as indices, so an id outside

@@ -1,6 +1,6 @@
 // kernels/cuda/ghost_norm.cu — CUDA implementations of dpzero::_ghost_sq_norms and
 // dpzero::_token_ghost_sq_norms (schemas in kernels/ops.cpp), the backend kernels behind the
-// ghost path of the layer ops in kernels/per_sample_ops.h (Note [ghost norm] there). Three paths,
+// ghost path of the layer ops (Note [ghost norm] in kernels/per_sample/common.h). Three paths,
 // by sequence length T (Note [ghost roofline]):
 //  * T = 1: rank_one_kernel, ||a||^2 ||g||^2 per sample (Note [rank-one ghost] in
 //    kernels/per_sample_checks.h);
@@ -17,7 +17,7 @@
 // repeat bit for bit). For an embedding the A-Gram is the token-equality indicator [id_s = id_t
 // != padding_idx], evaluated from the ids, so no one-hot input exists either.
 //
-// Precision (Note [certified norms] in kernels/per_sample_ops.h): rows are staged as float64
+// Precision (Note [certified norms] in kernels/per_sample/common.h): rows are staged as float64
 // (exact for float32 / bfloat16 / float16 inputs), every Gram entry, the entry-by-entry product
 // and every reduction are float64 (a product of two floats is exact in float64), and the partials
 // are float64. The summation tree is the one Note [ghost summation depth]

@@ -1,6 +1,6 @@
 // kernels/cuda/row_sums.cu — CUDA implementations of dpzero::_row_sums, dpzero::_norm_row_sums and
 // dpzero::_embedding_rows (schemas in kernels/ops.cpp; Note [row sums] and Note [embedding rows]
-// in kernels/per_sample_ops.h, whose generic ATen versions these replace on CUDA).
+// in kernels/per_sample/embedding.h, whose generic ATen versions these replace on CUDA).
 //
 // One pass over the inputs for all B samples, with no float64 copies and no loop over samples:
 //  * norm rows only (_norm_row_sums): norm_stats_kernel, one warp per row, computes each row's

@@ -91,6 +91,9 @@ void bind_privacy(py::module_ m) {
         return std::vector<int64_t>(key.w, key.w + 8);
       },
       "256 bits of OS entropy as eight 32-bit words: the key of add_secure_noise_.");
+  m.def("secure_noise", &secure_noise, py::arg("secure_mode"), py::arg("seed"),
+        "Note [secure by default] (privacy/entropy.h): whether a run draws in secure mode; "
+        "ValueError for secure_mode=True with a seed.");
 }
 
 }  // namespace dpzero::python

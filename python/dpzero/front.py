@@ -14,7 +14,7 @@ from .private.engine import Private, make_private_from_config
 
 
 def make_private(model: nn.Module, *, optimizer="sgd", accountant: str = "prv",
-                 secure_mode: bool = False, policy: Optional[str] = None,
+                 secure_mode: Optional[bool] = None, policy: Optional[str] = None,
                  plan_step: Optional[Callable] = None, memory_budget: Optional[float] = None,
                  **kwargs) -> Private:
     """Make ``model`` train with DP-SGD on dpzero's ZeRO engine.
@@ -35,7 +35,9 @@ def make_private(model: nn.Module, *, optimizer="sgd", accountant: str = "prv",
         keeping their activations: True (every ZeRO unit but the root), a list of module names,
         or a module class (private/checkpointing.py). Hugging Face's own switch works too.
     mixed_precision: None, "bf16", "fp16" or a dtype (compute dtype; fp32 masters and clipping).
-    seed (reproducible Philox noise and sampling) or secure_mode=True (ChaCha20, OS entropy).
+    seed: reproducible Philox noise and sampling; without one, secure mode (ChaCha20 keyed from
+        OS entropy, no key in any state dict or checkpoint). secure_mode=True insists on it (no
+        seed), False asks for Philox with a drawn seed (Note [secure by default]).
     ledger_path (+ run_id): the privacy ledger (rank 0 writes it; only data-independent figures).
     diagnostics_path: a file for each step's private diagnostics (realised batch size, samples
         seen and dropped: not covered by ε, Note [released figures]); rank 0 writes it.

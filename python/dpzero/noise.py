@@ -18,6 +18,13 @@ import torch.distributed as dist
 from . import _C
 
 
+# Note [secure by default] (privacy/entropy.h): whether a run draws in secure mode, from
+# secure_mode (None: not given) and the seed (None: none); the one rule of every front door.
+# ValueError naming the seed for a seed with secure_mode=True.
+def secure_noise(secure_mode: Optional[bool], seed) -> bool:
+    return _C.privacy.secure_noise(secure_mode, None if seed is None else str(seed))
+
+
 class NoiseSource:
     """Noise and sampling randomness of one run.
 

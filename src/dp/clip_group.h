@@ -9,7 +9,7 @@
 // Note [certified group norms]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Every part's squared norms arrive certified: [B] float32, never below the exact squared norm of
-// that part's per-sample gradient (Note [certified norms] in kernels/per_sample_ops.h). The
+// that part's per-sample gradient (Note [certified norms] in kernels/per_sample/common.h). The
 // group norm must stay certified, so that a clip factor never lets a contribution exceed its
 // threshold:
 //  * a component of one part has squared norm sq (exact in float64);

@@ -26,7 +26,7 @@ namespace dpzero::dp {
 // Per parameter of a layer (its kind's order): whether it is trained.
 using Trainable = std::vector<bool>;
 
-// Note [kept per-sample gradients] in kernels/per_sample_ops.h: what the book keeps of one layer
+// Note [kept per-sample gradients] in kernels/per_sample/linear.h: what the book keeps of one layer
 // call between its backward and its group's clip factors.
 struct Kept {
   // Per parameter: its per-sample gradients [B, *shape] (float64 or float32), or undefined (not

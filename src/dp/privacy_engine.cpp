@@ -20,6 +20,7 @@
 
 #include "accounting/calibrate.h"
 #include "privacy/clipping.h"
+#include "privacy/entropy.h"
 #include "src/dp/modules.h"
 
 namespace dpzero::dp {
@@ -279,8 +280,15 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
   // The ledger (rank 0), the charges it already holds, and the budget.
   agree_on_settings();
   zero::NoiseKey key;
-  key.seed = static_cast<int64_t>(seed_);
-  sampler_.seed = seed_;
+  if (secure_) {
+    key.secure = true;
+    key.key.assign(key_.w, key_.w + 8);
+    sampler_.secure = true;
+    sampler_.key = key_;
+  } else {
+    key.seed = static_cast<int64_t>(seed_);
+    sampler_.seed = seed_;
+  }
   int64_t charges = 0;
   std::string failure;
   if (rank_ == 0 && !options_.ledger_path.empty()) {
@@ -309,7 +317,7 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
         header.dataset_size = options_.dataset_size;
         header.settings = {{"accountant", "rdp"},
                            {"clipping", "flat"},
-                           {"secure_mode", false},
+                           {"secure_mode", secure_},
                            {"world_size", world_size_},
                            {"front_door", "c++"}};
         ledger_ = std::make_shared<accounting::Ledger>(accounting::Ledger::create(path, header));
@@ -379,6 +387,14 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
 // engine on every rank.
 void PrivacyEngine::agree_on_settings() {
   const PrivacyOptions& o = options_;
+  std::string own_error;  // raised on every rank, after the agreement
+  bool secure = false;
+  try {
+    secure = privacy::secure_noise(
+        o.secure_mode, o.seed ? std::optional<std::string>(std::to_string(*o.seed)) : std::nullopt);
+  } catch (const std::invalid_argument& e) {
+    own_error = e.what();
+  }
   const uint64_t seed = o.seed ? *o.seed : random_seed();
   const std::vector<int64_t> mine{static_cast<int64_t>(seed),
                                   bits_of(o.noise_multiplier),
@@ -392,7 +408,8 @@ void PrivacyEngine::agree_on_settings() {
                                   bits_of(o.epsilon_budget.value_or(0.0)),
                                   bits_of(o.delta),
                                   bits_of(o.optimizer.lr),
-                                  o.trust_batch_first};
+                                  o.trust_batch_first,
+                                  secure};
   const comm::Collectives& comm = zero_->comm();
   const std::vector<int64_t> first = comm.broadcast(mine, 0);
   std::string differs;
@@ -409,17 +426,31 @@ void PrivacyEngine::agree_on_settings() {
                                        "epsilon_budget",
                                        "delta",
                                        "optimizer.lr",
-                                       "trust_batch_first"};
+                                       "trust_batch_first",
+                                       "secure_mode"};
   for (size_t i = 1; i < mine.size() && differs.empty(); ++i)
     if (first[i] != mine[i]) differs = kNames[i];
-  if (comm.all_reduce_sum(std::vector<int64_t>{differs.empty() ? 0 : 1})[0] != 0)
+  if (comm.all_reduce_sum(
+          std::vector<int64_t>{differs.empty() && own_error.empty() ? 0 : 1})[0] != 0) {
+    if (!own_error.empty()) throw std::invalid_argument(bad(own_error));
     throw std::invalid_argument(
         bad(differs.empty() ? "another rank's options differ from rank 0's; every rank must pass "
                               "the same PrivacyOptions"
                             : "this rank's " + differs +
                                   " differs from rank 0's; every rank must "
                                   "pass the same PrivacyOptions"));
+  }
   seed_ = static_cast<uint64_t>(first[0]);
+  secure_ = secure;
+  if (secure_) {  // rank 0's key, on every rank (Note [secure by default])
+    std::vector<int64_t> words(8, 0);
+    if (rank_ == 0) {
+      const privacy::ChaCha20Key drawn = privacy::entropy_key();
+      words.assign(drawn.w, drawn.w + 8);
+    }
+    words = comm.broadcast(words, 0);
+    for (int i = 0; i < 8; ++i) key_.w[i] = static_cast<uint32_t>(words[i]);
+  }
 }
 
 PrivacyEngine::~PrivacyEngine() {

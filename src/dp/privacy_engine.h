@@ -20,7 +20,8 @@
 //     the same parameters in the same order draws the same noise (design.md §2.5); units are
 //     python/dpzero/zero.py's default (every direct child with trainable parameters, ModuleList /
 //     ModuleDict looked through, the rest in the root unit);
-//   - sampling: Poisson with rate q from the run's seed (privacy/poisson.h), each logical batch
+//   - sampling: Poisson with rate q from the run's key or seed (privacy/poisson.h; Note [secure
+//     by default] in privacy/entropy.h), each logical batch
 //     split over the ranks and into micro-batches of at most max_physical_batch_size rows; a rank
 //     with no rows runs one padding row (Note [padding batches] in book.h);
 //   - clipping: flat, threshold C (privacy/clipping.h), one sample per row (Note [C++ batch
@@ -67,9 +68,12 @@ struct PrivacyOptions {
   zero::Stage stage = zero::Stage::k0;  // stages 0–2 (stage 3 gathers in module hooks, which
                                         // torch::nn in C++ does not have)
   zero::OptimizerOptions optimizer;     // SGD by default
-  // The run's Philox seed (sampling and noise): the same on every rank; unset: rank 0 draws one
-  // from the OS (PrivacyEngine::seed() tells it, to record for a reproducible rerun).
+  // Note [secure by default] (privacy/entropy.h): without a seed the run draws its noise and its
+  // batches in secure mode (ChaCha20, rank 0's key from the OS, which no file holds). A seed
+  // (the same on every rank) makes it reproducible (Philox). secure_mode=false without a seed:
+  // rank 0 draws a seed (PrivacyEngine::seed() tells it); secure_mode=true with one is refused.
   std::optional<uint64_t> seed;
+  std::optional<bool> secure_mode;
   std::string ledger_path;               // "": no ledger; else rank 0 creates or continues it
   std::string run_id;                    // the ledger's run id ("": the file's name)
   std::optional<double> epsilon_budget;  // refuse steps past ε at `delta` (BudgetExhausted)
@@ -147,7 +151,11 @@ class PrivacyEngine {
   int64_t charges() const { return step_->charges(); }
   int64_t rank() const { return rank_; }
   int64_t world_size() const { return world_size_; }
-  uint64_t seed() const { return seed_; }
+  // The run's Philox seed; nullopt in secure mode (Note [secure by default]).
+  std::optional<uint64_t> seed() const {
+    return secure_ ? std::nullopt : std::optional<uint64_t>(seed_);
+  }
+  bool secure_mode() const { return secure_; }
   // The ZeRO engine, to read (its step() would release gradients with no noise and no charge).
   const zero::ZeroState& zero() const { return *zero_; }
   // The trained parameter's current full value (a copy; all-gathers in stages 1–2: call on
@@ -179,6 +187,8 @@ class PrivacyEngine {
   std::shared_ptr<accounting::RdpAccountant> accountant_ =
       std::make_shared<accounting::RdpAccountant>();
   uint64_t seed_ = 0;
+  bool secure_ = false;        // Note [secure by default]
+  privacy::ChaCha20Key key_{};  // secure mode's, rank 0's
   privacy::SamplerSource sampler_;
   std::vector<MicroBatch> schedule_;  // the last sample()'s micro-batches, as drawn
   int64_t next_step_ = 0;             // the sampler's next logical step (never one already charged)

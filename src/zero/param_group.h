@@ -93,7 +93,7 @@
 // the clipping ops' own output tensors, three passes over every trainable parameter: measured
 // in experiments/results/private.md). private_accumulator() hands the clipping code flat_grad_
 // itself instead, and the clipped sums are added straight into the parameters' slots (Note
-// [accumulating clipped sums] in kernels/per_sample_ops.h): the same additions into the same
+// [accumulating clipped sums] in kernels/per_sample/linear.h): the same additions into the same
 // buffer the step reduces. It is defined only where that holds — stages 0–1 with a float32
 // flat_grad_ (a 16-bit reduce_dtype would round each addition; add_grad casts the whole sum
 // once) — and the caller then never calls add_grad for the unit. The padding stays zero: the

@@ -1,5 +1,5 @@
 """The rounding margin of clipped sums formed in float32 from a layer's inputs and output
-gradients (Note [clipped-sum rounding] in kernels/per_sample_ops.h), from the Note's formula, not
+gradients (Note [clipped-sum rounding] in kernels/per_sample/common.h), from the Note's formula, not
 from the kernels: the certified squared norm of such a layer is (||W_i|| + m S_i)^2."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The clipped sums' float32 rounding stays inside each example's clip (Note [clipped-sum rounding]
-in kernels/per_sample_ops.h).
+in kernels/per_sample/common.h).
 
 An example whose rows are huge and cancel among themselves (inputs M v times w_t at its four
 positions, weighted +1, -1, +1, -1 by the model, with w_1 - w_2 + w_3 - w_4 = 0 exactly) has an

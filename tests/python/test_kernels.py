@@ -12,7 +12,7 @@ reference is at most float32 summation error for every input dtype; we keep one 
 anyway, and they are tight enough (2e-5 of the largest value) that any accumulation in bf16
 (error ~1e-2), fp16 (~1e-3) or TF32 (~1e-3) would fail.
 
-Norms are certified upper bounds (Note [certified norms] in kernels/per_sample_ops.h): the
+Norms are certified upper bounds (Note [certified norms] in kernels/per_sample/common.h): the
 "certified" tests build inputs whose per-sample sums cancel (or sit at the ends of float32's
 range) and check that the reported norm is never below the exact float64 one, so that
 factor * exact norm <= C.

@@ -600,6 +600,48 @@ def test_secure_mode_draws_fresh_noise_every_run():
     assert not torch.equal(a["head.weight"], b["head.weight"])
 
 
+def test_every_front_door_draws_in_secure_mode_unless_given_a_seed():
+    """Note [secure by default]: make_private and the Opacus-style PrivacyEngine draw secure
+    noise unless the run has a seed (two unseeded runs from the same model and batch differ, and
+    their state holds neither seed nor key), a seed gives Philox noise that reruns exactly,
+    secure_mode=False without a seed draws a seed that the state keeps, and a seed with
+    secure_mode=True is refused naming the seed. (PrivateTrainer and the C++ front door: their
+    own tests.)"""
+    def step(front, **kw):
+        torch.manual_seed(8)
+        model = SeqNet()
+        if front == "opacus":
+            engine = dpzero.PrivacyEngine(**{k: v for k, v in kw.items() if k == "secure_mode"})
+            loader = torch.utils.data.DataLoader(seq_data(), batch_size=8)
+            rest = {k: v for k, v in kw.items() if k != "secure_mode"}
+            model, optimizer, loader = engine.make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, **rest)
+        else:
+            p = dpzero.make_private(model, dataset=seq_data(), batch_size=8,
+                                    noise_multiplier=1.0, max_grad_norm=1.0, lr=0.1, **kw)
+            engine, model, optimizer = p.privacy_engine, p.model, p.optimizer
+        ids, y = engine.own_batch(tuple(t[:8] for t in seq_data().tensors), logical_batch_size=8)
+        F.cross_entropy(model(ids), y).backward()
+        optimizer.step()
+        return engine, engine.parameters()["head.weight"]
+
+    for front in ("make_private", "opacus"):
+        (e1, w1), (e2, w2) = step(front), step(front)
+        assert e1.secure_mode and e2.secure_mode
+        assert not torch.equal(w1, w2)  # fresh keys
+        state = e1.state_dict()
+        assert state["seed"] is None and "key" not in state
+        (s1, v1), (s2, v2) = step(front, seed=5), step(front, seed=5)
+        assert not s1.secure_mode and s1.state_dict()["seed"] == 5
+        assert torch.equal(v1, v2)  # the seed reruns it exactly
+        drawn, _ = step(front, secure_mode=False)
+        assert not drawn.secure_mode and isinstance(drawn.state_dict()["seed"], int)
+        with pytest.raises(ValueError, match=r"seed=5 with secure_mode=True: secure mode draws "
+                                             r"its key from the OS"):
+            step(front, seed=5, secure_mode=True)
+
+
 def test_bf16_compute_keeps_the_fp32_clipping_contract():
     """design.md §4: under bf16 compute the clipped sum is still formed in fp32 and one example
     still moves it by at most C; the step matches the fp32 naive reference to bf16 accuracy."""

@@ -8,7 +8,7 @@ clipping takes from data (dropped samples, non-finite norms, clip factors) must 
 device until the optimizer step. Checks the backward makes on values keep their verdict on the
 device for the step to read (Note [deferred checks] in private/book.py: the generic path's
 separable recompute); the embedding's direct norm builds its rows without asking how many
-there are (Note [embedding rows] in kernels/per_sample_ops.h).
+there are (Note [embedding rows] in kernels/per_sample/embedding.h).
 
 ``torch.cuda.set_sync_debug_mode("error")`` makes each synchronising CUDA call raise. The tests
 run a warm-up step (the batch-provenance probe of the first forward compares values on purpose,
@@ -20,7 +20,7 @@ several micro-batches per step (a sum loss, padding on a short step), and a tiny
 They need a GPU and are skipped without one; ``experiments/gpu/check.sh`` runs them on a lent
 machine. Without a GPU, :func:`test_host_reads_of_the_backward_are_cpu_only` audits the sources
 the backward runs: every host read of a tensor value there is behind ``is_cpu()`` (the clip
-factors read on the host, Note [host factors] in kernels/per_sample_ops.h, and the id range check
+factors read on the host, Note [host factors] in kernels/per_sample/linear.h, and the id range check
 of ``flat_ids``), so the device branch of each makes none. It reads text, so it cannot see a
 read hidden in a helper; the GPU tests can.
 """
@@ -49,7 +49,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # entry points and CUDA kernels, and the engine's hand-over (the step's noise and update too).
 BACKWARD_SOURCES = ["src/dp/dp_layers.cpp", "src/dp/book.cpp", "src/dp/layer_ops.cpp",
                     "src/dp/layer_ops.h", "src/dp/clip_group.cpp", "src/dp/clip_group.h",
-                    "kernels/per_sample_ops.h", "kernels/per_sample_checks.h",
+                    "kernels/per_sample/common.h", "kernels/per_sample/conv.h",
+                    "kernels/per_sample/embedding.h", "kernels/per_sample/linear.h",
+                    "kernels/per_sample/norm.h", "kernels/per_sample_checks.h",
                     "kernels/cuda/ghost_norm.cu", "kernels/cuda/row_sums.cu",
                     "kernels/ghost_gemm.cpp",
                     "kernels/cuda/clip_factors.cu", "kernels/cuda/noise.cu",

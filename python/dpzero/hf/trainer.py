@@ -73,6 +73,7 @@ from transformers.trainer_utils import TrainOutput, has_length
 
 from ..accounting import get_noise_multiplier
 from ..front import make_private
+from ..noise import secure_noise
 from ..private import BudgetExhausted
 from ..private.engine import PrivateLog
 from .losses import PerSampleLoss, default_per_sample_loss
@@ -324,19 +325,16 @@ class PrivateTrainer(Trainer):
             if _is_datasets_dataset(dataset) else dataset
         loader = DataLoader(data, batch_size=expected, collate_fn=collate)
         os.makedirs(args.output_dir, exist_ok=True)
-        secure = p.secure_mode if p.secure_mode is not None else p.seed is None
-        if secure and p.seed is not None:
-            raise ValueError(f"seed={p.seed} with secure_mode=True: secure mode draws its key "
-                             "from the OS; give one or the other")
+        secure_noise(p.secure_mode, p.seed)  # its refusal, before any file is made
         budget = {}
         if p.target_epsilon is not None and sigma > 0:
             budget = {"epsilon_budget": p.target_epsilon, "budget_delta": delta}
         self._private = make_private(
             self.model, data_loader=loader, noise_multiplier=sigma, max_grad_norm=p.max_grad_norm,
             clipping=p.clipping, isolation=p.isolation, accountant=p.accountant,
-            secure_mode=secure,
+            secure_mode=p.secure_mode,
             zero_stage=p.zero_stage, max_physical_batch_size=args.per_device_train_batch_size,
-            seed=None if secure else p.seed,
+            seed=p.seed,
             ledger_path=os.path.join(args.output_dir, LEDGER),
             run_id=os.path.basename(os.path.abspath(args.output_dir)),
             diagnostics_path=p.diagnostics_path or os.path.join(

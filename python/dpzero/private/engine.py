@@ -53,7 +53,7 @@ from torch.utils.data import DataLoader
 from .. import _C, lifetime
 from ..data import PoissonBatchSampler
 from ..accounting import Ledger, create_accountant, get_steps
-from ..noise import NoiseSource, _as_int64
+from ..noise import NoiseSource, _as_int64, secure_noise
 from ..zero import default_process_group, default_units, shard
 from . import checkpointing, strict
 from .attach import assign_components, find_layers, guard_hooks, param_slots, patch, unpatch
@@ -172,12 +172,17 @@ class PrivacyEngine:
     import); :func:`make_private` is dpzero's own with every option. The model takes its
     batches from the returned data loader, or, for callers who sample themselves, through
     :meth:`own_batch` (Note [batch provenance]).
+
+    ``secure_mode``: None (the default) draws the noise and the batches in secure mode (ChaCha20
+    keyed from the OS) unless the run is given a seed, True asks for secure mode (no seed
+    allowed), False for seeded Philox noise with a seed drawn now unless one is given (Note
+    [secure by default] in privacy/entropy.h). It is settled when the model is made private.
     """
 
-    def __init__(self, accountant: str = "prv", secure_mode: bool = False) -> None:
+    def __init__(self, accountant: str = "prv", secure_mode: Optional[bool] = None) -> None:
         self.accountant_name = accountant
         self.accountant = create_accountant(accountant)
-        self.secure_mode = bool(secure_mode)
+        self.secure_mode = secure_mode  # a bool from the attach on (Note [secure by default])
         self._attached = False
         self._step = None  # the step's transaction (src/dp/private_step.h), made at attach
         # policy="auto" (dpzero.make_private, front.py): the choice, the ranking, the units.
@@ -335,6 +340,8 @@ class PrivacyEngine:
         c = self.config = config
         q, n, sigma, max_grad_norm = (c.sample_rate, c.dataset_size, c.noise_multiplier,
                                       c.max_grad_norm)
+        # Note [secure by default] (privacy/entropy.h), before anything is touched.
+        self.secure_mode = secure_noise(self.secure_mode, c.seed)
         units, process_group, clipping = c.units, c.process_group, c.clipping
 
         # Validation before anything is touched (a rejected model stays as it was).
@@ -875,7 +882,7 @@ class PrivacyEngine:
 
 
 def make_private_from_config(model: nn.Module, config: PrivateConfig, *, accountant: str = "prv",
-                             secure_mode: bool = False) -> Private:
+                             secure_mode: Optional[bool] = None) -> Private:
     """A new PrivacyEngine attached to ``model`` with ``config`` (``resolve``'s): what
     ``dpzero.make_private`` does once its policy is chosen, and what the memory planner's probes
     run (below the front door, which depends on the planner)."""

@@ -67,11 +67,14 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
     common = dict(dataset=train, batch_size=min(t_cfg.batch_size, n), zero_stage=t_cfg.zero_stage,
                   max_physical_batch_size=t_cfg.max_physical_batch_size,
                   optimizer=t_cfg.optimizer, lr=t_cfg.lr, weight_decay=t_cfg.weight_decay,
-                  seed=t_cfg.seed, accountant=p_cfg.accountant,
+                  accountant=p_cfg.accountant,
                   **({"momentum": t_cfg.momentum} if t_cfg.optimizer == "sgd" else {}))
     if private:
         kw = dict(max_grad_norm=p_cfg.max_grad_norm, clipping=p_cfg.clipping,
                   isolation=p_cfg.isolation, secure_mode=p_cfg.secure_mode,
+                  # [training] seed seeds the noise only without secure mode (Note [secure by
+                  # default] in privacy/entropy.h), as it does the Trainer loop's.
+                  seed=None if p_cfg.secure_mode else t_cfg.seed,
                   ledger_path=os.path.join(run_dir, "ledger.jsonl"),
                   run_id=os.path.basename(os.path.abspath(run_dir)),
                   diagnostics_path=os.path.join(run_dir, PRIVATE_DIR, "diagnostics.jsonl"))
@@ -81,7 +84,8 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
         else:
             kw.update(noise_multiplier=p_cfg.noise_multiplier)
     else:
-        kw = dict(noise_multiplier=0.0, max_grad_norm=math.inf, allow_no_noise=True)
+        kw = dict(noise_multiplier=0.0, max_grad_norm=math.inf, allow_no_noise=True,
+                  seed=t_cfg.seed)
     if t_cfg.policy == "auto":
         budget = t_cfg.memory_budget_gib * 2.0**30 if t_cfg.memory_budget_gib else None
         kw.update(policy="auto", memory_budget=budget,

@@ -27,6 +27,8 @@
 #include <cmath>
 #include <filesystem>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -328,18 +330,55 @@ TEST(PrivacyEngine, RefusesBatchNormAndASecondEngine) {
                        "held by another PrivacyEngine"));
 }
 
-// Every rank draws rank 0's seed when none is given, and refuses a seed (or any setting) that
-// differs from rank 0's, on every rank.
-TEST(PrivacyEngine, RanksAgreeOnTheSeedAndTheSettings) {
-  std::vector<uint64_t> seeds(2);
+// Note [secure by default]: without a seed every rank draws with rank 0's secure key, so the
+// ranks' shares of each logical batch never overlap (with keys of their own, two ranks sampling
+// at q = 0.75 would share rows at once); secure_mode=false without a seed takes rank 0's seed;
+// a seed (or any setting) that differs from rank 0's is refused on every rank, and so is a seed
+// with secure_mode=true.
+TEST(PrivacyEngine, RanksAgreeOnTheKeyTheSeedAndTheSettings) {
+  std::vector<std::vector<int64_t>> rows(2);
   run_ranks(2, std::chrono::seconds(60), [&](int rank, auto pg) {
     Mlp net = model();
     PrivacyOptions o = options();
     o.seed.reset();
+    o.sample_rate = 0.75;
     PrivacyEngine engine(net.ptr(), o, pg);
+    EXPECT_TRUE(engine.secure_mode());
+    EXPECT_FALSE(engine.seed().has_value());
+    for (int t = 0; t < 3; ++t) {
+      for (const MicroBatch& mb : engine.sample()) {
+        if (mb.padding) continue;
+        for (int64_t r : mb.rows) rows[rank].push_back(t * kN + r);
+      }
+      engine.zero_grad();
+    }
+  });
+  std::set<int64_t> both(rows[0].begin(), rows[0].end());
+  both.insert(rows[1].begin(), rows[1].end());
+  EXPECT_GT(rows[0].size() + rows[1].size(), static_cast<size_t>(kN));  // about 2.25 N
+  EXPECT_EQ(both.size(), rows[0].size() + rows[1].size());               // disjoint shares
+  std::vector<std::optional<uint64_t>> seeds(2);
+  run_ranks(2, std::chrono::seconds(60), [&](int rank, auto pg) {
+    Mlp net = model();
+    PrivacyOptions o = options();
+    o.seed.reset();
+    o.secure_mode = false;
+    PrivacyEngine engine(net.ptr(), o, pg);
+    EXPECT_FALSE(engine.secure_mode());
     seeds[rank] = engine.seed();
   });
+  ASSERT_TRUE(seeds[0].has_value());
   EXPECT_EQ(seeds[0], seeds[1]);
+  run_ranks(2, std::chrono::seconds(60), [&](int rank, auto pg) {
+    Mlp net = model();
+    PrivacyOptions o = options();
+    if (rank == 1) o.secure_mode = true;  // with options()'s seed
+    const std::string why = testing::error_message<std::invalid_argument>(
+        [&] { PrivacyEngine engine(net.ptr(), o, pg); });
+    EXPECT_TRUE(contains(why, rank == 1 ? "seed=99 with secure_mode=True"
+                                        : "another rank's options differ from rank 0's"))
+        << why;
+  });
   for (const char* what : {"seed", "max_grad_norm"}) {
     run_ranks(2, std::chrono::seconds(60), [&](int rank, auto pg) {
       Mlp net = model();
