@@ -90,7 +90,7 @@ void bind_dp(py::module_ m) {
       .def(py::init([](const std::vector<Layer>& layers, std::vector<double> thresholds,
                        std::vector<int64_t> group_components, std::string mode, double gamma,
                        bool mean_loss, std::vector<int64_t> unit_numel,
-                       std::vector<at::Device> unit_device, zero::ZeroState& engine) {
+                       std::vector<at::Device> unit_device, zero::ZeroState& zero) {
              std::vector<dp::BookLayer> book_layers;
              for (const auto& [name, ops, slots, component, group] : layers) {
                dp::BookLayer layer{name, ops, {}, component, group};
@@ -108,12 +108,12 @@ void bind_dp(py::module_ m) {
                                      std::move(mode), gamma, mean_loss, std::move(unit_numel),
                                      std::move(unit_device)};
              return std::make_shared<dp::Book>(std::move(book_layers), std::move(options),
-                                               engine);
+                                               zero);
            }),
            py::arg("layers"), py::arg("thresholds"), py::arg("group_components"),
            py::arg("mode"), py::arg("gamma"), py::arg("mean_loss"), py::arg("unit_numel"),
-           py::arg("unit_device"), py::arg("engine"),
-           py::keep_alive<1, 10>(),  // the book hands units to the engine
+           py::arg("unit_device"), py::arg("zero"),
+           py::keep_alive<1, 10>(),  // the book hands units to the ZeRO state
            "layers: per DP layer (name, LayerOps or None for the generic path, per parameter "
            "(unit, offset, numel, shape) or None where frozen, component, group)")
       .def("set_expected_rows", &dp::Book::set_expected_rows, py::arg("rows"))
@@ -193,7 +193,7 @@ void bind_dp(py::module_ m) {
       .def_readonly("dropped", &dp::StepOutcome::dropped);
   py::class_<dp::PrivateStep, std::shared_ptr<dp::PrivateStep>>(
       m, "PrivateStep", "One private step's transaction on every rank (src/dp/private_step.h)")
-      .def(py::init([](std::shared_ptr<dp::Book> book, zero::ZeroState& engine,
+      .def(py::init([](std::shared_ptr<dp::Book> book, zero::ZeroState& zero,
                        std::shared_ptr<accounting::Ledger> ledger, double noise_multiplier,
                        double max_grad_norm, double sample_rate, int64_t dataset_size,
                        std::optional<int64_t> max_steps, std::string budget,
@@ -202,15 +202,15 @@ void bind_dp(py::module_ m) {
              dp::StepSettings settings{noise_multiplier, max_grad_norm, sample_rate,
                                        dataset_size,     max_steps,     std::move(budget),
                                        noise_key(noise_key_)};
-             return std::make_shared<dp::PrivateStep>(std::move(book), engine, std::move(ledger),
+             return std::make_shared<dp::PrivateStep>(std::move(book), zero, std::move(ledger),
                                                       std::move(settings), std::move(accountant),
                                                       charges);
            }),
-           py::arg("book"), py::arg("engine"), py::arg("ledger"), py::arg("noise_multiplier"),
+           py::arg("book"), py::arg("zero"), py::arg("ledger"), py::arg("noise_multiplier"),
            py::arg("max_grad_norm"), py::arg("sample_rate"), py::arg("dataset_size"),
            py::arg("max_steps"), py::arg("budget"), py::arg("noise_key"), py::arg("accountant"),
            py::arg("charges"),
-           py::keep_alive<1, 3>(),  // the step updates the engine
+           py::keep_alive<1, 3>(),  // the step updates the ZeRO state
            "ledger: rank 0's dpzero._C.accounting.Ledger or None; noise_key: an int64 seed or an "
            "8-word secure key; accountant: a dpzero._C.accounting accountant, which each charge "
            "composes (in C++), or None")
@@ -227,7 +227,7 @@ void bind_dp(py::module_ m) {
           "BudgetExhausted with the batch dropped and nothing charged, LedgerError, or "
           "CollectiveError")
       .def("drop_batch", &dp::PrivateStep::drop_batch, py::call_guard<py::gil_scoped_release>(),
-           "Drops the logical batch: the book's micro-batches and the engine's gradients")
+           "Drops the logical batch: the book's micro-batches and the ZeRO state's gradients")
       .def_property_readonly("charges", &dp::PrivateStep::charges)
       .def_property_readonly("accountant", &dp::PrivateStep::accountant)
       .def("restore", &dp::PrivateStep::restore, py::arg("charges"), py::arg("accountant"),

@@ -5,7 +5,7 @@
 #include "python/csrc/bindings.h"
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "dpzero C++ core: accounting, privacy ops and the ZeRO engine";
+  m.doc() = "dpzero C++ core: accounting, privacy ops and the ZeRO state";
 #ifdef DPZERO_WITH_CUDA
   m.attr("with_cuda") = true;
 #else
@@ -14,11 +14,11 @@ PYBIND11_MODULE(_C, m) {
   dpzero::python::bind_accounting(m.def_submodule("accounting", "Privacy accountants and ledger"));
   dpzero::python::bind_privacy(m.def_submodule("privacy", "Poisson sampling, clipping, entropy"));
   dpzero::python::bind_shard(m.def_submodule("shard", "Shard plans and sharded noise"));
-  dpzero::python::bind_zero(m.def_submodule("zero", "The ZeRO engine and shard optimizers"));
+  dpzero::python::bind_zero(m.def_submodule("zero", "The ZeRO state and shard optimizers"));
   dpzero::python::bind_memory(
       m.def_submodule("memory", "Live and peak CPU tensor bytes, counted in the allocator"));
   dpzero::python::bind_checkpoint(
-      m.def_submodule("checkpoint", "Sharded checkpoints of the ZeRO engine"));
+      m.def_submodule("checkpoint", "Sharded checkpoints of the ZeRO state"));
   dpzero::python::bind_comm(m.def_submodule("comm", "Agreements across ranks (int64 collectives)"));
   dpzero::python::bind_dp(m.def_submodule("dp", "The private step's C++ core (src/dp)"));
 }

@@ -1,4 +1,4 @@
-// python/csrc/zero_bindings.cpp — the ZeRO engine (src/zero/state.h) and the shard optimizers
+// python/csrc/zero_bindings.cpp — the ZeRO state (src/zero/state.h) and the shard optimizers
 // for python/dpzero/zero.py. The process group arrives as torch's own Python ProcessGroup object
 // and is converted by torch's pybind11 caster for c10::intrusive_ptr<c10d::ProcessGroup>.
 #include <optional>
@@ -132,7 +132,7 @@ void bind_zero(py::module_ m) {
       py::arg("mixed") = false, "K: optimizer state bytes per parameter (fp32 master if mixed).");
 
   py::class_<ZeroState, std::unique_ptr<ZeroState, DeleteWithoutGil>>(m, "ZeroState",
-                        "The ZeRO engine of one model (src/zero/state.h). Built by "
+                        "The ZeRO state of one model (src/zero/state.h). Built by "
                         "dpzero.shard(); every hook body is one call into it.")
       .def(py::init([](const std::vector<std::tuple<std::string, std::vector<at::Tensor>,
                                                     std::vector<std::string>,

@@ -81,7 +81,7 @@ def save(
     metadata_json = json.dumps({} if metadata is None else metadata)
     if sharded.release_check is not None:  # a private model (Note [state written from data])
         sharded.release_check("dpzero.checkpoint.save")
-    return _checkpoint.save(sharded._state, os.fspath(path), -1 if step is None else int(step),
+    return _checkpoint.save(sharded.zero_state, os.fspath(path), -1 if step is None else int(step),
                             tensors, _shared_tensors(sharded.module), metadata_json,
                             0 if keep_last is None else int(keep_last))
 
@@ -105,7 +105,7 @@ def load(sharded: ShardedModule, path: str | os.PathLike, *, restore_rng: bool =
     """
     if not isinstance(sharded, ShardedModule):
         raise TypeError(f"load: expected a dpzero.ShardedModule, got {type(sharded).__name__}")
-    out = _checkpoint.load(sharded._state, os.fspath(path), _shared_tensors(sharded.module))
+    out = _checkpoint.load(sharded.zero_state, os.fspath(path), _shared_tensors(sharded.module))
     if sharded.state_loaded is not None:  # the loaded buffers are the private model's state now
         sharded.state_loaded()
     extra = dict(out.pop("extra"))

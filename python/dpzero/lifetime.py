@@ -12,8 +12,9 @@ that is being torn down. So a script that trained correctly could exit non-zero 
 The first object ``track`` registers installs one ``atexit`` handler (atexit runs while the
 interpreter is whole, and handlers run last-registered first, so this one runs after the user's
 handlers registered later). It
-1. retires every live engine and sharded model (``_release_at_exit``: drop the references to the
-   C++ state; the engine's optimizer and loader refuse to run afterwards, as after ``detach``),
+1. retires every live engine and sharded model (the function each handed ``track``: drop the
+   references to the C++ state; the engine's optimizer and loader refuse to run afterwards, as
+   after ``detach``),
 2. collects the garbage, so the C++ objects and their references to the group go now,
 3. destroys torch.distributed's process groups, if any are initialised, and collects again.
 None of this is a collective: no rank waits for another, so a rank whose peer already exited
@@ -31,17 +32,20 @@ import atexit
 import gc
 import sys
 import weakref
+from typing import Any, Callable
 
 import torch.distributed as dist
 
-_live: "weakref.WeakSet" = weakref.WeakSet()
+# The live objects, each with the function that retires it (its class's own, handed over by the
+# class's module).
+_live: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _installed = False
 
 
-def track(obj) -> None:
-    """Releases ``obj`` (which has ``_release_at_exit()``) at interpreter exit, if it lives."""
+def track(obj, release: Callable[[Any], None]) -> None:
+    """Calls ``release(obj)`` at interpreter exit, if ``obj`` still lives."""
     global _installed
-    _live.add(obj)
+    _live[obj] = release
     if not _installed:
         atexit.register(release_all)
         _installed = True
@@ -51,8 +55,8 @@ def release_all() -> None:
     """The atexit handler of Note [ending a script]."""
     if getattr(sys, "last_value", None) is not None:  # ending on an uncaught exception
         return
-    for obj in list(_live):
-        obj._release_at_exit()
+    for obj, release in list(_live.items()):
+        release(obj)
     _live.clear()
     gc.collect()
     if dist.is_available() and dist.is_initialized():

@@ -57,14 +57,14 @@ class NoiseSource:
         [offset, offset + numel); returns ``tensor``."""
         if self.secure_mode:
             return torch.ops.dpzero.add_secure_noise_(tensor, std, self._key, step, offset)
-        return torch.ops.dpzero.add_noise_(tensor, std, _as_int64(self.seed), step, offset)
+        return torch.ops.dpzero.add_noise_(tensor, std, as_int64(self.seed), step, offset)
 
     def __repr__(self) -> str:
         return ("NoiseSource(secure_mode=True)" if self.secure_mode
                 else f"NoiseSource(seed={self.seed})")
 
 
-def _as_int64(seed: int) -> int:
+def as_int64(seed: int) -> int:
     """The op takes int64; any 64-bit seed is passed through by its bits."""
     seed &= (1 << 64) - 1
     return seed - (1 << 64) if seed >= (1 << 63) else seed

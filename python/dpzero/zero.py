@@ -197,8 +197,8 @@ class ShardedModule:
             handle.remove()
 
     def _release_at_exit(self) -> None:
-        # Note [ending a script] (lifetime.py): the hooks reach the state through weak
-        # references, so without it they do nothing.
+        """Note [ending a script] (lifetime.py): the hooks reach the state through weak
+        references, so without it they do nothing."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -236,6 +236,24 @@ class ShardedModule:
     def units(self) -> list[str]:
         """Unit names in plan order (``"<root>"`` for the root unit)."""
         return [name for name, _ in self._units]
+
+    @property
+    def unit_members(self) -> list:
+        """Each unit's (name, members) in plan order; a member is (canonical name, parameter,
+        its other names), in the order of the unit's flat layout (``plan.units[u]``)."""
+        return self._units
+
+    @property
+    def zero_state(self):
+        """The ZeRO state this wraps (``dpzero._C.zero.ZeroState``: the flat units, this rank's
+        shards and optimizer state). Its ``step()`` releases gradients without noise: a private
+        engine owns it."""
+        return self._state
+
+    @property
+    def optimizer_bytes_per_param(self) -> int:
+        """The optimizer state's bytes per trained coordinate (0 for SGD without momentum)."""
+        return self._optimizer_bytes
 
     @property
     def plan(self):
@@ -452,7 +470,7 @@ def shard(
         # a separate fp32 master, unless parameter offload makes the fp32 host shard the master
         mixed=param_dtype != torch.float32 or (offload_optimizer and not offload_params))
     sharded = ShardedModule(model, state, planned, handles, k)
-    lifetime.track(sharded)  # Note [ending a script]
+    lifetime.track(sharded, ShardedModule._release_at_exit)  # Note [ending a script]
     return sharded
 
 

@@ -1,5 +1,5 @@
 // src/dp/book.h — the clipping book: per micro-batch, from each DP layer call's (A, G) to clipped
-// sums in the ZeRO engine's gradient buffers (design.md §2 step 3).
+// sums in the ZeRO state's gradient buffers (design.md §2 step 3).
 //
 // Terms. A *part* is one forward call of a DP layer in the current micro-batch. A *component* is
 // a set of layers that share a parameter (a tied embedding and output head; a layer called twice

@@ -201,7 +201,7 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
                                       "parameters it clips (dp_parameters()); freeze it or move "
                                       "it into a DP module of its own"));
 
-  // The ZeRO engine: units in plan order (by first global coordinate), private gradients only.
+  // The ZeRO state: units in plan order (by first global coordinate), private gradients only.
   std::map<std::string, std::vector<size_t>> members;
   std::vector<std::string> order;
   for (size_t i = 0; i < params_.size(); ++i) {

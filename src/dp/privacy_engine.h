@@ -2,7 +2,7 @@
 // privately, with no Python, on one rank or several (a c10d process group, e.g. Gloo).
 //
 //   auto model = std::make_shared<MyModel>();        // DP layers from modules.h
-//   dp::PrivacyEngine engine(model, options, pg);    // ZeRO engine, book, step, ledger
+//   dp::PrivacyEngine engine(model, options, pg);    // ZeRO state, book, step, ledger
 //   for (int64_t s = 0; s < steps; ++s) {
 //     for (const dp::MicroBatch& mb : engine.sample()) {   // Poisson-sampled, this rank's share
 //       engine.hand_out(mb);
@@ -156,7 +156,7 @@ class PrivacyEngine {
     return secure_ ? std::nullopt : std::optional<uint64_t>(seed_);
   }
   bool secure_mode() const { return secure_; }
-  // The ZeRO engine, to read (its step() would release gradients with no noise and no charge).
+  // The ZeRO state, to read (its step() would release gradients with no noise and no charge).
   const zero::ZeroState& zero() const { return *zero_; }
   // The trained parameter's current full value (a copy; all-gathers in stages 1–2: call on
   // every rank), looked up by its named_parameters() name.

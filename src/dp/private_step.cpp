@@ -48,11 +48,11 @@ enum Agreed : size_t {
 
 }  // namespace
 
-PrivateStep::PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& engine,
+PrivateStep::PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& zero,
                          std::shared_ptr<accounting::Ledger> ledger, StepSettings settings,
                          std::shared_ptr<accounting::Accountant> accountant, int64_t charges)
     : book_(std::move(book)),
-      engine_(engine),
+      zero_(zero),
       ledger_(std::move(ledger)),
       settings_(std::move(settings)),
       accountant_(std::move(accountant)),
@@ -116,7 +116,7 @@ void PrivateStep::charge(int64_t k) {
 
 void PrivateStep::collective_failed(const char* what, int64_t step, ChargeState state,
                                     const c10::DistBackendError& e) const {
-  const auto& comm = engine_.comm();
+  const auto& comm = zero_.comm();
   throw CollectiveError(
       collective_error_text(comm.rank(), comm.world_size(), step, what, state,
                             std::string("DistBackendError: ") + e.what_without_backtrace()),
@@ -135,7 +135,7 @@ auto PrivateStep::collective(const char* what, int64_t step, ChargeState state, 
 void PrivateStep::drop_batch() {
   book_->discard();
   book_->take_stats();
-  engine_.zero_grad();
+  zero_.zero_grad();
 }
 
 StepOutcome PrivateStep::take(const StepRequest& request) {
@@ -154,7 +154,7 @@ StepOutcome PrivateStep::take(const StepRequest& request) {
 
 StepOutcome PrivateStep::transact(const StepRequest& request) {
   const StepSettings& s = settings_;
-  const comm::Collectives& comm = engine_.comm();
+  const comm::Collectives& comm = zero_.comm();
   const int64_t t = request.step, size = request.logical_size, w = comm.world_size();
 
   // 1. This rank's verdict.
@@ -277,7 +277,7 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
     noise.step = k;
     const double grad_scale = 1.0 / (q * static_cast<double>(s.dataset_size));
     collective("the noisy update", t, ChargeState::kCharged,
-               [&] { engine_.noisy_step(noise, grad_scale); });
+               [&] { zero_.noisy_step(noise, grad_scale); });
   } catch (const CollectiveError&) {
     throw;
   } catch (const std::exception& e) {

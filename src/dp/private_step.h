@@ -20,7 +20,7 @@
 //                 [noise index] in python/dpzero/private/engine.py) on exactly the coordinates
 //                 this rank updates, the sum scaled by 1/(q·N), the optimizer.
 // A refusal in 1–4 charges nothing. Whatever stops a step before its update completes drops the
-// logical batch (the book's micro-batches, the engine's gradients), so no gradient of it can be
+// logical batch (the book's micro-batches, the ZeRO state's gradients), so no gradient of it can be
 // released later under another step's charge. Failpoints (Note [failpoints] in failpoints.h) sit
 // before 4, after 4, after 5 and after 6. A collective that fails is a CollectiveError saying
 // whether the step was already charged; any other failure after the charge (the accountant, the
@@ -75,7 +75,7 @@
 // the other ranks and wait for the ledger's fsync (Note [host reads of a step]); an update that
 // ran without them could apply a step the ledger lacks. Nor can a micro-batch's forward and
 // backward be replayed as recorded today: the book decides on the host, per micro-batch, which
-// parts reported, when a group completes and when a unit is handed to the engine, and Python
+// parts reported, when a group completes and when a unit is handed to the ZeRO state, and Python
 // checks every call (provenance, module state); a replay would skip all of it, and the noise
 // kernels take the charge index as a host argument, so a replayed update would draw the same
 // noise again. What capture would need: fixed micro-batch shapes (Poisson batches padded to a
@@ -142,7 +142,7 @@ class PrivateStep {
   // each charge with σ > 0 composes; null: none (ε is the caller's). `charges`: the steps charged
   // before (a reopened ledger's), which the accountant already holds. Throws
   // std::invalid_argument naming a bad setting.
-  PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& engine,
+  PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& zero,
               std::shared_ptr<accounting::Ledger> ledger, StepSettings settings,
               std::shared_ptr<accounting::Accountant> accountant, int64_t charges = 0);
 
@@ -152,7 +152,7 @@ class PrivateStep {
   // whenever the update did not complete.
   StepOutcome take(const StepRequest& request);
 
-  // Drops the logical batch: the book's micro-batches and the engine's gradients (a refused
+  // Drops the logical batch: the book's micro-batches and the ZeRO state's gradients (a refused
   // step; the caller's own refusals, e.g. a GradScaler driving the step).
   void drop_batch();
 
@@ -178,7 +178,7 @@ class PrivateStep {
   auto collective(const char* what, int64_t step, ChargeState state, Fn&& fn);
 
   std::shared_ptr<Book> book_;
-  zero::ZeroState& engine_;
+  zero::ZeroState& zero_;
   std::shared_ptr<accounting::Ledger> ledger_;
   StepSettings settings_;
   std::shared_ptr<accounting::Accountant> accountant_;

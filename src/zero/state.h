@@ -1,4 +1,4 @@
-// src/zero/state.h — the ZeRO engine for one model: its units (ParamGroup), the shard plan that
+// src/zero/state.h — the ZeRO state of one model: its units (ParamGroup), the shard plan that
 // checks they cover the model's global coordinates, the entry points of the module and gradient
 // hooks, and the step (design.md §2; stages in stage.h).
 //

@@ -655,7 +655,7 @@ state = {{n: p.detach().clone() for n, p in trainer.model.state_dict().items()}}
 if args.should_save:
     torch.save({{"state": state, "charges": trainer.privacy_engine.charges,
                 "epsilon": trainer.epsilon(), "world": args.world_size}}, out / "final.pt")
-held["zero"] = weakref.ref(trainer.privacy_engine.sharded._state)
+held["zero"] = weakref.ref(trainer.privacy_engine.sharded.zero_state)
 if torch.distributed.is_initialized():
     held["group"] = weakref.ref(torch.distributed.group.WORLD)
 """

@@ -1,13 +1,17 @@
 """The package's layout (docs/architecture.md): arrows only downward, so no module of
 ``python/dpzero`` imports one that imports it back, directly or through others, counting imports
-inside functions and under ``TYPE_CHECKING`` (both are still a dependency). The reference: the
-detector finds the cycle in a small package written for it."""
+inside functions and under ``TYPE_CHECKING`` (both are still a dependency); and no module reads
+another's underscore names (what one module needs of another is in that one's public names, or
+handed over explicitly). The reference: each detector finds what it looks for in a small package
+written for it."""
 
 from __future__ import annotations
 
 import ast
 import os
 from typing import Dict, List, Set
+
+import torch
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -102,3 +106,62 @@ def test_the_package_has_no_import_cycle():
     edges = _imports(_modules(os.path.join(ROOT, "python", "dpzero"), "dpzero"), {"dpzero._C"})
     assert len(edges) > 50  # the whole package was read
     assert _cycles(edges) == []
+
+
+def _private_reads(modules: Dict[str, str]) -> List[str]:
+    """``module:line: what`` for every read of another module's underscore name: an import of
+    one, or an attribute ``x._name`` (x not self or cls) where ``_name`` is defined (a def or
+    class, an assignment, an attribute stored) in another of the package's modules and not in
+    this one. torch's own underscore attributes (of modules and tensors) are torch's."""
+    torch_names = set(dir(torch.nn.Module())) | set(dir(torch.Tensor))
+    trees = {}
+    defined: Dict[str, Set[str]] = {}
+    for name, path in modules.items():
+        with open(path) as f:
+            trees[name] = tree = ast.parse(f.read(), path)
+        mine = defined[name] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                mine.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                mine.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                mine.add(node.id)
+    elsewhere = {n for names in defined.values() for n in names}
+    found = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                found += [f"{name}:{node.lineno}: import {a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")
+                          and a.name != "_C" and (node.level or (node.module or "")
+                                                  .split(".")[0] == name.split(".")[0])]
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                attr = node.attr
+                if not attr.startswith("_") or attr.startswith("__") or attr in torch_names:
+                    continue
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    continue
+                if attr in elsewhere and attr not in defined[name]:
+                    found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_detector_finds_reads_of_another_modules_private_names(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def _helper():\n    pass\n\n\nclass A:\n"
+                              "    def __init__(self):\n        self._hidden = 1\n"
+                              "        self._modules = {}\n")
+    (pkg / "b.py").write_text("from .a import _helper, A\n\n\ndef f(a: A):\n"
+                              "    return a._hidden, a._modules, a._own\n\n\n"
+                              "class B:\n    def g(self):\n        self._own = 2\n"
+                              "        return self._hidden\n")
+    assert _private_reads(_modules(str(pkg), "pkg")) == [
+        "pkg.b:1: import _helper", "pkg.b:5: a._hidden"]
+
+
+def test_no_module_reads_another_modules_private_names():
+    found = _private_reads(_modules(os.path.join(ROOT, "python", "dpzero"), "dpzero"))
+    assert found == [], "\n".join(found)

@@ -632,7 +632,7 @@ def test_every_front_door_draws_in_secure_mode_unless_given_a_seed():
         assert not torch.equal(w1, w2)  # fresh keys
         state = e1.state_dict()
         assert state["seed"] is None and "key" not in state
-        (s1, v1), (s2, v2) = step(front, seed=5), step(front, seed=5)
+        (s1, v1), (_, v2) = step(front, seed=5), step(front, seed=5)
         assert not s1.secure_mode and s1.state_dict()["seed"] == 5
         assert torch.equal(v1, v2)  # the seed reruns it exactly
         drawn, _ = step(front, secure_mode=False)

@@ -140,7 +140,7 @@ class LogicalBatch:
     def __iter__(self):
         first = next(self._it)
         yield first
-        for _ in range(self._engine._micro.count - 1):
+        for _ in range(self._engine.micro_batches_of_step - 1):
             yield next(self._it)
 
 

@@ -106,7 +106,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _storage_key(t: torch.Tensor):
+def storage_key(t: torch.Tensor):
     """One key per storage while it lives (its StorageImpl; data pointers coincide on the meta
     device and for empty storages)."""
     try:
@@ -115,7 +115,7 @@ def _storage_key(t: torch.Tensor):
         return id(t)
 
 
-def _storage_bytes(t: torch.Tensor) -> int:
+def storage_bytes(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().nbytes()
     except RuntimeError:
@@ -133,11 +133,11 @@ def unit_profiles(model: nn.Module, unit_names: Sequence[str], run: Callable[[],
     times: Dict[str, float] = {n: 0.0 for n in unit_names}
     started: Dict[str, float] = {}
     # parameters (and views of them, e.g. a transposed weight) are model state, not activations
-    seen = {_storage_key(p) for p in model.parameters()}
+    seen = {storage_key(p) for p in model.parameters()}
 
     def pre(name, _module, args):
         stack.append(name)
-        inputs[name] += sum(_storage_bytes(a) for a in args if isinstance(a, torch.Tensor))
+        inputs[name] += sum(storage_bytes(a) for a in args if isinstance(a, torch.Tensor))
         _sync(device)
         started[name] = time.perf_counter()
 
@@ -148,10 +148,10 @@ def unit_profiles(model: nn.Module, unit_names: Sequence[str], run: Callable[[],
 
     def pack(t):
         if stack:
-            key = _storage_key(t)
+            key = storage_key(t)
             if key not in seen:
                 seen.add(key)
-                saved[stack[-1]] += _storage_bytes(t)
+                saved[stack[-1]] += storage_bytes(t)
         return t
 
     handles = []
@@ -297,7 +297,7 @@ def profile(make_model: Callable[[], nn.Module], forward_loss: Callable[[nn.Modu
                 values[f"compute.{label}"] = statistics.median(f for f, _ in timings)
                 opt_times += [o for _, o in timings]
                 elt = torch.empty((), dtype=sharded.param_dtype).element_size()
-                opt_bytes = sharded._optimizer_bytes
+                opt_bytes = sharded.optimizer_bytes_per_param
             del p, model
         values["optimizer"] = statistics.median(opt_times)
         if world > 1:  # the slowest rank, the largest memory

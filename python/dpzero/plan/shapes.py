@@ -33,7 +33,7 @@ from torch import nn
 
 from ..private.layers import layer_kind
 from ..zero import default_units
-from .profile import Profile, _storage_bytes, _storage_key, unit_profiles
+from .profile import Profile, storage_bytes, storage_key, unit_profiles
 
 
 def shape_profile(make_model: Callable[[], nn.Module], forward_loss: Callable[[nn.Module], torch.Tensor],
@@ -52,14 +52,14 @@ def shape_profile(make_model: Callable[[], nn.Module], forward_loss: Callable[[n
 
     # Everything saved (inside units or not), the output, and the DP layers' A and G.
     saved = [0]
-    seen = {_storage_key(p) for p in model.parameters()}  # parameters and views of them
+    seen = {storage_key(p) for p in model.parameters()}  # parameters and views of them
     book, largest_layer = [0], [0]
 
     def pack(t):
-        key = _storage_key(t)
+        key = storage_key(t)
         if key not in seen:
             seen.add(key)
-            saved[0] += _storage_bytes(t)
+            saved[0] += storage_bytes(t)
         return t
 
     def layer_hook(module, args, output):

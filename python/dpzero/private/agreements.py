@@ -15,7 +15,7 @@ import zlib
 from typing import Any, Callable, Dict, List
 
 from .. import _C
-from ..noise import _as_int64
+from ..noise import as_int64
 from .errors import BudgetExhausted, CollectiveError, PrivacyViolation
 
 
@@ -53,7 +53,7 @@ class RankAgreements:
         """Rank 0's ``value`` (an integer of 64 bits) on every rank."""
         if self.group is None or self.world_size == 1:
             return value
-        return _C.comm.broadcast(self.group, [_as_int64(value)], 0)[0] & ((1 << 64) - 1)
+        return _C.comm.broadcast(self.group, [as_int64(value)], 0)[0] & ((1 << 64) - 1)
 
     def same_everywhere(self, settings: Dict[str, Any]) -> None:
         """Raises ValueError on every rank unless every rank has rank 0's ``settings`` (name ->
@@ -85,7 +85,7 @@ def _setting_bits(value) -> int:
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, int):
-        return _as_int64(value)
+        return as_int64(value)
     if isinstance(value, float):
         return struct.unpack("<q", struct.pack("<d", value))[0]
     return zlib.crc32(str(value).encode())

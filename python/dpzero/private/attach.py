@@ -22,8 +22,8 @@ from . import relative_bias
 from .book import Layer, Slot
 from .errors import PrivacyViolation
 from .fallback import BYPASS, FuncKind, OutputLayout, swapped, taken_whole, tap
-from .layers import (EmbeddingKind, autocast_dtype, calls_base_forward, dp_apply, layer_kind,
-                     overridden_base)
+from .layers import (ORIGINAL_FORWARD, EmbeddingKind, autocast_dtype, calls_base_forward,
+                     dp_apply, layer_kind, overridden_base)
 from .provenance import input_record, record, root_forward
 
 # Module types that cannot run under DP, with the reason the error gives.
@@ -45,7 +45,7 @@ def _dynamic_rope(module: nn.Module) -> bool:
         isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds)
 
 
-def _rejection(module: nn.Module) -> Optional[str]:
+def rejection(module: nn.Module) -> Optional[str]:
     if _dynamic_rope(module):
         return (f"rope_type {getattr(module, 'rope_type')!r} recomputes the rotary frequencies "
                 "(its inv_freq buffer) from the longest sequence of the batch, so the model's "
@@ -78,7 +78,7 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
     for name, module in model.named_modules():
         if any(w == "" or name.startswith(w + ".") for w in whole):  # "": the root, whole
             continue
-        why = _rejection(module)
+        why = rejection(module)
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
         trainable_own = [n for n, p in own if p.requires_grad]
         # Running statistics, and an Embedding's rows renormalised by max_norm, are state
@@ -219,7 +219,7 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
     # The record is of the call as made (before any expansion): what the probe compares.
     generation, part = book.on_forward(layer.index, input_record(layer.index, args[0]))
     if hasattr(kind, "dp_call"):  # the C++ autograd function (src/dp/dp_layers.h)
-        return kind.dp_call(layer.module, x, book._core, generation, part, None)
+        return kind.dp_call(layer.module, x, book.core, generation, part, None)
     pid = (generation, part, layer.index)
     return dp_apply(kind, layer.module, functools.partial(book.on_backward, pid), x,
                     _trainable_params(layer))
@@ -229,7 +229,7 @@ def _refused_call(book, layer: Layer, x, refusal: str):
     """A kernel layer's call that registers nothing (refused, or a recompute): its backward, if
     it ever runs, raises ``refusal``."""
     if hasattr(layer.kind, "dp_call"):
-        return layer.kind.dp_call(layer.module, x, book._core, 0, -1, refusal)
+        return layer.kind.dp_call(layer.module, x, book.core, 0, -1, refusal)
     return dp_apply(layer.kind, layer.module, book.refusing(refusal), x, _trainable_params(layer))
 
 
@@ -287,15 +287,15 @@ def patch(model: nn.Module, layers: List[Layer], book_ref, ranks, devices) -> No
         if layer.routed:  # Note [subclass forwards]
             base = overridden_base(module)
             original = types.MethodType(base.forward, module)
-            module._dp_original_forward = original
+            module.__dict__[ORIGINAL_FORWARD] = original
             module._dp_route = functools.partial(_patched_forward, book_ref, layer, original)
             module.__class__ = _routed_class(type(module), base)
             continue
         original = module.forward
-        module._dp_original_forward = original
+        module.__dict__[ORIGINAL_FORWARD] = original
         module.forward = functools.partial(_patched_forward, book_ref, layer, original)
     relative_bias.install(model)  # Note [relative position bias]
-    _cache_off(model)  # Note [no key/value cache]
+    cache_off(model)  # Note [no key/value cache]
     original = model.forward
     model._dp_root_previous = model.__dict__.get("forward")
     model.forward = functools.partial(root_forward, book_ref, ranks, devices, model, original)
@@ -340,7 +340,7 @@ def _routed_class(cls: type, base: type) -> type:
 # so the private model runs with its config's use_cache off (restored by detach). A cache passed
 # explicitly (use_cache=True in the call) is refused where the probe sees its state grow with the
 # examples (provenance._equal).
-def _cache_off(model: nn.Module) -> None:
+def cache_off(model: nn.Module) -> None:
     """Turns use_cache off in the config of every module that has one (a Hugging Face backbone
     inside the model too), keeping the configs it changed for unpatch."""
     changed = {}
@@ -365,7 +365,7 @@ def unpatch(model: nn.Module, layers: List[Layer]) -> None:
         module = layer.module
         if "forward" in module.__dict__:
             del module.forward
-        module.__dict__.pop("_dp_original_forward", None)
+        module.__dict__.pop(ORIGINAL_FORWARD, None)
         if module.__dict__.pop("_dp_route", None) is not None:
             module.__class__ = type(module)._dp_unrouted
 
@@ -401,7 +401,7 @@ def param_slots(sharded) -> Tuple[Dict[int, Slot], List[int], List[torch.device]
     """id(param) -> Slot, each unit's padded numel and device, from the engine's plan."""
     slot_of: Dict[int, Slot] = {}
     numel, devices = [], []
-    for u, (_, members) in enumerate(sharded._units):
+    for u, (_, members) in enumerate(sharded.unit_members):
         layout = sharded.plan.units[u]
         numel.append(layout.padded_numel)
         devices.append(members[0][1].device)

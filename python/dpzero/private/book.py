@@ -106,6 +106,11 @@ class Book:
         self._generation = -1
         self._micro_batch()
 
+    @property
+    def core(self):
+        """The C++ clipping book (``dpzero._C.dp.Book``, src/dp/book.h) this one drives."""
+        return self._core
+
     # ---- micro-batch state -------------------------------------------------------------------
 
     def _micro_batch(self) -> None:

@@ -53,17 +53,18 @@ from torch.utils.data import DataLoader
 from .. import _C, lifetime
 from ..data import PoissonBatchSampler
 from ..accounting import Ledger, create_accountant, get_steps
-from ..noise import NoiseSource, _as_int64, secure_noise
+from ..noise import NoiseSource, as_int64, secure_noise
 from ..zero import default_process_group, default_units, shard
 from . import checkpointing, strict
 from .attach import assign_components, find_layers, guard_hooks, param_slots, patch, unpatch
 from .agreements import RankAgreements
-from .book import Book, _dp
+from .book import Book
 from .errors import PrivacyViolation
 from .config import PrivateConfig, resolve
 from .examples import MicroBatchToken, tag
 from .loader import DPDataLoader, MicroBatch, Schedule
-from .optimizer import DPOptimizer
+from .slots import Slots
+from .optimizer import DPOptimizer, EngineLink
 from .provenance import Ranks
 from .state_guard import ProbeWrites, StateGuard
 from .trainable import TrainableSet
@@ -405,9 +406,10 @@ class PrivacyEngine:
                                weight_decay_exempt=_decay_exempt_names(model, c)))
         # Note [private gradients] (src/zero/param_group.h): gradients reach the step only from the
         # clipping; no .grad views, so nothing written to a parameter's .grad is released.
-        sharded._state.set_private(True)
+        sharded.zero_state.set_private(True)
         slot_of, unit_numel, unit_device = param_slots(sharded)
-        self._slot_of = slot_of
+        self.slots = Slots(slot_of, sharded, self._check_between_steps,
+                           lambda: self._state.record_trained())
         layers = layers_of(model, slot_of)
         n_components = assign_components(layers)
         groups, thresholds = self._clip_groups(layers, n_components, clipping,
@@ -417,18 +419,18 @@ class PrivacyEngine:
         self.layers = layers
         self.book = Book(layers, groups, thresholds,
                          "automatic" if clipping == "automatic" else "flat", c.automatic_gamma,
-                         c.loss_reduction, sharded._state, unit_numel, unit_device)
+                         c.loss_reduction, sharded.zero_state, unit_numel, unit_device)
         book_ref = weakref.ref(self.book)
         eps, delta = self.budget if self.budget is not None else (None, None)
-        self._step = _dp.PrivateStep(
-            self.book._core, sharded._state,
+        self._step = _C.dp.PrivateStep(
+            self.book.core, sharded.zero_state,
             self._ledger.native if self._ledger is not None else None,
             noise_multiplier=sigma, max_grad_norm=max_grad_norm, sample_rate=q, dataset_size=n,
             max_steps=self.max_steps,
             budget=(f"epsilon={eps} at delta={delta:.3g} ({self.accountant_name})"
                     if self.budget is not None else ""),
             noise_key=(list(self.noise_source._key) if self.secure_mode
-                       else _as_int64(self.noise_source.seed)),
+                       else as_int64(self.noise_source.seed)),
             accountant=self.accountant.native, charges=charges)
         # Note [batch provenance]: at stage 3 the probe's forward gathers units, so all ranks
         # probe when one must (at stages 0-2 a forward has no collectives); with several ranks
@@ -461,8 +463,10 @@ class PrivacyEngine:
         self.book.watch_state = functools.partial(ProbeWrites, model, self._trainable_set.ids)
         sharded.release_check = self._verify_release
         sharded.state_loaded = self._state.accept
-        self._state_dict_hooks = state_dict.register(model, self)
-        lifetime.track(self)  # Note [ending a script]
+        self._state_dict_hooks = state_dict.register(
+            model, sharded=sharded, slots=self.slots, guard=self._state,
+            verify_release=self._verify_release)
+        lifetime.track(self, PrivacyEngine._release_at_exit)  # Note [ending a script]
         model.__dict__["__getstate__"] = functools.partial(_refuse_copy, model)
         self.clipping = clipping
         self.loss_reduction = c.loss_reduction
@@ -483,7 +487,12 @@ class PrivacyEngine:
         if self.isolation == "strict":
             self._strict.outer = self.model
         self._optimizer_kind = c.optimizer
-        self.optimizer = DPOptimizer(self, c.optimizer, c.optimizer_options, c.torch_optimizer)
+        link = EngineLink(trainable=list(self._trainable), step=self._optimizer_step,
+                          zero_grad=self._zero_grad, drop_batch=self._drop_batch,
+                          between_steps=self._check_between_steps, slots=self.slots,
+                          sharded=sharded)
+        self.optimizer = DPOptimizer(self, link, c.optimizer, c.optimizer_options,
+                                     c.torch_optimizer)
         schedule = Schedule(
             sample_rate=q, sampler=self._sampler, next_step=lambda: self.next_step,
             begin_micro_batch=self._begin_micro_batch,
@@ -629,6 +638,12 @@ class PrivacyEngine:
         return self._hand_out(MicroBatch(MicroBatchToken(t, i, rows, "poisson"), n, size),
                               padding)
 
+    @property
+    def micro_batches_of_step(self) -> Optional[int]:
+        """How many micro-batches the logical batch handed out last has (the loader's; None
+        before the first or for own_batch, whose caller says when the step comes)."""
+        return self._micro.count if self._micro is not None else None
+
     def own_batch(self, batch, *, logical_batch_size: int):
         """The opt-out for callers who Poisson-sample their batches themselves (Note [batch
         provenance]): returns ``batch`` (a tensor or a nested tuple / list / dict of tensors, one
@@ -692,47 +707,14 @@ class PrivacyEngine:
         """param_groups' hyperparameters into the engine (Note [hyperparameters at the
         step]); ValueError naming a bad one, the engine unchanged."""
         options = self.optimizer.engine_options()
-        current = self.sharded._state.optimizer_options
+        current = self.sharded.zero_state.optimizer_options
         if any(current[k] != v for k, v in options.items()):
             merged = dict(current, **options)
             try:
-                self.sharded._state.set_optimizer_options(kind=self._optimizer_kind, **merged)
+                self.sharded.zero_state.set_optimizer_options(kind=self._optimizer_kind, **merged)
             except RuntimeError as e:
                 first = (str(e).strip().splitlines() or [""])[0]
                 raise ValueError(f"optimizer.param_groups: {first}") from None
-
-    def _load_parameters(self, values) -> None:
-        """Writes ``values`` ([(parameter, tensor of its shape)]) into the engine's master (Note
-        [module state dicts]); the optimizer state is kept. A collective with several ranks."""
-        self._check_between_steps("load_state_dict")
-        zero = self.sharded._state
-        by_unit: Dict[int, list] = {}
-        for p, v in values:
-            by_unit.setdefault(self._slot_of[id(p)].unit, []).append((p, v))
-        for u in sorted(by_unit):
-            current = zero.gathered_state(u)  # collective when W > 1
-            for p, v in by_unit[u]:
-                self._write_slot(current["param"], p, v)
-            self._load_unit(u, current, zero.optimizer_steps(u))
-
-    def _read_slot(self, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """p's slot of ``flat`` ([padded_numel] of its unit), as p's shape (a view)."""
-        slot = self._slot_of[id(p)]
-        return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
-
-    def _write_slot(self, flat: torch.Tensor, p: torch.Tensor, value: torch.Tensor) -> None:
-        """Writes ``value`` (p's shape) into p's slot of ``flat`` ([padded_numel] of its unit)."""
-        slot = self._slot_of[id(p)]
-        flat[slot.offset:slot.offset + slot.numel] = value.reshape(-1).to(flat)
-
-    def _load_unit(self, u: int, entries: Dict[str, torch.Tensor], steps: int) -> None:
-        """Loads unit u's 'param' and optimizer ``entries`` (each [padded_numel], the whole
-        layout) over this rank's kept range (Note [checkpoint slices]; collective in stages
-        1-2)."""
-        zero = self.sharded._state
-        begin, end = zero.kept_range(u)
-        zero.load_state(u, {name: t[begin:end] for name, t in entries.items()}, steps)
-        self._state.record_trained()  # loaded, not written by the forward
 
     def _check_between_steps(self, what: str) -> None:
         """Raises on every rank if any rank has a logical batch accumulated or a backward
@@ -860,7 +842,7 @@ class PrivacyEngine:
         for h in self._guards + self._state_dict_hooks:
             h.remove()
         self._guards, self._state_dict_hooks = [], []
-        self.sharded._state.set_private(False)
+        self.sharded.zero_state.set_private(False)
         self.sharded.zero_grad()
         self._detached = True
         return self.module

@@ -161,7 +161,7 @@ def _withdraw(x: "Examples") -> None:
     x._dp_token = None
 
 
-def _storage(t: torch.Tensor) -> int:
+def storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
@@ -183,28 +183,28 @@ def _propagate(func, args, kwargs, out, before: Optional[int] = None):
                 "it eagerly")
         for x in _flat(args, kwargs):
             if isinstance(x, Examples):
-                taint.escaped[_storage(x)] = x.untyped_storage()
+                taint.escaped[storage_id(x)] = x.untyped_storage()
                 _withdraw(x)
     for x in pytree.tree_leaves(kwargs.get("out")):  # an out= target: whatever was written
         if isinstance(x, Examples):
             _withdraw(x)
         elif isinstance(x, torch.Tensor):
-            _holds_examples(x, taint)
+            holds_examples(x, taint)
     target = args[0] if args and isinstance(args[0], torch.Tensor) else None
     name = getattr(func, "__name__", "")
     inplace = func in _INPLACE or (name.endswith("_") and not name.endswith("__"))
     if inplace and target is not None and not isinstance(target, Examples):
-        _holds_examples(target, taint)  # u.copy_(x), u.add_(x): u now holds example data
+        holds_examples(target, taint)  # u.copy_(x), u.add_(x): u now holds example data
     if inplace and args and isinstance(args[0], (list, tuple)):  # _foreach_copy_([u], [x])
         for u in args[0]:
             if isinstance(u, torch.Tensor) and not isinstance(u, Examples):
-                _holds_examples(u, taint)
+                holds_examples(u, taint)
     if func is torch.nn.functional.embedding and _embedding_renorms(args, kwargs):
-        _holds_examples(_argument(args, kwargs, 1, "weight"), taint)
+        holds_examples(_argument(args, kwargs, 1, "weight"), taint)
     # An operand computed from the examples without being them (or aliasing memory handed out)
     # makes the result so too, whatever the rule would say (full_like(x, x.mean()), F.pad(x, p,
     # value=x.mean()), x.new_full(s, x.mean())).
-    suspect = any(_suspect(a, taint) for a in _flat(args, kwargs))
+    suspect = any(is_suspect(a, taint) for a in _flat(args, kwargs))
     if func in _FACTORIES and not suspect:  # x.new_zeros(...): nothing of x but its dtype
         return out
     rule = _RULES.get(func) if not suspect else None
@@ -230,13 +230,13 @@ def _propagate(func, args, kwargs, out, before: Optional[int] = None):
     if isinstance(out, (tuple, list)):
         if bdim is None:
             return _tainted(func, args, kwargs, out, taint)
-        return type(out)(_wrap(o, b, token) if b is not None and _fits(o, b, token)
-                         else _taint_only(o, taint) for o, b in zip(out, bdim))
+        return type(out)(wrap(o, b, token) if b is not None and _fits(o, b, token)
+                         else taint_only(o, taint) for o, b in zip(out, bdim))
     if not isinstance(out, torch.Tensor):
         return out
     if bdim is None or not _fits(out, bdim, token):
         return _tainted(func, args, kwargs, out, taint)
-    return _wrap(out, bdim, token)
+    return wrap(out, bdim, token)
 
 
 def _vouches(rule, args, kwargs, out):
@@ -248,7 +248,7 @@ def _vouches(rule, args, kwargs, out):
         return None
 
 
-def _holds_examples(x: torch.Tensor, taint: MicroBatchToken) -> None:
+def holds_examples(x: torch.Tensor, taint: MicroBatchToken) -> None:
     """A tensor the examples' data was written into while it was no Examples (an ``out=``
     target, ``u.copy_(x)``, a weight ``F.embedding(..., max_norm=)`` renormalised at the
     looked-up rows) carries their data without a tag. A plain tensor becomes a tainted Examples
@@ -258,7 +258,7 @@ def _holds_examples(x: torch.Tensor, taint: MicroBatchToken) -> None:
     Note [batch provenance]). The write may have gone through a view (``buf[0].copy_(x)``), so
     the view's base changes class too (views taken from it later are tainted), and the memory is
     marked (views taken from it earlier are suspect as operands)."""
-    taint.escaped[_storage(x)] = x.untyped_storage()
+    taint.escaped[storage_id(x)] = x.untyped_storage()
     for t in (x, x._base):
         if type(t) is torch.Tensor:
             t.__class__ = Examples
@@ -266,7 +266,7 @@ def _holds_examples(x: torch.Tensor, taint: MicroBatchToken) -> None:
 
 
 def untag(x: torch.Tensor) -> None:
-    """Undoes :func:`_holds_examples` on a plain tensor turned into a tainted Examples in place
+    """Undoes :func:`holds_examples` on a plain tensor turned into a tainted Examples in place
     (module state the probe's forward wrote, restored after it)."""
     if type(x) is Examples:
         x.__class__ = torch.Tensor
@@ -293,10 +293,10 @@ def _fits(t, bdim: int, token: Optional[MicroBatchToken]) -> bool:
 def _tainted(func, args, kwargs, out, taint):
     if _tensors_in(out):
         _note_lost(func, args, kwargs)
-    return pytree.tree_map(lambda o: _taint_only(o, taint), out)
+    return pytree.tree_map(lambda o: taint_only(o, taint), out)
 
 
-def _taint_only(t, taint: MicroBatchToken):
+def taint_only(t, taint: MicroBatchToken):
     """``t`` as a tainted Examples (derived from ``taint``'s examples, untagged)."""
     if not isinstance(t, torch.Tensor):
         return t
@@ -307,7 +307,7 @@ def _taint_only(t, taint: MicroBatchToken):
     return e
 
 
-def _wrap(t: torch.Tensor, bdim: int, token: Optional[MicroBatchToken]) -> torch.Tensor:
+def wrap(t: torch.Tensor, bdim: int, token: Optional[MicroBatchToken]) -> torch.Tensor:
     if token is None:
         return t
     e = t.as_subclass(Examples)
@@ -323,7 +323,7 @@ def _intact(x: "Examples") -> bool:
     """A tagged tensor whose memory holds what the tag vouches for: not written since it was
     tagged, or last written by a write a rule vouched for (through any view of the memory), and
     not handed to code that writes unseen."""
-    token, storage = x._dp_token, _storage(x)
+    token, storage = x._dp_token, storage_id(x)
     if storage in token.escaped:
         return False
     return x._version == x._dp_version or x._version == token.vouched.get(storage, (None,))[0]
@@ -331,15 +331,15 @@ def _intact(x: "Examples") -> bool:
 
 def _vouch(x: "Examples") -> None:
     x._dp_version = x._version
-    x._dp_token.vouched[_storage(x)] = (x._version, x.untyped_storage())
+    x._dp_token.vouched[storage_id(x)] = (x._version, x.untyped_storage())
 
 
-def _suspect(a, token: MicroBatchToken) -> bool:
+def is_suspect(a, token: MicroBatchToken) -> bool:
     """An operand that carries the examples' data without being them: tainted, or a plain
     tensor aliasing memory of theirs that was handed out (torch.from_numpy(stat.numpy()))."""
     if isinstance(a, Examples):
         return _is_tainted(a)
-    return isinstance(a, torch.Tensor) and bool(token.escaped) and _storage(a) in token.escaped
+    return isinstance(a, torch.Tensor) and bool(token.escaped) and storage_id(a) in token.escaped
 
 
 def _valid(args, kwargs) -> None:
@@ -386,7 +386,7 @@ def tag(batch, token: MicroBatchToken):
                                  f"the micro-batch {token.rows} examples (shape "
                                  f"{list(x.shape)}): every tensor of a batch holds one row per "
                                  "example on dim 0")
-            return _wrap(x.as_subclass(torch.Tensor), 0, token)
+            return wrap(x.as_subclass(torch.Tensor), 0, token)
         return x
     if isinstance(batch, Mapping) and not isinstance(batch, dict):
         # A Mapping pytree does not know (Hugging Face's BatchEncoding): its entries tagged, in
@@ -508,7 +508,7 @@ def _same_layout(args, kwargs, out):
     return x._dp_bdim
 
 
-_ELEMENTWISE = [getattr(torch, n, None) for n in (
+ELEMENTWISE = [getattr(torch, n, None) for n in (
     "add", "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "floor_divide",
     "remainder", "fmod", "pow", "neg", "negative", "abs", "exp", "log", "log1p", "log2", "sqrt",
     "rsqrt", "square", "reciprocal", "sigmoid", "tanh", "relu", "clamp", "clip", "clamp_min",
@@ -516,7 +516,7 @@ _ELEMENTWISE = [getattr(torch, n, None) for n in (
     "logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and", "bitwise_or",
     "bitwise_not", "bitwise_xor", "where", "masked_fill", "minimum", "maximum", "isnan",
     "isfinite", "isinf", "nan_to_num", "lerp")]
-_ELEMENTWISE += [getattr(torch.Tensor, n, None) for n in (
+ELEMENTWISE += [getattr(torch.Tensor, n, None) for n in (
     "add", "sub", "mul", "div", "true_divide", "floor_divide", "remainder", "fmod", "pow", "neg",
     "abs", "exp", "log", "log1p", "sqrt", "rsqrt", "square", "reciprocal", "sigmoid", "tanh",
     "relu", "clamp", "clip", "clamp_min", "clamp_max", "sign", "round", "floor", "ceil", "trunc",
@@ -528,11 +528,11 @@ _ELEMENTWISE += [getattr(torch.Tensor, n, None) for n in (
     "__rpow__", "__neg__", "__abs__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__",
     "__ge__", "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__invert__")]
 # torch.nn.functional's elementwise activations (their own torch functions, not torch's).
-_ELEMENTWISE += [getattr(torch.nn.functional, n, None) for n in (
+ELEMENTWISE += [getattr(torch.nn.functional, n, None) for n in (
     "relu", "relu6", "gelu", "silu", "mish", "sigmoid", "tanh", "hardtanh", "hardsigmoid",
     "hardswish", "leaky_relu", "elu", "selu", "celu", "softplus", "softsign", "logsigmoid",
     "tanhshrink", "threshold")]
-_ELEMENTWISE_INPLACE = [getattr(torch.Tensor, n, None) for n in (
+ELEMENTWISE_INPLACE = [getattr(torch.Tensor, n, None) for n in (
     "requires_grad_", "detach_", "share_memory_",
     "add_", "sub_", "mul_", "div_", "clamp_", "clip_", "masked_fill_", "pow_", "neg_", "abs_",
     "__iadd__", "__isub__", "__imul__", "__itruediv__", "fill_", "zero_", "nan_to_num_")]
@@ -565,17 +565,17 @@ def _broadcast_bdim(args, kwargs, out) -> Optional[int]:
     for u in leaves:
         if _is_tagged(u):
             continue
-        if _suspect(u, token):  # from the batch without being it: x - x.mean(0)
+        if is_suspect(u, token):  # from the batch without being it: x - x.mean(0)
             return None
         if varies_along(u, b, out.dim()):
             return None
     return b
 
 
-_rule(*_ELEMENTWISE)(_broadcast_bdim)
+_rule(*ELEMENTWISE)(_broadcast_bdim)
 
 
-@_rule(*_ELEMENTWISE_INPLACE, inplace=True)
+@_rule(*ELEMENTWISE_INPLACE, inplace=True)
 def _inplace_elementwise(args, kwargs, out) -> bool:
     """In place on a tagged tensor: keeps the tag if the operands are as ``_broadcast_bdim``
     allows (its shape cannot change)."""
@@ -640,7 +640,7 @@ def _setitem(args, kwargs, out) -> bool:
                                  for j in idx]):
         if not isinstance(i, torch.Tensor):
             continue
-        if _suspect(i, token):
+        if is_suspect(i, token):
             return False
         if _is_tagged(i) and not (len(idx) == 1 and i._dp_token is token and
                                   i.dtype == torch.bool and i.shape == x.shape and
@@ -648,7 +648,7 @@ def _setitem(args, kwargs, out) -> bool:
             return False  # an index from the examples that is not x's own elementwise mask
     if not isinstance(value, torch.Tensor):
         return True
-    if _suspect(value, token):
+    if is_suspect(value, token):
         return False
     if not _is_tagged(value):
         return True  # data-free values, at any elements
@@ -747,7 +747,7 @@ def _matmul(args, kwargs, out):
         return None
     token = tagged[0]._dp_token
     if len(tagged) == 1 and tagged[0] is a and a._dp_bdim == a.dim() - 2 and b.dim() == 2:
-        return None if _suspect(b, token) else out.dim() - 2  # rows of a times a matrix
+        return None if is_suspect(b, token) else out.dim() - 2  # rows of a times a matrix
     pos = {x._dp_bdim + out.dim() - x.dim() for x in tagged if x._dp_bdim < x.dim() - 2}
     if len(pos) != 1 or len(tagged) != sum(1 for x in tagged if x._dp_bdim < x.dim() - 2):
         return None
@@ -755,7 +755,7 @@ def _matmul(args, kwargs, out):
     if any(out.shape[p] != x.shape[x._dp_bdim] for x in tagged):
         return None
     for u in (a, b):
-        if not _is_tagged(u) and (_suspect(u, token) or varies_along(u, p, out.dim())):
+        if not _is_tagged(u) and (is_suspect(u, token) or varies_along(u, p, out.dim())):
             return None
     return p
 
@@ -784,7 +784,7 @@ def _per_row_layer(args, kwargs, out):
     if _embedding_renorms(args, kwargs):
         return None  # the looked-up rows of the weight were rewritten from these ids
     rest = list(args[1:3]) + [kwargs.get(k) for k in ("weight", "bias")]
-    if any(_is_tagged(u) or _suspect(u, x._dp_token) for u in rest
+    if any(_is_tagged(u) or is_suspect(u, x._dp_token) for u in rest
            if isinstance(u, torch.Tensor)):
         return None
     linear = out.dim() == x.dim()
@@ -816,7 +816,7 @@ def _catted(args, kwargs, out):
     if any(t._dp_bdim != b for t in tagged) or _norm_dim(dim, out.dim()) == b:
         return None
     for u in tensors:
-        if not _is_tagged(u) and _suspect(u, tagged[0]._dp_token):
+        if not _is_tagged(u) and is_suspect(u, tagged[0]._dp_token):
             return None
         if not _is_tagged(u) and varies_along(u, b, out.dim()):
             return None

@@ -43,7 +43,7 @@ from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
 
 from .errors import PrivacyViolation
-from .layers import LayerKind
+from .layers import LayerKind, original_forward
 
 
 class _Bypass(threading.local):
@@ -188,7 +188,7 @@ class FuncKind(LayerKind):
                 full[i] = x.unsqueeze(in_dims[i])
             a, k = pytree.tree_unflatten(full, spec)
             with swapped(module, p), bypass():
-                y = module._dp_original_forward(*a, **k)
+                y = original_forward(module)(*a, **k)
             ys = pytree.tree_leaves(y)
             return tuple(ys[j].squeeze(d) for j, d in zip(layout.tapped, out_dims))
 
@@ -230,7 +230,7 @@ class FuncKind(LayerKind):
             t.dtype in (torch.float16, torch.bfloat16)
             for t in list(values.values()) + list(leaves) + list(layout.values)
             if isinstance(t, torch.Tensor))
-        dropped = _check_separable(module_name, outs, layout.values, out_dims, low, defer)
+        dropped = check_separable(module_name, outs, layout.values, out_dims, low, defer)
         return drop_rows({n: grads[n].float() for n in names}, dropped)
 
     @staticmethod
@@ -286,7 +286,7 @@ class MixedExamplesError(RuntimeError):
 # a mixing term below the tolerance, or a backward that mixes rows while the forward does not,
 # passes (isolation="strict" closes that: Note [strict isolation] in strict.py; docs/
 # architecture.md, "Threat model").
-def _check_separable(module_name: str, recomputed, forward, out_dims, low_precision: bool,
+def check_separable(module_name: str, recomputed, forward, out_dims, low_precision: bool,
                      defer=None) -> torch.Tensor:
     """Note [separable recompute]. Returns the examples to drop ([B] bool: a NaN in their output,
     forward or recomputed); the verdict on the others is computed on the tensors' device, and

@@ -49,6 +49,16 @@ def _param(module: nn.Module, name: str):
     return getattr(module, name)
 
 
+
+# A DP layer's own forward, kept on the module (under this attribute) by attach.py while the DP
+# forward is patched in, and called by the layer kinds and the generic path.
+ORIGINAL_FORWARD = "_dp_original_forward"
+
+
+def original_forward(module: nn.Module):
+    """The forward ``module`` had before attach.py patched it."""
+    return module.__dict__[ORIGINAL_FORWARD]
+
 class LayerKind:
     """How one module type runs under DP. ``params`` are the names of its parameters in the order
     the ops return gradients; a subclass implements the ops for the trainable subset ``train``
@@ -173,12 +183,12 @@ class NormKind(LayerKind):
         return 1 if self.hf else len(module.normalized_shape)
 
     def forward(self, module, x):
-        return module._dp_original_forward(x)
+        return original_forward(module)(x)
 
     def input_grad(self, module, x, g):
         with torch.enable_grad():
             xr = x.detach().requires_grad_(True)
-            y = module._dp_original_forward(xr)
+            y = original_forward(module)(xr)
             (gx,) = torch.autograd.grad(y, xr, g)
         return gx
 

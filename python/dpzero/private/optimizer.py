@@ -34,11 +34,26 @@ privacy reasoning; every rank must set the same ones (schedulers are determinist
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from .config import decay_groups
+from .slots import Slots
+
+
+@dataclass(frozen=True)
+class EngineLink:
+    """What the optimizer needs of its engine beyond the public figures (σ, C, q, N), handed to
+    it when the engine attaches."""
+    trainable: List[torch.nn.Parameter]  # the parameters the engine trains, fixed at attach
+    step: Callable[[], bool]             # the private step, or accumulate: whether one was taken
+    zero_grad: Callable[[], None]        # optimizer.zero_grad()'s meaning (module docstring)
+    drop_batch: Callable[[], None]       # drops the logical batch, charging nothing
+    between_steps: Callable[[str], None]  # raises on every rank unless all are between steps
+    slots: Slots                         # where each parameter's state lives
+    sharded: Any                         # the ShardedModule (its ZeRO state: .zero_state)
 
 # torch's optimizer class and the hyperparameters the engine takes from its param group.
 _TORCH_CLASS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -63,14 +78,15 @@ class DPOptimizer(torch.optim.Optimizer):
     # of unscaling .grad (which private parameters do not have): step() refuses it, naming why.
     _step_supports_amp_scaling = True
 
-    def __init__(self, engine, kind: str, settings: Dict[str, Any],
+    def __init__(self, engine, link: EngineLink, kind: str, settings: Dict[str, Any],
                  original: Optional[torch.optim.Optimizer] = None) -> None:
-        self._engine = engine
+        self._engine = engine  # its public figures
+        self._link = link
         self._kind = kind
         self._building = True
         defaults = dict(original.defaults) if original is not None else torch_defaults(
             kind, settings)
-        super().__init__(list(engine._trainable), defaults)
+        super().__init__(list(link.trainable), defaults)
         self._building = False
         if original is not None:
             self.param_groups = original.param_groups  # shared (module docstring)
@@ -99,7 +115,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if getattr(self, "grad_scale", None) is not None:  # set by torch.amp.GradScaler.step
             self.__dict__.pop("grad_scale", None)
             self.__dict__.pop("found_inf", None)
-            self._engine._drop_batch()
+            self._link.drop_batch()
             raise ValueError(
                 "torch.amp.GradScaler cannot drive a private step: the loss scale multiplies "
                 "every per-sample gradient before clipping, so examples would be clipped at "
@@ -110,13 +126,13 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        taken = self._engine._optimizer_step()
+        taken = self._link.step()
         return loss if closure is not None else taken
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the clipped sums of the last step (both ways: private gradients are never in
         ``.grad``, so there is nothing to set to None or to zero there)."""
-        self._engine._zero_grad()
+        self._link.zero_grad()
 
     def engine_options(self) -> Dict[str, Any]:
         """The hyperparameters of ``param_groups`` for ``ZeroState.set_optimizer_options`` (Note
@@ -166,7 +182,7 @@ class DPOptimizer(torch.optim.Optimizer):
         out, i = [], 0
         for group in self.param_groups:
             for p in group["params"]:
-                if id(p) in self._engine._slot_of:
+                if p in self._link.slots:
                     out.append((i, p))
                 i += 1
         return out
@@ -189,16 +205,15 @@ class DPOptimizer(torch.optim.Optimizer):
         """torch's optimizer state dict (module docstring); a collective with several ranks."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        engine = self._engine
+        slots, zero = self._link.slots, self._link.sharded.zero_state
         indexed = self._indexed()
-        zero = engine.sharded._state
-        units = sorted({engine._slot_of[id(p)].unit for _, p in indexed})
+        units = sorted({slots.unit(p) for _, p in indexed})
         gathered = {u: zero.gathered_state(u) for u in units}  # every rank, same order
         state: Dict[int, Dict[str, torch.Tensor]] = {}
         for i, p in indexed:
-            unit = engine._slot_of[id(p)].unit
+            unit = slots.unit(p)
             steps = zero.optimizer_steps(unit)
-            entries = {name: engine._read_slot(flat, p).to(p.device).clone()
+            entries = {name: slots.read(flat, p).to(p.device).clone()
                        for name, flat in gathered[unit].items() if name != "param"}
             if steps == 0 and not entries:
                 continue  # torch.optim creates state at the first step
@@ -226,7 +241,7 @@ class DPOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        engine = self._engine
+        slots, zero = self._link.slots, self._link.sharded.zero_state
         groups = state_dict.get("param_groups")
         if not isinstance(groups, list) or len(groups) != len(self.param_groups):
             raise ValueError(f"load_state_dict: expected {len(self.param_groups)} parameter "
@@ -239,12 +254,11 @@ class DPOptimizer(torch.optim.Optimizer):
         saved_keys = [key for group in groups for key in group["params"]]
         indexed = self._indexed()
         saved = state_dict.get("state", {})
-        zero = engine.sharded._state
         names = None
         per_unit: Dict[int, list] = {}
         for i, p in indexed:
-            per_unit.setdefault(engine._slot_of[id(p)].unit, []).append((i, p))
-        engine._check_between_steps("load_state_dict")  # collective: every rank or none
+            per_unit.setdefault(slots.unit(p), []).append((i, p))
+        self._link.between_steps("load_state_dict")  # collective: every rank or none
         loaded: Dict[int, tuple] = {}
         for u in sorted(per_unit):
             current = zero.gathered_state(u)  # collective; also the parameter values kept
@@ -272,13 +286,12 @@ class DPOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"load_state_dict: state {name!r} of parameter {i} "
                                          f"has shape {tuple(t.shape)}, the parameter "
                                          f"{tuple(p.shape)}")
-                    engine._write_slot(
-                        flats.setdefault(name, torch.zeros_like(current["param"])), p, t)
+                    slots.write(flats.setdefault(name, torch.zeros_like(current["param"])), p, t)
             if steps is None:  # SGD keeps no step: a momentum buffer means it has stepped
                 steps = max(zero.optimizer_steps(u), 1) if flats else 0
             loaded[u] = (dict(flats, param=current["param"]), steps)
         for u, (entries, steps) in loaded.items():
-            engine._load_unit(u, entries, steps)
+            slots.load_unit(u, entries, steps)
         for saved_group, group in zip(groups, self.param_groups):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
         for hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -44,9 +44,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import PrivacyViolation
-from .examples import Examples, MicroBatchToken, _holds_examples, _storage, _taint_only
+from .examples import Examples, MicroBatchToken, holds_examples, storage_id, taint_only
 
-_SOURCES = itertools.count()
+SOURCES = itertools.count()
 _MOST_FOLLOWED = 1024  # elements of a per-call output whose coefficients are followed
 _PROMISED: Dict[int, torch.Tensor] = {}  # source -> the gradient backward() promised, [n_k]
 
@@ -92,7 +92,7 @@ def constant(x, batch: Optional[MicroBatchToken]) -> bool:
         return True
     if not isinstance(x, torch.Tensor) or isinstance(x, Examples) or x.requires_grad:
         return False
-    return batch is None or not batch.escaped or _storage(x) not in batch.escaped
+    return batch is None or not batch.escaped or storage_id(x) not in batch.escaped
 
 
 def _f64(x: torch.Tensor) -> torch.Tensor:
@@ -212,7 +212,7 @@ class PerCall(Examples):
                    for o in pytree.tree_leaves(out)):
             # A read (detach, a comparison, a value without a gradient): the batch's, tainted.
             if func in _IN_PLACE and type(args[0]) is torch.Tensor:
-                _holds_examples(args[0], batch)
+                holds_examples(args[0], batch)
             return pytree.tree_map(lambda o: _read(o, batch), out)
         coef = _coefficients(func, args, kwargs, out, batch)
         if coef is None:
@@ -261,7 +261,7 @@ def _read(o, batch: Optional[MicroBatchToken]):
     if not isinstance(o, torch.Tensor):
         return o
     o = o.as_subclass(torch.Tensor) if isinstance(o, PerCall) else o
-    return _taint_only(o, batch) if batch is not None else o
+    return taint_only(o, batch) if batch is not None else o
 
 
 def hold_to_promise(book, source: int, g: Optional[torch.Tensor], like: torch.Tensor) -> None:

@@ -62,8 +62,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .errors import PrivacyViolation
-from .examples import (_ELEMENTWISE, _ELEMENTWISE_INPLACE, Examples, MicroBatchToken, _suspect,
-                       _wrap, lost_at, untagged, varies_along)
+from .examples import (ELEMENTWISE, ELEMENTWISE_INPLACE, Examples, MicroBatchToken, is_suspect,
+                       wrap, lost_at, untagged, varies_along)
 from .state_guard import refusal_text
 
 Shape = Tuple[int, ...]
@@ -378,7 +378,7 @@ _LOOKUP_SAME = {torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.contiguous,
                 torch.Tensor.double, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.squeeze,
                 torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.view_as,
                 torch.Tensor.reshape_as, torch.nn.functional.dropout, torch.dropout}
-_LOOKUP_ELEMENTWISE = set(f for f in _ELEMENTWISE + _ELEMENTWISE_INPLACE if f is not None)
+_LOOKUP_ELEMENTWISE = set(f for f in ELEMENTWISE + ELEMENTWISE_INPLACE if f is not None)
 # Permutations that keep the rows on dim 0 (T5's relative bias: [rows, q, k, heads] to [rows,
 # heads, q, k], Note [relative position bias]); and scaled-dot-product attention with the lookup
 # as its additive attn_mask.
@@ -404,7 +404,7 @@ def _attends_row_by_row(args, kwargs, out, b: int, token) -> bool:
         if isinstance(u, Examples) and getattr(u, "_dp_token", None) is not None:
             if u._dp_token is not token or u._dp_bdim + out.dim() - u.dim() != b:
                 return False
-        elif _suspect(u, token) or varies_along(u, b, out.dim()):
+        elif is_suspect(u, token) or varies_along(u, b, out.dim()):
             return False
     return True
 
@@ -453,16 +453,16 @@ class _Lookup(Examples):
                 met = _meets_the_batch(out, leaves, marked, check.rows)
                 if met is not None and _attends_row_by_row(args, kwargs, out, *met):
                     check.met = True
-                    return _wrap(out, met[0], met[1])
+                    return wrap(out, met[0], met[1])
             if func in _LOOKUP_ELEMENTWISE:
-                target = args[0] if func in _ELEMENTWISE_INPLACE else out
+                target = args[0] if func in ELEMENTWISE_INPLACE else out
                 met = _meets_the_batch(target, leaves, marked, check.rows)
                 if met is not None:
                     check.met = True
-                    return out if func in _ELEMENTWISE_INPLACE else \
-                        _wrap(out, met[0], met[1])
+                    return out if func in ELEMENTWISE_INPLACE else \
+                        wrap(out, met[0], met[1])
                 if _constants_only(target, leaves, marked):
-                    return out if func in _ELEMENTWISE_INPLACE else _Lookup.mark(out, check)
+                    return out if func in ELEMENTWISE_INPLACE else _Lookup.mark(out, check)
             if check.failure is None:
                 check.failure = getattr(func, "__qualname__", None) or repr(func)
             return out
@@ -542,12 +542,12 @@ class Probe:
                 for i, a, b in zip(floating, real.output, rec.output):
                     v, d = follows_dim(a, b, self.rows - 1)
                     if v == BATCHED:  # the examples, along dim d
-                        leaves[i] = _wrap(leaves[i].as_subclass(torch.Tensor), d, self.token)
+                        leaves[i] = wrap(leaves[i].as_subclass(torch.Tensor), d, self.token)
                 out = pytree.tree_unflatten(leaves, spec)
             elif not generic and check is None and isinstance(out, torch.Tensor) and \
                     follows(real.inputs[0] if real.inputs else None,
                             rec.inputs[0] if rec.inputs else None, self.rows - 1) == BATCHED:
-                out = _wrap(out.as_subclass(torch.Tensor), 0, self.token)  # the examples
+                out = wrap(out.as_subclass(torch.Tensor), 0, self.token)  # the examples
         self.records.append(rec._replace(tensors=(), same=same, lookup=check))
         return out
 
@@ -620,7 +620,7 @@ def run_probe(module: nn.Module, forward: Callable, args, kwargs,
     leaves, spec = pytree.tree_flatten((args, kwargs))
     if rows > 0:
         for i, bdim, _ in tagged:
-            leaves[i] = _wrap(_rows(leaves[i], bdim, rotated), bdim, probe.token)
+            leaves[i] = wrap(_rows(leaves[i], bdim, rotated), bdim, probe.token)
         for i in spread:  # Note [spread inputs]: one row, spread over one more example
             leaves[i] = leaves[i][:1].expand(rows + 1, *leaves[i].shape[1:])
     p_args, p_kwargs = pytree.tree_unflatten(leaves, spec)

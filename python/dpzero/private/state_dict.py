@@ -28,25 +28,31 @@ model's fixed state.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
 
+from .slots import Slots
+from .state_guard import StateGuard
+
 
 def engine_holds_values(sharded) -> bool:
     """Whether the trainable parameters' values live only in the engine (module docstring)."""
-    state = sharded._state
+    state = sharded.zero_state
     return (sharded.stage == 3 or state.param_dtype != torch.float32
             or state.offload_optimizer or state.offload_params)
 
 
-def register(model: nn.Module, engine) -> List:
-    """The hooks of this module's docstring on ``model``; returns their handles."""
-    gathers = engine_holds_values(engine.sharded)
+def register(model: nn.Module, *, sharded, slots: Slots, guard: StateGuard,
+             verify_release: Callable[..., None]) -> List:
+    """The hooks of this module's docstring on ``model``, a private engine's: ``sharded`` its
+    ZeRO model, ``slots`` where the trained parameters live, ``guard`` the model's fixed state
+    (Note [state written from data]), ``verify_release(what, collective=)`` its check before a
+    release. Returns the hooks' handles."""
+    gathers = engine_holds_values(sharded)
     # Every name a trainable parameter has in the state dict (tied ones under each name).
-    names = {name: p for name, p in model.named_parameters(remove_duplicate=False)
-             if id(p) in engine._slot_of}
+    names = {name: p for name, p in model.named_parameters(remove_duplicate=False) if p in slots}
     # Loaded values by state-dict key, from the pre-hook to the post-hook.
     pending: Dict[str, Tuple[nn.Parameter, torch.Tensor]] = {}
     # Buffers and frozen parameters offered by the load, by name, with the values offered, from
@@ -54,7 +60,7 @@ def register(model: nn.Module, engine) -> List:
     loaded_state: Dict[str, object] = {}
 
     def gathered() -> Dict[int, torch.Tensor]:
-        zero = engine.sharded._state
+        zero = sharded.zero_state
         return {u: zero.full_parameters(u) for u in range(zero.num_units)}  # collective
 
     keep_vars = []  # the state_dict() call's keep_vars, from the pre-hook to the post-hook
@@ -65,7 +71,7 @@ def register(model: nn.Module, engine) -> List:
     def save_post(module, state_dict, prefix, local_metadata):
         keep = keep_vars.pop() if keep_vars else False
         # A collective where the call gathers (Note [module state dicts]); else this rank's own.
-        engine._verify_release("model.state_dict()", collective=gathers and not keep)
+        verify_release("model.state_dict()", collective=gathers and not keep)
         if keep or not gathers:
             return  # the Parameter objects asked for, or the module's parameters are the master
         flats = gathered()
@@ -76,8 +82,7 @@ def register(model: nn.Module, engine) -> List:
         for name, p in names.items():
             if prefix + name in state_dict:
                 if id(p) not in values:
-                    unit = engine._slot_of[id(p)].unit
-                    values[id(p)] = engine._read_slot(flats[unit], p).clone()
+                    values[id(p)] = slots.read(flats[slots.unit(p)], p).clone()
                 state_dict[prefix + name] = values[id(p)]
 
     def load_pre(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
@@ -101,7 +106,7 @@ def register(model: nn.Module, engine) -> List:
             pending[key] = (p, v.detach())
 
     def load_post(module, incompatible):
-        state = engine._state
+        state = guard
         known = {e.name for e in state.entries}
         # Only what the load really wrote becomes the model's state: torch reports a tensor it
         # could not copy (a shape mismatch) after this hook, and the tensor keeps its old value,
@@ -121,7 +126,7 @@ def register(model: nn.Module, engine) -> List:
         incompatible.missing_keys[:] = [k for k in incompatible.missing_keys
                                         if k not in pending]
         pending.clear()
-        engine._load_parameters(taken)
+        slots.load_parameters(taken)
 
     return [model.register_state_dict_pre_hook(save_pre),
             model.register_state_dict_post_hook(save_post),

@@ -86,12 +86,12 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
 
-from .attach import _cache_off, _rejection
+from .attach import cache_off, rejection
 from .book import Layer
 from .errors import PrivacyViolation
-from .examples import _wrap
-from .fallback import FuncKind, _check_separable, drop_rows, swapped, tap
-from .per_call import _SOURCES, PerCall, hold_to_promise
+from .examples import wrap
+from .fallback import FuncKind, check_separable, drop_rows, swapped, tap
+from .per_call import SOURCES, PerCall, hold_to_promise
 from .provenance import CallRecord, Ranks, Verdict, admitted, spread_inputs
 
 # Per-example gradients held at once (float32): examples are clipped this many bytes at a time.
@@ -102,8 +102,8 @@ def find_layer(model: nn.Module, slot_of: Dict[int, Any]) -> List[Layer]:
     """The one part of a strict model: the model itself, with every trainable parameter. Raises
     PrivacyViolation naming the modules that write their state from the data (BatchNorm's
     running statistics and the like, attach.py's rejections)."""
-    problems = [f"{name or '<model>'} ({type(module).__name__}): {_rejection(module)}"
-                for name, module in model.named_modules() if _rejection(module) is not None]
+    problems = [f"{name or '<model>'} ({type(module).__name__}): {rejection(module)}"
+                for name, module in model.named_modules() if rejection(module) is not None]
     if problems:
         raise PrivacyViolation("these modules cannot be trained privately:\n  " +
                                "\n  ".join(problems))
@@ -245,14 +245,14 @@ class Strict:
             book.root = None
         book.set_verdicts(start, [Verdict(in_dims=("strict",))])
         params = [self.model.get_parameter(n) for n in self.names]
-        sources = {j: next(_SOURCES) for j in floating if layout.dims[j] is None}
+        sources = {j: next(SOURCES) for j in floating if layout.dims[j] is None}
         tapped = tap(functools.partial(self.backward, book, generation, index, saved, layout,
                                        floating, sources), [tensors[j] for j in floating], params)
         for j, t in zip(floating, tapped):
             tensors[j] = t if j not in sources else PerCall.source(t, sources[j], book.token)
         # The examples' outputs are the examples (Note [batch provenance]), so nothing computed
         # from them counts as a constant (Note [per-call outputs]).
-        tensors = [t if d is None else _wrap(t, d, book.token)
+        tensors = [t if d is None else wrap(t, d, book.token)
                    for t, d in zip(tensors, layout.dims)]
         it = iter(tensors)
         out_leaves = [next(it) if c is None else c for c in layout.constants]
@@ -328,7 +328,7 @@ class Strict:
         """The tap's callback: each example's clipped gradient, piece by piece, into the book;
         the gradients of per-call outputs held to what backward() promised them (Note
         [per-call outputs])."""
-        core = book._core
+        core = book.core
         try:
             for j, g in zip(floating, grads):
                 if j in sources:
@@ -358,7 +358,7 @@ class Strict:
                         sdpa_kernel([SDPBackend.MATH]), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="There is a performance drop")
                     piece, outs = self._recompute(f, values, xs, saved, gs, state)
-                dropped = _check_separable(name, outs, forward, [0] * len(outs),
+                dropped = check_separable(name, outs, forward, [0] * len(outs),
                                            any(t.dtype in (torch.float16, torch.bfloat16)
                                                for t in forward), book.defer)
                 piece = drop_rows({n: piece[n].float() for n in self.names}, dropped)
@@ -597,7 +597,7 @@ def _outer_hooks(model: nn.Module, outer: Optional[nn.Module]) -> Optional[str]:
 
 def patch(model: nn.Module, strict_of, book_ref, ranks: Ranks) -> Strict:
     """Routes the model's forward through strict_forward; returns its Strict."""
-    _cache_off(model)  # Note [no key/value cache] in attach.py
+    cache_off(model)  # Note [no key/value cache] in attach.py
     original = model.forward
     strict = strict_of(original)
     model._dp_root_previous = model.__dict__.get("forward")

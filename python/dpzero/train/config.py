@@ -173,7 +173,7 @@ _SECTIONS = {"model": ModelConfig, "data": DataConfig, "privacy": PrivacyConfig,
              "training": TrainingConfig, "output": OutputConfig}
 
 
-def _typed(section: str, key: str, value, default):
+def typed(section: str, key: str, value, default):
     """value converted to the default's type, or ConfigError naming it."""
     where = f"[{section}] {key}"
     if key == "checkpoint_every":
@@ -212,7 +212,7 @@ def from_dict(raw: Dict[str, Any], stem: str = "run") -> RunConfig:
             if not hasattr(target, key):
                 known = sorted(target.__dataclass_fields__)
                 raise ConfigError(f"unknown key [{section}] {key}; known keys: {known}")
-            setattr(target, key, _typed(section, key, value, getattr(target, key)))
+            setattr(target, key, typed(section, key, value, getattr(target, key)))
     if not cfg.output.dir:
         cfg.output.dir = os.path.join("runs", stem)
     validate(cfg)

@@ -31,7 +31,7 @@ import statistics
 import tomllib
 from typing import Any, Dict, List, Sequence, Tuple
 
-from .config import ConfigError, RunConfig, _typed, validate
+from .config import ConfigError, RunConfig, typed, validate
 
 # Keys that set ε or what it means (secure_mode = false: ε assumes the seed stays secret, and the
 # sweep publishes seeds), the task, or what the sweep sets itself: they cannot vary.
@@ -78,7 +78,7 @@ def parse_grid(items: Sequence[str], cfg: RunConfig) -> Dict[Tuple[str, str], Li
                 value = tomllib.loads(f"v = {text}")["v"]
             except tomllib.TOMLDecodeError:
                 value = text  # a bare word: a string
-            parsed.append(_typed(section, key, value, getattr(target, key)))
+            parsed.append(typed(section, key, value, getattr(target, key)))
         grid[(section, key)] = parsed
     if cfg.privacy.noise_multiplier is not None:
         moved = sorted(f"[{s}] {k}" for s, k in grid if (s, k) in _CHANGE_EPSILON)

@@ -1,5 +1,5 @@
 // tests/cpp/torch/private_step_test.cpp — the private step's transaction (src/dp/private_step.h)
-// on real ZeRO engines: W ranks as threads, each with its own Gloo group over one HashStore, a
+// on real ZeRO states: W ranks as threads, each with its own Gloo group over one HashStore, a
 // real ledger file, and one Linear weight W [2, 3] clipped by the real book.
 //
 // The invariants, each with the mutation of private_step.cpp that made its test fail:
