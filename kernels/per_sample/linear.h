@@ -242,7 +242,7 @@ inline at::Tensor linear_sq_norms_multi(const at::Tensor& A, at::TensorList G, i
 // Note [accumulating clipped sums]
 // Each *_clipped_sum op returns a new tensor; the in-place add_*_clipped_sum_ ops add the same sum
 // into `self` instead, typically the parameter's slot of the engine's flat gradient buffer (Note
-// [private accumulator] in src/zero/param_group.h). The arithmetic is the returned op's with self
+// [private accumulator] in src/zero/unit.h). The arithmetic is the returned op's with self
 // in place of the zeros it starts from (the GEMMs run with beta = 1, index_add adds into self), so
 // the result equals self + (returned sum) up to float32 rounding order, never more: the same
 // clipped contributions, each added once. What it saves is a parameter-sized zero fill, the new

@@ -307,33 +307,33 @@ void bind_zero(py::module_ m) {
             at::Tensor out;
             {
               py::gil_scoped_release no_gil;  // may wait for a reduction in flight
-              out = s.group(u).grad_shard();
+              out = s.unit_at(u).grad_shard();
             }
             return out;
           },
           py::arg("unit"),
           "Stages 2-3: unit `unit`'s reduced gradient of the owned shard so far [shard_numel].")
       .def(
-          "unsharded", [](ZeroState& s, int64_t u) { return s.group(u).flat().unsharded(); },
+          "unsharded", [](ZeroState& s, int64_t u) { return s.unit_at(u).flat().unsharded(); },
           py::arg("unit"))
       .def(
-          "reducing", [](ZeroState& s, int64_t u) { return s.group(u).reducing(); },
+          "reducing", [](ZeroState& s, int64_t u) { return s.unit_at(u).reducing(); },
           py::arg("unit"), "Note [reduce-scatter overlap]: a reduction of the unit is in flight.")
       .def(
           "optimizer_state",
           [](ZeroState& s, int64_t u) {
             py::dict out;
-            for (const auto& [name, tensor] : s.group(u).optimizer().state()) {
+            for (const auto& [name, tensor] : s.unit_at(u).optimizer().state()) {
               out[py::str(name)] = tensor;
             }
             return out;
           },
           py::arg("unit"))
       .def(
-          "kept_range", [](ZeroState& s, int64_t u) { return s.group(u).kept_range(); },
+          "kept_range", [](ZeroState& s, int64_t u) { return s.unit_at(u).kept_range(); },
           py::arg("unit"), "The flat coordinates [begin, end) this rank keeps state for.")
       .def(
-          "optimizer_steps", [](ZeroState& s, int64_t u) { return s.group(u).optimizer().steps(); },
+          "optimizer_steps", [](ZeroState& s, int64_t u) { return s.unit_at(u).optimizer().steps(); },
           py::arg("unit"))
       .def(
           "load_state",
@@ -341,7 +341,7 @@ void bind_zero(py::module_ m) {
              int64_t steps) {
             std::vector<std::pair<std::string, at::Tensor>> entries(values.begin(), values.end());
             py::gil_scoped_release no_gil;  // stages 1-2 all-gather
-            s.group(u).load_state(entries, steps, s.comm());
+            s.unit_at(u).load_state(entries, steps, s.comm());
           },
           py::arg("unit"), py::arg("values"), py::arg("steps"),
           "Note [checkpoint slices]: restore unit `unit` over kept_range(unit) (collective in "

@@ -17,7 +17,7 @@ def make_private(model: nn.Module, *, optimizer="sgd", accountant: str = "prv",
                  secure_mode: Optional[bool] = None, policy: Optional[str] = None,
                  plan_step: Optional[Callable] = None, memory_budget: Optional[float] = None,
                  **kwargs) -> Private:
-    """Make ``model`` train with DP-SGD on dpzero's ZeRO engine.
+    """Make ``model`` train with DP-SGD under dpzero's ZeRO sharding.
 
     Returns ``Private(model, optimizer, data_loader, privacy_engine)``. Arguments:
 

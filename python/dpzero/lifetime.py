@@ -2,7 +2,7 @@
 
 Note [ending a script]
 ~~~~~~~~~~~~~~~~~~~~~~
-A sharded model and a private engine hold C++ state (the ZeRO engine, the clipping book, the
+A sharded model and a private engine hold C++ state (the ZeRO state, the clipping book, the
 step) that holds the run's process group. An ordinary script ends without freeing any of it, and
 torch.distributed's process groups are then destroyed during interpreter finalization, if at
 all. A Gloo group destroyed there can abort the process ("terminate called without an active

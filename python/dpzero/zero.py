@@ -403,7 +403,7 @@ def shard(
         backward (Note [stage-3 prefetch] in src/zero/state.h).
     grad_hooks: take gradients from autograd (post-accumulate-grad hooks). The private path
         (``dpzero.make_private``) passes False: it hands the engine clipped sums itself (Note
-        [private gradients] in src/zero/param_group.h).
+        [private gradients] in src/zero/unit.h).
 
     Trainable parameters must be float32 and on one device per unit. Parameters that get no
     gradient in a backward count as zero gradient (torch.optim would skip them).
@@ -509,7 +509,7 @@ def _grad_ready(state_ref, unit: int, index: int, _param) -> None:
 def _register_grad_hooks(state_ref, planned):
     """Stages 2-3 (and 0-1 when gradients are reduced in another dtype than the parameters'):
     each parameter's post-accumulate-grad hook tells the engine its gradient of this backward is
-    final (Note [gradient buffers] in src/zero/param_group.h)."""
+    final (Note [gradient buffers] in src/zero/unit.h)."""
     handles = []
     for u, (_, members) in enumerate(planned):
         for i, (_, param, _) in enumerate(members):
@@ -544,7 +544,7 @@ def _post_forward(state_ref, unit: int, _module, _args, output) -> None:
 
 
 def _register_gather_hooks(model: nn.Module, state_ref, planned):
-    """Stage 3 (Note [stage-3 gathers] in src/zero/param_group.h): gather a unit before the forward
+    """Stage 3 (Note [stage-3 gathers] in src/zero/unit.h): gather a unit before the forward
     of every module that uses its parameters and before that module's backward; free it after
     the forward. A unit's own module covers everything inside it; a module outside it that holds
     one of its parameters (a tied output head) is hooked for that unit too."""

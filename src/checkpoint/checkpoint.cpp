@@ -191,7 +191,7 @@ std::vector<Record> agree(const comm::Collectives& comm, const at::Device& devic
 }
 
 at::Device engine_device(zero::ZeroState& state) {
-  return state.num_units() > 0 ? state.group(0).flat().device() : at::Device(at::kCPU);
+  return state.num_units() > 0 ? state.unit_at(0).flat().device() : at::Device(at::kCPU);
 }
 
 // ---- serialisation ------------------------------------------------------------------------------
@@ -243,7 +243,7 @@ c10::impl::GenericDict string_dict() {
 std::vector<char> rank_file_bytes(zero::ZeroState& state, int64_t step, const TensorList& extra) {
   c10::impl::GenericList units(c10::AnyType::get());
   for (int64_t u = 0; u < state.num_units(); ++u) {
-    zero::ParamGroup& group = state.group(u);
+    zero::Unit& group = state.unit_at(u);
     c10::impl::GenericDict unit = string_dict();
     unit.insert("name", group.name());
     unit.insert("optimizer_steps", group.optimizer().steps());
@@ -283,7 +283,7 @@ Manifest describe(zero::ZeroState& state, int64_t step, const Json& metadata) {
   m.optimizer = optimizer_hyperparameters(state.config().optimizer);
   m.metadata = metadata;
   for (int64_t u = 0; u < state.num_units(); ++u) {
-    zero::ParamGroup& group = state.group(u);
+    zero::Unit& group = state.unit_at(u);
     const zero::UnitLayout& layout = group.flat().layout();
     ManifestUnit unit;
     unit.name = group.name();
@@ -658,7 +658,7 @@ LoadResult load(zero::ZeroState& state, const std::string& path, const TensorLis
                 m.optimizer_kind, "', this engine uses '", kind, "'");
     std::vector<TargetUnit> targets;
     for (int64_t u = 0; u < state.num_units(); ++u) {
-      zero::ParamGroup& group = state.group(u);
+      zero::Unit& group = state.unit_at(u);
       const zero::UnitLayout& layout = group.flat().layout();
       TargetUnit t;
       t.name = group.name();
@@ -682,7 +682,7 @@ LoadResult load(zero::ZeroState& state, const std::string& path, const TensorLis
         probe.emplace_back(plan.entries[e], at::empty({0}, at::kFloat));
       }
       const std::string checked = capture([&] {
-        zero::make_shard_optimizer(state.group(static_cast<int64_t>(u)).optimizer().options())
+        zero::make_shard_optimizer(state.unit_at(static_cast<int64_t>(u)).optimizer().options())
             ->load_state(probe, plan.optimizer_steps, 0);
       });
       TORCH_CHECK(checked.empty(), "checkpoint ", dir, ": unit '", targets[u].name, "': ",
@@ -737,7 +737,7 @@ LoadResult load(zero::ZeroState& state, const std::string& path, const TensorLis
     for (std::size_t e = 0; e < plans[u].entries.size(); ++e) {
       entries.emplace_back(plans[u].entries[e], values[u][e]);
     }
-    state.group(static_cast<int64_t>(u)).load_state(entries, plans[u].optimizer_steps, comm);
+    state.unit_at(static_cast<int64_t>(u)).load_state(entries, plans[u].optimizer_steps, comm);
   }
   state.set_steps(result.engine_steps);
   for (const auto& [name, target] : shared) {

@@ -16,7 +16,7 @@
 // is {"format": "dpzero-checkpoint-rank", "version", "rank", "world_size", "step",
 // "units": [{"name", "optimizer_steps", "entries": {"param": [m], <optimizer state>: [m]}}],
 // "extra": {name: tensor}} with m the unit's shard_numel, units in manifest order: by Note
-// [checkpoint slices] (src/zero/param_group.h) rank r's entries are the unit's flat coordinates
+// [checkpoint slices] (src/zero/unit.h) rank r's entries are the unit's flat coordinates
 // [r·m, (r+1)·m) in every stage, so the files hold each coordinate exactly once. Tensors are
 // saved as compact CPU copies (a saved view would drag its whole storage into the file).
 //
@@ -53,7 +53,7 @@
 // model must be in the manifest with the same numel and global offset, and every parameter of the
 // manifest in the model (errors name the parameter), and the optimizer kind must match (other
 // hyperparameters may change; the loading engine's own are used, the manifest's are returned).
-// For each unit of the loading engine and the flat range its rank keeps (ParamGroup::kept_range:
+// For each unit of the loading engine and the flat range its rank keeps (Unit::kept_range:
 // the owned shard, or the whole unit in stage 0), reshard.h maps each parameter's elements inside
 // that range to the old unit's flat coordinates and cuts them at the old shard boundaries into
 // pieces (old rank, offset in its file) → (offset in the kept range). Padding and alignment gaps

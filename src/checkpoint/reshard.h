@@ -25,7 +25,7 @@ struct TargetUnit {
   std::string name;
   std::vector<UnitParam> params;
   int64_t kept_begin = 0;  // the flat coordinates [kept_begin, kept_end) this rank keeps
-  int64_t kept_end = 0;    // (ParamGroup::kept_range())
+  int64_t kept_end = 0;    // (Unit::kept_range())
 };
 
 // Throws naming the first parameter that is in the model but not in the checkpoint (or the

@@ -27,7 +27,7 @@
 //             the dropped ones, and closes the micro-batch.
 //
 // In stages 0–1 the unit's buffer is the engine's own gradient buffer (Note [private
-// accumulator] in src/zero/param_group.h): nothing is handed over.
+// accumulator] in src/zero/unit.h): nothing is handed over.
 //
 // Note [padding batches] (python/dpzero/private/loader.py): a rank with no rows of its own runs a
 // padding micro-batch so that its collectives match the other ranks'; its output gradients are

@@ -225,13 +225,13 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
   config.optimizer = options_.optimizer;
   config.grad_scale = 1.0;  // the step scales by 1 / (q·N)
   zero_ = std::make_unique<zero::ZeroState>(std::move(specs), total, config, process_group);
-  zero_->set_private(true);  // Note [private gradients] in src/zero/param_group.h
+  zero_->set_private(true);  // Note [private gradients] in src/zero/unit.h
 
   // Where each parameter's gradient goes: its slot in its unit's flat buffer.
   std::vector<int64_t> unit_numel;
   std::vector<at::Device> unit_device;
   for (int64_t u = 0; u < zero_->num_units(); ++u) {
-    const zero::UnitLayout& layout = zero_->group(u).flat().layout();
+    const zero::UnitLayout& layout = zero_->unit_at(u).flat().layout();
     unit_numel.push_back(layout.padded_numel());
     unit_device.push_back(params_[members[order[u]].front()].tensor.device());
     const std::vector<size_t>& in_unit = members[order[u]];

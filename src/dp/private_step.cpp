@@ -277,7 +277,7 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
     noise.step = k;
     const double grad_scale = 1.0 / (q * static_cast<double>(s.dataset_size));
     collective("the noisy update", t, ChargeState::kCharged,
-               [&] { zero_.noisy_step(noise, grad_scale); });
+               [&] { zero_.private_update(noise, grad_scale); });
   } catch (const CollectiveError&) {
     throw;
   } catch (const std::exception& e) {

@@ -8,7 +8,7 @@
 //     2   | full       | owned shard, reduce-scattered per unit  | owned shard
 //         |            | during backward                         |
 //     3   | owned shard, a unit gathered only around its forward  | owned shard
-//         | and backward (Note [stage-3 gathers] in param_group.h)|
+//         | and backward (Note [stage-3 gathers] in unit.h)|
 #pragma once
 
 #include <cstdint>

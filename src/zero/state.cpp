@@ -49,7 +49,7 @@ ZeroState::ZeroState(std::vector<UnitSpec> units, int64_t total_coordinates, Zer
   // Every check above runs before any parameter is touched: a failed construction leaves the
   // model as it was.
   plan_ = std::make_unique<ShardPlan>(layouts, total_coordinates);
-  groups_.reserve(units.size());
+  units_.reserve(units.size());
   FlatParamOptions flat_options;
   flat_options.shard_params = config_.stage == Stage::k3;
   flat_options.master_full = config_.stage == Stage::k0;
@@ -59,20 +59,20 @@ ZeroState::ZeroState(std::vector<UnitSpec> units, int64_t total_coordinates, Zer
   for (size_t u = 0; u < units.size(); ++u) {
     FlatParam flat(std::move(units[u].params), std::move(units[u].param_names), layouts[u], comm_,
                    config_.sync_module_states, flat_options);
-    groups_.emplace_back(units[u].name, std::move(flat), config_.stage,
+    units_.emplace_back(units[u].name, std::move(flat), config_.stage,
                          make_shard_optimizer(config_.optimizer), config_.reduce_dtype);
   }
   note_param_bytes();
 }
 
-ParamGroup& ZeroState::group(int64_t unit) {
+Unit& ZeroState::unit_at(int64_t unit) {
   TORCH_CHECK(unit >= 0 && unit < num_units(), "unit index must be in [0, ", num_units(),
               "), got ", unit);
-  return groups_[unit];
+  return units_[unit];
 }
 
 void ZeroState::pre_forward(int64_t unit) {
-  group(unit).pre_forward(comm_);
+  unit_at(unit).pre_forward(comm_);
   if (!in_backward()) prefetch_after(unit, /*backward=*/false);  // not during recompute
   note_param_bytes();
 }
@@ -109,21 +109,21 @@ void ZeroState::prefetch_after(int64_t unit, bool backward) {
     }
     if (backward_cursor_ > 0) next = forward_order_[backward_cursor_ - 1];
   }
-  if (next >= 0) groups_[next].flat().unshard_async(comm_);
+  if (next >= 0) units_[next].flat().unshard_async(comm_);
 }
 
-void ZeroState::post_forward(int64_t unit) { group(unit).post_forward(in_backward()); }
+void ZeroState::post_forward(int64_t unit) { unit_at(unit).post_forward(in_backward()); }
 
 void ZeroState::pre_backward(int64_t unit) {
   queue_finish_backward();
-  group(unit).pre_backward(comm_);
+  unit_at(unit).pre_backward(comm_);
   prefetch_after(unit, /*backward=*/true);
   note_param_bytes();
 }
 
 void ZeroState::grad_ready(int64_t unit, int64_t param_index) {
   queue_finish_backward();
-  ParamGroup& g = group(unit);
+  Unit& g = unit_at(unit);
   const int64_t started = g.reductions_started();
   g.grad_ready(param_index, comm_);
   note_reduction(unit, started);
@@ -132,27 +132,28 @@ void ZeroState::grad_ready(int64_t unit, int64_t param_index) {
 void ZeroState::add_unit_grad(int64_t unit, const at::Tensor& full, bool release_params,
                               bool donated) {
   queue_finish_backward();
-  ParamGroup& g = group(unit);
+  Unit& g = unit_at(unit);
   const int64_t started = g.reductions_started();
   g.add_grad(full, comm_, release_params, donated);
   note_reduction(unit, started);
 }
 
-at::Tensor ZeroState::grad_accumulator(int64_t unit) { return group(unit).private_accumulator(); }
+at::Tensor ZeroState::grad_accumulator(int64_t unit) { return unit_at(unit).private_accumulator(); }
 
 void ZeroState::set_private(bool on) {
-  for (ParamGroup& g : groups_) g.set_private(on);
+  private_ = on;
+  for (Unit& g : units_) g.set_private(on);
 }
 
 void ZeroState::release_params(int64_t unit) {
-  group(unit).flat().reshard();  // no-op unless parameters are sharded (stage 3)
+  unit_at(unit).flat().reshard();  // no-op unless parameters are sharded (stage 3)
 }
 
 void ZeroState::note_reduction(int64_t unit, int64_t started_before) {
-  if (groups_[unit].reductions_started() != started_before) {
+  if (units_[unit].reductions_started() != started_before) {
     // Note [reduce-scatter overlap]: this unit started a reduction; fold the previous one so at
     // most two units' packed gradients are alive.
-    if (reducing_unit_ >= 0 && reducing_unit_ != unit) groups_[reducing_unit_].wait_reduce();
+    if (reducing_unit_ >= 0 && reducing_unit_ != unit) units_[reducing_unit_].wait_reduce();
     reducing_unit_ = unit;
   }
 }
@@ -165,13 +166,27 @@ void ZeroState::queue_finish_backward() {
 
 void ZeroState::finish_backward() {
   finish_queued_ = false;
-  for (ParamGroup& g : groups_) g.finish_backward(comm_);  // each folds its own reduction
+  for (Unit& g : units_) g.finish_backward(comm_);  // each folds its own reduction
   reducing_unit_ = -1;
 }
 
-void ZeroState::step() { run_step(config_.grad_scale, nullptr); }
+void ZeroState::step() {
+  TORCH_CHECK(!private_,
+              "ZeroState.step(): this model is private (Note [only the private step updates a "
+              "private model]); step its private optimizer, which charges the step and adds its "
+              "noise. This would release the clipped gradients with neither");
+  run_step(config_.grad_scale, nullptr);
+}
 
 void ZeroState::noisy_step(const StepNoise& noise, double grad_scale) {
+  TORCH_CHECK(!private_,
+              "ZeroState.noisy_step(): this model is private (Note [only the private step updates "
+              "a private model]); step its private optimizer, which records and charges the step "
+              "before its update");
+  private_update(noise, grad_scale);
+}
+
+void ZeroState::private_update(const StepNoise& noise, double grad_scale) {
   check_step_noise(noise);
   TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0.0,
               "grad_scale must be finite and > 0, got ", grad_scale);
@@ -184,18 +199,18 @@ void ZeroState::run_step(double grad_scale, const StepNoise* noise) {
   reducing_unit_ = -1;     // every unit folds its reduction in its step
   order_frozen_ = true;    // Note [stage-3 prefetch]
   forward_cursor_ = backward_cursor_ = -1;
-  for (ParamGroup& g : groups_) g.step(comm_, grad_scale, noise);
+  for (Unit& g : units_) g.step(comm_, grad_scale, noise);
   ++steps_;
 }
 
 void ZeroState::zero_grad() {
   finish_queued_ = false;
   reducing_unit_ = -1;
-  for (ParamGroup& g : groups_) g.zero_grad();
+  for (Unit& g : units_) g.zero_grad();
 }
 
 at::Tensor ZeroState::full_parameters(int64_t unit) {
-  FlatParam& flat = group(unit).flat();
+  FlatParam& flat = unit_at(unit).flat();
   at::Tensor master = flat.master();  // a handle: all_gather takes it by reference
   if (master.numel() == flat.layout().padded_numel()) return master.detach().clone();
   // Gathered on the compute device: an offloaded master is on the host, which NCCL cannot use.
@@ -206,8 +221,8 @@ at::Tensor ZeroState::full_parameters(int64_t unit) {
 }
 
 bool ZeroState::needs_grad_hooks() const {
-  return std::any_of(groups_.begin(), groups_.end(),
-                     [](const ParamGroup& g) { return g.packs_grads(); });
+  return std::any_of(units_.begin(), units_.end(),
+                     [](const Unit& g) { return g.packs_grads(); });
 }
 
 void ZeroState::set_steps(int64_t steps) {
@@ -216,18 +231,18 @@ void ZeroState::set_steps(int64_t steps) {
 }
 
 void ZeroState::set_lr(double lr) {
-  for (ParamGroup& g : groups_) g.optimizer().set_lr(lr);
+  for (Unit& g : units_) g.optimizer().set_lr(lr);
   config_.optimizer.lr = lr;
 }
 
 void ZeroState::set_optimizer_options(const OptimizerOptions& options) {
   check_options_change(config_.optimizer, options);  // before any unit changes
-  for (ParamGroup& g : groups_) g.optimizer().set_options(options);
+  for (Unit& g : units_) g.optimizer().set_options(options);
   config_.optimizer = options;
 }
 
 std::vector<std::pair<std::string, at::Tensor>> ZeroState::gathered_state(int64_t unit) {
-  ParamGroup& g = group(unit);
+  Unit& g = unit_at(unit);
   const int64_t padded = g.flat().layout().padded_numel();
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& [name, slice] : g.owned_state()) {  // each [shard_numel], this rank's slice
@@ -246,13 +261,13 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroState::gathered_state(int64_
 
 void ZeroState::note_param_bytes() {
   int64_t held = 0;
-  for (const ParamGroup& g : groups_) held += g.param_bytes();
+  for (const Unit& g : units_) held += g.param_bytes();
   peak_param_bytes_ = std::max(peak_param_bytes_, held);
 }
 
 MemoryStats ZeroState::memory() const {
   MemoryStats stats;
-  for (const ParamGroup& g : groups_) {
+  for (const Unit& g : units_) {
     stats.param_bytes += g.param_bytes();
     stats.grad_bytes += g.grad_bytes();
     stats.optimizer_bytes += g.optimizer_bytes();

@@ -1,4 +1,4 @@
-// src/zero/state.h — the ZeRO state of one model: its units (ParamGroup), the shard plan that
+// src/zero/state.h — the ZeRO state of one model: its units (Unit), the shard plan that
 // checks they cover the model's global coordinates, the entry points of the module and gradient
 // hooks, and the step (design.md §2; stages in stage.h).
 //
@@ -45,10 +45,14 @@
 
 #include "src/comm/collectives.h"
 #include "src/zero/optim.h"
-#include "src/zero/param_group.h"
+#include "src/zero/unit.h"
 #include "src/zero/shard_noise.h"
 #include "src/zero/shard_plan.h"
 #include "src/zero/stage.h"
+
+namespace dpzero::dp {
+class PrivateStep;
+}
 
 namespace dpzero::zero {
 
@@ -108,7 +112,7 @@ class ZeroState {
   void post_forward(int64_t unit);
   void pre_backward(int64_t unit);
   void grad_ready(int64_t unit, int64_t param_index);
-  // The private path (Note [private gradients] in param_group.h): unit `unit`'s whole gradient of
+  // The private path (Note [private gradients] in unit.h): unit `unit`'s whole gradient of
   // this backward, [padded_numel], computed outside autograd. Reduced like grad_ready's packed
   // gradient, under the same overlap cap (Note [reduce-scatter overlap]).
   // `release_params`: stage 3 may free the unit's gathered parameters now (else at the end of the
@@ -116,11 +120,11 @@ class ZeroState {
   // asynchronous reduction may use it without a copy.
   void add_unit_grad(int64_t unit, const at::Tensor& full, bool release_params = true,
                      bool donated = false);
-  // Note [private accumulator] in param_group.h: unit `unit`'s float32 gradient buffer
+  // Note [private accumulator] in unit.h: unit `unit`'s float32 gradient buffer
   // ([padded_numel]) in stages 0–1, into which the private path adds clipped sums directly (then
   // never calling add_unit_grad for the unit); undefined where add_unit_grad must be used.
   at::Tensor grad_accumulator(int64_t unit);
-  // Note [private gradients] in param_group.h: on (the private path) every unit takes its
+  // Note [private gradients] in unit.h: on (the private path) every unit takes its
   // gradient only from add_unit_grad / grad_accumulator and attaches no .grad views; off restores
   // the views.
   void set_private(bool on);
@@ -130,6 +134,10 @@ class ZeroState {
   // gather it again. No-op in stages 0–2.
   void release_params(int64_t unit);
 
+  // Note [only the private step updates a private model]: with set_private(true) the update is
+  // the private step's (dp::PrivateStep, which records the step in the ledger, charges it and
+  // draws its noise first); step() and noisy_step() are refused there, since either would
+  // release the clipped sums without the charge (and step() without noise).
   void step();
   // The private step's engine part (design.md §2 steps 5–7 minus the ledger, which the caller
   // writes before calling this): every unit's reduced gradient gets `noise` on exactly the global
@@ -145,13 +153,13 @@ class ZeroState {
   const ShardPlan& plan() const { return *plan_; }
   const comm::Collectives& comm() const { return comm_; }
   const ZeroConfig& config() const { return config_; }
-  int64_t num_units() const { return static_cast<int64_t>(groups_.size()); }
+  int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
   // Whether grad_ready must be called for every parameter (Note [gradient buffers]).
   bool needs_grad_hooks() const;
-  ParamGroup& group(int64_t unit);
+  Unit& unit_at(int64_t unit);
   int64_t steps() const { return steps_; }
   // A checkpoint's step counter (src/checkpoint/); the units' own state is restored through
-  // group(u).load_state.
+  // unit_at(u).load_state.
   void set_steps(int64_t steps);
   void set_lr(double lr);
   // ShardOptimizer::set_options on every unit (checked once, before any unit changes).
@@ -159,15 +167,18 @@ class ZeroState {
   // Note [weight decay runs] in optim.h: unit `unit`'s parameter i gets no weight decay when
   // exempt[i] (one flag per parameter, in the unit's order).
   void set_decay_exempt(int64_t unit, const std::vector<bool>& exempt) {
-    group(unit).set_decay_exempt(exempt);
+    unit_at(unit).set_decay_exempt(exempt);
   }
   // Unit `unit`'s owned_state() entries ("param" and the optimizer's state), each gathered over
   // the ranks to the whole flat layout [padded_numel] (a copy; all-gathers when W > 1: call on
-  // every rank). The step count is group(unit).optimizer().steps().
+  // every rank). The step count is unit_at(unit).optimizer().steps().
   std::vector<std::pair<std::string, at::Tensor>> gathered_state(int64_t unit);
   MemoryStats memory() const;
 
  private:
+  friend class dp::PrivateStep;  // Note [only the private step updates a private model]
+  void private_update(const StepNoise& noise, double grad_scale);
+  bool private_ = false;
   // Stages 2–3 (Note [gradient accumulation], [stage-3 gathers]): reduce incomplete units and
   // free gathered ones at the end of a backward pass.
   void finish_backward();
@@ -185,7 +196,7 @@ class ZeroState {
   ZeroConfig config_;
   comm::Collectives comm_;
   std::unique_ptr<ShardPlan> plan_;
-  std::vector<ParamGroup> groups_;
+  std::vector<Unit> units_;
   int64_t steps_ = 0;
   bool finish_queued_ = false;  // finish_backward is installed for the backward now running
   int64_t peak_param_bytes_ = 0;

@@ -422,14 +422,14 @@ def test_collator_that_drops_rows_is_refused(tmp_path):
 
 
 def test_trainer_parallel_wrappers_are_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"fsdp=.*dpzero's ZeRO engine"):
+    with pytest.raises(ValueError, match=r"fsdp=.*dpzero's own ZeRO stages"):
         PrivateTrainer(model=gpt2(), args=trainer_args(tmp_path, fsdp="full_shard"),
                        train_dataset=lm_data(), privacy_args=PrivacyArguments(target_epsilon=2.0))
     # TrainingArguments itself refuses a DeepSpeed config unless deepspeed is installed (it is
     # not here), so the setting is made after construction, as an installed one would leave it.
     args = trainer_args(tmp_path)
     args.deepspeed = {"zero_optimization": {"stage": 2}}
-    with pytest.raises(ValueError, match=r"deepspeed=\{'zero_optimization'.*own ZeRO engine"):
+    with pytest.raises(ValueError, match=r"deepspeed=\{'zero_optimization'.*own ZeRO stages"):
         PrivateTrainer(model=gpt2(), args=args, train_dataset=lm_data(),
                        privacy_args=PrivacyArguments(target_epsilon=2.0))
 

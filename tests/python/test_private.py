@@ -642,6 +642,108 @@ def test_every_front_door_draws_in_secure_mode_unless_given_a_seed():
             step(front, seed=5, secure_mode=True)
 
 
+def _secure_step(tmp_path, name, state=None):
+    """A secure-mode SeqNet (the same initial weights each time) with its own ledger, given
+    ``state`` first if any, and its first step on the first 8 examples; (engine, head update)."""
+    torch.manual_seed(8)
+    p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=1.0, lr=0.1, ledger_path=str(tmp_path / name))
+    before = p.privacy_engine.parameters()["head.weight"]
+    refusal = None
+    if state is not None:
+        try:
+            p.privacy_engine.load_state_dict(state)
+        except ValueError as e:
+            refusal = str(e)
+    ids, y = own(p, *(t[:8] for t in seq_data().tensors))
+    F.cross_entropy(p.model(ids), y).backward()
+    p.optimizer.step()
+    return p.privacy_engine, p.privacy_engine.parameters()["head.weight"] - before, refusal
+
+
+def test_a_refused_state_leaves_no_key_behind(tmp_path):
+    """A state that load_state_dict refuses (here: it counts a charge this run's ledger lacks)
+    changes nothing, not even the secure key it holds: with the other run's key, this run's
+    first step would draw the noise that run released at the same charge index, and the two
+    updates would give the noise away."""
+    a, update_a, _ = _secure_step(tmp_path, "a.jsonl")
+    _, update_b, refusal = _secure_step(tmp_path, "b.jsonl", a.state_dict(include_secrets=True))
+    assert "charged 1 steps, but this engine's ledger" in refusal
+    assert not torch.allclose(update_a, update_b)
+
+
+def test_a_state_whose_history_is_not_its_charges_is_refused():
+    """ε is composed from the history: a state whose history counts fewer steps than its
+    charges, or steps at another σ or q, or comes from another accountant, would make ε count
+    less than was charged."""
+    p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=1.0, seed=3, accountant="prv")
+    engine = p.privacy_engine
+    good = engine.state_dict() | {"charges": 50, "history": [(1.0, 8 / 40, 50)]}
+    for bad, why in [({"history": []}, r"its history \[\] is not 50 steps at sigma=1.0"),
+                     ({"history": [(50.0, 8 / 40, 50)]}, r"is not 50 steps at sigma=1.0, q=0.2"),
+                     ({"accountant": "rdp"}, r"its accountant is 'rdp', this engine's 'prv'")]:
+        with pytest.raises(ValueError, match=why):
+            engine.load_state_dict(good | bad)
+        assert engine.charges == 0 and len(engine.accountant) == 0  # nothing changed
+    engine.load_state_dict(good)
+    assert engine.charges == len(engine.accountant) == 50
+
+
+def test_the_accountant_the_step_charges_cannot_be_replaced():
+    p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=1.0, seed=3)
+    with pytest.raises(AttributeError, match="the private step charges the engine's own"):
+        p.privacy_engine.accountant = dpzero.PRVAccountant()
+
+
+def test_a_failed_attach_does_not_turn_secure_mode_off():
+    """Note [secure by default] is applied to what the caller asked, at every attach: a refused
+    make_private with a seed leaves a later one without a seed in secure mode."""
+    engine = dpzero.PrivacyEngine()
+    loader = torch.utils.data.DataLoader(seq_data(), batch_size=8)
+
+    class WithBatchNorm(SeqNet):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4)
+
+    with pytest.raises(Exception, match="BatchNorm"):
+        model = WithBatchNorm()
+        engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, seed=5)
+    model = SeqNet()
+    engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0)
+    assert engine.secure_mode is True and engine.state_dict()["seed"] is None
+
+
+def test_only_the_private_step_updates_a_private_model():
+    """Note [only the private step updates a private model]: the ZeRO state's own step would
+    release the clipped gradients with no noise and no charge."""
+    p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=10.0,
+                            max_grad_norm=1.0, seed=3)
+    ids, y = own(p, *(t[:8] for t in seq_data().tensors))
+    F.cross_entropy(p.model(ids), y).backward()
+    before = p.privacy_engine.parameters()
+    with pytest.raises(RuntimeError, match=r"ZeroState.step\(\): this model is private"):
+        p.privacy_engine.sharded.step()
+    with pytest.raises(RuntimeError, match=r"ZeroState.noisy_step\(\): this model is private"):
+        p.privacy_engine.sharded.zero_state.noisy_step(seed=0, stddev=0.0, step=0,
+                                                       grad_scale=1.0)
+    after = p.privacy_engine.parameters()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert p.privacy_engine.charges == 0
+    assert p.optimizer.step() and p.privacy_engine.charges == 1
+
+
+def test_a_resumed_run_without_noise_reports_infinite_epsilon():
+    p = dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, seed=3)
+    p.privacy_engine.load_state_dict(p.privacy_engine.state_dict() | {"charges": 7})
+    assert p.privacy_engine.epsilon(1e-5) == math.inf
+
+
 def test_bf16_compute_keeps_the_fp32_clipping_contract():
     """design.md §4: under bf16 compute the clipped sum is still formed in fp32 and one example
     still moves it by at most C; the step matches the fp32 naive reference to bf16 accuracy."""

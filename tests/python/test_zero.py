@@ -1,4 +1,4 @@
-"""The ZeRO engine against single-process PyTorch (design.md §3 "Sharding invariance").
+"""The ZeRO state against single-process PyTorch (design.md §3 "Sharding invariance").
 
 A small GPT-style transformer is trained for 20 steps by ``dpzero.shard`` under stages 0-3 on
 W ∈ {1, 2, 4} real Gloo ranks (torch.multiprocessing, loopback), each rank taking its slice of

@@ -636,9 +636,9 @@ def _refuse_parallel(args) -> None:
     setting."""
     if args.deepspeed:
         raise ValueError(f"deepspeed={args.deepspeed!r}: PrivateTrainer runs dpzero's own ZeRO "
-                         "engine (PrivacyArguments.zero_stage); remove the DeepSpeed config")
+                         "stages (PrivacyArguments.zero_stage); remove the DeepSpeed config")
     if args.fsdp:
-        raise ValueError(f"fsdp={args.fsdp!r}: PrivateTrainer shards with dpzero's ZeRO engine "
+        raise ValueError(f"fsdp={args.fsdp!r}: PrivateTrainer shards with dpzero's own ZeRO stages "
                          "(PrivacyArguments.zero_stage); remove the FSDP setting")
     if args.n_gpu > 1:
         raise ValueError(f"{args.n_gpu} GPUs in one process would use torch.nn.DataParallel; "

@@ -1,4 +1,4 @@
-"""Private training on the ZeRO engine: the Opacus-style ``PrivacyEngine`` (``dpzero.make_private``,
+"""Private training under ZeRO sharding: the Opacus-style ``PrivacyEngine`` (``dpzero.make_private``,
 the front door, is in ``front.py``).
 
 Modules: ``config`` (make_private's settings checked and resolved, σ calibrated), ``layers`` (DP

@@ -1,4 +1,4 @@
-"""``make_private`` and ``PrivacyEngine``: DP-SGD on the ZeRO engine (design.md §2, one step).
+"""``make_private`` and ``PrivacyEngine``: DP-SGD under ZeRO sharding (design.md §2, one step).
 
 One logical step t, top to bottom:
 
@@ -182,7 +182,8 @@ class PrivacyEngine:
 
     def __init__(self, accountant: str = "prv", secure_mode: Optional[bool] = None) -> None:
         self.accountant_name = accountant
-        self.accountant = create_accountant(accountant)
+        self._accountant = create_accountant(accountant)
+        self._secure_mode_asked = secure_mode
         self.secure_mode = secure_mode  # a bool from the attach on (Note [secure by default])
         self._attached = False
         self._step = None  # the step's transaction (src/dp/private_step.h), made at attach
@@ -231,9 +232,22 @@ class PrivacyEngine:
 
     # ---- queries -----------------------------------------------------------------------------
 
+    @property
+    def accountant(self):
+        """The run's accountant (read-only): the private step composes every charge into it in
+        C++, so another one put in its place would count none of them."""
+        return self._accountant
+
+    @accountant.setter
+    def accountant(self, value) -> None:
+        raise AttributeError(
+            "PrivacyEngine.accountant cannot be replaced: the private step charges the engine's "
+            "own; choose it with PrivacyEngine(accountant='rdp' | 'prv'), or compose another "
+            "accountant from accountant.history")
+
     def epsilon(self, delta: float) -> float:
         """ε spent so far at ``delta`` (PRV: its upper bound); inf if noise was disabled."""
-        if self._attached and self.noise_multiplier == 0.0 and self.steps_taken > 0:
+        if self._attached and self.noise_multiplier == 0.0 and self.charges > 0:
             return math.inf
         if len(self.accountant) == 0:
             return 0.0
@@ -274,13 +288,23 @@ class PrivacyEngine:
             if state[key] != getattr(self, key):
                 raise ValueError(f"state_dict: {key} is {state[key]}, this engine has "
                                  f"{getattr(self, key)}")
-        if state.get("key") is not None:
-            if not self.secure_mode:
-                raise ValueError("state_dict: holds a secure-mode key, this engine is seeded "
-                                 "(secure_mode=False)")
-            key = [int(w) for w in state["key"]]
-            self._step.set_noise_key(key)  # checks it first: sampling and noise use one key
-            self.noise_source._key = key
+        if state.get("key") is not None and not self.secure_mode:
+            raise ValueError("state_dict: holds a secure-mode key, this engine is seeded "
+                             "(secure_mode=False)")
+        if state["accountant"] != self.accountant_name:
+            raise ValueError(f"state_dict: its accountant is {state['accountant']!r}, this "
+                             f"engine's {self.accountant_name!r}")
+        # The history must be the charges' own: every charge at this run's (σ, q) when there is
+        # noise (a σ = 0 run composes nothing), so ε can never count fewer steps than charged.
+        history = [(float(sigma), float(q), int(steps)) for sigma, q, steps in state["history"]]
+        charged = int(state["charges"])
+        wanted = charged if self.noise_multiplier > 0.0 else 0
+        if sum(steps for _, _, steps in history) != wanted or any(
+                steps and (sigma, q) != (self.noise_multiplier, self.sample_rate)
+                for sigma, q, steps in history):
+            raise ValueError(f"state_dict: its history {history} is not {wanted} steps at "
+                             f"sigma={self.noise_multiplier}, q={self.sample_rate}, the "
+                             f"{charged} charges it counts")
         # With a ledger, every charge this engine counts is a record of it (the record is written
         # before the charge), so a state that counts more charges than the ledger holds comes
         # from another run's ledger: continuing would leave those steps out of the durable
@@ -293,12 +317,21 @@ class PrivacyEngine:
                 "counting every step")
         # Note [noise index]: never go back to a charge index (or sampler step) already used —
         # a ledger reopened at attach may be ahead of the checkpoint.
-        if int(state["charges"]) >= self.charges:
-            accountant = create_accountant(state["accountant"])
-            for sigma, q, n in state["history"]:
+        accountant = None
+        if charged >= self.charges:
+            accountant = create_accountant(self.accountant_name)
+            for sigma, q, n in history:
                 accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=n)
-            self._step.restore(int(state["charges"]), accountant.native)
-            self.accountant = accountant
+        # Every check has passed: nothing above changed the engine. The key last of all, so a
+        # refused state never leaves another run's key behind (its noise at this run's charge
+        # indices would repeat that run's).
+        if state.get("key") is not None:
+            key = [int(w) for w in state["key"]]
+            self._step.set_noise_key(key)  # checks it first: sampling and noise use one key
+            self.noise_source._key = key
+        if accountant is not None:
+            self._step.restore(charged, accountant.native)
+            self._accountant = accountant
         self.next_step = max(int(state["next_step"]), self.charges)
 
     def accept_state_change(self, names=None) -> None:
@@ -341,8 +374,12 @@ class PrivacyEngine:
         c = self.config = config
         q, n, sigma, max_grad_norm = (c.sample_rate, c.dataset_size, c.noise_multiplier,
                                       c.max_grad_norm)
-        # Note [secure by default] (privacy/entropy.h), before anything is touched.
-        self.secure_mode = secure_noise(self.secure_mode, c.seed)
+        # Note [secure by default] (privacy/entropy.h): from what was asked, each attach; its
+        # refusal (a seed with secure_mode=True) is raised once the ranks agree on it.
+        try:
+            self.secure_mode, secure_refusal = secure_noise(self._secure_mode_asked, c.seed), None
+        except ValueError as e:
+            self.secure_mode, secure_refusal = None, e
         units, process_group, clipping = c.units, c.process_group, c.clipping
 
         # Validation before anything is touched (a rejected model stays as it was).
@@ -376,6 +413,8 @@ class PrivacyEngine:
             "seed given": c.seed is not None,
             # Every rank derives every rank's micro-batch count from it (Note [poisson schedule]).
             "max_physical_batch_size": c.max_physical_batch_size})
+        if secure_refusal is not None:
+            raise secure_refusal
         self.noise_multiplier_, self.max_grad_norm_ = sigma, max_grad_norm
         self.sample_rate, self.dataset_size = q, n
         seed = c.seed
@@ -404,7 +443,7 @@ class PrivacyEngine:
                         reduce_dtype=torch.float32, units=units, grad_hooks=False,
                         **dict(c.optimizer_options,
                                weight_decay_exempt=_decay_exempt_names(model, c)))
-        # Note [private gradients] (src/zero/param_group.h): gradients reach the step only from the
+        # Note [private gradients] (src/zero/unit.h): gradients reach the step only from the
         # clipping; no .grad views, so nothing written to a parameter's .grad is released.
         sharded.zero_state.set_private(True)
         slot_of, unit_numel, unit_device = param_slots(sharded)

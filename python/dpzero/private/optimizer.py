@@ -1,6 +1,6 @@
 """``DPOptimizer``: the optimizer of a private model, a real ``torch.optim.Optimizer``.
 
-The update itself runs in the ZeRO engine (``src/zero/``: a sharded fp32 optimizer, op for op
+The update itself runs in the ZeRO state (``src/zero/``: a sharded fp32 optimizer, op for op
 torch.optim's); this class is torch's interface to it, so that what an ordinary training script
 does with its optimizer works unchanged:
 

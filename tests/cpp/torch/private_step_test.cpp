@@ -146,7 +146,7 @@ struct Rank {
     state = std::make_unique<zero::ZeroState>(
         std::vector<zero::UnitSpec>{{"unit", {w}, {"w"}, {0}}}, 6, config, pg);
     state->set_private(true);
-    const int64_t padded = state->group(0).flat().layout().padded_numel();
+    const int64_t padded = state->unit_at(0).flat().layout().padded_numel();
     std::vector<BookLayer> layers{
         {"w", linear_ops({true, false}, false), {Slot{0, 0, 6, {2, 3}}, std::nullopt}, 0, 0}};
     book = std::make_shared<Book>(
@@ -229,7 +229,7 @@ TEST(PrivateStep, LedgerRecordIsOnDiskBeforeTheUpdate) {
       EXPECT_EQ(out.noise_index, t);
       EXPECT_EQ(out.samples, 2 * kB);
       const at::Tensor sums = clipped_sum(batch_of(t, 0)) + clipped_sum(batch_of(t, 1)) +
-                              noise_of(rank.state->group(0).flat().layout(), t, 0.5);
+                              noise_of(rank.state->unit_at(0).flat().layout(), t, 0.5);
       const at::Tensor expected = before.to(at::kDouble) - kLr * sums / (kQ * kN);
       EXPECT_TRUE(torch::allclose(rank.params().to(at::kDouble), expected, 1e-5, 1e-6))
           << rank.params() << expected;
@@ -601,7 +601,7 @@ TEST(PrivateStep, NoiseIsDrawnAtTheChargeIndex) {
     EXPECT_EQ(out.step, 0);
     EXPECT_EQ(out.noise_index, 5);
     EXPECT_EQ(rank.step->charges(), 6);
-    const at::Tensor noise = noise_of(rank.state->group(0).flat().layout(), 5, 0.7);
+    const at::Tensor noise = noise_of(rank.state->unit_at(0).flat().layout(), 5, 0.7);
     const at::Tensor expected =
         before.to(at::kDouble) - kLr * (clipped_sum(batch_of(0, 0)) + noise) / (kQ * kN);
     EXPECT_TRUE(torch::allclose(rank.params().to(at::kDouble), expected, 1e-5, 1e-5))

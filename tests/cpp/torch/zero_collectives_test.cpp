@@ -19,7 +19,7 @@
 #include "src/comm/collectives.h"
 #include "src/comm/process_group.h"
 #include "src/zero/flat_param.h"
-#include "src/zero/param_group.h"
+#include "src/zero/unit.h"
 #include "src/zero/state.h"
 #include "tests/cpp/torch/ranks.h"
 
@@ -60,7 +60,7 @@ TEST_P(ZeroCollectives, UnitGradientReduceScatterGivesEachRankItsShardSum) {
   run_ranks(world, [&](int rank, const comm::Collectives& comm) {
     std::vector<at::Tensor> params = unit_params(0);
     FlatParam flat(params, {"a", "b", "c"}, layout, comm, /*sync=*/true, FlatParamOptions{});
-    ParamGroup group("unit", std::move(flat), Stage::k2, make_sgd({}), at::kFloat);
+    Unit group("unit", std::move(flat), Stage::k2, make_sgd({}), at::kFloat);
     for (size_t i = 0; i < params.size(); ++i) {
       params[i].mutable_grad() = rank_grad(rank, i, params[i].numel());
     }

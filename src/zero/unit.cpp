@@ -1,6 +1,6 @@
-// src/zero/param_group.cpp — one unit's gathers, gradient reduction and shard update per stage
-// (Notes [gradient buffers], [gradient accumulation] and [stage-3 gathers] in param_group.h).
-#include "src/zero/param_group.h"
+// src/zero/unit.cpp — one unit's gathers, gradient reduction and shard update per stage
+// (Notes [gradient buffers], [gradient accumulation] and [stage-3 gathers] in unit.h).
+#include "src/zero/unit.h"
 
 #include <algorithm>
 
@@ -9,7 +9,7 @@
 
 namespace dpzero::zero {
 
-ParamGroup::ParamGroup(std::string name, FlatParam flat, Stage stage,
+Unit::Unit(std::string name, FlatParam flat, Stage stage,
                        std::unique_ptr<ShardOptimizer> optimizer, at::ScalarType reduce_dtype)
     : name_(std::move(name)),
       flat_(std::move(flat)),
@@ -33,11 +33,11 @@ ParamGroup::ParamGroup(std::string name, FlatParam flat, Stage stage,
   }
 }
 
-void ParamGroup::post_forward(bool in_backward) {
+void Unit::post_forward(bool in_backward) {
   if (!in_backward) flat_.reshard();
 }
 
-void ParamGroup::grad_ready(int64_t index, const comm::Collectives& comm) {
+void Unit::grad_ready(int64_t index, const comm::Collectives& comm) {
   TORCH_CHECK(packs_grads_, "unit '", name_, "': grad_ready is for units whose gradients are "
               "packed per backward (stages 2-3, or a reduce dtype other than the parameters'); "
               "this unit is stage ", static_cast<int64_t>(stage_));
@@ -51,14 +51,14 @@ void ParamGroup::grad_ready(int64_t index, const comm::Collectives& comm) {
   }
 }
 
-void ParamGroup::finish_backward(const comm::Collectives& comm) {
+void Unit::finish_backward(const comm::Collectives& comm) {
   if (!packs_grads_) return;
   if (ready_count_ > 0) take_grads(comm);
   flat_.reshard();
   wait_reduce();  // the backward's gradient is complete when the backward returns
 }
 
-void ParamGroup::wait_reduce() {
+void Unit::wait_reduce() {
   if (!pending_) return;
   if (pending_->work) {  // Note [collective failures]
     comm::wait(*pending_->work,
@@ -68,14 +68,14 @@ void ParamGroup::wait_reduce() {
   pending_.reset();
 }
 
-void ParamGroup::take_grads(const comm::Collectives& comm) {
+void Unit::take_grads(const comm::Collectives& comm) {
   // [padded_numel] reduce_dtype; the per-parameter .grad are freed
   reduce_packed(flat_.take_grads(reduce_dtype_), comm);
   std::fill(ready_.begin(), ready_.end(), 0);
   ready_count_ = 0;
 }
 
-void ParamGroup::add_grad(const at::Tensor& full, const comm::Collectives& comm, bool release,
+void Unit::add_grad(const at::Tensor& full, const comm::Collectives& comm, bool release,
                           bool donated) {
   const int64_t n = flat_.layout().padded_numel();
   TORCH_CHECK(full.dim() == 1 && full.numel() == n, "unit '", name_,
@@ -97,13 +97,13 @@ void ParamGroup::add_grad(const at::Tensor& full, const comm::Collectives& comm,
   if (release) flat_.reshard();
 }
 
-at::Tensor ParamGroup::private_accumulator() {
+at::Tensor Unit::private_accumulator() {
   if (reduces_in_backward(stage_) || flat_grad_.scalar_type() != at::kFloat) return {};
   grad_dirty_ = true;
   return flat_grad_;
 }
 
-void ParamGroup::set_private(bool on) {
+void Unit::set_private(bool on) {
   at::NoGradGuard no_grad;
   private_ = on;
   if (packs_grads_) return;  // no views in this mode either way
@@ -114,7 +114,7 @@ void ParamGroup::set_private(bool on) {
   }
 }
 
-void ParamGroup::reduce_packed(at::Tensor full, const comm::Collectives& comm) {
+void Unit::reduce_packed(at::Tensor full, const comm::Collectives& comm) {
   at::NoGradGuard no_grad;
   const int64_t full_bytes = full.numel() * static_cast<int64_t>(full.element_size());
   if (!reduces_in_backward(stage_)) {
@@ -141,7 +141,7 @@ void ParamGroup::reduce_packed(at::Tensor full, const comm::Collectives& comm) {
   }
 }
 
-void ParamGroup::step(const comm::Collectives& comm, double grad_scale, const StepNoise* noise) {
+void Unit::step(const comm::Collectives& comm, double grad_scale, const StepNoise* noise) {
   at::NoGradGuard no_grad;
   wait_reduce();
   at::Tensor grad;  // reduce_dtype, the reduced gradient of the coordinates master() holds:
@@ -192,7 +192,7 @@ void ParamGroup::step(const comm::Collectives& comm, double grad_scale, const St
   zero_grad();
 }
 
-void ParamGroup::zero_grad() {
+void Unit::zero_grad() {
   at::NoGradGuard no_grad;
   wait_reduce();  // a collective in flight still writes into the buffers about to be dropped
   if (reduces_in_backward(stage_)) {
@@ -212,14 +212,14 @@ void ParamGroup::zero_grad() {
   }
 }
 
-std::pair<int64_t, int64_t> ParamGroup::kept_range() const {
+std::pair<int64_t, int64_t> Unit::kept_range() const {
   const UnitLayout& layout = flat_.layout();
   if (stage_ == Stage::k0) return {0, layout.padded_numel()};
   const int64_t m = layout.shard_numel();
   return {flat_.rank() * m, (flat_.rank() + 1) * m};
 }
 
-void ParamGroup::set_decay_exempt(const std::vector<bool>& exempt) {
+void Unit::set_decay_exempt(const std::vector<bool>& exempt) {
   const UnitLayout& layout = flat_.layout();
   const std::vector<ParamSpec>& params = layout.params();
   TORCH_CHECK(exempt.size() == params.size(), "unit '", name_, "': ", exempt.size(),
@@ -250,7 +250,7 @@ void ParamGroup::set_decay_exempt(const std::vector<bool>& exempt) {
   optimizer_->set_decayed_runs(std::move(runs));
 }
 
-std::vector<std::pair<std::string, at::Tensor>> ParamGroup::owned_state() const {
+std::vector<std::pair<std::string, at::Tensor>> Unit::owned_state() const {
   const int64_t m = flat_.layout().shard_numel();
   // Stage 0 keeps every coordinate: its slice of the full buffer and of the full state.
   const int64_t begin = stage_ == Stage::k0 ? flat_.rank() * m : 0;
@@ -262,7 +262,7 @@ std::vector<std::pair<std::string, at::Tensor>> ParamGroup::owned_state() const 
   return out;
 }
 
-void ParamGroup::load_state(const std::vector<std::pair<std::string, at::Tensor>>& values,
+void Unit::load_state(const std::vector<std::pair<std::string, at::Tensor>>& values,
                             int64_t steps, const comm::Collectives& comm) {
   at::NoGradGuard no_grad;
   const auto [begin, end] = kept_range();
@@ -286,7 +286,7 @@ void ParamGroup::load_state(const std::vector<std::pair<std::string, at::Tensor>
   zero_grad();
 }
 
-int64_t ParamGroup::grad_bytes() const {
+int64_t Unit::grad_bytes() const {
   const at::Tensor& held = reduces_in_backward(stage_) ? grad_shard_ : flat_grad_;
   return held.defined() ? held.numel() * static_cast<int64_t>(held.element_size()) : 0;
 }

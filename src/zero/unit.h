@@ -1,4 +1,4 @@
-// src/zero/param_group.h — one unit under a ZeRO stage (stage.h): when its parameters are
+// src/zero/unit.h — one unit under a ZeRO stage (stage.h): when its parameters are
 // gathered and freed, when and how its gradient is reduced, and its optimizer step on the owned
 // shard (design.md §2 steps 2, 4 and 7).
 //
@@ -121,10 +121,10 @@
 
 namespace dpzero::zero {
 
-class ParamGroup {
+class Unit {
  public:
   // reduce_dtype: the dtype gradients are reduced and accumulated in (kFloat, kBFloat16, kHalf).
-  ParamGroup(std::string name, FlatParam flat, Stage stage,
+  Unit(std::string name, FlatParam flat, Stage stage,
              std::unique_ptr<ShardOptimizer> optimizer, at::ScalarType reduce_dtype);
 
   const std::string& name() const { return name_; }
