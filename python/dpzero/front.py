@@ -4,19 +4,62 @@ the engine, never the other way round."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
+import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from .plan.auto import auto_policy
-from .private.config import resolve
+from .private.config import (DEFAULT_ACCOUNTANT, DEFAULT_AUTOMATIC_GAMMA, DEFAULT_CLIPPING,
+                             DEFAULT_ISOLATION, DEFAULT_LOSS_REDUCTION, DEFAULT_OPTIMIZER,
+                             DEFAULT_ZERO_STAGE, resolve)
 from .private.engine import Private, make_private_from_config
 
 
-def make_private(model: nn.Module, *, optimizer="sgd", accountant: str = "prv",
-                 secure_mode: Optional[bool] = None, policy: Optional[str] = None,
-                 plan_step: Optional[Callable] = None, memory_budget: Optional[float] = None,
-                 **kwargs) -> Private:
+def make_private(
+    model: nn.Module, *,
+    # The data: a dataset, or a DataLoader (its dataset, batch size and collate_fn).
+    dataset: Optional[Dataset] = None,
+    data_loader: Optional[DataLoader] = None,
+    batch_size: Optional[int] = None,
+    sample_rate: Optional[float] = None,
+    max_physical_batch_size: Optional[int] = None,
+    num_workers: int = 0,
+    # Privacy.
+    noise_multiplier: Optional[float] = None,
+    target_epsilon: Optional[float] = None,
+    target_delta: Optional[float] = None,
+    epochs: Optional[float] = None,
+    max_grad_norm: float,
+    clipping: str = DEFAULT_CLIPPING,
+    clipping_groups: Optional[Sequence[Sequence[str]]] = None,
+    group_weights: Optional[Sequence[float]] = None,
+    automatic_gamma: float = DEFAULT_AUTOMATIC_GAMMA,
+    isolation: str = DEFAULT_ISOLATION,
+    loss_reduction: str = DEFAULT_LOSS_REDUCTION,
+    allow_no_noise: bool = False,
+    accountant: str = DEFAULT_ACCOUNTANT,
+    epsilon_budget: Optional[float] = None,
+    budget_delta: Optional[float] = None,
+    secure_mode: Optional[bool] = None,
+    seed: Optional[int] = None,
+    ledger_path: Optional[str] = None,
+    run_id: Optional[str] = None,
+    diagnostics_path: Optional[str] = None,
+    # The engine.
+    zero_stage: int = DEFAULT_ZERO_STAGE,
+    units: Optional[Sequence[str]] = None,
+    process_group=None,
+    mixed_precision: Union[None, str, torch.dtype] = None,
+    activation_checkpointing=None,
+    optimizer: Union[str, torch.optim.Optimizer] = DEFAULT_OPTIMIZER,
+    lr: Optional[float] = None,
+    policy: Optional[str] = None,
+    plan_step: Optional[Callable] = None,
+    memory_budget: Optional[float] = None,
+    **optimizer_options,
+) -> Private:
     """Make ``model`` train with DP-SGD under dpzero's ZeRO sharding.
 
     Returns ``Private(model, optimizer, data_loader, privacy_engine)``. Arguments:
@@ -47,9 +90,25 @@ def make_private(model: nn.Module, *, optimizer="sgd", accountant: str = "prv",
         can mix them; slower: Note [strict isolation] in private/strict.py, docs/user-guide.md).
     allow_no_noise: needed for noise_multiplier=0 (non-private training through the same path).
     optimizer: "sgd" | "adam" | "adamw" or a torch.optim SGD/Adam/AdamW (its hyperparameters are
-        used); lr and further optimizer keywords (momentum, betas, weight_decay, ...) override.
+        used); lr and ``optimizer_options`` override: the optimizer's hyperparameters (momentum,
+        dampening, nesterov, betas, eps, amsgrad, maximize, weight_decay, weight_decay_exempt)
+        and the layout's (alignment, shard_boundaries, offload_optimizer, offload_params,
+        prefetch, sync_module_states), as for :func:`dpzero.shard`; any other is refused.
+    epsilon_budget (+ budget_delta): refuse steps past this ε (BudgetExhausted).
     """
-    config = resolve(accountant=accountant, optimizer=optimizer, **kwargs)
+    config = resolve(
+        dataset=dataset, data_loader=data_loader, batch_size=batch_size, sample_rate=sample_rate,
+        max_physical_batch_size=max_physical_batch_size, num_workers=num_workers,
+        noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+        target_delta=target_delta, epochs=epochs, max_grad_norm=max_grad_norm,
+        clipping=clipping, clipping_groups=clipping_groups, group_weights=group_weights,
+        automatic_gamma=automatic_gamma, isolation=isolation, loss_reduction=loss_reduction,
+        allow_no_noise=allow_no_noise, accountant=accountant, epsilon_budget=epsilon_budget,
+        budget_delta=budget_delta, seed=seed, ledger_path=ledger_path, run_id=run_id,
+        diagnostics_path=diagnostics_path, zero_stage=zero_stage, units=units,
+        process_group=process_group, mixed_precision=mixed_precision,
+        activation_checkpointing=activation_checkpointing, optimizer=optimizer, lr=lr,
+        **optimizer_options)
     plan = None
     if policy is not None:
         if policy != "auto":
@@ -60,8 +119,8 @@ def make_private(model: nn.Module, *, optimizer="sgd", accountant: str = "prv",
         if config.isolation == "strict":
             raise ValueError("policy='auto' plans the default (isolation='detect') step; give "
                              "zero_stage yourself with isolation='strict'")
-        if kwargs.get("activation_checkpointing") is not None or \
-                "offload_optimizer" in kwargs or "offload_params" in kwargs:
+        if activation_checkpointing is not None or \
+                "offload_optimizer" in optimizer_options or "offload_params" in optimizer_options:
             raise ValueError("policy='auto' chooses zero_stage, activation_checkpointing "
                              "and offload_optimizer itself; do not pass those, nor "
                              "offload_params")

@@ -295,7 +295,9 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
     try {
       const std::string& path = options_.ledger_path;
       if (std::filesystem::exists(path)) {
-        ledger_ = std::make_shared<accounting::Ledger>(accounting::Ledger::open(path));
+        // A given run id must be the ledger's, as Python's front door checks it.
+        ledger_ = std::make_shared<accounting::Ledger>(
+            accounting::Ledger::open(path, accounting::TornTailPolicy::kError, options_.run_id));
         if (ledger_->header().dataset_size != options_.dataset_size)
           throw std::invalid_argument(bad("ledger " + path + " is for a dataset of " +
                                           std::to_string(ledger_->header().dataset_size) +

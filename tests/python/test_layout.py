@@ -165,3 +165,23 @@ def test_the_detector_finds_reads_of_another_modules_private_names(tmp_path):
 def test_no_module_reads_another_modules_private_names():
     found = _private_reads(_modules(os.path.join(ROOT, "python", "dpzero"), "dpzero"))
     assert found == [], "\n".join(found)
+
+
+def test_make_private_shows_every_setting_with_the_same_defaults():
+    """``dpzero.make_private`` names every setting in its signature (help() and editors show
+    them), with the defaults ``resolve`` applies to every front door; only the optimizer's and
+    the layout's own options go through ``**optimizer_options``."""
+    import inspect
+
+    import dpzero
+    from dpzero.private.config import resolve
+
+    shown = inspect.signature(dpzero.make_private).parameters
+    for name, p in inspect.signature(resolve).parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            continue
+        assert name in shown, name
+        if p.default is not inspect.Parameter.empty:
+            assert shown[name].default == p.default, name
+    keywords = [n for n, p in shown.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert len(keywords) == 36 and shown["max_grad_norm"].default is inspect.Parameter.empty

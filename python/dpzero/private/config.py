@@ -32,6 +32,16 @@ PASS_THROUGH = frozenset({"momentum", "dampening", "nesterov", "betas", "eps", "
 
 _OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 
+# The defaults every front door's signature shows (dpzero.make_private, resolve and through it
+# PrivacyEngine.make_private): written here once.
+DEFAULT_OPTIMIZER = "sgd"
+DEFAULT_ACCOUNTANT = "prv"
+DEFAULT_CLIPPING = "flat"
+DEFAULT_AUTOMATIC_GAMMA = 0.01
+DEFAULT_ISOLATION = "detect"
+DEFAULT_LOSS_REDUCTION = "mean"
+DEFAULT_ZERO_STAGE = 0
+
 # How the examples of a micro-batch are kept apart: "detect" (one batched forward; what could
 # mix them is detected, Note [batch provenance]) or "strict" (each example computed by itself,
 # Note [strict isolation] in strict.py).
@@ -154,22 +164,24 @@ def decay_groups(groups) -> tuple:
     return tuple(i for i, v in enumerate(values) if v == 0.0), nonzero[0]
 
 
-def resolve(*, accountant: str, optimizer="sgd", dataset: Optional[Dataset] = None,
+def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[Dataset] = None,
             data_loader: Optional[DataLoader] = None, batch_size: Optional[int] = None,
             sample_rate: Optional[float] = None, noise_multiplier: Optional[float] = None,
             target_epsilon: Optional[float] = None, target_delta: Optional[float] = None,
-            epochs: Optional[float] = None, max_grad_norm: float, clipping: str = "flat",
+            epochs: Optional[float] = None, max_grad_norm: float,
+            clipping: str = DEFAULT_CLIPPING,
             clipping_groups: Optional[Sequence[Sequence[str]]] = None,
-            group_weights: Optional[Sequence[float]] = None, automatic_gamma: float = 0.01,
-            zero_stage: int = 0, max_physical_batch_size: Optional[int] = None,
+            group_weights: Optional[Sequence[float]] = None,
+            automatic_gamma: float = DEFAULT_AUTOMATIC_GAMMA,
+            zero_stage: int = DEFAULT_ZERO_STAGE, max_physical_batch_size: Optional[int] = None,
             mixed_precision: Union[None, str, torch.dtype] = None, seed: Optional[int] = None,
             ledger_path: Optional[str] = None, run_id: Optional[str] = None,
-            loss_reduction: str = "mean", process_group=None, units=None,
+            loss_reduction: str = DEFAULT_LOSS_REDUCTION, process_group=None, units=None,
             allow_no_noise: bool = False, lr: Optional[float] = None,
             activation_checkpointing: checkpointing.Spec = None,
             epsilon_budget: Optional[float] = None, budget_delta: Optional[float] = None,
             num_workers: int = 0, diagnostics_path: Optional[str] = None,
-            isolation: str = "detect", **optimizer_kwargs) -> PrivateConfig:
+            isolation: str = DEFAULT_ISOLATION, **optimizer_kwargs) -> PrivateConfig:
     """make_private's keywords (its docstring, front.py) as a PrivateConfig; σ is calibrated
     with ``accountant`` when ``target_epsilon`` is given."""
     if clipping not in CLIPPING:

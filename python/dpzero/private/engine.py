@@ -60,7 +60,7 @@ from .attach import assign_components, find_layers, guard_hooks, param_slots, pa
 from .agreements import RankAgreements
 from .book import Book
 from .errors import PrivacyViolation
-from .config import PrivateConfig, resolve
+from .config import DEFAULT_ACCOUNTANT, PrivateConfig, resolve
 from .examples import MicroBatchToken, tag
 from .loader import DPDataLoader, MicroBatch, Schedule
 from .slots import Slots
@@ -180,7 +180,8 @@ class PrivacyEngine:
     [secure by default] in privacy/entropy.h). It is settled when the model is made private.
     """
 
-    def __init__(self, accountant: str = "prv", secure_mode: Optional[bool] = None) -> None:
+    def __init__(self, accountant: str = DEFAULT_ACCOUNTANT,
+                 secure_mode: Optional[bool] = None) -> None:
         self.accountant_name = accountant
         self._accountant = create_accountant(accountant)
         self._secure_mode_asked = secure_mode
@@ -902,7 +903,8 @@ class PrivacyEngine:
         return self.sharded.full_parameters()
 
 
-def make_private_from_config(model: nn.Module, config: PrivateConfig, *, accountant: str = "prv",
+def make_private_from_config(model: nn.Module, config: PrivateConfig, *,
+                             accountant: str = DEFAULT_ACCOUNTANT,
                              secure_mode: Optional[bool] = None) -> Private:
     """A new PrivacyEngine attached to ``model`` with ``config`` (``resolve``'s): what
     ``dpzero.make_private`` does once its policy is chosen, and what the memory planner's probes

@@ -544,5 +544,29 @@ TEST(PrivacyEngine, LedgerHoldsEveryStepAndTheBudgetStopsAtItsSteps) {
   EXPECT_EQ(accounting::Ledger::open_read_only(path).total_steps(), allowed);
 }
 
+// A run id given with an existing ledger must be that ledger's (as make_private's run_id): a
+// mistyped or reused path never continues another run's budget.
+TEST(PrivacyEngine, AReopenedLedgerMustBeTheGivenRunsOwn) {
+  const std::string path = temp_path("ledger.jsonl");
+  PrivacyOptions o = options();
+  o.ledger_path = path;
+  o.run_id = "first";
+  {
+    Mlp net = model();
+    PrivacyEngine engine(net.ptr(), o);
+    train_step(engine, net);
+  }
+  o.run_id = "second";
+  Mlp net = model();
+  const std::string why = testing::error_message<accounting::LedgerError>(
+      [&] { PrivacyEngine engine(net.ptr(), o); });
+  EXPECT_TRUE(contains(why, "first") && contains(why, "second")) << why;
+  EXPECT_EQ(accounting::Ledger::open_read_only(path).total_steps(), 1);
+  o.run_id = "first";
+  Mlp again = model();
+  PrivacyEngine engine(again.ptr(), o);
+  EXPECT_EQ(engine.charges(), 1);
+}
+
 }  // namespace
 }  // namespace dpzero::dp
