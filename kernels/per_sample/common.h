@@ -1,7 +1,7 @@
 // kernels/per_sample/common.h — what the per-sample ops of every layer kind share (Note
 // [per-sample ops] in kernels/per_sample_ops.h): full-precision float32 matmuls, certified norms,
-// the backend kernels and clip factors through the dispatcher, and the row sums of biases and
-// norm-layer weights.
+// the backend kernels and clip factors through the dispatcher, the row sums of biases and
+// norm-layer weights, and the clip factors read on the host (Note [host factors]).
 #pragma once
 
 #include <algorithm>
@@ -475,6 +475,45 @@ inline std::tuple<at::Tensor, at::Tensor> norm_row_sums(const at::Tensor& x, con
                              .findSchemaOrThrow("dpzero::_norm_row_sums", "")
                              .typed<Signature>();
   return op.call(x, g, eps, rms);
+}
+
+// Note [host factors]
+// On the host the [c] float32 factors of a clipped sum are read once, as numbers: a sample is
+// kept iff its factor is finite and non-zero. The narrower operand is multiplied by the factors in
+// the one pass of dpzero::_scale_rows, which writes a dropped sample's rows as zeros (never
+// multiplied by 0, which would keep a NaN); the other operand is copied with zeroed rows only
+// when some sample is dropped, and used as it is otherwise. On a device the operands take
+// _scale_rows both (a masked copy of the wider one: whether any sample is dropped is not known on
+// the host without a wait), and nothing is decided on the host.
+
+// The [c] float32 factors (check_scale) as host values.
+inline std::vector<float> host_factors(const at::Tensor& scale) {
+  const at::Tensor s = scale.contiguous();
+  const float* p = s.data_ptr<float>();
+  return std::vector<float>(p, p + s.numel());
+}
+
+inline bool host_kept(float factor) { return std::isfinite(factor) && factor != 0.0f; }
+
+// x [c, ...] on the host with row i multiplied by scale[i] (`multiply`), and the rows of samples
+// whose factor is not kept set to zero; without `multiply`, x itself when every sample is kept
+// (its dropped rows zeroed in place when `owned`). Note [host factors].
+inline at::Tensor host_rows(const at::Tensor& x, const at::Tensor& scale,
+                            const std::vector<float>& factors, bool multiply, bool owned) {
+  if (multiply) return scale_rows(x, scale, /*multiply=*/true);
+  if (std::all_of(factors.begin(), factors.end(), host_kept)) return x;
+  if (!owned) return scale_rows(x, scale, /*multiply=*/false);
+  at::Tensor out = x;
+  for (size_t i = 0; i < factors.size(); ++i) {
+    if (!host_kept(factors[i])) out.select(0, static_cast<int64_t>(i)).zero_();
+  }
+  return out;
+}
+
+// Whether a clipped sum reads its factors on the host: scale, a and g all there (Note [host
+// factors]).
+inline bool host_factors_apply(const at::Tensor& scale, const at::Tensor& a, const at::Tensor& g) {
+  return host_path(scale) && host_path(a) && host_path(g);
 }
 
 }  // namespace per_sample

@@ -3,7 +3,6 @@
 #pragma once
 
 #include "kernels/per_sample/common.h"
-#include "kernels/per_sample/linear.h"  // the host factors (Note [host factors])
 
 namespace dpzero::kernels {
 namespace per_sample {

@@ -319,10 +319,11 @@ class PrivacyEngine:
         # Note [noise index]: never go back to a charge index (or sampler step) already used —
         # a ledger reopened at attach may be ahead of the checkpoint.
         accountant = None
-        if charged >= self.charges:
+        if charged >= self.charges:  # the history, checked above: its charges at (σ, q)
             accountant = create_accountant(self.accountant_name)
-            for sigma, q, n in history:
-                accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=n)
+            if wanted:
+                accountant.step(noise_multiplier=self.noise_multiplier,
+                                sample_rate=self.sample_rate, num_steps=wanted)
         # Every check has passed: nothing above changed the engine. The key last of all, so a
         # refused state never leaves another run's key behind (its noise at this run's charge
         # indices would repeat that run's).
