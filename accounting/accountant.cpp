@@ -1,6 +1,9 @@
 // accounting/accountant.cpp — see accountant.h.
 #include "accounting/accountant.h"
 
+#include "accounting/prv.h"
+#include "accounting/rdp.h"
+
 namespace dpzero::accounting {
 
 void Accountant::add(const Phase& phase) {
@@ -12,6 +15,11 @@ void Accountant::add(const Phase& phase) {
     phases_.push_back(phase);
   }
   steps_ += phase.steps;
+}
+
+std::shared_ptr<Accountant> make_accountant(AccountantKind kind) {
+  if (kind == AccountantKind::kPrv) return std::make_shared<PrvAccountant>();
+  return std::make_shared<RdpAccountant>();
 }
 
 }  // namespace dpzero::accounting

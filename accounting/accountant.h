@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "accounting/types.h"
@@ -23,6 +24,9 @@ class Accountant {
   void step(double q, double sigma, int64_t steps = 1) { add(Phase{q, sigma, steps}); }
 
   virtual AccountantKind kind() const = 0;
+  // The ε a run reports at `delta` (Opacus's get_epsilon): RDP's conversion (rdp.h), the PRV's
+  // upper bound at its default accuracy (prv.h).
+  virtual double get_epsilon(double delta) const = 0;
   const std::vector<Phase>& phases() const { return phases_; }
   int64_t steps() const { return steps_; }  // the steps of every phase
 
@@ -38,5 +42,8 @@ class Accountant {
   std::vector<Phase> phases_;
   int64_t steps_ = 0;
 };
+
+// A new accountant of `kind`, with its default options (RDP: Opacus's orders).
+std::shared_ptr<Accountant> make_accountant(AccountantKind kind);
 
 }  // namespace dpzero::accounting

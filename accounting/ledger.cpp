@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <limits>
@@ -46,8 +47,18 @@ std::string show_bytes(const std::string& bytes) {
   return out;
 }
 
+// The header's creation time: now, or SOURCE_DATE_EPOCH's (the reproducible-builds convention,
+// https://reproducible-builds.org/specs/source-date-epoch/) when it is set, so that two equal runs
+// write byte-identical ledgers. A value that is not a decimal count of seconds is refused.
 std::string utc_now_iso8601() {
-  const std::time_t now = std::time(nullptr);
+  std::time_t now = std::time(nullptr);
+  if (const char* epoch = std::getenv("SOURCE_DATE_EPOCH"); epoch && *epoch) {
+    const std::string text = epoch;
+    if (text.size() > 12 || text.find_first_not_of("0123456789") != std::string::npos)
+      throw LedgerError("SOURCE_DATE_EPOCH must be a count of seconds since 1970 (digits only), "
+                        "got '" + text + "'");
+    now = static_cast<std::time_t>(std::stoll(text));
+  }
   std::tm tm{};
   gmtime_r(&now, &tm);
   char buffer[32];

@@ -53,6 +53,7 @@ class PrvAccountant final : public Accountant {
   // Throws std::invalid_argument for bad delta/options, std::runtime_error with a clear message
   // when the numerical method cannot meet the requested accuracy (the caller may fall back to RDP).
   PrvEpsilon epsilon(double delta, const PrvOptions& options = {}) const;
+  double get_epsilon(double delta) const override { return epsilon(delta).upper; }
   // delta_error here defaults to 1e-10 when options.delta_error == 0 (there is no delta to scale).
   PrvDelta delta(double epsilon, const PrvOptions& options = {}) const;
 

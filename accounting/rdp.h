@@ -62,6 +62,7 @@ class RdpAccountant final : public Accountant {
 
   AccountantKind kind() const override { return AccountantKind::kRdp; }
   RdpEpsilon epsilon(double delta) const;
+  double get_epsilon(double delta) const override { return epsilon(delta).epsilon; }
   double delta(double epsilon) const;
 
   const std::vector<double>& orders() const { return orders_; }

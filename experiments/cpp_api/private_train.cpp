@@ -5,9 +5,12 @@
 //   private_train --model mlp --steps 50                       one rank, synthetic data
 //   private_train --world 2 --rank R --init tcp://127.0.0.1:29600 ...   one process per rank
 //
-// Flags: --model mlp|transformer, --steps, --dataset-size (N), --sigma, --clip (C), --q, --lr,
-// --delta, --seed, --stage 0|1|2, --max-physical-batch-size, --world, --rank, --init, --ledger
-// PATH, --exchange IN OUT, --zero-loss.
+// Flags: --model mlp|transformer, --steps, --dataset-size (N), --sigma, --allow-no-noise, --clip
+// (C), --q, --lr, --delta (the δ ε is printed at), --seed, --secure-mode true|false, --stage
+// 0|1|2, --max-physical-batch-size, --loss-reduction mean|sum, --epsilon-budget,
+// --budget-delta, --world, --rank, --init, --ledger PATH, --run-id, --exchange IN OUT,
+// --zero-loss. A refused setting exits 1 with the front door's message on stderr, after
+// "private_train: ".
 //
 // Training mode: a synthetic task the model can learn (MLP: the class of a random linear teacher
 // on x ~ N(0, I); transformer: the class of the first token), N examples; each step samples a
@@ -52,11 +55,15 @@ struct Args {
   int64_t steps = 50;
   int64_t dataset_size = 2048;
   double sigma = 1.0, clip = 1.0, q = 0.05, lr = 0.5, delta = 1e-5;
-  std::optional<int64_t> seed;  // unset: the engine draws one
+  bool allow_no_noise = false;
+  std::optional<int64_t> seed;       // unset: secure mode (Note [secure by default])
+  std::optional<bool> secure_mode;
   int stage = 0;
   int64_t max_physical_batch_size = 0;
+  std::string loss_reduction = "mean";
+  std::optional<double> epsilon_budget, budget_delta;
   int world = 1, rank = 0;
-  std::string init, ledger, exchange_in, exchange_out;
+  std::string init, ledger, run_id, exchange_in, exchange_out;
   bool zero_loss = false;
 };
 
@@ -76,6 +83,21 @@ Args parse(int argc, char** argv) {
       a.dataset_size = std::stoll(need(i));
     else if (arg == "--sigma")
       a.sigma = std::stod(need(i));
+    else if (arg == "--allow-no-noise")
+      a.allow_no_noise = true;
+    else if (arg == "--secure-mode") {
+      const std::string v = need(i);
+      if (v != "true" && v != "false")
+        throw std::invalid_argument("--secure-mode must be true or false, got " + v);
+      a.secure_mode = v == "true";
+    } else if (arg == "--loss-reduction")
+      a.loss_reduction = need(i);
+    else if (arg == "--epsilon-budget")
+      a.epsilon_budget = std::stod(need(i));
+    else if (arg == "--budget-delta")
+      a.budget_delta = std::stod(need(i));
+    else if (arg == "--run-id")
+      a.run_id = need(i);
     else if (arg == "--clip")
       a.clip = std::stod(need(i));
     else if (arg == "--q")
@@ -132,7 +154,7 @@ at::Tensor forward(const std::shared_ptr<torch::nn::Module>& model, const std::s
 PrivacyOptions options_of(const Args& a, int64_t dataset_size) {
   PrivacyOptions o;
   o.noise_multiplier = a.sigma;
-  o.allow_no_noise = a.sigma == 0.0;  // --sigma 0: a non-private comparison run
+  o.allow_no_noise = a.allow_no_noise;
   o.max_grad_norm = a.clip;
   o.sample_rate = a.q;
   o.dataset_size = dataset_size;
@@ -140,8 +162,12 @@ PrivacyOptions options_of(const Args& a, int64_t dataset_size) {
   o.stage = static_cast<dpzero::zero::Stage>(a.stage);
   o.optimizer.lr = a.lr;
   if (a.seed) o.seed = static_cast<uint64_t>(*a.seed);
+  o.secure_mode = a.secure_mode;
+  o.loss_reduction = a.loss_reduction;
+  o.epsilon_budget = a.epsilon_budget;
+  o.budget_delta = a.budget_delta;
   o.ledger_path = a.ledger;
-  o.delta = a.delta;
+  o.run_id = a.run_id;
   return o;
 }
 

@@ -7,6 +7,7 @@
 
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 
@@ -18,6 +19,8 @@
 #include "src/dp/failpoints.h"
 #include "src/dp/layer_ops.h"
 #include "src/dp/private_step.h"
+#include "src/dp/run.h"
+#include "src/comm/collectives.h"
 #include "src/zero/state.h"
 
 namespace py = pybind11;
@@ -191,29 +194,85 @@ void bind_dp(py::module_ m) {
       .def_readonly("caller_sampled", &dp::StepOutcome::caller_sampled)
       .def_readonly("samples", &dp::StepOutcome::samples)
       .def_readonly("dropped", &dp::StepOutcome::dropped);
+  // ---- the run's rules (src/dp/run.h, Note [one set of rules]) ------------------------------
+  py::class_<dp::RunSettings>(m, "RunSettings",
+                              "The settings every front door has, as the run's rules read them")
+      .def(py::init<>())
+      .def_readwrite("noise_multiplier", &dp::RunSettings::noise_multiplier)
+      .def_readwrite("allow_no_noise", &dp::RunSettings::allow_no_noise)
+      .def_readwrite("max_grad_norm", &dp::RunSettings::max_grad_norm)
+      .def_readwrite("sample_rate", &dp::RunSettings::sample_rate)
+      .def_readwrite("dataset_size", &dp::RunSettings::dataset_size)
+      .def_readwrite("max_physical_batch_size", &dp::RunSettings::max_physical_batch_size)
+      .def_readwrite("loss_reduction", &dp::RunSettings::loss_reduction)
+      .def_readwrite("clipping", &dp::RunSettings::clipping)
+      .def_readwrite("automatic_gamma", &dp::RunSettings::automatic_gamma)
+      .def_readwrite("accountant", &dp::RunSettings::accountant)
+      .def_readwrite("zero_stage", &dp::RunSettings::zero_stage)
+      .def_readwrite("epsilon_budget", &dp::RunSettings::epsilon_budget)
+      .def_readwrite("budget_delta", &dp::RunSettings::budget_delta)
+      .def_readwrite("seed", &dp::RunSettings::seed)
+      .def_readwrite("secure_mode", &dp::RunSettings::secure_mode)
+      .def_readwrite("ledger_path", &dp::RunSettings::ledger_path)
+      .def_readwrite("run_id", &dp::RunSettings::run_id);
+  m.def("check_run_settings", &dp::check_run_settings, py::arg("settings"),
+        "ValueError naming the first bad setting and its value");
+  py::class_<dp::RunStart>(m, "RunStart", "What start_run decided (src/dp/run.h)")
+      .def_readonly("secure", &dp::RunStart::secure)
+      .def_readonly("seed", &dp::RunStart::seed)
+      .def_property_readonly(
+          "key", [](const dp::RunStart& r) { return std::vector<int64_t>(r.key.w, r.key.w + 8); })
+      .def_readonly("ledger", &dp::RunStart::ledger)
+      .def_readonly("charges", &dp::RunStart::charges)
+      .def_readonly("max_steps", &dp::RunStart::max_steps)
+      .def_readonly("budget", &dp::RunStart::budget);
+  m.def(
+      "start_run",
+      [](const dp::RunSettings& settings,
+         const std::vector<std::tuple<std::string, int64_t, std::string>>& own,
+         accounting::Accountant& accountant,
+         std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> process_group) {
+        std::vector<dp::AgreedSetting> agreed;
+        for (const auto& [name, bits, shown] : own) agreed.push_back({name, bits, shown});
+        py::gil_scoped_release no_gil;
+        return dp::start_run(settings, agreed, comm::Collectives(process_group.value_or(nullptr)),
+                             accountant);
+      },
+      py::arg("settings"), py::arg("own"), py::arg("accountant"), py::arg("process_group"),
+      "Note [one set of rules]'s steps on every rank of process_group (None: one process). own: "
+      "the front door's own settings as (name, 64 bits, shown). ValueError for a bad or differing "
+      "setting or another run's ledger, LedgerError, RuntimeError for a failed collective");
+  m.def(
+      "agree_settings",
+      [](const std::vector<std::tuple<std::string, int64_t, std::string>>& settings,
+         std::optional<std::string> refusal,
+         std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> process_group) {
+        std::vector<dp::AgreedSetting> agreed;
+        for (const auto& [name, bits, shown] : settings) agreed.push_back({name, bits, shown});
+        py::gil_scoped_release no_gil;
+        dp::agree_settings(agreed, refusal, comm::Collectives(process_group.value_or(nullptr)));
+      },
+      py::arg("settings"), py::arg("refusal"), py::arg("process_group"),
+      "ValueError on every rank unless every rank has rank 0's settings ((name, 64 bits, shown)) "
+      "and none has a refusal");
+  m.def("layer_components", &dp::layer_components, py::arg("params"),
+        "Each DP layer's clipping component: layers sharing a trained parameter (params: per "
+        "layer, its trained parameters' identities) are one");
+
   py::class_<dp::PrivateStep, std::shared_ptr<dp::PrivateStep>>(
       m, "PrivateStep", "One private step's transaction on every rank (src/dp/private_step.h)")
       .def(py::init([](std::shared_ptr<dp::Book> book, zero::ZeroState& zero,
-                       std::shared_ptr<accounting::Ledger> ledger, double noise_multiplier,
-                       double max_grad_norm, double sample_rate, int64_t dataset_size,
-                       std::optional<int64_t> max_steps, std::string budget,
-                       const py::object& noise_key_,
-                       std::shared_ptr<accounting::Accountant> accountant, int64_t charges) {
-             dp::StepSettings settings{noise_multiplier, max_grad_norm, sample_rate,
-                                       dataset_size,     max_steps,     std::move(budget),
-                                       noise_key(noise_key_)};
-             return std::make_shared<dp::PrivateStep>(std::move(book), zero, std::move(ledger),
-                                                      std::move(settings), std::move(accountant),
-                                                      charges);
+                       const dp::RunSettings& settings, const dp::RunStart& run,
+                       std::shared_ptr<accounting::Accountant> accountant) {
+             return std::make_shared<dp::PrivateStep>(std::move(book), zero, run.ledger,
+                                                      run.step_settings(settings),
+                                                      std::move(accountant), run.charges);
            }),
-           py::arg("book"), py::arg("zero"), py::arg("ledger"), py::arg("noise_multiplier"),
-           py::arg("max_grad_norm"), py::arg("sample_rate"), py::arg("dataset_size"),
-           py::arg("max_steps"), py::arg("budget"), py::arg("noise_key"), py::arg("accountant"),
-           py::arg("charges"),
+           py::arg("book"), py::arg("zero"), py::arg("settings"), py::arg("run"),
+           py::arg("accountant"),
            py::keep_alive<1, 3>(),  // the step updates the ZeRO state
-           "ledger: rank 0's dpzero._C.accounting.Ledger or None; noise_key: an int64 seed or an "
-           "8-word secure key; accountant: a dpzero._C.accounting accountant, which each charge "
-           "composes (in C++), or None")
+           "run: start_run's outcome (its ledger, charges, budget and key); accountant: a "
+           "dpzero._C.accounting accountant, which each charge composes (in C++)")
       .def(
           "take",
           [](dp::PrivateStep& step, int64_t t, int64_t logical_size, bool caller_sampled,

@@ -47,6 +47,16 @@ class NoiseSource:
         else:
             self.seed = int(seed) if seed is not None else secrets.randbits(63)
 
+    @classmethod
+    def of_run(cls, run: "_C.dp.RunStart") -> "NoiseSource":
+        """The randomness the run's start settled on every rank (src/dp/run.h): rank 0's key in
+        secure mode, else the run's seed."""
+        source = cls.__new__(cls)
+        source.secure_mode = bool(run.secure)
+        source.seed = None if run.secure else int(run.seed)
+        source._key = list(run.key) if run.secure else None
+        return source
+
     @property
     def sampler_seed(self) -> Union[int, List[int]]:
         """What :class:`dpzero.data.PoissonBatchSampler` takes as ``seed``."""

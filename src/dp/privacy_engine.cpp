@@ -4,9 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <filesystem>
 #include <map>
-#include <random>
 #include <set>
 #include <stdexcept>
 #include <utility>
@@ -18,10 +16,11 @@
 #include <torch/autograd.h>
 #include <torch/nn/modules/container/modulelist.h>
 
-#include "accounting/calibrate.h"
+#include "accounting/types.h"
 #include "privacy/clipping.h"
-#include "privacy/entropy.h"
+#include "src/comm/collectives.h"
 #include "src/dp/modules.h"
+#include "src/dp/run.h"
 
 namespace dpzero::dp {
 namespace {
@@ -30,34 +29,39 @@ const char* const kRootUnit = "<root>";
 
 std::string bad(const std::string& what) { return "dpzero::dp::PrivacyEngine: " + what; }
 
+int64_t bits_of(double x) {
+  int64_t b = 0;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+// What only this front door refuses (run.h checks the rest, for both).
 void check_options(const PrivacyOptions& o) {
-  auto fail = [](const std::string& what) { throw std::invalid_argument(bad(what)); };
-  if (!(o.noise_multiplier >= 0.0) || !std::isfinite(o.noise_multiplier))
-    fail("noise_multiplier must be finite and >= 0, got " + std::to_string(o.noise_multiplier));
-  if (o.noise_multiplier == 0.0 && !o.allow_no_noise)
-    fail(
-        "noise_multiplier is 0: the run would not be private (epsilon is infinite); set "
-        "allow_no_noise to train without noise");
-  if (!(o.max_grad_norm > 0.0) || !std::isfinite(o.max_grad_norm))
-    fail("max_grad_norm must be finite and > 0, got " + std::to_string(o.max_grad_norm));
-  if (!(o.sample_rate > 0.0 && o.sample_rate <= 1.0))
-    fail("sample_rate must be in (0, 1], got " + std::to_string(o.sample_rate));
-  if (o.dataset_size <= 0) fail("dataset_size must be > 0, got " + std::to_string(o.dataset_size));
-  if (o.max_physical_batch_size < 0)
-    fail("max_physical_batch_size must be >= 0 (0: no cap), got " +
-         std::to_string(o.max_physical_batch_size));
-  if (o.loss_reduction != "mean" && o.loss_reduction != "sum")
-    fail("loss_reduction must be \"mean\" or \"sum\", got \"" + o.loss_reduction + "\"");
   if (o.stage == zero::Stage::k3)
-    fail(
+    throw std::invalid_argument(bad(
         "stage 3 gathers each unit in module hooks, which torch::nn modules in C++ lack; use "
-        "stages 0-2, or the Python front door (dpzero.make_private) for stage 3");
-  if (o.epsilon_budget && !(*o.epsilon_budget > 0.0))
-    fail("epsilon_budget must be > 0, got " + std::to_string(*o.epsilon_budget));
-  if (o.epsilon_budget && o.noise_multiplier == 0.0)
-    fail("epsilon_budget needs noise: noise_multiplier is 0, so epsilon is infinite");
-  if (!(o.delta > 0.0 && o.delta < 1.0))
-    fail("delta must be in (0, 1), got " + std::to_string(o.delta));
+        "stages 0-2, or the Python front door (dpzero.make_private) for stage 3"));
+}
+
+// The options as the run's rules read them (run.h): flat clipping.
+RunSettings run_settings(const PrivacyOptions& o) {
+  RunSettings s;
+  s.noise_multiplier = o.noise_multiplier;
+  s.allow_no_noise = o.allow_no_noise;
+  s.max_grad_norm = o.max_grad_norm;
+  s.sample_rate = o.sample_rate;
+  s.dataset_size = o.dataset_size;
+  if (o.max_physical_batch_size != 0) s.max_physical_batch_size = o.max_physical_batch_size;
+  s.loss_reduction = o.loss_reduction;
+  s.accountant = o.accountant;
+  s.zero_stage = static_cast<int64_t>(o.stage);
+  s.epsilon_budget = o.epsilon_budget;
+  s.budget_delta = o.budget_delta;
+  s.seed = o.seed;
+  s.secure_mode = o.secure_mode;
+  s.ledger_path = o.ledger_path;
+  s.run_id = o.run_id;
+  return s;
 }
 
 // python/dpzero/zero.py's default units: the direct children holding trainable parameters,
@@ -113,19 +117,6 @@ void refuse_batch_mixing(const std::string& name, const torch::nn::Module& modul
   if (!why.empty()) throw std::invalid_argument(bad("module '" + name + "' (" + type + ") " + why));
 }
 
-// A 63-bit seed from the OS (python/dpzero/noise.py draws secrets.randbits(63)).
-uint64_t random_seed() {
-  std::random_device device;
-  const uint64_t hi = device(), lo = device();
-  return ((hi << 32) | lo) & ((uint64_t{1} << 63) - 1);
-}
-
-int64_t bits_of(double x) {
-  int64_t b = 0;
-  std::memcpy(&b, &x, sizeof b);
-  return b;
-}
-
 }  // namespace
 
 at::Tensor MicroBatch::indices() const {
@@ -137,6 +128,8 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
     : model_(std::move(model)), options_(std::move(options)) {
   TORCH_CHECK(model_, bad("model is null"));
   check_options(options_);
+  const RunSettings settings = run_settings(options_);
+  check_run_settings(settings);  // start_run checks again, agreed; this refuses before any change
   if (process_group) {
     rank_ = process_group->getRank();
     world_size_ = process_group->getSize();
@@ -201,6 +194,22 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
                                       "parameters it clips (dp_parameters()); freeze it or move "
                                       "it into a DP module of its own"));
 
+  // The run's rules, on every rank (Note [one set of rules] in run.h): the agreement, the
+  // randomness, the ledger with the charges it holds, the budget.
+  accountant_ = accounting::make_accountant(accounting::parse_accountant_kind(settings.accountant));
+  const double lr = options_.optimizer.lr;
+  const bool trust = options_.trust_batch_first;
+  const RunStart run = start_run(settings,
+                                 {{"optimizer.lr", bits_of(lr), accounting::format_double(lr)},
+                                  {"trust_batch_first", trust, trust ? "true" : "false"}},
+                                 comm::Collectives(process_group), *accountant_);
+  ledger_ = run.ledger;
+  secure_ = run.secure;
+  seed_ = run.seed;
+  sampler_.secure = run.secure;
+  if (run.secure) sampler_.key = run.key;
+  else sampler_.seed = run.seed;
+
   // The ZeRO state: units in plan order (by first global coordinate), private gradients only.
   std::map<std::string, std::vector<size_t>> members;
   std::vector<std::string> order;
@@ -244,32 +253,26 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
     return Slot{q.unit, q.offset, q.tensor.numel(), q.tensor.sizes().vec()};
   };
 
-  // The book: flat clipping, one group; layers sharing a parameter form one component.
+  // The book: flat clipping, one group; layers sharing a parameter form one component (run.h).
+  std::vector<std::vector<int64_t>> shared(found.size());
+  for (size_t l = 0; l < found.size(); ++l)
+    for (const at::Tensor& p : found[l].module->dp_parameters())
+      if (p.defined() && p.requires_grad())
+        shared[l].push_back(reinterpret_cast<int64_t>(p.unsafeGetTensorImpl()));
+  const std::vector<int64_t> component = layer_components(shared);
+  const int64_t components =
+      component.empty() ? 0 : *std::max_element(component.begin(), component.end()) + 1;
   std::vector<BookLayer> layers;
-  std::map<const void*, int64_t> component_of;  // parameter -> component
-  int64_t components = 0;
-  for (const Found& f : found) {
-    BookLayer layer{f.name, f.module->book_ops(f.train), {}, -1, 0};
-    for (const at::Tensor& p : f.module->dp_parameters()) {
-      layer.slots.push_back(slot_of(p));
-      if (layer.slots.back() && component_of.count(p.unsafeGetTensorImpl()))
-        layer.component = component_of[p.unsafeGetTensorImpl()];
-    }
-    if (layer.component < 0) layer.component = components++;
-    for (const at::Tensor& p : f.module->dp_parameters()) {
-      if (!p.defined() || !p.requires_grad()) continue;
-      auto [it, fresh] = component_of.emplace(p.unsafeGetTensorImpl(), layer.component);
-      // Note: a layer whose parameters belong to two components already formed would need a
-      // union of them; the modules here hold one shared parameter at most (a tied weight).
-      if (!fresh && it->second != layer.component)
-        throw std::invalid_argument(bad("DP module '" + f.name +
-                                        "' shares parameters with two other modules that share "
-                                        "none with each other; this is not supported"));
-    }
+  for (size_t l = 0; l < found.size(); ++l) {
+    BookLayer layer{found[l].name, found[l].module->book_ops(found[l].train), {}, component[l],
+                    0};
+    for (const at::Tensor& p : found[l].module->dp_parameters()) layer.slots.push_back(slot_of(p));
     layers.push_back(std::move(layer));
   }
   BookOptions book_options;
-  book_options.thresholds = {privacy::threshold_f32(options_.max_grad_norm)};
+  book_options.thresholds = {std::isfinite(options_.max_grad_norm)
+                                 ? privacy::threshold_f32(options_.max_grad_norm)
+                                 : options_.max_grad_norm};
   book_options.group_components = {components};
   book_options.mean_loss = options_.loss_reduction == "mean";
   book_options.unit_numel = unit_numel;
@@ -277,84 +280,9 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
   session_ = std::make_shared<EngineSession>();
   session_->book = std::make_shared<Book>(std::move(layers), book_options, *zero_);
   session_->book->set_queue_finish(true);
-  // The ledger (rank 0), the charges it already holds, and the budget.
-  agree_on_settings();
-  zero::NoiseKey key;
-  if (secure_) {
-    key.secure = true;
-    key.key.assign(key_.w, key_.w + 8);
-    sampler_.secure = true;
-    sampler_.key = key_;
-  } else {
-    key.seed = static_cast<int64_t>(seed_);
-    sampler_.seed = seed_;
-  }
-  int64_t charges = 0;
-  std::string failure;
-  if (rank_ == 0 && !options_.ledger_path.empty()) {
-    try {
-      const std::string& path = options_.ledger_path;
-      if (std::filesystem::exists(path)) {
-        // A given run id must be the ledger's, as Python's front door checks it.
-        ledger_ = std::make_shared<accounting::Ledger>(
-            accounting::Ledger::open(path, accounting::TornTailPolicy::kError, options_.run_id));
-        if (ledger_->header().dataset_size != options_.dataset_size)
-          throw std::invalid_argument(bad("ledger " + path + " is for a dataset of " +
-                                          std::to_string(ledger_->header().dataset_size) +
-                                          " examples, this run has " +
-                                          std::to_string(options_.dataset_size) +
-                                          ": it holds another run's charges. Give this run its "
-                                          "own ledger path, or continue that run with its "
-                                          "dataset"));
-        for (const accounting::Phase& ph : ledger_->phases())
-          if (ph.q != options_.sample_rate || ph.sigma != options_.noise_multiplier)
-            throw std::invalid_argument(
-                bad("ledger " + path + " holds steps at other sigma or q than this run's; "
-                    "give this run its own ledger path"));
-        charges = ledger_->total_steps();
-      } else {
-        accounting::LedgerHeader header;
-        header.run_id = options_.run_id.empty() ? std::filesystem::path(path).filename().string()
-                                                : options_.run_id;
-        header.dataset_size = options_.dataset_size;
-        header.settings = {{"accountant", "rdp"},
-                           {"clipping", "flat"},
-                           {"secure_mode", secure_},
-                           {"world_size", world_size_},
-                           {"front_door", "c++"}};
-        ledger_ = std::make_shared<accounting::Ledger>(accounting::Ledger::create(path, header));
-      }
-    } catch (const std::exception& e) {
-      failure = e.what();
-      ledger_.reset();
-    }
-  }
-  const std::vector<int64_t> agreed =
-      zero_->comm().all_reduce_sum(std::vector<int64_t>{failure.empty() ? 0 : 1, charges});
-  if (agreed[0] != 0) {
-    if (!failure.empty()) throw accounting::LedgerError(failure);
-    throw accounting::LedgerError("rank 0 could not open the privacy ledger " +
-                                  options_.ledger_path + "; see its error");
-  }
-  charges = agreed[1];                                 // rank 0's
-  if (charges > 0 && options_.noise_multiplier > 0.0)  // σ = 0: ε is infinite anyway
-    accountant_->step(options_.sample_rate, options_.noise_multiplier, charges);
-
-  StepSettings settings;
-  settings.noise_multiplier = options_.noise_multiplier;
-  settings.max_grad_norm = options_.max_grad_norm;
-  settings.sample_rate = options_.sample_rate;
-  settings.dataset_size = options_.dataset_size;
-  if (options_.epsilon_budget) {
-    settings.max_steps = accounting::steps_for_epsilon(
-        *options_.epsilon_budget, options_.delta, options_.sample_rate, options_.noise_multiplier);
-    settings.budget = "epsilon=" + std::to_string(*options_.epsilon_budget) +
-                      " at delta=" + std::to_string(options_.delta) + " (rdp)";
-  }
-  settings.noise_key = key;
-  step_ = std::make_unique<PrivateStep>(
-      session_->book, *zero_, ledger_, settings, accountant_, charges);
-  next_step_ = charges;  // Note [noise index]: never a step already charged
+  step_ = std::make_unique<PrivateStep>(session_->book, *zero_, run.ledger,
+                                        run.step_settings(settings), accountant_, run.charges);
+  next_step_ = run.charges;  // Note [noise index]: never a step already charged
 
   // Last, once nothing can fail: the DP modules register with this engine's book, and every
   // trained parameter gets its escape hook.
@@ -380,78 +308,6 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
       }
     });
     hooks_.emplace_back(t, handle);
-  }
-}
-
-// Every rank must draw the same noise and the same batches (rank 0's seed; a seed given on
-// several ranks must be one value, as in python/dpzero/private/engine.py), and clip, sample,
-// scale and budget alike: rank 0's settings are broadcast and any rank's difference refuses the
-// engine on every rank.
-void PrivacyEngine::agree_on_settings() {
-  const PrivacyOptions& o = options_;
-  std::string own_error;  // raised on every rank, after the agreement
-  bool secure = false;
-  try {
-    secure = privacy::secure_noise(
-        o.secure_mode, o.seed ? std::optional<std::string>(std::to_string(*o.seed)) : std::nullopt);
-  } catch (const std::invalid_argument& e) {
-    own_error = e.what();
-  }
-  const uint64_t seed = o.seed ? *o.seed : random_seed();
-  const std::vector<int64_t> mine{static_cast<int64_t>(seed),
-                                  bits_of(o.noise_multiplier),
-                                  bits_of(o.max_grad_norm),
-                                  bits_of(o.sample_rate),
-                                  o.dataset_size,
-                                  o.max_physical_batch_size,
-                                  o.loss_reduction == "mean",
-                                  static_cast<int64_t>(o.stage),
-                                  o.epsilon_budget.has_value(),
-                                  bits_of(o.epsilon_budget.value_or(0.0)),
-                                  bits_of(o.delta),
-                                  bits_of(o.optimizer.lr),
-                                  o.trust_batch_first,
-                                  secure};
-  const comm::Collectives& comm = zero_->comm();
-  const std::vector<int64_t> first = comm.broadcast(mine, 0);
-  std::string differs;
-  if (o.seed && first[0] != mine[0]) differs = "seed (this rank " + std::to_string(*o.seed) + ")";
-  static const char* const kNames[] = {"seed",
-                                       "noise_multiplier",
-                                       "max_grad_norm",
-                                       "sample_rate",
-                                       "dataset_size",
-                                       "max_physical_batch_size",
-                                       "loss_reduction",
-                                       "stage",
-                                       "epsilon_budget",
-                                       "epsilon_budget",
-                                       "delta",
-                                       "optimizer.lr",
-                                       "trust_batch_first",
-                                       "secure_mode"};
-  for (size_t i = 1; i < mine.size() && differs.empty(); ++i)
-    if (first[i] != mine[i]) differs = kNames[i];
-  if (comm.all_reduce_sum(
-          std::vector<int64_t>{differs.empty() && own_error.empty() ? 0 : 1})[0] != 0) {
-    if (!own_error.empty()) throw std::invalid_argument(bad(own_error));
-    throw std::invalid_argument(
-        bad(differs.empty() ? "another rank's options differ from rank 0's; every rank must pass "
-                              "the same PrivacyOptions"
-                            : "this rank's " + differs +
-                                  " differs from rank 0's; every rank must "
-                                  "pass the same PrivacyOptions"));
-  }
-  seed_ = static_cast<uint64_t>(first[0]);
-  secure_ = secure;
-  if (secure_) {  // rank 0's key, on every rank (Note [secure by default])
-    std::vector<int64_t> words(8, 0);
-    if (rank_ == 0) {
-      const privacy::ChaCha20Key drawn = privacy::entropy_key();
-      words.assign(drawn.w, drawn.w + 8);
-    }
-    words = comm.broadcast(words, 0);
-    for (int i = 0; i < 8; ++i) key_.w[i] = static_cast<uint32_t>(words[i]);
   }
 }
 
@@ -757,7 +613,7 @@ void PrivacyEngine::close_logical_batch() {
 double PrivacyEngine::epsilon(double delta) const {
   if (charges() == 0) return 0.0;
   if (options_.noise_multiplier == 0.0) return INFINITY;
-  return accountant_->epsilon(delta).epsilon;
+  return accountant_->get_epsilon(delta);
 }
 
 at::Tensor PrivacyEngine::parameter(const std::string& name) {

@@ -26,8 +26,11 @@
 //     with no rows runs one padding row (Note [padding batches] in book.h);
 //   - clipping: flat, threshold C (privacy/clipping.h), one sample per row (Note [C++ batch
 //     dimension] in modules.h);
+//   - the run's rules (settings, the ranks' agreement, secure mode or the seed, the ledger, the
+//     budget, clipping components): run.h, which Python's front door calls too (Note [one set of
+//     rules]); what is here is only this door's: its options, torch::nn traversal, its limits;
 //   - the step: PrivateStep::take (private_step.h): agreement, budget, ledger, charge, noisy
-//     update; the charge also goes to this engine's RDP accountant, which epsilon() reads.
+//     update; the charge also goes to this engine's accountant, which epsilon() reads.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +50,7 @@
 #include "privacy/poisson.h"
 #include "src/dp/book.h"
 #include "src/dp/private_step.h"
+#include "src/dp/run.h"
 #include "src/zero/state.h"
 
 namespace c10d {
@@ -64,7 +68,9 @@ struct PrivacyOptions {
   // m: rows per micro-batch at most (0: the whole of this rank's share in one micro-batch).
   int64_t max_physical_batch_size = 0;
   // "mean": the loss is a mean over the micro-batch's rows (Note [mean loss] in book.h); "sum".
-  std::string loss_reduction = "mean";
+  std::string loss_reduction = RunSettings{}.loss_reduction;
+  // "prv" (the upper bound of the PRV accountant) or "rdp": what epsilon() and the budget use.
+  std::string accountant = RunSettings{}.accountant;
   zero::Stage stage = zero::Stage::k0;  // stages 0–2 (stage 3 gathers in module hooks, which
                                         // torch::nn in C++ does not have)
   zero::OptimizerOptions optimizer;     // SGD by default
@@ -76,11 +82,11 @@ struct PrivacyOptions {
   std::optional<bool> secure_mode;
   std::string ledger_path;               // "": no ledger; else rank 0 creates or continues it
   std::string run_id;                    // the ledger's run id ("": the file's name)
-  std::optional<double> epsilon_budget;  // refuse steps past ε at `delta` (BudgetExhausted)
+  std::optional<double> epsilon_budget;  // refuse steps past ε at budget_delta (BudgetExhausted)
+  std::optional<double> budget_delta;    // needed with epsilon_budget
   // Take the model's batch-first layout on trust: step() then runs without check_batch_first
   // (Note [C++ batch dimension]). Off: steps are refused until the check has passed.
   bool trust_batch_first = false;
-  double delta = 1e-5;
 };
 
 // One micro-batch of a logical step on this rank: which dataset rows to feed.
@@ -146,7 +152,7 @@ class PrivacyEngine {
   // Drops the logical batch accumulated so far (its gradients are never released).
   void zero_grad();
 
-  // ε at `delta` of the steps charged so far (RDP, Opacus's orders).
+  // ε at `delta` of the steps charged so far, with the run's accountant (its get_epsilon).
   double epsilon(double delta) const;
   int64_t charges() const { return step_->charges(); }
   int64_t rank() const { return rank_; }
@@ -171,7 +177,6 @@ class PrivacyEngine {
     int64_t offset = 0;
   };
   void close_logical_batch();
-  void agree_on_settings();
 
   std::shared_ptr<torch::nn::Module> model_;
   PrivacyOptions options_;
@@ -184,11 +189,9 @@ class PrivacyEngine {
   std::shared_ptr<accounting::Ledger> ledger_;  // rank 0's
   std::unique_ptr<PrivateStep> step_;
   // The step composes each charge into it (private_step.h); epsilon() reads it.
-  std::shared_ptr<accounting::RdpAccountant> accountant_ =
-      std::make_shared<accounting::RdpAccountant>();
+  std::shared_ptr<accounting::Accountant> accountant_;
   uint64_t seed_ = 0;
-  bool secure_ = false;        // Note [secure by default]
-  privacy::ChaCha20Key key_{};  // secure mode's, rank 0's
+  bool secure_ = false;  // Note [secure by default]
   privacy::SamplerSource sampler_;
   std::vector<MicroBatch> schedule_;  // the last sample()'s micro-batches, as drawn
   int64_t next_step_ = 0;             // the sampler's next logical step (never one already charged)

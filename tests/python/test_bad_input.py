@@ -20,19 +20,19 @@ TARGET = dict(target_delta=1e-5, epochs=1, max_grad_norm=1.0)
 
 
 SIGMA_MSG = r"noise_multiplier must be finite and >= 0, got "
-Q_MSG = r"sample rate must be in \(0, 1\], got "
+Q_MSG = r"sample_rate must be in \(0, 1\], got "
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(noise_multiplier=-1.0, max_grad_norm=1.0), SIGMA_MSG + "-1.0"),
+    (dict(noise_multiplier=-1.0, max_grad_norm=1.0), SIGMA_MSG + "-1$"),
     (dict(noise_multiplier=NAN, max_grad_norm=1.0), SIGMA_MSG + "nan"),
     (dict(noise_multiplier=INF, max_grad_norm=1.0), SIGMA_MSG + "inf"),
     (dict(noise_multiplier=1.0, max_grad_norm=NAN), r"max_grad_norm must be > 0, got nan"),
-    (dict(noise_multiplier=1.0, max_grad_norm=0.0), r"max_grad_norm must be > 0, got 0.0"),
+    (dict(noise_multiplier=1.0, max_grad_norm=0.0), r"max_grad_norm must be > 0, got 0$"),
     (dict(target_epsilon=-1.0, **TARGET), r"target epsilon must be > 0 and finite, got -1"),
     (dict(target_epsilon=3.0, target_delta=1.5, epochs=1, max_grad_norm=1.0),
      r"delta must be in \(0, 1\), got 1.5"),
-    (dict(sample_rate=0.0, **NOISE), Q_MSG + "0.0"),
+    (dict(sample_rate=0.0, **NOISE), Q_MSG + "0$"),
     (dict(sample_rate=NAN, **NOISE), Q_MSG + "nan"),
     (dict(sample_rate=1.5, **NOISE), Q_MSG + "1.5"),
 ], ids=["sigma<0", "sigma-nan", "sigma-inf", "C-nan", "C-0", "eps<0", "delta>1", "q=0", "q-nan",
@@ -163,7 +163,7 @@ def _ledger_session(path, n=40, q=0.2, sigma=1.0, run_id="r", steps=1, **kw):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(q=0.1), r"holds steps at sigma=1.0, q=0.2; this run uses sigma=1.0, q=0.1"),
+    (dict(q=0.1), r"holds steps at sigma=1, q=0.2; this run uses sigma=1, q=0.1\. "),
     (dict(n=80), r"is for a dataset of 40 examples, this run has 80"),
     (dict(run_id="zzz"), r'belongs to run "r", expected run "zzz"'),
 ], ids=["other-q", "other-dataset", "other-run"])

@@ -111,6 +111,8 @@ def run_cpp(tmp_path, kind, model, x, y, *, world=1, rows=None, zero_loss=False,
         args += ["--init", f"file://{tmp_path}/rendezvous"]
     if zero_loss:
         args.append("--zero-loss")
+    if flags.get("sigma") == 0.0:
+        args.append("--allow-no-noise")
     for name, value in flags.items():
         args += ["--" + name.replace("_", "-"), str(value)]
     run_example_ranks(args, world)
@@ -241,3 +243,122 @@ def test_example_trains_the_same_on_two_ranks(tmp_path):
     # "trained 60 steps on W rank(s): accuracy A, epsilon E at delta D"
     assert one.replace("on 1 rank", "on 2 rank") == two, (one, two)
     assert float(one.split("accuracy ")[1].split(",")[0]) > 0.9  # it learnt (chance: 0.25)
+
+
+# ---- one set of rules (Note [one set of rules] in src/dp/run.h) ---------------------------------
+# Each row: make_private's settings (beside BASE) and what the ledger path holds beforehand. Both
+# front doors must refuse with the same text, or, for the rows that train, write the same ledger
+# byte for byte.
+
+BASE = {"noise_multiplier": 0.8, "max_grad_norm": 0.5, "sample_rate": 0.02, "lr": 0.3,
+        "seed": 1234}
+# make_private's keyword -> the C++ example's flag.
+FLAGS = {"noise_multiplier": "--sigma", "max_grad_norm": "--clip", "sample_rate": "--q",
+         "lr": "--lr", "seed": "--seed", "secure_mode": "--secure-mode",
+         "max_physical_batch_size": "--max-physical-batch-size",
+         "loss_reduction": "--loss-reduction", "epsilon_budget": "--epsilon-budget",
+         "budget_delta": "--budget-delta", "ledger_path": "--ledger", "run_id": "--run-id"}
+
+
+def ledger_of(path, *, run_id="other", dataset_size=1797, sigma=0.8, q=0.02, noise=True):
+    """A ledger at `path` holding two steps of another run's (or this run's) settings."""
+    ledger = dpzero.accounting.Ledger.create(str(path), run_id=run_id, dataset_size=dataset_size,
+                                             settings={})
+    ledger.append(first_step=0, last_step=1, q=q, sigma=sigma, max_grad_norm=0.5, noise=noise)
+    ledger.close()
+
+
+ROWS = [
+    ("sigma<0", {"noise_multiplier": -1.0}, None),
+    ("sigma=0", {"noise_multiplier": 0.0}, None),
+    ("sigma-nan", {"noise_multiplier": math.nan}, None),
+    ("C=0", {"max_grad_norm": 0.0}, None),
+    ("C=inf with noise", {"max_grad_norm": math.inf}, None),
+    ("q=0", {"sample_rate": 0.0}, None),
+    ("q>1", {"sample_rate": 1.5}, None),
+    ("cap<1", {"max_physical_batch_size": -1}, None),
+    ("reduction", {"loss_reduction": "max"}, None),
+    ("budget<0", {"epsilon_budget": -1.0, "budget_delta": 1e-5}, None),
+    ("budget without delta", {"epsilon_budget": 3.0}, None),
+    ("budget delta>1", {"epsilon_budget": 3.0, "budget_delta": 1.5}, None),
+    ("budget without noise", {"epsilon_budget": 3.0, "budget_delta": 1e-5,
+                              "noise_multiplier": 0.0, "allow_no_noise": True}, None),
+    ("seed in secure mode", {"secure_mode": True}, None),
+    ("budget spent", {"epsilon_budget": 1e-3, "budget_delta": 1e-5}, None),
+    ("ledger of another run id", {"run_id": "mine"}, {}),
+    ("ledger of another dataset", {}, {"dataset_size": 10}),
+    ("ledger at another sigma", {}, {"run_id": "x", "sigma": 2.0}),
+    ("ledger at another q", {}, {"run_id": "x", "q": 0.5}),
+    ("ledger without noise", {}, {"run_id": "x", "noise": False}),
+    # Rows that train: the same ledger from either door.
+    ("new ledger", {}, None),
+    ("new ledger with a run id", {"run_id": "r7"}, None),
+    ("continued ledger", {"run_id": "x"}, {"run_id": "x"}),
+    ("no noise", {"noise_multiplier": 0.0, "allow_no_noise": True}, None),
+    ("seeded, secure_mode=False", {"secure_mode": False}, None),
+]
+
+
+def python_door(settings, x, y):
+    """make_private and one step; None, or the refusal's text."""
+    torch.manual_seed(0)
+    try:
+        p = dpzero.make_private(Mlp(), dataset=torch.utils.data.TensorDataset(x, y),
+                                optimizer="sgd", **settings)
+        for xb, yb in p.data_loader:
+            F.cross_entropy(p.model(xb), yb).backward()
+            if p.optimizer.step():
+                break
+        p.privacy_engine.detach()
+    except (ValueError, RuntimeError) as e:  # LedgerError, BudgetExhausted: RuntimeErrors
+        return str(e)
+    return None
+
+
+def cpp_door(tmp_path, settings, x, y):
+    """The C++ example's exchange mode with the same settings and one step; None, or the
+    refusal's text."""
+    torch.manual_seed(0)
+    inp = tmp_path / "in.pt"
+    torch.save({"params": {n: p.detach().clone() for n, p in Mlp().named_parameters()},
+                "x": x, "y": y}, inp)
+    args = [BINARY, "--model", "mlp", "--exchange", str(inp), str(tmp_path / "out.pt")]
+    for name, value in settings.items():
+        if name == "allow_no_noise":
+            args += ["--allow-no-noise"] if value else []
+        else:
+            args += [FLAGS[name], str(value).lower() if isinstance(value, bool) else str(value)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    if done.returncode == 0:
+        return None
+    assert done.returncode == 1 and done.stderr.startswith("private_train: "), done.stderr
+    return done.stderr[len("private_train: "):].rstrip("\n")
+
+
+@pytest.mark.parametrize("name, settings, ledger", ROWS, ids=[r[0] for r in ROWS])
+def test_both_front_doors_refuse_alike_and_write_the_same_ledger(tmp_path, monkeypatch, name,
+                                                                 settings, ledger):
+    """Note [one set of rules]: every row through dpzero.make_private and through the C++
+    PrivacyEngine (its example program): the same refusal, word for word, or the same ledger, byte
+    for byte (SOURCE_DATE_EPOCH fixes the header's time)."""
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    x, y = digits("mlp")
+    path = tmp_path / "ledger.jsonl"
+    settings = {**BASE, **settings, "ledger_path": str(path)}
+    outcomes, ledgers = [], []
+    for door in (python_door, lambda s, x, y: cpp_door(tmp_path, s, x, y)):
+        if path.exists():
+            path.unlink()
+        if ledger is not None:
+            ledger_of(path, **ledger)
+        outcomes.append(door(settings, x, y))
+        ledgers.append(path.read_bytes() if path.exists() else None)
+    assert outcomes[0] == outcomes[1], outcomes
+    assert ledgers[0] == ledgers[1]
+    trains = name in ("new ledger", "new ledger with a run id", "continued ledger", "no noise",
+                      "seeded, secure_mode=False")
+    assert (outcomes[0] is None) == trains, outcomes[0]
+    if trains:  # one step more than the ledger held
+        held = 2 if ledger is not None else 0
+        steps = [json.loads(line) for line in ledgers[0].decode().splitlines()[1:]]
+        assert sum(s["last_step"] - s["first_step"] + 1 for s in steps) == held + 1

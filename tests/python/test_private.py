@@ -310,12 +310,15 @@ def test_arguments_are_checked_and_named():
 
     with pytest.raises(ValueError, match="allow_no_noise"):
         mk(noise_multiplier=0.0)
-    with pytest.raises(ValueError, match="max_grad_norm must be > 0, got -1.0"):
+    with pytest.raises(ValueError, match="max_grad_norm must be > 0, got -1$"):
         mk(max_grad_norm=-1.0)
     with pytest.raises(ValueError, match="clipping must be one of .* got 'perlayer'"):
         mk(clipping="perlayer")
-    with pytest.raises(ValueError, match=r"sample rate must be in \(0, 1\], got 2.5"):
+    with pytest.raises(ValueError, match=r"batch_size must be in \[1, 40\] \(the dataset's size\), "
+                                         "got 100"):
         mk(batch_size=100)
+    with pytest.raises(ValueError, match=r"sample_rate must be in \(0, 1\], got 1.5"):
+        mk(batch_size=None, sample_rate=1.5)
     with pytest.raises(ValueError, match="noise needs a finite max_grad_norm"):
         mk(max_grad_norm=math.inf)
     with pytest.raises(ValueError, match="DP layer 'head' is in no clipping group"):
@@ -987,8 +990,8 @@ def test_a_resumed_ledger_is_charged_and_never_replayed(tmp_path):
     want = dpzero.RDPAccountant()
     want.step(noise_multiplier=1.0, sample_rate=0.2, num_steps=4)
     assert engine.epsilon(1e-5) == pytest.approx(want.get_epsilon(1e-5), rel=1e-12)
-    with pytest.raises(ValueError, match="holds steps at sigma=1.0, q=0.2; this run uses "
-                                         "sigma=2.0"):
+    with pytest.raises(ValueError, match="holds steps at sigma=1, q=0.2; this run uses "
+                                         "sigma=2, q=0.2"):
         _tiny(n=40, sample_rate=0.2, noise_multiplier=2.0, max_grad_norm=1.0, ledger_path=path,
               run_id="r")
 
@@ -1084,14 +1087,16 @@ def test_refusals_and_seed_mismatch_are_agreed_across_ranks(tmp_path):
     outcomes = ranks.spawn(_agreement_rank_main, 2, tmp_path, timeout_s=60)
     for rank in range(2):
         got = outcomes[rank]
-        assert "seed must be the same on every rank" in got["seed"], got
+        assert "with the same settings" in got["seed"], got
         assert "with the same settings" in got["clip"], got
         assert "max_physical_batch_size" in got["cap"] or "settings differ" in got["cap"], got
         assert "max_physical_batch_size" in got["manager"] or "differ" in got["manager"], got
         assert got["step"].startswith("refusing the step"), got
     assert "planted on rank 1" in outcomes[1]["step"]
     assert "another rank refused it" in outcomes[0]["step"]
-    assert "max_grad_norm=2.0 on rank 1" in outcomes[1]["clip"]
+    assert "seed=101 on rank 1 differs from rank 0's" in outcomes[1]["seed"]
+    assert "another rank's privacy settings differ" in outcomes[0]["seed"]
+    assert "max_grad_norm=2 on rank 1" in outcomes[1]["clip"]
 
 
 def _steps(model_call, p, n=2):

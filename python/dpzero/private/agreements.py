@@ -35,7 +35,7 @@ class RankAgreements:
         in its transaction), its failure a CollectiveError."""
         try:
             return fn(*args, **kwargs)
-        except (PrivacyViolation, BudgetExhausted, CollectiveError):
+        except (PrivacyViolation, BudgetExhausted, CollectiveError, _C.accounting.LedgerError):
             raise
         except RuntimeError as e:
             first = (str(e).strip().splitlines() or [""])[0]
@@ -49,33 +49,30 @@ class RankAgreements:
         """True on every rank if ``flag`` is true on any."""
         return bool(self.all_reduce([int(bool(flag))])[0])
 
-    def broadcast_int(self, value: int) -> int:
-        """Rank 0's ``value`` (an integer of 64 bits) on every rank."""
-        if self.group is None or self.world_size == 1:
-            return value
-        return _C.comm.broadcast(self.group, [as_int64(value)], 0)[0] & ((1 << 64) - 1)
-
     def same_everywhere(self, settings: Dict[str, Any]) -> None:
         """Raises ValueError on every rank unless every rank has rank 0's ``settings`` (name ->
-        a number, a string, a bool or None), naming the first that differs on this rank."""
+        a number, a string, a bool or None), naming the first that differs on this rank
+        (``agree_settings`` in src/dp/run.h)."""
         if self.group is None or self.world_size == 1:
             return
-        mine = [_setting_bits(v) for v in settings.values()]
-        first = _C.comm.broadcast(self.group, mine, 0)
-        differs = [name for name, a, b in zip(settings, mine, first) if a != b]
-        if self.any_rank(bool(differs)):
-            if differs:
-                raise ValueError(f"{differs[0]}={settings[differs[0]]!r} on rank {self.rank} "
-                                 "differs from rank 0's; every rank must make the model private "
-                                 "with the same settings")
-            raise ValueError("another rank's privacy settings differ from rank 0's; every rank "
-                             "must make the model private with the same settings")
+        _C.dp.agree_settings(as_agreed(settings), None, self.group)
+
+    def start_run(self, settings: "_C.dp.RunSettings", own: Dict[str, Any], accountant):
+        """The run's start on every rank (Note [one set of rules] in src/dp/run.h): the settings
+        and ``own`` (this front door's, as for same_everywhere) agreed, the randomness, the
+        ledger and the budget; a ``_C.dp.RunStart``."""
+        return _C.dp.start_run(settings, as_agreed(own), accountant, self.group)
 
     def all_reduce(self, values: List[int]) -> List[int]:
         """The elementwise sum of ``values`` over the ranks."""
         if self.group is None or self.world_size == 1:
             return values
         return _C.comm.all_reduce_sum(self.group, values)
+
+
+def as_agreed(settings: Dict[str, Any]) -> List[tuple]:
+    """``settings`` as agree_settings takes them: (name, 64 bits, the value as shown)."""
+    return [(name, _setting_bits(value), repr(value)) for name, value in settings.items()]
 
 
 def _setting_bits(value) -> int:

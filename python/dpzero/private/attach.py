@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .. import _C
 from . import relative_bias
 from .book import Layer, Slot
 from .errors import PrivacyViolation
@@ -148,30 +149,15 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
 
 
 def assign_components(layers: List[Layer]) -> int:
-    """Layers sharing a parameter form one component (union-find over parameter identity);
-    returns the number of components."""
-    parent = list(range(len(layers)))
-
-    def find(i):
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    owner: Dict[int, int] = {}
-    for layer in layers:
-        for pname, t in zip(layer.kind.params, layer.train):
-            if not t:
-                continue
-            pid = id(layer.module.get_parameter(pname))
-            if pid in owner:
-                parent[find(layer.index)] = find(owner[pid])
-            else:
-                owner[pid] = layer.index
-    roots: Dict[int, int] = {}
-    for layer in layers:
-        layer.component = roots.setdefault(find(layer.index), len(roots))
-    return len(roots)
+    """Layers sharing a trained parameter form one component (``layer_components`` in
+    src/dp/run.h); sets each layer's ``component`` and returns how many there are."""
+    params = [[id(layer.module.get_parameter(name))
+               for name, trained in zip(layer.kind.params, layer.train) if trained]
+              for layer in layers]
+    components = _C.dp.layer_components(params)
+    for layer, component in zip(layers, components):
+        layer.component = component
+    return max(components) + 1 if components else 0
 
 
 def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):

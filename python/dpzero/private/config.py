@@ -9,7 +9,7 @@ checks (its layers, tied parameters, clipping groups) come later, at attach (eng
 
 from __future__ import annotations
 
-import math
+import os
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from .. import _C
 from ..accounting import get_noise_multiplier
 from . import checkpointing
 
@@ -33,14 +34,16 @@ PASS_THROUGH = frozenset({"momentum", "dampening", "nesterov", "betas", "eps", "
 _OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 
 # The defaults every front door's signature shows (dpzero.make_private, resolve and through it
-# PrivacyEngine.make_private): written here once.
+# PrivacyEngine.make_private). Those the C++ front door shares are the run's rules' own
+# (RunSettings in src/dp/run.h); the rest are Python's alone.
+_RUN_DEFAULTS = _C.dp.RunSettings()
+DEFAULT_ACCOUNTANT = _RUN_DEFAULTS.accountant
+DEFAULT_CLIPPING = _RUN_DEFAULTS.clipping
+DEFAULT_AUTOMATIC_GAMMA = _RUN_DEFAULTS.automatic_gamma
+DEFAULT_LOSS_REDUCTION = _RUN_DEFAULTS.loss_reduction
+DEFAULT_ZERO_STAGE = _RUN_DEFAULTS.zero_stage
 DEFAULT_OPTIMIZER = "sgd"
-DEFAULT_ACCOUNTANT = "prv"
-DEFAULT_CLIPPING = "flat"
-DEFAULT_AUTOMATIC_GAMMA = 0.01
 DEFAULT_ISOLATION = "detect"
-DEFAULT_LOSS_REDUCTION = "mean"
-DEFAULT_ZERO_STAGE = 0
 
 # How the examples of a micro-batch are kept apart: "detect" (one batched forward; what could
 # mix them is detected, Note [batch provenance]) or "strict" (each example computed by itself,
@@ -62,6 +65,7 @@ class PrivateConfig:
     # Privacy.
     sample_rate: float                      # q = B / N, in (0, 1]
     noise_multiplier: float                 # σ >= 0 (0 only with allow_no_noise: ε = inf)
+    allow_no_noise: bool
     max_grad_norm: float                    # C > 0 (inf: no clipping, only without noise)
     clipping: str                           # one of CLIPPING
     clipping_groups: Optional[Sequence[Sequence[str]]]
@@ -184,17 +188,7 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
             isolation: str = DEFAULT_ISOLATION, **optimizer_kwargs) -> PrivateConfig:
     """make_private's keywords (its docstring, front.py) as a PrivateConfig; σ is calibrated
     with ``accountant`` when ``target_epsilon`` is given."""
-    if clipping not in CLIPPING:
-        raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
-    if loss_reduction not in ("mean", "sum"):
-        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     max_grad_norm = float(max_grad_norm)
-    if math.isnan(max_grad_norm) or max_grad_norm <= 0:
-        raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
-    if clipping == "automatic" and not math.isfinite(max_grad_norm):
-        raise ValueError("automatic clipping needs a finite max_grad_norm, got inf")
-    if not (automatic_gamma > 0 and math.isfinite(automatic_gamma)):
-        raise ValueError(f"automatic_gamma must be finite and > 0, got {automatic_gamma}")
     if isolation not in ISOLATION:
         raise ValueError(f"isolation must be one of {ISOLATION}, got {isolation!r}")
     if isolation == "strict":  # Note [strict isolation] (strict.py) says why each
@@ -230,10 +224,9 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
     if (batch_size is None) == (sample_rate is None):
         raise ValueError(f"give exactly one of batch_size and sample_rate, got "
                          f"batch_size={batch_size}, sample_rate={sample_rate}")
+    if batch_size is not None and not 0 < batch_size <= n:
+        raise ValueError(f"batch_size must be in [1, {n}] (the dataset's size), got {batch_size}")
     q = float(sample_rate) if sample_rate is not None else float(batch_size) / n
-    if not (0.0 < q <= 1.0):
-        raise ValueError(f"sample rate must be in (0, 1], got {q} (batch_size={batch_size}, "
-                         f"dataset size {n})")
 
     # σ, given or calibrated.
     if (noise_multiplier is None) == (target_epsilon is None):
@@ -245,15 +238,6 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
             target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=q,
             epochs=epochs, accountant=accountant)
     sigma = float(noise_multiplier)
-    if math.isnan(sigma) or sigma < 0 or math.isinf(sigma):
-        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier}")
-    if sigma == 0.0 and not allow_no_noise:
-        raise ValueError("noise_multiplier=0 trains WITHOUT privacy; pass "
-                         "allow_no_noise=True to do that on purpose (ε is then reported as "
-                         "inf)")
-    if sigma > 0 and not math.isfinite(max_grad_norm):
-        raise ValueError("noise needs a finite max_grad_norm (the noise is sigma * C), "
-                         f"got {max_grad_norm}")
 
     # The compute dtype and the optimizer.
     if isinstance(mixed_precision, str):
@@ -287,14 +271,11 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
             warnings.warn(delta_warning(which, d, n), UserWarning, stacklevel=3)
     if epsilon_budget is None and target_epsilon is not None:
         epsilon_budget, budget_delta = target_epsilon, target_delta
-    if epsilon_budget is not None and budget_delta is None:
-        raise ValueError(f"epsilon_budget={epsilon_budget} needs budget_delta")
-    if epsilon_budget is not None and sigma == 0.0:
-        raise ValueError("an ε budget cannot be kept without noise (noise_multiplier=0)")
 
-    return PrivateConfig(
+    config = PrivateConfig(
         dataset=dataset, collate_fn=collate_fn, num_workers=num_workers,
         max_physical_batch_size=max_physical_batch_size, sample_rate=q, noise_multiplier=sigma,
+        allow_no_noise=bool(allow_no_noise),
         max_grad_norm=max_grad_norm, clipping=clipping, clipping_groups=clipping_groups,
         group_weights=group_weights, automatic_gamma=automatic_gamma,
         loss_reduction=loss_reduction, isolation=isolation,
@@ -305,3 +286,25 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
         mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
         optimizer=name, optimizer_options=options, decay_exempt=decay_exempt,
         torch_optimizer=None if isinstance(optimizer, str) else optimizer)
+    # The rules every front door shares (src/dp/run.h), before the model is touched.
+    _C.dp.check_run_settings(run_settings(config, accountant, None))
+    return config
+
+
+def run_settings(config: PrivateConfig, accountant: str,
+                 secure_mode: Optional[bool]) -> "_C.dp.RunSettings":
+    """``config`` as the run's rules read it (Note [one set of rules] in src/dp/run.h)."""
+    s = _C.dp.RunSettings()
+    s.noise_multiplier, s.allow_no_noise = config.noise_multiplier, config.allow_no_noise
+    s.max_grad_norm, s.sample_rate = config.max_grad_norm, config.sample_rate
+    s.dataset_size = config.dataset_size
+    s.max_physical_batch_size = config.max_physical_batch_size
+    s.loss_reduction, s.clipping = config.loss_reduction, config.clipping
+    s.automatic_gamma, s.accountant = config.automatic_gamma, accountant
+    s.zero_stage = config.zero_stage
+    s.epsilon_budget, s.budget_delta = config.epsilon_budget, config.budget_delta
+    s.seed = None if config.seed is None else int(config.seed) & ((1 << 64) - 1)
+    s.secure_mode = secure_mode
+    s.ledger_path = "" if config.ledger_path is None else os.fspath(config.ledger_path)
+    s.run_id = config.run_id or ""
+    return s

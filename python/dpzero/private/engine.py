@@ -52,15 +52,15 @@ from torch.utils.data import DataLoader
 
 from .. import _C, lifetime
 from ..data import PoissonBatchSampler
-from ..accounting import Ledger, create_accountant, get_steps
-from ..noise import NoiseSource, as_int64, secure_noise
+from ..accounting import Ledger, create_accountant
+from ..noise import NoiseSource
 from ..zero import default_process_group, default_units, shard
 from . import checkpointing, strict
 from .attach import assign_components, find_layers, guard_hooks, param_slots, patch, unpatch
 from .agreements import RankAgreements
 from .book import Book
 from .errors import PrivacyViolation
-from .config import DEFAULT_ACCOUNTANT, PrivateConfig, resolve
+from .config import DEFAULT_ACCOUNTANT, PrivateConfig, resolve, run_settings
 from .examples import MicroBatchToken, tag
 from .loader import DPDataLoader, MicroBatch, Schedule
 from .slots import Slots
@@ -376,15 +376,12 @@ class PrivacyEngine:
         c = self.config = config
         q, n, sigma, max_grad_norm = (c.sample_rate, c.dataset_size, c.noise_multiplier,
                                       c.max_grad_norm)
-        # Note [secure by default] (privacy/entropy.h): from what was asked, each attach; its
-        # refusal (a seed with secure_mode=True) is raised once the ranks agree on it.
-        try:
-            self.secure_mode, secure_refusal = secure_noise(self._secure_mode_asked, c.seed), None
-        except ValueError as e:
-            self.secure_mode, secure_refusal = None, e
         units, process_group, clipping = c.units, c.process_group, c.clipping
+        # Note [secure by default] (privacy/entropy.h) from what was asked, at each attach.
+        settings = run_settings(c, self.accountant_name, self._secure_mode_asked)
 
         # Validation before anything is touched (a rejected model stays as it was).
+        _C.dp.check_run_settings(settings)  # start_run checks again, on every rank
         trainable = {id(p): p for p in model.parameters() if p.requires_grad}
         if not trainable:
             raise ValueError("the model has no trainable parameters")
@@ -404,41 +401,19 @@ class PrivacyEngine:
         self.rank, self.world_size = agree.rank, agree.world_size
         # Every rank must clip, sample, scale, draw and budget alike (rank 1 with a larger C would
         # clip at its own C while rank 0's ledger records rank 0's), and take the same collective
-        # path below (a seed given or not, secure mode): agreed first, before any other exchange.
-        agree.collective("agreeing on the privacy settings", agree.same_everywhere, {
-            "noise_multiplier": sigma, "max_grad_norm": max_grad_norm, "sample_rate": q,
-            "dataset_size": n, "clipping": clipping, "clipping_groups": c.clipping_groups,
-            "group_weights": c.group_weights, "automatic_gamma": c.automatic_gamma,
-            "loss_reduction": c.loss_reduction, "zero_stage": c.zero_stage,
-            "epsilon_budget": c.epsilon_budget, "budget_delta": c.budget_delta,
-            "accountant": self.accountant_name, "secure_mode": self.secure_mode,
-            "seed given": c.seed is not None,
-            # Every rank derives every rank's micro-batch count from it (Note [poisson schedule]).
-            "max_physical_batch_size": c.max_physical_batch_size})
-        if secure_refusal is not None:
-            raise secure_refusal
+        # path below: the run's rules (Note [one set of rules] in src/dp/run.h) agree on the
+        # settings, then settle the randomness, the ledger and the budget.
+        run = agree.collective("agreeing on the privacy settings", agree.start_run, settings, {
+            "clipping_groups": c.clipping_groups, "group_weights": c.group_weights,
+            "isolation": c.isolation}, self.accountant.native)
+        self.secure_mode = run.secure
         self.noise_multiplier_, self.max_grad_norm_ = sigma, max_grad_norm
         self.sample_rate, self.dataset_size = q, n
-        seed = c.seed
-        self.noise_source = NoiseSource(seed=seed, secure_mode=self.secure_mode, group=self._group)
-        if not self.secure_mode and self._group is not None:
-            # Every rank must draw the same noise and batches: rank 0's seed, and a given seed
-            # must be the same everywhere (seed = base + rank would desynchronise the ranks).
-            agreed = agree.broadcast_int(self.noise_source.seed)
-            if seed is not None and agree.any_rank(agreed != (int(seed) & ((1 << 64) - 1))):
-                raise ValueError(f"seed must be the same on every rank; this rank has {seed}, "
-                                 f"rank 0 {agreed}")
-            self.noise_source.seed = agreed
-        self._ledger = None
-        charges = 0
-        if c.ledger_path is not None:
-            charges = self._open_ledger(c.ledger_path, c.run_id, clipping)  # collective
-        self.budget, self.max_steps = None, None
-        if c.epsilon_budget is not None:
-            self.budget = (c.epsilon_budget, c.budget_delta)
-            self.max_steps = get_steps(target_epsilon=c.epsilon_budget,
-                                       target_delta=c.budget_delta, sample_rate=q,
-                                       noise_multiplier=sigma, accountant=self.accountant_name)
+        self.noise_source = NoiseSource.of_run(run)
+        self._ledger = Ledger(run.ledger) if run.ledger is not None else None
+        charges = run.charges
+        self.budget = (c.epsilon_budget, c.budget_delta) if c.epsilon_budget is not None else None
+        self.max_steps = run.max_steps
 
         sharded = shard(model, stage=c.zero_stage, optimizer=c.optimizer,
                         process_group=process_group, grad_scale=1.0, param_dtype=c.param_dtype,
@@ -462,17 +437,8 @@ class PrivacyEngine:
                          "automatic" if clipping == "automatic" else "flat", c.automatic_gamma,
                          c.loss_reduction, sharded.zero_state, unit_numel, unit_device)
         book_ref = weakref.ref(self.book)
-        eps, delta = self.budget if self.budget is not None else (None, None)
-        self._step = _C.dp.PrivateStep(
-            self.book.core, sharded.zero_state,
-            self._ledger.native if self._ledger is not None else None,
-            noise_multiplier=sigma, max_grad_norm=max_grad_norm, sample_rate=q, dataset_size=n,
-            max_steps=self.max_steps,
-            budget=(f"epsilon={eps} at delta={delta:.3g} ({self.accountant_name})"
-                    if self.budget is not None else ""),
-            noise_key=(list(self.noise_source._key) if self.secure_mode
-                       else as_int64(self.noise_source.seed)),
-            accountant=self.accountant.native, charges=charges)
+        self._step = _C.dp.PrivateStep(self.book.core, sharded.zero_state, settings, run,
+                                       self.accountant.native)
         # Note [batch provenance]: at stage 3 the probe's forward gathers units, so all ranks
         # probe when one must (at stages 0-2 a forward has no collectives); with several ranks
         # every rank refuses a forward when one does.
@@ -593,53 +559,6 @@ class PrivacyEngine:
             thresholds = [math.inf] * k
         groups = [sorted({l.component for l in layers if l.group == g}) for g in range(k)]
         return groups, thresholds
-
-    def _open_ledger(self, path: str, run_id: Optional[str], clipping: str) -> int:
-        """Rank 0 creates or reopens the ledger; every rank learns the outcome (an error on
-        rank 0 is raised everywhere) and returns the charge count. A reopened ledger's steps are
-        charged to this run's accountant, so ε and the budget guard count them."""
-        charges, error = 0, None
-        if self.rank == 0:
-            try:
-                settings = {"accountant": self.accountant_name, "clipping": clipping,
-                            "secure_mode": self.secure_mode, "world_size": self.world_size}
-                if os.path.exists(path):
-                    ledger = Ledger.open(path, expected_run_id=run_id or "")
-                    if ledger.dataset_size != self.dataset_size:
-                        raise ValueError(f"ledger {path} is for a dataset of "
-                                         f"{ledger.dataset_size} examples, this run has "
-                                         f"{self.dataset_size}: it holds another run's charges. "
-                                         "Give this run its own ledger path, or continue that "
-                                         "run with its dataset")
-                    if ledger.has_unnoised_steps:
-                        raise ValueError(f"ledger {path} records steps without noise; a private "
-                                         "run cannot continue it. Give this run its own ledger "
-                                         "path")
-                    for ph in ledger.phases():
-                        if ph.steps and (ph.sigma, ph.q) != (self.noise_multiplier,
-                                                             self.sample_rate):
-                            raise ValueError(
-                                f"ledger {path} holds steps at sigma={ph.sigma}, q={ph.q}; this "
-                                f"run uses sigma={self.noise_multiplier}, q={self.sample_rate}. "
-                                "Continuing a ledger with other settings is not supported: give this "
-                                "run its own ledger path")
-                    charges = ledger.total_steps
-                else:
-                    ledger = Ledger.create(path, run_id=run_id or os.path.basename(path),
-                                           dataset_size=self.dataset_size, settings=settings)
-                self._ledger = ledger
-            except Exception as e:  # noqa: BLE001 - every rank raises below
-                error = e
-        failed = self.agreements.any_rank(error is not None)
-        if failed:
-            if error is not None:
-                raise error
-            raise RuntimeError(f"rank 0 could not open the privacy ledger {path}; see its error")
-        charges = self.agreements.broadcast_int(charges)
-        if charges > 0:  # every recorded phase has this run's sigma and q (checked above)
-            self.accountant.step(noise_multiplier=self.noise_multiplier,
-                                 sample_rate=self.sample_rate, num_steps=charges)
-        return charges
 
     # ---- the step ----------------------------------------------------------------------------
 

@@ -119,6 +119,25 @@ TEST_F(LedgerTest, CreateWritesTheHeaderLine) {
   EXPECT_EQ(read_file(path_).back(), '\n');
 }
 
+// SOURCE_DATE_EPOCH (reproducible builds' convention) fixes the creation time, so equal runs
+// write equal files; a value that is not a count of seconds is refused, naming it, and no file
+// is left.
+TEST_F(LedgerTest, SourceDateEpochFixesTheCreationTime) {
+  ::setenv("SOURCE_DATE_EPOCH", "1700000000", 1);
+  { Ledger ledger = Ledger::create(path_, header()); }
+  EXPECT_EQ(Ledger::open_read_only(path_).header().created, "2023-11-14T22:13:20Z");
+  fs::remove(path_);
+  ::setenv("SOURCE_DATE_EPOCH", "yesterday", 1);
+  try {
+    Ledger::create(path_, header());
+    ADD_FAILURE() << "a SOURCE_DATE_EPOCH of 'yesterday' was taken";
+  } catch (const LedgerError& e) {
+    EXPECT_NE(std::string(e.what()).find("got 'yesterday'"), std::string::npos) << e.what();
+  }
+  ::unsetenv("SOURCE_DATE_EPOCH");
+  EXPECT_FALSE(fs::exists(path_));
+}
+
 TEST_F(LedgerTest, AppendWritesOneCompleteLinePerRecord) {
   Ledger ledger = Ledger::create(path_, header());
   LedgerRecord r = make_record(0, 2, 0.04, 1.1);

@@ -88,6 +88,9 @@ class ProbeAccountant final : public accounting::Accountant {
  public:
   explicit ProbeAccountant(std::function<void(double, double)> probe) : probe_(std::move(probe)) {}
   accounting::AccountantKind kind() const override { return accounting::AccountantKind::kRdp; }
+  double get_epsilon(double) const override {
+    throw std::logic_error("ProbeAccountant only records charges; it has no epsilon");
+  }
 
  private:
   void compose(const accounting::Phase& phase) override {

@@ -1,0 +1,313 @@
+// src/dp/run.cpp — see run.h (Note [one set of rules]).
+#include "src/dp/run.h"
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+
+#include "accounting/calibrate.h"
+#include "accounting/types.h"
+#include "privacy/entropy.h"
+#include "src/checkpoint/crc32.h"
+#include "src/comm/collectives.h"
+
+namespace dpzero::dp {
+namespace {
+
+using accounting::format_double;
+
+[[noreturn]] void refuse(const std::string& why) { throw std::invalid_argument(why); }
+
+int64_t bits_of(double x) {
+  int64_t b = 0;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+int64_t bits_of(const std::string& s) { return checkpoint::crc32(s.data(), s.size()); }
+
+std::string quoted(const std::string& s) { return "'" + s + "'"; }
+
+// The settings every rank must share, in the agreement's order. A seed of -1 (2^64 - 1) and no
+// seed look alike to it; secure_noise tells them apart, and secure_mode is agreed too.
+std::vector<AgreedSetting> shared_settings(const RunSettings& s, bool secure) {
+  const auto number = [](const char* name, double v) {
+    return AgreedSetting{name, bits_of(v), format_double(v)};
+  };
+  const auto integer = [](const char* name, int64_t v) {
+    return AgreedSetting{name, v, std::to_string(v)};
+  };
+  const auto text = [](const char* name, const std::string& v) {
+    return AgreedSetting{name, bits_of(v), quoted(v)};
+  };
+  const auto optional = [&](const char* name, std::optional<double> v) {
+    return v ? number(name, *v) : AgreedSetting{name, -1, "None"};
+  };
+  return {s.seed ? AgreedSetting{"seed", static_cast<int64_t>(*s.seed), std::to_string(*s.seed)}
+                : AgreedSetting{"seed", -1, "None"},
+          integer("secure_mode", secure),
+          number("noise_multiplier", s.noise_multiplier),
+          number("max_grad_norm", s.max_grad_norm),
+          number("sample_rate", s.sample_rate),
+          integer("dataset_size", s.dataset_size),
+          s.max_physical_batch_size ? integer("max_physical_batch_size",
+                                              *s.max_physical_batch_size)
+                                    : AgreedSetting{"max_physical_batch_size", -1, "None"},
+          text("loss_reduction", s.loss_reduction),
+          text("clipping", s.clipping),
+          number("automatic_gamma", s.automatic_gamma),
+          text("accountant", s.accountant),
+          integer("zero_stage", s.zero_stage),
+          optional("epsilon_budget", s.epsilon_budget),
+          optional("budget_delta", s.budget_delta)};
+}
+
+// A 63-bit seed from the OS, for a run with secure_mode=false and no seed.
+uint64_t random_seed() {
+  std::random_device device;
+  const uint64_t hi = device(), lo = device();
+  return ((hi << 32) | lo) & ((uint64_t{1} << 63) - 1);
+}
+
+// Steps 1–3: this rank's refusal, the agreement, the randomness.
+void agree(const RunSettings& s, const std::vector<AgreedSetting>& own,
+           const comm::Collectives& comm, RunStart& out) {
+  std::optional<std::string> refusal;  // raised on every rank, by the agreement
+  bool secure = false;
+  try {
+    check_run_settings(s);
+    secure = privacy::secure_noise(
+        s.secure_mode, s.seed ? std::optional<std::string>(std::to_string(*s.seed)) : std::nullopt);
+  } catch (const std::invalid_argument& e) {
+    refusal = e.what();
+  }
+  std::vector<AgreedSetting> settings = shared_settings(s, secure);
+  settings.insert(settings.end(), own.begin(), own.end());
+  agree_settings(settings, refusal, comm);
+  out.secure = secure;
+  if (secure) {  // rank 0's key, on every rank (Note [secure by default])
+    std::vector<int64_t> words(8, 0);
+    if (comm.rank() == 0) {
+      const privacy::ChaCha20Key drawn = privacy::entropy_key();
+      words.assign(drawn.w, drawn.w + 8);
+    }
+    words = comm.broadcast(words, 0);
+    for (int i = 0; i < 8; ++i) out.key.w[i] = static_cast<uint32_t>(words[i]);
+  } else if (s.seed) {
+    out.seed = *s.seed;  // the same on every rank (agreed)
+  } else {             // rank 0's
+    out.seed = static_cast<uint64_t>(
+        comm.broadcast({static_cast<int64_t>(comm.rank() == 0 ? random_seed() : 0)}, 0)[0]);
+  }
+}
+
+// Rank 0's half of step 4: the ledger created, or continued when it is this run's.
+std::shared_ptr<accounting::Ledger> open_on_rank_0(const RunSettings& s, bool secure,
+                                                   int64_t world_size) {
+  const std::string& path = s.ledger_path;
+  if (!std::filesystem::exists(path)) {
+    accounting::LedgerHeader header;
+    header.run_id =
+        s.run_id.empty() ? std::filesystem::path(path).filename().string() : s.run_id;
+    header.dataset_size = s.dataset_size;
+    header.settings = ledger_settings(s, secure, world_size);
+    return std::make_shared<accounting::Ledger>(accounting::Ledger::create(path, header));
+  }
+  // A given run id must be the ledger's (Ledger::open refuses another).
+  auto ledger = std::make_shared<accounting::Ledger>(
+      accounting::Ledger::open(path, accounting::TornTailPolicy::kError, s.run_id));
+  if (ledger->header().dataset_size != s.dataset_size)
+    refuse("ledger " + path + " is for a dataset of " +
+           std::to_string(ledger->header().dataset_size) + " examples, this run has " +
+           std::to_string(s.dataset_size) +
+           ": it holds another run's charges. Give this run its own ledger path, or continue "
+           "that run with its dataset");
+  if (ledger->has_unnoised_steps())
+    refuse("ledger " + path +
+           " records steps without noise; a private run cannot continue it. Give this run its "
+           "own ledger path");
+  for (const accounting::Phase& ph : ledger->phases())
+    if (ph.steps > 0 && (ph.sigma != s.noise_multiplier || ph.q != s.sample_rate))
+      refuse("ledger " + path + " holds steps at sigma=" + format_double(ph.sigma) +
+             ", q=" + format_double(ph.q) + "; this run uses sigma=" +
+             format_double(s.noise_multiplier) + ", q=" + format_double(s.sample_rate) +
+             ". Continuing a ledger with other settings is not supported: give this run its own "
+             "ledger path");
+  return ledger;
+}
+
+}  // namespace
+
+void agree_settings(const std::vector<AgreedSetting>& settings,
+                    const std::optional<std::string>& refusal, const comm::Collectives& comm) {
+  std::vector<int64_t> mine;
+  for (const AgreedSetting& a : settings) mine.push_back(a.bits);
+  const std::vector<int64_t> first = comm.broadcast(mine, 0);
+  std::string differs;
+  for (size_t i = 0; i < settings.size() && differs.empty(); ++i)
+    if (first[i] != mine[i])
+      differs = settings[i].name + "=" + settings[i].shown + " on rank " +
+                std::to_string(comm.rank()) +
+                " differs from rank 0's; every rank must make the model private with the same "
+                "settings";
+  const bool any =
+      comm.all_reduce_sum(std::vector<int64_t>{!refusal && differs.empty() ? 0 : 1})[0] != 0;
+  if (!any) return;
+  if (refusal) refuse(*refusal);
+  if (!differs.empty()) refuse(differs);
+  refuse(
+      "another rank's privacy settings differ from rank 0's; every rank must make the model "
+      "private with the same settings");
+}
+
+void check_run_settings(const RunSettings& s) {
+  const double sigma = s.noise_multiplier, c = s.max_grad_norm;
+  if (!(sigma >= 0.0) || !std::isfinite(sigma))
+    refuse("noise_multiplier must be finite and >= 0, got " + format_double(sigma));
+  if (sigma == 0.0 && !s.allow_no_noise)
+    refuse(
+        "noise_multiplier=0 trains WITHOUT privacy; pass allow_no_noise=True to do that on "
+        "purpose (epsilon is then reported as inf)");
+  if (!(c > 0.0)) refuse("max_grad_norm must be > 0, got " + format_double(c));
+  if (sigma > 0.0 && !std::isfinite(c))
+    refuse("noise needs a finite max_grad_norm (the noise is sigma * C), got " +
+           format_double(c));
+  if (!(s.sample_rate > 0.0 && s.sample_rate <= 1.0))
+    refuse("sample_rate must be in (0, 1], got " + format_double(s.sample_rate));
+  if (s.dataset_size <= 0)
+    refuse("dataset_size must be > 0, got " + std::to_string(s.dataset_size));
+  if (s.max_physical_batch_size && *s.max_physical_batch_size < 1)
+    refuse("max_physical_batch_size must be >= 1, got " +
+           std::to_string(*s.max_physical_batch_size));
+  if (s.loss_reduction != "mean" && s.loss_reduction != "sum")
+    refuse("loss_reduction must be 'mean' or 'sum', got " + quoted(s.loss_reduction));
+  if (s.clipping != "flat" && s.clipping != "layer" && s.clipping != "group" &&
+      s.clipping != "automatic")
+    refuse("clipping must be one of ('flat', 'layer', 'group', 'automatic'), got " +
+           quoted(s.clipping));
+  if (s.clipping == "automatic" && !std::isfinite(c))
+    refuse("automatic clipping needs a finite max_grad_norm, got " + format_double(c));
+  if (!(s.automatic_gamma > 0.0) || !std::isfinite(s.automatic_gamma))
+    refuse("automatic_gamma must be finite and > 0, got " + format_double(s.automatic_gamma));
+  if (s.accountant != "rdp" && s.accountant != "prv")
+    refuse("accountant must be one of ('rdp', 'prv'), got " + quoted(s.accountant));
+  if (s.zero_stage < 0 || s.zero_stage > 3)
+    refuse("zero_stage must be 0, 1, 2 or 3, got " + std::to_string(s.zero_stage));
+  if (s.budget_delta && !(*s.budget_delta > 0.0 && *s.budget_delta < 1.0))
+    refuse("budget_delta must be in (0, 1), got " + format_double(*s.budget_delta));
+  if (s.epsilon_budget) {
+    const double eps = *s.epsilon_budget;
+    if (!(eps > 0.0)) refuse("epsilon_budget must be > 0, got " + format_double(eps));
+    if (!s.budget_delta) refuse("epsilon_budget=" + format_double(eps) + " needs budget_delta");
+    if (sigma == 0.0)
+      refuse("an epsilon budget cannot be kept without noise (noise_multiplier=0)");
+  }
+}
+
+nlohmann::ordered_json ledger_settings(const RunSettings& s, bool secure, int64_t world_size) {
+  return {{"accountant", s.accountant},
+          {"clipping", s.clipping},
+          {"secure_mode", secure},
+          {"world_size", world_size}};
+}
+
+zero::NoiseKey RunStart::noise_key() const {
+  zero::NoiseKey k;
+  if (secure) {
+    k.secure = true;
+    k.key.assign(key.w, key.w + 8);
+  } else {
+    k.seed = static_cast<int64_t>(seed);
+  }
+  return k;
+}
+
+StepSettings RunStart::step_settings(const RunSettings& s) const {
+  StepSettings out;
+  out.noise_multiplier = s.noise_multiplier;
+  out.max_grad_norm = s.max_grad_norm;
+  out.sample_rate = s.sample_rate;
+  out.dataset_size = s.dataset_size;
+  out.max_steps = max_steps;
+  out.budget = budget;
+  out.noise_key = noise_key();
+  return out;
+}
+
+RunStart start_run(const RunSettings& s, const std::vector<AgreedSetting>& own,
+                   const comm::Collectives& comm, accounting::Accountant& accountant) {
+  RunStart out;
+  agree(s, own, comm, out);
+
+  // 4. The ledger: rank 0 opens it, every rank learns the outcome and the charge count.
+  if (!s.ledger_path.empty()) {
+    std::string failure;
+    bool refused = false;  // a ledger of another run, rather than one that cannot be opened
+    int64_t charges = 0;
+    if (comm.rank() == 0) {
+      try {
+        out.ledger = open_on_rank_0(s, out.secure, comm.world_size());
+        charges = out.ledger->total_steps();
+      } catch (const std::invalid_argument& e) {
+        failure = e.what();
+        refused = true;
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+      if (!failure.empty()) out.ledger.reset();
+    }
+    const std::vector<int64_t> agreed = comm.all_reduce_sum(
+        std::vector<int64_t>{failure.empty() ? 0 : 1, refused ? 1 : 0, charges});
+    if (agreed[0] != 0) {
+      if (refused) refuse(failure);
+      if (!failure.empty()) throw accounting::LedgerError(failure);
+      if (agreed[1] != 0)
+        refuse("rank 0 refused the privacy ledger " + s.ledger_path + "; see its error");
+      throw accounting::LedgerError("rank 0 could not open the privacy ledger " + s.ledger_path +
+                                    "; see its error");
+    }
+    out.charges = agreed[2];  // rank 0's
+    // Every recorded step is noised at this run's σ and q (checked above).
+    if (out.charges > 0) accountant.step(s.sample_rate, s.noise_multiplier, out.charges);
+  }
+
+  // 5. The budget.
+  if (s.epsilon_budget) {
+    accounting::CalibrationOptions options;
+    options.accountant = accounting::parse_accountant_kind(s.accountant);
+    out.max_steps = accounting::steps_for_epsilon(*s.epsilon_budget, *s.budget_delta,
+                                                  s.sample_rate, s.noise_multiplier, options);
+    out.budget = "epsilon=" + format_double(*s.epsilon_budget) +
+                 " at delta=" + format_double(*s.budget_delta) + " (" + s.accountant + ")";
+  }
+  return out;
+}
+
+std::vector<int64_t> layer_components(const std::vector<std::vector<int64_t>>& params) {
+  std::vector<size_t> parent(params.size());
+  std::iota(parent.begin(), parent.end(), 0);
+  const auto find = [&](size_t i) {
+    while (parent[i] != i) {
+      parent[i] = parent[parent[i]];
+      i = parent[i];
+    }
+    return i;
+  };
+  std::map<int64_t, size_t> first_layer;  // parameter -> the first layer holding it
+  for (size_t l = 0; l < params.size(); ++l)
+    for (int64_t p : params[l]) {
+      auto [it, fresh] = first_layer.emplace(p, l);
+      if (!fresh) parent[find(l)] = find(it->second);
+    }
+  std::map<size_t, int64_t> number;  // root -> component, in order of first layer
+  std::vector<int64_t> out;
+  for (size_t l = 0; l < params.size(); ++l)
+    out.push_back(number.emplace(find(l), static_cast<int64_t>(number.size())).first->second);
+  return out;
+}
+
+}  // namespace dpzero::dp

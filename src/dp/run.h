@@ -1,0 +1,122 @@
+// src/dp/run.h — the rules a private run starts by, written once for every front door: which
+// settings are valid, how the ranks agree on them and on the run's randomness, how the privacy
+// ledger is opened or continued, what the ε budget allows, and which DP layers form one clipping
+// component. The C++ front door (privacy_engine.h) and Python's (python/dpzero/private/engine.py,
+// through dpzero._C.dp) call these functions and repeat none of their rules.
+//
+// Note [one set of rules]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// Two front doors that each wrote these rules drifted apart: one reopened a ledger without
+// checking its run id, one refused layers sharing parameters that the other joined, each named a
+// differing setting its own way. Here a rule is code both call, so a refusal is the same text
+// from either (tests/python/test_cpp_api.py runs one table of bad settings through both and
+// compares the messages, and the ledgers of equal runs byte for byte). What stays in a front door
+// is what only it has: its options' names and types, its model traversal (torch::nn in C++,
+// torch.nn in Python), and its own capabilities (the C++ door clips flat, at stages 0–2).
+//
+// Order at start (start_run), every rank:
+//   1. check        this rank's settings (check_run_settings) and Note [secure by default]'s
+//                   rule; a refusal is kept, not thrown, until step 2 has run;
+//   2. agreement    agree_settings: rank 0's settings (the seed among them) broadcast; any
+//                   rank's refusal or difference is raised on every rank (no rank waits alone
+//                   in a later collective), this rank naming its own;
+//   3. randomness   secure mode: rank 0's OS key on every rank; else the seed given, or one
+//                   rank 0 draws;
+//   4. ledger       rank 0 creates the ledger or continues it (its run id, dataset, σ and q must
+//                   be this run's, and every step it holds noised); every rank learns the
+//                   outcome and the charge count, and the run's accountant composes the charges;
+//   5. budget       the steps the ε budget allows at (q, σ) with the run's accountant.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "accounting/accountant.h"
+#include "accounting/ledger.h"
+#include "privacy/chacha20.h"
+#include "src/dp/private_step.h"
+
+namespace dpzero::comm {
+class Collectives;
+}
+
+namespace dpzero::dp {
+
+// The settings every front door has, as the rules read them. Its defaults are every front door's
+// (Python's config.py reads them from here).
+struct RunSettings {
+  double noise_multiplier = 1.0;        // σ, finite and >= 0
+  bool allow_no_noise = false;          // σ = 0 needs it (ε is then infinite)
+  double max_grad_norm = 1.0;           // C > 0; inf (no clipping) only with σ = 0
+  double sample_rate = 0.0;             // q in (0, 1]
+  int64_t dataset_size = 0;             // N > 0
+  std::optional<int64_t> max_physical_batch_size;  // rows per micro-batch at most (>= 1); none: no cap
+  std::string loss_reduction = "mean";  // "mean" or "sum"
+  std::string clipping = "flat";        // "flat", "layer", "group" or "automatic"
+  double automatic_gamma = 0.01;        // automatic clipping's γ, finite and > 0
+  std::string accountant = "prv";       // "rdp" or "prv"
+  int64_t zero_stage = 0;               // 0..3
+  std::optional<double> epsilon_budget;  // > 0; needs budget_delta and σ > 0
+  std::optional<double> budget_delta;    // in (0, 1)
+  std::optional<uint64_t> seed;          // Note [secure by default] in privacy/entropy.h
+  std::optional<bool> secure_mode;
+  std::string ledger_path;  // "": no ledger
+  std::string run_id;       // the ledger's run id; "": the ledger file's name
+};
+
+// Throws std::invalid_argument naming the first bad setting and its value.
+void check_run_settings(const RunSettings& settings);
+
+// A front door's own setting that every rank must share: its name, its value as 64 bits (a
+// float's IEEE bits, a string's hash), and the value as the refusal shows it.
+struct AgreedSetting {
+  std::string name;
+  int64_t bits = 0;
+  std::string shown;
+};
+
+// Every rank of `comm` calls it with settings of the same names in the same order: rank 0's
+// values are broadcast, and if any rank has a `refusal` or a value unlike rank 0's, every rank
+// throws std::invalid_argument: its own refusal, else the first of its settings that differs
+// ("max_grad_norm=2 on rank 1 differs from rank 0's; ..."), else that another rank's did.
+void agree_settings(const std::vector<AgreedSetting>& settings,
+                    const std::optional<std::string>& refusal, const comm::Collectives& comm);
+
+// What start_run decided.
+struct RunStart {
+  bool secure = false;             // Note [secure by default]
+  uint64_t seed = 0;               // the Philox seed (rank 0's); unused in secure mode
+  privacy::ChaCha20Key key{};      // secure mode's key (rank 0's); never written anywhere
+  std::shared_ptr<accounting::Ledger> ledger;  // rank 0's, when the run has a ledger path
+  int64_t charges = 0;             // the steps the ledger already holds (Note [noise index])
+  std::optional<int64_t> max_steps;  // the ε budget's steps at (q, σ); nullopt: no budget
+  std::string budget;              // the budget as BudgetExhausted names it
+
+  zero::NoiseKey noise_key() const;
+  // The step's settings (private_step.h) for `settings`.
+  StepSettings step_settings(const RunSettings& settings) const;
+};
+
+// Steps 1–5 of Note [one set of rules] on every rank of `comm`, which must all call it.
+// `accountant` (its kind is settings.accountant's) composes the charges a continued ledger holds.
+// Throws std::invalid_argument for a bad or differing setting and for a ledger of another run
+// (every rank), accounting::LedgerError for a ledger that cannot be created or opened (every
+// rank), std::runtime_error from c10d for a failed collective.
+RunStart start_run(const RunSettings& settings, const std::vector<AgreedSetting>& own,
+                   const comm::Collectives& comm, accounting::Accountant& accountant);
+
+// The ledger header's settings of a run (the same from every front door, so that equal runs
+// write equal ledgers).
+nlohmann::ordered_json ledger_settings(const RunSettings& settings, bool secure,
+                                       int64_t world_size);
+
+// Clipping components: DP layers that share a trained parameter are clipped together. `params`:
+// for each layer (in the front door's order), its trained parameters' identities (any value
+// naming a tensor, the same for a tied one). Returns each layer's component, numbered
+// 0..K-1 in order of each component's first layer (union-find over shared identities).
+std::vector<int64_t> layer_components(const std::vector<std::vector<int64_t>>& params);
+
+}  // namespace dpzero::dp
