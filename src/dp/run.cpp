@@ -32,8 +32,8 @@ int64_t bits_of(const std::string& s) { return checkpoint::crc32(s.data(), s.siz
 
 std::string quoted(const std::string& s) { return "'" + s + "'"; }
 
-// The settings every rank must share, in the agreement's order. A seed of -1 (2^64 - 1) and no
-// seed look alike to it; secure_noise tells them apart, and secure_mode is agreed too.
+// The settings every rank must share, in the agreement's order. Whether a seed was given is
+// agreed apart from its value, which may be any 64 bits.
 std::vector<AgreedSetting> shared_settings(const RunSettings& s, bool secure) {
   const auto number = [](const char* name, double v) {
     return AgreedSetting{name, bits_of(v), format_double(v)};
@@ -41,15 +41,19 @@ std::vector<AgreedSetting> shared_settings(const RunSettings& s, bool secure) {
   const auto integer = [](const char* name, int64_t v) {
     return AgreedSetting{name, v, std::to_string(v)};
   };
+  const auto flag = [](const char* name, bool v) {
+    return AgreedSetting{name, v ? 1 : 0, v ? "True" : "False"};
+  };
   const auto text = [](const char* name, const std::string& v) {
     return AgreedSetting{name, bits_of(v), quoted(v)};
   };
   const auto optional = [&](const char* name, std::optional<double> v) {
     return v ? number(name, *v) : AgreedSetting{name, -1, "None"};
   };
-  return {s.seed ? AgreedSetting{"seed", static_cast<int64_t>(*s.seed), std::to_string(*s.seed)}
-                : AgreedSetting{"seed", -1, "None"},
-          integer("secure_mode", secure),
+  return {flag("seed given", s.seed.has_value()),
+          s.seed ? AgreedSetting{"seed", static_cast<int64_t>(*s.seed), std::to_string(*s.seed)}
+                 : AgreedSetting{"seed", 0, "None"},
+          flag("secure_mode", secure),
           number("noise_multiplier", s.noise_multiplier),
           number("max_grad_norm", s.max_grad_norm),
           number("sample_rate", s.sample_rate),
@@ -78,30 +82,32 @@ void agree(const RunSettings& s, const std::vector<AgreedSetting>& own,
            const comm::Collectives& comm, RunStart& out) {
   std::optional<std::string> refusal;  // raised on every rank, by the agreement
   bool secure = false;
+  privacy::ChaCha20Key key{};  // rank 0's draws, made before the agreement so that a failure
+  uint64_t seed = 0;           // to draw is a refusal every rank raises
   try {
     check_run_settings(s);
     secure = privacy::secure_noise(
         s.secure_mode, s.seed ? std::optional<std::string>(std::to_string(*s.seed)) : std::nullopt);
+    if (comm.rank() == 0) {
+      if (secure) key = privacy::entropy_key();
+      else if (!s.seed) seed = random_seed();
+    }
   } catch (const std::invalid_argument& e) {
     refusal = e.what();
+  } catch (const std::exception& e) {
+    refusal = std::string("rank 0 could not draw the run's randomness from the OS: ") + e.what();
   }
   std::vector<AgreedSetting> settings = shared_settings(s, secure);
   settings.insert(settings.end(), own.begin(), own.end());
   agree_settings(settings, refusal, comm);
   out.secure = secure;
   if (secure) {  // rank 0's key, on every rank (Note [secure by default])
-    std::vector<int64_t> words(8, 0);
-    if (comm.rank() == 0) {
-      const privacy::ChaCha20Key drawn = privacy::entropy_key();
-      words.assign(drawn.w, drawn.w + 8);
-    }
-    words = comm.broadcast(words, 0);
+    std::vector<int64_t> words = comm.broadcast(std::vector<int64_t>(key.w, key.w + 8), 0);
     for (int i = 0; i < 8; ++i) out.key.w[i] = static_cast<uint32_t>(words[i]);
   } else if (s.seed) {
     out.seed = *s.seed;  // the same on every rank (agreed)
-  } else {             // rank 0's
-    out.seed = static_cast<uint64_t>(
-        comm.broadcast({static_cast<int64_t>(comm.rank() == 0 ? random_seed() : 0)}, 0)[0]);
+  } else {               // rank 0's
+    out.seed = static_cast<uint64_t>(comm.broadcast({static_cast<int64_t>(seed)}, 0)[0]);
   }
 }
 
@@ -201,7 +207,8 @@ void check_run_settings(const RunSettings& s) {
     refuse("budget_delta must be in (0, 1), got " + format_double(*s.budget_delta));
   if (s.epsilon_budget) {
     const double eps = *s.epsilon_budget;
-    if (!(eps > 0.0)) refuse("epsilon_budget must be > 0, got " + format_double(eps));
+    if (!(eps > 0.0) || !std::isfinite(eps))
+      refuse("epsilon_budget must be finite and > 0, got " + format_double(eps));
     if (!s.budget_delta) refuse("epsilon_budget=" + format_double(eps) + " needs budget_delta");
     if (sigma == 0.0)
       refuse("an epsilon budget cannot be kept without noise (noise_multiplier=0)");
@@ -243,7 +250,21 @@ RunStart start_run(const RunSettings& s, const std::vector<AgreedSetting>& own,
   RunStart out;
   agree(s, own, comm, out);
 
-  // 4. The ledger: rank 0 opens it, every rank learns the outcome and the charge count.
+  // 4. The budget, before any file is made: a PRV that cannot count its steps refuses the run.
+  if (s.epsilon_budget) {
+    accounting::CalibrationOptions options;
+    options.accountant = accounting::parse_accountant_kind(s.accountant);
+    try {  // the same inputs on every rank, so the same outcome
+      out.max_steps = accounting::steps_for_epsilon(*s.epsilon_budget, *s.budget_delta,
+                                                    s.sample_rate, s.noise_multiplier, options);
+    } catch (const std::runtime_error& e) {
+      refuse("epsilon_budget=" + format_double(*s.epsilon_budget) +
+             ": the steps it allows cannot be counted: " + e.what());
+    }
+    out.budget = "epsilon=" + format_double(*s.epsilon_budget) +
+                 " at delta=" + format_double(*s.budget_delta) + " (" + s.accountant + ")";
+  }
+  // 5. The ledger: rank 0 opens it, every rank learns the outcome and the charge count.
   if (!s.ledger_path.empty()) {
     std::string failure;
     bool refused = false;  // a ledger of another run, rather than one that cannot be opened
@@ -275,15 +296,6 @@ RunStart start_run(const RunSettings& s, const std::vector<AgreedSetting>& own,
     if (out.charges > 0) accountant.step(s.sample_rate, s.noise_multiplier, out.charges);
   }
 
-  // 5. The budget.
-  if (s.epsilon_budget) {
-    accounting::CalibrationOptions options;
-    options.accountant = accounting::parse_accountant_kind(s.accountant);
-    out.max_steps = accounting::steps_for_epsilon(*s.epsilon_budget, *s.budget_delta,
-                                                  s.sample_rate, s.noise_multiplier, options);
-    out.budget = "epsilon=" + format_double(*s.epsilon_budget) +
-                 " at delta=" + format_double(*s.budget_delta) + " (" + s.accountant + ")";
-  }
   return out;
 }
 

@@ -15,17 +15,21 @@
 // torch.nn in Python), and its own capabilities (the C++ door clips flat, at stages 0–2).
 //
 // Order at start (start_run), every rank:
-//   1. check        this rank's settings (check_run_settings) and Note [secure by default]'s
-//                   rule; a refusal is kept, not thrown, until step 2 has run;
-//   2. agreement    agree_settings: rank 0's settings (the seed among them) broadcast; any
-//                   rank's refusal or difference is raised on every rank (no rank waits alone
-//                   in a later collective), this rank naming its own;
-//   3. randomness   secure mode: rank 0's OS key on every rank; else the seed given, or one
-//                   rank 0 draws;
-//   4. ledger       rank 0 creates the ledger or continues it (its run id, dataset, σ and q must
+//   1. check        this rank's settings (check_run_settings), Note [secure by default]'s rule,
+//                   and rank 0's draw of the key or seed from the OS; a refusal (or a failed
+//                   draw) is kept, not thrown, until step 2 has run;
+//   2. agreement    agree_settings: rank 0's settings (whether a seed was given, and which)
+//                   broadcast; any rank's refusal or difference is raised on every rank (no
+//                   rank waits alone in a later collective), this rank naming its own;
+//   3. randomness   secure mode: rank 0's key on every rank; else the seed given, or rank 0's;
+//   4. budget       the steps the ε budget allows at (q, σ) with the run's accountant (the same
+//                   inputs everywhere, so the same outcome), before any file is made;
+//   5. ledger       rank 0 creates the ledger or continues it (its run id, dataset, σ and q must
 //                   be this run's, and every step it holds noised); every rank learns the
-//                   outcome and the charge count, and the run's accountant composes the charges;
-//   5. budget       the steps the ε budget allows at (q, σ) with the run's accountant.
+//                   outcome and the charge count, and the run's accountant composes the charges.
+// A front door may also call check_run_settings on its own before it touches the model (both do,
+// to refuse before any change); that refusal is this rank's alone, as any check of a rank's own
+// arguments is.
 #pragma once
 
 #include <cstdint>

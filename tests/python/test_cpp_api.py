@@ -268,39 +268,49 @@ def ledger_of(path, *, run_id="other", dataset_size=1797, sigma=0.8, q=0.02, noi
     ledger.close()
 
 
+# (name, settings beside BASE (None removes one), the ledger's content beforehand, what the
+# refusal must say; None: the row trains one step).
 ROWS = [
-    ("sigma<0", {"noise_multiplier": -1.0}, None),
-    ("sigma=0", {"noise_multiplier": 0.0}, None),
-    ("sigma-nan", {"noise_multiplier": math.nan}, None),
-    ("C=0", {"max_grad_norm": 0.0}, None),
-    ("C=inf with noise", {"max_grad_norm": math.inf}, None),
-    ("q=0", {"sample_rate": 0.0}, None),
-    ("q>1", {"sample_rate": 1.5}, None),
-    ("cap<1", {"max_physical_batch_size": -1}, None),
-    ("reduction", {"loss_reduction": "max"}, None),
-    ("budget<0", {"epsilon_budget": -1.0, "budget_delta": 1e-5}, None),
-    ("budget without delta", {"epsilon_budget": 3.0}, None),
-    ("budget delta>1", {"epsilon_budget": 3.0, "budget_delta": 1.5}, None),
+    ("sigma<0", {"noise_multiplier": -1.0}, None, "noise_multiplier must be finite and >= 0, got -1"),
+    ("sigma=0", {"noise_multiplier": 0.0}, None, "pass allow_no_noise=True"),
+    ("sigma-nan", {"noise_multiplier": math.nan}, None, "got nan"),
+    ("C=0", {"max_grad_norm": 0.0}, None, "max_grad_norm must be > 0, got 0"),
+    ("C=inf with noise", {"max_grad_norm": math.inf}, None, "noise needs a finite max_grad_norm"),
+    ("q=0", {"sample_rate": 0.0}, None, "sample_rate must be in (0, 1], got 0"),
+    ("q>1", {"sample_rate": 1.5}, None, "sample_rate must be in (0, 1], got 1.5"),
+    ("cap<1", {"max_physical_batch_size": -1}, None, "max_physical_batch_size must be >= 1"),
+    ("reduction", {"loss_reduction": "max"}, None, "loss_reduction must be 'mean' or 'sum'"),
+    ("budget<0", {"epsilon_budget": -1.0, "budget_delta": 1e-5}, None,
+     "epsilon_budget must be finite and > 0, got -1"),
+    ("budget=inf", {"epsilon_budget": math.inf, "budget_delta": 1e-5}, None,
+     "epsilon_budget must be finite and > 0, got inf"),
+    ("budget without delta", {"epsilon_budget": 3.0}, None, "needs budget_delta"),
+    ("budget delta>1", {"epsilon_budget": 3.0, "budget_delta": 1.5}, None,
+     "budget_delta must be in (0, 1), got 1.5"),
     ("budget without noise", {"epsilon_budget": 3.0, "budget_delta": 1e-5,
-                              "noise_multiplier": 0.0, "allow_no_noise": True}, None),
-    ("seed in secure mode", {"secure_mode": True}, None),
-    ("budget spent", {"epsilon_budget": 1e-3, "budget_delta": 1e-5}, None),
-    ("ledger of another run id", {"run_id": "mine"}, {}),
-    ("ledger of another dataset", {}, {"dataset_size": 10}),
-    ("ledger at another sigma", {}, {"run_id": "x", "sigma": 2.0}),
-    ("ledger at another q", {}, {"run_id": "x", "q": 0.5}),
-    ("ledger without noise", {}, {"run_id": "x", "noise": False}),
-    # Rows that train: the same ledger from either door.
-    ("new ledger", {}, None),
-    ("new ledger with a run id", {"run_id": "r7"}, None),
-    ("continued ledger", {"run_id": "x"}, {"run_id": "x"}),
-    ("no noise", {"noise_multiplier": 0.0, "allow_no_noise": True}, None),
-    ("seeded, secure_mode=False", {"secure_mode": False}, None),
+                              "noise_multiplier": 0.0, "allow_no_noise": True}, None,
+     "cannot be kept without noise"),
+    ("seed in secure mode", {"secure_mode": True}, None, "seed=1234 with secure_mode=True"),
+    ("budget spent", {"epsilon_budget": 1e-3, "budget_delta": 1e-5}, None,
+     "allows 0 steps at sigma=0.8, q=0.02; 0 are charged"),
+    ("ledger of another run id", {"run_id": "mine"}, {},
+     'belongs to run "other", expected run "mine"'),
+    ("ledger of another dataset", {}, {"dataset_size": 10}, "is for a dataset of 10 examples"),
+    ("ledger at another sigma", {}, {"run_id": "x", "sigma": 2.0}, "holds steps at sigma=2, q=0.02"),
+    ("ledger at another q", {}, {"run_id": "x", "q": 0.5}, "holds steps at sigma=0.8, q=0.5"),
+    ("ledger without noise", {}, {"run_id": "x", "noise": False}, "records steps without noise"),
+    # Rows that train one step: the same ledger from either door (and, seeded, the same model).
+    ("new ledger", {}, None, None),
+    ("new ledger with a run id", {"run_id": "r7"}, None, None),
+    ("continued ledger", {"run_id": "x"}, {"run_id": "x"}, None),
+    ("no noise", {"noise_multiplier": 0.0, "allow_no_noise": True}, None, None),
+    ("secure mode, the default without a seed", {"seed": None}, None, None),
+    ("secure_mode=False without a seed", {"seed": None, "secure_mode": False}, None, None),
 ]
 
 
 def python_door(settings, x, y):
-    """make_private and one step; None, or the refusal's text."""
+    """make_private and one step: (the refusal's text or None, the parameters after it)."""
     torch.manual_seed(0)
     try:
         p = dpzero.make_private(Mlp(), dataset=torch.utils.data.TensorDataset(x, y),
@@ -309,56 +319,70 @@ def python_door(settings, x, y):
             F.cross_entropy(p.model(xb), yb).backward()
             if p.optimizer.step():
                 break
+        params = p.privacy_engine.parameters()
         p.privacy_engine.detach()
     except (ValueError, RuntimeError) as e:  # LedgerError, BudgetExhausted: RuntimeErrors
-        return str(e)
-    return None
+        return str(e), None
+    return None, params
 
 
 def cpp_door(tmp_path, settings, x, y):
-    """The C++ example's exchange mode with the same settings and one step; None, or the
-    refusal's text."""
+    """The C++ example's exchange mode with the same settings and one step: (the refusal's text
+    or None, the parameters after it)."""
     torch.manual_seed(0)
-    inp = tmp_path / "in.pt"
+    inp, out = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save({"params": {n: p.detach().clone() for n, p in Mlp().named_parameters()},
                 "x": x, "y": y}, inp)
-    args = [BINARY, "--model", "mlp", "--exchange", str(inp), str(tmp_path / "out.pt")]
+    args = [BINARY, "--model", "mlp", "--exchange", str(inp), str(out)]
     for name, value in settings.items():
         if name == "allow_no_noise":
             args += ["--allow-no-noise"] if value else []
         else:
             args += [FLAGS[name], str(value).lower() if isinstance(value, bool) else str(value)]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    if done.returncode == 0:
-        return None
-    assert done.returncode == 1 and done.stderr.startswith("private_train: "), done.stderr
-    return done.stderr[len("private_train: "):].rstrip("\n")
+    if done.returncode != 0:
+        assert done.returncode == 1 and done.stderr.startswith("private_train: "), done.stderr
+        return done.stderr[len("private_train: "):].rstrip("\n"), None
+    with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
+        return None, torch.load(out)
 
 
-@pytest.mark.parametrize("name, settings, ledger", ROWS, ids=[r[0] for r in ROWS])
+@pytest.mark.parametrize("name, settings, ledger, why", ROWS, ids=[r[0] for r in ROWS])
 def test_both_front_doors_refuse_alike_and_write_the_same_ledger(tmp_path, monkeypatch, name,
-                                                                 settings, ledger):
+                                                                 settings, ledger, why):
     """Note [one set of rules]: every row through dpzero.make_private and through the C++
-    PrivacyEngine (its example program): the same refusal, word for word, or the same ledger, byte
-    for byte (SOURCE_DATE_EPOCH fixes the header's time)."""
+    PrivacyEngine (its example program): the same refusal, word for word, naming its cause, with
+    a ledger that was there left as it was; or one step, the same ledger byte for byte
+    (SOURCE_DATE_EPOCH fixes the header's time) and, when seeded, the same model."""
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
     x, y = digits("mlp")
     path = tmp_path / "ledger.jsonl"
-    settings = {**BASE, **settings, "ledger_path": str(path)}
-    outcomes, ledgers = [], []
+    settings = {k: v for k, v in {**BASE, **settings, "ledger_path": str(path)}.items()
+                if v is not None}
+    outcomes, models, ledgers = [], [], []
     for door in (python_door, lambda s, x, y: cpp_door(tmp_path, s, x, y)):
         if path.exists():
             path.unlink()
         if ledger is not None:
             ledger_of(path, **ledger)
-        outcomes.append(door(settings, x, y))
+        before = path.read_bytes() if path.exists() else None
+        refusal, model = door(settings, x, y)
+        outcomes.append(refusal)
+        models.append(model)
         ledgers.append(path.read_bytes() if path.exists() else None)
+        if refusal is not None and before is not None:
+            assert ledgers[-1] == before  # a refused run leaves the ledger as it was
     assert outcomes[0] == outcomes[1], outcomes
     assert ledgers[0] == ledgers[1]
-    trains = name in ("new ledger", "new ledger with a run id", "continued ledger", "no noise",
-                      "seeded, secure_mode=False")
-    assert (outcomes[0] is None) == trains, outcomes[0]
-    if trains:  # one step more than the ledger held
-        held = 2 if ledger is not None else 0
-        steps = [json.loads(line) for line in ledgers[0].decode().splitlines()[1:]]
-        assert sum(s["last_step"] - s["first_step"] + 1 for s in steps) == held + 1
+    if why is not None:
+        assert outcomes[0] is not None and why in outcomes[0], outcomes[0]
+        return
+    assert outcomes[0] is None, outcomes[0]
+    header, *steps = [json.loads(line) for line in ledgers[0].decode().splitlines()]
+    if ledger is None:  # the header this run wrote
+        assert header["settings"]["secure_mode"] == ("seed" not in settings
+                                                     and settings.get("secure_mode") is not False)
+    held = 2 if ledger is not None else 0  # one step more than the ledger held
+    assert sum(s["last_step"] - s["first_step"] + 1 for s in steps) == held + 1
+    if "seed" in settings:
+        close(models[1], models[0])

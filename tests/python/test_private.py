@@ -1047,6 +1047,13 @@ def _agreement_rank_main(rank, world_size):
         outcome["seed"] = "accepted"
     except ValueError as e:
         outcome["seed"] = str(e)
+    try:  # seed -1 (2^64 - 1) on rank 0, none on rank 1: not the same as no seed anywhere
+        dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
+                            max_grad_norm=1.0, seed=-1 if rank == 0 else None,
+                            secure_mode=False)
+        outcome["seed given"] = "accepted"
+    except ValueError as e:
+        outcome["seed given"] = str(e)
     try:  # rank 1 would clip at 2C while rank 0's ledger records C
         dpzero.make_private(SeqNet(), dataset=seq_data(), batch_size=8, noise_multiplier=1.0,
                             max_grad_norm=1.0 + rank, seed=3)
@@ -1088,6 +1095,7 @@ def test_refusals_and_seed_mismatch_are_agreed_across_ranks(tmp_path):
     for rank in range(2):
         got = outcomes[rank]
         assert "with the same settings" in got["seed"], got
+        assert "with the same settings" in got["seed given"], got
         assert "with the same settings" in got["clip"], got
         assert "max_physical_batch_size" in got["cap"] or "settings differ" in got["cap"], got
         assert "max_physical_batch_size" in got["manager"] or "differ" in got["manager"], got
@@ -1095,6 +1103,7 @@ def test_refusals_and_seed_mismatch_are_agreed_across_ranks(tmp_path):
     assert "planted on rank 1" in outcomes[1]["step"]
     assert "another rank refused it" in outcomes[0]["step"]
     assert "seed=101 on rank 1 differs from rank 0's" in outcomes[1]["seed"]
+    assert "seed given=False on rank 1 differs from rank 0's" in outcomes[1]["seed given"]
     assert "another rank's privacy settings differ" in outcomes[0]["seed"]
     assert "max_grad_norm=2 on rank 1" in outcomes[1]["clip"]
 

@@ -379,6 +379,20 @@ TEST(PrivacyEngine, RanksAgreeOnTheKeyTheSeedAndTheSettings) {
                                         : "another rank's privacy settings differ from rank 0's"))
         << why;
   });
+  // A seed of 2^64 - 1 on rank 0 and none on rank 1 (secure_mode=false): "seed given" differs,
+  // so both refuse (the same 64 bits must not pass for "no seed").
+  run_ranks(2, std::chrono::seconds(60), [&](int rank, auto pg) {
+    Mlp net = model();
+    PrivacyOptions o = options();
+    o.secure_mode = false;
+    if (rank == 0) o.seed = ~uint64_t{0};
+    else o.seed.reset();
+    const std::string why = testing::error_message<std::invalid_argument>(
+        [&] { PrivacyEngine engine(net.ptr(), o, pg); });
+    EXPECT_TRUE(contains(why, rank == 1 ? "seed given=False on rank 1 differs from rank 0's"
+                                        : "another rank's privacy settings differ"))
+        << why;
+  });
   for (const char* what : {"seed", "max_grad_norm"}) {
     run_ranks(2, std::chrono::seconds(60), [&](int rank, auto pg) {
       Mlp net = model();
