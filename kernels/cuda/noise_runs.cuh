@@ -5,7 +5,7 @@
 // Note [noise launches]
 // ~~~~~~~~~~~~~~~~~~~~~
 // A rank's shard of a unit holds its global coordinates as a few runs, one per parameter (fewer
-// where parameters sit back to back in both numberings, src/zero/shard_noise.cpp merges those).
+// where parameters sit back to back in both numberings, src/dp/step_noise.cpp merges those).
 // One launch per run cost a kernel launch (~3-5 µs of host time on the step's critical path) for
 // every parameter of every unit, while the draws themselves are microseconds at most for the
 // small runs (biases, norms). dpzero::add_noise_runs_ / add_secure_noise_runs_ (schemas in

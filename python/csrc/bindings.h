@@ -3,7 +3,7 @@
 
 #include <pybind11/pybind11.h>
 
-#include "src/zero/shard_noise.h"
+#include "src/dp/step_noise.h"
 
 namespace dpzero::python {
 
@@ -18,6 +18,6 @@ void bind_zero(pybind11::module_ m);        // zero_bindings.cpp
 
 // A noise key from Python: an int64 Philox seed, or secure mode's 8-word ChaCha20 key
 // (shard_bindings.cpp).
-zero::NoiseKey noise_key(const pybind11::object& seed_or_key);
+dp::NoiseKey noise_key(const pybind11::object& seed_or_key);
 
 }  // namespace dpzero::python

@@ -3,15 +3,15 @@
 #include <torch/extension.h>
 
 #include "python/csrc/bindings.h"
-#include "src/zero/shard_noise.h"
+#include "src/dp/step_noise.h"
 #include "src/zero/shard_plan.h"
 
 namespace py = pybind11;
 
 namespace dpzero::python {
 
-zero::NoiseKey noise_key(const py::object& seed_or_key) {
-  zero::NoiseKey key;
+dp::NoiseKey noise_key(const py::object& seed_or_key) {
+  dp::NoiseKey key;
   if (py::isinstance<py::int_>(seed_or_key)) {
     key.seed = seed_or_key.cast<int64_t>();
   } else {
@@ -62,7 +62,7 @@ void bind_shard(py::module_ m) {
       "add_shard_noise_",
       [](at::Tensor shard, const UnitLayout& layout, int64_t rank, double stddev,
          const py::object& seed, int64_t step) {
-        return zero::add_shard_noise_(shard, layout, rank, stddev, noise_key(seed), step);
+        return dp::add_shard_noise_(shard, layout, rank, stddev, noise_key(seed), step);
       },
       py::arg("shard"), py::arg("layout"), py::arg("rank"), py::arg("std"), py::arg("seed"),
       py::arg("step"),

@@ -12,6 +12,7 @@
 #include "src/zero/memory.h"
 #include "src/zero/optim.h"
 #include "src/zero/state.h"
+#include "src/dp/step_noise.h"
 
 namespace py = pybind11;
 
@@ -206,19 +207,18 @@ void bind_zero(py::module_ m) {
           "noisy_step",
           [](ZeroState& s, double stddev, int64_t step, double grad_scale, py::object seed,
              py::object key) {
-            zero::StepNoise noise;
-            noise.stddev = stddev;
-            noise.step = step;
             TORCH_CHECK(seed.is_none() != key.is_none(),
                         "noisy_step: give exactly one of seed (Philox) and key (secure mode)");
+            dp::NoiseKey noise_key;
             if (!seed.is_none()) {
-              noise.key.seed = seed.cast<int64_t>();
+              noise_key.seed = seed.cast<int64_t>();
             } else {
-              noise.key.secure = true;
-              noise.key.key = key.cast<std::vector<int64_t>>();
+              noise_key.secure = true;
+              noise_key.key = key.cast<std::vector<int64_t>>();
             }
+            const dp::StepNoise noise(stddev, std::move(noise_key), step);
             py::gil_scoped_release no_gil;
-            s.noisy_step(noise, grad_scale);
+            s.noisy_step(&noise, grad_scale);
           },
           py::arg("stddev"), py::arg("step"), py::arg("grad_scale"), py::arg("seed") = py::none(),
           py::arg("key") = py::none(),

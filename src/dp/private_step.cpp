@@ -97,7 +97,7 @@ void PrivateStep::restore(int64_t charges, std::shared_ptr<accounting::Accountan
   accountant_ = std::move(accountant);
 }
 
-void PrivateStep::set_noise_key(zero::NoiseKey key) {
+void PrivateStep::set_noise_key(NoiseKey key) {
   if (key.secure && key.key.size() != 8) {
     throw std::invalid_argument("PrivateStep: a secure-mode noise key has 8 words, got " +
                                 std::to_string(key.key.size()));
@@ -271,13 +271,10 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
   try {
     charge(k);
     failpoints_.hit("after_charge", k, comm.rank());
-    zero::StepNoise noise;
-    noise.stddev = sigma > 0.0 ? sigma * c : 0.0;
-    noise.key = s.noise_key;
-    noise.step = k;
+    const StepNoise noise(sigma > 0.0 ? sigma * c : 0.0, s.noise_key, k);
     const double grad_scale = 1.0 / (q * static_cast<double>(s.dataset_size));
     collective("the noisy update", t, ChargeState::kCharged,
-               [&] { zero_.private_update(noise, grad_scale); });
+               [&] { zero_.private_update(&noise, grad_scale); });
   } catch (const CollectiveError&) {
     throw;
   } catch (const std::exception& e) {

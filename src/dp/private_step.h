@@ -16,7 +16,8 @@
 //                 rank waits for its verdict, so no rank updates with a step the ledger lacks.
 //   5. charge     charges += 1, and the run's accountant composes the step (C++ all the way:
 //                 the step calls nothing outside it, whichever front door made it).
-//   6. update     ZeroState::noisy_step: noise N(0, (σC)²) drawn at the charge index (Note
+//   6. update     ZeroState's update with StepNoise (step_noise.h): noise N(0, (σC)²) drawn
+//                 at the charge index (Note
 //                 [noise index] in python/dpzero/private/engine.py) on exactly the coordinates
 //                 this rank updates, the sum scaled by 1/(q·N), the optimizer.
 // A refusal in 1–4 charges nothing. Whatever stops a step before its update completes drops the
@@ -97,7 +98,7 @@
 #include "src/dp/book.h"
 #include "src/dp/errors.h"
 #include "src/dp/failpoints.h"
-#include "src/zero/shard_noise.h"
+#include "src/dp/step_noise.h"
 
 namespace dpzero::zero {
 class ZeroState;
@@ -114,7 +115,7 @@ struct StepSettings {
   std::optional<int64_t> max_steps;  // the steps the ε budget allows at (q, σ); nullopt: no budget
   std::string budget;                // the budget as BudgetExhausted names it
                                      // ("epsilon=3.0 at delta=1e-05 (prv)")
-  zero::NoiseKey noise_key;          // the run's Philox seed or secure-mode key
+  NoiseKey noise_key;          // the run's Philox seed or secure-mode key
 };
 
 // What this rank brings to the step.
@@ -164,7 +165,7 @@ class PrivateStep {
   const std::shared_ptr<accounting::Accountant>& accountant() const { return accountant_; }
   // The run's noise key (a checkpoint's secure-mode key); std::invalid_argument for a secure key
   // without 8 words.
-  void set_noise_key(zero::NoiseKey key);
+  void set_noise_key(NoiseKey key);
   const StepSettings& settings() const { return settings_; }
 
  private:

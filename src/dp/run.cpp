@@ -222,8 +222,8 @@ nlohmann::ordered_json ledger_settings(const RunSettings& s, bool secure, int64_
           {"world_size", world_size}};
 }
 
-zero::NoiseKey RunStart::noise_key() const {
-  zero::NoiseKey k;
+NoiseKey RunStart::noise_key() const {
+  NoiseKey k;
   if (secure) {
     k.secure = true;
     k.key.assign(key.w, key.w + 8);

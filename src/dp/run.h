@@ -99,7 +99,7 @@ struct RunStart {
   std::optional<int64_t> max_steps;  // the ε budget's steps at (q, σ); nullopt: no budget
   std::string budget;              // the budget as BudgetExhausted names it
 
-  zero::NoiseKey noise_key() const;
+  NoiseKey noise_key() const;
   // The step's settings (private_step.h) for `settings`.
   StepSettings step_settings(const RunSettings& settings) const;
 };

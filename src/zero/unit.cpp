@@ -141,7 +141,7 @@ void Unit::reduce_packed(at::Tensor full, const comm::Collectives& comm) {
   }
 }
 
-void Unit::step(const comm::Collectives& comm, double grad_scale, const StepNoise* noise) {
+void Unit::step(const comm::Collectives& comm, double grad_scale, const GradientNoise* noise) {
   at::NoGradGuard no_grad;
   wait_reduce();
   at::Tensor grad;  // reduce_dtype, the reduced gradient of the coordinates master() holds:
@@ -174,17 +174,9 @@ void Unit::step(const comm::Collectives& comm, double grad_scale, const StepNois
     grad = grad.to(master.device(), at::kFloat);
     note_comm_bytes(grad.numel() * static_cast<int64_t>(grad.element_size()));
   }
-  if (noise != nullptr) {
-    // design.md §2 step 5, on the fp32 reduced gradient (§4): stage 0 holds the whole unit on
-    // every rank and every rank adds the same draws; otherwise the owned shard gets exactly the
-    // draws of the global coordinates it holds and nothing else.
-    if (stage_ == Stage::k0) {
-      add_unit_noise_(grad, flat_.layout(), noise->stddev, noise->key, noise->step);
-    } else {
-      add_shard_noise_(grad, flat_.layout(), flat_.rank(), noise->stddev, noise->key,
-                       noise->step);
-    }
-  }
+  // design.md §2 step 5, on the fp32 reduced gradient (§4): stage 0 holds the whole unit on
+  // every rank, the other stages the owned shard.
+  if (noise != nullptr) noise->add_(grad, flat_.layout(), flat_.rank(), stage_ == Stage::k0);
   if (grad_scale != 1.0) grad.mul_(grad_scale);  // §2 step 6: after the noise
   flat_.prepare_master_write();  // Note [parameter offload]
   optimizer_->step(master, grad);

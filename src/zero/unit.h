@@ -116,7 +116,7 @@
 #include "src/comm/collectives.h"
 #include "src/zero/flat_param.h"
 #include "src/zero/optim.h"
-#include "src/zero/shard_noise.h"
+#include "src/zero/gradient_noise.h"
 #include "src/zero/stage.h"
 
 namespace dpzero::zero {
@@ -172,10 +172,11 @@ class Unit {
   // (stage 3) frees the gathered parameters.
   void finish_backward(const comm::Collectives& comm);
 
-  // Reduces what is not reduced yet (stages 0–1), adds `noise` (when given) to the coordinates
-  // this rank updates (Note [noise ownership]), scales by grad_scale, updates the owned shard,
-  // all-gathers parameters (stages 1–2) or frees them (stage 3), zeroes the gradients.
-  void step(const comm::Collectives& comm, double grad_scale, const StepNoise* noise = nullptr);
+  // Reduces what is not reduced yet (stages 0–1), adds `noise` (when given) to the reduced
+  // gradient this rank holds, scales by grad_scale, updates the owned shard, all-gathers
+  // parameters (stages 1–2) or frees them (stage 3), zeroes the gradients.
+  void step(const comm::Collectives& comm, double grad_scale,
+            const GradientNoise* noise = nullptr);
   // Drops all accumulated gradient (Note [gradient accumulation]).
   void zero_grad();
   // Note [reduce-scatter overlap]: waits for this unit's reduction in flight and folds it into

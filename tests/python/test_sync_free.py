@@ -56,7 +56,7 @@ BACKWARD_SOURCES = ["src/dp/dp_layers.cpp", "src/dp/book.cpp", "src/dp/layer_ops
                     "kernels/ghost_gemm.cpp",
                     "kernels/cuda/clip_factors.cu", "kernels/cuda/noise.cu",
                     "kernels/cuda/secure_noise.cu", "kernels/cuda/noise_runs.cuh",
-                    "src/zero/state.cpp", "src/zero/unit.cpp", "src/zero/shard_noise.cpp"]
+                    "src/zero/state.cpp", "src/zero/unit.cpp", "src/dp/step_noise.cpp"]
 # A value read on the host, or an output whose size depends on values (the host must wait for
 # it): item, cpu, tolist, nonzero, unique, masked_select, equal, a copy to kCPU, a synchronize.
 HOST_READ = re.compile(r"\.item\s*[<(]|\.cpu\(\)|\.tolist\(|\bnonzero\(|\.is_nonzero\(|"

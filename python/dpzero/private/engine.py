@@ -9,7 +9,7 @@ One logical step t, top to bottom:
 3. ``optimizer.step()`` after the last micro-batch of t (earlier calls only accumulate, as
    Opacus's BatchMemoryManager) runs the step's transaction in C++ (``src/dp/private_step.h``):
    the ranks agree, the budget guard, the ledger record (rank 0, durable; all ranks wait for it),
-   the accountant charge with the sigma and q used, then ``ZeroState.noisy_step``: noise
+   the accountant charge with the sigma and q used, then the ZeRO update with the step's noise
    sigma*C*z(seed, k, j) on exactly the owned coordinates, k = the charge index (Note [noise
    index]), scale 1/(q*N), update.
 

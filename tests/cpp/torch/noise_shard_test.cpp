@@ -21,7 +21,7 @@
 #include "kernels/cpu/noise_simd.h"
 #include "privacy/noise.h"
 #include "privacy/secure_noise.h"
-#include "src/zero/shard_noise.h"
+#include "src/dp/step_noise.h"
 #include "src/zero/shard_plan.h"
 #include "tests/cpp/torch/devices.h"
 
@@ -222,7 +222,7 @@ TEST(AddNoiseOp, RejectsBadArgumentsNamingThem) {
 }
 
 // The single-tensor draw of `key` into t, which holds global coordinates [offset, offset + n).
-void add_whole(at::Tensor& t, double stddev, const zero::NoiseKey& key, int64_t step,
+void add_whole(at::Tensor& t, double stddev, const dp::NoiseKey& key, int64_t step,
                int64_t offset) {
   if (key.secure) {
     add_secure_noise(t, stddev, key.key, step, offset);
@@ -251,7 +251,7 @@ void expect_union_of_shards_is_the_whole_draw(at::Device device, at::ScalarType 
       g += numel;
     }
     const int64_t total = g - global_start;
-    zero::NoiseKey key{secure, static_cast<int64_t>(rng()), {}};
+    dp::NoiseKey key{secure, static_cast<int64_t>(rng()), {}};
     if (secure) {
       for (int w = 0; w < 8; ++w) key.key.push_back(static_cast<int64_t>(rng() >> 32));
     }
@@ -267,7 +267,7 @@ void expect_union_of_shards_is_the_whole_draw(at::Device device, at::ScalarType 
       int64_t noised = 0;
       for (int64_t r = 0; r < world; ++r) {
         at::Tensor shard = flat.narrow(0, r * layout.shard_numel(), layout.shard_numel());
-        noised += zero::add_shard_noise_(shard, layout, r, 1.5, key, step);
+        noised += dp::add_shard_noise_(shard, layout, r, 1.5, key, step);
       }
       EXPECT_EQ(noised, total) << "world " << world;
       at::Tensor gathered = at::empty({total}, opts);
@@ -366,7 +366,7 @@ TEST(ShardNoise, EachRankDrawsExactlyItsRunsInOneCall) {
       const int64_t world = 1 + static_cast<int64_t>(rng() % 4);
       zero::UnitLayout layout(params, world, 1 + static_cast<int64_t>(rng() % 4));
       for (const bool secure : {false, true}) {
-        const zero::NoiseKey key{secure, 3, secure ? std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8}
+        const dp::NoiseKey key{secure, 3, secure ? std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8}
                                                    : std::vector<int64_t>{}};
         const at::ScalarType dtype = secure ? at::kDouble : at::kFloat;
         for (int64_t r = 0; r < world; ++r) {
@@ -379,7 +379,7 @@ TEST(ShardNoise, EachRankDrawsExactlyItsRunsInOneCall) {
             add_whole(piece, 2.0, key, 4, run.global_offset);
             owned += run.length;
           }
-          EXPECT_EQ(zero::add_shard_noise_(shard, layout, r, 2.0, key, 4), owned);
+          EXPECT_EQ(dp::add_shard_noise_(shard, layout, r, 2.0, key, 4), owned);
           EXPECT_TRUE(at::equal(shard.cpu(), expected.cpu()))
               << device << " secure=" << secure << " rank " << r << " trial " << trial;
         }
@@ -443,7 +443,7 @@ TEST(CudaNoise, DrawsAgreeWithTheCpuWithinTheDocumentedTolerance) {
     const at::ScalarType dtype = secure ? at::kDouble : at::kFloat;
     at::Tensor cpu = at::zeros({n}, dtype);
     at::Tensor gpu = at::zeros({n}, at::TensorOptions(at::kCUDA).dtype(dtype));
-    const zero::NoiseKey k{secure, 3, secure ? key : std::vector<int64_t>{}};
+    const dp::NoiseKey k{secure, 3, secure ? key : std::vector<int64_t>{}};
     add_whole(cpu, 1.0, k, 9, offset);
     add_whole(gpu, 1.0, k, 9, offset);
     const double tol = secure ? 1e-9 : 1e-5;
@@ -512,7 +512,7 @@ TEST(ShardNoise, SecureKeyShardsUnionEqualsSingleTensor) {
   at::Tensor flat = at::zeros({layout.padded_numel()}, at::kDouble);
   for (int64_t r = 0; r < 3; ++r) {
     at::Tensor shard = flat.narrow(0, r * layout.shard_numel(), layout.shard_numel());
-    zero::add_shard_noise_(shard, layout, r, 2.0, zero::NoiseKey{true, 0, key}, 5);
+    dp::add_shard_noise_(shard, layout, r, 2.0, dp::NoiseKey{true, 0, key}, 5);
   }
   at::Tensor gathered = at::empty({87}, at::kDouble);
   for (const auto& run : layout.runs()) {

@@ -45,7 +45,7 @@
 #include "src/dp/errors.h"
 #include "src/dp/layer_ops.h"
 #include "src/dp/private_step.h"
-#include "src/zero/shard_noise.h"
+#include "src/dp/step_noise.h"
 #include "src/zero/state.h"
 #include "tests/cpp/common/error_message.h"
 #include "tests/cpp/torch/ranks.h"
@@ -132,9 +132,9 @@ accounting::LedgerHeader header() {
 // (every rank adds the whole unit's noise in stage 0).
 at::Tensor noise_of(const zero::UnitLayout& layout, int64_t k, double sigma) {
   at::Tensor z = torch::zeros({layout.padded_numel()});
-  zero::NoiseKey key;
+  NoiseKey key;
   key.seed = kSeed;
-  zero::add_unit_noise_(z, layout, 1.0, key, k);
+  add_unit_noise_(z, layout, 1.0, key, k);
   return z.narrow(0, 0, 6).view({2, 3}).to(at::kDouble) * (sigma * kC);
 }
 
@@ -562,7 +562,7 @@ TEST(PrivateStep, ChargesNeverGoBackAndSecureKeysHaveEightWords) {
     EXPECT_EQ(rank.step->charges(), 4);
     rank.step->restore(6, rank.accountant);
     EXPECT_EQ(rank.step->charges(), 6);
-    zero::NoiseKey key;
+    NoiseKey key;
     key.secure = true;
     key.key = {1, 2, 3};
     EXPECT_TRUE(contains(

@@ -21,6 +21,7 @@
 #include "src/zero/flat_param.h"
 #include "src/zero/unit.h"
 #include "src/zero/state.h"
+#include "src/dp/step_noise.h"
 #include "tests/cpp/torch/ranks.h"
 
 namespace dpzero::zero {
@@ -187,9 +188,7 @@ TEST_P(ZeroCollectives, PackedPrivateGradientsTakeTheSameStepInEveryStage) {
         state.add_unit_grad(0, packed, /*release_params=*/true, donated);
         if (!donated) packed.fill_(1e9);
       }
-      StepNoise no_noise;  // stddev 0: nothing drawn
-      no_noise.key.seed = 1;
-      state.noisy_step(no_noise, 1.0 / world);
+      state.noisy_step(nullptr, 1.0 / world);  // no noise
       per_rank[rank] = state.full_parameters(0);
     });
     for (size_t i = 0; i < 3; ++i) {
@@ -246,7 +245,7 @@ TEST(ZeroCollectivesChecks, RejectsMismatchedShapesNamingThem) {
 // The private step adds noise exactly once to every global coordinate, whatever the world size
 // and stage (design.md §3 "Noise"): with a zero gradient, SGD's update is -lr · grad_scale · σ z_j
 // on every coordinate j, z_j the counter-based draw a single process makes for the whole model
-// ([0, 15) at offset 0), on every rank. Mutations tried in src/zero/shard_noise.cpp: each run's
+// ([0, 15) at offset 0), on every rank. Mutations tried in src/dp/step_noise.cpp: each run's
 // noise added twice (2σ z), and a run's global offset shifted by one (another draw); both fail
 // here for every world size.
 TEST_P(ZeroCollectives, NoiseIsAddedOncePerCoordinateInEveryStage) {
@@ -271,11 +270,8 @@ TEST_P(ZeroCollectives, NoiseIsAddedOncePerCoordinateInEveryStage) {
                       comm.process_group());
       state.add_unit_grad(0, torch::zeros({layout.padded_numel()}), /*release_params=*/true,
                           /*donated=*/true);
-      StepNoise noise;
-      noise.stddev = kStd;
-      noise.key.seed = 7;
-      noise.step = 3;
-      state.noisy_step(noise, kScale);
+      const dp::StepNoise noise(kStd, dp::NoiseKey{false, 7, {}}, 3);
+      state.noisy_step(&noise, kScale);
       per_rank[rank] = state.full_parameters(0);
     });
     int64_t global = 0;

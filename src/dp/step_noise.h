@@ -1,4 +1,6 @@
-// src/zero/shard_noise.h — design.md §2 step 5: add the step's noise to the shard a rank owns.
+// src/dp/step_noise.h — design.md §2 step 5: the private step's Gaussian noise, drawn on exactly
+// the global coordinates of the gradient a rank updates (Note [noise ownership] in
+// privacy/noise.h). The ZeRO state adds it through its one hook (src/zero/gradient_noise.h).
 #pragma once
 
 #include <cstdint>
@@ -6,9 +8,12 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "src/zero/gradient_noise.h"
 #include "src/zero/shard_plan.h"
 
-namespace dpzero::zero {
+namespace dpzero::dp {
+
+using zero::UnitLayout;
 
 // Where the noise comes from: a Philox seed (default) or secure mode's 256-bit ChaCha20 key as
 // eight 32-bit words (Note [secure noise] in privacy/secure_noise.h).
@@ -31,15 +36,23 @@ int64_t add_unit_noise_(at::Tensor& full, const UnitLayout& layout, double stdde
                         const NoiseKey& key, int64_t step);
 
 // The noise of one private step (design.md §2 step 5): stddev = σ·C, drawn from `key` at counter
-// `step` (the ledger charge index).
-struct StepNoise {
-  double stddev = 0.0;
-  NoiseKey key;
-  int64_t step = 0;
+// `step` (the ledger charge index). Constructing it checks it (c10::Error naming the value unless
+// stddev is finite and >= 0, step >= 0, and a secure key has 8 words).
+class StepNoise final : public zero::GradientNoise {
+ public:
+  StepNoise(double stddev, NoiseKey key, int64_t step);
+  // Stage 0 (`whole`): add_unit_noise_, every rank the same draws; else add_shard_noise_. A
+  // stddev of 0 (σ = 0) draws nothing rather than adding 0·z.
+  void add_(at::Tensor& grad, const UnitLayout& layout, int64_t rank, bool whole) const override;
+
+  double stddev() const { return stddev_; }
+  const NoiseKey& key() const { return key_; }
+  int64_t step() const { return step_; }
+
+ private:
+  double stddev_;
+  NoiseKey key_;
+  int64_t step_;
 };
 
-// Throws naming the value unless stddev is finite and >= 0 and step >= 0 (and a secure key has
-// 8 words).
-void check_step_noise(const StepNoise& noise);
-
-}  // namespace dpzero::zero
+}  // namespace dpzero::dp

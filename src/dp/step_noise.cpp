@@ -1,16 +1,19 @@
-// src/zero/shard_noise.cpp — noise on a rank's shard through the dpzero::add_noise_runs_ op (or
+// src/dp/step_noise.cpp — noise on a rank's shard through the dpzero::add_noise_runs_ op (or
 // its secure twin), one call for all of the shard's coordinate runs.
-#include "src/zero/shard_noise.h"
+#include "src/dp/step_noise.h"
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
-namespace dpzero::zero {
+namespace dpzero::dp {
 
 namespace {
+
+using zero::CoordinateRun;
 
 // Adds the noise of `runs` (offsets into `flat`) to `flat` in one op call (Note [noise
 // launches] in kernels/cuda/noise_runs.cuh: one CUDA launch per 128 runs).
@@ -66,13 +69,22 @@ int64_t add_unit_noise_(at::Tensor& full, const UnitLayout& layout, double stdde
   return add_runs_noise_(full, layout.runs(), stddev, key, step);
 }
 
-void check_step_noise(const StepNoise& noise) {
-  TORCH_CHECK(std::isfinite(noise.stddev) && noise.stddev >= 0.0,
-              "noise stddev (sigma * C) must be finite and >= 0, got ", noise.stddev);
-  TORCH_CHECK(noise.step >= 0, "noise step (the ledger charge index) must be >= 0, got ",
-              noise.step);
-  TORCH_CHECK(!noise.key.secure || noise.key.key.size() == 8,
-              "a secure noise key has 8 32-bit words, got ", noise.key.key.size());
+StepNoise::StepNoise(double stddev, NoiseKey key, int64_t step)
+    : stddev_(stddev), key_(std::move(key)), step_(step) {
+  TORCH_CHECK(std::isfinite(stddev_) && stddev_ >= 0.0,
+              "noise stddev (sigma * C) must be finite and >= 0, got ", stddev_);
+  TORCH_CHECK(step_ >= 0, "noise step (the ledger charge index) must be >= 0, got ", step_);
+  TORCH_CHECK(!key_.secure || key_.key.size() == 8, "a secure noise key has 8 32-bit words, got ",
+              key_.key.size());
 }
 
-}  // namespace dpzero::zero
+void StepNoise::add_(at::Tensor& grad, const UnitLayout& layout, int64_t rank, bool whole) const {
+  if (stddev_ == 0.0) return;
+  if (whole) {
+    add_unit_noise_(grad, layout, stddev_, key_, step_);
+  } else {
+    add_shard_noise_(grad, layout, rank, stddev_, key_, step_);
+  }
+}
+
+}  // namespace dpzero::dp
