@@ -29,9 +29,14 @@
 // In stages 0–1 the unit's buffer is the engine's own gradient buffer (Note [private
 // accumulator] in src/zero/unit.h): nothing is handed over.
 //
-// Note [padding batches] (python/dpzero/private/loader.py): a rank with no rows of its own runs a
-// padding micro-batch so that its collectives match the other ranks'; its output gradients are
-// replaced by exact zeros, it counts no samples and drops none.
+// Note [padding batches]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A rank whose share of a logical batch runs short still runs every micro-batch (all ranks issue
+// the same collectives), but many models cannot run on zero rows (Hugging Face attention reshapes
+// fail). Such a micro-batch is one real row (example 0; each front door's loader makes it) whose
+// output gradients the book replaces by exact zeros: it contributes nothing, counts no samples
+// and drops none, and the front door says so (Python's PrivacyEngine.is_padding_batch,
+// MicroBatch::padding in C++).
 //
 // Note [mean loss]: under loss_reduction="mean" over a micro-batch of b rows, autograd delivers
 // G / b. A singleton group multiplies G by b before its fused clip; a larger group clips the

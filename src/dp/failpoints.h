@@ -8,7 +8,7 @@
 // is a race, so the step names its moments and, when the environment variable DPZERO_FAILPOINT
 // names one, sends itself SIGKILL there (no cleanup, no flush: the real thing). The value is a
 // comma-separated list of POINT@CHARGE or POINT@CHARGE@RANK: CHARGE is the 0-based index of the
-// step's ledger charge (Note [noise index] in python/dpzero/private/engine.py), RANK the process
+// step's ledger charge (Note [noise index] in src/dp/private_step.h), RANK the process
 // group rank (any rank when omitted). Points, in the order a step passes them
 // (PrivateStep::take, private_step.h):
 //

@@ -17,8 +17,7 @@
 //   5. charge     charges += 1, and the run's accountant composes the step (C++ all the way:
 //                 the step calls nothing outside it, whichever front door made it).
 //   6. update     ZeroState's update with StepNoise (step_noise.h): noise N(0, (σC)²) drawn
-//                 at the charge index (Note
-//                 [noise index] in python/dpzero/private/engine.py) on exactly the coordinates
+//                 at the charge index (Note [noise index]) on exactly the coordinates
 //                 this rank updates, the sum scaled by 1/(q·N), the optimizer.
 // A refusal in 1–4 charges nothing. Whatever stops a step before its update completes drops the
 // logical batch (the book's micro-batches, the ZeRO state's gradients), so no gradient of it can be
@@ -28,6 +27,15 @@
 // update) is an UpdateError, which says it was (errors.h). An accountant that failed to compose
 // a charged step composes it with the next charge (charge()), so ε never counts fewer steps than
 // the ledger once a step completes.
+//
+// Note [noise index]
+// ~~~~~~~~~~~~~~~~~~
+// The noise of a step is z(key, k, j) with k the index of the step's ledger charge (the number of
+// steps charged before it), not the sampler's step t. A step that is charged but never applied (a
+// failure after the ledger write) or replayed after a crash is charged again with a new k, so no
+// draw is ever applied twice; k is the same on every rank and for every W, stage and plan. Both
+// front doors start their sampler at the charge count a continued ledger holds (run.h), so no
+// Poisson mask is drawn twice either.
 //
 // Note [one agreement per step]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

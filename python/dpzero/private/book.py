@@ -150,7 +150,7 @@ class Book:
 
     @property
     def padding(self) -> bool:
-        """Note [padding batches] in loader.py: this micro-batch's gradients become zeros."""
+        """Note [padding batches] in src/dp/book.h: this micro-batch's gradients become zeros."""
         return self._core.padding
 
     @padding.setter

@@ -27,12 +27,7 @@ batch sizes leak membership under add/remove neighbours; even one bit of "some e
 dropped", shown as a warning, says whether a NaN-producing record was sampled, so no warning or
 log line depends on it.
 
-Note [noise index]
-~~~~~~~~~~~~~~~~~~
-The noise of a step is z(seed, k, j) with k the index of the step's ledger charge (the number of
-steps charged before it), not the sampler's step t. A step that is charged but never applied (a
-failure after the ledger write) or replayed after a crash is charged again with a new k, so no
-draw is ever applied twice; k is the same on every rank and for every W, stage and plan.
+The noise index k is the step's charge index (Note [noise index] in src/dp/private_step.h).
 """
 
 from __future__ import annotations
@@ -221,7 +216,7 @@ class PrivacyEngine:
     @property
     def charges(self) -> int:
         """Steps charged to this run's ledger and accountant, a reopened ledger's included (the
-        next step's noise index, Note [noise index])."""
+        next step's noise index, Note [noise index] in src/dp/private_step.h)."""
         return self._step.charges if self._step is not None else 0
 
     @property
@@ -720,9 +715,10 @@ class PrivacyEngine:
             return False  # not the last micro-batch of the logical batch: only accumulate
         # Checks only Python can make; the book's own, the agreement, the budget, the ledger,
         # the charge and the noisy update are the step's transaction (src/dp/private_step.h).
-        state_flags, deferred = self.book.read_step_checks(self._state.step_flags())
-        state = self._state.verify_step(state_flags)  # always: it also puts changed buffers back
-        refusal = deferred or self._trainable_set.changed() or state
+        with self._trainable_set.one_listing():
+            state_flags, deferred = self.book.read_step_checks(self._state.step_flags())
+            state = self._state.verify_step(state_flags)  # always: it puts changed buffers back
+            refusal = deferred or self._trainable_set.changed() or state
         try:  # Note [hyperparameters at the step] (optimizer.py)
             self._set_hyperparameters()
             bad_settings = None

@@ -1,7 +1,7 @@
 """The private data loader: this rank's micro-batches of each Poisson-sampled logical batch
 (design.md §2 step 1; ``data.PoissonBatchSampler``), tagged as the examples of their micro-batch
 (Note [batch provenance] in examples.py), with one-row padding batches where a rank's share runs
-short (Note [padding batches])."""
+short (Note [padding batches] in src/dp/book.h)."""
 
 from __future__ import annotations
 
@@ -83,11 +83,8 @@ class DPDataLoader:
 
 
 class _PaddedBatches:
-    """Note [padding batches]: a rank whose share of a logical batch runs short still runs every
-    micro-batch (all ranks issue the same collectives), but many models cannot run on zero rows
-    (Hugging Face attention reshapes fail). Such a micro-batch is one real row (example 0) whose
-    gradient the clipping book replaces by exact zeros: it contributes nothing, is not counted in
-    any statistic, and the engine says so (``PrivacyEngine.is_padding_batch``)."""
+    """A short rank's empty micro-batch as one row of example 0 (Note [padding batches] in
+    src/dp/book.h: the book makes its gradient exact zeros)."""
 
     def __init__(self, sampler: PoissonBatchSampler) -> None:
         self.sampler = sampler

@@ -13,6 +13,7 @@ otherwise the tree is walked and listed again.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import List, Optional, Tuple
 
@@ -36,14 +37,32 @@ class TrainableSet:
         self.params = list(params)
         self.ids = frozenset(id(p) for p in self.params)
         self._listed: List[Tuple[nn.Module, tuple]] = []  # (module, its children when listed)
+        self._modules: List[nn.Module] = []
+        self._within = False   # inside one_listing()
+        self._current = False  # and the listing was checked there
+
+    @contextlib.contextmanager
+    def one_listing(self):
+        """A run of checks that no user code interleaves (the step's: the module state's flags,
+        its verification and the trainable set, called one after another): the model cannot
+        change between them, so ``modules()`` checks the listing once for all of them."""
+        self._within, self._current = True, False
+        try:
+            yield
+        finally:
+            self._within = self._current = False
 
     def modules(self) -> List[nn.Module]:
         """The model's modules now (the listing is walked again only when some listed module's
         children changed)."""
+        if self._current:
+            return self._modules
         if not self._listed or not all([_same_children(m, children)
                                         for m, children in self._listed]):
             self._listed = [(m, tuple(m._modules.values())) for m in self.model.modules()]
-        return [m for m, _ in self._listed]
+            self._modules = [m for m, _ in self._listed]
+        self._current = self._within
+        return self._modules
 
     def changed(self) -> Optional[str]:
         """Why the model's trainable parameters are no longer the set fixed at construction (an
