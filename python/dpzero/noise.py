@@ -58,6 +58,12 @@ class NoiseSource:
         return source
 
     @property
+    def key(self) -> Optional[List[int]]:
+        """Secure mode's ChaCha20 key (eight 32-bit words; whoever holds it can regenerate the
+        run's noise and batches), None when seeded."""
+        return None if self._key is None else list(self._key)
+
+    @property
     def sampler_seed(self) -> Union[int, List[int]]:
         """What :class:`dpzero.data.PoissonBatchSampler` takes as ``seed``."""
         return list(self._key) if self.secure_mode else self.seed

@@ -158,7 +158,7 @@ def _ledger_session(path, n=40, q=0.2, sigma=1.0, run_id="r", steps=1, **kw):
         torch.nn.functional.cross_entropy(p.model(x), y).backward()
         taken += bool(p.optimizer.step())
         p.optimizer.zero_grad()
-    p.privacy_engine._ledger.close()
+    p.privacy_engine.ledger.close()
     return p.privacy_engine
 
 

@@ -95,9 +95,9 @@ def check_engine_holds(wrapped, manifest, values):
     assert set(full) == set(values["param"])
     for name, value in values["param"].items():
         assert torch.equal(full[name].reshape(-1), value), name
-    state = wrapped._state
+    state = wrapped.zero_state
     (optimizer_steps,) = {u["optimizer_steps"] for u in manifest["units"]}  # all step together
-    for u, (unit, members) in enumerate(wrapped._units):
+    for u, (unit, members) in enumerate(wrapped.unit_members):
         layout = wrapped.plan.units[u]
         begin, end = state.kept_range(u)
         held = state.optimizer_state(u)

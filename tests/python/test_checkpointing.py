@@ -269,7 +269,7 @@ def test_parameter_offload_changes_nothing_of_the_private_step(clipping):
     plain, _ = run(None, 3, clipping)
     offloaded, _ = run(None, 3, clipping, offload_params=True)
     both, _ = run(True, 3, clipping, offload_params=True)
-    assert offloaded.privacy_engine.sharded._state.offload_params
+    assert offloaded.privacy_engine.sharded.zero_state.offload_params
     want = plain.privacy_engine.parameters()
     assert_same(want, offloaded.privacy_engine.parameters())
     assert_same(want, both.privacy_engine.parameters())

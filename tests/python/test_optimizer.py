@@ -115,7 +115,7 @@ def test_schedulers_drive_the_private_step_as_torch_optim(name):
         ref_lrs.append(ref_opt.param_groups[0]["lr"])
     assert lrs == pytest.approx(ref_lrs, rel=1e-12)
     if "OneCycle" in name:  # the cycled momentum / betas of the last step reached the engine
-        opts = engine.sharded._state.optimizer_options
+        opts = engine.sharded.zero_state.optimizer_options
         if kind == "sgd":
             assert opts["momentum"] == pytest.approx(used["momentum"], rel=1e-12)
         else:

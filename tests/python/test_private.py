@@ -386,7 +386,7 @@ def test_noise_index_is_the_ledger_charge_count(tmp_path):
             indices.append(p.privacy_engine.last_step["noise_index"])
             if len(indices) == steps:
                 break
-        p.privacy_engine._ledger.close()
+        p.privacy_engine.ledger.close()
         return indices
 
     assert run(3) == [0, 1, 2]
@@ -476,7 +476,7 @@ def test_opacus_style_entry_point():
         F.cross_entropy(model(x), y).backward()
         opt.step()
     assert engine.steps_taken == 5  # one epoch = 1/q steps
-    assert engine.sharded._state.lr == 0.1
+    assert engine.sharded.zero_state.lr == 0.1
     eps = engine.get_epsilon(1e-5)
     assert 0 < eps < math.inf
 
@@ -814,7 +814,7 @@ def test_zero_grad_drops_a_backward_the_engine_buffer_already_holds(clipping):
     A backward that zero_grad() drops must still leave nothing behind: the step after it equals
     the naive DP-SGD step of its own batch alone."""
     model, ref, ids, y, p = _private_seqnet(11, 21, clipping=clipping)
-    state = p.privacy_engine.sharded._state
+    state = p.privacy_engine.sharded.zero_state
     accumulators = [state.grad_accumulator(u) for u in range(state.num_units)]
     assert all(a is not None for a in accumulators)
     p.optimizer.zero_grad()
@@ -912,7 +912,7 @@ def test_a_logical_batch_left_unstepped_is_not_mixed_into_the_next():
     model, ds, p = _tiny(n=12, sample_rate=0.5)
     batches = iter(p.data_loader)
     x, y = next(batches)
-    while p.privacy_engine._micro.token.step == 0:  # every micro-batch of step 0, never stepped
+    for _ in range(p.privacy_engine.micro_batches_of_step):  # step 0's, never stepped
         F.cross_entropy(p.model(x), y).backward()
         x, y = next(batches)
     with pytest.raises(RuntimeError, match="previous one's gradients were still accumulated"):
@@ -979,7 +979,7 @@ def test_a_resumed_ledger_is_charged_and_never_replayed(tmp_path):
             p.optimizer.zero_grad()
             if taken == steps:
                 break
-        p.privacy_engine._ledger.close()
+        p.privacy_engine.ledger.close()
         return p.privacy_engine
 
     session(2)

@@ -535,7 +535,7 @@ def test_own_batch_is_the_ledgered_opt_out(tmp_path):
                                                r"logical_batch_size=3\)"):
         p.optimizer.step()
     p.optimizer.zero_grad()
-    engine._ledger.close()
+    engine.ledger.close()
     ledger = dpzero.Ledger.open_read_only(path)
     assert [r.sampling for r in ledger.records] == ["caller", "caller"]
     assert ledger.caller_sampled_steps == 2

@@ -78,7 +78,7 @@ def test_secure_mode_checkpoints_hold_no_key_unless_asked(tmp_path):
     p = _secure()
     take_steps(p, 1)
     engine = p.privacy_engine
-    key = list(engine.noise_source._key)
+    key = list(engine.noise_source.key)
     assert len(key) == 8 and len(set(key)) == 8  # 256 bits from the OS
     needles = [struct.pack("<8I", *key), struct.pack("<8q", *key), struct.pack(">8I", *key)]
     needles += [str(w).encode() for w in key if w >= 10**6]  # JSON / text
@@ -95,7 +95,7 @@ def test_secure_mode_checkpoints_hold_no_key_unless_asked(tmp_path):
     assert str(key[0]).encode() in _files_bytes(asked)  # the detector above can see a key
 
     restored = _secure()
-    assert restored.privacy_engine.noise_source._key != key  # a fresh run has its own key
+    assert restored.privacy_engine.noise_source.key != key  # a fresh run has its own key
     meta = dpzero.checkpoint.load(restored.privacy_engine.sharded, asked)["metadata"]
     restored.privacy_engine.load_state_dict(meta["privacy_engine"])
     take_steps(p, 2)

@@ -452,7 +452,7 @@ def test_the_micro_batch_check_reads_nothing_on_the_host():
     p = dpzero.make_private(model, dataset=_data(), sample_rate=1.0, noise_multiplier=0.0,
                             allow_no_noise=True, max_grad_norm=1.0, seed=0,
                             max_physical_batch_size=4)
-    guard = p.privacy_engine._state
+    guard = p.privacy_engine.state_guard
     with torch.no_grad():
         model.frozen.data.add_(1.0)
     with Reads() as mode:

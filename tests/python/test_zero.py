@@ -710,7 +710,7 @@ def noisy_step_run(stage, secure, *, rank, world_size):
     idx, targets = batch(0)
     wrapped(idx[rank * rows:(rank + 1) * rows], targets[rank * rows:(rank + 1) * rows]).backward()
     key = dict(key=SECURE_KEY) if secure else dict(seed=NOISE_SEED)
-    wrapped._state.noisy_step(NOISE_STD, NOISE_STEP, NOISE_SCALE, **key)
+    wrapped.zero_state.noisy_step(NOISE_STD, NOISE_STEP, NOISE_SCALE, **key)
     return dict(params=wrapped.full_parameters())
 
 
@@ -755,7 +755,7 @@ def test_noisy_step_noises_every_coordinate_exactly_once(tmp_path, world_size):
 def test_noisy_step_rejects_bad_noise_naming_it():
     wrapped = dpzero.shard(make_model(), stage=2, optimizer="sgd", lr=1.0)
     before = wrapped.full_parameters()
-    state = wrapped._state
+    state = wrapped.zero_state
     with pytest.raises(RuntimeError, match="must be finite and >= 0, got -1"):
         state.noisy_step(-1.0, 0, 0.1, seed=1)
     with pytest.raises(RuntimeError, match="must be finite and >= 0, got nan"):
@@ -844,7 +844,7 @@ def test_parameters_are_views_of_flat_buffers_in_canonical_order(stage):
     assert plan.total_coordinates == sum(p.numel() for p in model.parameters())
     # Global coordinates follow named_parameters() order across units.
     offsets = {}
-    for unit, layout in zip(wrapped._units, plan.units):
+    for unit, layout in zip(wrapped.unit_members, plan.units):
         for (name, param, offset), spec, flat_offset in zip(unit[1], layout.runs(),
                                                              layout.flat_offsets):
             offsets[name] = offset
@@ -858,7 +858,7 @@ def test_parameters_are_views_of_flat_buffers_in_canonical_order(stage):
         assert torch.equal(full[name], value), name
     if stage < 3:
         # Each parameter's storage is its unit's flat buffer: parameters of a unit share storage.
-        for unit in wrapped._units:
+        for unit in wrapped.unit_members:
             ptrs = {p.untyped_storage().data_ptr() for _, p, _ in unit[1]}
             assert len(ptrs) == 1, unit[0]
     else:
@@ -907,7 +907,7 @@ def test_full_gradients_and_gathered_units_are_freed(stage):
     # again after its backward, for training and for no-grad evaluation alike.
     model = make_model(tied=True)
     wrapped = dpzero.shard(model, stage=stage, optimizer="sgd")
-    state = wrapped._state
+    state = wrapped.zero_state
     idx, targets = batch(0)
     gathered = lambda: [state.unsharded(u) for u in range(state.num_units)]  # noqa: E731
     with torch.no_grad():
@@ -932,7 +932,7 @@ def test_at_most_two_units_reduce_at_once(stage):
     for _ in range(2):
         model.blocks.append(Block())  # 4 blocks: more units than the cap
     wrapped = dpzero.shard(model, stage=stage, optimizer="sgd")
-    state = wrapped._state
+    state = wrapped.zero_state
     seen = []
 
     def count(grad):
@@ -958,7 +958,7 @@ def test_engine_is_freed_with_the_wrapper():
     wrapped = dpzero.shard(model, stage=2, optimizer="adamw")
     wrapped(*batch(0)).backward()
     wrapped.step()
-    engine = weakref.ref(wrapped._state)
+    engine = weakref.ref(wrapped.zero_state)
     del wrapped
     gc.collect()
     assert engine() is None

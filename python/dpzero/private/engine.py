@@ -251,7 +251,14 @@ class PrivacyEngine:
 
     @property
     def ledger(self) -> Optional[Ledger]:
+        """The run's privacy ledger on rank 0 (None on other ranks and without ledger_path)."""
         return self._ledger
+
+    @property
+    def state_guard(self) -> StateGuard:
+        """The guard of the model's buffers and frozen parameters (Note [state written from
+        data] in state_guard.py)."""
+        return self._state
 
     def state_dict(self, include_secrets: bool = False) -> dict:
         """JSON-serialisable privacy state for a checkpoint: charges, sampler position,
@@ -268,7 +275,7 @@ class PrivacyEngine:
             "seed": None if self.secure_mode else self.noise_source.seed,
         }
         if include_secrets and self.secure_mode:
-            state["key"] = list(self.noise_source._key)
+            state["key"] = self.noise_source.key
         return state
 
     def load_state_dict(self, state: dict) -> None:
