@@ -11,7 +11,8 @@
 //    "noise":true,"sampling":"poisson"}
 // A ledger holds what epsilon is computed from and nothing that depends on the training data, so
 // it can be released with the model (design.md §3 "Released figures"): the realised batch sizes
-// and the counts of dropped (NaN/Inf) samples are private diagnostics, kept apart by the caller.
+// and the counts of dropped (NaN/Inf) samples are data-dependent diagnostics, kept apart by the
+// caller.
 // "sampling" says who drew the step's batch: "poisson", dpzero's sampler, or "caller", the
 // ledgered opt-out for callers who Poisson-sample at q themselves (PrivacyEngine.own_batch).
 // Format 1 records also held "batch_sizes" (one per step) and "dropped_samples"; they are read

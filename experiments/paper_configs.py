@@ -145,10 +145,10 @@ E2E_TOKENS = 100
 
 
 def shape_profile_of(name: str, micro_batch: int, clipping: str = "flat"):
-    """dpzero.plan's shape profile (Note [shape profile]) of a paper model in bf16 with Adam and
+    """dpzero.planner's shape profile (Note [shape profile]) of a paper model in bf16 with Adam and
     fp32 masters (p = 2, K = 12), on E2E-length sequences (GPT-2) or 224 px images (ViT)."""
     import torch.nn.functional as F
-    from dpzero.plan.shapes import shape_profile
+    from dpzero.planner.shapes import shape_profile
 
     build, prefix, n, kind = SHAPES[name]
 
@@ -168,7 +168,7 @@ def shape_profile_of(name: str, micro_batch: int, clipping: str = "flat"):
 def peak_table() -> list[str]:
     """Predicted peak memory per GPU (model state + activations + the DP book-keeping terms) of
     the private runs, bf16 with fp32 masters, flat clipping, under each memory policy."""
-    from dpzero.plan import Policy, predict
+    from dpzero.planner import Policy, predict
 
     lines = ["| model | GPUs | micro-batch | stage | peak GiB, no checkpointing | fits | "
              "peak GiB, every block checkpointed | fits | activations / book-keeping GiB "
@@ -229,7 +229,7 @@ def write_paper_table(path: str) -> str:
         "bf16 compute with fp32 master weights, AdamW, flat clipping (book-keeping); GPT-2 on "
         f"{E2E_TOKENS}-token sequences, ViT on 224 px images. Peak = model state (ZeRO's "
         "formulas) + the step's transient from a shape profile on the meta device (Note [shape "
-        "profile] in python/dpzero/plan/shapes.py: saved activations, the logits' gradient, and "
+        "profile] in python/dpzero/planner/shapes.py: saved activations, the logits' gradient, and "
         "the clipping book's stored layer inputs and output gradients, which checkpointing does "
         "not shrink; at stage 3 also the gathered units: the root unit and two blocks). Predictions, not measurements: the GPU rows measure.", ""] + peak_table() + [
         "", "### Published figures (as quoted in the project's brief; not re-read from the paper here)", ""] + [

@@ -1,17 +1,17 @@
-"""Does the planner's model (python/dpzero/plan/, Notes [planner profile], [planner memory
+"""Does the planner's model (python/dpzero/planner/, Notes [planner profile], [planner memory
 model], [planner time model]) predict what the runs measure? The CPU grid's GPT-2-style shapes
 (experiments/run.py) on two Gloo ranks, private (σ 1, C 1, AdamW), in each memory policy the
 planner considers for them: ZeRO stages 1-3, no / the first half / every block checkpointed;
 flat and layer-wise clipping.
 
 For each shape and clipping mode:
-  profile   ``dpzero.plan.profile`` on two fresh Gloo ranks of one thread each (timed probes at
+  profile   ``dpzero.planner.profile`` on two fresh Gloo ranks of one thread each (timed probes at
             stage 2, memory probes at stages 1 and 3, each with and without checkpointing), and
             the all-gather bandwidth;
   predict   peak live bytes per rank and step time for every policy;
   measure   each policy alone in fresh processes: peak live tensor bytes per rank, counted by
             dpzero's tracking CPU allocator from before the model is built
-            (``dpzero.plan.measure.tracked``: storage bytes on every thread, not RSS; max over
+            (``dpzero.planner.measure.tracked``: storage bytes on every thread, not RSS; max over
             ranks, over two steps after two warm-up steps), and step times interleaved round by
             round as in run.py (median and IQR of the max over ranks).
 Then: the error of each peak prediction, and whether the predicted order of the policies' step
@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import run as R  # noqa: E402
 
-from dpzero.plan import Policy, Profile, measure_collectives, predict, profile, tracked  # noqa
+from dpzero.planner import Policy, Profile, measure_collectives, predict, profile, tracked  # noqa
 from bench_common import dpzero_version  # noqa: E402
 
 MIB = 2.0**20
@@ -161,7 +161,7 @@ def write(rows, notes, args, elapsed):
         "measured).", "",
         "Peak: live tensor bytes per rank (dpzero's tracking CPU allocator, not RSS), "
         "predicted from a two-rank profile of the same model (Note [planner memory model] in "
-        "python/dpzero/plan/model.py). The profile probes each stage with no and with every "
+        "python/dpzero/planner/model.py). The profile probes each stage with no and with every "
         "block checkpointed, so those rows compare a probe with a run of the same policy "
         "(they test the probe and the model-state formulas); the -ckpthalf rows are "
         "interpolated by the model. Step: one micro-batch of 4 per rank; predicted by Note "

@@ -1,5 +1,5 @@
 // python/csrc/memory_bindings.cpp — the tracking CPU allocator (src/memory/cpu_tracker.h) for
-// dpzero.plan.measure.
+// dpzero.planner.measure.
 #include <torch/extension.h>
 
 #include "python/csrc/bindings.h"

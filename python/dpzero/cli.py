@@ -204,7 +204,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
              "time": r.time} for r in ranked]}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        from .plan import Policy
+        from .planner import Policy
 
         configured = Policy(cfg.training.zero_stage) if cfg.training.policy == "fixed" else None
         print(format_plan(prof, ranked, budget, world, configured))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .plan.auto import auto_policy
+from .planner.auto import auto_policy
 from .private.config import (DEFAULT_ACCOUNTANT, DEFAULT_AUTOMATIC_GAMMA, DEFAULT_CLIPPING,
                              DEFAULT_ISOLATION, DEFAULT_LOSS_REDUCTION, DEFAULT_OPTIMIZER,
                              DEFAULT_ZERO_STAGE, resolve)
@@ -72,8 +72,8 @@ def make_private(
     zero_stage: 0-3; units, process_group as for :func:`dpzero.shard`.
     max_physical_batch_size: micro-batch cap m (the loader splits logical batches).
     policy="auto" (+ plan_step=(model, batch) -> loss, memory_budget bytes per rank): profile
-        the model and take the fastest memory policy predicted to fit (dpzero.plan); the choice,
-        the ranking and the unit names are in ``privacy_engine.plan`` (a dict).
+        the model and take the fastest memory policy predicted to fit (dpzero.planner); the choice,
+        the ranking and the unit names are in ``privacy_engine.memory_plan`` (a dict).
     activation_checkpointing: recompute these modules' forwards in the backward instead of
         keeping their activations: True (every ZeRO unit but the root), a list of module names,
         or a module class (private/checkpointing.py). Hugging Face's own switch works too.
@@ -82,7 +82,7 @@ def make_private(
         OS entropy, no key in any state dict or checkpoint). secure_mode=True insists on it (no
         seed), False asks for Philox with a drawn seed (Note [secure by default]).
     ledger_path (+ run_id): the privacy ledger (rank 0 writes it; only data-independent figures).
-    diagnostics_path: a file for each step's private diagnostics (realised batch size, samples
+    diagnostics_path: a file for each step's data-dependent diagnostics (realised batch size, samples
         seen and dropped: not covered by ε, Note [released figures]); rank 0 writes it.
     loss_reduction: "mean" (the loss averages over the micro-batch, Opacus's default) or "sum".
     isolation: "detect" (default: one batched forward, and what could mix examples is detected)
@@ -127,5 +127,5 @@ def make_private(
         config, plan = auto_policy(model, config, plan_step, memory_budget)
     private = make_private_from_config(model, config, accountant=accountant,
                                        secure_mode=secure_mode)
-    private.privacy_engine.plan = plan
+    private.privacy_engine.memory_plan = plan
     return private

@@ -135,7 +135,7 @@ struct StepRequest {
   std::optional<std::string> bad_settings;  // invalid optimizer settings (std::invalid_argument)
 };
 
-// What a step released and its private diagnostics (Note [released figures]: samples and dropped
+// What a step released and its data-dependent diagnostics (Note [released figures]: samples and dropped
 // depend on the data and are not covered by ε).
 struct StepOutcome {
   int64_t step = 0;             // t

@@ -182,6 +182,9 @@ void check_run_settings(const RunSettings& s) {
   if (sigma > 0.0 && !std::isfinite(c))
     refuse("noise needs a finite max_grad_norm (the noise is sigma * C), got " +
            format_double(c));
+  if (sigma > 0.0 && !std::isfinite(sigma * c))
+    refuse("the noise's standard deviation noise_multiplier * max_grad_norm must be finite, got " +
+           format_double(sigma) + " * " + format_double(c));
   if (!(s.sample_rate > 0.0 && s.sample_rate <= 1.0))
     refuse("sample_rate must be in (0, 1], got " + format_double(s.sample_rate));
   if (s.dataset_size <= 0)

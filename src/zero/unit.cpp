@@ -151,6 +151,10 @@ void Unit::step(const comm::Collectives& comm, double grad_scale, const Gradient
       if (!packs_grads_ && !private_) flat_.attach_grad_views(flat_grad_, /*keep_values=*/true);
       comm.all_reduce_sum_(flat_grad_);
       grad = flat_grad_;
+      // The reduction, the noise and the scale write this buffer in place, whether or not this
+      // rank wrote a gradient into it: zero_grad must clear it, or the next step would count
+      // this one's sum (and noise) again.
+      grad_dirty_ = true;
       break;
     case Stage::k1:
       if (!packs_grads_ && !private_) flat_.attach_grad_views(flat_grad_, /*keep_values=*/true);

@@ -119,7 +119,7 @@ def test_a_nan_example_is_dropped_counted_and_the_step_goes_on():
             torch.nn.functional.cross_entropy(p.model(xb), yb, reduction="sum").backward()
             p.optimizer.step()
             break
-    # Note [released figures]: counted, as a private diagnostic only.
+    # Note [released figures]: counted, as a data-dependent diagnostic only.
     stats = p.privacy_engine.last_step_diagnostics
     assert stats["dropped"] == 1 and stats["logical_batch_size"] == n, stats
     assert p.privacy_engine.last_step == {"step": 0, "noise_index": 0}
@@ -223,7 +223,7 @@ def test_recurrent_dropout_and_instance_norm_with_running_stats_are_refused(laye
 def test_a_step_whose_every_example_is_nan_is_reported_and_still_charged(tmp_path):
     """An all-NaN logical batch: no row contributes, the update is exactly the step's noise
     (reference: the noise op with the step's charge index, scaled as the engine documents), the
-    step is charged, and the private diagnostics show it; no warning and no released report does
+    step is charged, and the data-dependent diagnostics show it; no warning and no released report does
     (Note [released figures])."""
     from dpzero.train.report import write_report
 

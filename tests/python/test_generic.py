@@ -510,7 +510,7 @@ class _NaNColumn(nn.Module):
 def test_an_example_whose_output_is_nan_is_dropped_and_counted_privately():
     """A NaN in one example's output (in a column the loss never reads, so its gradient is
     finite) leaves nothing to check in that example: it is dropped, as a non-finite gradient is,
-    and counted in the private diagnostics. A privacy review found the step's refusal (the
+    and counted in the data-dependent diagnostics. A privacy review found the step's refusal (the
     previous behaviour) told whether the record was sampled; the other examples still train and
     are still checked. Reference: the per-example step without the NaN example."""
     torch.manual_seed(0)

@@ -280,7 +280,7 @@ def _secure_key_rank(rank, world_size, store, out_dir):
     from dpzero.noise import NoiseSource
 
     group = dpzero.zero.new_process_group("gloo", f"file://{store}", rank, world_size)
-    torch.save(NoiseSource(secure_mode=True, group=group)._key,
+    torch.save(NoiseSource(secure_mode=True, group=group).key,
                os.path.join(out_dir, f"key{rank}.pt"))
 
 

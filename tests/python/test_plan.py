@@ -1,4 +1,4 @@
-"""The memory planner (python/dpzero/plan/, Notes [planner profile], [planner memory
+"""The memory planner (python/dpzero/planner/, Notes [planner profile], [planner memory
 model], [planner time model]).
 
 References: ZeRO's model-state formulas (Rajbhandari et al. 2020, §5.1) written out here; saved
@@ -20,8 +20,8 @@ from torch import nn
 
 import dpzero
 import ranks
-from dpzero.plan import Policy, Profile, UnitProfile, candidates, plan, predict, tracked
-from dpzero.plan.profile import unit_profiles
+from dpzero.planner import Policy, Profile, UnitProfile, candidates, plan, predict, tracked
+from dpzero.planner.profile import unit_profiles
 
 
 def synthetic(psi=1000, units=4):
@@ -259,7 +259,7 @@ def _profile_rank(rank, world):
     import torch.distributed as dist
 
     batch = data()[rank * 16:(rank + 1) * 16]
-    prof = dpzero.plan.profile(net, lambda m: step_loss(m, batch), 16, units=UNITS,
+    prof = dpzero.planner.profile(net, lambda m: step_loss(m, batch), 16, units=UNITS,
                                optimizer="adamw", threads=1, group=dist.group.WORLD)
     assert (prof.world, prof.stage) == (2, 2)
     result = prof.to_dict()
@@ -291,7 +291,7 @@ def test_policy_auto_takes_the_fastest_policy_that_fits_and_changes_no_result():
                                     optimizer="adamw", seed=3, clipping="layer",
                                     max_physical_batch_size=16, policy="auto",
                                     plan_step=step_loss)
-    ranked = probe.privacy_engine.plan["ranked"]
+    ranked = probe.privacy_engine.memory_plan["ranked"]
     no_ckpt = next(r for r in ranked if r.policy.checkpointed == 0)
     with_ckpt = next(r for r in ranked if r.policy.checkpointed == 4)
     # (a checkpointed step is never predicted faster; on this small model the two profiled
@@ -306,7 +306,7 @@ def test_policy_auto_takes_the_fastest_policy_that_fits_and_changes_no_result():
                                 max_grad_norm=1.0, units=UNITS, optimizer="adamw", seed=3,
                                 clipping="layer", max_physical_batch_size=16, policy="auto",
                                 plan_step=step_loss, memory_budget=budget)
-        chosen = p.privacy_engine.plan["chosen"]
+        chosen = p.privacy_engine.memory_plan["chosen"]
         assert chosen.peak_bytes <= budget
         got[label] = (chosen.policy, p)
     assert got["roomy"][0].checkpointed == 0 and got["tight"][0].checkpointed > 0

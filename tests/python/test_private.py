@@ -356,7 +356,7 @@ def test_batch_sizes_are_binomial_and_the_accountant_gets_the_samplers_q(tmp_pat
     ledger = dpzero.Ledger.open_read_only(str(tmp_path / "ledger.jsonl"))
     assert ledger.total_steps == steps
     assert all(r.q == q and r.sigma == 1.1 and r.sampling == "poisson" for r in ledger.records)
-    # Note [released figures]: the realised sizes are private diagnostics, never in the ledger.
+    # Note [released figures]: the realised sizes are data-dependent diagnostics, never in the ledger.
     with open(tmp_path / "diagnostics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert rows[0]["kind"] == "header" and "NOT covered by the run's epsilon" in rows[0]["warning"]

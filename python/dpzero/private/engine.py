@@ -21,7 +21,7 @@ data, or that the mechanism protects (design.md §3): ε, δ, σ, q, C, the numb
 expected batch size q·N, who sampled the batches. The ledger, the report, the progress bar, logs,
 ``last_step`` and warnings are held to that. What a step realised — the logical batch's size, the
 rows the layers saw, whether and how many samples were dropped for a NaN/Inf loss or gradient —
-and the training loss depend on the data without noise: they are private diagnostics
+and the training loss depend on the data without noise: they are data-dependent diagnostics
 (``last_step_diagnostics``, the ``diagnostics_path`` file), whose first line says so. Realised
 batch sizes leak membership under add/remove neighbours; even one bit of "some example was
 dropped", shown as a warning, says whether a NaN-producing record was sampled, so no warning or
@@ -129,7 +129,7 @@ def _refuse_copy(model: nn.Module, *_):
 
 
 class PrivateLog:
-    """Note [released figures]: a private diagnostics file, one JSON line per record (rank 0;
+    """Note [released figures]: a data-dependent diagnostics file, one JSON line per record (rank 0;
     nothing is written without a path). Its first line says what it is: figures that depend on
     the training data, not covered by epsilon, not to be shared."""
 
@@ -183,8 +183,9 @@ class PrivacyEngine:
         self.secure_mode = secure_mode  # a bool from the attach on (Note [secure by default])
         self._attached = False
         self._step = None  # the step's transaction (src/dp/private_step.h), made at attach
-        # policy="auto" (dpzero.make_private, front.py): the choice, the ranking, the units.
-        self.plan: Optional[Dict[str, Any]] = None
+        # policy="auto" (dpzero.make_private, front.py): the memory planner's choice, its
+        # ranking, the units.
+        self.memory_plan: Optional[Dict[str, Any]] = None
 
     # ---- Opacus-compatible entry points -------------------------------------------------------
 
@@ -481,7 +482,7 @@ class PrivacyEngine:
         self.loss_reduction = c.loss_reduction
         # Note [noise index]: the sampler's step and the noise index never repeat a charged one.
         self.next_step, self.steps_taken = charges, 0
-        # What a step released (data-independent) and its private diagnostics (Note [released
+        # What a step released (data-independent) and its data-dependent diagnostics (Note [released
         # figures]).
         self.last_step: Optional[Dict[str, int]] = None
         self.last_step_diagnostics: Optional[Dict[str, Any]] = None
@@ -778,7 +779,7 @@ class PrivacyEngine:
                   dropped: int) -> None:
         """Note [released figures]: what a step realised (batch size, rows seen, samples dropped
         for a NaN/Inf norm) depends on the data and is not covered by epsilon. It goes to
-        ``last_step_diagnostics`` and the private diagnostics file only, never into a warning:
+        ``last_step_diagnostics`` and the data-dependent diagnostics file only, never into a warning:
         whether any example was dropped tells whether a record with a non-finite gradient was
         sampled (a membership oracle). That the mechanism drops such examples is said once, in
         the docs and the report, whatever the data."""

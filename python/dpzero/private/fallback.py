@@ -298,7 +298,7 @@ def check_separable(module_name: str, recomputed, forward, out_dims, low_precisi
     # any tolerance taken from it infinite, so they must match exactly (same positions, same
     # values). A NaN equals nothing, so nothing can be checked in an example whose output holds
     # one: that example is dropped like one whose gradient is not finite (its clip factor 0,
-    # counted in the private diagnostics). Refusing the step instead would tell whether the
+    # counted in the data-dependent diagnostics). Refusing the step instead would tell whether the
     # record was sampled: a refusal is seen, a dropped example is not.
     rtol = 3e-2 if low_precision else 1e-4
     dropped = None

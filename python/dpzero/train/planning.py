@@ -1,5 +1,5 @@
 """``dpzero plan CONFIG``: the memory policies of a training job, predicted and ranked
-(dpzero.plan), from the same model, data and settings ``dpzero train`` would use.
+(dpzero.planner), from the same model, data and settings ``dpzero train`` would use.
 
 The profile runs on one micro-batch of the training set per rank with the per-rank share of the
 cores: in this process for one rank, else on W spawned Gloo (CPU) or NCCL (GPU) processes of
@@ -17,8 +17,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..plan import Policy, Prediction, Profile, plan, profile
-from ..plan.auto import default_budget
+from ..planner import Policy, Prediction, Profile, plan, profile
+from ..planner.auto import default_budget
 from .config import FIXED_FEATURE_KINDS, RunConfig
 
 

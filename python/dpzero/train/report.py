@@ -86,7 +86,7 @@ def _plot_epsilon(curve, path: str, title: str) -> None:
 
 
 def write_report(run_dir: str, delta: Optional[float] = None) -> Dict:
-    """Writes report.md, report.json and the plots into ``run_dir``, and the private diagnostics
+    """Writes report.md, report.json and the plots into ``run_dir``, and the data-dependent diagnostics
     into ``run_dir/private`` when the run has any; returns the report data. ``delta``: the run's
     δ when its ``config.json`` is not dpzero's (the Trainer's output_dir holds the model's)."""
     from .config import default_delta
@@ -183,7 +183,7 @@ def _write_diagnostics(private_dir: str, private_result: dict) -> None:
     if os.path.exists(os.path.join(private_dir, "baseline.json")):
         with open(os.path.join(private_dir, "baseline.json")) as f:
             baseline = json.load(f)
-    lines = ["# Private diagnostics", "", DIAGNOSTICS_WARNING, ""]
+    lines = ["# Data-dependent diagnostics", "", DIAGNOSTICS_WARNING, ""]
     if steps:
         sizes = [r["logical_batch_size"] for r in steps]
         dropped = sum(r["dropped"] for r in steps)
@@ -265,7 +265,7 @@ def _markdown(data: Dict, plots: List[str]) -> str:
                              f"{_fmt(r['estimate'])}, lower {_fmt(r['lower'])})")
     lines += ["", "ε covers the model and anything computed from it alone (such as the test "
                   "metrics below, on held-out data). This report holds nothing else that "
-                  "depends on the training data; the run's private diagnostics (realised batch "
+                  "depends on the training data; the run's data-dependent diagnostics (realised batch "
                   "sizes, dropped samples, training losses, the non-private baseline) are in "
                   "`private/`, which is not covered by ε and is not to be shared.", ""]
     priv = (data.get("results") or {}).get("private") or {}

@@ -120,7 +120,7 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
                     continue
                 taken += 1
                 # This rank's mean loss over its rows of the logical batch: computed from the
-                # training data without noise, so a private diagnostic (Note [released figures]).
+                # training data without noise, so a data-dependent diagnostic (Note [released figures]).
                 mean_loss = step_loss / max(step_rows, 1)
                 step_loss, step_rows = 0.0, 0
                 eps = engine.epsilon(delta) if private and (
@@ -153,7 +153,7 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
     seconds = time.time() - start
     final = evaluate(p.model, test, unpack)
     params = engine.parameters()  # a collective in stages 1-3
-    if rank == 0:  # the wall time follows the realised batch sizes: a private diagnostic
+    if rank == 0:  # the wall time follows the realised batch sizes: a data-dependent diagnostic
         diagnostics.write(json.dumps({"run": label, "seconds": seconds}) + "\n")
         diagnostics.flush()
     result = {"run": label, "steps": taken, "sample_rate": engine.sample_rate,
@@ -162,8 +162,8 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
               "epsilon": engine.epsilon(delta) if private else math.inf, "stopped": stopped,
               "charged_steps": engine.charges if private else 0,
               "zero_stage": engine.sharded.stage,
-              "policy": (engine.plan["chosen"].policy.label(len(engine.plan["units"]))
-                         if engine.plan else "fixed"), **final}
+              "policy": (engine.memory_plan["chosen"].policy.label(len(engine.memory_plan["units"]))
+                         if engine.memory_plan else "fixed"), **final}
     if rank == 0 and private:
         atomic_save(final_state(model, params), os.path.join(run_dir, "model.pt"))
         atomic_json(result, os.path.join(run_dir, "private.json"))

@@ -74,7 +74,7 @@ def choose(model: nn.Module, batch, plan_step: Callable, batch_size: int, *,
 def auto_policy(model: nn.Module, config: PrivateConfig, plan_step: Callable,
                 memory_budget: Optional[float]) -> Tuple[PrivateConfig, Dict[str, Any]]:
     """policy='auto': ``config`` with the chosen zero_stage, activation_checkpointing and
-    offload_optimizer, and what ``PrivacyEngine.plan`` reports (the choice, the ranking, the
+    offload_optimizer, and what ``PrivacyEngine.memory_plan`` reports (the choice, the ranking, the
     units)."""
     c = config
     unit_names = list(c.units) if c.units is not None else default_units(model)

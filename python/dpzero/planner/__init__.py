@@ -1,8 +1,8 @@
 """Memory policies under DP: profile the real model, predict peak memory and step time for each
 policy (ZeRO stage, activation checkpointing, optimizer offload), and rank those that fit.
 
-    prof = dpzero.plan.profile(make_model, inputs, targets, loss_fn, clipping="flat")
-    for row in dpzero.plan.plan(prof, world=2, budget_bytes=8 << 30):
+    prof = dpzero.planner.profile(make_model, inputs, targets, loss_fn, clipping="flat")
+    for row in dpzero.planner.plan(prof, world=2, budget_bytes=8 << 30):
         print(row.policy, row.peak_bytes, row.step_s)
 
 Notes [planner profile] (profile.py), [planner memory model] and [planner time model]
