@@ -9,6 +9,7 @@
 
 #include "python/csrc/bindings.h"
 #include "src/comm/process_group.h"
+#include "src/zero/default_units.h"
 #include "src/zero/memory.h"
 #include "src/zero/optim.h"
 #include "src/zero/state.h"
@@ -57,6 +58,22 @@ struct DeleteWithoutGil {
 
 void bind_zero(py::module_ m) {
   using zero::ZeroState;
+
+  // Note [default units] (src/zero/default_units.h).
+  m.attr("ROOT_UNIT") = zero::kRootUnit;
+  m.def(
+      "default_units",
+      [](const std::vector<std::tuple<std::string, int64_t, bool, bool>>& walk) {
+        std::vector<zero::ModuleNode> nodes;
+        for (const auto& [name, depth, trains, look_through] : walk)
+          nodes.push_back(zero::ModuleNode{name, depth, trains, look_through});
+        return zero::default_units(nodes);
+      },
+      py::arg("walk"),
+      "The default units of a model from a pre-order walk of its modules below the root: "
+      "(qualified name, depth (1: the root's child), trains, look_through) each");
+  m.def("owner_unit", &zero::owner_unit, py::arg("param"), py::arg("units"),
+        "The innermost of units holding parameter param, else ROOT_UNIT");
 
   py::class_<zero::ShardOptimizer>(
       m, "ShardOptimizer",

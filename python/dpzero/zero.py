@@ -74,7 +74,7 @@ def _look_through(module: nn.Module) -> bool:
 
 _DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 1e-2}  # torch.optim's defaults
 
-ROOT_UNIT = "<root>"
+ROOT_UNIT = _zero.ROOT_UNIT  # the unit of parameters no named unit holds
 
 
 def new_process_group(backend: str, init_method: str, rank: int, world_size: int,
@@ -117,30 +117,18 @@ def default_process_group(caller: str):
 
 
 def default_units(model: nn.Module) -> list[str]:
-    """The module names that ``shard`` makes units by default (see the module docstring)."""
-    names: list[str] = []
+    """The module names that ``shard`` makes units by default (Note [default units] in
+    src/zero/default_units.h, the rule both front doors call; this is Python's walk)."""
+    walk: list = []
 
-    def visit(prefix: str, module: nn.Module) -> None:
+    def visit(prefix: str, module: nn.Module, depth: int) -> None:
         for name, child in module.named_children():
-            qualified = prefix + name
-            if not any(p.requires_grad for p in child.parameters()):
-                continue
-            if _look_through(child):
-                visit(qualified + ".", child)
-            else:
-                names.append(qualified)
+            walk.append((prefix + name, depth, any(p.requires_grad for p in child.parameters()),
+                         _look_through(child)))
+            visit(prefix + name + ".", child, depth + 1)
 
-    visit("", model)
-    return names
-
-
-def _owner(param_name: str, unit_names: list[str]) -> str:
-    """The innermost unit containing parameter ``param_name``, or the root unit."""
-    best = ROOT_UNIT
-    for unit in unit_names:
-        if param_name.startswith(unit + ".") and (best == ROOT_UNIT or len(unit) > len(best)):
-            best = unit
-    return best
+    visit("", model, 1)
+    return _zero.default_units(walk)
 
 
 def _plan_units(model: nn.Module, unit_names: list[str], explicit: bool):
@@ -155,7 +143,7 @@ def _plan_units(model: nn.Module, unit_names: list[str], explicit: bool):
     for name, param in model.named_parameters():  # canonical order, tied parameters once
         if not param.requires_grad:
             continue
-        members.setdefault(_owner(name, unit_names), []).append((name, param, offset))
+        members.setdefault(_zero.owner_unit(name, unit_names), []).append((name, param, offset))
         offset += param.numel()
     if explicit:
         for name in unit_names:

@@ -21,11 +21,10 @@
 #include "src/comm/collectives.h"
 #include "src/dp/modules.h"
 #include "src/dp/run.h"
+#include "src/zero/default_units.h"
 
 namespace dpzero::dp {
 namespace {
-
-const char* const kRootUnit = "<root>";
 
 std::string bad(const std::string& what) { return "dpzero::dp::PrivacyEngine: " + what; }
 
@@ -64,33 +63,19 @@ RunSettings run_settings(const PrivacyOptions& o) {
   return s;
 }
 
-// python/dpzero/zero.py's default units: the direct children holding trainable parameters,
-// ModuleList / ModuleDict looked through.
-void default_units(const std::string& prefix, const torch::nn::Module& module,
-                   std::vector<std::string>& out) {
+// This door's walk of the module tree for Note [default units] (src/zero/default_units.h):
+// every module below `module` in pre-order; ModuleList and ModuleDict are containers.
+void walk_modules(const torch::nn::Module& module, int64_t depth, const std::string& prefix,
+                  std::vector<zero::ModuleNode>& out) {
   for (const auto& item : module.named_children()) {
-    const std::string name = prefix + item.key();
     const torch::nn::Module& child = *item.value();
     bool trains = false;
     for (const at::Tensor& p : child.parameters()) trains = trains || p.requires_grad();
-    if (!trains) continue;
-    if (dynamic_cast<const torch::nn::ModuleListImpl*>(&child) ||
-        dynamic_cast<const torch::nn::ModuleDictImpl*>(&child)) {
-      default_units(name + ".", child, out);
-    } else {
-      out.push_back(name);
-    }
+    const bool container = dynamic_cast<const torch::nn::ModuleListImpl*>(&child) ||
+                           dynamic_cast<const torch::nn::ModuleDictImpl*>(&child);
+    out.push_back(zero::ModuleNode{prefix + item.key(), depth, trains, container});
+    walk_modules(child, depth + 1, prefix + item.key() + ".", out);
   }
-}
-
-// The innermost unit holding parameter `name` (python/dpzero/zero.py's _owner).
-std::string owner(const std::string& name, const std::vector<std::string>& units) {
-  std::string best = kRootUnit;
-  for (const std::string& unit : units) {
-    if (name.rfind(unit + ".", 0) == 0 && (best == kRootUnit || unit.size() > best.size()))
-      best = unit;
-  }
-  return best;
 }
 
 // Modules that mix the examples of a batch or write what they saw into the model, trainable or
@@ -137,8 +122,9 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
 
   // The trained parameters in named_parameters() order, tied ones once: global coordinates.
   std::map<const void*, size_t> index_of;  // TensorImpl -> params_ index
-  std::vector<std::string> units;
-  default_units("", *model_, units);
+  std::vector<zero::ModuleNode> walk;
+  walk_modules(*model_, 1, "", walk);
+  const std::vector<std::string> units = zero::default_units(walk);
   int64_t total = 0;
   for (const auto& item : model_->named_parameters()) {
     const at::Tensor& p = item.value();
@@ -214,7 +200,7 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
   std::map<std::string, std::vector<size_t>> members;
   std::vector<std::string> order;
   for (size_t i = 0; i < params_.size(); ++i) {
-    const std::string unit = owner(params_[i].name, units);
+    const std::string unit = zero::owner_unit(params_[i].name, units);
     if (!members.count(unit)) order.push_back(unit);
     members[unit].push_back(i);
   }

@@ -18,8 +18,8 @@
 //     constructor refuses naming the module; parameters are numbered 0..D-1 in named_parameters()
 //     order (tied ones once), the global coordinates the noise is drawn at, so a Python model with
 //     the same parameters in the same order draws the same noise (design.md §2.5); units are
-//     python/dpzero/zero.py's default (every direct child with trainable parameters, ModuleList /
-//     ModuleDict looked through, the rest in the root unit);
+//     Note [default units]'s (src/zero/default_units.h, the rule Python's front door calls too;
+//     ModuleList and ModuleDict are this door's containers);
 //   - sampling: Poisson with rate q from the run's key or seed (privacy/poisson.h; Note [secure
 //     by default] in privacy/entropy.h), each logical batch
 //     split over the ranks and into micro-batches of at most max_physical_batch_size rows; a rank
