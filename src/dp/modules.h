@@ -9,7 +9,7 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // The book clips row i of every part as example i (Note [one sample per row] in
 // python/dpzero/private/book.py). The Python front door decides that dim 0 holds the examples
-// from where each input came from (Note [batch provenance] in examples.py); a C++ program has no
+// from where each input came from (Note [batch provenance] in python/dpzero/private/provenance/examples.py); a C++ program has no
 // such tracing. Here the layout is the module's contract, stated by its type and never guessed:
 // each DP module's input is batch-first, x [B, ...] with B the micro-batch's rows, as Opacus's
 // batch_first. PrivacyEngine::check_batch_first tests the contract once before training (the

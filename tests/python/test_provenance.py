@@ -21,7 +21,7 @@ from torch import nn
 import dpzero
 import ranks
 from dpzero.private import PrivacyViolation
-from dpzero.private.examples import Examples, MicroBatchToken, tag
+from dpzero.private.provenance.examples import Examples, MicroBatchToken, tag
 from sensitivity import refused_or_bounded
 
 V, T, D, K = 19, 8, 12, 3  # vocabulary, sequence length (= the batch size B below), width, classes
@@ -679,10 +679,10 @@ def test_a_kept_tag_names_the_dim_that_holds_each_rows_data(name):
               "copy_into_plain", "add_into_plain", "out_into_plain", "matmul_out",
               "embedding_max_norm"}
     if name in mixing:
-        assert not (isinstance(out, Examples) and out._dp_token is token), name
+        assert not (isinstance(out, Examples) and out.dp_token is token), name
         return
-    assert isinstance(out, Examples) and out._dp_token is token, name
-    b = out._dp_bdim
+    assert isinstance(out, Examples) and out.dp_token is token, name
+    b = out.dp_bdim
     assert out.shape[b] == 4
     base = op(data)
     for r in range(4):
@@ -713,7 +713,7 @@ WRITES = {  # in-place writes that may mix rows: each must leave x no longer acc
 def test_writes_the_tag_cannot_vouch_for_withdraw_it(name):
     """Writes through an alias, a view, .data, numpy or out= (found by a review: CutMix written as
     x[:, a:].copy_(x[perm, a:]) kept x's tag), and row-selecting or misaligned __setitem__."""
-    from dpzero.private.examples import untagged
+    from dpzero.private.provenance.examples import untagged
 
     token = MicroBatchToken(0, 0, 4, "poisson")
     x = tag(torch.randn(4, 4, 3), token)
@@ -775,7 +775,7 @@ def test_batch_statistics_cannot_come_back_as_constants(name):
     standardisation moved the sum by 11-12), and a copy of a tensor written unseen inherited its
     tag (CutMix through a view, then x * 1.0: 2.8). Statistics written into other tensors, or
     moved through the host, are the caller's (documented)."""
-    from dpzero.private.examples import untagged
+    from dpzero.private.provenance.examples import untagged
 
     token = MicroBatchToken(0, 0, 4, "poisson")
     x = tag(torch.randn(4, 4, 3), token)
@@ -803,7 +803,7 @@ class Permuted(nn.Module):
 
 @pytest.mark.parametrize("batch", [2, T])
 def test_a_model_that_permutes_its_examples_holds_2c_under_layer_clipping(batch):
-    """Documented limit (provenance.py): a permutation between layers is not detected; flat
+    """Documented limit (provenance/probe.py): a permutation between layers is not detected; flat
     clipping would pair rows of different examples across layers, layer clipping bounds each
     layer's rows on their own and so holds the bound."""
     ids, y = ids_and_labels(batch)
@@ -827,7 +827,7 @@ HF_LABELS = {  # what training loops do to labels and ids: each keeps the tag
 def test_label_masking_keeps_the_tag(name):
     """A third review found labels[labels == pad] = -100 refused: a constant written at any
     elements moves no example's data into another row."""
-    from dpzero.private.examples import untagged
+    from dpzero.private.provenance.examples import untagged
 
     token = MicroBatchToken(0, 0, 4, "poisson")
     ids = tag(torch.randint(0, 5, (4, 6)), token)
@@ -878,7 +878,7 @@ def test_no_record_survives_a_freed_address():
     """A fourth review found the records keyed by address: a vouched write on a freed tensor let
     CutMix through a view on a new tensor at the same address pass, and an escaped storage
     refused a later tensor that reused it. The records hold their storages alive."""
-    from dpzero.private.examples import untagged
+    from dpzero.private.provenance.examples import untagged
 
     token = MicroBatchToken(0, 0, 64, "poisson")
     x = tag(torch.randn(64, 256), token)
@@ -904,7 +904,7 @@ def test_an_output_with_the_batch_size_past_dim_0_makes_the_shapes_ambiguous():
     # [16, 4, 8] could be the batch in dim 1 or a coincidence of sizes, so a verdict cached for
     # this call pattern must not be reused without a probe. (The check once compared the batch
     # size against whole output shapes and never saw one.)
-    from dpzero.private.provenance import CallRecord, ambiguous
+    from dpzero.private.provenance.probe import CallRecord, ambiguous
 
     inputs = ((4, 16, 8),)
     assert ambiguous([CallRecord(0, inputs, (), ((16, 4, 8),))], 4)

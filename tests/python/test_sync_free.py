@@ -12,7 +12,7 @@ there are (Note [embedding rows] in kernels/per_sample/embedding.h).
 
 ``torch.cuda.set_sync_debug_mode("error")`` makes each synchronising CUDA call raise. The tests
 run a warm-up step (the batch-provenance probe of the first forward compares values on purpose,
-Note [batch provenance] in private/provenance.py), then the next micro-batch's backward in that
+Note [batch provenance] in private/provenance/examples.py), then the next micro-batch's backward in that
 mode, on every DP layer kind and the generic torch.func path, for flat, layer, group and
 automatic clipping, ZeRO stages 0-3, with and without bf16 autocast, through the loader with
 several micro-batches per step (a sum loss, padding on a short step), and a tiny GPT-2.

@@ -4,7 +4,7 @@ that example collated alone.
 Note [separable collate]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 The private loader tags a micro-batch's tensors as the examples, one per row (Note [batch
-provenance] in examples.py), after the collate function made them. Whatever that function does
+provenance] in provenance/examples.py), after the collate function made them. Whatever that function does
 across examples is invisible to the tag: per-batch standardisation ``(x - x.mean(0)) / x.std(0)``
 puts every example into every row, and a privacy review measured it at 3.80C (N = 16) and 8.80C
 (N = 64) against the replace-one bound 2C. So the loader holds every collated batch of a

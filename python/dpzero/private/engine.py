@@ -56,11 +56,11 @@ from .agreements import RankAgreements
 from .book import Book
 from .errors import PrivacyViolation
 from .config import DEFAULT_ACCOUNTANT, PrivateConfig, resolve, run_settings
-from .examples import MicroBatchToken, tag
+from .provenance.examples import MicroBatchToken, tag
 from .loader import DPDataLoader, MicroBatch, Schedule
 from .slots import Slots
 from .optimizer import DPOptimizer, EngineLink
-from .provenance import Ranks
+from .provenance.probe import Ranks
 from .state_guard import ProbeWrites, StateGuard
 from .trainable import TrainableSet
 from . import state_dict

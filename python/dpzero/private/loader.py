@@ -1,6 +1,6 @@
 """The private data loader: this rank's micro-batches of each Poisson-sampled logical batch
 (design.md §2 step 1; ``data.PoissonBatchSampler``), tagged as the examples of their micro-batch
-(Note [batch provenance] in examples.py), with one-row padding batches where a rank's share runs
+(Note [batch provenance] in provenance/examples.py), with one-row padding batches where a rank's share runs
 short (Note [padding batches] in src/dp/book.h)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..data import PoissonBatchSampler, empty_safe_collate
 from .collate import SeparableCollate
-from .examples import MicroBatchToken, tag
+from .provenance.examples import MicroBatchToken, tag
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ each of its elements with respect to each of the source's): sums with anything (
 terms' values do not reach G), products and quotients with constants, reductions, shape
 operations, indexing, stacking, casts. A *constant* is a Python number, or a tensor that needs no
 gradient and carries nothing of the batch: not the loader's tensors or anything computed from
-them, not the model's outputs (tagged as the examples, Note [batch provenance] in examples.py),
+them, not the model's outputs (tagged as the examples, Note [batch provenance] in provenance/examples.py),
 not a read of a PerCall (``aux.detach()``, a comparison: these come back tainted). Any other
 operation that carries a gradient is refused at once, naming it.
 
@@ -44,7 +44,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import PrivacyViolation
-from .examples import Examples, MicroBatchToken, holds_examples, storage_id, taint_only
+from .provenance.examples import Examples, MicroBatchToken, holds_examples, storage_id, taint_only
 
 SOURCES = itertools.count()
 _MOST_FOLLOWED = 1024  # elements of a per-call output whose coefficients are followed
@@ -253,7 +253,7 @@ class PerCall(Examples):
 
 def _mark(p: PerCall, coef: Dict[int, torch.Tensor], batch) -> PerCall:
     p._dp_coef, p._dp_batch = coef, batch
-    p._dp_token, p._dp_taint, p._dp_bdim, p._dp_version = None, None, -1, -1
+    p.dp_token, p.dp_taint, p.dp_bdim, p.dp_version = None, None, -1, -1
     return p
 
 

@@ -45,7 +45,7 @@ A buffer or frozen parameter added, removed or replaced by another tensor counts
 caller's own writes between steps that hold nothing of the training data (a value computed from
 the released model, a load) are accepted by name with ``PrivacyEngine.accept_state_change``;
 ``model.load_state_dict()`` and ``dpzero.checkpoint.load`` accept what they load. The provenance
-probe's forward (provenance.py) restores whatever state it writes, copy-on-write, so it leaves no
+probe's forward (provenance/probe.py) restores whatever state it writes, copy-on-write, so it leaves no
 trace (Note [probe writes]).
 
 What this does not see: Python attributes that are not buffers or parameters (``self.last = x``),
@@ -66,7 +66,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import PrivacyViolation
-from .examples import untag
+from .provenance.examples import untag
 
 # Bytes of a frozen tensor hashed per host copy (a CUDA tensor is copied in pieces this size).
 _DIGEST_CHUNK = 64 << 20
@@ -448,7 +448,7 @@ class StateGuard:
 
 # Note [probe writes]
 # ~~~~~~~~~~~~~~~~~~~
-# The provenance probe (provenance.py) runs the model's forward once more on the batch with one
+# The provenance probe (provenance/probe.py) runs the model's forward once more on the batch with one
 # example repeated. Whatever that forward writes into the model's state must be undone: the
 # probe's batch is not a training batch (example 0 counts twice in it), and nothing of it may
 # stay. A version counter does not see a write through ``.data``, so the probe runs under a

@@ -89,10 +89,10 @@ from torch.utils import _pytree as pytree
 from .attach import cache_off, rejection
 from .book import Layer
 from .errors import PrivacyViolation
-from .examples import wrap
+from .provenance.examples import wrap
 from .fallback import FuncKind, check_separable, drop_rows, swapped, tap
 from .per_call import SOURCES, PerCall, hold_to_promise
-from .provenance import CallRecord, Ranks, Verdict, admitted, spread_inputs
+from .provenance.probe import CallRecord, Ranks, Verdict, admitted, spread_inputs
 
 # Per-example gradients held at once (float32): examples are clipped this many bytes at a time.
 _PER_SAMPLE_BYTES = 256 << 20
@@ -538,7 +538,7 @@ def strict_forward(book_ref, ranks: Ranks, strict: Strict, module: nn.Module, or
     book = book_ref()
     if book is None or not torch.is_grad_enabled() or \
             torch._C._current_graph_task_id() != -1:
-        from .examples import untagged
+        from .provenance.examples import untagged
         (args, kwargs), _, _ = untagged((args, kwargs))
         return original(*args, **kwargs)  # evaluation: nothing to clip
     args, kwargs, tagged, problem = admitted(book, args, kwargs)

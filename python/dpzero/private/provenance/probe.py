@@ -61,10 +61,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .errors import PrivacyViolation
-from .examples import (ELEMENTWISE, ELEMENTWISE_INPLACE, Examples, MicroBatchToken, is_suspect,
-                       wrap, lost_at, untagged, varies_along)
-from .state_guard import refusal_text
+from ..errors import PrivacyViolation
+from ..state_guard import refusal_text
+from .examples import Examples, MicroBatchToken, is_suspect, lost_at, untagged, wrap
+from .registry import varies_along
+from .rules.elementwise import ELEMENTWISE, ELEMENTWISE_INPLACE
 
 Shape = Tuple[int, ...]
 
@@ -186,8 +187,8 @@ def classify(layers, real: Sequence[CallRecord], probe: Sequence[CallRecord], ro
              rotated: Optional[Sequence[CallRecord]] = None) -> List[Verdict]:
     """Verdicts for the calls of one root forward (``layers``: the book's Layer list) from the
     probe's records; ``rotated``: the rotated probe's, which expanded ids must pass too."""
-    from .fallback import FuncKind
-    from .layers import EmbeddingKind
+    from ..fallback import FuncKind
+    from ..layers import EmbeddingKind
 
     if [r.ranks() for r in real] != [p.ranks() for p in probe]:
         mismatch = next((i for i, (r, p) in enumerate(zip(real, probe))
@@ -239,7 +240,7 @@ def classify(layers, real: Sequence[CallRecord], probe: Sequence[CallRecord], ro
 
 
 def _shared_error(name: str, layer, shape: List[int]) -> str:
-    from .layers import EmbeddingKind
+    from ..layers import EmbeddingKind
 
     head = (f"{name}: its input of shape {shape} does not come from the examples (it has the "
             "same shape with one more example: a table or tensor shared by the whole batch), "
@@ -401,8 +402,8 @@ def _attends_row_by_row(args, kwargs, out, b: int, token) -> bool:
         u = args[i] if len(args) > i else kwargs.get(name)
         if not isinstance(u, torch.Tensor):
             return False
-        if isinstance(u, Examples) and getattr(u, "_dp_token", None) is not None:
-            if u._dp_token is not token or u._dp_bdim + out.dim() - u.dim() != b:
+        if isinstance(u, Examples) and getattr(u, "dp_token", None) is not None:
+            if u.dp_token is not token or u.dp_bdim + out.dim() - u.dim() != b:
                 return False
         elif is_suspect(u, token) or varies_along(u, b, out.dim()):
             return False
@@ -471,7 +472,7 @@ class _Lookup(Examples):
     def mark(t: torch.Tensor, check: LookupCheck) -> torch.Tensor:
         m = t.as_subclass(_Lookup)
         m._dp_check = check
-        m._dp_token, m._dp_taint, m._dp_bdim, m._dp_version = None, None, -1, -1
+        m.dp_token, m.dp_taint, m.dp_bdim, m.dp_version = None, None, -1, -1
         return m
 
 
@@ -484,9 +485,9 @@ def _meets_the_batch(target, leaves, marked, rows):
     (b,) = pos
     for u in leaves:
         if isinstance(u, Examples) and not isinstance(u, _Lookup) and \
-                getattr(u, "_dp_token", None) is not None and \
-                u._dp_bdim + target.dim() - u.dim() == b:
-            return b, u._dp_token
+                getattr(u, "dp_token", None) is not None and \
+                u.dp_bdim + target.dim() - u.dim() == b:
+            return b, u.dp_token
     return None
 
 
@@ -496,7 +497,7 @@ def _constants_only(target, leaves, marked) -> bool:
     for u in leaves:
         if not isinstance(u, torch.Tensor) or isinstance(u, _Lookup) or u.dim() == 0:
             continue
-        if isinstance(u, Examples) and getattr(u, "_dp_taint", None) is not None:
+        if isinstance(u, Examples) and getattr(u, "dp_taint", None) is not None:
             return False
         if varies_along(u, b, target.dim()):
             return False
@@ -517,8 +518,8 @@ class Probe:
     def call(self, layer, original, args, kwargs):
         """Runs one DP layer call of the probe (expanding [1, ...] Embedding ids as the real
         forward does) and records it."""
-        from .fallback import FuncKind
-        from .layers import EmbeddingKind
+        from ..fallback import FuncKind
+        from ..layers import EmbeddingKind
 
         generic = isinstance(layer.kind, FuncKind)
         x = args[0] if args and not generic else None
