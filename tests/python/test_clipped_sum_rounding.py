@@ -12,7 +12,9 @@ reference is the definition of add-one sensitivity: with D' = D plus that exampl
 summed loss and SGD with lr = N, the two steps' parameter movements (the sums of clipped
 per-example gradients) differ by at most C, whatever the example. Checked for a Linear on the
 direct and the ghost norm path, an Embedding (the example's tokens all one id) and a Conv1d, with
-flat and automatic clipping, on the host path and on the path a GPU takes.
+flat and automatic clipping, on the host path and on the path a GPU takes, with the forward in
+float32 and under bf16 autocast (the Linear's and the Conv1d's A and G then reach the kernels in
+bf16).
 """
 
 from __future__ import annotations
@@ -66,8 +68,10 @@ class _Conv(nn.Module):
         return self.head(_cancelled(self.conv(x), SIGN, 2))
 
 
-def _clipped_sum(make, inputs, y, clipping, device_path):
-    """One step's sum of clipped per-example gradients (no noise, sum loss, lr = N)."""
+def _clipped_sum(make, inputs, y, clipping, device_path, precision="fp32"):
+    """One step's sum of clipped per-example gradients (no noise, sum loss, lr = N), the forward
+    under bf16 autocast when ``precision`` says so (its A and G then reach the kernels in
+    bf16)."""
     torch.manual_seed(0)
     model = make()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -78,7 +82,10 @@ def _clipped_sum(make, inputs, y, clipping, device_path):
                                 max_grad_norm=1.0, optimizer="sgd", lr=float(len(y)),
                                 loss_reduction="sum", clipping=clipping, seed=0)
         *xs, yb = p.privacy_engine.own_batch((*inputs, y), logical_batch_size=len(y))
-        F.cross_entropy(p.model(*xs), yb, reduction="sum").backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            out = p.model(*xs)
+        assert out.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+        F.cross_entropy(out.float(), yb, reduction="sum").backward()
         assert p.optimizer.step()
     finally:
         torch.ops.dpzero._set_device_path(previous)
@@ -104,15 +111,20 @@ def _cases():
         yield f"conv1d-{name}", (lambda: _Conv(16)), (x,), (m * v * spread,)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("device_path", [False, True], ids=["host", "device-path"])
 @pytest.mark.parametrize("clipping", ["flat", "automatic"])
 @pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
-def test_one_example_of_cancelling_rows_moves_the_sum_by_at_most_c(case, clipping, device_path):
+def test_one_example_of_cancelling_rows_moves_the_sum_by_at_most_c(case, clipping, device_path,
+                                                                   precision):
+    """Under bf16 autocast the Linear and Conv1d layers' A and G reach the kernels in bf16 (the
+    huge example's values are exact in bf16), which the certification and the clipped sums must
+    bound just the same."""
     _, make, inputs, extra = case
     y = torch.randint(0, K, (B,), generator=torch.Generator().manual_seed(3))
-    base = _clipped_sum(make, inputs, y, clipping, device_path)
+    base = _clipped_sum(make, inputs, y, clipping, device_path, precision)
     added = _clipped_sum(make, tuple(torch.cat([a, b]) for a, b in zip(inputs, extra)),
-                         torch.cat([y, torch.tensor([0])]), clipping, device_path)
+                         torch.cat([y, torch.tensor([0])]), clipping, device_path, precision)
     moved = (added - base).norm().item()
     assert moved <= 1.0 * (1 + 1e-5), f"adding one example moved the clipped sum by {moved} C"
     assert base.norm().item() > 1.0  # the others' contributions are there to be absorbed
