@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "privacy/banded.h"
 #include "privacy/clipping.h"
 #include "privacy/entropy.h"
 #include "privacy/poisson.h"
@@ -64,6 +65,20 @@ void bind_privacy(py::module_ m) {
       py::arg("seed"), py::arg("step"), py::arg("n"), py::arg("q"),
       "Included example indices of step's logical batch; seed is an int (Philox) or an "
       "8-word key (secure mode, ChaCha20).");
+  // Note [banded strategies] (privacy/banded.h).
+  py::class_<BandedToeplitz>(m, "BandedToeplitz",
+                             "A b-banded lower-triangular Toeplitz strategy C for correlated noise")
+      .def(py::init<std::vector<double>>(), py::arg("coefficients"))
+      .def_static("identity", &BandedToeplitz::identity)
+      .def_static("sqrt_prefix_sum", &BandedToeplitz::sqrt_prefix_sum, py::arg("bands"))
+      .def_property_readonly("bands", &BandedToeplitz::bands)
+      .def_property_readonly("coefficients", &BandedToeplitz::coefficients)
+      .def("next", &BandedToeplitz::next, py::arg("z"), py::arg("previous"),
+           "w_t from z_t and the previous w's, newest first")
+      .def("column_norm", &BandedToeplitz::column_norm, py::arg("n"), py::arg("i"))
+      .def("sensitivity_squared", &BandedToeplitz::sensitivity_squared, py::arg("n"),
+           py::arg("separation"), py::arg("max_participations"))
+      .def("mean_squared_error", &BandedToeplitz::mean_squared_error, py::arg("n"));
   py::class_<MicroBatchSchedule>(m, "MicroBatchSchedule")
       .def_readonly("logical_batch_size", &MicroBatchSchedule::logical_batch_size)
       .def_readonly("micro_batches", &MicroBatchSchedule::micro_batches);

@@ -1,0 +1,119 @@
+"""Banded Toeplitz strategies (Note [banded strategies] in privacy/banded.h) against direct
+matrix computations: the dense C built entry by entry, numpy's triangular solve and inverse, a
+brute-force maximum over participation patterns, and mpmath's binomials."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import mpmath
+import numpy as np
+import pytest
+
+from dpzero import _C
+
+BandedToeplitz = _C.privacy.BandedToeplitz
+
+
+def dense(strategy, n: int) -> np.ndarray:
+    """C as an n x n float64 matrix: C[t, t - k] = c_k for k < b."""
+    c = strategy.coefficients
+    m = np.zeros((n, n))
+    for t in range(n):
+        for k in range(min(len(c), t + 1)):
+            m[t, t - k] = c[k]
+    return m
+
+
+def prefix_sums(n: int) -> np.ndarray:
+    return np.tril(np.ones((n, n)))
+
+
+def test_the_square_root_coefficients_are_the_binomial_series():
+    c = BandedToeplitz.sqrt_prefix_sum(40).coefficients
+    for k, ck in enumerate(c):
+        assert ck == pytest.approx(float(mpmath.binomial(2 * k, k) / mpmath.mpf(4) ** k),
+                                   rel=1e-14), k
+
+
+@pytest.mark.parametrize("n", [1, 5, 12])
+def test_the_full_band_square_root_squares_to_the_prefix_sums(n):
+    c = dense(BandedToeplitz.sqrt_prefix_sum(n), n)
+    np.testing.assert_allclose(c @ c, prefix_sums(n), atol=1e-13)
+
+
+@pytest.mark.parametrize("strategy", [BandedToeplitz.identity(),
+                                      BandedToeplitz.sqrt_prefix_sum(4),
+                                      BandedToeplitz([2.0, -0.7, 0.3])],
+                         ids=["identity", "sqrt-4", "signed"])
+def test_the_recursion_is_the_inverse_applied_to_the_draws(strategy):
+    """w = C^-1 z, step by step from the b - 1 previous w's, equals numpy's dense solve."""
+    n = 17
+    z = np.random.default_rng(0).standard_normal(n)
+    w = []
+    for t in range(n):
+        w.append(strategy.next(float(z[t]), list(reversed(w))))
+    np.testing.assert_allclose(w, np.linalg.solve(dense(strategy, n), z), rtol=1e-12, atol=1e-12)
+
+
+def brute_force_sensitivity_squared(c: np.ndarray, separation: int, k: int) -> float:
+    """max over participation patterns (at most k steps, any two >= separation apart) of
+    ||sum of their columns||^2: the columns' supports are disjoint at separation >= b, so the
+    direction of each example's clipped gradient does not matter and equal ones attain it."""
+    n = c.shape[0]
+    best = 0.0
+    for size in range(1, k + 1):
+        for steps in itertools.combinations(range(n), size):
+            if all(b - a >= separation for a, b in zip(steps, steps[1:])):
+                best = max(best, float(np.sum(c[:, list(steps)], axis=1) @
+                                       np.sum(c[:, list(steps)], axis=1)))
+    return best
+
+
+@pytest.mark.parametrize("bands, separation, k", [(1, 1, 3), (3, 3, 2), (3, 4, 3), (4, 4, 9)])
+def test_the_sensitivity_is_the_worst_participation_pattern(bands, separation, k):
+    n = 11
+    strategy = BandedToeplitz.sqrt_prefix_sum(bands)
+    want = brute_force_sensitivity_squared(dense(strategy, n), separation, k)
+    assert strategy.sensitivity_squared(n, separation, k) == pytest.approx(want, rel=1e-13)
+    for i in range(n):
+        assert strategy.column_norm(n, i) == pytest.approx(
+            float(np.linalg.norm(dense(strategy, n)[:, i])), rel=1e-14)
+
+
+def test_overlapping_participations_are_refused_naming_the_separation():
+    with pytest.raises(ValueError, match="participations 2 steps apart overlap the 4 bands"):
+        BandedToeplitz.sqrt_prefix_sum(4).sensitivity_squared(10, 2, 3)
+
+
+@pytest.mark.parametrize("strategy", [BandedToeplitz.identity(),
+                                      BandedToeplitz.sqrt_prefix_sum(3),
+                                      BandedToeplitz.sqrt_prefix_sum(30),
+                                      BandedToeplitz([1.5, 0.4, -0.2, 0.1])],
+                         ids=["identity", "sqrt-3", "sqrt-30", "signed"])
+def test_the_mean_squared_error_is_that_of_the_dense_factorization(strategy):
+    n = 30
+    b = prefix_sums(n) @ np.linalg.inv(dense(strategy, n))
+    assert strategy.mean_squared_error(n) == pytest.approx(float(np.sum(b * b)) / n, rel=1e-11)
+
+
+def test_dp_sgd_is_one_band_and_the_square_root_lowers_the_error():
+    n = 64
+    identity = BandedToeplitz.identity()
+    assert identity.mean_squared_error(n) == pytest.approx((n + 1) / 2, rel=1e-15)
+    assert identity.sensitivity_squared(n, 1, n) == n
+    root = BandedToeplitz.sqrt_prefix_sum(n)
+    # Single participation: the error each strategy pays at its own sensitivity.
+    assert root.mean_squared_error(n) * root.sensitivity_squared(n, n, 1) < \
+        0.5 * identity.mean_squared_error(n) * identity.sensitivity_squared(n, n, 1)
+
+
+@pytest.mark.parametrize("coefficients, match", [
+    ([], "must hold c_0 at least"), ([0.0, 1.0], "c_0 \\(the diagonal\\) must be > 0, got 0"),
+    ([1.0, math.nan], "coefficient c_1 must be finite, got nan")])
+def test_bad_coefficients_are_refused_naming_them(coefficients, match):
+    with pytest.raises(ValueError, match=match):
+        BandedToeplitz(coefficients)
+    with pytest.raises(ValueError, match="bands must be >= 1, got 0"):
+        BandedToeplitz.sqrt_prefix_sum(0)
