@@ -233,7 +233,7 @@ void bind_zero(py::module_ m) {
               noise_key.secure = true;
               noise_key.key = key.cast<std::vector<int64_t>>();
             }
-            const dp::StepNoise noise(stddev, std::move(noise_key), step);
+            dp::StepNoise noise(stddev, std::move(noise_key), step);
             py::gil_scoped_release no_gil;
             s.noisy_step(&noise, grad_scale);
           },

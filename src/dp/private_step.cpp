@@ -271,7 +271,7 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
   try {
     charge(k);
     failpoints_.hit("after_charge", k, comm.rank());
-    const StepNoise noise(sigma > 0.0 ? sigma * c : 0.0, s.noise_key, k);
+    StepNoise noise(sigma > 0.0 ? sigma * c : 0.0, s.noise_key, k);
     const double grad_scale = 1.0 / (q * static_cast<double>(s.dataset_size));
     collective("the noisy update", t, ChargeState::kCharged,
                [&] { zero_.private_update(&noise, grad_scale); });

@@ -78,7 +78,8 @@ StepNoise::StepNoise(double stddev, NoiseKey key, int64_t step)
               key_.key.size());
 }
 
-void StepNoise::add_(at::Tensor& grad, const UnitLayout& layout, int64_t rank, bool whole) const {
+void StepNoise::add_(at::Tensor& grad, int64_t /*unit*/, const UnitLayout& layout, int64_t rank,
+                     bool whole) {
   if (stddev_ == 0.0) return;
   if (whole) {
     add_unit_noise_(grad, layout, stddev_, key_, step_);

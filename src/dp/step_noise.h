@@ -43,7 +43,8 @@ class StepNoise final : public zero::GradientNoise {
   StepNoise(double stddev, NoiseKey key, int64_t step);
   // Stage 0 (`whole`): add_unit_noise_, every rank the same draws; else add_shard_noise_. A
   // stddev of 0 (σ = 0) draws nothing rather than adding 0·z.
-  void add_(at::Tensor& grad, const UnitLayout& layout, int64_t rank, bool whole) const override;
+  void add_(at::Tensor& grad, int64_t unit, const UnitLayout& layout, int64_t rank,
+            bool whole) override;
 
   double stddev() const { return stddev_; }
   const NoiseKey& key() const { return key_; }

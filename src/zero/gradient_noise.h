@@ -15,11 +15,13 @@ namespace dpzero::zero {
 class GradientNoise {
  public:
   virtual ~GradientNoise() = default;
-  // grad: the unit's reduced fp32 gradient on rank `rank`, after the reduction and before the
-  // scale and the optimizer: the whole unit [layout.padded_numel()] when `whole` (stage 0, where
-  // every rank holds every coordinate), else the rank's shard [layout.shard_numel()].
-  virtual void add_(at::Tensor& grad, const UnitLayout& layout, int64_t rank,
-                    bool whole) const = 0;
+  // grad: unit `unit`'s reduced fp32 gradient on rank `rank`, after the reduction and before
+  // the scale and the optimizer: the whole unit [layout.padded_numel()] when `whole` (stage 0,
+  // where every rank holds every coordinate), else the rank's shard [layout.shard_numel()].
+  // Called once per unit and step, units in order; not const: a noise may keep state per unit
+  // (correlated noise keeps its previous draws).
+  virtual void add_(at::Tensor& grad, int64_t unit, const UnitLayout& layout, int64_t rank,
+                    bool whole) = 0;
 };
 
 }  // namespace dpzero::zero

@@ -178,7 +178,7 @@ void ZeroState::step() {
   run_step(config_.grad_scale, nullptr);
 }
 
-void ZeroState::noisy_step(const GradientNoise* noise, double grad_scale) {
+void ZeroState::noisy_step(GradientNoise* noise, double grad_scale) {
   TORCH_CHECK(!private_,
               "ZeroState.noisy_step(): this model is private (Note [only the private step updates "
               "a private model]); step its private optimizer, which records and charges the step "
@@ -186,18 +186,19 @@ void ZeroState::noisy_step(const GradientNoise* noise, double grad_scale) {
   private_update(noise, grad_scale);
 }
 
-void ZeroState::private_update(const GradientNoise* noise, double grad_scale) {
+void ZeroState::private_update(GradientNoise* noise, double grad_scale) {
   TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0.0,
               "grad_scale must be finite and > 0, got ", grad_scale);
   run_step(grad_scale, noise);
 }
 
-void ZeroState::run_step(double grad_scale, const GradientNoise* noise) {
+void ZeroState::run_step(double grad_scale, GradientNoise* noise) {
   finish_queued_ = false;  // no backward is running; a failed one may have left the flag set
   reducing_unit_ = -1;     // every unit folds its reduction in its step
   order_frozen_ = true;    // Note [stage-3 prefetch]
   forward_cursor_ = backward_cursor_ = -1;
-  for (Unit& g : units_) g.step(comm_, grad_scale, noise);
+  for (size_t u = 0; u < units_.size(); ++u)
+    units_[u].step(comm_, grad_scale, noise, static_cast<int64_t>(u));
   ++steps_;
 }
 

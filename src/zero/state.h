@@ -143,7 +143,7 @@ class ZeroState {
   // writes before calling this): every unit's reduced gradient gets `noise` (src/dp/step_noise.h
   // draws it on exactly the global coordinates this rank updates; null: none), is scaled by
   // `grad_scale` (1 / (q·N) for DP-SGD) instead of config().grad_scale, and the optimizer runs.
-  void noisy_step(const GradientNoise* noise, double grad_scale);
+  void noisy_step(GradientNoise* noise, double grad_scale);
   void zero_grad();
 
   // Unit `unit`'s full flat fp32 master values ([padded_numel], a copy); all-gathers in stages
@@ -177,7 +177,7 @@ class ZeroState {
 
  private:
   friend class dp::PrivateStep;  // Note [only the private step updates a private model]
-  void private_update(const GradientNoise* noise, double grad_scale);
+  void private_update(GradientNoise* noise, double grad_scale);
   bool private_ = false;
   // Stages 2–3 (Note [gradient accumulation], [stage-3 gathers]): reduce incomplete units and
   // free gathered ones at the end of a backward pass.
@@ -189,7 +189,7 @@ class ZeroState {
   // reduction if `unit` started a new one (its count was `started_before`).
   void note_reduction(int64_t unit, int64_t started_before);
   // step() and noisy_step(): every unit's step with this scale and optional noise.
-  void run_step(double grad_scale, const GradientNoise* noise);
+  void run_step(double grad_scale, GradientNoise* noise);
   // Note [stage-3 prefetch]: records the forward order, or starts the next unit's gather.
   void prefetch_after(int64_t unit, bool backward);
 

@@ -141,7 +141,8 @@ void Unit::reduce_packed(at::Tensor full, const comm::Collectives& comm) {
   }
 }
 
-void Unit::step(const comm::Collectives& comm, double grad_scale, const GradientNoise* noise) {
+void Unit::step(const comm::Collectives& comm, double grad_scale, GradientNoise* noise,
+                int64_t index) {
   at::NoGradGuard no_grad;
   wait_reduce();
   at::Tensor grad;  // reduce_dtype, the reduced gradient of the coordinates master() holds:
@@ -180,7 +181,8 @@ void Unit::step(const comm::Collectives& comm, double grad_scale, const Gradient
   }
   // design.md §2 step 5, on the fp32 reduced gradient (§4): stage 0 holds the whole unit on
   // every rank, the other stages the owned shard.
-  if (noise != nullptr) noise->add_(grad, flat_.layout(), flat_.rank(), stage_ == Stage::k0);
+  if (noise != nullptr)
+    noise->add_(grad, index, flat_.layout(), flat_.rank(), stage_ == Stage::k0);
   if (grad_scale != 1.0) grad.mul_(grad_scale);  // §2 step 6: after the noise
   flat_.prepare_master_write();  // Note [parameter offload]
   optimizer_->step(master, grad);

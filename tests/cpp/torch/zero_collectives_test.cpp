@@ -270,7 +270,7 @@ TEST_P(ZeroCollectives, NoiseIsAddedOncePerCoordinateInEveryStage) {
                       comm.process_group());
       state.add_unit_grad(0, torch::zeros({layout.padded_numel()}), /*release_params=*/true,
                           /*donated=*/true);
-      const dp::StepNoise noise(kStd, dp::NoiseKey{false, 7, {}}, 3);
+      dp::StepNoise noise(kStd, dp::NoiseKey{false, 7, {}}, 3);
       state.noisy_step(&noise, kScale);
       per_rank[rank] = state.full_parameters(0);
     });
