@@ -12,6 +12,11 @@ namespace dpzero::dp {
 
 CorrelatedNoise::CorrelatedNoise(privacy::BandedToeplitz strategy, NoiseKey key)
     : strategy_(std::move(strategy)), key_(std::move(key)) {
+  if (strategy_.coefficients()[0] != 1.0)
+    throw std::invalid_argument(
+        "CorrelatedNoise: the strategy's diagonal c_0 must be 1, got " +
+        std::to_string(strategy_.coefficients()[0]) +
+        "; divide the strategy by c_0 (the noise's stddev takes the factor)");
   if (key_.secure && key_.key.size() != 8)
     throw std::invalid_argument("CorrelatedNoise: a secure noise key has 8 32-bit words, got " +
                                 std::to_string(key_.key.size()));
@@ -47,7 +52,6 @@ at::Tensor CorrelatedNoise::advance(History& h, int64_t k, const at::Tensor& lik
     add_shard_noise_(w, layout, rank, 1.0, key_, k);
   }
   for (size_t i = 1; i < c.size() && i <= h.w.size(); ++i) w.sub_(h.w[i - 1].mul(c[i]));
-  if (c[0] != 1.0) w.div_(c[0]);
   h.w.push_front(w);
   if (static_cast<int64_t>(h.w.size()) > strategy_.bands() - 1) h.w.pop_back();
   h.last = k;
@@ -57,6 +61,10 @@ at::Tensor CorrelatedNoise::advance(History& h, int64_t k, const at::Tensor& lik
 void CorrelatedNoise::Step::add_(at::Tensor& grad, int64_t unit, const zero::UnitLayout& layout,
                                  int64_t rank, bool whole) {
   History& h = owner_.units_[unit];
+  if (k_ <= h.last)  // this step already added here, or a later one: a draw is never reused
+    throw std::logic_error("CorrelatedNoise: charge " + std::to_string(k_) + " reached unit " +
+                           std::to_string(unit) + " whose last charge is " +
+                           std::to_string(h.last) + "; a step's noise is added once");
   if (owner_.strategy_.coefficients() == std::vector<double>{1.0}) {
     // One band with c_0 = 1 is DP-SGD: the same op call as StepNoise, so the same bits.
     StepNoise(stddev_, owner_.key_, k_).add_(grad, unit, layout, rank, whole);

@@ -9,13 +9,16 @@
 // z_k(j) the counter-based draw DP-SGD adds there (Note [noise ownership] in privacy/noise.h).
 // Each coordinate's recursion reads its own past only, so a rank keeps the b − 1 previous w's of
 // exactly the coordinates it updates: (b − 1) × its shard of each unit (the whole unit at stage
-// 0). The sequence is the same, bit for bit, for any number of ranks and any stage: the same
-// draws and the same float32 operations per coordinate, each one IEEE operation (a product, then
-// a difference, then a quotient), so no vector width or fused multiply-add can round one
-// coordinate differently from another layout's. A charge index never applied (a step charged and
-// then failed, Note [noise index] in private_step.h) still has its w: a unit that reaches charge
-// k with its history at k' < k − 1 first forms the w's of k' + 1 .. k − 1 without adding them,
-// so the history is always C⁻¹z at consecutive charge indices.
+// 0). The sequence is the same, bit for bit, for any number of ranks and any stage on one kind of
+// device: the same draws and the same float32 operations per coordinate, each rounded once (a
+// product, then a difference; c_0 is 1, so there is no quotient, which CUDA forms as a product by
+// the reciprocal), so no vector width or fused multiply-add can round one coordinate differently
+// from another layout's. A charge index never applied (a step charged and then failed, Note
+// [noise index] in private_step.h) still has its w: a unit that reaches charge k with its history
+// at k' < k − 1 first forms the w's of k' + 1 .. k − 1 without adding them, so the history is
+// always C⁻¹z at consecutive charge indices from charge 0. (A resumed run therefore needs the
+// history its checkpoint holds; until checkpoints carry it, a fresh object starts at charge 0.)
+// A unit's noise is added once per charge: a step applied twice is refused.
 #pragma once
 
 #include <cstdint>
@@ -32,11 +35,13 @@ namespace dpzero::dp {
 
 class CorrelatedNoise {
  public:
+  // The strategy's c_0 must be 1 (std::invalid_argument otherwise: scale the stddev instead).
   CorrelatedNoise(privacy::BandedToeplitz strategy, NoiseKey key);
 
   // The noise of charge k, `stddev` (σ·C times the strategy's normalisation, the caller's)
   // times w_k, as the GradientNoise the ZeRO state's update adds. Throws std::invalid_argument
-  // for a bad stddev or a k at or before a unit's last one (a charge index never goes back).
+  // for a bad stddev or a k at or before a unit's last one (a charge index never goes back); its
+  // add_ throws std::logic_error when a unit has had charge k already (a step applied twice).
   class Step final : public zero::GradientNoise {
    public:
     void add_(at::Tensor& grad, int64_t unit, const zero::UnitLayout& layout, int64_t rank,

@@ -176,8 +176,8 @@ class Unit {
   // gradient this rank holds, scales by grad_scale, updates the owned shard, all-gathers
   // parameters (stages 1–2) or frees them (stage 3), zeroes the gradients.
   // `index`: this unit's index in the ZeRO state (what `noise` keys its state by).
-  void step(const comm::Collectives& comm, double grad_scale, GradientNoise* noise = nullptr,
-            int64_t index = 0);
+  void step(const comm::Collectives& comm, double grad_scale, GradientNoise* noise,
+            int64_t index);
   // Drops all accumulated gradient (Note [gradient accumulation]).
   void zero_grad();
   // Note [reduce-scatter overlap]: waits for this unit's reduction in flight and folds it into

@@ -123,7 +123,69 @@ TEST(CorrelatedNoise, AChargeNeverAppliedStaysInTheHistory) {
   EXPECT_THROW(noise.at(0, -1.0), std::invalid_argument);
 }
 
+// Two units each keep their own history: the second unit's coordinates [15, 24) get the dense
+// C⁻¹z of theirs; charges that go back, and a step applied twice, are refused; c_0 must be 1.
+TEST(CorrelatedNoise, EachUnitKeepsItsOwnHistoryAndADrawIsNeverReused) {
+  const auto strategy = privacy::BandedToeplitz::sqrt_prefix_sum(3);
+  static const auto add_noise =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpzero::add_noise_", "")
+          .typed<at::Tensor&(at::Tensor&, double, int64_t, int64_t, int64_t)>();
+  at::Tensor z = torch::zeros({kSteps, 24});
+  for (int64_t k = 0; k < kSteps; ++k) {
+    at::Tensor row = z[k];
+    add_noise.call(row, 1.0, kSeed, k, 0);
+  }
+  at::Tensor c = torch::zeros({kSteps, kSteps}, at::kDouble);
+  for (int64_t t = 0; t < kSteps; ++t)
+    for (int64_t k = 0; k < 3 && k <= t; ++k) c[t][t - k] = strategy.coefficients()[k];
+  const at::Tensor want = at::matmul(at::linalg_inv(c), z.to(at::kDouble));
+  testing::run_ranks(2, std::chrono::seconds(120), [&](int rank, auto pg) {
+    zero::ZeroConfig config;
+    config.stage = zero::Stage::k2;
+    config.optimizer.lr = kLr;
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    std::vector<at::Tensor> first{at::randn({15}, gen).requires_grad_()};
+    std::vector<at::Tensor> second{at::randn({9}, gen).requires_grad_()};
+    zero::ZeroState state({{"u0", first, {"a"}, {0}}, {"u1", second, {"b"}, {15}}}, 24, config, pg);
+    CorrelatedNoise noise(strategy, NoiseKey{false, kSeed, {}});
+    at::Tensor before = state.full_parameters(1).clone();
+    for (int64_t k = 0; k < kSteps; ++k) {
+      for (int64_t u = 0; u < 2; ++u) {
+        const int64_t padded = state.unit_at(u).flat().layout().padded_numel();
+        state.add_unit_grad(u, torch::zeros({padded}), true, true);
+      }
+      CorrelatedNoise::Step step = noise.at(k, kStd);
+      state.noisy_step(&step, kScale);
+      const at::Tensor after = state.full_parameters(1).clone();
+      const at::Tensor w = (after - before).narrow(0, 0, 9).to(at::kDouble) /
+                           (-kLr * kScale * kStd);
+      EXPECT_TRUE(at::allclose(w, want[k].narrow(0, 15, 9), 1e-4, 1e-5)) << "rank " << rank
+                                                                          << " charge " << k;
+      before = after;
+      if (k == 2) {  // the same step again: its draws are never added twice
+        for (int64_t u = 0; u < 2; ++u) {
+          const int64_t padded = state.unit_at(u).flat().layout().padded_numel();
+          state.add_unit_grad(u, torch::zeros({padded}), true, true);
+        }
+        EXPECT_THROW(state.noisy_step(&step, kScale), std::logic_error);
+        state.zero_grad();
+        EXPECT_THROW(noise.at(2, kStd), std::invalid_argument);  // goes back
+        before = state.full_parameters(1).clone();
+      }
+    }
+    EXPECT_EQ(noise.last(0), kSteps - 1);
+    EXPECT_EQ(noise.last(1), kSteps - 1);
+  });
+  EXPECT_THROW(CorrelatedNoise(privacy::BandedToeplitz({2.0, 0.5}), NoiseKey{false, 1, {}}),
+               std::invalid_argument);
+}
+
+// The general path with a second band of 0 (w_k = z_k exactly) against DP-SGD's StepNoise, and
+// the one-band shortcut, which is StepNoise's own call, bit for bit.
 TEST(CorrelatedNoise, OneBandIsDpSgdBitForBit) {
+  const at::Tensor general =
+      noise_of_run(2, zero::Stage::k3, privacy::BandedToeplitz({1.0, 0.0}), consecutive());
   for (zero::Stage stage : {zero::Stage::k0, zero::Stage::k3}) {
     const at::Tensor correlated =
         noise_of_run(2, stage, privacy::BandedToeplitz::identity(), consecutive());
@@ -148,6 +210,7 @@ TEST(CorrelatedNoise, OneBandIsDpSgdBitForBit) {
       per_rank[rank] = global(at::stack(steps), state.unit_at(0).flat().layout());
     });
     EXPECT_TRUE(at::equal(correlated, per_rank[0])) << static_cast<int>(stage);
+    EXPECT_TRUE(at::allclose(general, per_rank[0], 1e-6, 1e-7)) << static_cast<int>(stage);
   }
 }
 
