@@ -19,11 +19,15 @@ void check_sample(int64_t n, double q) {
 }  // namespace
 
 std::vector<int64_t> poisson_logical_batch(const SamplerSource& source, uint32_t step, int64_t n,
-                                           double q) {
+                                           double q, int64_t partitions) {
   check_sample(n, q);
+  if (partitions < 1)
+    throw std::invalid_argument("partitions must be >= 1, got " + std::to_string(partitions));
   std::vector<int64_t> batch;
   batch.reserve(static_cast<size_t>(std::ceil(q * static_cast<double>(n) * 1.1)) + 16);
-  for (int64_t k = 0; k < n; ++k) {
+  // Note [cyclic poisson]: partition step mod b only, its examples k = p, p + b, p + 2b, ...
+  for (int64_t k = static_cast<int64_t>(step % static_cast<uint64_t>(partitions)); k < n;
+       k += partitions) {
     if (inclusion_uniform(source, step, static_cast<uint64_t>(k)) < q) batch.push_back(k);
   }
   return batch;
@@ -32,7 +36,7 @@ std::vector<int64_t> poisson_logical_batch(const SamplerSource& source, uint32_t
 MicroBatchSchedule poisson_micro_batches(const SamplerSource& source, uint32_t step, int64_t n,
                                          double q,
                                          int64_t rank, int64_t world_size,
-                                         int64_t max_micro_batch) {
+                                         int64_t max_micro_batch, int64_t partitions) {
   if (world_size < 1) {
     throw std::invalid_argument("world_size must be >= 1, got " + std::to_string(world_size));
   }
@@ -44,13 +48,13 @@ MicroBatchSchedule poisson_micro_batches(const SamplerSource& source, uint32_t s
     throw std::invalid_argument("max micro-batch size must be >= 1, got " +
                                 std::to_string(max_micro_batch));
   }
-  const std::vector<int64_t> batch = poisson_logical_batch(source, step, n, q);
+  const std::vector<int64_t> batch = poisson_logical_batch(source, step, n, q, partitions);
   MicroBatchSchedule out;
   out.logical_batch_size = static_cast<int64_t>(batch.size());
   out.rank_counts.assign(static_cast<size_t>(world_size), 0);
   std::vector<int64_t> mine;
   for (int64_t k : batch) {
-    const int64_t owner = k % world_size;
+    const int64_t owner = (k / partitions) % world_size;  // Note [cyclic poisson]
     ++out.rank_counts[static_cast<size_t>(owner)];
     if (owner == rank) mine.push_back(k);
   }

@@ -14,6 +14,18 @@
 // Secure mode draws u from ChaCha20 under the run's 256-bit entropy key instead (Note [secure
 // noise] in secure_noise.h): block k/8 (counter = low 32 bits, nonce = (high 32 bits, t, "samp")),
 // words 2(k%8) and 2(k%8)+1 — so the batches are as unpredictable as the noise.
+//
+// Note [cyclic poisson]
+// ~~~~~~~~~~~~~~~~~~~~~
+// The banded mechanisms' amplification (Choquette-Choo et al. 2023, "(Amplified) Banded Matrix
+// Factorization", §4) needs each example to take part in steps at least b apart: the dataset is
+// split into b fixed partitions, {k : k mod b = p}, and step t samples only partition t mod b,
+// each of its examples with probability q by the same u(seed, t, k) < q as above. So an example's
+// inclusions are independent across the steps of its partition, never in the b − 1 steps between,
+// and partitions = 1 is the ordinary schedule, draw for draw. The partition is fixed by the
+// index alone, before any data is read, as the theorem requires. Rank r's share is
+// {k : floor(k / b) mod W = r}, which is k mod W at b = 1 and spreads a partition's examples over
+// every rank whatever b and W have in common.
 #pragma once
 
 #include <cstdint>
@@ -60,10 +72,11 @@ DPZERO_HOST_DEVICE double inclusion_uniform(const SamplerSource& source, uint32_
                        : sampler_uniform(source.seed, step, k);
 }
 
-// The logical batch of step t over a dataset of n examples: included indices, ascending.
-// Throws std::invalid_argument naming the value for n < 0 or q outside [0, 1].
+// The logical batch of step t over a dataset of n examples: included indices, ascending;
+// with partitions b > 1, only partition t mod b is sampled (Note [cyclic poisson]). Throws
+// std::invalid_argument naming the value for n < 0, q outside [0, 1] or partitions < 1.
 std::vector<int64_t> poisson_logical_batch(const SamplerSource& source, uint32_t step, int64_t n,
-                                           double q);
+                                           double q, int64_t partitions = 1);
 
 struct MicroBatchSchedule {
   int64_t logical_batch_size = 0;             // examples in the step over all ranks
@@ -75,6 +88,6 @@ struct MicroBatchSchedule {
 // world_size < 1, rank outside [0, world_size), max_micro_batch < 1, or the cases above.
 MicroBatchSchedule poisson_micro_batches(const SamplerSource& source, uint32_t step, int64_t n, double q,
                                          int64_t rank, int64_t world_size,
-                                         int64_t max_micro_batch);
+                                         int64_t max_micro_batch, int64_t partitions = 1);
 
 }  // namespace dpzero::privacy

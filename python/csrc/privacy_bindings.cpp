@@ -59,12 +59,12 @@ void bind_privacy(py::module_ m) {
       "schedule]); seed is an int (Philox) or an 8-word key (secure mode).");
   m.def(
       "poisson_logical_batch",
-      [](const py::object& seed, int64_t step, int64_t n, double q) {
-        return poisson_logical_batch(sampler_source(seed), checked_step(step), n, q);
+      [](const py::object& seed, int64_t step, int64_t n, double q, int64_t partitions) {
+        return poisson_logical_batch(sampler_source(seed), checked_step(step), n, q, partitions);
       },
-      py::arg("seed"), py::arg("step"), py::arg("n"), py::arg("q"),
+      py::arg("seed"), py::arg("step"), py::arg("n"), py::arg("q"), py::arg("partitions") = 1,
       "Included example indices of step's logical batch; seed is an int (Philox) or an "
-      "8-word key (secure mode, ChaCha20).");
+      "8-word key (secure mode, ChaCha20); partitions > 1: Note [cyclic poisson].");
   // Note [banded strategies] (privacy/banded.h).
   py::class_<BandedToeplitz>(m, "BandedToeplitz",
                              "A b-banded lower-triangular Toeplitz strategy C for correlated noise")
@@ -85,12 +85,12 @@ void bind_privacy(py::module_ m) {
   m.def(
       "poisson_micro_batches",
       [](const py::object& seed, int64_t step, int64_t n, double q, int64_t rank,
-         int64_t world_size, int64_t max_micro_batch) {
+         int64_t world_size, int64_t max_micro_batch, int64_t partitions) {
         return poisson_micro_batches(sampler_source(seed), checked_step(step), n, q, rank,
-                                     world_size, max_micro_batch);
+                                     world_size, max_micro_batch, partitions);
       },
       py::arg("seed"), py::arg("step"), py::arg("n"), py::arg("q"), py::arg("rank"),
-      py::arg("world_size"), py::arg("max_micro_batch"));
+      py::arg("world_size"), py::arg("max_micro_batch"), py::arg("partitions") = 1);
   m.def("group_thresholds", &group_thresholds, py::arg("max_norm"), py::arg("num_groups"),
         py::arg("weights") = std::vector<double>{},
         "Per-group thresholds C_l = C sqrt(w_l / sum w) rounded down to float32, with sum C_l^2 "

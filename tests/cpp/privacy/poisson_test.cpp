@@ -49,6 +49,45 @@ TEST(Poisson, RanksPartitionTheBatchAndAgreeOnMicroBatchCount) {
   }
 }
 
+// Note [cyclic poisson]: with b partitions step t samples partition t mod b alone, by the very
+// draws of the ordinary schedule (its batch is the ordinary batch cut to that partition), each
+// example only in steps of its own residue; the ranks' shares still partition the batch, every
+// rank with a share of each partition.
+TEST(Poisson, CyclicPartitionsSampleOnePartitionPerStepWithTheSameDraws) {
+  constexpr int64_t kN = 997, kB = 4;
+  EXPECT_EQ(poisson_logical_batch(SamplerSource{99}, 12, kN, 0.05, 1),
+            poisson_logical_batch(SamplerSource{99}, 12, kN, 0.05));
+  std::vector<int64_t> seen(kN, 0);
+  for (uint32_t t = 0; t < 12; ++t) {
+    const auto ordinary = poisson_logical_batch(SamplerSource{5}, t, kN, 0.3);
+    std::vector<int64_t> want;
+    for (int64_t k : ordinary)
+      if (k % kB == static_cast<int64_t>(t) % kB) want.push_back(k);
+    const auto cyclic = poisson_logical_batch(SamplerSource{5}, t, kN, 0.3, kB);
+    EXPECT_EQ(cyclic, want) << "step " << t;
+    EXPECT_FALSE(cyclic.empty());
+    for (int64_t k : cyclic) {
+      EXPECT_EQ(k % kB, static_cast<int64_t>(t) % kB);
+      ++seen[k];
+    }
+    for (int64_t world : {2, 4}) {
+      std::vector<int64_t> union_of_ranks;
+      for (int64_t r = 0; r < world; ++r) {
+        const auto s = poisson_micro_batches(SamplerSource{5}, t, kN, 0.3, r, world, 8, kB);
+        EXPECT_EQ(s.logical_batch_size, static_cast<int64_t>(cyclic.size()));
+        EXPECT_GT(s.rank_counts[r], 0) << "rank " << r << " of " << world << " step " << t;
+        for (const auto& mb : s.micro_batches) union_of_ranks.insert(union_of_ranks.end(), mb.begin(), mb.end());
+      }
+      std::sort(union_of_ranks.begin(), union_of_ranks.end());
+      EXPECT_EQ(union_of_ranks, cyclic) << "world " << world << " step " << t;
+    }
+  }
+  EXPECT_NE(testing::error_message<std::invalid_argument>(
+                [] { poisson_logical_batch(SamplerSource{1}, 1, 10, 0.1, 0); })
+                .find("partitions must be >= 1, got 0"),
+            std::string::npos);
+}
+
 TEST(Poisson, EmptyLogicalBatchIsOneEmptyMicroBatch) {
   const auto s = poisson_micro_batches(SamplerSource{1}, 1, 100, 0.0, 0, 2, 8);
   EXPECT_EQ(s.logical_batch_size, 0);
