@@ -158,8 +158,8 @@ PrivacyOptions options_of(const Args& a, int64_t dataset_size) {
   o.max_grad_norm = a.clip;
   o.sample_rate = a.q;
   o.dataset_size = dataset_size;
-  o.max_physical_batch_size = a.max_physical_batch_size;
-  o.stage = static_cast<dpzero::zero::Stage>(a.stage);
+  if (a.max_physical_batch_size != 0) o.max_physical_batch_size = a.max_physical_batch_size;
+  o.zero_stage = a.stage;
   o.optimizer.lr = a.lr;
   if (a.seed) o.seed = static_cast<uint64_t>(*a.seed);
   o.secure_mode = a.secure_mode;

@@ -36,31 +36,15 @@ int64_t bits_of(double x) {
 
 // What only this front door refuses (run.h checks the rest, for both).
 void check_options(const PrivacyOptions& o) {
-  if (o.stage == zero::Stage::k3)
+  if (o.zero_stage == 3)
     throw std::invalid_argument(bad(
-        "stage 3 gathers each unit in module hooks, which torch::nn modules in C++ lack; use "
-        "stages 0-2, or the Python front door (dpzero.make_private) for stage 3"));
-}
-
-// The options as the run's rules read them (run.h): flat clipping.
-RunSettings run_settings(const PrivacyOptions& o) {
-  RunSettings s;
-  s.noise_multiplier = o.noise_multiplier;
-  s.allow_no_noise = o.allow_no_noise;
-  s.max_grad_norm = o.max_grad_norm;
-  s.sample_rate = o.sample_rate;
-  s.dataset_size = o.dataset_size;
-  if (o.max_physical_batch_size != 0) s.max_physical_batch_size = o.max_physical_batch_size;
-  s.loss_reduction = o.loss_reduction;
-  s.accountant = o.accountant;
-  s.zero_stage = static_cast<int64_t>(o.stage);
-  s.epsilon_budget = o.epsilon_budget;
-  s.budget_delta = o.budget_delta;
-  s.seed = o.seed;
-  s.secure_mode = o.secure_mode;
-  s.ledger_path = o.ledger_path;
-  s.run_id = o.run_id;
-  return s;
+        "zero_stage 3 gathers each unit in module hooks, which torch::nn modules in C++ lack; "
+        "use stages 0-2, or the Python front door (dpzero.make_private) for stage 3"));
+  if (o.clipping != "flat")
+    throw std::invalid_argument(bad("clipping '" + o.clipping +
+                                    "': the C++ front door clips flat; use clipping \"flat\", "
+                                    "or the Python front door for per-layer, group or automatic "
+                                    "clipping"));
 }
 
 // This door's walk of the module tree for Note [default units] (src/zero/default_units.h):
@@ -113,7 +97,7 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
     : model_(std::move(model)), options_(std::move(options)) {
   TORCH_CHECK(model_, bad("model is null"));
   check_options(options_);
-  const RunSettings settings = run_settings(options_);
+  const RunSettings& settings = options_;  // the shared part
   check_run_settings(settings);  // start_run checks again, agreed; this refuses before any change
   if (process_group) {
     rank_ = process_group->getRank();
@@ -216,7 +200,7 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
     specs.push_back(std::move(spec));
   }
   zero::ZeroConfig config;
-  config.stage = options_.stage;
+  config.stage = static_cast<zero::Stage>(options_.zero_stage);
   config.optimizer = options_.optimizer;
   config.grad_scale = 1.0;  // the step scales by 1 / (q·N)
   zero_ = std::make_unique<zero::ZeroState>(std::move(specs), total, config, process_group);
@@ -454,8 +438,7 @@ std::vector<MicroBatch> PrivacyEngine::sample() {
         bad("sample(): the logical batch handed out last is accumulated but "
             "not stepped; call step() (or zero_grad() to drop it) first"));
   const int64_t t = next_step_;
-  const int64_t cap = options_.max_physical_batch_size > 0 ? options_.max_physical_batch_size
-                                                           : options_.dataset_size;
+  const int64_t cap = options_.max_physical_batch_size.value_or(options_.dataset_size);
   const privacy::MicroBatchSchedule schedule =
       privacy::poisson_micro_batches(sampler_, static_cast<uint32_t>(t), options_.dataset_size,
                                      options_.sample_rate, rank_, world_size_, cap);

@@ -59,31 +59,11 @@ class ProcessGroup;
 
 namespace dpzero::dp {
 
-struct PrivacyOptions {
-  double noise_multiplier = 1.0;  // σ >= 0
-  bool allow_no_noise = false;    // needed for σ = 0 (non-private training through this path)
-  double max_grad_norm = 1.0;     // C > 0
-  double sample_rate = 0.0;       // q in (0, 1]
-  int64_t dataset_size = 0;       // N > 0
-  // m: rows per micro-batch at most (0: the whole of this rank's share in one micro-batch).
-  int64_t max_physical_batch_size = 0;
-  // "mean": the loss is a mean over the micro-batch's rows (Note [mean loss] in book.h); "sum".
-  std::string loss_reduction = RunSettings{}.loss_reduction;
-  // "prv" (the upper bound of the PRV accountant) or "rdp": what epsilon() and the budget use.
-  std::string accountant = RunSettings{}.accountant;
-  zero::Stage stage = zero::Stage::k0;  // stages 0–2 (stage 3 gathers in module hooks, which
-                                        // torch::nn in C++ does not have)
-  zero::OptimizerOptions optimizer;     // SGD by default
-  // Note [secure by default] (privacy/entropy.h): without a seed the run draws its noise and its
-  // batches in secure mode (ChaCha20, rank 0's key from the OS, which no file holds). A seed
-  // (the same on every rank) makes it reproducible (Philox). secure_mode=false without a seed:
-  // rank 0 draws a seed (PrivacyEngine::seed() tells it); secure_mode=true with one is refused.
-  std::optional<uint64_t> seed;
-  std::optional<bool> secure_mode;
-  std::string ledger_path;               // "": no ledger; else rank 0 creates or continues it
-  std::string run_id;                    // the ledger's run id ("": the file's name)
-  std::optional<double> epsilon_budget;  // refuse steps past ε at budget_delta (BudgetExhausted)
-  std::optional<double> budget_delta;    // needed with epsilon_budget
+// The run's settings (RunSettings, run.h: the names, defaults and rules both front doors share)
+// and what only this front door has. Stages 0–2: stage 3 gathers in module hooks, which torch::nn
+// in C++ does not have. Clipping is flat (RunSettings::clipping must stay "flat").
+struct PrivacyOptions : RunSettings {
+  zero::OptimizerOptions optimizer;  // SGD by default
   // Take the model's batch-first layout on trust: step() then runs without check_batch_first
   // (Note [C++ batch dimension]). Off: steps are refused until the check has passed.
   bool trust_batch_first = false;

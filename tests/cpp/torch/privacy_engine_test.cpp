@@ -210,7 +210,7 @@ TEST(PrivacyEngine, RefusesBadOptionsNamingThem) {
       testing::error_message<std::invalid_argument>([&] { PrivacyEngine engine(net.ptr(), o); }),
       "sample_rate must be in (0, 1], got 1.5"));
   o = options();
-  o.stage = zero::Stage::k3;
+  o.zero_stage = 3;
   EXPECT_TRUE(contains(
       testing::error_message<std::invalid_argument>([&] { PrivacyEngine engine(net.ptr(), o); }),
       "stage 3"));
