@@ -803,7 +803,7 @@ class Permuted(nn.Module):
 
 @pytest.mark.parametrize("batch", [2, T])
 def test_a_model_that_permutes_its_examples_holds_2c_under_layer_clipping(batch):
-    """Documented limit (provenance/probe.py): a permutation between layers is not detected; flat
+    """Documented limit (provenance/root.py): a permutation between layers is not detected; flat
     clipping would pair rows of different examples across layers, layer clipping bounds each
     layer's rows on their own and so holds the bound."""
     ids, y = ids_and_labels(batch)
@@ -904,7 +904,7 @@ def test_an_output_with_the_batch_size_past_dim_0_makes_the_shapes_ambiguous():
     # [16, 4, 8] could be the batch in dim 1 or a coincidence of sizes, so a verdict cached for
     # this call pattern must not be reused without a probe. (The check once compared the batch
     # size against whole output shapes and never saw one.)
-    from dpzero.private.provenance.probe import CallRecord, ambiguous
+    from dpzero.private.provenance.records import CallRecord, ambiguous
 
     inputs = ((4, 16, 8),)
     assert ambiguous([CallRecord(0, inputs, (), ((16, 4, 8),))], 4)

@@ -5,7 +5,7 @@ gives it a layer kind (``layers.py``) or the generic path (``fallback.py``), che
 escapes clipping (design.md §3 "No silent non-privacy"), groups tied layers into components, and
 replaces each DP module's ``forward`` (an instance attribute, removed by ``detach``) by one that
 routes the call through the clipping book, and the model's own forward by the root forward that
-decides which layer inputs hold the examples (provenance/probe.py, Note [batch provenance]).
+decides which layer inputs hold the examples (provenance/root.py, Note [batch provenance]).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from .errors import PrivacyViolation
 from .fallback import BYPASS, FuncKind, OutputLayout, swapped, taken_whole, tap
 from .layers import (ORIGINAL_FORWARD, EmbeddingKind, autocast_dtype, calls_base_forward,
                      dp_apply, layer_kind, overridden_base)
-from .provenance.probe import input_record, record, root_forward
+from .provenance.records import input_record, record
+from .provenance.root import root_forward
 
 # Module types that cannot run under DP, with the reason the error gives.
 _REJECTED = (

@@ -4,7 +4,7 @@ The book itself — parts, components and groups, clip factors, clipped sums int
 buffer, the hand-over to the engine, padding batches, NaN samples, mean-loss scaling and early
 release — is ``dpzero._C.dp.Book``; src/dp/book.h explains it top to bottom. This wrapper keeps
 what only Python knows: the root forward's provenance verdicts (Note [batch provenance] in
-provenance/probe.py), activation checkpointing's recomputed forwards, the generic path's per-sample
+provenance/root.py), activation checkpointing's recomputed forwards, the generic path's per-sample
 gradients (fallback.py), the end-of-backward callback, and the error that makes the step refuse.
 
 Note [recomputed forwards]: under activation checkpointing (torch.utils.checkpoint with
@@ -20,8 +20,8 @@ recomputed calls match no registered call and the backward is refused, naming th
 
 Note [one sample per row]: row i of every part of a micro-batch is example i, which is what makes
 the per-sample norm the norm of one example's gradient. That dim 0 holds the examples is decided
-from where each input came from (Note [batch provenance] in provenance/examples.py): the model's root
-forward hands every part its verdict (``set_verdicts``) before any gradient exists, and the C++
+from where each input came from (Note [batch provenance] in provenance/examples.py): the model's
+root forward hands every part its verdict (``set_verdicts``) before any gradient exists, and the C++
 book never clips a part without one. Its row count must also be the micro-batch's (checked there).
 """
 
@@ -89,9 +89,9 @@ class Book:
         self.token = None
         self._expected_rows: Optional[int] = None
         self.deferred: List[Tuple[torch.Tensor, Callable[[], str]]] = []  # Note [deferred checks]
-        # Note [batch provenance] (provenance/probe.py): the DP layer calls of the root forward running
-        # now (None outside one), the probe running now (None outside it), and the verdicts of
-        # every call pattern seen so far (kept for the whole run).
+        # Note [batch provenance] (provenance/root.py): the DP layer calls of the root forward
+        # running now (None outside one), the probe running now (None outside it), and the verdicts
+        # of every call pattern seen so far (kept for the whole run).
         self.root: Optional[list] = None
         self.probe: Optional[list] = None
         # Why the root forward running now was refused (its DP layers register nothing and

@@ -4,13 +4,13 @@ that example collated alone.
 Note [separable collate]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 The private loader tags a micro-batch's tensors as the examples, one per row (Note [batch
-provenance] in provenance/examples.py), after the collate function made them. Whatever that function does
-across examples is invisible to the tag: per-batch standardisation ``(x - x.mean(0)) / x.std(0)``
-puts every example into every row, and a privacy review measured it at 3.80C (N = 16) and 8.80C
-(N = 64) against the replace-one bound 2C. So the loader holds every collated batch of a
-collate function it cannot vouch for to what the tag assumes: row i of every tensor equals
-example i collated alone, bit for bit, and so does every other per-example field (a list of
-strings, numbers). Beyond the extent of the example alone (dynamic padding to the longest example)
+provenance] in provenance/examples.py), after the collate function made them. Whatever that function
+does across examples is invisible to the tag: per-batch standardisation ``(x - x.mean(0)) /
+x.std(0)`` puts every example into every row, and a privacy review measured it at 3.80C (N = 16) and
+8.80C (N = 64) against the replace-one bound 2C. So the loader holds every collated batch of a
+collate function it cannot vouch for to what the tag assumes: row i of every tensor equals example i
+collated alone, bit for bit, and so does every other per-example field (a list of strings, numbers).
+Beyond the extent of the example alone (dynamic padding to the longest example)
 each tensor holds one constant per field, the same in every row and in every batch of the run
 (the padding value: a pad id, 0 in an attention mask, -100 in labels). Padding goes after the
 example (right padding); an example moved by the others' lengths (left padding) is refused. A

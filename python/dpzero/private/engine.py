@@ -60,7 +60,7 @@ from .provenance.examples import MicroBatchToken, tag
 from .loader import DPDataLoader, MicroBatch, Schedule
 from .slots import Slots
 from .optimizer import DPOptimizer, EngineLink
-from .provenance.probe import Ranks
+from .provenance.root import Ranks
 from .state_guard import ProbeWrites, StateGuard
 from .trainable import TrainableSet
 from . import state_dict
@@ -779,7 +779,8 @@ class PrivacyEngine:
                   dropped: int) -> None:
         """Note [released figures]: what a step realised (batch size, rows seen, samples dropped
         for a NaN/Inf norm) depends on the data and is not covered by epsilon. It goes to
-        ``last_step_diagnostics`` and the data-dependent diagnostics file only, never into a warning:
+        ``last_step_diagnostics`` and the data-dependent diagnostics file only, never into a
+        warning:
         whether any example was dropped tells whether a record with a non-finite gradient was
         sampled (a membership oracle). That the mechanism drops such examples is said once, in
         the docs and the report, whatever the data."""

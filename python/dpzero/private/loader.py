@@ -1,7 +1,7 @@
 """The private data loader: this rank's micro-batches of each Poisson-sampled logical batch
 (design.md §2 step 1; ``data.PoissonBatchSampler``), tagged as the examples of their micro-batch
-(Note [batch provenance] in provenance/examples.py), with one-row padding batches where a rank's share runs
-short (Note [padding batches] in src/dp/book.h)."""
+(Note [batch provenance] in provenance/examples.py), with one-row padding batches where a rank's
+share runs short (Note [padding batches] in src/dp/book.h)."""
 
 from __future__ import annotations
 

@@ -14,12 +14,12 @@ Such an output is a :class:`PerCall` tensor. It is a *source*, and every tensor 
 by an operation linear in it with constant weights is a PerCall too, carrying per source k its
 coefficients ``C_k`` (float64, ``[n_k, *shape]`` for a source of n_k elements: the derivative of
 each of its elements with respect to each of the source's): sums with anything (the other
-terms' values do not reach G), products and quotients with constants, reductions, shape
-operations, indexing, stacking, casts. A *constant* is a Python number, or a tensor that needs no
-gradient and carries nothing of the batch: not the loader's tensors or anything computed from
-them, not the model's outputs (tagged as the examples, Note [batch provenance] in provenance/examples.py),
-not a read of a PerCall (``aux.detach()``, a comparison: these come back tainted). Any other
-operation that carries a gradient is refused at once, naming it.
+terms' values do not reach G), products and quotients with constants, reductions, shape operations,
+indexing, stacking, casts. A *constant* is a Python number, or a tensor that needs no gradient and
+carries nothing of the batch: not the loader's tensors or anything computed from them, not the
+model's outputs (tagged as the examples, Note [batch provenance] in provenance/examples.py), not a
+read of a PerCall (``aux.detach()``, a comparison: these come back tainted). Any other operation
+that carries a gradient is refused at once, naming it.
 
 That is for clear errors; the guarantee is a check. ``backward()`` on a PerCall registers, per
 source, the gradient its coefficients promise (``sum(gradient * C_k)`` over the root's

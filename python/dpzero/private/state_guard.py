@@ -42,11 +42,11 @@ yet measured). On a CPU with many frozen weights and small micro-batches (adapte
 base) it can exceed a forward's matmuls through them (experiments/results/private.md).
 
 A buffer or frozen parameter added, removed or replaced by another tensor counts as a change. The
-caller's own writes between steps that hold nothing of the training data (a value computed from
-the released model, a load) are accepted by name with ``PrivacyEngine.accept_state_change``;
+caller's own writes between steps that hold nothing of the training data (a value computed from the
+released model, a load) are accepted by name with ``PrivacyEngine.accept_state_change``;
 ``model.load_state_dict()`` and ``dpzero.checkpoint.load`` accept what they load. The provenance
-probe's forward (provenance/probe.py) restores whatever state it writes, copy-on-write, so it leaves no
-trace (Note [probe writes]).
+probe's forward (provenance/probe.py) restores whatever state it writes, copy-on-write, so it leaves
+no trace (Note [probe writes]).
 
 What this does not see: Python attributes that are not buffers or parameters (``self.last = x``),
 globals and files; they are not in the model's state dict, and what a caller copies out of the
@@ -448,20 +448,20 @@ class StateGuard:
 
 # Note [probe writes]
 # ~~~~~~~~~~~~~~~~~~~
-# The provenance probe (provenance/probe.py) runs the model's forward once more on the batch with one
-# example repeated. Whatever that forward writes into the model's state must be undone: the
-# probe's batch is not a training batch (example 0 counts twice in it), and nothing of it may
-# stay. A version counter does not see a write through ``.data``, so the probe runs under a
-# dispatch mode that sees every write by construction: each ATen call whose schema marks an
-# argument as written (in place, ``out=``, ``_foreach_*_``, ``copy_``), through any view or
-# alias, is checked against the storages of the model's buffers and frozen parameters, and the
-# state tensors on a written storage are copied, all of their storage (a write may reach past a
-# view), before the first such write. Afterwards every copied tensor whose bytes changed is put
-# back (under strict isolation every written one counts, also one a later write undid), and so is
-# a buffer or parameter replaced by another object; the names of both are returned, and the root forward refuses the call (the
-# same forward wrote the same state in the real pass, which the step would refuse anyway: this
-# names it at the forward). The trainable parameters are the engine's (stage 3 gathers write
-# their storage), so they are not watched here.
+# The provenance probe (provenance/probe.py) runs the model's forward once more on the batch with
+# one example repeated. Whatever that forward writes into the model's state must be undone: the
+# probe's batch is not a training batch (example 0 counts twice in it), and nothing of it may stay.
+# A version counter does not see a write through ``.data``, so the probe runs under a dispatch mode
+# that sees every write by construction: each ATen call whose schema marks an argument as written
+# (in place, ``out=``, ``_foreach_*_``, ``copy_``), through any view or alias, is checked against
+# the storages of the model's buffers and frozen parameters, and the state tensors on a written
+# storage are copied, all of their storage (a write may reach past a view), before the first such
+# write. Afterwards every copied tensor whose bytes changed is put back (under strict isolation
+# every written one counts, also one a later write undid), and so is a buffer or parameter replaced
+# by another object; the names of both are returned, and the root forward refuses the call (the same
+# forward wrote the same state in the real pass, which the step would refuse anyway: this names it
+# at the forward). The trainable parameters are the engine's (stage 3 gathers write their storage),
+# so they are not watched here.
 class _CopyOnWrite(TorchDispatchMode):
     def __init__(self, watched: Dict[int, List[torch.Tensor]], trained: Set[int]) -> None:
         super().__init__()

@@ -92,7 +92,8 @@ from .errors import PrivacyViolation
 from .provenance.examples import wrap
 from .fallback import FuncKind, check_separable, drop_rows, swapped, tap
 from .per_call import SOURCES, PerCall, hold_to_promise
-from .provenance.probe import CallRecord, Ranks, Verdict, admitted, spread_inputs
+from .provenance.records import CallRecord, Verdict, spread_inputs
+from .provenance.root import Ranks, admitted
 
 # Per-example gradients held at once (float32): examples are clipped this many bytes at a time.
 _PER_SAMPLE_BYTES = 256 << 20
