@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -16,7 +15,6 @@
 #include <torch/autograd.h>
 #include <torch/nn/modules/container/modulelist.h>
 
-#include "accounting/types.h"
 #include "privacy/clipping.h"
 #include "src/comm/collectives.h"
 #include "src/dp/modules.h"
@@ -28,11 +26,6 @@ namespace {
 
 std::string bad(const std::string& what) { return "dpzero::dp::PrivacyEngine: " + what; }
 
-int64_t bits_of(double x) {
-  int64_t b = 0;
-  std::memcpy(&b, &x, sizeof b);
-  return b;
-}
 
 // What only this front door refuses (run.h checks the rest, for both).
 void check_options(const PrivacyOptions& o) {
@@ -167,11 +160,9 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
   // The run's rules, on every rank (Note [one set of rules] in run.h): the agreement, the
   // randomness, the ledger with the charges it holds, the budget.
   accountant_ = accounting::make_accountant(accounting::parse_accountant_kind(settings.accountant));
-  const double lr = options_.optimizer.lr;
-  const bool trust = options_.trust_batch_first;
   const RunStart run = start_run(settings,
-                                 {{"optimizer.lr", bits_of(lr), accounting::format_double(lr)},
-                                  {"trust_batch_first", trust, trust ? "true" : "false"}},
+                                 {agreed("optimizer.lr", options_.optimizer.lr),
+                                  agreed("trust_batch_first", options_.trust_batch_first)},
                                  comm::Collectives(process_group), *accountant_);
   ledger_ = run.ledger;
   secure_ = run.secure;

@@ -35,15 +35,11 @@ std::string quoted(const std::string& s) { return "'" + s + "'"; }
 // The settings every rank must share, in the agreement's order. Whether a seed was given is
 // agreed apart from its value, which may be any 64 bits.
 std::vector<AgreedSetting> shared_settings(const RunSettings& s, bool secure) {
-  const auto number = [](const char* name, double v) {
-    return AgreedSetting{name, bits_of(v), format_double(v)};
-  };
+  const auto number = [](const char* name, double v) { return agreed(name, v); };
   const auto integer = [](const char* name, int64_t v) {
     return AgreedSetting{name, v, std::to_string(v)};
   };
-  const auto flag = [](const char* name, bool v) {
-    return AgreedSetting{name, v ? 1 : 0, v ? "True" : "False"};
-  };
+  const auto flag = [](const char* name, bool v) { return agreed(name, v); };
   const auto text = [](const char* name, const std::string& v) {
     return AgreedSetting{name, bits_of(v), quoted(v)};
   };
@@ -147,6 +143,14 @@ std::shared_ptr<accounting::Ledger> open_on_rank_0(const RunSettings& s, bool se
 }
 
 }  // namespace
+
+AgreedSetting agreed(const std::string& name, double value) {
+  return AgreedSetting{name, bits_of(value), format_double(value)};
+}
+
+AgreedSetting agreed(const std::string& name, bool value) {
+  return AgreedSetting{name, value ? 1 : 0, value ? "True" : "False"};
+}
 
 void agree_settings(const std::vector<AgreedSetting>& settings,
                     const std::optional<std::string>& refusal, const comm::Collectives& comm) {

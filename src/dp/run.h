@@ -89,6 +89,10 @@ struct AgreedSetting {
 void agree_settings(const std::vector<AgreedSetting>& settings,
                     const std::optional<std::string>& refusal, const comm::Collectives& comm);
 
+// A front door's own setting of a number or a flag, as agreed (a number by its IEEE bits).
+AgreedSetting agreed(const std::string& name, double value);
+AgreedSetting agreed(const std::string& name, bool value);
+
 // What start_run decided.
 struct RunStart {
   bool secure = false;             // Note [secure by default]

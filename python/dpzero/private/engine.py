@@ -383,8 +383,8 @@ class PrivacyEngine:
         # Note [secure by default] (privacy/entropy.h) from what was asked, at each attach.
         settings = run_settings(c, self.accountant_name, self._secure_mode_asked)
 
-        # Validation before anything is touched (a rejected model stays as it was).
-        _C.dp.check_run_settings(settings)  # start_run checks again, on every rank
+        # Validation before anything is touched (a rejected model stays as it was); the settings'
+        # own rules run in start_run below, on every rank, still before the model is sharded.
         trainable = {id(p): p for p in model.parameters() if p.requires_grad}
         if not trainable:
             raise ValueError("the model has no trainable parameters")

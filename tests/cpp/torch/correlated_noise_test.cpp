@@ -70,14 +70,14 @@ at::Tensor noise_of_run(int world, zero::Stage stage, const privacy::BandedToepl
   return per_rank[0];
 }
 
-// C⁻¹ z densely: z_k(j) for k < kSteps over [0, kCoords), C [kSteps, kSteps] from the
+// C⁻¹ z densely: z_k(j) for k < kSteps over [0, coords), C [kSteps, kSteps] from the
 // coefficients, solved by torch's inverse in float64.
-at::Tensor dense_reference(const privacy::BandedToeplitz& strategy) {
+at::Tensor dense_reference(const privacy::BandedToeplitz& strategy, int64_t coords = kCoords) {
   static const auto add_noise =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("dpzero::add_noise_", "")
           .typed<at::Tensor&(at::Tensor&, double, int64_t, int64_t, int64_t)>();
-  at::Tensor z = torch::zeros({kSteps, kCoords});
+  at::Tensor z = torch::zeros({kSteps, coords});
   for (int64_t k = 0; k < kSteps; ++k) {
     at::Tensor row = z[k];
     add_noise.call(row, 1.0, kSeed, k, 0);
@@ -86,7 +86,7 @@ at::Tensor dense_reference(const privacy::BandedToeplitz& strategy) {
   const std::vector<double>& coef = strategy.coefficients();
   for (int64_t t = 0; t < kSteps; ++t)
     for (int64_t k = 0; k < static_cast<int64_t>(coef.size()) && k <= t; ++k) c[t][t - k] = coef[k];
-  return at::matmul(at::linalg_inv(c), z.to(at::kDouble));  // [kSteps, kCoords]
+  return at::matmul(at::linalg_inv(c), z.to(at::kDouble));  // [kSteps, coords]
 }
 
 std::vector<int64_t> consecutive() {
@@ -127,19 +127,7 @@ TEST(CorrelatedNoise, AChargeNeverAppliedStaysInTheHistory) {
 // C⁻¹z of theirs; charges that go back, and a step applied twice, are refused; c_0 must be 1.
 TEST(CorrelatedNoise, EachUnitKeepsItsOwnHistoryAndADrawIsNeverReused) {
   const auto strategy = privacy::BandedToeplitz::sqrt_prefix_sum(3);
-  static const auto add_noise =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("dpzero::add_noise_", "")
-          .typed<at::Tensor&(at::Tensor&, double, int64_t, int64_t, int64_t)>();
-  at::Tensor z = torch::zeros({kSteps, 24});
-  for (int64_t k = 0; k < kSteps; ++k) {
-    at::Tensor row = z[k];
-    add_noise.call(row, 1.0, kSeed, k, 0);
-  }
-  at::Tensor c = torch::zeros({kSteps, kSteps}, at::kDouble);
-  for (int64_t t = 0; t < kSteps; ++t)
-    for (int64_t k = 0; k < 3 && k <= t; ++k) c[t][t - k] = strategy.coefficients()[k];
-  const at::Tensor want = at::matmul(at::linalg_inv(c), z.to(at::kDouble));
+  const at::Tensor want = dense_reference(strategy, 24);
   testing::run_ranks(2, std::chrono::seconds(120), [&](int rank, auto pg) {
     zero::ZeroConfig config;
     config.stage = zero::Stage::k2;
