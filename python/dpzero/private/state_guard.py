@@ -333,6 +333,8 @@ class StateGuard:
         """One device flag per entry (all of them, in order; a replaced or removed tensor's is
         False here, _structure names it): its buffer's bytes differ from the copy, or its frozen
         parameter's fingerprint changed. No host read."""
+        if not self.entries:
+            return []
         trained = _trained_storages(self._modules(), self.trainable)
         flags = []
         for e in self.entries:
@@ -411,10 +413,11 @@ class StateGuard:
 
     def restore_buffers(self, entries: Optional[Sequence[_Entry]] = None) -> None:
         """Puts the buffers (the given ones, or all) back to their copies, objects and values."""
+        buffers = [e for e in (self.entries if entries is None else entries) if e.buffer]
+        if not buffers:
+            return
         trained = _trained_storages(self._modules(), self.trainable)
-        for e in (self.entries if entries is None else entries):
-            if not e.buffer:
-                continue
+        for e in buffers:
             if e.owner._buffers.get(e.local) is not e.tensor and e.local in e.owner._buffers:
                 e.owner._buffers[e.local] = e.tensor
             untag(e.tensor)
