@@ -6,6 +6,7 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -16,6 +17,8 @@
 #include <optional>
 #include <utility>
 #include <vector>
+
+#include "accounting/banded.h"
 
 namespace dpzero::accounting {
 namespace {
@@ -103,6 +106,7 @@ void validate_header(const LedgerHeader& h) {
     throw std::invalid_argument("ledger header settings must be a JSON object, got " +
                                 h.settings.dump());
   }
+  header_bands(h);  // a "bands" setting must be an integer >= 1
 }
 
 Json header_to_json(const LedgerHeader& h) {
@@ -587,8 +591,25 @@ int64_t Ledger::unnoised_steps() const {
   return total;
 }
 
+int64_t header_bands(const LedgerHeader& h) {
+  const auto it = h.settings.find("bands");
+  if (it == h.settings.end()) return 1;
+  if (!it->is_number_integer() || it->get<int64_t>() < 1) {
+    throw std::invalid_argument("ledger header setting bands must be an integer >= 1, got " +
+                                it->dump());
+  }
+  return it->get<int64_t>();
+}
+
+int64_t Ledger::rows() const {
+  int64_t rows = 0;
+  for (const LedgerRecord& r : records_) rows = std::max(rows, r.last_step + 1);
+  return rows;
+}
+
 std::vector<Phase> Ledger::phases() const {
   std::vector<Phase> phases;
+  const int64_t bands = header_bands(header_);
   for (std::size_t i = 0; i < records_.size(); ++i) {
     const LedgerRecord& r = records_[i];
     if (!r.noise || r.sigma == 0.0) {
@@ -604,6 +625,16 @@ std::vector<Phase> Ledger::phases() const {
     } else {
       phases.push_back(Phase{r.q, r.sigma, r.steps()});
     }
+  }
+  if (bands > 1 && !phases.empty()) {  // Note [amplified banded accounting]
+    if (phases.size() > 1) {
+      throw LedgerError(path_ + ": a ledger of " + std::to_string(bands) +
+                        " bands holds steps at sigma=" + format_double(phases[0].sigma) +
+                        ", q=" + format_double(phases[0].q) + " and at sigma=" +
+                        format_double(phases[1].sigma) + ", q=" + format_double(phases[1].q) +
+                        "; the amplified banded accounting covers one sigma and q only");
+    }
+    phases[0].steps = banded_equivalent_steps(rows(), bands);
   }
   return phases;
 }

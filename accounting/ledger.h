@@ -75,6 +75,11 @@ struct LedgerRecord {
   int64_t steps() const { return last_step - first_step + 1; }
 };
 
+// The header's "bands" setting (1 when absent): the run's noise is banded with that many bands
+// (Note [amplified banded accounting] in accounting/banded.h). Throws std::invalid_argument
+// naming the value unless it is an integer >= 1.
+int64_t header_bands(const LedgerHeader& header);
+
 enum class TornTailPolicy {
   kError,     // a torn last line is a LedgerError (default)
   kTruncate,  // cut the file back to the last complete record; torn_tail() returns the cut bytes
@@ -134,8 +139,13 @@ class Ledger {
 
   // The run as accountant phases: consecutive records with the same (q, sigma) merged, in file
   // order. Throws LedgerError when has_unnoised_steps() (no phase can express them; the caller
-  // must report epsilon = +inf instead of silently skipping them).
+  // must report epsilon = +inf instead of silently skipping them). A banded run (header_bands()
+  // > 1) is one phase of its equivalent DP-SGD steps (Note [amplified banded accounting] in
+  // accounting/banded.h); a LedgerError if its records differ in q or sigma.
   std::vector<Phase> phases() const;
+
+  // One more than the last step any record holds (0 for none): the rows a banded run spans.
+  int64_t rows() const;
 
   // What open(kTruncate) cut off or open_read_only() left out: the bytes of the torn last line
   // (without the newline, if any) and its 1-based line number; "" and 0 when there was none.

@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "accounting/banded.h"
 #include "accounting/calibrate.h"
 #include "accounting/ledger.h"
 #include "accounting/prv.h"
@@ -32,6 +33,9 @@ void bind_accountants(py::module_& m) {
                ", steps=" + std::to_string(p.steps) + ")";
       });
 
+  m.def("banded_equivalent_steps", &banded_equivalent_steps, py::arg("rows"), py::arg("bands"),
+        "The DP-SGD steps a banded run over `rows` steps equals (Note [amplified banded "
+        "accounting] in accounting/banded.h)");
   m.def("opacus_default_orders", &opacus_default_orders);
   m.def("tfp_default_orders", &tfp_default_orders);
   m.def("compute_log_a", &compute_log_a, py::arg("q"), py::arg("sigma"), py::arg("alpha"),
@@ -198,6 +202,8 @@ void bind_ledger(py::module_& m) {
       .def_property_readonly("total_steps", &Ledger::total_steps)
       .def_property_readonly("unnoised_steps", &Ledger::unnoised_steps)
       .def("phases", &Ledger::phases)
+      .def_property_readonly("rows", &Ledger::rows)
+      .def_property_readonly("bands", [](const Ledger& l) { return header_bands(l.header()); })
       .def_property_readonly("torn_tail", [](const Ledger& l) { return py::bytes(l.torn_tail()); })
       .def_property_readonly("torn_tail_line", &Ledger::torn_tail_line);
 }

@@ -209,6 +209,7 @@ void bind_dp(py::module_ m) {
       .def_readwrite("automatic_gamma", &dp::RunSettings::automatic_gamma)
       .def_readwrite("accountant", &dp::RunSettings::accountant)
       .def_readwrite("zero_stage", &dp::RunSettings::zero_stage)
+      .def_readwrite("bands", &dp::RunSettings::bands)
       .def_readwrite("epsilon_budget", &dp::RunSettings::epsilon_budget)
       .def_readwrite("budget_delta", &dp::RunSettings::budget_delta)
       .def_readwrite("seed", &dp::RunSettings::seed)
@@ -224,6 +225,8 @@ void bind_dp(py::module_ m) {
           "key", [](const dp::RunStart& r) { return std::vector<int64_t>(r.key.w, r.key.w + 8); })
       .def_readonly("ledger", &dp::RunStart::ledger)
       .def_readonly("charges", &dp::RunStart::charges)
+      .def_readonly("rows", &dp::RunStart::rows)
+      .def_property_readonly("first_step", &dp::RunStart::first_step)
       .def_readonly("max_steps", &dp::RunStart::max_steps)
       .def_readonly("budget", &dp::RunStart::budget);
   m.def(
@@ -266,7 +269,8 @@ void bind_dp(py::module_ m) {
                        std::shared_ptr<accounting::Accountant> accountant) {
              return std::make_shared<dp::PrivateStep>(std::move(book), zero, run.ledger,
                                                       run.step_settings(settings),
-                                                      std::move(accountant), run.charges);
+                                                      std::move(accountant), run.charges,
+                                                      run.rows);
            }),
            py::arg("book"), py::arg("zero"), py::arg("settings"), py::arg("run"),
            py::arg("accountant"),
@@ -288,9 +292,13 @@ void bind_dp(py::module_ m) {
       .def("drop_batch", &dp::PrivateStep::drop_batch, py::call_guard<py::gil_scoped_release>(),
            "Drops the logical batch: the book's micro-batches and the ZeRO state's gradients")
       .def_property_readonly("charges", &dp::PrivateStep::charges)
+      .def_property_readonly("rows", &dp::PrivateStep::rows)
+      .def_property_readonly("equivalent_steps", &dp::PrivateStep::equivalent_steps)
       .def_property_readonly("accountant", &dp::PrivateStep::accountant)
       .def("restore", &dp::PrivateStep::restore, py::arg("charges"), py::arg("accountant"),
-           "A checkpoint's charge count and the accountant that holds them")
+           py::arg("rows") = 0,
+           "A checkpoint's charge count, the accountant that holds them, and its rows (one more "
+           "than the last step charged)")
       .def(
           "set_noise_key",
           [](dp::PrivateStep& step, const py::object& key) { step.set_noise_key(noise_key(key)); },

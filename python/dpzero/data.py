@@ -33,12 +33,14 @@ class PoissonBatchSampler(Sampler[List[int]]):
         rank, world_size: this rank and the number of ranks (partition k mod world_size).
         max_physical_batch_size: micro-batch cap m (default: no cap, one micro-batch per step).
         start_step: first step (for resuming a run).
+        partitions: b >= 1; step t samples only the examples k with k mod b = t mod b (Note
+            [cyclic poisson] in privacy/poisson.h: banded noise needs it); 1: all of them.
     """
 
     def __init__(self, num_samples: int, sample_rate: float, steps: int,
                  seed: Union[int, Sequence[int]], rank: int = 0,
                  world_size: int = 1, max_physical_batch_size: Optional[int] = None,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, partitions: int = 1) -> None:
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         if start_step < 0:
@@ -54,16 +56,17 @@ class PoissonBatchSampler(Sampler[List[int]]):
         self.rank, self.world_size = int(rank), int(world_size)
         self.max_physical_batch_size = max_physical_batch_size or max(1, self.num_samples)
         self.start_step = int(start_step)
+        self.partitions = int(partitions)
         # Validates every argument once, with the value named, before any iteration.
         _privacy.poisson_micro_batches(self.seed, self.start_step, self.num_samples,
                                        self.sample_rate, self.rank, self.world_size,
-                                       self.max_physical_batch_size)
+                                       self.max_physical_batch_size, self.partitions)
 
     def schedule(self, step: int) -> _privacy.MicroBatchSchedule:
         """This rank's micro-batches of ``step`` with the logical batch size and per-rank counts."""
         sched = _privacy.poisson_micro_batches(self.seed, step, self.num_samples, self.sample_rate,
                                                self.rank, self.world_size,
-                                               self.max_physical_batch_size)
+                                               self.max_physical_batch_size, self.partitions)
         self._counts[step] = len(sched.micro_batches)
         return sched
 

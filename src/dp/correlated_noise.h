@@ -16,9 +16,11 @@
 // from another layout's. A charge index never applied (a step charged and then failed, Note
 // [noise index] in private_step.h) still has its w: a unit that reaches charge k with its history
 // at k' < k − 1 first forms the w's of k' + 1 .. k − 1 without adding them, so the history is
-// always C⁻¹z at consecutive charge indices from charge 0. (A resumed run therefore needs the
-// history its checkpoint holds; until checkpoints carry it, a fresh object starts at charge 0.)
-// A unit's noise is added once per charge: a step applied twice is refused.
+// always C⁻¹z at consecutive charge indices from charge 0. A resumed run's fresh object thus
+// recomputes the history from the counters on its first charge (k draws of the shard), and its
+// noise continues exactly. A unit's noise is added once per charge: a step applied twice is
+// refused. (The private step passes its row, the sampler's step t, as k: Note [banded steps] in
+// private_step.h.)
 #pragma once
 
 #include <cstdint>

@@ -242,8 +242,9 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
   session_->book = std::make_shared<Book>(std::move(layers), book_options, *zero_);
   session_->book->set_queue_finish(true);
   step_ = std::make_unique<PrivateStep>(session_->book, *zero_, run.ledger,
-                                        run.step_settings(settings), accountant_, run.charges);
-  next_step_ = run.charges;  // Note [noise index]: never a step already charged
+                                        run.step_settings(settings), accountant_, run.charges,
+                                        run.rows);
+  next_step_ = run.first_step();  // Note [noise index]: never a step already charged
 
   // Last, once nothing can fail: the DP modules register with this engine's book, and every
   // trained parameter gets its escape hook.
@@ -432,7 +433,8 @@ std::vector<MicroBatch> PrivacyEngine::sample() {
   const int64_t cap = options_.max_physical_batch_size.value_or(options_.dataset_size);
   const privacy::MicroBatchSchedule schedule =
       privacy::poisson_micro_batches(sampler_, static_cast<uint32_t>(t), options_.dataset_size,
-                                     options_.sample_rate, rank_, world_size_, cap);
+                                     options_.sample_rate, rank_, world_size_, cap,
+                                     options_.bands);
   std::vector<MicroBatch> out;
   const int64_t count = static_cast<int64_t>(schedule.micro_batches.size());
   for (int64_t i = 0; i < count; ++i) {

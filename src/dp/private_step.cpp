@@ -1,6 +1,7 @@
 // src/dp/private_step.cpp — see private_step.h.
 #include "src/dp/private_step.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -9,6 +10,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "accounting/banded.h"
 #include "accounting/types.h"
 #include "src/dp/failpoints.h"
 #include "src/zero/state.h"
@@ -42,6 +44,8 @@ enum Agreed : size_t {
   kSizeSquares,
   kCharges,
   kChargeSquares,
+  kSteps,
+  kStepSquares,
   kBad,
   kCount
 };
@@ -50,7 +54,8 @@ enum Agreed : size_t {
 
 PrivateStep::PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& zero,
                          std::shared_ptr<accounting::Ledger> ledger, StepSettings settings,
-                         std::shared_ptr<accounting::Accountant> accountant, int64_t charges)
+                         std::shared_ptr<accounting::Accountant> accountant, int64_t charges,
+                         int64_t rows)
     : book_(std::move(book)),
       zero_(zero),
       ledger_(std::move(ledger)),
@@ -81,11 +86,23 @@ PrivateStep::PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& zero,
     throw std::invalid_argument("PrivateStep: max_steps must be >= 0, got " +
                                 std::to_string(*s.max_steps));
   }
+  if (s.bands < 1) {
+    throw std::invalid_argument("PrivateStep: bands must be >= 1, got " +
+                                std::to_string(s.bands));
+  }
+  if (s.bands > 1 && s.noise_multiplier == 0.0) {
+    throw std::invalid_argument("PrivateStep: bands=" + std::to_string(s.bands) +
+                                " needs noise (noise_multiplier > 0)");
+  }
+  if (s.bands > 1) {
+    band_norm_ = privacy::BandedToeplitz::sqrt_prefix_sum(s.bands).column_norm(s.bands, 0);
+  }
   set_noise_key(settings_.noise_key);
-  restore(charges, accountant_);
+  restore(charges, accountant_, rows);
 }
 
-void PrivateStep::restore(int64_t charges, std::shared_ptr<accounting::Accountant> accountant) {
+void PrivateStep::restore(int64_t charges, std::shared_ptr<accounting::Accountant> accountant,
+                          int64_t rows) {
   if (charges < charges_) {
     throw std::invalid_argument("PrivateStep: charges must not go below the " +
                                 std::to_string(charges_) +
@@ -93,8 +110,21 @@ void PrivateStep::restore(int64_t charges, std::shared_ptr<accounting::Accountan
                                 "index]: a charge index is never reused), got " +
                                 std::to_string(charges));
   }
-  charges_ = accounted_ = charges;
+  if (rows < rows_) {
+    throw std::invalid_argument("PrivateStep: rows must not go below the " +
+                                std::to_string(rows_) +
+                                " already charged (Note [banded steps]: a row is never reused), "
+                                "got " + std::to_string(rows));
+  }
+  charges_ = charges;
+  rows_ = rows;
+  accounted_ = equivalent_steps();
   accountant_ = std::move(accountant);
+}
+
+int64_t PrivateStep::equivalent_steps() const {
+  return settings_.bands == 1 ? charges_
+                              : accounting::banded_equivalent_steps(rows_, settings_.bands);
 }
 
 void PrivateStep::set_noise_key(NoiseKey key) {
@@ -103,15 +133,21 @@ void PrivateStep::set_noise_key(NoiseKey key) {
                                 std::to_string(key.key.size()));
   }
   settings_.noise_key = std::move(key);
+  if (settings_.bands > 1) {  // Note [banded steps]: the history is of this key's draws
+    banded_ = std::make_unique<CorrelatedNoise>(
+        privacy::BandedToeplitz::sqrt_prefix_sum(settings_.bands), settings_.noise_key);
+  }
 }
 
-void PrivateStep::charge(int64_t k) {
+void PrivateStep::charge(int64_t k, int64_t t) {
   charges_ = k + 1;  // first: whatever fails next, charge k's noise index is never drawn again
+  rows_ = std::max(rows_, t + 1);  // and row t is never reused (Note [banded steps])
   const StepSettings& s = settings_;
-  if (s.noise_multiplier > 0.0 && accountant_ && accounted_ < charges_) {
-    accountant_->step(s.sample_rate, s.noise_multiplier, charges_ - accounted_);
+  const int64_t owed = equivalent_steps();
+  if (s.noise_multiplier > 0.0 && accountant_ && accounted_ < owed) {
+    accountant_->step(s.sample_rate, s.noise_multiplier, owed - accounted_);
   }
-  accounted_ = charges_;
+  accounted_ = owed;
 }
 
 void PrivateStep::collective_failed(const char* what, int64_t step, ChargeState state,
@@ -167,6 +203,16 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
     refusal = "the logical batch size must be in [0, " + std::to_string(s.dataset_size) +
               "] (the dataset size), got " + std::to_string(size);
   }
+  if (!refusal && s.bands > 1 && request.caller_sampled) {
+    refusal = "a run with bands=" + std::to_string(s.bands) +
+              " samples its own batches (one partition a step, Note [banded steps]); own_batch "
+              "cannot drive it: iterate the data loader make_private returned";
+  }
+  if (!refusal && s.bands > 1 && t < rows_) {
+    refusal = "step " + std::to_string(t) + " is at or before step " + std::to_string(rows_ - 1) +
+              ", which this banded run has charged: its noise row would repeat (Note [banded "
+              "steps])";
+  }
   const StepStats stats = refusal ? StepStats{} : book_->take_stats();
   const int64_t k = charges_;
 
@@ -180,6 +226,8 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
   mine[kSizeSquares] = mine[kSizes] * mine[kSizes];
   mine[kCharges] = k;
   mine[kChargeSquares] = k * k;
+  mine[kSteps] = t;
+  mine[kStepSquares] = t * t;
   mine[kBad] = request.bad_settings ? 1 : 0;
   const std::vector<int64_t> all = collective("agreeing on the step", t, ChargeState::kNotCharged,
                                               [&] { return comm.all_reduce_sum(mine); });
@@ -202,6 +250,9 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
   } else if (all[kCharges] != w * k || all[kChargeSquares] != w * k * k) {
     disagreement = "the ranks have charged different numbers of steps (this rank " +
                    std::to_string(k) + "): every rank must load the same checkpoint";
+  } else if (all[kSteps] != w * t || all[kStepSquares] != w * t * t) {
+    disagreement = "the ranks are at different logical steps (this rank " + std::to_string(t) +
+                   "): every rank must draw its batches from the same sampler position";
   } else if (all[kSamples] > size) {
     disagreement =
         "more rows reached the clipping in logical step " + std::to_string(t) +
@@ -217,11 +268,20 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
 
   // 3. The budget.
   const double sigma = s.noise_multiplier, c = s.max_grad_norm, q = s.sample_rate;
-  if (s.max_steps && k + 1 > *s.max_steps) {
+  if (s.max_steps && s.bands == 1 && k + 1 > *s.max_steps) {
     throw BudgetExhausted("the privacy budget " + s.budget + " allows " +
                           std::to_string(*s.max_steps) + " steps at sigma=" + format_double(sigma) +
                           ", q=" + format_g(q, 6) + "; " + std::to_string(k) +
                           " are charged, so step " + std::to_string(k + 1) +
+                          " was not taken (nothing charged or applied)");
+  }
+  if (s.max_steps && s.bands > 1 &&
+      accounting::banded_equivalent_steps(t + 1, s.bands) > *s.max_steps) {
+    throw BudgetExhausted("the privacy budget " + s.budget + " allows " +
+                          std::to_string(*s.max_steps) + " equivalent steps at sigma=" +
+                          format_double(sigma) + ", q=" + format_g(q, 6) + ", " +
+                          std::to_string(*s.max_steps * s.bands) + " steps of bands=" +
+                          std::to_string(s.bands) + ", so step " + std::to_string(t) +
                           " was not taken (nothing charged or applied)");
   }
 
@@ -254,7 +314,7 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
     ChargeState state = ChargeState::kUnknown;
     if (ledger_) state = ledger_error ? ChargeState::kNotCharged : ChargeState::kCharged;
     if (!ledger_ && comm.rank() == 0) state = ChargeState::kNotCharged;
-    if (state == ChargeState::kCharged) charge(k);
+    if (state == ChargeState::kCharged) charge(k, t);
     collective_failed("waiting for rank 0's ledger record", t, state, e);
   }
   if (ledger_failed) {
@@ -269,12 +329,20 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
   // whatever happens; a failure says so: a collective's is a CollectiveError (charged), any
   // other an UpdateError with its cause nested.
   try {
-    charge(k);
+    charge(k, t);
     failpoints_.hit("after_charge", k, comm.rank());
-    StepNoise noise(sigma > 0.0 ? sigma * c : 0.0, s.noise_key, k);
-    const double grad_scale = 1.0 / (q * static_cast<double>(s.dataset_size));
-    collective("the noisy update", t, ChargeState::kCharged,
-               [&] { zero_.private_update(&noise, grad_scale); });
+    // The expected logical batch: q·N, or q·N/b of one partition (Note [banded steps]).
+    const double grad_scale =
+        static_cast<double>(s.bands) / (q * static_cast<double>(s.dataset_size));
+    if (banded_) {
+      CorrelatedNoise::Step noise = banded_->at(t, sigma * c * band_norm_);
+      collective("the noisy update", t, ChargeState::kCharged,
+                 [&] { zero_.private_update(&noise, grad_scale); });
+    } else {
+      StepNoise noise(sigma > 0.0 ? sigma * c : 0.0, s.noise_key, k);
+      collective("the noisy update", t, ChargeState::kCharged,
+                 [&] { zero_.private_update(&noise, grad_scale); });
+    }
   } catch (const CollectiveError&) {
     throw;
   } catch (const std::exception& e) {

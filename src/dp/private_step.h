@@ -8,17 +8,19 @@
 //                 clipping or would count twice), a stale logical batch, a forward whose
 //                 backward has not run, or the caller's (StepRequest::refusal).
 //   2. agreement  one all-reduce of [samples, dropped, refused, caller-sampled, s, s², k, k²,
-//                 bad settings] (Note [one agreement per step]); any rank's refusal, unequal
-//                 logical batch sizes or charge counts, or more clipped rows than examples
-//                 refuses the step everywhere.
-//   3. budget     a charge past max_steps is refused (BudgetExhausted).
+//                 t, t², bad settings] (Note [one agreement per step]); any rank's refusal,
+//                 unequal logical batch sizes, charge counts or steps, or more clipped rows
+//                 than examples refuses the step everywhere.
+//   3. budget     a charge past max_steps is refused (BudgetExhausted; with bands, the
+//                 equivalent steps: Note [banded steps]).
 //   4. ledger     rank 0 appends the step's record and fsyncs it (accounting/ledger.h); every
 //                 rank waits for its verdict, so no rank updates with a step the ledger lacks.
 //   5. charge     charges += 1, and the run's accountant composes the step (C++ all the way:
 //                 the step calls nothing outside it, whichever front door made it).
 //   6. update     ZeroState's update with StepNoise (step_noise.h): noise N(0, (σC)²) drawn
 //                 at the charge index (Note [noise index]) on exactly the coordinates
-//                 this rank updates, the sum scaled by 1/(q·N), the optimizer.
+//                 this rank updates, the sum scaled by 1/(q·N), the optimizer. With bands:
+//                 the banded noise of row t, the sum scaled by b/(q·N) (Note [banded steps]).
 // A refusal in 1–4 charges nothing. Whatever stops a step before its update completes drops the
 // logical batch (the book's micro-batches, the ZeRO state's gradients), so no gradient of it can be
 // released later under another step's charge. Failpoints (Note [failpoints] in failpoints.h) sit
@@ -36,6 +38,20 @@
 // draw is ever applied twice; k is the same on every rank and for every W, stage and plan. Both
 // front doors start their sampler at the charge count a continued ledger holds (run.h), so no
 // Poisson mask is drawn twice either.
+//
+// Note [banded steps]
+// ~~~~~~~~~~~~~~~~~~~
+// With bands b > 1 the noise is correlated across steps (src/dp/correlated_noise.h): the step
+// adds κσC·w_t, w = C⁻¹z for the banded square root of the prefix sums, κ the largest column
+// norm of C (its full band), so C/κ has columns of norm at most 1 as the amplified accounting
+// requires (Note [amplified banded accounting] in accounting/banded.h). The row is the sampler's
+// step t, not the charge index: the partition a batch was drawn from is t mod b (Note [cyclic
+// poisson] in privacy/poisson.h), so the row must be t for an example's participations to lie b
+// rows apart. So a banded step refuses, before its charge, a t at or before a row it has charged
+// (a row is never reused: its noise would repeat), a batch the caller sampled (own_batch: no
+// partition, nothing the theorem covers), and a budget its equivalent steps ⌈(t + 1)/b⌉ would
+// pass. The accountant composes the equivalent steps as the rows grow; the gradient sum is
+// scaled by the expected batch of one partition, q·N/b.
 //
 // Note [one agreement per step]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -104,6 +120,7 @@
 #include "accounting/accountant.h"
 #include "accounting/ledger.h"
 #include "src/dp/book.h"
+#include "src/dp/correlated_noise.h"
 #include "src/dp/errors.h"
 #include "src/dp/failpoints.h"
 #include "src/dp/step_noise.h"
@@ -121,6 +138,8 @@ struct StepSettings {
   double sample_rate = 0.0;          // q in (0, 1]
   int64_t dataset_size = 0;          // N > 0
   std::optional<int64_t> max_steps;  // the steps the ε budget allows at (q, σ); nullopt: no budget
+                                     // (with bands > 1: equivalent steps, Note [banded steps])
+  int64_t bands = 1;                 // >= 1; > 1: banded correlated noise (Note [banded steps])
   std::string budget;                // the budget as BudgetExhausted names it
                                      // ("epsilon=3.0 at delta=1e-05 (prv)")
   NoiseKey noise_key;          // the run's Philox seed or secure-mode key
@@ -148,12 +167,13 @@ struct StepOutcome {
 class PrivateStep {
  public:
   // `ledger`: rank 0's, or null (other ranks; a run without one). `accountant`: the run's, which
-  // each charge with σ > 0 composes; null: none (ε is the caller's). `charges`: the steps charged
-  // before (a reopened ledger's), which the accountant already holds. Throws
-  // std::invalid_argument naming a bad setting.
+  // each charge with σ > 0 composes; null: none (ε is the caller's). `charges` and `rows`: the
+  // steps charged before and one more than the last step they hold (a reopened ledger's), which
+  // the accountant already holds. Throws std::invalid_argument naming a bad setting.
   PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& zero,
               std::shared_ptr<accounting::Ledger> ledger, StepSettings settings,
-              std::shared_ptr<accounting::Accountant> accountant, int64_t charges = 0);
+              std::shared_ptr<accounting::Accountant> accountant, int64_t charges = 0,
+              int64_t rows = 0);
 
   // The transaction above, a collective: every rank calls it once per logical batch. Throws
   // PrivacyError, std::invalid_argument (bad settings) or BudgetExhausted, nothing charged;
@@ -169,7 +189,14 @@ class PrivateStep {
   // A checkpoint's charge count and accountant, which holds its charges. Note [noise index]: a
   // charge index is never reused, so a count below the current one is a std::invalid_argument
   // (and nothing changes).
-  void restore(int64_t charges, std::shared_ptr<accounting::Accountant> accountant);
+  // `rows` likewise (Note [banded steps]: a row is never reused).
+  void restore(int64_t charges, std::shared_ptr<accounting::Accountant> accountant,
+               int64_t rows = 0);
+  // One more than the last step charged (at least what the constructor or restore gave).
+  int64_t rows() const { return rows_; }
+  // The DP-SGD steps the charges equal: the charges, or ⌈rows / b⌉ with bands b > 1 (Note
+  // [amplified banded accounting] in accounting/banded.h).
+  int64_t equivalent_steps() const;
   const std::shared_ptr<accounting::Accountant>& accountant() const { return accountant_; }
   // The run's noise key (a checkpoint's secure-mode key); std::invalid_argument for a secure key
   // without 8 words.
@@ -178,8 +205,9 @@ class PrivateStep {
 
  private:
   StepOutcome transact(const StepRequest& request);
-  // Counts step k as charged, and the accountant composes every charge it has not yet.
-  void charge(int64_t k);
+  // Counts step t as charged at index k, and the accountant composes every equivalent step it
+  // has not yet.
+  void charge(int64_t k, int64_t t);
   // fn(), a collective of step t; a failure of the process group becomes a CollectiveError.
   [[noreturn]] void collective_failed(const char* what, int64_t step, ChargeState state,
                                       const c10::DistBackendError& e) const;
@@ -193,7 +221,11 @@ class PrivateStep {
   std::shared_ptr<accounting::Accountant> accountant_;
   Failpoints failpoints_;  // Note [failpoints], read when the step is made
   int64_t charges_ = 0;
-  int64_t accounted_ = 0;  // the charges the accountant has composed
+  int64_t rows_ = 0;
+  int64_t accounted_ = 0;  // the equivalent steps the accountant has composed
+  // Note [banded steps]: bands > 1 only; rebuilt with the noise key.
+  std::unique_ptr<CorrelatedNoise> banded_;
+  double band_norm_ = 1.0;  // κ, the strategy's largest column norm
 };
 
 }  // namespace dpzero::dp

@@ -9,6 +9,7 @@
 #include <random>
 #include <stdexcept>
 
+#include "accounting/banded.h"
 #include "accounting/calibrate.h"
 #include "accounting/types.h"
 #include "privacy/entropy.h"
@@ -62,6 +63,7 @@ std::vector<AgreedSetting> shared_settings(const RunSettings& s, bool secure) {
           number("automatic_gamma", s.automatic_gamma),
           text("accountant", s.accountant),
           integer("zero_stage", s.zero_stage),
+          integer("bands", s.bands),
           optional("epsilon_budget", s.epsilon_budget),
           optional("budget_delta", s.budget_delta)};
 }
@@ -128,6 +130,11 @@ std::shared_ptr<accounting::Ledger> open_on_rank_0(const RunSettings& s, bool se
            std::to_string(s.dataset_size) +
            ": it holds another run's charges. Give this run its own ledger path, or continue "
            "that run with its dataset");
+  const int64_t bands = accounting::header_bands(ledger->header());
+  if (bands != s.bands)
+    refuse("ledger " + path + " is for a run of bands=" + std::to_string(bands) +
+           ", this run has bands=" + std::to_string(s.bands) +
+           ": its accounting would not hold. Give this run its own ledger path");
   if (ledger->has_unnoised_steps())
     refuse("ledger " + path +
            " records steps without noise; a private run cannot continue it. Give this run its "
@@ -208,6 +215,13 @@ void check_run_settings(const RunSettings& s) {
     refuse("automatic_gamma must be finite and > 0, got " + format_double(s.automatic_gamma));
   if (s.accountant != "rdp" && s.accountant != "prv")
     refuse("accountant must be one of ('rdp', 'prv'), got " + quoted(s.accountant));
+  if (s.bands < 1) refuse("bands must be >= 1, got " + std::to_string(s.bands));
+  if (s.bands > 1 && sigma == 0.0)
+    refuse("bands=" + std::to_string(s.bands) +
+           " correlates the noise across steps, and noise_multiplier=0 adds none; use bands=1");
+  if (s.bands > s.dataset_size && s.dataset_size > 0)
+    refuse("bands=" + std::to_string(s.bands) + " splits the data into that many partitions, " +
+           "and the dataset has " + std::to_string(s.dataset_size) + " examples");
   if (s.zero_stage < 0 || s.zero_stage > 3)
     refuse("zero_stage must be 0, 1, 2 or 3, got " + std::to_string(s.zero_stage));
   if (s.budget_delta && !(*s.budget_delta > 0.0 && *s.budget_delta < 1.0))
@@ -223,10 +237,15 @@ void check_run_settings(const RunSettings& s) {
 }
 
 nlohmann::ordered_json ledger_settings(const RunSettings& s, bool secure, int64_t world_size) {
-  return {{"accountant", s.accountant},
-          {"clipping", s.clipping},
-          {"secure_mode", secure},
-          {"world_size", world_size}};
+  nlohmann::ordered_json out = {{"accountant", s.accountant},
+                                {"clipping", s.clipping},
+                                {"secure_mode", secure},
+                                {"world_size", world_size}};
+  if (s.bands > 1) {  // what ε is computed from (accounting/banded.h), and the noise's strategy
+    out["bands"] = s.bands;
+    out["strategy"] = "sqrt_prefix_sum";
+  }
+  return out;
 }
 
 NoiseKey RunStart::noise_key() const {
@@ -249,6 +268,7 @@ StepSettings RunStart::step_settings(const RunSettings& s) const {
   out.max_steps = max_steps;
   out.budget = budget;
   out.noise_key = noise_key();
+  out.bands = s.bands;
   return out;
 }
 
@@ -275,11 +295,12 @@ RunStart start_run(const RunSettings& s, const std::vector<AgreedSetting>& own,
   if (!s.ledger_path.empty()) {
     std::string failure;
     bool refused = false;  // a ledger of another run, rather than one that cannot be opened
-    int64_t charges = 0;
+    int64_t charges = 0, rows = 0;
     if (comm.rank() == 0) {
       try {
         out.ledger = open_on_rank_0(s, out.secure, comm.world_size());
         charges = out.ledger->total_steps();
+        rows = out.ledger->rows();
       } catch (const std::invalid_argument& e) {
         failure = e.what();
         refused = true;
@@ -289,7 +310,7 @@ RunStart start_run(const RunSettings& s, const std::vector<AgreedSetting>& own,
       if (!failure.empty()) out.ledger.reset();
     }
     const std::vector<int64_t> agreed = comm.all_reduce_sum(
-        std::vector<int64_t>{failure.empty() ? 0 : 1, refused ? 1 : 0, charges});
+        std::vector<int64_t>{failure.empty() ? 0 : 1, refused ? 1 : 0, charges, rows});
     if (agreed[0] != 0) {
       if (refused) refuse(failure);
       if (!failure.empty()) throw accounting::LedgerError(failure);
@@ -299,8 +320,11 @@ RunStart start_run(const RunSettings& s, const std::vector<AgreedSetting>& own,
                                     "; see its error");
     }
     out.charges = agreed[2];  // rank 0's
+    out.rows = agreed[3];
     // Every recorded step is noised at this run's σ and q (checked above).
-    if (out.charges > 0) accountant.step(s.sample_rate, s.noise_multiplier, out.charges);
+    const int64_t steps = s.bands == 1 ? out.charges
+                                       : accounting::banded_equivalent_steps(out.rows, s.bands);
+    if (steps > 0) accountant.step(s.sample_rate, s.noise_multiplier, steps);
   }
 
   return out;

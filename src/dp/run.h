@@ -24,9 +24,11 @@
 //   3. randomness   secure mode: rank 0's key on every rank; else the seed given, or rank 0's;
 //   4. budget       the steps the ε budget allows at (q, σ) with the run's accountant (the same
 //                   inputs everywhere, so the same outcome), before any file is made;
-//   5. ledger       rank 0 creates the ledger or continues it (its run id, dataset, σ and q must
-//                   be this run's, and every step it holds noised); every rank learns the
-//                   outcome and the charge count, and the run's accountant composes the charges.
+//   5. ledger       rank 0 creates the ledger or continues it (its run id, dataset, σ, q and
+//                   bands must be this run's, and every step it holds noised); every rank learns
+//                   the outcome, the charge count and the rows, and the run's accountant
+//                   composes the charges (a banded run: its equivalent steps, Note [amplified
+//                   banded accounting] in accounting/banded.h).
 // A front door may also call check_run_settings on its own before it touches the model (both do,
 // to refuse before any change); that refusal is this rank's alone, as any check of a rank's own
 // arguments is.
@@ -65,6 +67,8 @@ struct RunSettings {
   int64_t zero_stage = 0;               // 0..3
   std::optional<double> epsilon_budget;  // > 0; needs budget_delta and σ > 0
   std::optional<double> budget_delta;    // in (0, 1)
+  int64_t bands = 1;                     // >= 1: banded correlated noise with this many bands
+                                         // (Note [banded steps] in private_step.h); 1: DP-SGD
   std::optional<uint64_t> seed;          // Note [secure by default] in privacy/entropy.h
   std::optional<bool> secure_mode;
   std::string ledger_path;  // "": no ledger
@@ -100,6 +104,10 @@ struct RunStart {
   privacy::ChaCha20Key key{};      // secure mode's key (rank 0's); never written anywhere
   std::shared_ptr<accounting::Ledger> ledger;  // rank 0's, when the run has a ledger path
   int64_t charges = 0;             // the steps the ledger already holds (Note [noise index])
+  int64_t rows = 0;                // one more than the last step the ledger holds
+  // The sampler's first step: past every charge index and every step the ledger holds (a
+  // banded run never reuses a row, Note [amplified banded accounting] in accounting/banded.h).
+  int64_t first_step() const { return charges > rows ? charges : rows; }
   std::optional<int64_t> max_steps;  // the ε budget's steps at (q, σ); nullopt: no budget
   std::string budget;              // the budget as BudgetExhausted names it
 

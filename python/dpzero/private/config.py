@@ -9,6 +9,7 @@ checks (its layers, tied parameters, clipping groups) come later, at attach (eng
 
 from __future__ import annotations
 
+import numbers
 import os
 import warnings
 from dataclasses import dataclass, field, replace
@@ -42,6 +43,7 @@ DEFAULT_CLIPPING = _RUN_DEFAULTS.clipping
 DEFAULT_AUTOMATIC_GAMMA = _RUN_DEFAULTS.automatic_gamma
 DEFAULT_LOSS_REDUCTION = _RUN_DEFAULTS.loss_reduction
 DEFAULT_ZERO_STAGE = _RUN_DEFAULTS.zero_stage
+DEFAULT_BANDS = _RUN_DEFAULTS.bands
 DEFAULT_OPTIMIZER = "sgd"
 DEFAULT_ISOLATION = "detect"
 
@@ -63,8 +65,10 @@ class PrivateConfig:
     num_workers: int
     max_physical_batch_size: Optional[int]  # the micro-batch cap m (None: the whole batch)
     # Privacy.
-    sample_rate: float                      # q = B / N, in (0, 1]
+    sample_rate: float                      # q = B·b / N, in (0, 1]: each example's rate at
+                                            # the steps of its partition (all steps at b = 1)
     noise_multiplier: float                 # σ >= 0 (0 only with allow_no_noise: ε = inf)
+    bands: int                              # b >= 1: banded correlated noise (1: DP-SGD)
     allow_no_noise: bool
     max_grad_norm: float                    # C > 0 (inf: no clipping, only without noise)
     clipping: str                           # one of CLIPPING
@@ -185,7 +189,8 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
             activation_checkpointing: checkpointing.Spec = None,
             epsilon_budget: Optional[float] = None, budget_delta: Optional[float] = None,
             num_workers: int = 0, diagnostics_path: Optional[str] = None,
-            isolation: str = DEFAULT_ISOLATION, **optimizer_kwargs) -> PrivateConfig:
+            isolation: str = DEFAULT_ISOLATION, bands: int = DEFAULT_BANDS,
+            **optimizer_kwargs) -> PrivateConfig:
     """make_private's keywords (its docstring, front.py) as a PrivateConfig; σ is calibrated
     with ``accountant`` when ``target_epsilon`` is given."""
     max_grad_norm = float(max_grad_norm)
@@ -226,7 +231,16 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
                          f"batch_size={batch_size}, sample_rate={sample_rate}")
     if batch_size is not None and not 0 < batch_size <= n:
         raise ValueError(f"batch_size must be in [1, {n}] (the dataset's size), got {batch_size}")
-    q = float(sample_rate) if sample_rate is not None else float(batch_size) / n
+    if not isinstance(bands, numbers.Integral) or isinstance(bands, bool) or bands < 1:
+        raise ValueError(f"bands must be an integer >= 1, got {bands!r}")
+    bands = int(bands)
+    if batch_size is not None and batch_size * bands > n:
+        raise ValueError(f"batch_size={batch_size} with bands={bands}: each step samples one of "
+                         f"{bands} partitions of the {n} examples, so the expected batch is at "
+                         f"most {n // bands}; lower batch_size or bands")
+    # With bands b each step samples one partition of N/b examples (Note [cyclic poisson] in
+    # privacy/poisson.h): a batch_size of B is the rate B·b/N within it.
+    q = float(sample_rate) if sample_rate is not None else float(batch_size) * bands / n
 
     # σ, given or calibrated.
     if (noise_multiplier is None) == (target_epsilon is None):
@@ -275,6 +289,7 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
     config = PrivateConfig(
         dataset=dataset, collate_fn=collate_fn, num_workers=num_workers,
         max_physical_batch_size=max_physical_batch_size, sample_rate=q, noise_multiplier=sigma,
+        bands=bands,
         allow_no_noise=bool(allow_no_noise),
         max_grad_norm=max_grad_norm, clipping=clipping, clipping_groups=clipping_groups,
         group_weights=group_weights, automatic_gamma=automatic_gamma,
@@ -301,7 +316,7 @@ def run_settings(config: PrivateConfig, accountant: str,
     s.max_physical_batch_size = config.max_physical_batch_size
     s.loss_reduction, s.clipping = config.loss_reduction, config.clipping
     s.automatic_gamma, s.accountant = config.automatic_gamma, accountant
-    s.zero_stage = config.zero_stage
+    s.zero_stage, s.bands = config.zero_stage, config.bands
     s.epsilon_budget, s.budget_delta = config.epsilon_budget, config.budget_delta
     s.seed = None if config.seed is None else int(config.seed) & ((1 << 64) - 1)
     s.secure_mode = secure_mode

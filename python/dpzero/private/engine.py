@@ -225,6 +225,8 @@ class PrivacyEngine:
         """Steps the ε budget still allows (None without a budget)."""
         if not self._attached or self.max_steps is None:
             return None
+        if self.bands > 1:  # the budget is of equivalent steps, one in b (Note [banded steps])
+            return max(0, self.max_steps * self.bands - self.next_step)
         return max(0, self.max_steps - self.charges)
 
     # ---- queries -----------------------------------------------------------------------------
@@ -268,7 +270,8 @@ class PrivacyEngine:
         key is left out unless ``include_secrets=True`` asks for it (under ``"key"``; whoever
         reads it can regenerate the run's noise and sampling)."""
         state = {
-            "next_step": self.next_step, "charges": self.charges,
+            "next_step": self.next_step, "charges": self.charges, "rows": self._step.rows,
+            "bands": self.bands,
             "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
             "max_grad_norm": self.max_grad_norm, "dataset_size": self.dataset_size,
             "accountant": self.accountant_name,
@@ -295,6 +298,9 @@ class PrivacyEngine:
         if state.get("key") is not None and not self.secure_mode:
             raise ValueError("state_dict: holds a secure-mode key, this engine is seeded "
                              "(secure_mode=False)")
+        bands, rows = int(state.get("bands", 1)), int(state.get("rows", 0))
+        if bands != self.bands:
+            raise ValueError(f"state_dict: bands is {bands}, this engine has {self.bands}")
         if state["accountant"] != self.accountant_name:
             raise ValueError(f"state_dict: its accountant is {state['accountant']!r}, this "
                              f"engine's {self.accountant_name!r}")
@@ -302,13 +308,16 @@ class PrivacyEngine:
         # noise (a σ = 0 run composes nothing), so ε can never count fewer steps than charged.
         history = [(float(sigma), float(q), int(steps)) for sigma, q, steps in state["history"]]
         charged = int(state["charges"])
-        wanted = charged if self.noise_multiplier > 0.0 else 0
+        # Banded: the charges' equivalent steps (Note [amplified banded accounting]).
+        equivalent = charged if bands == 1 else _C.accounting.banded_equivalent_steps(rows, bands)
+        wanted = equivalent if self.noise_multiplier > 0.0 else 0
         if sum(steps for _, _, steps in history) != wanted or any(
                 steps and (sigma, q) != (self.noise_multiplier, self.sample_rate)
                 for sigma, q, steps in history):
             raise ValueError(f"state_dict: its history {history} is not {wanted} steps at "
                              f"sigma={self.noise_multiplier}, q={self.sample_rate}, the "
-                             f"{charged} charges it counts")
+                             f"{charged} charges it counts" +
+                             (f" over {rows} steps of bands={bands}" if bands > 1 else ""))
         # With a ledger, every charge this engine counts is a record of it (the record is written
         # before the charge), so a state that counts more charges than the ledger holds comes
         # from another run's ledger: continuing would leave those steps out of the durable
@@ -322,7 +331,7 @@ class PrivacyEngine:
         # Note [noise index]: never go back to a charge index (or sampler step) already used —
         # a ledger reopened at attach may be ahead of the checkpoint.
         accountant = None
-        if charged >= self.charges:  # the history, checked above: its charges at (σ, q)
+        if charged >= self.charges and rows >= self._step.rows:  # the history, checked above
             accountant = create_accountant(self.accountant_name)
             if wanted:
                 accountant.step(noise_multiplier=self.noise_multiplier,
@@ -335,9 +344,9 @@ class PrivacyEngine:
             self._step.set_noise_key(key)  # checks it first: sampling and noise use one key
             self.noise_source._key = key
         if accountant is not None:
-            self._step.restore(charged, accountant.native)
+            self._step.restore(charged, accountant.native, rows)
             self._accountant = accountant
-        self.next_step = max(int(state["next_step"]), self.charges)
+        self.next_step = max(int(state["next_step"]), self.charges, self._step.rows)
 
     def accept_state_change(self, names=None) -> None:
         """Note [state written from data]: takes the model's buffers and frozen parameters as they
@@ -412,9 +421,10 @@ class PrivacyEngine:
         self.secure_mode = run.secure
         self.noise_multiplier_, self.max_grad_norm_ = sigma, max_grad_norm
         self.sample_rate, self.dataset_size = q, n
+        self.bands = c.bands  # Note [banded steps] in src/dp/private_step.h
         self.noise_source = NoiseSource.of_run(run)
         self._ledger = Ledger(run.ledger) if run.ledger is not None else None
-        charges = run.charges
+        first_step = run.first_step  # past every charge and every step the ledger holds
         self.budget = (c.epsilon_budget, c.budget_delta) if c.epsilon_budget is not None else None
         self.max_steps = run.max_steps
 
@@ -481,7 +491,7 @@ class PrivacyEngine:
         self.clipping = clipping
         self.loss_reduction = c.loss_reduction
         # Note [noise index]: the sampler's step and the noise index never repeat a charged one.
-        self.next_step, self.steps_taken = charges, 0
+        self.next_step, self.steps_taken = first_step, 0
         # What a step released (data-independent) and its data-dependent diagnostics (Note [released
         # figures]).
         self.last_step: Optional[Dict[str, int]] = None
@@ -491,8 +501,9 @@ class PrivacyEngine:
         self._torch_seed = torch.initial_seed()  # Note [random state between steps]
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
-        # Whole epochs never exceed the steps σ was calibrated for (int(epochs / q), Opacus's).
-        steps_per_epoch = max(1, int(1.0 / q))
+        # Whole epochs never exceed the steps σ was calibrated for (int(epochs / q), Opacus's);
+        # with bands b an epoch is b partitions' steps, b/q, whose equivalent steps are 1/q.
+        steps_per_epoch = max(1, int(c.bands / q))
         self.model = PrivateModule(model, self)
         if self.isolation == "strict":
             self._strict.outer = self.model
@@ -585,7 +596,7 @@ class PrivacyEngine:
         """This rank's Poisson batches from logical step ``start`` on (the loader's Schedule)."""
         return PoissonBatchSampler(self.dataset_size, self.sample_rate, steps_per_epoch,
                                    self.noise_source.sampler_seed, self.rank, self.world_size,
-                                   cap, start_step=start)
+                                   cap, start_step=start, partitions=self.bands)
 
     def _begin_micro_batch(self, t: int, i: int, n: int, size: int, rows: int,
                            padding: bool = False) -> MicroBatchToken:
@@ -741,7 +752,7 @@ class PrivacyEngine:
             self._close_logical_batch()
             # Note [noise index]: a step charged and then failed (its update, the accountant)
             # used batch t; the sampler never draws a step below the charges again.
-            self.next_step = max(self.next_step, self.charges)
+            self.next_step = max(self.next_step, self.charges, self._step.rows)
             self._reseed_generators(t)
         self._state.record_trained()  # the update's own writes
         self.next_step = max(t + 1, self.charges)

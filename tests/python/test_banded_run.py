@@ -1,0 +1,256 @@
+"""Banded correlated noise through make_private (Note [banded steps] in src/dp/private_step.h, Note
+[amplified banded accounting] in accounting/banded.h), each against an independent reference: the
+noise a run adds against a dense float64 solve of C⁻¹z from DP-SGD's own draws, ε against DP-SGD
+at ⌈n/b⌉ steps, W = 2 at ZeRO-3 against W = 1, a resumed run against the uninterrupted one, and the
+sampling and settings the theorem does not cover refused."""
+
+import gc
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpzero
+import ranks
+from dpzero import _C
+
+N, D = 32, 5
+SIGMA, C, LR = 1.3, 0.7, 1.0
+
+
+def data(n=N):
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(n, D, generator=g),
+                                          torch.randint(0, 2, (n,), generator=g))
+
+
+def net():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(D, 4), nn.Tanh(), nn.Linear(4, 2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # the updates below are then the parameters' differences, exactly
+    return model
+
+
+def flat(params: dict) -> torch.Tensor:
+    return torch.cat([params[name].reshape(-1).double() for name in sorted(params)])
+
+
+def updates(bands, steps, *, rate, stage=0, loss_scale=0.0, seed=11, **kw):
+    """Each step's parameter update of a run whose loss is ``loss_scale`` × cross-entropy: with
+    0 the clipped sums are exact zeros and an update is the noise alone (SGD, lr 1). ``bands``
+    None: make_private's default."""
+    if bands is not None:
+        kw["bands"] = bands
+    p = dpzero.make_private(net(), dataset=data(), sample_rate=rate, noise_multiplier=SIGMA,
+                            max_grad_norm=C, lr=LR, seed=seed, zero_stage=stage, **kw)
+    return steps_of(p, steps, loss_scale), p.privacy_engine
+
+
+def steps_of(p, steps, loss_scale=1.0):
+    """The updates of ``steps`` steps of ``p`` through its data loader."""
+    before, out = flat(p.privacy_engine.parameters()), []
+    while len(out) < steps:
+        for x, y in p.data_loader:
+            (loss_scale * F.cross_entropy(p.model(x), y)).backward()
+            assert p.optimizer.step()
+            p.optimizer.zero_grad()
+            after = flat(p.privacy_engine.parameters())
+            out.append(after - before)
+            before = after
+            if len(out) == steps:
+                break
+    return torch.stack(out)
+
+
+def banded_sqrt(bands, n):
+    """The strategy's n × n matrix, written out: c_k = binom(2k, k)/4^k on the first b
+    diagonals (the coefficients of (1 − x)^(−1/2))."""
+    c = [math.comb(2 * k, k) / 4.0 ** k for k in range(bands)]
+    m = torch.zeros(n, n, dtype=torch.float64)
+    for t in range(n):
+        for k in range(min(bands, t + 1)):
+            m[t, t - k] = c[k]
+    return m
+
+
+@pytest.mark.parametrize("bands", [2, 4])
+def test_the_noise_is_the_strategy_inverse_of_dp_sgds_draws(bands):
+    steps, rate = 9, 0.25
+    sgd, _ = updates(1, steps, rate=rate)
+    banded, engine = updates(bands, steps, rate=rate)
+    # DP-SGD: update_t = −lr σC z_t / (qN), z_t the draws of row t.
+    z = -sgd * (rate * N) / (LR * SIGMA * C)
+    strategy = banded_sqrt(bands, steps)
+    w = torch.linalg.solve_triangular(strategy, z, upper=False)  # C⁻¹z, float64
+    kappa = strategy[:, 0].norm().item()  # the full band's column norm
+    # Banded: update_t = −lr κσC w_t / (qN/b).
+    want = -LR * kappa * SIGMA * C * w / (rate * N / bands)
+    torch.testing.assert_close(banded, want, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(banded, sgd * bands * kappa, rtol=1e-2)  # correlated, not scaled
+    assert engine._step.rows == steps and engine._step.equivalent_steps == math.ceil(steps / bands)
+
+
+def test_one_band_is_dp_sgd_step_for_step(tmp_path):
+    one, _ = updates(1, 6, rate=0.25, loss_scale=1.0, ledger_path=str(tmp_path / "a.jsonl"),
+                     run_id="r")
+    default, _ = updates(None, 6, rate=0.25, loss_scale=1.0,
+                         ledger_path=str(tmp_path / "b.jsonl"), run_id="r")
+    assert torch.equal(one, default)
+    assert (tmp_path / "a.jsonl").read_bytes().splitlines()[1:] == \
+        (tmp_path / "b.jsonl").read_bytes().splitlines()[1:]
+    a, b = (json.loads((tmp_path / f).read_text().splitlines()[0]) for f in ("a.jsonl", "b.jsonl"))
+    assert "bands" not in a["settings"] and a["settings"] == b["settings"]
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+@pytest.mark.parametrize("bands,steps", [(3, 7), (4, 8), (5, 1)])
+def test_epsilon_is_dp_sgd_at_one_step_in_b(tmp_path, accountant, bands, steps):
+    path = tmp_path / "ledger.jsonl"
+    rate = 0.2
+    _, engine = updates(bands, steps, rate=rate, loss_scale=1.0, ledger_path=str(path),
+                        accountant=accountant)
+    # The theorem's equivalent, counted by hand: ⌈n/b⌉ Poisson-sampled Gaussians at (q, σ).
+    reference = dpzero.accounting.create_accountant(accountant)
+    reference.step(noise_multiplier=SIGMA, sample_rate=rate, num_steps=-(-steps // bands))
+    want = reference.get_epsilon(1e-5)
+    assert engine.get_epsilon(1e-5) == pytest.approx(want, rel=1e-12)
+    ledger = dpzero.accounting.Ledger.open_read_only(str(path))
+    assert ledger.settings["bands"] == bands and ledger.native.rows == steps
+    assert ledger.epsilon(1e-5, accountant) == pytest.approx(want, rel=1e-12)
+    # More epsilon than DP-SGD at one step in b can only come from more rows.
+    fewer = dpzero.accounting.create_accountant(accountant)
+    fewer.step(noise_multiplier=SIGMA, sample_rate=rate, num_steps=max(1, steps // bands))
+    assert fewer.get_epsilon(1e-5) <= want
+
+
+def test_a_ledger_counts_the_rows_it_spans_not_its_records(tmp_path):
+    path = str(tmp_path / "l.jsonl")
+    ledger = dpzero.accounting.Ledger.create(path, run_id="r", dataset_size=N,
+                                             settings={"bands": 4})
+    for t in (0, 1, 2, 9):  # rows 3..8 refused before their charge: 10 rows, ⌈10/4⌉ = 3
+        ledger.append(first_step=t, q=0.2, sigma=SIGMA, max_grad_norm=C)
+    phases = ledger.phases()
+    assert [(ph.q, ph.sigma, ph.steps) for ph in phases] == [(0.2, SIGMA, 3)]
+    assert _C.accounting.banded_equivalent_steps(10, 4) == 3
+    ledger.append(first_step=10, q=0.3, sigma=SIGMA, max_grad_norm=C)
+    with pytest.raises(dpzero.accounting.LedgerError, match="one sigma and q"):
+        ledger.phases()
+
+
+@pytest.mark.parametrize("bands", [0, 2.5, "4", True])
+def test_a_ledger_with_a_bad_bands_setting_is_refused(tmp_path, bands):
+    path = str(tmp_path / "l.jsonl")
+    with pytest.raises(ValueError, match="bands must be an integer >= 1, got " +
+                       json.dumps(bands).replace(".", r"\.")):
+        dpzero.accounting.Ledger.create(path, run_id="r", dataset_size=N,
+                                        settings={"bands": bands})
+
+
+def _zero3_rank(rank, world_size, bands, steps):
+    got, _ = updates(bands, steps, rate=0.25, stage=3, units=["0", "2"])
+    return got
+
+
+@pytest.mark.multirank
+def test_two_ranks_at_stage_3_add_the_noise_of_one_rank_bit_for_bit(tmp_path):
+    want, _ = updates(4, 6, rate=0.25, units=["0", "2"])
+    got = ranks.spawn(_zero3_rank, 2, tmp_path, 4, 6)
+    for rank_updates in got:
+        assert torch.equal(rank_updates, want)
+
+
+def test_a_resumed_run_continues_the_same_noise(tmp_path):
+    ledger = str(tmp_path / "l.jsonl")
+    want, _ = updates(4, 7, rate=0.25, loss_scale=1.0)
+    first, engine = updates(4, 3, rate=0.25, loss_scale=1.0, ledger_path=ledger)
+    state = json.loads(json.dumps(engine.state_dict()))
+    model_state = {k: v.clone() for k, v in engine.parameters().items()}
+    assert state["rows"] == 3 and state["bands"] == 4
+    del engine
+    gc.collect()  # the engine's ledger lock goes with it
+    # A fresh process's engine: the model's trained values, the engine's state, the ledger.
+    model = net()
+    model.load_state_dict(model_state)
+    p = dpzero.make_private(model, dataset=data(), sample_rate=0.25, noise_multiplier=SIGMA,
+                            max_grad_norm=C, lr=LR, seed=11, bands=4, ledger_path=ledger)
+    p.privacy_engine.load_state_dict(state)
+    assert p.privacy_engine.next_step == 3 and p.privacy_engine._step.equivalent_steps == 1
+    rest = steps_of(p, 4)
+    torch.testing.assert_close(torch.cat([first, rest]), want, rtol=1e-5, atol=1e-7)
+    assert dpzero.accounting.Ledger.open_read_only(ledger).native.rows == 7
+
+
+def test_a_continued_ledger_starts_after_its_last_row(tmp_path):
+    ledger = str(tmp_path / "l.jsonl")
+    log = dpzero.accounting.Ledger.create(ledger, run_id="l.jsonl", dataset_size=N,
+                                          settings={"bands": 4})
+    log.append(first_step=5, q=0.25, sigma=SIGMA, max_grad_norm=C)
+    log.close()
+    p = dpzero.make_private(net(), dataset=data(), sample_rate=0.25, noise_multiplier=SIGMA,
+                            max_grad_norm=C, lr=LR, seed=11, bands=4, ledger_path=ledger)
+    engine = p.privacy_engine
+    assert engine.charges == 1 and engine.next_step == 6 and engine._step.equivalent_steps == 2
+    x, y = next(iter(p.data_loader))
+    F.cross_entropy(p.model(x), y).backward()
+    assert p.optimizer.step() and engine.last_step["step"] == 6
+
+
+def test_own_batch_is_refused_by_a_banded_run():
+    p = dpzero.make_private(net(), dataset=data(), sample_rate=0.25, noise_multiplier=SIGMA,
+                            max_grad_norm=C, lr=LR, seed=11, bands=2)
+    x, y = data()[:4]
+    (x, y) = p.privacy_engine.own_batch((x, y), logical_batch_size=4)
+    F.cross_entropy(p.model(x), y).backward()
+    with pytest.raises(dpzero.PrivacyViolation, match="own_batch cannot drive it"):
+        p.optimizer.step()
+    assert p.privacy_engine.charges == 0
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(bands=0), "bands must be an integer >= 1, got 0"),
+    (dict(bands=2.0), "bands must be an integer >= 1, got 2.0"),
+    (dict(bands=5, batch_size=8), "batch_size=8 with bands=5"),
+    (dict(bands=N + 1, sample_rate=0.5), f"bands={N + 1} splits the data"),
+    (dict(bands=2, noise_multiplier=0.0, allow_no_noise=True), "use bands=1"),
+])
+def test_settings_the_theorem_does_not_cover_are_refused(kwargs, message):
+    args = dict(dataset=data(), noise_multiplier=SIGMA, max_grad_norm=C, lr=LR, seed=11)
+    if "batch_size" not in kwargs:
+        args["sample_rate"] = 0.25
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        dpzero.make_private(net(), **args)
+
+
+def test_a_ledger_of_other_bands_is_refused(tmp_path):
+    ledger = str(tmp_path / "l.jsonl")
+    updates(1, 2, rate=0.25, loss_scale=1.0, ledger_path=ledger)
+    gc.collect()  # the engine's ledger lock goes with it
+    with pytest.raises(ValueError, match="bands=1, this run has bands=4"):
+        dpzero.make_private(net(), dataset=data(), sample_rate=0.25, noise_multiplier=SIGMA,
+                            max_grad_norm=C, lr=LR, seed=11, bands=4, ledger_path=ledger)
+
+
+def test_the_budget_counts_equivalent_steps():
+    rate = 0.25
+    reference = dpzero.accounting.create_accountant("prv")
+    reference.step(noise_multiplier=SIGMA, sample_rate=rate, num_steps=2)
+    budget = reference.get_epsilon(1e-5) * 1.0001  # two equivalent steps, not three
+    p = dpzero.make_private(net(), dataset=data(), sample_rate=rate, noise_multiplier=SIGMA,
+                            max_grad_norm=C, lr=LR, seed=11, bands=3, epsilon_budget=budget,
+                            budget_delta=1e-5)
+    assert p.privacy_engine.max_steps == 2 and p.privacy_engine.remaining_steps == 6
+    taken = 0
+    with pytest.raises(dpzero.BudgetExhausted, match="so step 6 was not taken"):
+        while True:
+            for x, y in p.data_loader:
+                F.cross_entropy(p.model(x), y).backward()
+                p.optimizer.step()
+                p.optimizer.zero_grad()
+                taken += 1
+    assert taken == 6 and p.privacy_engine.charges == 6
