@@ -8,8 +8,8 @@
 // Flags: --model mlp|transformer, --steps, --dataset-size (N), --sigma, --allow-no-noise, --clip
 // (C), --q, --lr, --delta (the δ ε is printed at), --seed, --secure-mode true|false, --stage
 // 0|1|2, --max-physical-batch-size, --loss-reduction mean|sum, --epsilon-budget,
-// --budget-delta, --world, --rank, --init, --ledger PATH, --run-id, --exchange IN OUT,
-// --zero-loss. A refused setting exits 1 with the front door's message on stderr, after
+// --budget-delta, --bands (b > 1: banded correlated noise), --world, --rank, --init, --ledger
+// PATH, --run-id, --exchange IN OUT, --zero-loss. A refused setting exits 1 with the front door's message on stderr, after
 // "private_train: ".
 //
 // Training mode: a synthetic task the model can learn (MLP: the class of a random linear teacher
@@ -53,6 +53,7 @@ using dpzero::dp::PrivacyOptions;
 struct Args {
   std::string model = "mlp";
   int64_t steps = 50;
+  int64_t bands = 1;
   int64_t dataset_size = 2048;
   double sigma = 1.0, clip = 1.0, q = 0.05, lr = 0.5, delta = 1e-5;
   bool allow_no_noise = false;
@@ -98,6 +99,8 @@ Args parse(int argc, char** argv) {
       a.budget_delta = std::stod(need(i));
     else if (arg == "--run-id")
       a.run_id = need(i);
+    else if (arg == "--bands")
+      a.bands = std::stoll(need(i));
     else if (arg == "--clip")
       a.clip = std::stod(need(i));
     else if (arg == "--q")
@@ -168,6 +171,7 @@ PrivacyOptions options_of(const Args& a, int64_t dataset_size) {
   o.budget_delta = a.budget_delta;
   o.ledger_path = a.ledger;
   o.run_id = a.run_id;
+  o.bands = a.bands;
   return o;
 }
 

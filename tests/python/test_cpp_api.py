@@ -257,7 +257,8 @@ FLAGS = {"noise_multiplier": "--sigma", "max_grad_norm": "--clip", "sample_rate"
          "lr": "--lr", "seed": "--seed", "secure_mode": "--secure-mode",
          "max_physical_batch_size": "--max-physical-batch-size",
          "loss_reduction": "--loss-reduction", "epsilon_budget": "--epsilon-budget",
-         "budget_delta": "--budget-delta", "ledger_path": "--ledger", "run_id": "--run-id"}
+         "budget_delta": "--budget-delta", "ledger_path": "--ledger", "run_id": "--run-id",
+         "bands": "--bands"}
 
 
 def ledger_of(path, *, run_id="other", dataset_size=1797, sigma=0.8, q=0.02, noise=True):
@@ -301,6 +302,11 @@ ROWS = [
     ("ledger at another sigma", {}, {"run_id": "x", "sigma": 2.0}, "holds steps at sigma=2, q=0.02"),
     ("ledger at another q", {}, {"run_id": "x", "q": 0.5}, "holds steps at sigma=0.8, q=0.5"),
     ("ledger without noise", {}, {"run_id": "x", "noise": False}, "records steps without noise"),
+    ("bands=0", {"bands": 0}, None, "bands must be >= 1, got 0"),
+    ("bands > N", {"bands": 1800}, None, "bands=1800 splits the data into that many partitions"),
+    ("bands without noise", {"bands": 2, "noise_multiplier": 0.0, "allow_no_noise": True}, None,
+     "use bands=1"),
+    ("ledger of other bands", {"bands": 4}, {"run_id": "x"}, "bands=1, this run has bands=4"),
     # Rows that train one step: the same ledger from either door (and, seeded, the same model).
     ("new ledger", {}, None, None),
     ("new ledger with a run id", {"run_id": "r7"}, None, None),
@@ -308,6 +314,7 @@ ROWS = [
     ("no noise", {"noise_multiplier": 0.0, "allow_no_noise": True}, None, None),
     ("secure mode, the default without a seed", {"seed": None}, None, None),
     ("secure_mode=False without a seed", {"seed": None, "secure_mode": False}, None, None),
+    ("banded", {"bands": 4}, None, None),
 ]
 
 

@@ -231,9 +231,9 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
                          f"batch_size={batch_size}, sample_rate={sample_rate}")
     if batch_size is not None and not 0 < batch_size <= n:
         raise ValueError(f"batch_size must be in [1, {n}] (the dataset's size), got {batch_size}")
-    if not isinstance(bands, numbers.Integral) or isinstance(bands, bool) or bands < 1:
-        raise ValueError(f"bands must be an integer >= 1, got {bands!r}")
-    bands = int(bands)
+    if not isinstance(bands, numbers.Integral) or isinstance(bands, bool):
+        raise ValueError(f"bands must be an integer, got {bands!r}")
+    bands = int(bands)  # its range is the run's rules' (check_run_settings)
     if batch_size is not None and batch_size * bands > n:
         raise ValueError(f"batch_size={batch_size} with bands={bands}: each step samples one of "
                          f"{bands} partitions of the {n} examples, so the expected batch is at "
