@@ -779,3 +779,32 @@ def test_strict_isolation_through_the_trainer_equals_make_private(tmp_path):
     want = p.privacy_engine.parameters()
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_a_banded_trainer_run_is_calibrated_for_one_step_in_b(tmp_path):
+    """PrivacyArguments.bands: the run samples one of b partitions a step (q = b·B/N), σ is
+    calibrated for the equivalent DP-SGD steps ⌈steps/b⌉ (Note [amplified banded accounting]),
+    and the ledger and report reproduce ε from those alone."""
+    data = lm_data()
+    trainer = PrivateTrainer(
+        model=gpt2(), args=trainer_args(tmp_path, num_train_epochs=1), train_dataset=data,
+        privacy_args=PrivacyArguments(target_epsilon=2.0, bands=2))
+    q = 2 * 8 / N
+    steps = int(2 / q)  # one epoch: every partition's share of the data once
+    assert trainer.planned_steps == steps and trainer.sample_rate == pytest.approx(q)
+    trainer.train()
+    delta = min(1e-5, 1 / (10 * N))
+    acc = dpzero.PRVAccountant()
+    acc.step(noise_multiplier=trainer.noise_multiplier, sample_rate=q,
+             num_steps=math.ceil(steps / 2))
+    want = float(acc.get_epsilon(delta))
+    assert want <= 2.0 + 1e-9
+    assert trainer.epsilon() == pytest.approx(want, rel=1e-9)
+    ledger = dpzero.accounting.Ledger.open_read_only(
+        os.path.join(trainer.args.output_dir, "ledger.jsonl"))
+    assert ledger.settings["bands"] == 2 and ledger.total_steps == steps
+    with open(os.path.join(trainer.args.output_dir, "report.json")) as f:
+        report = json.load(f)
+    assert report["bands"] == 2 and report["phases"][0]["steps"] == math.ceil(steps / 2)
+    prv = [r for r in report["epsilon"]["results"] if r["accountant"] == "prv"]
+    assert prv[0]["epsilon"] == pytest.approx(want, rel=1e-6)

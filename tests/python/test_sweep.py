@@ -53,6 +53,9 @@ def test_grid_values_and_the_fixed_epsilon_rule():
         parse_grid(["training.batch_size=64,128"], fixed_sigma)
     with pytest.raises(ConfigError, match=r"\[training\] loop changes ε"):  # its step count
         parse_grid(["training.loop=engine,trainer"], fixed_sigma)
+    with pytest.raises(ConfigError, match=r"\[privacy\] bands changes ε"):  # q and the steps
+        parse_grid(["privacy.bands=1,4"], fixed_sigma)
+    assert parse_grid(["privacy.bands=1,4"], cfg) == {("privacy", "bands"): [1, 4]}  # calibrated
     assert parse_grid(["privacy.max_grad_norm=0.1,1"], fixed_sigma)  # ε unchanged: allowed
     # Every combination's config is checked before anything runs, the error naming it.
     with pytest.raises(ConfigError, match=r"sweep combination training.momentum=0.9: "

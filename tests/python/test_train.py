@@ -69,6 +69,10 @@ BASE = {"privacy": {"target_epsilon": 3.0}}
     ({"privacy": {"target_epsilon": 3.0}, "data": {"dataset": "fashion-mnist"},
       "model": {"kind": "cnn", "lora_rank": 4}}, r"\[model\] lora_rank = 4 needs kind = "
      r"\"minilm\" .* got kind 'cnn'; set lora_rank = 0"),
+    ({**BASE, "privacy": {"target_epsilon": 3.0, "bands": 0}},
+     r"\[privacy\] bands must be an integer >= 1, got 0"),
+    ({**BASE, "privacy": {"target_epsilon": 3.0, "bands": 2.5}},
+     r"\[privacy\] bands must be an integer, got 2.5"),
     ({**BASE, "privacy": {"target_epsilon": 3.0, "isolation": "loose"}},
      r"\[privacy\] isolation must be one of \['detect', 'strict'\], got 'loose'"),
     ({**BASE, "training": {"loop": "keras"}}, r"\[training\] loop must be one of "

@@ -71,6 +71,7 @@ from transformers import ProgressCallback, Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_utils import TrainOutput, has_length
 
+from .. import _C
 from ..accounting import get_noise_multiplier
 from ..front import make_private
 from ..noise import secure_noise
@@ -102,6 +103,8 @@ class PrivacyArguments:
     max_grad_norm: the per-sample clip norm C. clipping: "flat" | "layer" | "automatic".
     isolation: "detect" | "strict" (each example's forward and backward computed by itself;
     make_private's).
+    bands: b >= 1; b > 1 correlates the noise across steps (make_private's ``bands``: step t
+    samples partition t mod b of the data, ε is DP-SGD's at one step in b).
     accountant: "prv" | "rdp". zero_stage: 0-3. seed: a Philox seed for reproducible noise and
     sampling; whoever knows it can regenerate the noise and subtract it from a released update,
     so it is a secret, and never TrainingArguments.seed (public, 42 by default). secure_mode:
@@ -119,6 +122,7 @@ class PrivacyArguments:
     max_grad_norm: float = 1.0
     clipping: str = "flat"
     isolation: str = "detect"
+    bands: int = 1
     accountant: str = "prv"
     zero_stage: int = 0
     secure_mode: Optional[bool] = None
@@ -302,8 +306,13 @@ class PrivateTrainer(Trainer):
             raise ValueError(f"the expected logical batch ({expected} = per_device_train_batch_"
                              f"size x gradient_accumulation_steps x {world} processes) exceeds "
                              f"the dataset ({n})")
-        q = expected / n
-        steps_per_epoch = max(1, int(1.0 / q))
+        bands = p.bands
+        if expected * bands > n:
+            raise ValueError(f"the expected logical batch ({expected}) with bands={bands} exceeds "
+                             f"one of the {bands} partitions of the dataset ({n} examples)")
+        # With bands b each step samples one partition of N/b examples (make_private's bands).
+        q = expected * bands / n
+        steps_per_epoch = max(1, int(bands / q))
         steps = args.max_steps if args.max_steps > 0 else math.ceil(
             args.num_train_epochs * steps_per_epoch)
         from ..train.config import default_delta
@@ -330,7 +339,8 @@ class PrivateTrainer(Trainer):
         if p.target_epsilon is not None and sigma > 0:
             budget = {"epsilon_budget": p.target_epsilon, "budget_delta": delta}
         self._private = make_private(
-            self.model, data_loader=loader, noise_multiplier=sigma, max_grad_norm=p.max_grad_norm,
+            self.model, data_loader=loader, noise_multiplier=sigma, bands=bands,
+            max_grad_norm=p.max_grad_norm,
             clipping=p.clipping, isolation=p.isolation, accountant=p.accountant,
             secure_mode=p.secure_mode,
             zero_stage=p.zero_stage, max_physical_batch_size=args.per_device_train_batch_size,
@@ -347,6 +357,8 @@ class PrivateTrainer(Trainer):
 
     def _noise_multiplier(self, q: float, steps: int, delta: float, n: int) -> float:
         p = self.privacy_args
+        if p.bands > 1:  # the DP-SGD steps the run's privacy equals (accounting/banded.h)
+            steps = _C.accounting.banded_equivalent_steps(steps, p.bands)
         if p.noise_multiplier is None and p.target_epsilon is None:
             raise ValueError("PrivacyArguments needs target_epsilon (σ calibrated for the run) "
                              "or noise_multiplier")

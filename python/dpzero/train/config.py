@@ -33,6 +33,8 @@ Every error names the key and the bad value. Sections and keys (defaults in brac
                 clipping = "flat" | "layer" | "automatic"  ["flat"]
                 isolation = "detect" | "strict": each example's forward and backward computed
                     by itself (flat or automatic clipping, zero_stage 0-2; slower)  ["detect"]
+                bands = b >= 1: noise correlated across steps (banded matrix factorization;
+                    step t samples partition t mod b, ε is DP-SGD's at one step in b)  [1]
                 accountant = "prv" | "rdp"  ["prv"]
                 secure_mode = noise and sampling from ChaCha20 keyed by OS entropy, never
                     stored; false = Philox from [training] seed, reproducible, and ε then
@@ -117,6 +119,7 @@ class PrivacyConfig:
     max_grad_norm: float = 1.0
     clipping: str = "flat"
     isolation: str = "detect"
+    bands: int = 1
     accountant: str = "prv"
     secure_mode: bool = True
 
@@ -286,6 +289,8 @@ def validate(cfg: RunConfig) -> None:
     _choice("[privacy] clipping", p.clipping, ("flat", "layer", "automatic"))
     _choice("[privacy] isolation", p.isolation, ("detect", "strict"))
     _choice("[privacy] accountant", p.accountant, ("prv", "rdp"))
+    if isinstance(p.bands, bool) or not isinstance(p.bands, int) or p.bands < 1:
+        raise ConfigError(f"[privacy] bands must be an integer >= 1, got {p.bands!r}")
     if not (t.epochs > 0):
         raise ConfigError(f"[training] epochs must be > 0, got {t.epochs}")
     for key in ("batch_size", "max_physical_batch_size", "world_size"):

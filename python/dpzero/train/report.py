@@ -114,12 +114,14 @@ def write_report(run_dir: str, delta: Optional[float] = None) -> Dict:
             results = {"private": json.load(f).get("private")}
     metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     settings = ledger.settings
+    # A banded run's phase is its equivalent DP-SGD steps, each sampling one of b partitions.
+    bands = ledger.native.bands
     data = {
         "run_id": ledger.run_id, "dataset_size": n, "delta": delta,
-        "steps": ledger.total_steps, "noise": noised,
+        "steps": ledger.total_steps, "noise": noised, "bands": bands,
         "secure_mode": settings.get("secure_mode"), "settings": settings,
         "phases": [{"q": p.q, "sigma": p.sigma, "steps": p.steps,
-                    "expected_batch_size": p.q * n} for p in phases],
+                    "expected_batch_size": p.q * n / bands} for p in phases],
         "caller_sampled_steps": ledger.caller_sampled_steps,
         "privacy_unit": PRIVACY_UNIT, "not_covered": NOT_COVERED,
         "epsilon": final, "curve": curve, "results": results,
@@ -246,6 +248,11 @@ def _markdown(data: Dict, plots: List[str]) -> str:
     lines.append(f"- noise source: {mode}")
     lines.append(f"- dataset size N = {data['dataset_size']}, δ = {_fmt(data['delta'])}, "
                  f"steps charged = {data['steps']}")
+    if data.get("bands", 1) > 1:
+        lines.append(f"- banded correlated noise, bands = {data['bands']} (strategy "
+                     f"{data['settings'].get('strategy')}): each step sampled one of "
+                     f"{data['bands']} fixed partitions, and ε is DP-SGD's at one step in "
+                     f"{data['bands']} (the phase below counts those equivalent steps)")
     for ph in data["phases"]:
         lines.append(f"- phase: q = {_fmt(ph['q'])} (expected batch size "
                      f"{_fmt(ph['expected_batch_size'])}), σ = {_fmt(ph['sigma'])}, "

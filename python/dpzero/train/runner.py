@@ -71,7 +71,7 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
                   **({"momentum": t_cfg.momentum} if t_cfg.optimizer == "sgd" else {}))
     if private:
         kw = dict(max_grad_norm=p_cfg.max_grad_norm, clipping=p_cfg.clipping,
-                  isolation=p_cfg.isolation, secure_mode=p_cfg.secure_mode,
+                  isolation=p_cfg.isolation, secure_mode=p_cfg.secure_mode, bands=p_cfg.bands,
                   # [training] seed seeds the noise only without secure mode (Note [secure by
                   # default] in privacy/entropy.h), as it does the Trainer loop's.
                   seed=None if p_cfg.secure_mode else t_cfg.seed,
@@ -95,7 +95,7 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
     engine = p.privacy_engine
     label = "private" if private else "baseline"
     taken, epoch = _restore(p, run_dir, metrics) if private and resume else (0, 0)
-    total_steps = int(t_cfg.epochs / engine.sample_rate)
+    total_steps = int(t_cfg.epochs * engine.bands / engine.sample_rate)  # b/q steps an epoch
     if engine.remaining_steps is not None:
         if engine.remaining_steps == 0:
             raise BudgetExhausted(f"the ε budget of the ledger in {run_dir} is already spent "

@@ -41,6 +41,7 @@ _FIXED = {("privacy", "target_epsilon"), ("privacy", "noise_multiplier"), ("priv
 # Keys that change q or the number of steps (the Trainer loop counts steps differently), hence ε
 # when σ is given rather than calibrated.
 _CHANGE_EPSILON = {("training", "batch_size"), ("training", "epochs"), ("training", "loop"),
+                   ("privacy", "bands"),
                    ("data", "limit"), ("data", "test_fraction"), ("data", "categories")}
 
 PRICE_OF_TUNING = (

@@ -134,7 +134,7 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
             target_epsilon=p_cfg.target_epsilon, target_delta=delta,
             noise_multiplier=p_cfg.noise_multiplier, max_grad_norm=p_cfg.max_grad_norm,
             clipping=p_cfg.clipping, isolation=p_cfg.isolation, accountant=p_cfg.accountant,
-            zero_stage=t_cfg.zero_stage,
+            bands=p_cfg.bands, zero_stage=t_cfg.zero_stage,
             secure_mode=p_cfg.secure_mode, seed=None if p_cfg.secure_mode else t_cfg.seed,
             diagnostics_path=os.path.join(run_dir, PRIVATE_DIR, "diagnostics.jsonl"))
     else:
@@ -179,9 +179,10 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
 
 
 def _planned_steps(cfg: RunConfig, n: int) -> int:
-    """The Trainer's step count for the run (PrivateTrainer: ceil(epochs · int(1/q)))."""
-    q = min(cfg.training.batch_size, n) / n
-    return math.ceil(cfg.training.epochs * max(1, int(1.0 / q)))
+    """The Trainer's step count for the run (PrivateTrainer: ceil(epochs · int(b/q)))."""
+    b = cfg.privacy.bands
+    q = min(cfg.training.batch_size * b, n) / n
+    return math.ceil(cfg.training.epochs * max(1, int(b / q)))
 
 
 def _step_of(checkpoint: Optional[str]) -> int:
