@@ -45,6 +45,18 @@ def test_model_state_terms_are_zeros_formulas(stage, params, grads, optimizer, g
     assert r.peak_bytes == params + grads + optimizer + 500 + 3000 + gathered
 
 
+@pytest.mark.parametrize("stage, history", [(0, 3 * 4000), (1, 3 * 4000 // 2), (3, 3 * 4000 // 2)])
+def test_banded_noise_adds_its_history_per_rank(stage, history):
+    """b − 1 float32 noise vectors of what the rank updates (Note [planner memory model]): the
+    whole model at stage 0, its shard at stages 1-3; nothing at b = 1."""
+    one = predict(synthetic(), Policy(stage), world=2)
+    four = predict(synthetic(), Policy(stage), world=2, bands=4)
+    assert "noise_history" not in one.memory
+    assert four.memory["noise_history"] == history
+    assert four.peak_bytes == one.peak_bytes + history
+    assert all(r.memory["noise_history"] > 0 for r in plan(synthetic(), 2, None, bands=4))
+
+
 def test_checkpointing_interpolates_by_freed_activation_bytes():
     prof = synthetic()
     freed = [100 * (i + 1) - 10 for i in range(4)]  # saved - input per unit

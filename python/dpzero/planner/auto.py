@@ -42,7 +42,7 @@ def first_batch(dataset, size: int, collate_fn):
 
 def choose(model: nn.Module, batch, plan_step: Callable, batch_size: int, *,
            unit_names: Sequence[str], clipping: str, mixed_precision, optimizer: str,
-           optimizer_kwargs: dict, group, memory_budget: Optional[float]
+           optimizer_kwargs: dict, group, memory_budget: Optional[float], bands: int = 1
            ) -> Tuple[Prediction, List[Prediction]]:
     """(the chosen prediction, every prediction ranked) for this model on ``group``'s ranks."""
     device = next(model.parameters()).device
@@ -54,7 +54,7 @@ def choose(model: nn.Module, batch, plan_step: Callable, batch_size: int, *,
                    optimizer=optimizer, optimizer_kwargs=optimizer_kwargs, device=str(device),
                    threads=threads, group=group)
     budget = memory_budget if memory_budget is not None else default_budget(device, local)
-    ranked = plan(prof, world, budget, accelerator=device.type == "cuda")
+    ranked = plan(prof, world, budget, accelerator=device.type == "cuda", bands=bands)
     best = ranked[0]
     if best.peak_bytes > budget:
         smallest = min(ranked, key=lambda r: r.peak_bytes)
@@ -78,7 +78,8 @@ def auto_policy(model: nn.Module, config: PrivateConfig, plan_step: Callable,
     units)."""
     c = config
     unit_names = list(c.units) if c.units is not None else default_units(model)
-    micro = int(c.max_physical_batch_size or max(1, round(c.sample_rate * c.dataset_size)))
+    micro = int(c.max_physical_batch_size or
+                max(1, round(c.sample_rate * c.dataset_size / c.bands)))  # the expected batch
     group = c.process_group if c.process_group is not None else (
         dist.distributed_c10d._get_default_group()
         if dist.is_available() and dist.is_initialized() else None)
@@ -86,7 +87,7 @@ def auto_policy(model: nn.Module, config: PrivateConfig, plan_step: Callable,
         model, first_batch(c.dataset, micro, c.collate_fn), plan_step, micro,
         unit_names=unit_names, clipping=c.clipping, mixed_precision=c.mixed_precision,
         optimizer=c.optimizer, optimizer_kwargs=c.optimizer_options, group=group,
-        memory_budget=memory_budget)
+        memory_budget=memory_budget, bands=c.bands)
     chosen = best.policy.make_private_kwargs(unit_names)
     options = dict(c.optimizer_options)
     if chosen.get("offload_optimizer"):

@@ -20,6 +20,9 @@ Peak live bytes on one rank = between + workspace + transient, where
              frees, sum_{u < k} (saved_u - input_u) over the same sum for all units;
   gathered   a shape profile's stage-3 estimate of the units gathered at the peak,
              p (Ψ_root + 2 max_u Ψ_u) (a measured profile has them in stage 3's transient).
+  noise_history  with bands b > 1 (banded correlated noise, src/dp/correlated_noise.h), the
+             b − 1 previous noise vectors of what the rank updates: 4 (b − 1) Ψ at stage 0,
+             4 (b − 1) Ψ / W at stages 1-3, float32. Not profiled (the probes run DP-SGD).
 
 Why per stage: the peak holds the activations, the loss's temporaries and the DP book's A and G
 at every stage, but what else is live then differs — stage 2 holds the reduced gradient shards
@@ -116,10 +119,10 @@ def _collectives(profile: Profile, stage: int, world: int, bandwidth) -> float:
 
 
 def predict(profile: Profile, policy: Policy, world: int,
-            bandwidth: Optional[tuple] = None) -> Prediction:
+            bandwidth: Optional[tuple] = None, bands: int = 1) -> Prediction:
     """Note [planner memory model] and Note [planner time model] for ``policy`` on ``world``
     ranks. ``bandwidth``: (bytes/s, latency s) of the collectives; default the profile's for
-    this world size, else none (world 1)."""
+    this world size, else none (world 1). ``bands``: the run's (make_private's)."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     if policy.checkpointed > len(profile.units):
@@ -138,6 +141,8 @@ def predict(profile: Profile, policy: Policy, world: int,
     memory.update(workspace=profile.workspace,
                   transient=int(round(t0 - (t0 - t_all) * share)),
                   gathered=profile.gathered if s == 3 and measured is None else 0)
+    if bands > 1:
+        memory["noise_history"] = 4 * (bands - 1) * psi // (1 if s == 0 else w)
     peak = sum(memory.values())
 
     # The probes' own step already holds their collectives and their optimizer share: take the
@@ -155,13 +160,13 @@ def predict(profile: Profile, policy: Policy, world: int,
 
 
 def plan(profile: Profile, world: int, budget_bytes: Optional[float], accelerator: bool = False,
-         bandwidth: Optional[tuple] = None) -> List[Prediction]:
+         bandwidth: Optional[tuple] = None, bands: int = 1) -> List[Prediction]:
     """Every candidate policy's prediction, those within ``budget_bytes`` (None: no limit)
     first, fastest first; among equal times the one checkpointing fewer units, then the one
     without offload, then the one with less memory (Note [planner time model])."""
     from .policy import candidates
 
-    out = [predict(profile, pol, world, bandwidth)
+    out = [predict(profile, pol, world, bandwidth, bands)
            for pol in candidates(len(profile.units), world, accelerator)]
     fits = lambda r: budget_bytes is None or r.peak_bytes <= budget_bytes  # noqa: E731
     return sorted(out, key=lambda r: (not fits(r), r.step_s, r.policy.checkpointed,

@@ -85,7 +85,8 @@ def job_plan(cfg: RunConfig, world: int, budget_bytes: Optional[float] = None
             prof = Profile.from_dict(torch.load(out))
     device = torch.device(prof.device)
     budget = budget_bytes if budget_bytes is not None else default_budget(device, world)
-    ranked = plan(prof, world, budget, accelerator=device.type == "cuda")
+    ranked = plan(prof, world, budget, accelerator=device.type == "cuda",
+                  bands=cfg.privacy.bands)
     return prof, ranked, budget
 
 
@@ -101,12 +102,13 @@ def format_plan(prof: Profile, ranked: List[Prediction], budget: float, world: i
              f"(profiled on {prof.device}, {prof.threads} thread(s)):", "",
              f"{'policy':<22}{'peak ' + unit:>10}{'fits':>6}{'step ms':>10}{'samples/s':>11}   "
              f"peak = parameters + gradients + optimizer + workspace + transient + gathered "
-             f"({unit})"]
+             + ("+ noise history " if any("noise_history" in r.memory for r in ranked) else "")
+             + f"({unit})"]
     for i, r in enumerate(ranked):
         fits = r.peak_bytes <= budget
         parts = " + ".join(f"{r.memory[k] / scale:.1f}" for k in
                            ("parameters", "gradients", "optimizer", "workspace", "transient",
-                            "gathered"))
+                            "gathered", "noise_history") if k in r.memory)
         mark = "  <- best" if i == 0 and fits else ""
         if r.policy == configured:
             mark += "  <- the config's"
