@@ -6,10 +6,10 @@
 // at its rows t = 0, 1, ..., the gradient sums plus the noise C⁻¹z (C lower triangular with b
 // bands, its columns scaled to norm at most 1, z ~ N(0, σ²C²) per row). Choquette-Choo et al.
 // 2023, "(Amplified) Banded Matrix Factorization: A unified approach to private training"
-// (NeurIPS), Theorem 4: when the data are split into b fixed partitions and row t Poisson-samples
-// only partition t mod b, each example at rate q (Note [cyclic poisson] in privacy/poisson.h),
-// the mechanism over n rows is exactly as private as DP-SGD with ⌈n / b⌉ steps at rate q and
-// noise multiplier σ. Columns b or more apart have disjoint supports, so an example's
+// (NeurIPS), §4, the amplification of b-banded strategies: when the data are split into b fixed
+// partitions and row t Poisson-samples only partition t mod b, each example at rate q (Note
+// [cyclic poisson] in privacy/poisson.h), the mechanism over n rows is exactly as private as
+// DP-SGD with ⌈n / b⌉ steps at rate q and noise multiplier σ. Columns b or more apart have disjoint supports, so an example's
 // participations, at least b rows apart, are independent Gaussian releases of sensitivity at most
 // one column norm; amplification by sampling then applies to each as in DP-SGD. (JAX Privacy's
 // DpsgdTrainingAccountant charges the same: ⌈steps / cycle_length⌉ Poisson-sampled Gaussians.)

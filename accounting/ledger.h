@@ -6,7 +6,8 @@
 // Line 1 is the header, every further line one record of consecutive steps, each a JSON object
 // followed by '\n' (format 2):
 //   {"kind":"header","format":2,"run_id":"...","dataset_size":N,"created":"2025-01-31T12:00:00Z",
-//    "settings":{...free JSON object: accountant, delta, ...}}
+//    "settings":{...free JSON object: accountant, delta, ...; "bands", when present, an integer
+//    >= 1 that phases() reads: Note [amplified banded accounting] in accounting/banded.h}}
 //   {"kind":"steps","first_step":a,"last_step":b,"q":..,"sigma":..,"max_grad_norm":..,
 //    "noise":true,"sampling":"poisson"}
 // A ledger holds what epsilon is computed from and nothing that depends on the training data, so

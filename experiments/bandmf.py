@@ -13,9 +13,16 @@ expected errors, and test accuracy side by side.
             sweep --grid privacy.bands=1,B --seeds 3`` per ε (the features are computed once per
             sweep). About 45 minutes on 2 cores.
 
+  cost      The private step's time on experiments/private_bench.py's BERT (4 × 256, T = 128,
+            expected batch 16, SGD, σ = 1, C = 1, one logical batch per step through the private
+            data loader), b = 1 (DP-SGD), 4 and 16, stepped round by round (interleaved), median
+            of each and the paired ratio to b = 1; the noise history's bytes beside it (b − 1
+            float32 copies of the trained parameters at stage 0, what dpzero plan predicts).
+
     .venv/bin/python experiments/bandmf.py errors
-    .venv/bin/python experiments/bandmf.py utility [--bands 8] [--out runs/bandmf]
-Both write their section of experiments/results/bandmf.md.
+    .venv/bin/python experiments/bandmf.py utility [--bands 4] [--out runs/bandmf]
+    .venv/bin/python experiments/bandmf.py cost [--rounds 20]
+Each writes its section of experiments/results/bandmf.md.
 """
 
 from __future__ import annotations
@@ -120,6 +127,75 @@ def utility(bands: int, out: str) -> str:
     return "\n".join(lines)
 
 
+def cost(rounds: int) -> str:
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from bench_common import paired_ratios
+    from private_bench import make_model
+
+    torch.set_num_threads(2)
+    cfg = dict(vocab=8192, hidden=256, layers=4, heads=4, intermediate=1024, seq=128)
+    n, batch = 4096, 16
+    g = torch.Generator().manual_seed(1234)
+    data = torch.utils.data.TensorDataset(torch.randint(cfg["vocab"], (n, cfg["seq"]), generator=g),
+                                          torch.randint(2, (n,), generator=g))
+    systems, params = {}, 0
+    for b in (1, 4, 16):
+        model = make_model(cfg)
+        params = sum(p.numel() for p in model.parameters())
+        p = dpzero.make_private(model, dataset=data, batch_size=batch, noise_multiplier=1.0,
+                                max_grad_norm=1.0, lr=0.1, seed=0, bands=b)
+        systems[b] = (p, iter(p.data_loader))
+
+    def step(b):
+        p, batches = systems[b]
+        try:
+            ids, labels = next(batches)
+        except StopIteration:
+            systems[b] = (p, iter(p.data_loader))
+            ids, labels = next(systems[b][1])
+        start = time.perf_counter()
+        F.cross_entropy(p.model(ids).logits, labels).backward()
+        middle = time.perf_counter()
+        p.optimizer.step()
+        p.optimizer.zero_grad()
+        end = time.perf_counter()
+        return end - start, end - middle
+
+    times = {b: [] for b in systems}
+    updates = {b: [] for b in systems}
+    for r in range(rounds + 3):
+        for b in systems:
+            t, u = step(b)
+            if r >= 3:
+                times[b].append(t)
+                updates[b].append(u)
+    lines = ["<!-- cost:begin -->",
+             f"Written by `experiments/bandmf.py cost` ({dpzero_version()}; 2 torch threads, "
+             f"{rounds} interleaved rounds after 3 warm-up). BERT {cfg['layers']} × "
+             f"{cfg['hidden']}, T = {cfg['seq']}, {params / 1e6:.2f} M parameters, expected batch "
+             f"{batch}, SGD, σ = 1, C = 1, stage 0, one rank. Step = forward + backward + the "
+             "private step (noise included); Poisson batches, so sizes vary from step to step "
+             "and the whole step's ratio is wide. The private step alone (optimizer.step(): the "
+             "ledger-free transaction, the noise and the SGD update) does not depend on the "
+             "batch.", "",
+             "| bands | median step (ms) | × b = 1 (paired, IQR) | optimizer.step() (ms) | "
+             "× b = 1 (paired, IQR) | noise history (MiB) |",
+             "|---|---|---|---|---|---|"]
+    for b in systems:
+        ratio = paired_ratios(times, b, 1) if b != 1 else (1.0, 1.0, 1.0)
+        upd = paired_ratios(updates, b, 1) if b != 1 else (1.0, 1.0, 1.0)
+        lines.append(f"| {b} | {1e3 * statistics.median(times[b]):.1f} | {ratio[0]:.2f} "
+                     f"({ratio[1]:.2f}–{ratio[2]:.2f}) | {1e3 * statistics.median(updates[b]):.1f}"
+                     f" | {upd[0]:.2f} ({upd[1]:.2f}–{upd[2]:.2f}) | "
+                     f"{4 * (b - 1) * params / 2**20:.1f} |")
+    lines.append("<!-- cost:end -->")
+    return "\n".join(lines)
+
+
 def _toml(raw: dict) -> str:
     def value(v):
         if isinstance(v, bool):
@@ -135,11 +211,13 @@ def _toml(raw: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=("errors", "utility"))
-    parser.add_argument("--bands", type=int, default=8)
+    parser.add_argument("what", choices=("errors", "utility", "cost"))
+    parser.add_argument("--bands", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bandmf"))
     args = parser.parse_args(argv)
-    section = errors() if args.what == "errors" else utility(args.bands, args.out)
+    section = errors() if args.what == "errors" else cost(args.rounds) \
+        if args.what == "cost" else utility(args.bands, args.out)
     print(section)
     write_marked_section(RESULTS, args.what, TITLE, section)
     return 0

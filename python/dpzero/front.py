@@ -71,7 +71,8 @@ def make_private(
     bands: b >= 1. 1 is DP-SGD; b > 1 correlates the noise across steps (banded matrix
         factorization with the banded square root of the prefix sums): the data are split into b
         fixed partitions, step t samples partition t mod b at rate q = B·b/N, and ε is that of
-        DP-SGD with one step in b (docs/privacy.md, Note [banded steps]). Memory: b − 1 noise
+        DP-SGD with one step in b (docs/user-guide.md, Note [banded steps]). The partition is
+        the example's index: keep the dataset's order across resumes. Memory: b − 1 noise
         vectors of each rank's shard.
     max_grad_norm: C. clipping: "flat" | "layer" | "group" (with clipping_groups, a list of lists
         of module-name prefixes, and optional group_weights) | "automatic" (automatic_gamma).

@@ -548,11 +548,12 @@ StepOutcome PrivacyEngine::step() {
     out = step_->take(request);
   } catch (...) {
     close_logical_batch();
-    next_step_ = std::max(next_step_, step_->charges());  // a charged step's draw is used
+    // a charged step's draw is used, and a banded run's rows are never reused
+    next_step_ = std::max({next_step_, step_->charges(), step_->rows()});
     throw;
   }
   close_logical_batch();
-  next_step_ = std::max(t + 1, step_->charges());
+  next_step_ = std::max({t + 1, step_->charges(), step_->rows()});
   return out;
 }
 

@@ -51,7 +51,11 @@
 // (a row is never reused: its noise would repeat), a batch the caller sampled (own_batch: no
 // partition, nothing the theorem covers), and a budget its equivalent steps ⌈(t + 1)/b⌉ would
 // pass. The accountant composes the equivalent steps as the rows grow; the gradient sum is
-// scaled by the expected batch of one partition, q·N/b.
+// scaled by the expected batch of one partition, q·N/b. Two premises lie outside the step: a
+// logical batch is all the sampler's (the front doors refuse a loader batch while an own_batch
+// batch is open, and the converse), and the dataset keeps its order for the whole run, resumes
+// included (a partition is a set of indices; nothing that holds no data can check it, so the
+// user guide says it).
 //
 // Note [one agreement per step]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

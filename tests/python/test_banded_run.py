@@ -254,3 +254,43 @@ def test_the_budget_counts_equivalent_steps():
                 p.optimizer.zero_grad()
                 taken += 1
     assert taken == 6 and p.privacy_engine.charges == 6
+
+
+def test_a_loader_batch_is_refused_while_an_own_batch_batch_is_open():
+    """A logical batch is all the sampler's or all the caller's: rows given through own_batch
+    and left open must not be released under a step the ledger records as the sampler's (a
+    privacy review injected an example the sampler never drew that way)."""
+    p = dpzero.make_private(net(), dataset=data(), sample_rate=0.25, noise_multiplier=SIGMA,
+                            max_grad_norm=C, lr=LR, seed=11)
+    x, y = data()[:4]
+    x, y = p.privacy_engine.own_batch((x, y), logical_batch_size=4)
+    F.cross_entropy(p.model(x), y).backward()
+    with pytest.raises(RuntimeError, match="while a logical batch of own_batch is open"):
+        next(iter(p.data_loader))
+    p.optimizer.zero_grad()
+    x, y = next(iter(p.data_loader))  # the batch dropped, the loader goes on
+    F.cross_entropy(p.model(x), y).backward()
+    assert p.optimizer.step() and p.privacy_engine.last_step_diagnostics["sampling"] == "poisson"
+
+
+@pytest.mark.parametrize("name", ["bands", "sample_rate", "dataset_size"])
+def test_what_the_sampler_reads_cannot_be_changed_after_make_private(name):
+    p = dpzero.make_private(net(), dataset=data(), sample_rate=0.25, noise_multiplier=SIGMA,
+                            max_grad_norm=C, lr=LR, seed=11, bands=4)
+    with pytest.raises(AttributeError):
+        setattr(p.privacy_engine, name, 1)
+
+
+@pytest.mark.parametrize("change", [dict(rows=2), dict(rows=9), dict(rows=None)])
+def test_a_banded_state_with_inconsistent_rows_is_refused(change):
+    _, engine = updates(4, 5, rate=0.25, loss_scale=1.0)
+    state = json.loads(json.dumps(engine.state_dict()))
+    assert (state["charges"], state["rows"], state["next_step"]) == (5, 5, 5)
+    state.update(change)
+    if change["rows"] is None:
+        del state["rows"]
+    p = dpzero.make_private(net(), dataset=data(), sample_rate=0.25, noise_multiplier=SIGMA,
+                            max_grad_norm=C, lr=LR, seed=11, bands=4)
+    with pytest.raises(ValueError, match="a banded state needs charges <= rows <= next_step"):
+        p.privacy_engine.load_state_dict(state)
+    assert p.privacy_engine.charges == 0 and p.privacy_engine.next_step == 0

@@ -790,7 +790,7 @@ def test_a_banded_trainer_run_is_calibrated_for_one_step_in_b(tmp_path):
         model=gpt2(), args=trainer_args(tmp_path, num_train_epochs=1), train_dataset=data,
         privacy_args=PrivacyArguments(target_epsilon=2.0, bands=2))
     q = 2 * 8 / N
-    steps = int(2 / q)  # one epoch: every partition's share of the data once
+    steps = 2 * int(1 / q)  # one epoch: b rows for each of its int(1/q) equivalent steps
     assert trainer.planned_steps == steps and trainer.sample_rate == pytest.approx(q)
     trainer.train()
     delta = min(1e-5, 1 / (10 * N))

@@ -312,7 +312,7 @@ class PrivateTrainer(Trainer):
                              f"one of the {bands} partitions of the dataset ({n} examples)")
         # With bands b each step samples one partition of N/b examples (make_private's bands).
         q = expected * bands / n
-        steps_per_epoch = max(1, int(bands / q))
+        steps_per_epoch = bands * max(1, int(1.0 / q))  # b rows per equivalent step
         steps = args.max_steps if args.max_steps > 0 else math.ceil(
             args.num_train_epochs * steps_per_epoch)
         from ..train.config import default_delta

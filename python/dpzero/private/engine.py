@@ -301,6 +301,13 @@ class PrivacyEngine:
         bands, rows = int(state.get("bands", 1)), int(state.get("rows", 0))
         if bands != self.bands:
             raise ValueError(f"state_dict: bands is {bands}, this engine has {self.bands}")
+        # A banded run's rows only grow and every charge has its own (Note [banded steps]):
+        # rows >= charges, and its sampler is past them.
+        if bands > 1 and ("rows" not in state or not
+                          int(state["charges"]) <= rows <= int(state["next_step"])):
+            raise ValueError(f"state_dict: a banded state needs charges <= rows <= next_step, got "
+                             f"charges={state['charges']}, rows={state.get('rows')}, "
+                             f"next_step={state['next_step']}")
         if state["accountant"] != self.accountant_name:
             raise ValueError(f"state_dict: its accountant is {state['accountant']!r}, this "
                              f"engine's {self.accountant_name!r}")
@@ -420,8 +427,9 @@ class PrivacyEngine:
             "isolation": c.isolation}, self.accountant.native)
         self.secure_mode = run.secure
         self.noise_multiplier_, self.max_grad_norm_ = sigma, max_grad_norm
-        self.sample_rate, self.dataset_size = q, n
-        self.bands = c.bands  # Note [banded steps] in src/dp/private_step.h
+        # Read-only (properties below): the sampler reads them at every epoch, and the private
+        # step fixed its own copies, which must never disagree with what it samples.
+        self._sample_rate, self._dataset_size, self._bands = q, n, c.bands
         self.noise_source = NoiseSource.of_run(run)
         self._ledger = Ledger(run.ledger) if run.ledger is not None else None
         first_step = run.first_step  # past every charge and every step the ledger holds
@@ -502,8 +510,8 @@ class PrivacyEngine:
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
         # Whole epochs never exceed the steps σ was calibrated for (int(epochs / q), Opacus's);
-        # with bands b an epoch is b partitions' steps, b/q, whose equivalent steps are 1/q.
-        steps_per_epoch = max(1, int(c.bands / q))
+        # with bands b an epoch is b × int(1/q) steps, whose equivalent steps are int(1/q).
+        steps_per_epoch = c.bands * max(1, int(1.0 / q))
         self.model = PrivateModule(model, self)
         if self.isolation == "strict":
             self._strict.outer = self.model
@@ -527,6 +535,23 @@ class PrivacyEngine:
     def noise_multiplier(self) -> float:
         """σ (read-only: the accountant, the ledger and the noise all use this one value)."""
         return self.noise_multiplier_
+
+    @property
+    def sample_rate(self) -> float:
+        """q, each example's inclusion probability at the steps that sample it (read-only: the
+        sampler, the ledger and the accountant all use this one value)."""
+        return self._sample_rate
+
+    @property
+    def dataset_size(self) -> int:
+        """N (read-only, as sample_rate)."""
+        return self._dataset_size
+
+    @property
+    def bands(self) -> int:
+        """b (read-only, as sample_rate): 1 for DP-SGD; > 1 for banded noise, whose sampler
+        draws partition t mod b at step t (Note [banded steps] in src/dp/private_step.h)."""
+        return self._bands
 
     @property
     def max_grad_norm(self) -> float:
@@ -604,6 +629,13 @@ class PrivacyEngine:
         over all ranks, ``rows`` here; a padding batch has one row); returns its token."""
         self._check_attached()
         book = self.book
+        if self._micro is not None and self._micro.token.sampling == "caller":
+            # A logical batch is all the sampler's or all the caller's: own_batch's rows must
+            # not be released under a step the ledger records as the sampler's (own_batch refuses
+            # the converse).
+            raise RuntimeError("the private data loader handed out a micro-batch while a logical "
+                               f"batch of own_batch is open ({self._micro.token!r}); step() it "
+                               "(or zero_grad()) first")
         if i == 0 and self._micro is not None and self._micro.token.step != t and \
                 (book.micro_batches or book.open):
             # Logical batch t-1 accumulated but never stepped: zero_grad() must drop it before

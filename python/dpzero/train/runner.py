@@ -95,7 +95,8 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
     engine = p.privacy_engine
     label = "private" if private else "baseline"
     taken, epoch = _restore(p, run_dir, metrics) if private and resume else (0, 0)
-    total_steps = int(t_cfg.epochs * engine.bands / engine.sample_rate)  # b/q steps an epoch
+    # b rows for each equivalent step σ was calibrated for (int(epochs / q) of them)
+    total_steps = engine.bands * int(t_cfg.epochs / engine.sample_rate)
     if engine.remaining_steps is not None:
         if engine.remaining_steps == 0:
             raise BudgetExhausted(f"the ε budget of the ledger in {run_dir} is already spent "

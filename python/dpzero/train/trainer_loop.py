@@ -179,10 +179,10 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
 
 
 def _planned_steps(cfg: RunConfig, n: int) -> int:
-    """The Trainer's step count for the run (PrivateTrainer: ceil(epochs · int(b/q)))."""
+    """The Trainer's step count for the run (PrivateTrainer: ceil(epochs · b · int(1/q)))."""
     b = cfg.privacy.bands
     q = min(cfg.training.batch_size * b, n) / n
-    return math.ceil(cfg.training.epochs * max(1, int(b / q)))
+    return math.ceil(cfg.training.epochs * b * max(1, int(1.0 / q)))
 
 
 def _step_of(checkpoint: Optional[str]) -> int:
