@@ -18,7 +18,8 @@
 // at k' < k − 1 first forms the w's of k' + 1 .. k − 1 without adding them, so the history is
 // always C⁻¹z at consecutive charge indices from charge 0. A resumed run's fresh object thus
 // recomputes the history from the counters on its first charge (k draws of the shard), and its
-// noise continues exactly. A unit's noise is added once per charge: a step applied twice is
+// noise continues exactly when the key is the same (a seeded run; secure mode draws a new key at
+// a resume, whose noise is then a fresh C⁻¹z' on the remaining rows, as private). A unit's noise is added once per charge: a step applied twice is
 // refused. (The private step passes its row, the sampler's step t, as k: Note [banded steps] in
 // private_step.h.)
 #pragma once

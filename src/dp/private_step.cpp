@@ -208,10 +208,13 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
               " samples its own batches (one partition a step, Note [banded steps]); own_batch "
               "cannot drive it: iterate the data loader make_private returned";
   }
-  if (!refusal && s.bands > 1 && t < rows_) {
+  if (!refusal && !request.caller_sampled && t < rows_) {
+    // The sampler's step t is drawn once (Note [noise index]); with bands it is also the noise
+    // row (Note [banded steps]), which must never repeat.
     refusal = "step " + std::to_string(t) + " is at or before step " + std::to_string(rows_ - 1) +
-              ", which this banded run has charged: its noise row would repeat (Note [banded "
-              "steps])";
+              ", which this run has charged: its Poisson batch" +
+              (s.bands > 1 ? std::string(" and its noise row") : std::string()) +
+              " would repeat (Note [noise index])";
   }
   const StepStats stats = refusal ? StepStats{} : book_->take_stats();
   const int64_t k = charges_;

@@ -48,7 +48,8 @@
 // step t, not the charge index: the partition a batch was drawn from is t mod b (Note [cyclic
 // poisson] in privacy/poisson.h), so the row must be t for an example's participations to lie b
 // rows apart. So a banded step refuses, before its charge, a t at or before a row it has charged
-// (a row is never reused: its noise would repeat), a batch the caller sampled (own_batch: no
+// (a row is never reused: its noise would repeat; every step refuses a sampler's t already
+// charged, whose Poisson batch would repeat), a batch the caller sampled (own_batch: no
 // partition, nothing the theorem covers), and a budget its equivalent steps ⌈(t + 1)/b⌉ would
 // pass. The accountant composes the equivalent steps as the rows grow; the gradient sum is
 // scaled by the expected batch of one partition, q·N/b. Two premises lie outside the step: a

@@ -294,3 +294,39 @@ def test_a_banded_state_with_inconsistent_rows_is_refused(change):
     with pytest.raises(ValueError, match="a banded state needs charges <= rows <= next_step"):
         p.privacy_engine.load_state_dict(state)
     assert p.privacy_engine.charges == 0 and p.privacy_engine.next_step == 0
+
+
+@pytest.mark.parametrize("bands", [1, 2])
+def test_a_second_iteration_of_the_loader_cannot_hand_a_micro_batch_out_twice(bands):
+    """A privacy review fed micro-batch 0 of a step twice (two iterators of the loader) and
+    skipped a micro-batch of the same size, so the rows clipped matched the batch and its
+    examples counted twice under one charge: a micro-batch is handed out once per logical
+    batch while the batch holds gradients."""
+    p = dpzero.make_private(net(), dataset=data(64), sample_rate=0.5, noise_multiplier=SIGMA,
+                            max_grad_norm=C, lr=LR, seed=11, bands=bands,
+                            max_physical_batch_size=4)
+    first = iter(p.data_loader)
+    x, y = next(first)
+    F.cross_entropy(p.model(x), y).backward()
+    assert not p.optimizer.step()  # only accumulates
+    with pytest.raises(RuntimeError, match="a second iteration of the loader inside a logical"):
+        next(iter(p.data_loader))
+    p.optimizer.zero_grad()  # mid logical batch (Opacus's loop): the batch is kept
+    for x, y in first:  # the first iteration goes on to the step
+        F.cross_entropy(p.model(x), y).backward()
+        taken = p.optimizer.step()
+        p.optimizer.zero_grad()
+        if taken:
+            break
+    assert taken and p.privacy_engine.charges == 1
+    x, y = next(iter(p.data_loader))  # nothing held: a new iteration starts at the next step
+    F.cross_entropy(p.model(x), y).backward()
+
+
+def test_the_sampler_position_cannot_be_moved_back():
+    """A review set next_step back and had step 0's Poisson batch drawn and charged again: the
+    position is read-only, and the step refuses a sampler's step it has charged."""
+    _, engine = updates(1, 3, rate=0.25, loss_scale=1.0)
+    with pytest.raises(AttributeError):
+        engine.next_step = 0
+    assert engine.next_step == 3 and engine._step.rows == 3

@@ -353,7 +353,7 @@ class PrivacyEngine:
         if accountant is not None:
             self._step.restore(charged, accountant.native, rows)
             self._accountant = accountant
-        self.next_step = max(int(state["next_step"]), self.charges, self._step.rows)
+        self._next_step = max(int(state["next_step"]), self.charges, self._step.rows)
 
     def accept_state_change(self, names=None) -> None:
         """Note [state written from data]: takes the model's buffers and frozen parameters as they
@@ -499,7 +499,7 @@ class PrivacyEngine:
         self.clipping = clipping
         self.loss_reduction = c.loss_reduction
         # Note [noise index]: the sampler's step and the noise index never repeat a charged one.
-        self.next_step, self.steps_taken = first_step, 0
+        self._next_step, self.steps_taken = first_step, 0
         # What a step released (data-independent) and its data-dependent diagnostics (Note [released
         # figures]).
         self.last_step: Optional[Dict[str, int]] = None
@@ -535,6 +535,12 @@ class PrivacyEngine:
     def noise_multiplier(self) -> float:
         """σ (read-only: the accountant, the ledger and the noise all use this one value)."""
         return self.noise_multiplier_
+
+    @property
+    def next_step(self) -> int:
+        """The sampler's next logical step (read-only: the loader draws its Poisson batches from
+        it, and a step already charged must never be drawn again, Note [noise index])."""
+        return self._next_step
 
     @property
     def sample_rate(self) -> float:
@@ -636,6 +642,17 @@ class PrivacyEngine:
             raise RuntimeError("the private data loader handed out a micro-batch while a logical "
                                f"batch of own_batch is open ({self._micro.token!r}); step() it "
                                "(or zero_grad()) first")
+        micro = self._micro
+        if micro is not None and (book.micro_batches or book.open) and \
+                (t, i) != (micro.token.step, micro.token.index + 1) and not \
+                (i == 0 and t > micro.token.step):
+            # One hand-out of each micro-batch per logical batch: a second iteration of the
+            # loader while logical batch t holds gradients would hand out its micro-batches
+            # again, and their examples would be clipped twice under one step's charge.
+            raise RuntimeError(
+                f"the private data loader would hand out micro-batch {i} of step {t} while "
+                f"{micro.token!r} holds gradients (a second iteration of the loader inside a "
+                "logical batch); go on with the iteration that handed it out, to its step")
         if i == 0 and self._micro is not None and self._micro.token.step != t and \
                 (book.micro_batches or book.open):
             # Logical batch t-1 accumulated but never stepped: zero_grad() must drop it before
@@ -679,7 +696,7 @@ class PrivacyEngine:
         micro = self._micro
         if micro is not None and micro.token.sampling == "poisson":
             raise RuntimeError("own_batch() while a logical batch of the private loader is open "
-                               f"({micro.token!r}); step() it (or zero_grad()) first")
+                               f"({micro.token!r}); step() it first")
         if micro is not None and micro.logical_size != size:
             raise ValueError(f"own_batch: logical_batch_size={size}, but this logical batch's "
                              f"earlier micro-batches gave {micro.logical_size}")
@@ -784,10 +801,10 @@ class PrivacyEngine:
             self._close_logical_batch()
             # Note [noise index]: a step charged and then failed (its update, the accountant)
             # used batch t; the sampler never draws a step below the charges again.
-            self.next_step = max(self.next_step, self.charges, self._step.rows)
+            self._next_step = max(self._next_step, self.charges, self._step.rows)
             self._reseed_generators(t)
         self._state.record_trained()  # the update's own writes
-        self.next_step = max(t + 1, self.charges)
+        self._next_step = max(t + 1, self.charges, self._step.rows)
         self.steps_taken += 1
         self.last_step = {"step": t, "noise_index": out.noise_index}
         self._diagnose(t, out.noise_index, "caller" if out.caller_sampled else "poisson", size,

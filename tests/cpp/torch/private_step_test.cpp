@@ -612,5 +612,27 @@ TEST(PrivateStep, NoiseIsDrawnAtTheChargeIndex) {
   });
 }
 
+// Note [noise index]: a sampler's step is drawn once. Step 0 charged, the sampler's step 0 again
+// is refused before its charge (its Poisson batch would be charged twice as if independent),
+// nothing charged, the batch dropped; the next step goes on.
+TEST(PrivateStep, ASamplersStepIsChargedOnce) {
+  run_ranks(1, std::chrono::seconds(60), [&](int r, auto pg) {
+    Rank rank(r, pg, Options{});
+    rank.micro_batch(0);
+    rank.take(0, kB);
+    EXPECT_EQ(rank.step->charges(), 1);
+    EXPECT_EQ(rank.step->rows(), 1);
+    rank.micro_batch(1);
+    const std::string why = testing::error_message<PrivacyError>([&] { rank.take(0, kB); });
+    EXPECT_TRUE(contains(why, "step 0 is at or before step 0, which this run has charged: its "
+                              "Poisson batch would repeat"))
+        << why;
+    EXPECT_EQ(rank.step->charges(), 1);
+    EXPECT_TRUE(rank.dropped());
+    rank.micro_batch(2);
+    EXPECT_EQ(rank.take(1, kB).noise_index, 1);
+  });
+}
+
 }  // namespace
 }  // namespace dpzero::dp
