@@ -39,4 +39,11 @@ inline int64_t banded_equivalent_steps(int64_t rows, int64_t bands) {
   return rows / bands + (rows % bands != 0 ? 1 : 0);
 }
 
+// The DP-SGD steps a run has spent: its charges at b = 1 (each counts, a replayed step too:
+// Note [noise index] in src/dp/private_step.h), ⌈rows / b⌉ with b > 1 bands (rows: one more than
+// the last step charged).
+inline int64_t equivalent_steps(int64_t charges, int64_t rows, int64_t bands) {
+  return bands == 1 ? charges : banded_equivalent_steps(rows, bands);
+}
+
 }  // namespace dpzero::accounting

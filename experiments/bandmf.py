@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dpzero  # noqa: E402
 from bench_common import dpzero_version, write_marked_section  # noqa: E402
 from dpzero import _C  # noqa: E402
+from dpzero.train.launch import to_toml  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results", "bandmf.md")
@@ -99,7 +100,7 @@ def utility(bands: int, out: str) -> str:
         os.makedirs(out, exist_ok=True)
         config = os.path.join(out, f"eps{eps:g}.toml")
         with open(config, "w") as f:
-            f.write(_toml(raw))
+            f.write(to_toml(raw))
         subprocess.run([os.path.join(ROOT, ".venv", "bin", "dpzero"), "sweep", config,
                         "--grid", f"privacy.bands=1,{bands}", "--seeds", "3",
                         "--output", sweep_dir], check=True)
@@ -194,19 +195,6 @@ def cost(rounds: int) -> str:
                      f"{4 * (b - 1) * params / 2**20:.1f} |")
     lines.append("<!-- cost:end -->")
     return "\n".join(lines)
-
-
-def _toml(raw: dict) -> str:
-    def value(v):
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return f'"{v}"'
-        if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        return repr(v)
-    return "\n".join(f"[{section}]\n" + "\n".join(f"{k} = {value(v)}" for k, v in body.items())
-                     + "\n" for section, body in raw.items())
 
 
 def main(argv=None) -> int:

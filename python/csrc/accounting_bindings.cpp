@@ -36,6 +36,10 @@ void bind_accountants(py::module_& m) {
   m.def("banded_equivalent_steps", &banded_equivalent_steps, py::arg("rows"), py::arg("bands"),
         "The DP-SGD steps a banded run over `rows` steps equals (Note [amplified banded "
         "accounting] in accounting/banded.h)");
+  m.def("equivalent_steps", &equivalent_steps, py::arg("charges"), py::arg("rows"),
+        py::arg("bands"),
+        "The DP-SGD steps a run has spent: its charges at bands=1, the banded equivalent steps of "
+        "its rows otherwise (accounting/banded.h)");
   m.def("opacus_default_orders", &opacus_default_orders);
   m.def("tfp_default_orders", &tfp_default_orders);
   m.def("compute_log_a", &compute_log_a, py::arg("q"), py::arg("sigma"), py::arg("alpha"),

@@ -123,8 +123,7 @@ void PrivateStep::restore(int64_t charges, std::shared_ptr<accounting::Accountan
 }
 
 int64_t PrivateStep::equivalent_steps() const {
-  return settings_.bands == 1 ? charges_
-                              : accounting::banded_equivalent_steps(rows_, settings_.bands);
+  return accounting::equivalent_steps(charges_, rows_, settings_.bands);
 }
 
 void PrivateStep::set_noise_key(NoiseKey key) {

@@ -322,8 +322,7 @@ RunStart start_run(const RunSettings& s, const std::vector<AgreedSetting>& own,
     out.charges = agreed[2];  // rank 0's
     out.rows = agreed[3];
     // Every recorded step is noised at this run's σ and q (checked above).
-    const int64_t steps = s.bands == 1 ? out.charges
-                                       : accounting::banded_equivalent_steps(out.rows, s.bands);
+    const int64_t steps = accounting::equivalent_steps(out.charges, out.rows, s.bands);
     if (steps > 0) accountant.step(s.sample_rate, s.noise_multiplier, steps);
   }
 

@@ -76,6 +76,7 @@ from ..accounting import get_noise_multiplier
 from ..front import make_private
 from ..noise import secure_noise
 from ..private import BudgetExhausted
+from ..private.config import steps_per_epoch
 from ..private.engine import PrivateLog
 from .losses import PerSampleLoss, default_per_sample_loss
 
@@ -312,9 +313,8 @@ class PrivateTrainer(Trainer):
                              f"one of the {bands} partitions of the dataset ({n} examples)")
         # With bands b each step samples one partition of N/b examples (make_private's bands).
         q = expected * bands / n
-        steps_per_epoch = bands * max(1, int(1.0 / q))  # b rows per equivalent step
         steps = args.max_steps if args.max_steps > 0 else math.ceil(
-            args.num_train_epochs * steps_per_epoch)
+            args.num_train_epochs * steps_per_epoch(q, bands))
         from ..train.config import default_delta
         delta = p.target_delta if p.target_delta is not None else default_delta(n)
         self.delta = delta
@@ -357,8 +357,8 @@ class PrivateTrainer(Trainer):
 
     def _noise_multiplier(self, q: float, steps: int, delta: float, n: int) -> float:
         p = self.privacy_args
-        if p.bands > 1:  # the DP-SGD steps the run's privacy equals (accounting/banded.h)
-            steps = _C.accounting.banded_equivalent_steps(steps, p.bands)
+        # the DP-SGD steps the run's privacy equals (accounting/banded.h)
+        steps = _C.accounting.equivalent_steps(steps, steps, p.bands)
         if p.noise_multiplier is None and p.target_epsilon is None:
             raise ValueError("PrivacyArguments needs target_epsilon (σ calibrated for the run) "
                              "or noise_multiplier")

@@ -107,6 +107,13 @@ class PrivateConfig:
         return replace(self, **changes)
 
 
+def steps_per_epoch(sample_rate: float, bands: int) -> int:
+    """The steps of one epoch at rate q with b bands: b × int(1/q), so that whole epochs never
+    exceed the steps σ was calibrated for (int(epochs / q) equivalent steps, Opacus's count; with
+    bands each equivalent step is b steps, one per partition)."""
+    return bands * max(1, int(1.0 / sample_rate))
+
+
 def delta_warning(name: str, delta: float, n: int) -> str:
     """Why δ >= 1/N is no guarantee: a mechanism that publishes one random record of N in full
     is (0, 1/N)-DP. Practice, and the published results dpzero compares with, take δ well below

@@ -55,7 +55,7 @@ from .attach import assign_components, find_layers, guard_hooks, param_slots, pa
 from .agreements import RankAgreements
 from .book import Book
 from .errors import PrivacyViolation
-from .config import DEFAULT_ACCOUNTANT, PrivateConfig, resolve, run_settings
+from .config import DEFAULT_ACCOUNTANT, PrivateConfig, resolve, run_settings, steps_per_epoch
 from .provenance.examples import MicroBatchToken, tag
 from .loader import DPDataLoader, MicroBatch, Schedule
 from .slots import Slots
@@ -316,7 +316,7 @@ class PrivacyEngine:
         history = [(float(sigma), float(q), int(steps)) for sigma, q, steps in state["history"]]
         charged = int(state["charges"])
         # Banded: the charges' equivalent steps (Note [amplified banded accounting]).
-        equivalent = charged if bands == 1 else _C.accounting.banded_equivalent_steps(rows, bands)
+        equivalent = _C.accounting.equivalent_steps(charged, rows, bands)
         wanted = equivalent if self.noise_multiplier > 0.0 else 0
         if sum(steps for _, _, steps in history) != wanted or any(
                 steps and (sigma, q) != (self.noise_multiplier, self.sample_rate)
@@ -509,9 +509,7 @@ class PrivacyEngine:
         self._torch_seed = torch.initial_seed()  # Note [random state between steps]
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
-        # Whole epochs never exceed the steps σ was calibrated for (int(epochs / q), Opacus's);
-        # with bands b an epoch is b × int(1/q) steps, whose equivalent steps are int(1/q).
-        steps_per_epoch = c.bands * max(1, int(1.0 / q))
+        epoch_steps = steps_per_epoch(q, c.bands)
         self.model = PrivateModule(model, self)
         if self.isolation == "strict":
             self._strict.outer = self.model
@@ -526,7 +524,7 @@ class PrivacyEngine:
             sample_rate=q, sampler=self._sampler, next_step=lambda: self.next_step,
             begin_micro_batch=self._begin_micro_batch,
             agree=lambda what, values: agree.collective(what, agree.same_everywhere, values))
-        self.data_loader = DPDataLoader(schedule, c.dataset, steps_per_epoch,
+        self.data_loader = DPDataLoader(schedule, c.dataset, epoch_steps,
                                         c.max_physical_batch_size, c.collate_fn, c.num_workers)
         self._attached = True
         return Private(self.model, self.optimizer, self.data_loader, self)

@@ -40,6 +40,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 
 from ..hf import PrivacyArguments, PrivateTrainer
 from ..hf.trainer import PRIVACY_STATE
+from ..private.config import steps_per_epoch
 from .config import RunConfig
 from .report import PRIVATE_DIR
 from .outputs import Progress, atomic_json, atomic_save, final_state
@@ -179,10 +180,10 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
 
 
 def _planned_steps(cfg: RunConfig, n: int) -> int:
-    """The Trainer's step count for the run (PrivateTrainer: ceil(epochs · b · int(1/q)))."""
+    """The Trainer's step count for the run (PrivateTrainer's: ceil(epochs · steps_per_epoch))."""
     b = cfg.privacy.bands
     q = min(cfg.training.batch_size * b, n) / n
-    return math.ceil(cfg.training.epochs * b * max(1, int(1.0 / q)))
+    return math.ceil(cfg.training.epochs * steps_per_epoch(q, b))
 
 
 def _step_of(checkpoint: Optional[str]) -> int:
