@@ -159,9 +159,9 @@ def test_a_rank_killed_after_the_ledger_record_resumes_from_the_checkpoint(tmp_p
     """With bands = 2 the resumed noise must also continue the banded sequence: its rows after
     the crash follow the ledger's, and the history is C⁻¹z from row 0 (Note [banded steps])."""
     run_dir = tmp_path / "run"
-    # SGD with bands: AdamW's early steps divide by |g|, which turns the last-bit differences of
-    # two ranks' sums into 1e-4 where noise and gradient nearly cancel (measured: W = 2 against
-    # W = 1 without any crash); SGD compares the noise sequence itself.
+    # SGD with bands: AdamW's early steps divide by |g|, which magnifies the last-bit differences
+    # of two ranks' sums where noise and gradient nearly cancel (W = 2 against W = 1, with no
+    # crash at all); SGD compares the noise sequence itself.
     config, raw = _config(tmp_path, run_dir, bands=bands,
                           **({"optimizer": "sgd", "lr": 0.5} if bands > 1 else {}))
     crash_charge = 9  # the 10th step: charged, never applied; the last checkpoint is step 8
