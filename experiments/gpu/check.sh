@@ -16,7 +16,9 @@
 #   paper    one row set of experiments/run.py --grid gpu (non-DP, DP flat, Opacus hooks)
 #   errors   error_paths.py: one of our ops' argument errors raised on the CPU and on the GPU, with
 #            and without a number in the message, each in a fresh process (the first H200 run's
-#            crashes), and which libstdc++ the process maps
+#            crashes); which libstdc++ the process maps and which libraries define
+#            std::locale::classic(); each crash again with LC_ALL=C and with the toolchain's
+#            libstdc++ preloaded, and the first one's backtrace under gdb
 #   ctest    every GoogleTest
 #   pytest   the CUDA tests (the files that hold them, CUDA cases selected), through
 #            pytest_isolated.py: a test that crashes its process is recorded, run again alone and
@@ -73,7 +75,7 @@ want private && stage private 150 $py experiments/private_bench.py --device cuda
 # Opacus hooks, not ghost: ghost clipping refuses GPT-2's tied embedding
 want paper && stage paper 90 bash -c "cd experiments && $py run.py --grid gpu --systems zero0,dp0-flat,opacus-hooks \
   --repeats 5 --out '$results' && mv '$results/grid-gpu.md' '$results/paper.md'" >>"$log" 2>&1
-want errors && stage errors 60 $py experiments/gpu/error_paths.py >>"$status" 2>>"$log"
+want errors && stage errors 180 $py experiments/gpu/error_paths.py >>"$status" 2>>"$log"
 if want ctest; then
   stage ctest 60 ctest --test-dir build-gpu --output-on-failure -j "$(nproc)" >>"$log" 2>&1
   grep -E "tests passed|tests failed" "$log" | tail -1 | tee -a "$status"
@@ -81,7 +83,7 @@ fi
 if want pytest; then
   stage pytest 150 $py experiments/gpu/pytest_isolated.py -k "cuda or gpu or offload or sync" \
     tests/python/test_kernels.py tests/python/test_noise.py tests/python/test_sync_free.py \
-    tests/python/test_zero.py tests/python/test_checkpointing.py >>"$log" 2>&1
+    tests/python/test_zero.py tests/python/test_checkpointing.py tests/python/test_op_errors.py >>"$log" 2>&1
   grep "^pytest_isolated: [0-9]* tests" "$log" | tail -1 | tee -a "$status"
 fi
 want noise && stage noise 40 $py experiments/noise_bench.py --sizes 1e6,1e7,1e8 --out "$out/noise.md" >>"$log" 2>&1
