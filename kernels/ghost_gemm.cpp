@@ -14,6 +14,7 @@
 #include "kernels/ghost_gemm.h"
 
 #include <algorithm>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -29,52 +30,106 @@ std::vector<std::pair<int64_t, int64_t>> gemm_row_blocks(int64_t T) {
   return blocks;
 }
 
+namespace {
+
+// The bytes of float64 workspace one sample takes: its rows (`features` = d_in + the G's d_outs),
+// three strips of the largest row block live at once (an A or token strip, a G strip, their
+// product) and the [T] row values and diagonal terms of each of `outputs` results.
+int64_t bytes_per_sample(int64_t t, int64_t features, int64_t outputs,
+                         const std::vector<std::pair<int64_t, int64_t>>& blocks) {
+  int64_t strip = 0;
+  for (const auto& [r0, r1] : blocks) strip = std::max(strip, (r1 - r0) * r1);
+  return 8 * (t * features + 3 * strip + 2 * t * outputs);
+}
+
+// One row block's share of a sample's value and S (Note [gram strips]): product [c, rows, r1] the
+// entrywise product of the two strips, diag_term [c, rows]; written into the [c, T] row values
+// and diagonal terms at rows [r0, r1).
+void add_block(const at::Tensor& product, const at::Tensor& diag_term, int64_t r0, int64_t rows,
+               at::Tensor& row_values, at::Tensor& diagonal_terms) {
+  const at::Tensor off = product.narrow(2, 0, r0).sum(2);    // [c, rows]
+  const at::Tensor on = product.narrow(2, r0, rows).sum(2);  // [c, rows]
+  row_values.narrow(1, r0, rows).copy_(off * 2.0 + on);
+  diagonal_terms.narrow(1, r0, rows).copy_(diag_term);
+}
+
+// x [c, T, d] float64 -> the strip x[:, r0:r1] x[:, 0:r1]^T [c, r1 - r0, r1].
+at::Tensor strip_of(const at::Tensor& x, int64_t r0, int64_t r1) {
+  return at::bmm(x.slice(1, r0, r1), x.slice(1, 0, r1).transpose(1, 2));
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> ghost_values_gemm(const at::Tensor& a, const at::Tensor& ids,
                                                      const at::Tensor& g, int64_t pad) {
-  const bool tokens = !a.defined();
+  if (a.defined()) {
+    auto [value, s] = ghost_values_gemm_multi(a, {g});
+    return {value[0], s[0]};
+  }
+  // Tokens: the A-Gram is the indicator [id_s = id_u != pad], a select on G's strip.
   const int64_t b = g.size(0), t = g.size(1), d_out = g.size(2);
-  const int64_t d_in = tokens ? 0 : a.size(2);
   const at::TensorOptions f64 = g.options().dtype(at::kDouble);
   at::Tensor value = at::zeros({b}, f64);
   at::Tensor s = at::zeros({b}, f64);
   if (b == 0 || t == 0) return {value, s};
   const auto blocks = gemm_row_blocks(t);
-  int64_t strip = 0;
-  for (const auto& [r0, r1] : blocks) strip = std::max(strip, (r1 - r0) * r1);
-  // Per sample: float64 rows of A and G, and (for the largest block) two strips and their
-  // product, plus the [T] row values and diagonal terms.
-  const int64_t per_sample = 8 * (t * (d_in + d_out) + 3 * strip + 2 * t);
-  const int64_t chunk = samples_per_chunk(b, per_sample);
+  const int64_t chunk = samples_per_chunk(b, bytes_per_sample(t, d_out, 1, blocks));
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk), c = i1 - i0;
     const at::Tensor g64 = g.slice(0, i0, i1).to(at::kDouble);  // [c, T, d_out]
-    const at::Tensor a64 = tokens ? at::Tensor() : a.slice(0, i0, i1).to(at::kDouble);
-    const at::Tensor id = tokens ? ids.slice(0, i0, i1) : at::Tensor();  // [c, T]
+    const at::Tensor id = ids.slice(0, i0, i1);                  // [c, T]
     at::Tensor row_values = at::empty({c, t}, f64);
     at::Tensor diagonal_terms = at::empty({c, t}, f64);
     for (const auto& [r0, r1] : blocks) {
-      const int64_t rows = r1 - r0;
-      const at::Tensor sg = at::bmm(g64.slice(1, r0, r1), g64.slice(1, 0, r1).transpose(1, 2));
-      const at::Tensor dg = sg.diagonal(r0, 1, 2);  // [c, rows]: ĜG[s, s], s in [r0, r1)
-      at::Tensor product, diag_term;
-      if (tokens) {
-        const at::Tensor id_s = id.slice(1, r0, r1).unsqueeze(2);  // [c, rows, 1]
-        const at::Tensor kept_s = id_s != pad;
-        product = at::where(at::logical_and(id_s == id.slice(1, 0, r1).unsqueeze(1), kept_s), sg,
-                            0.0);
-        diag_term = at::where(kept_s.squeeze(2), dg.sqrt(), 0.0);
-      } else {
-        const at::Tensor sa = at::bmm(a64.slice(1, r0, r1), a64.slice(1, 0, r1).transpose(1, 2));
-        product = sa * sg;
-        diag_term = (sa.diagonal(r0, 1, 2) * dg).sqrt();
-      }
-      const at::Tensor off = product.narrow(2, 0, r0).sum(2);       // [c, rows]
-      const at::Tensor on = product.narrow(2, r0, rows).sum(2);     // [c, rows]
-      row_values.narrow(1, r0, rows).copy_(off * 2.0 + on);
-      diagonal_terms.narrow(1, r0, rows).copy_(diag_term);
+      const at::Tensor sg = strip_of(g64, r0, r1);
+      const at::Tensor id_s = id.slice(1, r0, r1).unsqueeze(2);  // [c, rows, 1]
+      const at::Tensor kept_s = id_s != pad;
+      const at::Tensor product =
+          at::where(at::logical_and(id_s == id.slice(1, 0, r1).unsqueeze(1), kept_s), sg, 0.0);
+      const at::Tensor diag_term =
+          at::where(kept_s.squeeze(2), sg.diagonal(r0, 1, 2).sqrt(), 0.0);
+      add_block(product, diag_term, r0, r1 - r0, row_values, diagonal_terms);
     }
     value.slice(0, i0, i1).copy_(row_values.sum(1));
     s.slice(0, i0, i1).copy_(diagonal_terms.sum(1));
+  }
+  return {value, s};
+}
+
+std::tuple<at::Tensor, at::Tensor> ghost_values_gemm_multi(const at::Tensor& a,
+                                                           at::TensorList gs) {
+  const int64_t b = a.size(0), t = a.size(1), d_in = a.size(2);
+  const int64_t outputs = static_cast<int64_t>(gs.size());
+  const at::TensorOptions f64 = a.options().dtype(at::kDouble);
+  at::Tensor value = at::zeros({outputs, b}, f64);
+  at::Tensor s = at::zeros({outputs, b}, f64);
+  if (b == 0 || t == 0 || outputs == 0) return {value, s};
+  int64_t features = d_in;
+  for (const at::Tensor& g : gs) features += g.size(2);
+  const auto blocks = gemm_row_blocks(t);
+  const int64_t chunk = samples_per_chunk(b, bytes_per_sample(t, features, outputs, blocks));
+  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
+    const int64_t i1 = std::min(b, i0 + chunk), c = i1 - i0;
+    const at::Tensor a64 = a.slice(0, i0, i1).to(at::kDouble);  // [c, T, d_in]
+    std::vector<at::Tensor> g64, row_values, diagonal_terms;
+    for (const at::Tensor& g : gs) {
+      g64.push_back(g.slice(0, i0, i1).to(at::kDouble));  // [c, T, d_out_l]
+      row_values.push_back(at::empty({c, t}, f64));
+      diagonal_terms.push_back(at::empty({c, t}, f64));
+    }
+    for (const auto& [r0, r1] : blocks) {
+      const at::Tensor sa = strip_of(a64, r0, r1);  // once for every G
+      const at::Tensor da = sa.diagonal(r0, 1, 2);
+      for (int64_t l = 0; l < outputs; ++l) {
+        const at::Tensor sg = strip_of(g64[l], r0, r1);
+        add_block(sa * sg, (da * sg.diagonal(r0, 1, 2)).sqrt(), r0, r1 - r0, row_values[l],
+                  diagonal_terms[l]);
+      }
+    }
+    for (int64_t l = 0; l < outputs; ++l) {
+      value[l].slice(0, i0, i1).copy_(row_values[l].sum(1));
+      s[l].slice(0, i0, i1).copy_(diagonal_terms[l].sum(1));
+    }
   }
   return {value, s};
 }

@@ -1,5 +1,5 @@
-// kernels/cuda/ghost_norm.cu — CUDA implementations of dpzero::_ghost_sq_norms and
-// dpzero::_token_ghost_sq_norms (schemas in kernels/ops.cpp), the backend kernels behind the
+// kernels/cuda/ghost_norm.cu — CUDA implementations of dpzero::_ghost_sq_norms,
+// dpzero::_ghost_sq_norms_multi and dpzero::_token_ghost_sq_norms (schemas in kernels/ops.cpp), the backend kernels behind the
 // ghost path of the layer ops (Note [ghost norm] in kernels/per_sample/common.h). Three paths,
 // by sequence length T (Note [ghost roofline]):
 //  * T = 1: rank_one_kernel, ||a||^2 ||g||^2 per sample (Note [rank-one ghost] in
@@ -61,6 +61,7 @@
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -163,6 +164,42 @@ __device__ __forceinline__ void block_sum2(double& v, double& w, double (&warp_s
   }
 }
 
+// pair -> (bs, bt) with bs <= bt: the launch's tile pairs enumerate row bs's tiles bt = bs ..
+// num_tiles - 1 in order, row after row.
+__device__ __forceinline__ void tile_of(int64_t pair, int64_t num_tiles, int64_t& bs,
+                                        int64_t& bt) {
+  int64_t rest = pair;
+  bs = 0;
+  while (rest >= num_tiles - bs) {
+    rest -= num_tiles - bs;
+    ++bs;
+  }
+  bt = bs + rest;
+}
+
+// This thread's share of a Linear tile's sums, from its R x R entries of both Grams: local +=
+// sum_{u,v} gram_a * gram_g over entries inside the sequence (a chain: depth R^2), local_s +=
+// sum_t ||a_t|| ||g_t|| over its diagonal entries (diagonal tiles, threads with tx = ty, u = v).
+template <int R>
+__device__ __forceinline__ void add_linear_tile(const double (&gram_a)[R][R],
+                                                const double (&gram_g)[R][R], int64_t s0,
+                                                int64_t t0, int64_t t_len, bool diagonal_thread,
+                                                double& local, double& local_s) {
+  const int tx = threadIdx.x, ty = threadIdx.y;
+#pragma unroll
+  for (int u = 0; u < R; ++u) {
+    const bool row_in_range = s0 + ty + kThreads * u < t_len;
+#pragma unroll
+    for (int v = 0; v < R; ++v) {
+      // Entries past T are 0 * 0 = 0 unless a real row holds an Inf; leave them out anyway.
+      if (row_in_range && t0 + tx + kThreads * v < t_len) {
+        local = fma(gram_a[u][v], gram_g[u][v], local);
+      }
+    }
+    if (diagonal_thread && row_in_range) local_s += sqrt(gram_a[u][u] * gram_g[u][u]);
+  }
+}
+
 // grid = (num_pairs, samples in this launch), block = (kThreads, kThreads); tiles of 16R rows.
 // kTokens: the A-Gram is [ids_s = ids_t != padding_idx] (embedding); otherwise a_s . a_t.
 template <typename scalar_t, int R, bool kTokens>
@@ -181,13 +218,8 @@ __global__ void __launch_bounds__(kBlockSize)
   __shared__ double warp_sums[2][kWarps];
 
   const int64_t pair = blockIdx.x, num_pairs = gridDim.x, i = blockIdx.y;
-  // pair -> (bs, bt) with bs <= bt, enumerating row bs's tiles bt = bs .. num_tiles-1 in order.
-  int64_t bs = 0, rest = pair;
-  while (rest >= num_tiles - bs) {
-    rest -= num_tiles - bs;
-    ++bs;
-  }
-  const int64_t bt = bs + rest;
+  int64_t bs, bt;
+  tile_of(pair, num_tiles, bs, bt);
   const int64_t s0 = bs * kRows, t0 = bt * kRows;
   const bool diagonal = bs == bt;
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kThreads + tx;
@@ -224,23 +256,65 @@ __global__ void __launch_bounds__(kBlockSize)
   } else {
     double gram_a[R][R] = {};
     accumulate_gram_tile<R>(a + i * t_len * d_in, t_len, d_in, s0, t0, diagonal, tile, gram_a);
-#pragma unroll
-    for (int u = 0; u < R; ++u) {
-      const bool row_in_range = s0 + ty + kThreads * u < t_len;
-#pragma unroll
-      for (int v = 0; v < R; ++v) {
-        // Entries past T are 0 * 0 = 0 unless a real row holds an Inf; leave them out anyway.
-        if (row_in_range && t0 + tx + kThreads * v < t_len) {
-          local = fma(gram_a[u][v], gram_g[u][v], local);
-        }
-      }
-      if (diagonal_thread && row_in_range) local_s += sqrt(gram_a[u][u] * gram_g[u][u]);
-    }
+    add_linear_tile<R>(gram_a, gram_g, s0, t0, t_len, diagonal_thread, local, local_s);
   }
   block_sum2(local, local_s, warp_sums, tid);
   if (tid == 0) {
     partial[i * num_pairs + pair] = (diagonal ? 1.0 : 2.0) * local;
     partial_s[i * num_pairs + pair] = local_s;
+  }
+}
+
+// Note [shared inputs] (kernels/per_sample/linear.h): the output gradients of up to kMaxShared
+// layers that read one input, for one launch of ghost_norm_multi_kernel.
+constexpr int kMaxShared = 4;
+template <typename scalar_t>
+struct SharedOutputs {
+  const scalar_t* g[kMaxShared];  // G_l [b, T, d_out[l]] from this launch's first sample
+  int64_t d_out[kMaxShared];
+  int64_t first[kMaxShared];      // G_l's row of partial: layer index l of the whole op
+  int count;
+};
+
+// ghost_norm_kernel for Linear layers sharing their input: the block's A-Gram tile is built once
+// and held in registers while each G_l's tile is built, multiplied entry by entry and reduced in
+// turn, so each layer's tile sum is the single kernel's, bit for bit (same tiles, same order).
+// grid = (num_pairs, samples in this launch); partial / partial_s [L, samples, num_pairs] from this
+// launch's first sample, row stride `samples` (the op's B).
+template <typename scalar_t, int R>
+__global__ void __launch_bounds__(kBlockSize)
+    ghost_norm_multi_kernel(const scalar_t* __restrict__ a,  // [b, T, d_in]
+                            SharedOutputs<scalar_t> outs,
+                            double* __restrict__ partial, double* __restrict__ partial_s,
+                            int64_t samples, int64_t t_len, int64_t d_in, int64_t num_tiles) {
+  constexpr int kRows = Tile<R>::kRows;
+  __shared__ Tile<R> tile;
+  __shared__ double warp_sums[2][kWarps];
+
+  const int64_t pair = blockIdx.x, num_pairs = gridDim.x, i = blockIdx.y;
+  int64_t bs, bt;
+  tile_of(pair, num_tiles, bs, bt);
+  const int64_t s0 = bs * kRows, t0 = bt * kRows;
+  const bool diagonal = bs == bt;
+  const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kThreads + tx;
+  const bool diagonal_thread = diagonal && tx == ty;
+
+  double gram_a[R][R] = {};
+  accumulate_gram_tile<R>(a + i * t_len * d_in, t_len, d_in, s0, t0, diagonal, tile, gram_a);
+  for (int l = 0; l < outs.count; ++l) {
+    const int64_t d_out = outs.d_out[l];
+    double gram_g[R][R] = {};
+    accumulate_gram_tile<R>(outs.g[l] + i * t_len * d_out, t_len, d_out, s0, t0, diagonal, tile,
+                            gram_g);
+    double local = 0.0, local_s = 0.0;
+    add_linear_tile<R>(gram_a, gram_g, s0, t0, t_len, diagonal_thread, local, local_s);
+    block_sum2(local, local_s, warp_sums, tid);
+    if (tid == 0) {
+      const int64_t k = (outs.first[l] * samples + i) * num_pairs + pair;
+      partial[k] = (diagonal ? 1.0 : 2.0) * local;
+      partial_s[k] = local_s;
+    }
+    __syncthreads();  // warp_sums and the tile are written again for the next layer
   }
 }
 
@@ -392,10 +466,91 @@ std::tuple<at::Tensor, at::Tensor> token_ghost_sq_norms_cuda(const at::Tensor& i
                       /*tokens=*/true);
 }
 
+// The fused tiles for layers sharing their input: a [B, T, d_in], gs[l] [B, T, d_out_l], one
+// element type, contiguous, B >= 1, 2 <= T -> (value [L, B], S [L, B]) float64. Up to kMaxShared
+// layers per launch (more take further launches, each building A's tiles again).
+template <int R>
+std::tuple<at::Tensor, at::Tensor> launch_tiles_multi(const at::Tensor& a,
+                                                      const std::vector<at::Tensor>& gs) {
+  const int64_t b = a.size(0), t_len = a.size(1), d_in = a.size(2);
+  const int64_t layers = static_cast<int64_t>(gs.size());
+  const int64_t num_tiles = (t_len + Tile<R>::kRows - 1) / Tile<R>::kRows;
+  const int64_t num_pairs = num_tiles * (num_tiles + 1) / 2;
+  TORCH_CHECK(num_pairs <= std::numeric_limits<int32_t>::max(),
+              "dpzero ghost norm: sequence length T = ", t_len, " needs too many Gram tiles");
+  at::Tensor partial = at::empty({layers, b, num_pairs}, a.options().dtype(at::kDouble));
+  at::Tensor partial_s = at::empty({layers, b, num_pairs}, a.options().dtype(at::kDouble));
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const dim3 block(kThreads, kThreads);
+  with_scalar_type("ghost norm", a.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* pa = a.data_ptr<scalar_t>();
+    for (int64_t l0 = 0; l0 < layers; l0 += kMaxShared) {
+      for (int64_t b0 = 0; b0 < b; b0 += kMaxGridY) {
+        const int64_t nb = std::min(kMaxGridY, b - b0);
+        SharedOutputs<scalar_t> outs{};
+        outs.count = static_cast<int>(std::min<int64_t>(kMaxShared, layers - l0));
+        for (int k = 0; k < outs.count; ++k) {
+          const at::Tensor& g = gs[static_cast<size_t>(l0 + k)];
+          outs.d_out[k] = g.size(2);
+          outs.g[k] = g.data_ptr<scalar_t>() + b0 * t_len * g.size(2);
+          outs.first[k] = l0 + k;
+        }
+        const dim3 grid(static_cast<unsigned>(num_pairs), static_cast<unsigned>(nb));
+        ghost_norm_multi_kernel<scalar_t, R><<<grid, block, 0, stream>>>(
+            pa + b0 * t_len * d_in, outs, partial.data_ptr<double>() + b0 * num_pairs,
+            partial_s.data_ptr<double>() + b0 * num_pairs, b, t_len, d_in, num_tiles);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    }
+  });
+  return {partial.sum(2), partial_s.sum(2)};
+}
+
+// Note [shared inputs]: A [B, T, d_in] against each G[l] [B, T, d_out_l] -> ([L, B] values, [L,
+// B] S), float64, row l what _ghost_sq_norms(A, G[l]) gives on the same path; A's Gram is built
+// once for all L (the fused tiles and the GEMM strips; T = 1 reads ||a||^2 once per layer, a pass
+// over its rows).
+std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_multi_cuda(const at::Tensor& a,
+                                                             at::TensorList gs) {
+  constexpr const char* op = "_ghost_sq_norms_multi";
+  TORCH_CHECK(!gs.empty(), "dpzero::", op, ": G must hold at least one tensor");
+  bool one_type = true;
+  for (const at::Tensor& g : gs) {
+    check_ghost_args(op, a, "A", g);
+    one_type = one_type && g.scalar_type() == a.scalar_type();
+  }
+  const c10::cuda::CUDAGuard guard(a.device());
+  // One element type for every operand: mixed inputs are all read as float32.
+  const auto type = one_type ? a.scalar_type() : at::kFloat;
+  const at::Tensor ac = a.to(type).contiguous();
+  std::vector<at::Tensor> gc;
+  for (const at::Tensor& g : gs) gc.push_back(g.to(type).contiguous());
+  const int64_t b = a.size(0), t_len = a.size(1), layers = static_cast<int64_t>(gs.size());
+  if (b == 0 || t_len == 0) {
+    return {at::zeros({layers, b}, a.options().dtype(at::kDouble)),
+            at::zeros({layers, b}, a.options().dtype(at::kDouble))};
+  }
+  if (t_len == 1) {
+    std::vector<at::Tensor> values, norms;
+    for (const at::Tensor& g : gc) {
+      auto [v, n] = launch_rank_one(ac, at::Tensor(), g, -1, /*tokens=*/false);
+      values.push_back(v);
+      norms.push_back(n);
+    }
+    return {at::stack(values), at::stack(norms)};
+  }
+  if (t_len >= kGemmMinRows) return ghost_values_gemm_multi(ac, gc);
+  if (t_len <= Tile<1>::kRows) return launch_tiles_multi<1>(ac, gc);
+  if (t_len <= Tile<2>::kRows) return launch_tiles_multi<2>(ac, gc);
+  return launch_tiles_multi<4>(ac, gc);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dpzero, CUDA, m) {
   m.impl("_ghost_sq_norms", &ghost_sq_norms_cuda);
+  m.impl("_ghost_sq_norms_multi", &ghost_sq_norms_multi_cuda);
   m.impl("_token_ghost_sq_norms", &token_ghost_sq_norms_cuda);
 }
 

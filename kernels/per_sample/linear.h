@@ -148,9 +148,9 @@ inline at::Tensor linear_sq_norms(const at::Tensor& A, const at::Tensor& G, bool
 // gated MLP's gate and up projections) share the A-side Gram of the ghost norm. linear_sq_norms_multi
 // takes A once and each layer's G and returns each layer's certified norm, equal to what
 // linear_sq_norms would return for that layer alone (same kernel arithmetic, same margin); on the
-// ghost path A's float64 copy and Gram strips are made once for all of them
-// (dpzero::_ghost_sq_norms_multi: kernels/cpu/ghost_norm.cpp, and a generic loop for the devices
-// whose kernel does not stage the A Gram).
+// ghost path A's float64 copy and Gram strips (on CUDA: its Gram tiles or strips) are made once
+// for all of them (dpzero::_ghost_sq_norms_multi: kernels/cpu/ghost_norm.cpp,
+// kernels/cuda/ghost_norm.cu, and a generic loop for other devices).
 
 // _ghost_sq_norms of A against each G, one layer at a time (any device).
 inline std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_multi_generic(const at::Tensor& a,

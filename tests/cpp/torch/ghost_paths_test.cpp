@@ -201,6 +201,34 @@ TEST(GhostPaths, GemmStripsMatchTheCpuKernel) {
   }
 }
 
+// Note [shared inputs]: the GEMM strips of several G's sharing one A (A's strips made once, what
+// CUDA runs from T = 256 on), run on the CPU: each row the CPU kernel's value and S for that layer
+// alone, within the certified margin, with mixed dtypes and chunks down to one sample.
+TEST(GhostPaths, GemmStripsForSharedInputsMatchOneLayerAtATime) {
+  at::manual_seed(15);
+  for (const int64_t t : {2, 70, 300}) {
+    const at::Tensor a = at::randn({3, t, 9}, at::kFloat);
+    const std::vector<at::Tensor> gs = {at::randn({3, t, 6}, at::kFloat),
+                                        at::randn({3, t, 11}, at::kFloat).to(at::kBFloat16),
+                                        at::randn({3, t, 1}, at::kFloat)};
+    for (const int64_t budget : {int64_t{64} << 20, int64_t{1}}) {
+      const int64_t previous = set_chunk_bytes_op(budget);
+      const auto [values, norms] = kernels::ghost_values_gemm_multi(a, gs);
+      set_chunk_bytes_op(previous);
+      ASSERT_EQ(values.sizes(), at::IntArrayRef({3, 3}));
+      ASSERT_EQ(norms.sizes(), at::IntArrayRef({3, 3}));
+      for (size_t l = 0; l < gs.size(); ++l) {
+        const std::string what = "T=" + std::to_string(t) + " layer " + std::to_string(l) +
+                                 " budget " + std::to_string(budget);
+        const auto [value, s] = ghost_op(a, gs[l].to(at::kFloat));
+        const auto row = static_cast<int64_t>(l);
+        expect_within_margin(values[row], value, s, t, 9, gs[l].size(2), "value " + what);
+        expect_rel(norms[row], s, 1e-12, "S " + what);
+      }
+    }
+  }
+}
+
 // Note [ghost summation depth]: the bound covers every path's tree (CPU rows: 2T; fused CUDA
 // tiles of 64 rows: 25 + P; GEMM strips: 2T; rank one: 0).
 TEST(GhostPaths, SummationDepthCoversEveryPath) {
@@ -236,6 +264,48 @@ TEST(GhostPaths, CudaPathsMatchTheCpuKernel) {
     const auto [tv, ts] = token_ghost_op(ids.cuda(), g.cuda(), pad);
     expect_within_margin(tv, tv_cpu, ts_cpu, t, 0, 24, "token value T=" + std::to_string(t));
     expect_rel(ts, ts_cpu, 1e-12, "token S T=" + std::to_string(t));
+  }
+}
+
+// CUDA twin of Note [shared inputs]: _ghost_sq_norms_multi on CUDA (A's Gram tile built once for
+// up to four layers a launch, so five layers take two; GEMM strips from T = 256; rank one at
+// T = 1) against the CPU op, row by row within the certified margin, on every path by T, in every
+// dtype, for layers of different widths, and with A and G of different dtypes.
+TEST(GhostPaths, CudaSharedInputsMatchTheCpuKernel) {
+  if (!cuda_available()) GTEST_SKIP() << kNoCuda;
+  at::manual_seed(16);
+  const std::vector<int64_t> widths = {24, 7, 64, 1, 33};
+  for (const int64_t t : {1, 2, 16, 17, 32, 33, 130, 255, 256, 300}) {
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      const at::Tensor a = at::randn({3, t, 40}, at::kFloat).to(dtype);
+      std::vector<at::Tensor> gs, gs_cuda;
+      for (const int64_t w : widths) {
+        gs.push_back(at::randn({3, t, w}, at::kFloat).to(dtype));
+        gs_cuda.push_back(gs.back().cuda());
+      }
+      const auto [values_cpu, norms_cpu] = ghost_multi_op(a, gs);
+      const auto [values, norms] = ghost_multi_op(a.cuda(), gs_cuda);
+      for (size_t l = 0; l < widths.size(); ++l) {
+        const auto row = static_cast<int64_t>(l);
+        const std::string what = "T=" + std::to_string(t) + " " + c10::toString(dtype) +
+                                 " layer " + std::to_string(l);
+        expect_within_margin(values[row], values_cpu[row], norms_cpu[row], t, 40, widths[l],
+                             "value " + what);
+        expect_rel(norms[row], norms_cpu[row], 1e-12, "S " + what);
+      }
+    }
+    const at::Tensor a = at::randn({3, t, 40}, at::kFloat);
+    const at::Tensor g_bf16 = at::randn({3, t, 24}, at::kFloat).to(at::kBFloat16);
+    const at::Tensor g = at::randn({3, t, 7}, at::kFloat);
+    const auto [values_cpu, norms_cpu] = ghost_multi_op(a, {g_bf16.to(at::kFloat), g});
+    const auto [values, norms] = ghost_multi_op(a.cuda(), {g_bf16.cuda(), g.cuda()});
+    for (const int64_t row : {0, 1}) {
+      const std::string what = "mixed dtypes T=" + std::to_string(t) + " layer " +
+                               std::to_string(row);
+      expect_within_margin(values[row], values_cpu[row], norms_cpu[row], t, 40,
+                           row == 0 ? 24 : 7, "value " + what);
+      expect_rel(norms[row], norms_cpu[row], 1e-12, "S " + what);
+    }
   }
 }
 
