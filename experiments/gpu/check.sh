@@ -25,11 +25,14 @@
 #            under cuda-gdb for a backtrace, and the tests after it still run
 #   noise    experiments/noise_bench.py, 1e6..1e8 coordinates
 #   kernels  experiments/kernel_bench.py --device cuda at B = 32 (GB/s against the copy rate)
+#   roofline experiments/roofline.py --device cuda: the norm kernels' TFLOP/s and GB/s against the
+#            device's measured GEMM rates (fp64, TF32, bf16) and copy rate, beside batched-bmm
+#            Grams and Opacus's per-layer einsums, T = 64..512
 # CHECK_STAGES names the stages after build to run (default: all of them), for a rerun that
 # skips what an earlier run already measured; env, unpack and build always run.
 # $OUT gets at most 8 files: status.txt, build.log, run.log (tests and benchmarks), noise.md,
-# private.md, kernels.md, paper.md and results.tar.gz (profile.md and every CSV the benchmarks
-# wrote).
+# private.md, kernels.md, paper.md and results.tar.gz (profile.md, roofline.md and every CSV the
+# benchmarks wrote).
 #   Here:   bash experiments/gpu/pack.sh
 #   There:  run(command="bash experiments/gpu/check.sh", carry=[".gpu-kit"], timeout_s=540)
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"  # set -uo pipefail, cd, $out, $py
@@ -44,11 +47,11 @@ archs=${DPZERO_CUDA_ARCHS:-90}
 collect() {
   for f in private paper; do [ -f "$results/$f.md" ] && cp "$results/$f.md" "$out/$f.md"; done
   local files
-  files=$(cd "$results" && ls -- *.csv profile.md 2>/dev/null)
+  files=$(cd "$results" && ls -- *.csv profile.md roofline.md 2>/dev/null)
   [ -n "$files" ] && tar -C "$results" -czf "$out/results.tar.gz" $files
   printf '%s  done       %ss in all\n' "$(date +%T)" $((SECONDS - t_start)) | tee -a "$status"
 }
-stages=" ${CHECK_STAGES:-profile private paper errors ctest pytest noise kernels} "
+stages=" ${CHECK_STAGES:-profile private paper errors ctest pytest noise kernels roofline} "
 want() { [[ $stages == *" $1 "* ]]; }
 
 machine() {
@@ -89,4 +92,6 @@ fi
 want noise && stage noise 40 $py experiments/noise_bench.py --sizes 1e6,1e7,1e8 --out "$out/noise.md" >>"$log" 2>&1
 want kernels && stage kernels 90 $py experiments/kernel_bench.py --device cuda --batches 32 --repeats 5 \
   --out "$out/kernels.md" >>"$log" 2>&1
+want roofline && stage roofline 60 $py experiments/roofline.py --device cuda --out "$results/roofline.md" \
+  >>"$log" 2>&1
 collect

@@ -88,3 +88,26 @@ def test_a_benchmark_without_its_baseline_names_the_script_that_installs_it(scri
     assert done.returncode != 0
     assert "'opacus' is not installed" in done.stderr and "scripts/bench.sh" in done.stderr, \
         done.stderr[-2000:]
+
+
+def test_the_roofline_work_model_counts_what_torch_counts(tmp_path):
+    """experiments/roofline.py: its stated FLOPs of the Gram and Opacus rows are the matmul FLOPs
+    torch's FlopCounterMode counts in the same computations (plus the elementwise dot and norm
+    that FlopCounterMode leaves out), and a tiny run writes its section."""
+    import roofline
+    from torch.utils.flop_counter import FlopCounterMode
+
+    b, t, d_in, d_out = 2, 8, 16, 12
+    kernels = roofline.kernels("cpu", torch.float32, b, t, d_in, d_out)
+    for name, elementwise in (("bmm64", 2 * b * t * t), ("opacus", 2 * b * d_in * d_out)):
+        fn, flops, *_ = kernels[name]
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        assert flops == counter.get_total_flops() + elementwise, name
+    out = tmp_path / "roofline.md"
+    assert roofline.main(["--seqs", "8", "--layers", "16x12", "--batch", "2", "--repeats", "1",
+                          "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "<!-- roofline:cpu:begin -->" in text and "<!-- roofline:cpu:end -->" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 16->12 | 8 |")]
+    assert [r.split(" | ")[2] for r in rows] == list(kernels)
