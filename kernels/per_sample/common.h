@@ -278,6 +278,11 @@ inline at::Tensor certify_op(const at::Tensor& value, const c10::optional<at::Te
 // What remains is the rounding of the sum of bounded terms (at most gamma_B sum_i ||c_i g_i||,
 // each term <= C) and of the float32 accumulation across micro-batches and ranks: a relative
 // error of the aggregate, bounded by the clip norms, not by any sample's S.
+// 16-bit training adds no term here: bfloat16 and float16 operands (under autocast or with
+// 16-bit parameters) are converted to float32 before anything is formed, exactly (every 16-bit
+// value is a float32), so the bounds above hold as stated; the forward's own 16-bit rounding only
+// changes which A and G the clip sees, and the clip bounds whatever it sees.
+// (tests/python/test_clipped_sum_rounding.py drives the worst case in all four precisions.)
 
 // Unit roundoff of float32 (round to nearest).
 constexpr double kF32UnitRoundoff = 1.0 / 16777216.0;  // 2^-24

@@ -13,8 +13,8 @@ summed loss and SGD with lr = N, the two steps' parameter movements (the sums of
 per-example gradients) differ by at most C, whatever the example. Checked for a Linear on the
 direct and the ghost norm path, an Embedding (the example's tokens all one id) and a Conv1d, with
 flat and automatic clipping, on the host path and on the path a GPU takes, with the forward in
-float32 and under bf16 autocast (the Linear's and the Conv1d's A and G then reach the kernels in
-bf16).
+float32, under bf16 autocast (the Linear's and the Conv1d's A and G then reach the kernels in
+bf16), and with bf16 or float16 parameters (mixed_precision=: every layer's A and G in 16 bits).
 """
 
 from __future__ import annotations
@@ -68,10 +68,19 @@ class _Conv(nn.Module):
         return self.head(_cancelled(self.conv(x), SIGN, 2))
 
 
+# precision -> (make_private's mixed_precision, bf16 autocast around the forward, the output's
+# dtype): float32; bf16 autocast (float32 parameters); 16-bit parameters and compute with float32
+# masters (mixed_precision=), where the whole forward and backward run in 16 bits.
+PRECISIONS = {"fp32": (None, False, torch.float32), "bf16": (None, True, torch.bfloat16),
+              "bf16-params": ("bf16", False, torch.bfloat16),
+              "fp16-params": ("fp16", False, torch.float16)}
+
+
 def _clipped_sum(make, inputs, y, clipping, device_path, precision="fp32"):
-    """One step's sum of clipped per-example gradients (no noise, sum loss, lr = N), the forward
-    under bf16 autocast when ``precision`` says so (its A and G then reach the kernels in
-    bf16)."""
+    """One step's sum of clipped per-example gradients (no noise, sum loss, lr = N) at one of
+    PRECISIONS (under bf16 autocast or 16-bit parameters the layers' A and G reach the kernels in
+    16 bits)."""
+    mixed, autocast, out_dtype = PRECISIONS[precision]
     torch.manual_seed(0)
     model = make()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -80,11 +89,12 @@ def _clipped_sum(make, inputs, y, clipping, device_path, precision="fp32"):
         p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(*inputs, y),
                                 sample_rate=1.0, noise_multiplier=0.0, allow_no_noise=True,
                                 max_grad_norm=1.0, optimizer="sgd", lr=float(len(y)),
-                                loss_reduction="sum", clipping=clipping, seed=0)
+                                loss_reduction="sum", clipping=clipping, seed=0,
+                                mixed_precision=mixed)
         *xs, yb = p.privacy_engine.own_batch((*inputs, y), logical_batch_size=len(y))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = p.model(*xs)
-        assert out.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+        assert out.dtype == out_dtype
         F.cross_entropy(out.float(), yb, reduction="sum").backward()
         assert p.optimizer.step()
     finally:
@@ -111,16 +121,19 @@ def _cases():
         yield f"conv1d-{name}", (lambda: _Conv(16)), (x,), (m * v * spread,)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("device_path", [False, True], ids=["host", "device-path"])
 @pytest.mark.parametrize("clipping", ["flat", "automatic"])
 @pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
 def test_one_example_of_cancelling_rows_moves_the_sum_by_at_most_c(case, clipping, device_path,
                                                                    precision):
-    """Under bf16 autocast the Linear and Conv1d layers' A and G reach the kernels in bf16 (the
-    huge example's values are exact in bf16), which the certification and the clipped sums must
-    bound just the same."""
+    """Under bf16 autocast the Linear and Conv1d layers' A and G reach the kernels in bf16, and
+    with 16-bit parameters every layer's do (the huge example's values are exact in bf16, and in
+    float16 once scaled by 2^-24 into its range: M = 2^9), which the certification and the
+    clipped sums must bound just the same."""
     _, make, inputs, extra = case
+    if precision == "fp16-params":
+        extra = tuple(e * 2.0 ** -24 if e.is_floating_point() else e for e in extra)
     y = torch.randint(0, K, (B,), generator=torch.Generator().manual_seed(3))
     base = _clipped_sum(make, inputs, y, clipping, device_path, precision)
     added = _clipped_sum(make, tuple(torch.cat([a, b]) for a, b in zip(inputs, extra)),
