@@ -104,31 +104,38 @@ std::tuple<at::Tensor, at::Tensor> ghost_values_gemm_multi(const at::Tensor& a,
   at::Tensor value = at::zeros({outputs, b}, f64);
   at::Tensor s = at::zeros({outputs, b}, f64);
   if (b == 0 || t == 0 || outputs == 0) return {value, s};
-  int64_t features = d_in;
-  for (const at::Tensor& g : gs) features += g.size(2);
+  int64_t max_d_out = 0;
+  for (const at::Tensor& g : gs) max_d_out = std::max(max_d_out, g.size(2));
   const auto blocks = gemm_row_blocks(t);
-  const int64_t chunk = samples_per_chunk(b, bytes_per_sample(t, features, outputs, blocks));
+  // Per sample: A's float64 rows and its strips of every row block, kept while one G at a time
+  // is converted and its strips formed (bytes_per_sample's one-layer workspace at the widest G,
+  // plus A's strips).
+  int64_t a_strips = 0;
+  for (const auto& [r0, r1] : blocks) a_strips += (r1 - r0) * r1;
+  const int64_t chunk = samples_per_chunk(
+      b, bytes_per_sample(t, d_in + max_d_out, 1, blocks) + 8 * a_strips);
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk), c = i1 - i0;
-    const at::Tensor a64 = a.slice(0, i0, i1).to(at::kDouble);  // [c, T, d_in]
-    std::vector<at::Tensor> g64, row_values, diagonal_terms;
-    for (const at::Tensor& g : gs) {
-      g64.push_back(g.slice(0, i0, i1).to(at::kDouble));  // [c, T, d_out_l]
-      row_values.push_back(at::empty({c, t}, f64));
-      diagonal_terms.push_back(at::empty({c, t}, f64));
-    }
-    for (const auto& [r0, r1] : blocks) {
-      const at::Tensor sa = strip_of(a64, r0, r1);  // once for every G
-      const at::Tensor da = sa.diagonal(r0, 1, 2);
-      for (int64_t l = 0; l < outputs; ++l) {
-        const at::Tensor sg = strip_of(g64[l], r0, r1);
-        add_block(sa * sg, (da * sg.diagonal(r0, 1, 2)).sqrt(), r0, r1 - r0, row_values[l],
-                  diagonal_terms[l]);
+    std::vector<at::Tensor> sa, da;  // per row block: A's strip and its diagonal, once
+    {
+      const at::Tensor a64 = a.slice(0, i0, i1).to(at::kDouble);  // [c, T, d_in]
+      for (const auto& [r0, r1] : blocks) {
+        sa.push_back(strip_of(a64, r0, r1));
+        da.push_back(sa.back().diagonal(r0, 1, 2));
       }
     }
     for (int64_t l = 0; l < outputs; ++l) {
-      value[l].slice(0, i0, i1).copy_(row_values[l].sum(1));
-      s[l].slice(0, i0, i1).copy_(diagonal_terms[l].sum(1));
+      const at::Tensor g64 = gs[l].slice(0, i0, i1).to(at::kDouble);  // [c, T, d_out_l]
+      at::Tensor row_values = at::empty({c, t}, f64);
+      at::Tensor diagonal_terms = at::empty({c, t}, f64);
+      for (size_t k = 0; k < blocks.size(); ++k) {
+        const auto [r0, r1] = blocks[k];
+        const at::Tensor sg = strip_of(g64, r0, r1);
+        add_block(sa[k] * sg, (da[k] * sg.diagonal(r0, 1, 2)).sqrt(), r0, r1 - r0, row_values,
+                  diagonal_terms);
+      }
+      value[l].slice(0, i0, i1).copy_(row_values.sum(1));
+      s[l].slice(0, i0, i1).copy_(diagonal_terms.sum(1));
     }
   }
   return {value, s};

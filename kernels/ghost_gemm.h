@@ -29,8 +29,8 @@ std::tuple<at::Tensor, at::Tensor> ghost_values_gemm(const at::Tensor& a, const 
 
 // Note [shared inputs] (kernels/per_sample/linear.h): A [B, T, d_in] against each G[l] [B, T,
 // d_out_l] -> (value [L, B], S [L, B]) float64, row l equal to ghost_values_gemm(A, {}, G[l], -1)
-// up to the order of additions; A's float64 rows and Gram strips are made once per chunk and row
-// block for all L. Inputs float32 / bfloat16 / float16 on one device, dtypes may differ.
+// up to the order of additions; A's Gram strips are made once per chunk for all L, then each G's
+// in turn. Inputs float32 / bfloat16 / float16 on one device, dtypes may differ.
 std::tuple<at::Tensor, at::Tensor> ghost_values_gemm_multi(const at::Tensor& a,
                                                            at::TensorList gs);
 

@@ -39,8 +39,9 @@ TORCH_LIBRARY_IMPL(dpzero, CompositeImplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(dpzero, CompositeExplicitAutograd, m) {
   m.impl("linear_sq_norms", &per_sample::linear_sq_norms);
   m.impl("linear_sq_norms_multi", &per_sample::linear_sq_norms_multi);
-  // Note [shared inputs]: the CPU kernel (kernels/cpu/ghost_norm.cpp) stages A's Gram once;
-  // other devices run one _ghost_sq_norms per layer.
+  // Note [shared inputs]: the CPU and CUDA kernels (kernels/cpu/ghost_norm.cpp,
+  // kernels/cuda/ghost_norm.cu) build A's Gram once; other devices run one _ghost_sq_norms per
+  // layer.
   m.impl("_ghost_sq_norms_multi", &per_sample::ghost_sq_norms_multi_generic);
   m.impl("linear_clipped_sum", &per_sample::linear_clipped_sum);
   m.impl("add_linear_clipped_sum_", &per_sample::add_linear_clipped_sum_);

@@ -28,6 +28,8 @@
 #   roofline experiments/roofline.py --device cuda: the norm kernels' TFLOP/s and GB/s against the
 #            device's measured GEMM rates (fp64, TF32, bf16) and copy rate, beside batched-bmm
 #            Grams and Opacus's per-layer einsums, T = 64..512
+#   sanitize compute-sanitizer's racecheck and synccheck over the ghost kernels' CUDA GoogleTests
+#            (shared-memory races and barriers the tests' values might not show)
 # CHECK_STAGES names the stages after build to run (default: all of them), for a rerun that
 # skips what an earlier run already measured; env, unpack and build always run.
 # $OUT gets at most 8 files: status.txt, build.log, run.log (tests and benchmarks), noise.md,
@@ -51,7 +53,7 @@ collect() {
   [ -n "$files" ] && tar -C "$results" -czf "$out/results.tar.gz" $files
   printf '%s  done       %ss in all\n' "$(date +%T)" $((SECONDS - t_start)) | tee -a "$status"
 }
-stages=" ${CHECK_STAGES:-profile private paper errors ctest pytest noise kernels roofline} "
+stages=" ${CHECK_STAGES:-profile private paper errors ctest pytest noise kernels roofline sanitize} "
 want() { [[ $stages == *" $1 "* ]]; }
 
 machine() {
@@ -94,4 +96,11 @@ want kernels && stage kernels 90 $py experiments/kernel_bench.py --device cuda -
   --out "$out/kernels.md" >>"$log" 2>&1
 want roofline && stage roofline 60 $py experiments/roofline.py --device cuda --out "$results/roofline.md" \
   >>"$log" 2>&1
+if want sanitize; then
+  for tool in racecheck synccheck; do
+    stage "sanitize-$tool" 60 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      build-gpu/tests/cpp/torch/torch_tests --gtest_filter='GhostPaths.Cuda*' >>"$log" 2>&1
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -1 | tee -a "$status"
+  done
+fi
 collect

@@ -521,16 +521,18 @@ std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_multi_cuda(const at::Tensor& a
     one_type = one_type && g.scalar_type() == a.scalar_type();
   }
   const c10::cuda::CUDAGuard guard(a.device());
-  // One element type for every operand: mixed inputs are all read as float32.
-  const auto type = one_type ? a.scalar_type() : at::kFloat;
-  const at::Tensor ac = a.to(type).contiguous();
-  std::vector<at::Tensor> gc;
-  for (const at::Tensor& g : gs) gc.push_back(g.to(type).contiguous());
   const int64_t b = a.size(0), t_len = a.size(1), layers = static_cast<int64_t>(gs.size());
   if (b == 0 || t_len == 0) {
     return {at::zeros({layers, b}, a.options().dtype(at::kDouble)),
             at::zeros({layers, b}, a.options().dtype(at::kDouble))};
   }
+  // The strips convert each operand to float64 themselves, whatever its dtype.
+  if (t_len >= kGemmMinRows) return ghost_values_gemm_multi(a, gs);
+  // One element type for every operand of the kernels: mixed inputs are all read as float32.
+  const auto type = one_type ? a.scalar_type() : at::kFloat;
+  const at::Tensor ac = a.to(type).contiguous();
+  std::vector<at::Tensor> gc;
+  for (const at::Tensor& g : gs) gc.push_back(g.to(type).contiguous());
   if (t_len == 1) {
     std::vector<at::Tensor> values, norms;
     for (const at::Tensor& g : gc) {
@@ -540,7 +542,6 @@ std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_multi_cuda(const at::Tensor& a
     }
     return {at::stack(values), at::stack(norms)};
   }
-  if (t_len >= kGemmMinRows) return ghost_values_gemm_multi(ac, gc);
   if (t_len <= Tile<1>::kRows) return launch_tiles_multi<1>(ac, gc);
   if (t_len <= Tile<2>::kRows) return launch_tiles_multi<2>(ac, gc);
   return launch_tiles_multi<4>(ac, gc);

@@ -210,13 +210,14 @@ TEST(GhostPaths, GemmStripsForSharedInputsMatchOneLayerAtATime) {
     const at::Tensor a = at::randn({3, t, 9}, at::kFloat);
     const std::vector<at::Tensor> gs = {at::randn({3, t, 6}, at::kFloat),
                                         at::randn({3, t, 11}, at::kFloat).to(at::kBFloat16),
+                                        at::randn({3, t, 0}, at::kFloat),
                                         at::randn({3, t, 1}, at::kFloat)};
     for (const int64_t budget : {int64_t{64} << 20, int64_t{1}}) {
       const int64_t previous = set_chunk_bytes_op(budget);
       const auto [values, norms] = kernels::ghost_values_gemm_multi(a, gs);
       set_chunk_bytes_op(previous);
-      ASSERT_EQ(values.sizes(), at::IntArrayRef({3, 3}));
-      ASSERT_EQ(norms.sizes(), at::IntArrayRef({3, 3}));
+      ASSERT_EQ(values.sizes(), at::IntArrayRef({4, 3}));
+      ASSERT_EQ(norms.sizes(), at::IntArrayRef({4, 3}));
       for (size_t l = 0; l < gs.size(); ++l) {
         const std::string what = "T=" + std::to_string(t) + " layer " + std::to_string(l) +
                                  " budget " + std::to_string(budget);
@@ -268,13 +269,16 @@ TEST(GhostPaths, CudaPathsMatchTheCpuKernel) {
 }
 
 // CUDA twin of Note [shared inputs]: _ghost_sq_norms_multi on CUDA (A's Gram tile built once for
-// up to four layers a launch, so five layers take two; GEMM strips from T = 256; rank one at
+// up to four layers a launch, so six layers take two; GEMM strips from T = 256; rank one at
 // T = 1) against the CPU op, row by row within the certified margin, on every path by T, in every
-// dtype, for layers of different widths, and with A and G of different dtypes.
+// dtype, for layers of different widths (one of width 0, whose row is exactly 0), and with A and
+// G of different dtypes. Below T = 256 each row is also the single CUDA op's bits for that layer
+// (the same tiles in the same order). The layers' rows are B apart in the tile sums and a launch
+// covers at most 65535 samples: B = 65537 at T = 2 checks both offsets.
 TEST(GhostPaths, CudaSharedInputsMatchTheCpuKernel) {
   if (!cuda_available()) GTEST_SKIP() << kNoCuda;
   at::manual_seed(16);
-  const std::vector<int64_t> widths = {24, 7, 64, 1, 33};
+  const std::vector<int64_t> widths = {24, 7, 0, 64, 1, 33};
   for (const int64_t t : {1, 2, 16, 17, 32, 33, 130, 255, 256, 300}) {
     for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
       const at::Tensor a = at::randn({3, t, 40}, at::kFloat).to(dtype);
@@ -292,6 +296,15 @@ TEST(GhostPaths, CudaSharedInputsMatchTheCpuKernel) {
         expect_within_margin(values[row], values_cpu[row], norms_cpu[row], t, 40, widths[l],
                              "value " + what);
         expect_rel(norms[row], norms_cpu[row], 1e-12, "S " + what);
+        if (widths[l] == 0) {
+          EXPECT_EQ(values[row].abs().max().item<double>(), 0.0) << what;
+          EXPECT_EQ(norms[row].abs().max().item<double>(), 0.0) << what;
+        }
+        if (t < 256) {
+          const auto [value_one, s_one] = ghost_op(a.cuda(), gs_cuda[l]);
+          EXPECT_TRUE(at::equal(values[row], value_one)) << "single op's bits, " << what;
+          EXPECT_TRUE(at::equal(norms[row], s_one)) << "single op's S bits, " << what;
+        }
       }
     }
     const at::Tensor a = at::randn({3, t, 40}, at::kFloat);
@@ -306,6 +319,22 @@ TEST(GhostPaths, CudaSharedInputsMatchTheCpuKernel) {
                            row == 0 ? 24 : 7, "value " + what);
       expect_rel(norms[row], norms_cpu[row], 1e-12, "S " + what);
     }
+  }
+  const std::vector<int64_t> narrow = {1, 2, 1, 3, 1};
+  const at::Tensor a = at::randn({65537, 2, 1}, at::kFloat);
+  std::vector<at::Tensor> gs, gs_cuda;
+  for (const int64_t w : narrow) {
+    gs.push_back(at::randn({65537, 2, w}, at::kFloat));
+    gs_cuda.push_back(gs.back().cuda());
+  }
+  const auto [values_cpu, norms_cpu] = ghost_multi_op(a, gs);
+  const auto [values, norms] = ghost_multi_op(a.cuda(), gs_cuda);
+  for (size_t l = 0; l < narrow.size(); ++l) {
+    const auto row = static_cast<int64_t>(l);
+    const std::string what = "B = 65537, layer " + std::to_string(l);
+    expect_within_margin(values[row], values_cpu[row], norms_cpu[row], 2, 1, narrow[l],
+                         "value " + what);
+    expect_rel(norms[row], norms_cpu[row], 1e-12, "S " + what);
   }
 }
 
