@@ -101,3 +101,20 @@ def test_dp_sgd_stays_below_its_epsilon_and_missing_noise_is_caught():
         leaky = audit_experiment.canary_run(sigma)
         assert leaky.audit.epsilon > claimed + 1.0, (sigma, leaky.audit)
     assert math.isinf(audit_experiment.canary_run(0.0, steps=2).epsilon_rdp)
+
+
+@needs_fashion
+@pytest.mark.filterwarnings("ignore:the best RDP order")
+def test_banded_noise_stays_below_its_epsilon_and_too_little_noise_is_caught():
+    """The same audit of banded correlated noise (4 bands, cyclic Poisson sampling): the final
+    model's noise is a sum of correlated draws, and the ε charged is DP-SGD's at a quarter of the
+    steps, so an error in either (the strategy's scale, the sampling, the equivalent step count)
+    that left too little noise would show as ε̂ above ε. σ = 0 is refused with bands; noise
+    twenty times smaller than a σ = 2 run's is caught against that run's claim."""
+    noised = audit_experiment.canary_run(1.0, bands=4)
+    assert noised.epsilon_prv <= noised.epsilon_rdp < 6.0
+    assert 0.1 < noised.audit.epsilon <= noised.epsilon_prv
+    claimed = audit_experiment.canary_run(2.0, bands=4).epsilon_rdp
+    leaky = audit_experiment.canary_run(0.1, bands=4)
+    assert leaky.audit.epsilon > claimed + 0.5, (claimed, leaky.audit)
+
