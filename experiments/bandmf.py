@@ -11,7 +11,9 @@ expected errors, and test accuracy side by side.
             batch, epochs and learning rate below), DP-SGD (b = 1) against b bands at ε = 1, 3
             and 8, three seeds each, the same model, steps and hyperparameters: one ``dpzero
             sweep --grid privacy.bands=1,B --seeds 3`` per ε (the features are computed once per
-            sweep). About 45 minutes on 2 cores.
+            sweep). About 45 minutes on 2 cores. --model cnn: the end-to-end tanh CNN
+            (configs/cnn-fashion-mnist-tb.toml) with the same batch, epochs and learning rate,
+            about 13 minutes a run here.
 
   cost      The private step's time on experiments/private_bench.py's BERT (4 × 256, T = 128,
             expected batch 16, SGD, σ = 1, C = 1, one logical batch per step through the private
@@ -20,7 +22,8 @@ expected errors, and test accuracy side by side.
             float32 copies of the trained parameters at stage 0, what dpzero plan predicts).
 
     .venv/bin/python experiments/bandmf.py errors
-    .venv/bin/python experiments/bandmf.py utility [--bands 4] [--out runs/bandmf]
+    .venv/bin/python experiments/bandmf.py utility [--bands 4] [--model scatternet|cnn]
+        [--epsilons 1,3,8] [--seeds 3] [--out runs/bandmf]
     .venv/bin/python experiments/bandmf.py cost [--rounds 20]
 Each writes its section of experiments/results/bandmf.md.
 """
@@ -87,36 +90,46 @@ def errors() -> str:
     return "\n".join(lines)
 
 
-def utility(bands: int, out: str) -> str:
-    base = os.path.join(ROOT, "configs", "scatternet-fashion-mnist.toml")
-    with open(base, "rb") as f:
+# The utility runs' models: their base configs and their results sections.
+MODELS = {"scatternet": ("scatternet-fashion-mnist.toml", "utility", "ScatterNet + linear"),
+          "cnn": ("cnn-fashion-mnist-tb.toml", "utility-cnn",
+                  "the end-to-end tanh CNN (Tramèr & Boneh's recipe: pixels in [0, 1], padding 2)")}
+
+
+def utility(bands: int, out: str, model: str = "scatternet", epsilons=EPSILONS,
+            seeds: int = 3) -> tuple:
+    """(section tag, section text) of DP-SGD against ``bands`` bands on ``model`` at each ε."""
+    config_name, tag, what = MODELS[model]
+    with open(os.path.join(ROOT, "configs", config_name), "rb") as f:
         raw = tomllib.load(f)
+    raw["privacy"].pop("noise_multiplier", None)  # σ is calibrated for each ε and b
     rows = []
-    for eps in EPSILONS:
+    for eps in epsilons:
         raw["privacy"]["target_epsilon"] = eps
         raw["training"].update(UTILITY)
-        sweep_dir = os.path.join(out, f"eps{eps:g}")
+        sweep_dir = os.path.join(out, model, f"eps{eps:g}")
         raw["output"]["dir"] = sweep_dir
-        os.makedirs(out, exist_ok=True)
-        config = os.path.join(out, f"eps{eps:g}.toml")
+        os.makedirs(os.path.dirname(sweep_dir), exist_ok=True)
+        config = sweep_dir + ".toml"
         with open(config, "w") as f:
             f.write(to_toml(raw))
         subprocess.run([os.path.join(ROOT, ".venv", "bin", "dpzero"), "sweep", config,
-                        "--grid", f"privacy.bands=1,{bands}", "--seeds", "3",
+                        "--grid", f"privacy.bands=1,{bands}", "--seeds", str(seeds),
                         "--output", sweep_dir], check=True)
         with open(os.path.join(sweep_dir, "sweep.csv")) as f:
             for r in csv.DictReader(f):
                 rows.append((eps, int(r["privacy.bands"]), float(r["accuracy"]),
                              float(r["noise_multiplier"])))
-    lines = ["<!-- utility:begin -->",
-             f"Written by `experiments/bandmf.py utility` ({dpzero_version()}; 2-core CPU, one "
-             f"rank). `configs/scatternet-fashion-mnist.toml` with expected batch "
+    lines = [f"<!-- {tag}:begin -->",
+             f"Written by `experiments/bandmf.py utility --model {model}` ({dpzero_version()}; "
+             f"2-core CPU, one rank). {what}: `configs/{config_name}` with expected batch "
              f"{UTILITY['batch_size']}, {UTILITY['epochs']} epochs, lr {UTILITY['lr']} (SGD, "
              "momentum 0.9, C = 0.1), δ = 1e-5, σ calibrated by PRV for each ε; the same "
-             "hyperparameters for both mechanisms. Test accuracy, mean ± sd over seeds 0, 1, 2.",
+             "hyperparameters for both mechanisms. Test accuracy, mean ± sd over seeds "
+             f"{', '.join(str(k) for k in range(seeds))}.",
              "", f"| ε | DP-SGD (b = 1) | b = {bands} | gain (points) | σ (b = 1 / b = {bands}) |",
              "|---|---|---|---|---|"]
-    for eps in EPSILONS:
+    for eps in epsilons:
         acc = {b: [a for e, bb, a, _ in rows if e == eps and bb == b] for b in (1, bands)}
         sig = {b: next(s for e, bb, _, s in rows if e == eps and bb == b) for b in (1, bands)}
         mean = {b: statistics.mean(v) for b, v in acc.items()}
@@ -124,8 +137,8 @@ def utility(bands: int, out: str) -> str:
         lines.append(f"| {eps:g} | {100 * mean[1]:.2f}% ± {100 * sd[1]:.2f} | "
                      f"{100 * mean[bands]:.2f}% ± {100 * sd[bands]:.2f} | "
                      f"{100 * (mean[bands] - mean[1]):+.2f} | {sig[1]:.3g} / {sig[bands]:.3g} |")
-    lines.append("<!-- utility:end -->")
-    return "\n".join(lines)
+    lines.append(f"<!-- {tag}:end -->")
+    return tag, "\n".join(lines)
 
 
 def cost(rounds: int) -> str:
@@ -201,13 +214,23 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=("errors", "utility", "cost"))
     parser.add_argument("--bands", type=int, default=4)
+    parser.add_argument("--model", choices=sorted(MODELS), default="scatternet",
+                        help="utility: the model (its section of bandmf.md)")
+    parser.add_argument("--epsilons", default=",".join(f"{e:g}" for e in EPSILONS),
+                        help="utility: the target ε values")
+    parser.add_argument("--seeds", type=int, default=3, help="utility: seeds per cell")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bandmf"))
     args = parser.parse_args(argv)
-    section = errors() if args.what == "errors" else cost(args.rounds) \
-        if args.what == "cost" else utility(args.bands, args.out)
+    if args.what == "errors":
+        tag, section = "errors", errors()
+    elif args.what == "cost":
+        tag, section = "cost", cost(args.rounds)
+    else:
+        tag, section = utility(args.bands, args.out, args.model,
+                               tuple(float(e) for e in args.epsilons.split(",")), args.seeds)
     print(section)
-    write_marked_section(RESULTS, args.what, TITLE, section)
+    write_marked_section(RESULTS, tag, TITLE, section)
     return 0
 
 
