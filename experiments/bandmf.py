@@ -93,7 +93,8 @@ def errors() -> str:
 # The utility runs' models: their base configs and their results sections.
 MODELS = {"scatternet": ("scatternet-fashion-mnist.toml", "utility", "ScatterNet + linear"),
           "cnn": ("cnn-fashion-mnist-tb.toml", "utility-cnn",
-                  "the end-to-end tanh CNN (Tramèr & Boneh's recipe: pixels in [0, 1], padding 2)")}
+                  "the end-to-end tanh CNN (Tramèr & Boneh's recipe: pixels in [0, 1], "
+                  "padding 2)")}
 
 
 def utility(bands: int, out: str, model: str = "scatternet", epsilons=EPSILONS,

@@ -88,6 +88,20 @@ def interleaved_steps(built: dict, rounds: int, warmup: int, failures: dict,
     return times
 
 
+def median_seconds(fn, repeats: int, sync=lambda: None) -> float:
+    """Median wall time of ``repeats`` calls of fn after one warm-up call; ``sync`` (e.g.
+    torch.cuda.synchronize) runs after each call, inside its time."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def write_csv(path: str, rows: list[dict], fields: list[str]) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")

@@ -9,24 +9,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
+import sys
 
 import torch
 
 import dpzero
 
-
-def bench(fn, repeats, sync):
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import median_seconds  # noqa: E402
 
 
 def main() -> None:
@@ -53,12 +43,13 @@ def main() -> None:
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         for n in (int(float(s)) for s in args.sizes.split(",")):
             x = torch.zeros(n, device=device)
-            t_ours = bench(lambda: torch.ops.dpzero.add_noise_(x, 1.0, 1, 2, 0), args.repeats, sync)
-            t_torch = bench(lambda: x.add_(torch.randn(n, device=device), alpha=1.0), args.repeats,
-                            sync)
+            t_ours = median_seconds(lambda: torch.ops.dpzero.add_noise_(x, 1.0, 1, 2, 0),
+                                    args.repeats, sync)
+            t_torch = median_seconds(lambda: x.add_(torch.randn(n, device=device), alpha=1.0),
+                                     args.repeats, sync)
             key = list(range(8))
-            t_secure = bench(lambda: torch.ops.dpzero.add_secure_noise_(x, 1.0, key, 2, 0),
-                             args.repeats, sync)
+            t_secure = median_seconds(
+                lambda: torch.ops.dpzero.add_secure_noise_(x, 1.0, key, 2, 0), args.repeats, sync)
             line = (f"| {device} | {n:.0e} | {n / t_ours:.3e} | {n / t_torch:.3e} | "
                     f"{t_torch / t_ours:.2f} | {n / t_secure:.3e} |")
             print(line, flush=True)

@@ -37,15 +37,13 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dpzero  # noqa: E402
-from bench_common import dpzero_version, write_marked_section  # noqa: E402
+from bench_common import dpzero_version, median_seconds, write_marked_section  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "roofline.md")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,16 +51,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def timer(device: str, fn, repeats: int) -> float:
     """Median seconds of ``repeats`` calls of fn after one warm-up call."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(fn, repeats, torch.cuda.synchronize if device == "cuda" else
+                          (lambda: None))
 
 
 def ceilings(device: str, repeats: int) -> dict:
@@ -128,7 +118,8 @@ def main(argv=None) -> int:
                         help="the inputs' dtype (default fp32 on CPU, bf16 on CUDA)")
     parser.add_argument("--batch", type=int, default=None, help="B (default 4 on CPU, 32 on CUDA)")
     parser.add_argument("--seqs", default=None, help="T values (default 64,128,256; CUDA adds 512)")
-    parser.add_argument("--layers", default="768x768,768x3072", help="d_in x d_out, comma-separated")
+    parser.add_argument("--layers", default="768x768,768x3072",
+                        help="d_in x d_out, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--no-write", action="store_true")
@@ -175,7 +166,8 @@ def main(argv=None) -> int:
                  f"{torch.get_num_threads()} torch threads")
         section = [f"<!-- roofline:{args.device}:begin -->",
                    f"## {args.device.upper()} ({dtype_name} inputs, B = {b})", "",
-                   f"Run {datetime.date.today().isoformat()} on {where}; torch {torch.__version__}; "
+                   f"Run {datetime.date.today().isoformat()} on {where}; "
+                   f"torch {torch.__version__}; "
                    f"{dpzero_version()}; command `experiments/roofline.py "
                    f"{' '.join(sys.argv[1:])}`.", ""] + lines + \
                   [f"<!-- roofline:{args.device}:end -->"]

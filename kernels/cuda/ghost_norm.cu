@@ -164,17 +164,23 @@ __device__ __forceinline__ void block_sum2(double& v, double& w, double (&warp_s
   }
 }
 
-// pair -> (bs, bt) with bs <= bt: the launch's tile pairs enumerate row bs's tiles bt = bs ..
-// num_tiles - 1 in order, row after row.
-__device__ __forceinline__ void tile_of(int64_t pair, int64_t num_tiles, int64_t& bs,
-                                        int64_t& bt) {
-  int64_t rest = pair;
-  bs = 0;
+// A block's tile of the Grams: its first rows on each side and whether it is on the diagonal.
+struct TilePlace {
+  int64_t s0, t0;
+  bool diagonal;
+};
+
+// Tile pair `pair` -> (bs, bt) with bs <= bt (the launch's pairs enumerate row bs's tiles bt = bs
+// .. num_tiles - 1 in order, row after row) -> rows s0 = 16R bs and t0 = 16R bt.
+template <int R>
+__device__ __forceinline__ TilePlace tile_place(int64_t pair, int64_t num_tiles) {
+  int64_t rest = pair, bs = 0;
   while (rest >= num_tiles - bs) {
     rest -= num_tiles - bs;
     ++bs;
   }
-  bt = bs + rest;
+  const int64_t bt = bs + rest;
+  return {bs * Tile<R>::kRows, bt * Tile<R>::kRows, bs == bt};
 }
 
 // This thread's share of a Linear tile's sums, from its R x R entries of both Grams: local +=
@@ -218,10 +224,7 @@ __global__ void __launch_bounds__(kBlockSize)
   __shared__ double warp_sums[2][kWarps];
 
   const int64_t pair = blockIdx.x, num_pairs = gridDim.x, i = blockIdx.y;
-  int64_t bs, bt;
-  tile_of(pair, num_tiles, bs, bt);
-  const int64_t s0 = bs * kRows, t0 = bt * kRows;
-  const bool diagonal = bs == bt;
+  const auto [s0, t0, diagonal] = tile_place<R>(pair, num_tiles);
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kThreads + tx;
 
   double gram_g[R][R] = {};
@@ -287,15 +290,11 @@ __global__ void __launch_bounds__(kBlockSize)
                             SharedOutputs<scalar_t> outs,
                             double* __restrict__ partial, double* __restrict__ partial_s,
                             int64_t samples, int64_t t_len, int64_t d_in, int64_t num_tiles) {
-  constexpr int kRows = Tile<R>::kRows;
   __shared__ Tile<R> tile;
   __shared__ double warp_sums[2][kWarps];
 
   const int64_t pair = blockIdx.x, num_pairs = gridDim.x, i = blockIdx.y;
-  int64_t bs, bt;
-  tile_of(pair, num_tiles, bs, bt);
-  const int64_t s0 = bs * kRows, t0 = bt * kRows;
-  const bool diagonal = bs == bt;
+  const auto [s0, t0, diagonal] = tile_place<R>(pair, num_tiles);
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kThreads + tx;
   const bool diagonal_thread = diagonal && tx == ty;
 
