@@ -55,18 +55,23 @@ UTILITY = {"batch_size": 1024, "epochs": 20, "lr": 2.0, "max_physical_batch_size
 
 
 def relative_errors(batch: int, epochs: float, eps: float, bands: list) -> list:
-    """[(b, σ_b, error_b / error_1)] for a run of ``epochs`` at expected batch ``batch``."""
+    """[(b, σ_b, error_b / error_1, optimized_b / error_1)] for a run of ``epochs`` at expected
+    batch ``batch``: the square root's error and the optimized strategy's (Note [optimized banded
+    strategies]), both at σ_b."""
     q1 = batch / N
     n = int(epochs / q1)
     out = []
     for b in bands:
         sigma = dpzero.get_noise_multiplier(target_epsilon=eps, target_delta=1e-5,
                                             sample_rate=q1 * b, epochs=epochs, accountant="prv")
-        strategy = (_C.privacy.BandedToeplitz.sqrt_prefix_sum(b) if b > 1
-                    else _C.privacy.BandedToeplitz.identity())
-        kappa = strategy.column_norm(b, 0)
-        out.append((b, sigma, (sigma * kappa) ** 2 * strategy.mean_squared_error(n)))
-    return [(b, s, e / out[0][2]) for b, s, e in out]
+        errors = []
+        for strategy in ((_C.privacy.BandedToeplitz.sqrt_prefix_sum(b),
+                          _C.privacy.BandedToeplitz.optimized(b, n)) if b > 1
+                         else (_C.privacy.BandedToeplitz.identity(),) * 2):
+            kappa = strategy.column_norm(b, 0)
+            errors.append((sigma * kappa) ** 2 * strategy.mean_squared_error(n))
+        out.append((b, sigma, *errors))
+    return [(b, s, e / out[0][2], o / out[0][2]) for b, s, e, o in out]
 
 
 def errors() -> str:
@@ -74,7 +79,9 @@ def errors() -> str:
              f"Written by `experiments/bandmf.py errors` ({dpzero_version()}). Fashion-MNIST's "
              "N = 60,000, δ = 1e-5, PRV accountant. Each cell: σ_b calibrated for ε with b bands, "
              "and the expected squared error of a prefix sum of the noise, σ_b² κ_b² MeanSE_b(n), "
-             "relative to DP-SGD's (b = 1). Below 1: less noise in the trajectory than DP-SGD.",
+             "relative to DP-SGD's (b = 1), for the banded square root and (after the slash) for "
+             "the optimized banded strategy of the same b and n (Note [optimized banded "
+             "strategies]). Below 1: less noise in the trajectory than DP-SGD.",
              ""]
     for batch, epochs in ((8192, 40), (2048, 40), (1024, 20)):
         bands = [b for b in (1, 2, 4, 8, 16, 32) if batch * b <= N]
@@ -83,7 +90,8 @@ def errors() -> str:
                   "| ε | " + " | ".join(f"b = {b}" for b in bands) + " |",
                   "|---|" + "---|" * len(bands)]
         for eps in EPSILONS:
-            cells = [f"σ {s:.2f}, {e:.2f}" for _, s, e in relative_errors(batch, epochs, eps, bands)]
+            cells = [f"σ {s:.2f}, {e:.2f}" + (f" / {o:.2f}" if b > 1 else "")
+                     for b, s, e, o in relative_errors(batch, epochs, eps, bands)]
             lines.append(f"| {eps:g} | " + " | ".join(cells) + " |")
         lines.append("")
     lines.append("<!-- errors:end -->")

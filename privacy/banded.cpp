@@ -7,6 +7,8 @@
 #include <string>
 #include <utility>
 
+#include <Eigen/Dense>
+
 #include "accounting/types.h"
 
 namespace dpzero::privacy {
@@ -18,6 +20,49 @@ void require_positive(const char* name, int64_t value) {
   if (value < 1)
     throw std::invalid_argument(std::string("BandedToeplitz: ") + name + " must be >= 1, got " +
                                 std::to_string(value));
+}
+
+// Note [optimized banded strategies]: f(c) = ‖c‖² · MeanSE(c, n) for c = (1, x_1, .., x_{b−1})
+// and, when `grad` is given, ∂f/∂x_j (b − 1 of them). d_k (C⁻¹'s coefficients) and their
+// derivatives ∂d_k/∂c_j = −d_{k−j} − Σ_i c_i ∂d_{k−i}/∂c_j are kept for the last b indices only.
+// +inf where the series overflows.
+double banded_objective(const std::vector<double>& x, int64_t n, std::vector<double>* grad) {
+  const int64_t b = static_cast<int64_t>(x.size()) + 1;
+  auto c = [&](int64_t i) { return i == 0 ? 1.0 : x[static_cast<size_t>(i - 1)]; };
+  std::vector<double> d(static_cast<size_t>(b), 0.0);               // d[k mod b]
+  std::vector<double> dd(static_cast<size_t>(b * (b - 1)), 0.0);    // [j - 1][k mod b]
+  std::vector<double> de(static_cast<size_t>(b - 1), 0.0);          // ∂e_k/∂c_j
+  std::vector<double> dmse(static_cast<size_t>(b - 1), 0.0);
+  auto at = [b](int64_t k) { return static_cast<size_t>(k % b); };
+  double e = 0.0, mse = 0.0;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t reach = std::min<int64_t>(k, b - 1);
+    double s = k == 0 ? 1.0 : 0.0;
+    for (int64_t i = 1; i <= reach; ++i) s -= c(i) * d[at(k - i)];
+    for (int64_t j = 1; j < b; ++j) {
+      double* row = dd.data() + (j - 1) * b;
+      double g = k >= j ? -d[at(k - j)] : 0.0;
+      for (int64_t i = 1; i <= reach; ++i) g -= c(i) * row[at(k - i)];
+      row[at(k)] = g;
+      de[static_cast<size_t>(j - 1)] += g;
+    }
+    d[at(k)] = s;
+    e += s;
+    const double weight = static_cast<double>(n - k);
+    mse += weight * e * e;
+    for (int64_t j = 1; j < b; ++j)
+      dmse[static_cast<size_t>(j - 1)] += 2.0 * weight * e * de[static_cast<size_t>(j - 1)];
+    if (!std::isfinite(mse)) return INFINITY;
+  }
+  const double scale = 1.0 / static_cast<double>(n);
+  double norm2 = 1.0;
+  for (double v : x) norm2 += v * v;
+  if (grad != nullptr) {
+    grad->resize(x.size());
+    for (size_t j = 0; j < x.size(); ++j)
+      (*grad)[j] = 2.0 * x[j] * mse * scale + norm2 * dmse[j] * scale;
+  }
+  return norm2 * mse * scale;
 }
 
 }  // namespace
@@ -44,6 +89,54 @@ BandedToeplitz BandedToeplitz::sqrt_prefix_sum(int64_t bands) {
   c[0] = 1.0;
   for (int64_t k = 1; k < bands; ++k)
     c[k] = c[k - 1] * static_cast<double>(2 * k - 1) / static_cast<double>(2 * k);
+  return BandedToeplitz(std::move(c));
+}
+
+BandedToeplitz BandedToeplitz::optimized(int64_t bands, int64_t n) {
+  require_positive("bands", bands);
+  require_positive("n", n);
+  const std::vector<double> start = sqrt_prefix_sum(bands).coefficients();
+  std::vector<double> x(start.begin() + 1, start.end());
+  const auto m = static_cast<Eigen::Index>(x.size());
+  std::vector<double> grad, g_plus, g_minus, trial;
+  double f = banded_objective(x, n, &grad);
+  for (int iteration = 0; iteration < 200 && m > 0; ++iteration) {
+    // The Hessian by central differences of the exact gradient, symmetrised.
+    Eigen::MatrixXd hessian(m, m);
+    for (Eigen::Index i = 0; i < m; ++i) {
+      const double h = 1e-6 * std::max(1.0, std::abs(x[static_cast<size_t>(i)]));
+      trial = x;
+      trial[static_cast<size_t>(i)] += h;
+      banded_objective(trial, n, &g_plus);
+      trial[static_cast<size_t>(i)] -= 2.0 * h;
+      banded_objective(trial, n, &g_minus);
+      for (Eigen::Index r = 0; r < m; ++r)
+        hessian(r, i) = (g_plus[static_cast<size_t>(r)] - g_minus[static_cast<size_t>(r)]) /
+                        (2.0 * h);
+    }
+    hessian = 0.5 * (hessian + hessian.transpose()).eval();
+    const Eigen::Map<const Eigen::VectorXd> g(grad.data(), m);
+    const Eigen::LDLT<Eigen::MatrixXd> ldlt(hessian);
+    Eigen::VectorXd step = -g;
+    if (ldlt.info() == Eigen::Success && ldlt.isPositive()) {
+      const Eigen::VectorXd newton = ldlt.solve(-g);
+      if (newton.allFinite() && newton.dot(g) < 0.0) step = newton;
+    }
+    double f_new = INFINITY;
+    for (double t = 1.0; t > 1e-12; t *= 0.5) {
+      trial = x;
+      for (Eigen::Index i = 0; i < m; ++i) trial[static_cast<size_t>(i)] += t * step(i);
+      f_new = banded_objective(trial, n, nullptr);
+      if (f_new < f) break;
+    }
+    if (!(f_new < f)) break;  // no step decreases f: a local minimum to this precision
+    const bool converged = f - f_new <= 1e-12 * f;
+    x = trial;
+    f = banded_objective(x, n, &grad);
+    if (converged) break;
+  }
+  std::vector<double> c{1.0};
+  c.insert(c.end(), x.begin(), x.end());
   return BandedToeplitz(std::move(c));
 }
 

@@ -29,6 +29,21 @@
 // ‖B‖_F² = Σ_{k<n} (n − k)·e_k². mean_squared_error returns ‖B‖_F² / n, the expected squared error
 // of a prefix sum, averaged over the n steps, per unit of noise variance (Kalinin & Lampert 2024,
 // §2, the "MeanSE" of a factorization before the sensitivity scales it). DP-SGD's is (n + 1)/2.
+//
+// Note [optimized banded strategies]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// What a strategy costs in noise is its error after the sensitivity is normalised: the noise is
+// scaled by κ = ‖c‖ (every full column's norm; later columns are shorter), so the expected squared
+// error of a prefix sum per unit σ² is f(c) = ‖c‖² · MeanSE(c, n). sqrt_prefix_sum's truncation
+// is not the banded minimiser of f; optimized() minimises f over c_1 .. c_{b−1} with c_0 = 1 fixed
+// (f is invariant to scaling c), the objective McKenna et al. 2024 (§4) optimise over banded
+// matrices, here kept Toeplitz so that the run needs only b numbers. f is smooth wherever C⁻¹'s
+// power series stays bounded on n steps; from sqrt_prefix_sum a damped Newton iteration: the
+// gradient exact (forward derivatives through the recursion of d, O(n b²)), the Hessian by central
+// differences of the gradient, a step accepted only where f decreases (halved until it does; the
+// gradient's direction where the Hessian is not positive definite), stopping when f falls by less
+// than 1e-12 of itself or after 200 iterations. The result is a local minimum no worse than the
+// start; tests/python/test_banded.py checks it against SciPy's minimiser on dense matrices.
 #pragma once
 
 #include <cstdint>
@@ -48,6 +63,10 @@ class BandedToeplitz {
   // coefficients of (1 − x)^(−1/2), for k < bands (Kalinin & Lampert 2024, §3). With bands >= n
   // it is A^(1/2) exactly on an n-step run.
   static BandedToeplitz sqrt_prefix_sum(int64_t bands);
+  // Note [optimized banded strategies]: the b-banded Toeplitz strategy with c_0 = 1 of least
+  // expected error for an n-step run (a local minimum reached from sqrt_prefix_sum). Throws
+  // std::invalid_argument for bands or n < 1.
+  static BandedToeplitz optimized(int64_t bands, int64_t n);
 
   int64_t bands() const { return static_cast<int64_t>(c_.size()); }
   const std::vector<double>& coefficients() const { return c_; }

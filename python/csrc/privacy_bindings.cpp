@@ -71,6 +71,7 @@ void bind_privacy(py::module_ m) {
       .def(py::init<std::vector<double>>(), py::arg("coefficients"))
       .def_static("identity", &BandedToeplitz::identity)
       .def_static("sqrt_prefix_sum", &BandedToeplitz::sqrt_prefix_sum, py::arg("bands"))
+      .def_static("optimized", &BandedToeplitz::optimized, py::arg("bands"), py::arg("n"))
       .def_property_readonly("bands", &BandedToeplitz::bands)
       .def_property_readonly("coefficients", &BandedToeplitz::coefficients)
       .def("next", &BandedToeplitz::next, py::arg("z"), py::arg("previous"),

@@ -109,6 +109,44 @@ def test_dp_sgd_is_one_band_and_the_square_root_lowers_the_error():
         0.5 * identity.mean_squared_error(n) * identity.sensitivity_squared(n, n, 1)
 
 
+def dense_objective(x: np.ndarray, n: int) -> float:
+    """Note [optimized banded strategies]'s f for c = (1, x): the largest column norm squared of
+    the dense C times ||A C^-1||_F^2 / n, from dense matrices (inf where C^-1 overflows)."""
+    c = dense(BandedToeplitz([1.0, *x]), n)
+    with np.errstate(all="ignore"):
+        b = prefix_sums(n) @ np.linalg.inv(c)
+        value = float((c * c).sum(0).max() * np.sum(b * b) / n)
+    return value if np.isfinite(value) else math.inf
+
+
+@pytest.mark.parametrize("n, bands", [(40, 2), (64, 4), (64, 8), (100, 5)])
+def test_the_optimized_strategy_is_scipys_minimum_of_the_dense_objective(n, bands):
+    """From the square root's coefficients, SciPy's BFGS on the dense objective (its own
+    finite-difference gradients) reaches no lower value than optimized(), whose value is the dense
+    objective's at its coefficients and lies below the square root's."""
+    from scipy.optimize import minimize
+
+    root = np.array(BandedToeplitz.sqrt_prefix_sum(bands).coefficients[1:])
+    best = BandedToeplitz.optimized(bands, n)
+    assert best.bands == bands and best.coefficients[0] == 1.0
+    ours = dense_objective(np.array(best.coefficients[1:]), n)
+    assert ours == pytest.approx(best.column_norm(n, 0) ** 2 * best.mean_squared_error(n),
+                                 rel=1e-10)
+    assert ours < dense_objective(root, n)
+    scipy_best = minimize(dense_objective, root, args=(n,), method="BFGS",
+                          options={"gtol": 1e-9}).fun
+    assert ours <= scipy_best * (1 + 1e-7)
+    assert ours >= scipy_best * (1 - 1e-4)  # the same minimum, not another one
+
+
+def test_the_optimized_strategy_of_one_band_is_dp_sgd_and_bad_sizes_are_refused():
+    assert BandedToeplitz.optimized(1, 50).coefficients == [1.0]
+    with pytest.raises(ValueError, match="bands must be >= 1, got 0"):
+        BandedToeplitz.optimized(0, 50)
+    with pytest.raises(ValueError, match="n must be >= 1, got -3"):
+        BandedToeplitz.optimized(4, -3)
+
+
 @pytest.mark.parametrize("coefficients, match", [
     ([], "must hold c_0 at least"), ([0.0, 1.0], "c_0 \\(the diagonal\\) must be > 0, got 0"),
     ([1.0, math.nan], "coefficient c_1 must be finite, got nan")])
