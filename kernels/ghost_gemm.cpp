@@ -32,14 +32,14 @@ std::vector<std::pair<int64_t, int64_t>> gemm_row_blocks(int64_t T) {
 
 namespace {
 
-// The bytes of float64 workspace one sample takes: its rows (`features` = d_in + the G's d_outs),
+// The bytes of float64 workspace one sample takes: its rows (`features` = d_in + one G's d_out),
 // three strips of the largest row block live at once (an A or token strip, a G strip, their
-// product) and the [T] row values and diagonal terms of each of `outputs` results.
-int64_t bytes_per_sample(int64_t t, int64_t features, int64_t outputs,
+// product) and the [T] row values and diagonal terms of one result.
+int64_t bytes_per_sample(int64_t t, int64_t features,
                          const std::vector<std::pair<int64_t, int64_t>>& blocks) {
   int64_t strip = 0;
   for (const auto& [r0, r1] : blocks) strip = std::max(strip, (r1 - r0) * r1);
-  return 8 * (t * features + 3 * strip + 2 * t * outputs);
+  return 8 * (t * features + 3 * strip + 2 * t);
 }
 
 // One row block's share of a sample's value and S (Note [gram strips]): product [c, rows, r1] the
@@ -73,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor> ghost_values_gemm(const at::Tensor& a, const 
   at::Tensor s = at::zeros({b}, f64);
   if (b == 0 || t == 0) return {value, s};
   const auto blocks = gemm_row_blocks(t);
-  const int64_t chunk = samples_per_chunk(b, bytes_per_sample(t, d_out, 1, blocks));
+  const int64_t chunk = samples_per_chunk(b, bytes_per_sample(t, d_out, blocks));
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk), c = i1 - i0;
     const at::Tensor g64 = g.slice(0, i0, i1).to(at::kDouble);  // [c, T, d_out]
@@ -113,7 +113,7 @@ std::tuple<at::Tensor, at::Tensor> ghost_values_gemm_multi(const at::Tensor& a,
   int64_t a_strips = 0;
   for (const auto& [r0, r1] : blocks) a_strips += (r1 - r0) * r1;
   const int64_t chunk = samples_per_chunk(
-      b, bytes_per_sample(t, d_in + max_d_out, 1, blocks) + 8 * a_strips);
+      b, bytes_per_sample(t, d_in + max_d_out, blocks) + 8 * a_strips);
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk), c = i1 - i0;
     std::vector<at::Tensor> sa, da;  // per row block: A's strip and its diagonal, once
