@@ -19,8 +19,9 @@
 //    c [B] float32: for a Linear layer G^T diag(c) A, the GEMMs that replace autograd's
 //    weight-gradient GEMM (book-keeping, "BK", Bu et al. 2023, "Differentially private
 //    optimization on large model at small cost": keep (A, G) from the one backward pass, then
-//    weighted GEMMs; one per sample, batched, as Note [clipped-sum rounding] needs). A sample whose factor is 0 or non-finite contributes exactly
-//    nothing, even when its A or G holds NaN/Inf (its rows are zeroed, not multiplied by 0).
+//    weighted products, each sample's formed alone as Note [clipped-sum rounding] needs). A
+//    sample whose factor is 0 or non-finite contributes exactly nothing, even when its A or G
+//    holds NaN/Inf (its rows are zeroed, not multiplied by 0).
 //  * *_clip (group / layer-wise clipping) compute the norms, the factors for threshold C
 //    (privacy::clip_factor through dpzero::clip_factors: flat min(1, C/(||g||+1e-6)) or automatic
 //    C/(||g||+gamma), factor 0 for a NaN/Inf norm, counted) and the clipped sum in one call.

@@ -2,6 +2,7 @@
 // [per-sample ops] in kernels/per_sample_ops.h; schemas in kernels/ops.cpp).
 #pragma once
 
+#include "kernels/cpu/sample_products.h"
 #include "kernels/per_sample/common.h"
 
 namespace dpzero::kernels {
@@ -102,8 +103,11 @@ inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const a
     }
     if (t >= 2) {  // each sample's contribution alone, then their sum (Note [clipped-sum rounding])
       const at::Tensor left = transposed ? ac : gc, right = transposed ? gc : ac;  // [c, T, .]
+      // On the host, each sample's product tile formed in registers and added (no products
+      // held; kernels/cpu/sample_products.h).
+      if (host && add_sample_products(out, left, right)) continue;
       const int64_t rows = left.size(2), cols = right.size(2);
-      // On the host, in slabs of output rows whose per-sample products stay within
+      // Otherwise on the host, in slabs of output rows whose per-sample products stay within
       // kHostSlabBytes: a product of the whole weight per sample, written to memory and read back
       // to be summed, cost twice the one GEMM's time on 768 x 3072 (experiments/results/
       // private.md); on a device, one batched GEMM (one launch).

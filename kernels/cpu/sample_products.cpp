@@ -1,0 +1,60 @@
+// kernels/cpu/sample_products.cpp — see sample_products.h; the rows run in AVX2 lanes
+// (kernels/cpu/sample_products_simd.h), split across threads by blocks of rows.
+#include "kernels/cpu/sample_products.h"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "kernels/cpu/sample_products_simd.h"
+
+namespace dpzero::kernels {
+
+namespace sample_products_simd {
+bool available() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+bool wide_available() {
+  static const bool has = available() && __builtin_cpu_supports("avx512f");
+  return has;
+}
+}  // namespace sample_products_simd
+
+bool add_sample_products(at::Tensor& out, const at::Tensor& left, const at::Tensor& right) {
+  if (!sample_products_simd::available()) return false;
+  const auto host_f32 = [](const at::Tensor& x) {
+    return x.is_cpu() && x.scalar_type() == at::kFloat;
+  };
+  if (!host_f32(out) || !host_f32(left) || !host_f32(right) || out.dim() != 2 ||
+      left.dim() != 3 || right.dim() != 3)
+    return false;
+  const int64_t c = left.size(0), t = left.size(1), rows = left.size(2), cols = right.size(2);
+  if (right.size(0) != c || right.size(1) != t || out.size(0) != rows || out.size(1) != cols)
+    return false;
+  if (rows == 0 || cols == 0 || c == 0 || t == 0) return true;
+  if (out.stride(1) != 1 && cols > 1) return false;
+  const at::Tensor l = left.contiguous(), r = right.contiguous();
+  float* o = out.data_ptr<float>();
+  const int64_t ld = out.stride(0);
+  const float* lp = l.data_ptr<float>();
+  const float* rp = r.data_ptr<float>();
+  // Blocks of 24 rows (a multiple of both kernels' tile heights); no entry's bits depend on the
+  // split.
+  constexpr int64_t kBlock = 24;
+  const int64_t blocks = (rows + kBlock - 1) / kBlock;
+  const int64_t per_block = 2 * c * t * kBlock * cols;  // flops
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, per_block));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    const int64_t r0 = b0 * kBlock, r1 = std::min(rows, b1 * kBlock);
+    if (sample_products_simd::wide_available()) {
+      sample_products_simd::add_rows_avx512(o, ld, lp, rp, c, t, rows, cols, r0, r1);
+    } else {
+      sample_products_simd::add_rows(o, ld, lp, rp, c, t, rows, cols, r0, r1);
+    }
+  });
+  return true;
+}
+
+}  // namespace dpzero::kernels

@@ -1,0 +1,17 @@
+// kernels/cpu/sample_products.h — the host clipped sum's sum of per-sample products (Note
+// [clipped-sum rounding] in kernels/per_sample/common.h), called by add_linear_clipped_sum
+// (kernels/per_sample/linear.h) in place of a batched GEMM and a sum over its samples.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace dpzero::kernels {
+
+// out [rows, cols] += sum_i left[i]^T right[i], with left [c, T, rows] and right [c, T, cols]
+// float32 on the host and out a float32 host matrix with unit column stride; each sample's
+// product is formed alone and then added (sample_products_simd::add_rows), so nothing of the
+// size of c products is held. Returns false, having done nothing, where that kernel does not
+// apply (no AVX2 and FMA, other dtypes or strides): the caller forms the products itself.
+bool add_sample_products(at::Tensor& out, const at::Tensor& left, const at::Tensor& right);
+
+}  // namespace dpzero::kernels
