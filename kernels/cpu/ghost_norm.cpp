@@ -56,6 +56,10 @@ bool available() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return has;
 }
+bool wide_available() {
+  static const bool has = available() && __builtin_cpu_supports("avx512f");
+  return has;
+}
 }  // namespace gram_simd
 
 namespace {
@@ -188,6 +192,15 @@ bool small_ghost_applies(int64_t t, const at::Tensor& g) {
          gram_simd::available();
 }
 
+// gram_simd::gram_f32 in the widest lanes this CPU has (the same bits either way).
+void small_gram(const float* x, int64_t t, int64_t d, double* rows, double* gram) {
+  if (gram_simd::wide_available()) {
+    gram_simd::gram_f32_avx512(x, t, d, rows, gram);
+  } else {
+    gram_simd::gram_f32(x, t, d, rows, gram);
+  }
+}
+
 // This thread's float64 buffers for the small path: rows [t, d], and two [t, t] Grams.
 struct SmallGhostBuffers {
   std::vector<double> rows, ga, gg;
@@ -211,12 +224,12 @@ void small_ghost_values(const float* a, int64_t d_in, const int64_t* ids, int64_
     buf.fit(t, max_d);
     for (int64_t i = begin; i < end; ++i) {
       if (a != nullptr) {
-        gram_simd::gram_f32(a + i * t * d_in, t, d_in, buf.rows.data(), buf.ga.data());
+        small_gram(a + i * t * d_in, t, d_in, buf.rows.data(), buf.ga.data());
       }
       for (size_t l = 0; l < gs.size(); ++l) {
         const int64_t d_out = gs[l].size(2);
-        gram_simd::gram_f32(gs[l].data_ptr<float>() + i * t * d_out, t, d_out, buf.rows.data(),
-                            buf.gg.data());
+        small_gram(gs[l].data_ptr<float>() + i * t * d_out, t, d_out, buf.rows.data(),
+                   buf.gg.data());
         const int64_t at_out = static_cast<int64_t>(l) * b + i;
         strip_dots(a != nullptr ? buf.ga.data() : nullptr, buf.gg.data(),
                    ids != nullptr ? ids + i * t : nullptr, pad, 1, one_block, value + at_out,

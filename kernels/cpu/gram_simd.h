@@ -11,9 +11,10 @@
 
 namespace dpzero::kernels::gram_simd {
 
-// True iff this CPU runs AVX2 and FMA, so gram_f32 may be called. Defined in
-// kernels/cpu/ghost_norm.cpp, built for the baseline ISA.
+// True iff this CPU runs AVX2 and FMA, so gram_f32 may be called; wide_available(): AVX-512F too,
+// so gram_f32_avx512 may be. Defined in kernels/cpu/ghost_norm.cpp, built for the baseline ISA.
 bool available();
+bool wide_available();
 
 // x [t, d] float32 (row-major, contiguous) -> gram [t, t] float64 (row-major, both triangles),
 // gram[s * t + u] = sum_k double(x[s, k]) * double(x[u, k]). `rows` is scratch for t * d
@@ -21,5 +22,8 @@ bool available();
 // summed in some order of its d products: within gamma_d of the exact inner product (Note
 // [certified norms] in kernels/per_sample/common.h). gram[s, u] and gram[u, s] are the same value.
 void gram_f32(const float* x, int64_t t, int64_t d, double* rows, double* gram);
+
+// gram_f32 in AVX-512 lanes (kernels/cpu/gram_simd512.cpp), with gram_f32's bits.
+void gram_f32_avx512(const float* x, int64_t t, int64_t d, double* rows, double* gram);
 
 }  // namespace dpzero::kernels::gram_simd

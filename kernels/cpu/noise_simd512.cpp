@@ -4,7 +4,8 @@
 // a CPUID check (the dispatchers in noise.cpp).
 //
 // Every step is the AVX2 one on sixteen lanes instead of eight:
-//   Philox4x32-10 rounds ........ mulhilo by _mm512_mul_epu32 on the even and odd lanes
+//   Philox4x32-10 rounds ........ mulhilo by _mm512_mul_epu32 on the even and odd lanes, its
+//                                 words gathered by two permutes, the key xors in one ternlog
 //   ChaCha20 block .............. the same quarter rounds, rotations by _mm512_rol_epi32
 //   radius sqrt(-2 ln u1) ....... the exact 2^52 conversions, SLEEF's logd8 u35 / u10 (AVX2: logd4)
 //   fp32 angle and Box–Muller ... SLEEF's sincosf16 u10 (AVX2: sincosf8)
@@ -36,13 +37,25 @@ using privacy::philox_detail::kW1;
 
 inline __m512i set1(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
 
-// Lane-wise 32 x 32 -> 64-bit products of a and the constant m: (hi, lo) words (mulhilo).
+// Lane-wise 32 x 32 -> 64-bit products of a and the constant m: (hi, lo) words (mulhilo). The
+// products of the even and the odd lanes are two registers of 64-bit words; one two-source
+// permute gathers their low words and one their high words, back in lane order.
 inline void mulhilo16(__m512i a, uint32_t m, __m512i& hi, __m512i& lo) {
   const __m512i mm = set1(m);
   const __m512i even = _mm512_mul_epu32(a, mm);                        // lanes 0, 2, ..., 14
   const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), mm);  // lanes 1, 3, ..., 15
-  lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
-  hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+  // Word 2j of `even` is lane 2j's low word, 2j + 1 its high word; index 16 + w picks odd's w.
+  const __m512i lo_words =
+      _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+  const __m512i hi_words =
+      _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  lo = _mm512_permutex2var_epi32(even, lo_words, odd);
+  hi = _mm512_permutex2var_epi32(even, hi_words, odd);
+}
+
+// a ^ b ^ c in one instruction (truth table 0x96).
+inline __m512i xor3(__m512i a, __m512i b, __m512i c) {
+  return _mm512_ternarylogic_epi32(a, b, c, 0x96);
 }
 
 // Philox4x32-10 on kSets x 16 counters at once; independent sets interleave, as in the AVX2 code.
@@ -59,8 +72,8 @@ inline void philox16(__m512i c[kSets][4], uint32_t k0, uint32_t k1) {
       __m512i hi0, lo0, hi1, lo1;
       mulhilo16(c[set][0], kM0, hi0, lo0);
       mulhilo16(c[set][2], kM1, hi1, lo1);
-      const __m512i n0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c[set][1]), set1(k0));
-      const __m512i n2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c[set][3]), set1(k1));
+      const __m512i n0 = xor3(hi1, c[set][1], set1(k0));
+      const __m512i n2 = xor3(hi0, c[set][3], set1(k1));
       c[set][0] = n0;
       c[set][1] = lo1;
       c[set][2] = n2;
