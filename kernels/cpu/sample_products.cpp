@@ -3,6 +3,7 @@
 #include "kernels/cpu/sample_products.h"
 
 #include <algorithm>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,6 +23,13 @@ bool wide_available() {
 }
 }  // namespace sample_products_simd
 
+// The longest sequence this kernel takes. Each tile reads its sample's T rows of a 12 or 6 row
+// panel and of 32 or 16 columns; past about 64 rows those stop fitting the core's first-level
+// cache next to each other, and a batched GEMM per sample with a sum after ran as fast or faster
+// (at T = 128 and 512 on d = 768..3072; at T <= 64 this kernel ran 1.0-2x faster:
+// experiments/results/host.md).
+constexpr int64_t kMaxRowsPerSample = 64;
+
 bool add_sample_products(at::Tensor& out, const at::Tensor& left, const at::Tensor& right) {
   if (!sample_products_simd::available()) return false;
   const auto host_f32 = [](const at::Tensor& x) {
@@ -31,7 +39,8 @@ bool add_sample_products(at::Tensor& out, const at::Tensor& left, const at::Tens
       left.dim() != 3 || right.dim() != 3)
     return false;
   const int64_t c = left.size(0), t = left.size(1), rows = left.size(2), cols = right.size(2);
-  if (right.size(0) != c || right.size(1) != t || out.size(0) != rows || out.size(1) != cols)
+  if (right.size(0) != c || right.size(1) != t || out.size(0) != rows || out.size(1) != cols ||
+      t > kMaxRowsPerSample)
     return false;
   if (rows == 0 || cols == 0 || c == 0 || t == 0) return true;
   if (out.stride(1) != 1 && cols > 1) return false;
@@ -48,10 +57,11 @@ bool add_sample_products(at::Tensor& out, const at::Tensor& left, const at::Tens
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, per_block));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     const int64_t r0 = b0 * kBlock, r1 = std::min(rows, b1 * kBlock);
+    std::vector<float> panel(static_cast<size_t>(t * sample_products_simd::kMaxTileRows));
     if (sample_products_simd::wide_available()) {
-      sample_products_simd::add_rows_avx512(o, ld, lp, rp, c, t, rows, cols, r0, r1);
+      sample_products_simd::add_rows_avx512(o, ld, lp, rp, c, t, rows, cols, r0, r1, panel.data());
     } else {
-      sample_products_simd::add_rows(o, ld, lp, rp, c, t, rows, cols, r0, r1);
+      sample_products_simd::add_rows(o, ld, lp, rp, c, t, rows, cols, r0, r1, panel.data());
     }
   });
   return true;

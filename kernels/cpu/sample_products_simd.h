@@ -26,9 +26,11 @@ bool wide_available();
 // another's partial sums. Every entry is computed by the same operations in the same order as
 // std::fma(left, right, p) from p = 0 over t, then out + p: its bits depend on neither the lane
 // width, r0, r1 nor the other entries (tests/cpp/torch/sample_products_test.cpp).
+// `panel` is scratch for t * kMaxTileRows floats.
+constexpr int64_t kMaxTileRows = 12;
 void add_rows(float* out, int64_t ld, const float* left, const float* right, int64_t c, int64_t t,
-              int64_t rows, int64_t cols, int64_t r0, int64_t r1);
+              int64_t rows, int64_t cols, int64_t r0, int64_t r1, float* panel);
 void add_rows_avx512(float* out, int64_t ld, const float* left, const float* right, int64_t c,
-                     int64_t t, int64_t rows, int64_t cols, int64_t r0, int64_t r1);
+                     int64_t t, int64_t rows, int64_t cols, int64_t r0, int64_t r1, float* panel);
 
 }  // namespace dpzero::kernels::sample_products_simd

@@ -272,11 +272,11 @@ inline at::Tensor certify_op(const at::Tensor& value, const c10::optional<at::Te
 //    K = B T rows of all samples would let one sample's rows, which may be huge and cancel only
 //    among themselves, absorb the partial sums of the samples before them (a privacy review
 //    measured a neighbouring dataset moving the sum by 14 C that way). So with T >= 2 each
-//    sample's contribution is formed alone and only then added: on the host, tile by tile in
-//    registers from zero (kernels/cpu/sample_products_simd.h; a fused multiply-add per row, the
-//    same gamma_T bound), elsewhere by a batched GEMM, one product per sample, summed after; at
-//    T = 1 each row is a whole contribution and one GEMM is the same sum. The embedding sums each
-//    sample's rows per id first, for the same reason.
+//    sample's contribution is formed alone and only then added: on the host up to T = 64, tile
+//    by tile in registers from zero (kernels/cpu/sample_products_simd.h; a fused multiply-add per
+//    row, the same gamma_T bound), otherwise by a batched GEMM, one product per sample, summed
+//    after; at T = 1 each row is a whole contribution and one GEMM is the same sum. The
+//    embedding sums each sample's rows per id first, for the same reason.
 // What remains is the rounding of the sum of bounded terms (at most gamma_B sum_i ||c_i g_i||,
 // each term <= C) and of the float32 accumulation across micro-batches and ranks: a relative
 // error of the aggregate, bounded by the clip norms, not by any sample's S.

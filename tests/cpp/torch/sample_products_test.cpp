@@ -45,7 +45,7 @@ void reference(float* out, int64_t ld, const float* left, const float* right, in
 }
 
 using Kernel = void (*)(float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t,
-                        int64_t, int64_t, int64_t);
+                        int64_t, int64_t, int64_t, float*);
 
 void expect_reference_bits(Kernel kernel, const std::string& name) {
   std::mt19937 rng(7);
@@ -60,7 +60,8 @@ void expect_reference_bits(Kernel kernel, const std::string& name) {
           const int64_t r0 = rows > 5 ? 2 : 0, r1 = rows > 7 ? rows - 1 : rows;
           std::vector<float> want = start, got = start;
           reference(want.data(), ld, left.data(), right.data(), c, t, rows, cols, r0, r1);
-          kernel(got.data(), ld, left.data(), right.data(), c, t, rows, cols, r0, r1);
+          std::vector<float> panel(static_cast<size_t>(t * simd::kMaxTileRows));
+          kernel(got.data(), ld, left.data(), right.data(), c, t, rows, cols, r0, r1, panel.data());
           ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
               << name << ": c " << c << ", t " << t << ", rows " << rows << ", cols " << cols;
         }
@@ -118,6 +119,9 @@ TEST(SampleProducts, TheAtenEntryMatchesTheFloat64SumAndRefusesWhatItCannotDo) {
   EXPECT_FALSE(kernels::add_sample_products(f64, left, right));
   at::Tensor wrong = at::zeros({70, 44});
   EXPECT_FALSE(kernels::add_sample_products(wrong, left, right));
+  at::Tensor long_out = at::zeros({3, 5});
+  EXPECT_FALSE(kernels::add_sample_products(long_out, at::ones({2, 65, 3}), at::ones({2, 65, 5})));
+  EXPECT_EQ(0, long_out.count_nonzero().item<int64_t>());
 }
 
 }  // namespace
