@@ -180,7 +180,7 @@ def main(argv=None) -> int:
                    "Written by `experiments/host_overhead.py` "
                    f"({args.rounds} interleaved rounds after {args.warmup} warm-up; "
                    f"{dpzero_version()}; {os.cpu_count()} CPU cores). σ = 1, C = 1, SGD. The "
-                   "target: dpzero ≤ 1.3× torch.", ""] + lines + ["<!-- host:end -->"]
+                   "target: dpzero ≤ 1.2× torch.", ""] + lines + ["<!-- host:end -->"]
         write_marked_section(RESULTS, "host", "# Host overhead of a private step\n",
                              "\n".join(section))
     return 0
