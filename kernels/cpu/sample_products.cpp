@@ -6,6 +6,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
 #include "kernels/cpu/sample_products_simd.h"
@@ -44,6 +45,12 @@ bool add_sample_products(at::Tensor& out, const at::Tensor& left, const at::Tens
     return false;
   if (rows == 0 || cols == 0 || c == 0 || t == 0) return true;
   if (out.stride(1) != 1 && cols > 1) return false;
+  // The kernel writes `out` while it reads the operands: none may share memory with it, nor may
+  // two of its entries (the caller's GEMM path refuses or handles those).
+  if (at::has_internal_overlap(out) != at::MemOverlap::No ||
+      at::get_overlap_status(out, left) != at::MemOverlapStatus::No ||
+      at::get_overlap_status(out, right) != at::MemOverlapStatus::No)
+    return false;
   const at::Tensor l = left.contiguous(), r = right.contiguous();
   float* o = out.data_ptr<float>();
   const int64_t ld = out.stride(0);
@@ -64,6 +71,7 @@ bool add_sample_products(at::Tensor& out, const at::Tensor& left, const at::Tens
       sample_products_simd::add_rows(o, ld, lp, rp, c, t, rows, cols, r0, r1, panel.data());
     }
   });
+  out.unsafeGetTensorImpl()->bump_version();  // an in-place write, as autograd must see it
   return true;
 }
 

@@ -11,8 +11,9 @@ namespace dpzero::kernels {
 // float32 on the host and out a float32 host matrix with unit column stride; each sample's
 // product is formed alone and then added (sample_products_simd::add_rows), so nothing of the
 // size of c products is held. Returns false, having done nothing, where that kernel does not
-// apply (no AVX2 and FMA, other dtypes or strides, more than 64 rows per sample): the caller
-// forms the products itself.
+// apply (no AVX2 and FMA, other dtypes or strides, more than 64 rows per sample, out sharing
+// memory with itself or an operand): the caller forms the products itself. A write bumps out's
+// version counter, as any in-place op does.
 bool add_sample_products(at::Tensor& out, const at::Tensor& left, const at::Tensor& right);
 
 }  // namespace dpzero::kernels

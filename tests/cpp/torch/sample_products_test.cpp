@@ -119,6 +119,19 @@ TEST(SampleProducts, TheAtenEntryMatchesTheFloat64SumAndRefusesWhatItCannotDo) {
   EXPECT_FALSE(kernels::add_sample_products(f64, left, right));
   at::Tensor wrong = at::zeros({70, 44});
   EXPECT_FALSE(kernels::add_sample_products(wrong, left, right));
+  // A destination that is an operand's memory, or whose entries share memory: refused, so the
+  // caller's path (which forms the products before writing) handles it.
+  at::Tensor memory = at::randn({70 * 45});
+  at::Tensor aliased = memory.view({70, 45});
+  const at::Tensor inside = memory.narrow(0, 0, 2 * 9 * 70).view({2, 9, 70});
+  EXPECT_FALSE(kernels::add_sample_products(aliased, inside, at::randn({2, 9, 45})));
+  at::Tensor expanded = at::zeros({1, 45}).expand({70, 45});
+  EXPECT_FALSE(kernels::add_sample_products(expanded, left, right));
+  // An accepted write is an in-place op: the version counter moves.
+  at::Tensor fresh = at::zeros({70, 45});
+  const auto version = fresh._version();
+  ASSERT_TRUE(kernels::add_sample_products(fresh, left, right));
+  EXPECT_GT(fresh._version(), version);
   at::Tensor long_out = at::zeros({3, 5});
   EXPECT_FALSE(kernels::add_sample_products(long_out, at::ones({2, 65, 3}), at::ones({2, 65, 5})));
   EXPECT_EQ(0, long_out.count_nonzero().item<int64_t>());
