@@ -9,8 +9,8 @@
 // (C), --q, --lr, --delta (the δ ε is printed at), --seed, --secure-mode true|false, --stage
 // 0|1|2, --max-physical-batch-size, --loss-reduction mean|sum, --epsilon-budget,
 // --budget-delta, --bands (b > 1: banded correlated noise), --world, --rank, --init, --ledger
-// PATH, --run-id, --exchange IN OUT, --zero-loss. A refused setting exits 1 with the front door's message on stderr, after
-// "private_train: ".
+// PATH, --run-id, --exchange IN OUT, --zero-loss, --freeze NAME. A refused setting exits 1 with
+// the front door's message on stderr, after "private_train: ".
 //
 // Training mode: a synthetic task the model can learn (MLP: the class of a random linear teacher
 // on x ~ N(0, I); transformer: the class of the first token), N examples; each step samples a
@@ -26,6 +26,8 @@
 //     so the same seed gives the same batch), in micro-batches of --max-physical-batch-size;
 //   - with "rows" (per rank, how many rows it takes, in order): the first sum(rows) examples,
 //     each rank's share handed in as one own_batch micro-batch.
+// With --freeze NAME, that parameter stops requiring grad after the backward, before the step
+// (which must then refuse: Note [trained set] in src/dp/run.h).
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -64,7 +66,7 @@ struct Args {
   std::string loss_reduction = "mean";
   std::optional<double> epsilon_budget, budget_delta;
   int world = 1, rank = 0;
-  std::string init, ledger, run_id, exchange_in, exchange_out;
+  std::string init, ledger, run_id, exchange_in, exchange_out, freeze;
   bool zero_loss = false;
 };
 
@@ -128,6 +130,8 @@ Args parse(int argc, char** argv) {
       a.exchange_out = need(i);
     } else if (arg == "--zero-loss")
       a.zero_loss = true;
+    else if (arg == "--freeze")
+      a.freeze = need(i);
     else
       throw std::invalid_argument("unknown argument " + arg);
   }
@@ -238,6 +242,15 @@ int exchange(const Args& a) {
       engine.hand_out(mb);
       backward(x.index_select(0, mb.indices()), y.index_select(0, mb.indices()));
     }
+  }
+  if (!a.freeze.empty()) {
+    bool found = false;
+    for (auto& item : model->named_parameters()) {
+      if (item.key() != a.freeze) continue;
+      item.value().requires_grad_(false);
+      found = true;
+    }
+    if (!found) throw std::invalid_argument("--freeze: the model has no parameter " + a.freeze);
   }
   engine.step();
   c10::Dict<std::string, at::Tensor> out;

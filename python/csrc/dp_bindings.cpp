@@ -218,6 +218,9 @@ void bind_dp(py::module_ m) {
       .def_readwrite("run_id", &dp::RunSettings::run_id);
   m.def("check_run_settings", &dp::check_run_settings, py::arg("settings"),
         "ValueError naming the first bad setting and its value");
+  m.def("trained_set_refusal", &dp::trained_set_refusal, py::arg("trained"), py::arg("now"),
+        "Note [trained set]: the refusal when the trainable tensors among `now` ([(name, "
+        "tensor)]) are no longer exactly `trained`, else None");
   py::class_<dp::RunStart>(m, "RunStart", "What start_run decided (src/dp/run.h)")
       .def_readonly("secure", &dp::RunStart::secure)
       .def_readonly("seed", &dp::RunStart::seed)

@@ -115,7 +115,7 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
     total += p.numel();
   }
   if (params_.empty()) throw std::invalid_argument(bad("the model has no trainable parameters"));
-  for (const Param& p : params_) trained_.insert(p.tensor.unsafeGetTensorImpl());
+  for (const Param& p : params_) trained_.push_back(p.tensor);
 
   // The DP modules, and every trainable parameter inside one of them.
   struct Found {
@@ -533,15 +533,11 @@ StepOutcome PrivacyEngine::step() {
         "step(): the model's batch-first layout was not checked; call check_batch_first() once "
         "before training (Note [C++ batch dimension] in src/dp/modules.h), or set "
         "PrivacyOptions::trust_batch_first";
-  // The trained set may not change: a parameter made trainable since would never be clipped.
-  std::set<const void*> now;  // trained_ is the set when the engine took the model
-  for (const at::Tensor& p : model_->parameters())
-    if (p.requires_grad()) now.insert(p.unsafeGetTensorImpl());
-  if (now != trained_ && !request.refusal)
-    request.refusal =
-        "step(): the model's trainable parameters changed since the PrivacyEngine "
-        "took it; its clipping covers the parameters trainable then. Build a new "
-        "engine for the new set";
+  if (!request.refusal) {  // Note [trained set] (run.h)
+    std::vector<std::pair<std::string, at::Tensor>> now;
+    for (const auto& item : model_->named_parameters()) now.emplace_back(item.key(), item.value());
+    request.refusal = trained_set_refusal(trained_, now);
+  }
   const int64_t t = current_->step;
   StepOutcome out;
   try {

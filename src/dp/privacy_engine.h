@@ -37,7 +37,6 @@
 #include <functional>
 #include <memory>
 #include <optional>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -162,7 +161,7 @@ class PrivacyEngine {
   PrivacyOptions options_;
   int64_t rank_ = 0, world_size_ = 1;
   std::vector<Param> params_;      // trained, in global order
-  std::set<const void*> trained_;  // their TensorImpls, for step()'s trainable-set check
+  std::vector<at::Tensor> trained_;  // the same tensors, for Note [trained set] (run.h)
   std::vector<std::pair<at::Tensor, unsigned>> hooks_;  // each parameter's escape hook
   std::unique_ptr<zero::ZeroState> zero_;
   std::shared_ptr<EngineSession> session_;

@@ -7,6 +7,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <set>
 #include <stdexcept>
 
 #include "accounting/banded.h"
@@ -350,6 +351,37 @@ std::vector<int64_t> layer_components(const std::vector<std::vector<int64_t>>& p
   for (size_t l = 0; l < params.size(); ++l)
     out.push_back(number.emplace(find(l), static_cast<int64_t>(number.size())).first->second);
   return out;
+}
+
+std::optional<std::string> trained_set_refusal(
+    const std::vector<at::Tensor>& trained,
+    const std::vector<std::pair<std::string, at::Tensor>>& now) {
+  std::set<const void*> fixed, trainable, present;
+  for (const at::Tensor& p : trained) fixed.insert(p.unsafeGetTensorImpl());
+  std::vector<std::string> moved;  // trainable now and not then, or the other way
+  for (const auto& [name, p] : now) {
+    if (!p.defined()) continue;
+    const void* impl = p.unsafeGetTensorImpl();
+    if (!present.insert(impl).second) continue;  // a tied parameter listed twice
+    if (p.requires_grad()) trainable.insert(impl);
+    if (p.requires_grad() != (fixed.count(impl) > 0)) moved.push_back(name);
+  }
+  if (trainable == fixed) return std::nullopt;
+  int64_t gone = 0;
+  for (const void* impl : fixed) gone += present.count(impl) == 0 ? 1 : 0;
+  std::string what;
+  if (!moved.empty()) {
+    what = "trainable or frozen since: [";
+    for (size_t i = 0; i < moved.size() && i < 5; ++i) what += (i ? ", '" : "'") + moved[i] + "'";
+    what += moved.size() > 5 ? "]..." : "]";
+  }
+  if (gone > 0) {
+    what += std::string(what.empty() ? "" : "; ") + std::to_string(gone) +
+            " trained parameter(s) no longer in the model";
+  }
+  return "the trainable parameters changed since the model was made private (" + what +
+         "); freeze, unfreeze, add or remove parameters before make_private or before the "
+         "PrivacyEngine takes the model";
 }
 
 }  // namespace dpzero::dp

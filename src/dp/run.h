@@ -38,6 +38,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "accounting/accountant.h"
@@ -128,6 +129,22 @@ RunStart start_run(const RunSettings& settings, const std::vector<AgreedSetting>
 // write equal ledgers).
 nlohmann::ordered_json ledger_settings(const RunSettings& settings, bool secure,
                                        int64_t world_size);
+
+// Note [trained set]
+// ~~~~~~~~~~~~~~~~~~
+// A front door clips the parameters that were trainable when it took the model, and no others: a
+// parameter unfrozen since would be updated by a gradient nothing clipped, one frozen since would
+// still get noise and updates. So every step compares the model's trainable parameters with that
+// set and refuses any difference. Each door lists its own model (torch.nn or torch::nn) and may
+// detect a difference its own cheap way; the rule, which tensors count and what the refusal
+// says, is this function.
+//
+// The refusal for `now` (the model's parameters, name and tensor, as the front door lists them)
+// against `trained` (the tensors trainable when the door took the model), by tensor identity;
+// nullopt when the trainable tensors of `now` are exactly `trained`.
+std::optional<std::string> trained_set_refusal(
+    const std::vector<at::Tensor>& trained,
+    const std::vector<std::pair<std::string, at::Tensor>>& now);
 
 // Clipping components: DP layers that share a trained parameter are clipped together. `params`:
 // for each layer (in the front door's order), its trained parameters' identities (any value

@@ -258,7 +258,7 @@ FLAGS = {"noise_multiplier": "--sigma", "max_grad_norm": "--clip", "sample_rate"
          "max_physical_batch_size": "--max-physical-batch-size",
          "loss_reduction": "--loss-reduction", "epsilon_budget": "--epsilon-budget",
          "budget_delta": "--budget-delta", "ledger_path": "--ledger", "run_id": "--run-id",
-         "bands": "--bands"}
+         "bands": "--bands", "freeze": "--freeze"}
 
 
 def ledger_of(path, *, run_id="other", dataset_size=1797, sigma=0.8, q=0.02, noise=True):
@@ -307,6 +307,10 @@ ROWS = [
     ("bands without noise", {"bands": 2, "noise_multiplier": 0.0, "allow_no_noise": True}, None,
      "use bands=1"),
     ("ledger of other bands", {"bands": 4}, {"run_id": "x"}, "bands=1, this run has bands=4"),
+    # A parameter frozen after the backward: the step refuses (Note [trained set]).
+    ("trained set changed", {"freeze": "fc1.bias"}, None,
+     "trainable parameters changed since the model was made private (trainable or frozen "
+     "since: ['fc1.bias'])"),
     # Rows that train one step: the same ledger from either door (and, seeded, the same model).
     ("new ledger", {}, None, None),
     ("new ledger with a run id", {"run_id": "r7"}, None, None),
@@ -321,11 +325,16 @@ ROWS = [
 def python_door(settings, x, y):
     """make_private and one step: (the refusal's text or None, the parameters after it)."""
     torch.manual_seed(0)
+    settings = dict(settings)
+    freeze = settings.pop("freeze", None)  # after the backward, before the step
     try:
-        p = dpzero.make_private(Mlp(), dataset=torch.utils.data.TensorDataset(x, y),
+        model = Mlp()
+        p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(x, y),
                                 optimizer="sgd", **settings)
         for xb, yb in p.data_loader:
             F.cross_entropy(p.model(xb), yb).backward()
+            if freeze is not None:
+                dict(model.named_parameters())[freeze].requires_grad_(False)
             if p.optimizer.step():
                 break
         params = p.privacy_engine.parameters()

@@ -20,6 +20,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from .. import _C
+
 
 def _same_children(module: nn.Module, children: tuple) -> bool:
     """Whether ``module`` still has exactly these children, by identity (a module's own __eq__
@@ -65,21 +67,12 @@ class TrainableSet:
         return self._modules
 
     def changed(self) -> Optional[str]:
-        """Why the model's trainable parameters are no longer the set fixed at construction (an
-        error text naming them), or None."""
+        """Why the model's trainable parameters are no longer the set fixed at construction (the
+        refusal of Note [trained set] in src/dp/run.h, naming them), or None. A tensor's Python
+        object is its TensorImpl's for as long as either lives, so the set of ids compared here
+        differs exactly when the rule's set of tensors does."""
         now = {id(p) for m in self.modules() for p in m._parameters.values()
                if p is not None and p.requires_grad}
         if now == self.ids:
             return None
-        named = list(self.model.named_parameters())
-        present = {id(p) for _, p in named}
-        names = [n for n, p in named if p.requires_grad != (id(p) in self.ids)]
-        gone = sum(1 for p in self.params if id(p) not in present)
-        what = []
-        if names:
-            what.append(f"trainable or frozen since: {names[:5]}" + ("..." if len(names) > 5
-                                                                     else ""))
-        if gone:
-            what.append(f"{gone} trained parameter(s) no longer in the model")
-        return (f"the trainable parameters changed since make_private ({'; '.join(what)}); "
-                "freeze, unfreeze, add or remove parameters before make_private")
+        return _C.dp.trained_set_refusal(self.params, list(self.model.named_parameters()))
