@@ -45,6 +45,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels/cpu/cpu_lanes.h"
 #include "kernels/cpu/gram_simd.h"
 #include "kernels/cpu/rank_one.h"
 #include "kernels/per_sample_checks.h"
@@ -52,14 +53,8 @@
 namespace dpzero::kernels {
 
 namespace gram_simd {
-bool available() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
-bool wide_available() {
-  static const bool has = available() && __builtin_cpu_supports("avx512f");
-  return has;
-}
+bool available() { return cpu_lanes::avx2_fma(); }
+bool wide_available() { return cpu_lanes::avx512f(); }
 }  // namespace gram_simd
 
 namespace {

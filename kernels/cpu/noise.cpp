@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels/cpu/cpu_lanes.h"
 #include "kernels/cpu/noise_simd.h"
 #include "kernels/noise_checks.h"
 #include "privacy/noise.h"
@@ -21,27 +22,19 @@ std::atomic<bool>& enabled_flag() {
   static std::atomic<bool> enabled{true};
   return enabled;
 }
-
-// AVX-512F and DQ (libgcc's check includes the OS's XSAVE support for their registers).
-bool cpu_has_wide_lanes() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-  return has;
-}
 }  // namespace
 
-bool wide_available() { return cpu_has_wide_lanes() && available(); }
+bool wide_available() { return cpu_lanes::avx512f_dq() && available(); }
 
 bool available() {
-  static const bool cpu_has_lanes =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return cpu_has_lanes && enabled_flag().load();
+  return cpu_lanes::avx2_fma() && enabled_flag().load();
 }
 
 bool set_enabled(bool enabled) { return enabled_flag().exchange(enabled); }
 
 void philox_normal_blocks(uint64_t seed, uint32_t step, uint32_t stream, uint64_t first_block,
                           float* z) {
-  if (cpu_has_wide_lanes()) {
+  if (cpu_lanes::avx512f_dq()) {
     philox_normal_blocks_avx512(seed, step, stream, first_block, z);
   } else {
     philox_normal_blocks_avx2(seed, step, stream, first_block, z);
@@ -50,7 +43,7 @@ void philox_normal_blocks(uint64_t seed, uint32_t step, uint32_t stream, uint64_
 
 void secure_normal_pairs(const uint32_t* key, uint32_t step, uint32_t stream, uint64_t first_pair,
                          double* z) {
-  if (cpu_has_wide_lanes()) {
+  if (cpu_lanes::avx512f_dq()) {
     secure_normal_pairs_avx512(key, step, stream, first_pair, z);
   } else {
     secure_normal_pairs_avx2(key, step, stream, first_pair, z);

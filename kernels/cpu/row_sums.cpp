@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels/cpu/cpu_lanes.h"
 #include "kernels/cpu/row_sums_simd.h"
 #include "kernels/per_sample_checks.h"
 
@@ -185,10 +186,7 @@ std::tuple<at::Tensor, at::Tensor> embedding_rows_cpu(const at::Tensor& ids_in,
 }  // namespace
 
 namespace row_sums_simd {
-bool available() {
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
-}
+bool available() { return cpu_lanes::avx2(); }
 }  // namespace row_sums_simd
 
 namespace row_sums_scalar {

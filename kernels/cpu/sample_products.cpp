@@ -9,19 +9,14 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
+#include "kernels/cpu/cpu_lanes.h"
 #include "kernels/cpu/sample_products_simd.h"
 
 namespace dpzero::kernels {
 
 namespace sample_products_simd {
-bool available() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
-bool wide_available() {
-  static const bool has = available() && __builtin_cpu_supports("avx512f");
-  return has;
-}
+bool available() { return cpu_lanes::avx2_fma(); }
+bool wide_available() { return cpu_lanes::avx512f(); }
 }  // namespace sample_products_simd
 
 // The longest sequence this kernel takes. Each tile reads its sample's T rows of a 12 or 6 row
@@ -30,6 +25,28 @@ bool wide_available() {
 // (at T = 128 and 512 on d = 768..3072; at T <= 64 this kernel ran 1.0-2x faster:
 // experiments/results/host.md).
 constexpr int64_t kMaxRowsPerSample = 64;
+
+void add_sample_rows(float* out, int64_t ld, const float* left, const float* right, int64_t c,
+                     int64_t t, int64_t rows, int64_t cols, int64_t r0, int64_t r1, bool wide) {
+  namespace simd = sample_products_simd;
+  const int64_t height = wide ? simd::kWideTileRows : simd::kTileRows;
+  std::vector<float> panel(static_cast<size_t>(t * height));
+  for (int64_t i = 0; i < c; ++i) {  // samples in turn: each entry adds them in order
+    const float* sample_left = left + i * t * rows;
+    const float* sample_right = right + i * t * cols;
+    for (int64_t r = r0; r < r1; r += height) {
+      // The block's rows of this sample's left operand, [t, n], read in order by every tile.
+      const int64_t n = std::min(height, r1 - r);
+      for (int64_t s = 0; s < t; ++s)
+        for (int64_t m = 0; m < n; ++m) panel[s * n + m] = sample_left[s * rows + r + m];
+      if (wide) {
+        simd::add_block_avx512(out + r * ld, ld, panel.data(), sample_right, t, cols, n);
+      } else {
+        simd::add_block(out + r * ld, ld, panel.data(), sample_right, t, cols, n);
+      }
+    }
+  }
+}
 
 bool add_sample_products(at::Tensor& out, const at::Tensor& left, const at::Tensor& right) {
   if (!sample_products_simd::available()) return false;
@@ -56,20 +73,16 @@ bool add_sample_products(at::Tensor& out, const at::Tensor& left, const at::Tens
   const int64_t ld = out.stride(0);
   const float* lp = l.data_ptr<float>();
   const float* rp = r.data_ptr<float>();
-  // Blocks of 24 rows (a multiple of both kernels' tile heights); no entry's bits depend on the
-  // split.
+  // Threads take blocks of 24 rows (a multiple of both tile heights); no entry's bits depend on
+  // the split.
   constexpr int64_t kBlock = 24;
   const int64_t blocks = (rows + kBlock - 1) / kBlock;
   const int64_t per_block = 2 * c * t * kBlock * cols;  // flops
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, per_block));
+  const bool wide = sample_products_simd::wide_available();
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    const int64_t r0 = b0 * kBlock, r1 = std::min(rows, b1 * kBlock);
-    std::vector<float> panel(static_cast<size_t>(t * sample_products_simd::kMaxTileRows));
-    if (sample_products_simd::wide_available()) {
-      sample_products_simd::add_rows_avx512(o, ld, lp, rp, c, t, rows, cols, r0, r1, panel.data());
-    } else {
-      sample_products_simd::add_rows(o, ld, lp, rp, c, t, rows, cols, r0, r1, panel.data());
-    }
+    add_sample_rows(o, ld, lp, rp, c, t, rows, cols, b0 * kBlock, std::min(rows, b1 * kBlock),
+                    wide);
   });
   out.unsafeGetTensorImpl()->bump_version();  // an in-place write, as autograd must see it
   return true;

@@ -1,4 +1,4 @@
-// kernels/cpu/sample_products_simd.cpp — sample_products_simd::add_rows in AVX2 lanes
+// kernels/cpu/sample_products_simd.cpp — sample_products_simd::add_block in AVX2 lanes
 // (kernels/cpu/sample_products_simd.h). Built with -mavx2 -mfma -ffp-contract=off
 // (kernels/CMakeLists.txt); it runs only after sample_products_simd::available()'s CPUID check.
 #include "kernels/cpu/sample_products_simd.h"
@@ -31,19 +31,19 @@ inline void store(float* p, __m256i mask, __m256 v) {
   }
 }
 
-// One tile: MR rows from r0, 16 columns from k0 (kFull: all sixteen exist; otherwise the lanes
-// past `cols` are masked off) of sample i: its MR x 16 products live in twelve or fewer registers,
+// One tile: the block's MR rows, 16 columns from k0 (kFull: all sixteen exist; otherwise the
+// lanes past `cols` are masked off): its MR x 16 products live in twelve or fewer registers,
 // start from zero and take one fused multiply-add per row t; the finished P_i tile is then added
 // to out's.
 template <int MR, bool kFull>
-void tile(float* out, int64_t ld, const float* panel, const float* right, int64_t i, int64_t t,
-          int64_t cols, int64_t r0, int64_t k0) {
+void tile(float* out, int64_t ld, const float* panel, const float* right, int64_t t, int64_t cols,
+          int64_t k0) {
   const __m256i m0 = lane_mask(k0, cols), m1 = lane_mask(k0 + 8, cols);
   __m256 p[MR][2];
   #pragma GCC unroll 12
   for (int m = 0; m < MR; ++m) p[m][0] = p[m][1] = _mm256_setzero_ps();
   const float* l = panel;
-  const float* r = right + i * t * cols + k0;
+  const float* r = right + k0;
   for (int64_t s = 0; s < t; ++s, l += MR, r += cols) {
     const __m256 b0 = load<kFull>(r, m0), b1 = load<kFull>(r + 8, m1);
     #pragma GCC unroll 12
@@ -55,46 +55,34 @@ void tile(float* out, int64_t ld, const float* panel, const float* right, int64_
   }
   #pragma GCC unroll 12
   for (int m = 0; m < MR; ++m) {
-    float* o = out + (r0 + m) * ld + k0;
+    float* o = out + m * ld + k0;
     store<kFull>(o, m0, _mm256_add_ps(load<kFull>(o, m0), p[m][0]));
     store<kFull>(o + 8, m1, _mm256_add_ps(load<kFull>(o + 8, m1), p[m][1]));
   }
 }
 
 template <int MR>
-void tile(float* out, int64_t ld, const float* panel, const float* right, int64_t i, int64_t t,
-          int64_t cols, int64_t r0, int64_t k0) {
+void tile(float* out, int64_t ld, const float* panel, const float* right, int64_t t, int64_t cols,
+          int64_t k0) {
   if (k0 + 16 <= cols) {
-    tile<MR, true>(out, ld, panel, right, i, t, cols, r0, k0);
+    tile<MR, true>(out, ld, panel, right, t, cols, k0);
   } else {
-    tile<MR, false>(out, ld, panel, right, i, t, cols, r0, k0);
+    tile<MR, false>(out, ld, panel, right, t, cols, k0);
   }
 }
 
 }  // namespace
 
-void add_rows(float* out, int64_t ld, const float* left, const float* right, int64_t c, int64_t t,
-              int64_t rows, int64_t cols, int64_t r0, int64_t r1, float* panel) {
-  constexpr int kRows = 6;  // 6 x 16 products: twelve registers, two loads and a broadcast
-  // Sample by sample; per block of rows, the sample's left entries of those rows are copied
-  // into `panel` ([t, n], read in order by every tile of the block), then each tile's entries
-  // are computed as in any other split.
-  for (int64_t i = 0; i < c; ++i) {
-    for (int64_t r = r0; r < r1; r += kRows) {
-      const int64_t n = r1 - r < kRows ? r1 - r : kRows;
-      const float* from = left + i * t * rows + r;
-      for (int64_t s = 0; s < t; ++s)
-        for (int64_t m = 0; m < n; ++m) panel[s * n + m] = from[s * rows + m];
-      for (int64_t k = 0; k < cols; k += 16) {
-        switch (n) {
-          case 6: tile<6>(out, ld, panel, right, i, t, cols, r, k); break;
-          case 5: tile<5>(out, ld, panel, right, i, t, cols, r, k); break;
-          case 4: tile<4>(out, ld, panel, right, i, t, cols, r, k); break;
-          case 3: tile<3>(out, ld, panel, right, i, t, cols, r, k); break;
-          case 2: tile<2>(out, ld, panel, right, i, t, cols, r, k); break;
-          default: tile<1>(out, ld, panel, right, i, t, cols, r, k); break;
-        }
-      }
+void add_block(float* out, int64_t ld, const float* panel, const float* right, int64_t t,
+               int64_t cols, int64_t n) {
+  for (int64_t k = 0; k < cols; k += 16) {
+    switch (n) {
+      case 6: tile<6>(out, ld, panel, right, t, cols, k); break;
+      case 5: tile<5>(out, ld, panel, right, t, cols, k); break;
+      case 4: tile<4>(out, ld, panel, right, t, cols, k); break;
+      case 3: tile<3>(out, ld, panel, right, t, cols, k); break;
+      case 2: tile<2>(out, ld, panel, right, t, cols, k); break;
+      default: tile<1>(out, ld, panel, right, t, cols, k); break;
     }
   }
 }

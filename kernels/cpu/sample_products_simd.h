@@ -12,25 +12,26 @@
 
 namespace dpzero::kernels::sample_products_simd {
 
-// True iff this CPU runs AVX2 and FMA, so add_rows may be called; wide_available(): AVX-512F
-// too, so add_rows_avx512 may be. Defined in kernels/cpu/sample_products.cpp, built for the
+// True iff this CPU runs AVX2 and FMA, so add_block may be called; wide_available(): AVX-512F
+// too, so add_block_avx512 may be. Defined in kernels/cpu/sample_products.cpp, built for the
 // baseline ISA.
 bool available();
 bool wide_available();
 
-// Rows [r0, r1) of out [rows, cols] float32 (row stride ld, unit column stride):
-//   out[r, k] += sum_i P_i[r, k],   P_i[r, k] = sum_t left[i, t, r] * right[i, t, k],
-// left [c, t, rows] and right [c, t, cols] float32, contiguous. Each P_i is formed alone, in
-// registers from zero, by t fused multiply-adds (within gamma_t sum_t |left right| of the exact
-// value), and only then added to out, one rounding per sample: one sample's rows never meet
-// another's partial sums. Every entry is computed by the same operations in the same order as
-// std::fma(left, right, p) from p = 0 over t, then out + p: its bits depend on neither the lane
-// width, r0, r1 nor the other entries (tests/cpp/torch/sample_products_test.cpp).
-// `panel` is scratch for t * kMaxTileRows floats.
-constexpr int64_t kMaxTileRows = 12;
-void add_rows(float* out, int64_t ld, const float* left, const float* right, int64_t c, int64_t t,
-              int64_t rows, int64_t cols, int64_t r0, int64_t r1, float* panel);
-void add_rows_avx512(float* out, int64_t ld, const float* left, const float* right, int64_t c,
-                     int64_t t, int64_t rows, int64_t cols, int64_t r0, int64_t r1, float* panel);
+// One block of n rows of a sample's product added to out (n <= kTileRows for add_block,
+// <= kWideTileRows for add_block_avx512): out [n, cols] float32 (row stride ld, unit column
+// stride) gets out[m, k] += P[m, k], P[m, k] = sum_s panel[s, m] * right[s, k], with panel
+// [t, n] and right [t, cols] float32, contiguous (the sample's rows of the block and its other
+// operand). Each tile of P is formed in registers from zero by t fused multiply-adds (within
+// gamma_t sum_s |panel right| of the exact value) and only then added to out, one rounding:
+// every entry is computed by the same operations in the same order as std::fma(panel, right, p)
+// from p = 0 over s, then out + p, whatever the lane width (sample_products.cpp adds the
+// samples in turn; tests/cpp/torch/sample_products_test.cpp).
+constexpr int64_t kTileRows = 6;       // 6 x 16 products: twelve registers, two loads, a broadcast
+constexpr int64_t kWideTileRows = 12;  // 12 x 32: 24 registers
+void add_block(float* out, int64_t ld, const float* panel, const float* right, int64_t t,
+               int64_t cols, int64_t n);
+void add_block_avx512(float* out, int64_t ld, const float* panel, const float* right, int64_t t,
+                      int64_t cols, int64_t n);
 
 }  // namespace dpzero::kernels::sample_products_simd

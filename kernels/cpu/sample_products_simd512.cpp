@@ -1,4 +1,4 @@
-// kernels/cpu/sample_products_simd512.cpp — sample_products_simd::add_rows_avx512, the sixteen-lane
+// kernels/cpu/sample_products_simd512.cpp — sample_products_simd::add_block_avx512, the sixteen-lane
 // twin of kernels/cpu/sample_products_simd.cpp (kernels/cpu/sample_products_simd.h). Built with
 // -mavx512f -mfma -ffp-contract=off (kernels/CMakeLists.txt); it runs only after
 // sample_products_simd::wide_available()'s CPUID check.
@@ -19,17 +19,17 @@ inline __mmask16 lane_mask(int64_t k0, int64_t cols) {
                           : static_cast<__mmask16>((1u << n) - 1u);
 }
 
-// One tile: MR rows from r0, 32 columns from k0; otherwise as the eight-lane tile, so every
+// One tile: the block's MR rows, 32 columns from k0; otherwise as the eight-lane tile, so every
 // entry sees the same operations in the same order (and gets the same bits).
 template <int MR>
-void tile(float* out, int64_t ld, const float* panel, const float* right, int64_t i, int64_t t,
-          int64_t cols, int64_t r0, int64_t k0) {
+void tile(float* out, int64_t ld, const float* panel, const float* right, int64_t t, int64_t cols,
+          int64_t k0) {
   const __mmask16 m0 = lane_mask(k0, cols), m1 = lane_mask(k0 + 16, cols);
   __m512 p[MR][2];
   #pragma GCC unroll 12
   for (int m = 0; m < MR; ++m) p[m][0] = p[m][1] = _mm512_setzero_ps();
   const float* l = panel;
-  const float* r = right + i * t * cols + k0;
+  const float* r = right + k0;
   for (int64_t s = 0; s < t; ++s, l += MR, r += cols) {
     const __m512 b0 = _mm512_maskz_loadu_ps(m0, r), b1 = _mm512_maskz_loadu_ps(m1, r + 16);
     #pragma GCC unroll 12
@@ -41,7 +41,7 @@ void tile(float* out, int64_t ld, const float* panel, const float* right, int64_
   }
   #pragma GCC unroll 12
   for (int m = 0; m < MR; ++m) {
-    float* o = out + (r0 + m) * ld + k0;
+    float* o = out + m * ld + k0;
     _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, o), p[m][0]));
     _mm512_mask_storeu_ps(o + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), p[m][1]));
   }
@@ -49,34 +49,22 @@ void tile(float* out, int64_t ld, const float* panel, const float* right, int64_
 
 }  // namespace
 
-void add_rows_avx512(float* out, int64_t ld, const float* left, const float* right, int64_t c,
-                     int64_t t, int64_t rows, int64_t cols, int64_t r0, int64_t r1, float* panel) {
-  constexpr int kRows = 12;  // 12 x 32 products: 24 registers, two loads and a broadcast
-  // Sample by sample; per block of rows, the sample's left entries of those rows are copied
-  // into `panel` ([t, n], read in order by every tile of the block), then each tile's entries
-  // are computed as in any other split.
-  for (int64_t i = 0; i < c; ++i) {
-    for (int64_t r = r0; r < r1; r += kRows) {
-      const int64_t n = r1 - r < kRows ? r1 - r : kRows;
-      const float* from = left + i * t * rows + r;
-      for (int64_t s = 0; s < t; ++s)
-        for (int64_t m = 0; m < n; ++m) panel[s * n + m] = from[s * rows + m];
-      for (int64_t k = 0; k < cols; k += 32) {
-        switch (n) {
-          case 12: tile<12>(out, ld, panel, right, i, t, cols, r, k); break;
-          case 11: tile<11>(out, ld, panel, right, i, t, cols, r, k); break;
-          case 10: tile<10>(out, ld, panel, right, i, t, cols, r, k); break;
-          case 9: tile<9>(out, ld, panel, right, i, t, cols, r, k); break;
-          case 8: tile<8>(out, ld, panel, right, i, t, cols, r, k); break;
-          case 7: tile<7>(out, ld, panel, right, i, t, cols, r, k); break;
-          case 6: tile<6>(out, ld, panel, right, i, t, cols, r, k); break;
-          case 5: tile<5>(out, ld, panel, right, i, t, cols, r, k); break;
-          case 4: tile<4>(out, ld, panel, right, i, t, cols, r, k); break;
-          case 3: tile<3>(out, ld, panel, right, i, t, cols, r, k); break;
-          case 2: tile<2>(out, ld, panel, right, i, t, cols, r, k); break;
-          default: tile<1>(out, ld, panel, right, i, t, cols, r, k); break;
-        }
-      }
+void add_block_avx512(float* out, int64_t ld, const float* panel, const float* right, int64_t t,
+                      int64_t cols, int64_t n) {
+  for (int64_t k = 0; k < cols; k += 32) {
+    switch (n) {
+      case 12: tile<12>(out, ld, panel, right, t, cols, k); break;
+      case 11: tile<11>(out, ld, panel, right, t, cols, k); break;
+      case 10: tile<10>(out, ld, panel, right, t, cols, k); break;
+      case 9: tile<9>(out, ld, panel, right, t, cols, k); break;
+      case 8: tile<8>(out, ld, panel, right, t, cols, k); break;
+      case 7: tile<7>(out, ld, panel, right, t, cols, k); break;
+      case 6: tile<6>(out, ld, panel, right, t, cols, k); break;
+      case 5: tile<5>(out, ld, panel, right, t, cols, k); break;
+      case 4: tile<4>(out, ld, panel, right, t, cols, k); break;
+      case 3: tile<3>(out, ld, panel, right, t, cols, k); break;
+      case 2: tile<2>(out, ld, panel, right, t, cols, k); break;
+      default: tile<1>(out, ld, panel, right, t, cols, k); break;
     }
   }
 }

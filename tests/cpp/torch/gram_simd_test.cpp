@@ -10,26 +10,19 @@
 #include <vector>
 
 #include "kernels/cpu/gram_simd.h"
+#include "tests/cpp/torch/spread_values.h"
 
 namespace dpzero {
 namespace {
 
 namespace gram = kernels::gram_simd;
 
-std::vector<float> rows(std::mt19937& rng, int64_t n) {
-  std::normal_distribution<float> normal;
-  std::uniform_int_distribution<int> exponent(-20, 20);
-  std::vector<float> x(static_cast<size_t>(n));
-  for (float& v : x) v = std::ldexp(normal(rng), exponent(rng));
-  return x;
-}
-
 TEST(GramInLanes, Avx512GivesTheAvx2BitsAndBothTheInnerProducts) {
   if (!gram::available()) GTEST_SKIP() << "this CPU has no AVX2 and FMA";
   std::mt19937 rng(11);
   for (int64_t t : {1, 2, 3, 4, 7, 16, 17}) {
     for (int64_t d : {1, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 64, 67, 256}) {
-      const std::vector<float> x = rows(rng, t * d);
+      const std::vector<float> x = testing::spread_values(rng, t * d, 20);
       std::vector<double> scratch(static_cast<size_t>(t * d));
       std::vector<double> narrow(static_cast<size_t>(t * t), -1.0), wide = narrow;
       gram::gram_f32(x.data(), t, d, scratch.data(), narrow.data());

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/cpu/row_sums_simd.h"
+#include "tests/cpp/torch/spread_values.h"
 
 namespace dpzero {
 namespace {
@@ -20,13 +21,7 @@ namespace scalar = kernels::row_sums_scalar;
 
 // d floats spread over a wide range of magnitudes (and signs), so that rounding differences in
 // the order of additions would show.
-std::vector<float> row(std::mt19937& rng, int64_t d) {
-  std::normal_distribution<float> normal;
-  std::uniform_int_distribution<int> exponent(-20, 20);
-  std::vector<float> x(static_cast<size_t>(d));
-  for (float& v : x) v = std::ldexp(normal(rng), exponent(rng));
-  return x;
-}
+std::vector<float> row(std::mt19937& rng, int64_t d) { return testing::spread_values(rng, d, 20); }
 
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 

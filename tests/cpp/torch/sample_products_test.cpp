@@ -15,19 +15,12 @@
 
 #include "kernels/cpu/sample_products.h"
 #include "kernels/cpu/sample_products_simd.h"
+#include "tests/cpp/torch/spread_values.h"
 
 namespace dpzero {
 namespace {
 
 namespace simd = kernels::sample_products_simd;
-
-std::vector<float> values(std::mt19937& rng, size_t n) {
-  std::normal_distribution<float> normal;
-  std::uniform_int_distribution<int> exponent(-12, 12);
-  std::vector<float> x(n);
-  for (float& v : x) v = std::ldexp(normal(rng), exponent(rng));
-  return x;
-}
 
 // The reference: each sample's product entry by std::fma from zero in row order, then out + it.
 void reference(float* out, int64_t ld, const float* left, const float* right, int64_t c, int64_t t,
@@ -44,24 +37,21 @@ void reference(float* out, int64_t ld, const float* left, const float* right, in
   }
 }
 
-using Kernel = void (*)(float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t,
-                        int64_t, int64_t, int64_t, float*);
-
-void expect_reference_bits(Kernel kernel, const std::string& name) {
+void expect_reference_bits(bool wide, const std::string& name) {
   std::mt19937 rng(7);
   for (int64_t c : {1, 3}) {
     for (int64_t t : {1, 2, 5, 16}) {
       for (int64_t rows : {1, 5, 6, 7, 12, 13, 25}) {
         for (int64_t cols : {1, 7, 8, 15, 16, 17, 31, 32, 33, 47, 64}) {
           const int64_t ld = cols + 3;  // a row stride past the row, left untouched
-          const std::vector<float> left = values(rng, static_cast<size_t>(c * t * rows));
-          const std::vector<float> right = values(rng, static_cast<size_t>(c * t * cols));
-          const std::vector<float> start = values(rng, static_cast<size_t>(rows * ld));
+          const std::vector<float> left = testing::spread_values(rng, c * t * rows, 12);
+          const std::vector<float> right = testing::spread_values(rng, c * t * cols, 12);
+          const std::vector<float> start = testing::spread_values(rng, rows * ld, 12);
           const int64_t r0 = rows > 5 ? 2 : 0, r1 = rows > 7 ? rows - 1 : rows;
           std::vector<float> want = start, got = start;
           reference(want.data(), ld, left.data(), right.data(), c, t, rows, cols, r0, r1);
-          std::vector<float> panel(static_cast<size_t>(t * simd::kMaxTileRows));
-          kernel(got.data(), ld, left.data(), right.data(), c, t, rows, cols, r0, r1, panel.data());
+          kernels::add_sample_rows(got.data(), ld, left.data(), right.data(), c, t, rows, cols,
+                                   r0, r1, wide);
           ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
               << name << ": c " << c << ", t " << t << ", rows " << rows << ", cols " << cols;
         }
@@ -72,12 +62,12 @@ void expect_reference_bits(Kernel kernel, const std::string& name) {
 
 TEST(SampleProducts, AvxLanesGiveTheFmaReferenceBits) {
   if (!simd::available()) GTEST_SKIP() << "this CPU has no AVX2 and FMA";
-  expect_reference_bits(simd::add_rows, "avx2");
+  expect_reference_bits(/*wide=*/false, "avx2");
 }
 
 TEST(SampleProducts, Avx512LanesGiveTheFmaReferenceBits) {
   if (!simd::wide_available()) GTEST_SKIP() << "this CPU has no AVX-512F";
-  expect_reference_bits(simd::add_rows_avx512, "avx512");
+  expect_reference_bits(/*wide=*/true, "avx512");
 }
 
 // One sample's rows that are huge and cancel (its product is exactly 0) leave the other samples'
