@@ -1,6 +1,6 @@
-// kernels/cpu/sample_products_simd512.cpp — sample_products_simd::add_block_avx512, the sixteen-lane
-// twin of kernels/cpu/sample_products_simd.cpp (kernels/cpu/sample_products_simd.h). Built with
-// -mavx512f -mfma -ffp-contract=off (kernels/CMakeLists.txt); it runs only after
+// kernels/cpu/sample_products_simd512.cpp — sample_products_simd::add_block_avx512, the
+// sixteen-lane twin of kernels/cpu/sample_products_simd.cpp (kernels/cpu/sample_products_simd.h).
+// Built with -mavx512f -mfma -ffp-contract=off (kernels/CMakeLists.txt); it runs only after
 // sample_products_simd::wide_available()'s CPUID check.
 #include <immintrin.h>
 

@@ -96,8 +96,8 @@ TEST(SampleProducts, TheAtenEntryMatchesTheFloat64SumAndRefusesWhatItCannotDo) {
   at::manual_seed(3);
   const at::Tensor left = at::randn({4, 9, 70}), right = at::randn({4, 9, 45});
   at::Tensor out = at::randn({70, 45});
-  const at::Tensor want =
-      out.to(at::kDouble) + at::einsum("itr,itk->rk", {left.to(at::kDouble), right.to(at::kDouble)});
+  const at::Tensor want = out.to(at::kDouble) +
+                         at::einsum("itr,itk->rk", {left.to(at::kDouble), right.to(at::kDouble)});
   ASSERT_TRUE(kernels::add_sample_products(out, left, right));
   EXPECT_TRUE(at::allclose(out.to(at::kDouble), want, 1e-5, 1e-5));
   // A transposed view of the destination (column stride > 1): refused, untouched.
