@@ -1,4 +1,4 @@
-// kernels/cpu/sample_products.cpp — see sample_products.h; the rows run in AVX2 lanes
+// kernels/cpu/sample_products.cpp — see sample_products.h; the rows run in AVX2 or AVX-512 lanes
 // (kernels/cpu/sample_products_simd.h), split across threads by blocks of rows.
 #include "kernels/cpu/sample_products.h"
 

@@ -115,7 +115,6 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
     total += p.numel();
   }
   if (params_.empty()) throw std::invalid_argument(bad("the model has no trainable parameters"));
-  for (const Param& p : params_) trained_.push_back(p.tensor);
 
   // The DP modules, and every trainable parameter inside one of them.
   struct Found {
@@ -536,7 +535,9 @@ StepOutcome PrivacyEngine::step() {
   if (!request.refusal) {  // Note [trained set] (run.h)
     std::vector<std::pair<std::string, at::Tensor>> now;
     for (const auto& item : model_->named_parameters()) now.emplace_back(item.key(), item.value());
-    request.refusal = trained_set_refusal(trained_, now);
+    std::vector<at::Tensor> trained;  // params_: the tensors trainable when the engine took it
+    for (const Param& p : params_) trained.push_back(p.tensor);
+    request.refusal = trained_set_refusal(trained, now);
   }
   const int64_t t = current_->step;
   StepOutcome out;

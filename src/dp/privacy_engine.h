@@ -161,7 +161,6 @@ class PrivacyEngine {
   PrivacyOptions options_;
   int64_t rank_ = 0, world_size_ = 1;
   std::vector<Param> params_;      // trained, in global order
-  std::vector<at::Tensor> trained_;  // the same tensors, for Note [trained set] (run.h)
   std::vector<std::pair<at::Tensor, unsigned>> hooks_;  // each parameter's escape hook
   std::unique_ptr<zero::ZeroState> zero_;
   std::shared_ptr<EngineSession> session_;
