@@ -21,9 +21,8 @@ bool wide_available() { return cpu_lanes::avx512f(); }
 
 // The longest sequence this kernel takes. Each tile reads its sample's T rows of a 12 or 6 row
 // panel and of 32 or 16 columns; past about 64 rows those stop fitting the core's first-level
-// cache next to each other, and a batched GEMM per sample with a sum after ran as fast or faster
-// (at T = 128 and 512 on d = 768..3072; at T <= 64 this kernel ran 1.0-2x faster:
-// experiments/results/host.md).
+// cache next to each other, and the batched GEMM per sample with a sum after was measured as
+// fast or faster (experiments/results/host.md has the shapes and times).
 constexpr int64_t kMaxRowsPerSample = 64;
 
 void add_sample_rows(float* out, int64_t ld, const float* left, const float* right, int64_t c,
