@@ -105,47 +105,67 @@ MODELS = {"scatternet": ("scatternet-fashion-mnist.toml", "utility", "ScatterNet
                   "padding 2)")}
 
 
+def _sweep(raw: dict, sweep_dir: str, grid: list, seeds: int) -> list:
+    """``dpzero sweep`` of ``raw`` (a config) into ``sweep_dir`` (its finished runs reused): the
+    rows of its sweep.csv."""
+    raw["output"]["dir"] = sweep_dir
+    os.makedirs(os.path.dirname(sweep_dir), exist_ok=True)
+    config = sweep_dir + ".toml"
+    with open(config, "w") as f:
+        f.write(to_toml(raw))
+    subprocess.run([os.path.join(ROOT, ".venv", "bin", "dpzero"), "sweep", config, *grid,
+                    "--seeds", str(seeds), "--output", sweep_dir], check=True)
+    with open(os.path.join(sweep_dir, "sweep.csv")) as f:
+        return list(csv.DictReader(f))
+
+
 def utility(bands: int, out: str, model: str = "scatternet", epsilons=EPSILONS,
-            seeds: int = 3) -> tuple:
-    """(section tag, section text) of DP-SGD against ``bands`` bands on ``model`` at each ε."""
+            seeds: int = 3, optimized: bool = False) -> tuple:
+    """(section tag, section text) of DP-SGD against ``bands`` bands on ``model`` at each ε (the
+    banded square root, and with ``optimized`` the optimized strategy of the run's length)."""
     config_name, tag, what = MODELS[model]
     with open(os.path.join(ROOT, "configs", config_name), "rb") as f:
         raw = tomllib.load(f)
     raw["privacy"].pop("noise_multiplier", None)  # σ is calibrated for each ε and b
-    rows = []
+    raw["training"].update(UTILITY)
+    columns = [(1, "sqrt_prefix_sum"), (bands, "sqrt_prefix_sum")] + \
+        ([(bands, "optimized")] if optimized else [])
+    acc, sig = {}, {}  # (ε, column) -> accuracies, σ
     for eps in epsilons:
         raw["privacy"]["target_epsilon"] = eps
-        raw["training"].update(UTILITY)
         sweep_dir = os.path.join(out, model, f"eps{eps:g}")
-        raw["output"]["dir"] = sweep_dir
-        os.makedirs(os.path.dirname(sweep_dir), exist_ok=True)
-        config = sweep_dir + ".toml"
-        with open(config, "w") as f:
-            f.write(to_toml(raw))
-        subprocess.run([os.path.join(ROOT, ".venv", "bin", "dpzero"), "sweep", config,
-                        "--grid", f"privacy.bands=1,{bands}", "--seeds", str(seeds),
-                        "--output", sweep_dir], check=True)
-        with open(os.path.join(sweep_dir, "sweep.csv")) as f:
-            for r in csv.DictReader(f):
-                rows.append((eps, int(r["privacy.bands"]), float(r["accuracy"]),
-                             float(r["noise_multiplier"])))
+        found = [((1 if int(r["privacy.bands"]) == 1 else bands, "sqrt_prefix_sum"), r)
+                 for r in _sweep(dict(raw, privacy=dict(raw["privacy"])), sweep_dir,
+                                 ["--grid", f"privacy.bands=1,{bands}"], seeds)]
+        if optimized:
+            fitted = dict(raw, privacy=dict(raw["privacy"], bands=bands, strategy="optimized"))
+            found += [((bands, "optimized"), r)
+                      for r in _sweep(fitted, sweep_dir + "-optimized", [], seeds)]
+        for column, r in found:
+            acc.setdefault((eps, column), []).append(float(r["accuracy"]))
+            sig[(eps, column)] = float(r["noise_multiplier"])
+    names = {(1, "sqrt_prefix_sum"): "DP-SGD (b = 1)", (bands, "sqrt_prefix_sum"):
+             f"b = {bands}, square root", (bands, "optimized"): f"b = {bands}, optimized"}
     lines = [f"<!-- {tag}:begin -->",
-             f"Written by `experiments/bandmf.py utility --model {model}` ({dpzero_version()}; "
+             f"Written by `experiments/bandmf.py utility --model {model}"
+             f"{' --strategy optimized' if optimized else ''}` ({dpzero_version()}; "
              f"2-core CPU, one rank). {what}: `configs/{config_name}` with expected batch "
              f"{UTILITY['batch_size']}, {UTILITY['epochs']} epochs, lr {UTILITY['lr']} (SGD, "
              "momentum 0.9, C = 0.1), δ = 1e-5, σ calibrated by PRV for each ε; the same "
-             "hyperparameters for both mechanisms. Test accuracy, mean ± sd over seeds "
-             f"{', '.join(str(k) for k in range(seeds))}.",
-             "", f"| ε | DP-SGD (b = 1) | b = {bands} | gain (points) | σ (b = 1 / b = {bands}) |",
-             "|---|---|---|---|---|"]
+             "hyperparameters for every mechanism. Test accuracy, mean ± sd over seeds "
+             f"{', '.join(str(k) for k in range(seeds))}; the gain is over DP-SGD, in points.",
+             "", "| ε | " + " | ".join(names[c] for c in columns) + " | gain (points) | σ (" +
+             " / ".join(f"b = {b}" for b in sorted({b for b, _ in columns})) + ") |",
+             "|---|" + "---|" * (len(columns) + 2)]
     for eps in epsilons:
-        acc = {b: [a for e, bb, a, _ in rows if e == eps and bb == b] for b in (1, bands)}
-        sig = {b: next(s for e, bb, _, s in rows if e == eps and bb == b) for b in (1, bands)}
-        mean = {b: statistics.mean(v) for b, v in acc.items()}
-        sd = {b: statistics.stdev(v) if len(v) > 1 else 0.0 for b, v in acc.items()}
-        lines.append(f"| {eps:g} | {100 * mean[1]:.2f}% ± {100 * sd[1]:.2f} | "
-                     f"{100 * mean[bands]:.2f}% ± {100 * sd[bands]:.2f} | "
-                     f"{100 * (mean[bands] - mean[1]):+.2f} | {sig[1]:.3g} / {sig[bands]:.3g} |")
+        mean = {c: statistics.mean(acc[(eps, c)]) for c in columns}
+        sd = {c: statistics.stdev(acc[(eps, c)]) if len(acc[(eps, c)]) > 1 else 0.0
+              for c in columns}
+        cells = [f"{100 * mean[c]:.2f}% ± {100 * sd[c]:.2f}" for c in columns]
+        gains = " / ".join(f"{100 * (mean[c] - mean[columns[0]]):+.2f}" for c in columns[1:])
+        sigmas = " / ".join(f"{sig[(eps, (b, 'sqrt_prefix_sum'))]:.3g}"
+                            for b in sorted({b for b, _ in columns}))
+        lines.append(f"| {eps:g} | " + " | ".join(cells) + f" | {gains} | {sigmas} |")
     lines.append(f"<!-- {tag}:end -->")
     return tag, "\n".join(lines)
 
@@ -228,6 +248,9 @@ def main(argv=None) -> int:
     parser.add_argument("--epsilons", default=",".join(f"{e:g}" for e in EPSILONS),
                         help="utility: the target ε values")
     parser.add_argument("--seeds", type=int, default=3, help="utility: seeds per cell")
+    parser.add_argument("--strategy", choices=("sqrt_prefix_sum", "optimized"),
+                        default="sqrt_prefix_sum",
+                        help="utility: optimized adds the optimized strategy's column")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bandmf"))
     args = parser.parse_args(argv)
@@ -237,7 +260,8 @@ def main(argv=None) -> int:
         tag, section = "cost", cost(args.rounds)
     else:
         tag, section = utility(args.bands, args.out, args.model,
-                               tuple(float(e) for e in args.epsilons.split(",")), args.seeds)
+                               tuple(float(e) for e in args.epsilons.split(",")), args.seeds,
+                               args.strategy == "optimized")
     print(section)
     write_marked_section(RESULTS, tag, TITLE, section)
     return 0

@@ -8,8 +8,9 @@
 // Flags: --model mlp|transformer, --steps, --dataset-size (N), --sigma, --allow-no-noise, --clip
 // (C), --q, --lr, --delta (the δ ε is printed at), --seed, --secure-mode true|false, --stage
 // 0|1|2, --max-physical-batch-size, --loss-reduction mean|sum, --epsilon-budget,
-// --budget-delta, --bands (b > 1: banded correlated noise), --world, --rank, --init, --ledger
-// PATH, --run-id, --exchange IN OUT, --zero-loss, --freeze NAME. A refused setting exits 1 with
+// --budget-delta, --bands (b > 1: banded correlated noise), --strategy sqrt_prefix_sum|optimized
+// with --strategy-rows N (the optimized strategy is fitted to N rows), --world, --rank, --init,
+// --ledger PATH, --run-id, --exchange IN OUT, --zero-loss, --freeze NAME. A refused setting exits 1 with
 // the front door's message on stderr, after "private_train: ".
 //
 // Training mode: a synthetic task the model can learn (MLP: the class of a random linear teacher
@@ -56,6 +57,8 @@ struct Args {
   std::string model = "mlp";
   int64_t steps = 50;
   int64_t bands = 1;
+  std::string strategy = "sqrt_prefix_sum";
+  int64_t strategy_rows = 0;
   int64_t dataset_size = 2048;
   double sigma = 1.0, clip = 1.0, q = 0.05, lr = 0.5, delta = 1e-5;
   bool allow_no_noise = false;
@@ -103,6 +106,10 @@ Args parse(int argc, char** argv) {
       a.run_id = need(i);
     else if (arg == "--bands")
       a.bands = std::stoll(need(i));
+    else if (arg == "--strategy")
+      a.strategy = need(i);
+    else if (arg == "--strategy-rows")
+      a.strategy_rows = std::stoll(need(i));
     else if (arg == "--clip")
       a.clip = std::stod(need(i));
     else if (arg == "--q")
@@ -176,6 +183,8 @@ PrivacyOptions options_of(const Args& a, int64_t dataset_size) {
   o.ledger_path = a.ledger;
   o.run_id = a.run_id;
   o.bands = a.bands;
+  o.strategy = a.strategy;
+  o.strategy_rows = a.strategy_rows;
   return o;
 }
 

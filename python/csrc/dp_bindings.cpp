@@ -210,6 +210,8 @@ void bind_dp(py::module_ m) {
       .def_readwrite("accountant", &dp::RunSettings::accountant)
       .def_readwrite("zero_stage", &dp::RunSettings::zero_stage)
       .def_readwrite("bands", &dp::RunSettings::bands)
+      .def_readwrite("strategy", &dp::RunSettings::strategy)
+      .def_readwrite("strategy_rows", &dp::RunSettings::strategy_rows)
       .def_readwrite("epsilon_budget", &dp::RunSettings::epsilon_budget)
       .def_readwrite("budget_delta", &dp::RunSettings::budget_delta)
       .def_readwrite("seed", &dp::RunSettings::seed)
@@ -231,7 +233,8 @@ void bind_dp(py::module_ m) {
       .def_readonly("rows", &dp::RunStart::rows)
       .def_property_readonly("first_step", &dp::RunStart::first_step)
       .def_readonly("max_steps", &dp::RunStart::max_steps)
-      .def_readonly("budget", &dp::RunStart::budget);
+      .def_readonly("budget", &dp::RunStart::budget)
+      .def_readonly("strategy", &dp::RunStart::strategy);
   m.def(
       "start_run",
       [](const dp::RunSettings& settings,

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from .planner.auto import auto_policy
 from .private.config import (DEFAULT_ACCOUNTANT, DEFAULT_AUTOMATIC_GAMMA, DEFAULT_BANDS,
                              DEFAULT_CLIPPING, DEFAULT_ISOLATION, DEFAULT_LOSS_REDUCTION,
-                             DEFAULT_OPTIMIZER, DEFAULT_ZERO_STAGE, resolve)
+                             DEFAULT_OPTIMIZER, DEFAULT_STRATEGY, DEFAULT_ZERO_STAGE, resolve)
 from .private.engine import Private, make_private_from_config
 
 
@@ -29,9 +29,11 @@ def make_private(
     # Privacy.
     noise_multiplier: Optional[float] = None,
     bands: int = DEFAULT_BANDS,
+    strategy: str = DEFAULT_STRATEGY,
     target_epsilon: Optional[float] = None,
     target_delta: Optional[float] = None,
     epochs: Optional[float] = None,
+    steps: Optional[int] = None,
     max_grad_norm: float,
     clipping: str = DEFAULT_CLIPPING,
     clipping_groups: Optional[Sequence[Sequence[str]]] = None,
@@ -67,13 +69,17 @@ def make_private(
 
     dataset / data_loader: the data (a DataLoader gives its dataset, batch size and collate_fn).
     batch_size or sample_rate: the expected logical batch size B (q = B / N) or q itself.
-    noise_multiplier, or target_epsilon + target_delta + epochs (σ calibrated by ``accountant``).
+    noise_multiplier, or target_epsilon + target_delta + epochs or steps (σ calibrated by
+        ``accountant``). epochs / steps: the run's length, in the private loader's epochs or in
+        optimizer steps.
     bands: b >= 1. 1 is DP-SGD; b > 1 correlates the noise across steps (banded matrix
-        factorization with the banded square root of the prefix sums): the data are split into b
-        fixed partitions, step t samples partition t mod b at rate q = B·b/N, and ε is that of
-        DP-SGD with one step in b (docs/user-guide.md, Note [banded steps]). The partition is
-        the example's index: keep the dataset's order across resumes. Memory: b − 1 noise
-        vectors of each rank's shard.
+        factorization): the data are split into b fixed partitions, step t samples partition
+        t mod b at rate q = B·b/N, and ε is that of DP-SGD with one step in b (docs/user-guide.md,
+        Note [banded steps]). The partition is the example's index: keep the dataset's order
+        across resumes. Memory: b − 1 noise vectors of each rank's shard.
+    strategy: with bands > 1, how the noise is correlated: "sqrt_prefix_sum" (the banded square
+        root of the prefix sums) or "optimized" (the banded strategy of least expected error for
+        this run's length, which epochs or steps must give; Note [run strategy]). ε is the same.
     max_grad_norm: C. clipping: "flat" | "layer" | "group" (with clipping_groups, a list of lists
         of module-name prefixes, and optional group_weights) | "automatic" (automatic_gamma).
     zero_stage: 0-3; units, process_group as for :func:`dpzero.shard`.
@@ -106,8 +112,9 @@ def make_private(
     config = resolve(
         dataset=dataset, data_loader=data_loader, batch_size=batch_size, sample_rate=sample_rate,
         max_physical_batch_size=max_physical_batch_size, num_workers=num_workers,
-        noise_multiplier=noise_multiplier, bands=bands, target_epsilon=target_epsilon,
-        target_delta=target_delta, epochs=epochs, max_grad_norm=max_grad_norm,
+        noise_multiplier=noise_multiplier, bands=bands, strategy=strategy,
+        target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs, steps=steps,
+        max_grad_norm=max_grad_norm,
         clipping=clipping, clipping_groups=clipping_groups, group_weights=group_weights,
         automatic_gamma=automatic_gamma, isolation=isolation, loss_reduction=loss_reduction,
         allow_no_noise=allow_no_noise, accountant=accountant, epsilon_budget=epsilon_budget,

@@ -94,8 +94,17 @@ PrivateStep::PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& zero,
     throw std::invalid_argument("PrivateStep: bands=" + std::to_string(s.bands) +
                                 " needs noise (noise_multiplier > 0)");
   }
-  if (s.bands > 1) {
-    band_norm_ = privacy::BandedToeplitz::sqrt_prefix_sum(s.bands).column_norm(s.bands, 0);
+  if (s.bands == 1 ? !s.strategy.empty()
+                    : static_cast<int64_t>(s.strategy.size()) != s.bands || s.strategy[0] != 1.0) {
+    throw std::invalid_argument(
+        "PrivateStep: bands=" + std::to_string(s.bands) + " needs " +
+        (s.bands == 1 ? std::string("no strategy")
+                      : std::to_string(s.bands) + " strategy coefficients, the first 1") +
+        ", got " + std::to_string(s.strategy.size()) +
+        (s.strategy.empty() ? std::string() : ", the first " + std::to_string(s.strategy[0])));
+  }
+  if (s.bands > 1) {  // κ: the strategy's full column (its constructor refuses a non-finite one)
+    band_norm_ = privacy::BandedToeplitz(s.strategy).column_norm(s.bands, 0);
   }
   set_noise_key(settings_.noise_key);
   restore(charges, accountant_, rows);
@@ -133,8 +142,8 @@ void PrivateStep::set_noise_key(NoiseKey key) {
   }
   settings_.noise_key = std::move(key);
   if (settings_.bands > 1) {  // Note [banded steps]: the history is of this key's draws
-    banded_ = std::make_unique<CorrelatedNoise>(
-        privacy::BandedToeplitz::sqrt_prefix_sum(settings_.bands), settings_.noise_key);
+    banded_ = std::make_unique<CorrelatedNoise>(privacy::BandedToeplitz(settings_.strategy),
+                                                settings_.noise_key);
   }
 }
 

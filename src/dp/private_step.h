@@ -42,8 +42,9 @@
 // Note [banded steps]
 // ~~~~~~~~~~~~~~~~~~~
 // With bands b > 1 the noise is correlated across steps (src/dp/correlated_noise.h): the step
-// adds κσC·w_t, w = C⁻¹z for the banded square root of the prefix sums, κ the largest column
-// norm of C (its full band), so C/κ has columns of norm at most 1 as the amplified accounting
+// adds κσC·w_t, w = C⁻¹z for the run's strategy C (Note [run strategy] in run.h: the banded
+// square root of the prefix sums, or the optimized strategy of the run's length), κ the largest
+// column norm of C (its full band), so C/κ has columns of norm at most 1 as the amplified accounting
 // requires (Note [amplified banded accounting] in accounting/banded.h). The row is the sampler's
 // step t, not the charge index: the partition a batch was drawn from is t mod b (Note [cyclic
 // poisson] in privacy/poisson.h), so the row must be t for an example's participations to lie b
@@ -119,6 +120,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <c10/util/Exception.h>
 
@@ -145,6 +147,8 @@ struct StepSettings {
   std::optional<int64_t> max_steps;  // the steps the ε budget allows at (q, σ); nullopt: no budget
                                      // (with bands > 1: equivalent steps, Note [banded steps])
   int64_t bands = 1;                 // >= 1; > 1: banded correlated noise (Note [banded steps])
+  std::vector<double> strategy;      // bands > 1: the strategy's c_0 = 1, c_1 .. c_{b−1} (Note
+                                     // [run strategy] in run.h); bands 1: empty
   std::string budget;                // the budget as BudgetExhausted names it
                                      // ("epsilon=3.0 at delta=1e-05 (prv)")
   NoiseKey noise_key;          // the run's Philox seed or secure-mode key

@@ -65,6 +65,8 @@ std::vector<AgreedSetting> shared_settings(const RunSettings& s, bool secure) {
           text("accountant", s.accountant),
           integer("zero_stage", s.zero_stage),
           integer("bands", s.bands),
+          text("strategy", s.strategy),
+          integer("strategy_rows", s.strategy_rows),
           optional("epsilon_budget", s.epsilon_budget),
           optional("budget_delta", s.budget_delta)};
 }
@@ -110,16 +112,51 @@ void agree(const RunSettings& s, const std::vector<AgreedSetting>& own,
   }
 }
 
-// Rank 0's half of step 4: the ledger created, or continued when it is this run's.
+// The strategy a ledger's header records (Note [run strategy]): refused unless it is the one
+// `s` names; its coefficients, or (a header written before they were recorded) `s`'s fitted.
+std::vector<double> ledger_strategy(const accounting::LedgerHeader& header, const RunSettings& s,
+                                    const std::string& path) {
+  const nlohmann::ordered_json& h = header.settings;
+  const std::string name = h.value("strategy", std::string("sqrt_prefix_sum"));
+  const int64_t rows = h.contains("strategy_rows") && h["strategy_rows"].is_number_integer()
+                           ? h["strategy_rows"].get<int64_t>()
+                           : 0;
+  if (name != s.strategy || rows != s.strategy_rows)
+    refuse("ledger " + path + " is for a run of strategy=" + quoted(name) +
+           (rows > 0 ? " fitted to " + std::to_string(rows) + " rows" : std::string()) +
+           ", this run has strategy=" + quoted(s.strategy) +
+           (s.strategy_rows > 0 ? " fitted to " + std::to_string(s.strategy_rows) + " rows"
+                                : std::string()) +
+           ": its noise would not continue. Continue it with the ledger's strategy, or give "
+           "this run its own ledger path");
+  if (!h.contains("strategy_coefficients")) return run_strategy(s).coefficients();
+  const nlohmann::ordered_json& c = h["strategy_coefficients"];
+  std::vector<double> out;
+  if (c.is_array())
+    for (const auto& x : c)
+      if (x.is_number()) out.push_back(x.get<double>());
+  if (!c.is_array() || static_cast<int64_t>(out.size()) != s.bands || out.size() != c.size() ||
+      out[0] != 1.0)
+    refuse("ledger " + path + " has strategy_coefficients " + c.dump() + "; a run of bands=" +
+           std::to_string(s.bands) + " needs " + std::to_string(s.bands) +
+           " numbers, the first 1. The ledger was edited: give this run its own ledger path");
+  privacy::BandedToeplitz{out};  // every coefficient finite (std::invalid_argument otherwise)
+  return out;
+}
+
+// Rank 0's half of step 5: the ledger created, or continued when it is this run's; `strategy`
+// set to the run's coefficients (a banded run: the ledger's when it continues one).
 std::shared_ptr<accounting::Ledger> open_on_rank_0(const RunSettings& s, bool secure,
-                                                   int64_t world_size) {
+                                                   int64_t world_size,
+                                                   std::vector<double>& strategy) {
   const std::string& path = s.ledger_path;
   if (!std::filesystem::exists(path)) {
+    if (s.bands > 1) strategy = run_strategy(s).coefficients();
     accounting::LedgerHeader header;
     header.run_id =
         s.run_id.empty() ? std::filesystem::path(path).filename().string() : s.run_id;
     header.dataset_size = s.dataset_size;
-    header.settings = ledger_settings(s, secure, world_size);
+    header.settings = ledger_settings(s, secure, world_size, strategy);
     return std::make_shared<accounting::Ledger>(accounting::Ledger::create(path, header));
   }
   // A given run id must be the ledger's (Ledger::open refuses another).
@@ -136,6 +173,7 @@ std::shared_ptr<accounting::Ledger> open_on_rank_0(const RunSettings& s, bool se
     refuse("ledger " + path + " is for a run of bands=" + std::to_string(bands) +
            ", this run has bands=" + std::to_string(s.bands) +
            ": its accounting would not hold. Give this run its own ledger path");
+  if (s.bands > 1) strategy = ledger_strategy(ledger->header(), s, path);
   if (ledger->has_unnoised_steps())
     refuse("ledger " + path +
            " records steps without noise; a private run cannot continue it. Give this run its "
@@ -223,6 +261,18 @@ void check_run_settings(const RunSettings& s) {
   if (s.bands > s.dataset_size && s.dataset_size > 0)
     refuse("bands=" + std::to_string(s.bands) + " splits the data into that many partitions, " +
            "and the dataset has " + std::to_string(s.dataset_size) + " examples");
+  if (s.strategy != "sqrt_prefix_sum" && s.strategy != "optimized")
+    refuse("strategy must be 'sqrt_prefix_sum' or 'optimized', got " + quoted(s.strategy));
+  if (s.strategy != "sqrt_prefix_sum" && s.bands == 1)
+    refuse("strategy=" + quoted(s.strategy) +
+           " with bands=1: one band is DP-SGD's independent noise, which has no strategy to "
+           "fit; give bands > 1");
+  if (s.strategy == "optimized" && s.strategy_rows < 1)
+    refuse("strategy='optimized' fits the strategy to the run's length and needs strategy_rows "
+           ">= 1 (make_private: epochs or steps), got " + std::to_string(s.strategy_rows));
+  if (s.strategy != "optimized" && s.strategy_rows != 0)
+    refuse("strategy_rows=" + std::to_string(s.strategy_rows) + " is read by strategy='optimized' "
+           "only, and this run has strategy=" + quoted(s.strategy) + "; leave it 0");
   if (s.zero_stage < 0 || s.zero_stage > 3)
     refuse("zero_stage must be 0, 1, 2 or 3, got " + std::to_string(s.zero_stage));
   if (s.budget_delta && !(*s.budget_delta > 0.0 && *s.budget_delta < 1.0))
@@ -237,16 +287,25 @@ void check_run_settings(const RunSettings& s) {
   }
 }
 
-nlohmann::ordered_json ledger_settings(const RunSettings& s, bool secure, int64_t world_size) {
+nlohmann::ordered_json ledger_settings(const RunSettings& s, bool secure, int64_t world_size,
+                                       const std::vector<double>& strategy) {
   nlohmann::ordered_json out = {{"accountant", s.accountant},
                                 {"clipping", s.clipping},
                                 {"secure_mode", secure},
                                 {"world_size", world_size}};
   if (s.bands > 1) {  // what ε is computed from (accounting/banded.h), and the noise's strategy
     out["bands"] = s.bands;
-    out["strategy"] = "sqrt_prefix_sum";
+    out["strategy"] = s.strategy;  // Note [run strategy]
+    if (s.strategy_rows > 0) out["strategy_rows"] = s.strategy_rows;
+    out["strategy_coefficients"] = strategy;
   }
   return out;
+}
+
+privacy::BandedToeplitz run_strategy(const RunSettings& s) {
+  if (s.bands == 1) return privacy::BandedToeplitz::identity();
+  if (s.strategy == "optimized") return privacy::BandedToeplitz::optimized(s.bands, s.strategy_rows);
+  return privacy::BandedToeplitz::sqrt_prefix_sum(s.bands);
 }
 
 NoiseKey RunStart::noise_key() const {
@@ -270,6 +329,7 @@ StepSettings RunStart::step_settings(const RunSettings& s) const {
   out.budget = budget;
   out.noise_key = noise_key();
   out.bands = s.bands;
+  out.strategy = strategy;
   return out;
 }
 
@@ -293,13 +353,14 @@ RunStart start_run(const RunSettings& s, const std::vector<AgreedSetting>& own,
                  " at delta=" + format_double(*s.budget_delta) + " (" + s.accountant + ")";
   }
   // 5. The ledger: rank 0 opens it, every rank learns the outcome and the charge count.
+  std::vector<double> strategy;  // rank 0's: the ledger's, or fitted below
   if (!s.ledger_path.empty()) {
     std::string failure;
     bool refused = false;  // a ledger of another run, rather than one that cannot be opened
     int64_t charges = 0, rows = 0;
     if (comm.rank() == 0) {
       try {
-        out.ledger = open_on_rank_0(s, out.secure, comm.world_size());
+        out.ledger = open_on_rank_0(s, out.secure, comm.world_size(), strategy);
         charges = out.ledger->total_steps();
         rows = out.ledger->rows();
       } catch (const std::invalid_argument& e) {
@@ -327,6 +388,17 @@ RunStart start_run(const RunSettings& s, const std::vector<AgreedSetting>& own,
     if (steps > 0) accountant.step(s.sample_rate, s.noise_multiplier, steps);
   }
 
+  // 6. The strategy (Note [run strategy]): rank 0's coefficients, as bits, on every rank. The
+  // settings were checked and agreed, so the fit cannot throw, and every rank knows b.
+  if (s.bands > 1) {
+    if (comm.rank() == 0 && strategy.empty()) strategy = run_strategy(s).coefficients();
+    std::vector<int64_t> bits(static_cast<size_t>(s.bands), 0);
+    if (comm.rank() == 0)
+      for (size_t i = 0; i < bits.size(); ++i) bits[i] = bits_of(strategy[i]);
+    bits = comm.broadcast(bits, 0);
+    out.strategy.resize(bits.size());
+    for (size_t i = 0; i < bits.size(); ++i) std::memcpy(&out.strategy[i], &bits[i], sizeof(double));
+  }
   return out;
 }
 

@@ -24,11 +24,13 @@
 //   3. randomness   secure mode: rank 0's key on every rank; else the seed given, or rank 0's;
 //   4. budget       the steps the ε budget allows at (q, σ) with the run's accountant (the same
 //                   inputs everywhere, so the same outcome), before any file is made;
-//   5. ledger       rank 0 creates the ledger or continues it (its run id, dataset, σ, q and
-//                   bands must be this run's, and every step it holds noised); every rank learns
-//                   the outcome, the charge count and the rows, and the run's accountant
-//                   composes the charges (a banded run: its equivalent steps, Note [amplified
-//                   banded accounting] in accounting/banded.h).
+//   5. ledger       rank 0 creates the ledger or continues it (its run id, dataset, σ, q,
+//                   bands and strategy must be this run's, and every step it holds noised);
+//                   every rank learns the outcome, the charge count and the rows, and the run's
+//                   accountant composes the charges (a banded run: its equivalent steps, Note
+//                   [amplified banded accounting] in accounting/banded.h);
+//   6. strategy     a banded run's strategy coefficients, rank 0's on every rank (Note [run
+//                   strategy]).
 // A front door may also call check_run_settings on its own before it touches the model (both do,
 // to refuse before any change); that refusal is this rank's alone, as any check of a rank's own
 // arguments is.
@@ -43,6 +45,7 @@
 
 #include "accounting/accountant.h"
 #include "accounting/ledger.h"
+#include "privacy/banded.h"
 #include "privacy/chacha20.h"
 #include "src/dp/private_step.h"
 
@@ -70,6 +73,9 @@ struct RunSettings {
   std::optional<double> budget_delta;    // in (0, 1)
   int64_t bands = 1;                     // >= 1: banded correlated noise with this many bands
                                          // (Note [banded steps] in private_step.h); 1: DP-SGD
+  std::string strategy = "sqrt_prefix_sum";  // with bands > 1: "sqrt_prefix_sum" or "optimized"
+                                             // (Note [run strategy])
+  int64_t strategy_rows = 0;  // "optimized" only: the run's length in rows it is fitted to (>= 1)
   std::optional<uint64_t> seed;          // Note [secure by default] in privacy/entropy.h
   std::optional<bool> secure_mode;
   std::string ledger_path;  // "": no ledger
@@ -111,13 +117,32 @@ struct RunStart {
   int64_t first_step() const { return charges > rows ? charges : rows; }
   std::optional<int64_t> max_steps;  // the ε budget's steps at (q, σ); nullopt: no budget
   std::string budget;              // the budget as BudgetExhausted names it
+  std::vector<double> strategy;    // bands > 1: c_0 .. c_{b−1} (Note [run strategy]); else empty
 
   NoiseKey noise_key() const;
   // The step's settings (private_step.h) for `settings`.
   StepSettings step_settings(const RunSettings& settings) const;
 };
 
-// Steps 1–5 of Note [one set of rules] on every rank of `comm`, which must all call it.
+// Note [run strategy]
+// ~~~~~~~~~~~~~~~~~~~
+// A banded run's noise is C⁻¹z for a b-banded Toeplitz strategy C with c_0 = 1 (Note [banded
+// strategies] in privacy/banded.h). RunSettings::strategy names it: "sqrt_prefix_sum", the banded
+// square root of the prefix sums, which needs nothing but b; or "optimized", the b-banded
+// strategy of least expected error for a run of strategy_rows rows (Note [optimized banded
+// strategies]), which a front door derives from the run's length (make_private: its epochs).
+// Which strategy a run takes changes its noise's correlation, never its ε: the step scales the
+// noise by the strategy's largest column norm κ, so every strategy's columns have norm at most 1,
+// which is all the amplified accounting reads (Note [amplified banded accounting]).
+//
+// The coefficients are computed once, by rank 0, and broadcast as their bits, so every rank
+// adds the same noise by construction (the fit is iterative floating point; nothing else needs
+// two ranks to have computed it alike). The ledger's header records the strategy's name, rows
+// and coefficients; a run that continues a ledger must name the same strategy and rows and takes
+// the coefficients the ledger holds, so a resumed run's noise continues the same C⁻¹z (Note
+// [correlated noise on shards]) without fitting again, on any build.
+//
+// Steps 1–6 of Note [one set of rules] on every rank of `comm`, which must all call it.
 // `accountant` (its kind is settings.accountant's) composes the charges a continued ledger holds.
 // Throws std::invalid_argument for a bad or differing setting and for a ledger of another run
 // (every rank), accounting::LedgerError for a ledger that cannot be created or opened (every
@@ -126,9 +151,12 @@ RunStart start_run(const RunSettings& settings, const std::vector<AgreedSetting>
                    const comm::Collectives& comm, accounting::Accountant& accountant);
 
 // The ledger header's settings of a run (the same from every front door, so that equal runs
-// write equal ledgers).
+// write equal ledgers); `strategy`: the banded run's coefficients (Note [run strategy]).
 nlohmann::ordered_json ledger_settings(const RunSettings& settings, bool secure,
-                                       int64_t world_size);
+                                       int64_t world_size, const std::vector<double>& strategy);
+
+// Note [run strategy]: the strategy `settings` names, fitted here (bands 1: the identity).
+privacy::BandedToeplitz run_strategy(const RunSettings& settings);
 
 // Note [trained set]
 // ~~~~~~~~~~~~~~~~~~

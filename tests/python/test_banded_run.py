@@ -40,15 +40,15 @@ def flat(params: dict) -> torch.Tensor:
     return torch.cat([params[name].reshape(-1).double() for name in sorted(params)])
 
 
-def updates(bands, steps, *, rate, stage=0, loss_scale=0.0, seed=11, **kw):
-    """Each step's parameter update of a run whose loss is ``loss_scale`` × cross-entropy: with
-    0 the clipped sums are exact zeros and an update is the noise alone (SGD, lr 1). ``bands``
-    None: make_private's default."""
+def updates(bands, taken, *, rate, stage=0, loss_scale=0.0, seed=11, **kw):
+    """Each step's parameter update, for ``taken`` steps, of a run whose loss is ``loss_scale`` ×
+    cross-entropy: with 0 the clipped sums are exact zeros and an update is the noise alone (SGD,
+    lr 1). ``bands`` None: make_private's default."""
     if bands is not None:
         kw["bands"] = bands
     p = dpzero.make_private(net(), dataset=data(), sample_rate=rate, noise_multiplier=SIGMA,
                             max_grad_norm=C, lr=LR, seed=seed, zero_stage=stage, **kw)
-    return steps_of(p, steps, loss_scale), p.privacy_engine
+    return steps_of(p, taken, loss_scale), p.privacy_engine
 
 
 def steps_of(p, steps, loss_scale=1.0):
@@ -70,7 +70,12 @@ def steps_of(p, steps, loss_scale=1.0):
 def banded_sqrt(bands, n):
     """The strategy's n × n matrix, written out: c_k = binom(2k, k)/4^k on the first b
     diagonals (the coefficients of (1 − x)^(−1/2))."""
-    c = [math.comb(2 * k, k) / 4.0 ** k for k in range(bands)]
+    return toeplitz([math.comb(2 * k, k) / 4.0 ** k for k in range(bands)], n)
+
+
+def toeplitz(c, n):
+    """The n × n lower-triangular Toeplitz matrix with c_k on its k-th diagonal (k < len(c))."""
+    bands = len(c)
     m = torch.zeros(n, n, dtype=torch.float64)
     for t in range(n):
         for k in range(min(bands, t + 1)):
@@ -78,21 +83,91 @@ def banded_sqrt(bands, n):
     return m
 
 
+def dp_sgd_draws(steps, rate, seed=11):
+    """z_t of DP-SGD's rows 0..steps−1 (the draws a banded run's rows use, Note [correlated
+    noise on shards]), read off a DP-SGD run's updates: update_t = −lr σC z_t / (qN)."""
+    sgd, _ = updates(1, steps, rate=rate, seed=seed)
+    return -sgd * (rate * N) / (LR * SIGMA * C)
+
+
+def banded_want(z, strategy, bands, rate):
+    """A banded run's updates, from the dense float64 strategy: −lr κσC (C⁻¹z)_t / (qN/b), κ the
+    full band's column norm."""
+    w = torch.linalg.solve_triangular(strategy, z, upper=False)
+    kappa = strategy[:, 0].norm().item()
+    return -LR * kappa * SIGMA * C * w / (rate * N / bands)
+
+
 @pytest.mark.parametrize("bands", [2, 4])
 def test_the_noise_is_the_strategy_inverse_of_dp_sgds_draws(bands):
     steps, rate = 9, 0.25
-    sgd, _ = updates(1, steps, rate=rate)
+    z = dp_sgd_draws(steps, rate)
     banded, engine = updates(bands, steps, rate=rate)
-    # DP-SGD: update_t = −lr σC z_t / (qN), z_t the draws of row t.
-    z = -sgd * (rate * N) / (LR * SIGMA * C)
-    strategy = banded_sqrt(bands, steps)
-    w = torch.linalg.solve_triangular(strategy, z, upper=False)  # C⁻¹z, float64
-    kappa = strategy[:, 0].norm().item()  # the full band's column norm
-    # Banded: update_t = −lr κσC w_t / (qN/b).
-    want = -LR * kappa * SIGMA * C * w / (rate * N / bands)
+    want = banded_want(z, banded_sqrt(bands, steps), bands, rate)
     torch.testing.assert_close(banded, want, rtol=1e-4, atol=1e-6)
+    sgd = -z * (LR * SIGMA * C) / (rate * N)
+    kappa = banded_sqrt(bands, steps)[:, 0].norm().item()
     assert not torch.allclose(banded, sgd * bands * kappa, rtol=1e-2)  # correlated, not scaled
     assert engine._step.rows == steps and engine._step.equivalent_steps == math.ceil(steps / bands)
+
+
+@pytest.mark.parametrize("bands, length", [(3, dict(steps=9)), (4, dict(epochs=2.0))])
+def test_the_optimized_strategy_is_fitted_to_the_run_and_its_noise_is_its_inverse(tmp_path, bands,
+                                                                                  length):
+    """Note [run strategy]: strategy='optimized' takes BandedToeplitz.optimized(b, rows) (checked
+    against SciPy's minimiser in test_banded.py), rows the run's length (steps, or the private
+    loader's epochs: b·int(1/q) rows each); the noise is that strategy's C⁻¹z, the ledger names
+    it, and ε is the square root's (the accounting reads b alone)."""
+    steps, rate = 9, 0.25
+    rows = length.get("steps") or math.ceil(length["epochs"] * bands * int(1 / rate))
+    fitted = _C.privacy.BandedToeplitz.optimized(bands, rows).coefficients
+    assert fitted != _C.privacy.BandedToeplitz.sqrt_prefix_sum(bands).coefficients
+    z = dp_sgd_draws(steps, rate)
+    path = tmp_path / "o.jsonl"
+    got, engine = updates(bands, steps, rate=rate, strategy="optimized", ledger_path=str(path),
+                          **length)
+    torch.testing.assert_close(got, banded_want(z, toeplitz(fitted, steps), bands, rate),
+                               rtol=1e-4, atol=1e-6)
+    settings = dpzero.accounting.Ledger.open_read_only(str(path)).settings
+    assert settings["strategy"] == "optimized" and settings["strategy_rows"] == rows
+    assert settings["strategy_coefficients"] == fitted
+    _, sqrt = updates(bands, steps, rate=rate, ledger_path=str(tmp_path / "s.jsonl"))
+    assert engine.get_epsilon(1e-5) == sqrt.get_epsilon(1e-5)
+    assert json.loads((tmp_path / "s.jsonl").read_text().splitlines()[0])["settings"][
+        "strategy_coefficients"] == [math.comb(2 * k, k) / 4.0 ** k for k in range(bands)]
+
+
+def test_a_continued_ledger_gives_its_strategy_coefficients(tmp_path):
+    """Note [run strategy]: a run continuing a ledger adds the noise of the coefficients the ledger
+    holds (not a fit of its own), from the ledger's next row on: (C⁻¹z)_t for t after it."""
+    ledger, held = str(tmp_path / "l.jsonl"), [1.0, 0.25, -0.125]
+    log = dpzero.accounting.Ledger.create(ledger, run_id="l.jsonl", dataset_size=N, settings={
+        "bands": 3, "strategy": "optimized", "strategy_rows": 40,
+        "strategy_coefficients": held})
+    log.append(first_step=0, last_step=2, q=0.25, sigma=SIGMA, max_grad_norm=C)
+    log.close()
+    got, engine = updates(3, 4, rate=0.25, strategy="optimized", steps=40, ledger_path=ledger)
+    assert engine.next_step == 7  # rows 3..6
+    want = banded_want(dp_sgd_draws(7, 0.25), toeplitz(held, 7), 3, 0.25)[3:]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_resumed_optimized_run_continues_the_same_noise(tmp_path):
+    ledger, length = str(tmp_path / "l.jsonl"), dict(strategy="optimized", steps=12)
+    want, _ = updates(3, 6, rate=0.25, **length)
+    first, engine = updates(3, 2, rate=0.25, ledger_path=ledger, **length)
+    state = engine.state_dict()
+    model_state = {k: v.clone() for k, v in engine.parameters().items()}
+    del engine
+    gc.collect()  # the engine's ledger lock goes with it
+    model = net()
+    model.load_state_dict(model_state)
+    p = dpzero.make_private(model, dataset=data(), sample_rate=0.25, noise_multiplier=SIGMA,
+                            max_grad_norm=C, lr=LR, seed=11, bands=3, ledger_path=ledger,
+                            **length)
+    p.privacy_engine.load_state_dict(state)
+    rest = steps_of(p, 4, loss_scale=0.0)
+    torch.testing.assert_close(torch.cat([first, rest]), want, rtol=1e-5, atol=1e-7)
 
 
 def test_one_band_is_dp_sgd_step_for_step(tmp_path):
@@ -151,15 +226,16 @@ def test_a_ledger_with_a_bad_bands_setting_is_refused(tmp_path, bands):
                                         settings={"bands": bands})
 
 
-def _zero3_rank(rank, world_size, bands, steps):
-    got, _ = updates(bands, steps, rate=0.25, stage=3, units=["0", "2"])
+def _zero3_rank(rank, world_size, bands, steps, kw):
+    got, _ = updates(bands, steps, rate=0.25, stage=3, units=["0", "2"], **kw)
     return got
 
 
 @pytest.mark.multirank
-def test_two_ranks_at_stage_3_add_the_noise_of_one_rank_bit_for_bit(tmp_path):
-    want, _ = updates(4, 6, rate=0.25, units=["0", "2"])
-    got = ranks.spawn(_zero3_rank, 2, tmp_path, 4, 6)
+@pytest.mark.parametrize("kw", [{}, dict(strategy="optimized", steps=6)])
+def test_two_ranks_at_stage_3_add_the_noise_of_one_rank_bit_for_bit(tmp_path, kw):
+    want, _ = updates(4, 6, rate=0.25, units=["0", "2"], **kw)
+    got = ranks.spawn(_zero3_rank, 2, tmp_path, 4, 6, kw)
     for rank_updates in got:
         assert torch.equal(rank_updates, want)
 
@@ -217,6 +293,14 @@ def test_own_batch_is_refused_by_a_banded_run():
     (dict(bands=5, batch_size=8), "batch_size=8 with bands=5"),
     (dict(bands=N + 1, sample_rate=0.5), f"bands={N + 1} splits the data"),
     (dict(bands=2, noise_multiplier=0.0, allow_no_noise=True), "use bands=1"),
+    (dict(bands=2, strategy="optimized"), "needs strategy_rows >= 1 .make_private: epochs or "
+     "steps., got 0"),
+    (dict(bands=1, strategy="optimized", steps=10), "strategy='optimized' with bands=1"),
+    (dict(bands=2, strategy="sqrt"), "strategy must be 'sqrt_prefix_sum' or 'optimized', got "
+     "'sqrt'"),
+    (dict(bands=2, strategy=None), "strategy must be 'sqrt_prefix_sum' or 'optimized', got None"),
+    (dict(bands=2, strategy="optimized", epochs=1.0, steps=4), "at most one of epochs and steps"),
+    (dict(bands=2, strategy="optimized", steps=0), "steps must be an integer >= 1, got 0"),
 ])
 def test_settings_the_theorem_does_not_cover_are_refused(kwargs, message):
     args = dict(dataset=data(), noise_multiplier=SIGMA, max_grad_norm=C, lr=LR, seed=11)

@@ -258,13 +258,15 @@ FLAGS = {"noise_multiplier": "--sigma", "max_grad_norm": "--clip", "sample_rate"
          "max_physical_batch_size": "--max-physical-batch-size",
          "loss_reduction": "--loss-reduction", "epsilon_budget": "--epsilon-budget",
          "budget_delta": "--budget-delta", "ledger_path": "--ledger", "run_id": "--run-id",
-         "bands": "--bands", "freeze": "--freeze"}
+         "bands": "--bands", "freeze": "--freeze", "strategy": "--strategy",
+         "steps": "--strategy-rows"}  # make_private's run length is the C++ strategy_rows
 
 
-def ledger_of(path, *, run_id="other", dataset_size=1797, sigma=0.8, q=0.02, noise=True):
+def ledger_of(path, *, run_id="other", dataset_size=1797, sigma=0.8, q=0.02, noise=True,
+              settings=None):
     """A ledger at `path` holding two steps of another run's (or this run's) settings."""
     ledger = dpzero.accounting.Ledger.create(str(path), run_id=run_id, dataset_size=dataset_size,
-                                             settings={})
+                                             settings=settings or {})
     ledger.append(first_step=0, last_step=1, q=q, sigma=sigma, max_grad_norm=0.5, noise=noise)
     ledger.close()
 
@@ -307,6 +309,23 @@ ROWS = [
     ("bands without noise", {"bands": 2, "noise_multiplier": 0.0, "allow_no_noise": True}, None,
      "use bands=1"),
     ("ledger of other bands", {"bands": 4}, {"run_id": "x"}, "bands=1, this run has bands=4"),
+    # The banded strategy (Note [run strategy]).
+    ("unknown strategy", {"bands": 4, "strategy": "cubic"}, None,
+     "strategy must be 'sqrt_prefix_sum' or 'optimized', got 'cubic'"),
+    ("strategy with one band", {"strategy": "optimized", "steps": 50}, None,
+     "strategy='optimized' with bands=1"),
+    ("optimized without a length", {"bands": 4, "strategy": "optimized"}, None,
+     "needs strategy_rows >= 1 (make_private: epochs or steps), got 0"),
+    ("ledger of another strategy", {"bands": 4, "strategy": "optimized", "steps": 50},
+     {"run_id": "x", "settings": {"bands": 4, "strategy": "sqrt_prefix_sum"}},
+     "strategy='sqrt_prefix_sum', this run has strategy='optimized' fitted to 50 rows"),
+    ("ledger of another length", {"bands": 4, "strategy": "optimized", "steps": 50},
+     {"run_id": "x", "settings": {"bands": 4, "strategy": "optimized", "strategy_rows": 60}},
+     "strategy='optimized' fitted to 60 rows, this run has strategy='optimized' fitted to 50"),
+    ("edited strategy coefficients", {"bands": 4},
+     {"run_id": "x", "settings": {"bands": 4, "strategy": "sqrt_prefix_sum",
+                                  "strategy_coefficients": [1.0, 0.5]}},
+     "has strategy_coefficients [1.0,0.5]; a run of bands=4 needs 4 numbers, the first 1"),
     # A parameter frozen after the backward: the step refuses (Note [trained set]).
     ("trained set changed", {"freeze": "fc1.bias"}, None,
      "trainable parameters changed since the model was made private (trainable or frozen "
@@ -319,6 +338,10 @@ ROWS = [
     ("secure mode, the default without a seed", {"seed": None}, None, None),
     ("secure_mode=False without a seed", {"seed": None, "secure_mode": False}, None, None),
     ("banded", {"bands": 4}, None, None),
+    ("banded, optimized", {"bands": 4, "strategy": "optimized", "steps": 50}, None, None),
+    ("banded, continued", {"bands": 4, "run_id": "x"},
+     {"run_id": "x", "settings": {"bands": 4, "strategy": "sqrt_prefix_sum",
+                                  "strategy_coefficients": [1.0, 0.5, 0.375, 0.3125]}}, None),
 ]
 
 

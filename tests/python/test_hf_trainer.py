@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset
 
 import dpzero
+from dpzero import _C
 import ranks
 
 transformers = pytest.importorskip("transformers")
@@ -781,14 +782,16 @@ def test_strict_isolation_through_the_trainer_equals_make_private(tmp_path):
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
-def test_a_banded_trainer_run_is_calibrated_for_one_step_in_b(tmp_path):
+@pytest.mark.parametrize("strategy", ["sqrt_prefix_sum", "optimized"])
+def test_a_banded_trainer_run_is_calibrated_for_one_step_in_b(tmp_path, strategy):
     """PrivacyArguments.bands: the run samples one of b partitions a step (q = b·B/N), σ is
     calibrated for the equivalent DP-SGD steps ⌈steps/b⌉ (Note [amplified banded accounting]),
-    and the ledger and report reproduce ε from those alone."""
+    and the ledger and report reproduce ε from those alone; PrivacyArguments.strategy: the
+    optimized strategy is fitted to the Trainer's steps (Note [run strategy])."""
     data = lm_data()
     trainer = PrivateTrainer(
         model=gpt2(), args=trainer_args(tmp_path, num_train_epochs=1), train_dataset=data,
-        privacy_args=PrivacyArguments(target_epsilon=2.0, bands=2))
+        privacy_args=PrivacyArguments(target_epsilon=2.0, bands=2, strategy=strategy))
     q = 2 * 8 / N
     steps = 2 * int(1 / q)  # one epoch: b rows for each of its int(1/q) equivalent steps
     assert trainer.planned_steps == steps and trainer.sample_rate == pytest.approx(q)
@@ -803,8 +806,16 @@ def test_a_banded_trainer_run_is_calibrated_for_one_step_in_b(tmp_path):
     ledger = dpzero.accounting.Ledger.open_read_only(
         os.path.join(trainer.args.output_dir, "ledger.jsonl"))
     assert ledger.settings["bands"] == 2 and ledger.total_steps == steps
+    assert ledger.settings["strategy"] == strategy
+    want_strategy = (_C.privacy.BandedToeplitz.optimized(2, steps) if strategy == "optimized"
+                     else _C.privacy.BandedToeplitz.sqrt_prefix_sum(2))
+    assert ledger.settings["strategy_coefficients"] == want_strategy.coefficients
+    assert ledger.settings.get("strategy_rows") == (steps if strategy == "optimized" else None)
     with open(os.path.join(trainer.args.output_dir, "report.json")) as f:
         report = json.load(f)
     assert report["bands"] == 2 and report["phases"][0]["steps"] == math.ceil(steps / 2)
+    with open(os.path.join(trainer.args.output_dir, "report.md")) as f:
+        assert f"bands = 2 (strategy {strategy}" + (
+            f", fitted to {steps} steps)" if strategy == "optimized" else ")") in f.read()
     prv = [r for r in report["epsilon"]["results"] if r["accountant"] == "prv"]
     assert prv[0]["epsilon"] == pytest.approx(want, rel=1e-6)

@@ -4,6 +4,7 @@ runs (Note [the price of tuning]), and a sweep started again reusing and resumin
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 import subprocess
@@ -57,6 +58,9 @@ def test_grid_values_and_the_fixed_epsilon_rule():
         parse_grid(["privacy.bands=1,4"], fixed_sigma)
     assert parse_grid(["privacy.bands=1,4"], cfg) == {("privacy", "bands"): [1, 4]}  # calibrated
     assert parse_grid(["privacy.max_grad_norm=0.1,1"], fixed_sigma)  # ε unchanged: allowed
+    # The banded strategy moves the noise's correlation, never ε (Note [run strategy]).
+    assert parse_grid(["privacy.strategy=sqrt_prefix_sum,optimized"], fixed_sigma) == {
+        ("privacy", "strategy"): ["sqrt_prefix_sum", "optimized"]}
     # Every combination's config is checked before anything runs, the error naming it.
     with pytest.raises(ConfigError, match=r"sweep combination training.momentum=0.9: "
                                           r"\[training\] momentum = 0.9 is SGD's"):
@@ -134,6 +138,26 @@ def test_sweep_runs_the_grid_at_one_epsilon_and_composes_all_runs(tmp_path, caps
     assert [ledger_steps(r) for r in rows] == before
     assert [r["accuracy"] for r in again["runs"]] == [r["accuracy"] for r in rows]
     assert again["epsilon_all"] == summary["epsilon_all"]
+    # A run saved before a config key existed (here [privacy] strategy) had its default then:
+    # still reused. The same key saved with another value is not.
+    saved = os.path.join(rows[0]["run_dir"], "config.json")
+    with open(saved) as f:
+        config_then = json.load(f)
+    del config_then["privacy"]["strategy"]
+    with open(saved, "w") as f:
+        json.dump(config_then, f)
+    run_sweep(cfg, grid, 1, out)
+    assert capsys.readouterr().out.count("done before") == 2
+    config_then["privacy"]["strategy"] = "optimized"
+    with open(saved, "w") as f:
+        json.dump(config_then, f)
+    with pytest.raises(ConfigError, match=r"run-000 ran with other settings than this sweep "
+                                          r"gives it \(\[privacy\] strategy: 'optimized' then, "
+                                          r"'sqrt_prefix_sum' now\)"):
+        run_sweep(cfg, grid, 1, out)
+    del config_then["privacy"]["strategy"]
+    with open(saved, "w") as f:
+        json.dump(config_then, f)
     # The directory's runs are this sweep's or it is refused: another grid at the same place
     # would show these results under values they never used, or leave runs out of ε_all.
     with pytest.raises(ConfigError, match=r"run-000 ran with other settings than this sweep "

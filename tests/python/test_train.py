@@ -73,6 +73,10 @@ BASE = {"privacy": {"target_epsilon": 3.0}}
      r"\[privacy\] bands must be an integer >= 1, got 0"),
     ({**BASE, "privacy": {"target_epsilon": 3.0, "bands": 2.5}},
      r"\[privacy\] bands must be an integer, got 2.5"),
+    ({**BASE, "privacy": {"target_epsilon": 3.0, "bands": 2, "strategy": "sqrt"}},
+     r"\[privacy\] strategy must be one of \['sqrt_prefix_sum', 'optimized'\], got 'sqrt'"),
+    ({**BASE, "privacy": {"target_epsilon": 3.0, "strategy": "optimized"}},
+     r"\[privacy\] strategy = 'optimized' needs bands > 1"),
     ({**BASE, "privacy": {"target_epsilon": 3.0, "isolation": "loose"}},
      r"\[privacy\] isolation must be one of \['detect', 'strict'\], got 'loose'"),
     ({**BASE, "training": {"loop": "keras"}}, r"\[training\] loop must be one of "

@@ -76,7 +76,7 @@ from ..accounting import get_noise_multiplier
 from ..front import make_private
 from ..noise import secure_noise
 from ..private import BudgetExhausted
-from ..private.config import steps_per_epoch
+from ..private.config import run_rows
 from ..private.engine import PrivateLog
 from .losses import PerSampleLoss, default_per_sample_loss
 
@@ -105,7 +105,8 @@ class PrivacyArguments:
     isolation: "detect" | "strict" (each example's forward and backward computed by itself;
     make_private's).
     bands: b >= 1; b > 1 correlates the noise across steps (make_private's ``bands``: step t
-    samples partition t mod b of the data, ε is DP-SGD's at one step in b).
+    samples partition t mod b of the data, ε is DP-SGD's at one step in b). strategy: with
+    bands > 1, "sqrt_prefix_sum" or "optimized" (make_private's: fitted to the run's steps).
     accountant: "prv" | "rdp". zero_stage: 0-3. seed: a Philox seed for reproducible noise and
     sampling; whoever knows it can regenerate the noise and subtract it from a released update,
     so it is a secret, and never TrainingArguments.seed (public, 42 by default). secure_mode:
@@ -124,6 +125,7 @@ class PrivacyArguments:
     clipping: str = "flat"
     isolation: str = "detect"
     bands: int = 1
+    strategy: str = "sqrt_prefix_sum"
     accountant: str = "prv"
     zero_stage: int = 0
     secure_mode: Optional[bool] = None
@@ -313,8 +315,8 @@ class PrivateTrainer(Trainer):
                              f"one of the {bands} partitions of the dataset ({n} examples)")
         # With bands b each step samples one partition of N/b examples (make_private's bands).
         q = expected * bands / n
-        steps = args.max_steps if args.max_steps > 0 else math.ceil(
-            args.num_train_epochs * steps_per_epoch(q, bands))
+        steps = args.max_steps if args.max_steps > 0 else \
+            run_rows(q, bands, args.num_train_epochs, None)
         from ..train.config import default_delta
         delta = p.target_delta if p.target_delta is not None else default_delta(n)
         self.delta = delta
@@ -340,6 +342,7 @@ class PrivateTrainer(Trainer):
             budget = {"epsilon_budget": p.target_epsilon, "budget_delta": delta}
         self._private = make_private(
             self.model, data_loader=loader, noise_multiplier=sigma, bands=bands,
+            strategy=p.strategy, steps=steps,
             max_grad_norm=p.max_grad_norm,
             clipping=p.clipping, isolation=p.isolation, accountant=p.accountant,
             secure_mode=p.secure_mode,

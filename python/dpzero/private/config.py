@@ -9,6 +9,7 @@ checks (its layers, tied parameters, clipping groups) come later, at attach (eng
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import warnings
@@ -44,6 +45,7 @@ DEFAULT_AUTOMATIC_GAMMA = _RUN_DEFAULTS.automatic_gamma
 DEFAULT_LOSS_REDUCTION = _RUN_DEFAULTS.loss_reduction
 DEFAULT_ZERO_STAGE = _RUN_DEFAULTS.zero_stage
 DEFAULT_BANDS = _RUN_DEFAULTS.bands
+DEFAULT_STRATEGY = _RUN_DEFAULTS.strategy
 DEFAULT_OPTIMIZER = "sgd"
 DEFAULT_ISOLATION = "detect"
 
@@ -69,6 +71,8 @@ class PrivateConfig:
                                             # the steps of its partition (all steps at b = 1)
     noise_multiplier: float                 # σ >= 0 (0 only with allow_no_noise: ε = inf)
     bands: int                              # b >= 1: banded correlated noise (1: DP-SGD)
+    strategy: str                           # bands > 1: "sqrt_prefix_sum" | "optimized"
+    strategy_rows: int                      # "optimized": the run's rows it is fitted to; else 0
     allow_no_noise: bool
     max_grad_norm: float                    # C > 0 (inf: no clipping, only without noise)
     clipping: str                           # one of CLIPPING
@@ -105,6 +109,15 @@ class PrivateConfig:
 
     def replace(self, **changes) -> "PrivateConfig":
         return replace(self, **changes)
+
+
+def run_rows(sample_rate: float, bands: int, epochs: Optional[float],
+             steps: Optional[int]) -> int:
+    """The run's length in steps (rows, one per logical batch): ``steps`` itself, or ``epochs``
+    of the private loader's epochs (steps_per_epoch), rounded up."""
+    if steps is not None:
+        return int(steps)
+    return math.ceil(epochs * steps_per_epoch(sample_rate, bands))
 
 
 def steps_per_epoch(sample_rate: float, bands: int) -> int:
@@ -183,7 +196,7 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
             data_loader: Optional[DataLoader] = None, batch_size: Optional[int] = None,
             sample_rate: Optional[float] = None, noise_multiplier: Optional[float] = None,
             target_epsilon: Optional[float] = None, target_delta: Optional[float] = None,
-            epochs: Optional[float] = None, max_grad_norm: float,
+            epochs: Optional[float] = None, steps: Optional[int] = None, max_grad_norm: float,
             clipping: str = DEFAULT_CLIPPING,
             clipping_groups: Optional[Sequence[Sequence[str]]] = None,
             group_weights: Optional[Sequence[float]] = None,
@@ -197,7 +210,7 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
             epsilon_budget: Optional[float] = None, budget_delta: Optional[float] = None,
             num_workers: int = 0, diagnostics_path: Optional[str] = None,
             isolation: str = DEFAULT_ISOLATION, bands: int = DEFAULT_BANDS,
-            **optimizer_kwargs) -> PrivateConfig:
+            strategy: str = DEFAULT_STRATEGY, **optimizer_kwargs) -> PrivateConfig:
     """make_private's keywords (its docstring, front.py) as a PrivateConfig; σ is calibrated
     with ``accountant`` when ``target_epsilon`` is given."""
     max_grad_norm = float(max_grad_norm)
@@ -249,15 +262,32 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
     # privacy/poisson.h): a batch_size of B is the rate B·b/N within it.
     q = float(sample_rate) if sample_rate is not None else float(batch_size) * bands / n
 
+    # The run's length: epochs or steps (σ's calibration and the optimized strategy read it).
+    if epochs is not None and steps is not None:
+        raise ValueError(f"give at most one of epochs and steps, got epochs={epochs}, "
+                         f"steps={steps}")
+    if steps is not None and (not isinstance(steps, numbers.Integral) or isinstance(steps, bool)
+                              or steps < 1):
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    # Note [run strategy] (src/dp/run.h): the optimized strategy is fitted to the run's rows
+    # (without a length they stay 0, which the run's rules refuse).
+    if not isinstance(strategy, str):
+        raise ValueError(f"strategy must be 'sqrt_prefix_sum' or 'optimized', got {strategy!r}")
+    strategy_rows = 0
+    if strategy == "optimized" and (epochs is not None or steps is not None):
+        strategy_rows = run_rows(q, bands, epochs, steps)
+
     # σ, given or calibrated.
     if (noise_multiplier is None) == (target_epsilon is None):
         raise ValueError("give exactly one of noise_multiplier and target_epsilon")
     if target_epsilon is not None:
-        if target_delta is None or epochs is None:
-            raise ValueError("target_epsilon needs target_delta and epochs")
+        if target_delta is None or (epochs is None and steps is None):
+            raise ValueError("target_epsilon needs target_delta and epochs (or steps)")
         noise_multiplier = get_noise_multiplier(
             target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=q,
-            epochs=epochs, accountant=accountant)
+            epochs=epochs, accountant=accountant, steps=None if steps is None else
+            # the DP-SGD steps a banded run's steps equal (Note [amplified banded accounting])
+            _C.accounting.equivalent_steps(int(steps), int(steps), bands))
     sigma = float(noise_multiplier)
 
     # The compute dtype and the optimizer.
@@ -296,7 +326,7 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
     config = PrivateConfig(
         dataset=dataset, collate_fn=collate_fn, num_workers=num_workers,
         max_physical_batch_size=max_physical_batch_size, sample_rate=q, noise_multiplier=sigma,
-        bands=bands,
+        bands=bands, strategy=strategy, strategy_rows=strategy_rows,
         allow_no_noise=bool(allow_no_noise),
         max_grad_norm=max_grad_norm, clipping=clipping, clipping_groups=clipping_groups,
         group_weights=group_weights, automatic_gamma=automatic_gamma,
@@ -324,6 +354,7 @@ def run_settings(config: PrivateConfig, accountant: str,
     s.loss_reduction, s.clipping = config.loss_reduction, config.clipping
     s.automatic_gamma, s.accountant = config.automatic_gamma, accountant
     s.zero_stage, s.bands = config.zero_stage, config.bands
+    s.strategy, s.strategy_rows = config.strategy, config.strategy_rows
     s.epsilon_budget, s.budget_delta = config.epsilon_budget, config.budget_delta
     s.seed = None if config.seed is None else int(config.seed) & ((1 << 64) - 1)
     s.secure_mode = secure_mode

@@ -35,6 +35,8 @@ Every error names the key and the bad value. Sections and keys (defaults in brac
                     by itself (flat or automatic clipping, zero_stage 0-2; slower)  ["detect"]
                 bands = b >= 1: noise correlated across steps (banded matrix factorization;
                     step t samples partition t mod b, ε is DP-SGD's at one step in b)  [1]
+                strategy = with bands > 1: "sqrt_prefix_sum" | "optimized" (fitted to the
+                    run's steps; the same ε)  ["sqrt_prefix_sum"]
                 accountant = "prv" | "rdp"  ["prv"]
                 secure_mode = noise and sampling from ChaCha20 keyed by OS entropy, never
                     stored; false = Philox from [training] seed, reproducible, and ε then
@@ -120,6 +122,7 @@ class PrivacyConfig:
     clipping: str = "flat"
     isolation: str = "detect"
     bands: int = 1
+    strategy: str = "sqrt_prefix_sum"
     accountant: str = "prv"
     secure_mode: bool = True
 
@@ -291,6 +294,10 @@ def validate(cfg: RunConfig) -> None:
     _choice("[privacy] accountant", p.accountant, ("prv", "rdp"))
     if isinstance(p.bands, bool) or not isinstance(p.bands, int) or p.bands < 1:
         raise ConfigError(f"[privacy] bands must be an integer >= 1, got {p.bands!r}")
+    _choice("[privacy] strategy", p.strategy, ("sqrt_prefix_sum", "optimized"))
+    if p.strategy != "sqrt_prefix_sum" and p.bands == 1:
+        raise ConfigError(f"[privacy] strategy = {p.strategy!r} needs bands > 1 (one band is "
+                          "DP-SGD, which has no strategy)")
     if not (t.epochs > 0):
         raise ConfigError(f"[training] epochs must be > 0, got {t.epochs}")
     for key in ("batch_size", "max_physical_batch_size", "world_size"):

@@ -249,8 +249,12 @@ def _markdown(data: Dict, plots: List[str]) -> str:
     lines.append(f"- dataset size N = {data['dataset_size']}, δ = {_fmt(data['delta'])}, "
                  f"steps charged = {data['steps']}")
     if data.get("bands", 1) > 1:
+        settings = data["settings"]
+        strategy = settings.get("strategy")
+        if settings.get("strategy_rows"):
+            strategy += f", fitted to {settings['strategy_rows']} steps"
         lines.append(f"- banded correlated noise, bands = {data['bands']} (strategy "
-                     f"{data['settings'].get('strategy')}): each step sampled one of "
+                     f"{strategy}): each step sampled one of "
                      f"{data['bands']} fixed partitions, and ε is DP-SGD's at one step in "
                      f"{data['bands']} (the phase below counts those equivalent steps)")
     for ph in data["phases"]:

@@ -78,9 +78,12 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
                   ledger_path=os.path.join(run_dir, "ledger.jsonl"),
                   run_id=os.path.basename(os.path.abspath(run_dir)),
                   diagnostics_path=os.path.join(run_dir, PRIVATE_DIR, "diagnostics.jsonl"))
+        # The loop's length: b rows for each equivalent step of int(epochs / q), what σ is
+        # calibrated for and the optimized strategy is fitted to (Note [run strategy]).
+        q = common["batch_size"] * p_cfg.bands / n
+        kw.update(strategy=p_cfg.strategy, steps=p_cfg.bands * int(t_cfg.epochs / q))
         if p_cfg.target_epsilon is not None:
-            kw.update(target_epsilon=p_cfg.target_epsilon, target_delta=delta,
-                      epochs=t_cfg.epochs)
+            kw.update(target_epsilon=p_cfg.target_epsilon, target_delta=delta)
         else:
             kw.update(noise_multiplier=p_cfg.noise_multiplier)
     else:

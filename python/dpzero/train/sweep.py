@@ -148,11 +148,14 @@ def _check_directory(out_dir: str, runs) -> None:
                                   "what it ran with is unknown; use another --output") from None
             continue  # created, never started: nothing ran, nothing charged
         now = run.to_dict()
-        differs = [f"[{section}] {key}: {before.get(section, {}).get(key)!r} then, "
+        # A key a run's saved config lacks (one added to dpzero since) had its default then.
+        then = {section: {**values, **before.get(section, {})}
+                for section, values in RunConfig().to_dict().items()}
+        differs = [f"[{section}] {key}: {then[section].get(key)!r} then, "
                    f"{value!r} now" for section, values in now.items()
                    for key, value in values.items()
                    if (section, key) != ("output", "dir")  # the run is known by its place
-                   and before.get(section, {}).get(key) != value]
+                   and then[section].get(key) != value]
         if differs:
             raise ConfigError(f"{path} ran with other settings than this sweep gives it "
                               f"({'; '.join(differs)}); use another --output")

@@ -135,7 +135,7 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
             target_epsilon=p_cfg.target_epsilon, target_delta=delta,
             noise_multiplier=p_cfg.noise_multiplier, max_grad_norm=p_cfg.max_grad_norm,
             clipping=p_cfg.clipping, isolation=p_cfg.isolation, accountant=p_cfg.accountant,
-            bands=p_cfg.bands, zero_stage=t_cfg.zero_stage,
+            bands=p_cfg.bands, strategy=p_cfg.strategy, zero_stage=t_cfg.zero_stage,
             secure_mode=p_cfg.secure_mode, seed=None if p_cfg.secure_mode else t_cfg.seed,
             diagnostics_path=os.path.join(run_dir, PRIVATE_DIR, "diagnostics.jsonl"))
     else:
