@@ -23,46 +23,51 @@ void require_positive(const char* name, int64_t value) {
 }
 
 // Note [optimized banded strategies]: f(c) = ‖c‖² · MeanSE(c, n) for c = (1, x_1, .., x_{b−1})
-// and, when `grad` is given, ∂f/∂x_j (b − 1 of them). d_k (C⁻¹'s coefficients) and their
-// derivatives ∂d_k/∂c_j = −d_{k−j} − Σ_i c_i ∂d_{k−i}/∂c_j are kept for the last b indices only.
-// +inf where the series overflows.
+// and, when `grad` is given, ∂f/∂x_j (b − 1 of them), in O(n·b) by reverse-mode
+// differentiation of
+//   d_0 = 1, d_k = −Σ_{i=1}^{min(k, b−1)} c_i d_{k−i}   (C⁻¹'s coefficients),
+//   e_k = Σ_{i≤k} d_i,   L = Σ_k (n − k)·e_k²,   f = ‖c‖²·L/n.
+// The adjoint of d_i is first the suffix sum Σ_{k≥i} 2(n − k)e_k (through the e's); then,
+// from k = n − 1 down, d_k's adjoint a is final (the d's that read d_k come after it) and passes
+// −a·d_{k−i} to c_i and −a·c_i to d_{k−i}. +inf where the series overflows.
 double banded_objective(const std::vector<double>& x, int64_t n, std::vector<double>* grad) {
   const int64_t b = static_cast<int64_t>(x.size()) + 1;
   auto c = [&](int64_t i) { return i == 0 ? 1.0 : x[static_cast<size_t>(i - 1)]; };
-  std::vector<double> d(static_cast<size_t>(b), 0.0);               // d[k mod b]
-  std::vector<double> dd(static_cast<size_t>(b * (b - 1)), 0.0);    // [j - 1][k mod b]
-  std::vector<double> de(static_cast<size_t>(b - 1), 0.0);          // ∂e_k/∂c_j
-  std::vector<double> dmse(static_cast<size_t>(b - 1), 0.0);
-  auto at = [b](int64_t k) { return static_cast<size_t>(k % b); };
-  double e = 0.0, mse = 0.0;
+  std::vector<double> d(static_cast<size_t>(n));
+  double e = 0.0, loss = 0.0;
   for (int64_t k = 0; k < n; ++k) {
-    const int64_t reach = std::min<int64_t>(k, b - 1);
     double s = k == 0 ? 1.0 : 0.0;
-    for (int64_t i = 1; i <= reach; ++i) s -= c(i) * d[at(k - i)];
-    for (int64_t j = 1; j < b; ++j) {
-      double* row = dd.data() + (j - 1) * b;
-      double g = k >= j ? -d[at(k - j)] : 0.0;
-      for (int64_t i = 1; i <= reach; ++i) g -= c(i) * row[at(k - i)];
-      row[at(k)] = g;
-      de[static_cast<size_t>(j - 1)] += g;
-    }
-    d[at(k)] = s;
+    for (int64_t i = 1; i <= std::min<int64_t>(k, b - 1); ++i) s -= c(i) * d[k - i];
+    d[k] = s;
     e += s;
-    const double weight = static_cast<double>(n - k);
-    mse += weight * e * e;
-    for (int64_t j = 1; j < b; ++j)
-      dmse[static_cast<size_t>(j - 1)] += 2.0 * weight * e * de[static_cast<size_t>(j - 1)];
-    if (!std::isfinite(mse)) return INFINITY;
+    loss += static_cast<double>(n - k) * e * e;
+    if (!std::isfinite(loss)) return INFINITY;
   }
   const double scale = 1.0 / static_cast<double>(n);
   double norm2 = 1.0;
   for (double v : x) norm2 += v * v;
   if (grad != nullptr) {
+    // adjoint[i]: ∂L/∂d_i; e_k again from the d's, then the suffix sums of 2(n − k)e_k.
+    std::vector<double> adjoint(static_cast<size_t>(n));
+    e = 0.0;
+    for (int64_t k = 0; k < n; ++k) {
+      e += d[k];
+      adjoint[k] = 2.0 * static_cast<double>(n - k) * e;
+    }
+    for (int64_t k = n - 2; k >= 0; --k) adjoint[k] += adjoint[k + 1];
+    std::vector<double> dc(static_cast<size_t>(b), 0.0);  // ∂L/∂c_i
+    for (int64_t k = n - 1; k >= 1; --k) {
+      const double a = adjoint[k];
+      for (int64_t i = 1; i <= std::min<int64_t>(k, b - 1); ++i) {
+        dc[i] -= a * d[k - i];
+        adjoint[k - i] -= a * c(i);
+      }
+    }
     grad->resize(x.size());
     for (size_t j = 0; j < x.size(); ++j)
-      (*grad)[j] = 2.0 * x[j] * mse * scale + norm2 * dmse[j] * scale;
+      (*grad)[j] = 2.0 * x[j] * loss * scale + norm2 * dc[j + 1] * scale;
   }
-  return norm2 * mse * scale;
+  return norm2 * loss * scale;
 }
 
 }  // namespace

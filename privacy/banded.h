@@ -39,8 +39,8 @@
 // (f is invariant to scaling c), the objective McKenna et al. 2024 (§4) optimise over banded
 // matrices, here kept Toeplitz so that the run needs only b numbers. f is smooth wherever C⁻¹'s
 // power series stays bounded on n steps; from sqrt_prefix_sum a damped Newton iteration: the
-// gradient exact (forward derivatives through the recursion of d, O(n b²)), the Hessian by central
-// differences of the gradient, a step accepted only where f decreases (halved until it does; the
+// gradient exact (reverse-mode through the recursion of d, O(n b)), the Hessian by central
+// differences of the gradient (O(n b²) an iteration), a step accepted only where f decreases (halved until it does; the
 // gradient's direction where the Hessian is not positive definite), stopping when f falls by less
 // than 1e-12 of itself or after 200 iterations. The result is a local minimum no worse than the
 // start; tests/python/test_banded.py checks it against SciPy's minimiser on dense matrices.

@@ -139,6 +139,26 @@ def test_the_optimized_strategy_is_scipys_minimum_of_the_dense_objective(n, band
     assert ours >= scipy_best * (1 - 1e-4)  # the same minimum, not another one
 
 
+@pytest.mark.parametrize("n, bands", [(3000, 32), (10000, 64)])
+def test_the_optimized_strategy_of_a_long_run_is_a_minimum_along_every_coefficient(n, bands):
+    """Where dense matrices are too large for SciPy: f (through mean_squared_error, itself checked
+    against the dense factorization above) rises when any one coefficient moves either way, so
+    the fit (its gradient by reverse-mode differentiation) stopped at a minimum; and it is below
+    the square root's."""
+    best = np.array(BandedToeplitz.optimized(bands, n).coefficients)
+
+    def f(c):
+        return float(np.dot(c, c)) * BandedToeplitz(list(c)).mean_squared_error(n)
+
+    at = f(best)
+    assert at < f(np.array(BandedToeplitz.sqrt_prefix_sum(bands).coefficients))
+    for j in range(1, bands):
+        for h in (1e-4, -1e-4):
+            moved = best.copy()
+            moved[j] += h
+            assert f(moved) > at, (j, h)
+
+
 def test_the_optimized_strategy_of_one_band_is_dp_sgd_and_bad_sizes_are_refused():
     assert BandedToeplitz.optimized(1, 50).coefficients == [1.0]
     with pytest.raises(ValueError, match="bands must be >= 1, got 0"):
