@@ -120,24 +120,33 @@ def _sweep(raw: dict, sweep_dir: str, grid: list, seeds: int) -> list:
 
 
 def utility(bands: int, out: str, model: str = "scatternet", epsilons=EPSILONS,
-            seeds: int = 3, optimized: bool = False) -> tuple:
-    """(section tag, section text) of DP-SGD against ``bands`` bands on ``model`` at each ε (the
-    banded square root, and with ``optimized`` the optimized strategy of the run's length)."""
+            seeds: int = 3, strategies=("sqrt_prefix_sum",), batch: int = 1024,
+            lr: float = 2.0) -> tuple:
+    """(section tag, section text) of DP-SGD against ``bands`` bands with each of ``strategies``
+    on ``model`` at each ε, at expected batch ``batch`` and learning rate ``lr`` (20 epochs)."""
     config_name, tag, what = MODELS[model]
+    recipe = dict(UTILITY, batch_size=batch, lr=lr,
+                  max_physical_batch_size=min(batch, UTILITY["max_physical_batch_size"]))
+    standard = batch == UTILITY["batch_size"] and lr == UTILITY["lr"]
+    if not standard:  # another recipe: its own runs and section
+        tag, model_dir = f"{tag}-batch{batch}-lr{lr:g}", f"{model}-batch{batch}-lr{lr:g}"
+    else:
+        model_dir = model
     with open(os.path.join(ROOT, "configs", config_name), "rb") as f:
         raw = tomllib.load(f)
     raw["privacy"].pop("noise_multiplier", None)  # σ is calibrated for each ε and b
-    raw["training"].update(UTILITY)
-    columns = [(1, "sqrt_prefix_sum"), (bands, "sqrt_prefix_sum")] + \
-        ([(bands, "optimized")] if optimized else [])
+    raw["training"].update(recipe)
+    columns = [(1, "sqrt_prefix_sum")] + [(bands, s) for s in strategies]
     acc, sig = {}, {}  # (ε, column) -> accuracies, σ
     for eps in epsilons:
         raw["privacy"]["target_epsilon"] = eps
-        sweep_dir = os.path.join(out, model, f"eps{eps:g}")
-        found = [((1 if int(r["privacy.bands"]) == 1 else bands, "sqrt_prefix_sum"), r)
+        sweep_dir = os.path.join(out, model_dir, f"eps{eps:g}")
+        square_root = "sqrt_prefix_sum" in strategies
+        found = [((1 if int(r.get("privacy.bands", 1)) == 1 else bands, "sqrt_prefix_sum"), r)
                  for r in _sweep(dict(raw, privacy=dict(raw["privacy"])), sweep_dir,
-                                 ["--grid", f"privacy.bands=1,{bands}"], seeds)]
-        if optimized:
+                                 ["--grid", f"privacy.bands=1,{bands}"] if square_root else [],
+                                 seeds)]
+        if "optimized" in strategies:
             fitted = dict(raw, privacy=dict(raw["privacy"], bands=bands, strategy="optimized"))
             found += [((bands, "optimized"), r)
                       for r in _sweep(fitted, sweep_dir + "-optimized", [], seeds)]
@@ -146,11 +155,14 @@ def utility(bands: int, out: str, model: str = "scatternet", epsilons=EPSILONS,
             sig[(eps, column)] = float(r["noise_multiplier"])
     names = {(1, "sqrt_prefix_sum"): "DP-SGD (b = 1)", (bands, "sqrt_prefix_sum"):
              f"b = {bands}, square root", (bands, "optimized"): f"b = {bands}, optimized"}
+    flags = "".join([f" --model {model}", f" --bands {bands}" if bands != 4 else "",
+                     f" --strategies {','.join(strategies)}"
+                     if tuple(strategies) != ("sqrt_prefix_sum",) else "",
+                     "" if standard else f" --batch {batch} --lr {lr:g}"])
     lines = [f"<!-- {tag}:begin -->",
-             f"Written by `experiments/bandmf.py utility --model {model}"
-             f"{' --strategy optimized' if optimized else ''}` ({dpzero_version()}; "
+             f"Written by `experiments/bandmf.py utility{flags}` ({dpzero_version()}; "
              f"2-core CPU, one rank). {what}: `configs/{config_name}` with expected batch "
-             f"{UTILITY['batch_size']}, {UTILITY['epochs']} epochs, lr {UTILITY['lr']} (SGD, "
+             f"{recipe['batch_size']}, {recipe['epochs']} epochs, lr {recipe['lr']:g} (SGD, "
              "momentum 0.9, C = 0.1), δ = 1e-5, σ calibrated by PRV for each ε; the same "
              "hyperparameters for every mechanism. Test accuracy, mean ± sd over seeds "
              f"{', '.join(str(k) for k in range(seeds))}; the gain is over DP-SGD, in points.",
@@ -163,7 +175,7 @@ def utility(bands: int, out: str, model: str = "scatternet", epsilons=EPSILONS,
               for c in columns}
         cells = [f"{100 * mean[c]:.2f}% ± {100 * sd[c]:.2f}" for c in columns]
         gains = " / ".join(f"{100 * (mean[c] - mean[columns[0]]):+.2f}" for c in columns[1:])
-        sigmas = " / ".join(f"{sig[(eps, (b, 'sqrt_prefix_sum'))]:.3g}"
+        sigmas = " / ".join(f"{next(v for (e, (bb, _)), v in sig.items() if e == eps and bb == b):.3g}"
                             for b in sorted({b for b, _ in columns}))
         lines.append(f"| {eps:g} | " + " | ".join(cells) + f" | {gains} | {sigmas} |")
     lines.append(f"<!-- {tag}:end -->")
@@ -248,9 +260,12 @@ def main(argv=None) -> int:
     parser.add_argument("--epsilons", default=",".join(f"{e:g}" for e in EPSILONS),
                         help="utility: the target ε values")
     parser.add_argument("--seeds", type=int, default=3, help="utility: seeds per cell")
-    parser.add_argument("--strategy", choices=("sqrt_prefix_sum", "optimized"),
-                        default="sqrt_prefix_sum",
-                        help="utility: optimized adds the optimized strategy's column")
+    parser.add_argument("--strategies", default="sqrt_prefix_sum",
+                        help="utility: the banded strategies to run beside DP-SGD, comma-separated "
+                             "(sqrt_prefix_sum, optimized)")
+    parser.add_argument("--batch", type=int, default=UTILITY["batch_size"],
+                        help="utility: the expected batch")
+    parser.add_argument("--lr", type=float, default=UTILITY["lr"], help="utility: SGD's lr")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bandmf"))
     args = parser.parse_args(argv)
@@ -259,9 +274,13 @@ def main(argv=None) -> int:
     elif args.what == "cost":
         tag, section = "cost", cost(args.rounds)
     else:
+        strategies = tuple(args.strategies.split(","))
+        bad = sorted(set(strategies) - {"sqrt_prefix_sum", "optimized"})
+        if bad:
+            parser.error(f"--strategies: unknown {bad}; use sqrt_prefix_sum and/or optimized")
         tag, section = utility(args.bands, args.out, args.model,
                                tuple(float(e) for e in args.epsilons.split(",")), args.seeds,
-                               args.strategy == "optimized")
+                               strategies, args.batch, args.lr)
     print(section)
     write_marked_section(RESULTS, tag, TITLE, section)
     return 0
