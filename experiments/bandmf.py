@@ -121,15 +121,16 @@ def _sweep(raw: dict, sweep_dir: str, grid: list, seeds: int) -> list:
 
 def utility(bands: int, out: str, model: str = "scatternet", epsilons=EPSILONS,
             seeds: int = 3, strategies=("sqrt_prefix_sum",), batch: int = 1024,
-            lr: float = 2.0) -> tuple:
+            lr: float = 2.0, epochs: float = 20) -> tuple:
     """(section tag, section text) of DP-SGD against ``bands`` bands with each of ``strategies``
-    on ``model`` at each ε, at expected batch ``batch`` and learning rate ``lr`` (20 epochs)."""
+    on ``model`` at each ε, at expected batch ``batch``, learning rate ``lr`` and ``epochs``."""
     config_name, tag, what = MODELS[model]
-    recipe = dict(UTILITY, batch_size=batch, lr=lr,
+    recipe = dict(UTILITY, batch_size=batch, lr=lr, epochs=epochs,
                   max_physical_batch_size=min(batch, UTILITY["max_physical_batch_size"]))
-    standard = batch == UTILITY["batch_size"] and lr == UTILITY["lr"]
+    standard = (batch, lr, epochs) == (UTILITY["batch_size"], UTILITY["lr"], UTILITY["epochs"])
     if not standard:  # another recipe: its own runs and section
-        tag, model_dir = f"{tag}-batch{batch}-lr{lr:g}", f"{model}-batch{batch}-lr{lr:g}"
+        name = f"batch{batch}-lr{lr:g}-epochs{epochs:g}"
+        tag, model_dir = f"{tag}-{name}", f"{model}-{name}"
     else:
         model_dir = model
     with open(os.path.join(ROOT, "configs", config_name), "rb") as f:
@@ -158,11 +159,11 @@ def utility(bands: int, out: str, model: str = "scatternet", epsilons=EPSILONS,
     flags = "".join([f" --model {model}", f" --bands {bands}" if bands != 4 else "",
                      f" --strategies {','.join(strategies)}"
                      if tuple(strategies) != ("sqrt_prefix_sum",) else "",
-                     "" if standard else f" --batch {batch} --lr {lr:g}"])
+                     "" if standard else f" --batch {batch} --lr {lr:g} --epochs {epochs:g}"])
     lines = [f"<!-- {tag}:begin -->",
              f"Written by `experiments/bandmf.py utility{flags}` ({dpzero_version()}; "
              f"2-core CPU, one rank). {what}: `configs/{config_name}` with expected batch "
-             f"{recipe['batch_size']}, {recipe['epochs']} epochs, lr {recipe['lr']:g} (SGD, "
+             f"{recipe['batch_size']}, {recipe['epochs']:g} epochs, lr {recipe['lr']:g} (SGD, "
              "momentum 0.9, C = 0.1), δ = 1e-5, σ calibrated by PRV for each ε; the same "
              "hyperparameters for every mechanism. Test accuracy, mean ± sd over seeds "
              f"{', '.join(str(k) for k in range(seeds))}; the gain is over DP-SGD, in points.",
@@ -266,6 +267,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=UTILITY["batch_size"],
                         help="utility: the expected batch")
     parser.add_argument("--lr", type=float, default=UTILITY["lr"], help="utility: SGD's lr")
+    parser.add_argument("--epochs", type=float, default=UTILITY["epochs"], help="utility: epochs")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bandmf"))
     args = parser.parse_args(argv)
@@ -280,7 +282,7 @@ def main(argv=None) -> int:
             parser.error(f"--strategies: unknown {bad}; use sqrt_prefix_sum and/or optimized")
         tag, section = utility(args.bands, args.out, args.model,
                                tuple(float(e) for e in args.epsilons.split(",")), args.seeds,
-                               strategies, args.batch, args.lr)
+                               strategies, args.batch, args.lr, args.epochs)
     print(section)
     write_marked_section(RESULTS, tag, TITLE, section)
     return 0
