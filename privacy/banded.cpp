@@ -100,6 +100,13 @@ BandedToeplitz BandedToeplitz::sqrt_prefix_sum(int64_t bands) {
 BandedToeplitz BandedToeplitz::optimized(int64_t bands, int64_t n) {
   require_positive("bands", bands);
   require_positive("n", n);
+  if (static_cast<double>(n) * static_cast<double>(bands) * static_cast<double>(bands) >
+      kMaxOptimizedWork)
+    throw std::invalid_argument(
+        "BandedToeplitz: fitting " + std::to_string(bands) + " bands to n=" + std::to_string(n) +
+        " steps is n·b² = " + format_double(static_cast<double>(n) * bands * bands) +
+        ", above the " + format_double(kMaxOptimizedWork) +
+        " the fit takes (its time grows as n·b²); fit fewer steps or bands");
   const std::vector<double> start = sqrt_prefix_sum(bands).coefficients();
   std::vector<double> x(start.begin() + 1, start.end());
   const auto m = static_cast<Eigen::Index>(x.size());

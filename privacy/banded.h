@@ -65,8 +65,11 @@ class BandedToeplitz {
   static BandedToeplitz sqrt_prefix_sum(int64_t bands);
   // Note [optimized banded strategies]: the b-banded Toeplitz strategy with c_0 = 1 of least
   // expected error for an n-step run (a local minimum reached from sqrt_prefix_sum). Throws
-  // std::invalid_argument for bands or n < 1.
+  // std::invalid_argument for bands or n < 1, and for n·b² above kMaxOptimizedWork.
   static BandedToeplitz optimized(int64_t bands, int64_t n);
+  // The largest n·b² optimized() takes: an iteration costs O(n·b²) (about ten seconds at this
+  // size on one core) and the fit holds 2n doubles.
+  static constexpr double kMaxOptimizedWork = 1e10;
 
   int64_t bands() const { return static_cast<int64_t>(c_.size()); }
   const std::vector<double>& coefficients() const { return c_; }

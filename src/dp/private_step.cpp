@@ -105,6 +105,9 @@ PrivateStep::PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& zero,
   }
   if (s.bands > 1) {  // κ: the strategy's full column (its constructor refuses a non-finite one)
     band_norm_ = privacy::BandedToeplitz(s.strategy).column_norm(s.bands, 0);
+    if (!std::isfinite(band_norm_))
+      throw std::invalid_argument("PrivateStep: the strategy's column norm overflows (" +
+                                  std::to_string(band_norm_) + "); its noise would be infinite");
   }
   set_noise_key(settings_.noise_key);
   restore(charges, accountant_, rows);

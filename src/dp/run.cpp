@@ -1,6 +1,7 @@
 // src/dp/run.cpp — see run.h (Note [one set of rules]).
 #include "src/dp/run.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -117,10 +118,15 @@ void agree(const RunSettings& s, const std::vector<AgreedSetting>& own,
 std::vector<double> ledger_strategy(const accounting::LedgerHeader& header, const RunSettings& s,
                                     const std::string& path) {
   const nlohmann::ordered_json& h = header.settings;
+  const auto bad = [&](const char* key, const std::string& needs) {
+    refuse("ledger " + path + " has " + key + " " + h[key].dump() + "; it must be " + needs +
+           ". The ledger was edited: give this run its own ledger path");
+  };
+  if (h.contains("strategy") && !h["strategy"].is_string()) bad("strategy", "a string");
+  if (h.contains("strategy_rows") && !h["strategy_rows"].is_number_integer())
+    bad("strategy_rows", "an integer");
   const std::string name = h.value("strategy", std::string("sqrt_prefix_sum"));
-  const int64_t rows = h.contains("strategy_rows") && h["strategy_rows"].is_number_integer()
-                           ? h["strategy_rows"].get<int64_t>()
-                           : 0;
+  const int64_t rows = h.value("strategy_rows", int64_t{0});
   if (name != s.strategy || rows != s.strategy_rows)
     refuse("ledger " + path + " is for a run of strategy=" + quoted(name) +
            (rows > 0 ? " fitted to " + std::to_string(rows) + " rows" : std::string()) +
@@ -135,12 +141,14 @@ std::vector<double> ledger_strategy(const accounting::LedgerHeader& header, cons
   if (c.is_array())
     for (const auto& x : c)
       if (x.is_number()) out.push_back(x.get<double>());
+  const std::string needs = std::to_string(s.bands) + " finite numbers, the first 1" +
+                            (s.strategy == "sqrt_prefix_sum" ? ", the square root's" : "") +
+                            ", whose column norm is finite";
   if (!c.is_array() || static_cast<int64_t>(out.size()) != s.bands || out.size() != c.size() ||
-      out[0] != 1.0)
-    refuse("ledger " + path + " has strategy_coefficients " + c.dump() + "; a run of bands=" +
-           std::to_string(s.bands) + " needs " + std::to_string(s.bands) +
-           " numbers, the first 1. The ledger was edited: give this run its own ledger path");
-  privacy::BandedToeplitz{out};  // every coefficient finite (std::invalid_argument otherwise)
+      out[0] != 1.0 || !std::all_of(out.begin(), out.end(), [](double x) { return std::isfinite(x); }) ||
+      !std::isfinite(privacy::BandedToeplitz(out).column_norm(s.bands, 0)) ||
+      (s.strategy == "sqrt_prefix_sum" && out != run_strategy(s).coefficients()))
+    bad("strategy_coefficients", needs);
   return out;
 }
 
@@ -270,6 +278,14 @@ void check_run_settings(const RunSettings& s) {
   if (s.strategy == "optimized" && s.strategy_rows < 1)
     refuse("strategy='optimized' fits the strategy to the run's length and needs strategy_rows "
            ">= 1 (make_private: epochs or steps), got " + std::to_string(s.strategy_rows));
+  if (s.strategy == "optimized" &&
+      static_cast<double>(s.strategy_rows) * static_cast<double>(s.bands) *
+              static_cast<double>(s.bands) >
+          privacy::BandedToeplitz::kMaxOptimizedWork)
+    refuse("strategy='optimized' with strategy_rows=" + std::to_string(s.strategy_rows) +
+           " and bands=" + std::to_string(s.bands) + ": the fit's work, rows × bands², is above " +
+           format_double(privacy::BandedToeplitz::kMaxOptimizedWork) +
+           "; fit it to fewer steps, or use strategy='sqrt_prefix_sum'");
   if (s.strategy != "optimized" && s.strategy_rows != 0)
     refuse("strategy_rows=" + std::to_string(s.strategy_rows) + " is read by strategy='optimized' "
            "only, and this run has strategy=" + quoted(s.strategy) + "; leave it 0");

@@ -140,7 +140,11 @@ struct RunStart {
 // two ranks to have computed it alike). The ledger's header records the strategy's name, rows
 // and coefficients; a run that continues a ledger must name the same strategy and rows and takes
 // the coefficients the ledger holds, so a resumed run's noise continues the same C⁻¹z (Note
-// [correlated noise on shards]) without fitting again, on any build.
+// [correlated noise on shards]) without fitting again, on any build. A run resumed from a
+// PrivacyEngine.state_dict(), which records the same three, must have them too (Python's
+// load_state_dict refuses another): rows drawn through one C⁻¹ and then another are no banded
+// mechanism (a column of the stitched matrix can exceed norm 1). The fit's work, rows × b², is
+// bounded (BandedToeplitz::kMaxOptimizedWork).
 //
 // Steps 1–6 of Note [one set of rules] on every rank of `comm`, which must all call it.
 // `accountant` (its kind is settings.accountant's) composes the charges a continued ledger holds.

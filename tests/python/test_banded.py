@@ -165,6 +165,10 @@ def test_the_optimized_strategy_of_one_band_is_dp_sgd_and_bad_sizes_are_refused(
         BandedToeplitz.optimized(0, 50)
     with pytest.raises(ValueError, match="n must be >= 1, got -3"):
         BandedToeplitz.optimized(4, -3)
+    # The fit's work grows as n·b²: refused beyond 1e10, before any memory is taken.
+    with pytest.raises(ValueError, match=r"fitting 64 bands to n=10000000 steps is n·b² = "
+                                         r"4\.096e\+10, above the 1e\+10"):
+        BandedToeplitz.optimized(64, 10**7)
 
 
 @pytest.mark.parametrize("coefficients, match", [

@@ -276,6 +276,58 @@ def test_a_continued_ledger_starts_after_its_last_row(tmp_path):
     assert p.optimizer.step() and engine.last_step["step"] == 6
 
 
+def test_a_state_of_another_strategy_is_refused(tmp_path):
+    """Note [run strategy]: a run resumed from its state_dict (no ledger pins the strategy) with
+    another strategy or length would continue the same draws through another C⁻¹, which is no
+    banded mechanism; refused, naming both."""
+    _, sqrt = updates(3, 2, rate=0.25)
+    _, fitted = updates(3, 2, rate=0.25, strategy="optimized", steps=12)
+    for state, kw, message in [
+            (sqrt.state_dict(), dict(strategy="optimized", steps=12),
+             "its strategy is 'sqrt_prefix_sum', this engine's 'optimized'"),
+            (fitted.state_dict(), dict(strategy="optimized", steps=20),
+             "its strategy_rows is 12, this engine's 20"),
+            (fitted.state_dict(), {}, "its strategy is 'optimized', this engine's "
+             "'sqrt_prefix_sum'; strategy_rows is 12, this engine's 0")]:
+        p = dpzero.make_private(net(), dataset=data(), sample_rate=0.25, noise_multiplier=SIGMA,
+                                max_grad_norm=C, lr=LR, seed=11, bands=3, **kw)
+        with pytest.raises(ValueError, match=message):
+            p.privacy_engine.load_state_dict(json.loads(json.dumps(state)))
+        assert p.privacy_engine.next_step == 0  # nothing changed
+    # A state written before strategies were recorded is the square root's.
+    old = sqrt.state_dict()
+    for key in ("strategy", "strategy_rows", "strategy_coefficients"):
+        del old[key]
+    p = dpzero.make_private(net(), dataset=data(), sample_rate=0.25, noise_multiplier=SIGMA,
+                            max_grad_norm=C, lr=LR, seed=11, bands=3)
+    p.privacy_engine.load_state_dict(old)
+    assert p.privacy_engine.next_step == 2
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"strategy": 5}, "has strategy 5; it must be a string"),
+    ({"strategy": "optimized", "strategy_rows": 40.0}, "has strategy_rows 40.0; it must be an "
+     "integer"),
+    ({"strategy_coefficients": [1.0, 0.5, 0.3]}, r"has strategy_coefficients \[1.0,0.5,0.3\]; "
+     "it must be 3 finite numbers, the first 1, the square root's"),
+    ({"strategy": "optimized", "strategy_rows": 40, "strategy_coefficients": [1.0, 1e200, 0.0]},
+     "whose column norm is finite"),
+    ({"strategy": "optimized", "strategy_rows": 40, "strategy_coefficients": [1.0, True, 0.0]},
+     r"\[1.0,true,0.0\]; it must be 3 finite numbers"),
+])
+def test_an_edited_ledger_strategy_is_refused_naming_it(tmp_path, settings, message):
+    ledger = str(tmp_path / "l.jsonl")
+    log = dpzero.accounting.Ledger.create(ledger, run_id="l.jsonl", dataset_size=N,
+                                          settings={"bands": 3, **settings})
+    log.append(first_step=0, q=0.25, sigma=SIGMA, max_grad_norm=C)
+    log.close()
+    length = dict(strategy="optimized", steps=40) if "strategy_rows" in settings else {}
+    with pytest.raises(ValueError, match=message):
+        dpzero.make_private(net(), dataset=data(), sample_rate=0.25, noise_multiplier=SIGMA,
+                            max_grad_norm=C, lr=LR, seed=11, bands=3, ledger_path=ledger,
+                            **length)
+
+
 def test_own_batch_is_refused_by_a_banded_run():
     p = dpzero.make_private(net(), dataset=data(), sample_rate=0.25, noise_multiplier=SIGMA,
                             max_grad_norm=C, lr=LR, seed=11, bands=2)
@@ -301,6 +353,19 @@ def test_own_batch_is_refused_by_a_banded_run():
     (dict(bands=2, strategy=None), "strategy must be 'sqrt_prefix_sum' or 'optimized', got None"),
     (dict(bands=2, strategy="optimized", epochs=1.0, steps=4), "at most one of epochs and steps"),
     (dict(bands=2, strategy="optimized", steps=0), "steps must be an integer >= 1, got 0"),
+    (dict(bands=2, strategy="optimized", steps=True), "steps must be an integer >= 1, got True"),
+    (dict(bands=2, strategy="optimized", steps=2**70), "steps must be an integer >= 1, got "
+     f"{2**70}"),
+    (dict(bands=2, strategy="optimized", epochs=-1.0), "epochs must be a finite number > 0, got "
+     "-1.0"),
+    (dict(bands=2, epochs=math.nan), "epochs must be a finite number > 0, got nan"),
+    (dict(bands=2, strategy="optimized", epochs=True), "epochs must be a finite number > 0, got "
+     "True"),
+    (dict(bands=2, strategy="optimized", epochs="2"), "epochs must be a finite number > 0, got "
+     "'2'"),
+    (dict(bands=2, strategy="optimized", epochs=1e300), r"epochs=1e\+300 is \d+ steps"),
+    (dict(bands=2, strategy="optimized", steps=10**10), "strategy_rows=10000000000 and bands=2: "
+     r"the fit's work, rows × bands², is above 1e\+10"),
 ])
 def test_settings_the_theorem_does_not_cover_are_refused(kwargs, message):
     args = dict(dataset=data(), noise_multiplier=SIGMA, max_grad_norm=C, lr=LR, seed=11)

@@ -325,7 +325,8 @@ ROWS = [
     ("edited strategy coefficients", {"bands": 4},
      {"run_id": "x", "settings": {"bands": 4, "strategy": "sqrt_prefix_sum",
                                   "strategy_coefficients": [1.0, 0.5]}},
-     "has strategy_coefficients [1.0,0.5]; a run of bands=4 needs 4 numbers, the first 1"),
+     "has strategy_coefficients [1.0,0.5]; it must be 4 finite numbers, the first 1, the "
+     "square root's"),
     # A parameter frozen after the backward: the step refuses (Note [trained set]).
     ("trained set changed", {"freeze": "fc1.bias"}, None,
      "trainable parameters changed since the model was made private (trainable or frozen "

@@ -266,8 +266,11 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
     if epochs is not None and steps is not None:
         raise ValueError(f"give at most one of epochs and steps, got epochs={epochs}, "
                          f"steps={steps}")
+    if epochs is not None and (not isinstance(epochs, numbers.Real) or isinstance(epochs, bool)
+                               or not math.isfinite(epochs) or epochs <= 0):
+        raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}")
     if steps is not None and (not isinstance(steps, numbers.Integral) or isinstance(steps, bool)
-                              or steps < 1):
+                              or not 1 <= steps < 2**63):
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     # Note [run strategy] (src/dp/run.h): the optimized strategy is fitted to the run's rows
     # (without a length they stay 0, which the run's rules refuse).
@@ -276,6 +279,9 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
     strategy_rows = 0
     if strategy == "optimized" and (epochs is not None or steps is not None):
         strategy_rows = run_rows(q, bands, epochs, steps)
+        if strategy_rows >= 2**63:
+            raise ValueError(f"epochs={epochs!r} is {strategy_rows} steps at q={q:g}: more than "
+                             "any run takes")
 
     # σ, given or calibrated.
     if (noise_multiplier is None) == (target_epsilon is None):

@@ -271,7 +271,7 @@ class PrivacyEngine:
         reads it can regenerate the run's noise and sampling)."""
         state = {
             "next_step": self.next_step, "charges": self.charges, "rows": self._step.rows,
-            "bands": self.bands,
+            "bands": self.bands, **self._strategy,
             "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
             "max_grad_norm": self.max_grad_norm, "dataset_size": self.dataset_size,
             "accountant": self.accountant_name,
@@ -301,6 +301,21 @@ class PrivacyEngine:
         bands, rows = int(state.get("bands", 1)), int(state.get("rows", 0))
         if bands != self.bands:
             raise ValueError(f"state_dict: bands is {bands}, this engine has {self.bands}")
+        # A banded run's noise continues only with the strategy its rows were drawn with (one
+        # C⁻¹z over the whole run, Note [run strategy]); a state from before the strategy was
+        # recorded is of the square root's.
+        if bands > 1:
+            theirs = {"strategy": state.get("strategy", "sqrt_prefix_sum"),
+                      "strategy_rows": state.get("strategy_rows", 0),
+                      "strategy_coefficients": state.get(
+                          "strategy_coefficients", self._strategy["strategy_coefficients"]
+                          if self._strategy["strategy"] == "sqrt_prefix_sum" else None)}
+            differs = [f"{key} is {theirs[key]!r}, this engine's {self._strategy[key]!r}"
+                       for key in theirs if theirs[key] != self._strategy[key]]
+            if differs:
+                raise ValueError(f"state_dict: its {'; '.join(differs)}: the noise would not "
+                                 "continue the run's own (Note [run strategy]); make the model "
+                                 "private with the run's strategy and length")
         # A banded run's rows only grow and every charge has its own (Note [banded steps]):
         # rows >= charges, and its sampler is past them.
         if bands > 1 and ("rows" not in state or not
@@ -430,6 +445,9 @@ class PrivacyEngine:
         # Read-only (properties below): the sampler reads them at every epoch, and the private
         # step fixed its own copies, which must never disagree with what it samples.
         self._sample_rate, self._dataset_size, self._bands = q, n, c.bands
+        # Note [run strategy] (src/dp/run.h): the coefficients every rank's noise uses.
+        self._strategy = {"strategy": c.strategy, "strategy_rows": c.strategy_rows,
+                          "strategy_coefficients": list(run.strategy)} if c.bands > 1 else {}
         self.noise_source = NoiseSource.of_run(run)
         self._ledger = Ledger(run.ledger) if run.ledger is not None else None
         first_step = run.first_step  # past every charge and every step the ledger holds
