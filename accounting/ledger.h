@@ -7,7 +7,9 @@
 // followed by '\n' (format 2):
 //   {"kind":"header","format":2,"run_id":"...","dataset_size":N,"created":"2025-01-31T12:00:00Z",
 //    "settings":{...free JSON object: accountant, delta, ...; "bands", when present, an integer
-//    >= 1 that phases() reads: Note [amplified banded accounting] in accounting/banded.h}}
+//    >= 1 that phases() reads: Note [amplified banded accounting] in accounting/banded.h; with
+//    it "strategy", "strategy_rows" and "strategy_coefficients", which ε does not read: Note
+//    [run strategy] in src/dp/run.h}}
 //   {"kind":"steps","first_step":a,"last_step":b,"q":..,"sigma":..,"max_grad_norm":..,
 //    "noise":true,"sampling":"poisson"}
 // A ledger holds what epsilon is computed from and nothing that depends on the training data, so
