@@ -83,7 +83,7 @@ def errors() -> str:
              "the optimized banded strategy of the same b and n (Note [optimized banded "
              "strategies]). Below 1: less noise in the trajectory than DP-SGD.",
              ""]
-    for batch, epochs in ((8192, 40), (2048, 40), (1024, 20)):
+    for batch, epochs in ((8192, 40), (2048, 40), (1024, 20), (256, 10)):
         bands = [b for b in (1, 2, 4, 8, 16, 32) if batch * b <= N]
         n = int(epochs / (batch / N))
         lines += [f"Expected batch {batch}, {epochs} epochs ({n} steps):", "",
