@@ -84,6 +84,13 @@ BandedToeplitz::BandedToeplitz(std::vector<double> coefficients) : c_(std::move(
                                 format_double(c_[0]));
 }
 
+bool BandedToeplitz::is_run_strategy(const std::vector<double>& c, int64_t bands) {
+  if (static_cast<int64_t>(c.size()) != bands || c.empty() || c[0] != 1.0) return false;
+  for (double x : c)
+    if (!std::isfinite(x)) return false;
+  return std::isfinite(BandedToeplitz(c).column_norm(bands, 0));
+}
+
 BandedToeplitz BandedToeplitz::identity() { return BandedToeplitz({1.0}); }
 
 BandedToeplitz BandedToeplitz::sqrt_prefix_sum(int64_t bands) {

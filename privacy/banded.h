@@ -71,6 +71,11 @@ class BandedToeplitz {
   // size on one core) and the fit holds 2n doubles.
   static constexpr double kMaxOptimizedWork = 1e10;
 
+  // Whether `coefficients` can be a run's strategy of `bands` bands (Note [run strategy] in
+  // src/dp/run.h): exactly b finite numbers, c_0 = 1, and a finite full column norm κ (the
+  // noise's scale).
+  static bool is_run_strategy(const std::vector<double>& coefficients, int64_t bands);
+
   int64_t bands() const { return static_cast<int64_t>(c_.size()); }
   const std::vector<double>& coefficients() const { return c_; }
 

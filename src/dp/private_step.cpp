@@ -94,21 +94,18 @@ PrivateStep::PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& zero,
     throw std::invalid_argument("PrivateStep: bands=" + std::to_string(s.bands) +
                                 " needs noise (noise_multiplier > 0)");
   }
+  // Note [run strategy] (run.h): start_run gives a banded run b checked coefficients, DP-SGD none.
   if (s.bands == 1 ? !s.strategy.empty()
-                    : static_cast<int64_t>(s.strategy.size()) != s.bands || s.strategy[0] != 1.0) {
+                    : !privacy::BandedToeplitz::is_run_strategy(s.strategy, s.bands)) {
     throw std::invalid_argument(
         "PrivateStep: bands=" + std::to_string(s.bands) + " needs " +
         (s.bands == 1 ? std::string("no strategy")
-                      : std::to_string(s.bands) + " strategy coefficients, the first 1") +
-        ", got " + std::to_string(s.strategy.size()) +
-        (s.strategy.empty() ? std::string() : ", the first " + std::to_string(s.strategy[0])));
+                      : std::to_string(s.bands) +
+                            " finite strategy coefficients, the first 1, with a finite column "
+                            "norm") +
+        ", got " + std::to_string(s.strategy.size()) + " coefficient(s)");
   }
-  if (s.bands > 1) {  // κ: the strategy's full column (its constructor refuses a non-finite one)
-    band_norm_ = privacy::BandedToeplitz(s.strategy).column_norm(s.bands, 0);
-    if (!std::isfinite(band_norm_))
-      throw std::invalid_argument("PrivateStep: the strategy's column norm overflows (" +
-                                  std::to_string(band_norm_) + "); its noise would be infinite");
-  }
+  if (s.bands > 1) band_norm_ = privacy::BandedToeplitz(s.strategy).column_norm(s.bands, 0);
   set_noise_key(settings_.noise_key);
   restore(charges, accountant_, rows);
 }

@@ -69,6 +69,11 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
                   optimizer=t_cfg.optimizer, lr=t_cfg.lr, weight_decay=t_cfg.weight_decay,
                   accountant=p_cfg.accountant,
                   **({"momentum": t_cfg.momentum} if t_cfg.optimizer == "sgd" else {}))
+    # The loop's length: b rows for each equivalent step of int(epochs / q) (q = B·b/N, as
+    # make_private computes it), what σ is calibrated for and the optimized strategy is fitted
+    # to (Note [run strategy]).
+    bands = p_cfg.bands if private else 1
+    rows = bands * int(t_cfg.epochs / (common["batch_size"] * bands / n))
     if private:
         kw = dict(max_grad_norm=p_cfg.max_grad_norm, clipping=p_cfg.clipping,
                   isolation=p_cfg.isolation, secure_mode=p_cfg.secure_mode, bands=p_cfg.bands,
@@ -78,10 +83,7 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
                   ledger_path=os.path.join(run_dir, "ledger.jsonl"),
                   run_id=os.path.basename(os.path.abspath(run_dir)),
                   diagnostics_path=os.path.join(run_dir, PRIVATE_DIR, "diagnostics.jsonl"))
-        # The loop's length: b rows for each equivalent step of int(epochs / q), what σ is
-        # calibrated for and the optimized strategy is fitted to (Note [run strategy]).
-        q = common["batch_size"] * p_cfg.bands / n
-        kw.update(strategy=p_cfg.strategy, steps=p_cfg.bands * int(t_cfg.epochs / q))
+        kw.update(strategy=p_cfg.strategy, steps=rows)
         if p_cfg.target_epsilon is not None:
             kw.update(target_epsilon=p_cfg.target_epsilon, target_delta=delta)
         else:
@@ -98,8 +100,7 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
     engine = p.privacy_engine
     label = "private" if private else "baseline"
     taken, epoch = _restore(p, run_dir, metrics) if private and resume else (0, 0)
-    # b rows for each equivalent step σ was calibrated for (int(epochs / q) of them)
-    total_steps = engine.bands * int(t_cfg.epochs / engine.sample_rate)
+    total_steps = rows
     if engine.remaining_steps is not None:
         if engine.remaining_steps == 0:
             raise BudgetExhausted(f"the ε budget of the ledger in {run_dir} is already spent "
