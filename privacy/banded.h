@@ -67,8 +67,8 @@ class BandedToeplitz {
   // expected error for an n-step run (a local minimum reached from sqrt_prefix_sum). Throws
   // std::invalid_argument for bands or n < 1, and for n·b² above kMaxOptimizedWork.
   static BandedToeplitz optimized(int64_t bands, int64_t n);
-  // The largest n·b² optimized() takes: an iteration costs O(n·b²) (about ten seconds at this
-  // size on one core) and the fit holds 2n doubles.
+  // The largest n·b² optimized() takes: an iteration costs O(n·b²) and the fit holds 2n
+  // doubles.
   static constexpr double kMaxOptimizedWork = 1e10;
 
   // Whether `coefficients` can be a run's strategy of `bands` bands (Note [run strategy] in
