@@ -101,6 +101,29 @@ def trainer_args(tmp_path, **kw):
     return transformers.TrainingArguments(**base)
 
 
+def _trained_by_hand(kind, model, data, c, steps, autocast=None):
+    """``model``'s weights after ``steps`` σ = 0 steps of make_private driven by hand, as the
+    Trainer of trainer_args drives it (same seed, so the same Poisson batches and micro-batches);
+    ``autocast``: the dtype the forward and loss run under, or None."""
+    p = dpzero.make_private(
+        model, data_loader=DataLoader(data, batch_size=8,
+                                      collate_fn=transformers.default_data_collator),
+        noise_multiplier=0.0, allow_no_noise=True, max_grad_norm=c, max_physical_batch_size=4,
+        seed=3, loss_reduction="sum", optimizer="sgd", lr=0.05)
+    taken = 0
+    while taken < steps:
+        for batch in p.data_loader:
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                loss = example_loss(kind, p.model, batch).sum()
+            loss.backward()
+            if p.optimizer.step():
+                taken += 1
+            p.optimizer.zero_grad()
+            if taken == steps:
+                break
+    return {n: q.detach() for n, q in model.named_parameters()}
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "bert", "gpt2-lora"])
 @pytest.mark.parametrize("c", [0.5, 1e4])
 def test_trainer_steps_equal_make_private(tmp_path, kind, c):
@@ -118,22 +141,7 @@ def test_trainer_steps_equal_make_private(tmp_path, kind, c):
     trainer.train()
     got = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
-    model = make()
-    p = dpzero.make_private(
-        model, data_loader=DataLoader(data, batch_size=8,
-                                      collate_fn=transformers.default_data_collator),
-        noise_multiplier=0.0, allow_no_noise=True, max_grad_norm=c, max_physical_batch_size=4,
-        seed=3, loss_reduction="sum", optimizer="sgd", lr=0.05)
-    taken = 0
-    while taken < steps:
-        for batch in p.data_loader:
-            example_loss(kind, p.model, batch).sum().backward()
-            if p.optimizer.step():
-                taken += 1
-            p.optimizer.zero_grad()
-            if taken == steps:
-                break
-    want = {n: q.detach() for n, q in model.named_parameters()}
+    want = _trained_by_hand(kind, make(), data, c, steps)
     assert got.keys() == want.keys()
     init = make()
     moved = {}
@@ -143,6 +151,52 @@ def test_trainer_steps_equal_make_private(tmp_path, kind, c):
     assert max(moved.values()) > 1e-4  # the steps changed the weights (not two inits compared)
     if kind == "gpt2-lora":  # only the adapters moved
         assert {n for n, v in moved.items() if v > 0} == {n for n in moved if "lora_" in n}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_bf16_trains_and_evaluates_under_autocast(tmp_path, kind):
+    # bf16=True: at σ = 0 the Trainer's weights equal make_private driven by hand under
+    # torch.autocast(bf16) (that path is checked against per-example autograd in test_amp), and
+    # differ from the float32 run's by far more than the tolerance, so a Trainer that ignored
+    # bf16 fails here. C = 1e4 clips no example: each bf16 gradient enters at its own scale.
+    make, data = {"gpt2": (gpt2, lm_data()), "bert": (bert, cls_data())}[kind]
+    steps, c = 2, 1e4
+    trainer = PrivateTrainer(
+        model=make(), args=trainer_args(tmp_path, max_steps=steps, bf16=True),
+        train_dataset=data, privacy_args=PrivacyArguments(
+            noise_multiplier=0.0, allow_no_noise=True, max_grad_norm=c, seed=3))
+    layer = trainer.model.get_submodule(
+        "transformer.h.0.mlp.c_fc" if kind == "gpt2" else "bert.encoder.layer.0.output.dense")
+    seen = []
+    layer.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    trainer.train()
+    assert seen and set(seen) == {torch.bfloat16}
+    got = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    assert all(p.dtype == torch.float32 for p in got.values())  # float32 masters stay
+
+    want = _trained_by_hand(kind, make(), data, c, steps, autocast=torch.bfloat16)
+    fp32 = _trained_by_hand(kind, make(), data, c, steps)
+    far = 0.0
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-7, msg=n)
+        far = max(far, float((got[n] - fp32[n]).abs().max()))
+    assert far > 1e-5, far
+
+    # Evaluation runs under the same autocast: its loss is a plain bf16 Trainer's on a copy of
+    # the trained weights (accelerate's autocast), bit for bit, and not the float32 one.
+    seen.clear()
+    held_out = lm_data(8, seed=5) if kind == "gpt2" else cls_data(8, seed=5)
+    loss = trainer.evaluate(held_out)["eval_loss"]
+    assert set(seen) == {torch.bfloat16}
+    plain = {}
+    for bf16 in (True, False):
+        model = make()
+        model.load_state_dict(trainer.model.state_dict())
+        plain[bf16] = transformers.Trainer(
+            model=model, args=transformers.TrainingArguments(
+                output_dir=str(tmp_path / f"plain{bf16}"), bf16=bf16, use_cpu=True, report_to=[],
+                disable_tqdm=True)).evaluate(held_out)["eval_loss"]
+    assert loss == plain[True] != plain[False]  # the same operations: the same bits
 
 
 def test_lora_at_zero_stage_3_steps_as_at_stage_0(tmp_path):
@@ -363,7 +417,8 @@ def _drop_last_row(rows):
     ("loss_func", r"compute_loss_func: .* per_sample_loss"),
     ("left_padding", r"pads on the left"),
     ("seed_and_secure", r"seed=5 with secure_mode=True"),
-    ("bf16", r"fp16 / bf16 TrainingArguments"),
+    ("fp16", r"fp16=True: .* GradScaler"),
+    ("bf16_full_eval", r"bf16_full_eval=True: .* cast the model's parameters"),
     ("save_only_model", r"save_only_model=True"),
     ("optim", r"optim='adafactor'"),
     ("max_grad_norm", r"max_grad_norm=0.3"),
@@ -390,8 +445,8 @@ def test_bad_settings_are_refused_naming_the_value(tmp_path, case, match):
         kw["processing_class"] = _tokenizer(padding_side="left")
     elif case == "seed_and_secure":
         privacy = PrivacyArguments(target_epsilon=2.0, seed=5, secure_mode=True)
-    elif case == "bf16":
-        extra["bf16"] = True
+    elif case in ("fp16", "bf16_full_eval"):
+        extra[case] = True
     elif case == "save_only_model":
         extra["save_only_model"] = True
     elif case == "optim":

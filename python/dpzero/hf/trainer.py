@@ -37,8 +37,11 @@ What changes against the Trainer, and why:
   (NEFTune, a left-padding tokenizer) or that the private step would ignore
   (``label_smoothing_factor``, ``torch_compile``, ``auto_find_batch_size``, ``compute_loss_func``,
   an overridden ``compute_loss``); ``include_num_input_tokens_seen``, whose count would release the
-  realised batch sizes; ``fp16`` / ``bf16`` (accelerate would cast or autocast outside the private
-  step), ``push_to_hub`` and ``save_only_model``.
+  realised batch sizes; ``fp16`` (its GradScaler would scale every example's gradient before
+  clipping) and ``fp16_full_eval`` / ``bf16_full_eval`` (they cast the parameters),
+  ``push_to_hub`` and ``save_only_model``.
+* **bf16.** ``bf16=True`` runs the forward and the per-example loss under bf16 autocast, in
+  training and evaluation, as a plain Trainer does; parameters, clipping and noise stay float32.
 
 Released: ε, δ, the learning rate, the epoch and the step count, in every log (console,
 ``trainer_state.json``, TensorBoard) and in ``train()``'s result. What the Trainer would log that
@@ -456,6 +459,17 @@ class PrivateTrainer(Trainer):
                     rows += losses.shape[0]
         return total / max(rows, 1)
 
+    def autocast_smart_context_manager(self, cache_enabled: Optional[bool] = True):
+        """bf16=True: the forward and the per-example loss run under bf16 autocast, in training
+        and in evaluation, as accelerate's wrapped forward runs a plain Trainer's model (the
+        private model is not prepared by accelerate: _wrap_model). The parameters stay float32;
+        the per-sample norms and clipped sums read autocast's 16-bit operands exactly (Note
+        [autocast] in private/layers.py)."""
+        if self.user_args.bf16:
+            return torch.autocast(self.args.device.type, dtype=torch.bfloat16,
+                                  cache_enabled=cache_enabled)
+        return super().autocast_smart_context_manager(cache_enabled)
+
     def floating_point_ops(self, inputs) -> int:
         # Counted from a step's real rows, the Trainer's total_flos (in every trainer_state.json)
         # would release the realised batch sizes, which Poisson sampling keeps private (Note
@@ -613,11 +627,17 @@ def _refuse_ignored_or_coupling(args, kwargs: Dict[str, Any], cls) -> None:
         raise ValueError("auto_find_batch_size=True: the micro-batch bound is "
                          "per_device_train_batch_size, and the logical batch (so q and σ) "
                          "depends on it; set it yourself")
-    if args.fp16 or args.bf16 or args.fp16_full_eval or args.bf16_full_eval:
+    if args.fp16:
         raise ValueError(
-            "fp16 / bf16 TrainingArguments: accelerate would cast or autocast the model outside "
-            "the private step (and casting its parameters cuts them off from the engine's "
-            "masters); not supported by PrivateTrainer yet, train in float32")
+            "fp16=True: the Trainer trains fp16 with a GradScaler, whose loss scale multiplies "
+            "every example's gradient before clipping (so examples would be clipped at "
+            "max_grad_norm / scale); use bf16=True (autocast, no scaler needed), or float32")
+    for name in ("fp16_full_eval", "bf16_full_eval"):
+        if getattr(args, name):
+            raise ValueError(
+                f"{name}=True: evaluation would cast the model's parameters to 16 bits, cutting "
+                "them off from the private engine's float32 masters; remove it (with bf16=True "
+                "evaluation runs under bf16 autocast, as training does)")
     if args.push_to_hub:
         raise ValueError("push_to_hub=True: the Trainer would upload checkpoints (their privacy "
                          "state, and in seeded mode the noise seed) and a model card with the "
