@@ -85,6 +85,15 @@ seconds. Once the budget is spent, disturbed rounds are kept, counted and flagge
 The installed dpzero is stamped (file modification times) at the start and the end; if it was
 re-synced during the run the results say so.
 
+Autocast. --autocast bf16 (or fp16) runs every system's forward and loss under
+torch.autocast(device, dtype), the way PyTorch users train in 16 bits: parameters, optimizers and
+every private system's clipping and noise stay float32; torch.amp.GradScaler is not used (it
+cannot drive a private step: it scales gradients before clipping). The correctness reference is
+then a float32 copy of the model under the same autocast on the CPU, one example at a time,
+clipped and summed in float64; autograd's own 16-bit matmuls round the reference's gradients, so
+the tolerance is CHECK_RTOL_AUTOCAST (a dtype or scaling mistake is O(1)). The step-time ratios
+answer "≤ 1.3x the 16-bit non-private step".
+
 Device. --device cuda runs every system on the GPU (the float64 correctness reference stays on
 the CPU): each timed step ends with torch.cuda.synchronize(), and memory is the CUDA caching
 allocator's (below; the CSV's rss_* columns then hold its bytes, and its device column says so).
@@ -163,12 +172,26 @@ OPACUS_MODES = {"opacus-hooks": "hooks", "opacus-ghost": "ghost", "opacus-ew": "
 PRIVATE = {"dp-flat", "dp-layer", "dp-strict", *OPACUS_MODES}
 OPACUS_NO_CLIP = 1e6  # Opacus needs a finite C; no example's gradient norm comes near it
 CHECK_RTOL = 1e-4
+CHECK_RTOL_AUTOCAST = 2e-2  # under --autocast (module docstring): 16-bit rounding of the reference
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CHECK_LR = 1e3  # the correctness check's SGD lr (check(): the update must not drown in ulps)
 NOISY_OTHER_CPU = 0.10  # share of the machine's CPU used by other processes that marks a run noisy
 MIB = 2.0**20
 
 
 # ---- model and data ------------------------------------------------------------------------------
+
+
+def autocast(cfg: dict, device: str | None = None):
+    """The forward's autocast context: --autocast's dtype on ``device`` (default the systems'),
+    or a disabled one."""
+    dtype = AUTOCAST.get(cfg.get("autocast") or "")
+    return torch.autocast(torch.device(device or cfg.get("device", "cpu")).type,
+                          dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
+def check_rtol(cfg: dict) -> float:
+    return CHECK_RTOL_AUTOCAST if cfg.get("autocast") else CHECK_RTOL
 
 
 def make_model(cfg: dict) -> BertForSequenceClassification:
@@ -226,6 +249,7 @@ class System:
 
     def __init__(self, name: str, cfg: dict, data: Data, sigma: float, clip: float):
         self.name, self.data = name, data
+        self.amp = lambda: autocast(cfg)  # the forward's and the loss's (--autocast)
         model = make_model(cfg).to(cfg.get("device", "cpu"))
         self.model = model  # the module whose parameters are trained (Opacus, torch)
         lr = cfg["lr"]
@@ -268,14 +292,16 @@ class System:
     def _torch_step(self, batches):
         self.opt.zero_grad(set_to_none=True)
         for ids, labels in batches:
-            loss = F.cross_entropy(self.data.logits(self.model, ids), labels)
+            with self.amp():
+                loss = F.cross_entropy(self.data.logits(self.model, ids), labels)
             (loss / len(batches)).backward()
         self.opt.step()
         return loss.detach()
 
     def _zero_step(self, batches):
         for ids, labels in batches:
-            loss = F.cross_entropy(self.data.logits(self.sharded, ids), labels)
+            with self.amp():
+                loss = F.cross_entropy(self.data.logits(self.sharded, ids), labels)
             (loss / len(batches)).backward()
         self.sharded.step()
         return loss.detach()
@@ -296,8 +322,9 @@ class System:
             ids, labels, pos, types = p.privacy_engine.own_batch(
                 (ids, labels, self.data.position_ids[:n], self.data.token_type_ids[:n]),
                 logical_batch_size=size)
-            logits = p.model(ids, position_ids=pos, token_type_ids=types).logits
-            loss = F.cross_entropy(logits, labels)
+            with self.amp():
+                logits = p.model(ids, position_ids=pos, token_type_ids=types).logits
+                loss = F.cross_entropy(logits, labels)
             loss.backward()
         p.optimizer.step()
         return loss.detach()
@@ -309,7 +336,8 @@ class System:
     def _opacus_step(self, batches):
         for j, (ids, labels) in enumerate(batches):
             self.opt.zero_grad()
-            loss = self.criterion(self.data.logits(self.runner, ids), labels)
+            with self.amp():
+                loss = self.criterion(self.data.logits(self.runner, ids), labels)
             loss.backward()
             if j + 1 < len(batches):
                 self.opt.signal_skip_step(do_skip=True)
@@ -342,8 +370,11 @@ def error_text(where: str, e: BaseException) -> str:
 
 def reference_updates(cfg: dict, data: Data, clip: float) -> dict:
     """Reference SGD updates on batch 0 from per-sample gradients (B passes of one example):
-    {"none": ..., "flat": ..., "layer": ...} each {name: update}, plus stats."""
-    model = make_model(cfg).double()  # float64: the reference's own rounding stays negligible
+    {"none": ..., "flat": ..., "layer": ...} each {name: update}, plus stats. Under --autocast
+    the model is a float32 copy run under the same autocast on the CPU (module docstring)."""
+    model = make_model(cfg)
+    if not cfg.get("autocast"):
+        model = model.double()  # float64: the reference's own rounding stays negligible
     names = [n for n, _ in model.named_parameters()]
     owner = {}  # parameter name -> module name (its layer: one clipping component in dpzero)
     for mname, module in model.named_modules():
@@ -357,7 +388,9 @@ def reference_updates(cfg: dict, data: Data, clip: float) -> dict:
     norms, clipped_layers = [], 0
     for i in range(ids.shape[0]):
         model.zero_grad(set_to_none=True)
-        F.cross_entropy(data.logits(model, ids[i:i + 1]), labels[i:i + 1]).backward()
+        with autocast(cfg, "cpu"):
+            loss = F.cross_entropy(data.logits(model, ids[i:i + 1]), labels[i:i + 1])
+        loss.backward()
         g = {n: p.grad.detach().to(torch.float64) for n, p in model.named_parameters()}
         norm = math.sqrt(sum(float(v.square().sum()) for v in g.values()))
         norms.append(norm)
@@ -653,24 +686,29 @@ def table(rows: list[dict], best: str | None, device: str = "cpu") -> list[str]:
     return lines
 
 
-def check_table(rows: list[dict], stats: dict, clip: float) -> list[str]:
+def check_table(rows: list[dict], stats: dict, clip: float, rtol: float) -> list[str]:
     lines = ["| system | loss at step 0 | rel. update error, no clip | "
              f"rel. update error, clip C = {clip:g} | verdict |", "|---|---|---|---|---|"]
     for r in rows:
         errs = [x for x in (r["check_noclip_rel"], r["check_clip_rel"]) if x is not None]
         if not errs:
             verdict = "not checked (error)"
-        elif all(x <= CHECK_RTOL for x in errs):
+        elif all(x <= rtol for x in errs):
             verdict = "ok"
         else:
-            verdict = f"**MISMATCH** (> {CHECK_RTOL:g})"
+            verdict = f"**MISMATCH** (> {rtol:g})"
         lines.append(f"| {r['system']} | {cell(r, 'loss0', '{:.6f}')} | "
                      f"{fmt_err(r['check_noclip_rel'])} | {fmt_err(r['check_clip_rel'])} | "
                      f"{verdict} |")
     return lines
 
 
-def verdicts(rows: list[dict], best: str | None, device: str = "cpu") -> list[str]:
+# The DP step's target against the non-private one: 1.2x in float32, 1.3x under 16-bit autocast.
+TARGET = {None: 1.2, "bf16": 1.3, "fp16": 1.3}
+
+
+def verdicts(rows: list[dict], best: str | None, device: str = "cpu",
+             autocast_name: str | None = None) -> list[str]:
     by = {r["system"]: r for r in rows}
     mem = "peak RSS" if device == "cpu" else "peak CUDA memory"
     out = []
@@ -680,17 +718,18 @@ def verdicts(rows: list[dict], best: str | None, device: str = "cpu") -> list[st
         return (f"per round {r[key]:.2f} (IQR {r[key + '_q1']:.2f}–{r[key + '_q3']:.2f})"
                 if key in r else "per round —")
 
+    target = TARGET[autocast_name]
     if "time_vs_zero0" in dp and "paired_vs_zero0" in dp:
-        ok = dp["time_vs_zero0"] <= 1.2 and dp["paired_vs_zero0"] <= 1.2
+        ok = dp["time_vs_zero0"] <= target and dp["paired_vs_zero0"] <= target
         layer = by.get("dp-layer", {})
-        out.append(f"- DP step ≤ 1.2× our non-private step: dp-flat / zero0 = "
+        out.append(f"- DP step ≤ {target}× our non-private step: dp-flat / zero0 = "
                    f"{dp['time_vs_zero0']:.2f} (medians), {per_round(dp, 'paired_vs_zero0')} — "
                    f"**{'met' if ok else 'NOT met'}**"
                    + (f" (dp-layer / zero0 = {layer['time_vs_zero0']:.2f}, "
                       f"{per_round(layer, 'paired_vs_zero0')})"
                       if "time_vs_zero0" in layer else "") + ".")
     else:
-        out.append("- DP step ≤ 1.2× non-private: not measured (dp-flat or zero0 missing).")
+        out.append(f"- DP step ≤ {target}× non-private: not measured (dp-flat or zero0 missing).")
     if best and "paired_vs_opacus_best" in dp and "rss_vs_opacus_best" in dp:
         # Faster means in at least three rounds of four (the paired ratios' upper quartile below
         # 1); a paired interquartile range around 1 is a tie, not a win.
@@ -766,7 +805,9 @@ def write_markdown(path: str, args, cfg, rows, best, checks, run: dict) -> None:
         f"Model: BertForSequenceClassification from config, {cfg['layers']} layers, hidden "
         f"{cfg['hidden']}, {cfg['heads']} heads, intermediate {cfg['intermediate']}, vocab "
         f"{cfg['vocab']}, T = {cfg['seq']}, 2 labels, dropout 0, eager attention; "
-        f"{run['n_params'] / 1e6:.2f} M parameters (fp32). "
+        f"{run['n_params'] / 1e6:.2f} M parameters (fp32"
+        + (f"; forward and loss under {cfg['autocast']} autocast, no GradScaler" if cfg["autocast"]
+           else "") + "). "
         + (f"Batch B = {cfg['batch']} sequences" if cfg["accumulate"] == 1 else
            f"Logical batch {cfg['accumulate']} × {cfg['batch']} = "
            f"{cfg['accumulate'] * cfg['batch']} sequences: {cfg['accumulate']} micro-batches of "
@@ -796,21 +837,23 @@ def write_markdown(path: str, args, cfg, rows, best, checks, run: dict) -> None:
         *table(rows, best, cfg["device"]),
         "",
         "Targets:",
-        *verdicts(rows, best, cfg["device"]),
+        *verdicts(rows, best, cfg["device"], cfg["autocast"]),
         "",
         f"Correctness (before timing, σ = 0, SGD lr {CHECK_LR:g} so that float32 parameters "
         "do not quantise the update): one logical step from the initial weights on the "
         "first logical batch, "
         "update compared with an independent per-example reference "
-        f"({cfg['accumulate'] * cfg['batch']} single-example passes through a float64 copy of "
-        "the model, clipped and averaged by hand); error = ‖update − reference‖ / ‖reference‖, must be ≤ "
-        f"{CHECK_RTOL:g}. Per-example gradient norms at the start: min "
+        f"({cfg['accumulate'] * cfg['batch']} single-example passes through a "
+        + (f"float32 copy of the model under {cfg['autocast']} autocast on the CPU"
+           if cfg["autocast"] else "float64 copy of the model")
+        + ", clipped and averaged by hand); error = ‖update − reference‖ / ‖reference‖, must be ≤ "
+        f"{check_rtol(cfg):g}. Per-example gradient norms at the start: min "
         f"{stats['norm_min']:.3g}, median {stats['norm_median']:.3g}, max {stats['norm_max']:.3g}; "
         f"{stats['clipped']} of {stats['samples']} examples exceed C = {args.clip:g} (flat); "
         f"{100 * stats['layers_clipped_frac']:.0f}% of (example, layer) pairs exceed the layer "
         f"threshold C/√{stats['layers']} (layer).",
         "",
-        *check_table(rows, stats, args.clip),
+        *check_table(rows, stats, args.clip, check_rtol(cfg)),
         "",
         "Failures:" if failed else "Failures: none (every system built, stepped and was measured).",
         *failed,
@@ -843,6 +886,8 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1,
                         help="K, micro-batches per logical step (gradient accumulation)")
     parser.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")
+    parser.add_argument("--autocast", choices=sorted(AUTOCAST), default=None,
+                        help="run every forward and loss under torch.autocast to this dtype")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--sigma", type=float, default=1.0, help="noise multiplier (timing)")
     parser.add_argument("--clip", type=float, default=1.0, help="clip norm C (timing, check)")
@@ -889,7 +934,7 @@ def main() -> None:
                accumulate=args.accumulate,
                # a whole number of logical batches (Opacus's expected batch is N / len(loader))
                batches=args.accumulate * max(2, math.ceil(args.batches / args.accumulate)),
-               lr=args.lr, threads=args.threads, device=args.device,
+               lr=args.lr, threads=args.threads, device=args.device, autocast=args.autocast,
                warmup=args.warmup, repeats=args.repeats, memory_steps=args.memory_steps,
                max_wait=args.max_wait)
     torch.set_num_threads(args.threads)
@@ -916,7 +961,7 @@ def main() -> None:
     run["load"].append(os.getloadavg()[0])
     rows, best = summarize(names, times, time_errors, memory, checks, cfg["device"])
     print("\n".join(table(rows, best, cfg["device"])))
-    print("\n".join(verdicts(rows, best, cfg["device"])))
+    print("\n".join(verdicts(rows, best, cfg["device"], cfg["autocast"])))
     csv_path = os.path.splitext(args.out)[0] + (
         ".csv" if args.tag == "private_bench" else f"-{args.tag}.csv")
     write_csv(csv_path, rows, CSV_FIELDS)
