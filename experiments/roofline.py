@@ -1,4 +1,4 @@
-"""The per-sample norm kernels against the device's own ceilings: a roofline table, one run.
+"""The per-sample norm and clipped-sum kernels against the device's own ceilings: a roofline table, one run.
 
 Ceilings, measured first in the same process on the same device (no datasheet figures): the
 GEMM rate in float64, float32 (TF32 on a GPU, as torch allows it there for this measurement),
@@ -15,9 +15,15 @@ bfloat16, and the copy rate (a clone: bytes read plus written). Then each kernel
   bmm32      the same in the inputs' dtype (TF32 on a GPU for float32): what a ghost norm costs
              without float64 and so without its certification
   opacus     Opacus's per-layer path: per-sample gradients einsum("bto,bti->boi") and their norms
+  products   dpzero::_add_sample_products_: the clipped sum sum_i c_i G_i^T A_i, each sample's
+             product formed alone in float32 (Note [fused sample products]); against the IEEE
+             float32 GEMM rate, since the clipped sum never rounds to TF32 (Note [clipped-sum
+             rounding])
+  products bmm  the same sum the way a batched GEMM forms it: bmm(G^T, A) in float32, written per
+             sample, then summed over the samples (the path the fused op replaces)
 
 Work model: FLOPs as the algorithm states them (Gram kernels 2BT^2(d_in + d_out) + 2BT^2 for
-the dot; opacus 2BT d_in d_out + 2B d_in d_out) and compulsory bytes (the inputs read once: a
+the dot; opacus 2BT d_in d_out + 2B d_in d_out; products 2BT d_in d_out) and compulsory bytes (the inputs read once: a
 lower bound on any kernel's traffic, so the copy-rate ceiling is an upper bound on its rate; the
 per-sample gradients opacus materialises may stay in a cache). Each row gives the time (median of
 --repeats, the kernels of one shape interleaved), TFLOP/s, GB/s, the arithmetic intensity, the
@@ -56,8 +62,9 @@ def timer(device: str, fn, repeats: int) -> float:
 
 
 def ceilings(device: str, repeats: int) -> dict:
-    """Measured rates: each dtype's GEMM rate (FLOP/s, the best of two square sizes) and the copy
-    rate (bytes read plus written per second, into a buffer allocated beforehand)."""
+    """Measured rates: each dtype's GEMM rate (FLOP/s, the best of two square sizes; "fp32" with
+    TF32 allowed on a GPU, "fp32-ieee" without it) and the copy rate (bytes read plus written per
+    second, into a buffer allocated beforehand)."""
     sizes = (4096, 8192) if device == "cuda" else (1024, 2048)
     rates = {}
     previous = torch.backends.cuda.matmul.allow_tf32
@@ -70,6 +77,11 @@ def ceilings(device: str, repeats: int) -> dict:
                 y = torch.randn(n, n, device=device).to(dtype)
                 rate = 2 * n ** 3 / timer(device, lambda: x @ y, repeats)
                 rates[name] = max(rates.get(name, 0.0), rate)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        for n in sizes:
+            x, y = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+            rate = 2 * n ** 3 / timer(device, lambda: x @ y, repeats)
+            rates["fp32-ieee"] = max(rates.get("fp32-ieee", 0.0), rate)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
     src = torch.randn((256 if device == "cuda" else 64) << 18, device=device)  # 256 / 64 MiB
@@ -99,6 +111,15 @@ def kernels(device: str, dtype: torch.dtype, b: int, t: int, d_in: int, d_out: i
         psg = torch.einsum("bto,bti->boi", g, a)
         return psg.reshape(b, -1).norm(2, dim=-1)
 
+    factors = torch.ones(b, device=device)
+    sums = torch.zeros(d_out, d_in, device=device)
+
+    def products_bmm():
+        per_sample = torch.bmm(g.float().transpose(1, 2), a.float())  # [B, d_out, d_in]
+        return sums.add_(per_sample.sum(0))
+
+    products = 2 * b * t * d_in * d_out
+    products_bytes = inputs + 2 * 4 * d_in * d_out  # and the sum read and written
     multi_gram = 2 * b * t * t * (d_in + 3 * d_out) + 3 * 2 * b * t * t
     multi_inputs = b * t * (d_in + 3 * d_out) * esize
     return {
@@ -108,6 +129,9 @@ def kernels(device: str, dtype: torch.dtype, b: int, t: int, d_in: int, d_out: i
         "bmm64": (lambda: bmm(a.double(), g.double()), gram, inputs, "fp64"),
         "bmm32" if dtype == torch.float32 else "bmm16": (lambda: bmm(a, g), gram, inputs, low),
         "opacus": (opacus, 2 * b * t * d_in * d_out + 2 * b * d_in * d_out, inputs, low),
+        "products": (lambda: ops._add_sample_products_(sums, g, a, factors), products,
+                     products_bytes, "fp32-ieee"),
+        "products bmm": (products_bmm, products, products_bytes, "fp32-ieee"),
     }
 
 
@@ -135,8 +159,8 @@ def main(argv=None) -> int:
 
     peak = ceilings(args.device, args.repeats)
     lines = ["| ceiling | rate |", "|---|---|"]
-    lines += [f"| {name} GEMM | {peak[name] / 1e12:.2f} TFLOP/s |" for name in ("fp64", "fp32",
-                                                                               "bf16")]
+    lines += [f"| {name} GEMM | {peak[name] / 1e12:.2f} TFLOP/s |"
+              for name in ("fp64", "fp32", "fp32-ieee", "bf16")]
     lines += [f"| copy | {peak['copy'] / 1e9:.0f} GB/s |", ""]
     head = ["layer", "T", "kernel", "ms", "TFLOP/s", "GB/s", "FLOP/byte", "bound by",
             "of the ceiling"]

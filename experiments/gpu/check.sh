@@ -30,7 +30,7 @@
 #   roofline experiments/roofline.py --device cuda: the norm kernels' TFLOP/s and GB/s against the
 #            device's measured GEMM rates (fp64, TF32, bf16) and copy rate, beside batched-bmm
 #            Grams and Opacus's per-layer einsums, T = 64..512
-#   sanitize compute-sanitizer's racecheck and synccheck over the ghost kernels' CUDA GoogleTests
+#   sanitize compute-sanitizer's racecheck and synccheck over the ghost and sample-product kernels' CUDA GoogleTests
 #            (shared-memory races and barriers the tests' values might not show)
 # CHECK_STAGES names the stages after build to run (default: all of them), for a rerun that
 # skips what an earlier run already measured; env, unpack and build always run.
@@ -95,7 +95,8 @@ fi
 if want pytest; then
   stage pytest 150 $py experiments/gpu/pytest_isolated.py -k "cuda or gpu or offload or sync" \
     tests/python/test_kernels.py tests/python/test_noise.py tests/python/test_sync_free.py \
-    tests/python/test_zero.py tests/python/test_checkpointing.py tests/python/test_op_errors.py >>"$log" 2>&1
+    tests/python/test_zero.py tests/python/test_checkpointing.py tests/python/test_op_errors.py \
+    tests/python/test_clipped_sum_rounding.py >>"$log" 2>&1
   grep "^pytest_isolated: [0-9]* tests" "$log" | tail -1 | tee -a "$status"
 fi
 want noise && stage noise 40 $py experiments/noise_bench.py --sizes 1e6,1e7,1e8 --out "$out/noise.md" >>"$log" 2>&1
@@ -106,7 +107,7 @@ want roofline && stage roofline 60 $py experiments/roofline.py --device cuda --o
 if want sanitize; then
   for tool in racecheck synccheck; do
     stage "sanitize-$tool" 60 compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      build-gpu/tests/cpp/torch/torch_tests --gtest_filter='GhostPaths.Cuda*' >>"$log" 2>&1
+      build-gpu/tests/cpp/torch/torch_tests --gtest_filter='GhostPaths.Cuda*:SampleProducts.Cuda*' >>"$log" 2>&1
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -1 | tee -a "$status"
   done
 fi

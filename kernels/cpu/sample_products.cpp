@@ -8,9 +8,12 @@
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include "kernels/cpu/cpu_lanes.h"
 #include "kernels/cpu/sample_products_simd.h"
+#include "kernels/per_sample/common.h"
+#include "kernels/sample_products_checks.h"
 
 namespace dpzero::kernels {
 
@@ -86,5 +89,32 @@ bool add_sample_products(at::Tensor& out, const at::Tensor& left, const at::Tens
   out.unsafeGetTensorImpl()->bump_version();  // an in-place write, as autograd must see it
   return true;
 }
+
+namespace {
+
+// dpzero::_add_sample_products_ on the host (schema in kernels/ops.cpp; the CUDA one is
+// kernels/cuda/sample_products.cu): sample after sample, its product alone from zero (one float32
+// GEMM of its T rows), times its factor, added to self (Note [clipped-sum rounding]). What the
+// device path of the clipped sums runs on CPU tensors (Note [device path]); `splits` is a CUDA
+// launch choice and changes nothing here.
+at::Tensor& add_sample_products_cpu_(at::Tensor& self, const at::Tensor& left,
+                                     const at::Tensor& right, const at::Tensor& scale,
+                                     int64_t splits) {
+  sample_products::check(self, left, right, scale, splits);
+  if (self.numel() == 0) return self;
+  const per_sample::Fp32MatmulGuard precision;
+  const at::Tensor factors = scale.contiguous();
+  const float* f = factors.data_ptr<float>();
+  for (int64_t i = 0; i < left.size(0); ++i) {
+    if (!sample_products::adds(f[i])) continue;
+    at::Tensor product = at::mm(left[i].to(at::kFloat).t(), right[i].to(at::kFloat));  // [rows, cols]
+    self.add_(product.mul_(f[i]));
+  }
+  return self;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dpzero, CPU, m) { m.impl("_add_sample_products_", &add_sample_products_cpu_); }
 
 }  // namespace dpzero::kernels

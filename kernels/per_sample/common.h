@@ -23,6 +23,7 @@
 #include "kernels/certify.h"
 #include "kernels/clip_checks.h"
 #include "kernels/per_sample_checks.h"
+#include "kernels/sample_products_checks.h"
 
 namespace dpzero::kernels {
 namespace per_sample {
@@ -274,8 +275,11 @@ inline at::Tensor certify_op(const at::Tensor& value, const c10::optional<at::Te
 //    measured a neighbouring dataset moving the sum by 14 C that way). So with T >= 2 each
 //    sample's contribution is formed alone and only then added: on the host up to T = 64, tile
 //    by tile in registers from zero (kernels/cpu/sample_products_simd.h; a fused multiply-add per
-//    row, the same gamma_T bound), otherwise by a batched GEMM, one product per sample, summed
-//    after; at T = 1 each row is a whole contribution and one GEMM is the same sum. The
+//    row, the same gamma_T bound), on a device by dpzero::_add_sample_products_ (Note [fused
+//    sample products] in kernels/cuda/sample_products.cu: the product of the unscaled rows in
+//    registers from zero, then times c_i, one rounding each, the same bound), otherwise by a
+//    batched GEMM, one product per sample, summed after; at T = 1 each row is a whole
+//    contribution and one GEMM is the same sum. The
 //    embedding sums each sample's rows per id first, for the same reason.
 // What remains is the rounding of the sum of bounded terms (at most gamma_B sum_i ||c_i g_i||,
 // each term <= C) and of the float32 accumulation across micro-batches and ranks: a relative
@@ -401,6 +405,20 @@ inline at::Tensor scale_rows(const at::Tensor& x, const at::Tensor& scale, bool 
   return op.call(x, scale, multiply);
 }
 
+// out [rows, cols] float32 += sum_i scale_i left_i^T right_i (left [c, T, rows], right [c, T,
+// cols], float32 / bfloat16 / float16; scale [c] float32), each sample's product formed alone and
+// a dropped sample skipped (dpzero::_add_sample_products_: kernels/cpu/sample_products.cpp,
+// kernels/cuda/sample_products.cu, Note [fused sample products] there).
+inline void add_scaled_sample_products(at::Tensor& out, const at::Tensor& left,
+                                       const at::Tensor& right, const at::Tensor& scale) {
+  using Signature =
+      at::Tensor&(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_add_sample_products_", "")
+                             .typed<Signature>();
+  op.call(out, left, right, scale, 0);
+}
+
 // out (a slice of a result) = x summed over `dim`.
 inline void sum_into(at::Tensor out, const at::Tensor& x, int64_t dim) { at::sum_out(out, x, dim); }
 
@@ -489,9 +507,11 @@ inline std::tuple<at::Tensor, at::Tensor> norm_row_sums(const at::Tensor& x, con
 // kept iff its factor is finite and non-zero. The narrower operand is multiplied by the factors in
 // the one pass of dpzero::_scale_rows, which writes a dropped sample's rows as zeros (never
 // multiplied by 0, which would keep a NaN); the other operand is copied with zeroed rows only
-// when some sample is dropped, and used as it is otherwise. On a device the operands take
-// _scale_rows both (a masked copy of the wider one: whether any sample is dropped is not known on
-// the host without a wait), and nothing is decided on the host.
+// when some sample is dropped, and used as it is otherwise. On a device nothing is decided on the
+// host: a Linear or Conv clipped sum over T >= 2 rows goes to dpzero::_add_sample_products_,
+// which reads each factor in the kernel and skips a dropped sample whole (Note [fused sample
+// products]); otherwise (T = 1, a bias) the operands take _scale_rows both (a masked copy of the
+// wider one: whether any sample is dropped is not known on the host without a wait).
 
 // The [c] float32 factors (check_scale) as host values.
 inline std::vector<float> host_factors(const at::Tensor& scale) {
@@ -500,7 +520,8 @@ inline std::vector<float> host_factors(const at::Tensor& scale) {
   return std::vector<float>(p, p + s.numel());
 }
 
-inline bool host_kept(float factor) { return std::isfinite(factor) && factor != 0.0f; }
+// Whether a sample is kept (the one rule, sample_products::adds).
+inline bool host_kept(float factor) { return sample_products::adds(factor); }
 
 // x [c, ...] on the host with row i multiplied by scale[i] (`multiply`), and the rows of samples
 // whose factor is not kept set to zero; without `multiply`, x itself when every sample is kept

@@ -82,6 +82,17 @@ inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const a
                                    const at::Tensor& scale, bool host, bool transposed) {
   const int64_t b = a.size(0), t = a.size(1), d_in = a.size(2), d_out = g.size(2);
   if (b == 0 || t == 0) return;
+  if (!host && t >= 2) {
+    // The device path: one op over the whole batch, each sample's product formed in registers
+    // from the unscaled 16- or 32-bit rows and scaled after (Note [fused sample products] in
+    // kernels/cuda/sample_products.cu); no float32 copies, scaled rows or products in memory.
+    const at::Tensor& left = transposed ? a : g;  // [B, T, rows of out]
+    const at::Tensor& right = transposed ? g : a;  // [B, T, cols of out]
+    if (sample_products::fits(out, left, right)) {
+      add_scaled_sample_products(out, left, right, scale);
+      return;
+    }
+  }
   // Per sample: float32 copies of its rows and, with T >= 2 on a device, its own contribution
   // (Note [clipped-sum rounding]; the host holds kHostSlabBytes of them for the whole chunk).
   const int64_t chunk = samples_per_chunk(
@@ -110,7 +121,8 @@ inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const a
       // Otherwise on the host, in slabs of output rows whose per-sample products stay within
       // kHostSlabBytes: a product of the whole weight per sample, written to memory and read back
       // to be summed, cost twice the one GEMM's time on 768 x 3072 (experiments/results/
-      // private.md); on a device, one batched GEMM (one launch).
+      // private.md); on a device (a destination or dtype the fused op does not take), one
+      // batched GEMM (one launch).
       const int64_t slab =
           host ? std::max<int64_t>(1, kHostSlabBytes / (4 * left.size(0) * std::max<int64_t>(cols, 1)))
                : rows;

@@ -12,7 +12,8 @@ reference is the definition of add-one sensitivity: with D' = D plus that exampl
 summed loss and SGD with lr = N, the two steps' parameter movements (the sums of clipped
 per-example gradients) differ by at most C, whatever the example. Checked for a Linear on the
 direct and the ghost norm path, an Embedding (the example's tokens all one id) and a Conv1d, with
-flat and automatic clipping, on the host path and on the path a GPU takes, with the forward in
+flat and automatic clipping, on the host path, on the path a GPU takes (CPU tensors sent down it)
+and on a GPU itself where there is one, with the forward in
 float32, under bf16 autocast (the Linear's and the Conv1d's A and G then reach the kernels in
 bf16), and with bf16 or float16 parameters (mixed_precision=: every layer's A and G in 16 bits).
 """
@@ -36,7 +37,7 @@ def _cancelled(h, sign, dim):
     """sum over positions of sign * h in the backward, with h's own value taken out of the
     forward (exactly 0 there), so that a huge example's logits stay finite and its loss keeps a
     gradient; its layer sees the output gradient sign_t * (the head's)."""
-    return ((h - h.detach()) * sign).sum(dim)
+    return ((h - h.detach()) * sign.to(h.device)).sum(dim)
 
 
 class _Linear(nn.Module):
@@ -55,7 +56,8 @@ class _Embedding(nn.Module):
         self.register_buffer("spread", spread)
 
     def forward(self, ids, w):  # ids [B, T], w [B]: the example's own weight of its tokens
-        weight = torch.where(w[:, None] == 1, SIGN, w[:, None] * SIGN * self.spread)
+        sign = SIGN.to(w.device)
+        weight = torch.where(w[:, None] == 1, sign, w[:, None] * sign * self.spread)
         return self.head(_cancelled(self.emb(ids), weight[..., None], 1))
 
 
@@ -76,15 +78,20 @@ PRECISIONS = {"fp32": (None, False, torch.float32), "bf16": (None, True, torch.b
               "fp16-params": ("fp16", False, torch.float16)}
 
 
-def _clipped_sum(make, inputs, y, clipping, device_path, precision="fp32"):
+PATHS = ["host", "device-path", "cuda"]
+
+
+def _clipped_sum(make, inputs, y, clipping, path, precision="fp32"):
     """One step's sum of clipped per-example gradients (no noise, sum loss, lr = N) at one of
     PRECISIONS (under bf16 autocast or 16-bit parameters the layers' A and G reach the kernels in
-    16 bits)."""
+    16 bits), on one of PATHS."""
     mixed, autocast, out_dtype = PRECISIONS[precision]
+    device = "cuda" if path == "cuda" else "cpu"
     torch.manual_seed(0)
-    model = make()
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    previous = torch.ops.dpzero._set_device_path(device_path)
+    model = make().to(device)
+    inputs, y = tuple(x.to(device) for x in inputs), y.to(device)
+    before = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    previous = torch.ops.dpzero._set_device_path(path == "device-path")
     try:
         p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(*inputs, y),
                                 sample_rate=1.0, noise_multiplier=0.0, allow_no_noise=True,
@@ -92,14 +99,14 @@ def _clipped_sum(make, inputs, y, clipping, device_path, precision="fp32"):
                                 loss_reduction="sum", clipping=clipping, seed=0,
                                 mixed_precision=mixed)
         *xs, yb = p.privacy_engine.own_batch((*inputs, y), logical_batch_size=len(y))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             out = p.model(*xs)
         assert out.dtype == out_dtype
         F.cross_entropy(out.float(), yb, reduction="sum").backward()
         assert p.optimizer.step()
     finally:
         torch.ops.dpzero._set_device_path(previous)
-    after = p.privacy_engine.parameters()
+    after = {k: v.cpu() for k, v in p.privacy_engine.parameters().items()}
     return torch.cat([(before[k] - after[k]).flatten().double() for k in sorted(after)])
 
 
@@ -122,22 +129,24 @@ def _cases():
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-@pytest.mark.parametrize("device_path", [False, True], ids=["host", "device-path"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("clipping", ["flat", "automatic"])
 @pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
-def test_one_example_of_cancelling_rows_moves_the_sum_by_at_most_c(case, clipping, device_path,
+def test_one_example_of_cancelling_rows_moves_the_sum_by_at_most_c(case, clipping, path,
                                                                    precision):
     """Under bf16 autocast the Linear and Conv1d layers' A and G reach the kernels in bf16, and
     with 16-bit parameters every layer's do (the huge example's values are exact in bf16, and in
     float16 once scaled by 2^-24 into its range: M = 2^9), which the certification and the
     clipped sums must bound just the same."""
     _, make, inputs, extra = case
+    if path == "cuda" and not (torch.cuda.is_available() and dpzero._C.with_cuda):
+        pytest.skip("needs a GPU and dpzero built with its CUDA kernels")
     if precision == "fp16-params":
         extra = tuple(e * 2.0 ** -24 if e.is_floating_point() else e for e in extra)
     y = torch.randint(0, K, (B,), generator=torch.Generator().manual_seed(3))
-    base = _clipped_sum(make, inputs, y, clipping, device_path, precision)
+    base = _clipped_sum(make, inputs, y, clipping, path, precision)
     added = _clipped_sum(make, tuple(torch.cat([a, b]) for a, b in zip(inputs, extra)),
-                         torch.cat([y, torch.tensor([0])]), clipping, device_path, precision)
+                         torch.cat([y, torch.tensor([0])]), clipping, path, precision)
     moved = (added - base).norm().item()
     assert moved <= 1.0 * (1 + 1e-5), f"adding one example moved the clipped sum by {moved} C"
     assert base.norm().item() > 1.0  # the others' contributions are there to be absorbed

@@ -2,18 +2,28 @@
 // std::fma over the sample's rows from zero, then added to out, sample after sample; the AVX2 and
 // AVX-512 kernels give those bits exactly, for every tile edge, row range and row stride, and the
 // ATen entry refuses what it cannot do rather than doing it otherwise.
+// The device path's op, dpzero::_add_sample_products_ (Note [fused sample products] in
+// kernels/cuda/sample_products.cu): on every device within the rounding bound of a float64 sum,
+// dropped samples skipped (their NaN rows never read), one sample's cancelling rows leaving the
+// others intact; on CUDA the host reference's bits for every split count.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <utility>
 #include <random>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include "kernels/cpu/sample_products.h"
+#include "kernels/sample_products_checks.h"
+#include "tests/cpp/torch/devices.h"
 #include "kernels/cpu/sample_products_simd.h"
 #include "tests/cpp/torch/spread_values.h"
 
@@ -125,6 +135,200 @@ TEST(SampleProducts, TheAtenEntryMatchesTheFloat64SumAndRefusesWhatItCannotDo) {
   at::Tensor long_out = at::zeros({3, 5});
   EXPECT_FALSE(kernels::add_sample_products(long_out, at::ones({2, 65, 3}), at::ones({2, 65, 5})));
   EXPECT_EQ(0, long_out.count_nonzero().item<int64_t>());
+}
+
+// ---- dpzero::_add_sample_products_ -------------------------------------------------------------
+
+at::Tensor& products_op(at::Tensor& self, const at::Tensor& left, const at::Tensor& right,
+                        const at::Tensor& scale, int64_t splits) {
+  using Signature =
+      at::Tensor&(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_add_sample_products_", "")
+                             .typed<Signature>();
+  return op.call(self, left, right, scale, splits);
+}
+
+// The float64 sum self + sum_i c_i left_i^T right_i over the samples that add, and the bound of
+// its float32 rounding: gamma_{T + c + 2} (|self| + sum_i |c_i| sum_t |l_t| |r_t|) per entry
+// (Note [fused sample products]: each product within (1 + u)(1 + gamma_T) - 1 of c_i S_i, then
+// at most c + 1 additions).
+std::pair<at::Tensor, at::Tensor> float64_sum(const at::Tensor& self, const at::Tensor& left,
+                                              const at::Tensor& right, const at::Tensor& scale) {
+  const at::Tensor f = scale.cpu().to(at::kDouble);
+  const at::Tensor keep = at::isfinite(f).logical_and(f != 0);
+  const at::Tensor c = at::where(keep, f, at::zeros_like(f));
+  const at::Tensor l = left.cpu().to(at::kDouble), r = right.cpu().to(at::kDouble);
+  // Dropped samples' rows may be NaN: zero them before they meet their zero factor.
+  const at::Tensor mask = keep.view({-1, 1, 1});
+  const at::Tensor lk = at::where(mask, l, at::zeros_like(l));
+  const at::Tensor rk = at::where(mask, r, at::zeros_like(r));
+  const at::Tensor s0 = self.cpu().to(at::kDouble);
+  const at::Tensor sum = s0 + at::einsum("i,itr,itk->rk", {c, lk, rk});
+  const at::Tensor abs_sum = s0.abs() + at::einsum("i,itr,itk->rk", {c.abs(), lk.abs(), rk.abs()});
+  const double n = static_cast<double>(left.size(1) + left.size(0) + 2);
+  const double u = std::ldexp(1.0, -24);
+  return {sum, abs_sum * (n * u / (1.0 - n * u))};
+}
+
+TEST(SampleProducts, TheOpIsTheFloat64SumWithinItsBoundOnEveryDevice) {
+  at::manual_seed(11);
+  const std::vector<at::ScalarType> dtypes{at::kFloat, at::kBFloat16, at::kHalf};
+  for (const at::Device device : testing::devices()) {
+    int64_t case_index = 0;
+    for (int64_t rows : {1, 63, 64, 65, 130}) {
+      for (int64_t cols : {1, 17, 64, 100}) {
+        for (int64_t t : {2, 15, 16, 17, 40}) {
+          const int64_t c = 1 + (case_index % 5);
+          const at::ScalarType lt = dtypes[case_index % 3], rt = dtypes[(case_index / 3) % 3];
+          ++case_index;
+          at::Tensor left = at::randn({c, t, rows}).to(lt), right = at::randn({c, t, cols}).to(rt);
+          at::Tensor scale = at::rand({c}) + 0.1;
+          if (c >= 3) {  // a dropped sample: factor 0 and NaN rows, or an infinite factor
+            scale[1] = (case_index % 2) ? 0.0 : std::numeric_limits<double>::infinity();
+            left[1][0].fill_(std::numeric_limits<double>::quiet_NaN());
+          }
+          const at::Tensor start = at::randn({rows, cols});
+          const auto [want, bound] = float64_sum(start, left, right, scale);
+          at::Tensor self = start.to(device);
+          products_op(self, left.to(device), right.to(device), scale.to(device), 0);
+          const at::Tensor err = (self.cpu().to(at::kDouble) - want).abs();
+          ASSERT_TRUE(at::isfinite(self.cpu()).all().item<bool>()) << device;
+          EXPECT_TRUE((err <= bound).all().item<bool>())
+              << device << ": rows " << rows << ", cols " << cols << ", T " << t << ", c " << c
+              << ", worst excess " << (err - bound).max().item<double>();
+        }
+      }
+    }
+  }
+}
+
+TEST(SampleProducts, TheOpsCancellingRowsOfOneSampleLeaveTheOthersIntact) {
+  for (const at::Device device : testing::devices()) {
+    for (int64_t splits : {1, 2, 3}) {
+      if (device.is_cpu() && splits > 1) continue;  // a CUDA launch choice
+      const int64_t rows = 3, cols = 20;
+      at::Tensor left = at::zeros({3, 2, rows}), right = at::zeros({3, 2, cols});
+      left[0][0].fill_(1.0);
+      right[0][0] = at::arange(cols, at::kFloat);
+      left[1][0].fill_(1e8);
+      left[1][1].fill_(-1e8);
+      right[1][0].fill_(1.0);
+      right[1][1].fill_(1.0);
+      left[2][0].fill_(0.5);
+      right[2][0].fill_(2.0);
+      at::Tensor out = at::zeros({rows, cols}, device);
+      products_op(out, left.to(device), right.to(device), at::ones({3}, device), splits);
+      const at::Tensor want = (at::arange(cols, at::kFloat) + 1.0).expand({rows, cols});
+      EXPECT_TRUE(at::equal(out.cpu(), want)) << device << ", splits " << splits << out;
+    }
+  }
+}
+
+// The CUDA kernel's arithmetic written out on the host: samples in contiguous runs of
+// ceil(c / splits); run 0 starts from self, each later run from zero; within a run each sample
+// that adds contributes fl(c_i * p), p = std::fma over its rows from zero in row order, added in
+// order; then the later runs' sums are added into self in run order.
+std::vector<float> cuda_reference(const std::vector<float>& self, const at::Tensor& left,
+                                  const at::Tensor& right, const std::vector<float>& scale,
+                                  int64_t splits) {
+  const at::Tensor l = left.to(at::kFloat).contiguous(), r = right.to(at::kFloat).contiguous();
+  const float* lp = l.data_ptr<float>();
+  const float* rp = r.data_ptr<float>();
+  const int64_t c = l.size(0), t = l.size(1), rows = l.size(2), cols = r.size(2);
+  const int64_t n = std::min<int64_t>(splits, c), per = (c + n - 1) / n, used = (c + per - 1) / per;
+  std::vector<float> out = self;
+  std::vector<std::vector<float>> runs(used, std::vector<float>(rows * cols, 0.0f));
+  runs[0] = self;
+  for (int64_t z = 0; z < used; ++z) {
+    for (int64_t i = z * per; i < std::min(c, (z + 1) * per); ++i) {
+      if (!kernels::sample_products::adds(scale[i])) continue;
+      for (int64_t e = 0; e < rows * cols; ++e) {
+        const int64_t row = e / cols, col = e % cols;
+        float p = 0.0f;
+        for (int64_t s = 0; s < t; ++s)
+          p = std::fma(lp[(i * t + s) * rows + row], rp[(i * t + s) * cols + col], p);
+        volatile float product = scale[i] * p;  // rounded alone, as __fmul_rn
+        runs[z][e] = runs[z][e] + product;
+      }
+    }
+  }
+  out = runs[0];
+  for (int64_t z = 1; z < used; ++z)
+    for (int64_t e = 0; e < rows * cols; ++e) out[e] = out[e] + runs[z][e];
+  return out;
+}
+
+// The reference the CUDA test holds the kernel to is itself the float64 sum within its bound,
+// here, for every split count (so a CUDA failure is the kernel's, not the reference's).
+TEST(SampleProducts, TheCudaReferenceIsTheFloat64SumWithinItsBound) {
+  std::mt19937 rng(6);
+  at::manual_seed(6);
+  const int64_t c = 7, t = 33, rows = 9, cols = 11;
+  const at::Tensor left = at::randn({c, t, rows}).to(at::kBFloat16), right = at::randn({c, t, cols});
+  std::vector<float> scale(c);
+  for (int64_t i = 0; i < c; ++i) scale[i] = (i % 4 == 2) ? 0.0f : 0.25f + 0.1f * i;
+  const std::vector<float> start = testing::spread_values(rng, rows * cols, 6);
+  const at::Tensor self = at::from_blob(const_cast<float*>(start.data()), {rows, cols}).clone();
+  const at::Tensor factors = at::from_blob(scale.data(), {c}).clone();
+  const auto [want, bound] = float64_sum(self, left, right, factors);
+  for (int64_t splits : {1, 2, 3, 8}) {
+    const std::vector<float> got = cuda_reference(start, left, right, scale, splits);
+    const at::Tensor err =
+        (at::from_blob(const_cast<float*>(got.data()), {rows, cols}).to(at::kDouble) - want).abs();
+    EXPECT_TRUE((err <= bound).all().item<bool>()) << "splits " << splits;
+  }
+}
+
+TEST(SampleProducts, CudaGivesTheHostReferenceBitsForEverySplitCount) {
+  if (!testing::cuda_available()) GTEST_SKIP() << testing::kNoCuda;
+  std::mt19937 rng(5);
+  at::manual_seed(5);
+  for (int64_t splits : {1, 2, 3, 8}) {
+    for (const auto& [c, t, rows, cols] : std::vector<std::array<int64_t, 4>>{
+             {7, 33, 65, 70}, {3, 2, 1, 129}, {9, 16, 64, 64}, {1, 128, 130, 3}}) {
+      const at::Tensor left = at::randn({c, t, rows}).to(at::kBFloat16);
+      const at::Tensor right = at::randn({c, t, cols});
+      std::vector<float> scale(c);
+      for (int64_t i = 0; i < c; ++i) scale[i] = (i % 4 == 2) ? 0.0f : 0.25f + 0.1f * i;
+      const std::vector<float> start = testing::spread_values(rng, rows * cols, 6);
+      const std::vector<float> want = cuda_reference(start, left, right, scale, splits);
+      at::Tensor self = at::from_blob(const_cast<float*>(start.data()), {rows, cols}).clone().cuda();
+      const at::Tensor factors = at::from_blob(scale.data(), {c}).clone().cuda();
+      products_op(self, left.cuda(), right.cuda(), factors, splits);
+      const at::Tensor got = self.cpu().contiguous();
+      ASSERT_EQ(0, std::memcmp(want.data(), got.data_ptr<float>(), want.size() * sizeof(float)))
+          << "splits " << splits << ", c " << c << ", T " << t << ", rows " << rows << ", cols "
+          << cols;
+    }
+  }
+}
+
+TEST(SampleProducts, TheOpRefusesBadArgumentsNamingThem) {
+  for (const at::Device device : testing::devices()) {
+    const auto o = at::TensorOptions().device(device);
+    const auto refuses = [&](at::Tensor self, const at::Tensor& l, const at::Tensor& r,
+                             const at::Tensor& s, int64_t splits, const std::string& words) {
+      try {
+        products_op(self, l, r, s, splits);
+        ADD_FAILURE() << device << ": accepted, wanted \"" << words << "\"";
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+      }
+    };
+    const at::Tensor l = at::ones({2, 3, 4}, o), r = at::ones({2, 3, 5}, o), s = at::ones({2}, o);
+    refuses(at::zeros({4, 5}, o.dtype(at::kDouble)), l, r, s, 0, "self must be a [rows, cols] float32");
+    refuses(at::zeros({4, 6}, o), l, r, s, 0, "[rows, cols] = [4, 6]");
+    refuses(at::zeros({4, 5}, o), l.to(at::kDouble), r, s, 0, "float32, bfloat16 or float16");
+    refuses(at::zeros({4, 5}, o), l, r, at::ones({3}, o), 0, "scale must be [2] float32");
+    refuses(at::zeros({4, 5}, o), l, r, s, -1, "splits must be >= 0");
+    refuses(at::zeros({5, 4}, o).t(), l, r, s, 0, "unit column stride");
+    at::Tensor memory = at::zeros({2 * 3 * 5}, o);
+    refuses(memory.narrow(0, 0, 20).view({4, 5}), l, memory.view({2, 3, 5}), s, 0,
+            "shares memory with an operand");
+    if (!device.is_cpu())
+      refuses(at::zeros({4, 5}, o), l.cpu(), r, s, 0, "an operand is on cpu");
+  }
 }
 
 }  // namespace

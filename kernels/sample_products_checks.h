@@ -1,0 +1,75 @@
+// kernels/sample_products_checks.h — what the CPU and CUDA implementations of
+// dpzero::_add_sample_products_ (schema in kernels/ops.cpp) share besides their arithmetic: the
+// argument checks (both backends refuse the same calls with the same messages) and the rule that
+// skips a dropped sample.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include <ATen/MemoryOverlap.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+namespace dpzero::kernels::sample_products {
+
+// Whether sample i's factor adds its product: a factor of 0 or a non-finite one is a dropped
+// sample, whose rows (maybe NaN or Inf) are never read into a sum (as _scale_rows zeroes them).
+// The host's one statement of the rule (the CUDA kernels, which cannot call it, test the same).
+inline bool adds(float factor) { return std::isfinite(factor) && factor != 0.0f; }
+
+inline bool floating(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+         x.scalar_type() == at::kHalf;
+}
+
+// Whether `self` can take the op's in-place write: unit column stride (or one column) and no two
+// entries sharing memory (a caller with another destination forms the products itself).
+inline bool accepts(const at::Tensor& self) {
+  return (self.stride(1) == 1 || self.size(1) <= 1) &&
+         at::has_internal_overlap(self) == at::MemOverlap::No;
+}
+
+// Whether the op takes this call as it is: `accepts(self)`, operands of the op's dtypes, and no
+// operand sharing self's memory (a caller's other path handles the rest).
+inline bool fits(const at::Tensor& self, const at::Tensor& left, const at::Tensor& right) {
+  return self.scalar_type() == at::kFloat && floating(left) && floating(right) && accepts(self) &&
+         at::get_overlap_status(self, left) == at::MemOverlapStatus::No &&
+         at::get_overlap_status(self, right) == at::MemOverlapStatus::No;
+}
+
+// Checks self [rows, cols] float32 (unit column stride unless cols <= 1), left [c, T, rows] and
+// right [c, T, cols] float32 / bfloat16 / float16, scale [c] float32, all on self's device,
+// splits >= 0; self shares memory with neither operand nor with itself.
+inline void check(const at::Tensor& self, const at::Tensor& left, const at::Tensor& right,
+                  const at::Tensor& scale, int64_t splits) {
+  constexpr const char* op = "dpzero::_add_sample_products_";
+  TORCH_CHECK(self.dim() == 2 && self.scalar_type() == at::kFloat, op,
+              ": self must be a [rows, cols] float32 matrix, got ", self.scalar_type(),
+              " of shape ", self.sizes());
+  TORCH_CHECK(left.dim() == 3 && right.dim() == 3 && floating(left) && floating(right), op,
+              ": left and right must be [c, T, rows] and [c, T, cols] float32, bfloat16 or "
+              "float16, got ", left.scalar_type(), " of shape ", left.sizes(), " and ",
+              right.scalar_type(), " of shape ", right.sizes());
+  TORCH_CHECK(left.size(0) == right.size(0) && left.size(1) == right.size(1) &&
+                  left.size(2) == self.size(0) && right.size(2) == self.size(1),
+              op, ": left ", left.sizes(), " and right ", right.sizes(),
+              " do not make the [rows, cols] = ", self.sizes(), " sum of per-sample products");
+  TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat &&
+                  scale.size(0) == left.size(0),
+              op, ": scale must be [", left.size(0), "] float32 (one factor per sample), got ",
+              scale.scalar_type(), " of shape ", scale.sizes());
+  for (const at::Tensor* x : {&left, &right, &scale}) {
+    TORCH_CHECK(x->device() == self.device(), op, ": an operand is on ", x->device(),
+                ", self on ", self.device());
+  }
+  TORCH_CHECK(splits >= 0, op, ": splits must be >= 0 (0: chosen by the device), got ", splits);
+  TORCH_CHECK(accepts(self), op,
+              ": self must have unit column stride and no entries sharing memory, got strides ",
+              self.strides());
+  TORCH_CHECK(at::get_overlap_status(self, left) == at::MemOverlapStatus::No &&
+                  at::get_overlap_status(self, right) == at::MemOverlapStatus::No,
+              op, ": self shares memory with an operand");
+}
+
+}  // namespace dpzero::kernels::sample_products
