@@ -13,14 +13,14 @@
 #            waits, the costliest operators (dpzero flat, Opacus ghost, plain torch)
 #   private  one experiments/private_bench.py --device cuda configuration (dpzero and Opacus);
 #            CHECK_PRIVATE_ARGS is appended to its flags (a rerun: "--skip-check --repeats 5")
-#   private-bf16  the same configuration under --autocast bf16 (every system's forward and loss
-#            under torch.autocast; the target: 1.3x the bf16 non-private step), no memory runs
 #   paper    one row set of experiments/run.py --grid gpu (non-DP, DP flat, Opacus hooks)
 #   errors   error_paths.py: one of our ops' argument errors raised on the CPU and on the GPU, with
 #            and without a number in the message, each in a fresh process (the first H200 run's
 #            crashes); which libstdc++ the process maps and which libraries define
 #            std::locale::classic(); each crash again with LC_ALL=C and with the toolchain's
 #            libstdc++ preloaded, and the first one's backtrace under gdb
+#   private-bf16  the private stage's configuration under --autocast bf16 (every system's forward and loss
+#            under torch.autocast; the target: 1.3x the bf16 non-private step), no memory runs
 #   ctest    every GoogleTest
 #   pytest   the CUDA tests (the files that hold them, CUDA cases selected), through
 #            pytest_isolated.py: a test that crashes its process is recorded, run again alone and
@@ -55,7 +55,7 @@ collect() {
   [ -n "$files" ] && tar -C "$results" -czf "$out/results.tar.gz" $files
   printf '%s  done       %ss in all\n' "$(date +%T)" $((SECONDS - t_start)) | tee -a "$status"
 }
-stages=" ${CHECK_STAGES:-profile private private-bf16 paper errors ctest pytest noise kernels roofline sanitize} "
+stages=" ${CHECK_STAGES:-profile private paper errors private-bf16 ctest pytest noise kernels roofline sanitize} "
 want() { [[ $stages == *" $1 "* ]]; }
 
 machine() {
@@ -79,15 +79,15 @@ want profile && stage profile 90 $py experiments/gpu/profile_step.py --systems d
 want private && stage private 150 $py experiments/private_bench.py --device cuda --threads "$(nproc)" \
   --tag cuda-w768 --layers 4 --hidden 768 --heads 12 --intermediate 3072 --vocab 30522 --batch 32 \
   --repeats 11 --max-wait 0 --out "$results/private.md" ${CHECK_PRIVATE_ARGS:-} >>"$log" 2>&1
+# Opacus hooks, not ghost: ghost clipping refuses GPT-2's tied embedding
+want paper && stage paper 90 bash -c "cd experiments && $py run.py --grid gpu --systems zero0,dp0-flat,opacus-hooks \
+  --repeats 5 --out '$results' && mv '$results/grid-gpu.md' '$results/paper.md'" >>"$log" 2>&1
+want errors && stage errors 180 $py experiments/gpu/error_paths.py >>"$status" 2>>"$log"
 want private-bf16 && stage private-bf16 120 $py experiments/private_bench.py --device cuda \
   --threads "$(nproc)" --tag cuda-w768-bf16 --autocast bf16 --layers 4 --hidden 768 --heads 12 \
   --intermediate 3072 --vocab 30522 --batch 32 --repeats 11 --max-wait 0 --skip-memory \
   --systems torch,zero0,dp-flat,dp-layer,opacus-hooks,opacus-ghost --out "$results/private.md" \
   ${CHECK_PRIVATE_ARGS:-} >>"$log" 2>&1
-# Opacus hooks, not ghost: ghost clipping refuses GPT-2's tied embedding
-want paper && stage paper 90 bash -c "cd experiments && $py run.py --grid gpu --systems zero0,dp0-flat,opacus-hooks \
-  --repeats 5 --out '$results' && mv '$results/grid-gpu.md' '$results/paper.md'" >>"$log" 2>&1
-want errors && stage errors 180 $py experiments/gpu/error_paths.py >>"$status" 2>>"$log"
 if want ctest; then
   stage ctest 60 ctest --test-dir build-gpu --output-on-failure -j "$(nproc)" >>"$log" 2>&1
   grep -E "tests passed|tests failed" "$log" | tail -1 | tee -a "$status"
