@@ -142,8 +142,9 @@ TORCH_LIBRARY(dpzero, m) {
   // sample: its NaN/Inf never reaches a sum). One pass over x.
   m.def("_scale_rows(Tensor x, Tensor scale, bool multiply) -> Tensor");
   // self [rows, cols] float32 += sum_i scale_i left_i^T right_i, left [c, T, rows] and right
-  // [c, T, cols] float32 / bfloat16 / float16, scale [c] float32: each sample's product formed
-  // alone in float32 from zero, then times its factor, then added (Note [clipped-sum rounding]); a
+  // [c, T, cols] float32 / bfloat16 / float16, scale [c] float32: each sample's contribution
+  // formed alone in float32 from zero (its left rows times its factor, each rounded once), then
+  // added (Note [clipped-sum rounding]); a
   // sample whose factor is 0 or non-finite is skipped, its rows never read into a sum. The device
   // path of the clipped sums (Note [device path]). `splits` (CUDA only; 0: chosen from the
   // device's size) divides the samples among that many blocks per output tile, whose sums are

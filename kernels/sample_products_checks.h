@@ -6,8 +6,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
-#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
@@ -23,24 +23,42 @@ inline bool floating(const at::Tensor& x) {
          x.scalar_type() == at::kHalf;
 }
 
-// Whether `self` can take the op's in-place write: unit column stride (or one column) and no two
-// entries sharing memory (a caller with another destination forms the products itself).
+// Whether `self` [rows, cols] can take the op's in-place write: unit column stride (or one
+// column) and rows that do not overlap (a row stride of at least cols, or one row), so no two
+// entries share memory (a caller with another destination forms the products itself).
 inline bool accepts(const at::Tensor& self) {
   return (self.stride(1) == 1 || self.size(1) <= 1) &&
-         at::has_internal_overlap(self) == at::MemOverlap::No;
+         (self.stride(0) >= self.size(1) || self.size(0) <= 1);
+}
+
+// Whether a and b touch disjoint memory: other storages, or byte ranges [first, last element]
+// that do not meet in one storage (torch's strides are never negative).
+inline bool disjoint(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return true;
+  if (!a.has_storage() || !b.has_storage()) return false;
+  if (!a.storage().is_alias_of(b.storage())) return true;
+  const auto range = [](const at::Tensor& x) {
+    int64_t last = x.storage_offset();
+    for (int64_t d = 0; d < x.dim(); ++d) last += (x.size(d) - 1) * x.stride(d);
+    const int64_t item = static_cast<int64_t>(x.element_size());
+    return std::pair<int64_t, int64_t>{x.storage_offset() * item, (last + 1) * item};
+  };
+  const auto [a0, a1] = range(a);
+  const auto [b0, b1] = range(b);
+  return a1 <= b0 || b1 <= a0;
 }
 
 // Whether the op takes this call as it is: `accepts(self)`, operands of the op's dtypes, and no
 // operand sharing self's memory (a caller's other path handles the rest).
-inline bool fits(const at::Tensor& self, const at::Tensor& left, const at::Tensor& right) {
+inline bool fits(const at::Tensor& self, const at::Tensor& left, const at::Tensor& right,
+                 const at::Tensor& scale) {
   return self.scalar_type() == at::kFloat && floating(left) && floating(right) && accepts(self) &&
-         at::get_overlap_status(self, left) == at::MemOverlapStatus::No &&
-         at::get_overlap_status(self, right) == at::MemOverlapStatus::No;
+         disjoint(self, left) && disjoint(self, right) && disjoint(self, scale);
 }
 
 // Checks self [rows, cols] float32 (unit column stride unless cols <= 1), left [c, T, rows] and
 // right [c, T, cols] float32 / bfloat16 / float16, scale [c] float32, all on self's device,
-// splits >= 0; self shares memory with neither operand nor with itself.
+// splits >= 0; self shares memory with no operand (scale included) nor with itself.
 inline void check(const at::Tensor& self, const at::Tensor& left, const at::Tensor& right,
                   const at::Tensor& scale, int64_t splits) {
   constexpr const char* op = "dpzero::_add_sample_products_";
@@ -65,11 +83,10 @@ inline void check(const at::Tensor& self, const at::Tensor& left, const at::Tens
   }
   TORCH_CHECK(splits >= 0, op, ": splits must be >= 0 (0: chosen by the device), got ", splits);
   TORCH_CHECK(accepts(self), op,
-              ": self must have unit column stride and no entries sharing memory, got strides ",
-              self.strides());
-  TORCH_CHECK(at::get_overlap_status(self, left) == at::MemOverlapStatus::No &&
-                  at::get_overlap_status(self, right) == at::MemOverlapStatus::No,
-              op, ": self shares memory with an operand");
+              ": self must have unit column stride and rows that do not overlap, got strides ",
+              self.strides(), " for shape ", self.sizes());
+  TORCH_CHECK(disjoint(self, left) && disjoint(self, right) && disjoint(self, scale), op,
+              ": self shares memory with an operand");
 }
 
 }  // namespace dpzero::kernels::sample_products

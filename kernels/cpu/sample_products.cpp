@@ -93,10 +93,11 @@ bool add_sample_products(at::Tensor& out, const at::Tensor& left, const at::Tens
 namespace {
 
 // dpzero::_add_sample_products_ on the host (schema in kernels/ops.cpp; the CUDA one is
-// kernels/cuda/sample_products.cu): sample after sample, its product alone from zero (one float32
-// GEMM of its T rows), times its factor, added to self (Note [clipped-sum rounding]). What the
-// device path of the clipped sums runs on CPU tensors (Note [device path]); `splits` is a CUDA
-// launch choice and changes nothing here.
+// kernels/cuda/sample_products.cu): sample after sample, its left rows times its factor (each
+// rounded once), its contribution alone from zero (one float32 GEMM of its T rows), added to self
+// (Note [clipped-sum rounding], Note [fused sample products]). What the device path of the
+// clipped sums runs on CPU tensors (Note [device path]); `splits` is a CUDA launch choice and
+// changes nothing here.
 at::Tensor& add_sample_products_cpu_(at::Tensor& self, const at::Tensor& left,
                                      const at::Tensor& right, const at::Tensor& scale,
                                      int64_t splits) {
@@ -107,8 +108,8 @@ at::Tensor& add_sample_products_cpu_(at::Tensor& self, const at::Tensor& left,
   const float* f = factors.data_ptr<float>();
   for (int64_t i = 0; i < left.size(0); ++i) {
     if (!sample_products::adds(f[i])) continue;
-    at::Tensor product = at::mm(left[i].to(at::kFloat).t(), right[i].to(at::kFloat));  // [rows, cols]
-    self.add_(product.mul_(f[i]));
+    const at::Tensor scaled = left[i].to(at::kFloat).mul(f[i]);  // [T, rows]
+    self.add_(at::mm(scaled.t(), right[i].to(at::kFloat)));      // [rows, cols]
   }
   return self;
 }

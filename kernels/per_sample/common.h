@@ -276,8 +276,8 @@ inline at::Tensor certify_op(const at::Tensor& value, const c10::optional<at::Te
 //    sample's contribution is formed alone and only then added: on the host up to T = 64, tile
 //    by tile in registers from zero (kernels/cpu/sample_products_simd.h; a fused multiply-add per
 //    row, the same gamma_T bound), on a device by dpzero::_add_sample_products_ (Note [fused
-//    sample products] in kernels/cuda/sample_products.cu: the product of the unscaled rows in
-//    registers from zero, then times c_i, one rounding each, the same bound), otherwise by a
+//    sample products] in kernels/cuda/sample_products.cu: c_i times each left row as it is
+//    staged, then the product in registers from zero, the same bound), otherwise by a
 //    batched GEMM, one product per sample, summed after; at T = 1 each row is a whole
 //    contribution and one GEMM is the same sum. The
 //    embedding sums each sample's rows per id first, for the same reason.

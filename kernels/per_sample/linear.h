@@ -83,12 +83,13 @@ inline void add_linear_clipped_sum(at::Tensor& out, const at::Tensor& a, const a
   const int64_t b = a.size(0), t = a.size(1), d_in = a.size(2), d_out = g.size(2);
   if (b == 0 || t == 0) return;
   if (!host && t >= 2) {
-    // The device path: one op over the whole batch, each sample's product formed in registers
-    // from the unscaled 16- or 32-bit rows and scaled after (Note [fused sample products] in
-    // kernels/cuda/sample_products.cu); no float32 copies, scaled rows or products in memory.
+    // The device path: one op over the whole batch, each sample's contribution formed in
+    // registers from its 16- or 32-bit rows, the left ones scaled as they are staged (Note [fused
+    // sample products] in kernels/cuda/sample_products.cu); no float32 copies, scaled rows or
+    // products in memory.
     const at::Tensor& left = transposed ? a : g;  // [B, T, rows of out]
     const at::Tensor& right = transposed ? g : a;  // [B, T, cols of out]
-    if (sample_products::fits(out, left, right)) {
+    if (sample_products::fits(out, left, right, scale)) {
       add_scaled_sample_products(out, left, right, scale);
       return;
     }

@@ -150,3 +150,52 @@ def test_one_example_of_cancelling_rows_moves_the_sum_by_at_most_c(case, clippin
     moved = (added - base).norm().item()
     assert moved <= 1.0 * (1 + 1e-5), f"adding one example moved the clipped sum by {moved} C"
     assert base.norm().item() > 1.0  # the others' contributions are there to be absorbed
+
+
+def _token_classifier_sum(x, y, clipping, path):
+    """One step's sum of clipped per-example gradients of a zero-initialised nn.Linear token
+    classifier (its one DP layer is its own clipping group: the fused norm-and-factor path), σ = 0,
+    sum loss, lr = N, on one of PATHS."""
+    device = "cuda" if path == "cuda" else "cpu"
+    model = nn.Linear(x.shape[-1], K).to(device)
+    nn.init.zeros_(model.weight)
+    nn.init.zeros_(model.bias)
+    before = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    previous = torch.ops.dpzero._set_device_path(path == "device-path")
+    try:
+        p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(x, y),
+                                sample_rate=1.0, noise_multiplier=0.0, allow_no_noise=True,
+                                max_grad_norm=1.0, optimizer="sgd", lr=float(len(y)),
+                                loss_reduction="sum", clipping=clipping, seed=0)
+        xb, yb = p.privacy_engine.own_batch((x.to(device), y.to(device)),
+                                            logical_batch_size=len(y))
+        F.cross_entropy(p.model(xb).reshape(-1, K), yb.reshape(-1), reduction="sum").backward()
+        assert p.optimizer.step()
+    finally:
+        torch.ops.dpzero._set_device_path(previous)
+    after = {k: v.cpu() for k, v in p.privacy_engine.parameters().items()}
+    return torch.cat([(before[k] - after[k]).flatten().double() for k in sorted(after)])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("clipping", ["flat", "layer", "automatic"])
+def test_an_example_whose_unscaled_product_overflows_moves_the_sum_by_at_most_c(clipping, path):
+    """Inputs of 3e38 at every position: the example's per-sample product G^T A, formed before its
+    factor, would pass float32's range (and Inf times the factor stays Inf), though its certified
+    norm is finite and the example is kept with a factor near 1e-38. Its contribution must still be
+    at most C (a first version of the fused device path, which scaled the product after forming
+    it, turned the whole update to Inf here)."""
+    if path == "cuda" and not (torch.cuda.is_available() and dpzero._C.with_cuda):
+        pytest.skip("needs a GPU and dpzero built with its CUDA kernels")
+    g = torch.Generator().manual_seed(1)
+    n, t, d = 8, 8, 64
+    x = torch.randn(n, t, d, generator=g)
+    y = torch.randint(0, K, (n, t), generator=g)
+    huge = torch.zeros(1, t, d)
+    huge[0, :, 0] = 3e38
+    labels = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
+    base = _token_classifier_sum(x, y, clipping, path)
+    added = _token_classifier_sum(torch.cat([x, huge]), torch.cat([y, labels]), clipping, path)
+    moved = (added - base).norm().item()
+    assert moved <= 1.0 * (1 + 1e-5), f"adding one example moved the clipped sum by {moved} C"
+    assert base.norm().item() > 0.5  # the others' contributions are there

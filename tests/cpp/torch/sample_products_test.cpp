@@ -225,10 +225,30 @@ TEST(SampleProducts, TheOpsCancellingRowsOfOneSampleLeaveTheOthersIntact) {
   }
 }
 
+// A kept sample whose unscaled product leaves float32's range (rows of 2^64 that cancel, so
+// 2^64 * 2^64 = 2^128 overflows; a factor of 2^-110, which a certified norm near 1e33 gives): its
+// scaled rows keep the sum finite, on every device and split count. Powers of two make every step
+// exact: the sample adds 2^18 - 2^18 = 0, the other one 0.5 * 1 * 3.
+TEST(SampleProducts, AKeptSampleWhoseUnscaledProductOverflowsStaysFinite) {
+  for (const at::Device device : testing::devices()) {
+    for (int64_t splits : {1, 2}) {
+      if (device.is_cpu() && splits > 1) continue;
+      const float big = std::ldexp(1.0f, 64);
+      const at::Tensor left = at::tensor({big, -big, 1.0f, 0.0f}).view({2, 2, 1});
+      const at::Tensor right = at::tensor({big, big, 3.0f, 0.0f}).view({2, 2, 1});
+      const at::Tensor scale = at::tensor({std::ldexp(1.0f, -110), 0.5f});
+      at::Tensor out = at::zeros({1, 1}, device);
+      products_op(out, left.to(device), right.to(device), scale.to(device), splits);
+      EXPECT_EQ(out.item<float>(), 1.5f) << device << ", splits " << splits;
+    }
+  }
+}
+
 // The CUDA kernel's arithmetic written out on the host: samples in contiguous runs of
-// ceil(c / splits); run 0 starts from self, each later run from zero; within a run each sample
-// that adds contributes fl(c_i * p), p = std::fma over its rows from zero in row order, added in
-// order; then the later runs' sums are added into self in run order.
+// ceil(c / min(splits, 8, c)); run 0 starts from self, each later run from zero; within a run each
+// sample that adds contributes p = std::fma over its rows from zero in row order of its left
+// entries times c_i (each product rounded alone) and its right entries, added in order; then the
+// later runs' sums are added into self in run order.
 std::vector<float> cuda_reference(const std::vector<float>& self, const at::Tensor& left,
                                   const at::Tensor& right, const std::vector<float>& scale,
                                   int64_t splits) {
@@ -236,7 +256,8 @@ std::vector<float> cuda_reference(const std::vector<float>& self, const at::Tens
   const float* lp = l.data_ptr<float>();
   const float* rp = r.data_ptr<float>();
   const int64_t c = l.size(0), t = l.size(1), rows = l.size(2), cols = r.size(2);
-  const int64_t n = std::min<int64_t>(splits, c), per = (c + n - 1) / n, used = (c + per - 1) / per;
+  const int64_t n = std::min<int64_t>({splits, int64_t{8}, c});  // the kernel's kMaxSplits
+  const int64_t per = (c + n - 1) / n, used = (c + per - 1) / per;
   std::vector<float> out = self;
   std::vector<std::vector<float>> runs(used, std::vector<float>(rows * cols, 0.0f));
   runs[0] = self;
@@ -246,10 +267,11 @@ std::vector<float> cuda_reference(const std::vector<float>& self, const at::Tens
       for (int64_t e = 0; e < rows * cols; ++e) {
         const int64_t row = e / cols, col = e % cols;
         float p = 0.0f;
-        for (int64_t s = 0; s < t; ++s)
-          p = std::fma(lp[(i * t + s) * rows + row], rp[(i * t + s) * cols + col], p);
-        volatile float product = scale[i] * p;  // rounded alone, as __fmul_rn
-        runs[z][e] = runs[z][e] + product;
+        for (int64_t s = 0; s < t; ++s) {
+          volatile float scaled = scale[i] * lp[(i * t + s) * rows + row];  // as __fmul_rn
+          p = std::fma(scaled, rp[(i * t + s) * cols + col], p);
+        }
+        runs[z][e] = runs[z][e] + p;
       }
     }
   }
