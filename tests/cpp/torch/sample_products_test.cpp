@@ -80,11 +80,13 @@ TEST(SampleProducts, Avx512LanesGiveTheFmaReferenceBits) {
   expect_reference_bits(/*wide=*/true, "avx512");
 }
 
-// One sample's rows that are huge and cancel (its product is exactly 0) leave the other samples'
-// products in place; summed as one GEMM over all rows, they would absorb the partial sum before
-// them (Note [clipped-sum rounding]).
-TEST(SampleProducts, CancellingRowsOfOneSampleLeaveTheOthersIntact) {
-  if (!simd::available()) GTEST_SKIP() << "this CPU has no AVX2 and FMA";
+// One sample's rows that are huge and cancel (its product is exactly 0) between two others:
+// (left [3, 2, 3], right [3, 2, 20], the exact sum of the products [3, 20]).
+struct Cancelling {
+  at::Tensor left, right, want;
+};
+
+Cancelling cancelling_rows() {
   const int64_t rows = 3, cols = 20;
   at::Tensor left = at::zeros({3, 2, rows}), right = at::zeros({3, 2, cols});
   left[0][0].fill_(1.0);
@@ -95,9 +97,16 @@ TEST(SampleProducts, CancellingRowsOfOneSampleLeaveTheOthersIntact) {
   right[1][1].fill_(1.0);
   left[2][0].fill_(0.5);
   right[2][0].fill_(2.0);
-  at::Tensor out = at::zeros({rows, cols});
+  return {left, right, (at::arange(cols, at::kFloat) + 1.0).expand({rows, cols})};
+}
+
+// The cancelling rows leave the other samples' products in place; summed as one GEMM over all
+// rows, they would absorb the partial sum before them (Note [clipped-sum rounding]).
+TEST(SampleProducts, CancellingRowsOfOneSampleLeaveTheOthersIntact) {
+  if (!simd::available()) GTEST_SKIP() << "this CPU has no AVX2 and FMA";
+  const auto [left, right, want] = cancelling_rows();
+  at::Tensor out = at::zeros(want.sizes());
   ASSERT_TRUE(kernels::add_sample_products(out, left, right));
-  const at::Tensor want = (at::arange(cols, at::kFloat) + 1.0).expand({rows, cols});
   EXPECT_TRUE(at::equal(out, want)) << out;
 }
 
@@ -207,19 +216,9 @@ TEST(SampleProducts, TheOpsCancellingRowsOfOneSampleLeaveTheOthersIntact) {
   for (const at::Device device : testing::devices()) {
     for (int64_t splits : {1, 2, 3}) {
       if (device.is_cpu() && splits > 1) continue;  // a CUDA launch choice
-      const int64_t rows = 3, cols = 20;
-      at::Tensor left = at::zeros({3, 2, rows}), right = at::zeros({3, 2, cols});
-      left[0][0].fill_(1.0);
-      right[0][0] = at::arange(cols, at::kFloat);
-      left[1][0].fill_(1e8);
-      left[1][1].fill_(-1e8);
-      right[1][0].fill_(1.0);
-      right[1][1].fill_(1.0);
-      left[2][0].fill_(0.5);
-      right[2][0].fill_(2.0);
-      at::Tensor out = at::zeros({rows, cols}, device);
+      const auto [left, right, want] = cancelling_rows();
+      at::Tensor out = at::zeros(want.sizes(), device);
       products_op(out, left.to(device), right.to(device), at::ones({3}, device), splits);
-      const at::Tensor want = (at::arange(cols, at::kFloat) + 1.0).expand({rows, cols});
       EXPECT_TRUE(at::equal(out.cpu(), want)) << device << ", splits " << splits << out;
     }
   }
