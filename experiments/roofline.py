@@ -7,6 +7,10 @@ bfloat16, and the copy rate (a clone: bytes read plus written). Then each kernel
 
   ghost      dpzero::_ghost_sq_norms: the float64 Grams <A_i A_i^T, G_i G_i^T> (fused tiles below
              T = 256 on a GPU, GEMM strips from it; Note [ghost roofline])
+  ghost tiles, ghost strips  (CUDA only) the same op with its path forced through
+             dpzero::_set_ghost_gemm_min_rows: the fused tiles, or the float64 GEMM strips, at
+             every T, so the table shows where the device's crossover lies (the default switches
+             at T = 256, Note [ghost roofline])
   ghost x3   dpzero::_ghost_sq_norms_multi: three output gradients sharing A (query, key, value:
              A's Gram built once, Note [shared inputs]); its ms column is per layer, its rates
              are the whole call's
@@ -120,10 +124,23 @@ def kernels(device: str, dtype: torch.dtype, b: int, t: int, d_in: int, d_out: i
 
     products = 2 * b * t * d_in * d_out
     products_bytes = inputs + 2 * 4 * d_in * d_out  # and the sum read and written
+    def forced(from_rows):
+        def run():
+            before = ops._set_ghost_gemm_min_rows(from_rows)
+            try:
+                return ops._ghost_sq_norms(a, g)
+            finally:
+                ops._set_ghost_gemm_min_rows(before)
+        return run
+
+    paths = {} if device != "cuda" else {
+        "ghost tiles": (forced(1 << 40), gram, inputs, "fp64"),
+        "ghost strips": (forced(2), gram, inputs, "fp64")}
     multi_gram = 2 * b * t * t * (d_in + 3 * d_out) + 3 * 2 * b * t * t
     multi_inputs = b * t * (d_in + 3 * d_out) * esize
     return {
         "ghost": (lambda: ops._ghost_sq_norms(a, g), gram, inputs, "fp64"),
+        **paths,
         "ghost x3 (per layer)": (lambda: ops._ghost_sq_norms_multi(a, gs), multi_gram,
                                  multi_inputs, "fp64", 3),
         "bmm64": (lambda: bmm(a.double(), g.double()), gram, inputs, "fp64"),

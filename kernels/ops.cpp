@@ -155,6 +155,10 @@ TORCH_LIBRARY(dpzero, m) {
   // kernels/per_sample_checks.h) and returns the previous one. A tiny budget makes the loops run
   // many chunks, the last one short.
   m.def("_set_chunk_bytes(int bytes) -> int");
+  // Tests and benchmarks only: the sequence length from which the CUDA ghost kernels take the
+  // float64 GEMM strips (rows >= 2; default 256, kernels/per_sample_checks.h); returns the
+  // previous one.
+  m.def("_set_ghost_gemm_min_rows(int rows) -> int");
   // Tests only: CPU tensors take the branches a GPU takes where the per-sample ops choose by
   // device for speed (Note [device path] in kernels/per_sample_checks.h); returns the previous
   // setting.

@@ -22,6 +22,10 @@ bool ghost_is_cheaper_op(int64_t T, int64_t d_in, int64_t d_out) {
 // Tests only: the chunk byte budget (kernels/per_sample_checks.h); returns the previous one.
 int64_t set_chunk_bytes_op(int64_t bytes) { return set_chunk_bytes(bytes); }
 
+// Tests and benchmarks only: where the CUDA ghost kernels switch to GEMM strips; returns the
+// previous one.
+int64_t set_ghost_gemm_min_rows_op(int64_t rows) { return set_ghost_gemm_min_rows(rows); }
+
 // Tests only: Note [device path]; returns the previous setting.
 bool set_device_path_op(bool forced) { return device_path_forced().exchange(forced); }
 
@@ -31,6 +35,7 @@ bool set_device_path_op(bool forced) { return device_path_forced().exchange(forc
 TORCH_LIBRARY_IMPL(dpzero, CompositeImplicitAutograd, m) {
   m.impl("ghost_is_cheaper", &ghost_is_cheaper_op);
   m.impl("_set_chunk_bytes", &set_chunk_bytes_op);
+  m.impl("_set_ghost_gemm_min_rows", &set_ghost_gemm_min_rows_op);
   m.impl("_set_device_path", &set_device_path_op);
 }
 

@@ -159,6 +159,25 @@ inline int64_t samples_per_pass_chunk(int64_t num_samples, int64_t bytes_per_sam
   return std::max<int64_t>(1, std::min<int64_t>(num_samples, budget / per));
 }
 
+// The sequence length from which the CUDA ghost kernels take the float64 GEMM strips instead of
+// the fused tiles (Note [ghost roofline] in kernels/cuda/ghost_norm.cu): kGhostGemmMinRows unless
+// the internal op dpzero::_set_ghost_gemm_min_rows (tests and benchmarks: the roofline times
+// both paths at every T to find the device's crossover) has replaced it. Both paths certify the
+// same way at every T (Note [ghost summation depth] bounds them together), so the choice is
+// speed alone. One value for the whole process.
+constexpr int64_t kGhostGemmMinRows = 256;
+
+inline std::atomic<int64_t>& ghost_gemm_min_rows() {
+  static std::atomic<int64_t> rows{kGhostGemmMinRows};
+  return rows;
+}
+
+inline int64_t set_ghost_gemm_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 2, "dpzero::_set_ghost_gemm_min_rows: rows must be >= 2 (T = 1 takes the "
+              "rank-one path), got ", rows);
+  return ghost_gemm_min_rows().exchange(rows);
+}
+
 // Note [ghost summation depth]
 // The ghost kernels sum the T^2 products (a_s . a_t)(g_s . g_t) (or the token Gram's entries) in
 // float64 in a fixed tree, and Note [certified norms] needs a bound N on the number of roundings
@@ -167,15 +186,15 @@ inline int64_t samples_per_pass_chunk(int64_t num_samples, int64_t bytes_per_sam
 // the sum of the terms' magnitudes, h the depth of the addition tree):
 //  * CPU (kernels/cpu/ghost_norm.cpp): each Gram row s is summed over t (<= T - 1 additions), then
 //    the row sums are added up (<= T - 1 more): depth <= 2T;
-//  * CUDA, fused tiles (kernels/cuda/ghost_norm.cu, T < kGemmMinRows there): a thread adds its
+//  * CUDA, fused tiles (kernels/cuda/ghost_norm.cu, T < ghost_gemm_min_rows()): a thread adds its
 //    R x R tile entries (R <= 4: 16), a warp shuffle tree (5), a block tree over the warps' sums
 //    (5), then at::sum over the P = n(n+1)/2 tile partials of n = ceil(T/(16R)) tile rows (depth
 //    <= P - 1 in whatever order ATen sums): depth <= 25 + P, largest at R = 4 (64-row tiles);
-//  * CUDA, GEMM strips (kernels/ghost_gemm.cpp, long sequences): each row's off-diagonal and
-//    diagonal parts are summed (<= max(r0, rows) - 1 <= T - 1), joined (1), and the T row values
+//  * CUDA, GEMM strips (kernels/ghost_gemm.cpp, from ghost_gemm_min_rows()): each row's
+//    off-diagonal and diagonal parts are summed (<= max(r0, rows) - 1 <= T - 1), joined (1), and the T row values
 //    summed (<= T - 1): depth <= 2T;
 //  * the rank-one path (Note [rank-one ghost], T = 1): one product, no sum: depth 0.
-// The bound below covers every backend and path.
+// The bound below covers every backend and path at every T, whichever path a T takes.
 inline double ghost_summation_depth(int64_t T) {
   const double tiles = static_cast<double>((T + 63) / 64);
   return std::max(2.0 * static_cast<double>(T), 25.0 + tiles * (tiles + 1.0) / 2.0);

@@ -107,7 +107,7 @@ want roofline && stage roofline 60 $py experiments/roofline.py --device cuda --o
 if want sanitize; then
   for tool in racecheck synccheck; do
     stage "sanitize-$tool" 60 compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      build-gpu/tests/cpp/torch/torch_tests --gtest_filter='GhostPaths.Cuda*:SampleProducts.Cuda*' >>"$log" 2>&1
+      build-gpu/tests/cpp/torch/torch_tests --gtest_filter='GhostPaths.*Cuda*:SampleProducts.Cuda*' >>"$log" 2>&1
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -1 | tee -a "$status"
   done
 fi

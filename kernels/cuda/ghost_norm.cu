@@ -4,8 +4,9 @@
 // by sequence length T (Note [ghost roofline]):
 //  * T = 1: rank_one_kernel, ||a||^2 ||g||^2 per sample (Note [rank-one ghost] in
 //    kernels/per_sample_checks.h);
-//  * 2 <= T < kGemmMinRows: one fused kernel over Gram tiles, below;
-//  * T >= kGemmMinRows: float64 GEMM Gram strips on the tensor cores (kernels/ghost_gemm.cpp).
+//  * 2 <= T < ghost_gemm_min_rows() (kernels/per_sample_checks.h; 256 unless a benchmark sets it):
+//    one fused kernel over Gram tiles, below;
+//  * from there on: float64 GEMM Gram strips on the tensor cores (kernels/ghost_gemm.cpp).
 //
 // The fused kernel computes, per sample i, sum_{s,t} (a_s . a_t)(g_s . g_t) without writing a
 // Gram to global memory: a block owns one tile (s-block, t-block) of sample i's T x T Grams (16R
@@ -49,10 +50,11 @@
 //    passes), and ~10 launches per row block.
 // The fused kernel's FLOPs grow as T^2 at the vector rate, the strips' at the tensor-core rate
 // plus traffic linear in T: the strips win once T is large enough for the rate to pay for the
-// traffic and launches. kGemmMinRows = 256 is where that estimate puts the crossover at
+// traffic and launches. kGhostGemmMinRows = 256 is where that estimate puts the crossover at
 // d_in = d_out = 4096 (the per-T figures, and the measured kernel times, are in
 // experiments/results/kernels.md); below it the fused kernel (one launch, no float64 workspace,
-// the only sensible choice where it is memory-bound). Both paths are the same float64 arithmetic
+// the only sensible choice where it is memory-bound); the roofline stage times both paths at every
+// T (experiments/roofline.py, rows "ghost tiles" and "ghost strips") to measure it. Both paths are the same float64 arithmetic
 // up to the order of additions (Note [certified norms] assumes every GEMM entry is an inner
 // product in some order, which cuBLAS's DGEMM on DMMA is; cuBLAS's opt-in emulated-FP64 math
 // modes are outside that assumption). T = 1 has no Gram to speak of: rank_one_kernel reads each
@@ -81,7 +83,6 @@ constexpr int kBlockSize = kThreads * kThreads;
 constexpr int kWarps = kBlockSize / 32;
 constexpr int kStageElems = 1024;     // elements of one operand staged per step
 constexpr int64_t kMaxGridY = 65535;  // samples per launch (gridDim.y limit)
-constexpr int64_t kGemmMinRows = 256;  // Note [ghost roofline]
 
 // The shared-memory staging of one tile of 16R x 16R Gram entries. A thread owns R x R of them:
 // rows ty + 16u and columns tx + 16v (u, v < R).
@@ -438,7 +439,7 @@ std::tuple<at::Tensor, at::Tensor> launch_ghost(const at::Tensor& a, const at::T
             at::zeros({b}, g.options().dtype(at::kDouble))};
   }
   if (t_len == 1) return launch_rank_one(a, ids, g, padding_idx, tokens);
-  if (t_len >= kGemmMinRows) return ghost_values_gemm(a, ids, g, padding_idx);
+  if (t_len >= ghost_gemm_min_rows().load()) return ghost_values_gemm(a, ids, g, padding_idx);
   if (t_len <= Tile<1>::kRows) return launch_tiles<1>(a, ids, g, padding_idx, tokens);
   if (t_len <= Tile<2>::kRows) return launch_tiles<2>(a, ids, g, padding_idx, tokens);
   return launch_tiles<4>(a, ids, g, padding_idx, tokens);
@@ -526,7 +527,7 @@ std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_multi_cuda(const at::Tensor& a
             at::zeros({layers, b}, a.options().dtype(at::kDouble))};
   }
   // The strips convert each operand to float64 themselves, whatever its dtype.
-  if (t_len >= kGemmMinRows) return ghost_values_gemm_multi(a, gs);
+  if (t_len >= ghost_gemm_min_rows().load()) return ghost_values_gemm_multi(a, gs);
   // One element type for every operand of the kernels: mixed inputs are all read as float32.
   const auto type = one_type ? a.scalar_type() : at::kFloat;
   const at::Tensor ac = a.to(type).contiguous();

@@ -24,9 +24,9 @@
 // c_i S_i (1 + gamma_T), which the certification keeps below C / m.
 // A sample whose factor is 0 or non-finite is skipped whole (sample_products::adds), so a dropped
 // sample's NaN or Inf never enters a sum, as _scale_rows zeroes its rows on the other path.
-// With one split acc starts from self's entry, so self's entry ends as
-// ((self + p_1) + p_2) + ... (p_i the sample's part), the order of the host reference in the GoogleTest, bit for
-// bit. A layer with few tiles leaves SMs idle; then `splits` blocks share each tile's samples in
+// With one split acc starts from self's entry, so self's entry ends as ((self + p_1) + p_2) + ...
+// (p_i the sample's part), the order of the host reference in the GoogleTest, bit for bit. A
+// layer with few tiles leaves SMs idle; then `splits` blocks share each tile's samples in
 // contiguous runs: split 0 starts from self and writes it, split z > 0 starts from zero and writes
 // partial[z - 1], and a second launch adds the partials into self in split order. No atomics: a
 // run repeats bit for bit, and the split count is fixed by the device and the shape.

@@ -268,6 +268,53 @@ TEST(GhostPaths, CudaPathsMatchTheCpuKernel) {
   }
 }
 
+int64_t set_ghost_gemm_min_rows_op(int64_t rows) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_set_ghost_gemm_min_rows", "")
+                             .typed<int64_t(int64_t)>();
+  return op.call(rows);
+}
+
+// The switch between fused tiles and GEMM strips refuses a length without a Gram, naming it, and
+// keeps what it had.
+TEST(GhostPaths, TheStripLengthRefusesOneRow) {
+  const int64_t before = set_ghost_gemm_min_rows_op(kernels::kGhostGemmMinRows);
+  EXPECT_EQ(before, kernels::kGhostGemmMinRows);
+  try {
+    set_ghost_gemm_min_rows_op(1);
+    ADD_FAILURE() << "rows = 1 was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rows must be >= 2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("got 1"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(set_ghost_gemm_min_rows_op(kernels::kGhostGemmMinRows), kernels::kGhostGemmMinRows);
+}
+
+// Either CUDA path at every length (what the roofline times to find the crossover): the fused
+// tiles forced up to T = 300 and the GEMM strips forced down to T = 2, each against the CPU kernel
+// within the certified margin, for Linear inputs and for tokens.
+TEST(GhostPaths, EitherCudaPathAtEveryLengthMatchesTheCpuKernel) {
+  if (!cuda_available()) GTEST_SKIP() << kNoCuda;
+  at::manual_seed(15);
+  for (const int64_t from : {int64_t{2}, int64_t{1} << 40}) {  // strips everywhere, tiles everywhere
+    const int64_t before = set_ghost_gemm_min_rows_op(from);
+    for (const int64_t t : {2, 17, 64, 130, 255, 256, 300}) {
+      const std::string what = "T=" + std::to_string(t) + " strips from " + std::to_string(from);
+      const at::Tensor a = at::randn({3, t, 40}), g = at::randn({3, t, 24});
+      const auto [value_cpu, s_cpu] = ghost_op(a, g);
+      const auto [value, s] = ghost_op(a.cuda(), g.cuda());
+      expect_within_margin(value, value_cpu, s_cpu, t, 40, 24, "value " + what);
+      expect_rel(s, s_cpu, 1e-12, "S " + what);
+      const at::Tensor ids = at::randint(4, {3, t}, at::kLong);
+      const auto [tv_cpu, ts_cpu] = token_ghost_op(ids, g, 1);
+      const auto [tv, ts] = token_ghost_op(ids.cuda(), g.cuda(), 1);
+      expect_within_margin(tv, tv_cpu, ts_cpu, t, 0, 24, "token value " + what);
+      expect_rel(ts, ts_cpu, 1e-12, "token S " + what);
+    }
+    set_ghost_gemm_min_rows_op(before);
+  }
+}
+
 // CUDA twin of Note [shared inputs]: _ghost_sq_norms_multi on CUDA (A's Gram tile built once for
 // up to four layers a launch, so six layers take two; GEMM strips from T = 256; rank one at
 // T = 1) against the CPU op, row by row within the certified margin, on every path by T, in every

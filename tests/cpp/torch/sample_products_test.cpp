@@ -286,7 +286,8 @@ TEST(SampleProducts, TheCudaReferenceIsTheFloat64SumWithinItsBound) {
   std::mt19937 rng(6);
   at::manual_seed(6);
   const int64_t c = 7, t = 33, rows = 9, cols = 11;
-  const at::Tensor left = at::randn({c, t, rows}).to(at::kBFloat16), right = at::randn({c, t, cols});
+  const at::Tensor left = at::randn({c, t, rows}).to(at::kBFloat16);
+  const at::Tensor right = at::randn({c, t, cols});
   std::vector<float> scale(c);
   for (int64_t i = 0; i < c; ++i) scale[i] = (i % 4 == 2) ? 0.0f : 0.25f + 0.1f * i;
   const std::vector<float> start = testing::spread_values(rng, rows * cols, 6);
@@ -314,7 +315,8 @@ TEST(SampleProducts, CudaGivesTheHostReferenceBitsForEverySplitCount) {
       for (int64_t i = 0; i < c; ++i) scale[i] = (i % 4 == 2) ? 0.0f : 0.25f + 0.1f * i;
       const std::vector<float> start = testing::spread_values(rng, rows * cols, 6);
       const std::vector<float> want = cuda_reference(start, left, right, scale, splits);
-      at::Tensor self = at::from_blob(const_cast<float*>(start.data()), {rows, cols}).clone().cuda();
+      at::Tensor self =
+          at::from_blob(const_cast<float*>(start.data()), {rows, cols}).clone().cuda();
       const at::Tensor factors = at::from_blob(scale.data(), {c}).clone().cuda();
       products_op(self, left.cuda(), right.cuda(), factors, splits);
       const at::Tensor got = self.cpu().contiguous();
