@@ -26,6 +26,12 @@ bfloat16, and the copy rate (a clone: bytes read plus written). Then each kernel
   products bmm  the same sum the way a batched GEMM forms it: bmm(G^T, A) in float32, written per
              sample, then summed over the samples (the path the fused op replaces)
 
+Ghost or direct. A second table asks whether the layer-wise rule of Note [ghost or direct] (ghost
+iff 2T^2 <= d_in d_out, Bu et al.'s mixed ghost clipping) picks the faster path on this device: for
+each layer of --rule-layers and T of --seqs it times dpzero::linear_sq_norms with the path forced
+(method 1 ghost, 2 direct; both certified) and gives the rule's pick, the faster one and their
+ratio. Where the two disagree, the device wants another threshold than the memory rule.
+
 Work model: FLOPs as the algorithm states them (Gram kernels 2BT^2(d_in + d_out) + 2BT^2 for
 the dot; opacus 2BT d_in d_out + 2B d_in d_out; products 2BT d_in d_out) and compulsory bytes (the inputs read once: a
 lower bound on any kernel's traffic, so the copy-rate ceiling is an upper bound on its rate; the
@@ -152,6 +158,32 @@ def kernels(device: str, dtype: torch.dtype, b: int, t: int, d_in: int, d_out: i
     }
 
 
+def rule_table(device: str, dtype: torch.dtype, b: int, seqs, layers, repeats: int) -> list:
+    """The ghost-or-direct table (module docstring): each shape's rule pick against the faster
+    path, both timed with the path forced."""
+    ops = torch.ops.dpzero
+    lines = ["| layer | T | ghost ms | direct ms | the rule picks | faster | rule / faster |",
+             "|---|---|---|---|---|---|---|"]
+    agree = 0
+    for d_in, d_out in layers:
+        for t in seqs:
+            gen = torch.Generator(device=device).manual_seed(1)
+            a = torch.randn(b, t, d_in, device=device, generator=gen).to(dtype)
+            g = torch.randn(b, t, d_out, device=device, generator=gen).to(dtype)
+            ms = {m: 1e3 * timer(device, lambda m=m: ops.linear_sq_norms(a, g, False, m), repeats)
+                  for m in (1, 2)}
+            pick = 1 if bool(ops.ghost_is_cheaper(t, d_in, d_out)) else 2
+            fast = min(ms, key=ms.get)
+            agree += pick == fast
+            name = {1: "ghost", 2: "direct"}
+            lines.append(f"| {d_in}->{d_out} | {t} | {ms[1]:.3f} | {ms[2]:.3f} | {name[pick]} | "
+                         f"{name[fast]} | {ms[pick] / ms[fast]:.2f} |")
+            print(lines[-1], flush=True)
+    total = len(layers) * len(seqs)
+    return [f"Ghost or direct: the rule picks the faster path in {agree} of {total} shapes.", ""] \
+        + lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -161,6 +193,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seqs", default=None, help="T values (default 64,128,256; CUDA adds 512)")
     parser.add_argument("--layers", default="768x768,768x3072",
                         help="d_in x d_out, comma-separated")
+    parser.add_argument("--rule-layers", default="64x64,256x256,768x768,768x3072",
+                        help="d_in x d_out of the ghost-or-direct table, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--no-write", action="store_true")
@@ -201,6 +235,9 @@ def main(argv=None) -> int:
                        f"{achieved / ceiling:.0%}"]
                 lines.append("| " + " | ".join(row) + " |")
                 print(lines[-1], flush=True)
+    lines += ["", *rule_table(args.device, dtype, b, seqs,
+                              [tuple(int(v) for v in x.split("x"))
+                               for x in args.rule_layers.split(",")], args.repeats)]
     if not args.no_write:
         where = (f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}" if cuda else
                  f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -213,7 +250,7 @@ def main(argv=None) -> int:
                    f"{' '.join(sys.argv[1:])}`.", ""] + lines + \
                   [f"<!-- roofline:{args.device}:end -->"]
         write_marked_section(args.out, f"roofline:{args.device}",
-                             "# The norm kernels against the device's ceilings\n\nWritten by "
+                             "# The norm and clipped-sum kernels against the device's ceilings\n\nWritten by "
                              "`experiments/roofline.py` (its docstring says what each column "
                              "measures).\n", "\n".join(section))
     return 0

@@ -111,3 +111,4 @@ def test_the_roofline_work_model_counts_what_torch_counts(tmp_path):
     assert "<!-- roofline:cpu:begin -->" in text and "<!-- roofline:cpu:end -->" in text
     rows = [line for line in text.splitlines() if line.startswith("| 16->12 | 8 |")]
     assert [r.split(" | ")[2] for r in rows] == list(kernels)
+    assert "Ghost or direct: the rule picks the faster path in" in text
