@@ -1,4 +1,4 @@
-"""The per-sample norm and clipped-sum kernels against the device's own ceilings: a roofline table, one run.
+"""The per-sample norm and clipped-sum kernels against the device's own ceilings, in one run.
 
 Ceilings, measured first in the same process on the same device (no datasheet figures): the
 GEMM rate in float64, float32 (TF32 on a GPU, as torch allows it there for this measurement),
@@ -250,9 +250,9 @@ def main(argv=None) -> int:
                    f"{' '.join(sys.argv[1:])}`.", ""] + lines + \
                   [f"<!-- roofline:{args.device}:end -->"]
         write_marked_section(args.out, f"roofline:{args.device}",
-                             "# The norm and clipped-sum kernels against the device's ceilings\n\nWritten by "
-                             "`experiments/roofline.py` (its docstring says what each column "
-                             "measures).\n", "\n".join(section))
+                             "# The norm and clipped-sum kernels against the device's "
+                             "ceilings\n\nWritten by `experiments/roofline.py` (its docstring "
+                             "says what each column measures).\n", "\n".join(section))
     return 0
 
 
