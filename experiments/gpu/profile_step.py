@@ -9,6 +9,7 @@ first system the operators with the most CPU and CUDA time. A step whose GPU is 
 wall time is bound by the host: launches, synchronisations, Python.
 
     python experiments/gpu/profile_step.py --systems dp-flat,opacus-ghost,torch --out profile.md
+    (--autocast bf16: every forward and loss under torch.autocast, as private_bench.py's flag)
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: the same tables without GPU rows (a check of this script)")
+    parser.add_argument("--autocast", choices=sorted(pb.AUTOCAST), default=None,
+                        help="run every forward and loss under torch.autocast to this dtype")
     parser.add_argument("--rows", type=int, default=25, help="operators listed per table")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -76,12 +79,15 @@ def main() -> None:
         parser.error("--device cuda: torch sees no CUDA device")
     cfg = dict(vocab=args.vocab, seq=args.seq, hidden=args.hidden, heads=args.heads,
                layers=args.layers, intermediate=args.intermediate, batch=args.batch, accumulate=1,
-               batches=4, lr=0.1, threads=torch.get_num_threads(), device=args.device)
+               batches=4, lr=0.1, threads=torch.get_num_threads(), device=args.device,
+               autocast=args.autocast)
     data = pb.Data(cfg)
     names = args.systems.split(",")
     lines = [f"# Profile of one step (torch.profiler, mean of {args.steps} steps after 3)", "",
              f"BERT {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
-             f"vocab {args.vocab}, B = {args.batch}, T = {args.seq}; "
+             f"vocab {args.vocab}, B = {args.batch}, T = {args.seq}"
+             + (f", forward and loss under {args.autocast} autocast" if args.autocast else "")
+             + "; "
              f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}, "
              f"torch {torch.__version__}. GPU busy = the sum of "
              "kernel and copy times (overlaps counted twice); waits per step by CUDA call.", "",
