@@ -4,19 +4,21 @@
 // skips a dropped sample.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <utility>
 
 #include <ATen/core/Tensor.h>
+#include <c10/macros/Macros.h>
 #include <c10/util/Exception.h>
 
 namespace dpzero::kernels::sample_products {
 
 // Whether sample i's factor adds its product: a factor of 0 or a non-finite one is a dropped
 // sample, whose rows (maybe NaN or Inf) are never read into a sum (as _scale_rows zeroes them).
-// The host's one statement of the rule (the CUDA kernels, which cannot call it, test the same).
-inline bool adds(float factor) { return std::isfinite(factor) && factor != 0.0f; }
+// The one statement of the rule, for host and device code.
+C10_HOST_DEVICE inline bool adds(float factor) {
+  return factor - factor == 0.0f && factor != 0.0f;  // finite: x - x is NaN for Inf and NaN
+}
 
 inline bool floating(const at::Tensor& x) {
   return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||

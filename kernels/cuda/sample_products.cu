@@ -72,7 +72,7 @@ __device__ __forceinline__ float as_float(T x) {
 // The first sample at or after i (before end) whose factor adds (sample_products::adds).
 __device__ __forceinline__ int64_t next_kept(const float* __restrict__ factors, int64_t i,
                                              int64_t end) {
-  while (i < end && !(isfinite(factors[i]) && factors[i] != 0.0f)) ++i;
+  while (i < end && !sample_products::adds(factors[i])) ++i;
   return i;
 }
 

@@ -520,8 +520,6 @@ inline std::vector<float> host_factors(const at::Tensor& scale) {
   return std::vector<float>(p, p + s.numel());
 }
 
-// Whether a sample is kept (the one rule, sample_products::adds).
-inline bool host_kept(float factor) { return sample_products::adds(factor); }
 
 // x [c, ...] on the host with row i multiplied by scale[i] (`multiply`), and the rows of samples
 // whose factor is not kept set to zero; without `multiply`, x itself when every sample is kept
@@ -529,11 +527,11 @@ inline bool host_kept(float factor) { return sample_products::adds(factor); }
 inline at::Tensor host_rows(const at::Tensor& x, const at::Tensor& scale,
                             const std::vector<float>& factors, bool multiply, bool owned) {
   if (multiply) return scale_rows(x, scale, /*multiply=*/true);
-  if (std::all_of(factors.begin(), factors.end(), host_kept)) return x;
+  if (std::all_of(factors.begin(), factors.end(), sample_products::adds)) return x;
   if (!owned) return scale_rows(x, scale, /*multiply=*/false);
   at::Tensor out = x;
   for (size_t i = 0; i < factors.size(); ++i) {
-    if (!host_kept(factors[i])) out.select(0, static_cast<int64_t>(i)).zero_();
+    if (!sample_products::adds(factors[i])) out.select(0, static_cast<int64_t>(i)).zero_();
   }
   return out;
 }

@@ -313,7 +313,7 @@ inline std::vector<double> host_clipped_sum(const at::Tensor& grads, const at::T
   const double* pg = g.data_ptr<double>();
   const float* pc = c.data_ptr<float>();
   for (int64_t i = 0; i < b; ++i) {
-    if (!host_kept(pc[i])) continue;
+    if (!sample_products::adds(pc[i])) continue;
     const double ci = pc[i];
     for (int64_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] += ci * pg[i * d + j];
   }

@@ -180,6 +180,17 @@ std::pair<at::Tensor, at::Tensor> float64_sum(const at::Tensor& self, const at::
   return {sum, abs_sum * (n * u / (1.0 - n * u))};
 }
 
+// The kept-sample rule, written without std::isfinite so device code can call it: finite and
+// non-zero, against the standard library's classification.
+TEST(SampleProducts, AFactorAddsIffItIsFiniteAndNonZero) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float f : {0.0f, -0.0f, inf, -inf, std::numeric_limits<float>::quiet_NaN(),
+                  std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::max(),
+                  -std::numeric_limits<float>::max(), 1e-30f, 1.0f}) {
+    EXPECT_EQ(kernels::sample_products::adds(f), std::isfinite(f) && f != 0.0f) << f;
+  }
+}
+
 TEST(SampleProducts, TheOpIsTheFloat64SumWithinItsBoundOnEveryDevice) {
   at::manual_seed(11);
   const std::vector<at::ScalarType> dtypes{at::kFloat, at::kBFloat16, at::kHalf};
