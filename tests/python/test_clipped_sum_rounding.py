@@ -168,8 +168,8 @@ def test_an_example_whose_unscaled_product_overflows_moves_the_sum_by_at_most_c(
     """Inputs of 3e38 at every position: the example's per-sample product G^T A, formed before its
     factor, would pass float32's range (and Inf times the factor stays Inf), though its certified
     norm is finite and the example is kept with a factor near 1e-38. Its contribution must still be
-    at most C (a first version of the fused device path, which scaled the product after forming
-    it, turned the whole update to Inf here)."""
+    at most C (an op that scaled the finished product instead of the rows would turn the whole
+    update to Inf here)."""
     if path == "cuda" and not (torch.cuda.is_available() and dpzero._C.with_cuda):
         pytest.skip("needs a GPU and dpzero built with its CUDA kernels")
     g = torch.Generator().manual_seed(1)
