@@ -7,13 +7,15 @@ bfloat16, and the copy rate (a clone: bytes read plus written). Then each kernel
 
   ghost      dpzero::_ghost_sq_norms: the float64 Grams <A_i A_i^T, G_i G_i^T> (fused tiles below
              T = 256 on a GPU, GEMM strips from it; Note [ghost roofline])
-  ghost tiles, ghost strips  (CUDA only) the same op with its path forced through
-             dpzero::_set_ghost_gemm_min_rows: the fused tiles, or the float64 GEMM strips, at
-             every T, so the table shows where the device's crossover lies (the default switches
-             at T = 256, Note [ghost roofline])
+  ghost tiles, ghost split, ghost strips  (CUDA only) the same op with its path forced through
+             dpzero::_set_ghost_split_min_rows and _set_ghost_gemm_min_rows: the fused tiles, the
+             split tiles (float64 tensor-core Grams, features split over blocks: Note [split
+             tiles]) or the float64 GEMM strips, at every T, so the table shows which path each T
+             wants on the device (by default the fused tiles below T = 256 and the strips from
+             there; no T takes the split tiles until this table has been read)
   ghost x3   dpzero::_ghost_sq_norms_multi: three output gradients sharing A (query, key, value:
              A's Gram built once, Note [shared inputs]); its ms column is per layer, its rates
-             are the whole call's
+             are the whole call's ("ghost x3 split": the same on the split tiles, CUDA only)
   bmm64      the same float64 arithmetic as plain batched GEMMs: bmm(A, A^T), bmm(G, G^T), their
              dot; what the ghost kernel must beat
   bmm32      the same in the inputs' dtype (TF32 on a GPU for float32): what a ghost norm costs
@@ -130,25 +132,34 @@ def kernels(device: str, dtype: torch.dtype, b: int, t: int, d_in: int, d_out: i
 
     products = 2 * b * t * d_in * d_out
     products_bytes = inputs + 2 * 4 * d_in * d_out  # and the sum read and written
-    def forced(from_rows):
+    never = 1 << 40
+
+    def forced(split_from, strips_from, op=lambda: ops._ghost_sq_norms(a, g)):
         def run():
-            before = ops._set_ghost_gemm_min_rows(from_rows)
+            split_before = ops._set_ghost_split_min_rows(split_from)
+            strips_before = ops._set_ghost_gemm_min_rows(strips_from)
             try:
-                return ops._ghost_sq_norms(a, g)
+                return op()
             finally:
-                ops._set_ghost_gemm_min_rows(before)
+                ops._set_ghost_gemm_min_rows(strips_before)
+                ops._set_ghost_split_min_rows(split_before)
         return run
 
     paths = {} if device != "cuda" else {
-        "ghost tiles": (forced(1 << 40), gram, inputs, "fp64"),
-        "ghost strips": (forced(2), gram, inputs, "fp64")}
+        "ghost tiles": (forced(never, never), gram, inputs, "fp64"),
+        "ghost split": (forced(2, never), gram, inputs, "fp64"),
+        "ghost strips": (forced(never, 2), gram, inputs, "fp64")}
     multi_gram = 2 * b * t * t * (d_in + 3 * d_out) + 3 * 2 * b * t * t
     multi_inputs = b * t * (d_in + 3 * d_out) * esize
+    multi = lambda: ops._ghost_sq_norms_multi(a, gs)  # noqa: E731
+    multi_paths = {} if device != "cuda" else {
+        "ghost x3 split (per layer)": (forced(2, never, multi), multi_gram, multi_inputs, "fp64",
+                                       3)}
     return {
         "ghost": (lambda: ops._ghost_sq_norms(a, g), gram, inputs, "fp64"),
         **paths,
-        "ghost x3 (per layer)": (lambda: ops._ghost_sq_norms_multi(a, gs), multi_gram,
-                                 multi_inputs, "fp64", 3),
+        "ghost x3 (per layer)": (multi, multi_gram, multi_inputs, "fp64", 3),
+        **multi_paths,
         "bmm64": (lambda: bmm(a.double(), g.double()), gram, inputs, "fp64"),
         "bmm32" if dtype == torch.float32 else "bmm16": (lambda: bmm(a, g), gram, inputs, low),
         "opacus": (opacus, 2 * b * t * d_in * d_out + 2 * b * d_in * d_out, inputs, low),

@@ -159,6 +159,10 @@ TORCH_LIBRARY(dpzero, m) {
   // float64 GEMM strips (rows >= 2; default 256, kernels/per_sample_checks.h); returns the
   // previous one.
   m.def("_set_ghost_gemm_min_rows(int rows) -> int");
+  // Tests and benchmarks only: the sequence length from which the CUDA ghost kernels below the
+  // strips' length take the split tiles (rows >= 2; default: none, kernels/per_sample_checks.h);
+  // returns the previous one.
+  m.def("_set_ghost_split_min_rows(int rows) -> int");
   // Tests only: CPU tensors take the branches a GPU takes where the per-sample ops choose by
   // device for speed (Note [device path] in kernels/per_sample_checks.h); returns the previous
   // setting.

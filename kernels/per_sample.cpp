@@ -26,6 +26,10 @@ int64_t set_chunk_bytes_op(int64_t bytes) { return set_chunk_bytes(bytes); }
 // previous one.
 int64_t set_ghost_gemm_min_rows_op(int64_t rows) { return set_ghost_gemm_min_rows(rows); }
 
+// Tests and benchmarks only: where the CUDA ghost kernels take the split tiles; returns the
+// previous one.
+int64_t set_ghost_split_min_rows_op(int64_t rows) { return set_ghost_split_min_rows(rows); }
+
 // Tests only: Note [device path]; returns the previous setting.
 bool set_device_path_op(bool forced) { return device_path_forced().exchange(forced); }
 
@@ -36,6 +40,7 @@ TORCH_LIBRARY_IMPL(dpzero, CompositeImplicitAutograd, m) {
   m.impl("ghost_is_cheaper", &ghost_is_cheaper_op);
   m.impl("_set_chunk_bytes", &set_chunk_bytes_op);
   m.impl("_set_ghost_gemm_min_rows", &set_ghost_gemm_min_rows_op);
+  m.impl("_set_ghost_split_min_rows", &set_ghost_split_min_rows_op);
   m.impl("_set_device_path", &set_device_path_op);
 }
 

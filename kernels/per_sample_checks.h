@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 
 #include <ATen/core/Tensor.h>
@@ -178,6 +179,27 @@ inline int64_t set_ghost_gemm_min_rows(int64_t rows) {
   return ghost_gemm_min_rows().exchange(rows);
 }
 
+// The sequence length from which the CUDA ghost kernels below ghost_gemm_min_rows() take the split
+// tiles (Note [split tiles] in kernels/cuda/ghost_split_tiles.cu: float64 tensor-core Grams with
+// the features split over blocks) instead of the fused tiles. No length takes them by default:
+// they replace a kernel that ran on a GPU, and the default moves only once a device has timed
+// both (experiments/roofline.py, rows "ghost tiles" and "ghost split") and run their GoogleTests.
+// The internal op dpzero::_set_ghost_split_min_rows sets it (tests, benchmarks). Both tile kernels
+// certify the same way (Note [ghost summation depth]), so the choice is speed alone. One value for
+// the whole process.
+constexpr int64_t kGhostSplitMinRows = std::numeric_limits<int64_t>::max();
+
+inline std::atomic<int64_t>& ghost_split_min_rows() {
+  static std::atomic<int64_t> rows{kGhostSplitMinRows};
+  return rows;
+}
+
+inline int64_t set_ghost_split_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 2, "dpzero::_set_ghost_split_min_rows: rows must be >= 2 (T = 1 takes the "
+              "rank-one path), got ", rows);
+  return ghost_split_min_rows().exchange(rows);
+}
+
 // Note [ghost summation depth]
 // The ghost kernels sum the T^2 products (a_s . a_t)(g_s . g_t) (or the token Gram's entries) in
 // float64 in a fixed tree, and Note [certified norms] needs a bound N on the number of roundings
@@ -190,9 +212,12 @@ inline int64_t set_ghost_gemm_min_rows(int64_t rows) {
 //    R x R tile entries (R <= 4: 16), a warp shuffle tree (5), a block tree over the warps' sums
 //    (5), then at::sum over the P = n(n+1)/2 tile partials of n = ceil(T/(16R)) tile rows (depth
 //    <= P - 1 in whatever order ATen sums): depth <= 25 + P, largest at R = 4 (64-row tiles);
+//  * CUDA, split tiles (kernels/cuda/ghost_split_tiles.cu, from ghost_split_min_rows()): the same
+//    tree over 64-row tiles (a thread's 16 entries, 5, 5, then P); their Gram entries are added
+//    from feature chunks, which Note [certified norms] covers as an inner product in another order;
 //  * CUDA, GEMM strips (kernels/ghost_gemm.cpp, from ghost_gemm_min_rows()): each row's
-//    off-diagonal and diagonal parts are summed (<= max(r0, rows) - 1 <= T - 1), joined (1), and the T row values
-//    summed (<= T - 1): depth <= 2T;
+//    off-diagonal and diagonal parts are summed (<= max(r0, rows) - 1 <= T - 1), joined (1), and
+//    the T row values summed (<= T - 1): depth <= 2T;
 //  * the rank-one path (Note [rank-one ghost], T = 1): one product, no sum: depth 0.
 // The bound below covers every backend and path at every T, whichever path a T takes.
 inline double ghost_summation_depth(int64_t T) {

@@ -1,12 +1,16 @@
 // kernels/cuda/ghost_norm.cu — CUDA implementations of dpzero::_ghost_sq_norms,
-// dpzero::_ghost_sq_norms_multi and dpzero::_token_ghost_sq_norms (schemas in kernels/ops.cpp), the backend kernels behind the
-// ghost path of the layer ops (Note [ghost norm] in kernels/per_sample/common.h). Three paths,
-// by sequence length T (Note [ghost roofline]):
+// dpzero::_ghost_sq_norms_multi and dpzero::_token_ghost_sq_norms (schemas in kernels/ops.cpp),
+// the backend kernels behind the ghost path of the layer ops (Note [ghost norm] in
+// kernels/per_sample/common.h). Four paths, by sequence length T (Note [ghost roofline]):
 //  * T = 1: rank_one_kernel, ||a||^2 ||g||^2 per sample (Note [rank-one ghost] in
 //    kernels/per_sample_checks.h);
 //  * 2 <= T < ghost_gemm_min_rows() (kernels/per_sample_checks.h; 256 unless a benchmark sets it):
 //    one fused kernel over Gram tiles, below;
-//  * from there on: float64 GEMM Gram strips on the tensor cores (kernels/ghost_gemm.cpp).
+//  * from ghost_split_min_rows() (no length unless a test or benchmark sets it) to the strips:
+//    the split tiles, float64 tensor-core Grams with the features split over blocks
+//    (Note [split tiles] in kernels/cuda/ghost_split_tiles.cu; sm_80 and later);
+//  * from ghost_gemm_min_rows() on: float64 GEMM Gram strips on the tensor cores
+//    (kernels/ghost_gemm.cpp).
 //
 // The fused kernel computes, per sample i, sum_{s,t} (a_s . a_t)(g_s . g_t) without writing a
 // Gram to global memory: a block owns one tile (s-block, t-block) of sample i's T x T Grams (16R
@@ -53,12 +57,12 @@
 // traffic and launches. kGhostGemmMinRows = 256 is where that estimate puts the crossover at
 // d_in = d_out = 4096 (the per-T figures, and the measured kernel times, are in
 // experiments/results/kernels.md); below it the fused kernel (one launch, no float64 workspace,
-// the only sensible choice where it is memory-bound); the roofline stage times both paths at every
-// T (experiments/roofline.py, rows "ghost tiles" and "ghost strips") to measure it. Both paths are the same float64 arithmetic
-// up to the order of additions (Note [certified norms] assumes every GEMM entry is an inner
-// product in some order, which cuBLAS's DGEMM on DMMA is; cuBLAS's opt-in emulated-FP64 math
-// modes are outside that assumption). T = 1 has no Gram to speak of: rank_one_kernel reads each
-// row once (memory-bound, 4 d bytes for 2 d FLOPs).
+// the only sensible choice where it is memory-bound); the roofline stage times every path at every
+// T (experiments/roofline.py, rows "ghost tiles", "ghost split" and "ghost strips") to measure
+// it. The paths are the same float64 arithmetic up to the order of additions (Note [certified
+// norms] assumes every GEMM entry is an inner product in some order, which cuBLAS's DGEMM on DMMA
+// is; cuBLAS's opt-in emulated-FP64 math modes are outside that assumption). T = 1 has no Gram
+// to speak of: rank_one_kernel reads each row once (memory-bound, 4 d bytes for 2 d FLOPs).
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -71,6 +75,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "kernels/cuda/ghost_split_tiles.h"
+#include "kernels/cuda/ghost_tiles.cuh"
 #include "kernels/cuda/scalar_types.cuh"
 #include "kernels/ghost_gemm.h"
 #include "kernels/per_sample_checks.h"
@@ -78,11 +84,15 @@
 namespace dpzero::kernels {
 namespace {
 
+using ghost_tiles::block_sum2;
+using ghost_tiles::kBlockSize;
+using ghost_tiles::kMaxGridY;
+using ghost_tiles::kWarps;
+using ghost_tiles::tile_place;
+
 constexpr int kThreads = 16;  // a block is kThreads x kThreads threads
-constexpr int kBlockSize = kThreads * kThreads;
-constexpr int kWarps = kBlockSize / 32;
-constexpr int kStageElems = 1024;     // elements of one operand staged per step
-constexpr int64_t kMaxGridY = 65535;  // samples per launch (gridDim.y limit)
+static_assert(kThreads * kThreads == kBlockSize, "a fused tile's block reduces as block_sum2 does");
+constexpr int kStageElems = 1024;  // elements of one operand staged per step
 
 // The shared-memory staging of one tile of 16R x 16R Gram entries. A thread owns R x R of them:
 // rows ty + 16u and columns tx + 16v (u, v < R).
@@ -142,48 +152,6 @@ __device__ __forceinline__ void accumulate_gram_tile(const scalar_t* __restrict_
   }
 }
 
-__device__ __forceinline__ double warp_sum(double v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-// The block's sums of v and w (a warp shuffle tree, then one over the warps' sums), valid in
-// thread 0. `warp_sums` is shared scratch; tid = the thread's index in the block.
-__device__ __forceinline__ void block_sum2(double& v, double& w, double (&warp_sums)[2][kWarps],
-                                           int tid) {
-  v = warp_sum(v);
-  w = warp_sum(w);
-  if ((tid & 31) == 0) {
-    warp_sums[0][tid >> 5] = v;
-    warp_sums[1][tid >> 5] = w;
-  }
-  __syncthreads();
-  if (tid < 32) {
-    v = warp_sum(tid < kWarps ? warp_sums[0][tid] : 0.0);
-    w = warp_sum(tid < kWarps ? warp_sums[1][tid] : 0.0);
-  }
-}
-
-// A block's tile of the Grams: its first rows on each side and whether it is on the diagonal.
-struct TilePlace {
-  int64_t s0, t0;
-  bool diagonal;
-};
-
-// Tile pair `pair` -> (bs, bt) with bs <= bt (the launch's pairs enumerate row bs's tiles bt = bs
-// .. num_tiles - 1 in order, row after row) -> rows s0 = 16R bs and t0 = 16R bt.
-template <int R>
-__device__ __forceinline__ TilePlace tile_place(int64_t pair, int64_t num_tiles) {
-  int64_t rest = pair, bs = 0;
-  while (rest >= num_tiles - bs) {
-    rest -= num_tiles - bs;
-    ++bs;
-  }
-  const int64_t bt = bs + rest;
-  return {bs * Tile<R>::kRows, bt * Tile<R>::kRows, bs == bt};
-}
-
 // This thread's share of a Linear tile's sums, from its R x R entries of both Grams: local +=
 // sum_{u,v} gram_a * gram_g over entries inside the sequence (a chain: depth R^2), local_s +=
 // sum_t ||a_t|| ||g_t|| over its diagonal entries (diagonal tiles, threads with tx = ty, u = v).
@@ -225,7 +193,7 @@ __global__ void __launch_bounds__(kBlockSize)
   __shared__ double warp_sums[2][kWarps];
 
   const int64_t pair = blockIdx.x, num_pairs = gridDim.x, i = blockIdx.y;
-  const auto [s0, t0, diagonal] = tile_place<R>(pair, num_tiles);
+  const auto [s0, t0, diagonal] = tile_place(pair, num_tiles, Tile<R>::kRows);
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kThreads + tx;
 
   double gram_g[R][R] = {};
@@ -295,7 +263,7 @@ __global__ void __launch_bounds__(kBlockSize)
   __shared__ double warp_sums[2][kWarps];
 
   const int64_t pair = blockIdx.x, num_pairs = gridDim.x, i = blockIdx.y;
-  const auto [s0, t0, diagonal] = tile_place<R>(pair, num_tiles);
+  const auto [s0, t0, diagonal] = tile_place(pair, num_tiles, Tile<R>::kRows);
   const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kThreads + tx;
   const bool diagonal_thread = diagonal && tx == ty;
 
@@ -440,6 +408,10 @@ std::tuple<at::Tensor, at::Tensor> launch_ghost(const at::Tensor& a, const at::T
   }
   if (t_len == 1) return launch_rank_one(a, ids, g, padding_idx, tokens);
   if (t_len >= ghost_gemm_min_rows().load()) return ghost_values_gemm(a, ids, g, padding_idx);
+  if (t_len >= ghost_split_min_rows().load() && split_tiles_supported(g.device())) {
+    const auto [values, norms] = ghost_split_tiles(a, ids, {g}, padding_idx, tokens);
+    return {values[0], norms[0]};
+  }
   if (t_len <= Tile<1>::kRows) return launch_tiles<1>(a, ids, g, padding_idx, tokens);
   if (t_len <= Tile<2>::kRows) return launch_tiles<2>(a, ids, g, padding_idx, tokens);
   return launch_tiles<4>(a, ids, g, padding_idx, tokens);
@@ -541,6 +513,9 @@ std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_multi_cuda(const at::Tensor& a
       norms.push_back(n);
     }
     return {at::stack(values), at::stack(norms)};
+  }
+  if (t_len >= ghost_split_min_rows().load() && split_tiles_supported(a.device())) {
+    return ghost_split_tiles(ac, at::Tensor(), gc, -1, /*tokens=*/false);
   }
   if (t_len <= Tile<1>::kRows) return launch_tiles_multi<1>(ac, gc);
   if (t_len <= Tile<2>::kRows) return launch_tiles_multi<2>(ac, gc);

@@ -4,9 +4,9 @@
 // path (kernels/ghost_gemm.cpp, the CUDA kernels' long-sequence path, written in ATen) run on the
 // CPU against the CPU kernel, which forms its Grams its own way. Both add the same float64 terms
 // in other orders, so they agree within the certified rounding margin of Note [certified norms]:
-// values whose terms cancel are compared against that margin, sums of positive terms relatively. With a GPU and the CUDA kernels, every CUDA
-// path (rank one, the three fused tile sizes, GEMM strips) is checked against the CPU kernel;
-// without one those tests are skipped.
+// values whose terms cancel are compared against that margin, sums of positive terms relatively.
+// With a GPU and the CUDA kernels, every CUDA path (rank one, the three fused tile sizes, the split
+// tiles, GEMM strips) is checked against the CPU kernel; without one those tests are skipped.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -382,6 +382,122 @@ TEST(GhostPaths, CudaSharedInputsMatchTheCpuKernel) {
     expect_within_margin(values[row], values_cpu[row], norms_cpu[row], 2, 1, narrow[l],
                          "value " + what);
     expect_rel(norms[row], norms_cpu[row], 1e-12, "S " + what);
+  }
+}
+
+int64_t set_ghost_split_min_rows_op(int64_t rows) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_set_ghost_split_min_rows", "")
+                             .typed<int64_t(int64_t)>();
+  return op.call(rows);
+}
+
+// Forces the CUDA ghost kernels onto the split tiles at every length (the strips never) while it
+// lives, and puts the settings back after, a failed assertion included.
+struct SplitTilesEverywhere {
+  int64_t split_before = set_ghost_split_min_rows_op(2);
+  int64_t gemm_before = set_ghost_gemm_min_rows_op(int64_t{1} << 40);
+  ~SplitTilesEverywhere() {
+    set_ghost_split_min_rows_op(split_before);
+    set_ghost_gemm_min_rows_op(gemm_before);
+  }
+};
+
+// No length takes the split tiles until a device has measured them (kernels/per_sample_checks.h),
+// and their switch refuses a length without a Gram, naming it, keeping what it had.
+TEST(GhostPaths, TheSplitLengthIsOffByDefaultAndRefusesOneRow) {
+  const int64_t before = set_ghost_split_min_rows_op(kernels::kGhostSplitMinRows);
+  EXPECT_EQ(before, std::numeric_limits<int64_t>::max());
+  try {
+    set_ghost_split_min_rows_op(1);
+    ADD_FAILURE() << "rows = 1 was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rows must be >= 2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("got 1"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(set_ghost_split_min_rows_op(before), kernels::kGhostSplitMinRows);
+}
+
+// Note [split tiles]: the split tiles forced at every length up to past the strips' default,
+// against the CPU kernel within the certified margin. Tile rows one to five with remainders;
+// every dtype; widths of one chunk and of many with a short last chunk (d_in = 700 at B = 3 cuts
+// each operand into 64-feature chunks); tokens whose padding rows are NaN; the workspace budget
+// down to one sample a launch; and a run repeated bit for bit (no atomics).
+TEST(GhostPaths, CudaSplitTilesMatchTheCpuKernel) {
+  if (!cuda_available()) GTEST_SKIP() << kNoCuda;
+  const SplitTilesEverywhere forced;
+  at::manual_seed(17);
+  for (const int64_t t : {2, 5, 16, 33, 64, 65, 130, 255, 300}) {
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      for (const auto& [d_in, d_out] : {std::pair<int64_t, int64_t>{40, 24}, {700, 130}}) {
+        const at::Tensor a = at::randn({3, t, d_in}, at::kFloat).to(dtype);
+        const at::Tensor g = at::randn({3, t, d_out}, at::kFloat).to(dtype);
+        const std::string what = "T=" + std::to_string(t) + " " + c10::toString(dtype) +
+                                 " d_in=" + std::to_string(d_in);
+        const auto [value_cpu, s_cpu] = ghost_op(a, g);
+        for (const int64_t budget : {int64_t{64} << 20, int64_t{1}}) {
+          const int64_t previous = set_chunk_bytes_op(budget);
+          const auto [value, s] = ghost_op(a.cuda(), g.cuda());
+          const auto [again, s_again] = ghost_op(a.cuda(), g.cuda());
+          set_chunk_bytes_op(previous);
+          const std::string at_budget = what + " budget " + std::to_string(budget);
+          expect_within_margin(value, value_cpu, s_cpu, t, d_in, d_out, "value " + at_budget);
+          expect_rel(s, s_cpu, 1e-12, "S " + at_budget);
+          EXPECT_TRUE(at::equal(value, again)) << "repeat, " << at_budget;
+          EXPECT_TRUE(at::equal(s, s_again)) << "repeat S, " << at_budget;
+        }
+      }
+    }
+    const int64_t pad = 1;
+    const at::Tensor ids = at::randint(4, {3, t}, at::kLong);
+    at::Tensor g = at::randn({3, t, 150}, at::kFloat);
+    g.masked_fill_((ids == pad).unsqueeze(-1), std::numeric_limits<float>::quiet_NaN());
+    const auto [tv_cpu, ts_cpu] = token_ghost_op(ids, g, pad);
+    const auto [tv, ts] = token_ghost_op(ids.cuda(), g.cuda(), pad);
+    ASSERT_TRUE(at::isfinite(tv).all().item<bool>()) << "T=" << t;
+    expect_within_margin(tv, tv_cpu, ts_cpu, t, 0, 150, "token value T=" + std::to_string(t));
+    expect_rel(ts, ts_cpu, 1e-12, "token S T=" + std::to_string(t));
+  }
+}
+
+// The split tiles for layers sharing their input: nine layers (two launches of each phase: at
+// most eight operands and eight layers a launch), one of width 0 (its row exactly 0), mixed
+// dtypes, against the CPU op row by row within the certified margin.
+TEST(GhostPaths, CudaSplitTilesForSharedInputsMatchTheCpuKernel) {
+  if (!cuda_available()) GTEST_SKIP() << kNoCuda;
+  const SplitTilesEverywhere forced;
+  at::manual_seed(18);
+  const std::vector<int64_t> widths = {24, 7, 0, 64, 1, 33, 300, 16, 5};
+  for (const int64_t t : {2, 17, 64, 130, 255}) {
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      const at::Tensor a = at::randn({3, t, 200}, at::kFloat).to(dtype);
+      std::vector<at::Tensor> gs, gs_cuda;
+      for (const int64_t w : widths) {
+        gs.push_back(at::randn({3, t, w}, at::kFloat).to(dtype));
+        gs_cuda.push_back(gs.back().cuda());
+      }
+      const auto [values_cpu, norms_cpu] = ghost_multi_op(a, gs);
+      const auto [values, norms] = ghost_multi_op(a.cuda(), gs_cuda);
+      ASSERT_EQ(values.sizes(), at::IntArrayRef({9, 3}));
+      for (size_t l = 0; l < widths.size(); ++l) {
+        const auto row = static_cast<int64_t>(l);
+        const std::string what = "T=" + std::to_string(t) + " " + c10::toString(dtype) +
+                                 " layer " + std::to_string(l);
+        expect_within_margin(values[row], values_cpu[row], norms_cpu[row], t, 200, widths[l],
+                             "value " + what);
+        expect_rel(norms[row], norms_cpu[row], 1e-12, "S " + what);
+        if (widths[l] == 0) {
+          EXPECT_EQ(values[row].abs().max().item<double>(), 0.0) << what;
+          EXPECT_EQ(norms[row].abs().max().item<double>(), 0.0) << what;
+        }
+      }
+    }
+    const at::Tensor a = at::randn({3, t, 40}, at::kFloat);
+    const at::Tensor g_bf16 = at::randn({3, t, 24}, at::kFloat).to(at::kBFloat16);
+    const auto [values_cpu, norms_cpu] = ghost_multi_op(a, {g_bf16.to(at::kFloat)});
+    const auto [values, norms] = ghost_multi_op(a.cuda(), {g_bf16.cuda()});
+    expect_within_margin(values[0], values_cpu[0], norms_cpu[0], t, 40, 24,
+                         "mixed dtypes T=" + std::to_string(t));
   }
 }
 
