@@ -11,8 +11,9 @@
 //  * the Gram products run on the FP64 tensor cores (WMMA's 8 x 8 x 4 double fragments, sm_80 and
 //    later: twice the vector rate on sm_80 and sm_90);
 //  * each operand's features are cut into chunks of F features and a block computes one chunk's
-//    partial Gram tile, so a layer launches B x P x chunks blocks (P tile pairs), F chosen so that
-//    the grid holds about kBlocksPerSm blocks per SM (plan_chunk_width);
+//    partial Gram tile, so a layer launches B x P x chunks blocks (P tile pairs); F depends on B,
+//    P and the SM count only (plan_chunk_width), so a layer's chunks, and its bits, are the same
+//    alone and beside other layers that share its input (Note [shared inputs]);
 //  * the next stage of rows is read into registers while the tensor cores work on the current one.
 // Phase 1 (split_gram_kernel): grid (P x chunks, samples), 4 warps, each owning 32 x 32 of the
 // 64 x 64 tile as 4 x 4 fragments; it writes the chunk's partial tile, float64, to a workspace
@@ -32,12 +33,17 @@
 // staged as 0 but their entries are left out of the sums (0 * Inf from a real row is NaN).
 //
 // Cost: the inputs are read as by the fused tiles (each row once per tile it meets), and each
-// (sample, pair, chunk) writes a 32 KiB tile that phase 2 reads back: at B = 32, T = 128,
-// 768 -> 768 with two chunks an operand, 12 MiB each way, against the Grams' 1.6 GFLOP. F is as
-// large as filling the device allows (one chunk an operand once B x P alone fills it), and the
-// workspace stays within chunk_bytes_budget() (kernels/per_sample_checks.h) by taking fewer
-// samples a launch. Both phases are deterministic (no atomics): runs repeat bit for bit.
+// (sample, pair, chunk) writes a 32 KiB tile that phase 2 reads back. On 132 SMs at B = 32,
+// T = 128, 768 -> 768: F = 160, five chunks an operand, 960 blocks, 30 MiB each way (about 15 us
+// at 4 TB/s) beside the Grams' 1.6 GFLOP (24 us at 67 TFLOP/s). kBlocksPerSm trades the fill
+// against that traffic; once B x P reaches half the target grid, each operand of up to
+// kPlanWidth features is one chunk. The workspace stays within chunk_bytes_budget()
+// (kernels/per_sample_checks.h) by taking fewer samples a launch. Both phases are deterministic
+// (no atomics): runs repeat bit for bit. A sample's bits depend on B (through F), not on the
+// other samples' values.
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <tuple>
@@ -77,6 +83,7 @@ constexpr int kMaxOperands = 8;            // operands (A and G's) of one phase-
 constexpr int kMaxLayers = 8;              // layers of one phase-2 launch
 constexpr int64_t kMinChunk = 64;          // features: a chunk's work amortises its 32 KiB tile
 constexpr int64_t kBlocksPerSm = 2 * kGramBlocksPerSm;  // phase 1's grid: two waves an SM
+constexpr int64_t kPlanWidth = 768;        // the layer width plan_chunk_width aims its grid at
 // WMMA reads a fragment at a 32-byte aligned address with a row stride that is a multiple of 16
 // bytes: fragments start at rows that are multiples of 8 (64 kLd bytes apart) and at features
 // that are multiples of 4 (32 bytes), so an even kLd suffices; its 4 extra doubles spread a
@@ -189,6 +196,11 @@ __global__ void __launch_bounds__(kGramThreads, kGramBlocksPerSm)
                               wmma::mem_row_major);
     }
   }
+#else
+  // Compiled for a device without float64 WMMA (or JIT-compiled from such PTX): never launched,
+  // since split_tiles_supported() checks the code's architecture. Were it launched, the tiles
+  // would go unwritten and the norms be anything, so fail loudly instead.
+  __trap();
 #endif
 }
 
@@ -257,22 +269,39 @@ __global__ void __launch_bounds__(kBlockSize)
   }
 }
 
-// The chunk width F for operands of widths d on a grid of `base` = samples x pairs blocks per
-// chunk: a multiple of kStage, at least kMinChunk, and small enough that the chunks fill
-// kBlocksPerSm blocks on each SM where base alone does not.
-int64_t plan_chunk_width(const std::vector<int64_t>& d, int64_t base, int64_t sms) {
-  int64_t total = 0;
-  for (const int64_t w : d) total += w;
+// The chunk width F for a grid of `base` = samples x pairs blocks a chunk: a multiple of kStage,
+// at least kMinChunk, at which a layer of kPlanWidth -> kPlanWidth features fills kBlocksPerSm
+// blocks an SM (where base alone does not). Each block then does the same work (F features), a
+// wider operand taking more chunks and a narrower one fewer; and F does not depend on the
+// operands' widths, so a layer's chunks are the same whether it is reduced alone or with other
+// layers sharing its input (Note [shared inputs]: the same bits).
+int64_t plan_chunk_width(int64_t base, int64_t sms) {
   const int64_t target = kBlocksPerSm * sms;
-  const int64_t wanted = std::max<int64_t>(1, (target + base - 1) / base);
-  const int64_t width = (total + wanted - 1) / wanted;
+  const int64_t per_operand = std::max<int64_t>(1, (target + 2 * base - 1) / (2 * base));
+  const int64_t width = (kPlanWidth + per_operand - 1) / per_operand;
   return std::max(kMinChunk, (width + kStage - 1) / kStage * kStage);
+}
+
+// Whether the phase-1 kernel's code for the current device was built for sm_80 or later (a build
+// for older architectures JIT-compiles their PTX, in which the kernel has no body).
+bool split_kernel_has_body() {
+  cudaFuncAttributes attributes{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, split_gram_kernel<float>));
+  return attributes.ptxVersion >= 80;
 }
 
 }  // namespace
 
 bool split_tiles_supported(const c10::Device& device) {
-  return at::cuda::getDeviceProperties(device.index())->major >= 8;
+  if (at::cuda::getDeviceProperties(device.index())->major < 8) return false;
+  // Per device (0: not yet asked, 1: yes, 2: no); a CUDA device index is below 64.
+  static std::array<std::atomic<int8_t>, 64> known{};
+  std::atomic<int8_t>& answer = known.at(static_cast<size_t>(device.index()));
+  if (answer.load() == 0) {
+    const c10::cuda::CUDAGuard guard(device);
+    answer.store(split_kernel_has_body() ? 1 : 2);
+  }
+  return answer.load() == 1;
 }
 
 // a [B, T, d_in] (undefined when tokens), ids [B, T] int64 (tokens only), gs[l] [B, T, d_l]; all
@@ -284,6 +313,8 @@ std::tuple<at::Tensor, at::Tensor> ghost_split_tiles(const at::Tensor& a, const 
                                                      int64_t padding_idx, bool tokens) {
   const c10::cuda::CUDAGuard guard(gs.front().device());
   const int64_t b = gs.front().size(0), t_len = gs.front().size(1);
+  TORCH_INTERNAL_ASSERT(b >= 1 && t_len >= 2, "dpzero ghost norm (split tiles): B = ", b,
+                        ", T = ", t_len, " (the launchers take T = 1 and empty inputs elsewhere)");
   const int64_t layers = static_cast<int64_t>(gs.size());
   const int64_t num_tiles = (t_len + kRows - 1) / kRows;
   const int64_t num_pairs = num_tiles * (num_tiles + 1) / 2;
@@ -300,7 +331,7 @@ std::tuple<at::Tensor, at::Tensor> ghost_split_tiles(const at::Tensor& a, const 
 
   const int64_t sms = at::cuda::getDeviceProperties(gs.front().device().index())
                           ->multiProcessorCount;
-  const int64_t width = plan_chunk_width(widths, std::min(b, kMaxGridY) * num_pairs, sms);
+  const int64_t width = plan_chunk_width(std::min(b, kMaxGridY) * num_pairs, sms);
   std::vector<int64_t> first = {0};  // operand j's chunks: first[j] .. first[j + 1] - 1
   for (const int64_t w : widths) {
     first.push_back(first.back() + std::max<int64_t>(1, (w + width - 1) / width));
@@ -312,7 +343,9 @@ std::tuple<at::Tensor, at::Tensor> ghost_split_tiles(const at::Tensor& a, const 
   const int64_t a_count = tokens ? 0 : first[1];
   const int64_t g_base = tokens ? 0 : 1;  // gs[l] is operand g_base + l
 
-  // Samples a launch: the workspace within the chunk budget (at least one sample).
+  // Samples a launch: the workspace within the chunk budget (at least one sample). The host loops'
+  // 64 MiB, not the device budget of samples_per_chunk: the workspace adds to the step's peak
+  // memory, and a few more launches cost little next to it.
   const int64_t per_sample = num_pairs * chunks_total * kTileElems * int64_t{sizeof(double)};
   const int64_t per_launch =
       std::max<int64_t>(1, std::min(kMaxGridY, chunk_bytes_budget().load() / per_sample));

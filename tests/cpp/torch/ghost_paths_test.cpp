@@ -19,6 +19,9 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#ifdef DPZERO_WITH_CUDA
+#include "kernels/cuda/ghost_split_tiles.h"
+#endif
 #include "kernels/ghost_gemm.h"
 #include "kernels/per_sample_checks.h"
 #include "kernels/per_sample_ops.h"
@@ -392,6 +395,19 @@ int64_t set_ghost_split_min_rows_op(int64_t rows) {
   return op.call(rows);
 }
 
+// Whether the split tiles run on this process's GPU (sm_80 and later, code built for it); where
+// they do not, the launchers take the fused tiles and the split-tile tests have nothing to test.
+bool split_tiles_run_here() {
+#ifdef DPZERO_WITH_CUDA
+  return cuda_available() && kernels::split_tiles_supported(at::Device(at::kCUDA, 0));
+#else
+  return false;
+#endif
+}
+
+constexpr const char* kNoSplitTiles =
+    "no CUDA device with float64 tensor cores (sm_80+), or dpzero built without CUDA kernels";
+
 // Forces the CUDA ghost kernels onto the split tiles at every length (the strips never) while it
 // lives, and puts the settings back after, a failed assertion included.
 struct SplitTilesEverywhere {
@@ -424,7 +440,7 @@ TEST(GhostPaths, TheSplitLengthIsOffByDefaultAndRefusesOneRow) {
 // each operand into 64-feature chunks); tokens whose padding rows are NaN; the workspace budget
 // down to one sample a launch; and a run repeated bit for bit (no atomics).
 TEST(GhostPaths, CudaSplitTilesMatchTheCpuKernel) {
-  if (!cuda_available()) GTEST_SKIP() << kNoCuda;
+  if (!split_tiles_run_here()) GTEST_SKIP() << kNoSplitTiles;
   const SplitTilesEverywhere forced;
   at::manual_seed(17);
   for (const int64_t t : {2, 5, 16, 33, 64, 65, 130, 255, 300}) {
@@ -453,18 +469,33 @@ TEST(GhostPaths, CudaSplitTilesMatchTheCpuKernel) {
     at::Tensor g = at::randn({3, t, 150}, at::kFloat);
     g.masked_fill_((ids == pad).unsqueeze(-1), std::numeric_limits<float>::quiet_NaN());
     const auto [tv_cpu, ts_cpu] = token_ghost_op(ids, g, pad);
-    const auto [tv, ts] = token_ghost_op(ids.cuda(), g.cuda(), pad);
-    ASSERT_TRUE(at::isfinite(tv).all().item<bool>()) << "T=" << t;
-    expect_within_margin(tv, tv_cpu, ts_cpu, t, 0, 150, "token value T=" + std::to_string(t));
-    expect_rel(ts, ts_cpu, 1e-12, "token S T=" + std::to_string(t));
+    for (const int64_t budget : {int64_t{64} << 20, int64_t{1}}) {
+      const int64_t previous = set_chunk_bytes_op(budget);
+      const auto [tv, ts] = token_ghost_op(ids.cuda(), g.cuda(), pad);
+      set_chunk_bytes_op(previous);
+      const std::string what = "token T=" + std::to_string(t) + " budget " +
+                               std::to_string(budget);
+      ASSERT_TRUE(at::isfinite(tv).all().item<bool>()) << what;
+      expect_within_margin(tv, tv_cpu, ts_cpu, t, 0, 150, "value " + what);
+      expect_rel(ts, ts_cpu, 1e-12, "S " + what);
+    }
   }
+  // The paper rows' shape: at B = 32, T = 128, 768 -> 768 the grid of 96 tile pairs is split into
+  // chunks wider than 64 features (160 on 132 SMs), whose stages end off a 64-feature boundary.
+  const at::Tensor a = at::randn({32, 128, 768}, at::kFloat).to(at::kBFloat16);
+  const at::Tensor g = at::randn({32, 128, 768}, at::kFloat).to(at::kBFloat16);
+  const auto [value_cpu, s_cpu] = ghost_op(a, g);
+  const auto [value, s] = ghost_op(a.cuda(), g.cuda());
+  expect_within_margin(value, value_cpu, s_cpu, 128, 768, 768, "value B=32 T=128 768");
+  expect_rel(s, s_cpu, 1e-12, "S B=32 T=128 768");
 }
 
 // The split tiles for layers sharing their input: nine layers (two launches of each phase: at
 // most eight operands and eight layers a launch), one of width 0 (its row exactly 0), mixed
-// dtypes, against the CPU op row by row within the certified margin.
+// dtypes, down to one sample a launch, against the CPU op row by row within the certified margin,
+// and each row the single op's bits for that layer.
 TEST(GhostPaths, CudaSplitTilesForSharedInputsMatchTheCpuKernel) {
-  if (!cuda_available()) GTEST_SKIP() << kNoCuda;
+  if (!split_tiles_run_here()) GTEST_SKIP() << kNoSplitTiles;
   const SplitTilesEverywhere forced;
   at::manual_seed(18);
   const std::vector<int64_t> widths = {24, 7, 0, 64, 1, 33, 300, 16, 5};
@@ -477,18 +508,27 @@ TEST(GhostPaths, CudaSplitTilesForSharedInputsMatchTheCpuKernel) {
         gs_cuda.push_back(gs.back().cuda());
       }
       const auto [values_cpu, norms_cpu] = ghost_multi_op(a, gs);
-      const auto [values, norms] = ghost_multi_op(a.cuda(), gs_cuda);
-      ASSERT_EQ(values.sizes(), at::IntArrayRef({9, 3}));
-      for (size_t l = 0; l < widths.size(); ++l) {
-        const auto row = static_cast<int64_t>(l);
-        const std::string what = "T=" + std::to_string(t) + " " + c10::toString(dtype) +
-                                 " layer " + std::to_string(l);
-        expect_within_margin(values[row], values_cpu[row], norms_cpu[row], t, 200, widths[l],
-                             "value " + what);
-        expect_rel(norms[row], norms_cpu[row], 1e-12, "S " + what);
-        if (widths[l] == 0) {
-          EXPECT_EQ(values[row].abs().max().item<double>(), 0.0) << what;
-          EXPECT_EQ(norms[row].abs().max().item<double>(), 0.0) << what;
+      for (const int64_t budget : {int64_t{64} << 20, int64_t{1}}) {
+        const int64_t previous = set_chunk_bytes_op(budget);
+        const auto [values, norms] = ghost_multi_op(a.cuda(), gs_cuda);
+        set_chunk_bytes_op(previous);
+        ASSERT_EQ(values.sizes(), at::IntArrayRef({9, 3}));
+        for (size_t l = 0; l < widths.size(); ++l) {
+          const auto row = static_cast<int64_t>(l);
+          const std::string what = "T=" + std::to_string(t) + " " + c10::toString(dtype) +
+                                   " layer " + std::to_string(l) + " budget " +
+                                   std::to_string(budget);
+          expect_within_margin(values[row], values_cpu[row], norms_cpu[row], t, 200, widths[l],
+                               "value " + what);
+          expect_rel(norms[row], norms_cpu[row], 1e-12, "S " + what);
+          if (widths[l] == 0) {
+            EXPECT_EQ(values[row].abs().max().item<double>(), 0.0) << what;
+            EXPECT_EQ(norms[row].abs().max().item<double>(), 0.0) << what;
+          }
+          // Note [shared inputs]: the chunks do not depend on the other layers' widths.
+          const auto [value_one, s_one] = ghost_op(a.cuda(), gs_cuda[l]);
+          EXPECT_TRUE(at::equal(values[row], value_one)) << "single op's bits, " << what;
+          EXPECT_TRUE(at::equal(norms[row], s_one)) << "single op's S bits, " << what;
         }
       }
     }
