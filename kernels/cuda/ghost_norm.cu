@@ -481,8 +481,8 @@ std::tuple<at::Tensor, at::Tensor> launch_tiles_multi(const at::Tensor& a,
 
 // Note [shared inputs]: A [B, T, d_in] against each G[l] [B, T, d_out_l] -> ([L, B] values, [L,
 // B] S), float64, row l what _ghost_sq_norms(A, G[l]) gives on the same path; A's Gram is built
-// once for all L (the fused tiles and the GEMM strips; T = 1 reads ||a||^2 once per layer, a pass
-// over its rows).
+// once for all L (the fused tiles, the split tiles and the GEMM strips; T = 1 reads ||a||^2 once
+// per layer, a pass over its rows).
 std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_multi_cuda(const at::Tensor& a,
                                                              at::TensorList gs) {
   constexpr const char* op = "_ghost_sq_norms_multi";
