@@ -173,10 +173,16 @@ inline std::atomic<int64_t>& ghost_gemm_min_rows() {
   return rows;
 }
 
+// Moves one of the ghost kernels' sequence-length switches (this one and ghost_split_min_rows
+// below) to `rows` >= 2 (T = 1 always takes the rank-one path); returns the previous length.
+inline int64_t set_length_switch(std::atomic<int64_t>& length, const char* op, int64_t rows) {
+  TORCH_CHECK(rows >= 2, "dpzero::", op, ": rows must be >= 2 (T = 1 takes the rank-one path), "
+              "got ", rows);
+  return length.exchange(rows);
+}
+
 inline int64_t set_ghost_gemm_min_rows(int64_t rows) {
-  TORCH_CHECK(rows >= 2, "dpzero::_set_ghost_gemm_min_rows: rows must be >= 2 (T = 1 takes the "
-              "rank-one path), got ", rows);
-  return ghost_gemm_min_rows().exchange(rows);
+  return set_length_switch(ghost_gemm_min_rows(), "_set_ghost_gemm_min_rows", rows);
 }
 
 // The sequence length from which the CUDA ghost kernels below ghost_gemm_min_rows() take the split
@@ -195,9 +201,7 @@ inline std::atomic<int64_t>& ghost_split_min_rows() {
 }
 
 inline int64_t set_ghost_split_min_rows(int64_t rows) {
-  TORCH_CHECK(rows >= 2, "dpzero::_set_ghost_split_min_rows: rows must be >= 2 (T = 1 takes the "
-              "rank-one path), got ", rows);
-  return ghost_split_min_rows().exchange(rows);
+  return set_length_switch(ghost_split_min_rows(), "_set_ghost_split_min_rows", rows);
 }
 
 // Note [ghost summation depth]
