@@ -94,6 +94,11 @@ clipped and summed in float64; autograd's own 16-bit matmuls round the reference
 the tolerance is CHECK_RTOL_AUTOCAST (a dtype or scaling mistake is O(1)). The step-time ratios
 answer "≤ 1.3x the 16-bit non-private step".
 
+Ghost kernels. --ghost-split-from T makes the CUDA ghost norms take the split tiles (Note
+[split tiles] in kernels/cuda/ghost_split_tiles.cu) from sequence length T on, in this process and
+its memory runs, so a GPU run can time the step with them before they become the default; the
+results' model line says so.
+
 Device. --device cuda runs every system on the GPU (the float64 correctness reference stays on
 the CPU): each timed step ends with torch.cuda.synchronize(), and memory is the CUDA caching
 allocator's (below; the CSV's rss_* columns then hold its bytes, and its device column says so).
@@ -188,6 +193,12 @@ def autocast(cfg: dict, device: str | None = None):
     dtype = AUTOCAST.get(cfg.get("autocast") or "")
     return torch.autocast(torch.device(device or cfg.get("device", "cpu")).type,
                           dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
+def apply_kernel_settings(cfg: dict) -> None:
+    """--ghost-split-from: the process setting behind it (none by default)."""
+    if cfg.get("ghost_split_from") is not None:
+        torch.ops.dpzero._set_ghost_split_min_rows(cfg["ghost_split_from"])
 
 
 def check_rtol(cfg: dict) -> float:
@@ -570,6 +581,7 @@ def time_interleaved(cfg: dict, data: Data, names, sigma: float, clip: float):
 def memory_child(cfg: dict, name: str, sigma: float, clip: float) -> dict:
     """Runs in a fresh process: {peak, held} bytes of system `name`."""
     torch.set_num_threads(cfg["threads"])
+    apply_kernel_settings(cfg)
     data = Data(cfg)
     model = make_model(cfg).to(cfg.get("device", "cpu"))  # warm-up: one-off set-up, not charged
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
@@ -807,7 +819,9 @@ def write_markdown(path: str, args, cfg, rows, best, checks, run: dict) -> None:
         f"{cfg['vocab']}, T = {cfg['seq']}, 2 labels, dropout 0, eager attention; "
         f"{run['n_params'] / 1e6:.2f} M parameters (fp32"
         + (f"; forward and loss under {cfg['autocast']} autocast, no GradScaler" if cfg["autocast"]
-           else "") + "). "
+           else "")
+        + (f"; CUDA ghost norms on the split tiles from T = {cfg['ghost_split_from']}"
+           if cfg.get("ghost_split_from") is not None else "") + "). "
         + (f"Batch B = {cfg['batch']} sequences" if cfg["accumulate"] == 1 else
            f"Logical batch {cfg['accumulate']} × {cfg['batch']} = "
            f"{cfg['accumulate'] * cfg['batch']} sequences: {cfg['accumulate']} micro-batches of "
@@ -888,6 +902,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")
     parser.add_argument("--autocast", choices=sorted(AUTOCAST), default=None,
                         help="run every forward and loss under torch.autocast to this dtype")
+    parser.add_argument("--ghost-split-from", type=int, default=None, metavar="T",
+                        help="CUDA ghost norms take the split tiles from this sequence length "
+                             "(default: the library's, none)")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--sigma", type=float, default=1.0, help="noise multiplier (timing)")
     parser.add_argument("--clip", type=float, default=1.0, help="clip norm C (timing, check)")
@@ -925,6 +942,8 @@ def main() -> None:
         parser.error("--repeats must be at least 2")
     if args.accumulate < 1:
         parser.error(f"--accumulate must be at least 1, got {args.accumulate}")
+    if args.ghost_split_from is not None and args.ghost_split_from < 2:
+        parser.error(f"--ghost-split-from must be at least 2, got {args.ghost_split_from}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
     if not re.fullmatch(r"[A-Za-z0-9_-]+", args.tag):
@@ -936,8 +955,9 @@ def main() -> None:
                batches=args.accumulate * max(2, math.ceil(args.batches / args.accumulate)),
                lr=args.lr, threads=args.threads, device=args.device, autocast=args.autocast,
                warmup=args.warmup, repeats=args.repeats, memory_steps=args.memory_steps,
-               max_wait=args.max_wait)
+               max_wait=args.max_wait, ghost_split_from=args.ghost_split_from)
     torch.set_num_threads(args.threads)
+    apply_kernel_settings(cfg)
     data = Data(cfg)
     run = dict(n_params=sum(p.numel() for p in make_model(cfg).parameters()),
                version=dpzero_version(), load=[os.getloadavg()[0]])

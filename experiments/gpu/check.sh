@@ -12,7 +12,8 @@
 #   profile  profile_step.py: a step's wall time against the GPU's busy time, launches and host
 #            waits, the costliest operators (dpzero flat, Opacus ghost, plain torch)
 #   private  one experiments/private_bench.py --device cuda configuration (dpzero and Opacus);
-#            CHECK_PRIVATE_ARGS is appended to its flags (a rerun: "--skip-check --repeats 5")
+#            CHECK_PRIVATE_ARGS is appended to its flags (a rerun: "--skip-check --repeats 5";
+#            the step on the split tiles: "--ghost-split-from 2 --tag cuda-w768-split")
 #   paper    one row set of experiments/run.py --grid gpu (non-DP, DP flat, Opacus hooks)
 #   errors   error_paths.py: one of our ops' argument errors raised on the CPU and on the GPU, with
 #            and without a number in the message, each in a fresh process (the first H200 run's
