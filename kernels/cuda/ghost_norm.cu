@@ -54,7 +54,9 @@
 //    passes), and ~10 launches per row block.
 // The fused kernel's FLOPs grow as T^2 at the vector rate, the strips' at the tensor-core rate
 // plus traffic linear in T: the strips win once T is large enough for the rate to pay for the
-// traffic and launches. kGhostGemmMinRows = 256 is where that estimate puts the crossover at
+// traffic and launches. The split tiles sit between: the tensor-core rate and the fused tiles'
+// reads, plus a float64 workspace of 32 KiB per sample, tile pair and feature chunk (Note [split
+// tiles] in kernels/cuda/ghost_split_tiles.cu). kGhostGemmMinRows = 256 is where that estimate puts the crossover at
 // d_in = d_out = 4096 (the per-T figures, and the measured kernel times, are in
 // experiments/results/kernels.md); below it the fused kernel (one launch, no float64 workspace,
 // the only sensible choice where it is memory-bound); the roofline stage times every path at every
