@@ -278,6 +278,28 @@ int64_t set_ghost_gemm_min_rows_op(int64_t rows) {
   return op.call(rows);
 }
 
+int64_t set_ghost_split_min_rows_op(int64_t rows) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_set_ghost_split_min_rows", "")
+                             .typed<int64_t(int64_t)>();
+  return op.call(rows);
+}
+
+constexpr int64_t kNever = int64_t{1} << 40;  // a length no test reaches
+
+// Moves the CUDA ghost kernels' length switches (split tiles from `split_from`, GEMM strips from
+// `strips_from`) while it lives, and puts them back after, a failed assertion included.
+struct ForcedLengths {
+  int64_t split_before, strips_before;
+  ForcedLengths(int64_t split_from, int64_t strips_from)
+      : split_before(set_ghost_split_min_rows_op(split_from)),
+        strips_before(set_ghost_gemm_min_rows_op(strips_from)) {}
+  ~ForcedLengths() {
+    set_ghost_split_min_rows_op(split_before);
+    set_ghost_gemm_min_rows_op(strips_before);
+  }
+};
+
 // The switch between fused tiles and GEMM strips refuses a length without a Gram, naming it, and
 // keeps what it had.
 TEST(GhostPaths, TheStripLengthRefusesOneRow) {
@@ -299,8 +321,8 @@ TEST(GhostPaths, TheStripLengthRefusesOneRow) {
 TEST(GhostPaths, EitherCudaPathAtEveryLengthMatchesTheCpuKernel) {
   if (!cuda_available()) GTEST_SKIP() << kNoCuda;
   at::manual_seed(15);
-  for (const int64_t from : {int64_t{2}, int64_t{1} << 40}) {  // strips everywhere, tiles everywhere
-    const int64_t before = set_ghost_gemm_min_rows_op(from);
+  for (const int64_t from : {int64_t{2}, kNever}) {  // strips everywhere, fused tiles everywhere
+    const ForcedLengths forced(kNever, from);
     for (const int64_t t : {2, 17, 64, 130, 255, 256, 300}) {
       const std::string what = "T=" + std::to_string(t) + " strips from " + std::to_string(from);
       const at::Tensor a = at::randn({3, t, 40}), g = at::randn({3, t, 24});
@@ -314,7 +336,6 @@ TEST(GhostPaths, EitherCudaPathAtEveryLengthMatchesTheCpuKernel) {
       expect_within_margin(tv, tv_cpu, ts_cpu, t, 0, 24, "token value " + what);
       expect_rel(ts, ts_cpu, 1e-12, "token S " + what);
     }
-    set_ghost_gemm_min_rows_op(before);
   }
 }
 
@@ -388,13 +409,6 @@ TEST(GhostPaths, CudaSharedInputsMatchTheCpuKernel) {
   }
 }
 
-int64_t set_ghost_split_min_rows_op(int64_t rows) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("dpzero::_set_ghost_split_min_rows", "")
-                             .typed<int64_t(int64_t)>();
-  return op.call(rows);
-}
-
 // Whether the split tiles run on this process's GPU (sm_80 and later, code built for it); where
 // they do not, the launchers take the fused tiles and the split-tile tests have nothing to test.
 bool split_tiles_run_here() {
@@ -407,17 +421,6 @@ bool split_tiles_run_here() {
 
 constexpr const char* kNoSplitTiles =
     "no CUDA device with float64 tensor cores (sm_80+), or dpzero built without CUDA kernels";
-
-// Forces the CUDA ghost kernels onto the split tiles at every length (the strips never) while it
-// lives, and puts the settings back after, a failed assertion included.
-struct SplitTilesEverywhere {
-  int64_t split_before = set_ghost_split_min_rows_op(2);
-  int64_t gemm_before = set_ghost_gemm_min_rows_op(int64_t{1} << 40);
-  ~SplitTilesEverywhere() {
-    set_ghost_split_min_rows_op(split_before);
-    set_ghost_gemm_min_rows_op(gemm_before);
-  }
-};
 
 // No length takes the split tiles until a device has measured them (kernels/per_sample_checks.h),
 // and their switch refuses a length without a Gram, naming it, keeping what it had.
@@ -441,7 +444,7 @@ TEST(GhostPaths, TheSplitLengthIsOffByDefaultAndRefusesOneRow) {
 // down to one sample a launch; and a run repeated bit for bit (no atomics).
 TEST(GhostPaths, CudaSplitTilesMatchTheCpuKernel) {
   if (!split_tiles_run_here()) GTEST_SKIP() << kNoSplitTiles;
-  const SplitTilesEverywhere forced;
+  const ForcedLengths forced(/*split_from=*/2, /*strips_from=*/kNever);
   at::manual_seed(17);
   for (const int64_t t : {2, 5, 16, 33, 64, 65, 130, 255, 300}) {
     for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
@@ -496,7 +499,7 @@ TEST(GhostPaths, CudaSplitTilesMatchTheCpuKernel) {
 // and each row the single op's bits for that layer.
 TEST(GhostPaths, CudaSplitTilesForSharedInputsMatchTheCpuKernel) {
   if (!split_tiles_run_here()) GTEST_SKIP() << kNoSplitTiles;
-  const SplitTilesEverywhere forced;
+  const ForcedLengths forced(/*split_from=*/2, /*strips_from=*/kNever);
   at::manual_seed(18);
   const std::vector<int64_t> widths = {24, 7, 0, 64, 1, 33, 300, 16, 5};
   for (const int64_t t : {2, 17, 64, 130, 255}) {
