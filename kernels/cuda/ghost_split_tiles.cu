@@ -6,8 +6,8 @@
 // ~~~~~~~~~~~~~~~~~~
 // The fused tiles (kernels/cuda/ghost_norm.cu) give a block one tile of one sample's Grams and all
 // d = d_in + d_out features, on the float64 vector units, staging each slice of rows before it
-// computes on it: at B = 32, T = 128 that is B x 3 = 96 blocks on a 132-SM device. The split tiles
-// change three things:
+// computes on it: at B = 32, T = 128 that is B x 3 = 96 blocks, fewer than some devices have SMs.
+// The split tiles change three things:
 //  * the Gram products run on the FP64 tensor cores (WMMA's 8 x 8 x 4 double fragments, sm_80 and
 //    later: twice the vector rate on sm_80 and sm_90);
 //  * each operand's features are cut into chunks of F features and a block computes one chunk's
@@ -33,14 +33,13 @@
 // staged as 0 but their entries are left out of the sums (0 * Inf from a real row is NaN).
 //
 // Cost: the inputs are read as by the fused tiles (each row once per tile it meets), and each
-// (sample, pair, chunk) writes a 32 KiB tile that phase 2 reads back. On 132 SMs at B = 32,
-// T = 128, 768 -> 768: F = 160, five chunks an operand, 960 blocks, 30 MiB each way (about 15 us
-// at 4 TB/s) beside the Grams' 1.6 GFLOP (24 us at 67 TFLOP/s). kBlocksPerSm trades the fill
-// against that traffic; once B x P reaches half the target grid, each operand of up to
-// kPlanWidth features is one chunk. The workspace stays within chunk_bytes_budget()
-// (kernels/per_sample_checks.h) by taking fewer samples a launch. Both phases are deterministic
-// (no atomics): runs repeat bit for bit. A sample's bits depend on B (through F), not on the
-// other samples' values.
+// (sample, pair, chunk) writes a 32 KiB tile that phase 2 reads back: B P chunks x 32 KiB each
+// way against the Grams' 2 B T^2 d FLOPs (experiments/results/gpu.md works the paper rows'
+// shape through on a device's rates). kBlocksPerSm trades the fill against that traffic; once
+// B x P reaches half the target grid, each operand of up to kPlanWidth features is one chunk.
+// The workspace stays within chunk_bytes_budget() (kernels/per_sample_checks.h) by taking fewer
+// samples a launch. Both phases are deterministic (no atomics): runs repeat bit for bit. A
+// sample's bits depend on B (through F), not on the other samples' values.
 #include <algorithm>
 #include <array>
 #include <atomic>

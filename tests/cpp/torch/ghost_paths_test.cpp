@@ -484,7 +484,8 @@ TEST(GhostPaths, CudaSplitTilesMatchTheCpuKernel) {
     }
   }
   // The paper rows' shape: at B = 32, T = 128, 768 -> 768 the grid of 96 tile pairs is split into
-  // chunks wider than 64 features (160 on 132 SMs), whose stages end off a 64-feature boundary.
+  // chunks wider than 64 features (160 where the device has 132 SMs), whose stages end off a
+  // 64-feature boundary.
   const at::Tensor a = at::randn({32, 128, 768}, at::kFloat).to(at::kBFloat16);
   const at::Tensor g = at::randn({32, 128, 768}, at::kFloat).to(at::kBFloat16);
   const auto [value_cpu, s_cpu] = ghost_op(a, g);
