@@ -5,6 +5,11 @@ launcher's own environment (torch.distributed.run sets WORLD_SIZE and RANK)."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 
 from ranks import torchrun
@@ -46,16 +51,41 @@ def _torchrun(tmp_path, entry, init):
     return torchrun([script, entry, init, tmp_path], 2)
 
 
-@pytest.mark.parametrize("entry", ["make_private", "shard"])
-def test_ranks_launched_without_a_process_group_are_refused_naming_the_fix(tmp_path, entry):
-    out = _torchrun(tmp_path, entry, "no-init")
+def test_ranks_launched_without_a_process_group_are_refused_naming_the_fix(tmp_path):
+    # The launcher stops the other ranks as soon as one fails, so which ranks get as far as the
+    # refusal is a race: at least one does, each names itself, and none trains. Both entries'
+    # refusals at every rank are the next test's.
+    out = _torchrun(tmp_path, "make_private", "no-init")
     assert out.returncode != 0
-    caller = "dpzero.make_private" if entry == "make_private" else "dpzero.shard"
-    for rank in (0, 1):
-        assert (f"{caller}: this process is rank {rank} of WORLD_SIZE=2" in out.stderr), \
-            out.stderr[-3000:]
+    refused = re.findall(r"dpzero\.make_private: this process is rank (\S+) of WORLD_SIZE=2",
+                         out.stderr)
+    assert refused and set(refused) <= {"0", "1"}, out.stderr[-3000:]
     assert "init_process_group" in out.stderr
+    assert not list(tmp_path.glob("world.*"))
     assert not (tmp_path / "run").exists()  # no rank trained or charged alone
+
+
+@pytest.mark.parametrize("entry", ["make_private", "shard"])
+def test_every_rank_of_a_launch_is_refused_on_its_own(tmp_path, entry):
+    # Each rank as its own process, in the environment the launcher gives it (torch.distributed.run
+    # sets these variables), so no other rank's failure can stop it first.
+    script = tmp_path / "job.py"
+    script.write_text(_SCRIPT)
+    ranks = []
+    for rank in (0, 1):
+        env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", RANK=str(rank),
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT="29500")
+        ranks.append(subprocess.Popen([sys.executable, str(script), entry, "no-init",
+                                       str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    caller = "dpzero.make_private" if entry == "make_private" else "dpzero.shard"
+    for rank, process in enumerate(ranks):
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode != 0
+        assert f"{caller}: this process is rank {rank} of WORLD_SIZE=2" in stderr, stderr[-3000:]
+    assert not list(tmp_path.glob("world.*"))
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_same_script_with_a_process_group_is_one_run(tmp_path):
