@@ -88,6 +88,12 @@ BASE = {"privacy": {"target_epsilon": 3.0}}
      r"a multiple of max_physical_batch_size x world_size = 64"),
     ({**BASE, "training": {"loop": "trainer", "optimizer": "adam", "weight_decay": 0.1}},
      r'optimizer = "adam" with weight_decay = 0.1'),
+    ({**BASE, "training": {"device": "gpu"}}, r"\[training\] device must be one of "
+     r"\['auto', 'cpu', 'cuda'\], got 'gpu'"),
+    ({**BASE, "training": {"precision": "fp16"}}, r'\[training\] precision = "fp16" is not '
+     r"offered: .* use \"bf16\""),
+    ({**BASE, "training": {"precision": "half"}}, r"\[training\] precision must be one of "
+     r"\['fp32', 'bf16'\], got 'half'"),
 ])
 def test_config_errors_name_the_key_and_value(raw, message):
     with pytest.raises(ConfigError, match=message):
@@ -112,6 +118,19 @@ def test_config_file_errors(tmp_path):
     assert config.from_dict(BASE).delta_for(10**6) == 1e-7
     one_over_n = {**BASE, "privacy": {**BASE["privacy"], "delta": "1/N"}}
     assert config.from_dict(one_over_n).delta_for(1000) == 1e-3
+
+
+def test_the_device_is_the_gpus_only_when_there_is_one_per_rank():
+    from dpzero.train import task
+
+    gpus = torch.cuda.device_count()  # the machine's own count, the rule's reference
+    assert task.device_kind("auto", gpus + 1) == "cpu"
+    assert task.device_kind("cpu", 1) == "cpu"
+    with pytest.raises(ConfigError, match=rf'device = "cuda" needs one GPU per rank: world_size '
+                                          rf"= {gpus + 1}, but this machine has {gpus} GPU"):
+        task.device_kind("cuda", gpus + 1)
+    if gpus:
+        assert task.device_kind("auto", gpus) == task.device_kind("cuda", 1) == "cuda"
 
 
 def test_default_checkpoint_cadence_bounds_the_work_a_crash_loses():
@@ -386,6 +405,38 @@ def test_scatternet_config_runs_on_a_subset(tmp_path):
     assert result["epsilon"] == pytest.approx(prv.get_epsilon(1e-5), rel=1e-9)
     assert 2.9 < result["epsilon"] <= 3.0
     assert result["accuracy"] > 0.5  # 10 classes; linear on ScatterNet features learns fast
+
+
+@pytest.mark.job
+@needs_fashion
+@pytest.mark.parametrize("loop", ["engine", "trainer"])
+def test_bf16_precision_trains_under_autocast(tmp_path, loop):
+    # The same run in fp32 and in bf16 (Philox noise from one seed, so both draw the same noise):
+    # the bf16 forward's rounding moves the trained weights, by about bf16's resolution and no
+    # more, and everything else (steps, σ, ε, where the run trained) is the same.
+    from dpzero.train import runner
+
+    got = {}
+    for precision in ("fp32", "bf16"):
+        cfg = config.from_dict({
+            "model": {"kind": "cnn"},
+            "data": {"dataset": "fashion-mnist", "limit": 256, "test_limit": 64},
+            "privacy": {"noise_multiplier": 1.0, "secure_mode": False},
+            "training": {"epochs": 1, "batch_size": 128, "max_physical_batch_size": 64,
+                         "world_size": 1, "zero_stage": 0, "lr": 0.5, "optimizer": "sgd",
+                         "checkpoint_every": 0, "baseline": False, "precision": precision,
+                         "loop": loop},
+            "output": {"dir": str(tmp_path / precision)}})
+        result = runner.run_job(cfg)["private"]
+        assert (result["precision"], result["device"], result["steps"]) == (precision, "cpu", 2)
+        got[precision] = (result, torch.load(tmp_path / precision / "model.pt"))
+    (r32, m32), (r16, m16) = got["fp32"], got["bf16"]
+    assert (r16["noise_multiplier"], r16["epsilon"]) == (r32["noise_multiplier"], r32["epsilon"])
+    moved = [name for name in m32 if not torch.equal(m32[name], m16[name])]
+    assert moved, "bf16 trained the same bits as fp32: the forward did not run under autocast"
+    for name in m32:
+        torch.testing.assert_close(m16[name], m32[name], rtol=0.05, atol=0.02,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.job

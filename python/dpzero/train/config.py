@@ -45,6 +45,12 @@ Every error names the key and the bad value. Sections and keys (defaults in brac
                 max_physical_batch_size  [64]; lr  [1e-3]; optimizer = "adamw"|"adam"|"sgd"
                 ["adamw"]; weight_decay  [0.0]; momentum (sgd)  [0.0]; zero_stage  [3];
                 world_size  [2]; seed  [0]
+                device = "auto" (each rank on its own GPU when the machine has one per rank,
+                    else every rank on the CPU) | "cpu" | "cuda" (one GPU per rank, or the job
+                    stops naming the counts)  ["auto"]
+                precision = "fp32" | "bf16" (the forward and the loss under bf16 autocast, as
+                    the Trainer's bf16=True; parameters, optimizer and clipping stay float32)
+                    ["fp32"]
                 timeout_s = a collective waits this long for a dead or hung rank before the
                     run fails with an error  [600]
                 policy = "fixed" (zero_stage as given) | "auto" (the fastest memory policy
@@ -139,6 +145,8 @@ class TrainingConfig:
     zero_stage: int = 3
     world_size: int = 2
     seed: int = 0
+    device: str = "auto"
+    precision: str = "fp32"
     timeout_s: float = 600.0
     policy: str = "fixed"
     memory_budget_gib: float = 0.0
@@ -319,6 +327,13 @@ def validate(cfg: RunConfig) -> None:
     if not (t.lr > 0):
         raise ConfigError(f"[training] lr must be > 0, got {t.lr}")
     _choice("[training] optimizer", t.optimizer, ("adamw", "adam", "sgd"))
+    _choice("[training] device", t.device, ("auto", "cpu", "cuda"))
+    if t.precision == "fp16":
+        raise ConfigError('[training] precision = "fp16" is not offered: fp16 training needs a '
+                          "loss scale, and a dynamic one (GradScaler) is set by the gradients "
+                          "of the private data, whose scale would multiply each example's "
+                          'gradient before clipping; use "bf16" (no scale needed) or "fp32"')
+    _choice("[training] precision", t.precision, ("fp32", "bf16"))
     _choice("[training] zero_stage", t.zero_stage, (0, 1, 2, 3))
     if m.padding < 0:
         raise ConfigError(f"[model] padding must be >= 0, got {m.padding}")

@@ -65,11 +65,13 @@ def atomic_json(obj, path: str) -> None:
 
 def final_state(model, params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The model's state_dict with every trained parameter (also under a tied alias) taken from
-    the engine's fp32 master values: in stage 3 the module's own copies are freed shards."""
+    the engine's fp32 master values: in stage 3 the module's own copies are freed shards. On the
+    CPU, wherever the run trained, so that ``torch.load`` reads it on any machine."""
     canonical = {id(p): n for n, p in model.named_parameters()}
     every = dict(model.named_parameters(remove_duplicate=False))
     state = {}
     for key, value in model.state_dict(keep_vars=True).items():
         name = canonical.get(id(every[key])) if key in every else None
-        state[key] = params[name] if name in params else value.detach().clone()
+        value = params[name] if name in params else value.detach()
+        state[key] = value.to("cpu", copy=True)
     return state

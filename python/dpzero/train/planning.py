@@ -40,7 +40,7 @@ def _profile_rank(rank, world, store, backend, cfg, out):
 
 
 def _profile(cfg: RunConfig, world: int, rank: int, group) -> Profile:
-    from .task import build
+    from .task import autocast, build, on_device, rank_device
 
     # One micro-batch per rank is all the profile reads, so the job is built on that many
     # training examples and one test example. A head on fixed features sees rows of one shape
@@ -53,13 +53,19 @@ def _profile(cfg: RunConfig, world: int, rank: int, group) -> Profile:
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(
         d, limit=min(d.limit, need) if d.limit else need, test_limit=1))
     model, train, _, unpack = build(cfg)
+    device = rank_device(dataclasses.replace(cfg, training=dataclasses.replace(
+        cfg.training, world_size=world)), rank)
+    model.to(device)
     m = min(cap, d.limit or cap) if fixed else min(cap, len(train))
     rows = torch.arange(rank * m, (rank + 1) * m) % len(train)
-    inputs, y = unpack(train[rows])
-    device = next(model.parameters()).device
+    inputs, y = on_device(unpack, device)(train[rows])
     threads = max(1, (os.cpu_count() or 1) // world) if device.type == "cpu" else None
     t = cfg.training
-    return profile(lambda: copy.deepcopy(model), lambda mod: F.cross_entropy(mod(*inputs), y), m,
+
+    def step(mod):
+        with autocast(cfg, device):
+            return F.cross_entropy(mod(*inputs), y)
+    return profile(lambda: copy.deepcopy(model), step, m,
                    clipping=cfg.privacy.clipping, optimizer=t.optimizer,
                    optimizer_kwargs=dict(lr=t.lr, weight_decay=t.weight_decay,
                                          **({"momentum": t.momentum} if t.optimizer == "sgd"
@@ -76,8 +82,9 @@ def job_plan(cfg: RunConfig, world: int, budget_bytes: Optional[float] = None
     else:
         import torch.multiprocessing as mp
 
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world \
-            else "gloo"
+        from .task import device_kind
+
+        backend = "nccl" if device_kind(cfg.training.device, world) == "cuda" else "gloo"
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "profile.pt")
             mp.spawn(_profile_rank, args=(world, os.path.join(tmp, "store"), backend, cfg, out),

@@ -36,6 +36,7 @@ run never silently continues (or appears to restart) the budget of the first.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -43,6 +44,7 @@ import sys
 import time
 from typing import Dict, Optional
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
@@ -52,7 +54,7 @@ from ..private import BudgetExhausted
 from .config import ConfigError, RunConfig
 from .outputs import Progress, atomic_json, atomic_save, final_state
 from .report import PRIVATE_DIR
-from .task import build, evaluate, rank_world
+from .task import autocast, build, evaluate, on_device, rank_device, rank_world
 
 
 def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics,
@@ -60,7 +62,11 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
     """One run (private or the baseline). ``metrics``: rank 0's released log (metrics.jsonl);
     ``diagnostics``: rank 0's private one (private/training.jsonl); None on other ranks."""
     rank, world = rank_world()
-    model, train, test, unpack = build(cfg)
+    model, train, test, rows_of = build(cfg)
+    device = rank_device(cfg)
+    model.to(device)
+    unpack = on_device(rows_of, device)
+    cast = functools.partial(autocast, cfg, device)
     n = len(train)
     delta = cfg.delta_for(n)
     p_cfg, t_cfg = cfg.privacy, cfg.training
@@ -94,8 +100,7 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
     if t_cfg.policy == "auto":
         budget = t_cfg.memory_budget_gib * 2.0**30 if t_cfg.memory_budget_gib else None
         kw.update(policy="auto", memory_budget=budget,
-                  plan_step=lambda m, batch: F.cross_entropy(m(*unpack(batch)[0]),
-                                                             unpack(batch)[1]))
+                  plan_step=lambda m, batch: _loss(m, unpack(batch), cast))
     p = make_private(model, **common, **kw)
     engine = p.privacy_engine
     label = "private" if private else "baseline"
@@ -116,7 +121,7 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
             for batch in p.data_loader:
                 inputs, y = unpack(batch)
                 p.optimizer.zero_grad()
-                loss = F.cross_entropy(p.model(*inputs), y)
+                loss = _loss(p.model, (inputs, y), cast)
                 loss.backward()
                 if not engine.is_padding_batch:  # Note [padding batches]: not a real row
                     step_loss += loss.item() * len(y)
@@ -144,7 +149,7 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
                 if every and taken % every == 0:
                     _save(p, run_dir, taken, epoch, t_cfg.keep_checkpoints)
             epoch += 1
-            ev = evaluate(p.model, test, unpack)
+            ev = evaluate(p.model, test, unpack, cast)
             progress.update(accuracy=ev["accuracy"] if private else None, step=False)
             if rank == 0:
                 # The private model on held-out data: released. The baseline: not private.
@@ -156,7 +161,7 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
     finally:
         progress.close()
     seconds = time.time() - start
-    final = evaluate(p.model, test, unpack)
+    final = evaluate(p.model, test, unpack, cast)
     params = engine.parameters()  # a collective in stages 1-3
     if rank == 0:  # the wall time follows the realised batch sizes: a data-dependent diagnostic
         diagnostics.write(json.dumps({"run": label, "seconds": seconds}) + "\n")
@@ -166,13 +171,22 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
               "delta": delta, "train_examples": n, "test_examples": len(test),
               "epsilon": engine.epsilon(delta) if private else math.inf, "stopped": stopped,
               "charged_steps": engine.charges if private else 0,
-              "zero_stage": engine.sharded.stage,
+              "zero_stage": engine.sharded.stage, "device": device.type,
+              "precision": t_cfg.precision,
               "policy": (engine.memory_plan["chosen"].policy.label(len(engine.memory_plan["units"]))
                          if engine.memory_plan else "fixed"), **final}
     if rank == 0 and private:
         atomic_save(final_state(model, params), os.path.join(run_dir, "model.pt"))
         atomic_json(result, os.path.join(run_dir, "private.json"))
     return result
+
+
+def _loss(model, rows, cast) -> torch.Tensor:
+    """The mean cross-entropy of a micro-batch ``rows`` = (inputs, labels), its forward and loss
+    in ``cast`` (the run's autocast, task.autocast)."""
+    inputs, y = rows
+    with cast():
+        return F.cross_entropy(model(*inputs), y)
 
 
 def _checkpoints(run_dir: str) -> str:

@@ -4,8 +4,10 @@ evaluation on the test set, the same for the job's own loop (runner.py) and the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
 from typing import Dict
 
 import torch
@@ -14,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from .. import _C
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .datasets import fashion_mnist, fortune_texts, split_texts, tokenize
 from .features import scatter_features, sentence_features
 from .models import (ScatterNetCNN, ScatterNetLinear, SentenceLinear, TanhCNN, load_encoder,
@@ -25,6 +27,47 @@ def rank_world():
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def device_kind(choice: str, ranks: int) -> str:
+    """``[training] device`` for ``ranks`` processes on this machine: "cuda" (one GPU each) or
+    "cpu". "auto" takes the GPUs only when there is one per rank: NCCL runs one rank per GPU."""
+    gpus = torch.cuda.device_count()
+    if choice == "cpu" or (choice == "auto" and gpus < ranks):
+        return "cpu"
+    if gpus < ranks:
+        raise ConfigError(f'[training] device = "cuda" needs one GPU per rank: world_size = '
+                          f"{ranks}, but this machine has {gpus} GPU(s); lower world_size or set "
+                          'device = "auto"')
+    return "cuda"
+
+
+def rank_device(cfg: RunConfig, local_rank: int = None) -> torch.device:
+    """This rank's device (device_kind); ``local_rank`` defaults to the launcher's LOCAL_RANK."""
+    if device_kind(cfg.training.device, cfg.training.world_size) == "cpu":
+        return torch.device("cpu")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", local_rank)
+
+
+def on_device(unpack, device: torch.device):
+    """``unpack`` (build's: a batch of the data set's CPU rows -> (inputs, labels)) with its
+    tensors moved to ``device``."""
+    if device.type == "cpu":
+        return unpack
+
+    def moved(batch):
+        inputs, y = unpack(batch)
+        return tuple(t.to(device, non_blocking=True) for t in inputs), y.to(device)
+    return moved
+
+
+def autocast(cfg: RunConfig, device: torch.device):
+    """The context of the forward and the loss: bf16 autocast under ``precision = "bf16"`` (as
+    torch.autocast around a forward, and as the Trainer's bf16=True), else nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16,
+                          enabled=cfg.training.precision == "bf16")
 
 
 def build(cfg: RunConfig):
@@ -108,10 +151,12 @@ def input_names(cfg: RunConfig) -> tuple:
     return ("input_ids", "attention_mask") if cfg.model.kind == "minilm" else ("x",)
 
 
-def evaluate(model, test, unpack, batch: int = 256) -> Dict[str, float]:
+def evaluate(model, test, unpack, cast=contextlib.nullcontext, batch: int = 256
+             ) -> Dict[str, float]:
     """Accuracy and mean loss over the test set. Each rank takes rows k mod W; all ranks run
     the same number of forwards (stage 3 gathers in every forward), the last ones possibly
-    empty, and the counts are summed."""
+    empty, and the counts are summed. ``unpack`` puts the rows on the model's device; ``cast``:
+    a context factory the forwards run in (the training's autocast)."""
     rank, world = rank_world()
     n = len(test)
     idx = torch.arange(rank, n, world)
@@ -123,7 +168,8 @@ def evaluate(model, test, unpack, batch: int = 256) -> Dict[str, float]:
         for r in range(rounds):
             rows = idx[r * batch:(r + 1) * batch]
             inputs, y = unpack(test[rows])
-            logits = model(*inputs)
+            with cast():
+                logits = model(*inputs).float()
             correct[0] += (logits.argmax(-1) == y).sum().item()
             correct[1] += F.cross_entropy(logits, y, reduction="sum").item() if len(y) else 0.0
             correct[2] += len(y)

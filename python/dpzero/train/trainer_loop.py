@@ -23,6 +23,7 @@ holds: the reopened ledger keeps every charged step).
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import math
@@ -44,7 +45,7 @@ from ..private.config import steps_per_epoch
 from .config import RunConfig
 from .report import PRIVATE_DIR
 from .outputs import Progress, atomic_json, atomic_save, final_state
-from .task import build, evaluate, input_names, rank_world
+from .task import autocast, build, evaluate, input_names, on_device, rank_device, rank_world
 
 # dpzero's optimizer names as the Trainer's `optim` (AdamW with weight_decay 0 is Adam).
 _OPTIM = {"adamw": "adamw_torch", "adam": "adamw_torch", "sgd": "sgd"}
@@ -110,6 +111,9 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
     as in runner.train_once (rank 0's logs, None elsewhere)."""
     rank, world = rank_world()
     model, train, test, unpack = build(cfg)
+    device = rank_device(cfg)  # where the Trainer puts the model (use_cpu below)
+    on_rank = on_device(unpack, device)
+    cast = functools.partial(autocast, cfg, device)
     n = len(train)
     delta = cfg.delta_for(n)
     p_cfg, t_cfg = cfg.privacy, cfg.training
@@ -128,7 +132,8 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
         weight_decay=t_cfg.weight_decay, lr_scheduler_type="constant", warmup_steps=0,
         logging_steps=10, report_to=[], save_strategy="steps" if every else "no",
         save_steps=max(every, 1), save_total_limit=t_cfg.keep_checkpoints,
-        use_cpu=not torch.cuda.is_available(), seed=t_cfg.seed, disable_tqdm=True,
+        use_cpu=device.type == "cpu", bf16=t_cfg.precision == "bf16", seed=t_cfg.seed,
+        disable_tqdm=True,
         dataloader_num_workers=0, label_names=["labels"])
     if private:
         privacy = PrivacyArguments(
@@ -153,8 +158,8 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
     # its progress bar would show step times, so runner's bar takes its place.
     checkpoint = latest_checkpoint(run_dir) if private and resume else None
     progress = Progress(trainer.planned_steps - _step_of(checkpoint), label, enabled=rank == 0)
-    trainer.add_callback(_RunLogs(trainer, label, private, test, unpack, metrics, diagnostics,
-                                  progress))
+    trainer.add_callback(_RunLogs(trainer, label, private, test, on_rank, cast, metrics,
+                                  diagnostics, progress))
     if private and resume and metrics is not None:
         metrics.write(json.dumps({"run": label, "resumed_at_step": _step_of(checkpoint),
                                   "charged_steps": engine.charges}) + "\n")
@@ -165,14 +170,15 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
         trainer.train(resume_from_checkpoint=checkpoint, continue_ledger=private and resume)
     finally:
         progress.close()
-    final = evaluate(trainer.private_model, test, unpack)
+    final = evaluate(trainer.private_model, test, on_rank, cast)
     params = engine.parameters()  # a collective in stages 1-3
     result = {"run": label, "steps": trainer.state.global_step, "sample_rate": engine.sample_rate,
               "noise_multiplier": engine.noise_multiplier, "max_grad_norm": engine.max_grad_norm,
               "delta": delta, "train_examples": n, "test_examples": len(test),
               "epsilon": engine.epsilon(delta) if private else math.inf,
               "stopped": trainer.budget_stop, "charged_steps": engine.charges if private else 0,
-              "zero_stage": engine.sharded.stage, "policy": "fixed", "loop": "trainer", **final}
+              "zero_stage": engine.sharded.stage, "device": device.type,
+              "precision": t_cfg.precision, "policy": "fixed", "loop": "trainer", **final}
     if rank == 0 and private:
         atomic_save(final_state(model, params), os.path.join(run_dir, "model.pt"))
         atomic_json(result, os.path.join(run_dir, "private.json"))
@@ -193,10 +199,10 @@ def _step_of(checkpoint: Optional[str]) -> int:
 class _RunLogs(TrainerCallback):
     """The run directory's logs from the Trainer's events (every rank; rank 0 writes)."""
 
-    def __init__(self, trainer, label: str, private: bool, test, unpack, metrics,
+    def __init__(self, trainer, label: str, private: bool, test, unpack, cast, metrics,
                  diagnostics, progress: Progress) -> None:
         self.trainer, self.label, self.private = trainer, label, private
-        self.test, self.unpack = test, unpack
+        self.test, self.unpack, self.cast = test, unpack, cast
         self.metrics, self.diagnostics, self.progress = metrics, diagnostics, progress
 
     def _write(self, log, record) -> None:
@@ -216,7 +222,8 @@ class _RunLogs(TrainerCallback):
         self.progress.update(eps)
 
     def on_epoch_end(self, args, state, control, **kwargs):
-        ev = evaluate(self.trainer.private_model, self.test, self.unpack)  # a collective
+        # A collective.
+        ev = evaluate(self.trainer.private_model, self.test, self.unpack, self.cast)
         # The private model on held-out data is released; the baseline's is not private.
         self._write(self.metrics if self.private else self.diagnostics,
                     {"epoch": round(state.epoch), "step": state.global_step, **ev})

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from .config import load
 from .orphans import die_with_parent
 from .runner import run_job
+from .task import rank_device
 
 
 def main(argv) -> int:
@@ -25,11 +26,10 @@ def main(argv) -> int:
         print("usage: python -m dpzero.train.worker CONFIG [--resume]", file=sys.stderr)
         return 2
     cfg = load(args[0])
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = rank_device(cfg)  # [training] device: NCCL between GPUs, Gloo between CPU ranks
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl":
-        import os
-
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     # A dead or hung rank fails the others' collectives after this long (not never).
     dist.init_process_group(backend,
                             timeout=datetime.timedelta(seconds=cfg.training.timeout_s))
