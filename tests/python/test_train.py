@@ -120,17 +120,26 @@ def test_config_file_errors(tmp_path):
     assert config.from_dict(one_over_n).delta_for(1000) == 1e-3
 
 
-def test_the_device_is_the_gpus_only_when_there_is_one_per_rank():
+def test_the_device_is_the_gpus_only_when_there_is_one_per_rank(monkeypatch):
     from dpzero.train import task
 
     gpus = torch.cuda.device_count()  # the machine's own count, the rule's reference
     assert task.device_kind("auto", gpus + 1) == "cpu"
     assert task.device_kind("cpu", 1) == "cpu"
-    with pytest.raises(ConfigError, match=rf'device = "cuda" needs one GPU per rank: world_size '
-                                          rf"= {gpus + 1}, but this machine has {gpus} GPU"):
+    with pytest.raises(ConfigError, match=rf'device = "cuda" needs one GPU per rank: {gpus + 1} '
+                                          rf"rank\(s\) on this machine, but it has {gpus} GPU"):
         task.device_kind("cuda", gpus + 1)
     if gpus:
         assert task.device_kind("auto", gpus) == task.device_kind("cuda", 1) == "cuda"
+    # The ranks on this machine: world_size, or the launcher's count on a job over several nodes.
+    cfg = config.from_dict({**BASE, "training": {"world_size": 16, "device": "cuda"}})
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert task.ranks_here(cfg) == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert task.ranks_here(cfg) == 8
+    if gpus < 8:
+        with pytest.raises(ConfigError, match=r"needs one GPU per rank: 8 rank\(s\)"):
+            task.rank_device(cfg)
 
 
 def test_default_checkpoint_cadence_bounds_the_work_a_crash_loses():
@@ -425,7 +434,7 @@ def test_bf16_precision_trains_under_autocast(tmp_path, loop):
             "training": {"epochs": 1, "batch_size": 128, "max_physical_batch_size": 64,
                          "world_size": 1, "zero_stage": 0, "lr": 0.5, "optimizer": "sgd",
                          "checkpoint_every": 0, "baseline": False, "precision": precision,
-                         "loop": loop},
+                         "loop": loop, "device": "cpu"},
             "output": {"dir": str(tmp_path / precision)}})
         result = runner.run_job(cfg)["private"]
         assert (result["precision"], result["device"], result["steps"]) == (precision, "cpu", 2)

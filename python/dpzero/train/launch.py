@@ -3,8 +3,9 @@
 For W > 1 ranks, ``launch`` runs ``python -m torch.distributed.run --standalone
 --nproc-per-node W -m dpzero.train.worker CONFIG`` (torch's own elastic launcher: a rendezvous on
 a free local port, one process per rank, every rank killed if one fails) and waits for it. Each
-worker joins the default process group — Gloo on CPU, NCCL when CUDA is available — and runs
-``runner.run_job``. The CPU cores are split between the ranks (OMP_NUM_THREADS).
+worker joins the default process group — NCCL when the ranks train on GPUs (``[training]
+device``, task.device_kind), else Gloo — and runs ``runner.run_job``. The CPU cores are split
+between the ranks (OMP_NUM_THREADS).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .config import ConfigError, RunConfig, load
 from .orphans import die_with_parent
 from .report import PRIVATE_DIR
 from .runner import check_run_dir, run_job
+from .task import device_kind, ranks_here
 
 
 @contextmanager
@@ -50,7 +52,9 @@ def launch(config_path: str, cfg: RunConfig = None, resume: bool = False) -> Dic
     ``resume`` continues a killed run in the same directory (Note [resuming a run])."""
     cfg = cfg or load(config_path)
     with directory_lock(cfg.output.dir):
-        check_run_dir(cfg, resume)  # before any rank starts: a clear error, not W failed ranks
+        # Before any rank starts: a clear error, not W failed ranks.
+        check_run_dir(cfg, resume)
+        device_kind(cfg.training.device, ranks_here(cfg))
         return _launch(config_path, cfg, resume)
 
 

@@ -29,6 +29,12 @@ def rank_world():
     return 0, 1
 
 
+def ranks_here(cfg: RunConfig) -> int:
+    """The job's ranks on this machine: the launcher's LOCAL_WORLD_SIZE (a job over several
+    nodes), else world_size (``dpzero train`` starts every rank on this machine)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", cfg.training.world_size))
+
+
 def device_kind(choice: str, ranks: int) -> str:
     """``[training] device`` for ``ranks`` processes on this machine: "cuda" (one GPU each) or
     "cpu". "auto" takes the GPUs only when there is one per rank: NCCL runs one rank per GPU."""
@@ -36,19 +42,19 @@ def device_kind(choice: str, ranks: int) -> str:
     if choice == "cpu" or (choice == "auto" and gpus < ranks):
         return "cpu"
     if gpus < ranks:
-        raise ConfigError(f'[training] device = "cuda" needs one GPU per rank: world_size = '
-                          f"{ranks}, but this machine has {gpus} GPU(s); lower world_size or set "
+        raise ConfigError(f'[training] device = "cuda" needs one GPU per rank: {ranks} rank(s) on '
+                          f"this machine, but it has {gpus} GPU(s); lower world_size or set "
                           'device = "auto"')
     return "cuda"
 
 
 def rank_device(cfg: RunConfig, local_rank: int = None) -> torch.device:
-    """This rank's device (device_kind); ``local_rank`` defaults to the launcher's LOCAL_RANK."""
-    if device_kind(cfg.training.device, cfg.training.world_size) == "cpu":
+    """This rank's device (device_kind over ranks_here): the CPU, or GPU ``local_rank`` (by
+    default the current one, which the worker set from the launcher's LOCAL_RANK; a job of one
+    rank, run in the launching process, takes GPU 0)."""
+    if device_kind(cfg.training.device, ranks_here(cfg)) == "cpu":
         return torch.device("cpu")
-    if local_rank is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    return torch.device("cuda", local_rank)
+    return torch.device("cuda", torch.cuda.current_device() if local_rank is None else local_rank)
 
 
 def on_device(unpack, device: torch.device):

@@ -111,9 +111,7 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
     as in runner.train_once (rank 0's logs, None elsewhere)."""
     rank, world = rank_world()
     model, train, test, unpack = build(cfg)
-    device = rank_device(cfg)  # where the Trainer puts the model (use_cpu below)
-    on_rank = on_device(unpack, device)
-    cast = functools.partial(autocast, cfg, device)
+    cpu = rank_device(cfg).type == "cpu"
     n = len(train)
     delta = cfg.delta_for(n)
     p_cfg, t_cfg = cfg.privacy, cfg.training
@@ -132,9 +130,15 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
         weight_decay=t_cfg.weight_decay, lr_scheduler_type="constant", warmup_steps=0,
         logging_steps=10, report_to=[], save_strategy="steps" if every else "no",
         save_steps=max(every, 1), save_total_limit=t_cfg.keep_checkpoints,
-        use_cpu=device.type == "cpu", bf16=t_cfg.precision == "bf16", seed=t_cfg.seed,
-        disable_tqdm=True,
+        use_cpu=cpu, bf16=t_cfg.precision == "bf16", seed=t_cfg.seed, disable_tqdm=True,
         dataloader_num_workers=0, label_names=["labels"])
+    device = args.device  # the Trainer's: cuda:LOCAL_RANK under the launcher, cuda:0 alone
+    if not cpu and not (dist.is_available() and dist.is_initialized()):
+        # One rank on a machine of several GPUs: the Trainer would spread the batch over all
+        # of them with DataParallel (which PrivateTrainer refuses); the job's one rank takes one.
+        args._n_gpu = 1
+    on_rank = on_device(unpack, device)
+    cast = functools.partial(autocast, cfg, device)
     if private:
         privacy = PrivacyArguments(
             target_epsilon=p_cfg.target_epsilon, target_delta=delta,

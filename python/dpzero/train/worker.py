@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import os
 import sys
 
 import torch
@@ -26,7 +27,8 @@ def main(argv) -> int:
         print("usage: python -m dpzero.train.worker CONFIG [--resume]", file=sys.stderr)
         return 2
     cfg = load(args[0])
-    device = rank_device(cfg)  # [training] device: NCCL between GPUs, Gloo between CPU ranks
+    # [training] device: NCCL between GPUs, Gloo between CPU ranks.
+    device = rank_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(device)
