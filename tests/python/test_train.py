@@ -131,6 +131,16 @@ def test_the_device_is_the_gpus_only_when_there_is_one_per_rank(monkeypatch):
         task.device_kind("cuda", gpus + 1)
     if gpus:
         assert task.device_kind("auto", gpus) == task.device_kind("cuda", 1) == "cuda"
+    # The rule for any machine (a GPU count given): one GPU per rank, or the CPU for "auto".
+    assert [task.device_kind("auto", 2, g) for g in (0, 1, 2, 8)] == ["cpu", "cpu", "cuda", "cuda"]
+    assert task.device_kind("cuda", 2, 2) == "cuda" and task.device_kind("cpu", 1, 8) == "cpu"
+    with pytest.raises(ConfigError, match=r"2 rank\(s\) on this machine, but it has 1 GPU"):
+        task.device_kind("cuda", 2, 1)
+    # "auto" leaving GPUs idle says so, naming the world size that would use them.
+    assert task.unused_gpus("auto", 2, 1).endswith("set [training] world_size = 1 to train on "
+                                                   "the GPUs")
+    assert [task.unused_gpus(c, 2, g) for c, g in (("auto", 0), ("auto", 2), ("cpu", 1))] == \
+        [None] * 3
     # The ranks on this machine: world_size, or the launcher's count on a job over several nodes.
     cfg = config.from_dict({**BASE, "training": {"world_size": 16, "device": "cuda"}})
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

@@ -22,7 +22,7 @@ from .config import ConfigError, RunConfig, load
 from .orphans import die_with_parent
 from .report import PRIVATE_DIR
 from .runner import check_run_dir, run_job
-from .task import device_kind, ranks_here
+from .task import device_kind, ranks_here, unused_gpus
 
 
 @contextmanager
@@ -55,6 +55,9 @@ def launch(config_path: str, cfg: RunConfig = None, resume: bool = False) -> Dic
         # Before any rank starts: a clear error, not W failed ranks.
         check_run_dir(cfg, resume)
         device_kind(cfg.training.device, ranks_here(cfg))
+        notice = unused_gpus(cfg.training.device, ranks_here(cfg))
+        if notice:
+            print(notice, file=sys.stderr)
         return _launch(config_path, cfg, resume)
 
 

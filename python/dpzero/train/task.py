@@ -8,7 +8,7 @@ import contextlib
 import functools
 import math
 import os
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,10 +35,11 @@ def ranks_here(cfg: RunConfig) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", cfg.training.world_size))
 
 
-def device_kind(choice: str, ranks: int) -> str:
-    """``[training] device`` for ``ranks`` processes on this machine: "cuda" (one GPU each) or
-    "cpu". "auto" takes the GPUs only when there is one per rank: NCCL runs one rank per GPU."""
-    gpus = torch.cuda.device_count()
+def device_kind(choice: str, ranks: int, gpus: Optional[int] = None) -> str:
+    """``[training] device`` for ``ranks`` processes on a machine of ``gpus`` GPUs (default: this
+    one's): "cuda" (one GPU each) or "cpu". "auto" takes the GPUs only when there is one per
+    rank: NCCL runs one rank per GPU."""
+    gpus = torch.cuda.device_count() if gpus is None else gpus
     if choice == "cpu" or (choice == "auto" and gpus < ranks):
         return "cpu"
     if gpus < ranks:
@@ -46,6 +47,17 @@ def device_kind(choice: str, ranks: int) -> str:
                           f"this machine, but it has {gpus} GPU(s); lower world_size or set "
                           'device = "auto"')
     return "cuda"
+
+
+def unused_gpus(choice: str, ranks: int, gpus: Optional[int] = None) -> Optional[str]:
+    """What to tell the user when "auto" trains on the CPU of a machine that has GPUs (too few
+    for one per rank), or None."""
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if choice != "auto" or not 0 < gpus < ranks:
+        return None
+    return (f"[dpzero train] training on the CPU: {ranks} rank(s) and {gpus} GPU(s) on this "
+            f"machine, and each rank needs a GPU of its own; set [training] world_size = {gpus} "
+            "to train on the GPUs")
 
 
 def rank_device(cfg: RunConfig, local_rank: int = None) -> torch.device:
