@@ -95,6 +95,34 @@ void expect_rel(const at::Tensor& got, const at::Tensor& want, double rtol,
   EXPECT_LE(err.max().item<double>(), 0.0) << what << "\n got " << g << "\n want " << w;
 }
 
+// Note [shared inputs]: each layer's row of a CUDA _ghost_sq_norms_multi result `got` ([L, B]
+// values and S) against the CPU op's `cpu`: the value within the certified margin (A of width
+// d_in, T rows), S to 1e-12, a width-0 layer's row exactly 0 and, with `single_bits`, the single
+// CUDA op's bits for that layer's G (`a_cuda`, `gs_cuda[l]`).
+void expect_shared_rows(const Pair& got, const Pair& cpu, const at::Tensor& a_cuda,
+                        const std::vector<at::Tensor>& gs_cuda,
+                        const std::vector<int64_t>& widths, int64_t t, int64_t d_in,
+                        bool single_bits, const std::string& context) {
+  const auto& [values, norms] = got;
+  const auto& [values_cpu, norms_cpu] = cpu;
+  for (size_t l = 0; l < widths.size(); ++l) {
+    const auto row = static_cast<int64_t>(l);
+    const std::string what = context + " layer " + std::to_string(l);
+    expect_within_margin(values[row], values_cpu[row], norms_cpu[row], t, d_in, widths[l],
+                         "value " + what);
+    expect_rel(norms[row], norms_cpu[row], 1e-12, "S " + what);
+    if (widths[l] == 0) {
+      EXPECT_EQ(values[row].abs().max().item<double>(), 0.0) << what;
+      EXPECT_EQ(norms[row].abs().max().item<double>(), 0.0) << what;
+    }
+    if (single_bits) {
+      const auto [value_one, s_one] = ghost_op(a_cuda, gs_cuda[l]);
+      EXPECT_TRUE(at::equal(values[row], value_one)) << "single op's bits, " << what;
+      EXPECT_TRUE(at::equal(norms[row], s_one)) << "single op's S bits, " << what;
+    }
+  }
+}
+
 // Note [rank-one ghost]: at T = 1, value = ||a||^2 ||g||^2 and S = sqrt(value) = ||a|| ||g||, for
 // every input dtype, a strided A, a group of G's sharing A (_ghost_sq_norms_multi: each row the
 // single op's bits), on every device present. The per-sample gradient g a^T is formed here in
@@ -358,25 +386,9 @@ TEST(GhostPaths, CudaSharedInputsMatchTheCpuKernel) {
         gs.push_back(at::randn({3, t, w}, at::kFloat).to(dtype));
         gs_cuda.push_back(gs.back().cuda());
       }
-      const auto [values_cpu, norms_cpu] = ghost_multi_op(a, gs);
-      const auto [values, norms] = ghost_multi_op(a.cuda(), gs_cuda);
-      for (size_t l = 0; l < widths.size(); ++l) {
-        const auto row = static_cast<int64_t>(l);
-        const std::string what = "T=" + std::to_string(t) + " " + c10::toString(dtype) +
-                                 " layer " + std::to_string(l);
-        expect_within_margin(values[row], values_cpu[row], norms_cpu[row], t, 40, widths[l],
-                             "value " + what);
-        expect_rel(norms[row], norms_cpu[row], 1e-12, "S " + what);
-        if (widths[l] == 0) {
-          EXPECT_EQ(values[row].abs().max().item<double>(), 0.0) << what;
-          EXPECT_EQ(norms[row].abs().max().item<double>(), 0.0) << what;
-        }
-        if (t < 256) {
-          const auto [value_one, s_one] = ghost_op(a.cuda(), gs_cuda[l]);
-          EXPECT_TRUE(at::equal(values[row], value_one)) << "single op's bits, " << what;
-          EXPECT_TRUE(at::equal(norms[row], s_one)) << "single op's S bits, " << what;
-        }
-      }
+      expect_shared_rows(ghost_multi_op(a.cuda(), gs_cuda), ghost_multi_op(a, gs), a.cuda(),
+                         gs_cuda, widths, t, 40, /*single_bits=*/t < 256,
+                         "T=" + std::to_string(t) + " " + c10::toString(dtype));
     }
     const at::Tensor a = at::randn({3, t, 40}, at::kFloat);
     const at::Tensor g_bf16 = at::randn({3, t, 24}, at::kFloat).to(at::kBFloat16);
@@ -517,23 +529,11 @@ TEST(GhostPaths, CudaSplitTilesForSharedInputsMatchTheCpuKernel) {
         const auto [values, norms] = ghost_multi_op(a.cuda(), gs_cuda);
         set_chunk_bytes_op(previous);
         ASSERT_EQ(values.sizes(), at::IntArrayRef({9, 3}));
-        for (size_t l = 0; l < widths.size(); ++l) {
-          const auto row = static_cast<int64_t>(l);
-          const std::string what = "T=" + std::to_string(t) + " " + c10::toString(dtype) +
-                                   " layer " + std::to_string(l) + " budget " +
-                                   std::to_string(budget);
-          expect_within_margin(values[row], values_cpu[row], norms_cpu[row], t, 200, widths[l],
-                               "value " + what);
-          expect_rel(norms[row], norms_cpu[row], 1e-12, "S " + what);
-          if (widths[l] == 0) {
-            EXPECT_EQ(values[row].abs().max().item<double>(), 0.0) << what;
-            EXPECT_EQ(norms[row].abs().max().item<double>(), 0.0) << what;
-          }
-          // Note [shared inputs]: the chunks do not depend on the other layers' widths.
-          const auto [value_one, s_one] = ghost_op(a.cuda(), gs_cuda[l]);
-          EXPECT_TRUE(at::equal(values[row], value_one)) << "single op's bits, " << what;
-          EXPECT_TRUE(at::equal(norms[row], s_one)) << "single op's S bits, " << what;
-        }
+        // Note [shared inputs]: the chunks do not depend on the other layers' widths.
+        expect_shared_rows({values, norms}, {values_cpu, norms_cpu}, a.cuda(), gs_cuda, widths, t,
+                           200, /*single_bits=*/true,
+                           "T=" + std::to_string(t) + " " + c10::toString(dtype) + " budget " +
+                               std::to_string(budget));
       }
     }
     const at::Tensor a = at::randn({3, t, 40}, at::kFloat);
