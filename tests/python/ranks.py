@@ -11,8 +11,8 @@ The group meets over a file store in the test's own tmp_path, not a TCP port: no
 that another process on the machine could take first.
 
 The ranks are forked from a forkserver that has imported torch and dpzero once for the whole
-test session, rather than started fresh (each fresh rank imports them again, about 2.3 s of CPU,
-which W ranks on this machine's 2 cores pay one after another). The forkserver is a clean process
+test session, rather than started fresh (each fresh rank would import them again, and W ranks
+share the machine's cores while they do). The forkserver is a clean process
 that runs nothing but those imports, so each rank still starts from no state of the test's; it
 gets the test's environment as it is at the spawn (a forkserver child would otherwise keep the
 server's), and multiprocessing gives it the test's working directory and sys.path.
