@@ -54,8 +54,9 @@ def launch(config_path: str, cfg: RunConfig = None, resume: bool = False) -> Dic
     with directory_lock(cfg.output.dir):
         # Before any rank starts: a clear error, not W failed ranks.
         check_run_dir(cfg, resume)
-        device_kind(cfg.training.device, ranks_here(cfg))
-        notice = unused_gpus(cfg.training.device, ranks_here(cfg))
+        ranks = ranks_here(cfg)
+        device_kind(cfg.training.device, ranks)
+        notice = unused_gpus(cfg.training.device, ranks)
         if notice:
             print(notice, file=sys.stderr)
         return _launch(config_path, cfg, resume)

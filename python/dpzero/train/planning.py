@@ -15,21 +15,21 @@ import tempfile
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from ..planner import Policy, Prediction, Profile, plan, profile
 from ..planner.auto import default_budget
 from .config import FIXED_FEATURE_KINDS, RunConfig
 
 
-def _profile_rank(rank, world, store, backend, cfg, out):
+def _profile_rank(rank, world, store, kind, cfg, out):
     import torch.distributed as dist
 
-    if backend == "nccl":
+    if kind == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if kind == "cuda" else "gloo", init_method=f"file://{store}",
+                            rank=rank, world_size=world)
     try:
-        prof = _profile(cfg, world, rank, dist.group.WORLD)  # measures the bandwidth too
+        prof = _profile(cfg, world, rank, dist.group.WORLD, kind)  # measures the bandwidth too
         if rank == 0:
             torch.save(prof.to_dict(), out)
         import gc
@@ -39,8 +39,10 @@ def _profile_rank(rank, world, store, backend, cfg, out):
         dist.destroy_process_group()
 
 
-def _profile(cfg: RunConfig, world: int, rank: int, group) -> Profile:
-    from .task import autocast, build, on_device, rank_device
+def _profile(cfg: RunConfig, world: int, rank: int, group, kind: str) -> Profile:
+    """The profile on rank ``rank`` of ``world``, on its GPU when ``kind`` is "cuda"
+    (task.device_kind), else on the CPU."""
+    from .task import autocast, build, loss, on_device
 
     # One micro-batch per rank is all the profile reads, so the job is built on that many
     # training examples and one test example. A head on fixed features sees rows of one shape
@@ -53,19 +55,15 @@ def _profile(cfg: RunConfig, world: int, rank: int, group) -> Profile:
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(
         d, limit=min(d.limit, need) if d.limit else need, test_limit=1))
     model, train, _, unpack = build(cfg)
-    device = rank_device(dataclasses.replace(cfg, training=dataclasses.replace(
-        cfg.training, world_size=world)), rank)
+    device = torch.device("cuda", rank) if kind == "cuda" else torch.device("cpu")
     model.to(device)
     m = min(cap, d.limit or cap) if fixed else min(cap, len(train))
     rows = torch.arange(rank * m, (rank + 1) * m) % len(train)
-    inputs, y = on_device(unpack, device)(train[rows])
+    batch = on_device(unpack, device)(train[rows])
     threads = max(1, (os.cpu_count() or 1) // world) if device.type == "cpu" else None
     t = cfg.training
-
-    def step(mod):
-        with autocast(cfg, device):
-            return F.cross_entropy(mod(*inputs), y)
-    return profile(lambda: copy.deepcopy(model), step, m,
+    return profile(lambda: copy.deepcopy(model),
+                   lambda mod: loss(mod, batch, lambda: autocast(cfg, device)), m,
                    clipping=cfg.privacy.clipping, optimizer=t.optimizer,
                    optimizer_kwargs=dict(lr=t.lr, weight_decay=t.weight_decay,
                                          **({"momentum": t.momentum} if t.optimizer == "sgd"
@@ -77,17 +75,17 @@ def job_plan(cfg: RunConfig, world: int, budget_bytes: Optional[float] = None
              ) -> Tuple[Profile, List[Prediction], float]:
     """(profile, ranked predictions, budget) for ``cfg``'s private run on ``world`` ranks: the
     profile runs on ``world`` fresh processes of this machine (Gloo on CPU, NCCL on GPUs)."""
+    from .task import device_kind
+
+    kind = device_kind(cfg.training.device, world)
     if world == 1:
-        prof = _profile(cfg, 1, 0, None)
+        prof = _profile(cfg, 1, 0, None, kind)
     else:
         import torch.multiprocessing as mp
 
-        from .task import device_kind
-
-        backend = "nccl" if device_kind(cfg.training.device, world) == "cuda" else "gloo"
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "profile.pt")
-            mp.spawn(_profile_rank, args=(world, os.path.join(tmp, "store"), backend, cfg, out),
+            mp.spawn(_profile_rank, args=(world, os.path.join(tmp, "store"), kind, cfg, out),
                      nprocs=world, join=True)
             prof = Profile.from_dict(torch.load(out))
     device = torch.device(prof.device)

@@ -44,9 +44,7 @@ import sys
 import time
 from typing import Dict, Optional
 
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .. import checkpoint as ckpt
 from ..front import make_private
@@ -54,7 +52,7 @@ from ..private import BudgetExhausted
 from .config import ConfigError, RunConfig
 from .outputs import Progress, atomic_json, atomic_save, final_state
 from .report import PRIVATE_DIR
-from .task import autocast, build, evaluate, on_device, rank_device, rank_world
+from .task import autocast, build, evaluate, loss, on_device, rank_device, rank_world
 
 
 def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics,
@@ -100,7 +98,7 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
     if t_cfg.policy == "auto":
         budget = t_cfg.memory_budget_gib * 2.0**30 if t_cfg.memory_budget_gib else None
         kw.update(policy="auto", memory_budget=budget,
-                  plan_step=lambda m, batch: _loss(m, unpack(batch), cast))
+                  plan_step=lambda m, batch: loss(m, unpack(batch), cast))
     p = make_private(model, **common, **kw)
     engine = p.privacy_engine
     label = "private" if private else "baseline"
@@ -121,10 +119,10 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
             for batch in p.data_loader:
                 inputs, y = unpack(batch)
                 p.optimizer.zero_grad()
-                loss = _loss(p.model, (inputs, y), cast)
-                loss.backward()
+                batch_loss = loss(p.model, (inputs, y), cast)
+                batch_loss.backward()
                 if not engine.is_padding_batch:  # Note [padding batches]: not a real row
-                    step_loss += loss.item() * len(y)
+                    step_loss += batch_loss.item() * len(y)
                     step_rows += len(y)
                 if not p.optimizer.step():
                     continue
@@ -179,14 +177,6 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
         atomic_save(final_state(model, params), os.path.join(run_dir, "model.pt"))
         atomic_json(result, os.path.join(run_dir, "private.json"))
     return result
-
-
-def _loss(model, rows, cast) -> torch.Tensor:
-    """The mean cross-entropy of a micro-batch ``rows`` = (inputs, labels), its forward and loss
-    in ``cast`` (the run's autocast, task.autocast)."""
-    inputs, y = rows
-    with cast():
-        return F.cross_entropy(model(*inputs), y)
 
 
 def _checkpoints(run_dir: str) -> str:

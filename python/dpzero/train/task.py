@@ -88,6 +88,14 @@ def autocast(cfg: RunConfig, device: torch.device):
                           enabled=cfg.training.precision == "bf16")
 
 
+def loss(model, rows, cast) -> torch.Tensor:
+    """The mean cross-entropy of a micro-batch ``rows`` = (inputs, labels), its forward and loss
+    in ``cast`` (the run's autocast)."""
+    inputs, y = rows
+    with cast():
+        return F.cross_entropy(model(*inputs), y)
+
+
 def build(cfg: RunConfig):
     """(model, train set, test set, batch -> (inputs tuple, labels))."""
     torch.manual_seed(cfg.training.seed)

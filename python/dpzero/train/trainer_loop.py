@@ -45,7 +45,8 @@ from ..private.config import steps_per_epoch
 from .config import RunConfig
 from .report import PRIVATE_DIR
 from .outputs import Progress, atomic_json, atomic_save, final_state
-from .task import autocast, build, evaluate, input_names, on_device, rank_device, rank_world
+from .task import (autocast, build, device_kind, evaluate, input_names, on_device, ranks_here,
+                   rank_world)
 
 # dpzero's optimizer names as the Trainer's `optim` (AdamW with weight_decay 0 is Adam).
 _OPTIM = {"adamw": "adamw_torch", "adam": "adamw_torch", "sgd": "sgd"}
@@ -111,7 +112,7 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
     as in runner.train_once (rank 0's logs, None elsewhere)."""
     rank, world = rank_world()
     model, train, test, unpack = build(cfg)
-    cpu = rank_device(cfg).type == "cpu"
+    cpu = device_kind(cfg.training.device, ranks_here(cfg)) == "cpu"
     n = len(train)
     delta = cfg.delta_for(n)
     p_cfg, t_cfg = cfg.privacy, cfg.training
