@@ -268,7 +268,13 @@ inline at::Tensor certify_op(const at::Tensor& value, const c10::optional<at::Te
 //    _certify's margin m = 2 kappa_T (clipped_sum_margin; the 2 absorbs the rounding of S and of
 //    the margin's own arithmetic, as the other margins do). Then ||computed contribution|| <= C.
 //    For rows that do not cancel (S_i <= sqrt(T) ||W_i||) the margin costs a relative
-//    ~T^1.5 2^-24 (1e-4 at T = 128).
+//    ~T^1.5 2^-24 (1e-4 at T = 128). Per-sample gradients kept in float64 (a bias's and a norm
+//    layer's row sums, Note [kept per-sample gradients]; the generic path's) are scaled by c_i in
+//    float64 and rounded to float32 once per entry, which grows the norm by up to 2^-24
+//    relative: their certified norms carry m = clipped_sum_margin(1) (S_i bounds the row sum's
+//    norm), and the generic path's squared norms the factor 1 + 2^-22
+//    (src/dp/layer_ops.cpp, per_sample_sq_norms). A privacy review measured 1 + 2.5e-8 C
+//    without them.
 //  * across samples: the contributions must be added as whole, bounded terms. One GEMM over the
 //    K = B T rows of all samples would let one sample's rows, which may be huge and cancel only
 //    among themselves, absorb the partial sums of the samples before them (a privacy review

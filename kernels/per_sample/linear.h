@@ -48,12 +48,15 @@ inline at::Tensor direct_sq_norms(const at::Tensor& a, const at::Tensor& g) {
 // one float64 pass over [B, T, d] instead of two (one for the norms, one for the clipped sum).
 
 // Bias per-sample gradients sum_t G_{i,t} and their certified squared norms: ([B, d] float64,
-// [B] float64, or float32 rounded up when `f32`). G [B, T, d].
+// [B] float64, or float32 rounded up when `f32`). G [B, T, d]. The norms carry the margin of one
+// float32 rounding of the sample's contribution (Note [clipped-sum rounding], rows kept in
+// float64): S >= the row sum's norm, so (||W|| + kappa_1 S) >= (1 + 2^-24) ||W||.
 inline std::tuple<at::Tensor, at::Tensor> bias_per_sample_btd(const at::Tensor& g,
                                                               bool f32 = false) {
   auto [grads, s] = row_sums(g);
   const double e = rounding_gamma(static_cast<double>(g.size(1)));
-  return {grads, certify_op(grads, s, direct_coefficient(e, g.size(2) + 1), Step::kRows, f32)};
+  return {grads, certify_op(grads, s, direct_coefficient(e, g.size(2) + 1), Step::kRows, f32,
+                            clipped_sum_margin(1))};
 }
 
 // Certified ||sum_t G_{i,t}||^2 (a sample's bias gradient is the sum of its output-gradient rows):

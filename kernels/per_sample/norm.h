@@ -53,7 +53,9 @@ inline std::tuple<at::Tensor, at::Tensor> layer_norm_per_sample_btd(const at::Te
                                                                     bool f32 = false) {
   auto [grads, s] = norm_row_sums(x, g, eps, rms);
   const double e = rounding_gamma(static_cast<double>(x.size(1) + 1));
-  return {grads, certify_op(grads, s, direct_coefficient(e, x.size(2) + 1), Step::kRows, f32)};
+  // The margin of one float32 rounding of the contribution, as bias_per_sample_btd's.
+  return {grads, certify_op(grads, s, direct_coefficient(e, x.size(2) + 1), Step::kRows, f32,
+                            clipped_sum_margin(1))};
 }
 
 // Certified [B] float64 (weight, plus bias when `bias`). x, g [B, T, d].

@@ -20,6 +20,7 @@
 #include "src/dp/layer_ops.h"
 #include "src/dp/private_step.h"
 #include "src/dp/run.h"
+#include "src/dp/state_guard.h"
 #include "src/comm/collectives.h"
 #include "src/zero/state.h"
 
@@ -220,6 +221,9 @@ void bind_dp(py::module_ m) {
       .def_readwrite("run_id", &dp::RunSettings::run_id);
   m.def("check_run_settings", &dp::check_run_settings, py::arg("settings"),
         "ValueError naming the first bad setting and its value");
+  m.def("state_fingerprint", &dp::state_fingerprint, py::arg("t"), py::arg("key"),
+        "Note [state written from data]: a 0-dim int64 on t's device that any change of a word "
+        "of t moves (src/dp/state_guard.h)");
   m.def("trained_set_refusal", &dp::trained_set_refusal, py::arg("trained"), py::arg("now"),
         "Note [trained set]: the refusal when the trainable tensors among `now` ([(name, "
         "tensor)]) are no longer exactly `trained`, else None");

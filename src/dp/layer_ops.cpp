@@ -314,7 +314,10 @@ at::Tensor per_sample_sq_norms(const std::vector<at::Tensor>& grads) {
   }
   TORCH_CHECK(total.defined(), "dpzero::dp::per_sample_sq_norms: no trained parameter's "
               "per-sample gradients were given");
-  return round_up_f32(total * (1.0 + 1e-15));
+  // The clipped sum (per_sample_clipped_sum) rounds c_i g_i to float32 once per entry, which
+  // grows its norm by up to 2^-24 relative (Note [clipped-sum rounding]): squared, at most
+  // 1 + 2^-23 + 2^-48 < 1 + 2^-22, which with 1e-15 for this arithmetic bounds it.
+  return round_up_f32(total * ((1.0 + 0x1p-22) * (1.0 + 1e-15)));
 }
 
 }  // namespace dpzero::dp

@@ -245,6 +245,11 @@ PrivacyEngine::PrivacyEngine(std::shared_ptr<torch::nn::Module> model, PrivacyOp
                                         run.rows);
   next_step_ = run.first_step();  // Note [noise index]: never a step already charged
 
+  // The model's state as it is now, after the broadcast (Note [state written from data]).
+  std::vector<std::pair<std::string, at::Tensor>> trained;
+  for (const Param& p : params_) trained.emplace_back(p.name, p.tensor);
+  state_ = std::make_unique<StateGuard>(model_, std::move(trained));
+
   // Last, once nothing can fail: the DP modules register with this engine's book, and every
   // trained parameter gets its escape hook.
   for (size_t l = 0; l < found.size(); ++l)
@@ -331,8 +336,11 @@ void PrivacyEngine::check_batch_first(
     at::Generator g = at::globalContext().defaultGenerator(d);
     generators.emplace_back(g, g.get_state());
   }
+  // ... and the model's buffers are put back after each run: the check's forwards on the
+  // dataset's examples leave no trace in its state.
   const auto rewind = [&] {
     for (auto& [g, state] : generators) g.set_state(state);
+    state_->restore_buffers();
   };
   const at::Tensor rows = at::arange(p, at::TensorOptions().dtype(at::kLong));
   auto [losses, calls] = run(rows);
@@ -478,6 +486,7 @@ void PrivacyEngine::hand_out(const MicroBatch& micro) {
                                     " of step " + std::to_string(micro.step) +
                                     " is not what sample() returned; hand out its micro-batches "
                                     "unchanged"));
+  if (!first) state_->check_micro_batch();  // what the earlier forwards wrote, put back
   current_ = micro;
   ++handed_;
   caller_sampled_ = false;
@@ -501,6 +510,7 @@ void PrivacyEngine::own_batch(int64_t rows, int64_t logical_size) {
     throw std::invalid_argument(bad("own_batch: logical_size " + std::to_string(logical_size) +
                                     " differs from this logical batch's " +
                                     std::to_string(current_->logical_size)));
+  if (current_) state_->check_micro_batch();
   MicroBatch mb{next_step_, handed_, 0, logical_size, {}, false};
   current_ = mb;
   ++handed_;
@@ -539,7 +549,15 @@ StepOutcome PrivacyEngine::step() {
     for (const Param& p : params_) trained.push_back(p.tensor);
     request.refusal = trained_set_refusal(trained, now);
   }
+  {  // Note [state written from data]: always, as it puts the buffers back; the step's one read
+    std::vector<bool> flags;
+    for (const std::vector<bool>& f : session_->book->read_checks(state_->step_flags()))
+      flags.insert(flags.end(), f.begin(), f.end());
+    std::optional<std::string> changed = state_->verdict(flags);
+    if (!request.refusal) request.refusal = std::move(changed);
+  }
   const int64_t t = current_->step;
+  const int64_t charged = step_->charges();
   StepOutcome out;
   try {
     out = step_->take(request);
@@ -547,8 +565,10 @@ StepOutcome PrivacyEngine::step() {
     close_logical_batch();
     // a charged step's draw is used, and a banded run's rows are never reused
     next_step_ = std::max({next_step_, step_->charges(), step_->rows()});
+    if (step_->charges() > charged) state_->record_trained();  // the update may have written
     throw;
   }
+  state_->record_trained();  // the update's own writes
   close_logical_batch();
   next_step_ = std::max({t + 1, step_->charges(), step_->rows()});
   return out;
@@ -556,6 +576,7 @@ StepOutcome PrivacyEngine::step() {
 
 void PrivacyEngine::zero_grad() {
   close_logical_batch();
+  state_->clear_pending();
   step_->drop_batch();
   session_->book->set_error(std::nullopt);
   session_->book->set_stale(false);
@@ -568,6 +589,15 @@ void PrivacyEngine::close_logical_batch() {
   session_->handed_out = false;
   session_->book->set_padding(false);
   session_->book->set_expected_rows(std::nullopt);
+}
+
+void PrivacyEngine::verify_state() const {
+  if (std::optional<std::string> why = state_->release_refusal())
+    throw PrivacyError(bad("verify_state: " + *why));
+}
+
+void PrivacyEngine::accept_state_change(const std::vector<std::string>& names) {
+  state_->accept(names);
 }
 
 double PrivacyEngine::epsilon(double delta) const {

@@ -29,6 +29,8 @@
 //   - the run's rules (settings, the ranks' agreement, secure mode or the seed, the ledger, the
 //     budget, clipping components): run.h, which Python's front door calls too (Note [one set of
 //     rules]); what is here is only this door's: its options, torch::nn traversal, its limits;
+//   - module state: buffers and frozen parameters held fixed, trained parameters written by the
+//     step alone (state_guard.h: Note [state written from data]);
 //   - the step: PrivateStep::take (private_step.h): agreement, budget, ledger, charge, noisy
 //     update; the charge also goes to this engine's accountant, which epsilon() reads.
 #pragma once
@@ -50,6 +52,7 @@
 #include "src/dp/book.h"
 #include "src/dp/private_step.h"
 #include "src/dp/run.h"
+#include "src/dp/state_guard.h"
 #include "src/zero/state.h"
 
 namespace c10d {
@@ -126,7 +129,9 @@ class PrivacyEngine {
 
   // The private step (PrivateStep::take) for the logical batch handed out; throws as take does.
   // Refused (PrivacyError, every rank) when a micro-batch of it was not handed out and
-  // back-propagated, or the trainable parameters changed since the engine took the model.
+  // back-propagated, the trainable parameters changed since the engine took the model, or its
+  // state did (Note [state written from data] in state_guard.h: a buffer or frozen parameter
+  // written, one added or removed, a trained parameter written outside the step).
   StepOutcome step();
   // Drops the logical batch accumulated so far (its gradients are never released).
   void zero_grad();
@@ -147,6 +152,16 @@ class PrivacyEngine {
   // every rank), looked up by its named_parameters() name.
   at::Tensor parameter(const std::string& name);
 
+  // Before the model (or anything computed from it) is released, e.g. saved: throws PrivacyError
+  // naming what of its state changed since the engine took it (the check every step makes, read
+  // now; a forward outside the loop, such as an evaluation on training data, can write state).
+  void verify_state() const;
+  // Takes the model's state now as its own: all of it (`names` empty), or the named buffers and
+  // frozen parameters (dotted, as named_buffers() names them); also the trained parameters'
+  // writes so far. For writes that hold nothing of the training data (a load, a value computed
+  // from the released model). std::invalid_argument naming a name the model does not have.
+  void accept_state_change(const std::vector<std::string>& names = {});
+
  private:
   struct Param {
     std::string name;
@@ -164,6 +179,7 @@ class PrivacyEngine {
   std::vector<std::pair<at::Tensor, unsigned>> hooks_;  // each parameter's escape hook
   std::unique_ptr<zero::ZeroState> zero_;
   std::shared_ptr<EngineSession> session_;
+  std::unique_ptr<StateGuard> state_;  // Note [state written from data]
   std::shared_ptr<accounting::Ledger> ledger_;  // rank 0's
   std::unique_ptr<PrivateStep> step_;
   // The step composes each charge into it (private_step.h); epsilon() reads it.

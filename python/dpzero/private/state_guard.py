@@ -36,7 +36,7 @@ dpzero holds them fixed:
   change refuses the release, naming the tensor.
 
 The fingerprint reads each frozen word once per micro-batch, on its device, in about ten int64
-elementwise passes (chunks of _FINGERPRINT_CHUNK words, no copy of the whole tensor): memory-bound
+elementwise passes (chunks of 2^20 words, no copy of the whole tensor): memory-bound
 work of the order of a forward's reads of the same weights (on a GPU at device bandwidth, not
 yet measured). On a CPU with many frozen weights and small micro-batches (adapters on a frozen
 base) it can exceed a forward's matmuls through them (experiments/results/private.md).
@@ -47,6 +47,10 @@ released model, a load) are accepted by name with ``PrivacyEngine.accept_state_c
 ``model.load_state_dict()`` and ``dpzero.checkpoint.load`` accept what they load. The provenance
 probe's forward (provenance/probe.py) restores whatever state it writes, copy-on-write, so it leaves
 no trace (Note [probe writes]).
+
+The C++ front door holds the same state fixed at its steps and micro-batches with the same
+fingerprint (src/dp/state_guard.h); it cannot see a save, so there a release is checked where the
+caller asks (``PrivacyEngine::verify_state``).
 
 What this does not see: Python attributes that are not buffers or parameters (``self.last = x``),
 globals and files; they are not in the model's state dict, and what a caller copies out of the
@@ -65,16 +69,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import _C
 from .errors import PrivacyViolation
 from .provenance.examples import untag
 
 # Bytes of a frozen tensor hashed per host copy (a CUDA tensor is copied in pieces this size).
 _DIGEST_CHUNK = 64 << 20
-# Words of a frozen tensor fingerprinted at a time (int64 temporaries of this many elements).
-_FINGERPRINT_CHUNK = 1 << 20
-# Odd 64-bit constants of the fingerprint's per-position multipliers (splitmix64's).
-_MIX1, _MIX2 = -7046029254386353131, -4658895280553007687
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def fingerprint(t: torch.Tensor, key: int) -> torch.Tensor:
@@ -82,19 +82,10 @@ def fingerprint(t: torch.Tensor, key: int) -> torch.Tensor:
     of w_j * m_j mod 2^64, with m_j odd multipliers mixed from the position j and ``key``. A word
     changed by d (nonzero modulo 2^64) changes it by d * m_j, nonzero as m_j is odd; several
     changes cancel only when their sum does modulo 2^64, which for a random key happens with
-    probability about 2^-63 (not a cryptographic hash: the digest confirms)."""
+    probability about 2^-63 (not a cryptographic hash: the digest confirms). The C++ front
+    door's guard uses the same function (``state_fingerprint`` in src/dp/state_guard.h)."""
     with torch._C.DisableTorchFunctionSubclass():
-        flat = t.detach().contiguous().reshape(-1)
-        words = flat.view(_WORDS[t.element_size()]) if t.element_size() in _WORDS else \
-            _bytes(t)  # complex128: its bytes
-        total = torch.zeros((), dtype=torch.int64, device=t.device)
-        for start in range(0, words.numel(), _FINGERPRINT_CHUNK):
-            w = words[start:start + _FINGERPRINT_CHUNK].to(torch.int64)
-            m = torch.arange(start, start + w.numel(), dtype=torch.int64, device=t.device)
-            m = (m + key) * _MIX1
-            m = (m ^ (m >> 31)) * _MIX2
-            total += (w * (m | 1)).sum()
-        return total
+        return _C.dp.state_fingerprint(t.detach(), key)
 
 
 def digest(t: torch.Tensor) -> bytes:

@@ -1,0 +1,326 @@
+// src/dp/state_guard.cpp — see state_guard.h.
+#include "src/dp/state_guard.h"
+
+#include <algorithm>
+#include <map>
+#include <stdexcept>
+#include <tuple>
+
+#include <c10/util/Exception.h>
+
+#include "privacy/entropy.h"
+
+namespace dpzero::dp {
+namespace {
+
+// Words of a tensor fingerprinted at a time (int64 temporaries of this many elements).
+constexpr int64_t kFingerprintChunk = int64_t{1} << 20;
+// Odd 64-bit constants of the per-position multipliers (splitmix64's finaliser), as int64.
+constexpr int64_t kMix1 = static_cast<int64_t>(0x9E3779B97F4A7C15ULL);
+constexpr int64_t kMix2 = static_cast<int64_t>(0xBF58476D1CE4E5B9ULL);
+// At most this many changed tensors are named in a refusal (the rest are counted).
+constexpr size_t kNamed = 6;
+
+// `t`'s values as a flat uint8 tensor (a copy where `t` is not contiguous).
+at::Tensor bytes_of(const at::Tensor& t) {
+  const at::Tensor flat = t.detach().contiguous().reshape({-1});
+  if (flat.numel() == 0) return at::empty({0}, flat.options().dtype(at::kByte));
+  return flat.view(at::kByte);
+}
+
+// What of state tensor `t` is checked: all of its storage, as a flat tensor of its dtype (of
+// bytes where the storage is not a whole number of its elements), which a save writes and a
+// forward can reach past the view; but `t` itself when a trained parameter's storage is the same
+// (`trained`: their data pointers; the rest is the optimizer's to write) or it has none.
+at::Tensor memory_of(const at::Tensor& t, const std::set<const void*>& trained) {
+  if (!t.has_storage() || t.is_meta()) return t;
+  const c10::Storage& storage = t.storage();
+  if (storage.data() != nullptr && trained.count(storage.data())) return t;
+  const int64_t nbytes = static_cast<int64_t>(storage.nbytes());
+  const at::ScalarType dtype =
+      nbytes % static_cast<int64_t>(t.element_size()) == 0 ? t.scalar_type() : at::kByte;
+  const int64_t n = nbytes / static_cast<int64_t>(c10::elementSize(dtype));
+  return at::empty({0}, at::TensorOptions().dtype(dtype).device(t.device()))
+      .set_(storage, 0, {n}, {1});
+}
+
+// "buffer 'enc.ema' of module 'enc' (Encoder)".
+std::string describe(bool buffer, const std::string& name, const torch::nn::Module& owner) {
+  const size_t dot = name.rfind('.');
+  const std::string module = dot == std::string::npos ? "<model>" : name.substr(0, dot);
+  return std::string(buffer ? "buffer '" : "frozen parameter '") + name + "' of module '" +
+         module + "' (" + owner.name() + ")";
+}
+
+// The tensor registered in `owner` as `local` now (a buffer or a parameter), or undefined.
+at::Tensor current(const torch::nn::Module& owner, const std::string& local, bool buffer) {
+  const auto named = buffer ? owner.named_buffers(/*recurse=*/false)
+                            : owner.named_parameters(/*recurse=*/false);
+  const at::Tensor* found = named.find(local);
+  return found ? *found : at::Tensor();
+}
+
+using Key = std::tuple<const torch::nn::Module*, std::string, bool>;
+
+}  // namespace
+
+at::Tensor state_fingerprint(const at::Tensor& t, int64_t key) {
+  at::NoGradGuard no_grad;
+  const at::Tensor flat = t.detach().contiguous().reshape({-1});
+  at::Tensor words;
+  switch (flat.element_size()) {
+    case 1: words = flat.view(at::kByte); break;
+    case 2: words = flat.view(at::kShort); break;
+    case 4: words = flat.view(at::kInt); break;
+    case 8: words = flat.view(at::kLong); break;
+    default: words = bytes_of(flat);  // complex128: its bytes
+  }
+  const auto longs = at::TensorOptions().dtype(at::kLong).device(t.device());
+  at::Tensor total = at::zeros({}, longs);
+  const int64_t n = words.numel();
+  for (int64_t start = 0; start < n; start += kFingerprintChunk) {
+    const int64_t len = std::min(kFingerprintChunk, n - start);
+    const at::Tensor w = words.narrow(0, start, len).to(at::kLong);
+    at::Tensor m = at::arange(start, start + len, longs);
+    m = (m + key) * kMix1;
+    m = m.bitwise_xor(m.bitwise_right_shift(31)) * kMix2;
+    total.add_((w * m.bitwise_or(1)).sum());
+  }
+  return total;
+}
+
+StateGuard::StateGuard(std::shared_ptr<torch::nn::Module> model,
+                       std::vector<std::pair<std::string, at::Tensor>> trained)
+    : model_(std::move(model)), trained_(std::move(trained)) {
+  const privacy::ChaCha20Key entropy = privacy::entropy_key();
+  key_ = static_cast<int64_t>(((static_cast<uint64_t>(entropy.w[0]) << 32) | entropy.w[1]) >> 2);
+  fix({});
+  record_trained();
+}
+
+std::set<const void*> StateGuard::trained_storages() const {
+  std::set<const void*> out;
+  for (const auto& [name, p] : trained_)
+    if (p.has_storage() && p.storage().data() != nullptr) out.insert(p.storage().data());
+  return out;
+}
+
+std::vector<StateGuard::Entry> StateGuard::walk() const {
+  std::set<const c10::TensorImpl*> trained;
+  for (const auto& [name, p] : trained_) trained.insert(p.unsafeGetTensorImpl());
+  std::vector<Entry> out;
+  std::set<Key> seen;  // a module reached by two names: its first
+  for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
+    const std::shared_ptr<torch::nn::Module>& m = item.value();
+    const std::string prefix = item.key().empty() ? "" : item.key() + ".";
+    for (const auto& b : m->named_buffers(/*recurse=*/false))
+      if (b.value().defined() && seen.insert(Key{m.get(), b.key(), true}).second)
+        out.push_back(Entry{prefix + b.key(), m, b.key(), true, b.value(), {}, {}});
+    for (const auto& p : m->named_parameters(/*recurse=*/false))
+      if (p.value().defined() && !trained.count(p.value().unsafeGetTensorImpl()) &&
+          seen.insert(Key{m.get(), p.key(), false}).second)
+        out.push_back(Entry{prefix + p.key(), m, p.key(), false, p.value(), {}, {}});
+  }
+  return out;
+}
+
+void StateGuard::fix(const std::vector<std::string>& names) {
+  at::NoGradGuard no_grad;
+  const std::set<std::string> named(names.begin(), names.end());
+  const auto fixes = [&](const std::string& name) { return names.empty() || named.count(name); };
+  std::map<Key, const Entry*> old;
+  for (const Entry& e : entries_) old[Key{e.owner.get(), e.local, e.buffer}] = &e;
+  const std::set<const void*> trained = trained_storages();
+  std::vector<Entry> entries;
+  std::set<Key> walked;
+  for (Entry& e : walk()) {
+    const Key key{e.owner.get(), e.local, e.buffer};
+    walked.insert(key);
+    if (!fixes(e.name)) {  // keeps what was fixed before (a tensor new since stays a change)
+      if (old.count(key)) entries.push_back(*old.at(key));
+      continue;
+    }
+    const at::Tensor memory = memory_of(e.tensor, trained);
+    if (e.buffer) e.copy = bytes_of(memory).clone();
+    else e.fingerprint = state_fingerprint(memory, key_);
+    entries.push_back(std::move(e));
+  }
+  for (const Entry& e : entries_)  // removed since, and not named: still a change
+    if (!walked.count(Key{e.owner.get(), e.local, e.buffer}) && !fixes(e.name))
+      entries.push_back(e);
+  // The pending flags are per entry: what they hold stays a change of the open logical batch.
+  bool pending = false;
+  for (const at::Tensor& f : pending_) pending = pending || f.item<bool>();
+  if (pending)
+    pending_problems_.push_back("module state changed during an earlier micro-batch of this "
+                                "logical batch");
+  pending_.clear();
+  entries_ = std::move(entries);
+}
+
+std::vector<std::string> StateGuard::structure() const {
+  std::vector<std::string> problems;
+  std::set<Key> fixed;
+  for (const Entry& e : entries_) {
+    fixed.insert(Key{e.owner.get(), e.local, e.buffer});
+    const at::Tensor now = current(*e.owner, e.local, e.buffer);
+    if (!now.defined())
+      problems.push_back(describe(e.buffer, e.name, *e.owner) + " was removed");
+    else if (now.unsafeGetTensorImpl() != e.tensor.unsafeGetTensorImpl())
+      problems.push_back(describe(e.buffer, e.name, *e.owner) + " was replaced by another tensor");
+  }
+  for (const Entry& e : walk())
+    if (!fixed.count(Key{e.owner.get(), e.local, e.buffer}))
+      problems.push_back(describe(e.buffer, e.name, *e.owner) +
+                         (e.buffer ? " was registered" : " was added") +
+                         " after the engine took the model");
+  return problems;
+}
+
+void StateGuard::record_trained() {
+  versions_.clear();
+  for (const auto& [name, p] : trained_) versions_.push_back(static_cast<int64_t>(p._version()));
+}
+
+std::vector<std::string> StateGuard::written_trained() const {
+  std::vector<std::string> problems;
+  for (size_t i = 0; i < trained_.size(); ++i)
+    if (static_cast<int64_t>(trained_[i].second._version()) != versions_[i])
+      problems.push_back("trainable parameter '" + trained_[i].first +
+                         "' was written outside the private step (an in-place write in the "
+                         "forward or between steps)");
+  return problems;
+}
+
+std::vector<at::Tensor> StateGuard::flags() const {
+  at::NoGradGuard no_grad;
+  const std::set<const void*> trained = trained_storages();
+  std::vector<at::Tensor> out;
+  for (const Entry& e : entries_) {
+    const at::Tensor now = current(*e.owner, e.local, e.buffer);
+    const auto flag = at::TensorOptions().dtype(at::kBool).device(e.tensor.device());
+    if (!now.defined() || now.unsafeGetTensorImpl() != e.tensor.unsafeGetTensorImpl()) {
+      out.push_back(at::zeros({}, flag));  // structure() names it
+    } else if (e.buffer) {
+      const at::Tensor bytes = bytes_of(memory_of(e.tensor, trained));
+      out.push_back(bytes.numel() != e.copy.numel()
+                        ? at::ones({}, flag)
+                        : bytes.ne(e.copy.to(bytes.device())).any().to(flag.device()));
+    } else {
+      out.push_back(state_fingerprint(memory_of(e.tensor, trained), key_)
+                        .ne(e.fingerprint.to(e.tensor.device())));
+    }
+  }
+  return out;
+}
+
+void StateGuard::restore_buffers() {
+  at::NoGradGuard no_grad;
+  const std::set<const void*> trained = trained_storages();
+  for (const Entry& e : entries_) {
+    if (!e.buffer) continue;
+    const at::Tensor now = current(*e.owner, e.local, e.buffer);
+    if (!now.defined() || now.unsafeGetTensorImpl() != e.tensor.unsafeGetTensorImpl()) continue;
+    at::Tensor memory = memory_of(e.tensor, trained);
+    if (memory.numel() * static_cast<int64_t>(memory.element_size()) != e.copy.numel())
+      continue;  // resized: flags() reports it, and there is nothing to copy back into
+    memory.copy_(e.copy.to(memory.device()).view(memory.scalar_type()).view(memory.sizes()));
+  }
+}
+
+void StateGuard::check_micro_batch() {
+  for (std::string& p : structure()) pending_problems_.push_back(std::move(p));
+  for (std::string& p : written_trained()) pending_problems_.push_back(std::move(p));
+  std::vector<at::Tensor> now = flags();
+  if (pending_.empty()) pending_ = std::move(now);
+  else
+    for (size_t i = 0; i < now.size(); ++i) pending_[i] = pending_[i].logical_or(now[i]);
+  restore_buffers();
+}
+
+std::vector<at::Tensor> StateGuard::step_flags() {
+  std::vector<at::Tensor> now = flags();
+  if (!pending_.empty())
+    for (size_t i = 0; i < now.size(); ++i) now[i] = now[i].logical_or(pending_[i]);
+  return now;
+}
+
+void StateGuard::clear_pending() {
+  pending_.clear();
+  pending_problems_.clear();
+}
+
+namespace {
+
+// The refusal naming `items` (deduplicated, in order), or nullopt when there are none.
+std::optional<std::string> refusal_of(std::vector<std::string> items) {
+  std::vector<std::string> unique;
+  for (std::string& item : items)
+    if (std::find(unique.begin(), unique.end(), item) == unique.end())
+      unique.push_back(std::move(item));
+  if (unique.empty()) return std::nullopt;
+  std::string list;
+  for (size_t i = 0; i < std::min(unique.size(), kNamed); ++i)
+    list += (i ? "; " : "") + unique[i];
+  if (unique.size() > kNamed) list += " (and " + std::to_string(unique.size() - kNamed) + " more)";
+  return "the model's state changed since the engine took it: " + list +
+         ". Buffers and frozen parameters are released with the model without noise and are "
+         "read by later steps, so nothing computed from the training data, nor a count of "
+         "forward calls (it follows the realised batch sizes), may be written into them, nor "
+         "into a trainable parameter outside the step (Note [state written from data], "
+         "src/dp/state_guard.h). Compute such a value without the training batch, or keep it "
+         "out of the module's state (a local value in the forward); a write that holds nothing "
+         "of the training data (a load, a value computed from the released model) is accepted "
+         "by name with PrivacyEngine::accept_state_change(names)";
+}
+
+}  // namespace
+
+std::optional<std::string> StateGuard::verdict(const std::vector<bool>& read) {
+  TORCH_CHECK(read.size() == entries_.size(), "dpzero::dp::StateGuard::verdict: ", read.size(),
+              " flags for ", entries_.size(), " state tensors");
+  std::vector<std::string> items = std::move(pending_problems_);
+  for (std::string& p : structure()) items.push_back(std::move(p));
+  for (std::string& p : written_trained()) items.push_back(std::move(p));
+  for (size_t i = 0; i < entries_.size(); ++i)
+    if (read[i]) items.push_back(describe(entries_[i].buffer, entries_[i].name, *entries_[i].owner));
+  restore_buffers();
+  clear_pending();
+  return refusal_of(std::move(items));
+}
+
+std::optional<std::string> StateGuard::release_refusal() const {
+  std::vector<std::string> items = structure();
+  for (std::string& p : written_trained()) items.push_back(std::move(p));
+  const std::vector<at::Tensor> now = flags();
+  for (size_t i = 0; i < entries_.size(); ++i)
+    if (now[i].item<bool>())
+      items.push_back(describe(entries_[i].buffer, entries_[i].name, *entries_[i].owner));
+  return refusal_of(std::move(items));
+}
+
+void StateGuard::accept(const std::vector<std::string>& names) {
+  if (!names.empty()) {
+    std::set<std::string> known;
+    for (const Entry& e : walk()) known.insert(e.name);
+    for (const Entry& e : entries_) known.insert(e.name);
+    std::string unknown;
+    for (const std::string& n : names)
+      if (!known.count(n)) unknown += (unknown.empty() ? "'" : ", '") + n + "'";
+    if (!unknown.empty()) {
+      std::string some;
+      for (const std::string& k : known) {
+        if (some.size() > 60) break;
+        some += (some.empty() ? "'" : ", '") + k + "'";
+      }
+      throw std::invalid_argument(
+          "dpzero::dp::PrivacyEngine: accept_state_change: " + unknown +
+          " names no buffer or frozen parameter of the model (it has " +
+          std::to_string(known.size()) + (known.empty() ? ")" : ": " + some + ", ...)"));
+    }
+  }
+  fix(names);
+  record_trained();
+}
+
+}  // namespace dpzero::dp

@@ -1,0 +1,103 @@
+// src/dp/state_guard.h — module state the private step does not write, held fixed for the C++
+// front door (privacy_engine.h): Note [state written from data], whose rule and reasons live in
+// python/dpzero/private/state_guard.py (the Python front door's guard, with more to see: tensor
+// provenance, releases through state_dict). What both doors share is the fingerprint below.
+//
+// Buffers and frozen parameters are released with the model and read by every later forward, so
+// a forward that writes something computed from the batch into one (a running mean, a counter of
+// forward calls, which follows the realised Poisson batch sizes) releases it without noise and
+// lets one example reach later steps' gradients outside the clipping. The guard:
+//   - when the engine takes the model, copies every buffer's bytes (all of its storage, unless a
+//     trained parameter shares it) and fingerprints every frozen parameter on its device;
+//   - before each later micro-batch of a logical batch, compares on the device (no host read),
+//     ORs what changed into pending flags and puts every buffer back, so that nothing of one
+//     micro-batch reaches the next one's forward, even a write that a later forward undoes;
+//   - at every step, reads those flags with the step's one read (Book::read_checks) and refuses
+//     the step naming each changed tensor, then puts the buffers back; a changed frozen
+//     parameter cannot be put back, so every later step is refused until it is accepted;
+//   - also refuses a buffer or frozen parameter added, removed or replaced, and a trained
+//     parameter written outside the step (its version counter moved: an in-place write in the
+//     forward), which the update's own writes never trip (they are recorded after each step).
+// A write of the caller's that holds nothing of the training data (a load, a value computed from
+// the released model) is accepted by name (accept).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+namespace dpzero::dp {
+
+// A 0-dim int64 on t's device: sum over t's words w_j (its elements' bits as integers of its
+// element size, sign-extended; a 16-byte element's bytes) of w_j · m_j mod 2^64, with odd
+// multipliers m_j mixed from the position j and `key` (splitmix64's finaliser constants). A word
+// changed by d ≠ 0 mod 2^64 moves the sum by d·m_j ≠ 0 (m_j is odd); several changes cancel only
+// when their sum does, which for a random key happens with probability about 2^-63 (a check
+// against accidents and forwards, not a cryptographic hash). Equal bytes give equal fingerprints
+// (integer arithmetic, any order). Reads t in chunks of 2^20 words: no copy of the whole tensor
+// beyond a contiguous one.
+at::Tensor state_fingerprint(const at::Tensor& t, int64_t key);
+
+class StateGuard {
+ public:
+  // Fixes `model`'s state now. `trained`: the parameters the private step writes (not state),
+  // named as named_parameters() names them.
+  StateGuard(std::shared_ptr<torch::nn::Module> model,
+             std::vector<std::pair<std::string, at::Tensor>> trained);
+
+  // Before a later micro-batch of the logical batch is handed out (see above). No host read.
+  void check_micro_batch();
+  // What changed, unread: one 0-dim bool per entry on its device (pending changes included), for
+  // the step's Book::read_checks.
+  std::vector<at::Tensor> step_flags();
+  // The step's verdict from the read flags (step_flags's, flattened; empty when there are no
+  // entries): the refusal, naming what changed, or nullopt. Puts every buffer back and forgets
+  // the pending flags either way.
+  std::optional<std::string> verdict(const std::vector<bool>& flags);
+  // The logical batch was dropped: forgets the pending flags.
+  void clear_pending();
+  // The trained parameters' versions now (after the step's update).
+  void record_trained();
+  // Takes the state now as fixed: all of it (`names` empty) or the named tensors (dotted, as
+  // named_buffers() / named_parameters() name them). std::invalid_argument naming an unknown name.
+  void accept(const std::vector<std::string>& names);
+  // A release's check, read here: the refusal (what changed), or nullopt. Changes nothing.
+  std::optional<std::string> release_refusal() const;
+  // Puts every buffer back to its copy (after the step's verdict, and after a probe's forwards,
+  // which must leave no trace).
+  void restore_buffers();
+
+ private:
+  struct Entry {
+    std::string name;                         // dotted ("encoder.ema")
+    std::shared_ptr<torch::nn::Module> owner;
+    std::string local;                        // its name in the owner
+    bool buffer = false;                      // else a frozen parameter
+    at::Tensor tensor;                        // the tensor fixed
+    at::Tensor copy;                          // a buffer's bytes, [nbytes] uint8
+    at::Tensor fingerprint;                   // a frozen parameter's, on its device
+  };
+  std::vector<Entry> walk() const;            // the model's state now (no copies)
+  void fix(const std::vector<std::string>& names);
+  std::vector<std::string> structure() const;  // added, removed, replaced
+  std::vector<std::string> written_trained() const;
+  std::vector<at::Tensor> flags() const;
+  std::set<const void*> trained_storages() const;
+
+  std::shared_ptr<torch::nn::Module> model_;
+  std::vector<std::pair<std::string, at::Tensor>> trained_;
+  std::vector<int64_t> versions_;  // trained_'s, recorded
+  int64_t key_ = 0;                // the fingerprints'
+  std::vector<Entry> entries_;
+  std::vector<at::Tensor> pending_;             // per entry, OR-ed (empty: none)
+  std::vector<std::string> pending_problems_;   // seen at a micro-batch without a read
+};
+
+}  // namespace dpzero::dp

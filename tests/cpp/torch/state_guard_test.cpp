@@ -1,0 +1,313 @@
+// tests/cpp/torch/state_guard_test.cpp — Note [state written from data] at the C++ front door
+// (src/dp/state_guard.h): the fingerprint against a word-by-word reference, and the engine's
+// refusals on a model whose forward writes its state.
+//
+// The invariants, each with the mutation of state_guard.cpp / privacy_engine.cpp that made its
+// test fail:
+//   - the fingerprint is the stated sum, in every element size, across chunks, and every change
+//     of one word moves it (the position mixing or the `| 1` removed);
+//   - a buffer written from the batch refuses the step, named, charges nothing and is put back
+//     (the step's verdict ignored; restore_buffers emptied);
+//   - a write in one micro-batch that is gone by the step still refuses it, and every later
+//     forward reads the fixed value (check_micro_batch not called, or its flags dropped);
+//   - a frozen parameter written refuses every step until accepted by name, and a trained one
+//     written in the forward until accepted (fingerprint or version checks removed);
+//   - a buffer registered after the engine took the model is refused (structure() emptied);
+//   - state only read trains at stages 0-2 on two ranks with each optimizer, the state unchanged
+//     (the update writes the parameters' storage without moving their version counters; the
+//     guard records the versions after each step all the same);
+//   - check_batch_first's forwards leave no trace (its rewind's restore removed), and
+//     verify_state names a write made outside the loop.
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "src/dp/errors.h"
+#include "src/dp/modules.h"
+#include "src/dp/privacy_engine.h"
+#include "src/dp/state_guard.h"
+#include "tests/cpp/common/error_message.h"
+#include "tests/cpp/torch/ranks.h"
+
+namespace dpzero::dp {
+namespace {
+
+using testing::contains;
+
+constexpr int64_t kIn = 4, kClasses = 3, kN = 64;
+
+// ---- the fingerprint ------------------------------------------------------------------------
+
+// The stated sum, one word at a time in uint64 (wrapping) arithmetic: words of the element size,
+// sign-extended (bytes zero-extended; a 16-byte element's bytes), m_j = mix(j + key) | 1.
+int64_t reference_fingerprint(const at::Tensor& t, int64_t key) {
+  const at::Tensor c = t.contiguous();
+  const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
+  const int64_t size = c.element_size() <= 8 ? c.element_size() : 1;
+  const int64_t words = c.numel() * c.element_size() / size;
+  uint64_t total = 0;
+  for (int64_t j = 0; j < words; ++j) {
+    int64_t w = 0;
+    if (size == 1) w = bytes[j];
+    if (size == 2) { int16_t v; std::memcpy(&v, bytes + 2 * j, 2); w = v; }
+    if (size == 4) { int32_t v; std::memcpy(&v, bytes + 4 * j, 4); w = v; }
+    if (size == 8) std::memcpy(&w, bytes + 8 * j, 8);
+    uint64_t m = (static_cast<uint64_t>(j) + static_cast<uint64_t>(key)) * 0x9E3779B97F4A7C15ULL;
+    m = (m ^ static_cast<uint64_t>(static_cast<int64_t>(m) >> 31)) * 0xBF58476D1CE4E5B9ULL;
+    total += static_cast<uint64_t>(w) * (m | 1);
+  }
+  return static_cast<int64_t>(total);
+}
+
+TEST(StateFingerprint, IsTheStatedSumAndSeesEveryChangedWord) {
+  const int64_t key = 0x1234567890ABLL;
+  torch::manual_seed(5);
+  const std::vector<at::Tensor> tensors{
+      torch::randn({7, 3}),                                        // 4-byte words
+      torch::randn({5}, at::kDouble),                              // 8
+      torch::randn({6}).to(at::kBFloat16),                         // 2, negative words
+      torch::randint(-100, 100, {9}, at::TensorOptions().dtype(at::kChar)),  // 1 (as bytes)
+      torch::rand({4}).gt(0.5),                                    // bool
+      torch::randn({3}, at::kComplexDouble),                       // 16: bytes
+      torch::randn({(int64_t{1} << 20) + 5}),                      // two chunks
+      torch::randn({4, 6}).t(),                                    // not contiguous
+      torch::empty({0}),
+  };
+  for (const at::Tensor& t : tensors) {
+    const std::string what = std::string(c10::toString(t.scalar_type())) + " " +
+                             c10::str(t.sizes());
+    const at::Tensor f = state_fingerprint(t, key);
+    ASSERT_EQ(f.dim(), 0) << what;
+    EXPECT_EQ(f.item<int64_t>(), reference_fingerprint(t, key)) << what;
+    EXPECT_EQ(state_fingerprint(t.clone(), key).item<int64_t>(), f.item<int64_t>()) << what;
+    if (t.numel() == 0) continue;
+    EXPECT_NE(state_fingerprint(t, key + 1).item<int64_t>(), f.item<int64_t>()) << what;
+    // Each byte of the first and last element flipped in turn.
+    at::Tensor flat = t.contiguous().reshape({-1});
+    at::Tensor bytes = flat.view(at::kByte);
+    for (int64_t i : {int64_t{0}, bytes.numel() - 1}) {
+      at::Tensor changed = bytes.clone();
+      changed[i] = changed[i].item<int64_t>() ^ 0x10;
+      EXPECT_NE(state_fingerprint(changed.view(t.scalar_type()), key).item<int64_t>(),
+                f.item<int64_t>())
+          << what << " byte " << i;
+    }
+  }
+}
+
+// ---- the engine -----------------------------------------------------------------------------
+
+// State held one level down, for dotted names: a buffer the forward may write, a buffer it only
+// reads, and a frozen parameter it multiplies by.
+struct Inner : torch::nn::Module {
+  Inner() {
+    seen = register_buffer("seen", torch::zeros({kIn}));
+    shift = register_buffer("shift", torch::full({kIn}, 0.25));
+    scale = register_parameter("scale", torch::ones({kIn}), /*requires_grad=*/false);
+  }
+  at::Tensor seen, shift, scale;
+};
+
+enum class Write { kNone, kBuffer, kFirstForwardOnly, kFrozen, kTrained };
+
+struct Stateful : torch::nn::Module {
+  Stateful() {
+    torch::manual_seed(3);
+    fc = register_module("fc", nn::Linear(kIn, kClasses));
+    inner = register_module("inner", std::make_shared<Inner>());
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    ++forwards;
+    {
+      torch::NoGradGuard no_grad;
+      read.push_back(inner->seen.abs().sum().item<double>());
+      if (write == Write::kBuffer || (write == Write::kFirstForwardOnly && forwards == 1))
+        inner->seen.add_(x.sum(0));  // the batch's sum: data in the model's state
+      if (write == Write::kFrozen) inner->scale.add_(x.sum(0) * 1e-3);
+      if (write == Write::kTrained) fc->weight.mul_(0.5);
+    }
+    return fc((x + inner->shift) * inner->scale);
+  }
+  nn::Linear fc{nullptr};
+  std::shared_ptr<Inner> inner;
+  Write write = Write::kNone;
+  int64_t forwards = 0;
+  std::vector<double> read;  // |seen| as each forward read it
+};
+
+std::pair<at::Tensor, at::Tensor> data() {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  return {at::randn({kN, kIn}, gen), at::randint(kClasses, {kN}, gen)};
+}
+
+PrivacyOptions options() {
+  PrivacyOptions o;
+  o.noise_multiplier = 0.7;
+  o.max_grad_norm = 0.5;
+  o.sample_rate = 0.25;
+  o.dataset_size = kN;
+  o.max_physical_batch_size = 4;  // several micro-batches a step
+  o.optimizer.lr = 0.4;
+  o.seed = 99;
+  o.trust_batch_first = true;
+  return o;
+}
+
+// One logical step: every micro-batch of sample() forward and backward, then step(); returns how
+// many micro-batches it had.
+size_t train_step(PrivacyEngine& engine, Stateful& net) {
+  const auto [x, y] = data();
+  const std::vector<MicroBatch> batches = engine.sample();
+  for (const MicroBatch& mb : batches) {
+    engine.hand_out(mb);
+    torch::cross_entropy_loss(net.forward(x.index_select(0, mb.indices())),
+                              y.index_select(0, mb.indices()))
+        .backward();
+  }
+  engine.step();
+  return batches.size();
+}
+
+std::string refusal(PrivacyEngine& engine, Stateful& net) {
+  return testing::error_message<PrivacyError>([&] { train_step(engine, net); });
+}
+
+TEST(PrivacyEngineState, ABufferWrittenFromTheBatchRefusesTheStepAndIsPutBack) {
+  auto net = std::make_shared<Stateful>();
+  PrivacyEngine engine(net, options());
+  net->write = Write::kBuffer;
+  const std::string why = refusal(engine, *net);
+  EXPECT_TRUE(contains(why, "buffer 'inner.seen' of module 'inner'") &&
+              contains(why, "accept_state_change"))
+      << why;
+  EXPECT_FALSE(contains(why, "inner.shift")) << why;
+  EXPECT_EQ(engine.charges(), 0);
+  EXPECT_TRUE(torch::equal(net->inner->seen, torch::zeros({kIn})));  // nothing of it remains
+  engine.zero_grad();
+  net->write = Write::kNone;
+  train_step(engine, *net);
+  EXPECT_EQ(engine.charges(), 1);
+  engine.verify_state();
+}
+
+TEST(PrivacyEngineState, AWriteGoneByTheStepStillRefusesItAndLaterForwardsReadTheFixedValue) {
+  auto net = std::make_shared<Stateful>();
+  PrivacyEngine engine(net, options());
+  net->write = Write::kFirstForwardOnly;  // the second hand-out puts it back
+  const std::string why = testing::error_message<PrivacyError>([&] { train_step(engine, *net); });
+  EXPECT_TRUE(contains(why, "buffer 'inner.seen'")) << why;
+  ASSERT_GE(net->forwards, 2) << "the step needs several micro-batches";
+  for (size_t i = 0; i < net->read.size(); ++i) EXPECT_EQ(net->read[i], 0.0) << "forward " << i;
+  EXPECT_EQ(engine.charges(), 0);
+}
+
+TEST(PrivacyEngineState, AFrozenParameterWrittenRefusesEveryStepUntilAccepted) {
+  auto net = std::make_shared<Stateful>();
+  PrivacyEngine engine(net, options());
+  net->write = Write::kFrozen;
+  EXPECT_TRUE(contains(refusal(engine, *net), "frozen parameter 'inner.scale' of module 'inner'"));
+  engine.zero_grad();
+  net->write = Write::kNone;  // it cannot be put back: still changed
+  EXPECT_TRUE(contains(refusal(engine, *net), "frozen parameter 'inner.scale'"));
+  EXPECT_THROW(engine.verify_state(), PrivacyError);
+  engine.zero_grad();
+  EXPECT_TRUE(contains(testing::error_message<std::invalid_argument>(
+                           [&] { engine.accept_state_change({"inner.nope"}); }),
+                       "'inner.nope' names no buffer or frozen parameter"));
+  engine.accept_state_change({"inner.scale"});
+  train_step(engine, *net);
+  EXPECT_EQ(engine.charges(), 1);
+}
+
+TEST(PrivacyEngineState, ATrainedParameterWrittenInTheForwardIsRefusedUntilAccepted) {
+  auto net = std::make_shared<Stateful>();
+  PrivacyEngine engine(net, options());
+  net->write = Write::kTrained;
+  EXPECT_TRUE(contains(refusal(engine, *net),
+                       "trainable parameter 'fc.weight' was written outside the private step"));
+  engine.zero_grad();
+  net->write = Write::kNone;
+  EXPECT_THROW(train_step(engine, *net), PrivacyError);
+  engine.zero_grad();
+  engine.accept_state_change();
+  train_step(engine, *net);
+  EXPECT_EQ(engine.charges(), 1);
+}
+
+TEST(PrivacyEngineState, StateRegisteredAfterTheEngineTookTheModelIsRefused) {
+  auto net = std::make_shared<Stateful>();
+  PrivacyEngine engine(net, options());
+  net->inner->register_buffer("late", torch::zeros({2}));
+  const std::string why = refusal(engine, *net);
+  EXPECT_TRUE(contains(why, "buffer 'inner.late'") && contains(why, "registered after")) << why;
+  engine.zero_grad();
+  engine.accept_state_change({"inner.late"});
+  train_step(engine, *net);
+  EXPECT_EQ(engine.charges(), 1);
+}
+
+// State that is only read trains at every stage this door has (SGD, Adam and AdamW), on two
+// ranks, step after step, parameter() and verify_state() between steps; the state stays what it
+// was.
+TEST(PrivacyEngineState, StateOnlyReadTrainsAtStagesZeroToTwoOnTwoRanks) {
+  for (int64_t stage : {0, 1, 2}) {
+    std::vector<std::shared_ptr<Stateful>> nets;
+    for (int r = 0; r < 2; ++r) nets.push_back(std::make_shared<Stateful>());
+    testing::run_ranks(2, std::chrono::seconds(60), [&](int rank, auto pg) {
+      Stateful& net = *nets[rank];
+      PrivacyOptions o = options();
+      o.zero_stage = stage;
+      const zero::OptimizerKind kinds[] = {zero::OptimizerKind::kSgd, zero::OptimizerKind::kAdam,
+                                           zero::OptimizerKind::kAdamW};
+      o.optimizer.kind = kinds[stage];
+      o.optimizer.weight_decay = 0.01;
+      PrivacyEngine engine(nets[rank], o, pg);
+      for (int s = 0; s < 3; ++s) {
+        train_step(engine, net);
+        engine.parameter("fc.weight");
+        engine.verify_state();
+      }
+      EXPECT_EQ(engine.charges(), 3) << "stage " << stage;
+      EXPECT_TRUE(torch::equal(net.inner->seen, torch::zeros({kIn})));
+      EXPECT_TRUE(torch::equal(net.inner->scale, torch::ones({kIn})));
+    });
+  }
+}
+
+TEST(PrivacyEngineState, TheBatchFirstCheckLeavesNoTraceAndVerifyStateSeesAnEvaluation) {
+  auto net = std::make_shared<Stateful>();
+  PrivacyOptions o = options();
+  o.trust_batch_first = false;
+  PrivacyEngine engine(net, o);
+  const auto [x, y] = data();
+  net->write = Write::kBuffer;
+  engine.check_batch_first([&](const at::Tensor& rows) {
+    return torch::nn::functional::cross_entropy(
+        net->forward(x.index_select(0, rows)), y.index_select(0, rows),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+  });
+  EXPECT_TRUE(torch::equal(net->inner->seen, torch::zeros({kIn})));
+  net->write = Write::kNone;
+  train_step(engine, *net);
+  EXPECT_EQ(engine.charges(), 1);
+  // An evaluation on training rows, outside the loop, that writes the buffer.
+  net->write = Write::kBuffer;
+  {
+    torch::NoGradGuard no_grad;
+    net->forward(x.narrow(0, 0, 8));
+  }
+  const std::string why = testing::error_message<PrivacyError>([&] { engine.verify_state(); });
+  EXPECT_TRUE(contains(why, "verify_state") && contains(why, "buffer 'inner.seen'")) << why;
+  engine.accept_state_change({"inner.seen"});  // say, a value the caller computed from public data
+  engine.verify_state();
+}
+
+}  // namespace
+}  // namespace dpzero::dp
