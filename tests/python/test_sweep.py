@@ -67,9 +67,15 @@ def test_grid_values_and_the_fixed_epsilon_rule():
         plan(cfg, parse_grid(["training.momentum=0,0.9"], cfg), 1, "unused")
     runs = plan(cfg, grid, 2, "out")
     assert len(runs) == 2 * 2 * 2
-    assert [r.training.seed for _, _, r in runs[:2]] == [0, 1]
+    assert [r.training.seed for _, _, r in runs] == [0, 1] * 4  # secure: repeats' seeds
     assert all(not r.training.baseline for _, _, r in runs)
     assert len({r.output.dir for _, _, r in runs}) == len(runs)
+    # Note [sweep seeds]: seeded runs key their noise with the seed, so no two may share one (a
+    # review cancelled the noise of two runs that differed only in C).
+    seeded = config.from_dict({**BASE, "privacy": {**BASE.get("privacy", {}),
+                                                   "secure_mode": False}})
+    runs = plan(seeded, grid, 2, "out")
+    assert sorted(r.training.seed for _, _, r in runs) == list(range(len(runs)))
 
 
 @pytest.mark.job

@@ -91,9 +91,22 @@ def parse_grid(items: Sequence[str], cfg: RunConfig) -> Dict[Tuple[str, str], Li
     return grid
 
 
+# Note [sweep seeds]
+# ~~~~~~~~~~~~~~~~~~
+# ε_all composes the sweep's runs as independent mechanisms, which they are only if each draws its
+# own noise. In secure mode every run keys its noise from the OS, and the runs of a combination's
+# repeats take seeds seed, seed + 1, ... (the model's initialisation and the data's split alike for
+# every combination). With secure_mode = false the seed also keys the Philox noise and the Poisson
+# batches, and two runs with one seed draw the same z: a privacy review released two runs that
+# differed only in C and subtracted their scaled updates, which cancelled the noise exactly and
+# told neighbouring datasets apart at any σ, with no seed needed. So there every run takes a seed
+# of its own, seed + its index in the sweep.
+
+
 def plan(cfg: RunConfig, grid: Dict[Tuple[str, str], List[Any]], seeds: int,
          out_dir: str) -> List[Tuple[Dict[Tuple[str, str], Any], int, RunConfig]]:
-    """[(the combination's values, seed, its run config)], every config validated up front."""
+    """[(the combination's values, seed, its run config)], every config validated up front;
+    seeds by Note [sweep seeds]."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {seeds}")
     if not grid and seeds == 1:
@@ -106,7 +119,8 @@ def plan(cfg: RunConfig, grid: Dict[Tuple[str, str], List[Any]], seeds: int,
             run = copy.deepcopy(cfg)
             for (section, key), value in values.items():
                 setattr(getattr(run, section), key, value)
-            run.training.seed = cfg.training.seed + s
+            run.training.seed = cfg.training.seed + (
+                s if cfg.privacy.secure_mode else len(runs))  # Note [sweep seeds]
             run.training.baseline = False  # the sweep compares private runs
             run.output.dir = os.path.join(out_dir, f"run-{len(runs):03d}")
             try:
