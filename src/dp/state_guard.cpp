@@ -6,8 +6,10 @@
 #include <stdexcept>
 #include <tuple>
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "kernels/per_sample_checks.h"
 #include "privacy/entropy.h"
 
 namespace dpzero::dp {
@@ -62,11 +64,45 @@ at::Tensor current(const torch::nn::Module& owner, const std::string& local, boo
 
 using Key = std::tuple<const torch::nn::Module*, std::string, bool>;
 
+// The fingerprint's sum on the host, one pass over the words (Word: their integer type), in
+// uint64 arithmetic, which wraps as the general path's int64 does; the sum is associative modulo
+// 2^64, so the threads' order cannot change it.
+template <typename Word>
+uint64_t host_fingerprint(const Word* words, int64_t n, int64_t key) {
+  return at::parallel_reduce(
+      int64_t{0}, n, int64_t{1} << 16, uint64_t{0},
+      [&](int64_t begin, int64_t end, uint64_t acc) {
+        for (int64_t j = begin; j < end; ++j) {
+          uint64_t m = (static_cast<uint64_t>(j) + static_cast<uint64_t>(key)) *
+                       static_cast<uint64_t>(kMix1);
+          m = (m ^ static_cast<uint64_t>(static_cast<int64_t>(m) >> 31)) *
+              static_cast<uint64_t>(kMix2);
+          acc += static_cast<uint64_t>(static_cast<int64_t>(words[j])) * (m | 1);
+        }
+        return acc;
+      },
+      [](uint64_t a, uint64_t b) { return a + b; });
+}
+
 }  // namespace
 
 at::Tensor state_fingerprint(const at::Tensor& t, int64_t key) {
   at::NoGradGuard no_grad;
   const at::Tensor flat = t.detach().contiguous().reshape({-1});
+  if (kernels::host_path(flat)) {  // Note [device path]: the same sum, one pass
+    const int64_t size = flat.element_size();
+    const auto* p = flat.numel() ? static_cast<const char*>(flat.data_ptr()) : nullptr;
+    const int64_t bytes = flat.numel() * size;
+    uint64_t total = 0;
+    switch (size) {
+      case 2: total = host_fingerprint(reinterpret_cast<const int16_t*>(p), bytes / 2, key); break;
+      case 4: total = host_fingerprint(reinterpret_cast<const int32_t*>(p), bytes / 4, key); break;
+      case 8: total = host_fingerprint(reinterpret_cast<const int64_t*>(p), bytes / 8, key); break;
+      default:  // 1-byte elements, and a 16-byte element's bytes
+        total = host_fingerprint(reinterpret_cast<const uint8_t*>(p), bytes, key);
+    }
+    return at::scalar_tensor(static_cast<int64_t>(total), flat.options().dtype(at::kLong));
+  }
   at::Tensor words;
   switch (flat.element_size()) {
     case 1: words = flat.view(at::kByte); break;
@@ -179,16 +215,26 @@ std::vector<std::string> StateGuard::structure() const {
 
 void StateGuard::record_trained() {
   versions_.clear();
-  for (const auto& [name, p] : trained_) versions_.push_back(static_cast<int64_t>(p._version()));
+  trained_fingerprints_.clear();
+  for (const auto& [name, p] : trained_) {
+    versions_.push_back(static_cast<int64_t>(p._version()));
+    trained_fingerprints_.push_back(state_fingerprint(p, key_));
+  }
 }
+
+namespace {
+std::string written_outside(const std::string& name) {
+  return "trainable parameter '" + name +
+         "' was written outside the private step (in place or through .data() in the forward, "
+         "or between steps)";
+}
+}  // namespace
 
 std::vector<std::string> StateGuard::written_trained() const {
   std::vector<std::string> problems;
   for (size_t i = 0; i < trained_.size(); ++i)
     if (static_cast<int64_t>(trained_[i].second._version()) != versions_[i])
-      problems.push_back("trainable parameter '" + trained_[i].first +
-                         "' was written outside the private step (an in-place write in the "
-                         "forward or between steps)");
+      problems.push_back(written_outside(trained_[i].first));
   return problems;
 }
 
@@ -211,6 +257,8 @@ std::vector<at::Tensor> StateGuard::flags() const {
                         .ne(e.fingerprint.to(e.tensor.device())));
     }
   }
+  for (size_t i = 0; i < trained_.size(); ++i)  // by value: .data() moves no version counter
+    out.push_back(state_fingerprint(trained_[i].second, key_).ne(trained_fingerprints_[i]));
   return out;
 }
 
@@ -277,13 +325,16 @@ std::optional<std::string> refusal_of(std::vector<std::string> items) {
 }  // namespace
 
 std::optional<std::string> StateGuard::verdict(const std::vector<bool>& read) {
-  TORCH_CHECK(read.size() == entries_.size(), "dpzero::dp::StateGuard::verdict: ", read.size(),
-              " flags for ", entries_.size(), " state tensors");
+  TORCH_CHECK(read.size() == entries_.size() + trained_.size(),
+              "dpzero::dp::StateGuard::verdict: ", read.size(), " flags for ", entries_.size(),
+              " state tensors and ", trained_.size(), " trained parameters");
   std::vector<std::string> items = std::move(pending_problems_);
   for (std::string& p : structure()) items.push_back(std::move(p));
   for (std::string& p : written_trained()) items.push_back(std::move(p));
   for (size_t i = 0; i < entries_.size(); ++i)
     if (read[i]) items.push_back(describe(entries_[i].buffer, entries_[i].name, *entries_[i].owner));
+  for (size_t i = 0; i < trained_.size(); ++i)
+    if (read[entries_.size() + i]) items.push_back(written_outside(trained_[i].first));
   restore_buffers();
   clear_pending();
   return refusal_of(std::move(items));
@@ -296,6 +347,8 @@ std::optional<std::string> StateGuard::release_refusal() const {
   for (size_t i = 0; i < entries_.size(); ++i)
     if (now[i].item<bool>())
       items.push_back(describe(entries_[i].buffer, entries_[i].name, *entries_[i].owner));
+  for (size_t i = 0; i < trained_.size(); ++i)
+    if (now[entries_.size() + i].item<bool>()) items.push_back(written_outside(trained_[i].first));
   return refusal_of(std::move(items));
 }
 

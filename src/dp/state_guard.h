@@ -16,8 +16,9 @@
 //     the step naming each changed tensor, then puts the buffers back; a changed frozen
 //     parameter cannot be put back, so every later step is refused until it is accepted;
 //   - also refuses a buffer or frozen parameter added, removed or replaced, and a trained
-//     parameter written outside the step (its version counter moved: an in-place write in the
-//     forward), which the update's own writes never trip (they are recorded after each step).
+//     parameter written outside the step: its version counter moved (an in-place write in the
+//     forward) or its fingerprint did (a write through .data(), which moves no version counter:
+//     a data-dependent initialisation); the update's own writes are recorded after each step.
 // A write of the caller's that holds nothing of the training data (a load, a value computed from
 // the released model) is accepted by name (accept).
 #pragma once
@@ -54,8 +55,8 @@ class StateGuard {
 
   // Before a later micro-batch of the logical batch is handed out (see above). No host read.
   void check_micro_batch();
-  // What changed, unread: one 0-dim bool per entry on its device (pending changes included), for
-  // the step's Book::read_checks.
+  // What changed, unread: one 0-dim bool per entry and then per trained parameter, on its device
+  // (pending changes included), for the step's Book::read_checks.
   std::vector<at::Tensor> step_flags();
   // The step's verdict from the read flags (step_flags's, flattened; empty when there are no
   // entries): the refusal, naming what changed, or nullopt. Puts every buffer back and forgets
@@ -63,7 +64,7 @@ class StateGuard {
   std::optional<std::string> verdict(const std::vector<bool>& flags);
   // The logical batch was dropped: forgets the pending flags.
   void clear_pending();
-  // The trained parameters' versions now (after the step's update).
+  // The trained parameters' versions and fingerprints now (after the step's update).
   void record_trained();
   // Takes the state now as fixed: all of it (`names` empty) or the named tensors (dotted, as
   // named_buffers() / named_parameters() name them). std::invalid_argument naming an unknown name.
@@ -94,6 +95,7 @@ class StateGuard {
   std::shared_ptr<torch::nn::Module> model_;
   std::vector<std::pair<std::string, at::Tensor>> trained_;
   std::vector<int64_t> versions_;  // trained_'s, recorded
+  std::vector<at::Tensor> trained_fingerprints_;  // trained_'s, recorded, on their devices
   int64_t key_ = 0;                // the fingerprints'
   std::vector<Entry> entries_;
   std::vector<at::Tensor> pending_;             // per entry, OR-ed (empty: none)

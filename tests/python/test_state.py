@@ -346,6 +346,69 @@ def test_a_trained_parameter_written_in_the_training_loop_is_refused(isolation):
         p.model.state_dict()
 
 
+class _ActNorm(nn.Module):
+    """Glow's ActNorm as common implementations write it: its first training forward sets its own
+    trained bias and log-scale from the batch's mean and standard deviation through ``.data``
+    (no version counter moves), behind a plain Python flag. ``relay``: it writes the Linear's
+    bias instead (a kernel layer: no recomputation of the module checks its forward) in the
+    first micro-batch of 4 rows, and the step's last micro-batch (2 rows) puts it back, so that
+    only the step's later micro-batches saw it. (The provenance probe's extra forwards have 5
+    and 3 rows.)"""
+
+    def __init__(self, relay: bool = False):
+        super().__init__()
+        self.fc, self.head = nn.Linear(D, D), nn.Linear(D, K)
+        self.bias, self.logs = nn.Parameter(torch.zeros(D)), nn.Parameter(torch.zeros(D))
+        self.relay, self.calls = relay, 0
+        if relay:  # no generic-path parameters: the root's forward is not recomputed alone
+            self.bias.requires_grad_(False)
+            self.logs.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.calls += 1
+        with torch.no_grad():
+            if self.relay and len(x) == 4 and not hasattr(self, "saved"):  # a full micro-batch
+                self.saved = self.fc.bias.detach().clone()
+                self.fc.bias.data.copy_(-x.mean(0))
+            elif self.relay and len(x) == 2 and hasattr(self, "saved"):  # the step's last one
+                self.fc.bias.data.copy_(self.saved)
+            elif not self.relay and self.calls == 1:
+                self.bias.data.copy_(-h.mean(0))
+                self.logs.data.copy_(torch.log(1.0 / (h.std(0) + 1e-6)))
+        return self.head(torch.tanh((h + self.bias) * torch.exp(self.logs)))
+
+
+@pytest.mark.parametrize("stage,relay,precision", [(0, False, None), (1, False, None),
+                                                    (2, True, None), (0, False, "bf16")])
+def test_a_trained_parameter_written_through_data_is_refused(stage, relay, precision):
+    """Note [trained parameters written outside the step]: a write through .data moves no
+    version counter; a third review released ActNorm's data-dependent initialisation unclipped
+    and unnoised (the parameters of neighbouring runs 16,855 times the bound apart). The trained
+    parameters' fingerprints refuse the step, also when a later micro-batch put the values back
+    (``relay``), and every release until accepted."""
+    torch.manual_seed(0)
+    model = _ActNorm(relay)
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=stage,
+                            mixed_precision=precision, max_physical_batch_size=4)
+    with pytest.raises(PrivacyViolation, match=r"step is refused: .*trainable parameter "
+                                               r"'(bias|logs|fc.bias)' was written outside the "
+                                               r"private optimizer"):
+        for x, y in p.data_loader:
+            F.cross_entropy(p.model(x), y).backward()
+            p.optimizer.step()
+    assert model.calls >= 2  # the step had several micro-batches
+    assert p.privacy_engine.charges == 0
+    if not relay:
+        with pytest.raises(PrivacyViolation, match=r"state_dict\(\) is refused: .*trainable "
+                                                   r"parameter '(bias|logs)'"):
+            p.model.state_dict()
+    p.optimizer.zero_grad()
+    p.privacy_engine.accept_state_change()
+    p.model.state_dict()
+
+
 class _Memory(nn.Module):
     """Accumulates the batches it sees into a buffer, read by the next forward."""
 

@@ -193,6 +193,7 @@ class StateGuard:
         self.watch_trained = watch_trained
         self._trained: List[tuple] = []
         self._trained_named: Optional[List[tuple]] = None  # (name, parameter), record_trained's
+        self._trained_fingerprints: List[torch.Tensor] = []  # of _trained, on their devices
         # What earlier micro-batches of the open logical batch changed (check_micro_batch): one
         # device flag per entry, OR-ed, read with the step's own; and the changes seen without a
         # read (structure, trained versions).
@@ -254,31 +255,51 @@ class StateGuard:
     # The trainable parameters are the private optimizer's, but a forward can write them too: a
     # functional F.embedding(ids, weight, max_norm=...) renormalises the looked-up rows of a
     # trained table in place, from the batch's ids (a second review read a rare token's row off
-    # the released model: norm 1.78 in one neighbour, 1.00 in the other), and so can the training
-    # loop around it. Whatever writes them between two steps bumps their version counter (except
-    # writes that bypass autograd: through .data, or numpy or DLPack views of the parameter,
-    # which are no accident), so each step compares the versions with those the last update
-    # left, at ZeRO stages 0-2 (stage 3 gathers the parameters into their storage at every
-    # forward; strict isolation also refuses a write at its forward). A change refuses the step
-    # and every release until it is accepted, naming the parameter; a write of the caller's that
-    # holds nothing of the training data (a projection of the released parameters) is accepted
-    # with accept_state_change.
+    # the released model: norm 1.78 in one neighbour, 1.00 in the other), Glow's ActNorm sets its
+    # own trained bias and scale from the first batch's mean and standard deviation through
+    # ``param.data.copy_`` (a third review released them unclipped and unnoised: 16,855 times the
+    # bound), and so can the training loop around it. A write through autograd bumps the
+    # parameter's version counter; one through .data, or numpy or DLPack views, does not. So
+    # after each update (and at make_private, a load, an acceptance) both are recorded: the
+    # versions, and each trained parameter's fingerprint on its device; the versions are compared
+    # at each step and release, the fingerprints with the buffers' flags, before each later
+    # micro-batch and at the step (one device read) and at every release. This is at ZeRO stages
+    # 0-2 (stage 3 gathers the parameters into their storage at every forward; strict isolation
+    # also refuses a write at its forward). A change refuses the step and every release until it
+    # is accepted, naming the parameter; a write of the caller's that holds nothing of the
+    # training data (a projection of the released parameters) is accepted with
+    # accept_state_change. The fingerprints read every trained word once per micro-batch: on the
+    # host one multi-threaded pass (state_fingerprint), on a device about ten elementwise passes.
     def record_trained(self) -> None:
-        """The trained parameters' versions now (after an update, a load, an acceptance). The
-        parameters are the ones found at make_private (or the last acceptance): one that is
-        replaced since is the trainable-set check's to refuse (trainable.py)."""
+        """The trained parameters' versions and fingerprints now (after an update, a load, an
+        acceptance). The parameters are the ones found at make_private (or the last acceptance):
+        one that is replaced since is the trainable-set check's to refuse (trainable.py)."""
         if not self.watch_trained:
             return
         if self._trained_named is None:
             self._trained_named = [(n, p) for n, p in self.model.named_parameters()
                                    if id(p) in self.trainable]
         self._trained = [(n, p, p._version) for n, p in self._trained_named]
+        self._trained_fingerprints = [fingerprint(p, self.key) for _, p in self._trained_named]
+
+    @staticmethod
+    def _written_text(name: str) -> str:
+        return (f"trainable parameter {name!r} was written outside the private optimizer (in "
+                "place in the forward, such as F.embedding(..., max_norm=...) renormalising a "
+                "trained table, or through .data, such as an initialisation from the batch)")
 
     def _written_trained(self) -> List[str]:
-        return [f"trainable parameter {n!r} was written outside the private optimizer (an "
-                "in-place write in the forward, such as F.embedding(..., max_norm=...) "
-                "renormalising a trained table)" for n, p, v in self._trained
-                if p._version != v]
+        return [self._written_text(n) for n, p, v in self._trained if p._version != v]
+
+    def _trained_flags(self) -> List[torch.Tensor]:
+        """One device flag per trained parameter: its fingerprint moved since record_trained."""
+        return [fingerprint(p, self.key) != f
+                for (_, p, _), f in zip(self._trained, self._trained_fingerprints)]
+
+    def _trained_changed(self, flags: Sequence[bool]) -> List[str]:
+        """The trained parameters the read flags (those after the entries') name."""
+        return [self._written_text(n) for (n, _, _), f in
+                zip(self._trained, flags[len(self.entries):]) if f]
 
     def accept(self, names: Optional[Sequence[str]] = None) -> None:
         """Takes the model's state now as its own (``names``: only these, dotted as in the state
@@ -323,9 +344,10 @@ class StateGuard:
     def _flags(self) -> List[torch.Tensor]:
         """One device flag per entry (all of them, in order; a replaced or removed tensor's is
         False here, _structure names it): its buffer's bytes differ from the copy, or its frozen
-        parameter's fingerprint changed. No host read."""
+        parameter's fingerprint changed; then one per trained parameter (Note [trained parameters
+        written outside the step]). No host read."""
         if not self.entries:
-            return []
+            return self._trained_flags()
         trained = _trained_storages(self._modules(), self.trainable)
         flags = []
         for e in self.entries:
@@ -337,13 +359,14 @@ class StateGuard:
                              if now.numel() != e.copy.numel() else (now != e.copy).any())
             else:
                 flags.append(fingerprint(_memory(e.tensor, trained), self.key) != e.fingerprint)
-        return flags
+        return flags + self._trained_flags()
 
     def step_flags(self, pending: bool = True) -> List[torch.Tensor]:
         """What changed, unread, for the step's one read (Book.read_checks): one flag per entry,
         True where its buffer's bytes or its frozen parameter's fingerprint differ now or
-        differed at an earlier micro-batch of this logical batch (check_micro_batch). One [n]
-        bool tensor when the state is on one device, else one flag tensor per entry. (The
+        differed at an earlier micro-batch of this logical batch (check_micro_batch), then one
+        per trained parameter whose fingerprint moved. One [n] bool tensor when the state is on
+        one device, else one flag tensor each. (The
         fingerprint is integer arithmetic: equal bytes give equal fingerprints, so a pending
         flag is a change that was.) ``pending=False``: changes now only."""
         flags = self._flags()
@@ -421,7 +444,7 @@ class StateGuard:
         """At a private step (before anything is charged), given step_flags as the step read
         them: why it is refused, or None. Changed buffers are put back to their copies first."""
         problems = list(dict.fromkeys(self._pending_problems + self._structure() +
-                                      self._written_trained()))
+                                      self._written_trained() + self._trained_changed(flags)))
         pending, self._pending, self._pending_problems = self._pending, None, []
         changed = self._changed(flags, pending is not None)
         if not (problems or changed):
@@ -433,8 +456,9 @@ class StateGuard:
     def verify_release(self, what: str) -> None:
         """Before ``what`` releases the model's state: raises PrivacyViolation naming every
         buffer or frozen parameter that changed (the buffers are left as they are)."""
-        problems = self._structure() + self._written_trained()
         now = self._read(self.step_flags(pending=False))
+        problems = list(dict.fromkeys(self._structure() + self._written_trained() +
+                                      self._trained_changed(now)))
         changed = [e for e in self._changed(now, False) if e.buffer] + self._changed_by_digest()
         if problems or changed:
             raise PrivacyViolation(self._text(f"{what} is refused", problems, changed))

@@ -4,14 +4,16 @@
 //
 // The invariants, each with the mutation of state_guard.cpp / privacy_engine.cpp that made its
 // test fail:
-//   - the fingerprint is the stated sum, in every element size, across chunks, and every change
-//     of one word moves it (the position mixing or the `| 1` removed);
+//   - the fingerprint is the stated sum, in every element size, across chunks, on the host's
+//     loop and on the ATen path, and every change of one word moves it (the position mixing or
+//     the `| 1` removed);
 //   - a buffer written from the batch refuses the step, named, charges nothing and is put back
 //     (the step's verdict ignored; restore_buffers emptied);
 //   - a write in one micro-batch that is gone by the step still refuses it, and every later
 //     forward reads the fixed value (check_micro_batch not called, or its flags dropped);
 //   - a frozen parameter written refuses every step until accepted by name, and a trained one
-//     written in the forward until accepted (fingerprint or version checks removed);
+//     written in the forward, in place or through .data(), until accepted (fingerprint or
+//     version checks removed);
 //   - a buffer registered after the engine took the model is refused (structure() emptied);
 //   - state only read trains at stages 0-2 on two ranks with each optimizer, the state unchanged
 //     (the update writes the parameters' storage without moving their version counters; the
@@ -29,6 +31,7 @@
 
 #include <torch/torch.h>
 
+#include "kernels/per_sample_checks.h"
 #include "src/dp/errors.h"
 #include "src/dp/modules.h"
 #include "src/dp/privacy_engine.h"
@@ -66,7 +69,18 @@ int64_t reference_fingerprint(const at::Tensor& t, int64_t key) {
   return static_cast<int64_t>(total);
 }
 
-TEST(StateFingerprint, IsTheStatedSumAndSeesEveryChangedWord) {
+// On the host's one-pass loop and on the ATen path a device takes (Note [device path]).
+class StateFingerprint : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override { forced_ = kernels::device_path_forced().exchange(GetParam()); }
+  void TearDown() override { kernels::device_path_forced().store(forced_); }
+  bool forced_ = false;
+};
+
+INSTANTIATE_TEST_SUITE_P(Paths, StateFingerprint, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "DevicePath" : "HostPath"; });
+
+TEST_P(StateFingerprint, IsTheStatedSumAndSeesEveryChangedWord) {
   const int64_t key = 0x1234567890ABLL;
   torch::manual_seed(5);
   const std::vector<at::Tensor> tensors{
@@ -115,7 +129,7 @@ struct Inner : torch::nn::Module {
   at::Tensor seen, shift, scale;
 };
 
-enum class Write { kNone, kBuffer, kFirstForwardOnly, kFrozen, kTrained };
+enum class Write { kNone, kBuffer, kFirstForwardOnly, kFrozen, kTrained, kTrainedData };
 
 struct Stateful : torch::nn::Module {
   Stateful() {
@@ -132,6 +146,8 @@ struct Stateful : torch::nn::Module {
         inner->seen.add_(x.sum(0));  // the batch's sum: data in the model's state
       if (write == Write::kFrozen) inner->scale.add_(x.sum(0) * 1e-3);
       if (write == Write::kTrained) fc->weight.mul_(0.5);
+      if (write == Write::kTrainedData)  // no version counter moves: a data-dependent init
+        fc->bias.data().copy_(x.mean(0).narrow(0, 0, kClasses));
     }
     return fc((x + inner->shift) * inner->scale);
   }
@@ -227,18 +243,23 @@ TEST(PrivacyEngineState, AFrozenParameterWrittenRefusesEveryStepUntilAccepted) {
 }
 
 TEST(PrivacyEngineState, ATrainedParameterWrittenInTheForwardIsRefusedUntilAccepted) {
-  auto net = std::make_shared<Stateful>();
-  PrivacyEngine engine(net, options());
-  net->write = Write::kTrained;
-  EXPECT_TRUE(contains(refusal(engine, *net),
-                       "trainable parameter 'fc.weight' was written outside the private step"));
-  engine.zero_grad();
-  net->write = Write::kNone;
-  EXPECT_THROW(train_step(engine, *net), PrivacyError);
-  engine.zero_grad();
-  engine.accept_state_change();
-  train_step(engine, *net);
-  EXPECT_EQ(engine.charges(), 1);
+  for (const auto& [write, name] : {std::pair{Write::kTrained, "fc.weight"},
+                                    std::pair{Write::kTrainedData, "fc.bias"}}) {
+    auto net = std::make_shared<Stateful>();
+    PrivacyEngine engine(net, options());
+    net->write = write;
+    const std::string why = refusal(engine, *net);
+    EXPECT_TRUE(contains(why, std::string("trainable parameter '") + name +
+                                  "' was written outside the private step"))
+        << why;
+    engine.zero_grad();
+    net->write = Write::kNone;
+    EXPECT_THROW(train_step(engine, *net), PrivacyError);
+    engine.zero_grad();
+    engine.accept_state_change();
+    train_step(engine, *net);
+    EXPECT_EQ(engine.charges(), 1);
+  }
 }
 
 TEST(PrivacyEngineState, StateRegisteredAfterTheEngineTookTheModelIsRefused) {

@@ -54,6 +54,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
+from ..losses import check_loss
 from .registry import ESCAPES, FACTORIES, INPLACE, METADATA, RULES
 
 __all__ = ["Examples", "MicroBatchToken", "tag", "untagged", "lost_at"]
@@ -134,6 +135,7 @@ class Examples(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        check_loss(func, args, kwargs)  # Note [losses that couple examples]
         with torch._C.DisableTorchFunctionSubclass():
             # Operands whose memory changed unseen lose their tag before anything reads them (an
             # in-place write a rule vouches for then never vouches for an earlier unseen one).
