@@ -35,11 +35,12 @@ dpzero holds them fixed:
   ``PrivacyEngine.detach()``) the buffers again, and every frozen parameter by its digest. A
   change refuses the release, naming the tensor.
 
-The fingerprint reads each frozen word once per micro-batch, on its device, in about ten int64
-elementwise passes (chunks of 2^20 words, no copy of the whole tensor): memory-bound
-work of the order of a forward's reads of the same weights (on a GPU at device bandwidth, not
-yet measured). On a CPU with many frozen weights and small micro-batches (adapters on a frozen
-base) it can exceed a forward's matmuls through them (experiments/results/private.md).
+The fingerprint reads each frozen word once per micro-batch: on the host in one multi-threaded
+pass, on a device in about ten int64 elementwise passes (chunks of 2^20 words, no copy of the
+whole tensor): memory-bound work of the order of a forward's reads of the same weights (on a GPU
+at device bandwidth, not yet measured). On a CPU with many frozen weights and small micro-batches
+(adapters on a frozen base) it costs about a forward's matmuls through them at 128 rows
+(experiments/results/private.md).
 
 A buffer or frozen parameter added, removed or replaced by another tensor counts as a change. The
 caller's own writes between steps that hold nothing of the training data (a value computed from the
