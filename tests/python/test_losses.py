@@ -73,3 +73,64 @@ def test_the_per_example_weighted_loss_keeps_the_bound_and_other_losses_run(micr
     # Not refused: a weighted sum, and the unweighted mean.
     _step(y, lambda out, ys: F.cross_entropy(out, ys, weight=WEIGHT, reduction="sum"))
     _step(y, lambda out, ys: F.cross_entropy(out, ys))
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=40, n_positions=8, n_embd=16, n_layer=1, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+    return transformers.GPT2LMHeadModel(cfg)  # untied: a tied table's norm is a bound (the sum
+    # of its two uses' norms, Note [certified group norms]), the reference's the exact one
+
+
+def _lm_data():
+    """8 sequences of 8 tokens with 1 to 7 labelled tokens each (the rest -100): the examples'
+    token counts differ, so a loss averaged over the batch's tokens weights them by the others'."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 40, (8, 8), generator=g)
+    labels = ids.clone()
+    for i in range(8):
+        labels[i, 1 + i % 7 + 1:] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_language_models_own_loss_trains_each_example_by_its_own_tokens(reduction):
+    """Note [a model's own loss under make_private] (dpzero/hf/losses.py): the ordinary loop
+    ``model(input_ids=x, labels=y).loss.backward()`` takes one private step equal to DP-SGD's
+    with each example's own loss (the mean over its own labelled next tokens): the reference is a
+    loop over the examples, each alone through a plain copy of the model, clipped flat at C, summed
+    and applied by SGD (q = 1, no noise). GPT-2's own loss averages over the batch's tokens, which
+    differs here (the examples' counts differ)."""
+    ids, labels = _lm_data()
+    n, c, lr = len(ids), 4.0, 1.0  # C between the examples' norms (2.4 to 8.3): some clipped
+    plain = _gpt2()
+    params = [p for p in plain.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    for i in range(n):
+        own = plain(input_ids=ids[i:i + 1], labels=labels[i:i + 1]).loss  # alone: its own mean
+        grads = torch.autograd.grad(own, params)
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
+        factor = min(1.0, c / (norm + 1e-6))
+        for t, g in zip(total, grads):
+            t += factor * g.double()
+    scale = 1.0 / n  # the sum over the expected batch size q N = n
+    want = {name: p.detach().double() - lr * scale * t
+            for (name, p), t in zip(((nm, p) for nm, p in plain.named_parameters()
+                                     if p.requires_grad), total)}
+
+    model = _gpt2()
+    p = dpzero.make_private(model, dataset=TensorDataset(ids, labels), sample_rate=1.0,
+                            noise_multiplier=0.0, allow_no_noise=True, max_grad_norm=c,
+                            optimizer="sgd", lr=lr, seed=0, loss_reduction=reduction)
+    for x, y in p.data_loader:
+        out = p.model(input_ids=x, labels=y)
+        out.loss.backward()
+        assert p.optimizer.step()
+    got = p.privacy_engine.parameters()
+    for name, w in want.items():
+        assert torch.allclose(got[name].double(), w, rtol=1e-4, atol=1e-6), name

@@ -94,16 +94,27 @@ def head_name(model: nn.Module) -> str:
     return type(base).__name__
 
 
+def token_head_shift(model: nn.Module) -> Optional[bool]:
+    """Whether ``model``'s head is a token-level one whose own loss averages over the batch's
+    tokens (Note [trainer loss]): True for a causal LM whose loss shifts the labels, False for
+    one that does not and for masked LM and token classification, None for any other head."""
+    name = head_name(model)
+    if name in _UNSHIFTED_CAUSAL_HEADS:
+        return False
+    if name.endswith("ForCausalLM") or name in _SHIFTED_LM_HEADS:
+        return True
+    if name.endswith("ForMaskedLM") or name.endswith("ForTokenClassification"):
+        return False
+    return None
+
+
 def default_per_sample_loss(model: nn.Module) -> PerSampleLoss:
     """Note [trainer loss]: the per-sample loss for ``model``'s head; ValueError naming the class
     when dpzero has none."""
     name = head_name(model)
-    if name in _UNSHIFTED_CAUSAL_HEADS:
-        return lambda m, outputs, labels: token_losses(outputs.logits, labels, shift=False)
-    if name.endswith("ForCausalLM") or name in _SHIFTED_LM_HEADS:
-        return lambda m, outputs, labels: token_losses(outputs.logits, labels, shift=True)
-    if name.endswith("ForMaskedLM") or name.endswith("ForTokenClassification"):
-        return lambda m, outputs, labels: token_losses(outputs.logits, labels, shift=False)
+    shift = token_head_shift(model)
+    if shift is not None:
+        return lambda m, outputs, labels: token_losses(outputs.logits, labels, shift=shift)
     if name.endswith("ForSequenceClassification"):
         def loss(m, outputs, labels):
             config = getattr(m, "config", None)
@@ -115,3 +126,30 @@ def default_per_sample_loss(model: nn.Module) -> PerSampleLoss:
         "LM, token- and sequence-classification heads (Note [trainer loss] in "
         "dpzero/hf/losses.py). Pass per_sample_loss=fn, fn(model, outputs, labels) -> [B] "
         "losses, one per example, each depending on that example alone")
+
+
+# Note [a model's own loss under make_private]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``loss = model(**batch, labels=labels).loss; loss.backward()`` is the ordinary Hugging Face
+# loop, and under make_private the token-level heads' own loss couples the examples (Note
+# [trainer loss]: one example's labelled-token count rescales every other example's gradient).
+# So make_private's root forward (isolation="detect") replaces it: for a token-level head called
+# with ``labels`` that returns ``loss`` and ``logits``, ``outputs.loss`` becomes the mean over the
+# micro-batch's examples (their sum under loss_reduction="sum") of each example's own loss, the
+# mean over its own labelled tokens (token_losses). It equals the model's own loss when every
+# example has as many labelled tokens. Sequence-classification losses are per example already and
+# are left as they are; under strict isolation every example runs alone, so the model's own loss
+# is already that example's. A tuple output (return_dict=False) is not rewritten.
+def per_example_model_loss(model: nn.Module, kwargs: dict, outputs, mean: bool):
+    """``outputs`` of ``model(**kwargs)``, with ``loss`` replaced as Note [a model's own loss
+    under make_private] says where it applies."""
+    labels = kwargs.get("labels")
+    if not isinstance(labels, torch.Tensor) or getattr(outputs, "loss", None) is None \
+            or getattr(outputs, "logits", None) is None or isinstance(outputs, tuple):
+        return outputs
+    shift = token_head_shift(model)
+    if shift is None:
+        return outputs
+    losses = token_losses(outputs.logits, labels.to(outputs.logits.device), shift)  # [B]
+    outputs["loss"] = losses.mean() if mean else losses.sum()
+    return outputs

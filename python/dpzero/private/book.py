@@ -73,6 +73,7 @@ class Book:
                  mode: str, gamma: float, loss_reduction: str, state, unit_numel: List[int],
                  device_of_unit: List[torch.device]) -> None:
         self.layers = layers
+        self.mean_loss = loss_reduction == "mean"  # Note [mean loss] (src/dp/book.h)
         self.groups = groups              # group -> component ids
         self.thresholds = thresholds      # C_g (inf: no clipping)
         self._core = _dp.Book(

@@ -194,7 +194,9 @@ class StateGuard:
         self.watch_trained = watch_trained
         self._trained: List[tuple] = []
         self._trained_named: Optional[List[tuple]] = None  # (name, parameter), record_trained's
-        self._trained_fingerprints: List[torch.Tensor] = []  # of _trained, on their devices
+        # Note [trained parameters written outside the step]: per memory the trained parameters
+        # live in, (their names, the memory as a flat tensor, its data pointer, its fingerprint).
+        self._trained_memories: List[tuple] = []
         # What earlier micro-batches of the open logical batch changed (check_micro_batch): one
         # device flag per entry, OR-ed, read with the step's own; and the changes seen without a
         # read (structure, trained versions).
@@ -281,7 +283,15 @@ class StateGuard:
             self._trained_named = [(n, p) for n, p in self.model.named_parameters()
                                    if id(p) in self.trainable]
         self._trained = [(n, p, p._version) for n, p in self._trained_named]
-        self._trained_fingerprints = [fingerprint(p, self.key) for _, p in self._trained_named]
+        memories: Dict[int, tuple] = {}  # storage data pointer -> (names, memory)
+        with torch._C.DisableTorchFunctionSubclass():
+            for n, p in self._trained_named:
+                ptr = p.untyped_storage().data_ptr()
+                if ptr not in memories:
+                    memories[ptr] = ([], _memory(p))
+                memories[ptr][0].append(n)
+        self._trained_memories = [(names, memory, ptr, fingerprint(memory, self.key))
+                                  for ptr, (names, memory) in memories.items()]
 
     @staticmethod
     def _written_text(name: str) -> str:
@@ -290,17 +300,33 @@ class StateGuard:
                 "trained table, or through .data, such as an initialisation from the batch)")
 
     def _written_trained(self) -> List[str]:
-        return [self._written_text(n) for n, p, v in self._trained if p._version != v]
+        known = {ptr for _, _, ptr, _ in self._trained_memories}
+        with torch._C.DisableTorchFunctionSubclass():
+            return ([self._written_text(n) for n, p, v in self._trained if p._version != v] +
+                    [f"trainable parameter {n!r} was given other memory outside the private "
+                     "optimizer (its .data replaced)" for n, p, _ in self._trained
+                     if p.untyped_storage().data_ptr() not in known])
 
     def _trained_flags(self) -> List[torch.Tensor]:
-        """One device flag per trained parameter: its fingerprint moved since record_trained."""
-        return [fingerprint(p, self.key) != f
-                for (_, p, _), f in zip(self._trained, self._trained_fingerprints)]
+        """One device flag per memory the trained parameters live in (a unit's flat buffer
+        holds all of the unit's: one fingerprint each, not one per parameter, so that a step's
+        launches grow with its units): its fingerprint moved since record_trained."""
+        return [fingerprint(memory, self.key) != f for _, memory, _, f in self._trained_memories]
 
     def _trained_changed(self, flags: Sequence[bool]) -> List[str]:
-        """The trained parameters the read flags (those after the entries') name."""
-        return [self._written_text(n) for (n, _, _), f in
-                zip(self._trained, flags[len(self.entries):]) if f]
+        """The trained parameters the read flags (those after the entries') name: every one in a
+        memory that changed."""
+        out = []
+        for (names, _, _, _), f in zip(self._trained_memories, flags[len(self.entries):]):
+            if f and len(names) == 1:
+                out.append(self._written_text(names[0]))
+            elif f:
+                shown = ", ".join(repr(n) for n in names[:4]) + (
+                    f" and {len(names) - 4} more" if len(names) > 4 else "")
+                out.append(f"one of the trainable parameters {shown}, which share one buffer, "
+                           "was written outside the private optimizer (in place in the forward, "
+                           "or through .data, such as an initialisation from the batch)")
+        return out
 
     def accept(self, names: Optional[Sequence[str]] = None) -> None:
         """Takes the model's state now as its own (``names``: only these, dotted as in the state

@@ -194,6 +194,9 @@ def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *
                                "rank runs its backward")
         raise PrivacyViolation(book.error)
     book.set_verdicts(start, verdicts)
+    if "labels" in kwargs:  # Note [a model's own loss under make_private] (dpzero/hf/losses.py)
+        from ...hf.losses import per_example_model_loss
+        out = per_example_model_loss(module, kwargs, out, book.mean_loss)
     return out
 
 
