@@ -264,7 +264,10 @@ class StateGuard:
     # bound), and so can the training loop around it. A write through autograd bumps the
     # parameter's version counter; one through .data, or numpy or DLPack views, does not. So
     # after each update (and at make_private, a load, an acceptance) both are recorded: the
-    # versions, and each trained parameter's fingerprint on its device; the versions are compared
+    # versions, and on its device the fingerprint of each memory the trained parameters live in
+    # (a unit's flat buffer holds all of the unit's: one fingerprint per unit, so that a step's
+    # launches grow with its units; a change names the parameters sharing that buffer, a
+    # parameter given other memory is named alone); the versions are compared
     # at each step and release, the fingerprints with the buffers' flags, before each later
     # micro-batch and at the step (one device read) and at every release. This is at ZeRO stages
     # 0-2 (stage 3 gathers the parameters into their storage at every forward; strict isolation
