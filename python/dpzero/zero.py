@@ -18,7 +18,8 @@ checks that the units cover [0, D) exactly once.
 
 Mixed precision (``param_dtype=torch.bfloat16`` or ``torch.float16``), as FSDP2's
 ``MixedPrecisionPolicy``: the module's parameters become views of a 16-bit buffer and forward and
-backward run in that dtype; floating-point inputs of the model and of every unit are cast to it;
+backward run in that dtype; frozen floating-point parameters are cast to it in place (they have
+no master); floating-point inputs of the model and of every unit are cast to it;
 the optimizer updates fp32 master weights (Note [master weights] in src/zero/flat_param.h).
 Gradients are reduced and accumulated in ``reduce_dtype`` (fp32 by default; the param dtype
 halves gradient memory and traffic, ZeRO's 16-bit setting). fp16 has no dynamic loss scaling (a
@@ -448,6 +449,7 @@ def shard(
             state.set_decay_exempt(u, [id(p) in exempt for _, p, _ in members])
     handles = []
     if param_dtype != torch.float32:
+        _cast_frozen(model, param_dtype)
         handles += _register_input_casts(model, planned, param_dtype)
     if grad_hooks and state.needs_grad_hooks:
         handles += _register_grad_hooks(_hooks_ref(state), planned)
@@ -460,6 +462,19 @@ def shard(
     sharded = ShardedModule(model, state, planned, handles, k)
     lifetime.track(sharded, ShardedModule._release_at_exit)  # Note [ending a script]
     return sharded
+
+
+def _cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
+    """Mixed precision: every frozen floating-point parameter takes the compute dtype, in place
+    (the layers that read it compute in that dtype, and it has no master to keep, as FSDP2's
+    param_dtype casts every parameter of the modules it manages); a frozen float32 weight would
+    meet 16-bit activations and fail. Buffers keep their dtype."""
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is not None and not p.requires_grad and p.is_floating_point() \
+                        and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
 
 
 def _cast_inputs(dtype: torch.dtype, _module, args, kwargs):

@@ -486,7 +486,10 @@ void PrivacyEngine::hand_out(const MicroBatch& micro) {
                                     " of step " + std::to_string(micro.step) +
                                     " is not what sample() returned; hand out its micro-batches "
                                     "unchanged"));
-  if (!first) state_->check_micro_batch();  // what the earlier forwards wrote, put back
+  // What earlier forwards wrote, put back and noted for the step: the earlier micro-batches', and
+  // before the first one whatever ran between the logical batches (an evaluation forward on
+  // training rows, which this batch's forward could read and clear).
+  state_->check_micro_batch();
   current_ = micro;
   ++handed_;
   caller_sampled_ = false;
@@ -510,7 +513,7 @@ void PrivacyEngine::own_batch(int64_t rows, int64_t logical_size) {
     throw std::invalid_argument(bad("own_batch: logical_size " + std::to_string(logical_size) +
                                     " differs from this logical batch's " +
                                     std::to_string(current_->logical_size)));
-  if (current_) state_->check_micro_batch();
+  state_->check_micro_batch();  // as hand_out does
   MicroBatch mb{next_step_, handed_, 0, logical_size, {}, false};
   current_ = mb;
   ++handed_;

@@ -156,10 +156,11 @@ class PrivacyEngine {
   // naming what of its state changed since the engine took it (the check every step makes, read
   // now; a forward outside the loop, such as an evaluation on training data, can write state).
   void verify_state() const;
-  // Takes the model's state now as its own: all of it (`names` empty), or the named buffers and
-  // frozen parameters (dotted, as named_buffers() names them); also the trained parameters'
-  // writes so far. For writes that hold nothing of the training data (a load, a value computed
-  // from the released model). std::invalid_argument naming a name the model does not have.
+  // Takes the model's state now as its own: all of it, the trained parameters' writes so far
+  // included (`names` empty), or only the named buffers and frozen parameters (dotted, as
+  // named_buffers() names them). For writes that hold nothing of the training data (a load, a
+  // value computed from the released model). std::invalid_argument naming a name the model does
+  // not have.
   void accept_state_change(const std::vector<std::string>& names = {});
 
  private:

@@ -17,9 +17,12 @@ namespace {
 
 // Words of a tensor fingerprinted at a time (int64 temporaries of this many elements).
 constexpr int64_t kFingerprintChunk = int64_t{1} << 20;
-// Odd 64-bit constants of the per-position multipliers (splitmix64's finaliser), as int64.
-constexpr int64_t kMix1 = static_cast<int64_t>(0x9E3779B97F4A7C15ULL);
-constexpr int64_t kMix2 = static_cast<int64_t>(0xBF58476D1CE4E5B9ULL);
+// splitmix64's constants (Steele, Lea and Flood 2014, "Fast splittable pseudorandom number
+// generators"): the golden-ratio increment that spreads positions, and the finaliser's two
+// multipliers, as int64.
+constexpr int64_t kGolden = static_cast<int64_t>(0x9E3779B97F4A7C15ULL);
+constexpr int64_t kMix1 = static_cast<int64_t>(0xBF58476D1CE4E5B9ULL);
+constexpr int64_t kMix2 = static_cast<int64_t>(0x94D049BB133111EBULL);
 // At most this many changed tensors are named in a refusal (the rest are counted).
 constexpr size_t kNamed = 6;
 
@@ -73,15 +76,21 @@ uint64_t host_fingerprint(const Word* words, int64_t n, int64_t key) {
       int64_t{0}, n, int64_t{1} << 16, uint64_t{0},
       [&](int64_t begin, int64_t end, uint64_t acc) {
         for (int64_t j = begin; j < end; ++j) {
-          uint64_t m = (static_cast<uint64_t>(j) + static_cast<uint64_t>(key)) *
-                       static_cast<uint64_t>(kMix1);
-          m = (m ^ static_cast<uint64_t>(static_cast<int64_t>(m) >> 31)) *
-              static_cast<uint64_t>(kMix2);
-          acc += static_cast<uint64_t>(static_cast<int64_t>(words[j])) * (m | 1);
+          uint64_t z = static_cast<uint64_t>(static_cast<int64_t>(words[j])) ^
+                       ((static_cast<uint64_t>(j) + static_cast<uint64_t>(key)) *
+                        static_cast<uint64_t>(kGolden));
+          z = (z ^ (z >> 30)) * static_cast<uint64_t>(kMix1);
+          z = (z ^ (z >> 27)) * static_cast<uint64_t>(kMix2);
+          acc += z ^ (z >> 31);
         }
         return acc;
       },
       [](uint64_t a, uint64_t b) { return a + b; });
+}
+
+// z >> k with zeros shifted in (int64 tensors shift arithmetically).
+at::Tensor logical_right_shift(const at::Tensor& z, int64_t k) {
+  return z.bitwise_right_shift(k).bitwise_and((int64_t{1} << (64 - k)) - 1);
 }
 
 }  // namespace
@@ -117,10 +126,10 @@ at::Tensor state_fingerprint(const at::Tensor& t, int64_t key) {
   for (int64_t start = 0; start < n; start += kFingerprintChunk) {
     const int64_t len = std::min(kFingerprintChunk, n - start);
     const at::Tensor w = words.narrow(0, start, len).to(at::kLong);
-    at::Tensor m = at::arange(start, start + len, longs);
-    m = (m + key) * kMix1;
-    m = m.bitwise_xor(m.bitwise_right_shift(31)) * kMix2;
-    total.add_((w * m.bitwise_or(1)).sum());
+    at::Tensor z = w.bitwise_xor((at::arange(start, start + len, longs) + key) * kGolden);
+    z = z.bitwise_xor(logical_right_shift(z, 30)) * kMix1;
+    z = z.bitwise_xor(logical_right_shift(z, 27)) * kMix2;
+    total.add_(z.bitwise_xor(logical_right_shift(z, 31)).sum());
   }
   return total;
 }
@@ -373,7 +382,7 @@ void StateGuard::accept(const std::vector<std::string>& names) {
     }
   }
   fix(names);
-  record_trained();
+  if (names.empty()) record_trained();  // a named acceptance takes no trained parameter's write
 }
 
 }  // namespace dpzero::dp

@@ -9,9 +9,10 @@
 // lets one example reach later steps' gradients outside the clipping. The guard:
 //   - when the engine takes the model, copies every buffer's bytes (all of its storage, unless a
 //     trained parameter shares it) and fingerprints every frozen parameter on its device;
-//   - before each later micro-batch of a logical batch, compares on the device (no host read),
-//     ORs what changed into pending flags and puts every buffer back, so that nothing of one
-//     micro-batch reaches the next one's forward, even a write that a later forward undoes;
+//   - before each micro-batch of a logical batch, compares on the device (no host read), ORs
+//     what changed into pending flags and puts every buffer back, so that nothing of one
+//     micro-batch reaches the next one's forward, even a write that a later forward undoes, nor
+//     a write made between logical batches (an evaluation forward on training rows);
 //   - at every step, reads those flags with the step's one read (Book::read_checks) and refuses
 //     the step naming each changed tensor, then puts the buffers back; a changed frozen
 //     parameter cannot be put back, so every later step is refused until it is accepted;
@@ -36,14 +37,16 @@
 
 namespace dpzero::dp {
 
-// A 0-dim int64 on t's device: sum over t's words w_j (its elements' bits as integers of its
-// element size, sign-extended; a 16-byte element's bytes) of w_j · m_j mod 2^64, with odd
-// multipliers m_j mixed from the position j and `key` (splitmix64's finaliser constants). A word
-// changed by d ≠ 0 mod 2^64 moves the sum by d·m_j ≠ 0 (m_j is odd); several changes cancel only
-// when their sum does, which for a random key happens with probability about 2^-63 (a check
-// against accidents and forwards, not a cryptographic hash). Equal bytes give equal fingerprints
-// (integer arithmetic, any order). Reads t in chunks of 2^20 words: no copy of the whole tensor
-// beyond a contiguous one.
+// A 0-dim int64 on t's device: sum mod 2^64 over t's words w_j (its elements' bits as integers
+// of its element size, sign-extended; a 16-byte element's bytes) of mix(w_j XOR (j + key)·g),
+// with g splitmix64's golden-ratio increment and mix its finaliser (a bijection of 64-bit words
+// whose xor-shifts and multiplications leave no linear relation among outputs). A changed word
+// moves its term to a value that, without the key, is unpredictable, so several changes cancel
+// only by chance, about 2^-64 (an earlier linear sum, w_j·m_j, cancelled whenever the top bits of
+// two words flipped: a review's negated float64 entries). A check against accidents and forwards,
+// not a cryptographic hash. Equal bytes give equal fingerprints (integer arithmetic, any order).
+// On the host one multi-threaded pass; elsewhere ATen ops on chunks of 2^20 words (no copy of the
+// whole tensor beyond a contiguous one).
 at::Tensor state_fingerprint(const at::Tensor& t, int64_t key);
 
 class StateGuard {
@@ -53,7 +56,7 @@ class StateGuard {
   StateGuard(std::shared_ptr<torch::nn::Module> model,
              std::vector<std::pair<std::string, at::Tensor>> trained);
 
-  // Before a later micro-batch of the logical batch is handed out (see above). No host read.
+  // Before each micro-batch of the logical batch is handed out (see above). No host read.
   void check_micro_batch();
   // What changed, unread: one 0-dim bool per entry and then per trained parameter, on its device
   // (pending changes included), for the step's Book::read_checks.
@@ -66,8 +69,9 @@ class StateGuard {
   void clear_pending();
   // The trained parameters' versions and fingerprints now (after the step's update).
   void record_trained();
-  // Takes the state now as fixed: all of it (`names` empty) or the named tensors (dotted, as
-  // named_buffers() / named_parameters() name them). std::invalid_argument naming an unknown name.
+  // Takes the state now as fixed: all of it, the trained parameters' writes included (`names`
+  // empty), or only the named buffers and frozen parameters (dotted, as named_buffers() /
+  // named_parameters() name them). std::invalid_argument naming an unknown name.
   void accept(const std::vector<std::string>& names);
   // A release's check, read here: the refusal (what changed), or nullopt. Changes nothing.
   std::optional<std::string> release_refusal() const;

@@ -154,3 +154,34 @@ def test_fp16_autocast_without_a_scaler_trains():
         p.optimizer.zero_grad()
     assert p.privacy_engine.charges == 3
     assert all(torch.isfinite(t).all() for t in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_precision_casts_frozen_parameters_to_the_compute_dtype(dtype):
+    """A frozen float32 weight would meet the 16-bit activations of mixed_precision= and fail
+    ("self and mat2 must have the same dtype", a review): frozen floating-point parameters take
+    the compute dtype in place (zero.py's _cast_frozen, as FSDP2's param_dtype casts a module's
+    parameters), their values the float32 ones rounded once, and stay so through a step and a
+    release (the module-state check fixes them after the cast)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3))
+    model[0].requires_grad_(False)             # a whole frozen layer (no DP layer: plain torch)
+    model[1].weight.requires_grad_(False)      # a DP layer with a frozen weight, trained bias
+    want = {n: p.detach().to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype]))
+            for n, p in model.named_parameters() if not p.requires_grad}
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+    p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(x, y),
+                            sample_rate=0.5, noise_multiplier=1.0, max_grad_norm=1.0, seed=0,
+                            mixed_precision=dtype)
+    before = {k: v.clone() for k, v in p.privacy_engine.parameters().items()}
+    steps = 0
+    for xs, ys in p.data_loader:
+        F.cross_entropy(p.model(xs), ys).backward()
+        steps += bool(p.optimizer.step())
+    assert steps > 0
+    state = p.model.state_dict()
+    for name, value in want.items():
+        assert state[name].dtype == value.dtype and torch.equal(state[name], value), name
+    after = p.privacy_engine.parameters()
+    assert all(not torch.equal(after[k], before[k]) for k in ("1.bias", "2.weight"))

@@ -48,6 +48,10 @@ REFUSED = {
     "nll_loss": lambda out, y: F.nll_loss(F.log_softmax(out, -1), y, weight=WEIGHT),
     "legacy_size_average": lambda out, y: F.nll_loss(F.log_softmax(out, -1), y, weight=WEIGHT,
                                                      size_average=True),
+    "elementwise_mean": lambda out, y: nn.CrossEntropyLoss(weight=WEIGHT,
+                                                           reduction="elementwise_mean")(out, y),
+    "aten": lambda out, y: torch.ops.aten.cross_entropy_loss(out, y, WEIGHT),
+    "c_nn": lambda out, y: torch._C._nn.nll_loss(F.log_softmax(out, -1), y, WEIGHT),
 }
 
 
@@ -70,9 +74,11 @@ def test_the_per_example_weighted_loss_keeps_the_bound_and_other_losses_run(micr
     moved = math.sqrt(sum(((a[k] - b[k]).double() ** 2).sum().item() for k in a))
     bound = 2 * C * LR / N
     assert 0 < moved <= bound * (1 + 1e-5), f"one label moved the step {moved / bound:.2f}x"
-    # Not refused: a weighted sum, and the unweighted mean.
+    # Not refused: a weighted sum, the unweighted mean, and class probabilities as targets
+    # (divided by the row count, whatever the weights).
     _step(y, lambda out, ys: F.cross_entropy(out, ys, weight=WEIGHT, reduction="sum"))
     _step(y, lambda out, ys: F.cross_entropy(out, ys))
+    _step(y, lambda out, ys: F.cross_entropy(out, F.one_hot(ys, 3).float(), weight=WEIGHT))
 
 
 transformers = pytest.importorskip("transformers")

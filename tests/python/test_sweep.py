@@ -75,7 +75,14 @@ def test_grid_values_and_the_fixed_epsilon_rule():
     seeded = config.from_dict({**BASE, "privacy": {**BASE.get("privacy", {}),
                                                    "secure_mode": False}})
     runs = plan(seeded, grid, 2, "out")
-    assert sorted(r.training.seed for _, _, r in runs) == list(range(len(runs)))
+    drawn = [r.training.seed for _, _, r in runs]
+    assert len(set(drawn)) == len(runs) and 0 not in drawn  # and none is the base seed's
+    assert drawn == [r.training.seed for _, _, r in plan(seeded, grid, 2, "elsewhere")]
+    # Another sweep with the same base seed: its runs that differ (here in lr) draw other seeds.
+    other = plan(seeded, parse_grid(["training.lr=3,4e-1", "data.scale=unit,standardize",
+                                     "training.batch_size=64"], seeded), 2, "out")
+    shared = {r.training.seed for v, _, r in other if v[("training", "lr")] == 0.4}
+    assert shared <= set(drawn) and not ({r.training.seed for _, _, r in other} - shared) & set(drawn)
 
 
 @pytest.mark.job

@@ -79,12 +79,11 @@ _DIGEST_CHUNK = 64 << 20
 
 
 def fingerprint(t: torch.Tensor, key: int) -> torch.Tensor:
-    """A 0-dim int64 on ``t``'s device: sum over its words w_j (its elements' bits as integers)
-    of w_j * m_j mod 2^64, with m_j odd multipliers mixed from the position j and ``key``. A word
-    changed by d (nonzero modulo 2^64) changes it by d * m_j, nonzero as m_j is odd; several
-    changes cancel only when their sum does modulo 2^64, which for a random key happens with
-    probability about 2^-63 (not a cryptographic hash: the digest confirms). The C++ front
-    door's guard uses the same function (``state_fingerprint`` in src/dp/state_guard.h)."""
+    """A 0-dim int64 on ``t``'s device: sum mod 2^64 over its words w_j (its elements' bits as
+    integers) of a keyed, non-linear mix of (w_j, j) (``state_fingerprint`` in
+    src/dp/state_guard.h, which the C++ front door's guard uses too): several changed words cancel
+    only by chance, about 2^-64 for a key the model does not know (not a cryptographic hash: the
+    digest confirms at releases)."""
     with torch._C.DisableTorchFunctionSubclass():
         return _C.dp.state_fingerprint(t.detach(), key)
 
@@ -276,11 +275,22 @@ class StateGuard:
     # training data (a projection of the released parameters) is accepted with
     # accept_state_change. The fingerprints read every trained word once per micro-batch: on the
     # host one multi-threaded pass (state_fingerprint), on a device about ten elementwise passes.
-    def record_trained(self) -> None:
+    def record_trained(self, only: Optional[Set[str]] = None) -> None:
         """The trained parameters' versions and fingerprints now (after an update, a load, an
-        acceptance). The parameters are the ones found at make_private (or the last acceptance):
-        one that is replaced since is the trainable-set check's to refuse (trainable.py)."""
+        acceptance of everything). The parameters are the ones found at make_private (or the last
+        acceptance): one that is replaced since is the trainable-set check's to refuse
+        (trainable.py). ``only``: the parameters a load wrote; the others keep what was recorded,
+        and so does a memory that holds any other (a review laundered a write from the data
+        through a load of nothing, and through an acceptance of an unrelated buffer)."""
         if not self.watch_trained:
+            return
+        if only is not None:
+            self._trained = [(n, p, p._version if n in only else v) for n, p, v in self._trained]
+            with torch._C.DisableTorchFunctionSubclass():
+                self._trained_memories = [
+                    (names, memory, ptr,
+                     fingerprint(memory, self.key) if set(names) <= only else f)
+                    for names, memory, ptr, f in self._trained_memories]
             return
         if self._trained_named is None:
             self._trained_named = [(n, p) for n, p in self.model.named_parameters()
@@ -343,8 +353,9 @@ class StateGuard:
                                  f"parameter of the model (it has {len(known)}, e.g. "
                                  f"{sorted(known)[:3]})")
         self._fix(names)
-        self._trained_named = None  # taken afresh
-        self.record_trained()
+        if names is None:  # everything, the trained parameters' writes included
+            self._trained_named = None  # taken afresh
+            self.record_trained()
 
     # ---- checking ------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import hashlib
 import itertools
 import json
 import math
@@ -99,8 +100,21 @@ def parse_grid(items: Sequence[str], cfg: RunConfig) -> Dict[Tuple[str, str], Li
 # every combination). With secure_mode = false the seed also keys the Philox noise and the Poisson
 # batches, and two runs with one seed draw the same z: a privacy review released two runs that
 # differed only in C and subtracted their scaled updates, which cancelled the noise exactly and
-# told neighbouring datasets apart at any σ, with no seed needed. So there every run takes a seed
-# of its own, seed + its index in the sweep.
+# told neighbouring datasets apart at any σ, with no seed needed. So there every run's seed is a
+# hash of the base seed, the repeat and the run's whole configuration (its output directory
+# aside): runs that differ in anything draw different noise, in this sweep, in another sweep with
+# the same base seed, or against a `dpzero train` of the base seed; two runs with one seed are the
+# same run. (Seeds with index arithmetic, base + i, met again across sweeps: a second review.)
+
+
+def _run_seed(base: int, repeat: int, run: RunConfig) -> int:
+    """Note [sweep seeds]: a 62-bit seed from the base seed, the repeat and ``run``'s
+    configuration without its output directory and seed."""
+    config = run.to_dict()
+    config["output"].pop("dir", None)
+    config["training"].pop("seed", None)
+    text = json.dumps([base, repeat, config], sort_keys=True, default=str)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 2
 
 
 def plan(cfg: RunConfig, grid: Dict[Tuple[str, str], List[Any]], seeds: int,
@@ -119,8 +133,8 @@ def plan(cfg: RunConfig, grid: Dict[Tuple[str, str], List[Any]], seeds: int,
             run = copy.deepcopy(cfg)
             for (section, key), value in values.items():
                 setattr(getattr(run, section), key, value)
-            run.training.seed = cfg.training.seed + (
-                s if cfg.privacy.secure_mode else len(runs))  # Note [sweep seeds]
+            run.training.seed = cfg.training.seed + s if cfg.privacy.secure_mode else \
+                _run_seed(cfg.training.seed, s, run)  # Note [sweep seeds]
             run.training.baseline = False  # the sweep compares private runs
             run.output.dir = os.path.join(out_dir, f"run-{len(runs):03d}")
             try:
