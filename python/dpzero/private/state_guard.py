@@ -20,11 +20,13 @@ dpzero holds them fixed:
 * at every private step (``optimizer.step()`` of a logical batch's last micro-batch, before
   anything is charged) the buffers are compared with their copies bit for bit and the frozen
   parameters' fingerprints recomputed: one read of a device flag for all of them. Before each
-  later micro-batch of a logical batch is handed out, the same comparisons are made on the
-  device, OR-ed into flags the step reads with its own (no host read there), and every buffer
-  is put back to its copy: a forward that writes one micro-batch into state and a later forward
-  that clears it before the step carried data between micro-batches (a review moved a step
-  3.16C that way); now the later forward reads the fixed value and the step is refused. Values, not
+  micro-batch of a logical batch is handed out, the same comparisons are made on the device,
+  OR-ed into flags the step reads with its own (no host read there), and every buffer is put
+  back to its copy: a forward that writes one micro-batch into state and a later forward that
+  clears it before the step carried data between micro-batches (a review moved a step 3.16C that
+  way), and an evaluation on training rows between two steps did the same into the next step's
+  first forward (another, 2.6 times the bound over two steps); now the later forward reads the
+  fixed value and the step is refused. Values, not
   version counters: a write through ``.data``, numpy or DLPack bumps no version counter (a review
   moved one step's sum 3.27C through a frozen parameter written by ``.data`` in the forward of
   the step's second micro-batch). A change (a fingerprint confirmed by the digest) refuses the
@@ -437,11 +439,11 @@ class StateGuard:
         return [bool(v) for f in flags for v in f.reshape(-1).tolist()]
 
     def check_micro_batch(self) -> None:
-        """Before a later micro-batch of a logical batch is handed out: what the earlier ones'
-        forwards changed is noted for the step (which then refuses), and every buffer is put
-        back to its copy, so that nothing of one micro-batch reaches the next one's forward even
-        when that forward would clear it before the step. No host read: the flags stay on the
-        device until the step reads them with its own."""
+        """Before each micro-batch of a logical batch is handed out: what the earlier ones'
+        forwards changed, or what ran since the last step (an evaluation forward), is noted for
+        the step (which then refuses), and every buffer is put back to its copy, so that nothing
+        of one forward reaches the next one even when that one would clear it before the step.
+        No host read: the flags stay on the device until the step reads them with its own."""
         self._pending_problems += self._structure() + self._written_trained()
         flags = self._flags()
         if flags and len({f.device for f in flags}) == 1:
