@@ -436,19 +436,25 @@ class _Cache(nn.Module):
         return out
 
 
+def _cache_after_one_step():
+    """A private _Cache at q = 1 (one step an epoch) after its first step: (model, the private
+    model's bundle, that step's inputs)."""
+    torch.manual_seed(0)
+    model = _Cache()
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=1.0, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, seed=0)
+    x, y = next(iter(p.data_loader))
+    F.cross_entropy(p.model(x), y).backward()
+    assert p.optimizer.step()
+    return model, p, x
+
+
 def test_state_written_between_steps_and_cleared_by_the_next_forward_is_refused():
     """An evaluation on the training rows between two steps writes a buffer; the next step's
     first forward reads it and clears it. The check before every micro-batch, the first too,
     sees it and puts it back (a review moved two steps 2.6 times the bound when only later
     micro-batches were checked)."""
-    torch.manual_seed(0)
-    model = _Cache()
-    p = dpzero.make_private(model, dataset=_data(), sample_rate=1.0, noise_multiplier=0.0,
-                            allow_no_noise=True, max_grad_norm=1.0, seed=0)
-    batches = iter(p.data_loader)
-    x, y = next(batches)
-    F.cross_entropy(p.model(x), y).backward()
-    assert p.optimizer.step()
+    model, p, x = _cache_after_one_step()
     model.stash = True
     with torch.no_grad():
         p.model(x)
@@ -467,14 +473,7 @@ def test_an_acceptance_or_a_load_takes_no_other_trained_parameters_write(how):
     """A trained parameter written from the batch through .data between steps stays refused
     through an acceptance that names only a buffer and through a load that wrote nothing (a
     review laundered the write both ways, 1733 times the bound); accepting everything takes it."""
-    torch.manual_seed(0)
-    model = _Cache()
-    p = dpzero.make_private(model, dataset=_data(), sample_rate=1.0, noise_multiplier=0.0,
-                            allow_no_noise=True, max_grad_norm=1.0, seed=0)
-    batches = iter(p.data_loader)
-    x, y = next(batches)
-    F.cross_entropy(p.model(x), y).backward()
-    assert p.optimizer.step()
+    model, p, x = _cache_after_one_step()
     model.fc.bias.data[:] = x.detach().as_subclass(torch.Tensor).mean(0)[:K]
     if how == "accept_a_buffer":
         p.privacy_engine.accept_state_change(["cache"])
