@@ -224,26 +224,48 @@ std::vector<std::string> StateGuard::structure() const {
 
 void StateGuard::record_trained() {
   versions_.clear();
-  trained_fingerprints_.clear();
+  trained_memories_.clear();
   for (const auto& [name, p] : trained_) {
     versions_.push_back(static_cast<int64_t>(p._version()));
-    trained_fingerprints_.push_back(state_fingerprint(p, key_));
+    const void* data = p.storage().data();
+    auto same = std::find_if(trained_memories_.begin(), trained_memories_.end(),
+                             [&](const TrainedMemory& m) { return m.data == data; });
+    if (same == trained_memories_.end()) {
+      const at::Tensor memory = memory_of(p, {});  // all of its storage: a unit's flat buffer
+      trained_memories_.push_back(
+          TrainedMemory{{name}, memory, data, state_fingerprint(memory, key_)});
+    } else {
+      same->names.push_back(name);
+    }
   }
 }
 
 namespace {
-std::string written_outside(const std::string& name) {
-  return "trainable parameter '" + name +
-         "' was written outside the private step (in place or through .data() in the forward, "
-         "or between steps)";
+std::string written_outside(const std::vector<std::string>& names) {
+  const std::string how =
+      " written outside the private step (in place or through .data() in the forward, or "
+      "between steps)";
+  if (names.size() == 1) return "trainable parameter '" + names[0] + "' was" + how;
+  std::string list;
+  for (size_t i = 0; i < std::min<size_t>(names.size(), 4); ++i)
+    list += (i ? ", '" : "'") + names[i] + "'";
+  if (names.size() > 4) list += " and " + std::to_string(names.size() - 4) + " more";
+  return "one of the trainable parameters " + list + ", which share one buffer, was" + how;
 }
 }  // namespace
 
 std::vector<std::string> StateGuard::written_trained() const {
   std::vector<std::string> problems;
-  for (size_t i = 0; i < trained_.size(); ++i)
-    if (static_cast<int64_t>(trained_[i].second._version()) != versions_[i])
-      problems.push_back(written_outside(trained_[i].first));
+  for (size_t i = 0; i < trained_.size(); ++i) {
+    const auto& [name, p] = trained_[i];
+    const bool known = std::any_of(trained_memories_.begin(), trained_memories_.end(),
+                                   [&](const TrainedMemory& m) { return m.data == p.storage().data(); });
+    if (static_cast<int64_t>(p._version()) != versions_[i])
+      problems.push_back(written_outside({name}));
+    else if (!known)
+      problems.push_back("trainable parameter '" + name +
+                         "' was given other memory outside the private step (its data replaced)");
+  }
   return problems;
 }
 
@@ -266,8 +288,10 @@ std::vector<at::Tensor> StateGuard::flags() const {
                         .ne(e.fingerprint.to(e.tensor.device())));
     }
   }
-  for (size_t i = 0; i < trained_.size(); ++i)  // by value: .data() moves no version counter
-    out.push_back(state_fingerprint(trained_[i].second, key_).ne(trained_fingerprints_[i]));
+  // By value: .data() moves no version counter. One fingerprint per memory (a unit's flat
+  // buffer), so that the launches grow with units, not parameters.
+  for (const TrainedMemory& m : trained_memories_)
+    out.push_back(state_fingerprint(m.memory, key_).ne(m.fingerprint));
   return out;
 }
 
@@ -334,16 +358,16 @@ std::optional<std::string> refusal_of(std::vector<std::string> items) {
 }  // namespace
 
 std::optional<std::string> StateGuard::verdict(const std::vector<bool>& read) {
-  TORCH_CHECK(read.size() == entries_.size() + trained_.size(),
+  TORCH_CHECK(read.size() == entries_.size() + trained_memories_.size(),
               "dpzero::dp::StateGuard::verdict: ", read.size(), " flags for ", entries_.size(),
-              " state tensors and ", trained_.size(), " trained parameters");
+              " state tensors and ", trained_memories_.size(), " trained memories");
   std::vector<std::string> items = std::move(pending_problems_);
   for (std::string& p : structure()) items.push_back(std::move(p));
   for (std::string& p : written_trained()) items.push_back(std::move(p));
   for (size_t i = 0; i < entries_.size(); ++i)
     if (read[i]) items.push_back(describe(entries_[i].buffer, entries_[i].name, *entries_[i].owner));
-  for (size_t i = 0; i < trained_.size(); ++i)
-    if (read[entries_.size() + i]) items.push_back(written_outside(trained_[i].first));
+  for (size_t i = 0; i < trained_memories_.size(); ++i)
+    if (read[entries_.size() + i]) items.push_back(written_outside(trained_memories_[i].names));
   restore_buffers();
   clear_pending();
   return refusal_of(std::move(items));
@@ -356,8 +380,9 @@ std::optional<std::string> StateGuard::release_refusal() const {
   for (size_t i = 0; i < entries_.size(); ++i)
     if (now[i].item<bool>())
       items.push_back(describe(entries_[i].buffer, entries_[i].name, *entries_[i].owner));
-  for (size_t i = 0; i < trained_.size(); ++i)
-    if (now[entries_.size() + i].item<bool>()) items.push_back(written_outside(trained_[i].first));
+  for (size_t i = 0; i < trained_memories_.size(); ++i)
+    if (now[entries_.size() + i].item<bool>())
+      items.push_back(written_outside(trained_memories_[i].names));
   return refusal_of(std::move(items));
 }
 

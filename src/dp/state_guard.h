@@ -58,8 +58,9 @@ class StateGuard {
 
   // Before each micro-batch of the logical batch is handed out (see above). No host read.
   void check_micro_batch();
-  // What changed, unread: one 0-dim bool per entry and then per trained parameter, on its device
-  // (pending changes included), for the step's Book::read_checks.
+  // What changed, unread: one 0-dim bool per entry and then per memory the trained parameters
+  // live in (a unit's flat buffer), on its device (pending changes included), for the step's
+  // Book::read_checks.
   std::vector<at::Tensor> step_flags();
   // The step's verdict from the read flags (step_flags's, flattened; empty when there are no
   // entries): the refusal, naming what changed, or nullopt. Puts every buffer back and forgets
@@ -99,7 +100,13 @@ class StateGuard {
   std::shared_ptr<torch::nn::Module> model_;
   std::vector<std::pair<std::string, at::Tensor>> trained_;
   std::vector<int64_t> versions_;  // trained_'s, recorded
-  std::vector<at::Tensor> trained_fingerprints_;  // trained_'s, recorded, on their devices
+  struct TrainedMemory {           // a storage the trained parameters live in (a unit's buffer)
+    std::vector<std::string> names;  // the trained parameters in it
+    at::Tensor memory;               // all of it, flat
+    const void* data = nullptr;      // its data pointer when recorded
+    at::Tensor fingerprint;          // recorded, on its device
+  };
+  std::vector<TrainedMemory> trained_memories_;
   int64_t key_ = 0;                // the fingerprints'
   std::vector<Entry> entries_;
   std::vector<at::Tensor> pending_;             // per entry, OR-ed (empty: none)

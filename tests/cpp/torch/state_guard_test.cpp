@@ -264,9 +264,10 @@ TEST(PrivacyEngineState, ATrainedParameterWrittenInTheForwardIsRefusedUntilAccep
     auto net = std::make_shared<Stateful>();
     PrivacyEngine engine(net, options());
     net->write = write;
+    // Named alone by its version counter, or with the unit's others by its buffer's fingerprint.
     const std::string why = refusal(engine, *net);
-    EXPECT_TRUE(contains(why, std::string("trainable parameter '") + name +
-                                  "' was written outside the private step"))
+    EXPECT_TRUE(contains(why, std::string("'") + name + "'") &&
+                contains(why, "written outside the private step"))
         << why;
     engine.zero_grad();
     net->write = Write::kNone;
@@ -304,11 +305,11 @@ TEST(PrivacyEngineState, ANamedAcceptanceTakesNoTrainedParametersWrite) {
   auto net = std::make_shared<Stateful>();
   PrivacyEngine engine(net, options());
   net->write = Write::kTrainedData;
-  EXPECT_TRUE(contains(refusal(engine, *net), "trainable parameter 'fc.bias'"));
+  EXPECT_TRUE(contains(refusal(engine, *net), "'fc.bias'"));
   engine.zero_grad();
   net->write = Write::kNone;
   engine.accept_state_change({"inner.seen"});
-  EXPECT_TRUE(contains(refusal(engine, *net), "trainable parameter 'fc.bias'"));
+  EXPECT_TRUE(contains(refusal(engine, *net), "'fc.bias'"));
   EXPECT_THROW(engine.verify_state(), PrivacyError);
   EXPECT_EQ(engine.charges(), 0);
 }
