@@ -104,8 +104,10 @@ def _lm_data():
     return ids, labels
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_a_language_models_own_loss_trains_each_example_by_its_own_tokens(reduction):
+@pytest.mark.parametrize("reduction,return_dict", [("mean", True), ("sum", True),
+                                                   ("mean", False)])
+def test_a_language_models_own_loss_trains_each_example_by_its_own_tokens(reduction,
+                                                                           return_dict):
     """Note [a model's own loss under make_private] (dpzero/hf/losses.py): the ordinary loop
     ``model(input_ids=x, labels=y).loss.backward()`` takes one private step equal to DP-SGD's
     with each example's own loss (the mean over its own labelled next tokens): the reference is a
@@ -134,8 +136,8 @@ def test_a_language_models_own_loss_trains_each_example_by_its_own_tokens(reduct
                             noise_multiplier=0.0, allow_no_noise=True, max_grad_norm=c,
                             optimizer="sgd", lr=lr, seed=0, loss_reduction=reduction)
     for x, y in p.data_loader:
-        out = p.model(input_ids=x, labels=y)
-        out.loss.backward()
+        out = p.model(input_ids=x, labels=y, return_dict=return_dict)
+        (out.loss if return_dict else out[0]).backward()  # a tuple: (loss, logits, ...)
         assert p.optimizer.step()
     got = p.privacy_engine.parameters()
     for name, w in want.items():

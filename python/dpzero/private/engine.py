@@ -464,7 +464,8 @@ class PrivacyEngine:
         sharded.zero_state.set_private(True)
         slot_of, unit_numel, unit_device = param_slots(sharded)
         self.slots = Slots(slot_of, sharded, self._check_between_steps,
-                           lambda: self._state.record_trained())
+                           lambda: self._state.clean_trained(),
+                           lambda clean: self._state.record_trained(clean=clean))
         layers = layers_of(model, slot_of)
         n_components = assign_components(layers)
         groups, thresholds = self._clip_groups(layers, n_components, clipping,

@@ -13,11 +13,13 @@ from .book import Slot
 
 class Slots:
     def __init__(self, slot_of: Dict[int, Slot], sharded, between_steps: Callable[[str], None],
-                 loaded: Callable[[], None]) -> None:
+                 clean: Callable[[], object], loaded: Callable[[object], None]) -> None:
         """``slot_of``: id(parameter) -> its Slot; ``sharded``: the ShardedModule whose ZeRO state
         holds them (read at each use: a retired one no longer has it, Note [ending a script]);
         ``between_steps(what)`` raises on every rank unless every rank is between steps (a
-        collective); ``loaded()`` is told after a load wrote the masters."""
+        collective); ``clean()`` is asked before a load writes the masters and ``loaded(that
+        answer)`` told after (StateGuard.clean_trained and record_trained)."""
+        self._clean = clean
         self._slot_of = slot_of
         self._sharded = sharded
         self._between_steps = between_steps
@@ -45,8 +47,9 @@ class Slots:
         1-2)."""
         zero = self._sharded.zero_state
         begin, end = zero.kept_range(u)
+        clean = self._clean()
         zero.load_state(u, {name: t[begin:end] for name, t in entries.items()}, steps)
-        self._loaded()  # loaded, not written by the forward
+        self._loaded(clean)  # loaded, not written by the forward
 
     def load_parameters(self, values: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Writes ``values`` ([(parameter, tensor of its shape)]) into the masters (Note [module

@@ -58,7 +58,7 @@ def register(model: nn.Module, *, sharded, slots: Slots, guard: StateGuard,
     # Buffers and frozen parameters offered by the load, by name, with the values offered, from
     # the pre-hook to the post-hook.
     loaded_state: Dict[str, object] = {}
-    loaded_trained: Dict[str, object] = {}  # trainable parameters' names -> the values loaded
+    clean: list = []  # [StateGuard.clean_trained() before the load]
 
     def gathered() -> Dict[int, torch.Tensor]:
         zero = sharded.zero_state
@@ -91,9 +91,7 @@ def register(model: nn.Module, *, sharded, slots: Slots, guard: StateGuard,
         loaded_state.clear()
         loaded_state.update((key[len(prefix):], value) for key, value in state_dict.items()
                             if key.startswith(prefix) and key[len(prefix):] not in names)
-        loaded_trained.clear()
-        loaded_trained.update((name, state_dict[prefix + name]) for name in names
-                              if prefix + name in state_dict)
+        clean[:] = [guard.clean_trained()]  # what the load may re-record after it
         if not gathers:
             return
         # Taken out before torch copies them into the (freed or stale) parameters.
@@ -123,10 +121,9 @@ def register(model: nn.Module, *, sharded, slots: Slots, guard: StateGuard,
         if accepted:
             state.accept(accepted)  # what the caller loaded is the model's state now
         if not gathers:
-            # torch copied the loaded values into the parameters: those it wrote are recorded
-            wrote = {n for n, v in loaded_trained.items() if _holds(tensors.get(n), v)}
-            loaded_trained.clear()
-            state.record_trained(only=wrote)
+            # torch copied the loaded values into the parameters: the memories that held their
+            # recorded values before the load are recorded anew
+            state.record_trained(clean=clean.pop() if clean else set())
             return
         taken = list(pending.values())
         # The keys taken out above were loaded, not missing.

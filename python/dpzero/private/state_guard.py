@@ -277,21 +277,34 @@ class StateGuard:
     # training data (a projection of the released parameters) is accepted with
     # accept_state_change. The fingerprints read every trained word once per micro-batch: on the
     # host one multi-threaded pass (state_fingerprint), on a device about ten elementwise passes.
-    def record_trained(self, only: Optional[Set[str]] = None) -> None:
-        """The trained parameters' versions and fingerprints now (after an update, a load, an
-        acceptance of everything). The parameters are the ones found at make_private (or the last
+    def clean_trained(self) -> Set[int]:
+        """Before a load: the memories (data pointers) whose trained parameters still hold what
+        was recorded, fingerprint and versions unmoved (one host read; loads are rare)."""
+        if not self.watch_trained:
+            return set()
+        moved = self._read(self._trained_flags())
+        kept = {n for n, p, v in self._trained if p._version == v}
+        return {ptr for (names, _, ptr, _), m in zip(self._trained_memories, moved)
+                if not m and set(names) <= kept}
+
+    def record_trained(self, clean: Optional[Set[int]] = None) -> None:
+        """The trained parameters' versions and fingerprints now (after an update, an acceptance
+        of everything). The parameters are the ones found at make_private (or the last
         acceptance): one that is replaced since is the trainable-set check's to refuse
-        (trainable.py). ``only``: the parameters a load wrote; the others keep what was recorded,
-        and so does a memory that holds any other (a review laundered a write from the data
-        through a load of nothing, and through an acceptance of an unrelated buffer)."""
+        (trainable.py). After a load, ``clean`` (clean_trained's, taken before it): only those
+        memories are recorded anew, since whatever changed them since is the load's; a memory
+        written before the load keeps its refusal (a review laundered a write from the data
+        through a load of nothing, a load of another unit, and an acceptance of a buffer)."""
         if not self.watch_trained:
             return
-        if only is not None:
-            self._trained = [(n, p, p._version if n in only else v) for n, p, v in self._trained]
+        if clean is not None:
             with torch._C.DisableTorchFunctionSubclass():
+                renewed = {n for names, _, ptr, _ in self._trained_memories if ptr in clean
+                           for n in names}
+                self._trained = [(n, p, p._version if n in renewed else v)
+                                 for n, p, v in self._trained]
                 self._trained_memories = [
-                    (names, memory, ptr,
-                     fingerprint(memory, self.key) if set(names) <= only else f)
+                    (names, memory, ptr, fingerprint(memory, self.key) if ptr in clean else f)
                     for names, memory, ptr, f in self._trained_memories]
             return
         if self._trained_named is None:
