@@ -275,7 +275,9 @@ class StateGuard:
     # also refuses a write at its forward). A change refuses the step and every release until it
     # is accepted, naming the parameter; a write of the caller's that holds nothing of the
     # training data (a projection of the released parameters) is accepted with
-    # accept_state_change. The fingerprints read every trained word once per micro-batch: on the
+    # accept_state_change() (all of the state: an acceptance by name takes only the buffers and
+    # frozen parameters it names). A load records a memory anew only if it held its recorded
+    # values before the load (clean_trained), so no load accepts a write it did not make. The fingerprints read every trained word once per micro-batch: on the
     # host one multi-threaded pass (state_fingerprint), on a device about ten elementwise passes.
     def clean_trained(self) -> Set[int]:
         """Before a load: the memories (data pointers) whose trained parameters still hold what
