@@ -151,14 +151,13 @@ def per_example_model_loss(model: nn.Module, kwargs: dict, outputs, mean: bool):
     shift = token_head_shift(model)
     if shift is None:
         return outputs
-    if isinstance(outputs, tuple):
-        if len(outputs) < 2 or not isinstance(outputs[0], torch.Tensor) \
-                or not isinstance(outputs[1], torch.Tensor):
-            return outputs
-        losses = token_losses(outputs[1], labels.to(outputs[1].device), shift)  # [B]
-        return (losses.mean() if mean else losses.sum(),) + tuple(outputs[1:])
-    if getattr(outputs, "loss", None) is None or getattr(outputs, "logits", None) is None:
+    pair = outputs[:2] if isinstance(outputs, tuple) else (getattr(outputs, "loss", None),
+                                                          getattr(outputs, "logits", None))
+    if len(pair) < 2 or not all(isinstance(t, torch.Tensor) for t in pair):
         return outputs
-    losses = token_losses(outputs.logits, labels.to(outputs.logits.device), shift)  # [B]
-    outputs["loss"] = losses.mean() if mean else losses.sum()
+    losses = token_losses(pair[1], labels.to(pair[1].device), shift)  # [B]
+    loss = losses.mean() if mean else losses.sum()
+    if isinstance(outputs, tuple):
+        return (loss,) + tuple(outputs[1:])
+    outputs["loss"] = loss
     return outputs

@@ -91,8 +91,8 @@ def register(model: nn.Module, *, sharded, slots: Slots, guard: StateGuard,
         loaded_state.clear()
         loaded_state.update((key[len(prefix):], value) for key, value in state_dict.items()
                             if key.startswith(prefix) and key[len(prefix):] not in names)
-        clean[:] = [guard.clean_trained()]  # what the load may re-record after it
-        if not gathers:
+        if not gathers:  # (a gathering load asks per unit: Slots.load_unit)
+            clean[:] = [guard.clean_trained()]  # what the load may re-record after it
             return
         # Taken out before torch copies them into the (freed or stale) parameters.
         for name, p in names.items():

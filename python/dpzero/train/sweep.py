@@ -104,7 +104,7 @@ def parse_grid(items: Sequence[str], cfg: RunConfig) -> Dict[Tuple[str, str], Li
 # hash of the base seed, the repeat and the run's whole configuration (its output directory
 # aside): runs that differ in anything draw different noise, in this sweep, in another sweep with
 # the same base seed, or against a `dpzero train` of the base seed; two runs with one seed are the
-# same run. (Seeds with index arithmetic, base + i, met again across sweeps: a second review.)
+# same run (seeds base + i would meet again across sweeps).
 
 
 def _run_seed(base: int, repeat: int, run: RunConfig) -> int:
