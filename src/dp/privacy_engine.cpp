@@ -595,8 +595,24 @@ void PrivacyEngine::close_logical_batch() {
 }
 
 void PrivacyEngine::verify_state() const {
-  if (std::optional<std::string> why = state_->release_refusal())
-    throw PrivacyError(bad("verify_state: " + *why));
+  const std::optional<std::string> why = state_->release_refusal();
+  const comm::Collectives& comm = zero_->comm();
+  std::vector<int64_t> found(static_cast<size_t>(comm.world_size()), 0);
+  if (comm.world_size() > 1) {  // a failure names the collective and the rank (comm::wait)
+    found[static_cast<size_t>(comm.rank())] = why ? 1 : 0;
+    found = comm.all_reduce_sum(found);
+  }
+  if (why) throw PrivacyError(bad("verify_state: " + *why));
+  std::string ranks;
+  for (size_t r = 0; r < found.size(); ++r) {
+    if (found[r] != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (!ranks.empty()) {
+    throw PrivacyError(bad("verify_state: the model's state changed on rank(s) " + ranks +
+                           " (their verify_state names what), and a rank's write can reach what "
+                           "this rank releases; nothing may be released until it is accepted "
+                           "there (accept_state_change) or the run is restarted"));
+  }
 }
 
 void PrivacyEngine::accept_state_change(const std::vector<std::string>& names) {

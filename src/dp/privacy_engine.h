@@ -155,6 +155,9 @@ class PrivacyEngine {
   // Before the model (or anything computed from it) is released, e.g. saved: throws PrivacyError
   // naming what of its state changed since the engine took it (the check every step makes, read
   // now; a forward outside the loop, such as an evaluation on training data, can write state).
+  // A collective over several ranks (call it on every rank, as parameter()): every rank throws
+  // if any rank's state changed, since one rank's write can reach what another releases (a
+  // trained shard it owns, gathered by parameter()); the others name the ranks that found it.
   void verify_state() const;
   // Takes the model's state now as its own: all of it, the trained parameters' writes so far
   // included (`names` empty), or only the named buffers and frozen parameters (dotted, as

@@ -22,7 +22,9 @@
 //     (the update writes the parameters' storage without moving their version counters; the
 //     guard records the versions after each step all the same);
 //   - check_batch_first's forwards leave no trace (its rewind's restore removed), and
-//     verify_state names a write made outside the loop.
+//     verify_state names a write made outside the loop;
+//   - verify_state on two ranks refuses on both when one rank's state changed (the agreement
+//     removed: the other rank passed).
 
 #include <gtest/gtest.h>
 
@@ -352,6 +354,34 @@ TEST(PrivacyEngineState, StateOnlyReadTrainsAtStagesZeroToTwoOnTwoRanks) {
       EXPECT_TRUE(torch::equal(net.inner->scale, torch::ones({kIn})));
     });
   }
+}
+
+// verify_state is agreed: a write on one rank (an evaluation there) refuses the release on every
+// rank, since what one rank releases can hold another's writes (parameter() gathers the shards).
+TEST(PrivacyEngineState, VerifyStateRefusesOnEveryRankWhenOneRanksStateChanged) {
+  std::vector<std::shared_ptr<Stateful>> nets;
+  for (int r = 0; r < 2; ++r) nets.push_back(std::make_shared<Stateful>());
+  std::vector<std::string> why(2);
+  testing::run_ranks(2, std::chrono::seconds(60), [&](int rank, auto pg) {
+    Stateful& net = *nets[rank];
+    PrivacyOptions o = options();
+    o.zero_stage = 1;
+    PrivacyEngine engine(nets[rank], o, pg);
+    train_step(engine, net);
+    engine.verify_state();  // nothing changed anywhere: passes on both
+    if (rank == 1) {  // an evaluation on training rows, outside the loop, on rank 1 only
+      net.write = Write::kBuffer;
+      torch::NoGradGuard no_grad;
+      net.forward(data().first.narrow(0, 0, 8));
+      net.write = Write::kNone;
+    }
+    why[rank] = testing::error_message<PrivacyError>([&] { engine.verify_state(); });
+    if (rank == 1) engine.accept_state_change({"inner.seen"});
+    engine.verify_state();  // accepted where it changed: passes on both again
+  });
+  EXPECT_TRUE(contains(why[1], "buffer 'inner.seen'")) << why[1];
+  EXPECT_TRUE(contains(why[0], "rank(s) 1") && contains(why[0], "accept_state_change"))
+      << why[0];
 }
 
 TEST(PrivacyEngineState, TheBatchFirstCheckLeavesNoTraceAndVerifyStateSeesAnEvaluation) {
