@@ -224,6 +224,17 @@ void bind_dp(py::module_ m) {
   m.def("state_fingerprint", &dp::state_fingerprint, py::arg("t"), py::arg("key"),
         "Note [state written from data]: a 0-dim int64 on t's device that any change of a word "
         "of t moves (src/dp/state_guard.h)");
+  m.def(
+      "watch_gathered",
+      [](zero::ZeroState& state, std::optional<int64_t> key) {
+        if (!key) return state.watch_gathered({});
+        const int64_t k = *key;
+        state.watch_gathered([k](const at::Tensor& t) { return dp::state_fingerprint(t, k); });
+      },
+      py::arg("state"), py::arg("key"),
+      "Note [writes to a gathered unit] (src/zero/flat_param.h): the ZeRO state's stage-3 "
+      "gathered copies fingerprinted with state_fingerprint(key) at each gather and release "
+      "(None: the watch stops); ZeroState.take_gathered_written() reads the flags");
   m.def("trained_set_refusal", &dp::trained_set_refusal, py::arg("trained"), py::arg("now"),
         "Note [trained set]: the refusal when the trainable tensors among `now` ([(name, "
         "tensor)]) are no longer exactly `trained`, else None");

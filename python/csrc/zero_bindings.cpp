@@ -242,6 +242,10 @@ void bind_zero(py::module_ m) {
           "design.md §2 steps 5-7 on the engine: noise N(0, stddev^2) from (seed or key, step) "
           "on exactly the global coordinates this rank updates, scale by grad_scale, update.")
       .def("zero_grad", &ZeroState::zero_grad, py::call_guard<py::gil_scoped_release>())
+      .def("take_gathered_written", &ZeroState::take_gathered_written,
+           "Note [writes to a gathered unit] in src/zero/flat_param.h: one 0-dim bool per unit "
+           "on its device, whether a stage-3 gathered copy changed between its gather and its "
+           "release since the last take; resets them")
       .def("full_parameters", &ZeroState::full_parameters, py::arg("unit"),
            py::call_guard<py::gil_scoped_release>(),
            "Unit `unit`'s flat parameters [padded_numel], a copy (all-gathers in stage 3: call "

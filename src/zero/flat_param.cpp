@@ -134,7 +134,39 @@ bool FlatParam::wait_gather() {
                             std::to_string(rank_));  // Note [collective failures]
   pending_.reset();
   staged_ = at::Tensor();  // stream-ordered: a later kernel cannot reuse it before the gather
+  note_gathered();
   return true;
+}
+
+void FlatParam::watch_gathered(Fingerprint fingerprint) {
+  fingerprint_ = std::move(fingerprint);
+  gathered_fingerprint_ = at::Tensor();
+  if (fingerprint_ && unsharded()) note_gathered();  // a copy gathered before the watch began
+}
+
+void FlatParam::note_gathered() {
+  if (!fingerprint_ || !options_.shard_params) return;
+  at::NoGradGuard no_grad;
+  gathered_fingerprint_ = fingerprint_(full_);
+}
+
+void FlatParam::check_gathered() {
+  if (!gathered_fingerprint_.defined()) return;
+  at::NoGradGuard no_grad;
+  if (fingerprint_ && unsharded()) {
+    const at::Tensor changed = fingerprint_(full_).ne(gathered_fingerprint_);
+    gathered_written_ =
+        gathered_written_.defined() ? gathered_written_.logical_or(changed) : changed;
+  }
+  gathered_fingerprint_ = at::Tensor();
+}
+
+at::Tensor FlatParam::take_gathered_written() {
+  at::Tensor out = gathered_written_.defined()
+                       ? gathered_written_
+                       : at::zeros({}, full_.options().dtype(at::kBool));
+  gathered_written_ = at::Tensor();
+  return out;
 }
 
 at::Tensor& FlatParam::gather_source() {
@@ -163,6 +195,7 @@ void FlatParam::unshard(const comm::Collectives& comm) {
   allocate_storage(full_, static_cast<size_t>(full_bytes()));
   comm.all_gather(full_, gather_source());
   staged_ = at::Tensor();
+  note_gathered();
 }
 
 void FlatParam::unshard_async(const comm::Collectives& comm) {
@@ -173,7 +206,9 @@ void FlatParam::unshard_async(const comm::Collectives& comm) {
 
 void FlatParam::reshard() {
   wait_gather();  // the gather writes into full_: let it finish before freeing the memory
-  if (options_.shard_params) free_storage(full_);
+  if (!options_.shard_params) return;
+  check_gathered();  // Note [writes to a gathered unit]
+  free_storage(full_);
 }
 
 void FlatParam::publish_master(const comm::Collectives& comm) {

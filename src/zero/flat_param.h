@@ -51,9 +51,26 @@
 // numbers are gathered, and the optimizer arithmetic is the same on either side (as for
 // optimizer offload). On a CPU device the host shard is the device shard and only the master
 // aliasing is new.
+//
+// Note [writes to a gathered unit]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Under DP the stage-3 gathered copy is read-only to everything but the gather itself: the
+// optimizer writes the owned shard (or the master) and frees full(), so a write into full()
+// between its gather and its release is the forward's or the backward's (an initialisation from
+// the batch through .data, F.embedding(..., max_norm=) renormalising a trained table). It does
+// not outlive the release, but until then every later read of the parameters in the same
+// micro-batch, the other examples' included, sees it: one example's data reaching the others'
+// gradients outside the clipping. At stages 0–2 such a write persists and the private front
+// door's fingerprints of the trained memories see it at the next check; at stage 3 there is
+// nothing to see by then. So, when watched (watch_gathered, with the front door's fingerprint),
+// each gathered copy is fingerprinted on its device when its gather completes and again just
+// before its release, and a difference is OR-ed into a device flag (no host read) that the front
+// door takes with the step's own read (take_gathered_written). Every release goes through
+// reshard() (publish_master calls it first), so no gathered copy is freed unchecked.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -143,6 +160,15 @@ class FlatParam {
   // are not sharded.
   void reshard();
 
+  // Note [writes to a gathered unit] (stage 3). `fingerprint` maps a tensor to a 0-dim device
+  // tensor that moves with any change of its bytes (the private front door's
+  // state_fingerprint); an empty function stops the watch.
+  using Fingerprint = std::function<at::Tensor(const at::Tensor&)>;
+  void watch_gathered(Fingerprint fingerprint);
+  // A 0-dim bool on full()'s device: whether a gathered copy changed between its gather and its
+  // release since the last take (false when none did or nothing is watched); resets it.
+  at::Tensor take_gathered_written();
+
   // The slice of a flat tensor ([padded_numel]) that parameter i occupies, with its shape.
   at::Tensor param_view(const at::Tensor& flat, size_t i) const;
 
@@ -174,6 +200,10 @@ class FlatParam {
  private:
   // Waits for the gather unshard_async started, if any; returns whether there was one.
   bool wait_gather();
+  // Note [writes to a gathered unit]: a gather completed (fingerprint it), a release is due
+  // (compare).
+  void note_gathered();
+  void check_gathered();
   // The all-gather source on full()'s device: shard_ itself, or under parameter offload its copy
   // (kept in staged_ until the gather is waited for; Note [parameter offload]).
   at::Tensor& gather_source();
@@ -194,6 +224,11 @@ class FlatParam {
   // after the last such copy (recorded on the device's current stream).
   at::Tensor staged_;
   std::optional<c10::Event> host_read_done_;
+  // Note [writes to a gathered unit]: the watch's fingerprint, that of the copy gathered now
+  // (undefined when none is), and the OR of the differences found since the last take.
+  Fingerprint fingerprint_;
+  at::Tensor gathered_fingerprint_;
+  at::Tensor gathered_written_;
 };
 
 }  // namespace dpzero::zero

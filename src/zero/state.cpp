@@ -208,6 +208,19 @@ void ZeroState::zero_grad() {
   for (Unit& g : units_) g.zero_grad();
 }
 
+void ZeroState::watch_gathered(const FlatParam::Fingerprint& fingerprint) {
+  for (Unit& g : units_) {
+    if (g.flat().shards_params()) g.flat().watch_gathered(fingerprint);
+  }
+}
+
+std::vector<at::Tensor> ZeroState::take_gathered_written() {
+  std::vector<at::Tensor> out;
+  out.reserve(units_.size());
+  for (Unit& g : units_) out.push_back(g.flat().take_gathered_written());
+  return out;
+}
+
 at::Tensor ZeroState::full_parameters(int64_t unit) {
   FlatParam& flat = unit_at(unit).flat();
   at::Tensor master = flat.master();  // a handle: all_gather takes it by reference

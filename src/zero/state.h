@@ -133,6 +133,11 @@ class ZeroState {
   // backward, Note [early release] in src/dp/book.h). A later gather hook may
   // gather it again. No-op in stages 0–2.
   void release_params(int64_t unit);
+  // Note [writes to a gathered unit] in flat_param.h: every stage-3 unit's gathered copies are
+  // fingerprinted with `fingerprint` (empty: the watch stops; a no-op in stages 0–2), and
+  // take_gathered_written() hands over one 0-dim device bool per unit, resetting them.
+  void watch_gathered(const FlatParam::Fingerprint& fingerprint);
+  std::vector<at::Tensor> take_gathered_written();
 
   // Note [only the private step updates a private model]: with set_private(true) the update is
   // the private step's (dp::PrivateStep, which records the step in the ledger, charges it and

@@ -415,6 +415,80 @@ def test_a_trained_parameter_written_through_data_is_refused(stage, relay, preci
     p.model.state_dict()
 
 
+class _InitLinear(nn.Module):
+    """A ZeRO unit that initialises its own Linear's bias from the first full micro-batch (4
+    rows; the provenance probe's forwards have 5 and 3) through ``.data``, in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.done = nn.Linear(D, D), False
+
+    def forward(self, x):
+        if not self.done and len(x) == 4:
+            self.fc.bias.data.copy_(-x.mean(0))
+            self.done = True
+        return self.fc(x)
+
+
+def test_a_trained_parameter_written_while_stage_3_has_it_gathered_is_refused():
+    """Note [writes to a gathered unit] (src/zero/flat_param.h): at stage 3 a write through
+    .data goes with the gathered copy it was made in, so no fingerprint of the trained memories
+    could see it afterwards, but the rest of its micro-batch read it (an initialisation from the
+    batch reaches every example's output). The gathered copy is fingerprinted from its gather to
+    its release and the step refused, nothing charged; with the write gone, the next steps train
+    without an acceptance."""
+    torch.manual_seed(0)
+    init = _InitLinear()
+    model = nn.Sequential(init, nn.Tanh(), nn.Linear(D, K))
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
+                            max_physical_batch_size=4)
+    with pytest.raises(PrivacyViolation, match=r"step is refused: .*trainable parameters "
+                                               r".*'0.fc.bias'.* was written while ZeRO "
+                                               r"stage 3 had it gathered"):
+        for x, y in p.data_loader:
+            F.cross_entropy(p.model(x), y).backward()
+            p.optimizer.step()
+    assert init.done and p.privacy_engine.charges == 0
+    p.optimizer.zero_grad()
+    p.model.state_dict()  # nothing of the write is left to release
+    for x, y in p.data_loader:  # the module writes only once
+        F.cross_entropy(p.model(x), y).backward()
+        p.optimizer.step()
+    assert p.privacy_engine.charges >= 1
+
+
+def test_a_write_into_a_stage_3_gathered_copy_outside_the_loop_refuses_nothing():
+    """An evaluation that writes into the gathered parameters outside the loop (the unit's
+    first full-batch call) leaves nothing once the copy is released: the next step is not
+    refused for it, nor is a step after a logical batch dropped with such a write in it."""
+    torch.manual_seed(0)
+    init = _InitLinear()
+    model = nn.Sequential(init, nn.Tanh(), nn.Linear(D, K))
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
+                            max_physical_batch_size=4)
+    with torch.no_grad():
+        model(_data().tensors[0][:4])  # the plain module: stage 3 gathers for it too
+    assert init.done
+    for x, y in p.data_loader:
+        F.cross_entropy(p.model(x), y).backward()
+        p.optimizer.step()
+    assert p.privacy_engine.charges >= 1
+    charged = p.privacy_engine.charges
+    init.done = False  # writes again at the next full micro-batch, which is then dropped
+    for x, y in p.data_loader:
+        F.cross_entropy(p.model(x), y).backward()
+        if init.done:
+            p.optimizer.zero_grad()
+            break
+        p.optimizer.step()
+    for x, y in p.data_loader:
+        F.cross_entropy(p.model(x), y).backward()
+        p.optimizer.step()
+    assert p.privacy_engine.charges > charged
+
+
 class _Cache(nn.Module):
     """Reads a buffer in its forward and clears it; ``stash``: writes the batch's sum there
     instead (an evaluation pass between steps)."""
@@ -656,7 +730,7 @@ def test_the_micro_batch_check_reads_nothing_on_the_host():
     with torch.no_grad():
         model.frozen.data.add_(1.0)
     with Reads() as mode:
-        guard.check_micro_batch()
+        guard.check_micro_batch(first=False)
     assert mode.reads == [], mode.reads
     flags, _ = p.privacy_engine.book.read_step_checks(guard.step_flags())
     assert "frozen parameter 'frozen'" in guard.verify_step(flags)

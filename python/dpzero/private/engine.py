@@ -504,8 +504,12 @@ class PrivacyEngine:
         self._trainable = self._trainable_set.params
         # Note [state written from data]: buffers and frozen parameters are fixed now, verified
         # at every step and at every release (state_dict, checkpoints, detach).
+        # At stage 3 the trained parameters are watched while gathered instead (Note [writes to
+        # a gathered unit] in src/zero/flat_param.h).
+        gathered = None if sharded.stage < 3 else (
+            sharded.zero_state, [[n for n, _, _ in members] for _, members in sharded.unit_members])
         self._state = StateGuard(model, self._trainable_set.ids, self._trainable_set.modules,
-                                 watch_trained=sharded.stage < 3)
+                                 watch_trained=sharded.stage < 3, gathered=gathered)
         self.book.restore_state = self._state.restore_buffers
         self.book.watch_state = functools.partial(ProbeWrites, model, self._trainable_set.ids)
         sharded.release_check = self._verify_release
@@ -633,7 +637,7 @@ class PrivacyEngine:
         # forward clears it before the step; nor state written between two logical batches (an
         # evaluation forward on training rows), which the first micro-batch's forward could read
         # and clear (a review moved two steps 2.6 times the bound that way).
-        self._state.check_micro_batch()
+        self._state.check_micro_batch(first=micro.token.index == 0)
         self._micro = micro
         book.token = micro.token
         book.padding = padding
@@ -886,6 +890,7 @@ class PrivacyEngine:
             h.remove()
         self._guards, self._state_dict_hooks = [], []
         self.sharded.zero_state.set_private(False)
+        self._state.stop_watching()
         self.sharded.zero_grad()
         self._detached = True
         return self.module

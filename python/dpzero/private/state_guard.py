@@ -185,7 +185,8 @@ class StateGuard:
     ``trainable``. ``modules()`` lists the model's modules now (TrainableSet's cached walk)."""
 
     def __init__(self, model: nn.Module, trainable: Iterable[int],
-                 modules: Callable[[], Sequence[nn.Module]], watch_trained: bool) -> None:
+                 modules: Callable[[], Sequence[nn.Module]], watch_trained: bool,
+                 gathered: Optional[tuple] = None) -> None:
         self.model = model
         self.trainable = frozenset(trainable)
         self._modules = modules
@@ -203,6 +204,11 @@ class StateGuard:
         # read (structure, trained versions).
         self._pending: Optional[torch.Tensor] = None
         self._pending_problems: List[str] = []
+        # Note [writes to a gathered unit] (src/zero/flat_param.h): at stage 3, (the ZeRO state,
+        # each unit's parameter names).
+        self._gathered = gathered
+        if gathered is not None:
+            _C.dp.watch_gathered(gathered[0], self.key)
         self._fix(None)
         self.record_trained()
 
@@ -271,8 +277,9 @@ class StateGuard:
     # parameter given other memory is named alone); the versions are compared
     # at each step and release, the fingerprints with the buffers' flags, before each later
     # micro-batch and at the step (one device read) and at every release. This is at ZeRO stages
-    # 0-2 (stage 3 gathers the parameters into their storage at every forward; strict isolation
-    # also refuses a write at its forward). A change refuses the step and every release until it
+    # 0-2; stage 3 frees what it gathers, so there each gathered copy is fingerprinted from its
+    # gather to its release instead and a change refuses the step (Note [writes to a gathered
+    # unit] in src/zero/flat_param.h). Strict isolation also refuses a write at its forward. A change refuses the step and every release until it
     # is accepted, naming the parameter; a write of the caller's that holds nothing of the
     # training data (a projection of the released parameters) is accepted with
     # accept_state_change() (all of the state: an acceptance by name takes only the buffers and
@@ -342,6 +349,35 @@ class StateGuard:
         holds all of the unit's: one fingerprint each, not one per parameter, so that a step's
         launches grow with its units): its fingerprint moved since record_trained."""
         return [fingerprint(memory, self.key) != f for _, memory, _, f in self._trained_memories]
+
+    def stop_watching(self) -> None:
+        """The engine let go of the model (detach): stage-3 gathers are no longer fingerprinted."""
+        if self._gathered is not None:
+            _C.dp.watch_gathered(self._gathered[0], None)
+            self._gathered = None
+
+    def _gathered_flags(self) -> List[torch.Tensor]:
+        """Note [writes to a gathered unit]: one device flag per stage-3 unit, whether a gathered
+        copy of it changed between its gather and its release since the last take (taken: they
+        reset)."""
+        return [] if self._gathered is None else list(self._gathered[0].take_gathered_written())
+
+    def _gathered_changed(self, flags: Sequence[bool]) -> List[str]:
+        """The stage-3 units the read flags (those after the trained memories') name."""
+        if self._gathered is None:
+            return []
+        first = len(self.entries) + len(self._trained_memories)
+        out = []
+        for names, f in zip(self._gathered[1], flags[first:]):
+            if f:
+                shown = ", ".join(repr(n) for n in names[:4]) + (
+                    f" and {len(names) - 4} more" if len(names) > 4 else "")
+                out.append(f"one of the trainable parameters {shown} was written while ZeRO "
+                           "stage 3 had it gathered (in place in the forward or the backward, or "
+                           "through .data, such as an initialisation from the batch): the rest of "
+                           "the micro-batch read the write, so one example reached the others' "
+                           "gradients outside the clipping")
+        return out
 
     def _trained_changed(self, flags: Sequence[bool]) -> List[str]:
         """The trained parameters the read flags (those after the entries') name: every one in a
@@ -423,20 +459,28 @@ class StateGuard:
         """What changed, unread, for the step's one read (Book.read_checks): one flag per entry,
         True where its buffer's bytes or its frozen parameter's fingerprint differ now or
         differed at an earlier micro-batch of this logical batch (check_micro_batch), then one
-        per trained parameter whose fingerprint moved. One [n] bool tensor when the state is on
-        one device, else one flag tensor each. (The
-        fingerprint is integer arithmetic: equal bytes give equal fingerprints, so a pending
-        flag is a change that was.) ``pending=False``: changes now only."""
+        per trained parameter whose fingerprint moved, then one per stage-3 unit written while
+        gathered (Note [writes to a gathered unit], taken). One [n] bool tensor when the state is
+        on one device, else one flag tensor each. (The fingerprint is integer arithmetic: equal
+        bytes give equal fingerprints, so a pending flag is a change that was.)
+        ``pending=False`` (a release): changes now only, and no stage-3 flags (what was written
+        into a gathered copy went with it)."""
         flags = self._flags()
-        pending = self._pending if pending else None
-        if not flags:
+        earlier = self._pending if pending else None
+        gathered = self._gathered_flags() if pending else []
+        if not flags and not gathered:
             return []
-        if len({f.device for f in flags}) == 1:
-            stacked = torch.stack(flags)
-            return [stacked if pending is None else stacked | pending.to(stacked.device)]
-        if pending is not None:
-            flags = [f | p.to(f.device) for f, p in zip(flags, pending)]
-        return flags
+        if len({f.device for f in flags + gathered}) == 1:
+            parts = []
+            if flags:
+                stacked = torch.stack(flags)
+                parts.append(stacked if earlier is None else stacked | earlier.to(stacked.device))
+            if gathered:
+                parts.append(torch.stack(gathered))
+            return [torch.cat(parts)]
+        if earlier is not None:  # one per flag of _flags(); the gathered ones have no history
+            flags = [f | p.to(f.device) for f, p in zip(flags, earlier)]
+        return flags + gathered
 
     def _changed(self, flags: Sequence[bool], pending: bool) -> List[_Entry]:
         """The entries whose read ``flags`` (one per entry) say they changed: every buffer, and
@@ -453,13 +497,16 @@ class StateGuard:
         """``flags`` (step_flags's) read here, for checks outside a step (releases)."""
         return [bool(v) for f in flags for v in f.reshape(-1).tolist()]
 
-    def check_micro_batch(self) -> None:
+    def check_micro_batch(self, first: bool) -> None:
         """Before each micro-batch of a logical batch is handed out: what the earlier ones'
         forwards changed, or what ran since the last step (an evaluation forward), is noted for
         the step (which then refuses), and every buffer is put back to its copy, so that nothing
         of one forward reaches the next one even when that one would clear it before the step.
         No host read: the flags stay on the device until the step reads them with its own."""
         self._pending_problems += self._structure() + self._written_trained()
+        if first:  # what was written into a gathered copy before a logical batch's first
+            self._gathered_flags()  # micro-batch went with that copy (a dropped batch, an
+            # evaluation): it reaches nothing of this batch
         flags = self._flags()
         if flags and len({f.device for f in flags}) == 1:
             flags = torch.stack(flags)
@@ -502,7 +549,8 @@ class StateGuard:
         """At a private step (before anything is charged), given step_flags as the step read
         them: why it is refused, or None. Changed buffers are put back to their copies first."""
         problems = list(dict.fromkeys(self._pending_problems + self._structure() +
-                                      self._written_trained() + self._trained_changed(flags)))
+                                      self._written_trained() + self._trained_changed(flags) +
+                                      self._gathered_changed(flags)))
         pending, self._pending, self._pending_problems = self._pending, None, []
         changed = self._changed(flags, pending is not None)
         if not (problems or changed):
