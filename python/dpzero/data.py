@@ -9,6 +9,7 @@ empty micro-batch into correctly shaped empty tensors.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Iterator, List, Optional, Sequence, Union
 
@@ -52,7 +53,6 @@ class PoissonBatchSampler(Sampler[List[int]]):
         self.sample_rate = float(sample_rate)
         self.steps = int(steps)
         self.seed = _sampler_seed(seed)
-        self._counts: dict = {}  # step -> micro-batch count, filled as schedules are computed
         self.rank, self.world_size = int(rank), int(world_size)
         self.max_physical_batch_size = max_physical_batch_size or max(1, self.num_samples)
         self.start_step = int(start_step)
@@ -64,11 +64,9 @@ class PoissonBatchSampler(Sampler[List[int]]):
 
     def schedule(self, step: int) -> _privacy.MicroBatchSchedule:
         """This rank's micro-batches of ``step`` with the logical batch size and per-rank counts."""
-        sched = _privacy.poisson_micro_batches(self.seed, step, self.num_samples, self.sample_rate,
-                                               self.rank, self.world_size,
-                                               self.max_physical_batch_size, self.partitions)
-        self._counts[step] = len(sched.micro_batches)
-        return sched
+        return _privacy.poisson_micro_batches(self.seed, step, self.num_samples, self.sample_rate,
+                                              self.rank, self.world_size,
+                                              self.max_physical_batch_size, self.partitions)
 
     def logical_batches(self) -> Iterator[tuple]:
         """(step, schedule) for each step."""
@@ -80,11 +78,12 @@ class PoissonBatchSampler(Sampler[List[int]]):
             yield from sched.micro_batches
 
     def __len__(self) -> int:
-        # Exact, because the micro-batch count of a step is computed, not estimated; each step's
-        # schedule is computed at most once for this (iteration fills the same cache).
-        steps = range(self.start_step, self.start_step + self.steps)
-        return sum(self._counts[t] if t in self._counts else len(self.schedule(t).micro_batches)
-                   for t in steps)
+        """The expected number of micro-batches: ``steps`` times the micro-batches of a step of
+        the expected size q·N / (partitions · world_size) rows (at least one). Not the realised
+        number, which follows the sampled batch sizes: those are private (one example's coin
+        moves them), and a progress bar or a schedule sized by ``len()`` would release them."""
+        rows = self.sample_rate * self.num_samples / (self.partitions * self.world_size)
+        return self.steps * max(1, math.ceil(rows / self.max_physical_batch_size))
 
 
 def _sampler_seed(seed):

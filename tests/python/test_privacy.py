@@ -148,13 +148,30 @@ def test_data_loader_yields_schedule_and_shaped_empty_batches():
     sampler = loader.batch_sampler
     expected = [mb for _, sc in sampler.logical_batches() for mb in sc.micro_batches]
     got = list(loader)
-    assert len(got) == len(expected) == len(sampler)
+    assert len(got) == len(expected)
     saw_empty = False
     for (x, y), idx in zip(got, expected):
         assert y.tolist() == idx
         assert x.shape == (len(idx), 3)
         saw_empty |= len(idx) == 0
     assert saw_empty  # q·N = 1: some of 40 steps are empty (P(no empty step) ~ 1e-6)
+
+
+def test_the_samplers_length_is_the_expected_count_whatever_the_batches():
+    """len() of the sampler (and so of a loader over it) depends on q, N, the steps, the ranks
+    and the cap only: the realised micro-batch count followed the sampled batch sizes, and a
+    review read one example's membership off len(p.data_loader) under add/remove neighbours."""
+    n, q, steps, m = 200, 0.05, 20, 2
+    lengths, realised = set(), set()
+    for seed in range(12):
+        sampler = PoissonBatchSampler(n, q, steps, seed, max_physical_batch_size=m)
+        lengths.add(len(sampler))
+        realised.add(sum(1 for _ in sampler))
+    assert lengths == {steps * math.ceil(q * n / m)}  # 5 micro-batches a step of 10 rows
+    assert len(realised) > 1  # the realised counts do differ between seeds
+    two_ranks = PoissonBatchSampler(n, q, steps, 0, rank=1, world_size=2, max_physical_batch_size=m)
+    assert len(two_ranks) == steps * math.ceil(q * n / 2 / m)
+    assert len(PoissonBatchSampler(n, q, steps, 0)) == steps  # no cap: one a step
 
 
 def test_sampler_rejects_bad_values_naming_them():

@@ -248,8 +248,9 @@ def _rng_after_steps(n: int, steps: int = 3):
 
 
 def test_the_random_state_between_steps_does_not_follow_the_batch_sizes():
-    """Note [random state between steps]: with dropout in the model and augmentation in the
-    dataset, the generators' states after a step followed its realised Poisson batch size, and
+    """Note [the model's own randomness] (generators.py): with dropout in the model and
+    augmentation in the dataset, the generators' states after a step followed its realised
+    Poisson batch size, and
     checkpoints save them (two reviews, under add/remove neighbours: torch's, then Python's and
     numpy's in the Trainer's rng_state.pth). Now the same states after every step, whatever the
     sizes."""

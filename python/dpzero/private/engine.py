@@ -54,6 +54,7 @@ from . import checkpointing, strict
 from .attach import assign_components, find_layers, guard_hooks, param_slots, patch, unpatch
 from .agreements import RankAgreements
 from .book import Book
+from .generators import RunGenerators
 from .errors import PrivacyViolation
 from .config import DEFAULT_ACCOUNTANT, PrivateConfig, resolve, run_settings, steps_per_epoch
 from .provenance.examples import MicroBatchToken, tag
@@ -529,7 +530,9 @@ class PrivacyEngine:
         self.last_step_diagnostics: Optional[Dict[str, Any]] = None
         self._diagnostics = PrivateLog(c.diagnostics_path if self.rank == 0 else None)
         self._micro: Optional[MicroBatch] = None  # the micro-batch handed out last
-        self._torch_seed = torch.initial_seed()  # Note [random state between steps]
+        # Note [the model's own randomness] (generators.py): dropout's and augmentations' draws
+        # keyed by the run's secret, not by torch's (public) seed.
+        self._generators = RunGenerators(self.noise_source.sampler_seed, self.rank)
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
         epoch_steps = steps_per_epoch(q, c.bands)
@@ -545,7 +548,7 @@ class PrivacyEngine:
                                      c.torch_optimizer)
         schedule = Schedule(
             sample_rate=q, sampler=self._sampler, next_step=lambda: self.next_step,
-            begin_micro_batch=self._begin_micro_batch,
+            begin_micro_batch=self._begin_micro_batch, reseed=self._generators.reseed,
             agree=lambda what, values: agree.collective(what, agree.same_everywhere, values))
         self.data_loader = DPDataLoader(schedule, c.dataset, epoch_steps,
                                         c.max_physical_batch_size, c.collate_fn, c.num_workers)
@@ -680,6 +683,8 @@ class PrivacyEngine:
             # Logical batch t-1 accumulated but never stepped: zero_grad() must drop it before
             # t's gradients arrive, or it would be released together with t's.
             book.stale = True
+        if i == 0:
+            self._generators.reseed(b"forward", t)  # Note [the model's own randomness]
         return self._hand_out(MicroBatch(MicroBatchToken(t, i, rows, "poisson"), n, size),
                               padding)
 
@@ -724,6 +729,8 @@ class PrivacyEngine:
                              f"earlier micro-batches gave {micro.logical_size}")
         index = micro.token.index + 1 if micro is not None else 0
         token = MicroBatchToken(self.next_step, index, rows, "caller")
+        if index == 0:
+            self._generators.reseed(b"forward", token.step)  # Note [the model's own randomness]
         self._hand_out(MicroBatch(token, None, size), padding=False)
         return tag(batch, token)
 
@@ -824,7 +831,7 @@ class PrivacyEngine:
             # Note [noise index]: a step charged and then failed (its update, the accountant)
             # used batch t; the sampler never draws a step below the charges again.
             self._next_step = max(self._next_step, self.charges, self._step.rows)
-            self._reseed_generators(t)
+            self._generators.reseed(b"between", t)  # Note [the model's own randomness]
         self._state.record_trained()  # the update's own writes
         self._next_step = max(t + 1, self.charges, self._step.rows)
         self.steps_taken += 1
@@ -832,30 +839,6 @@ class PrivacyEngine:
         self._diagnose(t, out.noise_index, "caller" if out.caller_sampled else "poisson", size,
                        out.samples, out.dropped)
         return True
-
-    # Note [random state between steps]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # Random generators advance with every draw, and a step draws as many numbers as its batch has
-    # rows (dropout in the forward; augmentation in a dataset's __getitem__, with torch, Python's
-    # random or numpy): after a step their state follows its realised Poisson batch size, and
-    # checkpoints save it (dpzero.checkpoint's extras, the Trainer's rng_state.pth). Two reviews
-    # read the batch sizes off that state under add/remove neighbours. So when a logical batch
-    # closes (stepped or refused), torch's generators (the CPU one, CUDA's once initialised),
-    # Python's random and numpy's global generator are reseeded from torch's seed at
-    # make_private and the step index, which depend on nothing of the data; runs with the same
-    # seed stay reproducible. (The noise and the sampling have generators of their own, Note
-    # [noise ownership].)
-    def _reseed_generators(self, step: int) -> None:
-        mixed = (self._torch_seed + 0x9E3779B97F4A7C15 * (step + 1)) & ((1 << 64) - 1)
-        mixed ^= mixed >> 31
-        seed = (mixed * 0xBF58476D1CE4E5B9 & ((1 << 64) - 1)) >> 1
-        torch.default_generator.manual_seed(seed)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.manual_seed_all(seed)  # (a device initialised later is seeded by torch)
-        random.seed(seed)
-        numpy = sys.modules.get("numpy")
-        if numpy is not None:
-            numpy.random.seed(seed % (1 << 32))
 
     def _diagnose(self, t: int, k: int, sampling: str, size: int, samples: int,
                   dropped: int) -> None:

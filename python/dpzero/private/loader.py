@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..data import PoissonBatchSampler, empty_safe_collate
 from .collate import SeparableCollate
+from .generators import seed_worker
 from .provenance.examples import MicroBatchToken, tag
 
 
@@ -28,12 +29,17 @@ class Schedule:
     begin_micro_batch: Callable[..., MicroBatchToken]
     # (what, {name: value}): every rank checks it holds the same values (a collective)
     agree: Callable[[str, dict], None]
+    # (purpose, step): the global generators reseeded from the run's secret (Note [the model's
+    # own randomness] in generators.py)
+    reseed: Callable[[bytes, int], None]
 
 
 class DPDataLoader:
     """Micro-batches of Poisson-sampled logical batches (``data.PoissonBatchSampler``). One pass
     (``for batch in loader``) is one epoch: ``steps_per_epoch`` logical steps, continuing from
-    the last step taken. ``len(loader)`` is the number of micro-batches of the next epoch. The
+    the last step taken. ``len(loader)`` is the expected number of micro-batches of the next
+    epoch (``PoissonBatchSampler.__len__``: the realised number follows the sampled batch sizes,
+    which are private). The
     tensors it yields carry the micro-batch's tag (Note [batch provenance]): the model accepts
     them, and no others, for the step."""
 
@@ -70,9 +76,15 @@ class DPDataLoader:
     def __iter__(self):
         start = self._schedule.next_step()
         sampler = self._sampler(start)
-        padded = _PaddedBatches(sampler)
+        # Note [the model's own randomness]: workers draw their seeds from the run's secret when
+        # the iteration starts; examples fetched here draw from it at each logical batch.
+        reseed = self._schedule.reseed
+        reseed(b"iter", start)
+        padded = _PaddedBatches(sampler, None if self.num_workers else
+                                (lambda t: reseed(b"fetch", t)))
         loader = DataLoader(self.dataset, batch_sampler=padded, collate_fn=self.collate_fn,
-                            num_workers=self.num_workers, pin_memory=self.pin_memory)
+                            num_workers=self.num_workers, pin_memory=self.pin_memory,
+                            worker_init_fn=seed_worker if self.num_workers else None)
         meta = ((t, i, len(s.micro_batches), s.logical_batch_size, len(mb))
                 for t, s in self._sampler(start).logical_batches()
                 for i, mb in enumerate(s.micro_batches))
@@ -86,12 +98,17 @@ class _PaddedBatches:
     """A short rank's empty micro-batch as one row of example 0 (Note [padding batches] in
     src/dp/book.h: the book makes its gradient exact zeros)."""
 
-    def __init__(self, sampler: PoissonBatchSampler) -> None:
+    def __init__(self, sampler: PoissonBatchSampler,
+                 begin: Optional[Callable[[int], None]] = None) -> None:
         self.sampler = sampler
+        self.begin = begin  # called with t before logical step t's first micro-batch is fetched
 
     def __iter__(self):
-        for mb in self.sampler:
-            yield mb if len(mb) else [0]
+        for t, schedule in self.sampler.logical_batches():
+            if self.begin is not None:
+                self.begin(t)
+            for mb in schedule.micro_batches:
+                yield mb if len(mb) else [0]
 
     def __len__(self) -> int:
         return len(self.sampler)

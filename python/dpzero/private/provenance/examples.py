@@ -85,8 +85,10 @@ class MicroBatchToken:
         self.vouched: Dict[int, Tuple[int, Any]] = {}
 
     def __repr__(self) -> str:
-        return (f"micro-batch {self.index} of step {self.step} ({self.rows} rows, "
-                f"{self.sampling} sampling)")
+        # A Poisson micro-batch's row count follows the sampled batch size, which is private
+        # (refusals quote this); the caller's own batches' sizes are the caller's.
+        rows = f"{self.rows} rows, " if self.sampling == "caller" else ""
+        return f"micro-batch {self.index} of step {self.step} ({rows}{self.sampling} sampling)"
 
 
 _lost = threading.local()
