@@ -885,6 +885,8 @@ class PrivacyEngine:
         self._detached = True
         if getattr(self, "agreements", None) is not None:
             self.agreements.group = None  # the model's patched forwards keep the agreements
+        if getattr(self, "_state", None) is not None:
+            self._state.stop_watching()  # it holds the ZeRO state at stage 3
         for name in ("_step", "book", "sharded", "noise_source", "_group", "_ledger"):
             if hasattr(self, name):
                 setattr(self, name, None)
