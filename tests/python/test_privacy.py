@@ -11,7 +11,6 @@ import mpmath
 import pytest
 import torch
 
-import dpzero
 import ranks
 from dpzero._C import privacy
 from dpzero.data import PoissonBatchSampler, dp_data_loader

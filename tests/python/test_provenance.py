@@ -11,7 +11,6 @@ case is measured with an outlier example (sensitivity.py): it must be refused, o
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

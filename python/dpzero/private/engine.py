@@ -36,8 +36,6 @@ import functools
 import json
 import math
 import os
-import random
-import sys
 import weakref
 from typing import Any, Dict, NamedTuple, Optional
 
