@@ -431,6 +431,23 @@ class _InitLinear(nn.Module):
         return self.fc(x)
 
 
+def _stage_3_init():
+    """(the _InitLinear unit, its model, the private bundle) at ZeRO stage 3, no noise."""
+    torch.manual_seed(0)
+    init = _InitLinear()
+    model = nn.Sequential(init, nn.Tanh(), nn.Linear(D, K))
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
+                            max_physical_batch_size=4)
+    return init, model, p
+
+
+def _epoch(p):
+    for x, y in p.data_loader:
+        F.cross_entropy(p.model(x), y).backward()
+        p.optimizer.step()
+
+
 def test_a_trained_parameter_written_while_stage_3_has_it_gathered_is_refused():
     """Note [writes to a gathered unit] (src/zero/flat_param.h): at stage 3 a write through
     .data goes with the gathered copy it was made in, so no fingerprint of the trained memories
@@ -438,24 +455,15 @@ def test_a_trained_parameter_written_while_stage_3_has_it_gathered_is_refused():
     batch reaches every example's output). The gathered copy is fingerprinted from its gather to
     its release and the step refused, nothing charged; with the write gone, the next steps train
     without an acceptance."""
-    torch.manual_seed(0)
-    init = _InitLinear()
-    model = nn.Sequential(init, nn.Tanh(), nn.Linear(D, K))
-    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
-                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
-                            max_physical_batch_size=4)
+    init, model, p = _stage_3_init()
     with pytest.raises(PrivacyViolation, match=r"step is refused: .*trainable parameters "
                                                r".*'0.fc.bias'.* was written while ZeRO "
                                                r"stage 3 had it gathered"):
-        for x, y in p.data_loader:
-            F.cross_entropy(p.model(x), y).backward()
-            p.optimizer.step()
+        _epoch(p)
     assert init.done and p.privacy_engine.charges == 0
     p.optimizer.zero_grad()
     p.model.state_dict()  # nothing of the write is left to release
-    for x, y in p.data_loader:  # the module writes only once
-        F.cross_entropy(p.model(x), y).backward()
-        p.optimizer.step()
+    _epoch(p)  # the module writes only once
     assert p.privacy_engine.charges >= 1
 
 
@@ -463,18 +471,11 @@ def test_a_write_into_a_stage_3_gathered_copy_outside_the_loop_refuses_nothing()
     """An evaluation that writes into the gathered parameters outside the loop (the unit's
     first full-batch call) leaves nothing once the copy is released: the next step is not
     refused for it, nor is a step after a logical batch dropped with such a write in it."""
-    torch.manual_seed(0)
-    init = _InitLinear()
-    model = nn.Sequential(init, nn.Tanh(), nn.Linear(D, K))
-    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
-                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
-                            max_physical_batch_size=4)
+    init, model, p = _stage_3_init()
     with torch.no_grad():
         model(_data().tensors[0][:4])  # the plain module: stage 3 gathers for it too
     assert init.done
-    for x, y in p.data_loader:
-        F.cross_entropy(p.model(x), y).backward()
-        p.optimizer.step()
+    _epoch(p)
     assert p.privacy_engine.charges >= 1
     charged = p.privacy_engine.charges
     init.done = False  # writes again at the next full micro-batch, which is then dropped
@@ -484,9 +485,7 @@ def test_a_write_into_a_stage_3_gathered_copy_outside_the_loop_refuses_nothing()
             p.optimizer.zero_grad()
             break
         p.optimizer.step()
-    for x, y in p.data_loader:
-        F.cross_entropy(p.model(x), y).backward()
-        p.optimizer.step()
+    _epoch(p)
     assert p.privacy_engine.charges > charged
 
 
