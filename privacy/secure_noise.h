@@ -14,14 +14,20 @@
 //    by 2 (= sqrt(k)), the construction Opacus's secure mode uses after Holohan & Braghin ("Secure
 //    random sampling in differential privacy", ESORICS 2021): the sum's low-order bits are smeared
 //    over many more representable values, which closes the gaps one Box–Muller output leaves.
+//    Independent means four radii and four angles: the two outputs of one Box–Muller pair are
+//    independent normals, but their sum z0 + z1 = sqrt(2) r sin(theta + pi/4) is one output of one
+//    (r, theta), with that output's gaps. So a coordinate takes one output of each of four pairs,
+//    never both outputs of one pair.
 // Cost: one ChaCha20 block (16 words) yields 8 fp64 normals from 53-bit-grid uniforms, i.e. 2 secure
 // coordinates per block — about 4x the fp64 Box–Muller work and 8x the 32-bit words per
 // coordinate of the default path. The noise-ownership contract (Note [noise ownership] in
 // noise.h) is unchanged: the draw of coordinate j at step t is a pure function of (key, t, j), so
 // all ranks must hold the same key (rank 0 draws it and broadcasts it before the first step).
 //
-// Layout: coordinate j uses block (counter = low 32 bits of j/2, nonce = (high 32 bits of j/2,
-// step, stream)), and within it the 4 normals 4*(j%2) .. 4*(j%2)+3.
+// Layout: coordinates 2m and 2m + 1 use block (counter = low 32 bits of m, nonce = (high 32 bits
+// of m, step, stream)); its words 4p .. 4p + 3 (p = 0..3) are Box–Muller pair p (radius from the
+// first two, angle from the last two), and coordinate 2m + c sums output c (the cosine for c = 0,
+// the sine for c = 1) of the four pairs, in the order p = 0, 1, 2, 3.
 #pragma once
 
 #include <cmath>
@@ -56,16 +62,16 @@ DPZERO_HOST_DEVICE void secure_normal2(const ChaCha20Key& key, uint32_t step, ui
                                        double out[2]) {
   const ChaCha20Block b = chacha20_block(key, static_cast<uint32_t>(pair),
                                          static_cast<uint32_t>(pair >> 32), step, kNoiseStream);
-  for (int c = 0; c < 2; ++c) {
-    double sum = 0.0;
-    for (int p = 0; p < kSecureSummands / 2; ++p) {
-      const uint32_t* w = &b.w[8 * c + 4 * p];
-      double z0, z1;
-      box_muller_f64(box_muller_radius64(w[0], w[1]), uniform_open01_f64(w[2], w[3]), z0, z1);
-      sum += z0 + z1;
-    }
-    out[c] = sum * 0.5;  // divide by sqrt(k) = 2: the sum of 4 N(0,1) is N(0,4)
+  double sum0 = 0.0, sum1 = 0.0;
+  for (int p = 0; p < kSecureSummands; ++p) {
+    const uint32_t* w = &b.w[4 * p];
+    double z0, z1;
+    box_muller_f64(box_muller_radius64(w[0], w[1]), uniform_open01_f64(w[2], w[3]), z0, z1);
+    sum0 += z0;
+    sum1 += z1;
   }
+  out[0] = sum0 * 0.5;  // divide by sqrt(k) = 2: the sum of 4 N(0,1) is N(0,4)
+  out[1] = sum1 * 0.5;
 }
 
 DPZERO_HOST_DEVICE double secure_noise_draw(const ChaCha20Key& key, uint32_t step, uint64_t j) {

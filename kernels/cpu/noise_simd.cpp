@@ -188,26 +188,28 @@ void secure_normal_pairs8(const uint32_t* key, uint32_t step, uint32_t stream, u
   }
   for (int i = 0; i < 16; ++i) s[i] = _mm256_add_epi32(s[i], init[i]);
 
-  // Coordinate c of each pair: sum over p of the fp64 Box–Muller pair from words 8c + 4p .. + 3
-  // (radius from words 0, 1; angle from 2, 3), added as sum += z0 + z1, then halved.
+  // Coordinate c of each pair: output c (cosine, then sine) of the fp64 Box–Muller pairs from
+  // words 4p .. 4p + 3, p = 0..3 (radius from the first two; angle from the last two), summed in
+  // that order, then halved (privacy::secure_normal2).
   constexpr double kTwoPi = 6.283185307179586476925286766559;
-  for (int c = 0; c < 2; ++c) {
-    for (int half = 0; half < 2; ++half) {  // pairs 0-3, then 4-7
-      const auto part = [half](__m256i x) { return half == 0 ? low4(x) : high4(x); };
-      __m256d sum = _mm256_setzero_pd();
-      for (int p = 0; p < 2; ++p) {
-        const __m256i* w = &s[8 * c + 4 * p];
-        const __m256d radius = radius4<Sleef_logd4_u10avx2>(part(w[0]), part(w[1]));
-        const __m256d u2 = uniform4_f64(part(w[2]), part(w[3]));
-        const Sleef___m256d_2 sc =
-            Sleef_sincosd4_u10avx2(_mm256_mul_pd(_mm256_set1_pd(kTwoPi), u2));
-        const __m256d z0 = _mm256_mul_pd(radius, sc.y);
-        const __m256d z1 = _mm256_mul_pd(radius, sc.x);
-        sum = _mm256_add_pd(sum, _mm256_add_pd(z0, z1));
-      }
-      alignas(32) double out[4];
-      _mm256_store_pd(out, _mm256_mul_pd(sum, _mm256_set1_pd(0.5)));
-      for (int k = 0; k < 4; ++k) z[2 * (4 * half + k) + c] = out[k];
+  for (int half = 0; half < 2; ++half) {  // pairs 0-3, then 4-7
+    const auto part = [half](__m256i x) { return half == 0 ? low4(x) : high4(x); };
+    __m256d sum0 = _mm256_setzero_pd(), sum1 = _mm256_setzero_pd();
+    for (int p = 0; p < 4; ++p) {
+      const __m256i* w = &s[4 * p];
+      const __m256d radius = radius4<Sleef_logd4_u10avx2>(part(w[0]), part(w[1]));
+      const __m256d u2 = uniform4_f64(part(w[2]), part(w[3]));
+      const Sleef___m256d_2 sc =
+          Sleef_sincosd4_u10avx2(_mm256_mul_pd(_mm256_set1_pd(kTwoPi), u2));
+      sum0 = _mm256_add_pd(sum0, _mm256_mul_pd(radius, sc.y));  // z0 = r cos
+      sum1 = _mm256_add_pd(sum1, _mm256_mul_pd(radius, sc.x));  // z1 = r sin
+    }
+    alignas(32) double out0[4], out1[4];
+    _mm256_store_pd(out0, _mm256_mul_pd(sum0, _mm256_set1_pd(0.5)));
+    _mm256_store_pd(out1, _mm256_mul_pd(sum1, _mm256_set1_pd(0.5)));
+    for (int k = 0; k < 4; ++k) {
+      z[2 * (4 * half + k)] = out0[k];
+      z[2 * (4 * half + k) + 1] = out1[k];
     }
   }
 }

@@ -154,26 +154,28 @@ void secure_normal_pairs16(const uint32_t* key, uint32_t step, uint32_t stream,
   }
   for (int i = 0; i < 16; ++i) s[i] = _mm512_add_epi32(s[i], init[i]);
 
-  // Coordinate c of each pair: sum over p of the fp64 Box–Muller pair from words 8c + 4p .. + 3,
-  // added as sum += z0 + z1, then halved (as the AVX2 code, eight pairs at a time).
+  // Coordinate c of each pair: output c (cosine, then sine) of the fp64 Box–Muller pairs from
+  // words 4p .. 4p + 3, p = 0..3, summed in that order, then halved (as the AVX2 code, eight pairs
+  // at a time).
   constexpr double kTwoPi = 6.283185307179586476925286766559;
-  for (int c = 0; c < 2; ++c) {
-    for (int half = 0; half < 2; ++half) {  // pairs 0-7, then 8-15
-      const auto part = [half](__m512i x) { return half == 0 ? low8(x) : high8(x); };
-      __m512d sum = _mm512_setzero_pd();
-      for (int p = 0; p < 2; ++p) {
-        const __m512i* w = &s[8 * c + 4 * p];
-        const __m512d radius = radius8<Sleef_logd8_u10avx512f>(part(w[0]), part(w[1]));
-        const __m512d u2 = uniform8_f64(part(w[2]), part(w[3]));
-        const Sleef___m512d_2 sc =
-            Sleef_sincosd8_u10avx512f(_mm512_mul_pd(_mm512_set1_pd(kTwoPi), u2));
-        const __m512d z0 = _mm512_mul_pd(radius, sc.y);
-        const __m512d z1 = _mm512_mul_pd(radius, sc.x);
-        sum = _mm512_add_pd(sum, _mm512_add_pd(z0, z1));
-      }
-      alignas(64) double out[8];
-      _mm512_store_pd(out, _mm512_mul_pd(sum, _mm512_set1_pd(0.5)));
-      for (int k = 0; k < 8; ++k) z[2 * (8 * half + k) + c] = out[k];
+  for (int half = 0; half < 2; ++half) {  // pairs 0-7, then 8-15
+    const auto part = [half](__m512i x) { return half == 0 ? low8(x) : high8(x); };
+    __m512d sum0 = _mm512_setzero_pd(), sum1 = _mm512_setzero_pd();
+    for (int p = 0; p < 4; ++p) {
+      const __m512i* w = &s[4 * p];
+      const __m512d radius = radius8<Sleef_logd8_u10avx512f>(part(w[0]), part(w[1]));
+      const __m512d u2 = uniform8_f64(part(w[2]), part(w[3]));
+      const Sleef___m512d_2 sc =
+          Sleef_sincosd8_u10avx512f(_mm512_mul_pd(_mm512_set1_pd(kTwoPi), u2));
+      sum0 = _mm512_add_pd(sum0, _mm512_mul_pd(radius, sc.y));  // z0 = r cos
+      sum1 = _mm512_add_pd(sum1, _mm512_mul_pd(radius, sc.x));  // z1 = r sin
+    }
+    alignas(64) double out0[8], out1[8];
+    _mm512_store_pd(out0, _mm512_mul_pd(sum0, _mm512_set1_pd(0.5)));
+    _mm512_store_pd(out1, _mm512_mul_pd(sum1, _mm512_set1_pd(0.5)));
+    for (int k = 0; k < 8; ++k) {
+      z[2 * (8 * half + k)] = out0[k];
+      z[2 * (8 * half + k) + 1] = out1[k];
     }
   }
 }

@@ -80,17 +80,18 @@ def noise(seed: int, step: int, offset: int, n: int) -> np.ndarray:
 
 
 def secure_noise(key, step: int, offset: int, n: int) -> np.ndarray:
-    """Secure mode's z(key, t, j): ChaCha20 block j // 2, four fp64 normals summed and halved."""
+    """Secure mode's z(key, t, j): ChaCha20 block j // 2, whose words 4p..4p+3 (p = 0..3) are four
+    fp64 Box-Muller pairs; coordinate j sums output j % 2 (cosine, sine) of each, halved."""
     out = np.empty(n, dtype=np.float64)
     for i in range(n):
         j = offset + i
         pair = j // 2
         w = chacha20_block(list(key), pair & MASK, [(pair >> 32) & MASK, step, NOISE_STREAM])
         total = 0.0
-        for p in range(2):
-            a = w[8 * (j % 2) + 4 * p: 8 * (j % 2) + 4 * p + 4]
+        for p in range(4):
+            a = w[4 * p: 4 * p + 4]
             r = radius64(a[0], a[1])
             u2 = (((((a[2] << 32) | a[3]) >> 12) << 1) | 1) * 2.0**-53
-            total += r * math.cos(2 * math.pi * u2) + r * math.sin(2 * math.pi * u2)
+            total += r * (math.cos if j % 2 == 0 else math.sin)(2 * math.pi * u2)
         out[i] = total / 2
     return out

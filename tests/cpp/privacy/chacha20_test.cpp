@@ -34,18 +34,22 @@ TEST(ChaCha20, Rfc8439AppendixA1Vector1) {
   for (int i = 0; i < 16; ++i) EXPECT_EQ(out.w[i], expected[i]) << "word " << i;
 }
 
-TEST(SecureNoise, PairLayoutAndSumOfFourNormals) {
+TEST(SecureNoise, PairLayoutAndSumOfFourIndependentNormals) {
   const ChaCha20Key key{{1, 2, 3, 4, 5, 6, 7, 8}};
-  // Recompute coordinate 7 (pair 3, second half of the block) from the block by hand.
+  // Recompute coordinates 6 and 7 (pair 3) from the block by hand: each sums one output of each
+  // of the block's four Box–Muller pairs (cosines for 6, sines for 7), so four radii and angles
+  // each; both outputs of one pair in one coordinate would be one sample (Note [secure noise]).
   const ChaCha20Block b = chacha20_block(key, 3u, 0u, 11u, kNoiseStream);
-  double sum = 0.0;
-  for (int p = 0; p < 2; ++p) {
-    const uint32_t* w = &b.w[8 + 4 * p];
+  double cosines = 0.0, sines = 0.0;
+  for (int p = 0; p < 4; ++p) {
+    const uint32_t* w = &b.w[4 * p];
     const double u2 = uniform_open01_f64(w[2], w[3]);
     const double r = box_muller_radius64(w[0], w[1]);
-    sum += r * std::cos(2.0 * M_PI * u2) + r * std::sin(2.0 * M_PI * u2);
+    cosines += r * std::cos(2.0 * M_PI * u2);
+    sines += r * std::sin(2.0 * M_PI * u2);
   }
-  EXPECT_NEAR(secure_noise_draw(key, 11u, 7), sum / 2.0, 1e-12);
+  EXPECT_NEAR(secure_noise_draw(key, 11u, 6), cosines / 2.0, 1e-12);
+  EXPECT_NEAR(secure_noise_draw(key, 11u, 7), sines / 2.0, 1e-12);
   EXPECT_GT(uniform_open01_f64(0u, 0u), 0.0);
   EXPECT_LT(uniform_open01_f64(0xffffffffu, 0xffffffffu), 1.0);
 }
