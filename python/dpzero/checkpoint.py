@@ -74,6 +74,8 @@ def save(
     for key in tensors:
         if key.startswith("dpzero."):
             raise ValueError(f"extra: keys starting with 'dpzero.' are reserved, got {key!r}")
+    if sharded.save_check is not None:  # a private model (Note [the model's own randomness])
+        sharded.save_check("dpzero.checkpoint.save")
     tensors[_RNG_CPU] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for index, state in enumerate(torch.cuda.get_rng_state_all()):

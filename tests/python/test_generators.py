@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpzero
-from dpzero.private.generators import RunGenerators
+from dpzero.private.generators import RunGenerators, reseed_all
 
 D, K, N = 4, 3, 24
 
@@ -124,14 +124,86 @@ def test_workers_draw_from_the_runs_secret_each_its_own():
     assert len(set(fetched_a[:, 2].tolist())) == len(fetched_a)
 
 
-def test_the_seeds_are_keyed_by_purpose_rank_and_step():
-    """RunGenerators.seed: a function of (secret, purpose, rank, step), different for each
-    change of one of them; an unknown purpose is refused, naming it."""
+def test_the_material_is_keyed_by_purpose_rank_step_and_micro_batch():
+    """RunGenerators.material: a function of (secret, purpose, rank, step, micro-batch),
+    different for each change of one of them; an unknown purpose is refused, naming it."""
     g = RunGenerators(3, rank=0)
-    seeds = {g.seed(p, t) for p in (b"fetch", b"forward", b"iter", b"between") for t in range(4)}
-    seeds |= {RunGenerators(3, rank=1).seed(b"fetch", 0), RunGenerators(4, rank=0).seed(b"fetch", 0),
-              RunGenerators([3] * 8, rank=0).seed(b"fetch", 0)}
-    assert len(seeds) == 19 and all(0 <= s < 2 ** 63 for s in seeds)
-    assert RunGenerators(3, rank=0).seed(b"forward", 2) == g.seed(b"forward", 2)
+    seen = {g.material(p, t, i) for p in (b"fetch", b"forward", b"iter", b"between")
+            for t in range(4) for i in range(2)}
+    seen |= {RunGenerators(3, rank=1).material(b"fetch", 0),
+             RunGenerators(4, rank=0).material(b"fetch", 0),
+             RunGenerators([3] * 8, rank=0).material(b"fetch", 0)}
+    assert len(seen) == 35 and all(len(m) == 32 for m in seen)
+    assert RunGenerators(3, rank=0).material(b"forward", 2, 1) == g.material(b"forward", 2, 1)
     with pytest.raises(ValueError, match="purpose must be one of .* got b'dropout'"):
-        g.seed(b"dropout", 0)
+        g.material(b"dropout", 0)
+
+
+def test_a_reseed_sets_the_whole_twister_state_numpy_key_and_python_seed():
+    """torch's CPU generator keeps only 32 bits of manual_seed (and numpy's seed(int) 32): a
+    review found two steps of one run drawing the same stream. A reseed sets the Mersenne
+    twister's 624 words from SHAKE256 of the material: torch's draws equal an independent
+    MT19937 (numpy's) keyed with those words, and two materials whose derived 64-bit seeds share
+    their low 32 bits draw differently."""
+    import hashlib
+
+    material = bytes(range(32))
+    reseed_all(material)
+    got = torch.rand(16, dtype=torch.float32)
+    stream = hashlib.shake_256(b"dpzero-generators:" + material).digest(624 * 4 + 40)
+    twister = numpy.random.MT19937()
+    twister.state = {"bit_generator": "MT19937",
+                     "state": {"key": numpy.frombuffer(stream[:2496], dtype=numpy.uint32).copy(),
+                               "pos": 624}}
+    raw = twister.random_raw(16)
+    want = torch.tensor((raw & 0xFFFFFF).astype(numpy.float64) * 2.0 ** -24, dtype=torch.float32)
+    assert torch.equal(got, want)
+    initial = int.from_bytes(stream[2496:2504], "little") >> 1
+    torch.manual_seed(initial & 0xFFFFFFFF)  # what a 32-bit seed would have drawn
+    assert not torch.equal(torch.rand(16), got)
+    legacy = numpy.random.RandomState(numpy.frombuffer(stream[2504:], dtype=numpy.uint32))
+    assert numpy.random.rand() == legacy.rand()  # numpy keyed by all eight words
+    reseed_all(material)
+    assert torch.equal(torch.rand(16, dtype=torch.float32), got)  # a function of the material
+
+
+class _States(nn.Module):
+    """Records the CPU generator's state after its draw in each forward on a loader batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.states = nn.Linear(D, K), []
+
+    def forward(self, x):
+        torch.rand(())
+        self.states.append(torch.get_rng_state())
+        return self.fc(x)
+
+
+def test_a_dropped_batch_leaves_no_draws_of_a_released_one_in_the_generators(tmp_path):
+    """A logical batch dropped with zero_grad() is handed out again (its step is not taken)
+    and released; what a checkpoint saved after the drop holds was the drop's state, which the
+    released step then passed through again (a review regenerated its dropout from it). Now the
+    drop leaves its draws, and no state the released step passes through is the saved one; a
+    save while a logical batch is under way is refused on every rank, naming the fix."""
+    torch.manual_seed(0)
+    model = _States()
+    data = torch.utils.data.TensorDataset(torch.randn(N, D), torch.randint(0, K, (N,)))
+    p = dpzero.make_private(model, dataset=data, sample_rate=0.5, noise_multiplier=1.0,
+                            max_grad_norm=1.0, seed=5, max_physical_batch_size=4)
+    it = iter(p.data_loader)
+    x, y = next(it)
+    F.cross_entropy(p.model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"logical batch is under way .* random generators' "
+                                           r"state.* save between steps"):
+        dpzero.checkpoint.save(p.privacy_engine.sharded, tmp_path / "mid", step=0)
+    p.optimizer.zero_grad()  # dropped: the loader hands step 0 out again
+    dpzero.checkpoint.save(p.privacy_engine.sharded, tmp_path / "after", step=0)
+    saved = torch.get_rng_state()
+    model.states.clear()
+    for x, y in p.data_loader:
+        F.cross_entropy(p.model(x), y).backward()
+        if p.optimizer.step():
+            break
+    assert p.privacy_engine.charges == 1 and model.states
+    assert not any(torch.equal(saved, state) for state in model.states)

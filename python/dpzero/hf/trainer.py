@@ -200,9 +200,9 @@ class _CheckedCollator:
         rows = _rows(batch)
         if rows is not None and rows != len(examples):
             raise ValueError(
-                f"the data collator returned {rows} rows for {len(examples)} examples; under "
-                "DP each example must be one row of the batch (a collator that drops, packs or "
-                "duplicates examples changes who is in the sampled batch)")
+                "the data collator returned a batch whose dim 0 is not its examples, one row "
+                "each; under DP each example must be one row of the batch (a collator that "
+                "drops, packs or duplicates examples changes who is in the sampled batch)")
         return batch
 
 

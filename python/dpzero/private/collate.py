@@ -170,28 +170,30 @@ class SeparableCollate:
                 return None
             if len(batch) == rows and len(alone) == 1:  # one entry per example
                 return self._row(batch[i], alone[0], i, rows, f"{path}[{i}]")
-            return f"{path} has {len(batch)} entries for {rows} examples, {len(alone)} alone"
+            return (f"{path} does not hold one entry per example ({len(alone)} for an example "
+                    "alone)")
         try:
             same = bool(batch == alone)
         except Exception:  # noqa: BLE001 - objects without a usable ==
             same = batch is alone
-        return None if same else (f"{path} is {batch!r} for the batch but {alone!r} for example "
-                                  f"{i} alone (a value computed from the whole batch)")
+        return None if same else (f"{path} differs between the batch and example {i} alone (a "
+                                  "value computed from the whole batch)")
 
     def _tensor_row(self, batch: torch.Tensor, alone: torch.Tensor, i: int, rows: int,
                     path: str) -> Optional[str]:
         with torch._C.DisableTorchFunctionSubclass():
             if batch.dim() == 0 and alone.dim() == 0:  # a value of the batch as a whole
                 return None if _same(batch, alone) else (
-                    f"{path} is {batch.item()!r} for the batch but {alone.item()!r} for example "
-                    f"{i} alone (a value computed from the whole batch)")
+                    f"{path} differs between the batch and example {i} alone (a value computed "
+                    "from the whole batch)")
             if batch.dim() == 0 or batch.shape[0] != rows or alone.dim() != batch.dim() or \
                     alone.shape[0] != 1:
-                return (f"{path} of shape {list(batch.shape)} is not one row per example (the "
-                        f"example alone gives {list(alone.shape)})")
+                return (f"{path} ({batch.dim()} dims) is not one row per example: its dim 0 "
+                        "must hold the examples, and an example collated alone must give dim 0 "
+                        "of size 1")
             if any(a > b for a, b in zip(alone.shape[1:], batch.shape[1:])):
-                return (f"{path} of example {i} alone has shape {list(alone.shape[1:])}, larger "
-                        f"than its row {list(batch.shape[1:])} (cut by the other examples)")
+                return (f"{path} of example {i} alone is larger than its row in the batch (cut "
+                        "by the other examples)")
             row, own = batch[i], alone[0]
             region = tuple(slice(0, n) for n in own.shape)
             if not _same(row[region], own):
@@ -203,13 +205,13 @@ class SeparableCollate:
             pad[region] = False
             values = row[pad].unique()
             if values.numel() != 1:
-                return (f"row {i} of {path} holds {values.numel()} different values past "
-                        f"example {i}'s own extent {list(own.shape)}; padding is one constant")
+                return (f"row {i} of {path} holds several different values past example {i}'s "
+                        "own extent; padding is one constant")
             value = values.item()
             first = self.pads.setdefault(path, value)
             if not (first == value or (first != first and value != value)):  # NaN pads
-                return (f"{path} is padded with {value!r} here and with {first!r} before; a "
-                        "padding value that changes follows the data")
+                return (f"{path} is padded with another value here than before; a padding "
+                        "value that changes follows the data")
             return None
 
 

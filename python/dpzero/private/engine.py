@@ -512,6 +512,7 @@ class PrivacyEngine:
         self.book.restore_state = self._state.restore_buffers
         self.book.watch_state = functools.partial(ProbeWrites, model, self._trainable_set.ids)
         sharded.release_check = self._verify_release
+        sharded.save_check = self._check_save  # Note [the model's own randomness]
         sharded.state_loaded = self._state.accept
         self._state_dict_hooks = state_dict.register(
             model, sharded=sharded, slots=self.slots, guard=self._state,
@@ -531,6 +532,7 @@ class PrivacyEngine:
         # Note [the model's own randomness] (generators.py): dropout's and augmentations' draws
         # keyed by the run's secret, not by torch's (public) seed.
         self._generators = RunGenerators(self.noise_source.sampler_seed, self.rank)
+        self._drawing = False  # the generators hold a micro-batch's draws (not "between")
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
         epoch_steps = steps_per_epoch(q, c.bands)
@@ -546,7 +548,8 @@ class PrivacyEngine:
                                      c.torch_optimizer)
         schedule = Schedule(
             sample_rate=q, sampler=self._sampler, next_step=lambda: self.next_step,
-            begin_micro_batch=self._begin_micro_batch, reseed=self._generators.reseed,
+            begin_micro_batch=self._begin_micro_batch, reseed=self._reseed,
+            worker_init=self._generators.workers(),
             agree=lambda what, values: agree.collective(what, agree.same_everywhere, values))
         self.data_loader = DPDataLoader(schedule, c.dataset, epoch_steps,
                                         c.max_physical_batch_size, c.collate_fn, c.num_workers)
@@ -681,8 +684,7 @@ class PrivacyEngine:
             # Logical batch t-1 accumulated but never stepped: zero_grad() must drop it before
             # t's gradients arrive, or it would be released together with t's.
             book.stale = True
-        if i == 0:
-            self._generators.reseed(b"forward", t)  # Note [the model's own randomness]
+        self._reseed(b"forward", t, i)  # Note [the model's own randomness]
         return self._hand_out(MicroBatch(MicroBatchToken(t, i, rows, "poisson"), n, size),
                               padding)
 
@@ -727,8 +729,7 @@ class PrivacyEngine:
                              f"earlier micro-batches gave {micro.logical_size}")
         index = micro.token.index + 1 if micro is not None else 0
         token = MicroBatchToken(self.next_step, index, rows, "caller")
-        if index == 0:
-            self._generators.reseed(b"forward", token.step)  # Note [the model's own randomness]
+        self._reseed(b"forward", token.step, index)  # Note [the model's own randomness]
         self._hand_out(MicroBatch(token, None, size), padding=False)
         return tag(batch, token)
 
@@ -738,8 +739,16 @@ class PrivacyEngine:
         batches]): its loss means nothing and its gradient is discarded."""
         return bool(self._attached and self.book.padding)
 
+    def _reseed(self, purpose: bytes, step: int, index: int = 0) -> None:
+        """Note [the model's own randomness]: the global generators from the run's secret."""
+        self._generators.reseed(purpose, step, index)
+        self._drawing = purpose != b"between"
+
     def _close_logical_batch(self) -> None:
-        """No micro-batch is current any more: inputs of the last one are refused from now on."""
+        """No micro-batch is current any more: inputs of the last one are refused from now on,
+        and the generators leave its draws (Note [the model's own randomness])."""
+        self._reseed(b"between", self._micro.token.step if self._micro is not None
+                     else self.next_step)
         self._micro = None
         self._skipped_step = False
         self._state.clear_pending()
@@ -766,6 +775,20 @@ class PrivacyEngine:
                 first = (str(e).strip().splitlines() or [""])[0]
                 raise ValueError(f"optimizer.param_groups: {first}") from None
 
+    def _check_save(self, what: str) -> None:
+        """Before a checkpoint saves the generators' states (Note [the model's own randomness]):
+        raises on every rank if any rank's generators hold a micro-batch's draws (a logical
+        batch under way, or handed out and not yet stepped or dropped) or gradients are
+        accumulated (a collective with several ranks)."""
+        book = self.book
+        busy = bool(book.micro_batches or book.open or self._drawing)
+        agree = self.agreements
+        if agree.collective(f"agreeing on {what}", agree.any_rank, busy):
+            raise RuntimeError(f"{what}: a logical batch is under way (on this rank: {busy}), "
+                               "and the checkpoint would hold its random generators' state, "
+                               "from which its dropout and augmentations can be regenerated; "
+                               "save between steps, after optimizer.step()")
+
     def _check_between_steps(self, what: str) -> None:
         """Raises on every rank if any rank has a logical batch accumulated or a backward
         pending (a collective with several ranks)."""
@@ -787,6 +810,11 @@ class PrivacyEngine:
             return  # mid logical batch (the last step() only accumulated): keep it
         if self._micro is not None and self._micro.token.sampling == "caller":
             self._close_logical_batch()  # own_batch: zero_grad() drops the logical batch
+        elif self._micro is not None and (self.book.micro_batches or self.book.open):
+            # A loader batch's gradients dropped: the generators leave its draws, or a save now
+            # would hold them, and the loader hands out its step again (Note [the model's own
+            # randomness]).
+            self._reseed(b"between", self._micro.token.step)
         self.book.discard()
         self.book.take_stats()
         self.book.drop_deferred()  # a dropped batch's checks go with it
@@ -829,7 +857,6 @@ class PrivacyEngine:
             # Note [noise index]: a step charged and then failed (its update, the accountant)
             # used batch t; the sampler never draws a step below the charges again.
             self._next_step = max(self._next_step, self.charges, self._step.rows)
-            self._generators.reseed(b"between", t)  # Note [the model's own randomness]
         self._state.record_trained()  # the update's own writes
         self._next_step = max(t + 1, self.charges, self._step.rows)
         self.steps_taken += 1

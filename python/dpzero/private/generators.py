@@ -23,20 +23,29 @@ secure mode, its seed when seeded (whose noise is then as secret as that seed, N
 default] in privacy/entropy.h), through keyed BLAKE2b (a pseudorandom function) of a purpose,
 the rank and the logical step, and reseeds them
 
-* before a logical batch's examples are fetched (``fetch``, when the loader fetches them in this
-  process), so that augmentations draw from it;
-* when a logical batch's first micro-batch is handed out (``forward``), so that dropout draws
+* before each micro-batch's examples are fetched (``fetch``, when the loader fetches them in
+  this process), so that augmentations draw from it;
+* when each micro-batch is handed out (``forward``, also by ``own_batch``), so that dropout draws
   from it whether or not workers fetched the examples;
-* when an epoch's iteration starts (``iter``), before DataLoader workers are started: each draws
-  its base seed from torch's generator then, and :func:`seed_worker` seeds numpy in each worker
-  from it (torch seeds its own generator and Python's per worker, numpy it leaves as forked, the
-  same in every worker);
-* when a logical batch closes, stepped or refused (``between``): checkpoints save the states
-  then (dpzero.checkpoint's extras, the Trainer's rng_state.pth), and a state after the step's
-  draws would give them away (torch's Mersenne twister can be run backwards from its state); it
+* when an epoch's iteration starts (``iter``), before DataLoader workers are started: each
+  worker's base seed is drawn from torch's generator then, and :class:`WorkerSeeds` reseeds each
+  worker's generators from the run's secret and that base seed (torch's own per-worker seeding
+  keeps 32 bits of it for its Mersenne twister);
+* when a logical batch closes, stepped, refused or dropped (``between``): checkpoints save the
+  states then (dpzero.checkpoint's extras, the Trainer's rng_state.pth), and a state after the
+  step's draws would give them away (torch's state even records the seed it started from); it
   also holds nothing of the realised batch sizes (two earlier reviews read them off the saved
   states under add/remove neighbours). Nothing that trains draws from it: the next batch's fetch
-  and forward reseed first.
+  and forward reseed first. A checkpoint in the middle of a logical batch would hold that
+  batch's draws, so dpzero.checkpoint refuses one.
+
+Each reseed sets all of a generator's state, not a seed: torch's CPU generator (a Mersenne
+twister) takes only 32 bits of ``manual_seed``, and numpy's ``seed(int)`` 32, so a run's draws
+would have 2^32 possibilities a step, few enough to search and to repeat within a run (a review
+found two steps of one run with the same draws at steps 31722 and 33543). The PRF's 32 bytes are
+expanded with SHAKE256 into the twister's 624 words (``torch.Generator.set_state``, whose
+layout :func:`_set_twister` checks), numpy's init_by_array key and Python's seed; CUDA's Philox
+generator takes a 64-bit key.
 
 Seeded runs stay reproducible (the same seed, the same draws at every step, a resumed run's
 too); secure runs draw afresh. What this cannot reach: generators the caller makes and seeds
@@ -49,12 +58,57 @@ from __future__ import annotations
 
 import hashlib
 import random
+import struct
 import sys
 from typing import List, Union
 
 import torch
 
 _PURPOSES = (b"fetch", b"forward", b"iter", b"between")
+_TWISTER_WORDS = 624  # the Mersenne twister's state (MT19937)
+# torch's CPU generator state (CPUGeneratorImplState): the initial seed (u64), left (i32), seeded
+# (i32), next (u64), the 624 state words (each in a u64), then the normal-sample caches.
+_TWISTER_OFFSET = 24
+_TWISTER_BYTES = 5056
+
+
+def _set_twister(generator: torch.Generator, words: bytes, initial: int) -> None:
+    """``generator``'s (a CPU one) Mersenne twister state set to ``words`` (624 × 4 bytes), to be
+    twisted before its first draw, its recorded initial seed to ``initial``. RuntimeError if
+    this torch's state layout is not the one known here (the state would not be set)."""
+    generator.manual_seed(initial)  # this torch's layout, the normal caches cleared, left = 1
+    state = bytearray(generator.get_state().numpy().tobytes())
+    header = struct.unpack_from("<QiiQ", state, 0) if len(state) >= _TWISTER_OFFSET else None
+    first = struct.unpack_from("<Q", state, _TWISTER_OFFSET)[0] if header else None
+    if len(state) != _TWISTER_BYTES or header != (initial, 1, 1, 0) or \
+            first != initial & 0xFFFFFFFF:
+        raise RuntimeError(
+            f"dpzero: torch {torch.__version__}'s CPU generator state ({len(state)} bytes, "
+            f"header {header}) is not the layout dpzero sets (Note [the model's own randomness] "
+            "in dpzero/private/generators.py: 5056 bytes, the twister's words from byte 24); "
+            "without it a private run's dropout and augmentations would draw from a 32-bit seed. "
+            "Use the torch version dpzero's setup installs")
+    for i in range(_TWISTER_WORDS):
+        word = int.from_bytes(words[4 * i:4 * i + 4], "little")
+        struct.pack_into("<Q", state, _TWISTER_OFFSET + 8 * i, word)
+    generator.set_state(torch.frombuffer(state, dtype=torch.uint8).clone())
+
+
+def reseed_all(material: bytes) -> None:
+    """torch's generators (the CPU one's whole state; CUDA's once initialised), Python's random
+    and numpy's global generator, from ``material`` (32 secret bytes), expanded with SHAKE256."""
+    stream = hashlib.shake_256(b"dpzero-generators:" + material).digest(
+        4 * _TWISTER_WORDS + 8 + 32)
+    twister, rest = stream[:4 * _TWISTER_WORDS], stream[4 * _TWISTER_WORDS:]
+    initial = int.from_bytes(rest[:8], "little") >> 1
+    _set_twister(torch.default_generator, twister, initial)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(initial)  # Philox: a 64-bit key (a device initialised later
+        # is seeded by torch from the CPU generator)
+    random.seed(int.from_bytes(material, "little"))  # all of it (init_by_array)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(numpy.frombuffer(rest[8:], dtype=numpy.uint32))
 
 
 class RunGenerators:
@@ -64,35 +118,32 @@ class RunGenerators:
     def __init__(self, secret: Union[int, List[int]], rank: int) -> None:
         words = [secret] if isinstance(secret, int) else list(secret)
         material = b"".join(int(w).to_bytes(8, "little", signed=False) for w in words)
-        self._key = hashlib.blake2b(material, digest_size=32,
-                                    person=b"dpzero-generator").digest()
+        self.key = hashlib.blake2b(material, digest_size=32, person=b"dpzero-generator").digest()
         self.rank = int(rank)
 
-    def seed(self, purpose: bytes, step: int) -> int:
-        """A 63-bit seed for ``purpose`` at logical step ``step`` on this rank."""
+    def material(self, purpose: bytes, step: int, index: int = 0) -> bytes:
+        """The 32 secret bytes of ``purpose`` at micro-batch ``index`` of logical step ``step``
+        on this rank."""
         if purpose not in _PURPOSES:
-            raise ValueError(f"RunGenerators.seed: purpose must be one of {_PURPOSES}, got "
+            raise ValueError(f"RunGenerators.material: purpose must be one of {_PURPOSES}, got "
                              f"{purpose!r}")
-        message = b"%s:%d:%d" % (purpose, self.rank, int(step))
-        digest = hashlib.blake2b(message, key=self._key, digest_size=8).digest()
-        return int.from_bytes(digest, "little") >> 1
+        message = b"%s:%d:%d:%d" % (purpose, self.rank, int(step), int(index))
+        return hashlib.blake2b(message, key=self.key, digest_size=32).digest()
 
-    def reseed(self, purpose: bytes, step: int) -> None:
-        """torch's generators (CPU; CUDA's once initialised), Python's random and numpy's global
-        generator, from ``seed(purpose, step)``."""
-        s = self.seed(purpose, step)
-        torch.default_generator.manual_seed(s)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.manual_seed_all(s)  # (a device initialised later is seeded by torch)
-        random.seed(s)
-        numpy = sys.modules.get("numpy")
-        if numpy is not None:
-            numpy.random.seed(s % (1 << 32))
+    def reseed(self, purpose: bytes, step: int, index: int = 0) -> None:
+        reseed_all(self.material(purpose, step, index))
+
+    def workers(self) -> "WorkerSeeds":
+        return WorkerSeeds(self.key)
 
 
-def seed_worker(worker_id: int) -> None:
-    """A DataLoader worker's ``worker_init_fn``: numpy's global generator from the worker's torch
-    seed (the run's base seed plus the worker's id, Note [the model's own randomness])."""
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed(torch.initial_seed() % (1 << 32))
+class WorkerSeeds:
+    """A DataLoader's ``worker_init_fn``: the worker's generators reseeded from the run's secret
+    and the worker's torch seed (the base seed its loader drew, plus its id). Picklable."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    def __call__(self, worker_id: int) -> None:
+        message = b"worker:%d" % torch.initial_seed()
+        reseed_all(hashlib.blake2b(message, key=self.key, digest_size=32).digest())

@@ -12,7 +12,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..data import PoissonBatchSampler, empty_safe_collate
 from .collate import SeparableCollate
-from .generators import seed_worker
 from .provenance.examples import MicroBatchToken, tag
 
 
@@ -29,9 +28,11 @@ class Schedule:
     begin_micro_batch: Callable[..., MicroBatchToken]
     # (what, {name: value}): every rank checks it holds the same values (a collective)
     agree: Callable[[str, dict], None]
-    # (purpose, step): the global generators reseeded from the run's secret (Note [the model's
-    # own randomness] in generators.py)
-    reseed: Callable[[bytes, int], None]
+    # (purpose, step, micro-batch index): the global generators reseeded from the run's secret
+    # (Note [the model's own randomness] in generators.py)
+    reseed: Callable[[bytes, int, int], None]
+    # a DataLoader's worker_init_fn reseeding each worker's generators from that secret
+    worker_init: Callable[[int], None]
 
 
 class DPDataLoader:
@@ -79,12 +80,13 @@ class DPDataLoader:
         # Note [the model's own randomness]: workers draw their seeds from the run's secret when
         # the iteration starts; examples fetched here draw from it at each logical batch.
         reseed = self._schedule.reseed
-        reseed(b"iter", start)
+        reseed(b"iter", start, 0)
         padded = _PaddedBatches(sampler, None if self.num_workers else
-                                (lambda t: reseed(b"fetch", t)))
+                                (lambda t, i: reseed(b"fetch", t, i)))
         loader = DataLoader(self.dataset, batch_sampler=padded, collate_fn=self.collate_fn,
                             num_workers=self.num_workers, pin_memory=self.pin_memory,
-                            worker_init_fn=seed_worker if self.num_workers else None)
+                            worker_init_fn=self._schedule.worker_init if self.num_workers
+                            else None)
         meta = ((t, i, len(s.micro_batches), s.logical_batch_size, len(mb))
                 for t, s in self._sampler(start).logical_batches()
                 for i, mb in enumerate(s.micro_batches))
@@ -99,15 +101,15 @@ class _PaddedBatches:
     src/dp/book.h: the book makes its gradient exact zeros)."""
 
     def __init__(self, sampler: PoissonBatchSampler,
-                 begin: Optional[Callable[[int], None]] = None) -> None:
+                 begin: Optional[Callable[[int, int], None]] = None) -> None:
         self.sampler = sampler
-        self.begin = begin  # called with t before logical step t's first micro-batch is fetched
+        self.begin = begin  # (t, i) before micro-batch i of logical step t is fetched
 
     def __iter__(self):
         for t, schedule in self.sampler.logical_batches():
-            if self.begin is not None:
-                self.begin(t)
-            for mb in schedule.micro_batches:
+            for i, mb in enumerate(schedule.micro_batches):
+                if self.begin is not None:
+                    self.begin(t, i)
                 yield mb if len(mb) else [0]
 
     def __len__(self) -> int:

@@ -388,10 +388,13 @@ def tag(batch, token: MicroBatchToken):
     def one(x):
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             if x.shape[0] != token.rows:
-                raise ValueError(f"a tensor of the micro-batch has {x.shape[0]} rows on dim 0, "
-                                 f"the micro-batch {token.rows} examples (shape "
-                                 f"{list(x.shape)}): every tensor of a batch holds one row per "
-                                 "example on dim 0")
+                # No sizes: a Poisson micro-batch's row count is private (Note [released
+                # figures]); the caller's own batch sizes are the caller's.
+                sizes = (f" ({x.shape[0]} rows for {token.rows} examples)"
+                         if token.sampling == "caller" else "")
+                raise ValueError(f"a tensor of the micro-batch ({x.dim()} dims) does not have "
+                                 f"one row per example on dim 0{sizes}: every tensor of a batch "
+                                 "holds one row per example on dim 0")
             return wrap(x.as_subclass(torch.Tensor), 0, token)
         return x
     if isinstance(batch, Mapping) and not isinstance(batch, dict):
