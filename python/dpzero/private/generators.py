@@ -21,7 +21,7 @@ config file) makes the draws a known function of the batch's shapes instead, and
 is gone. So a private run keys these generators by a secret of its own: the run's noise key in
 secure mode, its seed when seeded (whose noise is then as secret as that seed, Note [secure by
 default] in privacy/entropy.h), through keyed BLAKE2b (a pseudorandom function) of a purpose,
-the rank and the logical step, and reseeds them
+the rank, the logical step and the micro-batch, and reseeds them
 
 * before each micro-batch's examples are fetched (``fetch``, when the loader fetches them in
   this process), so that augmentations draw from it;
