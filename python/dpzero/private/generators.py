@@ -88,10 +88,11 @@ def _set_twister(generator: torch.Generator, words: bytes, initial: int) -> None
             "in dpzero/private/generators.py: 5056 bytes, the twister's words from byte 24); "
             "without it a private run's dropout and augmentations would draw from a 32-bit seed. "
             "Use the torch version dpzero's setup installs")
-    for i in range(_TWISTER_WORDS):
-        word = int.from_bytes(words[4 * i:4 * i + 4], "little")
-        struct.pack_into("<Q", state, _TWISTER_OFFSET + 8 * i, word)
-    generator.set_state(torch.frombuffer(state, dtype=torch.uint8).clone())
+    # Each 32-bit word zero-extended into its u64 slot (little-endian), in one copy.
+    wide = torch.zeros(_TWISTER_WORDS, 2, dtype=torch.int32)
+    wide[:, 0] = torch.frombuffer(bytearray(words), dtype=torch.int32)
+    state[_TWISTER_OFFSET:_TWISTER_OFFSET + 8 * _TWISTER_WORDS] = wide.numpy().tobytes()
+    generator.set_state(torch.frombuffer(state, dtype=torch.uint8))
 
 
 def reseed_all(material: bytes) -> None:
