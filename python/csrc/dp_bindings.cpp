@@ -1,5 +1,6 @@
 // python/csrc/dp_bindings.cpp — dpzero._C.dp: the private step's C++ core (src/dp): the clipping
 // book, the DP layers' autograd functions, the step transaction and their typed errors.
+#include <map>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -17,6 +18,7 @@
 #include "src/dp/dp_layers.h"
 #include "src/dp/errors.h"
 #include "src/dp/failpoints.h"
+#include "src/dp/generators.h"
 #include "src/dp/layer_ops.h"
 #include "src/dp/private_step.h"
 #include "src/dp/run.h"
@@ -224,6 +226,42 @@ void bind_dp(py::module_ m) {
   m.def("state_fingerprint", &dp::state_fingerprint, py::arg("t"), py::arg("key"),
         "Note [state written from data]: a 0-dim int64 on t's device that any change of a word "
         "of t moves (src/dp/state_guard.h)");
+  m.def(
+      "generator_key",
+      [](bool secure, int64_t seed, const std::vector<int64_t>& key) {
+        const std::array<uint32_t, 8> k = dp::generator_key(dp::NoiseKey{secure, seed, key});
+        return std::vector<int64_t>(k.begin(), k.end());
+      },
+      py::arg("secure"), py::arg("seed"), py::arg("key"),
+      "Note [the model's own randomness] (src/dp/generators.h): the run's generator key (eight "
+      "words) from its noise key (a secure key's eight words, or a seed)");
+  m.def(
+      "reseed_generators",
+      [](const std::vector<int64_t>& key, const std::string& purpose, int64_t rank, int64_t step,
+         int64_t index) {
+        static const std::map<std::string, dp::DrawPurpose> purposes{
+            {"iter", dp::DrawPurpose::kIter}, {"fetch", dp::DrawPurpose::kFetch},
+            {"forward", dp::DrawPurpose::kForward}, {"between", dp::DrawPurpose::kBetween},
+            {"worker", dp::DrawPurpose::kWorker}};
+        const auto found = purposes.find(purpose);
+        if (found == purposes.end())
+          throw std::invalid_argument("reseed_generators: purpose must be iter, fetch, forward, "
+                                      "between or worker, got '" + purpose + "'");
+        if (key.size() != 8)
+          throw std::invalid_argument("reseed_generators: the generator key has 8 words, got " +
+                                      std::to_string(key.size()));
+        std::array<uint32_t, 8> k{};
+        for (size_t i = 0; i < 8; ++i) k[i] = static_cast<uint32_t>(key[i]);
+        const std::array<uint32_t, 3> n = dp::draw_nonce(found->second, rank, step, index);
+        const dp::GeneratorWords words = dp::generator_words(k, n[0], n[1], n[2]);
+        dp::reseed_torch(words, /*cuda=*/false);
+        return std::make_pair(static_cast<int64_t>(words.seed),
+                              std::vector<int64_t>(words.extra.begin(), words.extra.end()));
+      },
+      py::arg("key"), py::arg("purpose"), py::arg("rank"), py::arg("step"), py::arg("index"),
+      "Note [the model's own randomness]: torch's CPU generator set from the run's generator "
+      "key at (purpose, rank, step, index); returns (the CUDA seed, eight words for Python's "
+      "random and numpy)");
   m.def(
       "watch_gathered",
       [](zero::ZeroState& state, std::optional<int64_t> key) {

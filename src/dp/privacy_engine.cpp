@@ -490,6 +490,7 @@ void PrivacyEngine::hand_out(const MicroBatch& micro) {
   // before the first one whatever ran between the logical batches (an evaluation forward on
   // training rows, which this batch's forward could read and clear).
   state_->check_micro_batch();
+  reseed_generators(DrawPurpose::kForward, micro.step, micro.index);
   current_ = micro;
   ++handed_;
   caller_sampled_ = false;
@@ -514,6 +515,7 @@ void PrivacyEngine::own_batch(int64_t rows, int64_t logical_size) {
                                     " differs from this logical batch's " +
                                     std::to_string(current_->logical_size)));
   state_->check_micro_batch();  // as hand_out does
+  reseed_generators(DrawPurpose::kForward, next_step_, handed_);
   MicroBatch mb{next_step_, handed_, 0, logical_size, {}, false};
   current_ = mb;
   ++handed_;
@@ -585,7 +587,13 @@ void PrivacyEngine::zero_grad() {
   session_->book->set_stale(false);
 }
 
+void PrivacyEngine::reseed_generators(DrawPurpose purpose, int64_t step, int64_t index) const {
+  reseed(generator_key(step_->settings().noise_key), purpose, rank_, step, index);
+}
+
 void PrivacyEngine::close_logical_batch() {
+  // Its draws end here (a save between steps holds no state a step draws from).
+  reseed_generators(DrawPurpose::kBetween, current_ ? current_->step : next_step_, 0);
   current_.reset();
   handed_ = 0;
   caller_sampled_ = false;

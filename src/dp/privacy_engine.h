@@ -50,6 +50,7 @@
 #include "accounting/rdp.h"
 #include "privacy/poisson.h"
 #include "src/dp/book.h"
+#include "src/dp/generators.h"
 #include "src/dp/private_step.h"
 #include "src/dp/run.h"
 #include "src/dp/state_guard.h"
@@ -175,6 +176,8 @@ class PrivacyEngine {
     int64_t offset = 0;
   };
   void close_logical_batch();
+  // Note [the model's own randomness] (generators.h): torch's generators from the run's secret.
+  void reseed_generators(DrawPurpose purpose, int64_t step, int64_t index) const;
 
   std::shared_ptr<torch::nn::Module> model_;
   PrivacyOptions options_;

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpzero
-from dpzero.private.generators import RunGenerators, reseed_all
+from dpzero.private.generators import RunGenerators
+from philox_reference import chacha20_block
 
 D, K, N = 4, 3, 24
 
@@ -124,47 +125,46 @@ def test_workers_draw_from_the_runs_secret_each_its_own():
     assert len(set(fetched_a[:, 2].tolist())) == len(fetched_a)
 
 
-def test_the_material_is_keyed_by_purpose_rank_step_and_micro_batch():
-    """RunGenerators.material: a function of (secret, purpose, rank, step, micro-batch),
-    different for each change of one of them; an unknown purpose is refused, naming it."""
-    g = RunGenerators(3, rank=0)
-    seen = {g.material(p, t, i) for p in (b"fetch", b"forward", b"iter", b"between")
-            for t in range(4) for i in range(2)}
-    seen |= {RunGenerators(3, rank=1).material(b"fetch", 0),
-             RunGenerators(4, rank=0).material(b"fetch", 0),
-             RunGenerators([3] * 8, rank=0).material(b"fetch", 0)}
-    assert len(seen) == 35 and all(len(m) == 32 for m in seen)
-    assert RunGenerators(3, rank=0).material(b"forward", 2, 1) == g.material(b"forward", 2, 1)
-    with pytest.raises(ValueError, match="purpose must be one of .* got b'dropout'"):
-        g.material(b"dropout", 0)
+def _reference_words(key, nonce):
+    """The reseed's words written from RFC 8439's block function (philox_reference's own
+    ChaCha20): blocks 0..39 under ``key`` at ``nonce``."""
+    return [w for block in range(40) for w in chacha20_block(list(key), block, list(nonce))]
 
 
-def test_a_reseed_sets_the_whole_twister_state_numpy_key_and_python_seed():
-    """torch's CPU generator keeps only 32 bits of manual_seed (and numpy's seed(int) 32): a
-    review found two steps of one run drawing the same stream. A reseed sets the Mersenne
-    twister's 624 words from SHAKE256 of the material: torch's draws equal an independent
-    MT19937 (numpy's) keyed with those words, and two materials whose derived 64-bit seeds share
-    their low 32 bits draw differently."""
-    import hashlib
-
-    material = bytes(range(32))
-    reseed_all(material)
+def test_a_reseed_sets_the_whole_twister_state_from_chacha20_of_the_runs_key():
+    """Note [the model's own randomness] (src/dp/generators.h): the generator key is ChaCha20 of
+    the run's seed at the generator stream; a reseed's words are ChaCha20 under it at (purpose
+    and rank, step, micro-batch). torch's draws equal an independent MT19937 (numpy's) keyed
+    with the 624 words, not what a 32-bit seed gives (torch's manual_seed keeps 32 bits: a review
+    found two steps of one run drawing the same stream); numpy draws from the eight extra
+    words; each of purpose, rank, step and micro-batch moves the words."""
+    seed = 0x1234_5678_9ABC
+    g = RunGenerators(seed, rank=1)
+    want_key = chacha20_block([seed & 0xFFFFFFFF, seed >> 32, 0, 0, 0, 0, 0, 0], 0,
+                              [0, 0, 0x67656E73])[:8]
+    assert g.key == want_key
+    g.reseed("forward", 2, 3)
     got = torch.rand(16, dtype=torch.float32)
-    stream = hashlib.shake_256(b"dpzero-generators:" + material).digest(624 * 4 + 40)
+    numpy_got = numpy.random.rand()
+    words = _reference_words(want_key, [(3 << 24) | 1, 2, 3])
     twister = numpy.random.MT19937()
     twister.state = {"bit_generator": "MT19937",
-                     "state": {"key": numpy.frombuffer(stream[:2496], dtype=numpy.uint32).copy(),
-                               "pos": 624}}
+                     "state": {"key": numpy.array(words[:624], dtype=numpy.uint32), "pos": 624}}
     raw = twister.random_raw(16)
-    want = torch.tensor((raw & 0xFFFFFF).astype(numpy.float64) * 2.0 ** -24, dtype=torch.float32)
-    assert torch.equal(got, want)
-    initial = int.from_bytes(stream[2496:2504], "little") >> 1
-    torch.manual_seed(initial & 0xFFFFFFFF)  # what a 32-bit seed would have drawn
-    assert not torch.equal(torch.rand(16), got)
-    legacy = numpy.random.RandomState(numpy.frombuffer(stream[2504:], dtype=numpy.uint32))
-    assert numpy.random.rand() == legacy.rand()  # numpy keyed by all eight words
-    reseed_all(material)
-    assert torch.equal(torch.rand(16, dtype=torch.float32), got)  # a function of the material
+    assert torch.equal(got, torch.tensor((raw & 0xFFFFFF) * 2.0 ** -24, dtype=torch.float32))
+    assert numpy_got == numpy.random.RandomState(numpy.array(words[626:634],
+                                                             dtype=numpy.uint32)).rand()
+    torch.manual_seed((((words[625] << 32) | words[624]) >> 1) & 0xFFFFFFFF)
+    assert not torch.equal(torch.rand(16), got)  # what a 32-bit seed would have drawn
+    firsts = set()
+    for purpose, rank, step, index in [("forward", 1, 2, 3), ("fetch", 1, 2, 3),
+                                       ("forward", 0, 2, 3), ("forward", 1, 3, 3),
+                                       ("forward", 1, 2, 4)]:
+        RunGenerators(seed, rank).reseed(purpose, step, index)
+        firsts.add(float(torch.rand(())))
+    assert len(firsts) == 5
+    with pytest.raises(ValueError, match="purpose must be one of .* got 'dropout'"):
+        g.reseed("dropout", 0)
 
 
 class _States(nn.Module):

@@ -248,7 +248,7 @@ def _rng_after_steps(n: int, steps: int = 3):
 
 
 def test_the_random_state_between_steps_does_not_follow_the_batch_sizes():
-    """Note [the model's own randomness] (generators.py): with dropout in the model and
+    """Note [the model's own randomness] (src/dp/generators.h): with dropout in the model and
     augmentation in the dataset, the generators' states after a step followed its realised
     Poisson batch size, and
     checkpoints save them (two reviews, under add/remove neighbours: torch's, then Python's and

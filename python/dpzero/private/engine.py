@@ -529,7 +529,7 @@ class PrivacyEngine:
         self.last_step_diagnostics: Optional[Dict[str, Any]] = None
         self._diagnostics = PrivateLog(c.diagnostics_path if self.rank == 0 else None)
         self._micro: Optional[MicroBatch] = None  # the micro-batch handed out last
-        # Note [the model's own randomness] (generators.py): dropout's and augmentations' draws
+        # Note [the model's own randomness] (src/dp/generators.h): dropout's and augmentations' draws
         # keyed by the run's secret, not by torch's (public) seed.
         self._generators = RunGenerators(self.noise_source.sampler_seed, self.rank)
         self._drawing = False  # the generators hold a micro-batch's draws (not "between")
@@ -684,7 +684,7 @@ class PrivacyEngine:
             # Logical batch t-1 accumulated but never stepped: zero_grad() must drop it before
             # t's gradients arrive, or it would be released together with t's.
             book.stale = True
-        self._reseed(b"forward", t, i)  # Note [the model's own randomness]
+        self._reseed("forward", t, i)  # Note [the model's own randomness]
         return self._hand_out(MicroBatch(MicroBatchToken(t, i, rows, "poisson"), n, size),
                               padding)
 
@@ -729,7 +729,7 @@ class PrivacyEngine:
                              f"earlier micro-batches gave {micro.logical_size}")
         index = micro.token.index + 1 if micro is not None else 0
         token = MicroBatchToken(self.next_step, index, rows, "caller")
-        self._reseed(b"forward", token.step, index)  # Note [the model's own randomness]
+        self._reseed("forward", token.step, index)  # Note [the model's own randomness]
         self._hand_out(MicroBatch(token, None, size), padding=False)
         return tag(batch, token)
 
@@ -739,15 +739,15 @@ class PrivacyEngine:
         batches]): its loss means nothing and its gradient is discarded."""
         return bool(self._attached and self.book.padding)
 
-    def _reseed(self, purpose: bytes, step: int, index: int = 0) -> None:
+    def _reseed(self, purpose: str, step: int, index: int = 0) -> None:
         """Note [the model's own randomness]: the global generators from the run's secret."""
         self._generators.reseed(purpose, step, index)
-        self._drawing = purpose != b"between"
+        self._drawing = purpose != "between"
 
     def _close_logical_batch(self) -> None:
         """No micro-batch is current any more: inputs of the last one are refused from now on,
         and the generators leave its draws (Note [the model's own randomness])."""
-        self._reseed(b"between", self._micro.token.step if self._micro is not None
+        self._reseed("between", self._micro.token.step if self._micro is not None
                      else self.next_step)
         self._micro = None
         self._skipped_step = False
@@ -814,7 +814,7 @@ class PrivacyEngine:
             # A loader batch's gradients dropped: the generators leave its draws, or a save now
             # would hold them, and the loader hands out its step again (Note [the model's own
             # randomness]).
-            self._reseed(b"between", self._micro.token.step)
+            self._reseed("between", self._micro.token.step)
         self.book.discard()
         self.book.take_stats()
         self.book.drop_deferred()  # a dropped batch's checks go with it

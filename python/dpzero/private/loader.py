@@ -29,8 +29,8 @@ class Schedule:
     # (what, {name: value}): every rank checks it holds the same values (a collective)
     agree: Callable[[str, dict], None]
     # (purpose, step, micro-batch index): the global generators reseeded from the run's secret
-    # (Note [the model's own randomness] in generators.py)
-    reseed: Callable[[bytes, int, int], None]
+    # (Note [the model's own randomness] in src/dp/generators.h)
+    reseed: Callable[[str, int, int], None]
     # a DataLoader's worker_init_fn reseeding each worker's generators from that secret
     worker_init: Callable[[int], None]
 
@@ -80,9 +80,9 @@ class DPDataLoader:
         # Note [the model's own randomness]: workers draw their seeds from the run's secret when
         # the iteration starts; examples fetched here draw from it at each logical batch.
         reseed = self._schedule.reseed
-        reseed(b"iter", start, 0)
+        reseed("iter", start, 0)
         padded = _PaddedBatches(sampler, None if self.num_workers else
-                                (lambda t, i: reseed(b"fetch", t, i)))
+                                (lambda t, i: reseed("fetch", t, i)))
         loader = DataLoader(self.dataset, batch_sampler=padded, collate_fn=self.collate_fn,
                             num_workers=self.num_workers, pin_memory=self.pin_memory,
                             worker_init_fn=self._schedule.worker_init if self.num_workers
