@@ -242,11 +242,11 @@ void bind_dp(py::module_ m) {
         static const std::map<std::string, dp::DrawPurpose> purposes{
             {"iter", dp::DrawPurpose::kIter}, {"fetch", dp::DrawPurpose::kFetch},
             {"forward", dp::DrawPurpose::kForward}, {"between", dp::DrawPurpose::kBetween},
-            {"worker", dp::DrawPurpose::kWorker}};
+            {"worker", dp::DrawPurpose::kWorker}, {"saved", dp::DrawPurpose::kSaved}};
         const auto found = purposes.find(purpose);
         if (found == purposes.end())
           throw std::invalid_argument("reseed_generators: purpose must be iter, fetch, forward, "
-                                      "between or worker, got '" + purpose + "'");
+                                      "between, worker or saved, got '" + purpose + "'");
         if (key.size() != 8)
           throw std::invalid_argument("reseed_generators: the generator key has 8 words, got " +
                                       std::to_string(key.size()));

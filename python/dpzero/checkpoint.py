@@ -74,12 +74,16 @@ def save(
     for key in tensors:
         if key.startswith("dpzero."):
             raise ValueError(f"extra: keys starting with 'dpzero.' are reserved, got {key!r}")
-    if sharded.save_check is not None:  # a private model (Note [the model's own randomness])
-        sharded.save_check("dpzero.checkpoint.save")
-    tensors[_RNG_CPU] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+    if sharded.rng_states is not None:  # a private model: never the live states (Note [the
+        states = sharded.rng_states()      # model's own randomness] in src/dp/generators.h)
+        tensors[_RNG_CPU] = states["cpu"]
+        for index, state in enumerate(states["cuda"]):
             tensors[f"{_RNG_CUDA}{index}"] = state
+    else:
+        tensors[_RNG_CPU] = torch.get_rng_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for index, state in enumerate(torch.cuda.get_rng_state_all()):
+                tensors[f"{_RNG_CUDA}{index}"] = state
     metadata_json = json.dumps({} if metadata is None else metadata)
     if sharded.release_check is not None:  # a private model (Note [state written from data])
         sharded.release_check("dpzero.checkpoint.save")

@@ -96,16 +96,23 @@ def _sampler_seed(seed):
     raise ValueError(f"seed must be an integer or a secure key of 8 integers, got {seed!r}")
 
 
-def empty_safe_collate(dataset: Dataset):
-    """A collate function that maps an empty micro-batch to empty tensors shaped like one example."""
+class EmptySafeCollate:
+    """A collate function that maps an empty micro-batch to empty tensors shaped like one example
+    of ``dataset``. A class, not a closure, so that DataLoader workers started by spawn or
+    forkserver (macOS's and Windows's default) can be handed it."""
 
-    def collate(batch: Sequence[Any]):
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __call__(self, batch: Sequence[Any]):
         if len(batch) > 0:
             return default_collate(batch)
-        template = default_collate([dataset[0]])
+        template = default_collate([self.dataset[0]])
         return _map_tensors(template, lambda t: t[:0])
 
-    return collate
+
+def empty_safe_collate(dataset: Dataset) -> EmptySafeCollate:
+    return EmptySafeCollate(dataset)
 
 
 def _map_tensors(obj, fn):

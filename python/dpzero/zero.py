@@ -178,9 +178,9 @@ class ShardedModule:
         # state_loaded() takes what a checkpoint load wrote into the module as its state.
         self.release_check: Optional[Callable[[str], None]] = None
         self.state_loaded: Optional[Callable[[], None]] = None
-        # Set by a private engine (Note [the model's own randomness]): save_check(what) raises
-        # before a checkpoint saves generator states that hold a micro-batch's draws.
-        self.save_check: Optional[Callable[[str], None]] = None
+        # Set by a private engine (Note [the model's own randomness] in src/dp/generators.h):
+        # rng_states() gives the generator states a checkpoint saves in place of the live ones.
+        self.rng_states: Optional[Callable[[], dict]] = None
 
     def __del__(self):
         # The hooks reach the engine through weak references (see _hooks_ref); without the

@@ -39,8 +39,11 @@
 //    step's draws would give them away (torch's state even records the seed it started from); it
 //    also holds nothing of the realised batch sizes (two earlier reviews read them off saved
 //    states under add/remove neighbours). Nothing that trains draws from it: the next batch's
-//    fetch and forward reseed first. A checkpoint in the middle of a logical batch would hold
-//    that batch's draws, so dpzero.checkpoint refuses one.
+//    fetch and forward reseed first;
+//  * never, for dpzero.checkpoint's saved states (kSaved): a checkpoint of a private model holds
+//    the states of kSaved at the next step, which nothing draws from, not the live ones (a save
+//    in the middle of a logical batch, or after a micro-batch is handed out, would hold the
+//    states its draws come from).
 // Each reseed sets a generator's whole state, not a seed: torch's CPU generator (a Mersenne
 // twister, MT19937) keeps only 32 bits of `manual_seed`, and numpy's `seed(int)` 32, so a run's
 // draws would have 2^32 possibilities a step, few enough to search and to repeat within a run (a
@@ -61,7 +64,9 @@
 
 namespace dpzero::dp {
 
-enum class DrawPurpose : uint32_t { kIter = 1, kFetch = 2, kForward = 3, kBetween = 4, kWorker = 5 };
+enum class DrawPurpose : uint32_t {
+  kIter = 1, kFetch = 2, kForward = 3, kBetween = 4, kWorker = 5, kSaved = 6
+};
 
 constexpr uint32_t kGeneratorStream = 0x67656e73u;  // "gens"; privacy/streams.h has the others
 

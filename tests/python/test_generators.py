@@ -14,6 +14,8 @@ all alike.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import numpy
 import pytest
@@ -168,42 +170,101 @@ def test_a_reseed_sets_the_whole_twister_state_from_chacha20_of_the_runs_key():
 
 
 class _States(nn.Module):
-    """Records the CPU generator's state after its draw in each forward on a loader batch."""
+    """Records its draw in each forward on a loader batch (dropout's source) and the CPU
+    generator's state after it."""
 
     def __init__(self):
         super().__init__()
-        self.fc, self.states = nn.Linear(D, K), []
+        self.fc, self.draws, self.states = nn.Linear(D, K), [], []
 
     def forward(self, x):
-        torch.rand(())
+        self.draws.append(float(torch.rand(())))
         self.states.append(torch.get_rng_state())
         return self.fc(x)
 
 
-def test_a_dropped_batch_leaves_no_draws_of_a_released_one_in_the_generators(tmp_path):
-    """A logical batch dropped with zero_grad() is handed out again (its step is not taken)
-    and released; what a checkpoint saved after the drop holds was the drop's state, which the
-    released step then passed through again (a review regenerated its dropout from it). Now the
-    drop leaves its draws, and no state the released step passes through is the saved one; a
-    save while a logical batch is under way is refused on every rank, naming the fix."""
+def _released_states(save_at, tmp_path):
+    """A seeded run of two steps whose first step is dropped once after its first micro-batch;
+    ``save_at`` names where a checkpoint is saved ("handed": after a hand-out, before the
+    forward; "backward": after a micro-batch's backward; "dropped": after the drop; None: no
+    save). Returns ((the states the released steps' forwards passed through, their draws),
+    (the checkpoint's path, its saved CPU state), the private bundle)."""
     torch.manual_seed(0)
     model = _States()
     data = torch.utils.data.TensorDataset(torch.randn(N, D), torch.randint(0, K, (N,)))
     p = dpzero.make_private(model, dataset=data, sample_rate=0.5, noise_multiplier=1.0,
                             max_grad_norm=1.0, seed=5, max_physical_batch_size=4)
+    saved = []
+
+    def save(where):
+        if where == save_at:  # the saved state is the hook's (checked against the file below)
+            saved.append(dpzero.checkpoint.save(p.privacy_engine.sharded, tmp_path / where,
+                                                step=0))
+            saved.append(p.privacy_engine.sharded.rng_states()["cpu"])
+
     it = iter(p.data_loader)
     x, y = next(it)
+    save("handed")
     F.cross_entropy(p.model(x), y).backward()
-    with pytest.raises(RuntimeError, match=r"logical batch is under way .* random generators' "
-                                           r"state.* save between steps"):
-        dpzero.checkpoint.save(p.privacy_engine.sharded, tmp_path / "mid", step=0)
+    save("backward")
     p.optimizer.zero_grad()  # dropped: the loader hands step 0 out again
-    dpzero.checkpoint.save(p.privacy_engine.sharded, tmp_path / "after", step=0)
-    saved = torch.get_rng_state()
+    save("dropped")
     model.states.clear()
-    for x, y in p.data_loader:
-        F.cross_entropy(p.model(x), y).backward()
-        if p.optimizer.step():
-            break
-    assert p.privacy_engine.charges == 1 and model.states
-    assert not any(torch.equal(saved, state) for state in model.states)
+    model.draws.clear()
+    while p.privacy_engine.charges < 2:
+        for x, y in p.data_loader:
+            F.cross_entropy(p.model(x), y).backward()
+            if p.optimizer.step() and p.privacy_engine.charges == 2:
+                break
+    return (model.states, model.draws), saved, p
+
+
+@pytest.mark.parametrize("save_at", ["handed", "backward", "dropped"])
+def test_a_checkpoint_holds_no_generator_state_a_released_step_draws_from(save_at, tmp_path):
+    """A checkpoint saved after a micro-batch was handed out held the state its dropout then drew
+    from; one saved after a dropped batch, the state the batch drew from when handed out again
+    and released (a review regenerated both steps' dropout from it). A private model's
+    checkpoint now saves the states of purpose "saved", which nothing draws from, and leaves the
+    live ones as they were: the released draws are those of a run that saved nothing."""
+    (released, draws), (path, state), p = _released_states(save_at, tmp_path)
+    (_, plain), _, _ = _released_states(None, tmp_path / "plain")
+    assert draws and draws == plain  # the save left the live states as they were
+    assert not any(torch.equal(state, s) for s in released)
+    assert float(_draw_after(state)) not in draws  # what a loaded checkpoint would draw
+    dpzero.checkpoint.load(p.privacy_engine.sharded, path)  # between steps: restores it
+    assert torch.equal(torch.get_rng_state(), state)
+    p.privacy_engine.detach()  # a plain model's checkpoint saves the live state
+    live = torch.get_rng_state()
+    path = dpzero.checkpoint.save(p.privacy_engine.sharded, tmp_path / "detached", step=9)
+    torch.manual_seed(1)
+    dpzero.checkpoint.load(p.privacy_engine.sharded, path)
+    assert torch.equal(torch.get_rng_state(), live)
+
+
+def _draw_after(state):
+    g = torch.Generator()
+    g.set_state(state)
+    return torch.rand((), generator=g)
+
+
+def test_a_private_loader_with_workers_runs_under_spawn(tmp_path):
+    """DataLoader workers started by spawn (macOS's and Windows's default, forkserver Linux's
+    from Python 3.14) are handed the collate function and the worker seeding by pickling: the
+    default collate was a closure and the loader died before its first batch."""
+    script = tmp_path / "spawn.py"
+    script.write_text(
+        "import torch, torch.nn.functional as F, dpzero\n"
+        "if __name__ == '__main__':\n"
+        "    torch.multiprocessing.set_start_method('spawn')\n"
+        "    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))\n"
+        "    p = dpzero.make_private(torch.nn.Linear(4, 3), dataset=data, sample_rate=0.5,\n"
+        "                            noise_multiplier=1.0, max_grad_norm=1.0, num_workers=1)\n"
+        "    for x, y in p.data_loader:\n"
+        "        F.cross_entropy(p.model(x), y).backward()\n"
+        "        if p.optimizer.step():\n"
+        "            break\n"
+        "    print('charges', p.privacy_engine.charges)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "charges 1" in done.stdout

@@ -512,7 +512,8 @@ class PrivacyEngine:
         self.book.restore_state = self._state.restore_buffers
         self.book.watch_state = functools.partial(ProbeWrites, model, self._trainable_set.ids)
         sharded.release_check = self._verify_release
-        sharded.save_check = self._check_save  # Note [the model's own randomness]
+        # Note [the model's own randomness]: a checkpoint saves states nothing draws from.
+        sharded.rng_states = lambda: self._generators.saved_states(self.next_step)
         sharded.state_loaded = self._state.accept
         self._state_dict_hooks = state_dict.register(
             model, sharded=sharded, slots=self.slots, guard=self._state,
@@ -532,7 +533,6 @@ class PrivacyEngine:
         # Note [the model's own randomness] (src/dp/generators.h): dropout's and augmentations' draws
         # keyed by the run's secret, not by torch's (public) seed.
         self._generators = RunGenerators(self.noise_source.sampler_seed, self.rank)
-        self._drawing = False  # the generators hold a micro-batch's draws (not "between")
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
         epoch_steps = steps_per_epoch(q, c.bands)
@@ -742,7 +742,6 @@ class PrivacyEngine:
     def _reseed(self, purpose: str, step: int, index: int = 0) -> None:
         """Note [the model's own randomness]: the global generators from the run's secret."""
         self._generators.reseed(purpose, step, index)
-        self._drawing = purpose != "between"
 
     def _close_logical_batch(self) -> None:
         """No micro-batch is current any more: inputs of the last one are refused from now on,
@@ -774,20 +773,6 @@ class PrivacyEngine:
             except RuntimeError as e:
                 first = (str(e).strip().splitlines() or [""])[0]
                 raise ValueError(f"optimizer.param_groups: {first}") from None
-
-    def _check_save(self, what: str) -> None:
-        """Before a checkpoint saves the generators' states (Note [the model's own randomness]):
-        raises on every rank if any rank's generators hold a micro-batch's draws (a logical
-        batch under way, or handed out and not yet stepped or dropped) or gradients are
-        accumulated (a collective with several ranks)."""
-        book = self.book
-        busy = bool(book.micro_batches or book.open or self._drawing)
-        agree = self.agreements
-        if agree.collective(f"agreeing on {what}", agree.any_rank, busy):
-            raise RuntimeError(f"{what}: a logical batch is under way (on this rank: {busy}), "
-                               "and the checkpoint would hold its random generators' state, "
-                               "from which its dropout and augmentations can be regenerated; "
-                               "save between steps, after optimizer.step()")
 
     def _check_between_steps(self, what: str) -> None:
         """Raises on every rank if any rank has a logical batch accumulated or a backward
@@ -899,6 +884,8 @@ class PrivacyEngine:
         self._guards, self._state_dict_hooks = [], []
         self.sharded.zero_state.set_private(False)
         self._state.stop_watching()
+        self.sharded.rng_states = None  # a plain model's checkpoints save the live states
+        self.sharded.release_check = None  # checked above, once: the model is the caller's now
         self.sharded.zero_grad()
         self._detached = True
         return self.module

@@ -15,7 +15,7 @@ import torch
 
 from .. import _C
 
-PURPOSES = ("iter", "fetch", "forward", "between")
+PURPOSES = ("iter", "fetch", "forward", "between", "saved")
 
 
 def _reseed_python(seed: int, extra: List[int]) -> None:
@@ -48,6 +48,27 @@ class RunGenerators:
 
     def workers(self) -> "WorkerSeeds":
         return WorkerSeeds(self.key)
+
+    def saved_states(self, step: int) -> dict:
+        """What a checkpoint saves of the generators at logical step ``step``: the states of
+        purpose "saved", which nothing draws from, never the live ones (those a handed-out
+        micro-batch draws from); the live states are put back. {"cpu": torch's CPU state,
+        "cuda": [each device's] (only once CUDA is initialised)}."""
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        numpy = sys.modules.get("numpy")
+        live = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None,
+                random.getstate(), numpy.random.get_state() if numpy is not None else None)
+        try:
+            self.reseed("saved", step)
+            return {"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if cuda else []}
+        finally:
+            torch.set_rng_state(live[0])
+            if cuda:
+                torch.cuda.set_rng_state_all(live[1])
+            random.setstate(live[2])
+            if numpy is not None:
+                numpy.random.set_state(live[3])
 
 
 class WorkerSeeds:
