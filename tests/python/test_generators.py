@@ -268,3 +268,39 @@ def test_a_private_loader_with_workers_runs_under_spawn(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "charges 1" in done.stdout
+
+
+class _CudaDraws(nn.Module):
+    """Records one CUDA draw per forward (dropout on a GPU draws from the CUDA generator)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.seen = nn.Linear(D, K), []
+
+    def forward(self, x):
+        self.seen.append(float(torch.rand((), device=x.device)))
+        return self.fc(x)
+
+
+def _cuda_draws(torch_seed, seed=None):
+    torch.manual_seed(torch_seed)
+    model = _CudaDraws().cuda()
+    data = torch.utils.data.TensorDataset(torch.randn(N, D), torch.randint(0, K, (N,)))
+    p = dpzero.make_private(model, dataset=data, sample_rate=0.25, noise_multiplier=1.0,
+                            max_grad_norm=1.0, seed=seed)
+    while p.privacy_engine.steps_taken < 2:
+        for x, y in p.data_loader:
+            F.cross_entropy(p.model(x.cuda()), y.cuda()).backward()
+            if p.optimizer.step() and p.privacy_engine.steps_taken == 2:
+                break
+    return model.seen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_draws_follow_the_runs_secret_not_torchs_seed():
+    """The CUDA generator (dropout's on a GPU) is keyed by the run's secret too: two secure runs
+    after torch.manual_seed(0) draw differently, a seeded run alike under any torch seed."""
+    a, b = _cuda_draws(0), _cuda_draws(0)
+    assert a and all(x != y for x, y in zip(a, b))
+    assert _cuda_draws(0, seed=3) == _cuda_draws(1, seed=3)
