@@ -74,8 +74,10 @@ def save(
     for key in tensors:
         if key.startswith("dpzero."):
             raise ValueError(f"extra: keys starting with 'dpzero.' are reserved, got {key!r}")
-    if sharded.rng_states is not None:  # a private model: never the live states (Note [the
-        states = sharded.rng_states()      # model's own randomness] in src/dp/generators.h)
+    if sharded.rng_states is not None:
+        # A private model: never the live states (Note [the model's own randomness] in
+        # src/dp/generators.h).
+        states = sharded.rng_states()
         tensors[_RNG_CPU] = states["cpu"]
         for index, state in enumerate(states["cuda"]):
             tensors[f"{_RNG_CUDA}{index}"] = state

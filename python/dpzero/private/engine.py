@@ -530,8 +530,8 @@ class PrivacyEngine:
         self.last_step_diagnostics: Optional[Dict[str, Any]] = None
         self._diagnostics = PrivateLog(c.diagnostics_path if self.rank == 0 else None)
         self._micro: Optional[MicroBatch] = None  # the micro-batch handed out last
-        # Note [the model's own randomness] (src/dp/generators.h): dropout's and augmentations' draws
-        # keyed by the run's secret, not by torch's (public) seed.
+        # Note [the model's own randomness] (src/dp/generators.h): dropout's and augmentations'
+        # draws keyed by the run's secret, not by torch's (public) seed.
         self._generators = RunGenerators(self.noise_source.sampler_seed, self.rank)
         self._skipped_step = False  # the last step() only accumulated (Opacus's semantics)
         self._detached = False
@@ -548,7 +548,7 @@ class PrivacyEngine:
                                      c.torch_optimizer)
         schedule = Schedule(
             sample_rate=q, sampler=self._sampler, next_step=lambda: self.next_step,
-            begin_micro_batch=self._begin_micro_batch, reseed=self._reseed,
+            begin_micro_batch=self._begin_micro_batch, reseed=self._generators.reseed,
             worker_init=self._generators.workers(),
             agree=lambda what, values: agree.collective(what, agree.same_everywhere, values))
         self.data_loader = DPDataLoader(schedule, c.dataset, epoch_steps,
@@ -684,7 +684,7 @@ class PrivacyEngine:
             # Logical batch t-1 accumulated but never stepped: zero_grad() must drop it before
             # t's gradients arrive, or it would be released together with t's.
             book.stale = True
-        self._reseed("forward", t, i)  # Note [the model's own randomness]
+        self._generators.reseed("forward", t, i)  # Note [the model's own randomness]
         return self._hand_out(MicroBatch(MicroBatchToken(t, i, rows, "poisson"), n, size),
                               padding)
 
@@ -729,7 +729,7 @@ class PrivacyEngine:
                              f"earlier micro-batches gave {micro.logical_size}")
         index = micro.token.index + 1 if micro is not None else 0
         token = MicroBatchToken(self.next_step, index, rows, "caller")
-        self._reseed("forward", token.step, index)  # Note [the model's own randomness]
+        self._generators.reseed("forward", token.step, index)  # Note [the model's own randomness]
         self._hand_out(MicroBatch(token, None, size), padding=False)
         return tag(batch, token)
 
@@ -739,14 +739,10 @@ class PrivacyEngine:
         batches]): its loss means nothing and its gradient is discarded."""
         return bool(self._attached and self.book.padding)
 
-    def _reseed(self, purpose: str, step: int, index: int = 0) -> None:
-        """Note [the model's own randomness]: the global generators from the run's secret."""
-        self._generators.reseed(purpose, step, index)
-
     def _close_logical_batch(self) -> None:
         """No micro-batch is current any more: inputs of the last one are refused from now on,
         and the generators leave its draws (Note [the model's own randomness])."""
-        self._reseed("between", self._micro.token.step if self._micro is not None
+        self._generators.reseed("between", self._micro.token.step if self._micro is not None
                      else self.next_step)
         self._micro = None
         self._skipped_step = False
@@ -799,7 +795,7 @@ class PrivacyEngine:
             # A loader batch's gradients dropped: the generators leave its draws, or a save now
             # would hold them, and the loader hands out its step again (Note [the model's own
             # randomness]).
-            self._reseed("between", self._micro.token.step)
+            self._generators.reseed("between", self._micro.token.step)
         self.book.discard()
         self.book.take_stats()
         self.book.drop_deferred()  # a dropped batch's checks go with it

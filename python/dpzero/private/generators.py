@@ -14,6 +14,7 @@ from typing import List, Union
 import torch
 
 from .. import _C
+from ..noise import as_int64
 
 PURPOSES = ("iter", "fetch", "forward", "between", "saved")
 
@@ -33,8 +34,7 @@ class RunGenerators:
 
     def __init__(self, secret: Union[int, List[int]], rank: int) -> None:
         secure = not isinstance(secret, int)
-        seed = 0 if secure else (int(secret) - (1 << 64) if int(secret) >= 1 << 63
-                                 else int(secret))
+        seed = 0 if secure else as_int64(int(secret))
         self.key = list(_C.dp.generator_key(secure, seed, list(secret) if secure else []))
         self.rank = int(rank)
 

@@ -40,9 +40,8 @@ class DPDataLoader:
     (``for batch in loader``) is one epoch: ``steps_per_epoch`` logical steps, continuing from
     the last step taken. ``len(loader)`` is the expected number of micro-batches of the next
     epoch (``PoissonBatchSampler.__len__``: the realised number follows the sampled batch sizes,
-    which are private). The
-    tensors it yields carry the micro-batch's tag (Note [batch provenance]): the model accepts
-    them, and no others, for the step."""
+    which are private). The tensors it yields carry the micro-batch's tag (Note [batch
+    provenance]): the model accepts them, and no others, for the step."""
 
     def __init__(self, schedule: Schedule, dataset: Dataset, steps_per_epoch: int,
                  max_physical_batch_size: Optional[int], collate_fn=None, num_workers: int = 0,
@@ -78,7 +77,7 @@ class DPDataLoader:
         start = self._schedule.next_step()
         sampler = self._sampler(start)
         # Note [the model's own randomness]: workers draw their seeds from the run's secret when
-        # the iteration starts; examples fetched here draw from it at each logical batch.
+        # the iteration starts; examples fetched here draw from it at each micro-batch.
         reseed = self._schedule.reseed
         reseed("iter", start, 0)
         padded = _PaddedBatches(sampler, None if self.num_workers else

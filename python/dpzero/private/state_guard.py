@@ -263,29 +263,29 @@ class StateGuard:
     # Note [trained parameters written outside the step]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
     # The trainable parameters are the private optimizer's, but a forward can write them too: a
-    # functional F.embedding(ids, weight, max_norm=...) renormalises the looked-up rows of a
-    # trained table in place, from the batch's ids (a second review read a rare token's row off
-    # the released model: norm 1.78 in one neighbour, 1.00 in the other), Glow's ActNorm sets its
-    # own trained bias and scale from the first batch's mean and standard deviation through
-    # ``param.data.copy_`` (a third review released them unclipped and unnoised: 16,855 times the
-    # bound), and so can the training loop around it. A write through autograd bumps the
-    # parameter's version counter; one through .data, or numpy or DLPack views, does not. So
-    # after each update (and at make_private, a load, an acceptance) both are recorded: the
-    # versions, and on its device the fingerprint of each memory the trained parameters live in
-    # (a unit's flat buffer holds all of the unit's: one fingerprint per unit, so that a step's
-    # launches grow with its units; a change names the parameters sharing that buffer, a
-    # parameter given other memory is named alone); the versions are compared
-    # at each step and release, the fingerprints with the buffers' flags, before each later
-    # micro-batch and at the step (one device read) and at every release. This is at ZeRO stages
-    # 0-2; stage 3 frees what it gathers, so there each gathered copy is fingerprinted from its
-    # gather to its release instead and a change refuses the step (Note [writes to a gathered
-    # unit] in src/zero/flat_param.h). Strict isolation also refuses a write at its forward. A change refuses the step and every release until it
-    # is accepted, naming the parameter; a write of the caller's that holds nothing of the
-    # training data (a projection of the released parameters) is accepted with
-    # accept_state_change() (all of the state: an acceptance by name takes only the buffers and
-    # frozen parameters it names). A load records a memory anew only if it held its recorded
-    # values before the load (clean_trained), so no load accepts a write it did not make. The fingerprints read every trained word once per micro-batch: on the
-    # host one multi-threaded pass (state_fingerprint), on a device about ten elementwise passes.
+    # functional F.embedding(ids, weight, max_norm=...) renormalises the looked-up rows of a trained
+    # table in place, from the batch's ids (a second review read a rare token's row off the released
+    # model: norm 1.78 in one neighbour, 1.00 in the other), Glow's ActNorm sets its own trained
+    # bias and scale from the first batch's mean and standard deviation through ``param.data.copy_``
+    # (a third review released them unclipped and unnoised: 16,855 times the bound), and so can the
+    # training loop around it. A write through autograd bumps the parameter's version counter; one
+    # through .data, or numpy or DLPack views, does not. So after each update (and at make_private,
+    # a load, an acceptance) both are recorded: the versions, and on its device the fingerprint of
+    # each memory the trained parameters live in (a unit's flat buffer holds all of the unit's: one
+    # fingerprint per unit, so that a step's launches grow with its units; a change names the
+    # parameters sharing that buffer, a parameter given other memory is named alone); the versions
+    # are compared at each step and release, the fingerprints with the buffers' flags, before each
+    # later micro-batch and at the step (one device read) and at every release. This is at ZeRO
+    # stages 0-2; stage 3 frees what it gathers, so there each gathered copy is fingerprinted from
+    # its gather to its release instead and a change refuses the step (Note [writes to a gathered
+    # unit] in src/zero/flat_param.h). Strict isolation also refuses a write at its forward. A
+    # change refuses the step and every release until it is accepted, naming the parameter; a write
+    # of the caller's that holds nothing of the training data (a projection of the released
+    # parameters) is accepted with accept_state_change() (all of the state: an acceptance by name
+    # takes only the buffers and frozen parameters it names). A load records a memory anew only if
+    # it held its recorded values before the load (clean_trained), so no load accepts a write it did
+    # not make. The fingerprints read every trained word once per micro-batch: on the host one
+    # multi-threaded pass (state_fingerprint), on a device about ten elementwise passes.
     def clean_trained(self) -> Set[int]:
         """Before a load: the memories (data pointers) whose trained parameters still hold what
         was recorded, fingerprint and versions unmoved (one host read; loads are rare)."""
