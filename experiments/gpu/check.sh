@@ -11,7 +11,8 @@
 #            the whole log in $OUT/build.log
 #   profile  profile_step.py: a step's wall time against the GPU's busy time, launches and host
 #            waits, the costliest operators (dpzero flat, Opacus ghost, plain torch)
-#   private  one experiments/private_bench.py --device cuda configuration (dpzero and Opacus);
+#   private  one experiments/private_bench.py --device cuda configuration (dpzero, also with its
+#            norms on a side stream, and Opacus);
 #            CHECK_PRIVATE_ARGS is appended to its flags (a rerun: "--skip-check --repeats 5";
 #            the step on the split tiles: "--ghost-split-from 2 --tag cuda-w768-split")
 #   paper    one row set of experiments/run.py --grid gpu (non-DP, DP flat, Opacus hooks)
@@ -79,7 +80,9 @@ want profile && stage profile 90 $py experiments/gpu/profile_step.py --systems d
   --out "$results/profile.md" >>"$log" 2>&1
 want private && stage private 150 $py experiments/private_bench.py --device cuda --threads "$(nproc)" \
   --tag cuda-w768 --layers 4 --hidden 768 --heads 12 --intermediate 3072 --vocab 30522 --batch 32 \
-  --repeats 11 --max-wait 0 --out "$results/private.md" ${CHECK_PRIVATE_ARGS:-} >>"$log" 2>&1
+  --repeats 11 --max-wait 0 --out "$results/private.md" \
+  --systems torch,zero0,dp-flat,dp-layer,dp-flat-stream,opacus-hooks,opacus-ghost,opacus-ew,opacus-functorch \
+  ${CHECK_PRIVATE_ARGS:-} >>"$log" 2>&1
 # Opacus hooks, not ghost: ghost clipping refuses GPT-2's tied embedding
 want paper && stage paper 90 bash -c "cd experiments && $py run.py --grid gpu --systems zero0,dp0-flat,opacus-hooks \
   --repeats 5 --out '$results' && mv '$results/grid-gpu.md' '$results/paper.md'" >>"$log" 2>&1

@@ -13,6 +13,7 @@
 
 #include "kernels/per_sample_ops.h"
 #include "src/dp/clip_group.h"
+#include "src/dp/side_stream.h"
 #include "src/zero/state.h"
 
 namespace dpzero::dp {
@@ -26,20 +27,16 @@ constexpr const char* kBatchOnDim0 =
     "batch_first=False inputs, and expand inputs shared by the batch ([1, ...] broadcast) to the "
     "batch";
 
-// Note [shared inputs]: layers reading the very same input tensor, unchanged since.
-using InputKey = std::tuple<const void*, std::vector<int64_t>, std::vector<int64_t>, at::ScalarType,
-                            std::string, uint32_t>;
-
-InputKey input_key(const at::Tensor& a) {
-  return {a.data_ptr(),    a.sizes().vec(),  a.strides().vec(),
-          a.scalar_type(), a.device().str(), a._version()};
-}
-
 PrivacyErrorHook privacy_error_hook = nullptr;
 
 using Lock = std::lock_guard<std::recursive_mutex>;
 
 }  // namespace
+
+Book::InputKey Book::input_key(const at::Tensor& a) {
+  return {a.data_ptr(),    a.sizes().vec(),  a.strides().vec(),
+          a.scalar_type(), a.device().str(), a._version()};
+}
 
 void set_privacy_error_hook(PrivacyErrorHook hook) { privacy_error_hook = hook; }
 
@@ -179,6 +176,8 @@ void Book::reset_micro_batch() {
   handed_.clear();
   batch_.reset();
   dropped_mask_ = at::Tensor();
+  inputs_.clear();
+  aside_.clear();  // what the norms read and wrote is recorded on their streams
 }
 
 // ---- forward
@@ -214,6 +213,17 @@ void Book::set_verdict(int64_t part) {
   TORCH_CHECK(part >= 0 && part < num_parts(), "dpzero::dp::Book::set_verdict: no part ", part,
               " (", num_parts(), " parts)");
   parts_[part].verdict = true;
+}
+
+void Book::note_input(int64_t generation, int64_t part, const at::Tensor& a) {
+  Lock lock(mutex_);
+  if (generation != generation_ || part < 0 || part >= num_parts() || parts_[part].input ||
+      !a.defined()) {
+    return;  // not this micro-batch's part (its backward will be refused), or noted already
+  }
+  const InputKey key = input_key(a);
+  parts_[part].input = key;
+  inputs_[key].push_back(part);
 }
 
 // ---- backward
@@ -468,12 +478,45 @@ void Book::report(int64_t index, Kept in, bool per_sample) {
       part.kept = std::move(in);
     } else if (clip && layer.ops->shares_input()) {
       part.kept = layer.ops->keep_pending(in.a, in.g);  // Note [shared inputs]
+      norms_if_input_done(index);
     } else {
       part.kept = layer.ops->keep(in.a, in.g, clip);
     }
+    if (part.kept->a.defined()) part.a_version = part.kept->a._version();
+    if (part.kept->g.defined()) part.g_version = part.kept->g._version();
     if (gs.received == static_cast<int64_t>(gs.parts.size())) complete(layer.group);
   }
   release_if_done(layer);
+}
+
+// Note [kept inputs stay unwritten]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A part that is not clipped in its own backward keeps A and G until its group completes, and its
+// norm may be computed before then (when its layer kind keeps (A, G) and computes the norm at
+// once, or when its input is done: Note [norms when their input is done]). The clip bounds the
+// contribution only if the clipped sum reads the A and G the norm read. Autograd checks that a
+// saved input was not written between the forward and the node's backward, but nothing checks
+// the time after: a custom Function's backward or a hook of an earlier layer writing in place into
+// the tensor a DP layer read would scale its contribution past C unseen. So the book takes A's
+// and G's version counters when it keeps them, and a group refuses to complete if either moved.
+// A write that bypasses the counter (through .data) is outside what it sees.
+void Book::check_unwritten(int64_t index) const {
+  const Part& part = parts_[index];
+  const Kept& kept = *part.kept;
+  const std::string& name = layers_[part.layer].name;
+  if (kept.a.defined() && kept.a._version() != part.a_version) {
+    refuse("the input of DP layer '" + name +
+           "' was written in place during the backward, after the layer reported it: its "
+           "clipped gradient would be summed from other values than its norm was computed from; "
+           "clone the tensor before writing into it in a backward (a custom autograd Function or "
+           "a hook)");
+  }
+  if (kept.g.defined() && kept.g._version() != part.g_version) {
+    refuse("the output gradient of DP layer '" + name +
+           "' was written in place during the backward, after the layer reported it: its "
+           "clipped gradient would be summed from other values than its norm was computed from; "
+           "clone the gradient before writing into it (a tensor hook)");
+  }
 }
 
 // ---- completion
@@ -493,21 +536,91 @@ void Book::shared_norms(const std::vector<int64_t>& parts) {
       it->second.push_back(index);
     }
   }
-  for (const auto& [key, same] : by_input) {
-    std::vector<at::Tensor> gs;
-    for (const int64_t index : same) gs.push_back(parts_[index].kept->g);
-    const at::Tensor weights =
-        ps::linear_sq_norms_multi(parts_[same[0]].kept->a, gs, /*method=*/0);  // [L, B]
-    for (size_t l = 0; l < same.size(); ++l) {
-      Kept& kept = *parts_[same[l]].kept;
-      const at::Tensor total = kept.rest_sq.defined()
-                                   ? certified_sum({weights[static_cast<int64_t>(l)], kept.rest_sq})
-                                   : weights[static_cast<int64_t>(l)];
-      kept.sq = total;
-      kept.rest_sq = at::Tensor();
-      kept.pending = false;
-    }
+  for (const auto& entry : by_input) input_norms(entry.second);
+}
+
+bool Book::pending_kind(int64_t index) const {
+  const Part& part = parts_[index];
+  const BookLayer& layer = layers_[part.layer];
+  return layer.ops && layer.ops->shares_input() &&
+         std::isfinite(options_.thresholds[layer.group]) && !fused(part);
+}
+
+// Note [norms when their input is done]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Note [shared inputs] computes the weight norms of the Linear calls that read one input in one
+// op, which builds that input's Gram once. A group's norms were computed when the group
+// completed: for flat clipping, at the end of the backward, every layer's at once, after the last
+// GEMM of the backward. But a set of calls is known at the end of the forward (each call notes
+// the tensor it read, note_input), and its norms can be computed as soon as the last of its calls
+// has reported, while autograd goes on to the earlier layers (on a GPU, on a side stream: Note
+// [norms on a side stream]). The set is the calls whose noted input is this one and that keep
+// their inputs pending (pending_kind: a Linear with a trained weight in a group of several parts
+// with a finite threshold); a call whose reported A is not the tensor it noted (it was cast
+// again, or written since) leaves the set and waits for its group as before, as does every call
+// of a set one of whose calls never reports (its output did not reach the loss). The grouping
+// only decides which calls share one op: each call's norm is the one the op computes for it
+// alone, so the sets change no value (the GoogleTest BookInputs compares them with the
+// completion's).
+void Book::norms_if_input_done(int64_t index) {
+  Part& part = parts_[index];
+  if (!part.input) return;
+  auto it = inputs_.find(*part.input);
+  if (it == inputs_.end()) return;
+  std::vector<int64_t>& noted = it->second;
+  if (input_key(part.kept->a) != *part.input) {
+    noted.erase(std::remove(noted.begin(), noted.end(), index), noted.end());
+    part.input.reset();
   }
+  std::vector<int64_t> same;
+  for (const int64_t p : noted) {
+    const Part& other = parts_[p];
+    if (!pending_kind(p) || other.done) continue;  // never pending, or its group completed
+    if (!other.kept) return;                       // a call still to report
+    if (other.kept->pending) same.push_back(p);
+  }
+  if (!same.empty()) input_norms(same);
+}
+
+void Book::input_norms(const std::vector<int64_t>& same) {
+  const Kept& first = *parts_[same[0]].kept;
+  std::vector<at::Tensor> gs, reads{first.a};
+  for (const int64_t index : same) {
+    const Kept& kept = *parts_[index].kept;
+    gs.push_back(kept.g);
+    reads.push_back(kept.g);
+    if (kept.rest_sq.defined()) reads.push_back(kept.rest_sq);
+  }
+  const auto norms = [&] {
+    const at::Tensor weights = ps::linear_sq_norms_multi(first.a, gs, /*method=*/0);  // [L, B]
+    std::vector<at::Tensor> totals;
+    for (size_t l = 0; l < same.size(); ++l) {
+      const Kept& kept = *parts_[same[l]].kept;
+      const at::Tensor w = weights[static_cast<int64_t>(l)];
+      totals.push_back(kept.rest_sq.defined() ? certified_sum({w, kept.rest_sq}) : w);
+    }
+    return totals;
+  };
+  const at::Device device = first.a.device();
+  std::vector<at::Tensor> totals;
+  if (norm_stream_for(device)) {
+    auto [out, done] = run_aside(device, reads, norms);
+    totals = std::move(out);
+    aside_.emplace_back(std::move(done), device);
+  } else {
+    totals = norms();
+  }
+  for (size_t l = 0; l < same.size(); ++l) {
+    Kept& kept = *parts_[same[l]].kept;
+    kept.sq = std::move(totals[l]);
+    kept.rest_sq = at::Tensor();
+    kept.pending = false;
+  }
+}
+
+void Book::wait_aside() {
+  for (const auto& [event, device] : aside_) wait_for(event, device);
+  aside_.clear();
 }
 
 void Book::complete(int64_t group) {
@@ -519,10 +632,12 @@ void Book::complete(int64_t group) {
     if (parts_[index].kept) parts.push_back(index);
   }
   if (parts.empty()) return;
+  for (const int64_t index : parts) check_unwritten(index);
   const double threshold = options_.thresholds[group];
   at::Tensor factors;
   if (std::isfinite(threshold)) {
     shared_norms(parts);
+    wait_aside();  // before anything reads a norm computed aside
     // Per component, its parts' squared norms (Note [certified group norms]).
     std::vector<int64_t> order;
     std::map<int64_t, std::vector<at::Tensor>> by_component;
@@ -654,6 +769,7 @@ void Book::finish_backward() {
           "counted twice");
     }
     for (auto& entry : group_state_) complete(entry.first);
+    wait_aside();
     for (int64_t unit = 0; unit < engine_.num_units(); ++unit) {
       if (!handed_.count(unit)) hand_over(unit);  // zeros where no part of it ran
     }

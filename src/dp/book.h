@@ -65,9 +65,11 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 
 #include "src/dp/errors.h"
 #include "src/dp/layer_ops.h"
@@ -142,6 +144,10 @@ class Book : public std::enable_shared_from_this<Book> {
   // Note [one sample per row]: dim 0 of part `part`'s rows holds the examples (decided from
   // where its inputs came from). A part without a verdict is never clipped.
   void set_verdict(int64_t part);
+  // Note [norms when their input is done]: part `part` of micro-batch `generation` (a Linear call)
+  // reads `a` ([B, ..., d_in], the tensor its backward will report as A). Optional: a part never
+  // noted has its norms computed when its group completes.
+  void note_input(int64_t generation, int64_t part, const at::Tensor& a);
   int64_t generation() const;  // changes with every micro-batch
   int64_t num_parts() const;
   bool open() const;     // parts registered, backward not finished
@@ -192,6 +198,12 @@ class Book : public std::enable_shared_from_this<Book> {
   [[noreturn]] void refuse_backward(const std::string& why);
 
  private:
+  // Note [shared inputs]: what identifies one input tensor, unchanged since: its data pointer,
+  // sizes, strides, dtype, device and version counter.
+  using InputKey = std::tuple<const void*, std::vector<int64_t>, std::vector<int64_t>,
+                              at::ScalarType, std::string, uint32_t>;
+  static InputKey input_key(const at::Tensor& a);
+
   struct Part {
     int64_t layer = 0;
     int64_t hand_out = 0;  // the micro-batch handed out when it registered
@@ -201,6 +213,9 @@ class Book : public std::enable_shared_from_this<Book> {
     int64_t reported = 0;  // rows reported so far by report_per_sample_rows
     bool done = false;     // its clipped sums are added
     std::optional<Kept> kept;
+    std::optional<InputKey> input;  // Note [norms when their input is done]
+    // Note [kept inputs stay unwritten]: kept->a's and kept->g's versions when kept.
+    uint32_t a_version = 0, g_version = 0;
   };
   struct GroupState {
     std::vector<int64_t> parts;
@@ -215,6 +230,16 @@ class Book : public std::enable_shared_from_this<Book> {
   void report(int64_t part, Kept kept_or_inputs, bool per_sample);
   void complete(int64_t group);
   void shared_norms(const std::vector<int64_t>& parts);
+  // Whether part `index` keeps its inputs pending for shared norms (Note [shared inputs]).
+  bool pending_kind(int64_t index) const;
+  // Note [norms when their input is done]: after part `index` kept its inputs pending.
+  void norms_if_input_done(int64_t index);
+  // The weight norms of pending parts that read one input, in one multi-layer op.
+  void input_norms(const std::vector<int64_t>& same);
+  // Note [norms on a side stream]: the current stream waits for the norms queued aside.
+  void wait_aside();
+  // Note [kept inputs stay unwritten]: refuses if part `index`'s kept A or G was written since.
+  void check_unwritten(int64_t index) const;
   void add_kept_clipped_sums(const Part& part, const at::Tensor& factors);
   int64_t mean_scale() const;
   void note_factors(const at::Tensor& factors);
@@ -260,6 +285,8 @@ class Book : public std::enable_shared_from_this<Book> {
   std::set<int64_t> handed_;
   std::optional<int64_t> batch_;
   at::Tensor dropped_mask_;  // [B] bool
+  std::map<InputKey, std::vector<int64_t>> inputs_;  // parts by their noted input
+  std::vector<std::pair<c10::Event, at::Device>> aside_;  // Note [norms on a side stream]
 };
 
 }  // namespace dpzero::dp

@@ -191,10 +191,20 @@ at::Tensor dp_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
       out = at::linear(x, weight, if_defined(bias));
     }
   }
+  const std::optional<at::ScalarType> autocast = autocast_dtype(x);
+  const Report noted = report;
   auto node = std::shared_ptr<DPLayerBackward>(
-      new LinearBackward(std::move(report), weight, transposed, autocast_dtype(x)),
+      new LinearBackward(std::move(report), weight, transposed, autocast),
       torch::autograd::deleteNode);
-  return with_backward(std::move(out), std::move(node), x, weight, bias);
+  out = with_backward(std::move(out), std::move(node), x, weight, bias);
+  // Note [norms when their input is done] in book.cpp: the tensor the backward reports as A
+  // (under autocast a cast made in the backward, which no other call shares).
+  if (!autocast && !noted.refusal && out.grad_fn()) {
+    if (const std::shared_ptr<Book> book = noted.book.lock()) {
+      book->note_input(noted.generation, noted.part, x);
+    }
+  }
+  return out;
 }
 
 at::Tensor dp_embedding(const at::Tensor& ids, const at::Tensor& weight,

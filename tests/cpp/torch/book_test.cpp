@@ -191,6 +191,59 @@ TEST(Book, CallsOnOneInputAreClippedLikeTheReference) {
   expect_reference_sums(e, ref);
 }
 
+// Note [norms when their input is done]: W [3, 4] (clipping group 0, C = 1) and U [2, 4] (group 1,
+// C = 0.5) are each called on x and on y, so that neither group is clipped alone. Noted at the
+// forward, x's two calls, one of each group, get their weight norms in one op as soon as both
+// have reported, before either group completes; y's are computed as before (W's when its group
+// completes, U's when it reports last). The sets only decide which calls share one op, so the
+// clipped sums are bitwise those of the book that notes nothing. A call whose reported A is not
+// the tensor it noted (a copy) leaves its set and waits for its group: the same sums again.
+// Mutation tried: handing a set's norms out in the wrong order fails (each group's factors then
+// come from the other's norms).
+TEST(Book, NormsOfAFinishedInputAreTheGroupsOwn) {
+  torch::manual_seed(8);
+  const at::Tensor x = torch::randn({kB, kT, 4}), y = torch::randn({kB, kT, 4});
+  const std::vector<at::Tensor> g = {torch::randn({kB, kT, 3}) * 3, torch::randn({kB, kT, 2}),
+                                     torch::randn({kB, kT, 3}), torch::randn({kB, kT, 2}) * 2};
+  auto sums = [&](int noting) {  // 0: nothing noted; 1: every call; 2: one call's A a copy
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    auto pg = comm::make_process_group("gloo", store, 0, 1, std::chrono::seconds(60));
+    const at::Tensor w = torch::randn({3, 4}).requires_grad_(), u = torch::randn({2, 4});
+    const zero::UnitLayout layout({{12, 0}, {8, 12}}, 1, /*alignment=*/4);
+    zero::ZeroState state({{"unit", {w, u.requires_grad_()}, {"w", "u"}, {0, 12}}}, 20,
+                          zero::ZeroConfig{}, pg);
+    state.set_private(true);
+    std::vector<BookLayer> layers;
+    layers.push_back({"w", linear_ops({true, false}, false),
+                      {Slot{0, layout.flat_offsets()[0], 12, {3, 4}}, std::nullopt}, 0, 0});
+    layers.push_back({"u", linear_ops({true, false}, false),
+                      {Slot{0, layout.flat_offsets()[1], 8, {2, 4}}, std::nullopt}, 1, 1});
+    Book book(std::move(layers),
+              BookOptions{{1.0, 0.5}, {1, 1}, "flat", 0.01, false, {layout.padded_numel()},
+                          {at::Device(at::kCPU)}},
+              state);
+    // W on x, U on x, W on y, U on y; reported in that order.
+    const std::vector<int64_t> parts = {book.on_forward(0), book.on_forward(1),
+                                        book.on_forward(0), book.on_forward(1)};
+    const std::vector<at::Tensor> inputs = {x, x, y, y};
+    for (int64_t p : parts) book.set_verdict(p);
+    const int64_t gen = book.generation();
+    if (noting > 0) {
+      for (size_t i = 0; i < parts.size(); ++i) book.note_input(gen, parts[i], inputs[i]);
+    }
+    for (size_t i = 0; i < parts.size(); ++i) {
+      book.on_backward(gen, parts[i], noting == 2 && i == 1 ? x.clone() : inputs[i], g[i]);
+    }
+    book.finish_backward();
+    return state.grad_accumulator(0).clone();
+  };
+  const at::Tensor none = sums(0);
+  ASSERT_GT(none.abs().sum().item<double>(), 0.0);
+  for (int noting : {1, 2}) {
+    EXPECT_TRUE(torch::equal(sums(noting), none)) << "noting " << noting;
+  }
+}
+
 // The generic path: V's per-sample gradients reported directly (begin_backward, take_rows,
 // report_per_sample) are clipped in the same group as W's kernel parts; a report whose rows are
 // not the part's is refused.
