@@ -559,9 +559,10 @@ bool Book::pending_kind(int64_t index) const {
 // with a finite threshold); a call whose reported A is not the tensor it noted (it was cast
 // again, or written since) leaves the set and waits for its group as before, as does every call
 // of a set one of whose calls never reports (its output did not reach the loss). The grouping
-// only decides which calls share one op: each call's norm is the one the op computes for it
-// alone, so the sets change no value (the GoogleTest BookInputs compares them with the
-// completion's).
+// only decides which calls share one op: each call's norm is certified whatever set computes it
+// (Note [certified norms]), and where the kernels give a row the single op's bits (the CPU
+// kernel, the CUDA tiles: Note [shared inputs]) the sets change no value at all (the GoogleTest
+// Book.NormsOfAFinishedInputAreTheGroupsOwn compares them with the completion's, bit for bit).
 void Book::norms_if_input_done(int64_t index) {
   Part& part = parts_[index];
   if (!part.input) return;

@@ -17,7 +17,9 @@
 //      before anything reads what they computed (Book::wait_aside: before a group's factors, and
 //      at the end of the backward).
 // The arithmetic is the same kernels' on the same inputs: the norms, and so the clip factors,
-// are bitwise those of the one-stream path (the GPU test compares them). Nothing here reads the
+// should be bitwise those of the one-stream path (tests/python/test_norm_schedule.py compares
+// the trained models on a GPU; cuBLAS, which the float64 Gram strips call, promises equal bits
+// across streams only with a fixed workspace, CUBLAS_WORKSPACE_CONFIG). Nothing here reads the
 // device from the host. The CPU has no streams; there the setting changes nothing. Off by
 // default: whether it wins is a measurement (experiments/private_bench.py's dp-flat-stream).
 #pragma once

@@ -176,7 +176,7 @@ def _trained(side_stream: bool, autocast: bool = False):
 
 @needs_gpu
 @pytest.mark.parametrize("autocast", [False, True])
-def test_norms_on_a_side_stream_give_the_one_stream_bits(autocast):
+def test_gpu_norms_on_a_side_stream_give_the_one_stream_bits(autocast):
     """Note [norms on a side stream]: the same kernels on the same inputs, so the trained model is
     bitwise the one-stream run's; a missing wait (the factors read before the norms are written)
     or a block handed back to the allocator too early would change it."""
