@@ -9,20 +9,20 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "kernels/cpu/cpu_lanes.h"
 #include "kernels/per_sample_checks.h"
 #include "privacy/entropy.h"
+#include "src/dp/fingerprint_simd.h"
 
 namespace dpzero::dp {
 namespace {
 
 // Words of a tensor fingerprinted at a time (int64 temporaries of this many elements).
 constexpr int64_t kFingerprintChunk = int64_t{1} << 20;
-// splitmix64's constants (Steele, Lea and Flood 2014, "Fast splittable pseudorandom number
-// generators"): the golden-ratio increment that spreads positions, and the finaliser's two
-// multipliers, as int64.
-constexpr int64_t kGolden = static_cast<int64_t>(0x9E3779B97F4A7C15ULL);
-constexpr int64_t kMix1 = static_cast<int64_t>(0xBF58476D1CE4E5B9ULL);
-constexpr int64_t kMix2 = static_cast<int64_t>(0x94D049BB133111EBULL);
+// splitmix64's constants (fingerprint_simd.h), as int64 for the ATen path.
+constexpr int64_t kGolden = static_cast<int64_t>(fingerprint_simd::kGolden);
+constexpr int64_t kMix1 = static_cast<int64_t>(fingerprint_simd::kMix1);
+constexpr int64_t kMix2 = static_cast<int64_t>(fingerprint_simd::kMix2);
 // At most this many changed tensors are named in a refusal (the rest are counted).
 constexpr size_t kNamed = 6;
 
@@ -69,12 +69,19 @@ using Key = std::tuple<const torch::nn::Module*, std::string, bool>;
 
 // The fingerprint's sum on the host, one pass over the words (Word: their integer type), in
 // uint64 arithmetic, which wraps as the general path's int64 does; the sum is associative modulo
-// 2^64, so the threads' order cannot change it.
+// 2^64, so the threads' order, and the lanes' where the CPU has AVX-512 (fingerprint_simd.h),
+// cannot change it.
 template <typename Word>
 uint64_t host_fingerprint(const Word* words, int64_t n, int64_t key) {
+  constexpr bool kLanes = sizeof(Word) >= 2;  // bytes take the scalar loop
+  const bool lanes = kLanes && kernels::cpu_lanes::avx512f_dq();
   return at::parallel_reduce(
       int64_t{0}, n, int64_t{1} << 16, uint64_t{0},
       [&](int64_t begin, int64_t end, uint64_t acc) {
+        if constexpr (kLanes) {
+          if (lanes) return acc + fingerprint_simd::sum_avx512(words, begin, end,
+                                                               static_cast<uint64_t>(key));
+        }
         for (int64_t j = begin; j < end; ++j) {
           uint64_t z = static_cast<uint64_t>(static_cast<int64_t>(words[j])) ^
                        ((static_cast<uint64_t>(j) + static_cast<uint64_t>(key)) *

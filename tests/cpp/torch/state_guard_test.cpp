@@ -96,6 +96,10 @@ TEST_P(StateFingerprint, IsTheStatedSumAndSeesEveryChangedWord) {
       torch::randn({7, 3}),                                        // 4-byte words
       torch::randn({5}, at::kDouble),                              // 8
       torch::randn({6}).to(at::kBFloat16),                         // 2, negative words
+      // Eight lanes a step and a tail on a CPU with AVX-512 (src/dp/fingerprint_simd.h); more
+      // than one thread's range (2^16 words) with a tail.
+      torch::randn({37}).to(at::kBFloat16), torch::randn({19}, at::kDouble),
+      torch::randn({(int64_t{1} << 17) + 11}).to(at::kBFloat16),
       torch::randint(-100, 100, {9}, at::TensorOptions().dtype(at::kChar)),  // 1 (as bytes)
       torch::rand({4}).gt(0.5),                                    // bool
       torch::randn({3}, at::kComplexDouble),                       // 16: bytes
