@@ -12,9 +12,10 @@ Systems. One BertForSequenceClassification built from a BertConfig (sizes from t
   dp-layer       the same with clipping="layer" (thresholds C/sqrt(k) for the model's k layers)
   dp-strict      dp-flat with isolation="strict": each example's forward and backward computed
                  by itself (Note [strict isolation] in python/dpzero/private/strict.py)
-  dp-flat-stream dp-flat with the norms of each finished input queued on a second stream of the
-                 device (Note [norms on a side stream] in src/dp/side_stream.h; the same
-                 arithmetic, so the same results; on the CPU the same step as dp-flat)
+  dp-flat-stream dp-flat with early norms (each input's norms when its last call has reported,
+                 Note [norms when their input is done] in src/dp/book.cpp) queued on a second
+                 stream of the device (Note [norms on a side stream] in src/dp/norm_schedule.h;
+                 the same arithmetic, so the same results; on the CPU only the order changes)
   opacus-hooks   opacus.PrivacyEngine().make_private(grad_sample_mode="hooks"): per-sample
                  gradients by module hooks, then DPOptimizer clips, sums and adds noise
   opacus-ghost   grad_sample_mode="ghost": Opacus's fast gradient clipping (ghost norms where it
@@ -302,11 +303,13 @@ class System:
         """One logical step over ``batches`` (K micro-batches (ids, labels)); the last loss."""
         if self.name != "dp-flat-stream":
             return self._step(batches)
-        previous = dpzero._C.dp._set_norm_stream(True)  # a process setting: this system's only
+        # process settings: this system's only
+        before = dpzero._C.dp._set_early_norms(True), dpzero._C.dp._set_norm_stream(True)
         try:
             return self._step(batches)
         finally:
-            dpzero._C.dp._set_norm_stream(previous)
+            dpzero._C.dp._set_early_norms(before[0])
+            dpzero._C.dp._set_norm_stream(before[1])
 
     # Non-private: each micro-batch's mean loss / K, so the gradient is the logical batch's mean.
 

@@ -22,7 +22,7 @@
 #include "src/dp/layer_ops.h"
 #include "src/dp/private_step.h"
 #include "src/dp/run.h"
-#include "src/dp/side_stream.h"
+#include "src/dp/norm_schedule.h"
 #include "src/dp/state_guard.h"
 #include "src/comm/collectives.h"
 #include "src/zero/state.h"
@@ -222,10 +222,14 @@ void bind_dp(py::module_ m) {
       .def_readwrite("secure_mode", &dp::RunSettings::secure_mode)
       .def_readwrite("ledger_path", &dp::RunSettings::ledger_path)
       .def_readwrite("run_id", &dp::RunSettings::run_id);
+  m.def("_set_early_norms", &dp::set_early_norms, py::arg("on"),
+        "Note [norms when their input is done] (src/dp/book.cpp): whether a Linear's weight norms "
+        "are computed when every call on its input has reported, not when its group completes; "
+        "returns the previous setting. For tests and benchmarks (src/dp/norm_schedule.h).");
   m.def("_set_norm_stream", &dp::set_norm_stream, py::arg("on"),
-        "Note [norms on a side stream] (src/dp/side_stream.h): whether a book queues the norms of "
-        "a finished input on a second stream of its device (no effect on the CPU); returns the "
-        "previous setting. For tests and benchmarks.");
+        "Note [norms on a side stream] (src/dp/norm_schedule.h): whether early norms are queued "
+        "on a second stream of their device (no effect on the CPU); returns the previous setting. "
+        "For tests and benchmarks.");
   m.def("check_run_settings", &dp::check_run_settings, py::arg("settings"),
         "ValueError naming the first bad setting and its value");
   m.def("state_fingerprint", &dp::state_fingerprint, py::arg("t"), py::arg("key"),

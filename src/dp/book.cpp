@@ -13,7 +13,6 @@
 
 #include "kernels/per_sample_ops.h"
 #include "src/dp/clip_group.h"
-#include "src/dp/side_stream.h"
 #include "src/zero/state.h"
 
 namespace dpzero::dp {
@@ -176,8 +175,7 @@ void Book::reset_micro_batch() {
   handed_.clear();
   batch_.reset();
   dropped_mask_ = at::Tensor();
-  inputs_.clear();
-  aside_.clear();  // what the norms read and wrote is recorded on their streams
+  inputs_.clear();  // what early norms read and wrote is recorded on their streams
 }
 
 // ---- forward
@@ -491,15 +489,24 @@ void Book::report(int64_t index, Kept in, bool per_sample) {
 
 // Note [kept inputs stay unwritten]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A part that is not clipped in its own backward keeps A and G until its group completes, and its
-// norm may be computed before then (when its layer kind keeps (A, G) and computes the norm at
-// once, or when its input is done: Note [norms when their input is done]). The clip bounds the
-// contribution only if the clipped sum reads the A and G the norm read. Autograd checks that a
-// saved input was not written between the forward and the node's backward, but nothing checks
-// the time after: a custom Function's backward or a hook of an earlier layer writing in place into
-// the tensor a DP layer read would scale its contribution past C unseen. So the book takes A's
-// and G's version counters when it keeps them, and a group refuses to complete if either moved.
-// A write that bypasses the counter (through .data) is outside what it sees.
+// A part that is not clipped in its own backward keeps what its clipped sum needs until its group
+// completes. The clip bounds its contribution only if the sum reads the values the norm read,
+// and between the part's report and the completion other code runs: the earlier layers' backward
+// nodes, a custom Function's backward, tensor hooks. One of them writing in place into a tensor a
+// DP layer read (its A, or its G) would scale the contribution past C unseen, had the norm been
+// computed before the write. So, by construction:
+//  * a kind that keeps per-sample rows (a bias, a norm layer) computes its norm from the rows at
+//    its report, and its clipped sum from the same rows;
+//  * a kind that keeps A and G has its norm computed when the group completes (Kept::deferred,
+//    Kept::pending), right before its clipped sum reads the same A and G: whatever wrote them
+//    before, the norm and the sum see the same values.
+// Early norms (Note [norms when their input is done], asked for) give up the second: a Linear's
+// norm is computed at its set's last report. For them, and for any write at all, the book takes
+// A's and G's version counters when it keeps them and refuses to complete a group if either
+// moved: a tracked write in place (any ATen op) refuses the step, naming the layer. A write that
+// bypasses the counter (through .data, or another library's view of the memory) is outside what
+// the counters see; with the default schedule it is harmless to the bound, with early norms it is
+// the premise they add (tests/python/test_norm_schedule.py shows both).
 void Book::check_unwritten(int64_t index) const {
   const Part& part = parts_[index];
   const Kept& kept = *part.kept;
@@ -536,7 +543,7 @@ void Book::shared_norms(const std::vector<int64_t>& parts) {
       it->second.push_back(index);
     }
   }
-  for (const auto& entry : by_input) input_norms(entry.second);
+  for (const auto& entry : by_input) input_norms(entry.second, /*early=*/false);
 }
 
 bool Book::pending_kind(int64_t index) const {
@@ -549,20 +556,23 @@ bool Book::pending_kind(int64_t index) const {
 // Note [norms when their input is done]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Note [shared inputs] computes the weight norms of the Linear calls that read one input in one
-// op, which builds that input's Gram once. A group's norms were computed when the group
-// completed: for flat clipping, at the end of the backward, every layer's at once, after the last
-// GEMM of the backward. But a set of calls is known at the end of the forward (each call notes
-// the tensor it read, note_input), and its norms can be computed as soon as the last of its calls
-// has reported, while autograd goes on to the earlier layers (on a GPU, on a side stream: Note
-// [norms on a side stream]). The set is the calls whose noted input is this one and that keep
-// their inputs pending (pending_kind: a Linear with a trained weight in a group of several parts
-// with a finite threshold); a call whose reported A is not the tensor it noted (it was cast
-// again, or written since) leaves the set and waits for its group as before, as does every call
-// of a set one of whose calls never reports (its output did not reach the loss). The grouping
-// only decides which calls share one op: each call's norm is certified whatever set computes it
-// (Note [certified norms]), and where the kernels give a row the single op's bits (the CPU
-// kernel, the CUDA tiles: Note [shared inputs]) the sets change no value at all (the GoogleTest
-// Book.NormsOfAFinishedInputAreTheGroupsOwn compares them with the completion's, bit for bit).
+// op, which builds that input's Gram once. By default a group's norms are computed when the
+// group completes: for flat clipping at the end of the backward, every layer's at once, after the
+// last GEMM of the backward, on a GPU with nothing beside them. A set of calls is known at the
+// end of the forward, though, and with early norms on (early_norms(), norm_schedule.h; off by
+// default) each call notes the tensor it read (note_input), and a set's norms are computed as
+// soon as the last of its calls has reported, while autograd goes on to the earlier layers (on
+// a GPU, on a side stream: Note [norms on a side stream]). The set is the calls whose noted
+// input is this one and that keep their inputs pending (pending_kind: a Linear with a trained
+// weight in a group of several parts with a finite threshold); a call whose reported A is not
+// the tensor it noted (it was cast again, or written since) leaves the set and waits for its
+// group as before, as does every call of a set one of whose calls never reports (its output did
+// not reach the loss). The grouping only decides which calls share one op: each call's norm is
+// certified whatever set computes it (Note [certified norms]), and where the kernels give a row
+// the single op's bits (the CPU kernel, the CUDA tiles: Note [shared inputs]) the sets change
+// no value at all (the GoogleTest Book.NormsOfAFinishedInputAreTheGroupsOwn compares them with
+// the completion's, bit for bit). Early norms read A and G before the clipped sums do, which
+// adds the premise of Note [kept inputs stay unwritten]: that is why they are asked for.
 void Book::norms_if_input_done(int64_t index) {
   Part& part = parts_[index];
   if (!part.input) return;
@@ -580,10 +590,10 @@ void Book::norms_if_input_done(int64_t index) {
     if (!other.kept) return;                       // a call still to report
     if (other.kept->pending) same.push_back(p);
   }
-  if (!same.empty()) input_norms(same);
+  if (!same.empty()) input_norms(same, /*early=*/true);
 }
 
-void Book::input_norms(const std::vector<int64_t>& same) {
+void Book::input_norms(const std::vector<int64_t>& same, bool early) {
   const Kept& first = *parts_[same[0]].kept;
   std::vector<at::Tensor> gs, reads{first.a};
   for (const int64_t index : same) {
@@ -604,24 +614,19 @@ void Book::input_norms(const std::vector<int64_t>& same) {
   };
   const at::Device device = first.a.device();
   std::vector<at::Tensor> totals;
-  if (norm_stream_for(device)) {
-    auto [out, done] = run_aside(device, reads, norms);
-    totals = std::move(out);
-    aside_.emplace_back(std::move(done), device);
+  std::shared_ptr<const Aside> aside;
+  if (early && norm_stream_for(device)) {  // at completion nothing is left to overlap
+    std::tie(totals, aside) = run_aside(device, reads, norms);
   } else {
     totals = norms();
   }
   for (size_t l = 0; l < same.size(); ++l) {
-    Kept& kept = *parts_[same[l]].kept;
-    kept.sq = std::move(totals[l]);
-    kept.rest_sq = at::Tensor();
-    kept.pending = false;
+    Part& part = parts_[same[l]];
+    part.kept->sq = std::move(totals[l]);
+    part.kept->rest_sq = at::Tensor();
+    part.kept->pending = false;
+    part.aside = aside;
   }
-}
-
-void Book::wait_aside() {
-  for (const auto& [event, device] : aside_) wait_for(event, device);
-  aside_.clear();
 }
 
 void Book::complete(int64_t group) {
@@ -637,8 +642,19 @@ void Book::complete(int64_t group) {
   const double threshold = options_.thresholds[group];
   at::Tensor factors;
   if (std::isfinite(threshold)) {
+    for (const int64_t index : parts) {  // Note [kept inputs stay unwritten]
+      Kept& kept = *parts_[index].kept;
+      if (!kept.deferred) continue;
+      kept.sq = layers_[parts_[index].layer].ops->sq_norms(kept.a, kept.g);
+      kept.deferred = false;
+    }
     shared_norms(parts);
-    wait_aside();  // before anything reads a norm computed aside
+    for (const int64_t index : parts) {  // Note [norms on a side stream], step 3
+      Part& part = parts_[index];
+      if (!part.aside) continue;
+      wait_and_use(*part.aside, {part.kept->sq});
+      part.aside.reset();
+    }
     // Per component, its parts' squared norms (Note [certified group norms]).
     std::vector<int64_t> order;
     std::map<int64_t, std::vector<at::Tensor>> by_component;
@@ -770,7 +786,6 @@ void Book::finish_backward() {
           "counted twice");
     }
     for (auto& entry : group_state_) complete(entry.first);
-    wait_aside();
     for (int64_t unit = 0; unit < engine_.num_units(); ++unit) {
       if (!handed_.count(unit)) hand_over(unit);  // zeros where no part of it ran
     }

@@ -69,10 +69,10 @@
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <c10/core/Event.h>
 
 #include "src/dp/errors.h"
 #include "src/dp/layer_ops.h"
+#include "src/dp/norm_schedule.h"
 
 namespace dpzero::zero {
 class ZeroState;
@@ -145,8 +145,9 @@ class Book : public std::enable_shared_from_this<Book> {
   // where its inputs came from). A part without a verdict is never clipped.
   void set_verdict(int64_t part);
   // Note [norms when their input is done]: part `part` of micro-batch `generation` (a Linear call)
-  // reads `a` ([B, ..., d_in], the tensor its backward will report as A). Optional: a part never
-  // noted has its norms computed when its group completes.
+  // reads `a` ([B, ..., d_in], the tensor its backward will report as A). Optional (the DP layers
+  // note only with early_norms() on): a part never noted has its norms computed when its group
+  // completes.
   void note_input(int64_t generation, int64_t part, const at::Tensor& a);
   int64_t generation() const;  // changes with every micro-batch
   int64_t num_parts() const;
@@ -214,6 +215,7 @@ class Book : public std::enable_shared_from_this<Book> {
     bool done = false;     // its clipped sums are added
     std::optional<Kept> kept;
     std::optional<InputKey> input;  // Note [norms when their input is done]
+    std::shared_ptr<const Aside> aside;  // Note [norms on a side stream]: kept->sq's event
     // Note [kept inputs stay unwritten]: kept->a's and kept->g's versions when kept.
     uint32_t a_version = 0, g_version = 0;
   };
@@ -234,10 +236,9 @@ class Book : public std::enable_shared_from_this<Book> {
   bool pending_kind(int64_t index) const;
   // Note [norms when their input is done]: after part `index` kept its inputs pending.
   void norms_if_input_done(int64_t index);
-  // The weight norms of pending parts that read one input, in one multi-layer op.
-  void input_norms(const std::vector<int64_t>& same);
-  // Note [norms on a side stream]: the current stream waits for the norms queued aside.
-  void wait_aside();
+  // The weight norms of pending parts that read one input, in one multi-layer op (`early`: a set
+  // of Note [norms when their input is done], on a side stream where one is asked for).
+  void input_norms(const std::vector<int64_t>& same, bool early);
   // Note [kept inputs stay unwritten]: refuses if part `index`'s kept A or G was written since.
   void check_unwritten(int64_t index) const;
   void add_kept_clipped_sums(const Part& part, const at::Tensor& factors);
@@ -286,7 +287,6 @@ class Book : public std::enable_shared_from_this<Book> {
   std::optional<int64_t> batch_;
   at::Tensor dropped_mask_;  // [B] bool
   std::map<InputKey, std::vector<int64_t>> inputs_;  // parts by their noted input
-  std::vector<std::pair<c10::Event, at::Device>> aside_;  // Note [norms on a side stream]
 };
 
 }  // namespace dpzero::dp

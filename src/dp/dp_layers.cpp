@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include "kernels/per_sample_checks.h"  // as_dtype
+#include "src/dp/norm_schedule.h"
 
 namespace dpzero::dp {
 namespace {
@@ -197,9 +198,9 @@ at::Tensor dp_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
       new LinearBackward(std::move(report), weight, transposed, autocast),
       torch::autograd::deleteNode);
   out = with_backward(std::move(out), std::move(node), x, weight, bias);
-  // Note [norms when their input is done] in book.cpp: the tensor the backward reports as A
-  // (under autocast a cast made in the backward, which no other call shares).
-  if (!autocast && !noted.refusal && out.grad_fn()) {
+  // Note [norms when their input is done] in book.cpp, when asked for: the tensor the backward
+  // reports as A (under autocast a cast made in the backward, which no other call shares).
+  if (early_norms() && !autocast && !noted.refusal && out.grad_fn() && x.has_storage()) {
     if (const std::shared_ptr<Book> book = noted.book.lock()) {
       book->note_input(noted.generation, noted.part, x);
     }

@@ -253,7 +253,7 @@ Kept LayerOps::keep(const at::Tensor& a, const at::Tensor& g, bool norms) const 
   kept.grads.resize(train_.size());
   kept.a = a;
   kept.g = g;
-  if (norms) kept.sq = sq_norms(a, g);
+  kept.deferred = norms;  // Note [kept inputs stay unwritten] in book.cpp
   return kept;
 }
 

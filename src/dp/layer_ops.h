@@ -40,6 +40,9 @@ struct Kept {
   // `a`; `rest_sq` is what the rest of the layer (its bias) contributed, or undefined.
   bool pending = false;
   at::Tensor rest_sq;
+  // Note [kept inputs stay unwritten] (book.cpp): `sq` is computed from `a` and `g` when the group
+  // completes, by sq_norms, right before the clipped sums read the same a and g.
+  bool deferred = false;
 };
 
 class LayerOps {
@@ -57,8 +60,9 @@ class LayerOps {
   virtual void add_clipped_sums(const at::Tensor& a, const at::Tensor& g, const at::Tensor& scale,
                                 const Trainable& which,
                                 const std::vector<at::Tensor>& dests) const = 0;
-  // What the book keeps until the factors are known: (a, g) by default; a kind with small
-  // per-sample gradients keeps those rows instead. `norms`: also compute Kept::sq.
+  // What the book keeps until the factors are known: (a, g) by default, their norms deferred to
+  // the group's completion (Kept::deferred); a kind with small per-sample gradients keeps those
+  // rows instead, and their norms. `norms`: the norms are needed.
   virtual Kept keep(const at::Tensor& a, const at::Tensor& g, bool norms) const;
   // Note [shared inputs]: whether the weight's norm may be computed later, together with the
   // group's other layers reading the same input (Linear with a trained weight), and what to keep

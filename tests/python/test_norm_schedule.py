@@ -1,12 +1,16 @@
-"""When the private backward computes each layer's norms (Note [norms when their input is done] in
-src/dp/book.cpp, Note [norms on a side stream] in src/dp/side_stream.h).
+"""When the private backward computes each layer's norms (Note [norms when their input is done] and
+Note [kept inputs stay unwritten] in src/dp/book.cpp, Note [norms on a side stream] in
+src/dp/norm_schedule.h).
 
 With flat clipping every Linear call keeps its A and G until the group's factors are known, and
-the calls that read one input share one norm op (Note [shared inputs]). That op now runs as soon
-as the last call on its input has reported, while autograd goes on to the earlier layers, not
-at the end of the backward. On a GPU it may run on a second stream. Neither changes a value: the
-CPU test checks the order of the operators, the GPU tests check that the side stream gives the
-one-stream run's bits and makes the host wait nowhere.
+the calls that read one input share one norm op (Note [shared inputs]). By default that op runs
+when the group completes, right before the clipped sums read the same A and G. With early norms
+asked for it runs as soon as the last call on its input has reported, while autograd goes on to
+the earlier layers, and on a GPU it may run on a second stream. Neither changes a value: the CPU
+test checks the order of the operators, the GPU tests check that the side stream gives the
+one-stream run's bits and makes the host wait nowhere. A write into a kept tensor in place is
+refused; one that bypasses the version counter (through .data) cannot move the bound by default,
+and is the premise early norms add.
 """
 
 from __future__ import annotations
@@ -23,6 +27,17 @@ import dpzero
 transformers = pytest.importorskip("transformers")
 
 NORMS = "dpzero._ghost_sq_norms_multi"
+
+
+@contextlib.contextmanager
+def schedule(early: bool, stream: bool = False):
+    """The process settings of src/dp/norm_schedule.h, restored after."""
+    before = dpzero._C.dp._set_early_norms(early), dpzero._C.dp._set_norm_stream(stream)
+    try:
+        yield
+    finally:
+        dpzero._C.dp._set_early_norms(before[0])
+        dpzero._C.dp._set_norm_stream(before[1])
 GEMMS = {"aten.mm", "aten.bmm", "aten.addmm", "aten.matmul"}
 
 
@@ -53,43 +68,50 @@ def _batch(n: int = 6, t: int = 8, seed: int = 1):
     return (torch.randint(1, 64, (n, t), generator=g), torch.randint(0, 3, (n,), generator=g))
 
 
-def _private(model, batch, device="cpu"):
+def _private(model, batch, device="cpu", **kwargs):
     ids, y = batch
     return dpzero.make_private(model.to(device), dataset=torch.utils.data.TensorDataset(ids, y),
                                batch_size=len(ids), noise_multiplier=1.0, max_grad_norm=0.5,
-                               clipping="flat", lr=0.1, seed=3)
+                               clipping="flat", lr=0.1, seed=3, **kwargs)
 
 
-def test_an_inputs_norms_run_before_the_earlier_layers_backward():
-    """A 2-layer BERT under flat clipping: one norm op per finished input (the query, key and
-    value projections share one), each before the backward GEMMs of the layers under it. With
-    every norm deferred to the end of the backward, no backward GEMM would lie between the first
-    and the last norm op."""
+@pytest.mark.parametrize("early", [False, True])
+def test_an_inputs_norms_run_when_the_schedule_says(early):
+    """A 2-layer BERT under flat clipping: one norm op per input (the query, key and value
+    projections share one). By default every one runs when the group completes, after the
+    backward's GEMMs, with none of them between the first and the last norm op; with early norms,
+    each runs before the backward GEMMs of the layers under it."""
     model = _bert()
     batch = _batch()
-    p = _private(model, batch)
-    engine = p.privacy_engine
-    for step in range(2):  # step 0 runs the first call's probe; step 1 is counted
-        ids, y = engine.own_batch(batch, logical_batch_size=len(batch[0]))
-        loss = F.cross_entropy(p.model(ids).logits, y)
-        order = _Order()
-        with order if step == 1 else contextlib.nullcontext():
-            loss.backward()
-        p.optimizer.step()
-        p.optimizer.zero_grad()
+    with schedule(early):
+        p = _private(model, batch)
+        engine = p.privacy_engine
+        for step in range(2):  # step 0 runs the first call's probe; step 1 is counted
+            ids, y = engine.own_batch(batch, logical_batch_size=len(batch[0]))
+            loss = F.cross_entropy(p.model(ids).logits, y)
+            order = _Order()
+            with order if step == 1 else contextlib.nullcontext():
+                loss.backward()
+            p.optimizer.step()
+            p.optimizer.zero_grad()
     names = order.names
     norms = [i for i, name in enumerate(names) if name == NORMS]
     # Per BERT layer: query/key/value (one input), attention output, intermediate, output; then
     # the pooler and the classifier.
     assert len(norms) == 2 * 4 + 2, names
     between = [name for name in names[norms[0]:norms[-1]] if name in GEMMS]
-    assert len(between) >= 2 * 4, (
-        "the norm ops ran together after the backward's GEMMs, not as each input finished: "
-        f"{between}")
+    if early:
+        assert len(between) >= 2 * 4, (
+            f"the norm ops ran together, not as each input finished: {between}")
+    else:
+        assert between == [], "a norm op ran before its group completed"
 
 
 class _WritesItsOutputInBackward(torch.autograd.Function):
-    """y = x * 1, whose backward then writes y in place: a buggy custom Function."""
+    """y = x * 1, whose backward then writes y in place (``how``: "tracked", an ATen op in place;
+    "untracked", through .data, which moves no version counter): a buggy custom Function."""
+
+    how = "tracked"
 
     @staticmethod
     def forward(ctx, x):
@@ -99,16 +121,19 @@ class _WritesItsOutputInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        ctx.y.mul_(100.0)
+        if _WritesItsOutputInBackward.how == "tracked":
+            ctx.y.mul_(1000.0)
+        else:
+            ctx.y.data.mul_(1000.0)
         return g
 
 
 class _TwoLayers(torch.nn.Module):
     def __init__(self, kind: str):
         super().__init__()
-        if kind == "linear":  # the second's norm: when its input is done
+        if kind == "linear":  # the second's norm: from A and G pending (Note [shared inputs])
             self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
-        else:  # a Conv1d keeps (A, G) and computes its norm in its own backward
+        else:  # a Conv1d keeps (A, G) for its norm and its clipped sum
             self.first = torch.nn.Conv1d(4, 4, 3, padding=1)
             self.second = torch.nn.Conv1d(4, 3, 3, padding=1)
         self.kind = kind
@@ -118,26 +143,55 @@ class _TwoLayers(torch.nn.Module):
         return out if self.kind == "linear" else out.mean(-1)
 
 
-@pytest.mark.parametrize("kind", ["linear", "conv"])
-def test_an_input_written_after_its_layer_reported_is_refused(kind):
-    """Note [kept inputs stay unwritten]: the second layer reports its input and its norm is
-    computed at once; then the earlier Function's backward multiplies that input by 100 in place.
-    Summed from it, the clipped gradient would be 100x what its norm allowed. The step is
-    refused, naming the layer, and nothing is applied."""
+def _clipped_sum(kind, x, y, how):
+    """One σ = 0 step of SGD at lr 1 under a sum loss, flat clipping at C = 1: the released sum of
+    clipped gradients (the update, times the expected batch by which the step divides)."""
+    _WritesItsOutputInBackward.how = how
     torch.manual_seed(0)
-    x = torch.randn(8, 4) if kind == "linear" else torch.randn(8, 4, 5)
-    y = torch.randint(0, 3, (8,))
     model = _TwoLayers(kind)
-    p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(x, y), batch_size=8,
-                            noise_multiplier=0.0, allow_no_noise=True, max_grad_norm=1.0,
-                            clipping="flat", lr=1.0, seed=3)
     before = [t.detach().clone() for t in model.parameters()]
-    xb, yb = p.privacy_engine.own_batch((x, y), logical_batch_size=8)
-    loss = F.cross_entropy(p.model(xb), yb)
-    with pytest.raises(dpzero.PrivacyViolation, match="input of DP layer 'second' was written"):
-        loss.backward()
-        p.optimizer.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(x, y),
+                            batch_size=len(x), noise_multiplier=0.0, allow_no_noise=True,
+                            max_grad_norm=1.0, clipping="flat", lr=1.0, optimizer="sgd",
+                            loss_reduction="sum", seed=3)
+    xb, yb = p.privacy_engine.own_batch((x, y), logical_batch_size=len(x))
+    F.cross_entropy(p.model(xb), yb, reduction="sum").backward()
+    p.optimizer.step()
+    return len(x) * torch.cat([(b - a.detach()).flatten().double()
+                               for b, a in zip(before, model.parameters())])
+
+
+def _data(kind):
+    torch.manual_seed(1)
+    x = 5 * (torch.randn(2, 4) if kind == "linear" else torch.randn(2, 4, 5))
+    return x, torch.tensor([0, 1])
+
+
+@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_an_input_written_in_place_after_its_layer_reported_is_refused(kind, early):
+    """Note [kept inputs stay unwritten]: the second layer reports its input, then the earlier
+    Function's backward multiplies that input by 1000 in place. The step is refused, naming the
+    layer, on either schedule, and nothing is applied."""
+    x, y = _data(kind)
+    with schedule(early), pytest.raises(dpzero.PrivacyViolation,
+                                        match="input of DP layer 'second' was written"):
+        _clipped_sum(kind, x, y, "tracked")
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_a_write_the_version_counter_misses_cannot_move_the_bound(kind):
+    """Note [kept inputs stay unwritten]: the same write through .data, which no check sees. By
+    default every norm read from A and G is computed when the group completes, from the values
+    the clipped sum then reads: dropping one example moves the released sum by at most C. With
+    the norm computed at the report and the sum at completion it moved by 740 C for the Conv (the
+    schedule kinds that keep A and G had before) and by 586 C for the Linear with early norms
+    (the premise they add, measured by a review)."""
+    x, y = _data(kind)
+    both = _clipped_sum(kind, x, y, "untracked")
+    one = _clipped_sum(kind, x[1:], y[1:], "untracked")
+    # The example is large: clipped, it moves the sum by C itself, and by no more.
+    assert 0.999 <= (both - one).norm() <= 1.0 + 1e-5
 
 
 def needs_gpu(test):
@@ -146,19 +200,18 @@ def needs_gpu(test):
     return pytest.mark.gpu(skip(test))
 
 
-def _trained(side_stream: bool, autocast: bool = False):
-    """Two private steps of the BERT on CUDA, σ = 1 from seed 3, with the side stream on or off;
-    step 1's backward with every synchronising CUDA call an error. -> the trained parameters."""
-    previous = dpzero._C.dp._set_norm_stream(side_stream)
-    try:
+def _trained(early: bool, stream: bool, stage: int):
+    """Two private steps of the BERT on CUDA at ZeRO stage `stage`, σ = 1 from seed 3, on the
+    given schedule; step 1's backward with every synchronising CUDA call an error. -> the
+    trained parameters."""
+    with schedule(early, stream):
         model = _bert()
         batch = tuple(t.cuda() for t in _batch(n=24, t=12))
-        p = _private(model, batch, device="cuda")
+        p = _private(model, batch, device="cuda", zero_stage=stage)
         engine = p.privacy_engine
         for step in range(2):
             ids, y = engine.own_batch(batch, logical_batch_size=len(batch[0]))
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                loss = F.cross_entropy(p.model(ids).logits, y)
+            loss = F.cross_entropy(p.model(ids).logits, y)
             previous_mode = torch.cuda.get_sync_debug_mode()
             if step == 1:
                 torch.cuda.set_sync_debug_mode("error")
@@ -169,18 +222,19 @@ def _trained(side_stream: bool, autocast: bool = False):
             p.optimizer.step()
             p.optimizer.zero_grad()
         torch.cuda.synchronize()
-        return [t.detach().cpu() for t in model.parameters()]
-    finally:
-        dpzero._C.dp._set_norm_stream(previous)
+        return [t.detach().cpu() for t in p.privacy_engine.parameters().values()]
 
 
 @needs_gpu
-@pytest.mark.parametrize("autocast", [False, True])
-def test_gpu_norms_on_a_side_stream_give_the_one_stream_bits(autocast):
+@pytest.mark.parametrize("stage", [0, 3])
+def test_gpu_norms_on_a_side_stream_give_the_one_stream_bits(stage):
     """Note [norms on a side stream]: the same kernels on the same inputs, so the trained model is
-    bitwise the one-stream run's; a missing wait (the factors read before the norms are written)
-    or a block handed back to the allocator too early would change it."""
-    one = _trained(False, autocast)
-    two = _trained(True, autocast)
-    for a, b in zip(one, two):
-        assert torch.equal(a, b)
+    bitwise the default schedule's, with early norms and with them on a side stream; a missing
+    wait (the factors read before the norms are written) or a block handed back to the allocator
+    too early would change it."""
+    reference = _trained(False, False, stage)
+    for early, stream in ((True, False), (True, True)):
+        trained = _trained(early, stream, stage)
+        assert len(trained) == len(reference)
+        for a, b in zip(reference, trained):
+            assert torch.equal(a, b), (early, stream)

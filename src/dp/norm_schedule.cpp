@@ -1,5 +1,5 @@
-// src/dp/side_stream.cpp — Note [norms on a side stream] (side_stream.h).
-#include "src/dp/side_stream.h"
+// src/dp/norm_schedule.cpp — see norm_schedule.h.
+#include "src/dp/norm_schedule.h"
 
 #include <atomic>
 
@@ -9,10 +9,8 @@
 namespace dpzero::dp {
 namespace {
 
-std::atomic<bool>& setting() {
-  static std::atomic<bool> on{false};
-  return on;
-}
+std::atomic<bool> early_setting{false};
+std::atomic<bool> stream_setting{false};
 
 void record_on(const at::Tensor& t, const c10::Stream& stream,
                const c10::impl::VirtualGuardImpl& impl) {
@@ -21,14 +19,16 @@ void record_on(const at::Tensor& t, const c10::Stream& stream,
 
 }  // namespace
 
-bool set_norm_stream(bool on) { return setting().exchange(on); }
-bool norm_stream() { return setting().load(); }
+bool set_early_norms(bool on) { return early_setting.exchange(on); }
+bool early_norms() { return early_setting.load(); }
+bool set_norm_stream(bool on) { return stream_setting.exchange(on); }
+bool norm_stream() { return stream_setting.load(); }
 
 bool norm_stream_for(const at::Device& device) {
   return norm_stream() && device.type() != at::kCPU && device.type() != at::kMeta;
 }
 
-std::pair<std::vector<at::Tensor>, c10::Event> run_aside(
+std::pair<std::vector<at::Tensor>, std::shared_ptr<const Aside>> run_aside(
     const at::Device& device, const std::vector<at::Tensor>& reads,
     const std::function<std::vector<at::Tensor>()>& work) {
   const c10::impl::VirtualGuardImpl impl(device.type());
@@ -43,15 +43,16 @@ std::pair<std::vector<at::Tensor>, c10::Event> run_aside(
     const c10::StreamGuard on_side(side);
     out = work();
   }
-  for (const at::Tensor& t : out) record_on(t, main, impl);  // 3.
-  c10::Event done(device.type());
-  done.record(side);  // 4.
-  return {std::move(out), std::move(done)};
+  auto aside = std::make_shared<Aside>(Aside{c10::Event(device.type()), device});
+  aside->done.record(side);  // 3.
+  return {std::move(out), std::move(aside)};
 }
 
-void wait_for(const c10::Event& event, const at::Device& device) {
-  const c10::impl::VirtualGuardImpl impl(device.type());
-  event.block(impl.getStream(device));
+void wait_and_use(const Aside& aside, const std::vector<at::Tensor>& used) {
+  const c10::impl::VirtualGuardImpl impl(aside.device.type());
+  const c10::Stream reader = impl.getStream(aside.device);
+  aside.done.block(reader);
+  for (const at::Tensor& t : used) record_on(t, reader, impl);
 }
 
 }  // namespace dpzero::dp
