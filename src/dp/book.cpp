@@ -476,6 +476,7 @@ void Book::report(int64_t index, Kept in, bool per_sample) {
       part.kept = std::move(in);
     } else if (clip && layer.ops->shares_input()) {
       part.kept = layer.ops->keep_pending(in.a, in.g);  // Note [shared inputs]
+      if (part.input && norm_stream_for(in.a.device())) part.marked = mark(in.a.device());
       norms_if_input_done(index);
     } else {
       part.kept = layer.ops->keep(in.a, in.g, clip);
@@ -616,7 +617,11 @@ void Book::input_norms(const std::vector<int64_t>& same, bool early) {
   std::vector<at::Tensor> totals;
   std::shared_ptr<const Aside> aside;
   if (early && norm_stream_for(device)) {  // at completion nothing is left to overlap
-    std::tie(totals, aside) = run_aside(device, reads, norms);
+    std::vector<std::shared_ptr<const c10::Event>> after;
+    for (const int64_t index : same) {
+      if (parts_[index].marked) after.push_back(parts_[index].marked);
+    }
+    std::tie(totals, aside) = run_aside(device, after, reads, norms);
   } else {
     totals = norms();
   }
@@ -626,6 +631,7 @@ void Book::input_norms(const std::vector<int64_t>& same, bool early) {
     part.kept->rest_sq = at::Tensor();
     part.kept->pending = false;
     part.aside = aside;
+    part.marked.reset();
   }
 }
 

@@ -215,7 +215,9 @@ class Book : public std::enable_shared_from_this<Book> {
     bool done = false;     // its clipped sums are added
     std::optional<Kept> kept;
     std::optional<InputKey> input;  // Note [norms when their input is done]
-    std::shared_ptr<const Aside> aside;  // Note [norms on a side stream]: kept->sq's event
+    // Note [norms on a side stream]: its report's mark (step 1), and kept->sq's event (step 3).
+    std::shared_ptr<const c10::Event> marked;
+    std::shared_ptr<const Aside> aside;
     // Note [kept inputs stay unwritten]: kept->a's and kept->g's versions when kept.
     uint32_t a_version = 0, g_version = 0;
   };

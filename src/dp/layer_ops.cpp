@@ -59,9 +59,11 @@ class LinearOps final : public LayerOps {
       kept.a = a;
       kept.g = g;
     }
-    if (norms) {
-      kept.sq = trains(0) ? certified_sum({ps::linear_sq_norms(a, g, false, kAuto), sq_b}) : sq_b;
-    }
+    // Note [kept inputs stay unwritten] in book.cpp: a trained weight's norm is read from a and g
+    // when the group completes, so with norms asked for the book keeps them pending instead.
+    TORCH_CHECK(!(norms && trains(0)), "dpzero::dp::LinearOps::keep: a trained weight's norm is "
+                "computed from A and G at its group's completion (keep_pending)");
+    if (norms) kept.sq = sq_b;
     return kept;
   }
 
@@ -207,6 +209,18 @@ class ConvOps final : public LayerOps {
     if (which.size() > 1 && which[1]) {
       add_into(dests[1], ps::bias_clipped_sum(g.movedim(1, -1), scale));
     }
+  }
+
+  // A trained bias alone (the weight frozen, as BitFit trains): its per-sample rows and their
+  // norms, not the input x (Note [kept per-sample gradients]).
+  Kept keep(const at::Tensor& x, const at::Tensor& g, bool norms) const override {
+    if (trains(0)) return LayerOps::keep(x, g, norms);
+    Kept kept;
+    kept.grads.resize(train().size());
+    at::Tensor sq;
+    std::tie(kept.grads[1], sq) = ps::bias_per_sample(g.movedim(1, -1));
+    if (norms) kept.sq = sq;
+    return kept;
   }
 
   at::Tensor clip_into(const at::Tensor& x, const at::Tensor& g, double max_norm,

@@ -28,15 +28,23 @@ bool norm_stream_for(const at::Device& device) {
   return norm_stream() && device.type() != at::kCPU && device.type() != at::kMeta;
 }
 
+std::shared_ptr<const c10::Event> mark(const at::Device& device) {
+  const c10::impl::VirtualGuardImpl impl(device.type());
+  auto event = std::make_shared<c10::Event>(device.type());
+  event->record(impl.getStream(device));
+  return event;
+}
+
 std::pair<std::vector<at::Tensor>, std::shared_ptr<const Aside>> run_aside(
-    const at::Device& device, const std::vector<at::Tensor>& reads,
-    const std::function<std::vector<at::Tensor>()>& work) {
+    const at::Device& device, const std::vector<std::shared_ptr<const c10::Event>>& after,
+    const std::vector<at::Tensor>& reads, const std::function<std::vector<at::Tensor>()>& work) {
   const c10::impl::VirtualGuardImpl impl(device.type());
   const c10::Stream main = impl.getStream(device);
   const c10::Stream side = impl.getStreamFromGlobalPool(device);
   c10::Event written(device.type());
-  written.record(main);  // 1. after the kernels that wrote the reads
+  written.record(main);  // 1. after the kernels that wrote the reads, on every stream
   written.block(side);
+  for (const auto& event : after) event->block(side);
   for (const at::Tensor& t : reads) record_on(t, side, impl);  // 2.
   std::vector<at::Tensor> out;
   {

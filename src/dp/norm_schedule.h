@@ -8,8 +8,10 @@
 // autograd goes on to the earlier layers' input-gradient GEMMs; on a GPU both are queued on one
 // stream and run one after the other. With the side stream on as well, the book queues a set's
 // norm op on a stream of its own:
-//   1. an event recorded on the current stream, which the side stream waits for: the norms read
-//      A and G only after the kernels that wrote them;
+//   1. an event recorded by each call of the set on its current stream when it reports (mark),
+//      and one on the current stream when the set fires, all of which the side stream waits
+//      for: the norms read A and G only after the kernels that wrote them, whichever streams
+//      the calls' backwards ran on;
 //   2. A, G and anything else they read are recorded as used on the side stream, so the caching
 //      allocator does not hand their memory to another allocation before the norms have read it
 //      (a discarded micro-batch frees them while the norms may still run);
@@ -52,11 +54,15 @@ struct Aside {
   at::Device device;
 };
 
-// Runs `work` on a side stream of `device` (steps 1 and 2 of the Note): `reads` are the tensors
-// it reads. Returns its outputs and the event after them (step 3).
+// Step 1 at a call's report: an event on the current stream of `device`.
+std::shared_ptr<const c10::Event> mark(const at::Device& device);
+
+// Runs `work` on a side stream of `device` (steps 1 and 2 of the Note) after the events `after`
+// (the set's marks) and the current stream's work so far: `reads` are the tensors it reads.
+// Returns its outputs and the event after them (step 3).
 std::pair<std::vector<at::Tensor>, std::shared_ptr<const Aside>> run_aside(
-    const at::Device& device, const std::vector<at::Tensor>& reads,
-    const std::function<std::vector<at::Tensor>()>& work);
+    const at::Device& device, const std::vector<std::shared_ptr<const c10::Event>>& after,
+    const std::vector<at::Tensor>& reads, const std::function<std::vector<at::Tensor>()>& work);
 
 // Step 3 on the reader's side: the current stream of `aside`'s device waits for its event, and
 // `used` (outputs of that work) are recorded as used on that stream.

@@ -16,6 +16,7 @@ and is the premise early norms add.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -107,54 +108,88 @@ def test_an_inputs_norms_run_when_the_schedule_says(early):
         assert between == [], "a norm op ran before its group completed"
 
 
-class _WritesItsOutputInBackward(torch.autograd.Function):
-    """y = x * 1, whose backward then writes y in place (``how``: "tracked", an ATen op in place;
-    "untracked", through .data, which moves no version counter): a buggy custom Function."""
+_stash: dict = {}
+
+
+class _Writes(torch.autograd.Function):
+    """Identity whose backward, which runs after the second layer's, writes what _stash holds in
+    place (``how``: "tracked", an ATen op; "untracked", through .data, which moves no version
+    counter): a buggy custom Function."""
 
     how = "tracked"
 
     @staticmethod
     def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        for t in _stash.pop("written", []):
+            if _Writes.how == "tracked":
+                t.mul_(1000.0)
+            else:
+                t.data.mul_(1000.0)
+        return g
+
+
+class _Keeps(torch.autograd.Function):
+    """Identity that stashes its output (the second layer's input, ``where="A"``) or, in its
+    backward, its output gradient (the second layer's, ``where="G"``)."""
+
+    where = "A"
+
+    @staticmethod
+    def forward(ctx, x):
         y = x * 1.0
-        ctx.y = y
+        if _Keeps.where == "A":
+            _stash.setdefault("written", []).append(y)
         return y
 
     @staticmethod
     def backward(ctx, g):
-        if _WritesItsOutputInBackward.how == "tracked":
-            ctx.y.mul_(1000.0)
-        else:
-            ctx.y.data.mul_(1000.0)
+        if _Keeps.where == "G":
+            _stash.setdefault("written", []).append(g)
         return g
 
 
 class _TwoLayers(torch.nn.Module):
-    def __init__(self, kind: str):
+    """first -> _Writes -> second -> head; the second's input (A) or output gradient (G) is what
+    _Writes writes into."""
+
+    def __init__(self, kind: str, where: str):
         super().__init__()
         if kind == "linear":  # the second's norm: from A and G pending (Note [shared inputs])
-            self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
+            self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
         else:  # a Conv1d keeps (A, G) for its norm and its clipped sum
             self.first = torch.nn.Conv1d(4, 4, 3, padding=1)
-            self.second = torch.nn.Conv1d(4, 3, 3, padding=1)
-        self.kind = kind
+            self.second = torch.nn.Conv1d(4, 4, 3, padding=1)
+        if kind == "conv_bias":  # its bias alone trained (BitFit): per-sample rows are kept
+            self.second.weight.requires_grad_(False)
+        self.head = torch.nn.Linear(4, 3)
+        self.kind, self.where = kind, where
 
     def forward(self, x):
-        out = self.second(_WritesItsOutputInBackward.apply(self.first(x)))
-        return out if self.kind == "linear" else out.mean(-1)
+        h = _Writes.apply(self.first(x))
+        if self.where == "A":
+            out = self.second(_Keeps.apply(h))
+        else:
+            out = _Keeps.apply(self.second(h))
+        return self.head(out if self.kind == "linear" else out.mean(-1))
 
 
-def _clipped_sum(kind, x, y, how):
+def _clipped_sum(kind, where, x, y, how):
     """One σ = 0 step of SGD at lr 1 under a sum loss, flat clipping at C = 1: the released sum of
     clipped gradients (the update, times the expected batch by which the step divides)."""
-    _WritesItsOutputInBackward.how = how
+    _Writes.how, _Keeps.where = how, where
+    _stash.clear()
     torch.manual_seed(0)
-    model = _TwoLayers(kind)
+    model = _TwoLayers(kind, where)
     before = [t.detach().clone() for t in model.parameters()]
     p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(x, y),
                             batch_size=len(x), noise_multiplier=0.0, allow_no_noise=True,
                             max_grad_norm=1.0, clipping="flat", lr=1.0, optimizer="sgd",
                             loss_reduction="sum", seed=3)
-    xb, yb = p.privacy_engine.own_batch((x, y), logical_batch_size=len(x))
+    xb, yb = p.privacy_engine.own_batch((x.clone(), y), logical_batch_size=len(x))
     F.cross_entropy(p.model(xb), yb, reduction="sum").backward()
     p.optimizer.step()
     return len(x) * torch.cat([(b - a.detach()).flatten().double()
@@ -168,30 +203,70 @@ def _data(kind):
 
 
 @pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("where", ["A", "G"])
 @pytest.mark.parametrize("kind", ["linear", "conv"])
-def test_an_input_written_in_place_after_its_layer_reported_is_refused(kind, early):
-    """Note [kept inputs stay unwritten]: the second layer reports its input, then the earlier
-    Function's backward multiplies that input by 1000 in place. The step is refused, naming the
-    layer, on either schedule, and nothing is applied."""
+def test_a_kept_tensor_written_in_place_after_its_layer_reported_is_refused(kind, where, early):
+    """Note [kept inputs stay unwritten]: the second layer reports its input and its output
+    gradient, then an earlier Function's backward multiplies one of them by 1000 in place. The
+    step is refused, naming the layer, on either schedule, and nothing is applied."""
     x, y = _data(kind)
+    what = "input" if where == "A" else "output gradient"
     with schedule(early), pytest.raises(dpzero.PrivacyViolation,
-                                        match="input of DP layer 'second' was written"):
-        _clipped_sum(kind, x, y, "tracked")
+                                        match=f"{what} of DP layer 'second' was written"):
+        _clipped_sum(kind, where, x, y, "tracked")
 
 
-@pytest.mark.parametrize("kind", ["linear", "conv"])
-def test_a_write_the_version_counter_misses_cannot_move_the_bound(kind):
+@pytest.mark.parametrize("where", ["A", "G"])
+@pytest.mark.parametrize("kind", ["linear", "conv", "conv_bias"])
+def test_a_write_the_version_counter_misses_cannot_move_the_bound(kind, where):
     """Note [kept inputs stay unwritten]: the same write through .data, which no check sees. By
     default every norm read from A and G is computed when the group completes, from the values
-    the clipped sum then reads: dropping one example moves the released sum by at most C. With
-    the norm computed at the report and the sum at completion it moved by 740 C for the Conv (the
-    schedule kinds that keep A and G had before) and by 586 C for the Linear with early norms
-    (the premise they add, measured by a review)."""
-    x, y = _data(kind)
-    both = _clipped_sum(kind, x, y, "untracked")
-    one = _clipped_sum(kind, x[1:], y[1:], "untracked")
+    the clipped sum then reads, and a bias trained alone keeps its per-sample rows: dropping one
+    example moves the released sum by at most C. With the norm computed at the report and the sum
+    at completion it moved by 740 C for the Conv (the schedule kinds that keep A and G had
+    before) and by 586 C for the Linear with early norms (the premise they add, measured by a
+    review)."""
+    x, y = _data(kind.split("_")[0])
+    both = _clipped_sum(kind, where, x, y, "untracked")
+    one = _clipped_sum(kind, where, x[1:], y[1:], "untracked")
     # The example is large: clipped, it moves the sum by C itself, and by no more.
     assert 0.999 <= (both - one).norm() <= 1.0 + 1e-5
+
+
+class _BitFitConv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Conv1d(4, 4, 3, padding=1)
+        self.second = torch.nn.Conv1d(4, 4, 3, padding=1)
+        self.second.weight.requires_grad_(False)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.second(torch.tanh(self.first(x))).mean(-1))
+
+
+@pytest.mark.parametrize("clipping", ["flat", "layer"])
+def test_a_conv_training_its_bias_alone_keeps_its_rows_and_equals_the_reference(clipping):
+    """A Conv whose weight is frozen keeps its bias's per-sample rows, not its input, and its
+    step is the float64 per-example reference's (flat: a group of three layers; layer: its own
+    fused clip)."""
+    from private_reference import first_private_step, naive_dp_sgd_step
+
+    torch.manual_seed(3)
+    model = _BitFitConv()
+    reference = copy.deepcopy(model)
+    data = torch.utils.data.TensorDataset(5 * torch.randn(24, 4, 6), torch.randint(0, 3, (24,)))
+    loss = lambda out, t: F.cross_entropy(out, t)  # noqa: E731
+    p, x, y = first_private_step(model, data, loss, sample_rate=0.5, noise_multiplier=0.7,
+                                 max_grad_norm=0.5, clipping=clipping, seed=7, lr=0.3,
+                                 max_physical_batch_size=4)
+    want = naive_dp_sgd_step(reference, loss, x, y, max_grad_norm=0.5, noise_multiplier=0.7,
+                             seed=7, noise_index=0, lr=0.3, expected_batch=0.5 * len(data),
+                             clipping=clipping)
+    got = p.privacy_engine.parameters()
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-4)
 
 
 def needs_gpu(test):
