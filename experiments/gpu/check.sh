@@ -28,6 +28,8 @@
 #            pytest_isolated.py: a test that crashes its process is recorded, run again alone and
 #            under cuda-gdb for a backtrace, and the tests after it still run
 #   noise    experiments/noise_bench.py, 1e6..1e8 coordinates
+#   fingerprint  experiments/fingerprint_bench.py: the state fingerprint's one launch against one
+#            ATen read and a copy of the same tensor, 1e6..1e8 words
 #   kernels  experiments/kernel_bench.py --device cuda at B = 32 (GB/s against the copy rate)
 #   roofline experiments/roofline.py --device cuda: the norm kernels' TFLOP/s and GB/s against the
 #            device's measured GEMM rates (fp64, TF32, bf16) and copy rate, beside batched-bmm
@@ -37,8 +39,8 @@
 # CHECK_STAGES names the stages after build to run (default: all of them), for a rerun that
 # skips what an earlier run already measured; env, unpack and build always run.
 # $OUT gets at most 8 files: status.txt, build.log, run.log (tests and benchmarks), noise.md,
-# private.md, kernels.md, paper.md and results.tar.gz (profile.md, roofline.md and every CSV the
-# benchmarks wrote).
+# private.md, kernels.md, paper.md and results.tar.gz (profile.md, roofline.md, fingerprint.md and
+# every CSV the benchmarks wrote).
 #   Here:   bash experiments/gpu/pack.sh
 #   There:  run(command="bash experiments/gpu/check.sh", carry=[".gpu-kit"], timeout_s=540)
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"  # set -uo pipefail, cd, $out, $py
@@ -53,11 +55,11 @@ archs=${DPZERO_CUDA_ARCHS:-90}
 collect() {
   for f in private paper; do [ -f "$results/$f.md" ] && cp "$results/$f.md" "$out/$f.md"; done
   local files
-  files=$(cd "$results" && ls -- *.csv profile.md roofline.md 2>/dev/null)
+  files=$(cd "$results" && ls -- *.csv profile.md roofline.md fingerprint.md 2>/dev/null)
   [ -n "$files" ] && tar -C "$results" -czf "$out/results.tar.gz" $files
   printf '%s  done       %ss in all\n' "$(date +%T)" $((SECONDS - t_start)) | tee -a "$status"
 }
-stages=" ${CHECK_STAGES:-profile private paper errors private-bf16 ctest pytest noise kernels roofline sanitize} "
+stages=" ${CHECK_STAGES:-profile private paper errors private-bf16 ctest pytest noise fingerprint kernels roofline sanitize} "
 want() { [[ $stages == *" $1 "* ]]; }
 
 machine() {
@@ -107,6 +109,8 @@ if want pytest; then
   grep "^pytest_isolated: [0-9]* tests" "$log" | tail -1 | tee -a "$status"
 fi
 want noise && stage noise 40 $py experiments/noise_bench.py --sizes 1e6,1e7,1e8 --out "$out/noise.md" >>"$log" 2>&1
+want fingerprint && stage fingerprint 30 $py experiments/fingerprint_bench.py --sizes 1e6,1e7,1e8 \
+  --out "$results/fingerprint.md" >>"$log" 2>&1
 want kernels && stage kernels 90 $py experiments/kernel_bench.py --device cuda --batches 32 --repeats 5 \
   --out "$out/kernels.md" >>"$log" 2>&1
 want roofline && stage roofline 60 $py experiments/roofline.py --device cuda --out "$results/roofline.md" \

@@ -6,23 +6,14 @@
 #include <stdexcept>
 #include <tuple>
 
-#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
-#include "kernels/cpu/cpu_lanes.h"
-#include "kernels/per_sample_checks.h"
 #include "privacy/entropy.h"
-#include "src/dp/fingerprint_simd.h"
 
 namespace dpzero::dp {
 namespace {
 
-// Words of a tensor fingerprinted at a time (int64 temporaries of this many elements).
-constexpr int64_t kFingerprintChunk = int64_t{1} << 20;
-// splitmix64's constants (fingerprint_simd.h), as int64 for the ATen path.
-constexpr int64_t kGolden = static_cast<int64_t>(fingerprint_simd::kGolden);
-constexpr int64_t kMix1 = static_cast<int64_t>(fingerprint_simd::kMix1);
-constexpr int64_t kMix2 = static_cast<int64_t>(fingerprint_simd::kMix2);
 // At most this many changed tensors are named in a refusal (the rest are counted).
 constexpr size_t kNamed = 6;
 
@@ -67,58 +58,11 @@ at::Tensor current(const torch::nn::Module& owner, const std::string& local, boo
 
 using Key = std::tuple<const torch::nn::Module*, std::string, bool>;
 
-// The fingerprint's sum on the host, one pass over the words (Word: their integer type), in
-// uint64 arithmetic, which wraps as the general path's int64 does; the sum is associative modulo
-// 2^64, so the threads' order, and the lanes' where the CPU has AVX-512 (fingerprint_simd.h),
-// cannot change it.
-template <typename Word>
-uint64_t host_fingerprint(const Word* words, int64_t n, int64_t key) {
-  constexpr bool kLanes = sizeof(Word) >= 2;  // bytes take the scalar loop
-  const bool lanes = kLanes && kernels::cpu_lanes::avx512f_dq();
-  return at::parallel_reduce(
-      int64_t{0}, n, int64_t{1} << 16, uint64_t{0},
-      [&](int64_t begin, int64_t end, uint64_t acc) {
-        if constexpr (kLanes) {
-          if (lanes) return acc + fingerprint_simd::sum_avx512(words, begin, end,
-                                                               static_cast<uint64_t>(key));
-        }
-        for (int64_t j = begin; j < end; ++j) {
-          uint64_t z = static_cast<uint64_t>(static_cast<int64_t>(words[j])) ^
-                       ((static_cast<uint64_t>(j) + static_cast<uint64_t>(key)) *
-                        static_cast<uint64_t>(kGolden));
-          z = (z ^ (z >> 30)) * static_cast<uint64_t>(kMix1);
-          z = (z ^ (z >> 27)) * static_cast<uint64_t>(kMix2);
-          acc += z ^ (z >> 31);
-        }
-        return acc;
-      },
-      [](uint64_t a, uint64_t b) { return a + b; });
-}
-
-// z >> k with zeros shifted in (int64 tensors shift arithmetically).
-at::Tensor logical_right_shift(const at::Tensor& z, int64_t k) {
-  return z.bitwise_right_shift(k).bitwise_and((int64_t{1} << (64 - k)) - 1);
-}
-
 }  // namespace
 
 at::Tensor state_fingerprint(const at::Tensor& t, int64_t key) {
   at::NoGradGuard no_grad;
   const at::Tensor flat = t.detach().contiguous().reshape({-1});
-  if (kernels::host_path(flat)) {  // Note [device path]: the same sum, one pass
-    const int64_t size = flat.element_size();
-    const auto* p = flat.numel() ? static_cast<const char*>(flat.data_ptr()) : nullptr;
-    const int64_t bytes = flat.numel() * size;
-    uint64_t total = 0;
-    switch (size) {
-      case 2: total = host_fingerprint(reinterpret_cast<const int16_t*>(p), bytes / 2, key); break;
-      case 4: total = host_fingerprint(reinterpret_cast<const int32_t*>(p), bytes / 4, key); break;
-      case 8: total = host_fingerprint(reinterpret_cast<const int64_t*>(p), bytes / 8, key); break;
-      default:  // 1-byte elements, and a 16-byte element's bytes
-        total = host_fingerprint(reinterpret_cast<const uint8_t*>(p), bytes, key);
-    }
-    return at::scalar_tensor(static_cast<int64_t>(total), flat.options().dtype(at::kLong));
-  }
   at::Tensor words;
   switch (flat.element_size()) {
     case 1: words = flat.view(at::kByte); break;
@@ -127,18 +71,10 @@ at::Tensor state_fingerprint(const at::Tensor& t, int64_t key) {
     case 8: words = flat.view(at::kLong); break;
     default: words = bytes_of(flat);  // complex128: its bytes
   }
-  const auto longs = at::TensorOptions().dtype(at::kLong).device(t.device());
-  at::Tensor total = at::zeros({}, longs);
-  const int64_t n = words.numel();
-  for (int64_t start = 0; start < n; start += kFingerprintChunk) {
-    const int64_t len = std::min(kFingerprintChunk, n - start);
-    const at::Tensor w = words.narrow(0, start, len).to(at::kLong);
-    at::Tensor z = w.bitwise_xor((at::arange(start, start + len, longs) + key) * kGolden);
-    z = z.bitwise_xor(logical_right_shift(z, 30)) * kMix1;
-    z = z.bitwise_xor(logical_right_shift(z, 27)) * kMix2;
-    total.add_(z.bitwise_xor(logical_right_shift(z, 31)).sum());
-  }
-  return total;
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_state_fingerprint", "")
+                             .typed<at::Tensor(const at::Tensor&, int64_t)>();
+  return op.call(words, key);
 }
 
 StateGuard::StateGuard(std::shared_ptr<torch::nn::Module> model,

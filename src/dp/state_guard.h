@@ -40,12 +40,13 @@ namespace dpzero::dp {
 // A 0-dim int64 on t's device: sum mod 2^64 over t's words w_j (its elements' bits as integers
 // of its element size, sign-extended; a 16-byte element's bytes) of mix(w_j XOR (j + key)·g),
 // with g splitmix64's golden-ratio increment and mix its finaliser (a bijection of 64-bit words
-// whose xor-shifts and multiplications leave no linear relation among outputs). A changed word
-// moves its term to a value that, without the key, is unpredictable, so several changes cancel
-// only by chance, about 2^-64 (an earlier linear sum, w_j·m_j, cancelled whenever the top bits of
-// two words flipped: a review's negated float64 entries). A check against accidents and forwards,
-// not a cryptographic hash. Equal bytes give equal fingerprints (integer arithmetic, any order).
-// On the host one multi-threaded pass; elsewhere ATen ops on chunks of 2^20 words (no copy of the
+// whose xor-shifts and multiplications leave no linear relation among outputs; the one definition
+// is kernels/fingerprint_words.h). A changed word moves its term to a value that, without the key,
+// is unpredictable, so several changes cancel only by chance, about 2^-64 (an earlier linear sum,
+// w_j·m_j, cancelled whenever the top bits of two words flipped: a review's negated float64
+// entries). A check against accidents and forwards, not a cryptographic hash. Equal bytes give
+// equal fingerprints (integer arithmetic, any order). One pass over the words, by the op
+// dpzero::_state_fingerprint: multi-threaded on the host, one launch on a GPU (no copy of the
 // whole tensor beyond a contiguous one).
 at::Tensor state_fingerprint(const at::Tensor& t, int64_t key);
 

@@ -4,9 +4,9 @@
 //
 // The invariants, each with the mutation of state_guard.cpp / privacy_engine.cpp that made its
 // test fail:
-//   - the fingerprint is the stated sum, in every element size, across chunks, on the host's
-//     loop and on the ATen path, and every change of one word moves it (the position mixing or
-//     the `| 1` removed);
+//   - the fingerprint is the stated sum, in every element size, on the host's pass and on a GPU's
+//     one launch, and every change of one word moves it (the position mixing removed, the
+//     lanes' position step or shift changed);
 //   - a buffer written from the batch refuses the step, named, charges nothing and is put back
 //     (the step's verdict ignored; restore_buffers emptied);
 //   - a write in one micro-batch that is gone by the step still refuses it, and every later
@@ -37,18 +37,20 @@
 
 #include <torch/torch.h>
 
-#include "kernels/per_sample_checks.h"
 #include "src/dp/errors.h"
 #include "src/dp/modules.h"
 #include "src/dp/privacy_engine.h"
 #include "src/dp/state_guard.h"
 #include "tests/cpp/common/error_message.h"
+#include "tests/cpp/torch/devices.h"
 #include "tests/cpp/torch/ranks.h"
 
 namespace dpzero::dp {
 namespace {
 
 using testing::contains;
+using testing::cuda_available;
+using testing::kNoCuda;
 
 constexpr int64_t kIn = 4, kClasses = 3, kN = 64;
 
@@ -78,16 +80,17 @@ int64_t reference_fingerprint(const at::Tensor& t, int64_t key) {
   return static_cast<int64_t>(total);
 }
 
-// On the host's one-pass loop and on the ATen path a device takes (Note [device path]).
-class StateFingerprint : public ::testing::TestWithParam<bool> {
+// On the host's multi-threaded pass and on a GPU's one launch (kernels/cuda/fingerprint.cu; the
+// CUDA case skips without one): both give the word-by-word reference's bits.
+class StateFingerprint : public ::testing::TestWithParam<at::DeviceType> {
  protected:
-  void SetUp() override { forced_ = kernels::device_path_forced().exchange(GetParam()); }
-  void TearDown() override { kernels::device_path_forced().store(forced_); }
-  bool forced_ = false;
+  void SetUp() override {
+    if (GetParam() == at::kCUDA && !cuda_available()) GTEST_SKIP() << kNoCuda;
+  }
 };
 
-INSTANTIATE_TEST_SUITE_P(Paths, StateFingerprint, ::testing::Values(false, true),
-                         [](const auto& info) { return info.param ? "DevicePath" : "HostPath"; });
+INSTANTIATE_TEST_SUITE_P(Devices, StateFingerprint, ::testing::Values(at::kCPU, at::kCUDA),
+                         [](const auto& info) { return info.param == at::kCUDA ? "Cuda" : "Cpu"; });
 
 TEST_P(StateFingerprint, IsTheStatedSumAndSeesEveryChangedWord) {
   const int64_t key = 0x1234567890ABLL;
@@ -96,33 +99,40 @@ TEST_P(StateFingerprint, IsTheStatedSumAndSeesEveryChangedWord) {
       torch::randn({7, 3}),                                        // 4-byte words
       torch::randn({5}, at::kDouble),                              // 8
       torch::randn({6}).to(at::kBFloat16),                         // 2, negative words
-      // Eight lanes a step and a tail on a CPU with AVX-512 (src/dp/fingerprint_simd.h); more
+      // Eight lanes a step and a tail on a CPU with AVX-512 (kernels/cpu/fingerprint_simd.h); more
       // than one thread's range (2^16 words) with a tail.
       torch::randn({37}).to(at::kBFloat16), torch::randn({19}, at::kDouble),
       torch::randn({(int64_t{1} << 17) + 11}).to(at::kBFloat16),
       torch::randint(-100, 100, {9}, at::TensorOptions().dtype(at::kChar)),  // 1 (as bytes)
       torch::rand({4}).gt(0.5),                                    // bool
       torch::randn({3}, at::kComplexDouble),                       // 16: bytes
-      torch::randn({(int64_t{1} << 20) + 5}),                      // two chunks
+      torch::randn({(int64_t{1} << 20) + 5}),                      // many blocks, a tail
       torch::randn({4, 6}).t(),                                    // not contiguous
       torch::empty({0}),
+  };
+  const at::Device device(GetParam());
+  // The fingerprint of `t` moved to the device under test, read on the host.
+  const auto fp = [&](const at::Tensor& t, int64_t k) {
+    return state_fingerprint(t.to(device), k).item<int64_t>();
   };
   for (const at::Tensor& t : tensors) {
     const std::string what = std::string(c10::toString(t.scalar_type())) + " " +
                              c10::str(t.sizes());
-    const at::Tensor f = state_fingerprint(t, key);
-    ASSERT_EQ(f.dim(), 0) << what;
-    EXPECT_EQ(f.item<int64_t>(), reference_fingerprint(t, key)) << what;
-    EXPECT_EQ(state_fingerprint(t.clone(), key).item<int64_t>(), f.item<int64_t>()) << what;
+    const at::Tensor on_device = state_fingerprint(t.to(device), key);
+    ASSERT_EQ(on_device.dim(), 0) << what;
+    ASSERT_EQ(on_device.device(), device) << what;
+    const int64_t f = on_device.item<int64_t>();
+    EXPECT_EQ(f, reference_fingerprint(t, key)) << what;
+    EXPECT_EQ(fp(t.clone(), key), f) << what;
     if (t.numel() == 0) continue;
-    EXPECT_NE(state_fingerprint(t, key + 1).item<int64_t>(), f.item<int64_t>()) << what;
+    EXPECT_NE(fp(t, key + 1), f) << what;
     // The top bits of two 8-byte words flipped together (two float64 entries negated): a
     // linear sum of w_j m_j, m_j odd, moved by 2^63 twice and did not see it.
     if (t.element_size() == 8 && t.numel() >= 2) {
       at::Tensor negated = t.contiguous().reshape({-1}).clone();
       at::Tensor words = negated.view(at::kLong);
       words.narrow(0, 0, 2).bitwise_xor_(std::numeric_limits<int64_t>::min());
-      EXPECT_NE(state_fingerprint(negated, key).item<int64_t>(), f.item<int64_t>()) << what;
+      EXPECT_NE(fp(negated, key), f) << what;
     }
     // Each byte of the first and last element flipped in turn.
     at::Tensor flat = t.contiguous().reshape({-1});
@@ -130,9 +140,7 @@ TEST_P(StateFingerprint, IsTheStatedSumAndSeesEveryChangedWord) {
     for (int64_t i : {int64_t{0}, bytes.numel() - 1}) {
       at::Tensor changed = bytes.clone();
       changed[i] = changed[i].item<int64_t>() ^ 0x10;
-      EXPECT_NE(state_fingerprint(changed.view(t.scalar_type()), key).item<int64_t>(),
-                f.item<int64_t>())
-          << what << " byte " << i;
+      EXPECT_NE(fp(changed.view(t.scalar_type()), key), f) << what << " byte " << i;
     }
   }
 }

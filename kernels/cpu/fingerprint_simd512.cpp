@@ -1,9 +1,9 @@
-// src/dp/fingerprint_simd512.cpp — see fingerprint_simd.h. Built with -mavx512f -mavx512dq.
-#include "src/dp/fingerprint_simd.h"
+// kernels/cpu/fingerprint_simd512.cpp — see fingerprint_simd.h. Built with -mavx512f -mavx512dq.
+#include "kernels/cpu/fingerprint_simd.h"
 
 #include <immintrin.h>
 
-namespace dpzero::dp::fingerprint_simd {
+namespace dpzero::kernels::fingerprint {
 namespace {
 
 // Eight words at p, sign-extended to 64 bits.
@@ -65,4 +65,4 @@ uint64_t sum_avx512(const int64_t* words, int64_t begin, int64_t end, uint64_t k
   return sum(words, begin, end, key);
 }
 
-}  // namespace dpzero::dp::fingerprint_simd
+}  // namespace dpzero::kernels::fingerprint

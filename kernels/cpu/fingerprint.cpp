@@ -1,0 +1,62 @@
+// kernels/cpu/fingerprint.cpp — CPU implementation of dpzero::_state_fingerprint (schema in
+// kernels/ops.cpp; the sum is kernels/fingerprint_words.h): one multi-threaded pass, eight words a
+// step where the CPU has AVX-512 (fingerprint_simd.h), else the scalar loop below.
+#include <cstdint>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "kernels/cpu/cpu_lanes.h"
+#include "kernels/cpu/fingerprint_simd.h"
+#include "kernels/fingerprint_checks.h"
+#include "kernels/fingerprint_words.h"
+
+namespace dpzero::kernels {
+namespace {
+
+// The sum over words[0, n) in uint64 arithmetic, which wraps modulo 2^64; Word's conversion to
+// int64 is the words' extension (uint8 zero-, wider types sign-extended).
+template <typename Word>
+uint64_t host_fingerprint(const Word* words, int64_t n, uint64_t key) {
+  constexpr bool kLanes = sizeof(Word) >= 2;  // bytes take the scalar loop
+  const bool lanes = kLanes && cpu_lanes::avx512f_dq();
+  return at::parallel_reduce(
+      int64_t{0}, n, int64_t{1} << 16, uint64_t{0},
+      [&](int64_t begin, int64_t end, uint64_t acc) {
+        if constexpr (kLanes) {
+          if (lanes) return acc + fingerprint::sum_avx512(words, begin, end, key);
+        }
+        for (int64_t j = begin; j < end; ++j) {
+          uint64_t z = static_cast<uint64_t>(static_cast<int64_t>(words[j])) ^
+                       ((static_cast<uint64_t>(j) + key) * fingerprint::kGolden);
+          z = (z ^ (z >> 30)) * fingerprint::kMix1;
+          z = (z ^ (z >> 27)) * fingerprint::kMix2;
+          acc += z ^ (z >> 31);
+        }
+        return acc;
+      },
+      [](uint64_t a, uint64_t b) { return a + b; });
+}
+
+at::Tensor state_fingerprint_cpu(const at::Tensor& words, int64_t key) {
+  check_fingerprint_words(words);
+  const int64_t n = words.numel();
+  const auto k = static_cast<uint64_t>(key);
+  uint64_t total = 0;
+  if (n > 0) {
+    switch (words.scalar_type()) {
+      case at::kShort: total = host_fingerprint(words.const_data_ptr<int16_t>(), n, k); break;
+      case at::kInt: total = host_fingerprint(words.const_data_ptr<int32_t>(), n, k); break;
+      case at::kLong: total = host_fingerprint(words.const_data_ptr<int64_t>(), n, k); break;
+      default: total = host_fingerprint(words.const_data_ptr<uint8_t>(), n, k);
+    }
+  }
+  return at::scalar_tensor(static_cast<int64_t>(total), words.options().dtype(at::kLong));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dpzero, CPU, m) { m.impl("_state_fingerprint", &state_fingerprint_cpu); }
+
+}  // namespace dpzero::kernels
