@@ -28,6 +28,16 @@ void allocate_storage(const at::Tensor& tensor, size_t nbytes) {
   storage->set_nbytes(nbytes);
 }
 
+// Note [reading a resharded parameter]: a storage of `nbytes` (so that views of it pass torch's
+// bounds checks) on `device` with no memory, whose every data access throws `message`.
+c10::Storage refusing_storage(size_t nbytes, c10::Device device, std::string message) {
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, at::DataPtr(nullptr, device),
+                       /*allocator=*/nullptr, /*resizable=*/false);
+  storage.unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
+      std::move(message));
+  return storage;
+}
+
 }  // namespace
 
 FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names,
@@ -89,7 +99,26 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
     shard_ = options_.shard_params ? owned.clone() : owned;
   }
   if (!separate_master() || master_is_shard()) master_ = options_.master_full ? full_ : shard_;
-  if (options_.shard_params) free_storage(full_);
+  if (options_.shard_params) {
+    for (const std::string& name : names_) {
+      resharded_.push_back(refusing_storage(
+          static_cast<size_t>(full_bytes()), full_.device(),
+          "parameter '" + name + "' has no memory here: ZeRO stage 3 gathers a unit's parameters "
+          "only around that unit's own forward and backward, and frees them after (Note [reading "
+          "a resharded parameter]). Read the model's values with model.full_parameters() (a "
+          "collective: every rank calls it), or put the modules that read this parameter in one "
+          "unit (units=[...])"));
+    }
+    free_storage(full_);
+    point_params(false);
+  }
+}
+
+void FlatParam::point_params(bool gathered) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].unsafeGetTensorImpl()->set_storage_keep_dtype(gathered ? full_.storage()
+                                                                       : resharded_[i]);
+  }
 }
 
 void FlatParam::check_param_dtype(at::ScalarType dtype) {
@@ -133,8 +162,7 @@ bool FlatParam::wait_gather() {
                             (names_.empty() ? std::string("?") : names_.front()) + "' on rank " +
                             std::to_string(rank_));  // Note [collective failures]
   pending_.reset();
-  staged_ = at::Tensor();  // stream-ordered: a later kernel cannot reuse it before the gather
-  note_gathered();
+  complete_gather();
   return true;
 }
 
@@ -194,7 +222,12 @@ void FlatParam::unshard(const comm::Collectives& comm) {
   if (unsharded()) return;
   allocate_storage(full_, static_cast<size_t>(full_bytes()));
   comm.all_gather(full_, gather_source());
-  staged_ = at::Tensor();
+  complete_gather();
+}
+
+void FlatParam::complete_gather() {
+  staged_ = at::Tensor();  // stream-ordered: a later kernel cannot reuse it before the gather
+  point_params(true);
   note_gathered();
 }
 
@@ -202,6 +235,9 @@ void FlatParam::unshard_async(const comm::Collectives& comm) {
   if (pending_ || unsharded()) return;
   allocate_storage(full_, static_cast<size_t>(full_bytes()));
   pending_ = comm.all_gather_async(full_, gather_source());
+  // One rank gathers by a copy, done when the call returns, with no work to wait for: its gather
+  // completes here, or no wait would ever point the parameters back or fingerprint the copy.
+  if (!pending_) complete_gather();
 }
 
 void FlatParam::reshard() {
@@ -209,6 +245,7 @@ void FlatParam::reshard() {
   if (!options_.shard_params) return;
   check_gathered();  // Note [writes to a gathered unit]
   free_storage(full_);
+  point_params(false);
 }
 
 void FlatParam::publish_master(const comm::Collectives& comm) {
@@ -223,6 +260,7 @@ void FlatParam::publish_master(const comm::Collectives& comm) {
   }
   if (options_.shard_params) {
     free_storage(full_);  // any gathered copy is stale now
+    point_params(false);
   } else if (!options_.master_full && comm.world_size() > 1) {
     at::Tensor mine = shard_.clone();  // all_gather's input may not overlap its output
     comm.all_gather(full_, mine);

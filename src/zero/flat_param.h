@@ -14,9 +14,25 @@
 // share that one StorageImpl: freeing it frees the memory under all of them, and the all-gather
 // that refills it makes all of them valid again. Re-pointing .data at a new buffer on every gather
 // would instead leave the views saved in forward holding the old buffer, which could then never
-// be freed. While a unit is resharded its parameters keep their shapes but have no storage:
-// reading them (state_dict(), printing values) is an error; ZeroState::full_parameters() gathers
-// a copy.
+// be freed. While a unit is resharded its parameters keep their shapes but have no memory, and
+// reading them is an error naming the parameter (Note [reading a resharded parameter]);
+// ZeroState::full_parameters() gathers a copy.
+//
+// Note [reading a resharded parameter]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// torch does not check a storage's size when a kernel reads a tensor: a view of a freed storage
+// hands the kernel a null pointer plus its offset, and the process died of SIGSEGV (or numpy read
+// whatever lay at that address) when anything read a stage-3 parameter outside its unit: another
+// module's forward reading it through .data, a print, a state_dict() saved by hand. So while the
+// unit is resharded each parameter's TensorImpl is pointed at a storage of its own that holds no
+// memory and refuses every data access (StorageImpl's throw-on-access, with a message that names
+// the parameter and the fix); the gather that completes points it back at full_'s storage, at the
+// same offset. Sizes, strides, dtype, device, requires_grad, the version counter and the
+// AccumulateGrad node are the TensorImpl's own and never change, so `next(model.parameters())
+// .device`, shapes and parameter counts read as before. The views autograd saved in forward
+// (W.t() for addmm) were made from full_'s storage while the unit was gathered, keep it, and are
+// freed and refilled with it as before; a parameter autograd saved itself (a leaf is saved as the
+// same TensorImpl) is read in the unit's backward, after its backward gather re-pointed it.
 //
 // Note [master weights]
 // ~~~~~~~~~~~~~~~~~~~~~
@@ -200,6 +216,9 @@ class FlatParam {
  private:
   // Waits for the gather unshard_async started, if any; returns whether there was one.
   bool wait_gather();
+  // A gather into full_ has completed: the parameters point at it again (Note [reading a
+  // resharded parameter]) and the copy is fingerprinted (Note [writes to a gathered unit]).
+  void complete_gather();
   // Note [writes to a gathered unit]: a gather completed (fingerprint it), a release is due
   // (compare).
   void note_gathered();
@@ -224,6 +243,11 @@ class FlatParam {
   // after the last such copy (recorded on the device's current stream).
   at::Tensor staged_;
   std::optional<c10::Event> host_read_done_;
+  // Note [reading a resharded parameter]: points every parameter at full_'s storage (`gathered`),
+  // or at its own storage that refuses every data access.
+  void point_params(bool gathered);
+  // One per parameter, naming it: the storage it has while the unit is resharded (stage 3).
+  std::vector<c10::Storage> resharded_;
   // Note [writes to a gathered unit]: the watch's fingerprint, that of the copy gathered now
   // (undefined when none is), and the OR of the differences found since the last take.
   Fingerprint fingerprint_;

@@ -467,6 +467,30 @@ def test_a_trained_parameter_written_while_stage_3_has_it_gathered_is_refused():
     assert p.privacy_engine.charges >= 1
 
 
+def test_a_write_into_a_prefetched_stage_3_unit_on_one_rank_is_refused():
+    """The same write in a unit that is not the first to run: once the forward order is known,
+    stage 3 gathers it ahead of its forward (a prefetch). On one rank that gather is a copy that is
+    done when it is issued, with no work to wait for, and the watch never fingerprinted the copy
+    (nor were its parameters given their memory back: Note [reading a resharded parameter]); the
+    write then went unrefused."""
+    torch.manual_seed(0)
+    init = _InitLinear()
+    init.done = True  # armed below, once the forward order is known
+    model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), init, nn.Tanh(), nn.Linear(D, K))
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
+                            max_physical_batch_size=4)
+    _epoch(p)
+    charged = p.privacy_engine.charges
+    assert charged >= 1
+    init.done = False
+    with pytest.raises(PrivacyViolation, match=r"step is refused: .*trainable parameters "
+                                               r".*'2.fc.bias'.* was written while ZeRO "
+                                               r"stage 3 had it gathered"):
+        _epoch(p)
+    assert init.done and p.privacy_engine.charges == charged
+
+
 def test_a_write_into_a_stage_3_gathered_copy_outside_the_loop_refuses_nothing():
     """An evaluation that writes into the gathered parameters outside the loop (the unit's
     first full-batch call) leaves nothing once the copy is released: the next step is not

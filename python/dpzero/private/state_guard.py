@@ -119,13 +119,23 @@ def _memory(t: torch.Tensor, trained: Set[int] = frozenset()) -> torch.Tensor:
         return torch.empty(0, dtype=dtype, device=t.device).set_(storage)
 
 
+def _data_ptr(t: torch.Tensor) -> Optional[int]:
+    """The data pointer of ``t``'s storage, or None where it has none to give: a ZeRO stage-3
+    parameter outside its unit's forward and backward refuses every data access (Note [reading a
+    resharded parameter] in src/zero/flat_param.h), and has no memory a state tensor could share."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
 def _trained_storages(modules: Iterable[nn.Module], trainable: FrozenSet[int]) -> Set[int]:
     """The data pointers of the storages of the trained parameters (ids ``trainable``) of
     ``modules`` (a model's modules), now: storages can move (ZeRO), so each check takes them
     afresh."""
     with torch._C.DisableTorchFunctionSubclass():
-        return {p.untyped_storage().data_ptr() for m in modules for p in m._parameters.values()
-                if p is not None and id(p) in trainable}
+        return {_data_ptr(p) for m in modules for p in m._parameters.values()
+                if p is not None and id(p) in trainable} - {None}
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
