@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import dpzero_version, median_seconds  # noqa: E402
 
 WORDS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+MANY, MANY_WORDS = 150, 4096
 
 
 def main() -> None:
@@ -53,12 +54,24 @@ def main() -> None:
                 x = torch.randn(n, device=device).to(dtype)
                 words = x.view(word)
                 gb = x.numel() * x.element_size() / 1e9
-                f = median_seconds(lambda: torch.ops.dpzero._state_fingerprint(words, key),
+                f = median_seconds(lambda: torch.ops.dpzero._state_fingerprint([words], key),
                                    args.repeats, sync)
                 s = median_seconds(lambda: x.sum(), args.repeats, sync)
                 c = median_seconds(lambda: x.clone(), args.repeats, sync)
                 lines.append(f"| {device} | {str(dtype).split('.')[1]} | {n:.0e} | {gb / f:.1f} | "
                              f"{gb / s:.1f} | {gb / c:.1f} | {f / s:.2f} |")
+    lines += ["", f"Many small tensors ({MANY} of {MANY_WORDS} float32 words, a model's frozen "
+              "parameters or units), one call for the list against one call per tensor:", "",
+              "| device | one call (ms) | a call each (ms) | a call each / one call |",
+              "|---|---|---|---|"]
+    for device in devices:
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        words = [torch.randn(MANY_WORDS, device=device).view(torch.int32) for _ in range(MANY)]
+        one = median_seconds(lambda: torch.ops.dpzero._state_fingerprint(words, key),
+                             args.repeats, sync)
+        each = median_seconds(lambda: [torch.ops.dpzero._state_fingerprint([w], key)
+                                       for w in words], args.repeats, sync)
+        lines.append(f"| {device} | {one * 1e3:.3f} | {each * 1e3:.3f} | {each / one:.1f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

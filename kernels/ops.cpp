@@ -151,10 +151,11 @@ TORCH_LIBRARY(dpzero, m) {
   // added after in a fixed order.
   m.def("_add_sample_products_(Tensor(a!) self, Tensor left, Tensor right, Tensor scale, "
         "int splits=0) -> Tensor(a!)");
-  // Note [state written from data] (src/dp/state_guard.h): words [n] contiguous uint8 / int16 /
-  // int32 / int64 (a tensor's bits viewed as integers) -> a 0-dim int64 on words' device, the sum
-  // modulo 2^64 of kernels/fingerprint_words.h under `key`. Every backend gives the same bits.
-  m.def("_state_fingerprint(Tensor words, int key) -> Tensor");
+  // Note [state written from data] (src/dp/state_guard.h): words, L >= 1 tensors [n_l] contiguous
+  // uint8 / int16 / int32 / int64 (tensors' bits viewed as integers) on one device -> [L] int64 on
+  // that device, entry l the sum modulo 2^64 of kernels/fingerprint_words.h over words[l] under
+  // `key`. Every backend gives the same bits; a GPU takes one launch per 96 tensors.
+  m.def("_state_fingerprint(Tensor[] words, int key) -> Tensor");
   // Tests only: sets the byte budget of every chunked per-sample loop (bytes >= 1; default 64 MiB,
   // kernels/per_sample_checks.h) and returns the previous one. A tiny budget makes the loops run
   // many chunks, the last one short.

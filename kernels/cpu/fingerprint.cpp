@@ -1,6 +1,6 @@
 // kernels/cpu/fingerprint.cpp — CPU implementation of dpzero::_state_fingerprint (schema in
-// kernels/ops.cpp; the sum is kernels/fingerprint_words.h): one multi-threaded pass, eight words a
-// step where the CPU has AVX-512 (fingerprint_simd.h), else the scalar loop below.
+// kernels/ops.cpp; the sum is kernels/fingerprint_words.h): one multi-threaded pass per tensor, eight
+// words a step where the CPU has AVX-512 (fingerprint_simd.h), else the scalar loop below.
 #include <cstdint>
 
 #include <ATen/ATen.h>
@@ -39,20 +39,26 @@ uint64_t host_fingerprint(const Word* words, int64_t n, uint64_t key) {
       [](uint64_t a, uint64_t b) { return a + b; });
 }
 
-at::Tensor state_fingerprint_cpu(const at::Tensor& words, int64_t key) {
-  check_fingerprint_words(words);
+// words[l] -> its fingerprint under key.
+uint64_t fingerprint_of(const at::Tensor& words, uint64_t key) {
   const int64_t n = words.numel();
-  const auto k = static_cast<uint64_t>(key);
-  uint64_t total = 0;
-  if (n > 0) {
-    switch (words.scalar_type()) {
-      case at::kShort: total = host_fingerprint(words.const_data_ptr<int16_t>(), n, k); break;
-      case at::kInt: total = host_fingerprint(words.const_data_ptr<int32_t>(), n, k); break;
-      case at::kLong: total = host_fingerprint(words.const_data_ptr<int64_t>(), n, k); break;
-      default: total = host_fingerprint(words.const_data_ptr<uint8_t>(), n, k);
-    }
+  if (n == 0) return 0;
+  switch (words.scalar_type()) {
+    case at::kShort: return host_fingerprint(words.const_data_ptr<int16_t>(), n, key);
+    case at::kInt: return host_fingerprint(words.const_data_ptr<int32_t>(), n, key);
+    case at::kLong: return host_fingerprint(words.const_data_ptr<int64_t>(), n, key);
+    default: return host_fingerprint(words.const_data_ptr<uint8_t>(), n, key);
   }
-  return at::scalar_tensor(static_cast<int64_t>(total), words.options().dtype(at::kLong));
+}
+
+at::Tensor state_fingerprint_cpu(at::TensorList words, int64_t key) {
+  check_fingerprint_words(words);
+  at::Tensor out = at::empty({static_cast<int64_t>(words.size())},
+                             words[0].options().dtype(at::kLong));
+  int64_t* o = out.mutable_data_ptr<int64_t>();
+  for (size_t l = 0; l < words.size(); ++l)
+    o[l] = static_cast<int64_t>(fingerprint_of(words[l], static_cast<uint64_t>(key)));
+  return out;
 }
 
 }  // namespace

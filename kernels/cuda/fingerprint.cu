@@ -1,14 +1,15 @@
 // kernels/cuda/fingerprint.cu — CUDA implementation of dpzero::_state_fingerprint (schema in
 // kernels/ops.cpp; the sum is kernels/fingerprint_words.h; the CPU's is kernels/cpu/fingerprint.cpp).
 //
-// One launch after the output's zeroing, whatever the size: a grid of a few blocks per SM walks
-// the words with a grid stride, each thread sums its words' terms in a 64-bit register, each warp
-// and then each block adds its threads' sums, and each block adds its sum into the output with one
-// 64-bit atomicAdd. Every addition is modulo 2^64, which is associative and commutative, so the
-// atomics' order cannot change the result: the CPU's bits. The words are read once (the bytes of
-// the tensor), and each costs two 64-bit multiplies (a few 32-bit multiply-adds each), so the
-// kernel runs near the copy rate; an earlier ATen composition took about fifteen int64 passes and
-// launches per 2^20 words.
+// One launch per kTensors tensors, after the output's zeroing, whatever their sizes: blockIdx.y
+// picks a tensor of the chunk (its pointer, length and word size travel in the launch's
+// arguments), and a row of blocks walks its words with a grid stride. Each thread sums its words'
+// terms in a 64-bit register, each warp and then each block adds its threads' sums, and each block
+// adds its sum into the tensor's output with one 64-bit atomicAdd. Every addition is modulo 2^64,
+// which is associative and commutative, so the atomics' order cannot change the result: the CPU's
+// bits. The words are read once, and each costs two 64-bit multiplies (a few 32-bit multiply-adds
+// each), so the kernel runs near the copy rate; an earlier ATen composition took about fifteen
+// int64 passes and launches per 2^20 words of each tensor.
 #include <algorithm>
 #include <cstdint>
 
@@ -26,21 +27,51 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 8;
+constexpr int kTensors = 96;  // per launch: the table below stays well inside 4 KiB of arguments
 
-// words [n] (Word: its integer type; converted to int64, the words' extension) -> *out += the
-// fingerprint's terms of every word, modulo 2^64. out must hold 0 before the first block adds.
+// One launch's tensors: their words, lengths and word sizes (1, 2, 4 or 8 bytes), and where the
+// first one's fingerprint goes in the output.
+struct Chunk {
+  const void* words[kTensors];
+  int64_t n[kTensors];
+  int8_t size[kTensors];
+  int64_t first;
+};
+
+// This thread's share of the fingerprint of words [n] (Word: the words' integer type, converted to
+// int64 as their extension): positions start, start + stride, ...
 template <typename Word>
-__global__ void __launch_bounds__(kThreads)
-fingerprint_kernel(const Word* __restrict__ words, int64_t n, uint64_t key,
-                   unsigned long long* __restrict__ out) {
+__device__ uint64_t thread_sum(const Word* __restrict__ words, int64_t n, int64_t start,
+                               int64_t stride, uint64_t key) {
   uint64_t acc = 0;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < n; j += stride) {
+  for (int64_t j = start; j < n; j += stride) {
     uint64_t z = static_cast<uint64_t>(static_cast<int64_t>(words[j])) ^
                  ((static_cast<uint64_t>(j) + key) * fingerprint::kGolden);
     z = (z ^ (z >> 30)) * fingerprint::kMix1;
     z = (z ^ (z >> 27)) * fingerprint::kMix2;
     acc += z ^ (z >> 31);
+  }
+  return acc;
+}
+
+// out[chunk.first + blockIdx.y] += the terms of tensor blockIdx.y's words this row of blocks
+// reads, modulo 2^64. out must hold 0 before the first block adds.
+__global__ void __launch_bounds__(kThreads)
+fingerprint_kernel(Chunk chunk, uint64_t key, unsigned long long* __restrict__ out) {
+  const int t = blockIdx.y;
+  const int64_t n = chunk.n[t];
+  const int64_t start = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (static_cast<int64_t>(blockIdx.x) * kThreads >= n) return;  // the whole block: no words
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  uint64_t acc = 0;
+  switch (chunk.size[t]) {
+    case 2: acc = thread_sum(static_cast<const int16_t*>(chunk.words[t]), n, start, stride, key);
+            break;
+    case 4: acc = thread_sum(static_cast<const int32_t*>(chunk.words[t]), n, start, stride, key);
+            break;
+    case 8: acc = thread_sum(static_cast<const int64_t*>(chunk.words[t]), n, start, stride, key);
+            break;
+    default: acc = thread_sum(static_cast<const uint8_t*>(chunk.words[t]), n, start, stride, key);
   }
   for (int offset = 16; offset > 0; offset >>= 1)
     acc += __shfl_down_sync(0xffffffffu, acc, offset);
@@ -52,33 +83,35 @@ fingerprint_kernel(const Word* __restrict__ words, int64_t n, uint64_t key,
     acc = lane < kThreads / 32 ? warps[lane] : 0;
     for (int offset = 16; offset > 0; offset >>= 1)
       acc += __shfl_down_sync(0xffffffffu, acc, offset);
-    if (lane == 0) atomicAdd(out, static_cast<unsigned long long>(acc));
+    if (lane == 0) atomicAdd(out + chunk.first + t, static_cast<unsigned long long>(acc));
   }
 }
 
-template <typename Word>
-void launch(const at::Tensor& words, uint64_t key, at::Tensor& out) {
-  const int64_t n = words.numel();
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int grid = static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads,
-                                                      sms * kBlocksPerSm));
-  fingerprint_kernel<Word><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      words.const_data_ptr<Word>(), n, key,
-      reinterpret_cast<unsigned long long*>(out.mutable_data_ptr<int64_t>()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-at::Tensor state_fingerprint_cuda(const at::Tensor& words, int64_t key) {
+at::Tensor state_fingerprint_cuda(at::TensorList words, int64_t key) {
   check_fingerprint_words(words);
-  const c10::cuda::CUDAGuard guard(words.device());
-  at::Tensor out = at::zeros({}, words.options().dtype(at::kLong));
-  if (words.numel() == 0) return out;
-  const auto k = static_cast<uint64_t>(key);
-  switch (words.scalar_type()) {
-    case at::kShort: launch<int16_t>(words, k, out); break;
-    case at::kInt: launch<int32_t>(words, k, out); break;
-    case at::kLong: launch<int64_t>(words, k, out); break;
-    default: launch<uint8_t>(words, k, out);
+  const c10::cuda::CUDAGuard guard(words[0].device());
+  const auto count = static_cast<int64_t>(words.size());
+  at::Tensor out = at::zeros({count}, words[0].options().dtype(at::kLong));
+  auto* o = reinterpret_cast<unsigned long long*>(out.mutable_data_ptr<int64_t>());
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  for (int64_t first = 0; first < count; first += kTensors) {
+    Chunk chunk{};
+    chunk.first = first;
+    const int64_t in_chunk = std::min<int64_t>(kTensors, count - first);
+    int64_t longest = 0;
+    for (int64_t t = 0; t < in_chunk; ++t) {
+      const at::Tensor& w = words[first + t];
+      chunk.words[t] = w.const_data_ptr();
+      chunk.n[t] = w.numel();
+      chunk.size[t] = static_cast<int8_t>(w.element_size());
+      longest = std::max(longest, w.numel());
+    }
+    if (longest == 0) continue;  // all empty: their fingerprints are the zeros above
+    const int64_t row = std::min<int64_t>((longest + kThreads - 1) / kThreads, sms * kBlocksPerSm);
+    fingerprint_kernel<<<dim3(static_cast<unsigned>(row), static_cast<unsigned>(in_chunk)),
+                         kThreads, 0, stream>>>(chunk, static_cast<uint64_t>(key), o);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return out;
 }

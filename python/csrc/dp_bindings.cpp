@@ -235,6 +235,9 @@ void bind_dp(py::module_ m) {
   m.def("state_fingerprint", &dp::state_fingerprint, py::arg("t"), py::arg("key"),
         "Note [state written from data]: a 0-dim int64 on t's device that any change of a word "
         "of t moves (src/dp/state_guard.h)");
+  m.def("state_fingerprints", &dp::state_fingerprints, py::arg("ts"), py::arg("key"),
+        "state_fingerprint of each of ts (one device) as one [len(ts)] int64 tensor, in one op "
+        "call (src/dp/state_guard.h)");
   m.def(
       "generator_key",
       [](bool secure, int64_t seed, const std::vector<int64_t>& key) {

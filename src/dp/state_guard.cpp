@@ -60,21 +60,34 @@ using Key = std::tuple<const torch::nn::Module*, std::string, bool>;
 
 }  // namespace
 
-at::Tensor state_fingerprint(const at::Tensor& t, int64_t key) {
-  at::NoGradGuard no_grad;
+namespace {
+// t's bits as a flat tensor of integer words of its element size (a 16-byte element's bytes).
+at::Tensor words_of(const at::Tensor& t) {
   const at::Tensor flat = t.detach().contiguous().reshape({-1});
-  at::Tensor words;
   switch (flat.element_size()) {
-    case 1: words = flat.view(at::kByte); break;
-    case 2: words = flat.view(at::kShort); break;
-    case 4: words = flat.view(at::kInt); break;
-    case 8: words = flat.view(at::kLong); break;
-    default: words = bytes_of(flat);  // complex128: its bytes
+    case 1: return flat.view(at::kByte);
+    case 2: return flat.view(at::kShort);
+    case 4: return flat.view(at::kInt);
+    case 8: return flat.view(at::kLong);
+    default: return bytes_of(flat);  // complex128: its bytes
   }
+}
+}  // namespace
+
+at::Tensor state_fingerprints(const std::vector<at::Tensor>& ts, int64_t key) {
+  TORCH_CHECK(!ts.empty(), "state_fingerprints: needs at least one tensor, got none");
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> words;
+  words.reserve(ts.size());
+  for (const at::Tensor& t : ts) words.push_back(words_of(t));
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("dpzero::_state_fingerprint", "")
-                             .typed<at::Tensor(const at::Tensor&, int64_t)>();
+                             .typed<at::Tensor(at::TensorList, int64_t)>();
   return op.call(words, key);
+}
+
+at::Tensor state_fingerprint(const at::Tensor& t, int64_t key) {
+  return state_fingerprints({t}, key).select(0, 0);
 }
 
 StateGuard::StateGuard(std::shared_ptr<torch::nn::Module> model,
@@ -175,12 +188,29 @@ void StateGuard::record_trained() {
                              [&](const TrainedMemory& m) { return m.data == data; });
     if (same == trained_memories_.end()) {
       const at::Tensor memory = memory_of(p, {});  // all of its storage: a unit's flat buffer
-      trained_memories_.push_back(
-          TrainedMemory{{name}, memory, data, state_fingerprint(memory, key_)});
+      trained_memories_.push_back(TrainedMemory{{name}, memory, data, at::Tensor()});
     } else {
       same->names.push_back(name);
     }
   }
+  const std::vector<at::Tensor> now = trained_fingerprints();
+  for (size_t i = 0; i < now.size(); ++i) trained_memories_[i].fingerprint = now[i];
+}
+
+std::vector<at::Tensor> StateGuard::trained_fingerprints() const {
+  std::vector<at::Tensor> memories;
+  for (const TrainedMemory& m : trained_memories_) memories.push_back(m.memory);
+  const bool one_device = std::all_of(memories.begin(), memories.end(), [&](const at::Tensor& t) {
+    return t.device() == memories.front().device();
+  });
+  std::vector<at::Tensor> out;
+  if (one_device && !memories.empty()) {
+    const at::Tensor all = state_fingerprints(memories, key_);  // one op call for every unit
+    for (int64_t i = 0; i < all.size(0); ++i) out.push_back(all.select(0, i));
+  } else {
+    for (const at::Tensor& m : memories) out.push_back(state_fingerprint(m, key_));
+  }
+  return out;
 }
 
 namespace {
@@ -233,8 +263,8 @@ std::vector<at::Tensor> StateGuard::flags() const {
   }
   // By value: .data() moves no version counter. One fingerprint per memory (a unit's flat
   // buffer), so that the launches grow with units, not parameters.
-  for (const TrainedMemory& m : trained_memories_)
-    out.push_back(state_fingerprint(m.memory, key_).ne(m.fingerprint));
+  const std::vector<at::Tensor> now = trained_fingerprints();
+  for (size_t i = 0; i < now.size(); ++i) out.push_back(now[i].ne(trained_memories_[i].fingerprint));
   return out;
 }
 

@@ -49,6 +49,9 @@ namespace dpzero::dp {
 // dpzero::_state_fingerprint: multi-threaded on the host, one launch on a GPU (no copy of the
 // whole tensor beyond a contiguous one).
 at::Tensor state_fingerprint(const at::Tensor& t, int64_t key);
+// [L] int64 on their device: state_fingerprint of each of `ts` (L >= 1 tensors on one device) in
+// one op call (on a GPU one launch per 96 tensors).
+at::Tensor state_fingerprints(const std::vector<at::Tensor>& ts, int64_t key);
 
 class StateGuard {
  public:
@@ -108,6 +111,8 @@ class StateGuard {
     at::Tensor fingerprint;          // recorded, on its device
   };
   std::vector<TrainedMemory> trained_memories_;
+  // The fingerprint of each trained memory now, in order (one op call when they share a device).
+  std::vector<at::Tensor> trained_fingerprints() const;
   int64_t key_ = 0;                // the fingerprints'
   std::vector<Entry> entries_;
   std::vector<at::Tensor> pending_;             // per entry, OR-ed (empty: none)

@@ -117,10 +117,11 @@ CASES = [
      "with B, T of G [4, 6, 2], got shape [4, 5]"),
     ("_ghost_sq_norms_multi shapes", "ops._ghost_sq_norms_multi(t(4, 5, 3), [t(4, 6, 2)])",
      "with B, T of G [4, 6, 2], got shape [4, 5, 3]"),
-    ("_state_fingerprint dtype", "ops._state_fingerprint(t(8), 3)",
-     "must be uint8, int16, int32 or int64 (a tensor's bits viewed as integers), got Float"),
-    ("_state_fingerprint dims", "ops._state_fingerprint(ids(2, 3), 3)",
-     "one contiguous dimension, got sizes [2, 3]"),
+    ("_state_fingerprint dtype", "ops._state_fingerprint([ids(4), t(8)], 3)",
+     "must be uint8, int16, int32 or int64 (a tensor's bits viewed as integers), got Float for "
+     "words[1]"),
+    ("_state_fingerprint dims", "ops._state_fingerprint([ids(2, 3)], 3)",
+     "one contiguous dimension, got sizes [2, 3] and strides [3, 1] for words[0]"),
 ]
 
 # The child: runs every case on one device, announcing each before it runs and reporting how it

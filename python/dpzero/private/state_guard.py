@@ -90,6 +90,41 @@ def fingerprint(t: torch.Tensor, key: int) -> torch.Tensor:
         return _C.dp.state_fingerprint(t.detach(), key)
 
 
+def _by_device(ts: Sequence[torch.Tensor]) -> Dict[torch.device, List[int]]:
+    """The positions of ``ts`` on each device, in order."""
+    out: Dict[torch.device, List[int]] = {}
+    for i, t in enumerate(ts):
+        out.setdefault(t.device, []).append(i)
+    return out
+
+
+def fingerprints(ts: Sequence[torch.Tensor], key: int) -> List[torch.Tensor]:
+    """``fingerprint`` of each of ``ts`` (0-dim int64 views), one op call per device: a GPU
+    launches once per 96 tensors, whatever their number and sizes."""
+    out: List[torch.Tensor] = [torch.empty(0)] * len(ts)
+    with torch._C.DisableTorchFunctionSubclass():
+        for positions in _by_device(ts).values():
+            now = _C.dp.state_fingerprints([ts[i].detach() for i in positions], key)
+            for i, f in zip(positions, now.unbind()):
+                out[i] = f
+    return out
+
+
+def moved(ts: Sequence[torch.Tensor], recorded: Sequence[torch.Tensor],
+          key: int) -> List[torch.Tensor]:
+    """Per tensor of ``ts``, a 0-dim bool on its device: whether its fingerprint differs from
+    ``recorded`` (its own, on the same device); one fingerprint call and one comparison per
+    device, no host read."""
+    out: List[torch.Tensor] = [torch.empty(0)] * len(ts)
+    with torch._C.DisableTorchFunctionSubclass():
+        for positions in _by_device(ts).values():
+            now = _C.dp.state_fingerprints([ts[i].detach() for i in positions], key)
+            changed = now != torch.stack([recorded[i] for i in positions])
+            for i, f in zip(positions, changed.unbind()):
+                out[i] = f
+    return out
+
+
 def digest(t: torch.Tensor) -> bytes:
     """BLAKE2b-128 of ``t``'s bytes in row-major order, with its dtype and shape."""
     h = hashlib.blake2b(digest_size=16)
@@ -337,8 +372,10 @@ class StateGuard:
                 if ptr not in memories:
                     memories[ptr] = ([], _memory(p))
                 memories[ptr][0].append(n)
-        self._trained_memories = [(names, memory, ptr, fingerprint(memory, self.key))
-                                  for ptr, (names, memory) in memories.items()]
+        now = fingerprints([memory for _, memory in memories.values()], self.key) \
+            if memories else []
+        self._trained_memories = [(names, memory, ptr, f) for (ptr, (names, memory)), f
+                                  in zip(memories.items(), now)]
 
     @staticmethod
     def _written_text(name: str) -> str:
@@ -358,7 +395,10 @@ class StateGuard:
         """One device flag per memory the trained parameters live in (a unit's flat buffer
         holds all of the unit's: one fingerprint each, not one per parameter, so that a step's
         launches grow with its units): its fingerprint moved since record_trained."""
-        return [fingerprint(memory, self.key) != f for _, memory, _, f in self._trained_memories]
+        if not self._trained_memories:
+            return []
+        return moved([memory for _, memory, _, _ in self._trained_memories],
+                     [f for _, _, _, f in self._trained_memories], self.key)
 
     def stop_watching(self) -> None:
         """The engine let go of the model (detach): stage-3 gathers are no longer fingerprinted."""
@@ -453,7 +493,8 @@ class StateGuard:
         if not self.entries:
             return self._trained_flags()
         trained = _trained_storages(self._modules(), self.trainable)
-        flags = []
+        flags: List[torch.Tensor] = []
+        frozen: List[int] = []  # positions in flags of the frozen parameters, fingerprinted below
         for e in self.entries:
             if e.current() is not e.tensor:
                 flags.append(torch.zeros((), dtype=torch.bool, device=e.tensor.device))
@@ -462,7 +503,13 @@ class StateGuard:
                 flags.append(torch.ones((), dtype=torch.bool, device=now.device)
                              if now.numel() != e.copy.numel() else (now != e.copy).any())
             else:
-                flags.append(fingerprint(_memory(e.tensor, trained), self.key) != e.fingerprint)
+                frozen.append(len(flags))
+                flags.append(_memory(e.tensor, trained))
+        if frozen:  # one fingerprint call for all of them (per device)
+            entries = [self.entries[i] for i in frozen]
+            for i, f in zip(frozen, moved([flags[i] for i in frozen],
+                                          [e.fingerprint for e in entries], self.key)):
+                flags[i] = f
         return flags + self._trained_flags()
 
     def step_flags(self, pending: bool = True) -> List[torch.Tensor]:

@@ -5,8 +5,8 @@
 // The invariants, each with the mutation of state_guard.cpp / privacy_engine.cpp that made its
 // test fail:
 //   - the fingerprint is the stated sum, in every element size, on the host's pass and on a GPU's
-//     one launch, and every change of one word moves it (the position mixing removed, the
-//     lanes' position step or shift changed);
+//     one launch, for one tensor and for a list in one call, and every change of one word moves
+//     it (the position mixing removed, the lanes' position step or shift changed);
 //   - a buffer written from the batch refuses the step, named, charges nothing and is put back
 //     (the step's verdict ignored; restore_buffers emptied);
 //   - a write in one micro-batch that is gone by the step still refuses it, and every later
@@ -143,6 +143,32 @@ TEST_P(StateFingerprint, IsTheStatedSumAndSeesEveryChangedWord) {
       EXPECT_NE(fp(changed.view(t.scalar_type()), key), f) << what << " byte " << i;
     }
   }
+}
+
+TEST_P(StateFingerprint, AListIsEachTensorsFingerprintInOneCall) {
+  // More than one launch's 96 tensors on a GPU, of every word size, empty ones among them, and
+  // lengths from one word to several blocks' worth.
+  const int64_t key = 0x5EED;
+  const at::Device device(GetParam());
+  torch::manual_seed(6);
+  std::vector<at::Tensor> tensors;
+  for (int64_t l = 0; l < 203; ++l) {
+    const int64_t n = l % 7 == 0 ? 0 : (l * 977) % 5000 + (l % 3 == 0 ? 70000 : 1);
+    switch (l % 4) {
+      case 0: tensors.push_back(torch::randn({n})); break;
+      case 1: tensors.push_back(torch::randn({n}).to(at::kBFloat16)); break;
+      case 2: tensors.push_back(torch::randn({n}, at::kDouble)); break;
+      default: tensors.push_back(torch::randint(0, 256, {n}).to(at::kByte));
+    }
+  }
+  std::vector<at::Tensor> on_device;
+  for (const at::Tensor& t : tensors) on_device.push_back(t.to(device));
+  const at::Tensor all = state_fingerprints(on_device, key);
+  ASSERT_EQ(all.sizes(), at::IntArrayRef({203}));
+  ASSERT_EQ(all.device(), device);
+  const at::Tensor host = all.cpu();
+  for (size_t l = 0; l < tensors.size(); ++l)
+    EXPECT_EQ(host[l].item<int64_t>(), reference_fingerprint(tensors[l], key)) << "tensor " << l;
 }
 
 // ---- the engine -----------------------------------------------------------------------------
