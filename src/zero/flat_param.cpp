@@ -6,6 +6,8 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+#include <c10/util/strides.h>
 
 namespace dpzero::zero {
 namespace {
@@ -60,6 +62,7 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
               "parameter offload needs sharded parameters (ZeRO stage 3)");
   if (options_.offload_params) options_.offload_master = true;  // Note [parameter offload]
   check_params(params_, names_);
+  for (const at::Tensor& p : params_) shapes_.push_back(p.sizes().vec());
   for (size_t i = 0; i < params_.size(); ++i) {
     TORCH_CHECK(params_[i].numel() == layout_.params()[i].numel, "parameter '", names_[i],
                 "' has ", params_[i].numel(), " elements, the layout says ",
@@ -115,10 +118,28 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
 }
 
 void FlatParam::point_params(bool gathered) {
+  const c10::StorageImpl* full = full_.storage().unsafeGetStorageImpl();
+  std::vector<std::string> replaced;
   for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i].unsafeGetTensorImpl()->set_storage_keep_dtype(gathered ? full_.storage()
-                                                                       : resharded_[i]);
+    c10::TensorImpl* impl = params_[i].unsafeGetTensorImpl();
+    const c10::StorageImpl* now = impl->storage().unsafeGetStorageImpl();
+    const int64_t offset = layout_.flat_offsets()[i];
+    if ((now != full && now != resharded_[i].unsafeGetStorageImpl()) ||
+        impl->storage_offset() != offset || impl->sizes() != at::IntArrayRef(shapes_[i]) ||
+        !impl->is_contiguous() || impl->dtype() != full_.dtype()) {
+      replaced.push_back("'" + names_[i] + "'");
+    }
+    impl->set_storage_and_dtype(gathered ? full_.storage() : resharded_[i], full_.dtype());
+    impl->set_sizes_and_strides(shapes_[i], c10::contiguous_strides(shapes_[i]), offset);
   }
+  // After every parameter points where it should: whoever catches this finds the unit consistent.
+  TORCH_CHECK(replaced.empty(), "parameter", replaced.size() > 1 ? "s " : " ",
+              c10::Join(", ", replaced), replaced.size() > 1 ? " were" : " was",
+              " given other memory (.data replaced) while ZeRO stage 3 held its unit: stage 3 keeps "
+              "a unit's values in its own flat buffer, which the forward and the optimizer read, so "
+              "the replacement is undone here and refused (in a private run, a value computed from "
+              "the batch would reach the other examples' outputs outside the clipping). Load values "
+              "with model.load_state_dict() or dpzero.checkpoint.load");
 }
 
 void FlatParam::check_param_dtype(at::ScalarType dtype) {
@@ -152,8 +173,7 @@ int64_t FlatParam::full_bytes() const {
 }
 
 at::Tensor FlatParam::param_view(const at::Tensor& flat, size_t i) const {
-  return flat.narrow(0, layout_.flat_offsets()[i], layout_.params()[i].numel)
-      .view(params_[i].sizes());
+  return flat.narrow(0, layout_.flat_offsets()[i], layout_.params()[i].numel).view(shapes_[i]);
 }
 
 bool FlatParam::wait_gather() {
@@ -162,6 +182,7 @@ bool FlatParam::wait_gather() {
                             (names_.empty() ? std::string("?") : names_.front()) + "' on rank " +
                             std::to_string(rank_));  // Note [collective failures]
   pending_.reset();
+  adopt_incoming();
   complete_gather();
   return true;
 }
@@ -233,11 +254,24 @@ void FlatParam::complete_gather() {
 
 void FlatParam::unshard_async(const comm::Collectives& comm) {
   if (pending_ || unsharded()) return;
-  allocate_storage(full_, static_cast<size_t>(full_bytes()));
-  pending_ = comm.all_gather_async(full_, gather_source());
+  // Note [gathers land apart]: into memory of its own, which full_ adopts when the gather is
+  // waited for.
+  incoming_ = at::empty({layout_.padded_numel()}, full_.options());
+  pending_ = comm.all_gather_async(incoming_, gather_source());
   // One rank gathers by a copy, done when the call returns, with no work to wait for: its gather
   // completes here, or no wait would ever point the parameters back or fingerprint the copy.
-  if (!pending_) complete_gather();
+  if (!pending_) {
+    adopt_incoming();
+    complete_gather();
+  }
+}
+
+void FlatParam::adopt_incoming() {
+  c10::StorageImpl* from = incoming_.storage().unsafeGetStorageImpl();
+  c10::StorageImpl* to = full_.storage().unsafeGetStorageImpl();
+  to->set_data_ptr_noswap(from->set_data_ptr(at::DataPtr(nullptr, from->device())));
+  to->set_nbytes(from->nbytes());
+  incoming_ = at::Tensor();
 }
 
 void FlatParam::reshard() {
@@ -308,6 +342,7 @@ void FlatParam::drop_grads() {
 
 int64_t FlatParam::param_bytes() const {
   int64_t bytes = static_cast<int64_t>(full_.storage().nbytes());
+  if (incoming_.defined()) bytes += full_bytes();  // a gather in flight (Note [gathers land apart])
   if (options_.shard_params && shard_.device() == full_.device()) {
     bytes += shard_.numel() * static_cast<int64_t>(shard_.element_size());
   }

@@ -26,13 +26,33 @@
 // module's forward reading it through .data, a print, a state_dict() saved by hand. So while the
 // unit is resharded each parameter's TensorImpl is pointed at a storage of its own that holds no
 // memory and refuses every data access (StorageImpl's throw-on-access, with a message that names
-// the parameter and the fix); the gather that completes points it back at full_'s storage, at the
-// same offset. Sizes, strides, dtype, device, requires_grad, the version counter and the
-// AccumulateGrad node are the TensorImpl's own and never change, so `next(model.parameters())
-// .device`, shapes and parameter counts read as before. The views autograd saved in forward
+// the parameter and the fix); the gather that completes points it back at full_'s storage. Each
+// pointing also sets the parameter's offset, shape, strides and dtype to its place in the layout,
+// so the device, requires_grad, the version counter and the AccumulateGrad node never change, and
+// `next(model.parameters()).device`, shapes and parameter counts read as before. A parameter whose
+// .data was replaced since the last pointing (another storage or another place: the forward would
+// read the replacement, and the next gather would have pointed it into the wrong part of full_)
+// is pointed back like the others and then refused, naming it: in a private run a replacement
+// computed from the batch would reach the other examples' outputs outside the clipping, and the
+// fingerprints of Note [writes to a gathered unit] read full_, not the replacement (a privacy
+// review moved a step 6.5 times the bound that way). The views autograd saved in forward
 // (W.t() for addmm) were made from full_'s storage while the unit was gathered, keep it, and are
 // freed and refilled with it as before; a parameter autograd saved itself (a leaf is saved as the
 // same TensorImpl) is read in the unit's backward, after its backward gather re-pointed it.
+//
+// Note [gathers land apart]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// A prefetch (unshard_async) all-gathers into memory of its own, not into full_'s storage, and
+// full_'s storage adopts that memory only when the gather is waited for, when the gathered copy is
+// also fingerprinted (Note [writes to a gathered unit]). Gathering into full_ itself made full_'s
+// memory live from the issue to the wait: a write through a view of full_ kept from an earlier
+// gather (a tensor a module stored in an earlier forward), made once the gather had landed and
+// before the wait, became part of the fingerprinted baseline and was never refused (a privacy
+// review moved a step 1.35 times the bound that way on two ranks). Now such a view writes into
+// freed memory until the wait, as at any time the unit is resharded. Views of full_ reach no
+// parameter of the user's (Note [reading a resharded parameter] gives each its own storage while
+// resharded); a view a module kept itself has no memory there, and reading or writing it is the
+// null-pointer access torch does not check.
 //
 // Note [master weights]
 // ~~~~~~~~~~~~~~~~~~~~~
@@ -228,6 +248,7 @@ class FlatParam {
   at::Tensor& gather_source();
 
   std::vector<at::Tensor> params_;
+  std::vector<std::vector<int64_t>> shapes_;  // each parameter's shape when flattened
   std::vector<std::string> names_;
   UnitLayout layout_;
   int64_t rank_;
@@ -235,8 +256,11 @@ class FlatParam {
   at::Tensor full_;    // [padded_numel] param_dtype, every coordinate; parameters are views of it
   at::Tensor shard_;   // [shard_numel] param_dtype, owned: view of full_ (stages 0–2) or own (3)
   at::Tensor master_;  // fp32, Note [master weights]: aliases full_/shard_ unless separate_master()
-  // A gather unshard_async started and nobody waited for yet; full_ is not readable until then.
+  // A gather unshard_async started and nobody waited for yet, and the memory it writes
+  // (Note [gathers land apart]): full_ adopts it at the wait (adopt_incoming).
   c10::intrusive_ptr<c10d::Work> pending_;
+  at::Tensor incoming_;
+  void adopt_incoming();
   // Note [parameter offload]: blocks until the last host-to-device copy of shard_ has run.
   void wait_host_reads();
   // Note [parameter offload]: the device copy of the host shard a gather reads, and the event

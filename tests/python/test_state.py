@@ -491,6 +491,56 @@ def test_a_write_into_a_prefetched_stage_3_unit_on_one_rank_is_refused():
     assert init.done and p.privacy_engine.charges == charged
 
 
+class _ReplaceLinear(nn.Module):
+    """A ZeRO unit whose forward, once armed, replaces its bias's .data with a value computed
+    from the batch (instead of writing into it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.armed = nn.Linear(D, D), False
+
+    def forward(self, x):
+        if self.armed and len(x) == 4:
+            self.fc.bias.data = 1e3 * x.mean(0)
+            self.armed = False
+        return self.fc(x)
+
+
+def test_a_trained_parameter_given_other_memory_at_stage_3_is_refused_and_put_back():
+    """Note [reading a resharded parameter]: a forward that replaces a parameter's .data from the
+    batch at stage 3 was read by the rest of the forward and never refused (a review moved a step
+    6.5 times the bound), and the next gather pointed the parameter into another parameter's
+    memory (its offset was the replacement's). The unit's release refuses it, naming it, with
+    every parameter back in its place; so does the next gather for a replacement made between
+    steps, and the engine's values are the flat buffer's throughout."""
+    torch.manual_seed(0)
+    unit = _ReplaceLinear()
+    model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), unit, nn.Tanh(), nn.Linear(D, K))
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
+                            max_physical_batch_size=4)
+    _epoch(p)
+    charged, before = p.privacy_engine.charges, p.privacy_engine.parameters()
+    unit.armed = True
+    with pytest.raises(RuntimeError, match=r"parameter '2.fc.bias' was given other memory "
+                                           r"\(.data replaced\) while ZeRO stage 3 held its unit"):
+        _epoch(p)
+    assert not unit.armed and p.privacy_engine.charges == charged
+    after = p.privacy_engine.parameters()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert unit.fc.bias.shape == (D,) and unit.fc.weight.shape == (D, D)
+    p.optimizer.zero_grad()
+    unit.fc.bias.data = torch.zeros(4096)  # between steps, another shape
+    with pytest.raises(RuntimeError, match=r"parameter '2.fc.bias' was given other memory"):
+        p.model(_data().tensors[0][:4])
+    seen = []
+    hook = unit.fc.register_forward_hook(lambda m, i, o: seen.append(m.bias.detach().clone()))
+    with torch.no_grad():
+        p.model(_data().tensors[0][:4])
+    hook.remove()
+    assert torch.equal(seen[0], p.privacy_engine.parameters()["2.fc.bias"])
+
+
 def test_a_write_into_a_stage_3_gathered_copy_outside_the_loop_refuses_nothing():
     """An evaluation that writes into the gathered parameters outside the loop (the unit's
     first full-batch call) leaves nothing once the copy is released: the next step is not
