@@ -16,6 +16,12 @@
 
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#define DPZERO_FINGERPRINT_HD __host__ __device__
+#else
+#define DPZERO_FINGERPRINT_HD
+#endif
+
 namespace dpzero::kernels::fingerprint {
 
 // splitmix64's golden-ratio increment, which spreads the positions, and its finaliser's two
@@ -23,5 +29,15 @@ namespace dpzero::kernels::fingerprint {
 inline constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
 inline constexpr uint64_t kMix1 = 0xBF58476D1CE4E5B9ULL;
 inline constexpr uint64_t kMix2 = 0x94D049BB133111EBULL;
+
+// The term of word w (already extended to 64 bits) at position j under key. Internal linkage: each
+// translation unit keeps its own copy, so the one built with AVX-512 instructions can never stand
+// in for a caller on a CPU without them.
+static inline DPZERO_FINGERPRINT_HD uint64_t term(uint64_t w, uint64_t j, uint64_t key) {
+  uint64_t z = w ^ ((j + key) * kGolden);
+  z = (z ^ (z >> 30)) * kMix1;
+  z = (z ^ (z >> 27)) * kMix2;
+  return z ^ (z >> 31);
+}
 
 }  // namespace dpzero::kernels::fingerprint

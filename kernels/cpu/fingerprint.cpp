@@ -28,11 +28,8 @@ uint64_t host_fingerprint(const Word* words, int64_t n, uint64_t key) {
           if (lanes) return acc + fingerprint::sum_avx512(words, begin, end, key);
         }
         for (int64_t j = begin; j < end; ++j) {
-          uint64_t z = static_cast<uint64_t>(static_cast<int64_t>(words[j])) ^
-                       ((static_cast<uint64_t>(j) + key) * fingerprint::kGolden);
-          z = (z ^ (z >> 30)) * fingerprint::kMix1;
-          z = (z ^ (z >> 27)) * fingerprint::kMix2;
-          acc += z ^ (z >> 31);
+          acc += fingerprint::term(static_cast<uint64_t>(static_cast<int64_t>(words[j])),
+                                   static_cast<uint64_t>(j), key);
         }
         return acc;
       },

@@ -5,8 +5,9 @@
 // bit).
 //
 // Like kernels/cpu/gram_simd.h, this header and its .cpp include no ATen headers and call no
-// inline function of the project: an inline function emitted under -mavx512f could be the copy
-// the linker keeps for callers on CPUs without it.
+// inline function of the project with external linkage: an inline function emitted under
+// -mavx512f could be the copy the linker keeps for callers on CPUs without it (the fingerprint's
+// term is static, one copy per translation unit).
 #pragma once
 
 #include <cstdint>

@@ -15,12 +15,6 @@ inline __m512i load8(const int32_t* p) {
 }
 inline __m512i load8(const int64_t* p) { return _mm512_loadu_si512(p); }
 
-inline uint64_t mix(uint64_t z) {
-  z = (z ^ (z >> 30)) * kMix1;
-  z = (z ^ (z >> 27)) * kMix2;
-  return z ^ (z >> 31);
-}
-
 template <typename Word>
 uint64_t sum(const Word* words, int64_t begin, int64_t end, uint64_t key) {
   int64_t j = begin;
@@ -46,10 +40,9 @@ uint64_t sum(const Word* words, int64_t begin, int64_t end, uint64_t key) {
     }
     total = static_cast<uint64_t>(_mm512_reduce_add_epi64(acc));
   }
-  for (; j < end; ++j) {
-    const uint64_t w = static_cast<uint64_t>(static_cast<int64_t>(words[j]));
-    total += mix(w ^ ((static_cast<uint64_t>(j) + key) * kGolden));
-  }
+  for (; j < end; ++j)
+    total += term(static_cast<uint64_t>(static_cast<int64_t>(words[j])), static_cast<uint64_t>(j),
+                  key);
   return total;
 }
 

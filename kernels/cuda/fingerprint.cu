@@ -45,11 +45,8 @@ __device__ uint64_t thread_sum(const Word* __restrict__ words, int64_t n, int64_
                                int64_t stride, uint64_t key) {
   uint64_t acc = 0;
   for (int64_t j = start; j < n; j += stride) {
-    uint64_t z = static_cast<uint64_t>(static_cast<int64_t>(words[j])) ^
-                 ((static_cast<uint64_t>(j) + key) * fingerprint::kGolden);
-    z = (z ^ (z >> 30)) * fingerprint::kMix1;
-    z = (z ^ (z >> 27)) * fingerprint::kMix2;
-    acc += z ^ (z >> 31);
+    acc += fingerprint::term(static_cast<uint64_t>(static_cast<int64_t>(words[j])),
+                             static_cast<uint64_t>(j), key);
   }
   return acc;
 }

@@ -92,6 +92,9 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
   } else {
     full_ = values;
   }
+  // Only this class gives full_'s storage memory or takes it away: a resize through a view
+  // (untyped_storage().resize_()) would leave a gathered copy no fingerprint could compare.
+  full_.storage().unsafeGetStorageImpl()->set_resizable(false);
   for (size_t i = 0; i < params_.size(); ++i) params_[i].set_data(param_view(full_, i));
   at::Tensor owned = full_.narrow(0, rank_ * m, m);
   if (options_.offload_params) {
@@ -113,11 +116,11 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
           "unit (units=[...])"));
     }
     free_storage(full_);
-    point_params(false);
+    point_params(false);  // they were views of full_ until now
   }
 }
 
-void FlatParam::point_params(bool gathered) {
+std::vector<std::string> FlatParam::point_params(bool gathered) {
   const c10::StorageImpl* full = full_.storage().unsafeGetStorageImpl();
   std::vector<std::string> replaced;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -132,14 +135,26 @@ void FlatParam::point_params(bool gathered) {
     impl->set_storage_and_dtype(gathered ? full_.storage() : resharded_[i], full_.dtype());
     impl->set_sizes_and_strides(shapes_[i], c10::contiguous_strides(shapes_[i]), offset);
   }
-  // After every parameter points where it should: whoever catches this finds the unit consistent.
-  TORCH_CHECK(replaced.empty(), "parameter", replaced.size() > 1 ? "s " : " ",
-              c10::Join(", ", replaced), replaced.size() > 1 ? " were" : " was",
+  return replaced;
+}
+
+void FlatParam::refuse_replaced(const std::vector<std::string>& replaced) {
+  if (replaced.empty()) return;
+  // Under the watch the open logical batch's step is refused too (Note [writes to a gathered
+  // unit]): whatever read the replacement before now may have carried the batch, and a caller who
+  // catches the error below must not find the step taken.
+  if (fingerprint_) {
+    const at::Tensor yes = at::ones({}, full_.options().dtype(at::kBool));
+    gathered_written_ = gathered_written_.defined() ? gathered_written_.logical_or(yes) : yes;
+  }
+  TORCH_CHECK(false, "parameter", replaced.size() > 1 ? "s " : " ", c10::Join(", ", replaced),
+              replaced.size() > 1 ? " were" : " was",
               " given other memory (.data replaced) while ZeRO stage 3 held its unit: stage 3 keeps "
               "a unit's values in its own flat buffer, which the forward and the optimizer read, so "
               "the replacement is undone here and refused (in a private run, a value computed from "
-              "the batch would reach the other examples' outputs outside the clipping). Load values "
-              "with model.load_state_dict() or dpzero.checkpoint.load");
+              "the batch would reach the other examples' outputs outside the clipping, and the "
+              "step is refused). Load values with model.load_state_dict() or "
+              "dpzero.checkpoint.load");
 }
 
 void FlatParam::check_param_dtype(at::ScalarType dtype) {
@@ -197,16 +212,23 @@ void FlatParam::note_gathered() {
   if (!fingerprint_ || !options_.shard_params) return;
   at::NoGradGuard no_grad;
   gathered_fingerprint_ = fingerprint_(full_);
+  gathered_versions_.clear();
+  for (const at::Tensor& p : params_) gathered_versions_.push_back(p._version());
 }
 
 void FlatParam::check_gathered() {
   if (!gathered_fingerprint_.defined()) return;
   at::NoGradGuard no_grad;
-  if (fingerprint_ && unsharded()) {
-    const at::Tensor changed = fingerprint_(full_).ne(gathered_fingerprint_);
-    gathered_written_ =
-        gathered_written_.defined() ? gathered_written_.logical_or(changed) : changed;
+  at::Tensor changed;
+  bool moved = false;  // a version counter: an in-place write, even one undone since
+  for (size_t i = 0; i < params_.size(); ++i)
+    moved = moved || params_[i]._version() != gathered_versions_[i];
+  if (moved || !unsharded()) {  // or full_'s memory no longer the gathered copy's: nothing to compare
+    changed = at::ones({}, full_.options().dtype(at::kBool));
+  } else {
+    changed = fingerprint_(full_).ne(gathered_fingerprint_);
   }
+  gathered_written_ = gathered_written_.defined() ? gathered_written_.logical_or(changed) : changed;
   gathered_fingerprint_ = at::Tensor();
 }
 
@@ -248,8 +270,9 @@ void FlatParam::unshard(const comm::Collectives& comm) {
 
 void FlatParam::complete_gather() {
   staged_ = at::Tensor();  // stream-ordered: a later kernel cannot reuse it before the gather
-  point_params(true);
-  note_gathered();
+  const std::vector<std::string> replaced = point_params(true);
+  note_gathered();  // first: a caller who catches the refusal still finds the copy watched
+  refuse_replaced(replaced);
 }
 
 void FlatParam::unshard_async(const comm::Collectives& comm) {
@@ -279,7 +302,7 @@ void FlatParam::reshard() {
   if (!options_.shard_params) return;
   check_gathered();  // Note [writes to a gathered unit]
   free_storage(full_);
-  point_params(false);
+  refuse_replaced(point_params(false));
 }
 
 void FlatParam::publish_master(const comm::Collectives& comm) {
@@ -294,7 +317,7 @@ void FlatParam::publish_master(const comm::Collectives& comm) {
   }
   if (options_.shard_params) {
     free_storage(full_);  // any gathered copy is stale now
-    point_params(false);
+    refuse_replaced(point_params(false));
   } else if (!options_.master_full && comm.world_size() > 1) {
     at::Tensor mine = shard_.clone();  // all_gather's input may not overlap its output
     comm.all_gather(full_, mine);

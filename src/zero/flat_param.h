@@ -102,7 +102,14 @@
 // each gathered copy is fingerprinted on its device when its gather completes and again just
 // before its release, and a difference is OR-ed into a device flag (no host read) that the front
 // door takes with the step's own read (take_gathered_written). Every release goes through
-// reshard() (publish_master calls it first), so no gathered copy is freed unchecked.
+// reshard() (publish_master calls it first), so no gathered copy is freed unchecked. Bytes alone
+// miss a write that a later one undoes before the release (a batch value put in, the layer run,
+// the old value put back: a second review moved a step 6.5 times the bound that way), so the
+// parameters' version counters are noted with the fingerprint and any move counts as a write (the
+// gathers' own pointing moves none; a write through .data moves none either, and stays the
+// fingerprint's to see). full_'s storage cannot be resized (only this class gives it memory or
+// takes it away): a resize through a view left the copy with nothing to compare, and a copy whose
+// memory is not the gathered size at its release counts as written.
 #pragma once
 
 #include <cstdint>
@@ -268,8 +275,14 @@ class FlatParam {
   at::Tensor staged_;
   std::optional<c10::Event> host_read_done_;
   // Note [reading a resharded parameter]: points every parameter at full_'s storage (`gathered`),
-  // or at its own storage that refuses every data access.
-  void point_params(bool gathered);
+  // or at its own storage that refuses every data access, at its place in the layout; returns the
+  // names of those whose .data had been replaced.
+  std::vector<std::string> point_params(bool gathered);
+  // Throws naming `replaced` (point_params's) unless it is empty; under the watch the step is
+  // refused too (the gathered-written flag).
+  void refuse_replaced(const std::vector<std::string>& replaced);
+  // Note [writes to a gathered unit]: each parameter's version counter when the copy was noted.
+  std::vector<int64_t> gathered_versions_;
   // One per parameter, naming it: the storage it has while the unit is resharded (stage 3).
   std::vector<c10::Storage> resharded_;
   // Note [writes to a gathered unit]: the watch's fingerprint, that of the copy gathered now

@@ -541,6 +541,103 @@ def test_a_trained_parameter_given_other_memory_at_stage_3_is_refused_and_put_ba
     assert torch.equal(seen[0], p.privacy_engine.parameters()["2.fc.bias"])
 
 
+def test_a_caught_refusal_at_a_stage_3_gather_leaves_the_copy_watched():
+    """A second review caught the refusal above at a gather (a replacement between steps) and then
+    wrote the training data into the parameter, which the gather had left in place unwatched: the
+    next step moved 2.9 times the bound. The gather fingerprints the copy before it refuses."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, K))
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
+                            max_physical_batch_size=4)
+    _epoch(p)
+    charged = p.privacy_engine.charges
+    model[0].bias.data = torch.zeros(D)
+    with pytest.raises(RuntimeError, match=r"parameter '0.bias' was given other memory"):
+        with torch.no_grad():
+            p.model(_data().tensors[0][:4])
+    model[0].bias.data.copy_(1e3 * _data().tensors[0].mean(0))  # from the training data
+    with pytest.raises(PrivacyViolation, match=r"'0.bias'.* was written while ZeRO stage 3 had "
+                                               r"it gathered"):
+        _epoch(p)
+    assert p.privacy_engine.charges == charged
+
+
+class _WriteAndRestore(nn.Module):
+    """A ZeRO unit whose forward, once armed, puts a value from the batch into its bias, runs the
+    layer and puts the old value back (``how``: in place under no_grad, or by set_)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.fc, self.how, self.armed = nn.Linear(D, D), how, False
+
+    def forward(self, x):
+        if not (self.armed and len(x) == 4):
+            return self.fc(x)
+        self.armed = False
+        bias = self.fc.bias
+        with torch.no_grad():
+            if self.how == "copy_":
+                old = bias.detach().clone()
+                bias.copy_(1e3 * x.mean(0))
+            else:
+                storage, offset = bias.untyped_storage(), bias.storage_offset()
+                bias.set_(1e3 * x.detach().mean(0))
+        out = self.fc(x)
+        with torch.no_grad():
+            if self.how == "copy_":
+                bias.copy_(old)
+            else:
+                bias.set_(storage, offset, (D,))
+        return out
+
+
+@pytest.mark.parametrize("how", ["copy_", "set_"])
+def test_a_write_undone_before_a_stage_3_release_is_refused(how):
+    """Note [writes to a gathered unit]: the bytes at the release are the gathered ones again, but
+    the rest of the forward read the batch's value (a second review: 6.5 times the bound, at stage
+    0 refused by the version counters). The gather notes the version counters with the
+    fingerprint, and a move refuses the step."""
+    torch.manual_seed(0)
+    unit = _WriteAndRestore(how)
+    model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), unit, nn.Tanh(), nn.Linear(D, K))
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
+                            max_physical_batch_size=4)
+    _epoch(p)
+    charged, before = p.privacy_engine.charges, p.privacy_engine.parameters()
+    unit.armed = True
+    with pytest.raises(PrivacyViolation, match=r"'2.fc.bias'.* was written while ZeRO stage 3 "
+                                               r"had it gathered"):
+        _epoch(p)
+    assert not unit.armed and p.privacy_engine.charges == charged
+    after = p.privacy_engine.parameters()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_stage_3_unit_s_memory_cannot_be_resized():
+    """A resize through a parameter's storage left the gathered copy with nothing to compare (a
+    second review: a write from the batch then went unrefused, 6.5 times the bound)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, K))
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
+                            max_physical_batch_size=4)
+    resized = []
+
+    def resize(module, inputs):
+        module.bias.sum()  # gathered: its storage is the unit's flat buffer's
+        storage = module.bias.untyped_storage()
+        with pytest.raises(RuntimeError, match="not resizable"):
+            storage.resize_(storage.nbytes() + 4)
+        resized.append(storage.nbytes())
+
+    hook = model[0].register_forward_pre_hook(resize)
+    _epoch(p)
+    hook.remove()
+    assert resized and p.privacy_engine.charges >= 1
+
+
 def test_a_write_into_a_stage_3_gathered_copy_outside_the_loop_refuses_nothing():
     """An evaluation that writes into the gathered parameters outside the loop (the unit's
     first full-batch call) leaves nothing once the copy is released: the next step is not
