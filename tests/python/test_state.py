@@ -431,14 +431,19 @@ class _InitLinear(nn.Module):
         return self.fc(x)
 
 
+def _stage_3_private(model):
+    """``model`` made private at ZeRO stage 3, no noise, micro-batches of 4."""
+    return dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
+                               allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
+                               max_physical_batch_size=4)
+
+
 def _stage_3_init():
     """(the _InitLinear unit, its model, the private bundle) at ZeRO stage 3, no noise."""
     torch.manual_seed(0)
     init = _InitLinear()
     model = nn.Sequential(init, nn.Tanh(), nn.Linear(D, K))
-    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
-                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
-                            max_physical_batch_size=4)
+    p = _stage_3_private(model)
     return init, model, p
 
 
@@ -477,9 +482,7 @@ def test_a_write_into_a_prefetched_stage_3_unit_on_one_rank_is_refused():
     init = _InitLinear()
     init.done = True  # armed below, once the forward order is known
     model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), init, nn.Tanh(), nn.Linear(D, K))
-    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
-                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
-                            max_physical_batch_size=4)
+    p = _stage_3_private(model)
     _epoch(p)
     charged = p.privacy_engine.charges
     assert charged >= 1
@@ -489,6 +492,24 @@ def test_a_write_into_a_prefetched_stage_3_unit_on_one_rank_is_refused():
                                                r"stage 3 had it gathered"):
         _epoch(p)
     assert init.done and p.privacy_engine.charges == charged
+
+
+def _refused_once_armed(unit, error, match):
+    """``unit`` (with an ``armed`` switch) as the middle unit of a model at ZeRO stage 3: an epoch
+    trains; armed, the next one raises ``error`` matching ``match``, charges nothing and changes no
+    parameter. Returns the private bundle."""
+    torch.manual_seed(0)
+    p = _stage_3_private(nn.Sequential(nn.Linear(D, D), nn.Tanh(), unit, nn.Tanh(),
+                                       nn.Linear(D, K)))
+    _epoch(p)
+    charged, before = p.privacy_engine.charges, p.privacy_engine.parameters()
+    unit.armed = True
+    with pytest.raises(error, match=match):
+        _epoch(p)
+    assert not unit.armed and p.privacy_engine.charges == charged
+    after = p.privacy_engine.parameters()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    return p
 
 
 class _ReplaceLinear(nn.Module):
@@ -513,21 +534,10 @@ def test_a_trained_parameter_given_other_memory_at_stage_3_is_refused_and_put_ba
     memory (its offset was the replacement's). The unit's release refuses it, naming it, with
     every parameter back in its place; so does the next gather for a replacement made between
     steps, and the engine's values are the flat buffer's throughout."""
-    torch.manual_seed(0)
     unit = _ReplaceLinear()
-    model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), unit, nn.Tanh(), nn.Linear(D, K))
-    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
-                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
-                            max_physical_batch_size=4)
-    _epoch(p)
-    charged, before = p.privacy_engine.charges, p.privacy_engine.parameters()
-    unit.armed = True
-    with pytest.raises(RuntimeError, match=r"parameter '2.fc.bias' was given other memory "
-                                           r"\(.data replaced\) while ZeRO stage 3 held its unit"):
-        _epoch(p)
-    assert not unit.armed and p.privacy_engine.charges == charged
-    after = p.privacy_engine.parameters()
-    assert all(torch.equal(before[n], after[n]) for n in before)
+    p = _refused_once_armed(unit, RuntimeError, r"parameter '2.fc.bias' was given other memory "
+                                                r"\(.data replaced\) while ZeRO stage 3 held its "
+                                                r"unit")
     assert unit.fc.bias.shape == (D,) and unit.fc.weight.shape == (D, D)
     p.optimizer.zero_grad()
     unit.fc.bias.data = torch.zeros(4096)  # between steps, another shape
@@ -547,9 +557,7 @@ def test_a_caught_refusal_at_a_stage_3_gather_leaves_the_copy_watched():
     next step moved 2.9 times the bound. The gather fingerprints the copy before it refuses."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, K))
-    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
-                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
-                            max_physical_batch_size=4)
+    p = _stage_3_private(model)
     _epoch(p)
     charged = p.privacy_engine.charges
     model[0].bias.data = torch.zeros(D)
@@ -598,21 +606,8 @@ def test_a_write_undone_before_a_stage_3_release_is_refused(how):
     the rest of the forward read the batch's value (a second review: 6.5 times the bound, at stage
     0 refused by the version counters). The gather notes the version counters with the
     fingerprint, and a move refuses the step."""
-    torch.manual_seed(0)
-    unit = _WriteAndRestore(how)
-    model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), unit, nn.Tanh(), nn.Linear(D, K))
-    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
-                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
-                            max_physical_batch_size=4)
-    _epoch(p)
-    charged, before = p.privacy_engine.charges, p.privacy_engine.parameters()
-    unit.armed = True
-    with pytest.raises(PrivacyViolation, match=r"'2.fc.bias'.* was written while ZeRO stage 3 "
-                                               r"had it gathered"):
-        _epoch(p)
-    assert not unit.armed and p.privacy_engine.charges == charged
-    after = p.privacy_engine.parameters()
-    assert all(torch.equal(before[n], after[n]) for n in before)
+    _refused_once_armed(_WriteAndRestore(how), PrivacyViolation,
+                        r"'2.fc.bias'.* was written while ZeRO stage 3 had it gathered")
 
 
 def test_a_stage_3_unit_s_memory_cannot_be_resized():
@@ -620,9 +615,7 @@ def test_a_stage_3_unit_s_memory_cannot_be_resized():
     second review: a write from the batch then went unrefused, 6.5 times the bound)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, K))
-    p = dpzero.make_private(model, dataset=_data(), sample_rate=0.5, noise_multiplier=0.0,
-                            allow_no_noise=True, max_grad_norm=1.0, seed=0, zero_stage=3,
-                            max_physical_batch_size=4)
+    p = _stage_3_private(model)
     resized = []
 
     def resize(module, inputs):
