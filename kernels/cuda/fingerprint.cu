@@ -8,8 +8,7 @@
 // adds its sum into the tensor's output with one 64-bit atomicAdd. Every addition is modulo 2^64,
 // which is associative and commutative, so the atomics' order cannot change the result: the CPU's
 // bits. The words are read once, and each costs two 64-bit multiplies (a few 32-bit multiply-adds
-// each), so the kernel runs near the copy rate; an earlier ATen composition took about fifteen
-// int64 passes and launches per 2^20 words of each tensor.
+// each).
 #include <algorithm>
 #include <cstdint>
 

@@ -58,9 +58,6 @@ at::Tensor current(const torch::nn::Module& owner, const std::string& local, boo
 
 using Key = std::tuple<const torch::nn::Module*, std::string, bool>;
 
-}  // namespace
-
-namespace {
 // t's bits as a flat tensor of integer words of its element size (a 16-byte element's bytes).
 at::Tensor words_of(const at::Tensor& t) {
   const at::Tensor flat = t.detach().contiguous().reshape({-1});

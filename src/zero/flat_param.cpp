@@ -115,9 +115,17 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
           "collective: every rank calls it), or put the modules that read this parameter in one "
           "unit (units=[...])"));
     }
-    free_storage(full_);
-    point_params(false);  // they were views of full_ until now
+    release_full();  // the parameters were views of full_ until now
   }
+}
+
+void FlatParam::release_full() {
+  free_storage(full_);
+  refuse_replaced(point_params(false));
+}
+
+void FlatParam::note_written(const at::Tensor& changed) {
+  gathered_written_ = gathered_written_.defined() ? gathered_written_.logical_or(changed) : changed;
 }
 
 std::vector<std::string> FlatParam::point_params(bool gathered) {
@@ -143,10 +151,7 @@ void FlatParam::refuse_replaced(const std::vector<std::string>& replaced) {
   // Under the watch the open logical batch's step is refused too (Note [writes to a gathered
   // unit]): whatever read the replacement before now may have carried the batch, and a caller who
   // catches the error below must not find the step taken.
-  if (fingerprint_) {
-    const at::Tensor yes = at::ones({}, full_.options().dtype(at::kBool));
-    gathered_written_ = gathered_written_.defined() ? gathered_written_.logical_or(yes) : yes;
-  }
+  if (fingerprint_) note_written(at::ones({}, full_.options().dtype(at::kBool)));
   TORCH_CHECK(false, "parameter", replaced.size() > 1 ? "s " : " ", c10::Join(", ", replaced),
               replaced.size() > 1 ? " were" : " was",
               " given other memory (.data replaced) while ZeRO stage 3 held its unit: stage 3 keeps "
@@ -219,16 +224,12 @@ void FlatParam::note_gathered() {
 void FlatParam::check_gathered() {
   if (!gathered_fingerprint_.defined()) return;
   at::NoGradGuard no_grad;
-  at::Tensor changed;
   bool moved = false;  // a version counter: an in-place write, even one undone since
   for (size_t i = 0; i < params_.size(); ++i)
     moved = moved || params_[i]._version() != gathered_versions_[i];
-  if (moved || !unsharded()) {  // or full_'s memory no longer the gathered copy's: nothing to compare
-    changed = at::ones({}, full_.options().dtype(at::kBool));
-  } else {
-    changed = fingerprint_(full_).ne(gathered_fingerprint_);
-  }
-  gathered_written_ = gathered_written_.defined() ? gathered_written_.logical_or(changed) : changed;
+  // Or full_'s memory is no longer the gathered copy's: nothing to compare.
+  note_written(moved || !unsharded() ? at::ones({}, full_.options().dtype(at::kBool))
+                                     : fingerprint_(full_).ne(gathered_fingerprint_));
   gathered_fingerprint_ = at::Tensor();
 }
 
@@ -279,8 +280,9 @@ void FlatParam::unshard_async(const comm::Collectives& comm) {
   if (pending_ || unsharded()) return;
   // Note [gathers land apart]: into memory of its own, which full_ adopts when the gather is
   // waited for.
-  incoming_ = at::empty({layout_.padded_numel()}, full_.options());
-  pending_ = comm.all_gather_async(incoming_, gather_source());
+  at::Tensor incoming = at::empty({layout_.padded_numel()}, full_.options());
+  pending_ = comm.all_gather_async(incoming, gather_source());
+  incoming_ = incoming;  // only once the gather is issued: a failed one leaves nothing to adopt
   // One rank gathers by a copy, done when the call returns, with no work to wait for: its gather
   // completes here, or no wait would ever point the parameters back or fingerprint the copy.
   if (!pending_) {
@@ -301,8 +303,7 @@ void FlatParam::reshard() {
   wait_gather();  // the gather writes into full_: let it finish before freeing the memory
   if (!options_.shard_params) return;
   check_gathered();  // Note [writes to a gathered unit]
-  free_storage(full_);
-  refuse_replaced(point_params(false));
+  release_full();
 }
 
 void FlatParam::publish_master(const comm::Collectives& comm) {
@@ -316,8 +317,7 @@ void FlatParam::publish_master(const comm::Collectives& comm) {
     (options_.master_full ? full_ : shard_).copy_(master_);
   }
   if (options_.shard_params) {
-    free_storage(full_);  // any gathered copy is stale now
-    refuse_replaced(point_params(false));
+    release_full();  // any gathered copy is stale now
   } else if (!options_.master_full && comm.world_size() > 1) {
     at::Tensor mine = shard_.clone();  // all_gather's input may not overlap its output
     comm.all_gather(full_, mine);

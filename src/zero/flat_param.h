@@ -281,6 +281,11 @@ class FlatParam {
   // Throws naming `replaced` (point_params's) unless it is empty; under the watch the step is
   // refused too (the gathered-written flag).
   void refuse_replaced(const std::vector<std::string>& replaced);
+  // Frees full_'s memory and points the parameters at their refusing storages (refusing any
+  // replaced since).
+  void release_full();
+  // Note [writes to a gathered unit]: ORs `changed` (a 0-dim bool on the device) into the flag.
+  void note_written(const at::Tensor& changed);
   // Note [writes to a gathered unit]: each parameter's version counter when the copy was noted.
   std::vector<int64_t> gathered_versions_;
   // One per parameter, naming it: the storage it has while the unit is resharded (stage 3).

@@ -90,23 +90,23 @@ def fingerprint(t: torch.Tensor, key: int) -> torch.Tensor:
         return _C.dp.state_fingerprint(t.detach(), key)
 
 
-def _by_device(ts: Sequence[torch.Tensor]) -> Dict[torch.device, List[int]]:
-    """The positions of ``ts`` on each device, in order."""
-    out: Dict[torch.device, List[int]] = {}
+def _per_device(ts: Sequence[torch.Tensor], key: int):
+    """(positions, their fingerprints as one int64 tensor) for the tensors of ``ts`` on each
+    device, in order: one op call per device (a GPU launches once per 96 tensors)."""
+    positions: Dict[torch.device, List[int]] = {}
     for i, t in enumerate(ts):
-        out.setdefault(t.device, []).append(i)
-    return out
+        positions.setdefault(t.device, []).append(i)
+    with torch._C.DisableTorchFunctionSubclass():
+        for where in positions.values():
+            yield where, _C.dp.state_fingerprints([ts[i].detach() for i in where], key)
 
 
 def fingerprints(ts: Sequence[torch.Tensor], key: int) -> List[torch.Tensor]:
-    """``fingerprint`` of each of ``ts`` (0-dim int64 views), one op call per device: a GPU
-    launches once per 96 tensors, whatever their number and sizes."""
+    """``fingerprint`` of each of ``ts`` (0-dim int64 views), one op call per device."""
     out: List[torch.Tensor] = [torch.empty(0)] * len(ts)
-    with torch._C.DisableTorchFunctionSubclass():
-        for positions in _by_device(ts).values():
-            now = _C.dp.state_fingerprints([ts[i].detach() for i in positions], key)
-            for i, f in zip(positions, now.unbind()):
-                out[i] = f
+    for where, now in _per_device(ts, key):
+        for i, f in zip(where, now.unbind()):
+            out[i] = f
     return out
 
 
@@ -116,12 +116,10 @@ def moved(ts: Sequence[torch.Tensor], recorded: Sequence[torch.Tensor],
     ``recorded`` (its own, on the same device); one fingerprint call and one comparison per
     device, no host read."""
     out: List[torch.Tensor] = [torch.empty(0)] * len(ts)
-    with torch._C.DisableTorchFunctionSubclass():
-        for positions in _by_device(ts).values():
-            now = _C.dp.state_fingerprints([ts[i].detach() for i in positions], key)
-            changed = now != torch.stack([recorded[i] for i in positions])
-            for i, f in zip(positions, changed.unbind()):
-                out[i] = f
+    for where, now in _per_device(ts, key):
+        changed = now != torch.stack([recorded[i] for i in where])
+        for i, f in zip(where, changed.unbind()):
+            out[i] = f
     return out
 
 
