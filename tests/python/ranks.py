@@ -73,8 +73,9 @@ def spawn(fn: Callable, world_size: int, tmp_path, *args, timeout_s: float = 300
 def torchrun(script_and_args: Sequence[str], nproc: int, *, env: Optional[dict] = None,
              timeout: float = 300.0, cwd=None) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --standalone --nproc-per-node=nproc`` on a script, with
-    one intra-op thread per rank; the completed process (stdout and stderr captured as text)."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    one intra-op thread per rank unless ``env`` says otherwise; the completed process (stdout and
+    stderr captured as text)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={nproc}", *map(str, script_and_args)],
                           env=full_env, capture_output=True, text=True, timeout=timeout, cwd=cwd)

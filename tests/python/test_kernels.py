@@ -21,6 +21,7 @@ factor * exact norm <= C.
 import contextlib
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1623,3 +1624,57 @@ def test_row_and_ghost_ops_give_exact_zeros_for_samples_without_rows():
     q, s = torch.ops.dpzero._embedding_rows(torch.full((3, 6), 2, dtype=torch.long),
                                             torch.randn(3, 6, 4), 10, 2)
     assert torch.equal(q, zeros) and torch.equal(s, zeros)
+
+
+@contextlib.contextmanager
+def intra_op_threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_kernels_give_the_same_values_at_every_thread_count():
+    # Every CPU kernel with an at::parallel_for splits its work by the intra-op thread count; what
+    # it returns must not depend on that split: the noise a rank adds is a function of (seed or
+    # key, step, offset) alone (design.md §3 "Noise"), and the checks' fingerprints and the clipped
+    # sums are compared across runs and ranks. pytest runs with one thread per worker
+    # (scripts/test.sh), so this test sets 1, 2 and 3 threads itself, on inputs long enough for
+    # every thread to get a chunk, and checks each against the independent reference too.
+    from philox_reference import noise, secure_noise
+
+    key = [0xDEADBEEF, 1, 2, 3, 4, 5, 6, 0xFFFFFFFF]
+    A, G = rand((24, 16, 40), torch.float32, "cpu", 41), rand((24, 16, 24), torch.float32, "cpu", 42)
+    scale = random_scale(24, "cpu", 43)
+    words = [rand((n,), torch.float32, "cpu", 44 + n).view(torch.int32) for n in (5, 70000, 4096)]
+    got = {}
+    for threads in (1, 2, 3):
+        with intra_op_threads(threads):
+            x = torch.zeros(1 << 16)
+            ops.add_noise_(x, 1.0, 12345, 11, 0)
+            y = torch.zeros(1 << 14, dtype=torch.float64)
+            ops.add_secure_noise_(y, 1.0, key, 42, 0)
+            products = ops._add_sample_products_(torch.zeros(40, 24), A, G, scale)
+            got[threads] = dict(
+                noise=x, secure=y, products=products,
+                ghost=ops._ghost_sq_norms(A, G)[0], rows=ops._row_sums(G)[0],
+                scaled=ops._scale_rows(G, scale, True),
+                fingerprint=ops._state_fingerprint(words, 7))
+    for threads in (2, 3):
+        for name, value in got[threads].items():
+            assert torch.equal(value, got[1][name]), (name, threads)
+    # The last chunk of each noise tensor against the independent generators.
+    mine = got[3]
+    np.testing.assert_allclose(mine["noise"][-9:].numpy(), noise(12345, 11, (1 << 16) - 9, 9),
+                               rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(mine["secure"][-5:].numpy(),
+                               secure_noise(key, 42, (1 << 14) - 5, 5), rtol=1e-13, atol=1e-13)
+    a64, g64 = f64(A), f64(G)
+    per_sample = torch.einsum("bti,bto->bio", a64, g64)
+    assert_close(mine["products"], weighted_sum(per_sample, scale), torch.float32)
+    # The raw ghost value (before certification, which the certified tests cover).
+    torch.testing.assert_close(mine["ghost"], per_sample.flatten(1).square().sum(1), rtol=1e-12,
+                               atol=0)
+    torch.testing.assert_close(mine["rows"], g64.sum(1), rtol=1e-12, atol=1e-12)
