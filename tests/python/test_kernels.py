@@ -1649,6 +1649,11 @@ def test_cpu_kernels_give_the_same_values_at_every_thread_count():
     A, G = rand((24, 16, 40), torch.float32, "cpu", 41), rand((24, 16, 24), torch.float32, "cpu", 42)
     scale = random_scale(24, "cpu", 43)
     words = [rand((n,), torch.float32, "cpu", 44 + n).view(torch.int32) for n in (5, 70000, 4096)]
+    # A Gram-strip shape (T past Note [small ghost]'s rows), a rank-one one (T = 1, B past the
+    # kernel's grain) and an embedding's ids with padding.
+    A2, G2 = rand((6, 64, 48), torch.float32, "cpu", 45), rand((6, 64, 40), torch.float32, "cpu", 46)
+    A1, G1 = rand((2048, 1, 64), torch.float32, "cpu", 47), rand((2048, 1, 8), torch.float32, "cpu", 48)
+    ids = torch.randint(0, 5, (24, 16), generator=torch.Generator().manual_seed(49))
     got = {}
     for threads in (1, 2, 3):
         with intra_op_threads(threads):
@@ -1660,6 +1665,9 @@ def test_cpu_kernels_give_the_same_values_at_every_thread_count():
             got[threads] = dict(
                 noise=x, secure=y, products=products,
                 ghost=ops._ghost_sq_norms(A, G)[0], rows=ops._row_sums(G)[0],
+                strips=ops._ghost_sq_norms(A2, G2)[0], rank_one=ops._ghost_sq_norms(A1, G1)[0],
+                tokens=ops._token_ghost_sq_norms(ids, G, 0)[0],
+                norm_rows=ops._norm_row_sums(A, A, 1e-5, False)[0],
                 scaled=ops._scale_rows(G, scale, True),
                 fingerprint=ops._state_fingerprint(words, 7))
     for threads in (2, 3):
@@ -1678,3 +1686,6 @@ def test_cpu_kernels_give_the_same_values_at_every_thread_count():
     torch.testing.assert_close(mine["ghost"], per_sample.flatten(1).square().sum(1), rtol=1e-12,
                                atol=0)
     torch.testing.assert_close(mine["rows"], g64.sum(1), rtol=1e-12, atol=1e-12)
+    for name, (a, g) in dict(strips=(A2, G2), rank_one=(A1, G1)).items():
+        exact = torch.einsum("bti,bto->bio", f64(a), f64(g)).flatten(1).square().sum(1)
+        torch.testing.assert_close(mine[name], exact, rtol=1e-12, atol=0)
