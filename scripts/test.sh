@@ -19,11 +19,8 @@ echo "[test] ctest (GoogleTest)"
 ctest --test-dir build --output-on-failure -j "$jobs" 2>&1 | tee build/ctest.log
 ctest_rc=${PIPESTATUS[0]}
 
-# pytest runs in one worker process per core (pytest-xdist), each with one intra-op thread: most
-# of the time goes to tests that start ranks or jobs as processes and wait on them, which left a
-# core idle, and two workers of torch's default two threads each lost more to oversubscription
-# than they gained. The CPU kernels' threaded paths are pinned by ctest's GoogleTests (default
-# threads) and by test_kernels.py's thread-count test, which sets its own.
+# One pytest-xdist worker per core, one intra-op thread each (docs/architecture.md, "Workers and
+# threads"; measured in experiments/results/build.md).
 echo "[test] pytest ($jobs workers)"
 OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/python -q -ra --durations=40 -n "$jobs" \
   --dist worksteal "${select[@]}" 2>&1 | tee build/pytest.log
