@@ -34,8 +34,8 @@
 // read the replacement, and the next gather would have pointed it into the wrong part of full_)
 // is pointed back like the others and then refused, naming it: in a private run a replacement
 // computed from the batch would reach the other examples' outputs outside the clipping, and the
-// fingerprints of Note [writes to a gathered unit] read full_, not the replacement (a privacy
-// review moved a step 6.5 times the bound that way). The views autograd saved in forward
+// fingerprints of Note [writes to a gathered unit] read full_, not the replacement (unrefused,
+// such a replacement moves a step several times the bound). The views autograd saved in forward
 // (W.t() for addmm) were made from full_'s storage while the unit was gathered, keep it, and are
 // freed and refilled with it as before; a parameter autograd saved itself (a leaf is saved as the
 // same TensorImpl) is read in the unit's backward, after its backward gather re-pointed it.
@@ -44,15 +44,14 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
 // A prefetch (unshard_async) all-gathers into memory of its own, not into full_'s storage, and
 // full_'s storage adopts that memory only when the gather is waited for, when the gathered copy is
-// also fingerprinted (Note [writes to a gathered unit]). Gathering into full_ itself made full_'s
-// memory live from the issue to the wait: a write through a view of full_ kept from an earlier
-// gather (a tensor a module stored in an earlier forward), made once the gather had landed and
-// before the wait, became part of the fingerprinted baseline and was never refused (a privacy
-// review moved a step 1.35 times the bound that way on two ranks). Now such a view writes into
-// freed memory until the wait, as at any time the unit is resharded. Views of full_ reach no
-// parameter of the user's (Note [reading a resharded parameter] gives each its own storage while
-// resharded); a view a module kept itself has no memory there, and reading or writing it is the
-// null-pointer access torch does not check.
+// also fingerprinted (Note [writes to a gathered unit]). Gathering into full_ itself would make
+// full_'s memory live from the issue to the wait: a write through a view of full_ kept from an
+// earlier gather (a tensor a module stored in an earlier forward), made once the gather had landed
+// and before the wait, would become part of the fingerprinted baseline and never be refused, moving
+// a step past the bound. Gathering apart, such a view writes into freed memory until the wait, as
+// at any time the unit is resharded. Views of full_ reach no parameter of the user's (Note [reading
+// a resharded parameter] gives each its own storage while resharded); a view a module kept itself
+// has no memory there, and reading or writing it is the null-pointer access torch does not check.
 //
 // Note [master weights]
 // ~~~~~~~~~~~~~~~~~~~~~
@@ -97,19 +96,19 @@
 // not outlive the release, but until then every later read of the parameters in the same
 // micro-batch, the other examples' included, sees it: one example's data reaching the others'
 // gradients outside the clipping. At stages 0–2 such a write persists and the private front
-// door's fingerprints of the trained memories see it at the next check; at stage 3 there is
-// nothing to see by then. So, when watched (watch_gathered, with the front door's fingerprint),
-// each gathered copy is fingerprinted on its device when its gather completes and again just
-// before its release, and a difference is OR-ed into a device flag (no host read) that the front
-// door takes with the step's own read (take_gathered_written). Every release goes through
-// reshard() (publish_master calls it first), so no gathered copy is freed unchecked. Bytes alone
-// miss a write that a later one undoes before the release (a batch value put in, the layer run,
-// the old value put back: a second review moved a step 6.5 times the bound that way), so the
-// parameters' version counters are noted with the fingerprint and any move counts as a write (the
-// gathers' own pointing moves none; a write through .data moves none either, and stays the
-// fingerprint's to see). full_'s storage cannot be resized (only this class gives it memory or
-// takes it away): a resize through a view left the copy with nothing to compare, and a copy whose
-// memory is not the gathered size at its release counts as written.
+// door's fingerprints of the trained memories see it at the next check; at stage 3 there is nothing
+// to see by then. So, when watched (watch_gathered, with the front door's fingerprint), each
+// gathered copy is fingerprinted on its device when its gather completes and again just before its
+// release, and a difference is OR-ed into a device flag (no host read) that the front door takes
+// with the step's own read (take_gathered_written). Every release goes through reshard()
+// (publish_master calls it first), so no gathered copy is freed unchecked. Bytes alone miss a write
+// that a later one undoes before the release (a batch value put in, the layer run, the old value
+// put back moves a step several times the bound), so the parameters' version counters are noted
+// with the fingerprint and any move counts as a write (the gathers' own pointing moves none; a
+// write through .data moves none either, and stays the fingerprint's to see). full_'s storage
+// cannot be resized (only this class gives it memory or takes it away): a resize through a view
+// would leave the copy with nothing to compare, and a copy whose memory is not the gathered size at
+// its release counts as written.
 #pragma once
 
 #include <cstdint>
