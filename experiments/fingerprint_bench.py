@@ -1,9 +1,10 @@
-"""The state fingerprint's rate (Note [state written from data]): dpzero::_state_fingerprint over
-a tensor's words against ATen reading the same tensor once (``sum``) and copying it (``clone``), in
-one run on the same device (the CPU always; CUDA when present and built). The private step
-fingerprints every trained word about three times a step (before a logical batch's first
-micro-batch, at the step, after the update), so this rate against the step's own reads of the
-weights is its share of a step.
+"""The state fingerprint's rate (Note [state written from data]): ``state_fingerprints`` as the
+guards call it (dpzero::_state_fingerprint over the words of Note [fingerprint words] in
+src/dp/state_guard.h) against ATen reading the same tensor once (``sum``) and copying it
+(``clone``), in one run on the same device (the CPU always; CUDA when present and built). The
+private step fingerprints every trained word about three times a step (before a logical batch's
+first micro-batch, at the step, after the update), so this rate against the step's own reads of
+the weights is its share of a step.
 
 Usage: .venv/bin/python experiments/fingerprint_bench.py [--sizes 1e6,1e7] [--repeats 9]
         [--out experiments/results/fingerprint.md]
@@ -25,7 +26,7 @@ import dpzero
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import dpzero_version, median_seconds  # noqa: E402
 
-WORDS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+DTYPES = (torch.float32, torch.bfloat16)
 MANY, MANY_WORDS = 150, 4096
 
 
@@ -49,28 +50,26 @@ def main() -> None:
              "|---|---|---|---|---|---|---|"]
     for device in devices:
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        for dtype, word in WORDS.items():
+        for dtype in DTYPES:
             for n in (int(float(s)) for s in args.sizes.split(",")):
                 x = torch.randn(n, device=device).to(dtype)
-                words = x.view(word)
                 gb = x.numel() * x.element_size() / 1e9
-                f = median_seconds(lambda: torch.ops.dpzero._state_fingerprint([words], key),
+                f = median_seconds(lambda: dpzero._C.dp.state_fingerprints([x], key),
                                    args.repeats, sync)
                 s = median_seconds(lambda: x.sum(), args.repeats, sync)
                 c = median_seconds(lambda: x.clone(), args.repeats, sync)
                 lines.append(f"| {device} | {str(dtype).split('.')[1]} | {n:.0e} | {gb / f:.1f} | "
                              f"{gb / s:.1f} | {gb / c:.1f} | {f / s:.2f} |")
-    lines += ["", f"Many small tensors ({MANY} of {MANY_WORDS} float32 words, a model's frozen "
+    lines += ["", f"Many small tensors ({MANY} of {MANY_WORDS} float32 elements, a model's frozen "
               "parameters or units), one call for the list against one call per tensor:", "",
               "| device | one call (ms) | a call each (ms) | a call each / one call |",
               "|---|---|---|---|"]
     for device in devices:
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        words = [torch.randn(MANY_WORDS, device=device).view(torch.int32) for _ in range(MANY)]
-        one = median_seconds(lambda: torch.ops.dpzero._state_fingerprint(words, key),
-                             args.repeats, sync)
-        each = median_seconds(lambda: [torch.ops.dpzero._state_fingerprint([w], key)
-                                       for w in words], args.repeats, sync)
+        ts = [torch.randn(MANY_WORDS, device=device) for _ in range(MANY)]
+        one = median_seconds(lambda: dpzero._C.dp.state_fingerprints(ts, key), args.repeats, sync)
+        each = median_seconds(lambda: [dpzero._C.dp.state_fingerprints([t], key) for t in ts],
+                              args.repeats, sync)
         lines.append(f"| {device} | {one * 1e3:.3f} | {each * 1e3:.3f} | {each / one:.1f} |")
     text = "\n".join(lines) + "\n"
     print(text)

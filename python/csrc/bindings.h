@@ -13,6 +13,7 @@ void bind_comm(pybind11::module_ m);        // comm_bindings.cpp
 void bind_dp(pybind11::module_ m);          // dp_bindings.cpp
 void bind_shard(pybind11::module_ m);       // shard_bindings.cpp
 void bind_memory(pybind11::module_ m);      // memory_bindings.cpp
+void bind_module_tree(pybind11::module_ m); // module_tree_bindings.cpp
 void bind_privacy(pybind11::module_ m);     // privacy_bindings.cpp
 void bind_zero(pybind11::module_ m);        // zero_bindings.cpp
 

@@ -21,4 +21,6 @@ PYBIND11_MODULE(_C, m) {
       m.def_submodule("checkpoint", "Sharded checkpoints of the ZeRO state"));
   dpzero::python::bind_comm(m.def_submodule("comm", "Agreements across ranks (int64 collectives)"));
   dpzero::python::bind_dp(m.def_submodule("dp", "The private step's C++ core (src/dp)"));
+  dpzero::python::bind_module_tree(
+      m.def_submodule("tree", "A model's module tree and tensors read in one pass (the step's checks)"));
 }

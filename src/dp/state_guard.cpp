@@ -2,6 +2,7 @@
 #include "src/dp/state_guard.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <map>
 #include <stdexcept>
 #include <tuple>
@@ -58,10 +59,20 @@ at::Tensor current(const torch::nn::Module& owner, const std::string& local, boo
 
 using Key = std::tuple<const torch::nn::Module*, std::string, bool>;
 
-// t's bits as a flat tensor of integer words of its element size (a 16-byte element's bytes).
+// t's bits as a flat tensor of integer words (Note [fingerprint words] in state_guard.h): 8-byte
+// words when its byte count is a multiple of 8, else words of its element size (a 16-byte
+// element's bytes). One view of t where it is flat already (a memory of memory_of), as the guards'
+// tensors are: the views cost more than the words of a small tensor.
 at::Tensor words_of(const at::Tensor& t) {
-  const at::Tensor flat = t.detach().contiguous().reshape({-1});
-  switch (flat.element_size()) {
+  const at::Tensor flat = t.dim() == 1 && t.is_contiguous() ? t : t.contiguous().reshape({-1});
+  const int64_t size = static_cast<int64_t>(flat.element_size());
+  const int64_t nbytes = flat.numel() * size;
+  if (nbytes > 0 && nbytes % 8 == 0) {
+    const bool aligned = flat.storage_offset() * size % 8 == 0 &&
+                         reinterpret_cast<std::uintptr_t>(flat.const_data_ptr()) % 8 == 0;
+    return aligned ? flat.view(at::kLong) : bytes_of(flat).clone().view(at::kLong);
+  }
+  switch (size) {
     case 1: return flat.view(at::kByte);
     case 2: return flat.view(at::kShort);
     case 4: return flat.view(at::kInt);

@@ -37,17 +37,26 @@
 
 namespace dpzero::dp {
 
-// A 0-dim int64 on t's device: sum mod 2^64 over t's words w_j (its elements' bits as integers
-// of its element size, sign-extended; a 16-byte element's bytes) of mix(w_j XOR (j + key)·g),
-// with g splitmix64's golden-ratio increment and mix its finaliser (a bijection of 64-bit words
-// whose xor-shifts and multiplications leave no linear relation among outputs; the one definition
-// is kernels/fingerprint_words.h). A changed word moves its term to a value that, without the key,
-// is unpredictable, so several changes cancel only by chance, about 2^-64 (an earlier linear sum,
-// w_j·m_j, cancelled whenever the top bits of two words flipped: a review's negated float64
-// entries). A check against accidents and forwards, not a cryptographic hash. Equal bytes give
-// equal fingerprints (integer arithmetic, any order). One pass over the words, by the op
-// dpzero::_state_fingerprint: multi-threaded on the host, one launch on a GPU (no copy of the
-// whole tensor beyond a contiguous one).
+// A 0-dim int64 on t's device: sum mod 2^64 over t's words w_j (Note [fingerprint words]) of
+// mix(w_j XOR (j + key)·g), with g splitmix64's golden-ratio increment and mix its finaliser (a
+// bijection of 64-bit words whose xor-shifts and multiplications leave no linear relation among
+// outputs; the one definition is kernels/fingerprint_words.h). A changed word moves its term to a
+// value that, without the key, is unpredictable, so several changes cancel only by chance, about
+// 2^-64 (an earlier linear sum, w_j·m_j, cancelled whenever the top bits of two words flipped: a
+// review's negated float64 entries). A check against accidents and forwards, not a cryptographic
+// hash. Equal bytes give equal fingerprints (integer arithmetic, any order). One pass over the
+// words, by the op dpzero::_state_fingerprint: multi-threaded on the host, one launch on a GPU (no
+// copy of the whole tensor beyond a contiguous one).
+//
+// Note [fingerprint words]
+// The words are t's contiguous bytes read as little-endian 8-byte integers when their count is a
+// multiple of 8 (a view whose bytes do not start 8-byte aligned is copied first; every whole
+// storage torch allocates is aligned), else as integers of t's element size, sign-extended (bytes
+// zero-extended; a 16-byte element as its bytes). The cost is per word (two 64-bit multiplies,
+// whatever the word's width), so 8-byte words make a float32 memory's pass half as long and a
+// bfloat16 one's a quarter. Nothing is lost: a changed byte changes its word, and a changed word
+// its term; and the words depend on the bytes and their count only, so equal bytes still give
+// equal fingerprints.
 at::Tensor state_fingerprint(const at::Tensor& t, int64_t key);
 // [L] int64 on their device: state_fingerprint of each of `ts` (L >= 1 tensors on one device) in
 // one op call (on a GPU one launch per 96 tensors).

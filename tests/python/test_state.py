@@ -11,6 +11,8 @@ that changed.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,6 +120,59 @@ def test_the_step_names_the_module_and_the_tensor():
         _train(model, 1)
 
 
+class Restructured(Ema):
+    """An Ema whose forward, from call ``start`` on, changes which tensors the module holds:
+    "replace" (``self.run = batch mean``: another tensor under the buffer's name), "register"
+    (a new buffer holding the batch mean), "delete" (a buffer removed), "frozen" (a new frozen
+    parameter holding the batch mean)."""
+
+    def forward(self, x):
+        if self.calls >= self.start:
+            m = x.detach().mean(0)
+            if self.how == "replace":
+                self.run = m
+            elif self.how == "register" and "seen" not in self._buffers:
+                self.register_buffer("seen", m)
+            elif self.how == "delete" and "var" in self._buffers:
+                del self.var
+            elif self.how == "frozen" and "extra" not in self._parameters:
+                self.extra = nn.Parameter(m, requires_grad=False)
+        self.calls += 1
+        return self.fc(x + self.frozen)
+
+
+@pytest.mark.parametrize("how,text", [
+    ("replace", r"buffer 'run' of module '<model>' \(Restructured\) was replaced by another "
+                r"tensor"),
+    ("register", r"buffer 'seen' of a Restructured was registered after make_private"),
+    ("delete", r"buffer 'var' of module '<model>' \(Restructured\) was removed"),
+    ("frozen", r"frozen parameter 'extra' of a Restructured was added after make_private")])
+def test_state_added_removed_or_replaced_after_some_steps_refuses_the_step(how, text):
+    """Note [state written from data]: the tensors the model holds, not only their values. The
+    changes come after two steps (five forward calls, the probe's among them), so the checks read
+    the module tree through its snapshot by then (Note [module tree snapshots] in
+    python/csrc/module_tree_bindings.cpp) and must see it change."""
+    model = Restructured(how, start=7)
+    with pytest.raises(PrivacyViolation, match=text):
+        _train(model, 4)
+    assert model.calls >= 7
+
+
+def test_a_buffer_replaced_between_steps_and_put_back_before_the_step_refuses_it():
+    """Replaced after a step, read by the next logical batch's forwards, and put back before its
+    step: the hand-out of its first micro-batch saw the other tensor (a change between steps)."""
+    model = Ema()
+    p = _train(model, 2)
+    original = model._buffers["run"]
+    model.run = torch.full((D,), 3.0)  # as if from the training rows, between steps
+    with pytest.raises(PrivacyViolation, match=r"buffer 'run' .* was replaced by another tensor"):
+        for x, y in p.data_loader:
+            F.cross_entropy(p.model(x), y).backward()
+            model._buffers["run"] = original  # the step sees the original object
+            if p.optimizer.step():
+                break
+
+
 def test_a_model_that_writes_nothing_trains_and_releases():
     torch.manual_seed(0)
     p = _train(Ema(None), 3)
@@ -185,21 +240,28 @@ def test_the_fingerprint_sees_every_change_of_a_word():
     from dpzero.private.state_guard import fingerprint
 
     g = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.uint8, torch.int64):
-        t = (torch.randn(37, 5, generator=g) * 50).to(dtype)
+    # 37 x 5 elements: words of the element size; 8 x 5: 8-byte words for every dtype (Note
+    # [fingerprint words] in src/dp/state_guard.h), so two neighbouring elements share a word.
+    for dtype, rows in itertools.product(
+            (torch.float32, torch.bfloat16, torch.float64, torch.uint8, torch.int64), (37, 8)):
+        t = (torch.randn(rows, 5, generator=g) * 50).to(dtype)
         want = fingerprint(t, 12345)
         assert torch.equal(fingerprint(t.clone(), 12345), want)
         assert not torch.equal(fingerprint(t, 54321), want)
         flat = t.reshape(-1)
-        for i in (0, 1, 93, flat.numel() - 1):
+        for i in (0, 1, min(93, flat.numel() - 2), flat.numel() - 1):
             changed = flat.clone()
             bits = changed.view(torch.uint8)
             bits[i * t.element_size()] ^= 1  # the lowest bit of element i
             assert not torch.equal(fingerprint(changed.view(t.shape), 12345), want), (dtype, i)
-        swapped = flat.clone()
-        swapped[[3, 4]] = flat[[4, 3]]
-        if not torch.equal(flat[3], flat[4]):
-            assert not torch.equal(fingerprint(swapped.view(t.shape), 12345), want), dtype
+        for i, j in ((3, 4), (2, 3)):  # across a word boundary and within one
+            swapped = flat.clone()
+            swapped[[i, j]] = flat[[j, i]]
+            if not torch.equal(flat[i], flat[j]):
+                assert not torch.equal(fingerprint(swapped.view(t.shape), 12345), want), dtype
+        shifted = torch.empty(flat.numel() + 1, dtype=dtype)[1:]  # the same bytes, offset
+        shifted.copy_(flat)
+        assert torch.equal(fingerprint(shifted.view(t.shape), 12345), want), dtype
         if t.element_size() == 8:  # two entries negated: a review's collision of a linear sum
             negated = flat.clone()
             negated[[5, 9]] = -flat[[5, 9]] if dtype.is_floating_point else flat[[5, 9]] ^ (-2**63)
@@ -349,6 +411,36 @@ def test_a_trained_parameter_written_in_the_training_loop_is_refused(isolation):
         p.optimizer.step()
     with pytest.raises(PrivacyViolation, match=r"trainable parameter '0.weight'"):
         p.model.state_dict()
+
+
+@pytest.mark.parametrize("when", ["between steps", "in the forward"])
+def test_a_trained_parameter_given_other_memory_is_refused(when):
+    """``param.data = tensor`` at ZeRO stages 0-2: the parameter leaves its unit's buffer, which
+    the optimizer writes, and later forwards read the new tensor; no version counter moves. After
+    two steps, so that the checks read the parameters' storages through their recorded list
+    (Note [trained parameters written outside the step])."""
+    torch.manual_seed(0)
+    model = Ema()
+    p = _train(model, 2)
+    rows = _data().tensors[0]
+    if when == "between steps":
+        model.fc.bias.data = rows[:K, 0].clone()  # from the training rows
+    else:
+        model.how = None
+        original = model.forward
+
+        def forward(x):
+            if model.fc.bias.untyped_storage().data_ptr() == \
+                    model.fc.weight.untyped_storage().data_ptr():
+                model.fc.bias.data = x.detach()[:K, 0].clone()
+            return original(x)
+        model.forward = forward
+    with pytest.raises(PrivacyViolation, match=r"trainable parameter 'fc.bias' was given other "
+                                               r"memory outside the private optimizer"):
+        for x, y in p.data_loader:
+            F.cross_entropy(p.model(x), y).backward()
+            if p.optimizer.step():
+                break
 
 
 class _ActNorm(nn.Module):

@@ -507,8 +507,8 @@ class PrivacyEngine:
         # a gathered unit] in src/zero/flat_param.h).
         gathered = None if sharded.stage < 3 else (
             sharded.zero_state, [[n for n, _, _ in members] for _, members in sharded.unit_members])
-        self._state = StateGuard(model, self._trainable_set.ids, self._trainable_set.modules,
-                                 watch_trained=sharded.stage < 3, gathered=gathered)
+        self._state = StateGuard(model, self._trainable_set, watch_trained=sharded.stage < 3,
+                                 gathered=gathered)
         self.book.restore_state = self._state.restore_buffers
         self.book.watch_state = functools.partial(ProbeWrites, model, self._trainable_set.ids)
         sharded.release_check = self._verify_release

@@ -38,11 +38,13 @@ dpzero holds them fixed:
   change refuses the release, naming the tensor.
 
 The fingerprint reads each frozen word once per micro-batch: on the host in one multi-threaded
-pass, on a device in about ten int64 elementwise passes (chunks of 2^20 words, no copy of the
-whole tensor): memory-bound work of the order of a forward's reads of the same weights (on a GPU
-at device bandwidth, not yet measured). On a CPU with many frozen weights and small micro-batches
+pass, on a device in one launch per 96 tensors, eight bytes a term (Note [fingerprint words] in
+src/dp/state_guard.h): work of the order of a forward's reads of the same weights (on a GPU at
+device bandwidth, not yet measured). On a CPU with many frozen weights and small micro-batches
 (adapters on a frozen base) it costs about a forward's matmuls through them at 128 rows
-(experiments/results/private.md).
+(experiments/results/private.md). The checks of which tensors the model holds read its module
+tree once per check, through a snapshot of it while it is unchanged (Note [module tree
+snapshots] in python/csrc/module_tree_bindings.cpp).
 
 A buffer or frozen parameter added, removed or replaced by another tensor counts as a change. The
 caller's own writes between steps that hold nothing of the training data (a value computed from the
@@ -66,7 +68,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set
+from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -75,6 +77,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import _C
 from .errors import PrivacyViolation
 from .provenance.examples import untag
+from .trainable import TrainableSet
 
 # Bytes of a frozen tensor hashed per host copy (a CUDA tensor is copied in pieces this size).
 _DIGEST_CHUNK = 64 << 20
@@ -224,21 +227,27 @@ def refusal_text(what: str, items: Sequence[str]) -> str:
 
 
 class StateGuard:
-    """Note [state written from data] for ``model``, whose trainable parameters (by id) are
-    ``trainable``. ``modules()`` lists the model's modules now (TrainableSet's cached walk)."""
+    """Note [state written from data] for ``model``, whose trainable parameters are ``tree``'s
+    (a TrainableSet, whose cached listing of the model's modules the checks read)."""
 
-    def __init__(self, model: nn.Module, trainable: Iterable[int],
-                 modules: Callable[[], Sequence[nn.Module]], watch_trained: bool,
+    def __init__(self, model: nn.Module, tree: TrainableSet, watch_trained: bool,
                  gathered: Optional[tuple] = None) -> None:
         self.model = model
-        self.trainable = frozenset(trainable)
-        self._modules = modules
+        self._tree = tree
+        self.trainable = tree.ids
+        self._modules = tree.modules
         self.key = secrets.randbits(62)  # the fingerprints' (Note [state written from data])
         self.entries: List[_Entry] = []
         # Note [trained parameters written outside the step]: (name, parameter, version).
         self.watch_trained = watch_trained
         self._trained: List[tuple] = []
         self._trained_named: Optional[List[tuple]] = None  # (name, parameter), record_trained's
+        # The same parameters' versions (as in _trained) and storages (_C.tree.storages) when
+        # recorded: while both are unchanged no parameter was written in place or given other
+        # memory, and the memories below are still theirs.
+        self._trained_params: List[torch.Tensor] = []
+        self._trained_versions: List[int] = []
+        self._recorded_storages: List[Optional[tuple]] = []
         # Note [trained parameters written outside the step]: per memory the trained parameters
         # live in, (their names, the memory as a flat tensor, its data pointer, its fingerprint).
         self._trained_memories: List[tuple] = []
@@ -252,6 +261,12 @@ class StateGuard:
         self._gathered = gathered
         if gathered is not None:
             _C.dp.watch_gathered(gathered[0], self.key)
+        # Note [module tree snapshots] (python/csrc/module_tree_bindings.cpp): the tree's
+        # snapshot whose dicts _structure() read and found nothing in (None until then, after each
+        # _fix, and while an entry's owner is outside the listing); and the trained parameters
+        # the listing holds under a snapshot, (snapshot, parameters).
+        self._quiet: Optional[_C.tree.Snapshot] = None
+        self._trained_listed: Optional[tuple] = None
         self._fix(None)
         self.record_trained()
 
@@ -276,11 +291,12 @@ class StateGuard:
         """Fixes the model's state as it is now: all of it (``names`` None), or the named
         tensors (the others keep what was fixed before). Changes an earlier micro-batch of the
         open logical batch made still refuse its step."""
-        trained = _trained_storages(self._modules(), self.trainable)
+        trained = self._trained_pointers()
         if self._pending is not None and bool(self._pending.any()):
             self._pending_problems.append("module state changed during an earlier micro-batch "
                                           "of this logical batch")
         self._pending = None
+        self._quiet = None  # the entries change
         walked = self._walk()
         old = {e.key: e for e in self.entries}
         entries, copies, digests = [], {}, {}
@@ -327,8 +343,8 @@ class StateGuard:
     # parameters) is accepted with accept_state_change() (all of the state: an acceptance by name
     # takes only the buffers and frozen parameters it names). A load records a memory anew only if
     # it held its recorded values before the load (clean_trained), so no load accepts a write it did
-    # not make. The fingerprints read every trained word once per micro-batch: on the host one
-    # multi-threaded pass (state_fingerprint), on a device about ten elementwise passes.
+    # not make. The fingerprints read every trained word once per micro-batch and once after each
+    # update: on the host one multi-threaded pass (state_fingerprint), on a device one launch.
     def clean_trained(self) -> Set[int]:
         """Before a load: the memories (data pointers) whose trained parameters still hold what
         was recorded, fingerprint and versions unmoved (one host read; loads are rare)."""
@@ -355,6 +371,7 @@ class StateGuard:
                            for n in names}
                 self._trained = [(n, p, p._version if n in renewed else v)
                                  for n, p, v in self._trained]
+                self._trained_versions = [v for _, _, v in self._trained]
                 self._trained_memories = [
                     (names, memory, ptr, fingerprint(memory, self.key) if ptr in clean else f)
                     for names, memory, ptr, f in self._trained_memories]
@@ -362,18 +379,29 @@ class StateGuard:
         if self._trained_named is None:
             self._trained_named = [(n, p) for n, p in self.model.named_parameters()
                                    if id(p) in self.trainable]
-        self._trained = [(n, p, p._version) for n, p in self._trained_named]
-        memories: Dict[int, tuple] = {}  # storage data pointer -> (names, memory)
-        with torch._C.DisableTorchFunctionSubclass():
-            for n, p in self._trained_named:
-                ptr = p.untyped_storage().data_ptr()
-                if ptr not in memories:
-                    memories[ptr] = ([], _memory(p))
-                memories[ptr][0].append(n)
-        now = fingerprints([memory for _, memory in memories.values()], self.key) \
-            if memories else []
-        self._trained_memories = [(names, memory, ptr, f) for (ptr, (names, memory)), f
-                                  in zip(memories.items(), now)]
+            self._trained_params = [p for _, p in self._trained_named]
+            self._recorded_storages = []
+        versions = _C.tree.versions(self._trained_params)
+        self._trained = [(n, p, v) for (n, p), v in zip(self._trained_named, versions)]
+        self._trained_versions = versions
+        storages = _C.tree.storages(self._trained_params)
+        if storages != self._recorded_storages or None in storages:
+            # Memory given to a parameter, or resized, since the last record: the memories afresh
+            # (else each memory tensor still views its parameters' storage, which it keeps alive).
+            memories: Dict[int, tuple] = {}  # storage data pointer -> (names, memory)
+            with torch._C.DisableTorchFunctionSubclass():
+                for n, p in self._trained_named:
+                    ptr = p.untyped_storage().data_ptr()
+                    if ptr not in memories:
+                        memories[ptr] = ([], _memory(p))
+                    memories[ptr][0].append(n)
+            self._trained_memories = [(names, memory, ptr, None)
+                                      for ptr, (names, memory) in memories.items()]
+            self._recorded_storages = storages
+        now = fingerprints([memory for _, memory, _, _ in self._trained_memories], self.key) \
+            if self._trained_memories else []
+        self._trained_memories = [(names, memory, ptr, f) for (names, memory, ptr, _), f
+                                  in zip(self._trained_memories, now)]
 
     @staticmethod
     def _written_text(name: str) -> str:
@@ -382,6 +410,10 @@ class StateGuard:
                 "trained table, or through .data, such as an initialisation from the batch)")
 
     def _written_trained(self) -> List[str]:
+        if not self._trained or (
+                _C.tree.versions(self._trained_params) == self._trained_versions and
+                _C.tree.storages(self._trained_params) == self._recorded_storages):
+            return []  # no version moved and every parameter has its recorded storage
         known = {ptr for _, _, ptr, _ in self._trained_memories}
         with torch._C.DisableTorchFunctionSubclass():
             return ([self._written_text(n) for n, p, v in self._trained if p._version != v] +
@@ -462,6 +494,32 @@ class StateGuard:
 
     def _structure(self) -> List[str]:
         """State added, removed or replaced since it was fixed (names)."""
+        modules = self._modules()
+        since = self._tree.unchanged_since()
+        if since is not None and since is self._quiet:
+            return []  # every dict read below holds what it held when nothing had changed
+        problems = self._structure_walk(modules)
+        if not problems and since is not None:
+            listed = {id(m) for m in modules}
+            if all(id(e.owner) in listed for e in self.entries):  # the snapshot holds theirs
+                self._quiet = since
+        return problems
+
+    def _trained_pointers(self) -> Set[int]:
+        """_trained_storages of the listing now: the trained parameters it holds are found once
+        per snapshot of the tree, their storages (which can move: ZeRO) read at each call."""
+        modules = self._modules()
+        since = self._tree.unchanged_since()
+        if since is None or self._trained_listed is None or self._trained_listed[0] is not since:
+            params = [p for m in modules for p in m._parameters.values()
+                      if p is not None and id(p) in self.trainable]
+            if since is None:
+                return {s[0] for s in _C.tree.storages(params) if s is not None}
+            self._trained_listed = (since, params)
+        return {s[0] for s in _C.tree.storages(self._trained_listed[1]) if s is not None}
+
+    def _structure_walk(self, modules: Sequence[nn.Module]) -> List[str]:
+        """_structure's reading of ``modules`` (the listing) and the entries' owners."""
         problems = []
         for e in self.entries:
             now = e.current()
@@ -471,7 +529,7 @@ class StateGuard:
                 problems.append(f"{_describe(e.kind, e.name, e.owner)} was replaced by "
                                 "another tensor")
         fixed = {e.key for e in self.entries}
-        for m in self._modules():
+        for m in modules:
             for local, b in m._buffers.items():
                 if b is not None and (id(m), local, True) not in fixed:
                     problems.append(f"buffer {local!r} of a {type(m).__name__} was registered "
@@ -490,7 +548,7 @@ class StateGuard:
         written outside the step]). No host read."""
         if not self.entries:
             return self._trained_flags()
-        trained = _trained_storages(self._modules(), self.trainable)
+        trained = self._trained_pointers()
         flags: List[torch.Tensor] = []
         frozen: List[int] = []  # positions in flags of the frozen parameters, fingerprinted below
         for e in self.entries:
@@ -543,7 +601,7 @@ class StateGuard:
         when the change may have been at an earlier micro-batch, ``pending``)."""
         if not any(flags):
             return []
-        trained = _trained_storages(self._modules(), self.trainable)
+        trained = self._trained_pointers()
         return [e for e, f in zip(self.entries, flags)
                 if f and (e.buffer or pending or e.current() is not e.tensor or
                           digest(_memory(e.tensor, trained)) != e.digest)]
@@ -558,18 +616,19 @@ class StateGuard:
         the step (which then refuses), and every buffer is put back to its copy, so that nothing
         of one forward reaches the next one even when that one would clear it before the step.
         No host read: the flags stay on the device until the step reads them with its own."""
-        self._pending_problems += self._structure() + self._written_trained()
-        if first:  # what was written into a gathered copy before a logical batch's first
-            self._gathered_flags()  # micro-batch went with that copy (a dropped batch, an
-            # evaluation): it reaches nothing of this batch
-        flags = self._flags()
-        if flags and len({f.device for f in flags}) == 1:
-            flags = torch.stack(flags)
-            self._pending = flags if self._pending is None else self._pending | flags
-        elif flags:  # state on several devices: one read per tensor, as the step does
-            flags = torch.tensor([bool(f) for f in flags])
-            self._pending = flags if self._pending is None else self._pending | flags
-        self.restore_buffers()
+        with self._tree.one_listing():  # checks only: the model cannot change between them
+            self._pending_problems += self._structure() + self._written_trained()
+            if first:  # what was written into a gathered copy before a logical batch's first
+                self._gathered_flags()  # micro-batch went with that copy (a dropped batch, an
+                # evaluation): it reaches nothing of this batch
+            flags = self._flags()
+            if flags and len({f.device for f in flags}) == 1:
+                flags = torch.stack(flags)
+                self._pending = flags if self._pending is None else self._pending | flags
+            elif flags:  # state on several devices: one read per tensor, as the step does
+                flags = torch.tensor([bool(f) for f in flags])
+                self._pending = flags if self._pending is None else self._pending | flags
+            self.restore_buffers()
 
     def clear_pending(self) -> None:
         """The open logical batch was dropped (its buffers were put back at each hand-out)."""
@@ -577,7 +636,7 @@ class StateGuard:
 
     def _changed_by_digest(self) -> List[_Entry]:
         """The frozen parameters whose digests changed (a release's exact check)."""
-        trained = _trained_storages(self._modules(), self.trainable)
+        trained = self._trained_pointers()
         return [e for e in self.entries if not e.buffer and e.current() is e.tensor
                 and digest(_memory(e.tensor, trained)) != e.digest]
 
@@ -590,7 +649,7 @@ class StateGuard:
         buffers = [e for e in (self.entries if entries is None else entries) if e.buffer]
         if not buffers:
             return
-        trained = _trained_storages(self._modules(), self.trainable)
+        trained = self._trained_pointers()
         for e in buffers:
             if e.owner._buffers.get(e.local) is not e.tensor and e.local in e.owner._buffers:
                 e.owner._buffers[e.local] = e.tensor

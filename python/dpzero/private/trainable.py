@@ -8,7 +8,11 @@ the modules are listed once, together with each one's children; at a step, when 
 module still has the very same children (a submodule added, inserted, removed or replaced by any
 means changes its parent's), the trainable set is read off the listed modules' own parameter dicts,
 which sees a parameter frozen, unfrozen, replaced, removed or added exactly as a walk would;
-otherwise the tree is walked and listed again.
+otherwise the tree is walked and listed again. Reading the listed modules' dicts in Python is itself
+about a tenth of a millisecond on such a model, twice a step, so once the set was found unchanged
+the listing is held in a snapshot (Note [module tree snapshots] in
+python/csrc/module_tree_bindings.cpp), and while every listed module holds the very same dicts,
+children, parameters and requires_grad flags, neither walk runs.
 """
 
 from __future__ import annotations
@@ -42,12 +46,21 @@ class TrainableSet:
         self._modules: List[nn.Module] = []
         self._within = False   # inside one_listing()
         self._current = False  # and the listing was checked there
+        # Note [module tree snapshots]: the listing, its children and parameters as they were when
+        # changed() last found the set unchanged; and whether modules() found them so (with
+        # _current).
+        self._snapshot: Optional[_C.tree.Snapshot] = None
+        self._unchanged = False
 
     @contextlib.contextmanager
     def one_listing(self):
         """A run of checks that no user code interleaves (the step's: the module state's flags,
-        its verification and the trainable set, called one after another): the model cannot
-        change between them, so ``modules()`` checks the listing once for all of them."""
+        its verification and the trainable set, called one after another; those before a
+        micro-batch is handed out): the model cannot change between them, so ``modules()`` checks
+        the listing once for all of them. Inside another run, this one is part of it."""
+        if self._within:  # inside another run of checks: its listing holds
+            yield
+            return
         self._within, self._current = True, False
         try:
             yield
@@ -59,20 +72,34 @@ class TrainableSet:
         children changed)."""
         if self._current:
             return self._modules
-        if not self._listed or not all([_same_children(m, children)
-                                        for m, children in self._listed]):
+        # The snapshot holds every listed module's children: the same, the listing is current.
+        self._unchanged = self._snapshot is not None and self._snapshot.same(self._modules)
+        if not self._unchanged and (not self._listed or not all(
+                [_same_children(m, children) for m, children in self._listed])):
             self._listed = [(m, tuple(m._modules.values())) for m in self.model.modules()]
             self._modules = [m for m, _ in self._listed]
         self._current = self._within
         return self._modules
+
+    def unchanged_since(self) -> Optional["_C.tree.Snapshot"]:
+        """The snapshot whose dicts every listed module still holds, as modules() (called first)
+        found them; None if some changed since, or before the first snapshot (Note [module tree
+        snapshots]). A check whose answer is a function of those dicts and found nothing while
+        they were the snapshot's finds nothing again for as long as this returns that snapshot."""
+        return self._snapshot if self._unchanged else None
 
     def changed(self) -> Optional[str]:
         """Why the model's trainable parameters are no longer the set fixed at construction (the
         refusal of Note [trained set] in src/dp/run.h, naming them), or None. A tensor's Python
         object is its TensorImpl's for as long as either lives, so the set of ids compared here
         differs exactly when the rule's set of tensors does."""
-        now = {id(p) for m in self.modules() for p in m._parameters.values()
+        modules = self.modules()
+        if self._unchanged:  # every parameter and requires_grad as when the set was unchanged
+            return None
+        now = {id(p) for m in modules for p in m._parameters.values()
                if p is not None and p.requires_grad}
         if now == self.ids:
+            self._snapshot = _C.tree.Snapshot(modules)
+            self._unchanged = True
             return None
         return _C.dp.trained_set_refusal(self.params, list(self.model.named_parameters()))

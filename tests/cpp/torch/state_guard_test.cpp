@@ -56,14 +56,16 @@ constexpr int64_t kIn = 4, kClasses = 3, kN = 64;
 
 // ---- the fingerprint ------------------------------------------------------------------------
 
-// The stated sum, one word at a time in uint64 (wrapping) arithmetic: words of the element size,
-// sign-extended (bytes zero-extended; a 16-byte element's bytes), each through splitmix64's
-// finaliser after XOR with (j + key) times its golden-ratio increment.
+// The stated sum, one word at a time in uint64 (wrapping) arithmetic, over the words of Note
+// [fingerprint words]: 8-byte words where the byte count is a multiple of 8, else words of the
+// element size, sign-extended (bytes zero-extended; a 16-byte element's bytes); each through
+// splitmix64's finaliser after XOR with (j + key) times its golden-ratio increment.
 int64_t reference_fingerprint(const at::Tensor& t, int64_t key) {
-  const at::Tensor c = t.contiguous();
+  const at::Tensor c = t.contiguous().cpu();
+  const int64_t nbytes = c.numel() * c.element_size();
   const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
-  const int64_t size = c.element_size() <= 8 ? c.element_size() : 1;
-  const int64_t words = c.numel() * c.element_size() / size;
+  const int64_t size = nbytes % 8 == 0 ? 8 : c.element_size() <= 8 ? c.element_size() : 1;
+  const int64_t words = nbytes / size;
   uint64_t total = 0;
   for (int64_t j = 0; j < words; ++j) {
     int64_t w = 0;
@@ -109,6 +111,13 @@ TEST_P(StateFingerprint, IsTheStatedSumAndSeesEveryChangedWord) {
       torch::randn({(int64_t{1} << 20) + 5}),                      // many blocks, a tail
       torch::randn({4, 6}).t(),                                    // not contiguous
       torch::empty({0}),
+      // Byte counts that are multiples of 8: 8-byte words (Note [fingerprint words]), from
+      // float32, bfloat16 and bytes, with lane tails and past one thread's range; and a view whose
+      // bytes start 4 bytes past an 8-byte boundary (copied first on the host).
+      torch::randn({8, 5}), torch::randn({(int64_t{1} << 18) + 6}),
+      torch::randn({(int64_t{1} << 17) + 12}).to(at::kBFloat16),
+      torch::randint(-100, 100, {24}, at::TensorOptions().dtype(at::kChar)),
+      torch::randn({19}).narrow(0, 1, 18),
   };
   const at::Device device(GetParam());
   // The fingerprint of `t` moved to the device under test, read on the host.
@@ -124,6 +133,10 @@ TEST_P(StateFingerprint, IsTheStatedSumAndSeesEveryChangedWord) {
     const int64_t f = on_device.item<int64_t>();
     EXPECT_EQ(f, reference_fingerprint(t, key)) << what;
     EXPECT_EQ(fp(t.clone(), key), f) << what;
+    // The same bytes at an odd offset of another storage: the same words, so the same sum.
+    at::Tensor shifted = torch::empty({t.numel() + 1}, t.options()).narrow(0, 1, t.numel());
+    shifted.copy_(t.contiguous().reshape({-1}));
+    EXPECT_EQ(fp(shifted.view(t.contiguous().sizes()), key), f) << what << " at an odd offset";
     if (t.numel() == 0) continue;
     EXPECT_NE(fp(t, key + 1), f) << what;
     // The top bits of two 8-byte words flipped together (two float64 entries negated): a
