@@ -5,6 +5,8 @@
 // Python walk runs and names it.
 #include <array>
 #include <optional>
+#include <tuple>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -23,7 +25,7 @@ namespace {
 // requires_grad is part of the snapshot (asking a module whether it is a tensor goes through
 // isinstance's slow path).
 constexpr std::array<const char*, 3> kDicts{"_modules", "_buffers", "_parameters"};
-constexpr size_t kParameters = 2;
+constexpr size_t kModules = 0, kBuffers = 1, kParameters = 2;
 
 // Their names as interned str objects, made once: an attribute lookup by a new str each time
 // misses the type's attribute cache (keyed by the name's object) and walks the class's MRO, which
@@ -46,13 +48,24 @@ const std::array<PyObject*, 3>& dict_names() {
 // parameters by name, which are trainable) is then what it computed when the snapshot was taken;
 // a module rebinding one of the three attributes, or any insertion, removal or replacement in
 // them, makes `same` false. (A change that `same` misses would need a dict mutated and restored
-// to the very same objects, which leaves every such walk's answer unchanged too.) The snapshot
-// shows the garbage collector what it holds (tp_traverse, tp_clear): the modules often reach the
-// engine that holds the snapshot (a patched forward), and a cycle through references the
-// collector cannot see would never be freed, nor the engine's ledger lock released.
+// to the very same objects, which leaves every such walk's answer unchanged too.) A module whose
+// attribute is another kind of mapping makes the snapshot incomplete: the Python walks read it.
+//
+// A check that uses a snapshot decides from what the snapshot holds (`trainable`, `items`), never
+// from a walk of the live dicts made before or after it: Python code can run between two reads
+// (a __torch_function__ or dispatch mode, a finalizer, a thread), and a verdict taken from one
+// state must not be recorded against another. A snapshot is `complete` when every child its
+// modules hold is in its listing; one taken after the tree grew past the listing is not, and is
+// never `same`, so the grown tree is listed again at the next check.
+//
+// The snapshot shows the garbage collector what it holds (tp_traverse, tp_clear): the modules
+// often reach the engine that holds the snapshot (a patched forward), and a cycle through
+// references the collector cannot see would never be freed, nor the engine's ledger lock
+// released.
 class Snapshot {
  public:
   explicit Snapshot(const py::list& modules) {
+    bool plain_dicts = true;
     modules_.reserve(modules.size());
     for (const py::handle m : modules) {
       Module copy{py::reinterpret_borrow<py::object>(m), {}};
@@ -60,10 +73,12 @@ class Snapshot {
         py::object dict =
             py::reinterpret_steal<py::object>(PyObject_GetAttr(m.ptr(), dict_names()[d]));
         if (!dict) throw py::error_already_set();
-        if (!PyDict_Check(dict.ptr()))
-          throw py::type_error(std::string("tree.Snapshot: module attribute ") + kDicts[d] +
-                               " is not a dict");
         Dict& out = copy.dicts[d];
+        if (!PyDict_Check(dict.ptr())) {  // another mapping: left to the Python walks
+          plain_dicts = false;
+          out.dict = std::move(dict);
+          continue;
+        }
         PyObject *key = nullptr, *value = nullptr;
         Py_ssize_t pos = 0;
         while (PyDict_Next(dict.ptr(), &pos, &key, &value)) {
@@ -75,10 +90,48 @@ class Snapshot {
       }
       modules_.push_back(std::move(copy));
     }
+    // Complete: every child a listed module holds is listed too (else the tree grew between the
+    // listing and this snapshot, and `same` would keep the listing stale).
+    std::unordered_set<PyObject*> listed;
+    for (const Module& m : modules_) listed.insert(m.module.ptr());
+    complete_ = plain_dicts;
+    for (const Module& m : modules_) {
+      for (const auto& [key, child] : m.dicts[kModules].items)
+        if (child.ptr() != Py_None && !listed.count(child.ptr())) complete_ = false;
+    }
+  }
+
+  bool complete() const { return complete_; }
+
+  // The ids of the parameters it holds that require grad (a trainable set read off the snapshot
+  // itself, so that what is checked is what is held).
+  std::vector<intptr_t> trainable() const {
+    std::vector<intptr_t> out;
+    for (const Module& m : modules_) {
+      const Dict& params = m.dicts[kParameters];
+      for (size_t j = 0; j < params.items.size(); ++j)
+        if (params.grad[j] == 1)
+          out.push_back(reinterpret_cast<intptr_t>(params.items[j].second.ptr()));
+    }
+    return out;
+  }
+
+  // (module, [(name, buffer)], [(name, parameter)]) of each listed module, as held.
+  py::list items() const {
+    py::list out;
+    for (const Module& m : modules_) {
+      py::list buffers, params;
+      for (const auto& [key, value] : m.dicts[kBuffers].items)
+        buffers.append(py::make_tuple(key, value));
+      for (const auto& [key, value] : m.dicts[kParameters].items)
+        params.append(py::make_tuple(key, value));
+      out.append(py::make_tuple(m.module, buffers, params));
+    }
+    return out;
   }
 
   bool same(const py::list& modules) const {
-    if (modules.size() != modules_.size()) return false;
+    if (!complete_ || modules.size() != modules_.size()) return false;
     for (size_t i = 0; i < modules_.size(); ++i) {
       PyObject* m = PyList_GET_ITEM(modules.ptr(), static_cast<Py_ssize_t>(i));
       const Module& copy = modules_[i];
@@ -140,6 +193,7 @@ class Snapshot {
     std::array<Dict, kDicts.size()> dicts;
   };
   std::vector<Module> modules_;
+  bool complete_ = false;
 };
 
 // The tensor a Python object holds, or a TypeError naming the position.
@@ -175,7 +229,13 @@ void bind_module_tree(py::module_ m) {
       .def(py::init<const py::list&>(), py::arg("modules"))
       .def("same", &Snapshot::same, py::arg("modules"),
            "Whether `modules` is the snapshot's listing with every dict, key, value and "
-           "requires_grad as they were");
+           "requires_grad as they were (never for an incomplete snapshot)")
+      .def_property_readonly("complete", &Snapshot::complete,
+                             "Whether every child a listed module held was listed")
+      .def("trainable", &Snapshot::trainable,
+           "The ids of the held parameters that required grad")
+      .def("items", &Snapshot::items,
+           "(module, [(name, buffer)], [(name, parameter)]) of each listed module, as held");
   m.def(
       "versions",
       [](const py::list& tensors) {
@@ -187,28 +247,31 @@ void bind_module_tree(py::module_ m) {
       },
       py::arg("tensors"), "Each tensor's version counter (t._version), in one call");
   m.def(
-      "storages",
+      "places",
       [](const py::list& tensors) {
-        std::vector<std::optional<std::pair<int64_t, int64_t>>> out;
+        std::vector<py::object> out;
         out.reserve(tensors.size());
         for (size_t i = 0; i < tensors.size(); ++i) {
-          const at::Tensor& t = tensor_at(tensors, i, "storages");
-          std::optional<std::pair<int64_t, int64_t>> storage;
+          const at::Tensor& t = tensor_at(tensors, i, "places");
+          py::object place = py::none();
           if (t.has_storage()) {
             try {  // a resharded stage-3 parameter's storage refuses every data access
               const c10::Storage& s = t.storage();
-              storage.emplace(reinterpret_cast<int64_t>(s.data()),
-                              static_cast<int64_t>(s.nbytes()));
+              place = py::make_tuple(reinterpret_cast<int64_t>(s.data()),
+                                     static_cast<int64_t>(s.nbytes()), t.storage_offset(),
+                                     t.sizes().vec(), t.strides().vec(),
+                                     static_cast<int>(t.scalar_type()));
             } catch (const c10::Error&) {
             }
           }
-          out.push_back(storage);
+          out.push_back(std::move(place));
         }
         return out;
       },
       py::arg("tensors"),
-      "Each tensor's storage as (data pointer, bytes), in one call; None where it has none or "
-      "it refuses access (a resharded ZeRO stage-3 parameter)");
+      "Where each tensor's elements are, in one call: (its storage's data pointer, the storage's "
+      "bytes, offset, sizes, strides, dtype); None where it has no storage or the storage refuses "
+      "access (a resharded ZeRO stage-3 parameter)");
 }
 
 }  // namespace dpzero::python

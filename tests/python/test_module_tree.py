@@ -1,12 +1,13 @@
 """dpzero._C.tree (python/csrc/module_tree_bindings.cpp), which the step's checks read the module
 tree with: a snapshot is ``same`` exactly when a Python walk of every listed module's children,
 buffers and parameters, by identity, and the parameters' requires_grad reads what it read when the
-snapshot was taken (Note [module tree snapshots]); ``versions`` and ``storages`` are torch's own
-``_version`` and ``untyped_storage()`` in one call."""
+snapshot was taken (Note [module tree snapshots]); ``versions`` and ``places`` are torch's own
+``_version`` and ``untyped_storage()``, offset, shape and strides in one call."""
 
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 
 import pytest
@@ -131,6 +132,38 @@ def test_a_cycle_through_a_snapshot_is_collected():
     assert alive() is None
 
 
+def test_a_snapshot_of_a_listing_the_tree_has_grown_past_is_never_the_same():
+    """Note [module tree snapshots]: a child added after the listing was made and before the
+    snapshot is held by its parent's dict but not listed; such a snapshot is incomplete and never
+    ``same``, so the tree is listed again."""
+    model = Net()
+    listing = list(model.modules())
+    model.blocks.append(nn.Linear(2, 2))
+    snapshot = _C.tree.Snapshot(listing)
+    assert not snapshot.complete
+    assert not snapshot.same(listing)
+    relisted = list(model.modules())
+    assert _C.tree.Snapshot(relisted).complete and _C.tree.Snapshot(relisted).same(relisted)
+
+
+def test_what_a_snapshot_holds_is_what_the_walk_read():
+    model = Net()
+    listing = list(model.modules())
+    snapshot = _C.tree.Snapshot(listing)
+    assert sorted(snapshot.trainable()) == sorted(
+        id(p) for m in listing for p in m._parameters.values() if p is not None and p.requires_grad)
+    held = snapshot.items()
+    assert [m for m, _, _ in held] == listing
+    for (m, buffers, params) in held:
+        assert [(k, id(v)) for k, v in buffers] == [(k, id(v)) for k, v in m._buffers.items()]
+        assert [(k, id(v)) for k, v in params] == [(k, id(v)) for k, v in m._parameters.items()]
+    model.fc.weight.requires_grad_(False)  # the live tree moves on; the snapshot does not
+    model.norm.running_mean = torch.zeros(2)
+    assert id(model.fc.weight) in snapshot.trainable()
+    held = {id(m): dict(buffers) for m, buffers, _ in snapshot.items()}
+    assert held[id(model.norm)]["running_mean"] is not model.norm.running_mean
+
+
 def test_a_snapshot_compares_the_listing_itself():
     model = Net()
     listing = list(model.modules())
@@ -140,13 +173,13 @@ def test_a_snapshot_compares_the_listing_itself():
     assert not snapshot.same(listing[:-1] + [nn.Linear(2, 2)])
     with pytest.raises(TypeError):
         snapshot.same(tuple(listing))  # the checks pass lists
-    with pytest.raises(TypeError, match="_buffers is not a dict"):
-        broken = nn.Linear(1, 1)
-        object.__setattr__(broken, "_buffers", [])
-        _C.tree.Snapshot([broken])
+    odd = nn.Linear(1, 1)  # another mapping: the Python walks read it, the snapshot stands aside
+    object.__setattr__(odd, "_parameters", types.MappingProxyType(dict(odd._parameters)))
+    assert not _C.tree.Snapshot([odd]).complete
+    assert not _C.tree.Snapshot([odd]).same([odd])
 
 
-def test_versions_and_storages_are_torchs_own():
+def test_versions_and_places_are_torchs_own():
     a = nn.Parameter(torch.randn(4))
     b = torch.randn(6)[2:]  # a view: its storage is its base's
     c = torch.zeros(0)
@@ -155,9 +188,19 @@ def test_versions_and_storages_are_torchs_own():
         a.mul_(2)
     ts = [a, b, c]
     assert _C.tree.versions(ts) == [t._version for t in ts]
-    assert _C.tree.storages(ts) == [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-                                    for t in ts]
+
+    def place(t):
+        return (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t.storage_offset(),
+                list(t.shape), list(t.stride()), _C.tree.places([t])[0][5])
+
+    assert _C.tree.places(ts) == [place(t) for t in ts]
+    dtypes = {_C.tree.places([torch.zeros(1, dtype=d)])[0][5]
+              for d in (torch.float32, torch.bfloat16, torch.int32)}
+    assert len(dtypes) == 3
+    was = _C.tree.places([b])[0]
+    for moved in (b.data[1:], b.data.view(2, 2), b.data.view(torch.int32)):  # the same storage
+        assert _C.tree.places([moved])[0] != was
     b.untyped_storage().resize_(8)  # moved and resized: both are seen
-    assert _C.tree.storages([b])[0] == (b.untyped_storage().data_ptr(), 8)
+    assert _C.tree.places([b])[0][:2] == (b.untyped_storage().data_ptr(), 8)
     with pytest.raises(TypeError, match=r"tensors\[1\] is a int"):
         _C.tree.versions([a, 3])

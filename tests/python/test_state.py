@@ -443,6 +443,78 @@ def test_a_trained_parameter_given_other_memory_is_refused(when):
                 break
 
 
+def test_a_trained_parameter_pointed_at_part_of_its_own_unit_is_refused():
+    """A forward that re-points the bias at part of its unit's weights through ``.data`` when an
+    outlier is in its batch (a review: the released bias then differed by 0.47 between neighbours
+    against 0.007 for the weights): no version moves, no byte changes and the storage is the
+    same, but the bias is no longer where the optimizer writes it."""
+    class Repointing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, K)
+
+        def forward(self, x):
+            if bool((x.detach().abs() > 100).any()):
+                self.fc.bias.data = self.fc.weight.data.reshape(-1)[:K]
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    model = Repointing()
+    with pytest.raises(PrivacyViolation, match=r"trainable parameter 'fc.bias' was given other "
+                                               r"memory"):
+        p = dpzero.make_private(model, dataset=_data(outlier=True), sample_rate=1.0,
+                                noise_multiplier=0.0, allow_no_noise=True, max_grad_norm=1.0,
+                                optimizer="sgd", lr=0.1, seed=0, max_physical_batch_size=4)
+        for x, y in p.data_loader:
+            F.cross_entropy(p.model(x), y).backward()
+            if p.optimizer.step():
+                break
+    with pytest.raises(PrivacyViolation, match=r"'fc.bias'"):
+        p.model.state_dict()
+
+
+def test_a_module_added_while_the_step_checks_run_is_seen_by_the_next_check():
+    """Python code that runs inside the step's own checks (here a dispatch mode around
+    ``optimizer.step()``, on the checks' first comparison) adds a module holding a row of the
+    batch. The snapshot the step takes then holds the parent's new children but a listing without
+    the module: it must not stand for the tree (a review released the row, 1001 apart between
+    neighbours, after three steps), so the next check lists the tree again and refuses."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Side(nn.Module):
+        def __init__(self, row):
+            super().__init__()
+            self.register_buffer("stash", row)
+
+    seen = {}
+
+    class AddOnce(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "row" in seen and "added" not in seen and func is torch.ops.aten.ne.Tensor:
+                seen["added"] = True
+                model.add_module("side", Side(seen["row"]))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = Ema()
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=1.0, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, optimizer="sgd", lr=0.1,
+                            seed=0, max_physical_batch_size=4)
+    with pytest.raises(PrivacyViolation, match=r"buffer 'stash' of a Side was registered after "
+                                               r"make_private"):
+        for _ in range(3):
+            for x, y in p.data_loader:
+                seen.setdefault("row", x.detach()[0].clone())
+                F.cross_entropy(p.model(x), y).backward()
+                with AddOnce():
+                    stepped = p.optimizer.step()
+                if stepped:
+                    break
+    assert seen.get("added")
+    with pytest.raises(PrivacyViolation, match=r"'stash'"):
+        p.model.state_dict()
+
+
 class _ActNorm(nn.Module):
     """Glow's ActNorm as common implementations write it: its first training forward sets its own
     trained bias and log-scale from the batch's mean and standard deviation through ``.data``

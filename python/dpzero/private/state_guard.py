@@ -242,12 +242,14 @@ class StateGuard:
         self.watch_trained = watch_trained
         self._trained: List[tuple] = []
         self._trained_named: Optional[List[tuple]] = None  # (name, parameter), record_trained's
-        # The same parameters' versions (as in _trained) and storages (_C.tree.storages) when
-        # recorded: while both are unchanged no parameter was written in place or given other
-        # memory, and the memories below are still theirs.
+        # The same parameters' versions (as in _trained) and places (_C.tree.places: storage,
+        # offset, sizes, strides, dtype) when recorded: while both are unchanged no parameter was
+        # written in place or pointed at other memory (another storage, or another part of its
+        # own: a forward that re-points a bias into its unit's weights leaves every byte and
+        # storage as it was), and the memories below are still theirs.
         self._trained_params: List[torch.Tensor] = []
         self._trained_versions: List[int] = []
-        self._recorded_storages: List[Optional[tuple]] = []
+        self._recorded_places: List[Optional[tuple]] = []
         # Note [trained parameters written outside the step]: per memory the trained parameters
         # live in, (their names, the memory as a flat tensor, its data pointer, its fingerprint).
         self._trained_memories: List[tuple] = []
@@ -329,22 +331,26 @@ class StateGuard:
     # (a third review released them unclipped and unnoised: 16,855 times the bound), and so can the
     # training loop around it. A write through autograd bumps the parameter's version counter; one
     # through .data, or numpy or DLPack views, does not. So after each update (and at make_private,
-    # a load, an acceptance) both are recorded: the versions, and on its device the fingerprint of
-    # each memory the trained parameters live in (a unit's flat buffer holds all of the unit's: one
+    # a load, an acceptance) all three are recorded: the versions; where each parameter's elements
+    # are (its storage, offset, sizes, strides and dtype: a forward that re-points a trained bias at
+    # part of its unit's weights through .data moves no version and no byte, and released the
+    # weights' values as the bias in one neighbour only); and on its device the fingerprint of each
+    # memory the trained parameters live in (a unit's flat buffer holds all of the unit's: one
     # fingerprint per unit, so that a step's launches grow with its units; a change names the
     # parameters sharing that buffer, a parameter given other memory is named alone); the versions
-    # are compared at each step and release, the fingerprints with the buffers' flags, before each
-    # later micro-batch and at the step (one device read) and at every release. This is at ZeRO
-    # stages 0-2; stage 3 frees what it gathers, so there each gathered copy is fingerprinted from
-    # its gather to its release instead and a change refuses the step (Note [writes to a gathered
-    # unit] in src/zero/flat_param.h). Strict isolation also refuses a write at its forward. A
-    # change refuses the step and every release until it is accepted, naming the parameter; a write
-    # of the caller's that holds nothing of the training data (a projection of the released
-    # parameters) is accepted with accept_state_change() (all of the state: an acceptance by name
-    # takes only the buffers and frozen parameters it names). A load records a memory anew only if
-    # it held its recorded values before the load (clean_trained), so no load accepts a write it did
-    # not make. The fingerprints read every trained word once per micro-batch and once after each
-    # update: on the host one multi-threaded pass (state_fingerprint), on a device one launch.
+    # and places are compared at each check and release, the fingerprints with the buffers' flags,
+    # before each later micro-batch and at the step (one device read) and at every release. This is
+    # at ZeRO stages 0-2; stage 3 frees what it gathers, so there each gathered copy is
+    # fingerprinted from its gather to its release instead and a change refuses the step (Note
+    # [writes to a gathered unit] in src/zero/flat_param.h). Strict isolation also refuses a write
+    # at its forward. A change refuses the step and every release until it is accepted, naming the
+    # parameter; a write of the caller's that holds nothing of the training data (a projection of
+    # the released parameters) is accepted with accept_state_change() (all of the state: an
+    # acceptance by name takes only the buffers and frozen parameters it names). A load records a
+    # memory anew only if it held its recorded values before the load (clean_trained), so no load
+    # accepts a write it did not make. The fingerprints read every trained word once per micro-batch
+    # and once after each update: on the host one multi-threaded pass (state_fingerprint), on a
+    # device one launch.
     def clean_trained(self) -> Set[int]:
         """Before a load: the memories (data pointers) whose trained parameters still hold what
         was recorded, fingerprint and versions unmoved (one host read; loads are rare)."""
@@ -372,6 +378,9 @@ class StateGuard:
                 self._trained = [(n, p, p._version if n in renewed else v)
                                  for n, p, v in self._trained]
                 self._trained_versions = [v for _, _, v in self._trained]
+                now = _C.tree.places(self._trained_params)
+                self._recorded_places = [place if n in renewed else was for (n, _, _), place, was
+                                         in zip(self._trained, now, self._recorded_places)]
                 self._trained_memories = [
                     (names, memory, ptr, fingerprint(memory, self.key) if ptr in clean else f)
                     for names, memory, ptr, f in self._trained_memories]
@@ -380,14 +389,15 @@ class StateGuard:
             self._trained_named = [(n, p) for n, p in self.model.named_parameters()
                                    if id(p) in self.trainable]
             self._trained_params = [p for _, p in self._trained_named]
-            self._recorded_storages = []
+            self._recorded_places = []
         versions = _C.tree.versions(self._trained_params)
         self._trained = [(n, p, v) for (n, p), v in zip(self._trained_named, versions)]
         self._trained_versions = versions
-        storages = _C.tree.storages(self._trained_params)
-        if storages != self._recorded_storages or None in storages:
-            # Memory given to a parameter, or resized, since the last record: the memories afresh
-            # (else each memory tensor still views its parameters' storage, which it keeps alive).
+        places = _C.tree.places(self._trained_params)
+        if places != self._recorded_places or None in places:
+            # A parameter given other memory, or a storage resized, since the last record: the
+            # memories afresh (else each memory tensor still views its parameters' storage, which
+            # it keeps alive).
             memories: Dict[int, tuple] = {}  # storage data pointer -> (names, memory)
             with torch._C.DisableTorchFunctionSubclass():
                 for n, p in self._trained_named:
@@ -397,7 +407,7 @@ class StateGuard:
                     memories[ptr][0].append(n)
             self._trained_memories = [(names, memory, ptr, None)
                                       for ptr, (names, memory) in memories.items()]
-            self._recorded_storages = storages
+            self._recorded_places = places
         now = fingerprints([memory for _, memory, _, _ in self._trained_memories], self.key) \
             if self._trained_memories else []
         self._trained_memories = [(names, memory, ptr, f) for (names, memory, ptr, _), f
@@ -410,16 +420,17 @@ class StateGuard:
                 "trained table, or through .data, such as an initialisation from the batch)")
 
     def _written_trained(self) -> List[str]:
-        if not self._trained or (
-                _C.tree.versions(self._trained_params) == self._trained_versions and
-                _C.tree.storages(self._trained_params) == self._recorded_storages):
-            return []  # no version moved and every parameter has its recorded storage
-        known = {ptr for _, _, ptr, _ in self._trained_memories}
-        with torch._C.DisableTorchFunctionSubclass():
-            return ([self._written_text(n) for n, p, v in self._trained if p._version != v] +
-                    [f"trainable parameter {n!r} was given other memory outside the private "
-                     "optimizer (its .data replaced)" for n, p, _ in self._trained
-                     if p.untyped_storage().data_ptr() not in known])
+        if not self._trained:
+            return []
+        versions = _C.tree.versions(self._trained_params)
+        places = _C.tree.places(self._trained_params)
+        if versions == self._trained_versions and places == self._recorded_places:
+            return []  # no version moved and every parameter is where it was recorded
+        return ([self._written_text(n) for (n, _, v), now in zip(self._trained, versions)
+                 if now != v] +
+                [f"trainable parameter {n!r} was given other memory outside the private "
+                 "optimizer (its .data replaced)" for (n, _, _), now, was
+                 in zip(self._trained, places, self._recorded_places) if now != was])
 
     def _trained_flags(self) -> List[torch.Tensor]:
         """One device flag per memory the trained parameters live in (a unit's flat buffer
@@ -498,43 +509,50 @@ class StateGuard:
         since = self._tree.unchanged_since()
         if since is not None and since is self._quiet:
             return []  # every dict read below holds what it held when nothing had changed
-        problems = self._structure_walk(modules)
+        problems = self._structure_walk({id(m): (m, m._buffers, m._parameters) for m in modules})
         if not problems and since is not None:
-            listed = {id(m) for m in modules}
-            if all(id(e.owner) in listed for e in self.entries):  # the snapshot holds theirs
+            # Recorded from what the snapshot holds, not from the walk above (Note [module tree
+            # snapshots]): the owners' dicts among them.
+            held = {id(m): (m, dict(buffers), dict(params)) for m, buffers, params in since.items()}
+            if all(id(e.owner) in held for e in self.entries) and not self._structure_walk(held):
                 self._quiet = since
         return problems
 
     def _trained_pointers(self) -> Set[int]:
-        """_trained_storages of the listing now: the trained parameters it holds are found once
-        per snapshot of the tree, their storages (which can move: ZeRO) read at each call."""
+        """_trained_storages of the listing now: the trained parameters it holds are read once
+        per snapshot of the tree, off what the snapshot holds, their storages (which can move:
+        ZeRO) at each call."""
         modules = self._modules()
         since = self._tree.unchanged_since()
-        if since is None or self._trained_listed is None or self._trained_listed[0] is not since:
+        if since is None:
             params = [p for m in modules for p in m._parameters.values()
                       if p is not None and id(p) in self.trainable]
-            if since is None:
-                return {s[0] for s in _C.tree.storages(params) if s is not None}
-            self._trained_listed = (since, params)
-        return {s[0] for s in _C.tree.storages(self._trained_listed[1]) if s is not None}
+            return {s[0] for s in _C.tree.places(params) if s is not None}
+        if self._trained_listed is None or self._trained_listed[0] is not since:
+            self._trained_listed = (since, [p for _, _, params in since.items() for _, p in params
+                                            if p is not None and id(p) in self.trainable])
+        return {s[0] for s in _C.tree.places(self._trained_listed[1]) if s is not None}
 
-    def _structure_walk(self, modules: Sequence[nn.Module]) -> List[str]:
-        """_structure's reading of ``modules`` (the listing) and the entries' owners."""
+    def _structure_walk(self, view: Dict[int, tuple]) -> List[str]:
+        """_structure's reading of ``view``: per listed module's id, (module, its buffers, its
+        parameters) as dicts, live or held; an entry whose owner is not in it is read live."""
         problems = []
         for e in self.entries:
-            now = e.current()
+            owner = view.get(id(e.owner))
+            now = e.current() if owner is None else \
+                (owner[1] if e.buffer else owner[2]).get(e.local)
             if now is None:
                 problems.append(f"{_describe(e.kind, e.name, e.owner)} was removed")
             elif now is not e.tensor:
                 problems.append(f"{_describe(e.kind, e.name, e.owner)} was replaced by "
                                 "another tensor")
         fixed = {e.key for e in self.entries}
-        for m in modules:
-            for local, b in m._buffers.items():
+        for m, buffers, params in view.values():
+            for local, b in buffers.items():
                 if b is not None and (id(m), local, True) not in fixed:
                     problems.append(f"buffer {local!r} of a {type(m).__name__} was registered "
                                     "after make_private")
-            for local, p in m._parameters.items():
+            for local, p in params.items():
                 if p is not None and id(p) not in self.trainable and \
                         (id(m), local, False) not in fixed:
                     problems.append(f"frozen parameter {local!r} of a {type(m).__name__} was "

@@ -54,16 +54,20 @@ class TrainableSet:
 
     @contextlib.contextmanager
     def one_listing(self):
-        """A run of checks that no user code interleaves (the step's: the module state's flags,
-        its verification and the trainable set, called one after another; those before a
-        micro-batch is handed out): the model cannot change between them, so ``modules()`` checks
-        the listing once for all of them. Inside another run, this one is part of it."""
+        """A run of checks called one after another (the step's: the module state's flags, its
+        verification and the trainable set; those before a micro-batch is handed out), during
+        which ``modules()`` checks the listing once for all of them. Inside another run, this one
+        is part of it. No __torch_function__ mode or subclass runs inside; other Python code
+        that could (a dispatch mode, a finalizer, a thread) and changes the tree is seen by the
+        next check, which reads the listing afresh: no snapshot records a state other than the
+        one its verdict read (Note [module tree snapshots])."""
         if self._within:  # inside another run of checks: its listing holds
             yield
             return
         self._within, self._current = True, False
         try:
-            yield
+            with torch._C.DisableTorchFunction():  # no mode or subclass runs inside the checks
+                yield
         finally:
             self._within = self._current = False
 
@@ -96,10 +100,14 @@ class TrainableSet:
         modules = self.modules()
         if self._unchanged:  # every parameter and requires_grad as when the set was unchanged
             return None
-        now = {id(p) for m in modules for p in m._parameters.values()
-               if p is not None and p.requires_grad}
-        if now == self.ids:
-            self._snapshot = _C.tree.Snapshot(modules)
-            self._unchanged = True
-            return None
+        snapshot = _C.tree.Snapshot(modules)
+        if snapshot.complete:  # the verdict is read off what the snapshot holds
+            if frozenset(snapshot.trainable()) == self.ids:
+                self._snapshot, self._unchanged = snapshot, True
+                return None
+        else:  # the tree grew during the checks: this one reads it live, the next lists it again
+            now = {id(p) for m in modules for p in m._parameters.values()
+                   if p is not None and p.requires_grad}
+            if now == self.ids:
+                return None
         return _C.dp.trained_set_refusal(self.params, list(self.model.named_parameters()))
