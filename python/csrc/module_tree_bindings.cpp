@@ -205,6 +205,70 @@ const at::Tensor& tensor_at(const py::list& tensors, size_t i, const char* what)
   return THPVariable_Unpack(t);
 }
 
+// Where a tensor's elements are: its storage (data pointer and bytes), offset, sizes, strides
+// and dtype; `readable` false where it has no storage or the storage refuses access (a resharded
+// ZeRO stage-3 parameter).
+struct Place {
+  bool readable = false;
+  int64_t data = 0, nbytes = 0, offset = 0;
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype = at::kFloat;
+
+  explicit Place(const at::Tensor& t) {
+    if (!t.has_storage()) return;
+    try {
+      const c10::Storage& s = t.storage();
+      data = reinterpret_cast<int64_t>(s.data());
+      nbytes = static_cast<int64_t>(s.nbytes());
+    } catch (const c10::Error&) {
+      return;
+    }
+    readable = true;
+    offset = t.storage_offset();
+    sizes = t.sizes().vec();
+    strides = t.strides().vec();
+    dtype = t.scalar_type();
+  }
+  // An unreadable place is never the same as another.
+  bool operator==(const Place& o) const {
+    return readable && o.readable && data == o.data && nbytes == o.nbytes && offset == o.offset &&
+           sizes == o.sizes && strides == o.strides && dtype == o.dtype;
+  }
+};
+
+// The places of a list of tensors, recorded; `moved` compares a list with them in one call.
+class Places {
+ public:
+  explicit Places(const py::list& tensors) {
+    places_.reserve(tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i)
+      places_.emplace_back(tensor_at(tensors, i, "Places"));
+  }
+  // The positions whose tensor is not where it was recorded (all of them if the count differs).
+  std::vector<int64_t> moved(const py::list& tensors) const {
+    std::vector<int64_t> out;
+    const bool same_count = tensors.size() == places_.size();
+    for (size_t i = 0; i < tensors.size(); ++i)
+      if (!same_count || !(Place(tensor_at(tensors, i, "Places.moved")) == places_[i]))
+        out.push_back(static_cast<int64_t>(i));
+    return out;
+  }
+  // Records the tensors at `positions` where they are now.
+  void renew(const py::list& tensors, const std::vector<int64_t>& positions) {
+    TORCH_CHECK(tensors.size() == places_.size(), "tree.Places.renew: ", tensors.size(),
+                " tensors for ", places_.size(), " recorded places");
+    for (const int64_t i : positions) {
+      TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(places_.size()),
+                  "tree.Places.renew: position ", i, " is outside [0, ", places_.size(), ")");
+      places_[static_cast<size_t>(i)] = Place(tensor_at(tensors, static_cast<size_t>(i),
+                                                        "Places.renew"));
+    }
+  }
+
+ private:
+  std::vector<Place> places_;
+};
+
 }  // namespace
 
 void bind_module_tree(py::module_ m) {
@@ -246,32 +310,29 @@ void bind_module_tree(py::module_ m) {
         return out;
       },
       py::arg("tensors"), "Each tensor's version counter (t._version), in one call");
+  py::class_<Places>(m, "Places",
+                     "Where each of a list of tensors' elements are (storage, offset, sizes, "
+                     "strides, dtype), recorded")
+      .def(py::init<const py::list&>(), py::arg("tensors"))
+      .def("moved", &Places::moved, py::arg("tensors"),
+           "The positions whose tensor is not where it was recorded (an unreadable place, a "
+           "resharded ZeRO stage-3 parameter's, counts as moved)")
+      .def("renew", &Places::renew, py::arg("tensors"), py::arg("positions"),
+           "Records the tensors at `positions` where they are now");
   m.def(
-      "places",
+      "storage_pointers",
       [](const py::list& tensors) {
-        std::vector<py::object> out;
+        std::vector<std::optional<int64_t>> out;
         out.reserve(tensors.size());
         for (size_t i = 0; i < tensors.size(); ++i) {
-          const at::Tensor& t = tensor_at(tensors, i, "places");
-          py::object place = py::none();
-          if (t.has_storage()) {
-            try {  // a resharded stage-3 parameter's storage refuses every data access
-              const c10::Storage& s = t.storage();
-              place = py::make_tuple(reinterpret_cast<int64_t>(s.data()),
-                                     static_cast<int64_t>(s.nbytes()), t.storage_offset(),
-                                     t.sizes().vec(), t.strides().vec(),
-                                     static_cast<int>(t.scalar_type()));
-            } catch (const c10::Error&) {
-            }
-          }
-          out.push_back(std::move(place));
+          const Place place(tensor_at(tensors, i, "storage_pointers"));
+          out.push_back(place.readable ? std::optional<int64_t>(place.data) : std::nullopt);
         }
         return out;
       },
       py::arg("tensors"),
-      "Where each tensor's elements are, in one call: (its storage's data pointer, the storage's "
-      "bytes, offset, sizes, strides, dtype); None where it has no storage or the storage refuses "
-      "access (a resharded ZeRO stage-3 parameter)");
+      "Each tensor's storage's data pointer, in one call; None where it has no storage or it "
+      "refuses access (a resharded ZeRO stage-3 parameter)");
 }
 
 }  // namespace dpzero::python

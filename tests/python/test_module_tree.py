@@ -1,8 +1,9 @@
 """dpzero._C.tree (python/csrc/module_tree_bindings.cpp), which the step's checks read the module
 tree with: a snapshot is ``same`` exactly when a Python walk of every listed module's children,
 buffers and parameters, by identity, and the parameters' requires_grad reads what it read when the
-snapshot was taken (Note [module tree snapshots]); ``versions`` and ``places`` are torch's own
-``_version`` and ``untyped_storage()``, offset, shape and strides in one call."""
+snapshot was taken (Note [module tree snapshots]); ``versions``, ``storage_pointers`` and
+``Places`` read torch's own ``_version``, ``untyped_storage()``, offset, shape, strides and dtype
+in one call."""
 
 from __future__ import annotations
 
@@ -188,19 +189,19 @@ def test_versions_and_places_are_torchs_own():
         a.mul_(2)
     ts = [a, b, c]
     assert _C.tree.versions(ts) == [t._version for t in ts]
-
-    def place(t):
-        return (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t.storage_offset(),
-                list(t.shape), list(t.stride()), _C.tree.places([t])[0][5])
-
-    assert _C.tree.places(ts) == [place(t) for t in ts]
-    dtypes = {_C.tree.places([torch.zeros(1, dtype=d)])[0][5]
-              for d in (torch.float32, torch.bfloat16, torch.int32)}
-    assert len(dtypes) == 3
-    was = _C.tree.places([b])[0]
-    for moved in (b.data[1:], b.data.view(2, 2), b.data.view(torch.int32)):  # the same storage
-        assert _C.tree.places([moved])[0] != was
-    b.untyped_storage().resize_(8)  # moved and resized: both are seen
-    assert _C.tree.places([b])[0][:2] == (b.untyped_storage().data_ptr(), 8)
+    assert _C.tree.storage_pointers(ts) == [t.untyped_storage().data_ptr() for t in ts]
+    places = _C.tree.Places(ts)
+    assert places.moved(ts) == []
+    assert places.moved([a, b]) == [0, 1]  # another count: every position
+    base = b.data
+    for moved in (base[1:], base[:3].view(1, 3), base.view(torch.int32)[:4],  # the same storage
+                  base.clone()):
+        assert places.moved([a, moved, c]) == [1]
+    b.untyped_storage().resize_(8)  # the storage resized in place (and moved)
+    assert places.moved(ts) == [1]
+    places.renew(ts, [1])
+    assert places.moved(ts) == []
+    with pytest.raises(RuntimeError, match=r"position 3 is outside \[0, 3\)"):
+        places.renew(ts, [3])
     with pytest.raises(TypeError, match=r"tensors\[1\] is a int"):
         _C.tree.versions([a, 3])

@@ -242,14 +242,14 @@ class StateGuard:
         self.watch_trained = watch_trained
         self._trained: List[tuple] = []
         self._trained_named: Optional[List[tuple]] = None  # (name, parameter), record_trained's
-        # The same parameters' versions (as in _trained) and places (_C.tree.places: storage,
+        # The same parameters' versions (as in _trained) and places (_C.tree.Places: storage,
         # offset, sizes, strides, dtype) when recorded: while both are unchanged no parameter was
         # written in place or pointed at other memory (another storage, or another part of its
         # own: a forward that re-points a bias into its unit's weights leaves every byte and
         # storage as it was), and the memories below are still theirs.
         self._trained_params: List[torch.Tensor] = []
         self._trained_versions: List[int] = []
-        self._recorded_places: List[Optional[tuple]] = []
+        self._recorded_places: Optional[_C.tree.Places] = None
         # Note [trained parameters written outside the step]: per memory the trained parameters
         # live in, (their names, the memory as a flat tensor, its data pointer, its fingerprint).
         self._trained_memories: List[tuple] = []
@@ -378,9 +378,8 @@ class StateGuard:
                 self._trained = [(n, p, p._version if n in renewed else v)
                                  for n, p, v in self._trained]
                 self._trained_versions = [v for _, _, v in self._trained]
-                now = _C.tree.places(self._trained_params)
-                self._recorded_places = [place if n in renewed else was for (n, _, _), place, was
-                                         in zip(self._trained, now, self._recorded_places)]
+                self._recorded_places.renew(self._trained_params, [
+                    i for i, (n, _, _) in enumerate(self._trained) if n in renewed])
                 self._trained_memories = [
                     (names, memory, ptr, fingerprint(memory, self.key) if ptr in clean else f)
                     for names, memory, ptr, f in self._trained_memories]
@@ -389,12 +388,11 @@ class StateGuard:
             self._trained_named = [(n, p) for n, p in self.model.named_parameters()
                                    if id(p) in self.trainable]
             self._trained_params = [p for _, p in self._trained_named]
-            self._recorded_places = []
+            self._recorded_places = None
         versions = _C.tree.versions(self._trained_params)
         self._trained = [(n, p, v) for (n, p), v in zip(self._trained_named, versions)]
         self._trained_versions = versions
-        places = _C.tree.places(self._trained_params)
-        if places != self._recorded_places or None in places:
+        if self._recorded_places is None or self._recorded_places.moved(self._trained_params):
             # A parameter given other memory, or a storage resized, since the last record: the
             # memories afresh (else each memory tensor still views its parameters' storage, which
             # it keeps alive).
@@ -407,7 +405,7 @@ class StateGuard:
                     memories[ptr][0].append(n)
             self._trained_memories = [(names, memory, ptr, None)
                                       for ptr, (names, memory) in memories.items()]
-            self._recorded_places = places
+            self._recorded_places = _C.tree.Places(self._trained_params)
         now = fingerprints([memory for _, memory, _, _ in self._trained_memories], self.key) \
             if self._trained_memories else []
         self._trained_memories = [(names, memory, ptr, f) for (names, memory, ptr, _), f
@@ -423,14 +421,13 @@ class StateGuard:
         if not self._trained:
             return []
         versions = _C.tree.versions(self._trained_params)
-        places = _C.tree.places(self._trained_params)
-        if versions == self._trained_versions and places == self._recorded_places:
+        moved = self._recorded_places.moved(self._trained_params)
+        if versions == self._trained_versions and not moved:
             return []  # no version moved and every parameter is where it was recorded
         return ([self._written_text(n) for (n, _, v), now in zip(self._trained, versions)
                  if now != v] +
-                [f"trainable parameter {n!r} was given other memory outside the private "
-                 "optimizer (its .data replaced)" for (n, _, _), now, was
-                 in zip(self._trained, places, self._recorded_places) if now != was])
+                [f"trainable parameter {self._trained[i][0]!r} was given other memory outside the "
+                 "private optimizer (its .data replaced)" for i in moved])
 
     def _trained_flags(self) -> List[torch.Tensor]:
         """One device flag per memory the trained parameters live in (a unit's flat buffer
@@ -527,11 +524,12 @@ class StateGuard:
         if since is None:
             params = [p for m in modules for p in m._parameters.values()
                       if p is not None and id(p) in self.trainable]
-            return {s[0] for s in _C.tree.places(params) if s is not None}
+            return {ptr for ptr in _C.tree.storage_pointers(params) if ptr is not None}
         if self._trained_listed is None or self._trained_listed[0] is not since:
             self._trained_listed = (since, [p for _, _, params in since.items() for _, p in params
                                             if p is not None and id(p) in self.trainable])
-        return {s[0] for s in _C.tree.places(self._trained_listed[1]) if s is not None}
+        return {ptr for ptr in _C.tree.storage_pointers(self._trained_listed[1])
+                if ptr is not None}
 
     def _structure_walk(self, view: Dict[int, tuple]) -> List[str]:
         """_structure's reading of ``view``: per listed module's id, (module, its buffers, its
