@@ -55,8 +55,9 @@ const std::array<PyObject*, 3>& dict_names() {
 // from a walk of the live dicts made before or after it: Python code can run between two reads
 // (a __torch_function__ or dispatch mode, a finalizer, a thread), and a verdict taken from one
 // state must not be recorded against another. A snapshot is `complete` when every child its
-// modules hold is in its listing; one taken after the tree grew past the listing is not, and is
-// never `same`, so the grown tree is listed again at the next check.
+// modules hold is in its listing and every listed module but the root is held as a child; one
+// taken after the tree grew past the listing, or shrank below it, is not, and is never `same`,
+// so the changed tree is listed again at the next check.
 //
 // The snapshot shows the garbage collector what it holds (tp_traverse, tp_clear): the modules
 // often reach the engine that holds the snapshot (a patched forward), and a cycle through
@@ -92,13 +93,20 @@ class Snapshot {
     }
     // Complete: every child a listed module holds is listed too (else the tree grew between the
     // listing and this snapshot, and `same` would keep the listing stale).
-    std::unordered_set<PyObject*> listed;
+    std::unordered_set<PyObject*> listed, held;
     for (const Module& m : modules_) listed.insert(m.module.ptr());
     complete_ = plain_dicts;
     for (const Module& m : modules_) {
-      for (const auto& [key, child] : m.dicts[kModules].items)
-        if (child.ptr() != Py_None && !listed.count(child.ptr())) complete_ = false;
+      for (const auto& [key, child] : m.dicts[kModules].items) {
+        if (child.ptr() == Py_None) continue;
+        held.insert(child.ptr());
+        if (!listed.count(child.ptr())) complete_ = false;
+      }
     }
+    // And every listed module but the first (the root) is some listed module's child (else a
+    // module left the tree after the listing, and `same` would keep listing it).
+    for (size_t i = 1; i < modules_.size(); ++i)
+      if (!held.count(modules_[i].module.ptr())) complete_ = false;
   }
 
   bool complete() const { return complete_; }
@@ -205,14 +213,15 @@ const at::Tensor& tensor_at(const py::list& tensors, size_t i, const char* what)
   return THPVariable_Unpack(t);
 }
 
-// Where a tensor's elements are: its storage (data pointer and bytes), offset, sizes, strides
-// and dtype; `readable` false where it has no storage or the storage refuses access (a resharded
-// ZeRO stage-3 parameter).
+// Where a tensor's elements are and how they are read: its storage (data pointer and bytes),
+// offset, sizes, strides, dtype and its lazy negation and conjugation bits; `readable` false
+// where it has no storage or the storage refuses access (a resharded ZeRO stage-3 parameter).
 struct Place {
   bool readable = false;
   int64_t data = 0, nbytes = 0, offset = 0;
   std::vector<int64_t> sizes, strides;
   at::ScalarType dtype = at::kFloat;
+  bool neg = false, conj = false;  // a lazily negated or conjugated view reads other values
 
   explicit Place(const at::Tensor& t) {
     if (!t.has_storage()) return;
@@ -228,11 +237,14 @@ struct Place {
     sizes = t.sizes().vec();
     strides = t.strides().vec();
     dtype = t.scalar_type();
+    neg = t.is_neg();
+    conj = t.is_conj();
   }
   // An unreadable place is never the same as another.
   bool operator==(const Place& o) const {
     return readable && o.readable && data == o.data && nbytes == o.nbytes && offset == o.offset &&
-           sizes == o.sizes && strides == o.strides && dtype == o.dtype;
+           sizes == o.sizes && strides == o.strides && dtype == o.dtype && neg == o.neg &&
+           conj == o.conj;
   }
 };
 
@@ -252,17 +264,6 @@ class Places {
       if (!same_count || !(Place(tensor_at(tensors, i, "Places.moved")) == places_[i]))
         out.push_back(static_cast<int64_t>(i));
     return out;
-  }
-  // Records the tensors at `positions` where they are now.
-  void renew(const py::list& tensors, const std::vector<int64_t>& positions) {
-    TORCH_CHECK(tensors.size() == places_.size(), "tree.Places.renew: ", tensors.size(),
-                " tensors for ", places_.size(), " recorded places");
-    for (const int64_t i : positions) {
-      TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(places_.size()),
-                  "tree.Places.renew: position ", i, " is outside [0, ", places_.size(), ")");
-      places_[static_cast<size_t>(i)] = Place(tensor_at(tensors, static_cast<size_t>(i),
-                                                        "Places.renew"));
-    }
   }
 
  private:
@@ -311,14 +312,13 @@ void bind_module_tree(py::module_ m) {
       },
       py::arg("tensors"), "Each tensor's version counter (t._version), in one call");
   py::class_<Places>(m, "Places",
-                     "Where each of a list of tensors' elements are (storage, offset, sizes, "
-                     "strides, dtype), recorded")
+                     "Where each of a list of tensors' elements are and how they are read "
+                     "(storage, offset, sizes, strides, dtype, negation and conjugation bits), "
+                     "recorded")
       .def(py::init<const py::list&>(), py::arg("tensors"))
       .def("moved", &Places::moved, py::arg("tensors"),
            "The positions whose tensor is not where it was recorded (an unreadable place, a "
-           "resharded ZeRO stage-3 parameter's, counts as moved)")
-      .def("renew", &Places::renew, py::arg("tensors"), py::arg("positions"),
-           "Records the tensors at `positions` where they are now");
+           "resharded ZeRO stage-3 parameter's, counts as moved)");
   m.def(
       "storage_pointers",
       [](const py::list& tensors) {

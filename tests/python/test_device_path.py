@@ -39,6 +39,8 @@ STEP_READS = 1
 
 
 class _Count(TorchDispatchMode):
+    observes_only = True  # kept inside the step's checks (Note [checks alone] in trainable.py)
+
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()

@@ -46,6 +46,8 @@ GEMMS = {"aten.mm", "aten.bmm", "aten.addmm", "aten.matmul"}
 class _Order(TorchDispatchMode):
     """The packet name of every operator dispatched, in order."""
 
+    observes_only = True  # kept inside the step's checks (Note [checks alone] in trainable.py)
+
     def __init__(self):
         super().__init__()
         self.names: list[str] = []

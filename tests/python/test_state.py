@@ -443,7 +443,56 @@ def test_a_trained_parameter_given_other_memory_is_refused(when):
                 break
 
 
-def test_a_trained_parameter_pointed_at_part_of_its_own_unit_is_refused():
+def test_a_load_does_not_accept_a_trained_parameter_given_other_memory():
+    """A load copies in place: it does not make a moved parameter's old memory clean (a second
+    review laundered a bias set from a training row through ``load_state_dict({},
+    strict=False)``: 1001 apart between neighbours)."""
+    torch.manual_seed(0)
+    model = Ema()
+    p = _train(model, 1)
+    model.fc.bias.data = _data().tensors[0][0, :K].clone()  # from a training row
+    with pytest.raises(PrivacyViolation, match=r"'fc.bias' was given other memory"):
+        p.model.state_dict()
+    p.model.load_state_dict({}, strict=False)
+    with pytest.raises(PrivacyViolation, match=r"'fc.bias' was given other memory"):
+        p.model.state_dict()
+
+
+def test_no_mode_around_the_step_runs_between_its_checks_and_its_record():
+    """Note [checks alone]: a dispatch mode left active around ``optimizer.step()`` sees the
+    update's operations; a write it made there was recorded as the update's own (a second review
+    released a training row as the bias that way, 1001 apart between neighbours). No mode runs
+    from the step's checks to its record, so none writes there."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Writer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(func)
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mul_.Tensor or func is torch.ops.aten.add_.Tensor:
+                model.fc.bias.data.copy_(torch.full((K,), 1e3))
+            return out
+
+    torch.manual_seed(0)
+    model = Ema()
+    p = dpzero.make_private(model, dataset=_data(), sample_rate=1.0, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, optimizer="sgd", lr=0.1,
+                            seed=0, max_physical_batch_size=4)
+    for x, y in p.data_loader:
+        F.cross_entropy(p.model(x), y).backward()
+        with Writer():
+            stepped = p.optimizer.step()
+        if stepped:
+            break
+    assert not [f for f in calls if f.namespace == "aten"]  # it saw none of the step's
+    assert model.fc.bias.abs().max() < 10
+    p.model.state_dict()
+
+
+@pytest.mark.parametrize("how", ["into the weights", "a negated view"])
+def test_a_trained_parameter_pointed_at_part_of_its_own_unit_is_refused(how):
     """A forward that re-points the bias at part of its unit's weights through ``.data`` when an
     outlier is in its batch (a review: the released bias then differed by 0.47 between neighbours
     against 0.007 for the weights): no version moves, no byte changes and the storage is the
@@ -454,8 +503,9 @@ def test_a_trained_parameter_pointed_at_part_of_its_own_unit_is_refused():
             self.fc = nn.Linear(D, K)
 
         def forward(self, x):
-            if bool((x.detach().abs() > 100).any()):
-                self.fc.bias.data = self.fc.weight.data.reshape(-1)[:K]
+            if bool((x.detach().abs() > 100).any()) and not self.fc.bias.is_neg():
+                self.fc.bias.data = self.fc.weight.data.reshape(-1)[:K] \
+                    if how == "into the weights" else self.fc.bias.data._neg_view()
             return self.fc(x)
 
     torch.manual_seed(0)
@@ -474,12 +524,12 @@ def test_a_trained_parameter_pointed_at_part_of_its_own_unit_is_refused():
 
 
 def test_a_module_added_while_the_step_checks_run_is_seen_by_the_next_check():
-    """Python code that runs inside the step's own checks (here a dispatch mode around
-    ``optimizer.step()``, on the checks' first comparison) adds a module holding a row of the
+    """Python code that runs inside the step's own checks (here a profile hook, as a tracer or
+    debugger installs, at the call of the step's verification) adds a module holding a row of the
     batch. The snapshot the step takes then holds the parent's new children but a listing without
     the module: it must not stand for the tree (a review released the row, 1001 apart between
     neighbours, after three steps), so the next check lists the tree again and refuses."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    import sys
 
     class Side(nn.Module):
         def __init__(self, row):
@@ -488,12 +538,11 @@ def test_a_module_added_while_the_step_checks_run_is_seen_by_the_next_check():
 
     seen = {}
 
-    class AddOnce(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "row" in seen and "added" not in seen and func is torch.ops.aten.ne.Tensor:
-                seen["added"] = True
-                model.add_module("side", Side(seen["row"]))
-            return func(*args, **(kwargs or {}))
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "verify_step" and "row" in seen and \
+                "added" not in seen:
+            seen["added"] = True
+            model.add_module("side", Side(seen["row"]))
 
     torch.manual_seed(0)
     model = Ema()
@@ -506,8 +555,11 @@ def test_a_module_added_while_the_step_checks_run_is_seen_by_the_next_check():
             for x, y in p.data_loader:
                 seen.setdefault("row", x.detach()[0].clone())
                 F.cross_entropy(p.model(x), y).backward()
-                with AddOnce():
+                sys.setprofile(hook)
+                try:
                     stepped = p.optimizer.step()
+                finally:
+                    sys.setprofile(None)
                 if stepped:
                     break
     assert seen.get("added")

@@ -61,7 +61,7 @@ from .slots import Slots
 from .optimizer import DPOptimizer, EngineLink
 from .provenance.root import Ranks
 from .state_guard import ProbeWrites, StateGuard
-from .trainable import TrainableSet
+from .trainable import TrainableSet, checks_alone
 from . import state_dict
 
 # Note [compiled private models]
@@ -819,26 +819,30 @@ class PrivacyEngine:
             return False  # not the last micro-batch of the logical batch: only accumulate
         # Checks only Python can make; the book's own, the agreement, the budget, the ledger,
         # the charge and the noisy update are the step's transaction (src/dp/private_step.h).
-        with self._trainable_set.one_listing():
-            state_flags, deferred = self.book.read_step_checks(self._state.step_flags())
-            state = self._state.verify_step(state_flags)  # always: it puts changed buffers back
-            refusal = deferred or self._trainable_set.changed() or state
-        try:  # Note [hyperparameters at the step] (optimizer.py)
-            self._set_hyperparameters()
-            bad_settings = None
-        except ValueError as e:
-            bad_settings = str(e)
-        t, size = micro.token.step, micro.logical_size
-        try:
-            out = self._step.take(step=t, logical_size=size,
-                                  caller_sampled=micro.token.sampling == "caller",
-                                  refusal=refusal, bad_settings=bad_settings)
-        finally:
-            self._close_logical_batch()
-            # Note [noise index]: a step charged and then failed (its update, the accountant)
-            # used batch t; the sampler never draws a step below the charges again.
-            self._next_step = max(self._next_step, self.charges, self._step.rows)
-        self._state.record_trained()  # the update's own writes
+        # From the checks to the record of the update's writes no mode runs (Note [checks
+        # alone] in trainable.py): a write made in between would be recorded as the update's.
+        with checks_alone():
+            with self._trainable_set.one_listing():
+                state_flags, deferred = self.book.read_step_checks(self._state.step_flags())
+                state = self._state.verify_step(state_flags)  # always: it puts buffers back
+                refusal = deferred or self._trainable_set.changed() or state
+            try:  # Note [hyperparameters at the step] (optimizer.py)
+                self._set_hyperparameters()
+                bad_settings = None
+            except ValueError as e:
+                bad_settings = str(e)
+            t, size = micro.token.step, micro.logical_size
+            try:
+                out = self._step.take(step=t, logical_size=size,
+                                      caller_sampled=micro.token.sampling == "caller",
+                                      refusal=refusal, bad_settings=bad_settings)
+            finally:
+                self._close_logical_batch()
+                # Note [noise index]: a step charged and then failed (its update, the
+                # accountant) used batch t; the sampler never draws a step below the charges
+                # again.
+                self._next_step = max(self._next_step, self.charges, self._step.rows)
+            self._state.record_trained()  # the update's own writes
         self._next_step = max(t + 1, self.charges, self._step.rows)
         self.steps_taken += 1
         self.last_step = {"step": t, "noise_index": out.noise_index}

@@ -353,13 +353,16 @@ class StateGuard:
     # device one launch.
     def clean_trained(self) -> Set[int]:
         """Before a load: the memories (data pointers) whose trained parameters still hold what
-        was recorded, fingerprint and versions unmoved (one host read; loads are rare)."""
+        was recorded, fingerprint, versions and places unmoved (one host read; loads are rare). A
+        parameter pointed elsewhere leaves its old memory's bytes as they were: the memory is
+        not clean, and a load, which copies in place, never makes it so."""
         if not self.watch_trained:
             return set()
         moved = self._read(self._trained_flags())
         kept = {n for n, p, v in self._trained if p._version == v}
+        placed = {self._trained[i][0] for i in self._recorded_places.moved(self._trained_params)}
         return {ptr for (names, _, ptr, _), m in zip(self._trained_memories, moved)
-                if not m and set(names) <= kept}
+                if not m and set(names) <= kept and not placed.intersection(names)}
 
     def record_trained(self, clean: Optional[Set[int]] = None) -> None:
         """The trained parameters' versions and fingerprints now (after an update, an acceptance
@@ -378,8 +381,6 @@ class StateGuard:
                 self._trained = [(n, p, p._version if n in renewed else v)
                                  for n, p, v in self._trained]
                 self._trained_versions = [v for _, _, v in self._trained]
-                self._recorded_places.renew(self._trained_params, [
-                    i for i, (n, _, _) in enumerate(self._trained) if n in renewed])
                 self._trained_memories = [
                     (names, memory, ptr, fingerprint(memory, self.key) if ptr in clean else f)
                     for names, memory, ptr, f in self._trained_memories]

@@ -23,8 +23,35 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import _C
+
+
+# Note [checks alone]
+# ~~~~~~~~~~~~~~~~~~~
+# The checks compare the model's state with what was recorded, and the record after an update
+# takes the update's writes as the optimizer's. Python code that ran in between (a
+# __torch_function__ or __torch_dispatch__ mode the caller left active around optimizer.step(),
+# which sees every torch call the checks and the update make) could change the state after its
+# check or before its record: a write recorded as the update's own is never refused (a review
+# released a row of the batch as a trained bias that way, 1001 apart between neighbours). So the
+# checks, and the step from its checks to its record, run with torch-function handling disabled
+# and the Python dispatch modes set aside (they are restored after), but for a mode that declares
+# ``observes_only = True``, a promise to write nothing (the operator counts of
+# tests/python/test_device_path.py). Code that is not a mode (a finalizer, another thread, a
+# profile hook) is not excluded: what it changes in the tree or in a parameter's place is seen by
+# the next check, which reads both afresh (Note [module tree snapshots]).
+@contextlib.contextmanager
+def checks_alone():
+    """Note [checks alone]: no torch-function or Python dispatch mode but an observer runs
+    inside."""
+    with torch._C.DisableTorchFunction(), _disable_current_modes() as modes, \
+            contextlib.ExitStack() as observers:
+        for mode in reversed(modes):  # outermost first, as they were pushed
+            if getattr(mode, "observes_only", False) is True:
+                observers.enter_context(mode)
+        yield
 
 
 def _same_children(module: nn.Module, children: tuple) -> bool:
@@ -57,16 +84,16 @@ class TrainableSet:
         """A run of checks called one after another (the step's: the module state's flags, its
         verification and the trainable set; those before a micro-batch is handed out), during
         which ``modules()`` checks the listing once for all of them. Inside another run, this one
-        is part of it. No __torch_function__ mode or subclass runs inside; other Python code
-        that could (a dispatch mode, a finalizer, a thread) and changes the tree is seen by the
-        next check, which reads the listing afresh: no snapshot records a state other than the
-        one its verdict read (Note [module tree snapshots])."""
+        is part of it. No torch-function or Python dispatch mode runs inside (Note [checks
+        alone]); other Python code that could (a finalizer, a thread) and
+        changes the tree is seen by the next check, which reads the listing afresh: no snapshot
+        records a state other than the one its verdict read (Note [module tree snapshots])."""
         if self._within:  # inside another run of checks: its listing holds
             yield
             return
         self._within, self._current = True, False
         try:
-            with torch._C.DisableTorchFunction():  # no mode or subclass runs inside the checks
+            with checks_alone():  # Note [checks alone]
                 yield
         finally:
             self._within = self._current = False
