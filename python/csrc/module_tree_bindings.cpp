@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include "python/csrc/bindings.h"
+#include "src/dp/state_guard.h"
 
 namespace py = pybind11;
 
@@ -213,42 +214,8 @@ const at::Tensor& tensor_at(const py::list& tensors, size_t i, const char* what)
   return THPVariable_Unpack(t);
 }
 
-// Where a tensor's elements are and how they are read: its storage (data pointer and bytes),
-// offset, sizes, strides, dtype and its lazy negation and conjugation bits; `readable` false
-// where it has no storage or the storage refuses access (a resharded ZeRO stage-3 parameter).
-struct Place {
-  bool readable = false;
-  int64_t data = 0, nbytes = 0, offset = 0;
-  std::vector<int64_t> sizes, strides;
-  at::ScalarType dtype = at::kFloat;
-  bool neg = false, conj = false;  // a lazily negated or conjugated view reads other values
-
-  explicit Place(const at::Tensor& t) {
-    if (!t.has_storage()) return;
-    try {
-      const c10::Storage& s = t.storage();
-      data = reinterpret_cast<int64_t>(s.data());
-      nbytes = static_cast<int64_t>(s.nbytes());
-    } catch (const c10::Error&) {
-      return;
-    }
-    readable = true;
-    offset = t.storage_offset();
-    sizes = t.sizes().vec();
-    strides = t.strides().vec();
-    dtype = t.scalar_type();
-    neg = t.is_neg();
-    conj = t.is_conj();
-  }
-  // An unreadable place is never the same as another.
-  bool operator==(const Place& o) const {
-    return readable && o.readable && data == o.data && nbytes == o.nbytes && offset == o.offset &&
-           sizes == o.sizes && strides == o.strides && dtype == o.dtype && neg == o.neg &&
-           conj == o.conj;
-  }
-};
-
-// The places of a list of tensors, recorded; `moved` compares a list with them in one call.
+// The places (dp::TensorPlace, src/dp/state_guard.h) of a list of tensors, recorded; `moved`
+// compares a list with them in one call.
 class Places {
  public:
   explicit Places(const py::list& tensors) {
@@ -261,13 +228,13 @@ class Places {
     std::vector<int64_t> out;
     const bool same_count = tensors.size() == places_.size();
     for (size_t i = 0; i < tensors.size(); ++i)
-      if (!same_count || !(Place(tensor_at(tensors, i, "Places.moved")) == places_[i]))
+      if (!same_count || dp::TensorPlace(tensor_at(tensors, i, "Places.moved")) != places_[i])
         out.push_back(static_cast<int64_t>(i));
     return out;
   }
 
  private:
-  std::vector<Place> places_;
+  std::vector<dp::TensorPlace> places_;
 };
 
 }  // namespace
@@ -325,7 +292,7 @@ void bind_module_tree(py::module_ m) {
         std::vector<std::optional<int64_t>> out;
         out.reserve(tensors.size());
         for (size_t i = 0; i < tensors.size(); ++i) {
-          const Place place(tensor_at(tensors, i, "storage_pointers"));
+          const dp::TensorPlace place(tensor_at(tensors, i, "storage_pointers"));
           out.push_back(place.readable ? std::optional<int64_t>(place.data) : std::nullopt);
         }
         return out;

@@ -98,6 +98,30 @@ at::Tensor state_fingerprint(const at::Tensor& t, int64_t key) {
   return state_fingerprints({t}, key).select(0, 0);
 }
 
+TensorPlace::TensorPlace(const at::Tensor& t) {
+  if (!t.has_storage()) return;
+  try {  // a resharded stage-3 parameter's storage refuses every data access
+    const c10::Storage& s = t.storage();
+    data = reinterpret_cast<int64_t>(s.data());
+    nbytes = static_cast<int64_t>(s.nbytes());
+  } catch (const c10::Error&) {
+    return;
+  }
+  readable = true;
+  offset = t.storage_offset();
+  sizes = t.sizes().vec();
+  strides = t.strides().vec();
+  dtype = t.scalar_type();
+  neg = t.is_neg();
+  conj = t.is_conj();
+}
+
+bool TensorPlace::operator==(const TensorPlace& o) const {
+  return readable && o.readable && data == o.data && nbytes == o.nbytes && offset == o.offset &&
+         sizes == o.sizes && strides == o.strides && dtype == o.dtype && neg == o.neg &&
+         conj == o.conj;
+}
+
 StateGuard::StateGuard(std::shared_ptr<torch::nn::Module> model,
                        std::vector<std::pair<std::string, at::Tensor>> trained)
     : model_(std::move(model)), trained_(std::move(trained)) {
@@ -188,6 +212,8 @@ std::vector<std::string> StateGuard::structure() const {
 
 void StateGuard::record_trained() {
   versions_.clear();
+  places_.clear();
+  for (const auto& [name, p] : trained_) places_.emplace_back(p);
   trained_memories_.clear();
   for (const auto& [name, p] : trained_) {
     versions_.push_back(static_cast<int64_t>(p._version()));
@@ -239,11 +265,9 @@ std::vector<std::string> StateGuard::written_trained() const {
   std::vector<std::string> problems;
   for (size_t i = 0; i < trained_.size(); ++i) {
     const auto& [name, p] = trained_[i];
-    const bool known = std::any_of(trained_memories_.begin(), trained_memories_.end(),
-                                   [&](const TrainedMemory& m) { return m.data == p.storage().data(); });
     if (static_cast<int64_t>(p._version()) != versions_[i])
       problems.push_back(written_outside({name}));
-    else if (!known)
+    else if (TensorPlace(p) != places_[i])
       problems.push_back("trainable parameter '" + name +
                          "' was given other memory outside the private step (its data replaced)");
   }

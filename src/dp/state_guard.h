@@ -58,6 +58,26 @@ namespace dpzero::dp {
 // its term; and the words depend on the bytes and their count only, so equal bytes still give
 // equal fingerprints.
 at::Tensor state_fingerprint(const at::Tensor& t, int64_t key);
+
+// Where a tensor's elements are and how they are read: its storage (data pointer and bytes),
+// offset, sizes, strides, dtype and lazy negation and conjugation bits. A trained parameter's place
+// is recorded after each update and must be the same at every later check: a parameter pointed at
+// other memory, or at another part of its own unit's memory, or at a negated view of it (through
+// .data or set_data, which move no version counter and, for the last two, no byte) is read by the
+// forwards where the optimizer does not write (Note [trained parameters written outside the step]
+// in python/dpzero/private/state_guard.py). `readable` is false where the tensor has no storage or
+// the storage refuses access (a resharded ZeRO stage-3 parameter); such a place equals none.
+struct TensorPlace {
+  bool readable = false;
+  int64_t data = 0, nbytes = 0, offset = 0;
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype = at::kFloat;
+  bool neg = false, conj = false;
+
+  explicit TensorPlace(const at::Tensor& t);
+  bool operator==(const TensorPlace& o) const;
+  bool operator!=(const TensorPlace& o) const { return !(*this == o); }
+};
 // [L] int64 on their device: state_fingerprint of each of `ts` (L >= 1 tensors on one device) in
 // one op call (on a GPU one launch per 96 tensors).
 at::Tensor state_fingerprints(const std::vector<at::Tensor>& ts, int64_t key);
@@ -113,6 +133,7 @@ class StateGuard {
   std::shared_ptr<torch::nn::Module> model_;
   std::vector<std::pair<std::string, at::Tensor>> trained_;
   std::vector<int64_t> versions_;  // trained_'s, recorded
+  std::vector<TensorPlace> places_;  // trained_'s, recorded
   struct TrainedMemory {           // a storage the trained parameters live in (a unit's buffer)
     std::vector<std::string> names;  // the trained parameters in it
     at::Tensor memory;               // all of it, flat

@@ -197,7 +197,10 @@ struct Inner : torch::nn::Module {
   at::Tensor seen, shift, scale;
 };
 
-enum class Write { kNone, kBuffer, kFirstForwardOnly, kFrozen, kTrained, kTrainedData, kClear };
+enum class Write {
+  kNone, kBuffer, kFirstForwardOnly, kFrozen, kTrained, kTrainedData, kClear,
+  kTrainedIntoWeights, kTrainedNegated  // the bias re-pointed inside its unit's memory
+};
 
 struct Stateful : torch::nn::Module {
   Stateful() {
@@ -217,6 +220,11 @@ struct Stateful : torch::nn::Module {
       if (write == Write::kTrainedData)  // no version counter moves: a data-dependent init
         fc->bias.data().copy_(x.mean(0).narrow(0, 0, kClasses));
       if (write == Write::kClear) inner->seen.zero_();  // read above, then cleared
+      // No version counter moves and no byte changes: only where the bias reads from.
+      if (write == Write::kTrainedIntoWeights && forwards == 1)
+        fc->bias.set_data(fc->weight.data().reshape({-1}).narrow(0, 0, kClasses));
+      if (write == Write::kTrainedNegated && forwards == 1)
+        fc->bias.set_data(fc->bias.data()._neg_view());
     }
     return fc((x + inner->shift) * inner->scale);
   }
@@ -329,6 +337,20 @@ TEST(PrivacyEngineState, ATrainedParameterWrittenInTheForwardIsRefusedUntilAccep
     engine.accept_state_change();
     train_step(engine, *net);
     EXPECT_EQ(engine.charges(), 1);
+  }
+}
+
+// A trained parameter pointed at another part of its unit's memory, or at a negated view of its
+// own, moves no version and no byte: its recorded place (TensorPlace) sees it.
+TEST(PrivacyEngineState, ATrainedParameterRePointedInsideItsMemoryIsRefused) {
+  for (const Write write : {Write::kTrainedIntoWeights, Write::kTrainedNegated}) {
+    auto net = std::make_shared<Stateful>();
+    PrivacyEngine engine(net, options());
+    net->write = write;
+    const std::string why = refusal(engine, *net);
+    EXPECT_TRUE(contains(why, "trainable parameter 'fc.bias' was given other memory")) << why;
+    EXPECT_EQ(engine.charges(), 0);
+    EXPECT_THROW(engine.verify_state(), PrivacyError);
   }
 }
 
