@@ -242,11 +242,11 @@ class StateGuard:
         self.watch_trained = watch_trained
         self._trained: List[tuple] = []
         self._trained_named: Optional[List[tuple]] = None  # (name, parameter), record_trained's
-        # The same parameters' versions (as in _trained) and places (_C.tree.Places: storage,
-        # offset, sizes, strides, dtype) when recorded: while both are unchanged no parameter was
-        # written in place or pointed at other memory (another storage, or another part of its
-        # own: a forward that re-points a bias into its unit's weights leaves every byte and
-        # storage as it was), and the memories below are still theirs.
+        # The same parameters' versions (as in _trained) and places (_C.tree.Places of
+        # dp::TensorPlace, src/dp/state_guard.h) when recorded: while both are unchanged no
+        # parameter was written in place or pointed at other memory (another storage, or another
+        # part of its own: a forward that re-points a bias into its unit's weights leaves every byte
+        # and storage as it was), and the memories below are still theirs.
         self._trained_params: List[torch.Tensor] = []
         self._trained_versions: List[int] = []
         self._recorded_places: Optional[_C.tree.Places] = None
@@ -332,10 +332,11 @@ class StateGuard:
     # training loop around it. A write through autograd bumps the parameter's version counter; one
     # through .data, or numpy or DLPack views, does not. So after each update (and at make_private,
     # a load, an acceptance) all three are recorded: the versions; where each parameter's elements
-    # are (its storage, offset, sizes, strides and dtype: a forward that re-points a trained bias at
-    # part of its unit's weights through .data moves no version and no byte, and released the
-    # weights' values as the bias in one neighbour only); and on its device the fingerprint of each
-    # memory the trained parameters live in (a unit's flat buffer holds all of the unit's: one
+    # are and how they are read (TensorPlace in src/dp/state_guard.h: a forward that re-points a
+    # trained bias at part of its unit's weights, or at a negated view, through .data moves no
+    # version and no byte, and released other values as the bias in one neighbour only); a load
+    # leaves out every memory a parameter left (clean_trained); and on its device the fingerprint of
+    # each memory the trained parameters live in (a unit's flat buffer holds all of the unit's: one
     # fingerprint per unit, so that a step's launches grow with its units; a change names the
     # parameters sharing that buffer, a parameter given other memory is named alone); the versions
     # and places are compared at each check and release, the fingerprints with the buffers' flags,
