@@ -238,16 +238,17 @@ class StateGuard:
         self._modules = tree.modules
         self.key = secrets.randbits(62)  # the fingerprints' (Note [state written from data])
         self.entries: List[_Entry] = []
-        # Note [trained parameters written outside the step]: (name, parameter, version).
+        # Note [trained parameters written outside the step]: the trained (name, parameter)s,
+        # record_trained's, and the parameters alone (the C++ readers' argument).
         self.watch_trained = watch_trained
-        self._trained: List[tuple] = []
-        self._trained_named: Optional[List[tuple]] = None  # (name, parameter), record_trained's
-        # The same parameters' versions (as in _trained) and places (_C.tree.Places of
+        self._trained_named: List[tuple] = []
+        self._trained_params: List[torch.Tensor] = []
+        self._named_afresh = True  # take them from the model at the next record_trained
+        # The same parameters' versions and places (_C.tree.Places of
         # dp::TensorPlace, src/dp/state_guard.h) when recorded: while both are unchanged no
         # parameter was written in place or pointed at other memory (another storage, or another
         # part of its own: a forward that re-points a bias into its unit's weights leaves every byte
         # and storage as it was), and the memories below are still theirs.
-        self._trained_params: List[torch.Tensor] = []
         self._trained_versions: List[int] = []
         self._recorded_places: Optional[_C.tree.Places] = None
         # Note [trained parameters written outside the step]: per memory the trained parameters
@@ -360,8 +361,10 @@ class StateGuard:
         if not self.watch_trained:
             return set()
         moved = self._read(self._trained_flags())
-        kept = {n for n, p, v in self._trained if p._version == v}
-        placed = {self._trained[i][0] for i in self._recorded_places.moved(self._trained_params)}
+        kept = {n for (n, _), v, now in zip(self._trained_named, self._trained_versions,
+                                             _C.tree.versions(self._trained_params)) if now == v}
+        placed = {self._trained_named[i][0]
+                  for i in self._recorded_places.moved(self._trained_params)}
         return {ptr for (names, _, ptr, _), m in zip(self._trained_memories, moved)
                 if not m and set(names) <= kept and not placed.intersection(names)}
 
@@ -379,21 +382,20 @@ class StateGuard:
             with torch._C.DisableTorchFunctionSubclass():
                 renewed = {n for names, _, ptr, _ in self._trained_memories if ptr in clean
                            for n in names}
-                self._trained = [(n, p, p._version if n in renewed else v)
-                                 for n, p, v in self._trained]
-                self._trained_versions = [v for _, _, v in self._trained]
+                self._trained_versions = [
+                    now if n in renewed else v for (n, _), v, now in zip(
+                        self._trained_named, self._trained_versions,
+                        _C.tree.versions(self._trained_params))]
                 self._trained_memories = [
                     (names, memory, ptr, fingerprint(memory, self.key) if ptr in clean else f)
                     for names, memory, ptr, f in self._trained_memories]
             return
-        if self._trained_named is None:
+        if self._named_afresh:
             self._trained_named = [(n, p) for n, p in self.model.named_parameters()
                                    if id(p) in self.trainable]
             self._trained_params = [p for _, p in self._trained_named]
-            self._recorded_places = None
-        versions = _C.tree.versions(self._trained_params)
-        self._trained = [(n, p, v) for (n, p), v in zip(self._trained_named, versions)]
-        self._trained_versions = versions
+            self._recorded_places, self._named_afresh = None, False
+        self._trained_versions = _C.tree.versions(self._trained_params)
         if self._recorded_places is None or self._recorded_places.moved(self._trained_params):
             # A parameter given other memory, or a storage resized, since the last record: the
             # memories afresh (else each memory tensor still views its parameters' storage, which
@@ -420,16 +422,16 @@ class StateGuard:
                 "trained table, or through .data, such as an initialisation from the batch)")
 
     def _written_trained(self) -> List[str]:
-        if not self._trained:
+        if not self._trained_params:
             return []
         versions = _C.tree.versions(self._trained_params)
         moved = self._recorded_places.moved(self._trained_params)
         if versions == self._trained_versions and not moved:
             return []  # no version moved and every parameter is where it was recorded
-        return ([self._written_text(n) for (n, _, v), now in zip(self._trained, versions)
-                 if now != v] +
-                [f"trainable parameter {self._trained[i][0]!r} was given other memory outside the "
-                 "private optimizer (its .data replaced)" for i in moved])
+        return ([self._written_text(n) for (n, _), v, now
+                 in zip(self._trained_named, self._trained_versions, versions) if now != v] +
+                [f"trainable parameter {self._trained_named[i][0]!r} was given other memory "
+                 "outside the private optimizer (its .data replaced)" for i in moved])
 
     def _trained_flags(self) -> List[torch.Tensor]:
         """One device flag per memory the trained parameters live in (a unit's flat buffer
@@ -497,7 +499,7 @@ class StateGuard:
                                  f"{sorted(known)[:3]})")
         self._fix(names)
         if names is None:  # everything, the trained parameters' writes included
-            self._trained_named = None  # taken afresh
+            self._named_afresh = True
             self.record_trained()
 
     # ---- checking ------------------------------------------------------------------------
@@ -524,9 +526,7 @@ class StateGuard:
         modules = self._modules()
         since = self._tree.unchanged_since()
         if since is None:
-            params = [p for m in modules for p in m._parameters.values()
-                      if p is not None and id(p) in self.trainable]
-            return {ptr for ptr in _C.tree.storage_pointers(params) if ptr is not None}
+            return _trained_storages(modules, self.trainable)
         if self._trained_listed is None or self._trained_listed[0] is not since:
             self._trained_listed = (since, [p for _, _, params in since.items() for _, p in params
                                             if p is not None and id(p) in self.trainable])

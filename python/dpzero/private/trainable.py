@@ -34,16 +34,15 @@ from .. import _C
 # the update's writes as the optimizer's. Python code that ran in between (a __torch_function__ or
 # __torch_dispatch__ mode the caller left active around optimizer.step(), which sees every torch
 # call the checks and the update make) could change the state after its check or before its record:
-# a write recorded as the update's own is never refused (a review released a row of the batch as a
-# trained bias that way, 1001 apart between neighbours). So the checks, and the step from its checks
-# to its record, run with torch-function handling disabled and the Python dispatch modes set aside
-# (they are restored after), but for an ``Observer``, a dispatch mode of dpzero's own kind that
-# promises to write nothing (the operator counts of tests/python/test_device_path.py subclass it; no
-# library's mode is one). Code that is not a mode (a finalizer, another thread, a profile hook, a
-# tensor subclass's own __torch_dispatch__) is not excluded: what it changes in the tree or in a
-# parameter's place is seen by the next check, which reads both afresh (Note [module tree
-# snapshots]), but a value it wrote into a trained parameter during the update would be recorded
-# as the update's.
+# a write recorded as the update's own is never refused, so a mode could release a row of the batch
+# as a trained bias. So the checks, and the step from its checks to its record, run with
+# torch-function handling disabled and the Python dispatch modes set aside (they are restored
+# after), but for an ``Observer``, a dispatch mode of dpzero's own kind that promises to write
+# nothing (the operator counts of tests/python/test_device_path.py subclass it; no library's mode is
+# one). Code that is not a mode (a finalizer, another thread, a profile hook, a tensor subclass's
+# own __torch_dispatch__) is not excluded: what it changes in the tree or in a parameter's place is
+# seen by the next check, which reads both afresh (Note [module tree snapshots]), but a value it
+# wrote into a trained parameter during the update would be recorded as the update's.
 class Observer(TorchDispatchMode):
     """A dispatch mode that sees the private step's operators and writes nothing: the one kind
     of mode Note [checks alone] keeps inside the checks (for tests that count operators)."""
