@@ -48,7 +48,7 @@ from ..data import PoissonBatchSampler
 from ..accounting import Ledger, create_accountant
 from ..noise import NoiseSource
 from ..zero import default_process_group, default_units, shard
-from . import checkpointing, strict
+from . import checkpointing, opacus_entry, strict
 from .attach import assign_components, find_layers, guard_hooks, param_slots, patch, unpatch
 from .agreements import RankAgreements
 from .book import Book
@@ -188,27 +188,78 @@ class PrivacyEngine:
 
     # ---- Opacus-compatible entry points -------------------------------------------------------
 
-    def make_private(self, *, module: nn.Module, optimizer, data_loader: DataLoader,
-                     noise_multiplier: float, max_grad_norm: float, poisson_sampling: bool = True,
-                     clipping: str = "flat", **kwargs):
-        """Opacus's signature; returns (module, optimizer, data_loader)."""
+    def make_private(self, *, module: nn.Module, optimizer, criterion=None,
+                     data_loader: DataLoader, noise_multiplier: float, max_grad_norm: float,
+                     batch_first: bool = True, loss_reduction: str = "mean",
+                     poisson_sampling: bool = True, clipping: str = "flat",
+                     noise_generator: Optional[torch.Generator] = None,
+                     grad_sample_mode: str = "hooks", wrap_model: bool = True,
+                     rand_on_empty: bool = False, **kwargs):
+        """Opacus's signature (Note [Opacus's arguments] in opacus_entry.py says what each
+        argument does here); returns (module, optimizer, data_loader), and with
+        ``grad_sample_mode="ghost"`` (module, optimizer, criterion, data_loader). ``kwargs``:
+        :func:`dpzero.make_private`'s own keywords."""
+        return self._opacus_attach(
+            module, criterion, grad_sample_mode, wrap_model, dict(
+                optimizer=optimizer, data_loader=data_loader, noise_multiplier=noise_multiplier,
+                max_grad_norm=max_grad_norm, loss_reduction=loss_reduction, clipping=clipping,
+                **kwargs),
+            batch_first=batch_first, poisson_sampling=poisson_sampling,
+            noise_generator=noise_generator, rand_on_empty=rand_on_empty)
+
+    def make_private_with_epsilon(self, *, module: nn.Module, optimizer, criterion=None,
+                                  data_loader: DataLoader, target_epsilon: float,
+                                  target_delta: float, epochs: float, max_grad_norm: float,
+                                  batch_first: bool = True, loss_reduction: str = "mean",
+                                  poisson_sampling: bool = True, clipping: str = "flat",
+                                  noise_generator: Optional[torch.Generator] = None,
+                                  grad_sample_mode: str = "hooks", wrap_model: bool = True,
+                                  rand_on_empty: bool = False, **kwargs):
+        """``make_private`` with σ calibrated so that ``epochs`` epochs spend ``target_epsilon``
+        at ``target_delta``, which is also the run's budget (BudgetExhausted past it)."""
+        return self._opacus_attach(
+            module, criterion, grad_sample_mode, wrap_model, dict(
+                optimizer=optimizer, data_loader=data_loader, target_epsilon=target_epsilon,
+                target_delta=target_delta, epochs=epochs, max_grad_norm=max_grad_norm,
+                loss_reduction=loss_reduction, clipping=clipping, **kwargs),
+            batch_first=batch_first, poisson_sampling=poisson_sampling,
+            noise_generator=noise_generator, rand_on_empty=rand_on_empty)
+
+    def _opacus_attach(self, module, criterion, grad_sample_mode, wrap_model, settings,
+                       *, batch_first, poisson_sampling, noise_generator, rand_on_empty):
+        """Both Opacus entry points: every Opacus-only argument checked before anything is
+        touched (Note [Opacus's arguments]), then dpzero's own attach."""
         if not poisson_sampling:
             raise ValueError("poisson_sampling=False: dpzero's accounting assumes Poisson "
                              "sampling, the only sampling it implements")
-        out = self._attach(module, resolve(
-            accountant=self.accountant_name, optimizer=optimizer, data_loader=data_loader,
-            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=clipping,
-            **kwargs))
-        return out.model, out.optimizer, out.data_loader
+        opacus_entry.check_arguments(batch_first=batch_first, grad_sample_mode=grad_sample_mode,
+                                     clipping=settings["clipping"], wrap_model=wrap_model,
+                                     rand_on_empty=rand_on_empty)
+        ghost = grad_sample_mode == "ghost"
+        loss = None
+        if ghost:
+            loss = opacus_entry.PrivateCriterion(
+                criterion if criterion is not None else nn.CrossEntropyLoss(),
+                settings["loss_reduction"])
+        settings["seed"] = opacus_entry.seed_from_generator(
+            noise_generator, self._secure_mode_asked, settings.get("seed"))
+        out = self._attach(module, resolve(accountant=self.accountant_name, **settings))
+        model = out.model if wrap_model else opacus_entry.PrivateHooks(self, module)
+        if ghost:
+            return model, out.optimizer, loss, out.data_loader
+        return model, out.optimizer, out.data_loader
 
-    def make_private_with_epsilon(self, *, module: nn.Module, optimizer, data_loader: DataLoader,
-                                  target_epsilon: float, target_delta: float, epochs: float,
-                                  max_grad_norm: float, **kwargs):
-        out = self._attach(module, resolve(
-            accountant=self.accountant_name, optimizer=optimizer, data_loader=data_loader,
-            target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs,
-            max_grad_norm=max_grad_norm, **kwargs))
-        return out.model, out.optimizer, out.data_loader
+    def save_checkpoint(self, *, path, module: nn.Module, optimizer=None, **kwargs) -> None:
+        """Opacus's: the module's, the optimizer's and this engine's state dicts in one file
+        (``opacus_entry.save_checkpoint``; every rank calls it, rank 0 writes)."""
+        opacus_entry.save_checkpoint(self, path=path, module=module, optimizer=optimizer,
+                                     **kwargs)
+
+    def load_checkpoint(self, *, path, module: nn.Module, optimizer=None, **kwargs):
+        """Opacus's: loads what ``save_checkpoint`` wrote, this engine's state last; returns the
+        file's other entries (``opacus_entry.load_checkpoint``)."""
+        return opacus_entry.load_checkpoint(self, path=path, module=module, optimizer=optimizer,
+                                            **kwargs)
 
     def get_epsilon(self, delta: float) -> float:
         return self.epsilon(delta)
