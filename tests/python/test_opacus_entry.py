@@ -180,6 +180,18 @@ def test_wrap_model_false_trains_the_callers_own_model_and_cleanup_detaches():
     with pytest.raises(RuntimeError):
         optimizer.step()
 
+    # Opacus's GradSampleModule.to_standard_module(): the plain module back, detached.
+    plain = _model()
+    engine = PrivacyEngine()
+    wrapped, optimizer, _ = engine.make_private(
+        module=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1),
+        data_loader=_loader(), noise_multiplier=1.0, max_grad_norm=1.0)
+    assert wrapped.to_standard_module() is plain
+    F.cross_entropy(plain(x), y).backward()
+    assert all(p.grad is not None for p in plain.parameters())
+    with pytest.raises(RuntimeError):
+        optimizer.step()
+
 
 def _engine_run(tmp_path, save_after=None, load=False, steps=4):
     """Steps 0..steps-1 of one seeded run; saves after ``save_after`` steps, or loads the saved

@@ -96,6 +96,14 @@ class PrivateModule(nn.Module):
     def __getstate__(self):
         _refuse_copy(self)
 
+    def to_standard_module(self) -> nn.Module:
+        """Opacus's: the wrapped module, made plain again (``PrivacyEngine.detach``: the DP
+        forwards and guards removed, the engine's optimizer and loader retired)."""
+        engine = self.__dict__["_engine_ref"]()
+        if engine is None:
+            raise RuntimeError("to_standard_module: the PrivacyEngine of this model is gone")
+        return engine.detach()
+
     # Note [module state dicts] (state_dict.py): the wrapped module's state dict, under its own
     # names, so that it loads into the plain model; Opacus's names (``_module.`` in front, as its
     # GradSampleModule writes them) load too.
