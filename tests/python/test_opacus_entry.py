@@ -108,6 +108,11 @@ def test_the_ghost_criterion_gives_each_example_its_own_loss():
         seq_logits.reshape(B * T, V), seq_targets.reshape(B * T), shape=(B, T, V))
     torch.testing.assert_close(loss, own.mean())
 
+    # A criterion with several losses per row (MSELoss): each row's own mean, then the batch's.
+    pred, goal = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)
+    rows = torch.stack([F.mse_loss(pred[i], goal[i]) for i in range(4)])
+    torch.testing.assert_close(PrivateCriterion(nn.MSELoss(), "mean")(pred, goal), rows.mean())
+
     with pytest.raises(ValueError, match="reduction='sum' but loss_reduction='mean'"):
         PrivateCriterion(nn.CrossEntropyLoss(reduction="sum"), "mean")
 
@@ -132,6 +137,20 @@ def test_what_dpzero_cannot_honour_is_refused_before_anything_is_touched(argumen
     with pytest.raises(ValueError, match="secure_mode=True"):
         PrivacyEngine(secure_mode=True).make_private(
             **{**settings, "module": _model()}, noise_generator=torch.Generator())
+
+
+def test_a_noise_generator_must_be_seeded_and_a_refusal_leaves_it_as_it_was():
+    model = _model()
+    settings = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    data_loader=_loader(), max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="torch's default seed"):
+        PrivacyEngine().make_private(**settings, noise_multiplier=1.0,
+                                     noise_generator=torch.Generator())
+    g = torch.Generator().manual_seed(4)
+    before = g.get_state()
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        PrivacyEngine().make_private(**settings, noise_multiplier=-1.0, noise_generator=g)
+    assert torch.equal(g.get_state(), before)
 
 
 def _trained(generator_seed, steps=2):
@@ -241,6 +260,25 @@ def test_a_checkpoint_is_written_whole_or_not_at_all_and_others_are_refused(tmp_
         engine.save_checkpoint(path=path, module=model, optimizer=optimizer,
                                checkpoint_dict={"bad": lambda: 0})
     assert path.read_bytes() == written and os.listdir(tmp_path) == ["ckpt.pt"]
+    extra = torch.load(path, weights_only=True)  # nothing but tensors and plain values
+    assert set(extra) == {"module_state_dict", "optimizer_state_dict",
+                          "privacy_engine_state_dict"}
+
+    # A file of a run with another σ is refused before the model or optimizer is touched.
+    torch.manual_seed(9)  # other weights than _model()'s
+    other = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    other_engine = PrivacyEngine()
+    other, other_optimizer, _ = other_engine.make_private(
+        module=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9),
+        data_loader=_loader(), noise_multiplier=2.0, max_grad_norm=1.0)
+    other_file = tmp_path / "other.pt"
+    other_engine.save_checkpoint(path=other_file, module=other, optimizer=other_optimizer)
+    kept = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="noise_multiplier is 2.0"):
+        engine.load_checkpoint(path=other_file, module=model, optimizer=optimizer)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, kept[name]), name
+        assert not torch.equal(value, other.state_dict()[name]), name
 
     opacus_file = tmp_path / "opacus.pt"
     torch.save({"module_state_dict": model.state_dict(),

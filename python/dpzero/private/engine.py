@@ -196,62 +196,58 @@ class PrivacyEngine:
 
     # ---- Opacus-compatible entry points -------------------------------------------------------
 
-    def make_private(self, *, module: nn.Module, optimizer, criterion=None,
-                     data_loader: DataLoader, noise_multiplier: float, max_grad_norm: float,
-                     batch_first: bool = True, loss_reduction: str = "mean",
-                     poisson_sampling: bool = True, clipping: str = "flat",
-                     noise_generator: Optional[torch.Generator] = None,
-                     grad_sample_mode: str = "hooks", wrap_model: bool = True,
-                     rand_on_empty: bool = False, **kwargs):
-        """Opacus's signature (Note [Opacus's arguments] in opacus_entry.py says what each
-        argument does here); returns (module, optimizer, data_loader), and with
-        ``grad_sample_mode="ghost"`` (module, optimizer, criterion, data_loader). ``kwargs``:
-        :func:`dpzero.make_private`'s own keywords."""
-        return self._opacus_attach(
-            module, criterion, grad_sample_mode, wrap_model, dict(
-                optimizer=optimizer, data_loader=data_loader, noise_multiplier=noise_multiplier,
-                max_grad_norm=max_grad_norm, loss_reduction=loss_reduction, clipping=clipping,
-                **kwargs),
-            batch_first=batch_first, poisson_sampling=poisson_sampling,
-            noise_generator=noise_generator, rand_on_empty=rand_on_empty)
+    def make_private(self, *, module: nn.Module, optimizer, data_loader: DataLoader,
+                     noise_multiplier: float, max_grad_norm: float, **kwargs):
+        """Opacus's signature: its other arguments (criterion, batch_first, loss_reduction,
+        poisson_sampling, clipping, noise_generator, grad_sample_mode, wrap_model, rand_on_empty;
+        ``_opacus_attach`` holds their defaults, Opacus's, and Note [Opacus's arguments] in
+        opacus_entry.py says what each does here) and :func:`dpzero.make_private`'s own keywords
+        go in ``kwargs``. Returns (module, optimizer, data_loader), and with
+        ``grad_sample_mode="ghost"`` (module, optimizer, criterion, data_loader)."""
+        return self._opacus_attach(module=module, optimizer=optimizer, data_loader=data_loader,
+                                   noise_multiplier=noise_multiplier,
+                                   max_grad_norm=max_grad_norm, **kwargs)
 
-    def make_private_with_epsilon(self, *, module: nn.Module, optimizer, criterion=None,
-                                  data_loader: DataLoader, target_epsilon: float,
-                                  target_delta: float, epochs: float, max_grad_norm: float,
-                                  batch_first: bool = True, loss_reduction: str = "mean",
-                                  poisson_sampling: bool = True, clipping: str = "flat",
-                                  noise_generator: Optional[torch.Generator] = None,
-                                  grad_sample_mode: str = "hooks", wrap_model: bool = True,
-                                  rand_on_empty: bool = False, **kwargs):
+    def make_private_with_epsilon(self, *, module: nn.Module, optimizer, data_loader: DataLoader,
+                                  target_epsilon: float, target_delta: float, epochs: float,
+                                  max_grad_norm: float, **kwargs):
         """``make_private`` with σ calibrated so that ``epochs`` epochs spend ``target_epsilon``
         at ``target_delta``, which is also the run's budget (BudgetExhausted past it)."""
-        return self._opacus_attach(
-            module, criterion, grad_sample_mode, wrap_model, dict(
-                optimizer=optimizer, data_loader=data_loader, target_epsilon=target_epsilon,
-                target_delta=target_delta, epochs=epochs, max_grad_norm=max_grad_norm,
-                loss_reduction=loss_reduction, clipping=clipping, **kwargs),
-            batch_first=batch_first, poisson_sampling=poisson_sampling,
-            noise_generator=noise_generator, rand_on_empty=rand_on_empty)
+        return self._opacus_attach(module=module, optimizer=optimizer, data_loader=data_loader,
+                                   target_epsilon=target_epsilon, target_delta=target_delta,
+                                   epochs=epochs, max_grad_norm=max_grad_norm, **kwargs)
 
-    def _opacus_attach(self, module, criterion, grad_sample_mode, wrap_model, settings,
-                       *, batch_first, poisson_sampling, noise_generator, rand_on_empty):
+    def _opacus_attach(self, *, module: nn.Module, criterion=None, batch_first: bool = True,
+                       loss_reduction: str = "mean", poisson_sampling: bool = True,
+                       clipping: str = "flat", noise_generator: Optional[torch.Generator] = None,
+                       grad_sample_mode: str = "hooks", wrap_model: bool = True,
+                       rand_on_empty: bool = False, **settings):
         """Both Opacus entry points: every Opacus-only argument checked before anything is
-        touched (Note [Opacus's arguments]), then dpzero's own attach."""
+        touched (Note [Opacus's arguments]), then dpzero's own attach with ``settings``."""
         if not poisson_sampling:
             raise ValueError("poisson_sampling=False: dpzero's accounting assumes Poisson "
                              "sampling, the only sampling it implements")
         opacus_entry.check_arguments(batch_first=batch_first, grad_sample_mode=grad_sample_mode,
-                                     clipping=settings["clipping"], wrap_model=wrap_model,
+                                     clipping=clipping, wrap_model=wrap_model,
                                      rand_on_empty=rand_on_empty)
         ghost = grad_sample_mode == "ghost"
         loss = None
         if ghost:
             loss = opacus_entry.PrivateCriterion(
-                criterion if criterion is not None else nn.CrossEntropyLoss(),
-                settings["loss_reduction"])
+                criterion if criterion is not None else nn.CrossEntropyLoss(), loss_reduction)
+        # A refused attach leaves the generator as it was, as it leaves the model.
+        drawn_from = noise_generator.get_state() if isinstance(
+            noise_generator, torch.Generator) else None
         settings["seed"] = opacus_entry.seed_from_generator(
             noise_generator, self._secure_mode_asked, settings.get("seed"))
-        out = self._attach(module, resolve(accountant=self.accountant_name, **settings))
+        try:
+            out = self._attach(module, resolve(accountant=self.accountant_name,
+                                               clipping=clipping, loss_reduction=loss_reduction,
+                                               **settings))
+        except BaseException:
+            if drawn_from is not None:
+                noise_generator.set_state(drawn_from)
+            raise
         model = out.model if wrap_model else opacus_entry.PrivateHooks(self, module)
         if ghost:
             return model, out.optimizer, loss, out.data_loader
@@ -343,6 +339,13 @@ class PrivacyEngine:
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state_dict()`` of a run with the same q, σ, C and N (checked, named;
         nothing changes on a mismatch)."""
+        self.checked_load(state)()
+
+    def checked_load(self, state: dict):
+        """Every check of ``load_state_dict(state)``, with nothing changed; returns the load
+        itself, to call once whatever else a checkpoint restores has been restored too
+        (``PrivacyEngine.load_checkpoint`` restores the model and optimizer in between, so that
+        a refused state leaves all three as they were)."""
         missing = [k for k in ("next_step", "charges", "noise_multiplier", "sample_rate",
                                "max_grad_norm", "dataset_size", "accountant", "history")
                    if k not in state]
@@ -419,14 +422,18 @@ class PrivacyEngine:
         # Every check has passed: nothing above changed the engine. The key last of all, so a
         # refused state never leaves another run's key behind (its noise at this run's charge
         # indices would repeat that run's).
-        if state.get("key") is not None:
-            key = [int(w) for w in state["key"]]
-            self._step.set_noise_key(key)  # checks it first: sampling and noise use one key
-            self.noise_source._key = key
-        if accountant is not None:
-            self._step.restore(charged, accountant.native, rows)
-            self._accountant = accountant
-        self._next_step = max(int(state["next_step"]), self.charges, self._step.rows)
+        key = None if state.get("key") is None else [int(w) for w in state["key"]]
+        next_step = int(state["next_step"])
+
+        def load() -> None:
+            if key is not None:
+                self._step.set_noise_key(key)  # checks it first: sampling and noise use one key
+                self.noise_source._key = key
+            if accountant is not None:
+                self._step.restore(charged, accountant.native, rows)
+                self._accountant = accountant
+            self._next_step = max(next_step, self.charges, self._step.rows)
+        return load
 
     def accept_state_change(self, names=None) -> None:
         """Note [state written from data]: takes the model's buffers and frozen parameters as they

@@ -23,7 +23,8 @@ or refused before anything is touched, naming the value and the fix; none is sil
 - ``noise_generator``: a seeded ``torch.Generator`` makes the run reproducible, as in Opacus;
   dpzero's noise is counter-based (each rank draws only the coordinates it owns), so the
   generator gives the run's seed (63 bits drawn from it) instead of the draws themselves, and
-  the seed drives the sampling too. Refused with ``secure_mode=True``, as in Opacus.
+  the seed drives the sampling too. Refused with ``secure_mode=True``, as in Opacus, and at
+  torch's default seed (a Generator never seeded), which would make the noise public.
 - ``wrap_model=False``: the caller keeps calling its own model, which dpzero patches in place
   anyway; the first value returned is a ``PrivateHooks`` whose ``cleanup()`` detaches.
 - ``rand_on_empty``: either value. dpzero never hands the model an empty micro-batch: an empty
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 
 GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost")
+_TORCH_DEFAULT_SEED = torch.Generator().initial_seed()  # what an unseeded Generator starts from
 _LOSS_REDUCTIONS = ("mean", "sum")
 
 
@@ -97,6 +99,11 @@ def seed_from_generator(noise_generator: Optional[torch.Generator],
     if seed is not None:
         raise ValueError(f"both noise_generator and seed={seed} were given; the seed is drawn "
                          "from the generator, so give one of them")
+    if noise_generator.initial_seed() == _TORCH_DEFAULT_SEED:
+        raise ValueError(
+            f"noise_generator has torch's default seed {_TORCH_DEFAULT_SEED}, which everyone "
+            "knows, so the noise and the batches would be public; seed it (manual_seed) for a "
+            "reproducible run, or leave noise_generator out for secure mode (OS entropy)")
     return int(torch.randint(0, 2**63 - 1, (1,), generator=noise_generator,
                              device=noise_generator.device).item())
 
@@ -112,7 +119,9 @@ class PrivateCriterion:
     flattened to B·T rows) makes each example's loss its own token mean, over the tokens whose
     target is not ``ignore_index``, or its token sum under ``loss_reduction="sum"``, as Opacus
     does for sequence models. Opacus returns a tensor-like object whose ``backward()`` runs two
-    passes; dpzero clips in one backward, so this returns the loss tensor itself."""
+    passes; dpzero clips in one backward, so this returns the loss tensor itself. A criterion
+    whose unreduced output mixes the examples (each row computed from others' outputs) is the
+    model code Note [losses that couple examples] is about: ``isolation`` decides what holds."""
 
     def __init__(self, criterion, loss_reduction: str) -> None:
         if not callable(criterion):
@@ -145,8 +154,11 @@ class PrivateCriterion:
                 f"criterion {type(self.criterion).__name__} with reduction='none' returned "
                 f"{'a 0-dim tensor' if isinstance(per_row, torch.Tensor) else type(per_row)}; "
                 "it must return one loss per row")
-        per_example = per_row
-        if shape is not None and per_row.shape[0] == shape[0] * shape[1]:
+        per_example = per_row  # [B] (or [B·T] with shape=): one loss per row
+        if per_row.dim() > 1:  # [B, *] (MSELoss, BCE on several outputs): each row's own mean
+            per_example = (per_row.flatten(1).sum(dim=1) if self.loss_reduction == "sum"
+                           else per_row.flatten(1).mean(dim=1))
+        elif shape is not None and per_row.shape[0] == shape[0] * shape[1]:
             per_row = per_row.reshape(shape[0], shape[1])  # [B, T]
             ignore = getattr(self.criterion, "ignore_index", None)
             targets = kwargs.get("target", args[1] if len(args) > 1 else None)
@@ -223,17 +235,22 @@ def load_checkpoint(engine, *, path, module: nn.Module, optimizer=None, noise_sc
                     torch_load_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Opacus's ``PrivacyEngine.load_checkpoint`` of a file ``save_checkpoint`` wrote: the module,
     the optimizer, then the privacy engine (its charges and sampler position, so that ε counts
-    every step and no noise or batch is drawn twice). Returns what else the file holds. A file
-    without the privacy engine's state (one Opacus wrote) is refused: its accountant alone does
-    not say which noise and batches the run already drew."""
+    every step and no noise or batch is drawn twice), whose state is checked before anything is
+    loaded. Returns what else the file holds. ``torch.load`` runs with ``weights_only=True``
+    unless ``torch_load_kwargs`` says otherwise (for a ``checkpoint_dict`` holding other
+    objects). A file without the privacy engine's state (one Opacus wrote) is refused: its
+    accountant alone does not say which noise and batches the run already drew."""
     _refuse_schedulers(noise_scheduler, grad_clip_scheduler)
-    checkpoint = torch.load(path, **{"weights_only": False, **(torch_load_kwargs or {})})
+    checkpoint = torch.load(path, **{"weights_only": True, **(torch_load_kwargs or {})})
     if "privacy_engine_state_dict" not in checkpoint:
         raise ValueError(
             f"load_checkpoint: {path!r} holds no 'privacy_engine_state_dict' (keys: "
             f"{sorted(checkpoint)}); an Opacus checkpoint's accountant does not say which noise "
             "and batches its run drew, so a dpzero run cannot continue it. Load its weights with "
             "model.load_state_dict(checkpoint['module_state_dict']) and start a new run")
+    # The engine's state is checked before the model and optimizer are touched: a refused file
+    # leaves all three as they were.
+    load_engine = engine.checked_load(checkpoint.pop("privacy_engine_state_dict"))
     module.load_state_dict(checkpoint.pop("module_state_dict"),
                            **(module_load_dict_kwargs or {}))
     optimizer_state = checkpoint.pop("optimizer_state_dict", None)
@@ -244,7 +261,7 @@ def load_checkpoint(engine, *, path, module: nn.Module, optimizer=None, noise_sc
         given = "None" if optimizer is None else "given"
         warnings.warn(f"load_checkpoint: the file {holds} an optimizer state, and optimizer is "
                       f"{given}; no optimizer state was loaded", RuntimeWarning, stacklevel=3)
-    engine.load_state_dict(checkpoint.pop("privacy_engine_state_dict"))
+    load_engine()
     return checkpoint
 
 
