@@ -460,10 +460,36 @@ std::vector<double> compute_rdp(double q, double sigma, int64_t steps,
   return rdp;
 }
 
+namespace {
+
+// Note [a zero RDP curve]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A Rényi divergence of an order a > 1 is zero only between equal distributions (van Erven and
+// Harremoës 2014, "Rényi divergence and Kullback-Leibler divergence", Thm. 8), so a curve with
+// r_a = 0 at some order is a mechanism whose outputs do not depend on the data: (0, 0)-DP. It is
+// what an accountant holds before its first step, or after steps at q = 0 (compute_log_a is 0
+// there exactly). Theorem 21 of [BBGHS20] would still give eps = log(1/delta)/(a-1) + ... > 0 for
+// it (0.10 at delta = 1e-5 on Opacus's orders), a bound for nothing released; the PRV accountant
+// gives 0 (its trivial case), and so must this one. A positive divergence that underflowed to 0
+// is below 5e-324, so its total variation is below sqrt(5e-324 / 2) (Pinsker), far below any delta
+// a caller can pass.
+
+// The index of an order with r_a = 0, or rdp.size() if there is none.
+std::size_t zero_order(const std::vector<double>& rdp) {
+  return static_cast<std::size_t>(std::find(rdp.begin(), rdp.end(), 0.0) - rdp.begin());
+}
+
+}  // namespace
+
 RdpEpsilon rdp_to_epsilon(const std::vector<double>& orders, const std::vector<double>& rdp,
                           double delta) {
   validate_curve(orders, rdp);
   validate_delta(delta);
+  RdpEpsilon result;
+  if (const auto same = zero_order(rdp); same < rdp.size()) {  // Note [a zero RDP curve]
+    result.best_order = orders[same];
+    return result;
+  }
   const double log_delta = std::log(delta);
   double best = kInf;
   std::size_t best_index = 0;
@@ -477,7 +503,6 @@ RdpEpsilon rdp_to_epsilon(const std::vector<double>& orders, const std::vector<d
       best_index = i;
     }
   }
-  RdpEpsilon result;
   // Every order is a valid bound, so a negative minimum means eps = 0 holds.
   result.epsilon = std::max(0.0, best);
   result.best_order = orders[best_index];
@@ -490,6 +515,7 @@ double rdp_to_delta(const std::vector<double>& orders, const std::vector<double>
                     double epsilon) {
   validate_curve(orders, rdp);
   validate_epsilon(epsilon);
+  if (zero_order(rdp) < rdp.size()) return 0.0;  // Note [a zero RDP curve]
   double best_log_delta = kInf;
   for (std::size_t i = 0; i < orders.size(); ++i) {
     const double a = orders[i];

@@ -44,7 +44,9 @@ struct RdpEpsilon {
 };
 
 // (eps, delta) from an RDP curve by [BBGHS20, Thm. 21]:
-//   eps = min_a [ r_a + log((a-1)/a) - (log(delta) + log(a)) / (a-1) ], clamped at 0.
+//   eps = min_a [ r_a + log((a-1)/a) - (log(delta) + log(a)) / (a-1) ], clamped at 0;
+// exactly 0 (and, below, delta = 0) for a curve with r_a = 0 at some order: Note [a zero RDP
+// curve] in rdp.cpp.
 RdpEpsilon rdp_to_epsilon(const std::vector<double>& orders, const std::vector<double>& rdp,
                           double delta);
 // delta for a given eps from an RDP curve: [BBGHS20, Thm. 21] solved for delta,

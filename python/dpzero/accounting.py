@@ -111,8 +111,6 @@ class PRVAccountant(_Accountant):
     def get_epsilon(
         self, delta: float, *, eps_error: float = 0.01, delta_error: Optional[float] = None
     ) -> float:
-        if len(self) == 0:
-            return 0.0
         return self.epsilon_bounds(delta, eps_error=eps_error, delta_error=delta_error).upper
 
     def get_delta(self, epsilon: float, *, eps_error: float = 0.01) -> float:

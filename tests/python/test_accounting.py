@@ -61,6 +61,19 @@ def test_log_a_of_unsampled_mechanism_is_zero():
     assert acc.compute_log_a(0.0, 1.0, 5.0) == 0.0
 
 
+@pytest.mark.parametrize("mechanism", ["rdp", "prv"])
+def test_nothing_released_spends_nothing(mechanism):
+    # Note [a zero RDP curve] (accounting/rdp.cpp): before a step, or after steps that sample
+    # nothing (q = 0), both accountants say (0, 0), as Opacus's do; one real step costs ε > 0.
+    accountant = acc.create_accountant(mechanism)
+    assert accountant.get_epsilon(1e-5) == 0.0 and accountant.get_delta(1.0) == 0.0
+    accountant.step(noise_multiplier=1.0, sample_rate=0.0, num_steps=100)
+    assert accountant.get_epsilon(1e-5) == 0.0
+    accountant.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=1)
+    assert accountant.get_epsilon(1e-5) > 0.0
+    assert dpzero.PrivacyEngine(accountant=mechanism).accountant.get_epsilon(1e-5) == 0.0
+
+
 # ---- published reference values through the Opacus-compatible front end -------------------------
 
 def _orders(spec):

@@ -302,9 +302,7 @@ class PrivacyEngine:
         """ε spent so far at ``delta`` (PRV: its upper bound); inf if noise was disabled."""
         if self._attached and self.noise_multiplier == 0.0 and self.charges > 0:
             return math.inf
-        if len(self.accountant) == 0:
-            return 0.0
-        return float(self.accountant.get_epsilon(delta))
+        return float(self.accountant.get_epsilon(delta))  # 0 before any step
 
     @property
     def ledger(self) -> Optional[Ledger]:

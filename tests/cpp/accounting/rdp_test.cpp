@@ -186,6 +186,30 @@ TEST(RdpAccountant, ComposesPhasesAdditively) {
             rdp_to_epsilon(orders, accountant.rdp(), 1e-5).epsilon);
 }
 
+// Note [a zero RDP curve]: nothing released is (0, 0)-DP, as the PRV accountant says
+// (PrvProperties.NothingToAccountGivesZero); Theorem 21 alone would give 0.10 at delta = 1e-5.
+TEST(RdpAccountant, NothingToAccountGivesZero) {
+  RdpAccountant empty;
+  const std::vector<double> zeros(empty.orders().size(), 0.0);
+  ASSERT_GT(rdp_to_epsilon(empty.orders(), std::vector<double>(zeros.size(), 1e-300), 1e-5)
+                .epsilon,
+            0.1);  // a positive curve, however small, still pays Theorem 21's term
+  EXPECT_EQ(empty.epsilon(1e-5).epsilon, 0.0);
+  EXPECT_FALSE(empty.epsilon(1e-5).order_on_edge);
+  EXPECT_EQ(empty.get_epsilon(1e-9), 0.0);
+  EXPECT_EQ(empty.delta(0.0), 0.0);
+  RdpAccountant unused;
+  unused.step(0.0, 1.0, 1000);  // q = 0: never sampled
+  unused.step(0.5, 1.0, 0);     // no steps
+  EXPECT_EQ(unused.rdp(), zeros);
+  EXPECT_EQ(unused.get_epsilon(1e-5), 0.0);
+  EXPECT_EQ(unused.delta(0.5), 0.0);
+  RdpAccountant once;
+  once.step(0.01, 1.0, 1);
+  EXPECT_GT(once.get_epsilon(1e-5), 0.0);
+  EXPECT_GT(once.delta(0.0), 0.0);
+}
+
 TEST(RdpProperties, EpsilonGrowsWithStepsAndQAndFallsWithSigma) {
   double previous = 0.0;
   for (const int64_t steps : {1, 10, 100, 1000, 10000, 100000}) {
