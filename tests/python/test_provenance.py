@@ -1007,3 +1007,31 @@ def test_a_spread_input_whose_first_dim_is_not_the_batch_is_probed_as_it_came():
     ids, y = ids_and_labels(T, seed=7)  # B = T
     call = lambda m, x: m(x, torch.zeros(1, T).expand(T, T))  # noqa: E731
     assert refused_or_bounded(OtherFirstDim, [ids], y, call=call) == "bounded"
+
+
+def test_the_argument_walk_returns_exactly_pytrees_leaves():
+    # Note [flat arguments] (provenance/examples.py): its own walk of tuples, lists, sizes and
+    # dicts, pytree's on anything else; against pytree.tree_leaves itself.
+    import collections
+
+    from torch.utils import _pytree as pytree
+
+    from dpzero.private.provenance.examples import leaves
+
+    token = MicroBatchToken(0, 0, 4, "poisson")
+    x = tag(torch.randn(4, 3), token)
+    w = nn.Parameter(torch.randn(3))
+    pair = collections.namedtuple("Pair", "a b")
+    trees = [
+        ((x, w, 2, 1.5, None), {"dim": -1, "dtype": torch.float32, "out": None}),
+        ([x, [w, (x, ...)]], {"size": torch.Size([4, 3]), "index": (slice(0, 2), 1)}),
+        ({"b": x, "a": [torch.device("cpu"), torch.strided, True, 1j]}, {}),
+        ((pair(x, w),), {}),                                   # a namedtuple: pytree's walk
+        ((collections.OrderedDict(z=w, y=x),), {"k": pair(1, x)}),
+        ((), {}),
+        x,
+    ]
+    for tree in trees:
+        got, want = leaves(tree), pytree.tree_leaves(tree)
+        assert len(got) == len(want) and all(a is b or a == b for a, b in zip(got, want)), tree
+        assert [type(a) for a in got] == [type(b) for b in want]

@@ -191,7 +191,7 @@ def _propagate(func, args, kwargs, out, before: Optional[int] = None):
             if isinstance(x, Examples):
                 taint.escaped[storage_id(x)] = x.untyped_storage()
                 _withdraw(x)
-    for x in pytree.tree_leaves(kwargs.get("out")):  # an out= target: whatever was written
+    for x in leaves(kwargs.get("out")):  # an out= target: whatever was written
         if isinstance(x, Examples):
             _withdraw(x)
         elif isinstance(x, torch.Tensor):
@@ -370,11 +370,60 @@ def _taint_of(args, kwargs) -> Optional[MicroBatchToken]:
 
 
 def _tensors_in(obj) -> bool:
-    return any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(obj))
+    return any(isinstance(leaf, torch.Tensor) for leaf in leaves(obj))
 
 
 def flat_args(args, kwargs) -> List[Any]:
-    return pytree.tree_leaves((args, kwargs))
+    return leaves((args, kwargs))
+
+
+# Note [flat arguments]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Every operation on a tagged tensor asks for its arguments' leaves (which hold the examples, which
+# are tainted), so ``leaves`` is on the path of every op a model runs on the examples. It must
+# return exactly what ``pytree.tree_leaves`` returns, in the same order: a leaf it missed would be
+# an operand whose examples no rule looked at. Most calls' arguments are tensors and scalars in
+# tuples, lists, sizes and dicts, which ``leaves`` flattens itself (pytree's generic walk costs
+# some 10 µs a call on this path); on anything else, which pytree might flatten by a
+# registration (a namedtuple, an OrderedDict, a registered class), it hands the whole tree to
+# pytree. The types it takes as leaves are not pytree nodes (checked below, at import; and
+# none of them holds a tensor, so a later registration of one could change only leaves that are
+# not tensors, which is all this file looks for), and the four containers are flattened as
+# pytree flattens them (elements in order, a dict's values in insertion order).
+# tests/python/test_provenance.py compares the two on every kind of node.
+_LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, complex, str,
+                         type(None), type(...), slice, torch.dtype, torch.device, torch.layout,
+                         torch.memory_format})
+assert not _LEAF_TYPES & set(pytree.SUPPORTED_NODES)
+_SEQUENCES = (tuple, list, torch.Size)  # pytree flattens each to its elements, in order
+assert pytree.tree_leaves(torch.Size([2, 3])) == [2, 3]
+
+
+def leaves(tree) -> List[Any]:
+    """``pytree.tree_leaves(tree)`` (Note [flat arguments])."""
+    out: List[Any] = []
+    if _flatten(tree, out):
+        return out
+    return pytree.tree_leaves(tree)
+
+
+def _flatten(x, out: List[Any]) -> bool:
+    """Appends x's leaves to ``out``; False (``out`` then partial) where pytree must decide."""
+    t = type(x)
+    if t in _LEAF_TYPES or t is Examples:
+        out.append(x)
+        return True
+    if t in _SEQUENCES:
+        for v in x:
+            if not _flatten(v, out):
+                return False
+        return True
+    if t is dict:
+        for v in x.values():
+            if not _flatten(v, out):
+                return False
+        return True
+    return False
 
 
 def _token_of(args, kwargs) -> Optional[MicroBatchToken]:
