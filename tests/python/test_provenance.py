@@ -1010,8 +1010,8 @@ def test_a_spread_input_whose_first_dim_is_not_the_batch_is_probed_as_it_came():
 
 
 def test_the_argument_walk_returns_exactly_pytrees_leaves():
-    # Note [flat arguments] (provenance/examples.py): its own walk of tuples, lists, sizes and
-    # dicts, pytree's on anything else; against pytree.tree_leaves itself.
+    # Note [flat arguments] (provenance/examples.py): pytree's leaves, with list and tuple
+    # subclasses that pytree keeps whole opened; against pytree.tree_leaves itself.
     import collections
 
     from torch.utils import _pytree as pytree
@@ -1035,3 +1035,56 @@ def test_the_argument_walk_returns_exactly_pytrees_leaves():
         got, want = leaves(tree), pytree.tree_leaves(tree)
         assert len(got) == len(want) and all(a is b or a == b for a, b in zip(got, want)), tree
         assert [type(a) for a in got] == [type(b) for b in want]
+    # A list or tuple subclass pytree keeps whole, which torch reads as its tensors: opened.
+    mine = _MyList([x, _MyTuple((w, 3))])
+    assert pytree.tree_leaves(mine) == [mine]
+    assert [id(a) for a in leaves(((mine,), {}))] == [id(x), id(w), id(3)]
+
+
+class _MyList(list):
+    pass
+
+
+class _MyTuple(tuple):
+    pass
+
+
+def _loop_step(container):
+    """One step whose training loop hands the model the batch's mean, computed through
+    ``container`` (the input itself, or the inputs to torch.stack)."""
+    torch.manual_seed(0)
+
+    class TakesStat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x, stat):
+            return self.lin(x - stat)
+
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g),
+                                          torch.randint(0, 3, (16,), generator=g))
+    p = dpzero.make_private(TakesStat(), dataset=data, sample_rate=1.0, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1.0, seed=0)
+    x, y = next(iter(p.data_loader))
+    stat = torch.stack(container([x])).mean(1)
+    F.cross_entropy(p.model(x, stat), y).backward()
+
+
+@pytest.mark.parametrize("container", [list, tuple, _MyList, _MyTuple])
+def test_a_batch_statistic_computed_through_any_list_is_refused(container):
+    # Note [flat arguments]: pytree keeps a list subclass whole, and the stacked mean used to
+    # come out neither tagged nor tainted.
+    with pytest.raises(PrivacyViolation, match="computed from the examples"):
+        _loop_step(container)
+
+
+def test_a_batch_holding_tensors_in_a_list_subclass_is_refused():
+    model = nn.Linear(4, 3)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    p = dpzero.make_private(model, dataset=data, batch_size=4, noise_multiplier=1.0,
+                            max_grad_norm=1.0, seed=0)
+    x, y = data.tensors[0][:4], data.tensors[1][:4]
+    with pytest.raises(ValueError, match="inside _MyList, a list or tuple subclass"):
+        p.privacy_engine.own_batch((_MyList([x]), y), logical_batch_size=4)

@@ -380,17 +380,18 @@ def flat_args(args, kwargs) -> List[Any]:
 # Note [flat arguments]
 # ~~~~~~~~~~~~~~~~~~~~~
 # Every operation on a tagged tensor asks for its arguments' leaves (which hold the examples, which
-# are tainted), so ``leaves`` is on the path of every op a model runs on the examples. It must
-# return exactly what ``pytree.tree_leaves`` returns, in the same order: a leaf it missed would be
-# an operand whose examples no rule looked at. Most calls' arguments are tensors and scalars in
-# tuples, lists, sizes and dicts, which ``leaves`` flattens itself (pytree's generic walk costs
-# some 10 µs a call on this path); on anything else, which pytree might flatten by a
-# registration (a namedtuple, an OrderedDict, a registered class), it hands the whole tree to
-# pytree. The types it takes as leaves are not pytree nodes (checked below, at import; and
-# none of them holds a tensor, so a later registration of one could change only leaves that are
-# not tensors, which is all this file looks for), and the four containers are flattened as
-# pytree flattens them (elements in order, a dict's values in insertion order).
-# tests/python/test_provenance.py compares the two on every kind of node.
+# are tainted), so ``leaves`` decides which operands the rules see: a tensor it missed would be an
+# operand whose examples no rule looked at. It returns pytree's leaves (``tree_leaves``: the same
+# walk of tuples, lists, sizes, dicts, namedtuples and every registered node, in the same order),
+# with one difference: a list or tuple subclass that pytree does not know is a leaf to pytree, but
+# torch reads it as the list of tensors it holds (``torch.stack(MyList([x]))``, ``torch.cat``), so
+# ``leaves`` opens it too: otherwise a batch statistic computed in the training loop as
+# ``torch.stack(MyList([x])).mean(1)`` would come out neither tagged nor tainted, and the model
+# would take it as an input shared by the batch. (``tag`` refuses a batch holding tensors in such
+# a class, whose rows it could not tag.) The walk of the common containers is its own (pytree's
+# generic one costs some 10 µs a call on this path, which runs at every op on the examples);
+# every other node is flattened by pytree's own flatten function for it.
+# tests/python/test_provenance.py compares ``leaves`` with pytree's on every kind of node.
 _LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, complex, str,
                          type(None), type(...), slice, torch.dtype, torch.device, torch.layout,
                          torch.memory_format})
@@ -400,30 +401,32 @@ assert pytree.tree_leaves(torch.Size([2, 3])) == [2, 3]
 
 
 def leaves(tree) -> List[Any]:
-    """``pytree.tree_leaves(tree)`` (Note [flat arguments])."""
+    """``pytree.tree_leaves(tree)``, list and tuple subclasses opened (Note [flat arguments])."""
     out: List[Any] = []
-    if _flatten(tree, out):
-        return out
-    return pytree.tree_leaves(tree)
+    _flatten(tree, out)
+    return out
 
 
-def _flatten(x, out: List[Any]) -> bool:
-    """Appends x's leaves to ``out``; False (``out`` then partial) where pytree must decide."""
+def _flatten(x, out: List[Any]) -> None:
     t = type(x)
     if t in _LEAF_TYPES or t is Examples:
         out.append(x)
-        return True
-    if t in _SEQUENCES:
+    elif t in _SEQUENCES:
         for v in x:
-            if not _flatten(v, out):
-                return False
-        return True
-    if t is dict:
+            _flatten(v, out)
+    elif t is dict:
         for v in x.values():
-            if not _flatten(v, out):
-                return False
-        return True
-    return False
+            _flatten(v, out)
+    else:
+        node = pytree._get_node_type(x)  # a namedtuple's or structseq's kind, else its type
+        if node in pytree.SUPPORTED_NODES:
+            for v in pytree.SUPPORTED_NODES[node].flatten_fn(x)[0]:
+                _flatten(v, out)
+        elif isinstance(x, (list, tuple)):  # a sequence pytree would keep whole
+            for v in x:
+                _flatten(v, out)
+        else:
+            out.append(x)
 
 
 def _token_of(args, kwargs) -> Optional[MicroBatchToken]:
@@ -454,6 +457,16 @@ def tag(batch, token: MicroBatchToken):
             return type(batch)(tagged)
         except Exception:  # noqa: BLE001 - a class without a dict constructor: the dict
             return tagged
+    # Note [flat arguments]: a list or tuple subclass pytree keeps whole would carry its tensors
+    # past the tag untagged; the rows of what they hold could not be followed.
+    hidden = sorted({type(leaf).__name__ for leaf in pytree.tree_leaves(batch)
+                     if isinstance(leaf, (list, tuple))
+                     and any(isinstance(v, torch.Tensor) for v in leaves(leaf))})
+    if hidden:
+        raise ValueError(f"the batch holds tensors inside {', '.join(hidden)}, a list or tuple "
+                         "subclass that torch.utils._pytree keeps whole, so they could not be "
+                         "tagged as the examples; return plain tuples, lists or dicts from the "
+                         "collate function (or register the class with torch.utils._pytree)")
     with torch._C.DisableTorchFunctionSubclass():
         return pytree.tree_map(one, batch)
 
