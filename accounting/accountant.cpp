@@ -1,6 +1,8 @@
 // accounting/accountant.cpp — see accountant.h.
 #include "accounting/accountant.h"
 
+#include <algorithm>
+
 #include "accounting/prv.h"
 #include "accounting/rdp.h"
 
@@ -15,6 +17,10 @@ void Accountant::add(const Phase& phase) {
     phases_.push_back(phase);
   }
   steps_ += phase.steps;
+}
+
+bool Accountant::releases_nothing() const {
+  return std::none_of(phases_.begin(), phases_.end(), releases);
 }
 
 std::shared_ptr<Accountant> make_accountant(AccountantKind kind) {

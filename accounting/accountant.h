@@ -28,6 +28,8 @@ class Accountant {
   // upper bound at its default accuracy (prv.h).
   virtual double get_epsilon(double delta) const = 0;
   const std::vector<Phase>& phases() const { return phases_; }
+  // No phase releases anything (releases() below): Note [nothing released] in rdp.cpp.
+  bool releases_nothing() const;
   int64_t steps() const { return steps_; }  // the steps of every phase
 
  protected:
@@ -42,6 +44,9 @@ class Accountant {
   std::vector<Phase> phases_;
   int64_t steps_ = 0;
 };
+
+// Whether `phase` releases anything: it samples (q > 0) and has steps.
+inline bool releases(const Phase& phase) { return phase.q > 0.0 && phase.steps > 0; }
 
 // A new accountant of `kind`, with its default options (RDP: Opacus's orders).
 std::shared_ptr<Accountant> make_accountant(AccountantKind kind);

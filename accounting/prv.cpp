@@ -167,7 +167,7 @@ double delta_delta_error(double epsilon, const PrvOptions& options) {
 std::vector<Phase> merge_phases(const std::vector<Phase>& phases) {
   std::vector<Phase> merged;
   for (const Phase& phase : phases) {
-    if (phase.q == 0.0 || phase.steps == 0) continue;
+    if (!releases(phase)) continue;
     bool found = false;
     for (Phase& m : merged) {
       if (m.q == phase.q && m.sigma == phase.sigma) {

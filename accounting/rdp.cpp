@@ -460,36 +460,10 @@ std::vector<double> compute_rdp(double q, double sigma, int64_t steps,
   return rdp;
 }
 
-namespace {
-
-// Note [a zero RDP curve]
-// ~~~~~~~~~~~~~~~~~~~~~~~
-// A Rényi divergence of an order a > 1 is zero only between equal distributions (van Erven and
-// Harremoës 2014, "Rényi divergence and Kullback-Leibler divergence", Thm. 8), so a curve with
-// r_a = 0 at some order is a mechanism whose outputs do not depend on the data: (0, 0)-DP. It is
-// what an accountant holds before its first step, or after steps at q = 0 (compute_log_a is 0
-// there exactly). Theorem 21 of [BBGHS20] would still give eps = log(1/delta)/(a-1) + ... > 0 for
-// it (0.10 at delta = 1e-5 on Opacus's orders), a bound for nothing released; the PRV accountant
-// gives 0 (its trivial case), and so must this one. A positive divergence that underflowed to 0
-// is below 5e-324, so its total variation is below sqrt(5e-324 / 2) (Pinsker), far below any delta
-// a caller can pass.
-
-// The index of an order with r_a = 0, or rdp.size() if there is none.
-std::size_t zero_order(const std::vector<double>& rdp) {
-  return static_cast<std::size_t>(std::find(rdp.begin(), rdp.end(), 0.0) - rdp.begin());
-}
-
-}  // namespace
-
 RdpEpsilon rdp_to_epsilon(const std::vector<double>& orders, const std::vector<double>& rdp,
                           double delta) {
   validate_curve(orders, rdp);
   validate_delta(delta);
-  RdpEpsilon result;
-  if (const auto same = zero_order(rdp); same < rdp.size()) {  // Note [a zero RDP curve]
-    result.best_order = orders[same];
-    return result;
-  }
   const double log_delta = std::log(delta);
   double best = kInf;
   std::size_t best_index = 0;
@@ -503,6 +477,7 @@ RdpEpsilon rdp_to_epsilon(const std::vector<double>& orders, const std::vector<d
       best_index = i;
     }
   }
+  RdpEpsilon result;
   // Every order is a valid bound, so a negative minimum means eps = 0 holds.
   result.epsilon = std::max(0.0, best);
   result.best_order = orders[best_index];
@@ -515,7 +490,6 @@ double rdp_to_delta(const std::vector<double>& orders, const std::vector<double>
                     double epsilon) {
   validate_curve(orders, rdp);
   validate_epsilon(epsilon);
-  if (zero_order(rdp) < rdp.size()) return 0.0;  // Note [a zero RDP curve]
   double best_log_delta = kInf;
   for (std::size_t i = 0; i < orders.size(); ++i) {
     const double a = orders[i];
@@ -540,8 +514,29 @@ void RdpAccountant::compose(const Phase& phase) {
   for (std::size_t i = 0; i < rdp_.size(); ++i) rdp_[i] += rdp[i];
 }
 
-RdpEpsilon RdpAccountant::epsilon(double delta) const { return rdp_to_epsilon(orders_, rdp_, delta); }
+// Note [nothing released]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// An accountant none of whose phases released anything (no phase, or only phases with q = 0 or no
+// steps: releases() in accountant.h) stands for a run whose outputs do not depend on the data,
+// which is (0, 0)-DP. Theorem 21 of [BBGHS20] on its all-zero curve would still give
+// eps = min_a [log((a-1)/a) - (log(delta) + log(a)) / (a-1)] > 0 (0.10 at delta = 1e-5 on
+// Opacus's orders), a bound for nothing; the PRV accountant composes only the phases that
+// release (merge_phases in prv.cpp) and says 0, and so must this one. Any phase that releases
+// goes through the conversion, whatever its curve (one that underflowed to zeros included).
+RdpEpsilon RdpAccountant::epsilon(double delta) const {
+  if (releases_nothing()) {
+    validate_delta(delta);
+    return RdpEpsilon{};
+  }
+  return rdp_to_epsilon(orders_, rdp_, delta);
+}
 
-double RdpAccountant::delta(double epsilon) const { return rdp_to_delta(orders_, rdp_, epsilon); }
+double RdpAccountant::delta(double epsilon) const {
+  if (releases_nothing()) {
+    validate_epsilon(epsilon);
+    return 0.0;
+  }
+  return rdp_to_delta(orders_, rdp_, epsilon);
+}
 
 }  // namespace dpzero::accounting

@@ -44,9 +44,7 @@ struct RdpEpsilon {
 };
 
 // (eps, delta) from an RDP curve by [BBGHS20, Thm. 21]:
-//   eps = min_a [ r_a + log((a-1)/a) - (log(delta) + log(a)) / (a-1) ], clamped at 0;
-// exactly 0 (and, below, delta = 0) for a curve with r_a = 0 at some order: Note [a zero RDP
-// curve] in rdp.cpp.
+//   eps = min_a [ r_a + log((a-1)/a) - (log(delta) + log(a)) / (a-1) ], clamped at 0.
 RdpEpsilon rdp_to_epsilon(const std::vector<double>& orders, const std::vector<double>& rdp,
                           double delta);
 // delta for a given eps from an RDP curve: [BBGHS20, Thm. 21] solved for delta,
@@ -63,6 +61,7 @@ class RdpAccountant final : public Accountant {
   explicit RdpAccountant(std::vector<double> orders = opacus_default_orders());
 
   AccountantKind kind() const override { return AccountantKind::kRdp; }
+  // (0, 0) while no phase releases anything (Note [nothing released] in rdp.cpp).
   RdpEpsilon epsilon(double delta) const;
   double get_epsilon(double delta) const override { return epsilon(delta).epsilon; }
   double delta(double epsilon) const;

@@ -63,7 +63,7 @@ def test_log_a_of_unsampled_mechanism_is_zero():
 
 @pytest.mark.parametrize("mechanism", ["rdp", "prv"])
 def test_nothing_released_spends_nothing(mechanism):
-    # Note [a zero RDP curve] (accounting/rdp.cpp): before a step, or after steps that sample
+    # Note [nothing released] (accounting/rdp.cpp): before a step, or after steps that sample
     # nothing (q = 0), both accountants say (0, 0), as Opacus's do; one real step costs ε > 0.
     accountant = acc.create_accountant(mechanism)
     assert accountant.get_epsilon(1e-5) == 0.0 and accountant.get_delta(1.0) == 0.0

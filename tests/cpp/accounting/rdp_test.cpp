@@ -186,14 +186,12 @@ TEST(RdpAccountant, ComposesPhasesAdditively) {
             rdp_to_epsilon(orders, accountant.rdp(), 1e-5).epsilon);
 }
 
-// Note [a zero RDP curve]: nothing released is (0, 0)-DP, as the PRV accountant says
+// Note [nothing released]: no step that samples is (0, 0)-DP, as the PRV accountant says
 // (PrvProperties.NothingToAccountGivesZero); Theorem 21 alone would give 0.10 at delta = 1e-5.
 TEST(RdpAccountant, NothingToAccountGivesZero) {
   RdpAccountant empty;
   const std::vector<double> zeros(empty.orders().size(), 0.0);
-  ASSERT_GT(rdp_to_epsilon(empty.orders(), std::vector<double>(zeros.size(), 1e-300), 1e-5)
-                .epsilon,
-            0.1);  // a positive curve, however small, still pays Theorem 21's term
+  ASSERT_GT(rdp_to_epsilon(empty.orders(), zeros, 1e-5).epsilon, 0.1);  // Theorem 21 alone
   EXPECT_EQ(empty.epsilon(1e-5).epsilon, 0.0);
   EXPECT_FALSE(empty.epsilon(1e-5).order_on_edge);
   EXPECT_EQ(empty.get_epsilon(1e-9), 0.0);
@@ -208,6 +206,12 @@ TEST(RdpAccountant, NothingToAccountGivesZero) {
   once.step(0.01, 1.0, 1);
   EXPECT_GT(once.get_epsilon(1e-5), 0.0);
   EXPECT_GT(once.delta(0.0), 0.0);
+  // A step that samples goes through the conversion even where its curve is all zeros (2 sigma^2
+  // overflows): the accountant says what Theorem 21 says, not (0, 0).
+  RdpAccountant huge;
+  huge.step(1.0, 1e160, 1);
+  EXPECT_EQ(huge.get_epsilon(1e-5), rdp_to_epsilon(huge.orders(), huge.rdp(), 1e-5).epsilon);
+  EXPECT_GT(huge.get_epsilon(1e-5), 0.0);
 }
 
 TEST(RdpProperties, EpsilonGrowsWithStepsAndQAndFallsWithSigma) {
