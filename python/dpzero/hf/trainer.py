@@ -76,6 +76,7 @@ from transformers.trainer_utils import TrainOutput, has_length
 
 from .. import _C
 from ..accounting import get_noise_multiplier
+from ..files import write_atomically
 from ..front import make_private
 from ..noise import secure_noise
 from ..private import BudgetExhausted
@@ -525,15 +526,11 @@ class PrivateTrainer(Trainer):
             torch.save(optimizer, os.path.join(output_dir, OPTIMIZER_NAME))
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
             state = self.privacy_engine.state_dict()  # no secure-mode key
-            tmp = os.path.join(output_dir, PRIVACY_STATE + ".tmp")
-            with open(tmp, "w") as f:
-                json.dump({"privacy": state, "delta": self.delta,
-                           "ledger": os.path.abspath(os.path.join(self.user_args.output_dir,
-                                                                  LEDGER)),
-                           "privacy_args": asdict(self.privacy_args)}, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(output_dir, PRIVACY_STATE))
+            saved = {"privacy": state, "delta": self.delta,
+                     "ledger": os.path.abspath(os.path.join(self.user_args.output_dir, LEDGER)),
+                     "privacy_args": asdict(self.privacy_args)}
+            write_atomically(os.path.join(output_dir, PRIVACY_STATE),
+                             lambda f: json.dump(saved, f, indent=1), binary=False)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None:

@@ -35,12 +35,13 @@ or refused before anything is touched, naming the value and the fix; none is sil
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
 from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
+
+from ..files import write_atomically
 
 GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost")
 _TORCH_DEFAULT_SEED = torch.Generator().initial_seed()  # what an unseeded Generator starts from
@@ -202,7 +203,7 @@ def save_checkpoint(engine, *, path, module: nn.Module, optimizer=None,
     """Opacus's ``PrivacyEngine.save_checkpoint``: the module's, the optimizer's and the privacy
     engine's state dicts in one ``torch.save`` file. A collective under several ranks, as the
     state dicts are (call it on every rank); rank 0 writes. A path is written whole or not at
-    all (a temporary file in its directory, then renamed over it)."""
+    all (``files.write_atomically``)."""
     _refuse_schedulers(noise_scheduler, grad_clip_scheduler)
     checkpoint = dict(checkpoint_dict or {})
     checkpoint["module_state_dict"] = module.state_dict(**(module_state_dict_kwargs or {}))
@@ -212,21 +213,10 @@ def save_checkpoint(engine, *, path, module: nn.Module, optimizer=None,
     if engine.rank != 0:
         return
     kwargs = torch_save_kwargs or {}
-    if not isinstance(path, (str, os.PathLike)):
+    if isinstance(path, (str, os.PathLike)):
+        write_atomically(path, lambda f: torch.save(checkpoint, f, **kwargs))
+    else:  # a file object of the caller's
         torch.save(checkpoint, path, **kwargs)
-        return
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(prefix=".dpzero-", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(checkpoint, f, **kwargs)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def load_checkpoint(engine, *, path, module: nn.Module, optimizer=None, noise_scheduler=None,

@@ -18,6 +18,7 @@ import sys
 from contextlib import contextmanager
 from typing import Dict
 
+from ..files import write_atomically
 from .config import ConfigError, RunConfig, load
 from .orphans import die_with_parent
 from .report import PRIVATE_DIR
@@ -68,9 +69,7 @@ def launch_config(cfg: RunConfig, resume: bool = False) -> Dict:
     check_run_dir(cfg, resume)
     os.makedirs(cfg.output.dir, exist_ok=True)
     path = os.path.join(cfg.output.dir, "config.toml")
-    with open(path + ".tmp", "w") as f:
-        f.write(to_toml(cfg.to_dict()))
-    os.replace(path + ".tmp", path)
+    write_atomically(path, lambda f: f.write(to_toml(cfg.to_dict())), binary=False)
     return launch(path, cfg, resume)
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from typing import Dict, Optional
 
 import torch
+
+from ..files import write_atomically
 
 
 class Progress:
@@ -49,18 +50,11 @@ class Progress:
 
 
 def atomic_save(obj, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    write_atomically(path, lambda f: torch.save(obj, f))
 
 
 def atomic_json(obj, path: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomically(path, lambda f: json.dump(obj, f, indent=2, default=str), binary=False)
 
 
 def final_state(model, params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

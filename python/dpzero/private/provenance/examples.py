@@ -388,9 +388,9 @@ def flat_args(args, kwargs) -> List[Any]:
 # ``leaves`` opens it too: otherwise a batch statistic computed in the training loop as
 # ``torch.stack(MyList([x])).mean(1)`` would come out neither tagged nor tainted, and the model
 # would take it as an input shared by the batch. (``tag`` refuses a batch holding tensors in such
-# a class, whose rows it could not tag.) The walk of the common containers is its own (pytree's
-# generic one costs some 10 µs a call on this path, which runs at every op on the examples);
-# every other node is flattened by pytree's own flatten function for it.
+# a class, whose rows it could not tag.) The walk of the common containers is its own, cheaper
+# than pytree's generic one on a path every op on the examples takes; every other node is
+# flattened by pytree's own flatten function for it.
 # tests/python/test_provenance.py compares ``leaves`` with pytree's on every kind of node.
 _LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, complex, str,
                          type(None), type(...), slice, torch.dtype, torch.device, torch.layout,
