@@ -1,10 +1,11 @@
-"""The generic per-sample path against Opacus on modules without kernels: an LSTM and a
+"""dpzero against Opacus on the modules Opacus asks to swap for its own layers: an LSTM and a
 multi-head-attention classifier, one private step each, side by side in one process.
 
 Systems (each a full step: forward, backward with per-sample clipping, noise, update):
   torch             non-private PyTorch (the floor)
-  dpzero            dpzero.make_private: LSTM / MHA through the generic path (fallback.py:
-                    torch.func on that module), Embedding and Linear through the kernels
+  dpzero            dpzero.make_private: the LSTM through the generic path (fallback.py:
+                    torch.func on that module), MultiheadAttention's projections (attention.py),
+                    Embedding and Linear through the kernels
   opacus-functorch  Opacus 1.6, grad_sample_mode="functorch" (torch.func for every layer)
   opacus-hooks      Opacus 1.6, grad_sample_mode="hooks" (its grad samplers). Both Opacus modes
                     refuse nn.LSTM and nn.MultiheadAttention at make_private
@@ -225,7 +226,7 @@ def main(argv=None) -> int:
         lines.append("")
         print("\n".join(lines[-(len(systems) + 5):]), flush=True)
     if not args.no_write:
-        header = ["# The generic per-sample path against Opacus", "",
+        header = ["# LSTM and MultiheadAttention against Opacus", "",
                   "Written by `experiments/generic_bench.py` "
                   f"({args.rounds} interleaved rounds after {args.warmup} warm-up; "
                   f"dpzero {dpzero_version()}; {os.cpu_count()} CPU cores, torch threads "

@@ -11,6 +11,7 @@ small enough that every example clips. Relative update error <= 1e-5.
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -305,12 +306,18 @@ class _Cumulative(nn.Module):
 
 
 MIXING = {  # a second review found these accepted, moving the clipped sum by 5-11x the 2C bound
-    "encoder-layer-seq-first-fed-batch-first": (
-        lambda: nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0), lambda m, h: m(h)),
-    "mha-seq-first-fed-batch-first": (
-        lambda: nn.MultiheadAttention(D, 2), lambda m, h: m(h, h, h, need_weights=False)[0]),
     "lstm-seq-first-fed-batch-first": (lambda: _OnlySequence(D, D), lambda m, h: m(h)),
     "cumsum-over-examples": (_Cumulative, lambda m, h: m(h)),
+}
+# The same review's attention cases, now on the kernels (Note [attention through the kernels]):
+# their projections see the examples on dim 1, which the probe refuses at the forward.
+ATTENDING_OVER_EXAMPLES = {
+    "encoder-layer-seq-first-fed-batch-first": (
+        lambda: nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0), lambda m, h: m(h),
+        "layer.self_attn.in_proj[q]"),
+    "mha-seq-first-fed-batch-first": (
+        lambda: nn.MultiheadAttention(D, 2), lambda m, h: m(h, h, h, need_weights=False)[0],
+        "layer.in_proj[q]"),
 }
 
 
@@ -327,6 +334,22 @@ def test_a_generic_module_mixing_examples_is_refused(name):
     with pytest.raises(dpzero.private.PrivacyViolation,
                        match="refusing the step: .*each example's output recomputed alone "
                              "differs"):
+        p.optimizer.step()
+    assert p.privacy_engine.charges == 0
+
+
+@pytest.mark.parametrize("name", sorted(ATTENDING_OVER_EXAMPLES))
+def test_attention_over_the_examples_is_refused_at_the_forward(name):
+    build, call, layer = ATTENDING_OVER_EXAMPLES[name]
+    torch.manual_seed(0)
+    p = dpzero.make_private(_Mixing(build(), call), dataset=_data(), batch_size=8,
+                            noise_multiplier=1.0, max_grad_norm=C, seed=1)
+    ids, y = next(iter(p.data_loader))
+    with pytest.raises(dpzero.private.PrivacyViolation,
+                       match=rf"Projection '{re.escape(layer)}': its input dims \[1\] .* its "
+                             "dim 0 is not one row per example"):
+        p.model(ids)
+    with pytest.raises(dpzero.private.PrivacyViolation, match="refusing the step"):
         p.optimizer.step()
     assert p.privacy_engine.charges == 0
 
@@ -361,10 +384,16 @@ def test_a_value_computed_from_the_batch_is_not_shared():
 
 
 def test_a_root_taken_whole_registers_no_child_layers():
-    p = dpzero.make_private(nn.MultiheadAttention(D, 2, batch_first=True),
-                            dataset=torch.utils.data.TensorDataset(torch.randn(N, T, D)),
-                            batch_size=8, noise_multiplier=1.0, max_grad_norm=C, seed=1)
+    data = torch.utils.data.TensorDataset(torch.randn(N, T, D))
+    p = dpzero.make_private(nn.MultiheadAttention(D, 2, batch_first=True, add_bias_kv=True),
+                            dataset=data, batch_size=8, noise_multiplier=1.0, max_grad_norm=C,
+                            seed=1)
     assert [layer.name for layer in p.privacy_engine.layers] == [""]
+    # Without add_bias_kv the kernels take it (Note [attention through the kernels]).
+    p = dpzero.make_private(nn.MultiheadAttention(D, 2, batch_first=True), dataset=data,
+                            batch_size=8, noise_multiplier=1.0, max_grad_norm=C, seed=1)
+    assert [layer.name for layer in p.privacy_engine.layers] == [
+        "in_proj[q]", "in_proj[k]", "in_proj[v]", "out_proj"]
 
 
 class _DirectLookup(nn.Embedding):

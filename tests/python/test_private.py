@@ -200,24 +200,23 @@ def test_sensitivity_one_outlier_moves_the_sum_by_at_most_c(clipping):
 
 
 def test_every_trainable_parameter_must_be_covered():
-    class WithMHA(nn.Module):
+    class WithLSTM(nn.Module):
         def __init__(self):
             super().__init__()
-            self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
+            self.rnn = nn.LSTM(D, D, num_layers=2, batch_first=True)
             self.head = nn.Linear(D, K)
 
         def forward(self, x):
-            return self.head(self.attn(x, x, x)[0].mean(1))
+            return self.head(self.rnn(x)[0].mean(1))
 
-    model = WithMHA()
-    model.attn.dropout = 0.1  # attention dropout: the generic path cannot replay its mask
-    with pytest.raises(PrivacyViolation, match=r"attn \(MultiheadAttention\): "
-                                               r"MultiheadAttention has dropout=0.1"):
+    model = WithLSTM()
+    model.rnn.dropout = 0.1  # dropout between its layers: the generic path cannot replay it
+    with pytest.raises(PrivacyViolation, match=r"rnn \(LSTM\): LSTM has dropout=0.1"):
         dpzero.make_private(model, dataset=seq_data(), batch_size=4, noise_multiplier=1.0,
                             max_grad_norm=1.0)
     assert "forward" not in model.head.__dict__  # a rejected model is left as it was
     # Frozen: fine.
-    for p in model.attn.parameters():
+    for p in model.rnn.parameters():
         p.requires_grad_(False)
     dpzero.make_private(model, dataset=seq_data(), batch_size=4, noise_multiplier=1.0,
                         max_grad_norm=1.0)

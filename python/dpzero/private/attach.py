@@ -10,6 +10,7 @@ decides which layer inputs hold the examples (provenance/root.py, Note [batch pr
 
 from __future__ import annotations
 
+import collections
 import functools
 import types
 from typing import Dict, List, Optional, Tuple
@@ -19,12 +20,12 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import _C
-from . import relative_bias
+from . import attention, relative_bias
 from .book import Layer, Slot
 from .errors import PrivacyViolation
 from .fallback import BYPASS, FuncKind, OutputLayout, swapped, taken_whole, tap
-from .layers import (ORIGINAL_FORWARD, EmbeddingKind, autocast_dtype, calls_base_forward,
-                     dp_apply, layer_kind, overridden_base)
+from .layers import (ORIGINAL_FORWARD, EmbeddingKind, LinearKind, autocast_dtype,
+                     calls_base_forward, dp_apply, layer_kind, overridden_base)
 from .provenance.records import input_record, record
 from .provenance.root import root_forward
 
@@ -77,6 +78,7 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
     problems: List[str] = []
     layers: List[Layer] = []
     whole: List[str] = []  # modules the generic path takes with their children (taken_whole)
+    shared = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for name, module in model.named_modules():
         if any(w == "" or name.startswith(w + ".") for w in whole):  # "": the root, whole
             continue
@@ -94,11 +96,18 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
         if why is not None and (trainable_own or written_from_data):
             problems.append(f"{name or '<model>'} ({type(module).__name__}): {why}")
             continue
-        if taken_whole(module):
+        # Note [attention through the kernels] (attention.py)
+        kernel_attention = isinstance(module, nn.MultiheadAttention) and \
+            attention.generic_reason(module, shared) is None
+        if taken_whole(module) or (isinstance(module, nn.MultiheadAttention) and
+                                   not kernel_attention):
             whole.append(name)
             own = [(n, p) for n, p in module.named_parameters() if p is not None]
             trainable_own = [n for n, p in own if p.requires_grad]
         if not trainable_own:
+            continue
+        if kernel_attention:
+            layers.extend(_projection_layers(name, module, slot_of, len(layers)))
             continue
         # No kernel (a module using its parameters directly, the model's root, a subclass of a
         # kernel layer overriding its forward without calling the base's, taken_whole): the
@@ -149,10 +158,37 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
     return layers
 
 
+def _projection_layers(name: str, module: nn.MultiheadAttention, slot_of: Dict[int, Slot],
+                       first: int) -> List[Layer]:
+    """A MultiheadAttention's query, key and value projections as DP Linear layers, each with
+    the slots of its row blocks (Note [attention through the kernels] in attention.py); a block
+    with nothing trainable is no layer."""
+    layers: List[Layer] = []
+    for proj in attention.projections(module):
+        train, slots = [], []
+        for pname in ("weight", "bias"):
+            source = proj.source(pname)
+            trainable = isinstance(source, torch.Tensor) and source.requires_grad
+            train.append(trainable)
+            if not trainable:
+                slots.append(None)
+                continue
+            whole, (start, numel) = slot_of[id(source)], proj.rows(pname)
+            slots.append(None if whole is None else  # None: validators.py lists no slots
+                         Slot(whole.unit, whole.offset + start, numel,
+                              getattr(proj, pname).shape))
+        if any(train):
+            layers.append(Layer(first + len(layers), attention.name_of(name, proj.which), proj,
+                                LinearKind(transposed=False), tuple(train), slots,
+                                keys=(id(proj),)))
+    return layers
+
+
 def assign_components(layers: List[Layer]) -> int:
     """Layers sharing a trained parameter form one component (``layer_components`` in
     src/dp/run.h); sets each layer's ``component`` and returns how many there are."""
-    params = [[id(layer.module.get_parameter(name))
+    params = [list(layer.keys) if layer.keys is not None else
+              [id(layer.module.get_parameter(name))
                for name, trained in zip(layer.kind.params, layer.train) if trained]
               for layer in layers]
     components = _C.dp.layer_components(params)
@@ -281,6 +317,7 @@ def patch(model: nn.Module, layers: List[Layer], book_ref, ranks, devices) -> No
         original = module.forward
         module.__dict__[ORIGINAL_FORWARD] = original
         module.forward = functools.partial(_patched_forward, book_ref, layer, original)
+    attention.patch(model, layers)  # Note [attention through the kernels]
     relative_bias.install(model)  # Note [relative position bias]
     cache_off(model)  # Note [no key/value cache]
     original = model.forward
@@ -348,6 +385,7 @@ def unpatch(model: nn.Module, layers: List[Layer]) -> None:
         model.forward = previous
     else:
         model.__dict__.pop("forward", None)
+    attention.unpatch(model)  # after the root's, whose previous forward may be attention's
     for layer in layers:
         module = layer.module
         if "forward" in module.__dict__:

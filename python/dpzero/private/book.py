@@ -62,6 +62,9 @@ class Layer:
     component: int = -1
     group: int = -1
     routed: bool = False  # Note [subclass forwards] (attach.py): the kernel via super().forward
+    # Identities of its trained parameters for the clipping components, where they are not the
+    # module's own (a row block of a packed parameter: Note [attention through the kernels]).
+    keys: Optional[Tuple[int, ...]] = None
 
 
 # A part's id as its backward reports it: (the book's generation, part index, layer index).

@@ -4,8 +4,11 @@ A module with trainable parameters that no layer kind of ``layers.py`` covers ta
 one that uses its own parameters directly (ViT's ``cls_token`` and ``position_embeddings``, a
 learned temperature on the model's root, GroupNorm, PReLU, LSTM/GRU/RNN weights), a subclass of a
 kernel layer that overrides its forward (OPT's learned positions, Gemma's scaled embedding), and
-``nn.MultiheadAttention``, which uses its ``out_proj`` child's parameters directly and so is taken
-whole (``subtree_modules``). For such a module M with trainable parameters P:
+an ``nn.MultiheadAttention`` the kernels cannot take (``attention.generic_reason``: add_bias_kv, a
+parameter shared with another module, an overriding subclass), which uses its ``out_proj``
+child's parameters directly and so is taken whole (``taken_whole``, and ``attach.find_layers``).
+Other MultiheadAttention modules train through the kernels (Note [attention through the kernels]
+in attention.py). For such a module M with trainable parameters P:
 
 * forward: M runs with P swapped for detached copies, so autograd computes no gradient for P;
   every floating tensor of its output (a tensor, a tuple, a dict, a ``ModelOutput``) goes through
@@ -67,12 +70,12 @@ def bypass():
 
 
 # Modules whose forward uses their children's parameters directly: the generic path takes them
-# whole (their children are not DP layers of their own). Hugging Face's Mamba mixers read
+# whole (their children are not DP layers of their own), as it takes a MultiheadAttention the
+# kernels cannot (attach.find_layers). Hugging Face's Mamba mixers read
 # dt_proj.bias and conv1d's weight inside their selective scan; OPT's decoder layer folds the
 # examples with their positions into dim 0 ([B * T, d]) before its LayerNorm and MLP, a layout
 # the probe cannot tell from one that interleaves examples, so the layer is recomputed per
 # example whole (and checked, Note [separable recompute]).
-SUBTREE_TYPES = (nn.MultiheadAttention,)
 SUBTREE_NAMES = frozenset({"MambaMixer", "Mamba2Mixer", "FalconMambaMixer", "OPTDecoderLayer"})
 
 
@@ -81,7 +84,7 @@ def taken_whole(module: nn.Module) -> bool:
     module with a parametrization (``torch.nn.utils.parametrizations.weight_norm``, orthogonal,
     spectral norm), whose ``weight`` is computed in its forward from parameters held by a child
     (``parametrizations.weight.original0``)."""
-    return isinstance(module, SUBTREE_TYPES) or type(module).__name__ in SUBTREE_NAMES or \
+    return type(module).__name__ in SUBTREE_NAMES or \
         parametrize.is_parametrized(module)
 
 

@@ -1,0 +1,251 @@
+"""nn.MultiheadAttention through the kernels (Note [attention through the kernels] in
+python/dpzero/private/attention.py).
+
+References: torch's own MultiheadAttention forward (outputs, attention weights and input
+gradients, float64) for the rewritten forward; a float64 copy of the unpatched model, one example
+at a time through torch's autograd, each example's whole gradient clipped, for the private step
+(σ = 0, every example clipped); the replace-one movement against 2C (sensitivity.py) where
+dropout makes a per-example reference draw other masks.
+"""
+
+import copy
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpzero
+from dpzero.private import attention
+from private_reference import clipped_step_by_example
+from sensitivity import refused_or_bounded
+
+V, T, S, D, K, N = 13, 6, 5, 8, 3, 32
+C, LR = 1e-3, 1000.0
+
+
+# ---- the rewritten forward against torch's ---------------------------------------------------
+
+def _masks(kind, batch, heads, tgt, src, g):
+    """(key_padding_mask, attn_mask) of one kind."""
+    pad = torch.zeros(batch, src, dtype=torch.bool)
+    pad[::2, -2:] = True
+    causal = torch.triu(torch.ones(tgt, src, dtype=torch.bool), 1)
+    return {
+        "none": (None, None),
+        "padding": (pad, None),
+        "padding-float": (torch.zeros(batch, src).masked_fill(pad, -1e4).double(), None),
+        "causal": (None, causal),
+        "both": (pad, causal),
+        "float-3d": (None, torch.randn(batch * heads, tgt, src, generator=g).double()),
+    }[kind]
+
+
+CASES = list(itertools.product(
+    [True, False],                       # batch_first
+    [True, False],                       # need_weights
+    ["none", "padding", "padding-float", "causal", "both", "float-3d"],
+    ["self", "cross", "kdim"],           # query is key is value; key is value; kdim != embed
+))
+
+
+@pytest.mark.parametrize("batch_first,need_weights,masks,inputs", CASES)
+def test_the_forward_is_torchs(batch_first, need_weights, masks, inputs):
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    kdim = 5 if inputs == "kdim" else None
+    m = nn.MultiheadAttention(D, 2, batch_first=batch_first, kdim=kdim, vdim=kdim,
+                              add_zero_attn=(masks == "padding"),
+                              bias=(masks != "causal")).double()
+    b = 4
+    q = torch.randn(b, T, D, generator=g, dtype=torch.float64)
+    kv = q if inputs == "self" else torch.randn(b, T if masks in ("causal", "both", "float-3d")
+                                                else S, kdim or D, generator=g,
+                                                dtype=torch.float64)
+    src = kv.shape[1]
+    if masks in ("causal", "both", "float-3d"):
+        src = T
+    padding, attn_mask = _masks(masks, b, 2, T, src, g)
+    if not batch_first:
+        q, kv = q.transpose(0, 1), kv.transpose(0, 1)
+    kwargs = dict(key_padding_mask=padding, need_weights=need_weights, attn_mask=attn_mask,
+                  is_causal=masks == "causal", average_attn_weights=(masks != "none"))
+
+    def run(forward):
+        x = q.detach().requires_grad_()
+        y = x if inputs == "self" else kv.detach().requires_grad_()
+        out, weights = forward(x, y, y, **kwargs)
+        grads = torch.autograd.grad(out.pow(2).sum(), [x, y] + list(m.parameters()))
+        return out, weights, grads
+
+    want = run(m.forward)
+    got = run(lambda *a, **kw: attention.attention_forward(m, *a, **kw))
+    torch.testing.assert_close(got[0], want[0])
+    assert (got[1] is None) == (want[1] is None)
+    if want[1] is not None:
+        torch.testing.assert_close(got[1], want[1])
+    for a, w in zip(got[2], want[2]):
+        torch.testing.assert_close(a, w)
+
+
+def test_an_unbatched_query_is_refused_by_shape():
+    m = nn.MultiheadAttention(D, 2)
+    x = torch.randn(T, D)
+    with pytest.raises(dpzero.private.PrivacyViolation, match=r"query of shape \(6, 8\)"):
+        attention.attention_forward(m, x, x, x)
+
+
+# ---- the private step ------------------------------------------------------------------------
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, V, (N, T), generator=g)
+    ids[::3, -2:] = 0
+    return torch.utils.data.TensorDataset(ids, torch.randint(0, K, (N,), generator=g))
+
+
+class Attending(nn.Module):
+    """Embeddings attending to themselves (self) or to a second table of memories (cross, with
+    kdim), through a MultiheadAttention, its output weights used too."""
+
+    def __init__(self, cross=False, batch_first=True, dropout=0.0, **kw):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.memory = nn.Embedding(V, 5) if cross else None
+        self.attn = nn.MultiheadAttention(D, 2, dropout=dropout, batch_first=batch_first,
+                                          kdim=5 if cross else None, vdim=5 if cross else None,
+                                          **kw)
+        self.head = nn.Linear(D, K)
+        self.cross, self.batch_first = cross, batch_first
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        kv = self.memory(ids.flip(1)) if self.cross else h
+        pad = ids == 0
+        if not self.batch_first:
+            h, kv = h.transpose(0, 1), kv.transpose(0, 1)
+        out, weights = self.attn(h, kv, kv, key_padding_mask=pad)
+        out = out if self.batch_first else out.transpose(0, 1)
+        return self.head(out.mean(1)) + weights.sum((1, 2)).unsqueeze(1)
+
+
+MODELS = {
+    "self": lambda: Attending(),
+    "self-seq-first": lambda: Attending(batch_first=False),
+    "cross-kdim": lambda: Attending(cross=True),
+    "zero-attn-no-bias": lambda: Attending(add_zero_attn=True, bias=False),
+    "encoder-layer": lambda: nn.Sequential(
+        nn.Embedding(V, D), nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True),
+        nn.Flatten(), nn.Linear(T * D, K)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_step_clips_each_examples_whole_gradient(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    start = copy.deepcopy(model)
+    p = dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=0.0,
+                            max_grad_norm=C, allow_no_noise=True, lr=LR, seed=1)
+    kinds = {layer.name: type(layer.kind).__name__ for layer in p.privacy_engine.layers}
+    assert "FuncKind" not in kinds.values(), kinds  # every layer on the kernels
+    ids, y = next(iter(p.data_loader))
+    F.cross_entropy(p.model(ids), y).backward()
+    assert p.optimizer.step()
+    want = clipped_step_by_example(start, ids.as_subclass(torch.Tensor),
+                                   y.as_subclass(torch.Tensor), max_grad_norm=C, lr=LR,
+                                   expected_batch=8.0, must_clip=True)
+    got = p.privacy_engine.parameters()
+    assert sorted(got) == sorted(want)
+    num = sum(float((got[n].double() - want[n]).pow(2).sum()) for n in want)
+    den = sum(float((want[n] - start.get_parameter(n).detach().double()).pow(2).sum())
+              for n in want)
+    assert math.sqrt(num / den) <= 1e-5, math.sqrt(num / den)
+
+
+def test_the_projections_are_layers_of_their_own():
+    p = dpzero.make_private(Attending(cross=True), dataset=_data(), batch_size=8,
+                            noise_multiplier=1.0, max_grad_norm=C, seed=1)
+    layers = p.privacy_engine.layers
+    assert [layer.name for layer in layers] == [
+        "emb", "memory", "attn.in_proj[q]", "attn.in_proj[k]", "attn.in_proj[v]",
+        "attn.out_proj", "head"]
+    assert len({layer.component for layer in layers}) == len(layers)  # disjoint parameters
+    model = p.privacy_engine.detach()
+    assert "forward" not in model.attn.__dict__  # detached: torch's own forward again
+
+
+def test_dropout_trains_within_the_bound():
+    """Attention dropout, which the generic path refused (its per-example recompute would draw
+    other masks), is an ordinary op of the forward here: TransformerEncoderLayer's defaults
+    train, and one example moves the clipped sum by at most 2C."""
+    g = torch.Generator().manual_seed(4)
+    ids, y = torch.randint(1, V, (8, T), generator=g), torch.randint(0, K, (8,), generator=g)
+    for make in (lambda: Attending(dropout=0.3),
+                 lambda: nn.Sequential(nn.Embedding(V, D),
+                                       nn.TransformerEncoderLayer(D, 2, 16, batch_first=True),
+                                       nn.Flatten(), nn.Linear(T * D, K))):
+        assert refused_or_bounded(make, [ids], y) == "bounded"
+
+
+class _Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.a = nn.MultiheadAttention(D, 2, batch_first=True)
+        self.b = nn.MultiheadAttention(D, 2, batch_first=True)
+        self.b.in_proj_weight = self.a.in_proj_weight  # one parameter, two modules
+        self.head = nn.Linear(D, K)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = self.a(h, h, h)[0]
+        return self.head(self.b(h, h, h)[0].mean(1))
+
+
+class _Overriding(nn.MultiheadAttention):
+    def forward(self, q, k, v, **kw):
+        return super().forward(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("make,generic", [
+    (lambda: Attending(add_bias_kv=True), ["attn"]),
+    (_Shared, ["a", "b"]),
+    (lambda: nn.Sequential(nn.Embedding(V, D), _Wrap(_Overriding(D, 2, batch_first=True)),
+                           nn.Flatten(), nn.Linear(T * D, K)), ["1.attn"]),
+])
+def test_what_the_kernels_cannot_take_keeps_the_generic_path(make, generic):
+    """add_bias_kv (two more parameters used directly), a parameter shared with another module
+    (its per-sample norm is not the sum of the blocks'), a subclass overriding forward: the
+    module is recomputed per example whole, and the step is the reference's."""
+    torch.manual_seed(0)
+    model = make()
+    start = copy.deepcopy(model)
+    p = dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=0.0,
+                            max_grad_norm=C, allow_no_noise=True, lr=LR, seed=1)
+    assert sorted(layer.name for layer in p.privacy_engine.layers
+                  if type(layer.kind).__name__ == "FuncKind") == generic
+    if make is _Shared:
+        return  # a tied parameter is clipped on its uses' norms' sum (the ALBERT coverage row)
+    ids, y = next(iter(p.data_loader))
+    F.cross_entropy(p.model(ids), y).backward()
+    assert p.optimizer.step()
+    want = clipped_step_by_example(start, ids.as_subclass(torch.Tensor),
+                                   y.as_subclass(torch.Tensor), max_grad_norm=C, lr=LR,
+                                   expected_batch=8.0, must_clip=True)
+    got = p.privacy_engine.parameters()
+    num = sum(float((got[n].double() - want[n]).pow(2).sum()) for n in want)
+    den = sum(float((want[n] - start.get_parameter(n).detach().double()).pow(2).sum())
+              for n in want)
+    assert math.sqrt(num / den) <= 1e-5, math.sqrt(num / den)
+
+
+class _Wrap(nn.Module):
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, h):
+        return self.attn(h, h, h, need_weights=False)[0]
