@@ -246,14 +246,18 @@ def clipped_step_by_example(model: nn.Module, inputs: torch.Tensor, targets: tor
     ``min(1, C / (||g|| + 1e-6))`` (privacy/clipping.h), summed, divided by the expected batch.
     ``must_clip``: assert that every example's norm exceeds C (so every example is clipped)."""
     ref = copy.deepcopy(model).double()
-    params = dict(ref.named_parameters())
+    params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
     total = {n: torch.zeros_like(p) for n, p in params.items()}
     for i in range(len(inputs)):
         ref.zero_grad()
-        loss = torch.nn.functional.cross_entropy(ref(inputs[i:i + 1]), targets[i:i + 1])
+        x = inputs[i:i + 1]
+        x = x.double() if x.is_floating_point() else x
+        loss = torch.nn.functional.cross_entropy(ref(x), targets[i:i + 1])
         loss.backward()
-        norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params.values()))
+        grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
+                 for n, p in params.items()}
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
         assert not must_clip or norm > max_grad_norm, (i, norm)
-        for n, p in params.items():
-            total[n] += min(1.0, max_grad_norm / (norm + 1e-6)) * p.grad
+        for n, g in grads.items():
+            total[n] += min(1.0, max_grad_norm / (norm + 1e-6)) * g
     return {n: p.detach() - lr * total[n] / expected_batch for n, p in params.items()}
