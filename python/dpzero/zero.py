@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import weakref
 from collections.abc import Iterable
 from typing import Callable, Optional
@@ -57,14 +58,12 @@ _LOOK_THROUGH = (nn.ModuleList, nn.ModuleDict)
 
 
 
-@functools.cache
 def _peft_tuner() -> tuple:
-    """PEFT's tuner wrapper class (LoraModel, ... are BaseTuners), or () without peft."""
-    try:
-        from peft.tuners.tuners_utils import BaseTuner
-    except ImportError:
-        return ()
-    return (BaseTuner,)
+    """PEFT's tuner wrapper class (LoraModel, ... are BaseTuners), or () when peft's tuners are
+    not imported: then no module can be one. Importing peft here would import transformers and
+    torch._dynamo with it, about 3.5 s of every process that shards a model."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    return (tuners.BaseTuner,) if tuners is not None else ()
 
 
 def _look_through(module: nn.Module) -> bool:

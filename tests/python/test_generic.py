@@ -314,10 +314,10 @@ MIXING = {  # a second review found these accepted, moving the clipped sum by 5-
 ATTENDING_OVER_EXAMPLES = {
     "encoder-layer-seq-first-fed-batch-first": (
         lambda: nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0), lambda m, h: m(h),
-        "layer.self_attn.in_proj[q]"),
+        "layer.self_attn.in_proj.q"),
     "mha-seq-first-fed-batch-first": (
         lambda: nn.MultiheadAttention(D, 2), lambda m, h: m(h, h, h, need_weights=False)[0],
-        "layer.in_proj[q]"),
+        "layer.in_proj.q"),
 }
 
 
@@ -393,7 +393,7 @@ def test_a_root_taken_whole_registers_no_child_layers():
     p = dpzero.make_private(nn.MultiheadAttention(D, 2, batch_first=True), dataset=data,
                             batch_size=8, noise_multiplier=1.0, max_grad_norm=C, seed=1)
     assert [layer.name for layer in p.privacy_engine.layers] == [
-        "in_proj[q]", "in_proj[k]", "in_proj[v]", "out_proj"]
+        "in_proj.q", "in_proj.k", "in_proj.v", "out_proj"]
 
 
 class _DirectLookup(nn.Embedding):

@@ -24,10 +24,10 @@ from . import attention, relative_bias
 from .book import Layer, Slot
 from .errors import PrivacyViolation
 from .fallback import BYPASS, FuncKind, OutputLayout, swapped, taken_whole, tap
-from .layers import (ORIGINAL_FORWARD, EmbeddingKind, LinearKind, autocast_dtype,
-                     calls_base_forward, dp_apply, layer_kind, overridden_base)
+from .layers import (ORIGINAL_FORWARD, EmbeddingKind, autocast_dtype, calls_base_forward,
+                     dp_apply, layer_kind, overridden_base)
 from .provenance.records import input_record, record
-from .provenance.root import root_forward
+from .provenance.root import compiled_out_root_forward
 
 # Module types that cannot run under DP, with the reason the error gives.
 _REJECTED = (
@@ -78,7 +78,8 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
     problems: List[str] = []
     layers: List[Layer] = []
     whole: List[str] = []  # modules the generic path takes with their children (taken_whole)
-    shared = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    owners = collections.Counter(id(p) for m in model.modules()
+                                 for p in m._parameters.values() if p is not None)
     for name, module in model.named_modules():
         if any(w == "" or name.startswith(w + ".") for w in whole):  # "": the root, whole
             continue
@@ -98,7 +99,7 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
             continue
         # Note [attention through the kernels] (attention.py)
         kernel_attention = isinstance(module, nn.MultiheadAttention) and \
-            attention.generic_reason(module, shared) is None
+            not taken_whole(module) and attention.generic_reason(module, owners) is None
         if taken_whole(module) or (isinstance(module, nn.MultiheadAttention) and
                                    not kernel_attention):
             whole.append(name)
@@ -179,7 +180,7 @@ def _projection_layers(name: str, module: nn.MultiheadAttention, slot_of: Dict[i
                               getattr(proj, pname).shape))
         if any(train):
             layers.append(Layer(first + len(layers), attention.name_of(name, proj.which), proj,
-                                LinearKind(transposed=False), tuple(train), slots,
+                                attention.ProjectionKind(), tuple(train), slots,
                                 keys=(id(proj),)))
     return layers
 
@@ -214,7 +215,7 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
     if isinstance(kind, FuncKind):
         return _fallback_forward(book, layer, original, _trainable_params(layer), args, kwargs,
                                  recompute, refused)
-    if len(args) != 1 or kwargs:
+    if (len(args) != 1 and not (kind.context and args)) or kwargs:
         raise PrivacyViolation(
             f"DP layer {layer.name!r} ({type(layer.module).__name__}) was called with "
             f"{len(args)} positional and {sorted(kwargs)} keyword arguments; DP layers take one "
@@ -239,8 +240,11 @@ def _patched_forward(book_ref, layer: Layer, original, *args, **kwargs):
         # call's were), so that it saves the tensors the original call saved (Note [recomputed
         # forwards] in book.py).
         return _refused_call(book, layer, x, book.recompute_text(layer))
-    # The record is of the call as made (before any expansion): what the probe compares.
-    generation, part = book.on_forward(layer.index, input_record(layer.index, args[0]))
+    # The record is of the call as made (before any expansion): what the probe compares, with
+    # its context if it has one (Note [call context] in provenance/records.py).
+    generation, part = book.on_forward(
+        layer.index, input_record(layer.index, args[0]) if len(args) == 1 else
+        record(layer.index, args, {}))
     if hasattr(kind, "dp_call"):  # the C++ autograd function (src/dp/dp_layers.h)
         return kind.dp_call(layer.module, x, book.core, generation, part, None)
     pid = (generation, part, layer.index)
@@ -322,7 +326,8 @@ def patch(model: nn.Module, layers: List[Layer], book_ref, ranks, devices) -> No
     cache_off(model)  # Note [no key/value cache]
     original = model.forward
     model._dp_root_previous = model.__dict__.get("forward")
-    model.forward = functools.partial(root_forward, book_ref, ranks, devices, model, original)
+    model.forward = functools.partial(compiled_out_root_forward(), book_ref, ranks, devices,
+                                      model, original)
 
 
 # Note [subclass forwards]

@@ -19,22 +19,28 @@ bias are those row blocks, read from the module at each call (so a stage-3 gathe
 its own DP layer with its own slots in the unit's gradient buffer (``offset + k * rows``: a row
 block of a row-major parameter is contiguous). Their per-sample gradients are disjoint blocks of
 the parameter's, so the parameter's per-sample squared norm is exactly the sum of theirs: each is
-its own clipping component, like any two Linears. That holds only if no other module uses the
-parameter, so a module sharing one (or its out_proj's) with another module keeps the generic
-path, as do ``add_bias_kv`` (two more parameters used directly) and subclasses that override
-forward.
+its own clipping component, like any two Linears (so ``clipping="layer"`` counts four). That
+holds only if no other module holds the parameter, so the generic path keeps a module that shares
+one (or its out_proj's) with another module, one with ``add_bias_kv`` (two more parameters used
+directly), one with parameters of other names (the deprecated ``weight_norm``'s) or a
+parametrization, a subclass, an instance-level forward, and an out_proj with a forward of its own
+(torch's attention never calls out_proj; this one does, hooks included).
 
 The middle line is torch's own arithmetic (the masks canonicalised by torch's helpers, the
 weights averaged as ``need_weights`` and ``average_attn_weights`` ask, ``add_zero_attn``, the
-``is_causal`` hint), in batch-first layout: a ``batch_first=False`` module's inputs are
-transposed before the projections, so every DP layer input holds the examples on dim 0, which
-the probe decides from where they came from (Note [batch provenance]); one fed batch-first
-inputs by mistake has its examples on dim 1 there and is refused. Nothing in it mixes examples:
-every tensor keeps the examples on dim 0 and heads are split within an example. Attention dropout
-is an ordinary random op of the forward, which the generic path refused because its per-example
-recompute would draw other masks; here nothing is recomputed. Outside a backward-building
-forward (``torch.no_grad()``, evaluation) and inside a generic module's recompute the module runs
-its own forward, fast path included.
+``is_causal`` hint, an unbatched call as a batch of one), in batch-first layout: a
+``batch_first=False`` module's inputs are transposed before the projections, so every DP layer
+input holds the examples on dim 0, which the probe decides from where they came from (Note
+[batch provenance]); one fed batch-first inputs by mistake has its examples on dim 1 there and is
+refused. Every tensor keeps the examples on dim 0 and heads are split within an example; what
+could still mix examples are the masks, which no DP layer reads: they ride with the query
+projection's call as its context (Note [call context] in provenance/records.py), so a mask
+whose rows are not the examples' own, or a shared mask computed from the batch, is refused at
+the forward, as the generic path's probe refused it. Attention dropout is an ordinary random op
+of the forward, which the generic path refused because its per-example recompute would draw
+other masks; here nothing is recomputed. Outside a backward-building forward
+(``torch.no_grad()``, evaluation) and inside a generic module's recompute the module runs its own
+forward, fast path included.
 """
 
 from __future__ import annotations
@@ -46,12 +52,16 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .errors import PrivacyViolation
 from .fallback import BYPASS
-from .layers import ORIGINAL_FORWARD
+from .layers import ORIGINAL_FORWARD, LinearKind
 
 _NAMES = ("q", "k", "v")
+# The parameters a MultiheadAttention holds itself (out_proj holds its own).
+_OWN = frozenset({"in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+                  "in_proj_bias", "bias_k", "bias_v"})
 
 
 class Projection(nn.Module):
@@ -98,8 +108,20 @@ class Projection(nn.Module):
         b, e = self.owner.in_proj_bias, self.owner.embed_dim
         return None if b is None else b[self.which * e:(self.which + 1) * e]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, L, d_in] -> [B, L, E]
+    def forward(self, x: torch.Tensor, *context) -> torch.Tensor:  # x [B, L, d_in] -> [B, L, E]
+        """``context``: tensors the probe judges with the call (Note [call context] in
+        provenance/records.py); the projection does not read them."""
         return F.linear(x, self.weight, self.bias)
+
+
+class ProjectionKind(LinearKind):
+    """A projection's layer kind: a Linear whose call may carry the attention's masks as
+    context (Note [call context] in provenance/records.py)."""
+
+    context = True
+
+    def __init__(self) -> None:
+        super().__init__(transposed=False)
 
 
 _PROJECTIONS: "weakref.WeakKeyDictionary[nn.Module, Tuple[Projection, ...]]" = \
@@ -115,22 +137,31 @@ def projections(attention: nn.MultiheadAttention) -> Tuple[Projection, Projectio
     return found  # type: ignore[return-value]
 
 
-def generic_reason(module: nn.Module, shared: Dict[int, int]) -> Optional[str]:
+def generic_reason(module: nn.Module, owners: Dict[int, int]) -> Optional[str]:
     """Why the MultiheadAttention ``module`` keeps the generic path (Note [attention through
-    the kernels]), or None; ``shared``: id(parameter) -> how many module slots hold it."""
-    if type(module).forward is not nn.MultiheadAttention.forward:
-        return "a subclass overriding forward"
+    the kernels]), or None; ``owners``: id(parameter) -> how many modules hold it."""
+    if type(module) is not nn.MultiheadAttention:
+        return "a subclass"
+    if "forward" in module.__dict__:
+        return "a forward set on the instance"
     if module.bias_k is not None or module.bias_v is not None:
         return "add_bias_kv=True"
-    if any(shared.get(id(p), 1) > 1 for p in module.parameters()):
+    if type(module.out_proj).forward is not nn.Linear.forward:
+        return "an out_proj with a forward of its own"
+    if parametrize.is_parametrized(module) or parametrize.is_parametrized(module.out_proj):
+        return "a parametrization"
+    own = sorted(n for n, p in module._parameters.items() if p is not None)
+    if any(n not in _OWN for n in own):  # e.g. the deprecated weight_norm's in_proj_weight_g
+        return f"parameters {own}, not only its projections'"
+    if any(owners.get(id(p), 1) > 1 for p in module.parameters()):
         return "a parameter shared with another module"
     return None
 
 
 def name_of(module_name: str, which: int) -> str:
-    """A projection's DP layer name: the module's, with the block (``attn.in_proj[q]``)."""
-    return f"{module_name}.in_proj[{_NAMES[which]}]" if module_name else \
-        f"in_proj[{_NAMES[which]}]"
+    """A projection's DP layer name: the module's, with the block (``attn.in_proj.q``), so that
+    a clipping group named by the module's prefix holds it."""
+    return f"{module_name}.in_proj.{_NAMES[which]}" if module_name else f"in_proj.{_NAMES[which]}"
 
 
 def attention_forward(module: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
@@ -138,20 +169,27 @@ def attention_forward(module: nn.MultiheadAttention, query: torch.Tensor, key: t
                       need_weights: bool = True, attn_mask: Optional[torch.Tensor] = None,
                       average_attn_weights: bool = True, is_causal: bool = False):
     """``module``'s forward with its projections as DP layers (Note [attention through the
-    kernels]). query [B, L, E] ([L, B, E] unless batch_first), key and value [B, S, kdim /
-    vdim] likewise; returns (output like query, weights [B, L, S] or [B, H, L, S] or None)."""
+    kernels]). query [B, L, E] ([L, B, E] unless batch_first; [L, E] unbatched), key and value
+    [B, S, kdim / vdim] likewise; returns (output like query, weights [B, L, S] or
+    [B, H, L, S] or None)."""
     if BYPASS.depth or not torch.is_grad_enabled():
         return module.__dict__[ORIGINAL_FORWARD](
             query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
             attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
-    if query.dim() != 3 or query.is_nested:
-        raise PrivacyViolation(
-            f"MultiheadAttention got a query of shape {tuple(query.shape)} (unbatched or "
-            "nested): under DP its inputs hold the examples, [B, L, E] with batch_first=True or "
-            "[L, B, E] without")
-    if module.batch_first:  # torch's checks and masks read the sequence-first layout
-        query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-    F._mha_shape_check(query, key, value, key_padding_mask, attn_mask, module.num_heads)
+    if query.is_nested or key.is_nested or value.is_nested:
+        raise PrivacyViolation("MultiheadAttention got a nested tensor, which it supports only "
+                               "in its inference fast path; pass padded tensors and a "
+                               "key_padding_mask")
+    batched = query.dim() == 3
+    # torch's checks and masks read the sequence-first layout
+    seq_first = [t.transpose(0, 1) if batched and module.batch_first else t
+                 for t in (query, key, value)]
+    F._mha_shape_check(*seq_first, key_padding_mask, attn_mask, module.num_heads)
+    # Batch-first from here (an unbatched call is a batch of one, as in torch's forward): every
+    # tensor holds the examples on dim 0.
+    query, key, value = (t.transpose(0, 1) if batched else t.unsqueeze(0) for t in seq_first)
+    if not batched and key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.unsqueeze(0)
     key_padding_mask = F._canonical_mask(
         mask=key_padding_mask, mask_name="key_padding_mask",
         other_type=F._none_or_dtype(attn_mask), other_name="attn_mask", target_type=query.dtype)
@@ -166,36 +204,38 @@ def attention_forward(module: nn.MultiheadAttention, query: torch.Tensor, key: t
                                       other_name="", target_type=query.dtype, check_other=False)
         if key_padding_mask is not None:
             is_causal = False  # the merged mask is no longer causal
-    tgt, batch, embed = query.shape
-    src = key.shape[0]
+    batch, tgt, embed = query.shape
+    src = key.shape[1]
     if embed != module.embed_dim:
         raise RuntimeError(f"MultiheadAttention expected an embedding dimension of "
                            f"{module.embed_dim}, got a query of shape {tuple(query.shape)}")
-    if module._qkv_same_embed_dim and key.shape != value.shape:
-        raise RuntimeError(f"MultiheadAttention: key shape {tuple(key.shape)} does not match "
-                           f"value shape {tuple(value.shape)}")
+    if key.shape[:2] != value.shape[:2] or \
+            (module._qkv_same_embed_dim and key.shape != value.shape):
+        raise RuntimeError(f"MultiheadAttention: key of shape {tuple(key.shape)} does not match "
+                           f"value of shape {tuple(value.shape)} (batch-first)")
     heads = module.num_heads
     head_dim = embed // heads
-    # Batch-first from here: every tensor holds the examples on dim 0.
+    shared = per_example = None  # attn_mask as [L, S], or as [B, H, L, S]
+    if attn_mask is not None and attn_mask.dim() == 2:
+        if attn_mask.shape != (tgt, src):
+            raise RuntimeError(f"The shape of the 2D attn_mask is {attn_mask.shape}, but "
+                               f"should be {(tgt, src)}.")
+        shared = attn_mask
+    elif attn_mask is not None:
+        if attn_mask.shape != (batch * heads, tgt, src):
+            raise RuntimeError(f"The shape of the 3D attn_mask is {attn_mask.shape}, but "
+                               f"should be {(batch * heads, tgt, src)}.")
+        per_example = attn_mask.view(batch, heads, tgt, src)  # torch's row b * H + h
     p_q, p_k, p_v = projections(module)
-    q = p_q(query.transpose(0, 1))  # [B, L, E]
-    k = p_k(key.transpose(0, 1))    # [B, S, E]
-    v = p_v(value.transpose(0, 1))  # [B, S, E]
+    # Note [call context]: the masks ride with the query projection's call, so that the probe
+    # judges them as it judges the call's input.
+    q = p_q(query, key_padding_mask, shared, per_example)  # [B, L, E]
+    k = p_k(key)    # [B, S, E]
+    v = p_v(value)  # [B, S, E]
     q = q.view(batch, tgt, heads, head_dim).transpose(1, 2)  # [B, H, L, D]
     k = k.view(batch, src, heads, head_dim).transpose(1, 2)  # [B, H, S, D]
     v = v.view(batch, src, heads, head_dim).transpose(1, 2)  # [B, H, S, D]
-    mask = None  # broadcastable to [B, H, L, S]
-    if attn_mask is not None:
-        if attn_mask.dim() == 2:
-            if attn_mask.shape != (tgt, src):
-                raise RuntimeError(f"The shape of the 2D attn_mask is {attn_mask.shape}, but "
-                                   f"should be {(tgt, src)}.")
-            mask = attn_mask.view(1, 1, tgt, src)
-        else:
-            if attn_mask.shape != (batch * heads, tgt, src):
-                raise RuntimeError(f"The shape of the 3D attn_mask is {attn_mask.shape}, but "
-                                   f"should be {(batch * heads, tgt, src)}.")
-            mask = attn_mask.view(batch, heads, tgt, src)
+    mask = shared.view(1, 1, tgt, src) if shared is not None else per_example
     if module.add_zero_attn:
         zeros = torch.zeros(batch, heads, 1, head_dim, dtype=k.dtype, device=k.device)
         k, v = torch.cat([k, zeros], 2), torch.cat([v, zeros], 2)
@@ -219,6 +259,8 @@ def attention_forward(module: nn.MultiheadAttention, query: torch.Tensor, key: t
     else:
         out = F.scaled_dot_product_attention(q, k, v, mask, dropout, is_causal)
     out = module.out_proj(out.transpose(1, 2).reshape(batch, tgt, embed))  # [B, L, E]
+    if not batched:
+        return out[0], (None if weights is None else weights[0])
     return (out if module.batch_first else out.transpose(0, 1)), weights
 
 

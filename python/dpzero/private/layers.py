@@ -65,6 +65,9 @@ class LayerKind:
     (a tuple of bools parallel to ``params``)."""
 
     params: Sequence[str] = ("weight", "bias")
+    # Whether a call may pass tensors after its input that the layer does not read but the probe
+    # judges with the call (Note [call context] in provenance/records.py).
+    context: bool = False
 
     def check(self, module: nn.Module) -> Optional[str]:
         """Why this module cannot run under DP (an error text), or None."""

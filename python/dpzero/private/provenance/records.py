@@ -175,8 +175,11 @@ def classify(layers, real: Sequence[CallRecord], probe: Sequence[CallRecord], ro
             continue
         verdicts = [follows(a, b, rows, s) for a, b, s in zip(r.inputs, p.inputs, same)]
         v, shape = verdicts[0], list(r.inputs[0])
-        if v == BATCHED:
-            out.append(Verdict((0,)))
+        context = _context_verdict(name, verdicts[1:], same[1:])
+        if v == BATCHED and isinstance(context, str):
+            out.append(Verdict(error=context))
+        elif v == BATCHED:
+            out.append(Verdict((0,) + context))
         elif v == SHARED and isinstance(layer.kind, EmbeddingKind) and len(shape) > 1 \
                 and shape[0] == 1:
             problem = p.lookup.problem() if p.lookup is not None else None
@@ -200,6 +203,42 @@ def classify(layers, real: Sequence[CallRecord], probe: Sequence[CallRecord], ro
                 "batch-first, and keep examples out of dim 0's other factors (no [B * T, d] "
                 "flattening)")))
     return out
+
+
+# Note [call context]
+# ~~~~~~~~~~~~~~~~~~~
+# Some tensors reach a DP layer's output without being its input: MultiheadAttention's masks
+# decide which of an example's positions its attention mixes (attention.py), and nothing of a
+# kernel layer reads them. A mask whose rows are not the examples' own (a [B * H, L, S] mask built
+# head-major, with .repeat(H, 1, 1) where torch expects row b * H + h; a key padding mask rolled
+# by one example) or a mask shared by the batch but computed from it (from h.mean(0)) would mix
+# examples there, where no recompute compares them. So such tensors ride with one layer call as
+# its *context* (extra positional arguments of a kind with ``context``; the layer ignores them),
+# and the probe judges each as it judges the call's input, more strictly:
+#   * one that grew from B to B + 1 rows on dim 0 holds the examples only if its first B rows kept
+#     their values exactly (the probe's first B examples are the real call's): a tensor whose
+#     rows are other examples', or whose rows follow the batch size, moves them;
+#   * one whose shape and values did not change is shared by the batch, and becomes a premise of
+#     the cached verdict (Note [premises] in root.py) like a generic module's shared input;
+#   * anything else is refused, naming the layer and the context input.
+def _context_verdict(name: str, verdicts: Sequence[str], same: Sequence[Optional[bool]]):
+    """Note [call context]: per context input its dim (0: the examples, None: shared), or the
+    refusal."""
+    dims: List[Optional[int]] = []
+    for j, (v, s) in enumerate(zip(verdicts, same), 1):
+        if v == BATCHED and s is not True:
+            return (f"{name}: its context input {j} (an attention mask) grows with the examples "
+                    "but its rows for the first examples change when one more is added: they "
+                    "are not each example's own (a [B * H, L, S] mask must hold example b's "
+                    "heads in rows b * H to b * H + H - 1, as torch's repeat_interleave(H, 0) "
+                    "gives, not .repeat(H, 1, 1); a key padding mask row b must be example "
+                    "b's)")
+        if v not in (BATCHED, SHARED):
+            return (f"{name}: its context input {j} (an attention mask) {v}; a mask must hold "
+                    "one row per example on dim 0 or be shared by the whole batch (computed "
+                    "from shapes, not from the examples)")
+        dims.append(0 if v == BATCHED else None)
+    return tuple(dims)
 
 
 def _shared_error(name: str, layer, shape: List[int]) -> str:

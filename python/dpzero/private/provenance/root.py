@@ -104,7 +104,6 @@ def admitted(book, args, kwargs):
     return args, kwargs, tagged, problem
 
 
-@torch.compiler.disable  # Note [compiled private models] in engine.py
 def root_forward(book_ref, ranks: Ranks, devices, module: nn.Module, original, *args, **kwargs):
     """The model's forward under DP (steps 1-4 of this file's docstring). Every forward with
     gradients on every rank makes the same agreements in the same order (the probe, its retry
@@ -224,6 +223,8 @@ def premise_of(verdicts: Sequence[Verdict], real: Sequence[CallRecord]) -> tuple
             shared = [0]
         elif v.in_dims and isinstance(v.in_dims[0], tuple):  # a generic module's verdict
             shared = [j for j, d in enumerate(v.in_dims[0]) if d is None]
+        elif v.in_dims and len(v.in_dims) > 1:  # a kernel call's context (Note [call context])
+            shared = [j for j, d in enumerate(v.in_dims) if j > 0 and d is None]
         else:
             continue
         for j in shared:
@@ -292,3 +293,17 @@ def _probed(module, original, args, kwargs, tagged, book, devices, real, rows,
             "and every model input with one row per example must come from the loader's "
             "batch (torch.ones_like(x), not torch.ones(x.shape)); forward hooks run in the "
             "probe too")
+
+
+_COMPILED_OUT: Optional[Callable] = None
+
+
+def compiled_out_root_forward() -> Callable:
+    """:func:`root_forward` excluded from compilation (Note [compiled private models] in
+    engine.py). Made at the first make_private, not at import: ``torch.compiler.disable``
+    imports torch._dynamo, about 0.9 s that a process using only the accountants, the CLI or
+    ``dpzero.shard`` would pay for nothing."""
+    global _COMPILED_OUT
+    if _COMPILED_OUT is None:
+        _COMPILED_OUT = torch.compiler.disable(root_forward)
+    return _COMPILED_OUT
