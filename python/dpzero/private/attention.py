@@ -23,8 +23,9 @@ its own clipping component, like any two Linears (so ``clipping="layer"`` counts
 holds only if no other module holds the parameter, so the generic path keeps a module that shares
 one (or its out_proj's) with another module, one with ``add_bias_kv`` (two more parameters used
 directly), one with parameters of other names (the deprecated ``weight_norm``'s) or a
-parametrization, a subclass, an instance-level forward, and an out_proj with a forward of its own
-(torch's attention never calls out_proj; this one does, hooks included).
+parametrization, a subclass, an instance-level forward, an out_proj with a forward of its own
+(torch's attention never calls out_proj; this one does, hooks included), and one whose input
+projections are all frozen while out_proj trains (no projection call to carry the masks).
 
 The middle line is torch's own arithmetic (the masks canonicalised by torch's helpers, the
 weights averaged as ``need_weights`` and ``average_attn_weights`` ask, ``add_zero_attn``, the
@@ -33,10 +34,10 @@ weights averaged as ``need_weights`` and ``average_attn_weights`` ask, ``add_zer
 input holds the examples on dim 0, which the probe decides from where they came from (Note
 [batch provenance]); one fed batch-first inputs by mistake has its examples on dim 1 there and is
 refused. Every tensor keeps the examples on dim 0 and heads are split within an example; what
-could still mix examples are the masks, which no DP layer reads: they ride with the query
-projection's call as its context (Note [call context] in provenance/records.py), so a mask
-whose rows are not the examples' own, or a shared mask computed from the batch, is refused at
-the forward, as the generic path's probe refused it. Attention dropout is an ordinary random op
+could still mix examples are the masks, which no DP layer reads: they ride with the first DP
+projection's call as its context (Note [call context] in provenance/records.py), so a shared
+mask computed from the batch, or a [B * H, L, S] mask (the examples folded with the heads), is
+refused at the forward, as the generic path's probe refused them. Attention dropout is an ordinary random op
 of the forward, which the generic path refused because its per-example recompute would draw
 other masks; here nothing is recomputed. Outside a backward-building forward
 (``torch.no_grad()``, evaluation) and inside a generic module's recompute the module runs its own
@@ -153,6 +154,10 @@ def generic_reason(module: nn.Module, owners: Dict[int, int]) -> Optional[str]:
     own = sorted(n for n, p in module._parameters.items() if p is not None)
     if any(n not in _OWN for n in own):  # e.g. the deprecated weight_norm's in_proj_weight_g
         return f"parameters {own}, not only its projections'"
+    if not any(module._parameters[n].requires_grad for n in own if n not in ("bias_k", "bias_v")) \
+            and any(p.requires_grad for p in module.parameters()):
+        # The masks ride with a projection's call (Note [call context]): one must be a DP layer.
+        return "its input projections frozen while out_proj trains"
     if any(owners.get(id(p), 1) > 1 for p in module.parameters()):
         return "a parameter shared with another module"
     return None
@@ -215,27 +220,26 @@ def attention_forward(module: nn.MultiheadAttention, query: torch.Tensor, key: t
                            f"value of shape {tuple(value.shape)} (batch-first)")
     heads = module.num_heads
     head_dim = embed // heads
-    shared = per_example = None  # attn_mask as [L, S], or as [B, H, L, S]
+    mask = None  # attn_mask broadcast to [B, H, L, S]
     if attn_mask is not None and attn_mask.dim() == 2:
         if attn_mask.shape != (tgt, src):
             raise RuntimeError(f"The shape of the 2D attn_mask is {attn_mask.shape}, but "
                                f"should be {(tgt, src)}.")
-        shared = attn_mask
+        mask = attn_mask.view(1, 1, tgt, src)
     elif attn_mask is not None:
         if attn_mask.shape != (batch * heads, tgt, src):
             raise RuntimeError(f"The shape of the 3D attn_mask is {attn_mask.shape}, but "
                                f"should be {(batch * heads, tgt, src)}.")
-        per_example = attn_mask.view(batch, heads, tgt, src)  # torch's row b * H + h
-    p_q, p_k, p_v = projections(module)
-    # Note [call context]: the masks ride with the query projection's call, so that the probe
-    # judges them as it judges the call's input.
-    q = p_q(query, key_padding_mask, shared, per_example)  # [B, L, E]
-    k = p_k(key)    # [B, S, E]
-    v = p_v(value)  # [B, S, E]
+        mask = attn_mask.view(batch, heads, tgt, src)  # torch's row b * H + h
+    # Note [call context]: the masks ride with one projection's call (a DP layer's: patch()
+    # picks it), so that the probe judges them as it judges that call's input.
+    carrier = module.__dict__.get("_dp_mask_carrier", 0)
+    context = (key_padding_mask, attn_mask)
+    q, k, v = (p(x, *context) if i == carrier else p(x)
+               for i, (p, x) in enumerate(zip(projections(module), (query, key, value))))
     q = q.view(batch, tgt, heads, head_dim).transpose(1, 2)  # [B, H, L, D]
     k = k.view(batch, src, heads, head_dim).transpose(1, 2)  # [B, H, S, D]
     v = v.view(batch, src, heads, head_dim).transpose(1, 2)  # [B, H, S, D]
-    mask = shared.view(1, 1, tgt, src) if shared is not None else per_example
     if module.add_zero_attn:
         zeros = torch.zeros(batch, heads, 1, head_dim, dtype=k.dtype, device=k.device)
         k, v = torch.cat([k, zeros], 2), torch.cat([v, zeros], 2)
@@ -265,16 +269,18 @@ def attention_forward(module: nn.MultiheadAttention, query: torch.Tensor, key: t
 
 
 def patch(model: nn.Module, layers: List) -> None:
-    """Gives every MultiheadAttention with a DP layer among ``layers`` (a projection, or its
-    out_proj) :func:`attention_forward` as its forward."""
+    """Gives every MultiheadAttention with a DP projection among ``layers``
+    :func:`attention_forward` as its forward, and the first of them its masks to carry."""
     in_layers = {id(layer.module) for layer in layers}
     for m in model.modules():
-        if isinstance(m, nn.MultiheadAttention) and "forward" not in m.__dict__ and (
-                id(m.out_proj) in in_layers or
-                any(id(p) in in_layers for p in _PROJECTIONS.get(m, ()))):
+        layer_projections = [i for i, p in enumerate(_PROJECTIONS.get(m, ()))
+                             if id(p) in in_layers]
+        if isinstance(m, nn.MultiheadAttention) and "forward" not in m.__dict__ and \
+                layer_projections:  # generic_reason: no DP projection, no trained parameter
             m.__dict__[ORIGINAL_FORWARD] = m.forward
             m.forward = attention_forward.__get__(m)
             m.__dict__["_dp_attention"] = True
+            m.__dict__["_dp_mask_carrier"] = layer_projections[0]  # Note [call context]
 
 
 def unpatch(model: nn.Module) -> None:
@@ -282,3 +288,4 @@ def unpatch(model: nn.Module) -> None:
         if m.__dict__.pop("_dp_attention", False):
             m.__dict__.pop("forward", None)
             m.__dict__.pop(ORIGINAL_FORWARD, None)
+            m.__dict__.pop("_dp_mask_carrier", None)

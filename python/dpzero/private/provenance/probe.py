@@ -186,10 +186,6 @@ class Probe:
         same = ()
         if real is not None:
             same = tuple(same_values(a, b) for a, b in zip(real.tensors, rec.tensors))
-            if not generic and len(same) > 1:  # Note [call context] in records.py
-                same = same[:1] + tuple(
-                    _first_rows_same(a, b) if s is None else s
-                    for a, b, s in zip(real.tensors[1:], rec.tensors[1:], same[1:]))
             if generic and real.output is not None and len(real.output) == len(floating):
                 for i, a, b in zip(floating, real.output, rec.output):
                     v, d = follows_dim(a, b, self.rows - 1)
@@ -202,16 +198,6 @@ class Probe:
                 out = wrap(out.as_subclass(torch.Tensor), 0, self.token)  # the examples
         self.records.append(rec._replace(tensors=(), same=same, lookup=check))
         return out
-
-
-def _first_rows_same(a, b) -> Optional[bool]:
-    """For tensors ``b`` of one more row than ``a`` on dim 0 (else None): whether b's first
-    rows equal a's exactly."""
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() == 0 or \
-            a.dim() != b.dim() or b.shape[0] != a.shape[0] + 1 or a.shape[1:] != b.shape[1:]:
-        return None
-    with torch._C.DisableTorchFunctionSubclass():
-        return bool(torch.equal(a, b[:a.shape[0]]))
 
 
 def same_values(a, b, depth: int = 4) -> Optional[bool]:

@@ -175,7 +175,7 @@ def classify(layers, real: Sequence[CallRecord], probe: Sequence[CallRecord], ro
             continue
         verdicts = [follows(a, b, rows, s) for a, b, s in zip(r.inputs, p.inputs, same)]
         v, shape = verdicts[0], list(r.inputs[0])
-        context = _context_verdict(name, verdicts[1:], same[1:])
+        context = _context_verdict(name, verdicts[1:])
         if v == BATCHED and isinstance(context, str):
             out.append(Verdict(error=context))
         elif v == BATCHED:
@@ -207,36 +207,34 @@ def classify(layers, real: Sequence[CallRecord], probe: Sequence[CallRecord], ro
 
 # Note [call context]
 # ~~~~~~~~~~~~~~~~~~~
-# Some tensors reach a DP layer's output without being its input: MultiheadAttention's masks
-# decide which of an example's positions its attention mixes (attention.py), and nothing of a
-# kernel layer reads them. A mask whose rows are not the examples' own (a [B * H, L, S] mask built
-# head-major, with .repeat(H, 1, 1) where torch expects row b * H + h; a key padding mask rolled
-# by one example) or a mask shared by the batch but computed from it (from h.mean(0)) would mix
-# examples there, where no recompute compares them. So such tensors ride with one layer call as
-# its *context* (extra positional arguments of a kind with ``context``; the layer ignores them),
-# and the probe judges each as it judges the call's input, more strictly:
-#   * one that grew from B to B + 1 rows on dim 0 holds the examples only if its first B rows kept
-#     their values exactly (the probe's first B examples are the real call's): a tensor whose
-#     rows are other examples', or whose rows follow the batch size, moves them;
-#   * one whose shape and values did not change is shared by the batch, and becomes a premise of
-#     the cached verdict (Note [premises] in root.py) like a generic module's shared input;
-#   * anything else is refused, naming the layer and the context input.
-def _context_verdict(name: str, verdicts: Sequence[str], same: Sequence[Optional[bool]]):
+# Some tensors reach a DP layer's output without being any DP layer's input: MultiheadAttention's
+# masks decide which of an example's positions its attention mixes (attention.py), and no kernel
+# reads them. On the generic path they were arguments of the module's call, which the probe
+# judged with the others; on the kernels they ride with one projection's call as its *context*
+# (extra positional arguments of a kind with ``context``, which the layer ignores), and the probe
+# judges each as it judges the call's input:
+#   * one whose dim 0 grew from B to B + 1 with one more example, nothing else changing, holds
+#     the examples (a key padding mask [B, S]);
+#   * one whose shape and values did not change is shared by the batch (a causal [L, S] mask),
+#     and becomes a premise of the cached verdict (Note [premises] in root.py), as a generic
+#     module's shared input does;
+#   * anything else is refused, naming the layer and the input: a shared mask computed from the
+#     batch (its values change), and a [B * H, L, S] mask, whose dim 0 folds the examples with
+#     the heads (it grows by H), as the generic path refused it.
+# What the probe cannot see here is what it cannot see of any input: rows computed from other
+# examples (a mask rolled along the batch), the model mixing examples itself (Note [batch
+# provenance], root.py).
+def _context_verdict(name: str, verdicts: Sequence[str]):
     """Note [call context]: per context input its dim (0: the examples, None: shared), or the
     refusal."""
     dims: List[Optional[int]] = []
-    for j, (v, s) in enumerate(zip(verdicts, same), 1):
-        if v == BATCHED and s is not True:
-            return (f"{name}: its context input {j} (an attention mask) grows with the examples "
-                    "but its rows for the first examples change when one more is added: they "
-                    "are not each example's own (a [B * H, L, S] mask must hold example b's "
-                    "heads in rows b * H to b * H + H - 1, as torch's repeat_interleave(H, 0) "
-                    "gives, not .repeat(H, 1, 1); a key padding mask row b must be example "
-                    "b's)")
+    for j, v in enumerate(verdicts, 1):
         if v not in (BATCHED, SHARED):
-            return (f"{name}: its context input {j} (an attention mask) {v}; a mask must hold "
-                    "one row per example on dim 0 or be shared by the whole batch (computed "
-                    "from shapes, not from the examples)")
+            return (f"{name}: its context input {j} (an attention mask) {v}. A mask must be "
+                    "shared by the whole batch (an [L, S] mask computed from shapes, not from "
+                    "the examples) or hold one row per example on dim 0 (a key_padding_mask "
+                    "[B, S]); a 3D attn_mask [B * H, L, S] folds the heads into dim 0, so give "
+                    "per-example padding as a key_padding_mask instead")
         dims.append(0 if v == BATCHED else None)
     return tuple(dims)
 
