@@ -60,19 +60,15 @@ class MHANet(nn.Module):
     def __init__(self, mha_cls=nn.MultiheadAttention):
         super().__init__()
         self.emb = nn.Embedding(V, D)
-        self.attn = mha_cls(D, 4, batch_first=True) if mha_cls is nn.MultiheadAttention else \
-            mha_cls(D, 4)
-        self.batch_first = mha_cls is nn.MultiheadAttention
+        # Batch-first for both: Opacus's hooks take every layer's dim 0 as the examples, so its
+        # DPMultiheadAttention must be batch-first too (sequence-first, its linears would be
+        # clipped per position: wrong when B = T, a shape error otherwise).
+        self.attn = mha_cls(D, 4, batch_first=True)
         self.head = nn.Linear(D, K)
 
     def forward(self, ids):
         h = self.emb(ids)
-        if self.batch_first:
-            a = self.attn(h, h, h, need_weights=False)[0]
-        else:  # Opacus's DPMultiheadAttention is sequence-first
-            s = h.transpose(0, 1)
-            a = self.attn(s, s, s, need_weights=False)[0].transpose(0, 1)
-        return self.head(a.mean(1))
+        return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
 
 
 def build(model_name: str, swap: bool = False) -> nn.Module:
@@ -165,7 +161,7 @@ def reference(system: System, clip: float, lr: float) -> dict:
 def check(model_name, batch, seq, clip, lr) -> dict:
     """Relative update error of each system's first σ = 0 step against the reference."""
     out = {}
-    for name in ("dpzero", "opacus-functorch", "opacus-hooks"):
+    for name in ("dpzero", "opacus-functorch", "opacus-hooks", "opacus-dp-layers"):
         try:
             s = System(name, model_name, batch, seq, 0.0, clip, lr)
             want = reference(s, clip, lr)
