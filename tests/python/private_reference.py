@@ -261,3 +261,23 @@ def clipped_step_by_example(model: nn.Module, inputs: torch.Tensor, targets: tor
         for n, g in grads.items():
             total[n] += min(1.0, max_grad_norm / (norm + 1e-6)) * g
     return {n: p.detach() - lr * total[n] / expected_batch for n, p in params.items()}
+
+
+def first_step_error(private, start: nn.Module, *, max_grad_norm: float, lr: float,
+                     expected_batch: float) -> float:
+    """One σ = 0 step of ``private`` (make_private's result) on its loader's first batch, every
+    example clipped, and its relative update error against :func:`clipped_step_by_example` on
+    ``start`` (a copy of the model before make_private)."""
+    ids, y = next(iter(private.data_loader))
+    torch.nn.functional.cross_entropy(private.model(ids), y).backward()
+    assert private.optimizer.step()
+    want = clipped_step_by_example(start, ids.as_subclass(torch.Tensor),
+                                   y.as_subclass(torch.Tensor), max_grad_norm=max_grad_norm,
+                                   lr=lr, expected_batch=expected_batch, must_clip=True)
+    got = private.privacy_engine.parameters()
+    assert sorted(got) == sorted(want)
+    num = sum(float((got[n].double() - want[n]).pow(2).sum()) for n in want)
+    den = sum(float((want[n] - start.get_parameter(n).detach().double()).pow(2).sum())
+              for n in want)
+    return math.sqrt(num / den)
+

@@ -10,16 +10,14 @@ dropout makes a per-example reference draw other masks.
 
 import copy
 import itertools
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import dpzero
 from dpzero.private import attention
-from private_reference import clipped_step_by_example
+from private_reference import first_step_error
 from sensitivity import refused_or_bounded
 
 V, T, S, D, K, N = 13, 6, 5, 8, 3, 32
@@ -160,18 +158,8 @@ def test_the_step_clips_each_examples_whole_gradient(name):
                             max_grad_norm=C, allow_no_noise=True, lr=LR, seed=1)
     kinds = {layer.name: type(layer.kind).__name__ for layer in p.privacy_engine.layers}
     assert "FuncKind" not in kinds.values(), kinds  # every layer on the kernels
-    ids, y = next(iter(p.data_loader))
-    F.cross_entropy(p.model(ids), y).backward()
-    assert p.optimizer.step()
-    want = clipped_step_by_example(start, ids.as_subclass(torch.Tensor),
-                                   y.as_subclass(torch.Tensor), max_grad_norm=C, lr=LR,
-                                   expected_batch=8.0, must_clip=True)
-    got = p.privacy_engine.parameters()
-    assert sorted(got) == sorted(want)
-    num = sum(float((got[n].double() - want[n]).pow(2).sum()) for n in want)
-    den = sum(float((want[n] - start.get_parameter(n).detach().double()).pow(2).sum())
-              for n in want)
-    assert math.sqrt(num / den) <= 1e-5, math.sqrt(num / den)
+    error = first_step_error(p, start, max_grad_norm=C, lr=LR, expected_batch=8.0)
+    assert error <= 1e-5, error
 
 
 def test_the_projections_are_layers_of_their_own():
@@ -257,17 +245,8 @@ def test_masks_of_the_examples_train(kind):
     start = copy.deepcopy(model)
     p = dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=0.0,
                             max_grad_norm=C, allow_no_noise=True, lr=LR, seed=1)
-    ids, y = next(iter(p.data_loader))
-    F.cross_entropy(p.model(ids), y).backward()
-    assert p.optimizer.step()
-    want = clipped_step_by_example(start, ids.as_subclass(torch.Tensor),
-                                   y.as_subclass(torch.Tensor), max_grad_norm=C, lr=LR,
-                                   expected_batch=8.0, must_clip=True)
-    got = p.privacy_engine.parameters()
-    num = sum(float((got[n].double() - want[n]).pow(2).sum()) for n in want)
-    den = sum(float((want[n] - start.get_parameter(n).detach().double()).pow(2).sum())
-              for n in want)
-    assert math.sqrt(num / den) <= 1e-5, math.sqrt(num / den)
+    error = first_step_error(p, start, max_grad_norm=C, lr=LR, expected_batch=8.0)
+    assert error <= 1e-5, error
 
 
 def test_a_random_padding_mask_trains_within_the_bound():
@@ -325,17 +304,8 @@ def test_what_the_kernels_cannot_take_keeps_the_generic_path(make, generic):
                   if type(layer.kind).__name__ == "FuncKind") == generic
     if make is _Shared or not copyable:
         return  # a tied parameter is clipped on its uses' norms' sum (the ALBERT coverage row)
-    ids, y = next(iter(p.data_loader))
-    F.cross_entropy(p.model(ids), y).backward()
-    assert p.optimizer.step()
-    want = clipped_step_by_example(start, ids.as_subclass(torch.Tensor),
-                                   y.as_subclass(torch.Tensor), max_grad_norm=C, lr=LR,
-                                   expected_batch=8.0, must_clip=True)
-    got = p.privacy_engine.parameters()
-    num = sum(float((got[n].double() - want[n]).pow(2).sum()) for n in want)
-    den = sum(float((want[n] - start.get_parameter(n).detach().double()).pow(2).sum())
-              for n in want)
-    assert math.sqrt(num / den) <= 1e-5, math.sqrt(num / den)
+    error = first_step_error(p, start, max_grad_norm=C, lr=LR, expected_batch=8.0)
+    assert error <= 1e-5, error
 
 
 def _parametrized(model, deprecated=False):
