@@ -1,8 +1,11 @@
-"""What an Opacus user reaches for, switched by its import: ModuleValidator.validate / fix, and
-BatchMemoryManager. References: make_private's own refusal, torch's group_norm, and a run given
-the same physical-batch cap at make_private."""
+"""What an Opacus user reaches for, switched by its import: ModuleValidator.validate / fix,
+BatchMemoryManager, and the DP layers of opacus.layers. References: make_private's own refusal,
+torch's group_norm, a run given the same physical-batch cap at make_private, torch's modules
+built by keyword, and the per-example reference step."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -107,3 +110,55 @@ def _private_loader():
     data = TensorDataset(torch.randn(8, 2), torch.randint(0, 2, (8,)))
     return dpzero.make_private(model, dataset=data, batch_size=4, noise_multiplier=1.0,
                                max_grad_norm=1.0, seed=0).data_loader
+
+
+def test_opacus_layers_are_torchs_modules_with_opacus_arguments():
+    """dpzero.layers (was opacus.layers): torch's modules, built from Opacus's positional order
+    (DPRNN's nonlinearity last, not fourth) and taking its state_init keyword; references:
+    torch's modules built by keyword, the same weights."""
+    from dpzero.layers import DPGRU, DPLSTM, DPMultiheadAttention, DPRNN
+
+    assert DPMultiheadAttention is nn.MultiheadAttention
+    x = torch.randn(3, 5, 4)
+    cases = [(DPRNN(4, 6, 1, False, True, 0.0, True, 0, "relu"),
+              nn.RNN(4, 6, num_layers=1, bias=False, batch_first=True, bidirectional=True,
+                     nonlinearity="relu"), torch.randn(2, 3, 6)),
+             (DPGRU(4, 6, 2, True, True), nn.GRU(4, 6, num_layers=2, batch_first=True),
+              torch.randn(2, 3, 6)),
+             (DPLSTM(4, 6, 1, True, True, 0.0, False, 2),
+              nn.LSTM(4, 6, batch_first=True, proj_size=2),
+              (torch.randn(1, 3, 2), torch.randn(1, 3, 6)))]
+    for ours, torchs, state in cases:
+        assert isinstance(ours, type(torchs))
+        torchs.load_state_dict(ours.state_dict())  # same names and shapes
+        torch.testing.assert_close(ours(x, state_init=state), torchs(x, state))
+        torch.testing.assert_close(ours(x)[0], torchs(x)[0])
+    with pytest.raises(ValueError, match="DPGRU: proj_size=3"):
+        DPGRU(4, 6, proj_size=3)
+
+
+def test_a_script_on_opacus_layers_trains_as_the_per_example_reference():
+    from dpzero.layers import DPLSTM, DPMultiheadAttention
+    from private_reference import first_step_error
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = DPLSTM(2, 8, batch_first=True)
+            self.attn = DPMultiheadAttention(8, 2, batch_first=True)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = self.rnn(x.transpose(1, 2))[0]
+            return self.head(self.attn(h, h, h)[0].mean(1))
+
+    torch.manual_seed(0)
+    model = Net()
+    start = copy.deepcopy(model)
+    p = dpzero.make_private(model, dataset=_data(), batch_size=16, noise_multiplier=0.0,
+                            allow_no_noise=True, max_grad_norm=1e-3, lr=1000.0, seed=0)
+    kinds = {layer.name: type(layer.kind).__name__ for layer in p.privacy_engine.layers}
+    assert kinds["rnn"] == "FuncKind" and kinds["attn.in_proj.q"] == "ProjectionKind"
+    error = first_step_error(p, start, max_grad_norm=1e-3, lr=1000.0, expected_batch=16.0)
+    assert error <= 1e-5, error
+
