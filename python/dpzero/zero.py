@@ -61,7 +61,7 @@ _LOOK_THROUGH = (nn.ModuleList, nn.ModuleDict)
 def _peft_tuner() -> tuple:
     """PEFT's tuner wrapper class (LoraModel, ... are BaseTuners), or () when peft's tuners are
     not imported: then no module can be one. Importing peft here would import transformers and
-    torch._dynamo with it, about 3.5 s of every process that shards a model."""
+    torch._dynamo with it in every process that shards a model (experiments/results/build.md)."""
     tuners = sys.modules.get("peft.tuners.tuners_utils")
     return (tuners.BaseTuner,) if tuners is not None else ()
 

@@ -174,10 +174,11 @@ def _projection_layers(name: str, module: nn.MultiheadAttention, slot_of: Dict[i
             if not trainable:
                 slots.append(None)
                 continue
-            whole, (start, numel) = slot_of[id(source)], proj.rows(pname)
+            whole, block = slot_of[id(source)], getattr(proj, pname)  # a contiguous row block
             slots.append(None if whole is None else  # None: validators.py lists no slots
-                         Slot(whole.unit, whole.offset + start, numel,
-                              getattr(proj, pname).shape))
+                         Slot(whole.unit,
+                              whole.offset + block.storage_offset() - source.storage_offset(),
+                              block.numel(), block.shape))
         if any(train):
             layers.append(Layer(first + len(layers), attention.name_of(name, proj.which), proj,
                                 attention.ProjectionKind(), tuple(train), slots,

@@ -37,11 +37,11 @@ refused. Every tensor keeps the examples on dim 0 and heads are split within an 
 could still mix examples are the masks, which no DP layer reads: they ride with the first DP
 projection's call as its context (Note [call context] in provenance/records.py), so a shared
 mask computed from the batch, or a [B * H, L, S] mask (the examples folded with the heads), is
-refused at the forward, as the generic path's probe refused them. Attention dropout is an ordinary random op
-of the forward, which the generic path refused because its per-example recompute would draw
-other masks; here nothing is recomputed. Outside a backward-building forward
-(``torch.no_grad()``, evaluation) and inside a generic module's recompute the module runs its own
-forward, fast path included.
+refused at the forward, as the generic path's probe refused them. Attention dropout is an
+ordinary random op of the forward, which the generic path refused because its per-example
+recompute would draw other masks; here nothing is recomputed. Outside a backward-building
+forward (``torch.no_grad()``, evaluation) and inside a generic module's recompute the module runs
+its own forward, fast path included.
 """
 
 from __future__ import annotations
@@ -87,14 +87,6 @@ class Projection(nn.Module):
         if m._qkv_same_embed_dim:
             return m.in_proj_weight
         return (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight)[self.which]
-
-    def rows(self, name: str) -> Tuple[int, int]:
-        """(first element, numel) of the block inside ``source(name)``, flattened."""
-        p, e = self.source(name), self.owner.embed_dim
-        if name == "weight" and not self.owner._qkv_same_embed_dim:
-            return 0, p.numel()
-        width = p.numel() // p.shape[0]
-        return self.which * e * width, e * width
 
     @property
     def weight(self) -> torch.Tensor:  # [E, d_in]
@@ -154,8 +146,8 @@ def generic_reason(module: nn.Module, owners: Dict[int, int]) -> Optional[str]:
     own = sorted(n for n, p in module._parameters.items() if p is not None)
     if any(n not in _OWN for n in own):  # e.g. the deprecated weight_norm's in_proj_weight_g
         return f"parameters {own}, not only its projections'"
-    if not any(module._parameters[n].requires_grad for n in own if n not in ("bias_k", "bias_v")) \
-            and any(p.requires_grad for p in module.parameters()):
+    if not any(module._parameters[n].requires_grad for n in own) and \
+            any(p.requires_grad for p in module.parameters()):
         # The masks ride with a projection's call (Note [call context]): one must be a DP layer.
         return "its input projections frozen while out_proj trains"
     if any(owners.get(id(p), 1) > 1 for p in module.parameters()):

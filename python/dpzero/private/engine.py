@@ -87,8 +87,8 @@ class PrivateModule(nn.Module):
         self.__dict__["_engine_ref"] = weakref.ref(engine)
         # Note [compiled private models]: a compiled caller runs the whole call eagerly (hooks
         # included); tracing would reach the Examples tag on the inputs first. Set at the first
-        # construction, not in the class body: torch.compiler.disable imports torch._dynamo
-        # (about 0.9 s), which a process that never makes a model private need not pay.
+        # construction, not in the class body: torch.compiler.disable imports torch._dynamo,
+        # which a process that never makes a model private need not load.
         if "__call__" not in PrivateModule.__dict__:
             PrivateModule.__call__ = torch.compiler.disable(nn.Module.__call__)
 

@@ -4,9 +4,9 @@ A module with trainable parameters that no layer kind of ``layers.py`` covers ta
 one that uses its own parameters directly (ViT's ``cls_token`` and ``position_embeddings``, a
 learned temperature on the model's root, GroupNorm, PReLU, LSTM/GRU/RNN weights), a subclass of a
 kernel layer that overrides its forward (OPT's learned positions, Gemma's scaled embedding), and
-an ``nn.MultiheadAttention`` the kernels cannot take (``attention.generic_reason``: add_bias_kv, a
-parameter shared with another module, an overriding subclass), which uses its ``out_proj``
-child's parameters directly and so is taken whole (``taken_whole``, and ``attach.find_layers``).
+an ``nn.MultiheadAttention`` the kernels cannot take (``attention.generic_reason`` says why),
+which uses its ``out_proj`` child's parameters directly and so is taken whole (``taken_whole``,
+and ``attach.find_layers``).
 Other MultiheadAttention modules train through the kernels (Note [attention through the kernels]
 in attention.py). For such a module M with trainable parameters P:
 

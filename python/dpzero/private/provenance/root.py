@@ -55,6 +55,7 @@ ranks, at any stage, every rank refuses a forward when any rank does (one more).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -295,15 +296,10 @@ def _probed(module, original, args, kwargs, tagged, book, devices, real, rows,
             "probe too")
 
 
-_COMPILED_OUT: Optional[Callable] = None
-
-
+@functools.cache
 def compiled_out_root_forward() -> Callable:
     """:func:`root_forward` excluded from compilation (Note [compiled private models] in
     engine.py). Made at the first make_private, not at import: ``torch.compiler.disable``
-    imports torch._dynamo, about 0.9 s that a process using only the accountants, the CLI or
-    ``dpzero.shard`` would pay for nothing."""
-    global _COMPILED_OUT
-    if _COMPILED_OUT is None:
-        _COMPILED_OUT = torch.compiler.disable(root_forward)
-    return _COMPILED_OUT
+    imports torch._dynamo, which a process using only the accountants, the CLI or
+    ``dpzero.shard`` need not load (experiments/results/build.md)."""
+    return torch.compiler.disable(root_forward)
