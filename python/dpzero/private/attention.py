@@ -132,7 +132,11 @@ def projections(attention: nn.MultiheadAttention) -> Tuple[Projection, Projectio
 
 def generic_reason(module: nn.Module, owners: Dict[int, int]) -> Optional[str]:
     """Why the MultiheadAttention ``module`` keeps the generic path (Note [attention through
-    the kernels]), or None; ``owners``: id(parameter) -> how many modules hold it."""
+    the kernels]), or None; ``owners``: id(parameter) -> how many modules hold it. Decided once,
+    at make_private: what it reads cannot change unnoticed later, since a parameter added,
+    replaced, shared or (un)frozen changes the trained set the step checks (Note [trained set]),
+    and a forward or out_proj that uses the parameters directly gives them a gradient, which the
+    escape guard refuses (attach.guard_hooks)."""
     if type(module) is not nn.MultiheadAttention:
         return "a subclass"
     if "forward" in module.__dict__:
