@@ -185,8 +185,9 @@ def test_a_ledger_with_unnoised_steps_is_not_continued_privately(tmp_path):
 
 
 @pytest.mark.parametrize("layer, message", [
-    # Inter-layer dropout: the per-sample recompute would draw other masks (fallback.py).
-    (lambda: nn.LSTM(4, 4, num_layers=2, dropout=0.1, batch_first=True),
+    # Inter-layer dropout: the per-sample recompute would draw other masks (fallback.py); an
+    # LSTM with proj_size takes the generic path (recurrent.generic_reason).
+    (lambda: nn.LSTM(4, 6, num_layers=2, dropout=0.1, batch_first=True, proj_size=4),
      r"lstm \(LSTM\): LSTM has dropout=0.1, whose mask the per-sample recompute would draw"),
     (lambda: nn.InstanceNorm1d(4, affine=True, track_running_stats=True),
      r"norm \(InstanceNorm1d\): InstanceNorm with track_running_stats=True averages statistics"),

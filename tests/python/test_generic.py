@@ -1,7 +1,8 @@
 """The generic per-sample path (fallback.py): modules without kernels train
-privately unchanged — nn.MultiheadAttention, LSTM/GRU/RNN (batch first or not, multi-layer,
-bidirectional), parameters held by the model's root, kernel-layer subclasses with their own
-forward, batched keyword arguments, tuple and dict returns, GroupNorm, InstanceNorm, PReLU.
+privately unchanged — nn.MultiheadAttention and LSTM/GRU/RNN where the kernels cannot take them
+(here subclasses: batch first or not, multi-layer, bidirectional), parameters held by the model's
+root, kernel-layer subclasses with their own forward, batched keyword arguments, tuple and dict
+returns, GroupNorm, InstanceNorm, PReLU.
 
 Reference: a float64 copy of the unpatched model, one example at a time through torch's autograd
 (its own nn.LSTM, nn.MultiheadAttention, ...), each example's whole gradient clipped to C in
@@ -50,6 +51,18 @@ class Attention(nn.Module):
             s = h.transpose(0, 1)
             a = self.attn(s, s, s, key_padding_mask=mask, need_weights=False)[0].transpose(0, 1)
         return self.head(a.mean(1))
+
+
+class _LSTM(nn.LSTM):
+    """Subclasses keep the generic path (recurrent.generic_reason)."""
+
+
+class _GRU(nn.GRU):
+    pass
+
+
+class _RNN(nn.RNN):
+    pass
 
 
 class Recurrent(nn.Module):
@@ -160,9 +173,9 @@ MODELS = {
     "parametrizations": Parametrized,
     "mha": lambda: Attention(),
     "mha-seq-first-masked": lambda: Attention(batch_first=False, masked=True),
-    "lstm-2-bidirectional": lambda: Recurrent(nn.LSTM, num_layers=2, bidirectional=True),
-    "gru-seq-first": lambda: Recurrent(nn.GRU, batch_first=False),
-    "rnn": lambda: Recurrent(nn.RNN, nonlinearity="relu"),
+    "lstm-2-bidirectional": lambda: Recurrent(_LSTM, num_layers=2, bidirectional=True),
+    "gru-seq-first": lambda: Recurrent(_GRU, batch_first=False),
+    "rnn": lambda: Recurrent(_RNN, nonlinearity="relu"),
     "root-temperature": Temperature,
     "scaled-embedding": Scaled,
     "kwargs-and-dict": Gated,
@@ -235,17 +248,19 @@ def test_a_random_op_inside_a_generic_module_is_refused():
 
 
 class Both(nn.Module):
-    """An LSTM, then self-attention: two generic modules around kernel layers."""
+    """A generic LSTM (a subclass), then a GRU and self-attention through the kernels (Notes
+    [recurrence through the kernels], [attention through the kernels])."""
 
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(V, D)
-        self.lstm = nn.LSTM(D, D, batch_first=True)
-        self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
-        self.head = nn.Linear(D, K)
+        self.lstm = _LSTM(D, D, batch_first=True)
+        self.gru = nn.GRU(D, D, num_layers=2, bidirectional=True, batch_first=True)
+        self.attn = nn.MultiheadAttention(2 * D, 2, batch_first=True)
+        self.head = nn.Linear(2 * D, K)
 
     def forward(self, ids):
-        h = self.lstm(self.emb(ids))[0]
+        h = self.gru(self.lstm(self.emb(ids))[0])[0]
         return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
 
 

@@ -158,7 +158,7 @@ def test_a_script_on_opacus_layers_trains_as_the_per_example_reference():
     p = dpzero.make_private(model, dataset=_data(), batch_size=16, noise_multiplier=0.0,
                             allow_no_noise=True, max_grad_norm=1e-3, lr=1000.0, seed=0)
     kinds = {layer.name: type(layer.kind).__name__ for layer in p.privacy_engine.layers}
-    assert kinds["rnn"] == "FuncKind" and kinds["attn.in_proj.q"] == "ProjectionKind"
+    assert kinds["rnn.l0.hh"] == "LinearKind" and kinds["attn.in_proj.q"] == "ProjectionKind"
     error = first_step_error(p, start, max_grad_norm=1e-3, lr=1000.0, expected_batch=16.0)
     assert error <= 1e-5, error
 

@@ -13,19 +13,19 @@ from __future__ import annotations
 import collections
 import functools
 import types
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import _C
-from . import attention, relative_bias
+from . import attention, recurrent, relative_bias
 from .book import Layer, Slot
 from .errors import PrivacyViolation
 from .fallback import BYPASS, FuncKind, OutputLayout, swapped, taken_whole, tap
-from .layers import (ORIGINAL_FORWARD, EmbeddingKind, autocast_dtype, calls_base_forward,
-                     dp_apply, layer_kind, overridden_base)
+from .layers import (ORIGINAL_FORWARD, EmbeddingKind, LayerKind, LinearKind, autocast_dtype,
+                     calls_base_forward, dp_apply, layer_kind, overridden_base)
 from .provenance.records import input_record, record
 from .provenance.root import compiled_out_root_forward
 
@@ -108,7 +108,17 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
         if not trainable_own:
             continue
         if kernel_attention:
-            layers.extend(_projection_layers(name, module, slot_of, len(layers)))
+            layers.extend(_projection_layers(
+                [(attention.name_of(name, p.which), p) for p in attention.projections(module)],
+                attention.ProjectionKind, slot_of, len(layers)))
+            continue
+        # Note [recurrence through the kernels] (recurrent.py)
+        if isinstance(module, nn.RNNBase) and not taken_whole(module) and \
+                recurrent.generic_reason(module, owners) is None:
+            layers.extend(_projection_layers(
+                [(recurrent.name_of(name, suffix, part), p)
+                 for (suffix, part), p in recurrent.projections(module).items()],
+                lambda: LinearKind(transposed=False), slot_of, len(layers)))
             continue
         # No kernel (a module using its parameters directly, the model's root, a subclass of a
         # kernel layer overriding its forward without calling the base's, taken_whole): the
@@ -159,13 +169,15 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
     return layers
 
 
-def _projection_layers(name: str, module: nn.MultiheadAttention, slot_of: Dict[int, Slot],
-                       first: int) -> List[Layer]:
-    """A MultiheadAttention's query, key and value projections as DP Linear layers, each with
-    the slots of its row blocks (Note [attention through the kernels] in attention.py); a block
-    with nothing trainable is no layer."""
+def _projection_layers(named: List[Tuple[str, nn.Module]], kind: Callable[[], LayerKind],
+                       slot_of: Dict[int, Slot], first: int) -> List[Layer]:
+    """Projections (``(layer name, projection)``: a module's linear maps whose ``weight`` and
+    ``bias`` are its parameters or contiguous row blocks of them, ``source(name)`` the parameter
+    each lies in) as DP layers of ``kind``, each with the slots of its blocks (Note [attention
+    through the kernels] in attention.py, Note [recurrence through the kernels] in
+    recurrent.py); a projection with nothing trainable is no layer."""
     layers: List[Layer] = []
-    for proj in attention.projections(module):
+    for name, proj in named:
         train, slots = [], []
         for pname in ("weight", "bias"):
             source = proj.source(pname)
@@ -174,14 +186,13 @@ def _projection_layers(name: str, module: nn.MultiheadAttention, slot_of: Dict[i
             if not trainable:
                 slots.append(None)
                 continue
-            whole, block = slot_of[id(source)], getattr(proj, pname)  # a contiguous row block
+            whole, block = slot_of[id(source)], getattr(proj, pname)  # contiguous rows
             slots.append(None if whole is None else  # None: validators.py lists no slots
                          Slot(whole.unit,
                               whole.offset + block.storage_offset() - source.storage_offset(),
                               block.numel(), block.shape))
         if any(train):
-            layers.append(Layer(first + len(layers), attention.name_of(name, proj.which), proj,
-                                attention.ProjectionKind(), tuple(train), slots,
+            layers.append(Layer(first + len(layers), name, proj, kind(), tuple(train), slots,
                                 keys=(id(proj),)))
     return layers
 
@@ -323,6 +334,7 @@ def patch(model: nn.Module, layers: List[Layer], book_ref, ranks, devices) -> No
         module.__dict__[ORIGINAL_FORWARD] = original
         module.forward = functools.partial(_patched_forward, book_ref, layer, original)
     attention.patch(model, layers)  # Note [attention through the kernels]
+    recurrent.patch(model, layers)  # Note [recurrence through the kernels]
     relative_bias.install(model)  # Note [relative position bias]
     cache_off(model)  # Note [no key/value cache]
     original = model.forward
@@ -392,6 +404,7 @@ def unpatch(model: nn.Module, layers: List[Layer]) -> None:
     else:
         model.__dict__.pop("forward", None)
     attention.unpatch(model)  # after the root's, whose previous forward may be attention's
+    recurrent.unpatch(model)
     for layer in layers:
         module = layer.module
         if "forward" in module.__dict__:
