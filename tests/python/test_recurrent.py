@@ -76,6 +76,39 @@ def test_an_unbatched_call_is_torchs(mode):
         torch.testing.assert_close(a, w)
 
 
+@pytest.mark.parametrize("mode,shape,enforce_sorted,initial", itertools.product(
+    ["lstm", "gru", "rnn-tanh"], ["one-layer", "two-bidirectional-no-bias"], [True, False],
+    [False, True]))
+def test_a_packed_sequence_is_torchs(mode, shape, enforce_sorted, initial):
+    """Note [packed sequences]: each example runs to its own length, the reverse direction from
+    there; the output packed as the input was, the final states in the examples' order."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    m = MODES[mode](batch_first=True, **SHAPES[shape]).double()
+    b, states = 4, m.num_layers * (2 if m.bidirectional else 1)
+    lengths = torch.tensor([6, 4, 4, 1] if enforce_sorted else [3, 6, 1, 4])
+    x0 = torch.randn(b, T, D, generator=g, dtype=torch.float64)
+    h0 = torch.randn(states, b, H, generator=g, dtype=torch.float64)
+    c0 = torch.randn(states, b, H, generator=g, dtype=torch.float64)
+
+    def run(forward):
+        x, h, c = (t.detach().clone().requires_grad_() for t in (x0, h0, c0))
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, True, enforce_sorted)
+        hx = ((h, c) if mode == "lstm" else h) if initial else None
+        out, last = forward(packed, hx)
+        assert torch.equal(out.batch_sizes, packed.batch_sizes)
+        assert out.sorted_indices is packed.sorted_indices
+        last = last if mode == "lstm" else (last,)
+        loss = out.data.pow(2).sum() + sum(s.pow(3).sum() for s in last)
+        wrt = [x] + ([h, c] if mode == "lstm" else [h]) * initial + list(m.parameters())
+        return (out.data, *last, *torch.autograd.grad(loss, wrt))
+
+    want = run(m.forward)
+    got = run(lambda x, hx: recurrent.recurrent_forward(m, x, hx))
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w)
+
+
 def test_bad_states_get_torchs_errors():
     m = nn.LSTM(D, H, batch_first=True)
     x = torch.randn(2, T, D, requires_grad=True)
@@ -93,6 +126,8 @@ def test_bad_states_get_torchs_errors():
 def _data():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, V, (N, T), generator=g)
+    ids[::3, -2:] = 0  # padding
+    ids[1::4, 2:] = 0
     return torch.utils.data.TensorDataset(ids, torch.randint(0, K, (N,), generator=g))
 
 
@@ -123,7 +158,27 @@ class Reading(nn.Module):
         return self.head(out.mean(1)) + h_n[-1].sum(1, keepdim=True)
 
 
+class Packing(nn.Module):
+    """Each example's tokens up to its last non-padding id (0 pads), packed."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.emb, self.rnn = nn.Embedding(V, D), make()
+        self.head = nn.Linear(H * (2 if self.rnn.bidirectional else 1), K)
+
+    def forward(self, ids):
+        lengths = T - (ids != 0).flip(1).int().argmax(1)  # [B]: up to the last real token
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths.cpu(), True, False)
+        out, last = self.rnn(packed)
+        h_n = last[0] if isinstance(last, tuple) else last
+        out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=T)
+        return self.head(out.sum(1)) + h_n.sum((0, 2)).unsqueeze(1)
+
+
 MODELS = {
+    "lstm-packed-2-bidirectional": lambda: Packing(
+        lambda: nn.LSTM(D, H, num_layers=2, bidirectional=True, batch_first=True)),
+    "gru-packed": lambda: Packing(lambda: nn.GRU(D, H)),
     "lstm": lambda: Reading(lambda: nn.LSTM(D, H, batch_first=True)),
     "lstm-2-bidirectional-seq-first": lambda: Reading(
         lambda: nn.LSTM(D, H, num_layers=2, bidirectional=True), batch_first=False),
@@ -230,26 +285,6 @@ def test_an_initial_state_from_the_batch_is_the_default_isolations_limit():
     g = torch.Generator().manual_seed(5)
     ids, y = torch.randint(1, V, (8, T), generator=g), torch.randint(0, K, (8,), generator=g)
     assert refused_or_bounded(_Mixed, [ids], y, isolation="strict") == "bounded"
-
-
-def test_a_packed_sequence_is_refused_naming_the_fix():
-    class Packed(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb, self.rnn = nn.Embedding(V, D), nn.LSTM(D, H, batch_first=True)
-            self.head = nn.Linear(H, K)
-
-        def forward(self, ids):
-            lengths = (ids > 2).sum(1).clamp(min=1)
-            packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths, True, False)
-            return self.head(self.rnn(packed)[1][0][-1])
-
-    p = dpzero.make_private(Packed(), dataset=_data(), batch_size=8, noise_multiplier=1.0,
-                            max_grad_norm=C, seed=1)
-    ids, _ = next(iter(p.data_loader))
-    with pytest.raises(dpzero.private.PrivacyViolation,
-                       match="LSTM got a PackedSequence, .* pass the padded batch"):
-        p.model(ids)
 
 
 class _Sub(nn.LSTM):

@@ -35,15 +35,15 @@ summed in another order (the tests compare the update with a per-example float64
 Dropout between layers is drawn once, in the forward, as torch's modules draw it (the generic
 path refused it: its per-example recompute would draw other masks). Every tensor holds the
 examples on dim 0: a ``batch_first=False`` module's input, and the initial state's [L·D, B, H],
-are transposed before the calls, and the probe judges each call's input as any other (Note
-[batch provenance]). Outside a backward-building forward, and inside a generic module's
+are transposed before the calls, a PackedSequence is unpacked to the padded batch (Note [packed
+sequences]), and the probe judges each call's input as any other (Note [batch provenance]).
+Outside a backward-building forward, and inside a generic module's
 recompute, the module runs torch's own forward.
 
 What keeps the generic path (:func:`generic_reason`): an LSTM with ``proj_size`` (a third
 weight), a subclass other than dpzero.layers' (its forward is its own), a forward set on the
 instance, a parametrization or parameters of other names (the deprecated ``weight_norm``'s), and a
 parameter shared with another module (its per-sample gradient would have more parts than these).
-A ``PackedSequence`` input is refused at the forward, naming the fix.
 """
 
 from __future__ import annotations
@@ -55,10 +55,9 @@ import torch
 import torch.nn.functional as F
 from torch import _VF, nn
 from torch.nn.utils import parametrize
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from .. import layers as dp_layers
-from .errors import PrivacyViolation
 from .fallback import BYPASS
 from .layers import ORIGINAL_FORWARD
 
@@ -185,10 +184,11 @@ def _first_pass(mode: str, x: torch.Tensor, h0: torch.Tensor, c0: Optional[torch
 
 
 def _direction(module: nn.RNNBase, suffix: str, x: torch.Tensor, h: torch.Tensor,
-               c: Optional[torch.Tensor]):
+               c: Optional[torch.Tensor], valid: Optional[torch.Tensor]):
     """One layer and direction (Note [recurrence through the kernels]): x [B, T, d_in] in the
-    order of its steps, h and c [B, H] the initial state; returns the states [B, T, H] and the
-    last (h, c)."""
+    order of its steps, h and c [B, H] the initial state, ``valid`` [B, T] which steps each
+    example has (None: all; Note [packed sequences]). Returns the states [B, T, H] (zero at
+    steps an example lacks) and each example's last (h, c)."""
     mode = module.mode
     ih, hh = projections(module)[(suffix, "ih")], projections(module)[(suffix, "hh")]
     weights = [t.detach() for t in (ih.weight, hh.weight, ih.bias, hh.bias) if t is not None]
@@ -201,45 +201,72 @@ def _direction(module: nn.RNNBase, suffix: str, x: torch.Tensor, h: torch.Tensor
     outputs = []
     # unbind: one backward node for all steps (indexing each step would zero-fill [B, T, G·H]
     # in every step's backward)
-    for gx, p_t in zip(p_x.unbind(1), p_h.unbind(1)):
+    for t, (gx, p_t) in enumerate(zip(p_x.unbind(1), p_h.unbind(1))):
         gh = _Recur.apply(p_t, h, w_hh)
+        c_new = None
         if mode == "LSTM":
             i, f, g, o = (gx + gh).chunk(4, 1)
-            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-            h = torch.sigmoid(o) * torch.tanh(c)
+            c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h_new = torch.sigmoid(o) * torch.tanh(c_new)
         elif mode == "GRU":
             xr, xz, xn = gx.chunk(3, 1)
             hr, hz, hn = gh.chunk(3, 1)
             r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
             n = torch.tanh(xn + r * hn)
-            h = n + z * (h - n)  # (1 - z) n + z h
+            h_new = n + z * (h - n)  # (1 - z) n + z h
         elif mode == "RNN_TANH":
-            h = torch.tanh(gx + gh)
+            h_new = torch.tanh(gx + gh)
         else:
-            h = torch.relu(gx + gh)
-        outputs.append(h)
+            h_new = torch.relu(gx + gh)
+        if valid is None:
+            h, c = h_new, c_new
+            outputs.append(h)
+        else:  # an example past its last step keeps its state
+            keep = valid[:, t, None]  # [B, 1]
+            h = torch.where(keep, h_new, h)
+            c = None if c is None else torch.where(keep, c_new, c)
+            outputs.append(h_new.masked_fill(~keep, 0.0))
     return torch.stack(outputs, 1), h, c
 
 
-def recurrent_forward(module: nn.RNNBase, input: torch.Tensor,  # noqa: A002 - torch's name
-                      hx=None):
+# Note [packed sequences]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A PackedSequence holds examples of different lengths, time-major and sorted by length; torch's
+# fused op runs each example to its own last step, the reverse direction from there back to the
+# first. Here it is unpacked to the padded batch [B, T, d] in the examples' own order (so every
+# DP call's dim 0 holds the examples, as the probe checks), with each example's steps valid up to
+# its length: past it an example keeps its state and outputs zeros, so the loss reaches none of
+# its padding steps, whose pre-activation gradients are then exact zeros and add nothing to any
+# per-sample gradient. The reverse direction runs on each example's steps reversed within its
+# own length (:func:`_reversed`), padding kept at the end, so the first pass (torch's fused op on
+# the padded batch, no packing) gives the right states at every valid step: a state at step t
+# depends on steps up to t only. The output is packed again with the input's batch sizes and
+# order, and the final states are each example's, in the examples' order, as torch gives them.
+def _reversed(x: torch.Tensor, lengths: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [B, T, ...] with each example's first lengths[b] steps in reverse order, the rest in
+    place (None: all T steps reversed). Its own inverse."""
+    if lengths is None:
+        return x.flip(1)
+    t = torch.arange(x.shape[1], device=x.device)
+    n = lengths.to(x.device).unsqueeze(1)
+    index = torch.where(t < n, n - 1 - t, t)  # [B, T]
+    return x.gather(1, index.view(*index.shape, *(1,) * (x.dim() - 2)).expand_as(x))
+
+
+def recurrent_forward(module: nn.RNNBase, input, hx=None):  # noqa: A002 - torch's name
     """``module``'s forward with its weights as DP layers (Note [recurrence through the
-    kernels]). input [B, T, d_in] if batch_first, else [T, B, d_in]; [T, d_in] unbatched; hx as
-    torch takes it ([L·D, B, H], or a pair for an LSTM). Returns (output like input with
-    D·H features, h_n or (h_n, c_n))."""
+    kernels]). input [B, T, d_in] if batch_first, else [T, B, d_in]; [T, d_in] unbatched; or a
+    PackedSequence (Note [packed sequences]); hx as torch takes it ([L·D, B, H], or a pair for
+    an LSTM). Returns (output like input with D·H features, h_n or (h_n, c_n))."""
     if BYPASS.depth or not torch.is_grad_enabled():
         return module.__dict__[ORIGINAL_FORWARD](input, hx)
     name = type(module).__name__
-    if isinstance(input, PackedSequence):
-        raise PrivacyViolation(
-            f"{name} got a PackedSequence, which dpzero's private {name} does not take; pass "
-            "the padded batch (pad_sequence(..., batch_first=True)) and read each example's "
-            "output at its own last step")
     lstm = module.mode == "LSTM"
-    if input.dim() not in (2, 3):
+    packed = input if isinstance(input, PackedSequence) else None
+    if packed is None and input.dim() not in (2, 3):
         raise ValueError(f"{name}: Expected input to be 2D or 3D, got {input.dim()}D tensor "
                          "instead")
-    batched = input.dim() == 3
+    batched = packed is not None or input.dim() == 3
     if not batched:  # a batch of one, as in torch's forward
         input = input.unsqueeze(0 if module.batch_first else 1)
     if hx is not None:
@@ -256,31 +283,46 @@ def recurrent_forward(module: nn.RNNBase, input: torch.Tensor,  # noqa: A002 - t
         if not batched:
             states = tuple(s.unsqueeze(1) for s in states)
         hx = states if lstm else states[0]
-    x = input if module.batch_first else input.transpose(0, 1)  # [B, T, d_in]
+    lengths = valid = None
+    if packed is not None:  # Note [packed sequences]
+        x, lengths = pad_packed_sequence(packed, batch_first=True)  # the examples' own order
+        valid = torch.arange(x.shape[1], device=x.device) < \
+            lengths.to(x.device).unsqueeze(1)  # [B, T]
+    else:
+        x = input if module.batch_first else input.transpose(0, 1)  # [B, T, d_in]
     batch, directions = x.shape[0], 2 if module.bidirectional else 1
     if hx is None:
         zeros = torch.zeros(module.num_layers * directions, batch, module.hidden_size,
                             dtype=x.dtype, device=x.device)
         hx = (zeros, zeros) if lstm else zeros
-    module.check_forward_args(input, hx, None)  # torch's own shape checks and messages
+    # torch's own shape checks and messages
+    module.check_forward_args(*((packed.data, hx, packed.batch_sizes) if packed is not None
+                                else (input, hx, None)))
     h0, c0 = (hx[0], hx[1]) if lstm else (hx, None)  # [L·D, B, H]
     last_h, last_c = [], []
     for k in range(module.num_layers):
         outs = []
         for d in range(directions):
             j = k * directions + d
-            steps = x if d == 0 else x.flip(1)
+            steps = x if d == 0 else _reversed(x, lengths)
             out, h, c = _direction(module, f"l{k}{'_reverse' if d else ''}", steps, h0[j],
-                                   None if c0 is None else c0[j])
-            outs.append(out if d == 0 else out.flip(1))
+                                   None if c0 is None else c0[j], valid)
+            outs.append(out if d == 0 else _reversed(out, lengths))
             last_h.append(h)
             last_c.append(c)
         x = outs[0] if directions == 1 else torch.cat(outs, 2)  # [B, T, D·H]
         if module.dropout and module.training and k < module.num_layers - 1:
             x = F.dropout(x, module.dropout, training=True)
-    output = x if module.batch_first else x.transpose(0, 1)
     h_n = torch.stack(last_h, 0)  # [L·D, B, H]
     hidden = (h_n, torch.stack(last_c, 0)) if lstm else h_n
+    if packed is not None:
+        order = packed.sorted_indices
+        data, _ = _VF._pack_padded_sequence(
+            x if order is None else x.index_select(0, order),
+            lengths if order is None else lengths[order.cpu()], True)
+        return PackedSequence(data, packed.batch_sizes, packed.sorted_indices,
+                              packed.unsorted_indices), hidden
+    output = x if module.batch_first else x.transpose(0, 1)
     if not batched:
         output = output.squeeze(0 if module.batch_first else 1)
         hidden = tuple(s.squeeze(1) for s in hidden) if lstm else hidden.squeeze(1)
