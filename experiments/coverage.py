@@ -33,7 +33,7 @@ from torch import nn
 
 import dpzero
 from dpzero.private import PrivacyViolation
-from dpzero.private.attention import Projection
+from dpzero.private import attention, recurrent
 from dpzero.private.fallback import FuncKind
 
 B, T, K, N = 8, 6, 3, 32          # expected batch, sequence length, classes, dataset size
@@ -310,7 +310,8 @@ def _shared_uses(model: nn.Module, x) -> List[str]:
 def _path(engine) -> str:
     generic = sorted({type(l.module).__name__ for l in engine.layers
                       if isinstance(l.kind, FuncKind)})
-    kernel = sorted({"MultiheadAttention" if isinstance(l.module, Projection)  # its q, k, v
+    kernel = sorted({type(l.module.owner).__name__  # the module whose projection it is
+                     if isinstance(l.module, (attention.Projection, recurrent.Projection))
                      else type(l.module).__name__ for l in engine.layers
                      if not isinstance(l.kind, FuncKind)})
     parts = []
@@ -439,7 +440,8 @@ def _write(rows: List[Row], path: str) -> None:
         f"to within {TOLERANCE:g}, with 1 − {MARGIN:g} ≤ s ≤ 1: every example clipped slightly "
         "harder, by the certified margin for float32 clipped sums (Note [clipped-sum rounding] "
         "in kernels/per_sample/common.h). Path: *kernel* modules have dpzero's per-sample ops "
-        "(MultiheadAttention: its projections, python/dpzero/private/attention.py), *generic* "
+        "(MultiheadAttention: its projections, python/dpzero/private/attention.py; LSTM, GRU "
+        "and RNN: their weights, python/dpzero/private/recurrent.py), *generic* "
         "ones go through `torch.func` (python/dpzero/private/fallback.py).",
         "",
         f"torch {torch.__version__}, transformers {transformers.__version__}, dpzero at "

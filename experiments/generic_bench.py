@@ -3,9 +3,9 @@ multi-head-attention classifier, one private step each, side by side in one proc
 
 Systems (each a full step: forward, backward with per-sample clipping, noise, update):
   torch             non-private PyTorch (the floor)
-  dpzero            dpzero.make_private: the LSTM through the generic path (fallback.py:
-                    torch.func on that module), MultiheadAttention's projections (attention.py),
-                    Embedding and Linear through the kernels
+  dpzero            dpzero.make_private: the LSTM's weights (recurrent.py) and
+                    MultiheadAttention's projections (attention.py) as DP Linear layers,
+                    Embedding and Linear, all through the kernels
   opacus-functorch  Opacus 1.6, grad_sample_mode="functorch" (torch.func for every layer)
   opacus-hooks      Opacus 1.6, grad_sample_mode="hooks" (its grad samplers). Both Opacus modes
                     refuse nn.LSTM and nn.MultiheadAttention at make_private

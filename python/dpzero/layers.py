@@ -1,13 +1,12 @@
 """Opacus's DP layers (``opacus.layers``) for scripts switched by their import.
 
 Opacus cannot compute per-sample gradients of torch's recurrent and attention modules, so it asks
-for these replacements. dpzero trains torch's own modules privately (MultiheadAttention on the
-kernels, the recurrent layers on the generic path), so each name here is torch's module, taking
-Opacus's arguments: ``DPMultiheadAttention`` is ``nn.MultiheadAttention`` itself (the same
-constructor; with ``batch_first=True`` Opacus's own layer joins the heads in another order, so
-its output differs from torch's, which this one gives), and the recurrent classes are torch's with
-Opacus's argument order (``DPRNN`` takes ``nonlinearity`` last) and its ``state_init`` keyword
-for the initial state. Their state dicts are Opacus's layers' (which use torch's names).
+for these replacements. dpzero trains torch's own modules privately, on the kernels, so each name
+here is torch's module, taking Opacus's arguments: ``DPMultiheadAttention`` is
+``nn.MultiheadAttention`` itself (the same constructor; with ``batch_first=True`` Opacus's own
+layer joins the heads in another order, so its output differs from torch's, which this one
+gives), and the recurrent classes are torch's with Opacus's argument order (``DPRNN`` takes
+``nonlinearity`` last) and its ``state_init`` keyword for the initial state. Their state dicts are Opacus's layers' (which use torch's names).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The user guide's Opacus script ("Coming from Opacus"), run as written: its code block is read
 from docs/user-guide.md and executed as it stands, and its training part again on a GRU (through
-the generic path), so the guide stays true. Resuming from such a checkpoint is checked against an
+the kernels, Note [recurrence through the kernels]), so the guide stays true. Resuming from such a checkpoint is checked against an
 uninterrupted run in test_optimizer.py."""
 
 import os

@@ -358,3 +358,38 @@ def test_a_sequence_first_module_fed_batch_first_is_refused():
     with pytest.raises(dpzero.private.PrivacyViolation,
                        match=r"rnn.l0.ih.* dims \[1\] .* change with the number of examples"):
         p.model(x)
+
+
+def _train(stage: int, units=None):
+    torch.manual_seed(0)
+    model = Reading(lambda: nn.LSTM(D, H, num_layers=2, bidirectional=True, batch_first=True),
+                    initial=True)
+    p = dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=0.8,
+                            max_grad_norm=C, lr=LR, seed=2, zero_stage=stage, units=units,
+                            max_physical_batch_size=4)
+    steps = 0
+    for ids, y in p.data_loader:
+        F.cross_entropy(p.model(ids), y).backward()
+        if p.optimizer.step():
+            p.optimizer.zero_grad()
+            steps += 1
+            if steps == 2:
+                break
+    return p.privacy_engine.parameters()
+
+
+def _rank(rank, world):
+    return _train(stage=3, units=["emb", "rnn", "head"])
+
+
+@pytest.mark.multirank
+def test_two_zero3_ranks_match_one_rank(tmp_path):
+    """At stage 3 the recurrent module is a unit of its own, gathered for its forward and again
+    for its backward, where the hidden-state gradients read W_hh (``_Recur``)."""
+    import ranks
+
+    single = _train(stage=0)
+    results = ranks.spawn(_rank, 2, tmp_path, timeout_s=120)
+    for rank in range(2):
+        for name, value in single.items():
+            torch.testing.assert_close(results[rank][name], value, rtol=1e-5, atol=1e-6)

@@ -2,13 +2,14 @@
 
 A module with trainable parameters that no layer kind of ``layers.py`` covers takes this path:
 one that uses its own parameters directly (ViT's ``cls_token`` and ``position_embeddings``, a
-learned temperature on the model's root, GroupNorm, PReLU, LSTM/GRU/RNN weights), a subclass of a
-kernel layer that overrides its forward (OPT's learned positions, Gemma's scaled embedding), and
-an ``nn.MultiheadAttention`` the kernels cannot take (``attention.generic_reason`` says why),
-which uses its ``out_proj`` child's parameters directly and so is taken whole (``taken_whole``,
-and ``attach.find_layers``).
-Other MultiheadAttention modules train through the kernels (Note [attention through the kernels]
-in attention.py). For such a module M with trainable parameters P:
+learned temperature on the model's root, GroupNorm, PReLU), a subclass of a kernel layer that
+overrides its forward (OPT's learned positions, Gemma's scaled embedding), a recurrent module the
+kernels cannot take (``recurrent.generic_reason`` says why), and an ``nn.MultiheadAttention``
+the kernels cannot take (``attention.generic_reason``), which uses its ``out_proj`` child's
+parameters directly and so is taken whole (``taken_whole``, and ``attach.find_layers``).
+Other MultiheadAttention and recurrent modules train through the kernels (Notes [attention
+through the kernels] in attention.py, [recurrence through the kernels] in recurrent.py). For
+such a module M with trainable parameters P:
 
 * forward: M runs with P swapped for detached copies, so autograd computes no gradient for P;
   every floating tensor of its output (a tensor, a tuple, a dict, a ``ModelOutput``) goes through
@@ -25,8 +26,8 @@ tuples alike. Per-sample gradients exist as [B, *P.shape] for a moment, so this 
 parameter sets (the big layers have kernels). Norms and clipped sums are computed in float64 from
 them; the norm is rounded up so a clip factor never lets a contribution exceed its threshold.
 
-Refused (with the module named): a random op inside M while training (dropout modules, MHA's or
-an RNN's ``dropout``, or any random draw the recompute meets): the per-sample recompute would draw
+Refused (with the module named): a random op inside M while training (dropout modules, a generic
+MHA's or RNN's ``dropout``, or any random draw the recompute meets): the per-sample recompute would draw
 other masks than the forward did, so the clipped gradient would belong to another function than
 the one the loss was computed with.
 """
