@@ -109,6 +109,18 @@ def test_a_packed_sequence_is_torchs(mode, shape, enforce_sorted, initial):
         torch.testing.assert_close(a, w)
 
 
+def test_an_lstm_state_as_a_list_is_torchs():
+    """torch takes (h0, c0) as any pair, a list too (a review: refused here at first)."""
+    torch.manual_seed(0)
+    m = nn.LSTM(D, H, batch_first=True)
+    x, h = torch.randn(2, T, D), torch.randn(1, 2, H)
+    for a, w in zip(torch.utils._pytree.tree_leaves(recurrent.recurrent_forward(m, x, [h, h])),
+                    torch.utils._pytree.tree_leaves(m(x, [h, h]))):
+        torch.testing.assert_close(a, w)
+    with pytest.raises(TypeError, match="LSTM: hx must be a pair of tensors, got tuple of 3"):
+        recurrent.recurrent_forward(m, x, (h, h, h))
+
+
 def test_bad_states_get_torchs_errors():
     m = nn.LSTM(D, H, batch_first=True)
     x = torch.randn(2, T, D, requires_grad=True)
@@ -197,6 +209,48 @@ MODELS = {
     "ih-frozen": lambda: _frozen(Reading(lambda: nn.GRU(D, H, batch_first=True)),
                                  "weight_ih_l0", "bias_ih_l0"),
 }
+
+
+class _Exploding(nn.Module):
+    """A packed ReLU RNN whose state grows threefold a step on the padding id (0) and stays at 0
+    on the others: run on past a short example's length, its states would overflow (Note
+    [packed sequences]), while every example's own steps stay finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.rnn = nn.RNN(D, H, nonlinearity="relu", batch_first=True)
+        self.head = nn.Linear(H, K)
+        with torch.no_grad():
+            self.emb.weight.fill_(-1.0)
+            self.emb.weight[0] = 1.0
+            self.rnn.weight_ih_l0.fill_(0.5)
+            self.rnn.weight_hh_l0.copy_(3 * torch.eye(H))
+
+    def forward(self, ids):
+        lengths = T_LONG - (ids != 0).flip(1).int().argmax(1)
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths.cpu(), True, False)
+        return self.head(torch.tanh(self.rnn(packed)[1][-1]))
+
+
+T_LONG = 90
+
+
+def test_padding_steps_never_overflow_into_a_norm():
+    """A review dropped two of four examples (NaN norms: an overflowing state past an example's
+    length times its zero gradient); their states there are now zero."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, V, (4, T_LONG), generator=g)
+    ids[2, 1:], ids[3, 3:] = 0, 0  # lengths T_LONG, T_LONG, 1, 3; 3^90 overflows float32
+    data = torch.utils.data.TensorDataset(ids, torch.randint(0, K, (4,), generator=g))
+    torch.manual_seed(0)
+    model = _Exploding()
+    start = copy.deepcopy(model)
+    p = dpzero.make_private(model, dataset=data, sample_rate=1.0, noise_multiplier=0.0,
+                            max_grad_norm=C, allow_no_noise=True, lr=LR, seed=1)
+    error = first_step_error(p, start, max_grad_norm=C, lr=LR, expected_batch=4.0)
+    assert p.privacy_engine.last_step_diagnostics["dropped"] == 0
+    assert error <= 1e-5, error
 
 
 def _frozen(model, *names):

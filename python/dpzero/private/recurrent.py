@@ -194,6 +194,8 @@ def _direction(module: nn.RNNBase, suffix: str, x: torch.Tensor, h: torch.Tensor
     weights = [t.detach() for t in (ih.weight, hh.weight, ih.bias, hh.bias) if t is not None]
     states = _first_pass(mode, x.detach(), h.detach(), None if c is None else c.detach(),
                          weights, module.bias)  # [B, T, H]
+    if valid is not None:  # Note [packed sequences]: states past an example's length are zero
+        states = states.masked_fill(~valid.unsqueeze(2), 0.0)
     previous = torch.cat([h.detach().unsqueeze(1).to(states.dtype), states[:, :-1]], 1)
     p_x = ih(x)           # [B, T, G·H]: a DP layer while any of W_ih, b_ih trains
     p_h = hh(previous)    # [B, T, G·H]: likewise for W_hh, b_hh
@@ -237,7 +239,10 @@ def _direction(module: nn.RNNBase, suffix: str, x: torch.Tensor, h: torch.Tensor
 # DP call's dim 0 holds the examples, as the probe checks), with each example's steps valid up to
 # its length: past it an example keeps its state and outputs zeros, so the loss reaches none of
 # its padding steps, whose pre-activation gradients are then exact zeros and add nothing to any
-# per-sample gradient. The reverse direction runs on each example's steps reversed within its
+# per-sample gradient. The first pass's states at those steps are zeroed too, before they are the
+# hidden-state call's input: running on over the padding, a ReLU RNN's states can overflow, and
+# an infinite input row times its zero gradient would make the example's norm NaN (a review saw
+# examples dropped that way). The reverse direction runs on each example's steps reversed within its
 # own length (:func:`_reversed`), padding kept at the end, so the first pass (torch's fused op on
 # the padded batch, no packing) gives the right states at every valid step: a state at step t
 # depends on steps up to t only. The output is packed again with the input's batch sizes and
@@ -270,11 +275,12 @@ def recurrent_forward(module: nn.RNNBase, input, hx=None):  # noqa: A002 - torch
     if not batched:  # a batch of one, as in torch's forward
         input = input.unsqueeze(0 if module.batch_first else 1)
     if hx is not None:
-        states = hx if lstm else (hx,)
-        if not isinstance(states, tuple) or any(not isinstance(s, torch.Tensor)
-                                                for s in states):
+        states = tuple(hx) if lstm and isinstance(hx, (tuple, list)) else (hx,)
+        if len(states) != (2 if lstm else 1) or any(not isinstance(s, torch.Tensor)
+                                                    for s in states):
+            size = f" of {len(hx)}" if isinstance(hx, (tuple, list)) else ""
             raise TypeError(f"{name}: hx must be {'a pair of tensors' if lstm else 'a tensor'}, "
-                            f"got {type(hx).__name__}")
+                            f"got {type(hx).__name__}{size}")
         want = 3 if batched else 2
         if any(s.dim() != want for s in states):
             raise RuntimeError(f"For {'batched 3-D' if batched else 'unbatched 2-D'} input, hx "
