@@ -281,3 +281,16 @@ def first_step_error(private, start: nn.Module, *, max_grad_norm: float, lr: flo
               for n in want)
     return math.sqrt(num / den)
 
+
+def parameters_after_steps(private, steps: int) -> Dict[str, torch.Tensor]:
+    """The engine's parameters after ``steps`` logical steps of ``private`` (make_private's
+    result) on its loader, the loss cross-entropy."""
+    taken = 0
+    for ids, y in private.data_loader:
+        torch.nn.functional.cross_entropy(private.model(ids), y).backward()
+        if private.optimizer.step():
+            private.optimizer.zero_grad()
+            taken += 1
+            if taken == steps:
+                break
+    return private.privacy_engine.parameters()

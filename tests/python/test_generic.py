@@ -21,7 +21,7 @@ from torch import nn
 
 import dpzero
 import ranks
-from private_reference import clipped_step_by_example, first_step_error
+from private_reference import clipped_step_by_example, first_step_error, parameters_after_steps
 
 V, T, D, K, N = 13, 6, 8, 3, 32
 C, LR = 1e-3, 1000.0  # updates far above the fp32 rounding of the parameters
@@ -273,15 +273,7 @@ def _train(stage: int):
     p = dpzero.make_private(Both(), dataset=_data(), batch_size=8, noise_multiplier=0.8,
                             max_grad_norm=C, lr=LR, seed=2, zero_stage=stage,
                             max_physical_batch_size=4)
-    steps = 0
-    for ids, y in p.data_loader:
-        F.cross_entropy(p.model(ids), y).backward()
-        if p.optimizer.step():
-            p.optimizer.zero_grad()
-            steps += 1
-            if steps == 2:
-                break
-    return p.privacy_engine.parameters()
+    return parameters_after_steps(p, 2)
 
 
 @pytest.mark.multirank

@@ -19,7 +19,7 @@ from torch import nn
 import dpzero
 from dpzero.layers import DPGRU, DPLSTM
 from dpzero.private import recurrent
-from private_reference import first_step_error
+from private_reference import first_step_error, parameters_after_steps
 from sensitivity import refused_or_bounded
 
 V, T, D, H, K, N = 13, 6, 5, 4, 3, 32
@@ -421,15 +421,7 @@ def _train(stage: int, units=None):
     p = dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=0.8,
                             max_grad_norm=C, lr=LR, seed=2, zero_stage=stage, units=units,
                             max_physical_batch_size=4)
-    steps = 0
-    for ids, y in p.data_loader:
-        F.cross_entropy(p.model(ids), y).backward()
-        if p.optimizer.step():
-            p.optimizer.zero_grad()
-            steps += 1
-            if steps == 2:
-                break
-    return p.privacy_engine.parameters()
+    return parameters_after_steps(p, 2)
 
 
 def _rank(rank, world):
