@@ -110,15 +110,15 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
         if kernel_attention:
             layers.extend(_projection_layers(
                 [(attention.name_of(name, p.which), p) for p in attention.projections(module)],
-                attention.ProjectionKind, slot_of, len(layers)))
+                attention.ProjectionKind, slot_of, len(layers), blocks=True))
             continue
         # Note [recurrence through the kernels] (recurrent.py)
         if isinstance(module, nn.RNNBase) and not taken_whole(module) and \
-                recurrent.generic_reason(module, owners) is None:
+                recurrent.generic_reason(module) is None:
             layers.extend(_projection_layers(
                 [(recurrent.name_of(name, suffix, part), p)
                  for (suffix, part), p in recurrent.projections(module).items()],
-                lambda: LinearKind(transposed=False), slot_of, len(layers)))
+                lambda: LinearKind(transposed=False), slot_of, len(layers), blocks=False))
             continue
         # No kernel (a module using its parameters directly, the model's root, a subclass of a
         # kernel layer overriding its forward without calling the base's, taken_whole): the
@@ -170,12 +170,14 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
 
 
 def _projection_layers(named: List[Tuple[str, nn.Module]], kind: Callable[[], LayerKind],
-                       slot_of: Dict[int, Slot], first: int) -> List[Layer]:
+                       slot_of: Dict[int, Slot], first: int, blocks: bool) -> List[Layer]:
     """Projections (``(layer name, projection)``: a module's linear maps whose ``weight`` and
-    ``bias`` are its parameters or contiguous row blocks of them, ``source(name)`` the parameter
-    each lies in) as DP layers of ``kind``, each with the slots of its blocks (Note [attention
-    through the kernels] in attention.py, Note [recurrence through the kernels] in
-    recurrent.py); a projection with nothing trainable is no layer."""
+    ``bias`` are its parameters or, with ``blocks``, contiguous row blocks of them,
+    ``source(name)`` the parameter each lies in) as DP layers of ``kind``, each with the slots
+    of its blocks (Note [attention through the kernels] in attention.py, Note [recurrence
+    through the kernels] in recurrent.py); a projection with nothing trainable is no layer.
+    Its clipping component: its own, for blocks (disjoint rows of one parameter); else that of
+    its parameters, shared with every layer that holds one of them (a tied weight)."""
     layers: List[Layer] = []
     for name, proj in named:
         train, slots = [], []
@@ -192,8 +194,10 @@ def _projection_layers(named: List[Tuple[str, nn.Module]], kind: Callable[[], La
                               whole.offset + block.storage_offset() - source.storage_offset(),
                               block.numel(), block.shape))
         if any(train):
+            keys = (id(proj),) if blocks else tuple(
+                id(proj.source(n)) for n, t in zip(("weight", "bias"), train) if t)
             layers.append(Layer(first + len(layers), name, proj, kind(), tuple(train), slots,
-                                keys=(id(proj),)))
+                                keys=keys))
     return layers
 
 

@@ -42,8 +42,10 @@ recompute, the module runs torch's own forward.
 
 What keeps the generic path (:func:`generic_reason`): an LSTM with ``proj_size`` (a third
 weight), a subclass other than dpzero.layers' (its forward is its own), a forward set on the
-instance, a parametrization or parameters of other names (the deprecated ``weight_norm``'s), and a
-parameter shared with another module (its per-sample gradient would have more parts than these).
+instance, and a parametrization or parameters of other names (the deprecated ``weight_norm``'s).
+A parameter held twice (a bias tied to the other bias, a weight shared with another module) is a
+tied weight like any other: the projections that hold it are one clipping component, bounded by
+the sum of their norms (docs/design.md §2.3).
 """
 
 from __future__ import annotations
@@ -120,9 +122,9 @@ def _suffixes(rnn: nn.RNNBase) -> List[str]:
     return [f"l{k}{d}" for k in range(rnn.num_layers) for d in directions]
 
 
-def generic_reason(module: nn.Module, owners: Dict[int, int]) -> Optional[str]:
+def generic_reason(module: nn.Module) -> Optional[str]:
     """Why the recurrent ``module`` keeps the generic path (Note [recurrence through the
-    kernels]), or None; ``owners``: id(parameter) -> how many modules hold it. Decided once, at
+    kernels]), or None. Decided once, at
     make_private: what it reads cannot change unnoticed later, since a parameter added, replaced,
     shared or (un)frozen changes the trained set the step checks (Note [trained set]), and a
     forward that used the parameters directly would give them a gradient, which the escape guard
@@ -138,8 +140,6 @@ def generic_reason(module: nn.Module, owners: Dict[int, int]) -> Optional[str]:
     own = sorted(n for n, p in module._parameters.items() if p is not None)
     if set(own) != set(module._flat_weights_names):  # e.g. the deprecated weight_norm's _g, _v
         return f"parameters {own}, not only its weights'"
-    if any(owners.get(id(p), 1) > 1 for p in module.parameters()):
-        return "a parameter shared with another module"
     return None
 
 
