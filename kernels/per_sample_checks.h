@@ -153,6 +153,13 @@ inline int64_t samples_per_chunk(int64_t num_samples, int64_t bytes_per_sample,
 // of kernels/cuda/row_sums.cu make these passes without chunks at all).
 constexpr int64_t kPassChunkBytes = int64_t{2} << 20;
 
+// A Conv's loops (kernels/per_sample/conv.h) hold each sample's patches, [L, K * C_in] floats
+// in float32 and again in float64, far more than its gradient: on the CPU, chunks of the full
+// budget spent more time faulting in and streaming these copies than in their GEMMs, and chunks
+// of kConvChunkBytes keep them within reach of the caches (experiments/results/kernels.md, "Conv
+// chunks").
+constexpr int64_t kConvChunkBytes = int64_t{16} << 20;
+
 inline int64_t samples_per_pass_chunk(int64_t num_samples, int64_t bytes_per_sample, bool cpu) {
   const int64_t budget =
       cpu ? std::min(kPassChunkBytes, chunk_bytes_budget().load()) : chunk_bytes_budget().load();

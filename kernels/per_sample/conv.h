@@ -2,6 +2,9 @@
 // kernels/per_sample_ops.h; schemas in kernels/ops.cpp).
 #pragma once
 
+#include <optional>
+#include <tuple>
+
 #include "kernels/per_sample/common.h"
 // A Conv is a Linear over its input's patches.
 #include "kernels/per_sample/linear.h"
@@ -10,11 +13,11 @@ namespace dpzero::kernels {
 namespace per_sample {
 
 // ---- Conv1d / Conv2d: input [B, C_in, (H,) W], G [B, C_out, (H_out,) W_out] ---------------------
-// Through im2col: the unfolded input U_i [C_in*K, L] (K = kernel numel, L = output positions)
-// turns group j's convolution into a Linear layer with A = U_i[rows of group j]^T [L, C_in/g*K]
-// and G = G_i[channels of group j]^T [L, C_out/g] (Bu et al. 2022, ghost clipping of convolutions
-// via unfold). Padding is zeros ('same'/'valid' strings and other padding modes: pad the input
-// first and pass 0).
+// Through the input's patches: sample i's patches P_i [L, K*C_in] (K = kernel numel, L = output
+// positions; Note [kernel-major patches]) turn group j's convolution into a Linear layer with
+// A = P_i[columns of group j] [L, K*C_in/g] and G = G_i[channels of group j]^T [L, C_out/g] (Bu
+// et al. 2022, ghost clipping of convolutions via unfold). Padding is zeros ('same'/'valid'
+// strings and other padding modes: pad the input first and pass 0).
 
 struct ConvGeometry {
   at::IntArrayRef kernel_size, stride, padding, dilation;  // as given (1 or 2 dims)
@@ -75,23 +78,57 @@ inline ConvGeometry check_conv_args(const char* op, const at::Tensor& input, con
   return geo;
 }
 
-// Samples [i0, i1) unfolded: [c, C_in*K, L] float32 (exact copies of the inputs, and zeros).
-inline at::Tensor unfold(const ConvGeometry& geo, const at::Tensor& input, int64_t i0, int64_t i1) {
+// Note [kernel-major patches]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A Conv's A is its input's patches, one row per output position. im2col writes them as
+// [c, C_in*K, L] (channel-major columns, the weight's own order), whose transpose is the
+// [c, L, C_in*K] a Linear takes: a strided operand that the ops then copied, two passes over the
+// largest tensor of the layer. Here each row is gathered in kernel-major order (kernel position,
+// then channel) from the input in channels-last layout, one pass writing [c, L, K*C_in] with
+// runs of C_in contiguous floats. Each row is the im2col row with its columns permuted by the
+// same permutation, so every per-sample norm is the norm of the same gradient's entries
+// permuted (the Grams and the certified bounds are computed from the rows as given, Note
+// [certified norms]); the clipped sum comes out in the same order, [C_out/g, K*C_in/g], and is
+// permuted back to the weight's [C_out, C_in/g, *kernel_size] at the end.
+
+// Samples [i0, i1) as their patches: [c, L, K*C_in] float32 (exact copies of the inputs, and
+// zeros), columns kernel-major (Note [kernel-major patches]).
+inline at::Tensor patches(const ConvGeometry& geo, const at::Tensor& input, int64_t i0,
+                          int64_t i1) {
   at::Tensor x = f32(input.slice(0, i0, i1));
-  if (geo.kernel_size.size() == 1) x = x.unsqueeze(2);
-  return at::im2col(x, geo.k2, geo.d2, geo.p2, geo.s2);
+  if (geo.kernel_size.size() == 1) x = x.unsqueeze(2);  // [c, C_in, 1, W]
+  x = at::constant_pad_nd(x, {geo.p2[1], geo.p2[1], geo.p2[0], geo.p2[0]}, 0.0);
+  x = x.permute({0, 2, 3, 1}).contiguous();  // [c, H_p, W_p, C_in]
+  const int64_t c = x.size(0), wp = x.size(2), ch = x.size(3);
+  const int64_t h_out = (x.size(1) - geo.d2[0] * (geo.k2[0] - 1) - 1) / geo.s2[0] + 1;
+  const int64_t w_out = (wp - geo.d2[1] * (geo.k2[1] - 1) - 1) / geo.s2[1] + 1;
+  const int64_t row = wp * ch;  // one input row, all channels
+  const at::Tensor view = x.as_strided(
+      {c, h_out, w_out, geo.k2[0], geo.k2[1], ch},
+      {x.size(1) * row, geo.s2[0] * row, geo.s2[1] * ch, geo.d2[0] * row, geo.d2[1] * ch, 1});
+  return view.reshape({c, h_out * w_out, geo.kernel_numel * ch});
 }
 
-// Group j of an unfolded chunk as a Linear layer: (A [c, L, C_in/g*K], G [c, L, C_out/g]).
-inline std::pair<at::Tensor, at::Tensor> conv_group(const ConvGeometry& geo, const at::Tensor& cols,
+// Group j of a chunk's patches as a Linear layer: (A [c, L, K*C_in/g], G [c, L, C_out/g]).
+inline std::pair<at::Tensor, at::Tensor> conv_group(const ConvGeometry& geo, const at::Tensor& rows,
                                                     const at::Tensor& g3, int64_t j) {
-  const int64_t kin = geo.c_in / geo.groups * geo.kernel_numel, kout = geo.c_out / geo.groups;
-  return {cols.narrow(1, j * kin, kin).transpose(1, 2),
-          g3.narrow(1, j * kout, kout).transpose(1, 2)};
+  const int64_t cg = geo.c_in / geo.groups, kout = geo.c_out / geo.groups;
+  const at::Tensor a =
+      geo.groups == 1
+          ? rows
+          : rows.view({rows.size(0), rows.size(1), geo.kernel_numel, geo.c_in})
+                .narrow(3, j * cg, cg)
+                .reshape({rows.size(0), rows.size(1), geo.kernel_numel * cg});
+  return {a, g3.narrow(1, j * kout, kout).transpose(1, 2)};
 }
 
-inline int64_t conv_chunk(const ConvGeometry& geo, int64_t b) {
-  return samples_per_chunk(b, 8 * geo.positions * (geo.c_in * geo.kernel_numel + geo.c_out));
+// Samples per chunk of the patch loops (kConvChunkBytes on the CPU).
+inline int64_t conv_chunk(const ConvGeometry& geo, int64_t b, const at::Tensor& input) {
+  const int64_t budget = host_path(input)
+                             ? std::min(kConvChunkBytes, chunk_bytes_budget().load())
+                             : chunk_bytes_budget().load();
+  const int64_t per = 8 * geo.positions * (geo.c_in * geo.kernel_numel + geo.c_out);
+  return std::max<int64_t>(1, std::min<int64_t>(b, budget / std::max<int64_t>(1, per)));
 }
 
 // Certified [B] float64 (weight, plus bias when `bias`), the checks done.
@@ -100,20 +137,105 @@ inline at::Tensor conv_sq_norms_f64(const ConvGeometry& geo, const at::Tensor& i
   const int64_t b = input.size(0);
   const at::Tensor g3 = G.reshape({b, geo.c_out, geo.positions});  // [B, C_out, L]
   at::Tensor out = at::empty({b}, input.options().dtype(at::kDouble));
-  const int64_t chunk = conv_chunk(geo, b);
+  const int64_t chunk = conv_chunk(geo, b, input);
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
-    const at::Tensor cols = unfold(geo, input, i0, i1);
+    const at::Tensor rows = patches(geo, input, i0, i1);
     const at::Tensor gc = g3.slice(0, i0, i1);
     at::Tensor sq;
     for (int64_t j = 0; j < geo.groups; ++j) {
-      auto [a_j, g_j] = conv_group(geo, cols, gc, j);
+      auto [a_j, g_j] = conv_group(geo, rows, gc, j);
       const at::Tensor part = linear_sq_norms_btd(a_j, g_j, method, /*bias=*/false);
       sq = j == 0 ? part : add_up(sq, part);
     }
     out.slice(0, i0, i1).copy_(sq);
   }
   return bias ? add_up(out, bias_sq_norms_btd(g3.transpose(1, 2))) : out;
+}
+
+// Note [kept conv gradients]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Where every group of a Conv takes the direct path (Note [ghost or direct]: a convolution's
+// many output positions make its Grams the larger), its norms instantiate each sample's weight
+// gradient in float64, and its clipped sum then formed each sample's contribution a second time
+// from the input's patches. When those float64 gradients take no more memory than the input and
+// output gradient the book would otherwise keep (conv_keeps_per_sample), the book keeps them
+// instead, with their certified norms (ConvOps::keep in src/dp/layer_ops.cpp; Note [kept
+// per-sample gradients] in linear.h): one pass over the patches, and the clipped sum adds c_i
+// times these very rows (per_sample_clipped_sum), one float32 rounding of each entry, whose
+// margin the norms carry (clipped_sum_margin(1), as bias_per_sample_btd's). The norms are the
+// direct path's, from the same products: certified from the float64 gradient q and
+// S = sum_t ||a_t|| ||g_t|| per group, the groups' bounds added rounded up.
+
+// Whether a Conv with input [B, C_in, ...] (`input_numel` per sample) and output gradient
+// (`g_numel` per sample) keeps its per-sample weight gradients (Note [kept conv gradients]).
+inline bool conv_keeps_per_sample(const ConvGeometry& geo, int64_t input_numel,
+                                  int64_t g_numel) {
+  const int64_t d_in = geo.c_in / geo.groups * geo.kernel_numel, d_out = geo.c_out / geo.groups;
+  return !ghost_is_cheaper(geo.positions, d_in, d_out) &&
+         2 * geo.c_out * d_in <= input_numel + g_numel;  // 8-byte rows against 4-byte inputs
+}
+
+// The weight's per-sample gradients [B, C_out, C_in/g, *kernel_size] float64 and their certified
+// squared norms [B] float64 with the kept rows' margin (Note [kept conv gradients]).
+inline std::tuple<at::Tensor, at::Tensor> conv_per_sample_f64(const ConvGeometry& geo,
+                                                              const at::Tensor& input,
+                                                              const at::Tensor& G) {
+  const int64_t b = input.size(0), cg = geo.c_in / geo.groups, kout = geo.c_out / geo.groups;
+  const int64_t d_in = cg * geo.kernel_numel;
+  const at::Tensor g3 = G.reshape({b, geo.c_out, geo.positions});  // [B, C_out, L]
+  at::Tensor grads = at::empty({b, geo.c_out, d_in}, input.options().dtype(at::kDouble));
+  at::Tensor sq = at::empty({b}, input.options().dtype(at::kDouble));
+  const double e = rounding_gamma(static_cast<double>(geo.positions));
+  const int64_t chunk = conv_chunk(geo, b, input);
+  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
+    const int64_t i1 = std::min(b, i0 + chunk);
+    const at::Tensor rows = patches(geo, input, i0, i1);
+    const at::Tensor gc = g3.slice(0, i0, i1);
+    at::Tensor sq_c;
+    for (int64_t j = 0; j < geo.groups; ++j) {
+      const at::Tensor a64 = f64(conv_group(geo, rows, gc, j).first);         // [c, L, d_in]
+      const at::Tensor gt64 = f64(gc.narrow(1, j * kout, kout)).contiguous();  // [c, C_out/g, L]
+      const at::Tensor w = at::bmm(gt64, a64);  // [c, C_out/g, d_in]
+      grads.slice(0, i0, i1).narrow(1, j * kout, kout).copy_(w);
+      const at::Tensor q = w.reshape({i1 - i0, -1}).square().sum(1);
+      const at::Tensor bound =
+          (row_norms(a64) * at::linalg_vector_norm(gt64, 2, at::IntArrayRef{1})).sum(1);
+      const at::Tensor part = certify_op(q, bound, direct_coefficient(e, d_in * kout + 1),
+                                         Step::kDirect, /*f32=*/false, clipped_sum_margin(1));
+      sq_c = j == 0 ? part : add_up(sq_c, part);
+    }
+    sq.slice(0, i0, i1).copy_(sq_c);
+  }
+  // Kernel-major columns back to the weight's order (Note [kernel-major patches]).
+  std::vector<int64_t> shape{b, geo.c_out, cg};
+  for (int64_t k : geo.kernel_size) shape.push_back(k);
+  return {grads.view({b, geo.c_out, geo.kernel_numel, cg}).permute({0, 1, 3, 2}).reshape(shape),
+          sq};
+}
+
+// Public (internal to the book): a Conv's kept per-sample gradients (Note [kept conv
+// gradients]): (weight [B, C_out, C_in/g, *kernel_size] float64, bias [B, C_out] float64 or
+// undefined, certified squared norms of both [B] float32), or nullopt where the Conv keeps its
+// input and output gradient instead.
+inline std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> conv_per_sample(
+    const at::Tensor& input, const at::Tensor& G, at::IntArrayRef kernel_size,
+    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+    bool bias) {
+  constexpr const char* op = "conv_per_sample";
+  const ConvGeometry geo =
+      check_conv_args(op, input, G, kernel_size, stride, padding, dilation, groups);
+  const int64_t b = std::max<int64_t>(input.size(0), 1);
+  if (!conv_keeps_per_sample(geo, input.numel() / b, G.numel() / b)) return std::nullopt;
+  const Fp32MatmulGuard precision;
+  auto [grads, sq] = conv_per_sample_f64(geo, input, G);
+  at::Tensor grad_b;
+  if (bias) {
+    at::Tensor sq_b;
+    std::tie(grad_b, sq_b) = bias_per_sample_btd(G.flatten(2).transpose(1, 2));
+    sq = add_up(sq, sq_b);
+  }
+  return std::make_tuple(grads, grad_b, to_f32_up(sq));
 }
 
 // Public: -> [B] float32 (weight, plus bias when `bias`).
@@ -144,21 +266,24 @@ inline at::Tensor conv_clipped_sum(const at::Tensor& input, const at::Tensor& G,
   at::Tensor out = at::zeros({geo.c_out, kin}, input.options().dtype(at::kFloat));
   const at::Tensor g3 = G.reshape({b, geo.c_out, geo.positions});
   const bool host = host_factors_apply(scale, input, G);
-  const int64_t chunk = conv_chunk(geo, b);
+  const int64_t chunk = conv_chunk(geo, b, input);
   for (int64_t i0 = 0; i0 < b; i0 += chunk) {
     const int64_t i1 = std::min(b, i0 + chunk);
-    const at::Tensor cols = unfold(geo, input, i0, i1);
+    const at::Tensor rows = patches(geo, input, i0, i1);
     const at::Tensor gc = g3.slice(0, i0, i1);
     for (int64_t j = 0; j < groups; ++j) {
-      auto [a_j, g_j] = conv_group(geo, cols, gc, j);
+      auto [a_j, g_j] = conv_group(geo, rows, gc, j);
       at::Tensor out_j = out.narrow(0, j * kout, kout);
       add_linear_clipped_sum(out_j, a_j, g_j, scale.slice(0, i0, i1),
                              host, /*transposed=*/false);
     }
   }
+  // Kernel-major columns back to the weight's order (Note [kernel-major patches]).
   std::vector<int64_t> shape{geo.c_out, geo.c_in / groups};
   for (int64_t k : kernel_size) shape.push_back(k);
-  return out.reshape(shape);
+  return out.view({geo.c_out, geo.kernel_numel, geo.c_in / groups})
+      .permute({0, 2, 1})
+      .reshape(shape);
 }
 
 // Public fused op: (grad_weight, grad_bias [C_out] or [0], sq_norms, factors, non-finite count).
@@ -173,6 +298,22 @@ inline ClipResult conv_clip(const at::Tensor& input, const at::Tensor& G,
       check_conv_args(op, input, G, kernel_size, stride, padding, dilation, groups);
   check_clip_op_args(op, max_norm, mode, gamma);
   const Fp32MatmulGuard precision;
+  if (m == NormMethod::kAuto) {  // Note [kept conv gradients]: one pass over the patches
+    const int64_t b = std::max<int64_t>(input.size(0), 1);
+    if (conv_keeps_per_sample(geo, input.numel() / b, G.numel() / b)) {
+      auto [grads, sq] = conv_per_sample_f64(geo, input, G);
+      at::Tensor grad_b;
+      if (bias) {
+        at::Tensor sq_b;
+        std::tie(grad_b, sq_b) = bias_per_sample_btd(G.flatten(2).transpose(1, 2));
+        sq = add_up(sq, sq_b);
+      }
+      auto [factors, nonfinite] = clip_from_sq_norms(sq, max_norm, mode, gamma);
+      at::Tensor grad_w = per_sample_clipped_sum(grads, factors);
+      return {grad_w, bias ? per_sample_clipped_sum(grad_b, factors) : no_bias_grad(G),
+              to_f32_up(sq), factors, nonfinite};
+    }
+  }
   const at::Tensor sq = conv_sq_norms_f64(geo, input, G, m, bias);
   auto [factors, nonfinite] = clip_from_sq_norms(sq, max_norm, mode, gamma);
   at::Tensor grad_w =

@@ -212,13 +212,21 @@ class ConvOps final : public LayerOps {
   }
 
   // A trained bias alone (the weight frozen, as BitFit trains): its per-sample rows and their
-  // norms, not the input x (Note [kept per-sample gradients]).
+  // norms, not the input x (Note [kept per-sample gradients]). A trained weight whose norms take
+  // the direct path: its per-sample gradients too, where they are no bigger than x and g (Note
+  // [kept conv gradients] in kernels/per_sample/conv.h).
   Kept keep(const at::Tensor& x, const at::Tensor& g, bool norms) const override {
-    if (trains(0)) return LayerOps::keep(x, g, norms);
     Kept kept;
     kept.grads.resize(train().size());
     at::Tensor sq;
-    std::tie(kept.grads[1], sq) = ps::bias_per_sample(g.movedim(1, -1));
+    if (trains(0)) {
+      auto rows = ps::conv_per_sample(x, g, kernel_, stride_, padding_, dilation_, groups_,
+                                      trains(1));
+      if (!rows) return LayerOps::keep(x, g, norms);
+      std::tie(kept.grads[0], kept.grads[1], sq) = *rows;
+    } else {
+      std::tie(kept.grads[1], sq) = ps::bias_per_sample(g.movedim(1, -1));
+    }
     if (norms) kept.sq = sq;
     return kept;
   }

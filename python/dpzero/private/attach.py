@@ -20,10 +20,11 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import _C
-from . import attention, recurrent, relative_bias
+from . import attention, group_norm, recurrent, relative_bias
 from .book import Layer, Slot
 from .errors import PrivacyViolation
 from .fallback import BYPASS, FuncKind, OutputLayout, swapped, taken_whole, tap
+from .group_norm import GroupNormKind
 from .layers import (ORIGINAL_FORWARD, EmbeddingKind, LayerKind, LinearKind, autocast_dtype,
                      calls_base_forward, dp_apply, layer_kind, overridden_base)
 from .provenance.records import input_record, record
@@ -128,7 +129,9 @@ def find_layers(model: nn.Module, slot_of: Dict[int, Slot]) -> List[Layer]:
             and not taken_whole(module)
         kind = None if taken_whole(module) else layer_kind(module, through_super=routed)
         if kind is None:
-            kind = FuncKind([n for n, _ in own])
+            # Note [group norm in closed form] (group_norm.py)
+            kind = (GroupNormKind if group_norm.closed_form(module) else FuncKind)(
+                [n for n, _ in own])
         computed = [n for n in kind.params if not isinstance(kind, FuncKind) and
                     isinstance(getattr(module, n, None), torch.Tensor) and
                     getattr(module, n).requires_grad and module._parameters.get(n) is None]
