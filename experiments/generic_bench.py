@@ -1,5 +1,6 @@
-"""dpzero against Opacus on the modules Opacus asks to swap for its own layers: an LSTM and a
-multi-head-attention classifier, one private step each, side by side in one process.
+"""dpzero against Opacus on the modules Opacus asks to swap for its own layers, an LSTM and a
+multi-head-attention classifier, and on a convolutional network with GroupNorm (the shape Opacus's
+ModuleValidator.fix gives a ResNet): one private step each, side by side in one process.
 
 Systems (each a full step: forward, backward with per-sample clipping, noise, update):
   torch             non-private PyTorch (the floor)
@@ -11,7 +12,10 @@ Systems (each a full step: forward, backward with per-sample clipping, noise, up
                     refuse nn.LSTM and nn.MultiheadAttention at make_private
                     (ShouldReplaceModuleError); the table says so
   opacus-dp-layers  Opacus 1.6 hooks with the model rewritten to Opacus's DPLSTM /
-                    DPMultiheadAttention (what Opacus asks its users to swap in)
+                    DPMultiheadAttention (what Opacus asks its users to swap in; the CNN has
+                    nothing to swap, so its row is opacus-hooks')
+
+The CNN (``--models cnn``) takes images of 3 x seq x seq (32: CIFAR-10's shape).
 
 Timing: rounds interleave one step of every system; the table gives each system's median step
 time and its median paired ratio to dpzero (experiments/bench_common.py). Every system's first
@@ -71,8 +75,24 @@ class MHANet(nn.Module):
         return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
 
 
+def _block(c_in: int, c_out: int, stride: int) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False),
+                         nn.GroupNorm(min(32, c_out // 2), c_out), nn.ReLU())
+
+
+class CNNNet(nn.Sequential):
+    """Six 3 x 3 convolutions with GroupNorm, widths 32 -> 128, two strided."""
+
+    def __init__(self):
+        super().__init__(_block(3, 32, 1), _block(32, 32, 1), _block(32, 64, 2),
+                         _block(64, 64, 1), _block(64, 128, 2), _block(128, 128, 1),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, K))
+
+
 def build(model_name: str, swap: bool = False) -> nn.Module:
     torch.manual_seed(0)
+    if model_name == "cnn":
+        return CNNNet()
     if model_name == "lstm":
         if swap:
             from opacus.layers import DPLSTM
@@ -88,9 +108,11 @@ class System:
     def __init__(self, name: str, model_name: str, batch: int, seq: int, sigma: float,
                  clip: float, lr: float):
         self.name = name
+        inputs = torch.randn(4 * batch, 3, seq, seq, generator=torch.Generator().manual_seed(1)) \
+            if model_name == "cnn" else \
+            torch.randint(0, V, (4 * batch, seq), generator=torch.Generator().manual_seed(1))
         self.data = torch.utils.data.TensorDataset(
-            torch.randint(0, V, (4 * batch, seq), generator=torch.Generator().manual_seed(1)),
-            torch.randint(0, K, (4 * batch,), generator=torch.Generator().manual_seed(2)))
+            inputs, torch.randint(0, K, (4 * batch,), generator=torch.Generator().manual_seed(2)))
         self.x, self.y = self.data.tensors[0][:batch], self.data.tensors[1][:batch]
         model = build(model_name, swap=name == "opacus-dp-layers")
         if name == "opacus-dp-layers":  # same initial values as the others
@@ -151,7 +173,9 @@ def reference(system: System, clip: float, lr: float) -> dict:
     total = {n: torch.zeros_like(p) for n, p in params.items()}
     for i in range(len(system.x)):
         ref.zero_grad()
-        F.cross_entropy(ref(system.x[i:i + 1]), system.y[i:i + 1]).backward()
+        x = system.x[i:i + 1]
+        F.cross_entropy(ref(x.double() if x.is_floating_point() else x),
+                        system.y[i:i + 1]).backward()
         norm = math.sqrt(sum(float((p.grad ** 2).sum()) for p in params.values()))
         for n, p in params.items():
             total[n] += min(1.0, clip / norm) * p.grad
@@ -162,6 +186,8 @@ def check(model_name, batch, seq, clip, lr) -> dict:
     """Relative update error of each system's first σ = 0 step against the reference."""
     out = {}
     for name in ("dpzero", "opacus-functorch", "opacus-hooks", "opacus-dp-layers"):
+        if model_name == "cnn" and name == "opacus-dp-layers":
+            continue
         try:
             s = System(name, model_name, batch, seq, 0.0, clip, lr)
             want = reference(s, clip, lr)
@@ -204,11 +230,15 @@ def main(argv=None) -> int:
     for model_name in args.models.split(","):
         errors = check(model_name, 8, 8, 1e-3, 1e4)  # lr: updates far above fp32 rounding
         failures: dict = {}
-        times = run(model_name, args.batch, args.seq, args.rounds, args.warmup, systems, failures)
-        lines += [f"### {model_name.upper()} (batch {args.batch}, T = {args.seq})", "",
+        # The CNN has no layer to swap: Opacus's DP-layers row would be its hooks row again.
+        ran = [s for s in systems if not (model_name == "cnn" and s == "opacus-dp-layers")]
+        times = run(model_name, args.batch, args.seq, args.rounds, args.warmup, ran, failures)
+        shape = f"3 × {args.seq} × {args.seq} images" if model_name == "cnn" else \
+            f"T = {args.seq}"
+        lines += [f"### {model_name.upper()} (batch {args.batch}, {shape})", "",
                   "| system | median step (ms) | × dpzero (paired, IQR) | update error vs "
                   "reference (σ = 0) |", "|---|---|---|---|"]
-        for name in systems:
+        for name in ran:
             if name not in times:
                 why = failures.get(name, "").replace("|", "/")
                 lines.append(f"| {name} | does not run: {why} | | |")
@@ -220,9 +250,9 @@ def main(argv=None) -> int:
             etxt = f"{err:.1e}" if isinstance(err, float) else (err or "not checked")
             lines.append(f"| {name} | {med:.1f} | {rtxt} | {etxt} |")
         lines.append("")
-        print("\n".join(lines[-(len(systems) + 5):]), flush=True)
+        print("\n".join(lines[-(len(ran) + 5):]), flush=True)
     if not args.no_write:
-        header = ["# LSTM and MultiheadAttention against Opacus", "",
+        header = ["# LSTM, MultiheadAttention and a GroupNorm CNN against Opacus", "",
                   "Written by `experiments/generic_bench.py` "
                   f"({args.rounds} interleaved rounds after {args.warmup} warm-up; "
                   f"dpzero {dpzero_version()}; {os.cpu_count()} CPU cores, torch threads "
