@@ -103,3 +103,36 @@ def test_what_is_not_torchs_groupnorm_keeps_the_recompute():
     p = dpzero.make_private(_cnn(affine=False), dataset=_data(), batch_size=8,
                             noise_multiplier=1.0, max_grad_norm=C, seed=1)
     assert "1" not in {layer.name for layer in p.privacy_engine.layers}
+
+
+class _Overwritten(nn.Module):
+    """GroupNorm on a copy of the input that the forward then overwrites with example 0's rows:
+    x̂ recomputed from the saved input would carry example 0 into every example's gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.head = nn.GroupNorm(2, 4), nn.Linear(4, K)
+
+    def forward(self, x):
+        x = x.clone()
+        h = torch.tanh(self.norm(x))
+        x.copy_(x[0:1].expand_as(x).clone())
+        return self.head(h.flatten(2).mean(2))
+
+
+def test_an_input_written_after_the_call_is_refused():
+    """A review moved the sum by 8 x 2C this way before the input's version was checked."""
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(8, 4, 6, 6, generator=g), torch.randint(0, K, (8,), generator=g)
+    assert refused_or_bounded(_Overwritten, [x], y) == "refused"
+    p = dpzero.make_private(_Overwritten(), dataset=torch.utils.data.TensorDataset(x, y),
+                            sample_rate=1.0, noise_multiplier=1.0, max_grad_norm=C, seed=1)
+    xb, yb = next(iter(p.data_loader))
+    with pytest.raises(dpzero.private.PrivacyViolation,
+                       match=r"GroupNorm 'norm': its input was written in place after the call "
+                             r"\(its version moved from 0 to 1\)"):
+        torch.nn.functional.cross_entropy(p.model(xb), yb).backward()
+    with pytest.raises(dpzero.private.PrivacyViolation):
+        p.optimizer.step()
+    assert p.privacy_engine.charges == 0

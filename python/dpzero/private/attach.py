@@ -310,9 +310,11 @@ def _fallback_forward(book, layer, original, params, args, kwargs, recompute=Fal
                layer.index)
         detach = lambda a: a.detach() if isinstance(a, torch.Tensor) else a  # noqa: E731
         device = outputs[0].device.type
+        versions = tuple(t._version if isinstance(t, torch.Tensor) else -1
+                         for t in pytree.tree_leaves((args, kwargs)))
         saved = (pytree.tree_map(detach, args), pytree.tree_map(detach, kwargs),
                  OutputLayout(spec, tapped, tuple(tuple(t.shape) for t in outputs),
-                              tuple(t.detach() for t in outputs)),
+                              tuple(t.detach() for t in outputs), versions),
                  autocast_dtype(device))
 
         def on_backward(grads, pid=pid, saved=saved):

@@ -128,6 +128,8 @@ class OutputLayout(NamedTuple):
     tapped: Tuple[int, ...]
     shapes: Tuple[Tuple[int, ...], ...]
     values: Tuple[torch.Tensor, ...] = ()  # the forward's tapped outputs (detached)
+    # The version counters of the call's (args, kwargs) leaves at the call (-1: not a tensor).
+    versions: Tuple[int, ...] = ()
 
 
 class FuncKind(LayerKind):

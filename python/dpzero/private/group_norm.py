@@ -13,15 +13,19 @@ example i's gradients are
     ∂γ_c = Σ_s G_i[c, s] x̂_i[c, s],   ∂β_c = Σ_s G_i[c, s]      (s: the spatial positions)
 
 from its own input and output gradient alone. :class:`GroupNormKind` is the generic path with
-these in place of the recompute, for torch's own module (exact type, its own forward, no
-parametrization) called as ``norm(x)`` with the examples on dim 0 of the input and the output,
-which the probe decides as for any generic module (Note [batch provenance]). Any other call
-(the examples elsewhere) takes the recompute. Nothing else changes: the forward runs the
-module with its parameters detached and taps its output, and the book certifies the norms of
-the rows returned here and adds c_i times these very rows (Note [kept per-sample gradients]),
-so each contribution is bounded whatever the rounding of x̂ and of these sums: x̂ is recomputed
-from the saved input in the dtype the forward normalised in (at least float32, as under
-autocast), and the sums are float32, as the generic path's gradients are.
+these in place of the per-example recompute, for torch's own module (exact type, its own
+forward, no parametrization) called as ``norm(x)`` with the examples on dim 0 of the input and
+the output, which the probe decides as for any generic module (Note [batch provenance]). Any
+other call (the examples elsewhere) takes the recompute. The saved input must still be what the
+forward read: its version counter is compared with the call's, as autograd compares a kernel
+layer's saved input, so a write in place after the call is refused (a write that bypasses the
+counter, through ``.data``, is the same gap for every layer; the recompute's output check, which
+saw such writes, cost more than the closed form saves). Nothing else changes: the
+forward runs the module with its parameters detached and taps its output, and the book
+certifies the norms of the rows returned here and adds c_i times these very rows (Note [kept
+per-sample gradients]), so each contribution is bounded whatever the rounding of x̂ and of these
+sums: x̂ is recomputed from the saved input in the dtype the forward normalised in (at least
+float32, as under autocast), and the sums are float32, as the generic path's gradients are.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .errors import PrivacyViolation
 from .fallback import FuncKind
 
 
@@ -56,14 +61,22 @@ class GroupNormKind(FuncKind):
             return super().per_sample_grads(module, saved, g, train, dims, module_name, defer)
         b, c = x.shape[0], x.shape[1]
         work = torch.promote_types(x.dtype, torch.float32)
+        if x._version != layout.versions[0]:
+            # A review overwrote the input with example 0's rows after the call: x̂ recomputed
+            # from it carried example 0 into every gradient (8 x 2C).
+            raise PrivacyViolation(
+                f"{module_name}: its input was written in place after the call (its version "
+                f"moved from {layout.versions[0]} to {x._version}), so the per-sample gradients "
+                "would be computed from other values than the forward's; write into a copy "
+                "(x = x.clone()) instead")
         with torch.no_grad():
+            x_hat = F.group_norm(x.to(work), module.num_groups, None, None, module.eps)
             grad = g.reshape(b, c, -1)  # [B, C, S] float32
             out: Dict[str, torch.Tensor] = {}
             for name, trained in zip(self.names, train):
                 if not trained:
                     continue
                 if name == "weight":
-                    x_hat = F.group_norm(x.to(work), module.num_groups, None, None, module.eps)
                     out[name] = torch.einsum("bcs,bcs->bc", grad, x_hat.reshape(b, c, -1).float())
                 else:  # "bias"
                     out[name] = grad.sum(2)
