@@ -131,25 +131,48 @@ inline int64_t conv_chunk(const ConvGeometry& geo, int64_t b, const at::Tensor& 
   return std::max<int64_t>(1, std::min<int64_t>(b, budget / std::max<int64_t>(1, per)));
 }
 
+// fn(i0, i1, j, A_j, G_j) for every chunk [i0, i1) of the samples and every group j: A_j the
+// chunk's patches of group j [c, L, K*C_in/g] float32, G_j its output gradient [c, L, C_out/g]
+// (conv_group). g3: G as [B, C_out, L].
+template <typename Fn>
+inline void for_each_patch_group(const ConvGeometry& geo, const at::Tensor& input,
+                                 const at::Tensor& g3, Fn&& fn) {
+  const int64_t b = input.size(0), chunk = conv_chunk(geo, b, input);
+  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
+    const int64_t i1 = std::min(b, i0 + chunk);
+    const at::Tensor rows = patches(geo, input, i0, i1);
+    const at::Tensor gc = g3.slice(0, i0, i1);
+    for (int64_t j = 0; j < geo.groups; ++j) {
+      auto [a_j, g_j] = conv_group(geo, rows, gc, j);
+      fn(i0, i1, j, a_j, g_j);
+    }
+  }
+}
+
+// Kernel-major columns back to the weight's order (Note [kernel-major patches]):
+// [..., C_out, K*C_in/g] -> [..., C_out, C_in/g, *kernel_size].
+inline at::Tensor weight_order(const ConvGeometry& geo, const at::Tensor& t) {
+  const int64_t cg = geo.c_in / geo.groups, lead = t.dim() - 2;
+  std::vector<int64_t> split = t.sizes().slice(0, lead + 1).vec(), shape = split;
+  split.insert(split.end(), {geo.kernel_numel, cg});
+  shape.push_back(cg);
+  for (int64_t k : geo.kernel_size) shape.push_back(k);
+  return t.view(split).transpose(lead + 1, lead + 2).reshape(shape);
+}
+
 // Certified [B] float64 (weight, plus bias when `bias`), the checks done.
 inline at::Tensor conv_sq_norms_f64(const ConvGeometry& geo, const at::Tensor& input,
                                     const at::Tensor& G, NormMethod method, bool bias) {
   const int64_t b = input.size(0);
   const at::Tensor g3 = G.reshape({b, geo.c_out, geo.positions});  // [B, C_out, L]
   at::Tensor out = at::empty({b}, input.options().dtype(at::kDouble));
-  const int64_t chunk = conv_chunk(geo, b, input);
-  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
-    const int64_t i1 = std::min(b, i0 + chunk);
-    const at::Tensor rows = patches(geo, input, i0, i1);
-    const at::Tensor gc = g3.slice(0, i0, i1);
-    at::Tensor sq;
-    for (int64_t j = 0; j < geo.groups; ++j) {
-      auto [a_j, g_j] = conv_group(geo, rows, gc, j);
-      const at::Tensor part = linear_sq_norms_btd(a_j, g_j, method, /*bias=*/false);
-      sq = j == 0 ? part : add_up(sq, part);
-    }
-    out.slice(0, i0, i1).copy_(sq);
-  }
+  at::Tensor sq;  // the chunk's, its groups' bounds added
+  for_each_patch_group(geo, input, g3, [&](int64_t i0, int64_t i1, int64_t j,
+                                           const at::Tensor& a_j, const at::Tensor& g_j) {
+    const at::Tensor part = linear_sq_norms_btd(a_j, g_j, method, /*bias=*/false);
+    sq = j == 0 ? part : add_up(sq, part);
+    if (j == geo.groups - 1) out.slice(0, i0, i1).copy_(sq);
+  });
   return bias ? add_up(out, bias_sq_norms_btd(g3.transpose(1, 2))) : out;
 }
 
@@ -176,48 +199,47 @@ inline bool conv_keeps_per_sample(const ConvGeometry& geo, int64_t input_numel,
          2 * geo.c_out * d_in <= input_numel + g_numel;  // 8-byte rows against 4-byte inputs
 }
 
-// The weight's per-sample gradients [B, C_out, C_in/g, *kernel_size] float64 and their certified
-// squared norms [B] float64 with the kept rows' margin (Note [kept conv gradients]).
-inline std::tuple<at::Tensor, at::Tensor> conv_per_sample_f64(const ConvGeometry& geo,
-                                                              const at::Tensor& input,
-                                                              const at::Tensor& G) {
-  const int64_t b = input.size(0), cg = geo.c_in / geo.groups, kout = geo.c_out / geo.groups;
-  const int64_t d_in = cg * geo.kernel_numel;
+// The kept rows (Note [kept conv gradients]): the weight's per-sample gradients [B, C_out,
+// C_in/g, *kernel_size] float64, the bias's [B, C_out] float64 (undefined without `bias`), and
+// their certified squared norms [B] float64 with the kept rows' margin.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_kept_rows(const ConvGeometry& geo,
+                                                                     const at::Tensor& input,
+                                                                     const at::Tensor& G,
+                                                                     bool bias) {
+  const int64_t b = input.size(0), kout = geo.c_out / geo.groups;
+  const int64_t d_in = geo.c_in / geo.groups * geo.kernel_numel;
   const at::Tensor g3 = G.reshape({b, geo.c_out, geo.positions});  // [B, C_out, L]
   at::Tensor grads = at::empty({b, geo.c_out, d_in}, input.options().dtype(at::kDouble));
   at::Tensor sq = at::empty({b}, input.options().dtype(at::kDouble));
   const double e = rounding_gamma(static_cast<double>(geo.positions));
-  const int64_t chunk = conv_chunk(geo, b, input);
-  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
-    const int64_t i1 = std::min(b, i0 + chunk);
-    const at::Tensor rows = patches(geo, input, i0, i1);
-    const at::Tensor gc = g3.slice(0, i0, i1);
-    at::Tensor sq_c;
-    for (int64_t j = 0; j < geo.groups; ++j) {
-      const at::Tensor a64 = f64(conv_group(geo, rows, gc, j).first);         // [c, L, d_in]
-      const at::Tensor gt64 = f64(gc.narrow(1, j * kout, kout)).contiguous();  // [c, C_out/g, L]
-      const at::Tensor w = at::bmm(gt64, a64);  // [c, C_out/g, d_in]
-      grads.slice(0, i0, i1).narrow(1, j * kout, kout).copy_(w);
-      const at::Tensor q = w.reshape({i1 - i0, -1}).square().sum(1);
-      const at::Tensor bound =
-          (row_norms(a64) * at::linalg_vector_norm(gt64, 2, at::IntArrayRef{1})).sum(1);
-      const at::Tensor part = certify_op(q, bound, direct_coefficient(e, d_in * kout + 1),
-                                         Step::kDirect, /*f32=*/false, clipped_sum_margin(1));
-      sq_c = j == 0 ? part : add_up(sq_c, part);
-    }
-    sq.slice(0, i0, i1).copy_(sq_c);
+  at::Tensor sq_c;  // the chunk's, its groups' bounds added
+  for_each_patch_group(geo, input, g3, [&](int64_t i0, int64_t i1, int64_t j,
+                                           const at::Tensor& a_j, const at::Tensor& g_j) {
+    const at::Tensor a64 = f64(a_j);                                 // [c, L, d_in]
+    const at::Tensor gt64 = f64(g_j.transpose(1, 2)).contiguous();  // [c, C_out/g, L]
+    const at::Tensor w = at::bmm(gt64, a64);                        // [c, C_out/g, d_in]
+    grads.slice(0, i0, i1).narrow(1, j * kout, kout).copy_(w);
+    const at::Tensor q = w.reshape({i1 - i0, -1}).square().sum(1);
+    const at::Tensor bound =
+        (row_norms(a64) * at::linalg_vector_norm(gt64, 2, at::IntArrayRef{1})).sum(1);
+    const at::Tensor part = certify_op(q, bound, direct_coefficient(e, d_in * kout + 1),
+                                       Step::kDirect, /*f32=*/false, clipped_sum_margin(1));
+    sq_c = j == 0 ? part : add_up(sq_c, part);
+    if (j == geo.groups - 1) sq.slice(0, i0, i1).copy_(sq_c);
+  });
+  at::Tensor grad_b;
+  if (bias) {
+    at::Tensor sq_b;
+    std::tie(grad_b, sq_b) = bias_per_sample_btd(g3.transpose(1, 2));
+    sq = add_up(sq, sq_b);
   }
-  // Kernel-major columns back to the weight's order (Note [kernel-major patches]).
-  std::vector<int64_t> shape{b, geo.c_out, cg};
-  for (int64_t k : geo.kernel_size) shape.push_back(k);
-  return {grads.view({b, geo.c_out, geo.kernel_numel, cg}).permute({0, 1, 3, 2}).reshape(shape),
-          sq};
+  return {weight_order(geo, grads), grad_b, sq};
 }
 
-// Public (internal to the book): a Conv's kept per-sample gradients (Note [kept conv
-// gradients]): (weight [B, C_out, C_in/g, *kernel_size] float64, bias [B, C_out] float64 or
-// undefined, certified squared norms of both [B] float32), or nullopt where the Conv keeps its
-// input and output gradient instead.
+// Public (internal to the book): a Conv's kept rows (Note [kept conv gradients]): (weight
+// [B, C_out, C_in/g, *kernel_size] float64, bias [B, C_out] float64 or undefined, certified
+// squared norms of both [B] float32), or nullopt where the Conv keeps its input and output
+// gradient instead.
 inline std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> conv_per_sample(
     const at::Tensor& input, const at::Tensor& G, at::IntArrayRef kernel_size,
     at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
@@ -228,13 +250,7 @@ inline std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> conv_per_sa
   const int64_t b = std::max<int64_t>(input.size(0), 1);
   if (!conv_keeps_per_sample(geo, input.numel() / b, G.numel() / b)) return std::nullopt;
   const Fp32MatmulGuard precision;
-  auto [grads, sq] = conv_per_sample_f64(geo, input, G);
-  at::Tensor grad_b;
-  if (bias) {
-    at::Tensor sq_b;
-    std::tie(grad_b, sq_b) = bias_per_sample_btd(G.flatten(2).transpose(1, 2));
-    sq = add_up(sq, sq_b);
-  }
+  auto [grads, grad_b, sq] = conv_kept_rows(geo, input, G, bias);
   return std::make_tuple(grads, grad_b, to_f32_up(sq));
 }
 
@@ -266,24 +282,12 @@ inline at::Tensor conv_clipped_sum(const at::Tensor& input, const at::Tensor& G,
   at::Tensor out = at::zeros({geo.c_out, kin}, input.options().dtype(at::kFloat));
   const at::Tensor g3 = G.reshape({b, geo.c_out, geo.positions});
   const bool host = host_factors_apply(scale, input, G);
-  const int64_t chunk = conv_chunk(geo, b, input);
-  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
-    const int64_t i1 = std::min(b, i0 + chunk);
-    const at::Tensor rows = patches(geo, input, i0, i1);
-    const at::Tensor gc = g3.slice(0, i0, i1);
-    for (int64_t j = 0; j < groups; ++j) {
-      auto [a_j, g_j] = conv_group(geo, rows, gc, j);
-      at::Tensor out_j = out.narrow(0, j * kout, kout);
-      add_linear_clipped_sum(out_j, a_j, g_j, scale.slice(0, i0, i1),
-                             host, /*transposed=*/false);
-    }
-  }
-  // Kernel-major columns back to the weight's order (Note [kernel-major patches]).
-  std::vector<int64_t> shape{geo.c_out, geo.c_in / groups};
-  for (int64_t k : kernel_size) shape.push_back(k);
-  return out.view({geo.c_out, geo.kernel_numel, geo.c_in / groups})
-      .permute({0, 2, 1})
-      .reshape(shape);
+  for_each_patch_group(geo, input, g3, [&](int64_t i0, int64_t i1, int64_t j,
+                                           const at::Tensor& a_j, const at::Tensor& g_j) {
+    at::Tensor out_j = out.narrow(0, j * kout, kout);
+    add_linear_clipped_sum(out_j, a_j, g_j, scale.slice(0, i0, i1), host, /*transposed=*/false);
+  });
+  return weight_order(geo, out);
 }
 
 // Public fused op: (grad_weight, grad_bias [C_out] or [0], sq_norms, factors, non-finite count).
@@ -301,13 +305,7 @@ inline ClipResult conv_clip(const at::Tensor& input, const at::Tensor& G,
   if (m == NormMethod::kAuto) {  // Note [kept conv gradients]: one pass over the patches
     const int64_t b = std::max<int64_t>(input.size(0), 1);
     if (conv_keeps_per_sample(geo, input.numel() / b, G.numel() / b)) {
-      auto [grads, sq] = conv_per_sample_f64(geo, input, G);
-      at::Tensor grad_b;
-      if (bias) {
-        at::Tensor sq_b;
-        std::tie(grad_b, sq_b) = bias_per_sample_btd(G.flatten(2).transpose(1, 2));
-        sq = add_up(sq, sq_b);
-      }
+      auto [grads, grad_b, sq] = conv_kept_rows(geo, input, G, bias);
       auto [factors, nonfinite] = clip_from_sq_norms(sq, max_norm, mode, gamma);
       at::Tensor grad_w = per_sample_clipped_sum(grads, factors);
       return {grad_w, bias ? per_sample_clipped_sum(grad_b, factors) : no_bias_grad(G),
