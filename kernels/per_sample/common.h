@@ -272,8 +272,8 @@ inline at::Tensor certify_op(const at::Tensor& value, const c10::optional<at::Te
 //    layer's row sums, Note [kept per-sample gradients]; the generic path's) are scaled by c_i in
 //    float64 and rounded to float32 once per entry, which grows the norm by up to 2^-24
 //    relative: their certified norms carry m = clipped_sum_margin(1) (S_i bounds the row sum's
-//    norm), and the generic path's squared norms the factor 1 + 2^-22
-//    (src/dp/layer_ops.cpp, per_sample_sq_norms). A privacy review measured 1 + 2.5e-8 C
+//    norm), and rows kept as they are added (the generic path's, a Conv's) the factor 1 + 2^-22
+//    on their squared norms (kept_rows_sq_norms). A privacy review measured 1 + 2.5e-8 C
 //    without them.
 //  * across samples: the contributions must be added as whole, bounded terms. One GEMM over the
 //    K = B T rows of all samples would let one sample's rows, which may be huge and cancel only
@@ -323,6 +323,28 @@ inline at::Tensor add_up(const at::Tensor& x, const at::Tensor& y) {
 // non-finite norm: the sample is dropped and counted).
 inline at::Tensor to_f32_up(const at::Tensor& x) {
   return certify_op(x, c10::nullopt, 0.0, Step::kRoundUp);
+}
+
+// Certified squared norms [B] float32 of per-sample gradients kept as rows, per parameter
+// [B, ...] float32 or float64 (undefined: not trained; at least one defined): the generic
+// path's, and a Conv's (Note [kept conv gradients] in conv.h). The rows are what the clipped
+// sum adds, scaled by c_i (per_sample_clipped_sum), so their own norm is what must be bounded:
+// float64 squares of their entries (exact), summed.
+inline at::Tensor kept_rows_sq_norms(const std::vector<at::Tensor>& grads) {
+  at::Tensor total;
+  for (const at::Tensor& t : grads) {
+    if (!t.defined()) continue;
+    const at::Tensor flat = t.to(at::kDouble).reshape({t.size(0), -1});  // [B, numel]
+    // A float64 sum of n non-negative terms is off by at most (n - 1) 2^-53 relative.
+    const at::Tensor s = (flat * flat).sum(1) * (1.0 + static_cast<double>(flat.size(1)) * 2.3e-16);
+    total = total.defined() ? total + s : s;
+  }
+  TORCH_CHECK(total.defined(), "dpzero::kept_rows_sq_norms: no trained parameter's per-sample "
+              "gradients were given");
+  // The clipped sum rounds c_i g_i to float32 once per entry, which grows its norm by up to
+  // 2^-24 relative (Note [clipped-sum rounding]): squared, at most 1 + 2^-23 + 2^-48 < 1 + 2^-22,
+  // which with 1e-15 for this arithmetic bounds it.
+  return to_f32_up(total * ((1.0 + 0x1p-22) * (1.0 + 1e-15)));
 }
 
 // The coefficient of S in the direct bound of Note [certified norms]: 2 (e + 2 gamma_n).

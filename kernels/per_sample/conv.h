@@ -179,16 +179,19 @@ inline at::Tensor conv_sq_norms_f64(const ConvGeometry& geo, const at::Tensor& i
 // Note [kept conv gradients]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Where every group of a Conv takes the direct path (Note [ghost or direct]: a convolution's
-// many output positions make its Grams the larger), its norms instantiate each sample's weight
-// gradient in float64, and its clipped sum then formed each sample's contribution a second time
-// from the input's patches. When those float64 gradients take no more memory than the input and
-// output gradient the book would otherwise keep (conv_keeps_per_sample), the book keeps them
-// instead, with their certified norms (ConvOps::keep in src/dp/layer_ops.cpp; Note [kept
-// per-sample gradients] in linear.h): one pass over the patches, and the clipped sum adds c_i
-// times these very rows (per_sample_clipped_sum), one float32 rounding of each entry, whose
-// margin the norms carry (clipped_sum_margin(1), as bias_per_sample_btd's). The norms are the
-// direct path's, from the same products: certified from the float64 gradient q and
-// S = sum_t ||a_t|| ||g_t|| per group, the groups' bounds added rounded up.
+// many output positions make its Grams the larger), its per-sample weight gradients are smaller
+// than its Grams, and its clipped sum would form each sample's contribution again from the
+// input's patches. When those gradients take no more memory than the input and output gradient
+// the book would otherwise keep (conv_keeps_per_sample), it keeps them instead (ConvOps::keep in
+// src/dp/layer_ops.cpp; Note [kept per-sample gradients] in linear.h): each sample's G_i^T P_i
+// formed once in float32 from its patches (P_i) and its output gradient, as the clipped sums form
+// contributions, and the bias's sums over positions. These rows are exactly what the clipped sum
+// then adds, scaled by c_i (per_sample_clipped_sum), so the norm to bound is theirs, not the
+// exact gradient's: kept_rows_sq_norms certifies it from their entries, with the margin of one
+// float32 rounding of each scaled entry, as for the generic path's rows (Note [clipped-sum
+// rounding]). No float64 copy of the patches and no S_i term: the rows' own rounding (relative
+// ~T 2^-24 against the exact gradient where the positions do not cancel) changes which gradient
+// is clipped, never the bound.
 
 // Whether a Conv with input [B, C_in, ...] (`input_numel` per sample) and output gradient
 // (`g_numel` per sample) keeps its per-sample weight gradients (Note [kept conv gradients]).
@@ -196,48 +199,32 @@ inline bool conv_keeps_per_sample(const ConvGeometry& geo, int64_t input_numel,
                                   int64_t g_numel) {
   const int64_t d_in = geo.c_in / geo.groups * geo.kernel_numel, d_out = geo.c_out / geo.groups;
   return !ghost_is_cheaper(geo.positions, d_in, d_out) &&
-         2 * geo.c_out * d_in <= input_numel + g_numel;  // 8-byte rows against 4-byte inputs
+         geo.c_out * d_in <= input_numel + g_numel;  // float32 rows against float32 inputs
 }
 
 // The kept rows (Note [kept conv gradients]): the weight's per-sample gradients [B, C_out,
-// C_in/g, *kernel_size] float64, the bias's [B, C_out] float64 (undefined without `bias`), and
-// their certified squared norms [B] float64 with the kept rows' margin.
+// C_in/g, *kernel_size] float32, the bias's [B, C_out] float32 (undefined without `bias`), and
+// their certified squared norms [B] float32.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_kept_rows(const ConvGeometry& geo,
                                                                      const at::Tensor& input,
                                                                      const at::Tensor& G,
                                                                      bool bias) {
   const int64_t b = input.size(0), kout = geo.c_out / geo.groups;
-  const int64_t d_in = geo.c_in / geo.groups * geo.kernel_numel;
-  const at::Tensor g3 = G.reshape({b, geo.c_out, geo.positions});  // [B, C_out, L]
-  at::Tensor grads = at::empty({b, geo.c_out, d_in}, input.options().dtype(at::kDouble));
-  at::Tensor sq = at::empty({b}, input.options().dtype(at::kDouble));
-  const double e = rounding_gamma(static_cast<double>(geo.positions));
-  at::Tensor sq_c;  // the chunk's, its groups' bounds added
+  const at::Tensor g3 = f32(G).reshape({b, geo.c_out, geo.positions});  // [B, C_out, L]
+  at::Tensor grads = at::empty({b, geo.c_out, geo.c_in / geo.groups * geo.kernel_numel},
+                               input.options().dtype(at::kFloat));
   for_each_patch_group(geo, input, g3, [&](int64_t i0, int64_t i1, int64_t j,
                                            const at::Tensor& a_j, const at::Tensor& g_j) {
-    const at::Tensor a64 = f64(a_j);                                 // [c, L, d_in]
-    const at::Tensor gt64 = f64(g_j.transpose(1, 2)).contiguous();  // [c, C_out/g, L]
-    const at::Tensor w = at::bmm(gt64, a64);                        // [c, C_out/g, d_in]
-    grads.slice(0, i0, i1).narrow(1, j * kout, kout).copy_(w);
-    const at::Tensor q = w.reshape({i1 - i0, -1}).square().sum(1);
-    const at::Tensor bound =
-        (row_norms(a64) * at::linalg_vector_norm(gt64, 2, at::IntArrayRef{1})).sum(1);
-    const at::Tensor part = certify_op(q, bound, direct_coefficient(e, d_in * kout + 1),
-                                       Step::kDirect, /*f32=*/false, clipped_sum_margin(1));
-    sq_c = j == 0 ? part : add_up(sq_c, part);
-    if (j == geo.groups - 1) sq.slice(0, i0, i1).copy_(sq_c);
+    grads.slice(0, i0, i1).narrow(1, j * kout, kout).copy_(at::bmm(g_j.transpose(1, 2), a_j));
   });
-  at::Tensor grad_b;
-  if (bias) {
-    at::Tensor sq_b;
-    std::tie(grad_b, sq_b) = bias_per_sample_btd(g3.transpose(1, 2));
-    sq = add_up(sq, sq_b);
-  }
-  return {weight_order(geo, grads), grad_b, sq};
+  std::vector<at::Tensor> rows{weight_order(geo, grads)};
+  if (bias) rows.push_back(g3.sum(2));  // [B, C_out]
+  const at::Tensor sq = kept_rows_sq_norms(rows);
+  return {rows[0], bias ? rows[1] : at::Tensor(), sq};
 }
 
 // Public (internal to the book): a Conv's kept rows (Note [kept conv gradients]): (weight
-// [B, C_out, C_in/g, *kernel_size] float64, bias [B, C_out] float64 or undefined, certified
+// [B, C_out, C_in/g, *kernel_size] float32, bias [B, C_out] float32 or undefined, certified
 // squared norms of both [B] float32), or nullopt where the Conv keeps its input and output
 // gradient instead.
 inline std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> conv_per_sample(
@@ -250,8 +237,7 @@ inline std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> conv_per_sa
   const int64_t b = std::max<int64_t>(input.size(0), 1);
   if (!conv_keeps_per_sample(geo, input.numel() / b, G.numel() / b)) return std::nullopt;
   const Fp32MatmulGuard precision;
-  auto [grads, grad_b, sq] = conv_kept_rows(geo, input, G, bias);
-  return std::make_tuple(grads, grad_b, to_f32_up(sq));
+  return conv_kept_rows(geo, input, G, bias);
 }
 
 // Public: -> [B] float32 (weight, plus bias when `bias`).
@@ -306,10 +292,10 @@ inline ClipResult conv_clip(const at::Tensor& input, const at::Tensor& G,
     const int64_t b = std::max<int64_t>(input.size(0), 1);
     if (conv_keeps_per_sample(geo, input.numel() / b, G.numel() / b)) {
       auto [grads, grad_b, sq] = conv_kept_rows(geo, input, G, bias);
-      auto [factors, nonfinite] = clip_from_sq_norms(sq, max_norm, mode, gamma);
+      auto [factors, nonfinite] = clip_from_sq_norms(sq.to(at::kDouble), max_norm, mode, gamma);
       at::Tensor grad_w = per_sample_clipped_sum(grads, factors);
-      return {grad_w, bias ? per_sample_clipped_sum(grad_b, factors) : no_bias_grad(G),
-              to_f32_up(sq), factors, nonfinite};
+      return {grad_w, bias ? per_sample_clipped_sum(grad_b, factors) : no_bias_grad(G), sq,
+              factors, nonfinite};
     }
   }
   const at::Tensor sq = conv_sq_norms_f64(geo, input, G, m, bias);

@@ -326,20 +326,7 @@ std::shared_ptr<LayerOps> conv_ops(Trainable train, std::vector<int64_t> kernel_
 }
 
 at::Tensor per_sample_sq_norms(const std::vector<at::Tensor>& grads) {
-  at::Tensor total;
-  for (const at::Tensor& t : grads) {
-    if (!t.defined()) continue;
-    const at::Tensor flat = t.to(at::kDouble).reshape({t.size(0), -1});  // [B, numel]
-    // A float64 sum of n non-negative terms is off by at most (n - 1) 2^-53 relative.
-    const at::Tensor s = (flat * flat).sum(1) * (1.0 + static_cast<double>(flat.size(1)) * 2.3e-16);
-    total = total.defined() ? total + s : s;
-  }
-  TORCH_CHECK(total.defined(), "dpzero::dp::per_sample_sq_norms: no trained parameter's "
-              "per-sample gradients were given");
-  // The clipped sum (per_sample_clipped_sum) rounds c_i g_i to float32 once per entry, which
-  // grows its norm by up to 2^-24 relative (Note [clipped-sum rounding]): squared, at most
-  // 1 + 2^-23 + 2^-48 < 1 + 2^-22, which with 1e-15 for this arithmetic bounds it.
-  return round_up_f32(total * ((1.0 + 0x1p-22) * (1.0 + 1e-15)));
+  return ps::kept_rows_sq_norms(grads);
 }
 
 }  // namespace dpzero::dp
