@@ -329,8 +329,8 @@ inline at::Tensor to_f32_up(const at::Tensor& x) {
 // [B, ...] float32 or float64 (undefined: not trained; at least one defined): the generic
 // path's, and a Conv's (Note [kept conv gradients] in conv.h). The rows are what the clipped
 // sum adds, scaled by c_i (per_sample_clipped_sum), so their own norm is what must be bounded:
-// float64 squares of their entries (exact), summed.
-inline at::Tensor kept_rows_sq_norms(const std::vector<at::Tensor>& grads) {
+// float64 squares of their entries (exact), summed. -> float64 (kept_rows_sq_norms: float32).
+inline at::Tensor kept_rows_sq_norms_f64(const std::vector<at::Tensor>& grads) {
   at::Tensor total;
   for (const at::Tensor& t : grads) {
     if (!t.defined()) continue;
@@ -344,7 +344,11 @@ inline at::Tensor kept_rows_sq_norms(const std::vector<at::Tensor>& grads) {
   // The clipped sum rounds c_i g_i to float32 once per entry, which grows its norm by up to
   // 2^-24 relative (Note [clipped-sum rounding]): squared, at most 1 + 2^-23 + 2^-48 < 1 + 2^-22,
   // which with 1e-15 for this arithmetic bounds it.
-  return to_f32_up(total * ((1.0 + 0x1p-22) * (1.0 + 1e-15)));
+  return total * ((1.0 + 0x1p-22) * (1.0 + 1e-15));
+}
+
+inline at::Tensor kept_rows_sq_norms(const std::vector<at::Tensor>& grads) {
+  return to_f32_up(kept_rows_sq_norms_f64(grads));
 }
 
 // The coefficient of S in the direct bound of Note [certified norms]: 2 (e + 2 gamma_n).

@@ -204,7 +204,7 @@ inline bool conv_keeps_per_sample(const ConvGeometry& geo, int64_t input_numel,
 
 // The kept rows (Note [kept conv gradients]): the weight's per-sample gradients [B, C_out,
 // C_in/g, *kernel_size] float32, the bias's [B, C_out] float32 (undefined without `bias`), and
-// their certified squared norms [B] float32.
+// their certified squared norms [B] float64.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_kept_rows(const ConvGeometry& geo,
                                                                      const at::Tensor& input,
                                                                      const at::Tensor& G,
@@ -219,8 +219,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_kept_rows(const ConvG
   });
   std::vector<at::Tensor> rows{weight_order(geo, grads)};
   if (bias) rows.push_back(g3.sum(2));  // [B, C_out]
-  const at::Tensor sq = kept_rows_sq_norms(rows);
-  return {rows[0], bias ? rows[1] : at::Tensor(), sq};
+  return {rows[0], bias ? rows[1] : at::Tensor(), kept_rows_sq_norms_f64(rows)};
 }
 
 // Public (internal to the book): a Conv's kept rows (Note [kept conv gradients]): (weight
@@ -237,7 +236,8 @@ inline std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> conv_per_sa
   const int64_t b = std::max<int64_t>(input.size(0), 1);
   if (!conv_keeps_per_sample(geo, input.numel() / b, G.numel() / b)) return std::nullopt;
   const Fp32MatmulGuard precision;
-  return conv_kept_rows(geo, input, G, bias);
+  auto [grads, grad_b, sq] = conv_kept_rows(geo, input, G, bias);
+  return std::make_tuple(grads, grad_b, to_f32_up(sq));
 }
 
 // Public: -> [B] float32 (weight, plus bias when `bias`).
@@ -291,11 +291,13 @@ inline ClipResult conv_clip(const at::Tensor& input, const at::Tensor& G,
   if (m == NormMethod::kAuto) {  // Note [kept conv gradients]: one pass over the patches
     const int64_t b = std::max<int64_t>(input.size(0), 1);
     if (conv_keeps_per_sample(geo, input.numel() / b, G.numel() / b)) {
+      // The factors from the float64 norms, as the other paths' (a norm above float32's range
+      // is clipped, not dropped).
       auto [grads, grad_b, sq] = conv_kept_rows(geo, input, G, bias);
-      auto [factors, nonfinite] = clip_from_sq_norms(sq.to(at::kDouble), max_norm, mode, gamma);
+      auto [factors, nonfinite] = clip_from_sq_norms(sq, max_norm, mode, gamma);
       at::Tensor grad_w = per_sample_clipped_sum(grads, factors);
-      return {grad_w, bias ? per_sample_clipped_sum(grad_b, factors) : no_bias_grad(G), sq,
-              factors, nonfinite};
+      return {grad_w, bias ? per_sample_clipped_sum(grad_b, factors) : no_bias_grad(G),
+              to_f32_up(sq), factors, nonfinite};
     }
   }
   const at::Tensor sq = conv_sq_norms_f64(geo, input, G, m, bias);

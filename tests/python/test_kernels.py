@@ -1700,3 +1700,15 @@ def test_cpu_kernels_give_the_same_values_at_every_thread_count():
     for name, (a, g) in dict(strips=(A2, G2), rank_one=(A1, G1)).items():
         exact = torch.einsum("bti,bto->bio", f64(a), f64(g)).flatten(1).square().sum(1)
         torch.testing.assert_close(mine[name], exact, rtol=1e-12, atol=0)
+
+
+def test_a_kept_conv_gradient_above_float32s_range_is_clipped_not_dropped():
+    """Note [kept conv gradients]: a sample whose squared norm overflows float32 (norm ~2.9e19)
+    is clipped from the float64 norm on every path (a review saw the kept path drop it)."""
+    x, G = torch.full((1, 3, 16, 16), 1.0), torch.full((1, 8, 14, 14), 1e16)
+    for method in (AUTO, GHOST, DIRECT):
+        gw, gb, _, factors, nonfinite = ops.conv_clip(x, G, [3, 3], [1, 1], [0, 0], [1, 1], 1,
+                                                       1.0, "flat", GAMMA, True, method)
+        assert nonfinite.item() == 0 and factors.item() > 0, method
+        added = torch.cat([f64(gw).flatten(), f64(gb).flatten()]).norm().item()
+        assert 0.99 < added <= 1.0 + 1e-6, (method, added)
