@@ -193,13 +193,15 @@ inline at::Tensor conv_sq_norms_f64(const ConvGeometry& geo, const at::Tensor& i
 // ~T 2^-24 against the exact gradient where the positions do not cancel) changes which gradient
 // is clipped, never the bound.
 
-// Whether a Conv with input [B, C_in, ...] (`input_numel` per sample) and output gradient
-// (`g_numel` per sample) keeps its per-sample weight gradients (Note [kept conv gradients]).
-inline bool conv_keeps_per_sample(const ConvGeometry& geo, int64_t input_numel,
-                                  int64_t g_numel) {
+// Whether a Conv with this input [B, C_in, ...] and output gradient G keeps its per-sample
+// weight gradients (Note [kept conv gradients]): float32 rows no bigger than a sample's share of
+// both.
+inline bool conv_keeps_per_sample(const ConvGeometry& geo, const at::Tensor& input,
+                                  const at::Tensor& G) {
   const int64_t d_in = geo.c_in / geo.groups * geo.kernel_numel, d_out = geo.c_out / geo.groups;
+  const int64_t b = std::max<int64_t>(input.size(0), 1);
   return !ghost_is_cheaper(geo.positions, d_in, d_out) &&
-         geo.c_out * d_in <= input_numel + g_numel;  // float32 rows against float32 inputs
+         geo.c_out * d_in <= (input.numel() + G.numel()) / b;
 }
 
 // The kept rows (Note [kept conv gradients]): the weight's per-sample gradients [B, C_out,
@@ -233,8 +235,7 @@ inline std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> conv_per_sa
   constexpr const char* op = "conv_per_sample";
   const ConvGeometry geo =
       check_conv_args(op, input, G, kernel_size, stride, padding, dilation, groups);
-  const int64_t b = std::max<int64_t>(input.size(0), 1);
-  if (!conv_keeps_per_sample(geo, input.numel() / b, G.numel() / b)) return std::nullopt;
+  if (!conv_keeps_per_sample(geo, input, G)) return std::nullopt;
   const Fp32MatmulGuard precision;
   auto [grads, grad_b, sq] = conv_kept_rows(geo, input, G, bias);
   return std::make_tuple(grads, grad_b, to_f32_up(sq));
@@ -288,17 +289,14 @@ inline ClipResult conv_clip(const at::Tensor& input, const at::Tensor& G,
       check_conv_args(op, input, G, kernel_size, stride, padding, dilation, groups);
   check_clip_op_args(op, max_norm, mode, gamma);
   const Fp32MatmulGuard precision;
-  if (m == NormMethod::kAuto) {  // Note [kept conv gradients]: one pass over the patches
-    const int64_t b = std::max<int64_t>(input.size(0), 1);
-    if (conv_keeps_per_sample(geo, input.numel() / b, G.numel() / b)) {
-      // The factors from the float64 norms, as the other paths' (a norm above float32's range
-      // is clipped, not dropped).
-      auto [grads, grad_b, sq] = conv_kept_rows(geo, input, G, bias);
-      auto [factors, nonfinite] = clip_from_sq_norms(sq, max_norm, mode, gamma);
-      at::Tensor grad_w = per_sample_clipped_sum(grads, factors);
-      return {grad_w, bias ? per_sample_clipped_sum(grad_b, factors) : no_bias_grad(G),
-              to_f32_up(sq), factors, nonfinite};
-    }
+  if (m == NormMethod::kAuto && conv_keeps_per_sample(geo, input, G)) {
+    // Note [kept conv gradients]: one pass over the patches. The factors from the float64
+    // norms, as the other paths' (a norm above float32's range is clipped, not dropped).
+    auto [grads, grad_b, sq] = conv_kept_rows(geo, input, G, bias);
+    auto [factors, nonfinite] = clip_from_sq_norms(sq, max_norm, mode, gamma);
+    at::Tensor grad_w = per_sample_clipped_sum(grads, factors);
+    return {grad_w, bias ? per_sample_clipped_sum(grad_b, factors) : no_bias_grad(G),
+            to_f32_up(sq), factors, nonfinite};
   }
   const at::Tensor sq = conv_sq_norms_f64(geo, input, G, m, bias);
   auto [factors, nonfinite] = clip_from_sq_norms(sq, max_norm, mode, gamma);

@@ -294,3 +294,18 @@ def parameters_after_steps(private, steps: int) -> Dict[str, torch.Tensor]:
             if taken == steps:
                 break
     return private.privacy_engine.parameters()
+
+
+def private_without_noise(make_model: Callable[[], nn.Module], dataset, *, max_grad_norm: float,
+                          lr: float, batch_size: int = 8):
+    """(a copy of the model as it starts, make_private's result on it at σ = 0): the model from
+    ``make_model`` after torch.manual_seed(0), the run seeded 1. The setup of a step compared
+    with :func:`clipped_step_by_example` (:func:`first_step_error`)."""
+    import dpzero
+
+    torch.manual_seed(0)
+    model = make_model()
+    start = copy.deepcopy(model)
+    return start, dpzero.make_private(model, dataset=dataset, batch_size=batch_size,
+                                      noise_multiplier=0.0, max_grad_norm=max_grad_norm,
+                                      allow_no_noise=True, lr=lr, seed=1)

@@ -17,7 +17,7 @@ from torch import nn
 
 import dpzero
 from dpzero.private import attention
-from private_reference import first_step_error
+from private_reference import first_step_error, private_without_noise
 from sensitivity import refused_or_bounded
 
 V, T, S, D, K, N = 13, 6, 5, 8, 3, 32
@@ -151,11 +151,7 @@ MODELS = {
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_the_step_clips_each_examples_whole_gradient(name):
-    torch.manual_seed(0)
-    model = MODELS[name]()
-    start = copy.deepcopy(model)
-    p = dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=0.0,
-                            max_grad_norm=C, allow_no_noise=True, lr=LR, seed=1)
+    start, p = private_without_noise(MODELS[name], _data(), max_grad_norm=C, lr=LR)
     kinds = {layer.name: type(layer.kind).__name__ for layer in p.privacy_engine.layers}
     assert "FuncKind" not in kinds.values(), kinds  # every layer on the kernels
     error = first_step_error(p, start, max_grad_norm=C, lr=LR, expected_batch=8.0)

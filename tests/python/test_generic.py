@@ -21,7 +21,8 @@ from torch import nn
 
 import dpzero
 import ranks
-from private_reference import clipped_step_by_example, first_step_error, parameters_after_steps
+from private_reference import (clipped_step_by_example, first_step_error, parameters_after_steps,
+                               private_without_noise)
 
 V, T, D, K, N = 13, 6, 8, 3, 32
 C, LR = 1e-3, 1000.0  # updates far above the fp32 rounding of the parameters
@@ -185,11 +186,7 @@ MODELS = {
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_generic_path_matches_per_example_autograd(name):
-    torch.manual_seed(0)
-    model = MODELS[name]()
-    start = copy.deepcopy(model)
-    p = dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=0.0,
-                            max_grad_norm=C, allow_no_noise=True, lr=LR, seed=1)
+    start, p = private_without_noise(MODELS[name], _data(), max_grad_norm=C, lr=LR)
     ids, y = next(iter(p.data_loader))
     assert len(ids) > 1
     F.cross_entropy(p.model(ids), y).backward()

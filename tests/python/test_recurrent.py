@@ -19,7 +19,7 @@ from torch import nn
 import dpzero
 from dpzero.layers import DPGRU, DPLSTM
 from dpzero.private import recurrent
-from private_reference import first_step_error, parameters_after_steps
+from private_reference import first_step_error, parameters_after_steps, private_without_noise
 from sensitivity import refused_or_bounded
 
 V, T, D, H, K, N = 13, 6, 5, 4, 3, 32
@@ -261,11 +261,7 @@ def _frozen(model, *names):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_the_step_clips_each_examples_whole_gradient(name):
-    torch.manual_seed(0)
-    model = MODELS[name]()
-    start = copy.deepcopy(model)
-    p = dpzero.make_private(model, dataset=_data(), batch_size=8, noise_multiplier=0.0,
-                            max_grad_norm=C, allow_no_noise=True, lr=LR, seed=1)
+    start, p = private_without_noise(MODELS[name], _data(), max_grad_norm=C, lr=LR)
     kinds = {layer.name: type(layer.kind).__name__ for layer in p.privacy_engine.layers}
     assert set(kinds.values()) <= {"EmbeddingKind", "LinearKind"}, kinds  # all on the kernels
     error = first_step_error(p, start, max_grad_norm=C, lr=LR, expected_batch=8.0)

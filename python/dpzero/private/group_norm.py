@@ -59,16 +59,14 @@ class GroupNormKind(FuncKind):
         if x is None or list(in_dims) != [0] or list(out_dims) != [0] or x.dim() < 2 or \
                 len(layout.tapped) != 1:
             return super().per_sample_grads(module, saved, g, train, dims, module_name, defer)
-        b, c = x.shape[0], x.shape[1]
-        work = torch.promote_types(x.dtype, torch.float32)
-        if x._version != layout.versions[0]:
-            # A review overwrote the input with example 0's rows after the call: x̂ recomputed
-            # from it carried example 0 into every gradient (8 x 2C).
+        if x._version != layout.versions[0]:  # x̂ would not be the forward's
             raise PrivacyViolation(
                 f"{module_name}: its input was written in place after the call (its version "
                 f"moved from {layout.versions[0]} to {x._version}), so the per-sample gradients "
                 "would be computed from other values than the forward's; write into a copy "
                 "(x = x.clone()) instead")
+        b, c = x.shape[0], x.shape[1]
+        work = torch.promote_types(x.dtype, torch.float32)
         with torch.no_grad():
             x_hat = F.group_norm(x.to(work), module.num_groups, None, None, module.eps)
             grad = g.reshape(b, c, -1)  # [B, C, S] float32

@@ -166,21 +166,17 @@ class _Recur(torch.autograd.Function):
         return g, torch.matmul(g, w.to(g.dtype)), None
 
 
+# Each mode's fused op (torch's own forward calls them the same way).
+_FUSED = {"LSTM": _VF.lstm, "GRU": _VF.gru, "RNN_TANH": _VF.rnn_tanh, "RNN_RELU": _VF.rnn_relu}
+
+
 def _first_pass(mode: str, x: torch.Tensor, h0: torch.Tensor, c0: Optional[torch.Tensor],
                 weights: List[torch.Tensor], bias: bool) -> torch.Tensor:
     """The states h_1 … h_T [B, T, H] of one layer and direction, by torch's fused op, without
     gradients. x [B, T, d_in] batch-first, h0 and c0 [B, H]."""
-    hx = h0.unsqueeze(0)
+    hx = (h0.unsqueeze(0), c0.unsqueeze(0)) if mode == "LSTM" else h0.unsqueeze(0)
     with torch.no_grad():
-        if mode == "LSTM":
-            out = _VF.lstm(x, (hx, c0.unsqueeze(0)), weights, bias, 1, 0.0, False, False, True)
-        elif mode == "GRU":
-            out = _VF.gru(x, hx, weights, bias, 1, 0.0, False, False, True)
-        elif mode == "RNN_TANH":
-            out = _VF.rnn_tanh(x, hx, weights, bias, 1, 0.0, False, False, True)
-        else:
-            out = _VF.rnn_relu(x, hx, weights, bias, 1, 0.0, False, False, True)
-    return out[0]
+        return _FUSED[mode](x, hx, weights, bias, 1, 0.0, False, False, True)[0]
 
 
 def _direction(module: nn.RNNBase, suffix: str, x: torch.Tensor, h: torch.Tensor,
