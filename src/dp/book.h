@@ -116,12 +116,16 @@ struct BookOptions {
   bool mean_loss = false;                 // Note [mean loss]
   std::vector<int64_t> unit_numel;        // per unit: its flat buffer's length
   std::vector<at::Device> unit_device;    // per unit: its buffer's device
+  bool count_unclipped = false;           // Note [adaptive clipping] (privacy/
+                                          // adaptive_clipping.h): one flat group; counts the
+                                          // examples whose certified norm is at most C
 };
 
 // What the micro-batches of one logical step produced on this rank.
 struct StepStats {
   int64_t samples = 0;        // rows seen by the DP layers (padding excluded)
   int64_t dropped = 0;        // samples with a non-finite norm (factor 0)
+  int64_t unclipped = 0;      // with count_unclipped: samples whose certified norm is <= C
   int64_t micro_batches = 0;  // backward passes that reached the clipping
 };
 
@@ -181,6 +185,11 @@ class Book : public std::enable_shared_from_this<Book> {
   std::vector<std::vector<bool>> read_checks(const std::vector<at::Tensor>& checks);
   // This step's figures; reads the dropped count here unless read_checks already did.
   StepStats take_stats();
+  // Note [adaptive clipping]: the next logical batch's threshold C (finite, > 0), for a book of
+  // one group. Refused while a logical batch has micro-batches, which were clipped at the old C.
+  void set_threshold(double max_norm);
+  double threshold() const;
+  bool counts_unclipped() const { return options_.count_unclipped; }
   int64_t micro_batches() const;
 
   // ---- what makes the step refuse -------------------------------------------------------------
@@ -246,6 +255,12 @@ class Book : public std::enable_shared_from_this<Book> {
   void add_kept_clipped_sums(const Part& part, const at::Tensor& factors);
   int64_t mean_scale() const;
   void note_factors(const at::Tensor& factors);
+  // This micro-batch's first report: its rows and the masks of its dropped (and unclipped)
+  // samples, on `like`'s device.
+  void start_masks(int64_t rows, const at::TensorOptions& like);
+  // Note [adaptive clipping]: rows [begin, begin + norms.size(0)) whose certified norm ([n]
+  // float32) is at most C.
+  void note_unclipped(const at::Tensor& norms, int64_t begin);
   at::Tensor& unit_buffer(int64_t unit);
   std::vector<at::Tensor> dests(const BookLayer& layer);
   void delivered(const BookLayer& layer);
@@ -274,6 +289,8 @@ class Book : public std::enable_shared_from_this<Book> {
   bool queue_finish_ = false;
   StepStats stats_;
   at::Tensor dropped_;  // 0-dim int64: this step's dropped samples, unread (read_checks, take_stats)
+  at::Tensor unclipped_;  // 0-dim int64: likewise its unclipped samples (count_unclipped)
+  std::vector<double> thresholds_;  // per group: C_g (options_.thresholds, then set_threshold)
 
   // This micro-batch.
   int64_t generation_ = 0;
@@ -288,6 +305,7 @@ class Book : public std::enable_shared_from_this<Book> {
   std::set<int64_t> handed_;
   std::optional<int64_t> batch_;
   at::Tensor dropped_mask_;  // [B] bool
+  at::Tensor unclipped_mask_;  // [B] bool (count_unclipped)
   std::map<InputKey, std::vector<int64_t>> inputs_;  // parts by their noted input
 };
 

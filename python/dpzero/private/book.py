@@ -74,7 +74,7 @@ PartId = Tuple[int, int, int]
 class Book:
     def __init__(self, layers: List[Layer], groups: List[List[int]], thresholds: List[float],
                  mode: str, gamma: float, loss_reduction: str, state, unit_numel: List[int],
-                 device_of_unit: List[torch.device]) -> None:
+                 device_of_unit: List[torch.device], count_unclipped: bool = False) -> None:
         self.layers = layers
         self.mean_loss = loss_reduction == "mean"  # Note [mean loss] (src/dp/book.h)
         self.groups = groups              # group -> component ids
@@ -84,7 +84,8 @@ class Book:
               [None if s is None else (s.unit, s.offset, s.numel, list(s.shape))
                for s in layer.slots], layer.component, layer.group) for layer in layers],
             [float(t) for t in thresholds], [len(g) for g in groups], mode, gamma,
-            loss_reduction == "mean", list(unit_numel), list(device_of_unit), state)
+            loss_reduction == "mean", list(unit_numel), list(device_of_unit), state,
+            count_unclipped)
         # A backward queues the core's finish_backward as the autograd engine's final callback.
         self._core.set_queue_finish(True)
         # Set by the engine when the loader (or own_batch) hands out a micro-batch: its token,
