@@ -49,6 +49,7 @@ import torch.distributed as dist
 from .. import checkpoint as ckpt
 from ..front import make_private
 from ..private import BudgetExhausted
+from ..private.config import ADAPTIVE_SETTINGS
 from .config import ConfigError, RunConfig
 from .outputs import Progress, atomic_json, atomic_save, final_state
 from .report import PRIVATE_DIR
@@ -87,7 +88,8 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
                   ledger_path=os.path.join(run_dir, "ledger.jsonl"),
                   run_id=os.path.basename(os.path.abspath(run_dir)),
                   diagnostics_path=os.path.join(run_dir, PRIVATE_DIR, "diagnostics.jsonl"))
-        kw.update(strategy=p_cfg.strategy, steps=rows)
+        kw.update(strategy=p_cfg.strategy, steps=rows,
+                  **{k: getattr(p_cfg, k) for k in ADAPTIVE_SETTINGS})
         if p_cfg.target_epsilon is not None:
             kw.update(target_epsilon=p_cfg.target_epsilon, target_delta=delta)
         else:
