@@ -8,6 +8,8 @@ machine does in about a millisecond; the rest is Python and dispatch.
 Systems (each a full step: forward, backward, clipping where private, noise, update; SGD):
   torch            non-private PyTorch (the floor)
   dpzero           dpzero.make_private at ZeRO stage 0, flat clipping, σ = 1
+  dpzero-adaptive  the same with clipping="adaptive" (σ_b = 1): the count of unclipped examples,
+                   its agreement and the bound's update on top of the step
   opacus-hooks     Opacus 1.6, grad_sample_mode="hooks" (its grad samplers; torch.func for the
                    modules it has none for, such as transformers' Conv1D), given position ids
                    [B, T] (with GPT-2's own [1, T] its step fails)
@@ -41,7 +43,7 @@ from bench_common import (dpzero_version, interleaved_steps, paired_ratios,  # n
 
 LAYERS, WIDTH, HEADS, T, B, VOCAB = 12, 64, 4, 16, 4, 256
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "host.md")
-SYSTEMS = ("torch", "dpzero", "opacus-hooks", "opacus-functorch")
+SYSTEMS = ("torch", "dpzero", "dpzero-adaptive", "opacus-hooks", "opacus-functorch")
 
 
 def build() -> torch.nn.Module:
@@ -84,10 +86,12 @@ class System:
         model = Logits(build(), expand_positions=name.startswith("opacus"))
         if name == "torch":
             self.model, self.opt = model, torch.optim.SGD(model.parameters(), lr=0.01)
-        elif name == "dpzero":
+        elif name.startswith("dpzero"):
+            adaptive = dict(clipping="adaptive", min_clipbound=0.01, max_clipbound=100.0,
+                            unclipped_num_std=1.0) if name == "dpzero-adaptive" else {}
             self.p = dpzero.make_private(model, dataset=self.data, batch_size=B,
                                          noise_multiplier=1.0, max_grad_norm=1.0, lr=0.01,
-                                         seed=0)
+                                         seed=0, **adaptive)
         else:
             from opacus import PrivacyEngine
 
@@ -99,7 +103,7 @@ class System:
                 grad_sample_mode="hooks" if name == "opacus-hooks" else "functorch")
 
     def step(self) -> None:
-        if self.name == "dpzero":
+        if self.name.startswith("dpzero"):
             (x,) = self.p.privacy_engine.own_batch((self.x,), logical_batch_size=B)
             lm_loss(self.p.model(x), x).backward()
             self.p.optimizer.step()

@@ -78,7 +78,8 @@ class Book:
         self.layers = layers
         self.mean_loss = loss_reduction == "mean"  # Note [mean loss] (src/dp/book.h)
         self.groups = groups              # group -> component ids
-        self.thresholds = thresholds      # C_g (inf: no clipping)
+        self._thresholds = thresholds     # C_g (inf: no clipping)
+        self._adaptive = count_unclipped  # Note [adaptive clipping]: the one C moves
         self._core = _dp.Book(
             [(layer.name, layer.kind.book_ops(layer.module, layer.train),
               [None if s is None else (s.unit, s.offset, s.numel, list(s.shape))
@@ -110,6 +111,11 @@ class Book:
         self.restore_state: Callable[[], None] = lambda: None
         self._generation = -1
         self._micro_batch()
+
+    @property
+    def thresholds(self) -> List[float]:
+        """C_g per group (inf: no clipping); an adaptive run's one C as the core holds it now."""
+        return [self._core.threshold()] if self._adaptive else list(self._thresholds)
 
     @property
     def core(self):
