@@ -331,3 +331,24 @@ def test_every_rank_counts_the_whole_batch(tmp_path, stage):
     assert len(set(want)) == len(want)
     for got in ranks.spawn(_bounds_rank, 2, tmp_path, stage):
         assert got == want
+
+
+def test_the_report_says_how_the_bound_moved(tmp_path):
+    """dpzero report, from the ledger alone: the adaptive settings, σ_Δ, and ε at σ."""
+    from dpzero.train.report import write_report
+
+    model, _, kwargs = _make(ledger_path=str(tmp_path / "ledger.jsonl"))
+    p = dpzero.make_private(model, **kwargs)
+    list(_steps(p, 2))
+    del p
+    data = write_report(str(tmp_path), delta=1e-5)
+    text = (tmp_path / "report.md").read_text()
+    sigma_delta = 1.0 / math.sqrt(1.0 - 1.0 / 16.0)
+    assert (f"adaptive clipping: each step's bound C (in the ledger) moved towards the 0.5 "
+            f"quantile of the per-example norms, within [0.01, 100], from a count released "
+            f"with noise σ_b = 2; ε below counts both releases at σ (the gradient's own noise "
+            f"was σ_Δ = {sigma_delta:.4g})") in text
+    flat = dpzero.accounting.create_accountant("prv")
+    flat.step(noise_multiplier=1.0, sample_rate=8 / 24, num_steps=2)
+    prv = [r for r in data["epsilon"]["results"] if r["accountant"] == "prv"][0]
+    assert prv["epsilon"] == pytest.approx(flat.get_epsilon(1e-5), rel=1e-6)
