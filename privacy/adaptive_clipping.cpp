@@ -47,6 +47,12 @@ void check_adaptive_clipping(const AdaptiveClipping& a, double noise_multiplier,
            ": the count's noise takes part of the step's privacy cost (Note [adaptive "
            "clipping]), and the gradient's noise multiplier (z^-2 - (2 unclipped_num_std)^-2)"
            "^(-1/2) exists only then; Andrew et al. suggest about the expected batch size / 20");
+  const double sd = gradient_noise_multiplier(a, noise_multiplier);
+  if (!std::isfinite(sd * a.max_clipbound))
+    refuse("the gradient's noise multiplier " + format_double(sd) + " (noise_multiplier=" +
+           format_double(noise_multiplier) + ", unclipped_num_std=" + format_double(sb) +
+           ") times max_clipbound=" + format_double(a.max_clipbound) +
+           " is not a finite standard deviation");
 }
 
 void check_clipbound(const AdaptiveClipping& a, double clip) {
@@ -58,8 +64,10 @@ void check_clipbound(const AdaptiveClipping& a, double clip) {
 
 double gradient_noise_multiplier(const AdaptiveClipping& a, double noise_multiplier) {
   if (noise_multiplier == 0.0) return 0.0;
-  const double z = noise_multiplier, twice_sb = 2.0 * a.unclipped_num_std;
-  return 1.0 / std::sqrt(1.0 / (z * z) - 1.0 / (twice_sb * twice_sb));
+  // (z⁻² − (2σ_b)⁻²)^(−1/2) = z / √(1 − (z / 2σ_b)²): no square of z or σ_b to overflow or
+  // underflow.
+  const double ratio = noise_multiplier / (2.0 * a.unclipped_num_std);
+  return noise_multiplier / std::sqrt(1.0 - ratio * ratio);
 }
 
 double next_clipbound(const AdaptiveClipping& a, double clip, double noisy_centred_count,

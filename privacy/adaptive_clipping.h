@@ -27,10 +27,23 @@
 // ledger all read z, and the gradient's noise is drawn with σ_Δ > z. The count's noise is a
 // draw of its own stream (privacy/streams.h) at the step's charge index, the same on every rank.
 //
-// Floating point: b_i is read from the certified norm the clipping itself uses. Under a mean
-// loss that norm comes from the gradient autograd delivers through 1/b (Note [mean loss] in
-// src/dp/book.h), so for a norm within rounding of C_t the bit, like the clipped sum, depends on
-// the batch's size through one rounding; the sensitivity ½ is exact in real arithmetic.
+// Floating point: b_i is read from the certified norm the clipping itself uses, so the ½ holds
+// only if that norm is a function of example i alone, bit for bit: a rounding that moves with
+// the other examples moves every example whose norm lies within it of C_t across the bound at
+// once (a bit is a step, where the clipped sum only moves by the rounding), and C_t is steered
+// to where the norms are dense. Two premises make it so:
+//  * the loss is a sum. Under a mean loss autograd delivers each gradient through the rounding
+//    of 1/b, b the micro-batch's size (Note [mean loss] in src/dp/book.h), so adding one example
+//    to identical ones at the bound flips them all. The run's rules refuse adaptive clipping
+//    with loss_reduction="mean";
+//  * the kernels compute each row's norm, and the backward each row's gradient, the same way
+//    whatever the other rows are. test_adaptive_clipping.py's
+//    test_identical_examples_at_the_bound_move_the_count_by_half drives identical examples at
+//    the bound through every path, and test_a_rows_norm_is_the_same_in_every_batch compares a
+//    row's certified norms across batch sizes; on a device whose libraries pick a GEMM by the
+//    batch's size, the GPU kit's pytest stage runs both.
+// An example whose norm lies in (C_t − 10⁻⁶, C_t] counts as unclipped although flat's factor
+// C_t/(N̂ + 10⁻⁶) scales it by less than 10⁻⁶/C_t: the bit is of the norm, not of the factor.
 //
 // Opacus's AdaClipDPOptimizer takes the same five settings under the same names. Two things
 // differ, both on the side of privacy: it adds σ_b noise to the uncentred count, whose

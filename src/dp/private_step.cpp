@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <utility>
 #include <vector>
@@ -48,8 +49,17 @@ enum Agreed : size_t {
   kSteps,
   kStepSquares,
   kBad,
-  kCount
+  kClipChunks,                       // C's bits in kClipChunkCount chunks of 16, then their
+  kClipChunkCount = 4,               // squares (Note [one agreement per step])
+  kCount = kClipChunks + 2 * kClipChunkCount
 };
+
+// Chunk i of C's 64 bits: small enough that the ranks' sums of its square cannot overflow.
+int64_t clip_chunk(double clip, size_t i) {
+  uint64_t bits = 0;
+  std::memcpy(&bits, &clip, sizeof bits);
+  return static_cast<int64_t>((bits >> (16 * i)) & 0xffffu);
+}
 
 }  // namespace
 
@@ -246,6 +256,16 @@ StepOutcome PrivateStep::take(const StepRequest& request) {
   }
 }
 
+bool PrivateStep::same_clip(const std::vector<int64_t>& all, int64_t w) const {
+  for (size_t i = 0; i < kClipChunkCount; ++i) {
+    const int64_t chunk = clip_chunk(clip_, i);
+    if (all[kClipChunks + i] != w * chunk ||
+        all[kClipChunks + kClipChunkCount + i] != w * chunk * chunk)
+      return false;
+  }
+  return true;
+}
+
 StepOutcome PrivateStep::transact(const StepRequest& request) {
   const StepSettings& s = settings_;
   const comm::Collectives& comm = zero_.comm();
@@ -291,6 +311,10 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
   mine[kSteps] = t;
   mine[kStepSquares] = t * t;
   mine[kBad] = request.bad_settings ? 1 : 0;
+  for (size_t i = 0; i < kClipChunkCount; ++i) {
+    mine[kClipChunks + i] = clip_chunk(clip_, i);
+    mine[kClipChunks + kClipChunkCount + i] = mine[kClipChunks + i] * mine[kClipChunks + i];
+  }
   const std::vector<int64_t> all = collective("agreeing on the step", t, ChargeState::kNotCharged,
                                               [&] { return comm.all_reduce_sum(mine); });
   if (all[kRefused] != 0) {
@@ -312,6 +336,9 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
   } else if (all[kCharges] != w * k || all[kChargeSquares] != w * k * k) {
     disagreement = "the ranks have charged different numbers of steps (this rank " +
                    std::to_string(k) + "): every rank must load the same checkpoint";
+  } else if (!same_clip(all, w)) {
+    disagreement = "the ranks clip at different bounds (this rank max_grad_norm=" +
+                   format_double(clip_) + "): every rank must load the same checkpoint";
   } else if (all[kSteps] != w * t || all[kStepSquares] != w * t * t) {
     disagreement = "the ranks are at different logical steps (this rank " + std::to_string(t) +
                    "): every rank must draw its batches from the same sampler position";

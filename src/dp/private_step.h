@@ -8,9 +8,10 @@
 //                 clipping or would count twice), a stale logical batch, a forward whose
 //                 backward has not run, or the caller's (StepRequest::refusal).
 //   2. agreement  one all-reduce of [samples, dropped, unclipped, refused, caller-sampled, s,
-//                 s², k, k², t, t², bad settings] (Note [one agreement per step]); any rank's
-//                 refusal, unequal logical batch sizes, charge counts or steps, or more clipped
-//                 rows than examples refuses the step everywhere.
+//                 s², k, k², t, t², bad settings, C's bits in chunks and their squares] (Note
+//                 [one agreement per step]); any rank's refusal, unequal logical batch sizes,
+//                 charge counts, bounds or steps, or more clipped rows than examples refuses
+//                 the step everywhere.
 //   3. budget     a charge past max_steps is refused (BudgetExhausted; with bands, the
 //                 equivalent steps: Note [banded steps]).
 //   4. ledger     rank 0 appends the step's record and fsyncs it (accounting/ledger.h); every
@@ -70,7 +71,10 @@
 // Σ s² = W·s_r², which hold together only if every s equals s_r (the variance Σ s²/W − (Σ s/W)²
 // is then 0), so either every rank passes or none does. The charge count k is checked the same
 // way: the budget guard and the noise index read it, and a rank with another k would stop alone
-// or draw other noise. The sums alone would not do: a rank whose
+// or draw other noise. So is the bound C (its 64 bits in four 16-bit chunks, whose squares'
+// sums cannot overflow): under adaptive clipping it moves, and a rank restored to another C
+// would clip at one bound while rank 0's ledger records and the noise is drawn at another.
+// The sums alone would not do: a rank whose
 // s is the mean of unequal sizes would pass while the others refuse, and wait alone in the ledger
 // agreement. Rows clipped beyond s mean some example reached the clipping twice (a micro-batch
 // back-propagated twice, or batches mixed); the sizes are named only when the caller gave them,
@@ -227,6 +231,8 @@ class PrivateStep {
 
  private:
   StepOutcome transact(const StepRequest& request);
+  // Whether every rank's C is this rank's, from the agreement's sums over `w` ranks.
+  bool same_clip(const std::vector<int64_t>& all, int64_t w) const;
   // Note [adaptive clipping]: the next C from the agreed counts of the step at charge index k.
   void adapt(int64_t k, int64_t unclipped, int64_t samples);
   // Counts step t as charged at index k, and the accountant composes every equivalent step it

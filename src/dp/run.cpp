@@ -185,6 +185,17 @@ std::shared_ptr<accounting::Ledger> open_on_rank_0(const RunSettings& s, bool se
            ", this run has bands=" + std::to_string(s.bands) +
            ": its accounting would not hold. Give this run its own ledger path");
   if (s.bands > 1) strategy = ledger_strategy(ledger->header(), s, path);
+  // Note [adaptive clipping]: the header says how the run's bound moved, which the report reads.
+  const nlohmann::ordered_json& theirs = ledger->header().settings;
+  const nlohmann::ordered_json mine = ledger_settings(s, secure, world_size, strategy);
+  const auto adaptive_of = [](const nlohmann::ordered_json& settings) {
+    return settings.contains("adaptive") ? "clipping='adaptive' with " +
+                                               settings["adaptive"].dump()
+                                         : std::string("a fixed clip bound");
+  };
+  if (adaptive_of(theirs) != adaptive_of(mine))
+    refuse("ledger " + path + " is of a run with " + adaptive_of(theirs) + ", this run has " +
+           adaptive_of(mine) + ". Give this run its own ledger path");
   if (ledger->has_unnoised_steps())
     refuse("ledger " + path +
            " records steps without noise; a private run cannot continue it. Give this run its "
@@ -261,6 +272,14 @@ void check_run_settings(const RunSettings& s) {
            quoted(s.clipping));
   if (s.clipping == "adaptive") {  // Note [adaptive clipping]
     privacy::check_adaptive_clipping(s.adaptive, sigma, c);
+    if (s.loss_reduction != "sum")
+      refuse("clipping='adaptive' with loss_reduction=" + quoted(s.loss_reduction) +
+             ": under a mean loss each example's gradient comes through the rounding of 1/b, "
+             "b the micro-batch's size, so one example more or less can move other examples "
+             "across the bound, and the released count by far more than its sensitivity 1/2 "
+             "(Note [adaptive clipping]); use loss_reduction='sum' with a summed loss "
+             "(reduction='sum'): the update is the same, the step divides the clipped sum by "
+             "the expected batch either way");
     if (s.bands > 1)
       refuse("clipping='adaptive' with bands=" + std::to_string(s.bands) +
              ": adaptive clipping's accounting is DP-SGD's (independent noise at every step); "

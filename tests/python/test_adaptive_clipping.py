@@ -67,7 +67,7 @@ def _steps(p, steps):
     for x, y in p.data_loader:
         xs.append(x.as_subclass(torch.Tensor))
         ys.append(y.as_subclass(torch.Tensor))
-        F.cross_entropy(p.model(x), y).backward()
+        F.cross_entropy(p.model(x), y, reduction="sum").backward()
         if p.optimizer.step():
             p.optimizer.zero_grad()
             yield torch.cat(xs), torch.cat(ys)
@@ -91,7 +91,7 @@ def test_the_bound_and_the_steps_follow_the_reference(tmp_path, make_model, isol
                             noise_multiplier=0.0, allow_no_noise=True, max_grad_norm=c0,
                             clipping="adaptive", unclipped_num_std=0.0, lr=lr, seed=3,
                             isolation=isolation, ledger_path=str(tmp_path / "ledger.jsonl"),
-                            **ADAPTIVE)
+                            loss_reduction="sum", **ADAPTIVE)
     engine = p.privacy_engine
     expected = 8.0
     bounds, moved = [c0], set()
@@ -152,7 +152,8 @@ def test_one_example_moves_the_released_count_by_half(extra):
         torch.manual_seed(0)
         p = dpzero.make_private(_mlp(), dataset=dataset, sample_rate=1.0, noise_multiplier=0.0,
                                 allow_no_noise=True, max_grad_norm=c, clipping="adaptive",
-                                unclipped_num_std=0.0, lr=0.1, seed=5, **ADAPTIVE)
+                                unclipped_num_std=0.0, lr=0.1, seed=5, loss_reduction="sum",
+                                **ADAPTIVE)
         counts.append(_released_count(p, len(dataset)))
     assert counts[1] - counts[0] == pytest.approx(0.5 if extra == 0 else -0.5, abs=1e-9)
 
@@ -165,7 +166,8 @@ def _zero_gradient_updates(clipping, seed, **kwargs):
     start = {n: t.detach().clone() for n, t in model.named_parameters()}
     data = TensorDataset(torch.randn(20, 64), torch.zeros(20, dtype=torch.long))
     p = dpzero.make_private(model, dataset=data, sample_rate=1.0, noise_multiplier=1.0,
-                            max_grad_norm=1.0, clipping=clipping, lr=1.0, seed=seed, **kwargs)
+                            max_grad_norm=1.0, clipping=clipping, lr=1.0, seed=seed,
+                            loss_reduction="sum", **kwargs)
     for x, _ in p.data_loader:
         (p.model(x) * 0.0).sum().backward()
         if p.optimizer.step():
@@ -208,7 +210,8 @@ def test_the_count_is_noised_by_its_own_draw(secure):
 
 def _make(clipping="adaptive", **changes):
     kwargs = dict(dataset=_data(), batch_size=8, noise_multiplier=1.0, max_grad_norm=1.0,
-                  clipping=clipping, seed=1, unclipped_num_std=2.0, **ADAPTIVE)
+                  clipping=clipping, seed=1, unclipped_num_std=2.0, loss_reduction="sum",
+                  **ADAPTIVE)
     kwargs.update(changes)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     torch.manual_seed(0)
@@ -232,6 +235,11 @@ def _make(clipping="adaptive", **changes):
      "clipping='adaptive' needs ['min_clipbound', 'max_clipbound']"),
     (dict(bands=2), "clipping='adaptive' with bands=2"),
     (dict(clipping_groups=[["0"]]), "clipping_groups is for clipping='group', not 'adaptive'"),
+    (dict(loss_reduction="mean"), "clipping='adaptive' with loss_reduction='mean': under a mean "
+                                  "loss each example's gradient comes through the rounding of "
+                                  "1/b"),
+    (dict(noise_multiplier=1e307, unclipped_num_std=1e307),
+     "is not a finite standard deviation"),
     (dict(clipping="flat"), "['clipbound_learning_rate', 'max_clipbound', 'min_clipbound', "
                             "'target_unclipped_quantile', 'unclipped_num_std'] are read by "
                             "clipping='adaptive' only"),
@@ -262,6 +270,12 @@ def test_a_checkpoint_carries_the_bound():
     assert q.privacy_engine.max_grad_norm == state["clipbound"]
     assert q.privacy_engine.book.thresholds == [state["clipbound"]]
 
+    x, y = next(iter(q.data_loader))  # mid logical batch: refused, nothing changed
+    F.cross_entropy(q.model(x), y, reduction="sum").backward()
+    with pytest.raises(ValueError, match="an adaptive run's clip bound changes between steps"):
+        q.privacy_engine.load_state_dict(dict(state, clipbound=2.0))
+    assert q.privacy_engine.max_grad_norm == state["clipbound"]
+
     bad = dict(state, clipbound=1000.0)
     with pytest.raises(ValueError, match=r"the clip bound must lie in \[min_clipbound, "
                                          r"max_clipbound\] = \[0.01, 100\], got 1000"):
@@ -289,12 +303,14 @@ def test_an_opacus_script_with_adaptive_clipping_runs_unchanged():
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0,
         max_grad_norm=1.0, clipping="adaptive", target_unclipped_quantile=0.5,
         clipbound_learning_rate=0.2, max_clipbound=10.0, min_clipbound=0.1,
-        unclipped_num_std=0.5 * 8 / 4, noise_generator=torch.Generator().manual_seed(7))
+        unclipped_num_std=0.5 * 8 / 4, noise_generator=torch.Generator().manual_seed(7),
+        loss_reduction="sum")
+    criterion = nn.CrossEntropyLoss(reduction="sum")
     seen = [optimizer.max_grad_norm]
     for _ in range(2):
         for x, y in loader:
             optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            criterion(model(x), y).backward()
             optimizer.step()
             seen.append(optimizer.max_grad_norm)
     assert len(set(seen)) > 1 and all(0.1 <= c <= 10.0 for c in seen)
@@ -309,7 +325,7 @@ def _bounds(steps, **kwargs):
     torch.manual_seed(0)
     p = dpzero.make_private(_mlp(), dataset=_data(), batch_size=8, noise_multiplier=1.0,
                             max_grad_norm=1.0, clipping="adaptive", unclipped_num_std=2.0, lr=0.5,
-                            seed=9, **ADAPTIVE, **kwargs)
+                            seed=9, loss_reduction="sum", **ADAPTIVE, **kwargs)
     out = [p.privacy_engine.max_grad_norm]
     for _ in _steps(p, steps):
         out.append(p.privacy_engine.max_grad_norm)
@@ -352,3 +368,148 @@ def test_the_report_says_how_the_bound_moved(tmp_path):
     flat.step(noise_multiplier=1.0, sample_rate=8 / 24, num_steps=2)
     prv = [r for r in data["epsilon"]["results"] if r["accountant"] == "prv"][0]
     assert prv["epsilon"] == pytest.approx(flat.get_epsilon(1e-5), rel=1e-6)
+
+
+def test_a_ledger_continues_only_with_the_same_bound_rule(tmp_path):
+    """The ledger's header says how the bound moved (the report reads it): a run with a fixed
+    bound, or other adaptive settings, cannot continue an adaptive run's ledger; the same
+    settings continue it."""
+    import gc
+
+    ledger = str(tmp_path / "ledger.jsonl")
+    model, _, kwargs = _make(ledger_path=ledger)
+    p = dpzero.make_private(model, **kwargs)
+    list(_steps(p, 1))
+    del p, model
+    gc.collect()  # the ledger's writer lock goes with the engine
+    flat = {k: None for k in ("target_unclipped_quantile", "clipbound_learning_rate",
+                              "min_clipbound", "max_clipbound", "unclipped_num_std")}
+    for changes, theirs in ((dict(clipping="flat", **flat), "a fixed clip bound"),
+                            (dict(unclipped_num_std=3.0), "clipping='adaptive' with")):
+        model, before, kwargs = _make(ledger_path=ledger, **changes)
+        with pytest.raises(ValueError, match="is of a run with clipping='adaptive' with "
+                                             rf".*\"unclipped_num_std\":2\.0.*, this run has "
+                                             rf"{theirs}"):
+            dpzero.make_private(model, **kwargs)
+    model, _, kwargs = _make(ledger_path=ledger)
+    p = dpzero.make_private(model, **kwargs)
+    assert p.privacy_engine.charges == 1
+
+
+class _Scale(nn.Module):
+    """y = w·x: a module with no kernel of its own (the generic path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def _ones_linear():
+    m = nn.Linear(1, 1, bias=False)
+    nn.init.ones_(m.weight)
+    return m
+
+
+# name -> (model, the input at which an example's norm is C = 1, make_private's extras)
+_AT_THE_BOUND = {
+    "fused": (_ones_linear, 1.0, {}),
+    "group": (lambda: nn.Sequential(_ones_linear(), _ones_linear()), 1 / math.sqrt(2), {}),
+    "generic": (_Scale, 1.0, {}),
+    "strict": (_ones_linear, 1.0, dict(isolation="strict")),
+    "micro-batches": (_ones_linear, 1.0, dict(max_physical_batch_size=41)),
+}
+
+
+@pytest.mark.parametrize("path", sorted(_AT_THE_BOUND))
+def test_identical_examples_at_the_bound_move_the_count_by_half(path):
+    """n and n + 1 identical examples whose norm lies within a few float32 ulps of C: under a sum
+    loss each example's norm is its own to the bit, so the added one moves the released count
+    by exactly ½ (under a mean loss the 1/b of autograd flipped them all; it is refused)."""
+    make_model, centre, extras = _AT_THE_BOUND[path]
+    sizes = (81, 82) if path == "micro-batches" else (40, 41)  # the last micro-batch grows
+    x = np.float32(centre)
+    for _ in range(3):
+        x = np.nextafter(x, np.float32(0))
+    for _ in range(6):
+        counts = []
+        for n in sizes:
+            torch.manual_seed(0)
+            data = TensorDataset(torch.full((n, 1), float(x)), torch.zeros(n, dtype=torch.long))
+            p = dpzero.make_private(make_model(), dataset=data, sample_rate=1.0,
+                                    noise_multiplier=0.0, allow_no_noise=True, max_grad_norm=1.0,
+                                    clipping="adaptive", unclipped_num_std=0.0, lr=1.0, seed=5,
+                                    loss_reduction="sum", **ADAPTIVE, **extras)
+            c0 = p.privacy_engine.max_grad_norm
+            for (inputs, _) in p.data_loader:
+                p.model(inputs).sum().backward()
+                if p.optimizer.step():
+                    break
+            ratio = p.privacy_engine.max_grad_norm / c0
+            counts.append((-math.log(ratio) / 0.5 - 0.5 + 0.5) * n)
+        assert abs(counts[1] - counts[0]) == pytest.approx(0.5, abs=1e-6), (float(x), counts)
+        x = np.nextafter(x, np.float32(2))
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and dpzero._C.with_cuda else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_rows_norm_is_the_same_in_every_batch(device):
+    """The premise of Note [adaptive clipping]: each kernel's certified norm of one row is the
+    same to the bit whatever the other rows of its batch are, and however many (ghost and direct
+    linear norms, a sequence, conv, layer norm, embedding)."""
+    ops = torch.ops.dpzero
+    g = torch.Generator().manual_seed(0)
+
+    def rows(*shape):
+        return torch.randn(65, *shape, generator=g).to(device)
+
+    A1, G1, A4, G4 = rows(48), rows(24), rows(4, 48), rows(4, 24)
+    X, GX = rows(3, 8, 8), rows(5, 6, 6)
+    L, GL = rows(4, 16), rows(4, 16)
+    ids, GE = torch.randint(0, 30, (65, 4), generator=g).to(device), rows(4, 12)
+    norms = {  # each of the rows `i` of its batch, in that order
+        "linear": lambda i: ops.linear_sq_norms(A1[i], G1[i], True, 0),
+        "linear-ghost": lambda i: ops.linear_sq_norms(A4[i], G4[i], True, 1),
+        "linear-direct": lambda i: ops.linear_sq_norms(A4[i], G4[i], True, 2),
+        "conv": lambda i: ops.conv_sq_norms(X[i], GX[i], [3, 3], [1, 1], [0, 0], [1, 1], 1,
+                                            True, 0),
+        "layer-norm": lambda i: ops.layer_norm_sq_norms(L[i], GL[i], 1e-5, False, True, 1),
+        "embedding": lambda i: ops.embedding_sq_norms(ids[i], GE[i], 30, None, 0),
+    }
+    for name, of in norms.items():
+        alone = of(torch.tensor([0]))[0]
+        for k in (2, 3, 17, 64, 65):
+            first = torch.arange(k)  # row 0 first, then k - 1 others
+            assert torch.equal(of(first)[0], alone), (name, k)
+            assert torch.equal(of(first.flip(0))[-1], alone), (name, k)  # row 0 last
+
+
+def _divergent_rank(rank, world_size):
+    """Rank 1 restores another bound than rank 0's before the first step."""
+    from dpzero.private.errors import PrivacyViolation
+
+    model, _, kwargs = _make()
+    p = dpzero.make_private(model, **kwargs)
+    if rank == 1:
+        p.privacy_engine.load_state_dict(dict(p.privacy_engine.state_dict(), clipbound=2.0))
+    try:
+        next(_steps(p, 1))
+    except PrivacyViolation as e:
+        return str(e), p.privacy_engine.charges
+    return None, p.privacy_engine.charges
+
+
+@pytest.mark.multirank
+def test_ranks_with_different_bounds_refuse_the_step(tmp_path):
+    """A rank restored to another C would clip at it while rank 0's ledger records and the noise
+    is drawn at its own: the step's agreement refuses it on every rank, nothing charged."""
+    import ranks
+
+    for rank, (error, charges) in enumerate(ranks.spawn(_divergent_rank, 2, tmp_path)):
+        assert error is not None and "the ranks clip at different bounds (this rank " \
+            f"max_grad_norm={2 if rank else 1})" in error, error
+        assert charges == 0

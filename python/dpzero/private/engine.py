@@ -367,6 +367,12 @@ class PrivacyEngine:
         if clipbound is not None:
             clipbound = float(clipbound)
             _C.dp.check_clipbound(self._step_settings.adaptive, clipbound)
+            if self.book.core.open or self.book.core.micro_batches > 0:
+                raise ValueError(
+                    "state_dict: an adaptive run's clip bound changes between steps, and "
+                    f"{self.book.core.micro_batches} micro-batch(es) of this logical batch were "
+                    "clipped at the current one; load before the logical batch's first "
+                    "micro-batch, or after its step")
         if state.get("key") is not None and not self.secure_mode:
             raise ValueError("state_dict: holds a secure-mode key, this engine is seeded "
                              "(secure_mode=False)")

@@ -22,8 +22,9 @@ or refused before anything is touched, naming the value and the fix; none is sil
   clippings. "adaptive" takes Opacus's five settings by their names (target_unclipped_quantile,
   clipbound_learning_rate, max_clipbound, min_clipbound, unclipped_num_std) and the optimizer's
   ``max_grad_norm`` moves as Opacus's does; the count of unclipped examples is centred and
-  divided by the expected batch, where Opacus's is neither (Note [adaptive clipping] in
-  privacy/adaptive_clipping.h says why both matter for privacy).
+  divided by the expected batch, where Opacus's is neither, and the loss must be a sum
+  (loss_reduction="sum"), where Opacus's default is the mean (Note [adaptive clipping] in
+  privacy/adaptive_clipping.h says why each matters for privacy).
 - ``noise_generator``: a seeded ``torch.Generator`` makes the run reproducible, as in Opacus;
   dpzero's noise is counter-based (each rank draws only the coordinates it owns), so the
   generator gives the run's seed (63 bits drawn from it) instead of the draws themselves, and

@@ -43,6 +43,11 @@ TEST(AdaptiveClipping, TheTwoNoisesComposeToTheRunsMultiplier) {
     }
   }
   EXPECT_EQ(gradient_noise_multiplier(settings(0.0), 0.0), 0.0);
+  // At the ends of the doubles, where z⁻² would overflow or underflow: σ_b = z gives
+  // σ_Δ = 2z/√3, and a tiny z against σ_b = 1 keeps σ_Δ = z.
+  EXPECT_NEAR(gradient_noise_multiplier(settings(1e154), 1e154) / (2e154 / std::sqrt(3.0)), 1.0,
+              1e-15);
+  EXPECT_NEAR(gradient_noise_multiplier(settings(1.0), 1e-170) / 1e-170, 1.0, 1e-15);
 }
 
 TEST(AdaptiveClipping, TheGeometricUpdateMovesTowardsTheTarget) {
