@@ -894,12 +894,10 @@ std::vector<std::vector<bool>> Book::read_checks(const std::vector<at::Tensor>& 
 
 StepStats Book::take_stats() {
   Lock lock(mutex_);
+  // The counts read_checks has not read yet, in its one transfer.
+  if (dropped_.defined() || unclipped_.defined()) read_checks({});
   StepStats stats = stats_;
-  if (dropped_.defined()) stats.dropped += dropped_.item<int64_t>();
-  if (unclipped_.defined()) stats.unclipped += unclipped_.item<int64_t>();
   stats_ = StepStats();
-  dropped_ = at::Tensor();
-  unclipped_ = at::Tensor();
   return stats;
 }
 

@@ -180,10 +180,11 @@ class Book : public std::enable_shared_from_this<Book> {
   void discard();
   // The step's one device-to-host read (Note [host reads of a step] in private_step.h): reads
   // `checks` (flag tensors of any shape, on any devices: nonzero where a check failed) together
-  // with the dropped-sample count, one transfer per device, and keeps the count for take_stats.
+  // with the dropped (and unclipped) sample counts, one transfer per device, and keeps the
+  // counts for take_stats.
   // Returns, per tensor of `checks`, its flags as host values, flattened.
   std::vector<std::vector<bool>> read_checks(const std::vector<at::Tensor>& checks);
-  // This step's figures; reads the dropped count here unless read_checks already did.
+  // This step's figures; reads the counts (dropped, unclipped) here unless read_checks did.
   StepStats take_stats();
   // Note [adaptive clipping]: the next logical batch's threshold C (finite, > 0), for a book of
   // one group. Refused while a logical batch has micro-batches, which were clipped at the old C.
