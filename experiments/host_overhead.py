@@ -8,8 +8,9 @@ machine does in about a millisecond; the rest is Python and dispatch.
 Systems (each a full step: forward, backward, clipping where private, noise, update; SGD):
   torch            non-private PyTorch (the floor)
   dpzero           dpzero.make_private at ZeRO stage 0, flat clipping, σ = 1
-  dpzero-adaptive  the same with clipping="adaptive" (σ_b = 1): the count of unclipped examples,
-                   its agreement and the bound's update on top of the step
+  dpzero-sum       the same with the loss summed (loss_reduction="sum"): no mean-loss scaling
+  dpzero-adaptive  dpzero-sum with clipping="adaptive" (σ_b = 1), which needs the summed loss:
+                   the count of unclipped examples, its agreement and the bound's update on top
   opacus-hooks     Opacus 1.6, grad_sample_mode="hooks" (its grad samplers; torch.func for the
                    modules it has none for, such as transformers' Conv1D), given position ids
                    [B, T] (with GPT-2's own [1, T] its step fails)
@@ -43,7 +44,8 @@ from bench_common import (dpzero_version, interleaved_steps, paired_ratios,  # n
 
 LAYERS, WIDTH, HEADS, T, B, VOCAB = 12, 64, 4, 16, 4, 256
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "host.md")
-SYSTEMS = ("torch", "dpzero", "dpzero-adaptive", "opacus-hooks", "opacus-functorch")
+SYSTEMS = ("torch", "dpzero", "dpzero-sum", "dpzero-adaptive", "opacus-hooks",
+           "opacus-functorch")
 
 
 def build() -> torch.nn.Module:
@@ -55,9 +57,10 @@ def build() -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy: logits [B, T, V], ids [B, T]."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy: logits [B, T, V], ids [B, T]; its mean or sum."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
+                           reduction=reduction)
 
 
 class Logits(torch.nn.Module):
@@ -87,11 +90,14 @@ class System:
         if name == "torch":
             self.model, self.opt = model, torch.optim.SGD(model.parameters(), lr=0.01)
         elif name.startswith("dpzero"):
-            adaptive = dict(clipping="adaptive", min_clipbound=0.01, max_clipbound=100.0,
-                            unclipped_num_std=1.0) if name == "dpzero-adaptive" else {}
+            self.reduction = "mean" if name == "dpzero" else "sum"
+            extra = dict(loss_reduction=self.reduction)
+            if name == "dpzero-adaptive":
+                extra.update(clipping="adaptive", min_clipbound=0.01, max_clipbound=100.0,
+                             unclipped_num_std=1.0)
             self.p = dpzero.make_private(model, dataset=self.data, batch_size=B,
                                          noise_multiplier=1.0, max_grad_norm=1.0, lr=0.01,
-                                         seed=0, **adaptive)
+                                         seed=0, **extra)
         else:
             from opacus import PrivacyEngine
 
@@ -105,7 +111,7 @@ class System:
     def step(self) -> None:
         if self.name.startswith("dpzero"):
             (x,) = self.p.privacy_engine.own_batch((self.x,), logical_batch_size=B)
-            lm_loss(self.p.model(x), x).backward()
+            lm_loss(self.p.model(x), x, self.reduction).backward()
             self.p.optimizer.step()
             self.p.optimizer.zero_grad()
             return

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -48,11 +49,12 @@ void check_adaptive_clipping(const AdaptiveClipping& a, double noise_multiplier,
            "clipping]), and the gradient's noise multiplier (z^-2 - (2 unclipped_num_std)^-2)"
            "^(-1/2) exists only then; Andrew et al. suggest about the expected batch size / 20");
   const double sd = gradient_noise_multiplier(a, noise_multiplier);
-  if (!std::isfinite(sd * a.max_clipbound))
+  // The noise kernels draw in float32 (noise.h): the standard deviation must be one.
+  if (!(sd * a.max_clipbound <= std::numeric_limits<float>::max()))
     refuse("the gradient's noise multiplier " + format_double(sd) + " (noise_multiplier=" +
            format_double(noise_multiplier) + ", unclipped_num_std=" + format_double(sb) +
            ") times max_clipbound=" + format_double(a.max_clipbound) +
-           " is not a finite standard deviation");
+           " is not a finite standard deviation in float32");
 }
 
 void check_clipbound(const AdaptiveClipping& a, double clip) {

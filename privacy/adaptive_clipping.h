@@ -6,17 +6,33 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~
 // At step t the examples are clipped at C_t, as flat clipping does, and the step also releases
 // how many of them the bound left unclipped:
-//  * each example i of the batch gives the bit b_i = 1 when its certified gradient norm is at
-//    most C_t (it was not scaled down), else 0 (a dropped example, whose norm is not finite,
-//    gives 0);
+//  * each example i of the batch has a share b_i in [0, 1] of being unclipped, read from its
+//    certified gradient norm N̂_i: 1 up to C_t(1 − κ/2), 0 from C_t(1 + κ/2) on, linear between
+//    (κ = kUnclippedRamp; a dropped example, whose norm is not finite, has 0);
 //  * the step releases  s̃ = Σ_i (b_i − ½) + σ_b z,  z ~ N(0, 1) (Andrew et al., Algorithm 2):
-//    centring the bits makes the sum's sensitivity ½ under adding or removing one example,
-//    where the plain count's would be 1;
+//    centring makes the sum's sensitivity ½ under adding or removing one example, where the
+//    plain count's would be 1;
 //  * the unclipped fraction is estimated as  f̃ = s̃ / (qN) + ½,  qN the expected batch (the
 //    realised batch size is private and is never divided by);
 //  * the next bound is geometric (their eq. (3), with learning rate η towards the target
 //    quantile γ):  C_{t+1} = clamp(C_t · exp(−η (f̃ − γ)), min_clipbound, max_clipbound).
 // C_{t+1} is a function of released values only, so using it is post-processing.
+//
+// Why a share and not the paper's bit b_i = [N̂_i <= C_t]: the ½ needs each b_i to be a function
+// of example i alone, and N̂_i is one only in real arithmetic. In floating point the other
+// examples move it by roundings: torch's GEMMs (MKL's, cuBLAS's) compute a row differently as the
+// batch's row count changes, and under a mean loss every gradient comes through 1/b. A bit is a
+// step, so one example more flips every example whose norm lies within those roundings of C_t
+// at once, and C_t is steered to where the norms are dense: identical examples at the bound
+// moved the released count by as many examples as there were. A share moves by at most
+// |ΔN̂_i| / (κ C_t) when N̂_i moves by ΔN̂_i, so adding or removing one example moves s̃ by at most
+// ½ + Σ_j |ΔN̂_j| / (κ C_t), the other examples' roundings scaled by 1/κ: the same kind of
+// floating-point slack the clipped sum has (each contribution moves by its rounding), never a
+// jump. Shares are summed exactly, as integers in units of 2⁻²⁴ (kShareUnits), each floored
+// (a step of at most 2⁻²⁴ per example). A mean loss makes every ΔN̂_i a rounding of 1/b as well,
+// which the run's rules refuse: adaptive clipping takes loss_reduction="sum". The estimate
+// follows the quantile of the norms smoothed over ±κ/2 of C_t, which differs from the paper's
+// where the norms' density changes within that band.
 //
 // Privacy (Andrew et al., Theorem 1): the step releases two Gaussian sums of the same sampled
 // batch, the clipped gradient sum (sensitivity C_t, noise σ_Δ C_t) and s̃ (sensitivity ½, noise
@@ -27,27 +43,9 @@
 // ledger all read z, and the gradient's noise is drawn with σ_Δ > z. The count's noise is a
 // draw of its own stream (privacy/streams.h) at the step's charge index, the same on every rank.
 //
-// Floating point: b_i is read from the certified norm the clipping itself uses, so the ½ holds
-// only if that norm is a function of example i alone, bit for bit: a rounding that moves with
-// the other examples moves every example whose norm lies within it of C_t across the bound at
-// once (a bit is a step, where the clipped sum only moves by the rounding), and C_t is steered
-// to where the norms are dense. Two premises make it so:
-//  * the loss is a sum. Under a mean loss autograd delivers each gradient through the rounding
-//    of 1/b, b the micro-batch's size (Note [mean loss] in src/dp/book.h), so adding one example
-//    to identical ones at the bound flips them all. The run's rules refuse adaptive clipping
-//    with loss_reduction="mean";
-//  * the kernels compute each row's norm, and the backward each row's gradient, the same way
-//    whatever the other rows are. test_adaptive_clipping.py's
-//    test_identical_examples_at_the_bound_move_the_count_by_half drives identical examples at
-//    the bound through every path, and test_a_rows_norm_is_the_same_in_every_batch compares a
-//    row's certified norms across batch sizes; on a device whose libraries pick a GEMM by the
-//    batch's size, the GPU kit's pytest stage runs both.
-// An example whose norm lies in (C_t − 10⁻⁶, C_t] counts as unclipped although flat's factor
-// C_t/(N̂ + 10⁻⁶) scales it by less than 10⁻⁶/C_t: the bit is of the norm, not of the factor.
-//
-// Opacus's AdaClipDPOptimizer takes the same five settings under the same names. Two things
-// differ, both on the side of privacy: it adds σ_b noise to the uncentred count, whose
-// sensitivity is 1 while Theorem 1 is applied with ½, and it divides by the realised batch size.
+// Opacus's AdaClipDPOptimizer takes the same five settings under the same names. Where it
+// differs, dpzero's choice is the private one: Opacus noises the uncentred hard count, whose
+// sensitivity is 1 while Theorem 1 is applied with ½, and divides by the realised batch size.
 #pragma once
 
 #include <cstdint>
@@ -55,6 +53,11 @@
 #include "privacy/chacha20.h"
 
 namespace dpzero::privacy {
+
+// Note [adaptive clipping]: the width κ of the band around C over which an example's unclipped
+// share falls from 1 to 0, as a fraction of C; and the unit the shares are summed in, 2^-24.
+constexpr double kUnclippedRamp = 0.05;
+constexpr double kShareUnits = 16777216.0;
 
 struct AdaptiveClipping {
   double target_unclipped_quantile = 0.5;  // γ in [0, 1]: the fraction of examples left unclipped

@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include "kernels/per_sample_ops.h"
+#include "privacy/adaptive_clipping.h"
 #include "privacy/clipping.h"
 #include "src/dp/clip_group.h"
 #include "src/zero/state.h"
@@ -182,7 +183,7 @@ void Book::reset_micro_batch() {
   handed_.clear();
   batch_.reset();
   dropped_mask_ = at::Tensor();
-  unclipped_mask_ = at::Tensor();
+  unclipped_shares_ = at::Tensor();
   inputs_.clear();  // what early norms read and wrote is recorded on their streams
 }
 
@@ -726,14 +727,17 @@ int64_t Book::mean_scale() const {
 void Book::start_masks(int64_t rows, const at::TensorOptions& like) {
   batch_ = rows;
   dropped_mask_ = at::zeros({rows}, like.dtype(at::kBool));
-  if (options_.count_unclipped) unclipped_mask_ = at::zeros({rows}, like.dtype(at::kBool));
+  if (options_.count_unclipped) unclipped_shares_ = at::zeros({rows}, like.dtype(at::kLong));
 }
 
 void Book::note_unclipped(const at::Tensor& norms, int64_t begin) {
-  // Note [adaptive clipping]: the certified norm against C's float32 threshold, the value the
-  // factors were taken against (privacy/clipping.h); a NaN norm compares false.
-  const double threshold = privacy::threshold_f32(thresholds_[0]);
-  unclipped_mask_.narrow(0, begin, norms.size(0)).logical_or_(norms.le(threshold));
+  // Note [adaptive clipping]: each row's share, in units of 2^-24, floored; a NaN norm's is 0.
+  const double c = thresholds_[0];
+  const at::Tensor share = ((c - norms.to(at::kDouble)) / (privacy::kUnclippedRamp * c) + 0.5)
+                               .clamp(0.0, 1.0)
+                               .nan_to_num(0.0);
+  unclipped_shares_.narrow(0, begin, norms.size(0))
+      .copy_(at::floor(share * privacy::kShareUnits).to(at::kLong));
 }
 
 void Book::note_factors(const at::Tensor& factors) {
@@ -827,7 +831,7 @@ void Book::finish_backward() {
       const at::Tensor dropped = dropped_mask_.sum();  // stays on the device until take_stats
       dropped_ = dropped_.defined() ? dropped_ + dropped.to(dropped_.device()) : dropped;
       if (options_.count_unclipped) {
-        const at::Tensor unclipped = unclipped_mask_.sum();
+        const at::Tensor unclipped = unclipped_shares_.sum();
         unclipped_ =
             unclipped_.defined() ? unclipped_ + unclipped.to(unclipped_.device()) : unclipped;
       }

@@ -117,15 +117,16 @@ struct BookOptions {
   std::vector<int64_t> unit_numel;        // per unit: its flat buffer's length
   std::vector<at::Device> unit_device;    // per unit: its buffer's device
   bool count_unclipped = false;           // Note [adaptive clipping] (privacy/
-                                          // adaptive_clipping.h): one flat group; counts the
-                                          // examples whose certified norm is at most C
+                                          // adaptive_clipping.h): one flat group; sums the
+                                          // examples' unclipped shares
 };
 
 // What the micro-batches of one logical step produced on this rank.
 struct StepStats {
   int64_t samples = 0;        // rows seen by the DP layers (padding excluded)
   int64_t dropped = 0;        // samples with a non-finite norm (factor 0)
-  int64_t unclipped = 0;      // with count_unclipped: samples whose certified norm is <= C
+  int64_t unclipped = 0;      // with count_unclipped: the samples' unclipped shares, in units of
+                              // 2^-24 (Note [adaptive clipping])
   int64_t micro_batches = 0;  // backward passes that reached the clipping
 };
 
@@ -259,8 +260,8 @@ class Book : public std::enable_shared_from_this<Book> {
   // This micro-batch's first report: its rows and the masks of its dropped (and unclipped)
   // samples, on `like`'s device.
   void start_masks(int64_t rows, const at::TensorOptions& like);
-  // Note [adaptive clipping]: rows [begin, begin + norms.size(0)) whose certified norm ([n]
-  // float32) is at most C.
+  // Note [adaptive clipping]: the shares of rows [begin, begin + norms.size(0)) from their
+  // certified norms ([n] float32).
   void note_unclipped(const at::Tensor& norms, int64_t begin);
   at::Tensor& unit_buffer(int64_t unit);
   std::vector<at::Tensor> dests(const BookLayer& layer);
@@ -290,7 +291,7 @@ class Book : public std::enable_shared_from_this<Book> {
   bool queue_finish_ = false;
   StepStats stats_;
   at::Tensor dropped_;  // 0-dim int64: this step's dropped samples, unread (read_checks, take_stats)
-  at::Tensor unclipped_;  // 0-dim int64: likewise its unclipped samples (count_unclipped)
+  at::Tensor unclipped_;  // 0-dim int64: likewise its unclipped shares (count_unclipped)
   std::vector<double> thresholds_;  // per group: C_g (options_.thresholds, then set_threshold)
 
   // This micro-batch.
@@ -306,7 +307,7 @@ class Book : public std::enable_shared_from_this<Book> {
   std::set<int64_t> handed_;
   std::optional<int64_t> batch_;
   at::Tensor dropped_mask_;  // [B] bool
-  at::Tensor unclipped_mask_;  // [B] bool (count_unclipped)
+  at::Tensor unclipped_shares_;  // [B] int64: each row's share (count_unclipped)
   std::map<InputKey, std::vector<int64_t>> inputs_;  // parts by their noted input
 };
 

@@ -210,8 +210,8 @@ void PrivateStep::adapt(int64_t k, int64_t unclipped, int64_t samples) {
       z = privacy::count_noise_draw(static_cast<uint64_t>(key.seed), step);
     }
   }
-  const double centred = static_cast<double>(unclipped) - 0.5 * static_cast<double>(samples) +
-                         s.adaptive->unclipped_num_std * z;
+  const double centred = static_cast<double>(unclipped) / privacy::kShareUnits -
+                         0.5 * static_cast<double>(samples) + s.adaptive->unclipped_num_std * z;
   const double expected = s.sample_rate * static_cast<double>(s.dataset_size);
   const double next = privacy::next_clipbound(*s.adaptive, clip_, centred, expected);
   book_->set_threshold(next);

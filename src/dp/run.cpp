@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <random>
@@ -254,9 +255,11 @@ void check_run_settings(const RunSettings& s) {
   if (sigma > 0.0 && !std::isfinite(c))
     refuse("noise needs a finite max_grad_norm (the noise is sigma * C), got " +
            format_double(c));
-  if (sigma > 0.0 && !std::isfinite(sigma * c))
+  // The noise kernels draw in float32 (privacy/noise.h): the standard deviation must be one.
+  if (sigma > 0.0 && !(sigma * c <= std::numeric_limits<float>::max()))
     refuse("the noise's standard deviation noise_multiplier * max_grad_norm must be finite, got " +
-           format_double(sigma) + " * " + format_double(c));
+           format_double(sigma) + " * " + format_double(c) + " (above float32's " +
+           format_double(std::numeric_limits<float>::max()) + ")");
   if (!(s.sample_rate > 0.0 && s.sample_rate <= 1.0))
     refuse("sample_rate must be in (0, 1], got " + format_double(s.sample_rate));
   if (s.dataset_size <= 0)
@@ -346,6 +349,7 @@ nlohmann::ordered_json ledger_settings(const RunSettings& s, bool secure, int64_
         {"min_clipbound", a.min_clipbound},
         {"max_clipbound", a.max_clipbound},
         {"unclipped_num_std", a.unclipped_num_std},
+        {"unclipped_ramp", privacy::kUnclippedRamp},
         {"gradient_noise_multiplier", privacy::gradient_noise_multiplier(a, s.noise_multiplier)}};
   }
   if (s.bands > 1) {  // what ε is computed from (accounting/banded.h), and the noise's strategy

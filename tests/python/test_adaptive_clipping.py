@@ -56,6 +56,14 @@ def _norms(model, inputs, targets):
     return out
 
 
+RAMP = 0.05  # κ: an example's share falls from 1 to 0 over C(1 ± κ/2)
+
+
+def _share(norm, c):
+    """Note [adaptive clipping]'s unclipped share of an example of this norm, at bound c."""
+    return min(1.0, max(0.0, (c - norm) / (RAMP * c) + 0.5))
+
+
 def _next_bound(c, centred, expected, gamma, eta, lo, hi):
     """Andrew et al.'s geometric update from the centred count."""
     return min(max(c * math.exp(-eta * (centred / expected + 0.5 - gamma)), lo), hi)
@@ -81,7 +89,7 @@ def _steps(p, steps):
 @pytest.mark.parametrize("isolation", ["detect", "strict"])
 def test_the_bound_and_the_steps_follow_the_reference(tmp_path, make_model, isolation):
     """σ = 0 and σ_b = 0: at every step the parameters are those of DP-SGD clipped at C_t, and
-    C_{t+1} is the paper's update from the exact count of examples with norm <= C_t."""
+    C_{t+1} is the paper's update from the examples' unclipped shares at C_t."""
     torch.manual_seed(0)
     model = make_model()
     shadow = copy.deepcopy(model)
@@ -98,8 +106,7 @@ def test_the_bound_and_the_steps_follow_the_reference(tmp_path, make_model, isol
     for inputs, targets in _steps(p, 4):
         c = bounds[-1]
         norms = _norms(shadow, inputs, targets)
-        assert min(abs(n - c) for n in norms) > 1e-4 * c  # no norm at the boundary
-        unclipped = sum(n <= c for n in norms)
+        unclipped = sum(_share(n, c) for n in norms)
         moved.add(0 < unclipped < len(norms))
         want = clipped_step_by_example(shadow, inputs, targets, max_grad_norm=c, lr=lr,
                                        expected_batch=expected)
@@ -111,7 +118,8 @@ def test_the_bound_and_the_steps_follow_the_reference(tmp_path, make_model, isol
                 param.copy_(want[name])
         bounds.append(_next_bound(c, unclipped - 0.5 * len(norms), expected, 0.5, 0.5,
                                   0.01, 100.0))
-        assert engine.max_grad_norm == pytest.approx(bounds[-1], rel=1e-12)
+        assert engine.max_grad_norm == pytest.approx(bounds[-1], rel=1e-7)
+        bounds[-1] = engine.max_grad_norm  # the next step clips at dpzero's
         assert p.optimizer.max_grad_norm == engine.max_grad_norm
     assert True in moved  # some step had examples on both sides of C
     assert len(set(bounds)) == len(bounds)  # the bound moved at every step
@@ -121,7 +129,7 @@ def test_the_bound_and_the_steps_follow_the_reference(tmp_path, make_model, isol
     header, records = lines[0], lines[1:]
     settings = header["settings"]["adaptive"]
     assert settings["unclipped_num_std"] == 0.0 and settings["min_clipbound"] == 0.01
-    assert [r["max_grad_norm"] for r in records] == pytest.approx(bounds[:-1], rel=1e-12)
+    assert [r["max_grad_norm"] for r in records] == bounds[:-1]
 
 
 def _released_count(p, n):
@@ -146,7 +154,7 @@ def test_one_example_moves_the_released_count_by_half(extra):
     c = 3.0
     torch.manual_seed(0)
     norm = _norms(_mlp(), x[-1:], y[-1:])[0]
-    assert (norm > c) == bool(extra)
+    assert _share(norm, c) == (0.0 if extra else 1.0)
     counts = []
     for dataset in (data, TensorDataset(x, y)):
         torch.manual_seed(0)
@@ -155,7 +163,7 @@ def test_one_example_moves_the_released_count_by_half(extra):
                                 unclipped_num_std=0.0, lr=0.1, seed=5, loss_reduction="sum",
                                 **ADAPTIVE)
         counts.append(_released_count(p, len(dataset)))
-    assert counts[1] - counts[0] == pytest.approx(0.5 if extra == 0 else -0.5, abs=1e-9)
+    assert counts[1] - counts[0] == pytest.approx(0.5 if extra == 0 else -0.5, abs=1e-5)
 
 
 def _zero_gradient_updates(clipping, seed, **kwargs):
@@ -238,8 +246,8 @@ def _make(clipping="adaptive", **changes):
     (dict(loss_reduction="mean"), "clipping='adaptive' with loss_reduction='mean': under a mean "
                                   "loss each example's gradient comes through the rounding of "
                                   "1/b"),
-    (dict(noise_multiplier=1e307, unclipped_num_std=1e307),
-     "is not a finite standard deviation"),
+    (dict(noise_multiplier=3e38, unclipped_num_std=3e38, max_clipbound=1.0),
+     "is not a finite standard deviation in float32"),
     (dict(clipping="flat"), "['clipbound_learning_rate', 'max_clipbound', 'min_clipbound', "
                             "'target_unclipped_quantile', 'unclipped_num_std'] are read by "
                             "clipping='adaptive' only"),
@@ -413,22 +421,24 @@ def _ones_linear():
     return m
 
 
-# name -> (model, the input at which an example's norm is C = 1, make_private's extras)
+# name -> (model, the input at which an example's norm is C = 1, the norm of input x,
+#          make_private's extras)
 _AT_THE_BOUND = {
-    "fused": (_ones_linear, 1.0, {}),
-    "group": (lambda: nn.Sequential(_ones_linear(), _ones_linear()), 1 / math.sqrt(2), {}),
-    "generic": (_Scale, 1.0, {}),
-    "strict": (_ones_linear, 1.0, dict(isolation="strict")),
-    "micro-batches": (_ones_linear, 1.0, dict(max_physical_batch_size=41)),
+    "fused": (_ones_linear, 1.0, abs, {}),
+    "group": (lambda: nn.Sequential(_ones_linear(), _ones_linear()), 1 / math.sqrt(2),
+              lambda x: math.sqrt(2) * x, {}),
+    "generic": (_Scale, 1.0, abs, {}),
+    "strict": (_ones_linear, 1.0, abs, dict(isolation="strict")),
+    "micro-batches": (_ones_linear, 1.0, abs, dict(max_physical_batch_size=41)),
 }
 
 
 @pytest.mark.parametrize("path", sorted(_AT_THE_BOUND))
 def test_identical_examples_at_the_bound_move_the_count_by_half(path):
-    """n and n + 1 identical examples whose norm lies within a few float32 ulps of C: under a sum
-    loss each example's norm is its own to the bit, so the added one moves the released count
-    by exactly ½ (under a mean loss the 1/b of autograd flipped them all; it is refused)."""
-    make_model, centre, extras = _AT_THE_BOUND[path]
+    """n and n + 1 identical examples whose norm lies within a few float32 ulps of C, through
+    models whose per-example gradient is exact (1-wide): the added one moves the released count
+    by its own centred share and nothing else, on every path."""
+    make_model, centre, norm_of, extras = _AT_THE_BOUND[path]
     sizes = (81, 82) if path == "micro-batches" else (40, 41)  # the last micro-batch grows
     x = np.float32(centre)
     for _ in range(3):
@@ -449,8 +459,44 @@ def test_identical_examples_at_the_bound_move_the_count_by_half(path):
                     break
             ratio = p.privacy_engine.max_grad_norm / c0
             counts.append((-math.log(ratio) / 0.5 - 0.5 + 0.5) * n)
-        assert abs(counts[1] - counts[0]) == pytest.approx(0.5, abs=1e-6), (float(x), counts)
+        own = _share(norm_of(float(x)), 1.0) - 0.5
+        assert counts[1] - counts[0] == pytest.approx(own, abs=1e-5), (float(x), counts)
         x = np.nextafter(x, np.float32(2))
+
+
+def test_a_batch_dependent_gemm_moves_the_count_by_half():
+    """torch's GEMM computes a row differently as the batch's row count changes (here 15 and
+    16 rows of a frozen Linear(784, 128)), so identical examples' norms move together by a
+    rounding when one is added: their shares move by that rounding / κ, and the released count
+    by the added example's own centred share up to that, at every bound around their norm (a
+    bit flipped all 15 at once)."""
+    def model():
+        torch.manual_seed(1)
+        m = nn.Sequential(nn.Linear(784, 128), nn.Linear(128, 1))
+        m[0].requires_grad_(False)
+        return m
+
+    x1 = torch.randn(1, 784, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        norm = math.sqrt(float(model()[0](x1).double().pow(2).sum()) + 1.0)
+    for c in (norm, float(np.nextafter(np.float32(norm), np.float32(0))),
+              norm / (1 + RAMP / 2), norm / (1 - RAMP / 2)):
+        counts = []
+        for n in (15, 16):
+            data = TensorDataset(x1.repeat(n, 1), torch.zeros(n, dtype=torch.long))
+            p = dpzero.make_private(model(), dataset=data, sample_rate=1.0, noise_multiplier=0.0,
+                                    allow_no_noise=True, max_grad_norm=c, clipping="adaptive",
+                                    unclipped_num_std=0.0, lr=1.0, seed=5, loss_reduction="sum",
+                                    target_unclipped_quantile=0.5, clipbound_learning_rate=0.5,
+                                    min_clipbound=1e-3, max_clipbound=1e3)
+            for (inputs, _) in p.data_loader:
+                p.model(inputs).sum().backward()
+                if p.optimizer.step():
+                    break
+            ratio = p.privacy_engine.max_grad_norm / c
+            counts.append(-math.log(ratio) / 0.5 * n)
+        own = _share(norm, c) - 0.5
+        assert counts[1] - counts[0] == pytest.approx(own, abs=1e-4), (c, counts)
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and dpzero._C.with_cuda else [])
@@ -458,9 +504,10 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and dpzero._C.with_cu
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_rows_norm_is_the_same_in_every_batch(device):
-    """The premise of Note [adaptive clipping]: each kernel's certified norm of one row is the
-    same to the bit whatever the other rows of its batch are, and however many (ghost and direct
-    linear norms, a sequence, conv, layer norm, embedding)."""
+    """dpzero's own norm kernels add no dependence on the batch: each kernel's certified norm of
+    one row is the same to the bit whatever the other rows of its batch are, and however many
+    (ghost and direct linear norms, a sequence, conv, layer norm, embedding). torch's GEMMs before
+    them do depend on it, which Note [adaptive clipping]'s shares absorb."""
     ops = torch.ops.dpzero
     g = torch.Generator().manual_seed(0)
 

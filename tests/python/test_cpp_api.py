@@ -281,6 +281,8 @@ ROWS = [
     ("C=inf with noise", {"max_grad_norm": math.inf}, None, "noise needs a finite max_grad_norm"),
     ("sigma*C overflows", {"noise_multiplier": 1e200, "max_grad_norm": 1e200}, None,
      "noise_multiplier * max_grad_norm must be finite, got 1e+200 * 1e+200"),
+    ("sigma*C past float32", {"noise_multiplier": 1e30, "max_grad_norm": 1e10}, None,
+     "must be finite, got 1e+30 * 1e+10 (above float32's 3.4028234663852886e+38)"),
     ("q=0", {"sample_rate": 0.0}, None, "sample_rate must be in (0, 1], got 0"),
     ("q>1", {"sample_rate": 1.5}, None, "sample_rate must be in (0, 1], got 1.5"),
     ("cap<1", {"max_physical_batch_size": -1}, None, "max_physical_batch_size must be >= 1"),
