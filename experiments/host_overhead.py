@@ -9,8 +9,6 @@ Systems (each a full step: forward, backward, clipping where private, noise, upd
   torch            non-private PyTorch (the floor)
   dpzero           dpzero.make_private at ZeRO stage 0, flat clipping, σ = 1
   dpzero-sum       the same with the loss summed (loss_reduction="sum"): no mean-loss scaling
-  dpzero-adaptive  dpzero-sum with clipping="adaptive" (σ_b = 1), which needs the summed loss:
-                   the count of unclipped examples, its agreement and the bound's update on top
   opacus-hooks     Opacus 1.6, grad_sample_mode="hooks" (its grad samplers; torch.func for the
                    modules it has none for, such as transformers' Conv1D), given position ids
                    [B, T] (with GPT-2's own [1, T] its step fails)
@@ -44,8 +42,7 @@ from bench_common import (dpzero_version, interleaved_steps, paired_ratios,  # n
 
 LAYERS, WIDTH, HEADS, T, B, VOCAB = 12, 64, 4, 16, 4, 256
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "host.md")
-SYSTEMS = ("torch", "dpzero", "dpzero-sum", "dpzero-adaptive", "opacus-hooks",
-           "opacus-functorch")
+SYSTEMS = ("torch", "dpzero", "dpzero-sum", "opacus-hooks", "opacus-functorch")
 
 
 def build() -> torch.nn.Module:
@@ -91,13 +88,9 @@ class System:
             self.model, self.opt = model, torch.optim.SGD(model.parameters(), lr=0.01)
         elif name.startswith("dpzero"):
             self.reduction = "mean" if name == "dpzero" else "sum"
-            extra = dict(loss_reduction=self.reduction)
-            if name == "dpzero-adaptive":
-                extra.update(clipping="adaptive", min_clipbound=0.01, max_clipbound=100.0,
-                             unclipped_num_std=1.0)
             self.p = dpzero.make_private(model, dataset=self.data, batch_size=B,
                                          noise_multiplier=1.0, max_grad_norm=1.0, lr=0.01,
-                                         seed=0, **extra)
+                                         seed=0, loss_reduction=self.reduction)
         else:
             from opacus import PrivacyEngine
 

@@ -57,12 +57,11 @@ DPZERO_HOST_DEVICE void box_muller_f64(double radius, double u2, double& z0, dou
   z1 = radius * sin(kTwoPi * u2);
 }
 
-// The two secure N(0, 1) draws of coordinates 2*pair and 2*pair + 1 at `step`, of `stream`
-// (streams.h; the gradient noise's by default).
+// The two secure N(0, 1) draws of coordinates 2*pair and 2*pair + 1 at `step`.
 DPZERO_HOST_DEVICE void secure_normal2(const ChaCha20Key& key, uint32_t step, uint64_t pair,
-                                       double out[2], uint32_t stream = kNoiseStream) {
+                                       double out[2]) {
   const ChaCha20Block b = chacha20_block(key, static_cast<uint32_t>(pair),
-                                         static_cast<uint32_t>(pair >> 32), step, stream);
+                                         static_cast<uint32_t>(pair >> 32), step, kNoiseStream);
   double sum0 = 0.0, sum1 = 0.0;
   for (int p = 0; p < kSecureSummands; ++p) {
     const uint32_t* w = &b.w[4 * p];

@@ -8,6 +8,5 @@ namespace dpzero::privacy {
 
 constexpr uint32_t kNoiseStream = 0x6e6f6973u;    // "nois"
 constexpr uint32_t kSamplerStream = 0x73616d70u;  // "samp"
-constexpr uint32_t kClipCountStream = 0x636c6970u;  // "clip": Note [adaptive clipping]'s count
 
 }  // namespace dpzero::privacy

@@ -12,7 +12,6 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 
-#include "privacy/adaptive_clipping.h"
 #include "python/csrc/bindings.h"
 #include "src/dp/book.h"
 #include "src/dp/clip_group.h"
@@ -88,7 +87,6 @@ void bind_dp(py::module_ m) {
   py::class_<dp::StepStats>(m, "StepStats", "What one logical step's micro-batches produced")
       .def_readonly("samples", &dp::StepStats::samples)
       .def_readonly("dropped", &dp::StepStats::dropped)
-      .def_readonly("unclipped", &dp::StepStats::unclipped)
       .def_readonly("micro_batches", &dp::StepStats::micro_batches);
 
   using Slot = std::optional<std::tuple<int64_t, int64_t, int64_t, std::vector<int64_t>>>;
@@ -99,8 +97,7 @@ void bind_dp(py::module_ m) {
       .def(py::init([](const std::vector<Layer>& layers, std::vector<double> thresholds,
                        std::vector<int64_t> group_components, std::string mode, double gamma,
                        bool mean_loss, std::vector<int64_t> unit_numel,
-                       std::vector<at::Device> unit_device, zero::ZeroState& zero,
-                       bool count_unclipped) {
+                       std::vector<at::Device> unit_device, zero::ZeroState& zero) {
              std::vector<dp::BookLayer> book_layers;
              for (const auto& [name, ops, slots, component, group] : layers) {
                dp::BookLayer layer{name, ops, {}, component, group};
@@ -116,13 +113,13 @@ void bind_dp(py::module_ m) {
              }
              dp::BookOptions options{std::move(thresholds), std::move(group_components),
                                      std::move(mode), gamma, mean_loss, std::move(unit_numel),
-                                     std::move(unit_device), count_unclipped};
+                                     std::move(unit_device)};
              return std::make_shared<dp::Book>(std::move(book_layers), std::move(options),
                                                zero);
            }),
            py::arg("layers"), py::arg("thresholds"), py::arg("group_components"),
            py::arg("mode"), py::arg("gamma"), py::arg("mean_loss"), py::arg("unit_numel"),
-           py::arg("unit_device"), py::arg("zero"), py::arg("count_unclipped") = false,
+           py::arg("unit_device"), py::arg("zero"),
            py::keep_alive<1, 10>(),  // the book hands units to the ZeRO state
            "layers: per DP layer (name, LayerOps or None for the generic path, per parameter "
            "(unit, offset, numel, shape) or None where frozen, component, group)")
@@ -161,7 +158,6 @@ void bind_dp(py::module_ m) {
            "Reads the flag tensors `checks` and the dropped count in one transfer per device: "
            "per tensor, its flags as bools")
       .def("take_stats", &dp::Book::take_stats)
-      .def("threshold", &dp::Book::threshold, "The one group's threshold C")
       .def_property_readonly("micro_batches", &dp::Book::micro_batches)
       .def_property("error", &dp::Book::error, &dp::Book::set_error,
                     "the privacy violation that makes the step refuse, or None")
@@ -201,30 +197,7 @@ void bind_dp(py::module_ m) {
       .def_readonly("noise_index", &dp::StepOutcome::noise_index)
       .def_readonly("caller_sampled", &dp::StepOutcome::caller_sampled)
       .def_readonly("samples", &dp::StepOutcome::samples)
-      .def_readonly("dropped", &dp::StepOutcome::dropped)
-      .def_readonly("max_grad_norm", &dp::StepOutcome::max_grad_norm);
-  py::class_<privacy::AdaptiveClipping>(
-      m, "AdaptiveClipping", "Note [adaptive clipping] (privacy/adaptive_clipping.h)")
-      .def(py::init<>())
-      .def_readwrite("target_unclipped_quantile",
-                     &privacy::AdaptiveClipping::target_unclipped_quantile)
-      .def_readwrite("clipbound_learning_rate",
-                     &privacy::AdaptiveClipping::clipbound_learning_rate)
-      .def_readwrite("min_clipbound", &privacy::AdaptiveClipping::min_clipbound)
-      .def_readwrite("max_clipbound", &privacy::AdaptiveClipping::max_clipbound)
-      .def_readwrite("unclipped_num_std", &privacy::AdaptiveClipping::unclipped_num_std);
-  m.def("check_clipbound", &privacy::check_clipbound, py::arg("adaptive"), py::arg("clip"),
-        "ValueError naming clip unless it lies in [min_clipbound, max_clipbound]");
-  m.def("gradient_noise_multiplier", &privacy::gradient_noise_multiplier, py::arg("adaptive"),
-        py::arg("noise_multiplier"),
-        "Note [adaptive clipping]: the gradient's noise multiplier (z^-2 - (2 sigma_b)^-2)^-1/2");
-  m.def("count_noise_draw",
-        [](int64_t seed, int64_t step) {
-          return privacy::count_noise_draw(static_cast<uint64_t>(seed),
-                                           static_cast<uint32_t>(step));
-        },
-        py::arg("seed"), py::arg("step"),
-        "Note [adaptive clipping]: the count's N(0, 1) draw at charge index step (Philox seed)");
+      .def_readonly("dropped", &dp::StepOutcome::dropped);
   // ---- the run's rules (src/dp/run.h, Note [one set of rules]) ------------------------------
   py::class_<dp::RunSettings>(m, "RunSettings",
                               "The settings every front door has, as the run's rules read them")
@@ -238,7 +211,6 @@ void bind_dp(py::module_ m) {
       .def_readwrite("loss_reduction", &dp::RunSettings::loss_reduction)
       .def_readwrite("clipping", &dp::RunSettings::clipping)
       .def_readwrite("automatic_gamma", &dp::RunSettings::automatic_gamma)
-      .def_readwrite("adaptive", &dp::RunSettings::adaptive)
       .def_readwrite("accountant", &dp::RunSettings::accountant)
       .def_readwrite("zero_stage", &dp::RunSettings::zero_stage)
       .def_readwrite("bands", &dp::RunSettings::bands)
@@ -393,10 +365,6 @@ void bind_dp(py::module_ m) {
       .def_property_readonly("charges", &dp::PrivateStep::charges)
       .def_property_readonly("rows", &dp::PrivateStep::rows)
       .def_property_readonly("equivalent_steps", &dp::PrivateStep::equivalent_steps)
-      .def_property_readonly("max_grad_norm", &dp::PrivateStep::max_grad_norm,
-                             "The bound the next step clips at (Note [adaptive clipping])")
-      .def("set_max_grad_norm", &dp::PrivateStep::set_max_grad_norm, py::arg("clip"),
-           "An adaptive run's checkpointed bound, between steps")
       .def_property_readonly("accountant", &dp::PrivateStep::accountant)
       .def("restore", &dp::PrivateStep::restore, py::arg("charges"), py::arg("accountant"),
            py::arg("rows") = 0,

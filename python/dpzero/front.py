@@ -39,11 +39,6 @@ def make_private(
     clipping_groups: Optional[Sequence[Sequence[str]]] = None,
     group_weights: Optional[Sequence[float]] = None,
     automatic_gamma: float = DEFAULT_AUTOMATIC_GAMMA,
-    target_unclipped_quantile: Optional[float] = None,
-    clipbound_learning_rate: Optional[float] = None,
-    min_clipbound: Optional[float] = None,
-    max_clipbound: Optional[float] = None,
-    unclipped_num_std: Optional[float] = None,
     isolation: str = DEFAULT_ISOLATION,
     loss_reduction: str = DEFAULT_LOSS_REDUCTION,
     allow_no_noise: bool = False,
@@ -86,11 +81,7 @@ def make_private(
         root of the prefix sums) or "optimized" (the banded strategy of least expected error for
         this run's length, which epochs or steps must give; Note [run strategy]). ε is the same.
     max_grad_norm: C. clipping: "flat" | "layer" | "group" (with clipping_groups, a list of lists
-        of module-name prefixes, and optional group_weights) | "automatic" (automatic_gamma) |
-        "adaptive": flat clipping at a bound that follows a quantile of the norms, C its first
-        value (Andrew et al. 2021; Note [adaptive clipping]): target_unclipped_quantile (0.5),
-        clipbound_learning_rate (0.2), min_clipbound and max_clipbound (the bound's range),
-        unclipped_num_std (the count's noise, > noise_multiplier / 2), Opacus's names.
+        of module-name prefixes, and optional group_weights) | "automatic" (automatic_gamma).
     zero_stage: 0-3; units, process_group as for :func:`dpzero.shard`.
     max_physical_batch_size: micro-batch cap m (the loader splits logical batches).
     policy="auto" (+ plan_step=(model, batch) -> loss, memory_budget bytes per rank): profile
@@ -125,10 +116,7 @@ def make_private(
         target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs, steps=steps,
         max_grad_norm=max_grad_norm,
         clipping=clipping, clipping_groups=clipping_groups, group_weights=group_weights,
-        automatic_gamma=automatic_gamma, target_unclipped_quantile=target_unclipped_quantile,
-        clipbound_learning_rate=clipbound_learning_rate, min_clipbound=min_clipbound,
-        max_clipbound=max_clipbound, unclipped_num_std=unclipped_num_std,
-        isolation=isolation, loss_reduction=loss_reduction,
+        automatic_gamma=automatic_gamma, isolation=isolation, loss_reduction=loss_reduction,
         allow_no_noise=allow_no_noise, accountant=accountant, epsilon_budget=epsilon_budget,
         budget_delta=budget_delta, seed=seed, ledger_path=ledger_path, run_id=run_id,
         diagnostics_path=diagnostics_path, zero_stage=zero_stage, units=units,

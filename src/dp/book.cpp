@@ -12,8 +12,6 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include "kernels/per_sample_ops.h"
-#include "privacy/adaptive_clipping.h"
-#include "privacy/clipping.h"
 #include "src/dp/clip_group.h"
 #include "src/zero/state.h"
 
@@ -47,14 +45,8 @@ void rethrow_from_engine(const PrivacyError& error) {
 }
 
 Book::Book(std::vector<BookLayer> layers, BookOptions options, zero::ZeroState& engine)
-    : layers_(std::move(layers)),
-      options_(std::move(options)),
-      engine_(engine),
-      thresholds_(options_.thresholds) {
+    : layers_(std::move(layers)), options_(std::move(options)), engine_(engine) {
   const size_t groups = options_.thresholds.size();
-  TORCH_CHECK(!options_.count_unclipped || (groups == 1 && options_.mode == "flat"),
-              "dpzero::dp::Book: counting unclipped examples needs one flat clipping group, got ",
-              groups, " group(s) of mode '", options_.mode, "'");
   TORCH_CHECK(options_.group_components.size() == groups, "dpzero::dp::Book: ", groups,
               " thresholds but ", options_.group_components.size(), " group sizes");
   TORCH_CHECK(options_.unit_device.size() == options_.unit_numel.size(),
@@ -183,7 +175,6 @@ void Book::reset_micro_batch() {
   handed_.clear();
   batch_.reset();
   dropped_mask_ = at::Tensor();
-  unclipped_shares_ = at::Tensor();
   inputs_.clear();  // what early norms read and wrote is recorded on their streams
 }
 
@@ -304,7 +295,7 @@ bool Book::fused(const Part& part) const {
   const BookLayer& layer = layers_[part.layer];
   return group_state_.at(layer.group).parts.size() == 1 &&
          options_.group_components[layer.group] == 1 &&
-         std::isfinite(thresholds_[layer.group]);
+         std::isfinite(options_.thresholds[layer.group]);
 }
 
 void Book::on_backward(int64_t generation, int64_t index, const at::Tensor& a, at::Tensor g) {
@@ -391,17 +382,17 @@ void Book::report_per_sample_rows(int64_t index, int64_t begin, std::vector<at::
     }
     TORCH_CHECK(n > 0, "dpzero::dp::Book: layer '", layer.name, "' reported no gradient");
     if (!batch_) {
-      start_masks(part.rows, grads[0].defined() ? grads[0].options()
-                                                 : at::TensorOptions());
+      batch_ = part.rows;
+      dropped_mask_ = at::zeros({*batch_}, grads[0].defined()
+                                               ? grads[0].options().dtype(at::kBool)
+                                               : at::TensorOptions().dtype(at::kBool));
     }
-    const double threshold = thresholds_[layer.group];
+    const double threshold = options_.thresholds[layer.group];
     at::Tensor factors;
     if (std::isfinite(threshold)) {  // fused: G was scaled for a mean loss (take_rows)
-      const at::Tensor sq = per_sample_sq_norms(grads);
-      factors = std::get<0>(
-          ps::clip_from_sq_norms(sq.to(at::kDouble), threshold, options_.mode, options_.gamma));
+      factors = std::get<0>(ps::clip_from_sq_norms(per_sample_sq_norms(grads).to(at::kDouble),
+                                                   threshold, options_.mode, options_.gamma));
       dropped_mask_.narrow(0, begin, n).logical_or_(factors == 0);
-      if (options_.count_unclipped) note_unclipped(group_norms({{sq}}), begin);
     } else {  // C = inf: no clipping; the mean loss scales the factors (Note [mean loss])
       const at::Tensor& first = *std::find_if(grads.begin(), grads.end(),
                                               [](const at::Tensor& t) { return t.defined(); });
@@ -456,30 +447,26 @@ void Book::report(int64_t index, Kept in, bool per_sample) {
     any = true;
   }
   TORCH_CHECK(any, "dpzero::dp::Book: layer '", layer.name, "' reported no gradient");
-  if (!batch_) start_masks(part.rows, first.options());
+  if (!batch_) {
+    batch_ = part.rows;
+    dropped_mask_ = at::zeros({*batch_}, first.options().dtype(at::kBool));
+  }
   GroupState& gs = group_state_.at(layer.group);
-  const double threshold = thresholds_[layer.group];
+  const double threshold = options_.thresholds[layer.group];
   const bool clip = std::isfinite(threshold);
   ++gs.received;
   if (fused(part)) {
     // A singleton group: norm, factors and clipped sum in one fused op, in this backward.
     at::Tensor factors;
-    at::Tensor sq;  // the certified squared norms, where counting needs them
     if (per_sample) {
-      sq = per_sample_sq_norms(in.grads);
-      factors = std::get<0>(
-          ps::clip_from_sq_norms(sq.to(at::kDouble), threshold, options_.mode, options_.gamma));
+      factors = std::get<0>(ps::clip_from_sq_norms(per_sample_sq_norms(in.grads).to(at::kDouble),
+                                                   threshold, options_.mode, options_.gamma));
       add_per_sample_clipped_sums(in.grads, factors, dests(layer));
-    } else if (options_.count_unclipped) {  // the fused op keeps its norms to itself
-      std::tie(factors, sq) = layer.ops->clip_into_with_norms(in.a, in.g, threshold,
-                                                              options_.mode, options_.gamma,
-                                                              dests(layer));
     } else {
       factors =
           layer.ops->clip_into(in.a, in.g, threshold, options_.mode, options_.gamma, dests(layer));
     }
     note_factors(factors);
-    if (options_.count_unclipped) note_unclipped(group_norms({{sq}}), 0);
     part.done = true;
     gs.complete = true;
     delivered(layer);
@@ -564,7 +551,7 @@ bool Book::pending_kind(int64_t index) const {
   const Part& part = parts_[index];
   const BookLayer& layer = layers_[part.layer];
   return layer.ops && layer.ops->shares_input() &&
-         std::isfinite(thresholds_[layer.group]) && !fused(part);
+         std::isfinite(options_.thresholds[layer.group]) && !fused(part);
 }
 
 // Note [norms when their input is done]
@@ -658,7 +645,7 @@ void Book::complete(int64_t group) {
   }
   if (parts.empty()) return;
   for (const int64_t index : parts) check_unwritten(index);
-  const double threshold = thresholds_[group];
+  const double threshold = options_.thresholds[group];
   at::Tensor factors;
   if (std::isfinite(threshold)) {
     for (const int64_t index : parts) {  // Note [kept inputs stay unwritten]
@@ -685,11 +672,9 @@ void Book::complete(int64_t group) {
     std::vector<std::vector<at::Tensor>> components;
     for (const int64_t c : order) components.push_back(std::move(by_component[c]));
     // Norms, factors and their mean-loss scaling in one pass (Note [mean loss]).
-    at::Tensor norms;
-    std::tie(factors, norms) =
-        group_clip(components, mean_scale(), threshold, options_.mode, options_.gamma);
+    factors = std::get<0>(group_clip(components, mean_scale(), threshold, options_.mode,
+                                     options_.gamma));
     note_factors(factors);
-    if (options_.count_unclipped) note_unclipped(norms, 0);
   } else {  // C = inf: no clipping (non-private training through the same path)
     factors = mean_scaled_factors(at::ones({*batch_}, dropped_mask_.options().dtype(at::kFloat)),
                                   mean_scale());  // Note [mean loss]
@@ -722,22 +707,6 @@ void Book::add_kept_clipped_sums(const Part& part, const at::Tensor& factors) {
 
 int64_t Book::mean_scale() const {
   return options_.mean_loss && !padding_ && batch_ && *batch_ > 0 ? *batch_ : 1;
-}
-
-void Book::start_masks(int64_t rows, const at::TensorOptions& like) {
-  batch_ = rows;
-  dropped_mask_ = at::zeros({rows}, like.dtype(at::kBool));
-  if (options_.count_unclipped) unclipped_shares_ = at::zeros({rows}, like.dtype(at::kLong));
-}
-
-void Book::note_unclipped(const at::Tensor& norms, int64_t begin) {
-  // Note [adaptive clipping]: each row's share, in units of 2^-24, floored; a NaN norm's is 0.
-  const double c = thresholds_[0];
-  const at::Tensor share = ((c - norms.to(at::kDouble)) / (privacy::kUnclippedRamp * c) + 0.5)
-                               .clamp(0.0, 1.0)
-                               .nan_to_num(0.0);
-  unclipped_shares_.narrow(0, begin, norms.size(0))
-      .copy_(at::floor(share * privacy::kShareUnits).to(at::kLong));
 }
 
 void Book::note_factors(const at::Tensor& factors) {
@@ -830,11 +799,6 @@ void Book::finish_backward() {
       stats_.samples += *batch_;
       const at::Tensor dropped = dropped_mask_.sum();  // stays on the device until take_stats
       dropped_ = dropped_.defined() ? dropped_ + dropped.to(dropped_.device()) : dropped;
-      if (options_.count_unclipped) {
-        const at::Tensor unclipped = unclipped_shares_.sum();
-        unclipped_ =
-            unclipped_.defined() ? unclipped_ + unclipped.to(unclipped_.device()) : unclipped;
-      }
     }
     ++stats_.micro_batches;
   } catch (const std::exception& e) {
@@ -856,9 +820,7 @@ std::vector<std::vector<bool>> Book::read_checks(const std::vector<at::Tensor>& 
     const at::Tensor flat = c.reshape({-1});
     pieces.push_back((flat.scalar_type() == at::kBool ? flat : flat.ne(0)).to(at::kLong));
   }
-  const size_t counts = pieces.size();  // the step's counts follow the checks
   if (dropped_.defined()) pieces.push_back(dropped_.reshape({1}));
-  if (unclipped_.defined()) pieces.push_back(unclipped_.reshape({1}));
   std::vector<std::vector<int64_t>> values(pieces.size());
   std::vector<bool> read(pieces.size(), false);
   for (size_t i = 0; i < pieces.size(); ++i) {
@@ -879,14 +841,9 @@ std::vector<std::vector<bool>> Book::read_checks(const std::vector<at::Tensor>& 
       read[j] = true;
     }
   }
-  size_t next = counts;
   if (dropped_.defined()) {
-    stats_.dropped += values[next++][0];
+    stats_.dropped += values.back()[0];
     dropped_ = at::Tensor();
-  }
-  if (unclipped_.defined()) {
-    stats_.unclipped += values[next++][0];
-    unclipped_ = at::Tensor();
   }
   std::vector<std::vector<bool>> out;
   for (size_t i = 0; i < checks.size(); ++i) {
@@ -898,30 +855,11 @@ std::vector<std::vector<bool>> Book::read_checks(const std::vector<at::Tensor>& 
 
 StepStats Book::take_stats() {
   Lock lock(mutex_);
-  // The counts read_checks has not read yet, in its one transfer.
-  if (dropped_.defined() || unclipped_.defined()) read_checks({});
   StepStats stats = stats_;
+  if (dropped_.defined()) stats.dropped += dropped_.item<int64_t>();
   stats_ = StepStats();
+  dropped_ = at::Tensor();
   return stats;
-}
-
-void Book::set_threshold(double max_norm) {
-  Lock lock(mutex_);
-  TORCH_CHECK(thresholds_.size() == 1, "dpzero::dp::Book::set_threshold: the book has ",
-              thresholds_.size(), " clipping groups; a threshold is set for one");
-  TORCH_CHECK(max_norm > 0.0 && std::isfinite(max_norm),
-              "dpzero::dp::Book::set_threshold: the threshold must be finite and > 0, got ",
-              max_norm);
-  TORCH_CHECK(stats_.micro_batches == 0 && parts_.empty(),
-              "dpzero::dp::Book::set_threshold: ", stats_.micro_batches,
-              " micro-batch(es) of this logical batch were clipped at C=", thresholds_[0],
-              "; set the threshold between steps");
-  thresholds_[0] = max_norm;
-}
-
-double Book::threshold() const {
-  Lock lock(mutex_);
-  return thresholds_.at(0);
 }
 
 }  // namespace dpzero::dp

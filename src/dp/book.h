@@ -116,17 +116,12 @@ struct BookOptions {
   bool mean_loss = false;                 // Note [mean loss]
   std::vector<int64_t> unit_numel;        // per unit: its flat buffer's length
   std::vector<at::Device> unit_device;    // per unit: its buffer's device
-  bool count_unclipped = false;           // Note [adaptive clipping] (privacy/
-                                          // adaptive_clipping.h): one flat group; sums the
-                                          // examples' unclipped shares
 };
 
 // What the micro-batches of one logical step produced on this rank.
 struct StepStats {
   int64_t samples = 0;        // rows seen by the DP layers (padding excluded)
   int64_t dropped = 0;        // samples with a non-finite norm (factor 0)
-  int64_t unclipped = 0;      // with count_unclipped: the samples' unclipped shares, in units of
-                              // 2^-24 (Note [adaptive clipping])
   int64_t micro_batches = 0;  // backward passes that reached the clipping
 };
 
@@ -181,17 +176,11 @@ class Book : public std::enable_shared_from_this<Book> {
   void discard();
   // The step's one device-to-host read (Note [host reads of a step] in private_step.h): reads
   // `checks` (flag tensors of any shape, on any devices: nonzero where a check failed) together
-  // with the dropped (and unclipped) sample counts, one transfer per device, and keeps the
-  // counts for take_stats.
+  // with the dropped-sample count, one transfer per device, and keeps the count for take_stats.
   // Returns, per tensor of `checks`, its flags as host values, flattened.
   std::vector<std::vector<bool>> read_checks(const std::vector<at::Tensor>& checks);
-  // This step's figures; reads the counts (dropped, unclipped) here unless read_checks did.
+  // This step's figures; reads the dropped count here unless read_checks already did.
   StepStats take_stats();
-  // Note [adaptive clipping]: the next logical batch's threshold C (finite, > 0), for a book of
-  // one group. Refused while a logical batch has micro-batches, which were clipped at the old C.
-  void set_threshold(double max_norm);
-  double threshold() const;
-  bool counts_unclipped() const { return options_.count_unclipped; }
   int64_t micro_batches() const;
 
   // ---- what makes the step refuse -------------------------------------------------------------
@@ -257,12 +246,6 @@ class Book : public std::enable_shared_from_this<Book> {
   void add_kept_clipped_sums(const Part& part, const at::Tensor& factors);
   int64_t mean_scale() const;
   void note_factors(const at::Tensor& factors);
-  // This micro-batch's first report: its rows and the masks of its dropped (and unclipped)
-  // samples, on `like`'s device.
-  void start_masks(int64_t rows, const at::TensorOptions& like);
-  // Note [adaptive clipping]: the shares of rows [begin, begin + norms.size(0)) from their
-  // certified norms ([n] float32).
-  void note_unclipped(const at::Tensor& norms, int64_t begin);
   at::Tensor& unit_buffer(int64_t unit);
   std::vector<at::Tensor> dests(const BookLayer& layer);
   void delivered(const BookLayer& layer);
@@ -291,8 +274,6 @@ class Book : public std::enable_shared_from_this<Book> {
   bool queue_finish_ = false;
   StepStats stats_;
   at::Tensor dropped_;  // 0-dim int64: this step's dropped samples, unread (read_checks, take_stats)
-  at::Tensor unclipped_;  // 0-dim int64: likewise its unclipped shares (count_unclipped)
-  std::vector<double> thresholds_;  // per group: C_g (options_.thresholds, then set_threshold)
 
   // This micro-batch.
   int64_t generation_ = 0;
@@ -307,7 +288,6 @@ class Book : public std::enable_shared_from_this<Book> {
   std::set<int64_t> handed_;
   std::optional<int64_t> batch_;
   at::Tensor dropped_mask_;  // [B] bool
-  at::Tensor unclipped_shares_;  // [B] int64: each row's share (count_unclipped)
   std::map<InputKey, std::vector<int64_t>> inputs_;  // parts by their noted input
 };
 

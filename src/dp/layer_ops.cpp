@@ -287,16 +287,9 @@ Kept LayerOps::keep_pending(const at::Tensor&, const at::Tensor&) const {
 at::Tensor LayerOps::clip_into(const at::Tensor& a, const at::Tensor& g, double max_norm,
                                const std::string& mode, double gamma,
                                const std::vector<at::Tensor>& dests) const {
-  return std::get<0>(clip_into_with_norms(a, g, max_norm, mode, gamma, dests));
-}
-
-std::tuple<at::Tensor, at::Tensor> LayerOps::clip_into_with_norms(
-    const at::Tensor& a, const at::Tensor& g, double max_norm, const std::string& mode,
-    double gamma, const std::vector<at::Tensor>& dests) const {
-  at::Tensor sq = sq_norms(a, g);
-  at::Tensor factors = factors_of(sq, max_norm, mode, gamma);
+  const at::Tensor factors = factors_of(sq_norms(a, g), max_norm, mode, gamma);
   add_clipped_sums(a, g, factors, train_, dests);
-  return {std::move(factors), std::move(sq)};
+  return factors;
 }
 
 std::shared_ptr<LayerOps> linear_ops(Trainable train, bool transposed) {

@@ -17,7 +17,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -76,12 +75,6 @@ class LayerOps {
   virtual at::Tensor clip_into(const at::Tensor& a, const at::Tensor& g, double max_norm,
                                const std::string& mode, double gamma,
                                const std::vector<at::Tensor>& dests) const;
-  // clip_into in its three steps (norms, factors, sums), for a caller that needs the norms too
-  // (Note [adaptive clipping] in privacy/adaptive_clipping.h). -> (factors [B] float32, certified
-  // squared norms [B] float32)
-  std::tuple<at::Tensor, at::Tensor> clip_into_with_norms(
-      const at::Tensor& a, const at::Tensor& g, double max_norm, const std::string& mode,
-      double gamma, const std::vector<at::Tensor>& dests) const;
 
  protected:
   bool trains(size_t p) const { return p < train_.size() && train_[p]; }

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <exception>
 #include <utility>
 #include <vector>
@@ -39,7 +38,6 @@ std::string format_g(double value, int digits) {
 enum Agreed : size_t {
   kSamples,
   kDroppedRows,
-  kUnclipped,
   kRefused,
   kCaller,
   kSizes,
@@ -49,17 +47,8 @@ enum Agreed : size_t {
   kSteps,
   kStepSquares,
   kBad,
-  kClipChunks,                       // C's bits in kClipChunkCount chunks of 16, then their
-  kClipChunkCount = 4,               // squares (Note [one agreement per step])
-  kCount = kClipChunks + 2 * kClipChunkCount
+  kCount
 };
-
-// Chunk i of C's 64 bits: small enough that the ranks' sums of its square cannot overflow.
-int64_t clip_chunk(double clip, size_t i) {
-  uint64_t bits = 0;
-  std::memcpy(&bits, &clip, sizeof bits);
-  return static_cast<int64_t>((bits >> (16 * i)) & 0xffffu);
-}
 
 }  // namespace
 
@@ -117,19 +106,6 @@ PrivateStep::PrivateStep(std::shared_ptr<Book> book, zero::ZeroState& zero,
         ", got " + std::to_string(s.strategy.size()) + " coefficient(s)");
   }
   if (s.bands > 1) band_norm_ = privacy::BandedToeplitz(s.strategy).column_norm(s.bands, 0);
-  if (s.adaptive) {
-    if (s.bands > 1) {
-      throw std::invalid_argument(
-          "PrivateStep: adaptive clipping with bands=" + std::to_string(s.bands) +
-          ": Note [adaptive clipping]'s accounting is DP-SGD's (independent noise); use bands=1");
-    }
-    privacy::check_adaptive_clipping(*s.adaptive, s.noise_multiplier, s.max_grad_norm);
-    if (!book_->counts_unclipped()) {
-      throw std::invalid_argument("PrivateStep: adaptive clipping needs a book that counts the "
-                                  "unclipped examples (BookOptions::count_unclipped)");
-    }
-  }
-  clip_ = s.max_grad_norm;
   set_noise_key(settings_.noise_key);
   restore(charges, accountant_, rows);
 }
@@ -153,18 +129,6 @@ void PrivateStep::restore(int64_t charges, std::shared_ptr<accounting::Accountan
   rows_ = rows;
   accounted_ = equivalent_steps();
   accountant_ = std::move(accountant);
-}
-
-void PrivateStep::set_max_grad_norm(double clip) {
-  const StepSettings& s = settings_;
-  if (!s.adaptive) {
-    throw std::invalid_argument("PrivateStep: the clip bound changes only with adaptive clipping; "
-                                "this run clips at max_grad_norm=" +
-                                format_double(s.max_grad_norm) + ", got " + format_double(clip));
-  }
-  privacy::check_clipbound(*s.adaptive, clip);
-  book_->set_threshold(clip);
-  clip_ = clip;
 }
 
 int64_t PrivateStep::equivalent_steps() const {
@@ -192,30 +156,6 @@ void PrivateStep::charge(int64_t k, int64_t t) {
     accountant_->step(s.sample_rate, s.noise_multiplier, owed - accounted_);
   }
   accounted_ = owed;
-}
-
-void PrivateStep::adapt(int64_t k, int64_t unclipped, int64_t samples) {
-  // Note [adaptive clipping]: s̃ = Σ (b_i − ½) + σ_b z, the same on every rank (the agreed sums,
-  // and z drawn from the run's key at the charge index).
-  const StepSettings& s = settings_;
-  const NoiseKey& key = s.noise_key;
-  const auto step = static_cast<uint32_t>(k);
-  double z = 0.0;
-  if (s.adaptive->unclipped_num_std > 0.0) {
-    if (key.secure) {
-      privacy::ChaCha20Key words{};
-      for (size_t i = 0; i < 8; ++i) words.w[i] = static_cast<uint32_t>(key.key[i]);
-      z = privacy::count_noise_draw(words, step);
-    } else {
-      z = privacy::count_noise_draw(static_cast<uint64_t>(key.seed), step);
-    }
-  }
-  const double centred = static_cast<double>(unclipped) / privacy::kShareUnits -
-                         0.5 * static_cast<double>(samples) + s.adaptive->unclipped_num_std * z;
-  const double expected = s.sample_rate * static_cast<double>(s.dataset_size);
-  const double next = privacy::next_clipbound(*s.adaptive, clip_, centred, expected);
-  book_->set_threshold(next);
-  clip_ = next;
 }
 
 void PrivateStep::collective_failed(const char* what, int64_t step, ChargeState state,
@@ -256,16 +196,6 @@ StepOutcome PrivateStep::take(const StepRequest& request) {
   }
 }
 
-bool PrivateStep::same_clip(const std::vector<int64_t>& all, int64_t w) const {
-  for (size_t i = 0; i < kClipChunkCount; ++i) {
-    const int64_t chunk = clip_chunk(clip_, i);
-    if (all[kClipChunks + i] != w * chunk ||
-        all[kClipChunks + kClipChunkCount + i] != w * chunk * chunk)
-      return false;
-  }
-  return true;
-}
-
 StepOutcome PrivateStep::transact(const StepRequest& request) {
   const StepSettings& s = settings_;
   const comm::Collectives& comm = zero_.comm();
@@ -301,7 +231,6 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
   std::vector<int64_t> mine(kCount, 0);
   mine[kSamples] = stats.samples;
   mine[kDroppedRows] = stats.dropped;
-  mine[kUnclipped] = stats.unclipped;
   mine[kRefused] = refusal ? 1 : 0;
   mine[kCaller] = request.caller_sampled ? 1 : 0;
   mine[kSizes] = size_ok ? size : 0;
@@ -311,10 +240,6 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
   mine[kSteps] = t;
   mine[kStepSquares] = t * t;
   mine[kBad] = request.bad_settings ? 1 : 0;
-  for (size_t i = 0; i < kClipChunkCount; ++i) {
-    mine[kClipChunks + i] = clip_chunk(clip_, i);
-    mine[kClipChunks + kClipChunkCount + i] = mine[kClipChunks + i] * mine[kClipChunks + i];
-  }
   const std::vector<int64_t> all = collective("agreeing on the step", t, ChargeState::kNotCharged,
                                               [&] { return comm.all_reduce_sum(mine); });
   if (all[kRefused] != 0) {
@@ -336,9 +261,6 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
   } else if (all[kCharges] != w * k || all[kChargeSquares] != w * k * k) {
     disagreement = "the ranks have charged different numbers of steps (this rank " +
                    std::to_string(k) + "): every rank must load the same checkpoint";
-  } else if (!same_clip(all, w)) {
-    disagreement = "the ranks clip at different bounds (this rank max_grad_norm=" +
-                   format_double(clip_) + "): every rank must load the same checkpoint";
   } else if (all[kSteps] != w * t || all[kStepSquares] != w * t * t) {
     disagreement = "the ranks are at different logical steps (this rank " + std::to_string(t) +
                    "): every rank must draw its batches from the same sampler position";
@@ -356,7 +278,7 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
   }
 
   // 3. The budget.
-  const double sigma = s.noise_multiplier, c = clip_, q = s.sample_rate;
+  const double sigma = s.noise_multiplier, c = s.max_grad_norm, q = s.sample_rate;
   if (s.max_steps && s.bands == 1 && k + 1 > *s.max_steps) {
     throw BudgetExhausted("the privacy budget " + s.budget + " allows " +
                           std::to_string(*s.max_steps) + " steps at sigma=" + format_double(sigma) +
@@ -428,14 +350,10 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
       collective("the noisy update", t, ChargeState::kCharged,
                  [&] { zero_.private_update(&noise, grad_scale); });
     } else {
-      // Note [adaptive clipping]: the gradient's share of the step's noise is σ_Δ >= σ.
-      const double grad_sigma =
-          s.adaptive ? privacy::gradient_noise_multiplier(*s.adaptive, sigma) : sigma;
-      StepNoise noise(grad_sigma > 0.0 ? grad_sigma * c : 0.0, s.noise_key, k);
+      StepNoise noise(sigma > 0.0 ? sigma * c : 0.0, s.noise_key, k);
       collective("the noisy update", t, ChargeState::kCharged,
                  [&] { zero_.private_update(&noise, grad_scale); });
     }
-    if (s.adaptive) adapt(k, all[kUnclipped], all[kSamples]);
   } catch (const CollectiveError&) {
     throw;
   } catch (const std::exception& e) {
@@ -443,7 +361,7 @@ StepOutcome PrivateStep::transact(const StepRequest& request) {
         UpdateError(update_error_text(comm.rank(), comm.world_size(), t, k, e.what())));
   }
   failpoints_.hit("after_update", k, comm.rank());
-  return StepOutcome{t, k, caller, all[kSamples], all[kDroppedRows], c};
+  return StepOutcome{t, k, caller, all[kSamples], all[kDroppedRows]};
 }
 
 }  // namespace dpzero::dp

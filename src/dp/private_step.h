@@ -7,11 +7,10 @@
 //   1. verdict    this rank's own refusal, if any: the book's error (a gradient that escaped
 //                 clipping or would count twice), a stale logical batch, a forward whose
 //                 backward has not run, or the caller's (StepRequest::refusal).
-//   2. agreement  one all-reduce of [samples, dropped, unclipped, refused, caller-sampled, s,
-//                 s², k, k², t, t², bad settings, C's bits in chunks and their squares] (Note
-//                 [one agreement per step]); any rank's refusal, unequal logical batch sizes,
-//                 charge counts, bounds or steps, or more clipped rows than examples refuses
-//                 the step everywhere.
+//   2. agreement  one all-reduce of [samples, dropped, refused, caller-sampled, s, s², k, k²,
+//                 t, t², bad settings] (Note [one agreement per step]); any rank's refusal,
+//                 unequal logical batch sizes, charge counts or steps, or more clipped rows
+//                 than examples refuses the step everywhere.
 //   3. budget     a charge past max_steps is refused (BudgetExhausted; with bands, the
 //                 equivalent steps: Note [banded steps]).
 //   4. ledger     rank 0 appends the step's record and fsyncs it (accounting/ledger.h); every
@@ -22,8 +21,6 @@
 //                 at the charge index (Note [noise index]) on exactly the coordinates
 //                 this rank updates, the sum scaled by 1/(q·N), the optimizer. With bands:
 //                 the banded noise of row t, the sum scaled by b/(q·N) (Note [banded steps]).
-//                 With adaptive clipping: the gradient's noise σ_Δ·C_t, then the noisy count
-//                 of unclipped examples gives the next step's C (Note [adaptive clipping]).
 // A refusal in 1–4 charges nothing. Whatever stops a step before its update completes drops the
 // logical batch (the book's micro-batches, the ZeRO state's gradients), so no gradient of it can be
 // released later under another step's charge. Failpoints (Note [failpoints] in failpoints.h) sit
@@ -71,10 +68,7 @@
 // Σ s² = W·s_r², which hold together only if every s equals s_r (the variance Σ s²/W − (Σ s/W)²
 // is then 0), so either every rank passes or none does. The charge count k is checked the same
 // way: the budget guard and the noise index read it, and a rank with another k would stop alone
-// or draw other noise. So is the bound C (its 64 bits in four 16-bit chunks, whose squares'
-// sums cannot overflow): under adaptive clipping it moves, and a rank restored to another C
-// would clip at one bound while rank 0's ledger records and the noise is drawn at another.
-// The sums alone would not do: a rank whose
+// or draw other noise. The sums alone would not do: a rank whose
 // s is the mean of unequal sizes would pass while the others refuse, and wait alone in the ledger
 // agreement. Rows clipped beyond s mean some example reached the clipping twice (a micro-batch
 // back-propagated twice, or batches mixed); the sizes are named only when the caller gave them,
@@ -132,7 +126,6 @@
 
 #include "accounting/accountant.h"
 #include "accounting/ledger.h"
-#include "privacy/adaptive_clipping.h"
 #include "src/dp/book.h"
 #include "src/dp/correlated_noise.h"
 #include "src/dp/errors.h"
@@ -159,9 +152,6 @@ struct StepSettings {
   std::string budget;                // the budget as BudgetExhausted names it
                                      // ("epsilon=3.0 at delta=1e-05 (prv)")
   NoiseKey noise_key;          // the run's Philox seed or secure-mode key
-  // Note [adaptive clipping] (privacy/adaptive_clipping.h): max_grad_norm is the first step's
-  // bound, and the book counts unclipped examples; nullopt: the bound stays max_grad_norm.
-  std::optional<privacy::AdaptiveClipping> adaptive;
 };
 
 // What this rank brings to the step.
@@ -181,7 +171,6 @@ struct StepOutcome {
   bool caller_sampled = false;  // some rank's batch came from own_batch ("caller" in the ledger)
   int64_t samples = 0;          // rows clipped over all ranks (padding excluded)
   int64_t dropped = 0;          // of them, dropped for a non-finite norm
-  double max_grad_norm = 0.0;   // the bound C_t the step clipped at and noised with
 };
 
 class PrivateStep {
@@ -222,19 +211,9 @@ class PrivateStep {
   // without 8 words.
   void set_noise_key(NoiseKey key);
   const StepSettings& settings() const { return settings_; }
-  // The bound the next step clips at: max_grad_norm, or with adaptive clipping C_t (Note
-  // [adaptive clipping]). set_max_grad_norm restores a checkpoint's C_t (adaptive runs only; a
-  // value outside [min_clipbound, max_clipbound] is a std::invalid_argument) and gives it to the
-  // book, between steps.
-  double max_grad_norm() const { return clip_; }
-  void set_max_grad_norm(double clip);
 
  private:
   StepOutcome transact(const StepRequest& request);
-  // Whether every rank's C is this rank's, from the agreement's sums over `w` ranks.
-  bool same_clip(const std::vector<int64_t>& all, int64_t w) const;
-  // Note [adaptive clipping]: the next C from the agreed counts of the step at charge index k.
-  void adapt(int64_t k, int64_t unclipped, int64_t samples);
   // Counts step t as charged at index k, and the accountant composes every equivalent step it
   // has not yet.
   void charge(int64_t k, int64_t t);
@@ -256,7 +235,6 @@ class PrivateStep {
   // Note [banded steps]: bands > 1 only; rebuilt with the noise key.
   std::unique_ptr<CorrelatedNoise> banded_;
   double band_norm_ = 1.0;  // κ, the strategy's largest column norm
-  double clip_ = 0.0;       // the next step's C (Note [adaptive clipping])
 };
 
 }  // namespace dpzero::dp

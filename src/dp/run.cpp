@@ -63,11 +63,6 @@ std::vector<AgreedSetting> shared_settings(const RunSettings& s, bool secure) {
           text("loss_reduction", s.loss_reduction),
           text("clipping", s.clipping),
           number("automatic_gamma", s.automatic_gamma),
-          number("target_unclipped_quantile", s.adaptive.target_unclipped_quantile),
-          number("clipbound_learning_rate", s.adaptive.clipbound_learning_rate),
-          number("min_clipbound", s.adaptive.min_clipbound),
-          number("max_clipbound", s.adaptive.max_clipbound),
-          number("unclipped_num_std", s.adaptive.unclipped_num_std),
           text("accountant", s.accountant),
           integer("zero_stage", s.zero_stage),
           integer("bands", s.bands),
@@ -186,17 +181,6 @@ std::shared_ptr<accounting::Ledger> open_on_rank_0(const RunSettings& s, bool se
            ", this run has bands=" + std::to_string(s.bands) +
            ": its accounting would not hold. Give this run its own ledger path");
   if (s.bands > 1) strategy = ledger_strategy(ledger->header(), s, path);
-  // Note [adaptive clipping]: the header says how the run's bound moved, which the report reads.
-  const nlohmann::ordered_json& theirs = ledger->header().settings;
-  const nlohmann::ordered_json mine = ledger_settings(s, secure, world_size, strategy);
-  const auto adaptive_of = [](const nlohmann::ordered_json& settings) {
-    return settings.contains("adaptive") ? "clipping='adaptive' with " +
-                                               settings["adaptive"].dump()
-                                         : std::string("a fixed clip bound");
-  };
-  if (adaptive_of(theirs) != adaptive_of(mine))
-    refuse("ledger " + path + " is of a run with " + adaptive_of(theirs) + ", this run has " +
-           adaptive_of(mine) + ". Give this run its own ledger path");
   if (ledger->has_unnoised_steps())
     refuse("ledger " + path +
            " records steps without noise; a private run cannot continue it. Give this run its "
@@ -270,24 +254,9 @@ void check_run_settings(const RunSettings& s) {
   if (s.loss_reduction != "mean" && s.loss_reduction != "sum")
     refuse("loss_reduction must be 'mean' or 'sum', got " + quoted(s.loss_reduction));
   if (s.clipping != "flat" && s.clipping != "layer" && s.clipping != "group" &&
-      s.clipping != "automatic" && s.clipping != "adaptive")
-    refuse("clipping must be one of ('flat', 'layer', 'group', 'automatic', 'adaptive'), got " +
+      s.clipping != "automatic")
+    refuse("clipping must be one of ('flat', 'layer', 'group', 'automatic'), got " +
            quoted(s.clipping));
-  if (s.clipping == "adaptive") {  // Note [adaptive clipping]
-    privacy::check_adaptive_clipping(s.adaptive, sigma, c);
-    if (s.loss_reduction != "sum")
-      refuse("clipping='adaptive' with loss_reduction=" + quoted(s.loss_reduction) +
-             ": under a mean loss each example's gradient comes through the rounding of 1/b, "
-             "b the micro-batch's size, so one example more or less can move other examples "
-             "across the bound, and the released count by far more than its sensitivity 1/2 "
-             "(Note [adaptive clipping]); use loss_reduction='sum' with a summed loss "
-             "(reduction='sum'): the update is the same, the step divides the clipped sum by "
-             "the expected batch either way");
-    if (s.bands > 1)
-      refuse("clipping='adaptive' with bands=" + std::to_string(s.bands) +
-             ": adaptive clipping's accounting is DP-SGD's (independent noise at every step); "
-             "use bands=1");
-  }
   if (s.clipping == "automatic" && !std::isfinite(c))
     refuse("automatic clipping needs a finite max_grad_norm, got " + format_double(c));
   if (!(s.automatic_gamma > 0.0) || !std::isfinite(s.automatic_gamma))
@@ -341,17 +310,6 @@ nlohmann::ordered_json ledger_settings(const RunSettings& s, bool secure, int64_
                                 {"clipping", s.clipping},
                                 {"secure_mode", secure},
                                 {"world_size", world_size}};
-  if (s.clipping == "adaptive") {  // Note [adaptive clipping]: ε reads σ, the noise σ_Δ
-    const privacy::AdaptiveClipping& a = s.adaptive;
-    out["adaptive"] = {
-        {"target_unclipped_quantile", a.target_unclipped_quantile},
-        {"clipbound_learning_rate", a.clipbound_learning_rate},
-        {"min_clipbound", a.min_clipbound},
-        {"max_clipbound", a.max_clipbound},
-        {"unclipped_num_std", a.unclipped_num_std},
-        {"unclipped_ramp", privacy::kUnclippedRamp},
-        {"gradient_noise_multiplier", privacy::gradient_noise_multiplier(a, s.noise_multiplier)}};
-  }
   if (s.bands > 1) {  // what ε is computed from (accounting/banded.h), and the noise's strategy
     out["bands"] = s.bands;
     out["strategy"] = s.strategy;  // Note [run strategy]
@@ -389,7 +347,6 @@ StepSettings RunStart::step_settings(const RunSettings& s) const {
   out.noise_key = noise_key();
   out.bands = s.bands;
   out.strategy = strategy;
-  if (s.clipping == "adaptive") out.adaptive = s.adaptive;
   return out;
 }
 

@@ -45,7 +45,6 @@
 
 #include "accounting/accountant.h"
 #include "accounting/ledger.h"
-#include "privacy/adaptive_clipping.h"
 #include "privacy/banded.h"
 #include "privacy/chacha20.h"
 #include "src/dp/private_step.h"
@@ -66,10 +65,8 @@ struct RunSettings {
   int64_t dataset_size = 0;             // N > 0
   std::optional<int64_t> max_physical_batch_size;  // rows per micro-batch at most (>= 1); none: no cap
   std::string loss_reduction = "mean";  // "mean" or "sum"
-  std::string clipping = "flat";        // "flat", "layer", "group", "automatic" or "adaptive"
+  std::string clipping = "flat";        // "flat", "layer", "group" or "automatic"
   double automatic_gamma = 0.01;        // automatic clipping's γ, finite and > 0
-  privacy::AdaptiveClipping adaptive;   // read with clipping "adaptive" (Note [adaptive
-                                        // clipping] in privacy/adaptive_clipping.h)
   std::string accountant = "prv";       // "rdp" or "prv"
   int64_t zero_stage = 0;               // 0..3
   std::optional<double> epsilon_budget;  // > 0; needs budget_delta and σ > 0

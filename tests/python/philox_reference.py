@@ -79,14 +79,14 @@ def noise(seed: int, step: int, offset: int, n: int) -> np.ndarray:
     return out
 
 
-def secure_noise(key, step: int, offset: int, n: int, stream: int = NOISE_STREAM) -> np.ndarray:
+def secure_noise(key, step: int, offset: int, n: int) -> np.ndarray:
     """Secure mode's z(key, t, j): ChaCha20 block j // 2, whose words 4p..4p+3 (p = 0..3) are four
     fp64 Box-Muller pairs; coordinate j sums output j % 2 (cosine, sine) of each, halved."""
     out = np.empty(n, dtype=np.float64)
     for i in range(n):
         j = offset + i
         pair = j // 2
-        w = chacha20_block(list(key), pair & MASK, [(pair >> 32) & MASK, step, stream])
+        w = chacha20_block(list(key), pair & MASK, [(pair >> 32) & MASK, step, NOISE_STREAM])
         total = 0.0
         for p in range(4):
             a = w[4 * p: 4 * p + 4]

@@ -387,35 +387,6 @@ def test_checkpoint_resume_counts_every_step_once(tmp_path):
         third.train(resume_from_checkpoint=ckpt)
 
 
-def test_adaptive_clipping_moves_the_bound_and_a_resume_continues_it(tmp_path):
-    """clipping="adaptive" through PrivacyArguments (make_private's settings): each ledger record
-    holds its step's bound, the checkpoint holds the next one, and the first step after a resume
-    clips at it."""
-    data = lm_data()
-    args = trainer_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
-    privacy = PrivacyArguments(noise_multiplier=1.0, max_grad_norm=1.0, clipping="adaptive",
-                               min_clipbound=0.01, max_clipbound=100.0, unclipped_num_std=2.0,
-                               seed=3)
-    first = PrivateTrainer(model=gpt2(), args=args, train_dataset=data, privacy_args=privacy)
-    first.train()
-    with open(os.path.join(args.output_dir, "checkpoint-2", "dpzero_privacy.json")) as f:
-        saved = json.load(f)["privacy"]["clipbound"]
-    ledger = os.path.join(args.output_dir, "ledger.jsonl")
-
-    def bounds():
-        with open(ledger) as f:
-            return [json.loads(line)["max_grad_norm"] for line in f.read().splitlines()[1:]]
-
-    first_bounds = bounds()
-    assert first_bounds[0] == 1.0 and len(set(first_bounds)) == 4
-    assert first_bounds[2] == saved
-    del first
-    gc.collect()
-    again = PrivateTrainer(model=gpt2(), args=args, train_dataset=data, privacy_args=privacy)
-    again.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
-    assert bounds()[:4] == first_bounds and bounds()[4] == saved and len(bounds()) == 6
-
-
 def _tokenizer(padding_side="right"):
     """A word-level tokenizer over VOCAB words, built offline."""
     tokenizers = pytest.importorskip("tokenizers")

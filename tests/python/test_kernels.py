@@ -1712,3 +1712,35 @@ def test_a_kept_conv_gradient_above_float32s_range_is_clipped_not_dropped():
         assert nonfinite.item() == 0 and factors.item() > 0, method
         added = torch.cat([f64(gw).flatten(), f64(gb).flatten()]).norm().item()
         assert 0.99 < added <= 1.0 + 1e-6, (method, added)
+
+
+@device_param
+def test_a_rows_certified_norm_does_not_depend_on_the_rest_of_its_batch(device):
+    """Each kernel's certified norm of one row is the same to the bit whatever the other rows of
+    its batch are, how many and in which order (ghost and direct linear norms, a sequence, conv,
+    layer norm, embedding): the norm kernels add no dependence between examples of their own.
+    (torch's GEMMs before them can: docs/reliability.md, floating-point rows.)"""
+    g = torch.Generator().manual_seed(0)
+
+    def rows(*shape):
+        return torch.randn(65, *shape, generator=g).to(device)
+
+    A1, G1, A4, G4 = rows(48), rows(24), rows(4, 48), rows(4, 24)
+    X, GX = rows(3, 8, 8), rows(5, 6, 6)
+    L, GL = rows(4, 16), rows(4, 16)
+    ids, GE = torch.randint(0, 30, (65, 4), generator=g).to(device), rows(4, 12)
+    norms = {  # each of the rows `i` of its batch, in that order
+        "linear": lambda i: ops.linear_sq_norms(A1[i], G1[i], True, AUTO),
+        "linear-ghost": lambda i: ops.linear_sq_norms(A4[i], G4[i], True, GHOST),
+        "linear-direct": lambda i: ops.linear_sq_norms(A4[i], G4[i], True, DIRECT),
+        "conv": lambda i: ops.conv_sq_norms(X[i], GX[i], [3, 3], [1, 1], [0, 0], [1, 1], 1,
+                                            True, AUTO),
+        "layer-norm": lambda i: ops.layer_norm_sq_norms(L[i], GL[i], 1e-5, False, True, 1),
+        "embedding": lambda i: ops.embedding_sq_norms(ids[i], GE[i], 30, None, AUTO),
+    }
+    for name, of in norms.items():
+        alone = of(torch.tensor([0]))[0]
+        for k in (2, 3, 17, 64, 65):
+            first = torch.arange(k)  # row 0 first, then k - 1 others
+            assert torch.equal(of(first)[0], alone), (name, k)
+            assert torch.equal(of(first.flip(0))[-1], alone), (name, k)  # row 0 last

@@ -184,4 +184,4 @@ def test_make_private_shows_every_setting_with_the_same_defaults():
         if p.default is not inspect.Parameter.empty:
             assert shown[name].default == p.default, name
     keywords = [n for n, p in shown.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    assert len(keywords) == 44 and shown["max_grad_norm"].default is inspect.Parameter.empty
+    assert len(keywords) == 39 and shown["max_grad_norm"].default is inspect.Parameter.empty

@@ -68,7 +68,8 @@ CPU_GUARD = re.compile(r"!\s*(?:[\w.]+\.is_cpu\(\)|host_path\([\w.]+\))\s*\|\||"
                        r"(?<![!\w.])(?:[\w.]+\.is_cpu\(\)|host_path\([\w.]+\))\s*&&")
 # Reads the step may make (after the backward, before the update; Note [host reads of a step] in
 # src/dp/private_step.h): the check flags with the dropped-sample count, or the count alone.
-STEP_READS = {("src/dp/book.cpp", "at::cat(parts).to(at::kCPU")}
+STEP_READS = {("src/dp/book.cpp", "at::cat(parts).to(at::kCPU"),
+              ("src/dp/book.cpp", "stats.dropped += dropped_.item<int64_t>()")}
 
 
 @contextlib.contextmanager

@@ -80,7 +80,7 @@ from ..files import write_atomically
 from ..front import make_private
 from ..noise import secure_noise
 from ..private import BudgetExhausted
-from ..private.config import ADAPTIVE_SETTINGS, run_rows
+from ..private.config import run_rows
 from ..private.engine import PrivateLog
 from .losses import PerSampleLoss, default_per_sample_loss
 
@@ -105,9 +105,7 @@ class PrivacyArguments:
 
     target_epsilon (with target_delta, default min(1e-5, 1/(10 N))), or noise_multiplier: σ given
     or calibrated for the run's steps; with both, the run checks that σ keeps the target.
-    max_grad_norm: the per-sample clip norm C. clipping: "flat" | "layer" | "automatic" |
-    "adaptive" (C its first value; target_unclipped_quantile, clipbound_learning_rate,
-    min_clipbound, max_clipbound, unclipped_num_std: make_private's).
+    max_grad_norm: the per-sample clip norm C. clipping: "flat" | "layer" | "automatic".
     isolation: "detect" | "strict" (each example's forward and backward computed by itself;
     make_private's).
     bands: b >= 1; b > 1 correlates the noise across steps (make_private's ``bands``: step t
@@ -129,11 +127,6 @@ class PrivacyArguments:
     noise_multiplier: Optional[float] = None
     max_grad_norm: float = 1.0
     clipping: str = "flat"
-    target_unclipped_quantile: Optional[float] = None
-    clipbound_learning_rate: Optional[float] = None
-    min_clipbound: Optional[float] = None
-    max_clipbound: Optional[float] = None
-    unclipped_num_std: Optional[float] = None
     isolation: str = "detect"
     bands: int = 1
     strategy: str = "sqrt_prefix_sum"
@@ -356,7 +349,7 @@ class PrivateTrainer(Trainer):
             strategy=p.strategy, steps=steps,
             max_grad_norm=p.max_grad_norm,
             clipping=p.clipping, isolation=p.isolation, accountant=p.accountant,
-            secure_mode=p.secure_mode, **{k: getattr(p, k) for k in ADAPTIVE_SETTINGS},
+            secure_mode=p.secure_mode,
             zero_stage=p.zero_stage, max_physical_batch_size=args.per_device_train_batch_size,
             seed=p.seed,
             ledger_path=os.path.join(args.output_dir, LEDGER),

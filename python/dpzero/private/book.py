@@ -74,19 +74,17 @@ PartId = Tuple[int, int, int]
 class Book:
     def __init__(self, layers: List[Layer], groups: List[List[int]], thresholds: List[float],
                  mode: str, gamma: float, loss_reduction: str, state, unit_numel: List[int],
-                 device_of_unit: List[torch.device], count_unclipped: bool = False) -> None:
+                 device_of_unit: List[torch.device]) -> None:
         self.layers = layers
         self.mean_loss = loss_reduction == "mean"  # Note [mean loss] (src/dp/book.h)
         self.groups = groups              # group -> component ids
-        self._thresholds = thresholds     # C_g (inf: no clipping)
-        self._adaptive = count_unclipped  # Note [adaptive clipping]: the one C moves
+        self.thresholds = thresholds      # C_g (inf: no clipping)
         self._core = _dp.Book(
             [(layer.name, layer.kind.book_ops(layer.module, layer.train),
               [None if s is None else (s.unit, s.offset, s.numel, list(s.shape))
                for s in layer.slots], layer.component, layer.group) for layer in layers],
             [float(t) for t in thresholds], [len(g) for g in groups], mode, gamma,
-            loss_reduction == "mean", list(unit_numel), list(device_of_unit), state,
-            count_unclipped)
+            loss_reduction == "mean", list(unit_numel), list(device_of_unit), state)
         # A backward queues the core's finish_backward as the autograd engine's final callback.
         self._core.set_queue_finish(True)
         # Set by the engine when the loader (or own_batch) hands out a micro-batch: its token,
@@ -111,11 +109,6 @@ class Book:
         self.restore_state: Callable[[], None] = lambda: None
         self._generation = -1
         self._micro_batch()
-
-    @property
-    def thresholds(self) -> List[float]:
-        """C_g per group (inf: no clipping); an adaptive run's one C as the core holds it now."""
-        return [self._core.threshold()] if self._adaptive else list(self._thresholds)
 
     @property
     def core(self):

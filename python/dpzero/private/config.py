@@ -23,13 +23,7 @@ from .. import _C
 from ..accounting import get_noise_multiplier
 from . import checkpointing
 
-CLIPPING = ("flat", "layer", "group", "automatic", "adaptive")
-
-# clipping="adaptive"'s settings (Note [adaptive clipping] in privacy/adaptive_clipping.h), named
-# as Opacus names them; those without a default must be given.
-ADAPTIVE_SETTINGS = ("target_unclipped_quantile", "clipbound_learning_rate", "min_clipbound",
-                     "max_clipbound", "unclipped_num_std")
-ADAPTIVE_REQUIRED = ("min_clipbound", "max_clipbound", "unclipped_num_std")
+CLIPPING = ("flat", "layer", "group", "automatic")
 
 # dpzero.shard keywords make_private passes through (optimizer hyperparameters and layout); the
 # others (reduce_dtype, grad_scale, param_dtype, grad_hooks) are fixed by the private path: a
@@ -85,7 +79,6 @@ class PrivateConfig:
     clipping_groups: Optional[Sequence[Sequence[str]]]
     group_weights: Optional[Sequence[float]]
     automatic_gamma: float
-    adaptive: Optional[Dict[str, float]]    # clipping="adaptive": ADAPTIVE_SETTINGS' values
     loss_reduction: str                     # "mean" | "sum"
     isolation: str                          # "detect" | "strict" (Note [strict isolation])
     epsilon_budget: Optional[float]         # the budget guard's ε (None: no guard)
@@ -208,10 +201,6 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
             clipping_groups: Optional[Sequence[Sequence[str]]] = None,
             group_weights: Optional[Sequence[float]] = None,
             automatic_gamma: float = DEFAULT_AUTOMATIC_GAMMA,
-            target_unclipped_quantile: Optional[float] = None,
-            clipbound_learning_rate: Optional[float] = None,
-            min_clipbound: Optional[float] = None, max_clipbound: Optional[float] = None,
-            unclipped_num_std: Optional[float] = None,
             zero_stage: int = DEFAULT_ZERO_STAGE, max_physical_batch_size: Optional[int] = None,
             mixed_precision: Union[None, str, torch.dtype] = None, seed: Optional[int] = None,
             ledger_path: Optional[str] = None, run_id: Optional[str] = None,
@@ -225,17 +214,13 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
     """make_private's keywords (its docstring, front.py) as a PrivateConfig; σ is calibrated
     with ``accountant`` when ``target_epsilon`` is given."""
     max_grad_norm = float(max_grad_norm)
-    adaptive = adaptive_settings(clipping, dict(
-        target_unclipped_quantile=target_unclipped_quantile,
-        clipbound_learning_rate=clipbound_learning_rate, min_clipbound=min_clipbound,
-        max_clipbound=max_clipbound, unclipped_num_std=unclipped_num_std))
     if isolation not in ISOLATION:
         raise ValueError(f"isolation must be one of {ISOLATION}, got {isolation!r}")
     if isolation == "strict":  # Note [strict isolation] (strict.py) says why each
-        if clipping not in ("flat", "automatic", "adaptive"):
+        if clipping not in ("flat", "automatic"):
             raise ValueError(f"clipping={clipping!r} with isolation='strict': strict isolation "
-                             "clips each example's whole gradient; use clipping='flat', "
-                             "'automatic' or 'adaptive'")
+                             "clips each example's whole gradient; use clipping='flat' or "
+                             "'automatic'")
         if zero_stage == 3:
             raise ValueError("zero_stage=3 with isolation='strict': stage 3 gathers the "
                              "parameters in every forward, and a strict forward runs in as many "
@@ -350,7 +335,7 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
         bands=bands, strategy=strategy, strategy_rows=strategy_rows,
         allow_no_noise=bool(allow_no_noise),
         max_grad_norm=max_grad_norm, clipping=clipping, clipping_groups=clipping_groups,
-        group_weights=group_weights, automatic_gamma=automatic_gamma, adaptive=adaptive,
+        group_weights=group_weights, automatic_gamma=automatic_gamma,
         loss_reduction=loss_reduction, isolation=isolation,
         epsilon_budget=None if epsilon_budget is None else float(epsilon_budget),
         budget_delta=None if budget_delta is None else float(budget_delta), seed=seed,
@@ -364,34 +349,6 @@ def resolve(*, accountant: str, optimizer=DEFAULT_OPTIMIZER, dataset: Optional[D
     return config
 
 
-def adaptive_settings(clipping: str,
-                      given: Dict[str, Optional[float]]) -> Optional[Dict[str, float]]:
-    """clipping="adaptive"'s settings from those ``given`` (None: not given), the defaults
-    filled in (RunSettings.adaptive's, Andrew et al.'s recommendations); None for another
-    clipping, which must be given none of them. Their values are the run's rules' to check."""
-    named = sorted(k for k, v in given.items() if v is not None)
-    if clipping != "adaptive":
-        if named:
-            raise ValueError(f"{named} are read by clipping='adaptive' only, and this run has "
-                             f"clipping={clipping!r}")
-        return None
-    missing = [k for k in ADAPTIVE_REQUIRED if given[k] is None]
-    if missing:
-        raise ValueError(
-            f"clipping='adaptive' needs {missing}: the bound C moves within [min_clipbound, "
-            "max_clipbound] (max_grad_norm is its first value), and unclipped_num_std is the "
-            "noise on the count of unclipped examples (Andrew et al. suggest about the expected "
-            "batch size / 20; Note [adaptive clipping])")
-    defaults = _RUN_DEFAULTS.adaptive
-    out = {}
-    for k in ADAPTIVE_SETTINGS:
-        v = given[k] if given[k] is not None else getattr(defaults, k)
-        if not isinstance(v, numbers.Real) or isinstance(v, bool):
-            raise ValueError(f"{k} must be a number, got {v!r}")
-        out[k] = float(v)
-    return out
-
-
 def run_settings(config: PrivateConfig, accountant: str,
                  secure_mode: Optional[bool]) -> "_C.dp.RunSettings":
     """``config`` as the run's rules read it (Note [one set of rules] in src/dp/run.h)."""
@@ -402,11 +359,6 @@ def run_settings(config: PrivateConfig, accountant: str,
     s.max_physical_batch_size = config.max_physical_batch_size
     s.loss_reduction, s.clipping = config.loss_reduction, config.clipping
     s.automatic_gamma, s.accountant = config.automatic_gamma, accountant
-    if config.adaptive is not None:
-        a = _C.dp.AdaptiveClipping()
-        for k, v in config.adaptive.items():
-            setattr(a, k, v)
-        s.adaptive = a
     s.zero_stage, s.bands = config.zero_stage, config.bands
     s.strategy, s.strategy_rows = config.strategy, config.strategy_rows
     s.epsilon_budget, s.budget_delta = config.epsilon_budget, config.budget_delta

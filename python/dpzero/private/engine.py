@@ -327,13 +327,11 @@ class PrivacyEngine:
             "next_step": self.next_step, "charges": self.charges, "rows": self._step.rows,
             "bands": self.bands, **self._strategy,
             "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
-            "max_grad_norm": self.max_grad_norm_, "dataset_size": self.dataset_size,
+            "max_grad_norm": self.max_grad_norm, "dataset_size": self.dataset_size,
             "accountant": self.accountant_name,
             "history": [tuple(h) for h in self.accountant.history],
             "seed": None if self.secure_mode else self.noise_source.seed,
         }
-        if self.config.adaptive is not None:  # Note [adaptive clipping]: the next step's C
-            state["clipbound"] = self._step.max_grad_norm
         if include_secrets and self.secure_mode:
             state["key"] = self.noise_source.key
         return state
@@ -354,25 +352,10 @@ class PrivacyEngine:
         if missing:
             raise ValueError(f"state_dict: missing entries {missing}; is this a "
                              "PrivacyEngine.state_dict()?")
-        ours = {"sample_rate": self.sample_rate, "noise_multiplier": self.noise_multiplier,
-                "max_grad_norm": self.max_grad_norm_, "dataset_size": self.dataset_size}
-        for key, value in ours.items():
-            if state[key] != value:
-                raise ValueError(f"state_dict: {key} is {state[key]}, this engine has {value}")
-        clipbound = state.get("clipbound")
-        if (clipbound is None) != (self.config.adaptive is None):
-            raise ValueError(
-                f"state_dict: {'holds' if clipbound is not None else 'lacks'} an adaptive clip "
-                f"bound, and this engine has clipping={self.config.clipping!r}")
-        if clipbound is not None:
-            clipbound = float(clipbound)
-            _C.dp.check_clipbound(self._step_settings.adaptive, clipbound)
-            if self.book.core.open or self.book.core.micro_batches > 0:
-                raise ValueError(
-                    "state_dict: an adaptive run's clip bound changes between steps, and "
-                    f"{self.book.core.micro_batches} micro-batch(es) of this logical batch were "
-                    "clipped at the current one; load before the logical batch's first "
-                    "micro-batch, or after its step")
+        for key in ("sample_rate", "noise_multiplier", "max_grad_norm", "dataset_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"state_dict: {key} is {state[key]}, this engine has "
+                                 f"{getattr(self, key)}")
         if state.get("key") is not None and not self.secure_mode:
             raise ValueError("state_dict: holds a secure-mode key, this engine is seeded "
                              "(secure_mode=False)")
@@ -443,8 +426,6 @@ class PrivacyEngine:
         next_step = int(state["next_step"])
 
         def load() -> None:
-            if clipbound is not None:
-                self._step.set_max_grad_norm(clipbound)
             if key is not None:
                 self._step.set_noise_key(key)  # checks it first: sampling and noise use one key
                 self.noise_source._key = key
@@ -559,9 +540,7 @@ class PrivacyEngine:
         self.layers = layers
         self.book = Book(layers, groups, thresholds,
                          "automatic" if clipping == "automatic" else "flat", c.automatic_gamma,
-                         c.loss_reduction, sharded.zero_state, unit_numel, unit_device,
-                         count_unclipped=clipping == "adaptive")
-        self._step_settings = settings
+                         c.loss_reduction, sharded.zero_state, unit_numel, unit_device)
         book_ref = weakref.ref(self.book)
         self._step = _C.dp.PrivateStep(self.book.core, sharded.zero_state, settings, run,
                                        self.accountant.native)
@@ -673,15 +652,11 @@ class PrivacyEngine:
 
     @property
     def max_grad_norm(self) -> float:
-        """C, the bound the next step clips at (read-only: the clipping thresholds were fixed
-        from it at attach). With clipping="adaptive" it moves after each step (Note [adaptive
-        clipping] in privacy/adaptive_clipping.h), as Opacus's AdaClipDPOptimizer's does."""
-        if self._step is not None and self.config.adaptive is not None:
-            return self._step.max_grad_norm
+        """C (read-only: the clipping thresholds were fixed from it at attach)."""
         return self.max_grad_norm_
 
     def _clip_groups(self, layers, n_components, clipping, clipping_groups, group_weights, c):
-        if clipping in ("flat", "automatic", "adaptive"):
+        if clipping in ("flat", "automatic"):
             if clipping_groups is not None:
                 raise ValueError(f"clipping_groups is for clipping='group', not {clipping!r}")
             for layer in layers:

@@ -17,14 +17,10 @@ or refused before anything is touched, naming the value and the fix; none is sil
 - ``criterion``: used by "ghost" alone, as in Opacus (``PrivateCriterion``).
 - ``batch_first``: True only. dpzero checks that dim 0 of every collated tensor holds the
   examples (Note [separable collate]); it does not take a batch dimension on the caller's word.
-- ``loss_reduction``, ``poisson_sampling``, ``clipping``: as in Opacus, except "per_layer" (one
-  threshold per parameter tensor), which dpzero does not implement and refuses naming its nearest
-  clippings. "adaptive" takes Opacus's five settings by their names (target_unclipped_quantile,
-  clipbound_learning_rate, max_clipbound, min_clipbound, unclipped_num_std) and the optimizer's
-  ``max_grad_norm`` moves as Opacus's does; the count of unclipped examples is centred and
-  divided by the expected batch, where Opacus's is neither, and the loss must be a sum
-  (loss_reduction="sum"), where Opacus's default is the mean (Note [adaptive clipping] in
-  privacy/adaptive_clipping.h says why each matters for privacy).
+- ``loss_reduction``, ``poisson_sampling``, ``clipping``: as in Opacus, except the clippings
+  dpzero does not offer ("per_layer": one threshold per parameter tensor; "adaptive", whose
+  noised count of unclipped examples has no sensitivity bound in batched floating point:
+  docs/reliability.md), which are refused naming dpzero's nearest ones.
 - ``noise_generator``: a seeded ``torch.Generator`` makes the run reproducible, as in Opacus;
   dpzero's noise is counter-based (each rank draws only the coordinates it owns), so the
   generator gives the run's seed (63 bits drawn from it) instead of the draws themselves, and
@@ -79,6 +75,13 @@ def check_arguments(*, batch_first: bool, grad_sample_mode: str, clipping: str,
             "implemented: dpzero clips a layer call's weight and bias together; use "
             "clipping='layer' (each layer at C/sqrt(L)), or dpzero.make_private(clipping="
             "'group', clipping_groups=..., group_weights=...) for thresholds of your choice")
+    if clipping == "adaptive":
+        raise ValueError(
+            "clipping='adaptive' (a clip bound tracking a quantile of the norms) is not offered: "
+            "its released count of unclipped examples assumes each example's norm is its own, "
+            "which batched floating point does not keep (docs/reliability.md); use "
+            "clipping='flat' with a fixed max_grad_norm, or 'automatic' (each gradient "
+            "normalised, no threshold to tune)")
     if not isinstance(wrap_model, bool):
         raise ValueError(f"wrap_model must be True or False, got {wrap_model!r}")
     if not isinstance(rand_on_empty, bool):

@@ -30,10 +30,7 @@ Every error names the key and the bad value. Sections and keys (defaults in brac
                     meaningful guarantee: a mechanism that publishes one record in full meets
                     δ = 1/N; make_private warns)  ["auto"]
                 max_grad_norm = C  [1.0]
-                clipping = "flat" | "layer" | "automatic" | "adaptive"  ["flat"]
-                target_unclipped_quantile, clipbound_learning_rate, min_clipbound,
-                    max_clipbound, unclipped_num_std = "adaptive"'s settings (make_private's;
-                    the last three must be given)
+                clipping = "flat" | "layer" | "automatic"  ["flat"]
                 isolation = "detect" | "strict": each example's forward and backward computed
                     by itself (flat or automatic clipping, zero_stage 0-2; slower)  ["detect"]
                 bands = b >= 1: noise correlated across steps (banded matrix factorization;
@@ -129,12 +126,6 @@ class PrivacyConfig:
     delta: Union[float, str] = "auto"
     max_grad_norm: float = 1.0
     clipping: str = "flat"
-    # clipping = "adaptive" (Note [adaptive clipping]); None: make_private's default or refusal.
-    target_unclipped_quantile: Optional[float] = None
-    clipbound_learning_rate: Optional[float] = None
-    min_clipbound: Optional[float] = None
-    max_clipbound: Optional[float] = None
-    unclipped_num_std: Optional[float] = None
     isolation: str = "detect"
     bands: int = 1
     strategy: str = "sqrt_prefix_sum"
@@ -211,8 +202,7 @@ def typed(section: str, key: str, value, default):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where} must be an integer, got {value!r}")
         return value
-    # The [privacy] keys without a default (None) are numbers: σ or ε, adaptive clipping's.
-    if isinstance(default, float) or key == "epochs" or (section == "privacy" and default is None):
+    if isinstance(default, float) or key in ("epochs", "target_epsilon", "noise_multiplier"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number, got {value!r}")
         return float(value)
@@ -307,7 +297,7 @@ def validate(cfg: RunConfig) -> None:
     if not (0 < p.max_grad_norm < math.inf):
         raise ConfigError(f"[privacy] max_grad_norm must be finite and > 0, got "
                           f"{p.max_grad_norm}")
-    _choice("[privacy] clipping", p.clipping, ("flat", "layer", "automatic", "adaptive"))
+    _choice("[privacy] clipping", p.clipping, ("flat", "layer", "automatic"))
     _choice("[privacy] isolation", p.isolation, ("detect", "strict"))
     _choice("[privacy] accountant", p.accountant, ("prv", "rdp"))
     if isinstance(p.bands, bool) or not isinstance(p.bands, int) or p.bands < 1:

@@ -257,15 +257,6 @@ def _markdown(data: Dict, plots: List[str]) -> str:
                      f"{strategy}): each step sampled one of "
                      f"{data['bands']} fixed partitions, and ε is DP-SGD's at one step in "
                      f"{data['bands']} (the phase below counts those equivalent steps)")
-    adaptive = data["settings"].get("adaptive")
-    if adaptive:  # Note [adaptive clipping] (privacy/adaptive_clipping.h)
-        lines.append(
-            f"- adaptive clipping: each step's bound C (in the ledger) moved towards the "
-            f"{_fmt(adaptive['target_unclipped_quantile'])} quantile of the per-example norms, "
-            f"within [{_fmt(adaptive['min_clipbound'])}, {_fmt(adaptive['max_clipbound'])}], "
-            f"from a count released with noise σ_b = {_fmt(adaptive['unclipped_num_std'])}; "
-            f"ε below counts both releases at σ (the gradient's own noise was σ_Δ = "
-            f"{_fmt(adaptive['gradient_noise_multiplier'])})")
     for ph in data["phases"]:
         lines.append(f"- phase: q = {_fmt(ph['q'])} (expected batch size "
                      f"{_fmt(ph['expected_batch_size'])}), σ = {_fmt(ph['sigma'])}, "

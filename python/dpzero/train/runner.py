@@ -49,7 +49,6 @@ import torch.distributed as dist
 from .. import checkpoint as ckpt
 from ..front import make_private
 from ..private import BudgetExhausted
-from ..private.config import ADAPTIVE_SETTINGS
 from .config import ConfigError, RunConfig
 from .outputs import Progress, atomic_json, atomic_save, final_state
 from .report import PRIVATE_DIR
@@ -78,8 +77,6 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
     # make_private computes it), what σ is calibrated for and the optimized strategy is fitted
     # to (Note [run strategy]).
     bands = p_cfg.bands if private else 1
-    # Adaptive clipping needs a summed loss (Note [adaptive clipping]); the update is the same.
-    reduction = "sum" if private and p_cfg.clipping == "adaptive" else "mean"
     rows = bands * int(t_cfg.epochs / (common["batch_size"] * bands / n))
     if private:
         kw = dict(max_grad_norm=p_cfg.max_grad_norm, clipping=p_cfg.clipping,
@@ -90,8 +87,7 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
                   ledger_path=os.path.join(run_dir, "ledger.jsonl"),
                   run_id=os.path.basename(os.path.abspath(run_dir)),
                   diagnostics_path=os.path.join(run_dir, PRIVATE_DIR, "diagnostics.jsonl"))
-        kw.update(strategy=p_cfg.strategy, steps=rows, loss_reduction=reduction,
-                  **{k: getattr(p_cfg, k) for k in ADAPTIVE_SETTINGS})
+        kw.update(strategy=p_cfg.strategy, steps=rows)
         if p_cfg.target_epsilon is not None:
             kw.update(target_epsilon=p_cfg.target_epsilon, target_delta=delta)
         else:
@@ -123,10 +119,10 @@ def train_once(cfg: RunConfig, private: bool, run_dir: str, metrics, diagnostics
             for batch in p.data_loader:
                 inputs, y = unpack(batch)
                 p.optimizer.zero_grad()
-                batch_loss = loss(p.model, (inputs, y), cast, reduction)
+                batch_loss = loss(p.model, (inputs, y), cast)
                 batch_loss.backward()
                 if not engine.is_padding_batch:  # Note [padding batches]: not a real row
-                    step_loss += batch_loss.item() * (len(y) if reduction == "mean" else 1)
+                    step_loss += batch_loss.item() * len(y)
                     step_rows += len(y)
                 if not p.optimizer.step():
                     continue

@@ -88,12 +88,12 @@ def autocast(cfg: RunConfig, device: torch.device):
                           enabled=cfg.training.precision == "bf16")
 
 
-def loss(model, rows, cast, reduction: str = "mean") -> torch.Tensor:
-    """The cross-entropy of a micro-batch ``rows`` = (inputs, labels), its mean or sum
-    (``reduction``), its forward and loss in ``cast`` (the run's autocast)."""
+def loss(model, rows, cast) -> torch.Tensor:
+    """The mean cross-entropy of a micro-batch ``rows`` = (inputs, labels), its forward and loss
+    in ``cast`` (the run's autocast)."""
     inputs, y = rows
     with cast():
-        return F.cross_entropy(model(*inputs), y, reduction=reduction)
+        return F.cross_entropy(model(*inputs), y)
 
 
 def build(cfg: RunConfig):

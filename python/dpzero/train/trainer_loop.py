@@ -41,7 +41,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 
 from ..hf import PrivacyArguments, PrivateTrainer
 from ..hf.trainer import PRIVACY_STATE
-from ..private.config import ADAPTIVE_SETTINGS, steps_per_epoch
+from ..private.config import steps_per_epoch
 from .config import RunConfig
 from .report import PRIVATE_DIR
 from .outputs import Progress, atomic_json, atomic_save, final_state
@@ -147,7 +147,6 @@ def train_with_trainer(cfg: RunConfig, private: bool, run_dir: str, metrics, dia
             clipping=p_cfg.clipping, isolation=p_cfg.isolation, accountant=p_cfg.accountant,
             bands=p_cfg.bands, strategy=p_cfg.strategy, zero_stage=t_cfg.zero_stage,
             secure_mode=p_cfg.secure_mode, seed=None if p_cfg.secure_mode else t_cfg.seed,
-            **{k: getattr(p_cfg, k) for k in ADAPTIVE_SETTINGS},
             diagnostics_path=os.path.join(run_dir, PRIVATE_DIR, "diagnostics.jsonl"))
     else:
         privacy = PrivacyArguments(noise_multiplier=0.0, allow_no_noise=True,
