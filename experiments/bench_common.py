@@ -8,6 +8,7 @@ import csv
 import datetime
 import importlib.util
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -68,12 +69,17 @@ def interleaved_steps(built: dict, rounds: int, warmup: int, failures: dict,
                       verbose: bool = False) -> dict:
     """Times ``s.step()`` of every system in ``built`` (name -> object with ``step()``), one step
     of each per round, for ``warmup`` untimed and ``rounds`` timed rounds: name -> seconds per
-    timed round. A system whose step raises is dropped whole (so the lists stay aligned for
-    ``paired_ratios``) and its error goes to ``failures``."""
+    timed round. Each round runs the systems in an order of its own (shuffled, seeded by the
+    round): in one fixed order a system always followed the same neighbour, and paid for what
+    that one left in the caches and the allocator. A system whose step raises is dropped whole
+    (so the lists stay aligned for ``paired_ratios``) and its error goes to ``failures``."""
     built = dict(built)
     times = {n: [] for n in built}
     for r in range(warmup + rounds):
-        for name, s in list(built.items()):
+        names = list(built)
+        random.Random(r).shuffle(names)
+        for name in names:
+            s = built[name]
             t0 = time.perf_counter()
             try:
                 s.step()

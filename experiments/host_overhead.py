@@ -8,7 +8,6 @@ machine does in about a millisecond; the rest is Python and dispatch.
 Systems (each a full step: forward, backward, clipping where private, noise, update; SGD):
   torch            non-private PyTorch (the floor)
   dpzero           dpzero.make_private at ZeRO stage 0, flat clipping, σ = 1
-  dpzero-sum       the same with the loss summed (loss_reduction="sum"): no mean-loss scaling
   opacus-hooks     Opacus 1.6, grad_sample_mode="hooks" (its grad samplers; torch.func for the
                    modules it has none for, such as transformers' Conv1D), given position ids
                    [B, T] (with GPT-2's own [1, T] its step fails)
@@ -42,7 +41,7 @@ from bench_common import (dpzero_version, interleaved_steps, paired_ratios,  # n
 
 LAYERS, WIDTH, HEADS, T, B, VOCAB = 12, 64, 4, 16, 4, 256
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "host.md")
-SYSTEMS = ("torch", "dpzero", "dpzero-sum", "opacus-hooks", "opacus-functorch")
+SYSTEMS = ("torch", "dpzero", "opacus-hooks", "opacus-functorch")
 
 
 def build() -> torch.nn.Module:
@@ -54,10 +53,9 @@ def build() -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def lm_loss(logits: torch.Tensor, ids: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Next-token cross-entropy: logits [B, T, V], ids [B, T]; its mean or sum."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
-                           reduction=reduction)
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy: logits [B, T, V], ids [B, T]."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
 class Logits(torch.nn.Module):
@@ -86,11 +84,10 @@ class System:
         model = Logits(build(), expand_positions=name.startswith("opacus"))
         if name == "torch":
             self.model, self.opt = model, torch.optim.SGD(model.parameters(), lr=0.01)
-        elif name.startswith("dpzero"):
-            self.reduction = "mean" if name == "dpzero" else "sum"
+        elif name == "dpzero":
             self.p = dpzero.make_private(model, dataset=self.data, batch_size=B,
                                          noise_multiplier=1.0, max_grad_norm=1.0, lr=0.01,
-                                         seed=0, loss_reduction=self.reduction)
+                                         seed=0)
         else:
             from opacus import PrivacyEngine
 
@@ -102,9 +99,9 @@ class System:
                 grad_sample_mode="hooks" if name == "opacus-hooks" else "functorch")
 
     def step(self) -> None:
-        if self.name.startswith("dpzero"):
+        if self.name == "dpzero":
             (x,) = self.p.privacy_engine.own_batch((self.x,), logical_batch_size=B)
-            lm_loss(self.p.model(x), x, self.reduction).backward()
+            lm_loss(self.p.model(x), x).backward()
             self.p.optimizer.step()
             self.p.optimizer.zero_grad()
             return
