@@ -45,11 +45,13 @@ def crafted(scale: float) -> tuple:
     space, its norm computed in float64 from u alone."""
     g = torch.Generator().manual_seed(9)
     u = torch.randn(1, 784, generator=g).double()
-    w = model()[0].weight.detach().double()
+    first = model()[0]
+    w = first.weight.detach().double()
     v = torch.randn(784, 1, generator=g).double()
     v = v - w.T @ torch.linalg.lstsq(w.T, v).solution  # the part of v W does not see
     x = (u + scale * v.T / v.norm()).float()
-    hidden = model()[0](u.float()).double()
+    with torch.no_grad():
+        hidden = first(u.float()).double()
     return x, math.sqrt(float(hidden.pow(2).sum()) + 1.0)  # the weight's and the bias's
 
 
