@@ -456,6 +456,7 @@ def shard(
     if grad_hooks and state.needs_grad_hooks:
         handles += _register_grad_hooks(_hooks_ref(state), planned)
     if stage == 3:
+        _raise_from_is_shared()
         handles += _register_gather_hooks(model, _hooks_ref(state), planned)
     k = _zero.optimizer_bytes_per_param(
         optimizer, momentum=momentum, amsgrad=amsgrad,
@@ -464,6 +465,27 @@ def shard(
     sharded = ShardedModule(model, state, planned, handles, k)
     lifetime.track(sharded, ShardedModule._release_at_exit)  # Note [ending a script]
     return sharded
+
+
+_TORCH_IS_SHARED = torch.UntypedStorage.is_shared
+
+
+def _is_shared(storage: torch.UntypedStorage) -> bool:
+    """torch's ``UntypedStorage.is_shared``, except that a storage refusing data access raises
+    its message as a RuntimeError instead of ending the process (Note [reading a resharded
+    parameter] in src/zero/flat_param.h)."""
+    if storage.device.type != "cuda":  # torch answers True for CUDA before reading the pointer
+        storage.data_ptr()  # raises, with torch's error handling, where is_shared would abort
+    return _TORCH_IS_SHARED(storage)
+
+
+def _raise_from_is_shared() -> None:
+    """Stage 3: ``tensor.is_shared()`` on a resharded parameter reaches a C function of torch's
+    that reads the storage's pointer without translating a C++ exception, so the refusal of
+    Note [reading a resharded parameter] called std::terminate there. Installed once per process,
+    it changes nothing for a storage that has memory."""
+    if torch.UntypedStorage.is_shared is not _is_shared:
+        torch.UntypedStorage.is_shared = _is_shared
 
 
 def _cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:

@@ -39,6 +39,10 @@
 // (W.t() for addmm) were made from full_'s storage while the unit was gathered, keep it, and are
 // freed and refilled with it as before; a parameter autograd saved itself (a leaf is saved as the
 // same TensorImpl) is read in the unit's backward, after its backward gather re-pointed it.
+// One reader is not ours to fix: torch's C function behind UntypedStorage.is_shared (and so
+// Tensor.is_shared) reads the pointer without translating a C++ exception, so the refusal ended
+// the process there; in stage 3 dpzero.shard puts a Python is_shared before it that reads the
+// pointer through torch's error handling first (_raise_from_is_shared in python/dpzero/zero.py).
 //
 // Note [gathers land apart]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~

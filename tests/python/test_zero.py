@@ -18,6 +18,9 @@ error (a missing scale, a lost micro-batch, a wrong shard) moves parameters by >
 import math
 import re
 import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -875,6 +878,41 @@ def test_parameters_are_views_of_flat_buffers_in_canonical_order(stage):
                                                        r"memory here: .*full_parameters\(\)"):
                     read()
 
+
+
+_IS_SHARED_CHILD = textwrap.dedent("""
+    import re, torch, dpzero
+    from torch import nn
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    seen = []
+    model[0].register_forward_hook(lambda m, i, o: seen.append(m.weight.is_shared()))
+    wrapped = dpzero.shard(model, stage=3, optimizer="sgd")
+    p = model[0].weight
+    reads = {"Tensor.is_shared": p.is_shared,
+             "UntypedStorage.is_shared": lambda: p.untyped_storage().is_shared(),
+             "Tensor.share_memory_": p.share_memory_, "Module.share_memory": model.share_memory}
+    for name, read in reads.items():
+        try:
+            read()
+        except RuntimeError as e:
+            assert re.match(r"parameter '0.weight' has no memory here", str(e)), (name, str(e))
+        else:
+            raise AssertionError(name + " did not raise")
+    wrapped(torch.randn(3, 4))  # gathered inside the forward: torch's own answer
+    assert seen == [False], seen
+    assert not torch.zeros(3).is_shared() and torch.zeros(3).share_memory_().is_shared()
+    print("done")
+""")
+
+
+def test_is_shared_on_a_resharded_parameter_raises_instead_of_ending_the_process():
+    # Note [reading a resharded parameter]: torch's UntypedStorage.is_shared reads the storage's
+    # pointer without translating a C++ exception, so the refusing storage called std::terminate
+    # (SIGABRT). In a child process, so that an abort fails this test and not the whole run.
+    done = subprocess.run([sys.executable, "-c", _IS_SHARED_CHILD], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "done", \
+        (done.returncode, done.stderr[-3000:])
 
 def test_gradient_accumulation_and_zero_grad():
     # Two backward passes sum; zero_grad drops them; step() consumes them.
