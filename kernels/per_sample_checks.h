@@ -16,6 +16,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
+
+#include "kernels/sample_products_checks.h"  // disjoint
 
 namespace dpzero::kernels {
 
@@ -300,6 +303,33 @@ inline void check_scale(const char* op, const at::Tensor& scale, int64_t num_sam
   TORCH_CHECK(scale.scalar_type() == at::kFloat, "dpzero::", op, ": scale must be float32, got ",
               scale.scalar_type());
   check_same_device(op, "scale", scale, data, "G");
+}
+
+// Kept per-sample gradients grads [B, ...] (float64 / float32) and their factors scale [B] float32
+// on grads' device: per_sample_clipped_sum's and add_per_sample_clipped_sum_'s (`op`) operands.
+inline void check_per_sample_clipped_sum_args(const char* op, const at::Tensor& grads,
+                                              const at::Tensor& scale) {
+  TORCH_CHECK(grads.dim() >= 1, "dpzero::", op, ": grads must be [B, ...], got a 0-d tensor");
+  TORCH_CHECK(grads.scalar_type() == at::kDouble || grads.scalar_type() == at::kFloat, "dpzero::",
+              op, ": grads must be float64 or float32, got ", grads.scalar_type());
+  check_scale(op, scale, grads.size(0), grads);
+}
+
+// dpzero::add_per_sample_clipped_sum_ on any backend: the operands above, and self float32 with
+// prod(grads.shape[1:]) elements (any shape: a parameter's slot) on their device, sharing memory
+// with neither of them.
+inline void check_add_per_sample_clipped_sum(const at::Tensor& self, const at::Tensor& grads,
+                                             const at::Tensor& scale) {
+  constexpr const char* op = "add_per_sample_clipped_sum_";
+  check_per_sample_clipped_sum_args(op, grads, scale);
+  const int64_t d = c10::multiply_integers(grads.sizes().slice(1));
+  TORCH_CHECK(self.scalar_type() == at::kFloat && self.numel() == d, "dpzero::", op,
+              ": self (the accumulator) must be float32 with ", d, " elements (grads ",
+              grads.sizes(), " less the sample dim), got ", self.scalar_type(), " of shape ",
+              self.sizes());
+  check_same_device(op, "self", self, grads, "grads");
+  TORCH_CHECK(sample_products::disjoint(self, grads) && sample_products::disjoint(self, scale),
+              "dpzero::", op, ": self shares memory with grads or scale; add into another tensor");
 }
 
 // Embedding token ids [B, ...] (int32 / int64) and output gradient [B, ..., d].

@@ -185,8 +185,10 @@ inline std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_multi_generic(const at:
   return {at::stack(values), at::stack(norms)};
 }
 
-// Public: A [B, ..., d_in], G[l] [B, ..., d_out_l] -> [L, B] float32 certified squared norms.
-inline at::Tensor linear_sq_norms_multi(const at::Tensor& A, at::TensorList G, int64_t method) {
+// A [B, ..., d_in], G[l] [B, ..., d_out_l] -> L tensors [B] float32, the certified squared norms
+// of each layer (the book takes them apart, so they are not stacked).
+inline std::vector<at::Tensor> linear_sq_norms_each(const at::Tensor& A, at::TensorList G,
+                                                    int64_t method) {
   constexpr const char* op = "linear_sq_norms_multi";
   const NormMethod m = check_method(op, method);
   TORCH_CHECK(!G.empty(), "dpzero::", op, ": G must hold at least one tensor");
@@ -217,7 +219,12 @@ inline at::Tensor linear_sq_norms_multi(const at::Tensor& A, at::TensorList G, i
                                       clipped_sum_margin(a.size(1)));
     }
   }
-  return at::stack(out);
+  return out;
+}
+
+// Public: A [B, ..., d_in], G[l] [B, ..., d_out_l] -> [L, B] float32 certified squared norms.
+inline at::Tensor linear_sq_norms_multi(const at::Tensor& A, at::TensorList G, int64_t method) {
+  return at::stack(linear_sq_norms_each(A, G, method));
 }
 
 // Note [accumulating clipped sums]
@@ -296,77 +303,29 @@ inline std::tuple<at::Tensor, at::Tensor> bias_per_sample(const at::Tensor& G) {
   return bias_per_sample_btd(as_btd(op, "G", G), /*f32=*/true);
 }
 
-// Public: per-sample gradients [B, ...] (float64 or float32), scale [B] float32 -> sum_i c_i
-// grads_i ([...] float32, summed in float64). A sample whose factor is 0 or non-finite contributes
-// exactly nothing, even when its row holds NaN/Inf (Note [kept per-sample gradients]).
-// Whether per_sample_clipped_sum takes its host pass: float64 rows and float32 factors on the CPU.
-inline bool host_clipped_sum_applies(const at::Tensor& grads, const at::Tensor& scale) {
-  return host_path(grads) && grads.scalar_type() == at::kDouble &&
-         scale.scalar_type() == at::kFloat;
-}
-
-// The host pass: acc [d] = sum_i scale_i grads_i in float64, samples in order, the rows of
-// dropped samples never read. grads [B, ...] float64, scale [B] float32, d = prod(grads.shape[1:])
-// (from the shape, not numel / B: B = 0 still sums to [d] zeros).
-inline std::vector<double> host_clipped_sum(const at::Tensor& grads, const at::Tensor& scale,
-                                            int64_t d) {
-  const at::Tensor g = grads.contiguous(), c = scale.contiguous();
-  const int64_t b = g.size(0);
-  std::vector<double> acc(static_cast<size_t>(d), 0.0);
-  const double* pg = g.data_ptr<double>();
-  const float* pc = c.data_ptr<float>();
-  for (int64_t i = 0; i < b; ++i) {
-    if (!sample_products::adds(pc[i])) continue;
-    const double ci = pc[i];
-    for (int64_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] += ci * pg[i * d + j];
-  }
-  return acc;
-}
-
-inline void check_per_sample_clipped_sum_args(const char* op, const at::Tensor& grads,
-                                              const at::Tensor& scale) {
-  TORCH_CHECK(grads.dim() >= 1, "dpzero::", op, ": grads must be [B, ...], got a 0-d tensor");
-  TORCH_CHECK(grads.scalar_type() == at::kDouble || grads.scalar_type() == at::kFloat, "dpzero::",
-              op, ": grads must be float64 or float32, got ", grads.scalar_type());
-  check_scale(op, scale, grads.size(0), grads);
-}
-
-inline at::Tensor per_sample_clipped_sum(const at::Tensor& grads, const at::Tensor& scale) {
-  constexpr const char* op = "per_sample_clipped_sum";
-  check_per_sample_clipped_sum_args(op, grads, scale);
-  if (host_clipped_sum_applies(grads, scale)) {
-    const std::vector<int64_t> shape = grads.sizes().slice(1).vec();
-    const int64_t d = c10::multiply_integers(shape);
-    const std::vector<double> acc = host_clipped_sum(grads, scale, d);
-    at::Tensor out = at::empty(shape, grads.options().dtype(at::kFloat));
-    float* po = out.data_ptr<float>();
-    for (int64_t j = 0; j < d; ++j) po[j] = static_cast<float>(acc[static_cast<size_t>(j)]);
-    return out;
-  }
-  const at::Tensor rows = scale_rows(f64(grads), scale, /*multiply=*/true);
-  return f32(rows.sum(0));
-}
-
-// dest += per_sample_clipped_sum(grads, scale), dest float32 holding prod(grads.shape[1:])
-// elements (a parameter's slot). On the host pass, a contiguous dest gets each float32 sum added
-// by the same float32 addition as ATen's add_, with no result tensor in between (Note
+// dest += sum_i c_i grads_i, dest float32 holding prod(grads.shape[1:]) elements (a parameter's
+// slot): dpzero::add_per_sample_clipped_sum_ (kernels/cpu/per_sample_sum.cpp,
+// kernels/cuda/per_sample_sum.cu), one pass and one launch whatever the device. The sum is taken
+// in float64 over the kept samples in order, a sample whose factor is 0 or non-finite contributing
+// exactly nothing even when its row holds NaN/Inf (Note [kept per-sample gradients]), and each
+// entry is added to dest by one float32 addition, as ATen's add_ would add the rounded sum (Note
 // [accumulating clipped sums]).
 inline void add_per_sample_clipped_sum_(at::Tensor& dest, const at::Tensor& grads,
                                         const at::Tensor& scale) {
-  constexpr const char* op = "add_per_sample_clipped_sum_";
-  check_per_sample_clipped_sum_args(op, grads, scale);
-  const int64_t d = c10::multiply_integers(grads.sizes().slice(1));
-  TORCH_CHECK(dest.scalar_type() == at::kFloat && dest.numel() == d, "dpzero::", op,
-              ": the destination must be float32 with ", d, " elements, got ", dest.scalar_type(),
-              " ", dest.sizes());
-  if (host_clipped_sum_applies(grads, scale) && dest.is_cpu() && dest.is_contiguous()) {
-    const std::vector<double> acc = host_clipped_sum(grads, scale, d);
-    float* pd = dest.data_ptr<float>();
-    for (int64_t j = 0; j < d; ++j) pd[j] = pd[j] + static_cast<float>(acc[static_cast<size_t>(j)]);
-    return;
-  }
-  const at::Tensor sum = per_sample_clipped_sum(grads, scale);
-  dest.add_(sum.sizes() == dest.sizes() ? sum : sum.view(dest.sizes()));
+  using Signature = at::Tensor&(at::Tensor&, const at::Tensor&, const at::Tensor&);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::add_per_sample_clipped_sum_", "")
+                             .typed<Signature>();
+  op.call(dest, grads, scale);
+}
+
+// Public: per-sample gradients [B, ...] (float64 or float32), scale [B] float32 -> sum_i c_i
+// grads_i ([...] float32, summed in float64): add_per_sample_clipped_sum_ into zeros.
+inline at::Tensor per_sample_clipped_sum(const at::Tensor& grads, const at::Tensor& scale) {
+  check_per_sample_clipped_sum_args("per_sample_clipped_sum", grads, scale);
+  at::Tensor out = at::zeros(grads.sizes().slice(1), grads.options().dtype(at::kFloat));
+  add_per_sample_clipped_sum_(out, grads, scale);
+  return out;
 }
 
 inline at::Tensor no_bias_grad(const at::Tensor& like) {

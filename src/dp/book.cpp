@@ -604,11 +604,11 @@ void Book::input_norms(const std::vector<int64_t>& same, bool early) {
     if (kept.rest_sq.defined()) reads.push_back(kept.rest_sq);
   }
   const auto norms = [&] {
-    const at::Tensor weights = ps::linear_sq_norms_multi(first.a, gs, /*method=*/0);  // [L, B]
+    const std::vector<at::Tensor> weights = ps::linear_sq_norms_each(first.a, gs, /*method=*/0);
     std::vector<at::Tensor> totals;
     for (size_t l = 0; l < same.size(); ++l) {
       const Kept& kept = *parts_[same[l]].kept;
-      const at::Tensor w = weights[static_cast<int64_t>(l)];
+      const at::Tensor& w = weights[l];  // [B]
       totals.push_back(kept.rest_sq.defined() ? certified_sum({w, kept.rest_sq}) : w);
     }
     return totals;

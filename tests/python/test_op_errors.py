@@ -63,6 +63,10 @@ CASES = [
     ("bias_per_sample dims", "ops.bias_per_sample(t(4))", "got shape [4]"),
     ("per_sample_clipped_sum scale", "ops.per_sample_clipped_sum(t(4, 3), t(6))",
      "scale must be [B] = [4], got shape [6]"),
+    ("add_per_sample_clipped_sum_ accumulator",
+     "ops.add_per_sample_clipped_sum_(t(5), t(4, 3, 2), S4)",
+     "must be float32 with 6 elements (grads [4, 3, 2] less the sample dim), got Float of shape "
+     "[5]"),
     ("embedding_sq_norms shapes", "ops.embedding_sq_norms(ids(4, 5), t(4, 6, 3), 10)",
      "got ids [4, 5] and G [4, 6, 3]"),
     ("embedding_sq_norms padding_idx", "ops.embedding_sq_norms(ids(4, 5), t(4, 5, 3), 10, 12)",

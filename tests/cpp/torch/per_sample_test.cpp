@@ -7,6 +7,7 @@
 // Runs on CPU, and on CUDA too when a GPU and the CUDA kernels are present.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -538,6 +539,87 @@ TEST(PerSampleClippedSum, InPlaceAddIntoASlotIsTheOutOfPlaceSumAdded) {
   at::Tensor small = at::zeros({20}, at::kFloat), doubles = at::zeros({21}, at::kDouble);
   EXPECT_THROW(ps::add_per_sample_clipped_sum_(small, grads, scale), c10::Error);
   EXPECT_THROW(ps::add_per_sample_clipped_sum_(doubles, grads, scale), c10::Error);
+}
+
+// dpzero::add_per_sample_clipped_sum_ on every device against a reference written out here: the
+// float64 sum of c_i g_ij over the kept samples, chunk by chunk of 32 samples and then over the
+// chunks (Note [kept sums in chunks]), one float32 addition into self; a dropped sample (factor 0,
+// -0, NaN, Inf) is not read, so its NaN / Inf rows change nothing. The same bits on the CPU and on
+// CUDA. One chunk and three (the last one short), float64 and float32 rows, a strided self, B = 0,
+// and the argument errors naming the bad value.
+TEST(PerSampleClippedSum, TheOpAddsTheFloat64SumOfKeptRowsOnEveryDevice) {
+  const auto op = c10::Dispatcher::singleton()
+                      .findSchemaOrThrow("dpzero::add_per_sample_clipped_sum_", "")
+                      .typed<at::Tensor&(at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  at::manual_seed(41);
+  const int64_t d = 5000;  // over one CPU task and many CUDA blocks
+  for (const int64_t b : {int64_t{7}, int64_t{75}}) {
+    const at::Tensor rows = at::randn({b, 2, d / 2}, at::kDouble) * 3;
+    rows[1][0][3] = std::numeric_limits<double>::quiet_NaN();
+    rows[4][1][7] = std::numeric_limits<double>::infinity();
+    at::Tensor scale = at::rand({b}, at::kFloat);
+    scale[1] = 0.0f;
+    scale[4] = nan;
+    scale[5] = -0.0f;
+    scale[6] = inf;
+    const at::Tensor self0 = at::randn({2, d / 2}, at::kFloat);
+    for (const at::ScalarType dtype : {at::kDouble, at::kFloat}) {
+      const at::Tensor g = rows.to(dtype).to(at::kDouble).contiguous();  // the values read
+      at::Tensor want = self0.clone();
+      const double* pg = g.data_ptr<double>();
+      const float* pc = scale.data_ptr<float>();
+      float* pw = want.data_ptr<float>();
+      for (int64_t j = 0; j < d; ++j) {
+        double total = 0.0;
+        for (int64_t i0 = 0; i0 < b; i0 += 32) {
+          double part = 0.0;
+          for (int64_t i = i0; i < std::min(b, i0 + 32); ++i) {
+            if (!std::isfinite(pc[i]) || pc[i] == 0.0f) continue;
+            const volatile double term = static_cast<double>(pc[i]) * pg[i * d + j];
+            part += term;
+          }
+          total += part;
+        }
+        pw[j] = pw[j] + static_cast<float>(total);
+      }
+      for (const at::Device device : devices()) {
+        at::Tensor self = self0.to(device, /*non_blocking=*/false, /*copy=*/true);
+        op.call(self, rows.to(dtype).to(device), scale.to(device));
+        EXPECT_TRUE(self.cpu().equal(want)) << device << " " << dtype << " B = " << b << " "
+                                            << (self.cpu() - want).abs().max();
+        // A strided self: every other entry of a wider buffer, the rest untouched.
+        at::Tensor wide = at::zeros({d, 2}, at::TensorOptions(device).dtype(at::kFloat));
+        wide.select(1, 0).copy_(self0.view({d}));
+        at::Tensor strided = wide.select(1, 0);
+        op.call(strided, rows.to(dtype).to(device), scale.to(device));
+        EXPECT_TRUE(wide.select(1, 0).cpu().equal(want.view({d}))) << device << " " << dtype;
+        EXPECT_TRUE(wide.select(1, 1).eq(0).all().item<bool>()) << device;
+      }
+    }
+  }
+  for (const at::Device device : devices()) {
+    const auto on = at::TensorOptions(device);
+    const at::Tensor self0 = at::randn({7}, at::kFloat);
+    // B = 0 adds zeros.
+    at::Tensor same = self0.to(device, /*non_blocking=*/false, /*copy=*/true);
+    op.call(same, at::zeros({0, 7}, on.dtype(at::kDouble)), at::zeros({0}, on.dtype(at::kFloat)));
+    EXPECT_TRUE(same.cpu().equal(self0)) << device;
+    // Errors name the bad value; self may not share memory with the rows.
+    const at::Tensor rows = at::randn({3, 7}, on.dtype(at::kFloat));
+    const at::Tensor scale = at::ones({3}, on.dtype(at::kFloat));
+    at::Tensor small = at::zeros({6}, on.dtype(at::kFloat));
+    try {
+      op.call(small, rows, scale);
+      ADD_FAILURE() << "a short accumulator was accepted on " << device;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("float32 with 7 elements"),
+                std::string::npos) << e.what_without_backtrace();
+    }
+    at::Tensor inside = rows[0];
+    EXPECT_THROW(op.call(inside, rows, scale), c10::Error) << device;
+  }
 }
 
 }  // namespace
