@@ -38,17 +38,42 @@ VIEWS = {"view", "_unsafe_view", "as_strided", "select", "slice", "narrow", "t",
          "_reshape_alias"}
 
 
-class Count(Observer):
+# Calls that read a device value on the host.
+READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.item.default"}
+
+
+class Count(Observer):  # kept inside the step's checks (Note [checks alone])
+    """Every ATen call of its scope by name, and the copies to the CPU among them."""
+
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()
+        self.host_copies = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func)] += 1
+        # A copy to the CPU: a device-to-host read on the path a GPU takes. (A .cpu() of a CPU
+        # tensor copies nothing and dispatches nothing: the reads the step makes copy explicitly.)
+        if func is torch.ops.aten._to_copy.default and \
+                torch.device((kwargs or {}).get("device") or "meta").type == "cpu":
+            self.host_copies += 1
         return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def launches(self) -> int:
+        return launches(self.ops)
+
+    @property
+    def reads(self) -> int:
+        return sum(self.ops[name] for name in READS) + self.host_copies
 
 
 def launches(ops: collections.Counter) -> int:
+    """The calls of ``ops`` (by name) that are not views."""
     return sum(n for name, n in ops.items() if name.split(".")[1] not in VIEWS)
 
 
@@ -69,7 +94,7 @@ def batch(b: int, t: int = 16):
 
 
 def private_step(b: int):
-    """(forward, backward, step) Counters of the second private step, and the DP layer count."""
+    """(forward, backward, step) Counts of the second private step, and the DP layer count."""
     model = bert()
     ids, y = batch(b)
     p = dpzero.make_private(model, dataset=torch.utils.data.TensorDataset(ids, y),
@@ -86,10 +111,11 @@ def private_step(b: int):
         p.optimizer.zero_grad()
     layers = sum(1 for m in model.modules()
                  if isinstance(m, (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm)))
-    return (forward.ops, backward.ops, step.ops), layers
+    return (forward, backward, step), layers
 
 
-def plain_step(b: int) -> collections.Counter:
+def plain_step(b: int) -> Count:
+    """The Count of the second non-private step (forward, backward, SGD) of the same model."""
     model = bert()
     ids, y = batch(b)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -98,7 +124,7 @@ def plain_step(b: int) -> collections.Counter:
             F.cross_entropy(model(input_ids=ids).logits, y).backward()
             opt.step()
         opt.zero_grad()
-    return count.ops
+    return count
 
 
 def main(argv=None) -> int:
@@ -115,18 +141,17 @@ def main(argv=None) -> int:
     lines = ["| | operators, B = 4 | B = 24 | launches, B = 4 | B = 24 |", "|---|---|---|---|---|"]
     for name, a, b in zip(("private forward", "private backward", "private optimizer step"),
                           small, large):
-        lines.append(f"| {name} | {sum(a.values())} | {sum(b.values())} | {launches(a)} | "
-                     f"{launches(b)} |")
-    lines.append(f"| non-private step | {sum(plain.values())} | | {launches(plain)} | |")
-    private = sum(small, collections.Counter())
-    extra = launches(private) - launches(plain)
+        lines.append(f"| {name} | {a.total} | {b.total} | {a.launches} | {b.launches} |")
+    lines.append(f"| non-private step | {plain.total} | | {plain.launches} | |")
+    private = sum((c.ops for c in small), collections.Counter())
+    extra = launches(private) - plain.launches
     lines += ["", f"{layers} DP layers: the private step launches {extra} kernels more than the "
               f"non-private one, {extra / layers:.1f} per DP layer "
-              f"({(sum(private.values()) - sum(plain.values())) / layers:.1f} operators with the "
+              f"({(sum(private.values()) - plain.total) / layers:.1f} operators with the "
               "views). The largest differences in launches:", "",
               "| operator | private − non-private |", "|---|---|"]
-    diff = {k: private[k] - plain[k] for k in set(private) | set(plain)
-            if private[k] != plain[k] and k.split(".")[1] not in VIEWS}
+    diff = {k: private[k] - plain.ops[k] for k in set(private) | set(plain.ops)
+            if private[k] != plain.ops[k] and k.split(".")[1] not in VIEWS}
     for name, n in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:args.top]:
         lines.append(f"| `{name}` | {n:+d} |")
     print("\n".join(lines))
