@@ -55,7 +55,11 @@ at::Tensor& add_per_sample_clipped_sum_cpu_(at::Tensor& self, const at::Tensor& 
   } else {
     add_sums(out.data_ptr<float>(), g.data_ptr<float>(), s.data_ptr<float>(), b, d);
   }
-  if (!out.is_same(self)) self.copy_(out);
+  if (out.is_same(self)) {
+    self.unsafeGetTensorImpl()->bump_version();  // an in-place write, as autograd must see it
+  } else {
+    self.copy_(out);
+  }
   return self;
 }
 

@@ -66,12 +66,12 @@ at::Tensor& add_per_sample_clipped_sum_cuda_(at::Tensor& self, const at::Tensor&
   at::Tensor out = self.is_contiguous() ? self : self.contiguous();  // as the CPU kernel does
   const int64_t b = g.size(0), d = out.numel();
   const int64_t chunks = per_sample_sum::chunks(b);
-  if (d > 0 && chunks > 0) {
+  if (d > 0) {  // B = 0 still adds 0.0 into self, as the CPU kernel does (a -0 becomes +0)
     TORCH_CHECK(chunks <= 65535 && (d + kThreads - 1) / kThreads <= 2147483647,
                 "dpzero::add_per_sample_clipped_sum_: ", b, " samples of ", d,
                 " entries exceed one launch's grid");
     const dim3 grid(static_cast<unsigned>((d + kThreads - 1) / kThreads),
-                    static_cast<unsigned>(chunks));
+                    static_cast<unsigned>(std::max<int64_t>(chunks, 1)));
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     at::Tensor parts;
     if (chunks > 1) parts = at::empty({chunks, d}, out.options().dtype(at::kDouble));
@@ -91,7 +91,11 @@ at::Tensor& add_per_sample_clipped_sum_cuda_(at::Tensor& self, const at::Tensor&
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
-  if (!out.is_same(self)) self.copy_(out);
+  if (out.is_same(self)) {
+    self.unsafeGetTensorImpl()->bump_version();  // an in-place write, as autograd must see it
+  } else {
+    self.copy_(out);
+  }
   return self;
 }
 

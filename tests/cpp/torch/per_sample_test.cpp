@@ -601,11 +601,15 @@ TEST(PerSampleClippedSum, TheOpAddsTheFloat64SumOfKeptRowsOnEveryDevice) {
   }
   for (const at::Device device : devices()) {
     const auto on = at::TensorOptions(device);
-    const at::Tensor self0 = at::randn({7}, at::kFloat);
-    // B = 0 adds zeros.
+    at::Tensor self0 = at::randn({7}, at::kFloat);
+    self0[0] = -0.0f;
+    // B = 0 adds +0.0 to every entry (a -0 becomes +0 on every device: the same bits), and the
+    // write moves self's version counter, as any in-place op's does.
     at::Tensor same = self0.to(device, /*non_blocking=*/false, /*copy=*/true);
+    const auto version = same._version();
     op.call(same, at::zeros({0, 7}, on.dtype(at::kDouble)), at::zeros({0}, on.dtype(at::kFloat)));
-    EXPECT_TRUE(same.cpu().equal(self0)) << device;
+    EXPECT_GT(same._version(), version) << device;
+    EXPECT_TRUE(same.cpu().view(at::kInt).equal((self0 + 0.0f).view(at::kInt))) << device;
     // Errors name the bad value; self may not share memory with the rows.
     const at::Tensor rows = at::randn({3, 7}, on.dtype(at::kFloat));
     const at::Tensor scale = at::ones({3}, on.dtype(at::kFloat));
