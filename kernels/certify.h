@@ -72,6 +72,19 @@ DPZERO_HOST_DEVICE double direct_bound(double q, double s, double coef) {
   return up_one(z * z);
 }
 
+// kSumUp's last rounding: a sum of certified float32 parts, formed in float64 from 0 in their
+// order, padded by 1 + 1e-15 (which covers up to 8 additions' relative error) and rounded up.
+DPZERO_HOST_DEVICE float sum_up(double total) { return f32_up(total * (1.0 + 1e-15)); }
+
+// A call given `rest` (dpzero::_certify): its float32 result r and the same sample's certified
+// squared norm of other parameters, added as kSumUp adds the two parts [r, rest].
+DPZERO_HOST_DEVICE float plus_rest(float r, float rest) {
+  double total = 0.0;
+  total += static_cast<double>(r);
+  total += static_cast<double>(rest);
+  return sum_up(total);
+}
+
 // The steps that take one value per sample (all but kRows and kSumUp, which reduce first).
 DPZERO_HOST_DEVICE double elementwise(Step step, double v, double s, double coef, double margin) {
   switch (step) {

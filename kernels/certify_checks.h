@@ -25,7 +25,8 @@ inline bool takes_s(Step step) {
 // Checks a _certify call; returns its step and the result (uninitialised, on value's device).
 inline std::pair<Step, at::Tensor> certify_result(const at::Tensor& value,
                                                   const c10::optional<at::Tensor>& s,
-                                                  int64_t step, bool f32, double margin) {
+                                                  int64_t step, bool f32, double margin,
+                                                  const c10::optional<at::Tensor>& rest) {
   TORCH_CHECK(step >= 0 && step < kSteps, "dpzero::_certify: step must be in [0, ", kSteps,
               "), got ", step);
   const Step st = static_cast<Step>(step);
@@ -55,6 +56,17 @@ inline std::pair<Step, at::Tensor> certify_result(const at::Tensor& value,
                 " takes no S");
   }
   const bool out_f64 = gives_f64(st) && !f32;
+  if (rest.has_value() && rest->defined()) {
+    // Added as certified_sum adds two parts: to a certified float32 squared norm only.
+    TORCH_CHECK((st == Step::kGhost || st == Step::kDirect) ? f32 : st == Step::kRoundUp,
+                "dpzero::_certify: rest is added to a float32 certified squared norm (steps 0 and "
+                "1 with f32, or step 5), got step ", step, " with f32 ", f32);
+    TORCH_CHECK(rest->scalar_type() == at::kFloat && rest->sizes().vec() == shape,
+                "dpzero::_certify: rest must be float32 of shape ", c10::IntArrayRef(shape),
+                ", got ", rest->scalar_type(), " of shape ", rest->sizes());
+    TORCH_CHECK(rest->device() == value.device(), "dpzero::_certify: rest is on ",
+                rest->device(), ", value on ", value.device());
+  }
   return {st, at::empty(shape, value.options().dtype(out_f64 ? at::kDouble : at::kFloat))};
 }
 

@@ -19,7 +19,7 @@ using certify::Step;
 
 template <typename in_t, typename out_t>
 void certify_loop(Step step, const in_t* v, const double* s, double coef, double margin,
-                  bool f32, out_t* out, int64_t rows, int64_t cols) {
+                  bool f32, const float* rest, out_t* out, int64_t rows, int64_t cols) {
   for (int64_t i = 0; i < rows; ++i) {
     double r;
     if (step == Step::kRows) {  // q in row order
@@ -32,27 +32,31 @@ void certify_loop(Step step, const in_t* v, const double* s, double coef, double
     } else if (step == Step::kSumUp) {  // v [P, B]: rows = B, cols = P
       double total = 0.0;
       for (int64_t p = 0; p < cols; ++p) total += static_cast<double>(v[p * rows + i]);
-      r = certify::f32_up(total * (1.0 + 1e-15));
+      r = certify::sum_up(total);
     } else {
       r = certify::elementwise(step, static_cast<double>(v[i]), s ? s[i] : 0.0, coef, margin);
     }
     out[i] = static_cast<out_t>(f32 && certify::gives_f64(step) ? certify::f32_up(r) : r);
+    if (rest) out[i] = static_cast<out_t>(certify::plus_rest(static_cast<float>(out[i]), rest[i]));
   }
 }
 
 at::Tensor certify_cpu(const at::Tensor& value, const c10::optional<at::Tensor>& S, double coef,
-                       int64_t step, bool f32, double margin) {
-  auto [st, out] = certify::certify_result(value, S, step, f32, margin);
+                       int64_t step, bool f32, double margin,
+                       const c10::optional<at::Tensor>& rest) {
+  auto [st, out] = certify::certify_result(value, S, step, f32, margin, rest);
   const at::Tensor v = value.contiguous();
   const at::Tensor s = certify::takes_s(st) ? S->contiguous() : at::Tensor();
+  const at::Tensor r = rest && rest->defined() ? rest->contiguous() : at::Tensor();
+  const float* pr = r.defined() ? r.data_ptr<float>() : nullptr;
   const int64_t rows = out.numel();
   const int64_t cols = st == Step::kRows ? v.size(1) : st == Step::kSumUp ? v.size(0) : 1;
   const double* ps = s.defined() ? s.data_ptr<double>() : nullptr;
   const auto run = [&](auto* pv) {
     if (out.scalar_type() == at::kDouble) {
-      certify_loop(st, pv, ps, coef, margin, f32, out.data_ptr<double>(), rows, cols);
+      certify_loop(st, pv, ps, coef, margin, f32, pr, out.data_ptr<double>(), rows, cols);
     } else {
-      certify_loop(st, pv, ps, coef, margin, f32, out.data_ptr<float>(), rows, cols);
+      certify_loop(st, pv, ps, coef, margin, f32, pr, out.data_ptr<float>(), rows, cols);
     }
   };
   if (v.scalar_type() == at::kDouble) {

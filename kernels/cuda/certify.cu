@@ -31,7 +31,8 @@ int blocks_for(int64_t n) {
 // Every step but kRows: thread i computes sample i (kSumUp: over the P parts of column i).
 template <typename in_t, typename out_t>
 __global__ void certify_kernel(Step step, const in_t* __restrict__ v, const double* __restrict__ s,
-                               double coef, double margin, bool f32, out_t* __restrict__ out,
+                               double coef, double margin, bool f32,
+                               const float* __restrict__ rest, out_t* __restrict__ out,
                                int64_t rows, int64_t parts) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -39,11 +40,12 @@ __global__ void certify_kernel(Step step, const in_t* __restrict__ v, const doub
     if (step == Step::kSumUp) {
       double total = 0.0;
       for (int64_t p = 0; p < parts; ++p) total += static_cast<double>(v[p * rows + i]);
-      r = certify::f32_up(total * (1.0 + 1e-15));
+      r = certify::sum_up(total);
     } else {
       r = certify::elementwise(step, static_cast<double>(v[i]), s ? s[i] : 0.0, coef, margin);
     }
     out[i] = static_cast<out_t>(f32 && certify::gives_f64(step) ? certify::f32_up(r) : r);
+    if (rest) out[i] = static_cast<out_t>(certify::plus_rest(static_cast<float>(out[i]), rest[i]));
   }
 }
 
@@ -73,11 +75,14 @@ __global__ void certify_rows_kernel(const in_t* __restrict__ v, const double* __
 }
 
 at::Tensor certify_cuda(const at::Tensor& value, const c10::optional<at::Tensor>& S, double coef,
-                        int64_t step, bool f32, double margin) {
-  auto [st, out] = certify::certify_result(value, S, step, f32, margin);
+                        int64_t step, bool f32, double margin,
+                        const c10::optional<at::Tensor>& rest) {
+  auto [st, out] = certify::certify_result(value, S, step, f32, margin, rest);
   const c10::cuda::CUDAGuard guard(value.device());
   const at::Tensor v = value.contiguous();
   const at::Tensor s = certify::takes_s(st) ? S->contiguous() : at::Tensor();
+  const at::Tensor r = rest && rest->defined() ? rest->contiguous() : at::Tensor();
+  const float* pr = r.defined() ? r.data_ptr<float>() : nullptr;
   const int64_t rows = out.numel();
   if (rows == 0) return out;
   const double* ps = s.defined() ? s.data_ptr<double>() : nullptr;
@@ -88,7 +93,7 @@ at::Tensor certify_cuda(const at::Tensor& value, const c10::optional<at::Tensor>
           pv, ps, coef + margin, f32, po, v.size(1));
     } else {
       certify_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(
-          st, pv, ps, coef, margin, f32, po, rows, st == Step::kSumUp ? v.size(0) : 1);
+          st, pv, ps, coef, margin, f32, pr, po, rows, st == Step::kSumUp ? v.size(0) : 1);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };

@@ -246,13 +246,14 @@ inline double ghost_error_coefficient(int64_t T, int64_t d_in, int64_t d_out) {
 using certify::Step;
 
 inline at::Tensor certify_op(const at::Tensor& value, const c10::optional<at::Tensor>& s,
-                             double coef, Step step, bool f32 = false, double margin = 0.0) {
+                             double coef, Step step, bool f32 = false, double margin = 0.0,
+                             const c10::optional<at::Tensor>& rest = c10::nullopt) {
   using Signature = at::Tensor(const at::Tensor&, const c10::optional<at::Tensor>&, double,
-                               int64_t, bool, double);
+                               int64_t, bool, double, const c10::optional<at::Tensor>&);
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("dpzero::_certify", "")
                              .typed<Signature>();
-  return op.call(value, s, coef, static_cast<int64_t>(step), f32, margin);
+  return op.call(value, s, coef, static_cast<int64_t>(step), f32, margin, rest);
 }
 
 // Note [clipped-sum rounding]

@@ -186,13 +186,23 @@ inline std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_multi_generic(const at:
 }
 
 // A [B, ..., d_in], G[l] [B, ..., d_out_l] -> L tensors [B] float32, the certified squared norms
-// of each layer (the book takes them apart, so they are not stacked).
+// of each layer (the book takes them apart, so they are not stacked). `rest`, empty or one per
+// layer: a defined [B] float32 certified squared norm of the layer's other parameters (its bias)
+// is added to its weight's in the certification's own pass (_certify's rest: the bits of
+// dp::certified_sum of the two).
 inline std::vector<at::Tensor> linear_sq_norms_each(const at::Tensor& A, at::TensorList G,
-                                                    int64_t method) {
+                                                    int64_t method,
+                                                    const std::vector<at::Tensor>& rest = {}) {
   constexpr const char* op = "linear_sq_norms_multi";
   const NormMethod m = check_method(op, method);
   TORCH_CHECK(!G.empty(), "dpzero::", op, ": G must hold at least one tensor");
   for (const at::Tensor& g : G) check_layer_pair(op, A, "A", g);
+  TORCH_CHECK(rest.empty() || rest.size() == G.size(), "dpzero::", op, ": rest must hold one "
+              "tensor per layer (", G.size(), "), got ", rest.size());
+  const auto rest_of = [&](size_t l) {
+    return l < rest.size() && rest[l].defined() ? c10::optional<at::Tensor>(rest[l])
+                                                : c10::nullopt;
+  };
   const Fp32MatmulGuard precision;
   const at::Tensor a = as_btd(op, "A", A);
   std::vector<at::Tensor> gs, out(G.size());
@@ -203,7 +213,8 @@ inline std::vector<at::Tensor> linear_sq_norms_each(const at::Tensor& A, at::Ten
       gs.push_back(g);
       ghost_rows.push_back(l);
     } else {
-      out[l] = to_f32_up(direct_sq_norms(a, g));
+      out[l] = certify_op(direct_sq_norms(a, g), c10::nullopt, 0.0, Step::kRoundUp,
+                          /*f32=*/false, /*margin=*/0.0, rest_of(l));  // to_f32_up, + rest
     }
   }
   if (!gs.empty()) {
@@ -216,7 +227,7 @@ inline std::vector<at::Tensor> linear_sq_norms_each(const at::Tensor& A, at::Ten
       const double c = ghost_error_coefficient(a.size(1), a.size(2), gs[k].size(2));
       out[ghost_rows[k]] = certify_op(values[static_cast<int64_t>(k)], s[static_cast<int64_t>(k)],
                                       2.0 * c, Step::kGhost, /*f32=*/true,
-                                      clipped_sum_margin(a.size(1)));
+                                      clipped_sum_margin(a.size(1)), rest_of(ghost_rows[k]));
     }
   }
   return out;

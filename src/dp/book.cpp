@@ -604,14 +604,11 @@ void Book::input_norms(const std::vector<int64_t>& same, bool early) {
     if (kept.rest_sq.defined()) reads.push_back(kept.rest_sq);
   }
   const auto norms = [&] {
-    const std::vector<at::Tensor> weights = ps::linear_sq_norms_each(first.a, gs, /*method=*/0);
-    std::vector<at::Tensor> totals;
-    for (size_t l = 0; l < same.size(); ++l) {
-      const Kept& kept = *parts_[same[l]].kept;
-      const at::Tensor& w = weights[l];  // [B]
-      totals.push_back(kept.rest_sq.defined() ? certified_sum({w, kept.rest_sq}) : w);
-    }
-    return totals;
+    // Each layer's weight norm with its rest (its bias's norm) added: certified_sum's bits, in
+    // the certification's own pass.
+    std::vector<at::Tensor> rests;
+    for (const int64_t index : same) rests.push_back(parts_[index].kept->rest_sq);
+    return ps::linear_sq_norms_each(first.a, gs, /*method=*/0, rests);  // L x [B]
   };
   const at::Device device = first.a.device();
   std::vector<at::Tensor> totals;

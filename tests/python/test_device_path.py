@@ -30,7 +30,7 @@ import torch  # noqa: E402
 # "Launches of a private step"; experiments/device_ops.py writes the counts): the layer's norm
 # kernels and their certification (one _certify each), its share of the group's clip, its clipped
 # sums.
-PER_LAYER = 13
+PER_LAYER = 11
 # Host reads the optimizer step makes (Note [host reads of a step] in src/dp/private_step.h): one
 # transfer of the check flags and the dropped count.
 STEP_READS = 1

@@ -101,6 +101,8 @@ CASES = [
      "ops.conv_clip(t(2, 3, 8), t(2, 4, 7), [3], [1], [0], [1], 1, 1.0, 'flat')",
      "dim 0 is 7 but the convolution of input [2, 3, 8] gives 6"),
     ("_certify step", "ops._certify(t(4).double(), None, 1.0, 99)", "got 99"),
+    ("_certify rest", "ops._certify(t(4).double(), None, 0.0, 5, False, 0.0, t(3))",
+     "rest must be float32 of shape [4], got Float of shape [3]"),
     ("_group_clip sizes", "ops._group_clip(t(2, 4), [3, 3], 0, 1.0, 'flat')",
      "add up to 6 parts, sq has 2"),
     ("_scale_rows scale", "ops._scale_rows(t(4, 3), t(5), True)", "of shape [5]"),

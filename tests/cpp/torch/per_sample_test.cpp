@@ -459,6 +459,22 @@ TEST(PerSampleCertification, EveryStepMatchesItsAtenComposition) {
     const at::Tensor p64 = parts.to(at::kDouble);
     EXPECT_TRUE(same(run(parts, {}, 0, Step::kSumUp),
                      f32_up((p64[0] + p64[1] + p64[2]) * (1.0 + 1e-15)))) << where;
+    // `rest`, a second certified float32 squared norm: added to the float32 result as kSumUp
+    // adds two parts, so a call with rest is the call without it and certified_sum after.
+    const at::Tensor rest = at::rand({64}, at::kFloat) * 1e3, rest64 = rest.to(at::kDouble);
+    for (const Step step : {Step::kGhost, Step::kRoundUp}) {
+      const bool ghost_step = step == Step::kGhost;
+      const at::Tensor alone = ghost_step ? run(ghost, s, 2 * c, step, true) : run(x, {}, 0, step);
+      const at::Tensor with_rest = ps::certify_op(
+          on(ghost_step ? ghost : x), ghost_step ? c10::optional<at::Tensor>(on(s)) : c10::nullopt,
+          ghost_step ? 2 * c : 0.0, step, ghost_step, 0.0, on(rest));
+      EXPECT_TRUE(same(with_rest, f32_up((alone.cpu().to(at::kDouble) + rest64) * (1.0 + 1e-15))))
+          << where << " step " << static_cast<int>(step);
+      EXPECT_TRUE(same(with_rest, run(at::stack({alone.cpu(), rest}), {}, 0, Step::kSumUp)))
+          << where << " step " << static_cast<int>(step);
+    }
+    EXPECT_THROW(ps::certify_op(on(x), c10::nullopt, 0.0, Step::kRoundDown, false, 0.0, on(rest)),
+                 c10::Error) << where;
     const at::Tensor grads = at::randn({16, 300}, at::kDouble), sums = at::rand({16}, at::kDouble);
     const at::Tensor rows = run(grads, sums, k, Step::kRows).cpu();
     const at::Tensor zr = up(up(sqrt(grads.square().sum(1))) + sums * k);
