@@ -462,12 +462,16 @@ TEST(PerSampleCertification, EveryStepMatchesItsAtenComposition) {
     // `rest`, a second certified float32 squared norm: added to the float32 result as kSumUp
     // adds two parts, so a call with rest is the call without it and certified_sum after.
     const at::Tensor rest = at::rand({64}, at::kFloat) * 1e3, rest64 = rest.to(at::kDouble);
-    for (const Step step : {Step::kGhost, Step::kRoundUp}) {
-      const bool ghost_step = step == Step::kGhost;
-      const at::Tensor alone = ghost_step ? run(ghost, s, 2 * c, step, true) : run(x, {}, 0, step);
-      const at::Tensor with_rest = ps::certify_op(
-          on(ghost_step ? ghost : x), ghost_step ? c10::optional<at::Tensor>(on(s)) : c10::nullopt,
-          ghost_step ? 2 * c : 0.0, step, ghost_step, 0.0, on(rest));
+    for (const Step step : {Step::kGhost, Step::kDirect, Step::kRoundUp}) {
+      const bool certifies = step != Step::kRoundUp;
+      const at::Tensor& v = step == Step::kGhost ? ghost : step == Step::kDirect ? q : x;
+      const double coef = step == Step::kGhost ? 2 * c : step == Step::kDirect ? k : 0.0;
+      const c10::optional<at::Tensor> sv =
+          certifies ? c10::optional<at::Tensor>(s) : c10::nullopt;
+      const at::Tensor alone = run(v, sv, coef, step, certifies);
+      const at::Tensor with_rest =
+          ps::certify_op(on(v), certifies ? c10::optional<at::Tensor>(on(s)) : c10::nullopt, coef,
+                         step, certifies, 0.0, on(rest));
       EXPECT_TRUE(same(with_rest, f32_up((alone.cpu().to(at::kDouble) + rest64) * (1.0 + 1e-15))))
           << where << " step " << static_cast<int>(step);
       EXPECT_TRUE(same(with_rest, run(at::stack({alone.cpu(), rest}), {}, 0, Step::kSumUp)))
