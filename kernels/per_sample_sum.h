@@ -20,10 +20,29 @@
 
 #include <cstdint>
 
+#include <ATen/core/Tensor.h>
+
 namespace dpzero::kernels::per_sample_sum {
 
 constexpr int64_t kSamplesPerChunk = 32;
 
 inline int64_t chunks(int64_t b) { return (b + kSamplesPerChunk - 1) / kSamplesPerChunk; }
+
+// Where a backend adds the sums: self itself, or for a strided self (a slot of another layout) a
+// contiguous copy of its values, written back by written_back (the same float32 additions).
+inline at::Tensor accumulator(const at::Tensor& self) {
+  return self.is_contiguous() ? self : self.contiguous();
+}
+
+// The op's end on either backend: an in-place write moves self's version counter, as autograd
+// must see it; a copy is written back into self (copy_ moves the counter itself).
+inline at::Tensor& written_back(at::Tensor& self, const at::Tensor& out) {
+  if (out.is_same(self)) {
+    self.unsafeGetTensorImpl()->bump_version();
+  } else {
+    self.copy_(out);
+  }
+  return self;
+}
 
 }  // namespace dpzero::kernels::per_sample_sum

@@ -46,21 +46,14 @@ at::Tensor& add_per_sample_clipped_sum_cpu_(at::Tensor& self, const at::Tensor& 
                                             const at::Tensor& scale) {
   check_add_per_sample_clipped_sum(self, grads, scale);
   const at::Tensor g = grads.contiguous(), s = scale.contiguous();
-  // A strided self (a slot of another layout) is summed into a contiguous copy of its values and
-  // written back: the same float32 additions.
-  at::Tensor out = self.is_contiguous() ? self : self.contiguous();
+  at::Tensor out = per_sample_sum::accumulator(self);
   const int64_t b = g.size(0), d = out.numel();
   if (g.scalar_type() == at::kDouble) {
     add_sums(out.data_ptr<float>(), g.data_ptr<double>(), s.data_ptr<float>(), b, d);
   } else {
     add_sums(out.data_ptr<float>(), g.data_ptr<float>(), s.data_ptr<float>(), b, d);
   }
-  if (out.is_same(self)) {
-    self.unsafeGetTensorImpl()->bump_version();  // an in-place write, as autograd must see it
-  } else {
-    self.copy_(out);
-  }
-  return self;
+  return per_sample_sum::written_back(self, out);
 }
 
 }  // namespace

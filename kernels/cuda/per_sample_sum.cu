@@ -63,7 +63,7 @@ at::Tensor& add_per_sample_clipped_sum_cuda_(at::Tensor& self, const at::Tensor&
   check_add_per_sample_clipped_sum(self, grads, scale);
   const c10::cuda::CUDAGuard guard(self.device());
   const at::Tensor g = grads.contiguous(), s = scale.contiguous();
-  at::Tensor out = self.is_contiguous() ? self : self.contiguous();  // as the CPU kernel does
+  at::Tensor out = per_sample_sum::accumulator(self);
   const int64_t b = g.size(0), d = out.numel();
   const int64_t chunks = per_sample_sum::chunks(b);
   if (d > 0) {  // B = 0 still adds 0.0 into self, as the CPU kernel does (a -0 becomes +0)
@@ -91,12 +91,7 @@ at::Tensor& add_per_sample_clipped_sum_cuda_(at::Tensor& self, const at::Tensor&
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
-  if (out.is_same(self)) {
-    self.unsafeGetTensorImpl()->bump_version();  // an in-place write, as autograd must see it
-  } else {
-    self.copy_(out);
-  }
-  return self;
+  return per_sample_sum::written_back(self, out);
 }
 
 }  // namespace
