@@ -67,9 +67,10 @@ TORCH_LIBRARY(dpzero, m) {
   // Kept per-sample gradients grads [B, ...] (float64 / float32), scale [B] -> [...] float32.
   m.def("per_sample_clipped_sum(Tensor grads, Tensor scale) -> Tensor");
   // The same sum added into self, float32 with the elements of one sample's grads (a parameter's
-  // slot): self += float32(sum_i scale_i grads_i), the sum in float64 over the samples in order,
-  // a sample whose factor is 0 or non-finite skipped (its row never read). One pass on every
-  // backend, one launch on a GPU.
+  // slot): self += float32(sum_i scale_i grads_i), the sum in float64 in the order of Note [kept
+  // sums in chunks] (kernels/per_sample_sum.h), a sample whose factor is 0 or non-finite skipped
+  // (its row never read). The same bits on every backend; one launch on a GPU up to 32 samples,
+  // two above.
   m.def("add_per_sample_clipped_sum_(Tensor(a!) self, Tensor grads, Tensor scale) -> Tensor(a!)");
   // Embedding [V, d]: ids [B, ...] int64/int32, G ids.shape + [d]; padding_idx as in nn.Embedding
   // (padding tokens get no gradient). clipped sum -> [V, d].

@@ -316,11 +316,11 @@ inline std::tuple<at::Tensor, at::Tensor> bias_per_sample(const at::Tensor& G) {
 
 // dest += sum_i c_i grads_i, dest float32 holding prod(grads.shape[1:]) elements (a parameter's
 // slot): dpzero::add_per_sample_clipped_sum_ (kernels/cpu/per_sample_sum.cpp,
-// kernels/cuda/per_sample_sum.cu), one pass and one launch whatever the device. The sum is taken
-// in float64 over the kept samples in order, a sample whose factor is 0 or non-finite contributing
-// exactly nothing even when its row holds NaN/Inf (Note [kept per-sample gradients]), and each
-// entry is added to dest by one float32 addition, as ATen's add_ would add the rounded sum (Note
-// [accumulating clipped sums]).
+// kernels/cuda/per_sample_sum.cu), one op whatever the device. The sum is taken in float64 in
+// the order of Note [kept sums in chunks] (kernels/per_sample_sum.h), a sample whose factor is 0
+// or non-finite contributing exactly nothing even when its row holds NaN/Inf (Note [kept
+// per-sample gradients]), and each entry is added to dest by one float32 addition, as ATen's add_
+// would add the rounded sum (Note [accumulating clipped sums]).
 inline void add_per_sample_clipped_sum_(at::Tensor& dest, const at::Tensor& grads,
                                         const at::Tensor& scale) {
   using Signature = at::Tensor&(at::Tensor&, const at::Tensor&, const at::Tensor&);

@@ -596,18 +596,17 @@ void Book::norms_if_input_done(int64_t index) {
 
 void Book::input_norms(const std::vector<int64_t>& same, bool early) {
   const Kept& first = *parts_[same[0]].kept;
-  std::vector<at::Tensor> gs, reads{first.a};
+  // rests: each layer's bias norm (or none), added to its weight's in the certification's own
+  // pass, with certified_sum's bits.
+  std::vector<at::Tensor> gs, rests, reads{first.a};
   for (const int64_t index : same) {
     const Kept& kept = *parts_[index].kept;
     gs.push_back(kept.g);
+    rests.push_back(kept.rest_sq);
     reads.push_back(kept.g);
     if (kept.rest_sq.defined()) reads.push_back(kept.rest_sq);
   }
   const auto norms = [&] {
-    // Each layer's weight norm with its rest (its bias's norm) added: certified_sum's bits, in
-    // the certification's own pass.
-    std::vector<at::Tensor> rests;
-    for (const int64_t index : same) rests.push_back(parts_[index].kept->rest_sq);
     return ps::linear_sq_norms_each(first.a, gs, /*method=*/0, rests);  // L x [B]
   };
   const at::Device device = first.a.device();
