@@ -43,6 +43,7 @@
 #include "src/dp/errors.h"
 #include "src/dp/privacy_engine.h"
 #include "tests/cpp/common/error_message.h"
+#include "tests/cpp/common/temp_dir.h"
 #include "tests/cpp/torch/ranks.h"
 
 namespace dpzero::dp {
@@ -106,12 +107,9 @@ void train_step(PrivacyEngine& engine, Net& net) {
 
 std::string temp_path(const std::string& leaf) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const auto dir =
-      std::filesystem::temp_directory_path() /
-      ("dpzero_privacy_engine_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return (dir / leaf).string();
+  const std::string dir =
+      testing::fresh_temp_dir("dpzero_privacy_engine_" + std::string(info->name()));
+  return dir + "/" + leaf;
 }
 
 // The reference step, in float64: for every example i of step 0's Poisson batch its own gradient

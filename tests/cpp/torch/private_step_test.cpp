@@ -48,6 +48,7 @@
 #include "src/dp/step_noise.h"
 #include "src/zero/state.h"
 #include "tests/cpp/common/error_message.h"
+#include "tests/cpp/common/temp_dir.h"
 #include "tests/cpp/torch/ranks.h"
 
 namespace dpzero::dp {
@@ -62,12 +63,7 @@ constexpr std::chrono::milliseconds kShortTimeout{5000};
 // A fresh directory for one test's ledger.
 std::string temp_dir() {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const auto dir =
-      std::filesystem::temp_directory_path() /
-      ("dpzero_private_step_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir.string();
+  return testing::fresh_temp_dir("dpzero_private_step_" + std::string(info->name()));
 }
 
 using testing::contains;
