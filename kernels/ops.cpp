@@ -159,6 +159,15 @@ TORCH_LIBRARY(dpzero, m) {
   // added after in a fixed order.
   m.def("_add_sample_products_(Tensor(a!) self, Tensor left, Tensor right, Tensor scale, "
         "int splits=0) -> Tensor(a!)");
+  // self [V, d] float32 += each kept sample's embedding rows summed per id, ids [B, T] int64 in
+  // [0, V), G [B, T, d] float32 / bfloat16 / float16, scale [B] float32 (its factors); a padding
+  // token (id pad; -1: none) and a sample whose factor is 0 or non-finite are skipped, their rows
+  // never read. Each sample's per-id sum formed alone in float32 (c_i G_t rounded once, then added
+  // in position order), then added into its row in ascending sample order: Note [embedding sums]
+  // (kernels/embedding_sums.h), the same bits on every backend. The device path of the embedding's
+  // clipped sums (Note [device path]).
+  m.def("_add_embedding_sums_(Tensor(a!) self, Tensor ids, Tensor G, Tensor scale, int pad) -> "
+        "Tensor(a!)");
   // Note [state written from data] (src/dp/state_guard.h): words, L >= 1 tensors [n_l] contiguous
   // uint8 / int16 / int32 / int64 (tensors' bits viewed as integers) on one device -> [L] int64 on
   // that device, entry l the sum modulo 2^64 of kernels/fingerprint_words.h over words[l] under

@@ -17,7 +17,7 @@
 // once; a norm row's entry is G * ((x - mean) * rstd), the CPU kernel's expression.
 //
 // Embedding rows, as the CPU kernel: sort_tokens_kernel, one block per sample, sorts the
-// sample's non-padding tokens by (id, position) in shared memory (bitonic, T <= kMaxSortRows; a
+// sample's non-padding tokens by (id, position) in shared memory (bitonic, sort_tokens.cuh; a
 // longer sample takes the generic version) -> order [B, T], ids [B, T], count [B]; then
 // embedding_pass_kernel walks the sorted tokens as the row pass walks rows, with one float64
 // accumulator per column and run of equal ids (added in position order: depth <= T - 1), adding
@@ -40,6 +40,7 @@
 #include <torch/library.h>
 
 #include "kernels/cuda/scalar_types.cuh"
+#include "kernels/cuda/sort_tokens.cuh"
 #include "kernels/per_sample_checks.h"
 #include "kernels/per_sample_ops.h"
 
@@ -50,7 +51,6 @@ constexpr int kCols = 256;  // threads of a block: one column each (row pass), r
 constexpr int kWarps = kCols / 32;
 constexpr int kRowsPerFlush = 32;      // rows whose squares a block gathers between two barriers
 constexpr int64_t kMaxGridY = 65535;   // samples per launch of the row pass (gridDim.y limit)
-constexpr int64_t kMaxSortRows = 2048;  // tokens a block sorts in shared memory (24 KiB)
 
 template <typename scalar_t>
 __device__ __forceinline__ double as_f64(const scalar_t* p) {
@@ -190,57 +190,16 @@ __global__ void __launch_bounds__(kCols)
 
 // ids [B, T] int64 -> per sample, its non-padding tokens sorted by (id, position): order [B, T]
 // int32 (positions), sorted [B, T] int64 (their ids), count [B] int32 (how many); entries past
-// count are left unwritten. One block per sample; shared memory: P int64 ids and P int32
-// positions, P = the power of two >= T. A padding token, and the fill up to P, carry a position
-// >= T and sort after every real token.
+// count are left unwritten. One block per sample (sort_tokens::sort).
 __global__ void __launch_bounds__(kCols)
     sort_tokens_kernel(const int64_t* __restrict__ ids, int64_t t_len, int p, int64_t pad,
                        int* __restrict__ order, int64_t* __restrict__ sorted,
                        int* __restrict__ count) {
   extern __shared__ __align__(16) unsigned char smem[];
-  int64_t* key = reinterpret_cast<int64_t*>(smem);
-  int* pos = reinterpret_cast<int*>(key + p);
-  __shared__ int real;
   const int64_t i = blockIdx.x;
-  const int64_t* id = ids + i * t_len;
-  if (threadIdx.x == 0) real = 0;
-  __syncthreads();
-  int mine = 0;
-  for (int t = threadIdx.x; t < p; t += kCols) {
-    const bool is_real = t < t_len && id[t] != pad;
-    key[t] = t < t_len ? id[t] : 0;
-    pos[t] = is_real ? t : static_cast<int>(t_len) + t;
-    mine += is_real ? 1 : 0;
-  }
-  atomicAdd(&real, mine);  // an integer count: the same whatever the order
-  __syncthreads();
-  // (real first, id, position) ascending: a skipped entry's position is >= T.
-  auto before = [&](int a, int b) {
-    const bool ra = pos[a] < t_len, rb = pos[b] < t_len;
-    if (ra != rb) return ra;
-    if (ra && key[a] != key[b]) return key[a] < key[b];
-    return pos[a] < pos[b];
-  };
-  for (int k = 2; k <= p; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int t = threadIdx.x; t < p; t += kCols) {
-        const int u = t ^ j;
-        if (u > t) {
-          const bool ascending = (t & k) == 0;
-          if (ascending == before(u, t)) {
-            const int64_t kt = key[t];
-            key[t] = key[u];
-            key[u] = kt;
-            const int pt = pos[t];
-            pos[t] = pos[u];
-            pos[u] = pt;
-          }
-        }
-      }
-      __syncthreads();
-    }
-  }
-  const int n = real;
+  int64_t* key;
+  int* pos;
+  const int n = sort_tokens::sort(ids + i * t_len, t_len, p, pad, kCols, smem, key, pos);
   for (int k = threadIdx.x; k < n; k += kCols) {
     order[i * t_len + k] = pos[k];
     sorted[i * t_len + k] = key[k];
@@ -368,7 +327,7 @@ std::tuple<at::Tensor, at::Tensor> embedding_rows_cuda(const at::Tensor& ids_in,
                                                        int64_t num_embeddings, int64_t pad) {
   check_embedding_rows_args(ids_in, g_in, num_embeddings, pad);
   const int64_t b = g_in.size(0), t_len = g_in.size(1), d = g_in.size(2);
-  if (t_len > kMaxSortRows) {  // past what one block sorts: the generic version
+  if (t_len > sort_tokens::kMaxSortTokens) {  // past what one block sorts: the generic version
     return per_sample::embedding_rows_generic(ids_in, g_in, num_embeddings, pad);
   }
   const c10::cuda::CUDAGuard guard(g_in.device());
@@ -376,8 +335,7 @@ std::tuple<at::Tensor, at::Tensor> embedding_rows_cuda(const at::Tensor& ids_in,
   if (b == 0 || t_len == 0 || d == 0) return {at::zeros({b}, f64), at::zeros({b}, f64)};
   const at::Tensor ids = ids_in.contiguous(), g = g_in.contiguous();
   const int64_t num_tiles = (d + kCols - 1) / kCols;
-  int p = 1;
-  while (p < t_len) p <<= 1;
+  const int p = sort_tokens::padded_length(t_len);
   const auto i32 = ids.options().dtype(at::kInt);
   at::Tensor order = at::empty({b, t_len}, i32);
   at::Tensor sorted = at::empty({b, t_len}, ids.options());
@@ -387,7 +345,7 @@ std::tuple<at::Tensor, at::Tensor> embedding_rows_cuda(const at::Tensor& ids_in,
   at::Tensor q = at::empty({b}, f64);
   at::Tensor s = at::empty({b}, f64);
   const auto stream = at::cuda::getCurrentCUDAStream();
-  const size_t smem = static_cast<size_t>(p) * (sizeof(int64_t) + sizeof(int));
+  const size_t smem = sort_tokens::shared_bytes(p);
   sort_tokens_kernel<<<static_cast<unsigned>(b), kCols, smem, stream>>>(
       ids.data_ptr<int64_t>(), t_len, p, pad, order.data_ptr<int>(), sorted.data_ptr<int64_t>(),
       count.data_ptr<int>());

@@ -287,7 +287,8 @@ inline at::Tensor certify_op(const at::Tensor& value, const c10::optional<at::Te
 //    staged, then the product in registers from zero, the same bound), otherwise by a
 //    batched GEMM, one product per sample, summed after; at T = 1 each row is a whole
 //    contribution and one GEMM is the same sum. The
-//    embedding sums each sample's rows per id first, for the same reason.
+//    embedding sums each sample's rows per id first, for the same reason (Note [embedding sums]
+//    in kernels/embedding_sums.h).
 // What remains is the rounding of the sum of bounded terms (at most gamma_B sum_i ||c_i g_i||,
 // each term <= C) and of the float32 accumulation across micro-batches and ranks: a relative
 // error of the aggregate, bounded by the clip norms, not by any sample's S.

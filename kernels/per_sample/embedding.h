@@ -130,41 +130,24 @@ inline at::Tensor embedding_sq_norms(const at::Tensor& ids, const at::Tensor& G,
   return to_f32_up(embedding_sq_norms_f64(op, ids, G, num_embeddings, padding_idx, m));
 }
 
-// The embedding clipped sum added into *self, or into new zeros when self is null; returns the
-// accumulator. `op` names the public op in the argument checks. The padding row gets nothing.
-// out [V, d] float32 (contiguous) += each sample's rows [c, T, d] float32 summed per id, sample by
-// sample (Note [clipped-sum rounding]): on the host, one loop that sorts a sample's tokens by id
-// and adds each run of one id into a row of its own before out, with no ATen calls (the
-// per-sample sums of the device path cost a dozen of them, which at small sizes is most of the
-// layer's time). Padding tokens (id `pad`) are skipped.
-inline void add_embedding_rows_per_sample(at::Tensor& out, const at::Tensor& ids,
-                                          const at::Tensor& rows, int64_t pad) {
-  const at::Tensor r = rows.contiguous(), id = ids.contiguous();
-  const int64_t c = r.size(0), t = r.size(1), d = r.size(2);
-  const float* pr = r.data_ptr<float>();
-  const int64_t* pi = id.data_ptr<int64_t>();
-  float* po = out.data_ptr<float>();
-  std::vector<int64_t> order(static_cast<size_t>(t));
-  std::vector<float> acc(static_cast<size_t>(d));
-  for (int64_t i = 0; i < c; ++i) {
-    const int64_t* ids_i = pi + i * t;
-    for (int64_t k = 0; k < t; ++k) order[static_cast<size_t>(k)] = k;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t x, int64_t y) { return ids_i[x] < ids_i[y]; });
-    for (int64_t k = 0; k < t;) {
-      const int64_t v = ids_i[order[static_cast<size_t>(k)]];
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (; k < t && ids_i[order[static_cast<size_t>(k)]] == v; ++k) {
-        const float* row = pr + (i * t + order[static_cast<size_t>(k)]) * d;
-        for (int64_t j = 0; j < d; ++j) acc[static_cast<size_t>(j)] += row[j];
-      }
-      if (v == pad) continue;  // padding tokens get no gradient
-      float* dest = po + v * d;
-      for (int64_t j = 0; j < d; ++j) dest[j] += acc[static_cast<size_t>(j)];
-    }
-  }
+// out [V, d] float32 += each kept sample's rows summed per id under its factor, padding tokens
+// (id `pad`, -1 for none) skipped: dpzero::_add_embedding_sums_ (Note [embedding sums] in
+// kernels/embedding_sums.h; kernels/cpu/embedding_sums.cpp, kernels/cuda/embedding_sums.cu), one
+// op on every path. ids [B, T] int64, g [B, T, d], scale [B] float32.
+inline void add_embedding_sums(at::Tensor& out, const at::Tensor& ids, const at::Tensor& g,
+                               const at::Tensor& scale, int64_t pad) {
+  using Signature = at::Tensor&(at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, int64_t);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_add_embedding_sums_", "")
+                             .typed<Signature>();
+  op.call(out, ids, g, scale, pad);
 }
 
+// The embedding clipped sum added into *self, or into new zeros when self is null; returns the
+// accumulator. `op` names the public op in the argument checks. The padding row gets nothing.
+// Each sample's rows are summed per id before they meet another sample's (Note [clipped-sum
+// rounding]), by add_embedding_sums.
 inline at::Tensor embedding_clipped_sum_into(const char* op, at::Tensor* self,
                                              const at::Tensor& ids, const at::Tensor& G,
                                              const at::Tensor& scale, int64_t num_embeddings,
@@ -173,52 +156,15 @@ inline at::Tensor embedding_clipped_sum_into(const char* op, at::Tensor* self,
   const int64_t pad = normalize_padding_idx(op, padding_idx, num_embeddings);
   const at::Tensor id = flat_ids(op, ids, num_embeddings);
   const at::Tensor g = embedding_grad_btd(G, id);
-  const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
-  check_scale(op, scale, b, G);
+  check_scale(op, scale, g.size(0), G);
   at::Tensor out;
   if (self == nullptr) {
-    out = at::zeros({num_embeddings, d}, G.options().dtype(at::kFloat));
+    out = at::zeros({num_embeddings, g.size(2)}, G.options().dtype(at::kFloat));
   } else {
-    check_accumulator(op, *self, {num_embeddings, d}, G, "G");
+    check_accumulator(op, *self, {num_embeddings, g.size(2)}, G, "G");
     out = *self;
   }
-  const Fp32MatmulGuard precision;
-  const bool host = host_factors_apply(scale, G, G);
-  // Per sample: float32 copies of its rows, and (T >= 2) its per-id sums.
-  const int64_t chunk = samples_per_chunk(b, 8 * t * d + (t >= 2 ? 4 * t * d + 32 * t : 0));
-  for (int64_t i0 = 0; i0 < b; i0 += chunk) {
-    const int64_t i1 = std::min(b, i0 + chunk);
-    const at::Tensor idc = id.slice(0, i0, i1);
-    const at::Tensor c = scale.slice(0, i0, i1), gc = f32(g.slice(0, i0, i1));
-    at::Tensor rows = host ? host_rows(gc, c, host_factors(c), /*multiply=*/true,
-                                       /*owned=*/false)  // Note [host factors]
-                           : scale_rows(gc, c, /*multiply=*/true);
-    if (t >= 2 && host && out.is_contiguous()) {
-      add_embedding_rows_per_sample(out, idc, rows, pad);
-      continue;
-    }
-    rows.masked_fill_((idc == pad).unsqueeze(-1), 0);  // padding tokens get no gradient
-    if (t < 2) {
-      out.index_add_(0, idc.reshape({-1}), rows.reshape({-1, d}));
-      continue;
-    }
-    // Note [clipped-sum rounding]: each sample's rows summed per id alone (the key sample * V +
-    // id names one sample's id), then the per-sample sums added into the rows of their ids.
-    // Without a host read (torch.unique would wait for the device to size its result): the keys
-    // sorted, each token numbered by its run of equal keys, the runs summed into n = c T rows (the
-    // rows past the last run stay zero, and adding them to row 0 changes nothing).
-    const at::Tensor sample = at::arange(i1 - i0, idc.options()).unsqueeze(1);
-    const at::Tensor keys = (sample * num_embeddings + idc).reshape({-1});  // [n]
-    const auto [sorted, order] = at::sort(keys);
-    const at::Tensor starts = at::ones_like(sorted, sorted.options().dtype(at::kLong));
-    starts.slice(0, 1).copy_(sorted.slice(0, 1) != sorted.slice(0, 0, -1));
-    const at::Tensor run_sorted = starts.cumsum(0) - 1;  // [n]: the run of each sorted token
-    const at::Tensor run = at::empty_like(run_sorted).scatter_(0, order, run_sorted);
-    at::Tensor sums = at::zeros({keys.size(0), d}, rows.options());
-    sums.index_add_(0, run, rows.reshape({-1, d}));
-    const at::Tensor run_key = at::zeros_like(sorted).scatter_(0, run_sorted, sorted);
-    out.index_add_(0, run_key.remainder(num_embeddings), sums);
-  }
+  add_embedding_sums(out, id, g, scale, pad);
   return out;
 }
 

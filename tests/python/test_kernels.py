@@ -498,6 +498,79 @@ def test_embedding_clipped_sum_matches_torch_func(device, dtype, case):
         assert torch.count_nonzero(got[pad % V]) == 0  # the padding row gets no gradient
 
 
+def embedding_sums_reference(self0, ids, G, scale, pad):
+    """Note [embedding sums] written out with float32 tensor operations, one sample and one id at a
+    time (IEEE float32 each, as torch computes them on the CPU): a kept sample's tokens of id v
+    summed in position order, each c * G_t rounded first, then added into row v."""
+    out = self0.detach().cpu().clone()
+    ids, G, scale = ids.cpu(), G.cpu().float(), scale.cpu()
+    for i in range(G.shape[0]):
+        c = scale[i]
+        if not torch.isfinite(c) or c == 0:
+            continue  # a dropped sample: its rows never read
+        for v in sorted(set(ids[i].tolist()) - {pad}):
+            run = torch.zeros(G.shape[2])
+            for t in (ids[i] == v).nonzero().flatten().tolist():
+                run = run + c * G[i, t]
+            out[v] = out[v] + run
+    return out
+
+
+@device_param
+@dtype_param
+@pytest.mark.parametrize("b,t,v,d,pad", [(7, 9, 3, 5, 2), (5, 1, 4, 3, -1), (3, 40, 50, 300, 0),
+                                         (40, 6, 2, 4, -1)],
+                         ids=["repeats", "T1", "wide", "B40"])
+def test_add_embedding_sums_gives_the_per_sample_float32_bits(device, dtype, b, t, v, d, pad):
+    # The device path's embedding clipped sum: every bit of a per-sample, per-id float32 loop,
+    # with dropped samples (factor 0, -0, NaN, Inf) and padding tokens whose rows hold NaN, into
+    # an accumulator that already holds values, and into a strided one.
+    g = torch.Generator().manual_seed(61)
+    ids = torch.randint(0, v, (b, t), generator=g)
+    G = (3 * torch.randn(b, t, d, generator=g)).to(dtype)
+    scale = torch.rand(b, generator=g) * 2
+    for i, f in zip(range(1, b, 2), [0.0, float("nan"), -0.0, float("inf")]):
+        scale[i] = f
+        G[i, 0, 0] = float("nan")  # a dropped sample's row is never read
+    if pad >= 0:
+        ids[:, ::2] = pad
+        G.masked_fill_((ids == pad).unsqueeze(-1), float("nan"))
+    self0 = torch.randn(v, d, generator=g)
+    want = embedding_sums_reference(self0, ids, G, scale, pad)
+    assert torch.isfinite(want).all()
+    got = self0.to(device, copy=True)
+    ops._add_embedding_sums_(got, ids.to(device), G.to(device), scale.to(device), pad)
+    assert torch.equal(got.cpu(), want)
+    wide = torch.zeros(v, d, 2, device=device)
+    wide[..., 0] = self0.to(device)
+    ops._add_embedding_sums_(wide[..., 0], ids.to(device), G.to(device), scale.to(device), pad)
+    assert torch.equal(wide[..., 0].cpu(), want) and torch.count_nonzero(wide[..., 1]) == 0
+
+
+@device_param
+def test_add_embedding_sums_checks_ids_and_writes_nothing_for_no_samples(device):
+    self0 = torch.randn(4, 3, device=device)
+    got = self0.clone()
+    version = got._version
+    ops._add_embedding_sums_(got, torch.zeros(0, 5, dtype=torch.long, device=device),
+                             torch.zeros(0, 5, 3, device=device), torch.zeros(0, device=device), -1)
+    assert torch.equal(got, self0) and got._version > version  # an in-place write, nothing added
+    with pytest.raises(RuntimeError, match=r"G must be \[B, T, d\] with ids' \[B, T\] = \[2, 5\], "
+                       r"got \[2, 4, 3\]"):
+        ops._add_embedding_sums_(got, torch.zeros(2, 5, dtype=torch.long, device=device),
+                                 torch.zeros(2, 4, 3, device=device), torch.ones(2, device=device),
+                                 -1)
+    with pytest.raises(RuntimeError, match="self shares memory with ids, G or scale"):
+        G = torch.zeros(2, 4, 3, device=device)
+        ops._add_embedding_sums_(G[0], torch.zeros(2, 4, dtype=torch.long, device=device), G,
+                                 torch.ones(2, device=device), -1)
+    if device == "cpu":  # on a device the forward's lookup has refused it (Note [embedding sums])
+        bad = torch.tensor([[0, 1], [4, 2]])
+        with pytest.raises(RuntimeError, match=r"ids must be in \[0, V\) = \[0, 4\), got 4 "
+                           r"\(sample 1, token 0\)"):
+            ops._add_embedding_sums_(got, bad, torch.ones(2, 2, 3), torch.ones(2), -1)
+
+
 @device_param
 def test_embedding_sample_of_only_padding_has_zero_norm(device):
     ids = torch.tensor([[2, 2, 2], [1, 2, 1]], device=device)
