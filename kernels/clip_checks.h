@@ -24,6 +24,8 @@ inline privacy::ClipMode check_clip_args(const char* op, const at::Tensor& norms
               ": norms must be float32 (fp32 accumulation), got ", norms.scalar_type());
   TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0.0, "dpzero::", op,
               ": max_norm must be finite and > 0, got ", max_norm);
+  TORCH_CHECK(max_norm >= privacy::kMinClipNorm, "dpzero::", op,
+              ": max_norm must be at least 2^-64 (Note [smallest clip norm]), got ", max_norm);
   privacy::ClipMode clip_mode;
   try {
     clip_mode = privacy::parse_clip_mode(std::string(mode.data(), mode.size()));

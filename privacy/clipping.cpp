@@ -3,9 +3,21 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <string>
 #include <stdexcept>
 
 namespace dpzero::privacy {
+namespace {
+
+// A double as printf's %.17g writes it (std::to_string would print 1e-42 as 0.000000).
+std::string shown(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", x);
+  return buf;
+}
+
+}  // namespace
 
 ClipMode parse_clip_mode(const std::string& name) {
   if (name == "flat") return ClipMode::kFlat;
@@ -39,8 +51,20 @@ std::vector<double> group_thresholds(double max_norm, int64_t num_groups,
   }
   std::vector<double> thresholds;
   thresholds.reserve(w.size());
-  if (w.size() == 1) return {static_cast<double>(threshold_f32(max_norm))};  // <= C: done
-  for (double wi : w) thresholds.push_back(threshold_f32(max_norm * std::sqrt(wi / total)));
+  for (size_t g = 0; g < w.size(); ++g) {
+    const double t = w.size() == 1 ? max_norm : max_norm * std::sqrt(w[g] / total);
+    thresholds.push_back(threshold_f32(t));
+    if (thresholds.back() < kMinClipNorm) {  // Note [smallest clip norm]
+      const std::string what = w.size() == 1 ? "max_grad_norm C = " + shown(max_norm)
+                                              : "clipping group " + std::to_string(g) +
+                                                    "'s threshold C sqrt(w_g / sum w) = " + shown(t);
+      throw std::invalid_argument(what +
+                                  " is below 2^-64, the smallest clip norm whose rounding the "
+                                  "clipped sums' bound absorbs; raise C" +
+                                  (w.size() == 1 ? "" : " or that group's weight"));
+    }
+  }
+  if (w.size() == 1) return thresholds;  // threshold_f32(C) <= C: done
   // Each t_g is a float32, so t_g^2 is exact in float64; the float64 sum S of k such squares is
   // within (k - 1) 2^-53 S of the exact one, and C^2 rounds by at most 2^-53 C^2. With the margin
   // below, S <= C^2 is then certain; the thresholds are C sqrt(w_g / sum w) rounded down to

@@ -21,6 +21,19 @@ namespace dpzero::privacy {
 constexpr double kFlatClipEpsilon = 1e-6;
 constexpr double kDefaultAutomaticGamma = 0.01;
 
+// Note [smallest clip norm]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// The clipped sums' rounding bound (Note [clipped-sum rounding] in kernels/per_sample/common.h)
+// is relative: each float32 product c_i g and each addition is within a factor 1 + 2^-24 of the
+// exact one. A result among float32's subnormals (below 2^-126) rounds by up to 2^-150
+// absolutely instead, which no relative margin absorbs once C is itself that small: a privacy
+// review measured a contribution of 1.0003 C at C = 1e-42. A contribution of m entries gains at
+// most sqrt(m) 2^-150 that way; for C >= 2^-64 and any m < 2^70 that is below 2^-25 C, inside the
+// margin the certified norms carry (a contribution near C has S_i c_i >= C / 2, so its margin
+// exceeds 2^-25 C). So a run's C, each clipping group's threshold and the ops' max_norm must be
+// at least kMinClipNorm; nobody clips at a smaller one.
+constexpr double kMinClipNorm = 0x1p-64;
+
 enum class ClipMode { kFlat, kAutomatic };
 
 // A norm the clip can use: finite and >= 0 (a per-sample norm is a square root, so a negative one
@@ -68,7 +81,8 @@ ClipMode parse_clip_mode(const std::string& name);
 // precision clip_factor works in, threshold_f32), so that sum C_l^2 <= C^2 holds exactly for the
 // values the clipping uses (and equals C^2 up to float32 rounding). `weights` empty means
 // `num_groups` equal weights. Throws std::invalid_argument naming the value for C <= 0, a weight
-// <= 0 or non-finite, num_groups < 1, or weights.size() != num_groups.
+// <= 0 or non-finite, num_groups < 1, weights.size() != num_groups, or a threshold below
+// kMinClipNorm (Note [smallest clip norm]).
 std::vector<double> group_thresholds(double max_norm, int64_t num_groups,
                                      const std::vector<double>& weights = {});
 

@@ -14,6 +14,7 @@
 #include "accounting/banded.h"
 #include "accounting/calibrate.h"
 #include "accounting/types.h"
+#include "privacy/clipping.h"
 #include "privacy/entropy.h"
 #include "src/checkpoint/crc32.h"
 #include "src/comm/collectives.h"
@@ -236,6 +237,10 @@ void check_run_settings(const RunSettings& s) {
         "noise_multiplier=0 trains WITHOUT privacy; pass allow_no_noise=True to do that on "
         "purpose (epsilon is then reported as inf)");
   if (!(c > 0.0)) refuse("max_grad_norm must be > 0, got " + format_double(c));
+  if (c < privacy::kMinClipNorm)
+    refuse("max_grad_norm must be at least 2^-64 (about 5.4e-20), the smallest clip norm whose "
+           "rounding the clipped sums' bound absorbs (Note [smallest clip norm]), got " +
+           format_double(c));
   if (sigma > 0.0 && !std::isfinite(c))
     refuse("noise needs a finite max_grad_norm (the noise is sigma * C), got " +
            format_double(c));

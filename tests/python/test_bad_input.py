@@ -29,14 +29,17 @@ Q_MSG = r"sample_rate must be in \(0, 1\], got "
     (dict(noise_multiplier=INF, max_grad_norm=1.0), SIGMA_MSG + "inf"),
     (dict(noise_multiplier=1.0, max_grad_norm=NAN), r"max_grad_norm must be > 0, got nan"),
     (dict(noise_multiplier=1.0, max_grad_norm=0.0), r"max_grad_norm must be > 0, got 0$"),
+    (dict(noise_multiplier=1.0, max_grad_norm=1e-42),
+     r"max_grad_norm must be at least 2\^-64 \(about 5.4e-20\), the smallest clip norm whose "
+     r"rounding the clipped sums' bound absorbs \(Note \[smallest clip norm\]\), got 1e-42$"),
     (dict(target_epsilon=-1.0, **TARGET), r"target epsilon must be > 0 and finite, got -1"),
     (dict(target_epsilon=3.0, target_delta=1.5, epochs=1, max_grad_norm=1.0),
      r"delta must be in \(0, 1\), got 1.5"),
     (dict(sample_rate=0.0, **NOISE), Q_MSG + "0$"),
     (dict(sample_rate=NAN, **NOISE), Q_MSG + "nan"),
     (dict(sample_rate=1.5, **NOISE), Q_MSG + "1.5"),
-], ids=["sigma<0", "sigma-nan", "sigma-inf", "C-nan", "C-0", "eps<0", "delta>1", "q=0", "q-nan",
-        "q>1"])
+], ids=["sigma<0", "sigma-nan", "sigma-inf", "C-nan", "C-0", "C-subnormal", "eps<0", "delta>1",
+        "q=0", "q-nan", "q>1"])
 def test_invalid_privacy_parameters_are_named_and_nothing_is_attached(kwargs, message):
     model = SeqNet()
     before = {n: type(m).forward for n, m in model.named_modules()}

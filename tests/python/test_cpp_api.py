@@ -278,6 +278,7 @@ ROWS = [
     ("sigma=0", {"noise_multiplier": 0.0}, None, "pass allow_no_noise=True"),
     ("sigma-nan", {"noise_multiplier": math.nan}, None, "got nan"),
     ("C=0", {"max_grad_norm": 0.0}, None, "max_grad_norm must be > 0, got 0"),
+    ("C subnormal", {"max_grad_norm": 1e-42}, None, "max_grad_norm must be at least 2^-64"),
     ("C=inf with noise", {"max_grad_norm": math.inf}, None, "noise needs a finite max_grad_norm"),
     ("sigma*C overflows", {"noise_multiplier": 1e200, "max_grad_norm": 1e200}, None,
      "noise_multiplier * max_grad_norm must be finite, got 1e+200 * 1e+200"),

@@ -1043,6 +1043,9 @@ def test_rejects_bad_arguments_naming_them():
         ops.conv_sq_norms(torch.randn(2, 3, 8), torch.randn(2, 4, 6), [3], [1], [0], [1], 2)
     with pytest.raises(RuntimeError, match=r"max_norm must be finite and > 0, got -1"):
         ops.linear_clip(A, G, -1.0, "flat")
+    with pytest.raises(RuntimeError, match=r"max_norm must be at least 2\^-64 \(Note \[smallest "
+                       r"clip norm\]\), got 1e-42"):
+        ops.linear_clip(A, G, 1e-42, "flat")
     with pytest.raises(RuntimeError, match=r"mode must be 'flat' or 'automatic', got 'clamp'"):
         ops.linear_clip(A, G, 1.0, "clamp")
     for method in (GHOST, DIRECT):  # checked before any work, even for an empty micro-batch

@@ -5,6 +5,8 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <algorithm>
 
 #include "privacy/clipping.h"
@@ -94,6 +96,24 @@ TEST(GroupThresholds, SquaresSumToCSquared) {
   EXPECT_THROW(group_thresholds(1.0, 0), std::invalid_argument);
   EXPECT_THROW(group_thresholds(1.0, 2, {1.0}), std::invalid_argument);
   EXPECT_THROW(group_thresholds(1.0, 2, {1.0, -1.0}), std::invalid_argument);
+  // Note [smallest clip norm]: C, or a group's share of it, below 2^-64 is refused, naming it.
+  EXPECT_EQ(group_thresholds(0x1p-64, 1), std::vector<double>{0x1p-64});
+  const auto below = [](double c, std::vector<double> w) {
+    try {
+      group_thresholds(c, static_cast<int64_t>(w.size()), w);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const std::string c_below = below(1e-42, {1.0});
+  EXPECT_EQ(c_below.rfind("max_grad_norm C = 1", 0), 0u) << c_below;
+  EXPECT_NE(c_below.find("e-42 is below 2^-64"), std::string::npos) << c_below;
+  const std::string group_below = below(1.0, {1.0, 1e-120});
+  EXPECT_EQ(group_below.rfind("clipping group 1's threshold C sqrt(w_g / sum w) = ", 0), 0u)
+      << group_below;
+  EXPECT_NE(group_below.find("e-6"), std::string::npos) << group_below;
+  EXPECT_NE(group_below.find("raise C or that group's weight"), std::string::npos) << group_below;
   EXPECT_THROW(parse_clip_mode("ghost"), std::invalid_argument);
 }
 
