@@ -1191,7 +1191,11 @@ def test_certified_norms_embedding_tiny_scale(device, method):
     ids = torch.randint(0, 5, (3, 16), generator=gen).to(device)
     G = (7e-25 * torch.randn(3, 16, 64, generator=gen, dtype=torch.float64)).float().to(device)
     true_sq = sq_norms_of(per_sample_embedding(ids, G, 5, None))
-    c = clip_threshold(true_sq)
+    # A clip norm at these norms' scale (~1e-23) is below 2^-64 and refused (Note [smallest clip
+    # norm]), so the clip runs at the smallest one; the norms must still bound the exact ones.
+    with pytest.raises(RuntimeError, match="max_norm must be at least 2\\^-64"):
+        ops.embedding_clip(ids, G, 5, clip_threshold(true_sq), "flat", GAMMA, None, method)
+    c = 2.0**-64
     _, sq, factors, _ = ops.embedding_clip(ids, G, 5, c, "flat", GAMMA, None, method)
     check_certified(sq, factors, true_sq, c)
 
