@@ -58,9 +58,11 @@ inline std::pair<Step, at::Tensor> certify_result(const at::Tensor& value,
   const bool out_f64 = gives_f64(st) && !f32;
   if (rest.has_value() && rest->defined()) {
     // Added as certified_sum adds two parts: to a certified float32 squared norm only.
-    TORCH_CHECK((st == Step::kGhost || st == Step::kDirect) ? f32 : st == Step::kRoundUp,
-                "dpzero::_certify: rest is added to a float32 certified squared norm (steps 0 and "
-                "1 with f32, or step 5), got step ", step, " with f32 ", f32);
+    TORCH_CHECK((st == Step::kGhost || st == Step::kDirect || st == Step::kRows)
+                    ? f32
+                    : st == Step::kRoundUp,
+                "dpzero::_certify: rest is added to a float32 certified squared norm (steps 0, 1 "
+                "and 2 with f32, or step 5), got step ", step, " with f32 ", f32);
     TORCH_CHECK(rest->scalar_type() == at::kFloat && rest->sizes().vec() == shape,
                 "dpzero::_certify: rest must be float32 of shape ", c10::IntArrayRef(shape),
                 ", got ", rest->scalar_type(), " of shape ", rest->sizes());

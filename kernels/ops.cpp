@@ -134,8 +134,9 @@ TORCH_LIBRARY(dpzero, m) {
   // the certifying steps only), coef and, for the certifying steps, margin (Note [clipped-sum
   // rounding] in kernels/per_sample/common.h). Returns float64 where the step gives float64 and not
   // f32, else float32 rounded up (down for the kRoundDown and kScaleDown steps). `rest` ([B]
-  // float32, kGhost or kDirect with f32, or kRoundUp): another certified squared norm of the same
-  // samples (a Linear's bias), added to the result as kSumUp adds two parts (certify::plus_rest).
+  // float32, kGhost, kDirect or kRows with f32, or kRoundUp): another certified squared norm of the
+  // same samples (a Linear's or a norm layer's bias), added to the result as kSumUp adds two parts
+  // (certify::plus_rest).
   m.def("_certify(Tensor value, Tensor? S, float coef, int step, bool f32=False, "
         "float margin=0.0, Tensor? rest=None) -> Tensor");
   // One clipping group's factors in one pass (Note [certified group norms] in src/dp/clip_group.h,

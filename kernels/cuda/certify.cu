@@ -50,10 +50,11 @@ __global__ void certify_kernel(Step step, const in_t* __restrict__ v, const doub
 }
 
 // kRows: block i sums row i's squares (thread-strided, then a shared-memory tree), thread 0
-// certifies.
+// certifies (and adds rest, where there is one).
 template <typename in_t, typename out_t>
 __global__ void certify_rows_kernel(const in_t* __restrict__ v, const double* __restrict__ s,
-                                    double coef, bool f32, out_t* __restrict__ out, int64_t cols) {
+                                    double coef, bool f32, const float* __restrict__ rest,
+                                    out_t* __restrict__ out, int64_t cols) {
   // (coef includes the call's margin: kRows is kDirect of the row's q)
   __shared__ double partial[kThreads];
   const int64_t i = blockIdx.x;
@@ -71,6 +72,7 @@ __global__ void certify_rows_kernel(const in_t* __restrict__ v, const double* __
   if (threadIdx.x == 0) {
     const double r = certify::direct_bound(partial[0], s[i], coef);
     out[i] = static_cast<out_t>(f32 ? certify::f32_up(r) : r);
+    if (rest) out[i] = static_cast<out_t>(certify::plus_rest(static_cast<float>(out[i]), rest[i]));
   }
 }
 
@@ -90,7 +92,7 @@ at::Tensor certify_cuda(const at::Tensor& value, const c10::optional<at::Tensor>
   const auto run = [&](auto* pv, auto* po) {
     if (st == Step::kRows) {
       certify_rows_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-          pv, ps, coef + margin, f32, po, v.size(1));
+          pv, ps, coef + margin, f32, pr, po, v.size(1));
     } else {
       certify_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(
           st, pv, ps, coef, margin, f32, pr, po, rows, st == Step::kSumUp ? v.size(0) : 1);

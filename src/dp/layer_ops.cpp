@@ -139,21 +139,18 @@ class NormOps final : public LayerOps {
     if (which.size() > 1 && which[1]) add_into(dests[1], ps::bias_clipped_sum(flat(g), scale));
   }
 
+  // The weight's and the bias's certified norms summed as certified_sum of the two would: the
+  // bias's first, then added in the weight's certification pass (_certify's rest).
   Kept keep(const at::Tensor& x, const at::Tensor& g, bool norms) const override {
     Kept kept;
     kept.grads.resize(train().size());
-    std::vector<at::Tensor> sqs;
+    at::Tensor sq;
+    if (trains(1)) std::tie(kept.grads[1], sq) = ps::bias_per_sample(flat(g));
     if (trains(0)) {
-      auto [gw, sq] = ps::layer_norm_per_sample(x, g, eps(x), rms_, nd_);
-      kept.grads[0] = gw;
-      sqs.push_back(sq);
+      std::tie(kept.grads[0], sq) = ps::layer_norm_per_sample_plus(
+          x, g, eps(x), rms_, nd_, sq.defined() ? c10::optional<at::Tensor>(sq) : c10::nullopt);
     }
-    if (trains(1)) {
-      auto [gb, sq] = ps::bias_per_sample(flat(g));
-      kept.grads[1] = gb;
-      sqs.push_back(sq);
-    }
-    if (norms) kept.sq = certified_sum(sqs);
+    if (norms) kept.sq = sq;
     return kept;
   }
 

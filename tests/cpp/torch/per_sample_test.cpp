@@ -474,7 +474,7 @@ TEST(PerSampleCertification, EveryStepMatchesItsAtenComposition) {
                          step, certifies, 0.0, on(rest));
       EXPECT_TRUE(same(with_rest, f32_up((alone.cpu().to(at::kDouble) + rest64) * (1.0 + 1e-15))))
           << where << " step " << static_cast<int>(step);
-      EXPECT_TRUE(same(with_rest, run(at::stack({alone.cpu(), rest}), {}, 0, Step::kSumUp)))
+      EXPECT_TRUE(same(with_rest, run(at::stack({alone.cpu(), rest}), {}, 0, Step::kSumUp).cpu()))
           << where << " step " << static_cast<int>(step);
     }
     EXPECT_THROW(ps::certify_op(on(x), c10::nullopt, 0.0, Step::kRoundDown, false, 0.0, on(rest)),
@@ -491,6 +491,13 @@ TEST(PerSampleCertification, EveryStepMatchesItsAtenComposition) {
       }
       EXPECT_GE(static_cast<long double>(rows[i].item<double>()), exact) << where << " row " << i;
     }
+    // kRows with f32 takes rest as the other steps do (a norm layer's weight, its bias's norm).
+    const at::Tensor rows_f32 = run(grads, sums, k, Step::kRows, true);
+    const at::Tensor rows_rest = ps::certify_op(on(grads), on(sums), k, Step::kRows, true, 0.0,
+                                                on(rest.slice(0, 0, 16)));
+    EXPECT_TRUE(same(rows_rest, run(at::stack({rows_f32.cpu(), rest.slice(0, 0, 16)}), {}, 0,
+                                    Step::kSumUp).cpu()))
+        << where;
   }
 }
 
