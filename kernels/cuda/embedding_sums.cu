@@ -124,15 +124,7 @@ void add_chunk(at::Tensor& out, const at::Tensor& ids, const at::Tensor& g,
   const bool presorted = t_len > sort_tokens::kMaxSortTokens;
   const int p = presorted ? 1 : sort_tokens::padded_length(t_len);
   at::Tensor order, sorted, count;
-  if (presorted) {  // each sample's tokens by (id, position), its padding tokens last
-    // An id outside [0, V) sorts as V, which gets no key, below kNoRun: no padding token joins it.
-    const at::Tensor padding = ids == pad;
-    const at::Tensor key = ids.masked_fill(ids.lt(0).logical_or_(ids.ge(rows)), rows)
-                               .masked_fill_(padding, kNoRun);
-    std::tie(sorted, order) = key.sort(/*stable=*/true, 1);
-    order = order.to(at::kInt);
-    count = (~padding).sum(at::IntArrayRef{1}, /*keepdim=*/false, at::kInt);
-  }
+  if (presorted) std::tie(order, sorted, count) = sort_tokens::presort(ids, pad, rows);
   at::Tensor work = at::empty({n, d}, out.options());
   at::Tensor keys = at::empty({n}, ids.options());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();

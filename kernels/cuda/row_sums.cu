@@ -17,18 +17,22 @@
 // once; a norm row's entry is G * ((x - mean) * rstd), the CPU kernel's expression.
 //
 // Embedding rows, as the CPU kernel: sort_tokens_kernel, one block per sample, sorts the
-// sample's non-padding tokens by (id, position) in shared memory (bitonic, sort_tokens.cuh; a
-// longer sample takes the generic version) -> order [B, T], ids [B, T], count [B]; then
+// sample's non-padding tokens by (id, position) in shared memory (bitonic, sort_tokens.cuh; past
+// 2048 tokens an ATen sort gives the same order, sort_tokens::presort) -> order [B, T], ids
+// [B, T], count [B]; then
 // embedding_pass_kernel walks the sorted tokens as the row pass walks rows, with one float64
 // accumulator per column and run of equal ids (added in position order: depth <= T - 1), adding
 // its square to the column's q when the run ends; finish_kernel sums the tiles' q and the real
 // tokens' row norms. Padding tokens are never read, so a NaN in their rows reaches nothing.
 //
-// No atomics: runs repeat bit for bit. nvcc fuses multiply-adds (an entry G x-hat added to its
-// sum, a square added to a row's): each product then goes unrounded into its sum, within the
-// bounds of Note [certified norms] (which assume an inner product with or without FMA), but not
-// bit for bit the CPU kernels' values. Launches per call: 2 (_row_sums), 3 (_norm_row_sums and
-// _embedding_rows), plus one row pass per further 65535 samples.
+// No atomics: runs repeat bit for bit. They are not the CPU kernels' bits, within the bounds of
+// Note [certified norms] (which hold for any order of the additions, with or without FMA): nvcc
+// fuses multiply-adds (an entry G x-hat added to its sum, a square added to a row's), and the
+// reductions run in other orders (warp shuffles and the warps' partials for S, a LayerNorm row's
+// mean and variance and an embedding's q, each of which the CPU adds in an order of its own).
+// The column sums of _row_sums and an embedding's per-id row sums have no multiply and one
+// order, the CPU's. Launches per call: 2 (_row_sums), 3 (_norm_row_sums and _embedding_rows),
+// plus one row pass per further 65535 samples.
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
@@ -327,29 +331,30 @@ std::tuple<at::Tensor, at::Tensor> embedding_rows_cuda(const at::Tensor& ids_in,
                                                        int64_t num_embeddings, int64_t pad) {
   check_embedding_rows_args(ids_in, g_in, num_embeddings, pad);
   const int64_t b = g_in.size(0), t_len = g_in.size(1), d = g_in.size(2);
-  if (t_len > sort_tokens::kMaxSortTokens) {  // past what one block sorts: the generic version
-    return per_sample::embedding_rows_generic(ids_in, g_in, num_embeddings, pad);
-  }
   const c10::cuda::CUDAGuard guard(g_in.device());
   const auto f64 = g_in.options().dtype(at::kDouble);
   if (b == 0 || t_len == 0 || d == 0) return {at::zeros({b}, f64), at::zeros({b}, f64)};
   const at::Tensor ids = ids_in.contiguous(), g = g_in.contiguous();
   const int64_t num_tiles = (d + kCols - 1) / kCols;
-  const int p = sort_tokens::padded_length(t_len);
   const auto i32 = ids.options().dtype(at::kInt);
-  at::Tensor order = at::empty({b, t_len}, i32);
-  at::Tensor sorted = at::empty({b, t_len}, ids.options());
-  at::Tensor count = at::empty({b}, i32);
+  at::Tensor order, sorted, count;
   at::Tensor q_part = at::empty({b, num_tiles}, f64);
   at::Tensor row_sq = at::empty({b, num_tiles, t_len}, f64);
   at::Tensor q = at::empty({b}, f64);
   at::Tensor s = at::empty({b}, f64);
   const auto stream = at::cuda::getCurrentCUDAStream();
-  const size_t smem = sort_tokens::shared_bytes(p);
-  sort_tokens_kernel<<<static_cast<unsigned>(b), kCols, smem, stream>>>(
-      ids.data_ptr<int64_t>(), t_len, p, pad, order.data_ptr<int>(), sorted.data_ptr<int64_t>(),
-      count.data_ptr<int>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (t_len > sort_tokens::kMaxSortTokens) {  // past what one block sorts: an ATen sort
+    std::tie(order, sorted, count) = sort_tokens::presort(ids, pad, num_embeddings);
+  } else {
+    order = at::empty({b, t_len}, i32);
+    sorted = at::empty({b, t_len}, ids.options());
+    count = at::empty({b}, i32);
+    const int p = sort_tokens::padded_length(t_len);
+    sort_tokens_kernel<<<static_cast<unsigned>(b), kCols, sort_tokens::shared_bytes(p), stream>>>(
+        ids.data_ptr<int64_t>(), t_len, p, pad, order.data_ptr<int>(), sorted.data_ptr<int64_t>(),
+        count.data_ptr<int>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   with_scalar_type("row sums", g.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     for (int64_t b0 = 0; b0 < b; b0 += kMaxGridY) {

@@ -29,7 +29,9 @@
 // layer with few tiles leaves SMs idle; then `splits` blocks share each tile's samples in
 // contiguous runs: split 0 starts from self and writes it, split z > 0 starts from zero and writes
 // partial[z - 1], and a second launch adds the partials into self in split order. No atomics: a
-// run repeats bit for bit, and the split count is fixed by the device and the shape.
+// run repeats bit for bit, and the split count is fixed by the device and the shape. So a layer
+// split on one GPU model need not give another model's bits (its SM count sets the splits), and
+// with more than one split a -0.0 in self becomes +0.0 even when every sample is dropped.
 //
 // Rows are staged 8 at a time in shared memory as float32, in two buffers: while the block
 // computes from one stage, each thread's share of the next (the next rows of this sample, or the
@@ -232,7 +234,8 @@ __global__ void add_partials_kernel(float* __restrict__ self, const float* __res
   }
 }
 
-// Splits that bring the launch to about two blocks per SM, at most kMaxSplits and one per sample.
+// Splits that bring the launch to about two blocks per SM (two waves: at its register count one
+// block fits on an SM at a time), at most kMaxSplits and one per sample.
 int64_t auto_splits(int64_t tiles, int64_t c) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want = (2 * static_cast<int64_t>(sms) + tiles - 1) / std::max<int64_t>(tiles, 1);

@@ -1,9 +1,14 @@
-// kernels/cuda/sort_tokens.cuh — one sample's tokens sorted by (id, position) in shared memory, for
-// the CUDA embedding kernels (_embedding_rows in row_sums.cu, _add_embedding_sums_ in
-// embedding_sums.cu): a bitonic sort of P = the power of two >= T entries, T <= kMaxSortTokens.
+// kernels/cuda/sort_tokens.cuh — each sample's tokens sorted by (id, position), for the CUDA
+// embedding kernels (_embedding_rows in row_sums.cu, _add_embedding_sums_ in embedding_sums.cu):
+// in one block's shared memory, a bitonic sort of P = the power of two >= T entries, for T <=
+// kMaxSortTokens; past that, presort's ATen sort along the tokens, which gives the same order.
 #pragma once
 
 #include <cstdint>
+#include <limits>
+#include <tuple>
+
+#include <ATen/ATen.h>
 
 namespace dpzero::kernels::sort_tokens {
 
@@ -68,6 +73,21 @@ __device__ __forceinline__ int sort(const int64_t* __restrict__ id, int64_t t_le
     }
   }
   return real;
+}
+
+// ids [B, T] int64 -> (order [B, T] int32 positions, sorted [B, T] their ids, count [B] int32),
+// as sort() lays out its entries [0, n) per sample: the non-padding tokens by (id, position)
+// first (a stable sort), then the padding ones. An id outside [0, V) sorts as V, so it never ties
+// with the padding tokens; the callers give it no row (the forward's lookup has refused it).
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> presort(const at::Tensor& ids, int64_t pad,
+                                                              int64_t num_embeddings) {
+  const at::Tensor padding = ids == pad;
+  const at::Tensor key =
+      ids.masked_fill(ids.lt(0).logical_or_(ids.ge(num_embeddings)), num_embeddings)
+          .masked_fill_(padding, std::numeric_limits<int64_t>::max());
+  auto [sorted, order] = key.sort(/*stable=*/true, 1);
+  return {order.to(at::kInt), sorted,
+          (~padding).sum(at::IntArrayRef{1}, /*keepdim=*/false, at::kInt)};
 }
 
 }  // namespace dpzero::kernels::sort_tokens

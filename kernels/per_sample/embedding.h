@@ -17,7 +17,7 @@ namespace per_sample {
 // Its generic version (any device; registered in per_sample.cpp) builds the rows of a chunk of
 // samples by one index_add over the runs of sorted (sample, token) keys, with no host read (the
 // private backward never waits on the device: tests/python/test_sync_free.py); the CPU kernel
-// (kernels/cpu/row_sums.cpp), and on CUDA kernels/cuda/row_sums.cu for T <= 2048, sort each
+// (kernels/cpu/row_sums.cpp), and on CUDA kernels/cuda/row_sums.cu, sort each
 // sample's tokens by id and stream each run of equal ids through one [d] float64 accumulator
 // (per column, on CUDA), so they hold no [c, U, d] rows and do T d work per sample: less than the
 // ghost path's 2 T^2 d in both time and memory, and the CPU takes this path whatever the shape
