@@ -31,8 +31,9 @@
 // reductions run in other orders (warp shuffles and the warps' partials for S, a LayerNorm row's
 // mean and variance and an embedding's q, each of which the CPU adds in an order of its own).
 // The column sums of _row_sums and an embedding's per-id row sums have no multiply and one
-// order, the CPU's. Launches per call: 2 (_row_sums), 3 (_norm_row_sums and _embedding_rows),
-// plus one row pass per further 65535 samples.
+// order, the CPU's. Launches per call: 2 (_row_sums), 3 (_norm_row_sums and _embedding_rows;
+// past 2048 tokens presort's eight-odd ATen ops instead of the block sort), plus one row pass per
+// further 65535 samples.
 #include <algorithm>
 #include <cstdint>
 #include <tuple>

@@ -1,7 +1,8 @@
 // kernels/cuda/sort_tokens.cuh — each sample's tokens sorted by (id, position), for the CUDA
 // embedding kernels (_embedding_rows in row_sums.cu, _add_embedding_sums_ in embedding_sums.cu):
 // in one block's shared memory, a bitonic sort of P = the power of two >= T entries, for T <=
-// kMaxSortTokens; past that, presort's ATen sort along the tokens, which gives the same order.
+// kMaxSortTokens; past that, presort's ATen sort along the tokens, which gives the same order for
+// valid ids.
 #pragma once
 
 #include <cstdint>
@@ -77,8 +78,10 @@ __device__ __forceinline__ int sort(const int64_t* __restrict__ id, int64_t t_le
 
 // ids [B, T] int64 -> (order [B, T] int32 positions, sorted [B, T] their ids, count [B] int32),
 // as sort() lays out its entries [0, n) per sample: the non-padding tokens by (id, position)
-// first (a stable sort), then the padding ones. An id outside [0, V) sorts as V, so it never ties
-// with the padding tokens; the callers give it no row (the forward's lookup has refused it).
+// first (a stable sort), then the padding ones; for ids in [0, V), sort()'s order. An id outside
+// [0, V) sorts as V, so it never ties with the padding tokens: _add_embedding_sums_ adds it into
+// no row, and _embedding_rows counts all of a sample's such tokens as one run (sort() keeps one
+// run per id). The forward's lookup has refused them before either runs.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> presort(const at::Tensor& ids, int64_t pad,
                                                               int64_t num_embeddings) {
   const at::Tensor padding = ids == pad;
