@@ -55,9 +55,10 @@ std::vector<double> group_thresholds(double max_norm, int64_t num_groups,
     const double t = w.size() == 1 ? max_norm : max_norm * std::sqrt(w[g] / total);
     thresholds.push_back(threshold_f32(t));
     if (thresholds.back() < kMinClipNorm) {  // Note [smallest clip norm]
-      const std::string what = w.size() == 1 ? "max_grad_norm C = " + shown(max_norm)
-                                              : "clipping group " + std::to_string(g) +
-                                                    "'s threshold C sqrt(w_g / sum w) = " + shown(t);
+      const std::string what =
+          w.size() == 1 ? "max_grad_norm C = " + shown(max_norm)
+                        : "clipping group " + std::to_string(g) +
+                              "'s threshold C sqrt(w_g / sum w) = " + shown(t);
       throw std::invalid_argument(what +
                                   " is below 2^-64, the smallest clip norm whose rounding the "
                                   "clipped sums' bound absorbs; raise C" +
