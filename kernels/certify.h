@@ -85,6 +85,31 @@ DPZERO_HOST_DEVICE float plus_rest(float r, float rest) {
   return sum_up(total);
 }
 
+// kRows with f32 of one sample's kept row x [n] (float64) and its S: q summed in row order from 0,
+// then direct_bound with coef (the call's coef + margin) and rounded up to float32. A call given
+// `rest_rows` adds this for the rest's row through plus_rest: for a rest formed on the host, the
+// bits of a kRows call of its own (kernels/cpu/certify.cpp's loop) then plus_rest.
+DPZERO_HOST_DEVICE float rows_bound(const double* x, int64_t n, double s, double coef) {
+  double q = 0.0;
+  for (int64_t j = 0; j < n; ++j) q += x[j] * x[j];
+  return f32_up(direct_bound(q, s, coef));
+}
+
+// A call's rest per sample (dpzero::_certify's rest, or rest_rows with rest_s and rest_coef): a
+// certified float32 value, or a kept row certified by rows_bound; none when both are null.
+struct Rest {
+  const float* value = nullptr;
+  const double* rows = nullptr;  // [B, n]
+  const double* s = nullptr;     // [B]
+  int64_t n = 0;
+  double coef = 0.0;
+
+  DPZERO_HOST_DEVICE bool any() const { return value != nullptr || rows != nullptr; }
+  DPZERO_HOST_DEVICE float at(int64_t i) const {
+    return value != nullptr ? value[i] : rows_bound(rows + i * n, n, s[i], coef);
+  }
+};
+
 // The steps that take one value per sample (all but kRows and kSumUp, which reduce first).
 DPZERO_HOST_DEVICE double elementwise(Step step, double v, double s, double coef, double margin) {
   switch (step) {

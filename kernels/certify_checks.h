@@ -26,7 +26,10 @@ inline bool takes_s(Step step) {
 inline std::pair<Step, at::Tensor> certify_result(const at::Tensor& value,
                                                   const c10::optional<at::Tensor>& s,
                                                   int64_t step, bool f32, double margin,
-                                                  const c10::optional<at::Tensor>& rest) {
+                                                  const c10::optional<at::Tensor>& rest,
+                                                  const c10::optional<at::Tensor>& rest_rows = {},
+                                                  const c10::optional<at::Tensor>& rest_s = {},
+                                                  double rest_coef = 0.0) {
   TORCH_CHECK(step >= 0 && step < kSteps, "dpzero::_certify: step must be in [0, ", kSteps,
               "), got ", step);
   const Step st = static_cast<Step>(step);
@@ -56,18 +59,38 @@ inline std::pair<Step, at::Tensor> certify_result(const at::Tensor& value,
                 " takes no S");
   }
   const bool out_f64 = gives_f64(st) && !f32;
-  if (rest.has_value() && rest->defined()) {
+  const bool has_rest = rest.has_value() && rest->defined();
+  const bool has_rows = rest_rows.has_value() && rest_rows->defined();
+  if (has_rest || has_rows) {
     // Added as certified_sum adds two parts: to a certified float32 squared norm only.
     TORCH_CHECK((st == Step::kGhost || st == Step::kDirect || st == Step::kRows)
                     ? f32
                     : st == Step::kRoundUp,
                 "dpzero::_certify: rest is added to a float32 certified squared norm (steps 0, 1 "
                 "and 2 with f32, or step 5), got step ", step, " with f32 ", f32);
+    TORCH_CHECK(!(has_rest && has_rows), "dpzero::_certify: pass rest or rest_rows, not both");
+  }
+  if (has_rest) {
     TORCH_CHECK(rest->scalar_type() == at::kFloat && rest->sizes().vec() == shape,
                 "dpzero::_certify: rest must be float32 of shape ", c10::IntArrayRef(shape),
                 ", got ", rest->scalar_type(), " of shape ", rest->sizes());
     TORCH_CHECK(rest->device() == value.device(), "dpzero::_certify: rest is on ",
                 rest->device(), ", value on ", value.device());
+  }
+  if (has_rows) {  // certify::rows_bound of each sample's kept row
+    TORCH_CHECK(rest_rows->scalar_type() == at::kDouble && rest_rows->dim() == 2 &&
+                    rest_rows->size(0) == shape[0],
+                "dpzero::_certify: rest_rows must be float64 [B, n] with B = ", shape[0],
+                ", got ", rest_rows->scalar_type(), " of shape ", rest_rows->sizes());
+    TORCH_CHECK(rest_s.has_value() && rest_s->defined() &&
+                    rest_s->scalar_type() == at::kDouble && rest_s->sizes().vec() == shape,
+                "dpzero::_certify: rest_rows takes rest_s, float64 of shape ",
+                c10::IntArrayRef(shape));
+    TORCH_CHECK(rest_rows->device() == value.device() && rest_s->device() == value.device(),
+                "dpzero::_certify: rest_rows and rest_s must be on value's device ",
+                value.device());
+    TORCH_CHECK(std::isfinite(rest_coef) && rest_coef >= 0.0,
+                "dpzero::_certify: rest_coef must be finite and >= 0, got ", rest_coef);
   }
   return {st, at::empty(shape, value.options().dtype(out_f64 ? at::kDouble : at::kFloat))};
 }

@@ -136,9 +136,12 @@ TORCH_LIBRARY(dpzero, m) {
   // f32, else float32 rounded up (down for the kRoundDown and kScaleDown steps). `rest` ([B]
   // float32, kGhost, kDirect or kRows with f32, or kRoundUp): another certified squared norm of the
   // same samples (a Linear's or a norm layer's bias), added to the result as kSumUp adds two parts
-  // (certify::plus_rest).
+  // (certify::plus_rest). Or, in its place, `rest_rows` [B, n] float64 and `rest_s` [B] float64: a
+  // bias's kept rows and their S, certified in the same pass as kRows with f32 and coef
+  // `rest_coef` would (certify::rows_bound), then added the same way.
   m.def("_certify(Tensor value, Tensor? S, float coef, int step, bool f32=False, "
-        "float margin=0.0, Tensor? rest=None) -> Tensor");
+        "float margin=0.0, Tensor? rest=None, Tensor? rest_rows=None, Tensor? rest_s=None, "
+        "float rest_coef=0.0) -> Tensor");
   // One clipping group's factors in one pass (Note [certified group norms] in src/dp/clip_group.h,
   // Note [mean loss] in src/dp/book.h): sq [P, B] float32, the parts' certified squared norms as
   // delivered, grouped by component in order (sizes[c] parts each); mean >= 1 the mean-loss

@@ -19,7 +19,8 @@ using certify::Step;
 
 template <typename in_t, typename out_t>
 void certify_loop(Step step, const in_t* v, const double* s, double coef, double margin,
-                  bool f32, const float* rest, out_t* out, int64_t rows, int64_t cols) {
+                  bool f32, const certify::Rest& rest, out_t* out, int64_t rows,
+                  int64_t cols) {
   for (int64_t i = 0; i < rows; ++i) {
     double r;
     if (step == Step::kRows) {  // q in row order
@@ -37,18 +38,33 @@ void certify_loop(Step step, const in_t* v, const double* s, double coef, double
       r = certify::elementwise(step, static_cast<double>(v[i]), s ? s[i] : 0.0, coef, margin);
     }
     out[i] = static_cast<out_t>(f32 && certify::gives_f64(step) ? certify::f32_up(r) : r);
-    if (rest) out[i] = static_cast<out_t>(certify::plus_rest(static_cast<float>(out[i]), rest[i]));
+    if (rest.any()) {
+      out[i] = static_cast<out_t>(certify::plus_rest(static_cast<float>(out[i]), rest.at(i)));
+    }
   }
 }
 
 at::Tensor certify_cpu(const at::Tensor& value, const c10::optional<at::Tensor>& S, double coef,
                        int64_t step, bool f32, double margin,
-                       const c10::optional<at::Tensor>& rest) {
-  auto [st, out] = certify::certify_result(value, S, step, f32, margin, rest);
+                       const c10::optional<at::Tensor>& rest,
+                       const c10::optional<at::Tensor>& rest_rows,
+                       const c10::optional<at::Tensor>& rest_s, double rest_coef) {
+  auto [st, out] =
+      certify::certify_result(value, S, step, f32, margin, rest, rest_rows, rest_s, rest_coef);
   const at::Tensor v = value.contiguous();
   const at::Tensor s = certify::takes_s(st) ? S->contiguous() : at::Tensor();
   const at::Tensor r = rest && rest->defined() ? rest->contiguous() : at::Tensor();
-  const float* pr = r.defined() ? r.data_ptr<float>() : nullptr;
+  const bool has_rows = rest_rows && rest_rows->defined();
+  const at::Tensor rr = has_rows ? rest_rows->contiguous() : at::Tensor();
+  const at::Tensor rs = has_rows ? rest_s->contiguous() : at::Tensor();
+  certify::Rest pr;
+  if (r.defined()) pr.value = r.data_ptr<float>();
+  if (has_rows) {
+    pr.rows = rr.data_ptr<double>();
+    pr.s = rs.data_ptr<double>();
+    pr.n = rr.size(1);
+    pr.coef = rest_coef;
+  }
   const int64_t rows = out.numel();
   const int64_t cols = st == Step::kRows ? v.size(1) : st == Step::kSumUp ? v.size(0) : 1;
   const double* ps = s.defined() ? s.data_ptr<double>() : nullptr;

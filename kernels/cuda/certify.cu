@@ -31,9 +31,8 @@ int blocks_for(int64_t n) {
 // Every step but kRows: thread i computes sample i (kSumUp: over the P parts of column i).
 template <typename in_t, typename out_t>
 __global__ void certify_kernel(Step step, const in_t* __restrict__ v, const double* __restrict__ s,
-                               double coef, double margin, bool f32,
-                               const float* __restrict__ rest, out_t* __restrict__ out,
-                               int64_t rows, int64_t parts) {
+                               double coef, double margin, bool f32, certify::Rest rest,
+                               out_t* __restrict__ out, int64_t rows, int64_t parts) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     double r;
@@ -45,7 +44,9 @@ __global__ void certify_kernel(Step step, const in_t* __restrict__ v, const doub
       r = certify::elementwise(step, static_cast<double>(v[i]), s ? s[i] : 0.0, coef, margin);
     }
     out[i] = static_cast<out_t>(f32 && certify::gives_f64(step) ? certify::f32_up(r) : r);
-    if (rest) out[i] = static_cast<out_t>(certify::plus_rest(static_cast<float>(out[i]), rest[i]));
+    if (rest.any()) {
+      out[i] = static_cast<out_t>(certify::plus_rest(static_cast<float>(out[i]), rest.at(i)));
+    }
   }
 }
 
@@ -53,7 +54,7 @@ __global__ void certify_kernel(Step step, const in_t* __restrict__ v, const doub
 // certifies (and adds rest, where there is one).
 template <typename in_t, typename out_t>
 __global__ void certify_rows_kernel(const in_t* __restrict__ v, const double* __restrict__ s,
-                                    double coef, bool f32, const float* __restrict__ rest,
+                                    double coef, bool f32, certify::Rest rest,
                                     out_t* __restrict__ out, int64_t cols) {
   // (coef includes the call's margin: kRows is kDirect of the row's q)
   __shared__ double partial[kThreads];
@@ -72,19 +73,34 @@ __global__ void certify_rows_kernel(const in_t* __restrict__ v, const double* __
   if (threadIdx.x == 0) {
     const double r = certify::direct_bound(partial[0], s[i], coef);
     out[i] = static_cast<out_t>(f32 ? certify::f32_up(r) : r);
-    if (rest) out[i] = static_cast<out_t>(certify::plus_rest(static_cast<float>(out[i]), rest[i]));
+    if (rest.any()) {
+      out[i] = static_cast<out_t>(certify::plus_rest(static_cast<float>(out[i]), rest.at(i)));
+    }
   }
 }
 
 at::Tensor certify_cuda(const at::Tensor& value, const c10::optional<at::Tensor>& S, double coef,
                         int64_t step, bool f32, double margin,
-                        const c10::optional<at::Tensor>& rest) {
-  auto [st, out] = certify::certify_result(value, S, step, f32, margin, rest);
+                        const c10::optional<at::Tensor>& rest,
+                        const c10::optional<at::Tensor>& rest_rows,
+                        const c10::optional<at::Tensor>& rest_s, double rest_coef) {
+  auto [st, out] =
+      certify::certify_result(value, S, step, f32, margin, rest, rest_rows, rest_s, rest_coef);
   const c10::cuda::CUDAGuard guard(value.device());
   const at::Tensor v = value.contiguous();
   const at::Tensor s = certify::takes_s(st) ? S->contiguous() : at::Tensor();
   const at::Tensor r = rest && rest->defined() ? rest->contiguous() : at::Tensor();
-  const float* pr = r.defined() ? r.data_ptr<float>() : nullptr;
+  const bool has_rows = rest_rows && rest_rows->defined();
+  const at::Tensor rr = has_rows ? rest_rows->contiguous() : at::Tensor();
+  const at::Tensor rs = has_rows ? rest_s->contiguous() : at::Tensor();
+  certify::Rest pr;  // a thread computes a kept row's bound in row order, as the CPU does
+  if (r.defined()) pr.value = r.data_ptr<float>();
+  if (has_rows) {
+    pr.rows = rr.data_ptr<double>();
+    pr.s = rs.data_ptr<double>();
+    pr.n = rr.size(1);
+    pr.coef = rest_coef;
+  }
   const int64_t rows = out.numel();
   if (rows == 0) return out;
   const double* ps = s.defined() ? s.data_ptr<double>() : nullptr;

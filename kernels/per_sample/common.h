@@ -245,15 +245,29 @@ inline double ghost_error_coefficient(int64_t T, int64_t d_in, int64_t d_out) {
 // one launch per call on [B] vectors (kernels/cpu/certify.cpp, kernels/cuda/certify.cu).
 using certify::Step;
 
+// A bias's kept rows [B, n] float64, their S [B] and the coefficient a kRows certification of them
+// takes (coef + margin): what _certify's rest_rows certifies in the weight's own pass.
+struct KeptRest {
+  at::Tensor rows, s;
+  double coef = 0.0;
+  bool defined() const { return rows.defined(); }
+};
+
 inline at::Tensor certify_op(const at::Tensor& value, const c10::optional<at::Tensor>& s,
                              double coef, Step step, bool f32 = false, double margin = 0.0,
-                             const c10::optional<at::Tensor>& rest = c10::nullopt) {
+                             const c10::optional<at::Tensor>& rest = c10::nullopt,
+                             const KeptRest& rest_rows = {}) {
   using Signature = at::Tensor(const at::Tensor&, const c10::optional<at::Tensor>&, double,
-                               int64_t, bool, double, const c10::optional<at::Tensor>&);
+                               int64_t, bool, double, const c10::optional<at::Tensor>&,
+                               const c10::optional<at::Tensor>&,
+                               const c10::optional<at::Tensor>&, double);
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("dpzero::_certify", "")
                              .typed<Signature>();
-  return op.call(value, s, coef, static_cast<int64_t>(step), f32, margin, rest);
+  const bool rows = rest_rows.defined();
+  return op.call(value, s, coef, static_cast<int64_t>(step), f32, margin, rest,
+                 rows ? c10::optional<at::Tensor>(rest_rows.rows) : c10::nullopt,
+                 rows ? c10::optional<at::Tensor>(rest_rows.s) : c10::nullopt, rest_rows.coef);
 }
 
 // Note [clipped-sum rounding]

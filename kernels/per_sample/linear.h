@@ -59,6 +59,15 @@ inline std::tuple<at::Tensor, at::Tensor> bias_per_sample_btd(const at::Tensor& 
                             clipped_sum_margin(1))};
 }
 
+// The same per-sample gradients uncertified, with what certifying them takes: the weight's
+// certification adds their bound in its own pass (_certify's rest_rows; the bits of
+// bias_per_sample_btd's f32 norms added as rest, on the host). G [B, T, d].
+inline KeptRest bias_rows_btd(const at::Tensor& g) {
+  auto [grads, s] = row_sums(g);
+  const double e = rounding_gamma(static_cast<double>(g.size(1)));
+  return {grads, s, direct_coefficient(e, g.size(2) + 1) + clipped_sum_margin(1)};
+}
+
 // Certified ||sum_t G_{i,t}||^2 (a sample's bias gradient is the sum of its output-gradient rows):
 // [B] float64. G [B, T, d].
 inline at::Tensor bias_sq_norms_btd(const at::Tensor& g) { return std::get<1>(bias_per_sample_btd(g)); }
@@ -187,22 +196,19 @@ inline std::tuple<at::Tensor, at::Tensor> ghost_sq_norms_multi_generic(const at:
 
 // A [B, ..., d_in], G[l] [B, ..., d_out_l] -> L tensors [B] float32, the certified squared norms
 // of each layer (the book takes them apart, so they are not stacked). `rest`, empty or one per
-// layer: a defined [B] float32 certified squared norm of the layer's other parameters (its bias)
-// is added to its weight's in the certification's own pass (_certify's rest: the bits of
-// dp::certified_sum of the two).
+// layer: a defined one is the layer's bias's kept rows (bias_rows_btd), certified and added to
+// its weight's norm in the certification's own pass (_certify's rest_rows: on the host, the bits
+// of dp::certified_sum of the two norms).
 inline std::vector<at::Tensor> linear_sq_norms_each(const at::Tensor& A, at::TensorList G,
                                                     int64_t method,
-                                                    const std::vector<at::Tensor>& rest = {}) {
+                                                    const std::vector<KeptRest>& rest = {}) {
   constexpr const char* op = "linear_sq_norms_multi";
   const NormMethod m = check_method(op, method);
   TORCH_CHECK(!G.empty(), "dpzero::", op, ": G must hold at least one tensor");
   for (const at::Tensor& g : G) check_layer_pair(op, A, "A", g);
   TORCH_CHECK(rest.empty() || rest.size() == G.size(), "dpzero::", op, ": rest must hold one "
               "tensor per layer (", G.size(), "), got ", rest.size());
-  const auto rest_of = [&](size_t l) {
-    return l < rest.size() && rest[l].defined() ? c10::optional<at::Tensor>(rest[l])
-                                                : c10::nullopt;
-  };
+  const auto rest_of = [&](size_t l) { return l < rest.size() ? rest[l] : KeptRest{}; };
   const Fp32MatmulGuard precision;
   const at::Tensor a = as_btd(op, "A", A);
   std::vector<at::Tensor> gs, out(G.size());
@@ -214,7 +220,7 @@ inline std::vector<at::Tensor> linear_sq_norms_each(const at::Tensor& A, at::Ten
       ghost_rows.push_back(l);
     } else {
       out[l] = certify_op(direct_sq_norms(a, g), c10::nullopt, 0.0, Step::kRoundUp,
-                          /*f32=*/false, /*margin=*/0.0, rest_of(l));  // to_f32_up, + rest
+                          /*f32=*/false, /*margin=*/0.0, c10::nullopt, rest_of(l));  // + rest
     }
   }
   if (!gs.empty()) {
@@ -227,7 +233,8 @@ inline std::vector<at::Tensor> linear_sq_norms_each(const at::Tensor& A, at::Ten
       const double c = ghost_error_coefficient(a.size(1), a.size(2), gs[k].size(2));
       out[ghost_rows[k]] = certify_op(values[static_cast<int64_t>(k)], s[static_cast<int64_t>(k)],
                                       2.0 * c, Step::kGhost, /*f32=*/true,
-                                      clipped_sum_margin(a.size(1)), rest_of(ghost_rows[k]));
+                                      clipped_sum_margin(a.size(1)), c10::nullopt,
+                                      rest_of(ghost_rows[k]));
     }
   }
   return out;
@@ -312,6 +319,15 @@ inline std::tuple<at::Tensor, at::Tensor> bias_per_sample(const at::Tensor& G) {
   check_floating(op, "G", G);
   const Fp32MatmulGuard precision;
   return bias_per_sample_btd(as_btd(op, "G", G), /*f32=*/true);
+}
+
+// The book's form of it when a weight's certification takes the bias's norm: its rows
+// uncertified (bias_rows_btd). G [B, ..., d].
+inline KeptRest bias_rows(const at::Tensor& G) {
+  constexpr const char* op = "bias_per_sample";
+  check_floating(op, "G", G);
+  const Fp32MatmulGuard precision;
+  return bias_rows_btd(as_btd(op, "G", G));
 }
 
 // dest += sum_i c_i grads_i, dest float32 holding prod(grads.shape[1:]) elements (a parameter's

@@ -47,16 +47,16 @@ inline std::vector<int64_t> normalized_shape(const at::Tensor& x, int64_t normal
 
 // Per-sample weight gradients sum_t G_{i,t} ⊙ x̂_{i,t} and their certified squared norms:
 // ([B, d] float64, [B] float64, or float32 rounded up when `f32`). x, g [B, T, d]. `rest` (with
-// `f32`): the bias's certified [B] float32 squared norms, added in the same pass with the bits of
-// dp::certified_sum of the two (_certify's rest).
+// `f32`): the bias's kept rows (bias_rows_btd), certified and added in the same pass (_certify's
+// rest_rows: on the host, the bits of dp::certified_sum of the two norms).
 inline std::tuple<at::Tensor, at::Tensor> layer_norm_per_sample_btd(
     const at::Tensor& x, const at::Tensor& g, double eps, bool rms, bool f32 = false,
-    const c10::optional<at::Tensor>& rest = c10::nullopt) {
+    const KeptRest& rest = {}) {
   auto [grads, s] = norm_row_sums(x, g, eps, rms);
   const double e = rounding_gamma(static_cast<double>(x.size(1) + 1));
   // The margin of one float32 rounding of the contribution, as bias_per_sample_btd's.
   return {grads, certify_op(grads, s, direct_coefficient(e, x.size(2) + 1), Step::kRows, f32,
-                            clipped_sum_margin(1), rest)};
+                            clipped_sum_margin(1), c10::nullopt, rest)};
 }
 
 // Certified [B] float64 (weight, plus bias when `bias`). x, g [B, T, d].
@@ -68,11 +68,11 @@ inline at::Tensor layer_norm_sq_norms_btd(const at::Tensor& x, const at::Tensor&
 
 // Public: -> (per-sample weight gradients [B, *normalized_shape] float64, certified squared norms
 // [B] float32) (Note [kept per-sample gradients]); the bias's come from bias_per_sample.
-// The book's form of it: `rest`, the bias's certified squared norms from bias_per_sample, added
-// into the weight's (Note [kept per-sample gradients]).
+// The book's form of it: `rest`, the bias's kept rows from bias_rows, whose norm is added into
+// the weight's (Note [kept per-sample gradients]).
 inline std::tuple<at::Tensor, at::Tensor> layer_norm_per_sample_plus(
     const at::Tensor& input, const at::Tensor& G, double eps, bool rms, int64_t normalized_ndim,
-    const c10::optional<at::Tensor>& rest) {
+    const KeptRest& rest) {
   constexpr const char* op = "layer_norm_per_sample";
   check_norm_layer_args(op, input, G, eps, normalized_ndim);
   const Fp32MatmulGuard precision;
@@ -88,7 +88,7 @@ inline std::tuple<at::Tensor, at::Tensor> layer_norm_per_sample(const at::Tensor
                                                                 const at::Tensor& G, double eps,
                                                                 bool rms,
                                                                 int64_t normalized_ndim) {
-  return layer_norm_per_sample_plus(input, G, eps, rms, normalized_ndim, c10::nullopt);
+  return layer_norm_per_sample_plus(input, G, eps, rms, normalized_ndim, KeptRest{});
 }
 
 // Public: -> [B] float32 (weight, plus bias when `bias`).

@@ -596,15 +596,19 @@ void Book::norms_if_input_done(int64_t index) {
 
 void Book::input_norms(const std::vector<int64_t>& same, bool early) {
   const Kept& first = *parts_[same[0]].kept;
-  // rests: each layer's bias norm (or none), added to its weight's in the certification's own
-  // pass, with certified_sum's bits.
-  std::vector<at::Tensor> gs, rests, reads{first.a};
+  // rests: each layer's bias rows (or none), certified and added to its weight's norm in the
+  // certification's own pass (on the host with certified_sum's bits).
+  std::vector<at::Tensor> gs, reads{first.a};
+  std::vector<ps::KeptRest> rests;
   for (const int64_t index : same) {
     const Kept& kept = *parts_[index].kept;
     gs.push_back(kept.g);
-    rests.push_back(kept.rest_sq);
+    rests.push_back({kept.rest_rows, kept.rest_s, kept.rest_coef});
     reads.push_back(kept.g);
-    if (kept.rest_sq.defined()) reads.push_back(kept.rest_sq);
+    if (kept.rest_rows.defined()) {
+      reads.push_back(kept.rest_rows);
+      reads.push_back(kept.rest_s);
+    }
   }
   const auto norms = [&] {
     return ps::linear_sq_norms_each(first.a, gs, /*method=*/0, rests);  // L x [B]
@@ -624,7 +628,8 @@ void Book::input_norms(const std::vector<int64_t>& same, bool early) {
   for (size_t l = 0; l < same.size(); ++l) {
     Part& part = parts_[same[l]];
     part.kept->sq = std::move(totals[l]);
-    part.kept->rest_sq = at::Tensor();
+    part.kept->rest_rows = at::Tensor();  // grads[1] keeps the bias rows for its clipped sum
+    part.kept->rest_s = at::Tensor();
     part.kept->pending = false;
     part.aside = aside;
     part.marked.reset();

@@ -75,7 +75,12 @@ class LinearOps final : public LayerOps {
     kept.a = a;
     kept.g = g;
     kept.pending = true;
-    if (trains(1)) std::tie(kept.grads[1], kept.rest_sq) = ps::bias_per_sample(g);
+    if (trains(1)) {
+      const ps::KeptRest rest = ps::bias_rows(g);
+      kept.grads[1] = kept.rest_rows = rest.rows;
+      kept.rest_s = rest.s;
+      kept.rest_coef = rest.coef;
+    }
     return kept;
   }
 
@@ -140,15 +145,17 @@ class NormOps final : public LayerOps {
   }
 
   // The weight's and the bias's certified norms summed as certified_sum of the two would: the
-  // bias's first, then added in the weight's certification pass (_certify's rest).
+  // bias's rows certified and added in the weight's certification pass (_certify's rest_rows).
   Kept keep(const at::Tensor& x, const at::Tensor& g, bool norms) const override {
     Kept kept;
     kept.grads.resize(train().size());
     at::Tensor sq;
-    if (trains(1)) std::tie(kept.grads[1], sq) = ps::bias_per_sample(flat(g));
-    if (trains(0)) {
-      std::tie(kept.grads[0], sq) = ps::layer_norm_per_sample_plus(
-          x, g, eps(x), rms_, nd_, sq.defined() ? c10::optional<at::Tensor>(sq) : c10::nullopt);
+    if (!trains(0)) {
+      std::tie(kept.grads[1], sq) = ps::bias_per_sample(flat(g));
+    } else {
+      const ps::KeptRest rest = trains(1) ? ps::bias_rows(flat(g)) : ps::KeptRest{};
+      if (trains(1)) kept.grads[1] = rest.rows;
+      std::tie(kept.grads[0], sq) = ps::layer_norm_per_sample_plus(x, g, eps(x), rms_, nd_, rest);
     }
     if (norms) kept.sq = sq;
     return kept;

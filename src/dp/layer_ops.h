@@ -37,9 +37,11 @@ struct Kept {
   // needs them, or (`pending`) until the group computes the weight's norm.
   at::Tensor sq;
   // Note [shared inputs]: the weight's norm waits for the group's other layers on the same input
-  // `a`; `rest_sq` is what the rest of the layer (its bias) contributed, or undefined.
+  // `a`; the rest of the layer (its bias) contributes its kept rows `rest_rows` [B, d] float64,
+  // their S `rest_s` and the coefficient that certifies them (kernels' KeptRest), or nothing.
   bool pending = false;
-  at::Tensor rest_sq;
+  at::Tensor rest_rows, rest_s;
+  double rest_coef = 0.0;
   // Note [kept inputs stay unwritten] (book.cpp): `sq` is computed from `a` and `g` when the group
   // completes, by sq_norms, right before the clipped sums read the same a and g.
   bool deferred = false;

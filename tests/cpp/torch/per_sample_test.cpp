@@ -490,6 +490,27 @@ TEST(PerSampleCertification, EveryStepMatchesItsAtenComposition) {
       }
       EXPECT_GE(static_cast<long double>(rows[i].item<double>()), exact) << where << " row " << i;
     }
+    // rest_rows: a bias's kept rows certified in the same pass, as a kRows call with f32 on the
+    // CPU (row order) then added as rest; on every device, for every step that takes a rest.
+    const at::Tensor bias = at::randn({64, 7}, at::kDouble) * 30, bias_s = at::rand({64}) * 300;
+    const ps::KeptRest kept{on(bias), on(bias_s.to(at::kDouble)), 3e-9};
+    const at::Tensor bias_sq = ps::certify_op(bias, bias_s.to(at::kDouble), 3e-9, Step::kRows,
+                                              true);  // the CPU's bits, its rows in order
+    for (const Step step : {Step::kGhost, Step::kDirect, Step::kRoundUp}) {
+      const bool certifies = step != Step::kRoundUp;
+      const at::Tensor& v = step == Step::kGhost ? ghost : step == Step::kDirect ? q : x;
+      const double coef = step == Step::kGhost ? 2 * c : step == Step::kDirect ? k : 0.0;
+      const c10::optional<at::Tensor> sv =
+          certifies ? c10::optional<at::Tensor>(on(s)) : c10::nullopt;
+      const at::Tensor with_rows =
+          ps::certify_op(on(v), sv, coef, step, certifies, 0.0, c10::nullopt, kept);
+      const at::Tensor with_rest = ps::certify_op(on(v), sv, coef, step, certifies, 0.0,
+                                                  on(bias_sq));
+      EXPECT_TRUE(same(with_rows, with_rest.cpu())) << where << " step " << static_cast<int>(step);
+    }
+    EXPECT_THROW(ps::certify_op(on(x), c10::nullopt, 0.0, Step::kRoundUp, false, 0.0,
+                                on(bias_sq), kept),
+                 c10::Error) << where;  // one rest or the other
     // kRows with f32 takes rest as the other steps do (a norm layer's weight, its bias's norm).
     const at::Tensor rows_f32 = run(grads, sums, k, Step::kRows, true);
     const at::Tensor rows_rest = ps::certify_op(on(grads), on(sums), k, Step::kRows, true, 0.0,
