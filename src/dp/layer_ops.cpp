@@ -151,7 +151,7 @@ class NormOps final : public LayerOps {
     kept.grads.resize(train().size());
     at::Tensor sq;
     if (!trains(0)) {
-      std::tie(kept.grads[1], sq) = ps::bias_per_sample(flat(g));
+      if (trains(1)) std::tie(kept.grads[1], sq) = ps::bias_per_sample(flat(g));
     } else {
       const ps::KeptRest rest = trains(1) ? ps::bias_rows(flat(g)) : ps::KeptRest{};
       if (trains(1)) kept.grads[1] = rest.rows;
