@@ -95,6 +95,30 @@ inline std::pair<Step, at::Tensor> certify_result(const at::Tensor& value,
   return {st, at::empty(shape, value.options().dtype(out_f64 ? at::kDouble : at::kFloat))};
 }
 
+// A checked _certify call's rest as the kernels read it (certify::Rest), with the contiguous
+// tensors it points into kept alive beside it.
+struct RestOperands {
+  at::Tensor value, rows, s;
+  Rest rest;
+
+  RestOperands(const c10::optional<at::Tensor>& rest_value,
+               const c10::optional<at::Tensor>& rest_rows,
+               const c10::optional<at::Tensor>& rest_s, double rest_coef) {
+    if (rest_value && rest_value->defined()) {
+      value = rest_value->contiguous();
+      rest.value = value.data_ptr<float>();
+    }
+    if (rest_rows && rest_rows->defined()) {
+      rows = rest_rows->contiguous();
+      s = rest_s->contiguous();
+      rest.rows = rows.data_ptr<double>();
+      rest.s = s.data_ptr<double>();
+      rest.n = rows.size(1);
+      rest.coef = rest_coef;
+    }
+  }
+};
+
 // Checks a _group_clip call; returns the clip mode and the float32 threshold.
 inline std::pair<privacy::ClipMode, float> check_group_clip(const at::Tensor& sq,
                                                             at::IntArrayRef sizes, int64_t mean,

@@ -89,18 +89,9 @@ at::Tensor certify_cuda(const at::Tensor& value, const c10::optional<at::Tensor>
   const c10::cuda::CUDAGuard guard(value.device());
   const at::Tensor v = value.contiguous();
   const at::Tensor s = certify::takes_s(st) ? S->contiguous() : at::Tensor();
-  const at::Tensor r = rest && rest->defined() ? rest->contiguous() : at::Tensor();
-  const bool has_rows = rest_rows && rest_rows->defined();
-  const at::Tensor rr = has_rows ? rest_rows->contiguous() : at::Tensor();
-  const at::Tensor rs = has_rows ? rest_s->contiguous() : at::Tensor();
-  certify::Rest pr;  // a thread computes a kept row's bound in row order, as the CPU does
-  if (r.defined()) pr.value = r.data_ptr<float>();
-  if (has_rows) {
-    pr.rows = rr.data_ptr<double>();
-    pr.s = rs.data_ptr<double>();
-    pr.n = rr.size(1);
-    pr.coef = rest_coef;
-  }
+  // A thread computes a kept row's bound in row order, as the CPU does.
+  const certify::RestOperands held(rest, rest_rows, rest_s, rest_coef);
+  const certify::Rest& pr = held.rest;
   const int64_t rows = out.numel();
   if (rows == 0) return out;
   const double* ps = s.defined() ? s.data_ptr<double>() : nullptr;
