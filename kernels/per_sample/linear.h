@@ -50,22 +50,20 @@ inline at::Tensor direct_sq_norms(const at::Tensor& a, const at::Tensor& g) {
 // Bias per-sample gradients sum_t G_{i,t} and their certified squared norms: ([B, d] float64,
 // [B] float64, or float32 rounded up when `f32`). G [B, T, d]. The norms carry the margin of one
 // float32 rounding of the sample's contribution (Note [clipped-sum rounding], rows kept in
-// float64): S >= the row sum's norm, so (||W|| + kappa_1 S) >= (1 + 2^-24) ||W||.
-inline std::tuple<at::Tensor, at::Tensor> bias_per_sample_btd(const at::Tensor& g,
-                                                              bool f32 = false) {
-  auto [grads, s] = row_sums(g);
-  const double e = rounding_gamma(static_cast<double>(g.size(1)));
-  return {grads, certify_op(grads, s, direct_coefficient(e, g.size(2) + 1), Step::kRows, f32,
-                            clipped_sum_margin(1))};
-}
-
-// The same per-sample gradients uncertified, with what certifying them takes: the weight's
-// certification adds their bound in its own pass (_certify's rest_rows; the bits of
-// bias_per_sample_btd's f32 norms added as rest, on the host). G [B, T, d].
+// float64): S >= the row sum's norm, so (||W|| + kappa_1 S) >= (1 + 2^-24) ||W||. bias_rows_btd
+// gives the gradients uncertified with what certifying them takes (kRows's coef plus that
+// margin), for a weight's certification to add their bound in its own pass (_certify's
+// rest_rows: on the host the bits of bias_per_sample_btd's f32 norms added as rest).
 inline KeptRest bias_rows_btd(const at::Tensor& g) {
   auto [grads, s] = row_sums(g);
   const double e = rounding_gamma(static_cast<double>(g.size(1)));
   return {grads, s, direct_coefficient(e, g.size(2) + 1) + clipped_sum_margin(1)};
+}
+
+inline std::tuple<at::Tensor, at::Tensor> bias_per_sample_btd(const at::Tensor& g,
+                                                              bool f32 = false) {
+  const KeptRest rows = bias_rows_btd(g);  // _certify adds coef and margin: the same sum
+  return {rows.rows, certify_op(rows.rows, rows.s, rows.coef, Step::kRows, f32)};
 }
 
 // Certified ||sum_t G_{i,t}||^2 (a sample's bias gradient is the sum of its output-gradient rows):
