@@ -472,18 +472,19 @@ _TORCH_IS_SHARED = torch.UntypedStorage.is_shared
 
 def _is_shared(storage: torch.UntypedStorage) -> bool:
     """torch's ``UntypedStorage.is_shared``, except that a storage refusing data access raises
-    its message as a RuntimeError instead of ending the process (Note [reading a resharded
-    parameter] in src/zero/flat_param.h)."""
+    its message as a RuntimeError instead of ending the process (Notes [reading a resharded
+    parameter] in src/zero/flat_param.h and [views kept across a reshard] in
+    src/zero/storage_access.h)."""
     if storage.device.type != "cuda":  # torch answers True for CUDA before reading the pointer
         storage.data_ptr()  # raises, with torch's error handling, where is_shared would abort
     return _TORCH_IS_SHARED(storage)
 
 
 def _raise_from_is_shared() -> None:
-    """Stage 3: ``tensor.is_shared()`` on a resharded parameter reaches a C function of torch's
-    that reads the storage's pointer without translating a C++ exception, so the refusal of
-    Note [reading a resharded parameter] called std::terminate there. Installed once per process,
-    it changes nothing for a storage that has memory."""
+    """Stage 3: ``tensor.is_shared()`` on a resharded parameter, or on a view of its unit kept
+    across the reshard, reaches a C function of torch's that reads the storage's pointer without
+    translating a C++ exception, so the refusal called std::terminate there. Installed once per
+    process, it changes nothing for a storage that has memory."""
     if torch.UntypedStorage.is_shared is not _is_shared:
         torch.UntypedStorage.is_shared = _is_shared
 

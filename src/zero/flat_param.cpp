@@ -9,26 +9,10 @@
 #include <c10/util/StringUtil.h>
 #include <c10/util/strides.h>
 
+#include "src/zero/storage_access.h"
+
 namespace dpzero::zero {
 namespace {
-
-// Frees the memory under `tensor`'s storage and every view of it; their sizes are unchanged.
-void free_storage(const at::Tensor& tensor) {
-  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
-  if (storage->nbytes() == 0) return;
-  storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
-  storage->set_nbytes(0);
-}
-
-// Gives `tensor`'s storage `nbytes` fresh bytes (contents undefined) from its own allocator.
-void allocate_storage(const at::Tensor& tensor, size_t nbytes) {
-  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
-  if (storage->nbytes() == nbytes) return;
-  TORCH_CHECK(storage->allocator() != nullptr,
-              "flat parameter storage has no allocator to re-allocate ", nbytes, " bytes from");
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
-  storage->set_nbytes(nbytes);
-}
 
 // Note [reading a resharded parameter]: a storage of `nbytes` (so that views of it pass torch's
 // bounds checks) on `device` with no memory, whose every data access throws `message`.
@@ -115,12 +99,20 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
           "collective: every rank calls it), or put the modules that read this parameter in one "
           "unit (units=[...])"));
     }
+    freed_message_ =
+        "this tensor views the gathered memory of the ZeRO stage 3 unit holding parameter '" +
+        names_[0] + "'" +
+        (names_.size() > 1 ? " (and " + std::to_string(names_.size() - 1) + " more)" : "") +
+        ", which is freed after the unit's forward and backward and has no memory here (Note "
+        "[views kept across a reshard]). A view (.data, .detach(), .view()) of a stage-3 "
+        "parameter is valid only while its unit is gathered: keep a copy (.clone()) instead, or "
+        "read the model's values with model.full_parameters() (a collective: every rank calls it)";
     release_full();  // the parameters were views of full_ until now
   }
 }
 
 void FlatParam::release_full() {
-  free_storage(full_);
+  storage_access::take_memory(*full_.storage().unsafeGetStorageImpl(), freed_message_);
   refuse_replaced(point_params(false));
 }
 
@@ -264,7 +256,11 @@ void FlatParam::prepare_master_write() {
 void FlatParam::unshard(const comm::Collectives& comm) {
   if (wait_gather()) return;
   if (unsharded()) return;
-  allocate_storage(full_, static_cast<size_t>(full_bytes()));
+  c10::StorageImpl* storage = full_.storage().unsafeGetStorageImpl();
+  const auto nbytes = static_cast<size_t>(full_bytes());
+  TORCH_CHECK(storage->allocator() != nullptr,
+              "flat parameter storage has no allocator to re-allocate ", nbytes, " bytes from");
+  storage_access::give_memory(*storage, storage->allocator()->allocate(nbytes), nbytes);
   comm.all_gather(full_, gather_source());
   complete_gather();
 }
@@ -294,8 +290,8 @@ void FlatParam::unshard_async(const comm::Collectives& comm) {
 void FlatParam::adopt_incoming() {
   c10::StorageImpl* from = incoming_.storage().unsafeGetStorageImpl();
   c10::StorageImpl* to = full_.storage().unsafeGetStorageImpl();
-  to->set_data_ptr_noswap(from->set_data_ptr(at::DataPtr(nullptr, from->device())));
-  to->set_nbytes(from->nbytes());
+  storage_access::give_memory(*to, from->set_data_ptr(at::DataPtr(nullptr, from->device())),
+                              from->nbytes());
   incoming_ = at::Tensor();
 }
 

@@ -52,10 +52,9 @@
 // full_'s memory live from the issue to the wait: a write through a view of full_ kept from an
 // earlier gather (a tensor a module stored in an earlier forward), made once the gather had landed
 // and before the wait, would become part of the fingerprinted baseline and never be refused, moving
-// a step past the bound. Gathering apart, such a view writes into freed memory until the wait, as
-// at any time the unit is resharded. Views of full_ reach no parameter of the user's (Note [reading
-// a resharded parameter] gives each its own storage while resharded); a view a module kept itself
-// has no memory there, and reading or writing it is the null-pointer access torch does not check.
+// a step past the bound. Gathering apart, such a write raises until the wait, as at any time the
+// unit is resharded (Note [views kept across a reshard]). Views of full_ reach no parameter of the
+// user's (Note [reading a resharded parameter] gives each its own storage while resharded).
 //
 // Note [master weights]
 // ~~~~~~~~~~~~~~~~~~~~~
@@ -293,6 +292,8 @@ class FlatParam {
   std::vector<int64_t> gathered_versions_;
   // One per parameter, naming it: the storage it has while the unit is resharded (stage 3).
   std::vector<c10::Storage> resharded_;
+  // Note [views kept across a reshard]: what a view of full_ raises while the unit is resharded.
+  std::string freed_message_;
   // Note [writes to a gathered unit]: the watch's fingerprint, that of the copy gathered now
   // (undefined when none is), and the OR of the differences found since the last take.
   Fingerprint fingerprint_;

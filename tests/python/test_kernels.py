@@ -27,12 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad, vmap
 
-import dpzero
 from clip_margin import linear_s, with_margin
+from devices import DEVICES  # imports dpzero, which registers torch.ops.dpzero
 
 ops = torch.ops.dpzero
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and dpzero._C.with_cuda else [])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
 AUTO, GHOST, DIRECT = 0, 1, 2

@@ -14,10 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import dpzero
 import ranks
+from devices import DEVICES
 from dpzero._C import shard as shard_ops  # shard plans and sharded noise
-
 from philox_reference import chacha20_block, noise, philox4x32_10, secure_noise
 
 
@@ -164,9 +163,6 @@ def test_ragged_plan_keeps_parameters_whole_with_the_smallest_shards(world_size,
         shard_ops.ShardPlan([layout], offset)  # covers [0, D) exactly once
     with pytest.raises(ValueError, match="must be 'even' or 'parameters', got 'blocks'"):
         shard_ops.UnitLayout([(4, 0)], 2, boundaries="blocks")
-
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and dpzero._C.with_cuda else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)

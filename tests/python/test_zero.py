@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 import dpzero
 import ranks
+from devices import DEVICES
 from dpzero._C import zero as czero
 
 VOCAB, DIM, HEADS, SEQ, LAYERS = 32, 16, 2, 8, 2
@@ -913,6 +914,62 @@ def test_is_shared_on_a_resharded_parameter_raises_instead_of_ending_the_process
                           text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "done", \
         (done.returncode, done.stderr[-3000:])
+
+_KEPT_VIEW_CHILD = textwrap.dedent("""
+    import re, sys, torch, dpzero
+    from torch import nn
+    device = sys.argv[1]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
+    reference = [p.detach().clone() for p in model[0].parameters()]
+    kept, seen = {}, []
+    def keep(module, inputs, output):
+        if not kept:  # views of the gathered unit, kept past its forward
+            kept.update(data=module.weight.data, detached=module.weight.detach(),
+                        viewed=module.weight.view(-1), bias=module.bias.data[1:])
+        else:  # gathered again: the same views read the unit's values
+            seen.append(torch.equal(kept["data"], module.weight.detach())
+                        and torch.equal(kept["bias"], module.bias.detach()[1:]))
+    model[0].register_forward_hook(keep)
+    wrapped = dpzero.shard(model, stage=3, optimizer="sgd", lr=0.0)
+    wrapped(torch.randn(3, 4, device=device)).sum().backward()
+    wrapped.step()
+    message = r"views the gathered memory of the ZeRO stage 3 unit holding parameter '0.weight'"
+    for key, view in kept.items():
+        reads = {"sum": view.sum, "repr": lambda: repr(view), "clone": view.clone,
+                 "write": lambda: view.detach().add_(1.0),
+                 "to cpu": lambda: view.to("cpu", copy=True),
+                 "is_shared": view.is_shared,
+                 "storage.is_shared": lambda: view.untyped_storage().is_shared()}
+        if device == "cpu":
+            reads["numpy"] = lambda: view.detach().numpy()
+        for name, read in reads.items():
+            try:
+                read()
+            except RuntimeError as e:
+                assert re.search(message, str(e)), (key, name, str(e))
+            else:
+                raise AssertionError(key + " " + name + " did not raise")
+    wrapped(torch.randn(3, 4, device=device)).sum().backward()
+    assert seen == [True], seen
+    wrapped.step()
+    values = wrapped.full_parameters()  # lr 0: the unit's values are the starting ones
+    assert torch.equal(values["0.weight"], reference[0]) and torch.equal(values["0.bias"],
+                                                                          reference[1])
+    print("done")
+""")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_view_kept_across_a_reshard_raises_instead_of_ending_the_process(device):
+    # Note [views kept across a reshard]: a view of a stage-3 parameter made while its unit was
+    # gathered and read after the reshard read address 0 plus its offset (SIGSEGV; on a GPU an
+    # illegal address). In a child process, so that a signal fails this test and not the run.
+    done = subprocess.run([sys.executable, "-c", _KEPT_VIEW_CHILD, device], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "done", \
+        (done.returncode, done.stderr[-3000:])
+
 
 def test_gradient_accumulation_and_zero_grad():
     # Two backward passes sum; zero_grad drops them; step() consumes them.

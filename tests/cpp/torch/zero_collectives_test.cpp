@@ -112,9 +112,19 @@ TEST_P(ZeroCollectives, Stage3GathersBroadcastValuesAndFreesStorage) {
     for (size_t i = 0; i < params.size(); ++i) {
       EXPECT_TRUE(torch::equal(params[i].detach(), root[i].detach())) << "param " << i;
     }
+    // Note [views kept across a reshard]: a view made while gathered refuses reads and writes
+    // once the unit is resharded (it read address 0 plus its offset: SIGSEGV), naming the unit,
+    // and reads the gathered values again after the next gather.
+    const at::Tensor kept = params[1].detach();
     flat.reshard();
     EXPECT_EQ(flat.full().storage().nbytes(), 0u);
     for (size_t i = 0; i < params.size(); ++i) refused(i);
+    for (const auto& access : std::vector<std::function<void()>>{
+             [&] { (void)kept.sum().item<float>(); }, [&] { kept.add_(1); },
+             [&] { (void)kept.clone(); }}) {
+      const std::string message = testing::error_message<c10::Error>(access);
+      EXPECT_TRUE(testing::contains(message, "unit holding parameter 'a' (and 2 more)")) << message;
+    }
     // A prefetch: readable once its gather completes (on one rank, when it is issued; the
     // parameters stayed refusing there before).
     flat.unshard_async(comm);
@@ -126,6 +136,7 @@ TEST_P(ZeroCollectives, Stage3GathersBroadcastValuesAndFreesStorage) {
     for (size_t i = 0; i < params.size(); ++i) {
       EXPECT_TRUE(torch::equal(params[i].detach(), root[i].detach())) << "param " << i;
     }
+    EXPECT_TRUE(torch::equal(kept, root[1].detach()));
     flat.reshard();
   });
 }
