@@ -72,6 +72,11 @@ TORCH_LIBRARY(dpzero, m) {
   // (its row never read). The same bits on every backend; one launch on a GPU up to 32 samples,
   // two above.
   m.def("add_per_sample_clipped_sum_(Tensor(a!) self, Tensor grads, Tensor scale) -> Tensor(a!)");
+  // The same for a list of pairs under one scale: self[k] += float32(sum_i scale_i grads[k]_i),
+  // each pair's bits add_per_sample_clipped_sum_'s; no self shares memory with another self or
+  // with another pair's grads. One launch on a GPU for up to 32 samples, two above, whatever the
+  // number of pairs (a layer's kept biases and norm parameters, or a whole group's).
+  m.def("_add_per_sample_clipped_sums_(Tensor(a!)[] self, Tensor[] grads, Tensor scale) -> ()");
   // Embedding [V, d]: ids [B, ...] int64/int32, G ids.shape + [d]; padding_idx as in nn.Embedding
   // (padding tokens get no gradient). clipped sum -> [V, d].
   m.def("embedding_sq_norms(Tensor ids, Tensor G, int num_embeddings, int? padding_idx=None, "

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -307,29 +308,56 @@ inline void check_scale(const char* op, const at::Tensor& scale, int64_t num_sam
 
 // Kept per-sample gradients grads [B, ...] (float64 / float32) and their factors scale [B] float32
 // on grads' device: per_sample_clipped_sum's and add_per_sample_clipped_sum_'s (`op`) operands.
+// `entry` ("" or "[k]") names the pair's place in a list of them.
 inline void check_per_sample_clipped_sum_args(const char* op, const at::Tensor& grads,
-                                              const at::Tensor& scale) {
-  TORCH_CHECK(grads.dim() >= 1, "dpzero::", op, ": grads must be [B, ...], got a 0-d tensor");
+                                              const at::Tensor& scale,
+                                              const std::string& entry = "") {
+  TORCH_CHECK(grads.dim() >= 1, "dpzero::", op, ": grads", entry,
+              " must be [B, ...], got a 0-d tensor");
   TORCH_CHECK(grads.scalar_type() == at::kDouble || grads.scalar_type() == at::kFloat, "dpzero::",
-              op, ": grads must be float64 or float32, got ", grads.scalar_type());
+              op, ": grads", entry, " must be float64 or float32, got ", grads.scalar_type());
   check_scale(op, scale, grads.size(0), grads);
 }
 
 // dpzero::add_per_sample_clipped_sum_ on any backend: the operands above, and self float32 with
 // prod(grads.shape[1:]) elements (any shape: a parameter's slot) on their device, sharing memory
-// with neither of them.
+// with neither of them. `op` names the call.
 inline void check_add_per_sample_clipped_sum(const at::Tensor& self, const at::Tensor& grads,
-                                             const at::Tensor& scale) {
-  constexpr const char* op = "add_per_sample_clipped_sum_";
-  check_per_sample_clipped_sum_args(op, grads, scale);
+                                             const at::Tensor& scale,
+                                             const char* op = "add_per_sample_clipped_sum_",
+                                             const std::string& entry = "") {
+  check_per_sample_clipped_sum_args(op, grads, scale, entry);
   const int64_t d = c10::multiply_integers(grads.sizes().slice(1));
-  TORCH_CHECK(self.scalar_type() == at::kFloat && self.numel() == d, "dpzero::", op,
-              ": self (the accumulator) must be float32 with ", d, " elements (grads ",
+  TORCH_CHECK(self.scalar_type() == at::kFloat && self.numel() == d, "dpzero::", op, ": self",
+              entry, " (the accumulator) must be float32 with ", d, " elements (grads", entry, " ",
               grads.sizes(), " less the sample dim), got ", self.scalar_type(), " of shape ",
               self.sizes());
   check_same_device(op, "self", self, grads, "grads");
   TORCH_CHECK(sample_products::disjoint(self, grads) && sample_products::disjoint(self, scale),
-              "dpzero::", op, ": self shares memory with grads or scale; add into another tensor");
+              "dpzero::", op, ": self", entry, " shares memory with grads", entry,
+              " or scale; add into another tensor");
+}
+
+// dpzero::_add_per_sample_clipped_sums_: each pair (self[k], grads[k]) as above, under one scale,
+// and no self sharing memory with another self or with another pair's grads (the pairs' adds are
+// independent, so a backend may run them at once and in any order).
+inline void check_add_per_sample_clipped_sums(at::TensorList self, at::TensorList grads,
+                                              const at::Tensor& scale) {
+  constexpr const char* op = "_add_per_sample_clipped_sums_";
+  TORCH_CHECK(self.size() == grads.size(), "dpzero::", op, ": ", self.size(),
+              " accumulators (self) for ", grads.size(), " gradients (grads)");
+  for (size_t k = 0; k < self.size(); ++k) {
+    check_add_per_sample_clipped_sum(self[k], grads[k], scale, op, "[" + std::to_string(k) + "]");
+  }
+  for (size_t k = 0; k < self.size(); ++k) {
+    for (size_t l = 0; l < self.size(); ++l) {
+      if (l == k) continue;
+      TORCH_CHECK(l < k || sample_products::disjoint(self[k], self[l]), "dpzero::", op, ": self[",
+                  k, "] shares memory with self[", l, "]; each pair adds into memory of its own");
+      TORCH_CHECK(sample_products::disjoint(self[k], grads[l]), "dpzero::", op, ": self[", k,
+                  "] shares memory with grads[", l, "]; add into another tensor");
+    }
+  }
 }
 
 // Embedding token ids [B, ...] (int32 / int64) and output gradient [B, ..., d].

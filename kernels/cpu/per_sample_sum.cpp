@@ -1,9 +1,10 @@
 // kernels/cpu/per_sample_sum.cpp — CPU implementation of dpzero::add_per_sample_clipped_sum_
-// (schema in kernels/ops.cpp; the CUDA one is kernels/cuda/per_sample_sum.cu): self[j] +=
-// float32(sum_i c_i grads[i, j]) over the kept samples, in the order of Note [kept sums in chunks]
-// (kernels/per_sample_sum.h), each product and addition rounded once (built with
-// -ffp-contract=off, as the CUDA kernels round explicitly), so both give the same bits. Entries
-// split over the threads; an entry's sum does not depend on the split.
+// and of its list form _add_per_sample_clipped_sums_, pair by pair (schemas in kernels/ops.cpp;
+// the CUDA ones are in kernels/cuda/per_sample_sum.cu): self[j] += float32(sum_i c_i grads[i, j])
+// over the kept samples, in the order of Note [kept sums in chunks] (kernels/per_sample_sum.h),
+// each product and addition rounded once (built with -ffp-contract=off, as the CUDA kernels round
+// explicitly), so both give the same bits. Entries split over the threads; an entry's sum does
+// not depend on the split.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -42,10 +43,9 @@ void add_sums(float* out, const scalar_t* grads, const float* scale, int64_t b, 
   });
 }
 
-at::Tensor& add_per_sample_clipped_sum_cpu_(at::Tensor& self, const at::Tensor& grads,
-                                            const at::Tensor& scale) {
-  check_add_per_sample_clipped_sum(self, grads, scale);
-  const at::Tensor g = grads.contiguous(), s = scale.contiguous();
+// One pair, its arguments checked.
+void add_checked(const at::Tensor& self, const at::Tensor& grads, const at::Tensor& s) {
+  const at::Tensor g = grads.contiguous();
   at::Tensor out = per_sample_sum::accumulator(self);
   const int64_t b = g.size(0), d = out.numel();
   if (g.scalar_type() == at::kDouble) {
@@ -53,13 +53,29 @@ at::Tensor& add_per_sample_clipped_sum_cpu_(at::Tensor& self, const at::Tensor& 
   } else {
     add_sums(out.data_ptr<float>(), g.data_ptr<float>(), s.data_ptr<float>(), b, d);
   }
-  return per_sample_sum::written_back(self, out);
+  at::Tensor target = self;
+  per_sample_sum::written_back(target, out);
+}
+
+at::Tensor& add_per_sample_clipped_sum_cpu_(at::Tensor& self, const at::Tensor& grads,
+                                            const at::Tensor& scale) {
+  check_add_per_sample_clipped_sum(self, grads, scale);
+  add_checked(self, grads, scale.contiguous());
+  return self;
+}
+
+void add_per_sample_clipped_sums_cpu_(at::TensorList self, at::TensorList grads,
+                                      const at::Tensor& scale) {
+  check_add_per_sample_clipped_sums(self, grads, scale);  // every pair before any is written
+  const at::Tensor s = scale.contiguous();
+  for (size_t k = 0; k < self.size(); ++k) add_checked(self[k], grads[k], s);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dpzero, CPU, m) {
   m.impl("add_per_sample_clipped_sum_", &add_per_sample_clipped_sum_cpu_);
+  m.impl("_add_per_sample_clipped_sums_", &add_per_sample_clipped_sums_cpu_);
 }
 
 }  // namespace dpzero::kernels

@@ -344,6 +344,20 @@ inline void add_per_sample_clipped_sum_(at::Tensor& dest, const at::Tensor& grad
   op.call(dest, grads, scale);
 }
 
+// The same for every pair (dests[k], grads[k]) under one scale, in one op
+// (dpzero::_add_per_sample_clipped_sums_: one launch on a GPU up to 32 samples, two above), each
+// dest's bits add_per_sample_clipped_sum_'s. The dests share memory with no other dest and no
+// grads (the op refuses it, naming the pair).
+inline void add_per_sample_clipped_sums_(const std::vector<at::Tensor>& dests,
+                                         const std::vector<at::Tensor>& grads,
+                                         const at::Tensor& scale) {
+  using Signature = void(at::TensorList, at::TensorList, const at::Tensor&);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_add_per_sample_clipped_sums_", "")
+                             .typed<Signature>();
+  op.call(dests, grads, scale);
+}
+
 // Public: per-sample gradients [B, ...] (float64 or float32), scale [B] float32 -> sum_i c_i
 // grads_i ([...] float32, summed in float64): add_per_sample_clipped_sum_ into zeros.
 inline at::Tensor per_sample_clipped_sum(const at::Tensor& grads, const at::Tensor& scale) {

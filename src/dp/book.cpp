@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <tuple>
 #include <utility>
 
@@ -636,6 +637,21 @@ void Book::input_norms(const std::vector<int64_t>& same, bool early) {
   }
 }
 
+// Note [a group's kept rows in one add]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// When a group completes, each of its parts adds its clipped sums into its parameters' slots: the
+// sums formed from A and G (weights) at once, and the kept per-sample rows (biases, norm
+// parameters: a few, each small) through dpzero::_add_per_sample_clipped_sums_, which adds any
+// number of pairs in one op (one launch on a GPU) where one op per parameter took a launch each.
+// So the kept rows of consecutive parts wait and are added together. This changes no bit: each
+// pair's op gives add_per_sample_clipped_sum_'s bits, and float32 additions into one memory
+// location happen in the order they did, because the waiting rows are added first whenever a
+// part writes into a slot one of them waits for (a layer called twice in the step, a parameter
+// tied between layers), and the waiting pairs' slots are distinct (the op refuses memory shared
+// between its pairs, so a premise broken later fails loudly). Adds into different slots commute.
+// A unit's buffer is complete before it is handed over to the engine: the waiting rows are added
+// before any delivered() that hands a unit over, which keeps each unit's reduction starting as
+// early as before.
 void Book::complete(int64_t group) {
   GroupState& gs = group_state_.at(group);
   if (gs.complete) return;
@@ -680,16 +696,37 @@ void Book::complete(int64_t group) {
     factors = mean_scaled_factors(at::ones({*batch_}, dropped_mask_.options().dtype(at::kFloat)),
                                   mean_scale());  // Note [mean loss]
   }
+  // Note [a group's kept rows in one add]: the kept per-sample rows wait in `kept_sums`.
+  KeptSums kept_sums;
+  std::set<std::pair<int64_t, int64_t>> waiting;  // the (unit, offset) slots kept_sums adds into
   for (const int64_t index : parts) {
     Part& part = parts_[index];
-    add_kept_clipped_sums(part, factors);
-    part.kept.reset();  // book-keeping ends here for this part
+    const BookLayer& layer = layers_[part.layer];
+    const bool meets = std::any_of(layer.slots.begin(), layer.slots.end(), [&](const auto& slot) {
+      return slot && waiting.count({slot->unit, slot->offset});
+    });
+    if (meets) {
+      kept_sums.add(factors);
+      waiting.clear();
+    }
+    add_kept_clipped_sums(part, factors, kept_sums);
+    for (size_t p = 0; p < layer.slots.size(); ++p) {
+      const bool kept = p < part.kept->grads.size() && part.kept->grads[p].defined();
+      if (kept && layer.slots[p]) waiting.insert({layer.slots[p]->unit, layer.slots[p]->offset});
+    }
+    part.kept.reset();  // book-keeping ends here for this part (kept_sums holds its rows)
     part.done = true;
-    delivered(layers_[part.layer]);
+    if (hands_over(layer)) {
+      kept_sums.add(factors);
+      waiting.clear();
+    }
+    delivered(layer);
   }
+  kept_sums.add(factors);
 }
 
-void Book::add_kept_clipped_sums(const Part& part, const at::Tensor& factors) {
+void Book::add_kept_clipped_sums(const Part& part, const at::Tensor& factors,
+                                 KeptSums& kept_sums) {
   const BookLayer& layer = layers_[part.layer];
   const Kept& kept = *part.kept;
   const std::vector<at::Tensor> out = dests(layer);
@@ -703,7 +740,7 @@ void Book::add_kept_clipped_sums(const Part& part, const at::Tensor& factors) {
     }
     if (any) layer.ops->add_clipped_sums(kept.a, kept.g, factors, rest, out);
   }
-  add_per_sample_clipped_sums(kept.grads, factors, out);
+  kept_sums.gather(kept.grads, out);
 }
 
 int64_t Book::mean_scale() const {
@@ -759,6 +796,17 @@ void Book::delivered(const BookLayer& layer) {
   for (const auto& slot : layer.slots) {
     if (slot && --unit_expected_[slot->unit] == 0) hand_over(slot->unit);
   }
+}
+
+bool Book::hands_over(const BookLayer& layer) const {
+  std::map<int64_t, int64_t> slots;  // per unit, the contributions delivered() takes from it
+  for (const auto& slot : layer.slots) {
+    if (slot) ++slots[slot->unit];
+  }
+  return std::any_of(slots.begin(), slots.end(), [&](const auto& unit_slots) {
+    const auto expected = unit_expected_.find(unit_slots.first);
+    return expected != unit_expected_.end() && expected->second == unit_slots.second;
+  });
 }
 
 void Book::hand_over(int64_t unit) {

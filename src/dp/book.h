@@ -243,12 +243,16 @@ class Book : public std::enable_shared_from_this<Book> {
   void input_norms(const std::vector<int64_t>& same, bool early);
   // Note [kept inputs stay unwritten]: refuses if part `index`'s kept A or G was written since.
   void check_unwritten(int64_t index) const;
-  void add_kept_clipped_sums(const Part& part, const at::Tensor& factors);
+  // The part's rows summed from A and G added now; its kept per-sample rows gathered in
+  // kept_sums (Note [a group's kept rows in one add]).
+  void add_kept_clipped_sums(const Part& part, const at::Tensor& factors, KeptSums& kept_sums);
   int64_t mean_scale() const;
   void note_factors(const at::Tensor& factors);
   at::Tensor& unit_buffer(int64_t unit);
   std::vector<at::Tensor> dests(const BookLayer& layer);
   void delivered(const BookLayer& layer);
+  // Whether delivered(layer) now would hand a unit over.
+  bool hands_over(const BookLayer& layer) const;
   void hand_over(int64_t unit);
   void release_if_done(const BookLayer& layer);
   void queue_finish();

@@ -255,13 +255,25 @@ void add_into(const at::Tensor& dest, const at::Tensor& sum) {
   at::Tensor(dest).add_(sum.sizes() == dest.sizes() ? sum : sum.view(dest.sizes()));
 }
 
-void add_per_sample_clipped_sums(const std::vector<at::Tensor>& grads, const at::Tensor& scale,
-                                 const std::vector<at::Tensor>& dests) {
+void KeptSums::gather(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& dests) {
   for (size_t p = 0; p < grads.size(); ++p) {
     if (!grads[p].defined()) continue;
-    at::Tensor dest = dests[p];
-    ps::add_per_sample_clipped_sum_(dest, grads[p], scale);
+    dests_.push_back(dests[p]);
+    grads_.push_back(grads[p]);
   }
+}
+
+void KeptSums::add(const at::Tensor& scale) {
+  if (!dests_.empty()) ps::add_per_sample_clipped_sums_(dests_, grads_, scale);
+  dests_.clear();
+  grads_.clear();
+}
+
+void add_per_sample_clipped_sums(const std::vector<at::Tensor>& grads, const at::Tensor& scale,
+                                 const std::vector<at::Tensor>& dests) {
+  KeptSums sums;
+  sums.gather(grads, dests);
+  sums.add(scale);
 }
 
 at::Tensor clip_factors(const at::Tensor& norms, double max_norm, const std::string& mode,

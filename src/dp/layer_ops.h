@@ -106,9 +106,23 @@ std::shared_ptr<LayerOps> conv_ops(Trainable train, std::vector<int64_t> kernel_
 void add_into(const at::Tensor& dest, const at::Tensor& sum);
 
 // Kept per-sample gradients (Kept::grads): dests[p] += Σ_i scale_i grads[p]_i for every defined
-// grads[p] (kernels' per_sample_clipped_sum: a zero or non-finite scale adds nothing).
+// grads[p] (kernels' per_sample_clipped_sum: a zero or non-finite scale adds nothing), in one op.
 void add_per_sample_clipped_sums(const std::vector<at::Tensor>& grads, const at::Tensor& scale,
                                  const std::vector<at::Tensor>& dests);
+
+// The same, gathered from several layers under one scale and added by one op
+// (dpzero::_add_per_sample_clipped_sums_): the dests of the pairs gathered must share no memory.
+class KeptSums {
+ public:
+  // Gathers the pairs (dests[p], grads[p]) whose grads[p] is defined.
+  void gather(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& dests);
+  // Adds every pair gathered under `scale` [B] float32, then holds none.
+  void add(const at::Tensor& scale);
+  bool empty() const { return dests_.empty(); }
+
+ private:
+  std::vector<at::Tensor> dests_, grads_;
+};
 
 // [B] float32 clip factors from [B] float32 certified norms (privacy/clipping.h through the
 // dpzero::clip_factors op): 0 for a non-finite norm, norm * factor <= max_norm.

@@ -29,8 +29,8 @@ import torch  # noqa: E402
 # Operators a private step may add per DP layer beyond the non-private step's (docs/architecture.md,
 # "Launches of a private step"; experiments/device_ops.py writes the counts): the layer's norm
 # kernels and their certification (one _certify each), its share of the group's clip, its clipped
-# sums. The step adds about 4.5 (the embeddings' clipped sums on ATen ops made it about 7).
-PER_LAYER = 6
+# sums (the kept rows of a whole group in one op). The step adds about 3.5.
+PER_LAYER = 4
 # Host reads the optimizer step makes (Note [host reads of a step] in src/dp/private_step.h): one
 # transfer of the check flags and the dropped count.
 STEP_READS = 1

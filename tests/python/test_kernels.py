@@ -684,6 +684,37 @@ def test_per_sample_clipped_sum_drops_nan_rows_and_checks_arguments(device):
 
 
 @device_param
+@pytest.mark.parametrize("b", [5, 70])  # one chunk of samples, and three (Note [kept sums in chunks])
+def test_the_list_of_kept_sums_gives_each_pair_the_single_ops_bits(device, b):
+    # dpzero::_add_per_sample_clipped_sums_ against the single op pair by pair (the same bits),
+    # and the single op against the float64 sum of the kept samples written out here. 53 pairs:
+    # more than one launch holds on a GPU; float64 and float32 rows, an empty pair, a strided self.
+    g = torch.Generator().manual_seed(61)
+    sizes = [(3,), (0,), (2, 5), (300,), (1,), (7, 3)] * 8 + [(1000,)] * 5
+    grads = [torch.randn((b,) + s, generator=g, dtype=torch.float64) * 2 for s in sizes]
+    grads = [x.float() if k % 3 == 1 else x for k, x in enumerate(grads)]
+    grads[3][2, 7] = float("nan")  # a dropped sample's row is never read
+    scale = torch.rand(b, generator=g)
+    scale[2], scale[4] = 0.0, float("inf")
+    starts = [torch.randn(s, generator=g) for s in sizes]
+    wide = torch.zeros(sizes[3][0], 2)
+    selves = [x.clone().to(device) for x in starts]
+    selves[3] = wide.to(device)[:, 0]
+    selves[3].copy_(starts[3].to(device))
+    on = [x.to(device) for x in grads]
+    ops._add_per_sample_clipped_sums_(selves, on, scale.to(device))
+    kept = [i for i in range(b) if i not in (2, 4)]
+    for k, (self, start) in enumerate(zip(selves, starts)):
+        one = start.clone().to(device)
+        ops.add_per_sample_clipped_sum_(one, on[k], scale.to(device))
+        assert torch.equal(self.cpu(), one.cpu()), k
+        want = (scale[kept].double().view(-1, *[1] * len(sizes[k]))
+                * grads[k][kept].double()).sum(0)
+        torch.testing.assert_close(one.cpu().double() - start.double(), want, rtol=1e-6,
+                                   atol=1e-6)
+
+
+@device_param
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d_in,d_out", [(3, 5), (5, 3)], ids=["scale-A", "scale-G"])
 def test_linear_clipped_sum_zeroes_dropped_rows(device, dtype, d_in, d_out):

@@ -67,6 +67,13 @@ CASES = [
      "ops.add_per_sample_clipped_sum_(t(5), t(4, 3, 2), S4)",
      "must be float32 with 6 elements (grads [4, 3, 2] less the sample dim), got Float of shape "
      "[5]"),
+    ("_add_per_sample_clipped_sums_ accumulator",
+     "ops._add_per_sample_clipped_sums_([t(6), t(5)], [t(4, 3, 2), t(4, 3, 2)], S4)",
+     "self[1] (the accumulator) must be float32 with 6 elements (grads[1] [4, 3, 2] less the "
+     "sample dim), got Float of shape [5]"),
+    ("_add_per_sample_clipped_sums_ lengths",
+     "ops._add_per_sample_clipped_sums_([t(6)], [t(4, 6), t(4, 6), t(4, 6)], S4)",
+     "1 accumulators (self) for 3 gradients (grads)"),
     ("embedding_sq_norms shapes", "ops.embedding_sq_norms(ids(4, 5), t(4, 6, 3), 10)",
      "got ids [4, 5] and G [4, 6, 3]"),
     ("embedding_sq_norms padding_idx", "ops.embedding_sq_norms(ids(4, 5), t(4, 5, 3), 10, 12)",
