@@ -647,8 +647,10 @@ void Book::input_norms(const std::vector<int64_t>& same, bool early) {
 // pair's op gives add_per_sample_clipped_sum_'s bits, and float32 additions into one memory
 // location happen in the order they did, because the waiting rows are added first whenever a
 // part writes into a slot one of them waits for (a layer called twice in the step, a parameter
-// tied between layers), and the waiting pairs' slots are distinct (the op refuses memory shared
-// between its pairs, so a premise broken later fails loudly). Adds into different slots commute.
+// tied between layers) and whenever a layer's own kept rows meet in one slot (a parameter it
+// holds twice: KeptSums::gather), so the waiting pairs' slots are distinct (the op refuses memory
+// shared between its pairs, so a premise broken later fails loudly). Adds into different slots
+// commute.
 // A unit's buffer is complete before it is handed over to the engine: the waiting rows are added
 // before any delivered() that hands a unit over, which keeps each unit's reduction starting as
 // early as before.
@@ -697,7 +699,7 @@ void Book::complete(int64_t group) {
                                   mean_scale());  // Note [mean loss]
   }
   // Note [a group's kept rows in one add]: the kept per-sample rows wait in `kept_sums`.
-  KeptSums kept_sums;
+  KeptSums kept_sums(factors);
   std::set<std::pair<int64_t, int64_t>> waiting;  // the (unit, offset) slots kept_sums adds into
   for (const int64_t index : parts) {
     Part& part = parts_[index];
@@ -706,7 +708,7 @@ void Book::complete(int64_t group) {
       return slot && waiting.count({slot->unit, slot->offset});
     });
     if (meets) {
-      kept_sums.add(factors);
+      kept_sums.add();
       waiting.clear();
     }
     add_kept_clipped_sums(part, factors, kept_sums);
@@ -717,12 +719,12 @@ void Book::complete(int64_t group) {
     part.kept.reset();  // book-keeping ends here for this part (kept_sums holds its rows)
     part.done = true;
     if (hands_over(layer)) {
-      kept_sums.add(factors);
+      kept_sums.add();
       waiting.clear();
     }
     delivered(layer);
   }
-  kept_sums.add(factors);
+  kept_sums.add();
 }
 
 void Book::add_kept_clipped_sums(const Part& part, const at::Tensor& factors,

@@ -1,6 +1,7 @@
 // src/dp/layer_ops.cpp — see layer_ops.h.
 #include "src/dp/layer_ops.h"
 
+#include <algorithm>
 #include <limits>
 #include <utility>
 
@@ -256,24 +257,32 @@ void add_into(const at::Tensor& dest, const at::Tensor& sum) {
 }
 
 void KeptSums::gather(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& dests) {
+  size_t first = dests_.size();  // this gather's first pair still waiting
   for (size_t p = 0; p < grads.size(); ++p) {
     if (!grads[p].defined()) continue;
+    const bool meets = std::any_of(dests_.begin() + first, dests_.end(), [&](const auto& dest) {
+      return !kernels::sample_products::disjoint(dest, dests[p]);
+    });
+    if (meets) {  // the earlier pair's sum lands first, as one op per pair added it
+      add();
+      first = 0;
+    }
     dests_.push_back(dests[p]);
     grads_.push_back(grads[p]);
   }
 }
 
-void KeptSums::add(const at::Tensor& scale) {
-  if (!dests_.empty()) ps::add_per_sample_clipped_sums_(dests_, grads_, scale);
+void KeptSums::add() {
+  if (!dests_.empty()) ps::add_per_sample_clipped_sums_(dests_, grads_, scale_);
   dests_.clear();
   grads_.clear();
 }
 
 void add_per_sample_clipped_sums(const std::vector<at::Tensor>& grads, const at::Tensor& scale,
                                  const std::vector<at::Tensor>& dests) {
-  KeptSums sums;
+  KeptSums sums(scale);
   sums.gather(grads, dests);
-  sums.add(scale);
+  sums.add();
 }
 
 at::Tensor clip_factors(const at::Tensor& norms, double max_norm, const std::string& mode,

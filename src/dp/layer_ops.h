@@ -111,16 +111,20 @@ void add_per_sample_clipped_sums(const std::vector<at::Tensor>& grads, const at:
                                  const std::vector<at::Tensor>& dests);
 
 // The same, gathered from several layers under one scale and added by one op
-// (dpzero::_add_per_sample_clipped_sums_): the dests of the pairs gathered must share no memory.
+// (dpzero::_add_per_sample_clipped_sums_), whose pairs may not share memory: a pair whose dest
+// meets another dest of the same gather (a parameter a layer holds twice) has the pairs waiting
+// added first. Dests of different gathers are the caller's to keep apart (Note [a group's kept
+// rows in one add] in book.cpp).
 class KeptSums {
  public:
+  explicit KeptSums(at::Tensor scale) : scale_(std::move(scale)) {}
   // Gathers the pairs (dests[p], grads[p]) whose grads[p] is defined.
   void gather(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& dests);
-  // Adds every pair gathered under `scale` [B] float32, then holds none.
-  void add(const at::Tensor& scale);
-  bool empty() const { return dests_.empty(); }
+  // Adds every pair waiting, under scale [B] float32; then none waits.
+  void add();
 
  private:
+  at::Tensor scale_;
   std::vector<at::Tensor> dests_, grads_;
 };
 
