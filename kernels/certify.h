@@ -96,15 +96,16 @@ DPZERO_HOST_DEVICE float rows_bound(const double* x, int64_t n, double s, double
 }
 
 // A call's rest per sample (dpzero::_certify's rest, or rest_rows with rest_s and rest_coef): a
-// certified float32 value, or a kept row certified by rows_bound; none when both are null.
+// certified float32 value, or a kept row certified by rows_bound; none when neither is given.
 struct Rest {
   const float* value = nullptr;
   const double* rows = nullptr;  // [B, n]
   const double* s = nullptr;     // [B]
   int64_t n = 0;
   double coef = 0.0;
+  bool has_rows = false;  // rows given (null when n = 0: each row's bound is then S's alone)
 
-  DPZERO_HOST_DEVICE bool any() const { return value != nullptr || rows != nullptr; }
+  DPZERO_HOST_DEVICE bool any() const { return value != nullptr || has_rows; }
   DPZERO_HOST_DEVICE float at(int64_t i) const {
     return value != nullptr ? value[i] : rows_bound(rows + i * n, n, s[i], coef);
   }

@@ -78,6 +78,8 @@ inline std::pair<Step, at::Tensor> certify_result(const at::Tensor& value,
                 rest->device(), ", value on ", value.device());
   }
   if (has_rows) {  // certify::rows_bound of each sample's kept row
+    TORCH_CHECK(shape.size() == 1, "dpzero::_certify: rest_rows adds one row per sample to a "
+                "result of shape [B], got value of shape ", value.sizes(), " at step ", step);
     TORCH_CHECK(rest_rows->scalar_type() == at::kDouble && rest_rows->dim() == 2 &&
                     rest_rows->size(0) == shape[0],
                 "dpzero::_certify: rest_rows must be float64 [B, n] with B = ", shape[0],
@@ -91,6 +93,10 @@ inline std::pair<Step, at::Tensor> certify_result(const at::Tensor& value,
                 value.device());
     TORCH_CHECK(std::isfinite(rest_coef) && rest_coef >= 0.0,
                 "dpzero::_certify: rest_coef must be finite and >= 0, got ", rest_coef);
+  } else {
+    TORCH_CHECK((!rest_s.has_value() || !rest_s->defined()) && rest_coef == 0.0,
+                "dpzero::_certify: rest_s and rest_coef go with rest_rows, which was not given "
+                "(rest_coef ", rest_coef, ")");
   }
   return {st, at::empty(shape, value.options().dtype(out_f64 ? at::kDouble : at::kFloat))};
 }
@@ -115,6 +121,7 @@ struct RestOperands {
       rest.s = s.data_ptr<double>();
       rest.n = rows.size(1);
       rest.coef = rest_coef;
+      rest.has_rows = true;  // rows' pointer is null when n = 0
     }
   }
 };

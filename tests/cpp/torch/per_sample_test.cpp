@@ -21,6 +21,7 @@
 
 #include "kernels/per_sample_checks.h"
 #include "kernels/per_sample_ops.h"
+#include "tests/cpp/common/error_message.h"
 #include "tests/cpp/torch/devices.h"
 
 namespace dpzero {
@@ -511,6 +512,39 @@ TEST(PerSampleCertification, EveryStepMatchesItsAtenComposition) {
     EXPECT_THROW(ps::certify_op(on(x), c10::nullopt, 0.0, Step::kRoundUp, false, 0.0,
                                 on(bias_sq), kept),
                  c10::Error) << where;  // one rest or the other
+    // Rows of no entries still add their S's bound (their null data pointer once made the call
+    // drop them); rest_rows needs a result of one value per sample (a [2, 3] value read rows past
+    // the end); rest_s and rest_coef need rest_rows.
+    const at::Tensor empty_rows = at::zeros({64, 0}, at::kDouble);
+    const ps::KeptRest empty_kept{on(empty_rows), on(bias_s.to(at::kDouble)), 3e-9};
+    const at::Tensor empty_sq =
+        ps::certify_op(empty_rows, bias_s.to(at::kDouble), 3e-9, Step::kRows, true);
+    ASSERT_TRUE(empty_sq.gt(0).all().item<bool>());
+    EXPECT_TRUE(same(ps::certify_op(on(x), c10::nullopt, 0.0, Step::kRoundUp, false, 0.0,
+                                    c10::nullopt, empty_kept),
+                     ps::certify_op(on(x), c10::nullopt, 0.0, Step::kRoundUp, false, 0.0,
+                                    on(empty_sq)).cpu()))
+        << where;
+    const ps::KeptRest two_rows{on(at::ones({2, 1}, at::kDouble)), on(at::ones({2, 3},
+                                at::kDouble)), 0.0};
+    const std::string wide = testing::error_message<c10::Error>([&] {
+      ps::certify_op(on(at::ones({2, 3}, at::kDouble)), c10::nullopt, 0.0, Step::kRoundUp, false,
+                     0.0, c10::nullopt, two_rows);
+    });
+    EXPECT_TRUE(testing::contains(wide, "got value of shape [2, 3]")) << wide;
+    using Signature = at::Tensor(const at::Tensor&, const c10::optional<at::Tensor>&, double,
+                                 int64_t, bool, double, const c10::optional<at::Tensor>&,
+                                 const c10::optional<at::Tensor>&,
+                                 const c10::optional<at::Tensor>&, double);
+    const auto certify = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpzero::_certify", "")
+                             .typed<Signature>();
+    const std::string alone = testing::error_message<c10::Error>([&] {
+      certify.call(on(x), c10::nullopt, 0.0, static_cast<int64_t>(Step::kRoundUp), false, 0.0,
+                   c10::nullopt, c10::nullopt, on(s), 0.5);
+    });
+    EXPECT_TRUE(testing::contains(alone, "go with rest_rows, which was not given (rest_coef 0.5)"))
+        << alone;
     // kRows with f32 takes rest as the other steps do (a norm layer's weight, its bias's norm).
     const at::Tensor rows_f32 = run(grads, sums, k, Step::kRows, true);
     const at::Tensor rows_rest = ps::certify_op(on(grads), on(sums), k, Step::kRows, true, 0.0,
