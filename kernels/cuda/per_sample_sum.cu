@@ -5,9 +5,9 @@
 // the bits are the CPU kernel's. The single op is a list of one pair. Up to kPairsPerLaunch pairs
 // share each launch, their blocks laid end to end along x. One launch when the samples make one
 // chunk (B <= 32): a thread per entry adds its chunk's sum into self. Otherwise two: a thread per
-// entry and chunk writes its chunk's sum to a float64 workspace [chunks, d] of its pair, then a
-// thread per entry adds the chunks in order into self. A warp reads 32 consecutive entries of a
-// row.
+// entry and chunk (chunks along grid y, in turn past its limit) writes its chunk's sum to a
+// float64 workspace [chunks, d] of its pair, then a thread per entry adds the chunks in order into
+// self. A warp reads 32 consecutive entries of a row.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -26,6 +26,8 @@ namespace dpzero::kernels {
 namespace {
 
 constexpr int kThreads = 256;
+// Grid y's limit: past it, a block sums chunks blockIdx.y, + gridDim.y, ... in turn.
+constexpr int64_t kMaxGridY = 65535;
 // Pairs per launch: the table below is the kernels' parameter (4 KiB at most), read in place
 // (__grid_constant__: indexing it copies nothing to each thread's local memory).
 constexpr int kPairsPerLaunch = 48;
@@ -66,23 +68,25 @@ __device__ double chunk_sum(const scalar_t* __restrict__ grads, const float* __r
   return part;
 }
 
-// Entry j of a pair, chunk k = blockIdx.y: its kept samples' sum from 0.0, added from 0.0 into
-// self when there is one chunk (`parts` null), else written to parts[k d + j].
+// Entry j of a pair, chunks k = blockIdx.y, + gridDim.y, ...: each chunk's kept samples' sum from
+// 0.0, added from 0.0 into self when there is one chunk (`parts` null), else written to
+// parts[k d + j].
 __global__ void chunk_sums_kernel(const __grid_constant__ Pairs pairs,
-                                  const float* __restrict__ scale, int64_t b) {
+                                  const float* __restrict__ scale, int64_t b, int64_t chunks) {
   const Pair p = pair_of(pairs, blockIdx.x);
   const int64_t j = (blockIdx.x - p.first_block) * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (j >= p.d) return;
-  const int64_t k = blockIdx.y;
-  const int64_t i0 = k * per_sample_sum::kSamplesPerChunk;
-  const int64_t i1 = min(b, i0 + per_sample_sum::kSamplesPerChunk);
-  const double part =
-      p.f64 ? chunk_sum(static_cast<const double*>(p.grads), scale, i0, i1, p.d, j)
-            : chunk_sum(static_cast<const float*>(p.grads), scale, i0, i1, p.d, j);
-  if (p.parts == nullptr) {
-    p.out[j] = __fadd_rn(p.out[j], __double2float_rn(__dadd_rn(0.0, part)));
-  } else {
-    p.parts[k * p.d + j] = part;
+  for (int64_t k = blockIdx.y; k < max(chunks, int64_t{1}); k += gridDim.y) {
+    const int64_t i0 = k * per_sample_sum::kSamplesPerChunk;
+    const int64_t i1 = min(b, i0 + per_sample_sum::kSamplesPerChunk);
+    const double part =
+        p.f64 ? chunk_sum(static_cast<const double*>(p.grads), scale, i0, i1, p.d, j)
+              : chunk_sum(static_cast<const float*>(p.grads), scale, i0, i1, p.d, j);
+    if (p.parts == nullptr) {
+      p.out[j] = __fadd_rn(p.out[j], __double2float_rn(__dadd_rn(0.0, part)));
+    } else {
+      p.parts[k * p.d + j] = part;
+    }
   }
 }
 
@@ -128,8 +132,8 @@ void add_pairs(const char* op, at::TensorList self, at::TensorList grads,
     p.f64 = rows[k].scalar_type() == at::kDouble;
     launch.blocks += (d + kThreads - 1) / kThreads;
     launch.entries += d;
-    TORCH_CHECK(chunks <= 65535 && launch.blocks <= 2147483647, "dpzero::", op, ": ", b,
-                " samples of ", launch.entries, " entries exceed one launch's grid");
+    TORCH_CHECK(launch.blocks <= 2147483647, "dpzero::", op, ": ", launch.entries,
+                " entries exceed one launch's grid");
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for (Launch& launch : launches) {
@@ -143,8 +147,9 @@ void add_pairs(const char* op, at::TensorList self, at::TensorList grads,
       }
     }
     const dim3 grid(static_cast<unsigned>(launch.blocks),
-                    static_cast<unsigned>(std::max<int64_t>(chunks, 1)));
-    chunk_sums_kernel<<<grid, kThreads, 0, stream>>>(launch.pairs, s.data_ptr<float>(), b);
+                    static_cast<unsigned>(std::clamp<int64_t>(chunks, 1, kMaxGridY)));
+    chunk_sums_kernel<<<grid, kThreads, 0, stream>>>(launch.pairs, s.data_ptr<float>(), b,
+                                                      chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (chunks > 1) {
       add_chunks_kernel<<<grid.x, kThreads, 0, stream>>>(launch.pairs, chunks);

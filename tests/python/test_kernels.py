@@ -715,6 +715,27 @@ def test_the_list_of_kept_sums_gives_each_pair_the_single_ops_bits(device, b):
 
 
 @device_param
+def test_kept_sums_past_65535_chunks_give_the_cpus_bits(device):
+    # More chunks of 32 samples than a CUDA grid's y dimension holds (65535): its blocks sum the
+    # chunks past the limit in turn, with the CPU kernel's bits (the op refused B > 2,097,120).
+    b = 65536 * 32 + 5
+    g = torch.Generator().manual_seed(62)
+    grads = [torch.randn(b, 3, generator=g, dtype=torch.float64), torch.randn(b, 1, generator=g)]
+    scale = torch.rand(b, generator=g)
+    scale[::7] = 0.0
+    starts = [torch.randn(3, generator=g), torch.randn(1, generator=g)]
+    want = [x.clone() for x in starts]
+    ops._add_per_sample_clipped_sums_(want, grads, scale)
+    got = [x.clone().to(device) for x in starts]
+    ops._add_per_sample_clipped_sums_(got, [x.to(device) for x in grads], scale.to(device))
+    for k in range(2):
+        assert torch.equal(got[k].cpu(), want[k]), k
+        exact = (scale.double().unsqueeze(1) * grads[k].double()).sum(0)
+        torch.testing.assert_close(want[k].double() - starts[k].double(), exact, rtol=1e-5,
+                                   atol=1e-4)
+
+
+@device_param
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d_in,d_out", [(3, 5), (5, 3)], ids=["scale-A", "scale-G"])
 def test_linear_clipped_sum_zeroes_dropped_rows(device, dtype, d_in, d_out):
