@@ -867,9 +867,10 @@ std::vector<std::vector<bool>> Book::read_checks(const std::vector<at::Tensor>& 
   for (const at::Tensor& c : checks) {
     TORCH_CHECK(c.defined(), "dpzero::dp::Book::read_checks: check ", pieces.size(),
                 " is an undefined tensor");
-    // Nonzero (NaN included) is a failure, whatever the dtype: 0.5 must not read as 0.
+    // Nonzero (NaN included) is a failure, whatever the dtype: 0.5 must not read as 0. Bool
+    // flags go as they are: the cat below promotes them with the int64 count in one launch.
     const at::Tensor flat = c.reshape({-1});
-    pieces.push_back((flat.scalar_type() == at::kBool ? flat : flat.ne(0)).to(at::kLong));
+    pieces.push_back(flat.scalar_type() == at::kBool ? flat : flat.ne(0));
   }
   if (dropped_.defined()) pieces.push_back(dropped_.reshape({1}));
   std::vector<std::vector<int64_t>> values(pieces.size());
@@ -884,7 +885,8 @@ std::vector<std::vector<bool>> Book::read_checks(const std::vector<at::Tensor>& 
     for (const size_t j : same) parts.push_back(pieces[j]);
     // The transfer, which waits for the device (a copy even on the CPU, so that a test that
     // counts operators sees the read: tests/python/test_device_path.py).
-    const at::Tensor host = at::cat(parts).to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    const at::Tensor host =
+        at::cat(parts).to(at::kCPU, at::kLong, /*non_blocking=*/false, /*copy=*/true);
     const int64_t* p = host.data_ptr<int64_t>();
     for (const size_t j : same) {
       values[j].assign(p, p + pieces[j].numel());

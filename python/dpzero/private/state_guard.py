@@ -608,7 +608,7 @@ class StateGuard:
                 parts.append(stacked if earlier is None else stacked | earlier.to(stacked.device))
             if gathered:
                 parts.append(torch.stack(gathered))
-            return [torch.cat(parts)]
+            return [parts[0] if len(parts) == 1 else torch.cat(parts)]
         if earlier is not None:  # one per flag of _flags(); the gathered ones have no history
             flags = [f | p.to(f.device) for f, p in zip(flags, earlier)]
         return flags + gathered
