@@ -13,6 +13,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -340,23 +341,47 @@ inline void check_add_per_sample_clipped_sum(const at::Tensor& self, const at::T
 
 // dpzero::_add_per_sample_clipped_sums_: each pair (self[k], grads[k]) as above, under one scale,
 // and no self sharing memory with another self or with another pair's grads (the pairs' adds are
-// independent, so a backend may run them at once and in any order).
+// independent, so a backend may run them at once and in any order). The pairs' byte spans are
+// sorted and swept once, n log n where comparing every two is quadratic in a group's hundreds of
+// pairs. A span overlapping an earlier one overlaps the span reaching furthest so far; if those
+// two are both grads (which may overlap), the earlier span and the furthest one overlap each
+// other and were compared when the later of them was swept.
 inline void check_add_per_sample_clipped_sums(at::TensorList self, at::TensorList grads,
                                               const at::Tensor& scale) {
   constexpr const char* op = "_add_per_sample_clipped_sums_";
   TORCH_CHECK(self.size() == grads.size(), "dpzero::", op, ": ", self.size(),
               " accumulators (self) for ", grads.size(), " gradients (grads)");
+  struct Span {
+    uintptr_t begin, end;
+    size_t pair;
+    bool self;
+  };
+  std::vector<Span> spans;
+  const auto add_span = [&](const at::Tensor& x, size_t pair, bool is_self) {
+    if (x.numel() == 0) return;
+    int64_t last = 0;
+    for (int64_t d = 0; d < x.dim(); ++d) last += (x.size(d) - 1) * x.stride(d);
+    const auto begin = reinterpret_cast<uintptr_t>(x.const_data_ptr());
+    spans.push_back({begin, begin + static_cast<uintptr_t>((last + 1) * x.element_size()), pair,
+                     is_self});
+  };
   for (size_t k = 0; k < self.size(); ++k) {
     check_add_per_sample_clipped_sum(self[k], grads[k], scale, op, "[" + std::to_string(k) + "]");
+    add_span(self[k], k, true);
+    add_span(grads[k], k, false);
   }
-  for (size_t k = 0; k < self.size(); ++k) {
-    for (size_t l = 0; l < self.size(); ++l) {
-      if (l == k) continue;
-      TORCH_CHECK(l < k || sample_products::disjoint(self[k], self[l]), "dpzero::", op, ": self[",
-                  k, "] shares memory with self[", l, "]; each pair adds into memory of its own");
-      TORCH_CHECK(sample_products::disjoint(self[k], grads[l]), "dpzero::", op, ": self[", k,
-                  "] shares memory with grads[", l, "]; add into another tensor");
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& x, const Span& y) { return x.begin < y.begin; });
+  const Span* furthest = nullptr;
+  for (const Span& span : spans) {
+    if (furthest != nullptr && span.begin < furthest->end && (span.self || furthest->self)) {
+      const Span& a = furthest->self ? *furthest : span;
+      const Span& b = furthest->self ? span : *furthest;
+      TORCH_CHECK(false, "dpzero::", op, ": self[", a.pair, "] shares memory with ",
+                  b.self ? "self[" : "grads[", b.pair, "]; ",
+                  b.self ? "each pair adds into memory of its own" : "add into another tensor");
     }
+    if (furthest == nullptr || span.end > furthest->end) furthest = &span;
   }
 }
 

@@ -1,7 +1,6 @@
 // src/zero/storage_access.cpp — Note [views kept across a reshard] (storage_access.h).
 #include "src/zero/storage_access.h"
 
-#include <type_traits>
 #include <utility>
 
 namespace dpzero::zero::storage_access {
@@ -34,10 +33,6 @@ void give_memory(c10::StorageImpl& storage, at::DataPtr&& data, size_t nbytes) {
   storage.*member(RefuseFlag{}) = false;
   storage.set_data_ptr_noswap(std::move(data));  // recomputes the cached check from the flags
   storage.set_nbytes(nbytes);
-}
-
-bool refuses_access(const c10::StorageImpl& storage) {
-  return storage.*member(RefuseFlag{});
 }
 
 }  // namespace dpzero::zero::storage_access

@@ -38,7 +38,4 @@ void take_memory(c10::StorageImpl& storage, const std::string& message);
 // Gives `storage` the memory `data` of `nbytes` bytes and accepts data accesses again.
 void give_memory(c10::StorageImpl& storage, at::DataPtr&& data, size_t nbytes);
 
-// Whether a data access of `storage` raises (what take_memory set and give_memory cleared).
-bool refuses_access(const c10::StorageImpl& storage);
-
 }  // namespace dpzero::zero::storage_access

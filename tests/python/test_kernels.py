@@ -714,6 +714,55 @@ def test_the_list_of_kept_sums_gives_each_pair_the_single_ops_bits(device, b):
                                    atol=1e-6)
 
 
+def test_the_list_of_kept_sums_refuses_exactly_the_pairs_that_share_memory():
+    # Its one sweep over sorted byte spans against every two tensors compared here: a self may
+    # share memory with no other self and no grads; grads may share memory with grads.
+    g = torch.Generator().manual_seed(63)
+    buf = torch.zeros(200)
+
+    def span(x):
+        first = x.storage_offset()
+        last = first + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+        return first, last + 1
+
+    def meet(x, y):
+        if x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
+            return False
+        (a0, a1), (b0, b1) = span(x), span(y)
+        return a0 < b1 and b0 < a1
+
+    def piece(n):  # [n] or a [3, n] view of buf, contiguous or every other row of a wider one
+        start = int(torch.randint(0, 200 - 6 * n, (1,), generator=g))
+        if n == 0:
+            return buf[start:start]
+        return buf[start:start + 6 * n].view(6, n)[::2] if torch.rand(1, generator=g) < 0.5 \
+            else buf[start:start + 3 * n].view(3, n)
+
+    refused = 0
+    for _ in range(300):
+        k = int(torch.randint(2, 6, (1,), generator=g))
+        sizes = [int(torch.randint(1, 9, (1,), generator=g)) for _ in range(k)]
+        grads = [piece(n) for n in sizes]
+        selves = [piece(n)[0].clone() if torch.rand(1, generator=g) < 0.5 else piece(n)[0]
+                  for n in sizes]
+        clash = any(meet(selves[i], selves[j]) for i in range(k) for j in range(i + 1, k)) or \
+            any(meet(selves[i], grads[j]) for i in range(k) for j in range(k))
+        try:
+            ops._add_per_sample_clipped_sums_(selves, grads, torch.ones(3))
+        except RuntimeError as e:
+            assert clash and "shares memory with" in str(e), str(e)
+            refused += 1
+        else:
+            assert not clash
+    assert 30 < refused < 270  # both outcomes drawn often
+    # A self inside a long grads span that a shorter grads span begins in first: only the span
+    # reaching furthest, not the one sorted just before, meets it.
+    selves = [torch.zeros(30), buf[60:62]]
+    grads = [buf[0:90].view(3, 30), buf[10:16].view(3, 2)]
+    with pytest.raises(RuntimeError, match=r"self\[1\] shares memory with grads\[0\]"):
+        ops._add_per_sample_clipped_sums_(selves, grads, torch.ones(3))
+
+
 @device_param
 def test_kept_sums_past_65535_chunks_give_the_cpus_bits(device):
     # More chunks of 32 samples than a CUDA grid's y dimension holds (65535): its blocks sum the
